@@ -1,0 +1,2 @@
+// placeholder; the CLI is written next.
+int main() { return 0; }

@@ -1,0 +1,93 @@
+// The job spec: typed sections, each field with a default and a meaning.
+// Parsed from YAML (core/config/job_spec.cpp) with --set overrides; the
+// field table there is the single source of truth for names, defaults,
+// ranges and docs (docs/job-spec.md is checked against it by a test).
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace trainrun {
+
+struct ModelSpec {
+  std::string arch = "gpt2";   // only gpt2 for now
+  int n_layer = 4;             // L, transformer blocks
+  int n_head = 4;              // NH, attention heads; n_embd % n_head == 0
+  int n_embd = 128;            // C, residual width
+  int vocab_size = 256;        // V; 256 = byte-level
+  int seq_len = 128;           // T, context length (also the position table size)
+  double init_std = 0.02;      // std of the normal init; residual projections get init_std/sqrt(2L)
+};
+
+struct SyntheticSpec {
+  int vocab = 0;               // tokens in the Markov chain; 0 = model.vocab_size
+  int branching = 4;           // successors per state with non-zero probability
+  double concentration = 1.0;  // Dirichlet-like spread of the successor weights
+  uint64_t seed = 1234;        // seed of the chain (not of training)
+};
+
+struct DataSpec {
+  std::string format = "llmc";       // llmc | raw_uint16 | raw_uint32 | synthetic
+  std::string train;                  // path or glob of training shards (not for synthetic)
+  std::string val;                    // path or glob of validation shards; empty = no eval
+  SyntheticSpec synthetic;
+};
+
+struct TrainSpec {
+  int64_t global_batch_tokens = 0;   // tokens per optimizer step; 0 = use global_batch_size
+  int global_batch_size = 8;         // sequences per optimizer step (if global_batch_tokens == 0)
+  int micro_batch_size = 8;          // sequences per forward/backward per rank
+  int max_steps = 100;
+  double lr = 1e-3;                   // peak learning rate
+  double min_lr = 1e-4;               // floor of the decay
+  int warmup_steps = 10;
+  std::string schedule = "cosine";    // cosine | linear | constant
+  double weight_decay = 0.1;          // AdamW decoupled decay (not on biases / LayerNorm)
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double grad_clip = 1.0;             // global L2 norm clip; 0 = off
+  uint64_t seed = 42;                 // init + sampling seed
+  int eval_interval = 50;             // steps between evals; 0 = only at the end
+  int eval_steps = 4;                 // batches per eval
+  int log_interval = 10;              // steps between log lines / metrics.jsonl records
+  std::string activation_checkpointing = "none";  // none | blocks
+
+  // Derived by validate(): sequences per step and accumulation steps for a world size.
+  int derived_global_batch_size() const;
+};
+
+struct OutputSpec {
+  std::string dir = "runs/default";   // run directory: metrics.jsonl, job.resolved.yaml, model.safetensors
+  int sample_tokens = 200;             // tokens sampled at the end of the run (0 = none)
+  std::string sample_prompt = "\n";
+};
+
+struct ParallelSpec {
+  int nproc_per_node = 0;              // 0 = number of visible GPUs, else 1
+  std::string sharding = "full_shard"; // no_shard | shard_grad_op | full_shard | hybrid_shard
+  int shard_group_size = 0;            // hybrid_shard group size; 0 = ranks per node
+  double timeout_s = 300;              // every collective / rendezvous wait
+};
+
+struct JobSpec {
+  ModelSpec model;
+  DataSpec data;
+  TrainSpec train;
+  OutputSpec output;
+  ParallelSpec parallel;
+  std::string backend = "auto";        // auto | cpu | cuda
+  std::string source = "<defaults>";   // where it came from (file path), for messages
+};
+
+// Load a job spec from a YAML file, apply "--set a.b=value" overrides, fill
+// defaults and validate every field and cross-field rule. Throws
+// trainrun::Error naming the dotted key and file:line:column.
+JobSpec load_job_spec(const std::string& path, const std::vector<std::string>& overrides = {});
+// Same, from YAML text (for tests); `name` is used in messages instead of a path.
+JobSpec parse_job_spec(const std::string& yaml_text, const std::string& name,
+                       const std::vector<std::string>& overrides = {});
+// The fully resolved spec as YAML (every field, defaults filled in).
+std::string job_spec_to_yaml(const JobSpec& spec);
+
+}  // namespace trainrun

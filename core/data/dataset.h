@@ -1,0 +1,68 @@
+// Token sources and the global sample cursor.
+//
+// A dataset is one virtual stream of tokens (the concatenation of all shards
+// in sorted path order). Sample s is the window of T+1 tokens starting at
+// token s*T: inputs are the first T, targets the last T. A global batch is
+// `global_batch_size` consecutive samples starting at the cursor; rank r of
+// W reading micro-batch m of M takes samples [cursor + (m*W + r)*B, +B).
+// The cursor (a sample index, wrapping at the end of an epoch) is the only
+// data state a checkpoint needs to store.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/config/job_spec.h"
+
+namespace trainrun {
+
+class TokenSource {
+ public:
+  virtual ~TokenSource() = default;
+  // Number of distinct samples of length T+1 (stride T) in one epoch.
+  virtual int64_t num_samples(int T) const = 0;
+  // Write B samples starting at global sample index `first` (wrapping modulo
+  // num_samples) into inputs (B*T) and targets (B*T) as int32 token ids.
+  virtual void read_samples(int64_t first, int B, int T, int32_t* inputs, int32_t* targets) const = 0;
+  // Largest token id + 1 this source can produce (checked against vocab).
+  virtual int vocab_bound() const = 0;
+  // Human-readable description for the log ("3 llm.c shards, 1.2M tokens").
+  virtual std::string describe() const = 0;
+  // Exact entropy rate in nats/token if known (synthetic sources), else < 0.
+  virtual double entropy_floor() const { return -1.0; }
+};
+
+// Memory-mapped token files. `pattern` is a path or a glob; `format` is
+// llmc | raw_uint16 | raw_uint32. `key` (e.g. "data.train") is named in errors.
+// Checks headers, sizes and (unless vocab_size <= 0) that every token id is < vocab_size.
+std::unique_ptr<TokenSource> open_token_files(const std::string& pattern, const std::string& format,
+                                              int vocab_size, const std::string& key);
+
+// Seeded random first-order Markov chain over V tokens. Each sample starts
+// from a state drawn from the stationary distribution, so every target token
+// has conditional entropy exactly H (the entropy rate), reported by entropy_floor().
+// `split` (0 train, 1 val) selects an independent sample stream.
+std::unique_ptr<TokenSource> make_synthetic_source(const SyntheticSpec& spec, int vocab_size, int split);
+
+// Build the train / val sources of a job (val may be null when data.val is empty
+// and the format is not synthetic).
+std::unique_ptr<TokenSource> open_train_source(const JobSpec& job);
+std::unique_ptr<TokenSource> open_val_source(const JobSpec& job);
+
+// `trainrun prepare`: byte-level tokenisation (vocab 256) of text files into
+// llm.c shards (magic 20240520, version 1, uint16) `train_000000.bin`... and
+// `val_000000.bin` in out_dir. The last val_fraction of each input's bytes go
+// to val. Returns a one-line summary.
+struct PrepareOptions {
+  std::vector<std::string> inputs;
+  std::string output_dir;
+  double val_fraction = 0.01;
+  int64_t shard_tokens = 100'000'000;  // tokens per shard file
+};
+std::string prepare_byte_shards(const PrepareOptions& opts);
+
+// Write an llm.c shard (used by prepare and by tests). version 1 = uint16, 7 = uint32.
+void write_llmc_shard(const std::string& path, const std::vector<uint32_t>& tokens, int version);
+
+}  // namespace trainrun

@@ -1,0 +1,156 @@
+// Backend: the one interface between the model/optimizer/sharding code in
+// core/ and parallel/ and the device that runs the math.
+//
+// The contract (shaped by the GPU, implemented first on the CPU):
+//  - Memory returned by alloc() is device memory. core/ never dereferences
+//    it; it only does pointer arithmetic and passes pointers to ops or to
+//    explicit copies (copy_to_device / copy_to_host).
+//  - Parameters and activations are in the backend's activation dtype
+//    (act_dtype(): fp32 on the CPU, bf16 on CUDA), passed as void*.
+//    Master weights, AdamW moments, gradients, LayerNorm statistics and
+//    losses are always fp32.
+//  - Ops are enqueued in order on the backend's compute stream; the CPU
+//    backend runs them synchronously. synchronize() waits for all of them.
+//  - Gradient semantics (why: lets backward avoid zeroing activation grads):
+//      * every parameter gradient accumulates (+=), so gradient accumulation
+//        over micro-batches needs no extra buffers;
+//      * matmul_backward and attention_backward overwrite their input grads;
+//      * layernorm_backward and encoder_backward accumulate into theirs,
+//        because the residual stream's gradient is the sum of two paths.
+// Dimension letters: B batch, T time, C channels, NH heads, HS = C/NH,
+// V vocab, N = B*T rows, OC output channels.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace trainrun {
+
+enum class DType { F32, BF16 };
+inline size_t dtype_size(DType d) { return d == DType::F32 ? 4 : 2; }
+inline const char* dtype_name(DType d) { return d == DType::F32 ? "fp32" : "bf16"; }
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string name() const = 0;  // "cpu", "cuda:0"
+  virtual DType act_dtype() const = 0;
+
+  // ---- memory -------------------------------------------------------------
+  virtual void* alloc(size_t bytes) = 0;  // zero-initialised, 64-byte aligned
+  virtual void free(void* p) = 0;
+  virtual void copy_to_device(void* dst, const void* host_src, size_t bytes) = 0;
+  virtual void copy_to_host(void* host_dst, const void* src, size_t bytes) = 0;
+  virtual void copy_device(void* dst, const void* src, size_t bytes) = 0;
+  virtual void zero(void* p, size_t bytes) = 0;
+  virtual void synchronize() = 0;
+  // Peak and current bytes allocated through alloc().
+  virtual size_t bytes_in_use() const = 0;
+  virtual size_t peak_bytes() const = 0;
+  virtual void reset_peak() = 0;
+
+  // ---- conversions (master fp32 <-> act dtype) ----------------------------
+  // dst (act dtype, n) = src (fp32, n). On fp32 backends with dst == src, a no-op.
+  virtual void cast_from_f32(void* dst, const float* src, int64_t n) = 0;
+  virtual void cast_to_f32(float* dst, const void* src, int64_t n) = 0;
+
+  // ---- embedding: out(B,T,C) = wte[tokens] + wpe[t] -----------------------
+  virtual void encoder_forward(void* out, const int32_t* tokens, const void* wte, const void* wpe,
+                               int B, int T, int C) = 0;
+  // dwte(V,C) += scatter(dout), dwpe(T,C) += sum_b dout. Deterministic.
+  virtual void encoder_backward(float* dwte, float* dwpe, const void* dout, const int32_t* tokens,
+                                int B, int T, int C) = 0;
+
+  // ---- LayerNorm over the last dim: out = (x-mean)*rstd*w + b, eps 1e-5 -----
+  virtual void layernorm_forward(void* out, float* mean, float* rstd, const void* inp,
+                                 const void* weight, const void* bias, int N, int C) = 0;
+  // dinp += .., dweight += .., dbias += ..
+  virtual void layernorm_backward(void* dinp, float* dweight, float* dbias, const void* dout,
+                                  const void* inp, const void* weight, const float* mean,
+                                  const float* rstd, int N, int C) = 0;
+
+  // ---- linear: out(N,OC) = inp(N,C) @ weight(OC,C)^T + bias(OC) -----------
+  // bias may be null. weight row-major (OC,C), as torch.nn.Linear.
+  virtual void matmul_forward(void* out, const void* inp, const void* weight, const void* bias,
+                              int N, int C, int OC) = 0;
+  // dinp(N,C) = dout @ weight (overwritten; skipped when null),
+  // dweight(OC,C) += dout^T @ inp, dbias(OC) += sum_n dout (skipped when null).
+  virtual void matmul_backward(void* dinp, float* dweight, float* dbias, const void* dout,
+                               const void* inp, const void* weight, int N, int C, int OC) = 0;
+
+  // ---- causal self-attention ------------------------------------------------
+  // qkv(B,T,3C) holds q|k|v, each split into NH heads of HS; out(B,T,C).
+  // `saved` is backend-private state for backward, attention_saved_floats() long
+  // (the CPU keeps the (B,NH,T,T) probabilities; a flash kernel keeps (B,NH,T) log-sum-exp).
+  virtual size_t attention_saved_floats(int B, int T, int NH) const = 0;
+  virtual void attention_forward(void* out, float* saved, const void* qkv, int B, int T, int C,
+                                 int NH) = 0;
+  // dqkv(B,T,3C) overwritten.
+  virtual void attention_backward(void* dqkv, const void* dout, const void* qkv,
+                                  const float* saved, int B, int T, int C, int NH) = 0;
+
+  // ---- GELU (tanh approximation), elementwise ------------------------------
+  virtual void gelu_forward(void* out, const void* inp, int64_t n) = 0;
+  // dinp = gelu'(inp) * dout (overwritten; dinp may alias dout).
+  virtual void gelu_backward(void* dinp, const void* inp, const void* dout, int64_t n) = 0;
+
+  // ---- residual: out = a + b ------------------------------------------------
+  virtual void residual_forward(void* out, const void* a, const void* b, int64_t n) = 0;
+
+  // ---- fused softmax + cross-entropy over logits(N,V) ----------------------
+  // losses(N) = -log softmax(logits)[target]. When dlogits is non-null it
+  // receives dloss_scale * (softmax - onehot(target)) (may alias logits, which
+  // is then overwritten). Targets < 0 are ignored (loss 0, grad 0).
+  virtual void softmax_cross_entropy(float* losses, void* dlogits, const void* logits,
+                                     const int32_t* targets, int N, int V, float dloss_scale) = 0;
+
+  // ---- optimizer --------------------------------------------------------------
+  // out[0] += sum(x^2) over n fp32 values (for the global grad norm).
+  virtual void sum_squares(float* out, const float* x, int64_t n) = 0;
+  virtual void scale(float* x, float s, int64_t n) = 0;
+  // Fused AdamW on one contiguous range. grad is multiplied by grad_scale
+  // (clipping) first. master/m/v fp32; param (act dtype) receives the
+  // updated weights (may alias master on fp32 backends). `step` is 1-based
+  // for bias correction. weight_decay is decoupled: w -= lr*wd*w.
+  virtual void adamw_update(float* master, void* param, const float* grad, float* m, float* v,
+                            int64_t n, float lr, float beta1, float beta2, float eps,
+                            float weight_decay, int step, float grad_scale) = 0;
+};
+
+// The CPU backend (fp32, OpenBLAS + OpenMP). `threads` <= 0: OpenMP's default.
+std::unique_ptr<Backend> make_cpu_backend(int threads = 0);
+
+// RAII owner of one device allocation.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(Backend* be, size_t bytes) : be_(be), bytes_(bytes), p_(bytes ? be->alloc(bytes) : nullptr) {}
+  ~DeviceBuffer() { reset(); }
+  DeviceBuffer(DeviceBuffer&& o) noexcept { *this = std::move(o); }
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+    if (this != &o) {
+      reset();
+      be_ = o.be_; bytes_ = o.bytes_; p_ = o.p_;
+      o.p_ = nullptr; o.bytes_ = 0;
+    }
+    return *this;
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  void reset() {
+    if (p_) be_->free(p_);
+    p_ = nullptr;
+    bytes_ = 0;
+  }
+  void* get() const { return p_; }
+  template <typename T> T* as() const { return static_cast<T*>(p_); }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  Backend* be_ = nullptr;
+  size_t bytes_ = 0;
+  void* p_ = nullptr;
+};
+
+}  // namespace trainrun

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Idempotent install of everything trainrun needs on Debian 12 (bookworm).
+#   scripts/install-deps.sh          build + runtime dependencies
+#   scripts/install-deps.sh --test   also the test peers (PyTorch, fortunes, safetensors venv)
+# Safe to run again: apt-get skips what is installed, the venv is reused.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+WITH_TEST=0
+for a in "$@"; do
+  case "$a" in
+    --test) WITH_TEST=1 ;;
+    *) echo "install-deps.sh: unknown option '$a' (use --test)" >&2; exit 2 ;;
+  esac
+done
+
+SUDO=""
+if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
+
+PKGS=(build-essential cmake ninja-build ccache pkg-config git
+      libcli11-dev libyaml-cpp-dev nlohmann-json3-dev catch2
+      libopenblas-dev libgloo-dev libxxhash-dev
+      fortunes fortunes-min iproute2 procps)
+if [ "$WITH_TEST" = 1 ]; then
+  PKGS+=(python3 python3-venv python3-numpy python3-torch)
+fi
+
+missing=()
+for p in "${PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+  echo "install-deps: installing ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+if [ "$WITH_TEST" = 1 ]; then
+  # Test peers that Debian does not package: safetensors (reads what we write).
+  # --system-site-packages so the venv sees Debian's torch and numpy.
+  VENV=.venv
+  if [ ! -x "$VENV/bin/python" ]; then
+    /usr/bin/python3 -m venv --system-site-packages "$VENV"
+  fi
+  if ! "$VENV/bin/python" -c "import safetensors" 2>/dev/null; then
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check "safetensors==0.4.5"
+  fi
+fi

@@ -1,0 +1,36 @@
+// Shared helpers for the Catch2 tests: temp dirs, running the trainrun binary.
+#pragma once
+#include <string>
+
+namespace trainrun::test {
+
+// A fresh empty directory under $TMPDIR (or /tmp), removed at destruction
+// unless TRAINRUN_KEEP_TEST_DIRS is set.
+class TempDir {
+ public:
+  explicit TempDir(const std::string& tag = "t");
+  ~TempDir();
+  const std::string& path() const { return path_; }
+  std::string operator/(const std::string& rel) const { return path_ + "/" + rel; }
+ private:
+  std::string path_;
+};
+
+struct RunResult {
+  int exit_code = -1;      // exit status, or 128+signal
+  std::string out;         // stdout
+  std::string err;         // stderr
+};
+
+// Run a shell command line (through /bin/sh -c), capturing stdout and stderr.
+RunResult run_command(const std::string& cmdline);
+// Run the trainrun binary with the given argument string (shell syntax).
+RunResult run_trainrun(const std::string& args);
+std::string trainrun_binary();
+std::string source_dir();
+
+void write_file(const std::string& path, const std::string& content);
+std::string read_file(const std::string& path);
+bool file_exists(const std::string& path);
+
+}  // namespace trainrun::test
