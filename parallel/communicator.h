@@ -1,0 +1,56 @@
+// Communicator: the collectives the sharded trainer needs. Buffers are in the
+// backend's memory (host memory for the CPU backend / Gloo; device memory for
+// NCCL). Every call has a timeout; on expiry or a dead peer it throws
+// trainrun::Error naming the operation, the current step (set_step) and the
+// peer when known, e.g. "all_gather (step 12, rank 1 of 4): timed out after
+// 30 s waiting for rank 2".
+#pragma once
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "parallel/store.h"
+
+namespace trainrun {
+
+enum class ReduceOp { Sum, Avg, Max };
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+  virtual std::string name() const = 0;  // "gloo", "nccl"
+  // In place, fp32.
+  virtual void all_reduce(float* buf, int64_t count, ReduceOp op) = 0;
+  // in: world_size * count_per_rank fp32 values (the full vector, rank r's
+  // slice at offset r*count_per_rank); out: count_per_rank values, the
+  // reduction of rank r's slice across all ranks. Works for any world size.
+  virtual void reduce_scatter(float* out, const float* in, int64_t count_per_rank, ReduceOp op) = 0;
+  // in: bytes_per_rank; out: world_size * bytes_per_rank, rank r's at r*bytes_per_rank.
+  // `in` may alias out + rank*bytes_per_rank (in-place all-gather).
+  virtual void all_gather(void* out, const void* in, size_t bytes_per_rank) = 0;
+  virtual void broadcast(void* buf, size_t bytes, int root) = 0;
+  virtual void barrier() = 0;
+  // For error messages: the training step in progress.
+  void set_step(int64_t step) { step_ = step; }
+  int64_t step() const { return step_; }
+
+ protected:
+  int64_t step_ = -1;
+};
+
+// Gloo over TCP. Bootstraps through `store` under `prefix` (so several
+// communicators, e.g. hybrid_shard's two groups, can share one store).
+// `ranks` lists the global ranks of the group (empty = 0..world-1); `rank` and
+// `world` are the caller's position within the group. `host` is the address
+// the transport binds (e.g. "127.0.0.1").
+std::unique_ptr<Communicator> make_gloo_communicator(Store& store, const std::string& prefix, int rank,
+                                                     int world, const std::string& host,
+                                                     std::chrono::milliseconds timeout);
+
+// A single-rank communicator (every op is a copy or a no-op).
+std::unique_ptr<Communicator> make_single_communicator();
+
+}  // namespace trainrun
