@@ -9,9 +9,19 @@
 #include <string>
 #include <vector>
 
+#include "core/common/error.h"
+
 namespace trainrun {
 
 using Millis = std::chrono::milliseconds;
+
+// Thrown by get/wait when the store answered "not there yet" at the deadline
+// (as opposed to a lost connection, which is a plain Error). Lets callers such
+// as wait_for_ranks turn a timeout into a better message.
+class StoreTimeoutError : public Error {
+ public:
+  using Error::Error;
+};
 
 class Store {
  public:

@@ -19,7 +19,7 @@ if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
 
 PKGS=(build-essential cmake ninja-build ccache pkg-config git
       libcli11-dev libyaml-cpp-dev nlohmann-json3-dev catch2
-      libopenblas-dev libgloo-dev libxxhash-dev
+      libopenblas-dev libopenblas-openmp-dev libgloo-dev libxxhash-dev
       fortunes fortunes-min iproute2 procps)
 if [ "$WITH_TEST" = 1 ]; then
   PKGS+=(python3 python3-venv python3-numpy python3-torch)

@@ -31,7 +31,14 @@ class TokenSource {
   virtual std::string describe() const = 0;
   // Exact entropy rate in nats/token if known (synthetic sources), else < 0.
   virtual double entropy_floor() const { return -1.0; }
+  // Tokens in one epoch of the stream, or -1 when unbounded (synthetic).
+  virtual int64_t num_tokens() const { return -1; }
 };
+
+// Fails with "<key>: <describe()> holds N tokens, fewer than model.seq_len + 1
+// = T+1 ..." when the source cannot yield one sample of seq_len + 1 tokens
+// (i.e. num_samples(seq_len) == 0). open_train_source / open_val_source call it.
+void check_source_length(const TokenSource& src, int seq_len, const std::string& key);
 
 // Memory-mapped token files. `pattern` is a path or a glob; `format` is
 // llmc | raw_uint16 | raw_uint32. `key` (e.g. "data.train") is named in errors.

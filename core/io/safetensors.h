@@ -3,6 +3,7 @@
 // "__metadata__": {str: str}}, then the raw little-endian data). Offsets are
 // relative to the end of the header; we pad the header with spaces to 8 bytes.
 #pragma once
+#include <cstddef>
 #include <cstdint>
 #include <map>
 #include <string>
@@ -16,6 +17,8 @@ struct SafeTensor {
   std::vector<int64_t> shape;
   std::vector<uint8_t> data;        // raw little-endian bytes
   std::vector<float> as_f32() const;  // F32 only (BF16 widened)
+  // (as_f32 also widens F16 and narrows F64; any other dtype throws Error.)
+  int64_t numel() const;             // product of shape (1 for a scalar [])
 };
 
 struct SafeTensorFile {
@@ -29,6 +32,14 @@ void write_safetensors(const std::string& path, const SafeTensorFile& file);
 // Validates the header (length, JSON, dtypes, offsets within the file, no
 // overlaps) and throws Error naming the path and the problem.
 SafeTensorFile read_safetensors(const std::string& path);
+
+// Bytes per element of a safetensors dtype name (F32, F16, BF16, F64, I64,
+// I32, I16, I8, U8, U16, U32, BOOL); 0 when the name is not supported.
+size_t safetensors_dtype_size(const std::string& dtype);
+
+// Any supported dtype: copies numel(shape) * dtype size bytes from data.
+SafeTensor make_tensor(const std::string& name, const std::string& dtype,
+                       std::vector<int64_t> shape, const void* data);
 
 // Convenience for fp32 tensors.
 SafeTensor make_f32_tensor(const std::string& name, std::vector<int64_t> shape, const float* data);

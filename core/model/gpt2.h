@@ -52,3 +52,108 @@ struct ParamLayout {
 ParamLayout make_gpt2_layout(const GPT2Config& cfg);
 
 }  // namespace trainrun
+
+#include "kernels/backend.h"
+
+namespace trainrun {
+
+// How the model reaches its parameters and gradients, one unit at a time.
+// The model calls acquire/release around every use of a unit's parameters
+// and grads_done once a unit's gradient is complete, in this order:
+//   forward:  acquire(0) ... acquire(1+l)/release(1+l) ... acquire(L+1), acquire(0) for the tied head
+//   backward: head, blocks L-1..0, embeddings; grads_done(u) after each.
+// Without sharding this is pointer arithmetic into one flat buffer; the
+// sharding layer (parallel/) implements it with all-gather / reduce-scatter.
+class UnitAccess {
+ public:
+  virtual ~UnitAccess() = default;
+  // Parameters of the unit (act dtype, the unit's numel), valid until release.
+  virtual const void* acquire_params(int unit) = 0;
+  virtual void release_params(int unit) = 0;
+  // fp32 gradient of the unit (accumulated with +=).
+  virtual float* unit_grads(int unit) = 0;
+  virtual void grads_done(int unit) = 0;
+};
+
+// Flat, unsharded access: params and grads are whole-model buffers.
+class FlatUnitAccess final : public UnitAccess {
+ public:
+  FlatUnitAccess(const ParamLayout& layout, void* params, float* grads, DType dtype)
+      : layout_(layout), params_(static_cast<char*>(params)), grads_(grads), esize_(dtype_size(dtype)) {}
+  const void* acquire_params(int unit) override { return params_ + layout_.units[unit].offset * esize_; }
+  void release_params(int) override {}
+  float* unit_grads(int unit) override { return grads_ + layout_.units[unit].offset; }
+  void grads_done(int) override {}
+
+ private:
+  const ParamLayout& layout_;
+  char* params_;
+  float* grads_;
+  size_t esize_;
+};
+
+// Deterministic, counter-based GPT-2 init: element i of the flat buffer is a
+// function of (seed, i) only, so any shard can initialise its own slice and
+// every world size starts from the same weights. Writes [begin, end) of the
+// flat parameter vector into host memory `out` (end-begin floats).
+void gpt2_init_params(const GPT2Config& cfg, const ParamLayout& layout, uint64_t seed, int64_t begin,
+                      int64_t end, float* out);
+
+// Forward/backward of GPT-2 over a Backend. Owns the activation buffers for
+// up to (maxB, T) tokens; parameters are reached through UnitAccess.
+class GPT2 {
+ public:
+  GPT2(const GPT2Config& cfg, Backend* be, int maxB, bool activation_checkpointing);
+  const GPT2Config& config() const { return cfg_; }
+  const ParamLayout& layout() const { return layout_; }
+
+  // Forward over inputs (B,T) device int32. With targets: per-token losses
+  // (device, B*T fp32 at losses()). When `for_backward`, the logits buffer is
+  // replaced by dloss_scale * dloss/dlogits (fused softmax + cross-entropy).
+  void forward(UnitAccess& units, const int32_t* inputs, const int32_t* targets, int B, int T,
+               bool for_backward, float dloss_scale);
+  // Accumulates parameter gradients (+=) for the last forward(for_backward=true).
+  void backward(UnitAccess& units);
+
+  const float* losses() const { return losses_; }       // (B*T) device
+  const void* logits() const { return logits_; }        // (B,T,V) device, after a forward without for_backward
+  size_t activation_bytes() const { return act_bytes_; }
+
+ private:
+  struct LayerActs {
+    void* ln1; float* ln1_mean; float* ln1_rstd;   // (N,C) (N) (N)
+    void* qkv;                                      // (N,3C)
+    void* atty;                                     // (N,C)
+    float* att;                                     // backend-private saved state
+    void* res2;                                     // (N,C) residual after attention
+    void* ln2; float* ln2_mean; float* ln2_rstd;   // (N,C) (N) (N)
+    void* fch;                                      // (N,4C)
+    void* fch_gelu;                                 // (N,4C)
+  };
+  void block_forward(const void* p, int l, const void* res_in, void* res_out, int B, int T);
+  void block_backward(const void* p, float* g, int l, const void* res_in, void* dres, int B, int T);
+  LayerActs& acts(int l) { return layers_[ckpt_ ? 0 : l]; }
+
+  GPT2Config cfg_;
+  ParamLayout layout_;
+  Backend* be_;
+  int maxB_;
+  bool ckpt_;
+  int B_ = 0, T_ = 0;
+  DeviceBuffer arena_;
+  size_t act_bytes_ = 0;
+  void* encoded_ = nullptr;                // (N,C)
+  std::vector<void*> res3_;                // per layer (N,C): block outputs (the checkpoints)
+  std::vector<LayerActs> layers_;          // L sets, or 1 when checkpointing
+  void* lnf_ = nullptr; float* lnf_mean_ = nullptr; float* lnf_rstd_ = nullptr;
+  void* logits_ = nullptr;                 // (N,V)
+  float* losses_ = nullptr;                // (N)
+  const int32_t* inputs_ = nullptr;
+  // backward scratch
+  void* dres_ = nullptr;                   // (N,C)
+  void* dbuf_c_ = nullptr;                 // (N,C)
+  void* dbuf_3c_ = nullptr;                // (N,3C)
+  void* dbuf_4c_ = nullptr;                // (N,4C)
+};
+
+}  // namespace trainrun

@@ -1,0 +1,315 @@
+// Memory-mapped token files: llm.c shards (v1 uint16, v7 uint32) and
+// headerless raw uint16 / uint32 files, concatenated in sorted path order
+// into one virtual token stream.
+//
+// Everything that can be wrong with a file is checked once at open (header,
+// size, every token id against the vocabulary) so that a bad shard fails the
+// job before step 0, not hours later when the cursor first reaches it.
+#include <fcntl.h>
+#include <glob.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstring>
+#include <iomanip>
+#include <sstream>
+
+#include "core/common/error.h"
+#include "core/common/log.h"
+#include "core/data/dataset.h"
+#include "core/data/llmc_format.h"
+
+namespace trainrun {
+namespace {
+
+struct Shard {
+  std::string path;
+  void* map = nullptr;
+  size_t map_bytes = 0;
+  const uint8_t* tokens = nullptr;  // first token, inside map
+  int64_t ntok = 0;
+  int tok_bytes = 2;
+  int64_t start = 0;  // global index of this shard's first token
+};
+
+std::string human_count(int64_t n) {
+  if (n < 10000) return std::to_string(n);
+  const char* suffix[] = {"K", "M", "B", "T"};
+  double v = static_cast<double>(n);
+  int i = -1;
+  while (v >= 1000.0 && i < 3) { v /= 1000.0; ++i; }
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(v < 10 ? 2 : 1) << v << suffix[i];
+  return os.str();
+}
+
+bool has_glob_chars(const std::string& s) { return s.find_first_of("*?[") != std::string::npos; }
+
+// Text looks like text: no NUL bytes and almost all printable. Used only to
+// pick the more helpful hint when a file is not what data.format says.
+bool looks_like_text(const uint8_t* p, size_t n) {
+  n = std::min<size_t>(n, 4096);
+  if (n == 0) return false;
+  size_t printable = 0;
+  for (size_t i = 0; i < n; ++i) {
+    uint8_t c = p[i];
+    if (c == 0) return false;
+    if (c >= 0x20 || c == '\n' || c == '\r' || c == '\t') ++printable;
+  }
+  return printable * 100 >= n * 95;
+}
+
+std::vector<std::string> expand_pattern(const std::string& pattern, const std::string& key) {
+  if (!has_glob_chars(pattern)) return {pattern};  // a missing literal path fails at open with errno
+  glob_t g;
+  std::memset(&g, 0, sizeof g);
+  int rc = ::glob(pattern.c_str(), 0, nullptr, &g);  // glob(3) sorts its results unless GLOB_NOSORT
+  std::vector<std::string> paths;
+  if (rc == 0)
+    for (size_t i = 0; i < g.gl_pathc; ++i) paths.emplace_back(g.gl_pathv[i]);
+  globfree(&g);
+  if (rc == GLOB_NOMATCH || (rc == 0 && paths.empty()))
+    TR_FAIL(key, ": no file matches '", pattern,
+            "'; check the path and glob (e.g. data/train_*.bin), or create shards with `trainrun prepare`");
+  if (rc != 0) TR_FAIL(key, ": cannot expand the glob '", pattern, "' (glob error ", rc, "); check the directory's permissions");
+  std::sort(paths.begin(), paths.end());  // glob sorts by locale; we want byte order everywhere
+  return paths;
+}
+
+class TokenFileSource : public TokenSource {
+ public:
+  TokenFileSource(std::string pattern, std::string format, std::string key)
+      : pattern_(std::move(pattern)), format_(std::move(format)), key_(std::move(key)) {}
+  ~TokenFileSource() override {
+    for (auto& s : shards_)
+      if (s.map) ::munmap(s.map, s.map_bytes);
+  }
+  TokenFileSource(const TokenFileSource&) = delete;
+  TokenFileSource& operator=(const TokenFileSource&) = delete;
+
+  // Maps and validates one file; the shard is owned by *this from the moment
+  // it is mapped so a failure half-way through still unmaps everything.
+  void add_file(const std::string& path, int vocab_size) {
+    shards_.emplace_back();
+    Shard& sh = shards_.back();
+    sh.path = path;
+    map_file(sh);
+    if (format_ == "llmc") parse_llmc(sh);
+    else parse_raw(sh);
+    sh.start = total_;
+    total_ += sh.ntok;
+    check_tokens(sh, vocab_size);
+  }
+
+  int64_t num_samples(int T) const override {
+    TR_CHECK(T > 0, key_, ": sequence length must be positive, got ", T);
+    return (total_ - 1) / T;
+  }
+
+  void read_samples(int64_t first, int B, int T, int32_t* inputs, int32_t* targets) const override {
+    int64_t ns = num_samples(T);
+    if (ns == 0) check_source_length(*this, T, key_);
+    for (int b = 0; b < B; ++b) {
+      int64_t s = (first + b) % ns;
+      if (s < 0) s += ns;
+      int64_t start = s * T;
+      int32_t* in = inputs + static_cast<int64_t>(b) * T;
+      int32_t* tg = targets + static_cast<int64_t>(b) * T;
+      copy_tokens(start, T, in);
+      if (T > 1) std::memcpy(tg, in + 1, sizeof(int32_t) * (T - 1));
+      copy_tokens(start + T, 1, tg + T - 1);
+    }
+  }
+
+  int vocab_bound() const override { return static_cast<int>(max_token_ + 1); }
+  int64_t num_tokens() const override { return total_; }
+
+  std::string describe() const override {
+    bool u16 = false, u32 = false;
+    for (const auto& s : shards_) (s.tok_bytes == 2 ? u16 : u32) = true;
+    std::string kind = format_ == "llmc" ? "llm.c shard" : format_ + " file";
+    std::string width = u16 && u32 ? "uint16+uint32" : u16 ? "uint16" : "uint32";
+    std::ostringstream os;
+    os << "'" << pattern_ << "': " << shards_.size() << " " << kind << (shards_.size() == 1 ? "" : "s");
+    if (format_ == "llmc") os << " (" << width << ")";
+    os << ", " << human_count(total_) << " tokens";
+    return os.str();
+  }
+
+ private:
+  void map_file(Shard& sh) {
+    int fd = ::open(sh.path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+      TR_FAIL(key_, ": cannot open '", sh.path, "': ", detail::errno_string(),
+              "; check the path and its permissions");
+    struct stat st;
+    if (::fstat(fd, &st) != 0) {
+      std::string err = detail::errno_string();
+      ::close(fd);
+      TR_FAIL(key_, ": cannot stat '", sh.path, "': ", err);
+    }
+    if (S_ISDIR(st.st_mode)) {
+      ::close(fd);
+      TR_FAIL(key_, ": '", sh.path, "' is a directory; point ", key_,
+              " at token files, e.g. '", sh.path, "/*.bin'");
+    }
+    if (st.st_size == 0) {
+      ::close(fd);
+      TR_FAIL(key_, ": file '", sh.path, "' is empty (0 bytes); re-create it with `trainrun prepare` or remove it");
+    }
+    sh.map_bytes = static_cast<size_t>(st.st_size);
+    void* p = ::mmap(nullptr, sh.map_bytes, PROT_READ, MAP_PRIVATE, fd, 0);
+    std::string err = p == MAP_FAILED ? detail::errno_string() : "";
+    ::close(fd);  // the mapping keeps the file alive
+    if (p == MAP_FAILED) TR_FAIL(key_, ": cannot memory-map '", sh.path, "': ", err);
+    sh.map = p;
+  }
+
+  void parse_llmc(Shard& sh) {
+    const auto* bytes = static_cast<const uint8_t*>(sh.map);
+    int64_t size = static_cast<int64_t>(sh.map_bytes);
+    if (size < llmc::kHeaderBytes)
+      TR_FAIL(key_, ": file '", sh.path, "' is ", size, " bytes, shorter than the ", llmc::kHeaderBytes,
+              "-byte llm.c header; ", hint_for_non_llmc(bytes, sh.map_bytes));
+    int32_t hdr[3];
+    std::memcpy(hdr, bytes, sizeof hdr);  // little-endian, as llm.c writes it
+    int32_t magic = hdr[0], version = hdr[1];
+    if (magic == llmc::kMagicU16) {
+      if (version != llmc::kVersionU16)
+        TR_FAIL(key_, ": file '", sh.path, "' has llm.c magic ", magic, " with unsupported version ", version,
+                " (supported: magic ", llmc::kMagicU16, " version ", llmc::kVersionU16, " = uint16 tokens, magic ",
+                llmc::kMagicU32, " version ", llmc::kVersionU32, " = uint32 tokens); re-create it with a current llm.c or `trainrun prepare`");
+      sh.tok_bytes = 2;
+    } else if (magic == llmc::kMagicU32) {
+      if (version != llmc::kVersionU32)
+        TR_FAIL(key_, ": file '", sh.path, "' has llm.c magic ", magic, " with unsupported version ", version,
+                " (supported: magic ", llmc::kMagicU16, " version ", llmc::kVersionU16, " = uint16 tokens, magic ",
+                llmc::kMagicU32, " version ", llmc::kVersionU32, " = uint32 tokens); re-create it with a current llm.c");
+      sh.tok_bytes = 4;
+    } else {
+      TR_FAIL(key_, ": file '", sh.path, "' has bad magic ", magic, " (accepted llm.c magics: ", llmc::kMagicU16,
+              " = uint16 tokens, ", llmc::kMagicU32, " = uint32 tokens); ", hint_for_non_llmc(bytes, sh.map_bytes));
+    }
+    int64_t ntok = hdr[2];
+    if (ntok < 0)
+      TR_FAIL(key_, ": file '", sh.path, "' has a negative token count ", ntok, " in its header; the file is corrupt, re-create it");
+    if (ntok == 0)
+      TR_FAIL(key_, ": file '", sh.path, "' is empty (its header says 0 tokens); re-create it or remove it");
+    int64_t expected = llmc::kHeaderBytes + ntok * sh.tok_bytes;
+    if (size < expected)
+      TR_FAIL(key_, ": file '", sh.path, "' is truncated: its header says ", ntok, " tokens of ", sh.tok_bytes,
+              " bytes, so expected ", expected, " bytes, but the file has ", size,
+              " bytes; copy it again or re-create it with `trainrun prepare`");
+    if (size > expected)
+      TR_FAIL(key_, ": file '", sh.path, "' has ", size, " bytes but its header says ", ntok, " tokens of ",
+              sh.tok_bytes, " bytes, so expected ", expected,
+              " bytes; the file is corrupt or was appended to, re-create it");
+    sh.ntok = ntok;
+    sh.tokens = bytes + llmc::kHeaderBytes;
+  }
+
+  void parse_raw(Shard& sh) {
+    sh.tok_bytes = format_ == "raw_uint16" ? 2 : 4;
+    const auto* bytes = static_cast<const uint8_t*>(sh.map);
+    if (sh.map_bytes % sh.tok_bytes != 0) {
+      int32_t magic = 0;
+      if (sh.map_bytes >= 4) std::memcpy(&magic, bytes, 4);
+      bool is_llmc = magic == llmc::kMagicU16 || magic == llmc::kMagicU32;
+      TR_FAIL(key_, ": file '", sh.path, "' has ", sh.map_bytes, " bytes, not a multiple of the ", sh.tok_bytes,
+              "-byte token size of data.format ", format_, "; ",
+              is_llmc ? "it starts with an llm.c magic: set data.format: llmc"
+                      : "check data.format (raw_uint16 or raw_uint32?) or whether the file is truncated");
+    }
+    sh.ntok = static_cast<int64_t>(sh.map_bytes) / sh.tok_bytes;
+    sh.tokens = bytes;
+  }
+
+  static std::string hint_for_non_llmc(const uint8_t* bytes, size_t n) {
+    if (looks_like_text(bytes, n))
+      return "it looks like a text file: tokenise it first with `trainrun prepare --input FILE --output DIR`";
+    return "if it is a headerless token file (e.g. nanoGPT's train.bin), set data.format: raw_uint16 (or raw_uint32)";
+  }
+
+  template <typename U>
+  static uint32_t max_of(const U* p, int64_t n) {
+    uint32_t m = 0;
+#pragma omp parallel for reduction(max : m) schedule(static)
+    for (int64_t i = 0; i < n; ++i) {
+      uint32_t v = p[i];
+      m = v > m ? v : m;
+    }
+    return m;
+  }
+
+  template <typename U>
+  static int64_t first_at_least(const U* p, int64_t n, uint32_t bound) {
+    for (int64_t i = 0; i < n; ++i)
+      if (static_cast<uint32_t>(p[i]) >= bound) return i;
+    return -1;
+  }
+
+  // One parallel max-reduction per shard; the (serial) search for the first
+  // offending index only runs when there is one, to name it in the error.
+  void check_tokens(const Shard& sh, int vocab_size) {
+    const auto* p16 = reinterpret_cast<const uint16_t*>(sh.tokens);
+    const auto* p32 = reinterpret_cast<const uint32_t*>(sh.tokens);
+    uint32_t m = sh.tok_bytes == 2 ? max_of(p16, sh.ntok) : max_of(p32, sh.ntok);
+    if (vocab_size > 0 && m >= static_cast<uint32_t>(vocab_size)) {
+      int64_t i = sh.tok_bytes == 2 ? first_at_least(p16, sh.ntok, vocab_size) : first_at_least(p32, sh.ntok, vocab_size);
+      uint32_t v = sh.tok_bytes == 2 ? p16[i] : p32[i];
+      TR_FAIL(key_, ": file '", sh.path, "' has token id ", v, " at token index ", i, ", not below model.vocab_size = ",
+              vocab_size, " (largest id in the file: ", m, "); the data was tokenised for a larger vocabulary: "
+              "set model.vocab_size to at least ", static_cast<int64_t>(m) + 1, " or re-tokenise the data");
+    }
+    if (m >= static_cast<uint32_t>(INT32_MAX))
+      TR_FAIL(key_, ": file '", sh.path, "' has token id ", m, ", which does not fit an int32 token id; the file is corrupt");
+    max_token_ = std::max<int64_t>(max_token_, m);
+  }
+
+  void copy_tokens(int64_t pos, int64_t n, int32_t* out) const {
+    // Find the shard holding `pos`: the last one whose start <= pos.
+    auto it = std::upper_bound(shards_.begin(), shards_.end(), pos,
+                               [](int64_t p, const Shard& s) { return p < s.start; });
+    size_t si = static_cast<size_t>(it - shards_.begin()) - 1;
+    while (n > 0) {
+      const Shard& sh = shards_[si];
+      int64_t off = pos - sh.start;
+      int64_t take = std::min(n, sh.ntok - off);
+      if (sh.tok_bytes == 2) {
+        const auto* p = reinterpret_cast<const uint16_t*>(sh.tokens) + off;
+        for (int64_t i = 0; i < take; ++i) out[i] = p[i];
+      } else {
+        const auto* p = reinterpret_cast<const uint32_t*>(sh.tokens) + off;
+        for (int64_t i = 0; i < take; ++i) out[i] = static_cast<int32_t>(p[i]);
+      }
+      out += take;
+      pos += take;
+      n -= take;
+      ++si;
+    }
+  }
+
+  std::string pattern_, format_, key_;
+  std::vector<Shard> shards_;
+  int64_t total_ = 0;
+  int64_t max_token_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<TokenSource> open_token_files(const std::string& pattern, const std::string& format,
+                                              int vocab_size, const std::string& key) {
+  if (format != "llmc" && format != "raw_uint16" && format != "raw_uint32")
+    TR_FAIL("data.format: '", format, "' is not a token file format (llmc | raw_uint16 | raw_uint32)");
+  if (pattern.empty())
+    TR_FAIL(key, ": no path given; set it to a token file or a glob such as data/train_*.bin");
+  auto src = std::make_unique<TokenFileSource>(pattern, format, key);
+  for (const auto& path : expand_pattern(pattern, key)) src->add_file(path, vocab_size);
+  TR_LOG_INFO(key, ": ", src->describe());
+  return src;
+}
+
+}  // namespace trainrun

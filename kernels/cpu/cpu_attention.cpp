@@ -1,0 +1,108 @@
+// CPU backend: causal multi-head self-attention, forward and backward.
+//
+// qkv (B,T,3C) holds q | k | v; head h of q is the HS = C/NH columns at
+// h*HS (k at C + h*HS, v at 2C + h*HS), so every per-head matrix is a strided
+// view and goes straight to sgemm with lda = 3C — no transposes or copies.
+// Forward per (b,h):  S = q k^T / sqrt(HS) (T,T), P = causal_softmax(S),
+//                     out[:, h*HS:(h+1)*HS] = P v.
+// P (B,NH,T,T) is kept for backward (a GPU flash kernel keeps only the
+// log-sum-exp; on the CPU memory is cheap relative to recomputation).
+// Backward per (b,h): dP = dout v^T, dS = P * (dP - rowsum(P*dP)) / sqrt(HS),
+//                     dq = dS k, dk = dS^T q, dv = P^T dout.
+// The (b,h) pairs are spread over OpenMP threads; inside the parallel region
+// the OpenMP build of OpenBLAS runs each sgemm single-threaded.
+#include <cblas.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "kernels/cpu/cpu_backend.h"
+
+namespace trainrun {
+
+size_t CpuBackend::attention_saved_floats(int B, int T, int NH) const {
+  return size_t(B) * NH * T * T;
+}
+
+void CpuBackend::attention_forward(void* out_, float* saved, const void* qkv_, int B, int T, int C, int NH) {
+  float* out = static_cast<float*>(out_);
+  const float* qkv = static_cast<const float*>(qkv_);
+  const int HS = C / NH;
+  const int C3 = 3 * C;
+  const float sc = 1.0f / std::sqrt(float(HS));
+#pragma omp parallel for schedule(static)
+  for (int bh = 0; bh < B * NH; ++bh) {
+    const int b = bh / NH, h = bh % NH;
+    const float* q = qkv + int64_t(b) * T * C3 + h * HS;
+    const float* k = q + C;
+    const float* v = q + 2 * C;
+    float* P = saved + int64_t(bh) * T * T;
+    // The full T x T product is computed, then masked: sgemm on the whole
+    // square beats row-by-row triangular dot products by a wide margin.
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, T, HS, sc, q, C3, k, C3, 0.0f, P, T);
+    for (int t = 0; t < T; ++t) {
+      float* row = P + int64_t(t) * T;
+      float mx = -INFINITY;
+      for (int j = 0; j <= t; ++j) mx = std::max(mx, row[j]);
+      float sum = 0.0f;
+      for (int j = 0; j <= t; ++j) {
+        float e = std::exp(row[j] - mx);
+        row[j] = e;
+        sum += e;
+      }
+      const float inv = 1.0f / sum;
+      for (int j = 0; j <= t; ++j) row[j] *= inv;
+      for (int j = t + 1; j < T; ++j) row[j] = 0.0f;
+    }
+    float* o = out + int64_t(b) * T * C + h * HS;
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, HS, T, 1.0f, P, T, v, C3, 0.0f, o, C);
+  }
+}
+
+void CpuBackend::attention_backward(void* dqkv_, const void* dout_, const void* qkv_, const float* saved, int B,
+                                    int T, int C, int NH) {
+  float* dqkv = static_cast<float*>(dqkv_);
+  const float* dout = static_cast<const float*>(dout_);
+  const float* qkv = static_cast<const float*>(qkv_);
+  const int HS = C / NH;
+  const int C3 = 3 * C;
+  const float sc = 1.0f / std::sqrt(float(HS));
+  const int nt = threads();
+  std::vector<float> scratch(size_t(nt) * T * T);
+#pragma omp parallel num_threads(nt)
+  {
+    float* dP = scratch.data() + size_t(omp_get_thread_num()) * T * T;
+#pragma omp for schedule(static)
+    for (int bh = 0; bh < B * NH; ++bh) {
+      const int b = bh / NH, h = bh % NH;
+      const int64_t base = int64_t(b) * T * C3 + h * HS;
+      const float* q = qkv + base;
+      const float* k = q + C;
+      const float* v = q + 2 * C;
+      float* dq = dqkv + base;
+      float* dk = dq + C;
+      float* dv = dq + 2 * C;
+      const float* P = saved + int64_t(bh) * T * T;
+      const float* dO = dout + int64_t(b) * T * C + h * HS;
+      // dP = dO v^T, dv = P^T dO
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, T, HS, 1.0f, dO, C, v, C3, 0.0f, dP, T);
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, T, HS, T, 1.0f, P, T, dO, C, 0.0f, dv, C3);
+      // dS = P * (dP - rowsum(P*dP)) * sc, written over dP; zero above the diagonal.
+      for (int t = 0; t < T; ++t) {
+        const float* p = P + int64_t(t) * T;
+        float* d = dP + int64_t(t) * T;
+        float dot = 0.0f;
+        for (int j = 0; j <= t; ++j) dot += p[j] * d[j];
+        for (int j = 0; j <= t; ++j) d[j] = p[j] * (d[j] - dot) * sc;
+        for (int j = t + 1; j < T; ++j) d[j] = 0.0f;
+      }
+      // dq = dS k, dk = dS^T q
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, HS, T, 1.0f, dP, T, k, C3, 0.0f, dq, C3);
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, T, HS, T, 1.0f, dP, T, q, C3, 0.0f, dk, C3);
+    }
+  }
+}
+
+}  // namespace trainrun

@@ -1,0 +1,66 @@
+// The CPU backend: fp32 everywhere, OpenBLAS sgemm for every matrix product,
+// OpenMP (static schedules, fixed reduction order) for everything else, so
+// the same seed and thread count give bit-identical results. It is the
+// numerical reference of the project and the embedded default.
+#pragma once
+#include <atomic>
+
+#include "kernels/backend.h"
+
+namespace trainrun {
+
+class CpuBackend final : public Backend {
+ public:
+  explicit CpuBackend(int threads);
+  std::string name() const override { return "cpu"; }
+  DType act_dtype() const override { return DType::F32; }
+  int threads() const { return threads_; }
+
+  void* alloc(size_t bytes) override;
+  void free(void* p) override;
+  void copy_to_device(void* dst, const void* src, size_t bytes) override;
+  void copy_to_host(void* dst, const void* src, size_t bytes) override;
+  void copy_device(void* dst, const void* src, size_t bytes) override;
+  void zero(void* p, size_t bytes) override;
+  void synchronize() override {}
+  size_t bytes_in_use() const override { return in_use_; }
+  size_t peak_bytes() const override { return peak_; }
+  void reset_peak() override { peak_ = in_use_.load(); }
+
+  void cast_from_f32(void* dst, const float* src, int64_t n) override;
+  void cast_to_f32(float* dst, const void* src, int64_t n) override;
+
+  void encoder_forward(void* out, const int32_t* tokens, const void* wte, const void* wpe, int B, int T,
+                       int C) override;
+  void encoder_backward(float* dwte, float* dwpe, const void* dout, const int32_t* tokens, int B, int T,
+                        int C) override;
+  void layernorm_forward(void* out, float* mean, float* rstd, const void* inp, const void* weight,
+                         const void* bias, int N, int C) override;
+  void layernorm_backward(void* dinp, float* dweight, float* dbias, const void* dout, const void* inp,
+                          const void* weight, const float* mean, const float* rstd, int N, int C) override;
+  void matmul_forward(void* out, const void* inp, const void* weight, const void* bias, int N, int C,
+                      int OC) override;
+  void matmul_backward(void* dinp, float* dweight, float* dbias, const void* dout, const void* inp,
+                       const void* weight, int N, int C, int OC) override;
+  size_t attention_saved_floats(int B, int T, int NH) const override;
+  void attention_forward(void* out, float* saved, const void* qkv, int B, int T, int C, int NH) override;
+  void attention_backward(void* dqkv, const void* dout, const void* qkv, const float* saved, int B, int T,
+                          int C, int NH) override;
+  void gelu_forward(void* out, const void* inp, int64_t n) override;
+  void gelu_backward(void* dinp, const void* inp, const void* dout, int64_t n) override;
+  void residual_forward(void* out, const void* a, const void* b, int64_t n) override;
+  void softmax_cross_entropy(float* losses, void* dlogits, const void* logits, const int32_t* targets, int N,
+                             int V, float dloss_scale) override;
+  void sum_squares(float* out, const float* x, int64_t n) override;
+  void scale(float* x, float s, int64_t n) override;
+  void adamw_update(float* master, void* param, const float* grad, float* m, float* v, int64_t n, float lr,
+                    float beta1, float beta2, float eps, float weight_decay, int step,
+                    float grad_scale) override;
+
+ private:
+  int threads_;
+  std::atomic<size_t> in_use_{0};
+  std::atomic<size_t> peak_{0};
+};
+
+}  // namespace trainrun
