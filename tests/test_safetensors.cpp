@@ -3,6 +3,7 @@
 // "we can read what we write" is not the only evidence that the format is
 // right).
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <catch2/catch.hpp>
 #include <cmath>
@@ -223,20 +224,37 @@ TEST_CASE("safetensors: the writer rejects bad tensors and unwritable paths", "[
   CHECK(files == 0);
 }
 
-TEST_CASE("safetensors: the writer leaves the old file intact when it fails", "[safetensors]") {
-  if (geteuid() == 0) {
-    // root ignores directory permissions; use /dev/full to get a real ENOSPC.
-    // (The temp file is path.tmp.<pid>, so we cannot point it at /dev/full;
-    // instead check the rename target is untouched when the data is invalid.)
-  }
+TEST_CASE("safetensors: a failed write leaves the old file intact and no temp file", "[safetensors]") {
   TempDir dir("sto");
   const std::string path = dir / "keep.safetensors";
+  const std::string tmp = path + ".tmp." + std::to_string(getpid());
   SafeTensorFile good = sample_file();
   write_safetensors(path, good);
-  SafeTensorFile bad = good;
-  bad.tensors[0].data.pop_back();
-  CHECK_THROWS_AS(write_safetensors(path, bad), Error);
+  SafeTensorFile other;
+  float one = 1.0f;
+  other.tensors.push_back(make_f32_tensor("x", {1}, &one));
+
+  SECTION("invalid data") {
+    SafeTensorFile bad = good;
+    bad.tensors[0].data.pop_back();
+    CHECK_THROWS_AS(write_safetensors(path, bad), Error);
+  }
+  SECTION("the temp file cannot be created") {
+    fs::create_directories(tmp);  // open(O_WRONLY) on a directory fails (EISDIR)
+    require_error([&] { write_safetensors(path, other); }, path, "cannot create");
+    fs::remove(tmp);
+  }
   require_same(good, read_safetensors(path));
+  CHECK_FALSE(file_exists(tmp));
+
+  SECTION("the rename fails") {
+    // The target is a non-empty directory: rename(2) fails after the temp
+    // file was fully written; the temp file must be cleaned up.
+    const std::string target = dir / "occupied";
+    fs::create_directories(target + "/inner");
+    require_error([&] { write_safetensors(target, other); }, target, "rename from");
+    CHECK_FALSE(file_exists(target + ".tmp." + std::to_string(getpid())));
+  }
 }
 
 TEST_CASE("safetensors: the reader names every kind of corruption", "[safetensors]") {
@@ -350,42 +368,40 @@ TEST_CASE("safetensors: the Python safetensors package reads what we write", "[s
   TempDir dir("stpy");
   const std::string path = dir / "ours.safetensors";
   SafeTensorFile in = sample_file();
-  write_safetensors(path, in);
+
+  // numpy has no bfloat16, so safetensors.numpy.load_file reads a copy
+  // without the BF16 tensor, and safetensors.torch (Debian's torch, seen
+  // through --system-site-packages) reads a file holding it.
+  SafeTensorFile np_part = in, bf_part;
+  np_part.tensors.clear();
+  for (const auto& t : in.tensors) (t.dtype == "BF16" ? bf_part : np_part).tensors.push_back(t);
+  bf_part.tensors.push_back(in.tensors[0]);
+  const std::string bf_path = dir / "ours_bf16.safetensors";
+  write_safetensors(path, np_part);
+  write_safetensors(bf_path, bf_part);
 
   // Dump what Python sees as JSON: dtype, shape and values (as doubles) per
-  // tensor, plus the metadata. numpy has no bfloat16, so BF16 goes through
-  // safetensors.torch (torch comes from Debian via --system-site-packages).
+  // tensor, plus the metadata.
   const std::string script = dir / "dump.py";
   write_file(script, R"PY(
 import json, sys
 import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import load_file
-path = sys.argv[1]
+path, bf_path = sys.argv[1], sys.argv[2]
 out = {"tensors": {}, "metadata": None}
 with safe_open(path, framework="np") as f:
     out["metadata"] = f.metadata()
-    names = list(f.keys())
-bf16 = [n for n in names if n == "bf16"]
-rest = {}
-if bf16:
-    import torch
-    from safetensors.torch import load_file as load_torch
-    t = load_torch(path)
-    for n in bf16:
-        assert t[n].dtype == torch.bfloat16, t[n].dtype
-        out["tensors"][n] = {"dtype": "bfloat16", "shape": list(t[n].shape), "values": t[n].double().flatten().tolist()}
-# safetensors.numpy.load_file cannot hold BF16, so load the rest from a copy
-# without it through safe_open's numpy path, tensor by tensor.
-with safe_open(path, framework="np") as f:
-    for n in names:
-        if n in bf16:
-            continue
-        a = f.get_tensor(n)
-        out["tensors"][n] = {"dtype": str(a.dtype), "shape": list(a.shape), "values": a.astype(np.float64).flatten().tolist()}
+for n, a in load_file(path).items():
+    out["tensors"][n] = {"dtype": str(a.dtype), "shape": list(a.shape), "values": a.astype(np.float64).flatten().tolist()}
+import torch
+from safetensors.torch import load_file as load_torch
+for n, t in load_torch(bf_path).items():
+    if t.dtype == torch.bfloat16:
+        out["tensors"][n] = {"dtype": "bfloat16", "shape": list(t.shape), "values": t.double().flatten().tolist()}
 json.dump(out, sys.stdout)
 )PY");
-  RunResult r = run_command("'" + py + "' '" + script + "' '" + path + "'");
+  RunResult r = run_command("'" + py + "' '" + script + "' '" + path + "' '" + bf_path + "'");
   INFO("stderr: " << r.err);
   REQUIRE(r.exit_code == 0);
   nlohmann::json got = nlohmann::json::parse(r.out);

@@ -53,7 +53,11 @@ struct TrainSpec {
   int log_interval = 10;              // steps between log lines / metrics.jsonl records
   std::string activation_checkpointing = "none";  // none | blocks
 
-  // Derived by validate(): sequences per step and accumulation steps for a world size.
+  // Sequences per optimizer step. Validation resolves global_batch_tokens
+  // into global_batch_size (= global_batch_tokens / model.seq_len) because
+  // this section does not know seq_len, so after validation this simply
+  // returns global_batch_size. Divisibility by micro_batch_size * world size
+  // is checked at launch, where the world size is known.
   int derived_global_batch_size() const;
 };
 
@@ -87,7 +91,27 @@ JobSpec load_job_spec(const std::string& path, const std::vector<std::string>& o
 // Same, from YAML text (for tests); `name` is used in messages instead of a path.
 JobSpec parse_job_spec(const std::string& yaml_text, const std::string& name,
                        const std::vector<std::string>& overrides = {});
-// The fully resolved spec as YAML (every field, defaults filled in).
+// The fully resolved spec as YAML (every field, defaults filled in, each
+// with its doc as a trailing comment); parse_job_spec() reads it back to the
+// same spec.
 std::string job_spec_to_yaml(const JobSpec& spec);
+
+// Range and cross-field checks for a spec built in code (parse_job_spec and
+// load_job_spec already run them). Resolves train.global_batch_size from
+// train.global_batch_tokens. Messages are prefixed with spec.source.
+void validate_job_spec(JobSpec& spec);
+
+// One row of the field table, rendered as text (for docs, --help, tests).
+struct JobSpecField {
+  std::string key;            // dotted, e.g. "train.lr"
+  std::string type;           // int | int64 | uint64 | float | string | enum
+  std::string default_value;  // as it is written in YAML
+  std::string allowed;        // e.g. ">= 1", "[0, 1)", "llmc | synthetic", "any"
+  std::string doc;            // one line, with units
+};
+std::vector<JobSpecField> job_spec_fields();
+// The field table as markdown (one table per section); docs/job-spec.md
+// embeds it verbatim and a test keeps the two equal.
+std::string job_spec_reference_markdown();
 
 }  // namespace trainrun

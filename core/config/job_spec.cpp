@@ -1,0 +1,867 @@
+// The job spec: one field table drives parsing, validation, YAML output and
+// the markdown reference, so a field added here is parsed, checked, written
+// to job.resolved.yaml and documented without touching anything else.
+//
+// Defaults live in the struct initialisers of job_spec.h (other code builds
+// JobSpec{} directly); the table reads them from a default-constructed
+// JobSpec instead of repeating them, so the two cannot disagree.
+//
+// Every message has the shape
+//   <where>: <dotted.key>: <problem>; <what to do>
+// where <where> is "file:line:col" (1-based, from the YAML node) or
+// "--set key=value" for an override.
+#include "core/config/job_spec.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <charconv>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <optional>
+#include <variant>
+
+#include "core/common/error.h"
+
+namespace trainrun {
+
+int TrainSpec::derived_global_batch_size() const { return global_batch_size; }
+
+namespace {
+
+// ---- the field table -------------------------------------------------------
+
+// A pointer to the field's storage; the alternative is the field's type, so
+// the table cannot pair a key with a member of the wrong type.
+using Ref = std::variant<int*, int64_t*, uint64_t*, double*, std::string*>;
+
+struct Bound {
+  double value;
+  bool open;  // strict inequality
+};
+
+struct Rule {
+  std::optional<Bound> lo, hi;
+  std::vector<std::string> choices;  // non-empty = enum
+  bool non_empty = false;
+};
+
+Rule any() { return {}; }
+Rule at_least(double v) { Rule r; r.lo = Bound{v, false}; return r; }
+Rule above(double v) { Rule r; r.lo = Bound{v, true}; return r; }
+Rule in_half_open(double lo, double hi) {  // [lo, hi)
+  Rule r;
+  r.lo = Bound{lo, false};
+  r.hi = Bound{hi, true};
+  return r;
+}
+Rule one_of(std::vector<std::string> c) { Rule r; r.choices = std::move(c); return r; }
+Rule non_empty() { Rule r; r.non_empty = true; return r; }
+
+struct Field {
+  const char* key;  // dotted path, the same text as the member path
+  Ref (*get)(JobSpec&);
+  Rule rule;
+  const char* doc;
+
+  bool is_enum() const { return !rule.choices.empty(); }
+  std::string section() const {
+    std::string k = key;
+    auto dot = k.rfind('.');
+    return dot == std::string::npos ? "" : k.substr(0, dot);
+  }
+  std::string leaf() const {
+    std::string k = key;
+    auto dot = k.rfind('.');
+    return dot == std::string::npos ? k : k.substr(dot + 1);
+  }
+};
+
+// The key string is the stringised member path, so key and storage cannot drift.
+#define TR_SPEC_FIELD(path, rule, doc) \
+  Field { #path, [](JobSpec& s) -> Ref { return &s.path; }, rule, doc }
+
+// Order here is the order of job_spec_to_yaml() and of the docs. Fields of
+// one section are contiguous; a subsection follows its parent's fields.
+const std::vector<Field>& fields() {
+  static const std::vector<Field> table = {
+      TR_SPEC_FIELD(backend, one_of({"auto", "cpu", "cuda"}),
+                    "compute backend; auto = cuda when a GPU is visible, else cpu"),
+
+      TR_SPEC_FIELD(model.arch, one_of({"gpt2"}), "model family"),
+      TR_SPEC_FIELD(model.n_layer, at_least(1), "transformer blocks (L)"),
+      TR_SPEC_FIELD(model.n_head, at_least(1), "attention heads (NH); must divide n_embd"),
+      TR_SPEC_FIELD(model.n_embd, at_least(1), "residual stream width in channels (C)"),
+      TR_SPEC_FIELD(model.vocab_size, at_least(1), "vocabulary size in tokens (V); 256 = byte-level"),
+      TR_SPEC_FIELD(model.seq_len, at_least(1),
+                    "context length in tokens (T); also the size of the position table"),
+      TR_SPEC_FIELD(model.init_std, above(0),
+                    "std of the normal weight init; residual projections get init_std/sqrt(2*n_layer)"),
+
+      TR_SPEC_FIELD(data.format, one_of({"llmc", "raw_uint16", "raw_uint32", "synthetic"}),
+                    "layout of the token files; synthetic = a generated Markov chain, no files"),
+      TR_SPEC_FIELD(data.train, any(), "training shards, a path or glob; required unless format is synthetic"),
+      TR_SPEC_FIELD(data.val, any(), "validation shards, a path or glob; empty = no evaluation"),
+      TR_SPEC_FIELD(data.synthetic.vocab, at_least(0), "tokens in the Markov chain; 0 = model.vocab_size"),
+      TR_SPEC_FIELD(data.synthetic.branching, at_least(1), "successors per state with non-zero probability"),
+      TR_SPEC_FIELD(data.synthetic.concentration, above(0),
+                    "spread of the successor weights (Dirichlet-like); smaller = peakier, lower entropy"),
+      TR_SPEC_FIELD(data.synthetic.seed, any(), "seed of the chain (not of training)"),
+
+      TR_SPEC_FIELD(train.global_batch_tokens, at_least(0),
+                    "tokens per optimizer step over all ranks; 0 = use global_batch_size; a multiple of model.seq_len"),
+      TR_SPEC_FIELD(train.global_batch_size, at_least(1),
+                    "sequences per optimizer step over all ranks; derived when global_batch_tokens > 0"),
+      TR_SPEC_FIELD(train.micro_batch_size, at_least(1),
+                    "sequences per forward/backward on one rank; accumulation makes up the rest"),
+      TR_SPEC_FIELD(train.max_steps, at_least(1), "optimizer steps in the run"),
+      TR_SPEC_FIELD(train.lr, above(0), "peak learning rate, reached at the end of warmup"),
+      TR_SPEC_FIELD(train.min_lr, at_least(0), "learning-rate floor at the end of the decay (unused by constant)"),
+      TR_SPEC_FIELD(train.warmup_steps, at_least(0), "steps of linear warmup from 0 to lr"),
+      TR_SPEC_FIELD(train.schedule, one_of({"cosine", "linear", "constant"}),
+                    "learning-rate decay after warmup, from lr to min_lr at max_steps"),
+      TR_SPEC_FIELD(train.weight_decay, at_least(0), "AdamW decoupled weight decay (not on biases or LayerNorm)"),
+      TR_SPEC_FIELD(train.beta1, in_half_open(0, 1), "AdamW first-moment decay"),
+      TR_SPEC_FIELD(train.beta2, in_half_open(0, 1), "AdamW second-moment decay"),
+      TR_SPEC_FIELD(train.eps, above(0), "AdamW denominator epsilon"),
+      TR_SPEC_FIELD(train.grad_clip, at_least(0), "clip the global L2 gradient norm to this; 0 = off"),
+      TR_SPEC_FIELD(train.seed, any(), "seed of weight init and sampling"),
+      TR_SPEC_FIELD(train.eval_interval, at_least(0), "steps between evaluations; 0 = only at the end"),
+      TR_SPEC_FIELD(train.eval_steps, at_least(1), "validation batches per evaluation"),
+      TR_SPEC_FIELD(train.log_interval, at_least(1), "steps between log lines and metrics.jsonl records"),
+      TR_SPEC_FIELD(train.activation_checkpointing, one_of({"none", "blocks"}),
+                    "recompute activations in backward: none, or per transformer block"),
+
+      TR_SPEC_FIELD(output.dir, non_empty(),
+                    "run directory: metrics.jsonl, job.resolved.yaml, checkpoints, model.safetensors"),
+      TR_SPEC_FIELD(output.sample_tokens, at_least(0), "tokens sampled at the end of the run; 0 = none"),
+      TR_SPEC_FIELD(output.sample_prompt, any(), "text the end-of-run sample starts from"),
+
+      TR_SPEC_FIELD(parallel.nproc_per_node, at_least(0),
+                    "worker processes per node; 0 = one per visible GPU, or 1 without GPUs"),
+      TR_SPEC_FIELD(parallel.sharding, one_of({"no_shard", "shard_grad_op", "full_shard", "hybrid_shard"}),
+                    "how parameters, gradients and optimizer state are split: DDP, ZeRO-2, FSDP, HSDP"),
+      TR_SPEC_FIELD(parallel.shard_group_size, at_least(0),
+                    "ranks per shard group for hybrid_shard; 0 = ranks per node"),
+      TR_SPEC_FIELD(parallel.timeout_s, above(0),
+                    "seconds a collective or rendezvous wait may take before the job stops"),
+  };
+  return table;
+}
+#undef TR_SPEC_FIELD
+
+// Names people bring from nanoGPT, Hugging Face and torchtitan configs. They
+// are never accepted, only suggested, so there is one spelling per field.
+const std::vector<std::pair<const char*, const char*>>& aliases() {
+  static const std::vector<std::pair<const char*, const char*>> a = {
+      {"learning_rate", "train.lr"},         {"max_iters", "train.max_steps"},
+      {"warmup_iters", "train.warmup_steps"}, {"batch_size", "train.micro_batch_size"},
+      {"max_norm", "train.grad_clip"},       {"clip_grad", "train.grad_clip"},
+      {"block_size", "model.seq_len"},       {"context_length", "model.seq_len"},
+      {"n_positions", "model.seq_len"},      {"n_ctx", "model.seq_len"},
+      {"d_model", "model.n_embd"},           {"hidden_size", "model.n_embd"},
+      {"num_layers", "model.n_layer"},       {"num_heads", "model.n_head"},
+      {"out_dir", "output.dir"},             {"dtype", "backend"},
+  };
+  return a;
+}
+
+const Field* find_field(const std::string& key) {
+  for (const Field& f : fields())
+    if (key == f.key) return &f;
+  return nullptr;
+}
+
+// Sections are every proper prefix of a field key ("data", "data.synthetic").
+const std::vector<std::string>& sections() {
+  static const std::vector<std::string> s = [] {
+    std::vector<std::string> out;
+    for (const Field& f : fields()) {
+      std::string k = f.key;
+      for (auto dot = k.find('.'); dot != std::string::npos; dot = k.find('.', dot + 1)) {
+        std::string p = k.substr(0, dot);
+        if (std::find(out.begin(), out.end(), p) == out.end()) out.push_back(p);
+      }
+    }
+    return out;
+  }();
+  return s;
+}
+
+bool is_section(const std::string& key) {
+  const auto& s = sections();
+  return std::find(s.begin(), s.end(), key) != s.end();
+}
+
+std::string parent_of(const std::string& key) {
+  auto dot = key.rfind('.');
+  return dot == std::string::npos ? "" : key.substr(0, dot);
+}
+std::string leaf_of(const std::string& key) {
+  auto dot = key.rfind('.');
+  return dot == std::string::npos ? key : key.substr(dot + 1);
+}
+
+// Direct children (fields and subsections) of a section, "" = top level,
+// in table order.
+std::vector<std::string> children_of(const std::string& section) {
+  std::vector<std::string> out;
+  for (const Field& f : fields()) {
+    std::string k = f.key;
+    while (!k.empty() && parent_of(k) != section) k = parent_of(k);
+    if (!k.empty() && k != section && std::find(out.begin(), out.end(), k) == out.end()) out.push_back(k);
+  }
+  return out;
+}
+
+// ---- text helpers ------------------------------------------------------------
+
+std::string lower(std::string s) {
+  for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return s;
+}
+
+// Optimal string alignment distance: Levenshtein plus adjacent transpositions,
+// so "esp" is one edit from "eps".
+size_t edit_distance(const std::string& a, const std::string& b) {
+  const size_t n = a.size(), m = b.size();
+  std::vector<std::vector<size_t>> d(n + 1, std::vector<size_t>(m + 1));
+  for (size_t i = 0; i <= n; ++i) d[i][0] = i;
+  for (size_t j = 0; j <= m; ++j) d[0][j] = j;
+  for (size_t i = 1; i <= n; ++i)
+    for (size_t j = 1; j <= m; ++j) {
+      size_t cost = a[i - 1] == b[j - 1] ? 0 : 1;
+      d[i][j] = std::min({d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + cost});
+      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1])
+        d[i][j] = std::min(d[i][j], d[i - 2][j - 2] + 1);
+    }
+  return d[n][m];
+}
+
+// Typos get longer with the word; a fixed cut-off would either miss
+// "lerning_rate" or suggest "lr" for "n".
+size_t max_typo(const std::string& word) { return std::max<size_t>(1, (word.size() + 2) / 4); }
+
+std::string join(const std::vector<std::string>& v, const std::string& sep) {
+  std::string out;
+  for (size_t i = 0; i < v.size(); ++i) out += (i ? sep : "") + v[i];
+  return out;
+}
+
+// The closest known key for an unknown dotted key: a typo in the key itself,
+// the right name in the wrong section, or an alias from another framework.
+std::optional<std::string> suggest_key(const std::string& unknown) {
+  const std::string parent = parent_of(unknown), leaf = lower(leaf_of(unknown));
+  struct Cand {
+    std::string target, full, leaf;
+  };
+  std::vector<Cand> cands;
+  for (const std::string& s : sections()) cands.push_back({s, s, leaf_of(s)});
+  for (const Field& f : fields()) cands.push_back({f.key, f.key, f.leaf()});
+  for (const auto& [alias, target] : aliases()) cands.push_back({target, "", alias});
+
+  std::optional<std::string> best;
+  size_t best_d = SIZE_MAX;
+  bool best_same = false;
+  for (const Cand& c : cands) {
+    size_t d = edit_distance(leaf, lower(c.leaf));
+    if (!c.full.empty()) d = std::min(d, edit_distance(lower(unknown), lower(c.full)));
+    if (d > max_typo(leaf)) continue;
+    const bool same = parent_of(c.target) == parent;
+    if (d < best_d || (d == best_d && same && !best_same)) {
+      best = c.target;
+      best_d = d;
+      best_same = same;
+    }
+  }
+  return best;
+}
+
+std::optional<std::string> suggest_choice(const std::string& value, const std::vector<std::string>& choices) {
+  std::optional<std::string> best;
+  size_t best_d = SIZE_MAX;
+  for (const std::string& c : choices) {
+    size_t d = edit_distance(lower(value), c);
+    if (d <= max_typo(value) && d < best_d) {
+      best = c;
+      best_d = d;
+    }
+  }
+  return best;
+}
+
+// Shortest text that reads back as the same double, so resolved YAML is
+// both exact and readable (0.001, not 0.0010000000000000000208).
+std::string format_double(double v) {
+  char buf[64];
+  // %g would write 300 as "3e+02".
+  if (v == std::floor(v) && std::fabs(v) < 1e15) {
+    std::snprintf(buf, sizeof buf, "%.0f", v);
+    return buf;
+  }
+  for (int prec = 1; prec <= 17; ++prec) {
+    std::snprintf(buf, sizeof buf, "%.*g", prec, v);
+    if (std::strtod(buf, nullptr) == v) break;
+  }
+  return buf;
+}
+
+// Double-quoted YAML scalar: the one style that can carry any text
+// (newlines, leading spaces, '#', ': ') unchanged.
+std::string yaml_quote(const std::string& s) {
+  std::string out = "\"";
+  for (unsigned char c : s) {
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\t': out += "\\t"; break;
+      case '\r': out += "\\r"; break;
+      default:
+        if (c < 0x20 || c == 0x7f) {
+          char buf[8];
+          std::snprintf(buf, sizeof buf, "\\x%02x", c);
+          out += buf;
+        } else {
+          out += static_cast<char>(c);
+        }
+    }
+  }
+  return out + "\"";
+}
+
+std::string value_text(const Field& f, const JobSpec& spec) {
+  // get() needs a mutable spec to hand out a writable pointer; reading only.
+  Ref r = f.get(const_cast<JobSpec&>(spec));
+  if (auto p = std::get_if<int*>(&r)) return std::to_string(**p);
+  if (auto p = std::get_if<int64_t*>(&r)) return std::to_string(**p);
+  if (auto p = std::get_if<uint64_t*>(&r)) return std::to_string(**p);
+  if (auto p = std::get_if<double*>(&r)) return format_double(**p);
+  const std::string& s = *std::get<std::string*>(r);
+  return f.is_enum() ? s : yaml_quote(s);
+}
+
+std::string default_text(const Field& f) {
+  static const JobSpec defaults;
+  return value_text(f, defaults);
+}
+
+// The variant index of a field's storage (0 int .. 4 string).
+size_t kind(const Field& f) {
+  static JobSpec scratch;  // only the pointer's type is used, never the value
+  return f.get(scratch).index();
+}
+
+std::string type_name(const Field& f) {
+  if (f.is_enum()) return "enum";
+  switch (kind(f)) {
+    case 0: return "int";
+    case 1: return "int64";
+    case 2: return "uint64";
+    case 3: return "float";
+    default: return "string";
+  }
+}
+
+std::string allowed_text(const Rule& r) {
+  if (!r.choices.empty()) return join(r.choices, " | ");
+  if (r.non_empty) return "non-empty";
+  if (r.lo && r.hi)
+    return (r.lo->open ? "(" : "[") + format_double(r.lo->value) + ", " + format_double(r.hi->value) +
+           (r.hi->open ? ")" : "]");
+  if (r.lo) return (r.lo->open ? "> " : ">= ") + format_double(r.lo->value);
+  if (r.hi) return (r.hi->open ? "< " : "<= ") + format_double(r.hi->value);
+  return "any";
+}
+
+// What a value of this field looks like, for "expected ..." messages.
+std::string expected_text(const Field& f) {
+  if (f.is_enum()) return "one of " + join(f.rule.choices, ", ");
+  switch (kind(f)) {
+    case 0:
+    case 1: return "an integer";
+    case 2: return "a non-negative integer";
+    case 3: return "a number";
+    default: return "a string";
+  }
+}
+
+// ---- where things came from ----------------------------------------------------
+
+[[noreturn]] void fail(const std::string& where, const std::string& key, const std::string& problem) {
+  if (key.empty()) TR_FAIL(where, ": ", problem);
+  TR_FAIL(where, ": ", key, ": ", problem);
+}
+
+// Who set a key (or opened a section), for messages and for precedence:
+// a --set beats the file.
+struct Origin {
+  std::string where;
+  int rank;  // 1 = file, 2 = --set
+};
+using Origins = std::map<std::string, Origin>;
+constexpr int kFromFile = 1, kFromSet = 2;
+
+// The place to blame for a rule about `keys`: the first one that was written
+// somewhere, else the nearest enclosing section that was, else the fallback
+// (the file's start), since defaults themselves are never wrong.
+std::string where_of(const Origins& o, const std::vector<std::string>& keys, const std::string& fallback) {
+  for (const std::string& k : keys) {
+    auto it = o.find(k);
+    if (it != o.end()) return it->second.where;
+  }
+  for (const std::string& k : keys)
+    for (std::string p = parent_of(k); !p.empty(); p = parent_of(p)) {
+      auto it = o.find(p);
+      if (it != o.end()) return it->second.where;
+    }
+  return fallback;
+}
+
+std::string where_mark(const std::string& name, const YAML::Mark& m) {
+  return name + ":" + std::to_string(m.line + 1) + ":" + std::to_string(m.column + 1);
+}
+
+// ---- scalars -------------------------------------------------------------------
+
+enum class Parsed { Ok, NotInteger, TooBig };
+
+std::string strip_plus(const std::string& t) { return !t.empty() && t[0] == '+' ? t.substr(1) : t; }
+
+bool parse_double(const std::string& text, double& out) {
+  const std::string t = strip_plus(text);
+  if (t.empty()) return false;
+  auto [end, ec] = std::from_chars(t.data(), t.data() + t.size(), out);
+  return ec == std::errc() && end == t.data() + t.size();
+}
+
+// Integers also accept an integral float ("1e6", "2.0"): token and step
+// counts are often written that way, and the value is exact.
+Parsed parse_int64(const std::string& text, int64_t& out) {
+  const std::string t = strip_plus(text);
+  auto [end, ec] = std::from_chars(t.data(), t.data() + t.size(), out);
+  if (!t.empty() && end == t.data() + t.size()) {
+    if (ec == std::errc()) return Parsed::Ok;
+    if (ec == std::errc::result_out_of_range) return Parsed::TooBig;
+  }
+  double d;
+  if (!parse_double(text, d) || !std::isfinite(d) || d != std::floor(d)) return Parsed::NotInteger;
+  if (d < -9.2e18 || d > 9.2e18) return Parsed::TooBig;
+  out = static_cast<int64_t>(d);
+  return Parsed::Ok;
+}
+
+Parsed parse_uint64(const std::string& text, uint64_t& out) {
+  const std::string t = strip_plus(text);
+  if (!t.empty() && t[0] == '-') return Parsed::NotInteger;
+  auto [end, ec] = std::from_chars(t.data(), t.data() + t.size(), out);
+  if (!t.empty() && end == t.data() + t.size()) {
+    if (ec == std::errc()) return Parsed::Ok;
+    if (ec == std::errc::result_out_of_range) return Parsed::TooBig;
+  }
+  double d;
+  if (!parse_double(text, d) || !std::isfinite(d) || d != std::floor(d) || d < 0) return Parsed::NotInteger;
+  if (d >= 18446744073709551615.0) return Parsed::TooBig;
+  out = static_cast<uint64_t>(d);
+  return Parsed::Ok;
+}
+
+// Store one YAML value into a field, checking only its type; ranges and
+// cross-field rules run afterwards in check_fields / check_rules so specs
+// built in code get the same checks.
+void assign(const Field& f, JobSpec& spec, const YAML::Node& v, const std::string& where) {
+  const std::string key = f.key;
+  if (v.IsSequence()) fail(where, key, "expected " + expected_text(f) + ", got a list");
+  if (v.IsMap()) fail(where, key, "expected " + expected_text(f) + ", got a map");
+  Ref r = f.get(spec);
+  if (!v.IsDefined() || v.IsNull()) {
+    // An empty value is the natural way to write an empty path or prompt.
+    if (auto p = std::get_if<std::string*>(&r); p && !f.is_enum()) {
+      (*p)->clear();
+      return;
+    }
+    fail(where, key,
+         "has no value; write " + expected_text(f) + ", or remove the key to keep the default (" +
+             default_text(f) + ")");
+  }
+  const std::string& t = v.Scalar();
+  const std::string got = ", got '" + t + "'";
+  if (auto p = std::get_if<int*>(&r)) {
+    int64_t x = 0;
+    Parsed st = parse_int64(t, x);
+    if (st == Parsed::NotInteger) fail(where, key, "expected an integer" + got);
+    if (st == Parsed::TooBig || x < INT_MIN || x > INT_MAX)
+      fail(where, key, "'" + t + "' does not fit in a 32-bit integer; use a value up to " + std::to_string(INT_MAX));
+    **p = static_cast<int>(x);
+  } else if (auto p = std::get_if<int64_t*>(&r)) {
+    int64_t x = 0;
+    Parsed st = parse_int64(t, x);
+    if (st == Parsed::NotInteger) fail(where, key, "expected an integer" + got);
+    if (st == Parsed::TooBig)
+      fail(where, key, "'" + t + "' does not fit in a 64-bit integer; use a value up to " + std::to_string(INT64_MAX));
+    **p = x;
+  } else if (auto p = std::get_if<uint64_t*>(&r)) {
+    uint64_t x = 0;
+    Parsed st = parse_uint64(t, x);
+    if (st == Parsed::NotInteger) fail(where, key, "expected a non-negative integer" + got);
+    if (st == Parsed::TooBig)
+      fail(where, key, "'" + t + "' does not fit in 64 bits; use a value up to " + std::to_string(UINT64_MAX));
+    **p = x;
+  } else if (auto p = std::get_if<double*>(&r)) {
+    double x = 0;
+    if (!parse_double(t, x)) fail(where, key, "expected a number" + got);
+    if (!std::isfinite(x)) fail(where, key, "expected a finite number" + got);
+    **p = x;
+  } else {
+    *std::get<std::string*>(r) = t;
+  }
+}
+
+// ---- validation ------------------------------------------------------------------
+
+bool in_bounds(double v, const Rule& r) {
+  if (r.lo && (r.lo->open ? !(v > r.lo->value) : !(v >= r.lo->value))) return false;
+  if (r.hi && (r.hi->open ? !(v < r.hi->value) : !(v <= r.hi->value))) return false;
+  return true;
+}
+
+void check_fields(JobSpec& spec, const Origins& o, const std::string& fallback) {
+  for (const Field& f : fields()) {
+    const std::string where = where_of(o, {f.key}, fallback);
+    Ref r = f.get(spec);
+    if (auto p = std::get_if<std::string*>(&r)) {
+      const std::string& s = **p;
+      if (f.is_enum() && std::find(f.rule.choices.begin(), f.rule.choices.end(), s) == f.rule.choices.end()) {
+        const std::string all = join(f.rule.choices, ", ");
+        if (auto near = suggest_choice(s, f.rule.choices))
+          fail(where, f.key, "unknown value '" + s + "'; did you mean '" + *near + "'? (one of: " + all + ")");
+        fail(where, f.key, "unknown value '" + s + "'; use one of: " + all);
+      }
+      if (f.rule.non_empty && s.empty())
+        fail(where, f.key, "must not be empty; give a value (default " + default_text(f) + ")");
+      continue;
+    }
+    double v = 0;
+    if (auto p = std::get_if<int*>(&r)) v = **p;
+    else if (auto p = std::get_if<int64_t*>(&r)) v = static_cast<double>(**p);
+    else if (auto p = std::get_if<uint64_t*>(&r)) v = static_cast<double>(**p);
+    else v = *std::get<double*>(r);
+    if (!in_bounds(v, f.rule))
+      fail(where, f.key,
+           value_text(f, spec) + " is out of range; must be " + (f.rule.lo && f.rule.hi ? "in " : "") +
+               allowed_text(f.rule));
+  }
+}
+
+// Rules between fields, in one place so they are easy to audit.
+void check_rules(JobSpec& s, const Origins& o, const std::string& fallback) {
+  auto at = [&](std::vector<std::string> keys) { return where_of(o, keys, fallback); };
+  auto str = [](auto v) { return std::to_string(v); };
+
+  const ModelSpec& m = s.model;
+  if (m.n_embd % m.n_head != 0) {
+    // Name the key the user actually wrote ("--set model.n_head=5").
+    if (!o.count("model.n_embd") && o.count("model.n_head"))
+      fail(at({"model.n_head"}), "model.n_head",
+           str(m.n_head) + " does not divide model.n_embd (" + str(m.n_embd) + "); choose a divisor of n_embd");
+    fail(at({"model.n_embd", "model.n_head"}), "model.n_embd",
+         str(m.n_embd) + " is not divisible by model.n_head (" + str(m.n_head) +
+             "); make n_embd a multiple of n_head");
+  }
+
+  const DataSpec& d = s.data;
+  if (d.format != "synthetic" && d.train.empty())
+    fail(at({"data.train", "data.format"}), "data.train",
+         "required when data.format is '" + d.format +
+             "'; set it to the training shards (a path or glob), or use data.format: synthetic");
+  if (d.format == "synthetic") {
+    if (d.synthetic.vocab > m.vocab_size)
+      fail(at({"data.synthetic.vocab", "model.vocab_size"}), "data.synthetic.vocab",
+           str(d.synthetic.vocab) + " is larger than model.vocab_size (" + str(m.vocab_size) +
+               "); lower it or raise model.vocab_size");
+    const int chain_vocab = d.synthetic.vocab > 0 ? d.synthetic.vocab : m.vocab_size;
+    if (d.synthetic.branching > chain_vocab)
+      fail(at({"data.synthetic.branching", "data.synthetic.vocab", "model.vocab_size"}), "data.synthetic.branching",
+           str(d.synthetic.branching) + " is larger than the chain's vocabulary (" + str(chain_vocab) +
+               "); use at most " + str(chain_vocab));
+  }
+
+  TrainSpec& t = s.train;
+  if (t.global_batch_tokens > 0) {
+    const std::string where = at({"train.global_batch_tokens"});
+    if (t.global_batch_tokens % m.seq_len != 0) {
+      int64_t up = (t.global_batch_tokens / m.seq_len + 1) * m.seq_len;
+      fail(where, "train.global_batch_tokens",
+           str(t.global_batch_tokens) + " is not a multiple of model.seq_len (" + str(m.seq_len) +
+               "); use a multiple such as " + str(up));
+    }
+    const int64_t seqs = t.global_batch_tokens / m.seq_len;
+    if (seqs > INT_MAX)
+      fail(where, "train.global_batch_tokens",
+           str(t.global_batch_tokens) + " is " + str(seqs) + " sequences, more than fit in a 32-bit count; lower it");
+    // Both written and different: the later layer (--set over file) wins,
+    // so "--set train.global_batch_size=64" works on a resolved spec that
+    // carries both; within one layer it is a contradiction.
+    auto tok = o.find("train.global_batch_tokens"), gbs = o.find("train.global_batch_size");
+    if (gbs != o.end() && t.global_batch_size != seqs) {
+      const int tok_rank = tok == o.end() ? 0 : tok->second.rank;
+      if (gbs->second.rank == tok_rank)
+        fail(gbs->second.where, "train.global_batch_size",
+             str(t.global_batch_size) + " contradicts train.global_batch_tokens (" + str(t.global_batch_tokens) +
+                 " = " + str(seqs) + " sequences of model.seq_len " + str(m.seq_len) +
+                 "); set only one of them (global_batch_tokens: 0 means use global_batch_size)");
+      if (gbs->second.rank > tok_rank) t.global_batch_tokens = 0;
+    }
+    if (t.global_batch_tokens > 0) {
+      t.global_batch_size = static_cast<int>(seqs);
+      if (t.global_batch_size % t.micro_batch_size != 0)
+        fail(where, "train.global_batch_tokens",
+             str(t.global_batch_tokens) + " is " + str(seqs) + " sequences of model.seq_len " + str(m.seq_len) +
+                 ", not divisible by train.micro_batch_size (" + str(t.micro_batch_size) +
+                 "); use a multiple of micro_batch_size * seq_len (" +
+                 str(int64_t(t.micro_batch_size) * m.seq_len) + ")");
+    }
+  }
+  if (t.global_batch_size % t.micro_batch_size != 0)
+    fail(at({"train.global_batch_size", "train.micro_batch_size"}), "train.global_batch_size",
+         str(t.global_batch_size) + " is not divisible by train.micro_batch_size (" + str(t.micro_batch_size) +
+             "); make it a multiple of micro_batch_size");
+  if (t.schedule != "constant" && t.min_lr > t.lr)
+    fail(at({"train.min_lr", "train.lr"}), "train.min_lr",
+         format_double(t.min_lr) + " is above train.lr (" + format_double(t.lr) +
+             "); the schedule decays from lr down to min_lr, so set min_lr <= lr");
+  if (t.warmup_steps > t.max_steps)
+    fail(at({"train.warmup_steps", "train.max_steps"}), "train.warmup_steps",
+         str(t.warmup_steps) + " is more than train.max_steps (" + str(t.max_steps) +
+             "); lower warmup_steps or raise max_steps");
+
+  const ParallelSpec& p = s.parallel;
+  if (p.shard_group_size > 0 && p.sharding != "hybrid_shard")
+    fail(at({"parallel.shard_group_size", "parallel.sharding"}), "parallel.shard_group_size",
+         str(p.shard_group_size) + " only applies to parallel.sharding: hybrid_shard (it is '" + p.sharding +
+             "'); use hybrid_shard or set shard_group_size to 0");
+}
+
+// ---- YAML walking ----------------------------------------------------------------
+
+[[noreturn]] void fail_unknown(const std::string& where, const std::string& key) {
+  const std::string parent = parent_of(key);
+  if (auto near = suggest_key(key)) {
+    fail(where, key, std::string(parent.empty() ? "unknown section" : "unknown key") + "; did you mean '" + *near + "'?");
+  }
+  if (parent.empty())
+    fail(where, key, "unknown section; the top level holds " + join(children_of(""), ", "));
+  if (!is_section(parent))
+    fail(where, key, "unknown key; '" + parent + "' is not a section");
+  std::vector<std::string> names;
+  for (const std::string& c : children_of(parent)) names.push_back(leaf_of(c));
+  fail(where, key, "unknown key; the keys of '" + parent + "' are " + join(names, ", "));
+}
+
+std::string kind_of(const YAML::Node& n) {
+  if (n.IsSequence()) return "a list";
+  if (n.IsMap()) return "a map";
+  return "'" + n.Scalar() + "'";
+}
+
+void walk(const YAML::Node& map, const std::string& prefix, const std::string& name, JobSpec& spec, Origins& o) {
+  std::map<std::string, int> seen;  // key -> 1-based line
+  for (auto it = map.begin(); it != map.end(); ++it) {
+    const YAML::Node k = it->first;  // copies: the iterator hands out temporaries
+    const YAML::Node v = it->second;
+    const std::string kwhere = where_mark(name, k.Mark());
+    if (!k.IsScalar())
+      fail(kwhere, prefix.empty() ? "(top level)" : prefix,
+           "a key must be a plain name, got " + kind_of(k) + "; write 'name: value'");
+    const std::string key = prefix.empty() ? k.Scalar() : prefix + "." + k.Scalar();
+    if (auto dup = seen.find(key); dup != seen.end())
+      fail(kwhere, key, "duplicate key (first set on line " + std::to_string(dup->second) + "); keep only one");
+    seen[key] = k.Mark().line + 1;
+
+    if (const Field* f = find_field(key)) {
+      // A null value's mark points past the key (often to the next line).
+      const std::string vwhere = v.IsNull() ? kwhere : where_mark(name, v.Mark());
+      assign(*f, spec, v, vwhere);
+      o[key] = {vwhere, kFromFile};
+    } else if (is_section(key)) {
+      o[key] = {kwhere, kFromFile};
+      if (v.IsNull()) continue;  // "model:" with nothing under it = all defaults
+      if (!v.IsMap())
+        fail(where_mark(name, v.Mark()), key,
+             "expected a section (a map of keys), got " + kind_of(v) + "; write its keys as indented 'key: value' lines under '" +
+                 leaf_of(key) + ":'");
+      walk(v, key, name, spec, o);
+    } else {
+      fail_unknown(kwhere, key);
+    }
+  }
+}
+
+void apply_override(const std::string& ov, JobSpec& spec, Origins& o) {
+  const std::string where = "--set " + ov;
+  const auto eq = ov.find('=');
+  if (eq == std::string::npos)
+    TR_FAIL(where, ": missing '='; write --set key.path=value, e.g. --set train.lr=3e-4");
+  const std::string key = ov.substr(0, eq), text = ov.substr(eq + 1);
+  if (key.empty()) TR_FAIL(where, ": missing the key before '='; write --set key.path=value, e.g. --set train.lr=3e-4");
+  const Field* f = find_field(key);
+  if (!f) {
+    if (is_section(key)) {
+      std::string example = children_of(key).front();
+      fail(where, key, "a section, not a field; set one of its keys, e.g. --set " + example + "=...");
+    }
+    fail_unknown(where, key);
+  }
+  YAML::Node v;
+  try {
+    v = YAML::Load(text);
+  } catch (const YAML::ParserException& e) {
+    fail(where, key, "the value is not a YAML scalar (" + e.msg + "); quote it, e.g. --set " + key + "='" + text + "'");
+  }
+  assign(*f, spec, v, where);
+  o[key] = {where, kFromSet};
+}
+
+std::string read_whole_file(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) TR_FAIL("cannot read job spec '", path, "': ", std::strerror(errno));
+  std::string text;
+  char buf[65536];
+  for (;;) {
+    ssize_t n = ::read(fd, buf, sizeof buf);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      int err = errno;
+      ::close(fd);
+      TR_FAIL("cannot read job spec '", path, "': ", std::strerror(err));
+    }
+    if (n == 0) break;
+    text.append(buf, static_cast<size_t>(n));
+  }
+  ::close(fd);
+  return text;
+}
+
+}  // namespace
+
+// ---- public API --------------------------------------------------------------------
+
+JobSpec parse_job_spec(const std::string& yaml_text, const std::string& name,
+                       const std::vector<std::string>& overrides) {
+  std::vector<YAML::Node> docs;
+  try {
+    docs = YAML::LoadAll(yaml_text);
+  } catch (const YAML::ParserException& e) {
+    TR_FAIL(where_mark(name, e.mark), ": invalid YAML: ", e.msg, "; fix the syntax at this position");
+  }
+  if (docs.size() > 1)
+    TR_FAIL(where_mark(name, docs[1].Mark()),
+            ": a second YAML document ('---') is not allowed; put the whole job in one document");
+
+  JobSpec spec;
+  Origins origins;
+  // An empty file (or one with only comments) means "all defaults"; the
+  // default data.format still needs data.train, which check_rules reports.
+  if (!docs.empty() && !docs[0].IsNull()) {
+    const YAML::Node& top = docs[0];
+    if (!top.IsMap())
+      TR_FAIL(where_mark(name, top.Mark()), ": the top level must be a map of sections (",
+              join(children_of(""), ", "), "), got ", kind_of(top), "; write e.g. 'train:' then indented keys");
+    walk(top, "", name, spec, origins);
+  }
+  for (const std::string& ov : overrides) apply_override(ov, spec, origins);
+
+  const std::string fallback = name + ":1:1";
+  check_fields(spec, origins, fallback);
+  check_rules(spec, origins, fallback);
+  spec.source = name;
+  return spec;
+}
+
+JobSpec load_job_spec(const std::string& path, const std::vector<std::string>& overrides) {
+  return parse_job_spec(read_whole_file(path), path, overrides);
+}
+
+void validate_job_spec(JobSpec& spec) {
+  check_fields(spec, {}, spec.source);
+  check_rules(spec, {}, spec.source);
+}
+
+std::string job_spec_to_yaml(const JobSpec& spec) {
+  struct Line {
+    std::string text, comment;
+  };
+  std::vector<Line> lines;
+  std::string open;  // the section whose header was written last
+  for (const Field& f : fields()) {
+    const std::string sec = f.section();
+    if (sec != open) {
+      // Open every section level below the common prefix with the last one.
+      std::vector<std::string> path;
+      for (std::string p = sec; !p.empty(); p = parent_of(p)) path.insert(path.begin(), p);
+      for (size_t i = 0; i < path.size(); ++i) {
+        const std::string& p = path[i];
+        if (open == p || open.rfind(p + ".", 0) == 0) continue;
+        if (i == 0) lines.push_back({"", ""});
+        lines.push_back({std::string(2 * i, ' ') + leaf_of(p) + ":", ""});
+      }
+      open = sec;
+    }
+    const size_t depth = sec.empty() ? 0 : std::count(sec.begin(), sec.end(), '.') + 1;
+    const std::string allowed = allowed_text(f.rule);
+    lines.push_back({std::string(2 * depth, ' ') + f.leaf() + ": " + value_text(f, spec),
+                     std::string(f.doc) + (allowed == "any" ? "" : "; " + allowed)});
+  }
+  size_t col = 0;
+  for (const Line& l : lines) col = std::max(col, l.text.size());
+  col = std::min<size_t>(col, 40) + 2;
+
+  std::string out = "# trainrun job spec, fully resolved: every field, defaults filled in.\n"
+                    "# Reference: docs/job-spec.md\n";
+  for (const Line& l : lines) {
+    std::string s = l.text;
+    if (!l.comment.empty()) s += std::string(s.size() < col ? col - s.size() : 2, ' ') + "# " + l.comment;
+    out += s + "\n";
+  }
+  return out;
+}
+
+std::vector<JobSpecField> job_spec_fields() {
+  std::vector<JobSpecField> out;
+  for (const Field& f : fields())
+    out.push_back({f.key, type_name(f), default_text(f), allowed_text(f.rule), f.doc});
+  return out;
+}
+
+std::string job_spec_reference_markdown() {
+  auto cell = [](const std::string& s) {
+    std::string out;
+    for (char c : s) out += c == '|' ? std::string("\\|") : std::string(1, c);
+    return out;
+  };
+  std::string out;
+  std::string sec = "\x01";
+  for (const JobSpecField& f : job_spec_fields()) {
+    const std::string s = parent_of(f.key);
+    if (s != sec) {
+      if (sec != "\x01") out += "\n";
+      out += "### " + (s.empty() ? std::string("top level") : "`" + s + "`") + "\n\n";
+      out += "| key | type | default | allowed | meaning |\n";
+      out += "|---|---|---|---|---|\n";
+      sec = s;
+    }
+    out += "| `" + f.key + "` | " + f.type + " | `" + cell(f.default_value) + "` | " + cell(f.allowed) + " | " +
+           cell(f.doc) + " |\n";
+  }
+  return out;
+}
+
+}  // namespace trainrun

@@ -1,0 +1,303 @@
+#include "core/train/trainer.h"
+
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <sstream>
+
+#include "core/common/error.h"
+#include "core/common/log.h"
+#include "core/data/dataset.h"
+#include "core/model/gpt2.h"
+#include "core/model/model_io.h"
+#include "core/train/generate.h"
+#include "core/train/metrics.h"
+#include "core/train/schedule.h"
+#include "kernels/backend.h"
+#include "parallel/communicator.h"
+#include "parallel/sharding.h"
+#include "parallel/store.h"
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+namespace trainrun {
+
+namespace {
+int env_int(const char* name, int dflt) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return dflt;
+  char* end = nullptr;
+  long x = std::strtol(v, &end, 10);
+  TR_CHECK(end && *end == 0, "environment variable ", name, "='", v, "' is not an integer");
+  return int(x);
+}
+std::string env_str(const char* name, const std::string& dflt) {
+  const char* v = std::getenv(name);
+  return v && *v ? v : dflt;
+}
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+std::string fmt(double v, int prec) {
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(prec) << v;
+  return os.str();
+}
+std::string sci(double v) {
+  std::ostringstream os;
+  os << std::scientific << std::setprecision(2) << v;
+  return os.str();
+}
+std::string human_bytes(double b) {
+  const char* u[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int i = 0;
+  while (b >= 1024 && i < 4) b /= 1024, ++i;
+  return fmt(b, i ? 1 : 0) + " " + u[i];
+}
+}  // namespace
+
+WorkerInfo WorkerInfo::from_env() {
+  WorkerInfo w;
+  w.rank = env_int("RANK", 0);
+  w.world = env_int("WORLD_SIZE", 1);
+  w.local_rank = env_int("LOCAL_RANK", w.rank);
+  w.local_world = env_int("LOCAL_WORLD_SIZE", w.world);
+  w.group_rank = env_int("GROUP_RANK", 0);
+  w.master_addr = env_str("MASTER_ADDR", "127.0.0.1");
+  w.master_port = env_int("MASTER_PORT", 0);
+  w.secret = env_str("TRAINRUN_STORE_SECRET", "");
+  TR_CHECK(w.world >= 1 && w.rank >= 0 && w.rank < w.world, "RANK=", w.rank, " / WORLD_SIZE=", w.world,
+           " is not a valid rank; check the launcher environment");
+  return w;
+}
+
+// Reads this rank's part of one global batch and runs forward+backward on it.
+class Trainer {
+ public:
+  Trainer(const JobSpec& job, const WorkerInfo& w) : job_(job), w_(w) {}
+  TrainSummary run();
+
+ private:
+  void setup();
+  double train_step(int step);  // returns the global mean loss
+  double evaluate();
+  void read_batch(const TokenSource& src, int64_t first, int B);
+
+  const JobSpec& job_;
+  WorkerInfo w_;
+  std::unique_ptr<Backend> be_;
+  std::unique_ptr<Store> store_;
+  std::unique_ptr<Communicator> comm_;
+  GPT2Config cfg_;
+  std::unique_ptr<GPT2> model_;
+  std::unique_ptr<ParamStore> params_;
+  std::unique_ptr<TokenSource> train_src_, val_src_;
+  int T_ = 0, mb_ = 0, global_B_ = 0, accum_ = 0;
+  int64_t cursor_ = 0;  // global sample index of the next training batch
+  std::vector<int32_t> host_in_, host_tgt_;
+  std::vector<float> host_losses_;
+  DeviceBuffer dev_in_, dev_tgt_;
+  bool rank0_ = true;
+};
+
+void Trainer::setup() {
+  rank0_ = w_.rank == 0;
+  // 1. device
+  TR_CHECK(job_.backend != "cuda", "backend: 'cuda' was requested but this build/machine has no usable GPU; use backend: cpu or auto");
+  be_ = make_cpu_backend();
+  // 2. distributed
+  const auto timeout = std::chrono::milliseconds(int64_t(job_.parallel.timeout_s * 1000));
+  if (w_.world > 1) {
+    store_ = connect_tcp_store(w_.master_addr, w_.master_port, w_.secret, timeout);
+    comm_ = make_gloo_communicator(*store_, "world/", w_.rank, w_.world, w_.master_addr, timeout);
+  } else {
+    comm_ = make_single_communicator();
+  }
+  // 3. model
+  cfg_ = GPT2Config::from_spec(job_.model);
+  T_ = cfg_.T;
+  mb_ = job_.train.micro_batch_size;
+  global_B_ = job_.train.derived_global_batch_size();
+  TR_CHECK(global_B_ % (mb_ * w_.world) == 0, "train.global_batch_size (", global_B_,
+           " sequences) must be a multiple of train.micro_batch_size (", mb_, ") x world size (", w_.world,
+           "); change one of them so every rank gets whole micro-batches");
+  accum_ = global_B_ / (mb_ * w_.world);
+  model_ = std::make_unique<GPT2>(cfg_, be_.get(), mb_, job_.train.activation_checkpointing == "blocks");
+  // 4. sharded state
+  params_ = make_param_store(job_.parallel.sharding, model_->layout(), be_.get(), comm_.get(),
+                             job_.parallel.shard_group_size);
+  params_->init_params(cfg_, job_.train.seed);
+  // 5. data
+  train_src_ = open_train_source(job_);
+  val_src_ = open_val_source(job_);
+  TR_CHECK(train_src_->vocab_bound() <= cfg_.V, "data: tokens go up to ", train_src_->vocab_bound() - 1,
+           " but model.vocab_size is ", cfg_.V, "; raise model.vocab_size");
+  host_in_.resize(size_t(mb_) * T_);
+  host_tgt_.resize(size_t(mb_) * T_);
+  host_losses_.resize(size_t(mb_) * T_);
+  dev_in_ = DeviceBuffer(be_.get(), host_in_.size() * 4);
+  dev_tgt_ = DeviceBuffer(be_.get(), host_tgt_.size() * 4);
+
+  if (rank0_) {
+    TR_LOG_INFO("model: gpt2 L=", cfg_.L, " NH=", cfg_.NH, " C=", cfg_.C, " V=", cfg_.V, " T=", cfg_.T, " (",
+                model_->layout().total, " parameters)");
+    TR_LOG_INFO("data: train ", train_src_->describe(), val_src_ ? "; val " + val_src_->describe() : "; no val");
+    if (train_src_->entropy_floor() >= 0)
+      TR_LOG_INFO("data: entropy floor (the lowest reachable loss) H = ", fmt(train_src_->entropy_floor(), 4),
+                  " nats/token");
+    TR_LOG_INFO("batch: ", global_B_, " sequences x ", T_, " tokens per step = ", mb_, " micro-batch x ", accum_,
+                " accumulation x ", w_.world, " ranks; backend ", be_->name());
+  }
+  ShardMemory m = params_->memory();
+  TR_LOG_INFO("memory (rank ", w_.rank, ", ", params_->strategy(), "): params ", human_bytes(m.params), ", grads ",
+              human_bytes(m.grads), ", optimizer ", human_bytes(m.optimizer), ", activations ",
+              human_bytes(model_->activation_bytes()));
+}
+
+void Trainer::read_batch(const TokenSource& src, int64_t first, int B) {
+  src.read_samples(first, B, T_, host_in_.data(), host_tgt_.data());
+  be_->copy_to_device(dev_in_.get(), host_in_.data(), size_t(B) * T_ * 4);
+  be_->copy_to_device(dev_tgt_.get(), host_tgt_.data(), size_t(B) * T_ * 4);
+}
+
+double Trainer::train_step(int step) {
+  params_->zero_grads();
+  const float dloss_scale = 1.0f / float(int64_t(global_B_) * T_);
+  double local_loss = 0;
+  for (int m = 0; m < accum_; ++m) {
+    int64_t first = cursor_ + (int64_t(m) * w_.world + w_.rank) * mb_;
+    read_batch(*train_src_, first, mb_);
+    model_->forward(*params_, dev_in_.as<int32_t>(), dev_tgt_.as<int32_t>(), mb_, T_, true, dloss_scale);
+    be_->copy_to_host(host_losses_.data(), model_->losses(), host_losses_.size() * 4);
+    for (float l : host_losses_) local_loss += l;
+    model_->backward(*params_);
+  }
+  cursor_ += global_B_;
+  params_->finish_grads();
+  float loss = float(local_loss);
+  comm_->all_reduce(&loss, 1, ReduceOp::Sum);
+  return double(loss) / (double(global_B_) * T_);
+}
+
+double Trainer::evaluate() {
+  if (!val_src_ || job_.train.eval_steps <= 0) return -1;
+  double local = 0;
+  const int per_eval_step = mb_ * w_.world;
+  for (int e = 0; e < job_.train.eval_steps; ++e) {
+    read_batch(*val_src_, int64_t(e) * per_eval_step + int64_t(w_.rank) * mb_, mb_);
+    model_->forward(*params_, dev_in_.as<int32_t>(), dev_tgt_.as<int32_t>(), mb_, T_, false, 0.0f);
+    be_->copy_to_host(host_losses_.data(), model_->losses(), host_losses_.size() * 4);
+    for (float l : host_losses_) local += l;
+  }
+  float total = float(local);
+  comm_->all_reduce(&total, 1, ReduceOp::Sum);
+  return double(total) / (double(job_.train.eval_steps) * per_eval_step * T_);
+}
+
+TrainSummary Trainer::run() {
+  auto t_start = Clock::now();
+  setup();
+  const auto& tr = job_.train;
+  const fs::path out(job_.output.dir);
+  std::unique_ptr<MetricsWriter> metrics;
+  if (rank0_) {
+    std::error_code ec;
+    fs::remove(out / "metrics.jsonl", ec);  // a fresh run starts a fresh record
+    metrics = std::make_unique<MetricsWriter>((out / "metrics.jsonl").string());
+  }
+  TrainSummary sum;
+  sum.entropy_floor = train_src_->entropy_floor();
+  AdamWParams ap;
+  ap.beta1 = float(tr.beta1);
+  ap.beta2 = float(tr.beta2);
+  ap.eps = float(tr.eps);
+  ap.weight_decay = float(tr.weight_decay);
+  const int64_t tokens_per_step = int64_t(global_B_) * T_;
+  double window_time = 0, window_comm = 0;
+  int window_steps = 0;
+  double train_time = 0;
+  for (int step = 0; step < tr.max_steps; ++step) {
+    comm_->set_step(step + 1);
+    auto t0 = Clock::now();
+    const double lr = lr_at(step, tr.max_steps, tr.warmup_steps, tr.lr, tr.min_lr, tr.schedule);
+    const double loss = train_step(step);
+    const double gnorm = std::sqrt(params_->grad_norm_squared());
+    // Clip by the global norm: every rank computed the same norm, so every
+    // shard scales by the same factor.
+    float grad_scale = 1.0f;
+    if (tr.grad_clip > 0 && gnorm > tr.grad_clip) grad_scale = float(tr.grad_clip / (gnorm + 1e-6));
+    ap.lr = float(lr);
+    params_->optimizer_step(ap, step + 1, grad_scale);
+    be_->synchronize();
+    const double dt = seconds_since(t0);
+    window_time += dt;
+    window_comm += params_->take_comm_wait_seconds();
+    ++window_steps;
+    train_time += dt;
+    sum.steps = step + 1;
+    sum.final_loss = loss;
+    sum.tokens += tokens_per_step;
+    TR_CHECK(std::isfinite(loss), "training diverged at step ", step + 1, ": loss is ", loss,
+             "; lower train.lr or raise train.warmup_steps");
+
+    const bool last = step + 1 == tr.max_steps;
+    const bool do_log = last || step == 0 || (tr.log_interval > 0 && (step + 1) % tr.log_interval == 0);
+    const bool do_eval = val_src_ && (last || (tr.eval_interval > 0 && (step + 1) % tr.eval_interval == 0));
+    double val_loss = do_eval ? evaluate() : -1;
+    if (val_loss >= 0 && (sum.best_val_loss < 0 || val_loss < sum.best_val_loss)) sum.best_val_loss = val_loss;
+    if (do_log || do_eval) {
+      const double tps = window_steps ? tokens_per_step * window_steps / window_time : 0;
+      if (rank0_) {
+        std::string line = "step " + std::to_string(step + 1) + "/" + std::to_string(tr.max_steps) + " | loss " +
+                           fmt(loss, 4) + " | lr " + sci(lr) + " | grad_norm " + fmt(gnorm, 3) +
+                           " | " + fmt(1000 * window_time / std::max(1, window_steps), 1) + " ms/step | " +
+                           fmt(tps, 0) + " tok/s";
+        if (w_.world > 1) line += " | comm wait " + fmt(100 * window_comm / std::max(1e-9, window_time), 1) + "%";
+        if (val_loss >= 0) line += " | val_loss " + fmt(val_loss, 4);
+        TR_LOG_INFO(line);
+        std::vector<std::pair<std::string, double>> rec = {
+            {"step", step + 1}, {"loss", loss}, {"lr", lr}, {"grad_norm", gnorm}, {"tokens_per_sec", tps},
+            {"ms_per_step", 1000 * window_time / std::max(1, window_steps)}};
+        if (val_loss >= 0) rec.push_back({"val_loss", val_loss});
+        metrics->write(rec);
+      }
+      window_time = window_comm = 0;
+      window_steps = 0;
+    }
+  }
+  sum.tokens_per_sec = train_time > 0 ? sum.tokens / train_time : 0;
+
+  // Final weights: every rank takes part in the gather, rank 0 writes.
+  std::vector<float> flat = params_->gather_full_params();
+  if (rank0_) {
+    const std::string path = (out / "model.safetensors").string();
+    save_model_safetensors(path, cfg_, flat);
+    sum.wall_seconds = seconds_since(t_start);
+    std::string floor = sum.entropy_floor >= 0 ? " (entropy floor " + fmt(sum.entropy_floor, 4) + ")" : "";
+    TR_LOG_INFO("done: ", sum.steps, " steps, ", sum.tokens, " tokens in ", fmt(sum.wall_seconds, 1), " s, ",
+                fmt(sum.tokens_per_sec, 0), " tok/s; final loss ", fmt(sum.final_loss, 4), floor,
+                sum.best_val_loss >= 0 ? "; best val_loss " + fmt(sum.best_val_loss, 4) : "", "; weights in ", path);
+    if (job_.output.sample_tokens > 0) {
+      SampleOptions so;
+      so.max_tokens = job_.output.sample_tokens;
+      so.temperature = 0.8;
+      so.top_k = 40;
+      so.seed = job_.train.seed;
+      std::vector<int32_t> prompt = encode_prompt(job_.output.sample_prompt, cfg_.V);
+      if (prompt.empty()) prompt.push_back(0);
+      auto toks = sample_tokens(cfg_, flat, prompt, so);
+      TR_LOG_INFO("sample:\n", decode_tokens(toks, cfg_.V));
+    }
+  }
+  comm_->barrier();
+  return sum;
+}
+
+TrainSummary run_training(const JobSpec& job, const WorkerInfo& worker) {
+  Trainer t(job, worker);
+  return t.run();
+}
+
+}  // namespace trainrun

@@ -1,0 +1,29 @@
+// The training loop of one worker. Built in a fixed order (device ->
+// distributed -> model -> sharded state -> data), then: data -> forward ->
+// backward -> gradient reduction -> clip -> AdamW -> log/eval.
+#pragma once
+#include <string>
+
+#include "core/config/job_spec.h"
+
+namespace trainrun {
+
+// Where this worker sits in the job (from the torchrun-style environment).
+struct WorkerInfo {
+  int rank = 0, world = 1, local_rank = 0, local_world = 1, group_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 0;
+  std::string secret;
+  static WorkerInfo from_env();  // RANK, WORLD_SIZE, ... (defaults: a single rank)
+};
+
+struct TrainSummary {
+  int steps = 0;
+  double final_loss = 0, best_val_loss = -1, entropy_floor = -1;
+  double tokens_per_sec = 0, wall_seconds = 0;
+  int64_t tokens = 0;
+};
+
+TrainSummary run_training(const JobSpec& job, const WorkerInfo& worker);
+
+}  // namespace trainrun

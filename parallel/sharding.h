@@ -1,0 +1,62 @@
+// Sharded parameter state: where parameters, gradients and AdamW state live
+// across ranks, and the collectives that move them. Implements UnitAccess so
+// the model never knows which strategy is in force.
+//
+//   no_shard       (DDP)     params, grads, optimizer state replicated; grads all-reduced
+//   shard_grad_op  (ZeRO-2)  params replicated; grads reduce-scattered; optimizer state sharded;
+//                            updated shards all-gathered into the replicated params
+//   full_shard     (ZeRO-3)  params sharded too: each unit all-gathered before use, freed after
+//   hybrid_shard             full_shard inside groups of shard_group_size ranks, replicated across
+//
+// Every unit is one flat buffer padded to a multiple of the shard-group size,
+// so any world size works. Rank r of a group owns elements
+// [r*S, (r+1)*S) of each unit (S = padded/world), in logical (global) order.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/model/gpt2.h"
+#include "kernels/backend.h"
+#include "parallel/communicator.h"
+
+namespace trainrun {
+
+struct AdamWParams {
+  float lr = 1e-3f, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0.0f;
+};
+
+// Bytes held by this rank, for the log and the memory report.
+struct ShardMemory {
+  size_t params = 0, grads = 0, optimizer = 0, comm_buffers = 0;
+};
+
+class ParamStore : public UnitAccess {
+ public:
+  // Fill the parameters from the counter-based GPT-2 init (each rank inits
+  // only what it holds).
+  virtual void init_params(const GPT2Config& cfg, uint64_t seed) = 0;
+  virtual void zero_grads() = 0;
+  // After the last micro-batch's backward: finish every gradient reduction.
+  virtual void finish_grads() = 0;
+  // Sum of squares of the full (global) gradient, identical on every rank.
+  virtual double grad_norm_squared() = 0;
+  // AdamW on this rank's shard (decay mask from the layout), then make the
+  // updated parameters visible where the strategy keeps them. `step` is 1-based.
+  virtual void optimizer_step(const AdamWParams& p, int step, float grad_scale) = 0;
+  // The whole model's fp32 parameters in the flat layout, on every rank
+  // (collective: every rank must call it).
+  virtual std::vector<float> gather_full_params() = 0;
+  // Replace all parameters from a whole-model host vector (every rank passes the same).
+  virtual void load_full_params(const std::vector<float>& flat) = 0;
+  virtual ShardMemory memory() const = 0;
+  // Seconds spent waiting on collectives since the last call (and reset).
+  virtual double take_comm_wait_seconds() = 0;
+  virtual std::string strategy() const = 0;
+};
+
+std::unique_ptr<ParamStore> make_param_store(const std::string& strategy, const ParamLayout& layout,
+                                             Backend* be, Communicator* world, int shard_group_size);
+
+}  // namespace trainrun

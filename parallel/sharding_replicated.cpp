@@ -1,0 +1,105 @@
+// no_shard (DDP): every rank holds the whole model, its gradient and the
+// optimizer state; gradients are all-reduced (sum: the loss scale already
+// divides by the global token count). The single-rank case is this with a
+// world of one.
+#include <chrono>
+#include <cmath>
+
+#include "core/common/error.h"
+#include "parallel/sharding.h"
+
+namespace trainrun {
+
+namespace {
+
+class ReplicatedStore final : public ParamStore {
+ public:
+  ReplicatedStore(const ParamLayout& layout, Backend* be, Communicator* comm)
+      : layout_(layout), be_(be), comm_(comm) {
+    const int64_t n = layout.total;
+    // On fp32 backends the master copy doubles as the parameters.
+    master_ = DeviceBuffer(be, n * 4);
+    if (be->act_dtype() != DType::F32) params_ = DeviceBuffer(be, n * dtype_size(be->act_dtype()));
+    grads_ = DeviceBuffer(be, n * 4);
+    m_ = DeviceBuffer(be, n * 4);
+    v_ = DeviceBuffer(be, n * 4);
+  }
+  void* params() { return params_.get() ? params_.get() : master_.get(); }
+
+  const void* acquire_params(int unit) override {
+    return static_cast<char*>(params()) + layout_.units[unit].offset * dtype_size(be_->act_dtype());
+  }
+  void release_params(int) override {}
+  float* unit_grads(int unit) override { return grads_.as<float>() + layout_.units[unit].offset; }
+  void grads_done(int) override {}
+
+  void init_params(const GPT2Config& cfg, uint64_t seed) override {
+    std::vector<float> host(layout_.total);
+    gpt2_init_params(cfg, layout_, seed, 0, layout_.total, host.data());
+    load_full_params(host);
+  }
+  void zero_grads() override { be_->zero(grads_.get(), grads_.bytes()); }
+  void finish_grads() override {
+    if (comm_->world_size() == 1) return;
+    auto t0 = std::chrono::steady_clock::now();
+    be_->synchronize();
+    comm_->all_reduce(grads_.as<float>(), layout_.total, ReduceOp::Sum);
+    wait_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  double grad_norm_squared() override {
+    DeviceBuffer acc(be_, 4);
+    be_->sum_squares(acc.as<float>(), grads_.as<float>(), layout_.total);
+    float host = 0;
+    be_->copy_to_host(&host, acc.get(), 4);
+    return host;
+  }
+  void optimizer_step(const AdamWParams& p, int step, float grad_scale) override {
+    const size_t es = dtype_size(be_->act_dtype());
+    for (const auto& t : layout_.tensors) {
+      be_->adamw_update(master_.as<float>() + t.offset, static_cast<char*>(params()) + t.offset * es,
+                        grads_.as<float>() + t.offset, m_.as<float>() + t.offset, v_.as<float>() + t.offset,
+                        t.numel, p.lr, p.beta1, p.beta2, p.eps, t.decay ? p.weight_decay : 0.0f, step,
+                        grad_scale);
+    }
+  }
+  std::vector<float> gather_full_params() override {
+    std::vector<float> host(layout_.total);
+    be_->copy_to_host(host.data(), master_.get(), host.size() * 4);
+    return host;
+  }
+  void load_full_params(const std::vector<float>& flat) override {
+    TR_CHECK(int64_t(flat.size()) == layout_.total, "load_full_params: got ", flat.size(),
+             " values for a model of ", layout_.total);
+    be_->copy_to_device(master_.get(), flat.data(), flat.size() * 4);
+    if (params_.get()) be_->cast_from_f32(params_.get(), master_.as<float>(), layout_.total);
+  }
+  ShardMemory memory() const override {
+    ShardMemory m;
+    m.params = master_.bytes() + params_.bytes();
+    m.grads = grads_.bytes();
+    m.optimizer = m_.bytes() + v_.bytes();
+    return m;
+  }
+  double take_comm_wait_seconds() override {
+    double w = wait_;
+    wait_ = 0;
+    return w;
+  }
+  std::string strategy() const override { return "no_shard"; }
+
+ private:
+  const ParamLayout& layout_;
+  Backend* be_;
+  Communicator* comm_;
+  DeviceBuffer master_, params_, grads_, m_, v_;
+  double wait_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<ParamStore> make_replicated_param_store(const ParamLayout& layout, Backend* be,
+                                                        Communicator* comm) {
+  return std::make_unique<ReplicatedStore>(layout, be, comm);
+}
+
+}  // namespace trainrun

@@ -1,0 +1,525 @@
+// Communicator tests: W ranks run as threads of this process, each with its
+// own Gloo communicator (its own tcp device on 127.0.0.1) bootstrapped
+// through one in-process store. Catch2 assertions are not thread-safe, so the
+// rank threads only compute and record; the checks run on the main thread.
+#include <catch2/catch.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/common/error.h"
+#include "parallel/communicator.h"
+#include "parallel/store.h"
+
+using namespace trainrun;
+using namespace std::chrono_literals;
+
+namespace {
+
+// A trainrun::Store in memory: a map guarded by a mutex, with a condition
+// variable for the blocking get/wait. Enough for threads of one process.
+class MemStore : public Store {
+ public:
+  void set(const std::string& key, const std::vector<uint8_t>& value) override {
+    std::lock_guard<std::mutex> lk(m_);
+    kv_[key] = value;
+    cv_.notify_all();
+  }
+  std::vector<uint8_t> get(const std::string& key, Millis timeout) override {
+    std::unique_lock<std::mutex> lk(m_);
+    if (!cv_.wait_for(lk, timeout, [&] { return kv_.count(key) > 0; }))
+      TR_FAIL("store: key '", key, "' did not appear within ", timeout.count(), " ms");
+    return kv_[key];
+  }
+  int64_t add(const std::string& key, int64_t delta) override {
+    std::lock_guard<std::mutex> lk(m_);
+    auto& v = kv_[key];
+    int64_t cur = v.empty() ? 0 : std::stoll(std::string(v.begin(), v.end()));
+    cur += delta;
+    std::string s = std::to_string(cur);
+    v.assign(s.begin(), s.end());
+    cv_.notify_all();
+    return cur;
+  }
+  std::vector<uint8_t> compare_set(const std::string& key, const std::vector<uint8_t>& expected,
+                                   const std::vector<uint8_t>& desired) override {
+    std::lock_guard<std::mutex> lk(m_);
+    auto it = kv_.find(key);
+    if ((it == kv_.end() && expected.empty()) || (it != kv_.end() && it->second == expected)) {
+      kv_[key] = desired;
+      cv_.notify_all();
+      return desired;
+    }
+    return it == kv_.end() ? std::vector<uint8_t>{} : it->second;
+  }
+  bool check(const std::string& key) override {
+    std::lock_guard<std::mutex> lk(m_);
+    return kv_.count(key) > 0;
+  }
+  bool remove(const std::string& key) override {
+    std::lock_guard<std::mutex> lk(m_);
+    return kv_.erase(key) > 0;
+  }
+  void wait(const std::vector<std::string>& keys, Millis timeout) override {
+    std::unique_lock<std::mutex> lk(m_);
+    auto all = [&] {
+      for (auto& k : keys)
+        if (!kv_.count(k)) return false;
+      return true;
+    };
+    if (!cv_.wait_for(lk, timeout, all)) {
+      std::string missing;
+      for (auto& k : keys)
+        if (!kv_.count(k)) missing += " '" + k + "'";
+      TR_FAIL("store: keys", missing, " did not appear within ", timeout.count(), " ms");
+    }
+  }
+  size_t size() {
+    std::lock_guard<std::mutex> lk(m_);
+    return kv_.size();
+  }
+
+ private:
+  std::mutex m_;
+  std::condition_variable cv_;
+  std::map<std::string, std::vector<uint8_t>> kv_;
+};
+
+// A fresh prefix per group, so groups never see each other's keys.
+std::string fresh_prefix(const std::string& tag) {
+  static std::atomic<int> n{0};
+  return "test/" + tag + "/" + std::to_string(n++);
+}
+
+// Runs fn(comm) on W threads, one communicator each; rethrows the first
+// exception (by rank) after all threads have finished.
+void run_group(Store& store, int W, const std::function<void(Communicator&)>& fn,
+               std::chrono::milliseconds timeout = 30s, const std::string& tag = "g") {
+  const std::string prefix = fresh_prefix(tag);
+  std::vector<std::exception_ptr> errors(W);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < W; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        auto comm = make_gloo_communicator(store, prefix, r, W, "127.0.0.1", timeout);
+        fn(*comm);
+      } catch (...) {
+        errors[r] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+}
+
+// Test data. Integer-valued floats (small magnitudes) make every fp32 sum
+// exact, so Sum can be checked for equality; "real" values are arbitrary
+// positive floats (no cancellation), checked to 1e-6 relative.
+float int_val(int r, int64_t i) { return static_cast<float>(((i * 37 + r * 11) % 41) - 20); }
+float real_val(int r, int64_t i) {
+  uint64_t h = static_cast<uint64_t>(i) * 6364136223846793005ull + static_cast<uint64_t>(r + 1) * 1442695040888963407ull;
+  h ^= h >> 29;
+  h *= 0xbf58476d1ce4e5b9ull;
+  h ^= h >> 32;
+  return 0.5f + static_cast<float>(h % 1000003) / 1000003.0f;  // [0.5, 1.5)
+}
+
+bool close_rel(double got, double want, double tol = 1e-6) {
+  return std::fabs(got - want) <= tol * std::max(1.0, std::fabs(want));
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+const int64_t kCounts[] = {1, 7, 1000, 100003};
+
+}  // namespace
+
+TEST_CASE("communicator: single rank, world 1, ops are copies or no-ops", "[communicator]") {
+  auto c = make_single_communicator();
+  CHECK(c->rank() == 0);
+  CHECK(c->world_size() == 1);
+  std::vector<float> v = {1.5f, -2.f, 3.f};
+  for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max}) {
+    c->all_reduce(v.data(), 3, op);
+    CHECK(v == std::vector<float>{1.5f, -2.f, 3.f});
+  }
+  std::vector<float> out(3, 0.f);
+  c->reduce_scatter(out.data(), v.data(), 3, ReduceOp::Avg);
+  CHECK(out == v);
+  std::vector<char> g(4, 0);
+  c->all_gather(g.data(), "abcd", 4);
+  CHECK(std::string(g.begin(), g.end()) == "abcd");
+  c->all_gather(g.data(), g.data(), 4);  // in place
+  CHECK(std::string(g.begin(), g.end()) == "abcd");
+  c->broadcast(g.data(), 4, 0);
+  CHECK_THROWS_AS(c->broadcast(g.data(), 4, 1), Error);
+  c->barrier();
+}
+
+TEST_CASE("communicator: gloo all_reduce: sum, avg, max for W = 1..5", "[communicator]") {
+  MemStore store;
+  for (int W = 1; W <= 5; ++W) {
+    for (int64_t n : kCounts) {
+      INFO("W=" << W << " count=" << n);
+      // results[op][rank]
+      std::vector<std::vector<std::vector<float>>> results(4, std::vector<std::vector<float>>(W));
+      run_group(store, W, [&](Communicator& c) {
+        const int r = c.rank();
+        std::vector<float> a(n), b(n), m(n), s(n);
+        for (int64_t i = 0; i < n; ++i) {
+          a[i] = b[i] = m[i] = int_val(r, i);
+          s[i] = real_val(r, i);
+        }
+        c.all_reduce(a.data(), n, ReduceOp::Sum);
+        c.all_reduce(b.data(), n, ReduceOp::Avg);
+        c.all_reduce(m.data(), n, ReduceOp::Max);
+        c.all_reduce(s.data(), n, ReduceOp::Sum);
+        results[0][r] = a;
+        results[1][r] = b;
+        results[2][r] = m;
+        results[3][r] = s;
+      });
+      bool sum_ok = true, avg_ok = true, max_ok = true, real_ok = true, identical = true;
+      for (int r = 0; r < W; ++r) {
+        for (int k = 0; k < 4; ++k) identical = identical && same_bits(results[k][r], results[k][0]);
+        for (int64_t i = 0; i < n; ++i) {
+          float sum = 0.f, mx = -INFINITY;
+          double rsum = 0.0;
+          for (int q = 0; q < W; ++q) {
+            sum += int_val(q, i);
+            mx = std::max(mx, int_val(q, i));
+            rsum += real_val(q, i);
+          }
+          sum_ok = sum_ok && results[0][r][i] == sum;
+          avg_ok = avg_ok && results[1][r][i] == sum / static_cast<float>(W);
+          max_ok = max_ok && results[2][r][i] == mx;
+          real_ok = real_ok && close_rel(results[3][r][i], rsum);
+        }
+      }
+      CHECK(sum_ok);
+      CHECK(avg_ok);
+      CHECK(max_ok);
+      CHECK(real_ok);
+      CHECK(identical);  // every rank ends with the same bits
+    }
+  }
+}
+
+TEST_CASE("communicator: gloo reduce_scatter: rank r gets slice r, any W, against a naive reference", "[communicator]") {
+  MemStore store;
+  for (int W = 1; W <= 5; ++W) {
+    for (int64_t n : kCounts) {
+      INFO("W=" << W << " count_per_rank=" << n);
+      // out[run][op][rank]: ops Sum(int), Avg(int), Max(int), Sum(real); two runs for determinism.
+      std::vector<std::vector<std::vector<std::vector<float>>>> out(
+          2, std::vector<std::vector<std::vector<float>>>(4, std::vector<std::vector<float>>(W)));
+      for (int run = 0; run < 2; ++run) {
+        run_group(store, W, [&](Communicator& c) {
+          const int r = c.rank();
+          std::vector<float> in_i(W * n), in_r(W * n);
+          for (int64_t i = 0; i < W * n; ++i) {
+            in_i[i] = int_val(r, i);
+            in_r[i] = real_val(r, i);
+          }
+          const ReduceOp ops[] = {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Sum};
+          for (int k = 0; k < 4; ++k) {
+            std::vector<float> o(n, std::nanf(""));
+            c.reduce_scatter(o.data(), k == 3 ? in_r.data() : in_i.data(), n, ops[k]);
+            out[run][k][r] = o;
+          }
+        });
+      }
+      bool sum_ok = true, avg_ok = true, max_ok = true, real_ok = true, deterministic = true;
+      for (int r = 0; r < W; ++r) {
+        for (int k = 0; k < 4; ++k) deterministic = deterministic && same_bits(out[0][k][r], out[1][k][r]);
+        for (int64_t j = 0; j < n; ++j) {
+          const int64_t i = r * n + j;  // rank r's slice of the full vector
+          float sum = 0.f, mx = -INFINITY;
+          double rsum = 0.0;
+          for (int q = 0; q < W; ++q) {
+            sum += int_val(q, i);
+            mx = std::max(mx, int_val(q, i));
+            rsum += real_val(q, i);
+          }
+          sum_ok = sum_ok && out[0][0][r][j] == sum;
+          avg_ok = avg_ok && close_rel(out[0][1][r][j], static_cast<double>(sum) / W);
+          max_ok = max_ok && out[0][2][r][j] == mx;
+          real_ok = real_ok && close_rel(out[0][3][r][j], rsum);
+        }
+      }
+      CHECK(sum_ok);
+      CHECK(avg_ok);
+      CHECK(max_ok);
+      CHECK(real_ok);
+      CHECK(deterministic);  // same inputs, same bits, run after run
+    }
+  }
+}
+
+TEST_CASE("communicator: gloo reduce_scatter: a large count goes round the ring in pieces", "[communicator]") {
+  MemStore store;
+  const int W = 3;
+  const int64_t n = (int64_t(8) << 20) / W;  // 2796202 per rank: about 8 Mi floats in, several ring pieces
+  std::vector<std::vector<float>> out(W), avg(W);
+  run_group(store, W, [&](Communicator& c) {
+    const int r = c.rank();
+    std::vector<float> in(W * n);
+    for (int64_t i = 0; i < W * n; ++i) in[i] = int_val(r, i);
+    out[r].assign(n, 0.f);
+    c.reduce_scatter(out[r].data(), in.data(), n, ReduceOp::Sum);
+    // In place: the result overwrites this rank's own slice of the input.
+    c.reduce_scatter(in.data() + r * n, in.data(), n, ReduceOp::Avg);
+    avg[r].assign(in.begin() + r * n, in.begin() + (r + 1) * n);
+  });
+  bool ok = true, avg_ok = true;
+  for (int r = 0; r < W; ++r)
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t i = r * n + j;
+      const float sum = int_val(0, i) + int_val(1, i) + int_val(2, i);
+      ok = ok && out[r][j] == sum;
+      avg_ok = avg_ok && avg[r][j] == sum / 3.0f;
+    }
+  CHECK(ok);
+  CHECK(avg_ok);
+}
+
+TEST_CASE("communicator: gloo all_gather: out of place and in place for W = 1..5", "[communicator]") {
+  MemStore store;
+  for (int W = 1; W <= 5; ++W) {
+    for (size_t bytes : {size_t(1), size_t(13), size_t(4099), size_t(1) << 20}) {
+      INFO("W=" << W << " bytes_per_rank=" << bytes);
+      std::vector<std::vector<uint8_t>> oop(W), inp(W);
+      run_group(store, W, [&](Communicator& c) {
+        const int r = c.rank();
+        std::vector<uint8_t> mine(bytes);
+        for (size_t i = 0; i < bytes; ++i) mine[i] = static_cast<uint8_t>(r * 31 + i * 7);
+        std::vector<uint8_t> out(W * bytes, 0xee);
+        c.all_gather(out.data(), mine.data(), bytes);
+        oop[r] = out;
+        std::vector<uint8_t> out2(W * bytes, 0xee);
+        std::memcpy(out2.data() + r * bytes, mine.data(), bytes);
+        c.all_gather(out2.data(), out2.data() + r * bytes, bytes);
+        inp[r] = out2;
+      });
+      std::vector<uint8_t> want(W * bytes);
+      for (int q = 0; q < W; ++q)
+        for (size_t i = 0; i < bytes; ++i) want[q * bytes + i] = static_cast<uint8_t>(q * 31 + i * 7);
+      for (int r = 0; r < W; ++r) {
+        CHECK(oop[r] == want);
+        CHECK(inp[r] == want);
+      }
+    }
+  }
+}
+
+TEST_CASE("communicator: gloo broadcast from a non-zero root, and barrier, for W = 1..5", "[communicator]") {
+  MemStore store;
+  for (int W = 1; W <= 5; ++W) {
+    INFO("W=" << W);
+    const int root = W - 1;
+    std::vector<std::vector<uint8_t>> got(W);
+    std::vector<std::atomic<int>> arrived(W);
+    std::vector<int> seen_before_leaving(W, 0);
+    run_group(store, W, [&](Communicator& c) {
+      const int r = c.rank();
+      std::vector<uint8_t> buf(10007);
+      for (size_t i = 0; i < buf.size(); ++i) buf[i] = static_cast<uint8_t>(r == root ? i * 13 + 5 : 0);
+      c.broadcast(buf.data(), buf.size(), root);
+      got[r] = buf;
+      // Barrier: nobody leaves before everybody has arrived.
+      arrived[r].store(1);
+      c.barrier();
+      int n = 0;
+      for (int q = 0; q < W; ++q) n += arrived[q].load();
+      seen_before_leaving[r] = n;
+    });
+    std::vector<uint8_t> want(10007);
+    for (size_t i = 0; i < want.size(); ++i) want[i] = static_cast<uint8_t>(i * 13 + 5);
+    for (int r = 0; r < W; ++r) {
+      CHECK(got[r] == want);
+      CHECK(seen_before_leaving[r] == W);
+    }
+  }
+}
+
+TEST_CASE("gloo: two communicators on different prefixes coexist in one process", "[communicator]") {
+  MemStore store;
+  const int W = 3;
+  const std::string pa = fresh_prefix("a"), pb = fresh_prefix("b");
+  std::vector<std::exception_ptr> errors(W);
+  std::vector<float> sa(W), sb(W);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < W; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        auto a = make_gloo_communicator(store, pa, r, W, "127.0.0.1", 30s);
+        auto b = make_gloo_communicator(store, pb, r, W, "127.0.0.1", 30s);
+        float x = static_cast<float>(r + 1), y = static_cast<float>(10 * (r + 1));
+        a->all_reduce(&x, 1, ReduceOp::Sum);
+        b->all_reduce(&y, 1, ReduceOp::Sum);
+        a->barrier();
+        sa[r] = x;
+        sb[r] = y;
+      } catch (...) {
+        errors[r] = std::current_exception();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+  for (int r = 0; r < W; ++r) {
+    CHECK(sa[r] == 6.f);
+    CHECK(sb[r] == 60.f);
+  }
+  // Each communicator removes its bootstrap keys once every rank has connected.
+  CHECK(store.size() == 0);
+}
+
+TEST_CASE("communicator: gloo reduce_scatter: a rank that never arrives makes the others throw a clear Error", "[communicator]") {
+  MemStore store;
+  const int W = 3;
+  const int absent = 2;
+  const std::string prefix = fresh_prefix("fail");
+  std::vector<std::string> msgs(W), second(W);
+  std::vector<double> secs(W, -1.0);
+  std::vector<std::exception_ptr> unexpected(W);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < W; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        auto c = make_gloo_communicator(store, prefix, r, W, "127.0.0.1", 1s);
+        c->set_step(12);
+        if (r == absent) {
+          // Hung: never calls the collective, then goes away.
+          std::this_thread::sleep_for(4s);
+          return;
+        }
+        std::vector<float> in(W * 1000, 1.f), out(1000);
+        const auto t0 = std::chrono::steady_clock::now();
+        try {
+          c->reduce_scatter(out.data(), in.data(), 1000, ReduceOp::Sum);
+        } catch (const Error& e) {
+          msgs[r] = e.what();
+        }
+        secs[r] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        try {
+          c->all_reduce(out.data(), 1000, ReduceOp::Sum);  // the communicator is now unusable
+        } catch (const Error& e) {
+          second[r] = e.what();
+        }
+      } catch (...) {
+        unexpected[r] = std::current_exception();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (auto& e : unexpected)
+    if (e) std::rethrow_exception(e);
+  for (int r = 0; r < W; ++r) {
+    if (r == absent) continue;
+    INFO("rank " << r << ": " << msgs[r]);
+    CHECK_THAT(msgs[r], Catch::Contains("reduce_scatter"));
+    CHECK_THAT(msgs[r], Catch::Contains("step 12"));
+    CHECK_THAT(msgs[r], Catch::Contains("rank " + std::to_string(r) + " of 3"));
+    CHECK_THAT(msgs[r], Catch::Contains("timed out"));
+    CHECK_THAT(msgs[r], Catch::Contains("1 s"));
+    // Well before the absent rank wakes up (4 s) and closes its connections:
+    // the timeout, not the disconnect, ended the wait.
+    CHECK(secs[r] >= 0.0);
+    CHECK(secs[r] < 3.0);
+    CHECK_THAT(second[r], Catch::Contains("unusable"));
+  }
+  // Rank 0 waits on its ring predecessor, the absent rank: it must say so.
+  CHECK_THAT(msgs[0], Catch::Contains("rank 2"));
+}
+
+TEST_CASE("gloo: a peer that exits mid-collective is named, and Gloo's own collectives time out too", "[communicator]") {
+  MemStore store;
+  // Rank 1 goes away (destroys its communicator) while rank 0 waits on it in
+  // the ring; with a 20 s timeout, rank 0 must learn it from the closed
+  // connection, long before the timeout.
+  std::string lost;
+  double lost_secs = -1.0;
+  run_group(store, 2, [&](Communicator& c) {
+    c.set_step(3);
+    if (c.rank() == 1) {
+      std::this_thread::sleep_for(300ms);
+      return;
+    }
+    std::vector<float> in(2 * 64, 1.f), out(64);
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      c.reduce_scatter(out.data(), in.data(), 64, ReduceOp::Sum);
+    } catch (const Error& e) {
+      lost = e.what();
+    }
+    lost_secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }, 20s, "lost");
+  INFO(lost);
+  CHECK_THAT(lost, Catch::Contains("reduce_scatter (step 3, rank 0 of 2)"));
+  CHECK_THAT(lost, Catch::Contains("lost the connection to rank 1"));
+  CHECK(lost_secs < 10.0);
+
+  // all_gather is Gloo's algorithm: the peer is not known, the rest is.
+  std::string timed;
+  run_group(store, 2, [&](Communicator& c) {
+    c.set_step(5);
+    if (c.rank() == 1) {
+      std::this_thread::sleep_for(1500ms);
+      return;
+    }
+    std::vector<uint8_t> out(2 * 16);
+    try {
+      c.all_gather(out.data(), out.data(), 16);
+    } catch (const Error& e) {
+      timed = e.what();
+    }
+  }, 500ms, "ag");
+  INFO(timed);
+  CHECK_THAT(timed, Catch::Contains("all_gather (step 5, rank 0 of 2): timed out after 500 ms"));
+}
+
+TEST_CASE("gloo: a rank that never joins the rendezvous is named", "[communicator]") {
+  MemStore store;
+  std::string msg;
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    make_gloo_communicator(store, fresh_prefix("alone"), 0, 2, "127.0.0.1", 500ms);
+  } catch (const Error& e) {
+    msg = e.what();
+  }
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  INFO(msg);
+  CHECK_THAT(msg, Catch::Contains("rank 1 of 2 did not arrive"));
+  CHECK_THAT(msg, Catch::Contains("500 ms"));
+  CHECK(secs < 5.0);
+}
+
+TEST_CASE("gloo: bad arguments are rejected with an Error", "[communicator]") {
+  MemStore store;
+  CHECK_THROWS_AS(make_gloo_communicator(store, "x", 2, 2, "127.0.0.1", 1s), Error);
+  CHECK_THROWS_AS(make_gloo_communicator(store, "x", 0, 0, "127.0.0.1", 1s), Error);
+  std::string msg;
+  run_group(store, 2, [&](Communicator& c) {
+    try {
+      char b = 0;
+      c.broadcast(&b, 1, 5);
+    } catch (const Error& e) {
+      if (c.rank() == 0) msg = e.what();
+    }
+  });
+  CHECK_THAT(msg, Catch::Contains("broadcast"));
+  CHECK_THAT(msg, Catch::Contains("root 5"));
+}
