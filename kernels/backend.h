@@ -109,6 +109,8 @@ class Backend {
   // out[0] += sum(x^2) over n fp32 values (for the global grad norm).
   virtual void sum_squares(float* out, const float* x, int64_t n) = 0;
   virtual void scale(float* x, float s, int64_t n) = 0;
+  // dst += src (fp32): accumulating reduce-scattered gradient shards.
+  virtual void accumulate(float* dst, const float* src, int64_t n) = 0;
   // Fused AdamW on one contiguous range. grad is multiplied by grad_scale
   // (clipping) first. master/m/v fp32; param (act dtype) receives the
   // updated weights (may alias master on fp32 backends). `step` is 1-based

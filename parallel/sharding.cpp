@@ -7,13 +7,21 @@ namespace trainrun {
 
 std::unique_ptr<ParamStore> make_replicated_param_store(const ParamLayout& layout, Backend* be,
                                                         Communicator* comm);
+std::unique_ptr<ParamStore> make_sharded_param_store(const std::string& strategy, const ParamLayout& layout,
+                                                     Backend* be, Communicator* world, int group,
+                                                     const CommFactory& factory);
 
 std::unique_ptr<ParamStore> make_param_store(const std::string& strategy, const ParamLayout& layout,
-                                             Backend* be, Communicator* world, int shard_group_size) {
-  // With one rank every strategy is the same computation; use the simplest.
-  if (strategy == "no_shard" || world->world_size() == 1) return make_replicated_param_store(layout, be, world);
-  TR_FAIL("parallel.sharding: strategy '", strategy, "' is not implemented yet for ", world->world_size(),
-          " ranks; use no_shard");
+                                             Backend* be, Communicator* world, int shard_group_size,
+                                             const CommFactory& factory) {
+  if (strategy == "no_shard") return make_replicated_param_store(layout, be, world);
+  if (strategy == "shard_grad_op" || strategy == "full_shard" || strategy == "hybrid_shard") {
+    int group = world->world_size();
+    if (strategy == "hybrid_shard" && shard_group_size > 0) group = shard_group_size;
+    return make_sharded_param_store(strategy, layout, be, world, group, factory);
+  }
+  TR_FAIL("parallel.sharding: unknown strategy '", strategy,
+          "'; use no_shard, shard_grad_op, full_shard or hybrid_shard");
 }
 
 }  // namespace trainrun

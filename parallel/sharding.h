@@ -13,6 +13,7 @@
 // [r*S, (r+1)*S) of each unit (S = padded/world), in logical (global) order.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -56,7 +57,15 @@ class ParamStore : public UnitAccess {
   virtual std::string strategy() const = 0;
 };
 
+// Builds a communicator over a subset of ranks: `prefix` names the group in
+// the rendezvous store, `rank`/`world` are the caller's place in it.
+using CommFactory = std::function<std::unique_ptr<Communicator>(const std::string& prefix, int rank, int world)>;
+
+// `world` is the all-ranks communicator (used from the caller's thread only
+// while the store is idle: after finish_grads / between steps).
+// shard_group_size: hybrid_shard's group (must divide the world size).
 std::unique_ptr<ParamStore> make_param_store(const std::string& strategy, const ParamLayout& layout,
-                                             Backend* be, Communicator* world, int shard_group_size);
+                                             Backend* be, Communicator* world, int shard_group_size,
+                                             const CommFactory& factory);
 
 }  // namespace trainrun

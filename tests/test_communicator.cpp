@@ -273,7 +273,7 @@ TEST_CASE("communicator: gloo reduce_scatter: a large count goes round the ring 
   MemStore store;
   const int W = 3;
   const int64_t n = (int64_t(8) << 20) / W;  // 2796202 per rank: about 8 Mi floats in, several ring pieces
-  std::vector<std::vector<float>> out(W), avg(W);
+  std::vector<std::vector<float>> out(W), avg(W), all(W);
   run_group(store, W, [&](Communicator& c) {
     const int r = c.rank();
     std::vector<float> in(W * n);
@@ -283,17 +283,26 @@ TEST_CASE("communicator: gloo reduce_scatter: a large count goes round the ring 
     // In place: the result overwrites this rank's own slice of the input.
     c.reduce_scatter(in.data() + r * n, in.data(), n, ReduceOp::Avg);
     avg[r].assign(in.begin() + r * n, in.begin() + (r + 1) * n);
+    // And a large all_reduce (Gloo's segmented ring) for good measure.
+    std::vector<float> big(W * n);
+    for (int64_t i = 0; i < W * n; ++i) big[i] = int_val(r, i);
+    c.all_reduce(big.data(), W * n, ReduceOp::Sum);
+    all[r] = std::move(big);
   });
-  bool ok = true, avg_ok = true;
+  bool ok = true, avg_ok = true, all_ok = true;
   for (int r = 0; r < W; ++r)
     for (int64_t j = 0; j < n; ++j) {
       const int64_t i = r * n + j;
       const float sum = int_val(0, i) + int_val(1, i) + int_val(2, i);
       ok = ok && out[r][j] == sum;
       avg_ok = avg_ok && avg[r][j] == sum / 3.0f;
+      all_ok = all_ok && all[0][i] == sum;
     }
   CHECK(ok);
   CHECK(avg_ok);
+  CHECK(all_ok);
+  CHECK(same_bits(all[1], all[0]));
+  CHECK(same_bits(all[2], all[0]));
 }
 
 TEST_CASE("communicator: gloo all_gather: out of place and in place for W = 1..5", "[communicator]") {
@@ -355,7 +364,7 @@ TEST_CASE("communicator: gloo broadcast from a non-zero root, and barrier, for W
   }
 }
 
-TEST_CASE("gloo: two communicators on different prefixes coexist in one process", "[communicator]") {
+TEST_CASE("communicator: gloo: two communicators on different prefixes coexist in one process", "[communicator]") {
   MemStore store;
   const int W = 3;
   const std::string pa = fresh_prefix("a"), pb = fresh_prefix("b");
@@ -445,7 +454,7 @@ TEST_CASE("communicator: gloo reduce_scatter: a rank that never arrives makes th
   CHECK_THAT(msgs[0], Catch::Contains("rank 2"));
 }
 
-TEST_CASE("gloo: a peer that exits mid-collective is named, and Gloo's own collectives time out too", "[communicator]") {
+TEST_CASE("communicator: gloo: a peer that exits mid-collective is named, and Gloo's own collectives time out too", "[communicator]") {
   MemStore store;
   // Rank 1 goes away (destroys its communicator) while rank 0 waits on it in
   // the ring; with a 20 s timeout, rank 0 must learn it from the closed
@@ -491,7 +500,7 @@ TEST_CASE("gloo: a peer that exits mid-collective is named, and Gloo's own colle
   CHECK_THAT(timed, Catch::Contains("all_gather (step 5, rank 0 of 2): timed out after 500 ms"));
 }
 
-TEST_CASE("gloo: a rank that never joins the rendezvous is named", "[communicator]") {
+TEST_CASE("communicator: gloo: a rank that never joins the rendezvous is named", "[communicator]") {
   MemStore store;
   std::string msg;
   const auto t0 = std::chrono::steady_clock::now();
@@ -507,7 +516,7 @@ TEST_CASE("gloo: a rank that never joins the rendezvous is named", "[communicato
   CHECK(secs < 5.0);
 }
 
-TEST_CASE("gloo: bad arguments are rejected with an Error", "[communicator]") {
+TEST_CASE("communicator: gloo: bad arguments are rejected with an Error", "[communicator]") {
   MemStore store;
   CHECK_THROWS_AS(make_gloo_communicator(store, "x", 2, 2, "127.0.0.1", 1s), Error);
   CHECK_THROWS_AS(make_gloo_communicator(store, "x", 0, 0, "127.0.0.1", 1s), Error);

@@ -397,7 +397,7 @@ TEST_CASE("cpu_ops: softmax cross-entropy losses and dlogits", "[cpu_ops]") {
   }
 }
 
-TEST_CASE("cpu_ops: sum_squares accumulates into out[0]; scale", "[cpu_ops]") {
+TEST_CASE("cpu_ops: sum_squares accumulates into its output, and scale", "[cpu_ops]") {
   auto be = make_backend();
   const int n = 10007;
   F32Tensor x(be.get(), randn(n, 81));

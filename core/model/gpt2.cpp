@@ -232,6 +232,7 @@ void GPT2::forward(UnitAccess& units, const int32_t* inputs, const int32_t* targ
   const int N = B * T, C = cfg_.C, L = cfg_.L;
   const size_t es = dtype_size(be_->act_dtype());
 
+  units.begin_pass(false, for_backward);
   const char* emb = static_cast<const char*>(units.acquire_params(0));
   const void* wte = emb;
   const void* wpe = emb + int64_t(cfg_.V) * C * es;
@@ -278,6 +279,7 @@ void GPT2::block_backward(const void* p, float* g, int l, const void* res_in, vo
 void GPT2::backward(UnitAccess& units) {
   const int B = B_, T = T_, N = B * T, C = cfg_.C, L = cfg_.L;
   const size_t es = dtype_size(be_->act_dtype());
+  units.begin_pass(true, false);
   // logits_ now holds dlogits (see forward). Tied head: grads land in the
   // embedding unit's wte gradient, which stays open until the encoder's turn.
   const void* emb = units.acquire_params(0);

@@ -73,6 +73,9 @@ class UnitAccess {
   // fp32 gradient of the unit (accumulated with +=).
   virtual float* unit_grads(int unit) = 0;
   virtual void grads_done(int unit) = 0;
+  // Start of a forward (with or without a backward to follow) or a backward
+  // pass: lets a sharded implementation prefetch units in the order they come.
+  virtual void begin_pass(bool backward_pass, bool backward_follows) {}
 };
 
 // Flat, unsharded access: params and grads are whole-model buffers.

@@ -126,8 +126,11 @@ void Trainer::setup() {
   accum_ = global_B_ / (mb_ * w_.world);
   model_ = std::make_unique<GPT2>(cfg_, be_.get(), mb_, job_.train.activation_checkpointing == "blocks");
   // 4. sharded state
-  params_ = make_param_store(job_.parallel.sharding, model_->layout(), be_.get(), comm_.get(),
-                             job_.parallel.shard_group_size);
+  int group = job_.parallel.shard_group_size > 0 ? job_.parallel.shard_group_size : w_.local_world;
+  CommFactory factory = [this, timeout](const std::string& prefix, int rank, int world) {
+    return make_gloo_communicator(*store_, prefix, rank, world, w_.master_addr, timeout);
+  };
+  params_ = make_param_store(job_.parallel.sharding, model_->layout(), be_.get(), comm_.get(), group, factory);
   params_->init_params(cfg_, job_.train.seed);
   // 5. data
   train_src_ = open_train_source(job_);

@@ -126,6 +126,11 @@ void CpuBackend::scale(float* x, float s, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] *= s;
 }
 
+void CpuBackend::accumulate(float* dst, const float* src, int64_t n) {
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) dst[i] += src[i];
+}
+
 void CpuBackend::adamw_update(float* master, void* param_, const float* grad, float* m, float* v, int64_t n,
                               float lr, float beta1, float beta2, float eps, float weight_decay, int step,
                               float grad_scale) {

@@ -53,6 +53,7 @@ class CpuBackend final : public Backend {
                              int V, float dloss_scale) override;
   void sum_squares(float* out, const float* x, int64_t n) override;
   void scale(float* x, float s, int64_t n) override;
+  void accumulate(float* dst, const float* src, int64_t n) override;
   void adamw_update(float* master, void* param, const float* grad, float* m, float* v, int64_t n, float lr,
                     float beta1, float beta2, float eps, float weight_decay, int step,
                     float grad_scale) override;

@@ -1,0 +1,381 @@
+// shard_grad_op (ZeRO-2), full_shard (ZeRO-3 / FSDP) and hybrid_shard.
+//
+// Each unit u (embeddings, block l, head) is one flat buffer of numel_u
+// elements padded to P_u = G * S_u, where G is the shard-group size; group
+// position g owns elements [g*S_u, (g+1)*S_u) of every unit: fp32 master
+// weights, AdamW moments and the accumulated gradient, all in logical order
+// (so a checkpoint can write them at global offsets).
+//
+// Per step:
+//   forward   full_shard: all-gather unit u before use (the next unit's
+//             gather is queued on the comm thread while u computes), free after.
+//   backward  a full-size fp32 gradient buffer per unit, zeroed on first use;
+//             when the unit is done it is reduce-scattered on the comm thread
+//             (overlapping the next unit's backward) and added to the shard.
+//   finish    wait for the reduce-scatters; hybrid: all-reduce the shards
+//             across replica groups.
+//   step      AdamW on the shard; shard_grad_op all-gathers the updated
+//             shards into its replicated parameters.
+// All collectives of the store run on one CommWorker thread, in the same
+// order on every rank.
+#include <chrono>
+#include <cmath>
+#include <map>
+#include <mutex>
+
+#include "core/common/error.h"
+#include "core/common/log.h"
+#include "parallel/comm_worker.h"
+#include "parallel/sharding.h"
+
+namespace trainrun {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Reuses device buffers by size: units are gathered and freed every step, and
+// the backend's alloc() zero-fills, which would dominate on the CPU.
+class BufferPool {
+ public:
+  explicit BufferPool(Backend* be) : be_(be) {}
+  ~BufferPool() {
+    for (auto& [sz, v] : free_)
+      for (void* p : v) be_->free(p);
+  }
+  void* get(size_t bytes) {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto& v = free_[bytes];
+    if (!v.empty()) {
+      void* p = v.back();
+      v.pop_back();
+      live_ += bytes;
+      return p;
+    }
+    live_ += bytes;
+    peak_ = std::max(peak_, live_);
+    return be_->alloc(bytes);
+  }
+  void put(void* p, size_t bytes) {
+    if (!p) return;
+    std::lock_guard<std::mutex> lk(mu_);
+    free_[bytes].push_back(p);
+    live_ -= bytes;
+  }
+  size_t peak() const { return peak_; }
+
+ private:
+  Backend* be_;
+  std::mutex mu_;
+  std::map<size_t, std::vector<void*>> free_;
+  size_t live_ = 0, peak_ = 0;
+};
+
+struct Unit {
+  int64_t offset = 0, numel = 0;  // in the whole-model layout
+  int64_t shard = 0;              // S_u
+  int64_t shard_off = 0;          // this rank's offset in the sharded buffers
+  int64_t begin = 0, owned = 0;   // my slice within the unit: [begin, begin+owned) are real elements
+  int64_t padded_off = 0;         // offset in the replicated padded params (shard_grad_op)
+  void* full = nullptr;           // gathered params (full_shard), padded, act dtype
+  std::shared_future<void> gathered;
+  bool gathering = false;
+  int holders = 0;
+  float* full_grad = nullptr;     // padded fp32 gradient during backward
+  std::shared_future<void> reduced;
+  bool reducing = false;
+};
+
+class ShardedStore final : public ParamStore {
+ public:
+  ShardedStore(const std::string& strategy, const ParamLayout& layout, Backend* be, Communicator* world,
+               int group, const CommFactory& factory)
+      : strategy_(strategy), layout_(layout), be_(be), world_(world), pool_(be) {
+    const int W = world->world_size();
+    const int r = world->rank();
+    shard_params_ = strategy != "shard_grad_op";
+    G_ = strategy == "hybrid_shard" ? group : W;
+    TR_CHECK(G_ >= 1 && W % G_ == 0, "parallel.shard_group_size (", G_, ") must divide the world size (", W,
+             ") for hybrid_shard");
+    g_ = r % G_;
+    if (G_ == W) {
+      shard_comm_ = world;
+    } else {
+      // hybrid: shard inside consecutive groups of G ranks, replicate across them.
+      own_shard_ = factory("shard" + std::to_string(r / G_) + "/", g_, G_);
+      own_replica_ = factory("replica" + std::to_string(g_) + "/", r / G_, W / G_);
+      shard_comm_ = own_shard_.get();
+      replica_comm_ = own_replica_.get();
+    }
+    es_ = dtype_size(be->act_dtype());
+    int64_t soff = 0, poff = 0;
+    for (const auto& pu : layout.units) {
+      Unit u;
+      u.offset = pu.offset;
+      u.numel = pu.numel;
+      u.shard = (pu.numel + G_ - 1) / G_;
+      u.shard_off = soff;
+      u.begin = g_ * u.shard;
+      u.owned = std::max<int64_t>(0, std::min(u.shard, pu.numel - u.begin));
+      u.padded_off = poff;
+      soff += u.shard;
+      poff += u.shard * G_;
+      units_.push_back(u);
+    }
+    shard_total_ = soff;
+    padded_total_ = poff;
+    master_ = DeviceBuffer(be, shard_total_ * 4);
+    m_ = DeviceBuffer(be, shard_total_ * 4);
+    v_ = DeviceBuffer(be, shard_total_ * 4);
+    grad_ = DeviceBuffer(be, shard_total_ * 4);
+    tmp_ = DeviceBuffer(be, max_shard() * 4);
+    if (be->act_dtype() != DType::F32) shard_act_ = DeviceBuffer(be, shard_total_ * es_);
+    if (!shard_params_) replicated_ = DeviceBuffer(be, padded_total_ * es_);
+  }
+
+  ~ShardedStore() override {
+    try {
+      drain();
+    } catch (...) {
+    }
+    for (auto& u : units_) {
+      pool_.put(u.full, u.shard * G_ * es_);
+      pool_.put(u.full_grad, u.shard * G_ * 4);
+    }
+  }
+
+  std::string strategy() const override { return strategy_; }
+
+  // ---- UnitAccess ----------------------------------------------------------------
+  void begin_pass(bool backward_pass, bool backward_follows) override {
+    seq_.clear();
+    const int n = int(units_.size());
+    if (!backward_pass) {
+      for (int u = 0; u < n; ++u) seq_.push_back(u);
+      seq_.push_back(0);  // tied LM head
+    } else {
+      seq_.push_back(0);
+      for (int u = n - 1; u >= 1; --u) seq_.push_back(u);
+    }
+    pos_ = 0;
+    keep_embeddings_ = backward_follows;
+  }
+
+  const void* acquire_params(int u) override {
+    if (!shard_params_) return static_cast<char*>(replicated_.get()) + units_[u].padded_off * es_;
+    Unit& U = units_[u];
+    start_gather(u);
+    wait(U.gathered);
+    U.holders++;
+    // Advance the pass sequence and queue the next unit's gather behind this one.
+    while (pos_ < seq_.size() && seq_[pos_] != u) ++pos_;
+    if (pos_ < seq_.size()) ++pos_;
+    if (pos_ < seq_.size()) start_gather(seq_[pos_]);
+    return U.full;
+  }
+
+  void release_params(int u) override {
+    if (!shard_params_) return;
+    Unit& U = units_[u];
+    U.holders--;
+    const bool needed_again = pos_ < seq_.size() && seq_[pos_] == u;
+    const bool head_of_backward = u == 0 && keep_embeddings_ && pos_ >= seq_.size();
+    if (U.holders == 0 && !needed_again && !head_of_backward) {
+      pool_.put(U.full, U.shard * G_ * es_);
+      U.full = nullptr;
+      U.gathering = false;
+    }
+  }
+
+  float* unit_grads(int u) override {
+    Unit& U = units_[u];
+    if (!U.full_grad) {
+      U.full_grad = static_cast<float*>(pool_.get(U.shard * G_ * 4));
+      be_->zero(U.full_grad, U.shard * G_ * 4);
+    }
+    return U.full_grad;
+  }
+
+  void grads_done(int u) override {
+    Unit& U = units_[u];
+    if (!U.full_grad) return;
+    float* full = U.full_grad;
+    float* shard = grad_.as<float>() + U.shard_off;
+    float* tmp = tmp_.as<float>();
+    const int64_t S = U.shard;
+    U.full_grad = nullptr;
+    U.reduced = comm_.submit([this, full, shard, tmp, S] {
+      be_->synchronize();
+      shard_comm_->reduce_scatter(tmp, full, S, ReduceOp::Sum);
+      be_->accumulate(shard, tmp, S);
+      pool_.put(full, S * G_ * 4);
+    });
+    U.reducing = true;
+    // The last unit of backward is the embeddings: everything is queued.
+  }
+
+  // ---- ParamStore -------------------------------------------------------------------
+  void init_params(const GPT2Config& cfg, uint64_t seed) override {
+    std::vector<float> host(shard_total_, 0.0f);
+    for (const auto& u : units_)
+      if (u.owned > 0)
+        gpt2_init_params(cfg, layout_, seed, u.offset + u.begin, u.offset + u.begin + u.owned,
+                         host.data() + u.shard_off);
+    set_master(host);
+  }
+
+  void load_full_params(const std::vector<float>& flat) override {
+    TR_CHECK(int64_t(flat.size()) == layout_.total, "load_full_params: got ", flat.size(), " values for a model of ",
+             layout_.total);
+    std::vector<float> host(shard_total_, 0.0f);
+    for (const auto& u : units_)
+      std::copy(flat.begin() + u.offset + u.begin, flat.begin() + u.offset + u.begin + u.owned,
+                host.begin() + u.shard_off);
+    set_master(host);
+  }
+
+  std::vector<float> gather_full_params() override {
+    drain();
+    std::vector<float> out(layout_.total);
+    std::vector<float> host;
+    for (auto& u : units_) {
+      DeviceBuffer full(be_, u.shard * G_ * 4);
+      run([&] { shard_comm_->all_gather(full.get(), master_.as<float>() + u.shard_off, u.shard * 4); });
+      host.resize(u.shard * G_);
+      be_->copy_to_host(host.data(), full.get(), host.size() * 4);
+      std::copy(host.begin(), host.begin() + u.numel, out.begin() + u.offset);
+    }
+    return out;
+  }
+
+  void zero_grads() override { be_->zero(grad_.get(), grad_.bytes()); }
+
+  void finish_grads() override {
+    drain();
+    if (replica_comm_) run([&] { replica_comm_->all_reduce(grad_.as<float>(), shard_total_, ReduceOp::Sum); });
+  }
+
+  double grad_norm_squared() override {
+    DeviceBuffer acc(be_, 4);
+    be_->sum_squares(acc.as<float>(), grad_.as<float>(), shard_total_);  // padding is zero
+    float local = 0;
+    be_->copy_to_host(&local, acc.get(), 4);
+    run([&] { shard_comm_->all_reduce(&local, 1, ReduceOp::Sum); });
+    return local;
+  }
+
+  void optimizer_step(const AdamWParams& p, int step, float grad_scale) override {
+    void* act = shard_act_.get() ? shard_act_.get() : master_.get();
+    for (const auto& u : units_) {
+      if (u.owned == 0) continue;
+      const int64_t lo = u.offset + u.begin, hi = lo + u.owned;
+      for (const auto& t : layout_.tensors) {
+        const int64_t a = std::max(lo, t.offset), b = std::min(hi, t.offset + t.numel);
+        if (a >= b) continue;
+        const int64_t s = u.shard_off + (a - lo);
+        be_->adamw_update(master_.as<float>() + s, static_cast<char*>(act) + s * es_, grad_.as<float>() + s,
+                          m_.as<float>() + s, v_.as<float>() + s, b - a, p.lr, p.beta1, p.beta2, p.eps,
+                          t.decay ? p.weight_decay : 0.0f, step, grad_scale);
+      }
+    }
+    if (!shard_params_) gather_replicated();
+  }
+
+  ShardMemory memory() const override {
+    ShardMemory m;
+    m.params = master_.bytes() + shard_act_.bytes() + replicated_.bytes();
+    m.grads = grad_.bytes();
+    m.optimizer = m_.bytes() + v_.bytes();
+    m.comm_buffers = tmp_.bytes() + pool_.peak();
+    return m;
+  }
+
+  double take_comm_wait_seconds() override {
+    double w = wait_s_;
+    wait_s_ = 0;
+    return w;
+  }
+
+ private:
+  int64_t max_shard() const {
+    int64_t m = 0;
+    for (const auto& u : units_) m = std::max(m, u.shard);
+    return m;
+  }
+  void set_master(const std::vector<float>& host) {
+    be_->copy_to_device(master_.get(), host.data(), host.size() * 4);
+    if (shard_act_.get()) be_->cast_from_f32(shard_act_.get(), master_.as<float>(), shard_total_);
+    if (!shard_params_) gather_replicated();
+  }
+  // shard_grad_op: every rank's updated shard into the replicated params.
+  void gather_replicated() {
+    const void* act = shard_act_.get() ? shard_act_.get() : master_.get();
+    for (auto& u : units_) {
+      char* dst = static_cast<char*>(replicated_.get()) + u.padded_off * es_;
+      const char* src = static_cast<const char*>(act) + u.shard_off * es_;
+      run([&] { shard_comm_->all_gather(dst, src, u.shard * es_); });
+    }
+  }
+  void start_gather(int u) {
+    Unit& U = units_[u];
+    if (U.gathering) return;
+    if (!U.full) U.full = pool_.get(U.shard * G_ * es_);
+    const void* src = static_cast<const char*>(shard_act_.get() ? shard_act_.get() : master_.get()) +
+                      U.shard_off * es_;
+    void* dst = U.full;
+    const size_t bytes = U.shard * es_;
+    U.gathered = comm_.submit([this, dst, src, bytes] { shard_comm_->all_gather(dst, src, bytes); });
+    U.gathering = true;
+  }
+  void wait(const std::shared_future<void>& f) {
+    auto t0 = Clock::now();
+    f.get();  // rethrows the collective's Error (timeout, dead peer)
+    wait_s_ += std::chrono::duration<double>(Clock::now() - t0).count();
+  }
+  void run(const std::function<void()>& fn) { wait(comm_.submit(fn)); }
+  // Wait for every queued collective (reduce-scatters, stray prefetches).
+  void drain() {
+    for (auto& u : units_) {
+      if (u.reducing) {
+        u.reducing = false;
+        wait(u.reduced);
+      }
+      if (u.gathering && u.holders == 0) {
+        wait(u.gathered);
+        pool_.put(u.full, u.shard * G_ * es_);
+        u.full = nullptr;
+        u.gathering = false;
+      }
+    }
+  }
+
+  std::string strategy_;
+  const ParamLayout& layout_;
+  Backend* be_;
+  Communicator* world_;
+  Communicator* shard_comm_ = nullptr;
+  Communicator* replica_comm_ = nullptr;
+  std::unique_ptr<Communicator> own_shard_, own_replica_;
+  bool shard_params_ = true;
+  int G_ = 1, g_ = 0;
+  size_t es_ = 4;
+  std::vector<Unit> units_;
+  int64_t shard_total_ = 0, padded_total_ = 0;
+  DeviceBuffer master_, m_, v_, grad_, tmp_, shard_act_, replicated_;
+  BufferPool pool_;
+  CommWorker comm_;  // declared last: destroyed first, after drain()
+  std::vector<int> seq_;
+  size_t pos_ = 0;
+  bool keep_embeddings_ = false;
+  double wait_s_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<ParamStore> make_sharded_param_store(const std::string& strategy, const ParamLayout& layout,
+                                                     Backend* be, Communicator* world, int group,
+                                                     const CommFactory& factory) {
+  return std::make_unique<ShardedStore>(strategy, layout, be, world, group, factory);
+}
+
+}  // namespace trainrun

@@ -1,0 +1,515 @@
+// The job spec: valid specs, defaults, --set, the YAML round trip, the docs
+// staying in step with the field table, and many invalid specs, each checked
+// against the exact message a user would see (file:line:col included),
+// because the message is the product here.
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "core/common/error.h"
+#include "core/config/job_spec.h"
+#include "tests/support/testutil.h"
+
+using trainrun::JobSpec;
+using trainrun::parse_job_spec;
+namespace tt = trainrun::test;
+
+namespace {
+
+// Most bad specs need a data source that is not the cause of the error.
+const std::string kSynthetic = "data:\n  format: synthetic\n";
+
+std::string error_of(const std::string& yaml, const std::vector<std::string>& overrides = {}) {
+  try {
+    parse_job_spec(yaml, "job.yaml", overrides);
+  } catch (const trainrun::Error& e) {
+    return e.what();
+  }
+  return "<no error>";
+}
+
+std::string load_error_of(const std::string& path, const std::vector<std::string>& overrides = {}) {
+  try {
+    trainrun::load_job_spec(path, overrides);
+  } catch (const trainrun::Error& e) {
+    return e.what();
+  }
+  return "<no error>";
+}
+
+struct BadSpec {
+  const char* what;
+  std::string yaml;
+  std::vector<std::string> overrides;
+  std::string message;
+};
+
+void check_all(const std::vector<BadSpec>& cases) {
+  for (const BadSpec& c : cases) {
+    INFO("case: " << c.what);
+    CHECK(error_of(c.yaml, c.overrides) == c.message);
+  }
+}
+
+}  // namespace
+
+// ---- valid specs -------------------------------------------------------------------
+
+TEST_CASE("config: defaults fill every field that the file leaves out", "[config]") {
+  JobSpec s = parse_job_spec("data:\n  train: shards/train_*.bin\n", "job.yaml");
+  const JobSpec d;
+  CHECK(s.source == "job.yaml");
+  CHECK(s.data.train == "shards/train_*.bin");
+  CHECK(s.data.format == d.data.format);
+  CHECK(s.model.n_layer == d.model.n_layer);
+  CHECK(s.model.n_embd == d.model.n_embd);
+  CHECK(s.model.init_std == d.model.init_std);
+  CHECK(s.train.lr == d.train.lr);
+  CHECK(s.train.global_batch_size == d.train.global_batch_size);
+  CHECK(s.train.derived_global_batch_size() == d.train.global_batch_size);
+  CHECK(s.train.seed == d.train.seed);
+  CHECK(s.output.sample_prompt == "\n");
+  CHECK(s.parallel.sharding == "full_shard");
+  CHECK(s.backend == "auto");
+}
+
+TEST_CASE("config: a full spec sets every section", "[config]") {
+  const std::string yaml = R"(# a small CPU run
+backend: cpu
+model:
+  arch: gpt2
+  n_layer: 6
+  n_head: 6
+  n_embd: 384
+  vocab_size: 50257
+  seq_len: 256
+  init_std: 0.01
+data:
+  format: raw_uint32
+  train: "data/train_*.bin"
+  val: data/val.bin
+  synthetic: {vocab: 0, branching: 2, concentration: 0.5, seed: 7}
+train:
+  global_batch_size: 64
+  micro_batch_size: 16
+  max_steps: 1e3          # integral floats are fine for integers
+  lr: 6e-4
+  min_lr: 6e-5
+  warmup_steps: 100
+  schedule: linear
+  weight_decay: 0
+  beta1: 0.8
+  beta2: 0.99
+  eps: 1e-10
+  grad_clip: 0
+  seed: 18446744073709551615
+  eval_interval: 0
+  eval_steps: 2
+  log_interval: 1
+  activation_checkpointing: blocks
+output:
+  dir: runs/small
+  sample_tokens: 0
+  sample_prompt: "Once upon a time"
+parallel:
+  nproc_per_node: 2
+  sharding: hybrid_shard
+  shard_group_size: 2
+  timeout_s: 60.5
+)";
+  JobSpec s = parse_job_spec(yaml, "small.yaml");
+  CHECK(s.backend == "cpu");
+  CHECK(s.model.n_layer == 6);
+  CHECK(s.model.vocab_size == 50257);
+  CHECK(s.model.init_std == 0.01);
+  CHECK(s.data.format == "raw_uint32");
+  CHECK(s.data.train == "data/train_*.bin");
+  CHECK(s.data.val == "data/val.bin");
+  CHECK(s.data.synthetic.branching == 2);
+  CHECK(s.data.synthetic.concentration == 0.5);
+  CHECK(s.data.synthetic.seed == 7);
+  CHECK(s.train.global_batch_size == 64);
+  CHECK(s.train.max_steps == 1000);
+  CHECK(s.train.lr == 6e-4);
+  CHECK(s.train.schedule == "linear");
+  CHECK(s.train.seed == UINT64_MAX);
+  CHECK(s.train.activation_checkpointing == "blocks");
+  CHECK(s.output.dir == "runs/small");
+  CHECK(s.output.sample_prompt == "Once upon a time");
+  CHECK(s.parallel.sharding == "hybrid_shard");
+  CHECK(s.parallel.shard_group_size == 2);
+  CHECK(s.parallel.timeout_s == 60.5);
+}
+
+TEST_CASE("config: empty sections, empty strings and comment-only files", "[config]") {
+  JobSpec s = parse_job_spec("model:\ntrain:\ndata:\n  format: synthetic\n  val:\n", "job.yaml");
+  CHECK(s.model.n_layer == JobSpec().model.n_layer);
+  CHECK(s.data.val.empty());
+  // An empty file is all defaults; only data.train is then missing.
+  CHECK(parse_job_spec("# nothing here\n", "job.yaml", {"data.format=synthetic"}).data.format == "synthetic");
+  CHECK(parse_job_spec("", "job.yaml", {"data.train=x.bin"}).data.train == "x.bin");
+}
+
+TEST_CASE("config: global_batch_tokens resolves into global_batch_size", "[config]") {
+  JobSpec s = parse_job_spec(kSynthetic + "model:\n  seq_len: 64\ntrain:\n  global_batch_tokens: 2048\n  micro_batch_size: 4\n",
+                             "job.yaml");
+  CHECK(s.train.global_batch_tokens == 2048);
+  CHECK(s.train.global_batch_size == 32);
+  CHECK(s.train.derived_global_batch_size() == 32);
+
+  // Both written and agreeing (as in a resolved spec) is fine.
+  s = parse_job_spec(kSynthetic + "train:\n  global_batch_tokens: 4096\n  global_batch_size: 32\n", "job.yaml");
+  CHECK(s.train.global_batch_size == 32);
+
+  // --set beats the file, in either direction.
+  const std::string both = kSynthetic + "train:\n  global_batch_tokens: 4096\n  global_batch_size: 32\n";
+  s = parse_job_spec(both, "job.yaml", {"train.global_batch_size=16"});
+  CHECK(s.train.global_batch_size == 16);
+  CHECK(s.train.global_batch_tokens == 0);
+  s = parse_job_spec(both, "job.yaml", {"train.global_batch_tokens=2048"});
+  CHECK(s.train.global_batch_size == 16);
+  CHECK(s.train.global_batch_tokens == 2048);
+  s = parse_job_spec(both, "job.yaml", {"model.seq_len=256", "train.global_batch_tokens=8192"});
+  CHECK(s.train.global_batch_size == 32);
+}
+
+TEST_CASE("config: --set overrides are typed YAML scalars applied in order", "[config]") {
+  JobSpec s = parse_job_spec("", "job.yaml",
+                             {"data.format=synthetic", "train.lr=3e-4", "model.n_layer=2", "model.n_layer=3",
+                              "data.val='*.bin'", "output.sample_prompt=\"a: b # c\"", "data.synthetic.seed=99",
+                              "train.max_steps=2e3", "backend=cpu", "output.sample_tokens=+5"});
+  CHECK(s.data.format == "synthetic");
+  CHECK(s.train.lr == 3e-4);
+  CHECK(s.model.n_layer == 3);
+  CHECK(s.data.val == "*.bin");
+  CHECK(s.output.sample_prompt == "a: b # c");
+  CHECK(s.data.synthetic.seed == 99);
+  CHECK(s.train.max_steps == 2000);
+  CHECK(s.backend == "cpu");
+  CHECK(s.output.sample_tokens == 5);
+  // An override replaces what the file says.
+  s = parse_job_spec(kSynthetic + "train:\n  lr: 0.1\n", "job.yaml", {"train.lr=0.01", "data.val="});
+  CHECK(s.train.lr == 0.01);
+  CHECK(s.data.val.empty());
+}
+
+TEST_CASE("config: load_job_spec reads a file and names it in messages", "[config]") {
+  tt::TempDir dir("config");
+  const std::string path = dir / "job.yaml";
+  tt::write_file(path, kSynthetic + "train:\n  max_steps: 7\n");
+  JobSpec s = trainrun::load_job_spec(path, {"train.warmup_steps=3"});
+  CHECK(s.source == path);
+  CHECK(s.train.max_steps == 7);
+  CHECK(s.train.warmup_steps == 3);
+}
+
+TEST_CASE("config: validate_job_spec checks a spec built in code", "[config]") {
+  JobSpec s;
+  s.source = "code";
+  s.data.format = "synthetic";
+  s.model.seq_len = 32;
+  s.train.global_batch_tokens = 512;
+  s.train.micro_batch_size = 4;
+  trainrun::validate_job_spec(s);
+  CHECK(s.train.global_batch_size == 16);
+
+  s.model.n_layer = 0;
+  REQUIRE_THROWS_WITH(trainrun::validate_job_spec(s), "code: model.n_layer: 0 is out of range; must be >= 1");
+  s.model.n_layer = 2;
+  s.parallel.sharding = "zero3";
+  REQUIRE_THROWS_WITH(trainrun::validate_job_spec(s),
+                      "code: parallel.sharding: unknown value 'zero3'; use one of: no_shard, shard_grad_op, "
+                      "full_shard, hybrid_shard");
+}
+
+// ---- the YAML round trip -------------------------------------------------------------
+
+TEST_CASE("config: job_spec_to_yaml round-trips through parse_job_spec", "[config]") {
+  JobSpec a;
+  a.data.format = "raw_uint16";
+  a.data.train = "/data/with spaces/train_*.bin";
+  a.data.val = "#not-a-comment: really";
+  a.model.init_std = 1.0 / 3.0;
+  a.model.seq_len = 64;
+  a.train.lr = 3e-4;
+  a.train.min_lr = 1e-300;
+  a.train.eps = 1.2345678901234567e-8;
+  a.train.global_batch_tokens = int64_t(64) * 1024;  // 1024 sequences of 64
+  a.train.micro_batch_size = 16;
+  a.train.seed = UINT64_MAX;
+  a.train.schedule = "constant";
+  a.output.dir = "runs/\"quoted\"\\dir";
+  a.output.sample_prompt = "  leading spaces\n\ttab, unicode \xc3\xa9, bell \x07, end";
+  a.parallel.timeout_s = 0.1;
+  a.backend = "cuda";
+  trainrun::validate_job_spec(a);  // resolves global_batch_size so the spec is what a parse gives
+
+  const std::string yaml = trainrun::job_spec_to_yaml(a);
+  JobSpec b = parse_job_spec(yaml, "resolved.yaml");
+  CHECK(trainrun::job_spec_to_yaml(b) == yaml);
+  CHECK(b.data.train == a.data.train);
+  CHECK(b.data.val == a.data.val);
+  CHECK(b.model.init_std == a.model.init_std);
+  CHECK(b.train.lr == a.train.lr);
+  CHECK(b.train.min_lr == a.train.min_lr);
+  CHECK(b.train.eps == a.train.eps);
+  CHECK(b.train.global_batch_tokens == a.train.global_batch_tokens);
+  CHECK(b.train.global_batch_size == 1024);
+  CHECK(b.train.seed == a.train.seed);
+  CHECK(b.output.dir == a.output.dir);
+  CHECK(b.output.sample_prompt == a.output.sample_prompt);
+  CHECK(b.parallel.timeout_s == a.parallel.timeout_s);
+  CHECK(b.backend == "cuda");
+
+  // The defaults round-trip too (with the one field they lack).
+  JobSpec d;
+  d.data.train = "x.bin";
+  CHECK(trainrun::job_spec_to_yaml(parse_job_spec(trainrun::job_spec_to_yaml(d), "d.yaml")) ==
+        trainrun::job_spec_to_yaml(d));
+}
+
+TEST_CASE("config: job_spec_to_yaml writes every field with its doc", "[config]") {
+  const std::string yaml = trainrun::job_spec_to_yaml(JobSpec{});
+  CHECK(yaml.find("\nmodel:\n  arch: gpt2 ") != std::string::npos);
+  CHECK(yaml.find("\n  synthetic:\n    vocab: 0 ") != std::string::npos);
+  CHECK(yaml.find("  lr: 0.001 ") != std::string::npos);
+  CHECK(yaml.find("# peak learning rate, reached at the end of warmup; > 0\n") != std::string::npos);
+  for (const auto& f : trainrun::job_spec_fields()) {
+    INFO(f.key);
+    const std::string leaf = f.key.substr(f.key.rfind('.') + 1);
+    CHECK(yaml.find(leaf + ": " + f.default_value + " ") != std::string::npos);
+    CHECK(yaml.find("# " + f.doc) != std::string::npos);
+  }
+}
+
+// ---- the field table and its docs -----------------------------------------------------
+
+TEST_CASE("config: the field table is complete and its defaults are valid", "[config]") {
+  const auto fields = trainrun::job_spec_fields();
+  CHECK(fields.size() == 40);
+  std::vector<std::string> keys;
+  for (const auto& f : fields) {
+    INFO(f.key);
+    CHECK(std::find(keys.begin(), keys.end(), f.key) == keys.end());
+    keys.push_back(f.key);
+    CHECK(!f.doc.empty());
+    CHECK(!f.type.empty());
+    // Each default, written back through --set, is accepted as is.
+    CHECK_NOTHROW(parse_job_spec("", "job.yaml", {"data.format=synthetic", "data.train=x.bin", f.key + "=" + f.default_value}));
+  }
+}
+
+TEST_CASE("config: docs/job-spec.md holds the generated reference", "[config]") {
+  const std::string path = tt::source_dir() + "/docs/job-spec.md";
+  std::string doc = tt::read_file(path);
+  const std::string begin = "<!-- BEGIN GENERATED: job_spec_reference_markdown() -->\n";
+  const std::string end = "<!-- END GENERATED -->";
+  const auto b = doc.find(begin), e = doc.find(end);
+  REQUIRE(b != std::string::npos);
+  REQUIRE(e != std::string::npos);
+  const std::string generated = trainrun::job_spec_reference_markdown();
+  const char* update = std::getenv("TRAINRUN_UPDATE_DOCS");
+  if (update && *update && std::string(update) != "0") {
+    doc = doc.substr(0, b + begin.size()) + generated + doc.substr(e);
+    tt::write_file(path, doc);
+  }
+  const auto e2 = doc.find(end);
+  for (const auto& f : trainrun::job_spec_fields()) {
+    INFO(f.key);
+    CHECK(doc.find("`" + f.key + "`") != std::string::npos);
+  }
+  INFO("docs/job-spec.md is stale; rerun this test with TRAINRUN_UPDATE_DOCS=1 to regenerate it");
+  CHECK(doc.substr(b + begin.size(), e2 - b - begin.size()) == generated);
+}
+
+// ---- invalid specs: exact messages -------------------------------------------------------
+
+TEST_CASE("config: bad specs: YAML structure", "[config][bad]") {
+  check_all({
+      {"syntax error", "train:\n  lr: 1\n max_steps: 2\n", {},
+       "job.yaml:3:2: invalid YAML: end of map not found; fix the syntax at this position"},
+      {"unclosed flow list", "train:\n  lr: [1\n", {},
+       "job.yaml:3:1: invalid YAML: end of sequence flow not found; fix the syntax at this position"},
+      {"top level is a list", "- model\n- train\n", {},
+       "job.yaml:1:1: the top level must be a map of sections (backend, model, data, train, output, parallel), "
+       "got a list; write e.g. 'train:' then indented keys"},
+      {"top level is a scalar", "hello\n", {},
+       "job.yaml:1:1: the top level must be a map of sections (backend, model, data, train, output, parallel), "
+       "got 'hello'; write e.g. 'train:' then indented keys"},
+      {"two documents", kSynthetic + "---\nmodel: {}\n", {},
+       "job.yaml:4:1: a second YAML document ('---') is not allowed; put the whole job in one document"},
+      {"unknown section, close to one", "trian:\n  lr: 0.1\n", {},
+       "job.yaml:1:1: trian: unknown section; did you mean 'train'?"},
+      {"unknown section, nothing close", kSynthetic + "optim:\n  lr: 0.1\n", {},
+       "job.yaml:3:1: optim: unknown section; the top level holds backend, model, data, train, output, parallel"},
+      {"a field written at the top level", kSynthetic + "lr: 0.1\n", {},
+       "job.yaml:3:1: lr: unknown section; did you mean 'train.lr'?"},
+      {"section is a scalar", kSynthetic + "model: gpt2\n", {},
+       "job.yaml:3:8: model: expected a section (a map of keys), got 'gpt2'; write its keys as indented "
+       "'key: value' lines under 'model:'"},
+      {"section is a list", kSynthetic + "train: [1, 2]\n", {},
+       "job.yaml:3:8: train: expected a section (a map of keys), got a list; write its keys as indented "
+       "'key: value' lines under 'train:'"},
+      {"nested section is a scalar", kSynthetic + "  synthetic: 5\n", {},
+       "job.yaml:3:14: data.synthetic: expected a section (a map of keys), got '5'; write its keys as indented "
+       "'key: value' lines under 'synthetic:'"},
+      {"unknown key, typo", kSynthetic + "train:\n  max_step: 5\n", {},
+       "job.yaml:4:3: train.max_step: unknown key; did you mean 'train.max_steps'?"},
+      {"unknown key, name from another framework", kSynthetic + "train:\n  lerning_rate: 0.1\n", {},
+       "job.yaml:4:3: train.lerning_rate: unknown key; did you mean 'train.lr'?"},
+      {"right key, wrong section", kSynthetic + "train:\n  seq_len: 64\n", {},
+       "job.yaml:4:3: train.seq_len: unknown key; did you mean 'model.seq_len'?"},
+      {"unknown key, nothing close", kSynthetic + "model:\n  dropout: 0.1\n", {},
+       "job.yaml:4:3: model.dropout: unknown key; the keys of 'model' are arch, n_layer, n_head, n_embd, "
+       "vocab_size, seq_len, init_std"},
+      {"unknown key in a nested section", kSynthetic + "  synthetic:\n    brnaching: 2\n", {},
+       "job.yaml:4:5: data.synthetic.brnaching: unknown key; did you mean 'data.synthetic.branching'?"},
+      {"duplicate key", kSynthetic + "train:\n  lr: 0.1\n  max_steps: 5\n  lr: 0.2\n", {},
+       "job.yaml:6:3: train.lr: duplicate key (first set on line 4); keep only one"},
+      {"duplicate section", kSynthetic + "model:\n  n_layer: 2\ndata:\n  val: v.bin\n", {},
+       "job.yaml:5:1: data: duplicate key (first set on line 1); keep only one"},
+      {"a key that is not a name", kSynthetic + "? [a, b]\n: 1\n", {},
+       "job.yaml:3:3: (top level): a key must be a plain name, got a list; write 'name: value'"},
+  });
+}
+
+TEST_CASE("config: bad specs: value types", "[config][bad]") {
+  check_all({
+      {"string for an int", kSynthetic + "model:\n  n_layer: four\n", {},
+       "job.yaml:4:12: model.n_layer: expected an integer, got 'four'"},
+      {"fraction for an int", kSynthetic + "model:\n  n_layer: 2.5\n", {},
+       "job.yaml:4:12: model.n_layer: expected an integer, got '2.5'"},
+      {"list for a scalar", kSynthetic + "model:\n  n_layer: [1, 2]\n", {},
+       "job.yaml:4:12: model.n_layer: expected an integer, got a list"},
+      {"map for a scalar", kSynthetic + "train:\n  lr: {peak: 0.1}\n", {},
+       "job.yaml:4:7: train.lr: expected a number, got a map"},
+      {"no value", kSynthetic + "model:\n  n_layer:\n  n_head: 2\n", {},
+       "job.yaml:4:3: model.n_layer: has no value; write an integer, or remove the key to keep the default (4)"},
+      {"bool for a number", kSynthetic + "train:\n  lr: true\n", {},
+       "job.yaml:4:7: train.lr: expected a number, got 'true'"},
+      {"nan", kSynthetic + "train:\n  lr: nan\n", {}, "job.yaml:4:7: train.lr: expected a finite number, got 'nan'"},
+      {"negative seed", kSynthetic + "train:\n  seed: -1\n", {},
+       "job.yaml:4:9: train.seed: expected a non-negative integer, got '-1'"},
+      {"int overflow", kSynthetic + "model:\n  n_layer: 99999999999\n", {},
+       "job.yaml:4:12: model.n_layer: '99999999999' does not fit in a 32-bit integer; use a value up to 2147483647"},
+      {"list for an enum", kSynthetic + "backend: [cpu, cuda]\n", {},
+       "job.yaml:3:10: backend: expected one of auto, cpu, cuda, got a list"},
+  });
+}
+
+TEST_CASE("config: bad specs: ranges and enums", "[config][bad]") {
+  check_all({
+      {"zero layers", kSynthetic + "model:\n  n_layer: 0\n", {},
+       "job.yaml:4:12: model.n_layer: 0 is out of range; must be >= 1"},
+      {"negative lr", kSynthetic + "train:\n  lr: -1e-3\n", {},
+       "job.yaml:4:7: train.lr: -0.001 is out of range; must be > 0"},
+      {"beta1 of 1", kSynthetic + "train:\n  beta1: 1\n", {},
+       "job.yaml:4:10: train.beta1: 1 is out of range; must be in [0, 1)"},
+      {"zero eps", kSynthetic + "train:\n  eps: 0\n", {}, "job.yaml:4:8: train.eps: 0 is out of range; must be > 0"},
+      {"negative shard group", kSynthetic + "parallel:\n  shard_group_size: -1\n", {},
+       "job.yaml:4:21: parallel.shard_group_size: -1 is out of range; must be >= 0"},
+      {"empty output dir", kSynthetic + "output:\n  dir: ''\n", {},
+       "job.yaml:4:8: output.dir: must not be empty; give a value (default \"runs/default\")"},
+      {"enum typo", "data:\n  format: synthtic\n", {},
+       "job.yaml:2:11: data.format: unknown value 'synthtic'; did you mean 'synthetic'? "
+       "(one of: llmc, raw_uint16, raw_uint32, synthetic)"},
+      {"enum, nothing close", "data:\n  format: parquet\n", {},
+       "job.yaml:2:11: data.format: unknown value 'parquet'; use one of: llmc, raw_uint16, raw_uint32, synthetic"},
+      {"enum in upper case", kSynthetic + "backend: CUDA\n", {},
+       "job.yaml:3:10: backend: unknown value 'CUDA'; did you mean 'cuda'? (one of: auto, cpu, cuda)"},
+      {"bad schedule", kSynthetic + "train:\n  schedule: step\n", {},
+       "job.yaml:4:13: train.schedule: unknown value 'step'; use one of: cosine, linear, constant"},
+  });
+}
+
+TEST_CASE("config: bad specs: rules between fields", "[config][bad]") {
+  check_all({
+      {"n_embd not divisible by n_head", kSynthetic + "model:\n  n_head: 4\n  n_embd: 130\n", {},
+       "job.yaml:5:11: model.n_embd: 130 is not divisible by model.n_head (4); make n_embd a multiple of n_head"},
+      {"global batch not divisible by micro batch", kSynthetic + "train:\n  global_batch_size: 12\n", {},
+       "job.yaml:4:22: train.global_batch_size: 12 is not divisible by train.micro_batch_size (8); "
+       "make it a multiple of micro_batch_size"},
+      {"batch tokens not a multiple of seq_len", kSynthetic + "train:\n  global_batch_tokens: 1000\n", {},
+       "job.yaml:4:24: train.global_batch_tokens: 1000 is not a multiple of model.seq_len (128); "
+       "use a multiple such as 1024"},
+      {"batch tokens not divisible into micro batches", kSynthetic + "train:\n  global_batch_tokens: 1536\n", {},
+       "job.yaml:4:24: train.global_batch_tokens: 1536 is 12 sequences of model.seq_len 128, not divisible by "
+       "train.micro_batch_size (8); use a multiple of micro_batch_size * seq_len (1024)"},
+      {"batch tokens and size disagree", kSynthetic + "train:\n  global_batch_tokens: 4096\n  global_batch_size: 16\n",
+       {},
+       "job.yaml:5:22: train.global_batch_size: 16 contradicts train.global_batch_tokens (4096 = 32 sequences of "
+       "model.seq_len 128); set only one of them (global_batch_tokens: 0 means use global_batch_size)"},
+      {"min_lr above lr", kSynthetic + "train:\n  min_lr: 0.01\n", {},
+       "job.yaml:4:11: train.min_lr: 0.01 is above train.lr (0.001); the schedule decays from lr down to min_lr, "
+       "so set min_lr <= lr"},
+      {"warmup longer than the run", kSynthetic + "train:\n  warmup_steps: 200\n", {},
+       "job.yaml:4:17: train.warmup_steps: 200 is more than train.max_steps (100); lower warmup_steps or raise "
+       "max_steps"},
+      {"empty file: data.train missing", "", {},
+       "job.yaml:1:1: data.train: required when data.format is 'llmc'; set it to the training shards (a path or "
+       "glob), or use data.format: synthetic"},
+      {"data.train missing for a file format", "model:\n  n_layer: 2\ndata:\n  format: raw_uint16\n", {},
+       "job.yaml:4:11: data.train: required when data.format is 'raw_uint16'; set it to the training shards "
+       "(a path or glob), or use data.format: synthetic"},
+      {"synthetic vocab above the model's", kSynthetic + "  synthetic:\n    vocab: 300\n", {},
+       "job.yaml:4:12: data.synthetic.vocab: 300 is larger than model.vocab_size (256); lower it or raise "
+       "model.vocab_size"},
+      {"branching above the chain's vocab", kSynthetic + "  synthetic:\n    vocab: 16\n    branching: 17\n", {},
+       "job.yaml:5:16: data.synthetic.branching: 17 is larger than the chain's vocabulary (16); use at most 16"},
+      {"shard group without hybrid_shard", kSynthetic + "parallel:\n  shard_group_size: 4\n", {},
+       "job.yaml:4:21: parallel.shard_group_size: 4 only applies to parallel.sharding: hybrid_shard (it is "
+       "'full_shard'); use hybrid_shard or set shard_group_size to 0"},
+  });
+}
+
+TEST_CASE("config: bad specs: --set overrides", "[config][bad]") {
+  check_all({
+      {"not a number", kSynthetic, {"train.lr=abc"}, "--set train.lr=abc: train.lr: expected a number, got 'abc'"},
+      {"no '='", kSynthetic, {"train.lr"},
+       "--set train.lr: missing '='; write --set key.path=value, e.g. --set train.lr=3e-4"},
+      {"no key", kSynthetic, {"=3"},
+       "--set =3: missing the key before '='; write --set key.path=value, e.g. --set train.lr=3e-4"},
+      {"unknown key", kSynthetic, {"train.max_step=3"},
+       "--set train.max_step=3: train.max_step: unknown key; did you mean 'train.max_steps'?"},
+      {"a section", kSynthetic, {"train=3"},
+       "--set train=3: train: a section, not a field; set one of its keys, e.g. --set train.global_batch_tokens=..."},
+      {"not a YAML scalar", kSynthetic, {"data.train=*.bin"},
+       "--set data.train=*.bin: data.train: the value is not a YAML scalar (the referenced anchor is not defined); "
+       "quote it, e.g. --set data.train='*.bin'"},
+      {"a list", kSynthetic, {"train.lr=[1,2]"}, "--set train.lr=[1,2]: train.lr: expected a number, got a list"},
+      {"out of range", kSynthetic, {"model.n_layer=0"},
+       "--set model.n_layer=0: model.n_layer: 0 is out of range; must be >= 1"},
+      {"breaks a rule with a default", kSynthetic, {"model.n_head=5"},
+       "--set model.n_head=5: model.n_head: 5 does not divide model.n_embd (128); choose a divisor of n_embd"},
+      {"bad enum", kSynthetic, {"parallel.sharding=fsdp"},
+       "--set parallel.sharding=fsdp: parallel.sharding: unknown value 'fsdp'; use one of: no_shard, "
+       "shard_grad_op, full_shard, hybrid_shard"},
+  });
+}
+
+TEST_CASE("config: bad specs: files", "[config][bad]") {
+  tt::TempDir dir("config");
+  const std::string missing = dir / "nope.yaml";
+  CHECK(load_error_of(missing) == "cannot read job spec '" + missing + "': No such file or directory");
+  CHECK(load_error_of(dir.path()) == "cannot read job spec '" + dir.path() + "': Is a directory");
+
+  const std::string broken = dir / "broken.yaml";
+  tt::write_file(broken, "model:\n  n_layer: 2\n  n_head: [4\n");
+  CHECK(load_error_of(broken) ==
+        broken + ":4:1: invalid YAML: end of sequence flow not found; fix the syntax at this position");
+
+  const std::string empty = dir / "empty.yaml";
+  tt::write_file(empty, "");
+  CHECK(load_error_of(empty) == empty +
+                                    ":1:1: data.train: required when data.format is 'llmc'; set it to the training "
+                                    "shards (a path or glob), or use data.format: synthetic");
+
+  const std::string typo = dir / "typo.yaml";
+  tt::write_file(typo, kSynthetic + "parallel:\n  timeout: 30\n");
+  CHECK(load_error_of(typo, {"train.lr=0.01"}) ==
+        typo + ":4:3: parallel.timeout: unknown key; did you mean 'parallel.timeout_s'?");
+}
