@@ -74,12 +74,21 @@ struct ParallelSpec {
   double timeout_s = 300;              // every collective / rendezvous wait
 };
 
+struct LauncherSpec {
+  int max_restarts = 0;                // restart all workers this many times after a failure
+  double grace_period_s = 10;          // after a signal or a failure, wait this long before SIGKILL
+  int log_tail_lines = 20;             // lines of the failed rank's log in the failure report
+  std::string master_addr = "127.0.0.1";  // address the node-0 store binds and workers dial
+  int master_port = 0;                 // 0 = pick a free port
+};
+
 struct JobSpec {
   ModelSpec model;
   DataSpec data;
   TrainSpec train;
   OutputSpec output;
   ParallelSpec parallel;
+  LauncherSpec launcher;
   std::string backend = "auto";        // auto | cpu | cuda
   std::string source = "<defaults>";   // where it came from (file path), for messages
 };
