@@ -43,7 +43,7 @@ class Communicator {
 
 // Gloo over TCP. Bootstraps through `store` under `prefix` (so several
 // communicators, e.g. hybrid_shard's two groups, can share one store).
-// `ranks` lists the global ranks of the group (empty = 0..world-1); `rank` and
+// `rank` and
 // `world` are the caller's position within the group. `host` is the address
 // the transport binds (e.g. "127.0.0.1").
 std::unique_ptr<Communicator> make_gloo_communicator(Store& store, const std::string& prefix, int rank,

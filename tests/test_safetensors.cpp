@@ -333,6 +333,10 @@ TEST_CASE("safetensors: the reader names every kind of corruption", "[safetensor
                               std::string(16, '\0')));
     require_error(read, path, "overlapping tensors 'a' [0, 16) and 'b' [2, 4)");
   }
+  SECTION("a tensor named twice") {
+    write_file(path, raw_file("{" + ok_entry + "," + ok_entry + "}", std::string(8, '\0')));
+    require_error(read, path, "the header names 'a' twice");
+  }
   SECTION("missing data_offsets") {
     write_file(path, raw_file(R"({"a":{"dtype":"F32","shape":[2]}})", std::string(8, '\0')));
     require_error(read, path, "tensor 'a': 'data_offsets' must be an array [begin, end]");

@@ -302,11 +302,22 @@ SafeTensorFile read_safetensors(const std::string& path) {
   pread_all(f.fd, reinterpret_cast<uint8_t*>(json.data()), n, 8, "cannot read " + where);
 
   nlohmann::json header;
+  // nlohmann::json keeps only the last of duplicate keys; a header naming a
+  // tensor twice is corrupt, so catch top-level duplicates while parsing.
+  std::set<std::string> top_keys;
+  std::string duplicate;
+  auto on_event = [&](int depth, nlohmann::json::parse_event_t ev, nlohmann::json& parsed) {
+    if (ev == nlohmann::json::parse_event_t::key && depth == 1 && parsed.is_string() &&
+        !top_keys.insert(parsed.get<std::string>()).second && duplicate.empty())
+      duplicate = parsed.get<std::string>();
+    return true;
+  };
   try {
-    header = nlohmann::json::parse(json);
+    header = nlohmann::json::parse(json, on_event);
   } catch (const nlohmann::json::parse_error& e) {
     TR_FAIL(where, ": JSON parse error in the header: ", e.what(), ". The file is corrupt or not a safetensors file");
   }
+  TR_CHECK(duplicate.empty(), where, ": the header names '", duplicate, "' twice");
   TR_CHECK(header.is_object(), where, ": the header is JSON but not an object");
 
   const uint64_t data_start = 8 + n;

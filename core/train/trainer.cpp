@@ -100,6 +100,7 @@ class Trainer {
   std::vector<float> host_losses_;
   DeviceBuffer dev_in_, dev_tgt_;
   bool rank0_ = true;
+  std::string prefix_;
 };
 
 void Trainer::setup() {
@@ -111,7 +112,10 @@ void Trainer::setup() {
   const auto timeout = std::chrono::milliseconds(int64_t(job_.parallel.timeout_s * 1000));
   if (w_.world > 1) {
     store_ = connect_tcp_store(w_.master_addr, w_.master_port, w_.secret, timeout);
-    comm_ = make_gloo_communicator(*store_, "world/", w_.rank, w_.world, w_.master_addr, timeout);
+    // Store keys are per attempt: a restarted job must not meet the keys a
+    // crashed attempt left behind.
+    prefix_ = "attempt" + env_str("TRAINRUN_RESTART_COUNT", "0") + "/";
+    comm_ = make_gloo_communicator(*store_, prefix_ + "world/", w_.rank, w_.world, w_.master_addr, timeout);
   } else {
     comm_ = make_single_communicator();
   }
@@ -128,7 +132,7 @@ void Trainer::setup() {
   // 4. sharded state
   int group = job_.parallel.shard_group_size > 0 ? job_.parallel.shard_group_size : w_.local_world;
   CommFactory factory = [this, timeout](const std::string& prefix, int rank, int world) {
-    return make_gloo_communicator(*store_, prefix, rank, world, w_.master_addr, timeout);
+    return make_gloo_communicator(*store_, prefix_ + prefix, rank, world, w_.master_addr, timeout);
   };
   params_ = make_param_store(job_.parallel.sharding, model_->layout(), be_.get(), comm_.get(), group, factory);
   params_->init_params(cfg_, job_.train.seed);
