@@ -35,8 +35,8 @@ class TokenSource {
   virtual int64_t num_tokens() const { return -1; }
 };
 
-// Fails with "<key>: <describe()> holds N tokens, fewer than model.seq_len + 1
-// = T+1 ..." when the source cannot yield one sample of seq_len + 1 tokens
+// Fails with "<key>: the data (<describe()>) holds N tokens, fewer than
+// model.seq_len + 1 = T+1; ..." when the source cannot yield one sample of seq_len + 1 tokens
 // (i.e. num_samples(seq_len) == 0). open_train_source / open_val_source call it.
 void check_source_length(const TokenSource& src, int seq_len, const std::string& key);
 

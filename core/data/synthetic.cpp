@@ -76,6 +76,7 @@ class Rng {
 constexpr double kMinProb = 1e-6;
 constexpr int64_t kMaxTransitions = int64_t(1) << 24;
 constexpr int64_t kNumSamples = int64_t(1) << 40;
+constexpr int kMaxDenseStates = 2048;  // GTH fallback: 32 MB, a few seconds at most
 
 class SyntheticSource : public TokenSource {
  public:
@@ -190,10 +191,43 @@ class SyntheticSource : public TokenSource {
     if (g != 1) succ_[b_ - 1] = 0;  // state 0 is not already its own successor, else g would be 1
   }
 
+  // Grassmann-Taksar-Heyman state reduction: Gaussian elimination that only
+  // adds and multiplies non-negative numbers (the pivot is the sum of the
+  // off-diagonal row, never 1 - p_nn), so it is accurate to machine precision
+  // however slowly the chain mixes. O(V^3).
+  std::vector<double> stationary_gth() const {
+    const size_t n = static_cast<size_t>(V_);
+    std::vector<double> a(n * n, 0.0);
+    for (size_t i = 0; i < n; ++i)
+      for (int j = 0; j < b_; ++j) a[i * n + succ_[i * b_ + j]] += prob_[i * b_ + j];
+    for (size_t k = n - 1; k > 0; --k) {
+      double s = 0;
+      for (size_t j = 0; j < k; ++j) s += a[k * n + j];
+      for (size_t i = 0; i < k; ++i) a[i * n + k] /= s;
+      for (size_t i = 0; i < k; ++i) {
+        double f = a[i * n + k];
+        if (f == 0) continue;
+        for (size_t j = 0; j < k; ++j) a[i * n + j] += f * a[k * n + j];
+      }
+    }
+    std::vector<double> x(n, 0.0);
+    x[0] = 1.0;
+    double sum = 1.0;
+    for (size_t j = 1; j < n; ++j) {
+      for (size_t i = 0; i < j; ++i) x[j] += x[i] * a[i * n + j];
+      sum += x[j];
+    }
+    for (auto& v : x) v /= sum;
+    return x;
+  }
+
+  // Power iteration, as the chain is sparse; a nearly deterministic chain
+  // (tiny concentration) mixes too slowly for it, so small chains then fall
+  // back to the exact dense GTH elimination.
   void stationary() {
     std::vector<double> pi(V_, 1.0 / V_), next(V_);
     const int64_t edges = static_cast<int64_t>(V_) * b_;
-    const int64_t max_iters = std::max<int64_t>(10000, int64_t(4e9) / edges);
+    const int64_t max_iters = std::max<int64_t>(1000, int64_t(1e8) / edges);
     double diff = 1.0;
     int64_t it = 0;
     for (; it < max_iters && diff >= 1e-14; ++it) {
@@ -208,9 +242,12 @@ class SyntheticSource : public TokenSource {
       }
       pi.swap(next);
     }
-    if (diff >= 1e-14)
+    if (diff >= 1e-14 && V_ <= kMaxDenseStates) {
+      pi = stationary_gth();
+    } else if (diff >= 1e-14) {
       TR_LOG_WARN("synthetic data: the stationary distribution converged only to ", diff, " (L1) after ", it,
-                  " iterations; the reported entropy floor is approximate (try a larger data.synthetic.concentration)");
+                  " iterations; the reported entropy floor is approximate (raise data.synthetic.concentration)");
+    }
     entropy_ = 0;
     for (int i = 0; i < V_; ++i) {
       double h = 0;

@@ -188,19 +188,24 @@ double Trainer::train_step(int step) {
   return double(loss) / (double(global_B_) * T_);
 }
 
+// Validation loss over a fixed set: eval_steps global batches from the start
+// of the val stream, split over ranks like training batches, so the figure
+// does not depend on the world size or micro-batch size.
 double Trainer::evaluate() {
   if (!val_src_ || job_.train.eval_steps <= 0) return -1;
   double local = 0;
-  const int per_eval_step = mb_ * w_.world;
   for (int e = 0; e < job_.train.eval_steps; ++e) {
-    read_batch(*val_src_, int64_t(e) * per_eval_step + int64_t(w_.rank) * mb_, mb_);
-    model_->forward(*params_, dev_in_.as<int32_t>(), dev_tgt_.as<int32_t>(), mb_, T_, false, 0.0f);
-    be_->copy_to_host(host_losses_.data(), model_->losses(), host_losses_.size() * 4);
-    for (float l : host_losses_) local += l;
+    for (int m = 0; m < accum_; ++m) {
+      read_batch(*val_src_, int64_t(e) * global_B_ + (int64_t(m) * w_.world + w_.rank) * mb_, mb_);
+      model_->forward(*params_, dev_in_.as<int32_t>(), dev_tgt_.as<int32_t>(), mb_, T_, false, 0.0f);
+      be_->copy_to_host(host_losses_.data(), model_->losses(), host_losses_.size() * 4);
+      for (float l : host_losses_) local += l;
+    }
   }
+  params_->take_comm_wait_seconds();  // eval's gathers are not training-step communication
   float total = float(local);
   comm_->all_reduce(&total, 1, ReduceOp::Sum);
-  return double(total) / (double(job_.train.eval_steps) * per_eval_step * T_);
+  return double(total) / (double(job_.train.eval_steps) * global_B_ * T_);
 }
 
 TrainSummary Trainer::run() {
@@ -245,6 +250,7 @@ TrainSummary Trainer::run() {
     train_time += dt;
     sum.steps = step + 1;
     sum.final_loss = loss;
+    sum.losses.push_back(loss);
     sum.tokens += tokens_per_step;
     TR_CHECK(std::isfinite(loss), "training diverged at step ", step + 1, ": loss is ", loss,
              "; lower train.lr or raise train.warmup_steps");
@@ -275,6 +281,11 @@ TrainSummary Trainer::run() {
     }
   }
   sum.tokens_per_sec = train_time > 0 ? sum.tokens / train_time : 0;
+  const ShardMemory mem = params_->memory();
+  sum.params_bytes = mem.params;
+  sum.grads_bytes = mem.grads;
+  sum.optimizer_bytes = mem.optimizer;
+  sum.activation_bytes = model_->activation_bytes();
 
   // Final weights: every rank takes part in the gather, rank 0 writes.
   std::vector<float> flat = params_->gather_full_params();

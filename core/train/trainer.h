@@ -3,6 +3,7 @@
 // backward -> gradient reduction -> clip -> AdamW -> log/eval.
 #pragma once
 #include <string>
+#include <vector>
 
 #include "core/config/job_spec.h"
 
@@ -22,6 +23,9 @@ struct TrainSummary {
   double final_loss = 0, best_val_loss = -1, entropy_floor = -1;
   double tokens_per_sec = 0, wall_seconds = 0;
   int64_t tokens = 0;
+  // This rank's bytes by category (see ShardMemory) and activations.
+  size_t params_bytes = 0, grads_bytes = 0, optimizer_bytes = 0, activation_bytes = 0;
+  std::vector<double> losses;  // every step's loss (all ranks)
 };
 
 TrainSummary run_training(const JobSpec& job, const WorkerInfo& worker);
