@@ -63,6 +63,12 @@ Rule in_half_open(double lo, double hi) {  // [lo, hi)
   r.hi = Bound{hi, true};
   return r;
 }
+Rule in_range_int(double lo, double hi) {  // [lo, hi]
+  Rule r;
+  r.lo = Bound{lo, false};
+  r.hi = Bound{hi, false};
+  return r;
+}
 Rule one_of(std::vector<std::string> c) { Rule r; r.choices = std::move(c); return r; }
 Rule non_empty() { Rule r; r.non_empty = true; return r; }
 
@@ -153,6 +159,15 @@ const std::vector<Field>& fields() {
                     "ranks per shard group for hybrid_shard; 0 = ranks per node"),
       TR_SPEC_FIELD(parallel.timeout_s, above(0),
                     "seconds a collective or rendezvous wait may take before the job stops"),
+
+      TR_SPEC_FIELD(launcher.max_restarts, at_least(0),
+                    "times the agent restarts all workers after a failure (they resume from the latest checkpoint)"),
+      TR_SPEC_FIELD(launcher.grace_period_s, at_least(0),
+                    "seconds workers get to exit after a forwarded signal or a failure before SIGKILL"),
+      TR_SPEC_FIELD(launcher.log_tail_lines, at_least(0), "lines of the failed rank's log shown in the failure report"),
+      TR_SPEC_FIELD(launcher.master_addr, non_empty(),
+                    "address the node-0 rendezvous store binds and workers dial (MASTER_ADDR)"),
+      TR_SPEC_FIELD(launcher.master_port, in_range_int(0, 65535), "store port (MASTER_PORT); 0 = pick a free one"),
   };
   return table;
 }

@@ -1,0 +1,50 @@
+// The launcher: `trainrun --config job.yaml` on one node, torchrun-style.
+//
+// The agent (this process) hosts the rendezvous store, re-executes its own
+// binary once per worker as `trainrun worker --config <run dir>/job.resolved.yaml`
+// with the torchrun environment contract, collects every worker's
+// stdout+stderr into <output.dir>/logs/rank<N>.log (echoing rank 0 to its own
+// stderr as "[rank 0] ..."), forwards SIGINT/SIGTERM/SIGUSR1, and when one
+// worker fails stops the rest, reports which rank failed first and how, and
+// restarts the job if launcher.max_restarts allows.
+//
+// Environment of every worker:
+//   RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK (0),
+//   GROUP_WORLD_SIZE (1), MASTER_ADDR, MASTER_PORT (the store),
+//   TRAINRUN_STORE_SECRET (fresh per attempt), TRAINRUN_RESTART_COUNT,
+//   TRAINRUN_MAX_RESTARTS, TRAINRUN_ERROR_FILE (where the worker writes its
+//   error), OMP_NUM_THREADS (cores / workers, at least 1, unless already set).
+#pragma once
+#include <string>
+
+#include "core/config/job_spec.h"
+
+namespace trainrun {
+
+// True when this process was started by an outside launcher (torchrun, srun
+// wrappers, or our own agent): RANK or WORLD_SIZE is in the environment.
+// Such a process is a worker and must never spawn workers of its own.
+bool launched_as_worker();
+
+// Workers per node: parallel.nproc_per_node, or for 0 the visible GPUs
+// (while the CUDA backend is not wired into the trainer that is 1).
+int resolve_nproc_per_node(const JobSpec& job);
+
+// Whether `trainrun --config` should run the job through an agent (several
+// local workers) or train in this process (one worker, or a worker started
+// by an outside launcher).
+bool should_run_agent(const JobSpec& job);
+
+// Runs the job as the agent. `resolved_spec_path` is the job.resolved.yaml
+// the workers load (already written). Returns the process exit code:
+// 0 when every worker finished, 1 after a failure (a report is printed),
+// 128+signal when stopped by SIGINT/SIGTERM/SIGUSR1. Throws trainrun::Error
+// for problems before any worker started (bad batch split, store bind).
+int run_agent(const JobSpec& job, const std::string& resolved_spec_path);
+
+// The hidden `trainrun worker --config <path>` subcommand: loads the spec,
+// reads its place from the environment and trains. On an error it writes
+// TRAINRUN_ERROR_FILE (if set) and rethrows.
+int run_worker(const std::string& resolved_spec_path);
+
+}  // namespace trainrun
