@@ -11,6 +11,7 @@
 #include "core/common/log.h"
 #include "core/config/job_spec.h"
 #include "core/data/dataset.h"
+#include "core/launch/agent.h"
 #include "core/model/model_io.h"
 #include "core/train/generate.h"
 #include "core/train/trainer.h"
@@ -43,6 +44,18 @@ void write_text_file(const fs::path& path, const std::string& text) {
 
 int cmd_run(const std::string& config, const std::vector<std::string>& sets) {
   JobSpec job = load_job_spec(config, sets);
+  // Several local workers (or restarts) need an agent; one worker, or a
+  // process that an outside launcher (torchrun, srun) already placed via
+  // RANK/WORLD_SIZE, trains right here.
+  if (should_run_agent(job)) {
+    std::error_code ec;
+    fs::create_directories(job.output.dir, ec);
+    TR_CHECK(!ec, "output.dir: cannot create '", job.output.dir, "': ", ec.message());
+    const fs::path resolved = fs::path(job.output.dir) / "job.resolved.yaml";
+    write_text_file(resolved, job_spec_to_yaml(job));
+    TR_LOG_INFO("job: ", job.source, " -> ", resolved.string());
+    return run_agent(job, fs::absolute(resolved).string());
+  }
   WorkerInfo w = WorkerInfo::from_env();
   if (w.rank == 0) {
     std::error_code ec;
@@ -107,13 +120,22 @@ int main(int argc, char** argv) {
   generate->add_option("--top-k", so.top_k, "sample from the k most likely tokens (0: all, 1: greedy)")->capture_default_str()->check(CLI::NonNegativeNumber);
   generate->add_option("--seed", so.seed, "sampling seed")->capture_default_str();
 
+  // Hidden: what the agent runs in each worker process (see core/launch/agent.h).
+  auto* worker = app.add_subcommand("worker", "");
+  worker->group("");
+  std::string wconfig;
+  worker->add_option("--config", wconfig, "the resolved job spec")->required();
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    // --help / --version are "errors" with exit code 0; everything else is a usage error.
+    int rc = app.exit(e);
+    return rc == 0 ? 0 : 2;
   }
 
   try {
+    if (*worker) return run_worker(wconfig);
     if (*validate) return cmd_validate(vconfig, vsets);
     if (*prepare) {
       std::cout << prepare_byte_shards(popts) << "\n";

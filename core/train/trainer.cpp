@@ -11,6 +11,7 @@
 #include "core/common/error.h"
 #include "core/common/log.h"
 #include "core/data/dataset.h"
+#include "core/launch/debug_hooks.h"
 #include "core/model/gpt2.h"
 #include "core/model/model_io.h"
 #include "core/train/generate.h"
@@ -232,6 +233,7 @@ TrainSummary Trainer::run() {
   double train_time = 0;
   for (int step = 0; step < tr.max_steps; ++step) {
     comm_->set_step(step + 1);
+    debug_fail_hook(w_.rank, step + 1);  // launcher tests: TRAINRUN_DEBUG_FAIL_RANK/_STEP
     auto t0 = Clock::now();
     const double lr = lr_at(step, tr.max_steps, tr.warmup_steps, tr.lr, tr.min_lr, tr.schedule);
     const double loss = train_step(step);

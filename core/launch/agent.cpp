@@ -1,0 +1,721 @@
+// The agent: spawn, watch, report, tear down, restart. See agent.h for the
+// contract; the notes here are about the how.
+//
+// One thread. Everything the agent waits for is a file descriptor: the
+// workers' output pipes and a signalfd carrying SIGINT/SIGTERM/SIGUSR1 and
+// SIGCHLD, so a single poll() loop sees every event in order, with no signal
+// handler and no race between "a worker died" and "the user pressed Ctrl-C".
+// Those signals are blocked before the store's server thread starts, so that
+// thread inherits the mask and can never be the one that receives them.
+//
+// Workers are forked and exec'd (/proc/self/exe, i.e. this very binary even
+// if the file was replaced since). Each is the leader of its own process
+// group, so a signal to -pid reaches anything it spawned, and a Ctrl-C in the
+// terminal reaches only the agent, which decides what the workers get. Each
+// has PR_SET_PDEATHSIG=SIGKILL, so a worker never outlives an agent that was
+// itself SIGKILLed. A worker is reaped only after its group got SIGKILL
+// (waitid WNOWAIT first): while the zombie leader exists its pgid cannot be
+// reused, so the group kill cannot hit an unrelated process.
+#include "core/launch/agent.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sched.h>
+#include <signal.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/signalfd.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <sstream>
+#include <vector>
+
+#include "core/common/error.h"
+#include "core/common/log.h"
+#include "core/launch/debug_hooks.h"
+#include "core/train/trainer.h"
+#include "parallel/store.h"
+
+extern char** environ;
+
+namespace trainrun {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+// A line longer than this is cut into pieces (a worker printing a huge blob
+// without a newline must not grow the agent's memory without bound).
+constexpr size_t kMaxLine = 64 * 1024;
+// After the first failure, how long the agent keeps collecting other
+// failures before it sends SIGTERM. Peers of a failed rank usually fail a
+// moment later ("connection closed by rank 2"); waiting this long lets the
+// first one finish writing its error file, so the report blames the right
+// rank, and costs nothing that matters next to the grace period.
+constexpr auto kSettle = std::chrono::milliseconds(500);
+
+// The variables the agent sets for every worker; inherited values are dropped.
+const char* const kContractVars[] = {
+    "RANK",        "LOCAL_RANK",  "WORLD_SIZE",            "LOCAL_WORLD_SIZE",       "GROUP_RANK",
+    "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",     "TRAINRUN_STORE_SECRET",  "TRAINRUN_RESTART_COUNT",
+    "TRAINRUN_MAX_RESTARTS", "TRAINRUN_ERROR_FILE"};
+
+std::string sig_name(int sig) {
+  const char* abbrev = sigabbrev_np(sig);
+  return abbrev ? std::string("SIG") + abbrev : "signal " + std::to_string(sig);
+}
+
+// "exit code 1" / "killed by signal SIGKILL (9)" — the words of the report.
+std::string describe_status(int st) {
+  if (WIFEXITED(st)) return "exit code " + std::to_string(WEXITSTATUS(st));
+  if (WIFSIGNALED(st)) {
+    const int s = WTERMSIG(st);
+    return "killed by signal " + sig_name(s) + " (" + std::to_string(s) + ")" + (WCOREDUMP(st) ? ", core dumped" : "");
+  }
+  return "wait status " + std::to_string(st);
+}
+
+bool status_ok(int st) { return WIFEXITED(st) && WEXITSTATUS(st) == 0; }
+
+int usable_cpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) == 0) {
+    const int n = CPU_COUNT(&set);
+    if (n > 0) return n;
+  }
+  const long n = sysconf(_SC_NPROCESSORS_ONLN);
+  return n > 0 ? int(n) : 1;
+}
+
+std::string host_name() {
+  char buf[256] = {};
+  if (gethostname(buf, sizeof buf - 1) != 0 || !buf[0]) return "localhost";
+  return buf;
+}
+
+std::string fmt_seconds(double s) {
+  std::ostringstream os;
+  os << std::setprecision(3) << s << " s";
+  return os.str();
+}
+
+// State 'T' (stopped by a signal) or 't' (stopped by a tracer) in /proc/<pid>/stat.
+bool is_suspended(pid_t pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  std::string s((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  const auto paren = s.rfind(')');  // the command name may contain spaces or ')'
+  if (paren == std::string::npos || paren + 2 >= s.size()) return false;
+  return s[paren + 2] == 'T' || s[paren + 2] == 't';
+}
+
+void write_all(int fd, const char* p, size_t n) {
+  while (n > 0) {
+    const ssize_t w = ::write(fd, p, n);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return;  // a closed terminal or a full disk must not stop the agent
+    p += w;
+    n -= size_t(w);
+  }
+}
+
+// The agent's own lines. Written with write(2), unbuffered, so they
+// interleave with the echoed worker lines in the order things happened.
+void say(const std::string& line) {
+  const std::string s = "trainrun: " + line + "\n";
+  write_all(2, s.data(), s.size());
+}
+
+void signal_group(pid_t pid, int sig) {
+  // The group reaches what the worker spawned; the pid alone covers the
+  // window in which the child has not yet become a group leader.
+  if (::kill(-pid, sig) != 0) ::kill(pid, sig);
+}
+
+int64_t read_error_time(const std::string& path) {
+  std::ifstream f(path);
+  long long ns = 0;
+  if (f >> ns) return ns;
+  return 0;
+}
+
+struct Worker {
+  int rank = 0;
+  pid_t pid = -1;
+  int out_fd = -1;  // read end of the worker's stdout+stderr pipe (non-blocking)
+  int log_fd = -1;  // logs/rank<N>.log
+  std::string log_path, error_file;
+  std::string partial;  // output after the last newline
+  std::deque<std::string> tail;
+  bool running = false;
+  int status = 0;
+  Clock::time_point ended_at;
+  bool ended_before_stop = false;  // ended before the agent asked anyone to stop
+  bool was_suspended = false;      // in state T when the teardown began
+  bool got_sigkill = false;
+  int64_t error_ns = 0;            // from its error file: when it hit its error
+};
+
+enum class Phase { Running, Settling, Stopping };
+
+class Agent {
+ public:
+  Agent(const JobSpec& job, std::string spec_path, int nproc)
+      : job_(job), spec_path_(std::move(spec_path)), nproc_(nproc), host_(host_name()) {}
+  ~Agent();
+  int run();
+
+ private:
+  void spawn_all(int attempt, int port, const std::string& secret);
+  void spawn_one(Worker& w, const std::vector<std::string>& env);
+  void supervise();
+  void read_signals();
+  void on_signal(int sig);
+  void drain(Worker& w);
+  void emit(Worker& w, std::string line);
+  void reap();
+  void begin_stop(int sig);
+  void kill_remaining(const std::string& why);
+  bool any_running() const;
+  int first_failure() const;
+  void report_failure(int first) const;
+  void close_logs();
+
+  const JobSpec& job_;
+  const std::string spec_path_;
+  const int nproc_;
+  const std::string host_;
+  std::vector<Worker> w_;
+  int sfd_ = -1;
+  Phase phase_ = Phase::Running;
+  Clock::time_point settle_until_, kill_at_;
+  int64_t stop_ns_ = 0;  // CLOCK_MONOTONIC when the stop signals went out
+  bool killed_ = false;
+  bool failed_ = false;
+  int stop_signal_ = 0;  // the signal that told the agent to stop (0: none)
+};
+
+Agent::~Agent() {
+  // Only reached with live workers when something threw mid-job: never
+  // leave them behind.
+  for (Worker& w : w_) {
+    if (!w.running) continue;
+    signal_group(w.pid, SIGKILL);
+    int st;
+    while (::waitpid(w.pid, &st, 0) < 0 && errno == EINTR) {
+    }
+    w.running = false;
+  }
+  for (Worker& w : w_)
+    if (w.out_fd >= 0) ::close(w.out_fd), w.out_fd = -1;
+  close_logs();
+}
+
+void Agent::close_logs() {
+  for (Worker& w : w_)
+    if (w.log_fd >= 0) ::close(w.log_fd), w.log_fd = -1;
+}
+
+bool Agent::any_running() const {
+  return std::any_of(w_.begin(), w_.end(), [](const Worker& w) { return w.running; });
+}
+
+// ---- spawning ----------------------------------------------------------------------
+
+// The child side of fork(): only async-signal-safe calls until execve (the
+// agent has other threads, e.g. the store's). Everything was prepared by
+// the parent.
+[[noreturn]] void exec_worker(pid_t agent, int out_wr, char* const* argv, char* const* envp) {
+  ::setpgid(0, 0);
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (::getppid() != agent) ::_exit(125);  // the agent died before prctl took effect
+  const int devnull = ::open("/dev/null", O_RDONLY);
+  if (devnull >= 0 && devnull != 0) ::dup2(devnull, 0);
+  ::dup2(out_wr, 1);
+  ::dup2(out_wr, 2);
+  // Whatever the agent's caller left open (a test harness's pipes) is not
+  // the worker's business.
+  ::close_range(3, ~0U, 0);
+  // exec keeps an ignored disposition: SIGPIPE is ignored by the agent, and
+  // a shell may have started the agent with SIGINT ignored (a background
+  // job). Workers must react to what the agent forwards.
+  struct sigaction dfl {};
+  dfl.sa_handler = SIG_DFL;
+  for (int s : {SIGPIPE, SIGINT, SIGTERM, SIGUSR1}) ::sigaction(s, &dfl, nullptr);
+  sigset_t none;
+  sigemptyset(&none);
+  ::sigprocmask(SIG_SETMASK, &none, nullptr);  // the agent blocks several; exec keeps the mask
+  ::execve("/proc/self/exe", argv, envp);
+  static const char msg[] = "trainrun: cannot exec the worker (/proc/self/exe)\n";
+  ssize_t ignored = ::write(2, msg, sizeof msg - 1);
+  (void)ignored;
+  ::_exit(127);
+}
+
+void Agent::spawn_one(Worker& w, const std::vector<std::string>& env) {
+  std::vector<std::string> args = {"trainrun", "worker", "--config", spec_path_};
+  std::vector<char*> argv, envp;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  std::vector<std::string> env_copy = env;
+  for (auto& e : env_copy) envp.push_back(e.data());
+  envp.push_back(nullptr);
+
+  int p[2];
+  TR_CHECK_ERRNO(::pipe2(p, O_CLOEXEC) == 0, "launcher: cannot create the output pipe of rank ", w.rank);
+  ::fcntl(p[0], F_SETFL, ::fcntl(p[0], F_GETFL) | O_NONBLOCK);
+  const pid_t agent = ::getpid();
+  const pid_t pid = ::fork();
+  if (pid == 0) exec_worker(agent, p[1], argv.data(), envp.data());
+  const int fork_errno = errno;
+  ::close(p[1]);
+  if (pid < 0) {
+    ::close(p[0]);
+    errno = fork_errno;
+    TR_CHECK_ERRNO(false, "launcher: cannot start worker rank ", w.rank, " (fork)");
+  }
+  ::setpgid(pid, pid);  // also in the child: whichever runs first
+  w.pid = pid;
+  w.out_fd = p[0];
+  w.running = true;
+}
+
+void Agent::spawn_all(int attempt, int port, const std::string& secret) {
+  const fs::path logs = fs::path(job_.output.dir) / "logs";
+  std::error_code ec;
+  fs::create_directories(logs, ec);
+  TR_CHECK(!ec, "launcher: cannot create '", logs.string(), "': ", ec.message(), "; check that output.dir is writable");
+
+  std::vector<std::string> common;
+  for (char** e = environ; e && *e; ++e) {
+    const std::string kv = *e;
+    const std::string name = kv.substr(0, kv.find('='));
+    if (std::none_of(std::begin(kContractVars), std::end(kContractVars), [&](const char* v) { return name == v; }))
+      common.push_back(kv);
+  }
+  const char* omp = std::getenv("OMP_NUM_THREADS");
+  if (!omp || !*omp) common.push_back("OMP_NUM_THREADS=" + std::to_string(std::max(1, usable_cpus() / nproc_)));
+  const std::string world = std::to_string(nproc_);
+  for (const std::string& kv : std::vector<std::string>{"WORLD_SIZE=" + world, "LOCAL_WORLD_SIZE=" + world, "GROUP_RANK=0", "GROUP_WORLD_SIZE=1",
+        "MASTER_ADDR=" + job_.launcher.master_addr, "MASTER_PORT=" + std::to_string(port),
+        "TRAINRUN_STORE_SECRET=" + secret, "TRAINRUN_RESTART_COUNT=" + std::to_string(attempt),
+        "TRAINRUN_MAX_RESTARTS=" + std::to_string(job_.launcher.max_restarts)})
+    common.push_back(kv);
+
+  w_.assign(size_t(nproc_), Worker{});
+  for (int r = 0; r < nproc_; ++r) {
+    Worker& w = w_[size_t(r)];
+    w.rank = r;
+    w.log_path = (logs / ("rank" + std::to_string(r) + ".log")).string();
+    w.error_file = (logs / ("rank" + std::to_string(r) + ".error")).string();
+    fs::remove(w.error_file, ec);  // a stale one would confuse first_failure()
+    // The first attempt starts fresh logs; restarts append, after a marker,
+    // so the failed attempt's lines stay readable.
+    w.log_fd = ::open(w.log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | (attempt == 0 ? O_TRUNC : 0),
+                      0644);
+    TR_CHECK_ERRNO(w.log_fd >= 0, "launcher: cannot open '", w.log_path, "'");
+    if (attempt > 0) {
+      const std::string mark = "---- trainrun: restart " + std::to_string(attempt) + " of " +
+                               std::to_string(job_.launcher.max_restarts) + " ----\n";
+      write_all(w.log_fd, mark.data(), mark.size());
+    }
+  }
+  for (Worker& w : w_) {
+    std::vector<std::string> env = common;
+    env.push_back("RANK=" + std::to_string(w.rank));
+    env.push_back("LOCAL_RANK=" + std::to_string(w.rank));
+    env.push_back("TRAINRUN_ERROR_FILE=" + w.error_file);
+    spawn_one(w, env);  // on a throw, ~Agent kills and reaps those already started
+  }
+}
+
+// ---- output -------------------------------------------------------------------------
+
+void Agent::emit(Worker& w, std::string line) {
+  line += '\n';
+  if (w.log_fd >= 0) write_all(w.log_fd, line.data(), line.size());
+  line.pop_back();
+  if (w.rank == 0) {
+    const std::string echo = "[rank 0] " + line + "\n";
+    write_all(2, echo.data(), echo.size());
+  }
+  const size_t keep = size_t(std::max(0, job_.launcher.log_tail_lines));
+  if (keep == 0) return;
+  w.tail.push_back(std::move(line));
+  while (w.tail.size() > keep) w.tail.pop_front();
+}
+
+// Reads whatever is in the pipe now. At EOF the fd is closed and the last
+// unterminated line emitted.
+void Agent::drain(Worker& w) {
+  char buf[65536];
+  while (w.out_fd >= 0) {
+    const ssize_t n = ::read(w.out_fd, buf, sizeof buf);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return;  // EAGAIN: nothing more for now
+    if (n == 0) {
+      ::close(w.out_fd);
+      w.out_fd = -1;
+      if (!w.partial.empty()) emit(w, std::move(w.partial)), w.partial.clear();
+      return;
+    }
+    w.partial.append(buf, size_t(n));
+    size_t start = 0;
+    for (size_t nl; (nl = w.partial.find('\n', start)) != std::string::npos; start = nl + 1)
+      emit(w, w.partial.substr(start, nl - start));
+    w.partial.erase(0, start);
+    while (w.partial.size() >= kMaxLine) {
+      emit(w, w.partial.substr(0, kMaxLine));
+      w.partial.erase(0, kMaxLine);
+    }
+  }
+}
+
+// ---- watching -----------------------------------------------------------------------
+
+void Agent::reap() {
+  for (Worker& w : w_) {
+    if (!w.running) continue;
+    siginfo_t info{};
+    if (::waitid(P_PID, id_t(w.pid), &info, WEXITED | WNOHANG | WNOWAIT) != 0 || info.si_pid != w.pid) continue;
+    // Exited but not yet reaped: its group id is still reserved, so this
+    // reaches only what it left behind.
+    ::kill(-w.pid, SIGKILL);
+    int st = 0;
+    while (::waitpid(w.pid, &st, 0) < 0 && errno == EINTR) {
+    }
+    w.running = false;
+    w.status = st;
+    w.ended_at = Clock::now();
+    w.ended_before_stop = phase_ != Phase::Stopping;
+    w.error_ns = read_error_time(w.error_file);
+    drain(w);  // everything it wrote is in the pipe by now
+    if (w.out_fd >= 0) {
+      // A leftover of its group (just SIGKILLed) may still hold the pipe;
+      // what is not there now is not waited for.
+      ::close(w.out_fd);
+      w.out_fd = -1;
+      if (!w.partial.empty()) emit(w, std::move(w.partial)), w.partial.clear();
+    }
+    if (!status_ok(st) && phase_ == Phase::Running && stop_signal_ == 0) {
+      failed_ = true;
+      phase_ = Phase::Settling;
+      settle_until_ = Clock::now() + std::min<Clock::duration>(
+                                         kSettle, std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(
+                                                      std::max(0.0, job_.launcher.grace_period_s))));
+    }
+  }
+}
+
+// Asks every running worker to stop with `sig`; SIGKILL follows after the grace period.
+void Agent::begin_stop(int sig) {
+  phase_ = Phase::Stopping;
+  stop_ns_ = monotonic_now_ns();
+  kill_at_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                std::chrono::duration<double>(std::max(0.0, job_.launcher.grace_period_s)));
+  for (Worker& w : w_) {
+    if (!w.running) continue;
+    w.was_suspended = is_suspended(w.pid);
+    signal_group(w.pid, sig);
+    // A suspended worker would sit on the signal until SIGKILL; let it act now.
+    signal_group(w.pid, SIGCONT);
+  }
+}
+
+void Agent::kill_remaining(const std::string& why) {
+  killed_ = true;
+  for (Worker& w : w_) {
+    if (!w.running) continue;
+    say("rank " + std::to_string(w.rank) + " (pid " + std::to_string(w.pid) + ") " + why + ": sending SIGKILL");
+    w.got_sigkill = true;
+    signal_group(w.pid, SIGKILL);
+  }
+}
+
+void Agent::on_signal(int sig) {
+  if (sig == SIGCHLD) return;  // reap() looks at every worker after each wake-up
+  const int n = int(std::count_if(w_.begin(), w_.end(), [](const Worker& w) { return w.running; }));
+  if (stop_signal_ == 0) {
+    stop_signal_ = sig;
+    say("received " + sig_name(sig) + ": forwarding it to " + std::to_string(n) + " worker" + (n == 1 ? "" : "s") +
+        " (SIGKILL after " + fmt_seconds(job_.launcher.grace_period_s) + ")");
+    if (phase_ != Phase::Stopping) {
+      begin_stop(sig);
+    } else {
+      for (Worker& w : w_)
+        if (w.running) signal_group(w.pid, sig), signal_group(w.pid, SIGCONT);
+    }
+    return;
+  }
+  // A second Ctrl-C means "now".
+  if ((sig == SIGINT || sig == SIGTERM) && !killed_) kill_remaining("received " + sig_name(sig) + " again");
+}
+
+void Agent::read_signals() {
+  signalfd_siginfo si[16];
+  for (;;) {
+    const ssize_t n = ::read(sfd_, si, sizeof si);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return;
+    for (size_t i = 0; i < size_t(n) / sizeof(signalfd_siginfo); ++i) on_signal(int(si[i].ssi_signo));
+  }
+}
+
+void Agent::supervise() {
+  phase_ = Phase::Running;
+  killed_ = false;
+  failed_ = false;
+  stop_ns_ = 0;
+  std::vector<pollfd> fds;
+  std::vector<Worker*> owners;
+  while (any_running()) {
+    const auto now = Clock::now();
+    auto wait = std::chrono::milliseconds(1000);  // a safety net; events wake us sooner
+    auto until = [&](Clock::time_point t) {
+      return std::chrono::duration_cast<std::chrono::milliseconds>(t - now) + std::chrono::milliseconds(1);
+    };
+    if (phase_ == Phase::Settling) wait = std::min(wait, until(settle_until_));
+    if (phase_ == Phase::Stopping && !killed_) wait = std::min(wait, until(kill_at_));
+    fds.assign(1, pollfd{sfd_, POLLIN, 0});
+    owners.assign(1, nullptr);
+    for (Worker& w : w_)
+      if (w.out_fd >= 0) fds.push_back(pollfd{w.out_fd, POLLIN, 0}), owners.push_back(&w);
+    const int n = ::poll(fds.data(), fds.size(), int(std::max<int64_t>(0, wait.count())));
+    if (n > 0) {
+      if (fds[0].revents) read_signals();
+      for (size_t i = 1; i < fds.size(); ++i)
+        if (fds[i].revents) drain(*owners[i]);
+    }
+    reap();
+    const auto t = Clock::now();
+    if (phase_ == Phase::Settling && (t >= settle_until_ || !any_running())) begin_stop(SIGTERM);
+    if (phase_ == Phase::Stopping && !killed_ && t >= kill_at_ && any_running())
+      kill_remaining("still running " + fmt_seconds(job_.launcher.grace_period_s) + " after being asked to stop");
+  }
+}
+
+// ---- the report -----------------------------------------------------------------------
+
+// Which rank failed first. Candidates are the workers that failed on their
+// own: before the agent asked anyone to stop, or (by their error file's
+// clock) before that moment. A death by signal among them wins (a kill -9 or
+// a crash is a cause; its peers' "connection closed" is an effect); else the
+// earliest error time; else the first the agent saw.
+int Agent::first_failure() const {
+  int best = -1;
+  auto rank_of = [](const Worker& w) {
+    if (WIFSIGNALED(w.status) && w.ended_before_stop) return 0;
+    if (w.error_ns > 0) return 1;
+    return 2;
+  };
+  for (const Worker& w : w_) {
+    if (status_ok(w.status)) continue;
+    const bool own = w.ended_before_stop || (w.error_ns > 0 && stop_ns_ > 0 && w.error_ns < stop_ns_);
+    if (!own) continue;
+    if (best < 0) { best = w.rank; continue; }
+    const Worker& b = w_[size_t(best)];
+    const int kw = rank_of(w), kb = rank_of(b);
+    if (kw != kb) { if (kw < kb) best = w.rank; continue; }
+    const bool earlier = kw == 1 ? w.error_ns < b.error_ns : w.ended_at < b.ended_at;
+    if (earlier) best = w.rank;
+  }
+  return best;
+}
+
+void Agent::report_failure(int first) const {
+  if (first < 0) {  // cannot happen: failed_ implies a failed worker
+    say("error: a worker failed");
+    return;
+  }
+  const Worker& f = w_[size_t(first)];
+  say("error: rank " + std::to_string(f.rank) + " (pid " + std::to_string(f.pid) + ", host " + host_ +
+      ") failed first: " + describe_status(f.status));
+  if (f.tail.empty()) {
+    say("rank " + std::to_string(f.rank) + " wrote nothing (" + f.log_path + " is empty)");
+  } else {
+    say("last " + std::to_string(f.tail.size()) + (f.tail.size() == 1 ? " line of " : " lines of ") + f.log_path + ":");
+    std::string text;
+    for (const std::string& line : f.tail) text += "[rank " + std::to_string(f.rank) + "] " + line + "\n";
+    write_all(2, text.data(), text.size());
+  }
+  for (const Worker& w : w_) {
+    if (w.rank == first) continue;
+    const std::string who = "rank " + std::to_string(w.rank) + " (pid " + std::to_string(w.pid) + ")";
+    if (status_ok(w.status) && w.ended_before_stop) {
+      say(who + " had already finished (exit code 0)");
+    } else if (w.ended_before_stop || (w.error_ns > 0 && w.error_ns < stop_ns_)) {
+      say(who + " also failed: " + describe_status(w.status) + " (see " + w.log_path + ")");
+    } else {
+      std::string s = "stopped " + who + ": " + describe_status(w.status);
+      if (w.got_sigkill) s += " after the " + fmt_seconds(job_.launcher.grace_period_s) + " grace period";
+      if (w.was_suspended) s += "; it was suspended (SIGSTOP or a debugger) when the job failed";
+      say(s);
+    }
+  }
+}
+
+// ---- the job ------------------------------------------------------------------------------
+
+// Blocks the signals the agent handles (before any thread exists, so every
+// thread inherits the mask), ignores SIGPIPE, and restores all of it on exit.
+class SignalScope {
+ public:
+  SignalScope() {
+    sigset_t set;
+    sigemptyset(&set);
+    for (int s : {SIGINT, SIGTERM, SIGUSR1, SIGCHLD}) sigaddset(&set, s);
+    TR_CHECK(::pthread_sigmask(SIG_BLOCK, &set, &old_mask_) == 0, "launcher: cannot block signals");
+    fd_ = ::signalfd(-1, &set, SFD_CLOEXEC | SFD_NONBLOCK);
+    TR_CHECK_ERRNO(fd_ >= 0, "launcher: signalfd");
+    struct sigaction ign {};
+    ign.sa_handler = SIG_IGN;
+    ::sigaction(SIGPIPE, &ign, &old_pipe_);
+  }
+  ~SignalScope() {
+    ::close(fd_);
+    ::sigaction(SIGPIPE, &old_pipe_, nullptr);
+    ::pthread_sigmask(SIG_SETMASK, &old_mask_, nullptr);
+  }
+  int fd() const { return fd_; }
+
+ private:
+  sigset_t old_mask_;
+  struct sigaction old_pipe_ {};
+  int fd_ = -1;
+};
+
+int Agent::run() {
+  SignalScope signals;
+  sfd_ = signals.fd();
+  const int max_restarts = std::max(0, job_.launcher.max_restarts);
+  for (int attempt = 0;; ++attempt) {
+    int code = -1;
+    {
+      // A fresh store and secret per attempt: nothing a failed attempt left
+      // in the store (half a rendezvous) can mislead the next one, and a
+      // straggler of the old attempt cannot join the new one.
+      const std::string secret = make_job_secret();
+      TcpStoreServer store(job_.launcher.master_addr, job_.launcher.master_port, secret);
+      if (attempt == 0)
+        say("starting " + std::to_string(nproc_) + " workers on " + host_ + " (rendezvous store " +
+            job_.launcher.master_addr + ":" + std::to_string(store.port()) + "; logs in " +
+            (fs::path(job_.output.dir) / "logs").string() + "/rank<N>.log)");
+      spawn_all(attempt, store.port(), secret);
+      supervise();
+      close_logs();
+      if (stop_signal_ != 0) {
+        // A failure that was being handled when the signal came is still
+        // worth reporting, but the user's stop wins over a restart.
+        if (failed_) report_failure(first_failure());
+        code = 128 + stop_signal_;
+        say("stopped by " + sig_name(stop_signal_) + "; all " + std::to_string(nproc_) +
+            " workers are gone; exiting with code " + std::to_string(code));
+      } else if (!failed_) {
+        say("all " + std::to_string(nproc_) + " workers finished");
+        code = 0;
+      } else {
+        report_failure(first_failure());
+        if (attempt < max_restarts) {
+          say("restarting all workers (restart " + std::to_string(attempt + 1) + " of " +
+              std::to_string(max_restarts) + ")");
+        } else {
+          if (max_restarts > 0)
+            say("no restarts left (launcher.max_restarts: " + std::to_string(max_restarts) + "); giving up");
+          code = 1;
+        }
+      }
+    }
+    if (code >= 0) return code;
+  }
+}
+
+}  // namespace
+
+bool launched_as_worker() {
+  for (const char* v : {"RANK", "WORLD_SIZE"}) {
+    const char* s = std::getenv(v);
+    if (s && *s) return true;
+  }
+  return false;
+}
+
+int resolve_nproc_per_node(const JobSpec& job) {
+  if (job.parallel.nproc_per_node > 0) return job.parallel.nproc_per_node;
+  // 0 = one worker per visible GPU. The trainer runs the CPU backend only
+  // for now, so that is one worker; the topology code will count GPUs here.
+  return 1;
+}
+
+bool should_run_agent(const JobSpec& job) {
+  if (launched_as_worker()) return false;
+  // One worker without restarts needs no supervisor: train in-process.
+  return resolve_nproc_per_node(job) > 1 || job.launcher.max_restarts > 0;
+}
+
+int run_agent(const JobSpec& job, const std::string& resolved_spec_path) {
+  const int nproc = resolve_nproc_per_node(job);
+  TR_CHECK(nproc >= 1, "parallel.nproc_per_node: ", nproc, " workers is not a job");
+  // The trainer checks this too, but failing here says it once, before any
+  // worker starts, instead of once per rank.
+  const int global_b = job.train.derived_global_batch_size(), mb = job.train.micro_batch_size;
+  TR_CHECK(mb > 0 && global_b % (mb * nproc) == 0, job.source, ": train.global_batch_size (", global_b,
+           " sequences) must be a multiple of train.micro_batch_size (", mb, ") x world size (", nproc,
+           " workers); change one of them so every rank gets whole micro-batches");
+  TR_CHECK(job.launcher.grace_period_s >= 0, "launcher.grace_period_s must be >= 0");
+  Agent agent(job, resolved_spec_path, nproc);
+  return agent.run();
+}
+
+int run_worker(const std::string& resolved_spec_path) {
+  try {
+    JobSpec job = load_job_spec(resolved_spec_path);
+    WorkerInfo w = WorkerInfo::from_env();
+    const char* deaf = std::getenv("TRAINRUN_DEBUG_IGNORE_SIGTERM");
+    if (deaf && std::string(deaf) == "1") {
+      // For the launcher's tests: a worker that does not stop when asked,
+      // so the agent's SIGKILL after launcher.grace_period_s is exercised.
+      ::signal(SIGTERM, SIG_IGN);
+    }
+    const char* dbg = std::getenv("TRAINRUN_DEBUG_PRINT_ENV");
+    if (dbg && std::string(dbg) == "1") {
+      // For the launcher's tests and for debugging a launch: the contract as
+      // this process received it. The secret is only said to be there.
+      std::string line = "worker environment:";
+      for (const char* v : {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                            "MASTER_ADDR", "MASTER_PORT", "TRAINRUN_RESTART_COUNT", "OMP_NUM_THREADS"}) {
+        const char* s = std::getenv(v);
+        line += std::string(" ") + v + "=" + (s ? s : "<unset>");
+      }
+      const char* secret = std::getenv("TRAINRUN_STORE_SECRET");
+      line += std::string(" TRAINRUN_STORE_SECRET=") +
+              (secret && *secret ? "<" + std::to_string(std::strlen(secret)) + " chars>" : "<unset>");
+      TR_LOG_INFO(line);
+    }
+    run_training(job, w);
+    return 0;
+  } catch (const std::exception& e) {
+    // The agent reads the time to tell which rank failed first.
+    note_failure_now();
+    const char* path = std::getenv("TRAINRUN_ERROR_FILE");
+    if (path && *path) {
+      std::ofstream f(path, std::ios::trunc);
+      f << noted_failure_ns() << "\n" << e.what() << "\n";
+    }
+    throw;
+  }
+}
+
+}  // namespace trainrun

@@ -1,0 +1,245 @@
+// End-to-end tests of the trainrun binary: the commands, their outputs on
+// disk, exit codes and messages, and training behaviour that only a whole run
+// shows (loss at init, reaching the entropy floor, determinism).
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include "core/model/model_io.h"
+#include "tests/support/testutil.h"
+
+using namespace trainrun;
+using Catch::Matchers::Contains;
+
+namespace {
+
+// Tiny synthetic job: 16-state Markov chain, a model that can learn it in seconds.
+std::string synthetic_job(const std::string& dir, int steps = 300) {
+  return "model: {n_layer: 2, n_head: 2, n_embd: 32, vocab_size: 16, seq_len: 32}\n"
+         "data: {format: synthetic, synthetic: {vocab: 16, branching: 3}}\n"
+         "train: {global_batch_size: 16, micro_batch_size: 8, max_steps: " + std::to_string(steps) +
+         ", lr: 3.0e-3, min_lr: 3.0e-4, warmup_steps: " + std::to_string(std::min(20, steps)) + ", log_interval: 10, eval_interval: 100, eval_steps: 8}\n"
+         "output: {dir: '" + dir + "', sample_tokens: 0}\n"
+         "parallel: {nproc_per_node: 1}\n";
+}
+
+std::vector<std::string> lines_of(const std::string& text) {
+  std::vector<std::string> out;
+  std::istringstream is(text);
+  for (std::string l; std::getline(is, l);) out.push_back(l);
+  return out;
+}
+
+// Minimal extraction of a numeric field from one metrics.jsonl line.
+double field(const std::string& line, const std::string& key) {
+  auto p = line.find("\"" + key + "\":");
+  if (p == std::string::npos) return NAN;
+  return std::stod(line.substr(p + key.size() + 3));
+}
+
+std::string env1() { return "OMP_NUM_THREADS=1 "; }
+
+}  // namespace
+
+TEST_CASE("cli: --version names the backends", "[cli]") {
+  auto r = test::run_trainrun("--version");
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.out, Contains("trainrun ") && Contains("cpu") && Contains("cuda"));
+}
+
+TEST_CASE("cli: --help on every subcommand", "[cli]") {
+  for (const char* sub : {"", "validate ", "prepare ", "generate "}) {
+    auto r = test::run_trainrun(std::string(sub) + "--help");
+    INFO(sub);
+    CHECK(r.exit_code == 0);
+    CHECK_THAT(r.out, Contains("Usage") || Contains("OPTIONS"));
+  }
+}
+
+TEST_CASE("cli: usage errors exit 2", "[cli]") {
+  auto r = test::run_trainrun("");
+  CHECK(r.exit_code == 2);
+  CHECK_THAT(r.err, Contains("--config is required"));
+  r = test::run_trainrun("--config /nonexistent/job.yaml");
+  CHECK(r.exit_code == 2);
+  CHECK_THAT(r.err, Contains("/nonexistent/job.yaml"));
+  r = test::run_trainrun("generate --prompt hi");
+  CHECK(r.exit_code == 2);
+  CHECK_THAT(r.err, Contains("--checkpoint"));
+}
+
+TEST_CASE("cli: validate prints the resolved spec or the error", "[cli]") {
+  test::TempDir dir("cli");
+  test::write_file(dir / "job.yaml", synthetic_job(dir / "run"));
+  auto r = test::run_trainrun("validate --config " + dir / "job.yaml" + " --set train.lr=5e-3");
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.out, Contains("lr: 0.005") && Contains("sharding: full_shard") && Contains("max_steps: 300"));
+
+  test::write_file(dir / "bad.yaml", "model:\n  n_layer: 2\n  n_haed: 4\n");
+  r = test::run_trainrun("validate --config " + dir / "bad.yaml");
+  CHECK(r.exit_code == 1);
+  CHECK_THAT(r.err, Contains("bad.yaml:3:3: model.n_haed: unknown key; did you mean 'model.n_head'?"));
+  CHECK(r.out.empty());
+
+  r = test::run_trainrun("validate --config " + dir / "job.yaml" + " --set train.lr=abc");
+  CHECK(r.exit_code == 1);
+  CHECK_THAT(r.err, Contains("--set train.lr=abc: train.lr: expected a number, got 'abc'"));
+}
+
+TEST_CASE("cli: a synthetic run writes its outputs, starts at ln(V) and reaches the entropy floor", "[cli]") {
+  test::TempDir dir("cli");
+  const std::string run = dir / "run";
+  test::write_file(dir / "job.yaml", synthetic_job(run));
+  auto r = test::run_command(env1() + "'" + test::trainrun_binary() + "' --config " + dir / "job.yaml");
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  REQUIRE(test::file_exists(run + "/job.resolved.yaml"));
+  REQUIRE(test::file_exists(run + "/model.safetensors"));
+  CHECK_THAT(r.err, Contains("entropy floor"));
+
+  auto lines = lines_of(test::read_file(run + "/metrics.jsonl"));
+  REQUIRE(lines.size() == 31);  // step 1 and every 10th
+  for (const char* k : {"step", "loss", "lr", "grad_norm", "tokens_per_sec"}) CHECK(!std::isnan(field(lines[0], k)));
+  // Loss at initialisation: uniform predictions over V = 16 tokens.
+  CHECK(std::fabs(field(lines[0], "loss") - std::log(16.0)) < 0.1);
+  // The entropy floor is printed in the log; the final val loss must be within 0.05 nats.
+  auto p = r.err.find("entropy floor (the lowest reachable loss) H = ");
+  REQUIRE(p != std::string::npos);
+  double H = std::stod(r.err.substr(p + 46));
+  double val = field(lines.back(), "val_loss");
+  INFO("final val_loss " << val << " vs entropy floor " << H);
+  CHECK(val - H < 0.05);
+  CHECK(val > H - 0.02);  // cannot beat the floor by more than sampling noise
+
+  // Other tools read the weights: the real safetensors package.
+  std::string py = test::source_dir() + "/.venv/bin/python";
+  INFO("needs the venv: scripts/install-deps.sh --test");
+  REQUIRE(test::file_exists(py));
+  auto pr = test::run_command("'" + py + "' -c \"from safetensors.numpy import load_file; from safetensors import safe_open; "
+                              "t = load_file('" + run + "/model.safetensors'); "
+                              "m = safe_open('" + run + "/model.safetensors', 'np').metadata(); "
+                              "print(len(t), t['transformer.wte.weight'].shape, t['transformer.h.1.mlp.c_fc.weight'].shape, m['n_layer'])\"");
+  INFO(pr.err);
+  REQUIRE(pr.exit_code == 0);
+  CHECK(pr.out == "28 (16, 32) (128, 32) 2\n");
+}
+
+TEST_CASE("cli: two identical runs give identical losses", "[cli]") {
+  test::TempDir dir("cli");
+  std::string metrics[2];
+  for (int i = 0; i < 2; ++i) {
+    const std::string run = dir / ("run" + std::to_string(i));
+    test::write_file(dir / "job.yaml", synthetic_job(run, 30));
+    auto r = test::run_command("OMP_NUM_THREADS=2 '" + test::trainrun_binary() + "' --config " + dir / "job.yaml");
+    REQUIRE(r.exit_code == 0);
+    // Compare everything but the timing fields.
+    for (const auto& l : lines_of(test::read_file(run + "/metrics.jsonl")))
+      metrics[i] += std::to_string(field(l, "step")) + " " + l.substr(0, l.find(",\"tokens_per_sec\"")) + "\n";
+  }
+  REQUIRE(!metrics[0].empty());
+  CHECK(metrics[0] == metrics[1]);
+}
+
+TEST_CASE("cli: prepare, train on llm.c shards, generate greedily", "[cli]") {
+  test::TempDir dir("cli");
+  std::string text;
+  for (int i = 0; i < 400; ++i) text += "the quick brown fox jumps over the lazy dog. ";
+  test::write_file(dir / "in/a.txt", text);
+  auto r = test::run_trainrun("prepare --input " + dir / "in" + " --output " + dir / "data" + " --val-fraction 0.1");
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.out, Contains("train tokens") && Contains("val tokens"));
+  REQUIRE(test::file_exists(dir / "data/train_000000.bin"));
+  REQUIRE(test::file_exists(dir / "data/val_000000.bin"));
+
+  test::write_file(dir / "job.yaml",
+                   "model: {n_layer: 1, n_head: 2, n_embd: 32, vocab_size: 256, seq_len: 32}\n"
+                   "data: {format: llmc, train: '" + dir / "data/train_*.bin" + "', val: '" + dir / "data/val_*.bin" + "'}\n"
+                   "train: {global_batch_size: 8, micro_batch_size: 8, max_steps: 150, lr: 1.0e-2, min_lr: 1.0e-3, warmup_steps: 10, eval_interval: 50, eval_steps: 2}\n"
+                   "output: {dir: '" + dir / "run" + "', sample_tokens: 20, sample_prompt: 'the '}\n");
+  r = test::run_command(env1() + "'" + test::trainrun_binary() + "' --config " + dir / "job.yaml");
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.err, Contains("sample:"));
+  auto lines = lines_of(test::read_file(dir / "run/metrics.jsonl"));
+  CHECK(field(lines.back(), "val_loss") < 1.0);  // a repeated sentence is easy
+
+  // Greedy generation: only prompt + continuation on stdout, deterministic,
+  // and the same from the run directory and from the .safetensors file.
+  const std::string g = "generate --prompt 'the quick' --max-tokens 30 --top-k 1 --checkpoint ";
+  auto g1 = test::run_trainrun(g + dir / "run");
+  auto g2 = test::run_trainrun(g + dir / "run/model.safetensors");
+  INFO(g1.err);
+  REQUIRE(g1.exit_code == 0);
+  CHECK(g1.out.size() == 9 + 30);
+  CHECK(g1.out.rfind("the quick", 0) == 0);
+  CHECK(g1.out == g2.out);
+  CHECK_THAT(g1.out, Contains("brown fox"));  // the model learned the sentence
+
+  // Sampling with a seed is reproducible, and differs across seeds.
+  const std::string s = "generate --prompt 'the ' --max-tokens 40 --temperature 1.5 --top-k 0 --checkpoint " + dir / "run";
+  auto s1 = test::run_trainrun(s + " --seed 1"), s1b = test::run_trainrun(s + " --seed 1"), s2 = test::run_trainrun(s + " --seed 2");
+  CHECK(s1.out == s1b.out);
+  CHECK(s1.out != s2.out);
+}
+
+TEST_CASE("cli: bad inputs give a clear error and exit 1", "[cli]") {
+  test::TempDir dir("cli");
+  // Missing data file.
+  test::write_file(dir / "job.yaml", "model: {vocab_size: 256, seq_len: 16, n_layer: 1, n_embd: 16, n_head: 2}\n"
+                                     "data: {format: llmc, train: '" + dir / "nope_*.bin" + "'}\n"
+                                     "output: {dir: '" + dir / "run" + "'}\n");
+  auto r = test::run_trainrun("--config " + dir / "job.yaml");
+  CHECK(r.exit_code == 1);
+  CHECK_THAT(r.err, Contains("data.train") && Contains("nope_*.bin"));
+
+  // Truncated shard.
+  std::string hdr(1024, '\0');
+  int32_t h[3] = {20240520, 1, 1000};
+  std::memcpy(&hdr[0], h, sizeof h);
+  test::write_file(dir / "short.bin", hdr + std::string(100, 'a'));
+  test::write_file(dir / "job2.yaml", "model: {vocab_size: 256, seq_len: 16, n_layer: 1, n_embd: 16, n_head: 2}\n"
+                                      "data: {format: llmc, train: '" + dir / "short.bin" + "'}\n"
+                                      "output: {dir: '" + dir / "run" + "'}\n");
+  r = test::run_trainrun("--config " + dir / "job2.yaml");
+  CHECK(r.exit_code == 1);
+  CHECK_THAT(r.err, Contains("short.bin") && Contains("truncated"));
+
+  // Tokens beyond the model's vocabulary.
+  test::write_file(dir / "job3.yaml", "model: {vocab_size: 100, seq_len: 8, n_layer: 1, n_embd: 16, n_head: 2}\n"
+                                      "data: {format: raw_uint16, train: '" + dir / "raw.bin" + "'}\n"
+                                      "output: {dir: '" + dir / "run" + "'}\n");
+  std::string raw;
+  for (uint16_t t : {1, 2, 3, 250, 4, 5, 6, 7, 8, 9, 10, 11}) raw.append(reinterpret_cast<char*>(&t), 2);
+  test::write_file(dir / "raw.bin", raw);
+  r = test::run_trainrun("--config " + dir / "job3.yaml");
+  CHECK(r.exit_code == 1);
+  CHECK_THAT(r.err, Contains("raw.bin") && Contains("250"));
+
+  // Batch that does not split into micro-batches.
+  test::write_file(dir / "job4.yaml", synthetic_job(dir / "run4") + "train: {global_batch_size: 10, micro_batch_size: 4}\n");
+  r = test::run_trainrun("validate --config " + dir / "job4.yaml");
+  CHECK(r.exit_code == 1);
+
+  // generate with a path that holds no model.
+  r = test::run_trainrun("generate --checkpoint " + dir.path() + " --prompt x");
+  CHECK(r.exit_code == 1);
+  CHECK_THAT(r.err, Contains("neither checkpoints/latest nor model.safetensors"));
+  // generate with a corrupt safetensors file.
+  test::write_file(dir / "bad.safetensors", "garbage that is not a safetensors file");
+  r = test::run_trainrun("generate --checkpoint " + dir / "bad.safetensors" + " --prompt x");
+  CHECK(r.exit_code == 1);
+  CHECK_THAT(r.err, Contains("bad.safetensors"));
+  // A prompt with non-byte tokens for a non-byte vocab.
+  test::write_file(dir / "job5.yaml", synthetic_job(dir / "run5", 2));
+  REQUIRE(test::run_trainrun("--config " + dir / "job5.yaml").exit_code == 0);
+  r = test::run_trainrun("generate --checkpoint " + dir / "run5" + " --prompt 'hello'");
+  CHECK(r.exit_code == 1);
+  CHECK_THAT(r.err, Contains("token ids"));
+  r = test::run_trainrun("generate --checkpoint " + dir / "run5" + " --prompt '1 2 3' --max-tokens 5 --top-k 1");
+  CHECK(r.exit_code == 0);
+  CHECK(lines_of(r.out).size() == 1);
+}
