@@ -284,7 +284,7 @@ TEST_CASE("launcher: workers get the torchrun environment contract", "[launcher]
 
 // A process that an outside launcher (torchrun, srun) already placed is a
 // worker: it must train in-process, not spawn workers of its own.
-TEST_CASE("launcher: with RANK/WORLD_SIZE set, trainrun is a worker, not an agent", "[launcher]") {
+TEST_CASE("launcher: with RANK or WORLD_SIZE set trainrun is a worker and not an agent", "[launcher]") {
   test::TempDir dir("launch");
   JobOpts o;
   o.nproc = 3;
@@ -298,7 +298,7 @@ TEST_CASE("launcher: with RANK/WORLD_SIZE set, trainrun is a worker, not an agen
   CHECK(losses(dir / "run/metrics.jsonl").size() == 1);
 }
 
-TEST_CASE("launcher: a bad batch split is reported once, before any worker starts", "[launcher]") {
+TEST_CASE("launcher: a bad batch split is reported once before any worker starts", "[launcher]") {
   test::TempDir dir("launch");
   JobOpts o;
   o.nproc = 4;  // 6 sequences do not split over 4 ranks
@@ -352,9 +352,11 @@ TEST_CASE("launcher: a worker killed by SIGKILL is reported with its signal", "[
   CHECK(processes_mentioning(dir.path()).empty());
 }
 
-TEST_CASE("launcher: SIGTERM or SIGINT to the agent stops every worker", "[launcher]") {
-  const int sig = GENERATE(SIGTERM, SIGINT);
-  const std::string name = sig == SIGTERM ? "SIGTERM" : "SIGINT";
+// Like torchrun: SIGINT, SIGTERM and SIGUSR1 are forwarded to the workers,
+// and the agent exits 128+signal once they are gone.
+TEST_CASE("launcher: SIGTERM or SIGINT or SIGUSR1 to the agent stops every worker", "[launcher]") {
+  const int sig = GENERATE(SIGTERM, SIGINT, SIGUSR1);
+  const std::string name = sig == SIGTERM ? "SIGTERM" : sig == SIGINT ? "SIGINT" : "SIGUSR1";
   INFO(name);
   test::TempDir dir("launch");
   JobOpts o;
@@ -373,6 +375,19 @@ TEST_CASE("launcher: SIGTERM or SIGINT to the agent stops every worker", "[launc
         std::string::npos);
   CHECK(Clock::now() - t0 < 5s);  // the workers die of the forwarded signal, no grace period waited out
   CHECK(processes_mentioning(dir.path()).empty());
+}
+
+// PR_SET_PDEATHSIG: an agent that cannot clean up still takes its workers along.
+TEST_CASE("launcher: workers die with an agent killed by SIGKILL", "[launcher]") {
+  test::TempDir dir("launch");
+  JobOpts o;
+  o.nproc = 2;
+  BackgroundRun agent(dir, start_long_job(dir, o));
+  REQUIRE(wait_until([&] { return training_started(dir); }, 20s));
+  REQUIRE(worker_pid(dir.path(), 1) > 0);
+  REQUIRE(kill(agent.pid(), SIGKILL) == 0);
+  CHECK(agent.wait(20s) == 128 + SIGKILL);
+  CHECK(wait_until([&] { return processes_mentioning(dir.path()).empty(); }, 5s));
 }
 
 TEST_CASE("launcher: a worker that ignores SIGTERM gets SIGKILL after the grace period", "[launcher]") {

@@ -68,10 +68,22 @@ constexpr size_t kMaxLine = 64 * 1024;
 constexpr auto kSettle = std::chrono::milliseconds(500);
 
 // The variables the agent sets for every worker; inherited values are dropped.
-const char* const kContractVars[] = {
-    "RANK",        "LOCAL_RANK",  "WORLD_SIZE",            "LOCAL_WORLD_SIZE",       "GROUP_RANK",
-    "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",     "TRAINRUN_STORE_SECRET",  "TRAINRUN_RESTART_COUNT",
-    "TRAINRUN_MAX_RESTARTS", "TRAINRUN_ERROR_FILE"};
+const char* const kContractVars[] = {"RANK",
+                                     "LOCAL_RANK",
+                                     "WORLD_SIZE",
+                                     "LOCAL_WORLD_SIZE",
+                                     "GROUP_RANK",
+                                     "GROUP_WORLD_SIZE",
+                                     "MASTER_ADDR",
+                                     "MASTER_PORT",
+                                     "TRAINRUN_STORE_SECRET",
+                                     "TRAINRUN_RESTART_COUNT",
+                                     "TRAINRUN_MAX_RESTARTS",
+                                     "TRAINRUN_ERROR_FILE"};
+
+Clock::duration seconds(double s) {
+  return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(std::max(0.0, s)));
+}
 
 std::string sig_name(int sig) {
   const char* abbrev = sigabbrev_np(sig);
@@ -390,12 +402,18 @@ void Agent::reap() {
   for (Worker& w : w_) {
     if (!w.running) continue;
     siginfo_t info{};
-    if (::waitid(P_PID, id_t(w.pid), &info, WEXITED | WNOHANG | WNOWAIT) != 0 || info.si_pid != w.pid) continue;
-    // Exited but not yet reaped: its group id is still reserved, so this
-    // reaches only what it left behind.
-    ::kill(-w.pid, SIGKILL);
     int st = 0;
-    while (::waitpid(w.pid, &st, 0) < 0 && errno == EINTR) {
+    if (::waitid(P_PID, id_t(w.pid), &info, WEXITED | WNOHANG | WNOWAIT) != 0) {
+      if (errno != ECHILD) continue;  // EINTR: next round
+      st = 255 << 8;  // reaped behind our back (cannot happen): count it as a failure, never wait forever
+    } else if (info.si_pid != w.pid) {
+      continue;  // still running
+    } else {
+      // Exited but not yet reaped: its group id is still reserved, so this
+      // reaches only what it left behind.
+      ::kill(-w.pid, SIGKILL);
+      while (::waitpid(w.pid, &st, 0) < 0 && errno == EINTR) {
+      }
     }
     w.running = false;
     w.status = st;
@@ -413,9 +431,7 @@ void Agent::reap() {
     if (!status_ok(st) && phase_ == Phase::Running && stop_signal_ == 0) {
       failed_ = true;
       phase_ = Phase::Settling;
-      settle_until_ = Clock::now() + std::min<Clock::duration>(
-                                         kSettle, std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(
-                                                      std::max(0.0, job_.launcher.grace_period_s))));
+      settle_until_ = Clock::now() + std::min<Clock::duration>(kSettle, seconds(job_.launcher.grace_period_s));
     }
   }
 }
@@ -424,8 +440,7 @@ void Agent::reap() {
 void Agent::begin_stop(int sig) {
   phase_ = Phase::Stopping;
   stop_ns_ = monotonic_now_ns();
-  kill_at_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                std::chrono::duration<double>(std::max(0.0, job_.launcher.grace_period_s)));
+  kill_at_ = Clock::now() + seconds(job_.launcher.grace_period_s);
   for (Worker& w : w_) {
     if (!w.running) continue;
     w.was_suspended = is_suspended(w.pid);
@@ -543,7 +558,9 @@ void Agent::report_failure(int first) const {
   const Worker& f = w_[size_t(first)];
   say("error: rank " + std::to_string(f.rank) + " (pid " + std::to_string(f.pid) + ", host " + host_ +
       ") failed first: " + describe_status(f.status));
-  if (f.tail.empty()) {
+  if (job_.launcher.log_tail_lines <= 0) {
+    say("its output is in " + f.log_path);
+  } else if (f.tail.empty()) {
     say("rank " + std::to_string(f.rank) + " wrote nothing (" + f.log_path + " is empty)");
   } else {
     say("last " + std::to_string(f.tail.size()) + (f.tail.size() == 1 ? " line of " : " lines of ") + f.log_path + ":");

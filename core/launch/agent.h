@@ -8,12 +8,33 @@
 // worker fails stops the rest, reports which rank failed first and how, and
 // restarts the job if launcher.max_restarts allows.
 //
+// Signals: SIGINT, SIGTERM and SIGUSR1 to the agent are forwarded to every
+// worker (as torchrun does); workers still running launcher.grace_period_s
+// later get SIGKILL, and the agent exits 128+signal. A second SIGINT/SIGTERM
+// kills the workers at once. A worker that fails (non-zero exit or a signal)
+// makes the agent SIGTERM the others (after a 0.5 s settle window, so the
+// report can tell cause from consequence), SIGKILL them after the grace
+// period, print
+//   trainrun: error: rank 2 (pid 1234, host H) failed first: exit code 1
+//   trainrun: last 20 lines of <output.dir>/logs/rank2.log:
+//   [rank 2] ...
+//   trainrun: stopped rank 0 (pid 1233): killed by signal SIGTERM (15)
+//   trainrun: rank 1 (pid 1235) also failed: exit code 1 (see .../rank1.log)
+// and exit 1, or restart every worker (a fresh store and secret per attempt).
+// "Failed first" uses each worker's error file (TRAINRUN_ERROR_FILE, written
+// by run_worker with the CLOCK_MONOTONIC time of the failure); a worker
+// killed by a signal before any stop was sent counts as the cause.
+//
 // Environment of every worker:
 //   RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK (0),
 //   GROUP_WORLD_SIZE (1), MASTER_ADDR, MASTER_PORT (the store),
 //   TRAINRUN_STORE_SECRET (fresh per attempt), TRAINRUN_RESTART_COUNT,
 //   TRAINRUN_MAX_RESTARTS, TRAINRUN_ERROR_FILE (where the worker writes its
 //   error), OMP_NUM_THREADS (cores / workers, at least 1, unless already set).
+//
+// Debug hooks (environment, for tests): TRAINRUN_DEBUG_PRINT_ENV=1 makes a
+// worker log the contract it received; TRAINRUN_DEBUG_IGNORE_SIGTERM=1 makes
+// it ignore SIGTERM; TRAINRUN_DEBUG_FAIL_* are in debug_hooks.h.
 #pragma once
 #include <string>
 

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/fastmath.h"
 
 namespace trainrun {
 
@@ -45,14 +46,17 @@ void CpuBackend::attention_forward(void* out_, float* saved, const void* qkv_, i
     for (int t = 0; t < T; ++t) {
       float* row = P + int64_t(t) * T;
       float mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
       for (int j = 0; j <= t; ++j) mx = std::max(mx, row[j]);
       float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
       for (int j = 0; j <= t; ++j) {
-        float e = std::exp(row[j] - mx);
+        float e = fastmath::exp(row[j] - mx);
         row[j] = e;
         sum += e;
       }
       const float inv = 1.0f / sum;
+#pragma omp simd
       for (int j = 0; j <= t; ++j) row[j] *= inv;
       for (int j = t + 1; j < T; ++j) row[j] = 0.0f;
     }
@@ -94,7 +98,9 @@ void CpuBackend::attention_backward(void* dqkv_, const void* dout_, const void* 
         const float* p = P + int64_t(t) * T;
         float* d = dP + int64_t(t) * T;
         float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
         for (int j = 0; j <= t; ++j) dot += p[j] * d[j];
+#pragma omp simd
         for (int j = 0; j <= t; ++j) d[j] = p[j] * (d[j] - dot) * sc;
         for (int j = t + 1; j < T; ++j) d[j] = 0.0f;
       }

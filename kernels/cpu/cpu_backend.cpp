@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/common/error.h"
+#include "kernels/cpu/fastmath.h"
 
 extern "C" void openblas_set_num_threads(int);
 
@@ -85,7 +86,7 @@ void CpuBackend::gelu_forward(void* out_, const void* inp_, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     float v = x[i];
     float u = kGeluScale * (v + 0.044715f * v * v * v);
-    out[i] = 0.5f * v * (1.0f + std::tanh(u));
+    out[i] = 0.5f * v * (1.0f + fastmath::tanh(u));
   }
 }
 
@@ -97,7 +98,7 @@ void CpuBackend::gelu_backward(void* dinp_, const void* inp_, const void* dout_,
   for (int64_t i = 0; i < n; ++i) {
     float v = x[i];
     float u = kGeluScale * (v + 0.044715f * v * v * v);
-    float th = std::tanh(u);
+    float th = fastmath::tanh(u);
     float sech2 = 1.0f - th * th;
     float grad = 0.5f * (1.0f + th) + 0.5f * v * sech2 * kGeluScale * (1.0f + 3.0f * 0.044715f * v * v);
     dinp[i] = grad * dout[i];

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/fastmath.h"
 
 namespace trainrun {
 
@@ -205,17 +206,18 @@ void CpuBackend::softmax_cross_entropy(float* losses, void* dlogits_, const void
       continue;
     }
     float mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
     for (int v = 0; v < V; ++v) mx = std::max(mx, z[v]);
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-    for (int v = 0; v < V; ++v) sum += std::exp(z[v] - mx);
+    for (int v = 0; v < V; ++v) sum += fastmath::exp(z[v] - mx);
     const float lse = mx + std::log(sum);
     losses[n] = lse - z[tgt];
     if (dlogits) {
       float* d = dlogits + int64_t(n) * V;
       const float inv = 1.0f / sum;
 #pragma omp simd
-      for (int v = 0; v < V; ++v) d[v] = dloss_scale * std::exp(z[v] - mx) * inv;
+      for (int v = 0; v < V; ++v) d[v] = dloss_scale * fastmath::exp(z[v] - mx) * inv;
       d[tgt] -= dloss_scale;
     }
   }
