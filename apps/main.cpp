@@ -15,6 +15,7 @@
 #include "core/model/model_io.h"
 #include "core/train/generate.h"
 #include "core/train/trainer.h"
+#include "parallel/bench_comm.h"
 
 namespace fs = std::filesystem;
 using namespace trainrun;
@@ -121,6 +122,16 @@ int main(int argc, char** argv) {
   generate->add_option("--seed", so.seed, "sampling seed")->capture_default_str();
 
   // Hidden: what the agent runs in each worker process (see core/launch/agent.h).
+  auto* bench = app.add_subcommand("bench", "benchmarks that print a table");
+  bench->require_subcommand(1);
+  auto* bench_comm = bench->add_subcommand("comm", "all_reduce / reduce_scatter / all_gather bandwidth (nccl-tests style)");
+  CommBenchOptions cb;
+  bench_comm->add_option("--backend", cb.backend, "cpu (Gloo) or cuda (NCCL)")->capture_default_str()->check(CLI::IsMember({"cpu", "cuda"}));
+  bench_comm->add_option("--nproc", cb.nproc, "ranks")->capture_default_str()->check(CLI::Range(1, 64));
+  bench_comm->add_option("--min-bytes", cb.min_bytes, "smallest message")->capture_default_str()->check(CLI::Range(int64_t(4), int64_t(1) << 40));
+  bench_comm->add_option("--max-bytes", cb.max_bytes, "largest message")->capture_default_str()->check(CLI::Range(int64_t(4), int64_t(1) << 40));
+  bench_comm->add_option("--iters", cb.iters, "iterations per size (0: adaptive)")->capture_default_str()->check(CLI::NonNegativeNumber);
+
   auto* worker = app.add_subcommand("worker", "");
   worker->group("");
   std::string wconfig;
@@ -137,6 +148,7 @@ int main(int argc, char** argv) {
   try {
     if (*worker) return run_worker(wconfig);
     if (*validate) return cmd_validate(vconfig, vsets);
+    if (*bench_comm) return run_comm_bench(cb);
     if (*prepare) {
       std::cout << prepare_byte_shards(popts) << "\n";
       return 0;
