@@ -9,6 +9,7 @@ if [ ! -e data/fortunes/train_000000.bin ]; then
   ./build/trainrun prepare --input /usr/share/games/fortunes --output data/fortunes --val-fraction 0.02
 fi
 ./build/trainrun --config configs/quickstart.yaml "$@"
-echo "--- greedy continuation from the trained model:"
-./build/trainrun generate --checkpoint runs/quickstart --prompt "The meaning of life is " --max-tokens 120 --top-k 1
+echo "--- a sample from the trained model (top-k 10, temperature 0.8):"
+./build/trainrun generate --checkpoint runs/quickstart --prompt "The meaning of life is " \
+  --max-tokens 200 --top-k 10 --temperature 0.8 --seed 7
 echo
