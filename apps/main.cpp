@@ -3,6 +3,7 @@
 //
 // Exit codes: 0 ok, 1 error (message on stderr), 2 usage error.
 #include <CLI/CLI.hpp>
+#include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -90,6 +91,9 @@ int cmd_generate(const std::string& ckpt, const std::string& prompt, const Sampl
 }  // namespace
 
 int main(int argc, char** argv) {
+  // A file-size limit (ulimit -f) should fail a write with EFBIG, which the
+  // checkpoint code reports and survives, not kill the process.
+  std::signal(SIGXFSZ, SIG_IGN);
   CLI::App app{"trainrun: train transformer language models on CPUs and GPUs"};
   app.set_version_flag("--version", version_string());
   app.require_subcommand(0, 1);

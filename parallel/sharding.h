@@ -51,6 +51,23 @@ class ParamStore : public UnitAccess {
   virtual std::vector<float> gather_full_params() = 0;
   // Replace all parameters from a whole-model host vector (every rank passes the same).
   virtual void load_full_params(const std::vector<float>& flat) = 0;
+  // ---- checkpoint access (logical layout) ----------------------------------
+  // Ranges of the flat parameter vector [global, global+count) this rank
+  // holds state for (what it must load), and the ranges it writes to a
+  // checkpoint: a partition of the whole model across all ranks (replicas
+  // of hybrid_shard / no_shard split the writing instead of repeating it).
+  struct Range {
+    int64_t global = 0, count = 0;
+  };
+  virtual std::vector<Range> held_ranges() const = 0;
+  virtual std::vector<Range> write_ranges() const = 0;
+  // State kind: 0 fp32 master weights, 1 AdamW first moment, 2 second moment.
+  // Host copies, concatenated in held_ranges() order.
+  virtual std::vector<float> get_state(int kind) = 0;
+  // Collective for kind 0 (parameters may be re-gathered): every rank calls
+  // set_state in the same order.
+  virtual void set_state(int kind, const std::vector<float>& host) = 0;
+
   virtual ShardMemory memory() const = 0;
   // Seconds spent waiting on collectives since the last call (and reset).
   virtual double take_comm_wait_seconds() = 0;

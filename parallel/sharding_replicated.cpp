@@ -73,6 +73,26 @@ class ReplicatedStore final : public ParamStore {
     be_->copy_to_device(master_.get(), flat.data(), flat.size() * 4);
     if (params_.get()) be_->cast_from_f32(params_.get(), master_.as<float>(), layout_.total);
   }
+  std::vector<Range> held_ranges() const override { return {{0, layout_.total}}; }
+  std::vector<Range> write_ranges() const override {
+    // Every rank holds everything: split the writing evenly.
+    const int W = comm_->world_size(), r = comm_->rank();
+    const int64_t b = layout_.total * r / W, e = layout_.total * (r + 1) / W;
+    if (e <= b) return {};
+    return {{b, e - b}};
+  }
+  std::vector<float> get_state(int kind) override {
+    std::vector<float> host(layout_.total);
+    be_->copy_to_host(host.data(), state(kind), host.size() * 4);
+    return host;
+  }
+  void set_state(int kind, const std::vector<float>& host) override {
+    if (kind == 0) return load_full_params(host);
+    TR_CHECK(int64_t(host.size()) == layout_.total, "set_state: size mismatch");
+    be_->copy_to_device(state(kind), host.data(), host.size() * 4);
+  }
+  float* state(int kind) { return kind == 0 ? master_.as<float>() : kind == 1 ? m_.as<float>() : v_.as<float>(); }
+
   ShardMemory memory() const override {
     ShardMemory m;
     m.params = master_.bytes() + params_.bytes();

@@ -281,6 +281,37 @@ class ShardedStore final : public ParamStore {
     if (!shard_params_) gather_replicated();
   }
 
+  std::vector<Range> held_ranges() const override {
+    std::vector<Range> out;
+    for (const auto& u : units_)
+      if (u.owned > 0) out.push_back({u.offset + u.begin, u.owned});
+    return out;
+  }
+  // hybrid_shard: only the first replica group writes (the others hold copies).
+  std::vector<Range> write_ranges() const override {
+    if (world_->rank() >= G_) return {};
+    return held_ranges();
+  }
+  std::vector<float> get_state(int kind) override {
+    std::vector<float> shard(shard_total_), out;
+    be_->copy_to_host(shard.data(), state(kind), shard.size() * 4);
+    for (const auto& u : units_)
+      out.insert(out.end(), shard.begin() + u.shard_off, shard.begin() + u.shard_off + u.owned);
+    return out;
+  }
+  void set_state(int kind, const std::vector<float>& host) override {
+    std::vector<float> shard(shard_total_, 0.0f);
+    size_t pos = 0;
+    for (const auto& u : units_) {
+      TR_CHECK(pos + u.owned <= host.size(), "set_state: too few values");
+      std::copy(host.begin() + pos, host.begin() + pos + u.owned, shard.begin() + u.shard_off);
+      pos += u.owned;
+    }
+    TR_CHECK(pos == host.size(), "set_state: ", host.size(), " values for ", pos, " held");
+    if (kind == 0) return set_master(shard);
+    be_->copy_to_device(state(kind), shard.data(), shard.size() * 4);
+  }
+
   ShardMemory memory() const override {
     ShardMemory m;
     m.params = master_.bytes() + shard_act_.bytes() + replicated_.bytes();
@@ -297,6 +328,7 @@ class ShardedStore final : public ParamStore {
   }
 
  private:
+  float* state(int kind) { return kind == 0 ? master_.as<float>() : kind == 1 ? m_.as<float>() : v_.as<float>(); }
   int64_t max_shard() const {
     int64_t m = 0;
     for (const auto& u : units_) m = std::max(m, u.shard);

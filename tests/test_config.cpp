@@ -290,7 +290,7 @@ TEST_CASE("config: job_spec_to_yaml writes every field with its doc", "[config]"
 
 TEST_CASE("config: the field table is complete and its defaults are valid", "[config]") {
   const auto fields = trainrun::job_spec_fields();
-  CHECK(fields.size() == 45);
+  CHECK(fields.size() == 53);
   std::vector<std::string> keys;
   for (const auto& f : fields) {
     INFO(f.key);
@@ -335,17 +335,17 @@ TEST_CASE("config: bad specs: YAML structure", "[config][bad]") {
       {"unclosed flow list", "train:\n  lr: [1\n", {},
        "job.yaml:3:1: invalid YAML: end of sequence flow not found; fix the syntax at this position"},
       {"top level is a list", "- model\n- train\n", {},
-       "job.yaml:1:1: the top level must be a map of sections (backend, model, data, train, output, parallel, launcher), "
+       "job.yaml:1:1: the top level must be a map of sections (backend, model, data, train, output, parallel, checkpoint, launcher), "
        "got a list; write e.g. 'train:' then indented keys"},
       {"top level is a scalar", "hello\n", {},
-       "job.yaml:1:1: the top level must be a map of sections (backend, model, data, train, output, parallel, launcher), "
+       "job.yaml:1:1: the top level must be a map of sections (backend, model, data, train, output, parallel, checkpoint, launcher), "
        "got 'hello'; write e.g. 'train:' then indented keys"},
       {"two documents", kSynthetic + "---\nmodel: {}\n", {},
        "job.yaml:4:1: a second YAML document ('---') is not allowed; put the whole job in one document"},
       {"unknown section, close to one", "trian:\n  lr: 0.1\n", {},
        "job.yaml:1:1: trian: unknown section; did you mean 'train'?"},
       {"unknown section, nothing close", kSynthetic + "optim:\n  lr: 0.1\n", {},
-       "job.yaml:3:1: optim: unknown section; the top level holds backend, model, data, train, output, parallel, launcher"},
+       "job.yaml:3:1: optim: unknown section; the top level holds backend, model, data, train, output, parallel, checkpoint, launcher"},
       {"a field written at the top level", kSynthetic + "lr: 0.1\n", {},
        "job.yaml:3:1: lr: unknown section; did you mean 'train.lr'?"},
       {"section is a scalar", kSynthetic + "model: gpt2\n", {},

@@ -11,6 +11,7 @@
 #include "core/model/model_io.h"
 #include "core/train/trainer.h"
 #include "parallel/store.h"
+#include "tests/support/inprocess.h"
 #include "tests/support/testutil.h"
 
 using namespace trainrun;
@@ -41,34 +42,8 @@ RunOut run_ranks(int world, const std::string& strategy, int group, const std::s
   const int mb = world == 3 ? 2 : 3;
   JobSpec job = parse_job_spec(job_yaml(dir.path(), strategy, group, ckpt), "job.yaml",
                                {"train.micro_batch_size=" + std::to_string(mb)});
-  std::string secret = make_job_secret();
-  TcpStoreServer server("127.0.0.1", 0, secret);
   RunOut out;
-  out.per_rank.resize(world);
-  std::vector<std::string> errors(world);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
-      WorkerInfo w;
-      w.rank = r;
-      w.world = world;
-      w.local_rank = r;
-      w.local_world = world;
-      w.master_addr = "127.0.0.1";
-      w.master_port = server.port();
-      w.secret = secret;
-      try {
-        out.per_rank[r] = run_training(job, w);
-      } catch (const std::exception& e) {
-        errors[r] = e.what();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (int r = 0; r < world; ++r) {
-    INFO("rank " << r << ": " << errors[r]);
-    REQUIRE(errors[r].empty());
-  }
+  out.per_rank = test::run_ranks_inprocess(job, world);
   out.losses = out.per_rank[0].losses;
   load_model_safetensors(dir / "model.safetensors", out.weights);
   return out;

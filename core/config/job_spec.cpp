@@ -129,6 +129,9 @@ const std::vector<Field>& fields() {
       TR_SPEC_FIELD(train.micro_batch_size, at_least(1),
                     "sequences per forward/backward on one rank; accumulation makes up the rest"),
       TR_SPEC_FIELD(train.max_steps, at_least(1), "optimizer steps in the run"),
+      TR_SPEC_FIELD(train.exit_interval, at_least(0),
+                    "stop after this many steps of this invocation, with a checkpoint (the schedule still "
+                    "follows max_steps; resume continues); 0 = run to max_steps"),
       TR_SPEC_FIELD(train.lr, above(0), "peak learning rate, reached at the end of warmup"),
       TR_SPEC_FIELD(train.min_lr, at_least(0), "learning-rate floor at the end of the decay (unused by constant)"),
       TR_SPEC_FIELD(train.warmup_steps, at_least(0), "steps of linear warmup from 0 to lr"),
@@ -159,6 +162,18 @@ const std::vector<Field>& fields() {
                     "ranks per shard group for hybrid_shard; 0 = ranks per node"),
       TR_SPEC_FIELD(parallel.timeout_s, above(0),
                     "seconds a collective or rendezvous wait may take before the job stops"),
+
+      TR_SPEC_FIELD(checkpoint.interval, at_least(0), "steps between checkpoints; 0 = only the final one"),
+      TR_SPEC_FIELD(checkpoint.keep_last, at_least(0), "newest checkpoints kept; older ones are deleted (0 = keep all)"),
+      TR_SPEC_FIELD(checkpoint.keep_every, at_least(0),
+                    "also keep checkpoints whose step is a multiple of this, forever; 0 = none"),
+      TR_SPEC_FIELD(checkpoint.async, one_of({"false", "true"}),
+                    "true: copy the state to host memory, then write it in a background thread"),
+      TR_SPEC_FIELD(checkpoint.on_error, one_of({"stop", "continue"}),
+                    "when a checkpoint cannot be written (disk full...): stop the job, or warn and continue"),
+      TR_SPEC_FIELD(checkpoint.resume, non_empty(),
+                    "auto = the latest verified checkpoint in output.dir (if any); never; or a checkpoint directory"),
+      TR_SPEC_FIELD(checkpoint.final, one_of({"true", "false"}), "write a checkpoint at the end of the run"),
 
       TR_SPEC_FIELD(launcher.max_restarts, at_least(0),
                     "times the agent restarts all workers after a failure (they resume from the latest checkpoint)"),

@@ -38,6 +38,7 @@ struct TrainSpec {
   int global_batch_size = 8;         // sequences per optimizer step (if global_batch_tokens == 0)
   int micro_batch_size = 8;          // sequences per forward/backward per rank
   int max_steps = 100;
+  int exit_interval = 0;              // stop (with a checkpoint) after this many steps of this invocation; 0 = off
   double lr = 1e-3;                   // peak learning rate
   double min_lr = 1e-4;               // floor of the decay
   int warmup_steps = 10;
@@ -82,6 +83,16 @@ struct LauncherSpec {
   int master_port = 0;                 // 0 = pick a free port
 };
 
+struct CheckpointSpec {
+  int interval = 0;                    // steps between checkpoints; 0 = only the final one
+  int keep_last = 3;                   // newest checkpoints kept (0 = keep all)
+  int keep_every = 0;                  // also keep every step divisible by this forever; 0 = none
+  std::string async = "false";         // "true": snapshot to host, write in a background thread
+  std::string on_error = "stop";       // a failed write: stop | continue (training goes on)
+  std::string resume = "auto";         // auto (latest verified in output.dir) | never | a checkpoint path
+  std::string final = "true";          // write a checkpoint at the end of the run
+};
+
 struct JobSpec {
   ModelSpec model;
   DataSpec data;
@@ -89,6 +100,7 @@ struct JobSpec {
   OutputSpec output;
   ParallelSpec parallel;
   LauncherSpec launcher;
+  CheckpointSpec checkpoint;
   std::string backend = "auto";        // auto | cpu | cuda
   std::string source = "<defaults>";   // where it came from (file path), for messages
 };

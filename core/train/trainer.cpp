@@ -8,6 +8,7 @@
 #include <iomanip>
 #include <sstream>
 
+#include "core/checkpoint/checkpoint.h"
 #include "core/common/error.h"
 #include "core/common/log.h"
 #include "core/data/dataset.h"
@@ -39,6 +40,21 @@ int env_int(const char* name, int dflt) {
 std::string env_str(const char* name, const std::string& dflt) {
   const char* v = std::getenv(name);
   return v && *v ? v : dflt;
+}
+// On resume: keep the records up to the resumed step, drop the ones a
+// crashed or stopped attempt wrote after it (they will be written again).
+void truncate_metrics(const std::string& path, int64_t max_step) {
+  std::ifstream in(path);
+  if (!in) return;
+  std::string kept, line;
+  while (std::getline(in, line)) {
+    auto p = line.find("\"step\":");
+    if (p == std::string::npos) continue;
+    if (std::atoll(line.c_str() + p + 7) <= max_step) kept += line + "\n";
+  }
+  in.close();
+  std::ofstream out(path, std::ios::trunc);
+  out << kept;
 }
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 std::string fmt(double v, int prec) {
@@ -106,6 +122,11 @@ class Trainer {
 
 void Trainer::setup() {
   rank0_ = w_.rank == 0;
+  if (rank0_) {
+    std::error_code ec;
+    fs::create_directories(job_.output.dir, ec);
+    TR_CHECK(!ec, "output.dir: cannot create '", job_.output.dir, "': ", ec.message());
+  }
   // 1. device
   TR_CHECK(job_.backend != "cuda", "backend: 'cuda' was requested but this build/machine has no usable GPU; use backend: cpu or auto");
   be_ = make_cpu_backend();
@@ -214,13 +235,39 @@ TrainSummary Trainer::run() {
   setup();
   const auto& tr = job_.train;
   const fs::path out(job_.output.dir);
+  // Resume before anything is written, so a refused checkpoint loses nothing.
+  Checkpointer ckpt(job_, cfg_, model_->layout(), w_.rank, w_.world, store_.get(), comm_.get(), prefix_);
+  ckpt.clean_stale();
+  TrainState resumed;
+  const bool is_resume = ckpt.load(*params_, resumed);
+  cursor_ = resumed.cursor;
+  const int first_step = int(resumed.step);
   std::unique_ptr<MetricsWriter> metrics;
   if (rank0_) {
-    std::error_code ec;
-    fs::remove(out / "metrics.jsonl", ec);  // a fresh run starts a fresh record
+    if (is_resume) {
+      truncate_metrics((out / "metrics.jsonl").string(), first_step);
+    } else {
+      std::error_code ec;
+      fs::remove(out / "metrics.jsonl", ec);  // a fresh run starts a fresh record
+    }
     metrics = std::make_unique<MetricsWriter>((out / "metrics.jsonl").string());
   }
   TrainSummary sum;
+  sum.tokens = resumed.tokens;
+  double ckpt_blocked = 0;
+  int last_saved = -1;
+  auto save_checkpoint = [&](int done_steps) {
+    TrainState st;
+    st.step = done_steps;
+    st.cursor = cursor_;
+    st.tokens = sum.tokens;
+    const double blocked = ckpt.save(*params_, st);
+    ckpt_blocked += blocked;
+    last_saved = done_steps;
+    if (rank0_)
+      TR_LOG_INFO("checkpoint: step ", done_steps, (job_.checkpoint.async == "true" ? " snapshot taken" : " written"),
+                  "; training blocked ", fmt(blocked, 3), " s");
+  };
   sum.entropy_floor = train_src_->entropy_floor();
   AdamWParams ap;
   ap.beta1 = float(tr.beta1);
@@ -231,7 +278,13 @@ TrainSummary Trainer::run() {
   double window_time = 0, window_comm = 0;
   int window_steps = 0;
   double train_time = 0;
-  for (int step = 0; step < tr.max_steps; ++step) {
+  if (is_resume && first_step >= tr.max_steps && rank0_)
+    TR_LOG_INFO("resume: the checkpoint is at step ", first_step, " >= train.max_steps (", tr.max_steps,
+                "); nothing to train");
+  // train.exit_interval: stop early (time-sliced jobs, tests of resume); the
+  // LR schedule is still laid out over max_steps so a resumed run continues it.
+  const int end_step = tr.exit_interval > 0 ? std::min(tr.max_steps, first_step + tr.exit_interval) : tr.max_steps;
+  for (int step = first_step; step < end_step; ++step) {
     comm_->set_step(step + 1);
     debug_fail_hook(w_.rank, step + 1);  // launcher tests: TRAINRUN_DEBUG_FAIL_RANK/_STEP
     auto t0 = Clock::now();
@@ -257,7 +310,7 @@ TrainSummary Trainer::run() {
     TR_CHECK(std::isfinite(loss), "training diverged at step ", step + 1, ": loss is ", loss,
              "; lower train.lr or raise train.warmup_steps");
 
-    const bool last = step + 1 == tr.max_steps;
+    const bool last = step + 1 == end_step;
     const bool do_log = last || step == 0 || (tr.log_interval > 0 && (step + 1) % tr.log_interval == 0);
     const bool do_eval = val_src_ && (last || (tr.eval_interval > 0 && (step + 1) % tr.eval_interval == 0));
     double val_loss = do_eval ? evaluate() : -1;
@@ -281,7 +334,14 @@ TrainSummary Trainer::run() {
       window_time = window_comm = 0;
       window_steps = 0;
     }
+    if (job_.checkpoint.interval > 0 && (step + 1) % job_.checkpoint.interval == 0) save_checkpoint(step + 1);
   }
+  const bool stopped_early = end_step < tr.max_steps;
+  if ((job_.checkpoint.final == "true" || stopped_early) && last_saved != std::max(first_step, end_step) &&
+      !(is_resume && first_step >= tr.max_steps))
+    save_checkpoint(std::max(first_step, end_step));
+  ckpt.wait();
+  sum.checkpoint_blocked_seconds = ckpt_blocked;
   sum.tokens_per_sec = train_time > 0 ? sum.tokens / train_time : 0;
   const ShardMemory mem = params_->memory();
   sum.params_bytes = mem.params;

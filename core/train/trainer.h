@@ -26,6 +26,7 @@ struct TrainSummary {
   // This rank's bytes by category (see ShardMemory) and activations.
   size_t params_bytes = 0, grads_bytes = 0, optimizer_bytes = 0, activation_bytes = 0;
   std::vector<double> losses;  // every step's loss (all ranks)
+  double checkpoint_blocked_seconds = 0;
 };
 
 TrainSummary run_training(const JobSpec& job, const WorkerInfo& worker);

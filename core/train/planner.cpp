@@ -1,0 +1,635 @@
+// The performance model behind `trainrun plan` and the run's MFU (see planner.h).
+#include "core/train/planner.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <cstdlib>
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <sstream>
+
+#include "core/common/error.h"
+
+namespace trainrun {
+
+namespace {
+
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
+std::string fixed(double v, int prec) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.*f", prec, v);
+  return buf;
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+std::string lower(std::string s) {
+  for (auto& c : s) c = char(std::tolower(static_cast<unsigned char>(c)));
+  return s;
+}
+
+std::string trim(const std::string& s) {
+  size_t a = s.find_first_not_of(" \t"), b = s.find_last_not_of(" \t");
+  return a == std::string::npos ? "" : s.substr(a, b - a + 1);
+}
+
+// Presets: published shapes, so the common questions need no typing.
+struct Preset {
+  const char* name;
+  const char* text;
+};
+const std::vector<Preset>& presets() {
+  static const std::vector<Preset> p = {
+      {"gpt2", "gpt2:L=12,C=768,heads=12,V=50257,T=1024"},
+      {"gpt2-124m", "gpt2:L=12,C=768,heads=12,V=50257,T=1024"},
+      {"gpt2-350m", "gpt2:L=24,C=1024,heads=16,V=50257,T=1024"},
+      {"gpt2-774m", "gpt2:L=36,C=1280,heads=20,V=50257,T=1024"},
+      {"gpt2-1.5b", "gpt2:L=48,C=1600,heads=25,V=50257,T=1024"},
+      {"llama2-7b", "llama:L=32,C=4096,heads=32,kv_heads=32,ffn=11008,V=32000,T=4096"},
+      {"llama2-70b", "llama:L=80,C=8192,heads=64,kv_heads=8,ffn=28672,V=32000,T=4096"},
+      {"llama3-8b", "llama:L=32,C=4096,heads=32,kv_heads=8,ffn=14336,V=128256,T=8192"},
+      {"llama3-70b", "llama:L=80,C=8192,heads=64,kv_heads=8,ffn=28672,V=128256,T=8192"},
+  };
+  return p;
+}
+
+// Accepted spellings of each key (the HF / job-spec names too).
+const std::map<std::string, std::string>& key_aliases() {
+  static const std::map<std::string, std::string> a = {
+      {"l", "L"},          {"layers", "L"},       {"n_layer", "L"},        {"num_hidden_layers", "L"},
+      {"c", "C"},          {"n_embd", "C"},       {"hidden", "C"},         {"hidden_size", "C"},
+      {"d_model", "C"},    {"heads", "heads"},    {"n_head", "heads"},     {"num_attention_heads", "heads"},
+      {"kv_heads", "kv_heads"}, {"n_kv_heads", "kv_heads"}, {"num_key_value_heads", "kv_heads"},
+      {"ffn", "ffn"},      {"intermediate_size", "ffn"}, {"v", "V"},      {"vocab", "V"},
+      {"vocab_size", "V"}, {"t", "T"},            {"seq_len", "T"},        {"context", "T"},
+      {"tied", "tied"},
+  };
+  return a;
+}
+
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> d(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) d[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t prev = d[0];
+    d[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      size_t cur = d[j];
+      d[j] = std::min({d[j] + 1, d[j - 1] + 1, prev + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      prev = cur;
+    }
+  }
+  return d[b.size()];
+}
+
+// Bytes of one buffer in GPT2's arena: every buffer starts on 64 bytes.
+double r64(double bytes) { return std::ceil(bytes / 64.0) * 64.0; }
+
+}  // namespace
+
+// ---- ModelShape ------------------------------------------------------------------------
+
+ModelShape ModelShape::from_spec(const ModelSpec& s) {
+  ModelShape m;
+  m.arch = s.arch;
+  m.L = s.n_layer;
+  m.C = s.n_embd;
+  m.heads = m.kv_heads = s.n_head;
+  m.ffn = 4 * int64_t(s.n_embd);
+  m.V = s.vocab_size;
+  m.T = s.seq_len;
+  m.tied = true;
+  return m;
+}
+
+std::string model_shape_help() {
+  std::string s =
+      "a shape ARCH:KEY=VALUE,... with ARCH gpt2 or llama and keys L (layers), C (width), heads, kv_heads "
+      "(llama, default heads), ffn (MLP width: gpt2 4C, llama required), V (vocab), T (context), tied (0/1), "
+      "e.g. llama:L=80,C=8192,heads=64,kv_heads=8,ffn=28672,V=128256,T=4096; or a preset (";
+  for (size_t i = 0; i < presets().size(); ++i) s += (i ? ", " : "") + std::string(presets()[i].name);
+  return s + "), optionally with overrides: llama3-70b:T=4096";
+}
+
+namespace {
+ModelShape parse_shape(const std::string& text_in, const std::string& what);
+}
+ModelShape ModelShape::parse(const std::string& text) { return parse_shape(text, "--model '" + text + "'"); }
+
+namespace {
+ModelShape parse_shape(const std::string& text_in, const std::string& what) {
+  const std::string text = trim(text_in);
+  TR_CHECK(!text.empty(), "--model: empty; give ", model_shape_help());
+  const size_t colon = text.find(':');
+  std::string head = lower(trim(text.substr(0, colon)));
+  std::string body = colon == std::string::npos ? "" : text.substr(colon + 1);
+  ModelShape m;
+  m.arch = "";
+  std::map<std::string, int64_t> set;  // keys given explicitly
+  // A preset fills every key; the text after ':' overrides some of them.
+  for (const auto& p : presets()) {
+    if (head == p.name) {
+      // Later keys win, so the overrides simply follow the preset's text.
+      std::string merged = std::string(p.text);
+      if (!body.empty()) merged += "," + body;
+      return parse_shape(merged, what);
+    }
+  }
+  if (head == "gpt2" || head == "llama") {
+    m.arch = head;
+  } else {
+    std::string names = "gpt2, llama";
+    for (const auto& p : presets()) names += std::string(", ") + p.name;
+    std::string best;
+    size_t bd = 3;
+    for (const auto& p : presets())
+      if (size_t d = edit_distance(head, p.name); d < bd) bd = d, best = p.name;
+    TR_FAIL(what, ": unknown architecture or preset '", head, "'",
+            best.empty() ? "" : "; did you mean '" + best + "'?", " (known: ", names, ")");
+  }
+  std::stringstream ss(body);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    item = trim(item);
+    if (item.empty()) continue;
+    const size_t eq = item.find('=');
+    TR_CHECK(eq != std::string::npos, what, ": '", item, "' is not KEY=VALUE (e.g. L=12)");
+    const std::string key_raw = trim(item.substr(0, eq)), val = trim(item.substr(eq + 1));
+    auto it = key_aliases().find(lower(key_raw));
+    // L/C/V/T are case-sensitive letters in the docs but lowercase aliases
+    // are accepted; "l" and "L" mean the same.
+    if (it == key_aliases().end()) {
+      std::string best;
+      size_t bd = 3;
+      for (const auto& [k, canon] : key_aliases())
+        if (size_t d = edit_distance(lower(key_raw), k); d < bd) bd = d, best = canon;
+      TR_FAIL(what, ": unknown key '", key_raw, "'", best.empty() ? "" : "; did you mean '" + best + "'?",
+              " (keys: L, C, heads, kv_heads, ffn, V, T, tied)");
+    }
+    char* end = nullptr;
+    errno = 0;
+    const long long v = std::strtoll(val.c_str(), &end, 10);
+    TR_CHECK(!val.empty() && end && *end == 0 && errno == 0, what, ": ", it->second, "='", val,
+             "' is not a whole number");
+    set[it->second] = v;
+  }
+  auto get = [&](const char* k, int64_t dflt, bool required) {
+    auto f = set.find(k);
+    if (f == set.end()) {
+      TR_CHECK(!required, what, ": ", k, " is required for ", m.arch, " (", model_shape_help(), ")");
+      return dflt;
+    }
+    return int64_t(f->second);
+  };
+  m.L = get("L", 0, true);
+  m.C = get("C", 0, true);
+  m.heads = get("heads", 0, true);
+  m.V = get("V", 0, true);
+  m.T = get("T", 0, true);
+  m.kv_heads = get("kv_heads", m.heads, false);
+  m.ffn = get("ffn", 4 * m.C, m.arch == "llama");
+  m.tied = get("tied", m.arch == "gpt2" ? 1 : 0, false) != 0;
+  auto positive = [&](const char* k, int64_t v) {
+    TR_CHECK(v >= 1, what, ": ", k, " must be at least 1 (got ", v, ")");
+  };
+  positive("L", m.L);
+  positive("C", m.C);
+  positive("heads", m.heads);
+  positive("kv_heads", m.kv_heads);
+  positive("ffn", m.ffn);
+  positive("T", m.T);
+  TR_CHECK(m.V >= 2, what, ": V must be at least 2 (got ", m.V, ")");
+  TR_CHECK(m.C % m.heads == 0, what, ": C (", m.C, ") must be divisible by heads (", m.heads, ")");
+  TR_CHECK(m.heads % m.kv_heads == 0, what, ": heads (", m.heads, ") must be a multiple of kv_heads (", m.kv_heads,
+           ")");
+  if (m.arch == "gpt2") {
+    TR_CHECK(m.kv_heads == m.heads, what, ": gpt2 has no grouped-query attention; drop kv_heads or use llama");
+    TR_CHECK(m.ffn == 4 * m.C, what, ": gpt2's MLP is 4C wide (", 4 * m.C, "); drop ffn or use llama");
+    TR_CHECK(m.tied, what, ": gpt2 ties the LM head to the token embedding; drop tied=0 or use llama");
+  }
+  return m;
+}
+}  // namespace
+
+std::vector<int64_t> ModelShape::unit_numels() const {
+  std::vector<int64_t> u;
+  if (arch == "gpt2") {
+    u.push_back(V * C + T * C);  // wte, wpe
+    // ln1 2C, qkv 3C^2+3C, attn proj C^2+C, ln2 2C, fc C*F+F, fc proj F*C+C
+    const int64_t block = 2 * C + 3 * C * C + 3 * C + C * C + C + 2 * C + C * ffn + ffn + ffn * C + C;
+    for (int64_t l = 0; l < L; ++l) u.push_back(block);
+    u.push_back(2 * C);  // ln_f; the head reuses wte
+  } else {
+    const int64_t kvdim = kv_heads * (C / heads);
+    u.push_back(V * C);  // token embedding; RoPE has no table
+    // attn_norm C, wq C*C, wk/wv C*kvdim each, wo C*C, ffn_norm C, gate/up/down 3*C*F
+    const int64_t block = C + C * C + 2 * C * kvdim + C * C + C + 3 * C * ffn;
+    for (int64_t l = 0; l < L; ++l) u.push_back(block);
+    u.push_back(C + (tied ? 0 : V * C));  // final norm (+ the untied LM head)
+  }
+  return u;
+}
+
+int64_t ModelShape::num_parameters() const {
+  int64_t n = 0;
+  for (int64_t x : unit_numels()) n += x;
+  return n;
+}
+
+int64_t ModelShape::matmul_parameters() const {
+  int64_t n = num_parameters();
+  if (arch == "gpt2") n -= T * C;  // wpe is a lookup
+  if (!tied) n -= V * C;           // an untied input embedding is a lookup
+  return n;
+}
+
+double ModelShape::flops_per_token() const {
+  return 6.0 * double(matmul_parameters()) + 12.0 * double(L) * double(C) * double(T);
+}
+
+std::string ModelShape::describe() const {
+  std::string s = arch + " L=" + std::to_string(L) + " C=" + std::to_string(C) + " heads=" + std::to_string(heads);
+  if (arch != "gpt2") s += " kv_heads=" + std::to_string(kv_heads) + " ffn=" + std::to_string(ffn);
+  s += " V=" + std::to_string(V) + " T=" + std::to_string(T);
+  if (arch != "gpt2" && tied) s += " tied=1";
+  return s;
+}
+
+// ---- hardware ------------------------------------------------------------------------------
+
+const std::vector<GpuSpec>& gpu_specs() {
+  // NVIDIA datasheets (SXM parts): A100 312 TFLOP/s bf16 dense, NVLink 3
+  // 600 GB/s total (300 per direction), no fp8; H100 989.4 TFLOP/s bf16 and
+  // 1978.9 fp8 dense, NVLink 4 900 GB/s total (450 per direction); H200 the
+  // H100's compute with 141 GB HBM3e. Memory is what nvidia-smi reports
+  // (MiB). Network: a DGX A100 has one 200 Gb/s HDR port per GPU, DGX
+  // H100/H200 one 400 Gb/s NDR port per GPU.
+  static const std::vector<GpuSpec> t = {
+      {"a100", "A100 SXM 80GB", 312e12, 0, 81920.0 * 1024 * 1024, 300e9, 25e9},
+      {"h100", "H100 SXM 80GB", 989.4e12, 1978.9e12, 81559.0 * 1024 * 1024, 450e9, 50e9},
+      {"h200", "H200 SXM 141GB", 989.4e12, 1978.9e12, 143771.0 * 1024 * 1024, 450e9, 50e9},
+  };
+  return t;
+}
+
+const GpuSpec* find_gpu_spec(const std::string& name) {
+  const std::string n = lower(name);
+  for (const auto& g : gpu_specs())
+    if (n == g.key || n.find(g.key) != std::string::npos) return &g;
+  return nullptr;
+}
+
+double parse_bytes(const std::string& text, const std::string& what) {
+  const std::string t = trim(text);
+  char* end = nullptr;
+  const double v = std::strtod(t.c_str(), &end);
+  std::string unit = lower(trim(end ? std::string(end) : ""));
+  static const std::map<std::string, double> units = {
+      {"b", 1},        {"kb", 1e3},     {"mb", 1e6},     {"gb", 1e9},     {"tb", 1e12},
+      {"kib", 1024.0}, {"mib", 1048576.0}, {"gib", kGiB}, {"tib", kGiB * 1024},
+      {"k", 1024.0},   {"m", 1048576.0}, {"g", kGiB},    {"t", kGiB * 1024},
+  };
+  TR_CHECK(end != t.c_str() && std::isfinite(v), what, ": '", text, "' is not a size; write e.g. 80GiB or 80GB");
+  TR_CHECK(!unit.empty(), what, ": '", text, "' has no unit; write e.g. 80GiB (2^30 bytes) or 80GB (10^9 bytes)");
+  auto it = units.find(unit);
+  TR_CHECK(it != units.end(), what, ": unknown unit '", unit, "' in '", text, "' (use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB)");
+  TR_CHECK(v > 0, what, ": '", text, "' must be positive");
+  return v * it->second;
+}
+
+std::string format_bytes(double b) {
+  const char* u[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int i = 0;
+  while (std::fabs(b) >= 1024 && i < 4) b /= 1024, ++i;
+  return fixed(b, i ? 1 : 0) + " " + u[i];
+}
+
+DeviceModel DeviceModel::cpu() {
+  DeviceModel d;
+  d.act_bytes = 4;
+  d.attention_probs = true;
+  return d;
+}
+
+DeviceModel DeviceModel::gpu() {
+  DeviceModel d;
+  d.act_bytes = 2;
+  d.attention_probs = false;
+  // cuBLASLt's recommended workspace on Hopper is 32 MiB. The CUDA context
+  // (~0.5 GiB), NCCL's channel buffers and the caching allocator's slack are
+  // never cudaMalloc'd by us but still take device memory: 1 GiB, a
+  // deliberately round assumption to be replaced by a measurement once the
+  // CUDA backend runs.
+  d.library_workspace = 32.0 * 1024 * 1024;
+  d.runtime_reserve = kGiB;
+  return d;
+}
+
+// ---- memory ----------------------------------------------------------------------------------
+
+double estimate_activation_bytes(const ModelShape& m, int B, bool ckpt, const DeviceModel& d) {
+  // Mirrors GPT2::GPT2's arena (core/model/gpt2.cpp): the same buffers in the
+  // same sizes, each rounded up to 64 bytes. The llama arena is the same
+  // plan with RMSNorm (no mean), grouped q|k|v and a gated MLP (gate, up,
+  // silu(gate)*up), as the Llama model will allocate it.
+  const double es = d.act_bytes;
+  const double N = double(B) * double(m.T), C = double(m.C), F = double(m.ffn);
+  const double attn_saved = d.attention_probs ? double(B) * m.heads * double(m.T) * double(m.T)
+                                              : double(B) * m.heads * double(m.T);
+  const bool llama = m.arch != "gpt2";
+  const double qkv = llama ? C + 2.0 * m.kv_heads * (C / m.heads) : 3 * C;
+  double per_layer = 0;
+  per_layer += r64(N * C * es);                       // ln1
+  if (!llama) per_layer += r64(N * 4);                // ln1 mean
+  per_layer += r64(N * 4);                            // ln1 rstd
+  per_layer += r64(N * qkv * es);                     // qkv
+  per_layer += r64(N * C * es);                       // attention output
+  per_layer += r64(attn_saved * 4);                   // attention's saved state (fp32)
+  per_layer += r64(N * C * es);                       // residual after attention
+  per_layer += r64(N * C * es);                       // ln2
+  if (!llama) per_layer += r64(N * 4);                // ln2 mean
+  per_layer += r64(N * 4);                            // ln2 rstd
+  if (llama) per_layer += 3 * r64(N * F * es);        // gate, up, silu(gate)*up
+  else per_layer += 2 * r64(N * F * es);              // fc, gelu(fc)
+  double total = 0;
+  total += r64(N * C * es);                           // embeddings output
+  total += double(m.L) * r64(N * C * es);             // block outputs (the checkpoints)
+  total += double(ckpt ? 1 : m.L) * per_layer;        // per-layer sets, or one shared when recomputing
+  total += r64(N * C * es);                           // final norm
+  if (!llama) total += r64(N * 4);                    // its mean
+  total += r64(N * 4);                                // its rstd
+  total += r64(N * double(m.V) * es);                 // logits (then dlogits in place)
+  total += r64(N * 4);                                // per-token losses
+  total += 2 * r64(N * C * es);                       // backward: dres, dbuf_c
+  total += r64(N * qkv * es);                         // backward: dqkv
+  total += (llama ? 2 : 1) * r64(N * F * es);         // backward: MLP hidden grad(s)
+  return total;
+}
+
+MemoryBreakdown estimate_memory(const ModelShape& m, const Sharding& s, int B, bool ckpt, const DeviceModel& d) {
+  MemoryBreakdown r;
+  const double a = d.act_bytes;
+  const std::vector<int64_t> units = m.unit_numels();
+  const bool extra_copy = d.act_bytes != 4;  // fp32 backends use the master weights directly
+  if (s.strategy == "no_shard") {
+    const double P = double(m.num_parameters());
+    r.params = 4 * P + (extra_copy ? a * P : 0);
+    r.grads = 4 * P;
+    r.optimizer = 8 * P;
+    // The all-reduce works in place; NCCL's / Gloo's own buffers are in the
+    // runtime reserve (GPU) or outside the backend (CPU).
+  } else {
+    const int64_t G = std::max(1, s.group);
+    double S = 0, Ppad = 0, max_shard = 0;
+    for (int64_t n : units) {
+      const int64_t sh = ceil_div(n, G);
+      S += double(sh);
+      Ppad += double(sh * G);
+      max_shard = std::max(max_shard, double(sh));
+    }
+    auto pad = [&](int64_t n) { return double(ceil_div(n, G) * G); };
+    r.params = 4 * S + (extra_copy ? a * S : 0) + (s.strategy == "shard_grad_op" ? a * Ppad : 0);
+    r.grads = 4 * S;
+    r.optimizer = 8 * S;
+    // parallel/sharding_sharded.cpp: a landing buffer for one reduce-scatter
+    // shard; full-size fp32 gradient buckets for the embeddings (open for the
+    // whole backward: the tied head writes into it first), the head, and two
+    // blocks (the one computing, the one being reduce-scattered behind it);
+    // full_shard / hybrid also gather parameters: embeddings (kept from the
+    // end of forward into backward), head, and two blocks (the one in use and
+    // the prefetched next one).
+    const double nblk = double(std::min<int64_t>(2, m.L));
+    const double unit_sum = pad(units.front()) + pad(units.back()) + nblk * pad(units[1]);
+    r.comm = 4 * max_shard + 4 * unit_sum;
+    if (s.strategy != "shard_grad_op") r.comm += a * unit_sum;
+  }
+  r.activations = estimate_activation_bytes(m, B, ckpt, d);
+  // Device copies of one micro-batch's inputs and targets (int32).
+  r.workspace = 2 * r64(double(B) * double(m.T) * 4) + d.library_workspace + d.runtime_reserve;
+  return r;
+}
+
+// ---- the plan ------------------------------------------------------------------------------
+
+namespace {
+
+struct CommVolume {
+  double overlapped = 0, exposed = 0;  // seconds
+};
+
+// Seconds of collective traffic per step for one strategy, with ring
+// algorithms (bytes * (n-1)/n for all-gather / reduce-scatter, 2x that for
+// all-reduce, over the bus bandwidth as nccl-tests defines it), following
+// when this code base issues each collective: no_shard all-reduces after
+// backward (exposed); shard_grad_op reduce-scatters during backward
+// (overlapped) and all-gathers the updated parameters after the optimizer
+// (exposed); full_shard gathers each unit in forward and again in backward
+// and reduce-scatters its gradient, all on the comm thread under compute;
+// hybrid_shard does full_shard in its group and all-reduces the gradient
+// shards across groups after backward (exposed).
+CommVolume comm_time(const ModelShape& m, const Sharding& s, int accum, double a, double bw_world,
+                     double bw_group, double bw_replica) {
+  CommVolume c;
+  const double P = double(m.num_parameters());
+  const int W = s.world;
+  const int G = std::max(1, s.group);
+  double S = 0, Ppad = 0;
+  for (int64_t n : m.unit_numels()) {
+    S += double(ceil_div(n, G));
+    Ppad += double(ceil_div(n, G) * G);
+  }
+  const double ring_g = G > 1 ? double(G - 1) / G : 0;
+  if (s.strategy == "no_shard") {
+    if (W > 1) c.exposed = 2.0 * (W - 1) / W * 4 * P / bw_world;
+  } else if (s.strategy == "shard_grad_op") {
+    c.overlapped = accum * ring_g * 4 * Ppad / bw_world;
+    c.exposed = ring_g * a * Ppad / bw_world;
+  } else {
+    c.overlapped = accum * ring_g * (2 * a + 4) * Ppad / bw_group;
+    const int R = W / G;
+    if (R > 1) c.exposed = 2.0 * (R - 1) / R * 4 * S / bw_replica;
+  }
+  return c;
+}
+
+std::string gib(double b, int prec = 1) { return fixed(b / kGiB, prec); }
+
+std::string seconds(double s) {
+  if (s <= 0) return "0";
+  if (s < 1) return fixed(s * 1000, s < 0.01 ? 2 : 0) + " ms";
+  return fixed(s, s < 10 ? 2 : 1) + " s";
+}
+
+std::string si(double v, const char* unit) {
+  const char* p[] = {"", "k", "M", "G", "T", "P"};
+  int i = 0;
+  while (std::fabs(v) >= 1000 && i < 5) v /= 1000, ++i;
+  return fixed(v, v < 10 ? 2 : v < 100 ? 1 : 0) + " " + p[i] + unit;
+}
+
+std::string pad_right(const std::string& s, size_t w) { return s.size() >= w ? s : s + std::string(w - s.size(), ' '); }
+std::string pad_left(const std::string& s, size_t w) { return s.size() >= w ? s : std::string(w - s.size(), ' ') + s; }
+
+}  // namespace
+
+Plan make_plan(const PlanRequest& req) {
+  Plan plan;
+  plan.req = req;
+  const GpuSpec* spec = find_gpu_spec(req.gpu);
+  if (!spec) {
+    std::string keys;
+    for (const auto& g : gpu_specs()) keys += (keys.empty() ? "" : ", ") + g.key;
+    TR_FAIL("--gpu: unknown GPU '", req.gpu, "' (known: ", keys, "); give --gpu-memory too for a part with other memory");
+  }
+  plan.gpu = *spec;
+  plan.capacity = req.gpu_memory > 0 ? req.gpu_memory : spec->memory_bytes;
+  TR_CHECK(req.gpus_per_node >= 1, "--gpus: must be at least 1 (got ", req.gpus_per_node, ")");
+  TR_CHECK(req.nodes >= 1, "--nodes: must be at least 1 (got ", req.nodes, ")");
+  TR_CHECK(req.micro_batch >= 1, "micro-batch must be at least 1 (got ", req.micro_batch, ")");
+  TR_CHECK(req.global_batch >= 1, "global batch must be at least 1 (got ", req.global_batch, ")");
+  const int W = req.gpus_per_node * req.nodes;
+  const int hybrid_group = req.shard_group_size > 0 ? req.shard_group_size : req.gpus_per_node;
+  TR_CHECK(W % hybrid_group == 0, "parallel.shard_group_size (", hybrid_group, ") must divide the GPU count (", W, ")");
+  const DeviceModel dev = DeviceModel::gpu();
+  const double bw_intra = spec->nvlink_bytes_per_s * req.bus_efficiency;
+  const double bw_inter = spec->network_bytes_per_s * req.bus_efficiency;
+  const double bw_world = req.nodes > 1 ? bw_inter : bw_intra;
+  const ModelShape& m = req.model;
+  const double fpt = m.flops_per_token();
+  // Activation checkpointing reruns every block's forward once more in
+  // backward: hardware FLOPs grow by the blocks' forward share.
+  double block_params = 0;
+  {
+    auto u = m.unit_numels();
+    for (size_t i = 1; i + 1 < u.size(); ++i) block_params += double(u[i]);
+  }
+  const double recompute = req.checkpointing ? 2 * block_params + 4.0 * m.L * m.C * m.T : 0;
+
+  for (const char* name : {"no_shard", "shard_grad_op", "full_shard", "hybrid_shard"}) {
+    PlanRow row;
+    row.sharding.strategy = name;
+    row.sharding.world = W;
+    row.sharding.group = std::string(name) == "no_shard" ? 1 : std::string(name) == "hybrid_shard" ? hybrid_group : W;
+    row.mem = estimate_memory(m, row.sharding, req.micro_batch, req.checkpointing, dev);
+    row.fits = row.mem.total() <= plan.capacity;
+    // Memory grows with the micro-batch (activations, inputs) and nothing
+    // else: the largest that fits by bisection on the exact model.
+    auto fits_at = [&](int b) {
+      return estimate_memory(m, row.sharding, b, req.checkpointing, dev).total() <= plan.capacity;
+    };
+    if (fits_at(1)) {
+      int lo = 1, hi = 2;
+      while (hi <= (1 << 20) && fits_at(hi)) lo = hi, hi *= 2;
+      while (hi - lo > 1) {
+        int mid = lo + (hi - lo) / 2;
+        (fits_at(mid) ? lo : hi) = mid;
+      }
+      row.max_micro_batch = lo;
+    }
+    row.accum = std::max(1, int(ceil_div(req.global_batch, int64_t(req.micro_batch) * W)));
+    const double tokens_gpu = double(row.accum) * req.micro_batch * double(m.T);
+    row.compute_s = tokens_gpu * (fpt + recompute) / (spec->bf16_flops * req.compute_efficiency);
+    const double bw_group = row.sharding.group <= req.gpus_per_node ? bw_intra : bw_inter;
+    const double bw_replica = req.nodes > 1 ? bw_inter : bw_intra;
+    CommVolume c = comm_time(m, row.sharding, row.accum, dev.act_bytes, bw_world, bw_group, bw_replica);
+    row.comm_s = c.overlapped + c.exposed;
+    row.exposed_comm_s = c.exposed;
+    row.step_s = c.exposed + std::max(row.compute_s, c.overlapped);
+    row.tokens_per_s = tokens_gpu * W / row.step_s;
+    row.mfu = tokens_gpu * fpt / row.step_s / spec->bf16_flops;
+    plan.rows.push_back(row);
+  }
+
+  // The verdict: the job's strategy (else full_shard, the one that holds
+  // the least), and if it does not fit, the smallest number of nodes of this
+  // size where full_shard fits at micro-batch 1.
+  const std::string focus = req.job_strategy.empty() ? "full_shard" : req.job_strategy;
+  const PlanRow* f = nullptr;
+  for (const auto& r : plan.rows)
+    if (r.sharding.strategy == focus) f = &r;
+  TR_CHECK(f, "plan: unknown strategy '", focus, "'");
+  std::ostringstream v;
+  v << m.describe() << " (" << fixed(m.num_parameters() / 1e9, 2) << "B parameters) with " << focus
+    << (req.checkpointing ? " and activation checkpointing" : " without activation checkpointing") << " on "
+    << req.nodes << " x " << req.gpus_per_node << " " << spec->name << " (" << gib(plan.capacity) << " GiB each), micro-batch "
+    << req.micro_batch << ": ";
+  if (f->fits) {
+    v << "FITS, " << gib(f->mem.total()) << " of " << gib(plan.capacity) << " GiB per GPU; micro-batch up to "
+      << f->max_micro_batch << "; about " << seconds(f->step_s) << " per step of " << req.global_batch
+      << " sequences (" << fixed(f->mfu * 100, 0) << "% MFU).";
+  } else {
+    v << "DOES NOT FIT: " << gib(f->mem.total()) << " GiB per GPU needed, " << gib(plan.capacity) << " available";
+    const double state = f->mem.params + f->mem.grads + f->mem.optimizer;
+    v << " (parameters, gradients and optimizer state alone: " << gib(state) << " GiB).";
+    if (f->max_micro_batch > 0) {
+      v << " Micro-batch " << f->max_micro_batch << " fits.";
+    } else {
+      int need = 0;
+      for (int nodes = req.nodes; nodes <= 4096 && !need; ++nodes) {
+        Sharding s{"full_shard", nodes * req.gpus_per_node, nodes * req.gpus_per_node};
+        if (estimate_memory(m, s, 1, req.checkpointing, dev).total() <= plan.capacity) need = nodes;
+      }
+      if (need) {
+        Sharding s{"full_shard", need * req.gpus_per_node, need * req.gpus_per_node};
+        v << " Smallest cluster of these nodes where full_shard fits at micro-batch 1: " << need << " x "
+          << req.gpus_per_node << " = " << need * req.gpus_per_node << " GPUs ("
+          << gib(estimate_memory(m, s, 1, req.checkpointing, dev).total()) << " GiB per GPU).";
+      } else {
+        v << " No cluster of up to 4096 such nodes holds it: the activations alone exceed one GPU.";
+      }
+    }
+  }
+  plan.verdict = v.str();
+  return plan;
+}
+
+std::string render_plan(const Plan& p) {
+  const auto& r = p.req;
+  const ModelShape& m = r.model;
+  std::ostringstream o;
+  o << "model     " << m.describe() << ": " << fixed(m.num_parameters() / 1e9, 3) << "B parameters, "
+    << si(m.flops_per_token(), "FLOP") << " per token (6N + 12*L*C*T, N = " << fixed(m.matmul_parameters() / 1e9, 3)
+    << "B)\n";
+  o << "hardware  " << r.nodes << " node" << (r.nodes == 1 ? "" : "s") << " x " << r.gpus_per_node << " " << p.gpu.name
+    << ": " << gib(p.capacity) << " GiB, " << fixed(p.gpu.bf16_flops / 1e12, 0) << " TFLOP/s bf16 dense; bus "
+    << fixed(p.gpu.nvlink_bytes_per_s * r.bus_efficiency / 1e9, 0) << " GB/s in a node";
+  if (r.nodes > 1) o << ", " << fixed(p.gpu.network_bytes_per_s * r.bus_efficiency / 1e9, 0) << " GB/s between nodes";
+  o << " (" << fixed(r.bus_efficiency * 100, 0) << "% of nominal)\n";
+  o << "batch     micro-batch " << r.micro_batch << " x " << m.T << " tokens, " << r.global_batch
+    << " sequences per step, activation checkpointing " << (r.checkpointing ? "on (blocks)" : "off") << "\n";
+  o << "assumes   bf16 parameters/activations, fp32 master weights, gradients and AdamW moments, flash attention, "
+    << fixed(r.compute_efficiency * 100, 0) << "% of peak in compute, 1 GiB runtime reserve\n\n";
+  const std::vector<std::pair<std::string, size_t>> cols = {
+      {"strategy", 15}, {"shard", 6},  {"params", 8},   {"grads", 8}, {"optim", 8},     {"activ", 8},
+      {"comm", 8},      {"work", 7},   {"total", 8},    {"fits", 5},  {"max mb", 7},    {"compute", 9},
+      {"comm t", 9},    {"step", 9},   {"tok/s", 10},   {"MFU", 5}};
+  o << "per-GPU memory in GiB; times per optimizer step (comm t: collectives, overlapped or not)\n";
+  std::string header;
+  for (size_t i = 0; i < cols.size(); ++i)
+    header += i == 0 ? pad_right(cols[i].first, cols[i].second) : pad_left(cols[i].first, cols[i].second);
+  o << header << "\n" << std::string(header.size(), '-') << "\n";
+  for (const auto& row : p.rows) {
+    const bool mark = row.sharding.strategy == r.job_strategy;
+    std::vector<std::string> c = {
+        row.sharding.strategy + (mark ? " *" : ""),
+        std::to_string(row.sharding.group),
+        gib(row.mem.params, 2), gib(row.mem.grads, 2), gib(row.mem.optimizer, 2), gib(row.mem.activations, 2),
+        gib(row.mem.comm, 2), gib(row.mem.workspace, 2), gib(row.mem.total(), 2),
+        row.fits ? "yes" : "NO",
+        row.max_micro_batch > 0 ? std::to_string(row.max_micro_batch) : "-",
+        seconds(row.compute_s), seconds(row.comm_s), seconds(row.step_s), si(row.tokens_per_s, ""),
+        fixed(row.mfu * 100, 0) + "%"};
+    std::string line;
+    for (size_t i = 0; i < cols.size(); ++i)
+      line += i == 0 ? pad_right(c[i], cols[i].second) : pad_left(c[i], cols[i].second);
+    o << line << "\n";
+  }
+  if (!r.job_strategy.empty()) o << "(* the job's parallel.sharding)\n";
+  o << "\n" << p.verdict << "\n";
+  return o.str();
+}
+
+}  // namespace trainrun

@@ -1,0 +1,115 @@
+// The caching device allocator; see device_allocator.h for the policy.
+#include "kernels/cuda/device_allocator.h"
+
+#include <cuda_runtime.h>
+
+#include "core/common/error.h"
+#include "kernels/cuda/cuda_common.cuh"
+
+namespace trainrun::cuda {
+
+namespace {
+constexpr size_t kSmallRound = 512;
+constexpr size_t kLargeThreshold = size_t(1) << 20;
+constexpr size_t kLargeRound = size_t(2) << 20;
+
+size_t round_size(size_t bytes) {
+  if (bytes == 0) bytes = 1;
+  const size_t r = bytes < kLargeThreshold ? kSmallRound : kLargeRound;
+  return (bytes + r - 1) / r * r;
+}
+
+std::string mib(size_t b) { return detail::cat(b / (1024 * 1024), " MiB"); }
+}  // namespace
+
+DeviceAllocator::DeviceAllocator(int device) : device_(device) {}
+
+DeviceAllocator::~DeviceAllocator() {
+  // Best effort: the process may be exiting after a device error.
+  std::lock_guard<std::mutex> lk(mu_);
+  for (auto& kv : sizes_) cudaFree(kv.first);
+}
+
+void* DeviceAllocator::device_malloc(size_t rounded, size_t requested) {
+  void* p = nullptr;
+  cudaError_t e = cudaMalloc(&p, rounded);
+  if (e == cudaErrorMemoryAllocation) {
+    cudaGetLastError();  // clear the (non-sticky) error before retrying
+    free_cached_locked();
+    e = cudaMalloc(&p, rounded);
+  }
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    size_t free_b = 0, total_b = 0;
+    cudaMemGetInfo(&free_b, &total_b);
+    TR_FAIL("cuda:", device_, ": out of device memory allocating ", requested, " bytes (", mib(in_use_),
+            " in use by trainrun, ", mib(reserved_), " reserved, ", mib(free_b), " free of ", mib(total_b),
+            "; ", cudaGetErrorName(e), "); reduce train.micro_batch_size, enable "
+            "train.activation_checkpointing: blocks, or use parallel.sharding: full_shard");
+  }
+  reserved_ += rounded;
+  sizes_[p] = rounded;
+  return p;
+}
+
+void DeviceAllocator::free_cached_locked() {
+  if (free_.empty()) return;
+  // Cached blocks may still be read by enqueued kernels of their last user.
+  cudaDeviceSynchronize();
+  for (auto& kv : free_) {
+    cudaFree(kv.second);
+    sizes_.erase(kv.second);
+    reserved_ -= kv.first;
+  }
+  free_.clear();
+}
+
+void* DeviceAllocator::allocate(size_t bytes) {
+  const size_t rounded = round_size(bytes);
+  std::lock_guard<std::mutex> lk(mu_);
+  void* p = nullptr;
+  auto it = free_.lower_bound(rounded);
+  if (it != free_.end() && it->first - rounded <= it->first / 4) {
+    p = it->second;
+    free_.erase(it);
+  } else {
+    p = device_malloc(rounded, bytes);
+  }
+  live_[p] = Block{sizes_[p], bytes};
+  in_use_ += bytes;
+  if (in_use_ > peak_) peak_ = in_use_;
+  return p;
+}
+
+void DeviceAllocator::release(void* p) {
+  if (!p) return;
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = live_.find(p);
+  TR_CHECK(it != live_.end(), "cuda:", device_, ": free() of a pointer this backend did not allocate (", p, ")");
+  in_use_ -= it->second.requested;
+  free_.emplace(it->second.size, p);
+  live_.erase(it);
+}
+
+size_t DeviceAllocator::in_use() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return in_use_;
+}
+size_t DeviceAllocator::peak() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return peak_;
+}
+void DeviceAllocator::reset_peak() {
+  std::lock_guard<std::mutex> lk(mu_);
+  peak_ = in_use_;
+}
+size_t DeviceAllocator::reserved() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return reserved_;
+}
+void DeviceAllocator::empty_cache() {
+  std::lock_guard<std::mutex> lk(mu_);
+  free_cached_locked();
+}
+
+}  // namespace trainrun::cuda

@@ -1,0 +1,65 @@
+// A caching device allocator on cudaMalloc (never managed memory).
+//
+// Why caching: the sharded store gathers and frees every unit every step and
+// the ops take scratch (LayerNorm partials, attention's D, the encoder's
+// sort buffers) on every call; cudaMalloc/cudaFree synchronise the device,
+// which would serialise the whole step.
+//
+// Policy (a small version of PyTorch's): sizes are rounded up to 512 bytes
+// (small) or 2 MiB (>= 1 MiB, large) and freed blocks go into a size-ordered
+// free list; a request takes the smallest cached block that fits and wastes
+// at most a quarter of it (else a fresh cudaMalloc). When cudaMalloc runs
+// out of memory, every cached block is released (after a device sync) and
+// the call is retried once; if it still fails, the Error says how much was
+// asked, how much is live and cached, and what to do.
+//
+// Stream safety: a freed block is handed out again immediately, so it is
+// correct only when all its readers and writers run in the compute stream's
+// order (they do: every op is enqueued there) or have finished (the NCCL
+// communicator returns only when its collective is done).
+//
+// Thread-safe (the sharding layer's communication thread allocates too).
+#pragma once
+#include <cstddef>
+#include <map>
+#include <mutex>
+#include <unordered_map>
+
+namespace trainrun::cuda {
+
+class DeviceAllocator {
+ public:
+  explicit DeviceAllocator(int device);
+  ~DeviceAllocator();
+  DeviceAllocator(const DeviceAllocator&) = delete;
+  DeviceAllocator& operator=(const DeviceAllocator&) = delete;
+
+  // 256-byte aligned (cudaMalloc's alignment), contents undefined.
+  void* allocate(size_t bytes);
+  void release(void* p);
+  // Bytes handed out (as requested, not rounded) and their high-water mark.
+  size_t in_use() const;
+  size_t peak() const;
+  void reset_peak();
+  // Bytes held from cudaMalloc in total (live + cached).
+  size_t reserved() const;
+  // Returns every cached block to the driver (synchronises the device).
+  void empty_cache();
+
+ private:
+  struct Block {
+    size_t size = 0;       // rounded size of the cudaMalloc'd block
+    size_t requested = 0;  // what the caller asked for
+  };
+  void* device_malloc(size_t rounded, size_t requested);
+  void free_cached_locked();
+
+  int device_;
+  mutable std::mutex mu_;
+  std::multimap<size_t, void*> free_;         // rounded size -> block
+  std::unordered_map<void*, Block> live_;     // handed-out blocks
+  std::unordered_map<void*, size_t> sizes_;   // every block we own -> rounded size
+  size_t in_use_ = 0, peak_ = 0, reserved_ = 0;
+};
+
+}  // namespace trainrun::cuda
