@@ -8,6 +8,8 @@
 #include <fstream>
 #include <iostream>
 
+#include "core/checkpoint/bench_checkpoint.h"
+#include "core/checkpoint/hf_interop.h"
 #include "core/common/error.h"
 #include "core/common/log.h"
 #include "core/config/job_spec.h"
@@ -15,8 +17,11 @@
 #include "core/launch/agent.h"
 #include "core/model/model_io.h"
 #include "core/train/generate.h"
+#include "core/train/planner.h"
+#include "core/train/plot.h"
 #include "core/train/trainer.h"
 #include "parallel/bench_comm.h"
+#include "parallel/topology_launch.h"
 
 namespace fs = std::filesystem;
 using namespace trainrun;
@@ -66,8 +71,7 @@ int cmd_run(const std::string& config, const std::vector<std::string>& sets) {
     write_text_file(fs::path(job.output.dir) / "job.resolved.yaml", job_spec_to_yaml(job));
     TR_LOG_INFO("job: ", job.source, " -> ", job.output.dir, "/job.resolved.yaml");
   }
-  run_training(job, w);
-  return 0;
+  return exit_code_for(run_training(job, w));
 }
 
 int cmd_validate(const std::string& config, const std::vector<std::string>& sets) {
@@ -85,6 +89,42 @@ int cmd_generate(const std::string& ckpt, const std::string& prompt, const Sampl
   std::cout << decode_tokens(toks, cfg.V);
   if (cfg.V != 256) std::cout << "\n";
   std::cout.flush();
+  return 0;
+}
+
+// `trainrun plan`: what the job (or a model shape) needs per GPU under
+// each sharding strategy. Flags override the job's fields.
+struct PlanArgs {
+  std::string config, model, gpu = "h100", gpu_memory, checkpointing;
+  std::vector<std::string> sets;
+  int gpus = 0, nodes = 1, micro_batch = 0, global_batch = 0;
+};
+
+int cmd_plan(const PlanArgs& a) {
+  PlanRequest req;
+  req.gpu = a.gpu;
+  bool from_job = false;
+  if (!a.config.empty()) {
+    JobSpec job = load_job_spec(a.config, a.sets);
+    from_job = true;
+    req.model = ModelShape::from_spec(job.model);
+    req.micro_batch = job.train.micro_batch_size;
+    req.global_batch = job.train.derived_global_batch_size();
+    req.checkpointing = job.train.activation_checkpointing == "blocks";
+    req.job_strategy = job.parallel.sharding;
+    req.shard_group_size = job.parallel.shard_group_size;
+    if (job.parallel.nproc_per_node > 0) req.gpus_per_node = job.parallel.nproc_per_node;
+  }
+  if (!a.model.empty()) req.model = ModelShape::parse(a.model);
+  if (a.gpus > 0) req.gpus_per_node = a.gpus;
+  req.nodes = a.nodes;
+  if (!a.gpu_memory.empty()) req.gpu_memory = parse_bytes(a.gpu_memory, "--gpu-memory");
+  if (a.micro_batch > 0) req.micro_batch = a.micro_batch;
+  if (!a.checkpointing.empty()) req.checkpointing = a.checkpointing == "blocks";
+  // Without a job: one micro-batch per GPU per step unless told otherwise.
+  if (a.global_batch > 0) req.global_batch = a.global_batch;
+  else if (!from_job) req.global_batch = req.micro_batch * req.gpus_per_node * req.nodes;
+  std::cout << render_plan(make_plan(req));
   return 0;
 }
 
@@ -125,6 +165,43 @@ int main(int argc, char** argv) {
   generate->add_option("--top-k", so.top_k, "sample from the k most likely tokens (0: all, 1: greedy)")->capture_default_str()->check(CLI::NonNegativeNumber);
   generate->add_option("--seed", so.seed, "sampling seed")->capture_default_str();
 
+  auto* export_cmd = app.add_subcommand("export", "write a model as a Hugging Face GPT-2 directory (config.json + model.safetensors)");
+  std::string exp_ckpt, exp_format = "safetensors", exp_out;
+  export_cmd->add_option("--checkpoint", exp_ckpt, "run directory (its latest checkpoint), checkpoint directory or .safetensors file")->required();
+  export_cmd->add_option("--format", exp_format, "output format")->capture_default_str()->check(CLI::IsMember({"safetensors"}));
+  export_cmd->add_option("--out", exp_out, "directory to write; GPT2LMHeadModel.from_pretrained(DIR) loads it")->required();
+
+  auto* plot = app.add_subcommand("plot", "draw loss, val loss and throughput of a run to <dir>/plot.svg (needs gnuplot)");
+  std::string plot_dir;
+  PlotOptions plot_opts;
+  plot->add_option("dir", plot_dir, "the run's output.dir (holds metrics.jsonl)")->required();
+  plot->add_option("--format", plot_opts.format, "image format")->capture_default_str()->check(CLI::IsMember({"svg", "png"}));
+  plot->add_option("--output", plot_opts.output, "image path (default <dir>/plot.<format>)");
+
+  auto* plan = app.add_subcommand("plan", "per-GPU memory, fit, largest micro-batch and step time for each sharding strategy");
+  PlanArgs pa;
+  plan->add_option("--config", pa.config, "job spec (YAML): model, batch, checkpointing, sharding")->check(CLI::ExistingFile);
+  plan->add_option("--set", pa.sets, "override a job spec field (repeatable)");
+  plan->add_option("--model", pa.model, "a model shape instead of the job's model: " + model_shape_help());
+  plan->add_option("--gpus", pa.gpus, "GPUs per node (default: parallel.nproc_per_node, else 8)")->check(CLI::Range(1, 1024));
+  plan->add_option("--nodes", pa.nodes, "nodes")->capture_default_str()->check(CLI::Range(1, 65536));
+  plan->add_option("--gpu", pa.gpu, "GPU type: a100, h100, h200 (peak FLOP/s, memory, links)")->capture_default_str();
+  plan->add_option("--gpu-memory", pa.gpu_memory, "memory per GPU, e.g. 80GiB or 80GB (default: the GPU's)");
+  plan->add_option("--micro-batch", pa.micro_batch, "sequences per GPU per forward (default: the job's, else 1)")->check(CLI::Range(1, 1 << 20));
+  plan->add_option("--global-batch", pa.global_batch, "sequences per optimizer step (default: the job's, else one micro-batch per GPU)")->check(CLI::Range(1, 1 << 30));
+  plan->add_option("--activation-checkpointing", pa.checkpointing, "none or blocks (default: the job's, else none)")->check(CLI::IsMember({"none", "blocks"}));
+
+  auto* topo_cmd = app.add_subcommand("topo", "describe this node's GPUs, links, NUMA and NICs, and what a launch would do");
+  topo::TopoCommandOptions to;
+  auto* topo_smi = topo_cmd->add_option("--nvidia-smi-topo", to.nvidia_smi_file, "read `nvidia-smi topo -m` output from FILE instead of this machine");
+  auto* topo_file = topo_cmd->add_option("--topology", to.topology_file, "load a description saved with --save");
+  auto* topo_sysfs = topo_cmd->add_option("--sysfs-root", to.sysfs_root, "read /sys under DIR (a copied or fake tree) instead of /");
+  topo_smi->excludes(topo_file)->excludes(topo_sysfs);
+  topo_file->excludes(topo_sysfs);
+  topo_cmd->add_option("--nproc", to.nproc, "ranks to plan for (default: one per GPU, 1 without GPUs)")->check(CLI::Range(1, 1024));
+  topo_cmd->add_flag("--json", to.json, "print the description and the decisions as JSON");
+  topo_cmd->add_option("--save", to.save_file, "write the description to FILE (load it with --topology or parallel.topology_file)");
+
   // Hidden: what the agent runs in each worker process (see core/launch/agent.h).
   auto* bench = app.add_subcommand("bench", "benchmarks that print a table");
   bench->require_subcommand(1);
@@ -135,6 +212,11 @@ int main(int argc, char** argv) {
   bench_comm->add_option("--min-bytes", cb.min_bytes, "smallest message")->capture_default_str()->check(CLI::Range(int64_t(4), int64_t(1) << 40));
   bench_comm->add_option("--max-bytes", cb.max_bytes, "largest message")->capture_default_str()->check(CLI::Range(int64_t(4), int64_t(1) << 40));
   bench_comm->add_option("--iters", cb.iters, "iterations per size (0: adaptive)")->capture_default_str()->check(CLI::NonNegativeNumber);
+  auto* bench_ckpt = bench->add_subcommand("checkpoint", "checkpoint write/read GB/s next to the disk's sequential speed; training blocked with async on/off");
+  CheckpointBenchOptions cbo;
+  bench_ckpt->add_option("--params", cbo.params, "model size in parameters: 124000000, 124M, 1.5B")->capture_default_str();
+  bench_ckpt->add_option("--dir", cbo.dir, "directory on the disk to measure (a scratch folder inside is removed after)")->capture_default_str();
+  bench_ckpt->add_option("--repeat", cbo.repeat, "repetitions (the table shows medians)")->capture_default_str()->check(CLI::Range(1, 100));
 
   auto* worker = app.add_subcommand("worker", "");
   worker->group("");
@@ -152,12 +234,35 @@ int main(int argc, char** argv) {
   try {
     if (*worker) return run_worker(wconfig);
     if (*validate) return cmd_validate(vconfig, vsets);
+    if (*topo_cmd) return topo::run_topo_command(to, std::cout);
     if (*bench_comm) return run_comm_bench(cb);
+    if (*bench_ckpt) return run_checkpoint_bench(cbo);
+    if (*export_cmd) {
+      const std::string from = export_checkpoint_hf(exp_ckpt, exp_out);
+      TR_LOG_INFO("export: ", from, " -> ", exp_out, " (Hugging Face GPT-2: config.json + model.safetensors)");
+      std::cout << exp_out << "\n";
+      return 0;
+    }
     if (*prepare) {
       std::cout << prepare_byte_shards(popts) << "\n";
       return 0;
     }
     if (*generate) return cmd_generate(ckpt, prompt, so);
+    if (*plot) {
+      std::cout << plot_run(plot_dir, plot_opts) << "\n";
+      return 0;
+    }
+    if (*plan) {
+      if (pa.config.empty() && pa.model.empty()) {
+        std::cerr << plan->help() << "\ntrainrun: error: plan needs --config job.yaml or --model SHAPE\n";
+        return 2;
+      }
+      if (pa.config.empty() && !pa.sets.empty()) {
+        std::cerr << "trainrun: error: plan: --set needs --config (it overrides the job's fields)\n";
+        return 2;
+      }
+      return cmd_plan(pa);
+    }
     if (config.empty()) {
       std::cerr << app.help() << "\ntrainrun: error: --config is required to run a job\n";
       return 2;

@@ -158,9 +158,12 @@ void validate_topology(const Topology& t, const std::string& where) {
     for (size_t j = i + 1; j < G; ++j)
       TR_CHECK(t.links[i][j] == t.links[j][i], where, ": link GPU", i, "-GPU", j, " is ", link_code(t.links[i][j]),
                " but GPU", j, "-GPU", i, " is ", link_code(t.links[j][i]), "; the matrix must be symmetric");
-  for (const Nic& n : t.nics)
+  for (const Nic& n : t.nics) {
     TR_CHECK(n.gpu_links.size() == G, where, ": NIC ", n.name, " has ", n.gpu_links.size(), " GPU links for ", G,
              " GPUs");
+    TR_CHECK(n.nic_links.empty() || n.nic_links.size() == t.nics.size(), where, ": NIC ", n.name, " has ",
+             n.nic_links.size(), " NIC links for ", t.nics.size(), " NICs");
+  }
   std::set<int> ids;
   for (const NumaNode& n : t.numa_nodes)
     TR_CHECK(ids.insert(n.id).second, where, ": NUMA node ", n.id, " is listed twice");
@@ -335,6 +338,7 @@ json topology_to_json(const Topology& t) {
                          {"netdev", n.netdev},
                          {"state", n.state},
                          {"gpu_links", links_to_json(n.gpu_links)},
+                         {"nic_links", links_to_json(n.nic_links)},
                          // Derived from gpu_links, written for readers; ignored on load.
                          {"nearest_gpus", nearest_gpus(n)}});
   j["pci_bridges"] = json::array();
@@ -411,6 +415,7 @@ Topology topology_from_json(const json& j, const std::string& where) {
     n.netdev = r.get<std::string>("netdev", "");
     n.state = r.get<std::string>("state", "");
     n.gpu_links = r.links(r.array("gpu_links", true), r.at("gpu_links"));
+    n.nic_links = r.links(r.array("nic_links", false), r.at("nic_links"));
     t.nics.push_back(n);
   }
   const json& bridges = top.array("pci_bridges", false);

@@ -90,6 +90,7 @@ struct Nic {
   std::string netdev;      // its IP interface (IPoIB / RoCE / Ethernet); empty = none known
   std::string state;       // "up", "down" or empty (unknown)
   std::vector<Link> gpu_links;  // one per GPU, in GPU order
+  std::vector<Link> nic_links;  // one per NIC, in NIC order (X for itself); empty = unknown
 };
 
 enum class AcsState { Unknown, Disabled, Enabled };
@@ -120,7 +121,8 @@ struct Topology {
 
 // Structural checks every source's result and every loaded file must pass:
 // a square, symmetric link matrix with Self exactly on the diagonal, GPU
-// indices 0..G-1 in order, one link per GPU on each NIC, unique NUMA ids.
+// indices 0..G-1 in order, one link per GPU on each NIC (and none or one per
+// NIC), unique NUMA ids.
 // `where` prefixes the messages (a file name).
 void validate_topology(const Topology& t, const std::string& where);
 

@@ -79,10 +79,13 @@ void merge_topology(Topology& base, const Topology& extra) {
         if (x.kind == LinkKind::NVLink || l.kind == LinkKind::Unknown) l = x;
       }
   }
+  bool added_nic = false;
   for (const Nic& n : extra.nics) {
     const bool known = std::any_of(base.nics.begin(), base.nics.end(), [&](const Nic& b) { return b.name == n.name; });
-    if (!known && n.gpu_links.size() == base.gpus.size()) base.nics.push_back(n);
+    if (!known && n.gpu_links.size() == base.gpus.size()) base.nics.push_back(n), added_nic = true;
   }
+  if (added_nic)  // distances between NICs from different sources are unknown
+    for (Nic& n : base.nics) n.nic_links.clear();
   if (base.bridges.empty()) base.bridges = extra.bridges;
   if (base.p2p.empty() && extra.p2p.size() == base.gpus.size()) {
     base.p2p = extra.p2p;

@@ -210,7 +210,6 @@ Topology parse_nvidia_smi_topo(const std::string& text, const std::string& name)
   }
 
   // 4. Symmetry: nvidia-smi prints both halves; a mismatch means a damaged paste.
-  auto col = [&](const std::string& d) { return size_t(std::find(devices.begin(), devices.end(), d) - devices.begin()); };
   for (size_t a = 0; a < devices.size(); ++a)
     for (size_t b = a + 1; b < devices.size(); ++b) {
       const Row& ra = rows[devices[a]];
@@ -276,6 +275,7 @@ Topology parse_nvidia_smi_topo(const std::string& text, const std::string& name)
     // RoCE is not in the matrix.
     nic.kind = NicKind::Rdma;
     for (size_t g = 0; g < G; ++g) nic.gpu_links.push_back(rows[devices[g]].links[k]);
+    nic.nic_links.assign(rows[devices[k]].links.begin() + long(G), rows[devices[k]].links.end());
     t.nics.push_back(nic);
   }
   t.nvswitch = infer_nvswitch(t.links);

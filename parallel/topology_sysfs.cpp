@@ -315,11 +315,13 @@ Topology read_sysfs_topology(const std::string& root_in) {
   for (const std::string& b : bridge_ids) t.bridges.push_back(read_acs(pci / b, b));
 
   // RDMA NICs (verbs devices), then plain Ethernet interfaces.
+  std::vector<PciLoc> nic_locs;
   auto add_nic = [&](Nic n, const PciLoc& loc) {
     n.pci_bus_id = loc.bdf;
     n.numa_node = loc.numa_node;
     for (const PciLoc& g : gpu_locs) n.gpu_links.push_back(pci_link(g, loc));
     t.nics.push_back(n);
+    nic_locs.push_back(loc);
   };
   std::set<std::string> rdma_functions;
   const fs::path ib = sys / "class/infiniband";
@@ -359,6 +361,9 @@ Topology read_sysfs_topology(const std::string& root_in) {
     if (oper == "up" || oper == "down") n.state = oper;
     add_nic(n, loc);
   }
+  for (size_t a = 0; a < t.nics.size(); ++a)
+    for (size_t b = 0; b < t.nics.size(); ++b)
+      t.nics[a].nic_links.push_back(a == b ? Link{LinkKind::Self, 0} : pci_link(nic_locs[a], nic_locs[b]));
   validate_topology(t, "sysfs:" + root);
   return t;
 }

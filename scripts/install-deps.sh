@@ -20,7 +20,10 @@ if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
 PKGS=(build-essential cmake ninja-build ccache pkg-config git
       libcli11-dev libyaml-cpp-dev nlohmann-json3-dev catch2
       libopenblas-dev libopenblas-openmp-dev libgloo-dev libxxhash-dev
+      libprotobuf-dev protobuf-compiler gnuplot-nox
       fortunes fortunes-min iproute2 procps)
+# libprotobuf-dev + protobuf-compiler: TensorBoard event files (core/train/proto);
+# gnuplot-nox: `trainrun plot` and the end-of-run plot (run as a program, not linked).
 if [ "$WITH_TEST" = 1 ]; then
   PKGS+=(python3 python3-venv python3-numpy python3-torch)
 fi
@@ -45,5 +48,11 @@ if [ "$WITH_TEST" = 1 ]; then
   fi
   if ! "$VENV/bin/python" -c "import safetensors" 2>/dev/null; then
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check "safetensors==0.4.5"
+  fi
+  # tensorboard: its EventAccumulator reads our event files back in
+  # tests/test_operator.cpp. 2.16.2 supports Python 3.11 and Debian 12's
+  # numpy 1.24; protobuf pinned to the 4.25 line it was released against.
+  if ! "$VENV/bin/python" -c "import tensorboard" 2>/dev/null; then
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check "tensorboard==2.16.2" "protobuf==4.25.3"
   fi
 fi

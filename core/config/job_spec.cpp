@@ -111,6 +111,11 @@ const std::vector<Field>& fields() {
                     "context length in tokens (T); also the size of the position table"),
       TR_SPEC_FIELD(model.init_std, above(0),
                     "std of the normal weight init; residual projections get init_std/sqrt(2*n_layer)"),
+      TR_SPEC_FIELD(model.init_from, any(),
+                    "Hugging Face GPT-2 directory (config.json + model.safetensors, e.g. from trainrun export) "
+                    "whose weights replace the random init, to fine-tune; model.* must match its config.json "
+                    "(seq_len may be shorter than n_positions); a resumed checkpoint takes precedence; "
+                    "empty = none"),
 
       TR_SPEC_FIELD(data.format, one_of({"llmc", "raw_uint16", "raw_uint32", "synthetic"}),
                     "layout of the token files; synthetic = a generated Markov chain, no files"),
@@ -132,6 +137,8 @@ const std::vector<Field>& fields() {
       TR_SPEC_FIELD(train.exit_interval, at_least(0),
                     "stop after this many steps of this invocation, with a checkpoint (the schedule still "
                     "follows max_steps; resume continues); 0 = run to max_steps"),
+      TR_SPEC_FIELD(train.max_skipped_steps, at_least(0),
+                    "steps whose update is skipped for a non-finite loss or gradient norm before the job stops"),
       TR_SPEC_FIELD(train.lr, above(0), "peak learning rate, reached at the end of warmup"),
       TR_SPEC_FIELD(train.min_lr, at_least(0), "learning-rate floor at the end of the decay (unused by constant)"),
       TR_SPEC_FIELD(train.warmup_steps, at_least(0), "steps of linear warmup from 0 to lr"),
@@ -162,6 +169,10 @@ const std::vector<Field>& fields() {
                     "ranks per shard group for hybrid_shard; 0 = ranks per node"),
       TR_SPEC_FIELD(parallel.timeout_s, above(0),
                     "seconds a collective or rendezvous wait may take before the job stops"),
+      TR_SPEC_FIELD(parallel.topology_file, any(),
+                    "node topology to use instead of detecting it (a file from `trainrun topo --save`); empty = detect"),
+      TR_SPEC_FIELD(parallel.cpu_affinity, one_of({"auto", "none"}),
+                    "auto: bind each worker to cores of its GPU's NUMA node (CPU backend: spread over NUMA nodes); none: leave it to the OS"),
 
       TR_SPEC_FIELD(checkpoint.interval, at_least(0), "steps between checkpoints; 0 = only the final one"),
       TR_SPEC_FIELD(checkpoint.keep_last, at_least(0), "newest checkpoints kept; older ones are deleted (0 = keep all)"),

@@ -17,6 +17,7 @@ struct ModelSpec {
   int vocab_size = 256;        // V; 256 = byte-level
   int seq_len = 128;           // T, context length (also the position table size)
   double init_std = 0.02;      // std of the normal init; residual projections get init_std/sqrt(2L)
+  std::string init_from;       // Hugging Face GPT-2 directory to start from instead of the init; "" = none
 };
 
 struct SyntheticSpec {
@@ -38,7 +39,8 @@ struct TrainSpec {
   int global_batch_size = 8;         // sequences per optimizer step (if global_batch_tokens == 0)
   int micro_batch_size = 8;          // sequences per forward/backward per rank
   int max_steps = 100;
-  int exit_interval = 0;              // stop (with a checkpoint) after this many steps of this invocation; 0 = off
+  int exit_interval = 0;
+  int max_skipped_steps = 10;         // updates skipped for a non-finite loss/grad norm before the job stops              // stop (with a checkpoint) after this many steps of this invocation; 0 = off
   double lr = 1e-3;                   // peak learning rate
   double min_lr = 1e-4;               // floor of the decay
   int warmup_steps = 10;
@@ -73,6 +75,8 @@ struct ParallelSpec {
   std::string sharding = "full_shard"; // no_shard | shard_grad_op | full_shard | hybrid_shard
   int shard_group_size = 0;            // hybrid_shard group size; 0 = ranks per node
   double timeout_s = 300;              // every collective / rendezvous wait
+  std::string topology_file;           // saved topology description (trainrun topo --save); empty = detect
+  std::string cpu_affinity = "auto";   // auto | none: bind workers to cores near their GPU / spread over NUMA
 };
 
 struct LauncherSpec {

@@ -17,6 +17,7 @@
 // (waitid WNOWAIT first): while the zombie leader exists its pgid cannot be
 // reused, so the group kill cannot hit an unrelated process.
 #include "core/launch/agent.h"
+#include "core/train/preemption.h"
 
 #include <fcntl.h>
 #include <poll.h>
@@ -47,6 +48,7 @@
 #include "core/launch/debug_hooks.h"
 #include "core/train/trainer.h"
 #include "parallel/store.h"
+#include "parallel/topology_launch.h"
 
 extern char** environ;
 
@@ -185,8 +187,8 @@ enum class Phase { Running, Settling, Stopping };
 
 class Agent {
  public:
-  Agent(const JobSpec& job, std::string spec_path, int nproc)
-      : job_(job), spec_path_(std::move(spec_path)), nproc_(nproc), host_(host_name()) {}
+  Agent(const JobSpec& job, std::string spec_path, int nproc, topo::LaunchTopology topo)
+      : job_(job), spec_path_(std::move(spec_path)), nproc_(nproc), host_(host_name()), topo_(std::move(topo)) {}
   ~Agent();
   int run();
 
@@ -210,6 +212,7 @@ class Agent {
   const std::string spec_path_;
   const int nproc_;
   const std::string host_;
+  const topo::LaunchTopology topo_;  // per-rank CPU/NUMA placement and the decided environment
   std::vector<Worker> w_;
   int sfd_ = -1;
   Phase phase_ = Phase::Running;
@@ -250,7 +253,8 @@ bool Agent::any_running() const {
 // The child side of fork(): only async-signal-safe calls until execve (the
 // agent has other threads, e.g. the store's). Everything was prepared by
 // the parent.
-[[noreturn]] void exec_worker(pid_t agent, int out_wr, char* const* argv, char* const* envp) {
+[[noreturn]] void exec_worker(pid_t agent, int out_wr, char* const* argv, char* const* envp,
+                              const topo::WorkerPlacement* place) {
   ::setpgid(0, 0);
   ::prctl(PR_SET_PDEATHSIG, SIGKILL);
   if (::getppid() != agent) ::_exit(125);  // the agent died before prctl took effect
@@ -270,6 +274,9 @@ bool Agent::any_running() const {
   sigset_t none;
   sigemptyset(&none);
   ::sigprocmask(SIG_SETMASK, &none, nullptr);  // the agent blocks several; exec keeps the mask
+  // CPU affinity and the NUMA memory policy survive exec; set them here so
+  // the worker's first allocation already lands on its node.
+  if (place) topo::apply_worker_placement(*place);
   ::execve("/proc/self/exe", argv, envp);
   static const char msg[] = "trainrun: cannot exec the worker (/proc/self/exe)\n";
   ssize_t ignored = ::write(2, msg, sizeof msg - 1);
@@ -289,9 +296,11 @@ void Agent::spawn_one(Worker& w, const std::vector<std::string>& env) {
   int p[2];
   TR_CHECK_ERRNO(::pipe2(p, O_CLOEXEC) == 0, "launcher: cannot create the output pipe of rank ", w.rank);
   ::fcntl(p[0], F_SETFL, ::fcntl(p[0], F_GETFL) | O_NONBLOCK);
+  const topo::WorkerPlacement* place =
+      size_t(w.rank) < topo_.placement.size() ? &topo_.placement[size_t(w.rank)] : nullptr;
   const pid_t agent = ::getpid();
   const pid_t pid = ::fork();
-  if (pid == 0) exec_worker(agent, p[1], argv.data(), envp.data());
+  if (pid == 0) exec_worker(agent, p[1], argv.data(), envp.data(), place);
   const int fork_errno = errno;
   ::close(p[1]);
   if (pid < 0) {
@@ -326,6 +335,8 @@ void Agent::spawn_all(int attempt, int port, const std::string& secret) {
         "TRAINRUN_STORE_SECRET=" + secret, "TRAINRUN_RESTART_COUNT=" + std::to_string(attempt),
         "TRAINRUN_MAX_RESTARTS=" + std::to_string(job_.launcher.max_restarts)})
     common.push_back(kv);
+  // NCCL_* and friends from the topology; names the user set are not in here.
+  common.insert(common.end(), topo_.env.begin(), topo_.env.end());
 
   w_.assign(size_t(nproc_), Worker{});
   for (int r = 0; r < nproc_; ++r) {
@@ -428,7 +439,10 @@ void Agent::reap() {
       w.out_fd = -1;
       if (!w.partial.empty()) emit(w, std::move(w.partial)), w.partial.clear();
     }
-    if (!status_ok(st) && phase_ == Phase::Running && stop_signal_ == 0) {
+    // kExitRequeue is not a failure: the ranks agreed to checkpoint and stop
+    // (a signal reached the workers directly, e.g. from Slurm).
+    const bool requeue = WIFEXITED(st) && WEXITSTATUS(st) == kExitRequeue;
+    if (!status_ok(st) && !requeue && phase_ == Phase::Running && stop_signal_ == 0) {
       failed_ = true;
       phase_ = Phase::Settling;
       settle_until_ = Clock::now() + std::min<Clock::duration>(kSettle, seconds(job_.launcher.grace_period_s));
@@ -636,13 +650,33 @@ int Agent::run() {
       if (stop_signal_ != 0) {
         // A failure that was being handled when the signal came is still
         // worth reporting, but the user's stop wins over a restart.
-        if (failed_) report_failure(first_failure());
-        code = 128 + stop_signal_;
-        say("stopped by " + sig_name(stop_signal_) + "; all " + std::to_string(nproc_) +
-            " workers are gone; exiting with code " + std::to_string(code));
+        // Workers that saved a checkpoint on the signal exit kExitRequeue;
+        // when all did, so does the agent: "checkpointed, please requeue".
+        const bool all_checkpointed = std::all_of(w_.begin(), w_.end(), [](const Worker& w) {
+          return WIFEXITED(w.status) && WEXITSTATUS(w.status) == kExitRequeue;
+        });
+        if (failed_ && !all_checkpointed) report_failure(first_failure());
+        if (all_checkpointed && stop_signal_ != SIGINT) {
+          code = kExitRequeue;
+          say("stopped by " + sig_name(stop_signal_) + " after every worker saved a checkpoint; exiting with code " +
+              std::to_string(code) + " (checkpointed, please requeue)");
+        } else {
+          code = 128 + stop_signal_;
+          say("stopped by " + sig_name(stop_signal_) + "; all " + std::to_string(nproc_) +
+              " workers are gone; exiting with code " + std::to_string(code));
+        }
       } else if (!failed_) {
-        say("all " + std::to_string(nproc_) + " workers finished");
-        code = 0;
+        const bool all_checkpointed = std::all_of(w_.begin(), w_.end(), [](const Worker& w) {
+          return WIFEXITED(w.status) && WEXITSTATUS(w.status) == kExitRequeue;
+        });
+        if (all_checkpointed) {
+          code = kExitRequeue;
+          say("all " + std::to_string(nproc_) + " workers saved a checkpoint and stopped; exiting with code " +
+              std::to_string(code) + " (checkpointed, please requeue)");
+        } else {
+          say("all " + std::to_string(nproc_) + " workers finished");
+          code = 0;
+        }
       } else {
         report_failure(first_failure());
         if (attempt < max_restarts) {
@@ -692,7 +726,8 @@ int run_agent(const JobSpec& job, const std::string& resolved_spec_path) {
            " sequences) must be a multiple of train.micro_batch_size (", mb, ") x world size (", nproc,
            " workers); change one of them so every rank gets whole micro-batches");
   TR_CHECK(job.launcher.grace_period_s >= 0, "launcher.grace_period_s must be >= 0");
-  Agent agent(job, resolved_spec_path, nproc);
+  // Detect the node, decide, write <output.dir>/topology.json (see topology_launch.h).
+  Agent agent(job, resolved_spec_path, nproc, topo::prepare_launch_topology(job, nproc));
   return agent.run();
 }
 
@@ -720,9 +755,16 @@ int run_worker(const std::string& resolved_spec_path) {
       line += std::string(" TRAINRUN_STORE_SECRET=") +
               (secret && *secret ? "<" + std::to_string(std::strlen(secret)) + " chars>" : "<unset>");
       TR_LOG_INFO(line);
+      // Where the agent's topology decisions put this process.
+      cpu_set_t cpus;
+      CPU_ZERO(&cpus);
+      std::string placed = "worker placement: CPUs=";
+      if (::sched_getaffinity(0, sizeof cpus, &cpus) == 0)
+        for (int c = 0, first = 1; c < CPU_SETSIZE; ++c)
+          if (CPU_ISSET(c, &cpus)) placed += (first ? "" : ",") + std::to_string(c), first = 0;
+      TR_LOG_INFO(placed);
     }
-    run_training(job, w);
-    return 0;
+    return exit_code_for(run_training(job, w));
   } catch (const std::exception& e) {
     // The agent reads the time to tell which rank failed first.
     note_failure_now();

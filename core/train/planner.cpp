@@ -43,7 +43,6 @@ struct Preset {
 };
 const std::vector<Preset>& presets() {
   static const std::vector<Preset> p = {
-      {"gpt2", "gpt2:L=12,C=768,heads=12,V=50257,T=1024"},
       {"gpt2-124m", "gpt2:L=12,C=768,heads=12,V=50257,T=1024"},
       {"gpt2-350m", "gpt2:L=24,C=1024,heads=16,V=50257,T=1024"},
       {"gpt2-774m", "gpt2:L=36,C=1280,heads=20,V=50257,T=1024"},
@@ -115,12 +114,12 @@ std::string model_shape_help() {
 }
 
 namespace {
-ModelShape parse_shape(const std::string& text_in, const std::string& what);
+ModelShape parse_shape(const std::string& text_in, const std::string& what, bool presets_allowed);
 }
-ModelShape ModelShape::parse(const std::string& text) { return parse_shape(text, "--model '" + text + "'"); }
+ModelShape ModelShape::parse(const std::string& text) { return parse_shape(text, "--model '" + text + "'", true); }
 
 namespace {
-ModelShape parse_shape(const std::string& text_in, const std::string& what) {
+ModelShape parse_shape(const std::string& text_in, const std::string& what, bool presets_allowed) {
   const std::string text = trim(text_in);
   TR_CHECK(!text.empty(), "--model: empty; give ", model_shape_help());
   const size_t colon = text.find(':');
@@ -129,13 +128,15 @@ ModelShape parse_shape(const std::string& text_in, const std::string& what) {
   ModelShape m;
   m.arch = "";
   std::map<std::string, int64_t> set;  // keys given explicitly
+  // A bare architecture name means its best-known size.
+  if (head == "gpt2" && body.empty()) head = "gpt2-124m";
   // A preset fills every key; the text after ':' overrides some of them.
   for (const auto& p : presets()) {
-    if (head == p.name) {
+    if (presets_allowed && head == p.name) {
       // Later keys win, so the overrides simply follow the preset's text.
       std::string merged = std::string(p.text);
       if (!body.empty()) merged += "," + body;
-      return parse_shape(merged, what);
+      return parse_shape(merged, what, false);
     }
   }
   if (head == "gpt2" || head == "llama") {
@@ -145,8 +146,10 @@ ModelShape parse_shape(const std::string& text_in, const std::string& what) {
     for (const auto& p : presets()) names += std::string(", ") + p.name;
     std::string best;
     size_t bd = 3;
-    for (const auto& p : presets())
-      if (size_t d = edit_distance(head, p.name); d < bd) bd = d, best = p.name;
+    std::vector<std::string> cands = {"gpt2", "llama"};
+    for (const auto& p : presets()) cands.push_back(p.name);
+    for (const auto& c : cands)
+      if (size_t d = edit_distance(head, c); d < bd) bd = d, best = c;
     TR_FAIL(what, ": unknown architecture or preset '", head, "'",
             best.empty() ? "" : "; did you mean '" + best + "'?", " (known: ", names, ")");
   }

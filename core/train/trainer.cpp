@@ -1,6 +1,7 @@
 #include "core/train/trainer.h"
 
 #include <chrono>
+#include <csignal>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -9,6 +10,7 @@
 #include <sstream>
 
 #include "core/checkpoint/checkpoint.h"
+#include "core/checkpoint/hf_interop.h"
 #include "core/common/error.h"
 #include "core/common/log.h"
 #include "core/data/dataset.h"
@@ -17,6 +19,8 @@
 #include "core/model/model_io.h"
 #include "core/train/generate.h"
 #include "core/train/metrics.h"
+#include "core/train/preemption.h"
+#include "core/train/progress.h"
 #include "core/train/schedule.h"
 #include "kernels/backend.h"
 #include "parallel/communicator.h"
@@ -56,15 +60,19 @@ void truncate_metrics(const std::string& path, int64_t max_step) {
   std::ofstream out(path, std::ios::trunc);
   out << kept;
 }
+// Tests: TRAINRUN_DEBUG_NAN_STEP=k (or "all") poisons rank
+// TRAINRUN_DEBUG_NAN_RANK's (default 0) gradients at step k.
+bool debug_nan_step_for(int rank, int step) {
+  const char* s = std::getenv("TRAINRUN_DEBUG_NAN_STEP");
+  if (!s || !*s) return false;
+  const char* r = std::getenv("TRAINRUN_DEBUG_NAN_RANK");
+  if ((r && *r ? std::atoi(r) : 0) != rank) return false;
+  return std::string(s) == "all" || std::atoi(s) == step;
+}
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 std::string fmt(double v, int prec) {
   std::ostringstream os;
   os << std::fixed << std::setprecision(prec) << v;
-  return os.str();
-}
-std::string sci(double v) {
-  std::ostringstream os;
-  os << std::scientific << std::setprecision(2) << v;
   return os.str();
 }
 std::string human_bytes(double b) {
@@ -101,6 +109,7 @@ class Trainer {
   double train_step(int step);  // returns the global mean loss
   double evaluate();
   void read_batch(const TokenSource& src, int64_t first, int B);
+  bool debug_nan_step(int step) const { return debug_nan_step_for(w_.rank, step); }
 
   const JobSpec& job_;
   WorkerInfo w_;
@@ -152,7 +161,12 @@ void Trainer::setup() {
   accum_ = global_B_ / (mb_ * w_.world);
   model_ = std::make_unique<GPT2>(cfg_, be_.get(), mb_, job_.train.activation_checkpointing == "blocks");
   // 4. sharded state
-  int group = job_.parallel.shard_group_size > 0 ? job_.parallel.shard_group_size : w_.local_world;
+  // hybrid_shard group: the spec's, else the agent's topology decision (the
+  // NVLink island, TRAINRUN_SHARD_GROUP_SIZE), else the ranks of this node.
+  const int topo_group = env_int("TRAINRUN_SHARD_GROUP_SIZE", 0);
+  int group = job_.parallel.shard_group_size > 0 ? job_.parallel.shard_group_size
+              : topo_group > 0                    ? topo_group
+                                                  : w_.local_world;
   CommFactory factory = [this, timeout](const std::string& prefix, int rank, int world) {
     return make_gloo_communicator(*store_, prefix_ + prefix, rank, world, w_.master_addr, timeout);
   };
@@ -193,7 +207,8 @@ void Trainer::read_batch(const TokenSource& src, int64_t first, int B) {
 
 double Trainer::train_step(int step) {
   params_->zero_grads();
-  const float dloss_scale = 1.0f / float(int64_t(global_B_) * T_);
+  float dloss_scale = 1.0f / float(int64_t(global_B_) * T_);
+  if (debug_nan_step(step + 1)) dloss_scale = NAN;  // tests: TRAINRUN_DEBUG_NAN_STEP
   double local_loss = 0;
   for (int m = 0; m < accum_; ++m) {
     int64_t first = cursor_ + (int64_t(m) * w_.world + w_.rank) * mb_;
@@ -240,6 +255,17 @@ TrainSummary Trainer::run() {
   ckpt.clean_stale();
   TrainState resumed;
   const bool is_resume = ckpt.load(*params_, resumed);
+  // model.init_from replaces the random init, but only for a fresh start: a
+  // checkpoint already holds the fine-tuned weights (and the moments) that
+  // grew from it. Decided after load() so a resume never needs the directory.
+  if (!job_.model.init_from.empty()) {
+    if (is_resume) {
+      if (rank0_) TR_LOG_INFO("model.init_from: not used; the resumed checkpoint takes precedence");
+    } else {
+      params_->load_full_params(load_init_from(job_.model));  // every rank reads the same file
+      if (rank0_) TR_LOG_INFO("model.init_from: initial weights from ", job_.model.init_from);
+    }
+  }
   cursor_ = resumed.cursor;
   const int first_step = int(resumed.step);
   std::unique_ptr<MetricsWriter> metrics;
@@ -275,9 +301,22 @@ TrainSummary Trainer::run() {
   ap.eps = float(tr.eps);
   ap.weight_decay = float(tr.weight_decay);
   const int64_t tokens_per_step = int64_t(global_B_) * T_;
-  double window_time = 0, window_comm = 0;
-  int window_steps = 0;
   double train_time = 0;
+  // Status line / log lines, metrics.jsonl records, TensorBoard, MFU,
+  // memory by category, the end-of-run summary and plot (core/train/progress.h).
+  RunReporter::Context rc;
+  rc.job = &job_;
+  rc.model = cfg_;
+  rc.backend = be_.get();
+  rc.params = params_.get();
+  rc.gpt = model_.get();
+  rc.rank = w_.rank;
+  rc.world = w_.world;
+  rc.tokens_per_step = tokens_per_step;
+  rc.entropy_floor = sum.entropy_floor;
+  rc.metrics = metrics.get();
+  rc.start = t_start;
+  RunReporter reporter(rc);
   if (is_resume && first_step >= tr.max_steps && rank0_)
     TR_LOG_INFO("resume: the checkpoint is at step ", first_step, " >= train.max_steps (", tr.max_steps,
                 "); nothing to train");
@@ -296,49 +335,63 @@ TrainSummary Trainer::run() {
     float grad_scale = 1.0f;
     if (tr.grad_clip > 0 && gnorm > tr.grad_clip) grad_scale = float(tr.grad_clip / (gnorm + 1e-6));
     ap.lr = float(lr);
-    params_->optimizer_step(ap, step + 1, grad_scale);
+    // The loss is all-reduced and the norm is global, so every rank sees the
+    // same values and takes the same decision: no rank updates alone.
+    const bool finite = std::isfinite(loss) && std::isfinite(gnorm);
+    if (finite) {
+      // AdamW's bias correction uses the global step (not the count of
+      // applied updates), so a resumed run recomputes it exactly.
+      params_->optimizer_step(ap, step + 1, grad_scale);
+    } else {
+      ++sum.skipped_steps;
+      if (rank0_)
+        TR_LOG_WARN("step ", step + 1, ": non-finite ", std::isfinite(loss) ? "gradient norm" : "loss", " (loss ", loss,
+                    ", grad_norm ", gnorm, "); skipped the update on every rank (", sum.skipped_steps, " of at most ",
+                    tr.max_skipped_steps, ")");
+      TR_CHECK(sum.skipped_steps <= tr.max_skipped_steps, "training stopped at step ", step + 1, ": ",
+               sum.skipped_steps, " updates were skipped for a non-finite loss or gradient norm (train.max_skipped_steps: ",
+               tr.max_skipped_steps, "); lower train.lr, raise train.warmup_steps or check the data; the last "
+               "checkpoint holds the state before the divergence");
+    }
     be_->synchronize();
     const double dt = seconds_since(t0);
-    window_time += dt;
-    window_comm += params_->take_comm_wait_seconds();
-    ++window_steps;
+    const double comm_wait = params_->take_comm_wait_seconds();
     train_time += dt;
     sum.steps = step + 1;
     sum.final_loss = loss;
     sum.losses.push_back(loss);
     sum.tokens += tokens_per_step;
-    TR_CHECK(std::isfinite(loss), "training diverged at step ", step + 1, ": loss is ", loss,
-             "; lower train.lr or raise train.warmup_steps");
 
     const bool last = step + 1 == end_step;
-    const bool do_log = last || step == 0 || (tr.log_interval > 0 && (step + 1) % tr.log_interval == 0);
     const bool do_eval = val_src_ && (last || (tr.eval_interval > 0 && (step + 1) % tr.eval_interval == 0));
     double val_loss = do_eval ? evaluate() : -1;
     if (val_loss >= 0 && (sum.best_val_loss < 0 || val_loss < sum.best_val_loss)) sum.best_val_loss = val_loss;
-    if (do_log || do_eval) {
-      const double tps = window_steps ? tokens_per_step * window_steps / window_time : 0;
-      if (rank0_) {
-        std::string line = "step " + std::to_string(step + 1) + "/" + std::to_string(tr.max_steps) + " | loss " +
-                           fmt(loss, 4) + " | lr " + sci(lr) + " | grad_norm " + fmt(gnorm, 3) +
-                           " | " + fmt(1000 * window_time / std::max(1, window_steps), 1) + " ms/step | " +
-                           fmt(tps, 0) + " tok/s";
-        if (w_.world > 1) line += " | comm wait " + fmt(100 * window_comm / std::max(1e-9, window_time), 1) + "%";
-        if (val_loss >= 0) line += " | val_loss " + fmt(val_loss, 4);
-        TR_LOG_INFO(line);
-        std::vector<std::pair<std::string, double>> rec = {
-            {"step", step + 1}, {"loss", loss}, {"lr", lr}, {"grad_norm", gnorm}, {"tokens_per_sec", tps},
-            {"ms_per_step", 1000 * window_time / std::max(1, window_steps)}};
-        if (val_loss >= 0) rec.push_back({"val_loss", val_loss});
-        metrics->write(rec);
-      }
-      window_time = window_comm = 0;
-      window_steps = 0;
-    }
+    StepReport report;
+    report.step = step + 1;
+    report.last = last;
+    report.loss = loss;
+    report.lr = lr;
+    report.grad_norm = gnorm;
+    report.step_seconds = dt;
+    report.comm_wait_seconds = comm_wait;
+    report.val_loss = val_loss;
+    reporter.on_step(report);
     if (job_.checkpoint.interval > 0 && (step + 1) % job_.checkpoint.interval == 0) save_checkpoint(step + 1);
+    // Preemption: agree across ranks (max of the received signal numbers),
+    // then save and stop at this step boundary.
+    float sig = float(stop_signal_received());
+    comm_->all_reduce(&sig, 1, ReduceOp::Max);
+    if (sig > 0 && step + 1 < end_step) {
+      sum.stop_signal = int(sig);
+      if (rank0_)
+        TR_LOG_INFO("stop requested (signal ", int(sig), "): saving a checkpoint at step ", step + 1, " and exiting");
+      if (last_saved != step + 1) save_checkpoint(step + 1);
+      break;
+    }
   }
   const bool stopped_early = end_step < tr.max_steps;
-  if ((job_.checkpoint.final == "true" || stopped_early) && last_saved != std::max(first_step, end_step) &&
-      !(is_resume && first_step >= tr.max_steps))
+  if (sum.stop_signal == 0 && (job_.checkpoint.final == "true" || stopped_early) &&
+      last_saved != std::max(first_step, end_step) && !(is_resume && first_step >= tr.max_steps))
     save_checkpoint(std::max(first_step, end_step));
   ckpt.wait();
   sum.checkpoint_blocked_seconds = ckpt_blocked;
@@ -349,16 +402,18 @@ TrainSummary Trainer::run() {
   sum.optimizer_bytes = mem.optimizer;
   sum.activation_bytes = model_->activation_bytes();
 
+  if (sum.stop_signal != 0) {
+    // Preempted: the checkpoint is what matters; skip the final export and
+    // the sample so the job exits well inside the agent's grace period.
+    comm_->barrier();
+    return sum;
+  }
   // Final weights: every rank takes part in the gather, rank 0 writes.
   std::vector<float> flat = params_->gather_full_params();
   if (rank0_) {
     const std::string path = (out / "model.safetensors").string();
     save_model_safetensors(path, cfg_, flat);
     sum.wall_seconds = seconds_since(t_start);
-    std::string floor = sum.entropy_floor >= 0 ? " (entropy floor " + fmt(sum.entropy_floor, 4) + ")" : "";
-    TR_LOG_INFO("done: ", sum.steps, " steps, ", sum.tokens, " tokens in ", fmt(sum.wall_seconds, 1), " s, ",
-                fmt(sum.tokens_per_sec, 0), " tok/s; final loss ", fmt(sum.final_loss, 4), floor,
-                sum.best_val_loss >= 0 ? "; best val_loss " + fmt(sum.best_val_loss, 4) : "", "; weights in ", path);
     if (job_.output.sample_tokens > 0) {
       SampleOptions so;
       so.max_tokens = job_.output.sample_tokens;
@@ -370,14 +425,21 @@ TrainSummary Trainer::run() {
       auto toks = sample_tokens(cfg_, flat, prompt, so);
       TR_LOG_INFO("sample:\n", decode_tokens(toks, cfg_.V));
     }
+    reporter.finish(path);  // the one-screen summary (last on screen) and plot.svg
   }
   comm_->barrier();
   return sum;
 }
 
 TrainSummary run_training(const JobSpec& job, const WorkerInfo& worker) {
+  install_stop_handlers();
   Trainer t(job, worker);
   return t.run();
+}
+
+int exit_code_for(const TrainSummary& s) {
+  if (s.stop_signal == 0) return 0;
+  return s.stop_signal == SIGINT ? 128 + SIGINT : kExitRequeue;
 }
 
 }  // namespace trainrun

@@ -27,8 +27,13 @@ struct TrainSummary {
   size_t params_bytes = 0, grads_bytes = 0, optimizer_bytes = 0, activation_bytes = 0;
   std::vector<double> losses;  // every step's loss (all ranks)
   double checkpoint_blocked_seconds = 0;
+  int skipped_steps = 0;
+  int stop_signal = 0;  // the signal that stopped the run early (checkpoint saved), else 0
 };
 
 TrainSummary run_training(const JobSpec& job, const WorkerInfo& worker);
+// 0; or after a stop signal (checkpoint saved): 75 (kExitRequeue,
+// "checkpointed, please requeue") for SIGTERM/SIGUSR1, 130 for SIGINT.
+int exit_code_for(const TrainSummary& s);
 
 }  // namespace trainrun

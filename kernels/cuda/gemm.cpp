@@ -3,6 +3,7 @@
 
 #include <cublasLt.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <mutex>
 #include <unordered_map>
@@ -48,12 +49,24 @@ bool uses_aux(GemmEpilogue e) {
          e == GemmEpilogue::DGeluBGrad;
 }
 
-// Largest power of two (<= 16) dividing the address: what the heuristic may assume.
-uint32_t alignment_of(const void* p) {
-  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+// Largest power of two (<= 16) dividing the address: what the heuristic may
+// assume. For strided batches every batch's start counts, so the stride (in
+// bytes) must be divisible too.
+uint32_t alignment_of(const void* p, int64_t stride_bytes = 0) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p) | static_cast<uintptr_t>(stride_bytes);
   uint32_t al = 16;
   while (al > 1 && (a % al) != 0) al >>= 1;
   return al;
+}
+
+uint32_t align_a(const GemmDesc& g, const GemmPtrs& p) {
+  return alignment_of(p.a, g.batch > 1 ? g.stride_a * int64_t(dtype_size(g.ab_type)) : 0);
+}
+uint32_t align_b(const GemmDesc& g, const GemmPtrs& p) {
+  return alignment_of(p.b, g.batch > 1 ? g.stride_b * int64_t(dtype_size(g.ab_type)) : 0);
+}
+uint32_t align_d(const GemmDesc& g, const GemmPtrs& p) {
+  return alignment_of(p.d, g.batch > 1 ? g.stride_d * int64_t(dtype_size(g.d_type)) : 0);
 }
 
 }  // namespace
@@ -107,8 +120,8 @@ struct Gemm::Impl {
     std::snprintf(buf, sizeof buf, "%d%d|%d,%d,%d|%lld,%lld,%lld|%d,%lld,%lld,%lld|%d%d%d%d|%lld|%u,%u,%u,%u,%u",
                   g.transa, g.transb, g.m, g.n, g.k, (long long)g.lda, (long long)g.ldb, (long long)g.ldd, g.batch,
                   (long long)g.stride_a, (long long)g.stride_b, (long long)g.stride_d, int(g.ab_type),
-                  int(g.d_type), int(g.accumulate), int(g.epilogue), (long long)g.ld_aux, alignment_of(p.a),
-                  alignment_of(p.b), alignment_of(p.d), alignment_of(uses_bias(g.epilogue) ? p.bias : p.bias_grad),
+                  int(g.d_type), int(g.accumulate), int(g.epilogue), (long long)g.ld_aux, align_a(g, p),
+                  align_b(g, p), align_d(g, p), alignment_of(uses_bias(g.epilogue) ? p.bias : p.bias_grad),
                   alignment_of(p.aux));
     return buf;
   }
@@ -182,7 +195,7 @@ struct Gemm::Impl {
     const uint64_t ws = workspace_bytes;
     TR_LT_CHECK(cublasLtMatmulPreferenceSetAttribute(pl->pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws),
                 ctx);
-    const uint32_t al_a = alignment_of(p.a), al_b = alignment_of(p.b), al_d = alignment_of(p.d);
+    const uint32_t al_a = align_a(g, p), al_b = align_b(g, p), al_d = align_d(g, p);
     TR_LT_CHECK(cublasLtMatmulPreferenceSetAttribute(pl->pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a,
                                                      sizeof al_a), ctx);
     TR_LT_CHECK(cublasLtMatmulPreferenceSetAttribute(pl->pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b,
@@ -218,6 +231,50 @@ Gemm::~Gemm() {
 
 size_t Gemm::library_version() { return cublasLtGetVersion(); }
 
+std::vector<float> Gemm::time_algorithms(const GemmDesc& g, const GemmPtrs& p, cudaStream_t stream, int max_algos,
+                                         int repeats) {
+  impl_->validate(g, p);
+  std::lock_guard<std::mutex> lk(impl_->mu);
+  Plan& pl = impl_->plan(g, p);
+  TR_CHECK(pl.ok, "cublasLt: no algorithm for ", g.describe());
+  impl_->set_pointers(pl, g, p);
+  std::vector<cublasLtMatmulHeuristicResult_t> heur(std::max(1, max_algos));
+  int returned = 0;
+  TR_LT_CHECK(cublasLtMatmulAlgoGetHeuristic(impl_->handle, pl.desc, pl.a, pl.b, pl.d, pl.d, pl.pref, int(heur.size()),
+                                             heur.data(), &returned), &g);
+  heur.resize(returned);
+  heur.insert(heur.begin(), pl.heur);  // [0]: the cached choice (the heuristic's first)
+  heur.erase(heur.begin() + 1);
+  cudaEvent_t e0, e1;
+  TR_CUDA_CHECK(cudaEventCreate(&e0));
+  TR_CUDA_CHECK(cudaEventCreate(&e1));
+  const float alpha = p.alpha, beta = g.accumulate ? 1.0f : 0.0f;
+  std::vector<float> out;
+  for (const auto& h : heur) {
+    std::vector<float> times;
+    bool failed = false;
+    for (int r = -2; r < repeats && !failed; ++r) {  // two warm-up calls
+      TR_CUDA_CHECK(cudaEventRecord(e0, stream));
+      failed = cublasLtMatmul(impl_->handle, pl.desc, &alpha, p.a, pl.a, p.b, pl.b, &beta, p.d, pl.d, p.d, pl.d,
+                              &h.algo, impl_->workspace, impl_->workspace_bytes, stream) != CUBLAS_STATUS_SUCCESS;
+      TR_CUDA_CHECK(cudaEventRecord(e1, stream));
+      TR_CUDA_CHECK(cudaEventSynchronize(e1));
+      float ms = 0;
+      TR_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+      if (r >= 0) times.push_back(ms);
+    }
+    if (failed || times.empty()) {
+      out.push_back(-1.0f);
+      continue;
+    }
+    std::sort(times.begin(), times.end());
+    out.push_back(times[times.size() / 2]);
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  return out;
+}
+
 bool Gemm::supported(const GemmDesc& desc, const GemmPtrs& ptrs) {
   impl_->validate(desc, ptrs);
   std::lock_guard<std::mutex> lk(impl_->mu);
@@ -229,8 +286,8 @@ void Gemm::run(const GemmDesc& g, const GemmPtrs& p, cudaStream_t stream) {
   std::lock_guard<std::mutex> lk(impl_->mu);
   Plan& pl = impl_->plan(g, p);
   if (!pl.ok)
-    TR_FAIL("cublasLt: no algorithm for ", g.describe(), " (alignments A ", alignment_of(p.a), ", B ",
-            alignment_of(p.b), ", D ", alignment_of(p.d),
+    TR_FAIL("cublasLt: no algorithm for ", g.describe(), " (alignments A ", align_a(g, p), ", B ",
+            align_b(g, p), ", D ", align_d(g, p),
             " bytes); this shape/epilogue combination is not supported by this cuBLASLt (version ",
             cublasLtGetVersion(), ")");
   impl_->set_pointers(pl, g, p);

@@ -43,6 +43,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "kernels/backend.h"
 
@@ -88,6 +89,11 @@ class Gemm {
   bool supported(const GemmDesc& desc, const GemmPtrs& ptrs);
   // cuBLASLt's version number (e.g. 130100).
   static size_t library_version();
+  // Benchmark helper: the median milliseconds of each of the heuristic's
+  // first `max_algos` algorithms for this descriptor ([0] is the one run()
+  // uses), over `repeats` timed calls after a warm-up. Overwrites D.
+  std::vector<float> time_algorithms(const GemmDesc& desc, const GemmPtrs& ptrs, cudaStream_t stream, int max_algos,
+                                     int repeats);
 
   struct Impl;
 

@@ -1,0 +1,43 @@
+// `trainrun bench checkpoint`: how fast checkpoints are written and read,
+// next to what the disk itself does, measured in the same run on the same
+// directory:
+//   disk write   one file of the checkpoint's size, 16 MiB write()s + fsync
+//   disk read    that file read back sequentially in 16 MiB read()s
+//   save         Checkpointer::save with checkpoint.async false: the real
+//                path end to end (snapshot, pwrite, fsync, xxhash64,
+//                manifest, rename, `latest`); training is blocked for all of it
+//   save async   the same with async true: the time training is blocked (the
+//                host snapshot) and the background write's total
+//   load         Checkpointer::load (verify sizes + xxhash64, then read)
+// The model is a GPT-2 of about --params parameters; a checkpoint holds the
+// fp32 master weights and both AdamW moments (12 bytes per parameter).
+//
+// Reads: an unprivileged process cannot drop the page cache, but it can ask
+// the kernel to evict one file's clean pages (posix_fadvise DONTNEED after
+// fsync); the bench does that before every read and reports, through
+// mincore(), how much of the file was still resident, since some filesystems
+// (tmpfs, some network ones) ignore the request and then reads are cached.
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "core/model/gpt2.h"
+
+namespace trainrun {
+
+struct CheckpointBenchOptions {
+  std::string params = "124M";  // parameter count: 124000000, 124M, 1.5B, 350K
+  std::string dir = ".";        // the directory (disk) to measure; a scratch folder is made and removed inside
+  int repeat = 3;               // repetitions; the table shows medians
+};
+
+// "124M" -> 124000000; throws Error on anything else.
+int64_t parse_param_count(const std::string& text);
+// A GPT-2 (12 layers, GPT-2's vocab and context when the count allows) whose
+// parameter count is close to `params`.
+GPT2Config bench_model_for(int64_t params);
+
+// Prints the table to stdout (progress to stderr); returns 0.
+int run_checkpoint_bench(const CheckpointBenchOptions& opts);
+
+}  // namespace trainrun

@@ -1,0 +1,415 @@
+#include "core/checkpoint/hf_interop.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "core/checkpoint/checkpoint.h"
+#include "core/common/error.h"
+#include "core/common/log.h"
+#include "core/io/safetensors.h"
+#include "core/model/model_io.h"
+#include "core/train/generate.h"
+
+namespace fs = std::filesystem;
+using json = nlohmann::ordered_json;
+
+namespace trainrun {
+
+namespace {
+
+// The four matrices HF GPT-2 stores as Conv1D (in, out), the transpose of ours.
+bool is_conv1d(const std::string& name) {
+  for (const char* s : {".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight"}) {
+    const size_t n = std::strlen(s);
+    if (name.size() >= n && name.compare(name.size() - n, n, s) == 0) return true;
+  }
+  return false;
+}
+
+// dst (cols, rows) = src (rows, cols)^T, in tiles so that both sides stay in
+// cache for the large matrices of a 1.5B model.
+void transpose(const float* src, int64_t rows, int64_t cols, float* dst) {
+  constexpr int64_t B = 32;
+  for (int64_t i0 = 0; i0 < rows; i0 += B)
+    for (int64_t j0 = 0; j0 < cols; j0 += B)
+      for (int64_t i = i0; i < std::min(rows, i0 + B); ++i)
+        for (int64_t j = j0; j < std::min(cols, j0 + B); ++j) dst[j * rows + i] = src[i * cols + j];
+}
+
+std::string shape_str(const std::vector<int64_t>& s) {
+  std::string out = "(";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + ")";
+}
+
+void write_file_synced(const std::string& path, const std::string& data) {
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  TR_CHECK_ERRNO(fd >= 0, "cannot create '", path, "'");
+  const char* p = data.data();
+  size_t left = data.size();
+  while (left) {
+    ssize_t n = ::write(fd, p, left);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      int e = errno;
+      ::close(fd);
+      errno = e;
+      TR_CHECK_ERRNO(false, "cannot write '", path, "' (disk full?)");
+    }
+    p += n;
+    left -= size_t(n);
+  }
+  TR_CHECK_ERRNO(::fsync(fd) == 0, "cannot fsync '", path, "'");
+  ::close(fd);
+}
+
+void fsync_dir(const fs::path& dir) {
+  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return;
+  ::fsync(fd);
+  ::close(fd);
+}
+
+// Files a previous export leaves; a directory holding only these may be replaced.
+bool is_export_file(const std::string& name) { return name == "config.json" || name == "model.safetensors"; }
+
+json hf_config_json(const GPT2Config& cfg) {
+  json c;
+  c["architectures"] = {"GPT2LMHeadModel"};
+  c["model_type"] = "gpt2";
+  c["vocab_size"] = cfg.V;
+  // Our position table has seq_len rows, so that is the longest context.
+  c["n_positions"] = cfg.T;
+  c["n_ctx"] = cfg.T;
+  c["n_embd"] = cfg.C;
+  c["n_layer"] = cfg.L;
+  c["n_head"] = cfg.NH;
+  c["n_inner"] = nullptr;                   // 4 * n_embd
+  c["activation_function"] = "gelu_new";    // GELU, tanh approximation (ours)
+  c["layer_norm_epsilon"] = 1e-5;
+  c["initializer_range"] = cfg.init_std;
+  // trainrun trains without dropout; 0 keeps a fine-tune in transformers the same regime.
+  c["resid_pdrop"] = 0.0;
+  c["embd_pdrop"] = 0.0;
+  c["attn_pdrop"] = 0.0;
+  c["scale_attn_weights"] = true;
+  c["scale_attn_by_inverse_layer_idx"] = false;
+  c["reorder_and_upcast_attn"] = false;
+  c["tie_word_embeddings"] = true;
+  c["use_cache"] = true;
+  // GPT-2's BPE vocabulary (50257, or llm.c's padded 50304) has <|endoftext|>
+  // at 50256; a byte-level or other vocabulary has no special tokens, and
+  // GPT2Config's default 50256 would point outside it.
+  if (cfg.V > 50256) {
+    c["bos_token_id"] = 50256;
+    c["eos_token_id"] = 50256;
+  } else {
+    c["bos_token_id"] = nullptr;
+    c["eos_token_id"] = nullptr;
+  }
+  c["torch_dtype"] = "float32";
+  return c;
+}
+
+}  // namespace
+
+void export_hf_gpt2(const std::string& dir, const GPT2Config& cfg, const std::vector<float>& flat) {
+  const ParamLayout lay = make_gpt2_layout(cfg);
+  TR_CHECK(int64_t(flat.size()) == lay.total, "export: ", flat.size(), " values for a model of ", lay.total);
+  TR_CHECK(!dir.empty(), "export: --out is empty; name the directory to write");
+  fs::path out = fs::absolute(fs::path(dir)).lexically_normal();
+  if (out.filename().empty()) out = out.parent_path();  // "dir/" -> "dir"
+  const fs::path parent = out.parent_path();
+  const std::string name = out.filename().string();
+
+  // Refuse before writing anything: replacing a directory that holds other
+  // files (a run directory, ".") would delete them.
+  if (fs::exists(out)) {
+    TR_CHECK(fs::is_directory(out), "export: --out '", dir, "' exists and is not a directory");
+    for (const auto& e : fs::directory_iterator(out))
+      TR_CHECK(is_export_file(e.path().filename().string()), "export: --out '", dir, "' exists and holds '",
+               e.path().filename().string(),
+               "', which an export did not write; choose a new or empty directory (it is replaced as a whole)");
+  }
+  std::error_code ec;
+  fs::create_directories(parent, ec);
+  TR_CHECK(!ec, "export: cannot create '", parent.string(), "': ", ec.message());
+  const fs::path tmp = parent / ("." + name + ".tmp-" + std::to_string(::getpid()));
+  const fs::path old = parent / ("." + name + ".old-" + std::to_string(::getpid()));
+  fs::remove_all(tmp, ec);
+  fs::create_directory(tmp, ec);
+  TR_CHECK(!ec, "export: cannot create '", tmp.string(), "': ", ec.message());
+  try {
+    SafeTensorFile f;
+    // transformers refuses a safetensors file without metadata format "pt".
+    f.metadata["format"] = "pt";
+    f.metadata["producer"] = std::string("trainrun ") + TRAINRUN_VERSION;
+    std::vector<float> tbuf;
+    for (const auto& t : lay.tensors) {
+      const float* src = flat.data() + t.offset;
+      if (is_conv1d(t.name)) {
+        tbuf.resize(size_t(t.numel));
+        transpose(src, t.shape[0], t.shape[1], tbuf.data());
+        f.tensors.push_back(make_f32_tensor(t.name, {t.shape[1], t.shape[0]}, tbuf.data()));
+      } else {
+        f.tensors.push_back(make_f32_tensor(t.name, t.shape, src));
+      }
+    }
+    write_safetensors((tmp / "model.safetensors").string(), f);
+    write_file_synced((tmp / "config.json").string(), hf_config_json(cfg).dump(2) + "\n");
+    fsync_dir(tmp);
+    // Swap into place. A crash between the two renames leaves the previous
+    // export intact under the .old- name (and the new one under .tmp-).
+    if (fs::exists(out)) {
+      fs::remove_all(old, ec);
+      fs::rename(out, old, ec);
+      TR_CHECK(!ec, "export: cannot move aside '", out.string(), "': ", ec.message());
+    }
+    fs::rename(tmp, out, ec);
+    TR_CHECK(!ec, "export: cannot rename '", tmp.string(), "' to '", out.string(), "': ", ec.message());
+    fsync_dir(parent);
+    fs::remove_all(old, ec);
+  } catch (...) {
+    fs::remove_all(tmp, ec);  // never leave a half-written export behind
+    throw;
+  }
+}
+
+std::string export_checkpoint_hf(const std::string& checkpoint, const std::string& out_dir) {
+  const std::string file = resolve_model_file(checkpoint);
+  const fs::path ckdir = fs::path(file).parent_path();
+  if (fs::exists(ckdir / "manifest.json")) {
+    // A checkpoint carries checksums: exporting a damaged one would hand a
+    // corrupt model to every tool downstream without a word.
+    const std::string why = Checkpointer::verify(ckdir.string());
+    TR_CHECK(why.empty(), "export: checkpoint '", ckdir.string(), "' is damaged: ", why,
+             "; export an earlier checkpoint (pass its checkpoints/step_... directory)");
+  }
+  std::vector<float> flat;
+  const GPT2Config cfg = load_model_safetensors(file, flat);
+  export_hf_gpt2(out_dir, cfg, flat);
+  return file;
+}
+
+GPT2Config read_hf_gpt2_config(const std::string& dir, const std::string& what) {
+  const std::string hint =
+      "; expected a Hugging Face GPT-2 directory (config.json + model.safetensors), as written by `trainrun "
+      "export` or save_pretrained(dir, safe_serialization=True)";
+  TR_CHECK(fs::exists(dir), what, ": '", dir, "' does not exist", hint);
+  TR_CHECK(fs::is_directory(dir), what, ": '", dir, "' is not a directory", hint);
+  const std::string path = (fs::path(dir) / "config.json").string();
+  std::ifstream f(path);
+  TR_CHECK(f, what, ": '", dir, "' has no config.json", hint);
+  json c;
+  try {
+    c = json::parse(f);
+  } catch (const std::exception& e) {
+    TR_FAIL(what, ": '", path, "' is not valid JSON (", e.what(), ")");
+  }
+  TR_CHECK(c.is_object(), what, ": '", path, "' is not a JSON object");
+  TR_CHECK(c.contains("model_type") && c["model_type"].is_string(), what, ": '", path,
+           "' has no model_type; only Hugging Face GPT-2 (model_type \"gpt2\") can be loaded");
+  const std::string mt = c["model_type"].get<std::string>();
+  TR_CHECK(mt == "gpt2", what, ": '", path, "' has model_type \"", mt,
+           "\"; only \"gpt2\" can be loaded (trainrun implements GPT-2)");
+
+  // Keys left out take transformers' GPT2Config defaults, as from_pretrained does.
+  auto get_int = [&](const char* key, int dflt) {
+    if (!c.contains(key) || c[key].is_null()) return dflt;
+    TR_CHECK(c[key].is_number_integer(), what, ": '", path, "': ", key, " is not an integer: ", c[key].dump());
+    return c[key].get<int>();
+  };
+  auto get_bool = [&](const char* key, bool dflt) {
+    if (!c.contains(key) || c[key].is_null()) return dflt;
+    TR_CHECK(c[key].is_boolean(), what, ": '", path, "': ", key, " is not true/false: ", c[key].dump());
+    return c[key].get<bool>();
+  };
+  auto unsupported = [&](const std::string& key, const std::string& have, const std::string& need) {
+    TR_FAIL(what, ": '", path, "' has ", key, " = ", have, "; trainrun's GPT-2 needs ", need,
+            ", so these weights would compute a different function");
+  };
+  GPT2Config cfg;
+  cfg.V = get_int("vocab_size", 50257);
+  cfg.T = get_int("n_positions", 1024);
+  cfg.C = get_int("n_embd", 768);
+  cfg.L = get_int("n_layer", 12);
+  cfg.NH = get_int("n_head", 12);
+  if (c.contains("initializer_range") && c["initializer_range"].is_number())
+    cfg.init_std = c["initializer_range"].get<double>();
+  TR_CHECK(cfg.V > 0 && cfg.T > 0 && cfg.C > 0 && cfg.L > 0 && cfg.NH > 0, what, ": '", path,
+           "': vocab_size, n_positions, n_embd, n_layer and n_head must be positive");
+  TR_CHECK(cfg.C % cfg.NH == 0, what, ": '", path, "': n_embd (", cfg.C, ") is not divisible by n_head (", cfg.NH,
+           ")");
+  const std::string act = c.contains("activation_function") && c["activation_function"].is_string()
+                              ? c["activation_function"].get<std::string>()
+                              : "gelu_new";
+  // All three are GELU's tanh approximation (gelu_fast rounds sqrt(2/pi) to
+  // 10 digits, far below fp32 resolution); "gelu" is the exact erf form.
+  if (act != "gelu_new" && act != "gelu_pytorch_tanh" && act != "gelu_fast")
+    unsupported("activation_function", "\"" + act + "\"", "\"gelu_new\" (GELU, tanh approximation)");
+  if (c.contains("layer_norm_epsilon") && !c["layer_norm_epsilon"].is_null()) {
+    const double eps = c["layer_norm_epsilon"].get<double>();
+    if (std::fabs(eps - 1e-5) > 1e-11) unsupported("layer_norm_epsilon", c["layer_norm_epsilon"].dump(), "1e-05");
+  }
+  const int inner = get_int("n_inner", 4 * cfg.C);
+  if (inner != 4 * cfg.C) unsupported("n_inner", std::to_string(inner), "null or 4 * n_embd = " + std::to_string(4 * cfg.C));
+  if (!get_bool("scale_attn_weights", true)) unsupported("scale_attn_weights", "false", "true");
+  if (get_bool("scale_attn_by_inverse_layer_idx", false)) unsupported("scale_attn_by_inverse_layer_idx", "true", "false");
+  if (get_bool("add_cross_attention", false)) unsupported("add_cross_attention", "true", "false");
+  if (!get_bool("tie_word_embeddings", true))
+    unsupported("tie_word_embeddings", "false", "true (the LM head is transformer.wte)");
+  return cfg;
+}
+
+GPT2Config load_hf_gpt2(const std::string& dir, std::vector<float>& flat, const std::string& what) {
+  const GPT2Config cfg = read_hf_gpt2_config(dir, what);
+  const fs::path d(dir);
+  // save_pretrained shards large models (over max_shard_size) behind an index.
+  std::vector<std::string> files;
+  if (fs::exists(d / "model.safetensors")) {
+    files.push_back((d / "model.safetensors").string());
+  } else if (fs::exists(d / "model.safetensors.index.json")) {
+    const std::string ipath = (d / "model.safetensors.index.json").string();
+    std::ifstream f(ipath);
+    json idx;
+    try {
+      idx = json::parse(f);
+    } catch (const std::exception& e) {
+      TR_FAIL(what, ": '", ipath, "' is not valid JSON (", e.what(), ")");
+    }
+    TR_CHECK(idx.contains("weight_map") && idx["weight_map"].is_object(), what, ": '", ipath, "' has no weight_map");
+    std::set<std::string> seen;
+    for (const auto& [k, v] : idx["weight_map"].items()) {
+      TR_CHECK(v.is_string(), what, ": '", ipath, "': weight_map['", k, "'] is not a file name");
+      if (seen.insert(v.get<std::string>()).second) files.push_back((d / v.get<std::string>()).string());
+    }
+  } else {
+    const bool bin = fs::exists(d / "pytorch_model.bin");
+    TR_FAIL(what, ": '", dir, "' has no model.safetensors",
+            bin ? " (only pytorch_model.bin, which trainrun does not read: re-save it with "
+                  "save_pretrained(dir, safe_serialization=True))"
+                : "; expected config.json + model.safetensors");
+  }
+
+  // Index every tensor by its name without the "transformer." prefix:
+  // GPT2LMHeadModel writes it, GPT2Model (and the original OpenAI-converted
+  // files) do not, and from_pretrained accepts both.
+  std::vector<SafeTensorFile> parts;
+  parts.reserve(files.size());
+  std::map<std::string, std::pair<const SafeTensor*, std::string>> by_name;
+  for (const auto& path : files) {
+    parts.push_back(read_safetensors(path));
+    for (const auto& t : parts.back().tensors) {
+      const std::string key = t.name.rfind("transformer.", 0) == 0 ? t.name.substr(12) : t.name;
+      TR_CHECK(!by_name.count(key), what, ": tensor '", t.name, "' appears twice (in '", by_name[key].second,
+               "' and '", path, "')");
+      by_name[key] = {&t, path};
+    }
+  }
+  auto as_f32 = [&](const SafeTensor& t, const std::string& path) {
+    try {
+      return t.as_f32();
+    } catch (const Error& e) {
+      TR_FAIL(what, ": '", path, "': tensor '", t.name, "': ", e.what());
+    }
+  };
+
+  const ParamLayout lay = make_gpt2_layout(cfg);
+  flat.assign(size_t(lay.total), 0.0f);
+  std::set<std::string> used;
+  for (const auto& t : lay.tensors) {
+    const std::string key = t.name.substr(12);  // every layout name starts with "transformer."
+    auto it = by_name.find(key);
+    TR_CHECK(it != by_name.end(), what, ": '", dir, "' has no tensor '", t.name,
+             "' (needed for the n_layer/n_embd/vocab_size in its config.json); the directory is incomplete or not a "
+             "GPT-2 model");
+    const auto& [st, path] = it->second;
+    const bool conv = is_conv1d(t.name);
+    const std::vector<int64_t> want = conv ? std::vector<int64_t>{t.shape[1], t.shape[0]} : t.shape;
+    TR_CHECK(st->shape == want, what, ": '", path, "': tensor '", st->name, "' has shape ", shape_str(st->shape),
+             " but config.json implies ", shape_str(want), conv ? " (Hugging Face Conv1D layout: in, out)" : "");
+    const std::vector<float> v = as_f32(*st, path);
+    if (conv)
+      transpose(v.data(), want[0], want[1], flat.data() + t.offset);
+    else
+      std::memcpy(flat.data() + t.offset, v.data(), v.size() * 4);
+    used.insert(key);
+  }
+  std::vector<std::string> ignored;
+  for (const auto& kv : by_name) {
+    const std::string& key = kv.first;
+    if (used.count(key)) continue;
+    const SafeTensor* st = kv.second.first;
+    const std::string& path = kv.second.second;
+    if (key == "lm_head.weight") {
+      // Our head is tied to wte: an lm_head that is a copy of it loads, a
+      // different one would silently change the model.
+      const ParamTensor& wte = lay.get("transformer.wte.weight");
+      const std::vector<float> v = as_f32(*st, path);
+      const bool same = st->shape == wte.shape &&
+                        std::memcmp(v.data(), flat.data() + wte.offset, size_t(wte.numel) * 4) == 0;
+      TR_CHECK(same, what, ": '", path, "': lm_head.weight differs from transformer.wte.weight; trainrun's LM head is "
+               "tied to the token embedding, so an untied head cannot be loaded");
+      continue;
+    }
+    // The causal-mask buffers older transformers versions saved with the weights.
+    auto ends = [&](const char* s) {
+      const size_t n = std::strlen(s);
+      return key.size() >= n && key.compare(key.size() - n, n, s) == 0;
+    };
+    if (ends(".attn.bias") || ends(".attn.masked_bias")) continue;
+    ignored.push_back(st->name);
+  }
+  if (!ignored.empty()) {
+    std::string list;
+    for (size_t i = 0; i < ignored.size() && i < 5; ++i) list += (i ? ", " : "") + ignored[i];
+    if (ignored.size() > 5) list += ", ...";
+    TR_LOG_WARN(what, ": '", dir, "': ignored ", ignored.size(), " tensor(s) that GPT-2's language model does not use: ",
+                list);
+  }
+  return cfg;
+}
+
+std::vector<float> load_init_from(const ModelSpec& m) {
+  const std::string what = "model.init_from";
+  const std::string& dir = m.init_from;
+  // The shape first, from config.json alone, before reading gigabytes.
+  const GPT2Config hf = read_hf_gpt2_config(dir, what);
+  auto same = [&](const char* field, int job, const char* key, int have) {
+    TR_CHECK(job == have, what, ": '", dir, "' holds a GPT-2 with ", key, " = ", have, " (config.json) but model.",
+             field, " is ", job, "; set model.", field, ": ", have,
+             " (the job's model.* must describe the weights it starts from)");
+  };
+  same("n_layer", m.n_layer, "n_layer", hf.L);
+  same("n_head", m.n_head, "n_head", hf.NH);
+  same("n_embd", m.n_embd, "n_embd", hf.C);
+  same("vocab_size", m.vocab_size, "vocab_size", hf.V);
+  TR_CHECK(m.seq_len <= hf.T, what, ": '", dir, "' holds a GPT-2 with n_positions = ", hf.T,
+           " (config.json) but model.seq_len is ", m.seq_len, "; set model.seq_len to at most ", hf.T,
+           " (its position table has no rows beyond that)");
+  std::vector<float> full;
+  const GPT2Config cfg = load_hf_gpt2(dir, full, what);
+  if (cfg.T == m.seq_len) return full;
+  // A shorter context: positions 0..seq_len-1 keep their rows of wpe.
+  GPT2Config shorter = cfg;
+  shorter.T = m.seq_len;
+  const ParamLayout from = make_gpt2_layout(cfg), to = make_gpt2_layout(shorter);
+  std::vector<float> flat(size_t(to.total));
+  for (const auto& t : to.tensors) {
+    const ParamTensor& s = from.get(t.name);
+    std::memcpy(flat.data() + t.offset, full.data() + s.offset, size_t(t.numel) * 4);  // wpe: the first T rows
+  }
+  return flat;
+}
+
+}  // namespace trainrun

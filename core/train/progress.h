@@ -1,0 +1,156 @@
+// What a person watching a run sees, and what the run leaves behind for
+// them: the live status line (or plain log lines), MFU, memory by category,
+// metrics.jsonl records, TensorBoard scalars, the end-of-run summary and plot.
+//
+// The trainer makes one RunReporter per worker and hands it each step's
+// figures; the reporter decides what to print and write. Rank 0 reports,
+// other ranks only keep their counters (TRAINRUN_LOG_ALL_RANKS=1 makes every
+// rank print, for debugging).
+//
+// Live vs plain: when rank 0's stderr is a terminal, one status line is
+// redrawn in place every step (step/total, loss, tokens/s, MFU, memory,
+// elapsed, ETA) and the log_interval lines scroll above it; otherwise
+// (Slurm logs, CI, a worker under the agent, whose output is a pipe) only
+// the plain lines are printed, with the same fields.
+// TRAINRUN_PROGRESS=live|plain|auto overrides the detection.
+//
+// Why hand-written: Debian packages no C or C++ progress-bar library (only
+// Go, Perl, Python and Ruby ones; `indicators` is not packaged), and the
+// whole mechanism is "\r", "erase line" and a width clip.
+#pragma once
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/config/job_spec.h"
+#include "core/model/gpt2.h"
+#include "core/train/planner.h"
+#include "kernels/backend.h"
+
+namespace trainrun {
+
+class MetricsWriter;
+class ParamStore;
+class TensorBoardWriter;
+
+// ---- peak FLOP/s (the MFU denominator) -------------------------------------------------
+
+struct PeakFlops {
+  double flops = 0;    // per device (per rank)
+  std::string source;  // "H100 SXM 80GB bf16 dense (datasheet)", "measured: fp32 sgemm 1024^3, 2 threads"
+};
+
+// Best FLOP/s of the backend's matmul_forward on n x n x n products (a few
+// repetitions after a warm-up). Allocates 3 n^2 buffers on `be`.
+double measure_matmul_flops(Backend& be, int n);
+
+// The peak a rank of this backend is measured against: the datasheet's
+// dense bf16 figure when the backend names a known GPU (A100/H100/H200),
+// else a measurement. The CPU backend's peak is OpenBLAS sgemm at the
+// current OpenMP thread count, measured once per process on a scratch CPU
+// backend (so the training backend's memory counters stay untouched) and
+// cached; ~0.1-0.3 s.
+PeakFlops device_peak_flops(Backend& be);
+
+// ---- memory -----------------------------------------------------------------------------
+
+// A rank's measured bytes: the categories of MemoryBreakdown (planner.h),
+// with `workspace` = the backend's peak minus the named categories
+// (inputs, scratch, pooled buffers beyond their live peak), so the
+// categories add up to `peak`.
+struct MemoryReport {
+  MemoryBreakdown by_category;
+  double peak = 0;         // backend peak_bytes()
+  double in_use = 0;       // backend bytes_in_use()
+};
+MemoryReport measure_memory(const Backend& be, const ParamStore& params, const GPT2& model);
+std::string describe_memory(const MemoryReport& m);  // "peak 45.1 MiB: params 1.2 MiB, grads ..."
+
+// ---- the reporter ---------------------------------------------------------------------------
+
+struct ProgressOptions {
+  enum class Mode { Auto, Live, Plain } mode = Mode::Auto;
+  bool all_ranks = false;    // every rank prints (debugging)
+  bool plot = true;          // draw plot.svg at the end (rank 0)
+  bool tensorboard = true;   // <output.dir>/tb event files (rank 0)
+  // TRAINRUN_PROGRESS=auto|live|plain, TRAINRUN_LOG_ALL_RANKS=1,
+  // TRAINRUN_PLOT=0, TRAINRUN_TENSORBOARD=0. Throws Error on other values.
+  static ProgressOptions from_env();
+};
+
+// One step's figures, as the trainer has them.
+struct StepReport {
+  int step = 0;                  // 1-based, the step just finished
+  double loss = 0, lr = 0, grad_norm = 0;
+  double step_seconds = 0;       // the training step (not eval)
+  double comm_wait_seconds = 0;  // of which waiting on collectives
+  double val_loss = -1;          // >= 0 when this step was evaluated
+  bool last = false;             // the last step this process runs (max_steps, or an early exit)
+};
+
+class RunReporter {
+ public:
+  struct Context {
+    const JobSpec* job = nullptr;
+    GPT2Config model;
+    Backend* backend = nullptr;
+    const ParamStore* params = nullptr;
+    const GPT2* gpt = nullptr;
+    int rank = 0, world = 1;
+    int64_t tokens_per_step = 0;
+    double entropy_floor = -1;          // the data's loss floor, when known
+    MetricsWriter* metrics = nullptr;   // rank 0's metrics.jsonl (the trainer owns it)
+    std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+  };
+  explicit RunReporter(const Context& ctx, const ProgressOptions& opt = ProgressOptions::from_env());
+  ~RunReporter();
+
+  // After every step on every rank. Prints the status line / log line and
+  // writes a metrics.jsonl record and TensorBoard scalars on the first step,
+  // every train.log_interval steps, the last step, and every evaluated step.
+  void on_step(const StepReport& r);
+  // Where the latest checkpoint went, for the summary.
+  void note_checkpoint(const std::string& path);
+  // End of the run (rank 0 prints): the one-screen summary, then plot.svg.
+  // Plotting problems are warnings: a run that trained is never failed by them.
+  void finish(const std::string& model_path);
+
+  // Figures for tests and the summary.
+  double peak_flops() const { return peak_.flops; }
+  const MemoryReport& memory() const { return mem_; }
+  double mean_tokens_per_sec() const;
+  double mfu(double tokens_per_sec) const;
+  bool live() const { return live_; }
+  // The status line as it would be drawn (no escapes, not clipped).
+  std::string status_line() const;
+
+ private:
+  bool printing() const { return ctx_.rank == 0 || opt_.all_ranks; }
+  void draw_status(bool force);
+  void clear_status();
+  void print_line(const std::string& line);
+  std::string elapsed_eta() const;
+
+  Context ctx_;
+  ProgressOptions opt_;
+  bool live_ = false;
+  PeakFlops peak_;
+  double flops_per_token_ = 0;
+  MemoryReport mem_;
+  std::unique_ptr<TensorBoardWriter> tb_;
+  std::string tb_dir_, plot_path_, last_checkpoint_;
+  // counters
+  int steps_done_ = 0, last_step_ = 0, first_step_ = 0;
+  double train_seconds_ = 0, window_seconds_ = 0, window_comm_ = 0;
+  int window_steps_ = 0;
+  double ema_step_seconds_ = 0;
+  double last_loss_ = 0, best_val_ = -1;
+  int best_val_step_ = 0;
+  std::chrono::steady_clock::time_point first_step_end_, last_draw_;
+  bool status_drawn_ = false;
+  int term_width_ = 0;
+};
+
+}  // namespace trainrun

@@ -1,0 +1,497 @@
+// Flash-style causal attention, forward and backward: see attention.cuh.
+//
+// Shared-memory tiles (row strides padded so WMMA's alignment rules hold and
+// rows fall in different banks):
+//   bf16 (64, HSP) tiles of q, k, v, dout     row stride LDH = HSP + 8
+//   fp32 (64, 64) scores S and dP             row stride LDS = 68
+//   bf16 (64, 64) probabilities P and dS      row stride LDP = 72
+//   fp32 (64, HSP) output accumulator / staging for the final store, LDO = HSP + 4
+// HSP = 16 * D16 is the head size padded with zeros to the WMMA k-step.
+//
+// Row ownership: warp w owns rows [16w, 16w+16) of every (64, *) tile it
+// computes; within the warp, lane l handles row 16w + l/2, columns
+// [32*(l%2), 32*(l%2) + 32) of S (and the matching half of an O row). So the
+// softmax bookkeeping needs only __syncwarp(); __syncthreads() is needed only
+// where a tile loaded or written by all warps is read by others.
+#include <mma.h>
+
+#include <algorithm>
+#include <type_traits>
+
+#include "kernels/cuda/attention.cuh"
+
+namespace trainrun::cuda {
+
+namespace {
+
+using namespace nvcuda;
+
+constexpr int kTile = 64;     // queries and keys per tile
+constexpr int kWarps = 4;
+constexpr int kThreads = 32 * kWarps;
+constexpr int LDS = kTile + 4;
+constexpr int LDP = kTile + 8;
+
+using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major>;
+using FragAT = wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::col_major>;  // a transposed view
+using FragB = wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major>;
+using FragBT = wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major>;  // b = X^T of a row-major X
+using FragC = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
+
+template <int D16>
+struct Dims {
+  static constexpr int HSP = 16 * D16;
+  static constexpr int LDH = HSP + 8;
+  static constexpr int LDO = HSP + 4;
+  static constexpr size_t tile_h = size_t(kTile) * LDH * sizeof(bf16);   // one (64, HSP) bf16 tile
+  static constexpr size_t tile_s = size_t(kTile) * LDS * sizeof(float);  // one (64, 64) fp32 tile
+  static constexpr size_t tile_p = size_t(kTile) * LDP * sizeof(bf16);   // one (64, 64) bf16 tile
+  static constexpr size_t tile_o = size_t(kTile) * LDO * sizeof(float);  // one (64, HSP) fp32 tile
+  // forward: q k v | S | P | O
+  static constexpr size_t fwd_smem = 3 * tile_h + tile_s + tile_p + tile_o;
+  // backward dq: q dout k v | S dP (also the dq staging, 64 x LDO <= 2 x 64 x LDS) | dS | lse D
+  static constexpr size_t dq_smem = 4 * tile_h + 2 * tile_s + tile_p + 2 * kTile * sizeof(float);
+  // backward dk dv: k v q dout | S dP (staging) | P dS | lse D
+  static constexpr size_t dkv_smem = 4 * tile_h + 2 * tile_s + 2 * tile_p + 2 * kTile * sizeof(float);
+  static_assert(size_t(kTile) * LDO <= size_t(2) * kTile * LDS, "staging must fit in S|dP");
+  static_assert(tile_h % 128 == 0 && tile_s % 128 == 0 && tile_p % 128 == 0 && tile_o % 128 == 0,
+                "tile regions keep 128-byte alignment");
+};
+
+// Copies rows [row0, row0+64) x columns [0, HS) of a row-major matrix with
+// row stride `ld` (elements) into a (64, HSP) shared tile, zero-filling rows
+// >= T and columns >= HS. VEC: src, ld and HS allow 16-byte loads.
+template <int D16, bool VEC>
+__device__ __forceinline__ void load_tile(bf16* dst, const bf16* src, int64_t ld, int row0, int T, int HS) {
+  constexpr int HSP = Dims<D16>::HSP, LDH = Dims<D16>::LDH, CH = HSP / 8;  // 16-byte chunks per row
+  for (int i = threadIdx.x; i < kTile * CH; i += kThreads) {
+    const int r = i / CH, c = (i % CH) * 8;
+    const int row = row0 + r;
+    Pack16<bf16> p;
+    if (VEC && row < T && c + 8 <= HS) {
+      p = Pack16<bf16>::load(src + int64_t(row) * ld + c);
+    } else {
+#pragma unroll
+      for (int k = 0; k < 8; ++k)
+        p.v[k] = (row < T && c + k < HS) ? src[int64_t(row) * ld + c + k] : from_float<bf16>(0.0f);
+    }
+    p.store(dst + r * LDH + c);
+  }
+}
+
+// Writes a (64, HSP) fp32 staging tile (row stride LDO), times `scale`, as
+// bf16 into rows [row0, row0+64) x [0, HS) of a row-major matrix (stride ld).
+template <int D16>
+__device__ __forceinline__ void store_tile(bf16* dst, int64_t ld, const float* src, int row0, int T, int HS,
+                                           float scale) {
+  constexpr int HSP = Dims<D16>::HSP, LDO = Dims<D16>::LDO;
+  for (int i = threadIdx.x; i < kTile * HSP; i += kThreads) {
+    const int r = i / HSP, c = i % HSP;
+    const int row = row0 + r;
+    if (row < T && c < HS) dst[int64_t(row) * ld + c] = from_float<bf16>(src[r * LDO + c] * scale);
+  }
+}
+
+// Carves the dynamic shared memory in declaration order.
+struct Carver {
+  unsigned char* p;
+  template <typename T>
+  T* take(size_t bytes) {
+    T* r = reinterpret_cast<T*>(p);
+    p += bytes;
+    return r;
+  }
+};
+
+// S(16 rows of warp w, 64) = X(rows) . Y^T, X and Y (64, HSP) bf16 tiles.
+template <int D16>
+__device__ __forceinline__ void warp_xyt(float* S, const bf16* X, const bf16* Y, int w) {
+  constexpr int LDH = Dims<D16>::LDH;
+#pragma unroll
+  for (int j = 0; j < kTile / 16; ++j) {
+    FragC acc;
+    wmma::fill_fragment(acc, 0.0f);
+#pragma unroll
+    for (int kk = 0; kk < D16; ++kk) {
+      FragA a;
+      FragBT b;
+      wmma::load_matrix_sync(a, X + (16 * w) * LDH + 16 * kk, LDH);
+      wmma::load_matrix_sync(b, Y + (16 * j) * LDH + 16 * kk, LDH);
+      wmma::mma_sync(acc, a, b, acc);
+    }
+    wmma::store_matrix_sync(S + (16 * w) * LDS + 16 * j, acc, LDS, wmma::mem_row_major);
+  }
+}
+
+// ---- forward --------------------------------------------------------------------------
+
+template <int D16, bool VEC>
+__global__ void __launch_bounds__(kThreads) attention_forward_kernel(bf16* out, float* lse, const bf16* qkv, int T,
+                                                                     int C, int NH, int HS, float scale) {
+  using D = Dims<D16>;
+  constexpr int HSP = D::HSP, LDH = D::LDH, LDO = D::LDO;
+  extern __shared__ __align__(128) unsigned char smem[];
+  Carver cv{smem};
+  bf16* sQ = cv.take<bf16>(D::tile_h);
+  bf16* sK = cv.take<bf16>(D::tile_h);
+  bf16* sV = cv.take<bf16>(D::tile_h);
+  float* sS = cv.take<float>(D::tile_s);
+  bf16* sP = cv.take<bf16>(D::tile_p);
+  float* sO = cv.take<float>(D::tile_o);
+
+  const int qt = gridDim.x - 1 - blockIdx.x;  // the longest rows first
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int q0 = qt * kTile;
+  const int64_t ld = 3 * int64_t(C);
+  const bf16* base = qkv + int64_t(b) * T * ld;
+  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int r = 16 * w + (lane >> 1), half = lane & 1;
+  const int qi = q0 + r;
+
+  load_tile<D16, VEC>(sQ, base + h * HS, ld, q0, T, HS);
+  for (int i = threadIdx.x; i < kTile * LDO; i += kThreads) sO[i] = 0.0f;
+  float m_i = -INFINITY, l_i = 0.0f;
+
+  for (int kt = 0; kt <= qt; ++kt) {
+    const int k0 = kt * kTile;
+    __syncthreads();  // everyone is done with the previous K/V tiles
+    load_tile<D16, VEC>(sK, base + C + h * HS, ld, k0, T, HS);
+    load_tile<D16, VEC>(sV, base + 2 * C + h * HS, ld, k0, T, HS);
+    __syncthreads();
+    warp_xyt<D16>(sS, sQ, sK, w);
+    __syncwarp();
+    // Online softmax on this lane's half row.
+    float* srow = sS + r * LDS + 32 * half;
+    float mx = -INFINITY;
+#pragma unroll 8
+    for (int c = 0; c < 32; ++c) {
+      const int kj = k0 + 32 * half + c;
+      const float s = kj <= qi ? srow[c] * scale : -INFINITY;
+      srow[c] = s;
+      mx = fmaxf(mx, s);
+    }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    const float m_new = fmaxf(m_i, mx);  // finite: key 0 is visible to every row
+    const float alpha = __expf(m_i - m_new);
+    float sum = 0.0f;
+    bf16* prow = sP + r * LDP + 32 * half;
+#pragma unroll 8
+    for (int c = 0; c < 32; ++c) {
+      const float p = __expf(srow[c] - m_new);
+      prow[c] = from_float<bf16>(p);
+      sum += p;
+    }
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    l_i = l_i * alpha + sum;
+    m_i = m_new;
+    float* orow = sO + r * LDO + (HSP / 2) * half;
+    for (int c = 0; c < HSP / 2; ++c) orow[c] *= alpha;
+    __syncwarp();
+    // O(warp rows) += P(warp rows, 64) . V(64, HSP)
+#pragma unroll
+    for (int j = 0; j < D16; ++j) {
+      FragC acc;
+      wmma::load_matrix_sync(acc, sO + (16 * w) * LDO + 16 * j, LDO, wmma::mem_row_major);
+#pragma unroll
+      for (int kk = 0; kk < kTile / 16; ++kk) {
+        FragA a;
+        FragB bv;
+        wmma::load_matrix_sync(a, sP + (16 * w) * LDP + 16 * kk, LDP);
+        wmma::load_matrix_sync(bv, sV + (16 * kk) * LDH + 16 * j, LDH);
+        wmma::mma_sync(acc, a, bv, acc);
+      }
+      wmma::store_matrix_sync(sO + (16 * w) * LDO + 16 * j, acc, LDO, wmma::mem_row_major);
+    }
+    __syncwarp();
+  }
+  // Normalise this lane's half row, then store the tile cooperatively.
+  const float inv = 1.0f / l_i;
+  float* orow = sO + r * LDO + (HSP / 2) * half;
+  for (int c = 0; c < HSP / 2; ++c) orow[c] *= inv;
+  if (half == 0 && qi < T) lse[(int64_t(b) * NH + h) * T + qi] = m_i + logf(l_i);
+  __syncthreads();
+  store_tile<D16>(out + int64_t(b) * T * C + h * HS, C, sO, q0, T, HS, 1.0f);
+}
+
+// ---- backward ---------------------------------------------------------------------------
+
+// D[b,h,t] = sum_c dout[b,t,h*HS+c] * out[b,t,h*HS+c]; one warp per (b,t,h).
+__global__ void attention_backward_d_kernel(float* Dv, const bf16* dout, const bf16* out, int B, int T, int C, int NH,
+                                            int HS) {
+  const int lane = threadIdx.x & 31;
+  const int64_t nrows = int64_t(B) * T * NH;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
+  for (int64_t i = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); i < nrows; i += warps) {
+    const int h = int(i % NH);
+    const int64_t bt = i / NH;
+    const int b = int(bt / T), t = int(bt % T);
+    const int64_t off = bt * C + int64_t(h) * HS;
+    float acc = 0.0f;
+    for (int c = lane; c < HS; c += 32) acc += to_float(dout[off + c]) * to_float(out[off + c]);
+    acc = warp_sum(acc);
+    if (lane == 0) Dv[(int64_t(b) * NH + h) * T + t] = acc;
+  }
+}
+
+// Fills P (or only uses it) and dS for this lane's half row from S and dP:
+// p = exp(S*scale - lse) on the causal/valid entries, ds = p (dP - D) * scale.
+__device__ __forceinline__ void probs_and_dscores(const float* srow, const float* dprow, bf16* prow, bf16* dsrow,
+                                                  int qi, int kbase, int T, float lse_i, float d_i, float scale) {
+#pragma unroll 8
+  for (int c = 0; c < 32; ++c) {
+    const int kj = kbase + c;
+    const float p = (qi < T && kj <= qi) ? __expf(srow[c] * scale - lse_i) : 0.0f;
+    if (prow) prow[c] = from_float<bf16>(p);
+    dsrow[c] = from_float<bf16>(p * (dprow[c] - d_i) * scale);
+  }
+}
+
+// dq for one query tile: loops over key tiles 0..qt. dq accumulates in
+// registers (D16 fragments per warp).
+template <int D16, bool VEC>
+__global__ void __launch_bounds__(kThreads) attention_backward_dq_kernel(bf16* dqkv, const bf16* dout, const bf16* qkv,
+                                                                         const float* lse, const float* Dv, int T,
+                                                                         int C, int NH, int HS, float scale) {
+  using D = Dims<D16>;
+  constexpr int LDH = D::LDH, LDO = D::LDO;
+  extern __shared__ __align__(128) unsigned char smem[];
+  Carver cv{smem};
+  bf16* sQ = cv.take<bf16>(D::tile_h);
+  bf16* sdO = cv.take<bf16>(D::tile_h);
+  bf16* sK = cv.take<bf16>(D::tile_h);
+  bf16* sV = cv.take<bf16>(D::tile_h);
+  float* sS = cv.take<float>(D::tile_s);
+  float* sdP = cv.take<float>(D::tile_s);
+  bf16* sdS = cv.take<bf16>(D::tile_p);
+  float* sL = cv.take<float>(kTile * sizeof(float));
+  float* sD = cv.take<float>(kTile * sizeof(float));
+
+  const int qt = gridDim.x - 1 - blockIdx.x;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int q0 = qt * kTile;
+  const int64_t ld = 3 * int64_t(C);
+  const bf16* base = qkv + int64_t(b) * T * ld;
+  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int r = 16 * w + (lane >> 1), half = lane & 1;
+  const int qi = q0 + r;
+  const int64_t stat = (int64_t(b) * NH + h) * T;
+
+  load_tile<D16, VEC>(sQ, base + h * HS, ld, q0, T, HS);
+  load_tile<D16, VEC>(sdO, dout + int64_t(b) * T * C + h * HS, C, q0, T, HS);
+  for (int i = threadIdx.x; i < kTile; i += kThreads) {
+    sL[i] = q0 + i < T ? lse[stat + q0 + i] : 0.0f;
+    sD[i] = q0 + i < T ? Dv[stat + q0 + i] : 0.0f;
+  }
+  FragC dq[D16];
+#pragma unroll
+  for (int j = 0; j < D16; ++j) wmma::fill_fragment(dq[j], 0.0f);
+
+  for (int kt = 0; kt <= qt; ++kt) {
+    const int k0 = kt * kTile;
+    __syncthreads();
+    load_tile<D16, VEC>(sK, base + C + h * HS, ld, k0, T, HS);
+    load_tile<D16, VEC>(sV, base + 2 * C + h * HS, ld, k0, T, HS);
+    __syncthreads();
+    warp_xyt<D16>(sS, sQ, sK, w);    // S = q k^T
+    warp_xyt<D16>(sdP, sdO, sV, w);  // dP = dout v^T
+    __syncwarp();
+    probs_and_dscores(sS + r * LDS + 32 * half, sdP + r * LDS + 32 * half, nullptr, sdS + r * LDP + 32 * half, qi,
+                      k0 + 32 * half, T, sL[r], sD[r], scale);
+    __syncwarp();
+    // dq(warp rows) += dS(warp rows, 64) . K(64, HSP)
+#pragma unroll
+    for (int kk = 0; kk < kTile / 16; ++kk) {
+      FragA a;
+      wmma::load_matrix_sync(a, sdS + (16 * w) * LDP + 16 * kk, LDP);
+#pragma unroll
+      for (int j = 0; j < D16; ++j) {
+        FragB bk;
+        wmma::load_matrix_sync(bk, sK + (16 * kk) * LDH + 16 * j, LDH);
+        wmma::mma_sync(dq[j], a, bk, dq[j]);
+      }
+    }
+  }
+  __syncthreads();  // S|dP becomes the staging tile
+  float* stage = sS;
+#pragma unroll
+  for (int j = 0; j < D16; ++j)
+    wmma::store_matrix_sync(stage + (16 * w) * LDO + 16 * j, dq[j], LDO, wmma::mem_row_major);
+  __syncthreads();
+  store_tile<D16>(dqkv + int64_t(b) * T * ld + h * HS, ld, stage, q0, T, HS, 1.0f);
+}
+
+// dk, dv for one key tile: loops over query tiles kt..last. The accumulators
+// for the warp's 16 key rows live in registers.
+template <int D16, bool VEC>
+__global__ void __launch_bounds__(kThreads) attention_backward_dkdv_kernel(bf16* dqkv, const bf16* dout,
+                                                                           const bf16* qkv, const float* lse,
+                                                                           const float* Dv, int T, int C, int NH,
+                                                                           int HS, float scale) {
+  using D = Dims<D16>;
+  constexpr int LDH = D::LDH, LDO = D::LDO;
+  extern __shared__ __align__(128) unsigned char smem[];
+  Carver cv{smem};
+  bf16* sK = cv.take<bf16>(D::tile_h);
+  bf16* sV = cv.take<bf16>(D::tile_h);
+  bf16* sQ = cv.take<bf16>(D::tile_h);
+  bf16* sdO = cv.take<bf16>(D::tile_h);
+  float* sS = cv.take<float>(D::tile_s);
+  float* sdP = cv.take<float>(D::tile_s);
+  bf16* sP = cv.take<bf16>(D::tile_p);
+  bf16* sdS = cv.take<bf16>(D::tile_p);
+  float* sL = cv.take<float>(kTile * sizeof(float));
+  float* sD = cv.take<float>(kTile * sizeof(float));
+
+  const int ntiles = gridDim.x;
+  const int kt = blockIdx.x;  // key tile; the first ones have the most work
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int k0 = kt * kTile;
+  const int64_t ld = 3 * int64_t(C);
+  const bf16* base = qkv + int64_t(b) * T * ld;
+  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int r = 16 * w + (lane >> 1), half = lane & 1;
+  const int64_t stat = (int64_t(b) * NH + h) * T;
+
+  load_tile<D16, VEC>(sK, base + C + h * HS, ld, k0, T, HS);
+  load_tile<D16, VEC>(sV, base + 2 * C + h * HS, ld, k0, T, HS);
+  FragC dk[D16], dv[D16];
+#pragma unroll
+  for (int j = 0; j < D16; ++j) {
+    wmma::fill_fragment(dk[j], 0.0f);
+    wmma::fill_fragment(dv[j], 0.0f);
+  }
+
+  for (int qt = kt; qt < ntiles; ++qt) {
+    const int q0 = qt * kTile;
+    const int qi = q0 + r;
+    __syncthreads();  // everyone is done with the previous Q/dO/P/dS tiles
+    load_tile<D16, VEC>(sQ, base + h * HS, ld, q0, T, HS);
+    load_tile<D16, VEC>(sdO, dout + int64_t(b) * T * C + h * HS, C, q0, T, HS);
+    for (int i = threadIdx.x; i < kTile; i += kThreads) {
+      sL[i] = q0 + i < T ? lse[stat + q0 + i] : 0.0f;
+      sD[i] = q0 + i < T ? Dv[stat + q0 + i] : 0.0f;
+    }
+    __syncthreads();
+    warp_xyt<D16>(sS, sQ, sK, w);    // S(q rows of warp, keys)
+    warp_xyt<D16>(sdP, sdO, sV, w);  // dP
+    __syncwarp();
+    probs_and_dscores(sS + r * LDS + 32 * half, sdP + r * LDS + 32 * half, sP + r * LDP + 32 * half,
+                      sdS + r * LDP + 32 * half, qi, k0 + 32 * half, T, sL[r], sD[r], scale);
+    __syncthreads();  // dv/dk of the warp's key rows read every query row of P and dS
+    // dv(key rows of warp) += P^T(keys, queries) . dout(queries, HSP)
+    // dk(key rows of warp) += dS^T . q
+#pragma unroll
+    for (int kk = 0; kk < kTile / 16; ++kk) {
+      FragAT pt, dst;
+      wmma::load_matrix_sync(pt, sP + (16 * kk) * LDP + 16 * w, LDP);
+      wmma::load_matrix_sync(dst, sdS + (16 * kk) * LDP + 16 * w, LDP);
+#pragma unroll
+      for (int j = 0; j < D16; ++j) {
+        FragB bo, bq;
+        wmma::load_matrix_sync(bo, sdO + (16 * kk) * LDH + 16 * j, LDH);
+        wmma::mma_sync(dv[j], pt, bo, dv[j]);
+        wmma::load_matrix_sync(bq, sQ + (16 * kk) * LDH + 16 * j, LDH);
+        wmma::mma_sync(dk[j], dst, bq, dk[j]);
+      }
+    }
+  }
+  __syncthreads();
+  float* stage = sS;
+#pragma unroll
+  for (int j = 0; j < D16; ++j)
+    wmma::store_matrix_sync(stage + (16 * w) * LDO + 16 * j, dk[j], LDO, wmma::mem_row_major);
+  __syncthreads();
+  store_tile<D16>(dqkv + int64_t(b) * T * ld + C + h * HS, ld, stage, k0, T, HS, 1.0f);
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < D16; ++j)
+    wmma::store_matrix_sync(stage + (16 * w) * LDO + 16 * j, dv[j], LDO, wmma::mem_row_major);
+  __syncthreads();
+  store_tile<D16>(dqkv + int64_t(b) * T * ld + 2 * C + h * HS, ld, stage, k0, T, HS, 1.0f);
+}
+
+// ---- dispatch ---------------------------------------------------------------------------
+
+// Maps the runtime head size to the padded compile-time size (in 16s):
+// 1, 2, 4, 6 or 8, i.e. HS <= 16, 32, 64, 96, 128.
+template <typename F>
+void dispatch_head_size(int HS, const char* what, F&& f) {
+  if (HS <= 16) f(std::integral_constant<int, 1>{});
+  else if (HS <= 32) f(std::integral_constant<int, 2>{});
+  else if (HS <= 64) f(std::integral_constant<int, 4>{});
+  else if (HS <= 96) f(std::integral_constant<int, 6>{});
+  else if (HS <= kAttnMaxHeadSize) f(std::integral_constant<int, 8>{});
+  else
+    TR_FAIL(what, ": head size ", HS, " (n_embd / n_head) is larger than the supported ", kAttnMaxHeadSize,
+            "; use more heads");
+}
+
+template <typename Kernel>
+void set_smem(Kernel k, size_t bytes) {
+  TR_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+}
+
+}  // namespace
+
+size_t attention_saved_floats(int B, int T, int NH) { return size_t(B) * NH * T; }
+
+size_t attention_backward_scratch_bytes(int B, int T, int NH) { return size_t(B) * NH * T * sizeof(float); }
+
+void attention_forward(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int NH, cudaStream_t stream) {
+  if (B <= 0 || T <= 0) return;
+  TR_CHECK(NH > 0 && C % NH == 0, "attention_forward: C=", C, " is not divisible by NH=", NH);
+  const int HS = C / NH;
+  const float scale = 1.0f / sqrtf(float(HS));
+  const bool vec = aligned16(qkv) && C % 8 == 0 && HS % 8 == 0;
+  dim3 grid((T + kTile - 1) / kTile, NH, B);
+  dispatch_head_size(HS, "attention_forward", [&](auto d16) {
+    constexpr int D16 = decltype(d16)::value;
+    const size_t smem = Dims<D16>::fwd_smem;
+    if (vec) {
+      set_smem(attention_forward_kernel<D16, true>, smem);
+      attention_forward_kernel<D16, true><<<grid, kThreads, smem, stream>>>(out, lse, qkv, T, C, NH, HS, scale);
+    } else {
+      set_smem(attention_forward_kernel<D16, false>, smem);
+      attention_forward_kernel<D16, false><<<grid, kThreads, smem, stream>>>(out, lse, qkv, T, C, NH, HS, scale);
+    }
+  });
+  TR_CUDA_LAUNCH_CHECK("attention_forward");
+}
+
+void attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse,
+                        float* scratch, int B, int T, int C, int NH, cudaStream_t stream) {
+  if (B <= 0 || T <= 0) return;
+  TR_CHECK(NH > 0 && C % NH == 0, "attention_backward: C=", C, " is not divisible by NH=", NH);
+  const int HS = C / NH;
+  const float scale = 1.0f / sqrtf(float(HS));
+  float* Dv = scratch;
+  const int64_t rows = int64_t(B) * T * NH;
+  attention_backward_d_kernel<<<grid_for(rows, 8, 8192), 256, 0, stream>>>(Dv, dout, out, B, T, C, NH, HS);
+  TR_CUDA_LAUNCH_CHECK("attention_backward_d");
+  const bool vec = aligned16(qkv) && aligned16(dout) && C % 8 == 0 && HS % 8 == 0;
+  dim3 grid((T + kTile - 1) / kTile, NH, B);
+  dispatch_head_size(HS, "attention_backward", [&](auto d16) {
+    constexpr int D16 = decltype(d16)::value;
+    const size_t s_dq = Dims<D16>::dq_smem, s_dkv = Dims<D16>::dkv_smem;
+    if (vec) {
+      set_smem(attention_backward_dkdv_kernel<D16, true>, s_dkv);
+      attention_backward_dkdv_kernel<D16, true>
+          <<<grid, kThreads, s_dkv, stream>>>(dqkv, dout, qkv, lse, Dv, T, C, NH, HS, scale);
+      TR_CUDA_LAUNCH_CHECK("attention_backward_dkdv");
+      set_smem(attention_backward_dq_kernel<D16, true>, s_dq);
+      attention_backward_dq_kernel<D16, true>
+          <<<grid, kThreads, s_dq, stream>>>(dqkv, dout, qkv, lse, Dv, T, C, NH, HS, scale);
+    } else {
+      set_smem(attention_backward_dkdv_kernel<D16, false>, s_dkv);
+      attention_backward_dkdv_kernel<D16, false>
+          <<<grid, kThreads, s_dkv, stream>>>(dqkv, dout, qkv, lse, Dv, T, C, NH, HS, scale);
+      TR_CUDA_LAUNCH_CHECK("attention_backward_dkdv");
+      set_smem(attention_backward_dq_kernel<D16, false>, s_dq);
+      attention_backward_dq_kernel<D16, false>
+          <<<grid, kThreads, s_dq, stream>>>(dqkv, dout, qkv, lse, Dv, T, C, NH, HS, scale);
+    }
+  });
+  TR_CUDA_LAUNCH_CHECK("attention_backward_dq");
+}
+
+}  // namespace trainrun::cuda

@@ -1,0 +1,251 @@
+// The CUDA backend: memory, streams, and the dispatch of every Backend op to
+// its launcher (one file per op in kernels/cuda/*.cu).
+#include "kernels/cuda/cuda_backend.h"
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+
+#include "core/common/error.h"
+#include "kernels/cuda/adamw.cuh"
+#include "kernels/cuda/attention.cuh"
+#include "kernels/cuda/cast.cuh"
+#include "kernels/cuda/cuda_common.cuh"
+#include "kernels/cuda/elementwise.cuh"
+#include "kernels/cuda/encoder.cuh"
+#include "kernels/cuda/gelu.cuh"
+#include "kernels/cuda/layernorm.cuh"
+#include "kernels/cuda/matmul.cuh"
+#include "kernels/cuda/softmax_cross_entropy.cuh"
+#include "kernels/cuda/sum_squares.cuh"
+
+namespace trainrun::cuda {
+
+namespace {
+inline bf16* H(void* p) { return static_cast<bf16*>(p); }
+inline const bf16* H(const void* p) { return static_cast<const bf16*>(p); }
+
+bool env_flag(const char* name) {
+  const char* v = std::getenv(name);
+  return v && *v && std::strcmp(v, "0") != 0;
+}
+}  // namespace
+
+CudaBackend::CudaBackend(int device) : device_(device) {
+  TR_CUDA_CHECK(cudaSetDevice(device));
+  cudaDeviceProp prop{};
+  TR_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  TR_CHECK(prop.major >= 8, "cuda:", device, ": ", prop.name, " is sm_", prop.major, prop.minor,
+           "; the CUDA backend needs sm_80 or newer (A100, H100, H200); use backend: cpu");
+  num_sms_ = prop.multiProcessorCount;
+  bgrad_epilogue_ = env_flag("TRAINRUN_CUDA_GEMM_BGRAD");
+  TR_CUDA_CHECK(cudaStreamCreateWithFlags(&compute_, cudaStreamNonBlocking));
+  TR_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_, cudaStreamNonBlocking));
+  alloc_ = std::make_unique<DeviceAllocator>(device);
+  gemm_ = std::make_unique<Gemm>(device);
+}
+
+CudaBackend::~CudaBackend() {
+  // Best effort; destructors must not throw (the device may be in an error state).
+  int cur = -1;
+  if (cudaGetDevice(&cur) == cudaSuccess && cur != device_) cudaSetDevice(device_);
+  if (compute_) cudaStreamSynchronize(compute_);
+  if (comm_) cudaStreamSynchronize(comm_);
+  gemm_.reset();
+  alloc_.reset();
+  if (comm_) cudaStreamDestroy(comm_);
+  if (compute_) cudaStreamDestroy(compute_);
+}
+
+void CudaBackend::make_current() const {
+  int cur = -1;
+  TR_CUDA_CHECK(cudaGetDevice(&cur));
+  if (cur != device_) TR_CUDA_CHECK(cudaSetDevice(device_));
+}
+
+// ---- memory --------------------------------------------------------------------------
+
+void* CudaBackend::alloc(size_t bytes) {
+  make_current();
+  void* p = alloc_->allocate(bytes);
+  TR_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, compute_));  // the contract: zero-initialised
+  return p;
+}
+
+void CudaBackend::free(void* p) { alloc_->release(p); }
+
+void CudaBackend::copy_to_device(void* dst, const void* src, size_t bytes) {
+  if (!bytes) return;
+  make_current();
+  // From pageable memory the driver has staged the bytes when the call
+  // returns, so the caller may reuse `src`; from pinned memory it has not.
+  TR_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, compute_));
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, src) != cudaSuccess) {
+    cudaGetLastError();  // an unknown pointer is plain pageable memory: not an error to keep
+  } else if (attr.type == cudaMemoryTypeHost) {
+    TR_CUDA_CHECK(cudaStreamSynchronize(compute_));
+  }
+}
+
+void CudaBackend::copy_to_host(void* dst, const void* src, size_t bytes) {
+  if (!bytes) return;
+  make_current();
+  TR_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, compute_));
+  TR_CUDA_CHECK(cudaStreamSynchronize(compute_));  // the caller reads dst next
+}
+
+void CudaBackend::copy_device(void* dst, const void* src, size_t bytes) {
+  if (!bytes || dst == src) return;
+  make_current();
+  TR_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, compute_));
+}
+
+void CudaBackend::zero(void* p, size_t bytes) {
+  if (!bytes) return;
+  make_current();
+  TR_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, compute_));
+}
+
+void CudaBackend::synchronize() {
+  make_current();
+  TR_CUDA_CHECK(cudaStreamSynchronize(compute_));
+  TR_CUDA_CHECK(cudaStreamSynchronize(comm_));
+}
+
+// ---- ops --------------------------------------------------------------------------------
+
+void CudaBackend::cast_from_f32(void* dst, const float* src, int64_t n) {
+  make_current();
+  cast_f32_to_bf16(H(dst), src, n, compute_);
+}
+
+void CudaBackend::cast_to_f32(float* dst, const void* src, int64_t n) {
+  make_current();
+  cast_bf16_to_f32(dst, H(src), n, compute_);
+}
+
+void CudaBackend::encoder_forward(void* out, const int32_t* tokens, const void* wte, const void* wpe, int B, int T,
+                                  int C) {
+  make_current();
+  cuda::encoder_forward(H(out), tokens, H(wte), H(wpe), B, T, C, compute_);
+}
+
+void CudaBackend::encoder_backward(float* dwte, float* dwpe, const void* dout, const int32_t* tokens, int B, int T,
+                                   int C) {
+  make_current();
+  Scratch s(*alloc_, encoder_backward_scratch_bytes(B * T));
+  cuda::encoder_backward(dwte, dwpe, H(dout), tokens, B, T, C, s.as<void>(), s.bytes(), compute_);
+}
+
+void CudaBackend::layernorm_forward(void* out, float* mean, float* rstd, const void* inp, const void* weight,
+                                    const void* bias, int N, int C) {
+  make_current();
+  cuda::layernorm_forward(H(out), mean, rstd, H(inp), H(weight), H(bias), N, C, compute_);
+}
+
+void CudaBackend::layernorm_backward(void* dinp, float* dweight, float* dbias, const void* dout, const void* inp,
+                                     const void* weight, const float* mean, const float* rstd, int N, int C) {
+  make_current();
+  Scratch s(*alloc_, layernorm_backward_scratch_bytes(N, C, num_sms_));
+  cuda::layernorm_backward(H(dinp), dweight, dbias, H(dout), H(inp), H(weight), mean, rstd, N, C, s.as<float>(),
+                           num_sms_, compute_);
+}
+
+void CudaBackend::matmul_forward(void* out, const void* inp, const void* weight, const void* bias, int N, int C,
+                                 int OC) {
+  make_current();
+  cuda::matmul_forward(*gemm_, H(out), H(inp), H(weight), H(bias), N, C, OC, compute_);
+}
+
+void CudaBackend::matmul_backward(void* dinp, float* dweight, float* dbias, const void* dout, const void* inp,
+                                  const void* weight, int N, int C, int OC) {
+  make_current();
+  Scratch s(*alloc_, dbias ? matmul_backward_scratch_bytes(N, OC) : 0);
+  cuda::matmul_backward(*gemm_, H(dinp), dweight, dbias, H(dout), H(inp), H(weight), N, C, OC, bgrad_epilogue_,
+                        s.as<float>(), compute_);
+}
+
+size_t CudaBackend::attention_saved_floats(int B, int T, int NH) const {
+  return cuda::attention_saved_floats(B, T, NH);
+}
+
+void CudaBackend::attention_forward(void* out, float* saved, const void* qkv, int B, int T, int C, int NH) {
+  make_current();
+  {
+    std::lock_guard<std::mutex> lk(attn_mu_);
+    attn_out_[saved] = out;
+  }
+  cuda::attention_forward(H(out), saved, H(qkv), B, T, C, NH, compute_);
+}
+
+void CudaBackend::attention_backward(void* dqkv, const void* dout, const void* qkv, const float* saved, int B, int T,
+                                     int C, int NH) {
+  make_current();
+  const void* out = nullptr;
+  {
+    std::lock_guard<std::mutex> lk(attn_mu_);
+    auto it = attn_out_.find(saved);
+    TR_CHECK(it != attn_out_.end(), "cuda attention_backward: the saved state at ", static_cast<const void*>(saved),
+             " was not filled by attention_forward on this backend (run the forward first)");
+    out = it->second;
+  }
+  Scratch s(*alloc_, attention_backward_scratch_bytes(B, T, NH));
+  cuda::attention_backward(H(dqkv), H(dout), H(qkv), H(out), saved, s.as<float>(), B, T, C, NH, compute_);
+}
+
+void CudaBackend::gelu_forward(void* out, const void* inp, int64_t n) {
+  make_current();
+  cuda::gelu_forward(H(out), H(inp), n, compute_);
+}
+
+void CudaBackend::gelu_backward(void* dinp, const void* inp, const void* dout, int64_t n) {
+  make_current();
+  cuda::gelu_backward(H(dinp), H(inp), H(dout), n, compute_);
+}
+
+void CudaBackend::residual_forward(void* out, const void* a, const void* b, int64_t n) {
+  make_current();
+  cuda::residual_forward(H(out), H(a), H(b), n, compute_);
+}
+
+void CudaBackend::softmax_cross_entropy(float* losses, void* dlogits, const void* logits, const int32_t* targets,
+                                        int N, int V, float dloss_scale) {
+  make_current();
+  cuda::softmax_cross_entropy(losses, H(dlogits), H(logits), targets, N, V, dloss_scale, compute_);
+}
+
+void CudaBackend::sum_squares(float* out, const float* x, int64_t n) {
+  make_current();
+  Scratch s(*alloc_, sum_squares_scratch_bytes(n));
+  cuda::sum_squares(out, x, n, s.as<float>(), compute_);
+}
+
+void CudaBackend::scale(float* x, float s, int64_t n) {
+  make_current();
+  scale_f32(x, s, n, compute_);
+}
+
+void CudaBackend::accumulate(float* dst, const float* src, int64_t n) {
+  make_current();
+  accumulate_f32(dst, src, n, compute_);
+}
+
+void CudaBackend::adamw_update(float* master, void* param, const float* grad, float* m, float* v, int64_t n,
+                               float lr, float beta1, float beta2, float eps, float weight_decay, int step,
+                               float grad_scale) {
+  make_current();
+  AdamWArgs a;
+  a.lr = lr;
+  a.beta1 = beta1;
+  a.beta2 = beta2;
+  a.eps = eps;
+  a.weight_decay = weight_decay;
+  // In double, as the CPU backend: 1 - beta2^t loses digits in float at small t.
+  a.bc1 = static_cast<float>(1.0 - std::pow(double(beta1), step));
+  a.bc2 = static_cast<float>(1.0 - std::pow(double(beta2), step));
+  a.grad_scale = grad_scale;
+  cuda::adamw_update(master, H(param), grad, m, v, n, a, compute_);
+}
+
+}  // namespace trainrun::cuda

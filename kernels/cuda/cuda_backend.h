@@ -1,0 +1,114 @@
+// The CUDA backend: bf16 parameters and activations, fp32 master weights,
+// moments, gradients, LayerNorm statistics and losses (kernels/backend.h).
+//
+// Streams: every op is enqueued on the compute stream; the NCCL
+// communicator runs collectives on the comm stream, which waits on an event
+// recorded on the compute stream (never a host sync in the step). Both are
+// non-blocking streams (no implicit sync with the legacy default stream).
+//
+// Host-visible synchronisation happens only where the interface demands it:
+// copy_to_host (the caller reads the bytes next), synchronize(), and the
+// first alloc() after a failed cudaMalloc (see DeviceAllocator).
+//
+// Threads: the sharding layer calls accumulate/alloc/synchronize from its
+// communication thread; every entry point first makes this backend's device
+// current on the calling thread, and the shared state (allocator, GEMM plan
+// cache, attention bookkeeping) is locked.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+
+#include "kernels/backend.h"
+#include "kernels/cuda/device_allocator.h"
+#include "kernels/cuda/gemm.h"
+
+namespace trainrun::cuda {
+
+class CudaBackend final : public Backend {
+ public:
+  explicit CudaBackend(int device);
+  ~CudaBackend() override;
+  std::string name() const override { return "cuda:" + std::to_string(device_); }
+  DType act_dtype() const override { return DType::BF16; }
+
+  void* alloc(size_t bytes) override;
+  void free(void* p) override;
+  void copy_to_device(void* dst, const void* host_src, size_t bytes) override;
+  void copy_to_host(void* host_dst, const void* src, size_t bytes) override;
+  void copy_device(void* dst, const void* src, size_t bytes) override;
+  void zero(void* p, size_t bytes) override;
+  void synchronize() override;
+  size_t bytes_in_use() const override { return alloc_->in_use(); }
+  size_t peak_bytes() const override { return alloc_->peak(); }
+  void reset_peak() override { alloc_->reset_peak(); }
+
+  void cast_from_f32(void* dst, const float* src, int64_t n) override;
+  void cast_to_f32(float* dst, const void* src, int64_t n) override;
+  void encoder_forward(void* out, const int32_t* tokens, const void* wte, const void* wpe, int B, int T,
+                       int C) override;
+  void encoder_backward(float* dwte, float* dwpe, const void* dout, const int32_t* tokens, int B, int T,
+                        int C) override;
+  void layernorm_forward(void* out, float* mean, float* rstd, const void* inp, const void* weight,
+                         const void* bias, int N, int C) override;
+  void layernorm_backward(void* dinp, float* dweight, float* dbias, const void* dout, const void* inp,
+                          const void* weight, const float* mean, const float* rstd, int N, int C) override;
+  void matmul_forward(void* out, const void* inp, const void* weight, const void* bias, int N, int C,
+                      int OC) override;
+  void matmul_backward(void* dinp, float* dweight, float* dbias, const void* dout, const void* inp,
+                       const void* weight, int N, int C, int OC) override;
+  size_t attention_saved_floats(int B, int T, int NH) const override;
+  void attention_forward(void* out, float* saved, const void* qkv, int B, int T, int C, int NH) override;
+  void attention_backward(void* dqkv, const void* dout, const void* qkv, const float* saved, int B, int T, int C,
+                          int NH) override;
+  void gelu_forward(void* out, const void* inp, int64_t n) override;
+  void gelu_backward(void* dinp, const void* inp, const void* dout, int64_t n) override;
+  void residual_forward(void* out, const void* a, const void* b, int64_t n) override;
+  void softmax_cross_entropy(float* losses, void* dlogits, const void* logits, const int32_t* targets, int N, int V,
+                             float dloss_scale) override;
+  void sum_squares(float* out, const float* x, int64_t n) override;
+  void scale(float* x, float s, int64_t n) override;
+  void accumulate(float* dst, const float* src, int64_t n) override;
+  void adamw_update(float* master, void* param, const float* grad, float* m, float* v, int64_t n, float lr,
+                    float beta1, float beta2, float eps, float weight_decay, int step, float grad_scale) override;
+
+  // ---- for the NCCL communicator, the benchmark and the tests -------------------
+  int device() const { return device_; }
+  int num_sms() const { return num_sms_; }
+  cudaStream_t compute_stream() const { return compute_; }
+  cudaStream_t comm_stream() const { return comm_; }
+  Gemm& gemm() { return *gemm_; }
+  DeviceAllocator& allocator() { return *alloc_; }
+  // Makes this backend's device current on the calling thread.
+  void make_current() const;
+
+ private:
+  // Scratch for one op, from the caching allocator; freed at scope exit.
+  // Safe to reuse right away: the next user is ordered on the same stream.
+  class Scratch {
+   public:
+    Scratch(DeviceAllocator& a, size_t bytes) : a_(a), p_(bytes ? a.allocate(bytes) : nullptr), bytes_(bytes) {}
+    ~Scratch() { a_.release(p_); }
+    template <typename T> T* as() const { return static_cast<T*>(p_); }
+    size_t bytes() const { return bytes_; }
+   private:
+    DeviceAllocator& a_;
+    void* p_;
+    size_t bytes_;
+  };
+
+  int device_;
+  int num_sms_ = 0;
+  bool bgrad_epilogue_ = false;  // TRAINRUN_CUDA_GEMM_BGRAD=1
+  cudaStream_t compute_ = nullptr, comm_ = nullptr;
+  std::unique_ptr<DeviceAllocator> alloc_;
+  std::unique_ptr<Gemm> gemm_;
+  // attention_backward needs the forward's output, which the interface does
+  // not pass: remembered per `saved` buffer by attention_forward.
+  std::mutex attn_mu_;
+  std::unordered_map<const float*, const void*> attn_out_;
+};
+
+}  // namespace trainrun::cuda

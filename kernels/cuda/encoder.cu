@@ -1,0 +1,147 @@
+// Token + position embedding, forward and deterministic backward: see encoder.cuh.
+#include <cub/device/device_radix_sort.cuh>
+
+#include "kernels/cuda/encoder.cuh"
+
+namespace trainrun::cuda {
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kSlab = 256;      // channels per block in the dwte kernel (32 lanes x 8)
+constexpr int kRowGroups = 8;   // warps per block in the dwte kernel, each takes every 8th row of a run
+
+// ---- kernels ---------------------------------------------------------------------
+
+template <bool VEC>
+__global__ void encoder_forward_kernel(bf16* out, const int32_t* tokens, const bf16* wte, const bf16* wpe, int64_t N,
+                                       int T, int C) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  if (VEC) {
+    const int C8 = C / 8;
+    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < N * C8; i += stride) {
+      const int64_t bt = i / C8;
+      const int c = int(i % C8) * 8;
+      const int t = int(bt % T);
+      const auto e = Pack16<bf16>::load(wte + int64_t(tokens[bt]) * C + c);
+      const auto p = Pack16<bf16>::load(wpe + int64_t(t) * C + c);
+      Pack16<bf16> o;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) o.v[k] = from_float<bf16>(to_float(e.v[k]) + to_float(p.v[k]));
+      o.store(out + bt * C + c);
+    }
+  } else {
+    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < N * C; i += stride) {
+      const int64_t bt = i / C;
+      const int c = int(i % C);
+      const int t = int(bt % T);
+      out[i] = from_float<bf16>(to_float(wte[int64_t(tokens[bt]) * C + c]) + to_float(wpe[int64_t(t) * C + c]));
+    }
+  }
+}
+
+__global__ void iota_kernel(int32_t* v, int n) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) v[i] = i;
+}
+
+// grid (N, ceil(C / kSlab)), block (32, kRowGroups). Block x = sorted index i;
+// only the first index of each run of equal tokens works. Row group g sums
+// rows i+g, i+g+8, ... of the run; the groups are combined in order.
+__global__ void encoder_backward_wte_kernel(float* dwte, const bf16* dout, const int32_t* sorted_tokens,
+                                            const int32_t* sorted_pos, int N, int C) {
+  __shared__ float red[kRowGroups][kSlab];
+  const int i = blockIdx.x;
+  const int v = sorted_tokens[i];
+  if (i > 0 && sorted_tokens[i - 1] == v) return;  // not the head of a run (uniform over the block)
+  const int c0 = blockIdx.y * kSlab;
+  const int tx = threadIdx.x, g = threadIdx.y;
+  float acc[kSlab / 32];
+#pragma unroll
+  for (int j = 0; j < kSlab / 32; ++j) acc[j] = 0.0f;
+  for (int r = i + g; r < N && sorted_tokens[r] == v; r += kRowGroups) {
+    const bf16* row = dout + int64_t(sorted_pos[r]) * C;
+#pragma unroll
+    for (int j = 0; j < kSlab / 32; ++j) {
+      const int c = c0 + j * 32 + tx;
+      if (c < C) acc[j] += to_float(row[c]);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kSlab / 32; ++j) red[g][j * 32 + tx] = acc[j];
+  __syncthreads();
+  const int t = g * 32 + tx;  // 0..255: one channel of the slab each
+  const int c = c0 + t;
+  if (c < C) {
+    float s = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kRowGroups; ++k) s += red[k][t];
+    dwte[int64_t(v) * C + c] += s;
+  }
+}
+
+// One thread per (t, c): dwpe[t, c] += sum over b, b in order.
+__global__ void encoder_backward_wpe_kernel(float* dwpe, const bf16* dout, int B, int T, int C) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < int64_t(T) * C; i += stride) {
+    float s = 0.0f;
+    for (int b = 0; b < B; ++b) s += to_float(dout[int64_t(b) * T * C + i]);
+    dwpe[i] += s;
+  }
+}
+
+// ---- scratch layout -----------------------------------------------------------------
+
+size_t align256(size_t b) { return (b + 255) / 256 * 256; }
+
+size_t cub_temp_bytes(int N) {
+  size_t temp = 0;
+  TR_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp, static_cast<const int32_t*>(nullptr),
+                                                static_cast<int32_t*>(nullptr), static_cast<const int32_t*>(nullptr),
+                                                static_cast<int32_t*>(nullptr), N, 0, 31));
+  return temp;
+}
+
+}  // namespace
+
+// ---- launchers -------------------------------------------------------------------
+
+void encoder_forward(bf16* out, const int32_t* tokens, const bf16* wte, const bf16* wpe, int B, int T, int C,
+                     cudaStream_t stream) {
+  const int64_t N = int64_t(B) * T;
+  if (N <= 0 || C <= 0) return;
+  if (C % 8 == 0 && aligned16(out) && aligned16(wte) && aligned16(wpe)) {
+    encoder_forward_kernel<true><<<grid_for(N * C / 8, kThreads), kThreads, 0, stream>>>(out, tokens, wte, wpe, N, T, C);
+  } else {
+    encoder_forward_kernel<false><<<grid_for(N * C, kThreads), kThreads, 0, stream>>>(out, tokens, wte, wpe, N, T, C);
+  }
+  TR_CUDA_LAUNCH_CHECK("encoder_forward");
+}
+
+size_t encoder_backward_scratch_bytes(int N) { return 3 * align256(size_t(N) * 4) + align256(cub_temp_bytes(N)); }
+
+void encoder_backward(float* dwte, float* dwpe, const bf16* dout, const int32_t* tokens, int B, int T, int C,
+                      void* scratch, size_t scratch_bytes, cudaStream_t stream) {
+  const int N = B * T;
+  if (N <= 0 || C <= 0) return;
+  TR_CHECK(scratch_bytes >= encoder_backward_scratch_bytes(N), "encoder_backward: scratch too small");
+  char* s = static_cast<char*>(scratch);
+  int32_t* pos_in = reinterpret_cast<int32_t*>(s);
+  int32_t* sorted_tokens = reinterpret_cast<int32_t*>(s + align256(size_t(N) * 4));
+  int32_t* sorted_pos = reinterpret_cast<int32_t*>(s + 2 * align256(size_t(N) * 4));
+  void* temp = s + 3 * align256(size_t(N) * 4);
+  size_t temp_bytes = cub_temp_bytes(N);
+
+  iota_kernel<<<grid_for(N, kThreads), kThreads, 0, stream>>>(pos_in, N);
+  TR_CUDA_LAUNCH_CHECK("encoder_backward iota");
+  // Stable LSD radix sort over bits [0, 31) (tokens are non-negative): equal
+  // tokens keep their position order, so every run is summed in that order.
+  TR_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp, temp_bytes, tokens, sorted_tokens, pos_in, sorted_pos, N, 0, 31,
+                                                stream));
+  dim3 grid(N, (C + kSlab - 1) / kSlab), block(32, kRowGroups);
+  encoder_backward_wte_kernel<<<grid, block, 0, stream>>>(dwte, dout, sorted_tokens, sorted_pos, N, C);
+  TR_CUDA_LAUNCH_CHECK("encoder_backward_wte");
+  encoder_backward_wpe_kernel<<<grid_for(int64_t(T) * C, kThreads), kThreads, 0, stream>>>(dwpe, dout, B, T, C);
+  TR_CUDA_LAUNCH_CHECK("encoder_backward_wpe");
+}
+
+}  // namespace trainrun::cuda

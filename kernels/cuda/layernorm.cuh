@@ -1,0 +1,35 @@
+// LayerNorm over the last dimension, forward and backward.
+//
+//   forward   mean(N), rstd(N) = 1/sqrt(var + 1e-5) (biased variance, fp32, saved)
+//             out(N,C) = (inp - mean) * rstd * weight(C) + bias(C)                  (bf16)
+//   backward  xhat = (inp - mean) * rstd, g = dout * weight,
+//             dinp(N,C) += rstd * (g - mean_c(g) - xhat * mean_c(g * xhat))   (bf16, +=)
+//             dweight(C) += sum_n dout * xhat,  dbias(C) += sum_n dout      (fp32, +=)
+//
+// Forward: one warp per row, statistics in fp32 (two passes over the row:
+// mean, then centred variance, which is exact where E[x^2]-E[x]^2 cancels).
+// Backward: a fixed grid; each block owns a contiguous range of rows, each of
+// its warps keeps its own dweight/dbias partial in shared memory (lanes own
+// channels: no atomics), the block combines its warps in order into one
+// partial row in `scratch`, and a second kernel adds the blocks' partials
+// in block order to dweight/dbias: deterministic for a given GPU.
+// Not fused with the residual add: the Backend interface has separate ops
+// (a fused residual+LayerNorm op would save one (N,C) read and write).
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstddef>
+
+#include "kernels/cuda/cuda_common.cuh"
+
+namespace trainrun::cuda {
+
+void layernorm_forward(bf16* out, float* mean, float* rstd, const bf16* inp, const bf16* weight, const bf16* bias,
+                       int N, int C, cudaStream_t stream);
+
+size_t layernorm_backward_scratch_bytes(int N, int C, int num_sms);
+void layernorm_backward(bf16* dinp, float* dweight, float* dbias, const bf16* dout, const bf16* inp,
+                        const bf16* weight, const float* mean, const float* rstd, int N, int C, float* scratch,
+                        int num_sms, cudaStream_t stream);
+
+}  // namespace trainrun::cuda

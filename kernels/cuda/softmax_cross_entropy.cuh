@@ -1,0 +1,25 @@
+// Fused softmax + cross-entropy over logits(N,V), one block per row:
+//
+//   lse = log sum_v exp(z_v)                    (fp32, online max/sum in one pass)
+//   losses(N)[n] = lse - z[target]              (0 for target < 0)
+//   dlogits(N,V) = dloss_scale * (exp(z - lse) - onehot(target))   (bf16; 0 for target < 0)
+//
+// The probabilities are never stored: the second pass recomputes exp(z - lse)
+// and writes the gradient straight over the logits when dlogits aliases them
+// (each element is read before it is written, by the same thread). Two reads
+// and one write of the row when dlogits is given, one read otherwise.
+// Rows of odd V are handled with a scalar head and tail around a 16-byte
+// vector body.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/cuda_common.cuh"
+
+namespace trainrun::cuda {
+
+void softmax_cross_entropy(float* losses, bf16* dlogits, const bf16* logits, const int32_t* targets, int N, int V,
+                           float dloss_scale, cudaStream_t stream);
+
+}  // namespace trainrun::cuda

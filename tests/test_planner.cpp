@@ -1,0 +1,322 @@
+// The planner (`trainrun plan`): model shapes, the memory model held against
+// measured peak memory of real CPU runs (within 15%), the 70B question, and
+// the command's errors.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <thread>
+
+#include "core/config/job_spec.h"
+#include "core/model/gpt2.h"
+#include "core/train/planner.h"
+#include "core/train/trainer.h"
+#include "kernels/backend.h"
+#include "parallel/store.h"
+#include "tests/support/testutil.h"
+
+using namespace trainrun;
+using Catch::Matchers::Contains;
+
+namespace {
+
+GPT2Config gpt2(int L, int NH, int C, int V, int T) {
+  GPT2Config c;
+  c.L = L;
+  c.NH = NH;
+  c.C = C;
+  c.V = V;
+  c.T = T;
+  return c;
+}
+
+ModelShape shape_of(const GPT2Config& c) {
+  ModelSpec s;
+  s.n_layer = c.L;
+  s.n_head = c.NH;
+  s.n_embd = c.C;
+  s.vocab_size = c.V;
+  s.seq_len = c.T;
+  return ModelShape::from_spec(s);
+}
+
+// One CPU training run; ranks are threads of this process, each a full
+// trainer with its own backend (so its own peak counter), talking Gloo over
+// loopback as in tests/test_sharding.cpp. Returns rank 0's last
+// metrics.jsonl record.
+nlohmann::json run_job(const std::string& yaml_body, int world) {
+  test::TempDir dir("plan");
+  JobSpec job = parse_job_spec(yaml_body + "output: {dir: '" + dir.path() + "', sample_tokens: 0}\n", "job.yaml");
+  std::string secret = make_job_secret();
+  TcpStoreServer server("127.0.0.1", 0, secret);
+  std::vector<std::string> errors(world);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      WorkerInfo w;
+      w.rank = r;
+      w.world = world;
+      w.local_rank = r;
+      w.local_world = world;
+      w.master_port = server.port();
+      w.secret = secret;
+      try {
+        run_training(job, w);
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < world; ++r) {
+    INFO("rank " << r << ": " << errors[r]);
+    REQUIRE(errors[r].empty());
+  }
+  std::istringstream in(test::read_file(dir / "metrics.jsonl"));
+  std::string line, last;
+  while (std::getline(in, line))
+    if (!line.empty()) last = line;
+  return nlohmann::json::parse(last);
+}
+
+}  // namespace
+
+TEST_CASE("planner: gpt2 shapes have make_gpt2_layout's units and parameter count", "[planner]") {
+  for (auto c : {gpt2(2, 2, 18, 23, 12), gpt2(4, 4, 128, 256, 128), gpt2(12, 12, 768, 50257, 1024)}) {
+    const ModelShape m = shape_of(c);
+    const ParamLayout lay = make_gpt2_layout(c);
+    const auto units = m.unit_numels();
+    REQUIRE(units.size() == lay.units.size());
+    for (size_t i = 0; i < units.size(); ++i) CHECK(units[i] == lay.units[i].numel);
+    CHECK(m.num_parameters() == lay.total);
+  }
+}
+
+TEST_CASE("planner: llama shapes count parameters like the published models", "[planner]") {
+  // Llama 3 70B: 70,553,706,496 parameters (Meta's model card: 70B; the HF
+  // checkpoint's exact count); Llama 2 7B: 6,738,415,616.
+  CHECK(ModelShape::parse("llama3-70b").num_parameters() == 70553706496LL);
+  CHECK(ModelShape::parse("llama:L=80,C=8192,heads=64,kv_heads=8,ffn=28672,V=128256,T=4096").num_parameters() ==
+        70553706496LL);
+  CHECK(ModelShape::parse("llama2-7b").num_parameters() == 6738415616LL);
+  // Presets take overrides; aliases from HF configs are accepted.
+  const ModelShape m = ModelShape::parse("llama3-70b:T=4096");
+  CHECK(m.T == 4096);
+  CHECK(m.kv_heads == 8);
+  CHECK(ModelShape::parse("llama:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,intermediate_size=128,"
+                          "vocab_size=100,seq_len=16").describe() ==
+        "llama L=2 C=64 heads=4 kv_heads=4 ffn=128 V=100 T=16");
+}
+
+TEST_CASE("planner: the activation model is the model's arena, byte for byte", "[planner]") {
+  auto be = make_cpu_backend(1);
+  for (auto c : {gpt2(2, 2, 18, 23, 12), gpt2(3, 4, 64, 300, 40), gpt2(1, 1, 32, 256, 7)}) {
+    for (int B : {1, 3}) {
+      for (bool ckpt : {false, true}) {
+        GPT2 model(c, be.get(), B, ckpt);
+        INFO("L=" << c.L << " C=" << c.C << " B=" << B << " ckpt=" << ckpt);
+        CHECK(estimate_activation_bytes(shape_of(c), B, ckpt, DeviceModel::cpu()) == double(model.activation_bytes()));
+      }
+    }
+  }
+}
+
+TEST_CASE("planner: predicted peak memory is within 15% of measured CPU runs", "[planner]") {
+  struct Case {
+    std::string name;
+    GPT2Config cfg;
+    std::string strategy;
+    int world, group, micro_batch, accum;
+    bool ckpt;
+  };
+  const std::vector<Case> cases = {
+      {"small no_shard x1", gpt2(2, 4, 64, 256, 64), "no_shard", 1, 0, 4, 1, false},
+      {"wide no_shard x1", gpt2(4, 8, 256, 2048, 64), "no_shard", 1, 0, 4, 2, false},
+      {"full_shard x2", gpt2(4, 4, 96, 512, 32), "full_shard", 2, 0, 8, 1, false},
+      {"shard_grad_op x2, checkpointing", gpt2(3, 8, 128, 1000, 64), "shard_grad_op", 2, 0, 2, 2, true},
+      {"full_shard x4, checkpointing", gpt2(6, 2, 64, 300, 128), "full_shard", 4, 0, 2, 1, true},
+      {"hybrid_shard x4 groups of 2", gpt2(4, 4, 80, 700, 48), "hybrid_shard", 4, 2, 4, 1, false},
+      {"long context full_shard x2", gpt2(2, 4, 64, 256, 256), "full_shard", 2, 0, 2, 1, false},
+  };
+  double worst = 0;
+  std::ostringstream table;
+  table << "planner vs measured peak (rank 0, CPU backend):\n";
+  for (const auto& c : cases) {
+    const auto& m = c.cfg;
+    std::ostringstream y;
+    y << "model: {n_layer: " << m.L << ", n_head: " << m.NH << ", n_embd: " << m.C << ", vocab_size: " << m.V
+      << ", seq_len: " << m.T << "}\n"
+      << "data: {format: synthetic, synthetic: {vocab: " << std::min(m.V, 64) << ", branching: 3}}\n"
+      << "train: {global_batch_size: " << c.micro_batch * c.world * c.accum << ", micro_batch_size: " << c.micro_batch
+      << ", max_steps: 3, warmup_steps: 1, log_interval: 1, eval_interval: 0, eval_steps: 1,"
+      << " activation_checkpointing: " << (c.ckpt ? "blocks" : "none") << "}\n"
+      << "parallel: {sharding: " << c.strategy << ", shard_group_size: " << c.group << ", timeout_s: 60}\n";
+    const auto rec = run_job(y.str(), c.world);
+    Sharding s;
+    s.strategy = c.strategy;
+    s.world = c.world;
+    s.group = c.strategy == "no_shard" ? 1 : c.strategy == "hybrid_shard" ? c.group : c.world;
+    const MemoryBreakdown pred = estimate_memory(shape_of(m), s, c.micro_batch, c.ckpt, DeviceModel::cpu());
+    const double measured = rec.at("mem_peak_bytes").get<double>();
+    const double err = (pred.total() - measured) / measured;
+    worst = std::max(worst, std::fabs(err));
+    char line[256];
+    std::snprintf(line, sizeof line, "  %-34s predicted %9.0f KiB  measured %9.0f KiB  %+6.2f%%\n", c.name.c_str(),
+                  pred.total() / 1024, measured / 1024, 100 * err);
+    table << line;
+    INFO(c.name << ": " << line << rec.dump());
+    // The persistent categories are exact: they are sizes, not timings.
+    CHECK(pred.params == rec.at("mem_params_bytes").get<double>());
+    CHECK(pred.grads == rec.at("mem_grads_bytes").get<double>());
+    CHECK(pred.optimizer == rec.at("mem_optimizer_bytes").get<double>());
+    CHECK(pred.activations == rec.at("mem_activations_bytes").get<double>());
+    CHECK(std::fabs(err) <= 0.15);
+  }
+  table << "  worst: " << 100 * worst << "%\n";
+  WARN(table.str());
+}
+
+TEST_CASE("planner: the largest micro-batch that fits is the largest that fits", "[planner]") {
+  PlanRequest req;
+  req.model = ModelShape::parse("gpt2-1.5b");
+  req.gpu = "a100";
+  req.gpu_memory = parse_bytes("40GiB", "--gpu-memory");
+  req.gpus_per_node = 8;
+  req.micro_batch = 4;
+  req.global_batch = 64;
+  const Plan p = make_plan(req);
+  REQUIRE(p.rows.size() == 4);
+  for (const auto& row : p.rows) {
+    INFO(row.sharding.strategy);
+    REQUIRE(row.max_micro_batch > 0);
+    CHECK(estimate_memory(req.model, row.sharding, row.max_micro_batch, false, DeviceModel::gpu()).total() <= p.capacity);
+    CHECK(estimate_memory(req.model, row.sharding, row.max_micro_batch + 1, false, DeviceModel::gpu()).total() > p.capacity);
+    CHECK(row.fits == (row.mem.total() <= p.capacity));
+    CHECK(row.step_s >= row.compute_s);
+    CHECK(row.mfu > 0);
+    CHECK(row.mfu <= req.compute_efficiency + 1e-9);
+  }
+  // Sharding more state leaves room for bigger micro-batches.
+  CHECK(p.rows[2].max_micro_batch >= p.rows[1].max_micro_batch);
+  CHECK(p.rows[1].max_micro_batch >= p.rows[0].max_micro_batch);
+}
+
+TEST_CASE("planner: a 70B Llama does not train on 8 x 80 GB even with full sharding and checkpointing", "[planner]") {
+  PlanRequest req;
+  req.model = ModelShape::parse("llama:L=80,C=8192,heads=64,kv_heads=8,ffn=28672,V=128256,T=4096");
+  req.gpu = "h100";
+  req.gpu_memory = parse_bytes("80GiB", "--gpu-memory");
+  req.gpus_per_node = 8;
+  req.nodes = 1;
+  req.micro_batch = 1;
+  req.global_batch = 8;
+  req.checkpointing = true;
+  req.job_strategy = "full_shard";
+  const Plan p = make_plan(req);
+  const PlanRow& fs = p.rows[2];
+  REQUIRE(fs.sharding.strategy == "full_shard");
+  CHECK_FALSE(fs.fits);
+  CHECK(fs.max_micro_batch == 0);
+  // 18 bytes of sharded state per parameter (fp32 master, bf16 copy, fp32
+  // grad, two fp32 moments) over 8 GPUs: ~148 GiB before any activation.
+  const double state = fs.mem.params + fs.mem.grads + fs.mem.optimizer;
+  CHECK(state / double(1ull << 30) == Approx(18.0 * 70553706496.0 / 8 / double(1ull << 30)).epsilon(0.001));
+  CHECK_THAT(p.verdict, Contains("DOES NOT FIT") && Contains("Smallest cluster of these nodes where full_shard fits"));
+  // The same question on 3 nodes: it fits.
+  req.nodes = 3;
+  const Plan p3 = make_plan(req);
+  CHECK(p3.rows[2].fits);
+  CHECK_THAT(p3.verdict, Contains("FITS"));
+  // no_shard never fits a 70B model on one GPU.
+  CHECK_FALSE(p.rows[0].fits);
+}
+
+TEST_CASE("planner: trainrun plan answers the 70B question from the command line", "[planner]") {
+  auto r = test::run_trainrun(
+      "plan --model llama:L=80,C=8192,heads=64,kv_heads=8,ffn=28672,V=128256,T=4096 --gpus 8 --gpu-memory 80GiB "
+      "--activation-checkpointing blocks");
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.out, Contains("70.554B parameters") && Contains("1 node x 8 H100 SXM 80GB: 80.0 GiB") &&
+                        Contains("activation checkpointing on (blocks)"));
+  for (const char* s : {"\nno_shard ", "\nshard_grad_op ", "\nfull_shard ", "\nhybrid_shard "}) CHECK_THAT(r.out, Contains(s));
+  CHECK_THAT(r.out, Contains("with full_shard and activation checkpointing on 1 x 8 H100 SXM 80GB (80.0 GiB each), "
+                             "micro-batch 1: DOES NOT FIT"));
+  WARN(r.out);
+}
+
+TEST_CASE("planner: trainrun plan reads a job spec and marks its strategy", "[planner]") {
+  test::TempDir dir("planjob");
+  test::write_file(dir / "job.yaml",
+                   "model: {n_layer: 12, n_head: 12, n_embd: 768, vocab_size: 50257, seq_len: 1024}\n"
+                   "data: {format: synthetic}\n"
+                   "train: {global_batch_size: 64, micro_batch_size: 8}\n"
+                   "parallel: {nproc_per_node: 8, sharding: shard_grad_op}\n");
+  auto r = test::run_trainrun("plan --config " + dir / "job.yaml" + " --gpu h200");
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.out, Contains("gpt2 L=12 C=768 heads=12 V=50257 T=1024: 0.124B parameters") &&
+                        Contains("\nshard_grad_op * ") && Contains("(* the job's parallel.sharding)") &&
+                        Contains("micro-batch 8 x 1024 tokens, 64 sequences per step") && Contains("H200 SXM 141GB") &&
+                        Contains("with shard_grad_op without activation checkpointing") && Contains(": FITS"));
+  // --set overrides the job's fields, as for a run.
+  r = test::run_trainrun("plan --config " + dir / "job.yaml" + " --set train.micro_batch_size=4");
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.out, Contains("micro-batch 4 x 1024 tokens"));
+}
+
+TEST_CASE("planner: byte sizes parse with their units", "[planner]") {
+  CHECK(parse_bytes("80GiB", "x") == 80.0 * (1ull << 30));
+  CHECK(parse_bytes("80GB", "x") == 80e9);
+  CHECK(parse_bytes("141 GB", "x") == 141e9);
+  CHECK(parse_bytes("81559MiB", "x") == 81559.0 * (1 << 20));
+  CHECK(parse_bytes("80g", "x") == 80.0 * (1ull << 30));
+  CHECK(parse_bytes("1.5TiB", "x") == 1.5 * (1ull << 40));
+}
+
+TEST_CASE("planner: bad input to plan gets a clear error and exit code", "[planner]") {
+  test::TempDir dir("planbad");
+  test::write_file(dir / "job.yaml", "model: {n_layer: 2}\ndata: {format: synthetic}\n");
+  test::write_file(dir / "bad.yaml", "model: {n_layr: 2}\n");
+  struct Case {
+    std::string args;
+    int code;
+    std::string message;
+  };
+  const std::string llama = "--model llama:L=80,C=8192,heads=64,kv_heads=8,ffn=28672,V=128256,T=4096 ";
+  const std::vector<Case> cases = {
+      {"plan", 2, "plan needs --config job.yaml or --model SHAPE"},
+      {"plan --model gpt2 --set train.lr=1", 2, "--set needs --config"},
+      {"plan --config " + dir / "nope.yaml", 2, "File does not exist"},
+      {"plan --config " + dir / "bad.yaml", 1, "model.n_layr: unknown key; did you mean 'model.n_layer'?"},
+      {"plan --model gpt3:L=2", 1, "--model 'gpt3:L=2': unknown architecture or preset 'gpt3'; did you mean 'gpt2'?"},
+      {"plan --model llama3-7b", 1, "unknown architecture or preset 'llama3-7b'; did you mean 'llama3-8b'?"},
+      {"plan --model llama:L=2,C=64,heads=4,V=100,T=16", 1, "ffn is required for llama"},
+      {"plan --model gpt2:L=2,C=64,heads=4,V=100,T=16,layres=3", 1, "unknown key 'layres'; did you mean 'L'?"},
+      {"plan --model gpt2:L=two,C=64,heads=4,V=100,T=16", 1, "L='two' is not a whole number"},
+      {"plan --model gpt2:L=2,C=65,heads=4,V=100,T=16", 1, "C (65) must be divisible by heads (4)"},
+      {"plan --model gpt2:L=2,C=64,heads=4,V=100,T=16,kv_heads=2", 1, "gpt2 has no grouped-query attention"},
+      {"plan --model llama:L=2,C=64,heads=4,kv_heads=3,ffn=8,V=100,T=16", 1, "heads (4) must be a multiple of kv_heads (3)"},
+      {"plan --model gpt2:L=0,C=64,heads=4,V=100,T=16", 1, "L must be at least 1 (got 0)"},
+      {"plan --model gpt2:L=2,C64", 1, "'C64' is not KEY=VALUE"},
+      {"plan " + llama + "--gpu-memory 80", 1, "--gpu-memory: '80' has no unit; write e.g. 80GiB"},
+      {"plan " + llama + "--gpu-memory lots", 1, "--gpu-memory: 'lots' is not a size"},
+      {"plan " + llama + "--gpu-memory 80GX", 1, "--gpu-memory: unknown unit 'gx'"},
+      {"plan " + llama + "--gpu-memory -5GB", 1, "must be positive"},
+      {"plan " + llama + "--gpu tpu", 1, "--gpu: unknown GPU 'tpu' (known: a100, h100, h200)"},
+      {"plan " + llama + "--gpus 0", 2, "--gpus: Value 0 not in range"},
+      {"plan " + llama + "--nodes -1", 2, "--nodes"},
+      {"plan " + llama + "--activation-checkpointing yes", 2, "--activation-checkpointing: yes not in {none,blocks}"},
+      {"plan --config " + dir / "job.yaml --set parallel.shard_group_size=3 --gpus 8", 1,
+       "parallel.shard_group_size (3) must divide the GPU count (8)"},
+  };
+  for (const auto& c : cases) {
+    auto r = test::run_trainrun(c.args);
+    INFO(c.args << "\n" << r.err);
+    CHECK(r.exit_code == c.code);
+    CHECK_THAT(r.err, Contains(c.message));
+    CHECK(r.out.empty());
+  }
+}
