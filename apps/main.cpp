@@ -20,6 +20,7 @@
 #include "core/train/planner.h"
 #include "core/train/plot.h"
 #include "core/train/trainer.h"
+#include "kernels/backend_factory.h"
 #include "parallel/bench_comm.h"
 #include "parallel/topology_launch.h"
 
@@ -31,14 +32,18 @@ namespace {
 std::string version_string() {
   std::string s = std::string("trainrun ") + TRAINRUN_VERSION + "\nbackends: cpu (fp32, OpenBLAS + OpenMP)";
 #if TRAINRUN_HAVE_CUDA
-  s += ", cuda (compiled in)";
+  s += ", cuda (bf16 + fp32 master weights; plugin libtrainrun_cuda.so)";
 #else
   s += ", cuda: no (built without the CUDA toolkit)";
 #endif
 #if TRAINRUN_HAVE_GLOO
   s += "\ncollectives: gloo (TCP)";
 #endif
-  s += "\nnccl: no\ncudnn: no";
+  // The CUDA library is loaded (and the driver asked) only here, when
+  // --version is given: NCCL, cuDNN, cuBLASLt and driver versions, or why not.
+  const std::string cuda = cuda_version_report();
+  s += "\n" + cuda;
+  if (cuda.rfind("cuda: not available", 0) == 0) s += "\nnccl: no\ncudnn: no";
   return s;
 }
 
@@ -135,7 +140,7 @@ int main(int argc, char** argv) {
   // checkpoint code reports and survives, not kill the process.
   std::signal(SIGXFSZ, SIG_IGN);
   CLI::App app{"trainrun: train transformer language models on CPUs and GPUs"};
-  app.set_version_flag("--version", version_string());
+  app.set_version_flag("--version", std::function<std::string()>(version_string));
   app.require_subcommand(0, 1);
   std::string config;
   std::vector<std::string> sets;
@@ -218,6 +223,12 @@ int main(int argc, char** argv) {
   bench_ckpt->add_option("--dir", cbo.dir, "directory on the disk to measure (a scratch folder inside is removed after)")->capture_default_str();
   bench_ckpt->add_option("--repeat", cbo.repeat, "repetitions (the table shows medians)")->capture_default_str()->check(CLI::Range(1, 100));
 
+  auto* bench_kernels = bench->add_subcommand("kernels", "CUDA kernels and GEMMs: GB/s or TFLOP/s next to the card's copy bandwidth and cuBLASLt rate");
+  KernelBenchOptions kbo;
+  bench_kernels->add_option("--device", kbo.device, "GPU index")->capture_default_str()->check(CLI::NonNegativeNumber);
+  bench_kernels->add_option("--repeats", kbo.repeats, "timed launches per kernel (median)")->capture_default_str()->check(CLI::Range(3, 1000));
+  bench_kernels->add_flag("--quick", kbo.quick, "small sizes (a smoke run)");
+
   auto* worker = app.add_subcommand("worker", "");
   worker->group("");
   std::string wconfig;
@@ -237,6 +248,7 @@ int main(int argc, char** argv) {
     if (*topo_cmd) return topo::run_topo_command(to, std::cout);
     if (*bench_comm) return run_comm_bench(cb);
     if (*bench_ckpt) return run_checkpoint_bench(cbo);
+    if (*bench_kernels) return run_kernel_bench(kbo);
     if (*export_cmd) {
       const std::string from = export_checkpoint_hf(exp_ckpt, exp_out);
       TR_LOG_INFO("export: ", from, " -> ", exp_out, " (Hugging Face GPT-2: config.json + model.safetensors)");

@@ -126,6 +126,18 @@ std::unique_ptr<Backend> make_backend(const std::string& requested, int local_ra
   return make_cpu_backend();
 }
 
+int cuda_device_count(std::string* reason) {
+  const Plugin& p = plugin();
+  if (!p.api) {
+    if (reason) *reason = p.error;
+    return 0;
+  }
+  std::string r;
+  const int n = p.api->device_count(&r);
+  if (reason) *reason = r;
+  return n;
+}
+
 bool is_cuda_backend(const Backend* be) { return be && be->name().rfind("cuda", 0) == 0; }
 
 std::unique_ptr<Communicator> make_nccl_communicator(Backend* be, Store* store, const std::string& prefix, int rank,

@@ -40,6 +40,10 @@ namespace trainrun {
 // errors such as 35 or 100 are reasons, not faults).
 std::unique_ptr<Backend> make_backend(const std::string& requested, int local_rank, std::string* why);
 
+// Number of usable GPUs (0 with *reason saying why: no CUDA library, no
+// driver, no device, too old). Loads the plugin on first use; never throws.
+int cuda_device_count(std::string* reason);
+
 // True when `be` is a CUDA backend (its collectives need NCCL, not Gloo).
 bool is_cuda_backend(const Backend* be);
 

@@ -32,8 +32,9 @@ bool hopper_or_newer(const Topology& t, int g, std::string* how) {
   // which is what an NVSwitch pair shows; A100 shows 12.
   for (int h = 0; h < t.gpu_count(); ++h)
     if (h != g && t.links[size_t(g)][size_t(h)].kind == LinkKind::NVLink) {
-      *how = "NV" + std::to_string(t.links[size_t(g)][size_t(h)].nvlinks) + " through NVSwitch (NVLink 4 has 18 links per GPU)";
-      return t.nvswitch && t.links[size_t(g)][size_t(h)].nvlinks >= 18;
+      const int n = t.links[size_t(g)][size_t(h)].nvlinks;
+      *how = "model inferred from NV" + std::to_string(n) + " through NVSwitch: Hopper has 18 NVLinks per GPU, A100 12";
+      return t.nvswitch && n >= 18;
     }
   *how = "model unknown";
   return false;

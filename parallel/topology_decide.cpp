@@ -188,9 +188,13 @@ void place_cpus(const Topology& t, const DecisionInputs& in, Decisions& d) {
     d.numa_policy_reason = "the kernel's default (memory on the node that first touches it)";
     return;
   }
+  // Every CPU the description knows of (a GPU's CPU Affinity may be all we
+  // know: older nvidia-smi prints no NUMA column).
   CpuList all;
   for (const NumaNode& n : t.numa_nodes) all.insert(all.end(), n.cpus.begin(), n.cpus.end());
+  for (const Gpu& g : t.gpus) all.insert(all.end(), g.cpus.begin(), g.cpus.end());
   std::sort(all.begin(), all.end());
+  all.erase(std::unique(all.begin(), all.end()), all.end());
   const CpuList allowed = in.allowed_cpus.empty() ? all : in.allowed_cpus;
   const bool multi_numa = t.numa_nodes.size() >= 2;
   bool guessed = false, shared = false, unbound = false;
@@ -266,8 +270,10 @@ void place_cpus(const Topology& t, const DecisionInputs& in, Decisions& d) {
   if (guessed)
     d.affinity_reason += "; SMT siblings guessed from the CPU numbering (first threads, then their siblings)";
   if (shared)
-    d.warnings.push_back({"cpu_oversubscribed", std::to_string(d.nproc) + " ranks on fewer cores than ranks: some "
-                                                "ranks share a core, and each runs slower than it would alone"});
+    d.warnings.push_back({"cpu_oversubscribed", std::to_string(d.nproc) + " ranks but only " +
+                                                    std::to_string(allowed.size()) +
+                                                    " CPUs to bind them to: some ranks share a core, and each runs "
+                                                    "slower than it would alone"});
   d.numa_policy_reason =
       multi_numa ? "memory preferred on the rank's NUMA node (MPOL_PREFERRED, not bind: a full node spills over "
                    "instead of failing); ranks spanning several nodes keep the kernel's default"

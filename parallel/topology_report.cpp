@@ -200,7 +200,7 @@ std::string format_topology_report(const Topology& t, const Decisions& d) {
     os << "    " << e.name << ": left to its default\n";
     why(os, e.reason, "        ");
   }
-  os << "  hybrid_shard group: " << d.hybrid_shard_group << " ranks\n";
+  os << "  hybrid_shard group: " << d.hybrid_shard_group << (d.hybrid_shard_group == 1 ? " rank\n" : " ranks\n");
   why(os, d.hybrid_shard_reason);
 
   os << "\nwarnings:" << (d.warnings.empty() ? " none" : "") << "\n";

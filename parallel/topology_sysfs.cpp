@@ -316,7 +316,8 @@ Topology read_sysfs_topology(const std::string& root_in) {
 
   // RDMA NICs (verbs devices), then plain Ethernet interfaces.
   std::vector<PciLoc> nic_locs;
-  auto add_nic = [&](Nic n, const PciLoc& loc) {
+  auto add_nic = [&](Nic n, PciLoc loc) {
+    loc.numa_node = int(read_long(pci / loc.bdf / "numa_node", -1));
     n.pci_bus_id = loc.bdf;
     n.numa_node = loc.numa_node;
     for (const PciLoc& g : gpu_locs) n.gpu_links.push_back(pci_link(g, loc));

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent install of everything trainrun needs on Debian 12 (bookworm).
 #   scripts/install-deps.sh          build + runtime dependencies
-#   scripts/install-deps.sh --test   also the test peers (PyTorch, fortunes, safetensors venv)
+#   scripts/install-deps.sh --test   also the test peers (PyTorch, fortunes; safetensors, tensorboard, transformers venv)
 # Safe to run again: apt-get skips what is installed, the venv is reused.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -54,5 +54,14 @@ if [ "$WITH_TEST" = 1 ]; then
   # numpy 1.24; protobuf pinned to the 4.25 line it was released against.
   if ! "$VENV/bin/python" -c "import tensorboard" 2>/dev/null; then
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check "tensorboard==2.16.2" "protobuf==4.25.3"
+  fi
+  # transformers: GPT2LMHeadModel.from_pretrained loads `trainrun export`
+  # directories and save_pretrained writes what model.init_from reads
+  # (tests/test_interop.cpp). 4.44.2 is a release that still runs on Debian
+  # 12's torch 1.13 (later ones need torch 2), Python 3.11 and numpy 1.24;
+  # its hub client pinned so a fresh venv gets what was tested.
+  if ! "$VENV/bin/python" -c "import transformers, sys; sys.exit(transformers.__version__ != '4.44.2')" 2>/dev/null; then
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check "transformers==4.44.2" "huggingface_hub==0.36.2" \
+      "tokenizers==0.19.1"
   fi
 fi

@@ -290,7 +290,7 @@ TEST_CASE("config: job_spec_to_yaml writes every field with its doc", "[config]"
 
 TEST_CASE("config: the field table is complete and its defaults are valid", "[config]") {
   const auto fields = trainrun::job_spec_fields();
-  CHECK(fields.size() == 57);
+  CHECK(fields.size() == 58);
   std::vector<std::string> keys;
   for (const auto& f : fields) {
     INFO(f.key);
@@ -365,7 +365,7 @@ TEST_CASE("config: bad specs: YAML structure", "[config][bad]") {
        "job.yaml:4:3: train.seq_len: unknown key; did you mean 'model.seq_len'?"},
       {"unknown key, nothing close", kSynthetic + "model:\n  dropout: 0.1\n", {},
        "job.yaml:4:3: model.dropout: unknown key; the keys of 'model' are arch, n_layer, n_head, n_embd, "
-       "vocab_size, seq_len, init_std"},
+       "vocab_size, seq_len, init_std, init_from"},
       {"unknown key in a nested section", kSynthetic + "  synthetic:\n    brnaching: 2\n", {},
        "job.yaml:4:5: data.synthetic.brnaching: unknown key; did you mean 'data.synthetic.branching'?"},
       {"duplicate key", kSynthetic + "train:\n  lr: 0.1\n  max_steps: 5\n  lr: 0.2\n", {},

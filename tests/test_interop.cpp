@@ -58,7 +58,7 @@ std::vector<float> random_flat(const GPT2Config& cfg, unsigned seed) {
 
 std::vector<int32_t> random_tokens(int n, int V, unsigned seed) {
   std::mt19937 rng(seed);
-  std::vector<int32_t> v(size_t(n));
+  std::vector<int32_t> v(static_cast<size_t>(n));
   for (auto& x : v) x = int32_t(rng() % unsigned(V));
   return v;
 }
@@ -236,7 +236,7 @@ TEST_CASE("interop: trainrun export writes a Hugging Face directory from a run o
   test::write_file(dir / "job.yaml",
                    "model: {n_layer: 2, n_head: 2, n_embd: 16, vocab_size: 37, seq_len: 12}\n"
                    "data: {format: synthetic, synthetic: {vocab: 37, branching: 3}}\n"
-                   "train: {global_batch_size: 4, micro_batch_size: 4, max_steps: 3, eval_steps: 1}\n"
+                   "train: {global_batch_size: 4, micro_batch_size: 4, max_steps: 3, warmup_steps: 0, eval_steps: 1}\n"
                    "output: {dir: '" + run + "', sample_tokens: 0}\n");
   auto r = test::run_command("OMP_NUM_THREADS=2 '" + test::trainrun_binary() + "' --config '" + dir / "job.yaml" + "'");
   INFO(r.err);

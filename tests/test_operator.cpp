@@ -352,3 +352,37 @@ TEST_CASE("operator: two ranks under the agent log plain lines with comm wait an
   CHECK(test::read_file(dir / "run/logs/rank1.log").find("step 1/") == std::string::npos);
   CHECK(records(dir / "run/metrics.jsonl").size() == 3);  // 1, 10, 20
 }
+
+TEST_CASE("operator: MFU in metrics.jsonl is tokens/s x (6N + 12LCT) / peak, and the peak is cached", "[operator]") {
+  test::TempDir dir("mfu");
+  test::write_file(dir / "job.yaml", job_yaml(dir / "run", 10));
+  const std::string bin = "OMP_NUM_THREADS=2 TRAINRUN_PLOT=0 XDG_CACHE_HOME=" + dir / "cache" + " ";
+  // An explicit peak: the arithmetic can be checked exactly.
+  auto r = test::run_command(bin + "TRAINRUN_CPU_PEAK_FLOPS=1e11 '" + test::trainrun_binary() + "' --config " +
+                             dir / "job.yaml");
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.err, Contains("peak 100.0 GFLOP/s per rank (TRAINRUN_CPU_PEAK_FLOPS)"));
+  ModelShape m = ModelShape::parse("gpt2:L=2,C=32,heads=2,V=16,T=32");
+  for (const auto& rec : records(dir / "run/metrics.jsonl"))
+    CHECK(rec.at("mfu").get<double>() ==
+          Approx(rec.at("tokens_per_sec").get<double>() * m.flops_per_token() / 1e11).epsilon(1e-9));
+
+  // Measured: the best figure is remembered per CPU model and thread count.
+  r = test::run_command(bin + "'" + test::trainrun_binary() + "' --config " + dir / "job.yaml" + " --set output.dir=" +
+                        dir / "run2");
+  REQUIRE(r.exit_code == 0);
+  const std::string cache = test::read_file(dir / "cache/trainrun/cpu_peak.tsv");
+  CHECK_THAT(cache, Contains(" | threads 2 | n 1024\t"));
+  // A better figure from an earlier run (here: planted) wins over a lower measurement.
+  test::write_file(dir / "cache/trainrun/cpu_peak.tsv", cache.substr(0, cache.find('\t')) + "\t5e14\n");
+  r = test::run_command(bin + "'" + test::trainrun_binary() + "' --config " + dir / "job.yaml" + " --set output.dir=" +
+                        dir / "run3");
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.err, Contains("peak 500.0 TFLOP/s per rank (measured: fp32 sgemm 1024^3 with 2 threads, best seen"));
+
+  r = test::run_command(bin + "TRAINRUN_CPU_PEAK_FLOPS=fast '" + test::trainrun_binary() + "' --config " +
+                        dir / "job.yaml --set output.dir=" + dir / "run4");
+  CHECK(r.exit_code == 1);
+  CHECK_THAT(r.err, Contains("environment variable TRAINRUN_CPU_PEAK_FLOPS='fast' is not a positive number"));
+}

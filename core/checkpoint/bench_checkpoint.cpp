@@ -193,7 +193,7 @@ GPT2Config bench_model_for(int64_t target) {
   // GPT-2's vocab and context at 12 layers down to ~4M parameters; below
   // that a byte-level model, so tiny counts stay close too. The width is
   // solved from params(C) = L(12C^2 + 13C) + (V + T + 2)C and rounded to a
-  // multiple of 16 (the closer of the two neighbours).
+  // multiple of 8 (the closer of the two neighbours).
   GPT2Config cfg;
   cfg.L = 12;
   cfg.V = 50257;
@@ -211,9 +211,9 @@ GPT2Config bench_model_for(int64_t target) {
   }
   const double a = 12.0 * cfg.L, b = 13.0 * cfg.L + cfg.V + cfg.T + 2;
   const double c = (-b + std::sqrt(b * b + 4 * a * double(target))) / (2 * a);
-  int lo = std::max(16, int(c / 16) * 16), hi = lo + 16;
+  int lo = std::max(8, int(c / 8) * 8), hi = lo + 8;
   cfg.C = std::llabs(count(lo) - target) <= std::llabs(count(hi) - target) ? lo : hi;
-  cfg.NH = cfg.C % 64 == 0 ? cfg.C / 64 : cfg.C / 16;  // head size 64 as in GPT-2 where it divides
+  cfg.NH = cfg.C % 64 == 0 ? cfg.C / 64 : cfg.C / 8;  // head size 64 as in GPT-2 where it divides
   return cfg;
 }
 

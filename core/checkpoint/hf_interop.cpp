@@ -258,6 +258,8 @@ GPT2Config read_hf_gpt2_config(const std::string& dir, const std::string& what) 
   if (act != "gelu_new" && act != "gelu_pytorch_tanh" && act != "gelu_fast")
     unsupported("activation_function", "\"" + act + "\"", "\"gelu_new\" (GELU, tanh approximation)");
   if (c.contains("layer_norm_epsilon") && !c["layer_norm_epsilon"].is_null()) {
+    TR_CHECK(c["layer_norm_epsilon"].is_number(), what, ": '", path, "': layer_norm_epsilon is not a number: ",
+             c["layer_norm_epsilon"].dump());
     const double eps = c["layer_norm_epsilon"].get<double>();
     if (std::fabs(eps - 1e-5) > 1e-11) unsupported("layer_norm_epsilon", c["layer_norm_epsilon"].dump(), "1e-05");
   }

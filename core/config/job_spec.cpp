@@ -192,8 +192,15 @@ const std::vector<Field>& fields() {
                     "seconds workers get to exit after a forwarded signal or a failure before SIGKILL"),
       TR_SPEC_FIELD(launcher.log_tail_lines, at_least(0), "lines of the failed rank's log shown in the failure report"),
       TR_SPEC_FIELD(launcher.master_addr, non_empty(),
-                    "address the node-0 rendezvous store binds and workers dial (MASTER_ADDR)"),
-      TR_SPEC_FIELD(launcher.master_port, in_range_int(0, 65535), "store port (MASTER_PORT); 0 = pick a free one"),
+                    "address of the node-0 rendezvous store that workers dial (MASTER_ADDR); with several nodes "
+                    "under Slurm the default 127.0.0.1 means the first host of SLURM_JOB_NODELIST; --master-addr "
+                    "sets it"),
+      TR_SPEC_FIELD(launcher.master_port, in_range_int(0, 65535),
+                    "store port (MASTER_PORT); 0 = pick a free one on one node; with several nodes 0 = 20000 + "
+                    "SLURM_JOB_ID % 10000 under Slurm, else 29500; --master-port sets it"),
+      TR_SPEC_FIELD(launcher.nnodes, at_least(0),
+                    "nodes in the job, one agent each; 0 = SLURM_NNODES under `srun --ntasks-per-node=1`, else "
+                    "1; --nnodes sets it"),
   };
   return table;
 }

@@ -85,6 +85,7 @@ struct LauncherSpec {
   int log_tail_lines = 20;             // lines of the failed rank's log in the failure report
   std::string master_addr = "127.0.0.1";  // address the node-0 store binds and workers dial
   int master_port = 0;                 // 0 = pick a free port
+  int nnodes = 0;                      // nodes, one agent each; 0 = from Slurm (SLURM_NNODES), else 1
 };
 
 struct CheckpointSpec {

@@ -159,7 +159,7 @@ std::string plot_script(const std::string& run_dir, const std::string& image, co
   o << "\n";
   o << "set title 'throughput'\n"
     << "set ylabel 'tokens/s'\n"
-    << "set format y '%.3s%c'\n"
+    << "set format y '%.1s%c'\n"
     << "set yrange [0:*]\n";
   if (!s.tps.empty()) {
     if (!s.mfu.empty()) {

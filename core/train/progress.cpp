@@ -86,6 +86,59 @@ bool env_flag(const char* name, bool dflt) {
   TR_FAIL("environment variable ", name, "='", s, "' is not a boolean; use 1 or 0");
 }
 
+std::string cpu_model_name() {
+  std::ifstream f("/proc/cpuinfo");
+  for (std::string line; std::getline(f, line);)
+    if (line.rfind("model name", 0) == 0) {
+      const size_t c = line.find(':');
+      if (c != std::string::npos) {
+        std::string v = line.substr(c + 1);
+        v.erase(0, v.find_first_not_of(" \t"));
+        return v;
+      }
+    }
+  return "unknown cpu";
+}
+
+// $XDG_CACHE_HOME/trainrun/cpu_peak.tsv (else ~/.cache/...): "key<TAB>flops"
+// lines. Returns max(measured, cached) and stores it. Any I/O problem just
+// means no cache: MFU is a report, never a reason to fail a run.
+double remember_best_peak(const std::string& key, double measured) {
+  fs::path dir;
+  if (const char* x = std::getenv("XDG_CACHE_HOME"); x && *x) dir = x;
+  else if (const char* h = std::getenv("HOME"); h && *h) dir = fs::path(h) / ".cache";
+  else return measured;
+  dir /= "trainrun";
+  const fs::path file = dir / "cpu_peak.tsv";
+  std::vector<std::pair<std::string, double>> rows;
+  double best = measured;
+  {
+    std::ifstream in(file);
+    for (std::string line; std::getline(in, line);) {
+      const size_t tab = line.rfind('\t');
+      if (tab == std::string::npos) continue;
+      const std::string k = line.substr(0, tab);
+      const double v = std::atof(line.c_str() + tab + 1);
+      if (!(v > 0)) continue;
+      if (k == key) best = std::max(best, v);
+      else rows.push_back({k, v});
+    }
+  }
+  rows.push_back({key, best});
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  // Write aside and rename: concurrent ranks never see a half-written file.
+  const fs::path tmp = dir / ("cpu_peak.tsv." + std::to_string(::getpid()) + ".tmp");
+  {
+    std::ofstream out(tmp);
+    for (const auto& [k, v] : rows) out << k << '\t' << fixed(v, 0) << '\n';
+    if (!out) return best;
+  }
+  fs::rename(tmp, file, ec);
+  if (ec) fs::remove(tmp, ec);
+  return best;
+}
+
 }  // namespace
 
 // ---- peak FLOP/s ---------------------------------------------------------------------------
@@ -130,11 +183,24 @@ PeakFlops device_peak_flops(Backend& be) {
     p.source = "measured: " + std::string(dtype_name(be.act_dtype())) + " matmul " + std::to_string(n) + "^3 on " + be.name();
     return p;
   }
-  // The CPU: measured once per process and thread count. Ranks of one
-  // process (tests) share the cache; the agent's workers each measure.
+  const int threads = omp_get_max_threads();
+  // An explicit figure wins (a datasheet value, or to compare machines).
+  if (const char* v = std::getenv("TRAINRUN_CPU_PEAK_FLOPS"); v && *v) {
+    char* end = nullptr;
+    const double f = std::strtod(v, &end);
+    TR_CHECK(end && *end == 0 && f > 0 && std::isfinite(f), "environment variable TRAINRUN_CPU_PEAK_FLOPS='", v,
+             "' is not a positive number of FLOP/s per rank (e.g. 1.5e11)");
+    p.flops = f;
+    p.source = "TRAINRUN_CPU_PEAK_FLOPS";
+    return p;
+  }
+  // The CPU: measured once per process and thread count (ranks of one
+  // process share it). A measurement on a busy machine comes out low and
+  // would inflate MFU past 100%, so the best figure ever measured on this
+  // machine with this thread count is kept in a cache file and used when
+  // higher: the peak converges to what the cores can do.
   static std::mutex mu;
   static std::map<int, double> cache;
-  const int threads = omp_get_max_threads();
   // 1024^3 keeps a few cores busy for ~20 ms a product; many cores need a
   // bigger one before OpenBLAS reaches its steady rate.
   const int n = threads > 8 ? 2048 : 1024;
@@ -144,11 +210,13 @@ PeakFlops device_peak_flops(Backend& be) {
     // A scratch backend: the trainer's backend keeps exact peak-memory
     // figures (the measurement allocates 16 MiB).
     std::unique_ptr<Backend> scratch = make_cpu_backend(threads);
-    it = cache.emplace(threads, measure_matmul_flops(*scratch, n)).first;
+    const double measured = measure_matmul_flops(*scratch, n);
+    const std::string key = cpu_model_name() + " | threads " + std::to_string(threads) + " | n " + std::to_string(n);
+    it = cache.emplace(threads, remember_best_peak(key, measured)).first;
   }
   p.flops = it->second;
   p.source = "measured: fp32 sgemm " + std::to_string(n) + "^3 with " + std::to_string(threads) + " thread" +
-             (threads == 1 ? "" : "s");
+             (threads == 1 ? "" : "s") + ", best seen on this machine";
   return p;
 }
 
@@ -421,7 +489,7 @@ void RunReporter::finish(const std::string& model_path) {
   s << "run summary " << rule.substr(12) << "\n";
   if (steps_done_ == 0) s << "steps       none in this run (train.max_steps " << max_steps << " reached before it)";
   else s << "steps       " << last_step_ << "/" << max_steps;
-  if (first_step_ > 1) s << " (resumed at step " << first_step_ << ")";
+  if (first_step_ > 1) s << " (resumed from the checkpoint of step " << first_step_ - 1 << ")";
   s << ", " << with_commas(int64_t(steps_done_) * ctx_.tokens_per_step) << " tokens in this run ("
     << with_commas(ctx_.tokens_per_step) << " per step)\n";
   s << "time        " << hms(wall) << " wall: " << hms(train_seconds_) << " training, "

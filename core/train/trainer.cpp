@@ -23,7 +23,9 @@
 #include "core/train/progress.h"
 #include "core/train/schedule.h"
 #include "kernels/backend.h"
+#include "kernels/backend_factory.h"
 #include "parallel/communicator.h"
+#include "parallel/net_address.h"
 #include "parallel/sharding.h"
 #include "parallel/store.h"
 
@@ -93,6 +95,18 @@ WorkerInfo WorkerInfo::from_env() {
   w.master_addr = env_str("MASTER_ADDR", "127.0.0.1");
   w.master_port = env_int("MASTER_PORT", 0);
   w.secret = env_str("TRAINRUN_STORE_SECRET", "");
+  // The local address peers dial for this rank's Gloo pairs: the agent's
+  // choice, else the interface that reaches MASTER_ADDR (MASTER_ADDR itself
+  // only exists on node 0).
+  w.bind_addr = env_str("TRAINRUN_GLOO_HOST", "");
+  if (w.bind_addr.empty() && w.world > 1) {
+    try {
+      w.bind_addr = local_address_toward(w.master_addr);
+    } catch (const Error&) {
+      // Unresolvable or unroutable: the store connection reports it, with the address.
+    }
+  }
+  if (w.bind_addr.empty()) w.bind_addr = w.master_addr;
   TR_CHECK(w.world >= 1 && w.rank >= 0 && w.rank < w.world, "RANK=", w.rank, " / WORLD_SIZE=", w.world,
            " is not a valid rank; check the launcher environment");
   return w;
@@ -136,9 +150,11 @@ void Trainer::setup() {
     fs::create_directories(job_.output.dir, ec);
     TR_CHECK(!ec, "output.dir: cannot create '", job_.output.dir, "': ", ec.message());
   }
-  // 1. device
-  TR_CHECK(job_.backend != "cuda", "backend: 'cuda' was requested but this build/machine has no usable GPU; use backend: cpu or auto");
-  be_ = make_cpu_backend();
+  // 1. device: auto = CUDA when a GPU is usable (else the CPU, with the
+  // reason logged); cuda on a machine without one is an Error.
+  be_ = make_backend(job_.backend, w_.local_rank, nullptr);
+  // CUDA ranks talk NCCL over device memory; CPU ranks talk Gloo.
+  const bool nccl = is_cuda_backend(be_.get());
   // 2. distributed
   const auto timeout = std::chrono::milliseconds(int64_t(job_.parallel.timeout_s * 1000));
   if (w_.world > 1) {
@@ -146,9 +162,11 @@ void Trainer::setup() {
     // Store keys are per attempt: a restarted job must not meet the keys a
     // crashed attempt left behind.
     prefix_ = "attempt" + env_str("TRAINRUN_RESTART_COUNT", "0") + "/";
-    comm_ = make_gloo_communicator(*store_, prefix_ + "world/", w_.rank, w_.world, w_.master_addr, timeout);
+    comm_ = nccl ? make_nccl_communicator(be_.get(), store_.get(), prefix_ + "world/", w_.rank, w_.world, timeout)
+                 : make_gloo_communicator(*store_, prefix_ + "world/", w_.rank, w_.world, w_.bind_addr, timeout);
   } else {
-    comm_ = make_single_communicator();
+    // One CUDA rank still needs a communicator that copies device memory.
+    comm_ = nccl ? make_nccl_communicator(be_.get(), nullptr, "world/", 0, 1, timeout) : make_single_communicator();
   }
   // 3. model
   cfg_ = GPT2Config::from_spec(job_.model);
@@ -167,8 +185,9 @@ void Trainer::setup() {
   int group = job_.parallel.shard_group_size > 0 ? job_.parallel.shard_group_size
               : topo_group > 0                    ? topo_group
                                                   : w_.local_world;
-  CommFactory factory = [this, timeout](const std::string& prefix, int rank, int world) {
-    return make_gloo_communicator(*store_, prefix_ + prefix, rank, world, w_.master_addr, timeout);
+  CommFactory factory = [this, timeout, nccl](const std::string& prefix, int rank, int world) {
+    if (nccl) return make_nccl_communicator(be_.get(), store_.get(), prefix_ + prefix, rank, world, timeout);
+    return make_gloo_communicator(*store_, prefix_ + prefix, rank, world, w_.bind_addr, timeout);
   };
   params_ = make_param_store(job_.parallel.sharding, model_->layout(), be_.get(), comm_.get(), group, factory);
   params_->init_params(cfg_, job_.train.seed);

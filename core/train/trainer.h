@@ -14,6 +14,7 @@ struct WorkerInfo {
   int rank = 0, world = 1, local_rank = 0, local_world = 1, group_rank = 0;
   std::string master_addr = "127.0.0.1";
   int master_port = 0;
+  std::string bind_addr = "127.0.0.1";  // this rank's own address for Gloo (TRAINRUN_GLOO_HOST)
   std::string secret;
   static WorkerInfo from_env();  // RANK, WORLD_SIZE, ... (defaults: a single rank)
 };

@@ -96,7 +96,7 @@ __device__ __forceinline__ void store_tile(bf16* dst, int64_t ld, const float* s
 struct Carver {
   unsigned char* p;
   template <typename T>
-  T* take(size_t bytes) {
+  __device__ T* take(size_t bytes) {
     T* r = reinterpret_cast<T*>(p);
     p += bytes;
     return r;

@@ -1,0 +1,323 @@
+// `trainrun bench kernels`: the CUDA backend's kernels and GEMMs, timed with
+// CUDA events (median of `repeats` launches after two warm-ups), next to the
+// card's own ceilings measured in the same run:
+//   - copy bandwidth: a 2 GiB device-to-device cudaMemcpy, bytes read + written;
+//   - cuBLASLt large-GEMM rate: 8192^3 bf16, the best of the heuristic's 8 algorithms.
+// Memory-bound kernels report GB/s over the fewest bytes they must move (each
+// input read once, each output written once) and % of the copy bandwidth;
+// GEMMs report TFLOP/s and % of the best of 8 cuBLASLt algorithms for the
+// same shape (the wrapper runs the heuristic's first); attention reports
+// TFLOP/s with the causal FLOP count (forward 2 products over half the
+// square, backward 2.5x the forward, FlashAttention's convention).
+// Sizes are GPT-2 124M's: B=16, T=1024, C=768, NH=12, V=50257 (quick: B=2).
+// Inputs are random (never zeros: zeros run faster than real data).
+#include <algorithm>
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "kernels/backend_factory.h"
+#include "kernels/cuda/cuda_backend.h"
+#include "kernels/cuda/cuda_common.cuh"
+#include "kernels/cuda/gemm.h"
+
+namespace trainrun::cuda {
+
+namespace {
+
+__device__ __forceinline__ uint32_t hash32(uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdull;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ull;
+  x ^= x >> 33;
+  return uint32_t(x);
+}
+// Uniform in [-amp, amp).
+template <typename T>
+__global__ void fill_kernel(T* p, int64_t n, uint64_t seed, float amp) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    p[i] = from_float<T>(amp * (float(hash32(seed * 0x9E3779B97F4A7C15ull + i)) * 4.656612873e-10f - 1.0f));
+}
+__global__ void fill_tokens_kernel(int32_t* p, int64_t n, uint64_t seed, int V) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    p[i] = int32_t(hash32(seed * 0x9E3779B97F4A7C15ull + i) % uint32_t(V));
+}
+
+struct Row {
+  std::string name, shape;
+  double us = 0, rate = 0, pct = -1;
+  std::string unit, ref;
+};
+
+class Bench {
+ public:
+  Bench(CudaBackend& be, int repeats) : be_(be), s_(be.compute_stream()), repeats_(repeats) {
+    TR_CUDA_CHECK(cudaEventCreate(&e0_));
+    TR_CUDA_CHECK(cudaEventCreate(&e1_));
+  }
+  ~Bench() {
+    for (void* p : bufs_) be_.free(p);
+    cudaEventDestroy(e0_);
+    cudaEventDestroy(e1_);
+  }
+
+  template <typename T>
+  T* buf(int64_t n, float amp = 1.0f) {
+    T* p = static_cast<T*>(be_.alloc(size_t(n) * sizeof(T)));
+    bufs_.push_back(p);
+    fill_kernel<T><<<grid_for(n, 256), 256, 0, s_>>>(p, n, ++seed_, amp);
+    TR_CUDA_LAUNCH_CHECK("bench fill");
+    return p;
+  }
+  // Raw bytes (for the copy ceiling): a non-zero pattern.
+  char* bytes(int64_t n) {
+    auto* p = static_cast<char*>(be_.alloc(size_t(n)));
+    bufs_.push_back(p);
+    TR_CUDA_CHECK(cudaMemsetAsync(p, 0x5A, size_t(n), s_));
+    return p;
+  }
+  int32_t* tokens(int64_t n, int V) {
+    auto* p = static_cast<int32_t*>(be_.alloc(size_t(n) * 4));
+    bufs_.push_back(p);
+    fill_tokens_kernel<<<grid_for(n, 256), 256, 0, s_>>>(p, n, ++seed_, V);
+    TR_CUDA_LAUNCH_CHECK("bench tokens");
+    return p;
+  }
+
+  // Median microseconds of f() over the repeats.
+  double time_us(const std::function<void()>& f) {
+    f();
+    f();
+    std::vector<float> t;
+    for (int r = 0; r < repeats_; ++r) {
+      TR_CUDA_CHECK(cudaEventRecord(e0_, s_));
+      f();
+      TR_CUDA_CHECK(cudaEventRecord(e1_, s_));
+      TR_CUDA_CHECK(cudaEventSynchronize(e1_));
+      float ms = 0;
+      TR_CUDA_CHECK(cudaEventElapsedTime(&ms, e0_, e1_));
+      t.push_back(ms);
+    }
+    std::sort(t.begin(), t.end());
+    return 1000.0 * t[t.size() / 2];
+  }
+
+  void memory(const std::string& name, const std::string& shape, double bytes, const std::function<void()>& f) {
+    Row r{name, shape};
+    r.us = time_us(f);
+    r.rate = bytes / (r.us * 1e-6) / 1e9;
+    r.unit = "GB/s";
+    r.pct = copy_gbs_ > 0 ? 100.0 * r.rate / copy_gbs_ : -1;
+    r.ref = "copy";
+    rows_.push_back(r);
+  }
+
+  void gemm(const std::string& name, const GemmDesc& g, const GemmPtrs& p) {
+    auto t = be_.gemm().time_algorithms(g, p, s_, 8, repeats_);
+    double best = 1e30;
+    for (float x : t)
+      if (x > 0) best = std::min(best, double(x));
+    Row r{name, detail::cat(g.m, "x", g.n, "x", g.k, g.accumulate ? " +=" : "")};
+    const double flops = 2.0 * g.m * g.n * double(g.k) * g.batch;
+    r.us = 1000.0 * t[0];
+    r.rate = flops / (r.us * 1e-6) / 1e12;
+    r.unit = "TFLOP/s";
+    r.pct = 100.0 * best / t[0];
+    r.ref = detail::cat("best of ", t.size(), " algos: ", int(flops / (best * 1e-3) / 1e12), " TFLOP/s");
+    rows_.push_back(r);
+  }
+
+  void compute(const std::string& name, const std::string& shape, double flops, const std::function<void()>& f,
+               const std::string& ref) {
+    Row r{name, shape};
+    r.us = time_us(f);
+    r.rate = flops / (r.us * 1e-6) / 1e12;
+    r.unit = "TFLOP/s";
+    r.ref = ref;
+    rows_.push_back(r);
+  }
+
+  void set_copy_gbs(double g) { copy_gbs_ = g; }
+  std::vector<Row>& rows() { return rows_; }
+  cudaStream_t stream() const { return s_; }
+
+ private:
+  CudaBackend& be_;
+  cudaStream_t s_;
+  int repeats_;
+  cudaEvent_t e0_ = nullptr, e1_ = nullptr;
+  std::vector<void*> bufs_;
+  uint64_t seed_ = 1;
+  double copy_gbs_ = 0;
+  std::vector<Row> rows_;
+};
+
+// The three products of one linear layer, as matmul.cu builds them.
+GemmDesc fwd_desc(int N, int C, int OC, bool bias) {
+  GemmDesc g;
+  g.transa = true;
+  g.m = OC; g.n = N; g.k = C; g.lda = C; g.ldb = C; g.ldd = OC;
+  g.epilogue = bias ? GemmEpilogue::Bias : GemmEpilogue::None;
+  return g;
+}
+GemmDesc dinp_desc(int N, int C, int OC) {
+  GemmDesc g;
+  g.m = C; g.n = N; g.k = OC; g.lda = C; g.ldb = OC; g.ldd = C;
+  return g;
+}
+GemmDesc dweight_desc(int N, int C, int OC) {
+  GemmDesc g;
+  g.transb = true;
+  g.m = C; g.n = OC; g.k = N; g.lda = C; g.ldb = OC; g.ldd = C;
+  g.d_type = DType::F32;
+  g.accumulate = true;
+  return g;
+}
+
+}  // namespace
+
+int run_kernel_bench_impl(const KernelBenchOptions& opts) {
+  CudaBackend be(opts.device);
+  cudaDeviceProp prop{};
+  TR_CUDA_CHECK(cudaGetDeviceProperties(&prop, opts.device));
+  Bench b(be, std::max(3, opts.repeats));
+  const int B = opts.quick ? 2 : 16, T = 1024, C = 768, NH = 12, V = 50257;
+  const int N = B * T;
+  std::printf("trainrun bench kernels: %s (%d SMs, %.0f GB), B=%d T=%d C=%d NH=%d V=%d, median of %d\n", prop.name,
+              prop.multiProcessorCount, prop.totalGlobalMem / 1e9, B, T, C, NH, V, std::max(3, opts.repeats));
+  std::fflush(stdout);
+
+  // ---- ceilings -------------------------------------------------------------------
+  {
+    const int64_t bytes = opts.quick ? (int64_t(256) << 20) : (int64_t(2) << 30);
+    char* src = b.bytes(bytes);
+    char* dst = b.bytes(bytes);
+    Row r{"ceiling: device copy (cudaMemcpy D2D)", detail::cat(bytes >> 20, " MiB")};
+    r.us = b.time_us([&] { TR_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, b.stream())); });
+    r.rate = 2.0 * bytes / (r.us * 1e-6) / 1e9;
+    r.unit = "GB/s";
+    r.ref = "read + write";
+    b.set_copy_gbs(r.rate);
+    b.rows().push_back(r);
+  }
+  {
+    const int S = opts.quick ? 2048 : 8192;
+    GemmDesc g = fwd_desc(S, S, S, false);
+    GemmPtrs p;
+    p.a = b.buf<bf16>(int64_t(S) * S);
+    p.b = b.buf<bf16>(int64_t(S) * S);
+    p.d = b.buf<bf16>(int64_t(S) * S);
+    b.gemm("ceiling: cuBLASLt bf16 GEMM", g, p);
+    b.rows().back().name = "ceiling: cuBLASLt bf16 GEMM (wrapper)";
+  }
+
+  // ---- GEMMs at GPT-2 124M shapes --------------------------------------------------------------
+  {
+    bf16* x = b.buf<bf16>(int64_t(N) * 4 * C);
+    bf16* w = b.buf<bf16>(int64_t(V) * C, 0.02f);
+    bf16* bias = b.buf<bf16>(int64_t(V));
+    bf16* y = b.buf<bf16>(int64_t(N) * V);
+    float* dw = b.buf<float>(int64_t(V) * C);
+    struct L { const char* name; int c, oc; bool bias; };
+    for (const L& l : {L{"qkv", C, 3 * C, true}, L{"attn proj", C, C, true}, L{"fc", C, 4 * C, true},
+                       L{"fc proj", 4 * C, C, true}, L{"lm head", C, V, false}}) {
+      GemmPtrs pf;
+      pf.a = w; pf.b = x; pf.d = y; pf.bias = l.bias ? bias : nullptr;
+      b.gemm(detail::cat("gemm fwd ", l.name), fwd_desc(N, l.c, l.oc, l.bias), pf);
+      GemmPtrs pi;
+      pi.a = w; pi.b = y; pi.d = x;
+      b.gemm(detail::cat("gemm bwd dinp ", l.name), dinp_desc(N, l.c, l.oc), pi);
+      GemmPtrs pw;
+      pw.a = x; pw.b = y; pw.d = dw;
+      b.gemm(detail::cat("gemm bwd dweight ", l.name), dweight_desc(N, l.c, l.oc), pw);
+    }
+  }
+
+  // ---- memory-bound kernels ----------------------------------------------------------------------
+  {
+    const int64_t NC = int64_t(N) * C;
+    bf16* x = b.buf<bf16>(NC);
+    bf16* y = b.buf<bf16>(NC);
+    bf16* z = b.buf<bf16>(NC);
+    bf16* w = b.buf<bf16>(C);
+    bf16* bb = b.buf<bf16>(C);
+    float* mean = b.buf<float>(N);
+    float* rstd = b.buf<float>(N, 0.5f);
+    float* dw = b.buf<float>(C);
+    float* db = b.buf<float>(C);
+    const std::string sh = detail::cat(N, "x", C);
+    b.memory("layernorm fwd", sh, 2.0 * NC * 2 + 8.0 * N, [&] { be.layernorm_forward(y, mean, rstd, x, w, bb, N, C); });
+    b.memory("layernorm bwd (dinp +=)", sh, 4.0 * NC * 2 + 8.0 * N,
+             [&] { be.layernorm_backward(z, dw, db, y, x, w, mean, rstd, N, C); });
+    b.memory("residual add", sh, 3.0 * NC * 2, [&] { be.residual_forward(z, x, y, NC); });
+    bf16* h = b.buf<bf16>(4 * NC);
+    bf16* hg = b.buf<bf16>(4 * NC);
+    const std::string sh4 = detail::cat(N, "x", 4 * C);
+    b.memory("gelu fwd", sh4, 2.0 * 4 * NC * 2, [&] { be.gelu_forward(hg, h, 4 * NC); });
+    b.memory("gelu bwd (in place)", sh4, 3.0 * 4 * NC * 2, [&] { be.gelu_backward(hg, h, hg, 4 * NC); });
+    int32_t* tok = b.tokens(N, V);
+    bf16* wte = b.buf<bf16>(int64_t(V) * C);
+    bf16* wpe = b.buf<bf16>(int64_t(T) * C);
+    float* dwte = b.buf<float>(int64_t(V) * C);
+    float* dwpe = b.buf<float>(int64_t(T) * C);
+    b.memory("encoder fwd", sh, 2.0 * NC * 2 + 4.0 * N, [&] { be.encoder_forward(y, tok, wte, wpe, B, T, C); });
+    b.memory("encoder bwd (sort + sums)", sh, NC * 2 + 2.0 * NC * 4, [&] { be.encoder_backward(dwte, dwpe, y, tok, B, T, C); });
+  }
+  {
+    const int Nce = opts.quick ? 512 : 4096;
+    bf16* logits = b.buf<bf16>(int64_t(Nce) * V, 4.0f);
+    float* losses = b.buf<float>(Nce);
+    int32_t* tgt = b.tokens(Nce, V);
+    const double rowbytes = double(Nce) * V * 2;
+    b.memory("softmax+CE fwd only", detail::cat(Nce, "x", V), rowbytes + 8.0 * Nce,
+             [&] { be.softmax_cross_entropy(losses, nullptr, logits, tgt, Nce, V, 0.0f); });
+    b.memory("softmax+CE fwd+grad (in place)", detail::cat(Nce, "x", V), 2 * rowbytes + 8.0 * Nce,
+             [&] { be.softmax_cross_entropy(losses, logits, logits, tgt, Nce, V, 1e-6f); });
+  }
+  {
+    const int64_t P = opts.quick ? (int64_t(16) << 20) : 124439808;  // GPT-2 124M
+    float* master = b.buf<float>(P, 0.02f);
+    bf16* param = b.buf<bf16>(P);
+    float* grad = b.buf<float>(P, 1e-3f);
+    float* m = b.buf<float>(P, 1e-4f);
+    float* v = b.buf<float>(P, 1e-6f);
+    be.scale(v, 0.0f, P);  // the second moment must be >= 0; 0 is a valid (first-step) state
+    float* acc = b.buf<float>(1);
+    const std::string sh = detail::cat(P, " params");
+    b.memory("adamw (fp32 master + bf16 copy)", sh, 30.0 * P,
+             [&] { be.adamw_update(master, param, grad, m, v, P, 1e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 10, 1.0f); });
+    b.memory("cast fp32 -> bf16", sh, 6.0 * P, [&] { be.cast_from_f32(param, master, P); });
+    b.memory("sum_squares (grad norm)", sh, 4.0 * P, [&] { be.sum_squares(acc, grad, P); });
+    b.memory("accumulate fp32", sh, 12.0 * P, [&] { be.accumulate(m, grad, P); });
+  }
+
+  // ---- attention ----------------------------------------------------------------------------------
+  {
+    const int HS = C / NH;
+    bf16* qkv = b.buf<bf16>(int64_t(N) * 3 * C);
+    bf16* out = b.buf<bf16>(int64_t(N) * C);
+    bf16* dout = b.buf<bf16>(int64_t(N) * C);
+    bf16* dqkv = b.buf<bf16>(int64_t(N) * 3 * C);
+    float* lse = b.buf<float>(int64_t(be.attention_saved_floats(B, T, NH)));
+    const double fwd = 4.0 * B * NH * double(T) * T * HS / 2;  // causal: half the square
+    const std::string sh = detail::cat("B", B, " T", T, " NH", NH, " HS", HS);
+    b.compute("attention fwd (flash, WMMA)", sh, fwd, [&] { be.attention_forward(out, lse, qkv, B, T, C, NH); },
+              "cuDNN/torch SDPA: see gpu-check.sh");
+    b.compute("attention bwd (flash, WMMA)", sh, 2.5 * fwd,
+              [&] { be.attention_backward(dqkv, dout, qkv, lse, B, T, C, NH); }, "");
+  }
+
+  std::printf("\n%-40s %-22s %12s %12s %-8s %7s  %s\n", "kernel", "size", "time (us)", "achieved", "", "%",
+              "of what");
+  for (const auto& r : b.rows()) {
+    std::printf("%-40s %-22s %12.1f %12.1f %-8s %7s  %s\n", r.name.c_str(), r.shape.c_str(), r.us, r.rate,
+                r.unit.c_str(), r.pct >= 0 ? detail::cat(int(r.pct + 0.5)).c_str() : "-", r.ref.c_str());
+  }
+  std::fflush(stdout);
+  be.synchronize();
+  return 0;
+}
+
+}  // namespace trainrun::cuda

@@ -1,0 +1,597 @@
+// Every op of the CUDA backend against the CPU backend (the project's
+// numerical reference), on fresh random inputs (never zeros) at odd sizes
+// (1, 19, 111, 500, and sizes that cross the kernels' tiles and vector
+// widths), plus the cuBLASLt wrapper's epilogues, the NCCL communicator and a
+// 20-step training run.
+//
+// Method: inputs are drawn in fp32, uploaded to the CUDA backend (bf16
+// activations: rounded there) and read back, so both backends see exactly the
+// same values; the differences left are the CUDA backend's own roundings.
+// Outputs on the GPU are poisoned with NaN first, so an element the kernel
+// does not write fails the check. Gradients that the contract accumulates
+// (+=) are pre-filled with random values on both sides.
+// Metric: norm-wise relative error ||gpu - cpu|| / ||cpu|| (any non-finite
+// element: infinity). Tolerances, and why:
+//   kF32    fp32 outputs from identical inputs: only summation order and
+//           fast-math intrinsics differ -> ~1e-6; 1e-4 leaves room.
+//   kBf16   one bf16 rounding of the output (2^-9 relative per element,
+//           ~3e-3 norm-wise); 1e-2 leaves room.
+//   kAttn   attention rounds the probabilities P (forward) and P, dS
+//           (backward) to bf16 before the tensor-core products, on top of
+//           the output rounding: 2e-2 forward, 3e-2 backward.
+//   kLoss   20 training steps in bf16 against fp32: the loss curves may
+//           drift apart by a few parts in 100 after the initial loss.
+//
+// Without a usable GPU (no driver, no device, a CPU-only build) every test
+// prints a visible warning and passes without assertions; on a GPU machine
+// they run for real (scripts/gpu-check.sh).
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "core/common/error.h"
+#include "core/config/job_spec.h"
+#include "core/train/trainer.h"
+#include "kernels/backend.h"
+#include "kernels/backend_factory.h"
+#include "parallel/communicator.h"
+#include "parallel/store.h"
+#include "tests/support/testutil.h"
+
+using namespace trainrun;
+
+namespace {
+
+constexpr double kF32 = 1e-4;
+constexpr double kBf16 = 1e-2;
+constexpr double kAttnFwd = 2e-2;
+constexpr double kAttnBwd = 3e-2;
+constexpr double kLoss = 3e-2;
+
+using Vec = std::vector<float>;
+
+// The GPU count, or 0 with a reason for the skip message.
+int gpus(std::string* reason) {
+  static std::string why;
+  static const int n = cuda_device_count(&why);
+  *reason = why;
+  return n;
+}
+
+#define CUDA_TEST_OR_SKIP()                                          \
+  std::string skip_reason_;                                          \
+  if (gpus(&skip_reason_) == 0) {                                    \
+    WARN("skipped: no usable GPU (" << skip_reason_ << ")");         \
+    return;                                                          \
+  }
+
+Vec randn(size_t n, uint64_t seed, float stddev = 1.0f, float mean = 0.0f) {
+  std::mt19937_64 gen(seed);
+  std::normal_distribution<float> d(mean, stddev);
+  Vec v(n);
+  for (auto& x : v) x = d(gen);
+  return v;
+}
+
+std::vector<int32_t> rand_tokens(size_t n, int V, uint64_t seed) {
+  std::mt19937_64 gen(seed);
+  std::uniform_int_distribution<int> d(0, V - 1);
+  std::vector<int32_t> t(n);
+  for (auto& x : t) x = d(gen);
+  return t;
+}
+
+double rel_err(const Vec& got, const Vec& want) {
+  REQUIRE(got.size() == want.size());
+  double num = 0, den = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (!std::isfinite(got[i])) return INFINITY;  // unwritten (poisoned) or overflowed
+    const double d = double(got[i]) - double(want[i]);
+    num += d * d;
+    den += double(want[i]) * double(want[i]);
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+void check_close(const std::string& what, const Vec& got, const Vec& want, double tol) {
+  const double e = rel_err(got, want);
+  std::printf("  %-58s rel err %.3e (tol %.0e)\n", what.c_str(), e, tol);
+  INFO(what << ": norm-wise relative error " << e << " exceeds " << tol << " (inf: an element is NaN/unwritten)");
+  CHECK(e <= tol);
+}
+
+// The two backends side by side, and tensors that hold the same values on both.
+struct Pair {
+  std::unique_ptr<Backend> cpu = make_cpu_backend(2);
+  std::unique_ptr<Backend> gpu;
+  Pair() { gpu = make_backend("cuda", 0, nullptr); }
+};
+
+DeviceBuffer upload_f32(Backend* be, const Vec& v) {
+  DeviceBuffer d(be, std::max<size_t>(1, v.size()) * 4);
+  be->copy_to_device(d.get(), v.data(), v.size() * 4);
+  return d;
+}
+Vec download_f32(Backend* be, const void* p, size_t n) {
+  Vec v(n);
+  be->copy_to_host(v.data(), p, n * 4);
+  be->synchronize();
+  return v;
+}
+void cast_into(Backend* be, void* dst, const Vec& v) {
+  DeviceBuffer staged = upload_f32(be, v);
+  be->cast_from_f32(dst, staged.as<float>(), int64_t(v.size()));
+}
+Vec download_act(Backend* be, const void* p, size_t n) {
+  DeviceBuffer staged(be, std::max<size_t>(1, n) * 4);
+  be->cast_to_f32(staged.as<float>(), p, int64_t(n));
+  return download_f32(be, staged.get(), n);
+}
+void poison(Backend* be, void* p, size_t bytes) {
+  std::vector<unsigned char> nan(bytes, 0xFF);  // NaN in fp32 and bf16
+  be->copy_to_device(p, nan.data(), bytes);
+}
+
+// A tensor with the same values on both backends. `act`: the activation
+// dtype (bf16 on the GPU, rounded there; the CPU gets the rounded values).
+// `offset` elements of slack in front test unaligned pointers.
+struct Twin {
+  DeviceBuffer cbuf, gbuf;
+  Vec val;
+  bool act;
+  size_t n, offset;
+  Twin(Pair& p, const Vec& v, bool act_dtype, size_t offset_elems = 0)
+      : act(act_dtype), n(v.size()), offset(offset_elems) {
+    const size_t ges = act ? dtype_size(p.gpu->act_dtype()) : 4;
+    gbuf = DeviceBuffer(p.gpu.get(), (n + offset + 1) * ges);
+    if (act) {
+      cast_into(p.gpu.get(), g(), v);
+      val = download_act(p.gpu.get(), g(), n);
+    } else {
+      p.gpu->copy_to_device(g(), v.data(), n * 4);
+      val = v;
+    }
+    cbuf = upload_f32(p.cpu.get(), val);
+  }
+  void* g() const { return gbuf.as<char>() + offset * (act ? 2 : 4); }
+  void* c() const { return cbuf.get(); }
+  float* gf() const { return static_cast<float*>(g()); }
+  float* cf() const { return cbuf.as<float>(); }
+  Vec read_gpu(Pair& p) const { return act ? download_act(p.gpu.get(), g(), n) : download_f32(p.gpu.get(), g(), n); }
+  Vec read_cpu(Pair& p) const { return download_f32(p.cpu.get(), c(), n); }
+};
+
+// An output: poisoned on the GPU.
+Twin out_twin(Pair& p, size_t n, bool act, size_t offset = 0) {
+  Twin t(p, Vec(n, 1.0f), act, offset);
+  poison(p.gpu.get(), t.gbuf.get(), t.gbuf.bytes());
+  return t;
+}
+
+struct Tok {
+  DeviceBuffer c, g;
+  Tok(Pair& p, const std::vector<int32_t>& t) : c(p.cpu.get(), t.size() * 4), g(p.gpu.get(), t.size() * 4) {
+    p.cpu->copy_to_device(c.get(), t.data(), t.size() * 4);
+    p.gpu->copy_to_device(g.get(), t.data(), t.size() * 4);
+  }
+  const int32_t* cp() const { return c.as<int32_t>(); }
+  const int32_t* gp() const { return g.as<int32_t>(); }
+};
+
+std::string shape(std::initializer_list<std::pair<const char*, long>> dims) {
+  std::string s;
+  for (auto& d : dims) s += std::string(s.empty() ? "" : " ") + d.first + "=" + std::to_string(d.second);
+  return s;
+}
+
+}  // namespace
+
+TEST_CASE("cuda: memory, copies and casts", "[cuda]") {
+  CUDA_TEST_OR_SKIP();
+  Pair p;
+  Backend* be = p.gpu.get();
+  CHECK(be->act_dtype() == DType::BF16);
+  const size_t base = be->bytes_in_use();
+  {
+    DeviceBuffer a(be, 1001), b(be, 1001);
+    CHECK(be->bytes_in_use() == base + 2002);
+    CHECK(reinterpret_cast<uintptr_t>(a.get()) % 64 == 0);
+    std::vector<unsigned char> h(1001, 0xAB);
+    be->copy_to_host(h.data(), a.get(), 1001);  // alloc() zero-initialises
+    CHECK(std::all_of(h.begin(), h.end(), [](unsigned char c) { return c == 0; }));
+    for (size_t i = 0; i < h.size(); ++i) h[i] = static_cast<unsigned char>(i * 7 + 1);
+    be->copy_to_device(a.get(), h.data(), 1001);
+    be->copy_device(b.get(), a.get(), 1001);
+    be->zero(b.get(), 500);
+    std::vector<unsigned char> hb(1001);
+    be->copy_to_host(hb.data(), b.get(), 1001);
+    CHECK(std::all_of(hb.begin(), hb.begin() + 500, [](unsigned char c) { return c == 0; }));
+    CHECK(std::memcmp(hb.data() + 500, h.data() + 500, 501) == 0);
+  }
+  CHECK(be->bytes_in_use() == base);
+  // fp32 -> bf16 rounds to nearest even; bf16 -> fp32 is exact. Checked on
+  // values with known roundings, at aligned and unaligned addresses.
+  for (size_t off : {size_t(0), size_t(1), size_t(3)}) {
+    const Vec v = {1.0f, 1.00390625f /* halfway 1 and 1+2^-7: even -> 1 */, 1.01171875f /* halfway: -> 1.015625 */,
+                   -2.5f, 3.0e-3f, 65504.0f, 1.0e-30f, 0.333333343f, 7.0f, -0.0f, 123.456f};
+    DeviceBuffer src = upload_f32(be, v);
+    DeviceBuffer act(be, (v.size() + off) * 2);
+    void* dst = act.as<char>() + off * 2;
+    be->cast_from_f32(dst, src.as<float>(), int64_t(v.size()));
+    Vec back = download_act(be, dst, v.size());
+    CHECK(back[0] == 1.0f);
+    CHECK(back[1] == 1.0f);
+    CHECK(back[2] == 1.015625f);
+    CHECK(back[3] == -2.5f);
+    CHECK(back[8] == 7.0f);
+    for (size_t i = 0; i < v.size(); ++i) CHECK(std::fabs(back[i] - v[i]) <= std::fabs(v[i]) * 0.0040f);
+  }
+  // A long cast (vector path + tail) round-trips within one bf16 rounding.
+  const Vec big = randn(4099, 3);
+  DeviceBuffer src = upload_f32(be, big);
+  DeviceBuffer act(be, big.size() * 2);
+  be->cast_from_f32(act.get(), src.as<float>(), int64_t(big.size()));
+  check_close("cast fp32 -> bf16 -> fp32 (n=4099)", download_act(be, act.get(), big.size()), big, kBf16);
+}
+
+TEST_CASE("cuda: encoder forward and backward", "[cuda]") {
+  CUDA_TEST_OR_SKIP();
+  Pair p;
+  struct S { int B, T, C, V, maxT; };
+  for (S s : {S{1, 1, 1, 5, 1}, S{2, 19, 111, 37, 23}, S{3, 64, 64, 500, 64}, S{2, 111, 19, 3, 128}}) {
+    const std::string sh = shape({{"B", s.B}, {"T", s.T}, {"C", s.C}, {"V", s.V}});
+    auto tok = rand_tokens(size_t(s.B) * s.T, s.V, 11 + s.C);
+    Tok tk(p, tok);
+    Twin wte(p, randn(size_t(s.V) * s.C, 12), true), wpe(p, randn(size_t(s.maxT) * s.C, 13), true);
+    const size_t n = size_t(s.B) * s.T * s.C;
+    Twin out = out_twin(p, n, true);
+    p.cpu->encoder_forward(out.c(), tk.cp(), wte.c(), wpe.c(), s.B, s.T, s.C);
+    p.gpu->encoder_forward(out.g(), tk.gp(), wte.g(), wpe.g(), s.B, s.T, s.C);
+    check_close("encoder fwd " + sh, out.read_gpu(p), out.read_cpu(p), kBf16);
+
+    Twin dout(p, randn(n, 14), true);
+    Twin dwte(p, randn(size_t(s.V) * s.C, 15), false), dwpe(p, randn(size_t(s.maxT) * s.C, 16), false);
+    p.cpu->encoder_backward(dwte.cf(), dwpe.cf(), dout.c(), tk.cp(), s.B, s.T, s.C);
+    p.gpu->encoder_backward(dwte.gf(), dwpe.gf(), dout.g(), tk.gp(), s.B, s.T, s.C);
+    const Vec g1 = dwte.read_gpu(p);
+    check_close("encoder dwte (+=) " + sh, g1, dwte.read_cpu(p), kF32);
+    check_close("encoder dwpe (+=) " + sh, dwpe.read_gpu(p), dwpe.read_cpu(p), kF32);
+    // Deterministic: the same call again adds exactly the same bits.
+    Twin dwte2(p, Vec(size_t(s.V) * s.C, 0.0f), false), dwte3(p, Vec(size_t(s.V) * s.C, 0.0f), false);
+    p.gpu->encoder_backward(dwte2.gf(), dwpe.gf(), dout.g(), tk.gp(), s.B, s.T, s.C);
+    p.gpu->encoder_backward(dwte3.gf(), dwpe.gf(), dout.g(), tk.gp(), s.B, s.T, s.C);
+    const Vec a = dwte2.read_gpu(p), b = dwte3.read_gpu(p);
+    CHECK(std::memcmp(a.data(), b.data(), a.size() * 4) == 0);
+  }
+}
+
+TEST_CASE("cuda: layernorm forward and backward", "[cuda]") {
+  CUDA_TEST_OR_SKIP();
+  Pair p;
+  struct S { int N, C; };
+  for (S s : {S{1, 1}, S{19, 111}, S{111, 19}, S{500, 64}, S{37, 768}}) {
+    const std::string sh = shape({{"N", s.N}, {"C", s.C}});
+    const size_t n = size_t(s.N) * s.C;
+    Twin x(p, randn(n, 21, 2.0f, 0.5f), true), w(p, randn(s.C, 22, 0.5f, 1.0f), true), b(p, randn(s.C, 23), true);
+    Twin out = out_twin(p, n, true), mean = out_twin(p, s.N, false), rstd = out_twin(p, s.N, false);
+    p.cpu->layernorm_forward(out.c(), mean.cf(), rstd.cf(), x.c(), w.c(), b.c(), s.N, s.C);
+    p.gpu->layernorm_forward(out.g(), mean.gf(), rstd.gf(), x.g(), w.g(), b.g(), s.N, s.C);
+    check_close("layernorm out " + sh, out.read_gpu(p), out.read_cpu(p), kBf16);
+    check_close("layernorm mean " + sh, mean.read_gpu(p), mean.read_cpu(p), kF32);
+    check_close("layernorm rstd " + sh, rstd.read_gpu(p), rstd.read_cpu(p), kF32);
+
+    // Backward from the CPU's statistics on both sides (so only the op differs).
+    Twin m2(p, mean.read_cpu(p), false), r2(p, rstd.read_cpu(p), false);
+    Twin dout(p, randn(n, 24), true);
+    Twin dinp(p, randn(n, 25), true);  // += : pre-filled
+    Twin dw(p, randn(s.C, 26), false), db(p, randn(s.C, 27), false);
+    p.cpu->layernorm_backward(dinp.c(), dw.cf(), db.cf(), dout.c(), x.c(), w.c(), m2.cf(), r2.cf(), s.N, s.C);
+    p.gpu->layernorm_backward(dinp.g(), dw.gf(), db.gf(), dout.g(), x.g(), w.g(), m2.gf(), r2.gf(), s.N, s.C);
+    check_close("layernorm dinp (+=) " + sh, dinp.read_gpu(p), dinp.read_cpu(p), kBf16);
+    check_close("layernorm dweight (+=) " + sh, dw.read_gpu(p), dw.read_cpu(p), kF32);
+    check_close("layernorm dbias (+=) " + sh, db.read_gpu(p), db.read_cpu(p), kF32);
+  }
+}
+
+namespace {
+void check_matmul(Pair& p, int N, int C, int OC, bool bias, size_t offset, const std::string& tag) {
+  const std::string sh = tag + shape({{"N", N}, {"C", C}, {"OC", OC}}) + (bias ? " bias" : "") +
+                         (offset ? " unaligned" : "");
+  Twin x(p, randn(size_t(N) * C, 31), true, offset), w(p, randn(size_t(OC) * C, 32, 0.2f), true, offset);
+  Twin bi(p, randn(OC, 33), true, offset);
+  Twin out = out_twin(p, size_t(N) * OC, true, offset);
+  p.cpu->matmul_forward(out.c(), x.c(), w.c(), bias ? bi.c() : nullptr, N, C, OC);
+  p.gpu->matmul_forward(out.g(), x.g(), w.g(), bias ? bi.g() : nullptr, N, C, OC);
+  check_close("matmul out " + sh, out.read_gpu(p), out.read_cpu(p), kBf16);
+
+  Twin dout(p, randn(size_t(N) * OC, 34), true, offset);
+  Twin dinp = out_twin(p, size_t(N) * C, true, offset);
+  Twin dw(p, randn(size_t(OC) * C, 35), false, offset), db(p, randn(OC, 36), false, offset);
+  p.cpu->matmul_backward(dinp.c(), dw.cf(), bias ? db.cf() : nullptr, dout.c(), x.c(), w.c(), N, C, OC);
+  p.gpu->matmul_backward(dinp.g(), dw.gf(), bias ? db.gf() : nullptr, dout.g(), x.g(), w.g(), N, C, OC);
+  check_close("matmul dinp " + sh, dinp.read_gpu(p), dinp.read_cpu(p), kBf16);
+  check_close("matmul dweight (+=) " + sh, dw.read_gpu(p), dw.read_cpu(p), kF32);
+  if (bias) check_close("matmul dbias (+=) " + sh, db.read_gpu(p), db.read_cpu(p), kF32);
+  // dinp == null: only the parameter gradients.
+  p.gpu->matmul_backward(nullptr, dw.gf(), nullptr, dout.g(), x.g(), w.g(), N, C, OC);
+}
+}  // namespace
+
+TEST_CASE("cuda: matmul forward and backward", "[cuda]") {
+  CUDA_TEST_OR_SKIP();
+  Pair p;
+  struct S { int N, C, OC; };
+  for (S s : {S{1, 1, 1}, S{19, 111, 37}, S{111, 64, 500}, S{128, 768, 2304}, S{7, 19, 111}})
+    for (bool bias : {false, true}) check_matmul(p, s.N, s.C, s.OC, bias, 0, "");
+  check_matmul(p, 19, 37, 111, true, 1, "");  // pointers only 2-byte (bf16) / 4-byte (fp32) aligned
+  // The dbias through cuBLASLt's BGRADB epilogue instead of our kernel.
+  setenv("TRAINRUN_CUDA_GEMM_BGRAD", "1", 1);
+  Pair q;
+  unsetenv("TRAINRUN_CUDA_GEMM_BGRAD");
+  for (S s : {S{19, 111, 37}, S{128, 768, 2304}}) check_matmul(q, s.N, s.C, s.OC, true, 0, "bgrad-epilogue ");
+}
+
+TEST_CASE("cuda: gemm wrapper epilogues against a host reference", "[cuda]") {
+  CUDA_TEST_OR_SKIP();
+  for (const auto& row : run_gemm_epilogue_check(0)) {
+    if (!row.supported) {
+      WARN("gemm " << row.name << ": cuBLASLt has no algorithm for it here (not used by the backend by default)");
+      continue;
+    }
+    std::printf("  gemm %-53s rel err %.3e (tol %.0e)\n", row.name.c_str(), row.rel_err, row.tol);
+    INFO("gemm " << row.name << ": relative error " << row.rel_err);
+    CHECK(row.rel_err <= row.tol);
+  }
+}
+
+TEST_CASE("cuda: attention forward and backward", "[cuda]") {
+  CUDA_TEST_OR_SKIP();
+  Pair p;
+  struct S { int B, T, C, NH; };
+  // HS = 16, 19 (padded to 32), 64 (tiles crossed at T=130), 128, 40; T = 1 and odd.
+  for (S s : {S{1, 1, 16, 1}, S{2, 19, 38, 2}, S{1, 111, 64, 1}, S{2, 130, 192, 3}, S{1, 70, 256, 2}, S{3, 65, 80, 2}}) {
+    const std::string sh = shape({{"B", s.B}, {"T", s.T}, {"C", s.C}, {"NH", s.NH}});
+    const size_t nqkv = size_t(s.B) * s.T * 3 * s.C, nout = size_t(s.B) * s.T * s.C;
+    Twin qkv(p, randn(nqkv, 41), true);
+    Twin out = out_twin(p, nout, true);
+    DeviceBuffer csaved(p.cpu.get(), p.cpu->attention_saved_floats(s.B, s.T, s.NH) * 4);
+    DeviceBuffer gsaved(p.gpu.get(), p.gpu->attention_saved_floats(s.B, s.T, s.NH) * 4);
+    CHECK(p.gpu->attention_saved_floats(s.B, s.T, s.NH) == size_t(s.B) * s.NH * s.T);  // no T x T state
+    p.cpu->attention_forward(out.c(), csaved.as<float>(), qkv.c(), s.B, s.T, s.C, s.NH);
+    p.gpu->attention_forward(out.g(), gsaved.as<float>(), qkv.g(), s.B, s.T, s.C, s.NH);
+    check_close("attention out " + sh, out.read_gpu(p), out.read_cpu(p), kAttnFwd);
+
+    Twin dout(p, randn(nout, 42), true);
+    Twin dqkv = out_twin(p, nqkv, true);
+    p.cpu->attention_backward(dqkv.c(), dout.c(), qkv.c(), csaved.as<float>(), s.B, s.T, s.C, s.NH);
+    p.gpu->attention_backward(dqkv.g(), dout.g(), qkv.g(), gsaved.as<float>(), s.B, s.T, s.C, s.NH);
+    check_close("attention dqkv " + sh, dqkv.read_gpu(p), dqkv.read_cpu(p), kAttnBwd);
+  }
+  // A head size above the supported 128 is a clear error, not a wrong answer.
+  DeviceBuffer q(p.gpu.get(), 3 * 256 * 2), o(p.gpu.get(), 256 * 2), l(p.gpu.get(), 4);
+  CHECK_THROWS_AS(p.gpu->attention_forward(o.get(), l.as<float>(), q.get(), 1, 1, 256, 1), Error);
+}
+
+TEST_CASE("cuda: gelu and residual", "[cuda]") {
+  CUDA_TEST_OR_SKIP();
+  Pair p;
+  for (size_t n : {size_t(1), size_t(19), size_t(111), size_t(500), size_t(4099)}) {
+    for (size_t off : {size_t(0), size_t(1)}) {
+      const std::string sh = "n=" + std::to_string(n) + (off ? " unaligned" : "");
+      Twin x(p, randn(n, 51, 2.0f), true, off);
+      Twin y = out_twin(p, n, true, off);
+      p.cpu->gelu_forward(y.c(), x.c(), int64_t(n));
+      p.gpu->gelu_forward(y.g(), x.g(), int64_t(n));
+      check_close("gelu fwd " + sh, y.read_gpu(p), y.read_cpu(p), kBf16);
+      Twin dout(p, randn(n, 52), true, off);
+      Twin dx = out_twin(p, n, true, off);
+      p.cpu->gelu_backward(dx.c(), x.c(), dout.c(), int64_t(n));
+      p.gpu->gelu_backward(dx.g(), x.g(), dout.g(), int64_t(n));
+      check_close("gelu bwd " + sh, dx.read_gpu(p), dx.read_cpu(p), kBf16);
+      // In place: dinp aliases dout.
+      p.gpu->gelu_backward(dout.g(), x.g(), dout.g(), int64_t(n));
+      check_close("gelu bwd in place " + sh, dout.read_gpu(p), dx.read_cpu(p), kBf16);
+      Twin a(p, randn(n, 53), true, off), b(p, randn(n, 54), true, off);
+      Twin r = out_twin(p, n, true, off);
+      p.cpu->residual_forward(r.c(), a.c(), b.c(), int64_t(n));
+      p.gpu->residual_forward(r.g(), a.g(), b.g(), int64_t(n));
+      check_close("residual " + sh, r.read_gpu(p), r.read_cpu(p), kBf16);
+    }
+  }
+}
+
+TEST_CASE("cuda: softmax cross-entropy", "[cuda]") {
+  CUDA_TEST_OR_SKIP();
+  Pair p;
+  struct S { int N, V; };
+  for (S s : {S{1, 1}, S{19, 37}, S{5, 111}, S{3, 500}, S{4, 50257}}) {
+    const std::string sh = shape({{"N", s.N}, {"V", s.V}});
+    auto tgt = rand_tokens(s.N, s.V, 61);
+    if (s.N > 2) tgt[1] = -1;  // ignored position
+    Tok tk(p, tgt);
+    const size_t n = size_t(s.N) * s.V;
+    Twin logits(p, randn(n, 62, 3.0f), true);
+    Twin loss = out_twin(p, s.N, false);
+    p.cpu->softmax_cross_entropy(loss.cf(), nullptr, logits.c(), tk.cp(), s.N, s.V, 0.0f);
+    p.gpu->softmax_cross_entropy(loss.gf(), nullptr, logits.g(), tk.gp(), s.N, s.V, 0.0f);
+    check_close("softmax-CE loss " + sh, loss.read_gpu(p), loss.read_cpu(p), kF32);
+    const float scale = 1.0f / 7;
+    Twin dl = out_twin(p, n, true);
+    Twin loss2 = out_twin(p, s.N, false);
+    p.cpu->softmax_cross_entropy(loss2.cf(), dl.c(), logits.c(), tk.cp(), s.N, s.V, scale);
+    p.gpu->softmax_cross_entropy(loss2.gf(), dl.g(), logits.g(), tk.gp(), s.N, s.V, scale);
+    check_close("softmax-CE dlogits " + sh, dl.read_gpu(p), dl.read_cpu(p), kBf16);
+    check_close("softmax-CE loss (with grad) " + sh, loss2.read_gpu(p), loss.read_cpu(p), kF32);
+    // In place over the logits, as the model calls it.
+    p.gpu->softmax_cross_entropy(loss2.gf(), logits.g(), logits.g(), tk.gp(), s.N, s.V, scale);
+    check_close("softmax-CE dlogits in place " + sh, logits.read_gpu(p), dl.read_cpu(p), kBf16);
+  }
+}
+
+TEST_CASE("cuda: sum_squares, scale, accumulate", "[cuda]") {
+  CUDA_TEST_OR_SKIP();
+  Pair p;
+  for (size_t n : {size_t(1), size_t(19), size_t(111), size_t(500), size_t(1) << 20 | 3}) {
+    for (size_t off : {size_t(0), size_t(1)}) {
+      const std::string sh = "n=" + std::to_string(n) + (off ? " unaligned" : "");
+      Twin x(p, randn(n, 71), false, off);
+      Twin acc(p, Vec{2.5f}, false);
+      p.cpu->sum_squares(acc.cf(), x.cf(), int64_t(n));
+      p.gpu->sum_squares(acc.gf(), x.gf(), int64_t(n));
+      check_close("sum_squares (+=) " + sh, acc.read_gpu(p), acc.read_cpu(p), kF32);
+      Twin acc2(p, Vec{0.0f}, false), acc3(p, Vec{0.0f}, false);
+      p.gpu->sum_squares(acc2.gf(), x.gf(), int64_t(n));
+      p.gpu->sum_squares(acc3.gf(), x.gf(), int64_t(n));
+      CHECK(acc2.read_gpu(p)[0] == acc3.read_gpu(p)[0]);  // deterministic
+      p.cpu->scale(x.cf(), 0.37f, int64_t(n));
+      p.gpu->scale(x.gf(), 0.37f, int64_t(n));
+      check_close("scale " + sh, x.read_gpu(p), x.read_cpu(p), kF32);
+      Twin src(p, randn(n, 72), false, off);
+      p.cpu->accumulate(x.cf(), src.cf(), int64_t(n));
+      p.gpu->accumulate(x.gf(), src.gf(), int64_t(n));
+      check_close("accumulate " + sh, x.read_gpu(p), x.read_cpu(p), kF32);
+    }
+  }
+}
+
+TEST_CASE("cuda: adamw updates fp32 master and writes bf16 params", "[cuda]") {
+  CUDA_TEST_OR_SKIP();
+  Pair p;
+  for (size_t n : {size_t(1), size_t(19), size_t(111), size_t(500), size_t(4099)}) {
+    for (size_t off : {size_t(0), size_t(3)}) {
+      const std::string sh = "n=" + std::to_string(n) + (off ? " unaligned" : "");
+      Twin master(p, randn(n, 81, 0.05f), false, off), grad(p, randn(n, 82, 1e-2f), false, off);
+      Twin m(p, randn(n, 83, 1e-3f), false, off);
+      Vec v0 = randn(n, 84, 1e-5f);
+      for (auto& x : v0) x = std::fabs(x);
+      Twin v(p, v0, false, off);
+      Twin param = out_twin(p, n, true, off);
+      for (int step : {1, 7}) {
+        p.cpu->adamw_update(master.cf(), master.cf(), grad.cf(), m.cf(), v.cf(), int64_t(n), 3e-3f, 0.9f, 0.95f,
+                            1e-8f, 0.1f, step, 0.5f);
+        p.gpu->adamw_update(master.gf(), param.g(), grad.gf(), m.gf(), v.gf(), int64_t(n), 3e-3f, 0.9f, 0.95f, 1e-8f,
+                            0.1f, step, 0.5f);
+      }
+      const Vec gm = master.read_gpu(p);
+      check_close("adamw master " + sh, gm, master.read_cpu(p), kF32);
+      check_close("adamw m " + sh, m.read_gpu(p), m.read_cpu(p), kF32);
+      check_close("adamw v " + sh, v.read_gpu(p), v.read_cpu(p), kF32);
+      // The bf16 params are exactly the rounded master weights.
+      DeviceBuffer staged = upload_f32(p.gpu.get(), gm);
+      DeviceBuffer rounded(p.gpu.get(), n * 2);
+      p.gpu->cast_from_f32(rounded.get(), staged.as<float>(), int64_t(n));
+      const Vec want = download_act(p.gpu.get(), rounded.get(), n), got = param.read_gpu(p);
+      CHECK(std::memcmp(want.data(), got.data(), n * 4) == 0);
+    }
+  }
+}
+
+TEST_CASE("cuda: nccl communicator with one rank", "[cuda]") {
+  CUDA_TEST_OR_SKIP();
+  auto be = make_backend("cuda", 0, nullptr);
+  auto comm = make_nccl_communicator(be.get(), nullptr, "t/", 0, 1, std::chrono::seconds(30));
+  CHECK(comm->name() == "nccl");
+  CHECK(comm->world_size() == 1);
+  const Vec v = randn(37, 91);
+  DeviceBuffer a = upload_f32(be.get(), v), b(be.get(), 37 * 4);
+  comm->all_reduce(a.as<float>(), 37, ReduceOp::Avg);
+  comm->reduce_scatter(b.as<float>(), a.as<float>(), 37, ReduceOp::Sum);
+  CHECK(download_f32(be.get(), b.get(), 37) == v);
+  be->zero(b.get(), 37 * 4);
+  comm->all_gather(b.get(), a.get(), 37 * 4);
+  CHECK(download_f32(be.get(), b.get(), 37) == v);
+  float host = 3.5f;  // host scalars (the trainer's loss) are fine too
+  comm->all_reduce(&host, 1, ReduceOp::Sum);
+  CHECK(host == 3.5f);
+  comm->barrier();
+}
+
+namespace {
+std::string job_yaml(const std::string& dir, const std::string& backend, const std::string& sharding) {
+  return "model: {n_layer: 2, n_head: 2, n_embd: 64, vocab_size: 61, seq_len: 32}\n"
+         "data: {format: synthetic, synthetic: {vocab: 61, branching: 3}}\n"
+         "train: {global_batch_size: 8, micro_batch_size: 4, max_steps: 20, lr: 3.0e-3, min_lr: 3.0e-4,\n"
+         "        warmup_steps: 2, eval_interval: 0, eval_steps: 1, log_interval: 5, grad_clip: 1.0}\n"
+         "output: {dir: '" + dir + "', sample_tokens: 0}\n"
+         "parallel: {sharding: " + sharding + ", timeout_s: 60}\n"
+         "backend: " + backend + "\n";
+}
+TrainSummary train(const std::string& backend, const std::string& sharding) {
+  test::TempDir dir("cuda_train");
+  JobSpec job = parse_job_spec(job_yaml(dir.path(), backend, sharding), "job.yaml");
+  return run_training(job, WorkerInfo{});
+}
+}  // namespace
+
+TEST_CASE("cuda: 20 GPT-2 steps track the CPU backend's losses", "[cuda]") {
+  CUDA_TEST_OR_SKIP();
+  const TrainSummary cpu = train("cpu", "no_shard");
+  for (const char* sharding : {"no_shard", "full_shard"}) {
+    const TrainSummary gpu = train("cuda", sharding);
+    REQUIRE(gpu.losses.size() == cpu.losses.size());
+    double worst = 0;
+    for (size_t i = 0; i < cpu.losses.size(); ++i)
+      worst = std::max(worst, std::fabs(gpu.losses[i] - cpu.losses[i]) / std::fabs(cpu.losses[i]));
+    std::printf("  %-58s max rel diff %.3e (tol %.0e); loss %.4f -> %.4f (cpu %.4f -> %.4f)\n",
+                (std::string("losses over 20 steps, ") + sharding).c_str(), worst, kLoss, gpu.losses.front(),
+                gpu.losses.back(), cpu.losses.front(), cpu.losses.back());
+    CHECK(worst <= kLoss);
+    CHECK(gpu.losses.back() < gpu.losses.front());  // it learns
+  }
+}
+
+TEST_CASE("cuda: sharded runs over NCCL match the single-GPU run", "[cuda]") {
+  CUDA_TEST_OR_SKIP();
+  std::string reason;
+  const int n = gpus(&reason);
+  if (n < 2) {
+    WARN("skipped: needs 2 GPUs, " << n << " visible");
+    return;
+  }
+  const TrainSummary single = train("cuda", "no_shard");
+  for (const char* sharding : {"no_shard", "full_shard"}) {
+    test::TempDir dir("cuda_nccl");
+    const int world = 2;
+    JobSpec job = parse_job_spec(job_yaml(dir.path(), "cuda", sharding), "job.yaml");
+    const std::string secret = make_job_secret();
+    TcpStoreServer server("127.0.0.1", 0, secret);
+    std::vector<TrainSummary> out(world);
+    std::vector<std::string> errors(world);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < world; ++r) {
+      threads.emplace_back([&, r] {
+        WorkerInfo w;
+        w.rank = w.local_rank = r;
+        w.world = w.local_world = world;
+        w.master_port = server.port();
+        w.secret = secret;
+        try {
+          out[r] = run_training(job, w);
+        } catch (const std::exception& e) {
+          errors[r] = e.what();
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (int r = 0; r < world; ++r) {
+      INFO("rank " << r << ": " << errors[r]);
+      CHECK(errors[r].empty());
+    }
+    REQUIRE(out[0].losses.size() == single.losses.size());
+    double worst = 0;
+    for (size_t i = 0; i < single.losses.size(); ++i)
+      worst = std::max(worst, std::fabs(out[0].losses[i] - single.losses[i]) / std::fabs(single.losses[i]));
+    std::printf("  %-58s max rel diff %.3e (tol %.0e)\n", (std::string("2 GPUs over NCCL, ") + sharding).c_str(),
+                worst, kLoss);
+    CHECK(worst <= kLoss);
+  }
+}
