@@ -15,6 +15,8 @@
 #include "core/config/job_spec.h"
 #include "core/data/dataset.h"
 #include "core/launch/agent.h"
+#include "core/launch/launch_mode.h"
+#include "core/launch/slurm_worker.h"
 #include "core/model/model_io.h"
 #include "core/train/generate.h"
 #include "core/train/planner.h"
@@ -54,26 +56,45 @@ void write_text_file(const fs::path& path, const std::string& text) {
   TR_CHECK(f.good(), "cannot write '", path.string(), "' (disk full?)");
 }
 
-int cmd_run(const std::string& config, const std::vector<std::string>& sets) {
+void prepare_output_dir(const JobSpec& job) {
+  std::error_code ec;
+  fs::create_directories(job.output.dir, ec);
+  TR_CHECK(!ec, "output.dir: cannot create '", job.output.dir, "': ", ec.message());
+}
+
+int cmd_run(const std::string& config, std::vector<std::string> sets, const LaunchFlags& flags) {
+  // --nnodes/--master-addr/--master-port are job spec fields (launcher.*).
+  for (std::string& o : flags.overrides()) sets.push_back(std::move(o));
   JobSpec job = load_job_spec(config, sets);
-  // Several local workers (or restarts) need an agent; one worker, or a
-  // process that an outside launcher (torchrun, srun) already placed via
-  // RANK/WORLD_SIZE, trains right here.
-  if (should_run_agent(job)) {
-    std::error_code ec;
-    fs::create_directories(job.output.dir, ec);
-    TR_CHECK(!ec, "output.dir: cannot create '", job.output.dir, "': ", ec.message());
-    const fs::path resolved = fs::path(job.output.dir) / "job.resolved.yaml";
-    write_text_file(resolved, job_spec_to_yaml(job));
-    TR_LOG_INFO("job: ", job.source, " -> ", resolved.string());
-    return run_agent(job, fs::absolute(resolved).string());
+  // How this process was started (core/launch/launch_mode.h): an agent for
+  // several local workers, restarts or several nodes; a worker placed by
+  // srun or by an outside launcher; else one worker right here.
+  const LaunchPlan plan = plan_launch(job, flags, current_environment(), this_host_name());
+  TR_LOG_INFO("launch: ", plan.describe());
+  for (const std::string& w : plan.warnings) TR_LOG_WARN("launch: ", w);
+  const fs::path resolved = fs::path(job.output.dir) / "job.resolved.yaml";
+  if (plan.agent()) {
+    // Node 0 writes the resolved spec; the other nodes' workers load it
+    // (the agents check that output.dir is shared before they start any).
+    if (plan.node_rank == 0) {
+      prepare_output_dir(job);
+      write_text_file(resolved, job_spec_to_yaml(job));
+      TR_LOG_INFO("job: ", job.source, " -> ", resolved.string());
+    }
+    return run_agent(job, plan, fs::absolute(resolved).string());
+  }
+  if (plan.mode == LaunchMode::SlurmWorker) {
+    if (plan.rank == 0) {
+      prepare_output_dir(job);
+      write_text_file(resolved, job_spec_to_yaml(job));
+      TR_LOG_INFO("job: ", job.source, " -> ", resolved.string());
+    }
+    return run_slurm_worker(job, plan);
   }
   WorkerInfo w = WorkerInfo::from_env();
   if (w.rank == 0) {
-    std::error_code ec;
-    fs::create_directories(job.output.dir, ec);
-    TR_CHECK(!ec, "output.dir: cannot create '", job.output.dir, "': ", ec.message());
-    write_text_file(fs::path(job.output.dir) / "job.resolved.yaml", job_spec_to_yaml(job));
+    prepare_output_dir(job);
+    write_text_file(resolved, job_spec_to_yaml(job));
     TR_LOG_INFO("job: ", job.source, " -> ", job.output.dir, "/job.resolved.yaml");
   }
   return exit_code_for(run_training(job, w));
@@ -146,6 +167,17 @@ int main(int argc, char** argv) {
   std::vector<std::string> sets;
   app.add_option("--config", config, "job spec (YAML)")->check(CLI::ExistingFile);
   app.add_option("--set", sets, "override a job spec field: --set train.lr=3e-4 (repeatable)");
+  // torchrun-style static rendezvous across nodes (outside Slurm; under
+  // srun the node rank and count come from SLURM_*), see README "Slurm and
+  // several nodes".
+  LaunchFlags lflags;
+  app.add_option("--nnodes", lflags.nnodes, "nodes in the job, one agent each (launcher.nnodes)")
+      ->check(CLI::Range(1, 65536));
+  app.add_option("--node-rank", lflags.node_rank, "this node's rank: 0 hosts the rendezvous store")
+      ->check(CLI::Range(0, 65535));
+  app.add_option("--master-addr", lflags.master_addr, "address of node 0's rendezvous store (launcher.master_addr)");
+  app.add_option("--master-port", lflags.master_port, "port of node 0's rendezvous store (launcher.master_port)")
+      ->check(CLI::Range(1, 65535));
 
   auto* validate = app.add_subcommand("validate", "print the fully resolved job spec, or its errors");
   std::string vconfig;
@@ -279,7 +311,7 @@ int main(int argc, char** argv) {
       std::cerr << app.help() << "\ntrainrun: error: --config is required to run a job\n";
       return 2;
     }
-    return cmd_run(config, sets);
+    return cmd_run(config, sets, lflags);
   } catch (const Error& e) {
     std::cerr << "trainrun: error: " << e.what() << std::endl;
     return 1;

@@ -43,6 +43,10 @@ Plugin load_plugin() {
 #else
   std::vector<std::string> candidates;
   if (const char* env = std::getenv("TRAINRUN_CUDA_LIB"); env && *env) {
+    if (access(env, F_OK) != 0) {
+      pl.error = detail::cat("TRAINRUN_CUDA_LIB='", env, "' does not exist");
+      return pl;
+    }
     candidates.push_back(env);  // explicit: the only candidate
   } else {
     const std::string dir = exe_dir();

@@ -89,8 +89,7 @@ class Parser {
 
   void check_host_char(char c) const {
     const unsigned char u = static_cast<unsigned char>(c);
-    if (std::isspace(u))
-      fail("whitespace at column ", pos_ + 1, " (hosts are separated by commas, without spaces)");
+    if (std::isspace(u)) fail("whitespace at column ", pos_ + 1, " (hosts are separated by commas, without spaces)");
     if (std::iscntrl(u)) fail("control character at column ", pos_ + 1);
   }
 
@@ -102,8 +101,8 @@ class Parser {
     while (true) {
       if (pos_ == s_.size()) fail("'[' at column ", open + 1, " has no matching ']'");
       const char c = s_[pos_];
-      if (c == '[') fail("'[' at column ", pos_ + 1, " inside the brackets opened at column ", open + 1,
-                            " (brackets do not nest)");
+      if (c == '[')
+        fail("'[' at column ", pos_ + 1, " inside the brackets opened at column ", open + 1, " (brackets do not nest)");
       if (c == ']' || c == ',') {
         if (c == ']' && g.ranges.empty() && pos_ == open + 1)
           fail("empty brackets at column ", open + 1, " (expected numbers such as [1-4,7])");
@@ -120,7 +119,7 @@ class Parser {
         continue;
       }
       fail("unexpected '", s_[pos_], "' at column ", pos_ + 1,
-              " (inside brackets only numbers, '-' and ',' are allowed)");
+           " (inside brackets only numbers, '-' and ',' are allowed)");
     }
   }
 
@@ -132,7 +131,6 @@ class Parser {
     r.hi = r.lo;
     if (pos_ < s_.size() && s_[pos_] == '-') {
       ++pos_;
-      const size_t hi_at = pos_;
       if (pos_ == s_.size() || !std::isdigit(static_cast<unsigned char>(s_[pos_]))) {
         if (pos_ == s_.size()) fail("'[' at column ", open + 1, " has no matching ']'");
         fail("range at column ", lo_at + 1, " has no upper bound");
@@ -141,7 +139,7 @@ class Parser {
       r.hi = parse_number(open, &hi_width);
       if (r.hi < r.lo)
         fail("reversed range ", s_.substr(lo_at, pos_ - lo_at), " at column ", lo_at + 1,
-                " (the upper bound must not be below the lower bound)");
+             " (the upper bound must not be below the lower bound)");
     }
     return r;
   }
@@ -151,15 +149,14 @@ class Parser {
     uint64_t v = 0;
     while (pos_ < s_.size() && std::isdigit(static_cast<unsigned char>(s_[pos_]))) {
       const uint64_t d = uint64_t(s_[pos_] - '0');
-      if (v > (std::numeric_limits<uint64_t>::max() - d) / 10)
-        fail("number at column ", start + 1, " is too large");
+      if (v > (std::numeric_limits<uint64_t>::max() - d) / 10) fail("number at column ", start + 1, " is too large");
       v = v * 10 + d;
       ++pos_;
     }
     if (pos_ == start) {
       if (pos_ == s_.size()) fail("'[' at column ", open + 1, " has no matching ']'");
       fail("unexpected '", s_[pos_], "' at column ", pos_ + 1,
-              " (inside brackets only numbers, '-' and ',' are allowed)");
+           " (inside brackets only numbers, '-' and ',' are allowed)");
     }
     *width = pos_ - start;
     return v;
@@ -217,8 +214,7 @@ std::vector<Expr> parse_checked(const std::string& list, uint64_t* total) {
     }
     sum += n;
     if (sum > kMaxHostlistHosts)
-      TR_FAIL("hostlist '", list, "': expands to more than ", kMaxHostlistHosts,
-              " hosts; is a range mistyped?");
+      TR_FAIL("hostlist '", list, "': expands to more than ", kMaxHostlistHosts, " hosts; is a range mistyped?");
   }
   *total = sum;
   return exprs;

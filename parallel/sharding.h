@@ -64,6 +64,9 @@ class ParamStore : public UnitAccess {
   // State kind: 0 fp32 master weights, 1 AdamW first moment, 2 second moment.
   // Host copies, concatenated in held_ranges() order.
   virtual std::vector<float> get_state(int kind) = 0;
+  // One range (inside held_ranges()) of one kind straight into host memory:
+  // the checkpoint snapshot, with no intermediate buffers.
+  virtual void copy_state_range(int kind, const Range& r, float* out) = 0;
   // Collective for kind 0 (parameters may be re-gathered): every rank calls
   // set_state in the same order.
   virtual void set_state(int kind, const std::vector<float>& host) = 0;

@@ -86,6 +86,10 @@ class ReplicatedStore final : public ParamStore {
     be_->copy_to_host(host.data(), state(kind), host.size() * 4);
     return host;
   }
+  void copy_state_range(int kind, const Range& r, float* out) override {
+    TR_CHECK(r.global >= 0 && r.global + r.count <= layout_.total, "copy_state_range: out of range");
+    be_->copy_to_host(out, state(kind) + r.global, size_t(r.count) * 4);
+  }
   void set_state(int kind, const std::vector<float>& host) override {
     if (kind == 0) return load_full_params(host);
     TR_CHECK(int64_t(host.size()) == layout_.total, "set_state: size mismatch");

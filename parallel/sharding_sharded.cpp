@@ -299,6 +299,16 @@ class ShardedStore final : public ParamStore {
       out.insert(out.end(), shard.begin() + u.shard_off, shard.begin() + u.shard_off + u.owned);
     return out;
   }
+  void copy_state_range(int kind, const Range& r, float* out) override {
+    for (const auto& u : units_) {
+      const int64_t lo = u.offset + u.begin;
+      if (r.global >= lo && r.global + r.count <= lo + u.owned) {
+        be_->copy_to_host(out, state(kind) + u.shard_off + (r.global - lo), size_t(r.count) * 4);
+        return;
+      }
+    }
+    TR_FAIL("copy_state_range: [", r.global, ", +", r.count, ") is not held by rank ", world_->rank());
+  }
   void set_state(int kind, const std::vector<float>& host) override {
     std::vector<float> shard(shard_total_, 0.0f);
     size_t pos = 0;

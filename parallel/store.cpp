@@ -122,7 +122,8 @@ Clock::time_point deadline_after(Millis timeout, Millis extra) {
 
 class TcpStoreClient : public Store {
  public:
-  TcpStoreClient(int fd, std::string where) : fd_(fd), where_(std::move(where)) {}
+  TcpStoreClient(int fd, std::string where, Millis io_timeout)
+      : fd_(fd), where_(std::move(where)), io_timeout_(io_timeout) {}
   ~TcpStoreClient() override {
     if (fd_ >= 0) ::close(fd_);
   }
@@ -130,7 +131,7 @@ class TcpStoreClient : public Store {
   void set(const std::string& key, const std::vector<uint8_t>& value) override {
     Writer w;
     w.u8(kSet).str(key).vec(value);
-    expect_ok(call("set('" + key + "')", w, deadline_after(kIoTimeout, Millis(0))));
+    expect_ok(call("set('" + key + "')", w, deadline_after(io_timeout_, Millis(0))));
   }
 
   std::vector<uint8_t> get(const std::string& key, Millis timeout) override {
@@ -148,7 +149,7 @@ class TcpStoreClient : public Store {
   int64_t add(const std::string& key, int64_t delta) override {
     Writer w;
     w.u8(kAdd).str(key).u64(static_cast<uint64_t>(delta));
-    Reply r = call("add('" + key + "')", w, deadline_after(kIoTimeout, Millis(0)));
+    Reply r = call("add('" + key + "')", w, deadline_after(io_timeout_, Millis(0)));
     expect_ok(r);
     return static_cast<int64_t>(r.body().u64());
   }
@@ -157,7 +158,7 @@ class TcpStoreClient : public Store {
                                    const std::vector<uint8_t>& desired) override {
     Writer w;
     w.u8(kCompareSet).str(key).vec(expected).vec(desired);
-    Reply r = call("compare_set('" + key + "')", w, deadline_after(kIoTimeout, Millis(0)));
+    Reply r = call("compare_set('" + key + "')", w, deadline_after(io_timeout_, Millis(0)));
     expect_ok(r);
     return r.body().vec();
   }
@@ -165,7 +166,7 @@ class TcpStoreClient : public Store {
   bool check(const std::string& key) override {
     Writer w;
     w.u8(kCheck).str(key);
-    Reply r = call("check('" + key + "')", w, deadline_after(kIoTimeout, Millis(0)));
+    Reply r = call("check('" + key + "')", w, deadline_after(io_timeout_, Millis(0)));
     expect_ok(r);
     return r.body().u8() != 0;
   }
@@ -173,7 +174,7 @@ class TcpStoreClient : public Store {
   bool remove(const std::string& key) override {
     Writer w;
     w.u8(kRemove).str(key);
-    Reply r = call("remove('" + key + "')", w, deadline_after(kIoTimeout, Millis(0)));
+    Reply r = call("remove('" + key + "')", w, deadline_after(io_timeout_, Millis(0)));
     expect_ok(r);
     return r.body().u8() != 0;
   }
@@ -351,6 +352,7 @@ class TcpStoreClient : public Store {
 
   int fd_;
   std::string where_;
+  Millis io_timeout_;
   std::mutex mu_;
   std::string broken_;  // why the connection is unusable; empty while healthy
   std::vector<uint8_t> buf_;
@@ -397,7 +399,7 @@ int try_connect(const sockaddr_in& addr, Clock::time_point deadline, std::string
 }  // namespace
 
 std::unique_ptr<Store> connect_tcp_store(const std::string& host, int port, const std::string& secret,
-                                         Millis connect_timeout) {
+                                         Millis connect_timeout, Millis io_timeout) {
   TR_CHECK(port > 0 && port <= 65535, "rendezvous store: port ", port,
            " is out of range (1-65535); check MASTER_PORT");
   const std::string where = host + ":" + std::to_string(port);
@@ -422,7 +424,7 @@ std::unique_ptr<Store> connect_tcp_store(const std::string& host, int port, cons
     std::this_thread::sleep_for(std::min<Clock::duration>(pause, deadline - now));
     pause = std::min(pause * 2, Millis(500));
   }
-  auto client = std::make_unique<TcpStoreClient>(fd, where);
+  auto client = std::make_unique<TcpStoreClient>(fd, where, io_timeout > Millis(0) ? io_timeout : kIoTimeout);
   client->handshake(secret, std::max(deadline, Clock::now() + kMinHandshake));
   return client;
 }

@@ -64,8 +64,11 @@ class TcpStoreServer {
 };
 
 // Client: connects (retrying until connect_timeout) and authenticates.
+// io_timeout bounds the round trip of set/add/check/remove/compare_set (the
+// server answers those at once); a node agent's heartbeat client uses a
+// short one so a partitioned network is noticed within the node timeout.
 std::unique_ptr<Store> connect_tcp_store(const std::string& host, int port, const std::string& secret,
-                                         Millis connect_timeout);
+                                         Millis connect_timeout, Millis io_timeout = std::chrono::seconds(60));
 
 // A fresh random secret (hex, 128 bits from /dev/urandom).
 std::string make_job_secret();

@@ -89,7 +89,8 @@ void nccl_env(const Topology& t, Decisions& d) {
     if (hopper_or_newer(t, used[0], &how))
       set("NCCL_NVLS_ENABLE", "1",
           "NVSwitch with Hopper-class GPUs (" + how + "): NVLink SHARP reduces in the switch, which frees SMs and "
-          "raises all-reduce bandwidth; requires the fabric manager to be running");
+          "raises all-reduce bandwidth. NCCL enables it by itself when the driver and fabric manager support it; "
+          "set explicitly so the choice is recorded, and a user's 0 still wins");
     else
       keep("NCCL_NVLS_ENABLE", "NVLink SHARP needs third-generation NVSwitch and Hopper GPUs (" + how + ")");
   }
@@ -168,17 +169,20 @@ void nccl_env(const Topology& t, Decisions& d) {
   // which NCCL's default (2: same NIC when it can) already respects.
   int rdma = 0;
   for (const Nic& n : t.nics) rdma += is_rdma(n.kind) ? 1 : 0;
-  if (rdma >= 2) {
-    bool rail = true;
+  if (rdma >= 2 && !near.empty()) {
+    size_t close = 0;
     for (const auto& [g, ns] : near)
-      rail = rail && link_distance(t.nics[size_t(ns[0])].gpu_links[size_t(g)]) <= link_distance(Link{LinkKind::PXB, 0});
-    if (rail)
+      close += link_distance(t.nics[size_t(ns[0])].gpu_links[size_t(g)]) <= link_distance(Link{LinkKind::PXB, 0});
+    if (close == near.size())
       keep("NCCL_CROSS_NIC", "each GPU has its own NIC within a PCIe switch (a rail layout): NCCL's default (2) "
                              "keeps a ring on one rail when it can");
-    else
+    else if (close == 0)
       set("NCCL_CROSS_NIC", "1",
-          "no NIC is close to a GPU (all beyond PXB), so keeping rings on one NIC per rail buys nothing; let NCCL "
-          "use any NIC");
+          "no NIC is within a PCIe switch of any GPU in use, so keeping rings on one NIC per rail buys nothing; "
+          "let NCCL use any NIC");
+    else
+      keep("NCCL_CROSS_NIC", "some GPUs have a NIC within a PCIe switch and some do not: NCCL's default (2) "
+                             "weighs rails against distance ring by ring");
   }
 }
 

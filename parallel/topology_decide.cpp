@@ -7,7 +7,6 @@
 #include <algorithm>
 #include <map>
 #include <numeric>
-#include <regex>
 #include <set>
 
 namespace trainrun::topo {
@@ -80,8 +79,9 @@ void choose_gpus(const Topology& t, const DecisionInputs& in, Decisions& d) {
                              : "one rank per GPU, reordered so that the ranks of one NVLink island, then of one "
                                "NUMA node, are contiguous (neighbouring ranks talk the most)";
   } else if (order.empty()) {
-    // Fewer ranks than GPUs: the best N-subset. C(16, 8) = 12870 subsets at
-    // most on today's nodes; beyond that, take the first N in island order.
+    // Fewer ranks than GPUs: the best N-subset, by exhaustive search. Nodes
+    // have at most 16 GPUs (C(16, 8) = 12870 subsets); the search stops at
+    // 20000 so that a description with many more GPUs cannot stall a launch.
     std::vector<int> best, pick(static_cast<size_t>(N));
     std::vector<bool> mask(size_t(G), false);
     std::fill(mask.begin(), mask.begin() + N, true);

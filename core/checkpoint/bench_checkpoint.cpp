@@ -308,6 +308,7 @@ int run_checkpoint_bench(const CheckpointBenchOptions& o) {
       job.checkpoint.async = "true";
       job.checkpoint.keep_last = 0;
       Checkpointer ck(job, cfg, lay, 0, 1, nullptr, comm.get(), "");
+      ck.prepare(*ps);  // as the trainer does at start: the host snapshot is allocated up front
       TrainState st;
       st.step = rep + 1;
       auto t0 = Clock::now();

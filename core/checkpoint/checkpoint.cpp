@@ -207,34 +207,22 @@ double Checkpointer::save(ParamStore& ps, const TrainState& st) {
     write_ranges_ = ps.write_ranges();
     held_ranges_ = ps.held_ranges();
   }
-  // Snapshot: this rank's write ranges of master, m, v into host memory.
-  std::vector<std::vector<float>> parts(3);
+  // Snapshot: this rank's write ranges of master, m, v, copied straight
+  // into host buffers kept across saves (allocating and faulting in fresh
+  // buffers every time cost seconds per GB; reusing them is a plain copy).
+  ensure_snapshot_buffers();
   for (int kind = 0; kind < 3; ++kind) {
-    std::vector<float> held = ps.get_state(kind);
-    int64_t pos = 0;
-    std::vector<std::pair<ParamStore::Range, int64_t>> where;  // held range -> host offset
-    for (const auto& h : held_ranges_) {
-      where.push_back({h, pos});
-      pos += h.count;
-    }
+    size_t pos = 0;
     for (const auto& w : write_ranges_) {
-      bool found = false;
-      for (const auto& [h, off] : where) {
-        if (w.global >= h.global && w.global + w.count <= h.global + h.count) {
-          parts[kind].insert(parts[kind].end(), held.begin() + off + (w.global - h.global),
-                             held.begin() + off + (w.global - h.global) + w.count);
-          found = true;
-          break;
-        }
-      }
-      TR_CHECK(found, "checkpoint: write range not held by this rank (internal error)");
+      ps.copy_state_range(kind, w, snapshot_[kind].data() + pos);
+      pos += size_t(w.count);
     }
   }
   const int64_t step = st.step;
   if (job_.checkpoint.async == "true") {
-    bg_ = std::thread([this, step, st, parts = std::move(parts)] {
+    bg_ = std::thread([this, step, st] {
       try {
-        write_and_commit(step, st, parts);
+        write_and_commit(step, st, snapshot_);
       } catch (const std::exception& e) {
         bg_error_ = e.what();
       }
@@ -242,11 +230,26 @@ double Checkpointer::save(ParamStore& ps, const TrainState& st) {
     return std::chrono::duration<double>(Clock::now() - t0).count();
   }
   try {
-    write_and_commit(step, st, parts);
+    write_and_commit(step, st, snapshot_);
   } catch (const Error& e) {
     handle_failure(e.what());
   }
   return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+void Checkpointer::prepare(ParamStore& ps) {
+  write_ranges_ = ps.write_ranges();
+  held_ranges_ = ps.held_ranges();
+  // Async saves snapshot into these while training runs: fault them in now,
+  // not inside the first save's blocked window.
+  if (job_.checkpoint.async == "true") ensure_snapshot_buffers();
+}
+
+void Checkpointer::ensure_snapshot_buffers() {
+  size_t n = 0;
+  for (const auto& w : write_ranges_) n += size_t(w.count);
+  for (auto& b : snapshot_)
+    if (b.size() != n) b.assign(n, 0.0f);
 }
 
 void Checkpointer::wait() {

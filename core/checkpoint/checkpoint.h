@@ -54,6 +54,8 @@ class Checkpointer {
   // Collective. Snapshots the state; writes it now (sync) or in a background
   // thread (async). Returns the seconds training was blocked.
   double save(ParamStore& ps, const TrainState& st);
+  // Learn the rank's ranges; with async, allocate the host snapshot now.
+  void prepare(ParamStore& ps);
   // Wait for an in-flight async save (and apply checkpoint.on_error).
   void wait();
   // Collective. Resolves checkpoint.resume and loads; false when nothing to load.
@@ -67,6 +69,7 @@ class Checkpointer {
   void write_and_commit(int64_t step, const TrainState& st, const std::vector<std::vector<float>>& parts);
   void commit_rank0(int64_t step, const TrainState& st, const std::string& tmp, const std::string& final_dir);
   void retention();
+  void ensure_snapshot_buffers();
   void handle_failure(const std::string& what);
   std::string choose_resume_dir();
 
@@ -80,6 +83,7 @@ class Checkpointer {
   std::string root_;  // <output.dir>/checkpoints
   std::vector<ParamStore::Range> write_ranges_;
   std::vector<ParamStore::Range> held_ranges_;
+  std::vector<std::vector<float>> snapshot_ = std::vector<std::vector<float>>(3);
   std::thread bg_;
   std::string bg_error_;
 };

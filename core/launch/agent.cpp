@@ -40,12 +40,15 @@
 #include <filesystem>
 #include <fstream>
 #include <iomanip>
+#include <memory>
 #include <sstream>
 #include <vector>
 
 #include "core/common/error.h"
 #include "core/common/log.h"
 #include "core/launch/debug_hooks.h"
+#include "core/launch/launch_mode.h"
+#include "core/launch/node_group.h"
 #include "core/train/trainer.h"
 #include "parallel/store.h"
 #include "parallel/topology_launch.h"
@@ -167,7 +170,8 @@ int64_t read_error_time(const std::string& path) {
 }
 
 struct Worker {
-  int rank = 0;
+  int rank = 0;     // global: node_rank * nproc_per_node + local
+  int local = 0;    // LOCAL_RANK, the index in the agent's table
   pid_t pid = -1;
   int out_fd = -1;  // read end of the worker's stdout+stderr pipe (non-blocking)
   int log_fd = -1;  // logs/rank<N>.log
@@ -187,12 +191,18 @@ enum class Phase { Running, Settling, Stopping };
 
 class Agent {
  public:
-  Agent(const JobSpec& job, std::string spec_path, int nproc, topo::LaunchTopology topo)
-      : job_(job), spec_path_(std::move(spec_path)), nproc_(nproc), host_(host_name()), topo_(std::move(topo)) {}
+  Agent(const JobSpec& job, std::string spec_path, int nproc, topo::LaunchTopology topo, LaunchPlan plan)
+      : job_(job), spec_path_(std::move(spec_path)), nproc_(nproc), host_(host_name()), topo_(std::move(topo)),
+        plan_(std::move(plan)) {}
   ~Agent();
   int run();
 
  private:
+  int run_nodes();
+  int conclude(int attempt, int max_restarts);
+  int pending_stop_signal();
+  void on_node_events();
+  std::string node_prefix() const;
   void spawn_all(int attempt, int port, const std::string& secret);
   void spawn_one(Worker& w, const std::vector<std::string>& env);
   void supervise();
@@ -212,7 +222,13 @@ class Agent {
   const std::string spec_path_;
   const int nproc_;
   const std::string host_;
-  const topo::LaunchTopology topo_;  // per-rank CPU/NUMA placement and the decided environment
+  // Per-rank CPU/NUMA placement and the decided environment. A node agent
+  // of a multi-node job decides it in run_nodes(), once output.dir is known
+  // to be there (node 0 creates it).
+  topo::LaunchTopology topo_;
+  const LaunchPlan plan_;            // this node's place in the job (launch_mode.h)
+  std::unique_ptr<NodeGroup> group_;  // the other nodes' agents (multi-node jobs only)
+  std::string remote_failure_;       // why another node stopped the job (multi-node)
   std::vector<Worker> w_;
   int sfd_ = -1;
   Phase phase_ = Phase::Running;
@@ -297,7 +313,7 @@ void Agent::spawn_one(Worker& w, const std::vector<std::string>& env) {
   TR_CHECK_ERRNO(::pipe2(p, O_CLOEXEC) == 0, "launcher: cannot create the output pipe of rank ", w.rank);
   ::fcntl(p[0], F_SETFL, ::fcntl(p[0], F_GETFL) | O_NONBLOCK);
   const topo::WorkerPlacement* place =
-      size_t(w.rank) < topo_.placement.size() ? &topo_.placement[size_t(w.rank)] : nullptr;
+      size_t(w.local) < topo_.placement.size() ? &topo_.placement[size_t(w.local)] : nullptr;
   const pid_t agent = ::getpid();
   const pid_t pid = ::fork();
   if (pid == 0) exec_worker(agent, p[1], argv.data(), envp.data(), place);
@@ -329,9 +345,14 @@ void Agent::spawn_all(int attempt, int port, const std::string& secret) {
   }
   const char* omp = std::getenv("OMP_NUM_THREADS");
   if (!omp || !*omp) common.push_back("OMP_NUM_THREADS=" + std::to_string(std::max(1, usable_cpus() / nproc_)));
-  const std::string world = std::to_string(nproc_);
-  for (const std::string& kv : std::vector<std::string>{"WORLD_SIZE=" + world, "LOCAL_WORLD_SIZE=" + world, "GROUP_RANK=0", "GROUP_WORLD_SIZE=1",
-        "MASTER_ADDR=" + job_.launcher.master_addr, "MASTER_PORT=" + std::to_string(port),
+  // Several nodes: ranks are global (node_rank * nproc + local), the world
+  // is every node's workers, and each worker binds the interface that
+  // reaches node 0 (TRAINRUN_GLOO_HOST, unless the user set it).
+  const std::string world = std::to_string(plan_.nnodes * nproc_), local_world = std::to_string(nproc_);
+  if (group_ && !std::getenv("TRAINRUN_GLOO_HOST")) common.push_back("TRAINRUN_GLOO_HOST=" + group_->bind_addr());
+  for (const std::string& kv : std::vector<std::string>{"WORLD_SIZE=" + world, "LOCAL_WORLD_SIZE=" + local_world,
+        "GROUP_RANK=" + std::to_string(plan_.node_rank), "GROUP_WORLD_SIZE=" + std::to_string(plan_.nnodes),
+        "MASTER_ADDR=" + plan_.master_addr, "MASTER_PORT=" + std::to_string(port),
         "TRAINRUN_STORE_SECRET=" + secret, "TRAINRUN_RESTART_COUNT=" + std::to_string(attempt),
         "TRAINRUN_MAX_RESTARTS=" + std::to_string(job_.launcher.max_restarts)})
     common.push_back(kv);
@@ -341,9 +362,10 @@ void Agent::spawn_all(int attempt, int port, const std::string& secret) {
   w_.assign(size_t(nproc_), Worker{});
   for (int r = 0; r < nproc_; ++r) {
     Worker& w = w_[size_t(r)];
-    w.rank = r;
-    w.log_path = (logs / ("rank" + std::to_string(r) + ".log")).string();
-    w.error_file = (logs / ("rank" + std::to_string(r) + ".error")).string();
+    w.rank = plan_.first_rank() + r;
+    w.local = r;
+    w.log_path = (logs / ("rank" + std::to_string(w.rank) + ".log")).string();
+    w.error_file = (logs / ("rank" + std::to_string(w.rank) + ".error")).string();
     fs::remove(w.error_file, ec);  // a stale one would confuse first_failure()
     // The first attempt starts fresh logs; restarts append, after a marker,
     // so the failed attempt's lines stay readable.
@@ -359,7 +381,7 @@ void Agent::spawn_all(int attempt, int port, const std::string& secret) {
   for (Worker& w : w_) {
     std::vector<std::string> env = common;
     env.push_back("RANK=" + std::to_string(w.rank));
-    env.push_back("LOCAL_RANK=" + std::to_string(w.rank));
+    env.push_back("LOCAL_RANK=" + std::to_string(w.local));
     env.push_back("TRAINRUN_ERROR_FILE=" + w.error_file);
     spawn_one(w, env);  // on a throw, ~Agent kills and reaps those already started
   }
@@ -446,6 +468,11 @@ void Agent::reap() {
       failed_ = true;
       phase_ = Phase::Settling;
       settle_until_ = Clock::now() + std::min<Clock::duration>(kSettle, seconds(job_.launcher.grace_period_s));
+      // The other nodes stop their workers too (the heartbeat thread sends it).
+      if (group_)
+        group_->announce_failure(group_->node_label(plan_.node_rank) + " failed: rank " + std::to_string(w.rank) +
+                                 " (pid " + std::to_string(w.pid) + ") ended first with " + describe_status(st) +
+                                 "; that node's agent output and " + w.log_path + " say why");
     }
   }
 }
@@ -522,11 +549,12 @@ void Agent::supervise() {
     owners.assign(1, nullptr);
     for (Worker& w : w_)
       if (w.out_fd >= 0) fds.push_back(pollfd{w.out_fd, POLLIN, 0}), owners.push_back(&w);
+    if (group_) fds.push_back(pollfd{group_->event_fd(), POLLIN, 0}), owners.push_back(nullptr);
     const int n = ::poll(fds.data(), fds.size(), int(std::max<int64_t>(0, wait.count())));
     if (n > 0) {
       if (fds[0].revents) read_signals();
       for (size_t i = 1; i < fds.size(); ++i)
-        if (fds[i].revents) drain(*owners[i]);
+        if (fds[i].revents) owners[i] ? drain(*owners[i]) : on_node_events();
     }
     reap();
     const auto t = Clock::now();
@@ -550,28 +578,37 @@ int Agent::first_failure() const {
     if (w.error_ns > 0) return 1;
     return 2;
   };
+  // Returns an index into w_ (the local rank), not the global rank.
   for (const Worker& w : w_) {
     if (status_ok(w.status)) continue;
     const bool own = w.ended_before_stop || (w.error_ns > 0 && stop_ns_ > 0 && w.error_ns < stop_ns_);
     if (!own) continue;
-    if (best < 0) { best = w.rank; continue; }
+    if (best < 0) { best = w.local; continue; }
     const Worker& b = w_[size_t(best)];
     const int kw = rank_of(w), kb = rank_of(b);
-    if (kw != kb) { if (kw < kb) best = w.rank; continue; }
+    if (kw != kb) { if (kw < kb) best = w.local; continue; }
     const bool earlier = kw == 1 ? w.error_ns < b.error_ns : w.ended_at < b.ended_at;
-    if (earlier) best = w.rank;
+    if (earlier) best = w.local;
   }
   return best;
 }
 
 void Agent::report_failure(int first) const {
+  if (first < 0 && !remote_failure_.empty()) {
+    // Another node stopped the job; this node's workers were only stopped.
+    say("error: the job failed on another node: " + remote_failure_);
+    for (const Worker& w : w_)
+      say("stopped rank " + std::to_string(w.rank) + " (pid " + std::to_string(w.pid) + ", " + node_prefix() +
+          "): " + describe_status(w.status) + (w.got_sigkill ? " after the grace period" : ""));
+    return;
+  }
   if (first < 0) {  // cannot happen: failed_ implies a failed worker
     say("error: a worker failed");
     return;
   }
   const Worker& f = w_[size_t(first)];
   say("error: rank " + std::to_string(f.rank) + " (pid " + std::to_string(f.pid) + ", host " + host_ +
-      ") failed first: " + describe_status(f.status));
+      (group_ ? ", " + node_prefix() : std::string()) + ") failed first: " + describe_status(f.status));
   if (job_.launcher.log_tail_lines <= 0) {
     say("its output is in " + f.log_path);
   } else if (f.tail.empty()) {
@@ -583,7 +620,7 @@ void Agent::report_failure(int first) const {
     write_all(2, text.data(), text.size());
   }
   for (const Worker& w : w_) {
-    if (w.rank == first) continue;
+    if (&w == &f) continue;
     const std::string who = "rank " + std::to_string(w.rank) + " (pid " + std::to_string(w.pid) + ")";
     if (status_ok(w.status) && w.ended_before_stop) {
       say(who + " had already finished (exit code 0)");
@@ -628,9 +665,58 @@ class SignalScope {
   int fd_ = -1;
 };
 
+// What the attempt that just ended means: the exit code of the agent, or
+// -1 to restart. Prints the report.
+int Agent::conclude(int attempt, int max_restarts) {
+  int code = -1;
+  if (stop_signal_ != 0) {
+    // A failure that was being handled when the signal came is still
+    // worth reporting, but the user's stop wins over a restart.
+    // Workers that saved a checkpoint on the signal exit kExitRequeue;
+    // when all did, so does the agent: "checkpointed, please requeue".
+    const bool all_checkpointed = std::all_of(w_.begin(), w_.end(), [](const Worker& w) {
+      return WIFEXITED(w.status) && WEXITSTATUS(w.status) == kExitRequeue;
+    });
+    if (failed_ && !all_checkpointed) report_failure(first_failure());
+    if (all_checkpointed && stop_signal_ != SIGINT) {
+      code = kExitRequeue;
+      say("stopped by " + sig_name(stop_signal_) + " after every worker saved a checkpoint; exiting with code " +
+          std::to_string(code) + " (checkpointed, please requeue)");
+    } else {
+      code = 128 + stop_signal_;
+      say("stopped by " + sig_name(stop_signal_) + "; all " + std::to_string(nproc_) +
+          " workers are gone; exiting with code " + std::to_string(code));
+    }
+  } else if (!failed_) {
+    const bool all_checkpointed = std::all_of(w_.begin(), w_.end(), [](const Worker& w) {
+      return WIFEXITED(w.status) && WEXITSTATUS(w.status) == kExitRequeue;
+    });
+    if (all_checkpointed) {
+      code = kExitRequeue;
+      say("all " + std::to_string(nproc_) + " workers saved a checkpoint and stopped; exiting with code " +
+          std::to_string(code) + " (checkpointed, please requeue)");
+    } else {
+      say("all " + std::to_string(nproc_) + " workers finished");
+      code = 0;
+    }
+  } else {
+    report_failure(first_failure());
+    if (attempt < max_restarts) {
+      say("restarting all workers (restart " + std::to_string(attempt + 1) + " of " +
+          std::to_string(max_restarts) + ")");
+    } else {
+      if (max_restarts > 0)
+        say("no restarts left (launcher.max_restarts: " + std::to_string(max_restarts) + "); giving up");
+      code = 1;
+    }
+  }
+  return code;
+}
+
 int Agent::run() {
   SignalScope signals;
   sfd_ = signals.fd();
+  if (plan_.multi_node()) return run_nodes();
   const int max_restarts = std::max(0, job_.launcher.max_restarts);
   for (int attempt = 0;; ++attempt) {
     int code = -1;
@@ -647,49 +733,111 @@ int Agent::run() {
       spawn_all(attempt, store.port(), secret);
       supervise();
       close_logs();
-      if (stop_signal_ != 0) {
-        // A failure that was being handled when the signal came is still
-        // worth reporting, but the user's stop wins over a restart.
-        // Workers that saved a checkpoint on the signal exit kExitRequeue;
-        // when all did, so does the agent: "checkpointed, please requeue".
-        const bool all_checkpointed = std::all_of(w_.begin(), w_.end(), [](const Worker& w) {
-          return WIFEXITED(w.status) && WEXITSTATUS(w.status) == kExitRequeue;
-        });
-        if (failed_ && !all_checkpointed) report_failure(first_failure());
-        if (all_checkpointed && stop_signal_ != SIGINT) {
-          code = kExitRequeue;
-          say("stopped by " + sig_name(stop_signal_) + " after every worker saved a checkpoint; exiting with code " +
-              std::to_string(code) + " (checkpointed, please requeue)");
-        } else {
-          code = 128 + stop_signal_;
-          say("stopped by " + sig_name(stop_signal_) + "; all " + std::to_string(nproc_) +
-              " workers are gone; exiting with code " + std::to_string(code));
-        }
-      } else if (!failed_) {
-        const bool all_checkpointed = std::all_of(w_.begin(), w_.end(), [](const Worker& w) {
-          return WIFEXITED(w.status) && WEXITSTATUS(w.status) == kExitRequeue;
-        });
-        if (all_checkpointed) {
-          code = kExitRequeue;
-          say("all " + std::to_string(nproc_) + " workers saved a checkpoint and stopped; exiting with code " +
-              std::to_string(code) + " (checkpointed, please requeue)");
-        } else {
-          say("all " + std::to_string(nproc_) + " workers finished");
-          code = 0;
-        }
-      } else {
-        report_failure(first_failure());
-        if (attempt < max_restarts) {
-          say("restarting all workers (restart " + std::to_string(attempt + 1) + " of " +
-              std::to_string(max_restarts) + ")");
-        } else {
-          if (max_restarts > 0)
-            say("no restarts left (launcher.max_restarts: " + std::to_string(max_restarts) + "); giving up");
-          code = 1;
-        }
-      }
+      code = conclude(attempt, max_restarts);
     }
     if (code >= 0) return code;
+  }
+}
+
+// ---- several nodes ----------------------------------------------------------------------
+
+std::string Agent::node_prefix() const { return "node " + std::to_string(plan_.node_rank); }
+
+// A stop signal that arrived while no worker runs (waiting for the other
+// nodes): 0, or the signal. SIGCHLD is nobody's business here.
+int Agent::pending_stop_signal() {
+  signalfd_siginfo si[16];
+  for (;;) {
+    const ssize_t n = ::read(sfd_, si, sizeof si);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return 0;
+    for (size_t i = 0; i < size_t(n) / sizeof(signalfd_siginfo); ++i)
+      if (int(si[i].ssi_signo) != SIGCHLD) return int(si[i].ssi_signo);
+  }
+}
+
+// News from the other nodes while the workers run: the first failure stops
+// this node's workers (SIGTERM, SIGKILL after the grace period).
+void Agent::on_node_events() {
+  for (const std::string& what : group_->take_events()) {
+    if (phase_ == Phase::Running && stop_signal_ == 0 && !failed_) {
+      failed_ = true;
+      remote_failure_ = what;
+      say("error: " + what);
+      say("stopping the workers of " + node_prefix() + " because the job cannot go on without that node");
+      begin_stop(SIGTERM);
+    } else {
+      say(what);
+    }
+  }
+}
+
+int Agent::run_nodes() {
+  const std::string who = node_prefix() + " of " + std::to_string(plan_.nnodes);
+  auto interrupted = [&](int sig) {
+    const int code = 128 + sig;
+    say("received " + sig_name(sig) + " while " + who + " waited for the other nodes; no worker was running; " +
+        "exiting with code " + std::to_string(code));
+    if (group_) group_->close_job(code);
+    return code;
+  };
+  try {
+    group_ = std::make_unique<NodeGroup>(job_, plan_, [this] { return pending_stop_signal(); });
+  } catch (const LaunchInterrupted& s) {
+    return interrupted(s.sig);
+  }
+  if (!group_->bind_note().empty()) say("warning: " + group_->bind_note());
+  // Each node describes itself: node 0 in <output.dir>/topology.json, node k
+  // in <output.dir>/node<k>/topology.json (one shared directory, one file each).
+  JobSpec node_job = job_;
+  if (plan_.node_rank > 0) {
+    node_job.output.dir = (fs::path(job_.output.dir) / ("node" + std::to_string(plan_.node_rank))).string();
+    std::error_code ec;
+    fs::create_directories(node_job.output.dir, ec);
+    TR_CHECK(!ec, "launcher: cannot create '", node_job.output.dir, "': ", ec.message());
+  }
+  topo_ = topo::prepare_launch_topology(node_job, nproc_);
+  const int max_restarts = std::max(0, job_.launcher.max_restarts);
+  bool first = true;
+  for (int attempt = 0;; ++attempt) {
+    try {
+      attempt = group_->join(attempt);
+    } catch (const LaunchInterrupted& s) {
+      return interrupted(s.sig);
+    } catch (const Error&) {
+      group_->close_job(1);
+      throw;
+    }
+    if (first)
+      say("starting " + std::to_string(nproc_) + " workers on " + host_ + " as " + who + " (ranks " +
+          std::to_string(plan_.first_rank()) + "-" + std::to_string(plan_.first_rank() + nproc_ - 1) + " of " +
+          std::to_string(plan_.nnodes * nproc_) + "; rendezvous store " + plan_.master_addr + ":" +
+          std::to_string(plan_.master_port) + "; workers bind " + group_->bind_addr() + "; logs in " +
+          (fs::path(job_.output.dir) / "logs").string() + "/rank<N>.log)");
+    else
+      say("all " + std::to_string(plan_.nnodes) + " nodes are back: starting restart " + std::to_string(attempt) +
+          " from the latest checkpoint");
+    first = false;
+    remote_failure_.clear();
+    spawn_all(attempt, group_->port(), group_->secret());
+    group_->start_watch(attempt);
+    supervise();
+    close_logs();
+    int code = conclude(attempt, max_restarts);
+    if (code < 0) {
+      group_->stop_watch();
+      say("waiting for every node to restart (parallel.timeout_s: " + fmt_seconds(job_.parallel.timeout_s) + ")");
+      continue;
+    }
+    // Node 0 keeps the store up until every node's workers are gone.
+    const std::string late = group_->finish(code);
+    if (!late.empty()) {
+      say("error: " + late);
+      code = 1;
+    }
+    group_->stop_watch();
+    group_->close_job(code);
+    return code;
   }
 }
 
@@ -716,6 +864,17 @@ bool should_run_agent(const JobSpec& job) {
   return resolve_nproc_per_node(job) > 1 || job.launcher.max_restarts > 0;
 }
 
+// The plan of `trainrun --config` on one node, for callers that do not detect one.
+static LaunchPlan single_node_plan(const JobSpec& job, int nproc) {
+  LaunchPlan p;
+  p.mode = LaunchMode::LocalAgent;
+  p.host = host_name();
+  p.nproc_per_node = nproc;
+  p.master_addr = job.launcher.master_addr;
+  p.master_port = job.launcher.master_port;
+  return p;
+}
+
 int run_agent(const JobSpec& job, const std::string& resolved_spec_path) {
   const int nproc = resolve_nproc_per_node(job);
   TR_CHECK(nproc >= 1, "parallel.nproc_per_node: ", nproc, " workers is not a job");
@@ -727,7 +886,34 @@ int run_agent(const JobSpec& job, const std::string& resolved_spec_path) {
            " workers); change one of them so every rank gets whole micro-batches");
   TR_CHECK(job.launcher.grace_period_s >= 0, "launcher.grace_period_s must be >= 0");
   // Detect the node, decide, write <output.dir>/topology.json (see topology_launch.h).
-  Agent agent(job, resolved_spec_path, nproc, topo::prepare_launch_topology(job, nproc));
+  Agent agent(job, resolved_spec_path, nproc, topo::prepare_launch_topology(job, nproc), single_node_plan(job, nproc));
+  return agent.run();
+}
+
+int run_agent(const JobSpec& job, const LaunchPlan& plan, const std::string& resolved_spec_path) {
+  if (!plan.multi_node()) {
+    LaunchPlan p = plan;
+    p.nproc_per_node = resolve_nproc_per_node(job);
+    const int nproc = p.nproc_per_node;
+    TR_CHECK(nproc >= 1, "parallel.nproc_per_node: ", nproc, " workers is not a job");
+    const int global_b = job.train.derived_global_batch_size(), mb = job.train.micro_batch_size;
+    TR_CHECK(mb > 0 && global_b % (mb * nproc) == 0, job.source, ": train.global_batch_size (", global_b,
+             " sequences) must be a multiple of train.micro_batch_size (", mb, ") x world size (", nproc,
+             " workers); change one of them so every rank gets whole micro-batches");
+    TR_CHECK(job.launcher.grace_period_s >= 0, "launcher.grace_period_s must be >= 0");
+    Agent agent(job, resolved_spec_path, nproc, topo::prepare_launch_topology(job, nproc), p);
+    return agent.run();
+  }
+  const int nproc = plan.nproc_per_node, world = plan.nnodes * nproc;
+  TR_CHECK(nproc >= 1, "parallel.nproc_per_node: ", nproc, " workers is not a job");
+  const int global_b = job.train.derived_global_batch_size(), mb = job.train.micro_batch_size;
+  TR_CHECK(mb > 0 && global_b % (mb * world) == 0, job.source, ": train.global_batch_size (", global_b,
+           " sequences) must be a multiple of train.micro_batch_size (", mb, ") x world size (", world,
+           " workers: ", plan.nnodes, " nodes x ", nproc, "); change one of them so every rank gets whole "
+           "micro-batches");
+  TR_CHECK(job.launcher.grace_period_s >= 0, "launcher.grace_period_s must be >= 0");
+  // The topology is decided in Agent::run_nodes, after output.dir is known to be shared.
+  Agent agent(job, resolved_spec_path, nproc, topo::LaunchTopology{}, plan);
   return agent.run();
 }
 

@@ -26,8 +26,10 @@
 // killed by a signal before any stop was sent counts as the cause.
 //
 // Environment of every worker:
-//   RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK (0),
-//   GROUP_WORLD_SIZE (1), MASTER_ADDR, MASTER_PORT (the store),
+//   RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK (the node
+//   rank, 0 on one node), GROUP_WORLD_SIZE (nodes), MASTER_ADDR, MASTER_PORT
+//   (the store), TRAINRUN_GLOO_HOST (several nodes: the local address that
+//   reaches node 0, unless set),
 //   TRAINRUN_STORE_SECRET (fresh per attempt), TRAINRUN_RESTART_COUNT,
 //   TRAINRUN_MAX_RESTARTS, TRAINRUN_ERROR_FILE (where the worker writes its
 //   error), OMP_NUM_THREADS (cores / workers, at least 1, unless already set).
@@ -43,6 +45,7 @@
 #include <string>
 
 #include "core/config/job_spec.h"
+#include "core/launch/launch_mode.h"
 
 namespace trainrun {
 
@@ -66,6 +69,14 @@ bool should_run_agent(const JobSpec& job);
 // 128+signal when stopped by SIGINT/SIGTERM/SIGUSR1. Throws trainrun::Error
 // for problems before any worker started (bad batch split, store bind).
 int run_agent(const JobSpec& job, const std::string& resolved_spec_path);
+// The same, for the node `plan` places this agent on (launch_mode.h). With
+// several nodes (core/launch/node_group.h) node 0's agent hosts the store
+// for the whole job and the others join it; each spawns its
+// plan.nproc_per_node workers as ranks node_rank * nproc + local; a failure
+// on any node stops every node; node k>0 writes its topology to
+// <output.dir>/node<k>/topology.json and never writes job.resolved.yaml
+// (its workers load node 0's).
+int run_agent(const JobSpec& job, const LaunchPlan& plan, const std::string& resolved_spec_path);
 
 // The hidden `trainrun worker --config <path>` subcommand: loads the spec,
 // reads its place from the environment and trains. On an error it writes

@@ -88,8 +88,8 @@ void resolve_store(LaunchPlan& p, const JobSpec& job, const LaunchFlags& flags, 
 }
 
 void check_nnodes(const JobSpec& job, int slurm_nnodes) {
-  TR_CHECK(job.launcher.nnodes == 0 || job.launcher.nnodes == slurm_nnodes, "launcher.nnodes is ",
-           job.launcher.nnodes, " but this Slurm step runs on ", slurm_nnodes,
+  TR_CHECK(job.launcher.nnodes == 0 || job.launcher.nnodes == slurm_nnodes, "launcher.nnodes is ", job.launcher.nnodes,
+           " but this Slurm step runs on ", slurm_nnodes,
            " nodes (SLURM_NNODES); set launcher.nnodes to 0 (take Slurm's count) or match the allocation");
 }
 
@@ -181,24 +181,26 @@ const char* launch_mode_name(LaunchMode m) {
 std::string LaunchPlan::describe() const {
   const std::string slurm = slurm_job_id.empty() ? "" : "Slurm job " + slurm_job_id + ", ";
   const std::string store = "rendezvous store " + master_addr + ":" +
-                            (master_port ? std::to_string(master_port) : std::string("<free port>")) + " (address: " +
-                            addr_source + "; port: " + (port_source.empty() ? "picked at start" : port_source) + ")";
+                            (master_port ? std::to_string(master_port) : std::string("<free port>")) +
+                            " (address: " + addr_source +
+                            "; port: " + (port_source.empty() ? "picked at start" : port_source) + ")";
   switch (mode) {
-    case LaunchMode::InProcess:
-      return slurm + "in-process: one worker, no agent, on " + host;
+    case LaunchMode::InProcess: return slurm + "in-process: one worker, no agent, on " + host;
     case LaunchMode::LocalAgent:
       return slurm + "one node: an agent runs " + std::to_string(nproc_per_node) + " worker" +
              (nproc_per_node == 1 ? "" : "s") + " on " + host + "; " + store;
     case LaunchMode::NodeAgent:
-      return slurm + (slurm_job_id.empty() ? "static rendezvous (--nnodes/--node-rank)" : "one agent per node (srun --ntasks-per-node=1)") +
+      return slurm +
+             (slurm_job_id.empty() ? "static rendezvous (--nnodes/--node-rank)"
+                                   : "one agent per node (srun --ntasks-per-node=1)") +
              ": node " + std::to_string(node_rank) + " of " + std::to_string(nnodes) + " on " + host + ", " +
              std::to_string(nproc_per_node) + " workers per node (" + ranks_text(first_rank(), nproc_per_node) +
              " of " + std::to_string(world_size()) + "); " + store;
     case LaunchMode::SlurmWorker:
-      return slurm + "direct workers (srun --ntasks-per-node=" + std::to_string(local_world) +
-             ", no agent): rank " + std::to_string(rank) + " of " + std::to_string(world) + ", local rank " +
-             std::to_string(local_rank) + " of " + std::to_string(local_world) + " on node " +
-             std::to_string(node_rank) + " of " + std::to_string(nnodes) + " (" + host + "); " + store;
+      return slurm + "direct workers (srun --ntasks-per-node=" + std::to_string(local_world) + ", no agent): rank " +
+             std::to_string(rank) + " of " + std::to_string(world) + ", local rank " + std::to_string(local_rank) +
+             " of " + std::to_string(local_world) + " on node " + std::to_string(node_rank) + " of " +
+             std::to_string(nnodes) + " (" + host + "); " + store;
     case LaunchMode::OutsideWorker:
       return "worker started by an outside launcher (RANK=" + std::to_string(rank) +
              " WORLD_SIZE=" + std::to_string(world) + " from the environment) on " + host;
@@ -219,7 +221,8 @@ LaunchPlan plan_launch(const JobSpec& job, const LaunchFlags& flags, const EnvMa
 
   // 1. Someone else already placed this process.
   if (find_env(env, "RANK") || find_env(env, "WORLD_SIZE")) {
-    TR_CHECK(!flags.any(), "--nnodes/--node-rank/--master-addr/--master-port make trainrun the launcher, but RANK/"
+    TR_CHECK(!flags.any(),
+             "--nnodes/--node-rank/--master-addr/--master-port make trainrun the launcher, but RANK/"
              "WORLD_SIZE in the environment say an outside launcher already started this process as a worker; "
              "use one or the other");
     p.mode = LaunchMode::OutsideWorker;
@@ -293,8 +296,8 @@ LaunchPlan plan_launch(const JobSpec& job, const LaunchFlags& flags, const EnvMa
   }
   const int nnodes = job.launcher.nnodes > 0 ? job.launcher.nnodes : 1;
   TR_CHECK(nnodes == 1 || flags.node_rank >= 0, "launcher.nnodes is ", nnodes,
-           ": pass --node-rank K on every node (0 on the node whose agent hosts the rendezvous store, 1..",
-           nnodes - 1, " on the others), or run under `srun --ntasks-per-node=1`");
+           ": pass --node-rank K on every node (0 on the node whose agent hosts the rendezvous store, 1..", nnodes - 1,
+           " on the others), or run under `srun --ntasks-per-node=1`");
   const int node_rank = flags.node_rank >= 0 ? flags.node_rank : 0;
   TR_CHECK(node_rank < nnodes, "--node-rank ", node_rank, " is not below the node count (", nnodes,
            ", launcher.nnodes / --nnodes)");

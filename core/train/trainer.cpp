@@ -274,6 +274,7 @@ TrainSummary Trainer::run() {
   ckpt.clean_stale();
   TrainState resumed;
   const bool is_resume = ckpt.load(*params_, resumed);
+  ckpt.prepare(*params_);
   // model.init_from replaces the random init, but only for a fresh start: a
   // checkpoint already holds the fine-tuned weights (and the moments) that
   // grew from it. Decided after load() so a resume never needs the directory.

@@ -1,0 +1,557 @@
+// The agents of a multi-node job; see node_group.h for the protocol.
+//
+// Store keys (all under "trainrun/", apart from the workers' "attempt<N>/"):
+//   marker             node 0's nonce of this run (the shared-directory check)
+//   attempt            the attempt node 0 is at (an agent started late adopts it)
+//   final              node 0's exit code once the job ended for good
+//   hb/<node>          heartbeat counters
+//   a<k>/node/<node>   "host" of each agent that joined attempt k
+//   a<k>/abort         the first failure of attempt k, a sentence for the log
+//   a<k>/done/<node>   exit code of each node whose workers ended
+#include "core/launch/node_group.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "core/common/error.h"
+#include "core/common/log.h"
+#include "parallel/net_address.h"
+
+namespace trainrun {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+namespace {
+
+std::vector<uint8_t> bytes(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
+std::string text(const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); }
+
+std::string seconds_text(milliseconds d) {
+  std::ostringstream os;
+  os << double(d.count()) / 1000.0 << " s";
+  return os.str();
+}
+
+std::string ranks_text(int first, int count) {
+  return count == 1 ? "rank " + std::to_string(first)
+                    : "ranks " + std::to_string(first) + "-" + std::to_string(first + count - 1);
+}
+
+// Writes `content` to `path` through a temporary file in the same
+// directory and a rename, with `mode` set before any byte is written.
+void write_atomically(const std::string& path, const std::string& content, mode_t mode) {
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  ::unlink(tmp.c_str());
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, mode);
+  TR_CHECK_ERRNO(fd >= 0, "cannot create '", tmp, "'; check that output.dir is writable");
+  ::fchmod(fd, mode);  // the umask may have taken bits away; never adds any beyond `mode`
+  size_t off = 0;
+  bool ok = true;
+  while (off < content.size()) {
+    const ssize_t n = ::write(fd, content.data() + off, content.size() - off);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      ok = false;
+      break;
+    }
+    off += size_t(n);
+  }
+  const int e = errno;
+  ok = ok && ::fsync(fd) == 0;
+  ::close(fd);
+  if (!ok) {
+    ::unlink(tmp.c_str());
+    errno = e;
+    TR_CHECK_ERRNO(false, "cannot write '", tmp, "' (disk full?)");
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int re = errno;
+    ::unlink(tmp.c_str());
+    errno = re;
+    TR_CHECK_ERRNO(false, "cannot rename '", tmp, "' to '", path, "'");
+  }
+}
+
+// The nonce line of a marker file, "" when the file is not there (yet).
+std::string read_marker_nonce(const std::string& path) {
+  std::ifstream f(path);
+  std::string word, nonce;
+  if (f >> word >> nonce && word == "nonce") return nonce;
+  return "";
+}
+
+// The secret file's first line, "" when it is not there; refuses a file
+// that someone else could read.
+std::string read_secret_file(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+  if (fd < 0) return "";
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    ::close(fd);
+    return "";
+  }
+  if ((st.st_mode & 077) != 0 || st.st_uid != ::geteuid()) {
+    ::close(fd);
+    char mode[8];
+    std::snprintf(mode, sizeof mode, "%04o", unsigned(st.st_mode & 07777));
+    TR_FAIL("refusing the job secret in '", path, "': its mode is ", mode, " and its owner uid ", st.st_uid,
+            ", but it must be 0600 and owned by this user (uid ", ::geteuid(),
+            ") so that nobody else can join the job; node 0's agent writes it so: did something copy or chmod it?");
+  }
+  std::string s(256, '\0');
+  const ssize_t n = ::read(fd, s.data(), s.size());
+  ::close(fd);
+  if (n <= 0) return "";
+  s.resize(size_t(n));
+  const auto nl = s.find('\n');
+  return nl == std::string::npos ? s : s.substr(0, nl);
+}
+
+// Does anything accept TCP connections at addr:port (within 1 s)?
+bool port_answers(const std::string& addr, int port) {
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(uint16_t(port));
+  if (::inet_pton(AF_INET, addr.c_str(), &a.sin_addr) != 1) {
+    addrinfo hints{};
+    hints.ai_family = AF_INET;
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo* res = nullptr;
+    if (::getaddrinfo(addr.c_str(), nullptr, &hints, &res) != 0 || !res) return false;
+    a.sin_addr = reinterpret_cast<sockaddr_in*>(res->ai_addr)->sin_addr;
+    ::freeaddrinfo(res);
+  }
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) return false;
+  bool ok = false;
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0) {
+    ok = true;
+  } else if (errno == EINPROGRESS) {
+    pollfd p{fd, POLLOUT, 0};
+    if (::poll(&p, 1, 1000) == 1) {
+      int err = 0;
+      socklen_t len = sizeof err;
+      ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
+      ok = err == 0;
+    }
+  }
+  ::close(fd);
+  return ok;
+}
+
+// Sleeps up to `d` in short slices, returning early with a stop signal.
+int sleep_unless_stopped(milliseconds d, const StopPoll& stop) {
+  const auto until = Clock::now() + d;
+  for (;;) {
+    if (stop) {
+      if (const int sig = stop()) return sig;
+    }
+    const auto now = Clock::now();
+    if (now >= until) return 0;
+    std::this_thread::sleep_for(std::min<Clock::duration>(until - now, milliseconds(50)));
+  }
+}
+
+}  // namespace
+
+RendezvousFiles rendezvous_files(const std::string& output_dir) {
+  const fs::path dir = fs::path(output_dir) / ".trainrun";
+  return {dir.string(), (dir / "store.secret").string(), (dir / "node0.marker").string()};
+}
+
+std::string secret_for_new_store(const EnvMap& env) {
+  auto it = env.find("TRAINRUN_STORE_SECRET");
+  if (it != env.end() && !it->second.empty()) return it->second;
+  return make_job_secret();
+}
+
+milliseconds node_timeout(const JobSpec& job) {
+  return std::max(milliseconds(1000), milliseconds(int64_t(job.parallel.timeout_s * 500)));
+}
+
+void publish_rendezvous(const std::string& output_dir, const std::string& secret, const std::string& nonce,
+                        const std::string& host, const std::string& store_addr, int port) {
+  const RendezvousFiles f = rendezvous_files(output_dir);
+  std::error_code ec;
+  fs::create_directories(f.dir, ec);
+  TR_CHECK(!ec, "cannot create '", f.dir, "': ", ec.message(), "; check that output.dir is writable");
+  ::chmod(f.dir.c_str(), 0700);
+  write_atomically(f.secret, secret + "\n", 0600);
+  write_atomically(f.marker,
+                   "nonce " + nonce + "\nhost " + host + "\nstore " + store_addr + ":" + std::to_string(port) +
+                       "\npid " + std::to_string(::getpid()) + "\n",
+                   0644);
+}
+
+Node0Contact contact_node0(const std::string& output_dir, const std::string& addr, int port, const EnvMap& env,
+                           milliseconds timeout, milliseconds io_timeout, const std::string& who,
+                           const StopPoll& stop) {
+  const RendezvousFiles f = rendezvous_files(output_dir);
+  auto it = env.find("TRAINRUN_STORE_SECRET");
+  const std::string env_secret = it == env.end() ? "" : it->second;
+  const std::string where = addr + ":" + std::to_string(port);
+  const auto start = Clock::now();
+  const auto deadline = start + timeout;
+  enum { kNoMarker, kNoSecret, kNoStore, kNonce } problem = kNoMarker;
+  std::string last_error, seen_nonce, store_nonce;
+  for (;;) {
+    seen_nonce = read_marker_nonce(f.marker);
+    const std::string secret = env_secret.empty() ? read_secret_file(f.secret) : env_secret;
+    if (seen_nonce.empty() && env_secret.empty()) {
+      problem = kNoMarker;
+    } else if (secret.empty()) {
+      problem = kNoSecret;
+    } else {
+      try {
+        Node0Contact c;
+        c.store = connect_tcp_store(addr, port, secret, milliseconds(1000), io_timeout);
+        c.secret = secret;
+        // The marker's nonce must be the one node 0 put in the store: the
+        // same directory, from this run.
+        if (c.store->check("trainrun/marker")) {
+          store_nonce = text(c.store->get("trainrun/marker", milliseconds(1000)));
+          if (!seen_nonce.empty() && store_nonce == seen_nonce) return c;
+          problem = kNonce;
+        } else {
+          problem = kNoStore;  // a store, but node 0 has not finished setting up
+          last_error = "node 0 has not published its marker yet";
+        }
+      } catch (const Error& e) {
+        problem = kNoStore;
+        last_error = e.what();
+      }
+    }
+    if (Clock::now() >= deadline) break;
+    if (const int sig = sleep_unless_stopped(milliseconds(200), stop)) throw LaunchInterrupted{sig};
+  }
+  const std::string waited = seconds_text(std::chrono::duration_cast<milliseconds>(Clock::now() - start));
+  const std::string shared_hint =
+      "every node must see the same output.dir (checkpoints and the rendezvous files live there): put it on a "
+      "filesystem that all nodes mount at the same path";
+  switch (problem) {
+    case kNoMarker:
+      if (port_answers(addr, port))
+        TR_FAIL("output.dir '", output_dir, "' is not shared between the nodes: ", who, " cannot see '", f.marker,
+                "' after ", waited, ", although node 0's rendezvous store answers at ", where, "; ", shared_hint);
+      TR_FAIL("node 0 did not come up: ", who, " waited ", waited, ", nothing answers at ", where,
+              " (node 0's rendezvous store) and '", f.marker,
+              "' did not appear; start trainrun on node 0 with the same --nnodes/--master-addr/--master-port "
+              "(under Slurm: srun --ntasks-per-node=1), and check the address, the port and the firewall");
+    case kNoSecret:
+      TR_FAIL(who, " sees node 0's marker '", f.marker, "' but not the job secret '", f.secret, "' after ", waited,
+              "; is output.dir shared between the nodes, and TRAINRUN_STORE_SECRET the same on every node?");
+    case kNonce:
+      TR_FAIL("output.dir '", output_dir, "' is not shared between the nodes: node 0's rendezvous store at ", where,
+              " says this run's marker is ", store_nonce, ", but ", who, " sees ",
+              seen_nonce.empty() ? std::string("no marker") : "an old one (" + seen_nonce + ")", " in '", f.marker,
+              "' after ", waited, "; ", shared_hint);
+    case kNoStore: break;
+  }
+  if (last_error.find("rejected our secret") != std::string::npos ||
+      last_error.find("closed the connection during the handshake") != std::string::npos)
+    TR_FAIL("node 0's rendezvous store at ", where, " rejected the secret ",
+            env_secret.empty() ? "in '" + f.secret + "'" : std::string("in TRAINRUN_STORE_SECRET"), " for ", waited,
+            ": ",
+            env_secret.empty() ? "the file is from an earlier run and node 0 has not replaced it, or output.dir "
+                                 "is not the same directory on every node"
+                               : "every node must get the same TRAINRUN_STORE_SECRET",
+            " (", last_error, ")");
+  TR_FAIL(who, " cannot join node 0's rendezvous store at ", where, " within ", waited, ": ", last_error);
+}
+
+// ---- NodeGroup --------------------------------------------------------------------------
+
+NodeGroup::NodeGroup(const JobSpec& job, const LaunchPlan& plan, const StopPoll& stop)
+    : job_(job), plan_(plan), stop_(stop), node_timeout_(node_timeout(job)) {
+  const EnvMap env = current_environment();
+  const auto timeout = milliseconds(int64_t(job.parallel.timeout_s * 1000));
+  if (plan_.node_rank == 0) {
+    secret_ = secret_for_new_store(env);
+    // All interfaces: the address other nodes dial may not be the one this
+    // host's name resolves to here (Debian maps it to 127.0.1.1). The
+    // secret guards the port.
+    server_ = std::make_unique<TcpStoreServer>("", plan_.master_port, secret_);
+    try {
+      store_ = connect_tcp_store(plan_.master_addr, plan_.master_port, secret_, milliseconds(5000), node_timeout_);
+    } catch (const Error& e) {
+      TR_FAIL("node 0 cannot reach its own rendezvous store at ", plan_.master_addr, ":", plan_.master_port, " (",
+              e.what(), "); is launcher.master_addr (--master-addr) an address of this host?");
+    }
+    const std::string nonce = make_job_secret();
+    store_->set("trainrun/marker", bytes(nonce));
+    publish_rendezvous(job.output.dir, secret_, nonce, plan_.host, plan_.master_addr, plan_.master_port);
+  } else {
+    Node0Contact c = contact_node0(job.output.dir, plan_.master_addr, plan_.master_port, env, timeout, node_timeout_,
+                                   "node " + std::to_string(plan_.node_rank) + " (host " + plan_.host + ")", stop_);
+    store_ = std::move(c.store);
+    secret_ = c.secret;
+  }
+  auto gloo = env.find("TRAINRUN_GLOO_HOST");
+  bind_addr_ =
+      gloo != env.end() && !gloo->second.empty() ? gloo->second : worker_bind_address(plan_.master_addr, &bind_note_);
+  hosts_.assign(size_t(plan_.nnodes), "");
+  int p[2];
+  TR_CHECK_ERRNO(::pipe2(p, O_CLOEXEC | O_NONBLOCK) == 0, "launcher: pipe2");
+  event_rd_ = p[0];
+  event_wr_ = p[1];
+}
+
+NodeGroup::~NodeGroup() {
+  stop_watch();
+  ::close(event_rd_);
+  ::close(event_wr_);
+}
+
+std::string NodeGroup::key(const std::string& rest) const {
+  return "trainrun/a" + std::to_string(attempt_) + "/" + rest;
+}
+
+std::string NodeGroup::node_label(int node) const {
+  std::string s = "node " + std::to_string(node) + " (";
+  if (size_t(node) < hosts_.size() && !hosts_[size_t(node)].empty()) s += "host " + hosts_[size_t(node)] + ", ";
+  return s + ranks_text(node * plan_.nproc_per_node, plan_.nproc_per_node) + ")";
+}
+
+int NodeGroup::join(int attempt) {
+  const int me = plan_.node_rank;
+  if (me == 0) {
+    store_->set("trainrun/attempt", bytes(std::to_string(attempt)));
+  } else if (store_->check("trainrun/attempt")) {
+    // An agent started again on a node that died joins the job where it is.
+    const int current = std::atoi(text(store_->get("trainrun/attempt", milliseconds(1000))).c_str());
+    if (current > attempt) {
+      TR_LOG_INFO("launcher: the job is at attempt ", current, " (restart ", current, "); node ", me, " joins it");
+      attempt = current;
+    }
+  }
+  attempt_ = attempt;
+  store_->set(key("node/" + std::to_string(me)), bytes(plan_.host + " " + std::to_string(plan_.nproc_per_node)));
+  std::vector<std::string> keys;
+  for (int j = 0; j < plan_.nnodes; ++j) keys.push_back(key("node/" + std::to_string(j)));
+  const auto timeout = milliseconds(int64_t(job_.parallel.timeout_s * 1000));
+  const auto start = Clock::now();
+  for (;;) {
+    if (stop_) {
+      if (const int sig = stop_()) throw LaunchInterrupted{sig};
+    }
+    if (store_->check("trainrun/final"))
+      TR_FAIL("node 0 ended the job (exit code ", text(store_->get("trainrun/final", milliseconds(1000))),
+              ") before node ", me, " joined attempt ", attempt, "; nothing to restart");
+    if (store_->check(key("abort"))) TR_FAIL(text(store_->get(key("abort"), milliseconds(1000))));
+    try {
+      store_->wait(keys, milliseconds(200));
+      break;
+    } catch (const StoreTimeoutError&) {
+    }
+    if (Clock::now() - start < timeout) continue;
+    std::vector<int> missing;
+    for (int j = 0; j < plan_.nnodes; ++j)
+      if (!store_->check(keys[size_t(j)])) missing.push_back(j);
+    if (missing.empty()) break;
+    std::string list;
+    for (size_t i = 0; i < missing.size(); ++i)
+      list += (i ? (i + 1 == missing.size() ? " and " : ", ") : "") + node_label(missing[i]);
+    const std::string msg =
+        list + (missing.size() == 1 ? " did" : " did") + " not join " +
+        (attempt == 0 ? std::string("the job") : "restart " + std::to_string(attempt)) + " within " +
+        seconds_text(timeout) + " (parallel.timeout_s; node " + std::to_string(me) +
+        " waited at the rendezvous store " + plan_.master_addr + ":" + std::to_string(plan_.master_port) +
+        "); start trainrun on every node with the same --nnodes/--master-addr/--master-port (under Slurm: srun "
+        "--ntasks-per-node=1) and check that those nodes reach this address";
+    // The nodes that are here stop now rather than at their own timeout.
+    try {
+      store_->compare_set(key("abort"), {}, bytes(msg));
+    } catch (const Error&) {
+    }
+    TR_FAIL(msg);
+  }
+  for (int j = 0; j < plan_.nnodes; ++j) {
+    const std::string v = text(store_->get(keys[size_t(j)], milliseconds(1000)));
+    const auto sp = v.rfind(' ');
+    hosts_[size_t(j)] = v.substr(0, sp);
+    const int nproc = sp == std::string::npos ? 0 : std::atoi(v.c_str() + sp + 1);
+    TR_CHECK(nproc == plan_.nproc_per_node, node_label(j), " runs ", nproc, " workers but node ", me, " runs ",
+             plan_.nproc_per_node, "; every node must run the same number (parallel.nproc_per_node)");
+  }
+  return attempt;
+}
+
+void NodeGroup::post_event(const std::string& what) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    events_.push_back(what);
+  }
+  const char b = 1;
+  ssize_t ignored = ::write(event_wr_, &b, 1);
+  (void)ignored;
+}
+
+std::vector<std::string> NodeGroup::take_events() {
+  char buf[64];
+  while (::read(event_rd_, buf, sizeof buf) > 0) {
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::string> out;
+  out.swap(events_);
+  return out;
+}
+
+void NodeGroup::start_watch(int attempt) {
+  stop_watch();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = false;
+    to_announce_.clear();
+    announced_ = false;
+    events_.clear();
+    lost_.assign(size_t(plan_.nnodes), false);
+  }
+  attempt_ = attempt;
+  watcher_ = std::thread([this, attempt] { watch_loop(attempt); });
+}
+
+void NodeGroup::stop_watch() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  if (watcher_.joinable()) watcher_.join();
+}
+
+void NodeGroup::announce_failure(const std::string& what) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!to_announce_.empty()) return;
+    to_announce_ = what;
+  }
+  cv_.notify_all();
+}
+
+void NodeGroup::watch_loop(int attempt) {
+  const int me = plan_.node_rank, n = plan_.nnodes;
+  const auto interval = std::clamp(node_timeout_ / 5, milliseconds(100), milliseconds(1000));
+  const std::string abort_key = "trainrun/a" + std::to_string(attempt) + "/abort";
+  auto done_key = [&](int j) { return "trainrun/a" + std::to_string(attempt) + "/done/" + std::to_string(j); };
+  std::vector<int64_t> last_count(size_t(n), -1);
+  std::vector<Clock::time_point> last_change(size_t(n), Clock::now());
+  std::vector<bool> finished(size_t(n), false), reported(size_t(n), false);
+  bool abort_seen = false;
+  std::string mine;  // what this node announced
+  for (;;) {
+    std::string announce;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      if (stopping_) return;
+      if (!to_announce_.empty() && !announced_) announce = to_announce_, announced_ = true;
+    }
+    try {
+      store_->add("trainrun/hb/" + std::to_string(me), 1);
+      if (!announce.empty()) {
+        mine = announce;
+        store_->compare_set(abort_key, {}, bytes(announce));
+      }
+      if (!abort_seen && store_->check(abort_key)) {
+        abort_seen = true;
+        const std::string what = text(store_->get(abort_key, milliseconds(1000)));
+        if (what != mine) post_event(what);
+      }
+      if (me == 0) {
+        const auto now = Clock::now();
+        for (int j = 1; j < n; ++j) {
+          if (finished[size_t(j)] || reported[size_t(j)]) continue;
+          if (store_->check(done_key(j))) {
+            finished[size_t(j)] = true;
+            continue;
+          }
+          const int64_t c = store_->add("trainrun/hb/" + std::to_string(j), 0);
+          if (c != last_count[size_t(j)]) {
+            last_count[size_t(j)] = c;
+            last_change[size_t(j)] = now;
+          } else if (now - last_change[size_t(j)] > node_timeout_) {
+            reported[size_t(j)] = true;
+            {
+              std::lock_guard<std::mutex> lock(mu_);
+              lost_[size_t(j)] = true;
+            }
+            const std::string what =
+                node_label(j) + " stopped responding: its agent sent no heartbeat for " +
+                seconds_text(std::chrono::duration_cast<milliseconds>(now - last_change[size_t(j)])) +
+                " (the node or its agent died, or the network between the nodes is down)";
+            try {
+              store_->compare_set(abort_key, {}, bytes(what));
+            } catch (const Error&) {
+            }
+            mine = what;
+            post_event(what);
+          }
+        }
+      }
+    } catch (const std::exception& e) {
+      post_event("lost the rendezvous store of node 0 (" + plan_.master_addr + ":" + std::to_string(plan_.master_port) +
+                 (hosts_.empty() || hosts_[0].empty() ? "" : ", host " + hosts_[0]) + "): " + e.what() +
+                 "; node 0's agent died or the network between the nodes is down");
+      return;
+    }
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, interval, [&] { return stopping_ || (!to_announce_.empty() && !announced_); });
+  }
+}
+
+std::string NodeGroup::finish(int code) {
+  const int me = plan_.node_rank;
+  try {
+    store_->set(key("done/" + std::to_string(me)), bytes(std::to_string(code)));
+  } catch (const Error&) {
+    return "";  // node 0 is gone; the heartbeat thread has said so
+  }
+  if (me != 0) return "";
+  // Node 0 hosts the store: it stays until every other node's workers are
+  // gone, or that node is known lost.
+  const auto timeout = milliseconds(int64_t(job_.parallel.timeout_s * 1000));
+  const auto start = Clock::now();
+  for (;;) {
+    bool settled = true;
+    for (int j = 1; j < plan_.nnodes && settled; ++j) {
+      bool lost;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        lost = lost_.size() > size_t(j) && lost_[size_t(j)];
+      }
+      settled = lost || store_->check(key("done/" + std::to_string(j)));
+    }
+    if (settled) break;
+    if (Clock::now() - start > timeout)
+      return "the other nodes did not report the end of their workers within " + seconds_text(timeout);
+    if (sleep_unless_stopped(milliseconds(100), stop_)) break;
+  }
+  // This node finished; did the job? (A failure here was reported already.)
+  if (code != 0 && code != 75) return "";
+  if (store_->check(key("abort"))) return text(store_->get(key("abort"), milliseconds(1000)));
+  return "";
+}
+
+void NodeGroup::close_job(int code) {
+  if (plan_.node_rank != 0) return;
+  try {
+    store_->set("trainrun/final", bytes(std::to_string(code)));
+  } catch (const Error&) {
+  }
+}
+
+}  // namespace trainrun

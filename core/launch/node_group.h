@@ -1,0 +1,168 @@
+// The agents of a multi-node job, and what they share.
+//
+// Node 0's agent hosts the rendezvous store for the whole job (all
+// interfaces, the plan's port; one store and one secret across restarts,
+// with per-attempt keys) and publishes two files in the shared output
+// directory; every other agent reads them:
+//
+//   <output.dir>/.trainrun/          mode 0700
+//     store.secret                   mode 0600, the job secret (rewritten by each run of node 0)
+//     node0.marker                   a fresh nonce per run, plus node 0's host and store address
+//
+// The secret travels by that file, not through the command line or the
+// store: the output directory has to be shared anyway (checkpoints are
+// written by every rank into one directory), a 0600 file in a 0700
+// directory is readable by the job's user only, like the environment of
+// its processes, and it needs no set-up. A TRAINRUN_STORE_SECRET in the
+// agents' environment (the sbatch scripts export one) takes precedence, so
+// that a node that cannot see the directory can still reach the store and
+// report it. A secret file readable by anyone else is refused.
+//
+// The shared-directory check: every other node waits (parallel.timeout_s)
+// until it sees node 0's marker with the nonce node 0 put in the store;
+// otherwise it stops with an error that says whether node 0 is up at all.
+//
+// While workers run, each agent heartbeats into the store from a thread.
+// Node 0 declares a node lost when its heartbeat stalls for the node
+// timeout (half of parallel.timeout_s, at least 1 s: the verdict comes
+// before the workers' own collective timeouts, so it is the one that names
+// the node); other nodes declare node 0 lost when the store stops
+// answering for as long. An agent whose workers failed announces it in the
+// store, and every other agent stops its workers. With launcher.max_restarts
+// the agents meet again for the next attempt (an agent started again on a
+// node that died joins the job's current attempt), and the workers resume
+// from the latest checkpoint.
+#pragma once
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/config/job_spec.h"
+#include "core/launch/launch_mode.h"
+#include "parallel/store.h"
+
+namespace trainrun {
+
+class TcpStoreServer;
+
+// A stop signal (SIGINT/SIGTERM/SIGUSR1) that arrived while an agent waited
+// for the other nodes; the agent exits 128+sig.
+struct LaunchInterrupted {
+  int sig = 0;
+};
+
+// Returns a pending stop signal (0 = none); called between short waits.
+using StopPoll = std::function<int()>;
+
+struct RendezvousFiles {
+  std::string dir, secret, marker;
+};
+RendezvousFiles rendezvous_files(const std::string& output_dir);
+
+// Node 0 (or rank 0 of Slurm workers): writes the secret file (0600) and
+// a marker with `nonce`, each through a temporary file and a rename.
+void publish_rendezvous(const std::string& output_dir, const std::string& secret, const std::string& nonce,
+                        const std::string& host, const std::string& store_addr, int port);
+
+// The secret for a store hosted here: TRAINRUN_STORE_SECRET, else fresh.
+std::string secret_for_new_store(const EnvMap& env);
+
+// Every other node (or Slurm worker): waits until node 0's marker is
+// visible, the store at addr:port accepts the secret (the environment's, else
+// the file's) and holds the marker's nonce. `who` names this side in
+// errors ("node 1 (host h2)"). Throws trainrun::Error at the timeout with
+// what went wrong (output.dir not shared / node 0 not up / stale secret),
+// LaunchInterrupted on a stop signal.
+struct Node0Contact {
+  std::unique_ptr<Store> store;
+  std::string secret;
+};
+Node0Contact contact_node0(const std::string& output_dir, const std::string& addr, int port, const EnvMap& env,
+                           std::chrono::milliseconds timeout, std::chrono::milliseconds io_timeout,
+                           const std::string& who, const StopPoll& stop);
+
+// Half of parallel.timeout_s, at least 1 s.
+std::chrono::milliseconds node_timeout(const JobSpec& job);
+
+class NodeGroup {
+ public:
+  // Node 0 starts the store and publishes the files; the others run
+  // contact_node0. Create it after the agent blocked its signals (the store
+  // thread and the heartbeat thread inherit the mask).
+  NodeGroup(const JobSpec& job, const LaunchPlan& plan, const StopPoll& stop);
+  ~NodeGroup();
+  NodeGroup(const NodeGroup&) = delete;
+  NodeGroup& operator=(const NodeGroup&) = delete;
+
+  const std::string& secret() const { return secret_; }
+  const std::string& master_addr() const { return plan_.master_addr; }
+  int port() const { return plan_.master_port; }
+  // The address this node's workers bind for Gloo (TRAINRUN_GLOO_HOST).
+  const std::string& bind_addr() const { return bind_addr_; }
+  const std::string& bind_note() const { return bind_note_; }
+
+  // Every agent announces itself for `attempt` and waits for all nodes.
+  // Returns the attempt to run: an agent started while the job is already
+  // at a later attempt (a node that came back) joins that one. Throws
+  // trainrun::Error naming the nodes that did not arrive, or what node 0
+  // announced (it gave up, a node failed); LaunchInterrupted on a signal.
+  int join(int attempt);
+
+  // The heartbeat thread for this attempt. event_fd() becomes readable when
+  // it has news; take_events() returns them (each a sentence for the log).
+  void start_watch(int attempt);
+  int event_fd() const { return event_rd_; }
+  std::vector<std::string> take_events();
+  void stop_watch();
+
+  // Tells the other agents that this node's workers failed (once per
+  // attempt; the heartbeat thread sends it, so the caller never blocks on
+  // the network).
+  void announce_failure(const std::string& what);
+
+  // After this node's workers ended with `code` (0, 75, or 1 = failed):
+  // records it; node 0 then waits until every node has finished or failed
+  // (the store must outlive their workers). Returns "" or why the job
+  // failed elsewhere after this node finished.
+  std::string finish(int code);
+
+  // Node 0, when the job ends for good (success or no restarts left): tells
+  // agents waiting for a next attempt not to wait.
+  void close_job(int code);
+
+  // "node 1 (host h2, ranks 2-3)".
+  std::string node_label(int node) const;
+
+ private:
+  void watch_loop(int attempt);
+  void post_event(const std::string& what);
+  std::string key(const std::string& rest) const;
+
+  const JobSpec& job_;
+  const LaunchPlan plan_;
+  const StopPoll stop_;
+  const std::chrono::milliseconds node_timeout_;
+  std::unique_ptr<TcpStoreServer> server_;  // node 0 only
+  std::unique_ptr<Store> store_;            // this agent's client
+  std::string secret_, bind_addr_, bind_note_;
+  std::vector<std::string> hosts_;  // per node, from the join
+  int attempt_ = 0;
+
+  int event_rd_ = -1, event_wr_ = -1;
+  std::thread watcher_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stopping_ = false;
+  std::vector<std::string> events_;
+  std::string to_announce_;
+  bool announced_ = false;
+  std::vector<bool> lost_;  // per node: declared lost by the heartbeat thread (node 0)
+};
+
+}  // namespace trainrun
