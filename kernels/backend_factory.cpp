@@ -24,6 +24,7 @@ struct Plugin {
   std::string error;  // why it is not available (api == nullptr)
 };
 
+#if TRAINRUN_HAVE_CUDA
 void host_log(int level, const char* msg) { log_line(static_cast<LogLevel>(level), msg); }
 
 std::string exe_dir() {
@@ -34,6 +35,7 @@ std::string exe_dir() {
   auto slash = p.rfind('/');
   return slash == std::string::npos ? "" : p.substr(0, slash);
 }
+#endif
 
 Plugin load_plugin() {
   Plugin pl;

@@ -7,6 +7,8 @@
 // P2P over NVLink only when every pair has it, P2P off only when a probe
 // saw it broken, exact NIC names, the socket interface and cross-NIC when
 // no NIC is near a GPU.
+#include <algorithm>
+#include <cctype>
 #include <map>
 #include <regex>
 #include <set>
@@ -38,6 +40,14 @@ bool hopper_or_newer(const Topology& t, int g, std::string* how) {
     }
   *how = "model unknown";
   return false;
+}
+
+// nvidia-smi 525+ heads NIC columns NIC<n> and maps them to devices in a
+// "NIC Legend"; a paste without the legend leaves only that placeholder,
+// which is no HCA's name.
+bool placeholder_nic_name(const std::string& name) {
+  return name.size() > 3 && name.compare(0, 3, "NIC") == 0 &&
+         std::all_of(name.begin() + 3, name.end(), [](char c) { return std::isdigit(static_cast<unsigned char>(c)); });
 }
 
 // Each used GPU's closest RDMA NICs (that are not down).
@@ -133,7 +143,15 @@ void nccl_env(const Topology& t, Decisions& d) {
     per_gpu.push_back("GPU" + std::to_string(g) + "->" + join(names, "+") + " (" +
                       link_code(t.nics[size_t(near.at(g)[0])].gpu_links[size_t(g)]) + ")");
   }
-  if (!hcas.empty()) {
+  std::vector<std::string> unnamed;
+  for (const std::string& h : hcas)
+    if (placeholder_nic_name(h)) unnamed.push_back(h);
+  if (!unnamed.empty()) {
+    keep("NCCL_IB_HCA", "the RDMA NICs nearest the GPUs in use are " + join(per_gpu, ", ") +
+                            ", but the nvidia-smi text names them only " + join(unnamed, ", ") +
+                            " (no \"NIC Legend\" maps them to devices such as mlx5_0), so NCCL picks HCAs itself; "
+                            "include the NIC Legend, or run `trainrun topo` on the node");
+  } else if (!hcas.empty()) {
     std::vector<std::string> left_out;
     for (const Nic& n : t.nics)
       if (is_rdma(n.kind) && std::find(hcas.begin(), hcas.end(), n.name) == hcas.end()) left_out.push_back(n.name);
@@ -255,8 +273,12 @@ void warn(const Topology& t, Decisions& d) {
   std::vector<std::string> sys_pairs;
   for (int a : used)
     for (int b : used)
-      if (a < b && t.links[size_t(a)][size_t(b)].kind == LinkKind::Sys)
-        sys_pairs.push_back("GPU" + std::to_string(a) + "-GPU" + std::to_string(b));
+      if (a < b && t.links[size_t(a)][size_t(b)].kind == LinkKind::Sys) {
+        // nvidia-smi also reports SYS between GPUs of one NUMA node on some
+        // boards; those pairs are not split across sockets.
+        const int na = t.gpus[size_t(a)].numa_node, nb = t.gpus[size_t(b)].numa_node;
+        if (na < 0 || nb < 0 || na != nb) sys_pairs.push_back("GPU" + std::to_string(a) + "-GPU" + std::to_string(b));
+      }
   if (!sys_pairs.empty()) {
     std::map<int, std::vector<int>> by_node;
     for (int g : used) by_node[t.gpus[size_t(g)].numa_node].push_back(g);

@@ -138,9 +138,12 @@ std::vector<CpuList> core_groups(const Topology& t, const CpuList& cpus, bool* g
     if (i == 0 || cpus[i] != cpus[i - 1] + 1) ranges.emplace_back();
     ranges.back().push_back(cpus[i]);
   }
-  if (ranges.size() == 2 && ranges[0].size() == ranges[1].size() && ranges[0].size() > 1) {
+  // Siblings missing at the end (an offline CPU: "64-127,192-254") leave
+  // those cores with one thread.
+  if (ranges.size() == 2 && ranges[1].size() <= ranges[0].size() && ranges[1].size() > 1) {
     *guessed = true;
-    for (size_t i = 0; i < ranges[0].size(); ++i) out.push_back({ranges[0][i], ranges[1][i]});
+    for (size_t i = 0; i < ranges[0].size(); ++i)
+      out.push_back(i < ranges[1].size() ? CpuList{ranges[0][i], ranges[1][i]} : CpuList{ranges[0][i]});
     return out;
   }
   for (int c : cpus) out.push_back({c});

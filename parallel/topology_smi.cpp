@@ -5,7 +5,8 @@
 //   - GPU rows and NIC rows, NICs named directly (mlx5_0, older releases) or
 //     as NIC<n> with a "NIC Legend:" section mapping them to names (525+);
 //   - optional trailing columns "CPU Affinity", "NUMA Affinity" and
-//     "GPU NUMA ID" (Grace systems), each possibly "N/A";
+//     "GPU NUMA ID" (Grace systems), each possibly "N/A"; CPU and NUMA
+//     Affinity may be blank (VMs) when GPU NUMA ID still ends the row;
 //   - text before the header (a shell prompt) and the Legend after the rows.
 // What it rejects, naming the line: ragged rows, unknown link codes, a
 // matrix that is not square or not symmetric, X off the diagonal.
@@ -154,6 +155,7 @@ Topology parse_nvidia_smi_topo(const std::string& text, const std::string& name)
 
   // 2. The rows, up to a blank line or the legend.
   std::map<std::string, Row> rows;
+  std::vector<std::string> blank_rows;  // GPU rows with blank CPU/NUMA Affinity
   size_t i = header + 1;
   for (; i < lines.size(); ++i) {
     const std::string t = trim(lines[i]);
@@ -171,7 +173,20 @@ Topology parse_nvidia_smi_topo(const std::string& text, const std::string& name)
     const bool is_gpu = gpu_number(label) >= 0;
     const size_t want = devices.size() + (is_gpu ? extras.size() : 0);
     // NIC rows end after the device columns; tolerate a padded one too.
-    const bool ok = c.size() == want || (!is_gpu && c.size() == devices.size() + extras.size());
+    bool ok = c.size() == want || (!is_gpu && c.size() == devices.size() + extras.size());
+    // nvidia-smi leaves CPU Affinity and NUMA Affinity blank where it cannot
+    // tell (seen in VMs) but always fills GPU NUMA ID (a node or N/A): all
+    // device cells, then fewer extras, the last of them GPU NUMA ID.
+    bool blank_affinity = false;
+    if (!ok && is_gpu && !extras.empty() && extras.back() == "GPU NUMA ID" && c.size() > devices.size() &&
+        c.size() < want && (c.back() == "N/A" || std::all_of(c.back().begin(), c.back().end(), [](char ch) {
+                              return std::isdigit(static_cast<unsigned char>(ch));
+                            }))) {
+      Link l;
+      blank_affinity = std::all_of(c.begin(), c.begin() + long(devices.size()),
+                                   [&](const std::string& cell) { return parse_link_code(cell, &l); });
+      ok = blank_affinity;
+    }
     if (!ok) {
       std::string expect = std::to_string(want) + " (" + std::to_string(devices.size()) + " device columns";
       if (is_gpu && !extras.empty()) expect += " + " + join(extras, ", ");
@@ -190,6 +205,13 @@ Topology parse_nvidia_smi_topo(const std::string& text, const std::string& name)
       r.links.push_back(l);
     }
     r.extras.assign(c.begin() + long(devices.size()), c.end());
+    if (blank_affinity) {  // the present extras fill from the left; GPU NUMA ID is the last cell
+      const std::string numa_id = r.extras.back();
+      r.extras.pop_back();
+      r.extras.resize(extras.size() - 1);
+      r.extras.push_back(numa_id);
+      blank_rows.push_back(label);
+    }
     rows[label] = r;
   }
   std::vector<std::string> missing;
@@ -278,6 +300,15 @@ Topology parse_nvidia_smi_topo(const std::string& text, const std::string& name)
     nic.nic_links.assign(rows[devices[k]].links.begin() + long(G), rows[devices[k]].links.end());
     t.nics.push_back(nic);
   }
+  if (!blank_rows.empty())
+    t.notes.push_back(join(blank_rows, ", ") + ": CPU Affinity/NUMA Affinity left blank by nvidia-smi (it could not "
+                      "tell, e.g. in a VM); their CPUs and NUMA node are unknown");
+  std::vector<std::string> unnamed;
+  for (size_t k = G; k < devices.size(); ++k)
+    if (!nic_names.count(devices[k]) && devices[k].rfind("NIC", 0) == 0) unnamed.push_back(devices[k]);
+  if (!unnamed.empty())
+    t.notes.push_back(join(unnamed, ", ") + ": no \"NIC Legend\" entry, so their device names (mlx5_0, ...) are "
+                      "unknown");
   t.nvswitch = infer_nvswitch(t.links);
   if (t.nvswitch)
     t.notes.push_back("NVSwitch inferred: every GPU shows NV" + std::to_string(t.links[0][1].nvlinks) +

@@ -269,7 +269,7 @@ TEST_CASE("planner: trainrun plan reads a job spec and marks its strategy", "[pl
   auto r = test::run_trainrun("plan --config " + dir / "job.yaml" + " --gpu h200");
   INFO(r.err);
   REQUIRE(r.exit_code == 0);
-  CHECK_THAT(r.out, Contains("gpt2 L=12 C=768 heads=12 V=50257 T=1024: 0.124B parameters") &&
+  CHECK_THAT(r.out, Contains("gpt2 L=12 C=768 heads=12 V=50257 T=1024: 124.4M parameters") &&
                         Contains("\nshard_grad_op * ") && Contains("(* the job's parallel.sharding)") &&
                         Contains("micro-batch 8 x 1024 tokens, 64 sequences per step") && Contains("H200 SXM 141GB") &&
                         Contains("with shard_grad_op without activation checkpointing") && Contains(": FITS"));

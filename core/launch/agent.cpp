@@ -162,6 +162,15 @@ void signal_group(pid_t pid, int sig) {
   if (::kill(-pid, sig) != 0) ::kill(pid, sig);
 }
 
+// The error message a worker wrote after the time (see run_worker).
+std::string read_error_text(const std::string& path) {
+  std::ifstream f(path);
+  std::string first, rest, line;
+  std::getline(f, first);
+  while (std::getline(f, line)) rest += line + "\n";
+  return rest;
+}
+
 int64_t read_error_time(const std::string& path) {
   std::ifstream f(path);
   long long ns = 0;
@@ -468,11 +477,15 @@ void Agent::reap() {
       failed_ = true;
       phase_ = Phase::Settling;
       settle_until_ = Clock::now() + std::min<Clock::duration>(kSettle, seconds(job_.launcher.grace_period_s));
-      // The other nodes stop their workers too (the heartbeat thread sends it).
-      if (group_)
+      // The other nodes stop their workers too (the heartbeat thread sends
+      // it). A rank that only lost its peers lets the node of the cause speak first.
+      if (group_) {
+        const bool consequence = !WIFSIGNALED(st) && failure_is_consequence(read_error_text(w.error_file));
         group_->announce_failure(group_->node_label(plan_.node_rank) + " failed: rank " + std::to_string(w.rank) +
-                                 " (pid " + std::to_string(w.pid) + ") ended first with " + describe_status(st) +
-                                 "; that node's agent output and " + w.log_path + " say why");
+                                     " (pid " + std::to_string(w.pid) + ") ended first with " + describe_status(st) +
+                                     "; that node's agent output and " + w.log_path + " say why",
+                                 consequence);
+      }
     }
   }
 }
@@ -594,9 +607,11 @@ int Agent::first_failure() const {
 }
 
 void Agent::report_failure(int first) const {
-  if (first < 0 && !remote_failure_.empty()) {
-    // Another node stopped the job; this node's workers were only stopped.
-    say("error: the job failed on another node: " + remote_failure_);
+  // Several nodes: the job's first failure may be another node's; this
+  // node's workers then failed in its wake or were only stopped.
+  const bool remote = !remote_failure_.empty();
+  if (remote) say("error: the job failed on another node: " + remote_failure_);
+  if (first < 0 && remote) {
     for (const Worker& w : w_)
       say("stopped rank " + std::to_string(w.rank) + " (pid " + std::to_string(w.pid) + ", " + node_prefix() +
           "): " + describe_status(w.status) + (w.got_sigkill ? " after the grace period" : ""));
@@ -607,8 +622,9 @@ void Agent::report_failure(int first) const {
     return;
   }
   const Worker& f = w_[size_t(first)];
-  say("error: rank " + std::to_string(f.rank) + " (pid " + std::to_string(f.pid) + ", host " + host_ +
-      (group_ ? ", " + node_prefix() : std::string()) + ") failed first: " + describe_status(f.status));
+  say(std::string(remote ? "on this node, " : "error: ") + "rank " + std::to_string(f.rank) + " (pid " +
+      std::to_string(f.pid) + ", host " + host_ + (group_ ? ", " + node_prefix() : std::string()) + ") failed " +
+      (remote ? "next" : "first") + ": " + describe_status(f.status));
   if (job_.launcher.log_tail_lines <= 0) {
     say("its output is in " + f.log_path);
   } else if (f.tail.empty()) {
@@ -669,6 +685,8 @@ class SignalScope {
 // -1 to restart. Prints the report.
 int Agent::conclude(int attempt, int max_restarts) {
   int code = -1;
+  // Several nodes: when another node's failure came first, it is the cause.
+  if (group_ && failed_ && remote_failure_.empty()) remote_failure_ = group_->settle_failure();
   if (stop_signal_ != 0) {
     // A failure that was being handled when the signal came is still
     // worth reporting, but the user's stop wins over a restart.

@@ -36,6 +36,13 @@ namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
+bool failure_is_consequence(const std::string& error_text) {
+  for (const char* sign : {"lost the connection to a peer", "Connection closed by peer", "Connection reset by peer",
+                           "timed out", "did not arrive within", "rendezvous store"})
+    if (error_text.find(sign) != std::string::npos) return true;
+  return false;
+}
+
 namespace {
 
 std::vector<uint8_t> bytes(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
@@ -154,6 +161,65 @@ bool port_answers(const std::string& addr, int port) {
   return ok;
 }
 
+// A failure that looks like the consequence of another rank's (a lost
+// peer, a timed-out collective) is announced only if nobody announced a
+// cause (or node 0 declared a node lost) within this long: a little more
+// than the node timeout, at most this.
+constexpr milliseconds kMaxConsequenceDelay(10000);
+
+// The heartbeat period: a fifth of the node timeout, within [0.1 s, 1 s].
+milliseconds heartbeat_interval(milliseconds node_timeout) {
+  return std::clamp(node_timeout / 5, milliseconds(100), milliseconds(1000));
+}
+
+// A listening socket on `addr`, port 0 (close-on-exec: workers must not
+// hold it), or -1.
+int listen_liveness(const std::string& addr, std::string* where) {
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  if (::inet_pton(AF_INET, addr.c_str(), &a.sin_addr) != 1) return -1;
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) return -1;
+  socklen_t len = sizeof a;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 || ::listen(fd, 64) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  *where = addr + ":" + std::to_string(ntohs(a.sin_port));
+  return fd;
+}
+
+// A connection to "ip:port" within 1 s, or -1.
+int connect_liveness(const std::string& where) {
+  const auto colon = where.rfind(':');
+  if (colon == std::string::npos) return -1;
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(uint16_t(std::atoi(where.c_str() + colon + 1)));
+  if (::inet_pton(AF_INET, where.substr(0, colon).c_str(), &a.sin_addr) != 1) return -1;
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) return -1;
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0) return fd;
+  if (errno == EINPROGRESS) {
+    pollfd p{fd, POLLOUT, 0};
+    int err = 1;
+    socklen_t len = sizeof err;
+    if (::poll(&p, 1, 1000) == 1 && ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) == 0 && err == 0) return fd;
+  }
+  ::close(fd);
+  return -1;
+}
+
+// Whether the peer of a liveness connection has gone (EOF or an error).
+bool liveness_lost(int fd) {
+  pollfd p{fd, POLLIN, 0};
+  if (::poll(&p, 1, 0) != 1) return false;
+  char b;
+  const ssize_t n = ::recv(fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
+  return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+}
+
 // Sleeps up to `d` in short slices, returning early with a stop signal.
 int sleep_unless_stopped(milliseconds d, const StopPoll& stop) {
   const auto until = Clock::now() + d;
@@ -209,6 +275,7 @@ Node0Contact contact_node0(const std::string& output_dir, const std::string& add
   const auto deadline = start + timeout;
   enum { kNoMarker, kNoSecret, kNoStore, kNonce } problem = kNoMarker;
   std::string last_error, seen_nonce, store_nonce;
+  bool nonce_mismatch = false;  // node 0's store was reached and named another marker: the clearest diagnosis
   for (;;) {
     seen_nonce = read_marker_nonce(f.marker);
     const std::string secret = env_secret.empty() ? read_secret_file(f.secret) : env_secret;
@@ -227,6 +294,7 @@ Node0Contact contact_node0(const std::string& output_dir, const std::string& add
           store_nonce = text(c.store->get("trainrun/marker", milliseconds(1000)));
           if (!seen_nonce.empty() && store_nonce == seen_nonce) return c;
           problem = kNonce;
+          nonce_mismatch = true;
         } else {
           problem = kNoStore;  // a store, but node 0 has not finished setting up
           last_error = "node 0 has not published its marker yet";
@@ -239,6 +307,7 @@ Node0Contact contact_node0(const std::string& output_dir, const std::string& add
     if (Clock::now() >= deadline) break;
     if (const int sig = sleep_unless_stopped(milliseconds(200), stop)) throw LaunchInterrupted{sig};
   }
+  if (nonce_mismatch) problem = kNonce;
   const std::string waited = seconds_text(std::chrono::duration_cast<milliseconds>(Clock::now() - start));
   const std::string shared_hint =
       "every node must see the same output.dir (checkpoints and the rendezvous files live there): put it on a "
@@ -305,6 +374,13 @@ NodeGroup::NodeGroup(const JobSpec& job, const LaunchPlan& plan, const StopPoll&
   bind_addr_ =
       gloo != env.end() && !gloo->second.empty() ? gloo->second : worker_bind_address(plan_.master_addr, &bind_note_);
   hosts_.assign(size_t(plan_.nnodes), "");
+  live_addrs_.assign(size_t(plan_.nnodes), "");
+  consequence_delay_ = std::min(kMaxConsequenceDelay, node_timeout_ + 2 * heartbeat_interval(node_timeout_));
+  // Node 0 holds a connection to every other agent's liveness socket: an
+  // agent that exits or is killed closes it at once, long before its
+  // heartbeats are missed. (A partition closes nothing: the heartbeats
+  // catch that.)
+  if (plan_.node_rank > 0) live_fd_ = listen_liveness(bind_addr_, &live_addr_);
   int p[2];
   TR_CHECK_ERRNO(::pipe2(p, O_CLOEXEC | O_NONBLOCK) == 0, "launcher: pipe2");
   event_rd_ = p[0];
@@ -315,6 +391,8 @@ NodeGroup::~NodeGroup() {
   stop_watch();
   ::close(event_rd_);
   ::close(event_wr_);
+  if (live_fd_ >= 0) ::close(live_fd_);
+  for (int fd : accepted_) ::close(fd);
 }
 
 std::string NodeGroup::key(const std::string& rest) const {
@@ -340,7 +418,8 @@ int NodeGroup::join(int attempt) {
     }
   }
   attempt_ = attempt;
-  store_->set(key("node/" + std::to_string(me)), bytes(plan_.host + " " + std::to_string(plan_.nproc_per_node)));
+  store_->set(key("node/" + std::to_string(me)), bytes(plan_.host + " " + std::to_string(plan_.nproc_per_node) +
+                                                       (live_addr_.empty() ? "" : " " + live_addr_)));
   std::vector<std::string> keys;
   for (int j = 0; j < plan_.nnodes; ++j) keys.push_back(key("node/" + std::to_string(j)));
   const auto timeout = milliseconds(int64_t(job_.parallel.timeout_s * 1000));
@@ -381,10 +460,10 @@ int NodeGroup::join(int attempt) {
     TR_FAIL(msg);
   }
   for (int j = 0; j < plan_.nnodes; ++j) {
-    const std::string v = text(store_->get(keys[size_t(j)], milliseconds(1000)));
-    const auto sp = v.rfind(' ');
-    hosts_[size_t(j)] = v.substr(0, sp);
-    const int nproc = sp == std::string::npos ? 0 : std::atoi(v.c_str() + sp + 1);
+    // "host nproc [liveness ip:port]"
+    std::istringstream v(text(store_->get(keys[size_t(j)], milliseconds(1000))));
+    int nproc = 0;
+    v >> hosts_[size_t(j)] >> nproc >> live_addrs_[size_t(j)];
     TR_CHECK(nproc == plan_.nproc_per_node, node_label(j), " runs ", nproc, " workers but node ", me, " runs ",
              plan_.nproc_per_node, "; every node must run the same number (parallel.nproc_per_node)");
   }
@@ -416,12 +495,18 @@ void NodeGroup::start_watch(int attempt) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = false;
+    watching_ = true;
     to_announce_.clear();
-    announced_ = false;
+    announce_resolved_ = false;
+    winner_.clear();
     events_.clear();
     lost_.assign(size_t(plan_.nnodes), false);
   }
   attempt_ = attempt;
+  peer_fds_.assign(size_t(plan_.nnodes), -1);
+  if (plan_.node_rank == 0)
+    for (int j = 1; j < plan_.nnodes; ++j)
+      if (!live_addrs_[size_t(j)].empty()) peer_fds_[size_t(j)] = connect_liveness(live_addrs_[size_t(j)]);
   watcher_ = std::thread([this, attempt] { watch_loop(attempt); });
 }
 
@@ -432,45 +517,70 @@ void NodeGroup::stop_watch() {
   }
   cv_.notify_all();
   if (watcher_.joinable()) watcher_.join();
+  for (int& fd : peer_fds_)
+    if (fd >= 0) ::close(fd), fd = -1;
 }
 
-void NodeGroup::announce_failure(const std::string& what) {
+void NodeGroup::announce_failure(const std::string& what, bool consequence) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!to_announce_.empty()) return;
     to_announce_ = what;
+    announce_not_before_ = Clock::now() + (consequence ? consequence_delay_ : milliseconds(0));
   }
   cv_.notify_all();
 }
 
+std::string NodeGroup::settle_failure() {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait_for(lock, consequence_delay_ + milliseconds(1000),
+               [&] { return !watching_ || to_announce_.empty() || announce_resolved_; });
+  return winner_.empty() || winner_ == to_announce_ ? std::string() : winner_;
+}
+
 void NodeGroup::watch_loop(int attempt) {
   const int me = plan_.node_rank, n = plan_.nnodes;
-  const auto interval = std::clamp(node_timeout_ / 5, milliseconds(100), milliseconds(1000));
+  const auto interval = heartbeat_interval(node_timeout_);
   const std::string abort_key = "trainrun/a" + std::to_string(attempt) + "/abort";
   auto done_key = [&](int j) { return "trainrun/a" + std::to_string(attempt) + "/done/" + std::to_string(j); };
   std::vector<int64_t> last_count(size_t(n), -1);
   std::vector<Clock::time_point> last_change(size_t(n), Clock::now());
   std::vector<bool> finished(size_t(n), false), reported(size_t(n), false);
   bool abort_seen = false;
-  std::string mine;  // what this node announced
+  // Records the first failure of the attempt (whoever wrote it) and tells
+  // the agent about it unless it is this node's own.
+  auto saw_abort = [&](const std::string& what) {
+    abort_seen = true;
+    bool own;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      winner_ = what;
+      own = what == to_announce_;
+      if (!to_announce_.empty()) announce_resolved_ = true;
+    }
+    cv_.notify_all();
+    if (!own) post_event(what);
+  };
   for (;;) {
     std::string announce;
+    bool announce_now = false;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      if (stopping_) return;
-      if (!to_announce_.empty() && !announced_) announce = to_announce_, announced_ = true;
+      if (stopping_) break;
+      if (!to_announce_.empty() && !announce_resolved_) {
+        announce = to_announce_;
+        announce_now = Clock::now() >= announce_not_before_;
+      }
     }
     try {
       store_->add("trainrun/hb/" + std::to_string(me), 1);
-      if (!announce.empty()) {
-        mine = announce;
-        store_->compare_set(abort_key, {}, bytes(announce));
+      if (!abort_seen && store_->check(abort_key)) saw_abort(text(store_->get(abort_key, milliseconds(1000))));
+      if (!abort_seen && announce_now) {
+        // First writer wins: the job's failure is the node that failed first.
+        saw_abort(text(store_->compare_set(abort_key, {}, bytes(announce))));
       }
-      if (!abort_seen && store_->check(abort_key)) {
-        abort_seen = true;
-        const std::string what = text(store_->get(abort_key, milliseconds(1000)));
-        if (what != mine) post_event(what);
-      }
+      if (live_fd_ >= 0)  // node k: hold node 0's liveness connections (nothing is ever sent)
+        for (int fd; (fd = ::accept4(live_fd_, nullptr, nullptr, SOCK_CLOEXEC)) >= 0;) accepted_.push_back(fd);
       if (me == 0) {
         const auto now = Clock::now();
         for (int j = 1; j < n; ++j) {
@@ -479,38 +589,55 @@ void NodeGroup::watch_loop(int attempt) {
             finished[size_t(j)] = true;
             continue;
           }
-          const int64_t c = store_->add("trainrun/hb/" + std::to_string(j), 0);
-          if (c != last_count[size_t(j)]) {
-            last_count[size_t(j)] = c;
-            last_change[size_t(j)] = now;
-          } else if (now - last_change[size_t(j)] > node_timeout_) {
-            reported[size_t(j)] = true;
-            {
-              std::lock_guard<std::mutex> lock(mu_);
-              lost_[size_t(j)] = true;
+          std::string what;
+          const int live = peer_fds_[size_t(j)];
+          if (live >= 0 && liveness_lost(live)) {
+            if (store_->check(done_key(j))) {  // it finished and exited just now
+              finished[size_t(j)] = true;
+              continue;
             }
-            const std::string what =
-                node_label(j) + " stopped responding: its agent sent no heartbeat for " +
-                seconds_text(std::chrono::duration_cast<milliseconds>(now - last_change[size_t(j)])) +
-                " (the node or its agent died, or the network between the nodes is down)";
-            try {
-              store_->compare_set(abort_key, {}, bytes(what));
-            } catch (const Error&) {
+            what = node_label(j) + " is gone: its agent's connection to node 0 closed (the agent exited or was killed)";
+          } else {
+            const int64_t c = store_->add("trainrun/hb/" + std::to_string(j), 0);
+            if (c != last_count[size_t(j)]) {
+              last_count[size_t(j)] = c;
+              last_change[size_t(j)] = now;
+            } else if (now - last_change[size_t(j)] > node_timeout_) {
+              what = node_label(j) + " stopped responding: its agent sent no heartbeat for " +
+                     seconds_text(std::chrono::duration_cast<milliseconds>(now - last_change[size_t(j)])) +
+                     " (the node or its agent died, or the network between the nodes is down)";
             }
-            mine = what;
-            post_event(what);
           }
+          if (what.empty()) continue;
+          reported[size_t(j)] = true;
+          {
+            std::lock_guard<std::mutex> lock(mu_);
+            lost_[size_t(j)] = true;
+          }
+          const std::string first = text(store_->compare_set(abort_key, {}, bytes(what)));
+          if (!abort_seen) saw_abort(first);
+          if (first != what) post_event(what);  // a second loss after the first failure
         }
       }
     } catch (const std::exception& e) {
       post_event("lost the rendezvous store of node 0 (" + plan_.master_addr + ":" + std::to_string(plan_.master_port) +
                  (hosts_.empty() || hosts_[0].empty() ? "" : ", host " + hosts_[0]) + "): " + e.what() +
                  "; node 0's agent died or the network between the nodes is down");
-      return;
+      break;
     }
     std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait_for(lock, interval, [&] { return stopping_ || (!to_announce_.empty() && !announced_); });
+    // While an announcement waits, look again soon.
+    const bool pending = !to_announce_.empty() && !announce_resolved_;
+    cv_.wait_for(lock, pending ? milliseconds(50) : interval, [&] {
+      return stopping_ || (!to_announce_.empty() && !announce_resolved_ && Clock::now() >= announce_not_before_ &&
+                           !abort_seen);
+    });
   }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    watching_ = false;
+  }
+  cv_.notify_all();
 }
 
 std::string NodeGroup::finish(int code) {

@@ -87,6 +87,10 @@ Node0Contact contact_node0(const std::string& output_dir, const std::string& add
                            std::chrono::milliseconds timeout, std::chrono::milliseconds io_timeout,
                            const std::string& who, const StopPoll& stop);
 
+// Whether a worker's error text reads like the consequence of another
+// rank's failure (a lost peer, a timed-out collective) rather than a cause.
+bool failure_is_consequence(const std::string& error_text);
+
 // Half of parallel.timeout_s, at least 1 s.
 std::chrono::milliseconds node_timeout(const JobSpec& job);
 
@@ -123,8 +127,14 @@ class NodeGroup {
 
   // Tells the other agents that this node's workers failed (once per
   // attempt; the heartbeat thread sends it, so the caller never blocks on
-  // the network).
-  void announce_failure(const std::string& what);
+  // the network). The first announcement in the store is the job's failure.
+  // A `consequence` (failure_is_consequence) waits a moment first, so the
+  // node where the cause is announces before the nodes that only lost it.
+  void announce_failure(const std::string& what, bool consequence);
+  // After this node's workers failed: waits (briefly) until the announcement
+  // is settled and returns the job's first failure when it was another
+  // node's, else "".
+  std::string settle_failure();
 
   // After this node's workers ended with `code` (0, 75, or 1 = failed):
   // records it; node 0 then waits until every node has finished or failed
@@ -151,7 +161,13 @@ class NodeGroup {
   std::unique_ptr<TcpStoreServer> server_;  // node 0 only
   std::unique_ptr<Store> store_;            // this agent's client
   std::string secret_, bind_addr_, bind_note_;
-  std::vector<std::string> hosts_;  // per node, from the join
+  std::vector<std::string> hosts_;       // per node, from the join
+  std::vector<std::string> live_addrs_;  // per node: its agent's liveness socket ("ip:port"; node 0: none)
+  std::string live_addr_;                // this agent's (nodes > 0)
+  int live_fd_ = -1;                     // listening liveness socket (nodes > 0)
+  std::vector<int> accepted_;            // node 0's connections to it, held open
+  std::vector<int> peer_fds_;            // node 0: a connection to each node's liveness socket
+  std::chrono::milliseconds consequence_delay_{1000};
   int attempt_ = 0;
 
   int event_rd_ = -1, event_wr_ = -1;
@@ -160,8 +176,11 @@ class NodeGroup {
   std::condition_variable cv_;
   bool stopping_ = false;
   std::vector<std::string> events_;
-  std::string to_announce_;
-  bool announced_ = false;
+  bool watching_ = false;                  // the heartbeat thread runs
+  std::string to_announce_;                // this node's failure, to announce
+  std::chrono::steady_clock::time_point announce_not_before_{};
+  bool announce_resolved_ = false;         // announced, or another node's came first
+  std::string winner_;                     // the attempt's first failure, as the store has it
   std::vector<bool> lost_;  // per node: declared lost by the heartbeat thread (node 0)
 };
 

@@ -473,6 +473,13 @@ std::string si(double v, const char* unit) {
   return fixed(v, v < 10 ? 2 : v < 100 ? 1 : 0) + " " + p[i] + unit;
 }
 
+// 70553706496 -> "70.554B", 124439808 -> "124.4M", 27008 -> "27.0k".
+std::string count_str(double n) {
+  if (n >= 1e9) return fixed(n / 1e9, 3) + "B";
+  if (n >= 1e6) return fixed(n / 1e6, 1) + "M";
+  return fixed(n / 1e3, 1) + "k";
+}
+
 std::string pad_right(const std::string& s, size_t w) { return s.size() >= w ? s : s + std::string(w - s.size(), ' '); }
 std::string pad_left(const std::string& s, size_t w) { return s.size() >= w ? s : std::string(w - s.size(), ' ') + s; }
 
@@ -555,7 +562,7 @@ Plan make_plan(const PlanRequest& req) {
     if (r.sharding.strategy == focus) f = &r;
   TR_CHECK(f, "plan: unknown strategy '", focus, "'");
   std::ostringstream v;
-  v << m.describe() << " (" << fixed(m.num_parameters() / 1e9, 2) << "B parameters) with " << focus
+  v << m.describe() << " (" << count_str(double(m.num_parameters())) << " parameters) with " << focus
     << (req.checkpointing ? " and activation checkpointing" : " without activation checkpointing") << " on "
     << req.nodes << " x " << req.gpus_per_node << " " << spec->name << " (" << gib(plan.capacity) << " GiB each), micro-batch "
     << req.micro_batch << ": ";
@@ -593,9 +600,9 @@ std::string render_plan(const Plan& p) {
   const auto& r = p.req;
   const ModelShape& m = r.model;
   std::ostringstream o;
-  o << "model     " << m.describe() << ": " << fixed(m.num_parameters() / 1e9, 3) << "B parameters, "
-    << si(m.flops_per_token(), "FLOP") << " per token (6N + 12*L*C*T, N = " << fixed(m.matmul_parameters() / 1e9, 3)
-    << "B)\n";
+  o << "model     " << m.describe() << ": " << count_str(double(m.num_parameters())) << " parameters, "
+    << si(m.flops_per_token(), "FLOP") << " per token (6N + 12*L*C*T, N = " << count_str(double(m.matmul_parameters()))
+    << ")\n";
   o << "hardware  " << r.nodes << " node" << (r.nodes == 1 ? "" : "s") << " x " << r.gpus_per_node << " " << p.gpu.name
     << ": " << gib(p.capacity) << " GiB, " << fixed(p.gpu.bf16_flops / 1e12, 0) << " TFLOP/s bf16 dense; bus "
     << fixed(p.gpu.nvlink_bytes_per_s * r.bus_efficiency / 1e9, 0) << " GB/s in a node";

@@ -377,6 +377,7 @@ void RunReporter::on_step(const StepReport& r) {
   if (steps_done_ == 1) {
     first_step_ = r.step;
     first_step_end_ = Clock::now();
+    if (tb_) tb_->add_session_start(r.step);
   }
   if (r.val_loss >= 0 && (best_val_ < 0 || r.val_loss < best_val_)) {
     best_val_ = r.val_loss;
@@ -467,7 +468,7 @@ void RunReporter::finish(const std::string& model_path) {
     try {
       plot_path_ = plot_run(out.string());
     } catch (const Error& e) {
-      TR_LOG_WARN("plot: ", e.what());
+      TR_LOG_WARN(e.what(), " (the run itself is complete)");
       plot_note = "none (see the warning above)";
     }
   }

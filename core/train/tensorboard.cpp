@@ -5,6 +5,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 
 #include "core/common/error.h"
@@ -67,11 +68,22 @@ TensorBoardWriter::TensorBoardWriter(const std::string& dir) {
   char host[256] = "localhost";
   if (::gethostname(host, sizeof host - 1) != 0) std::snprintf(host, sizeof host, "localhost");
   host[sizeof host - 1] = 0;
-  // The counter keeps two writers of one process (tests, restarts within a
-  // second) from sharing a file name.
+  // TensorBoard reads a directory's files in name order, and a SessionLog
+  // START only purges what was read before it: a new file must sort after
+  // every existing one, even when a resumed run starts within the same
+  // second as the last (the seconds field, 10 digits, decides the order).
+  int64_t secs = int64_t(unix_seconds());
+  const std::string prefix = "events.out.tfevents.";
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string n = e.path().filename().string();
+    if (n.rfind(prefix, 0) != 0) continue;
+    const int64_t t = std::atoll(n.c_str() + prefix.size());
+    if (t >= secs) secs = t + 1;
+  }
+  // The counter keeps two writers of one process apart as well.
   static std::atomic<int> counter{0};
-  const std::string name = "events.out.tfevents." + std::to_string(int64_t(unix_seconds())) + "." + host + "." +
-                           std::to_string(::getpid()) + "." + std::to_string(counter++);
+  const std::string name = prefix + std::to_string(secs) + "." + host + "." + std::to_string(::getpid()) + "." +
+                           std::to_string(counter++);
   path_ = (fs::path(dir) / name).string();
   f_ = std::fopen(path_.c_str(), "wb");
   TR_CHECK_ERRNO(f_, "tensorboard: cannot create '", path_, "'");
@@ -97,6 +109,14 @@ void TensorBoardWriter::add_scalars(int64_t step, const std::vector<std::pair<st
     val->set_simple_value(float(v));
   }
   if (summary->value_size() == 0) return;
+  write_event(ev.SerializeAsString());
+}
+
+void TensorBoardWriter::add_session_start(int64_t step) {
+  tensorboard::Event ev;
+  ev.set_wall_time(unix_seconds());
+  ev.set_step(step);
+  ev.mutable_session_log()->set_status(tensorboard::SessionLog::START);
   write_event(ev.SerializeAsString());
 }
 

@@ -45,6 +45,10 @@ class TensorBoardWriter {
   // Flushed at once, so a live TensorBoard sees each step as it is written.
   void add_scalars(int64_t step, const std::vector<std::pair<std::string, double>>& values);
   void add_scalar(const std::string& tag, int64_t step, double value) { add_scalars(step, {{tag, value}}); }
+  // SessionLog START at `step`: TensorBoard discards what earlier files hold
+  // for steps >= `step`, so a resumed run (or a fresh run in a reused
+  // directory, step 1) shows one consistent history, as metrics.jsonl does.
+  void add_session_start(int64_t step);
   const std::string& path() const { return path_; }
 
  private:
