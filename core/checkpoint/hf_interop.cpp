@@ -15,6 +15,7 @@
 
 #include "core/checkpoint/checkpoint.h"
 #include "core/common/error.h"
+#include "core/common/fileio.h"
 #include "core/common/log.h"
 #include "core/io/safetensors.h"
 #include "core/model/model_io.h"
@@ -50,27 +51,6 @@ std::string shape_str(const std::vector<int64_t>& s) {
   std::string out = "(";
   for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
   return out + ")";
-}
-
-void write_file_synced(const std::string& path, const std::string& data) {
-  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  TR_CHECK_ERRNO(fd >= 0, "cannot create '", path, "'");
-  const char* p = data.data();
-  size_t left = data.size();
-  while (left) {
-    ssize_t n = ::write(fd, p, left);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      int e = errno;
-      ::close(fd);
-      errno = e;
-      TR_CHECK_ERRNO(false, "cannot write '", path, "' (disk full?)");
-    }
-    p += n;
-    left -= size_t(n);
-  }
-  TR_CHECK_ERRNO(::fsync(fd) == 0, "cannot fsync '", path, "'");
-  ::close(fd);
 }
 
 void fsync_dir(const fs::path& dir) {
