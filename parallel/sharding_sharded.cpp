@@ -20,6 +20,7 @@
 // order on every rank.
 #include <chrono>
 #include <cmath>
+#include <deque>
 #include <map>
 #include <mutex>
 
@@ -204,6 +205,14 @@ class ShardedStore final : public ParamStore {
     float* tmp = tmp_.as<float>();
     const int64_t S = U.shard;
     U.full_grad = nullptr;
+    // Bound the full-size gradient buffers waiting for their reduce-scatter
+    // (FSDP's limit_all_gathers idea): a rank that runs ahead of the comm
+    // thread would otherwise hold one per unit.
+    while (in_flight_.size() >= kMaxPendingReduces) {
+      wait(units_[in_flight_.front()].reduced);
+      in_flight_.pop_front();
+    }
+    in_flight_.push_back(u);
     U.reduced = comm_.submit([this, full, shard, tmp, S] {
       be_->synchronize();
       shard_comm_->reduce_scatter(tmp, full, S, ReduceOp::Sum);
@@ -377,6 +386,7 @@ class ShardedStore final : public ParamStore {
   void run(const std::function<void()>& fn) { wait(comm_.submit(fn)); }
   // Wait for every queued collective (reduce-scatters, stray prefetches).
   void drain() {
+    in_flight_.clear();
     for (auto& u : units_) {
       if (u.reducing) {
         u.reducing = false;
@@ -406,6 +416,8 @@ class ShardedStore final : public ParamStore {
   DeviceBuffer master_, m_, v_, grad_, tmp_, shard_act_, replicated_;
   BufferPool pool_;
   CommWorker comm_;  // declared last: destroyed first, after drain()
+  static constexpr size_t kMaxPendingReduces = 2;
+  std::deque<int> in_flight_;  // units whose reduce-scatter is queued, oldest first
   std::vector<int> seq_;
   size_t pos_ = 0;
   bool keep_embeddings_ = false;
