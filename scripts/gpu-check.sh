@@ -21,7 +21,7 @@
 #         4. GPT-2 124M training on one GPU (configs/gpt2_124m_h200.yaml):
 #            tokens/s and MFU = tokens/s x (6N + 12 L C T) / peak;
 #       then prints a short table. Logs go to $OUT (device tool) or
-#       ./gpu-check-out.
+#       build-gpu-bundle/out.
 #
 # With the device tool: carry ["build-gpu-bundle"], timeout_s 580, command
 #   bash scripts/gpu-check.sh run
@@ -77,7 +77,7 @@ bundle() {
 }
 
 # ---------------------------------------------------------------------------------
-OUTDIR="${OUT:-$ROOT/gpu-check-out}"
+OUTDIR="${OUT:-$BUNDLE_DIR/out}"  # git-ignored (/build*/)
 WORK="${TMPDIR:-/tmp}/trainrun-gpu-check"
 
 say() { printf '%s\n' "$*" | tee -a "$OUTDIR/summary.txt"; }
@@ -192,11 +192,13 @@ PY
   if [[ -n "$tps" ]]; then mfu=$(awk -v t="$tps" -v f="$fpt" -v p="$peak" 'BEGIN{printf "%.1f", 100*t*f/(p*1e12)}'); fi
   echo
   say "== gpu-check summary: ${card:-unknown GPU}, $(date -u +%Y-%m-%d), bundle commit $(cat "$B/COMMIT"), $((SECONDS - t_start)) s"
-  if [[ $test_rc -eq 0 ]]; then say "cuda tests            PASS ($(grep -E 'test cases|All tests' "$OUTDIR/cuda_tests.log" | tail -1))"
+  if grep -q "skipped: no usable GPU" "$OUTDIR/cuda_tests.log"; then
+    say "cuda tests            SKIPPED: $(grep -m1 -A1 'skipped: no usable GPU' "$OUTDIR/cuda_tests.log" | tr -s ' \n' ' ')"
+    test_rc=3
+  elif [[ $test_rc -eq 0 ]]; then say "cuda tests            PASS ($(grep -E 'test cases|All tests' "$OUTDIR/cuda_tests.log" | tail -1))"
   else say "cuda tests            FAIL rc=$test_rc ($(grep -E 'test cases' "$OUTDIR/cuda_tests.log" | tail -1)); see cuda_tests.log"; fi
-  say "$(grep -E '^ceiling' "$OUTDIR/bench_kernels.txt" | sed 's/  */ /g')"
-  say "$(grep -E '^attention' "$OUTDIR/bench_kernels.txt" | sed 's/  */ /g')"
-  say "$(grep -E '^torch' "$OUTDIR/torch_ref.txt")"
+  say "$(grep -E '^(ceiling|attention)' "$OUTDIR/bench_kernels.txt" | sed 's/  */ /g' || echo 'bench kernels: no results; see bench_kernels.txt')"
+  say "$(grep -E '^torch' "$OUTDIR/torch_ref.txt" || echo 'torch reference: no results; see torch_ref.txt')"
   if [[ -n "$tps" ]]; then say "GPT-2 124M train      $tps tok/s, MFU $mfu% (6N+12LCT = $fpt FLOP/token, peak $peak TFLOP/s bf16 dense)"
   else say "GPT-2 124M train      no throughput (rc=$train_rc); see train_124m.log"; fi
   say "(full kernel table: bench_kernels.txt; logs in $OUTDIR)"
