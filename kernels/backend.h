@@ -86,8 +86,9 @@ class Backend {
   virtual size_t attention_saved_floats(int B, int T, int NH) const = 0;
   virtual void attention_forward(void* out, float* saved, const void* qkv, int B, int T, int C,
                                  int NH) = 0;
-  // dqkv(B,T,3C) overwritten.
-  virtual void attention_backward(void* dqkv, const void* dout, const void* qkv,
+  // dqkv(B,T,3C) overwritten. `out` is the forward's output (B,T,C): a flash
+  // backward needs rowsum(dout * out) and must not have to recompute it.
+  virtual void attention_backward(void* dqkv, const void* dout, const void* qkv, const void* out,
                                   const float* saved, int B, int T, int C, int NH) = 0;
 
   // ---- GELU (tanh approximation), elementwise ------------------------------

@@ -294,7 +294,7 @@ TEST_CASE("cpu_ops: attention forward and backward (dqkv overwritten)", "[cpu_op
 
   ActTensor R(be.get(), randn(size_t(B) * T * C, 42));
   ActTensor dqkv(be.get(), randn(qkv.val.size(), 43, 1.0, -3.0));  // pre-filled: must be overwritten
-  be->attention_backward(dqkv.get(), R.get(), qkv.get(), saved.as<float>(), B, T, C, NH);
+  be->attention_backward(dqkv.get(), R.get(), qkv.get(), out.get(), saved.as<float>(), B, T, C, NH);
   Vec qv = qkv.val;
   auto L = [&] { return ref::dot(ref::attention(qv, B, T, C, NH), R.val); };
   const Vec g = ref::central_fd(qv, L);
@@ -500,8 +500,8 @@ TEST_CASE("cpu_ops: attention_backward and layernorm_backward are bit-reproducib
   DeviceBuffer saved(be.get(), be->attention_saved_floats(B, T, NH) * 4);
   be->attention_forward(out.get(), saved.as<float>(), qkv.get(), B, T, C, NH);
   DeviceBuffer d1(be.get(), size_t(N) * 3 * C * es), d2(be.get(), size_t(N) * 3 * C * es);
-  be->attention_backward(d1.get(), dout.get(), qkv.get(), saved.as<float>(), B, T, C, NH);
-  be->attention_backward(d2.get(), dout.get(), qkv.get(), saved.as<float>(), B, T, C, NH);
+  be->attention_backward(d1.get(), dout.get(), qkv.get(), out.get(), saved.as<float>(), B, T, C, NH);
+  be->attention_backward(d2.get(), dout.get(), qkv.get(), out.get(), saved.as<float>(), B, T, C, NH);
   CHECK(same_bits(be.get(), d1.get(), d2.get(), d1.bytes()));
 
   ActTensor x(be.get(), randn(size_t(N) * C, 103, 1.5, 0.5));

@@ -372,8 +372,8 @@ TEST_CASE("cuda: attention forward and backward", "[cuda]") {
 
     Twin dout(p, randn(nout, 42), true);
     Twin dqkv = out_twin(p, nqkv, true);
-    p.cpu->attention_backward(dqkv.c(), dout.c(), qkv.c(), csaved.as<float>(), s.B, s.T, s.C, s.NH);
-    p.gpu->attention_backward(dqkv.g(), dout.g(), qkv.g(), gsaved.as<float>(), s.B, s.T, s.C, s.NH);
+    p.cpu->attention_backward(dqkv.c(), dout.c(), qkv.c(), out.c(), csaved.as<float>(), s.B, s.T, s.C, s.NH);
+    p.gpu->attention_backward(dqkv.g(), dout.g(), qkv.g(), out.g(), gsaved.as<float>(), s.B, s.T, s.C, s.NH);
     check_close("attention dqkv " + sh, dqkv.read_gpu(p), dqkv.read_cpu(p), kAttnBwd);
   }
   // A head size above the supported 128 is a clear error, not a wrong answer.

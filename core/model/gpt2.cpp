@@ -271,7 +271,7 @@ void GPT2::block_backward(const void* p, float* g, int l, const void* res_in, vo
   be_->layernorm_backward(dres, dw.ln2w, dw.ln2b, dbuf_c_, a.res2, w.ln2w, a.ln2_mean, a.ln2_rstd, N, C);
   // Attention: res2 = res_in + attproj(attn(qkv(ln1(res_in))))
   be_->matmul_backward(dbuf_c_, dw.attprojw, dw.attprojb, dres, a.atty, w.attprojw, N, C, C);
-  be_->attention_backward(dbuf_3c_, dbuf_c_, a.qkv, a.att, B, T, C, cfg_.NH);
+  be_->attention_backward(dbuf_3c_, dbuf_c_, a.qkv, a.atty, a.att, B, T, C, cfg_.NH);
   be_->matmul_backward(dbuf_c_, dw.qkvw, dw.qkvb, dbuf_3c_, a.ln1, w.qkvw, N, C, 3 * C);
   be_->layernorm_backward(dres, dw.ln1w, dw.ln1b, dbuf_c_, res_in, w.ln1w, a.ln1_mean, a.ln1_rstd, N, C);
 }

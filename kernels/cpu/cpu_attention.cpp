@@ -65,7 +65,8 @@ void CpuBackend::attention_forward(void* out_, float* saved, const void* qkv_, i
   }
 }
 
-void CpuBackend::attention_backward(void* dqkv_, const void* dout_, const void* qkv_, const float* saved, int B,
+void CpuBackend::attention_backward(void* dqkv_, const void* dout_, const void* qkv_, const void* /*out: P is kept*/,
+                                    const float* saved, int B,
                                     int T, int C, int NH) {
   float* dqkv = static_cast<float*>(dqkv_);
   const float* dout = static_cast<const float*>(dout_);

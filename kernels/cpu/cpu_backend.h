@@ -44,7 +44,7 @@ class CpuBackend final : public Backend {
                        const void* weight, int N, int C, int OC) override;
   size_t attention_saved_floats(int B, int T, int NH) const override;
   void attention_forward(void* out, float* saved, const void* qkv, int B, int T, int C, int NH) override;
-  void attention_backward(void* dqkv, const void* dout, const void* qkv, const float* saved, int B, int T,
+  void attention_backward(void* dqkv, const void* dout, const void* qkv, const void* out, const float* saved, int B, int T,
                           int C, int NH) override;
   void gelu_forward(void* out, const void* inp, int64_t n) override;
   void gelu_backward(void* dinp, const void* inp, const void* dout, int64_t n) override;

@@ -23,10 +23,8 @@
 // dP are computed twice: 7 products instead of FlashAttention-2's 5 with
 // float atomics on dq).
 //
-// The backward needs the forward's output for D. The Backend interface does
-// not pass it to attention_backward, so the backend remembers, per `saved`
-// buffer, the `out` pointer of the forward that filled it (see
-// cuda_backend.cpp); the model keeps `out` alive until the backward.
+// The backward needs the forward's output for D = rowsum(dout * out); the
+// Backend interface passes it (the model keeps it as an activation).
 //
 // Not tuned: no cp.async / TMA pipelining, no wgmma; a cuDNN fused-attention
 // alternative is not wired yet.

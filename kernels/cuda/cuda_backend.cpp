@@ -172,24 +172,12 @@ size_t CudaBackend::attention_saved_floats(int B, int T, int NH) const {
 
 void CudaBackend::attention_forward(void* out, float* saved, const void* qkv, int B, int T, int C, int NH) {
   make_current();
-  {
-    std::lock_guard<std::mutex> lk(attn_mu_);
-    attn_out_[saved] = out;
-  }
   cuda::attention_forward(H(out), saved, H(qkv), B, T, C, NH, compute_);
 }
 
-void CudaBackend::attention_backward(void* dqkv, const void* dout, const void* qkv, const float* saved, int B, int T,
-                                     int C, int NH) {
+void CudaBackend::attention_backward(void* dqkv, const void* dout, const void* qkv, const void* out,
+                                     const float* saved, int B, int T, int C, int NH) {
   make_current();
-  const void* out = nullptr;
-  {
-    std::lock_guard<std::mutex> lk(attn_mu_);
-    auto it = attn_out_.find(saved);
-    TR_CHECK(it != attn_out_.end(), "cuda attention_backward: the saved state at ", static_cast<const void*>(saved),
-             " was not filled by attention_forward on this backend (run the forward first)");
-    out = it->second;
-  }
   Scratch s(*alloc_, attention_backward_scratch_bytes(B, T, NH));
   cuda::attention_backward(H(dqkv), H(dout), H(qkv), H(out), saved, s.as<float>(), B, T, C, NH, compute_);
 }

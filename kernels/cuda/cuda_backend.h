@@ -61,7 +61,7 @@ class CudaBackend final : public Backend {
                        const void* weight, int N, int C, int OC) override;
   size_t attention_saved_floats(int B, int T, int NH) const override;
   void attention_forward(void* out, float* saved, const void* qkv, int B, int T, int C, int NH) override;
-  void attention_backward(void* dqkv, const void* dout, const void* qkv, const float* saved, int B, int T, int C,
+  void attention_backward(void* dqkv, const void* dout, const void* qkv, const void* out, const float* saved, int B, int T, int C,
                           int NH) override;
   void gelu_forward(void* out, const void* inp, int64_t n) override;
   void gelu_backward(void* dinp, const void* inp, const void* dout, int64_t n) override;
@@ -105,10 +105,6 @@ class CudaBackend final : public Backend {
   cudaStream_t compute_ = nullptr, comm_ = nullptr;
   std::unique_ptr<DeviceAllocator> alloc_;
   std::unique_ptr<Gemm> gemm_;
-  // attention_backward needs the forward's output, which the interface does
-  // not pass: remembered per `saved` buffer by attention_forward.
-  std::mutex attn_mu_;
-  std::unordered_map<const float*, const void*> attn_out_;
 };
 
 }  // namespace trainrun::cuda

@@ -306,7 +306,7 @@ int run_kernel_bench_impl(const KernelBenchOptions& opts) {
     b.compute("attention fwd (flash, WMMA)", sh, fwd, [&] { be.attention_forward(out, lse, qkv, B, T, C, NH); },
               "cuDNN/torch SDPA: see gpu-check.sh");
     b.compute("attention bwd (flash, WMMA)", sh, 2.5 * fwd,
-              [&] { be.attention_backward(dqkv, dout, qkv, lse, B, T, C, NH); }, "");
+              [&] { be.attention_backward(dqkv, dout, qkv, out, lse, B, T, C, NH); }, "");
   }
 
   std::printf("\n%-40s %-22s %12s %12s %-8s %7s  %s\n", "kernel", "size", "time (us)", "achieved", "", "%",
