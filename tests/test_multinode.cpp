@@ -53,6 +53,7 @@ struct JobOpts {
   int log_interval = 1;
   double timeout_s = 20;
   int checkpoint_interval = 0;
+  std::string sharding = "full_shard";
   std::string launcher = "{grace_period_s: 2}";
 };
 
@@ -65,7 +66,8 @@ std::string job_yaml(const std::string& run_dir, int nproc, const JobOpts& o) {
     << "train: {global_batch_size: 8, micro_batch_size: 1, max_steps: " << o.steps
     << ", log_interval: " << o.log_interval << ", eval_interval: 0, warmup_steps: 1}\n"
     << "output: {dir: '" << run_dir << "', sample_tokens: 0}\n"
-    << "parallel: {nproc_per_node: " << nproc << ", sharding: full_shard, timeout_s: " << o.timeout_s << "}\n"
+    << "parallel: {nproc_per_node: " << nproc << ", sharding: " << o.sharding << ", timeout_s: " << o.timeout_s
+    << "}\n"
     << "launcher: " << o.launcher << "\n";
   if (o.checkpoint_interval > 0) y << "checkpoint: {interval: " << o.checkpoint_interval << "}\n";
   return y.str();
@@ -370,6 +372,33 @@ TEST_CASE("multinode: workers of node 1 get global ranks and the node in their e
   CHECK(n1.err().find("job: ") == std::string::npos);
 }
 
+// hybrid_shard with shard_group_size 0: shard inside each node (the 2 ranks
+// of a node hold half the parameters each), replicate across the 2 nodes.
+TEST_CASE("multinode: hybrid_shard shards inside a node and replicates across nodes", "[multinode]") {
+  test::TempDir dir("mnode");
+  JobOpts o;
+  o.sharding = "hybrid_shard";
+  const std::vector<double> want = reference_losses(dir, o);
+  const std::string cfg = make_job(dir, "job.yaml", 2, o);
+  const int port = free_port();
+  Node n0(dir, "node0", {}, node_args(cfg, 0, "127.0.0.1", port));
+  Node n1(dir, "node1", {}, node_args(cfg, 1, "127.0.0.1", port));
+  const int c0 = n0.wait(30s), c1 = n1.wait(10s);
+  INFO("node 0:\n" << n0.err() << "\nnode 1:\n" << n1.err());
+  REQUIRE(c0 == 0);
+  REQUIRE(c1 == 0);
+  // 3824 parameters: a group of 2 keeps 1912 floats per rank (7.5 KiB); a
+  // group of all 4 ranks would keep 956 (3.7 KiB).
+  for (int r : {0, 2}) {
+    const std::string log = test::read_file(dir / ("run/logs/rank" + std::to_string(r) + ".log"));
+    INFO(log);
+    CHECK(log.find("memory (rank " + std::to_string(r) + ", hybrid_shard): params 7.5 KiB") != std::string::npos);
+  }
+  for (const char* topo : {"run/topology.json", "run/node1/topology.json"})
+    CHECK(test::read_file(dir / topo).find("TRAINRUN_SHARD_GROUP_SIZE") != std::string::npos);
+  check_same_losses(losses(dir / "run/metrics.jsonl"), want);
+}
+
 // The same two agents, but placed by what `srun --ntasks-per-node=1` gives
 // the tasks of a 2-node step: node rank from SLURM_NODEID, node 0 = the
 // first host of SLURM_JOB_NODELIST, the port from SLURM_JOB_ID.
@@ -559,8 +588,33 @@ TEST_CASE("multinode: a node that dies mid-run fails the whole job within the ti
   CHECK(e0.find("trainrun: error: the job failed on another node: node 1 (host ") != std::string::npos);
   CHECK(e0.find("ranks 2-3) is gone: its agent's connection to node 0 closed (the agent exited or was killed)") !=
         std::string::npos);
-  CHECK(e0.find("on this node, rank ") != std::string::npos);  // then what happened here
+  // Then what happened here: node 0's ranks lost their peers, or were stopped first.
+  CHECK((e0.find("on this node, rank ") != std::string::npos || e0.find("stopped rank 0 (pid ") != std::string::npos));
   CHECK(took < std::chrono::seconds(4 + 2 + 5));  // timeout + grace + slack
+  CHECK(wait_until([&] { return processes_mentioning(dir.path()).empty(); }, 5s));
+}
+
+TEST_CASE("multinode: node 1 stops at once when node 0 dies", "[multinode]") {
+  test::TempDir dir("mnode");
+  JobOpts o;
+  o.steps = 1000000;
+  o.log_interval = 1000000;
+  o.timeout_s = 20;  // nothing here may wait for it
+  const std::string cfg = make_job(dir, "job.yaml", 2, o);
+  const int port = free_port();
+  Node n0(dir, "node0", {}, node_args(cfg, 0, "127.0.0.1", port));
+  Node n1(dir, "node1", {}, node_args(cfg, 1, "127.0.0.1", port));
+  REQUIRE(wait_until([&] { return training_started(dir); }, 25s));
+  const auto t0 = Clock::now();
+  REQUIRE(kill(n0.pid(), SIGKILL) == 0);  // node 0's agent, and with it the store
+  const int c1 = n1.wait(15s);
+  const auto took = Clock::now() - t0;
+  const std::string e1 = n1.err();
+  INFO(e1);
+  CHECK(c1 == 1);
+  CHECK(e1.find("trainrun: error: the job failed on another node: lost the rendezvous store of node 0 (127.0.0.1:" +
+                std::to_string(port) + ", host ") != std::string::npos);
+  CHECK(took < 8s);
   CHECK(wait_until([&] { return processes_mentioning(dir.path()).empty(); }, 5s));
 }
 

@@ -477,15 +477,17 @@ void Agent::reap() {
       failed_ = true;
       phase_ = Phase::Settling;
       settle_until_ = Clock::now() + std::min<Clock::duration>(kSettle, seconds(job_.launcher.grace_period_s));
-      // The other nodes stop their workers too (the heartbeat thread sends
-      // it). A rank that only lost its peers lets the node of the cause speak first.
-      if (group_) {
-        const bool consequence = !WIFSIGNALED(st) && failure_is_consequence(read_error_text(w.error_file));
-        group_->announce_failure(group_->node_label(plan_.node_rank) + " failed: rank " + std::to_string(w.rank) +
-                                     " (pid " + std::to_string(w.pid) + ") ended first with " + describe_status(st) +
-                                     "; that node's agent output and " + w.log_path + " say why",
-                                 consequence);
-      }
+    }
+    // The other nodes stop their workers too (the heartbeat thread tells
+    // them). A rank that only lost its peers lets the node of the cause
+    // speak first; a cause found while settling replaces it.
+    if (group_ && !status_ok(st) && !requeue && phase_ == Phase::Settling && stop_signal_ == 0 &&
+        remote_failure_.empty()) {
+      const bool consequence = !WIFSIGNALED(st) && failure_is_consequence(read_error_text(w.error_file));
+      group_->announce_failure(group_->node_label(plan_.node_rank) + " failed: rank " + std::to_string(w.rank) +
+                                   " (pid " + std::to_string(w.pid) + ") ended with " + describe_status(st) +
+                                   "; that node's agent output and " + w.log_path + " say why",
+                               consequence);
     }
   }
 }
@@ -785,6 +787,10 @@ void Agent::on_node_events() {
       say("stopping the workers of " + node_prefix() + " because the job cannot go on without that node");
       begin_stop(SIGTERM);
     } else {
+      // Already stopping for a failure here: unless this node's failure is
+      // the one the store recorded first, the news from elsewhere is the cause.
+      if (failed_ && stop_signal_ == 0 && remote_failure_.empty() && !group_->own_failure_first())
+        remote_failure_ = what;
       say(what);
     }
   }

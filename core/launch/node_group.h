@@ -22,12 +22,14 @@
 // until it sees node 0's marker with the nonce node 0 put in the store;
 // otherwise it stops with an error that says whether node 0 is up at all.
 //
-// While workers run, each agent heartbeats into the store from a thread.
-// Node 0 declares a node lost when its heartbeat stalls for the node
-// timeout (half of parallel.timeout_s, at least 1 s: the verdict comes
-// before the workers' own collective timeouts, so it is the one that names
-// the node); other nodes declare node 0 lost when the store stops
-// answering for as long. An agent whose workers failed announces it in the
+// While workers run, each agent heartbeats into the store from a thread,
+// and node 0 holds a TCP connection to every other agent's liveness socket.
+// Node 0 declares a node lost when that connection closes (the agent died:
+// at once) or its heartbeat stalls for the node timeout (half of
+// parallel.timeout_s, at least 1 s: a partition; the verdict comes before
+// the workers' own collective timeouts, so it is the one that names the
+// node); other nodes declare node 0 lost when its store closes the
+// connection or stops answering for as long. An agent whose workers failed announces it in the
 // store, and every other agent stops its workers. With launcher.max_restarts
 // the agents meet again for the next attempt (an agent started again on a
 // node that died joins the job's current attempt), and the workers resume
@@ -91,6 +93,10 @@ Node0Contact contact_node0(const std::string& output_dir, const std::string& add
 // rank's failure (a lost peer, a timed-out collective) rather than a cause.
 bool failure_is_consequence(const std::string& error_text);
 
+// Sleeps up to `d` in short slices; returns early with a stop signal from
+// `stop` (0 = slept the whole time).
+int sleep_unless_stopped(std::chrono::milliseconds d, const StopPoll& stop);
+
 // Half of parallel.timeout_s, at least 1 s.
 std::chrono::milliseconds node_timeout(const JobSpec& job);
 
@@ -133,8 +139,10 @@ class NodeGroup {
   void announce_failure(const std::string& what, bool consequence);
   // After this node's workers failed: waits (briefly) until the announcement
   // is settled and returns the job's first failure when it was another
-  // node's, else "".
+  // node's (or node 0's store went away), else "".
   std::string settle_failure();
+  // Whether the store recorded this node's failure as the attempt's first.
+  bool own_failure_first();
 
   // After this node's workers ended with `code` (0, 75, or 1 = failed):
   // records it; node 0 then waits until every node has finished or failed
@@ -176,12 +184,13 @@ class NodeGroup {
   std::condition_variable cv_;
   bool stopping_ = false;
   std::vector<std::string> events_;
-  bool watching_ = false;                  // the heartbeat thread runs
-  std::string to_announce_;                // this node's failure, to announce
+  bool watching_ = false;    // the heartbeat thread runs
+  std::string to_announce_;  // this node's failure, to announce
   std::chrono::steady_clock::time_point announce_not_before_{};
-  bool announce_resolved_ = false;         // announced, or another node's came first
-  std::string winner_;                     // the attempt's first failure, as the store has it
-  std::vector<bool> lost_;  // per node: declared lost by the heartbeat thread (node 0)
+  bool announce_consequence_ = false;  // it only lost its peers (failure_is_consequence)
+  bool announce_resolved_ = false;     // announced, or another node's came first
+  std::string winner_;                 // the attempt's first failure, as the store has it
+  std::vector<bool> lost_;             // per node: declared lost by the heartbeat thread (node 0)
 };
 
 }  // namespace trainrun

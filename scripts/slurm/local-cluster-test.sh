@@ -5,7 +5,7 @@
 #
 # Installs Debian's slurmctld, slurmd, slurm-client and munge (if missing),
 # writes a one-node slurm.conf into a scratch directory (SLURM_CONF points at
-# it: /etc/slurm is left alone; ports 16817/16818), starts munged, slurmctld
+# it: /etc/slurm is left alone; two free ports), starts munged, slurmctld
 # and slurmd, and then for each mode (one agent per node via train.sbatch;
 # direct workers via multinode.sbatch with TRAINRUN_SLURM_MODE=direct):
 #   1. submits the script with a small CPU job (synthetic data, checkpoints),
@@ -58,6 +58,12 @@ trap cleanup EXIT
 
 host=$(hostname -s)
 cpus=$(nproc)
+# Two free ports, so that two runs of this test (or a real Slurm) never meet.
+read -r ctld_port slurmd_port < <(python3 -c '
+import socket
+ss = [socket.socket() for _ in range(2)]
+for s in ss: s.bind(("127.0.0.1", 0))
+print(*[s.getsockname()[1] for s in ss])')
 mkdir -p "$scratch"/{state,spool,munge,log,run}
 # munge: its own key and socket in the scratch directory, run as root.
 dd if=/dev/urandom of="$scratch/munge/munge.key" bs=1024 count=1 status=none
@@ -68,8 +74,8 @@ munged --force --key-file="$scratch/munge/munge.key" --socket="$scratch/munge/mu
 cat > "$scratch/slurm.conf" <<EOF
 ClusterName=trainrun-local
 SlurmctldHost=$host(127.0.0.1)
-SlurmctldPort=16817
-SlurmdPort=16818
+SlurmctldPort=$ctld_port
+SlurmdPort=$slurmd_port
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -125,7 +131,7 @@ run_mode() {
   cat > "$dir/job.yaml" <<EOF
 model: {n_layer: 2, n_head: 2, n_embd: 32, vocab_size: 32, seq_len: 32}
 data: {format: synthetic}
-train: {global_batch_size: 8, micro_batch_size: 1, max_steps: 100, log_interval: 1, eval_interval: 0, warmup_steps: 2}
+train: {global_batch_size: 8, micro_batch_size: 1, max_steps: 40, log_interval: 1, eval_interval: 0, warmup_steps: 2}
 output: {dir: '$dir/out', sample_tokens: 0}
 parallel: {nproc_per_node: 2, sharding: full_shard, timeout_s: 60}
 checkpoint: {interval: 5}
@@ -177,8 +183,8 @@ $out"
 $out"
   local steps
   steps=$(wc -l < "$dir/out/metrics.jsonl")
-  [ "$steps" = 100 ] || fail "$name: metrics.jsonl has $steps records, not 100"
-  say "$name: OK (USR1 -> checkpoint -> exit 75 -> requeue -> resumed -> 100/100 steps)"
+  [ "$steps" = 40 ] || fail "$name: metrics.jsonl has $steps records, not 40"
+  say "$name: OK (USR1 -> checkpoint -> exit 75 -> requeue -> resumed -> 40/40 steps)"
 }
 
 # One agent on the node, 2 CPU workers.
