@@ -8,31 +8,23 @@
 // Workers run with OMP_NUM_THREADS=1 (two or three processes share a small
 // machine; more threads would only make them fight). Every wait has a
 // deadline: a launcher bug makes a test fail, never hang.
-#include <dirent.h>
-#include <fcntl.h>
 #include <netinet/in.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/socket.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <chrono>
 #include <cmath>
-#include <cstring>
-#include <fstream>
-#include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "parallel/store.h"
+#include "tests/support/process_util.h"
 #include "tests/support/testutil.h"
-
-extern char** environ;
 
 using namespace trainrun;
 using namespace std::chrono_literals;
@@ -71,125 +63,34 @@ std::string make_job(const test::TempDir& dir, const JobOpts& o) {
   return path;
 }
 
-std::vector<double> losses(const std::string& metrics_path) {
-  std::vector<double> out;
-  std::istringstream in(test::read_file(metrics_path));
-  for (std::string line; std::getline(in, line);)
-    if (!line.empty()) out.push_back(nlohmann::json::parse(line).at("loss").get<double>());
-  return out;
-}
-
-std::string read_proc(pid_t pid, const char* what) {
-  std::ifstream f("/proc/" + std::to_string(pid) + "/" + what, std::ios::binary);
-  return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-}
-
-// Live processes (not zombies: their cmdline is empty) whose command line
-// mentions `needle`, other than this test.
-std::vector<pid_t> processes_mentioning(const std::string& needle) {
-  std::vector<pid_t> out;
-  DIR* d = opendir("/proc");
-  if (!d) return out;
-  while (dirent* e = readdir(d)) {
-    char* end = nullptr;
-    const long pid = std::strtol(e->d_name, &end, 10);
-    if (!end || *end || pid <= 0 || pid == getpid()) continue;
-    std::string cmd = read_proc(pid_t(pid), "cmdline");
-    std::replace(cmd.begin(), cmd.end(), '\0', ' ');
-    if (cmd.find(needle) != std::string::npos) out.push_back(pid_t(pid));
-  }
-  closedir(d);
-  return out;
-}
-
-pid_t worker_pid(const std::string& dir, int rank) {
-  for (pid_t pid : processes_mentioning(dir)) {
-    std::string cmd = read_proc(pid, "cmdline");
-    if (cmd.find(std::string("worker") + '\0') == std::string::npos) continue;
-    const std::string env = '\0' + read_proc(pid, "environ");
-    if (env.find(std::string(1, '\0') + "RANK=" + std::to_string(rank) + '\0') != std::string::npos) return pid;
-  }
-  return -1;
-}
-
-template <typename Pred>
-bool wait_until(Pred pred, std::chrono::milliseconds timeout) {
-  const auto deadline = Clock::now() + timeout;
-  while (Clock::now() < deadline) {
-    if (pred()) return true;
-    std::this_thread::sleep_for(20ms);
-  }
-  return pred();
-}
+using test::losses;
+using test::processes_mentioning;
+using test::training_started;
+using test::wait_until;
+using test::worker_pid;
 
 // The agent started in the background (for the tests that signal it or its
 // workers while it runs); stdout/stderr go to files in the test dir.
-class BackgroundRun {
+class BackgroundRun : public test::BackgroundProcess {
  public:
   BackgroundRun(const test::TempDir& dir, const std::string& config, std::vector<std::string> extra_env = {})
-      : out_(dir / "agent.out"), err_(dir / "agent.err") {
-    std::vector<std::string> env;
-    for (char** e = environ; *e; ++e)
-      if (std::strncmp(*e, "OMP_NUM_THREADS=", 16) != 0) env.push_back(*e);
-    env.push_back("OMP_NUM_THREADS=1");
-    for (auto& kv : extra_env) env.push_back(kv);
-    std::vector<std::string> args = {test::trainrun_binary(), "--config", config};
-    std::vector<char*> argv, envp;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    for (auto& kv : env) envp.push_back(kv.data());
-    envp.push_back(nullptr);
-    pid_ = fork();
-    REQUIRE(pid_ >= 0);
-    if (pid_ == 0) {
-      const int o = open(out_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-      const int e = open(err_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-      const int n = open("/dev/null", O_RDONLY);
-      dup2(n, 0);
-      dup2(o, 1);
-      dup2(e, 2);
-      execve(argv[0], argv.data(), envp.data());
-      _exit(127);
-    }
-  }
-  ~BackgroundRun() {
-    if (pid_ > 0 && !done_) {  // a failed test: do not leave the job running
-      kill(pid_, SIGKILL);     // its workers follow (PR_SET_PDEATHSIG)
-      waitpid(pid_, nullptr, 0);
-    }
-  }
-  pid_t pid() const { return pid_; }
-  // Exit code (128+signal when killed), or -1 if it did not end in time.
-  int wait(std::chrono::milliseconds timeout) {
-    const auto deadline = Clock::now() + timeout;
-    for (;;) {
-      int st = 0;
-      const pid_t r = waitpid(pid_, &st, WNOHANG);
-      if (r == pid_) {
-        done_ = true;
-        return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-      }
-      if (Clock::now() >= deadline) return -1;
-      std::this_thread::sleep_for(20ms);
-    }
-  }
-  std::string err() const { return test::read_file(err_); }
+      : BackgroundProcess({test::trainrun_binary(), "--config", config}, agent_env(extra_env), dir / "agent.out",
+                          dir / "agent.err") {}
 
  private:
-  std::string out_, err_;
-  pid_t pid_ = -1;
-  bool done_ = false;
+  static std::vector<std::string> agent_env(const std::vector<std::string>& extra_env) {
+    std::vector<std::string> add = {"OMP_NUM_THREADS=1"};
+    add.insert(add.end(), extra_env.begin(), extra_env.end());
+    return test::environment_with({"OMP_NUM_THREADS"}, add);
+  }
 };
 
-// A long job, and a wait until its first step is logged: from then on all
-// workers are past the rendezvous and inside the step loop.
+// A long job; wait for it with training_started(): from then on all workers
+// are past the rendezvous and inside the step loop.
 std::string start_long_job(const test::TempDir& dir, JobOpts o) {
   o.steps = 1000000;
   o.log_interval = 1000000;  // only step 1 is logged
   return make_job(dir, o);
-}
-bool training_started(const test::TempDir& dir) {
-  return test::read_file(dir / "run/logs/rank0.log").find("step 1/") != std::string::npos;
 }
 
 std::string with_omp1(const std::string& cmd) { return "OMP_NUM_THREADS=1 " + cmd; }

@@ -16,21 +16,15 @@
 // command line, so "nothing left behind" is a /proc scan for that path.
 // Workers run with OMP_NUM_THREADS=1; every wait has a deadline.
 #include <arpa/inet.h>
-#include <dirent.h>
-#include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <chrono>
-#include <cstring>
-#include <fstream>
-#include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -38,9 +32,8 @@
 
 #include "core/common/error.h"
 #include "core/launch/node_group.h"
+#include "tests/support/process_util.h"
 #include "tests/support/testutil.h"
-
-extern char** environ;
 
 using namespace trainrun;
 using namespace std::chrono_literals;
@@ -80,13 +73,10 @@ std::string make_job(const test::TempDir& dir, const std::string& name, int npro
   return path;
 }
 
-std::vector<double> losses(const std::string& metrics_path) {
-  std::vector<double> out;
-  std::istringstream in(test::read_file(metrics_path));
-  for (std::string line; std::getline(in, line);)
-    if (!line.empty()) out.push_back(nlohmann::json::parse(line).at("loss").get<double>());
-  return out;
-}
+using test::losses;
+using test::processes_mentioning;
+using test::training_started;
+using test::wait_until;
 
 // The single-process run of the same job: what every layout must reproduce.
 std::vector<double> reference_losses(const test::TempDir& dir, const JobOpts& o) {
@@ -103,38 +93,6 @@ void check_same_losses(const std::vector<double>& got, const std::vector<double>
     INFO("step " << i + 1);
     CHECK(std::abs(got[i] - want[i]) <= 1e-5 * std::max(1.0, std::abs(want[i])));
   }
-}
-
-std::string read_proc(pid_t pid, const char* what) {
-  std::ifstream f("/proc/" + std::to_string(pid) + "/" + what, std::ios::binary);
-  return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-}
-
-// Live processes whose command line mentions `needle`, other than this test.
-std::vector<pid_t> processes_mentioning(const std::string& needle) {
-  std::vector<pid_t> out;
-  DIR* d = opendir("/proc");
-  if (!d) return out;
-  while (dirent* e = readdir(d)) {
-    char* end = nullptr;
-    const long pid = std::strtol(e->d_name, &end, 10);
-    if (!end || *end || pid <= 0 || pid == getpid()) continue;
-    std::string cmd = read_proc(pid_t(pid), "cmdline");
-    std::replace(cmd.begin(), cmd.end(), '\0', ' ');
-    if (cmd.find(needle) != std::string::npos) out.push_back(pid_t(pid));
-  }
-  closedir(d);
-  return out;
-}
-
-template <typename Pred>
-bool wait_until(Pred pred, std::chrono::milliseconds timeout) {
-  const auto deadline = Clock::now() + timeout;
-  while (Clock::now() < deadline) {
-    if (pred()) return true;
-    std::this_thread::sleep_for(20ms);
-  }
-  return pred();
 }
 
 // A free TCP port on loopback (nobody listens there now; the store binds it
@@ -159,77 +117,32 @@ int free_port(int lo = 0) {
 
 // One agent ("node") started in the background; its stderr goes to a file.
 // `prefix` runs it through another program (ip netns exec NS).
-class Node {
+class Node : public test::BackgroundProcess {
  public:
   Node(const test::TempDir& dir, const std::string& name, const std::vector<std::string>& prefix,
        const std::vector<std::string>& args, const std::vector<std::string>& extra_env = {})
-      : err_(dir / (name + ".err")) {
-    std::vector<std::string> env;
-    for (char** e = environ; *e; ++e)
-      if (std::strncmp(*e, "OMP_NUM_THREADS=", 16) != 0 && std::strncmp(*e, "TRAINRUN_STORE_SECRET=", 22) != 0)
-        env.push_back(*e);
-    env.push_back("OMP_NUM_THREADS=1");
-    for (const auto& kv : extra_env) env.push_back(kv);
-    std::vector<std::string> argv_s = prefix;
-    argv_s.push_back(test::trainrun_binary());
-    argv_s.insert(argv_s.end(), args.begin(), args.end());
-    std::vector<char*> argv, envp;
-    for (auto& a : argv_s) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    for (auto& kv : env) envp.push_back(kv.data());
-    envp.push_back(nullptr);
-    pid_ = fork();
-    REQUIRE(pid_ >= 0);
-    if (pid_ == 0) {
-      const int o = open((err_ + ".out").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-      const int e = open(err_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-      const int n = open("/dev/null", O_RDONLY);
-      dup2(n, 0);
-      dup2(o, 1);
-      dup2(e, 2);
-      execvpe(argv[0], argv.data(), envp.data());
-      _exit(127);
-    }
-  }
-  ~Node() {
-    if (pid_ > 0 && !done_) {  // a failed test: do not leave the job running
-      kill(pid_, SIGKILL);     // its workers follow (PR_SET_PDEATHSIG)
-      waitpid(pid_, nullptr, 0);
-    }
-  }
-  pid_t pid() const { return pid_; }
-  // Exit code (128+signal when killed), or -1 if it did not end in time.
-  int wait(std::chrono::milliseconds timeout) {
-    if (done_) return code_;
-    const auto deadline = Clock::now() + timeout;
-    for (;;) {
-      int st = 0;
-      if (waitpid(pid_, &st, WNOHANG) == pid_) {
-        done_ = true;
-        code_ = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-        return code_;
-      }
-      if (Clock::now() >= deadline) return -1;
-      std::this_thread::sleep_for(20ms);
-    }
-  }
-  std::string err() const { return test::read_file(err_); }
+      : BackgroundProcess(node_argv(prefix, args), node_env(extra_env), dir / (name + ".err.out"),
+                          dir / (name + ".err")) {}
 
  private:
-  std::string err_;
-  pid_t pid_ = -1;
-  bool done_ = false;
-  int code_ = -1;
+  static std::vector<std::string> node_argv(const std::vector<std::string>& prefix,
+                                            const std::vector<std::string>& args) {
+    std::vector<std::string> argv = prefix;
+    argv.push_back(test::trainrun_binary());
+    argv.insert(argv.end(), args.begin(), args.end());
+    return argv;
+  }
+  static std::vector<std::string> node_env(const std::vector<std::string>& extra_env) {
+    std::vector<std::string> add = {"OMP_NUM_THREADS=1"};
+    add.insert(add.end(), extra_env.begin(), extra_env.end());
+    return test::environment_with({"OMP_NUM_THREADS", "TRAINRUN_STORE_SECRET"}, add);
+  }
 };
 
 std::vector<std::string> node_args(const std::string& cfg, int node_rank, const std::string& addr, int port,
                                    int nnodes = 2) {
   return {"--config", cfg, "--nnodes", std::to_string(nnodes), "--node-rank", std::to_string(node_rank),
           "--master-addr", addr, "--master-port", std::to_string(port)};
-}
-
-bool training_started(const test::TempDir& dir) {
-  return test::read_file(dir / "run/logs/rank0.log").find("step 1/") != std::string::npos;
 }
 
 // ---- two "hosts" in network namespaces ----------------------------------------------------

@@ -13,7 +13,6 @@
 #include <catch2/catch.hpp>
 #include <cstdlib>
 #include <fstream>
-#include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -23,6 +22,7 @@
 #include "core/launch/launch_mode.h"
 #include "core/launch/node_group.h"
 #include "parallel/hostlist.h"
+#include "tests/support/process_util.h"
 #include "tests/support/testutil.h"
 
 using namespace trainrun;
@@ -73,13 +73,7 @@ std::string plan_error(const JobSpec& job, const LaunchFlags& f, const EnvMap& e
   return "<no error>";
 }
 
-std::vector<double> losses(const std::string& metrics_path) {
-  std::vector<double> out;
-  std::istringstream in(test::read_file(metrics_path));
-  for (std::string line; std::getline(in, line);)
-    if (!line.empty()) out.push_back(nlohmann::json::parse(line).at("loss").get<double>());
-  return out;
-}
+using test::losses;
 
 int free_port() {
   // A port the kernel just handed out and nobody listens on now; the store
