@@ -899,45 +899,37 @@ static LaunchPlan single_node_plan(const JobSpec& job, int nproc) {
   return p;
 }
 
-int run_agent(const JobSpec& job, const std::string& resolved_spec_path) {
-  const int nproc = resolve_nproc_per_node(job);
+// Checks that fail once here rather than once per worker (the trainer checks
+// the batch split too).
+static void check_launchable(const JobSpec& job, int nproc, int nnodes) {
   TR_CHECK(nproc >= 1, "parallel.nproc_per_node: ", nproc, " workers is not a job");
-  // The trainer checks this too, but failing here says it once, before any
-  // worker starts, instead of once per rank.
+  const int world = nnodes * nproc;
   const int global_b = job.train.derived_global_batch_size(), mb = job.train.micro_batch_size;
-  TR_CHECK(mb > 0 && global_b % (mb * nproc) == 0, job.source, ": train.global_batch_size (", global_b,
-           " sequences) must be a multiple of train.micro_batch_size (", mb, ") x world size (", nproc,
-           " workers); change one of them so every rank gets whole micro-batches");
+  const std::string workers = nnodes == 1 ? std::to_string(world) + " workers"
+                                          : std::to_string(world) + " workers: " + std::to_string(nnodes) +
+                                                " nodes x " + std::to_string(nproc);
+  TR_CHECK(mb > 0 && global_b % (mb * world) == 0, job.source, ": train.global_batch_size (", global_b,
+           " sequences) must be a multiple of train.micro_batch_size (", mb, ") x world size (", workers,
+           "); change one of them so every rank gets whole micro-batches");
   TR_CHECK(job.launcher.grace_period_s >= 0, "launcher.grace_period_s must be >= 0");
-  // Detect the node, decide, write <output.dir>/topology.json (see topology_launch.h).
-  Agent agent(job, resolved_spec_path, nproc, topo::prepare_launch_topology(job, nproc), single_node_plan(job, nproc));
-  return agent.run();
+}
+
+int run_agent(const JobSpec& job, const std::string& resolved_spec_path) {
+  return run_agent(job, single_node_plan(job, resolve_nproc_per_node(job)), resolved_spec_path);
 }
 
 int run_agent(const JobSpec& job, const LaunchPlan& plan, const std::string& resolved_spec_path) {
   if (!plan.multi_node()) {
     LaunchPlan p = plan;
     p.nproc_per_node = resolve_nproc_per_node(job);
-    const int nproc = p.nproc_per_node;
-    TR_CHECK(nproc >= 1, "parallel.nproc_per_node: ", nproc, " workers is not a job");
-    const int global_b = job.train.derived_global_batch_size(), mb = job.train.micro_batch_size;
-    TR_CHECK(mb > 0 && global_b % (mb * nproc) == 0, job.source, ": train.global_batch_size (", global_b,
-             " sequences) must be a multiple of train.micro_batch_size (", mb, ") x world size (", nproc,
-             " workers); change one of them so every rank gets whole micro-batches");
-    TR_CHECK(job.launcher.grace_period_s >= 0, "launcher.grace_period_s must be >= 0");
-    Agent agent(job, resolved_spec_path, nproc, topo::prepare_launch_topology(job, nproc), p);
+    check_launchable(job, p.nproc_per_node, 1);
+    // Detect the node, decide, write <output.dir>/topology.json (see topology_launch.h).
+    Agent agent(job, resolved_spec_path, p.nproc_per_node, topo::prepare_launch_topology(job, p.nproc_per_node), p);
     return agent.run();
   }
-  const int nproc = plan.nproc_per_node, world = plan.nnodes * nproc;
-  TR_CHECK(nproc >= 1, "parallel.nproc_per_node: ", nproc, " workers is not a job");
-  const int global_b = job.train.derived_global_batch_size(), mb = job.train.micro_batch_size;
-  TR_CHECK(mb > 0 && global_b % (mb * world) == 0, job.source, ": train.global_batch_size (", global_b,
-           " sequences) must be a multiple of train.micro_batch_size (", mb, ") x world size (", world,
-           " workers: ", plan.nnodes, " nodes x ", nproc, "); change one of them so every rank gets whole "
-           "micro-batches");
-  TR_CHECK(job.launcher.grace_period_s >= 0, "launcher.grace_period_s must be >= 0");
+  check_launchable(job, plan.nproc_per_node, plan.nnodes);
   // The topology is decided in Agent::run_nodes, after output.dir is known to be shared.
-  Agent agent(job, resolved_spec_path, nproc, topo::LaunchTopology{}, plan);
+  Agent agent(job, resolved_spec_path, plan.nproc_per_node, topo::LaunchTopology{}, plan);
   return agent.run();
 }
 
