@@ -17,6 +17,8 @@
 
 #include "core/common/error.h"
 #include "core/common/fileio.h"
+#include "core/io/safetensors.h"
+#include "core/model/model_io.h"
 #include "core/common/log.h"
 
 namespace fs = std::filesystem;
@@ -43,49 +45,19 @@ bool parse_step_name(const std::string& name, int64_t* step) {
   return true;
 }
 
-// Header of a safetensors file whose tensors are given in order with
-// contiguous data; returns the bytes up to the start of the data.
-std::string safetensors_header(const std::vector<std::pair<std::string, const ParamTensor*>>& tensors,
-                               int64_t base_elems, const std::map<std::string, std::string>& meta) {
-  json h;
-  json m = json::object();
-  for (const auto& [k, v] : meta) m[k] = v;
-  h["__metadata__"] = m;
-  int64_t off = base_elems;
-  for (const auto& [name, t] : tensors) {
-    h[name] = {{"dtype", "F32"}, {"shape", t->shape}, {"data_offsets", {off * 4, (off + t->numel) * 4}}};
-    off += t->numel;
-  }
-  std::string text = h.dump();
-  while ((text.size() + 8) % 8) text.push_back(' ');
-  std::string out(8, '\0');
-  uint64_t n = text.size();
-  std::memcpy(&out[0], &n, 8);  // little-endian host (x86-64, aarch64)
-  return out + text;
-}
-
-std::map<std::string, std::string> model_meta(const GPT2Config& c) {
-  return {{"format", "pt"},
-          {"arch", "gpt2"},
-          {"n_layer", std::to_string(c.L)},
-          {"n_head", std::to_string(c.NH)},
-          {"n_embd", std::to_string(c.C)},
-          {"vocab_size", std::to_string(c.V)},
-          {"seq_len", std::to_string(c.T)},
-          {"init_std", std::to_string(c.init_std)}};
-}
-
+// The two files' headers: F32 tensors in the flat layout's order, so
+// global element g of kind k sits at a fixed offset every rank can compute.
 std::string model_header(const GPT2Config& cfg, const ParamLayout& lay) {
-  std::vector<std::pair<std::string, const ParamTensor*>> ts;
-  for (const auto& t : lay.tensors) ts.push_back({t.name, &t});
-  return safetensors_header(ts, 0, model_meta(cfg));
+  std::vector<SafeTensorEntry> es;
+  for (const auto& t : lay.tensors) es.push_back({t.name, "F32", t.shape, uint64_t(t.numel) * 4});
+  return encode_safetensors_header(es, gpt2_safetensors_metadata(cfg));
 }
 
 std::string optimizer_header(const ParamLayout& lay) {
-  std::vector<std::pair<std::string, const ParamTensor*>> ts;
-  for (const auto& t : lay.tensors) ts.push_back({"exp_avg." + t.name, &t});
-  for (const auto& t : lay.tensors) ts.push_back({"exp_avg_sq." + t.name, &t});
-  return safetensors_header(ts, 0, {{"format", "trainrun-adamw"}});
+  std::vector<SafeTensorEntry> es;
+  for (const char* prefix : {"exp_avg.", "exp_avg_sq."})
+    for (const auto& t : lay.tensors) es.push_back({prefix + t.name, "F32", t.shape, uint64_t(t.numel) * 4});
+  return encode_safetensors_header(es, {{"format", "trainrun-adamw"}});
 }
 
 // Size and xxhash64 of a whole file.

@@ -205,20 +205,37 @@ SafeTensor make_f32_tensor(const std::string& name, std::vector<int64_t> shape, 
 
 // ---- writer --------------------------------------------------------------------
 
+std::string encode_safetensors_header(const std::vector<SafeTensorEntry>& entries,
+                                      const std::map<std::string, std::string>& metadata) {
+  // ordered_json keeps the header in file order, which makes files easy to
+  // inspect with `head -c`.
+  nlohmann::ordered_json header = nlohmann::ordered_json::object();
+  if (!metadata.empty()) {
+    nlohmann::ordered_json meta = nlohmann::ordered_json::object();
+    for (const auto& [k, v] : metadata) meta[k] = v;
+    header["__metadata__"] = std::move(meta);
+  }
+  uint64_t offset = 0;
+  for (const auto& e : entries) {
+    header[e.name] = {{"dtype", e.dtype}, {"shape", e.shape}, {"data_offsets", {offset, offset + e.nbytes}}};
+    offset += e.nbytes;
+  }
+  std::string json = header.dump();
+  // Pad with spaces (valid JSON whitespace) so the data area starts 8-byte
+  // aligned: 8 + N is a multiple of 8, which lets readers mmap and cast.
+  json.append((8 - json.size() % 8) % 8, ' ');
+  std::string out(8, '\0');
+  const uint64_t n = json.size();
+  for (int i = 0; i < 8; ++i) out[size_t(i)] = static_cast<char>(uint8_t(n >> (8 * i)));
+  return out + json;
+}
+
 void write_safetensors(const std::string& path, const SafeTensorFile& file) {
   const std::string where = "safetensors file '" + path + "'";
 
   // Validate first: a bad tensor must not leave a half-written temp file.
-  // ordered_json keeps the header in file order, which makes files easy to
-  // inspect with `head -c`.
-  nlohmann::ordered_json header = nlohmann::ordered_json::object();
-  if (!file.metadata.empty()) {
-    nlohmann::ordered_json meta = nlohmann::ordered_json::object();
-    for (const auto& [k, v] : file.metadata) meta[k] = v;
-    header["__metadata__"] = std::move(meta);
-  }
+  std::vector<SafeTensorEntry> entries;
   std::set<std::string> names;
-  uint64_t offset = 0;
   for (const auto& t : file.tensors) {
     TR_CHECK(!t.name.empty(), where, ": cannot write a tensor with an empty name");
     TR_CHECK(t.name != "__metadata__", where, ": '__metadata__' is reserved and cannot name a tensor");
@@ -231,16 +248,9 @@ void write_safetensors(const std::string& path, const SafeTensorFile& file) {
              shape_str(t.shape));
     TR_CHECK(nbytes == t.data.size(), where, ": tensor '", t.name, "' has shape ", shape_str(t.shape), " of ",
              t.dtype, " (", nbytes, " bytes) but holds ", t.data.size(), " bytes of data");
-    header[t.name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {offset, offset + nbytes}}};
-    offset += nbytes;
+    entries.push_back({t.name, t.dtype, t.shape, nbytes});
   }
-  std::string json = header.dump();
-  // Pad with spaces (valid JSON whitespace) so the data area starts 8-byte
-  // aligned: 8 + N is a multiple of 8, which lets readers mmap and cast.
-  json.append((8 - json.size() % 8) % 8, ' ');
-  uint8_t len_bytes[8];
-  uint64_t n = json.size();
-  for (int i = 0; i < 8; ++i) len_bytes[i] = static_cast<uint8_t>(n >> (8 * i));
+  const std::string header = encode_safetensors_header(entries, file.metadata);
 
   // Atomic commit: write a temp file in the same directory (rename is atomic
   // only within one filesystem), fsync it, rename over the target, then fsync
@@ -252,8 +262,7 @@ void write_safetensors(const std::string& path, const SafeTensorFile& file) {
     f.fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     TR_CHECK_ERRNO(f.fd >= 0, "cannot create ", where, " (temp file '", tmp, "')");
     try {
-      write_all(f.fd, len_bytes, 8, wtmp);
-      write_all(f.fd, reinterpret_cast<const uint8_t*>(json.data()), json.size(), wtmp);
+      write_all(f.fd, reinterpret_cast<const uint8_t*>(header.data()), header.size(), wtmp);
       for (const auto& t : file.tensors) write_all(f.fd, t.data.data(), t.data.size(), wtmp);
       TR_CHECK_ERRNO(::fsync(f.fd) == 0, wtmp, ": fsync failed");
       int fd = f.fd;

@@ -27,6 +27,19 @@ struct SafeTensorFile {
   const SafeTensor* find(const std::string& name) const;
 };
 
+// The header of a safetensors file whose tensors are laid out contiguously
+// in the given order: the 8-byte little-endian length, then the JSON
+// (padded with spaces so the data starts 8-byte aligned). Writers that fill
+// the data area themselves (parallel checkpoint writes) use it directly.
+struct SafeTensorEntry {
+  std::string name;
+  std::string dtype;
+  std::vector<int64_t> shape;
+  uint64_t nbytes = 0;
+};
+std::string encode_safetensors_header(const std::vector<SafeTensorEntry>& entries,
+                                      const std::map<std::string, std::string>& metadata);
+
 // Writes atomically (temp file + fsync + rename). Throws Error naming the path.
 void write_safetensors(const std::string& path, const SafeTensorFile& file);
 // Validates the header (length, JSON, dtypes, offsets within the file, no

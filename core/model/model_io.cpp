@@ -7,19 +7,23 @@
 
 namespace trainrun {
 
+std::map<std::string, std::string> gpt2_safetensors_metadata(const GPT2Config& c) {
+  return {{"format", "pt"},
+          {"arch", "gpt2"},
+          {"n_layer", std::to_string(c.L)},
+          {"n_head", std::to_string(c.NH)},
+          {"n_embd", std::to_string(c.C)},
+          {"vocab_size", std::to_string(c.V)},
+          {"seq_len", std::to_string(c.T)},
+          {"init_std", std::to_string(c.init_std)}};
+}
+
 void save_model_safetensors(const std::string& path, const GPT2Config& cfg, const std::vector<float>& flat) {
   const ParamLayout lay = make_gpt2_layout(cfg);
   TR_CHECK(int64_t(flat.size()) == lay.total, "save_model_safetensors: ", flat.size(), " values for a model of ",
            lay.total);
   SafeTensorFile f;
-  f.metadata["format"] = "pt";
-  f.metadata["arch"] = "gpt2";
-  f.metadata["n_layer"] = std::to_string(cfg.L);
-  f.metadata["n_head"] = std::to_string(cfg.NH);
-  f.metadata["n_embd"] = std::to_string(cfg.C);
-  f.metadata["vocab_size"] = std::to_string(cfg.V);
-  f.metadata["seq_len"] = std::to_string(cfg.T);
-  f.metadata["init_std"] = std::to_string(cfg.init_std);
+  f.metadata = gpt2_safetensors_metadata(cfg);
   for (const auto& t : lay.tensors) f.tensors.push_back(make_f32_tensor(t.name, t.shape, flat.data() + t.offset));
   write_safetensors(path, f);
 }

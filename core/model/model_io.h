@@ -2,12 +2,17 @@
 // layout), fp32, with the architecture in __metadata__ so `generate` and the
 // PyTorch reference can rebuild the model from the file alone.
 #pragma once
+#include <map>
 #include <string>
 #include <vector>
 
 #include "core/model/gpt2.h"
 
 namespace trainrun {
+
+// The __metadata__ that describes the architecture (shared with checkpoints,
+// whose model.safetensors is a model file too).
+std::map<std::string, std::string> gpt2_safetensors_metadata(const GPT2Config& cfg);
 
 void save_model_safetensors(const std::string& path, const GPT2Config& cfg, const std::vector<float>& flat);
 // Returns the config from the metadata and fills `flat` in make_gpt2_layout order.
