@@ -33,6 +33,17 @@ struct ShardMemory {
   size_t params = 0, grads = 0, optimizer = 0, comm_buffers = 0;
 };
 
+// sum(x^2) over n fp32 device values, returned to the host. `acc` is a
+// 4-byte device scratch the store keeps, so the per-step grad norm does not
+// allocate (a cudaMalloc-backed pool would otherwise see it every step).
+inline float sum_squares_to_host(Backend* be, float* acc, const float* x, int64_t n) {
+  be->zero(acc, 4);
+  be->sum_squares(acc, x, n);
+  float host = 0;
+  be->copy_to_host(&host, acc, 4);
+  return host;
+}
+
 class ParamStore : public UnitAccess {
  public:
   // Fill the parameters from the counter-based GPT-2 init (each rank inits

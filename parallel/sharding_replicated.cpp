@@ -23,6 +23,7 @@ class ReplicatedStore final : public ParamStore {
     grads_ = DeviceBuffer(be, n * 4);
     m_ = DeviceBuffer(be, n * 4);
     v_ = DeviceBuffer(be, n * 4);
+    norm_acc_ = DeviceBuffer(be, 4);
   }
   void* params() { return params_.get() ? params_.get() : master_.get(); }
 
@@ -47,11 +48,7 @@ class ReplicatedStore final : public ParamStore {
     wait_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
   double grad_norm_squared() override {
-    DeviceBuffer acc(be_, 4);
-    be_->sum_squares(acc.as<float>(), grads_.as<float>(), layout_.total);
-    float host = 0;
-    be_->copy_to_host(&host, acc.get(), 4);
-    return host;
+    return sum_squares_to_host(be_, norm_acc_.as<float>(), grads_.as<float>(), layout_.total);
   }
   void optimizer_step(const AdamWParams& p, int step, float grad_scale) override {
     const size_t es = dtype_size(be_->act_dtype());
@@ -115,7 +112,7 @@ class ReplicatedStore final : public ParamStore {
   const ParamLayout& layout_;
   Backend* be_;
   Communicator* comm_;
-  DeviceBuffer master_, params_, grads_, m_, v_;
+  DeviceBuffer master_, params_, grads_, m_, v_, norm_acc_;
   double wait_ = 0;
 };
 

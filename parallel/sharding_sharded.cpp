@@ -130,6 +130,7 @@ class ShardedStore final : public ParamStore {
     v_ = DeviceBuffer(be, shard_total_ * 4);
     grad_ = DeviceBuffer(be, shard_total_ * 4);
     tmp_ = DeviceBuffer(be, max_shard() * 4);
+    norm_acc_ = DeviceBuffer(be, 4);
     if (be->act_dtype() != DType::F32) shard_act_ = DeviceBuffer(be, shard_total_ * es_);
     if (!shard_params_) replicated_ = DeviceBuffer(be, padded_total_ * es_);
   }
@@ -265,10 +266,8 @@ class ShardedStore final : public ParamStore {
   }
 
   double grad_norm_squared() override {
-    DeviceBuffer acc(be_, 4);
-    be_->sum_squares(acc.as<float>(), grad_.as<float>(), shard_total_);  // padding is zero
-    float local = 0;
-    be_->copy_to_host(&local, acc.get(), 4);
+    // Padding is zero, so the shard's sum is exact.
+    float local = sum_squares_to_host(be_, norm_acc_.as<float>(), grad_.as<float>(), shard_total_);
     run([&] { shard_comm_->all_reduce(&local, 1, ReduceOp::Sum); });
     return local;
   }
@@ -413,7 +412,7 @@ class ShardedStore final : public ParamStore {
   size_t es_ = 4;
   std::vector<Unit> units_;
   int64_t shard_total_ = 0, padded_total_ = 0;
-  DeviceBuffer master_, m_, v_, grad_, tmp_, shard_act_, replicated_;
+  DeviceBuffer master_, m_, v_, grad_, tmp_, shard_act_, replicated_, norm_acc_;
   BufferPool pool_;
   CommWorker comm_;  // declared last: destroyed first, after drain()
   static constexpr size_t kMaxPendingReduces = 2;
