@@ -18,6 +18,7 @@
 
 #include "core/checkpoint/checkpoint.h"
 #include "core/common/error.h"
+#include "core/common/fileio.h"
 #include "core/common/log.h"
 #include "kernels/backend.h"
 #include "parallel/communicator.h"
@@ -100,18 +101,12 @@ double disk_write(const std::string& path, int64_t bytes, const std::vector<char
   auto t0 = Clock::now();
   int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   TR_CHECK_ERRNO(fd >= 0, "bench checkpoint: cannot create '", path, "'");
-  int64_t left = bytes;
-  while (left > 0) {
-    const size_t n = size_t(std::min<int64_t>(left, int64_t(src.size())));
-    ssize_t w = ::write(fd, src.data(), n);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) {
-      int e = errno;
-      ::close(fd);
-      errno = e;
-      TR_CHECK_ERRNO(false, "bench checkpoint: cannot write '", path, "' (disk full?)");
-    }
-    left -= w;
+  try {
+    for (int64_t off = 0; off < bytes; off += int64_t(src.size()))
+      pwrite_all(fd, src.data(), size_t(std::min<int64_t>(bytes - off, int64_t(src.size()))), off, path);
+  } catch (...) {
+    ::close(fd);
+    throw;
   }
   TR_CHECK_ERRNO(::fsync(fd) == 0, "bench checkpoint: cannot fsync '", path, "'");
   ::close(fd);

@@ -299,9 +299,8 @@ void GPT2::backward(UnitAccess& units) {
     const void* res_in = l == 0 ? encoded_ : res3_[l - 1];
     // Activation checkpointing: only block outputs (res3_) were kept; rerun
     // this block's forward to refill the shared per-layer scratch. Its output
-    // goes to a throwaway buffer (dbuf_3c_, overwritten by backward next)
-    // because res3_[l] is still the input of the block above's backward... no
-    // longer needed, but keeping it intact keeps the recompute side-effect free.
+    // goes to a throwaway buffer (dbuf_3c_, which backward overwrites next) so
+    // the recompute leaves the checkpoints untouched.
     if (ckpt_) block_forward(p, l, res_in, dbuf_3c_, B, T);
     block_backward(p, units.unit_grads(1 + l), l, res_in, dres_, B, T);
     units.release_params(1 + l);

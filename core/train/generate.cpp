@@ -41,6 +41,7 @@ std::vector<int32_t> sample_tokens(const GPT2Config& cfg, const std::vector<floa
   DeviceBuffer tokens_dev(be.get(), size_t(cfg.T) * 4);
   std::vector<int32_t> seq = prompt;
   std::vector<float> logits(cfg.V);
+  DeviceBuffer last_f32(be.get(), size_t(cfg.V) * 4);  // the last position's logits, fp32
   uint64_t rng = o.seed;
   const bool greedy = o.top_k == 1 || o.temperature <= 0.0;
   for (int i = 0; i < o.max_tokens; ++i) {
@@ -48,14 +49,9 @@ std::vector<int32_t> sample_tokens(const GPT2Config& cfg, const std::vector<floa
     be->copy_to_device(tokens_dev.get(), seq.data() + seq.size() - T, size_t(T) * 4);
     model.forward(access, tokens_dev.as<int32_t>(), nullptr, 1, T, false, 0.0f);
     // Only the last position's logits are needed; logits are act dtype.
-    std::vector<float> last_f32(cfg.V);
-    {
-      DeviceBuffer tmp(be.get(), size_t(cfg.V) * 4);
-      const char* base = static_cast<const char*>(model.logits()) +
-                         size_t(T - 1) * cfg.V * dtype_size(be->act_dtype());
-      be->cast_to_f32(tmp.as<float>(), base, cfg.V);
-      be->copy_to_host(logits.data(), tmp.get(), size_t(cfg.V) * 4);
-    }
+    const char* last = static_cast<const char*>(model.logits()) + size_t(T - 1) * cfg.V * dtype_size(be->act_dtype());
+    be->cast_to_f32(last_f32.as<float>(), last, cfg.V);
+    be->copy_to_host(logits.data(), last_f32.get(), size_t(cfg.V) * 4);
     int next;
     if (greedy) {
       next = int(std::max_element(logits.begin(), logits.end()) - logits.begin());
