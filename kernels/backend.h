@@ -109,6 +109,9 @@ class Backend {
   // ---- optimizer --------------------------------------------------------------
   // out[0] += sum(x^2) over n fp32 values (for the global grad norm).
   virtual void sum_squares(float* out, const float* x, int64_t n) = 0;
+  // out[0] += sum(x) over n fp32 values. The trainer keeps the step's loss
+  // total on the device with it, so no micro-batch waits for a host copy.
+  virtual void sum(float* out, const float* x, int64_t n) = 0;
   virtual void scale(float* x, float s, int64_t n) = 0;
   // dst += src (fp32): accumulating reduce-scattered gradient shards.
   virtual void accumulate(float* dst, const float* src, int64_t n) = 0;

@@ -397,7 +397,7 @@ TEST_CASE("cpu_ops: softmax cross-entropy losses and dlogits", "[cpu_ops]") {
   }
 }
 
-TEST_CASE("cpu_ops: sum_squares accumulates into its output, and scale", "[cpu_ops]") {
+TEST_CASE("cpu_ops: sum_squares and sum accumulate into their output, and scale", "[cpu_ops]") {
   auto be = make_backend();
   const int n = 10007;
   F32Tensor x(be.get(), randn(n, 81));
@@ -407,6 +407,15 @@ TEST_CASE("cpu_ops: sum_squares accumulates into its output, and scale", "[cpu_o
   for (double v : x.val) want += v * v;
   // fp32 result of a double-accumulated sum: one final rounding (~6e-8).
   check_close("sum_squares", download_f32(be.get(), out.get(), 1), Vec{want}, 1e-6);
+
+  // sum: the trainer's on-device loss total; += across micro-batches.
+  F32Tensor total(be.get(), Vec{-2.25});
+  be->sum(total.get(), x.get(), n);
+  be->sum(total.get(), x.get(), 17);
+  double want_sum = -2.25;
+  for (double v : x.val) want_sum += v;
+  for (int i = 0; i < 17; ++i) want_sum += x.val[i];
+  CHECK(std::abs(download_f32(be.get(), total.get(), 1)[0] - want_sum) < 1e-4);
 
   F32Tensor y(be.get(), randn(61, 82));
   be->scale(y.get(), -0.3f, 61);

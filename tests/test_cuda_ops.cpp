@@ -437,7 +437,7 @@ TEST_CASE("cuda: softmax cross-entropy", "[cuda]") {
   }
 }
 
-TEST_CASE("cuda: sum_squares, scale, accumulate", "[cuda]") {
+TEST_CASE("cuda: sum_squares, sum, scale, accumulate", "[cuda]") {
   CUDA_TEST_OR_SKIP();
   Pair p;
   for (size_t n : {size_t(1), size_t(19), size_t(111), size_t(500), size_t(1) << 20 | 3}) {
@@ -452,6 +452,14 @@ TEST_CASE("cuda: sum_squares, scale, accumulate", "[cuda]") {
       p.gpu->sum_squares(acc2.gf(), x.gf(), int64_t(n));
       p.gpu->sum_squares(acc3.gf(), x.gf(), int64_t(n));
       CHECK(acc2.read_gpu(p)[0] == acc3.read_gpu(p)[0]);  // deterministic
+      // sum: the trainer's loss total, over positive values like losses.
+      Vec pos = randn(n, 73);
+      for (float& v : pos) v = std::abs(v) + 0.5f;
+      Twin losses(p, pos, false, off);
+      Twin tot(p, Vec{1.25f}, false);
+      p.cpu->sum(tot.cf(), losses.cf(), int64_t(n));
+      p.gpu->sum(tot.gf(), losses.gf(), int64_t(n));
+      check_close("sum (+=) " + sh, tot.read_gpu(p), tot.read_cpu(p), kF32);
       p.cpu->scale(x.cf(), 0.37f, int64_t(n));
       p.gpu->scale(x.gf(), 0.37f, int64_t(n));
       check_close("scale " + sh, x.read_gpu(p), x.read_cpu(p), kF32);

@@ -120,7 +120,11 @@ class Trainer {
 
  private:
   void setup();
-  double train_step(int step);  // returns the global mean loss
+  struct StepResult {
+    double loss = 0;     // the global mean loss
+    int stop_signal = 0; // a preemption signal some rank received, else 0
+  };
+  StepResult train_step(int step);
   double evaluate();
   void read_batch(const TokenSource& src, int64_t first, int B);
   bool debug_nan_step(int step) const { return debug_nan_step_for(w_.rank, step); }
@@ -137,8 +141,8 @@ class Trainer {
   int T_ = 0, mb_ = 0, global_B_ = 0, accum_ = 0;
   int64_t cursor_ = 0;  // global sample index of the next training batch
   std::vector<int32_t> host_in_, host_tgt_;
-  std::vector<float> host_losses_;
   DeviceBuffer dev_in_, dev_tgt_;
+  DeviceBuffer dev_loss_sum_;  // one fp32: the sum of this rank's token losses so far
   bool rank0_ = true;
   std::string prefix_;
 };
@@ -198,9 +202,9 @@ void Trainer::setup() {
            " but model.vocab_size is ", cfg_.V, "; raise model.vocab_size");
   host_in_.resize(size_t(mb_) * T_);
   host_tgt_.resize(size_t(mb_) * T_);
-  host_losses_.resize(size_t(mb_) * T_);
   dev_in_ = DeviceBuffer(be_.get(), host_in_.size() * 4);
   dev_tgt_ = DeviceBuffer(be_.get(), host_tgt_.size() * 4);
+  dev_loss_sum_ = DeviceBuffer(be_.get(), 4);
 
   if (rank0_) {
     TR_LOG_INFO("model: gpt2 L=", cfg_.L, " NH=", cfg_.NH, " C=", cfg_.C, " V=", cfg_.V, " T=", cfg_.T, " (",
@@ -224,24 +228,36 @@ void Trainer::read_batch(const TokenSource& src, int64_t first, int B) {
   be_->copy_to_device(dev_tgt_.get(), host_tgt_.data(), size_t(B) * T_ * 4);
 }
 
-double Trainer::train_step(int step) {
+// The per-token losses are summed on the device, so on a GPU no micro-batch
+// waits for a host copy; the step's one host read is the total, which then
+// rides one all-reduce together with the preemption vote.
+Trainer::StepResult Trainer::train_step(int step) {
   params_->zero_grads();
   float dloss_scale = 1.0f / float(int64_t(global_B_) * T_);
   if (debug_nan_step(step + 1)) dloss_scale = NAN;  // tests: TRAINRUN_DEBUG_NAN_STEP
-  double local_loss = 0;
+  be_->zero(dev_loss_sum_.get(), 4);
   for (int m = 0; m < accum_; ++m) {
     int64_t first = cursor_ + (int64_t(m) * w_.world + w_.rank) * mb_;
     read_batch(*train_src_, first, mb_);
     model_->forward(*params_, dev_in_.as<int32_t>(), dev_tgt_.as<int32_t>(), mb_, T_, true, dloss_scale);
-    be_->copy_to_host(host_losses_.data(), model_->losses(), host_losses_.size() * 4);
-    for (float l : host_losses_) local_loss += l;
+    be_->sum(dev_loss_sum_.as<float>(), model_->losses(), int64_t(mb_) * T_);
     model_->backward(*params_);
   }
   cursor_ += global_B_;
   params_->finish_grads();
-  float loss = float(local_loss);
-  comm_->all_reduce(&loss, 1, ReduceOp::Sum);
-  return double(loss) / (double(global_B_) * T_);
+  // [loss total, ranks that got SIGINT, ranks that got SIGTERM/SIGUSR1]:
+  // summed, every rank sees the same counts and takes the same decision
+  // to stop at this step boundary (an interrupt wins over a preemption).
+  float v[3] = {0, 0, 0};
+  be_->copy_to_host(&v[0], dev_loss_sum_.get(), 4);
+  const int sig = stop_signal_received();
+  v[1] = sig == SIGINT ? 1.0f : 0.0f;
+  v[2] = sig != 0 && sig != SIGINT ? 1.0f : 0.0f;
+  comm_->all_reduce(v, 3, ReduceOp::Sum);
+  StepResult r;
+  r.loss = double(v[0]) / (double(global_B_) * T_);
+  r.stop_signal = v[1] > 0 ? SIGINT : v[2] > 0 ? (sig != 0 ? sig : SIGTERM) : 0;
+  return r;
 }
 
 // Validation loss over a fixed set: eval_steps global batches from the start
@@ -249,17 +265,17 @@ double Trainer::train_step(int step) {
 // does not depend on the world size or micro-batch size.
 double Trainer::evaluate() {
   if (!val_src_ || job_.train.eval_steps <= 0) return -1;
-  double local = 0;
+  be_->zero(dev_loss_sum_.get(), 4);
   for (int e = 0; e < job_.train.eval_steps; ++e) {
     for (int m = 0; m < accum_; ++m) {
       read_batch(*val_src_, int64_t(e) * global_B_ + (int64_t(m) * w_.world + w_.rank) * mb_, mb_);
       model_->forward(*params_, dev_in_.as<int32_t>(), dev_tgt_.as<int32_t>(), mb_, T_, false, 0.0f);
-      be_->copy_to_host(host_losses_.data(), model_->losses(), host_losses_.size() * 4);
-      for (float l : host_losses_) local += l;
+      be_->sum(dev_loss_sum_.as<float>(), model_->losses(), int64_t(mb_) * T_);
     }
   }
   params_->take_comm_wait_seconds();  // eval's gathers are not training-step communication
-  float total = float(local);
+  float total = 0;
+  be_->copy_to_host(&total, dev_loss_sum_.get(), 4);
   comm_->all_reduce(&total, 1, ReduceOp::Sum);
   return double(total) / (double(job_.train.eval_steps) * global_B_ * T_);
 }
@@ -348,7 +364,8 @@ TrainSummary Trainer::run() {
     debug_fail_hook(w_.rank, step + 1);  // launcher tests: TRAINRUN_DEBUG_FAIL_RANK/_STEP
     auto t0 = Clock::now();
     const double lr = lr_at(step, tr.max_steps, tr.warmup_steps, tr.lr, tr.min_lr, tr.schedule);
-    const double loss = train_step(step);
+    const StepResult sr = train_step(step);
+    const double loss = sr.loss;
     const double gnorm = std::sqrt(params_->grad_norm_squared());
     // Clip by the global norm: every rank computed the same norm, so every
     // shard scales by the same factor.
@@ -397,14 +414,12 @@ TrainSummary Trainer::run() {
     report.val_loss = val_loss;
     reporter.on_step(report);
     if (job_.checkpoint.interval > 0 && (step + 1) % job_.checkpoint.interval == 0) save_checkpoint(step + 1);
-    // Preemption: agree across ranks (max of the received signal numbers),
-    // then save and stop at this step boundary.
-    float sig = float(stop_signal_received());
-    comm_->all_reduce(&sig, 1, ReduceOp::Max);
-    if (sig > 0 && step + 1 < end_step) {
-      sum.stop_signal = int(sig);
+    // Preemption: the ranks agreed in train_step; save and stop at this
+    // step boundary.
+    if (sr.stop_signal != 0 && step + 1 < end_step) {
+      sum.stop_signal = sr.stop_signal;
       if (rank0_)
-        TR_LOG_INFO("stop requested (signal ", int(sig), "): saving a checkpoint at step ", step + 1, " and exiting");
+        TR_LOG_INFO("stop requested (signal ", sr.stop_signal, "): saving a checkpoint at step ", step + 1, " and exiting");
       if (last_saved != step + 1) save_checkpoint(step + 1);
       break;
     }

@@ -107,20 +107,24 @@ void CpuBackend::gelu_backward(void* dinp_, const void* inp_, const void* dout_,
 
 // Per-thread partial sums in double, combined in thread order: deterministic
 // for a fixed thread count and far more accurate than a float running sum.
-void CpuBackend::sum_squares(float* out, const float* x, int64_t n) {
-  std::vector<double> partial(threads_, 0.0);
-#pragma omp parallel num_threads(threads_)
+template <bool kSquare>
+static void reduce_into(float* out, const float* x, int64_t n, int threads) {
+  std::vector<double> partial(threads, 0.0);
+#pragma omp parallel num_threads(threads)
   {
     int tid = omp_get_thread_num();
     double acc = 0.0;
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < n; ++i) acc += double(x[i]) * double(x[i]);
+    for (int64_t i = 0; i < n; ++i) acc += kSquare ? double(x[i]) * double(x[i]) : double(x[i]);
     partial[tid] = acc;
   }
   double total = 0.0;
   for (double p : partial) total += p;
   out[0] += static_cast<float>(total);
 }
+
+void CpuBackend::sum_squares(float* out, const float* x, int64_t n) { reduce_into<true>(out, x, n, threads_); }
+void CpuBackend::sum(float* out, const float* x, int64_t n) { reduce_into<false>(out, x, n, threads_); }
 
 void CpuBackend::scale(float* x, float s, int64_t n) {
 #pragma omp parallel for simd schedule(static)

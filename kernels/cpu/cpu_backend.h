@@ -52,6 +52,7 @@ class CpuBackend final : public Backend {
   void softmax_cross_entropy(float* losses, void* dlogits, const void* logits, const int32_t* targets, int N,
                              int V, float dloss_scale) override;
   void sum_squares(float* out, const float* x, int64_t n) override;
+  void sum(float* out, const float* x, int64_t n) override;
   void scale(float* x, float s, int64_t n) override;
   void accumulate(float* dst, const float* src, int64_t n) override;
   void adamw_update(float* master, void* param, const float* grad, float* m, float* v, int64_t n, float lr,

@@ -209,6 +209,12 @@ void CudaBackend::sum_squares(float* out, const float* x, int64_t n) {
   cuda::sum_squares(out, x, n, s.as<float>(), compute_);
 }
 
+void CudaBackend::sum(float* out, const float* x, int64_t n) {
+  make_current();
+  Scratch s(*alloc_, sum_squares_scratch_bytes(n));
+  cuda::sum(out, x, n, s.as<float>(), compute_);
+}
+
 void CudaBackend::scale(float* x, float s, int64_t n) {
   make_current();
   scale_f32(x, s, n, compute_);

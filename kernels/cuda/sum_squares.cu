@@ -16,13 +16,14 @@ int sum_squares_blocks(int64_t n) {
   return int(b < 1 ? 1 : b > kMaxBlocks ? kMaxBlocks : b);
 }
 
-__global__ void sum_squares_partial_kernel(float* partial, const float* x, int64_t n) {
+template <bool kSquare>
+__global__ void sum_partial_kernel(float* partial, const float* x, int64_t n) {
   __shared__ float red[32];
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   float acc = 0.0f;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
     const float v = __ldg(x + i);
-    acc = fmaf(v, v, acc);
+    acc = kSquare ? fmaf(v, v, acc) : acc + v;
   }
   acc = block_sum(acc, red);
   if (threadIdx.x == 0) partial[blockIdx.x] = acc;
@@ -42,13 +43,25 @@ __global__ void sum_squares_final_kernel(float* out, const float* partial, int n
 
 size_t sum_squares_scratch_bytes(int64_t n) { return size_t(sum_squares_blocks(n)) * sizeof(float); }
 
-void sum_squares(float* out, const float* x, int64_t n, float* scratch, cudaStream_t stream) {
+namespace {
+
+template <bool kSquare>
+void launch_sum(float* out, const float* x, int64_t n, float* scratch, cudaStream_t stream) {
   if (n <= 0) return;
   const int blocks = sum_squares_blocks(n);
-  sum_squares_partial_kernel<<<blocks, kThreads, 0, stream>>>(scratch, x, n);
-  TR_CUDA_LAUNCH_CHECK("sum_squares_partial");
+  sum_partial_kernel<kSquare><<<blocks, kThreads, 0, stream>>>(scratch, x, n);
+  TR_CUDA_LAUNCH_CHECK("sum_partial");
   sum_squares_final_kernel<<<1, 32, 0, stream>>>(out, scratch, blocks);
-  TR_CUDA_LAUNCH_CHECK("sum_squares_final");
+  TR_CUDA_LAUNCH_CHECK("sum_final");
+}
+
+}  // namespace
+
+void sum_squares(float* out, const float* x, int64_t n, float* scratch, cudaStream_t stream) {
+  launch_sum<true>(out, x, n, scratch, stream);
+}
+void sum(float* out, const float* x, int64_t n, float* scratch, cudaStream_t stream) {
+  launch_sum<false>(out, x, n, scratch, stream);
 }
 
 }  // namespace trainrun::cuda
