@@ -65,6 +65,12 @@ class Backend {
   // ---- LayerNorm over the last dim: out = (x-mean)*rstd*w + b, eps 1e-5 -----
   virtual void layernorm_forward(void* out, float* mean, float* rstd, const void* inp,
                                  const void* weight, const void* bias, int N, int C) = 0;
+  // Fused residual add + LayerNorm (forward only): res_out = a + b, then
+  // out = LayerNorm(res_out) as above. res_out must not alias a or b. Its
+  // backward is layernorm_backward into the residual gradient: the add
+  // passes its gradient through unchanged, and that op accumulates.
+  virtual void residual_layernorm_forward(void* res_out, void* out, float* mean, float* rstd, const void* a,
+                                          const void* b, const void* weight, const void* bias, int N, int C) = 0;
   // dinp += .., dweight += .., dbias += ..
   virtual void layernorm_backward(void* dinp, float* dweight, float* dbias, const void* dout,
                                   const void* inp, const void* weight, const float* mean,

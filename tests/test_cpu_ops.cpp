@@ -233,6 +233,34 @@ TEST_CASE("cpu_ops: layernorm forward and backward (+= into dinp, dweight, dbias
               ref::central_fd(bv, L), kGradTol);
 }
 
+TEST_CASE("cpu_ops: fused residual + layernorm forward equals the two ops", "[cpu_ops]") {
+  auto be = make_backend();
+  for (auto [N, C] : {std::pair<int, int>{1, 1}, {7, 13}, {19, 111}, {5, 768}}) {
+    const size_t n = size_t(N) * C, es = dtype_size(be->act_dtype());
+    ActTensor a(be.get(), randn(n, 31, 2.0, 1.0)), b(be.get(), randn(n, 32, 0.5, -2.0));
+    ActTensor w(be.get(), randn(C, 33, 0.3, 1.0)), bias(be.get(), randn(C, 34, 0.3));
+    DeviceBuffer res(be.get(), n * es), out(be.get(), n * es), mean(be.get(), N * 4), rstd(be.get(), N * 4);
+    be->residual_layernorm_forward(res.get(), out.get(), mean.as<float>(), rstd.as<float>(), a.get(), b.get(),
+                                   w.get(), bias.get(), N, C);
+    // Reference: the two separate ops (bit-identical on the CPU) ...
+    DeviceBuffer res2(be.get(), n * es), out2(be.get(), n * es), mean2(be.get(), N * 4), rstd2(be.get(), N * 4);
+    be->residual_forward(res2.get(), a.get(), b.get(), int64_t(n));
+    be->layernorm_forward(out2.get(), mean2.as<float>(), rstd2.as<float>(), res2.get(), w.get(), bias.get(), N, C);
+    CHECK(download_act(be.get(), res.get(), n) == download_act(be.get(), res2.get(), n));
+    CHECK(download_act(be.get(), out.get(), n) == download_act(be.get(), out2.get(), n));
+    CHECK(download_f32(be.get(), mean.get(), N) == download_f32(be.get(), mean2.get(), N));
+    CHECK(download_f32(be.get(), rstd.get(), N) == download_f32(be.get(), rstd2.get(), N));
+    // ... and the double-precision definition.
+    Vec sum(n);
+    for (size_t i = 0; i < n; ++i) sum[i] = a.val[i] + b.val[i];
+    check_close("fused residual", download_act(be.get(), res.get(), n), sum, kFwdTol);
+    Vec rmean, rrstd;
+    Vec want = ref::layernorm(sum, w.val, bias.val, N, C, &rmean, &rrstd);
+    check_close("fused layernorm out", download_act(be.get(), out.get(), n), want, kFwdTol);
+    check_close("fused layernorm mean", download_f32(be.get(), mean.get(), N), rmean, kFwdTol);
+  }
+}
+
 TEST_CASE("cpu_ops: matmul forward and backward (dinp overwritten, dweight/dbias +=)", "[cpu_ops]") {
   auto be = make_backend();
   const int N = 7, C = 13, OC = 11;

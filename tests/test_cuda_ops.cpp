@@ -302,6 +302,38 @@ TEST_CASE("cuda: layernorm forward and backward", "[cuda]") {
   }
 }
 
+TEST_CASE("cuda: fused residual + layernorm forward", "[cuda]") {
+  CUDA_TEST_OR_SKIP();
+  Pair p;
+  struct S { int N, C; size_t off; };
+  for (S s : {S{1, 1, 0}, S{19, 111, 0}, S{111, 19, 1}, S{500, 64, 0}, S{37, 768, 0}, S{37, 768, 1}}) {
+    const std::string sh = shape({{"N", s.N}, {"C", s.C}}) + (s.off ? " unaligned" : "");
+    const size_t n = size_t(s.N) * s.C;
+    Twin a(p, randn(n, 61, 2.0f, 0.5f), true, s.off), b(p, randn(n, 62, 0.5f, -1.0f), true, s.off);
+    Twin w(p, randn(s.C, 63, 0.5f, 1.0f), true), bias(p, randn(s.C, 64), true);
+    Twin res = out_twin(p, n, true, s.off), out = out_twin(p, n, true, s.off);
+    Twin mean = out_twin(p, s.N, false), rstd = out_twin(p, s.N, false);
+    p.cpu->residual_layernorm_forward(res.c(), out.c(), mean.cf(), rstd.cf(), a.c(), b.c(), w.c(), bias.c(), s.N,
+                                      s.C);
+    p.gpu->residual_layernorm_forward(res.g(), out.g(), mean.gf(), rstd.gf(), a.g(), b.g(), w.g(), bias.g(), s.N,
+                                      s.C);
+    check_close("fused residual " + sh, res.read_gpu(p), res.read_cpu(p), kBf16);
+    check_close("fused layernorm out " + sh, out.read_gpu(p), out.read_cpu(p), kBf16);
+    check_close("fused layernorm mean " + sh, mean.read_gpu(p), mean.read_cpu(p), kBf16);
+    check_close("fused layernorm rstd " + sh, rstd.read_gpu(p), rstd.read_cpu(p), kBf16);
+    // On the GPU the fused op must equal residual_forward + layernorm_forward
+    // bit for bit: both round the sum to bf16 and normalise the rounded row.
+    Twin res2 = out_twin(p, n, true, s.off), out2 = out_twin(p, n, true, s.off);
+    Twin mean2 = out_twin(p, s.N, false), rstd2 = out_twin(p, s.N, false);
+    p.gpu->residual_forward(res2.g(), a.g(), b.g(), int64_t(n));
+    p.gpu->layernorm_forward(out2.g(), mean2.gf(), rstd2.gf(), res2.g(), w.g(), bias.g(), s.N, s.C);
+    CHECK(res.read_gpu(p) == res2.read_gpu(p));
+    CHECK(out.read_gpu(p) == out2.read_gpu(p));
+    CHECK(mean.read_gpu(p) == mean2.read_gpu(p));
+    CHECK(rstd.read_gpu(p) == rstd2.read_gpu(p));
+  }
+}
+
 namespace {
 void check_matmul(Pair& p, int N, int C, int OC, bool bias, size_t offset, const std::string& tag) {
   const std::string sh = tag + shape({{"N", N}, {"C", C}, {"OC", OC}}) + (bias ? " bias" : "") +

@@ -205,20 +205,21 @@ BlockPtrs<P> block_ptrs(Base base, int64_t C, size_t esize) {
 }
 }  // namespace
 
-void GPT2::block_forward(const void* p, int l, const void* res_in, void* res_out, int B, int T) {
+// The block from its qkv projection to the MLP's output projection. On entry
+// acts(l).ln1 holds ln1(res_in) (the caller fuses it with the previous
+// block's residual add); on exit dbuf_c_ holds the MLP output, whose residual
+// add the caller fuses with the next LayerNorm (the next block's ln1, or lnf).
+void GPT2::block_forward(const void* p, int l, const void* res_in, int B, int T) {
   const int N = B * T, C = cfg_.C;
   auto w = block_ptrs<const void*>(p, C, dtype_size(be_->act_dtype()));
   LayerActs& a = acts(l);
-  be_->layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, res_in, w.ln1w, w.ln1b, N, C);
   be_->matmul_forward(a.qkv, a.ln1, w.qkvw, w.qkvb, N, C, 3 * C);
   be_->attention_forward(a.atty, a.att, a.qkv, B, T, C, cfg_.NH);
   be_->matmul_forward(dbuf_c_, a.atty, w.attprojw, w.attprojb, N, C, C);
-  be_->residual_forward(a.res2, res_in, dbuf_c_, int64_t(N) * C);
-  be_->layernorm_forward(a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, w.ln2w, w.ln2b, N, C);
+  be_->residual_layernorm_forward(a.res2, a.ln2, a.ln2_mean, a.ln2_rstd, res_in, dbuf_c_, w.ln2w, w.ln2b, N, C);
   be_->matmul_forward(a.fch, a.ln2, w.fcw, w.fcb, N, C, 4 * C);
   be_->gelu_forward(a.fch_gelu, a.fch, int64_t(N) * 4 * C);
   be_->matmul_forward(dbuf_c_, a.fch_gelu, w.fcprojw, w.fcprojb, N, 4 * C, C);
-  be_->residual_forward(res_out, a.res2, dbuf_c_, int64_t(N) * C);
 }
 
 void GPT2::forward(UnitAccess& units, const int32_t* inputs, const int32_t* targets, int B, int T,
@@ -239,14 +240,24 @@ void GPT2::forward(UnitAccess& units, const int32_t* inputs, const int32_t* targ
   be_->encoder_forward(encoded_, inputs, wte, wpe, B, T, C);
   units.release_params(0);
 
+  // Residual stream: res3_[l] = res2 + mlp(ln2(res2)) of block l. Its add is
+  // fused with the LayerNorm that reads it next: block l+1's ln1, or lnf.
   for (int l = 0; l < L; ++l) {
     const void* p = units.acquire_params(1 + l);
-    block_forward(p, l, l == 0 ? encoded_ : res3_[l - 1], res3_[l], B, T);
+    auto w = block_ptrs<const void*>(p, C, es);
+    LayerActs& a = acts(l);
+    if (l == 0)
+      be_->layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, encoded_, w.ln1w, w.ln1b, N, C);
+    else
+      be_->residual_layernorm_forward(res3_[l - 1], a.ln1, a.ln1_mean, a.ln1_rstd, acts(l - 1).res2, dbuf_c_, w.ln1w,
+                                      w.ln1b, N, C);
+    block_forward(p, l, l == 0 ? encoded_ : res3_[l - 1], B, T);
     units.release_params(1 + l);
   }
 
   const char* head = static_cast<const char*>(units.acquire_params(L + 1));
-  be_->layernorm_forward(lnf_, lnf_mean_, lnf_rstd_, res3_[L - 1], head, head + C * es, N, C);
+  be_->residual_layernorm_forward(res3_[L - 1], lnf_, lnf_mean_, lnf_rstd_, acts(L - 1).res2, dbuf_c_, head,
+                                  head + C * es, N, C);
   units.release_params(L + 1);
   emb = static_cast<const char*>(units.acquire_params(0));  // tied LM head
   be_->matmul_forward(logits_, lnf_, emb, nullptr, N, C, cfg_.V);
@@ -298,10 +309,15 @@ void GPT2::backward(UnitAccess& units) {
     const void* p = units.acquire_params(1 + l);
     const void* res_in = l == 0 ? encoded_ : res3_[l - 1];
     // Activation checkpointing: only block outputs (res3_) were kept; rerun
-    // this block's forward to refill the shared per-layer scratch. Its output
-    // goes to a throwaway buffer (dbuf_3c_, which backward overwrites next) so
-    // the recompute leaves the checkpoints untouched.
-    if (ckpt_) block_forward(p, l, res_in, dbuf_3c_, B, T);
+    // this block's forward (from its ln1) to refill the shared per-layer
+    // scratch. The recompute ends in dbuf_c_, which backward overwrites
+    // before reading, so the checkpoints stay untouched.
+    if (ckpt_) {
+      auto w = block_ptrs<const void*>(p, C, es);
+      LayerActs& a = acts(l);
+      be_->layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, res_in, w.ln1w, w.ln1b, N, C);
+      block_forward(p, l, res_in, B, T);
+    }
     block_backward(p, units.unit_grads(1 + l), l, res_in, dres_, B, T);
     units.release_params(1 + l);
     units.grads_done(1 + l);

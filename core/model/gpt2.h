@@ -133,7 +133,7 @@ class GPT2 {
     void* fch;                                      // (N,4C)
     void* fch_gelu;                                 // (N,4C)
   };
-  void block_forward(const void* p, int l, const void* res_in, void* res_out, int B, int T);
+  void block_forward(const void* p, int l, const void* res_in, int B, int T);
   void block_backward(const void* p, float* g, int l, const void* res_in, void* dres, int B, int T);
   LayerActs& acts(int l) { return layers_[ckpt_ ? 0 : l]; }
 

@@ -36,6 +36,8 @@ class CpuBackend final : public Backend {
                         int C) override;
   void layernorm_forward(void* out, float* mean, float* rstd, const void* inp, const void* weight,
                          const void* bias, int N, int C) override;
+  void residual_layernorm_forward(void* res_out, void* out, float* mean, float* rstd, const void* a, const void* b,
+                                  const void* weight, const void* bias, int N, int C) override;
   void layernorm_backward(void* dinp, float* dweight, float* dbias, const void* dout, const void* inp,
                           const void* weight, const float* mean, const float* rstd, int N, int C) override;
   void matmul_forward(void* out, const void* inp, const void* weight, const void* bias, int N, int C,

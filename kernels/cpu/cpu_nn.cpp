@@ -68,29 +68,50 @@ void CpuBackend::encoder_backward(float* dwte, float* dwpe, const void* dout_, c
 // ---- LayerNorm ------------------------------------------------------------------
 // y = (x - mean) * rstd * w + b, rstd = 1/sqrt(var + 1e-5) (biased variance,
 // as torch). mean/rstd (N) are saved for backward.
+namespace {
+// One row of LayerNorm; both forward ops share it so the fused residual
+// variant is bit-identical to residual_forward followed by layernorm_forward.
+inline void layernorm_row(float* o, float* mean, float* rstd, const float* x, const float* w, const float* b, int C) {
+  float m = 0.0f;
+#pragma omp simd reduction(+ : m)
+  for (int c = 0; c < C; ++c) m += x[c];
+  m /= C;
+  float v = 0.0f;
+#pragma omp simd reduction(+ : v)
+  for (int c = 0; c < C; ++c) v += (x[c] - m) * (x[c] - m);
+  v /= C;
+  float s = 1.0f / std::sqrt(v + 1e-5f);
+#pragma omp simd
+  for (int c = 0; c < C; ++c) o[c] = (x[c] - m) * s * w[c] + b[c];
+  *mean = m;
+  *rstd = s;
+}
+}  // namespace
+
 void CpuBackend::layernorm_forward(void* out_, float* mean, float* rstd, const void* inp_, const void* w_,
                                    const void* b_, int N, int C) {
   float* out = F(out_);
   const float* inp = F(inp_);
-  const float* w = F(w_);
+#pragma omp parallel for schedule(static)
+  for (int n = 0; n < N; ++n)
+    layernorm_row(out + int64_t(n) * C, mean + n, rstd + n, inp + int64_t(n) * C, F(w_), F(b_), C);
+}
+
+// The row's sum is written and then normalised while it is still in cache.
+void CpuBackend::residual_layernorm_forward(void* res_out_, void* out_, float* mean, float* rstd, const void* a_,
+                                            const void* b_, const void* w_, const void* bias_, int N, int C) {
+  float* res = F(res_out_);
+  float* out = F(out_);
+  const float* a = F(a_);
   const float* b = F(b_);
 #pragma omp parallel for schedule(static)
   for (int n = 0; n < N; ++n) {
-    const float* x = inp + int64_t(n) * C;
-    float m = 0.0f;
-#pragma omp simd reduction(+ : m)
-    for (int c = 0; c < C; ++c) m += x[c];
-    m /= C;
-    float v = 0.0f;
-#pragma omp simd reduction(+ : v)
-    for (int c = 0; c < C; ++c) v += (x[c] - m) * (x[c] - m);
-    v /= C;
-    float s = 1.0f / std::sqrt(v + 1e-5f);
-    float* o = out + int64_t(n) * C;
+    float* r = res + int64_t(n) * C;
+    const float* ar = a + int64_t(n) * C;
+    const float* br = b + int64_t(n) * C;
 #pragma omp simd
-    for (int c = 0; c < C; ++c) o[c] = (x[c] - m) * s * w[c] + b[c];
-    mean[n] = m;
-    rstd[n] = s;
+    for (int c = 0; c < C; ++c) r[c] = ar[c] + br[c];
+    layernorm_row(out + int64_t(n) * C, mean + n, rstd + n, r, F(w_), F(bias_), C);
   }
 }
 

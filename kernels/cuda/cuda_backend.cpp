@@ -144,6 +144,12 @@ void CudaBackend::layernorm_forward(void* out, float* mean, float* rstd, const v
   cuda::layernorm_forward(H(out), mean, rstd, H(inp), H(weight), H(bias), N, C, compute_);
 }
 
+void CudaBackend::residual_layernorm_forward(void* res_out, void* out, float* mean, float* rstd, const void* a,
+                                             const void* b, const void* weight, const void* bias, int N, int C) {
+  make_current();
+  cuda::residual_layernorm_forward(H(res_out), H(out), mean, rstd, H(a), H(b), H(weight), H(bias), N, C, compute_);
+}
+
 void CudaBackend::layernorm_backward(void* dinp, float* dweight, float* dbias, const void* dout, const void* inp,
                                      const void* weight, const float* mean, const float* rstd, int N, int C) {
   make_current();

@@ -15,29 +15,52 @@ constexpr int kFwdWarps = 8;  // rows per forward block (one per warp)
 // One warp per row. VEC (C % 8 == 0, pointers 16-byte aligned): lanes take
 // 16-byte packs; the row is read three times (sum, centred sum of squares,
 // normalise), the second and third from L1/L2.
-template <bool VEC>
+// RES (the fused residual add): the first pass computes x = res_a + res_b,
+// rounds it to bf16 and stores it as the residual stream; the statistics are
+// taken over the rounded values, exactly what an unfused LayerNorm would
+// read back, and the later passes re-read the lane's own stores.
+template <bool VEC, bool RES>
 __global__ void layernorm_forward_kernel(bf16* out, float* mean, float* rstd, const bf16* inp, const bf16* weight,
-                                         const bf16* bias, int N, int C) {
+                                         const bf16* bias, int N, int C, bf16* res_out, const bf16* res_a,
+                                         const bf16* res_b) {
   const int lane = threadIdx.x & 31;
   const int row = blockIdx.x * kFwdWarps + (threadIdx.x >> 5);
   if (row >= N) return;
-  const bf16* x = inp + int64_t(row) * C;
-  bf16* y = out + int64_t(row) * C;
+  const int64_t off = int64_t(row) * C;
+  const bf16* x = RES ? res_out + off : inp + off;
+  bf16* y = out + off;
   float s = 0.0f;
   if (VEC) {
     for (int c = lane * 8; c < C; c += 256) {
-      const auto p = Pack16<bf16>::load(x + c);
+      Pack16<bf16> p;
+      if (RES) {
+        const auto pa = Pack16<bf16>::load(res_a + off + c);
+        const auto pb = Pack16<bf16>::load(res_b + off + c);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) p.v[k] = from_float<bf16>(to_float(pa.v[k]) + to_float(pb.v[k]));
+        p.store(res_out + off + c);
+      } else {
+        p = Pack16<bf16>::load(x + c);
+      }
 #pragma unroll
       for (int k = 0; k < 8; ++k) s += to_float(p.v[k]);
     }
   } else {
-    for (int c = lane; c < C; c += 32) s += to_float(x[c]);
+    for (int c = lane; c < C; c += 32) {
+      if (RES) {
+        const bf16 v = from_float<bf16>(to_float(res_a[off + c]) + to_float(res_b[off + c]));
+        res_out[off + c] = v;
+        s += to_float(v);
+      } else {
+        s += to_float(x[c]);
+      }
+    }
   }
   const float m = warp_sum(s) / C;
   float ss = 0.0f;
   if (VEC) {
     for (int c = lane * 8; c < C; c += 256) {
-      const auto p = Pack16<bf16>::load(x + c);
+      const auto p = RES ? Pack16<bf16>::load_rw(x + c) : Pack16<bf16>::load(x + c);
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
         const float d = to_float(p.v[k]) - m;
@@ -53,7 +76,7 @@ __global__ void layernorm_forward_kernel(bf16* out, float* mean, float* rstd, co
   const float r = rsqrtf(warp_sum(ss) / C + kEps);
   if (VEC) {
     for (int c = lane * 8; c < C; c += 256) {
-      const auto p = Pack16<bf16>::load(x + c);
+      const auto p = RES ? Pack16<bf16>::load_rw(x + c) : Pack16<bf16>::load(x + c);
       const auto w = Pack16<bf16>::load(weight + c);
       const auto b = Pack16<bf16>::load(bias + c);
       Pack16<bf16> o;
@@ -169,11 +192,28 @@ void layernorm_forward(bf16* out, float* mean, float* rstd, const bf16* inp, con
   if (N <= 0 || C <= 0) return;
   const int blocks = (N + kFwdWarps - 1) / kFwdWarps;
   if (C % 8 == 0 && aligned16(out) && aligned16(inp) && aligned16(weight) && aligned16(bias)) {
-    layernorm_forward_kernel<true><<<blocks, 32 * kFwdWarps, 0, stream>>>(out, mean, rstd, inp, weight, bias, N, C);
+    layernorm_forward_kernel<true, false><<<blocks, 32 * kFwdWarps, 0, stream>>>(out, mean, rstd, inp, weight, bias,
+                                                                                N, C, nullptr, nullptr, nullptr);
   } else {
-    layernorm_forward_kernel<false><<<blocks, 32 * kFwdWarps, 0, stream>>>(out, mean, rstd, inp, weight, bias, N, C);
+    layernorm_forward_kernel<false, false><<<blocks, 32 * kFwdWarps, 0, stream>>>(out, mean, rstd, inp, weight, bias,
+                                                                                 N, C, nullptr, nullptr, nullptr);
   }
   TR_CUDA_LAUNCH_CHECK("layernorm_forward");
+}
+
+void residual_layernorm_forward(bf16* res_out, bf16* out, float* mean, float* rstd, const bf16* a, const bf16* b,
+                                const bf16* weight, const bf16* bias, int N, int C, cudaStream_t stream) {
+  if (N <= 0 || C <= 0) return;
+  const int blocks = (N + kFwdWarps - 1) / kFwdWarps;
+  if (C % 8 == 0 && aligned16(out) && aligned16(res_out) && aligned16(a) && aligned16(b) && aligned16(weight) &&
+      aligned16(bias)) {
+    layernorm_forward_kernel<true, true><<<blocks, 32 * kFwdWarps, 0, stream>>>(out, mean, rstd, nullptr, weight,
+                                                                               bias, N, C, res_out, a, b);
+  } else {
+    layernorm_forward_kernel<false, true><<<blocks, 32 * kFwdWarps, 0, stream>>>(out, mean, rstd, nullptr, weight,
+                                                                                bias, N, C, res_out, a, b);
+  }
+  TR_CUDA_LAUNCH_CHECK("residual_layernorm_forward");
 }
 
 size_t layernorm_backward_scratch_bytes(int N, int C, int num_sms) {

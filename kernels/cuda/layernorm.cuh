@@ -13,8 +13,11 @@
 // channels: no atomics), the block combines its warps in order into one
 // partial row in `scratch`, and a second kernel adds the blocks' partials
 // in block order to dweight/dbias: deterministic for a given GPU.
-// Not fused with the residual add: the Backend interface has separate ops
-// (a fused residual+LayerNorm op would save one (N,C) read and write).
+// residual_layernorm_forward fuses the residual add in front of it:
+// res_out = a + b (bf16, rounded), then LayerNorm of res_out; it saves the
+// (N,C) write-then-read of the residual stream between two kernels. Backward
+// needs no fused twin: layernorm_backward already accumulates into the
+// residual stream's gradient (dinp +=), which is the add's backward.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -26,6 +29,9 @@ namespace trainrun::cuda {
 
 void layernorm_forward(bf16* out, float* mean, float* rstd, const bf16* inp, const bf16* weight, const bf16* bias,
                        int N, int C, cudaStream_t stream);
+
+void residual_layernorm_forward(bf16* res_out, bf16* out, float* mean, float* rstd, const bf16* a, const bf16* b,
+                                const bf16* weight, const bf16* bias, int N, int C, cudaStream_t stream);
 
 size_t layernorm_backward_scratch_bytes(int N, int C, int num_sms);
 void layernorm_backward(bf16* dinp, float* dweight, float* dbias, const bf16* dout, const bf16* inp,
