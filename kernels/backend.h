@@ -85,6 +85,19 @@ class Backend {
   virtual void matmul_backward(void* dinp, float* dweight, float* dbias, const void* dout,
                                const void* inp, const void* weight, int N, int C, int OC) = 0;
 
+  // ---- tied LM head over row-padded logits ---------------------------------
+  // Row stride (elements) of the logits buffer, >= V. The CUDA backend pads
+  // it to a multiple of 64 so each row starts 128-byte aligned: with
+  // V = 50257 an unpadded bf16 row is only 2-byte aligned, which forces
+  // cuBLASLt onto slow kernels for the largest GEMMs of the model. The pad
+  // columns [V, ldv) are never written or read. The CPU needs no padding.
+  virtual int logits_stride(int V) const { return V; }
+  // logits(N, ldv)[:, :V] = inp(N,C) @ wte(V,C)^T.
+  virtual void lm_head_forward(void* logits, const void* inp, const void* wte, int N, int C, int V, int ldv) = 0;
+  // dinp(N,C) = dlogits[:, :V] @ wte (overwritten), dwte(V,C) += dlogits[:, :V]^T @ inp.
+  virtual void lm_head_backward(void* dinp, float* dwte, const void* dlogits, const void* inp, const void* wte, int N,
+                                int C, int V, int ldv) = 0;
+
   // ---- causal self-attention ------------------------------------------------
   // qkv(B,T,3C) holds q|k|v, each split into NH heads of HS; out(B,T,C).
   // `saved` is backend-private state for backward, attention_saved_floats() long
@@ -105,12 +118,13 @@ class Backend {
   // ---- residual: out = a + b ------------------------------------------------
   virtual void residual_forward(void* out, const void* a, const void* b, int64_t n) = 0;
 
-  // ---- fused softmax + cross-entropy over logits(N,V) ----------------------
+  // ---- fused softmax + cross-entropy over logits(N,V), rows ldv apart --------
   // losses(N) = -log softmax(logits)[target]. When dlogits is non-null it
   // receives dloss_scale * (softmax - onehot(target)) (may alias logits, which
-  // is then overwritten). Targets < 0 are ignored (loss 0, grad 0).
-  virtual void softmax_cross_entropy(float* losses, void* dlogits, const void* logits,
-                                     const int32_t* targets, int N, int V, float dloss_scale) = 0;
+  // is then overwritten). Targets < 0 are ignored (loss 0, grad 0). Both
+  // buffers have row stride ldv >= V; columns [V, ldv) are not touched.
+  virtual void softmax_cross_entropy(float* losses, void* dlogits, const void* logits, const int32_t* targets, int N,
+                                     int V, int ldv, float dloss_scale) = 0;
 
   // ---- optimizer --------------------------------------------------------------
   // out[0] += sum(x^2) over n fp32 values (for the global grad norm).
@@ -131,7 +145,10 @@ class Backend {
 };
 
 // The CPU backend (fp32, OpenBLAS + OpenMP). `threads` <= 0: OpenMP's default.
-std::unique_ptr<Backend> make_cpu_backend(int threads = 0);
+// `logits_align` > 1 pads logits rows to a multiple of it, as the CUDA
+// backend does (64): the model's padded-logits path then runs, and is
+// tested, without a GPU. Training never needs it on the CPU.
+std::unique_ptr<Backend> make_cpu_backend(int threads = 0, int logits_align = 1);
 
 // RAII owner of one device allocation.
 class DeviceBuffer {

@@ -398,7 +398,7 @@ TEST_CASE("cpu_ops: softmax cross-entropy losses and dlogits", "[cpu_ops]") {
 
   SECTION("losses only: logits untouched") {
     DeviceBuffer losses(be.get(), N * 4);
-    be->softmax_cross_entropy(losses.as<float>(), nullptr, logits.get(), dtgt.as<int32_t>(), N, V, scale);
+    be->softmax_cross_entropy(losses.as<float>(), nullptr, logits.get(), dtgt.as<int32_t>(), N, V, V, scale);
     Vec got = download_f32(be.get(), losses.get(), N);
     check_close("xent losses", got, want_loss, kFwdTol);
     CHECK(got[4] == 0.0);
@@ -407,7 +407,7 @@ TEST_CASE("cpu_ops: softmax cross-entropy losses and dlogits", "[cpu_ops]") {
   SECTION("separate dlogits buffer (overwritten)") {
     F32Tensor losses(be.get(), randn(N, 73));  // junk
     ActTensor dlogits(be.get(), randn(zv.size(), 74, 1.0, 2.0));
-    be->softmax_cross_entropy(losses.get(), dlogits.get(), logits.get(), dtgt.as<int32_t>(), N, V, scale);
+    be->softmax_cross_entropy(losses.get(), dlogits.get(), logits.get(), dtgt.as<int32_t>(), N, V, V, scale);
     check_close("xent losses (with dlogits)", download_f32(be.get(), losses.get(), N), want_loss, kFwdTol);
     Vec got = download_act(be.get(), dlogits.get(), zv.size());
     check_close("xent dlogits (scale 0.37)", got, g, kGradTol);
@@ -417,12 +417,65 @@ TEST_CASE("cpu_ops: softmax cross-entropy losses and dlogits", "[cpu_ops]") {
   SECTION("dlogits aliasing logits") {
     F32Tensor losses(be.get(), randn(N, 75));
     ActTensor inplace(be.get(), logits.val);
-    be->softmax_cross_entropy(losses.get(), inplace.get(), inplace.get(), dtgt.as<int32_t>(), N, V, scale);
+    be->softmax_cross_entropy(losses.get(), inplace.get(), inplace.get(), dtgt.as<int32_t>(), N, V, V, scale);
     check_close("xent losses (aliased)", download_f32(be.get(), losses.get(), N), want_loss, kFwdTol);
     Vec got = download_act(be.get(), inplace.get(), zv.size());
     check_close("xent dlogits (aliased)", got, g, kGradTol);
     for (int v = 0; v < V; ++v) CHECK(got[4 * V + v] == 0.0);
   }
+  SECTION("rows padded to ldv > V: same values, pad columns untouched") {
+    const int ldv = V + 5;
+    Vec zp(size_t(N) * ldv, 12345.0);  // the pad holds a sentinel that must survive
+    for (int n = 0; n < N; ++n)
+      for (int v = 0; v < V; ++v) zp[size_t(n) * ldv + v] = logits.val[size_t(n) * V + v];
+    ActTensor padded(be.get(), zp);
+    F32Tensor losses(be.get(), randn(N, 76));
+    be->softmax_cross_entropy(losses.get(), padded.get(), padded.get(), dtgt.as<int32_t>(), N, V, ldv, scale);
+    check_close("xent losses (padded rows)", download_f32(be.get(), losses.get(), N), want_loss, kFwdTol);
+    Vec got = download_act(be.get(), padded.get(), zp.size());
+    Vec body;
+    for (int n = 0; n < N; ++n) {
+      for (int v = 0; v < V; ++v) body.push_back(got[size_t(n) * ldv + v]);
+      for (int v = V; v < ldv; ++v) CHECK(got[size_t(n) * ldv + v] == 12345.0);
+    }
+    check_close("xent dlogits (padded rows)", body, g, kGradTol);
+  }
+}
+
+TEST_CASE("cpu_ops: lm head over padded logits rows equals the plain matmul", "[cpu_ops]") {
+  auto be = make_backend();
+  const int N = 9, C = 13, V = 37, ldv = 48;
+  ActTensor x(be.get(), randn(size_t(N) * C, 91)), wte(be.get(), randn(size_t(V) * C, 92, 0.5));
+  const size_t es = dtype_size(be->act_dtype());
+  // Forward: the V columns equal matmul_forward's; the pad keeps its sentinel.
+  ActTensor logits(be.get(), Vec(size_t(N) * ldv, -777.0));
+  DeviceBuffer plain(be.get(), size_t(N) * V * es);
+  be->lm_head_forward(logits.get(), x.get(), wte.get(), N, C, V, ldv);
+  be->matmul_forward(plain.get(), x.get(), wte.get(), nullptr, N, C, V);
+  const Vec got = download_act(be.get(), logits.get(), size_t(N) * ldv);
+  const Vec want = download_act(be.get(), plain.get(), size_t(N) * V);
+  Vec body;
+  for (int n = 0; n < N; ++n) {
+    for (int v = 0; v < V; ++v) body.push_back(got[size_t(n) * ldv + v]);
+    for (int v = V; v < ldv; ++v) CHECK(got[size_t(n) * ldv + v] == -777.0);
+  }
+  check_close("lm head forward (padded rows)", body, want, 1e-6);
+  // Backward: NaN in the pad columns must never reach dinp or dwte.
+  Vec dl = randn(size_t(N) * ldv, 93);
+  Vec dl_plain;
+  for (int n = 0; n < N; ++n) {
+    for (int v = 0; v < V; ++v) dl_plain.push_back(dl[size_t(n) * ldv + v]);
+    for (int v = V; v < ldv; ++v) dl[size_t(n) * ldv + v] = NAN;
+  }
+  ActTensor dlog(be.get(), dl), dlog_plain(be.get(), dl_plain);
+  DeviceBuffer dinp(be.get(), size_t(N) * C * es), dinp2(be.get(), size_t(N) * C * es);
+  F32Tensor dw(be.get(), randn(size_t(V) * C, 94)), dw2(be.get(), dw.val);  // += : pre-filled
+  be->lm_head_backward(dinp.get(), dw.get(), dlog.get(), x.get(), wte.get(), N, C, V, ldv);
+  be->matmul_backward(dinp2.get(), dw2.get(), nullptr, dlog_plain.get(), x.get(), wte.get(), N, C, V);
+  check_close("lm head dinp (padded rows)", download_act(be.get(), dinp.get(), size_t(N) * C),
+              download_act(be.get(), dinp2.get(), size_t(N) * C), 1e-6);
+  check_close("lm head dwte += (padded rows)", download_f32(be.get(), dw.get(), size_t(V) * C),
+              download_f32(be.get(), dw2.get(), size_t(V) * C), 1e-6);
 }
 
 TEST_CASE("cpu_ops: sum_squares and sum accumulate into their output, and scale", "[cpu_ops]") {

@@ -441,31 +441,81 @@ TEST_CASE("cuda: gelu and residual", "[cuda]") {
   }
 }
 
+namespace {
+// The first V of every ldv-long row.
+Vec unpad(const Vec& x, int N, int V, int ldv) {
+  Vec r;
+  for (int n = 0; n < N; ++n) r.insert(r.end(), x.begin() + size_t(n) * ldv, x.begin() + size_t(n) * ldv + V);
+  return r;
+}
+bool pad_is_nan(const Vec& x, int N, int V, int ldv) {
+  for (int n = 0; n < N; ++n)
+    for (int v = V; v < ldv; ++v)
+      if (!std::isnan(x[size_t(n) * ldv + v])) return false;
+  return true;
+}
+}  // namespace
+
 TEST_CASE("cuda: softmax cross-entropy", "[cuda]") {
   CUDA_TEST_OR_SKIP();
   Pair p;
-  struct S { int N, V; };
-  for (S s : {S{1, 1}, S{19, 37}, S{5, 111}, S{3, 500}, S{4, 50257}}) {
-    const std::string sh = shape({{"N", s.N}, {"V", s.V}});
+  struct S { int N, V, ldv; };
+  // ldv > V: the model's padded rows (logits_stride) and an odd pad whose
+  // rows start unaligned; pad columns must stay untouched (poisoned).
+  for (S s : {S{1, 1, 1}, S{19, 37, 37}, S{5, 111, 111}, S{3, 500, 500}, S{4, 50257, 50257}, S{5, 111, 118},
+              S{4, 50257, p.gpu->logits_stride(50257)}}) {
+    const std::string sh = shape({{"N", s.N}, {"V", s.V}, {"ldv", s.ldv}});
     auto tgt = rand_tokens(s.N, s.V, 61);
     if (s.N > 2) tgt[1] = -1;  // ignored position
     Tok tk(p, tgt);
-    const size_t n = size_t(s.N) * s.V;
+    const size_t n = size_t(s.N) * s.ldv;
     Twin logits(p, randn(n, 62, 3.0f), true);
     Twin loss = out_twin(p, s.N, false);
-    p.cpu->softmax_cross_entropy(loss.cf(), nullptr, logits.c(), tk.cp(), s.N, s.V, 0.0f);
-    p.gpu->softmax_cross_entropy(loss.gf(), nullptr, logits.g(), tk.gp(), s.N, s.V, 0.0f);
+    p.cpu->softmax_cross_entropy(loss.cf(), nullptr, logits.c(), tk.cp(), s.N, s.V, s.ldv, 0.0f);
+    p.gpu->softmax_cross_entropy(loss.gf(), nullptr, logits.g(), tk.gp(), s.N, s.V, s.ldv, 0.0f);
     check_close("softmax-CE loss " + sh, loss.read_gpu(p), loss.read_cpu(p), kF32);
     const float scale = 1.0f / 7;
     Twin dl = out_twin(p, n, true);
     Twin loss2 = out_twin(p, s.N, false);
-    p.cpu->softmax_cross_entropy(loss2.cf(), dl.c(), logits.c(), tk.cp(), s.N, s.V, scale);
-    p.gpu->softmax_cross_entropy(loss2.gf(), dl.g(), logits.g(), tk.gp(), s.N, s.V, scale);
-    check_close("softmax-CE dlogits " + sh, dl.read_gpu(p), dl.read_cpu(p), kBf16);
+    p.cpu->softmax_cross_entropy(loss2.cf(), dl.c(), logits.c(), tk.cp(), s.N, s.V, s.ldv, scale);
+    p.gpu->softmax_cross_entropy(loss2.gf(), dl.g(), logits.g(), tk.gp(), s.N, s.V, s.ldv, scale);
+    const Vec dl_gpu = dl.read_gpu(p), dl_cpu = dl.read_cpu(p);
+    check_close("softmax-CE dlogits " + sh, unpad(dl_gpu, s.N, s.V, s.ldv), unpad(dl_cpu, s.N, s.V, s.ldv), kBf16);
+    CHECK(pad_is_nan(dl_gpu, s.N, s.V, s.ldv));
     check_close("softmax-CE loss (with grad) " + sh, loss2.read_gpu(p), loss.read_cpu(p), kF32);
     // In place over the logits, as the model calls it.
-    p.gpu->softmax_cross_entropy(loss2.gf(), logits.g(), logits.g(), tk.gp(), s.N, s.V, scale);
-    check_close("softmax-CE dlogits in place " + sh, logits.read_gpu(p), dl.read_cpu(p), kBf16);
+    p.gpu->softmax_cross_entropy(loss2.gf(), logits.g(), logits.g(), tk.gp(), s.N, s.V, s.ldv, scale);
+    check_close("softmax-CE dlogits in place " + sh, unpad(logits.read_gpu(p), s.N, s.V, s.ldv),
+                unpad(dl_cpu, s.N, s.V, s.ldv), kBf16);
+  }
+}
+
+TEST_CASE("cuda: lm head over padded logits rows", "[cuda]") {
+  CUDA_TEST_OR_SKIP();
+  Pair p;
+  struct S { int N, C, V; };
+  for (S s : {S{1, 8, 1}, S{19, 64, 111}, S{37, 768, 500}, S{16, 768, 50257}}) {
+    const int ldv = p.gpu->logits_stride(s.V);
+    CHECK(ldv % 64 == 0);
+    CHECK(ldv >= s.V);
+    const std::string sh = shape({{"N", s.N}, {"C", s.C}, {"V", s.V}, {"ldv", ldv}});
+    Twin x(p, randn(size_t(s.N) * s.C, 81), true), wte(p, randn(size_t(s.V) * s.C, 82, 0.2f), true);
+    Twin logits = out_twin(p, size_t(s.N) * ldv, true);
+    p.cpu->lm_head_forward(logits.c(), x.c(), wte.c(), s.N, s.C, s.V, ldv);
+    p.gpu->lm_head_forward(logits.g(), x.g(), wte.g(), s.N, s.C, s.V, ldv);
+    const Vec lg = logits.read_gpu(p);
+    check_close("lm head logits " + sh, unpad(lg, s.N, s.V, ldv), unpad(logits.read_cpu(p), s.N, s.V, ldv), kBf16);
+    CHECK(pad_is_nan(lg, s.N, s.V, ldv));  // the pad is never written ...
+    Vec dlv = randn(size_t(s.N) * ldv, 83);
+    for (int n = 0; n < s.N; ++n)
+      for (int v = s.V; v < ldv; ++v) dlv[size_t(n) * ldv + v] = NAN;  // ... nor read: NaN there must not leak
+    Twin dln(p, dlv, true);
+    Twin dinp = out_twin(p, size_t(s.N) * s.C, true);
+    Twin dw(p, randn(size_t(s.V) * s.C, 84), false);  // += : pre-filled
+    p.cpu->lm_head_backward(dinp.c(), dw.cf(), dln.c(), x.c(), wte.c(), s.N, s.C, s.V, ldv);
+    p.gpu->lm_head_backward(dinp.g(), dw.gf(), dln.g(), x.g(), wte.g(), s.N, s.C, s.V, ldv);
+    check_close("lm head dinp " + sh, dinp.read_gpu(p), dinp.read_cpu(p), kBf16);
+    check_close("lm head dwte (+=) " + sh, dw.read_gpu(p), dw.read_cpu(p), kF32);
   }
 }
 

@@ -173,7 +173,8 @@ GPT2::GPT2(const GPT2Config& cfg, Backend* be, int maxB, bool activation_checkpo
   req(&lnf_, N * C * es);
   req(reinterpret_cast<void**>(&lnf_mean_), N * 4);
   req(reinterpret_cast<void**>(&lnf_rstd_), N * 4);
-  req(&logits_, N * cfg.V * es);
+  ldv_ = be->logits_stride(cfg.V);  // rows padded on the GPU (kernels/backend.h)
+  req(&logits_, N * ldv_ * es);
   req(reinterpret_cast<void**>(&losses_), N * 4);
   req(&dres_, N * C * es);
   req(&dbuf_c_, N * C * es);
@@ -260,10 +261,10 @@ void GPT2::forward(UnitAccess& units, const int32_t* inputs, const int32_t* targ
                                   head + C * es, N, C);
   units.release_params(L + 1);
   emb = static_cast<const char*>(units.acquire_params(0));  // tied LM head
-  be_->matmul_forward(logits_, lnf_, emb, nullptr, N, C, cfg_.V);
+  be_->lm_head_forward(logits_, lnf_, emb, N, C, cfg_.V, ldv_);
   units.release_params(0);
   if (targets)
-    be_->softmax_cross_entropy(losses_, for_backward ? logits_ : nullptr, logits_, targets, N, cfg_.V,
+    be_->softmax_cross_entropy(losses_, for_backward ? logits_ : nullptr, logits_, targets, N, cfg_.V, ldv_,
                                dloss_scale);
 }
 
@@ -295,7 +296,7 @@ void GPT2::backward(UnitAccess& units) {
   // embedding unit's wte gradient, which stays open until the encoder's turn.
   const void* emb = units.acquire_params(0);
   float* gemb = units.unit_grads(0);
-  be_->matmul_backward(dbuf_c_, gemb, nullptr, logits_, lnf_, emb, N, C, cfg_.V);
+  be_->lm_head_backward(dbuf_c_, gemb, logits_, lnf_, emb, N, C, cfg_.V, ldv_);
   units.release_params(0);
 
   const char* head = static_cast<const char*>(units.acquire_params(L + 1));

@@ -119,7 +119,9 @@ class GPT2 {
   void backward(UnitAccess& units);
 
   const float* losses() const { return losses_; }       // (B*T) device
-  const void* logits() const { return logits_; }        // (B,T,V) device, after a forward without for_backward
+  // (B,T,V) device, rows logits_stride() >= V apart, after a forward without for_backward.
+  const void* logits() const { return logits_; }
+  int logits_stride() const { return ldv_; }
   size_t activation_bytes() const { return act_bytes_; }
 
  private:
@@ -149,7 +151,8 @@ class GPT2 {
   std::vector<void*> res3_;                // per layer (N,C): block outputs (the checkpoints)
   std::vector<LayerActs> layers_;          // L sets, or 1 when checkpointing
   void* lnf_ = nullptr; float* lnf_mean_ = nullptr; float* lnf_rstd_ = nullptr;
-  void* logits_ = nullptr;                 // (N,V)
+  void* logits_ = nullptr;                 // (N,V), rows ldv_ apart
+  int ldv_ = 0;
   float* losses_ = nullptr;                // (N)
   const int32_t* inputs_ = nullptr;
   // backward scratch

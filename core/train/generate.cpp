@@ -49,7 +49,8 @@ std::vector<int32_t> sample_tokens(const GPT2Config& cfg, const std::vector<floa
     be->copy_to_device(tokens_dev.get(), seq.data() + seq.size() - T, size_t(T) * 4);
     model.forward(access, tokens_dev.as<int32_t>(), nullptr, 1, T, false, 0.0f);
     // Only the last position's logits are needed; logits are act dtype.
-    const char* last = static_cast<const char*>(model.logits()) + size_t(T - 1) * cfg.V * dtype_size(be->act_dtype());
+    const char* last = static_cast<const char*>(model.logits()) +
+                       size_t(T - 1) * size_t(model.logits_stride()) * dtype_size(be->act_dtype());
     be->cast_to_f32(last_f32.as<float>(), last, cfg.V);
     be->copy_to_host(logits.data(), last_f32.get(), size_t(cfg.V) * 4);
     int next;

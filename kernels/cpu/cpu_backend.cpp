@@ -22,13 +22,15 @@ namespace {
 constexpr size_t kAlign = 64;
 }  // namespace
 
-CpuBackend::CpuBackend(int threads) {
+CpuBackend::CpuBackend(int threads, int logits_align) : logits_align_(logits_align > 1 ? logits_align : 1) {
   threads_ = threads > 0 ? threads : omp_get_max_threads();
   omp_set_num_threads(threads_);
   openblas_set_num_threads(threads_);
 }
 
-std::unique_ptr<Backend> make_cpu_backend(int threads) { return std::make_unique<CpuBackend>(threads); }
+std::unique_ptr<Backend> make_cpu_backend(int threads, int logits_align) {
+  return std::make_unique<CpuBackend>(threads, logits_align);
+}
 
 void* CpuBackend::alloc(size_t bytes) {
   size_t total = bytes + kAlign;

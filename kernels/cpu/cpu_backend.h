@@ -11,10 +11,11 @@ namespace trainrun {
 
 class CpuBackend final : public Backend {
  public:
-  explicit CpuBackend(int threads);
+  explicit CpuBackend(int threads, int logits_align = 1);
   std::string name() const override { return "cpu"; }
   DType act_dtype() const override { return DType::F32; }
   int threads() const { return threads_; }
+  int logits_stride(int V) const override { return (V + logits_align_ - 1) / logits_align_ * logits_align_; }
 
   void* alloc(size_t bytes) override;
   void free(void* p) override;
@@ -51,8 +52,11 @@ class CpuBackend final : public Backend {
   void gelu_forward(void* out, const void* inp, int64_t n) override;
   void gelu_backward(void* dinp, const void* inp, const void* dout, int64_t n) override;
   void residual_forward(void* out, const void* a, const void* b, int64_t n) override;
-  void softmax_cross_entropy(float* losses, void* dlogits, const void* logits, const int32_t* targets, int N,
-                             int V, float dloss_scale) override;
+  void lm_head_forward(void* logits, const void* inp, const void* wte, int N, int C, int V, int ldv) override;
+  void lm_head_backward(void* dinp, float* dwte, const void* dlogits, const void* inp, const void* wte, int N, int C,
+                        int V, int ldv) override;
+  void softmax_cross_entropy(float* losses, void* dlogits, const void* logits, const int32_t* targets, int N, int V,
+                             int ldv, float dloss_scale) override;
   void sum_squares(float* out, const float* x, int64_t n) override;
   void sum(float* out, const float* x, int64_t n) override;
   void scale(float* x, float s, int64_t n) override;
@@ -63,6 +67,7 @@ class CpuBackend final : public Backend {
 
  private:
   int threads_;
+  int logits_align_;
   std::atomic<size_t> in_use_{0};
   std::atomic<size_t> peak_{0};
 };

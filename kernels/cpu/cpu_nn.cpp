@@ -209,21 +209,35 @@ void CpuBackend::matmul_backward(void* dinp_, float* dweight, float* dbias, cons
   }
 }
 
+// ---- tied LM head over row-padded logits -------------------------------------------
+void CpuBackend::lm_head_forward(void* logits, const void* inp, const void* wte, int N, int C, int V, int ldv) {
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, V, C, 1.0f, F(inp), C, F(wte), C, 0.0f, F(logits), ldv);
+}
+
+void CpuBackend::lm_head_backward(void* dinp, float* dwte, const void* dlogits, const void* inp, const void* wte,
+                                  int N, int C, int V, int ldv) {
+  if (dinp)  // dinp(N,C) = dlogits(N,V) @ wte(V,C)
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, C, V, 1.0f, F(dlogits), ldv, F(wte), C, 0.0f, F(dinp),
+                C);
+  // dwte(V,C) += dlogits^T(V,N) @ inp(N,C)
+  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, V, C, N, 1.0f, F(dlogits), ldv, F(inp), C, 1.0f, dwte, C);
+}
+
 // ---- softmax + cross-entropy ------------------------------------------------------
 // loss[n] = logsumexp(logits[n]) - logits[n, target]; the gradient of
 // dloss_scale * loss[n] w.r.t. the logits is dloss_scale * (softmax - onehot),
 // written row by row so it may overwrite the logits (no V-wide buffer kept).
 void CpuBackend::softmax_cross_entropy(float* losses, void* dlogits_, const void* logits_,
-                                       const int32_t* targets, int N, int V, float dloss_scale) {
+                                       const int32_t* targets, int N, int V, int ldv, float dloss_scale) {
   const float* logits = F(logits_);
   float* dlogits = F(dlogits_);
 #pragma omp parallel for schedule(static)
   for (int n = 0; n < N; ++n) {
-    const float* z = logits + int64_t(n) * V;
+    const float* z = logits + int64_t(n) * ldv;
     const int tgt = targets[n];
     if (tgt < 0) {
       losses[n] = 0.0f;
-      if (dlogits) std::memset(dlogits + int64_t(n) * V, 0, sizeof(float) * V);
+      if (dlogits) std::memset(dlogits + int64_t(n) * ldv, 0, sizeof(float) * V);
       continue;
     }
     float mx = -INFINITY;
@@ -235,7 +249,7 @@ void CpuBackend::softmax_cross_entropy(float* losses, void* dlogits_, const void
     const float lse = mx + std::log(sum);
     losses[n] = lse - z[tgt];
     if (dlogits) {
-      float* d = dlogits + int64_t(n) * V;
+      float* d = dlogits + int64_t(n) * ldv;
       const float inv = 1.0f / sum;
 #pragma omp simd
       for (int v = 0; v < V; ++v) d[v] = dloss_scale * fastmath::exp(z[v] - mx) * inv;

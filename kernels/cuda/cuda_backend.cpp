@@ -203,10 +203,22 @@ void CudaBackend::residual_forward(void* out, const void* a, const void* b, int6
   cuda::residual_forward(H(out), H(a), H(b), n, compute_);
 }
 
-void CudaBackend::softmax_cross_entropy(float* losses, void* dlogits, const void* logits, const int32_t* targets,
-                                        int N, int V, float dloss_scale) {
+void CudaBackend::lm_head_forward(void* logits, const void* inp, const void* wte, int N, int C, int V, int ldv) {
   make_current();
-  cuda::softmax_cross_entropy(losses, H(dlogits), H(logits), targets, N, V, dloss_scale, compute_);
+  cuda::matmul_forward(*gemm_, H(logits), H(inp), H(wte), nullptr, N, C, V, compute_, ldv);
+}
+
+void CudaBackend::lm_head_backward(void* dinp, float* dwte, const void* dlogits, const void* inp, const void* wte,
+                                   int N, int C, int V, int ldv) {
+  make_current();
+  cuda::matmul_backward(*gemm_, H(dinp), dwte, nullptr, H(dlogits), H(inp), H(wte), N, C, V, false, nullptr, compute_,
+                        ldv);
+}
+
+void CudaBackend::softmax_cross_entropy(float* losses, void* dlogits, const void* logits, const int32_t* targets,
+                                        int N, int V, int ldv, float dloss_scale) {
+  make_current();
+  cuda::softmax_cross_entropy(losses, H(dlogits), H(logits), targets, N, V, ldv, dloss_scale, compute_);
 }
 
 void CudaBackend::sum_squares(float* out, const float* x, int64_t n) {

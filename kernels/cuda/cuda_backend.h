@@ -68,8 +68,12 @@ class CudaBackend final : public Backend {
   void gelu_forward(void* out, const void* inp, int64_t n) override;
   void gelu_backward(void* dinp, const void* inp, const void* dout, int64_t n) override;
   void residual_forward(void* out, const void* a, const void* b, int64_t n) override;
+  int logits_stride(int V) const override { return (V + 63) / 64 * 64; }
+  void lm_head_forward(void* logits, const void* inp, const void* wte, int N, int C, int V, int ldv) override;
+  void lm_head_backward(void* dinp, float* dwte, const void* dlogits, const void* inp, const void* wte, int N, int C,
+                        int V, int ldv) override;
   void softmax_cross_entropy(float* losses, void* dlogits, const void* logits, const int32_t* targets, int N, int V,
-                             float dloss_scale) override;
+                             int ldv, float dloss_scale) override;
   void sum_squares(float* out, const float* x, int64_t n) override;
   void sum(float* out, const float* x, int64_t n) override;
   void scale(float* x, float s, int64_t n) override;

@@ -155,22 +155,23 @@ class Bench {
 };
 
 // The three products of one linear layer, as matmul.cu builds them.
-GemmDesc fwd_desc(int N, int C, int OC, bool bias) {
+// ld: the row stride of out/dout (the LM head's padded logits), OC when 0.
+GemmDesc fwd_desc(int N, int C, int OC, bool bias, int ld = 0) {
   GemmDesc g;
   g.transa = true;
-  g.m = OC; g.n = N; g.k = C; g.lda = C; g.ldb = C; g.ldd = OC;
+  g.m = OC; g.n = N; g.k = C; g.lda = C; g.ldb = C; g.ldd = ld ? ld : OC;
   g.epilogue = bias ? GemmEpilogue::Bias : GemmEpilogue::None;
   return g;
 }
-GemmDesc dinp_desc(int N, int C, int OC) {
+GemmDesc dinp_desc(int N, int C, int OC, int ld = 0) {
   GemmDesc g;
-  g.m = C; g.n = N; g.k = OC; g.lda = C; g.ldb = OC; g.ldd = C;
+  g.m = C; g.n = N; g.k = OC; g.lda = C; g.ldb = ld ? ld : OC; g.ldd = C;
   return g;
 }
-GemmDesc dweight_desc(int N, int C, int OC) {
+GemmDesc dweight_desc(int N, int C, int OC, int ld = 0) {
   GemmDesc g;
   g.transb = true;
-  g.m = C; g.n = OC; g.k = N; g.lda = C; g.ldb = OC; g.ldd = C;
+  g.m = C; g.n = OC; g.k = N; g.lda = C; g.ldb = ld ? ld : OC; g.ldd = C;
   g.d_type = DType::F32;
   g.accumulate = true;
   return g;
@@ -218,20 +219,24 @@ int run_kernel_bench_impl(const KernelBenchOptions& opts) {
     bf16* x = b.buf<bf16>(int64_t(N) * 4 * C);
     bf16* w = b.buf<bf16>(int64_t(V) * C, 0.02f);
     bf16* bias = b.buf<bf16>(int64_t(V));
-    bf16* y = b.buf<bf16>(int64_t(N) * V);
+    const int Vp = be.logits_stride(V);  // what the model uses (kernels/backend.h)
+    bf16* y = b.buf<bf16>(int64_t(N) * Vp);
     float* dw = b.buf<float>(int64_t(V) * C);
-    struct L { const char* name; int c, oc; bool bias; };
-    for (const L& l : {L{"qkv", C, 3 * C, true}, L{"attn proj", C, C, true}, L{"fc", C, 4 * C, true},
-                       L{"fc proj", 4 * C, C, true}, L{"lm head", C, V, false}}) {
+    struct L { std::string name; int c, oc; bool bias; int ld; };
+    // The LM head twice: logits rows padded to Vp (as trained) and unpadded
+    // (rows V apart, 2-byte aligned), to show what the padding buys.
+    for (const L& l : {L{"qkv", C, 3 * C, true, 0}, L{"attn proj", C, C, true, 0}, L{"fc", C, 4 * C, true, 0},
+                       L{"fc proj", 4 * C, C, true, 0}, L{detail::cat("lm head (rows ", Vp, ")"), C, V, false, Vp},
+                       L{detail::cat("lm head (rows ", V, ", unpadded)"), C, V, false, V}}) {
       GemmPtrs pf;
       pf.a = w; pf.b = x; pf.d = y; pf.bias = l.bias ? bias : nullptr;
-      b.gemm(detail::cat("gemm fwd ", l.name), fwd_desc(N, l.c, l.oc, l.bias), pf);
+      b.gemm(detail::cat("gemm fwd ", l.name), fwd_desc(N, l.c, l.oc, l.bias, l.ld), pf);
       GemmPtrs pi;
       pi.a = w; pi.b = y; pi.d = x;
-      b.gemm(detail::cat("gemm bwd dinp ", l.name), dinp_desc(N, l.c, l.oc), pi);
+      b.gemm(detail::cat("gemm bwd dinp ", l.name), dinp_desc(N, l.c, l.oc, l.ld), pi);
       GemmPtrs pw;
       pw.a = x; pw.b = y; pw.d = dw;
-      b.gemm(detail::cat("gemm bwd dweight ", l.name), dweight_desc(N, l.c, l.oc), pw);
+      b.gemm(detail::cat("gemm bwd dweight ", l.name), dweight_desc(N, l.c, l.oc, l.ld), pw);
     }
   }
 
@@ -267,14 +272,15 @@ int run_kernel_bench_impl(const KernelBenchOptions& opts) {
   }
   {
     const int Nce = opts.quick ? 512 : 4096;
-    bf16* logits = b.buf<bf16>(int64_t(Nce) * V, 4.0f);
+    const int Vp = be.logits_stride(V);
+    bf16* logits = b.buf<bf16>(int64_t(Nce) * Vp, 4.0f);
     float* losses = b.buf<float>(Nce);
     int32_t* tgt = b.tokens(Nce, V);
     const double rowbytes = double(Nce) * V * 2;
     b.memory("softmax+CE fwd only", detail::cat(Nce, "x", V), rowbytes + 8.0 * Nce,
-             [&] { be.softmax_cross_entropy(losses, nullptr, logits, tgt, Nce, V, 0.0f); });
+             [&] { be.softmax_cross_entropy(losses, nullptr, logits, tgt, Nce, V, Vp, 0.0f); });
     b.memory("softmax+CE fwd+grad (in place)", detail::cat(Nce, "x", V), 2 * rowbytes + 8.0 * Nce,
-             [&] { be.softmax_cross_entropy(losses, logits, logits, tgt, Nce, V, 1e-6f); });
+             [&] { be.softmax_cross_entropy(losses, logits, logits, tgt, Nce, V, Vp, 1e-6f); });
   }
   {
     const int64_t P = opts.quick ? (int64_t(16) << 20) : 124439808;  // GPT-2 124M

@@ -67,7 +67,7 @@ void bias_grad_accumulate(float* dbias, const bf16* dout, int N, int OC, float* 
 }
 
 void matmul_forward(Gemm& gemm, bf16* out, const bf16* inp, const bf16* weight, const bf16* bias, int N, int C,
-                    int OC, cudaStream_t stream) {
+                    int OC, cudaStream_t stream, int64_t ld_out) {
   if (N <= 0 || OC <= 0) return;
   GemmDesc g;
   g.transa = true;
@@ -76,7 +76,7 @@ void matmul_forward(Gemm& gemm, bf16* out, const bf16* inp, const bf16* weight, 
   g.k = C;
   g.lda = C;
   g.ldb = C;
-  g.ldd = OC;
+  g.ldd = ld_out > 0 ? ld_out : OC;
   g.ab_type = g.d_type = DType::BF16;
   g.epilogue = bias ? GemmEpilogue::Bias : GemmEpilogue::None;
   GemmPtrs p;
@@ -94,15 +94,17 @@ size_t matmul_backward_scratch_bytes(int N, int OC) {
 
 void matmul_backward(Gemm& gemm, bf16* dinp, float* dweight, float* dbias, const bf16* dout, const bf16* inp,
                      const bf16* weight, int N, int C, int OC, bool bgrad_epilogue, float* scratch,
-                     cudaStream_t stream) {
+                     cudaStream_t stream, int64_t ld_out) {
   if (N <= 0) return;
+  const int64_t ldo = ld_out > 0 ? ld_out : OC;
+  TR_CHECK(!dbias || ldo == OC, "matmul_backward: a bias gradient needs dout rows OC (", OC, ") apart, not ", ldo);
   if (dinp) {  // dinp^T(C,N) = weight^T-as-stored (C,OC) @ dout^T (OC,N)
     GemmDesc g;
     g.m = C;
     g.n = N;
     g.k = OC;
     g.lda = C;
-    g.ldb = OC;
+    g.ldb = ldo;
     g.ldd = C;
     GemmPtrs p;
     p.a = weight;
@@ -117,7 +119,7 @@ void matmul_backward(Gemm& gemm, bf16* dinp, float* dweight, float* dbias, const
   g.n = OC;
   g.k = N;
   g.lda = C;
-  g.ldb = OC;
+  g.ldb = ldo;
   g.ldd = C;
   g.d_type = DType::F32;
   g.accumulate = true;

@@ -26,13 +26,15 @@
 
 namespace trainrun::cuda {
 
+// ld_out: the row stride of out (and of dout in backward), OC when 0; the
+// tied LM head passes its padded logits stride (kernels/backend.h).
 void matmul_forward(Gemm& gemm, bf16* out, const bf16* inp, const bf16* weight, const bf16* bias, int N, int C,
-                    int OC, cudaStream_t stream);
+                    int OC, cudaStream_t stream, int64_t ld_out = 0);
 
 size_t matmul_backward_scratch_bytes(int N, int OC);
 void matmul_backward(Gemm& gemm, bf16* dinp, float* dweight, float* dbias, const bf16* dout, const bf16* inp,
                      const bf16* weight, int N, int C, int OC, bool bgrad_epilogue, float* scratch,
-                     cudaStream_t stream);
+                     cudaStream_t stream, int64_t ld_out = 0);
 
 // dbias(OC) += column sums of dout(N,OC); deterministic. scratch: bias_grad_scratch_bytes.
 size_t bias_grad_scratch_bytes(int N, int OC);

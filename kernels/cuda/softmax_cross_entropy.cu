@@ -25,11 +25,11 @@ struct MaxSum {
 // is even-aligned so a 16-byte boundary lies within the first 8 elements).
 // vec_d: dlogits has the same alignment as logits, so its packs line up.
 __global__ void softmax_ce_kernel(float* losses, bf16* dlogits, const bf16* logits, const int32_t* targets, int V,
-                                  float dloss_scale, bool vec, bool vec_d) {
+                                  int64_t ldv, float dloss_scale, bool vec, bool vec_d) {
   __shared__ float red[32];
   const int64_t n = blockIdx.x;
-  const bf16* z = logits + n * V;
-  bf16* d = dlogits ? dlogits + n * V : nullptr;
+  const bf16* z = logits + n * ldv;
+  bf16* d = dlogits ? dlogits + n * ldv : nullptr;
   const int tgt = targets[n];
   if (tgt < 0) {  // ignored position: no loss, no gradient
     if (threadIdx.x == 0) losses[n] = 0.0f;
@@ -80,13 +80,14 @@ __global__ void softmax_ce_kernel(float* losses, bf16* dlogits, const bf16* logi
 }  // namespace
 
 void softmax_cross_entropy(float* losses, bf16* dlogits, const bf16* logits, const int32_t* targets, int N, int V,
-                           float dloss_scale, cudaStream_t stream) {
+                           int64_t ldv, float dloss_scale, cudaStream_t stream) {
   if (N <= 0 || V <= 0) return;
   // Every row starts on an even address; a 16-byte vector body exists when
   // rows are long enough to be worth it.
   const bool vec = V >= 64;
   const bool vec_d = dlogits && ((reinterpret_cast<uintptr_t>(dlogits) - reinterpret_cast<uintptr_t>(logits)) & 15) == 0;
-  softmax_ce_kernel<<<N, kThreads, 0, stream>>>(losses, dlogits, logits, targets, V, dloss_scale, vec, vec_d);
+  softmax_ce_kernel<<<N, kThreads, 0, stream>>>(losses, dlogits, logits, targets, V, ldv, dloss_scale, vec,
+                                                 vec_d);
   TR_CUDA_LAUNCH_CHECK("softmax_cross_entropy");
 }
 

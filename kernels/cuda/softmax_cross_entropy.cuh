@@ -1,4 +1,5 @@
-// Fused softmax + cross-entropy over logits(N,V), one block per row:
+// Fused softmax + cross-entropy over logits(N,V) with rows ldv >= V apart
+// (the pad columns are not touched), one block per row:
 //
 //   lse = log sum_v exp(z_v)                    (fp32, online max/sum in one pass)
 //   losses(N)[n] = lse - z[target]              (0 for target < 0)
@@ -20,6 +21,6 @@
 namespace trainrun::cuda {
 
 void softmax_cross_entropy(float* losses, bf16* dlogits, const bf16* logits, const int32_t* targets, int N, int V,
-                           float dloss_scale, cudaStream_t stream);
+                           int64_t ldv, float dloss_scale, cudaStream_t stream);
 
 }  // namespace trainrun::cuda
