@@ -4,6 +4,7 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -48,6 +49,27 @@ TEST_CASE("cli: --version names the backends", "[cli]") {
   auto r = test::run_trainrun("--version");
   REQUIRE(r.exit_code == 0);
   CHECK_THAT(r.out, Contains("trainrun ") && Contains("cpu") && Contains("cuda"));
+}
+
+// Test executables hide the GPUs (tests/support/hide_gpus.cpp), so these
+// hold on a GPU machine too: auto falls back with the reason, cuda refuses.
+TEST_CASE("cli: backend auto falls back to the CPU without a GPU; backend cuda is a clear error", "[cli]") {
+  const char* vis = std::getenv("CUDA_VISIBLE_DEVICES");
+  REQUIRE(vis != nullptr);
+  CHECK(std::string(vis).empty());
+  test::TempDir dir("cli");
+  test::write_file(dir / "job.yaml", synthetic_job(dir / "run", 2));
+  auto r = test::run_trainrun("--config " + dir / "job.yaml" + " --set backend=auto");
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.err + r.out, Contains("no usable GPU") && Contains("using the CPU backend"));
+  CHECK(test::file_exists(dir / "run/model.safetensors"));
+  test::TempDir dir2("cli");
+  test::write_file(dir2 / "job.yaml", synthetic_job(dir2 / "run", 2));
+  r = test::run_trainrun("--config " + dir2 / "job.yaml" + " --set backend=cuda");
+  CHECK(r.exit_code == 1);
+  CHECK_THAT(r.err, Contains("backend: 'cuda' was requested but there is no usable GPU") &&
+                        Contains("use backend: cpu or auto"));
+  CHECK_FALSE(test::file_exists(dir2 / "run/model.safetensors"));
 }
 
 TEST_CASE("cli: --help on every subcommand", "[cli]") {
