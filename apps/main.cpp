@@ -3,10 +3,12 @@
 //
 // Exit codes: 0 ok, 1 error (message on stderr), 2 usage error.
 #include <CLI/CLI.hpp>
+#include <chrono>
 #include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <thread>
 
 #include "core/checkpoint/bench_checkpoint.h"
 #include "core/checkpoint/hf_interop.h"
@@ -15,12 +17,14 @@
 #include "core/config/job_spec.h"
 #include "core/data/dataset.h"
 #include "core/launch/agent.h"
+#include "core/launch/debug_hooks.h"
 #include "core/launch/launch_mode.h"
 #include "core/launch/slurm_worker.h"
 #include "core/model/model_io.h"
 #include "core/train/generate.h"
 #include "core/train/planner.h"
 #include "core/train/plot.h"
+#include "core/train/preemption.h"
 #include "core/train/trainer.h"
 #include "kernels/backend_factory.h"
 #include "parallel/bench_comm.h"
@@ -72,6 +76,13 @@ int cmd_run(const std::string& config, std::vector<std::string> sets, const Laun
   const LaunchPlan plan = plan_launch(job, flags, current_environment(), this_host_name());
   TR_LOG_INFO("launch: ", plan.describe());
   for (const std::string& w : plan.warnings) TR_LOG_WARN("launch: ", w);
+  if (const int64_t ms = debug_env_ms("TRAINRUN_DEBUG_START_DELAY_MS")) {
+    // Tests: a window in which only main()'s stop handlers watch signals.
+    TR_LOG_INFO("debug: start-up pause of ", ms, " ms (TRAINRUN_DEBUG_START_DELAY_MS)");
+    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
+    while (std::chrono::steady_clock::now() < until && stop_signal_received() == 0)
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
   const fs::path resolved = fs::path(job.output.dir) / "job.resolved.yaml";
   if (plan.agent()) {
     // Node 0 writes the resolved spec; the other nodes' workers load it
@@ -92,6 +103,14 @@ int cmd_run(const std::string& config, std::vector<std::string> sets, const Laun
     return run_slurm_worker(job, plan);
   }
   WorkerInfo w = WorkerInfo::from_env();
+  // Alone, a process that was told to stop before training has no one to
+  // agree with: it stops now. With peers (an outside launcher started
+  // several), it trains to the first step boundary, where they all stop.
+  if (w.world == 1 && stop_signal_received() != 0) {
+    const int sig = stop_signal_received();
+    TR_LOG_WARN(stopped_before_training(sig, ""));
+    return exit_code_for_stop_signal(sig);
+  }
   if (w.rank == 0) {
     prepare_output_dir(job);
     write_text_file(resolved, job_spec_to_yaml(job));
@@ -160,6 +179,11 @@ int main(int argc, char** argv) {
   // A file-size limit (ulimit -f) should fail a write with EFBIG, which the
   // checkpoint code reports and survives, not kill the process.
   std::signal(SIGXFSZ, SIG_IGN);
+  // A preemption signal may come while a job is still starting: from here
+  // on it is noted rather than fatal (core/train/preemption.h). An agent
+  // hands its workers these signals blocked; they are delivered now.
+  install_stop_handlers();
+  unblock_stop_signals();
   CLI::App app{"trainrun: train transformer language models on CPUs and GPUs"};
   app.set_version_flag("--version", std::function<std::string()>(version_string));
   app.require_subcommand(0, 1);
@@ -261,6 +285,11 @@ int main(int argc, char** argv) {
   bench_kernels->add_option("--repeats", kbo.repeats, "timed launches per kernel (median)")->capture_default_str()->check(CLI::Range(3, 1000));
   bench_kernels->add_flag("--quick", kbo.quick, "small sizes (a smoke run)");
 
+  // Hidden: the CUDA peer probe, run by the topology code in a child process
+  // (parallel/topology_probe.cpp) so the agent never holds a CUDA context.
+  auto* probe_p2p = app.add_subcommand("probe-p2p", "");
+  probe_p2p->group("");
+
   auto* worker = app.add_subcommand("worker", "");
   worker->group("");
   std::string wconfig;
@@ -269,13 +298,34 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
+    restore_default_stop_handlers();
     // --help / --version are "errors" with exit code 0; everything else is a usage error.
     int rc = app.exit(e);
     return rc == 0 ? 0 : 2;
   }
+  // Only running a job stops gracefully; every other command ends on a
+  // signal as any program does.
+  if (!*worker && !app.get_subcommands().empty()) restore_default_stop_handlers();
 
   try {
     if (*worker) return run_worker(wconfig);
+    if (*probe_p2p) {
+      std::vector<std::string> bus;
+      std::vector<std::vector<int>> ok;
+      std::string why;
+      if (!cuda_peer_probe(&bus, &ok, &why)) {
+        std::cerr << "trainrun probe-p2p: " << why << "\n";
+        return 1;
+      }
+      std::cout << "bus";
+      for (const auto& b : bus) std::cout << " " << b;
+      std::cout << "\n";
+      for (const auto& row : ok) {
+        for (size_t j = 0; j < row.size(); ++j) std::cout << (j ? " " : "") << row[j];
+        std::cout << "\n";
+      }
+      return 0;
+    }
     if (*validate) return cmd_validate(vconfig, vsets);
     if (*topo_cmd) return topo::run_topo_command(to, std::cout);
     if (*bench_comm) return run_comm_bench(cb);

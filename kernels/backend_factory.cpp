@@ -179,3 +179,16 @@ std::vector<GemmCheckRow> run_gemm_epilogue_check(int device) {
 }
 
 }  // namespace trainrun
+
+namespace trainrun {
+
+bool cuda_peer_probe(std::vector<std::string>* bus_ids, std::vector<std::vector<int>>* ok, std::string* why) {
+  const Plugin& p = plugin();
+  if (!p.api) {
+    if (why) *why = p.error;
+    return false;
+  }
+  return p.api->peer_probe(bus_ids, ok, why);
+}
+
+}  // namespace trainrun

@@ -79,8 +79,16 @@ struct GemmCheckRow {
 };
 std::vector<GemmCheckRow> run_gemm_epilogue_check(int device);
 
+// P2P between every pair of visible GPUs, in CUDA's device order: bus_ids[i]
+// is device i's PCI bus id (to match NVML/sysfs indices), ok[i][j] is 1 when
+// cudaDeviceCanAccessPeer says yes AND a 1 MiB cudaMemcpyPeer from i to j
+// arrives intact, else 0 (the diagonal is 1). False with *why when CUDA is
+// unusable. Creates a context on every GPU: `trainrun probe-p2p` runs it in
+// a child process so the agent never holds one (see parallel/topology_nvml.cpp).
+bool cuda_peer_probe(std::vector<std::string>* bus_ids, std::vector<std::vector<int>>* ok, std::string* why);
+
 // ---- the plugin ABI (used by backend_factory.cpp and kernels/cuda/plugin.cpp) ----
-constexpr uint32_t kCudaPluginAbi = 3;
+constexpr uint32_t kCudaPluginAbi = 4;
 
 using LogFn = void (*)(int level, const char* msg);  // level as trainrun::LogLevel
 
@@ -98,6 +106,8 @@ struct CudaPluginApi {
   std::string (*versions)();
   int (*run_kernel_bench)(const KernelBenchOptions& opts);
   std::vector<GemmCheckRow> (*run_gemm_epilogue_check)(int device);
+  // Peer access between every pair of visible GPUs: see cuda_peer_probe.
+  bool (*peer_probe)(std::vector<std::string>* bus_ids, std::vector<std::vector<int>>* ok, std::string* why);
 };
 
 }  // namespace trainrun

@@ -106,7 +106,7 @@ Topology detect_local_topology(const std::string& sysfs_root) {
   sources.push_back(make_sysfs_source(sysfs_root));
   sources.push_back(make_nvml_source());
   Topology t = detect_topology(std::move(sources));
-  const PeerProbe probe = probe_cuda_peer_access(t.gpu_count());
+  const PeerProbe probe = t.gpu_count() > 1 ? probe_cuda_peer_access(t.gpus) : PeerProbe{};
   if (probe.ran && probe.ok.size() == t.gpus.size()) {
     t.p2p = probe.ok;
     t.p2p_source = "cuda";

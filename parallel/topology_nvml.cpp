@@ -1,4 +1,4 @@
-// The NVML source and the CUDA peer probe.
+// The NVML source (the CUDA peer probe is in topology_probe.cpp).
 //
 // NVML is loaded with dlopen, never linked: the same binary runs on machines
 // without a driver (this one, CI) and on GPU nodes. The entry points we use
@@ -180,15 +180,5 @@ class NvmlSource : public TopologySource {
 
 std::unique_ptr<TopologySource> make_nvml_source() { return std::make_unique<NvmlSource>(); }
 std::unique_ptr<TopologySource> make_nvml_source(const NvmlApi& api) { return std::make_unique<NvmlSource>(api); }
-
-PeerProbe probe_cuda_peer_access(int gpu_count) {
-  // A stub until the CUDA backend (issue 5) exists: the real probe needs
-  // cudaDeviceCanAccessPeer plus a small copy each way between every pair,
-  // run in a child process so the agent never holds a CUDA context.
-  PeerProbe p;
-  p.why = gpu_count > 0 ? "no CUDA runtime in this build: P2P between GPUs was not probed"
-                        : "no GPUs: nothing to probe";
-  return p;
-}
 
 }  // namespace trainrun::topo

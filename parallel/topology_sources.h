@@ -101,12 +101,22 @@ std::unique_ptr<TopologySource> make_nvml_source(const NvmlApi& api);  // for te
 struct PeerProbe {
   bool ran = false;
   std::string why;                   // why it did not run
-  std::vector<std::vector<int>> ok;  // G x G: 1 = cudaDeviceCanAccessPeer and a copy round-trips
+  std::vector<std::vector<int>> ok;  // G x G in topology GPU order: 1 = cudaDeviceCanAccessPeer and a copy round-trips
 };
-// In this build: a stub reporting "no CUDA runtime in this build"; the CUDA
-// backend (issue 5) implements it. P2P is only ever disabled on its evidence,
-// never on a guess: NVML's "P2P not supported" only means CUDA will not try.
-PeerProbe probe_cuda_peer_access(int gpu_count);
+// Runs `<exe> probe-p2p` (a hidden trainrun command, kernels/backend_factory.h:
+// cuda_peer_probe) as a child with every GPU visible and a timeout, and maps
+// its CUDA device order onto `gpus` by PCI bus id. A child, because the probe
+// creates a context on every GPU and the agent must never hold one. `exe`
+// empty: this process's binary, when it is trainrun (else not probed).
+// P2P is only ever disabled on its evidence, never on a guess: NVML's "P2P
+// not supported" only means CUDA will not try.
+PeerProbe probe_cuda_peer_access(const std::vector<Gpu>& gpus, const std::string& exe = "",
+                                 int timeout_s = 60);
+// The parent's half, for tests: `out` is probe-p2p's stdout:
+//   bus <busid of CUDA device 0> <busid 1> ...
+//   <n ints: row 0 of ok, in CUDA order>
+//   ...
+PeerProbe parse_peer_probe_output(const std::string& out, const std::vector<Gpu>& gpus);
 
 // ---- detection ---------------------------------------------------------------------------------
 

@@ -7,6 +7,7 @@
 // over two sockets, a 4-GPU box with a NIC per GPU, NVLink-bridged pairs and
 // a 2-GPU workstation; fake /sys trees (make_sysfs_fixtures.py).
 #include <catch2/catch.hpp>
+#include <cstdlib>
 #include <cstring>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -353,9 +354,78 @@ TEST_CASE("topology: NVML source counts NVLinks and finds NVSwitch", "[topology]
   std::string why;
   CHECK_FALSE(load_nvml(&none, &why, "libnvidia-ml-not-here.so.1"));
   CHECK_THAT(why, Contains("cannot load libnvidia-ml-not-here.so.1"));
-  const PeerProbe probe = probe_cuda_peer_access(8);
-  CHECK_FALSE(probe.ran);
-  CHECK_THAT(probe.why, Contains("no CUDA runtime in this build"));
+}
+
+namespace {
+std::vector<Gpu> two_gpus(const std::string& bus0, const std::string& bus1) {
+  std::vector<Gpu> g(2);
+  g[0].index = 0;
+  g[0].pci_bus_id = bus0;
+  g[1].index = 1;
+  g[1].pci_bus_id = bus1;
+  return g;
+}
+}  // namespace
+
+TEST_CASE("topology: the CUDA peer probe maps CUDA order to GPUs by bus id and needs both directions",
+          "[topology]") {
+  const auto gpus = two_gpus("0000:18:00.0", "0000:1b:00.0");
+  // CUDA lists the GPUs in the other order (upper-case hex, as the runtime
+  // prints it); 1B -> 18 works, 18 -> 1B does not.
+  PeerProbe p = parse_peer_probe_output("bus 0000:1B:00.0 0000:18:00.0\n1 1\n0 1\n", gpus);
+  REQUIRE(p.ran);
+  CHECK(p.ok == std::vector<std::vector<int>>{{1, 0}, {0, 1}});
+  p = parse_peer_probe_output("bus 0000:1B:00.0 0000:18:00.0\n1 1\n1 1\n", gpus);
+  REQUIRE(p.ran);
+  CHECK(p.ok == std::vector<std::vector<int>>{{1, 1}, {1, 1}});
+  // Malformed or mismatched output: not ran, with the reason.
+  p = parse_peer_probe_output("", gpus);
+  CHECK_FALSE(p.ran);
+  CHECK_THAT(p.why, Contains("printed nothing"));
+  p = parse_peer_probe_output("0 1\n", gpus);
+  CHECK_THAT(p.why, Contains("does not start with 'bus'"));
+  p = parse_peer_probe_output("bus 0000:18:00.0 0000:1b:00.0\n1 1\n1\n", gpus);
+  CHECK_THAT(p.why, Contains("row 1 has 1 values, expected 2"));
+  p = parse_peer_probe_output("bus 0000:18:00.0 0000:1b:00.0\n1 1\n", gpus);
+  CHECK_THAT(p.why, Contains("printed 1 rows for 2 GPUs"));
+  p = parse_peer_probe_output("bus 0000:18:00.0 0000:99:00.0\n1 1\n1 1\n", gpus);
+  CHECK_FALSE(p.ran);
+  CHECK_THAT(p.why, Contains("GPU 1 (bus id '0000:1b:00.0') is not among the 2 GPUs CUDA sees"));
+}
+
+TEST_CASE("topology: the CUDA peer probe runs a child with a timeout and reports its failures", "[topology]") {
+  test::TempDir dir("probe");
+  const auto gpus = two_gpus("0000:18:00.0", "0000:1b:00.0");
+  // Fewer than two GPUs: nothing to run.
+  CHECK_THAT(probe_cuda_peer_access({gpus[0]}).why, Contains("fewer than two GPUs"));
+  // From a program that is not trainrun (this test), it does not exec itself.
+  PeerProbe p = probe_cuda_peer_access(gpus);
+  CHECK_FALSE(p.ran);
+  CHECK_THAT(p.why, Contains("not probed from this program"));
+  // A stand-in for `trainrun probe-p2p`; the child must not see
+  // CUDA_VISIBLE_DEVICES (the topology covers every GPU of the node).
+  auto script = [&](const std::string& name, const std::string& body) {
+    const std::string path = dir / name;
+    test::write_file(path, "#!/bin/sh\n" + body);
+    REQUIRE(std::system(("chmod +x " + path).c_str()) == 0);
+    return path;
+  };
+  ::setenv("CUDA_VISIBLE_DEVICES", "1", 1);
+  p = probe_cuda_peer_access(gpus, script("ok.sh", "[ -z \"${CUDA_VISIBLE_DEVICES+x}\" ] || exit 9\n"
+                                                     "echo 'bus 0000:18:00.0 0000:1b:00.0'; echo '1 1'; echo '1 1'\n"));
+  INFO(p.why);
+  CHECK(p.ran);
+  CHECK(p.ok == std::vector<std::vector<int>>{{1, 1}, {1, 1}});
+  p = probe_cuda_peer_access(gpus, script("fail.sh", "echo 'no GPU' >&2; exit 3\n"));
+  CHECK_FALSE(p.ran);
+  CHECK_THAT(p.why, Contains("probe-p2p failed (exit 3)"));
+  p = probe_cuda_peer_access(gpus, script("hang.sh", "exec sleep 30\n"), 1);
+  CHECK_FALSE(p.ran);
+  CHECK_THAT(p.why, Contains("timed out after 1 s") && Contains("NCCL_P2P_DISABLE"));
+  p = probe_cuda_peer_access(gpus, dir / "missing");
+  CHECK_FALSE(p.ran);
+  CHECK_THAT(p.why, Contains("cannot start"));
+  ::setenv("CUDA_VISIBLE_DEVICES", "", 1);  // as hide_gpus.cpp left it
 }
 
 TEST_CASE("topology: NVML fills in what sysfs cannot see", "[topology]") {

@@ -87,9 +87,71 @@ std::string versions() {
                      "; kernels for sm_80 and sm_90");
 }
 
+// Every ordered pair: what the driver claims (cudaDeviceCanAccessPeer), then
+// whether it is true: a 1 MiB pattern copied i -> j with peer access enabled
+// must read back intact on j. Broken P2P (bad ACS/IOMMU setups) typically
+// passes the first and corrupts or hangs the second, which is why NCCL's own
+// tests copy data; a hang is bounded by the parent's timeout.
+bool peer_probe(std::vector<std::string>* bus_ids, std::vector<std::vector<int>>* ok, std::string* why) {
+  const int n = device_count(why);
+  if (n == 0) return false;
+  constexpr size_t kBytes = size_t(1) << 20;
+  auto fail = [&](cudaError_t e, const char* what, int i, int j) {
+    if (why) *why = detail::cat(what, " (GPU ", i, " -> ", j, "): ", cudaGetErrorName(e), ": ", cudaGetErrorString(e));
+    cudaGetLastError();
+    return false;
+  };
+  bus_ids->assign(n, "");
+  ok->assign(n, std::vector<int>(n, 0));
+  std::vector<void*> buf(n, nullptr);
+  for (int d = 0; d < n; ++d) {
+    char id[32] = {};
+    if (cudaError_t e = cudaDeviceGetPCIBusId(id, sizeof id, d); e != cudaSuccess) return fail(e, "cudaDeviceGetPCIBusId", d, d);
+    (*bus_ids)[d] = id;
+    if (cudaError_t e = cudaSetDevice(d); e != cudaSuccess) return fail(e, "cudaSetDevice", d, d);
+    if (cudaError_t e = cudaMalloc(&buf[d], kBytes); e != cudaSuccess) return fail(e, "cudaMalloc", d, d);
+    (*ok)[d][d] = 1;
+  }
+  std::vector<unsigned char> host(kBytes);
+  for (int i = 0; i < n; ++i) {
+    for (int j = 0; j < n; ++j) {
+      if (i == j) continue;
+      int can = 0;
+      if (cudaError_t e = cudaDeviceCanAccessPeer(&can, i, j); e != cudaSuccess) return fail(e, "cudaDeviceCanAccessPeer", i, j);
+      if (!can) continue;
+      cudaSetDevice(i);
+      cudaError_t e = cudaDeviceEnablePeerAccess(j, 0);
+      if (e == cudaErrorPeerAccessAlreadyEnabled) e = cudaSuccess;
+      cudaGetLastError();
+      if (e != cudaSuccess) continue;  // claimed but not enabled: broken
+      const unsigned char pattern = static_cast<unsigned char>(0x5A ^ (i * 16 + j));
+      cudaSetDevice(j);
+      if (cudaMemset(buf[j], 0, kBytes) != cudaSuccess) return fail(cudaGetLastError(), "cudaMemset", i, j);
+      cudaSetDevice(i);
+      if (cudaMemset(buf[i], pattern, kBytes) != cudaSuccess) return fail(cudaGetLastError(), "cudaMemset", i, i);
+      if (cudaMemcpyPeer(buf[j], j, buf[i], i, kBytes) != cudaSuccess ||
+          cudaDeviceSynchronize() != cudaSuccess) {
+        cudaGetLastError();
+        continue;  // the copy itself failed: broken
+      }
+      cudaSetDevice(j);
+      if (cudaMemcpy(host.data(), buf[j], kBytes, cudaMemcpyDeviceToHost) != cudaSuccess)
+        return fail(cudaGetLastError(), "cudaMemcpy", j, j);
+      bool intact = true;
+      for (unsigned char c : host) intact = intact && c == pattern;
+      (*ok)[i][j] = intact ? 1 : 0;
+    }
+  }
+  for (int d = 0; d < n; ++d) {
+    cudaSetDevice(d);
+    cudaFree(buf[d]);
+  }
+  return true;
+}
+
 const CudaPluginApi kApi = {
     kCudaPluginAbi,       &set_logger, &device_count, &make_backend, &is_cuda_backend, &make_nccl_communicator_impl,
-    &versions,           &run_kernel_bench_impl,     &run_gemm_epilogue_check_impl,
+    &versions,           &run_kernel_bench_impl,     &run_gemm_epilogue_check_impl, &peer_probe,
 };
 
 }  // namespace
