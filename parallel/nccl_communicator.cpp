@@ -197,6 +197,14 @@ class NcclCommunicator final : public Communicator {
     return staging_;
   }
   void copy_in(void* dev, const void* host, size_t bytes) {
+    // The staging copy runs on the comm stream *before* run() orders that
+    // stream after the compute stream, so order it here: the staging block
+    // may just have been handed out by the caching allocator while a
+    // compute-stream kernel (e.g. an op's Scratch) still writes it, and in
+    // the mixed host/device cases `host` is device memory the compute
+    // stream may still be producing. Without this the copy could race both.
+    TR_CUDA_CHECK(cudaEventRecord(ready_, be_->compute_stream()));
+    TR_CUDA_CHECK(cudaStreamWaitEvent(stream(), ready_, 0));
     TR_CUDA_CHECK(cudaMemcpyAsync(dev, host, bytes, cudaMemcpyDefault, stream()));
   }
   void copy_out(void* host, const void* dev, size_t bytes) {
