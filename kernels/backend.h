@@ -85,6 +85,18 @@ class Backend {
   virtual void matmul_backward(void* dinp, float* dweight, float* dbias, const void* dout,
                                const void* inp, const void* weight, int N, int C, int OC) = 0;
 
+  // ---- linear + GELU: the MLP's first layer and its backward ---------------
+  // pre(N,OC) = inp @ weight^T + bias; out = gelu(pre). Both are kept: the
+  // next layer reads out, the backward reads pre. A GPU fuses the GELU into
+  // the GEMM's epilogue (saves a read and a write of the (N,OC) activation).
+  virtual void matmul_gelu_forward(void* out, void* pre, const void* inp, const void* weight, const void* bias, int N,
+                                   int C, int OC) = 0;
+  // The backward of a linear layer whose input was gelu(pre), fused with
+  // GELU's backward: dinp(N,C) = (dout @ weight) * gelu'(pre) (overwritten),
+  // dweight/dbias += as matmul_backward. pre is (N,C).
+  virtual void matmul_backward_dgelu(void* dinp, float* dweight, float* dbias, const void* dout, const void* inp,
+                                     const void* weight, const void* pre, int N, int C, int OC) = 0;
+
   // ---- tied LM head over row-padded logits ---------------------------------
   // Row stride (elements) of the logits buffer, >= V. The CUDA backend pads
   // it to a multiple of 64 so each row starts 128-byte aligned: with

@@ -233,6 +233,38 @@ TEST_CASE("cpu_ops: layernorm forward and backward (+= into dinp, dweight, dbias
               ref::central_fd(bv, L), kGradTol);
 }
 
+TEST_CASE("cpu_ops: linear + GELU forward and the fused dGELU backward", "[cpu_ops]") {
+  auto be = make_backend();
+  const int N = 6, C = 11, OC = 16;
+  const size_t es = dtype_size(be->act_dtype());
+  ActTensor x(be.get(), randn(size_t(N) * C, 101)), w(be.get(), randn(size_t(OC) * C, 102, 0.4));
+  ActTensor bias(be.get(), randn(OC, 103, 0.5));
+  DeviceBuffer out(be.get(), size_t(N) * OC * es), pre(be.get(), size_t(N) * OC * es);
+  be->matmul_gelu_forward(out.get(), pre.get(), x.get(), w.get(), bias.get(), N, C, OC);
+  const Vec want_pre = ref::linear(x.val, w.val, bias.val, N, C, OC);
+  check_close("linear+gelu pre", download_act(be.get(), pre.get(), want_pre.size()), want_pre, kFwdTol);
+  check_close("linear+gelu out", download_act(be.get(), out.get(), want_pre.size()), ref::gelu(want_pre), kFwdTol);
+
+  // Backward of y = gelu(h) @ W2^T + b2 w.r.t. h, W2, b2, with h = pre.
+  const int OC2 = 5;
+  ActTensor h(be.get(), randn(size_t(N) * OC, 104, 1.5));
+  ActTensor w2(be.get(), randn(size_t(OC2) * OC, 105, 0.4)), b2(be.get(), randn(OC2, 106));
+  ActTensor R(be.get(), randn(size_t(N) * OC2, 107));
+  DeviceBuffer gh(be.get(), size_t(N) * OC * es);
+  ActTensor g_in(be.get(), ref::gelu(h.val));  // the layer's input, gelu(h), as the model keeps it
+  ActTensor dh(be.get(), randn(size_t(N) * OC, 108));  // pre-filled: must be overwritten
+  F32Tensor dw2(be.get(), randn(size_t(OC2) * OC, 109)), db2(be.get(), randn(OC2, 110));  // +=
+  be->matmul_backward_dgelu(dh.get(), dw2.get(), db2.get(), R.get(), g_in.get(), w2.get(), h.get(), N, OC, OC2);
+  Vec hv = h.val, wv = w2.val, bv = b2.val;
+  auto L = [&] { return ref::dot(ref::linear(ref::gelu(hv), wv, bv, N, OC, OC2), R.val); };
+  check_close("dgelu dinp (overwrite)", download_act(be.get(), dh.get(), hv.size()), ref::central_fd(hv, L),
+              kGradTol);
+  check_close("dgelu dweight (+=)", minus(download_f32(be.get(), dw2.get(), wv.size()), dw2.val),
+              ref::central_fd(wv, L), kGradTol);
+  check_close("dgelu dbias (+=)", minus(download_f32(be.get(), db2.get(), OC2), db2.val), ref::central_fd(bv, L),
+              kGradTol);
+}
+
 TEST_CASE("cpu_ops: fused residual + layernorm forward equals the two ops", "[cpu_ops]") {
   auto be = make_backend();
   for (auto [N, C] : {std::pair<int, int>{1, 1}, {7, 13}, {19, 111}, {5, 768}}) {

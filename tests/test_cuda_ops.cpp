@@ -358,6 +358,38 @@ void check_matmul(Pair& p, int N, int C, int OC, bool bias, size_t offset, const
 }
 }  // namespace
 
+TEST_CASE("cuda: linear + GELU epilogue forward and dGELU backward", "[cuda]") {
+  CUDA_TEST_OR_SKIP();
+  Pair p;
+  struct S { int N, C, OC; };
+  // OC % 8 != 0 (111, 19) takes the unfused fallback; the others the epilogues.
+  for (S s : {S{1, 8, 16}, S{19, 64, 111}, S{37, 19, 64}, S{500, 768, 3072}}) {
+    const std::string sh = shape({{"N", s.N}, {"C", s.C}, {"OC", s.OC}});
+    const size_t nc = size_t(s.N) * s.C, no = size_t(s.N) * s.OC;
+    Twin x(p, randn(nc, 111), true), w(p, randn(size_t(s.OC) * s.C, 112, 0.2f), true), b(p, randn(s.OC, 113), true);
+    Twin out = out_twin(p, no, true), pre = out_twin(p, no, true);
+    p.cpu->matmul_gelu_forward(out.c(), pre.c(), x.c(), w.c(), b.c(), s.N, s.C, s.OC);
+    p.gpu->matmul_gelu_forward(out.g(), pre.g(), x.g(), w.g(), b.g(), s.N, s.C, s.OC);
+    check_close("linear+gelu pre " + sh, pre.read_gpu(p), pre.read_cpu(p), kBf16);
+    check_close("linear+gelu out " + sh, out.read_gpu(p), out.read_cpu(p), kBf16);
+    // Backward of a next layer (OC -> C) whose input was gelu(h): fresh
+    // inputs that both sides hold identically (bf16-rounded).
+    Vec hv = randn(no, 118, 1.5f), gv(no);
+    for (size_t i = 0; i < no; ++i)
+      gv[i] = 0.5f * hv[i] * (1.0f + std::tanh(0.7978845608f * (hv[i] + 0.044715f * hv[i] * hv[i] * hv[i])));
+    Twin h(p, hv, true), g_in(p, gv, true);
+    Twin dout(p, randn(nc, 114), true);
+    Twin dpre = out_twin(p, no, true);
+    Twin dw(p, randn(size_t(s.C) * s.OC, 115), false), db(p, randn(s.C, 116), false);
+    Twin w2(p, randn(size_t(s.C) * s.OC, 117, 0.2f), true);
+    p.cpu->matmul_backward_dgelu(dpre.c(), dw.cf(), db.cf(), dout.c(), g_in.c(), w2.c(), h.c(), s.N, s.OC, s.C);
+    p.gpu->matmul_backward_dgelu(dpre.g(), dw.gf(), db.gf(), dout.g(), g_in.g(), w2.g(), h.g(), s.N, s.OC, s.C);
+    check_close("dgelu dinp " + sh, dpre.read_gpu(p), dpre.read_cpu(p), kBf16);
+    check_close("dgelu dweight (+=) " + sh, dw.read_gpu(p), dw.read_cpu(p), kF32);
+    check_close("dgelu dbias (+=) " + sh, db.read_gpu(p), db.read_cpu(p), kF32);
+  }
+}
+
 TEST_CASE("cuda: matmul forward and backward", "[cuda]") {
   CUDA_TEST_OR_SKIP();
   Pair p;

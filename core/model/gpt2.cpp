@@ -218,8 +218,7 @@ void GPT2::block_forward(const void* p, int l, const void* res_in, int B, int T)
   be_->attention_forward(a.atty, a.att, a.qkv, B, T, C, cfg_.NH);
   be_->matmul_forward(dbuf_c_, a.atty, w.attprojw, w.attprojb, N, C, C);
   be_->residual_layernorm_forward(a.res2, a.ln2, a.ln2_mean, a.ln2_rstd, res_in, dbuf_c_, w.ln2w, w.ln2b, N, C);
-  be_->matmul_forward(a.fch, a.ln2, w.fcw, w.fcb, N, C, 4 * C);
-  be_->gelu_forward(a.fch_gelu, a.fch, int64_t(N) * 4 * C);
+  be_->matmul_gelu_forward(a.fch_gelu, a.fch, a.ln2, w.fcw, w.fcb, N, C, 4 * C);
   be_->matmul_forward(dbuf_c_, a.fch_gelu, w.fcprojw, w.fcprojb, N, 4 * C, C);
 }
 
@@ -277,8 +276,7 @@ void GPT2::block_backward(const void* p, float* g, int l, const void* res_in, vo
   auto dw = block_ptrs<float*>(g, C, 4);
   LayerActs& a = acts(l);
   // MLP: res_out = res2 + fcproj(gelu(fc(ln2(res2))))
-  be_->matmul_backward(dbuf_4c_, dw.fcprojw, dw.fcprojb, dres, a.fch_gelu, w.fcprojw, N, 4 * C, C);
-  be_->gelu_backward(dbuf_4c_, a.fch, dbuf_4c_, int64_t(N) * 4 * C);
+  be_->matmul_backward_dgelu(dbuf_4c_, dw.fcprojw, dw.fcprojb, dres, a.fch_gelu, w.fcprojw, a.fch, N, 4 * C, C);
   be_->matmul_backward(dbuf_c_, dw.fcw, dw.fcb, dbuf_4c_, a.ln2, w.fcw, N, C, 4 * C);
   be_->layernorm_backward(dres, dw.ln2w, dw.ln2b, dbuf_c_, a.res2, w.ln2w, a.ln2_mean, a.ln2_rstd, N, C);
   // Attention: res2 = res_in + attproj(attn(qkv(ln1(res_in))))

@@ -52,6 +52,10 @@ class CpuBackend final : public Backend {
   void gelu_forward(void* out, const void* inp, int64_t n) override;
   void gelu_backward(void* dinp, const void* inp, const void* dout, int64_t n) override;
   void residual_forward(void* out, const void* a, const void* b, int64_t n) override;
+  void matmul_gelu_forward(void* out, void* pre, const void* inp, const void* weight, const void* bias, int N, int C,
+                           int OC) override;
+  void matmul_backward_dgelu(void* dinp, float* dweight, float* dbias, const void* dout, const void* inp,
+                             const void* weight, const void* pre, int N, int C, int OC) override;
   void lm_head_forward(void* logits, const void* inp, const void* wte, int N, int C, int V, int ldv) override;
   void lm_head_backward(void* dinp, float* dwte, const void* dlogits, const void* inp, const void* wte, int N, int C,
                         int V, int ldv) override;

@@ -209,6 +209,21 @@ void CpuBackend::matmul_backward(void* dinp_, float* dweight, float* dbias, cons
   }
 }
 
+// ---- linear + GELU ------------------------------------------------------------------
+// Unfused on the CPU (the same ops, bit-identical to calling them in turn):
+// GELU is a cheap pass next to the GEMM here.
+void CpuBackend::matmul_gelu_forward(void* out, void* pre, const void* inp, const void* weight, const void* bias,
+                                     int N, int C, int OC) {
+  matmul_forward(pre, inp, weight, bias, N, C, OC);
+  gelu_forward(out, pre, int64_t(N) * OC);
+}
+
+void CpuBackend::matmul_backward_dgelu(void* dinp, float* dweight, float* dbias, const void* dout, const void* inp,
+                                       const void* weight, const void* pre, int N, int C, int OC) {
+  matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, C, OC);
+  gelu_backward(dinp, pre, dinp, int64_t(N) * C);
+}
+
 // ---- tied LM head over row-padded logits -------------------------------------------
 void CpuBackend::lm_head_forward(void* logits, const void* inp, const void* wte, int N, int C, int V, int ldv) {
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, V, C, 1.0f, F(inp), C, F(wte), C, 0.0f, F(logits), ldv);

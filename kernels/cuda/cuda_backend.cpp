@@ -16,6 +16,7 @@
 #include "kernels/cuda/gelu.cuh"
 #include "kernels/cuda/layernorm.cuh"
 #include "kernels/cuda/matmul.cuh"
+#include "kernels/cuda/matmul_gelu.cuh"
 #include "kernels/cuda/softmax_cross_entropy.cuh"
 #include "kernels/cuda/sum_squares.cuh"
 
@@ -39,6 +40,7 @@ CudaBackend::CudaBackend(int device) : device_(device) {
            "; the CUDA backend needs sm_80 or newer (A100, H100, H200); use backend: cpu");
   num_sms_ = prop.multiProcessorCount;
   bgrad_epilogue_ = env_flag("TRAINRUN_CUDA_GEMM_BGRAD");
+  if (const char* v = std::getenv("TRAINRUN_CUDA_GEMM_GELU")) gelu_epilogue_ = std::strcmp(v, "0") != 0;
   TR_CUDA_CHECK(cudaStreamCreateWithFlags(&compute_, cudaStreamNonBlocking));
   TR_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_, cudaStreamNonBlocking));
   alloc_ = std::make_unique<DeviceAllocator>(device);
@@ -201,6 +203,31 @@ void CudaBackend::gelu_backward(void* dinp, const void* inp, const void* dout, i
 void CudaBackend::residual_forward(void* out, const void* a, const void* b, int64_t n) {
   make_current();
   cuda::residual_forward(H(out), H(a), H(b), n, compute_);
+}
+
+void CudaBackend::matmul_gelu_forward(void* out, void* pre, const void* inp, const void* weight, const void* bias,
+                                      int N, int C, int OC) {
+  make_current();
+  if (gelu_epilogue_ && cuda::matmul_gelu_forward(*gemm_, H(out), H(pre), H(inp), H(weight), H(bias), N, C, OC, compute_))
+    return;
+  // No fused algorithm for this shape/alignment (or turned off): two ops.
+  cuda::matmul_forward(*gemm_, H(pre), H(inp), H(weight), H(bias), N, C, OC, compute_);
+  cuda::gelu_forward(H(out), H(pre), int64_t(N) * OC, compute_);
+}
+
+void CudaBackend::matmul_backward_dgelu(void* dinp, float* dweight, float* dbias, const void* dout, const void* inp,
+                                        const void* weight, const void* pre, int N, int C, int OC) {
+  make_current();
+  Scratch s(*alloc_, dbias ? matmul_backward_scratch_bytes(N, OC) : 0);
+  if (gelu_epilogue_ && cuda::matmul_dinp_dgelu(*gemm_, H(dinp), H(dout), H(weight), H(pre), N, C, OC, compute_)) {
+    // dinp done (with GELU's backward in the epilogue): only the parameter grads remain.
+    cuda::matmul_backward(*gemm_, nullptr, dweight, dbias, H(dout), H(inp), H(weight), N, C, OC, bgrad_epilogue_,
+                          s.as<float>(), compute_);
+    return;
+  }
+  cuda::matmul_backward(*gemm_, H(dinp), dweight, dbias, H(dout), H(inp), H(weight), N, C, OC, bgrad_epilogue_,
+                        s.as<float>(), compute_);
+  cuda::gelu_backward(H(dinp), H(pre), H(dinp), int64_t(N) * C, compute_);
 }
 
 void CudaBackend::lm_head_forward(void* logits, const void* inp, const void* wte, int N, int C, int V, int ldv) {

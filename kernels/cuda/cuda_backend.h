@@ -69,6 +69,10 @@ class CudaBackend final : public Backend {
   void gelu_backward(void* dinp, const void* inp, const void* dout, int64_t n) override;
   void residual_forward(void* out, const void* a, const void* b, int64_t n) override;
   int logits_stride(int V) const override { return (V + 63) / 64 * 64; }
+  void matmul_gelu_forward(void* out, void* pre, const void* inp, const void* weight, const void* bias, int N, int C,
+                           int OC) override;
+  void matmul_backward_dgelu(void* dinp, float* dweight, float* dbias, const void* dout, const void* inp,
+                             const void* weight, const void* pre, int N, int C, int OC) override;
   void lm_head_forward(void* logits, const void* inp, const void* wte, int N, int C, int V, int ldv) override;
   void lm_head_backward(void* dinp, float* dwte, const void* dlogits, const void* inp, const void* wte, int N, int C,
                         int V, int ldv) override;
@@ -109,6 +113,7 @@ class CudaBackend final : public Backend {
   int device_;
   int num_sms_ = 0;
   bool bgrad_epilogue_ = false;  // TRAINRUN_CUDA_GEMM_BGRAD=1
+  bool gelu_epilogue_ = true;    // TRAINRUN_CUDA_GEMM_GELU=0 turns the fused GELU epilogues off
   cudaStream_t compute_ = nullptr, comm_ = nullptr;
   std::unique_ptr<DeviceAllocator> alloc_;
   std::unique_ptr<Gemm> gemm_;

@@ -1,0 +1,55 @@
+// GEMM + GELU epilogues: see matmul_gelu.cuh.
+#include "kernels/cuda/matmul_gelu.cuh"
+
+namespace trainrun::cuda {
+
+bool matmul_gelu_forward(Gemm& gemm, bf16* out, bf16* pre, const bf16* inp, const bf16* weight, const bf16* bias,
+                         int N, int C, int OC, cudaStream_t stream) {
+  if (N <= 0 || OC <= 0) return true;
+  if (OC % 8 != 0) return false;  // cuBLASLt: ld_aux a multiple of 8
+  GemmDesc g;  // as matmul_forward: out^T(OC,N) = op_T(weight) @ inp^T
+  g.transa = true;
+  g.m = OC;
+  g.n = N;
+  g.k = C;
+  g.lda = C;
+  g.ldb = C;
+  g.ldd = OC;
+  g.ab_type = g.d_type = DType::BF16;
+  g.epilogue = bias ? GemmEpilogue::GeluAuxBias : GemmEpilogue::GeluAux;
+  g.ld_aux = OC;
+  GemmPtrs p;
+  p.a = weight;
+  p.b = inp;
+  p.d = out;
+  p.bias = bias;
+  p.aux = pre;
+  if (!gemm.supported(g, p)) return false;
+  gemm.run(g, p, stream);
+  return true;
+}
+
+bool matmul_dinp_dgelu(Gemm& gemm, bf16* dinp, const bf16* dout, const bf16* weight, const bf16* pre, int N, int C,
+                       int OC, cudaStream_t stream) {
+  if (N <= 0) return true;
+  if (C % 8 != 0) return false;
+  GemmDesc g;  // as matmul_backward's dinp: dinp^T(C,N) = weight (C,OC) @ dout^T (OC,N)
+  g.m = C;
+  g.n = N;
+  g.k = OC;
+  g.lda = C;
+  g.ldb = OC;
+  g.ldd = C;
+  g.epilogue = GemmEpilogue::DGelu;
+  g.ld_aux = C;
+  GemmPtrs p;
+  p.a = weight;
+  p.b = dout;
+  p.d = dinp;
+  p.aux = const_cast<bf16*>(pre);  // read-only for DGELU; the wrapper's field is shared with GELU_AUX
+  if (!gemm.supported(g, p)) return false;
+  gemm.run(g, p, stream);
+  return true;
+}
+
+}  // namespace trainrun::cuda
