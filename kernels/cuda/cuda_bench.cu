@@ -240,6 +240,49 @@ int run_kernel_bench_impl(const KernelBenchOptions& opts) {
     }
   }
 
+  // ---- fusions: the fused op next to the ops it replaces ------------------------------------------
+  {
+    const int64_t NC = int64_t(N) * C;
+    bf16* x = b.buf<bf16>(NC);
+    bf16* w = b.buf<bf16>(int64_t(4) * C * C, 0.02f);
+    bf16* bias = b.buf<bf16>(4 * C);
+    bf16* pre = b.buf<bf16>(4 * NC);
+    bf16* out = b.buf<bf16>(4 * NC);
+    bf16* dout = b.buf<bf16>(NC);
+    bf16* dpre = b.buf<bf16>(4 * NC);
+    float* dw = b.buf<float>(int64_t(4) * C * C);
+    float* db = b.buf<float>(C);
+    const double fc = 2.0 * N * C * 4.0 * C;
+    const std::string sh = detail::cat(N, "x", C, "->", 4 * C);
+    b.compute("fc + gelu (GELU_AUX_BIAS epilogue)", sh, fc,
+              [&] { be.matmul_gelu_forward(out, pre, x, w, bias, N, C, 4 * C); }, "vs the next row");
+    b.compute("fc, then gelu kernel", sh, fc, [&] {
+      be.matmul_forward(pre, x, w, bias, N, C, 4 * C);
+      be.gelu_forward(out, pre, 4 * NC);
+    }, "unfused");
+    // fc proj backward (4C -> C) with GELU's backward: dinp, dweight, dbias.
+    const std::string shb = detail::cat(N, "x", 4 * C, "->", C);
+    b.compute("fc proj bwd + dgelu (DGELU epilogue)", shb, 3 * fc,
+              [&] { be.matmul_backward_dgelu(dpre, dw, db, dout, out, w, pre, N, 4 * C, C); }, "vs the next row");
+    b.compute("fc proj bwd, then gelu bwd kernel", shb, 3 * fc, [&] {
+      be.matmul_backward(dpre, dw, db, dout, out, w, N, 4 * C, C);
+      be.gelu_backward(dpre, pre, dpre, 4 * NC);
+    }, "unfused");
+    bf16* res = b.buf<bf16>(NC);
+    bf16* ln = b.buf<bf16>(NC);
+    bf16* lw = b.buf<bf16>(C);
+    bf16* lb = b.buf<bf16>(C);
+    float* mean = b.buf<float>(N);
+    float* rstd = b.buf<float>(N);
+    const std::string shl = detail::cat(N, "x", C);
+    b.memory("residual + layernorm (fused)", shl, 4.0 * NC * 2 + 8.0 * N,
+             [&] { be.residual_layernorm_forward(res, ln, mean, rstd, x, dout, lw, lb, N, C); });
+    b.memory("residual, then layernorm", shl, 4.0 * NC * 2 + 8.0 * N, [&] {
+      be.residual_forward(res, x, dout, NC);
+      be.layernorm_forward(ln, mean, rstd, res, lw, lb, N, C);
+    });
+  }
+
   // ---- memory-bound kernels ----------------------------------------------------------------------
   {
     const int64_t NC = int64_t(N) * C;
