@@ -21,6 +21,7 @@
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/gemm.h"
+#include "kernels/cuda/matmul.cuh"
 
 namespace trainrun::cuda {
 
@@ -154,29 +155,6 @@ class Bench {
   std::vector<Row> rows_;
 };
 
-// The three products of one linear layer, as matmul.cu builds them.
-// ld: the row stride of out/dout (the LM head's padded logits), OC when 0.
-GemmDesc fwd_desc(int N, int C, int OC, bool bias, int ld = 0) {
-  GemmDesc g;
-  g.transa = true;
-  g.m = OC; g.n = N; g.k = C; g.lda = C; g.ldb = C; g.ldd = ld ? ld : OC;
-  g.epilogue = bias ? GemmEpilogue::Bias : GemmEpilogue::None;
-  return g;
-}
-GemmDesc dinp_desc(int N, int C, int OC, int ld = 0) {
-  GemmDesc g;
-  g.m = C; g.n = N; g.k = OC; g.lda = C; g.ldb = ld ? ld : OC; g.ldd = C;
-  return g;
-}
-GemmDesc dweight_desc(int N, int C, int OC, int ld = 0) {
-  GemmDesc g;
-  g.transb = true;
-  g.m = C; g.n = OC; g.k = N; g.lda = C; g.ldb = ld ? ld : OC; g.ldd = C;
-  g.d_type = DType::F32;
-  g.accumulate = true;
-  return g;
-}
-
 }  // namespace
 
 int run_kernel_bench_impl(const KernelBenchOptions& opts) {
@@ -205,7 +183,7 @@ int run_kernel_bench_impl(const KernelBenchOptions& opts) {
   }
   {
     const int S = opts.quick ? 2048 : 8192;
-    GemmDesc g = fwd_desc(S, S, S, false);
+    GemmDesc g = linear_forward_desc(S, S, S, false);
     GemmPtrs p;
     p.a = b.buf<bf16>(int64_t(S) * S);
     p.b = b.buf<bf16>(int64_t(S) * S);
@@ -230,13 +208,13 @@ int run_kernel_bench_impl(const KernelBenchOptions& opts) {
                        L{detail::cat("lm head (rows ", V, ", unpadded)"), C, V, false, V}}) {
       GemmPtrs pf;
       pf.a = w; pf.b = x; pf.d = y; pf.bias = l.bias ? bias : nullptr;
-      b.gemm(detail::cat("gemm fwd ", l.name), fwd_desc(N, l.c, l.oc, l.bias, l.ld), pf);
+      b.gemm(detail::cat("gemm fwd ", l.name), linear_forward_desc(N, l.c, l.oc, l.bias, l.ld), pf);
       GemmPtrs pi;
       pi.a = w; pi.b = y; pi.d = x;
-      b.gemm(detail::cat("gemm bwd dinp ", l.name), dinp_desc(N, l.c, l.oc, l.ld), pi);
+      b.gemm(detail::cat("gemm bwd dinp ", l.name), linear_dinp_desc(N, l.c, l.oc, l.ld), pi);
       GemmPtrs pw;
       pw.a = x; pw.b = y; pw.d = dw;
-      b.gemm(detail::cat("gemm bwd dweight ", l.name), dweight_desc(N, l.c, l.oc, l.ld), pw);
+      b.gemm(detail::cat("gemm bwd dweight ", l.name), linear_dweight_desc(N, l.c, l.oc, l.ld), pw);
     }
   }
 

@@ -66,10 +66,8 @@ void bias_grad_accumulate(float* dbias, const bf16* dout, int N, int OC, float* 
   TR_CUDA_LAUNCH_CHECK("bias_grad_finish");
 }
 
-void matmul_forward(Gemm& gemm, bf16* out, const bf16* inp, const bf16* weight, const bf16* bias, int N, int C,
-                    int OC, cudaStream_t stream, int64_t ld_out) {
-  if (N <= 0 || OC <= 0) return;
-  GemmDesc g;
+GemmDesc linear_forward_desc(int N, int C, int OC, bool bias, int64_t ld_out) {
+  GemmDesc g;  // out^T(OC,N) = op_T(weight: (C,OC) col-major) @ inp^T (C,N)
   g.transa = true;
   g.m = OC;
   g.n = N;
@@ -79,12 +77,43 @@ void matmul_forward(Gemm& gemm, bf16* out, const bf16* inp, const bf16* weight, 
   g.ldd = ld_out > 0 ? ld_out : OC;
   g.ab_type = g.d_type = DType::BF16;
   g.epilogue = bias ? GemmEpilogue::Bias : GemmEpilogue::None;
+  return g;
+}
+
+GemmDesc linear_dinp_desc(int N, int C, int OC, int64_t ld_out) {
+  GemmDesc g;  // dinp^T(C,N) = weight-as-stored (C,OC) @ dout^T (OC,N)
+  g.m = C;
+  g.n = N;
+  g.k = OC;
+  g.lda = C;
+  g.ldb = ld_out > 0 ? ld_out : OC;
+  g.ldd = C;
+  return g;
+}
+
+GemmDesc linear_dweight_desc(int N, int C, int OC, int64_t ld_out) {
+  GemmDesc g;  // dweight^T(C,OC) += inp^T (C,N) @ op_T(dout^T (OC,N))
+  g.transb = true;
+  g.m = C;
+  g.n = OC;
+  g.k = N;
+  g.lda = C;
+  g.ldb = ld_out > 0 ? ld_out : OC;
+  g.ldd = C;
+  g.d_type = DType::F32;
+  g.accumulate = true;
+  return g;
+}
+
+void matmul_forward(Gemm& gemm, bf16* out, const bf16* inp, const bf16* weight, const bf16* bias, int N, int C,
+                    int OC, cudaStream_t stream, int64_t ld_out) {
+  if (N <= 0 || OC <= 0) return;
   GemmPtrs p;
   p.a = weight;
   p.b = inp;
   p.d = out;
   p.bias = bias;
-  gemm.run(g, p, stream);
+  gemm.run(linear_forward_desc(N, C, OC, bias != nullptr, ld_out), p, stream);
 }
 
 size_t matmul_backward_scratch_bytes(int N, int OC) {
@@ -98,31 +127,14 @@ void matmul_backward(Gemm& gemm, bf16* dinp, float* dweight, float* dbias, const
   if (N <= 0) return;
   const int64_t ldo = ld_out > 0 ? ld_out : OC;
   TR_CHECK(!dbias || ldo == OC, "matmul_backward: a bias gradient needs dout rows OC (", OC, ") apart, not ", ldo);
-  if (dinp) {  // dinp^T(C,N) = weight^T-as-stored (C,OC) @ dout^T (OC,N)
-    GemmDesc g;
-    g.m = C;
-    g.n = N;
-    g.k = OC;
-    g.lda = C;
-    g.ldb = ldo;
-    g.ldd = C;
+  if (dinp) {
     GemmPtrs p;
     p.a = weight;
     p.b = dout;
     p.d = dinp;
-    gemm.run(g, p, stream);
+    gemm.run(linear_dinp_desc(N, C, OC, ldo), p, stream);
   }
-  // dweight^T(C,OC) += inp^T (C,N) @ op_T(dout^T (OC,N))
-  GemmDesc g;
-  g.transb = true;
-  g.m = C;
-  g.n = OC;
-  g.k = N;
-  g.lda = C;
-  g.ldb = ldo;
-  g.ldd = C;
-  g.d_type = DType::F32;
-  g.accumulate = true;
+  const GemmDesc g = linear_dweight_desc(N, C, OC, ldo);
   GemmPtrs p;
   p.a = inp;
   p.b = dout;

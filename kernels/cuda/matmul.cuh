@@ -26,6 +26,13 @@
 
 namespace trainrun::cuda {
 
+// The three products of a linear layer as cuBLASLt descriptors (the
+// mapping above), shared by the ops, the GELU-epilogue variants and the
+// benchmark. ld_out: the row stride of out/dout, OC when 0.
+GemmDesc linear_forward_desc(int N, int C, int OC, bool bias, int64_t ld_out = 0);   // bf16 out
+GemmDesc linear_dinp_desc(int N, int C, int OC, int64_t ld_out = 0);                 // bf16 dinp, overwritten
+GemmDesc linear_dweight_desc(int N, int C, int OC, int64_t ld_out = 0);              // fp32 dweight, +=
+
 // ld_out: the row stride of out (and of dout in backward), OC when 0; the
 // tied LM head passes its padded logits stride (kernels/backend.h).
 void matmul_forward(Gemm& gemm, bf16* out, const bf16* inp, const bf16* weight, const bf16* bias, int N, int C,

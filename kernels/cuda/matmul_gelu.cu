@@ -1,21 +1,15 @@
 // GEMM + GELU epilogues: see matmul_gelu.cuh.
 #include "kernels/cuda/matmul_gelu.cuh"
 
+#include "kernels/cuda/matmul.cuh"
+
 namespace trainrun::cuda {
 
 bool matmul_gelu_forward(Gemm& gemm, bf16* out, bf16* pre, const bf16* inp, const bf16* weight, const bf16* bias,
                          int N, int C, int OC, cudaStream_t stream) {
   if (N <= 0 || OC <= 0) return true;
   if (OC % 8 != 0) return false;  // cuBLASLt: ld_aux a multiple of 8
-  GemmDesc g;  // as matmul_forward: out^T(OC,N) = op_T(weight) @ inp^T
-  g.transa = true;
-  g.m = OC;
-  g.n = N;
-  g.k = C;
-  g.lda = C;
-  g.ldb = C;
-  g.ldd = OC;
-  g.ab_type = g.d_type = DType::BF16;
+  GemmDesc g = linear_forward_desc(N, C, OC, bias != nullptr);
   g.epilogue = bias ? GemmEpilogue::GeluAuxBias : GemmEpilogue::GeluAux;
   g.ld_aux = OC;
   GemmPtrs p;
@@ -33,13 +27,7 @@ bool matmul_dinp_dgelu(Gemm& gemm, bf16* dinp, const bf16* dout, const bf16* wei
                        int OC, cudaStream_t stream) {
   if (N <= 0) return true;
   if (C % 8 != 0) return false;
-  GemmDesc g;  // as matmul_backward's dinp: dinp^T(C,N) = weight (C,OC) @ dout^T (OC,N)
-  g.m = C;
-  g.n = N;
-  g.k = OC;
-  g.lda = C;
-  g.ldb = OC;
-  g.ldd = C;
+  GemmDesc g = linear_dinp_desc(N, C, OC);
   g.epilogue = GemmEpilogue::DGelu;
   g.ld_aux = C;
   GemmPtrs p;
