@@ -75,6 +75,18 @@ DeviceBuffer upload_i32(Backend* be, const Tokens& t) {
 Vec to_double(const std::vector<float>& f) { return Vec(f.begin(), f.end()); }
 
 // The tiny model of the gradient test.
+// A model shape for a test; init_std 0.3 (see tiny_config).
+GPT2Config config_of(int L, int NH, int C, int V, int T, double init_std = 0.3) {
+  GPT2Config c;
+  c.L = L;
+  c.NH = NH;
+  c.C = C;
+  c.V = V;
+  c.T = T;
+  c.init_std = init_std;
+  return c;
+}
+
 GPT2Config tiny_config() {
   GPT2Config c;
   c.L = 2;
@@ -206,13 +218,7 @@ TEST_CASE("model_grad: activation checkpointing gives identical losses and gradi
   auto be = make_backend();
   // Larger than the FD model (L=3, several heads) so that the single shared
   // activation set of checkpointing is reused across more than two layers.
-  GPT2Config cfg;
-  cfg.L = 3;
-  cfg.NH = 4;
-  cfg.C = 32;
-  cfg.V = 53;
-  cfg.T = 16;
-  cfg.init_std = 0.3;
+  const GPT2Config cfg = config_of(3, 4, 32, 53, 16);
   const int B = 3, T = 13;  // T < cfg.T: a shorter batch than the buffers
   const ParamLayout lay = make_gpt2_layout(cfg);
   const std::vector<float> params = tiny_params(cfg, lay);
@@ -237,13 +243,7 @@ TEST_CASE("model_grad: padded logits rows (the GPU layout) give the same losses 
   // told to do the same runs that model path here, against the unpadded one.
   auto plain = make_backend();
   auto padded = make_cpu_backend(2, 64);
-  GPT2Config cfg;
-  cfg.L = 2;
-  cfg.NH = 2;
-  cfg.C = 16;
-  cfg.V = 37;  // ldv 64: rows 27 elements longer than V
-  cfg.T = 8;
-  cfg.init_std = 0.3;
+  const GPT2Config cfg = config_of(2, 2, 16, 37, 8);  // V 37 -> ldv 64: rows 27 elements longer than V
   REQUIRE(padded->logits_stride(cfg.V) == 64);
   const int B = 2, T = 8;
   const ParamLayout lay = make_gpt2_layout(cfg);
