@@ -2,8 +2,10 @@
 // corruption detection with fallback, crash safety (kill -9 mid-write),
 // a full disk, async writes and retention.
 #include <catch2/catch.hpp>
+#include <nlohmann/json.hpp>
 
 #include <unistd.h>
+#include <xxhash.h>
 
 #include <cmath>
 #include <algorithm>
@@ -186,6 +188,76 @@ TEST_CASE("checkpoint: damaged checkpoints are detected and auto-resume falls ba
       CHECK_THAT(r.err, Contains("checkpoint.resume") && Contains(dmg.message));
     }
   }
+}
+
+// A byte only rank 1 reads (the tail of the last unit is rank 1's under
+// full_shard) is damaged: rank 1 finds it while reading, every rank drops
+// the checkpoint together, and the run resumes from the previous one as
+// if nothing had happened (the final weights equal an unbroken run's).
+TEST_CASE("checkpoint: a bad segment one rank reads makes every rank fall back", "[checkpoint]") {
+  test::TempDir dir("ckpt");
+  test::run_ranks_inprocess(job_for(dir / "straight", "full_shard", 2), 2);
+  const std::vector<std::string> every5 = {"checkpoint.interval=5"};
+  auto first = every5;
+  first.push_back("train.exit_interval=10");
+  test::run_ranks_inprocess(job_for(dir / "r", "full_shard", 2, first), 2);
+  REQUIRE(latest_of(dir / "r") == "step_00000010");
+  const std::string bad = dir / "r/checkpoints/step_00000010/model.safetensors";
+  {
+    std::fstream f(bad, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(-8, std::ios::end);
+    char c;
+    f.read(&c, 1);
+    c ^= 0x01;
+    f.seekp(-8, std::ios::end);
+    f.write(&c, 1);
+  }
+  CHECK_THAT(Checkpointer::verify(dir / "r/checkpoints/step_00000010"), Contains("model.safetensors: checksum mismatch"));
+  test::run_ranks_inprocess(job_for(dir / "r", "full_shard", 2, every5), 2);
+  CHECK(weights_of(dir / "straight") == weights_of(dir / "r"));
+  CHECK(latest_of(dir / "r") == "step_00000020");
+}
+
+// Checkpoints written before per-segment checksums (format 1: one xxhash64
+// per whole file) still verify and resume.
+TEST_CASE("checkpoint: a format 1 manifest (whole-file xxhash64) still verifies and loads", "[checkpoint]") {
+  test::TempDir dir("ckpt");
+  const std::string run = dir / "run";
+  test::write_file(dir / "job.yaml", job_yaml(run, "full_shard", "checkpoint: {interval: 5}\n"));
+  REQUIRE(test::run_trainrun("--config " + dir / "job.yaml" + " --set train.exit_interval=10").exit_code == 0);
+  for (const char* step : {"step_00000005", "step_00000010"}) {
+    const std::string ck = run + "/checkpoints/" + step;
+    auto m = nlohmann::ordered_json::parse(test::read_file(ck + "/manifest.json"));
+    REQUIRE(m["format_version"] == 2);
+    REQUIRE(m["files"]["model.safetensors"].contains("segments"));
+    m["format_version"] = 1;
+    for (const char* name : {"model.safetensors", "optimizer.safetensors"}) {
+      const std::string data = test::read_file(ck + "/" + name);
+      char hex[17];
+      std::snprintf(hex, sizeof hex, "%016llx",
+                    static_cast<unsigned long long>(XXH64(data.data(), data.size(), 0)));
+      m["files"][name] = {{"size", data.size()}, {"xxhash64", hex}};
+    }
+    test::write_file(ck + "/manifest.json", m.dump(2) + "\n");
+    CHECK(Checkpointer::verify(ck).empty());
+  }
+  // Damage the newest: detected with the same words, and auto falls back.
+  {
+    std::fstream f(run + "/checkpoints/step_00000010/optimizer.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(5000);
+    char c;
+    f.read(&c, 1);
+    c ^= 0x40;
+    f.seekp(5000);
+    f.write(&c, 1);
+  }
+  CHECK_THAT(Checkpointer::verify(run + "/checkpoints/step_00000010"), Contains("optimizer.safetensors: checksum mismatch"));
+  auto r = test::run_trainrun("--config " + dir / "job.yaml");
+  INFO(r.err);
+  CHECK(r.exit_code == 0);
+  CHECK_THAT(r.err, Contains("skipping " + run + "/checkpoints/step_00000010") && Contains("checksum mismatch"));
+  CHECK_THAT(r.err, Contains("resume: loaded " + run + "/checkpoints/step_00000005"));
+  CHECK(latest_of(run) == "step_00000020");
 }
 
 TEST_CASE("checkpoint: kill -9 during a checkpoint write leaves the previous one as latest", "[checkpoint]") {

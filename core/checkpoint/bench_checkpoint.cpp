@@ -283,7 +283,7 @@ int run_checkpoint_bench(const CheckpointBenchOptions& o) {
     ckpt_bytes = dir_bytes(ckdir);
     for (const char* f : {"model.safetensors", "optimizer.safetensors", "manifest.json"}) drop_cache(ckdir + "/" + f);
     res_ckpt.push_back(resident_fraction(ckdir + "/optimizer.safetensors"));
-    // 3. load it back (verify, then read) into the same ParamStore.
+    // 3. load it back (read + verify in one pass) into the same ParamStore.
     {
       JobSpec job;
       job.output.dir = run;
@@ -336,9 +336,9 @@ int run_checkpoint_bench(const CheckpointBenchOptions& o) {
   row("checkpoint save, async off (= training blocked)", median(t_save), gb, dw * gb / dgb);
   row("checkpoint save, async on: training blocked", median(t_ablock), 0, 0);
   row("checkpoint save, async on: background write", median(t_aall), gb, dw * gb / dgb);
-  row("checkpoint load (verify xxhash64, then read)", median(t_load), gb, dr * gb / dgb);
-  std::printf("\nsave = snapshot to host + pwrite + fsync + xxhash64 of every file + manifest + rename; "
-              "load reads every file twice (checksum, then data)\n");
+  row("checkpoint load (read + verify xxhash64, one pass)", median(t_load), gb, dr * gb / dgb);
+  std::printf("\nsave = snapshot to host + pwrite (xxhash64 on the way) + fsync + manifest + rename; "
+              "load reads every file once, hashing as it reads\n");
   const double rd = median(res_disk), rc = median(res_ckpt);
   if (rd < 0 || rc < 0) {
     std::printf("page cache: residency unknown (mincore failed); read figures may come from the cache\n");

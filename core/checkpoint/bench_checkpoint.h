@@ -4,11 +4,11 @@
 //   disk write   one file of the checkpoint's size, 16 MiB write()s + fsync
 //   disk read    that file read back sequentially in 16 MiB read()s
 //   save         Checkpointer::save with checkpoint.async false: the real
-//                path end to end (snapshot, pwrite, fsync, xxhash64,
-//                manifest, rename, `latest`); training is blocked for all of it
+//                path end to end (snapshot, pwrite with xxhash64 on the way,
+//                fsync, manifest, rename, `latest`); training is blocked for all of it
 //   save async   the same with async true: the time training is blocked (the
 //                host snapshot) and the background write's total
-//   load         Checkpointer::load (verify sizes + xxhash64, then read)
+//   load         Checkpointer::load (sizes, then read + verify xxhash64 in one pass)
 // The model is a GPT-2 of about --params parameters; a checkpoint holds the
 // fp32 master weights and both AdamW moments (12 bytes per parameter).
 //

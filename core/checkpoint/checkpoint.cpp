@@ -29,7 +29,20 @@ namespace trainrun {
 
 namespace {
 
-constexpr int kFormatVersion = 1;
+// 2: per-segment xxhash64 ("segments"); 1: one xxhash64 per file (still loaded).
+constexpr int kFormatVersion = 2;
+// The largest range one hash covers: what a rank loading a resharded
+// checkpoint reads beyond its own ranges, at most, to verify them.
+constexpr uint64_t kSegmentBytes = uint64_t(64) << 20;
+// I/O granularity: each piece is hashed right before it is written or right
+// after it is read, while it is still in the CPU cache.
+constexpr size_t kIoChunk = size_t(4) << 20;
+// A rank's error text in first_error_of_all (longer ones are cut).
+constexpr size_t kErrorBytes = 1024;
+
+const char* const kFileNames[2] = {"model.safetensors", "optimizer.safetensors"};
+
+using Segment = Checkpointer::Segment;
 
 std::string step_name(int64_t step) {
   char buf[32];
@@ -60,31 +73,157 @@ std::string optimizer_header(const ParamLayout& lay) {
   return encode_safetensors_header(es, {{"format", "trainrun-adamw"}});
 }
 
-// Size and xxhash64 of a whole file.
-std::pair<uint64_t, std::string> file_digest(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  TR_CHECK_ERRNO(fd >= 0, "cannot open '", path, "'");
-  XXH64_state_t* st = XXH64_createState();
-  XXH64_reset(st, 0);
-  std::vector<char> buf(1 << 20);
-  uint64_t size = 0;
-  for (;;) {
-    ssize_t n = ::read(fd, buf.data(), buf.size());
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      XXH64_freeState(st);
-      ::close(fd);
-      TR_FAIL("cannot read '", path, "'");
-    }
-    if (n == 0) break;
-    XXH64_update(st, buf.data(), size_t(n));
-    size += uint64_t(n);
+// An XXH64 state that frees itself.
+class Hasher {
+ public:
+  Hasher() : st_(XXH64_createState()) {
+    if (!st_) throw std::bad_alloc();
+    reset();
   }
+  ~Hasher() { XXH64_freeState(st_); }
+  Hasher(const Hasher&) = delete;
+  Hasher& operator=(const Hasher&) = delete;
+  void reset() { XXH64_reset(st_, 0); }
+  void update(const void* p, size_t n) { XXH64_update(st_, p, n); }
+  uint64_t digest() const { return XXH64_digest(st_); }
+
+ private:
+  XXH64_state_t* st_;
+};
+
+std::string hex64(uint64_t h) {
   char hex[17];
-  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(XXH64_digest(st)));
-  XXH64_freeState(st);
-  ::close(fd);
-  return {size, hex};
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(h));
+  return hex;
+}
+
+bool parse_hex64(const std::string& s, uint64_t* out) {
+  if (s.empty() || s.size() > 16 || s.find_first_not_of("0123456789abcdefABCDEF") != std::string::npos) return false;
+  *out = std::stoull(s, nullptr, 16);
+  return true;
+}
+
+// pwrite()s [data, data + bytes) at `off`, hashing it on the way in
+// segments of at most kSegmentBytes, appended to `segs`.
+void hashed_pwrite(int fd, const char* data, uint64_t bytes, uint64_t off, const std::string& path, Hasher& h,
+                   std::vector<Segment>& segs) {
+  while (bytes > 0) {
+    const uint64_t n = std::min(bytes, kSegmentBytes);
+    h.reset();
+    for (uint64_t done = 0; done < n;) {
+      const size_t c = size_t(std::min<uint64_t>(n - done, kIoChunk));
+      h.update(data + done, c);
+      pwrite_all(fd, data + done, c, off_t(off + done), path);
+      done += c;
+    }
+    segs.push_back({off, n, h.digest()});
+    data += n;
+    off += n;
+    bytes -= n;
+  }
+}
+
+// pread()s [off, off + bytes) into `dst` in cache-sized pieces, feeding `h`.
+void hashed_pread(int fd, char* dst, uint64_t bytes, uint64_t off, const std::string& path, Hasher& h) {
+  for (uint64_t done = 0; done < bytes;) {
+    const size_t c = size_t(std::min<uint64_t>(bytes - done, kIoChunk));
+    pread_all(fd, dst + done, c, off_t(off + done), path);
+    h.update(dst + done, c);
+    done += c;
+  }
+}
+
+std::string mismatch(const std::string& name, const Segment& s, uint64_t have) {
+  return name + ": checksum mismatch in bytes [" + std::to_string(s.offset) + ", " + std::to_string(s.offset + s.bytes) +
+         ") (xxhash64 " + hex64(have) + ", manifest " + hex64(s.hash) + "); the file is corrupt";
+}
+
+// A data file as the manifest describes it.
+struct FileEntry {
+  std::string name;
+  uint64_t size = 0;
+  std::vector<Segment> segments;  // sorted, tiling [0, size)
+};
+
+// The segments of one "files" entry: format 2's list, or format 1's
+// whole-file hash as one segment. Throws Error naming the file and the flaw.
+FileEntry file_entry(const std::string& name, const json& info) {
+  FileEntry f;
+  f.name = name;
+  TR_CHECK(info.is_object() && info.contains("size") && info.at("size").is_number_unsigned(), "manifest.json: files.",
+           name, " has no valid size");
+  f.size = info.at("size").get<uint64_t>();
+  if (info.contains("segments")) {
+    TR_CHECK(info.at("segments").is_array(), "manifest.json: files.", name, ".segments is not a list");
+    for (const json& j : info.at("segments")) {
+      Segment s;
+      TR_CHECK(j.is_object() && j.contains("offset") && j.at("offset").is_number_unsigned() && j.contains("bytes") &&
+                   j.at("bytes").is_number_unsigned() && j.contains("xxhash64") && j.at("xxhash64").is_string() &&
+                   parse_hex64(j.at("xxhash64").get<std::string>(), &s.hash),
+               "manifest.json: files.", name, ".segments has an entry that is not {offset, bytes, xxhash64}: ",
+               j.dump());
+      s.offset = j.at("offset").get<uint64_t>();
+      s.bytes = j.at("bytes").get<uint64_t>();
+      f.segments.push_back(s);
+    }
+  } else {
+    Segment s;
+    TR_CHECK(info.contains("xxhash64") && info.at("xxhash64").is_string() &&
+                 parse_hex64(info.at("xxhash64").get<std::string>(), &s.hash),
+             "manifest.json: files.", name, " has neither segments nor an xxhash64");
+    s.bytes = f.size;
+    f.segments.push_back(s);
+  }
+  // Gaps would be bytes nobody verifies; overlaps cannot come from a save.
+  std::sort(f.segments.begin(), f.segments.end(),
+            [](const Segment& a, const Segment& b) { return a.offset < b.offset; });
+  uint64_t at = 0;
+  for (const Segment& s : f.segments) {
+    TR_CHECK(s.offset == at && s.bytes > 0, "manifest.json: the segments of ", name, " do not tile the file (bytes ",
+             at, " onwards)");
+    at += s.bytes;
+  }
+  TR_CHECK(at == f.size, "manifest.json: the segments of ", name, " cover ", at, " of its ", f.size, " bytes");
+  return f;
+}
+
+// Everything about a checkpoint directory that needs no data read: the
+// manifest, its format, every file there at its size. "" when good (and
+// the manifest in *out), else what is wrong.
+std::string check_manifest(const std::string& dir, json* out, std::vector<FileEntry>* files) {
+  try {
+    std::ifstream f(dir + "/manifest.json");
+    if (!f) return "manifest.json is missing";
+    json m;
+    try {
+      m = json::parse(f);
+    } catch (const std::exception& e) {
+      return std::string("manifest.json is not valid JSON (") + e.what() + ")";
+    }
+    if (!m.is_object() || !m.contains("format_version") || !m["format_version"].is_number_integer() ||
+        m["format_version"].get<int>() < 1 || m["format_version"].get<int>() > kFormatVersion)
+      return "manifest.json has an unsupported format_version";
+    std::vector<FileEntry> fs_;
+    if (!m.contains("files") || !m.at("files").is_object()) return "manifest.json has no files";
+    for (const auto& [name, info] : m.at("files").items()) {
+      const std::string path = dir + "/" + name;
+      if (!fs::exists(path)) return name + " is missing";
+      FileEntry e = file_entry(name, info);
+      const uint64_t have = fs::file_size(path);
+      if (have != e.size)
+        return name + " has " + std::to_string(have) + " bytes, the manifest says " + std::to_string(e.size) +
+               " (truncated?)";
+      fs_.push_back(std::move(e));
+    }
+    for (const char* name : kFileNames)
+      if (std::none_of(fs_.begin(), fs_.end(), [&](const FileEntry& e) { return e.name == name; }))
+        return std::string("manifest.json does not list ") + name;
+    if (out) *out = std::move(m);
+    if (files) *files = std::move(fs_);
+    return "";
+  } catch (const std::exception& e) {
+    return std::string("unreadable: ") + e.what();
+  }
 }
 
 int64_t ckpt_timeout_ms(const JobSpec& job) {
@@ -240,11 +379,15 @@ void Checkpointer::write_and_commit(int64_t step, const TrainState& st, const st
   }
   if (!setup_error.empty()) TR_FAIL("checkpoint step ", step, " could not be written: ", setup_error);
 
-  // 2. every rank writes its ranges at their global offsets and fsyncs.
+  // 2. every rank writes its ranges at their global offsets, hashing them on
+  //    the way (segments per file), and fsyncs.
+  std::vector<std::vector<Segment>> mine(2);
   std::string status = "ok";
   try {
+    Hasher h;
     for (int kind = 0; kind < 3; ++kind) {
-      const std::string& path = kind == 0 ? mpath : opath;
+      const int file = kind == 0 ? 0 : 1;
+      const std::string& path = file == 0 ? mpath : opath;
       const int64_t base = int64_t(kind == 0 ? mhdr.size() : ohdr.size()) + (kind == 2 ? layout_.total * 4 : 0);
       if (parts[kind].empty()) continue;
       int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
@@ -252,7 +395,8 @@ void Checkpointer::write_and_commit(int64_t step, const TrainState& st, const st
       size_t pos = 0;
       try {
         for (const auto& r : write_ranges_) {
-          pwrite_all(fd, parts[kind].data() + pos, size_t(r.count) * 4, off_t(base + r.global * 4), path);
+          hashed_pwrite(fd, reinterpret_cast<const char*>(parts[kind].data() + pos), uint64_t(r.count) * 4,
+                        uint64_t(base + r.global * 4), path, h, mine[file]);
           pos += size_t(r.count);
         }
         TR_CHECK_ERRNO(::fsync(fd) == 0, "cannot fsync '", path, "'");
@@ -265,12 +409,23 @@ void Checkpointer::write_and_commit(int64_t step, const TrainState& st, const st
   } catch (const Error& e) {
     status = std::string("rank ") + std::to_string(rank_) + ": " + e.what();
   }
-  if (store_) store_->set(key + "written/" + std::to_string(rank_), bytes(status));
+  if (store_) {
+    // The segments go first: "written" tells rank 0 they are there.
+    json segs = json::array();
+    for (int file = 0; file < 2; ++file)
+      for (const Segment& g : mine[file]) segs.push_back({file, g.offset, g.bytes, hex64(g.hash)});
+    store_->set(key + "segments/" + std::to_string(rank_), bytes(segs.dump()));
+    store_->set(key + "written/" + std::to_string(rank_), bytes(status));
+  }
 
   // 3. rank 0 commits; everyone learns the outcome.
   std::string outcome;
   if (rank_ == 0) {
     try {
+      std::vector<std::vector<Segment>> all = mine;
+      // The headers rank 0 wrote in step 1.
+      all[0].push_back({0, mhdr.size(), XXH64(mhdr.data(), mhdr.size(), 0)});
+      all[1].push_back({0, ohdr.size(), XXH64(ohdr.data(), ohdr.size(), 0)});
       if (store_) {
         std::vector<std::string> keys;
         for (int r = 0; r < world_; ++r) keys.push_back(key + "written/" + std::to_string(r));
@@ -279,10 +434,23 @@ void Checkpointer::write_and_commit(int64_t step, const TrainState& st, const st
           std::string s = str(store_->get(keys[r], timeout));
           TR_CHECK(s == "ok", s);
         }
+        for (int r = 1; r < world_; ++r) {
+          const std::string text = str(store_->get(key + "segments/" + std::to_string(r), timeout));
+          try {
+            for (const json& g : json::parse(text)) {
+              uint64_t hash = 0;
+              const int file = g.at(0).get<int>();
+              TR_CHECK((file == 0 || file == 1) && parse_hex64(g.at(3).get<std::string>(), &hash), "bad entry");
+              all[size_t(file)].push_back({g.at(1).get<uint64_t>(), g.at(2).get<uint64_t>(), hash});
+            }
+          } catch (const std::exception& e) {
+            TR_FAIL("rank ", r, " reported unreadable checksums for its ranges (", e.what(), ")");
+          }
+        }
       } else {
         TR_CHECK(status == "ok", status);
       }
-      commit_rank0(step, st, tmp, final_dir);
+      commit_rank0(step, st, tmp, final_dir, std::move(all));
       outcome = "ok";
     } catch (const std::exception& e) {
       outcome = e.what();
@@ -297,7 +465,7 @@ void Checkpointer::write_and_commit(int64_t step, const TrainState& st, const st
 }
 
 void Checkpointer::commit_rank0(int64_t step, const TrainState& st, const std::string& tmp,
-                                const std::string& final_dir) {
+                                const std::string& final_dir, std::vector<std::vector<Segment>> segments) {
   json m;
   m["format_version"] = kFormatVersion;
   m["step"] = st.step;
@@ -317,10 +485,26 @@ void Checkpointer::commit_rank0(int64_t step, const TrainState& st, const std::s
   json units = json::array();
   for (const auto& u : layout_.units) units.push_back({{"name", u.name}, {"offset", u.offset}, {"numel", u.numel}});
   m["layout"] = {{"total", layout_.total}, {"units", units}};
+  // The segments must tile each file exactly: a gap would be bytes nobody
+  // wrote (or verifies), an overlap two ranks writing the same bytes.
+  const uint64_t sizes[2] = {model_header(cfg_, layout_).size() + uint64_t(layout_.total) * 4,
+                             optimizer_header(layout_).size() + uint64_t(layout_.total) * 8};
   json files = json::object();
-  for (const char* f : {"model.safetensors", "optimizer.safetensors"}) {
-    auto [size, hash] = file_digest(tmp + "/" + f);
-    files[f] = {{"size", size}, {"xxhash64", hash}};
+  for (int f = 0; f < 2; ++f) {
+    auto& segs = segments[size_t(f)];
+    std::sort(segs.begin(), segs.end(), [](const Segment& a, const Segment& b) { return a.offset < b.offset; });
+    json list = json::array();
+    uint64_t at = 0;
+    for (const Segment& g : segs) {
+      TR_CHECK(g.offset == at, "checkpoint: the ranges written to ", kFileNames[f], " do not tile it (",
+               g.offset < at ? "overlap" : "gap", " at byte ", std::min(at, g.offset),
+               "); the strategy's write_ranges are not a partition of the model (a bug)");
+      list.push_back({{"offset", g.offset}, {"bytes", g.bytes}, {"xxhash64", hex64(g.hash)}});
+      at += g.bytes;
+    }
+    TR_CHECK(at == sizes[f], "checkpoint: the ranges written to ", kFileNames[f], " cover ", at, " of its ", sizes[f],
+             " bytes; the strategy's write_ranges are not a partition of the model (a bug)");
+    files[kFileNames[f]] = {{"size", sizes[f]}, {"segments", list}};
   }
   m["files"] = files;
   m["job_spec"] = job_spec_to_yaml(job_);
@@ -372,29 +556,37 @@ void Checkpointer::retention() {
 }
 
 std::string Checkpointer::verify(const std::string& dir) {
+  std::vector<FileEntry> files;
+  std::string why = check_manifest(dir, nullptr, &files);
+  if (!why.empty()) return why;
   try {
-    std::ifstream f(dir + "/manifest.json");
-    if (!f) return "manifest.json is missing";
-    json m;
-    try {
-      m = json::parse(f);
-    } catch (const std::exception& e) {
-      return std::string("manifest.json is not valid JSON (") + e.what() + ")";
-    }
-    if (!m.contains("format_version") || m["format_version"] != kFormatVersion)
-      return "manifest.json has an unsupported format_version";
-    for (const auto& [name, info] : m.at("files").items()) {
-      const std::string path = dir + "/" + name;
-      if (!fs::exists(path)) return name + " is missing";
-      const uint64_t want = info.at("size").get<uint64_t>();
-      const uint64_t have = fs::file_size(path);
-      if (have != want)
-        return name + " has " + std::to_string(have) + " bytes, the manifest says " + std::to_string(want) +
-               " (truncated?)";
-      auto [size, hash] = file_digest(path);
-      if (hash != info.at("xxhash64").get<std::string>())
-        return name + ": checksum mismatch (xxhash64 " + hash + ", manifest " +
-               info.at("xxhash64").get<std::string>() + "); the file is corrupt";
+    Hasher h;
+    std::vector<char> buf(kIoChunk);
+    for (const FileEntry& f : files) {
+      const std::string path = dir + "/" + f.name;
+      int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+      TR_CHECK_ERRNO(fd >= 0, "cannot open '", path, "'");
+      ::posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);
+      // The segments tile the file: one sequential pass hashes them all.
+      for (const Segment& g : f.segments) {
+        h.reset();
+        for (uint64_t done = 0; done < g.bytes;) {
+          const size_t c = size_t(std::min<uint64_t>(g.bytes - done, buf.size()));
+          try {
+            pread_all(fd, buf.data(), c, off_t(g.offset + done), path);
+          } catch (...) {
+            ::close(fd);
+            throw;
+          }
+          h.update(buf.data(), c);
+          done += c;
+        }
+        if (h.digest() != g.hash) {
+          ::close(fd);
+          return mismatch(f.name, g, h.digest());
+        }
+      }
+      ::close(fd);
     }
     return "";
   } catch (const std::exception& e) {
@@ -402,110 +594,218 @@ std::string Checkpointer::verify(const std::string& dir) {
   }
 }
 
-std::string Checkpointer::choose_resume_dir() {
+std::vector<std::string> Checkpointer::resume_candidates() {
   const std::string& r = job_.checkpoint.resume;
-  if (r == "never") return "";
-  if (r != "auto") {
-    std::string why = verify(r);
-    TR_CHECK(why.empty(), "checkpoint.resume: '", r, "' cannot be loaded: ", why);
-    return r;
-  }
-  if (!fs::exists(root_)) return "";
+  if (r == "never") return {};
+  if (r != "auto") return {r};
+  if (!fs::exists(root_)) return {};
   std::vector<int64_t> steps;
   for (const auto& e : fs::directory_iterator(root_)) {
     int64_t s;
     if (e.is_directory() && parse_step_name(e.path().filename().string(), &s)) steps.push_back(s);
   }
   std::sort(steps.rbegin(), steps.rend());
-  for (int64_t s : steps) {
-    const std::string dir = root_ + "/" + step_name(s);
-    std::string why = verify(dir);
-    if (why.empty()) return dir;
-    TR_LOG_WARN("checkpoint: skipping ", dir, ": ", why, "; falling back to the previous checkpoint");
+  std::vector<std::string> dirs;
+  for (int64_t s : steps) dirs.push_back(root_ + "/" + step_name(s));
+  return dirs;
+}
+
+std::string Checkpointer::read_verified(const std::string& dir, std::vector<std::vector<float>>& out) {
+  try {
+    std::vector<FileEntry> files;
+    const std::string why = check_manifest(dir, nullptr, &files);
+    if (!why.empty()) return why;
+    size_t held = 0;
+    for (const auto& r : held_ranges_) held += size_t(r.count);
+    out.assign(3, {});
+    for (auto& v : out) v.resize(held);
+    const uint64_t mbase = model_header(cfg_, layout_).size(), obase = optimizer_header(layout_).size();
+    Hasher h;
+    std::vector<char> scratch;
+    for (int f = 0; f < 2; ++f) {
+      const FileEntry& fe = *std::find_if(files.begin(), files.end(),
+                                          [&](const FileEntry& e) { return e.name == kFileNames[f]; });
+      // Where this rank's bytes of the file go: its held ranges of the
+      // file's kinds, in file order.
+      struct Dest {
+        uint64_t off, bytes;
+        char* dst;
+      };
+      std::vector<Dest> dests;
+      for (int kind : f == 0 ? std::vector<int>{0} : std::vector<int>{1, 2}) {
+        const uint64_t base = (f == 0 ? mbase : obase) + (kind == 2 ? uint64_t(layout_.total) * 4 : 0);
+        size_t pos = 0;
+        for (const auto& r : held_ranges_) {
+          dests.push_back({base + uint64_t(r.global) * 4, uint64_t(r.count) * 4,
+                           reinterpret_cast<char*>(out[size_t(kind)].data() + pos)});
+          pos += size_t(r.count);
+        }
+      }
+      std::sort(dests.begin(), dests.end(), [](const Dest& a, const Dest& b) { return a.off < b.off; });
+      if (!dests.empty() && dests.back().off + dests.back().bytes > fe.size)
+        return fe.name + " has " + std::to_string(fe.size) + " bytes, too few for this model (it needs " +
+               std::to_string(dests.back().off + dests.back().bytes) + "); was it written by another model?";
+      // The segments to verify: those that overlap a destination, and on
+      // rank 0 the header's (every data byte is held by some rank, so the
+      // ranks together verify the whole file).
+      const uint64_t header_end = f == 0 ? mbase : obase;
+      const std::string path = dir + "/" + fe.name;
+      int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+      TR_CHECK_ERRNO(fd >= 0, "checkpoint: cannot open '", path, "'");
+      ::posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);
+      std::string bad;
+      try {
+        size_t d = 0;
+        for (const Segment& g : fe.segments) {
+          const uint64_t end = g.offset + g.bytes;
+          while (d < dests.size() && dests[d].off + dests[d].bytes <= g.offset) ++d;
+          const bool overlaps = d < dests.size() && dests[d].off < end;
+          if (!overlaps && !(rank_ == 0 && g.offset < header_end)) continue;
+          // Walk the segment: pieces inside a destination are read straight
+          // into it, the rest into scratch (verified, then dropped).
+          h.reset();
+          size_t k = d;
+          for (uint64_t at = g.offset; at < end;) {
+            while (k < dests.size() && dests[k].off + dests[k].bytes <= at) ++k;
+            if (k < dests.size() && dests[k].off <= at) {
+              const uint64_t n = std::min(end, dests[k].off + dests[k].bytes) - at;
+              hashed_pread(fd, dests[k].dst + (at - dests[k].off), n, at, path, h);
+              at += n;
+            } else {
+              const uint64_t stop = k < dests.size() ? std::min(end, dests[k].off) : end;
+              const uint64_t n = std::min<uint64_t>(stop - at, kIoChunk);
+              scratch.resize(std::max<size_t>(scratch.size(), size_t(n)));
+              hashed_pread(fd, scratch.data(), n, at, path, h);
+              at += n;
+            }
+          }
+          if (h.digest() != g.hash) {
+            bad = mismatch(fe.name, g, h.digest());
+            break;
+          }
+        }
+      } catch (...) {
+        ::close(fd);
+        throw;
+      }
+      ::close(fd);
+      if (!bad.empty()) return bad;
+    }
+    return "";
+  } catch (const std::exception& e) {
+    return std::string("unreadable: ") + e.what();
   }
-  if (!steps.empty()) TR_LOG_WARN("checkpoint: no loadable checkpoint in ", root_, "; starting from scratch");
+}
+
+std::string Checkpointer::first_error_of_all(const std::string& mine) {
+  if (world_ == 1) return mine;
+  std::vector<char> in(kErrorBytes, 0), all(kErrorBytes * size_t(world_), 0);
+  std::memcpy(in.data(), mine.data(), std::min(mine.size(), kErrorBytes - 1));
+  comm_->all_gather(all.data(), in.data(), kErrorBytes);
+  for (int r = 0; r < world_; ++r) {
+    const char* p = all.data() + size_t(r) * kErrorBytes;
+    if (*p) return std::string(p, strnlen(p, kErrorBytes)) + " (found by rank " + std::to_string(r) + ")";
+  }
   return "";
 }
 
 bool Checkpointer::load(ParamStore& ps, TrainState& st) {
-  // Rank 0 decides (verifying checksums once), then tells everyone.
-  std::vector<char> msg(4096, 0);
-  if (rank_ == 0) {
-    std::string text;
-    char status = 'N';
-    try {
-      text = choose_resume_dir();
-      status = text.empty() ? 'N' : 'Y';
-    } catch (const Error& e) {
-      text = e.what();
-      status = 'E';
-    }
-    TR_CHECK(text.size() < msg.size() - 2, "checkpoint path too long");
-    msg[0] = status;
-    std::memcpy(msg.data() + 1, text.data(), text.size());
-  }
-  comm_->broadcast(msg.data(), msg.size(), 0);
-  const std::string text(msg.data() + 1);
-  if (msg[0] == 'E') TR_FAIL(text);
-  if (msg[0] == 'N') return false;
-  const std::string dir = text;
-
-  std::ifstream f(dir + "/manifest.json");
-  json m = json::parse(f);
-  const json& mm = m.at("model");
-  auto check_same = [&](const char* key, int have) {
-    int saved = mm.at(key).get<int>();
-    TR_CHECK(saved == have, "checkpoint ", dir, " was saved with model.", key, " = ", saved, " but this job has ",
-             have, "; the model shape cannot change on resume (use a new output.dir or checkpoint.resume: never)");
-  };
-  check_same("n_layer", cfg_.L);
-  check_same("n_head", cfg_.NH);
-  check_same("n_embd", cfg_.C);
-  check_same("vocab_size", cfg_.V);
-  check_same("seq_len", cfg_.T);
-  if (rank_ == 0) {
-    const json& t = m.at("train");
-    auto note = [&](const char* key, const json& now) {
-      if (t.contains(key) && t.at(key) != now)
-        TR_LOG_INFO("resume: train.", key, " changed from ", t.at(key).dump(), " to ", now.dump(), " (allowed)");
-    };
-    note("lr", job_.train.lr);
-    note("min_lr", job_.train.min_lr);
-    note("max_steps", job_.train.max_steps);
-    note("warmup_steps", job_.train.warmup_steps);
-    note("schedule", job_.train.schedule);
-    note("weight_decay", job_.train.weight_decay);
-    note("global_batch_size", job_.train.global_batch_size);
-    note("micro_batch_size", job_.train.micro_batch_size);
-  }
-
   held_ranges_ = ps.held_ranges();
   write_ranges_ = ps.write_ranges();
-  const std::string mpath = dir + "/model.safetensors", opath = dir + "/optimizer.safetensors";
-  const int64_t mbase = int64_t(model_header(cfg_, layout_).size());
-  const int64_t obase = int64_t(optimizer_header(layout_).size());
-  for (int kind = 0; kind < 3; ++kind) {
-    const std::string& path = kind == 0 ? mpath : opath;
-    const int64_t base = (kind == 0 ? mbase : obase) + (kind == 2 ? layout_.total * 4 : 0);
-    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    TR_CHECK_ERRNO(fd >= 0, "checkpoint: cannot open '", path, "'");
-    std::vector<float> host;
-    for (const auto& r : held_ranges_) {
-      size_t at = host.size();
-      host.resize(at + size_t(r.count));
-      pread_all(fd, host.data() + at, size_t(r.count) * 4, off_t(base + r.global * 4), path);
+  // Rank 0 names a candidate that passes the checks needing no data (the
+  // manifest, the files and their sizes); every rank then reads its part,
+  // verifying it on the way, into staging buffers; only when no rank found
+  // a bad segment does anything reach the model and the optimizer.
+  // checkpoint.resume: auto falls back to the next older candidate.
+  const bool is_auto = job_.checkpoint.resume == "auto";
+  std::vector<std::string> candidates;
+  size_t next = 0;
+  bool listed = false;
+  for (;;) {
+    std::vector<char> msg(4096, 0);
+    if (rank_ == 0) {
+      std::string text;
+      char status = 'N';
+      try {
+        if (!listed) candidates = resume_candidates(), listed = true;
+        while (next < candidates.size()) {
+          const std::string dir = candidates[next++];
+          const std::string why = check_manifest(dir, nullptr, nullptr);
+          if (why.empty()) {
+            text = dir;
+            status = 'Y';
+            break;
+          }
+          TR_CHECK(is_auto, "checkpoint.resume: '", dir, "' cannot be loaded: ", why);
+          TR_LOG_WARN("checkpoint: skipping ", dir, ": ", why, "; falling back to the previous checkpoint");
+        }
+        if (status == 'N' && is_auto && !candidates.empty())
+          TR_LOG_WARN("checkpoint: no loadable checkpoint in ", root_, "; starting from scratch");
+      } catch (const Error& e) {
+        text = e.what();
+        status = 'E';
+      }
+      TR_CHECK(text.size() < msg.size() - 2, "checkpoint path too long");
+      msg[0] = status;
+      std::memcpy(msg.data() + 1, text.data(), text.size());
     }
-    ::close(fd);
-    ps.set_state(kind, host);
+    comm_->broadcast(msg.data(), msg.size(), 0);
+    const std::string text(msg.data() + 1);
+    if (msg[0] == 'E') TR_FAIL(text);
+    if (msg[0] == 'N') return false;
+    const std::string dir = text;
+
+    std::ifstream f(dir + "/manifest.json");
+    json m = json::parse(f);
+    const json& mm = m.at("model");
+    auto check_same = [&](const char* key, int have) {
+      int saved = mm.at(key).get<int>();
+      TR_CHECK(saved == have, "checkpoint ", dir, " was saved with model.", key, " = ", saved, " but this job has ",
+               have, "; the model shape cannot change on resume (use a new output.dir or checkpoint.resume: never)");
+    };
+    check_same("n_layer", cfg_.L);
+    check_same("n_head", cfg_.NH);
+    check_same("n_embd", cfg_.C);
+    check_same("vocab_size", cfg_.V);
+    check_same("seq_len", cfg_.T);
+
+    std::vector<std::vector<float>> staged;
+    const std::string why = first_error_of_all(read_verified(dir, staged));
+    if (!why.empty()) {
+      TR_CHECK(is_auto, "checkpoint.resume: '", dir, "' cannot be loaded: ", why);
+      if (rank_ == 0)
+        TR_LOG_WARN("checkpoint: skipping ", dir, ": ", why, "; falling back to the previous checkpoint");
+      continue;
+    }
+    if (rank_ == 0) {
+      const json& t = m.at("train");
+      auto note = [&](const char* key, const json& now) {
+        if (t.contains(key) && t.at(key) != now)
+          TR_LOG_INFO("resume: train.", key, " changed from ", t.at(key).dump(), " to ", now.dump(), " (allowed)");
+      };
+      note("lr", job_.train.lr);
+      note("min_lr", job_.train.min_lr);
+      note("max_steps", job_.train.max_steps);
+      note("warmup_steps", job_.train.warmup_steps);
+      note("schedule", job_.train.schedule);
+      note("weight_decay", job_.train.weight_decay);
+      note("global_batch_size", job_.train.global_batch_size);
+      note("micro_batch_size", job_.train.micro_batch_size);
+    }
+    // Verified everywhere: now it may go live.
+    for (int kind = 0; kind < 3; ++kind) {
+      ps.set_state(kind, staged[size_t(kind)]);
+      staged[size_t(kind)] = {};
+    }
+    st.step = m.at("step").get<int64_t>();
+    st.cursor = m.at("data_cursor").get<int64_t>();
+    st.tokens = m.at("tokens_seen").get<int64_t>();
+    if (rank_ == 0)
+      TR_LOG_INFO("resume: loaded ", dir, " (step ", st.step, ", ", st.tokens, " tokens; saved by ",
+                  m.at("world_size").get<int>(), " ranks with ", m.at("sharding").get<std::string>(), ", loaded on ",
+                  world_, " ranks with ", job_.parallel.sharding, ")");
+    return true;
   }
-  st.step = m.at("step").get<int64_t>();
-  st.cursor = m.at("data_cursor").get<int64_t>();
-  st.tokens = m.at("tokens_seen").get<int64_t>();
-  if (rank_ == 0)
-    TR_LOG_INFO("resume: loaded ", dir, " (step ", st.step, ", ", st.tokens, " tokens; saved by ",
-                m.at("world_size").get<int>(), " ranks with ", m.at("sharding").get<std::string>(), ", loaded on ",
-                world_, " ranks with ", job_.parallel.sharding, ")");
-  return true;
 }
 
 }  // namespace trainrun

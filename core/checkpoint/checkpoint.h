@@ -7,8 +7,8 @@
 //   optimizer.safetensors  exp_avg.<name>..., then exp_avg_sq.<name>...
 //   manifest.json          format version, step, tokens, data cursor, the
 //                          resolved job spec, world size + strategy at save
-//                          time, the layout, seeds, and size + xxhash64 of
-//                          every file
+//                          time, the layout, seeds, and for every file its
+//                          size and the xxhash64 of each of its segments
 // <output.dir>/checkpoints/latest   the name of the newest complete one
 //
 // Every rank pwrite()s the ranges it is responsible for (ParamStore::
@@ -16,10 +16,25 @@
 // files never depend on the world size: a checkpoint written by N ranks
 // loads on M under any strategy. Commit protocol: rank 0 creates the files
 // in a temporary directory; all ranks write + fsync and report through the
-// rendezvous store; rank 0 checksums, writes the manifest, fsyncs, renames
-// the directory into place and only then updates `latest`. A crash at any
-// point leaves the previous checkpoint as `latest`; stale temporary
-// directories are removed at the next start.
+// rendezvous store; rank 0 writes the manifest, fsyncs, renames the
+// directory into place and only then updates `latest`. A crash at any point
+// leaves the previous checkpoint as `latest`; stale temporary directories
+// are removed at the next start.
+//
+// Checksums in one pass. Several ranks write disjoint ranges of one file, so
+// no single writer sees a file's bytes in order, and xxhash64 does not
+// compose. Each rank therefore hashes what it writes, as it writes it, in
+// segments (one written range, cut into pieces of at most 64 MiB; rank 0
+// adds the headers), and reports them with its "written" status; rank 0
+// checks that the segments tile each file exactly and lists them in the
+// manifest ("segments": offset, bytes, xxhash64). Nothing is read back.
+// Loading, every rank reads the segments that overlap what it holds (rank 0
+// also the headers), hashes the bytes as they arrive, and the ranks agree
+// that every segment matched before any value goes into the model or the
+// optimizer (they are read into host staging buffers first); a mismatch
+// anywhere makes every rank drop the candidate (auto: fall back to the
+// previous checkpoint). Format 1 manifests (one xxhash64 per whole file)
+// still load: the whole file is then one segment.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -61,17 +76,31 @@ class Checkpointer {
   // Collective. Resolves checkpoint.resume and loads; false when nothing to load.
   bool load(ParamStore& ps, TrainState& st);
 
-  // Verifies a checkpoint directory (manifest, sizes, checksums); returns ""
-  // when good, else what is wrong. Public for tests and `trainrun` tools.
+  // Verifies a checkpoint directory (manifest, sizes, checksums: every
+  // byte is read once); returns "" when good, else what is wrong. Public for
+  // tests and `trainrun` tools.
   static std::string verify(const std::string& dir);
+
+  // xxhash64 of bytes [offset, offset + bytes) of one checkpoint file.
+  struct Segment {
+    uint64_t offset = 0, bytes = 0, hash = 0;
+  };
 
  private:
   void write_and_commit(int64_t step, const TrainState& st, const std::vector<std::vector<float>>& parts);
-  void commit_rank0(int64_t step, const TrainState& st, const std::string& tmp, const std::string& final_dir);
+  // segments: per file (model, optimizer), what every rank wrote.
+  void commit_rank0(int64_t step, const TrainState& st, const std::string& tmp, const std::string& final_dir,
+                    std::vector<std::vector<Segment>> segments);
   void retention();
   void ensure_snapshot_buffers();
   void handle_failure(const std::string& what);
-  std::string choose_resume_dir();
+  // Rank 0: the checkpoint directories checkpoint.resume allows, best first.
+  std::vector<std::string> resume_candidates();
+  // Reads this rank's held ranges of the three state kinds from `dir` into
+  // `out`, verifying what it reads; "" or what is wrong.
+  std::string read_verified(const std::string& dir, std::vector<std::vector<float>>& out);
+  // Collective: "" when no rank reported a problem, else the lowest rank's.
+  std::string first_error_of_all(const std::string& mine);
 
   const JobSpec& job_;
   GPT2Config cfg_;
