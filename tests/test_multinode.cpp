@@ -628,6 +628,57 @@ TEST_CASE("multinode: SIGUSR1 to every agent checkpoints, exits 75 and the next 
   CHECK(processes_mentioning(dir.path()).empty());
 }
 
+// Preempted before training started: a SIGUSR1/SIGTERM while the nodes are
+// still meeting (or while an agent is still starting) is not fatal; no
+// worker runs yet, so there is nothing to checkpoint: every agent exits 75
+// ("please requeue") at once, saying so, and leaves nothing behind. A node
+// that is preempted there tells the nodes still waiting, which stop too.
+TEST_CASE("multinode: a preemption signal while the nodes meet exits 75 on every node", "[multinode]") {
+  test::TempDir dir("mnode");
+  JobOpts o;
+  o.timeout_s = 60;  // nothing below may wait for it
+  const std::string cfg = make_job(dir, "job.yaml", 2, o);
+  const int port = free_port();
+  const std::string nothing = "the job was preempted before training started (nothing to checkpoint); exiting with "
+                              "code 75 (please requeue)";
+  auto says = [](const Node& n, const std::string& text) { return n.err().find(text) != std::string::npos; };
+  const auto t0 = Clock::now();
+  SECTION("SIGUSR1 to node 0 waiting for a node that has not come") {
+    Node n0(dir, "node0", {}, node_args(cfg, 0, "127.0.0.1", port));
+    REQUIRE(wait_until([&] { return says(n0, "node 0 of 2 is waiting for the other nodes"); }, 20s));
+    REQUIRE(kill(n0.pid(), SIGUSR1) == 0);
+    const int c0 = n0.wait(10s);
+    INFO(n0.err());
+    CHECK(c0 == 75);
+    CHECK(says(n0, "trainrun: received SIGUSR1 while node 0 of 2 waited for the other nodes: " + nothing));
+  }
+  SECTION("SIGTERM to node 1 while node 0 is late: node 0 hears of it") {
+    Node n0(dir, "node0", {}, node_args(cfg, 0, "127.0.0.1", port), {"TRAINRUN_DEBUG_JOIN_DELAY_MS=3000"});
+    Node n1(dir, "node1", {}, node_args(cfg, 1, "127.0.0.1", port));
+    REQUIRE(wait_until([&] { return says(n1, "node 1 of 2 is waiting for the other nodes"); }, 20s));
+    REQUIRE(kill(n1.pid(), SIGTERM) == 0);
+    const int c1 = n1.wait(10s), c0 = n0.wait(15s);
+    INFO("node 0:\n" << n0.err() << "\nnode 1:\n" << n1.err());
+    CHECK(c1 == 75);
+    CHECK(c0 == 75);
+    CHECK(says(n1, "trainrun: received SIGTERM while node 1 of 2 waited for the other nodes: " + nothing));
+    CHECK(says(n0, "received SIGTERM while the nodes were meeting; node 0 of 2 stops too: " + nothing));
+  }
+  SECTION("SIGUSR1 to a node agent still starting up") {
+    Node n0(dir, "node0", {}, node_args(cfg, 0, "127.0.0.1", port), {"TRAINRUN_DEBUG_START_DELAY_MS=30000"});
+    REQUIRE(wait_until([&] { return says(n0, "debug: start-up pause"); }, 20s));
+    REQUIRE(kill(n0.pid(), SIGUSR1) == 0);
+    const int c0 = n0.wait(10s);
+    INFO(n0.err());
+    CHECK(c0 == 75);
+    CHECK(says(n0, "trainrun: received SIGUSR1 before any worker started: " + nothing));
+  }
+  CHECK(Clock::now() - t0 < 25s);
+  CHECK(!test::file_exists(dir / "run/logs"));  // no worker was started
+  CHECK(!test::file_exists(dir / "run/checkpoints"));
+  CHECK(wait_until([&] { return processes_mentioning(dir.path()).empty(); }, 5s));
+}
+
 // ---- two hosts in network namespaces --------------------------------------------------------------
 
 TEST_CASE("multinode: two hosts in network namespaces train like one process", "[multinode]") {

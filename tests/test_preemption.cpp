@@ -30,14 +30,15 @@ std::vector<int> steps_in(const std::string& metrics) {
   return out;
 }
 
-// Starts the job in the background, waits until rank 0 has logged `step`,
-// sends `sig` to the launched process and returns its exit code.
-int run_and_signal(const std::string& cfg, const std::string& log, const std::string& sig, int step) {
+// Starts the job in the background (with `env`, "NAME=value ..."), waits
+// until its output contains `want`, sends `sig` to the launched process and
+// returns its exit code.
+int run_and_signal_at(const std::string& cfg, const std::string& log, const std::string& sig, const std::string& want,
+                      const std::string& env = "") {
   test::TempDir t("sig");
   const std::string rc = t / "rc";
-  test::run_command("( OMP_NUM_THREADS=1 '" + test::trainrun_binary() + "' --config " + cfg + " > " + log +
+  test::run_command("( " + env + " OMP_NUM_THREADS=1 '" + test::trainrun_binary() + "' --config " + cfg + " > " + log +
                     " 2>&1; echo $? > " + rc + " ) & echo $! > " + t / "pid");
-  const std::string want = "step " + std::to_string(step) + "/";
   bool seen = false;
   for (int i = 0; i < 600 && !seen; ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -49,6 +50,11 @@ int run_and_signal(const std::string& cfg, const std::string& log, const std::st
   for (int i = 0; i < 600 && !test::file_exists(rc); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
   REQUIRE(test::file_exists(rc));
   return std::stoi(test::read_file(rc));
+}
+
+// ... once rank 0 has logged `step`.
+int run_and_signal(const std::string& cfg, const std::string& log, const std::string& sig, int step) {
+  return run_and_signal_at(cfg, log, sig, "step " + std::to_string(step) + "/");
 }
 
 }  // namespace
@@ -90,6 +96,35 @@ TEST_CASE("preemption: a single in-process worker stops the same way", "[preempt
   CHECK(code == 75);
   CHECK(test::file_exists(run + "/checkpoints/latest"));
   CHECK(!test::file_exists(run + "/model.safetensors"));  // skipped: the checkpoint is what matters
+}
+
+// A signal while the job is still starting (here: held in a debug pause
+// right after the launch line, where only main()'s handlers watch) is not
+// fatal: the agent, or a process training alone, exits 75 at once, saying
+// there was nothing to checkpoint, and leaves nothing running.
+TEST_CASE("preemption: a signal before training started exits 75 at once, nothing to checkpoint", "[preemption]") {
+  for (int nproc : {1, 2}) {
+    for (const char* sig : {"TERM", "USR1"}) {
+      SECTION(std::to_string(nproc) + " worker(s), SIG" + sig) {
+        test::TempDir dir("preempt");
+        const std::string run = dir / "run";
+        test::write_file(dir / "job.yaml", job(run, nproc, 3000));
+        const auto t0 = std::chrono::steady_clock::now();
+        const int code = run_and_signal_at(dir / "job.yaml", dir / "out.txt", sig, "debug: start-up pause",
+                                           "TRAINRUN_DEBUG_START_DELAY_MS=30000");
+        const std::string out = test::read_file(dir / "out.txt");
+        INFO(out);
+        CHECK(code == 75);
+        CHECK_THAT(out, Contains(std::string("received SIG") + sig) &&
+                            Contains("the job was preempted before training started (nothing to checkpoint); "
+                                     "exiting with code 75 (please requeue)"));
+        CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(20));  // the pause did not run out
+        CHECK(!test::file_exists(run + "/checkpoints"));
+        CHECK(!test::file_exists(run + "/logs"));  // no worker was started
+        CHECK(test::run_command("pgrep -f '[t]rainrun.*" + dir.path() + "'").exit_code != 0);
+      }
+    }
+  }
 }
 
 TEST_CASE("nonfinite: a NaN gradient on one rank skips the update on every rank", "[preemption]") {

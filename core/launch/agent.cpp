@@ -296,9 +296,14 @@ bool Agent::any_running() const {
   struct sigaction dfl {};
   dfl.sa_handler = SIG_DFL;
   for (int s : {SIGPIPE, SIGINT, SIGTERM, SIGUSR1}) ::sigaction(s, &dfl, nullptr);
-  sigset_t none;
-  sigemptyset(&none);
-  ::sigprocmask(SIG_SETMASK, &none, nullptr);  // the agent blocks several; exec keeps the mask
+  // The agent blocks several signals and exec keeps the mask: unblock all
+  // but the stop signals. Those stay blocked through exec, so one forwarded
+  // before the worker's main() has its handlers waits, pending, instead of
+  // killing the worker (main() unblocks them; core/train/preemption.h).
+  sigset_t stops;
+  sigemptyset(&stops);
+  for (int s : {SIGINT, SIGTERM, SIGUSR1}) sigaddset(&stops, s);
+  ::sigprocmask(SIG_SETMASK, &stops, nullptr);
   // CPU affinity and the NUMA memory policy survive exec; set them here so
   // the worker's first allocation already lands on its node.
   if (place) topo::apply_worker_placement(*place);
@@ -736,6 +741,12 @@ int Agent::conclude(int attempt, int max_restarts) {
 int Agent::run() {
   SignalScope signals;
   sfd_ = signals.fd();
+  // A stop signal that came while this process was starting (main()'s
+  // handlers noted it) ends the job here: no worker exists, nothing to save.
+  if (const int sig = stop_signal_received()) {
+    say(stopped_before_training(sig, " before any worker started"));
+    return exit_code_for_stop_signal(sig);
+  }
   if (plan_.multi_node()) return run_nodes();
   const int max_restarts = std::max(0, job_.launcher.max_restarts);
   for (int attempt = 0;; ++attempt) {
@@ -746,10 +757,16 @@ int Agent::run() {
       // straggler of the old attempt cannot join the new one.
       const std::string secret = make_job_secret();
       TcpStoreServer store(job_.launcher.master_addr, job_.launcher.master_port, secret);
-      if (attempt == 0)
+      if (attempt == 0) {
+        // Blocked since SignalScope, a stop signal waits in the signalfd.
+        if (const int sig = pending_stop_signal()) {
+          say(stopped_before_training(sig, " before any worker started"));
+          return exit_code_for_stop_signal(sig);
+        }
         say("starting " + std::to_string(nproc_) + " workers on " + host_ + " (rendezvous store " +
             job_.launcher.master_addr + ":" + std::to_string(store.port()) + "; logs in " +
             (fs::path(job_.output.dir) / "logs").string() + "/rank<N>.log)");
+      }
       spawn_all(attempt, store.port(), secret);
       supervise();
       close_logs();
@@ -798,17 +815,35 @@ void Agent::on_node_events() {
 
 int Agent::run_nodes() {
   const std::string who = node_prefix() + " of " + std::to_string(plan_.nnodes);
-  auto interrupted = [&](int sig) {
-    const int code = 128 + sig;
-    say("received " + sig_name(sig) + " while " + who + " waited for the other nodes; no worker was running; " +
-        "exiting with code " + std::to_string(code));
-    if (group_) group_->close_job(code);
+  // A stop signal while the nodes meet: no worker runs, so there is nothing
+  // to checkpoint. SIGTERM/SIGUSR1 (preemption) end in kExitRequeue, and the
+  // other nodes still meeting hear of it through the store (NodeGroup::join)
+  // and stop the same way; SIGINT in 130.
+  auto interrupted = [&](const LaunchInterrupted& s, int attempt) {
+    const int code = s.sig == 0 ? kExitRequeue : exit_code_for_stop_signal(s.sig);
+    const std::string when = " while " + who + " waited for the other nodes";
+    if (s.sig != 0 && attempt == 0) {
+      say(stopped_before_training(s.sig, when));
+    } else {
+      const std::string what =
+          attempt == 0 ? "the job was preempted before training started (nothing to checkpoint)"
+                       : "no worker was running (before restart " + std::to_string(attempt) +
+                             "; the latest checkpoint is where the job resumes)";
+      say((s.sig != 0 ? "received " + sig_name(s.sig) + when : s.elsewhere + "; " + who + " stops too") + ": " +
+          what + "; exiting with code " + std::to_string(code) + (code == kExitRequeue ? " (please requeue)" : ""));
+    }
+    if (group_) {
+      group_->close_job(code);
+      // The store lives in node 0's agent: it stays a moment, so that the
+      // nodes still meeting read why the job ended rather than lose it.
+      if (code == kExitRequeue) group_->wait_until_heard(std::chrono::milliseconds(2000));
+    }
     return code;
   };
   try {
     group_ = std::make_unique<NodeGroup>(job_, plan_, [this] { return pending_stop_signal(); });
   } catch (const LaunchInterrupted& s) {
-    return interrupted(s.sig);
+    return interrupted(s, 0);
   }
   if (!group_->bind_note().empty()) say("warning: " + group_->bind_note());
   // Each node describes itself: node 0 in <output.dir>/topology.json, node k
@@ -827,7 +862,7 @@ int Agent::run_nodes() {
     try {
       attempt = group_->join(attempt);
     } catch (const LaunchInterrupted& s) {
-      return interrupted(s.sig);
+      return interrupted(s, attempt);
     } catch (const Error&) {
       group_->close_job(1);
       throw;

@@ -10,7 +10,11 @@
 //
 // Signals: SIGINT, SIGTERM and SIGUSR1 to the agent are forwarded to every
 // worker (as torchrun does); workers still running launcher.grace_period_s
-// later get SIGKILL, and the agent exits 128+signal. A second SIGINT/SIGTERM
+// later get SIGKILL, and the agent exits 128+signal (75 when every worker
+// saved a checkpoint on SIGTERM/SIGUSR1). A stop signal before any worker
+// started (while starting up or waiting for the other nodes) ends the agent
+// at once: 75 for SIGTERM/SIGUSR1, "preempted before training started
+// (nothing to checkpoint)", 130 for SIGINT. A second SIGINT/SIGTERM
 // kills the workers at once. A worker that fails (non-zero exit or a signal)
 // makes the agent SIGTERM the others (after a 0.5 s settle window, so the
 // report can tell cause from consequence), SIGKILL them after the grace

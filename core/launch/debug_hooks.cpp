@@ -54,6 +54,14 @@ void note_failure_now() {
 
 int64_t noted_failure_ns() { return g_failure_ns.load(); }
 
+int64_t debug_env_ms(const char* name) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return 0;
+  char* end = nullptr;
+  const long long x = std::strtoll(v, &end, 10);
+  return end && *end == 0 && x > 0 ? int64_t(x) : 0;
+}
+
 void debug_fail_hook(int rank, int step) {
   const FailPlan& p = plan();
   if (p.rank < 0 || rank != p.rank || step != p.step) return;

@@ -11,6 +11,17 @@
 // The failure is a trainrun::Error thrown from the step loop, i.e. exactly
 // what a real error (a bad batch, a diverged loss) looks like to the worker
 // and the agent.
+//
+// Pauses that hold a job in its start-up, so a test can send a signal there:
+//
+//   TRAINRUN_DEBUG_START_DELAY_MS=N  `trainrun --config` waits N ms right after
+//                                    the launch line, before anything watches
+//                                    signals but the handlers main() installed
+//   TRAINRUN_DEBUG_JOIN_DELAY_MS=N   a node agent waits N ms before it
+//                                    announces itself at the rendezvous
+//                                    (NodeGroup::join); a stop signal ends the wait
+//
+// Each logs a "debug: ..." line when it starts waiting.
 #pragma once
 #include <cstdint>
 
@@ -19,6 +30,10 @@ namespace trainrun {
 // Called by the trainer at the start of every step (1-based). Throws
 // trainrun::Error when this rank is the one told to fail at this step.
 void debug_fail_hook(int rank, int step);
+
+// The milliseconds in environment variable `name` (the pauses above); 0
+// when unset or not a positive integer.
+int64_t debug_env_ms(const char* name);
 
 // When this worker process first hit a failure, as CLOCK_MONOTONIC
 // nanoseconds, or 0 if nothing was noted. The worker's error file carries it

@@ -221,7 +221,7 @@ Node0Contact contact_node0(const std::string& output_dir, const std::string& add
       }
     }
     if (Clock::now() >= deadline) break;
-    if (const int sig = sleep_unless_stopped(milliseconds(200), stop)) throw LaunchInterrupted{sig};
+    if (const int sig = sleep_unless_stopped(milliseconds(200), stop)) throw LaunchInterrupted{sig, ""};
   }
   if (nonce_mismatch) problem = kNonce;
   const std::string waited = seconds_text(std::chrono::duration_cast<milliseconds>(Clock::now() - start));

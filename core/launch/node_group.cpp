@@ -5,6 +5,9 @@
 //   marker             node 0's nonce of this run (the shared-directory check)
 //   attempt            the attempt node 0 is at (an agent started late adopts it)
 //   final              node 0's exit code once the job ended for good
+//   preempted          the first node that got SIGTERM/SIGUSR1 while the nodes
+//                      met, a sentence for the log (every node then exits 75)
+//   heard/<node>       that node saw "preempted" (node 0 keeps the store up for it)
 //   hb/<node>          heartbeat counters
 //   a<k>/node/<node>   "host nproc [ip:port]" of each agent that joined attempt k
 //                      (ip:port: its liveness socket, which node 0 connects to)
@@ -23,6 +26,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <csignal>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -30,6 +34,8 @@
 
 #include "core/common/error.h"
 #include "core/common/log.h"
+#include "core/launch/debug_hooks.h"
+#include "core/train/preemption.h"
 #include "parallel/net_address.h"
 
 namespace trainrun {
@@ -201,22 +207,55 @@ int NodeGroup::join(int attempt) {
     }
   }
   attempt_ = attempt;
+  // A stop signal here: a preemption (SIGTERM/SIGUSR1) is announced, so the
+  // nodes still meeting stop too instead of waiting out parallel.timeout_s.
+  auto interrupted = [&](int sig) {
+    if (sig != SIGINT) {
+      try {
+        store_->compare_set("trainrun/preempted", {},
+                            bytes("node " + std::to_string(me) + " (host " + plan_.host + ") received " +
+                                  stop_signal_name(sig) + " while the nodes were meeting"));
+      } catch (const Error&) {
+      }
+    }
+    return LaunchInterrupted{sig, ""};
+  };
+  // Another node's preemption, once seen, is acknowledged (node 0 keeps
+  // its store up until every node that joined has seen it).
+  auto preempted_elsewhere = [&]() -> std::string {
+    if (!store_->check("trainrun/preempted")) return "";
+    const std::string why = text(store_->get("trainrun/preempted", milliseconds(1000)));
+    store_->set("trainrun/heard/" + std::to_string(me), bytes("1"));
+    return why;
+  };
+  if (attempt == 0) {
+    if (const int64_t ms = debug_env_ms("TRAINRUN_DEBUG_JOIN_DELAY_MS")) {
+      TR_LOG_INFO("debug: node ", me, " waits ", ms, " ms before joining (TRAINRUN_DEBUG_JOIN_DELAY_MS)");
+      if (const int sig = sleep_unless_stopped(milliseconds(ms), stop_)) throw interrupted(sig);
+    }
+  }
   store_->set(key("node/" + std::to_string(me)), bytes(plan_.host + " " + std::to_string(plan_.nproc_per_node) +
                                                        (live_addr_.empty() ? "" : " " + live_addr_)));
   std::vector<std::string> keys;
   for (int j = 0; j < plan_.nnodes; ++j) keys.push_back(key("node/" + std::to_string(j)));
   const auto timeout = milliseconds(int64_t(job_.parallel.timeout_s * 1000));
   const auto start = Clock::now();
+  TR_LOG_INFO("launcher: node ", me, " of ", plan_.nnodes, " is waiting for the other nodes at the rendezvous store ",
+              plan_.master_addr, ":", plan_.master_port, " (parallel.timeout_s: ", seconds_text(timeout), ")");
   for (;;) {
     if (stop_) {
-      if (const int sig = stop_()) throw LaunchInterrupted{sig};
+      if (const int sig = stop_()) throw interrupted(sig);
     }
+    if (std::string why = preempted_elsewhere(); !why.empty()) throw LaunchInterrupted{0, why};
     if (store_->check("trainrun/final"))
       TR_FAIL("node 0 ended the job (exit code ", text(store_->get("trainrun/final", milliseconds(1000))),
               ") before node ", me, " joined attempt ", attempt, "; nothing to restart");
     if (store_->check(key("abort"))) TR_FAIL(text(store_->get(key("abort"), milliseconds(1000))));
     try {
       store_->wait(keys, milliseconds(200));
+      // A node preempted just now (its key was already there) starts no
+      // workers: this one must not start workers that would wait for them.
+      if (std::string why = preempted_elsewhere(); !why.empty()) throw LaunchInterrupted{0, why};
       break;
     } catch (const StoreTimeoutError&) {
     }
@@ -466,6 +505,21 @@ std::string NodeGroup::finish(int code) {
   if (code != 0 && code != 75) return "";
   if (store_->check(key("abort"))) return text(store_->get(key("abort"), milliseconds(1000)));
   return "";
+}
+
+void NodeGroup::wait_until_heard(milliseconds most) {
+  if (plan_.node_rank != 0) return;
+  const auto until = Clock::now() + most;
+  try {
+    for (;;) {
+      bool all = true;
+      for (int j = 1; j < plan_.nnodes && all; ++j)
+        all = !store_->check(key("node/" + std::to_string(j))) || store_->check("trainrun/heard/" + std::to_string(j));
+      if (all || Clock::now() >= until) return;
+      std::this_thread::sleep_for(milliseconds(20));
+    }
+  } catch (const Error&) {
+  }
 }
 
 void NodeGroup::close_job(int code) {

@@ -54,9 +54,12 @@ namespace trainrun {
 class TcpStoreServer;
 
 // A stop signal (SIGINT/SIGTERM/SIGUSR1) that arrived while an agent waited
-// for the other nodes; the agent exits 128+sig.
+// for the other nodes, or (sig 0) another node's preemption heard then
+// (`elsewhere` says which). No worker runs yet: the agent exits 75 (130
+// for SIGINT), saying the job was preempted before training started.
 struct LaunchInterrupted {
   int sig = 0;
+  std::string elsewhere;
 };
 
 // Returns a pending stop signal (0 = none); called between short waits.
@@ -121,7 +124,9 @@ class NodeGroup {
   // Returns the attempt to run: an agent started while the job is already
   // at a later attempt (a node that came back) joins that one. Throws
   // trainrun::Error naming the nodes that did not arrive, or what node 0
-  // announced (it gave up, a node failed); LaunchInterrupted on a signal.
+  // announced (it gave up, a node failed); LaunchInterrupted on a signal
+  // here (announced to the others when it is SIGTERM/SIGUSR1) or on another
+  // node's preemption.
   int join(int attempt);
 
   // The heartbeat thread for this attempt. event_fd() becomes readable when
@@ -153,6 +158,9 @@ class NodeGroup {
   // Node 0, when the job ends for good (success or no restarts left): tells
   // agents waiting for a next attempt not to wait.
   void close_job(int code);
+  // Node 0, after a preemption while the nodes met: keeps its store up
+  // until every node that had joined has heard of it, at most `most`.
+  void wait_until_heard(std::chrono::milliseconds most);
 
   // "node 1 (host h2, ranks 2-3)".
   std::string node_label(int node) const;

@@ -9,7 +9,10 @@
 // LOCAL_RANK = SLURM_LOCALID, WORLD_SIZE = SLURM_NTASKS, LOCAL_WORLD_SIZE =
 // tasks on its node, GROUP_RANK = SLURM_NODEID, ...) and trains. Slurm
 // delivers --signal=USR1@T to every task itself, so preemption works as
-// with an agent (all ranks checkpoint, exit 75). Rank 0 keeps the store up
+// with an agent (all ranks checkpoint, exit 75); one that comes during the
+// rendezvous is noted (main()'s handlers) and acted on at the first step
+// boundary, where the ranks agree, so no rank is left waiting for one that
+// left. Rank 0 keeps the store up
 // until every rank has finished, or parallel.timeout_s.
 #pragma once
 #include "core/config/job_spec.h"
