@@ -256,6 +256,35 @@ TEST_CASE("operator: a terminal gets one live status line", "[operator]") {
   CHECK_THAT(p.out, Contains("step 30/30 | loss "));
 }
 
+TEST_CASE("operator: with several workers the agent draws rank 0's status line on its terminal", "[operator]") {
+  test::TempDir dir("tty2");
+  test::write_file(dir / "job.yaml", job_yaml(dir / "run", 30, 2));
+  const std::string cmd = "OMP_NUM_THREADS=1 TRAINRUN_PLOT=0 '" + test::trainrun_binary() + "' --config " + dir / "job.yaml";
+  auto r = test::run_command("script -qefc \"" + cmd + "\" /dev/null");
+  INFO(r.out << r.err);
+  REQUIRE(r.exit_code == 0);
+  const std::string& out = r.out;
+  // Drawn in place by the agent, with every field, and the plain
+  // log_interval lines (echoed with the rank) still scroll above it.
+  CHECK_THAT(out, Contains("\r\033[Kstep 30/30 | loss "));
+  const size_t s = out.rfind("\r\033[Kstep 30/30");
+  REQUIRE(s != std::string::npos);
+  std::string status = out.substr(s + 4);
+  status = status.substr(0, status.find_first_of("\r\n"));
+  CHECK_THAT(status, Contains(" tok/s | MFU ") && Contains(" | ETA "));
+  CHECK_THAT(out, Contains("[rank 0] ") && Contains("step 10/30 | loss "));
+  // The relay marker never reaches the screen or the rank's log.
+  CHECK(out.find('\x1e') == std::string::npos);
+  const std::string log = test::read_file(dir / "run/logs/rank0.log");
+  CHECK(log.find('\x1e') == std::string::npos);
+  CHECK(log.find("step 30/30 | loss ") != std::string::npos);  // the plain last-step line is logged
+  // Not a terminal (a pipe, as in CI or Slurm): no status line at all.
+  auto p = test::run_command(cmd + " --set output.dir=" + dir / "run2");
+  REQUIRE(p.exit_code == 0);
+  CHECK((p.out + p.err).find("\033[K") == std::string::npos);
+  CHECK((p.out + p.err).find('\x1e') == std::string::npos);
+}
+
 TEST_CASE("operator: MFU's FLOPs per token and the GPU peak table", "[operator]") {
   // GPT-2 124M at T=1024: N = 124,439,808 parameters - 786,432 (wpe) =
   // 123,653,376; 6N + 12*L*C*T = 741,920,256 + 113,246,208.

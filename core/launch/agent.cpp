@@ -49,6 +49,7 @@
 #include "core/launch/debug_hooks.h"
 #include "core/launch/launch_mode.h"
 #include "core/launch/node_group.h"
+#include "core/train/progress.h"
 #include "core/train/trainer.h"
 #include "parallel/store.h"
 #include "parallel/topology_launch.h"
@@ -149,9 +150,41 @@ void write_all(int fd, const char* p, size_t n) {
   }
 }
 
+// Rank 0's live status line, relayed through its pipe as a marked line
+// (core/train/progress.h) and drawn here in place when this agent's stderr
+// is a terminal. Every other line written to stderr erases it first; the
+// next status update draws it again underneath.
+struct StatusRelay {
+  bool on = false;
+  bool drawn = false;
+  int width = 0;
+};
+StatusRelay g_status;
+
+void erase_status() {
+  if (!g_status.drawn) return;
+  write_all(2, "\r\033[K", 4);
+  g_status.drawn = false;
+}
+
+void draw_status(std::string s) {
+  if (g_status.width > 1 && int(s.size()) > g_status.width - 1) s.resize(size_t(g_status.width - 1));
+  s = "\r\033[K" + s;
+  write_all(2, s.data(), s.size());
+  g_status.drawn = true;
+}
+
+// TRAINRUN_PROGRESS as the user set it: live, or auto on a terminal.
+bool relay_status_line() {
+  const char* v = std::getenv("TRAINRUN_PROGRESS");
+  const std::string m = v ? v : "";
+  return m == "live" || ((m.empty() || m == "auto") && ::isatty(2));
+}
+
 // The agent's own lines. Written with write(2), unbuffered, so they
 // interleave with the echoed worker lines in the order things happened.
 void say(const std::string& line) {
+  erase_status();
   const std::string s = "trainrun: " + line + "\n";
   write_all(2, s.data(), s.size());
 }
@@ -265,6 +298,7 @@ Agent::~Agent() {
 }
 
 void Agent::close_logs() {
+  erase_status();  // the workers are gone: their status line goes too
   for (Worker& w : w_)
     if (w.log_fd >= 0) ::close(w.log_fd), w.log_fd = -1;
 }
@@ -394,6 +428,13 @@ void Agent::spawn_all(int attempt, int port, const std::string& secret) {
   }
   for (Worker& w : w_) {
     std::vector<std::string> env = common;
+    if (w.rank == 0 && g_status.on) {
+      // Its stderr is our pipe: it sends the status line for us to draw.
+      env.erase(std::remove_if(env.begin(), env.end(),
+                               [](const std::string& kv) { return kv.rfind("TRAINRUN_PROGRESS=", 0) == 0; }),
+                env.end());
+      env.push_back("TRAINRUN_PROGRESS=relay");
+    }
     env.push_back("RANK=" + std::to_string(w.rank));
     env.push_back("LOCAL_RANK=" + std::to_string(w.local));
     env.push_back("TRAINRUN_ERROR_FILE=" + w.error_file);
@@ -404,10 +445,16 @@ void Agent::spawn_all(int attempt, int port, const std::string& secret) {
 // ---- output -------------------------------------------------------------------------
 
 void Agent::emit(Worker& w, std::string line) {
+  if (!line.empty() && line[0] == kStatusLineMarker) {
+    // Rank 0's status line: drawn, never logged (the log has the plain lines).
+    if (w.rank == 0 && g_status.on) draw_status(line.substr(1));
+    return;
+  }
   line += '\n';
   if (w.log_fd >= 0) write_all(w.log_fd, line.data(), line.size());
   line.pop_back();
   if (w.rank == 0) {
+    erase_status();
     const std::string echo = "[rank 0] " + line + "\n";
     write_all(2, echo.data(), echo.size());
   }
@@ -741,6 +788,9 @@ int Agent::conclude(int attempt, int max_restarts) {
 int Agent::run() {
   SignalScope signals;
   sfd_ = signals.fd();
+  g_status.on = relay_status_line();
+  g_status.width = g_status.on ? terminal_width() : 0;
+  if (g_status.on) set_log_prefix("\r\033[K");  // the agent's logger lines erase it as well
   // A stop signal that came while this process was starting (main()'s
   // handlers noted it) ends the job here: no worker exists, nothing to save.
   if (const int sig = stop_signal_received()) {

@@ -67,16 +67,6 @@ std::string flops_str(double f) {
   return fixed(f / 1e9, 1) + " GFLOP/s";
 }
 
-int terminal_width() {
-  struct winsize ws {};
-  if (::ioctl(2, TIOCGWINSZ, &ws) == 0 && ws.ws_col > 0) return ws.ws_col;
-  if (const char* c = std::getenv("COLUMNS")) {
-    int w = std::atoi(c);
-    if (w > 0) return w;
-  }
-  return 120;
-}
-
 bool env_flag(const char* name, bool dflt) {
   const char* v = std::getenv(name);
   if (!v || !*v) return dflt;
@@ -140,6 +130,16 @@ double remember_best_peak(const std::string& key, double measured) {
 }
 
 }  // namespace
+
+int terminal_width() {
+  struct winsize ws {};
+  if (::ioctl(2, TIOCGWINSZ, &ws) == 0 && ws.ws_col > 0) return ws.ws_col;
+  if (const char* c = std::getenv("COLUMNS")) {
+    int w = std::atoi(c);
+    if (w > 0) return w;
+  }
+  return 120;
+}
 
 // ---- peak FLOP/s ---------------------------------------------------------------------------
 
@@ -254,6 +254,7 @@ ProgressOptions ProgressOptions::from_env() {
     if (s == "auto") o.mode = Mode::Auto;
     else if (s == "live") o.mode = Mode::Live;
     else if (s == "plain") o.mode = Mode::Plain;
+    else if (s == "relay") o.mode = Mode::Relay;  // set by the agent for rank 0
     else TR_FAIL("environment variable TRAINRUN_PROGRESS='", s, "' is not one of auto, live, plain");
   }
   o.all_ranks = env_flag("TRAINRUN_LOG_ALL_RANKS", false);
@@ -274,8 +275,9 @@ RunReporter::RunReporter(const Context& ctx, const ProgressOptions& opt) : ctx_(
   ms.seq_len = ctx_.model.T;
   flops_per_token_ = ModelShape::from_spec(ms).flops_per_token();
   // Only rank 0 draws in place: several ranks redrawing one line would fight.
+  relay_ = ctx_.rank == 0 && opt_.mode == ProgressOptions::Mode::Relay;
   live_ = ctx_.rank == 0 &&
-          (opt_.mode == ProgressOptions::Mode::Live ||
+          (opt_.mode == ProgressOptions::Mode::Live || relay_ ||
            (opt_.mode == ProgressOptions::Mode::Auto && ::isatty(2)));
   if (printing()) {
     peak_ = device_peak_flops(*ctx_.backend);
@@ -287,7 +289,7 @@ RunReporter::RunReporter(const Context& ctx, const ProgressOptions& opt) : ctx_(
     tb_dir_ = (out / "tb").string();
     tb_ = std::make_unique<TensorBoardWriter>(tb_dir_);
   }
-  if (live_) {
+  if (live_ && !relay_) {
     term_width_ = terminal_width();
     // Every log line from anywhere first erases the status line, so a
     // message from another part of the program never lands in the middle
@@ -337,6 +339,14 @@ void RunReporter::draw_status(bool force) {
   if (!force && status_drawn_ && std::chrono::duration<double>(now - last_draw_).count() < 0.1) return;
   last_draw_ = now;
   std::string s = status_line();
+  if (relay_) {
+    // One whole line down the pipe; the agent clips and draws it.
+    s = kStatusLineMarker + s + "\n";
+    std::fwrite(s.data(), 1, s.size(), stderr);
+    std::fflush(stderr);
+    status_drawn_ = true;
+    return;
+  }
   // A line wider than the terminal wraps, and "\r" then only returns to
   // the wrapped part: clip it.
   if (term_width_ > 1 && int(s.size()) > term_width_ - 1) s.resize(term_width_ - 1);
@@ -348,6 +358,10 @@ void RunReporter::draw_status(bool force) {
 
 void RunReporter::clear_status() {
   if (!live_ || !status_drawn_) return;
+  if (relay_) {  // the agent erases it before the next line it echoes
+    status_drawn_ = false;
+    return;
+  }
   std::fputs("\r\033[K", stderr);
   std::fflush(stderr);
   status_drawn_ = false;

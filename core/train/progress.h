@@ -10,9 +10,13 @@
 // Live vs plain: when rank 0's stderr is a terminal, one status line is
 // redrawn in place every step (step/total, loss, tokens/s, MFU, memory,
 // elapsed, ETA) and the log_interval lines scroll above it; otherwise
-// (Slurm logs, CI, a worker under the agent, whose output is a pipe) only
-// the plain lines are printed, with the same fields.
+// (Slurm logs, CI) only the plain lines are printed, with the same fields.
 // TRAINRUN_PROGRESS=live|plain|auto overrides the detection.
+// Under the agent a worker's output is a pipe, so when the agent's own
+// stderr is a terminal it starts rank 0 with TRAINRUN_PROGRESS=relay: the
+// status line then travels as a line starting with kStatusLineMarker, which
+// the agent draws in place on its terminal and keeps out of the rank's log
+// (core/launch/agent.cpp).
 //
 // Why hand-written: Debian packages no C or C++ progress-bar library (only
 // Go, Perl, Python and Ruby ones; `indicators` is not packaged), and the
@@ -70,12 +74,17 @@ std::string describe_memory(const MemoryReport& m);  // "peak 45.1 MiB: params 1
 
 // ---- the reporter ---------------------------------------------------------------------------
 
+// First byte of a relayed status line (ASCII record separator: never in a log line).
+constexpr char kStatusLineMarker = '\x1e';
+// Columns of the terminal on stderr ($COLUMNS, else 120, when it says nothing).
+int terminal_width();
+
 struct ProgressOptions {
-  enum class Mode { Auto, Live, Plain } mode = Mode::Auto;
+  enum class Mode { Auto, Live, Plain, Relay } mode = Mode::Auto;
   bool all_ranks = false;    // every rank prints (debugging)
   bool plot = true;          // draw plot.svg at the end (rank 0)
   bool tensorboard = true;   // <output.dir>/tb event files (rank 0)
-  // TRAINRUN_PROGRESS=auto|live|plain, TRAINRUN_LOG_ALL_RANKS=1,
+  // TRAINRUN_PROGRESS=auto|live|plain|relay, TRAINRUN_LOG_ALL_RANKS=1,
   // TRAINRUN_PLOT=0, TRAINRUN_TENSORBOARD=0. Throws Error on other values.
   static ProgressOptions from_env();
 };
@@ -136,6 +145,7 @@ class RunReporter {
   Context ctx_;
   ProgressOptions opt_;
   bool live_ = false;
+  bool relay_ = false;  // live, drawn by the agent: marked lines on stderr
   PeakFlops peak_;
   double flops_per_token_ = 0;
   MemoryReport mem_;
