@@ -1,9 +1,18 @@
 // Communicator: the collectives the sharded trainer needs. Buffers are in the
 // backend's memory (host memory for the CPU backend / Gloo; device memory for
-// NCCL). Every call has a timeout; on expiry or a dead peer it throws
-// trainrun::Error naming the operation, the current step (set_step) and the
+// NCCL). Ordering contract with the backend's ops: a collective sees every op
+// enqueued before the call, and every op enqueued after the call sees its
+// result. Gloo gets this by running synchronously on the host; NCCL by
+// stream order (events between the compute and comm streams), returning
+// before the collective has finished on the GPU, so callers must not read a
+// device result on the host except through the backend (copy_to_host waits
+// for the compute stream). Host-pointer arguments are always complete when
+// the call returns. Every collective has a timeout; on expiry or a dead peer
+// a trainrun::Error names the operation, the current step (set_step) and the
 // peer when known, e.g. "all_gather (step 12, rank 1 of 4): timed out after
-// 30 s waiting for rank 2".
+// 30 s waiting for rank 2". Gloo throws it from the call; NCCL's watchdog
+// aborts the communicator and the next call on it throws (at the latest the
+// trainer's per-step loss all-reduce, a host-staged call that waits).
 #pragma once
 #include <chrono>
 #include <cstdint>

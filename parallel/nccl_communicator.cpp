@@ -10,17 +10,26 @@
 //
 // Streams: a collective runs on the backend's comm stream after an event
 // recorded on the compute stream (so it sees every op enqueued before the
-// call), inside ncclGroupStart/End. The call returns when the collective has
-// finished on the GPU, so its output can be used by anything enqueued
-// afterwards and its buffers can be freed; callers that want overlap (the
-// sharded store) call from their communication thread.
+// call), inside ncclGroupStart/End. On device buffers it is stream-ordered:
+// an event recorded after it on the comm stream is waited on by the compute
+// stream (cudaStreamWaitEvent), so everything enqueued after the call sees
+// its output, and the call returns as soon as the work is enqueued: no host
+// sync in the step. Buffers released after the call go back to the caching
+// allocator, whose next user enqueues on the compute stream, behind that
+// wait. Overlap with compute comes from the sharded store's communication
+// thread issuing the next unit's collective while the compute thread
+// enqueues the current one. TRAINRUN_NCCL_BLOCKING=1 makes every call wait
+// on the host until its collective has finished (for debugging).
 //
-// Watchdog: while waiting, the calling thread polls the comm stream's event
-// and ncclCommGetAsyncError. When NCCL reports an error, or the collective
-// exceeds the timeout, the communicator is aborted with ncclCommAbort (which
-// makes the NCCL kernels exit, so the GPU does not stay hung) and an Error
-// names the operation, the step, this rank and the timeout; afterwards every
-// call repeats that first failure.
+// Watchdog: a thread per communicator polls the pending collectives' events
+// (oldest first) and ncclCommGetAsyncError. When NCCL reports an error, or a
+// collective exceeds the timeout, it aborts the communicator with
+// ncclCommAbort (which makes the NCCL kernels exit, so the GPU does not stay
+// hung) and records an Error naming the operation, the step, this rank and
+// the timeout; the next call on the communicator (at the latest the trainer's
+// per-step loss all-reduce, whose host-staged result is waited for) throws
+// it, and every later call repeats it. Host-staged calls, barrier() and
+// blocking mode wait inline, with the same checks.
 //
 // Host pointers (e.g. the trainer's loss scalar) are staged through a
 // device buffer. A world of one needs no NCCL at all: copies on the compute
@@ -28,8 +37,13 @@
 #include <nccl.h>
 
 #include <chrono>
+#include <condition_variable>
+#include <cstdlib>
 #include <cstring>
+#include <deque>
+#include <mutex>
 #include <thread>
+#include <vector>
 
 #include "core/common/error.h"
 #include "kernels/cuda/cuda_backend.h"
@@ -74,9 +88,22 @@ class NcclCommunicator final : public Communicator {
     be_->make_current();
     TR_CUDA_CHECK(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming));
     TR_CUDA_CHECK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming));
+    const char* b = std::getenv("TRAINRUN_NCCL_BLOCKING");
+    stream_ordered_ = !(b && *b && std::strcmp(b, "0") != 0);
+    if (comm_ && world_ > 1 && stream_ordered_) watchdog_ = std::thread([this] { watchdog_loop(); });
   }
 
   ~NcclCommunicator() override {
+    if (watchdog_.joinable()) {
+      {
+        std::lock_guard<std::mutex> lk(wd_mu_);
+        wd_stop_ = true;
+      }
+      wd_cv_.notify_all();
+      watchdog_.join();
+    }
+    for (const Pending& p : pending_) free_events_.push_back(p.ev);
+    for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
     if (comm_ && broken_.empty()) {
       // Flush, then destroy; a peer that is gone makes finalize hang: abort then.
       ncclResult_t st = ncclCommFinalize(comm_);
@@ -104,7 +131,9 @@ class NcclCommunicator final : public Communicator {
     if (count == 0 || world_ == 1) return;  // Sum, Avg and Max over one rank: the identity
     const size_t bytes = size_t(count) * 4;
     Staged s = stage(buf, bytes, true);
-    run(what, [&] { return ncclAllReduce(s.dev, s.dev, size_t(count), ncclFloat, nccl_op(op), comm_, stream()); });
+    // Staged (host memory): wait here, the caller reads the result next.
+    run(what, [&] { return ncclAllReduce(s.dev, s.dev, size_t(count), ncclFloat, nccl_op(op), comm_, stream()); },
+        s.staged);
     unstage(s, buf, bytes);
   }
 
@@ -130,7 +159,7 @@ class NcclCommunicator final : public Communicator {
     char* slice = static_cast<char*>(s) + size_t(rank_) * bytes;
     run(what, [&] {
       return ncclReduceScatter(s, slice, size_t(count_per_rank), ncclFloat, nccl_op(op), comm_, stream());
-    });
+    }, true);
     copy_out(out, slice, bytes);
   }
 
@@ -147,7 +176,7 @@ class NcclCommunicator final : public Communicator {
     void* s = staging(out_bytes);
     char* smine = static_cast<char*>(s) + size_t(rank_) * bytes_per_rank;
     copy_in(smine, in, bytes_per_rank);
-    run(what, [&] { return ncclAllGather(smine, s, bytes_per_rank, ncclInt8, comm_, stream()); });
+    run(what, [&] { return ncclAllGather(smine, s, bytes_per_rank, ncclInt8, comm_, stream()); }, true);
     copy_out(out, s, out_bytes);
   }
 
@@ -157,7 +186,7 @@ class NcclCommunicator final : public Communicator {
     TR_CHECK(root >= 0 && root < world_, where(what), ": root ", root, " is not a rank of a group of ", world_);
     if (bytes == 0 || world_ == 1) return;
     Staged s = stage(buf, bytes, rank_ == root);
-    run(what, [&] { return ncclBroadcast(s.dev, s.dev, bytes, ncclInt8, root, comm_, stream()); });
+    run(what, [&] { return ncclBroadcast(s.dev, s.dev, bytes, ncclInt8, root, comm_, stream()); }, s.staged);
     unstage(s, buf, bytes);
   }
 
@@ -166,7 +195,8 @@ class NcclCommunicator final : public Communicator {
     check_usable(what);
     if (world_ == 1) return;
     void* s = staging(4);
-    run(what, [&] { return ncclAllReduce(s, s, 1, ncclFloat, ncclSum, comm_, stream()); });
+    // A barrier is a host-side promise: wait for it here.
+    run(what, [&] { return ncclAllReduce(s, s, 1, ncclFloat, ncclSum, comm_, stream()); }, true);
   }
 
  private:
@@ -185,6 +215,7 @@ class NcclCommunicator final : public Communicator {
 
   void check_usable(const char* op) {
     be_->make_current();
+    std::lock_guard<std::mutex> lk(comm_mu_);
     if (!broken_.empty()) TR_FAIL(where(op), ": the communicator is unusable after an earlier failure: ", broken_);
   }
 
@@ -229,11 +260,17 @@ class NcclCommunicator final : public Communicator {
     if (!is_device_pointer(out) || !is_device_pointer(in)) TR_CUDA_CHECK(cudaStreamSynchronize(be_->compute_stream()));
   }
 
-  // Orders the comm stream after the compute stream, enqueues `enqueue` as a
-  // group, and waits (watchdog) until it has finished on the GPU.
+  // Orders the comm stream after the compute stream and enqueues `enqueue`
+  // as a group. Stream-ordered (the default, see the top): the compute
+  // stream waits for it on the GPU, the watchdog times it, and the call
+  // returns at once. `blocking` (or TRAINRUN_NCCL_BLOCKING=1): waits here,
+  // with the same checks, until it has finished on the GPU.
   template <typename F>
-  void run(const char* what, F&& enqueue) {
+  void run(const char* what, F&& enqueue, bool blocking = false) {
     const auto t0 = Clock::now();
+    // Held while comm_ is used: the watchdog aborts (and clears comm_) under it.
+    std::lock_guard<std::mutex> lk(comm_mu_);
+    if (!broken_.empty()) TR_FAIL(where(what), ": the communicator is unusable after an earlier failure: ", broken_);
     TR_CUDA_CHECK(cudaEventRecord(ready_, be_->compute_stream()));
     TR_CUDA_CHECK(cudaStreamWaitEvent(stream(), ready_, 0));
     ncclResult_t r = ncclGroupStart();
@@ -252,6 +289,17 @@ class NcclCommunicator final : public Communicator {
         fail(what, detail::cat("NCCL error: ", ncclGetErrorString(st), " (", ncclGetLastError(comm_), ")"));
       return true;
     });
+    if (stream_ordered_ && !blocking && watchdog_.joinable()) {
+      cudaEvent_t ev = take_event();
+      TR_CUDA_CHECK(cudaEventRecord(ev, stream()));
+      TR_CUDA_CHECK(cudaStreamWaitEvent(be_->compute_stream(), ev, 0));
+      {
+        std::lock_guard<std::mutex> wl(wd_mu_);
+        pending_.push_back(Pending{ev, t0, where(what)});
+      }
+      wd_cv_.notify_one();
+      return;
+    }
     TR_CUDA_CHECK(cudaEventRecord(done_, stream()));
     wait_for(what, t0, [&] {
       const cudaError_t q = cudaEventQuery(done_);
@@ -262,6 +310,88 @@ class NcclCommunicator final : public Communicator {
         fail(what, detail::cat("NCCL error: ", ncclGetErrorString(st), " (", ncclGetLastError(comm_), ")"));
       return false;
     });
+  }
+
+  // ---- the watchdog of stream-ordered collectives --------------------------------
+  struct Pending {
+    cudaEvent_t ev;
+    Clock::time_point t0;
+    std::string where;  // "nccl all_gather (step 12, rank 1 of 4)"
+  };
+
+  cudaEvent_t take_event() {
+    {
+      std::lock_guard<std::mutex> lk(wd_mu_);
+      if (!free_events_.empty()) {
+        cudaEvent_t e = free_events_.back();
+        free_events_.pop_back();
+        return e;
+      }
+    }
+    cudaEvent_t e = nullptr;
+    TR_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    return e;
+  }
+
+  // The comm stream runs in order, so only the oldest pending collective can
+  // be the one that hangs: poll it every millisecond until it completes, NCCL
+  // reports an error, or it passes the timeout (then abort).
+  void watchdog_loop() {
+    cudaSetDevice(be_->device());
+    std::unique_lock<std::mutex> lk(wd_mu_);
+    while (!wd_stop_) {
+      if (pending_.empty()) {
+        wd_cv_.wait(lk);
+        continue;
+      }
+      const Pending p = pending_.front();
+      lk.unlock();
+      std::string failure;
+      const cudaError_t q = cudaEventQuery(p.ev);
+      if (q != cudaSuccess) {
+        if (q != cudaErrorNotReady) {
+          failure = detail::cat("CUDA error while waiting: ", cudaGetErrorName(q), ": ", cudaGetErrorString(q));
+          cudaGetLastError();
+        } else if (Clock::now() - p.t0 > timeout_) {
+          failure = detail::cat("timed out after ", seconds(timeout_),
+                                "; a peer may be hung or dead (see its log), or parallel.timeout_s is too short");
+        } else {
+          // Skipped while a caller holds the communicator: it checks itself.
+          std::unique_lock<std::mutex> cl(comm_mu_, std::try_to_lock);
+          ncclResult_t st = ncclSuccess;
+          if (cl.owns_lock() && comm_ && ncclCommGetAsyncError(comm_, &st) == ncclSuccess && st != ncclSuccess &&
+              st != ncclInProgress)
+            failure = detail::cat("NCCL error: ", ncclGetErrorString(st), " (", ncclGetLastError(comm_), ")");
+        }
+      }
+      if (!failure.empty()) abort_from_watchdog(p.where + ": " + failure);
+      lk.lock();
+      if (q == cudaSuccess || !failure.empty()) {
+        // Completed; or aborted, after which every pending event completes
+        // (the NCCL kernels exit) and nothing more is owed to anyone.
+        if (!failure.empty()) {
+          for (const Pending& x : pending_) free_events_.push_back(x.ev);
+          pending_.clear();
+        } else {
+          pending_.pop_front();
+          free_events_.push_back(p.ev);
+        }
+        continue;
+      }
+      wd_cv_.wait_for(lk, std::chrono::milliseconds(1));
+    }
+  }
+
+  void abort_from_watchdog(const std::string& msg) {
+    std::lock_guard<std::mutex> lk(comm_mu_);
+    if (!broken_.empty()) return;
+    broken_ = msg;
+    if (comm_) {
+      ncclCommAbort(comm_);
+      comm_ = nullptr;
+      broken_ += "; the NCCL communicator was aborted (ncclCommAbort)";
+    }
+    TR_CUDA_LOG_WARN(broken_);
   }
 
   // Polls `done` (spinning briefly, then sleeping up to 1 ms) until it says
@@ -300,7 +430,16 @@ class NcclCommunicator final : public Communicator {
   cudaEvent_t ready_ = nullptr, done_ = nullptr;
   void* staging_ = nullptr;
   size_t staging_bytes_ = 0;
+  bool stream_ordered_ = true;
+  std::mutex comm_mu_;  // guards comm_ and broken_ between the caller and the watchdog
   std::string broken_;
+  // The watchdog (stream-ordered mode, world > 1).
+  std::thread watchdog_;
+  std::mutex wd_mu_;
+  std::condition_variable wd_cv_;
+  bool wd_stop_ = false;
+  std::deque<Pending> pending_;
+  std::vector<cudaEvent_t> free_events_;
 };
 
 }  // namespace

@@ -43,7 +43,7 @@ class ReplicatedStore final : public ParamStore {
   void finish_grads() override {
     if (comm_->world_size() == 1) return;
     auto t0 = std::chrono::steady_clock::now();
-    be_->synchronize();
+    // Ordered after the backward by the communicator itself (no host sync).
     comm_->all_reduce(grads_.as<float>(), layout_.total, ReduceOp::Sum);
     wait_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }

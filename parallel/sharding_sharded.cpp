@@ -214,8 +214,10 @@ class ShardedStore final : public ParamStore {
       in_flight_.pop_front();
     }
     in_flight_.push_back(u);
+    // No host sync: the communicator orders the collective after the
+    // backward kernels that produced `full` (and NCCL's is stream-ordered:
+    // accumulate and whoever gets `full` from the pool next run after it).
     U.reduced = comm_.submit([this, full, shard, tmp, S] {
-      be_->synchronize();
       shard_comm_->reduce_scatter(tmp, full, S, ReduceOp::Sum);
       be_->accumulate(shard, tmp, S);
       pool_.put(full, S * G_ * 4);
