@@ -16,10 +16,13 @@
 // its output, and the call returns as soon as the work is enqueued: no host
 // sync in the step. Buffers released after the call go back to the caching
 // allocator, whose next user enqueues on the compute stream, behind that
-// wait. Overlap with compute comes from the sharded store's communication
-// thread issuing the next unit's collective while the compute thread
-// enqueues the current one. TRAINRUN_NCCL_BLOCKING=1 makes every call wait
-// on the host until its collective has finished (for debugging).
+// wait. What this does not give yet is overlap: the compute stream waits
+// for a collective right where it is issued, so kernels enqueued after it
+// (by the compute thread, while the sharded store's communication thread
+// issues the next unit's all-gather) wait too. Real overlap needs the wait
+// placed where the result is used, and the buffer pool to track the events
+// of the collectives still reading its blocks. TRAINRUN_NCCL_BLOCKING=1
+// makes every call wait on the host until its collective has finished.
 //
 // Watchdog: a thread per communicator polls the pending collectives' events
 // (oldest first) and ncclCommGetAsyncError. When NCCL reports an error, or a
