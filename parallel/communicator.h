@@ -25,6 +25,16 @@ namespace trainrun {
 
 enum class ReduceOp { Sum, Avg, Max };
 
+// A collective whose result the compute stream has not been told to wait
+// for yet (see Communicator::all_gather_deferred).
+class PendingCollective {
+ public:
+  virtual ~PendingCollective() = default;
+  // Ops enqueued on the compute stream from now on run after the
+  // collective. Call it before reading the result or handing its buffer on.
+  virtual void order_compute_after() = 0;
+};
+
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -40,6 +50,15 @@ class Communicator {
   // in: bytes_per_rank; out: world_size * bytes_per_rank, rank r's at r*bytes_per_rank.
   // `in` may alias out + rank*bytes_per_rank (in-place all-gather).
   virtual void all_gather(void* out, const void* in, size_t bytes_per_rank) = 0;
+  // all_gather whose completion the compute stream waits for only at the
+  // returned handle's order_compute_after(), so compute enqueued in between
+  // overlaps it (the sharded store's prefetch). `out` must not be touched by
+  // the compute stream until then. Null: it already completed (every
+  // synchronous communicator, and the default).
+  virtual std::unique_ptr<PendingCollective> all_gather_deferred(void* out, const void* in, size_t bytes_per_rank) {
+    all_gather(out, in, bytes_per_rank);
+    return nullptr;
+  }
   virtual void broadcast(void* buf, size_t bytes, int root) = 0;
   virtual void barrier() = 0;
   // For error messages: the training step in progress.

@@ -83,6 +83,27 @@ ncclRedOp_t nccl_op(ReduceOp op) {
   return ncclSum;
 }
 
+// The compute stream's wait for one deferred collective (its own event).
+class DeferredWait final : public PendingCollective {
+ public:
+  DeferredWait(CudaBackend* be, cudaEvent_t ev) : be_(be), ev_(ev) {}
+  ~DeferredWait() override {
+    // Never waited for (an error path): the event goes when the GPU is done.
+    if (ev_) cudaEventDestroy(ev_);
+  }
+  void order_compute_after() override {
+    if (!ev_) return;
+    be_->make_current();
+    TR_CUDA_CHECK(cudaStreamWaitEvent(be_->compute_stream(), ev_, 0));
+    cudaEventDestroy(ev_);  // released once the GPU has passed it
+    ev_ = nullptr;
+  }
+
+ private:
+  CudaBackend* be_;
+  cudaEvent_t ev_;
+};
+
 class NcclCommunicator final : public Communicator {
  public:
   NcclCommunicator(CudaBackend* be, ncclComm_t comm, int rank, int world, std::string prefix,
@@ -183,6 +204,22 @@ class NcclCommunicator final : public Communicator {
     copy_out(out, s, out_bytes);
   }
 
+  // Stream-ordered like all_gather, but the compute stream's wait is the
+  // handle's (a second event recorded after the collective on the comm stream).
+  std::unique_ptr<PendingCollective> all_gather_deferred(void* out, const void* in, size_t bytes_per_rank) override {
+    const char* what = "all_gather";
+    if (!stream_ordered_ || world_ == 1 || bytes_per_rank == 0 || !is_device_pointer(in) || !is_device_pointer(out)) {
+      all_gather(out, in, bytes_per_rank);
+      return nullptr;
+    }
+    check_usable(what);
+    cudaEvent_t ev = nullptr;
+    TR_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+    auto pending = std::make_unique<DeferredWait>(be_, ev);
+    run(what, [&] { return ncclAllGather(in, out, bytes_per_rank, ncclInt8, comm_, stream()); }, false, ev);
+    return pending;
+  }
+
   void broadcast(void* buf, size_t bytes, int root) override {
     const char* what = "broadcast";
     check_usable(what);
@@ -268,8 +305,10 @@ class NcclCommunicator final : public Communicator {
   // stream waits for it on the GPU, the watchdog times it, and the call
   // returns at once. `blocking` (or TRAINRUN_NCCL_BLOCKING=1): waits here,
   // with the same checks, until it has finished on the GPU.
+  // `deferred`: an event to record after the collective in place of the
+  // compute stream's wait (all_gather_deferred); the caller owns it.
   template <typename F>
-  void run(const char* what, F&& enqueue, bool blocking = false) {
+  void run(const char* what, F&& enqueue, bool blocking = false, cudaEvent_t deferred = nullptr) {
     const auto t0 = Clock::now();
     // Held while comm_ is used: the watchdog aborts (and clears comm_) under it.
     std::lock_guard<std::mutex> lk(comm_mu_);
@@ -295,7 +334,11 @@ class NcclCommunicator final : public Communicator {
     if (stream_ordered_ && !blocking && watchdog_.joinable()) {
       cudaEvent_t ev = take_event();
       TR_CUDA_CHECK(cudaEventRecord(ev, stream()));
-      TR_CUDA_CHECK(cudaStreamWaitEvent(be_->compute_stream(), ev, 0));
+      if (deferred) {
+        TR_CUDA_CHECK(cudaEventRecord(deferred, stream()));
+      } else {
+        TR_CUDA_CHECK(cudaStreamWaitEvent(be_->compute_stream(), ev, 0));
+      }
       {
         std::lock_guard<std::mutex> wl(wd_mu_);
         pending_.push_back(Pending{ev, t0, where(what)});
@@ -304,6 +347,7 @@ class NcclCommunicator final : public Communicator {
       return;
     }
     TR_CUDA_CHECK(cudaEventRecord(done_, stream()));
+    if (deferred) TR_CUDA_CHECK(cudaEventRecord(deferred, stream()));  // already waited for here
     wait_for(what, t0, [&] {
       const cudaError_t q = cudaEventQuery(done_);
       if (q == cudaSuccess) return true;

@@ -80,6 +80,9 @@ struct Unit {
   int64_t padded_off = 0;         // offset in the replicated padded params (shard_grad_op)
   void* full = nullptr;           // gathered params (full_shard), padded, act dtype
   std::shared_future<void> gathered;
+  // Its all-gather, issued by the comm thread; the compute stream waits for
+  // it when the unit is acquired (NCCL overlap; null for Gloo).
+  std::shared_ptr<PendingCollective> gather_op;
   bool gathering = false;
   int holders = 0;
   float* full_grad = nullptr;     // padded fp32 gradient during backward
@@ -168,6 +171,7 @@ class ShardedStore final : public ParamStore {
     Unit& U = units_[u];
     start_gather(u);
     wait(U.gathered);
+    order_compute_after_gather(U);
     U.holders++;
     // Advance the pass sequence and queue the next unit's gather behind this one.
     while (pos_ < seq_.size() && seq_[pos_] != u) ++pos_;
@@ -376,8 +380,21 @@ class ShardedStore final : public ParamStore {
                       U.shard_off * es_;
     void* dst = U.full;
     const size_t bytes = U.shard * es_;
-    U.gathered = comm_.submit([this, dst, src, bytes] { shard_comm_->all_gather(dst, src, bytes); });
+    // Deferred: compute enqueued until the unit is acquired overlaps it.
+    // (Its output is a pool block nobody else touches until then.)
+    Unit* up = &U;
+    U.gathered = comm_.submit([this, up, dst, src, bytes] {
+      up->gather_op = shard_comm_->all_gather_deferred(dst, src, bytes);
+    });
     U.gathering = true;
+  }
+  // After U.gathered: what the compute stream must wait for before reading
+  // U.full or handing it back to the pool (set by the comm thread, visible
+  // here through the future).
+  void order_compute_after_gather(Unit& U) {
+    if (!U.gather_op) return;
+    U.gather_op->order_compute_after();
+    U.gather_op.reset();
   }
   void wait(const std::shared_future<void>& f) {
     auto t0 = Clock::now();
@@ -395,6 +412,7 @@ class ShardedStore final : public ParamStore {
       }
       if (u.gathering && u.holders == 0) {
         wait(u.gathered);
+        order_compute_after_gather(u);  // before its buffer can be reused
         pool_.put(u.full, u.shard * G_ * es_);
         u.full = nullptr;
         u.gathering = false;
