@@ -16,13 +16,14 @@
 // its output, and the call returns as soon as the work is enqueued: no host
 // sync in the step. Buffers released after the call go back to the caching
 // allocator, whose next user enqueues on the compute stream, behind that
-// wait. What this does not give yet is overlap: the compute stream waits
-// for a collective right where it is issued, so kernels enqueued after it
-// (by the compute thread, while the sharded store's communication thread
-// issues the next unit's all-gather) wait too. Real overlap needs the wait
-// placed where the result is used, and the buffer pool to track the events
-// of the collectives still reading its blocks. TRAINRUN_NCCL_BLOCKING=1
-// makes every call wait on the host until its collective has finished.
+// wait. all_gather_deferred is the exception that gives overlap: the
+// compute stream waits for it only where the sharded store acquires the
+// unit, so the block in between runs alongside the next unit's all-gather.
+// Reduce-scatters are still waited for where they are issued (their output
+// is accumulated on the compute stream right away), so in backward the
+// compute stream and the gradient reduction take turns.
+// TRAINRUN_NCCL_BLOCKING=1 makes every call wait on the host until its
+// collective has finished.
 //
 // Watchdog: a thread per communicator polls the pending collectives' events
 // (oldest first) and ncclCommGetAsyncError. When NCCL reports an error, or a
