@@ -59,6 +59,14 @@ class Communicator {
     all_gather(out, in, bytes_per_rank);
     return nullptr;
   }
+  // reduce_scatter whose completion the compute stream waits for only at
+  // the handle's order_compute_after(): until then `out` must not be read
+  // and `in` must not be written by the compute stream. Null: completed.
+  virtual std::unique_ptr<PendingCollective> reduce_scatter_deferred(float* out, const float* in,
+                                                                     int64_t count_per_rank, ReduceOp op) {
+    reduce_scatter(out, in, count_per_rank, op);
+    return nullptr;
+  }
   virtual void broadcast(void* buf, size_t bytes, int root) = 0;
   virtual void barrier() = 0;
   // For error messages: the training step in progress.

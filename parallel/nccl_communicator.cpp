@@ -18,10 +18,10 @@
 // allocator, whose next user enqueues on the compute stream, behind that
 // wait. all_gather_deferred is the exception that gives overlap: the
 // compute stream waits for it only where the sharded store acquires the
-// unit, so the block in between runs alongside the next unit's all-gather.
-// Reduce-scatters are still waited for where they are issued (their output
-// is accumulated on the compute stream right away), so in backward the
-// compute stream and the gradient reduction take turns.
+// unit, so the block in between runs alongside the next unit's all-gather;
+// reduce_scatter_deferred likewise lets a unit's gradient reduction run
+// alongside the next unit's backward (the store waits, accumulates and
+// recycles the buffer when it takes the next reduction).
 // TRAINRUN_NCCL_BLOCKING=1 makes every call wait on the host until its
 // collective has finished.
 //
@@ -218,6 +218,23 @@ class NcclCommunicator final : public Communicator {
     TR_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
     auto pending = std::make_unique<DeferredWait>(be_, ev);
     run(what, [&] { return ncclAllGather(in, out, bytes_per_rank, ncclInt8, comm_, stream()); }, false, ev);
+    return pending;
+  }
+
+  std::unique_ptr<PendingCollective> reduce_scatter_deferred(float* out, const float* in, int64_t count_per_rank,
+                                                             ReduceOp op) override {
+    const char* what = "reduce_scatter";
+    if (!stream_ordered_ || world_ == 1 || count_per_rank <= 0 || !is_device_pointer(in) || !is_device_pointer(out)) {
+      reduce_scatter(out, in, count_per_rank, op);
+      return nullptr;
+    }
+    check_usable(what);
+    cudaEvent_t ev = nullptr;
+    TR_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+    auto pending = std::make_unique<DeferredWait>(be_, ev);
+    run(what, [&] {
+      return ncclReduceScatter(in, out, size_t(count_per_rank), ncclFloat, nccl_op(op), comm_, stream());
+    }, false, ev);
     return pending;
   }
 

@@ -219,12 +219,14 @@ class ShardedStore final : public ParamStore {
     }
     in_flight_.push_back(u);
     // No host sync: the communicator orders the collective after the
-    // backward kernels that produced `full` (and NCCL's is stream-ordered:
-    // accumulate and whoever gets `full` from the pool next run after it).
+    // backward kernels that produced `full`. Deferred (NCCL): the compute
+    // stream waits for it only when the comm thread takes the next unit's
+    // reduction (or drain() flushes it), so it overlaps the next block's
+    // backward; only then is it accumulated and `full` handed back.
     U.reduced = comm_.submit([this, full, shard, tmp, S] {
-      shard_comm_->reduce_scatter(tmp, full, S, ReduceOp::Sum);
-      be_->accumulate(shard, tmp, S);
-      pool_.put(full, S * G_ * 4);
+      finish_reduce();  // the previous unit's: tmp is free again after it
+      pending_reduce_ = {shard_comm_->reduce_scatter_deferred(tmp, full, S, ReduceOp::Sum), full, shard, S};
+      if (!pending_reduce_.op) finish_reduce();  // it completed already (Gloo)
     });
     U.reducing = true;
     // The last unit of backward is the embeddings: everything is queued.
@@ -396,6 +398,16 @@ class ShardedStore final : public ParamStore {
     U.gather_op->order_compute_after();
     U.gather_op.reset();
   }
+  // On the comm thread only: wait (on the GPU) for the last deferred
+  // reduce-scatter, accumulate its shard and return its full buffer.
+  void finish_reduce() {
+    PendingReduce& p = pending_reduce_;
+    if (!p.full) return;
+    if (p.op) p.op->order_compute_after();
+    be_->accumulate(p.shard, tmp_.as<float>(), p.S);
+    pool_.put(p.full, p.S * G_ * 4);
+    p = PendingReduce{};
+  }
   void wait(const std::shared_future<void>& f) {
     auto t0 = Clock::now();
     f.get();  // rethrows the collective's Error (timeout, dead peer)
@@ -405,6 +417,7 @@ class ShardedStore final : public ParamStore {
   // Wait for every queued collective (reduce-scatters, stray prefetches).
   void drain() {
     in_flight_.clear();
+    run([this] { finish_reduce(); });  // through the comm thread: it owns pending_reduce_
     for (auto& u : units_) {
       if (u.reducing) {
         u.reducing = false;
@@ -436,6 +449,13 @@ class ShardedStore final : public ParamStore {
   BufferPool pool_;
   CommWorker comm_;  // declared last: destroyed first, after drain()
   static constexpr size_t kMaxPendingReduces = 2;
+  struct PendingReduce {
+    std::unique_ptr<PendingCollective> op;
+    float* full = nullptr;
+    float* shard = nullptr;
+    int64_t S = 0;
+  };
+  PendingReduce pending_reduce_;  // the comm thread's; see finish_reduce()
   std::deque<int> in_flight_;  // units whose reduce-scatter is queued, oldest first
   std::vector<int> seq_;
   size_t pos_ = 0;

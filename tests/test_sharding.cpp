@@ -144,15 +144,19 @@ class LateGatherComm final : public Communicator {
   void broadcast(void*, size_t, int) override {}
   void barrier() override {}
 
+  // The collective "runs" at the wait: it copies `src` (read then, so a
+  // source overwritten early gives wrong values) or the data captured at
+  // the issue (a gather's shard, which may legitimately change afterwards).
   class Late final : public PendingCollective {
    public:
-    Late(LateGatherComm* c, void* out, std::vector<char> data) : c_(c), out_(out), data_(std::move(data)) {}
+    Late(LateGatherComm* c, void* out, const void* src, std::vector<char> data, size_t bytes)
+        : c_(c), out_(out), src_(src), data_(std::move(data)), bytes_(bytes) {}
     ~Late() override {
       if (!done_) ++c_->never_waited;
     }
     void order_compute_after() override {
       REQUIRE_FALSE(done_);
-      std::memcpy(out_, data_.data(), data_.size());
+      std::memcpy(out_, src_ ? src_ : data_.data(), bytes_);
       done_ = true;
       ++c_->waited;
     }
@@ -160,16 +164,29 @@ class LateGatherComm final : public Communicator {
    private:
     LateGatherComm* c_;
     void* out_;
+    const void* src_;
     std::vector<char> data_;
+    size_t bytes_;
     bool done_ = false;
   };
+  static void poison(void* p, size_t bytes) {
+    std::vector<float> nan(bytes / 4, std::nanf(""));
+    std::memcpy(p, nan.data(), nan.size() * 4);
+  }
   std::unique_ptr<PendingCollective> all_gather_deferred(void* out, const void* in, size_t bytes) override {
     ++issued;
     std::vector<char> data(static_cast<const char*>(in), static_cast<const char*>(in) + bytes);
-    std::vector<float> nan(bytes / 4, std::nanf(""));
-    std::memcpy(out, nan.data(), nan.size() * 4);
-    return std::make_unique<Late>(this, out, std::move(data));
+    poison(out, bytes);
+    return std::make_unique<Late>(this, out, nullptr, std::move(data), bytes);
   }
+  std::unique_ptr<PendingCollective> reduce_scatter_deferred(float* out, const float* in, int64_t n,
+                                                             ReduceOp) override {
+    ++issued;
+    ++reduces;
+    poison(out, size_t(n) * 4);
+    return std::make_unique<Late>(this, out, in, std::vector<char>(), size_t(n) * 4);
+  }
+  int reduces = 0;
 };
 
 std::vector<double> train_steps(ParamStore& store, GPT2& model, Backend* be, const GPT2Config& cfg, int B) {
@@ -204,7 +221,7 @@ std::vector<double> train_steps(ParamStore& store, GPT2& model, Backend* be, con
 }
 }  // namespace
 
-TEST_CASE("sharding: full_shard waits for each deferred all-gather before using or reusing its buffer",
+TEST_CASE("sharding: full_shard waits for each deferred all-gather and reduce-scatter before using or reusing its buffers",
           "[sharding]") {
   GPT2Config cfg;
   cfg.L = 3;
@@ -238,6 +255,7 @@ TEST_CASE("sharding: full_shard waits for each deferred all-gather before using 
         CHECK(std::abs(got[i] - ref[i]) <= 1e-5 * std::abs(ref[i]));
       }
       CHECK(comm.issued > 0);
+      CHECK(comm.reduces > 0);
     }  // the store drains: every issued gather has been waited for
     CHECK(comm.waited == comm.issued);
     CHECK(comm.never_waited == 0);
