@@ -53,6 +53,10 @@ CudaBackend::~CudaBackend() {
   if (cudaGetDevice(&cur) == cudaSuccess && cur != device_) cudaSetDevice(device_);
   if (compute_) cudaStreamSynchronize(compute_);
   if (comm_) cudaStreamSynchronize(comm_);
+  for (PinnedSlot& s : pinned_) {
+    if (s.p) cudaFreeHost(s.p);
+    if (s.read) cudaEventDestroy(s.read);
+  }
   gemm_.reset();
   alloc_.reset();
   if (comm_) cudaStreamDestroy(comm_);
@@ -79,15 +83,44 @@ void CudaBackend::free(void* p) { alloc_->release(p); }
 void CudaBackend::copy_to_device(void* dst, const void* src, size_t bytes) {
   if (!bytes) return;
   make_current();
-  // From pageable memory the driver has staged the bytes when the call
-  // returns, so the caller may reuse `src`; from pinned memory it has not.
-  TR_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, compute_));
   cudaPointerAttributes attr{};
+  bool pinned = false;
   if (cudaPointerGetAttributes(&attr, src) != cudaSuccess) {
     cudaGetLastError();  // an unknown pointer is plain pageable memory: not an error to keep
-  } else if (attr.type == cudaMemoryTypeHost) {
-    TR_CUDA_CHECK(cudaStreamSynchronize(compute_));
+  } else {
+    pinned = attr.type == cudaMemoryTypeHost;
   }
+  if (pinned) {
+    // The DMA reads `src` later: wait, since the caller may reuse it at once.
+    TR_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, compute_));
+    TR_CUDA_CHECK(cudaStreamSynchronize(compute_));
+    return;
+  }
+  if (bytes > kMaxPinnedCopy) {
+    // Large one-off copies (loading weights): the driver stages them and
+    // may synchronise the stream first, which costs nothing here.
+    TR_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, compute_));
+    return;
+  }
+  // Small, frequent copies (every micro-batch's tokens): through a pinned
+  // slot, so the DMA is truly asynchronous. From pageable memory the driver
+  // may first wait for the whole stream to drain (CUDA's "API
+  // synchronization behavior"): a host wait in every micro-batch, during
+  // which the GPU runs out of queued work.
+  PinnedSlot& slot = pinned_[next_pinned_];
+  next_pinned_ = (next_pinned_ + 1) % kPinnedSlots;
+  if (slot.read) TR_CUDA_CHECK(cudaEventSynchronize(slot.read));  // its last DMA (kPinnedSlots copies ago)
+  if (slot.bytes < bytes) {
+    if (slot.p) TR_CUDA_CHECK(cudaFreeHost(slot.p));
+    slot.p = nullptr;
+    slot.bytes = 0;
+    TR_CUDA_CHECK(cudaHostAlloc(&slot.p, bytes, cudaHostAllocDefault));
+    slot.bytes = bytes;
+  }
+  if (!slot.read) TR_CUDA_CHECK(cudaEventCreateWithFlags(&slot.read, cudaEventDisableTiming));
+  std::memcpy(slot.p, src, bytes);
+  TR_CUDA_CHECK(cudaMemcpyAsync(dst, slot.p, bytes, cudaMemcpyHostToDevice, compute_));
+  TR_CUDA_CHECK(cudaEventRecord(slot.read, compute_));
 }
 
 void CudaBackend::copy_to_host(void* dst, const void* src, size_t bytes) {

@@ -115,6 +115,17 @@ class CudaBackend final : public Backend {
   bool bgrad_epilogue_ = false;  // TRAINRUN_CUDA_GEMM_BGRAD=1
   bool gelu_epilogue_ = true;    // TRAINRUN_CUDA_GEMM_GELU=0 turns the fused GELU epilogues off
   cudaStream_t compute_ = nullptr, comm_ = nullptr;
+  // Pinned staging for host->device copies of pageable memory (see
+  // copy_to_device): a ring of slots, each reused once its DMA has passed.
+  struct PinnedSlot {
+    void* p = nullptr;
+    size_t bytes = 0;
+    cudaEvent_t read = nullptr;  // recorded after the DMA that reads the slot
+  };
+  static constexpr int kPinnedSlots = 4;
+  static constexpr size_t kMaxPinnedCopy = size_t(16) << 20;
+  PinnedSlot pinned_[kPinnedSlots];
+  int next_pinned_ = 0;
   std::unique_ptr<DeviceAllocator> alloc_;
   std::unique_ptr<Gemm> gemm_;
 };
