@@ -32,15 +32,7 @@ using json = nlohmann::json;
 
 namespace {
 
-GPT2Config small_cfg(int L, int NH, int C, int V, int T) {
-  GPT2Config c;
-  c.L = L;
-  c.NH = NH;
-  c.C = C;
-  c.V = V;
-  c.T = T;
-  return c;
-}
+GPT2Config small_cfg(int L, int NH, int C, int V, int T) { return GPT2Config::of(L, NH, C, V, T); }
 
 // Every parameter random (LayerNorm gains around 1), so a transposed or
 // swapped tensor cannot go unnoticed.

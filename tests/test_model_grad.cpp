@@ -75,30 +75,12 @@ DeviceBuffer upload_i32(Backend* be, const Tokens& t) {
 Vec to_double(const std::vector<float>& f) { return Vec(f.begin(), f.end()); }
 
 // The tiny model of the gradient test.
-// A model shape for a test; init_std 0.3 (see tiny_config).
-GPT2Config config_of(int L, int NH, int C, int V, int T, double init_std = 0.3) {
-  GPT2Config c;
-  c.L = L;
-  c.NH = NH;
-  c.C = C;
-  c.V = V;
-  c.T = T;
-  c.init_std = init_std;
-  return c;
-}
+// A model shape for a test, init_std 0.3 (see tiny_config).
+GPT2Config config_of(int L, int NH, int C, int V, int T) { return GPT2Config::of(L, NH, C, V, T, 0.3); }
 
-GPT2Config tiny_config() {
-  GPT2Config c;
-  c.L = 2;
-  c.NH = 2;
-  c.C = 8;
-  c.V = 11;
-  c.T = 6;
-  // 0.3 instead of 0.02: with 0.02 the blocks are nearly the identity and most
-  // gradients are tiny, so a wrong term could hide below the tolerance.
-  c.init_std = 0.3;
-  return c;
-}
+// init_std 0.3 instead of 0.02: with 0.02 the blocks are nearly the identity
+// and most gradients are tiny, so a wrong term could hide below the tolerance.
+GPT2Config tiny_config() { return config_of(2, 2, 8, 11, 6); }
 
 // gpt2_init_params, then noise on the biases and LayerNorm parameters (which
 // the init sets to exactly 0 / 1): with zero biases a forward that dropped a

@@ -23,15 +23,7 @@ using Catch::Matchers::Contains;
 
 namespace {
 
-GPT2Config gpt2(int L, int NH, int C, int V, int T) {
-  GPT2Config c;
-  c.L = L;
-  c.NH = NH;
-  c.C = C;
-  c.V = V;
-  c.T = T;
-  return c;
-}
+GPT2Config gpt2(int L, int NH, int C, int V, int T) { return GPT2Config::of(L, NH, C, V, T); }
 
 ModelShape shape_of(const GPT2Config& c) {
   ModelSpec s;

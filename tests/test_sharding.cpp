@@ -223,12 +223,7 @@ std::vector<double> train_steps(ParamStore& store, GPT2& model, Backend* be, con
 
 TEST_CASE("sharding: full_shard waits for each deferred all-gather and reduce-scatter before using or reusing its buffers",
           "[sharding]") {
-  GPT2Config cfg;
-  cfg.L = 3;
-  cfg.NH = 2;
-  cfg.C = 16;
-  cfg.V = 29;
-  cfg.T = 8;
+  const GPT2Config cfg = GPT2Config::of(3, 2, 16, 29, 8);
   const int B = 2;
   std::vector<double> ref;
   {

@@ -24,6 +24,17 @@ struct GPT2Config {
   int L = 4, NH = 4, C = 128, V = 256, T = 128;  // maxT = position table size
   double init_std = 0.02;
   static GPT2Config from_spec(const ModelSpec& m);
+  // A shape by its numbers (tests, benchmarks).
+  static GPT2Config of(int L, int NH, int C, int V, int T, double init_std = 0.02) {
+    GPT2Config c;
+    c.L = L;
+    c.NH = NH;
+    c.C = C;
+    c.V = V;
+    c.T = T;
+    c.init_std = init_std;
+    return c;
+  }
   int64_t num_parameters() const;
 };
 
