@@ -27,6 +27,19 @@ namespace fs = std::filesystem;
 
 namespace {
 
+// XOR `mask` into the byte at `offset` (from the end when negative).
+void flip_bits(const std::string& path, std::streamoff offset, char mask) {
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  REQUIRE(f);
+  const auto dir = offset < 0 ? std::ios::end : std::ios::beg;
+  f.seekg(offset, dir);
+  char c = 0;
+  f.read(&c, 1);
+  c ^= mask;
+  f.seekp(offset, dir);
+  f.write(&c, 1);
+}
+
 // Units that do not divide evenly by 3 or 4 ranks; accumulation at world 1-2.
 std::string job_yaml(const std::string& dir, const std::string& strategy, const std::string& extra = "") {
   return "model: {n_layer: 2, n_head: 2, n_embd: 18, vocab_size: 23, seq_len: 12}\n"
@@ -152,15 +165,8 @@ TEST_CASE("checkpoint: damaged checkpoints are detected and auto-resume falls ba
   std::vector<Damage> damages = {
       {"truncated model file", [](const std::string& d) { fs::resize_file(d + "/model.safetensors", fs::file_size(d + "/model.safetensors") - 100); },
        "model.safetensors has"},
-      {"bit flip in the optimizer file", [](const std::string& d) {
-         std::fstream f(d + "/optimizer.safetensors", std::ios::in | std::ios::out | std::ios::binary);
-         f.seekg(2000);
-         char c;
-         f.read(&c, 1);
-         c ^= 0x10;
-         f.seekp(2000);
-         f.write(&c, 1);
-       }, "optimizer.safetensors: checksum mismatch"},
+      {"bit flip in the optimizer file", [](const std::string& d) { flip_bits(d + "/optimizer.safetensors", 2000, 0x10); },
+       "optimizer.safetensors: checksum mismatch"},
       {"missing manifest", [](const std::string& d) { fs::remove(d + "/manifest.json"); }, "manifest.json is missing"},
       {"missing data file", [](const std::string& d) { fs::remove(d + "/model.safetensors"); }, "model.safetensors is missing"},
       {"garbage manifest", [](const std::string& d) { test::write_file(d + "/manifest.json", "{not json"); }, "not valid JSON"},
@@ -203,15 +209,7 @@ TEST_CASE("checkpoint: a bad segment one rank reads makes every rank fall back",
   test::run_ranks_inprocess(job_for(dir / "r", "full_shard", 2, first), 2);
   REQUIRE(latest_of(dir / "r") == "step_00000010");
   const std::string bad = dir / "r/checkpoints/step_00000010/model.safetensors";
-  {
-    std::fstream f(bad, std::ios::in | std::ios::out | std::ios::binary);
-    f.seekg(-8, std::ios::end);
-    char c;
-    f.read(&c, 1);
-    c ^= 0x01;
-    f.seekp(-8, std::ios::end);
-    f.write(&c, 1);
-  }
+  flip_bits(bad, -8, 0x01);
   CHECK_THAT(Checkpointer::verify(dir / "r/checkpoints/step_00000010"), Contains("model.safetensors: checksum mismatch"));
   test::run_ranks_inprocess(job_for(dir / "r", "full_shard", 2, every5), 2);
   CHECK(weights_of(dir / "straight") == weights_of(dir / "r"));
@@ -242,15 +240,7 @@ TEST_CASE("checkpoint: a format 1 manifest (whole-file xxhash64) still verifies 
     CHECK(Checkpointer::verify(ck).empty());
   }
   // Damage the newest: detected with the same words, and auto falls back.
-  {
-    std::fstream f(run + "/checkpoints/step_00000010/optimizer.safetensors", std::ios::in | std::ios::out | std::ios::binary);
-    f.seekg(5000);
-    char c;
-    f.read(&c, 1);
-    c ^= 0x40;
-    f.seekp(5000);
-    f.write(&c, 1);
-  }
+  flip_bits(run + "/checkpoints/step_00000010/optimizer.safetensors", 5000, 0x40);
   CHECK_THAT(Checkpointer::verify(run + "/checkpoints/step_00000010"), Contains("optimizer.safetensors: checksum mismatch"));
   auto r = test::run_trainrun("--config " + dir / "job.yaml");
   INFO(r.err);
