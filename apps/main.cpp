@@ -263,7 +263,6 @@ int main(int argc, char** argv) {
   topo_cmd->add_flag("--json", to.json, "print the description and the decisions as JSON");
   topo_cmd->add_option("--save", to.save_file, "write the description to FILE (load it with --topology or parallel.topology_file)");
 
-  // Hidden: what the agent runs in each worker process (see core/launch/agent.h).
   auto* bench = app.add_subcommand("bench", "benchmarks that print a table");
   bench->require_subcommand(1);
   auto* bench_comm = bench->add_subcommand("comm", "all_reduce / reduce_scatter / all_gather bandwidth (nccl-tests style)");
@@ -290,6 +289,7 @@ int main(int argc, char** argv) {
   auto* probe_p2p = app.add_subcommand("probe-p2p", "");
   probe_p2p->group("");
 
+  // Hidden: what the agent runs in each worker process (see core/launch/agent.h).
   auto* worker = app.add_subcommand("worker", "");
   worker->group("");
   std::string wconfig;

@@ -183,6 +183,14 @@ PY
     tee "$OUTDIR/train_124m.log" | grep -E "step|error|memory|backend" | tail -12
   local train_rc=${PIPESTATUS[0]}
 
+  # NCCL bandwidth, when the machine has 2+ GPUs (one rank per GPU) ------------------------
+  local ngpu
+  ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
+  if [[ ${ngpu:-0} -ge 2 ]]; then
+    echo; echo "== extra: trainrun bench comm --backend cuda --nproc $ngpu"
+    timeout 120 "$B/bin/trainrun" bench comm --backend cuda --nproc "$ngpu" 2>&1 | tee "$OUTDIR/bench_comm_nccl.txt"
+  fi
+
   # summary ---------------------------------------------------------------------------------
   local card tps mfu peak=989.4
   card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)

@@ -13,6 +13,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -20,6 +21,7 @@
 #include "core/common/error.h"
 #include "parallel/communicator.h"
 #include "parallel/store.h"
+#include "tests/support/testutil.h"
 
 using namespace trainrun;
 using namespace std::chrono_literals;
@@ -531,4 +533,38 @@ TEST_CASE("communicator: gloo: bad arguments are rejected with an Error", "[comm
   });
   CHECK_THAT(msg, Catch::Contains("broadcast"));
   CHECK_THAT(msg, Catch::Contains("root 5"));
+}
+
+using Catch::Matchers::Contains;
+
+TEST_CASE("communicator: trainrun bench comm prints the nccl-tests style table, and refuses what it cannot run",
+          "[communicator]") {
+  auto r = test::run_trainrun("bench comm --nproc 2 --min-bytes 4096 --max-bytes 65536 --iters 3");
+  INFO(r.out << r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.out, Contains("backend cpu (gloo, TCP loopback), 2 ranks") && Contains("host memcpy bandwidth"));
+  // Three ops x three sizes (4, 16, 64 KiB), each row with finite positive figures.
+  int rows = 0;
+  std::istringstream in(r.out);
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("all_reduce", 0) != 0 && line.rfind("reduce_scatter", 0) != 0 && line.rfind("all_gather", 0) != 0)
+      continue;
+    ++rows;
+    std::istringstream f(line);
+    std::string op, num, unit;
+    double t = 0, algbw = 0, busbw = 0;
+    f >> op >> num >> unit >> t >> algbw >> busbw;
+    INFO(line);
+    CHECK(t > 0);
+    CHECK(algbw > 0);
+    CHECK(busbw > 0);
+  }
+  CHECK(rows == 9);
+  // NCCL needs a GPU per rank: a clear error here (the tests hide the GPUs).
+  r = test::run_trainrun("bench comm --backend cuda --nproc 2");
+  CHECK(r.exit_code == 1);
+  CHECK_THAT(r.err, Contains("bench comm: --backend cuda: no usable GPU"));
+  r = test::run_trainrun("bench comm --backend tpu");
+  CHECK(r.exit_code == 2);
+  CHECK_THAT(r.err, Contains("--backend"));
 }
