@@ -216,6 +216,38 @@ TEST_CASE("checkpoint: a bad segment one rank reads makes every rank fall back",
   CHECK(latest_of(dir / "r") == "step_00000020");
 }
 
+// Where staging the three state kinds would take too much host memory, the
+// load verifies first and then reads one kind at a time into the live state:
+// the same exact resume, and a bad segment is still caught before anything
+// goes live (a limit of 1 byte forces that path here).
+TEST_CASE("checkpoint: the memory-bounded load (verify, then kind by kind) resumes exactly and still falls back",
+          "[checkpoint]") {
+  struct Limit {
+    Limit() { ::setenv("TRAINRUN_CKPT_STAGE_LIMIT", "1", 1); }
+    ~Limit() { ::unsetenv("TRAINRUN_CKPT_STAGE_LIMIT"); }
+  } limit;
+  for (const char* strategy : {"full_shard", "hybrid_shard"}) {
+    INFO(strategy);
+    test::TempDir dir("ckpt");
+    test::run_ranks_inprocess(job_for(dir / "straight", strategy, 2), 2);
+    const std::vector<std::string> every5 = {"checkpoint.interval=5"};
+    auto first = every5;
+    first.push_back("train.exit_interval=10");
+    test::run_ranks_inprocess(job_for(dir / "r", strategy, 2, first), 2);
+    REQUIRE(latest_of(dir / "r") == "step_00000010");
+    flip_bits(dir / "r/checkpoints/step_00000010/optimizer.safetensors", -16, 0x02);
+    test::run_ranks_inprocess(job_for(dir / "r", strategy, 2, every5), 2);
+    CHECK(losses_of(dir / "straight") == losses_of(dir / "r"));
+    CHECK(weights_of(dir / "straight") == weights_of(dir / "r"));
+    CHECK(latest_of(dir / "r") == "step_00000020");
+  }
+  ::setenv("TRAINRUN_CKPT_STAGE_LIMIT", "lots", 1);
+  test::TempDir dir("ckpt");
+  test::run_ranks_inprocess(job_for(dir / "r", "no_shard", 1, {"train.exit_interval=10"}), 1);
+  CHECK_THROWS_WITH(test::run_ranks_inprocess(job_for(dir / "r", "no_shard", 1), 1),
+                    Contains("TRAINRUN_CKPT_STAGE_LIMIT='lots' is not a number of bytes"));
+}
+
 // Checkpoints written before per-segment checksums (format 1: one xxhash64
 // per whole file) still verify and resume.
 TEST_CASE("checkpoint: a format 1 manifest (whole-file xxhash64) still verifies and loads", "[checkpoint]") {

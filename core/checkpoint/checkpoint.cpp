@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
@@ -17,9 +18,10 @@
 
 #include "core/common/error.h"
 #include "core/common/fileio.h"
+#include "core/common/log.h"
 #include "core/io/safetensors.h"
 #include "core/model/model_io.h"
-#include "core/common/log.h"
+#include "core/train/planner.h"
 
 namespace fs = std::filesystem;
 using json = nlohmann::ordered_json;
@@ -28,6 +30,35 @@ using Clock = std::chrono::steady_clock;
 namespace trainrun {
 
 namespace {
+
+// Host memory one rank may use to stage a checkpoint while verifying it:
+// TRAINRUN_CKPT_STAGE_LIMIT (bytes) when set, else half of MemAvailable
+// shared by the ranks of this node (LOCAL_WORLD_SIZE), so that every rank of
+// a node staging at once still leaves half the memory free.
+uint64_t staging_limit_bytes() {
+  if (const char* v = std::getenv("TRAINRUN_CKPT_STAGE_LIMIT"); v && *v) {
+    char* end = nullptr;
+    const unsigned long long b = std::strtoull(v, &end, 10);
+    TR_CHECK(end && *end == 0, "environment variable TRAINRUN_CKPT_STAGE_LIMIT='", v,
+             "' is not a number of bytes");
+    return b;
+  }
+  uint64_t avail_kib = 0;
+  std::ifstream mi("/proc/meminfo");
+  for (std::string key; mi >> key;) {
+    uint64_t kib = 0;
+    std::string unit;
+    mi >> kib >> unit;
+    if (key == "MemAvailable:") {
+      avail_kib = kib;
+      break;
+    }
+  }
+  if (avail_kib == 0) return uint64_t(4) << 30;  // unknown: a modest default
+  int local = 1;
+  if (const char* v = std::getenv("LOCAL_WORLD_SIZE")) local = std::max(1, std::atoi(v));
+  return avail_kib * 1024 / 2 / uint64_t(local);
+}
 
 // 2: per-segment xxhash64 ("segments"); 1: one xxhash64 per file (still loaded).
 constexpr int kFormatVersion = 2;
@@ -610,15 +641,17 @@ std::vector<std::string> Checkpointer::resume_candidates() {
   return dirs;
 }
 
-std::string Checkpointer::read_verified(const std::string& dir, std::vector<std::vector<float>>& out) {
+std::string Checkpointer::read_verified(const std::string& dir, std::vector<std::vector<float>>* out) {
   try {
     std::vector<FileEntry> files;
     const std::string why = check_manifest(dir, nullptr, &files);
     if (!why.empty()) return why;
     size_t held = 0;
     for (const auto& r : held_ranges_) held += size_t(r.count);
-    out.assign(3, {});
-    for (auto& v : out) v.resize(held);
+    if (out) {
+      out->assign(3, {});
+      for (auto& v : *out) v.resize(held);
+    }
     const uint64_t mbase = model_header(cfg_, layout_).size(), obase = optimizer_header(layout_).size();
     Hasher h;
     std::vector<char> scratch;
@@ -637,7 +670,7 @@ std::string Checkpointer::read_verified(const std::string& dir, std::vector<std:
         size_t pos = 0;
         for (const auto& r : held_ranges_) {
           dests.push_back({base + uint64_t(r.global) * 4, uint64_t(r.count) * 4,
-                           reinterpret_cast<char*>(out[size_t(kind)].data() + pos)});
+                           out ? reinterpret_cast<char*>((*out)[size_t(kind)].data() + pos) : nullptr});
           pos += size_t(r.count);
         }
       }
@@ -665,7 +698,15 @@ std::string Checkpointer::read_verified(const std::string& dir, std::vector<std:
           // into it, the rest into scratch (verified, then dropped).
           h.reset();
           size_t k = d;
-          for (uint64_t at = g.offset; at < end;) {
+          if (!out) {  // verify only: the whole segment through scratch
+            for (uint64_t at = g.offset; at < end;) {
+              const uint64_t n = std::min<uint64_t>(end - at, kIoChunk);
+              scratch.resize(std::max<size_t>(scratch.size(), size_t(n)));
+              hashed_pread(fd, scratch.data(), n, at, path, h);
+              at += n;
+            }
+          }
+          for (uint64_t at = out ? g.offset : end; at < end;) {
             while (k < dests.size() && dests[k].off + dests[k].bytes <= at) ++k;
             if (k < dests.size() && dests[k].off <= at) {
               const uint64_t n = std::min(end, dests[k].off + dests[k].bytes) - at;
@@ -694,6 +735,32 @@ std::string Checkpointer::read_verified(const std::string& dir, std::vector<std:
     return "";
   } catch (const std::exception& e) {
     return std::string("unreadable: ") + e.what();
+  }
+}
+
+void Checkpointer::load_kind_by_kind(const std::string& dir, ParamStore& ps) {
+  size_t held = 0;
+  for (const auto& r : held_ranges_) held += size_t(r.count);
+  std::vector<float> buf(held);
+  const uint64_t mbase = model_header(cfg_, layout_).size(), obase = optimizer_header(layout_).size();
+  for (int kind = 0; kind < 3; ++kind) {
+    const std::string path = dir + "/" + kFileNames[kind == 0 ? 0 : 1];
+    const uint64_t base = (kind == 0 ? mbase : obase) + (kind == 2 ? uint64_t(layout_.total) * 4 : 0);
+    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    TR_CHECK_ERRNO(fd >= 0, "checkpoint: cannot open '", path, "'");
+    try {
+      size_t pos = 0;
+      for (const auto& r : held_ranges_) {
+        pread_all(fd, reinterpret_cast<char*>(buf.data() + pos), size_t(r.count) * 4,
+                  off_t(base + uint64_t(r.global) * 4), path);
+        pos += size_t(r.count);
+      }
+    } catch (...) {
+      ::close(fd);
+      throw;
+    }
+    ::close(fd);
+    ps.set_state(kind, buf);
   }
 }
 
@@ -769,8 +836,17 @@ bool Checkpointer::load(ParamStore& ps, TrainState& st) {
     check_same("vocab_size", cfg_.V);
     check_same("seq_len", cfg_.T);
 
+    // One pass (verify while reading into staging, then go live) needs the
+    // rank's three state kinds in host memory at once. Where that would not
+    // fit comfortably (big hybrid_shard/no_shard ranks, several per node),
+    // verify first and then load kind by kind: one more read of the data,
+    // a third of the memory.
+    size_t held = 0;
+    for (const auto& r : held_ranges_) held += size_t(r.count);
+    const uint64_t need = uint64_t(held) * 4 * 3, limit = staging_limit_bytes();
+    const bool staged_load = need <= limit;
     std::vector<std::vector<float>> staged;
-    const std::string why = first_error_of_all(read_verified(dir, staged));
+    const std::string why = first_error_of_all(read_verified(dir, staged_load ? &staged : nullptr));
     if (!why.empty()) {
       TR_CHECK(is_auto, "checkpoint.resume: '", dir, "' cannot be loaded: ", why);
       if (rank_ == 0)
@@ -793,9 +869,17 @@ bool Checkpointer::load(ParamStore& ps, TrainState& st) {
       note("micro_batch_size", job_.train.micro_batch_size);
     }
     // Verified everywhere: now it may go live.
-    for (int kind = 0; kind < 3; ++kind) {
-      ps.set_state(kind, staged[size_t(kind)]);
-      staged[size_t(kind)] = {};
+    if (staged_load) {
+      for (int kind = 0; kind < 3; ++kind) {
+        ps.set_state(kind, staged[size_t(kind)]);
+        staged[size_t(kind)] = {};
+      }
+    } else {
+      if (rank_ == 0)
+        TR_LOG_INFO("resume: verified ", dir, "; loading one state kind at a time (staging all three would take ",
+                    format_bytes(double(need)), " per rank, over the ", format_bytes(double(limit)),
+                    " allowed)");
+      load_kind_by_kind(dir, ps);
     }
     st.step = m.at("step").get<int64_t>();
     st.cursor = m.at("data_cursor").get<int64_t>();

@@ -97,8 +97,12 @@ class Checkpointer {
   // Rank 0: the checkpoint directories checkpoint.resume allows, best first.
   std::vector<std::string> resume_candidates();
   // Reads this rank's held ranges of the three state kinds from `dir` into
-  // `out`, verifying what it reads; "" or what is wrong.
-  std::string read_verified(const std::string& dir, std::vector<std::vector<float>>& out);
+  // `out`, verifying what it reads; "" or what is wrong. With `out` null it
+  // only verifies (hashes the same segments, keeps nothing).
+  std::string read_verified(const std::string& dir, std::vector<std::vector<float>>* out);
+  // After a verify-only pass: this rank's held ranges, one kind at a time,
+  // straight into the live state (one kind's worth of host memory).
+  void load_kind_by_kind(const std::string& dir, ParamStore& ps);
   // Collective: "" when no rank reported a problem, else the lowest rank's.
   std::string first_error_of_all(const std::string& mine);
 
