@@ -224,7 +224,8 @@ std::string job(const test::TempDir& dir, int nproc, const std::string& parallel
 
 TEST_CASE("topology: the agent binds workers and writes topology.json", "[topology][launcher]") {
   test::TempDir dir("topo");
-  const auto r = test::run_command("OMP_NUM_THREADS=1 TRAINRUN_DEBUG_PRINT_ENV=1 '" + test::trainrun_binary() +
+  // OMP_NUM_THREADS unset: each worker gets as many threads as CPUs it is bound to.
+  const auto r = test::run_command("env -u OMP_NUM_THREADS TRAINRUN_DEBUG_PRINT_ENV=1 '" + test::trainrun_binary() +
                                    "' --config '" + job(dir, 2, "") + "'");
   INFO(r.err);
   REQUIRE(r.exit_code == 0);
@@ -240,6 +241,7 @@ TEST_CASE("topology: the agent binds workers and writes topology.json", "[topolo
     std::string listed;
     for (int c : parse_cpulist(cpus)) listed += (listed.empty() ? "" : ",") + std::to_string(c);
     CHECK_THAT(log, Contains("worker placement: CPUs=" + listed + "\n"));
+    CHECK_THAT(log, Contains(" OMP_NUM_THREADS=" + std::to_string(parse_cpulist(cpus).size()) + " "));
   }
 }
 

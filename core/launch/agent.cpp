@@ -391,8 +391,10 @@ void Agent::spawn_all(int attempt, int port, const std::string& secret) {
     if (std::none_of(std::begin(kContractVars), std::end(kContractVars), [&](const char* v) { return name == v; }))
       common.push_back(kv);
   }
+  // OMP_NUM_THREADS (unless the user set it): each worker's own share of
+  // the CPUs: the CPUs its placement binds it to, else an equal split.
   const char* omp = std::getenv("OMP_NUM_THREADS");
-  if (!omp || !*omp) common.push_back("OMP_NUM_THREADS=" + std::to_string(std::max(1, usable_cpus() / nproc_)));
+  const bool set_omp = !omp || !*omp;
   // Several nodes: ranks are global (node_rank * nproc + local), the world
   // is every node's workers, and each worker binds the interface that
   // reaches node 0 (TRAINRUN_GLOO_HOST, unless the user set it).
@@ -434,6 +436,12 @@ void Agent::spawn_all(int attempt, int port, const std::string& secret) {
                                [](const std::string& kv) { return kv.rfind("TRAINRUN_PROGRESS=", 0) == 0; }),
                 env.end());
       env.push_back("TRAINRUN_PROGRESS=relay");
+    }
+    if (set_omp) {
+      int threads = std::max(1, usable_cpus() / nproc_);
+      if (size_t(w.local) < topo_.placement.size() && topo_.placement[size_t(w.local)].bind_cpus)
+        threads = std::max(1, CPU_COUNT(&topo_.placement[size_t(w.local)].cpus));
+      env.push_back("OMP_NUM_THREADS=" + std::to_string(threads));
     }
     env.push_back("RANK=" + std::to_string(w.rank));
     env.push_back("LOCAL_RANK=" + std::to_string(w.local));
