@@ -122,6 +122,10 @@ run() {
   missing=$(ldd "$B/bin/trainrun" "$B/bin/libtrainrun_cuda.so" "$B/bin/test_cuda_ops" 2>&1 | grep "not found" | sort -u)
   {
     echo "== gpu-check $(date -u +%Y-%m-%dT%H:%MZ), bundle commit $(cat "$B/COMMIT"), built $(cat "$B/BUILT")"
+    # The bundle carries binaries; the checkout carries configs and the
+    # commit to record. Say so when they differ (a stale bundle).
+    [[ "$(cat "$B/COMMIT")" != "$(commit_id)" ]] &&
+      echo "WARNING: the bundle was built from $(cat "$B/COMMIT") but this checkout is $(commit_id); rebuild it (scripts/gpu-check.sh bundle) before recording results"
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>&1 | head -2
     echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
     [[ -n "$missing" ]] && echo "MISSING LIBRARIES:" && echo "$missing"
