@@ -209,6 +209,11 @@ class NcclCommunicator final : public Communicator {
   // handle's (a second event recorded after the collective on the comm stream).
   std::unique_ptr<PendingCollective> all_gather_deferred(void* out, const void* in, size_t bytes_per_rank) override {
     const char* what = "all_gather";
+    // First: on the store's comm thread this is often the first CUDA call,
+    // and cudaPointerGetAttributes (is_device_pointer) on a thread whose
+    // device was never set creates a context on GPU 0 (every rank > 0 would
+    // then hold one there; EXCLUSIVE_PROCESS GPUs refuse it).
+    be_->make_current();
     if (!stream_ordered_ || world_ == 1 || bytes_per_rank == 0 || !is_device_pointer(in) || !is_device_pointer(out)) {
       all_gather(out, in, bytes_per_rank);
       return nullptr;
@@ -224,6 +229,7 @@ class NcclCommunicator final : public Communicator {
   std::unique_ptr<PendingCollective> reduce_scatter_deferred(float* out, const float* in, int64_t count_per_rank,
                                                              ReduceOp op) override {
     const char* what = "reduce_scatter";
+    be_->make_current();  // before is_device_pointer: see all_gather_deferred
     if (!stream_ordered_ || world_ == 1 || count_per_rank <= 0 || !is_device_pointer(in) || !is_device_pointer(out)) {
       reduce_scatter(out, in, count_per_rank, op);
       return nullptr;

@@ -15,8 +15,12 @@
 //
 // Stream safety: a freed block is handed out again immediately, so it is
 // correct only when all its readers and writers run in the compute stream's
-// order (they do: every op is enqueued there) or have finished (the NCCL
-// communicator returns only when its collective is done).
+// order (they do: every op is enqueued there) or have finished. NCCL
+// collectives run on the comm stream and no longer finish before the call
+// returns: the compute stream waits for each one (an event) before any op
+// enqueued after the call, and a deferred one's buffers must stay out of
+// this allocator until its order_compute_after() (the sharded store keeps
+// them in its own pool until then).
 //
 // Thread-safe (the sharding layer's communication thread allocates too).
 #pragma once
