@@ -50,20 +50,33 @@ class Communicator {
   // in: bytes_per_rank; out: world_size * bytes_per_rank, rank r's at r*bytes_per_rank.
   // `in` may alias out + rank*bytes_per_rank (in-place all-gather).
   virtual void all_gather(void* out, const void* in, size_t bytes_per_rank) = 0;
+  // A point in the compute stream's order, taken now (NCCL: an event
+  // recorded on it; null where calls are synchronous). A deferred collective
+  // given one starts after it rather than after everything enqueued by the
+  // time the (communication) thread issues it, so compute that the compute
+  // thread enqueues meanwhile runs alongside instead of ahead of it.
+  virtual std::shared_ptr<void> compute_point() { return nullptr; }
   // all_gather whose completion the compute stream waits for only at the
   // returned handle's order_compute_after(), so compute enqueued in between
   // overlaps it (the sharded store's prefetch). `out` must not be touched by
-  // the compute stream until then. Null: it already completed (every
+  // the compute stream until then. It reads `in` and writes `out` after
+  // `after` (a compute_point()), or, when null, after everything enqueued on
+  // the compute stream so far. Null handle: it already completed (every
   // synchronous communicator, and the default).
-  virtual std::unique_ptr<PendingCollective> all_gather_deferred(void* out, const void* in, size_t bytes_per_rank) {
+  virtual std::unique_ptr<PendingCollective> all_gather_deferred(void* out, const void* in, size_t bytes_per_rank,
+                                                                 const std::shared_ptr<void>& after = nullptr) {
+    (void)after;
     all_gather(out, in, bytes_per_rank);
     return nullptr;
   }
   // reduce_scatter whose completion the compute stream waits for only at
   // the handle's order_compute_after(): until then `out` must not be read
-  // and `in` must not be written by the compute stream. Null: completed.
+  // and `in` must not be written by the compute stream; `after` as above.
+  // Null: completed.
   virtual std::unique_ptr<PendingCollective> reduce_scatter_deferred(float* out, const float* in,
-                                                                     int64_t count_per_rank, ReduceOp op) {
+                                                                     int64_t count_per_rank, ReduceOp op,
+                                                                     const std::shared_ptr<void>& after = nullptr) {
+    (void)after;
     reduce_scatter(out, in, count_per_rank, op);
     return nullptr;
   }

@@ -207,7 +207,17 @@ class NcclCommunicator final : public Communicator {
 
   // Stream-ordered like all_gather, but the compute stream's wait is the
   // handle's (a second event recorded after the collective on the comm stream).
-  std::unique_ptr<PendingCollective> all_gather_deferred(void* out, const void* in, size_t bytes_per_rank) override {
+  std::shared_ptr<void> compute_point() override {
+    be_->make_current();
+    cudaEvent_t ev = nullptr;
+    TR_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+    TR_CUDA_CHECK(cudaEventRecord(ev, be_->compute_stream()));
+    // Destroyed with the last reference; a wait already enqueued on it stays valid.
+    return std::shared_ptr<void>(ev, [](void* e) { cudaEventDestroy(static_cast<cudaEvent_t>(e)); });
+  }
+
+  std::unique_ptr<PendingCollective> all_gather_deferred(void* out, const void* in, size_t bytes_per_rank,
+                                                         const std::shared_ptr<void>& after) override {
     const char* what = "all_gather";
     // First: on the store's comm thread this is often the first CUDA call,
     // and cudaPointerGetAttributes (is_device_pointer) on a thread whose
@@ -222,12 +232,13 @@ class NcclCommunicator final : public Communicator {
     cudaEvent_t ev = nullptr;
     TR_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
     auto pending = std::make_unique<DeferredWait>(be_, ev);
-    run(what, [&] { return ncclAllGather(in, out, bytes_per_rank, ncclInt8, comm_, stream()); }, false, ev);
+    run(what, [&] { return ncclAllGather(in, out, bytes_per_rank, ncclInt8, comm_, stream()); }, false, ev,
+        static_cast<cudaEvent_t>(after.get()));
     return pending;
   }
 
   std::unique_ptr<PendingCollective> reduce_scatter_deferred(float* out, const float* in, int64_t count_per_rank,
-                                                             ReduceOp op) override {
+                                                             ReduceOp op, const std::shared_ptr<void>& after) override {
     const char* what = "reduce_scatter";
     be_->make_current();  // before is_device_pointer: see all_gather_deferred
     if (!stream_ordered_ || world_ == 1 || count_per_rank <= 0 || !is_device_pointer(in) || !is_device_pointer(out)) {
@@ -240,7 +251,7 @@ class NcclCommunicator final : public Communicator {
     auto pending = std::make_unique<DeferredWait>(be_, ev);
     run(what, [&] {
       return ncclReduceScatter(in, out, size_t(count_per_rank), ncclFloat, nccl_op(op), comm_, stream());
-    }, false, ev);
+    }, false, ev, static_cast<cudaEvent_t>(after.get()));
     return pending;
   }
 
@@ -332,13 +343,20 @@ class NcclCommunicator final : public Communicator {
   // `deferred`: an event to record after the collective in place of the
   // compute stream's wait (all_gather_deferred); the caller owns it.
   template <typename F>
-  void run(const char* what, F&& enqueue, bool blocking = false, cudaEvent_t deferred = nullptr) {
+  // `after`: a compute_point() to start after, instead of the compute
+  // stream's current end.
+  void run(const char* what, F&& enqueue, bool blocking = false, cudaEvent_t deferred = nullptr,
+           cudaEvent_t after = nullptr) {
     const auto t0 = Clock::now();
     // Held while comm_ is used: the watchdog aborts (and clears comm_) under it.
     std::lock_guard<std::mutex> lk(comm_mu_);
     if (!broken_.empty()) TR_FAIL(where(what), ": the communicator is unusable after an earlier failure: ", broken_);
-    TR_CUDA_CHECK(cudaEventRecord(ready_, be_->compute_stream()));
-    TR_CUDA_CHECK(cudaStreamWaitEvent(stream(), ready_, 0));
+    if (after) {
+      TR_CUDA_CHECK(cudaStreamWaitEvent(stream(), after, 0));
+    } else {
+      TR_CUDA_CHECK(cudaEventRecord(ready_, be_->compute_stream()));
+      TR_CUDA_CHECK(cudaStreamWaitEvent(stream(), ready_, 0));
+    }
     ncclResult_t r = ncclGroupStart();
     if (r == ncclSuccess || r == ncclInProgress) r = enqueue();
     ncclResult_t e = ncclGroupEnd();

@@ -123,7 +123,10 @@ class ShardedStore final : public ParamStore {
       u.owned = std::max<int64_t>(0, std::min(u.shard, pu.numel - u.begin));
       u.padded_off = poff;
       soff += u.shard;
-      poff += u.shard * G_;
+      // Each unit of the replicated params starts 128-byte aligned: its
+      // tensors sit at their layout offsets from there, and the GPU's GEMMs
+      // (bias epilogues included) want 16-byte aligned operands.
+      poff += (u.shard * G_ + 63) / 64 * 64;
       units_.push_back(u);
     }
     shard_total_ = soff;
@@ -132,7 +135,6 @@ class ShardedStore final : public ParamStore {
     m_ = DeviceBuffer(be, shard_total_ * 4);
     v_ = DeviceBuffer(be, shard_total_ * 4);
     grad_ = DeviceBuffer(be, shard_total_ * 4);
-    tmp_ = DeviceBuffer(be, max_shard() * 4);
     norm_acc_ = DeviceBuffer(be, 4);
     if (be->act_dtype() != DType::F32) shard_act_ = DeviceBuffer(be, shard_total_ * es_);
     if (!shard_params_) replicated_ = DeviceBuffer(be, padded_total_ * es_);
@@ -207,8 +209,10 @@ class ShardedStore final : public ParamStore {
     if (!U.full_grad) return;
     float* full = U.full_grad;
     float* shard = grad_.as<float>() + U.shard_off;
-    float* tmp = tmp_.as<float>();
     const int64_t S = U.shard;
+    // Its own output buffer: the previous unit's may still be waiting to be
+    // accumulated when this reduction starts on the GPU.
+    float* tmp = static_cast<float*>(pool_.get(S * 4));
     U.full_grad = nullptr;
     // Bound the full-size gradient buffers waiting for their reduce-scatter
     // (FSDP's limit_all_gathers idea): a rank that runs ahead of the comm
@@ -223,9 +227,13 @@ class ShardedStore final : public ParamStore {
     // stream waits for it only when the comm thread takes the next unit's
     // reduction (or drain() flushes it), so it overlaps the next block's
     // backward; only then is it accumulated and `full` handed back.
-    U.reduced = comm_.submit([this, full, shard, tmp, S] {
-      finish_reduce();  // the previous unit's: tmp is free again after it
-      pending_reduce_ = {shard_comm_->reduce_scatter_deferred(tmp, full, S, ReduceOp::Sum), full, shard, S};
+    // It starts after this unit's backward (enqueued by now), not after
+    // whatever the compute thread has enqueued by the time the comm thread
+    // issues it.
+    std::shared_ptr<void> after = shard_comm_->compute_point();
+    U.reduced = comm_.submit([this, full, shard, tmp, S, after] {
+      finish_reduce();  // the previous unit's
+      pending_reduce_ = {shard_comm_->reduce_scatter_deferred(tmp, full, S, ReduceOp::Sum, after), full, shard, tmp, S};
       if (!pending_reduce_.op) finish_reduce();  // it completed already (Gloo)
     });
     U.reducing = true;
@@ -343,7 +351,7 @@ class ShardedStore final : public ParamStore {
     m.params = master_.bytes() + shard_act_.bytes() + replicated_.bytes();
     m.grads = grad_.bytes();
     m.optimizer = m_.bytes() + v_.bytes();
-    m.comm_buffers = tmp_.bytes() + pool_.peak();
+    m.comm_buffers = pool_.peak();
     return m;
   }
 
@@ -355,11 +363,6 @@ class ShardedStore final : public ParamStore {
 
  private:
   float* state(int kind) { return kind == 0 ? master_.as<float>() : kind == 1 ? m_.as<float>() : v_.as<float>(); }
-  int64_t max_shard() const {
-    int64_t m = 0;
-    for (const auto& u : units_) m = std::max(m, u.shard);
-    return m;
-  }
   void set_master(const std::vector<float>& host) {
     be_->copy_to_device(master_.get(), host.data(), host.size() * 4);
     if (shard_act_.get()) be_->cast_from_f32(shard_act_.get(), master_.as<float>(), shard_total_);
@@ -383,10 +386,13 @@ class ShardedStore final : public ParamStore {
     void* dst = U.full;
     const size_t bytes = U.shard * es_;
     // Deferred: compute enqueued until the unit is acquired overlaps it.
-    // (Its output is a pool block nobody else touches until then.)
+    // (Its output is a pool block nobody else touches until then.) It
+    // starts after the compute enqueued so far, which includes the last
+    // use of that block before it went back to the pool (see BufferPool).
     Unit* up = &U;
-    U.gathered = comm_.submit([this, up, dst, src, bytes] {
-      up->gather_op = shard_comm_->all_gather_deferred(dst, src, bytes);
+    std::shared_ptr<void> after = shard_comm_->compute_point();
+    U.gathered = comm_.submit([this, up, dst, src, bytes, after] {
+      up->gather_op = shard_comm_->all_gather_deferred(dst, src, bytes, after);
     });
     U.gathering = true;
   }
@@ -404,8 +410,12 @@ class ShardedStore final : public ParamStore {
     PendingReduce& p = pending_reduce_;
     if (!p.full) return;
     if (p.op) p.op->order_compute_after();
-    be_->accumulate(p.shard, tmp_.as<float>(), p.S);
+    be_->accumulate(p.shard, p.tmp, p.S);
+    // Back to the pool once every use is enqueued on the compute stream: a
+    // later user enqueues there after it, or (a deferred collective) starts
+    // after a compute_point() taken after getting the block.
     pool_.put(p.full, p.S * G_ * 4);
+    pool_.put(p.tmp, p.S * 4);
     p = PendingReduce{};
   }
   void wait(const std::shared_future<void>& f) {
@@ -445,14 +455,15 @@ class ShardedStore final : public ParamStore {
   size_t es_ = 4;
   std::vector<Unit> units_;
   int64_t shard_total_ = 0, padded_total_ = 0;
-  DeviceBuffer master_, m_, v_, grad_, tmp_, shard_act_, replicated_, norm_acc_;
+  DeviceBuffer master_, m_, v_, grad_, shard_act_, replicated_, norm_acc_;
   BufferPool pool_;
-  CommWorker comm_;  // declared last: destroyed first, after drain()
+  CommWorker comm_;  // destroyed before the members above, after drain() emptied its queue
   static constexpr size_t kMaxPendingReduces = 2;
   struct PendingReduce {
     std::unique_ptr<PendingCollective> op;
     float* full = nullptr;
     float* shard = nullptr;
+    float* tmp = nullptr;
     int64_t S = 0;
   };
   PendingReduce pending_reduce_;  // the comm thread's; see finish_reduce()

@@ -173,14 +173,15 @@ class LateGatherComm final : public Communicator {
     std::vector<float> nan(bytes / 4, std::nanf(""));
     std::memcpy(p, nan.data(), nan.size() * 4);
   }
-  std::unique_ptr<PendingCollective> all_gather_deferred(void* out, const void* in, size_t bytes) override {
+  std::unique_ptr<PendingCollective> all_gather_deferred(void* out, const void* in, size_t bytes,
+                                                         const std::shared_ptr<void>&) override {
     ++issued;
     std::vector<char> data(static_cast<const char*>(in), static_cast<const char*>(in) + bytes);
     poison(out, bytes);
     return std::make_unique<Late>(this, out, nullptr, std::move(data), bytes);
   }
-  std::unique_ptr<PendingCollective> reduce_scatter_deferred(float* out, const float* in, int64_t n,
-                                                             ReduceOp) override {
+  std::unique_ptr<PendingCollective> reduce_scatter_deferred(float* out, const float* in, int64_t n, ReduceOp,
+                                                             const std::shared_ptr<void>&) override {
     ++issued;
     ++reduces;
     poison(out, size_t(n) * 4);

@@ -2,6 +2,7 @@
 // its launcher (one file per op in kernels/cuda/*.cu).
 #include "kernels/cuda/cuda_backend.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -89,6 +90,10 @@ void CudaBackend::copy_to_device(void* dst, const void* src, size_t bytes) {
     cudaGetLastError();  // an unknown pointer is plain pageable memory: not an error to keep
   } else {
     pinned = attr.type == cudaMemoryTypeHost;
+    if (attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged) {
+      copy_device(dst, src, bytes);  // not host memory after all: no staging
+      return;
+    }
   }
   if (pinned) {
     // The DMA reads `src` later: wait, since the caller may reuse it at once.
@@ -107,15 +112,19 @@ void CudaBackend::copy_to_device(void* dst, const void* src, size_t bytes) {
   // may first wait for the whole stream to drain (CUDA's "API
   // synchronization behavior"): a host wait in every micro-batch, during
   // which the GPU runs out of queued work.
+  std::lock_guard<std::mutex> lk(pinned_mu_);
   PinnedSlot& slot = pinned_[next_pinned_];
   next_pinned_ = (next_pinned_ + 1) % kPinnedSlots;
   if (slot.read) TR_CUDA_CHECK(cudaEventSynchronize(slot.read));  // its last DMA (kPinnedSlots copies ago)
   if (slot.bytes < bytes) {
+    // Grown geometrically from 1 MiB: a caller whose copies grow a little
+    // each time (generate's prompt) must not pin fresh memory every call.
+    const size_t want = std::max({bytes, 2 * slot.bytes, size_t(1) << 20});
     if (slot.p) TR_CUDA_CHECK(cudaFreeHost(slot.p));
     slot.p = nullptr;
     slot.bytes = 0;
-    TR_CUDA_CHECK(cudaHostAlloc(&slot.p, bytes, cudaHostAllocDefault));
-    slot.bytes = bytes;
+    TR_CUDA_CHECK(cudaHostAlloc(&slot.p, want, cudaHostAllocDefault));
+    slot.bytes = want;
   }
   if (!slot.read) TR_CUDA_CHECK(cudaEventCreateWithFlags(&slot.read, cudaEventDisableTiming));
   std::memcpy(slot.p, src, bytes);

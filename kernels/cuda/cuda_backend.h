@@ -126,6 +126,7 @@ class CudaBackend final : public Backend {
   static constexpr size_t kMaxPinnedCopy = size_t(16) << 20;
   PinnedSlot pinned_[kPinnedSlots];
   int next_pinned_ = 0;
+  std::mutex pinned_mu_;
   std::unique_ptr<DeviceAllocator> alloc_;
   std::unique_ptr<Gemm> gemm_;
 };

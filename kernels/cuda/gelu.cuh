@@ -6,7 +6,8 @@
 //
 // fp32 math, 16-byte vector access when every pointer is 16-byte aligned.
 // The GEMM wrapper can fuse both into the neighbouring matmul (GeluAux,
-// DGelu epilogues); the Backend interface has no fused op yet, so these run.
+// DGelu epilogues, matmul_gelu.cuh), which the model uses; these run where
+// cuBLASLt has no fused algorithm, or with TRAINRUN_CUDA_GEMM_GELU=0.
 #pragma once
 #include <cuda_runtime.h>
 
