@@ -328,6 +328,7 @@ DeviceModel DeviceModel::gpu() {
   // CUDA backend runs.
   d.library_workspace = 32.0 * 1024 * 1024;
   d.runtime_reserve = kGiB;
+  d.logits_align = 64;  // as the CUDA backend's logits_stride
   return d;
 }
 
@@ -364,7 +365,8 @@ double estimate_activation_bytes(const ModelShape& m, int B, bool ckpt, const De
   total += r64(N * C * es);                           // final norm
   if (!llama) total += r64(N * 4);                    // its mean
   total += r64(N * 4);                                // its rstd
-  total += r64(N * double(m.V) * es);                 // logits (then dlogits in place)
+  const double Vp = std::ceil(double(m.V) / d.logits_align) * d.logits_align;
+  total += r64(N * Vp * es);                          // logits, rows padded (then dlogits in place)
   total += r64(N * 4);                                // per-token losses
   total += 2 * r64(N * C * es);                       // backward: dres, dbuf_c
   total += r64(N * qkv * es);                         // backward: dqkv

@@ -82,6 +82,7 @@ struct DeviceModel {
                                   // backend); false: a flash kernel's (B,NH,T) log-sum-exp
   double library_workspace = 0;   // GEMM library workspace (cuBLASLt)
   double runtime_reserve = 0;     // CUDA context, NCCL buffers, allocator slack
+  int logits_align = 1;           // logits rows padded to a multiple of this (Backend::logits_stride)
   static DeviceModel cpu();       // the CPU backend: fp32, probabilities, nothing reserved
   static DeviceModel gpu();       // bf16, flash attention, 32 MiB + 1 GiB reserved
 };
