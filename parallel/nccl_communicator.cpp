@@ -208,6 +208,7 @@ class NcclCommunicator final : public Communicator {
   // Stream-ordered like all_gather, but the compute stream's wait is the
   // handle's (a second event recorded after the collective on the comm stream).
   std::shared_ptr<void> compute_point() override {
+    if (world_ == 1 || !stream_ordered_) return nullptr;  // those calls never defer
     be_->make_current();
     cudaEvent_t ev = nullptr;
     TR_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
