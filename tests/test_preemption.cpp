@@ -6,6 +6,12 @@
 #include <fstream>
 #include <thread>
 
+#include <csignal>
+
+#include "core/config/job_spec.h"
+#include "core/train/preemption.h"
+#include "core/train/trainer.h"
+#include "tests/support/inprocess.h"
 #include "tests/support/testutil.h"
 
 using namespace trainrun;
@@ -125,6 +131,33 @@ TEST_CASE("preemption: a signal before training started exits 75 at once, nothin
       }
     }
   }
+}
+
+// Workers with peers that got a stop signal while setting up (model, data,
+// checkpoint loading) agree before the first step and stop there: no step,
+// no checkpoint, exit 75 (here two in-process ranks; the flag is the process's).
+TEST_CASE("preemption: ranks that got a signal while setting up stop before the first step", "[preemption]") {
+  test::TempDir dir("preempt");
+  const std::string run = dir / "run";
+  const JobSpec spec = parse_job_spec(job(run, 2, 50), "job.yaml");
+  install_stop_handlers();
+  std::raise(SIGUSR1);  // noted by the handler: the workers find it set when they start
+  std::vector<TrainSummary> out;
+  try {
+    out = test::run_ranks_inprocess(spec, 2);
+  } catch (...) {
+    reset_stop_signal();
+    throw;
+  }
+  reset_stop_signal();
+  REQUIRE(out.size() == 2);
+  for (const TrainSummary& s : out) {
+    CHECK(s.stop_signal == SIGUSR1);
+    CHECK(s.steps == 0);
+    CHECK(exit_code_for(s) == 75);
+  }
+  CHECK(!test::file_exists(run + "/checkpoints/latest"));
+  CHECK(!test::file_exists(run + "/model.safetensors"));
 }
 
 TEST_CASE("nonfinite: a NaN gradient on one rank skips the update on every rank", "[preemption]") {

@@ -359,7 +359,21 @@ TrainSummary Trainer::run() {
   // train.exit_interval: stop early (time-sliced jobs, tests of resume); the
   // LR schedule is still laid out over max_steps so a resumed run continues it.
   const int end_step = tr.exit_interval > 0 ? std::min(tr.max_steps, first_step + tr.exit_interval) : tr.max_steps;
-  for (int step = first_step; step < end_step; ++step) {
+  // A stop signal that reached a worker while it was still setting up
+  // (workers with peers cannot act on it alone): agree now, before any step,
+  // and stop with nothing to checkpoint rather than train one more step.
+  if (first_step < end_step) {
+    float v[2] = {0, 0};
+    const int sig = stop_signal_received();
+    v[0] = sig == SIGINT ? 1.0f : 0.0f;
+    v[1] = sig != 0 && sig != SIGINT ? 1.0f : 0.0f;
+    comm_->all_reduce(v, 2, ReduceOp::Sum);
+    if (v[0] > 0 || v[1] > 0) {
+      sum.stop_signal = v[0] > 0 ? SIGINT : (sig != 0 ? sig : SIGTERM);
+      if (rank0_) TR_LOG_WARN(stopped_before_training(sum.stop_signal, " while the workers were setting up"));
+    }
+  }
+  for (int step = first_step; step < end_step && sum.stop_signal == 0; ++step) {
     comm_->set_step(step + 1);
     debug_fail_hook(w_.rank, step + 1);  // launcher tests: TRAINRUN_DEBUG_FAIL_RANK/_STEP
     auto t0 = Clock::now();
