@@ -160,6 +160,36 @@ TEST_CASE("checkpoint: an incompatible model is refused, harmless changes are lo
   CHECK_THAT(r.err, !Contains("resume: loaded"));
 }
 
+// resume: never where an earlier, longer run left checkpoints: the new run's
+// must not mix with them (retention by step number would delete the new
+// step_00000005 at once and `latest` would dangle). They move aside instead.
+TEST_CASE("checkpoint: resume never moves an earlier run's checkpoints aside, losing nothing", "[checkpoint]") {
+  test::TempDir dir("ckpt");
+  const std::string run = dir / "run";
+  test::write_file(dir / "job.yaml", job_yaml(run, "no_shard", "checkpoint: {interval: 10, keep_last: 3}\n"));
+  const std::string base = "--config " + dir / "job.yaml" + " --set train.warmup_steps=1";
+  REQUIRE(test::run_trainrun(base + " --set train.max_steps=30").exit_code == 0);
+  REQUIRE(latest_of(run) == "step_00000030");
+  auto r = test::run_trainrun(base + " --set train.max_steps=5 --set checkpoint.resume=never");
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.err, Contains("checkpoint.resume: never: " + run + "/checkpoints held checkpoints of an earlier run "
+                             "(newest: step_00000030); moved them to " + run + "/checkpoints.before-"));
+  CHECK(latest_of(run) == "step_00000005");
+  CHECK(test::file_exists(run + "/checkpoints/step_00000005/manifest.json"));
+  CHECK(!test::file_exists(run + "/checkpoints/step_00000030"));
+  std::string moved;
+  for (const auto& e : fs::directory_iterator(run))
+    if (e.path().filename().string().rfind("checkpoints.before-", 0) == 0) moved = e.path().string();
+  REQUIRE(!moved.empty());
+  CHECK(test::file_exists(moved + "/step_00000030/manifest.json"));
+  CHECK(Checkpointer::verify(moved + "/step_00000030").empty());
+  // auto now continues the new run, not the old one.
+  r = test::run_trainrun(base + " --set train.max_steps=8");
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.err, Contains("resume: loaded " + run + "/checkpoints/step_00000005"));
+}
+
 TEST_CASE("checkpoint: damaged checkpoints are detected and auto-resume falls back", "[checkpoint]") {
   struct Damage { const char* name; std::function<void(const std::string&)> apply; const char* message; };
   std::vector<Damage> damages = {

@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <chrono>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -625,6 +626,36 @@ std::string Checkpointer::verify(const std::string& dir) {
   }
 }
 
+// checkpoint.resume: never in a directory that already holds an earlier
+// run's checkpoints: this run starts fresh, but its checkpoints must not
+// mix with those (retention keeps the highest step numbers and would delete
+// the new run's at once; `latest` and auto-resume go by step number too).
+// Nothing is deleted: the earlier checkpoints move aside, next to it.
+void Checkpointer::set_aside_earlier_checkpoints() {
+  std::error_code ec;
+  if (!fs::is_directory(root_, ec)) return;
+  int64_t newest = -1;
+  bool any = false;
+  for (const auto& e : fs::directory_iterator(root_, ec)) {
+    int64_t s;
+    const std::string name = e.path().filename().string();
+    if (name == "latest" || (e.is_directory() && parse_step_name(name, &s))) any = true;
+    if (e.is_directory() && parse_step_name(name, &s)) newest = std::max(newest, s);
+  }
+  if (!any) return;
+  char stamp[32];
+  const std::time_t now = std::time(nullptr);
+  std::strftime(stamp, sizeof stamp, "%Y%m%d-%H%M%S", std::localtime(&now));
+  std::string dest = root_ + ".before-" + stamp;
+  for (int k = 2; fs::exists(dest, ec); ++k) dest = root_ + ".before-" + stamp + "-" + std::to_string(k);
+  fs::rename(root_, dest, ec);
+  TR_CHECK(!ec, "checkpoint.resume: never: cannot move the earlier run's checkpoints out of the way (", root_, " -> ",
+           dest, "): ", ec.message(), "; move or delete them, or use a new output.dir");
+  TR_LOG_WARN("checkpoint.resume: never: ", root_, " held checkpoints of an earlier run",
+              newest >= 0 ? " (newest: " + step_name(newest) + ")" : std::string(), "; moved them to ", dest,
+              " so that this run's checkpoints do not mix with them");
+}
+
 std::vector<std::string> Checkpointer::resume_candidates() {
   const std::string& r = job_.checkpoint.resume;
   if (r == "never") return {};
@@ -794,7 +825,11 @@ bool Checkpointer::load(ParamStore& ps, TrainState& st) {
       std::string text;
       char status = 'N';
       try {
-        if (!listed) candidates = resume_candidates(), listed = true;
+        if (!listed) {
+          if (job_.checkpoint.resume == "never") set_aside_earlier_checkpoints();
+          candidates = resume_candidates();
+          listed = true;
+        }
         while (next < candidates.size()) {
           const std::string dir = candidates[next++];
           const std::string why = check_manifest(dir, nullptr, nullptr);

@@ -94,6 +94,8 @@ class Checkpointer {
   void retention();
   void ensure_snapshot_buffers();
   void handle_failure(const std::string& what);
+  // Rank 0, resume: never: move an earlier run's checkpoints aside.
+  void set_aside_earlier_checkpoints();
   // Rank 0: the checkpoint directories checkpoint.resume allows, best first.
   std::vector<std::string> resume_candidates();
   // Reads this rank's held ranges of the three state kinds from `dir` into
