@@ -285,6 +285,26 @@ TEST_CASE("operator: with several workers the agent draws rank 0's status line o
   CHECK((p.out + p.err).find('\x1e') == std::string::npos);
 }
 
+TEST_CASE("operator: TRAINRUN_LOG_ALL_RANKS=1 shows every rank's lines, each prefixed once", "[operator]") {
+  test::TempDir dir("allranks");
+  test::write_file(dir / "job.yaml", job_yaml(dir / "run", 10, 2));
+  auto r = test::run_command("TRAINRUN_LOG_ALL_RANKS=1 OMP_NUM_THREADS=1 TRAINRUN_PLOT=0 '" + test::trainrun_binary() +
+                             "' --config " + dir / "job.yaml");
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  for (const char* rank : {"[rank 0] ", "[rank 1] "})
+    CHECK_THAT(r.err, Contains(std::string(rank) + "step 10/10 | loss "));
+  CHECK_THAT(r.err, !Contains("[rank 0] [rank 0]") && !Contains("[rank 1] [rank 1]"));
+  // The per-rank log files hold the rank's lines unprefixed.
+  const std::string log1 = test::read_file(dir / "run/logs/rank1.log");
+  CHECK_THAT(log1, Contains("\nstep 10/10 | loss ") && !Contains("[rank 1]"));
+  // Without it only rank 0 reaches the terminal.
+  auto q = test::run_command("OMP_NUM_THREADS=1 TRAINRUN_PLOT=0 '" + test::trainrun_binary() + "' --config " +
+                             dir / "job.yaml" + " --set output.dir=" + dir / "run2");
+  REQUIRE(q.exit_code == 0);
+  CHECK_THAT(q.err, Contains("[rank 0] step 10/10") && !Contains("[rank 1] step"));
+}
+
 TEST_CASE("operator: MFU's FLOPs per token and the GPU peak table", "[operator]") {
   // GPT-2 124M at T=1024: N = 124,439,808 parameters - 786,432 (wpe) =
   // 123,653,376; 6N + 12*L*C*T = 741,920,256 + 113,246,208.

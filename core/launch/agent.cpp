@@ -85,7 +85,8 @@ const char* const kContractVars[] = {"RANK",
                                      "TRAINRUN_STORE_SECRET",
                                      "TRAINRUN_RESTART_COUNT",
                                      "TRAINRUN_MAX_RESTARTS",
-                                     "TRAINRUN_ERROR_FILE"};
+                                     "TRAINRUN_ERROR_FILE",
+                                     "TRAINRUN_AGENT_ECHO"};
 
 Clock::duration seconds(double s) {
   return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(std::max(0.0, s)));
@@ -263,6 +264,7 @@ class Agent {
   const JobSpec& job_;
   const std::string spec_path_;
   const int nproc_;
+  bool echo_all_ranks_ = false;  // TRAINRUN_LOG_ALL_RANKS=1: echo every rank's lines, not only rank 0's
   const std::string host_;
   // Per-rank CPU/NUMA placement and the decided environment. A node agent
   // of a multi-node job decides it in run_nodes(), once output.dir is known
@@ -443,6 +445,7 @@ void Agent::spawn_all(int attempt, int port, const std::string& secret) {
         threads = std::max(1, CPU_COUNT(&topo_.placement[size_t(w.local)].cpus));
       env.push_back("OMP_NUM_THREADS=" + std::to_string(threads));
     }
+    env.push_back("TRAINRUN_AGENT_ECHO=1");  // this agent prefixes the lines it echoes
     env.push_back("RANK=" + std::to_string(w.rank));
     env.push_back("LOCAL_RANK=" + std::to_string(w.local));
     env.push_back("TRAINRUN_ERROR_FILE=" + w.error_file);
@@ -461,9 +464,11 @@ void Agent::emit(Worker& w, std::string line) {
   line += '\n';
   if (w.log_fd >= 0) write_all(w.log_fd, line.data(), line.size());
   line.pop_back();
-  if (w.rank == 0) {
+  // Rank 0's lines reach the terminal; with TRAINRUN_LOG_ALL_RANKS=1 every
+  // rank's do (each worker's own log file has them all regardless).
+  if (w.rank == 0 || echo_all_ranks_) {
     erase_status();
-    const std::string echo = "[rank 0] " + line + "\n";
+    const std::string echo = "[rank " + std::to_string(w.rank) + "] " + line + "\n";
     write_all(2, echo.data(), echo.size());
   }
   const size_t keep = size_t(std::max(0, job_.launcher.log_tail_lines));
@@ -797,6 +802,10 @@ int Agent::run() {
   SignalScope signals;
   sfd_ = signals.fd();
   g_status.on = relay_status_line();
+  {
+    const char* v = std::getenv("TRAINRUN_LOG_ALL_RANKS");
+    echo_all_ranks_ = v && *v && std::strcmp(v, "0") != 0;
+  }
   g_status.width = g_status.on ? terminal_width() : 0;
   if (g_status.on) set_log_prefix("\r\033[K");  // the agent's logger lines erase it as well
   // A stop signal that came while this process was starting (main()'s

@@ -258,6 +258,7 @@ ProgressOptions ProgressOptions::from_env() {
     else TR_FAIL("environment variable TRAINRUN_PROGRESS='", s, "' is not one of auto, live, plain");
   }
   o.all_ranks = env_flag("TRAINRUN_LOG_ALL_RANKS", false);
+  o.rank_prefix = !env_flag("TRAINRUN_AGENT_ECHO", false);
   o.plot = env_flag("TRAINRUN_PLOT", true);
   o.tensorboard = env_flag("TRAINRUN_TENSORBOARD", true);
   return o;
@@ -369,7 +370,8 @@ void RunReporter::clear_status() {
 
 void RunReporter::print_line(const std::string& line) {
   if (!printing()) return;
-  const std::string prefix = opt_.all_ranks && ctx_.world > 1 ? "[rank " + std::to_string(ctx_.rank) + "] " : "";
+  const bool prefix_rank = opt_.all_ranks && opt_.rank_prefix && ctx_.world > 1;
+  const std::string prefix = prefix_rank ? "[rank " + std::to_string(ctx_.rank) + "] " : "";
   // With a status line on screen the log prefix erases it first.
   TR_LOG_INFO(prefix, line);
   status_drawn_ = false;

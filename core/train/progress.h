@@ -82,9 +82,11 @@ int terminal_width();
 struct ProgressOptions {
   enum class Mode { Auto, Live, Plain, Relay } mode = Mode::Auto;
   bool all_ranks = false;    // every rank prints (debugging)
+  bool rank_prefix = true;   // "[rank N] " on all_ranks lines; off under the agent, which adds its own
   bool plot = true;          // draw plot.svg at the end (rank 0)
   bool tensorboard = true;   // <output.dir>/tb event files (rank 0)
   // TRAINRUN_PROGRESS=auto|live|plain|relay, TRAINRUN_LOG_ALL_RANKS=1,
+  // TRAINRUN_AGENT_ECHO=1 (set by the agent: it prefixes and echoes the lines),
   // TRAINRUN_PLOT=0, TRAINRUN_TENSORBOARD=0. Throws Error on other values.
   static ProgressOptions from_env();
 };
