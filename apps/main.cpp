@@ -126,7 +126,7 @@ int cmd_validate(const std::string& config, const std::vector<std::string>& sets
 }
 
 int cmd_generate(const std::string& ckpt, const std::string& prompt, const SampleOptions& so) {
-  const std::string file = resolve_model_file(ckpt);
+  const std::string file = resolve_verified_model_file(ckpt, "generate");
   std::vector<float> flat;
   GPT2Config cfg = load_model_safetensors(file, flat);
   TR_LOG_INFO("generate: ", file, " (gpt2 L=", cfg.L, " C=", cfg.C, " V=", cfg.V, ")");

@@ -267,8 +267,17 @@ TEST_CASE("interop: trainrun export writes a Hugging Face directory from a run o
   }
   r = test::run_trainrun("export --checkpoint '" + ck + "' --out '" + dir / "x" + "'");
   CHECK(r.exit_code == 1);
-  CHECK_THAT(r.err, Contains("damaged") && Contains("checksum"));
+  CHECK_THAT(r.err, Contains("export: checkpoint '" + ck + "' is damaged") && Contains("checksum"));
   CHECK(!test::file_exists(dir / "x"));
+  // Nor sampled from: generate checks the same checksums (directly, and
+  // through the run directory whose latest it is).
+  for (const std::string& where : {ck, run}) {
+    r = test::run_trainrun("generate --checkpoint '" + where + "' --prompt hi --max-tokens 4");
+    INFO(where);
+    CHECK(r.exit_code == 1);
+    CHECK_THAT(r.err, Contains("generate: checkpoint '" + ck + "' is damaged") && Contains("checksum"));
+    CHECK(r.out.empty());
+  }
 }
 
 TEST_CASE("interop: transformers loads the export and reproduces trainrun's logits", "[interop][transformers]") {

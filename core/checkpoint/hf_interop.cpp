@@ -165,16 +165,21 @@ void export_hf_gpt2(const std::string& dir, const GPT2Config& cfg, const std::ve
   }
 }
 
-std::string export_checkpoint_hf(const std::string& checkpoint, const std::string& out_dir) {
-  const std::string file = resolve_model_file(checkpoint);
+std::string resolve_verified_model_file(const std::string& path, const char* what) {
+  const std::string file = resolve_model_file(path);
   const fs::path ckdir = fs::path(file).parent_path();
   if (fs::exists(ckdir / "manifest.json")) {
-    // A checkpoint carries checksums: exporting a damaged one would hand a
-    // corrupt model to every tool downstream without a word.
+    // A checkpoint carries checksums: using a damaged one would hand a
+    // corrupt model to the user (or every tool downstream) without a word.
     const std::string why = Checkpointer::verify(ckdir.string());
-    TR_CHECK(why.empty(), "export: checkpoint '", ckdir.string(), "' is damaged: ", why,
-             "; export an earlier checkpoint (pass its checkpoints/step_... directory)");
+    TR_CHECK(why.empty(), what, ": checkpoint '", ckdir.string(), "' is damaged: ", why, "; ", what,
+             " from an earlier checkpoint (pass its checkpoints/step_... directory)");
   }
+  return file;
+}
+
+std::string export_checkpoint_hf(const std::string& checkpoint, const std::string& out_dir) {
+  const std::string file = resolve_verified_model_file(checkpoint, "export");
   std::vector<float> flat;
   const GPT2Config cfg = load_model_safetensors(file, flat);
   export_hf_gpt2(out_dir, cfg, flat);

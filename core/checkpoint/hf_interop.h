@@ -33,6 +33,12 @@ void export_hf_gpt2(const std::string& dir, const GPT2Config& cfg, const std::ve
 // first. Returns the model file that was exported.
 std::string export_checkpoint_hf(const std::string& checkpoint, const std::string& out_dir);
 
+// resolve_model_file (core/train/generate.h), then, when the file is part of
+// a checkpoint (a manifest.json beside it), the checkpoint's checksums: a
+// damaged one is an Error naming `what` ("export", "generate") and the
+// checkpoint, never a model quietly built from corrupt weights.
+std::string resolve_verified_model_file(const std::string& path, const char* what);
+
 // Reads and checks DIR/config.json: model_type gpt2 and only the features
 // our GPT-2 implements (tanh GELU, LayerNorm eps 1e-5, MLP width 4C, tied
 // head, scaled attention). Keys config.json leaves out take transformers'
