@@ -28,6 +28,7 @@
 #include "core/train/trainer.h"
 #include "kernels/backend_factory.h"
 #include "parallel/bench_comm.h"
+#include "parallel/topology.h"
 #include "parallel/topology_launch.h"
 
 namespace fs = std::filesystem;
@@ -103,9 +104,17 @@ int cmd_run(const std::string& config, std::vector<std::string> sets, const Laun
     return run_slurm_worker(job, plan);
   }
   WorkerInfo w = WorkerInfo::from_env();
+  // No agent places this process (one worker, or an outside launcher did),
+  // so parallel.topology_file decides nothing here; a bad one is still an
+  // error, as it is under the agent, rather than silently ignored.
+  if (!job.parallel.topology_file.empty()) {
+    topo::load_topology(job.parallel.topology_file);
+    TR_LOG_INFO("topology: ", job.parallel.topology_file,
+                " is used by the agent's placement; this process was started without one, so it runs as placed");
+  }
   // Alone, a process that was told to stop before training has no one to
   // agree with: it stops now. With peers (an outside launcher started
-  // several), it trains to the first step boundary, where they all stop.
+  // several), the ranks agree at the start of training and stop there.
   if (w.world == 1 && stop_signal_received() != 0) {
     const int sig = stop_signal_received();
     TR_LOG_WARN(stopped_before_training(sig, ""));

@@ -276,4 +276,18 @@ TEST_CASE("topology: parallel.topology_file drives the agent and user variables 
   CHECK_THAT(bad.err, Contains(dir2 / "broken.json" + ":2:"));
   CHECK_THAT(bad.err, Contains("malformed JSON"));
   CHECK_FALSE(test::file_exists(dir2 / "run/logs"));
+
+  // One worker (no agent): the file places nothing, but a missing one is
+  // still an error, not silently ignored; a good one is loaded and named.
+  test::TempDir dir3("topo");
+  const auto missing = test::run_command("OMP_NUM_THREADS=1 '" + test::trainrun_binary() + "' --config '" +
+                                         job(dir3, 1, ", topology_file: '" + dir3 / "nope.json" + "'") + "'");
+  CHECK(missing.exit_code == 1);
+  CHECK_THAT(missing.err, Contains("topology: cannot open '" + dir3 / "nope.json" + "'"));
+  CHECK_FALSE(test::file_exists(dir3 / "run/model.safetensors"));
+  const auto one = test::run_command("OMP_NUM_THREADS=1 '" + test::trainrun_binary() + "' --config '" +
+                                     job(dir3, 1, ", topology_file: '" + saved + "'") + "'");
+  INFO(one.err);
+  CHECK(one.exit_code == 0);
+  CHECK_THAT(one.err, Contains("topology: " + saved + " is used by the agent's placement"));
 }
