@@ -248,7 +248,13 @@ TEST_CASE("planner: trainrun plan answers the 70B question from the command line
   for (const char* s : {"\nno_shard ", "\nshard_grad_op ", "\nfull_shard ", "\nhybrid_shard "}) CHECK_THAT(r.out, Contains(s));
   CHECK_THAT(r.out, Contains("with full_shard and activation checkpointing on 1 x 8 H100 SXM 80GB (80.0 GiB each), "
                              "micro-batch 1: DOES NOT FIT"));
+  CHECK_THAT(r.out, !Contains("\nnote "));  // 8 sequences split over 8 GPUs
   WARN(r.out);
+  // A batch the launcher would refuse is said so, next to the batch line.
+  r = test::run_trainrun("plan --model gpt2-124m --micro-batch 4 --global-batch 6");
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.out, Contains("note      6 sequences do not split into micro-batches of 4 over 8 GPUs: a job would be "
+                             "refused at launch; the figures assume 32 (use a multiple of 32)"));
 }
 
 TEST_CASE("planner: trainrun plan reads a job spec and marks its strategy", "[planner]") {
@@ -309,7 +315,8 @@ TEST_CASE("planner: bad input to plan gets a clear error and exit code", "[plann
       {"plan " + llama + "--gpu-memory lots", 1, "--gpu-memory: 'lots' is not a size"},
       {"plan " + llama + "--gpu-memory 80GX", 1, "--gpu-memory: unknown unit 'gx'"},
       {"plan " + llama + "--gpu-memory -5GB", 1, "must be positive"},
-      {"plan " + llama + "--gpu tpu", 1, "--gpu: unknown GPU 'tpu' (known: a100, h100, h200)"},
+      {"plan " + llama + "--gpu tpu", 1, "--gpu: unknown GPU 'tpu' (known: a100, h100, h200); for one of these with "
+                                         "another memory size, add --gpu-memory"},
       {"plan " + llama + "--gpus 0", 2, "--gpus: Value 0 not in range"},
       {"plan " + llama + "--nodes -1", 2, "--nodes"},
       {"plan " + llama + "--activation-checkpointing yes", 2, "--activation-checkpointing: yes not in {none,blocks}"},

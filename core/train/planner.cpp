@@ -494,7 +494,8 @@ Plan make_plan(const PlanRequest& req) {
   if (!spec) {
     std::string keys;
     for (const auto& g : gpu_specs()) keys += (keys.empty() ? "" : ", ") + g.key;
-    TR_FAIL("--gpu: unknown GPU '", req.gpu, "' (known: ", keys, "); give --gpu-memory too for a part with other memory");
+    TR_FAIL("--gpu: unknown GPU '", req.gpu, "' (known: ", keys,
+            "); for one of these with another memory size, add --gpu-memory (e.g. --gpu a100 --gpu-memory 40GiB)");
   }
   plan.gpu = *spec;
   plan.capacity = req.gpu_memory > 0 ? req.gpu_memory : spec->memory_bytes;
@@ -612,6 +613,13 @@ std::string render_plan(const Plan& p) {
   o << " (" << fixed(r.bus_efficiency * 100, 0) << "% of nominal)\n";
   o << "batch     micro-batch " << r.micro_batch << " x " << m.T << " tokens, " << r.global_batch
     << " sequences per step, activation checkpointing " << (r.checkpointing ? "on (blocks)" : "off") << "\n";
+  // The launcher refuses a batch that does not split into whole
+  // micro-batches on every GPU; the figures below round it up.
+  const int64_t split = int64_t(r.micro_batch) * r.gpus_per_node * r.nodes;
+  if (r.global_batch % split != 0)
+    o << "note      " << r.global_batch << " sequences do not split into micro-batches of " << r.micro_batch
+      << " over " << r.gpus_per_node * r.nodes << " GPUs: a job would be refused at launch; the figures assume "
+      << ceil_div(r.global_batch, split) * split << " (use a multiple of " << split << ")\n";
   o << "assumes   bf16 parameters/activations, fp32 master weights, gradients and AdamW moments, flash attention, "
     << fixed(r.compute_efficiency * 100, 0) << "% of peak in compute, 1 GiB runtime reserve\n\n";
   const std::vector<std::pair<std::string, size_t>> cols = {
