@@ -212,7 +212,7 @@ int main(int argc, char** argv) {
   app.add_option("--master-port", lflags.master_port, "port of node 0's rendezvous store (launcher.master_port)")
       ->check(CLI::Range(1, 65535));
 
-  auto* validate = app.add_subcommand("validate", "print the fully resolved job spec, or its errors");
+  auto* validate = app.add_subcommand("validate", "print the fully resolved job spec, or the first error");
   std::string vconfig;
   std::vector<std::string> vsets;
   validate->add_option("--config", vconfig, "job spec (YAML)")->required();
