@@ -236,7 +236,9 @@ Node0Contact contact_node0(const std::string& output_dir, const std::string& add
       TR_FAIL("node 0 did not come up: ", who, " waited ", waited, ", nothing answers at ", where,
               " (node 0's rendezvous store) and '", f.marker,
               "' did not appear; start trainrun on node 0 with the same --nnodes/--master-addr/--master-port "
-              "(under Slurm: srun --ntasks-per-node=1), and check the address, the port and the firewall");
+              "(under Slurm: srun --ntasks-per-node=1), and check the address, the port and the firewall; if node 0 "
+              "did start and has given up since (see its log), the files it wrote may not be visible here: ",
+              shared_hint);
     case kNoSecret:
       TR_FAIL(who, " sees node 0's marker '", f.marker, "' but not the job secret '", f.secret, "' after ", waited,
               "; is output.dir shared between the nodes, and TRAINRUN_STORE_SECRET the same on every node?");
