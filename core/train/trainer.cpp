@@ -112,6 +112,22 @@ WorkerInfo WorkerInfo::from_env() {
   return w;
 }
 
+// The ranks' stop signals, agreed in one all-reduce that also sums the
+// caller's own values `v`: every rank sees the same counts of ranks that got
+// SIGINT and that got SIGTERM/SIGUSR1, and so takes the same decision (an
+// interrupt wins over a preemption). Returns the signal to stop for, or 0.
+static int agree_on_stop(Communicator& comm, std::vector<float>& v) {
+  const int sig = stop_signal_received();
+  v.push_back(sig == SIGINT ? 1.0f : 0.0f);
+  v.push_back(sig != 0 && sig != SIGINT ? 1.0f : 0.0f);
+  comm.all_reduce(v.data(), int64_t(v.size()), ReduceOp::Sum);
+  const float interrupts = v[v.size() - 2], preemptions = v.back();
+  v.resize(v.size() - 2);
+  if (interrupts > 0) return SIGINT;
+  if (preemptions > 0) return sig != 0 ? sig : SIGTERM;
+  return 0;
+}
+
 // Reads this rank's part of one global batch and runs forward+backward on it.
 class Trainer {
  public:
@@ -245,18 +261,11 @@ Trainer::StepResult Trainer::train_step(int step) {
   }
   cursor_ += global_B_;
   params_->finish_grads();
-  // [loss total, ranks that got SIGINT, ranks that got SIGTERM/SIGUSR1]:
-  // summed, every rank sees the same counts and takes the same decision
-  // to stop at this step boundary (an interrupt wins over a preemption).
-  float v[3] = {0, 0, 0};
-  be_->copy_to_host(&v[0], dev_loss_sum_.get(), 4);
-  const int sig = stop_signal_received();
-  v[1] = sig == SIGINT ? 1.0f : 0.0f;
-  v[2] = sig != 0 && sig != SIGINT ? 1.0f : 0.0f;
-  comm_->all_reduce(v, 3, ReduceOp::Sum);
+  std::vector<float> v(1, 0.0f);
+  be_->copy_to_host(v.data(), dev_loss_sum_.get(), 4);
   StepResult r;
+  r.stop_signal = agree_on_stop(*comm_, v);  // the vote rides the loss all-reduce
   r.loss = double(v[0]) / (double(global_B_) * T_);
-  r.stop_signal = v[1] > 0 ? SIGINT : v[2] > 0 ? (sig != 0 ? sig : SIGTERM) : 0;
   return r;
 }
 
@@ -363,15 +372,10 @@ TrainSummary Trainer::run() {
   // (workers with peers cannot act on it alone): agree now, before any step,
   // and stop with nothing to checkpoint rather than train one more step.
   if (first_step < end_step) {
-    float v[2] = {0, 0};
-    const int sig = stop_signal_received();
-    v[0] = sig == SIGINT ? 1.0f : 0.0f;
-    v[1] = sig != 0 && sig != SIGINT ? 1.0f : 0.0f;
-    comm_->all_reduce(v, 2, ReduceOp::Sum);
-    if (v[0] > 0 || v[1] > 0) {
-      sum.stop_signal = v[0] > 0 ? SIGINT : (sig != 0 ? sig : SIGTERM);
-      if (rank0_) TR_LOG_WARN(stopped_before_training(sum.stop_signal, " while the workers were setting up"));
-    }
+    std::vector<float> none;
+    sum.stop_signal = agree_on_stop(*comm_, none);
+    if (sum.stop_signal != 0 && rank0_)
+      TR_LOG_WARN(stopped_before_training(sum.stop_signal, " while the workers were setting up"));
   }
   for (int step = first_step; step < end_step && sum.stop_signal == 0; ++step) {
     comm_->set_step(step + 1);
