@@ -277,6 +277,18 @@ TEST_CASE("planner: trainrun plan reads a job spec and marks its strategy", "[pl
   CHECK_THAT(r.out, Contains("micro-batch 4 x 1024 tokens"));
 }
 
+TEST_CASE("planner: model shapes take the Hugging Face config names too", "[planner]") {
+  const ModelShape a = ModelShape::parse("gpt2:L=2,C=64,heads=4,V=100,T=16");
+  const ModelShape b =
+      ModelShape::parse("gpt2:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,vocab_size=100,n_positions=16");
+  const ModelShape c = ModelShape::parse("gpt2:n_layer=2,n_embd=64,n_head=4,vocab_size=100,n_ctx=16");
+  const ModelShape d = ModelShape::parse("llama:L=2,C=64,heads=4,ffn=128,V=100,max_position_embeddings=32");
+  CHECK(b.num_parameters() == a.num_parameters());
+  CHECK(b.T == 16);
+  CHECK(c.num_parameters() == a.num_parameters());
+  CHECK(d.T == 32);
+}
+
 TEST_CASE("planner: byte sizes parse with their units", "[planner]") {
   CHECK(parse_bytes("80GiB", "x") == 80.0 * (1ull << 30));
   CHECK(parse_bytes("80GB", "x") == 80e9);

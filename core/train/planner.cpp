@@ -64,7 +64,8 @@ const std::map<std::string, std::string>& key_aliases() {
       {"kv_heads", "kv_heads"}, {"n_kv_heads", "kv_heads"}, {"num_key_value_heads", "kv_heads"},
       {"ffn", "ffn"},      {"intermediate_size", "ffn"}, {"v", "V"},      {"vocab", "V"},
       {"vocab_size", "V"}, {"t", "T"},            {"seq_len", "T"},        {"context", "T"},
-      {"tied", "tied"},
+      {"n_positions", "T"}, {"n_ctx", "T"},       {"max_position_embeddings", "T"},
+      {"n_inner", "ffn"},  {"tied", "tied"},
   };
   return a;
 }
