@@ -13,6 +13,10 @@
 
 namespace trainrun {
 
+// Store values are bytes; most of ours are text.
+inline std::vector<uint8_t> store_bytes(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
+inline std::string store_text(const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); }
+
 using Millis = std::chrono::milliseconds;
 
 // Thrown by get/wait when the store answered "not there yet" at the deadline

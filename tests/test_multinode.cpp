@@ -430,17 +430,16 @@ TEST_CASE("multinode: with the secret in the environment an unshared output.dir 
 TEST_CASE("multinode: a secret file that others can read is refused", "[multinode]") {
   test::TempDir dir("mnode");
   TcpStoreServer server("127.0.0.1", 0, "s3cret");
-  publish_rendezvous(dir.path(), "s3cret", "nonce1", "h", "127.0.0.1", server.port());
+  {
+    auto s = connect_tcp_store("127.0.0.1", server.port(), "s3cret", 2000ms);
+    publish_rendezvous(*s, dir.path(), "s3cret", "h", "127.0.0.1", server.port());
+  }
   const RendezvousFiles f = rendezvous_files(dir.path());
   struct stat st {};
   REQUIRE(stat(f.secret.c_str(), &st) == 0);
   CHECK((st.st_mode & 0777) == 0600);
   REQUIRE(stat(f.dir.c_str(), &st) == 0);
   CHECK((st.st_mode & 0777) == 0700);
-  {
-    auto s = connect_tcp_store("127.0.0.1", server.port(), "s3cret", 2000ms);
-    s->set("trainrun/marker", {'n', 'o', 'n', 'c', 'e', '1'});
-  }
   // Readable: joins.
   Node0Contact c = contact_node0(dir.path(), "127.0.0.1", server.port(), {}, 3000ms, 2000ms, "node 1 (host h)", nullptr);
   CHECK(c.secret == "s3cret");

@@ -38,8 +38,6 @@ namespace {
 
 const std::string kSecret = "test-secret-0123456789abcdef";
 
-std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }
-std::string text(const std::vector<uint8_t>& v) { return {v.begin(), v.end()}; }
 
 std::unique_ptr<Store> client(const TcpStoreServer& server) {
   return connect_tcp_store("127.0.0.1", server.port(), kSecret, 5s);
@@ -126,8 +124,8 @@ TEST_CASE("store: port 0 binds a real port and the address is reported", "[store
   CHECK(server.port() <= 65535);
   CHECK(server.address() == "127.0.0.1");
   auto s = client(server);
-  s->set("k", bytes("v"));
-  CHECK(text(s->get("k", 1s)) == "v");
+  s->set("k", store_bytes("v"));
+  CHECK(store_text(s->get("k", 1s)) == "v");
 }
 
 TEST_CASE("store: set and get across two clients on threads", "[store]") {
@@ -136,8 +134,8 @@ TEST_CASE("store: set and get across two clients on threads", "[store]") {
   std::thread ta([&] {
     try {
       auto s = client(server);
-      s->set("from_a", bytes("hello from a"));
-      got_a = text(s->get("from_b", 5s));
+      s->set("from_a", store_bytes("hello from a"));
+      got_a = store_text(s->get("from_b", 5s));
     } catch (const std::exception& e) {
       err += e.what();
     }
@@ -145,8 +143,8 @@ TEST_CASE("store: set and get across two clients on threads", "[store]") {
   std::thread tb([&] {
     try {
       auto s = client(server);
-      s->set("from_b", bytes(std::string("bin\0ary", 7)));
-      got_b = text(s->get("from_a", 5s));
+      s->set("from_b", store_bytes(std::string("bin\0ary", 7)));
+      got_b = store_text(s->get("from_a", 5s));
     } catch (const std::exception& e) {
       err += e.what();
     }
@@ -172,7 +170,7 @@ TEST_CASE("store: get blocks until another client sets the key, without blocking
   std::thread t([&] {
     auto t0 = Clock::now();
     try {
-      got = text(waiter->get("late", 5s));
+      got = store_text(waiter->get("late", 5s));
     } catch (const std::exception& e) {
       err = e.what();
     }
@@ -181,10 +179,10 @@ TEST_CASE("store: get blocks until another client sets the key, without blocking
   std::this_thread::sleep_for(150ms);
   // While `late` is missing, the server still serves other clients at once.
   auto t0 = Clock::now();
-  other->set("unrelated", bytes("x"));
-  CHECK(text(other->get("unrelated", 1s)) == "x");
+  other->set("unrelated", store_bytes("x"));
+  CHECK(store_text(other->get("unrelated", 1s)) == "x");
   CHECK(ms_since(t0) < 500);  // generous: the point is "not until `late` appears"
-  other->set("late", bytes("finally"));
+  other->set("late", store_bytes("finally"));
   t.join();
   CHECK(err.empty());
   CHECK(got == "finally");  // only exists after the set, so get did block
@@ -206,8 +204,8 @@ TEST_CASE("store: get times out with a message naming the key", "[store]") {
   CHECK(took >= 190);
   CHECK(took < 1500);
   // The connection is still usable after a timeout.
-  s->set("after", bytes("ok"));
-  CHECK(text(s->get("after", 1s)) == "ok");
+  s->set("after", store_bytes("ok"));
+  CHECK(store_text(s->get("after", 1s)) == "ok");
 }
 
 TEST_CASE("store: add from 8 threads concurrently gives the exact total", "[store]") {
@@ -235,10 +233,10 @@ TEST_CASE("store: add from 8 threads concurrently gives the exact total", "[stor
   CHECK(errors == 0);
   auto s = client(server);
   CHECK(s->add("counter", 0) == kThreads * kAdds);
-  CHECK(text(s->get("counter", 1s)) == std::to_string(kThreads * kAdds));  // decimal text
+  CHECK(store_text(s->get("counter", 1s)) == std::to_string(kThreads * kAdds));  // decimal text
   CHECK(s->add("weighted", -36) == 0);
   CHECK(s->add("fresh", -5) == -5);  // created at 0
-  s->set("not_a_number", bytes("abc"));
+  s->set("not_a_number", store_bytes("abc"));
   CHECK_THAT(error_of([&] { s->add("not_a_number", 1); }),
              Catch::Contains("'not_a_number'") && Catch::Contains("not an integer"));
 }
@@ -247,15 +245,15 @@ TEST_CASE("store: compare_set semantics", "[store]") {
   TcpStoreServer server("127.0.0.1", 0, kSecret);
   auto s = client(server);
   // Absent key + empty expected: set.
-  CHECK(text(s->compare_set("leader", {}, bytes("rank0"))) == "rank0");
+  CHECK(store_text(s->compare_set("leader", {}, store_bytes("rank0"))) == "rank0");
   // Present, expected does not match: unchanged, returns the current value.
-  CHECK(text(s->compare_set("leader", {}, bytes("rank1"))) == "rank0");
-  CHECK(text(s->compare_set("leader", bytes("rank7"), bytes("rank1"))) == "rank0");
+  CHECK(store_text(s->compare_set("leader", {}, store_bytes("rank1"))) == "rank0");
+  CHECK(store_text(s->compare_set("leader", store_bytes("rank7"), store_bytes("rank1"))) == "rank0");
   // Present and matching: swapped.
-  CHECK(text(s->compare_set("leader", bytes("rank0"), bytes("rank2"))) == "rank2");
-  CHECK(text(s->get("leader", 1s)) == "rank2");
+  CHECK(store_text(s->compare_set("leader", store_bytes("rank0"), store_bytes("rank2"))) == "rank2");
+  CHECK(store_text(s->get("leader", 1s)) == "rank2");
   // Absent key + non-empty expected: stays absent.
-  CHECK(s->compare_set("ghost", bytes("x"), bytes("y")).empty());
+  CHECK(s->compare_set("ghost", store_bytes("x"), store_bytes("y")).empty());
   CHECK_FALSE(s->check("ghost"));
 }
 
@@ -266,12 +264,12 @@ TEST_CASE("store: compare_set wakes a waiting get", "[store]") {
   std::string got;
   std::thread t([&] {
     try {
-      got = text(a->get("cas", 3s));
+      got = store_text(a->get("cas", 3s));
     } catch (...) {
     }
   });
   std::this_thread::sleep_for(50ms);
-  b->compare_set("cas", {}, bytes("won"));
+  b->compare_set("cas", {}, store_bytes("won"));
   t.join();
   CHECK(got == "won");
 }
@@ -281,7 +279,7 @@ TEST_CASE("store: remove and check", "[store]") {
   auto s = client(server);
   CHECK_FALSE(s->check("k"));
   CHECK_FALSE(s->remove("k"));
-  s->set("k", bytes("v"));
+  s->set("k", store_bytes("v"));
   CHECK(s->check("k"));
   CHECK(s->remove("k"));
   CHECK_FALSE(s->check("k"));
@@ -292,12 +290,12 @@ TEST_CASE("store: wait returns when all keys exist and lists the missing ones on
   TcpStoreServer server("127.0.0.1", 0, kSecret);
   auto s = client(server);
   auto other = client(server);
-  s->set("a", bytes("1"));
+  s->set("a", store_bytes("1"));
   std::thread t([&] {
     std::this_thread::sleep_for(50ms);
-    other->set("b", bytes("2"));
+    other->set("b", store_bytes("2"));
     std::this_thread::sleep_for(50ms);
-    other->set("c", bytes("3"));
+    other->set("c", store_bytes("3"));
   });
   CHECK_NOTHROW(s->wait({"a", "b", "c"}, 3s));
   CHECK(s->check("c"));  // wait did not return before the last key was set
@@ -318,18 +316,18 @@ TEST_CASE("store: wait returns when all keys exist and lists the missing ones on
 TEST_CASE("store: wait_for_ranks names what, the missing ranks and the timeout", "[store]") {
   TcpStoreServer server("127.0.0.1", 0, kSecret);
   auto s = client(server);
-  s->set("ready/0", bytes("1"));
-  s->set("ready/1", bytes("1"));
+  s->set("ready/0", store_bytes("1"));
+  s->set("ready/1", store_bytes("1"));
   std::string msg = error_of([&] { wait_for_ranks(*s, "ready/", 4, 250ms, "rendezvous"); });
   CHECK(msg == "rendezvous: ranks 2, 3 of 4 did not arrive within 250 ms (waiting for key 'ready/2')");
-  s->set("ready/2", bytes("1"));
+  s->set("ready/2", store_bytes("1"));
   msg = error_of([&] { wait_for_ranks(*s, "ready/", 4, 100ms, "barrier"); });
   CHECK(msg == "barrier: rank 3 of 4 did not arrive within 100 ms (waiting for key 'ready/3')");
   // All present: returns; late arrival while waiting also counts.
   std::thread t([&] {
     std::this_thread::sleep_for(50ms);
     auto c = client(server);
-    c->set("ready/3", bytes("1"));
+    c->set("ready/3", store_bytes("1"));
   });
   CHECK_NOTHROW(wait_for_ranks(*s, "ready/", 4, 3s, "rendezvous"));
   t.join();
@@ -338,7 +336,7 @@ TEST_CASE("store: wait_for_ranks names what, the missing ranks and the timeout",
 TEST_CASE("store: a wrong secret is rejected, logged with the peer, and reads nothing", "[store]") {
   TcpStoreServer server("127.0.0.1", 0, kSecret);
   auto good = client(server);
-  good->set("private", bytes("the-value"));
+  good->set("private", store_bytes("the-value"));
 
   StderrCapture cap;
   std::string msg = error_of([&] { connect_tcp_store("127.0.0.1", server.port(), "not-the-secret", 2s); });
@@ -360,13 +358,13 @@ TEST_CASE("store: a wrong secret is rejected, logged with the peer, and reads no
   ::close(fd);
   std::string log2 = cap2.finish();
   CHECK(eof);
-  CHECK(text(got).find("the-value") == std::string::npos);
+  CHECK(store_text(got).find("the-value") == std::string::npos);
   REQUIRE(got.size() >= 5);
   CHECK(got[4] == store_proto::kRejected);
   CHECK_THAT(log2, Catch::Contains("rejected store client 127.0.0.1:") && Catch::Contains("no secret"));
 
   // The server is unaffected.
-  CHECK(text(good->get("private", 1s)) == "the-value");
+  CHECK(store_text(good->get("private", 1s)) == "the-value");
 }
 
 TEST_CASE("store: a client connecting before the server starts retries until it is up", "[store]") {
@@ -382,7 +380,7 @@ TEST_CASE("store: a client connecting before the server starts retries until it 
     try {
       auto s = connect_tcp_store("127.0.0.1", port, kSecret, 5s);
       took = ms_since(t0);
-      got = text(s->get("hello", 2s));
+      got = store_text(s->get("hello", 2s));
     } catch (const std::exception& e) {
       err = e.what();
     }
@@ -390,7 +388,7 @@ TEST_CASE("store: a client connecting before the server starts retries until it 
   std::this_thread::sleep_for(300ms);
   TcpStoreServer server("127.0.0.1", port, kSecret);
   auto s = client(server);
-  s->set("hello", bytes("world"));
+  s->set("hello", store_bytes("world"));
   t.join();
   CHECK(err.empty());
   CHECK(got == "world");
@@ -434,7 +432,7 @@ TEST_CASE("store: a server destroyed while a client waits gives an Error, not a 
   CHECK_THAT(err, Catch::Contains("get('never')") && Catch::Contains("lost the connection"));
   CHECK(took < 2000);
   // Later calls fail at once instead of touching a dead socket.
-  CHECK_THAT(error_of([&] { s->set("x", bytes("y")); }), Catch::Contains("lost earlier"));
+  CHECK_THAT(error_of([&] { s->set("x", store_bytes("y")); }), Catch::Contains("lost earlier"));
 }
 
 TEST_CASE("store: many clients waiting for all ranks (wait_for_ranks pattern)", "[store]") {
@@ -446,7 +444,7 @@ TEST_CASE("store: many clients waiting for all ranks (wait_for_ranks pattern)", 
     ts.emplace_back([&, r] {
       try {
         auto s = client(server);
-        s->set("arrive/" + std::to_string(r), bytes("1"));
+        s->set("arrive/" + std::to_string(r), store_bytes("1"));
         wait_for_ranks(*s, "arrive/", kWorld, 5s, "test barrier");
         ++ok;
       } catch (...) {

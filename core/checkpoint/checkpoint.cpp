@@ -264,8 +264,6 @@ int64_t ckpt_timeout_ms(const JobSpec& job) {
   return std::max<int64_t>(600'000, int64_t(job.parallel.timeout_s * 10'000));
 }
 
-std::string str(const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); }
-std::vector<uint8_t> bytes(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
 
 }  // namespace
 
@@ -404,9 +402,9 @@ void Checkpointer::write_and_commit(int64_t step, const TrainState& st, const st
       std::error_code ec;
       fs::remove_all(tmp, ec);  // never leave a half-made directory behind
     }
-    if (store_) store_->set(key + "ready", bytes(setup_error.empty() ? "ok" : setup_error));
+    if (store_) store_->set(key + "ready", store_bytes(setup_error.empty() ? "ok" : setup_error));
   } else {
-    setup_error = str(store_->get(key + "ready", timeout));
+    setup_error = store_text(store_->get(key + "ready", timeout));
     if (setup_error == "ok") setup_error.clear();
   }
   if (!setup_error.empty()) TR_FAIL("checkpoint step ", step, " could not be written: ", setup_error);
@@ -446,8 +444,8 @@ void Checkpointer::write_and_commit(int64_t step, const TrainState& st, const st
     json segs = json::array();
     for (int file = 0; file < 2; ++file)
       for (const Segment& g : mine[file]) segs.push_back({file, g.offset, g.bytes, hex64(g.hash)});
-    store_->set(key + "segments/" + std::to_string(rank_), bytes(segs.dump()));
-    store_->set(key + "written/" + std::to_string(rank_), bytes(status));
+    store_->set(key + "segments/" + std::to_string(rank_), store_bytes(segs.dump()));
+    store_->set(key + "written/" + std::to_string(rank_), store_bytes(status));
   }
 
   // 3. rank 0 commits; everyone learns the outcome.
@@ -463,11 +461,11 @@ void Checkpointer::write_and_commit(int64_t step, const TrainState& st, const st
         for (int r = 0; r < world_; ++r) keys.push_back(key + "written/" + std::to_string(r));
         store_->wait(keys, timeout);
         for (int r = 0; r < world_; ++r) {
-          std::string s = str(store_->get(keys[r], timeout));
+          std::string s = store_text(store_->get(keys[r], timeout));
           TR_CHECK(s == "ok", s);
         }
         for (int r = 1; r < world_; ++r) {
-          const std::string text = str(store_->get(key + "segments/" + std::to_string(r), timeout));
+          const std::string text = store_text(store_->get(key + "segments/" + std::to_string(r), timeout));
           try {
             for (const json& g : json::parse(text)) {
               uint64_t hash = 0;
@@ -489,9 +487,9 @@ void Checkpointer::write_and_commit(int64_t step, const TrainState& st, const st
       std::error_code ec;
       fs::remove_all(tmp, ec);  // never leave a half-written directory behind
     }
-    if (store_) store_->set(key + "committed", bytes(outcome));
+    if (store_) store_->set(key + "committed", store_bytes(outcome));
   } else {
-    outcome = str(store_->get(key + "committed", timeout));
+    outcome = store_text(store_->get(key + "committed", timeout));
   }
   if (outcome != "ok") TR_FAIL("checkpoint step ", step, " could not be written: ", outcome);
 }

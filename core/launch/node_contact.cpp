@@ -30,7 +30,6 @@ using std::chrono::milliseconds;
 
 namespace {
 
-std::string text(const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); }
 
 std::string seconds_text(milliseconds d) {
   std::ostringstream os;
@@ -166,8 +165,10 @@ std::string secret_for_new_store(const EnvMap& env) {
   return make_job_secret();
 }
 
-void publish_rendezvous(const std::string& output_dir, const std::string& secret, const std::string& nonce,
+void publish_rendezvous(Store& store, const std::string& output_dir, const std::string& secret,
                         const std::string& host, const std::string& store_addr, int port) {
+  const std::string nonce = make_job_secret();
+  store.set("trainrun/marker", store_bytes(nonce));
   const RendezvousFiles f = rendezvous_files(output_dir);
   std::error_code ec;
   fs::create_directories(f.dir, ec);
@@ -207,7 +208,7 @@ Node0Contact contact_node0(const std::string& output_dir, const std::string& add
         // The marker's nonce must be the one node 0 put in the store: the
         // same directory, from this run.
         if (c.store->check("trainrun/marker")) {
-          store_nonce = text(c.store->get("trainrun/marker", milliseconds(1000)));
+          store_nonce = store_text(c.store->get("trainrun/marker", milliseconds(1000)));
           if (!seen_nonce.empty() && store_nonce == seen_nonce) return c;
           problem = kNonce;
           nonce_mismatch = true;

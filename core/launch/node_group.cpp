@@ -53,8 +53,6 @@ bool failure_is_consequence(const std::string& error_text) {
 
 namespace {
 
-std::vector<uint8_t> bytes(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
-std::string text(const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); }
 
 std::string seconds_text(milliseconds d) {
   std::ostringstream os;
@@ -150,9 +148,7 @@ NodeGroup::NodeGroup(const JobSpec& job, const LaunchPlan& plan, const StopPoll&
       TR_FAIL("node 0 cannot reach its own rendezvous store at ", plan_.master_addr, ":", plan_.master_port, " (",
               e.what(), "); is launcher.master_addr (--master-addr) an address of this host?");
     }
-    const std::string nonce = make_job_secret();
-    store_->set("trainrun/marker", bytes(nonce));
-    publish_rendezvous(job.output.dir, secret_, nonce, plan_.host, plan_.master_addr, plan_.master_port);
+    publish_rendezvous(*store_, job.output.dir, secret_, plan_.host, plan_.master_addr, plan_.master_port);
   } else {
     Node0Contact c = contact_node0(job.output.dir, plan_.master_addr, plan_.master_port, env, timeout, node_timeout_,
                                    "node " + std::to_string(plan_.node_rank) + " (host " + plan_.host + ")", stop_);
@@ -197,10 +193,10 @@ std::string NodeGroup::node_label(int node) const {
 int NodeGroup::join(int attempt) {
   const int me = plan_.node_rank;
   if (me == 0) {
-    store_->set("trainrun/attempt", bytes(std::to_string(attempt)));
+    store_->set("trainrun/attempt", store_bytes(std::to_string(attempt)));
   } else if (store_->check("trainrun/attempt")) {
     // An agent started again on a node that died joins the job where it is.
-    const int current = std::atoi(text(store_->get("trainrun/attempt", milliseconds(1000))).c_str());
+    const int current = std::atoi(store_text(store_->get("trainrun/attempt", milliseconds(1000))).c_str());
     if (current > attempt) {
       TR_LOG_INFO("launcher: the job is at attempt ", current, " (restart ", current, "); node ", me, " joins it");
       attempt = current;
@@ -213,7 +209,7 @@ int NodeGroup::join(int attempt) {
     if (sig != SIGINT) {
       try {
         store_->compare_set("trainrun/preempted", {},
-                            bytes("node " + std::to_string(me) + " (host " + plan_.host + ") received " +
+                            store_bytes("node " + std::to_string(me) + " (host " + plan_.host + ") received " +
                                   stop_signal_name(sig) + " while the nodes were meeting"));
       } catch (const Error&) {
       }
@@ -224,8 +220,8 @@ int NodeGroup::join(int attempt) {
   // its store up until every node that joined has seen it).
   auto preempted_elsewhere = [&]() -> std::string {
     if (!store_->check("trainrun/preempted")) return "";
-    const std::string why = text(store_->get("trainrun/preempted", milliseconds(1000)));
-    store_->set("trainrun/heard/" + std::to_string(me), bytes("1"));
+    const std::string why = store_text(store_->get("trainrun/preempted", milliseconds(1000)));
+    store_->set("trainrun/heard/" + std::to_string(me), store_bytes("1"));
     return why;
   };
   if (attempt == 0) {
@@ -234,7 +230,7 @@ int NodeGroup::join(int attempt) {
       if (const int sig = sleep_unless_stopped(milliseconds(ms), stop_)) throw interrupted(sig);
     }
   }
-  store_->set(key("node/" + std::to_string(me)), bytes(plan_.host + " " + std::to_string(plan_.nproc_per_node) +
+  store_->set(key("node/" + std::to_string(me)), store_bytes(plan_.host + " " + std::to_string(plan_.nproc_per_node) +
                                                        (live_addr_.empty() ? "" : " " + live_addr_)));
   std::vector<std::string> keys;
   for (int j = 0; j < plan_.nnodes; ++j) keys.push_back(key("node/" + std::to_string(j)));
@@ -248,9 +244,9 @@ int NodeGroup::join(int attempt) {
     }
     if (std::string why = preempted_elsewhere(); !why.empty()) throw LaunchInterrupted{0, why};
     if (store_->check("trainrun/final"))
-      TR_FAIL("node 0 ended the job (exit code ", text(store_->get("trainrun/final", milliseconds(1000))),
+      TR_FAIL("node 0 ended the job (exit code ", store_text(store_->get("trainrun/final", milliseconds(1000))),
               ") before node ", me, " joined attempt ", attempt, "; nothing to restart");
-    if (store_->check(key("abort"))) TR_FAIL(text(store_->get(key("abort"), milliseconds(1000))));
+    if (store_->check(key("abort"))) TR_FAIL(store_text(store_->get(key("abort"), milliseconds(1000))));
     try {
       store_->wait(keys, milliseconds(200));
       // A node preempted just now (its key was already there) starts no
@@ -276,14 +272,14 @@ int NodeGroup::join(int attempt) {
         "--ntasks-per-node=1) and check that those nodes reach this address";
     // The nodes that are here stop now rather than at their own timeout.
     try {
-      store_->compare_set(key("abort"), {}, bytes(msg));
+      store_->compare_set(key("abort"), {}, store_bytes(msg));
     } catch (const Error&) {
     }
     TR_FAIL(msg);
   }
   for (int j = 0; j < plan_.nnodes; ++j) {
     // "host nproc [liveness ip:port]"
-    std::istringstream v(text(store_->get(keys[size_t(j)], milliseconds(1000))));
+    std::istringstream v(store_text(store_->get(keys[size_t(j)], milliseconds(1000))));
     int nproc = 0;
     v >> hosts_[size_t(j)] >> nproc >> live_addrs_[size_t(j)];
     TR_CHECK(nproc == plan_.nproc_per_node, node_label(j), " runs ", nproc, " workers but node ", me, " runs ",
@@ -408,10 +404,10 @@ void NodeGroup::watch_loop(int attempt) {
     }
     try {
       store_->add("trainrun/hb/" + std::to_string(me), 1);
-      if (!abort_seen && store_->check(abort_key)) saw_abort(text(store_->get(abort_key, milliseconds(1000))));
+      if (!abort_seen && store_->check(abort_key)) saw_abort(store_text(store_->get(abort_key, milliseconds(1000))));
       if (!abort_seen && announce_now) {
         // First writer wins: the job's failure is the node that failed first.
-        saw_abort(text(store_->compare_set(abort_key, {}, bytes(announce))));
+        saw_abort(store_text(store_->compare_set(abort_key, {}, store_bytes(announce))));
       }
       if (live_fd_ >= 0)  // node k: hold node 0's liveness connections (nothing is ever sent)
         for (int fd; (fd = ::accept4(live_fd_, nullptr, nullptr, SOCK_CLOEXEC)) >= 0;) accepted_.push_back(fd);
@@ -448,7 +444,7 @@ void NodeGroup::watch_loop(int attempt) {
             std::lock_guard<std::mutex> lock(mu_);
             lost_[size_t(j)] = true;
           }
-          const std::string first = text(store_->compare_set(abort_key, {}, bytes(what)));
+          const std::string first = store_text(store_->compare_set(abort_key, {}, store_bytes(what)));
           if (!abort_seen) saw_abort(first);
           if (first != what) post_event(what);  // a second loss after the first failure
         }
@@ -477,7 +473,7 @@ void NodeGroup::watch_loop(int attempt) {
 std::string NodeGroup::finish(int code) {
   const int me = plan_.node_rank;
   try {
-    store_->set(key("done/" + std::to_string(me)), bytes(std::to_string(code)));
+    store_->set(key("done/" + std::to_string(me)), store_bytes(std::to_string(code)));
   } catch (const Error&) {
     return "";  // node 0 is gone; the heartbeat thread has said so
   }
@@ -503,7 +499,7 @@ std::string NodeGroup::finish(int code) {
   }
   // This node finished; did the job? (A failure here was reported already.)
   if (code != 0 && code != 75) return "";
-  if (store_->check(key("abort"))) return text(store_->get(key("abort"), milliseconds(1000)));
+  if (store_->check(key("abort"))) return store_text(store_->get(key("abort"), milliseconds(1000)));
   return "";
 }
 
@@ -525,7 +521,7 @@ void NodeGroup::wait_until_heard(milliseconds most) {
 void NodeGroup::close_job(int code) {
   if (plan_.node_rank != 0) return;
   try {
-    store_->set("trainrun/final", bytes(std::to_string(code)));
+    store_->set("trainrun/final", store_bytes(std::to_string(code)));
   } catch (const Error&) {
   }
 }

@@ -70,9 +70,12 @@ struct RendezvousFiles {
 };
 RendezvousFiles rendezvous_files(const std::string& output_dir);
 
-// Node 0 (or rank 0 of Slurm workers): writes the secret file (0600) and
-// a marker with `nonce`, each through a temporary file and a rename.
-void publish_rendezvous(const std::string& output_dir, const std::string& secret, const std::string& nonce,
+// Node 0 (or rank 0 of Slurm workers): a fresh nonce under
+// "trainrun/marker" in its own store, then the secret file (0600) and a
+// marker file with the same nonce, each through a temporary file and a
+// rename; the other nodes compare the two (contact_node0) to tell this
+// run's files from a stale or unshared output.dir.
+void publish_rendezvous(Store& store, const std::string& output_dir, const std::string& secret,
                         const std::string& host, const std::string& store_addr, int port);
 
 // The secret for a store hosted here: TRAINRUN_STORE_SECRET, else fresh.

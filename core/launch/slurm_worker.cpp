@@ -16,7 +16,6 @@ namespace {
 
 void set_env(const char* name, const std::string& value) { ::setenv(name, value.c_str(), 1); }
 
-std::vector<uint8_t> bytes(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
 
 }  // namespace
 
@@ -34,9 +33,7 @@ int run_slurm_worker(const JobSpec& job, const LaunchPlan& plan) {
       server = std::make_unique<TcpStoreServer>("", plan.master_port, secret);
       store =
           connect_tcp_store(plan.master_addr, plan.master_port, secret, std::chrono::milliseconds(5000), io_timeout);
-      const std::string nonce = make_job_secret();
-      store->set("trainrun/marker", bytes(nonce));
-      publish_rendezvous(job.output.dir, secret, nonce, plan.host, plan.master_addr, plan.master_port);
+      publish_rendezvous(*store, job.output.dir, secret, plan.host, plan.master_addr, plan.master_port);
     } else {
       Node0Contact c = contact_node0(job.output.dir, plan.master_addr, plan.master_port, env, timeout, io_timeout,
                                      "rank " + std::to_string(plan.rank) + " (host " + plan.host + ")", nullptr);
@@ -64,7 +61,7 @@ int run_slurm_worker(const JobSpec& job, const LaunchPlan& plan) {
   const int code = exit_code_for(run_training(job, WorkerInfo::from_env()));
   if (store) {
     try {
-      store->set("trainrun/done/" + std::to_string(plan.rank), bytes(std::to_string(code)));
+      store->set("trainrun/done/" + std::to_string(plan.rank), store_bytes(std::to_string(code)));
       if (plan.rank == 0) {
         std::vector<std::string> keys;
         for (int r = 0; r < plan.world; ++r) keys.push_back("trainrun/done/" + std::to_string(r));
