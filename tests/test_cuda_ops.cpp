@@ -35,7 +35,6 @@
 #include <cstring>
 #include <memory>
 #include <random>
-#include <thread>
 #include <vector>
 
 #include "core/common/error.h"
@@ -44,7 +43,7 @@
 #include "kernels/backend.h"
 #include "kernels/backend_factory.h"
 #include "parallel/communicator.h"
-#include "parallel/store.h"
+#include "tests/support/inprocess.h"
 #include "tests/support/testutil.h"
 
 using namespace trainrun;
@@ -684,30 +683,8 @@ TEST_CASE("cuda: sharded runs over NCCL match the single-GPU run", "[cuda]") {
     test::TempDir dir("cuda_nccl");
     const int world = 2;
     JobSpec job = parse_job_spec(job_yaml(dir.path(), "cuda", sharding), "job.yaml");
-    const std::string secret = make_job_secret();
-    TcpStoreServer server("127.0.0.1", 0, secret);
-    std::vector<TrainSummary> out(world);
-    std::vector<std::string> errors(world);
-    std::vector<std::thread> threads;
-    for (int r = 0; r < world; ++r) {
-      threads.emplace_back([&, r] {
-        WorkerInfo w;
-        w.rank = w.local_rank = r;
-        w.world = w.local_world = world;
-        w.master_port = server.port();
-        w.secret = secret;
-        try {
-          out[r] = run_training(job, w);
-        } catch (const std::exception& e) {
-          errors[r] = e.what();
-        }
-      });
-    }
-    for (auto& t : threads) t.join();
-    for (int r = 0; r < world; ++r) {
-      INFO("rank " << r << ": " << errors[r]);
-      CHECK(errors[r].empty());
-    }
+    // Thread r is rank r on GPU r (local_rank r); throws with every rank's error.
+    const std::vector<TrainSummary> out = test::run_ranks_inprocess(job, world);
     REQUIRE(out[0].losses.size() == single.losses.size());
     double worst = 0;
     for (size_t i = 0; i < single.losses.size(); ++i)
