@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "kernels/backend.h"
+#include "tests/support/device_io.h"
 #include "tests/support/reference_ops.h"
 
 using namespace trainrun;
@@ -65,39 +66,19 @@ Tokens rand_tokens(size_t n, int V, uint64_t seed) {
 
 // ---- device transfer helpers (backend-agnostic) ------------------------------------
 
-DeviceBuffer upload_f32(Backend* be, const Vec& v) {
-  std::vector<float> f(v.begin(), v.end());
-  DeviceBuffer d(be, f.size() * 4);
-  be->copy_to_device(d.get(), f.data(), f.size() * 4);
-  return d;
-}
-
+// The shared float helpers (tests/support/device_io.h) with this file's
+// double-precision vectors on the host side.
+DeviceBuffer upload_f32(Backend* be, const Vec& v) { return test::upload_f32(be, std::vector<float>(v.begin(), v.end())); }
 Vec download_f32(Backend* be, const void* p, size_t n) {
-  std::vector<float> f(n);
-  be->copy_to_host(f.data(), p, n * 4);
-  be->synchronize();
+  const std::vector<float> f = test::download_f32(be, p, n);
   return Vec(f.begin(), f.end());
 }
-
-// An activation-dtype tensor: fp32 staged on the device, then cast_from_f32.
-DeviceBuffer upload_act(Backend* be, const Vec& v) {
-  DeviceBuffer staged = upload_f32(be, v);
-  DeviceBuffer d(be, v.size() * dtype_size(be->act_dtype()));
-  be->cast_from_f32(d.get(), staged.as<float>(), int64_t(v.size()));
-  return d;
-}
-
+DeviceBuffer upload_act(Backend* be, const Vec& v) { return test::upload_act(be, std::vector<float>(v.begin(), v.end())); }
 Vec download_act(Backend* be, const void* p, size_t n) {
-  DeviceBuffer staged(be, n * 4);
-  be->cast_to_f32(staged.as<float>(), p, int64_t(n));
-  return download_f32(be, staged.get(), n);
+  const std::vector<float> f = test::download_act(be, p, n);
+  return Vec(f.begin(), f.end());
 }
-
-DeviceBuffer upload_i32(Backend* be, const Tokens& t) {
-  DeviceBuffer d(be, t.size() * 4);
-  be->copy_to_device(d.get(), t.data(), t.size() * 4);
-  return d;
-}
+using test::upload_i32;
 
 // A tensor as the backend holds it: uploading rounds to the act dtype, and the
 // reference must see exactly those rounded values, not the doubles we drew.

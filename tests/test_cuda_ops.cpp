@@ -43,6 +43,7 @@
 #include "kernels/backend.h"
 #include "kernels/backend_factory.h"
 #include "parallel/communicator.h"
+#include "tests/support/device_io.h"
 #include "tests/support/inprocess.h"
 #include "tests/support/testutil.h"
 
@@ -115,26 +116,11 @@ struct Pair {
   Pair() { gpu = make_backend("cuda", 0, nullptr); }
 };
 
-DeviceBuffer upload_f32(Backend* be, const Vec& v) {
-  DeviceBuffer d(be, std::max<size_t>(1, v.size()) * 4);
-  be->copy_to_device(d.get(), v.data(), v.size() * 4);
-  return d;
-}
-Vec download_f32(Backend* be, const void* p, size_t n) {
-  Vec v(n);
-  be->copy_to_host(v.data(), p, n * 4);
-  be->synchronize();
-  return v;
-}
-void cast_into(Backend* be, void* dst, const Vec& v) {
-  DeviceBuffer staged = upload_f32(be, v);
-  be->cast_from_f32(dst, staged.as<float>(), int64_t(v.size()));
-}
-Vec download_act(Backend* be, const void* p, size_t n) {
-  DeviceBuffer staged(be, std::max<size_t>(1, n) * 4);
-  be->cast_to_f32(staged.as<float>(), p, int64_t(n));
-  return download_f32(be, staged.get(), n);
-}
+using test::cast_into;
+using test::download_act;
+using test::download_f32;
+using test::upload_f32;
+
 void poison(Backend* be, void* p, size_t bytes) {
   std::vector<unsigned char> nan(bytes, 0xFF);  // NaN in fp32 and bf16
   be->copy_to_device(p, nan.data(), bytes);

@@ -24,6 +24,7 @@
 
 #include "core/model/gpt2.h"
 #include "kernels/backend.h"
+#include "tests/support/device_io.h"
 #include "tests/support/reference_ops.h"
 
 using namespace trainrun;
@@ -42,35 +43,11 @@ Tokens rand_tokens(size_t n, int V, uint64_t seed) {
   return t;
 }
 
-// ---- device transfer helpers (backend-agnostic: copies and casts only) -------------
-
-DeviceBuffer upload_f32(Backend* be, const std::vector<float>& f) {
-  DeviceBuffer d(be, f.size() * 4);
-  be->copy_to_device(d.get(), f.data(), f.size() * 4);
-  return d;
-}
-std::vector<float> download_f32(Backend* be, const void* p, size_t n) {
-  std::vector<float> f(n);
-  be->copy_to_host(f.data(), p, n * 4);
-  be->synchronize();
-  return f;
-}
-DeviceBuffer upload_act(Backend* be, const std::vector<float>& f) {
-  DeviceBuffer staged = upload_f32(be, f);
-  DeviceBuffer d(be, f.size() * dtype_size(be->act_dtype()));
-  be->cast_from_f32(d.get(), staged.as<float>(), int64_t(f.size()));
-  return d;
-}
-std::vector<float> download_act(Backend* be, const void* p, size_t n) {
-  DeviceBuffer staged(be, n * 4);
-  be->cast_to_f32(staged.as<float>(), p, int64_t(n));
-  return download_f32(be, staged.get(), n);
-}
-DeviceBuffer upload_i32(Backend* be, const Tokens& t) {
-  DeviceBuffer d(be, t.size() * 4);
-  be->copy_to_device(d.get(), t.data(), t.size() * 4);
-  return d;
-}
+using test::download_act;
+using test::download_f32;
+using test::upload_act;
+using test::upload_f32;
+using test::upload_i32;
 
 Vec to_double(const std::vector<float>& f) { return Vec(f.begin(), f.end()); }
 
