@@ -5,8 +5,6 @@ namespace trainrun::cuda {
 
 namespace {
 
-constexpr int kThreads = 256;
-
 __device__ __forceinline__ float adamw_one(float w, float g, float& m, float& v, const AdamWArgs& a) {
   g *= a.grad_scale;
   m = a.beta1 * m + (1.0f - a.beta1) * g;
@@ -69,11 +67,9 @@ __global__ void adamw_kernel(float* master, bf16* param, const float* grad, floa
 void adamw_update(float* master, bf16* param, const float* grad, float* m, float* v, int64_t n, const AdamWArgs& a,
                   cudaStream_t stream) {
   if (n <= 0) return;
-  if (aligned16(master) && aligned16(param) && aligned16(grad) && aligned16(m) && aligned16(v)) {
-    adamw_kernel<true><<<grid_for((n + 7) / 8, kThreads), kThreads, 0, stream>>>(master, param, grad, m, v, n, a);
-  } else {
-    adamw_kernel<false><<<grid_for(n, kThreads), kThreads, 0, stream>>>(master, param, grad, m, v, n, a);
-  }
+  launch_packed<8>(adamw_kernel<true>, adamw_kernel<false>,
+                   aligned16(master) && aligned16(param) && aligned16(grad) && aligned16(m) && aligned16(v), n, stream,
+                   master, param, grad, m, v, n, a);
   TR_CUDA_LAUNCH_CHECK("adamw_update");
 }
 

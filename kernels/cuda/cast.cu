@@ -5,8 +5,6 @@ namespace trainrun::cuda {
 
 namespace {
 
-constexpr int kThreads = 256;
-
 // VEC: both pointers 16-byte aligned; 8 values per iteration (two float4
 // loads, one 16-byte bf16 store), scalar tail.
 template <bool VEC>
@@ -54,21 +52,15 @@ __global__ void cast_bf16_to_f32_kernel(float* dst, const bf16* src, int64_t n) 
 
 void cast_f32_to_bf16(bf16* dst, const float* src, int64_t n, cudaStream_t stream) {
   if (n <= 0) return;
-  if (aligned16(dst) && aligned16(src)) {
-    cast_f32_to_bf16_kernel<true><<<grid_for((n + 7) / 8, kThreads), kThreads, 0, stream>>>(dst, src, n);
-  } else {
-    cast_f32_to_bf16_kernel<false><<<grid_for(n, kThreads), kThreads, 0, stream>>>(dst, src, n);
-  }
+  launch_packed<8>(cast_f32_to_bf16_kernel<true>, cast_f32_to_bf16_kernel<false>, aligned16(dst) && aligned16(src), n,
+                   stream, dst, src, n);
   TR_CUDA_LAUNCH_CHECK("cast_f32_to_bf16");
 }
 
 void cast_bf16_to_f32(float* dst, const bf16* src, int64_t n, cudaStream_t stream) {
   if (n <= 0) return;
-  if (aligned16(dst) && aligned16(src)) {
-    cast_bf16_to_f32_kernel<true><<<grid_for((n + 7) / 8, kThreads), kThreads, 0, stream>>>(dst, src, n);
-  } else {
-    cast_bf16_to_f32_kernel<false><<<grid_for(n, kThreads), kThreads, 0, stream>>>(dst, src, n);
-  }
+  launch_packed<8>(cast_bf16_to_f32_kernel<true>, cast_bf16_to_f32_kernel<false>, aligned16(dst) && aligned16(src), n,
+                   stream, dst, src, n);
   TR_CUDA_LAUNCH_CHECK("cast_bf16_to_f32");
 }
 

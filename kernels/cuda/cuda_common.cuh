@@ -60,6 +60,23 @@ inline int grid_for(int64_t work, int threads, int max_blocks = 4096) {
   return static_cast<int>(b);
 }
 
+#ifdef __CUDACC__
+// The launch the elementwise kernels share: `vec` (the kernel's <true>
+// instance: kPack elements per 16-byte pack, its own scalar tail) over the
+// packs when every pointer is 16-byte aligned, else `scalar` (<false>: one
+// element per thread) over n; grid-stride loops, 256 threads per block.
+template <int kPack, typename... Params, typename... Args>
+void launch_packed(void (*vec)(Params...), void (*scalar)(Params...), bool aligned, int64_t n, cudaStream_t stream,
+                   Args... args) {
+  constexpr int kThreads = 256;
+  if (aligned) {
+    vec<<<grid_for((n + kPack - 1) / kPack, kThreads), kThreads, 0, stream>>>(args...);
+  } else {
+    scalar<<<grid_for(n, kThreads), kThreads, 0, stream>>>(args...);
+  }
+}
+#endif
+
 #if defined(__CUDACC__)
 
 __device__ __forceinline__ float to_float(float x) { return x; }

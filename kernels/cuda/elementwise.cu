@@ -5,8 +5,6 @@ namespace trainrun::cuda {
 
 namespace {
 
-constexpr int kThreads = 256;
-
 // ---- kernels ---------------------------------------------------------------------
 
 // VEC: every pointer 16-byte aligned; pack i covers elements [8i, 8i+8) and
@@ -71,31 +69,21 @@ __global__ void accumulate_f32_kernel(float* dst, const float* src, int64_t n) {
 
 void residual_forward(bf16* out, const bf16* a, const bf16* b, int64_t n, cudaStream_t stream) {
   if (n <= 0) return;
-  if (aligned16(out) && aligned16(a) && aligned16(b)) {
-    residual_forward_kernel<true><<<grid_for((n + 7) / 8, kThreads), kThreads, 0, stream>>>(out, a, b, n);
-  } else {
-    residual_forward_kernel<false><<<grid_for(n, kThreads), kThreads, 0, stream>>>(out, a, b, n);
-  }
+  launch_packed<8>(residual_forward_kernel<true>, residual_forward_kernel<false>,
+                   aligned16(out) && aligned16(a) && aligned16(b), n, stream, out, a, b, n);
   TR_CUDA_LAUNCH_CHECK("residual_forward");
 }
 
 void scale_f32(float* x, float s, int64_t n, cudaStream_t stream) {
   if (n <= 0) return;
-  if (aligned16(x)) {
-    scale_f32_kernel<true><<<grid_for((n + 3) / 4, kThreads), kThreads, 0, stream>>>(x, s, n);
-  } else {
-    scale_f32_kernel<false><<<grid_for(n, kThreads), kThreads, 0, stream>>>(x, s, n);
-  }
+  launch_packed<4>(scale_f32_kernel<true>, scale_f32_kernel<false>, aligned16(x), n, stream, x, s, n);
   TR_CUDA_LAUNCH_CHECK("scale_f32");
 }
 
 void accumulate_f32(float* dst, const float* src, int64_t n, cudaStream_t stream) {
   if (n <= 0) return;
-  if (aligned16(dst) && aligned16(src)) {
-    accumulate_f32_kernel<true><<<grid_for((n + 3) / 4, kThreads), kThreads, 0, stream>>>(dst, src, n);
-  } else {
-    accumulate_f32_kernel<false><<<grid_for(n, kThreads), kThreads, 0, stream>>>(dst, src, n);
-  }
+  launch_packed<4>(accumulate_f32_kernel<true>, accumulate_f32_kernel<false>, aligned16(dst) && aligned16(src), n,
+                   stream, dst, src, n);
   TR_CUDA_LAUNCH_CHECK("accumulate_f32");
 }
 

@@ -5,7 +5,6 @@ namespace trainrun::cuda {
 
 namespace {
 
-constexpr int kThreads = 256;
 constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2/pi)
 
 __device__ __forceinline__ float gelu_f(float x) {
@@ -65,21 +64,15 @@ __global__ void gelu_backward_kernel(bf16* dinp, const bf16* inp, const bf16* do
 
 void gelu_forward(bf16* out, const bf16* inp, int64_t n, cudaStream_t stream) {
   if (n <= 0) return;
-  if (aligned16(out) && aligned16(inp)) {
-    gelu_forward_kernel<true><<<grid_for((n + 7) / 8, kThreads), kThreads, 0, stream>>>(out, inp, n);
-  } else {
-    gelu_forward_kernel<false><<<grid_for(n, kThreads), kThreads, 0, stream>>>(out, inp, n);
-  }
+  launch_packed<8>(gelu_forward_kernel<true>, gelu_forward_kernel<false>, aligned16(out) && aligned16(inp), n, stream,
+                   out, inp, n);
   TR_CUDA_LAUNCH_CHECK("gelu_forward");
 }
 
 void gelu_backward(bf16* dinp, const bf16* inp, const bf16* dout, int64_t n, cudaStream_t stream) {
   if (n <= 0) return;
-  if (aligned16(dinp) && aligned16(inp) && aligned16(dout)) {
-    gelu_backward_kernel<true><<<grid_for((n + 7) / 8, kThreads), kThreads, 0, stream>>>(dinp, inp, dout, n);
-  } else {
-    gelu_backward_kernel<false><<<grid_for(n, kThreads), kThreads, 0, stream>>>(dinp, inp, dout, n);
-  }
+  launch_packed<8>(gelu_backward_kernel<true>, gelu_backward_kernel<false>,
+                   aligned16(dinp) && aligned16(inp) && aligned16(dout), n, stream, dinp, inp, dout, n);
   TR_CUDA_LAUNCH_CHECK("gelu_backward");
 }
 
