@@ -438,18 +438,7 @@ TEST_CASE("topology: real fixtures survive the printed matrix and a saved descri
   for (const char* name : kRealFixtures) {
     INFO(name);
     const Topology t = smi(name);
-    const Topology back = parse_nvidia_smi_topo(format_link_matrix(t), "printed");
-    CHECK(back.links == t.links);
-    REQUIRE(back.nics.size() == t.nics.size());
-    for (size_t n = 0; n < t.nics.size(); ++n) {
-      CHECK(back.nics[n].name == t.nics[n].name);
-      CHECK(back.nics[n].gpu_links == t.nics[n].gpu_links);
-      CHECK(back.nics[n].nic_links == t.nics[n].nic_links);
-    }
-    for (size_t g = 0; g < t.gpus.size(); ++g) {
-      CHECK(back.gpus[g].cpus == t.gpus[g].cpus);
-      CHECK(back.gpus[g].numa_node == t.gpus[g].numa_node);
-    }
+    check_printed_matrix_reads_back(t);
     const std::string path = dir / (std::string(name) + ".json");
     save_topology(t, path);
     const Topology loaded = load_topology(path);

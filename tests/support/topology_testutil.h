@@ -1,6 +1,8 @@
 // Helpers for the topology tests (test_topology.cpp, test_topology_decisions.cpp):
 // fixture paths and short ways to read and decide.
 #pragma once
+#include <catch2/catch.hpp>
+
 #include <sstream>
 #include <string>
 #include <vector>
@@ -30,6 +32,23 @@ inline topo::Decisions decide_for(const topo::Topology& t, int nproc = 0, const 
 inline std::string env_of(const topo::Decisions& d, const std::string& name) {
   const topo::EnvSetting* e = d.find_env(name);
   return e ? e->value : "<unset>";
+}
+
+// `nvidia-smi topo -m` as we print it reads back as the same links, NICs
+// and CPU affinities.
+inline void check_printed_matrix_reads_back(const topo::Topology& t) {
+  const topo::Topology back = topo::parse_nvidia_smi_topo(topo::format_link_matrix(t), "printed");
+  CHECK(back.links == t.links);
+  REQUIRE(back.nics.size() == t.nics.size());
+  for (size_t n = 0; n < t.nics.size(); ++n) {
+    CHECK(back.nics[n].name == t.nics[n].name);
+    CHECK(back.nics[n].gpu_links == t.nics[n].gpu_links);
+    CHECK(back.nics[n].nic_links == t.nics[n].nic_links);
+  }
+  for (size_t g = 0; g < t.gpus.size(); ++g) {
+    CHECK(back.gpus[g].cpus == t.gpus[g].cpus);
+    CHECK(back.gpus[g].numa_node == t.gpus[g].numa_node);
+  }
 }
 
 inline std::vector<int> gpus_of(const topo::Decisions& d) {
