@@ -121,6 +121,15 @@ class Backend {
   // backward needs rowsum(dout * out) and must not have to recompute it.
   virtual void attention_backward(void* dqkv, const void* dout, const void* qkv, const void* out,
                                   const float* saved, int B, int T, int C, int NH) = 0;
+  // Incremental (KV-cached) causal attention for one sequence, the sampler's
+  // op. qkv(Tq,3C) holds q|k|v of Tq new tokens at positions [pos, pos+Tq).
+  // Their k and v are first written to rows [pos, pos+Tq) of kcache and
+  // vcache (each (maxT, C), act dtype, row r = position r, heads side by
+  // side as in qkv); then out(Tq,C) row i = softmax(q_i K[0..pos+i]^T /
+  // sqrt(HS)) V[0..pos+i] per head. Tq = the prompt's length prefills the
+  // cache in one call; Tq = 1 decodes one token. No saved state: inference only.
+  virtual void attention_kv_forward(void* out, void* kcache, void* vcache, const void* qkv, int pos, int Tq,
+                                    int C, int NH) = 0;
 
   // ---- GELU (tanh approximation), elementwise ------------------------------
   virtual void gelu_forward(void* out, const void* inp, int64_t n) = 0;

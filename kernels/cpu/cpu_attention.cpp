@@ -113,3 +113,49 @@ void CpuBackend::attention_backward(void* dqkv_, const void* dout_, const void* 
 }
 
 }  // namespace trainrun
+
+namespace trainrun {
+
+// KV-cached attention (sampling): append the new tokens' k and v to the
+// cache, then each new query i attends to cache rows [0, pos+i]. Per head
+// the scores are one sgemm (Tq x (pos+Tq)) over the cache, masked above each
+// query's own position; decoding (Tq = 1) is a matrix-vector product.
+void CpuBackend::attention_kv_forward(void* out_, void* kcache_, void* vcache_, const void* qkv_, int pos, int Tq,
+                                      int C, int NH) {
+  float* out = static_cast<float*>(out_);
+  float* kc = static_cast<float*>(kcache_);
+  float* vc = static_cast<float*>(vcache_);
+  const float* qkv = static_cast<const float*>(qkv_);
+  const int HS = C / NH, C3 = 3 * C, Tk = pos + Tq;
+  const float sc = 1.0f / std::sqrt(float(HS));
+  for (int i = 0; i < Tq; ++i) {
+    std::copy(qkv + int64_t(i) * C3 + C, qkv + int64_t(i) * C3 + 2 * C, kc + int64_t(pos + i) * C);
+    std::copy(qkv + int64_t(i) * C3 + 2 * C, qkv + int64_t(i) * C3 + 3 * C, vc + int64_t(pos + i) * C);
+  }
+  const int nt = std::min(threads(), NH);
+  std::vector<float> scratch(size_t(nt) * Tq * Tk);
+#pragma omp parallel num_threads(nt)
+  {
+    float* S = scratch.data() + size_t(omp_get_thread_num()) * Tq * Tk;
+#pragma omp for schedule(static)
+    for (int h = 0; h < NH; ++h) {
+      const float* q = qkv + h * HS;
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, Tq, Tk, HS, sc, q, C3, kc + h * HS, C, 0.0f, S, Tk);
+      for (int i = 0; i < Tq; ++i) {
+        float* row = S + int64_t(i) * Tk;
+        const int last = pos + i;  // the query's own position: the causal edge
+        float mx = -INFINITY;
+        for (int j = 0; j <= last; ++j) mx = std::max(mx, row[j]);
+        float sum = 0.0f;
+        for (int j = 0; j <= last; ++j) sum += row[j] = fastmath::exp(row[j] - mx);
+        const float inv = 1.0f / sum;
+        for (int j = 0; j <= last; ++j) row[j] *= inv;
+        for (int j = last + 1; j < Tk; ++j) row[j] = 0.0f;
+      }
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, Tq, HS, Tk, 1.0f, S, Tk, vc + h * HS, C, 0.0f,
+                  out + h * HS, C);
+    }
+  }
+}
+
+}  // namespace trainrun
