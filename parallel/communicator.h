@@ -82,13 +82,38 @@ class Communicator {
   }
   virtual void broadcast(void* buf, size_t bytes, int root) = 0;
   virtual void barrier() = 0;
-  // For error messages: the training step in progress.
-  void set_step(int64_t step) { step_ = step; }
+  // Throws the Error of a collective that failed after its call had
+  // returned (NCCL: an async error or the watchdog's abort of a
+  // stream-ordered collective), first waiting for the collectives already
+  // issued to finish. Callers run it before anything that must not act on a
+  // half-reduced result: the optimizer step, a checkpoint commit. A
+  // synchronous communicator (Gloo) reports failures from the call itself,
+  // so for it there is nothing to check.
+  virtual void check_health() {}
+  // For error messages: the training step in progress, and the group this
+  // communicator serves ("world", "shard0", "replica1"; empty: unnamed).
+  virtual void set_step(int64_t step) { step_ = step; }
   int64_t step() const { return step_; }
+  virtual void set_group(const std::string& group) { group_ = group; }
+  const std::string& group() const { return group_; }
 
  protected:
+  // "all_reduce (step 12, rank 1 of 4, group replica1)": where an error happened.
+  std::string describe(const std::string& op) const {
+    std::string s = op + " (" + (step_ >= 0 ? "step " + std::to_string(step_) : std::string("before the first step")) +
+                    ", rank " + std::to_string(rank()) + " of " + std::to_string(world_size());
+    if (!group_.empty()) s += ", group " + group_;
+    return s + ")";
+  }
   int64_t step_ = -1;
+  std::string group_;
 };
+
+// The first error any rank of `comm` reports, agreed by all of them in one
+// all-gather: "" when every rank passed "", else the lowest rank's text with
+// "(rank r)" appended. For steps that some ranks may fail alone (reading
+// their part of a file) before the next collective.
+std::string first_error_of_ranks(Communicator& comm, const std::string& mine);
 
 // Gloo over TCP. Bootstraps through `store` under `prefix` (so several
 // communicators, e.g. hybrid_shard's two groups, can share one store).

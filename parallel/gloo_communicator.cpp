@@ -302,10 +302,7 @@ class GlooCommunicator final : public Communicator {
 
  private:
   // "reduce_scatter (step 12, rank 1 of 4)"
-  std::string where(const char* op) const {
-    if (step() >= 0) return detail::cat(op, " (step ", step(), ", rank ", rank(), " of ", world_size(), ")");
-    return detail::cat(op, " (before the first step, rank ", rank(), " of ", world_size(), ")");
-  }
+  std::string where(const char* op) const { return describe(op); }
 
   void check_usable(const char* op) const {
     if (!broken_.empty())

@@ -284,9 +284,29 @@ class NcclCommunicator final : public Communicator {
   cudaStream_t stream() const { return be_->comm_stream(); }
 
   // "reduce_scatter (step 12, rank 1 of 4)"
-  std::string where(const char* op) const {
-    if (step() >= 0) return detail::cat("nccl ", op, " (step ", step(), ", rank ", rank_, " of ", world_, ")");
-    return detail::cat("nccl ", op, " (before the first step, rank ", rank_, " of ", world_, ")");
+  std::string where(const char* op) const { return describe(std::string("nccl ") + op); }
+
+  // Waits until every collective issued so far has finished on the GPU (the
+  // watchdog pops them; it aborts one that fails or passes the timeout),
+  // then reports the first failure. Bounded: the watchdog gives up on a
+  // collective after the timeout, so twice that is a bug, not a slow peer.
+  void check_health() override {
+    if (world_ == 1) return;
+    const auto t0 = Clock::now();
+    for (int polls = 0;; ++polls) {
+      {
+        std::lock_guard<std::mutex> lk(comm_mu_);
+        if (!broken_.empty()) TR_FAIL(where("check_health"), ": an earlier collective failed: ", broken_);
+      }
+      {
+        std::lock_guard<std::mutex> lk(wd_mu_);
+        if (pending_.empty()) return;
+      }
+      TR_CHECK(Clock::now() - t0 < 2 * timeout_, where("check_health"), ": collectives still pending after ",
+               seconds(2 * timeout_), " (the watchdog should have aborted them)");
+      if (polls < 200) std::this_thread::yield();
+      else std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
   }
 
   void check_usable(const char* op) {

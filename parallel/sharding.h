@@ -78,9 +78,25 @@ class ParamStore : public UnitAccess {
   // One range (inside held_ranges()) of one kind straight into host memory:
   // the checkpoint snapshot, with no intermediate buffers.
   virtual void copy_state_range(int kind, const Range& r, float* out) = 0;
+  // The reverse: one range (inside held_ranges()) of one kind from host
+  // memory, so a loader streams a rank's state in bounded pieces. After the
+  // last range of kind 0, call params_updated() (collective: shard_grad_op
+  // re-gathers its replicated parameters) before the parameters are used.
+  virtual void write_state_range(int kind, const Range& r, const float* in) = 0;
+  virtual void params_updated() = 0;
   // Collective for kind 0 (parameters may be re-gathered): every rank calls
   // set_state in the same order.
   virtual void set_state(int kind, const std::vector<float>& host) = 0;
+
+  // The step in progress, for the error messages of every communicator
+  // the store uses (the world's and hybrid_shard's own groups).
+  virtual void set_step(int64_t step) = 0;
+  // Before the optimizer step and before a checkpoint commit: every
+  // communicator the store uses reports a collective that failed after its
+  // call returned (Communicator::check_health), so no update and no
+  // checkpoint is ever made from a half-reduced gradient. Throws the Error,
+  // which names the operation, group, rank and step.
+  virtual void check_comms() = 0;
 
   virtual ShardMemory memory() const = 0;
   // Seconds spent waiting on collectives since the last call (and reset).

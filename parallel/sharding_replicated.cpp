@@ -87,6 +87,13 @@ class ReplicatedStore final : public ParamStore {
     TR_CHECK(r.global >= 0 && r.global + r.count <= layout_.total, "copy_state_range: out of range");
     be_->copy_to_host(out, state(kind) + r.global, size_t(r.count) * 4);
   }
+  void write_state_range(int kind, const Range& r, const float* in) override {
+    TR_CHECK(r.global >= 0 && r.global + r.count <= layout_.total, "write_state_range: out of range");
+    be_->copy_to_device(state(kind) + r.global, in, size_t(r.count) * 4);
+  }
+  void params_updated() override {
+    if (params_.get()) be_->cast_from_f32(params_.get(), master_.as<float>(), layout_.total);
+  }
   void set_state(int kind, const std::vector<float>& host) override {
     if (kind == 0) return load_full_params(host);
     TR_CHECK(int64_t(host.size()) == layout_.total, "set_state: size mismatch");
@@ -107,6 +114,8 @@ class ReplicatedStore final : public ParamStore {
     return w;
   }
   std::string strategy() const override { return "no_shard"; }
+  void set_step(int64_t step) override { comm_->set_step(step); }
+  void check_comms() override { comm_->check_health(); }
 
  private:
   const ParamLayout& layout_;

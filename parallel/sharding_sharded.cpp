@@ -21,6 +21,7 @@
 #include <chrono>
 #include <cmath>
 #include <deque>
+#include <exception>
 #include <map>
 #include <mutex>
 
@@ -141,10 +142,19 @@ class ShardedStore final : public ParamStore {
   }
 
   ~ShardedStore() override {
-    try {
-      drain();
-    } catch (...) {
+    // Unwinding (a collective failed, the trainer threw): the queued
+    // collectives would only wait out their timeouts against peers that are
+    // stopping too, so they are dropped; the one in progress finishes before
+    // comm_ (the last member) is destroyed. Otherwise: finish what was queued.
+    bool drained = false;
+    if (std::uncaught_exceptions() == 0) {
+      try {
+        drain();
+        drained = true;
+      } catch (...) {
+      }
     }
+    if (!drained) comm_.cancel_pending();
     for (auto& u : units_) {
       pool_.put(u.full, u.shard * G_ * es_);
       pool_.put(u.full_grad, u.shard * G_ * 4);
@@ -152,6 +162,17 @@ class ShardedStore final : public ParamStore {
   }
 
   std::string strategy() const override { return strategy_; }
+  void set_step(int64_t step) override {
+    world_->set_step(step);
+    if (own_shard_) own_shard_->set_step(step);
+    if (own_replica_) own_replica_->set_step(step);
+  }
+  void check_comms() override {
+    drain();  // everything queued has been issued (and Gloo has finished it)
+    world_->check_health();
+    if (own_shard_) own_shard_->check_health();
+    if (own_replica_) own_replica_->check_health();
+  }
 
   // ---- UnitAccess ----------------------------------------------------------------
   void begin_pass(bool backward_pass, bool backward_follows) override {
@@ -241,13 +262,19 @@ class ShardedStore final : public ParamStore {
   }
 
   // ---- ParamStore -------------------------------------------------------------------
+  // Unit by unit, through one host buffer the size of the largest owned
+  // slice: a rank never holds its whole shard twice (device + host).
   void init_params(const GPT2Config& cfg, uint64_t seed) override {
-    std::vector<float> host(shard_total_, 0.0f);
-    for (const auto& u : units_)
+    int64_t most = 0;
+    for (const auto& u : units_) most = std::max(most, u.shard);
+    std::vector<float> host(size_t(most), 0.0f);
+    for (const auto& u : units_) {
+      std::fill(host.begin(), host.begin() + u.shard, 0.0f);  // padding stays zero
       if (u.owned > 0)
-        gpt2_init_params(cfg, layout_, seed, u.offset + u.begin, u.offset + u.begin + u.owned,
-                         host.data() + u.shard_off);
-    set_master(host);
+        gpt2_init_params(cfg, layout_, seed, u.offset + u.begin, u.offset + u.begin + u.owned, host.data());
+      be_->copy_to_device(master_.as<float>() + u.shard_off, host.data(), size_t(u.shard) * 4);
+    }
+    master_to_params();
   }
 
   void load_full_params(const std::vector<float>& flat) override {
@@ -324,15 +351,12 @@ class ShardedStore final : public ParamStore {
     return out;
   }
   void copy_state_range(int kind, const Range& r, float* out) override {
-    for (const auto& u : units_) {
-      const int64_t lo = u.offset + u.begin;
-      if (r.global >= lo && r.global + r.count <= lo + u.owned) {
-        be_->copy_to_host(out, state(kind) + u.shard_off + (r.global - lo), size_t(r.count) * 4);
-        return;
-      }
-    }
-    TR_FAIL("copy_state_range: [", r.global, ", +", r.count, ") is not held by rank ", world_->rank());
+    be_->copy_to_host(out, state(kind) + shard_offset_of(r, "copy_state_range"), size_t(r.count) * 4);
   }
+  void write_state_range(int kind, const Range& r, const float* in) override {
+    be_->copy_to_device(state(kind) + shard_offset_of(r, "write_state_range"), in, size_t(r.count) * 4);
+  }
+  void params_updated() override { master_to_params(); }
   void set_state(int kind, const std::vector<float>& host) override {
     std::vector<float> shard(shard_total_, 0.0f);
     size_t pos = 0;
@@ -363,8 +387,21 @@ class ShardedStore final : public ParamStore {
 
  private:
   float* state(int kind) { return kind == 0 ? master_.as<float>() : kind == 1 ? m_.as<float>() : v_.as<float>(); }
+  // Where a range of the flat layout sits in this rank's shard buffers; it
+  // must lie inside one unit's owned slice.
+  int64_t shard_offset_of(const Range& r, const char* what) const {
+    for (const auto& u : units_) {
+      const int64_t lo = u.offset + u.begin;
+      if (r.global >= lo && r.global + r.count <= lo + u.owned) return u.shard_off + (r.global - lo);
+    }
+    TR_FAIL(what, ": [", r.global, ", +", r.count, ") is not held by rank ", world_->rank());
+  }
   void set_master(const std::vector<float>& host) {
     be_->copy_to_device(master_.get(), host.data(), host.size() * 4);
+    master_to_params();
+  }
+  // The act-dtype parameters from the fp32 master shard.
+  void master_to_params() {
     if (shard_act_.get()) be_->cast_from_f32(shard_act_.get(), master_.as<float>(), shard_total_);
     if (!shard_params_) gather_replicated();
   }
@@ -457,7 +494,6 @@ class ShardedStore final : public ParamStore {
   int64_t shard_total_ = 0, padded_total_ = 0;
   DeviceBuffer master_, m_, v_, grad_, shard_act_, replicated_, norm_acc_;
   BufferPool pool_;
-  CommWorker comm_;  // destroyed before the members above, after drain() emptied its queue
   static constexpr size_t kMaxPendingReduces = 2;
   struct PendingReduce {
     std::unique_ptr<PendingCollective> op;
@@ -472,6 +508,9 @@ class ShardedStore final : public ParamStore {
   size_t pos_ = 0;
   bool keep_embeddings_ = false;
   double wait_s_ = 0;
+  // Last, so destroyed first: its thread is joined while every member a
+  // task touches (pending_reduce_, the pool, the buffers) is still alive.
+  CommWorker comm_;
 };
 
 }  // namespace

@@ -92,11 +92,7 @@ bool parse_step_name(const std::string& name, int64_t* step) {
 
 // The two files' headers: F32 tensors in the flat layout's order, so
 // global element g of kind k sits at a fixed offset every rank can compute.
-std::string model_header(const GPT2Config& cfg, const ParamLayout& lay) {
-  std::vector<SafeTensorEntry> es;
-  for (const auto& t : lay.tensors) es.push_back({t.name, "F32", t.shape, uint64_t(t.numel) * 4});
-  return encode_safetensors_header(es, gpt2_safetensors_metadata(cfg));
-}
+std::string model_header(const GPT2Config& cfg, const ParamLayout&) { return gpt2_model_file_header(cfg); }
 
 std::string optimizer_header(const ParamLayout& lay) {
   std::vector<SafeTensorEntry> es;

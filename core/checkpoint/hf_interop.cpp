@@ -258,10 +258,12 @@ GPT2Config read_hf_gpt2_config(const std::string& dir, const std::string& what) 
   return cfg;
 }
 
-GPT2Config load_hf_gpt2(const std::string& dir, std::vector<float>& flat, const std::string& what) {
-  const GPT2Config cfg = read_hf_gpt2_config(dir, what);
+namespace {
+
+// The model files of an HF directory: model.safetensors, or the shards that
+// save_pretrained lists in model.safetensors.index.json.
+std::vector<std::string> hf_model_files(const std::string& dir, const std::string& what) {
   const fs::path d(dir);
-  // save_pretrained shards large models (over max_shard_size) behind an index.
   std::vector<std::string> files;
   if (fs::exists(d / "model.safetensors")) {
     files.push_back((d / "model.safetensors").string());
@@ -287,91 +289,176 @@ GPT2Config load_hf_gpt2(const std::string& dir, std::vector<float>& flat, const 
                   "save_pretrained(dir, safe_serialization=True))"
                 : "; expected config.json + model.safetensors");
   }
-
-  // Index every tensor by its name without the "transformer." prefix:
-  // GPT2LMHeadModel writes it, GPT2Model (and the original OpenAI-converted
-  // files) do not, and from_pretrained accepts both.
-  std::vector<SafeTensorFile> parts;
-  parts.reserve(files.size());
-  std::map<std::string, std::pair<const SafeTensor*, std::string>> by_name;
-  for (const auto& path : files) {
-    parts.push_back(read_safetensors(path));
-    for (const auto& t : parts.back().tensors) {
-      const std::string key = t.name.rfind("transformer.", 0) == 0 ? t.name.substr(12) : t.name;
-      TR_CHECK(!by_name.count(key), what, ": tensor '", t.name, "' appears twice (in '", by_name[key].second,
-               "' and '", path, "')");
-      by_name[key] = {&t, path};
-    }
-  }
-  auto as_f32 = [&](const SafeTensor& t, const std::string& path) {
-    try {
-      return t.as_f32();
-    } catch (const Error& e) {
-      TR_FAIL(what, ": '", path, "': tensor '", t.name, "': ", e.what());
-    }
-  };
-
-  const ParamLayout lay = make_gpt2_layout(cfg);
-  flat.assign(size_t(lay.total), 0.0f);
-  std::set<std::string> used;
-  for (const auto& t : lay.tensors) {
-    const std::string key = t.name.substr(12);  // every layout name starts with "transformer."
-    auto it = by_name.find(key);
-    TR_CHECK(it != by_name.end(), what, ": '", dir, "' has no tensor '", t.name,
-             "' (needed for the n_layer/n_embd/vocab_size in its config.json); the directory is incomplete or not a "
-             "GPT-2 model");
-    const auto& [st, path] = it->second;
-    const bool conv = is_conv1d(t.name);
-    const std::vector<int64_t> want = conv ? std::vector<int64_t>{t.shape[1], t.shape[0]} : t.shape;
-    TR_CHECK(st->shape == want, what, ": '", path, "': tensor '", st->name, "' has shape ", shape_str(st->shape),
-             " but config.json implies ", shape_str(want), conv ? " (Hugging Face Conv1D layout: in, out)" : "");
-    const std::vector<float> v = as_f32(*st, path);
-    if (conv)
-      transpose(v.data(), want[0], want[1], flat.data() + t.offset);
-    else
-      std::memcpy(flat.data() + t.offset, v.data(), v.size() * 4);
-    used.insert(key);
-  }
-  std::vector<std::string> ignored;
-  for (const auto& kv : by_name) {
-    const std::string& key = kv.first;
-    if (used.count(key)) continue;
-    const SafeTensor* st = kv.second.first;
-    const std::string& path = kv.second.second;
-    if (key == "lm_head.weight") {
-      // Our head is tied to wte: an lm_head that is a copy of it loads, a
-      // different one would silently change the model.
-      const ParamTensor& wte = lay.get("transformer.wte.weight");
-      const std::vector<float> v = as_f32(*st, path);
-      const bool same = st->shape == wte.shape &&
-                        std::memcmp(v.data(), flat.data() + wte.offset, size_t(wte.numel) * 4) == 0;
-      TR_CHECK(same, what, ": '", path, "': lm_head.weight differs from transformer.wte.weight; trainrun's LM head is "
-               "tied to the token embedding, so an untied head cannot be loaded");
-      continue;
-    }
-    // The causal-mask buffers older transformers versions saved with the weights.
-    auto ends = [&](const char* s) {
-      const size_t n = std::strlen(s);
-      return key.size() >= n && key.compare(key.size() - n, n, s) == 0;
-    };
-    if (ends(".attn.bias") || ends(".attn.masked_bias")) continue;
-    ignored.push_back(st->name);
-  }
-  if (!ignored.empty()) {
-    std::string list;
-    for (size_t i = 0; i < ignored.size() && i < 5; ++i) list += (i ? ", " : "") + ignored[i];
-    if (ignored.size() > 5) list += ", ...";
-    TR_LOG_WARN(what, ": '", dir, "': ignored ", ignored.size(), " tensor(s) that GPT-2's language model does not use: ",
-                list);
-  }
-  return cfg;
+  return files;
 }
 
-std::vector<float> load_init_from(const ModelSpec& m) {
+// One element of a float dtype: F32 and BF16 inline (the common cases, read
+// element by element for the transposed Conv1D matrices), the rest through
+// convert_to_f32.
+inline float load_elem(const std::string& dtype, size_t es, const uint8_t* p) {
+  float f;
+  if (es == 4) {
+    std::memcpy(&f, p, 4);
+  } else if (dtype[0] == 'B') {
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+    const uint32_t bits = uint32_t(h) << 16;
+    std::memcpy(&f, &bits, 4);
+  } else {
+    convert_to_f32(dtype, p, 1, &f);
+  }
+  return f;
+}
+
+}  // namespace
+
+// An HF GPT-2 directory opened for reading by ranges of our flat layout:
+// config.json checked, every file mapped (MappedSafeTensors: nothing is read
+// until asked for), every tensor the layout needs found with its shape and
+// dtype checked. `target` is the layout read into: the directory's own, or
+// the job's with a shorter position table (the first seq_len rows of wpe).
+class HfGpt2Reader {
+ public:
+  HfGpt2Reader(const std::string& dir, const std::string& what, int target_T = 0)
+      : dir_(dir), what_(what), hf_(read_hf_gpt2_config(dir, what)) {
+    GPT2Config tc = hf_;
+    if (target_T > 0) tc.T = target_T;
+    target_ = make_gpt2_layout(tc);
+    const ParamLayout source = make_gpt2_layout(hf_);
+    // Names without the "transformer." prefix: GPT2LMHeadModel writes it,
+    // GPT2Model (and the original OpenAI-converted files) do not, and
+    // from_pretrained accepts both.
+    for (const auto& path : hf_model_files(dir, what)) {
+      parts_.push_back(std::make_unique<MappedSafeTensors>(path));
+      for (const auto& v : parts_.back()->tensors()) {
+        const std::string key = v.name.rfind("transformer.", 0) == 0 ? v.name.substr(12) : v.name;
+        TR_CHECK(!by_name_.count(key), what, ": tensor '", v.name, "' appears twice (in '", by_name_[key].path,
+                 "' and '", path, "')");
+        by_name_[key] = {&v, path, parts_.back().get()};
+      }
+    }
+    std::set<std::string> used;
+    for (const auto& t : source.tensors) {
+      const std::string key = t.name.substr(12);  // every layout name starts with "transformer."
+      auto it = by_name_.find(key);
+      TR_CHECK(it != by_name_.end(), what, ": '", dir, "' has no tensor '", t.name,
+               "' (needed for the n_layer/n_embd/vocab_size in its config.json); the directory is incomplete or not "
+               "a GPT-2 model");
+      const Source& src = it->second;
+      const bool conv = is_conv1d(t.name);
+      const std::vector<int64_t> want = conv ? std::vector<int64_t>{t.shape[1], t.shape[0]} : t.shape;
+      TR_CHECK(src.view->shape == want, what, ": '", src.path, "': tensor '", src.view->name, "' has shape ",
+               shape_str(src.view->shape), " but config.json implies ", shape_str(want),
+               conv ? " (Hugging Face Conv1D layout: in, out)" : "");
+      check_float(src);
+      used.insert(key);
+    }
+    for (const auto& [key, src] : by_name_) {
+      if (used.count(key)) continue;
+      if (key == "lm_head.weight") {
+        // Our head is tied to wte: an lm_head that is a copy of it loads
+        // (read() compares them), a different one would change the model.
+        const ParamTensor& wte = source.get("transformer.wte.weight");
+        TR_CHECK(src.view->shape == wte.shape, what, ": '", src.path, "': lm_head.weight has shape ",
+                 shape_str(src.view->shape), ", not transformer.wte.weight's ", shape_str(wte.shape),
+                 "; trainrun's LM head is tied to the token embedding");
+        check_float(src);
+        lm_head_ = &src;
+        continue;
+      }
+      // The causal-mask buffers older transformers versions saved with the weights.
+      auto ends = [&](const char* s) {
+        const size_t n = std::strlen(s);
+        return key.size() >= n && key.compare(key.size() - n, n, s) == 0;
+      };
+      if (ends(".attn.bias") || ends(".attn.masked_bias")) continue;
+      ignored_.push_back(src.view->name);
+    }
+  }
+
+  const GPT2Config& config() const { return hf_; }
+  const ParamLayout& target() const { return target_; }
+
+  void warn_ignored() const {
+    if (ignored_.empty()) return;
+    std::string list;
+    for (size_t i = 0; i < ignored_.size() && i < 5; ++i) list += (i ? ", " : "") + ignored_[i];
+    if (ignored_.size() > 5) list += ", ...";
+    TR_LOG_WARN(what_, ": '", dir_, "': ignored ", ignored_.size(),
+                " tensor(s) that GPT-2's language model does not use: ", list);
+  }
+
+  // Elements [global, global + count) of the target layout into out, in
+  // nn.Linear layout; the pages read leave the resident set afterwards.
+  void read(int64_t global, int64_t count, float* out) const {
+    const int64_t end = global + count;
+    for (const auto& t : target_.tensors) {
+      const int64_t lo = std::max(global, t.offset), hi = std::min(end, t.offset + t.numel);
+      if (lo >= hi) continue;
+      const Source& src = by_name_.at(t.name.substr(12));
+      const size_t es = safetensors_dtype_size(src.view->dtype);
+      float* dst = out + (lo - global);
+      const int64_t a = lo - t.offset, n = hi - lo;
+      if (is_conv1d(t.name)) {
+        // Ours (out, in) element (o, i) is the file's (in, out) element (i, o).
+        const int64_t in = t.shape[1], outc = t.shape[0];
+        for (int64_t k = 0; k < n; ++k) {
+          const int64_t o = (a + k) / in, i = (a + k) % in;
+          dst[k] = load_elem(src.view->dtype, es, src.view->data + size_t(i * outc + o) * es);
+        }
+      } else {
+        // wpe with a shorter table: its first rows, the same row-major prefix.
+        convert_to_f32(src.view->dtype, src.view->data + size_t(a) * es, size_t(n), dst);
+        if (lm_head_ && t.name == "transformer.wte.weight") check_tied(a, n, dst);
+      }
+      src.file->drop_pages(*src.view);
+    }
+  }
+
+ private:
+  struct Source {
+    const MappedSafeTensors::View* view = nullptr;
+    std::string path;
+    const MappedSafeTensors* file = nullptr;
+  };
+  void check_float(const Source& src) const {
+    const std::string& d = src.view->dtype;
+    TR_CHECK(d == "F32" || d == "BF16" || d == "F16" || d == "F64", what_, ": '", src.path, "': tensor '",
+             src.view->name, "' has dtype ", d, "; only F32, BF16, F16 and F64 weights can be loaded");
+  }
+  // The lm_head elements matching wte's [a, a + n) must equal them.
+  void check_tied(int64_t a, int64_t n, const float* wte) const {
+    std::vector<float> head(static_cast<size_t>(n));
+    convert_to_f32(lm_head_->view->dtype, lm_head_->view->data + size_t(a) * safetensors_dtype_size(lm_head_->view->dtype),
+                   size_t(n), head.data());
+    TR_CHECK(std::memcmp(head.data(), wte, size_t(n) * 4) == 0, what_, ": '", lm_head_->path,
+             "': lm_head.weight differs from transformer.wte.weight; trainrun's LM head is tied to the token "
+             "embedding, so an untied head cannot be loaded");
+    lm_head_->file->drop_pages(*lm_head_->view);
+  }
+
+  std::string dir_, what_;
+  GPT2Config hf_;
+  ParamLayout target_;
+  std::vector<std::unique_ptr<MappedSafeTensors>> parts_;
+  std::map<std::string, Source> by_name_;
+  const Source* lm_head_ = nullptr;
+  std::vector<std::string> ignored_;
+};
+
+GPT2Config load_hf_gpt2(const std::string& dir, std::vector<float>& flat, const std::string& what) {
+  HfGpt2Reader r(dir, what);
+  flat.assign(size_t(r.target().total), 0.0f);
+  r.read(0, r.target().total, flat.data());
+  r.warn_ignored();
+  return r.config();
+}
+
+namespace {
+// model.init_from: the job's model.* must describe the directory's model.
+void check_init_from_shape(const ModelSpec& m, const GPT2Config& hf) {
   const std::string what = "model.init_from";
   const std::string& dir = m.init_from;
-  // The shape first, from config.json alone, before reading gigabytes.
-  const GPT2Config hf = read_hf_gpt2_config(dir, what);
   auto same = [&](const char* field, int job, const char* key, int have) {
     TR_CHECK(job == have, what, ": '", dir, "' holds a GPT-2 with ", key, " = ", have, " (config.json) but model.",
              field, " is ", job, "; set model.", field, ": ", have,
@@ -384,19 +471,33 @@ std::vector<float> load_init_from(const ModelSpec& m) {
   TR_CHECK(m.seq_len <= hf.T, what, ": '", dir, "' holds a GPT-2 with n_positions = ", hf.T,
            " (config.json) but model.seq_len is ", m.seq_len, "; set model.seq_len to at most ", hf.T,
            " (its position table has no rows beyond that)");
-  std::vector<float> full;
-  const GPT2Config cfg = load_hf_gpt2(dir, full, what);
-  if (cfg.T == m.seq_len) return full;
-  // A shorter context: positions 0..seq_len-1 keep their rows of wpe.
-  GPT2Config shorter = cfg;
-  shorter.T = m.seq_len;
-  const ParamLayout from = make_gpt2_layout(cfg), to = make_gpt2_layout(shorter);
-  std::vector<float> flat(size_t(to.total));
-  for (const auto& t : to.tensors) {
-    const ParamTensor& s = from.get(t.name);
-    std::memcpy(flat.data() + t.offset, full.data() + s.offset, size_t(t.numel) * 4);  // wpe: the first T rows
-  }
+}
+}  // namespace
+
+std::vector<float> load_init_from(const ModelSpec& m) {
+  // The shape first, from config.json alone, before mapping any weights.
+  check_init_from_shape(m, read_hf_gpt2_config(m.init_from, "model.init_from"));
+  HfGpt2Reader r(m.init_from, "model.init_from", m.seq_len);
+  std::vector<float> flat(size_t(r.target().total));
+  r.read(0, r.target().total, flat.data());
+  r.warn_ignored();
   return flat;
+}
+
+void load_init_from_ranges(const ModelSpec& m, ParamStore& ps, bool log) {
+  check_init_from_shape(m, read_hf_gpt2_config(m.init_from, "model.init_from"));
+  HfGpt2Reader r(m.init_from, "model.init_from", m.seq_len);
+  if (log) r.warn_ignored();
+  const int64_t piece = int64_t(kInitFromPiece / 4);
+  std::vector<float> buf;
+  for (const auto& h : ps.held_ranges()) {
+    for (int64_t at = 0; at < h.count; at += piece) {
+      const int64_t n = std::min(piece, h.count - at);
+      buf.resize(size_t(n));
+      r.read(h.global + at, n, buf.data());
+      ps.write_state_range(0, {h.global + at, n}, buf.data());
+    }
+  }
 }
 
 }  // namespace trainrun

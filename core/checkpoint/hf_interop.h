@@ -18,6 +18,7 @@
 
 #include "core/config/job_spec.h"
 #include "core/model/gpt2.h"
+#include "parallel/sharding.h"
 
 namespace trainrun {
 
@@ -58,5 +59,13 @@ GPT2Config load_hf_gpt2(const std::string& dir, std::vector<float>& flat, const 
 // n_positions (fine-tuning GPT-2 at a shorter context), which keeps the
 // first seq_len rows of the position table. Returns the flat parameters.
 std::vector<float> load_init_from(const ModelSpec& model);
+
+// The same checks, reading only the ranges this rank holds
+// (ParamStore::held_ranges) from the mapped files, in pieces of at most
+// kInitFromPiece bytes, into the store's fp32 master weights. The caller
+// agrees on errors across ranks and then calls ps.params_updated()
+// (collective). `log`: warn about tensors the model does not use.
+constexpr size_t kInitFromPiece = size_t(64) << 20;
+void load_init_from_ranges(const ModelSpec& model, ParamStore& ps, bool log);
 
 }  // namespace trainrun

@@ -7,6 +7,7 @@
 #include "core/io/safetensors.h"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -152,9 +153,13 @@ std::vector<float> SafeTensor::as_f32() const {
   TR_CHECK(data.size() == n * elem, "tensor '", name, "': ", data.size(), " bytes of data but shape ",
            shape_str(shape), " of ", dtype, " needs ", n * elem);
   std::vector<float> out(n);
-  const uint8_t* p = data.data();
+  convert_to_f32(dtype, data.data(), n, out.data());
+  return out;
+}
+
+void convert_to_f32(const std::string& dtype, const uint8_t* p, size_t n, float* out) {
   if (dtype == "F32") {
-    if (n) std::memcpy(out.data(), p, n * 4);
+    if (n) std::memcpy(out, p, n * 4);
   } else if (dtype == "BF16") {
     for (size_t i = 0; i < n; ++i) {
       uint16_t h;
@@ -168,14 +173,15 @@ std::vector<float> SafeTensor::as_f32() const {
       std::memcpy(&h, p + 2 * i, 2);
       out[i] = half_to_float(h);
     }
-  } else {  // F64
+  } else if (dtype == "F64") {
     for (size_t i = 0; i < n; ++i) {
       double d;
       std::memcpy(&d, p + 8 * i, 8);
       out[i] = static_cast<float>(d);
     }
+  } else {
+    TR_FAIL("cannot convert dtype ", dtype, " to F32 (only F32, BF16, F16 and F64)");
   }
-  return out;
 }
 
 const SafeTensor* SafeTensorFile::find(const std::string& name) const {
@@ -288,11 +294,24 @@ void write_safetensors(const std::string& path, const SafeTensorFile& file) {
 
 // ---- reader --------------------------------------------------------------------
 
-SafeTensorFile read_safetensors(const std::string& path) {
+namespace {
+// The validated header of an open file: metadata, tensors (no data yet) and
+// each one's byte range in the data area, which starts at *data_start.
+struct ParsedHeader {
+  SafeTensorFile file;  // tensors without data, in header order
+  struct Entry {
+    uint64_t begin, end;
+    size_t index;
+  };
+  std::vector<Entry> entries;  // sorted by data offset (see below)
+  uint64_t data_start = 0, size = 0;
+};
+
+ParsedHeader parse_header(int fd, const std::string& path) {
+  const struct {
+    int fd;
+  } f{fd};  // not owned: the caller closes it
   const std::string where = "safetensors file '" + path + "'";
-  Fd f;
-  f.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  TR_CHECK_ERRNO(f.fd >= 0, "cannot open ", where);
   struct stat st;
   TR_CHECK_ERRNO(::fstat(f.fd, &st) == 0, "cannot stat ", where);
   TR_CHECK(S_ISREG(st.st_mode), where, " is not a regular file");
@@ -331,12 +350,12 @@ SafeTensorFile read_safetensors(const std::string& path) {
 
   const uint64_t data_start = 8 + n;
   const uint64_t data_size = size - data_start;
-  SafeTensorFile out;
-  struct Entry {
-    uint64_t begin, end;
-    size_t index;
-  };
-  std::vector<Entry> entries;
+  ParsedHeader ph;
+  ph.data_start = data_start;
+  ph.size = size;
+  SafeTensorFile& out = ph.file;
+  using Entry = ParsedHeader::Entry;
+  std::vector<Entry>& entries = ph.entries;
 
   for (auto it = header.begin(); it != header.end(); ++it) {
     const std::string& key = it.key();
@@ -401,6 +420,20 @@ SafeTensorFile read_safetensors(const std::string& path) {
     if (!prev || e.end > prev->end) prev = &e;
   }
 
+  return ph;
+}
+
+}  // namespace
+
+SafeTensorFile read_safetensors(const std::string& path) {
+  const std::string where = "safetensors file '" + path + "'";
+  Fd f;
+  f.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  TR_CHECK_ERRNO(f.fd >= 0, "cannot open ", where);
+  ParsedHeader ph = parse_header(f.fd, path);
+  SafeTensorFile& out = ph.file;
+  const uint64_t data_start = ph.data_start;
+  const auto& entries = ph.entries;
   // Read the data, then put the tensors in file (data offset) order, which is
   // the order the writer was given.
   for (const auto& e : entries) {
@@ -415,6 +448,45 @@ SafeTensorFile read_safetensors(const std::string& path) {
   for (const auto& e : entries) ordered.push_back(std::move(out.tensors[e.index]));
   out.tensors = std::move(ordered);
   return out;
+}
+
+// ---- mapped reader -------------------------------------------------------------
+
+MappedSafeTensors::MappedSafeTensors(const std::string& path) : path_(path) {
+  const std::string where = "safetensors file '" + path + "'";
+  Fd f;
+  f.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  TR_CHECK_ERRNO(f.fd >= 0, "cannot open ", where);
+  ParsedHeader ph = parse_header(f.fd, path);
+  size_ = ph.size;
+  if (size_ > 0) {
+    void* m = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, f.fd, 0);
+    TR_CHECK_ERRNO(m != MAP_FAILED, "cannot mmap ", where);
+    base_ = static_cast<const uint8_t*>(m);
+  }
+  metadata_ = std::move(ph.file.metadata);
+  for (const auto& e : ph.entries) {
+    SafeTensor& t = ph.file.tensors[e.index];
+    views_.push_back({t.name, t.dtype, t.shape, base_ + ph.data_start + e.begin, e.end - e.begin});
+  }
+}
+
+MappedSafeTensors::~MappedSafeTensors() {
+  if (base_) ::munmap(const_cast<uint8_t*>(base_), size_);
+}
+
+const MappedSafeTensors::View* MappedSafeTensors::find(const std::string& name) const {
+  for (const auto& v : views_)
+    if (v.name == name) return &v;
+  return nullptr;
+}
+
+void MappedSafeTensors::drop_pages(const View& v) const {
+  // Whole pages inside the tensor only: a neighbour's pages may still be read.
+  const uintptr_t page = uintptr_t(::sysconf(_SC_PAGESIZE));
+  const uintptr_t b = (reinterpret_cast<uintptr_t>(v.data) + page - 1) / page * page;
+  const uintptr_t e = (reinterpret_cast<uintptr_t>(v.data) + v.nbytes) / page * page;
+  if (e > b) ::madvise(reinterpret_cast<void*>(b), e - b, MADV_DONTNEED);
 }
 
 }  // namespace trainrun

@@ -46,6 +46,41 @@ void write_safetensors(const std::string& path, const SafeTensorFile& file);
 // overlaps) and throws Error naming the path and the problem.
 SafeTensorFile read_safetensors(const std::string& path);
 
+// A file mapped read-only, for reading parts of large files (each rank its
+// own ranges of a model) without reading or holding the rest: the header is
+// validated as by read_safetensors, each tensor's bytes stay in the mapping.
+class MappedSafeTensors {
+ public:
+  struct View {
+    std::string name, dtype;
+    std::vector<int64_t> shape;
+    const uint8_t* data = nullptr;  // in the mapping
+    uint64_t nbytes = 0;
+  };
+  explicit MappedSafeTensors(const std::string& path);
+  ~MappedSafeTensors();
+  MappedSafeTensors(const MappedSafeTensors&) = delete;
+  MappedSafeTensors& operator=(const MappedSafeTensors&) = delete;
+  const std::string& path() const { return path_; }
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+  const std::vector<View>& tensors() const { return views_; }  // in file order
+  const View* find(const std::string& name) const;
+  // Done with a tensor: its pages leave this process's resident set (they
+  // are file-backed; reading them again faults them back in).
+  void drop_pages(const View& v) const;
+
+ private:
+  std::string path_;
+  std::map<std::string, std::string> metadata_;
+  std::vector<View> views_;
+  const uint8_t* base_ = nullptr;
+  uint64_t size_ = 0;
+};
+
+// Widens n elements of a float dtype (F32, BF16, F16, F64) at src to fp32;
+// any other dtype throws Error.
+void convert_to_f32(const std::string& dtype, const uint8_t* src, size_t n, float* dst);
+
 // Bytes per element of a safetensors dtype name (F32, F16, BF16, F64, I64,
 // I32, I16, I8, U8, U16, U32, BOOL); 0 when the name is not supported.
 size_t safetensors_dtype_size(const std::string& dtype);

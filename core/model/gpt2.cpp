@@ -19,28 +19,6 @@ GPT2Config GPT2Config::from_spec(const ModelSpec& m) {
   return c;
 }
 
-namespace {
-// Element offsets of one block's tensors, relative to the block unit's start.
-struct BlockOffsets {
-  int64_t ln1w, ln1b, qkvw, qkvb, attprojw, attprojb, ln2w, ln2b, fcw, fcb, fcprojw, fcprojb, total;
-  explicit BlockOffsets(int64_t C) {
-    int64_t o = 0;
-    ln1w = o; o += C;
-    ln1b = o; o += C;
-    qkvw = o; o += 3 * C * C;
-    qkvb = o; o += 3 * C;
-    attprojw = o; o += C * C;
-    attprojb = o; o += C;
-    ln2w = o; o += C;
-    ln2b = o; o += C;
-    fcw = o; o += 4 * C * C;
-    fcb = o; o += 4 * C;
-    fcprojw = o; o += 4 * C * C;
-    fcprojb = o; o += C;
-    total = o;
-  }
-};
-}  // namespace
 
 int64_t GPT2Config::num_parameters() const { return make_gpt2_layout(*this).total; }
 
@@ -199,7 +177,7 @@ struct BlockPtrs {
 };
 template <typename P, typename Base>
 BlockPtrs<P> block_ptrs(Base base, int64_t C, size_t esize) {
-  BlockOffsets o(C);
+  GPT2BlockOffsets o(C);
   auto at = [&](int64_t off) { return reinterpret_cast<P>(reinterpret_cast<uintptr_t>(base) + off * esize); };
   return {at(o.ln1w), at(o.ln1b), at(o.qkvw), at(o.qkvb), at(o.attprojw), at(o.attprojb),
           at(o.ln2w), at(o.ln2b), at(o.fcw), at(o.fcb), at(o.fcprojw), at(o.fcprojb)};

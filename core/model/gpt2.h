@@ -62,6 +62,28 @@ struct ParamLayout {
 
 ParamLayout make_gpt2_layout(const GPT2Config& cfg);
 
+// Element offsets of one block's tensors, relative to the block unit's
+// start (the order make_gpt2_layout adds them in).
+struct GPT2BlockOffsets {
+  int64_t ln1w, ln1b, qkvw, qkvb, attprojw, attprojb, ln2w, ln2b, fcw, fcb, fcprojw, fcprojb, total;
+  explicit GPT2BlockOffsets(int64_t C) {
+    int64_t o = 0;
+    ln1w = o; o += C;
+    ln1b = o; o += C;
+    qkvw = o; o += 3 * C * C;
+    qkvb = o; o += 3 * C;
+    attprojw = o; o += C * C;
+    attprojb = o; o += C;
+    ln2w = o; o += C;
+    ln2b = o; o += C;
+    fcw = o; o += 4 * C * C;
+    fcb = o; o += 4 * C;
+    fcprojw = o; o += 4 * C * C;
+    fcprojb = o; o += C;
+    total = o;
+  }
+};
+
 }  // namespace trainrun
 
 #include "kernels/backend.h"
@@ -134,6 +156,9 @@ class GPT2 {
   const void* logits() const { return logits_; }
   int logits_stride() const { return ldv_; }
   size_t activation_bytes() const { return act_bytes_; }
+  // Frees the activation buffers (the end-of-run sample's decoder needs the
+  // room); forward/backward must not be called afterwards.
+  void free_activations() { arena_.reset(); }
 
  private:
   struct LayerActs {

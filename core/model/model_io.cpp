@@ -18,6 +18,13 @@ std::map<std::string, std::string> gpt2_safetensors_metadata(const GPT2Config& c
           {"init_std", std::to_string(c.init_std)}};
 }
 
+std::string gpt2_model_file_header(const GPT2Config& cfg) {
+  const ParamLayout lay = make_gpt2_layout(cfg);
+  std::vector<SafeTensorEntry> es;
+  for (const auto& t : lay.tensors) es.push_back({t.name, "F32", t.shape, uint64_t(t.numel) * 4});
+  return encode_safetensors_header(es, gpt2_safetensors_metadata(cfg));
+}
+
 void save_model_safetensors(const std::string& path, const GPT2Config& cfg, const std::vector<float>& flat) {
   const ParamLayout lay = make_gpt2_layout(cfg);
   TR_CHECK(int64_t(flat.size()) == lay.total, "save_model_safetensors: ", flat.size(), " values for a model of ",

@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "core/common/error.h"
+#include "core/model/gpt2_decoder.h"
 #include "kernels/backend.h"
 
 namespace fs = std::filesystem;
@@ -21,16 +22,71 @@ inline uint64_t splitmix64(uint64_t& s) {
   x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
   return x ^ (x >> 31);
 }
+
+// One token from fp32 logits: greedy, or top-k (0: all) at a temperature.
+// A stable order, so ties resolve identically on every machine.
+int pick_token(const std::vector<float>& logits, const SampleOptions& o, uint64_t& rng) {
+  const int V = int(logits.size());
+  if (o.top_k == 1 || o.temperature <= 0.0)
+    return int(std::max_element(logits.begin(), logits.end()) - logits.begin());
+  std::vector<int> idx(V);
+  std::iota(idx.begin(), idx.end(), 0);
+  const int k = o.top_k > 0 ? std::min(o.top_k, V) : V;
+  std::partial_sort(idx.begin(), idx.begin() + k, idx.end(),
+                    [&](int a, int b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); });
+  const double mx = logits[idx[0]];
+  std::vector<double> p(k);
+  double sum = 0;
+  for (int j = 0; j < k; ++j) sum += p[j] = std::exp((logits[idx[j]] - mx) / o.temperature);
+  double u = double(splitmix64(rng) >> 11) * (1.0 / 9007199254740992.0) * sum;
+  for (int j = 0; j < k; ++j) {
+    if (u < p[j]) return idx[j];
+    u -= p[j];
+  }
+  return idx[k - 1];
+}
 }  // namespace
 
-std::vector<int32_t> sample_tokens(const GPT2Config& cfg, const std::vector<float>& flat,
-                                   const std::vector<int32_t>& prompt, const SampleOptions& o) {
+int sample_cache_positions(const GPT2Config& cfg, size_t prompt_tokens, const SampleOptions& o) {
+  return int(std::min<int64_t>(cfg.T, int64_t(prompt_tokens) + std::max(o.max_tokens, 0)));
+}
+
+std::vector<int32_t> sample_tokens(Backend* be, UnitAccess& units, const GPT2Config& cfg,
+                                   const std::vector<int32_t>& prompt, const SampleOptions& o, Communicator* comm) {
   TR_CHECK(!prompt.empty(), "generate: the prompt is empty; pass --prompt with at least one token");
   for (int32_t t : prompt)
     TR_CHECK(t >= 0 && t < cfg.V, "generate: prompt token ", t, " is outside the model's vocab of ", cfg.V);
+  std::vector<int32_t> seq = prompt;
+  if (o.max_tokens <= 0) return seq;
+  const int cap = sample_cache_positions(cfg, prompt.size(), o);
+  GPT2Decoder dec(cfg, be, cap);
+  std::vector<float> logits;
+  // (Re)fill the cache from the newest `keep` tokens of the sequence.
+  auto refill = [&](int keep) {
+    dec.reset();
+    dec.feed(units, seq.data() + seq.size() - size_t(keep), keep, logits);
+  };
+  refill(std::min<int>(int(seq.size()), cap));
+  uint64_t rng = o.seed;
+  const bool lead = !comm || comm->rank() == 0;
+  for (int i = 0; i < o.max_tokens; ++i) {
+    int32_t next = lead ? pick_token(logits, o, rng) : 0;
+    if (comm && comm->world_size() > 1) comm->broadcast(&next, sizeof next, 0);
+    seq.push_back(next);
+    if (i + 1 == o.max_tokens) break;
+    if (dec.position() == cap)
+      refill(std::max(1, cap / 2));  // outgrew the model's T (cap == T here)
+    else
+      dec.feed(units, &next, 1, logits);
+  }
+  return seq;
+}
+
+std::vector<int32_t> sample_tokens(const GPT2Config& cfg, const std::vector<float>& flat,
+                                   const std::vector<int32_t>& prompt, const SampleOptions& o) {
   auto be = make_cpu_backend();
-  GPT2 model(cfg, be.get(), 1, false);
-  const ParamLayout& lay = model.layout();
+  const ParamLayout lay = make_gpt2_layout(cfg);
+  TR_CHECK(int64_t(flat.size()) == lay.total, "generate: ", flat.size(), " weights for a model of ", lay.total);
   DeviceBuffer params(be.get(), lay.total * dtype_size(be->act_dtype()));
   {
     DeviceBuffer master(be.get(), lay.total * 4);
@@ -38,48 +94,7 @@ std::vector<int32_t> sample_tokens(const GPT2Config& cfg, const std::vector<floa
     be->cast_from_f32(params.get(), master.as<float>(), lay.total);
   }
   FlatUnitAccess access(lay, params.get(), nullptr, be->act_dtype());
-  DeviceBuffer tokens_dev(be.get(), size_t(cfg.T) * 4);
-  std::vector<int32_t> seq = prompt;
-  std::vector<float> logits(cfg.V);
-  DeviceBuffer last_f32(be.get(), size_t(cfg.V) * 4);  // the last position's logits, fp32
-  uint64_t rng = o.seed;
-  const bool greedy = o.top_k == 1 || o.temperature <= 0.0;
-  for (int i = 0; i < o.max_tokens; ++i) {
-    const int T = std::min<int>(int(seq.size()), cfg.T);
-    be->copy_to_device(tokens_dev.get(), seq.data() + seq.size() - T, size_t(T) * 4);
-    model.forward(access, tokens_dev.as<int32_t>(), nullptr, 1, T, false, 0.0f);
-    // Only the last position's logits are needed; logits are act dtype.
-    const char* last = static_cast<const char*>(model.logits()) +
-                       size_t(T - 1) * size_t(model.logits_stride()) * dtype_size(be->act_dtype());
-    be->cast_to_f32(last_f32.as<float>(), last, cfg.V);
-    be->copy_to_host(logits.data(), last_f32.get(), size_t(cfg.V) * 4);
-    int next;
-    if (greedy) {
-      next = int(std::max_element(logits.begin(), logits.end()) - logits.begin());
-    } else {
-      std::vector<int> idx(cfg.V);
-      std::iota(idx.begin(), idx.end(), 0);
-      int k = o.top_k > 0 ? std::min(o.top_k, cfg.V) : cfg.V;
-      // Stable partial sort so ties resolve identically on every machine.
-      std::partial_sort(idx.begin(), idx.begin() + k, idx.end(),
-                        [&](int a, int b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); });
-      double mx = logits[idx[0]];
-      std::vector<double> p(k);
-      double sum = 0;
-      for (int j = 0; j < k; ++j) sum += p[j] = std::exp((logits[idx[j]] - mx) / o.temperature);
-      double u = double(splitmix64(rng) >> 11) * (1.0 / 9007199254740992.0) * sum;
-      next = idx[k - 1];
-      for (int j = 0; j < k; ++j) {
-        if (u < p[j]) {
-          next = idx[j];
-          break;
-        }
-        u -= p[j];
-      }
-    }
-    seq.push_back(next);
-  }
-  return seq;
+  return sample_tokens(be.get(), access, cfg, prompt, o, nullptr);
 }
 
 std::vector<int32_t> encode_prompt(const std::string& text, int vocab) {

@@ -10,12 +10,14 @@
 #include <sstream>
 
 #include "core/checkpoint/checkpoint.h"
+#include "core/checkpoint/final_weights.h"
 #include "core/checkpoint/hf_interop.h"
 #include "core/common/error.h"
 #include "core/common/log.h"
 #include "core/data/dataset.h"
 #include "core/launch/debug_hooks.h"
 #include "core/model/gpt2.h"
+#include "core/model/gpt2_decoder.h"
 #include "core/model/model_io.h"
 #include "core/train/generate.h"
 #include "core/train/metrics.h"
@@ -25,6 +27,7 @@
 #include "kernels/backend.h"
 #include "kernels/backend_factory.h"
 #include "parallel/communicator.h"
+#include "parallel/fault_injection.h"
 #include "parallel/net_address.h"
 #include "parallel/sharding.h"
 #include "parallel/store.h"
@@ -142,6 +145,7 @@ class Trainer {
   };
   StepResult train_step(int step);
   double evaluate();
+  void sample_at_end();
   void read_batch(const TokenSource& src, int64_t first, int B);
   bool debug_nan_step(int step) const { return debug_nan_step_for(w_.rank, step); }
 
@@ -188,6 +192,8 @@ void Trainer::setup() {
     // One CUDA rank still needs a communicator that copies device memory.
     comm_ = nccl ? make_nccl_communicator(be_.get(), nullptr, "world/", 0, 1, timeout) : make_single_communicator();
   }
+  comm_->set_group("world");
+  comm_ = maybe_inject_faults(std::move(comm_), w_.rank);  // tests: TRAINRUN_DEBUG_COMM_FAULT
   // 3. model
   cfg_ = GPT2Config::from_spec(job_.model);
   T_ = cfg_.T;
@@ -205,9 +211,13 @@ void Trainer::setup() {
   int group = job_.parallel.shard_group_size > 0 ? job_.parallel.shard_group_size
               : topo_group > 0                    ? topo_group
                                                   : w_.local_world;
+  // Each group is named for its errors ("shard0", "replica1": the prefix).
   CommFactory factory = [this, timeout, nccl](const std::string& prefix, int rank, int world) {
-    if (nccl) return make_nccl_communicator(be_.get(), store_.get(), prefix_ + prefix, rank, world, timeout);
-    return make_gloo_communicator(*store_, prefix_ + prefix, rank, world, w_.bind_addr, timeout);
+    std::unique_ptr<Communicator> c =
+        nccl ? make_nccl_communicator(be_.get(), store_.get(), prefix_ + prefix, rank, world, timeout)
+             : make_gloo_communicator(*store_, prefix_ + prefix, rank, world, w_.bind_addr, timeout);
+    c->set_group(prefix.substr(0, prefix.find('/')));
+    return maybe_inject_faults(std::move(c), w_.rank);
   };
   params_ = make_param_store(job_.parallel.sharding, model_->layout(), be_.get(), comm_.get(), group, factory);
   params_->init_params(cfg_, job_.train.seed);
@@ -307,7 +317,17 @@ TrainSummary Trainer::run() {
     if (is_resume) {
       if (rank0_) TR_LOG_INFO("model.init_from: not used; the resumed checkpoint takes precedence");
     } else {
-      params_->load_full_params(load_init_from(job_.model));  // every rank reads the same file
+      // Every rank maps the files and reads only the ranges it holds; the
+      // ranks agree on any rank's error before the weights go live.
+      std::string why;
+      try {
+        load_init_from_ranges(job_.model, *params_, rank0_);
+      } catch (const std::exception& e) {
+        why = e.what();
+      }
+      why = first_error_of_ranks(*comm_, why);
+      if (!why.empty()) TR_FAIL(why);
+      params_->params_updated();
       if (rank0_) TR_LOG_INFO("model.init_from: initial weights from ", job_.model.init_from);
     }
   }
@@ -328,6 +348,7 @@ TrainSummary Trainer::run() {
   double ckpt_blocked = 0;
   int last_saved = -1;
   auto save_checkpoint = [&](int done_steps) {
+    params_->check_comms();  // never commit state that a failed collective produced
     TrainState st;
     st.step = done_steps;
     st.cursor = cursor_;
@@ -378,7 +399,7 @@ TrainSummary Trainer::run() {
       TR_LOG_WARN(stopped_before_training(sum.stop_signal, " while the workers were setting up"));
   }
   for (int step = first_step; step < end_step && sum.stop_signal == 0; ++step) {
-    comm_->set_step(step + 1);
+    params_->set_step(step + 1);  // the world's communicator and the store's own groups
     debug_fail_hook(w_.rank, step + 1);  // launcher tests: TRAINRUN_DEBUG_FAIL_RANK/_STEP
     auto t0 = Clock::now();
     const double lr = lr_at(step, tr.max_steps, tr.warmup_steps, tr.lr, tr.min_lr, tr.schedule);
@@ -393,6 +414,10 @@ TrainSummary Trainer::run() {
     // The loss is all-reduced and the norm is global, so every rank sees the
     // same values and takes the same decision: no rank updates alone.
     const bool finite = std::isfinite(loss) && std::isfinite(gnorm);
+    // A collective that failed after its call returned (NCCL) must stop the
+    // step here: an update from a half-reduced gradient, and a checkpoint
+    // of it, would be silently wrong.
+    params_->check_comms();
     if (finite) {
       // AdamW's bias correction uses the global step (not the count of
       // applied updates), so a resumed run recomputes it exactly.
@@ -461,27 +486,47 @@ TrainSummary Trainer::run() {
     comm_->barrier();
     return sum;
   }
-  // Final weights: every rank takes part in the gather, rank 0 writes.
-  std::vector<float> flat = params_->gather_full_params();
-  if (rank0_) {
-    const std::string path = (out / "model.safetensors").string();
-    save_model_safetensors(path, cfg_, flat);
-    sum.wall_seconds = seconds_since(t_start);
-    if (job_.output.sample_tokens > 0) {
-      SampleOptions so;
-      so.max_tokens = job_.output.sample_tokens;
-      so.temperature = 0.8;
-      so.top_k = 40;
-      so.seed = job_.train.seed;
-      std::vector<int32_t> prompt = encode_prompt(job_.output.sample_prompt, cfg_.V);
-      if (prompt.empty()) prompt.push_back(0);
-      auto toks = sample_tokens(cfg_, flat, prompt, so);
-      TR_LOG_INFO("sample:\n", decode_tokens(toks, cfg_.V));
-    }
-    reporter.finish(path);  // the one-screen summary (last on screen) and plot.svg
-  }
+  // Final weights: each rank writes its own ranges, as for a checkpoint;
+  // no rank ever holds the whole model.
+  const std::string path = (out / "model.safetensors").string();
+  save_final_weights(path, cfg_, *params_, w_.rank, w_.world, store_.get(), prefix_,
+                     std::chrono::milliseconds(disk_wait_timeout_ms(job_)));
+  sum.wall_seconds = seconds_since(t_start);
+  if (job_.output.sample_tokens > 0) sample_at_end();
+  // Every rank is done with collectives; rank 0 then draws the summary and
+  // plot without anyone waiting on it.
   comm_->barrier();
+  if (rank0_) reporter.finish(path);  // the one-screen summary (last on screen) and plot.svg
   return sum;
+}
+
+// The end-of-run sample, on the run's own backend with a KV cache, by every
+// rank together: parameters come through the store (a sharded run gathers
+// one unit at a time, as in training), rank 0 picks each token and
+// broadcasts it, so no rank sits in a collective for longer than one
+// token's forward. The training activations are freed first; if the
+// decoder would need more memory than they took, it is skipped with a line
+// saying so (every rank decides alike: the sizes are the same everywhere).
+void Trainer::sample_at_end() {
+  SampleOptions so;
+  so.max_tokens = job_.output.sample_tokens;
+  so.temperature = 0.8;
+  so.top_k = 40;
+  so.seed = job_.train.seed;
+  std::vector<int32_t> prompt = encode_prompt(job_.output.sample_prompt, cfg_.V);
+  if (prompt.empty()) prompt.push_back(0);
+  const size_t training_acts = model_->activation_bytes();
+  const size_t need = GPT2Decoder::bytes_needed(cfg_, *be_, sample_cache_positions(cfg_, prompt.size(), so));
+  if (need > std::max<size_t>(training_acts, size_t(256) << 20)) {
+    if (rank0_)
+      TR_LOG_INFO("sample: skipped: its KV cache and buffers would take ", human_bytes(double(need)),
+                  ", more than the ", human_bytes(double(training_acts)),
+                  " the training activations used; lower output.sample_tokens or use `trainrun generate`");
+    return;
+  }
+  model_->free_activations();
+  auto toks = sample_tokens(be_.get(), *params_, cfg_, prompt, so, comm_.get());
+  if (rank0_) TR_LOG_INFO("sample:\n", decode_tokens(toks, cfg_.V));
 }
 
 TrainSummary run_training(const JobSpec& job, const WorkerInfo& worker) {
