@@ -353,6 +353,34 @@ TEST_CASE("cpu_ops: attention forward and backward (dqkv overwritten)", "[cpu_op
   }
 }
 
+TEST_CASE("cpu_ops: attention_kv_forward appends to the cache and matches causal attention", "[cpu_ops]") {
+  auto be = make_backend();
+  // One sequence of T tokens fed as a prefill of P, then Tq-sized pieces and
+  // single tokens; every piece's rows must equal the full causal attention's
+  // rows at those positions, and the cache must hold every token's k and v.
+  const int T = 11, C = 12, NH = 3, cap = 13;
+  const size_t es = dtype_size(be->act_dtype());
+  ActTensor qkv(be.get(), randn(size_t(T) * 3 * C, 61));
+  const Vec want = ref::attention(qkv.val, 1, T, C, NH);
+  DeviceBuffer kc(be.get(), size_t(cap) * C * es), vc(be.get(), size_t(cap) * C * es);
+  DeviceBuffer out(be.get(), size_t(T) * C * es);
+  Vec got;
+  for (const auto& [pos, n] : std::vector<std::pair<int, int>>{{0, 4}, {4, 1}, {5, 3}, {8, 1}, {9, 2}}) {
+    const char* q = static_cast<const char*>(qkv.get()) + size_t(pos) * 3 * C * es;
+    be->attention_kv_forward(out.get(), kc.get(), vc.get(), q, pos, n, C, NH);
+    const Vec rows = download_act(be.get(), out.get(), size_t(n) * C);
+    got.insert(got.end(), rows.begin(), rows.end());
+  }
+  check_close("attention_kv_forward rows", got, want, kFwdTol);
+  const Vec k = download_act(be.get(), kc.get(), size_t(T) * C), v = download_act(be.get(), vc.get(), size_t(T) * C);
+  for (int t = 0; t < T; ++t)
+    for (int c = 0; c < C; ++c) {
+      INFO("position " << t << " channel " << c);
+      REQUIRE(float(k[size_t(t) * C + c]) == float(qkv.val[size_t(t) * 3 * C + C + c]));
+      REQUIRE(float(v[size_t(t) * C + c]) == float(qkv.val[size_t(t) * 3 * C + 2 * C + c]));
+    }
+}
+
 TEST_CASE("cpu_ops: gelu forward and backward (overwrite, dinp may alias dout)", "[cpu_ops]") {
   auto be = make_backend();
   const int n = 61;
