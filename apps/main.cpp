@@ -139,7 +139,13 @@ int cmd_generate(const std::string& ckpt, const std::string& prompt, const Sampl
   std::vector<float> flat;
   GPT2Config cfg = load_model_safetensors(file, flat);
   TR_LOG_INFO("generate: ", file, " (gpt2 L=", cfg.L, " C=", cfg.C, " V=", cfg.V, ")");
-  auto toks = sample_tokens(cfg, flat, encode_prompt(prompt, cfg.V), so);
+  const std::vector<int32_t> ids = encode_prompt(prompt, cfg.V);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto toks = sample_tokens(cfg, flat, ids, so);
+  const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const size_t made = toks.size() - ids.size();
+  TR_LOG_INFO("generate: ", made, " tokens in ", dt, " s (", dt > 0 ? double(made) / dt : 0.0,
+              " tokens/s, KV cache, prefill of ", ids.size(), " included)");
   std::cout << decode_tokens(toks, cfg.V);
   if (cfg.V != 256) std::cout << "\n";
   std::cout.flush();

@@ -1,7 +1,9 @@
 #include "parallel/fault_injection.h"
 
 #include <cstdlib>
+#include <algorithm>
 #include <mutex>
+#include <vector>
 #include <string>
 
 #include "core/common/error.h"
@@ -50,31 +52,52 @@ class FaultyCommunicator final : public Communicator {
     inner_->set_group(g);
   }
 
+  // The injected call still runs on the inner communicator (its peers are
+  // not left waiting: on a GPU they see the collective complete), then this
+  // rank's result is thrown away: a reduction's output gets its input back.
   void all_reduce(float* buf, int64_t count, ReduceOp op) override {
-    if (enter("all_reduce")) inner_->all_reduce(buf, count, op);
+    std::vector<float> before;
+    if (faulting()) before.assign(buf, buf + count);
+    inner_->all_reduce(buf, count, op);
+    if (!before.empty()) std::copy(before.begin(), before.end(), buf);
+    after("all_reduce");
   }
   void reduce_scatter(float* out, const float* in, int64_t n, ReduceOp op) override {
-    if (enter("reduce_scatter")) inner_->reduce_scatter(out, in, n, op);
+    const bool f = faulting();
+    inner_->reduce_scatter(out, in, n, op);
+    if (f) std::copy(in + int64_t(rank()) * n, in + int64_t(rank() + 1) * n, out);
+    after("reduce_scatter");
   }
   void all_gather(void* out, const void* in, size_t bytes) override {
-    if (enter("all_gather")) inner_->all_gather(out, in, bytes);
+    faulting();
+    inner_->all_gather(out, in, bytes);
+    after("all_gather");
   }
   std::shared_ptr<void> compute_point() override { return inner_->compute_point(); }
   std::unique_ptr<PendingCollective> all_gather_deferred(void* out, const void* in, size_t bytes,
-                                                         const std::shared_ptr<void>& after) override {
-    if (!enter("all_gather")) return nullptr;
-    return inner_->all_gather_deferred(out, in, bytes, after);
+                                                         const std::shared_ptr<void>& after_point) override {
+    faulting();
+    auto op = inner_->all_gather_deferred(out, in, bytes, after_point);
+    after("all_gather");
+    return op;
   }
   std::unique_ptr<PendingCollective> reduce_scatter_deferred(float* out, const float* in, int64_t n, ReduceOp op,
-                                                             const std::shared_ptr<void>& after) override {
-    if (!enter("reduce_scatter")) return nullptr;
-    return inner_->reduce_scatter_deferred(out, in, n, op, after);
+                                                             const std::shared_ptr<void>& after_point) override {
+    const bool f = faulting();
+    auto pending = inner_->reduce_scatter_deferred(out, in, n, op, after_point);
+    if (f && !pending) std::copy(in + int64_t(rank()) * n, in + int64_t(rank() + 1) * n, out);
+    after("reduce_scatter");
+    return pending;
   }
   void broadcast(void* buf, size_t bytes, int root) override {
-    if (enter("broadcast")) inner_->broadcast(buf, bytes, root);
+    faulting();
+    inner_->broadcast(buf, bytes, root);
+    after("broadcast");
   }
   void barrier() override {
-    if (enter("barrier")) inner_->barrier();
+    faulting();
+    inner_->barrier();
+    after("barrier");
   }
   void check_health() override {
     {
@@ -85,22 +108,31 @@ class FaultyCommunicator final : public Communicator {
   }
 
  private:
-  // false: this call is the injected failure (returns as if enqueued).
-  // Throws for every call after it.
-  bool enter(const char* op) {
+  // Before a call: throws when an earlier one failed (as NCCL's aborted
+  // communicator does); true when this call is the one to fail.
+  bool faulting() {
     std::lock_guard<std::mutex> lk(mu_);
-    if (!broken_.empty()) TR_FAIL(describe(op), ": the communicator is unusable after an earlier failure: ", broken_);
-    if (step_ != fault_step_) return true;
+    if (!broken_.empty()) TR_FAIL(describe("collective"), ": the communicator is unusable after an earlier failure: ",
+                                  broken_);
+    pending_fault_ = step_ == fault_step_ && !fired_;
+    return pending_fault_;
+  }
+  // After it: the failure is recorded, to surface at the next call or check.
+  void after(const char* op) {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!pending_fault_) return;
+    pending_fault_ = false;
+    fired_ = true;
     broken_ = describe(op) + ": injected failure (TRAINRUN_DEBUG_COMM_FAULT) after the call returned, as an NCCL "
               "collective that fails on the GPU";
     TR_LOG_WARN("fault injection: ", broken_);
-    return false;
   }
 
   std::unique_ptr<Communicator> inner_;
   int64_t fault_step_;
   std::mutex mu_;  // the comm thread and the trainer's thread both call in
   std::string broken_;
+  bool pending_fault_ = false, fired_ = false;
 };
 
 }  // namespace

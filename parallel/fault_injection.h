@@ -5,11 +5,13 @@
 //
 // On global rank <rank>, the communicator whose group name starts with
 // <group> ("world", "shard", "replica1", ...) fails its first collective
-// issued during step <step>: the call returns as if it had been enqueued,
-// leaving its output as it was (a reduction that never happened), and the
-// failure surfaces at the next call or at check_health(), with an Error
-// naming the operation, the group, the rank and the step. Every later call
-// repeats it, as NCCL's aborted communicator does. Unset: no wrapper.
+// issued during step <step>: the collective runs (its peers complete it, as
+// they would on a GPU), but this rank's output is thrown away (a reduction
+// gets its input back: a gradient that was never reduced) and the call
+// returns as if all went well; the failure surfaces at the next call or at
+// check_health(), with an Error naming the operation, the group, the rank
+// and the step. Every later call repeats it, as NCCL's aborted communicator
+// does. Host buffers only (the CPU backend). Unset: no wrapper.
 #pragma once
 #include <memory>
 

@@ -15,6 +15,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <sstream>
 
 #include "core/checkpoint/bench_checkpoint.h"
 #include "core/checkpoint/hf_interop.h"
@@ -568,4 +569,29 @@ TEST_CASE("interop: trainrun bench checkpoint prints write and read GB/s next to
   r = test::run_trainrun("bench checkpoint --params many --dir '" + dir.path() + "'");
   CHECK(r.exit_code == 1);
   CHECK_THAT(r.err, Contains("--params 'many'"));
+}
+
+TEST_CASE("interop: trainrun generate (KV cache) continues a prompt as transformers' greedy generate does",
+          "[interop][transformers][generate]") {
+  test::TempDir dir("interop");
+  // Within n_positions (transformers cannot go past it); odd sizes.
+  const GPT2Config cfg = small_cfg(3, 3, 24, 61, 40);
+  const std::vector<float> flat = random_flat(cfg, 11);
+  export_hf_gpt2(dir / "hf", cfg, flat);
+  save_model_safetensors(dir / "model.safetensors", cfg, flat);
+  const std::string prompt = "5 17 2 40 33 8 1";
+  auto hf = hf_script("generate --model '" + dir / "hf" + "' --prompt '" + prompt + "' --max-new-tokens 30");
+  INFO(hf.err);
+  REQUIRE(hf.exit_code == 0);
+  auto ours = test::run_trainrun("generate --checkpoint '" + dir / "model.safetensors" + "' --prompt '" + prompt +
+                                 "' --max-tokens 30 --top-k 1");
+  INFO(ours.err);
+  REQUIRE(ours.exit_code == 0);
+  CHECK_THAT(ours.err, Contains("tokens/s"));
+  CHECK(ours.out == hf.out);
+  // 7 + 30 ids on the line.
+  std::istringstream is(ours.out);
+  int n = 0;
+  for (std::string t; is >> t;) ++n;
+  CHECK(n == 37);
 }

@@ -6,6 +6,8 @@
 #include <cerrno>
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
+#include <stdexcept>
 #include <vector>
 
 #include "core/common/error.h"
@@ -106,6 +108,10 @@ void save_final_weights(const std::string& path, const GPT2Config& cfg, ParamSto
   // 2. every rank writes its ranges and reports, whatever happened.
   std::string mine = "ok";
   try {
+    // Tests: TRAINRUN_DEBUG_FINAL_WEIGHTS_FAIL_RANK=r makes rank r's write
+    // throw something that is not a trainrun::Error.
+    const char* fail = std::getenv("TRAINRUN_DEBUG_FINAL_WEIGHTS_FAIL_RANK");
+    if (fail && *fail && std::atoi(fail) == rank) throw std::runtime_error("injected failure (debug hook)");
     write_mine(tmp, header.size(), ps);
   } catch (...) {
     mine = "rank " + std::to_string(rank) + ": " + what_of(std::current_exception());

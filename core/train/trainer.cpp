@@ -146,6 +146,7 @@ class Trainer {
   StepResult train_step(int step);
   double evaluate();
   void sample_at_end();
+  void log_memory_at_end();
   void read_batch(const TokenSource& src, int64_t first, int B);
   bool debug_nan_step(int step) const { return debug_nan_step_for(w_.rank, step); }
 
@@ -483,6 +484,7 @@ TrainSummary Trainer::run() {
   if (sum.stop_signal != 0) {
     // Preempted: the checkpoint is what matters; skip the final export and
     // the sample so the job exits well inside the agent's grace period.
+    log_memory_at_end();
     comm_->barrier();
     return sum;
   }
@@ -493,11 +495,26 @@ TrainSummary Trainer::run() {
                      std::chrono::milliseconds(disk_wait_timeout_ms(job_)));
   sum.wall_seconds = seconds_since(t_start);
   if (job_.output.sample_tokens > 0) sample_at_end();
+  log_memory_at_end();
   // Every rank is done with collectives; rank 0 then draws the summary and
   // plot without anyone waiting on it.
   comm_->barrier();
   if (rank0_) reporter.finish(path);  // the one-screen summary (last on screen) and plot.svg
   return sum;
+}
+
+// Every rank's memory, for whoever sizes the next run (and the tests that
+// bound a rank's host memory by its device share): the backend's peak and
+// the process's peak resident set (VmHWM, host memory of every kind).
+void Trainer::log_memory_at_end() {
+  int64_t hwm_kib = -1;
+  std::ifstream st("/proc/self/status");
+  for (std::string line; std::getline(st, line);)
+    if (line.rfind("VmHWM:", 0) == 0) hwm_kib = std::atoll(line.c_str() + 6);
+  TR_LOG_INFO("memory at the end (rank ", w_.rank, "): backend peak ", be_->peak_bytes(), " bytes (",
+              human_bytes(double(be_->peak_bytes())), "), process peak RSS ",
+              hwm_kib < 0 ? std::string("unknown") : std::to_string(hwm_kib * 1024) + " bytes (" +
+                                                          human_bytes(double(hwm_kib) * 1024) + ")");
 }
 
 // The end-of-run sample, on the run's own backend with a KV cache, by every

@@ -15,6 +15,13 @@
       save_pretrained(DIR, safe_serialization=True); with --batch, also its
       logits on BATCH.
 
+  hf_gpt2.py generate --model DIR --prompt "ID ID ..." --max-new-tokens N
+                      [--threads K --repeat R]
+      Greedy GPT2LMHeadModel.generate (use_cache=True, do_sample=False) from
+      the token ids of --prompt; prints prompt + continuation as ids on one
+      line, and on stderr "tokens/s X" (the best of R timed runs with K torch
+      threads): the peer of `trainrun generate` in tests and benchmarks.
+
 Runs offline (HF_HUB_OFFLINE, TRANSFORMERS_OFFLINE) with the repo's .venv
 python, which has transformers (pinned in scripts/install-deps.sh) and sees
 Debian's torch 1.13 through --system-site-packages.
@@ -76,6 +83,28 @@ def cmd_random(a):
     return 0
 
 
+def cmd_generate(a):
+    import time
+    hf_logging.set_verbosity_error()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    model = GPT2LMHeadModel.from_pretrained(a.model, local_files_only=True)
+    model.eval()
+    ids = torch.tensor([[int(t) for t in a.prompt.split()]], dtype=torch.long)
+    best = None
+    for _ in range(max(1, a.repeat)):
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=a.max_new_tokens,
+                                 min_new_tokens=a.max_new_tokens, do_sample=False, use_cache=True,
+                                 pad_token_id=0)
+        dt = time.perf_counter() - t0
+        best = dt if best is None else min(best, dt)
+    print(" ".join(str(int(t)) for t in out[0].tolist()))
+    print(f"tokens/s {a.max_new_tokens / best:.2f}", file=sys.stderr)
+    return 0
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -93,8 +122,14 @@ def main(argv=None):
     rd.add_argument("--seed", type=int, default=0)
     rd.add_argument("--batch")
     rd.add_argument("--logits")
+    gn = sub.add_parser("generate")
+    gn.add_argument("--model", required=True)
+    gn.add_argument("--prompt", required=True)
+    gn.add_argument("--max-new-tokens", type=int, required=True)
+    gn.add_argument("--threads", type=int, default=0)
+    gn.add_argument("--repeat", type=int, default=1)
     a = ap.parse_args(argv)
-    return cmd_logits(a) if a.cmd == "logits" else cmd_random(a)
+    return {"logits": cmd_logits, "random": cmd_random, "generate": cmd_generate}[a.cmd](a)
 
 
 if __name__ == "__main__":
