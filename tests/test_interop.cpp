@@ -8,6 +8,7 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -135,7 +136,8 @@ ModelSpec spec_for(const GPT2Config& c, const std::string& dir) {
   return m;
 }
 
-std::string job_yaml(const std::string& run, const std::string& init_from, int max_steps, int nproc) {
+std::string job_yaml(const std::string& run, const std::string& init_from, int max_steps, int nproc,
+                     const std::string& sharding = "full_shard") {
   return "model: {n_layer: 2, n_head: 2, n_embd: 16, vocab_size: 37, seq_len: 12, init_from: '" + init_from + "'}\n"
          "data: {format: synthetic, synthetic: {vocab: 37, branching: 3}}\n"
          // lr 1e-30: one real optimizer step that cannot move an fp32 weight
@@ -144,7 +146,7 @@ std::string job_yaml(const std::string& run, const std::string& init_from, int m
          ", lr: 1.0e-30, min_lr: 0, warmup_steps: 0, schedule: constant, weight_decay: 0, grad_clip: 0,\n"
          "        eval_steps: 1, log_interval: 1}\n"
          "output: {dir: '" + run + "', sample_tokens: 0}\n"
-         "parallel: {nproc_per_node: " + std::to_string(nproc) + ", sharding: full_shard, timeout_s: 60}\n";
+         "parallel: {nproc_per_node: " + std::to_string(nproc) + ", sharding: " + sharding + ", timeout_s: 60}\n";
 }
 
 }  // namespace
@@ -344,6 +346,21 @@ TEST_CASE("interop: a save_pretrained model loads with model.init_from and gives
     CHECK(u->data == t.data);
   }
 
+  // Each rank reads only the ranges it holds, under every strategy that
+  // splits them differently: the loaded weights are the same.
+  for (const auto& [sharding, ranks] : std::vector<std::pair<std::string, int>>{{"shard_grad_op", 3}, {"no_shard", 2}}) {
+    INFO(sharding << " over " << ranks << " ranks");
+    const std::string run2 = dir / ("run_" + sharding);
+    test::write_file(dir / "job_s.yaml", job_yaml(run2, hf, 1, ranks, sharding));
+    r = test::run_command("OMP_NUM_THREADS=1 '" + test::trainrun_binary() + "' --config '" + dir / "job_s.yaml" +
+                          "' --set train.global_batch_size=" + std::to_string(2 * ranks));
+    INFO(r.err);
+    REQUIRE(r.exit_code == 0);
+    std::vector<float> w;
+    load_model_safetensors(run2 + "/model.safetensors", w);
+    CHECK(bit_equal(w, flat));
+  }
+
   // A resumed checkpoint takes precedence over init_from (and says so).
   test::write_file(dir / "job.yaml", job_yaml(run, hf, 2, 1));
   r = test::run_command("OMP_NUM_THREADS=1 '" + test::trainrun_binary() + "' --config '" + dir / "job.yaml" + "'");
@@ -514,6 +531,15 @@ TEST_CASE("interop: bad init_from directories are refused with errors that name 
               f.tensors.push_back(h);
             }),
        with(same, dir / "head"), {"lm_head.weight differs from transformer.wte.weight"}},
+      {"an lm_head that differs from wte in its last element",
+       make("head_end", no_config_edit,
+            [](SafeTensorFile& f) {
+              SafeTensor h = *f.find("transformer.wte.weight");
+              h.name = "lm_head.weight";
+              h.data[h.data.size() - 4] ^= 1;
+              f.tensors.push_back(h);
+            }),
+       with(same, dir / "head_end"), {"lm_head.weight differs from transformer.wte.weight"}},
       {"pytorch_model.bin only", bin_only, with(same, bin_only), {"no model.safetensors", "safe_serialization=True"}},
   };
   for (const auto& c : cases) {
@@ -537,6 +563,16 @@ TEST_CASE("interop: bad init_from directories are refused with errors that name 
                         no_config + "'");
   CHECK(r.exit_code == 1);
   CHECK_THAT(r.err, Contains("has no config.json"));
+  // Two full_shard ranks each read only their own ranges: the last rows of
+  // wte are rank 1's, so only rank 1 sees the untied head, and both stop at
+  // once with its message (nobody waits out a collective).
+  test::write_file(dir / "job2.yaml", job_yaml(run, dir / "head_end", 1, 2));
+  const auto t0 = std::chrono::steady_clock::now();
+  r = test::run_command("OMP_NUM_THREADS=1 '" + test::trainrun_binary() + "' --config '" + dir / "job2.yaml" + "'");
+  CHECK(r.exit_code == 1);
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(20));
+  CHECK_THAT(r.err, Contains("lm_head.weight differs from transformer.wte.weight") && Contains("(rank 1)"));
+  CHECK(!test::file_exists(run + "/metrics.jsonl"));
 }
 
 TEST_CASE("interop: trainrun bench checkpoint prints write and read GB/s next to the disk's", "[interop][bench]") {
