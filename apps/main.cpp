@@ -76,6 +76,7 @@ int cmd_run(const std::string& config, std::vector<std::string> sets, const Laun
   // srun or by an outside launcher; else one worker right here.
   const LaunchPlan plan = plan_launch(job, flags, current_environment(), this_host_name());
   TR_LOG_INFO("launch: ", plan.describe());
+  if (!plan.nproc_reason.empty()) TR_LOG_INFO("launch: ", plan.nproc_reason);
   for (const std::string& w : plan.warnings) TR_LOG_WARN("launch: ", w);
   if (const int64_t ms = debug_env_ms("TRAINRUN_DEBUG_START_DELAY_MS")) {
     // Tests: a window in which only main()'s stop handlers watch signals.
@@ -108,7 +109,7 @@ int cmd_run(const std::string& config, std::vector<std::string> sets, const Laun
   // so parallel.topology_file decides nothing here; a bad one is still an
   // error, as it is under the agent, rather than silently ignored.
   if (!job.parallel.topology_file.empty()) {
-    topo::load_topology(job.parallel.topology_file);
+    topo::node_topology(job);  // read once: plan_launch may have counted its GPUs already
     TR_LOG_INFO("topology: ", job.parallel.topology_file,
                 " is used by the agent's placement; this process was started without one, so it runs as placed");
   }

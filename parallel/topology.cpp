@@ -164,6 +164,11 @@ void validate_topology(const Topology& t, const std::string& where) {
     TR_CHECK(n.nic_links.empty() || n.nic_links.size() == t.nics.size(), where, ": NIC ", n.name, " has ",
              n.nic_links.size(), " NIC links for ", t.nics.size(), " NICs");
   }
+  // CUDA_VISIBLE_DEVICES=GPU-<uuid> must name one GPU.
+  std::set<std::string> uuids;
+  for (const Gpu& g : t.gpus)
+    TR_CHECK(g.uuid.empty() || uuids.insert(g.uuid).second, where, ": GPU", g.index, " has uuid ", g.uuid,
+             ", which another GPU has too; every GPU's uuid must be unique");
   std::set<int> ids;
   for (const NumaNode& n : t.numa_nodes)
     TR_CHECK(ids.insert(n.id).second, where, ": NUMA node ", n.id, " is listed twice");
@@ -320,6 +325,7 @@ json topology_to_json(const Topology& t) {
               {"pci_bus_id", g.pci_bus_id}, {"memory_mib", g.memory_mib},
               {"numa_node", g.numa_node},   {"cpus", format_cpulist(g.cpus)},
               {"compute_capability", g.compute_capability}};
+    if (!g.uuid.empty()) o["uuid"] = g.uuid;
     if (!g.root_complex.empty()) o["root_complex"] = g.root_complex;
     if (!g.pci_path.empty()) o["pci_path"] = g.pci_path;
     j["gpus"].push_back(o);
@@ -386,6 +392,7 @@ Topology topology_from_json(const json& j, const std::string& where) {
     g.index = r.get<int>("index", int(i));
     g.name = r.get<std::string>("name", "");
     g.pci_bus_id = r.get<std::string>("pci_bus_id", "");
+    g.uuid = r.get<std::string>("uuid", "");
     g.memory_mib = r.get<int64_t>("memory_mib", 0);
     g.numa_node = r.get<int>("numa_node", -1);
     g.cpus = r.cpus("cpus");

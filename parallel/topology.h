@@ -67,6 +67,7 @@ struct Gpu {
   int index = 0;                   // nvidia-smi / NVML index (PCI bus order)
   std::string name;                // "NVIDIA H100 80GB HBM3"; empty = unknown
   std::string pci_bus_id;          // "0000:18:00.0" (lower case, 4-digit domain); empty = unknown
+  std::string uuid;                // "GPU-8e5c2a1f-..." (NVML); empty = unknown (nvidia-smi topo -m has none)
   int64_t memory_mib = 0;          // 0 = unknown
   int numa_node = -1;              // -1 = unknown
   CpuList cpus;                    // CPUs local to the GPU (nvidia-smi's CPU Affinity)

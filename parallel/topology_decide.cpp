@@ -343,17 +343,27 @@ bool Decisions::has_warning(const std::string& code) const {
 Decisions decide(const Topology& t, const DecisionInputs& in) {
   Decisions d;
   const int G = t.gpu_count();
-  const bool want_cuda = in.backend == "cuda" || (in.backend == "auto" && G > 0);
-  d.backend = want_cuda && G > 0 ? "cuda" : "cpu";
-  if (want_cuda && G == 0)
-    d.warnings.push_back({"no_gpus", "backend: cuda was requested but no GPUs were found; placing ranks as for the "
-                                     "CPU backend"});
-  d.nproc = in.nproc > 0 ? in.nproc : d.backend == "cuda" ? G : 1;
+  // The GPUs CUDA will show the workers: every one, the user's
+  // CUDA_VISIBLE_DEVICES that exist, or none when it hides them all.
+  int usable = G;
+  if (in.no_visible_gpus)
+    usable = 0;
+  else if (!in.visible_gpus.empty())
+    usable = int(std::count_if(in.visible_gpus.begin(), in.visible_gpus.end(), [&](int g) { return g >= 0 && g < G; }));
+  const bool want_cuda = in.backend == "cuda" || (in.backend == "auto" && usable > 0);
+  d.backend = want_cuda && usable > 0 ? "cuda" : "cpu";
+  if (want_cuda && usable == 0)
+    d.warnings.push_back({"no_gpus", std::string("backend: cuda was requested but ") +
+                                         (G > 0 ? "CUDA_VISIBLE_DEVICES hides every GPU" : "no GPUs were found") +
+                                         "; placing ranks as for the CPU backend"});
+  d.nproc = in.nproc > 0 ? in.nproc : d.backend == "cuda" ? usable : 1;
   if (d.backend == "cuda") {
     choose_gpus(t, in, d);
   } else {
     for (int r = 0; r < d.nproc; ++r) d.ranks.push_back(RankPlacement{r, -1, {}, -1});
-    d.gpu_order_reason = G == 0 ? "no GPUs: every rank runs on the CPU backend" : "CPU backend: GPUs are not used";
+    d.gpu_order_reason = G == 0                ? "no GPUs: every rank runs on the CPU backend"
+                         : in.no_visible_gpus ? "CUDA_VISIBLE_DEVICES hides every GPU: every rank runs on the CPU backend"
+                                              : "CPU backend: GPUs are not used";
   }
   place_cpus(t, in, d);
   if (d.backend == "cuda") nccl_env(t, d);

@@ -25,10 +25,11 @@
 namespace trainrun::topo {
 
 struct DecisionInputs {
-  int nproc = 0;                  // workers on this node; 0 = one per GPU (1 without GPUs)
+  int nproc = 0;                  // workers on this node; 0 = one per usable GPU (1 without GPUs)
   std::string backend = "auto";   // auto | cpu | cuda (the job's `backend`)
   CpuList allowed_cpus;           // CPUs this process may run on; empty = every CPU described
   std::vector<int> visible_gpus;  // the user's CUDA_VISIBLE_DEVICES (indices, in order); empty = unset
+  bool no_visible_gpus = false;   // CUDA_VISIBLE_DEVICES hides every GPU: place ranks as on a CPU node
   bool bind_cpus = true;          // false: leave placement to the OS (parallel.cpu_affinity: none)
 };
 
@@ -67,6 +68,30 @@ struct Decisions {
 };
 
 Decisions decide(const Topology& t, const DecisionInputs& in);
+
+// ---- which GPUs this process may use (topology_visible.cpp) ---------------------------------
+
+// CUDA_VISIBLE_DEVICES read against a description the way CUDA reads it: a
+// comma-separated list of GPU indices (nvidia-smi's, which is what the agent's
+// CUDA_DEVICE_ORDER=PCI_BUS_ID makes CUDA use too) or GPU UUIDs ("GPU-<hex>",
+// a unique prefix is enough), in the order CUDA numbers the devices; "MIG-..."
+// entries name MIG instances, of which a CUDA process uses one. Unset means
+// every GPU; empty, "-1" and "NoDevFiles" (what schedulers set for a job
+// without GPUs) mean none.
+struct VisibleGpus {
+  bool set = false;          // CUDA_VISIBLE_DEVICES is set
+  int count = 0;             // the devices a CUDA process sees
+  std::vector<int> gpus;     // those devices' indices in the description, in CUDA's order; empty when unmapped
+  std::string unmapped;      // why they cannot be mapped onto the description (UUIDs it does not know, MIG)
+  bool none() const { return count == 0; }
+};
+// `value` is the variable's value (nullptr = unset); `described` names the
+// description in errors ("parallel.topology_file /x.json"). Throws
+// trainrun::Error naming CUDA_VISIBLE_DEVICES for an entry that names no GPU
+// of the description, a GPU listed twice, or an entry that is neither an
+// index nor a UUID: CUDA would quietly drop it and everything after it. A
+// description without GPUs has nothing to check against: callers skip it.
+VisibleGpus resolve_visible_gpus(const Topology& t, const char* value, const std::string& described);
 
 // What a worker's environment gets: the decided variables, except that a
 // variable already set (by the user) always wins; those are returned with

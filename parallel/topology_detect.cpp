@@ -66,6 +66,7 @@ void merge_topology(Topology& base, const Topology& extra) {
       // NVML's names are the driver's ("NVIDIA H100 80GB HBM3"): better than
       // a PCI-id table.
       if (!x.name.empty()) g.name = x.name;
+      if (g.uuid.empty()) g.uuid = x.uuid;
       if (g.memory_mib == 0) g.memory_mib = x.memory_mib;
       if (g.compute_capability.empty()) g.compute_capability = x.compute_capability;
       if (g.numa_node < 0) g.numa_node = x.numa_node;

@@ -9,6 +9,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <mutex>
 #include <nlohmann/json.hpp>
 
 #include "core/common/error.h"
@@ -33,20 +35,23 @@ CpuList process_cpus() {
   return out;
 }
 
-// CUDA_VISIBLE_DEVICES as indices ("2,3"); false for UUIDs / MIG names.
-bool parse_visible(const std::string& s, std::vector<int>* out) {
-  out->clear();
-  std::string item;
-  for (size_t i = 0; i <= s.size(); ++i) {
-    if (i == s.size() || s[i] == ',') {
-      if (item.empty() || !std::all_of(item.begin(), item.end(), [](char c) { return std::isdigit(c); })) return false;
-      out->push_back(std::stoi(item));
-      item.clear();
-    } else if (!std::isspace(static_cast<unsigned char>(s[i]))) {
-      item += s[i];
-    }
-  }
-  return !out->empty();
+// CUDA_VISIBLE_DEVICES as set, including set but empty (which hides every
+// GPU, unlike unset); nullptr when unset.
+const char* cuda_visible_devices() { return std::getenv("CUDA_VISIBLE_DEVICES"); }
+
+// The decision inputs that CUDA_VISIBLE_DEVICES gives. False when it names
+// GPUs the description cannot map (the placement then cannot know which GPU
+// a rank gets).
+bool apply_visible(const VisibleGpus& v, DecisionInputs* in) {
+  in->no_visible_gpus = v.set && v.none();
+  if (v.set && v.unmapped.empty()) in->visible_gpus = v.gpus;
+  return v.unmapped.empty();
+}
+
+std::string join_ints(const std::vector<int>& v) {
+  std::string s;
+  for (int x : v) s += (s.empty() ? "" : ",") + std::to_string(x);
+  return s;
 }
 
 const char* env_lookup(const std::string& name) {
@@ -72,8 +77,7 @@ int run_topo_command(const TopoCommandOptions& o, std::ostream& out) {
     // This machine: what this process may use matters for the binding.
     t = detect_local_topology("/");
     in.allowed_cpus = process_cpus();
-    const char* visible = env_lookup("CUDA_VISIBLE_DEVICES");
-    if (visible) parse_visible(visible, &in.visible_gpus);
+    if (t.gpu_count() > 0) apply_visible(resolve_visible_gpus(t, cuda_visible_devices(), "this machine"), &in);
   }
   const Decisions d = decide(t, in);
   if (!o.save_file.empty()) {
@@ -105,31 +109,85 @@ void apply_worker_placement(const WorkerPlacement& p) noexcept {
   }
 }
 
-LaunchTopology prepare_launch_topology(const JobSpec& job, int nproc) {
-  LaunchTopology plan;
-  Topology t;
-  if (!job.parallel.topology_file.empty()) {
+const NodeTopology& node_topology(const JobSpec& job) {
+  // Keyed by the file ("" = this machine): the description of a node does
+  // not change while one trainrun process plans and launches its workers.
+  static std::mutex mu;
+  static std::map<std::string, NodeTopology> known;
+  std::lock_guard<std::mutex> lock(mu);
+  const std::string& file = job.parallel.topology_file;
+  if (auto it = known.find(file); it != known.end()) return it->second;
+  NodeTopology n;
+  if (!file.empty()) {
     // The user's file: an error in it stops the job before any worker starts.
-    t = load_topology(job.parallel.topology_file);
+    n.topology = load_topology(file);
+    n.source = "parallel.topology_file " + file;
   } else {
+    n.source = "the topology detected on this machine";
     try {
-      t = detect_local_topology("/");
+      n.topology = detect_local_topology("/");
     } catch (const Error& e) {
-      TR_LOG_WARN("topology: detection failed (", e.what(), "); workers start unbound and with no NCCL settings");
-      return plan;
+      n.detect_error = e.what();
     }
   }
+  return known.emplace(file, std::move(n)).first->second;
+}
+
+GpuWorkers count_gpu_workers(const JobSpec& job, const char* visible) {
+  const NodeTopology& node = node_topology(job);
+  GpuWorkers w;
+  if (!node.detect_error.empty()) {
+    w.why = "1 worker: topology detection failed (" + node.detect_error + "), so no GPU was counted; set "
+            "parallel.nproc_per_node or parallel.topology_file";
+    return w;
+  }
+  const Topology& t = node.topology;
+  const int G = t.gpu_count();
+  if (G == 0) {
+    w.why = "1 worker: no GPU in " + node.source;
+    return w;
+  }
+  const VisibleGpus v = resolve_visible_gpus(t, visible, node.source);
+  const std::string var = visible ? "CUDA_VISIBLE_DEVICES=" + std::string(visible) : "";
+  if (v.none()) {
+    w.why = "1 worker: CUDA_VISIBLE_DEVICES='" + std::string(visible) + "' hides every GPU (of the " +
+            std::to_string(G) + " in " + node.source + ")";
+    return w;
+  }
+  w.nproc = v.count;
+  const std::string workers = std::to_string(w.nproc) + (w.nproc == 1 ? " worker, one per GPU (" : " workers, one per GPU (");
+  if (!v.set)
+    w.why = workers + std::to_string(G) + " GPUs in " + node.source + "; CUDA_VISIBLE_DEVICES unset)";
+  else if (v.unmapped.empty())
+    w.why = workers + var + " selects GPU" + (v.gpus.size() == 1 ? " " : "s ") + join_ints(v.gpus) + " of the " +
+            std::to_string(G) + " in " + node.source + ")";
+  else
+    w.why = workers + var + ": " + v.unmapped + ")";
+  return w;
+}
+
+LaunchTopology prepare_launch_topology(const JobSpec& job, int nproc) {
+  LaunchTopology plan;
+  const NodeTopology& node = node_topology(job);
+  if (!node.detect_error.empty()) {
+    TR_LOG_WARN("topology: detection failed (", node.detect_error,
+                "); workers start unbound and with no NCCL settings");
+    return plan;
+  }
+  const Topology& t = node.topology;
   DecisionInputs in;
   in.nproc = nproc;
   in.backend = job.backend;
   in.allowed_cpus = process_cpus();
   in.bind_cpus = job.parallel.cpu_affinity != "none";
-  if (const char* visible = env_lookup("CUDA_VISIBLE_DEVICES")) {
-    if (!parse_visible(visible, &in.visible_gpus) && t.gpu_count() > 0 && in.bind_cpus) {
-      TR_LOG_WARN("topology: CUDA_VISIBLE_DEVICES=", visible,
-                  " names GPUs by UUID or MIG instance, which the topology cannot map; workers start unbound");
-      in.bind_cpus = false;
-    }
+  // Without a GPU in the description there is nothing to read
+  // CUDA_VISIBLE_DEVICES against (and nothing to place by it).
+  const char* visible = cuda_visible_devices();
+  const VisibleGpus v = t.gpu_count() > 0 ? resolve_visible_gpus(t, visible, node.source) : VisibleGpus{};
+  if (!apply_visible(v, &in) && in.bind_cpus) {
+    TR_LOG_WARN("topology: CUDA_VISIBLE_DEVICES=", visible, " cannot be mapped onto GPUs of ", node.source, ": ",
+                v.unmapped, "; workers start unbound");
+    in.bind_cpus = false;
   }
   const Decisions d = decide(t, in);
 

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "core/config/job_spec.h"
+#include "parallel/topology.h"
 
 namespace trainrun::topo {
 
@@ -51,10 +52,35 @@ struct LaunchTopology {
   std::vector<std::string> env;            // NAME=VALUE for every worker (user-set names excluded)
 };
 
-// Detects (or loads job.parallel.topology_file), decides for `nproc` local
-// workers, logs the decisions and warnings, writes <output.dir>/topology.json.
-// Detection problems are warnings (the job runs unbound); a bad
-// topology_file is an error.
+// The node's description for a job: job.parallel.topology_file when set,
+// else this machine's (detect_local_topology). Read once per process and
+// kept: the launch plan counts GPUs in it (parallel.nproc_per_node: 0) and
+// the agent places its workers with the same one, so /sys, NVML and the CUDA
+// peer probe run once. A bad topology_file throws (every time); a failed
+// detection is kept as `detect_error` with an empty description.
+struct NodeTopology {
+  Topology topology;
+  std::string source;        // "parallel.topology_file /x.json" or "the topology detected on this machine"
+  std::string detect_error;  // why detection failed; empty when it worked
+};
+const NodeTopology& node_topology(const JobSpec& job);
+
+// parallel.nproc_per_node: 0 on this node, backend auto or cuda: one worker
+// per GPU this process may use, i.e. node_topology()'s GPUs narrowed by
+// CUDA_VISIBLE_DEVICES (`cuda_visible_devices`, nullptr = unset; see
+// resolve_visible_gpus), and 1 without a GPU. `why` says how it was counted,
+// for the launch log. Throws for a CUDA_VISIBLE_DEVICES entry that names no
+// GPU of the description.
+struct GpuWorkers {
+  int nproc = 1;
+  std::string why;  // "8 workers, one per GPU (8 GPUs in parallel.topology_file /x.json; CUDA_VISIBLE_DEVICES unset)"
+};
+GpuWorkers count_gpu_workers(const JobSpec& job, const char* cuda_visible_devices);
+
+// Decides for `nproc` local workers on node_topology(job), logs the
+// decisions and warnings, writes <output.dir>/topology.json. Detection
+// problems are warnings (the job runs unbound); a bad topology_file, or a
+// CUDA_VISIBLE_DEVICES naming a GPU it does not have, is an error.
 LaunchTopology prepare_launch_topology(const JobSpec& job, int nproc);
 
 }  // namespace trainrun::topo

@@ -62,6 +62,7 @@ bool load_nvml(NvmlApi* api, std::string* why, const std::string& library) {
   sym(api->device_count, "nvmlDeviceGetCount_v2", true);
   sym(api->device_by_index, "nvmlDeviceGetHandleByIndex_v2", true);
   sym(api->name, "nvmlDeviceGetName", true);
+  sym(api->uuid, "nvmlDeviceGetUUID", false);
   sym(api->pci_info, "nvmlDeviceGetPciInfo_v3", true);
   sym(api->memory, "nvmlDeviceGetMemoryInfo", true);
   sym(api->cuda_cc, "nvmlDeviceGetCudaComputeCapability", false);
@@ -95,6 +96,9 @@ Topology read_nvml_topology(const NvmlApi& api) {
     g.index = int(i);
     char name[96] = {};
     if (api.name(dev[i], name, sizeof name) == 0) g.name = name;
+    // What CUDA_VISIBLE_DEVICES=GPU-... names (parallel/topology_visible.cpp).
+    char uuid[96] = {};
+    if (api.uuid && api.uuid(dev[i], uuid, sizeof uuid) == 0) g.uuid = uuid;
     NvmlPciInfo pci{};
     if (api.pci_info(dev[i], &pci) == 0) g.pci_bus_id = normalize_bus_id(pci.busId);
     NvmlMemory mem{};

@@ -74,6 +74,7 @@ struct NvmlApi {
   int (*device_count)(unsigned*) = nullptr;                            // nvmlDeviceGetCount_v2
   int (*device_by_index)(unsigned, NvmlDevice*) = nullptr;             // nvmlDeviceGetHandleByIndex_v2
   int (*name)(NvmlDevice, char*, unsigned) = nullptr;                  // nvmlDeviceGetName
+  int (*uuid)(NvmlDevice, char*, unsigned) = nullptr;                  // nvmlDeviceGetUUID (optional)
   int (*pci_info)(NvmlDevice, NvmlPciInfo*) = nullptr;                 // nvmlDeviceGetPciInfo_v3
   int (*memory)(NvmlDevice, NvmlMemory*) = nullptr;                    // nvmlDeviceGetMemoryInfo
   int (*cuda_cc)(NvmlDevice, int*, int*) = nullptr;                    // nvmlDeviceGetCudaComputeCapability

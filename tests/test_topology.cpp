@@ -297,6 +297,9 @@ struct FakeNvml {
     a.device_count = [](unsigned* n) { return *n = unsigned(gpus), 0; };
     a.device_by_index = [](unsigned i, NvmlDevice* d) { return *d = handle(i), 0; };
     a.name = [](NvmlDevice, char* buf, unsigned n) { return std::snprintf(buf, n, "%s", name), 0; };
+    a.uuid = [](NvmlDevice d, char* buf, unsigned n) {
+      return std::snprintf(buf, n, "GPU-%08u-aaaa-bbbb", index(d)), 0;
+    };
     a.pci_info = [](NvmlDevice d, NvmlPciInfo* p) { return bus(index(d), p), 0; };
     a.memory = [](NvmlDevice, NvmlMemory* m) { return m->total = 81559ull << 20, 0; };
     a.cuda_cc = [](NvmlDevice, int* ma, int* mi) { return *ma = 9, *mi = 0, 0; };
@@ -325,6 +328,7 @@ TEST_CASE("topology: NVML source counts NVLinks and finds NVSwitch", "[topology]
   CHECK(t.gpus[1].pci_bus_id == "0000:2a:00.0");
   CHECK(t.gpus[1].memory_mib == 81559);
   CHECK(t.gpus[1].compute_capability == "9.0");
+  CHECK(t.gpus[1].uuid == "GPU-00000001-aaaa-bbbb");  // what CUDA_VISIBLE_DEVICES=GPU-... names
   CHECK(env_of(decide_for(t), "NCCL_NVLS_ENABLE") == "1");
 
   FakeNvml::gpus = 4, FakeNvml::switch_links = 0, FakeNvml::pair_links = 4;
@@ -424,6 +428,7 @@ TEST_CASE("topology: NVML fills in what sysfs cannot see", "[topology]") {
   nvml.gpus = t.gpus;
   nvml.gpus[0].name = nvml.gpus[1].name = "NVIDIA L40S (driver name)";
   nvml.gpus[0].memory_mib = 46068;
+  nvml.gpus[0].uuid = "GPU-5c2e0000";
   nvml.links = t.links;
   nvml.links[0][1] = nvml.links[1][0] = Link{LinkKind::NVLink, 4};
   nvml.gpus[0].pci_bus_id = "00000000:1A:00.0";  // NVML's spelling
@@ -432,6 +437,7 @@ TEST_CASE("topology: NVML fills in what sysfs cannot see", "[topology]") {
   CHECK(link(t, 0, 3) == "SYS");  // PCIe levels stay the sysfs ones
   CHECK(t.gpus[0].name == "NVIDIA L40S (driver name)");
   CHECK(t.gpus[0].memory_mib == 46068);
+  CHECK(t.gpus[0].uuid == "GPU-5c2e0000");  // sysfs has none
   CHECK(t.sources == std::vector<std::string>{"sysfs:" + fixture("sysfs/pcie_2socket"), "nvml"});
   CHECK_NOTHROW(validate_topology(t, "merged"));
 }

@@ -1,11 +1,18 @@
 // Topology decisions from fixtures (rank -> GPU, CPU affinity and NUMA
 // policy, NCCL environment, hybrid_shard group, warnings) and what the agent
 // applies when it launches a job.
+#include <sched.h>
+
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <cstring>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "core/config/job_spec.h"
+#include "core/launch/launch_mode.h"
+#include "parallel/topology_launch.h"
+#include "tests/support/process_util.h"
 #include "tests/support/topology_testutil.h"
 
 using namespace trainrun;
@@ -208,11 +215,12 @@ TEST_CASE("topology: variables the user set win over the decided ones", "[topolo
 
 namespace {
 
-std::string job(const test::TempDir& dir, int nproc, const std::string& parallel_extra) {
+std::string job(const test::TempDir& dir, int nproc, const std::string& parallel_extra, int global_batch = 4) {
   const std::string path = dir / "job.yaml";
   test::write_file(path, "model: {n_layer: 1, n_head: 2, n_embd: 16, vocab_size: 16, seq_len: 16}\n"
                          "data: {format: synthetic}\n"
-                         "train: {global_batch_size: 4, micro_batch_size: 1, max_steps: 1, log_interval: 1, "
+                         "train: {global_batch_size: " + std::to_string(global_batch) +
+                         ", micro_batch_size: 1, max_steps: 1, log_interval: 1, "
                          "eval_interval: 0, warmup_steps: 1}\n"
                          "output: {dir: '" + dir / "run" + "', sample_tokens: 0}\n"
                          "parallel: {nproc_per_node: " + std::to_string(nproc) + ", timeout_s: 60" +
@@ -220,7 +228,245 @@ std::string job(const test::TempDir& dir, int nproc, const std::string& parallel
   return path;
 }
 
+// The environment of an agent launched "on" a node that a topology file
+// describes. The tests' own CUDA_VISIBLE_DEVICES is empty
+// (tests/support/hide_gpus.cpp), which hides every GPU, so these runs unset
+// it (visible "-") or set their own; the count then comes from the file.
+// TRAINRUN_CUDA_LIB names no file, so the workers stay on the CPU backend
+// even on a GPU machine, where the CUDA_VISIBLE_DEVICES the topology gives
+// them would otherwise name real GPUs.
+std::string gpu_node_env(const std::string& visible) {
+  return std::string("env ") + (visible == "-" ? "-u CUDA_VISIBLE_DEVICES" : "CUDA_VISIBLE_DEVICES='" + visible + "'") +
+         " TRAINRUN_CUDA_LIB=/nonexistent/libtrainrun_cuda.so ";
+}
+
+// `trainrun topo --save` of the DGX H100 paste: 8 GPUs, GPU0-3 on NUMA node
+// 0 and GPU4-7 on node 1.
+std::string saved_dgx_h100(const test::TempDir& dir) {
+  const std::string saved = dir / "dgx_h100.json";
+  const auto r = test::run_trainrun("topo --save '" + saved + "' --nvidia-smi-topo '" + topo_fixture("dgx_h100.txt") + "'");
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  return saved;
+}
+
+std::string cpus_text(const CpuList& cpus) {
+  std::string s;
+  for (int c : cpus) s += (s.empty() ? "" : ",") + std::to_string(c);
+  return s;
+}
+
+// Each rank's log (TRAINRUN_DEBUG_PRINT_ENV=1) against the agent's
+// decisions in topology.json: its place in the job, its GPU (entry
+// LOCAL_RANK of the CUDA_VISIBLE_DEVICES every worker gets) and the CPUs it
+// was bound to (all of this process's CPUs where the decision leaves it
+// unbound). Returns the GPU of each rank.
+std::vector<std::string> check_worker_placement(const test::TempDir& dir, int nproc, const std::string& visible) {
+  const json t = json::parse(test::read_file(dir / "run/topology.json"));
+  REQUIRE(t["decisions"]["ranks"].size() == size_t(nproc));
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  REQUIRE(sched_getaffinity(0, sizeof set, &set) == 0);
+  CpuList mine;
+  for (int c = 0; c < CPU_SETSIZE; ++c)
+    if (CPU_ISSET(c, &set)) mine.push_back(c);
+  std::vector<std::string> gpus;
+  for (int rank = 0; rank < nproc; ++rank) {
+    const json& d = t["decisions"]["ranks"][size_t(rank)];
+    const std::string log = test::read_file(dir / ("run/logs/rank" + std::to_string(rank) + ".log"));
+    INFO("rank " << rank << " log:\n" << log);
+    const std::string r = std::to_string(rank), n = std::to_string(nproc);
+    CHECK_THAT(log, Contains("RANK=" + r + " LOCAL_RANK=" + r + " WORLD_SIZE=" + n + " LOCAL_WORLD_SIZE=" + n + " "));
+    const std::string gpu = std::to_string(d["gpu"].get<int>());
+    CHECK_THAT(log, Contains("worker GPU: " + gpu + " (entry LOCAL_RANK=" + r + " of CUDA_VISIBLE_DEVICES=" + visible +
+                             ")\n"));
+    const CpuList decided = parse_cpulist(d["cpus"].get<std::string>());
+    CHECK_THAT(log, Contains("worker placement: CPUs=" + cpus_text(decided.empty() ? mine : decided) + "\n"));
+    gpus.push_back(gpu);
+  }
+  return gpus;
+}
+
 }  // namespace
+
+// The ISSUE: `nproc_per_node: 0` is one worker per GPU, counted in the
+// node's topology and narrowed by CUDA_VISIBLE_DEVICES. Pure parts first.
+TEST_CASE("topology: CUDA_VISIBLE_DEVICES is read against the description", "[topology]") {
+  Topology t = smi("dgx_h100.txt");
+  const std::string where = "parallel.topology_file h100.json";
+  auto gpus = [&](const char* v) { return resolve_visible_gpus(t, v, where).gpus; };
+  auto count = [&](const char* v) { return resolve_visible_gpus(t, v, where).count; };
+  CHECK(gpus(nullptr) == std::vector<int>{0, 1, 2, 3, 4, 5, 6, 7});
+  CHECK_FALSE(resolve_visible_gpus(t, nullptr, where).set);
+  CHECK(gpus("2,5") == std::vector<int>{2, 5});
+  CHECK(gpus(" 7, 0 ") == std::vector<int>{7, 0});  // CUDA's order is the list's
+  for (const char* none : {"", " ", "-1", "NoDevFiles"}) {
+    INFO("'" << none << "'");
+    const VisibleGpus v = resolve_visible_gpus(t, none, where);
+    CHECK(v.set);
+    CHECK(v.none());
+    CHECK(v.gpus.empty());
+  }
+  CHECK_THAT(error_of([&] { resolve_visible_gpus(t, "2,9", where); }),
+             Contains("CUDA_VISIBLE_DEVICES=2,9: '9' names no GPU: parallel.topology_file h100.json has 8 GPUs "
+                      "(indices 0-7); list only those, or unset CUDA_VISIBLE_DEVICES to use every GPU"));
+  CHECK_THAT(error_of([&] { resolve_visible_gpus(t, "99999999999", where); }), Contains("names no GPU"));
+  CHECK_THAT(error_of([&] { resolve_visible_gpus(t, "1,1", where); }),
+             Contains("CUDA_VISIBLE_DEVICES=1,1: GPU 1 is listed twice"));
+  CHECK_THAT(error_of([&] { resolve_visible_gpus(t, "0,,1", where); }), Contains("an empty entry"));
+  CHECK_THAT(error_of([&] { resolve_visible_gpus(t, "gpu0", where); }),
+             Contains("'gpu0' is neither a GPU index (indices 0-7 in parallel.topology_file h100.json) nor a GPU UUID"));
+  // nvidia-smi topo -m has no UUIDs: they are counted, not placed.
+  const VisibleGpus unknown = resolve_visible_gpus(t, "GPU-aaaa,GPU-bbbb", where);
+  CHECK(unknown.count == 2);
+  CHECK(unknown.gpus.empty());
+  CHECK_THAT(unknown.unmapped, Contains("has no UUIDs"));
+  // A CUDA process sees one MIG instance however many are listed.
+  CHECK(count("MIG-11111111-2222,MIG-33333333-4444") == 1);
+  // With UUIDs (NVML puts them in the description), by UUID or a unique prefix.
+  for (Gpu& g : t.gpus) g.uuid = "GPU-" + std::to_string(g.index) + std::to_string(g.index) + "aa-5c2e";
+  t = parse_topology_json(topology_to_json(t).dump(), "uuids.json");  // uuids survive a save
+  CHECK(t.gpus[3].uuid == "GPU-33aa-5c2e");
+  CHECK(gpus("GPU-55aa-5c2e,GPU-2") == std::vector<int>{5, 2});
+  CHECK(gpus("gpu-77AA") == std::vector<int>{7});
+  CHECK_THAT(error_of([&] { resolve_visible_gpus(t, "GPU-9", where); }),
+             Contains("CUDA_VISIBLE_DEVICES=GPU-9: 'GPU-9' names no GPU: no GPU of parallel.topology_file h100.json "
+                      "has that UUID"));
+  t.gpus[1].uuid = "GPU-22ab";
+  CHECK_THAT(error_of([&] { resolve_visible_gpus(t, "GPU-22", where); }),
+             Contains("'GPU-22' is the start of the UUIDs of GPUs 1,2"));
+  t.gpus[1].uuid = t.gpus[2].uuid;
+  CHECK_THAT(error_of([&] { validate_topology(t, "dup.json"); }), Contains("dup.json: GPU2 has uuid GPU-22aa-5c2e"));
+}
+
+TEST_CASE("topology: decisions count the usable GPUs for nproc 0", "[topology]") {
+  const Topology t = smi("dgx_h100.txt");
+  DecisionInputs in;
+  in.visible_gpus = {2, 5};
+  const Decisions two = decide(t, in);
+  CHECK(two.nproc == 2);
+  CHECK(gpus_of(two) == std::vector<int>{2, 5});
+  in.visible_gpus.clear();
+  in.no_visible_gpus = true;
+  const Decisions none = decide(t, in);
+  CHECK(none.backend == "cpu");
+  CHECK(none.nproc == 1);
+  CHECK(env_of(none, "CUDA_VISIBLE_DEVICES") == "<unset>");
+  CHECK_THAT(none.gpu_order_reason, Contains("CUDA_VISIBLE_DEVICES hides every GPU"));
+  in.backend = "cuda";
+  in.nproc = 2;
+  const Decisions asked = decide(t, in);
+  REQUIRE(asked.has_warning("no_gpus"));
+  CHECK_THAT(asked.warnings[0].message, Contains("CUDA_VISIBLE_DEVICES hides every GPU"));
+}
+
+TEST_CASE("topology: the launch plan resolves nproc_per_node 0 from the topology file", "[topology][launcher]") {
+  test::TempDir dir("topo");
+  const std::string saved = dir / "h100.json";
+  save_topology(smi("dgx_h100.txt"), saved);
+  const JobSpec j = parse_job_spec(test::read_file(job(dir, 0, ", topology_file: '" + saved + "'", 8)), "job.yaml");
+  const LaunchPlan all = plan_launch(j, {}, {}, "h");
+  CHECK(all.mode == LaunchMode::LocalAgent);
+  CHECK(all.nproc_per_node == 8);
+  CHECK(all.nproc_reason == "parallel.nproc_per_node: 0 -> 8 workers, one per GPU (8 GPUs in parallel.topology_file " +
+                                saved + "; CUDA_VISIBLE_DEVICES unset)");
+  const LaunchPlan two = plan_launch(j, {}, {{"CUDA_VISIBLE_DEVICES", "2,5"}}, "h");
+  CHECK(two.nproc_per_node == 2);
+  CHECK(two.nproc_reason == "parallel.nproc_per_node: 0 -> 2 workers, one per GPU (CUDA_VISIBLE_DEVICES=2,5 selects "
+                            "GPUs 2,5 of the 8 in parallel.topology_file " + saved + ")");
+  const LaunchPlan hidden = plan_launch(j, {}, {{"CUDA_VISIBLE_DEVICES", ""}}, "h");
+  CHECK(hidden.mode == LaunchMode::InProcess);
+  CHECK(hidden.nproc_per_node == 1);
+  CHECK_THAT(hidden.nproc_reason, Contains("0 -> 1 worker: CUDA_VISIBLE_DEVICES='' hides every GPU"));
+  JobSpec cpu = j;
+  cpu.backend = "cpu";
+  CHECK(plan_launch(cpu, {}, {}, "h").mode == LaunchMode::InProcess);
+  CHECK_THAT(plan_launch(cpu, {}, {}, "h").nproc_reason, Contains("0 -> 1 worker (backend: cpu"));
+  CHECK_THAT(error_of([&] { plan_launch(j, {}, {{"CUDA_VISIBLE_DEVICES", "2,9"}}, "h"); }),
+             Contains("CUDA_VISIBLE_DEVICES=2,9: '9' names no GPU"));
+  // Every node of a multi-node job counts its own GPUs the same way.
+  JobSpec two_nodes = j;
+  two_nodes.launcher.nnodes = 2;
+  two_nodes.launcher.master_addr = "10.0.0.1";
+  LaunchFlags node_one;
+  node_one.node_rank = 1;
+  const LaunchPlan node = plan_launch(two_nodes, node_one, {{"CUDA_VISIBLE_DEVICES", "0,1,2,3"}}, "h");
+  CHECK(node.mode == LaunchMode::NodeAgent);
+  CHECK(node.nproc_per_node == 4);
+  CHECK(node.first_rank() == 4);
+  // An explicit count is the count; a CPU-only description gives 1.
+  JobSpec three = j;
+  three.parallel.nproc_per_node = 3;
+  CHECK(plan_launch(three, {}, {}, "h").nproc_per_node == 3);
+  CHECK(plan_launch(three, {}, {}, "h").nproc_reason.empty());
+  save_topology(sysfs("cpu_only_2numa"), dir / "cpu.json");
+  JobSpec cpu_node = j;
+  cpu_node.parallel.topology_file = dir / "cpu.json";
+  CHECK(plan_launch(cpu_node, {}, {}, "h").nproc_per_node == 1);
+  CHECK_THAT(plan_launch(cpu_node, {}, {}, "h").nproc_reason, Contains("0 -> 1 worker: no GPU in parallel.topology_file"));
+}
+
+TEST_CASE("topology: nproc_per_node 0 starts one worker per GPU of parallel.topology_file", "[topology][launcher]") {
+  test::TempDir dir("topo");
+  const std::string saved = saved_dgx_h100(dir);
+  const std::string cfg = job(dir, 0, ", topology_file: '" + saved + "'", 8);
+  const auto r = test::run_command(gpu_node_env("-") + "OMP_NUM_THREADS=1 TRAINRUN_DEBUG_PRINT_ENV=1 '" +
+                                   test::trainrun_binary() + "' --config '" + cfg + "'");
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.err, Contains("launch: parallel.nproc_per_node: 0 -> 8 workers, one per GPU (8 GPUs in "
+                             "parallel.topology_file " + saved + "; CUDA_VISIBLE_DEVICES unset)"));
+  CHECK_THAT(r.err, Contains("trainrun: starting 8 workers"));
+  CHECK_THAT(r.err, Contains("trainrun: all 8 workers finished"));
+  // Eight workers, each on its own GPU, each bound as decided.
+  std::vector<std::string> gpus = check_worker_placement(dir, 8, "0,1,2,3,4,5,6,7");
+  std::sort(gpus.begin(), gpus.end());
+  CHECK(gpus == std::vector<std::string>{"0", "1", "2", "3", "4", "5", "6", "7"});
+  CHECK(test::losses(dir / "run/metrics.jsonl").size() == 1);
+}
+
+TEST_CASE("topology: nproc_per_node 0 follows CUDA_VISIBLE_DEVICES and backend cpu", "[topology][launcher]") {
+  test::TempDir dir("topo");
+  const std::string saved = saved_dgx_h100(dir);
+  const std::string cfg = job(dir, 0, ", topology_file: '" + saved + "'", 8);
+  const std::string run = "OMP_NUM_THREADS=1 TRAINRUN_DEBUG_PRINT_ENV=1 '" + test::trainrun_binary() + "' --config '" + cfg + "'";
+
+  // A subset: two workers, rank 0 on GPU 2 and rank 1 on GPU 5.
+  const auto two = test::run_command(gpu_node_env("2,5") + run);
+  INFO(two.err);
+  REQUIRE(two.exit_code == 0);
+  CHECK_THAT(two.err, Contains("launch: parallel.nproc_per_node: 0 -> 2 workers, one per GPU (CUDA_VISIBLE_DEVICES=2,5 "
+                               "selects GPUs 2,5 of the 8 in parallel.topology_file " + saved + ")"));
+  CHECK_THAT(two.err, Contains("trainrun: all 2 workers finished"));
+  CHECK(check_worker_placement(dir, 2, "2,5") == std::vector<std::string>{"2", "5"});
+
+  // backend: cpu uses no GPU: one worker, in this process.
+  test::TempDir cpu_dir("topo");
+  const auto cpu = test::run_command(gpu_node_env("-") + "OMP_NUM_THREADS=1 '" + test::trainrun_binary() + "' --config '" +
+                                     job(cpu_dir, 0, ", topology_file: '" + saved + "'", 8) + "' --set backend=cpu");
+  INFO(cpu.err);
+  REQUIRE(cpu.exit_code == 0);
+  CHECK_THAT(cpu.err, Contains("launch: in-process: one worker, no agent"));
+  CHECK_THAT(cpu.err, Contains("launch: parallel.nproc_per_node: 0 -> 1 worker (backend: cpu"));
+  CHECK_FALSE(test::file_exists(cpu_dir / "run/logs"));
+  CHECK(test::losses(cpu_dir / "run/metrics.jsonl").size() == 1);
+
+  // A GPU the node does not have: a clear error before anything starts.
+  test::TempDir bad_dir("topo");
+  const auto bad = test::run_command(gpu_node_env("2,9") + "OMP_NUM_THREADS=1 '" + test::trainrun_binary() +
+                                     "' --config '" + job(bad_dir, 0, ", topology_file: '" + saved + "'", 8) + "'");
+  CHECK(bad.exit_code == 1);
+  CHECK_THAT(bad.err, Contains("error: CUDA_VISIBLE_DEVICES=2,9: '9' names no GPU: parallel.topology_file " + saved +
+                               " has 8 GPUs (indices 0-7)"));
+  CHECK_FALSE(test::file_exists(bad_dir / "run/logs"));
+  // The same check guards an explicit count.
+  test::TempDir bad2_dir("topo");
+  const auto bad2 = test::run_command(gpu_node_env("2,9") + "OMP_NUM_THREADS=1 '" + test::trainrun_binary() +
+                                      "' --config '" + job(bad2_dir, 2, ", topology_file: '" + saved + "'", 8) + "'");
+  CHECK(bad2.exit_code == 1);
+  CHECK_THAT(bad2.err, Contains("CUDA_VISIBLE_DEVICES=2,9: '9' names no GPU"));
+  CHECK_FALSE(test::file_exists(bad2_dir / "run/logs"));
+}
 
 TEST_CASE("topology: the agent binds workers and writes topology.json", "[topology][launcher]") {
   test::TempDir dir("topo");
@@ -251,8 +497,8 @@ TEST_CASE("topology: parallel.topology_file drives the agent and user variables 
   save_topology(smi("pcie_nvlink_pairs.txt"), saved);
   // cpu_affinity none: the fixture's CPUs are not this machine's.
   const std::string cfg = job(dir, 4, ", sharding: hybrid_shard, cpu_affinity: none, topology_file: '" + saved + "'");
-  const auto r = test::run_command("OMP_NUM_THREADS=1 CUDA_DEVICE_ORDER=FASTEST_FIRST '" + test::trainrun_binary() +
-                                   "' --config '" + cfg + "'");
+  const auto r = test::run_command(gpu_node_env("-") + "OMP_NUM_THREADS=1 CUDA_DEVICE_ORDER=FASTEST_FIRST '" +
+                                   test::trainrun_binary() + "' --config '" + cfg + "'");
   INFO(r.err);
   REQUIRE(r.exit_code == 0);
   CHECK_THAT(r.err, Contains("topology: CUDA_DEVICE_ORDER=FASTEST_FIRST is set in the environment and wins"));

@@ -30,6 +30,7 @@
 #include <variant>
 
 #include "core/common/error.h"
+#include "core/common/log.h"
 
 namespace trainrun {
 
@@ -141,7 +142,8 @@ const std::vector<Field>& fields() {
                     "steps whose update is skipped for a non-finite loss or gradient norm before the job stops"),
       TR_SPEC_FIELD(train.lr, above(0), "peak learning rate, reached at the end of warmup"),
       TR_SPEC_FIELD(train.min_lr, at_least(0), "learning-rate floor at the end of the decay (unused by constant)"),
-      TR_SPEC_FIELD(train.warmup_steps, at_least(0), "steps of linear warmup from 0 to lr"),
+      TR_SPEC_FIELD(train.warmup_steps, at_least(0),
+                    "steps of linear warmup from 0 to lr; more than max_steps warms up over all max_steps (a warning)"),
       TR_SPEC_FIELD(train.schedule, one_of({"cosine", "linear", "constant"}),
                     "learning-rate decay after warmup, from lr to min_lr at max_steps"),
       TR_SPEC_FIELD(train.weight_decay, at_least(0), "AdamW decoupled weight decay (not on biases or LayerNorm)"),
@@ -162,7 +164,8 @@ const std::vector<Field>& fields() {
       TR_SPEC_FIELD(output.sample_prompt, any(), "text the end-of-run sample starts from"),
 
       TR_SPEC_FIELD(parallel.nproc_per_node, at_least(0),
-                    "worker processes per node; 0 = one per visible GPU, or 1 without GPUs"),
+                    "worker processes per node; 0 = one per GPU this process may use (the topology's GPUs narrowed by "
+                    "CUDA_VISIBLE_DEVICES), or 1 without GPUs or with backend cpu"),
       TR_SPEC_FIELD(parallel.sharding, one_of({"no_shard", "shard_grad_op", "full_shard", "hybrid_shard"}),
                     "how parameters, gradients and optimizer state are split: DDP, ZeRO-2, FSDP, HSDP"),
       TR_SPEC_FIELD(parallel.shard_group_size, at_least(0),
@@ -686,10 +689,15 @@ void check_rules(JobSpec& s, const Origins& o, const std::string& fallback) {
     fail(at({"train.min_lr", "train.lr"}), "train.min_lr",
          format_double(t.min_lr) + " is above train.lr (" + format_double(t.lr) +
              "); the schedule decays from lr down to min_lr, so set min_lr <= lr");
-  if (t.warmup_steps > t.max_steps)
-    fail(at({"train.warmup_steps", "train.max_steps"}), "train.warmup_steps",
-         str(t.warmup_steps) + " is more than train.max_steps (" + str(t.max_steps) +
-             "); lower warmup_steps or raise max_steps");
+  if (t.warmup_steps > t.max_steps) {
+    // A short run of a long job (`--set train.max_steps=3`, a smoke test of
+    // a shipped config) is a run worth having: it warms up over all of its
+    // steps, ending at train.lr, rather than refusing to start. The resolved
+    // spec records the warmup that ran.
+    TR_LOG_WARN(at({"train.warmup_steps", "train.max_steps"}), ": train.warmup_steps (", t.warmup_steps,
+                ") > train.max_steps (", t.max_steps, "): warming up over all ", t.max_steps, " steps");
+    t.warmup_steps = t.max_steps;
+  }
 
   const ParallelSpec& p = s.parallel;
   if (p.shard_group_size > 0 && p.sharding != "hybrid_shard")

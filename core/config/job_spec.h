@@ -71,7 +71,7 @@ struct OutputSpec {
 };
 
 struct ParallelSpec {
-  int nproc_per_node = 0;              // 0 = number of visible GPUs, else 1
+  int nproc_per_node = 0;              // 0 = one per usable GPU (resolve_nproc_per_node), 1 without / backend cpu
   std::string sharding = "full_shard"; // no_shard | shard_grad_op | full_shard | hybrid_shard
   int shard_group_size = 0;            // hybrid_shard group size; 0 = ranks per node
   double timeout_s = 300;              // every collective / rendezvous wait

@@ -967,39 +967,20 @@ int Agent::run_nodes() {
   }
 }
 
+// "3 (entry LOCAL_RANK=3 of CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7)", the
+// debug hook's account of which GPU this worker's device LOCAL_RANK is.
+std::string worker_gpu_text(const char* visible, int local_rank) {
+  if (!visible) return "all GPUs visible (CUDA_VISIBLE_DEVICES unset); device LOCAL_RANK=" + std::to_string(local_rank);
+  std::vector<std::string> entries;
+  std::stringstream ss(visible);
+  for (std::string e; std::getline(ss, e, ',');) entries.push_back(e);
+  const std::string var = std::string("CUDA_VISIBLE_DEVICES=") + visible;
+  if (local_rank >= 0 && size_t(local_rank) < entries.size())
+    return entries[size_t(local_rank)] + " (entry LOCAL_RANK=" + std::to_string(local_rank) + " of " + var + ")";
+  return "none (" + var + " has no entry LOCAL_RANK=" + std::to_string(local_rank) + ")";
+}
+
 }  // namespace
-
-bool launched_as_worker() {
-  for (const char* v : {"RANK", "WORLD_SIZE"}) {
-    const char* s = std::getenv(v);
-    if (s && *s) return true;
-  }
-  return false;
-}
-
-int resolve_nproc_per_node(const JobSpec& job) {
-  if (job.parallel.nproc_per_node > 0) return job.parallel.nproc_per_node;
-  // 0 = one worker per visible GPU. The trainer runs the CPU backend only
-  // for now, so that is one worker; the topology code will count GPUs here.
-  return 1;
-}
-
-bool should_run_agent(const JobSpec& job) {
-  if (launched_as_worker()) return false;
-  // One worker without restarts needs no supervisor: train in-process.
-  return resolve_nproc_per_node(job) > 1 || job.launcher.max_restarts > 0;
-}
-
-// The plan of `trainrun --config` on one node, for callers that do not detect one.
-static LaunchPlan single_node_plan(const JobSpec& job, int nproc) {
-  LaunchPlan p;
-  p.mode = LaunchMode::LocalAgent;
-  p.host = host_name();
-  p.nproc_per_node = nproc;
-  p.master_addr = job.launcher.master_addr;
-  p.master_port = job.launcher.master_port;
-  return p;
-}
 
 // Checks that fail once here rather than once per worker (the trainer checks
 // the batch split too).
@@ -1016,17 +997,13 @@ static void check_launchable(const JobSpec& job, int nproc, int nnodes) {
   TR_CHECK(job.launcher.grace_period_s >= 0, "launcher.grace_period_s must be >= 0");
 }
 
-int run_agent(const JobSpec& job, const std::string& resolved_spec_path) {
-  return run_agent(job, single_node_plan(job, resolve_nproc_per_node(job)), resolved_spec_path);
-}
-
 int run_agent(const JobSpec& job, const LaunchPlan& plan, const std::string& resolved_spec_path) {
   if (!plan.multi_node()) {
-    LaunchPlan p = plan;
-    p.nproc_per_node = resolve_nproc_per_node(job);
-    check_launchable(job, p.nproc_per_node, 1);
-    // Detect the node, decide, write <output.dir>/topology.json (see topology_launch.h).
-    Agent agent(job, resolved_spec_path, p.nproc_per_node, topo::prepare_launch_topology(job, p.nproc_per_node), p);
+    check_launchable(job, plan.nproc_per_node, 1);
+    // Decide on the node's topology (already read if plan_launch counted
+    // its GPUs), write <output.dir>/topology.json (see topology_launch.h).
+    Agent agent(job, resolved_spec_path, plan.nproc_per_node, topo::prepare_launch_topology(job, plan.nproc_per_node),
+                plan);
     return agent.run();
   }
   check_launchable(job, plan.nproc_per_node, plan.nnodes);
@@ -1059,7 +1036,10 @@ int run_worker(const std::string& resolved_spec_path) {
       line += std::string(" TRAINRUN_STORE_SECRET=") +
               (secret && *secret ? "<" + std::to_string(std::strlen(secret)) + " chars>" : "<unset>");
       TR_LOG_INFO(line);
-      // Where the agent's topology decisions put this process.
+      // Where the agent's topology decisions put this process. Every worker
+      // of a node sees the same CUDA_VISIBLE_DEVICES (so CUDA IPC and P2P
+      // between them work) and uses device LOCAL_RANK of it.
+      TR_LOG_INFO("worker GPU: ", worker_gpu_text(std::getenv("CUDA_VISIBLE_DEVICES"), w.local_rank));
       cpu_set_t cpus;
       CPU_ZERO(&cpus);
       std::string placed = "worker placement: CPUs=";

@@ -43,7 +43,8 @@
 // decisions are written to <output.dir>/topology.json.
 //
 // Debug hooks (environment, for tests): TRAINRUN_DEBUG_PRINT_ENV=1 makes a
-// worker log the contract it received; TRAINRUN_DEBUG_IGNORE_SIGTERM=1 makes
+// worker log the contract it received and where it was placed (its GPU:
+// entry LOCAL_RANK of CUDA_VISIBLE_DEVICES, and its CPUs); TRAINRUN_DEBUG_IGNORE_SIGTERM=1 makes
 // it ignore SIGTERM; TRAINRUN_DEBUG_FAIL_* are in debug_hooks.h.
 #pragma once
 #include <string>
@@ -53,27 +54,14 @@
 
 namespace trainrun {
 
-// True when this process was started by an outside launcher (torchrun, srun
-// wrappers, or our own agent): RANK or WORLD_SIZE is in the environment.
-// Such a process is a worker and must never spawn workers of its own.
-bool launched_as_worker();
-
-// Workers per node: parallel.nproc_per_node, or for 0 the visible GPUs
-// (while the CUDA backend is not wired into the trainer that is 1).
-int resolve_nproc_per_node(const JobSpec& job);
-
-// Whether `trainrun --config` should run the job through an agent (several
-// local workers) or train in this process (one worker, or a worker started
-// by an outside launcher).
-bool should_run_agent(const JobSpec& job);
-
-// Runs the job as the agent. `resolved_spec_path` is the job.resolved.yaml
-// the workers load (already written). Returns the process exit code:
-// 0 when every worker finished, 1 after a failure (a report is printed),
-// 128+signal when stopped by SIGINT/SIGTERM/SIGUSR1. Throws trainrun::Error
-// for problems before any worker started (bad batch split, store bind).
-int run_agent(const JobSpec& job, const std::string& resolved_spec_path);
-// The same, for the node `plan` places this agent on (launch_mode.h). With
+// Runs the job as the agent of the node `plan` places it on (plan_launch in
+// launch_mode.h, which decides whether an agent runs at all and how many
+// workers it starts: plan.nproc_per_node, parallel.nproc_per_node: 0
+// already resolved). `resolved_spec_path` is the job.resolved.yaml the
+// workers load (already written). Returns the process exit code: 0 when
+// every worker finished, 1 after a failure (a report is printed), 128+signal
+// when stopped by SIGINT/SIGTERM/SIGUSR1. Throws trainrun::Error for
+// problems before any worker started (bad batch split, store bind). With
 // several nodes (core/launch/node_group.h) node 0's agent hosts the store
 // for the whole job and the others join it; each spawns its
 // plan.nproc_per_node workers as ranks node_rank * nproc + local; a failure

@@ -8,8 +8,8 @@
 #include <functional>
 
 #include "core/common/error.h"
-#include "core/launch/agent.h"
 #include "parallel/hostlist.h"
+#include "parallel/topology_launch.h"
 
 extern char** environ;
 
@@ -208,6 +208,24 @@ std::string LaunchPlan::describe() const {
   return "?";
 }
 
+WorkerCount resolve_nproc_per_node(const JobSpec& job, const EnvMap& env) {
+  WorkerCount n;
+  if (job.parallel.nproc_per_node > 0) {
+    n.nproc = job.parallel.nproc_per_node;
+    return n;
+  }
+  const std::string head = "parallel.nproc_per_node: 0 -> ";
+  if (job.backend == "cpu") {
+    n.why = head + "1 worker (backend: cpu; set parallel.nproc_per_node for several CPU workers)";
+    return n;
+  }
+  auto it = env.find("CUDA_VISIBLE_DEVICES");
+  const topo::GpuWorkers g = topo::count_gpu_workers(job, it == env.end() ? nullptr : it->second.c_str());
+  n.nproc = g.nproc;
+  n.why = head + g.why;
+  return n;
+}
+
 LaunchPlan plan_launch(const JobSpec& job, const LaunchFlags& flags, const EnvMap& env, const std::string& host) {
   LaunchPlan p;
   p.host = host;
@@ -215,9 +233,14 @@ LaunchPlan plan_launch(const JobSpec& job, const LaunchFlags& flags, const EnvMa
   p.master_port = job.launcher.master_port;
   p.addr_source = "launcher.master_addr";
   p.port_source = job.launcher.master_port ? "launcher.master_port" : "";
-  const int nproc = resolve_nproc_per_node(job);
-  p.nproc_per_node = nproc;
-  const bool want_agent = nproc > 1 || job.launcher.max_restarts > 0;
+  // This node's workers, counted only where an agent will start them
+  // (counting GPUs may mean detecting the topology).
+  auto count_workers = [&] {
+    const WorkerCount n = resolve_nproc_per_node(job, env);
+    p.nproc_per_node = n.nproc;
+    p.nproc_reason = n.why;
+    return n.nproc > 1 || job.launcher.max_restarts > 0;  // an agent is needed
+  };
 
   // 1. Someone else already placed this process.
   if (find_env(env, "RANK") || find_env(env, "WORLD_SIZE")) {
@@ -277,6 +300,7 @@ LaunchPlan plan_launch(const JobSpec& job, const LaunchFlags& flags, const EnvMa
       return p;
     }
     // One task per node: each task is this node's agent.
+    const bool want_agent = count_workers();
     if (nnodes > 1) {
       p.mode = LaunchMode::NodeAgent;
       resolve_store(p, job, flags, env, true);
@@ -303,6 +327,7 @@ LaunchPlan plan_launch(const JobSpec& job, const LaunchFlags& flags, const EnvMa
            ", launcher.nnodes / --nnodes)");
   p.nnodes = nnodes;
   p.node_rank = node_rank;
+  const bool want_agent = count_workers();
   if (nnodes > 1) {
     p.mode = LaunchMode::NodeAgent;
     resolve_store(p, job, flags, env, false);

@@ -1,7 +1,8 @@
 // How `trainrun --config job.yaml` was started, decided once from the
 // environment and the command line, and logged as the first line of a run:
 //
-//   in-process      one worker, no agent (nproc_per_node 1, no restarts)
+//   in-process      one worker, no agent (nproc_per_node 1, or 0 resolving
+//                   to 1 on a node without GPUs; no restarts)
 //   local agent     one node: an agent spawns nproc_per_node workers
 //   node agent      one agent per node of a multi-node job, either under
 //                   `srun --ntasks-per-node=1` (node rank SLURM_NODEID, node
@@ -22,7 +23,9 @@
 // than the default 127.0.0.1 or given on the command line.
 //
 // Everything here is a pure function of (job, flags, environment, host name),
-// so the tests drive it with fake SLURM_* environments.
+// so the tests drive it with fake SLURM_* environments, except that an
+// agent's parallel.nproc_per_node: 0 counts the GPUs of the node's topology
+// (resolve_nproc_per_node below; a parallel.topology_file makes that pure too).
 #pragma once
 #include <map>
 #include <string>
@@ -76,6 +79,9 @@ struct LaunchPlan {
   int master_port = 0;                   // 0 = the single-node agent picks a free one
   std::string addr_source, port_source;  // where they came from, for the log
   std::vector<std::string> warnings;     // logged as WARN after the plan
+  // How parallel.nproc_per_node: 0 became nproc_per_node (logged after the
+  // plan); empty when the spec gave the count or srun's tasks set it.
+  std::string nproc_reason;
 
   bool multi_node() const { return nnodes > 1; }
   bool agent() const { return mode == LaunchMode::LocalAgent || mode == LaunchMode::NodeAgent; }
@@ -84,6 +90,19 @@ struct LaunchPlan {
   // One line: the mode, this node's/process's place, and where the store is.
   std::string describe() const;
 };
+
+// Workers per node for an agent: parallel.nproc_per_node when > 0. For 0:
+// 1 with backend: cpu, else one per GPU this process may use, counted in the
+// node's topology (parallel.topology_file, else this machine's, detected
+// once per process: topo::count_gpu_workers) narrowed by `env`'s
+// CUDA_VISIBLE_DEVICES, and 1 without a GPU. `why` is "" for an explicit
+// count, else "parallel.nproc_per_node: 0 -> 8 workers, one per GPU (...)".
+// Throws for a CUDA_VISIBLE_DEVICES entry that names no GPU of the node.
+struct WorkerCount {
+  int nproc = 1;
+  std::string why;
+};
+WorkerCount resolve_nproc_per_node(const JobSpec& job, const EnvMap& env);
 
 // Throws trainrun::Error for contradictions (a node rank past the node
 // count, flags next to RANK/WORLD_SIZE, launcher.nnodes vs SLURM_NNODES...).

@@ -1,13 +1,17 @@
 // Learning-rate schedule: linear warmup from lr/warmup to lr over
 // warmup_steps, then cosine or linear decay to min_lr at max_steps (or
-// constant). `step` is 0-based.
+// constant). `step` is 0-based. A warmup longer than the run is a warmup
+// over the whole run (validation clamps it the same way, with a warning), so
+// a short smoke run of a long job still ends at lr.
 #pragma once
+#include <algorithm>
 #include <cmath>
 #include <string>
 
 namespace trainrun {
 
 inline double lr_at(int step, int max_steps, int warmup, double lr, double min_lr, const std::string& schedule) {
+  warmup = std::min(warmup, max_steps);
   if (warmup > 0 && step < warmup) return lr * double(step + 1) / double(warmup);
   if (schedule == "constant") return lr;
   const int span = max_steps - warmup;
