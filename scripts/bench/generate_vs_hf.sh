@@ -54,7 +54,7 @@ bench() {  # name tokens threads
   local name=$1 n=$2 t=$3 best=0
   for _ in $(seq "$REPEAT"); do
     local tps
-    tps=$(OMP_NUM_THREADS=$t OMP_WAIT_POLICY=PASSIVE "$BIN" generate --checkpoint "$OUT/$name.safetensors" \
+    tps=$(OMP_NUM_THREADS=$t "$BIN" generate --checkpoint "$OUT/$name.safetensors" \
       --prompt "$( [ "$name" = quickstart ] && echo a || echo 50 )" --max-tokens "$n" --top-k 1 2>&1 >/dev/null |
       sed -n 's/.* s (\([0-9.]*\) tokens\/s.*/\1/p')
     best=$("$PY" -c "print(max($best, $tps))")
