@@ -179,8 +179,14 @@ void CpuBackend::matmul_forward(void* out_, const void* inp_, const void* weight
     for (int n = 0; n < N; ++n) std::memcpy(out + int64_t(n) * OC, bias, sizeof(float) * OC);
     beta = 1.0f;
   }
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, OC, C, 1.0f, F(inp_), C, F(weight_), C, beta, out,
-              OC);
+  // One row (a decode step of sampling): a matrix-vector product, which
+  // OpenBLAS runs as a streaming gemv instead of packing the weights for a
+  // GEMM it would use once.
+  if (N == 1)
+    cblas_sgemv(CblasRowMajor, CblasNoTrans, OC, C, 1.0f, F(weight_), C, F(inp_), 1, beta, out, 1);
+  else
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, OC, C, 1.0f, F(inp_), C, F(weight_), C, beta, out,
+                OC);
 }
 
 void CpuBackend::matmul_backward(void* dinp_, float* dweight, float* dbias, const void* dout_, const void* inp_,
@@ -226,6 +232,7 @@ void CpuBackend::matmul_backward_dgelu(void* dinp, float* dweight, float* dbias,
 
 // ---- tied LM head over row-padded logits -------------------------------------------
 void CpuBackend::lm_head_forward(void* logits, const void* inp, const void* wte, int N, int C, int V, int ldv) {
+  if (N == 1) return cblas_sgemv(CblasRowMajor, CblasNoTrans, V, C, 1.0f, F(wte), C, F(inp), 1, 0.0f, F(logits), 1);
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, V, C, 1.0f, F(inp), C, F(wte), C, 0.0f, F(logits), ldv);
 }
 
