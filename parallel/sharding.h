@@ -57,10 +57,9 @@ class ParamStore : public UnitAccess {
   // AdamW on this rank's shard (decay mask from the layout), then make the
   // updated parameters visible where the strategy keeps them. `step` is 1-based.
   virtual void optimizer_step(const AdamWParams& p, int step, float grad_scale) = 0;
-  // The whole model's fp32 parameters in the flat layout, on every rank
-  // (collective: every rank must call it).
-  virtual std::vector<float> gather_full_params() = 0;
-  // Replace all parameters from a whole-model host vector (every rank passes the same).
+  // Replace all parameters from a whole-model host vector (every rank passes
+  // the same). Tests and small models only: real loads go range by range
+  // (write_state_range), so no rank holds a whole big model on the host.
   virtual void load_full_params(const std::vector<float>& flat) = 0;
   // ---- checkpoint access (logical layout) ----------------------------------
   // Ranges of the flat parameter vector [global, global+count) this rank

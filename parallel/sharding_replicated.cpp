@@ -59,11 +59,6 @@ class ReplicatedStore final : public ParamStore {
                         grad_scale);
     }
   }
-  std::vector<float> gather_full_params() override {
-    std::vector<float> host(layout_.total);
-    be_->copy_to_host(host.data(), master_.get(), host.size() * 4);
-    return host;
-  }
   void load_full_params(const std::vector<float>& flat) override {
     TR_CHECK(int64_t(flat.size()) == layout_.total, "load_full_params: got ", flat.size(),
              " values for a model of ", layout_.total);

@@ -287,20 +287,6 @@ class ShardedStore final : public ParamStore {
     set_master(host);
   }
 
-  std::vector<float> gather_full_params() override {
-    drain();
-    std::vector<float> out(layout_.total);
-    std::vector<float> host;
-    for (auto& u : units_) {
-      DeviceBuffer full(be_, u.shard * G_ * 4);
-      run([&] { shard_comm_->all_gather(full.get(), master_.as<float>() + u.shard_off, u.shard * 4); });
-      host.resize(u.shard * G_);
-      be_->copy_to_host(host.data(), full.get(), host.size() * 4);
-      std::copy(host.begin(), host.begin() + u.numel, out.begin() + u.offset);
-    }
-    return out;
-  }
-
   void zero_grads() override { be_->zero(grad_.get(), grad_.bytes()); }
 
   void finish_grads() override {
