@@ -430,6 +430,64 @@ TEST_CASE("cuda: attention forward and backward", "[cuda]") {
   CHECK_THROWS_AS(p.gpu->attention_forward(o.get(), l.as<float>(), q.get(), 1, 1, 256, 1), Error);
 }
 
+namespace {
+// One attention_kv_forward call on both backends from the same caches
+// (rows [0, pos) filled; rows from pos on are NaN on the GPU, so a row read
+// before it is written, or past the causal edge, shows up as NaN).
+void check_attention_kv(Pair& p, Twin& kc, Twin& vc, int pos, int Tq, int C, int NH, uint64_t seed,
+                        const std::string& tag) {
+  const std::string sh = tag + shape({{"C", C}, {"NH", NH}, {"HS", C / NH}, {"pos", pos}, {"Tq", Tq}});
+  Twin qkv(p, randn(size_t(Tq) * 3 * C, seed), true);
+  Twin out = out_twin(p, size_t(Tq) * C, true);
+  p.cpu->attention_kv_forward(out.c(), kc.c(), vc.c(), qkv.c(), pos, Tq, C, NH);
+  p.gpu->attention_kv_forward(out.g(), kc.g(), vc.g(), qkv.g(), pos, Tq, C, NH);
+  // P stays fp32 (no bf16 rounding before the product, unlike the training
+  // kernel): only the output's rounding differs.
+  check_close("attention kv out " + sh, out.read_gpu(p), out.read_cpu(p), kBf16);
+  // Rows [pos, pos+Tq) now hold the new k, v (exact copies); the rest is untouched.
+  const size_t written = size_t(pos + Tq) * C;
+  for (Twin* t : {&kc, &vc}) {
+    const Vec g = t->read_gpu(p), c = t->read_cpu(p);
+    CHECK(Vec(g.begin(), g.begin() + written) == Vec(c.begin(), c.begin() + written));
+    CHECK(std::all_of(g.begin() + written, g.end(), [](float v) { return std::isnan(v); }));
+  }
+}
+
+// Caches of maxT rows: random rows [0, pos) on both sides, NaN from pos on (GPU).
+Twin kv_cache(Pair& p, int maxT, int pos, int C, uint64_t seed) {
+  Twin t(p, randn(size_t(maxT) * C, seed), true);
+  std::vector<unsigned char> nan(size_t(maxT - pos) * C * 2, 0xFF);
+  p.gpu->copy_to_device(t.gbuf.as<char>() + size_t(pos) * C * 2, nan.data(), nan.size());
+  return t;
+}
+}  // namespace
+
+TEST_CASE("cuda: attention with a KV cache (prefill and decode)", "[cuda]") {
+  CUDA_TEST_OR_SKIP();
+  Pair p;
+  struct S { int C, NH, maxT, pos, Tq; };
+  // HS 16, 19 (scalar key loads), 64, 128, 40, 200 (8 dims per lane);
+  // pos 0 and > 0; Tq 1 (8 key splits), 2 (4), 3 (2), odd, and a prefill
+  // longer than 1024; decode over long caches (GPT-2's shape at pos 2047).
+  for (S s : {S{16, 1, 8, 0, 1}, S{38, 2, 64, 0, 19}, S{38, 2, 64, 23, 1}, S{38, 2, 64, 40, 2}, S{200, 1, 80, 33, 3},
+              S{192, 3, 1100, 0, 1030}, S{192, 3, 1600, 1500, 1}, S{256, 2, 300, 100, 37}, S{80, 2, 200, 77, 5},
+              S{768, 12, 2048, 2047, 1}, S{64, 4, 40, 0, 40}}) {
+    Twin kc = kv_cache(p, s.maxT, s.pos, s.C, 131), vc = kv_cache(p, s.maxT, s.pos, s.C, 132);
+    check_attention_kv(p, kc, vc, s.pos, s.Tq, s.C, s.NH, 133, "");
+  }
+  // A prompt then token-by-token decoding, each backend on its own caches
+  // (the GPU's written by its own earlier calls).
+  {
+    const int C = 192, NH = 3, maxT = 80, prompt = 50;
+    Twin kc = kv_cache(p, maxT, 0, C, 141), vc = kv_cache(p, maxT, 0, C, 142);
+    check_attention_kv(p, kc, vc, 0, prompt, C, NH, 143, "prefill ");
+    for (int pos = prompt; pos < prompt + 5; ++pos) check_attention_kv(p, kc, vc, pos, 1, C, NH, 144 + pos, "decode ");
+  }
+  // A head size above the supported 256 is a clear error, before anything is written.
+  DeviceBuffer q(p.gpu.get(), 3 * 512 * 2), o(p.gpu.get(), 512 * 2), k(p.gpu.get(), 512 * 2), v(p.gpu.get(), 512 * 2);
+  CHECK_THROWS_AS(p.gpu->attention_kv_forward(o.get(), k.get(), v.get(), q.get(), 0, 1, 512, 1), Error);
+}
+
 TEST_CASE("cuda: gelu and residual", "[cuda]") {
   CUDA_TEST_OR_SKIP();
   Pair p;
