@@ -135,7 +135,7 @@ run() {
 
   # 1. CUDA tests -------------------------------------------------------------------
   echo; echo "== 1/4 CUDA tests"
-  (cd "$WORK" && timeout 150 "$B/bin/test_cuda_ops" -d yes 2>&1) | tee "$OUTDIR/cuda_tests.log" | grep -E "rel err|rel diff|FAILED|skipped|passed|failed|error" | tail -120
+  (cd "$WORK" && timeout 150 "$B/bin/test_cuda_ops" -d yes 2>&1) | tee "$OUTDIR/cuda_tests.log" | grep -iE "rel err|rel diff|FAILED|skipped|passed|error" | tail -120
   local test_rc=${PIPESTATUS[0]}
 
   # 2. kernels and GEMMs ------------------------------------------------------------------
@@ -204,8 +204,8 @@ PY
   if [[ -n "$tps" ]]; then mfu=$(awk -v t="$tps" -v f="$fpt" -v p="$peak" 'BEGIN{printf "%.1f", 100*t*f/(p*1e12)}'); fi
   echo
   say "== gpu-check summary: ${card:-unknown GPU}, $(date -u +%Y-%m-%d), bundle commit $(cat "$B/COMMIT"), $((SECONDS - t_start)) s"
-  if grep -q "skipped: no usable GPU" "$OUTDIR/cuda_tests.log"; then
-    say "cuda tests            SKIPPED: $(grep -m1 -A1 'skipped: no usable GPU' "$OUTDIR/cuda_tests.log" | tr -s ' \n' ' ')"
+  if grep -q "SKIPPED: no usable GPU" "$OUTDIR/cuda_tests.log"; then
+    say "cuda tests            SKIPPED: $(grep -m1 -A1 'SKIPPED: no usable GPU' "$OUTDIR/cuda_tests.log" | tr -s ' \n' ' ')"
     test_rc=3
   elif [[ $test_rc -eq 0 ]]; then say "cuda tests            PASS ($(grep -E 'test cases|All tests' "$OUTDIR/cuda_tests.log" | tail -1))"
   else say "cuda tests            FAIL rc=$test_rc ($(grep -E 'test cases' "$OUTDIR/cuda_tests.log" | tail -1)); see cuda_tests.log"; fi

@@ -23,8 +23,9 @@
 //           drift apart by a few parts in 100 after the initial loss.
 //
 // Without a usable GPU (no driver, no device, a CPU-only build) every test
-// prints a visible warning and passes without assertions; on a GPU machine
-// they run for real (scripts/gpu-check.sh).
+// prints "SKIPPED: no usable GPU: <reason>" and returns without assertions;
+// CTest reports those as skipped, not passed (SKIP_REGULAR_EXPRESSION in
+// CMakeLists.txt). On a GPU machine they run for real (scripts/gpu-check.sh).
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -67,10 +68,12 @@ int gpus(std::string* reason) {
   return n;
 }
 
+// The "SKIPPED: " prefix is what CTest looks for (CMakeLists.txt, the test
+// section): keep the two in step.
 #define CUDA_TEST_OR_SKIP()                                          \
   std::string skip_reason_;                                          \
   if (gpus(&skip_reason_) == 0) {                                    \
-    WARN("skipped: no usable GPU (" << skip_reason_ << ")");         \
+    WARN("SKIPPED: no usable GPU: " << skip_reason_);                \
     return;                                                          \
   }
 
@@ -719,7 +722,7 @@ TEST_CASE("cuda: sharded runs over NCCL match the single-GPU run", "[cuda]") {
   std::string reason;
   const int n = gpus(&reason);
   if (n < 2) {
-    WARN("skipped: needs 2 GPUs, " << n << " visible");
+    WARN("SKIPPED: needs 2 GPUs, " << n << " visible");
     return;
   }
   const TrainSummary single = train("cuda", "no_shard");
