@@ -290,6 +290,38 @@ TEST_CASE("cuda: layernorm forward and backward", "[cuda]") {
   }
 }
 
+TEST_CASE("cuda: layernorm backward at large C and many rows (team and grid plans)", "[cuda]") {
+  CUDA_TEST_OR_SKIP();
+  Pair p;
+  // C picks the team count (8 warps as 8, 4, 2 or 1 teams) and, from 6143
+  // up, shared memory above 48 KiB (the opt-in attribute): 770 and 1000 take
+  // 4 teams, 3000 two, 4096 and 8192 one (32 and 64 KiB). The offset makes
+  // every pointer unaligned: the scalar kernel at the same plans. The large
+  // N exceed the grid (SMs x occupancy x teams), so blocks take several rows
+  // per team and, at N = 5000, C = 770, some teams idle in the last round.
+  struct S { int N, C; size_t off; };
+  for (S s : {S{7, 4096, 0}, S{37, 4096, 0}, S{19, 4096, 1}, S{5, 8192, 0}, S{3, 8192, 1}, S{19, 3000, 0},
+              S{19, 1000, 0}, S{23, 770, 0}, S{2000, 4096, 0}, S{5000, 770, 0}, S{20000, 64, 0}, S{20000, 64, 1}}) {
+    const std::string sh = shape({{"N", s.N}, {"C", s.C}}) + (s.off ? " unaligned" : "");
+    const size_t n = size_t(s.N) * s.C;
+    Twin x(p, randn(n, 121, 2.0f, 0.5f), true, s.off), w(p, randn(s.C, 122, 0.5f, 1.0f), true, s.off);
+    Twin b(p, randn(s.C, 123), true, s.off);
+    Twin out = out_twin(p, n, true, s.off), mean = out_twin(p, s.N, false), rstd = out_twin(p, s.N, false);
+    p.cpu->layernorm_forward(out.c(), mean.cf(), rstd.cf(), x.c(), w.c(), b.c(), s.N, s.C);
+    p.gpu->layernorm_forward(out.g(), mean.gf(), rstd.gf(), x.g(), w.g(), b.g(), s.N, s.C);
+    check_close("layernorm out " + sh, out.read_gpu(p), out.read_cpu(p), kBf16);
+    Twin m2(p, mean.read_cpu(p), false), r2(p, rstd.read_cpu(p), false);
+    Twin dout(p, randn(n, 124), true, s.off);
+    Twin dinp(p, randn(n, 125), true, s.off);  // += : pre-filled
+    Twin dw(p, randn(s.C, 126), false), db(p, randn(s.C, 127), false);
+    p.cpu->layernorm_backward(dinp.c(), dw.cf(), db.cf(), dout.c(), x.c(), w.c(), m2.cf(), r2.cf(), s.N, s.C);
+    p.gpu->layernorm_backward(dinp.g(), dw.gf(), db.gf(), dout.g(), x.g(), w.g(), m2.gf(), r2.gf(), s.N, s.C);
+    check_close("layernorm dinp (+=) " + sh, dinp.read_gpu(p), dinp.read_cpu(p), kBf16);
+    check_close("layernorm dweight (+=) " + sh, dw.read_gpu(p), dw.read_cpu(p), kF32);
+    check_close("layernorm dbias (+=) " + sh, db.read_gpu(p), db.read_cpu(p), kF32);
+  }
+}
+
 TEST_CASE("cuda: fused residual + layernorm forward", "[cuda]") {
   CUDA_TEST_OR_SKIP();
   Pair p;
