@@ -262,6 +262,52 @@ TEST_CASE("cuda: encoder forward and backward", "[cuda]") {
   }
 }
 
+TEST_CASE("cuda: encoder backward with a hot token (long runs split over blocks)", "[cuda]") {
+  CUDA_TEST_OR_SKIP();
+  Pair p;
+  // A hot token (padding, a frequent word) makes one long run of equal
+  // sorted tokens: 70% of B*T here, so it crosses many 128-row chunks and
+  // is summed by several blocks plus the second pass; the other tokens'
+  // short runs also cross chunk boundaries now and then. hot = 0, a middle
+  // and the last token put the long run first, inside and last in the
+  // sorted order; 100% hot with N a multiple of 128 ends it exactly at N.
+  struct S { int B, T, C, V, hot; double frac; };
+  for (S s : {S{3, 700, 4096, 50, 0, 0.7}, S{3, 700, 4096, 50, 23, 0.7}, S{3, 700, 4096, 50, 49, 0.7},
+              S{2, 128, 4096, 3, 1, 1.0}, S{4, 333, 111, 7, 3, 0.7}}) {
+    const std::string sh = shape({{"B", s.B}, {"T", s.T}, {"C", s.C}, {"V", s.V}, {"hot", s.hot}}) + " " +
+                           std::to_string(int(s.frac * 100)) + "%";
+    const size_t N = size_t(s.B) * s.T;
+    auto tok = rand_tokens(N, s.V, 17 + s.hot);
+    std::mt19937_64 gen(99 + s.hot);
+    std::uniform_real_distribution<double> u(0.0, 1.0);
+    size_t nhot = 0;
+    for (auto& t : tok)
+      if (u(gen) < s.frac) t = s.hot;
+    for (auto t : tok) nhot += t == s.hot;
+    INFO(sh << ": " << nhot << " of " << N << " tokens are the hot one");
+    Tok tk(p, tok);
+    const size_t n = N * size_t(s.C);
+    Twin dout(p, randn(n, 18), true);
+    Twin dwte(p, randn(size_t(s.V) * s.C, 19), false), dwpe(p, randn(size_t(s.T) * s.C, 20), false);
+    p.cpu->encoder_backward(dwte.cf(), dwpe.cf(), dout.c(), tk.cp(), s.B, s.T, s.C);
+    p.gpu->encoder_backward(dwte.gf(), dwpe.gf(), dout.g(), tk.gp(), s.B, s.T, s.C);
+    const Vec got = dwte.read_gpu(p), want = dwte.read_cpu(p);
+    check_close("encoder dwte (+=) " + sh, got, want, kF32);
+    // The hot row alone: its norm is ~sqrt(nhot) times the others', so a
+    // wrong chunk there would still show in the whole-matrix error, but say so.
+    const Vec hot_got(got.begin() + size_t(s.hot) * s.C, got.begin() + size_t(s.hot + 1) * s.C);
+    const Vec hot_want(want.begin() + size_t(s.hot) * s.C, want.begin() + size_t(s.hot + 1) * s.C);
+    check_close("encoder dwte hot row " + sh, hot_got, hot_want, kF32);
+    check_close("encoder dwpe (+=) " + sh, dwpe.read_gpu(p), dwpe.read_cpu(p), kF32);
+    // Deterministic: the same call again adds exactly the same bits.
+    Twin a(p, Vec(size_t(s.V) * s.C, 0.0f), false), b(p, Vec(size_t(s.V) * s.C, 0.0f), false);
+    p.gpu->encoder_backward(a.gf(), dwpe.gf(), dout.g(), tk.gp(), s.B, s.T, s.C);
+    p.gpu->encoder_backward(b.gf(), dwpe.gf(), dout.g(), tk.gp(), s.B, s.T, s.C);
+    const Vec ra = a.read_gpu(p), rb = b.read_gpu(p);
+    CHECK(std::memcmp(ra.data(), rb.data(), ra.size() * 4) == 0);
+  }
+}
+
 TEST_CASE("cuda: layernorm forward and backward", "[cuda]") {
   CUDA_TEST_OR_SKIP();
   Pair p;

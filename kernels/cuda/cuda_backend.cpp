@@ -179,7 +179,7 @@ void CudaBackend::encoder_forward(void* out, const int32_t* tokens, const void* 
 void CudaBackend::encoder_backward(float* dwte, float* dwpe, const void* dout, const int32_t* tokens, int B, int T,
                                    int C) {
   make_current();
-  Scratch s(*alloc_, encoder_backward_scratch_bytes(B * T));
+  Scratch s(*alloc_, encoder_backward_scratch_bytes(B * T, C));
   cuda::encoder_backward(dwte, dwpe, H(dout), tokens, B, T, C, s.as<void>(), s.bytes(), compute_);
 }
 
