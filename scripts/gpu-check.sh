@@ -15,13 +15,19 @@
 #         1. the CUDA tests (tests/test_cuda_ops.cpp: every kernel against the
 #            CPU backend, the GEMM epilogues, NCCL, 20 training steps vs CPU);
 #         2. `trainrun bench kernels`: each kernel's GB/s or TFLOP/s next to
-#            the card's measured copy bandwidth and cuBLASLt GEMM rate;
+#            the card's measured copy bandwidth and cuBLASLt GEMM rate, at
+#            GPT-2 124M's shapes, then again at C = 4096 and 8192 (wide
+#            models: TRAINRUN_BENCH_C, HS 128, B=4; GPU_CHECK_WIDE=0 skips
+#            these two);
 #         3. torch's SDPA (flash / cuDNN) at the same attention shape, the
 #            reference for the attention target;
 #         4. GPT-2 124M training on one GPU (configs/gpt2_124m_h200.yaml):
 #            tokens/s and MFU = tokens/s x (6N + 12 L C T) / peak;
 #       then prints a short table. Logs go to $OUT (device tool) or
 #       build-gpu-bundle/out.
+#
+#   scripts/gpu-check.sh wide
+#       Only the two wide `bench kernels` runs of step 2 (a short device call).
 #
 # With the device tool: carry ["build-gpu-bundle"], timeout_s 580, command
 #   bash scripts/gpu-check.sh run
@@ -100,10 +106,9 @@ print(":".join(dirs))
 PY
 }
 
-run() {
-  mkdir -p "$OUTDIR" "$WORK"
-  : > "$OUTDIR/summary.txt"
-  local t_start=$SECONDS
+# Unpacks the bundle into $WORK/b and points LD_LIBRARY_PATH at its
+# libraries and the machine's nvidia-* wheels.
+unpack() {
   if [[ ! -f "$BUNDLE_DIR/bundle.tar.xz" ]]; then
     echo "gpu-check: no build-gpu-bundle/bundle.tar.xz; run 'scripts/gpu-check.sh bundle' on the build machine and carry build-gpu-bundle" >&2
     return 2
@@ -112,12 +117,37 @@ run() {
   tar -C "$WORK/b" -xJf "$BUNDLE_DIR/bundle.tar.xz" 2>/dev/null ||
     python3 -c "import tarfile,sys; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" "$BUNDLE_DIR/bundle.tar.xz" "$WORK/b" ||
     { echo "gpu-check: cannot unpack the bundle" >&2; return 2; }
-  local B="$WORK/b"
   local NV
   NV=$(nvidia_wheel_libdirs)
-  export LD_LIBRARY_PATH="$B/lib${NV:+:$NV}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  export LD_LIBRARY_PATH="$WORK/b/lib${NV:+:$NV}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   # The build machine's libstdc++ only if the GPU machine's is too old for the binaries.
-  if ! "$B/bin/trainrun" --help >/dev/null 2>&1; then export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$B/lib/fallback"; fi
+  if ! "$WORK/b/bin/trainrun" --help >/dev/null 2>&1; then export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$WORK/b/lib/fallback"; fi
+}
+
+# `bench kernels` at the wide-model widths (kernels/cuda/cuda_bench.cu:
+# TRAINRUN_BENCH_C): LayerNorm's shared-memory plans, the embedding backward
+# and the GEMMs where C = 4096 / 8192 take them. Fewer repeats than the
+# 124M table, to stay inside the device call's time.
+bench_wide() {
+  local c
+  for c in 4096 8192; do
+    echo; echo "== bench kernels at C=$c (TRAINRUN_BENCH_C=$c)"
+    TRAINRUN_BENCH_C=$c timeout 60 "$WORK/b/bin/trainrun" bench kernels --repeats 10 2>&1 | tee "$OUTDIR/bench_kernels_c$c.txt"
+  done
+}
+
+wide() {
+  mkdir -p "$OUTDIR" "$WORK"
+  unpack || return $?
+  bench_wide
+}
+
+run() {
+  mkdir -p "$OUTDIR" "$WORK"
+  : > "$OUTDIR/summary.txt"
+  local t_start=$SECONDS
+  unpack || return $?
+  local B="$WORK/b"
   local missing
   missing=$(ldd "$B/bin/trainrun" "$B/bin/libtrainrun_cuda.so" "$B/bin/test_cuda_ops" 2>&1 | grep "not found" | sort -u)
   {
@@ -135,12 +165,13 @@ run() {
 
   # 1. CUDA tests -------------------------------------------------------------------
   echo; echo "== 1/4 CUDA tests"
-  (cd "$WORK" && timeout 150 "$B/bin/test_cuda_ops" -d yes 2>&1) | tee "$OUTDIR/cuda_tests.log" | grep -E "rel err|rel diff|FAILED|skipped|passed|failed|error" | tail -120
+  (cd "$WORK" && timeout 150 "$B/bin/test_cuda_ops" -d yes 2>&1) | tee "$OUTDIR/cuda_tests.log" | grep -iE "rel err|rel diff|FAILED|skipped|passed|error" | tail -120
   local test_rc=${PIPESTATUS[0]}
 
   # 2. kernels and GEMMs ------------------------------------------------------------------
   echo; echo "== 2/4 trainrun bench kernels"
   timeout 120 "$B/bin/trainrun" bench kernels --repeats 20 2>&1 | tee "$OUTDIR/bench_kernels.txt"
+  [[ "${GPU_CHECK_WIDE:-1}" != 0 ]] && bench_wide
 
   # 3. the attention reference -----------------------------------------------------------
   echo; echo "== 3/4 torch SDPA reference (B=16 T=1024 NH=12 HS=64, causal, bf16)"
@@ -204,12 +235,18 @@ PY
   if [[ -n "$tps" ]]; then mfu=$(awk -v t="$tps" -v f="$fpt" -v p="$peak" 'BEGIN{printf "%.1f", 100*t*f/(p*1e12)}'); fi
   echo
   say "== gpu-check summary: ${card:-unknown GPU}, $(date -u +%Y-%m-%d), bundle commit $(cat "$B/COMMIT"), $((SECONDS - t_start)) s"
-  if grep -q "skipped: no usable GPU" "$OUTDIR/cuda_tests.log"; then
-    say "cuda tests            SKIPPED: $(grep -m1 -A1 'skipped: no usable GPU' "$OUTDIR/cuda_tests.log" | tr -s ' \n' ' ')"
+  if grep -q "SKIPPED: no usable GPU" "$OUTDIR/cuda_tests.log"; then
+    say "cuda tests            SKIPPED: $(grep -m1 -A1 'SKIPPED: no usable GPU' "$OUTDIR/cuda_tests.log" | tr -s ' \n' ' ')"
     test_rc=3
   elif [[ $test_rc -eq 0 ]]; then say "cuda tests            PASS ($(grep -E 'test cases|All tests' "$OUTDIR/cuda_tests.log" | tail -1))"
   else say "cuda tests            FAIL rc=$test_rc ($(grep -E 'test cases' "$OUTDIR/cuda_tests.log" | tail -1)); see cuda_tests.log"; fi
   say "$(grep -E '^(ceiling|attention)' "$OUTDIR/bench_kernels.txt" | sed 's/  */ /g' || echo 'bench kernels: no results; see bench_kernels.txt')"
+  local c
+  for c in 4096 8192; do
+    [[ -f "$OUTDIR/bench_kernels_c$c.txt" ]] || continue
+    say "$(grep -E '^(layernorm bwd|encoder bwd|attention kv|gemm fwd fc )' "$OUTDIR/bench_kernels_c$c.txt" | sed "s/  */ /g; s/^/C=$c: /" ||
+      echo "bench kernels C=$c: no results; see bench_kernels_c$c.txt")"
+  done
   say "$(grep -E '^torch' "$OUTDIR/torch_ref.txt" || echo 'torch reference: no results; see torch_ref.txt')"
   if [[ -n "$tps" ]]; then say "GPT-2 124M train      $tps tok/s, MFU $mfu% (6N+12LCT = $fpt FLOP/token, peak $peak TFLOP/s bf16 dense)"
   else say "GPT-2 124M train      no throughput (rc=$train_rc); see train_124m.log"; fi
@@ -220,5 +257,6 @@ PY
 case "$MODE" in
   bundle) bundle ;;
   run) run ;;
-  *) echo "usage: scripts/gpu-check.sh [bundle|run]" >&2; exit 2 ;;
+  wide) wide ;;
+  *) echo "usage: scripts/gpu-check.sh [bundle|run|wide]" >&2; exit 2 ;;
 esac

@@ -23,8 +23,9 @@
 //           drift apart by a few parts in 100 after the initial loss.
 //
 // Without a usable GPU (no driver, no device, a CPU-only build) every test
-// prints a visible warning and passes without assertions; on a GPU machine
-// they run for real (scripts/gpu-check.sh).
+// prints "SKIPPED: no usable GPU: <reason>" and returns without assertions;
+// CTest reports those as skipped, not passed (SKIP_REGULAR_EXPRESSION in
+// CMakeLists.txt). On a GPU machine they run for real (scripts/gpu-check.sh).
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -67,10 +68,12 @@ int gpus(std::string* reason) {
   return n;
 }
 
+// The "SKIPPED: " prefix is what CTest looks for (CMakeLists.txt, the test
+// section): keep the two in step.
 #define CUDA_TEST_OR_SKIP()                                          \
   std::string skip_reason_;                                          \
   if (gpus(&skip_reason_) == 0) {                                    \
-    WARN("skipped: no usable GPU (" << skip_reason_ << ")");         \
+    WARN("SKIPPED: no usable GPU: " << skip_reason_);                \
     return;                                                          \
   }
 
@@ -259,6 +262,52 @@ TEST_CASE("cuda: encoder forward and backward", "[cuda]") {
   }
 }
 
+TEST_CASE("cuda: encoder backward with a hot token (long runs split over blocks)", "[cuda]") {
+  CUDA_TEST_OR_SKIP();
+  Pair p;
+  // A hot token (padding, a frequent word) makes one long run of equal
+  // sorted tokens: 70% of B*T here, so it crosses many 128-row chunks and
+  // is summed by several blocks plus the second pass; the other tokens'
+  // short runs also cross chunk boundaries now and then. hot = 0, a middle
+  // and the last token put the long run first, inside and last in the
+  // sorted order; 100% hot with N a multiple of 128 ends it exactly at N.
+  struct S { int B, T, C, V, hot; double frac; };
+  for (S s : {S{3, 700, 4096, 50, 0, 0.7}, S{3, 700, 4096, 50, 23, 0.7}, S{3, 700, 4096, 50, 49, 0.7},
+              S{2, 128, 4096, 3, 1, 1.0}, S{4, 333, 111, 7, 3, 0.7}}) {
+    const std::string sh = shape({{"B", s.B}, {"T", s.T}, {"C", s.C}, {"V", s.V}, {"hot", s.hot}}) + " " +
+                           std::to_string(int(s.frac * 100)) + "%";
+    const size_t N = size_t(s.B) * s.T;
+    auto tok = rand_tokens(N, s.V, 17 + s.hot);
+    std::mt19937_64 gen(99 + s.hot);
+    std::uniform_real_distribution<double> u(0.0, 1.0);
+    size_t nhot = 0;
+    for (auto& t : tok)
+      if (u(gen) < s.frac) t = s.hot;
+    for (auto t : tok) nhot += t == s.hot;
+    INFO(sh << ": " << nhot << " of " << N << " tokens are the hot one");
+    Tok tk(p, tok);
+    const size_t n = N * size_t(s.C);
+    Twin dout(p, randn(n, 18), true);
+    Twin dwte(p, randn(size_t(s.V) * s.C, 19), false), dwpe(p, randn(size_t(s.T) * s.C, 20), false);
+    p.cpu->encoder_backward(dwte.cf(), dwpe.cf(), dout.c(), tk.cp(), s.B, s.T, s.C);
+    p.gpu->encoder_backward(dwte.gf(), dwpe.gf(), dout.g(), tk.gp(), s.B, s.T, s.C);
+    const Vec got = dwte.read_gpu(p), want = dwte.read_cpu(p);
+    check_close("encoder dwte (+=) " + sh, got, want, kF32);
+    // The hot row alone: its norm is ~sqrt(nhot) times the others', so a
+    // wrong chunk there would still show in the whole-matrix error, but say so.
+    const Vec hot_got(got.begin() + size_t(s.hot) * s.C, got.begin() + size_t(s.hot + 1) * s.C);
+    const Vec hot_want(want.begin() + size_t(s.hot) * s.C, want.begin() + size_t(s.hot + 1) * s.C);
+    check_close("encoder dwte hot row " + sh, hot_got, hot_want, kF32);
+    check_close("encoder dwpe (+=) " + sh, dwpe.read_gpu(p), dwpe.read_cpu(p), kF32);
+    // Deterministic: the same call again adds exactly the same bits.
+    Twin a(p, Vec(size_t(s.V) * s.C, 0.0f), false), b(p, Vec(size_t(s.V) * s.C, 0.0f), false);
+    p.gpu->encoder_backward(a.gf(), dwpe.gf(), dout.g(), tk.gp(), s.B, s.T, s.C);
+    p.gpu->encoder_backward(b.gf(), dwpe.gf(), dout.g(), tk.gp(), s.B, s.T, s.C);
+    const Vec ra = a.read_gpu(p), rb = b.read_gpu(p);
+    CHECK(std::memcmp(ra.data(), rb.data(), ra.size() * 4) == 0);
+  }
+}
+
 TEST_CASE("cuda: layernorm forward and backward", "[cuda]") {
   CUDA_TEST_OR_SKIP();
   Pair p;
@@ -279,6 +328,38 @@ TEST_CASE("cuda: layernorm forward and backward", "[cuda]") {
     Twin dout(p, randn(n, 24), true);
     Twin dinp(p, randn(n, 25), true);  // += : pre-filled
     Twin dw(p, randn(s.C, 26), false), db(p, randn(s.C, 27), false);
+    p.cpu->layernorm_backward(dinp.c(), dw.cf(), db.cf(), dout.c(), x.c(), w.c(), m2.cf(), r2.cf(), s.N, s.C);
+    p.gpu->layernorm_backward(dinp.g(), dw.gf(), db.gf(), dout.g(), x.g(), w.g(), m2.gf(), r2.gf(), s.N, s.C);
+    check_close("layernorm dinp (+=) " + sh, dinp.read_gpu(p), dinp.read_cpu(p), kBf16);
+    check_close("layernorm dweight (+=) " + sh, dw.read_gpu(p), dw.read_cpu(p), kF32);
+    check_close("layernorm dbias (+=) " + sh, db.read_gpu(p), db.read_cpu(p), kF32);
+  }
+}
+
+TEST_CASE("cuda: layernorm backward at large C and many rows (team and grid plans)", "[cuda]") {
+  CUDA_TEST_OR_SKIP();
+  Pair p;
+  // C picks the team count (8 warps as 8, 4, 2 or 1 teams) and, from 6143
+  // up, shared memory above 48 KiB (the opt-in attribute): 770 and 1000 take
+  // 4 teams, 3000 two, 4096 and 8192 one (32 and 64 KiB). The offset makes
+  // every pointer unaligned: the scalar kernel at the same plans. The large
+  // N exceed the grid (SMs x occupancy x teams), so blocks take several rows
+  // per team and, at N = 5000, C = 770, some teams idle in the last round.
+  struct S { int N, C; size_t off; };
+  for (S s : {S{7, 4096, 0}, S{37, 4096, 0}, S{19, 4096, 1}, S{5, 8192, 0}, S{3, 8192, 1}, S{19, 3000, 0},
+              S{19, 1000, 0}, S{23, 770, 0}, S{2000, 4096, 0}, S{5000, 770, 0}, S{20000, 64, 0}, S{20000, 64, 1}}) {
+    const std::string sh = shape({{"N", s.N}, {"C", s.C}}) + (s.off ? " unaligned" : "");
+    const size_t n = size_t(s.N) * s.C;
+    Twin x(p, randn(n, 121, 2.0f, 0.5f), true, s.off), w(p, randn(s.C, 122, 0.5f, 1.0f), true, s.off);
+    Twin b(p, randn(s.C, 123), true, s.off);
+    Twin out = out_twin(p, n, true, s.off), mean = out_twin(p, s.N, false), rstd = out_twin(p, s.N, false);
+    p.cpu->layernorm_forward(out.c(), mean.cf(), rstd.cf(), x.c(), w.c(), b.c(), s.N, s.C);
+    p.gpu->layernorm_forward(out.g(), mean.gf(), rstd.gf(), x.g(), w.g(), b.g(), s.N, s.C);
+    check_close("layernorm out " + sh, out.read_gpu(p), out.read_cpu(p), kBf16);
+    Twin m2(p, mean.read_cpu(p), false), r2(p, rstd.read_cpu(p), false);
+    Twin dout(p, randn(n, 124), true, s.off);
+    Twin dinp(p, randn(n, 125), true, s.off);  // += : pre-filled
+    Twin dw(p, randn(s.C, 126), false), db(p, randn(s.C, 127), false);
     p.cpu->layernorm_backward(dinp.c(), dw.cf(), db.cf(), dout.c(), x.c(), w.c(), m2.cf(), r2.cf(), s.N, s.C);
     p.gpu->layernorm_backward(dinp.g(), dw.gf(), db.gf(), dout.g(), x.g(), w.g(), m2.gf(), r2.gf(), s.N, s.C);
     check_close("layernorm dinp (+=) " + sh, dinp.read_gpu(p), dinp.read_cpu(p), kBf16);
@@ -428,6 +509,64 @@ TEST_CASE("cuda: attention forward and backward", "[cuda]") {
   // A head size above the supported 128 is a clear error, not a wrong answer.
   DeviceBuffer q(p.gpu.get(), 3 * 256 * 2), o(p.gpu.get(), 256 * 2), l(p.gpu.get(), 4);
   CHECK_THROWS_AS(p.gpu->attention_forward(o.get(), l.as<float>(), q.get(), 1, 1, 256, 1), Error);
+}
+
+namespace {
+// One attention_kv_forward call on both backends from the same caches
+// (rows [0, pos) filled; rows from pos on are NaN on the GPU, so a row read
+// before it is written, or past the causal edge, shows up as NaN).
+void check_attention_kv(Pair& p, Twin& kc, Twin& vc, int pos, int Tq, int C, int NH, uint64_t seed,
+                        const std::string& tag) {
+  const std::string sh = tag + shape({{"C", C}, {"NH", NH}, {"HS", C / NH}, {"pos", pos}, {"Tq", Tq}});
+  Twin qkv(p, randn(size_t(Tq) * 3 * C, seed), true);
+  Twin out = out_twin(p, size_t(Tq) * C, true);
+  p.cpu->attention_kv_forward(out.c(), kc.c(), vc.c(), qkv.c(), pos, Tq, C, NH);
+  p.gpu->attention_kv_forward(out.g(), kc.g(), vc.g(), qkv.g(), pos, Tq, C, NH);
+  // P stays fp32 (no bf16 rounding before the product, unlike the training
+  // kernel): only the output's rounding differs.
+  check_close("attention kv out " + sh, out.read_gpu(p), out.read_cpu(p), kBf16);
+  // Rows [pos, pos+Tq) now hold the new k, v (exact copies); the rest is untouched.
+  const size_t written = size_t(pos + Tq) * C;
+  for (Twin* t : {&kc, &vc}) {
+    const Vec g = t->read_gpu(p), c = t->read_cpu(p);
+    CHECK(Vec(g.begin(), g.begin() + written) == Vec(c.begin(), c.begin() + written));
+    CHECK(std::all_of(g.begin() + written, g.end(), [](float v) { return std::isnan(v); }));
+  }
+}
+
+// Caches of maxT rows: random rows [0, pos) on both sides, NaN from pos on (GPU).
+Twin kv_cache(Pair& p, int maxT, int pos, int C, uint64_t seed) {
+  Twin t(p, randn(size_t(maxT) * C, seed), true);
+  std::vector<unsigned char> nan(size_t(maxT - pos) * C * 2, 0xFF);
+  p.gpu->copy_to_device(t.gbuf.as<char>() + size_t(pos) * C * 2, nan.data(), nan.size());
+  return t;
+}
+}  // namespace
+
+TEST_CASE("cuda: attention with a KV cache (prefill and decode)", "[cuda]") {
+  CUDA_TEST_OR_SKIP();
+  Pair p;
+  struct S { int C, NH, maxT, pos, Tq; };
+  // HS 16, 19 (scalar key loads), 64, 128, 40, 200 (8 dims per lane);
+  // pos 0 and > 0; Tq 1 (8 key splits), 2 (4), 3 (2), odd, and a prefill
+  // longer than 1024; decode over long caches (GPT-2's shape at pos 2047).
+  for (S s : {S{16, 1, 8, 0, 1}, S{38, 2, 64, 0, 19}, S{38, 2, 64, 23, 1}, S{38, 2, 64, 40, 2}, S{200, 1, 80, 33, 3},
+              S{192, 3, 1100, 0, 1030}, S{192, 3, 1600, 1500, 1}, S{256, 2, 300, 100, 37}, S{80, 2, 200, 77, 5},
+              S{768, 12, 2048, 2047, 1}, S{64, 4, 40, 0, 40}}) {
+    Twin kc = kv_cache(p, s.maxT, s.pos, s.C, 131), vc = kv_cache(p, s.maxT, s.pos, s.C, 132);
+    check_attention_kv(p, kc, vc, s.pos, s.Tq, s.C, s.NH, 133, "");
+  }
+  // A prompt then token-by-token decoding, each backend on its own caches
+  // (the GPU's written by its own earlier calls).
+  {
+    const int C = 192, NH = 3, maxT = 80, prompt = 50;
+    Twin kc = kv_cache(p, maxT, 0, C, 141), vc = kv_cache(p, maxT, 0, C, 142);
+    check_attention_kv(p, kc, vc, 0, prompt, C, NH, 143, "prefill ");
+    for (int pos = prompt; pos < prompt + 5; ++pos) check_attention_kv(p, kc, vc, pos, 1, C, NH, 144 + pos, "decode ");
+  }
+  // A head size above the supported 256 is a clear error, before anything is written.
+  DeviceBuffer q(p.gpu.get(), 3 * 512 * 2), o(p.gpu.get(), 512 * 2), k(p.gpu.get(), 512 * 2), v(p.gpu.get(), 512 * 2);
+  CHECK_THROWS_AS(p.gpu->attention_kv_forward(o.get(), k.get(), v.get(), q.get(), 0, 1, 512, 1), Error);
 }
 
 TEST_CASE("cuda: gelu and residual", "[cuda]") {
@@ -661,7 +800,7 @@ TEST_CASE("cuda: sharded runs over NCCL match the single-GPU run", "[cuda]") {
   std::string reason;
   const int n = gpus(&reason);
   if (n < 2) {
-    WARN("skipped: needs 2 GPUs, " << n << " visible");
+    WARN("SKIPPED: needs 2 GPUs, " << n << " visible");
     return;
   }
   const TrainSummary single = train("cuda", "no_shard");

@@ -10,6 +10,7 @@
 #include "core/common/error.h"
 #include "kernels/cuda/adamw.cuh"
 #include "kernels/cuda/attention.cuh"
+#include "kernels/cuda/attention_kv.cuh"
 #include "kernels/cuda/cast.cuh"
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/elementwise.cuh"
@@ -178,7 +179,7 @@ void CudaBackend::encoder_forward(void* out, const int32_t* tokens, const void* 
 void CudaBackend::encoder_backward(float* dwte, float* dwpe, const void* dout, const int32_t* tokens, int B, int T,
                                    int C) {
   make_current();
-  Scratch s(*alloc_, encoder_backward_scratch_bytes(B * T));
+  Scratch s(*alloc_, encoder_backward_scratch_bytes(B * T, C));
   cuda::encoder_backward(dwte, dwpe, H(dout), tokens, B, T, C, s.as<void>(), s.bytes(), compute_);
 }
 
@@ -230,6 +231,12 @@ void CudaBackend::attention_backward(void* dqkv, const void* dout, const void* q
   make_current();
   Scratch s(*alloc_, attention_backward_scratch_bytes(B, T, NH));
   cuda::attention_backward(H(dqkv), H(dout), H(qkv), H(out), saved, s.as<float>(), B, T, C, NH, compute_);
+}
+
+void CudaBackend::attention_kv_forward(void* out, void* kcache, void* vcache, const void* qkv, int pos, int Tq,
+                                       int C, int NH) {
+  make_current();
+  cuda::attention_kv_forward(H(out), H(kcache), H(vcache), H(qkv), pos, Tq, C, NH, compute_);
 }
 
 void CudaBackend::gelu_forward(void* out, const void* inp, int64_t n) {

@@ -65,6 +65,8 @@ class CudaBackend final : public Backend {
   void attention_forward(void* out, float* saved, const void* qkv, int B, int T, int C, int NH) override;
   void attention_backward(void* dqkv, const void* dout, const void* qkv, const void* out, const float* saved, int B, int T, int C,
                           int NH) override;
+  void attention_kv_forward(void* out, void* kcache, void* vcache, const void* qkv, int pos, int Tq, int C,
+                            int NH) override;
   void gelu_forward(void* out, const void* inp, int64_t n) override;
   void gelu_backward(void* dinp, const void* inp, const void* dout, int64_t n) override;
   void residual_forward(void* out, const void* a, const void* b, int64_t n) override;

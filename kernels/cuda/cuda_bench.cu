@@ -10,9 +10,20 @@
 // TFLOP/s with the causal FLOP count (forward 2 products over half the
 // square, backward 2.5x the forward, FlashAttention's convention).
 // Sizes are GPT-2 124M's: B=16, T=1024, C=768, NH=12, V=50257 (quick: B=2).
-// Inputs are random (never zeros: zeros run faster than real data).
+// Wide models: TRAINRUN_BENCH_C=<C> (scripts/gpu-check.sh runs 4096 and
+// 8192) times the C-dependent rows at that width instead, with HS = 128
+// (NH = C/128, as Llama 7B / 70B) and B=4 (quick: 1), so each run stays
+// within a minute or so; the rows that do not depend on C (softmax+CE,
+// AdamW, casts, sum of squares over 124M parameters) are left out there.
+// The kernel bench's options are the CLI's (apps/main.cpp); this knob is an
+// environment variable because the plugin alone owns it, and the table's
+// header names it when set.
+// Inputs are random (never zeros: zeros run faster than real data); the
+// embedding backward is timed with uniform tokens and with 70% of them one
+// hot token (the long-run path).
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <string>
 #include <vector>
@@ -41,9 +52,12 @@ __global__ void fill_kernel(T* p, int64_t n, uint64_t seed, float amp) {
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     p[i] = from_float<T>(amp * (float(hash32(seed * 0x9E3779B97F4A7C15ull + i)) * 4.656612873e-10f - 1.0f));
 }
-__global__ void fill_tokens_kernel(int32_t* p, int64_t n, uint64_t seed, int V) {
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
-    p[i] = int32_t(hash32(seed * 0x9E3779B97F4A7C15ull + i) % uint32_t(V));
+// Uniform over [0, V), except a fraction `hot` of them (by hash) = token 0.
+__global__ void fill_tokens_kernel(int32_t* p, int64_t n, uint64_t seed, int V, float hot) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const bool is_hot = float(hash32(~seed * 0x9E3779B97F4A7C15ull + i)) * 2.3283064e-10f < hot;
+    p[i] = is_hot ? 0 : int32_t(hash32(seed * 0x9E3779B97F4A7C15ull + i) % uint32_t(V));
+  }
 }
 
 struct Row {
@@ -79,10 +93,10 @@ class Bench {
     TR_CUDA_CHECK(cudaMemsetAsync(p, 0x5A, size_t(n), s_));
     return p;
   }
-  int32_t* tokens(int64_t n, int V) {
+  int32_t* tokens(int64_t n, int V, float hot = 0.0f) {
     auto* p = static_cast<int32_t*>(be_.alloc(size_t(n) * 4));
     bufs_.push_back(p);
-    fill_tokens_kernel<<<grid_for(n, 256), 256, 0, s_>>>(p, n, ++seed_, V);
+    fill_tokens_kernel<<<grid_for(n, 256), 256, 0, s_>>>(p, n, ++seed_, V, hot);
     TR_CUDA_LAUNCH_CHECK("bench tokens");
     return p;
   }
@@ -162,10 +176,20 @@ int run_kernel_bench_impl(const KernelBenchOptions& opts) {
   cudaDeviceProp prop{};
   TR_CUDA_CHECK(cudaGetDeviceProperties(&prop, opts.device));
   Bench b(be, std::max(3, opts.repeats));
-  const int B = opts.quick ? 2 : 16, T = 1024, C = 768, NH = 12, V = 50257;
+  int wide = 0;  // TRAINRUN_BENCH_C: 0 = GPT-2 124M's shapes
+  if (const char* v = std::getenv("TRAINRUN_BENCH_C"); v && *v) {
+    char* end = nullptr;
+    const long c = std::strtol(v, &end, 10);
+    TR_CHECK(end && *end == 0 && c >= 128 && c % 128 == 0 && c <= 65536, "TRAINRUN_BENCH_C=", v,
+             ": expected a width in [128, 65536] that is a multiple of 128 (HS = 128), e.g. 4096 or 8192");
+    wide = int(c);
+  }
+  const int B = wide ? (opts.quick ? 1 : 4) : (opts.quick ? 2 : 16), T = 1024, V = 50257;
+  const int C = wide ? wide : 768, NH = wide ? wide / 128 : 12;
   const int N = B * T;
-  std::printf("trainrun bench kernels: %s (%d SMs, %.0f GB), B=%d T=%d C=%d NH=%d V=%d, median of %d\n", prop.name,
-              prop.multiProcessorCount, prop.totalGlobalMem / 1e9, B, T, C, NH, V, std::max(3, opts.repeats));
+  std::printf("trainrun bench kernels: %s (%d SMs, %.0f GB), B=%d T=%d C=%d NH=%d V=%d, median of %d%s\n", prop.name,
+              prop.multiProcessorCount, prop.totalGlobalMem / 1e9, B, T, C, NH, V, std::max(3, opts.repeats),
+              wide ? detail::cat(" (TRAINRUN_BENCH_C=", wide, ")").c_str() : "");
   std::fflush(stdout);
 
   // ---- ceilings -------------------------------------------------------------------
@@ -290,8 +314,11 @@ int run_kernel_bench_impl(const KernelBenchOptions& opts) {
     float* dwpe = b.buf<float>(int64_t(T) * C);
     b.memory("encoder fwd", sh, 2.0 * NC * 2 + 4.0 * N, [&] { be.encoder_forward(y, tok, wte, wpe, B, T, C); });
     b.memory("encoder bwd (sort + sums)", sh, NC * 2 + 2.0 * NC * 4, [&] { be.encoder_backward(dwte, dwpe, y, tok, B, T, C); });
+    int32_t* hot = b.tokens(N, V, 0.7f);
+    b.memory("encoder bwd, 70% one token", sh, NC * 2 + 2.0 * NC * 4,
+             [&] { be.encoder_backward(dwte, dwpe, y, hot, B, T, C); });
   }
-  {
+  if (!wide) {
     const int Nce = opts.quick ? 512 : 4096;
     const int Vp = be.logits_stride(V);
     bf16* logits = b.buf<bf16>(int64_t(Nce) * Vp, 4.0f);
@@ -303,7 +330,7 @@ int run_kernel_bench_impl(const KernelBenchOptions& opts) {
     b.memory("softmax+CE fwd+grad (in place)", detail::cat(Nce, "x", V), 2 * rowbytes + 8.0 * Nce,
              [&] { be.softmax_cross_entropy(losses, logits, logits, tgt, Nce, V, Vp, 1e-6f); });
   }
-  {
+  if (!wide) {
     const int64_t P = opts.quick ? (int64_t(16) << 20) : 124439808;  // GPT-2 124M
     float* master = b.buf<float>(P, 0.02f);
     bf16* param = b.buf<bf16>(P);
@@ -334,6 +361,15 @@ int run_kernel_bench_impl(const KernelBenchOptions& opts) {
               "cuDNN/torch SDPA: see gpu-check.sh");
     b.compute("attention bwd (flash, WMMA)", sh, 2.5 * fwd,
               [&] { be.attention_backward(dqkv, dout, qkv, out, lse, B, T, C, NH); }, "");
+    // The sampler's op on one sequence: a prompt of T into empty caches, and
+    // one decode step at the last position (reads the whole cache: memory-bound).
+    bf16* kc = b.buf<bf16>(int64_t(T) * C);
+    bf16* vc = b.buf<bf16>(int64_t(T) * C);
+    const double fwd1 = 4.0 * NH * double(T) * T * HS / 2;
+    b.compute("attention kv prefill (Tq=T, pos 0)", detail::cat("T", T, " NH", NH, " HS", HS), fwd1,
+              [&] { be.attention_kv_forward(out, kc, vc, qkv, 0, T, C, NH); }, "CUDA cores, fp32");
+    b.memory("attention kv decode (Tq=1, pos T-1)", detail::cat("cache ", T, "x", C), 2.0 * T * C * 2 + 8.0 * C,
+             [&] { be.attention_kv_forward(out, kc, vc, qkv, T - 1, 1, C, NH); });
   }
 
   std::printf("\n%-40s %-22s %12s %12s %-8s %7s  %s\n", "kernel", "size", "time (us)", "achieved", "", "%",

@@ -9,7 +9,8 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kSlab = 256;      // channels per block in the dwte kernel (32 lanes x 8)
-constexpr int kRowGroups = 8;   // warps per block in the dwte kernel, each takes every 8th row of a run
+constexpr int kRowGroups = 8;   // warps per block in the dwte kernel, each takes every 8th row of a segment
+constexpr int kRunChunk = 128;  // sorted rows per chunk: the longest segment one block sums
 
 // ---- kernels ---------------------------------------------------------------------
 
@@ -44,21 +45,35 @@ __global__ void iota_kernel(int32_t* v, int n) {
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) v[i] = i;
 }
 
+// A segment is a run of equal sorted tokens cut at chunk boundaries: it
+// starts at i when i is the head of a run or i % kRunChunk == 0, and ends at
+// the run's end or the chunk's end, whichever is first.
+__device__ __forceinline__ bool run_leaves_chunk(const int32_t* sorted_tokens, int chunk, int N, int v) {
+  const int next = (chunk + 1) * kRunChunk;  // first row of the next chunk
+  return next < N && sorted_tokens[next] == v;
+}
+
 // grid (N, ceil(C / kSlab)), block (32, kRowGroups). Block x = sorted index i;
-// only the first index of each run of equal tokens works. Row group g sums
-// rows i+g, i+g+8, ... of the run; the groups are combined in order.
-__global__ void encoder_backward_wte_kernel(float* dwte, const bf16* dout, const int32_t* sorted_tokens,
-                                            const int32_t* sorted_pos, int N, int C) {
+// only the first index of each segment works (the test is uniform over the
+// block). Row group g sums rows i+g, i+g+8, ... of the segment; the groups
+// are combined in order. A whole run (it starts and ends in this chunk) is
+// added to dwte[v]; a piece of a longer run goes to its partial slot.
+__global__ void encoder_backward_wte_kernel(float* dwte, float* partial, const bf16* dout,
+                                            const int32_t* sorted_tokens, const int32_t* sorted_pos, int N, int C) {
   __shared__ float red[kRowGroups][kSlab];
   const int i = blockIdx.x;
   const int v = sorted_tokens[i];
-  if (i > 0 && sorted_tokens[i - 1] == v) return;  // not the head of a run (uniform over the block)
+  const bool run_head = i == 0 || sorted_tokens[i - 1] != v;
+  const bool chunk_head = i % kRunChunk == 0;
+  if (!run_head && !chunk_head) return;  // inside a segment
+  const int chunk = i / kRunChunk;
+  const int end = min(N, (chunk + 1) * kRunChunk);  // the segment stops at the chunk's end at the latest
   const int c0 = blockIdx.y * kSlab;
   const int tx = threadIdx.x, g = threadIdx.y;
   float acc[kSlab / 32];
 #pragma unroll
   for (int j = 0; j < kSlab / 32; ++j) acc[j] = 0.0f;
-  for (int r = i + g; r < N && sorted_tokens[r] == v; r += kRowGroups) {
+  for (int r = i + g; r < end && sorted_tokens[r] == v; r += kRowGroups) {
     const bf16* row = dout + int64_t(sorted_pos[r]) * C;
 #pragma unroll
     for (int j = 0; j < kSlab / 32; ++j) {
@@ -75,8 +90,36 @@ __global__ void encoder_backward_wte_kernel(float* dwte, const bf16* dout, const
     float s = 0.0f;
 #pragma unroll
     for (int k = 0; k < kRowGroups; ++k) s += red[k][t];
-    dwte[int64_t(v) * C + c] += s;
+    if (run_head && !run_leaves_chunk(sorted_tokens, chunk, N, v)) {
+      dwte[int64_t(v) * C + c] += s;  // the whole run
+    } else {
+      // Slot 2k: the segment that starts chunk k (a continuation, or a run
+      // whose head is the chunk's first row); 2k+1: the one run that starts
+      // inside chunk k and leaves it. At most one of each per chunk.
+      const int slot = 2 * chunk + (chunk_head ? 0 : 1);
+      partial[int64_t(slot) * C + c] = s;
+    }
   }
+}
+
+// grid (chunks, ceil(C / kSlab)), block kSlab: block k finishes the run that
+// starts in chunk k and leaves it (if any): dwte[v] += its partials, the
+// head segment's first, then one per later chunk, in chunk order.
+__global__ void encoder_backward_wte_runs_kernel(float* dwte, const float* partial, const int32_t* sorted_tokens,
+                                                 int N, int C) {
+  const int k = blockIdx.x;
+  const int first = k * kRunChunk;
+  const int lastrow = min(N, first + kRunChunk) - 1;
+  const int v = sorted_tokens[lastrow];
+  if (!run_leaves_chunk(sorted_tokens, k, N, v)) return;  // no run crosses this chunk's end
+  const bool covers_start = sorted_tokens[first] == v;
+  if (covers_start && first > 0 && sorted_tokens[first - 1] == v) return;  // began in an earlier chunk
+  const int c = blockIdx.y * kSlab + threadIdx.x;
+  if (c >= C) return;
+  float s = partial[int64_t(2 * k + (covers_start ? 0 : 1)) * C + c];
+  for (int kk = k + 1; kk * kRunChunk < N && sorted_tokens[kk * kRunChunk] == v; ++kk)
+    s += partial[int64_t(2 * kk) * C + c];
+  dwte[int64_t(v) * C + c] += s;
 }
 
 // One thread per (t, c): dwpe[t, c] += sum over b, b in order.
@@ -101,6 +144,11 @@ size_t cub_temp_bytes(int N) {
   return temp;
 }
 
+int run_chunks(int N) { return (N + kRunChunk - 1) / kRunChunk; }
+
+// Two partial rows of C floats per chunk (see encoder_backward_wte_kernel).
+size_t partial_bytes(int N, int C) { return size_t(2) * run_chunks(N) * C * sizeof(float); }
+
 }  // namespace
 
 // ---- launchers -------------------------------------------------------------------
@@ -117,18 +165,23 @@ void encoder_forward(bf16* out, const int32_t* tokens, const bf16* wte, const bf
   TR_CUDA_LAUNCH_CHECK("encoder_forward");
 }
 
-size_t encoder_backward_scratch_bytes(int N) { return 3 * align256(size_t(N) * 4) + align256(cub_temp_bytes(N)); }
+size_t encoder_backward_scratch_bytes(int N, int C) {
+  return 3 * align256(size_t(N) * 4) + align256(partial_bytes(N, C)) + align256(cub_temp_bytes(N));
+}
 
 void encoder_backward(float* dwte, float* dwpe, const bf16* dout, const int32_t* tokens, int B, int T, int C,
                       void* scratch, size_t scratch_bytes, cudaStream_t stream) {
   const int N = B * T;
   if (N <= 0 || C <= 0) return;
-  TR_CHECK(scratch_bytes >= encoder_backward_scratch_bytes(N), "encoder_backward: scratch too small");
+  TR_CHECK(scratch_bytes >= encoder_backward_scratch_bytes(N, C), "encoder_backward: scratch too small");
+  // Scratch: pos_in | sorted_tokens | sorted_pos (N ints each) | partial | CUB temp.
   char* s = static_cast<char*>(scratch);
+  const size_t ints = align256(size_t(N) * 4);
   int32_t* pos_in = reinterpret_cast<int32_t*>(s);
-  int32_t* sorted_tokens = reinterpret_cast<int32_t*>(s + align256(size_t(N) * 4));
-  int32_t* sorted_pos = reinterpret_cast<int32_t*>(s + 2 * align256(size_t(N) * 4));
-  void* temp = s + 3 * align256(size_t(N) * 4);
+  int32_t* sorted_tokens = reinterpret_cast<int32_t*>(s + ints);
+  int32_t* sorted_pos = reinterpret_cast<int32_t*>(s + 2 * ints);
+  float* partial = reinterpret_cast<float*>(s + 3 * ints);
+  void* temp = s + 3 * ints + align256(partial_bytes(N, C));
   size_t temp_bytes = cub_temp_bytes(N);
 
   iota_kernel<<<grid_for(N, kThreads), kThreads, 0, stream>>>(pos_in, N);
@@ -137,9 +190,16 @@ void encoder_backward(float* dwte, float* dwpe, const bf16* dout, const int32_t*
   // tokens keep their position order, so every run is summed in that order.
   TR_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp, temp_bytes, tokens, sorted_tokens, pos_in, sorted_pos, N, 0, 31,
                                                 stream));
-  dim3 grid(N, (C + kSlab - 1) / kSlab), block(32, kRowGroups);
-  encoder_backward_wte_kernel<<<grid, block, 0, stream>>>(dwte, dout, sorted_tokens, sorted_pos, N, C);
+  // Every partial slot that the second kernel reads is written by the first
+  // (a run that leaves chunk k wrote its head slot and one slot 2kk per
+  // later chunk it covers), so the partials need no zeroing.
+  const int slabs = (C + kSlab - 1) / kSlab;
+  dim3 grid(N, slabs), block(32, kRowGroups);
+  encoder_backward_wte_kernel<<<grid, block, 0, stream>>>(dwte, partial, dout, sorted_tokens, sorted_pos, N, C);
   TR_CUDA_LAUNCH_CHECK("encoder_backward_wte");
+  encoder_backward_wte_runs_kernel<<<dim3(run_chunks(N), slabs), kSlab, 0, stream>>>(dwte, partial, sorted_tokens, N,
+                                                                                    C);
+  TR_CUDA_LAUNCH_CHECK("encoder_backward_wte_runs");
   encoder_backward_wpe_kernel<<<grid_for(int64_t(T) * C, kThreads), kThreads, 0, stream>>>(dwpe, dout, B, T, C);
   TR_CUDA_LAUNCH_CHECK("encoder_backward_wpe");
 }

@@ -44,6 +44,7 @@ bool uses_bias(GemmEpilogue e) { return e == GemmEpilogue::Bias || e == GemmEpil
 bool uses_bias_grad(GemmEpilogue e) {
   return e == GemmEpilogue::DGeluBGrad || e == GemmEpilogue::BGradA || e == GemmEpilogue::BGradB;
 }
+bool uses_bias_vector(GemmEpilogue e) { return uses_bias(e) || uses_bias_grad(e); }
 bool uses_aux(GemmEpilogue e) {
   return e == GemmEpilogue::GeluAux || e == GemmEpilogue::GeluAuxBias || e == GemmEpilogue::DGelu ||
          e == GemmEpilogue::DGeluBGrad;
@@ -89,7 +90,8 @@ std::string GemmDesc::describe() const {
   return detail::cat("gemm m=", m, " n=", n, " k=", k, " op(A)=", transa ? "T" : "N", " op(B)=", transb ? "T" : "N",
                      " lda=", lda, " ldb=", ldb, " ldd=", ldd, batch > 1 ? detail::cat(" batch=", batch) : "",
                      " A/B ", dtype_name(ab_type), " D ", dtype_name(d_type), accumulate ? " D+=" : "",
-                     " epilogue ", epilogue_name(epilogue));
+                     " epilogue ", epilogue_name(epilogue),
+                     uses_bias_vector(epilogue) ? detail::cat(" bias ", dtype_name(bias_type)) : "");
 }
 
 struct Plan {
@@ -117,12 +119,12 @@ struct Gemm::Impl {
 
   static std::string key(const GemmDesc& g, const GemmPtrs& p) {
     char buf[320];
-    std::snprintf(buf, sizeof buf, "%d%d|%d,%d,%d|%lld,%lld,%lld|%d,%lld,%lld,%lld|%d%d%d%d|%lld|%u,%u,%u,%u,%u",
+    std::snprintf(buf, sizeof buf, "%d%d|%d,%d,%d|%lld,%lld,%lld|%d,%lld,%lld,%lld|%d%d%d%d%d|%lld|%u,%u,%u,%u,%u",
                   g.transa, g.transb, g.m, g.n, g.k, (long long)g.lda, (long long)g.ldb, (long long)g.ldd, g.batch,
                   (long long)g.stride_a, (long long)g.stride_b, (long long)g.stride_d, int(g.ab_type),
-                  int(g.d_type), int(g.accumulate), int(g.epilogue), (long long)g.ld_aux, align_a(g, p),
-                  align_b(g, p), align_d(g, p), alignment_of(uses_bias(g.epilogue) ? p.bias : p.bias_grad),
-                  alignment_of(p.aux));
+                  int(g.d_type), int(g.accumulate), int(g.epilogue), int(g.bias_type), (long long)g.ld_aux,
+                  align_a(g, p), align_b(g, p), align_d(g, p),
+                  alignment_of(uses_bias(g.epilogue) ? p.bias : p.bias_grad), alignment_of(p.aux));
     return buf;
   }
 
@@ -137,6 +139,14 @@ struct Gemm::Impl {
     TR_CHECK(reinterpret_cast<uintptr_t>(p.d) % ds == 0, "cublasLt: D is not aligned to its element size in ", g.describe());
     if (uses_bias(g.epilogue)) TR_CHECK(p.bias, "cublasLt: epilogue needs a bias pointer in ", g.describe());
     if (uses_bias_grad(g.epilogue)) TR_CHECK(p.bias_grad, "cublasLt: epilogue needs a bias_grad pointer in ", g.describe());
+    if (uses_bias_vector(g.epilogue)) {
+      TR_CHECK(g.bias_type == g.d_type, "cublasLt: the bias / bias-gradient vector must have D's type (",
+               dtype_name(g.d_type), "; cuBLASLt's rule outside FP8/integer kernels), not ", dtype_name(g.bias_type),
+               ", in ", g.describe());
+      const void* bp = uses_bias(g.epilogue) ? p.bias : p.bias_grad;
+      TR_CHECK(reinterpret_cast<uintptr_t>(bp) % dtype_size(g.bias_type) == 0,
+               "cublasLt: the bias / bias-gradient vector is not aligned to its element size in ", g.describe());
+    }
     if (uses_aux(g.epilogue)) {
       TR_CHECK(p.aux, "cublasLt: epilogue needs an aux pointer in ", g.describe());
       TR_CHECK(g.ld_aux >= g.m && g.ld_aux % 8 == 0,
@@ -173,6 +183,12 @@ struct Gemm::Impl {
     TR_LT_CHECK(cublasLtMatmulDescSetAttribute(pl->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb), ctx);
     const cublasLtEpilogue_t ep = lt_epilogue(g.epilogue);
     TR_LT_CHECK(cublasLtMatmulDescSetAttribute(pl->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &ep, sizeof ep), ctx);
+    if (uses_bias_vector(g.epilogue)) {
+      // Stated, not left to cuBLASLt's default (D's type): the bias read by
+      // BIAS / GELU_AUX_BIAS and the bias gradient written by the BGRAD epilogues.
+      const int32_t bt = static_cast<int32_t>(cuda_type(g.bias_type));
+      TR_LT_CHECK(cublasLtMatmulDescSetAttribute(pl->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof bt), ctx);
+    }
     if (uses_aux(g.epilogue)) {
       const int64_t ld = g.ld_aux;
       TR_LT_CHECK(cublasLtMatmulDescSetAttribute(pl->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld, sizeof ld), ctx);

@@ -11,17 +11,23 @@
 //
 // Types: A and B in ab_type (bf16 on this backend), D in d_type (bf16 for
 // activations, fp32 for accumulated weight gradients); compute and scale
-// type are always fp32 (CUBLAS_COMPUTE_32F: fp32 accumulation).
+// type are always fp32 (CUBLAS_COMPUTE_32F: fp32 accumulation). The bias
+// and bias-gradient vectors are in bias_type, which must equal d_type:
+// cuBLASLt's rule outside its FP8 and integer kernels (the bias, and the
+// bias gradient its BGRAD epilogues write, have the output's element type).
+// The caller states it and the wrapper passes it to cuBLASLt
+// (CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE) for every epilogue with a bias or
+// bias-gradient pointer, so the buffer's type is never left to a default.
 //
 // Epilogues (fused by cuBLASLt after the product, before the store):
 //   None         D = AB (+D)
-//   Bias         D = AB + bias(m)                         bias: d_type, m values
+//   Bias         D = AB + bias(m)                         bias: bias_type, m values
 //   GeluAux      D = gelu(AB); aux = AB                   aux: (m,n) ab_type, ld_aux
 //   GeluAuxBias  D = gelu(AB + bias); aux = AB + bias
 //   DGelu        D = (AB) * gelu'(aux)                    aux from a GeluAux forward
 //   DGeluBGrad   D = (AB) * gelu'(aux); bias_grad = rowsum(D) (over n)
-//   BGradA       bias_grad(m) = sum over k of op(A)       (fp32)
-//   BGradB       bias_grad(n) = sum over k of op(B)       (fp32)
+//   BGradA       bias_grad(m) = sum over k of op(A)
+//   BGradB       bias_grad(n) = sum over k of op(B)       bias_grad: bias_type (the backend: fp32, with an fp32 D)
 // The GELU is the tanh approximation, as GPT-2. bias_grad is overwritten
 // (cuBLASLt never accumulates it); the backend adds it where += is needed.
 //
@@ -62,6 +68,7 @@ struct GemmDesc {
   DType d_type = DType::BF16;
   bool accumulate = false;                      // beta = 1: D += alpha*AB
   GemmEpilogue epilogue = GemmEpilogue::None;
+  DType bias_type = DType::BF16;                // bias / bias_grad elements (epilogues with one); == d_type
   int64_t ld_aux = 0;                           // GELU epilogues
   std::string describe() const;                 // for error messages
 };
@@ -70,8 +77,8 @@ struct GemmPtrs {
   const void* a = nullptr;
   const void* b = nullptr;
   void* d = nullptr;
-  const void* bias = nullptr;   // Bias, GeluAuxBias
-  void* bias_grad = nullptr;    // DGeluBGrad, BGradA, BGradB (fp32)
+  const void* bias = nullptr;   // Bias, GeluAuxBias (bias_type)
+  void* bias_grad = nullptr;    // DGeluBGrad, BGradA, BGradB (bias_type)
   void* aux = nullptr;          // GELU epilogues
   float alpha = 1.0f;
 };

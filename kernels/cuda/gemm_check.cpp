@@ -104,18 +104,19 @@ void run_case(Gemm& gemm, const Case& c, std::mt19937_64& gen, std::vector<GemmC
 
   auto A = rand_vals(a_total, gen, g.ab_type), B = rand_vals(b_total, gen, g.ab_type);
   auto D0 = rand_vals(d_total, gen, g.d_type);
-  auto bias = rand_vals(size_t(m), gen, g.d_type);
+  auto bias = rand_vals(size_t(m), gen, g.bias_type);
   const size_t aux_elems = size_t(g.ld_aux) * n;
   auto AUX = rand_vals(aux_elems, gen, g.d_type);
 
   DevBuf dA((a_total + c.misalign) * es_ab), dB((b_total + c.misalign) * es_ab), dD((d_total + c.misalign) * es_d);
-  DevBuf dBias(size_t(m) * es_d), dBG(size_t(std::max(m, n)) * es_d), dAux(aux_elems * es_d + 16);
+  const size_t es_bias = dtype_size(g.bias_type);
+  DevBuf dBias(size_t(m) * es_bias), dBG(size_t(std::max(m, n)) * es_bias), dAux(aux_elems * es_d + 16);
   upload(dA.p, A, g.ab_type, c.misalign);
   upload(dB.p, B, g.ab_type, c.misalign);
   char* d_ptr = static_cast<char*>(dD.p) + c.misalign * es_d;
   if (g.accumulate) upload(dD.p, D0, g.d_type, c.misalign);
   else poison(dD.p, dD.bytes);
-  upload(dBias.p, bias, g.d_type);
+  upload(dBias.p, bias, g.bias_type);
   poison(dBG.p, dBG.bytes);
   const bool aux_in = g.epilogue == GemmEpilogue::DGelu || g.epilogue == GemmEpilogue::DGeluBGrad;
   if (aux_in) upload(dAux.p, AUX, g.d_type);
@@ -204,7 +205,7 @@ void run_case(Gemm& gemm, const Case& c, std::mt19937_64& gen, std::vector<GemmC
   }
   if (!want_bg.empty()) {
     // The bias gradient is a sum of k (or n) terms of O(1): looser for bf16.
-    rows.push_back({c.name + ": bias_grad", rel_err(download(dBG.p, want_bg.size(), g.d_type), want_bg), row.tol, true});
+    rows.push_back({c.name + ": bias_grad", rel_err(download(dBG.p, want_bg.size(), g.bias_type), want_bg), row.tol, true});
   }
 }
 
@@ -227,6 +228,7 @@ std::vector<GemmCheckRow> run_gemm_epilogue_check_impl(int device) {
     g.ldb = tb ? n : k;
     g.ldd = m;
     g.d_type = d;
+    g.bias_type = d;  // bias and bias gradient in D's type (gemm.h)
     return g;
   };
   {

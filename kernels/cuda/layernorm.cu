@@ -2,6 +2,9 @@
 #include "kernels/cuda/layernorm.cuh"
 
 #include <algorithm>
+#include <map>
+#include <mutex>
+#include <utility>
 
 namespace trainrun::cuda {
 
@@ -97,51 +100,147 @@ __global__ void layernorm_forward_kernel(bf16* out, float* mean, float* rstd, co
 
 // ---- backward ------------------------------------------------------------------------
 
-// Block b owns rows [b*rows_per_block, ...); warp w of it takes every
-// nwarps-th of them. Shared memory: nwarps x (dweight | dbias) partials of C
-// floats each; lane l owns channels l, l+32, ... of its warp's partial.
-__global__ void layernorm_backward_kernel(bf16* dinp, float* partial, const bf16* dout, const bf16* inp,
-                                          const bf16* weight, const float* mean, const float* rstd, int N, int C,
-                                          int rows_per_block) {
-  extern __shared__ float sh[];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  float* sdw = sh + size_t(warp) * 2 * C;
+constexpr int kBwdWarps = 8;
+constexpr int kBwdThreads = 32 * kBwdWarps;
+// Shared memory a block may use without the opt-in attribute, and the one
+// the team count aims for: it keeps several blocks per SM resident.
+constexpr size_t kBwdSmemTarget = 48 * 1024;
+
+// p[0..8) += v, as two 16-byte shared memory accesses (a warp's 16-byte
+// accesses to consecutive 32-byte pieces are conflict-free; 8 scalar ones
+// 32 bytes apart would be 8-way conflicts). p is 16-byte aligned.
+__device__ __forceinline__ void add8(float* p, const float (&v)[8]) {
+  float4* q = reinterpret_cast<float4*>(p);
+  float4 a = q[0], b = q[1];
+  a.x += v[0];
+  a.y += v[1];
+  a.z += v[2];
+  a.w += v[3];
+  b.x += v[4];
+  b.y += v[5];
+  b.z += v[6];
+  b.w += v[7];
+  q[0] = a;
+  q[1] = b;
+}
+
+// The block's 8 warps form `teams` teams of W = 8 / teams warps. Block b owns
+// rows [b*rows_per_block, ...); team t takes its rows t, t+teams, ...; thread
+// k of a team (team_threads = 32 W of them) owns channels k, k+team_threads,
+// ... (VEC: packs of 8 channels, 8k, 8k + 8 team_threads, ...) of the row and
+// of its team's dweight | dbias partial (2C floats in shared memory), so no
+// two threads touch one partial element: no atomics. The row sums (g and
+// g*xhat) are warp shuffles, then, when W > 1, the team's W warp sums
+// through shared memory in warp order. The loop runs the same number of
+// iterations in every team (a team past the block's rows idles), so the
+// __syncthreads() inside are reached by all threads.
+// Shared memory: teams x 2C floats, then 2 x kBwdWarps floats (the row sums).
+template <bool VEC>
+__global__ void __launch_bounds__(kBwdThreads)
+    layernorm_backward_kernel(bf16* dinp, float* partial, const bf16* dout, const bf16* inp, const bf16* weight,
+                              const float* mean, const float* rstd, int N, int C, int rows_per_block, int teams) {
+  extern __shared__ __align__(16) float sh[];
+  const int W = kBwdWarps / teams, team_threads = 32 * W;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int team = warp / W;
+  const int k = threadIdx.x % team_threads;
+  float* sdw = sh + size_t(team) * 2 * C;
   float* sdb = sdw + C;
-  for (int c = lane; c < C; c += 32) {
+  float* red = sh + size_t(teams) * 2 * C;  // [2][kBwdWarps]
+  for (int c = k; c < C; c += team_threads) {
     sdw[c] = 0.0f;
     sdb[c] = 0.0f;
   }
+  __syncthreads();  // VEC threads own other channels than the zeroing loop's
   const int r0 = blockIdx.x * rows_per_block;
   const int r1 = min(N, r0 + rows_per_block);
-  for (int row = r0 + warp; row < r1; row += nwarps) {
-    const bf16* x = inp + int64_t(row) * C;
-    const bf16* dy = dout + int64_t(row) * C;
-    bf16* dx = dinp + int64_t(row) * C;
-    const float m = mean[row], s = rstd[row];
+  const int iters = (rows_per_block + teams - 1) / teams;
+  for (int it = 0; it < iters; ++it) {
+    const int row = r0 + it * teams + team;
+    const bool has_row = row < r1;  // uniform over the team
+    const int64_t off = int64_t(has_row ? row : 0) * C;
+    const bf16* x = inp + off;
+    const bf16* dy = dout + off;
+    bf16* dx = dinp + off;
+    const float m = has_row ? mean[row] : 0.0f, s = has_row ? rstd[row] : 0.0f;
     float sum_g = 0.0f, sum_gx = 0.0f;
-    for (int c = lane; c < C; c += 32) {
-      const float xh = (to_float(x[c]) - m) * s;
-      const float g = to_float(dy[c]) * to_float(weight[c]);
-      sum_g += g;
-      sum_gx += g * xh;
+    if (has_row) {
+      if (VEC) {
+        for (int c = 8 * k; c < C; c += 8 * team_threads) {
+          const auto xp = Pack16<bf16>::load(x + c), dp = Pack16<bf16>::load(dy + c);
+          const auto wp = Pack16<bf16>::load(weight + c);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            const float xh = (to_float(xp.v[e]) - m) * s;
+            const float g = to_float(dp.v[e]) * to_float(wp.v[e]);
+            sum_g += g;
+            sum_gx += g * xh;
+          }
+        }
+      } else {
+        for (int c = k; c < C; c += team_threads) {
+          const float xh = (to_float(x[c]) - m) * s;
+          const float g = to_float(dy[c]) * to_float(weight[c]);
+          sum_g += g;
+          sum_gx += g * xh;
+        }
+      }
     }
-    sum_g = warp_sum(sum_g) / C;
-    sum_gx = warp_sum(sum_gx) / C;
-    for (int c = lane; c < C; c += 32) {
-      const float xh = (to_float(x[c]) - m) * s;
-      const float d = to_float(dy[c]);
-      const float g = d * to_float(weight[c]);
-      dx[c] = from_float<bf16>(to_float(dx[c]) + s * (g - sum_g - xh * sum_gx));
-      sdw[c] += d * xh;
-      sdb[c] += d;
+    sum_g = warp_sum(sum_g);
+    sum_gx = warp_sum(sum_gx);
+    if (W > 1) {  // uniform over the block
+      if (lane == 0) {
+        red[warp] = sum_g;
+        red[kBwdWarps + warp] = sum_gx;
+      }
+      __syncthreads();
+      sum_g = 0.0f;
+      sum_gx = 0.0f;
+      for (int w = team * W; w < (team + 1) * W; ++w) {
+        sum_g += red[w];
+        sum_gx += red[kBwdWarps + w];
+      }
+      __syncthreads();  // red is rewritten in the next iteration
+    }
+    if (!has_row) continue;
+    sum_g /= C;
+    sum_gx /= C;
+    if (VEC) {
+      for (int c = 8 * k; c < C; c += 8 * team_threads) {
+        const auto xp = Pack16<bf16>::load(x + c), dp = Pack16<bf16>::load(dy + c);
+        const auto wp = Pack16<bf16>::load(weight + c);
+        auto gp = Pack16<bf16>::load_rw(dx + c);  // dinp += : read it coherently
+        float dw[8], db[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const float xh = (to_float(xp.v[e]) - m) * s;
+          const float d = to_float(dp.v[e]);
+          const float g = d * to_float(wp.v[e]);
+          gp.v[e] = from_float<bf16>(to_float(gp.v[e]) + s * (g - sum_g - xh * sum_gx));
+          dw[e] = d * xh;
+          db[e] = d;
+        }
+        add8(sdw + c, dw);
+        add8(sdb + c, db);
+        gp.store(dx + c);
+      }
+    } else {
+      for (int c = k; c < C; c += team_threads) {
+        const float xh = (to_float(x[c]) - m) * s;
+        const float d = to_float(dy[c]);
+        const float g = d * to_float(weight[c]);
+        dx[c] = from_float<bf16>(to_float(dx[c]) + s * (g - sum_g - xh * sum_gx));
+        sdw[c] += d * xh;
+        sdb[c] += d;
+      }
     }
   }
   __syncthreads();
-  // Combine the warps in order; one partial row (dweight | dbias) per block.
+  // Combine the teams in order; one partial row (dweight | dbias) per block.
   float* out = partial + size_t(blockIdx.x) * 2 * C;
   for (int c = threadIdx.x; c < 2 * C; c += blockDim.x) {
     float acc = 0.0f;
-    for (int w = 0; w < nwarps; ++w) acc += sh[size_t(w) * 2 * C + c];
+    for (int t = 0; t < teams; ++t) acc += sh[size_t(t) * 2 * C + c];
     out[c] = acc;
   }
 }
@@ -157,30 +256,92 @@ __global__ void layernorm_backward_finish_kernel(float* dweight, float* dbias, c
   }
 }
 
+// Per-device facts the backward's launch depends on, queried once per
+// device (not on every call): the opt-in shared memory limit, and the
+// resident blocks per SM of each kernel variant at each shared memory size.
+class BwdDeviceCache {
+ public:
+  struct Entry {
+    int optin = 0;            // cudaDevAttrMaxSharedMemoryPerBlockOptin
+    bool raised = false;      // cudaFuncAttributeMaxDynamicSharedMemorySize set to optin for both variants
+    std::map<std::pair<bool, size_t>, int> blocks_per_sm;
+  };
+
+  // The current device's entry, filled on first use; `smem` > 48 KiB raises
+  // the kernels' dynamic shared memory limit first (once per device).
+  int blocks_per_sm(bool vec, size_t smem, int* optin_out) {
+    int dev = 0;
+    TR_CUDA_CHECK(cudaGetDevice(&dev));
+    std::lock_guard<std::mutex> lk(mu_);
+    Entry& e = entries_[dev];
+    if (e.optin == 0) {
+      TR_CUDA_CHECK(cudaDeviceGetAttribute(&e.optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+      if (e.optin <= 0) e.optin = int(kBwdSmemTarget);
+    }
+    *optin_out = e.optin;
+    if (smem > size_t(e.optin)) return 0;
+    if (smem > kBwdSmemTarget && !e.raised) {
+      TR_CUDA_CHECK(cudaFuncSetAttribute(layernorm_backward_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         e.optin));
+      TR_CUDA_CHECK(cudaFuncSetAttribute(layernorm_backward_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         e.optin));
+      e.raised = true;
+    }
+    auto it = e.blocks_per_sm.find({vec, smem});
+    if (it != e.blocks_per_sm.end()) return it->second;
+    int n = 0;
+    if (vec) {
+      TR_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, layernorm_backward_kernel<true>, kBwdThreads,
+                                                                  smem));
+    } else {
+      TR_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, layernorm_backward_kernel<false>, kBwdThreads,
+                                                                  smem));
+    }
+    e.blocks_per_sm[{vec, smem}] = n;
+    return n;
+  }
+
+ private:
+  std::mutex mu_;
+  std::map<int, Entry> entries_;
+};
+
+BwdDeviceCache& bwd_cache() {
+  static BwdDeviceCache c;
+  return c;
+}
+
 struct BwdPlan {
-  int warps, blocks, rows_per_block;
+  int teams, blocks, rows_per_block;
   size_t smem;
 };
 
-BwdPlan bwd_plan(int N, int C, int num_sms) {
-  int max_smem = 48 * 1024;
-  int dev = 0;
-  if (cudaGetDevice(&dev) == cudaSuccess) {
-    int optin = 0;
-    if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) == cudaSuccess && optin > 0)
-      max_smem = optin;
-  }
+// Teams: as many as fit kBwdSmemTarget (8 up to C = 767, 4 to 1534, 2 to
+// 3069, else 1; C = 4096 takes 32 KiB, C = 8192 64 KiB through the opt-in). Blocks: every SM
+// filled to its occupancy, never more than the rows need. The plan depends
+// on the GPU (SM count, occupancy), so dweight/dbias are deterministic for
+// a given GPU and shape.
+BwdPlan bwd_plan(int N, int C, bool vec, int num_sms) {
+  auto smem_for = [C](int teams) { return size_t(teams) * 2 * C * sizeof(float) + 2 * kBwdWarps * sizeof(float); };
   BwdPlan p{};
-  p.warps = 8;
-  while (p.warps > 1 && size_t(p.warps) * 2 * C * 4 > size_t(max_smem)) p.warps /= 2;
-  p.smem = size_t(p.warps) * 2 * C * 4;
-  TR_CHECK(p.smem <= size_t(max_smem), "layernorm_backward: C=", C, " needs ", p.smem,
-           " bytes of shared memory per block, the GPU allows ", max_smem);
-  const int want = std::max(1, 2 * std::max(1, num_sms));
-  p.blocks = std::min(want, (N + p.warps - 1) / p.warps);
-  if (p.blocks < 1) p.blocks = 1;
+  p.teams = kBwdWarps;
+  while (p.teams > 1 && smem_for(p.teams) > kBwdSmemTarget) p.teams /= 2;
+  p.smem = smem_for(p.teams);
+  int optin = 0;
+  const int per_sm = bwd_cache().blocks_per_sm(vec, p.smem, &optin);
+  TR_CHECK(p.smem <= size_t(optin), "layernorm_backward: C=", C, " needs ", p.smem,
+           " bytes of shared memory per block (dweight and dbias partials, 8 bytes per channel), the GPU allows ",
+           optin, "; C up to ", (optin - 2 * kBwdWarps * int(sizeof(float))) / 8, " is supported");
+  TR_CHECK(per_sm >= 1, "layernorm_backward: C=", C, ": no block of ", kBwdThreads, " threads with ", p.smem,
+           " bytes of shared memory fits on an SM of this GPU");
+  const int want = std::max(1, num_sms) * per_sm;
+  p.blocks = std::max(1, std::min(want, (N + p.teams - 1) / p.teams));
   p.rows_per_block = (N + p.blocks - 1) / p.blocks;
   return p;
+}
+
+bool bwd_vec(int C, const bf16* dinp, const bf16* dout, const bf16* inp, const bf16* weight) {
+  return C % 8 == 0 && aligned16(dinp) && aligned16(dout) && aligned16(inp) && aligned16(weight);
 }
 
 }  // namespace
@@ -217,20 +378,25 @@ void residual_layernorm_forward(bf16* res_out, bf16* out, float* mean, float* rs
 }
 
 size_t layernorm_backward_scratch_bytes(int N, int C, int num_sms) {
-  const BwdPlan p = bwd_plan(N, C, num_sms);
-  return size_t(p.blocks) * 2 * C * sizeof(float);
+  if (N <= 0 || C <= 0) return 0;
+  // The larger of the two variants' partials (the pointers' alignment is not known here).
+  const BwdPlan a = bwd_plan(N, C, true, num_sms), b = bwd_plan(N, C, false, num_sms);
+  return size_t(std::max(a.blocks, b.blocks)) * 2 * C * sizeof(float);
 }
 
 void layernorm_backward(bf16* dinp, float* dweight, float* dbias, const bf16* dout, const bf16* inp,
                         const bf16* weight, const float* mean, const float* rstd, int N, int C, float* scratch,
                         int num_sms, cudaStream_t stream) {
   if (N <= 0 || C <= 0) return;
-  const BwdPlan p = bwd_plan(N, C, num_sms);
-  if (p.smem > 48 * 1024)
-    TR_CUDA_CHECK(cudaFuncSetAttribute(layernorm_backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       int(p.smem)));
-  layernorm_backward_kernel<<<p.blocks, 32 * p.warps, p.smem, stream>>>(dinp, scratch, dout, inp, weight, mean, rstd,
-                                                                        N, C, p.rows_per_block);
+  const bool vec = bwd_vec(C, dinp, dout, inp, weight);
+  const BwdPlan p = bwd_plan(N, C, vec, num_sms);
+  if (vec) {
+    layernorm_backward_kernel<true><<<p.blocks, kBwdThreads, p.smem, stream>>>(dinp, scratch, dout, inp, weight, mean,
+                                                                               rstd, N, C, p.rows_per_block, p.teams);
+  } else {
+    layernorm_backward_kernel<false><<<p.blocks, kBwdThreads, p.smem, stream>>>(dinp, scratch, dout, inp, weight, mean,
+                                                                                rstd, N, C, p.rows_per_block, p.teams);
+  }
   TR_CUDA_LAUNCH_CHECK("layernorm_backward");
   layernorm_backward_finish_kernel<<<grid_for(2 * C, 256, 1024), 256, 0, stream>>>(dweight, dbias, scratch, p.blocks,
                                                                                   C);

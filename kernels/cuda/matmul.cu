@@ -77,6 +77,7 @@ GemmDesc linear_forward_desc(int N, int C, int OC, bool bias, int64_t ld_out) {
   g.ldd = ld_out > 0 ? ld_out : OC;
   g.ab_type = g.d_type = DType::BF16;
   g.epilogue = bias ? GemmEpilogue::Bias : GemmEpilogue::None;
+  g.bias_type = DType::BF16;  // the layer's bias (bf16 parameter), also for GELU_AUX_BIAS
   return g;
 }
 
@@ -102,6 +103,7 @@ GemmDesc linear_dweight_desc(int N, int C, int OC, int64_t ld_out) {
   g.ldd = C;
   g.d_type = DType::F32;
   g.accumulate = true;
+  g.bias_type = DType::F32;  // BGRADB (matmul_backward): the dbias scratch is fp32
   return g;
 }
 
