@@ -15,15 +15,24 @@
 //      * every parameter gradient accumulates (+=), so gradient accumulation
 //        over micro-batches needs no extra buffers;
 //      * matmul_backward and attention_backward overwrite their input grads;
-//      * layernorm_backward and encoder_backward accumulate into theirs,
-//        because the residual stream's gradient is the sum of two paths.
+//      * layernorm_backward, rmsnorm_backward and encoder_backward
+//        accumulate into theirs, because the residual stream's gradient is
+//        the sum of two paths;
+//      * rope_backward works in place on the gradient it is given.
 // Dimension letters: B batch, T time, C channels, NH heads, HS = C/NH,
-// V vocab, N = B*T rows, OC output channels.
+// V vocab, N = B*T rows, OC output channels; for Llama also NKV key/value
+// heads (grouped-query attention), HS the head size, F the MLP's width.
+//
+// Ops added after the first backend have a default implementation that
+// throws "<op>: not implemented by the <name()> backend", so a backend that
+// has not caught up yet still builds and fails only when a model needs them.
 #pragma once
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
+
+#include "core/common/error.h"
 
 namespace trainrun {
 
@@ -147,6 +156,84 @@ class Backend {
   virtual void softmax_cross_entropy(float* losses, void* dlogits, const void* logits, const int32_t* targets, int N,
                                      int V, int ldv, float dloss_scale) = 0;
 
+  // ---- Llama ops (RMSNorm, RoPE, SwiGLU, grouped-query attention) ----------------
+  // Defaults throw (see the top of this file); the CPU backend has them all.
+
+  // RMSNorm over the last dim, as HF's LlamaRMSNorm, in fp32:
+  // out(N,C) = inp * rstd * weight, rstd(N) = 1/sqrt(mean_c(inp^2) + eps) (kept for backward).
+  virtual void rmsnorm_forward(void* out, float* rstd, const void* inp, const void* weight, int N, int C, float eps) {
+    not_implemented("rmsnorm_forward");
+  }
+  // Fused residual add + RMSNorm (forward only), as residual_layernorm_forward:
+  // res_out = a + b, then out = RMSNorm(res_out). res_out must not alias a or b;
+  // the backward is rmsnorm_backward into the residual gradient.
+  virtual void residual_rmsnorm_forward(void* res_out, void* out, float* rstd, const void* a, const void* b,
+                                        const void* weight, int N, int C, float eps) {
+    not_implemented("residual_rmsnorm_forward");
+  }
+  // dinp(N,C) += .., dweight(C) += .. (as layernorm_backward).
+  virtual void rmsnorm_backward(void* dinp, float* dweight, const void* dout, const void* inp, const void* weight,
+                                const float* rstd, int N, int C) {
+    not_implemented("rmsnorm_backward");
+  }
+
+  // Rotary position embedding, HF Llama's convention (rotate_half): within a
+  // head, element i pairs with i + HS/2, and at position p
+  //   x'[i]      = x[i] cos(p f_i) - x[i+HS/2] sin(p f_i)
+  //   x'[i+HS/2] = x[i+HS/2] cos(p f_i) + x[i] sin(p f_i),   i < HS/2.
+  // Applied in place to the q and k heads of the fused qkv(B,T,(NH+2*NKV)*HS)
+  // (per row: NH q heads | NKV k heads | NKV v heads); v is not touched. Row t
+  // is at position pos0 + t (pos0 > 0: KV-cached decoding; training uses 0).
+  // cos_sin is fp32 device memory (maxT, HS/2, 2): cos_sin[(p*HS/2 + i)*2] =
+  // cos(p f_i), [.. + 1] = sin(p f_i), as kernels/rope_table.h computes it on
+  // the host; it needs maxT >= pos0 + T rows. HS must be even.
+  virtual void rope_forward(void* qkv, const float* cos_sin, int B, int T, int NH, int NKV, int HS, int pos0) {
+    not_implemented("rope_forward");
+  }
+  // In place on dqkv's dq and dk heads: the transposed rotation (angle -p f_i).
+  // dv is not touched (v passes through RoPE unchanged).
+  virtual void rope_backward(void* dqkv, const float* cos_sin, int B, int T, int NH, int NKV, int HS, int pos0) {
+    not_implemented("rope_backward");
+  }
+
+  // SwiGLU: inp(N,2F) holds gate | up per row (the fused gate|up GEMM's
+  // output); out(N,F) = silu(gate) * up, silu(x) = x * sigmoid(x).
+  virtual void swiglu_forward(void* out, const void* inp, int N, int F) { not_implemented("swiglu_forward"); }
+  // dinp(N,2F) = [dout * up * silu'(gate) | dout * silu(gate)] (overwritten;
+  // dinp may alias inp).
+  virtual void swiglu_backward(void* dinp, const void* dout, const void* inp, int N, int F) {
+    not_implemented("swiglu_backward");
+  }
+
+  // Causal grouped-query self-attention. qkv(B,T,(NH+2*NKV)*HS) is laid out
+  // as for rope_forward; NKV divides NH and query head h uses key/value head
+  // h / (NH/NKV) (HF's repeat_kv). out(B,T,NH*HS), heads side by side. With
+  // NKV == NH it is attention_forward with C = NH*HS. `saved` is
+  // backend-private, attention_gqa_saved_floats() long.
+  virtual size_t attention_gqa_saved_floats(int B, int T, int NH) const {
+    not_implemented("attention_gqa_saved_floats");
+  }
+  virtual void attention_gqa_forward(void* out, float* saved, const void* qkv, int B, int T, int NH, int NKV,
+                                     int HS) {
+    not_implemented("attention_gqa_forward");
+  }
+  // dqkv(B,T,(NH+2*NKV)*HS) overwritten. dk and dv of a KV head are summed
+  // over the query heads of its group in a fixed order, so the result is
+  // bit-reproducible run to run and across thread counts.
+  virtual void attention_gqa_backward(void* dqkv, const void* dout, const void* qkv, const void* out,
+                                      const float* saved, int B, int T, int NH, int NKV, int HS) {
+    not_implemented("attention_gqa_backward");
+  }
+  // KV-cached grouped-query attention for one sequence, as attention_kv_forward:
+  // qkv(Tq,(NH+2*NKV)*HS) holds the Tq new tokens at positions [pos, pos+Tq)
+  // (already rotated by rope_forward with pos0 = pos); their k and v heads go
+  // to rows [pos, pos+Tq) of kcache and vcache (each (maxT, NKV*HS)), then
+  // out(Tq, NH*HS) row i attends to cache rows [0, pos+i].
+  virtual void attention_kv_gqa_forward(void* out, void* kcache, void* vcache, const void* qkv, int pos, int Tq,
+                                        int NH, int NKV, int HS) {
+    not_implemented("attention_kv_gqa_forward");
+  }
+
   // ---- optimizer --------------------------------------------------------------
   // out[0] += sum(x^2) over n fp32 values (for the global grad norm).
   virtual void sum_squares(float* out, const float* x, int64_t n) = 0;
@@ -163,6 +250,11 @@ class Backend {
   virtual void adamw_update(float* master, void* param, const float* grad, float* m, float* v,
                             int64_t n, float lr, float beta1, float beta2, float eps,
                             float weight_decay, int step, float grad_scale) = 0;
+
+ protected:
+  [[noreturn]] void not_implemented(const char* op) const {
+    TR_FAIL(op, ": not implemented by the ", name(), " backend; run this model with backend: cpu until it is");
+  }
 };
 
 // The CPU backend (fp32, OpenBLAS + OpenMP). `threads` <= 0: OpenMP's default.

@@ -10,7 +10,9 @@
 // Backward per (b,h): dP = dout v^T, dS = P * (dP - rowsum(P*dP)) / sqrt(HS),
 //                     dq = dS k, dk = dS^T q, dv = P^T dout.
 // The (b,h) pairs are spread over OpenMP threads; inside the parallel region
-// the OpenMP build of OpenBLAS runs each sgemm single-threaded.
+// the OpenMP build of OpenBLAS runs each sgemm single-threaded. The row
+// softmax and its backward are shared with grouped-query attention
+// (causal_softmax.h; cpu_attention_gqa.cpp).
 #include <cblas.h>
 #include <omp.h>
 
@@ -18,6 +20,7 @@
 #include <cmath>
 #include <vector>
 
+#include "kernels/cpu/causal_softmax.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/fastmath.h"
 
@@ -43,23 +46,7 @@ void CpuBackend::attention_forward(void* out_, float* saved, const void* qkv_, i
     // The full T x T product is computed, then masked: sgemm on the whole
     // square beats row-by-row triangular dot products by a wide margin.
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, T, HS, sc, q, C3, k, C3, 0.0f, P, T);
-    for (int t = 0; t < T; ++t) {
-      float* row = P + int64_t(t) * T;
-      float mx = -INFINITY;
-#pragma omp simd reduction(max : mx)
-      for (int j = 0; j <= t; ++j) mx = std::max(mx, row[j]);
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int j = 0; j <= t; ++j) {
-        float e = fastmath::exp(row[j] - mx);
-        row[j] = e;
-        sum += e;
-      }
-      const float inv = 1.0f / sum;
-#pragma omp simd
-      for (int j = 0; j <= t; ++j) row[j] *= inv;
-      for (int j = t + 1; j < T; ++j) row[j] = 0.0f;
-    }
+    for (int t = 0; t < T; ++t) cpu::causal_softmax_row(P + int64_t(t) * T, t, T);
     float* o = out + int64_t(b) * T * C + h * HS;
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, HS, T, 1.0f, P, T, v, C3, 0.0f, o, C);
   }
@@ -95,16 +82,7 @@ void CpuBackend::attention_backward(void* dqkv_, const void* dout_, const void* 
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, T, HS, 1.0f, dO, C, v, C3, 0.0f, dP, T);
       cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, T, HS, T, 1.0f, P, T, dO, C, 0.0f, dv, C3);
       // dS = P * (dP - rowsum(P*dP)) * sc, written over dP; zero above the diagonal.
-      for (int t = 0; t < T; ++t) {
-        const float* p = P + int64_t(t) * T;
-        float* d = dP + int64_t(t) * T;
-        float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-        for (int j = 0; j <= t; ++j) dot += p[j] * d[j];
-#pragma omp simd
-        for (int j = 0; j <= t; ++j) d[j] = p[j] * (d[j] - dot) * sc;
-        for (int j = t + 1; j < T; ++j) d[j] = 0.0f;
-      }
+      for (int t = 0; t < T; ++t) cpu::causal_softmax_backward_row(dP + int64_t(t) * T, P + int64_t(t) * T, t, T, sc);
       // dq = dS k, dk = dS^T q
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, HS, T, 1.0f, dP, T, k, C3, 0.0f, dq, C3);
       cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, T, HS, T, 1.0f, dP, T, q, C3, 0.0f, dk, C3);

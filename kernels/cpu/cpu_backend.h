@@ -63,6 +63,23 @@ class CpuBackend final : public Backend {
                         int V, int ldv) override;
   void softmax_cross_entropy(float* losses, void* dlogits, const void* logits, const int32_t* targets, int N, int V,
                              int ldv, float dloss_scale) override;
+  // Llama ops: cpu_rmsnorm.cpp, cpu_rope.cpp, cpu_swiglu.cpp, cpu_attention_gqa.cpp.
+  void rmsnorm_forward(void* out, float* rstd, const void* inp, const void* weight, int N, int C, float eps) override;
+  void residual_rmsnorm_forward(void* res_out, void* out, float* rstd, const void* a, const void* b, const void* weight,
+                                int N, int C, float eps) override;
+  void rmsnorm_backward(void* dinp, float* dweight, const void* dout, const void* inp, const void* weight,
+                        const float* rstd, int N, int C) override;
+  void rope_forward(void* qkv, const float* cos_sin, int B, int T, int NH, int NKV, int HS, int pos0) override;
+  void rope_backward(void* dqkv, const float* cos_sin, int B, int T, int NH, int NKV, int HS, int pos0) override;
+  void swiglu_forward(void* out, const void* inp, int N, int F) override;
+  void swiglu_backward(void* dinp, const void* dout, const void* inp, int N, int F) override;
+  size_t attention_gqa_saved_floats(int B, int T, int NH) const override;
+  void attention_gqa_forward(void* out, float* saved, const void* qkv, int B, int T, int NH, int NKV,
+                             int HS) override;
+  void attention_gqa_backward(void* dqkv, const void* dout, const void* qkv, const void* out, const float* saved,
+                              int B, int T, int NH, int NKV, int HS) override;
+  void attention_kv_gqa_forward(void* out, void* kcache, void* vcache, const void* qkv, int pos, int Tq, int NH,
+                                int NKV, int HS) override;
   void sum_squares(float* out, const float* x, int64_t n) override;
   void sum(float* out, const float* x, int64_t n) override;
   void scale(float* x, float s, int64_t n) override;

@@ -114,6 +114,74 @@ Vec cross_entropy(const Vec& logits, const Tokens& targets, int N, int V) {
   return loss;
 }
 
+// ---- Llama ops -------------------------------------------------------------------
+
+Vec rmsnorm(const Vec& x, const Vec& w, int N, int C, double eps, Vec* rstd) {
+  Vec out(size_t(N) * C);
+  if (rstd) rstd->assign(N, 0.0);
+  for (int n = 0; n < N; ++n) {
+    const double* row = x.data() + size_t(n) * C;
+    double ms = 0.0;
+    for (int c = 0; c < C; ++c) ms += row[c] * row[c];
+    ms /= C;
+    const double s = 1.0 / std::sqrt(ms + eps);
+    for (int c = 0; c < C; ++c) out[size_t(n) * C + c] = row[c] * s * w[c];
+    if (rstd) (*rstd)[n] = s;
+  }
+  return out;
+}
+
+Vec rope(const Vec& qkv, const Vec& inv_freq, int B, int T, int NH, int NKV, int HS, int pos0) {
+  const int half = HS / 2;
+  if (HS % 2 != 0 || int(inv_freq.size()) != half) throw std::runtime_error("ref::rope: need HS even, HS/2 freqs");
+  const size_t ld = size_t(NH + 2 * NKV) * HS;
+  Vec out = qkv;  // v heads pass through
+  Vec cosv(HS), sinv(HS), rot(HS);
+  for (int b = 0; b < B; ++b)
+    for (int t = 0; t < T; ++t) {
+      for (int d = 0; d < HS; ++d) {
+        const double angle = double(pos0 + t) * inv_freq[d % half];  // cat(freqs, freqs)
+        cosv[d] = std::cos(angle);
+        sinv[d] = std::sin(angle);
+      }
+      for (int h = 0; h < NH + NKV; ++h) {  // q heads, then k heads
+        const double* x = qkv.data() + (size_t(b) * T + t) * ld + size_t(h) * HS;
+        for (int d = 0; d < HS; ++d) rot[d] = d < half ? -x[d + half] : x[d - half];  // rotate_half
+        double* y = out.data() + (size_t(b) * T + t) * ld + size_t(h) * HS;
+        for (int d = 0; d < HS; ++d) y[d] = x[d] * cosv[d] + rot[d] * sinv[d];
+      }
+    }
+  return out;
+}
+
+Vec swiglu(const Vec& inp, int N, int F) {
+  Vec out(size_t(N) * F);
+  for (int n = 0; n < N; ++n)
+    for (int f = 0; f < F; ++f) {
+      const double g = inp[size_t(n) * 2 * F + f], u = inp[size_t(n) * 2 * F + F + f];
+      out[size_t(n) * F + f] = g / (1.0 + std::exp(-g)) * u;
+    }
+  return out;
+}
+
+Vec attention_gqa(const Vec& qkv, int B, int T, int NH, int NKV, int HS) {
+  if (NH % NKV != 0) throw std::runtime_error("ref::attention_gqa: NKV must divide NH");
+  const int R = NH / NKV, C = NH * HS;
+  const size_t ld = size_t(NH + 2 * NKV) * HS;
+  // repeat_kv: an MHA qkv(B,T,3C) whose k/v head h is the KV head h / R.
+  Vec mha(size_t(B) * T * 3 * C);
+  for (size_t bt = 0; bt < size_t(B) * T; ++bt)
+    for (int h = 0; h < NH; ++h)
+      for (int d = 0; d < HS; ++d) {
+        const double* row = qkv.data() + bt * ld;
+        double* m = mha.data() + bt * 3 * C;
+        m[size_t(h) * HS + d] = row[size_t(h) * HS + d];
+        m[C + size_t(h) * HS + d] = row[size_t(NH + h / R) * HS + d];
+        m[2 * size_t(C) + size_t(h) * HS + d] = row[size_t(NH + NKV + h / R) * HS + d];
+      }
+  return attention(mha, B, T, C, NH);
+}
+
 namespace {
 // The entries of one named tensor of the flat parameter vector.
 Vec tensor(const ParamLayout& lay, const Vec& params, const std::string& name) {

@@ -49,6 +49,28 @@ Vec residual(const Vec& a, const Vec& b);
 // a negative target is ignored (loss 0).
 Vec cross_entropy(const Vec& logits, const Tokens& targets, int N, int V);
 
+// ---- Llama ops -------------------------------------------------------------------
+
+// RMSNorm over the last dim of x(N,C), as HF's LlamaRMSNorm:
+// x / sqrt(mean(x^2) + eps) * w. When given, rstd (N) receives 1/sqrt(..).
+Vec rmsnorm(const Vec& x, const Vec& w, int N, int C, double eps, Vec* rstd = nullptr);
+
+// RoPE as HF's apply_rotary_pos_emb writes it: x * cos + rotate_half(x) * sin,
+// with rotate_half(x) = cat(-x[HS/2:], x[:HS/2]) and cos/sin (HS) the angles
+// p * inv_freq (HS/2) repeated over both halves, in double. Applied to the q
+// and k heads of qkv(B,T,(NH+2*NKV)*HS) (per row: NH q | NKV k | NKV v heads),
+// row t at position pos0 + t; v is copied through.
+Vec rope(const Vec& qkv, const Vec& inv_freq, int B, int T, int NH, int NKV, int HS, int pos0);
+
+// SwiGLU: inp(N,2F) = gate | up per row -> out(N,F) = gate * sigmoid(gate) * up.
+Vec swiglu(const Vec& inp, int N, int F);
+
+// Causal grouped-query attention over qkv(B,T,(NH+2*NKV)*HS) laid out as for
+// rope(): the KV heads are first repeated R = NH/NKV times each (HF's
+// repeat_kv: query head h reads KV head h / R), then every query head runs
+// the textbook causal softmax attention. out(B,T,NH*HS).
+Vec attention_gqa(const Vec& qkv, int B, int T, int NH, int NKV, int HS);
+
 // GPT-2 forward (see core/model/gpt2.h for the architecture) from the flat
 // parameter vector in make_gpt2_layout(cfg)'s layout. Tensors are located by
 // their names in the layout, not by recomputing offsets, so a disagreement
