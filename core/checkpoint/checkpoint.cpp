@@ -1,5 +1,6 @@
 #include "core/checkpoint/checkpoint.h"
 
+#include <cxxabi.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -11,16 +12,20 @@
 #include <chrono>
 #include <cstring>
 #include <ctime>
+#include <exception>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <new>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <typeinfo>
 
 #include "core/common/error.h"
 #include "core/common/fileio.h"
 #include "core/common/log.h"
 #include "core/io/safetensors.h"
+#include "core/launch/debug_hooks.h"
 #include "core/model/model_io.h"
 #include "core/train/planner.h"
 
@@ -261,7 +266,40 @@ std::string check_manifest(const std::string& dir, json* out, std::vector<FileEn
 int64_t ckpt_timeout_ms(const JobSpec& job) {
   // Writing a large checkpoint to a slow filesystem can take far longer than
   // a collective; give it 10x the collective timeout, at least 10 minutes.
+  if (const int64_t ms = debug_env_ms("TRAINRUN_DEBUG_CKPT_TIMEOUT_MS")) return ms;  // tests
   return std::max<int64_t>(600'000, int64_t(job.parallel.timeout_s * 10'000));
+}
+
+// How often a checkpoint's waits look for the abort key: the bound on how
+// long a save in flight outlives its abandonment.
+constexpr auto kAbortPoll = std::chrono::milliseconds(200);
+
+// A checkpoint abandoned on purpose (Checkpointer::abort, here or on
+// another rank), as opposed to one that failed.
+class CheckpointAborted : public Error {
+ public:
+  using Error::Error;
+};
+
+// The exception being handled, for a message: an Error's own text; for
+// anything else its what() and type, so that a std::bad_alloc or a
+// filesystem_error escaping some library still says what it is.
+std::string current_exception_text() {
+  try {
+    throw;
+  } catch (const Error& e) {
+    return e.what();
+  } catch (const std::bad_alloc&) {
+    return "out of host memory (std::bad_alloc)";
+  } catch (const std::exception& e) {
+    int status = 0;
+    char* name = abi::__cxa_demangle(typeid(e).name(), nullptr, nullptr, &status);
+    std::string text = std::string(e.what()) + " (" + (status == 0 && name ? name : typeid(e).name()) + ")";
+    std::free(name);
+    return text;
+  } catch (...) {
+    return "an exception that is not a std::exception";
+  }
 }
 
 
@@ -270,22 +308,90 @@ int64_t ckpt_timeout_ms(const JobSpec& job) {
 Checkpointer::Checkpointer(const JobSpec& job, const GPT2Config& cfg, const ParamLayout& layout, int rank,
                            int world, Store* store, Communicator* comm, std::string key_prefix)
     : job_(job), cfg_(cfg), layout_(layout), rank_(rank), world_(world), store_(store), comm_(comm),
-      prefix_(std::move(key_prefix)), root_((fs::path(job.output.dir) / "checkpoints").string()) {
+      prefix_(std::move(key_prefix)), root_((fs::path(job.output.dir) / "checkpoints").string()),
+      uncaught_at_start_(std::uncaught_exceptions()) {
   TR_CHECK(world == 1 || store, "checkpoint: a multi-rank job needs the rendezvous store");
 }
 
 Checkpointer::~Checkpointer() {
+  // Unwinding: this rank's trainer failed. Its save in flight (or a peer's
+  // synchronous save waiting for it) must not hold anyone up.
+  if (std::uncaught_exceptions() > uncaught_at_start_)
+    abort("its training failed (that rank's own error says why)");
   if (bg_.joinable()) bg_.join();
 }
 
+void Checkpointer::abort(const std::string& why) {
+  {
+    std::lock_guard<std::mutex> lock(abort_mu_);
+    if (abort_why_.empty()) abort_why_ = "rank " + std::to_string(rank_) + " stopped: " + why;
+  }
+  aborted_ = true;
+  if (store_ && world_ > 1) {
+    try {
+      // The first rank to stop names the cause; later ones keep it.
+      store_->compare_set(abort_key(), {}, store_bytes("rank " + std::to_string(rank_) + " stopped: " + why));
+    } catch (...) {
+      // The store is gone too: peers learn of it from their own waits.
+    }
+  }
+  if (bg_.joinable()) bg_.join();
+  if (!bg_error_.empty()) {
+    TR_LOG_WARN(bg_error_);
+    bg_error_.clear();
+  }
+}
+
 void Checkpointer::clean_stale() {
-  if (rank_ != 0 || !fs::exists(root_)) return;
+  if (rank_ != 0) return;
+  // Only rank 0 gets here, and its peers are about to meet it in load():
+  // what goes wrong is reported there, to every rank, not thrown now.
+  try {
+    clean_stale_rank0();
+  } catch (...) {
+    clean_error_ = "checkpoint: cannot clean up " + root_ + " after an interrupted write: " + current_exception_text();
+  }
+}
+
+void Checkpointer::clean_stale_rank0() {
+  if (!fs::exists(root_)) return;
+  std::vector<fs::path> tmps, olds;
   for (const auto& e : fs::directory_iterator(root_)) {
     const std::string name = e.path().filename().string();
-    if (name.rfind(".tmp-", 0) == 0 || name.rfind(".old-", 0) == 0) {
-      std::error_code ec;
-      fs::remove_all(e.path(), ec);
-      TR_LOG_WARN("checkpoint: removed '", e.path().string(), "' left by an interrupted write");
+    if (name.rfind(".tmp-", 0) == 0) tmps.push_back(e.path());
+    if (name.rfind(".old-", 0) == 0) olds.push_back(e.path());
+  }
+  for (const fs::path& p : tmps) {
+    std::error_code ec;
+    fs::remove_all(p, ec);
+    TR_LOG_WARN("checkpoint: removed '", p.string(), "' left by an interrupted write");
+  }
+  // .old-step_N: step_N was being re-saved. Until the new step_N is in place
+  // and complete, the old one is the only copy of that step.
+  for (const fs::path& old : olds) {
+    const fs::path step_dir = old.parent_path() / old.filename().string().substr(5);
+    std::error_code ec;
+    if (!fs::exists(step_dir, ec)) {
+      fs::rename(old, step_dir, ec);
+      TR_CHECK(!ec, "checkpoint: cannot put '", old.string(), "' back as '", step_dir.string(),
+               "' (a re-save of that step was interrupted): ", ec.message(), "; rename it by hand");
+      fsync_path(root_);
+      TR_LOG_WARN("checkpoint: restored '", step_dir.string(), "' from '", old.string(),
+                  "' (a re-save of that step was interrupted before the new one was in place)");
+    } else if (check_manifest(step_dir.string(), nullptr, nullptr).empty() ||
+               !check_manifest(old.string(), nullptr, nullptr).empty()) {
+      fs::remove_all(old, ec);
+      TR_LOG_WARN("checkpoint: removed '", old.string(), "' left by an interrupted re-save (", step_dir.string(),
+                  " is complete)");
+    } else {
+      // The new one is there but does not check out, the old one does.
+      fs::remove_all(step_dir, ec);
+      TR_CHECK(!ec, "checkpoint: cannot remove '", step_dir.string(), "': ", ec.message());
+      fs::rename(old, step_dir, ec);
+      TR_CHECK(!ec, "checkpoint: cannot put '", old.string(), "' back as '", step_dir.string(), "': ", ec.message());
+      fsync_path(root_);
+      TR_LOG_WARN("checkpoint: restored '", step_dir.string(), "' from '", old.string(),
+                  "' (the re-saved one was incomplete)");
     }
   }
 }
@@ -313,17 +419,19 @@ double Checkpointer::save(ParamStore& ps, const TrainState& st) {
     bg_ = std::thread([this, step, st] {
       try {
         write_and_commit(step, st, snapshot_);
-      } catch (const std::exception& e) {
-        bg_error_ = e.what();
+      } catch (...) {
+        bg_error_ = current_exception_text();
       }
     });
     return std::chrono::duration<double>(Clock::now() - t0).count();
   }
+  std::string failed;
   try {
     write_and_commit(step, st, snapshot_);
-  } catch (const Error& e) {
-    handle_failure(e.what());
+  } catch (...) {
+    failed = current_exception_text();
   }
+  if (!failed.empty()) handle_failure(failed);
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
@@ -363,57 +471,134 @@ void Checkpointer::handle_failure(const std::string& what) {
           ") is intact; free space or fix the output directory, or set checkpoint.on_error: continue");
 }
 
+void Checkpointer::check_abort(bool ask_store_now) {
+  if (aborted_) {
+    std::string why;
+    {
+      std::lock_guard<std::mutex> lock(abort_mu_);
+      why = abort_why_;
+    }
+    // The store's key names the first rank to stop: the cause, where this
+    // rank may only have stopped because of it (a collective with that rank failed).
+    if (store_ && world_ > 1) {
+      try {
+        if (store_->check(abort_key())) why = store_text(store_->get(abort_key(), Millis(10'000)));
+      } catch (...) {
+        // this rank's own reason then
+      }
+    }
+    throw CheckpointAborted("abandoned because " + why);
+  }
+  if (!store_ || world_ == 1) return;
+  const auto now = Clock::now();
+  if (!ask_store_now && now < next_abort_poll_) return;
+  next_abort_poll_ = now + kAbortPoll;
+  if (!store_->check(abort_key())) return;
+  throw CheckpointAborted("abandoned because " + store_text(store_->get(abort_key(), Millis(10'000))));
+}
+
+void Checkpointer::await_keys(const std::vector<std::string>& keys, Clock::time_point deadline,
+                              const std::string& what) {
+  for (;;) {
+    const auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now());
+    try {
+      store_->wait(keys, std::clamp(left, Millis(0), Millis(kAbortPoll)));
+      return;
+    } catch (const StoreTimeoutError&) {
+      // a slice ran out: look for an abandonment, then wait on
+    }
+    check_abort(true);
+    if (Clock::now() >= deadline) break;
+  }
+  std::vector<std::string> missing;
+  for (const auto& k : keys)
+    if (!store_->check(k)) missing.push_back(k);
+  if (missing.empty()) return;  // the last one came just after the deadline
+  std::string list;
+  for (size_t i = 0; i < missing.size() && i < 8; ++i) list += (i ? ", '" : "'") + missing[i] + "'";
+  if (missing.size() > 8) list += ", ... (" + std::to_string(missing.size() - 8) + " more)";
+  TR_FAIL("rank ", rank_, " waited ", ckpt_timeout_ms(job_) / 1000, " s for ", what, " (still missing: ", list,
+          "); is a rank stuck writing, or did one die without a trace?");
+}
+
+std::string Checkpointer::await_text(const std::string& key, Clock::time_point deadline,
+                                     const std::string& what) {
+  await_keys({key}, deadline, what);
+  return store_text(store_->get(key, Millis(10'000)));
+}
+
+void Checkpointer::drop_keys(int64_t step) {
+  const std::string key = step_key(step);
+  try {
+    // Rank 0 read this rank's two keys before it published "committed".
+    store_->remove(key + "segments/" + std::to_string(rank_));
+    store_->remove(key + "written/" + std::to_string(rank_));
+    // Every rank has read "committed" once the counter reaches the world size.
+    if (store_->add(key + "done", 1) == world_)
+      for (const char* k : {"ready", "committed", "done"}) store_->remove(key + k);
+  } catch (...) {
+    // Only bookkeeping: the checkpoint itself is settled.
+    TR_LOG_WARN("checkpoint: could not remove the store keys of step ", step, ": ", current_exception_text());
+  }
+}
+
 void Checkpointer::write_and_commit(int64_t step, const TrainState& st, const std::vector<std::vector<float>>& parts) {
-  const std::string key = prefix_ + "ckpt/" + std::to_string(step) + "/";
-  const auto timeout = std::chrono::milliseconds(ckpt_timeout_ms(job_));
+  const std::string key = step_key(step);
+  const auto deadline = Clock::now() + std::chrono::milliseconds(ckpt_timeout_ms(job_));
   const std::string final_dir = root_ + "/" + step_name(step);
   const std::string tmp = root_ + "/.tmp-" + step_name(step);
   const std::string mhdr = model_header(cfg_, layout_), ohdr = optimizer_header(layout_);
   const std::string mpath = tmp + "/model.safetensors", opath = tmp + "/optimizer.safetensors";
+  const std::string me = "rank " + std::to_string(rank_);
+  next_abort_poll_ = {};
 
   // 1. rank 0 lays out the directory and the files at full size.
-  std::string setup_error;
-  if (rank_ == 0) {
-    try {
-      std::error_code ec;
-      fs::create_directories(root_, ec);
-      TR_CHECK(!ec, "checkpoint: cannot create '", root_, "': ", ec.message());
-      fs::remove_all(tmp, ec);
-      fs::create_directories(tmp, ec);
-      TR_CHECK(!ec, "checkpoint: cannot create '", tmp, "': ", ec.message());
-      for (const auto& [path, hdr, elems] :
-           {std::tuple{mpath, mhdr, layout_.total}, std::tuple{opath, ohdr, 2 * layout_.total}}) {
-        write_file_synced(path, hdr);
-        // Reserve the blocks now (posix_fallocate), so a full disk or a
-        // file-size limit shows up here, before any rank writes, rather
-        // than as a short write later; fall back to a sparse truncate
-        // where the filesystem cannot preallocate.
-        const off_t total = off_t(hdr.size() + elems * 4);
-        int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
-        TR_CHECK_ERRNO(fd >= 0, "cannot open '", path, "'");
-        int rc = ::posix_fallocate(fd, 0, total);
-        ::close(fd);
-        if (rc == EINVAL || rc == EOPNOTSUPP) rc = ::truncate(path.c_str(), total) == 0 ? 0 : errno;
-        errno = rc;
-        TR_CHECK_ERRNO(rc == 0, "cannot allocate ", total, " bytes for '", path, "' (disk full or file size limit?)");
-      }
-    } catch (const Error& e) {
-      setup_error = e.what();
-      std::error_code ec;
-      fs::remove_all(tmp, ec);  // never leave a half-made directory behind
-    }
-    if (store_) store_->set(key + "ready", store_bytes(setup_error.empty() ? "ok" : setup_error));
-  } else {
-    setup_error = store_text(store_->get(key + "ready", timeout));
-    if (setup_error == "ok") setup_error.clear();
-  }
-  if (!setup_error.empty()) TR_FAIL("checkpoint step ", step, " could not be written: ", setup_error);
-
   // 2. every rank writes its ranges at their global offsets, hashing them on
   //    the way (segments per file), and fsyncs.
+  // Whatever goes wrong in these two, on whichever rank, ends up in that
+  // rank's "written" status: rank 0 waits for every rank's.
   std::vector<std::vector<Segment>> mine(2);
   std::string status = "ok";
   try {
+    std::string setup_error;
+    if (rank_ == 0) {
+      try {
+        check_abort(true);
+        std::error_code ec;
+        fs::create_directories(root_, ec);
+        TR_CHECK(!ec, "checkpoint: cannot create '", root_, "': ", ec.message());
+        fs::remove_all(tmp, ec);
+        fs::create_directories(tmp, ec);
+        TR_CHECK(!ec, "checkpoint: cannot create '", tmp, "': ", ec.message());
+        for (const auto& [path, hdr, elems] :
+             {std::tuple{mpath, mhdr, layout_.total}, std::tuple{opath, ohdr, 2 * layout_.total}}) {
+          write_file_synced(path, hdr);
+          // Reserve the blocks now (posix_fallocate), so a full disk or a
+          // file-size limit shows up here, before any rank writes, rather
+          // than as a short write later; fall back to a sparse truncate
+          // where the filesystem cannot preallocate.
+          const off_t total = off_t(hdr.size() + elems * 4);
+          int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
+          TR_CHECK_ERRNO(fd >= 0, "cannot open '", path, "'");
+          int rc = ::posix_fallocate(fd, 0, total);
+          ::close(fd);
+          if (rc == EINVAL || rc == EOPNOTSUPP) rc = ::truncate(path.c_str(), total) == 0 ? 0 : errno;
+          errno = rc;
+          TR_CHECK_ERRNO(rc == 0, "cannot allocate ", total, " bytes for '", path, "' (disk full or file size limit?)");
+        }
+      } catch (...) {
+        setup_error = current_exception_text();
+        std::error_code ec;
+        fs::remove_all(tmp, ec);  // never leave a half-made directory behind
+      }
+      if (store_) store_->set(key + "ready", store_bytes(setup_error.empty() ? "ok" : setup_error));
+      if (!setup_error.empty()) TR_FAIL(setup_error);
+    } else {
+      setup_error = await_text(key + "ready", deadline, "rank 0 to lay out the checkpoint directory");
+      // Rank 0 reports its own error; this rank has nothing to add.
+      if (setup_error != "ok") TR_FAIL("rank 0 could not lay out the directory");
+    }
+    debug_ckpt_throw_hook(rank_, std::to_string(step));  // tests: TRAINRUN_DEBUG_CKPT_THROW
     Hasher h;
     for (int kind = 0; kind < 3; ++kind) {
       const int file = kind == 0 ? 0 : 1;
@@ -425,6 +610,7 @@ void Checkpointer::write_and_commit(int64_t step, const TrainState& st, const st
       size_t pos = 0;
       try {
         for (const auto& r : write_ranges_) {
+          check_abort(false);
           hashed_pwrite(fd, reinterpret_cast<const char*>(parts[kind].data() + pos), uint64_t(r.count) * 4,
                         uint64_t(base + r.global * 4), path, h, mine[file]);
           pos += size_t(r.count);
@@ -436,8 +622,8 @@ void Checkpointer::write_and_commit(int64_t step, const TrainState& st, const st
       }
       ::close(fd);
     }
-  } catch (const Error& e) {
-    status = std::string("rank ") + std::to_string(rank_) + ": " + e.what();
+  } catch (...) {
+    status = me + ": " + current_exception_text();
   }
   if (store_) {
     // The segments go first: "written" tells rank 0 they are there.
@@ -456,16 +642,17 @@ void Checkpointer::write_and_commit(int64_t step, const TrainState& st, const st
       // The headers rank 0 wrote in step 1.
       all[0].push_back({0, mhdr.size(), XXH64(mhdr.data(), mhdr.size(), 0)});
       all[1].push_back({0, ohdr.size(), XXH64(ohdr.data(), ohdr.size(), 0)});
+      check_abort(true);
       if (store_) {
         std::vector<std::string> keys;
         for (int r = 0; r < world_; ++r) keys.push_back(key + "written/" + std::to_string(r));
-        store_->wait(keys, timeout);
+        await_keys(keys, deadline, "every rank to write its part");
         for (int r = 0; r < world_; ++r) {
-          std::string s = store_text(store_->get(keys[r], timeout));
+          std::string s = store_text(store_->get(keys[r], Millis(10'000)));
           TR_CHECK(s == "ok", s);
         }
         for (int r = 1; r < world_; ++r) {
-          const std::string text = store_text(store_->get(key + "segments/" + std::to_string(r), timeout));
+          const std::string text = store_text(store_->get(key + "segments/" + std::to_string(r), Millis(10'000)));
           try {
             for (const json& g : json::parse(text)) {
               uint64_t hash = 0;
@@ -482,15 +669,26 @@ void Checkpointer::write_and_commit(int64_t step, const TrainState& st, const st
       }
       commit_rank0(step, st, tmp, final_dir, std::move(all));
       outcome = "ok";
-    } catch (const std::exception& e) {
-      outcome = e.what();
+    } catch (const CheckpointAborted& e) {
+      outcome = std::string("rank 0 refused to commit it: ") + e.what();
+      TR_LOG_WARN("checkpoint: step ", step, ": ", outcome, "; the latest checkpoint stays as it was");
+    } catch (...) {
+      outcome = current_exception_text();
+    }
+    if (outcome != "ok") {
       std::error_code ec;
       fs::remove_all(tmp, ec);  // never leave a half-written directory behind
     }
     if (store_) store_->set(key + "committed", store_bytes(outcome));
   } else {
-    outcome = store_text(store_->get(key + "committed", timeout));
+    try {
+      outcome = await_text(key + "committed", deadline, "rank 0 to commit");
+    } catch (const CheckpointAborted& e) {
+      // Not knowing the outcome, this rank leaves the keys alone.
+      TR_FAIL("checkpoint step ", step, " could not be written: ", e.what());
+    }
   }
+  if (store_) drop_keys(step);
   if (outcome != "ok") TR_FAIL("checkpoint step ", step, " could not be written: ", outcome);
 }
 
@@ -538,24 +736,37 @@ void Checkpointer::commit_rank0(int64_t step, const TrainState& st, const std::s
   }
   m["files"] = files;
   m["job_spec"] = job_spec_to_yaml(job_);
-  const char* only = std::getenv("TRAINRUN_DEBUG_CKPT_SLEEP_STEP");
-  const char* ms = std::getenv("TRAINRUN_DEBUG_CKPT_SLEEP_MS");
-  if (ms && (!only || std::atoll(only) == step)) {
+  if (const int64_t ms = debug_ckpt_sleep_ms(step)) {
     // Tests: widen the window between "data written" and "committed" so a
-    // kill -9 lands in it.
+    // kill -9 or a failure elsewhere lands in it. An abandonment ends it.
     TR_LOG_INFO("checkpoint: debug pause of ", ms, " ms before committing step ", step);
-    std::this_thread::sleep_for(std::chrono::milliseconds(std::atoll(ms)));
+    for (const auto until = Clock::now() + std::chrono::milliseconds(ms); Clock::now() < until;) {
+      check_abort(false);
+      std::this_thread::sleep_for(std::min<Clock::duration>(std::chrono::milliseconds(20), until - Clock::now()));
+    }
   }
   write_file_synced(tmp + "/manifest.json", m.dump(2) + "\n");
   fsync_path(tmp);
+  // The point of no return: an abandoned checkpoint never becomes visible.
+  check_abort(true);
   std::error_code ec;
-  if (fs::exists(final_dir)) {  // re-saving a step (e.g. after a resume): move the old one aside first
-    const std::string old = root_ + "/.old-" + step_name(step);
+  const std::string old = root_ + "/.old-" + step_name(step);
+  const bool resave = fs::exists(final_dir);
+  if (resave) {
+    // Re-saving a step (e.g. after resuming from an older one): move the
+    // old one aside first. Until the new one is in place, .old-step_N is
+    // that step's only copy: clean_stale() puts it back after a crash.
     fs::remove_all(old, ec);
     fs::rename(final_dir, old, ec);
     TR_CHECK(!ec, "cannot move aside '", final_dir, "': ", ec.message());
+    fsync_path(root_);
+    debug_ckpt_kill_hook("moved_aside", step);  // tests: TRAINRUN_DEBUG_CKPT_KILL
   }
   fs::rename(tmp, final_dir, ec);
+  if (ec && resave) {
+    std::error_code back;
+    fs::rename(old, final_dir, back);  // the old one stays that step
+  }
   TR_CHECK(!ec, "cannot rename '", tmp, "' to '", final_dir, "': ", ec.message());
   fsync_path(root_);
   // `latest` last: until here the previous checkpoint is the latest.
@@ -762,6 +973,8 @@ std::string Checkpointer::read_verified(const std::string& dir, std::vector<std:
       if (!bad.empty()) return bad;
     }
     return "";
+  } catch (const std::bad_alloc&) {
+    throw;  // no room to stage it: not a flaw of the checkpoint (the caller fails the load)
   } catch (const std::exception& e) {
     return std::string("unreadable: ") + e.what();
   }
@@ -805,24 +1018,57 @@ std::string Checkpointer::first_error_of_all(const std::string& mine) {
   return "";
 }
 
+std::string Checkpointer::worst_of_all(const std::string& fatal, const std::string& skip, bool* is_fatal) {
+  // One gather: each rank's text behind a byte saying which kind it is.
+  const std::string mine = !fatal.empty() ? "F" + fatal : !skip.empty() ? "S" + skip : "";
+  std::string first_skip;
+  *is_fatal = false;
+  if (world_ == 1) {
+    *is_fatal = !fatal.empty();
+    return mine.empty() ? "" : mine.substr(1);
+  }
+  std::vector<char> in(kErrorBytes, 0), all(kErrorBytes * size_t(world_), 0);
+  std::memcpy(in.data(), mine.data(), std::min(mine.size(), kErrorBytes - 1));
+  comm_->all_gather(all.data(), in.data(), kErrorBytes);
+  for (int r = 0; r < world_; ++r) {
+    const char* p = all.data() + size_t(r) * kErrorBytes;
+    const std::string text = *p ? std::string(p + 1, strnlen(p + 1, kErrorBytes - 1)) + " (found by rank " + std::to_string(r) + ")" : "";
+    if (*p == 'F') {
+      *is_fatal = true;
+      return text;
+    }
+    if (*p == 'S' && first_skip.empty()) first_skip = text;
+  }
+  return first_skip;
+}
+
 bool Checkpointer::load(ParamStore& ps, TrainState& st) {
   held_ranges_ = ps.held_ranges();
   write_ranges_ = ps.write_ranges();
   // Rank 0 names a candidate that passes the checks needing no data (the
-  // manifest, the files and their sizes); every rank then reads its part,
-  // verifying it on the way, into staging buffers; only when no rank found
-  // a bad segment does anything reach the model and the optimizer.
-  // checkpoint.resume: auto falls back to the next older candidate.
+  // manifest, the files and their sizes) and reads what the run needs from
+  // its manifest; every rank then reads its part, verifying it on the way,
+  // into staging buffers; only when no rank found a bad segment does
+  // anything reach the model and the optimizer. checkpoint.resume: auto
+  // falls back to the next older candidate.
+  //
+  // Each stage ends in a collective that carries every rank's outcome,
+  // whatever it caught: a rank that fails fails all of them at once, with
+  // its own message, rather than leaving them in the next collective.
   const bool is_auto = job_.checkpoint.resume == "auto";
   std::vector<std::string> candidates;
   size_t next = 0;
   bool listed = false;
   for (;;) {
+    // 1. rank 0 picks; one broadcast tells every rank what (or why not).
     std::vector<char> msg(4096, 0);
+    std::vector<std::string> notes;  // rank 0: changed training settings, logged once the candidate is verified
     if (rank_ == 0) {
       std::string text;
       char status = 'N';
       try {
+        debug_ckpt_throw_hook(0, "load");  // tests: TRAINRUN_DEBUG_CKPT_THROW
+        if (!clean_error_.empty()) TR_FAIL(clean_error_);
         if (!listed) {
           if (job_.checkpoint.resume == "never") set_aside_earlier_checkpoints();
           candidates = resume_candidates();
@@ -830,9 +1076,49 @@ bool Checkpointer::load(ParamStore& ps, TrainState& st) {
         }
         while (next < candidates.size()) {
           const std::string dir = candidates[next++];
-          const std::string why = check_manifest(dir, nullptr, nullptr);
+          json m;
+          std::string why = check_manifest(dir, &m, nullptr);
+          json pick;
           if (why.empty()) {
-            text = dir;
+            try {
+              pick = {{"dir", dir},
+                      {"step", m.at("step").get<int64_t>()},
+                      {"cursor", m.at("data_cursor").get<int64_t>()},
+                      {"tokens", m.at("tokens_seen").get<int64_t>()},
+                      {"world_size", m.at("world_size").get<int>()},
+                      {"sharding", m.at("sharding").get<std::string>()}};
+              const json& mm = m.at("model");
+              for (const auto& [k, have] : {std::pair<const char*, int>{"n_layer", cfg_.L}, {"n_head", cfg_.NH},
+                                            {"n_embd", cfg_.C}, {"vocab_size", cfg_.V}, {"seq_len", cfg_.T}}) {
+                const int saved = mm.at(k).get<int>();
+                if (saved != have)
+                  throw Error(detail::cat("checkpoint ", dir, " was saved with model.", k, " = ", saved,
+                                          " but this job has ", have,
+                                          "; the model shape cannot change on resume (use a new output.dir or "
+                                          "checkpoint.resume: never)"));
+              }
+            } catch (const Error&) {
+              throw;  // a shape the job cannot take: no fallback
+            } catch (const std::exception& e) {
+              why = std::string("manifest.json lacks what a resume needs (") + e.what() + ")";
+            }
+          }
+          if (why.empty()) {
+            const json t = m.contains("train") ? m.at("train") : json::object();
+            auto note = [&](const char* key, const json& now) {
+              if (t.contains(key) && t.at(key) != now)
+                notes.push_back(detail::cat("resume: train.", key, " changed from ", t.at(key).dump(), " to ",
+                                            now.dump(), " (allowed)"));
+            };
+            note("lr", job_.train.lr);
+            note("min_lr", job_.train.min_lr);
+            note("max_steps", job_.train.max_steps);
+            note("warmup_steps", job_.train.warmup_steps);
+            note("schedule", job_.train.schedule);
+            note("weight_decay", job_.train.weight_decay);
+            note("global_batch_size", job_.train.global_batch_size);
+            note("micro_batch_size", job_.train.micro_batch_size);
+            text = pick.dump();
             status = 'Y';
             break;
           }
@@ -844,8 +1130,16 @@ bool Checkpointer::load(ParamStore& ps, TrainState& st) {
       } catch (const Error& e) {
         text = e.what();
         status = 'E';
+      } catch (...) {
+        text = "checkpoint: rank 0 failed while choosing the checkpoint to resume from (in " + root_ +
+               "): " + current_exception_text();
+        status = 'E';
       }
-      TR_CHECK(text.size() < msg.size() - 2, "checkpoint path too long");
+      if (text.size() > msg.size() - 2) {
+        if (status != 'E') text = "checkpoint: the path of the checkpoint to resume is too long: " + text;
+        status = 'E';
+        text.resize(msg.size() - 2);
+      }
       msg[0] = status;
       std::memcpy(msg.data() + 1, text.data(), text.size());
     }
@@ -853,74 +1147,73 @@ bool Checkpointer::load(ParamStore& ps, TrainState& st) {
     const std::string text(msg.data() + 1);
     if (msg[0] == 'E') TR_FAIL(text);
     if (msg[0] == 'N') return false;
-    const std::string dir = text;
+    const json pick = json::parse(text);
+    const std::string dir = pick.at("dir").get<std::string>();
 
-    std::ifstream f(dir + "/manifest.json");
-    json m = json::parse(f);
-    const json& mm = m.at("model");
-    auto check_same = [&](const char* key, int have) {
-      int saved = mm.at(key).get<int>();
-      TR_CHECK(saved == have, "checkpoint ", dir, " was saved with model.", key, " = ", saved, " but this job has ",
-               have, "; the model shape cannot change on resume (use a new output.dir or checkpoint.resume: never)");
-    };
-    check_same("n_layer", cfg_.L);
-    check_same("n_head", cfg_.NH);
-    check_same("n_embd", cfg_.C);
-    check_same("vocab_size", cfg_.V);
-    check_same("seq_len", cfg_.T);
-
-    // One pass (verify while reading into staging, then go live) needs the
-    // rank's three state kinds in host memory at once. Where that would not
-    // fit comfortably (big hybrid_shard/no_shard ranks, several per node),
-    // verify first and then load kind by kind: one more read of the data,
-    // a third of the memory.
+    // 2. every rank reads and verifies its part. One pass (verify while
+    // reading into staging, then go live) needs the rank's three state
+    // kinds in host memory at once. Where that would not fit comfortably
+    // (big hybrid_shard/no_shard ranks, several per node), verify first and
+    // then load kind by kind: one more read of the data, a third of the
+    // memory. A flaw in the candidate drops it (auto: the next older one);
+    // anything else a rank throws fails the load on every rank.
     size_t held = 0;
     for (const auto& r : held_ranges_) held += size_t(r.count);
-    const uint64_t need = uint64_t(held) * 4 * 3, limit = staging_limit_bytes();
-    const bool staged_load = need <= limit;
+    const uint64_t need = uint64_t(held) * 4 * 3;
+    uint64_t limit = 0;
+    bool staged_load = false;
     std::vector<std::vector<float>> staged;
-    const std::string why = first_error_of_all(read_verified(dir, staged_load ? &staged : nullptr));
+    std::string fatal, flaw;
+    try {
+      if (rank_ != 0) debug_ckpt_throw_hook(rank_, "load");  // tests: TRAINRUN_DEBUG_CKPT_THROW
+      limit = staging_limit_bytes();
+      staged_load = need <= limit;
+      flaw = read_verified(dir, staged_load ? &staged : nullptr);
+    } catch (...) {
+      fatal = "checkpoint: rank " + std::to_string(rank_) + " failed while reading its part of " + dir + ": " +
+              current_exception_text();
+    }
+    bool is_fatal = false;
+    const std::string why = worst_of_all(fatal, flaw, &is_fatal);
+    if (is_fatal) TR_FAIL(why);
     if (!why.empty()) {
       TR_CHECK(is_auto, "checkpoint.resume: '", dir, "' cannot be loaded: ", why);
       if (rank_ == 0)
         TR_LOG_WARN("checkpoint: skipping ", dir, ": ", why, "; falling back to the previous checkpoint");
       continue;
     }
-    if (rank_ == 0) {
-      const json& t = m.at("train");
-      auto note = [&](const char* key, const json& now) {
-        if (t.contains(key) && t.at(key) != now)
-          TR_LOG_INFO("resume: train.", key, " changed from ", t.at(key).dump(), " to ", now.dump(), " (allowed)");
-      };
-      note("lr", job_.train.lr);
-      note("min_lr", job_.train.min_lr);
-      note("max_steps", job_.train.max_steps);
-      note("warmup_steps", job_.train.warmup_steps);
-      note("schedule", job_.train.schedule);
-      note("weight_decay", job_.train.weight_decay);
-      note("global_batch_size", job_.train.global_batch_size);
-      note("micro_batch_size", job_.train.micro_batch_size);
-    }
-    // Verified everywhere: now it may go live.
-    if (staged_load) {
-      for (int kind = 0; kind < 3; ++kind) {
-        ps.set_state(kind, staged[size_t(kind)]);
-        staged[size_t(kind)] = {};
+    if (rank_ == 0)
+      for (const std::string& n : notes) TR_LOG_INFO(n);
+
+    // 3. verified everywhere: now it may go live. The ranks agree that every
+    // one of them did, so none trains on while a peer's state is half loaded.
+    std::string live_error;
+    try {
+      if (staged_load) {
+        for (int kind = 0; kind < 3; ++kind) {
+          ps.set_state(kind, staged[size_t(kind)]);
+          staged[size_t(kind)] = {};
+        }
+      } else {
+        if (rank_ == 0)
+          TR_LOG_INFO("resume: verified ", dir, "; loading one state kind at a time (staging all three would take ",
+                      format_bytes(double(need)), " per rank, over the ", format_bytes(double(limit)),
+                      " allowed)");
+        load_kind_by_kind(dir, ps);
       }
-    } else {
-      if (rank_ == 0)
-        TR_LOG_INFO("resume: verified ", dir, "; loading one state kind at a time (staging all three would take ",
-                    format_bytes(double(need)), " per rank, over the ", format_bytes(double(limit)),
-                    " allowed)");
-      load_kind_by_kind(dir, ps);
+    } catch (...) {
+      live_error = "checkpoint: rank " + std::to_string(rank_) + " could not load its part of " + dir + ": " +
+                   current_exception_text();
     }
-    st.step = m.at("step").get<int64_t>();
-    st.cursor = m.at("data_cursor").get<int64_t>();
-    st.tokens = m.at("tokens_seen").get<int64_t>();
+    const std::string live = first_error_of_all(live_error);
+    TR_CHECK(live.empty(), live, "; the job stops (the checkpoint itself verified and is intact)");
+    st.step = pick.at("step").get<int64_t>();
+    st.cursor = pick.at("cursor").get<int64_t>();
+    st.tokens = pick.at("tokens").get<int64_t>();
     if (rank_ == 0)
       TR_LOG_INFO("resume: loaded ", dir, " (step ", st.step, ", ", st.tokens, " tokens; saved by ",
-                  m.at("world_size").get<int>(), " ranks with ", m.at("sharding").get<std::string>(), ", loaded on ",
-                  world_, " ranks with ", job_.parallel.sharding, ")");
+                  pick.at("world_size").get<int>(), " ranks with ", pick.at("sharding").get<std::string>(),
+                  ", loaded on ", world_, " ranks with ", job_.parallel.sharding, ")");
     return true;
   }
 }
