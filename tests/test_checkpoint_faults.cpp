@@ -186,7 +186,7 @@ TEST_CASE("checkpoint faults: a rank whose training fails abandons the async sav
 // start deleted .old-step_00000010, the only copy of step 10, and resumed from
 // step 5. Now it puts it back and resumes from step 10, ending with the
 // weights of an uninterrupted run.
-TEST_CASE("checkpoint faults: a crash while a step is re-saved loses nothing; the restart resumes from that step",
+TEST_CASE("checkpoint faults: a crash while a step is re-saved loses nothing, the restart resumes from that step",
           "[checkpoint]") {
   test::TempDir dir("ckptresave");
   const std::string run = dir / "run";
