@@ -63,6 +63,9 @@
 // anywhere makes every rank drop the candidate (auto: fall back to the
 // previous checkpoint). Format 1 manifests (one xxhash64 per whole file)
 // still load: the whole file is then one segment.
+//
+// Code: format.{h,cpp} (names, headers, hashing, manifest entries, verify),
+// checkpoint.cpp (the commit protocol), resume.cpp (load).
 #pragma once
 #include <atomic>
 #include <chrono>
