@@ -60,6 +60,9 @@ class TcpStoreServer {
   ~TcpStoreServer();
   int port() const;
   const std::string& address() const;
+  // The keys held now that start with `prefix`, sorted: for tests and
+  // diagnostics (what a job leaves behind), not for coordination.
+  std::vector<std::string> keys(const std::string& prefix = "") const;
   TcpStoreServer(const TcpStoreServer&) = delete;
   TcpStoreServer& operator=(const TcpStoreServer&) = delete;
   struct Impl;

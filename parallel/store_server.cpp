@@ -17,6 +17,7 @@
 #include <climits>
 #include <cstring>
 #include <map>
+#include <mutex>
 #include <thread>
 #include <unordered_map>
 
@@ -91,7 +92,10 @@ struct TcpStoreServer::Impl {
   std::map<uint64_t, Conn> conns;
   uint64_t next_conn_id = 1;
   uint64_t next_seq = 1;
+  // Written only by the loop thread, in handle_request, under data_mu;
+  // keys() reads it from other threads under the same lock.
   std::unordered_map<std::string, std::vector<uint8_t>> data;
+  mutable std::mutex data_mu;
   std::unordered_map<std::string, std::vector<Watch>> watchers;
   Clock::time_point accept_paused_until{};
   bool unparked = false;  // a parked request was answered during this sweep
@@ -179,6 +183,17 @@ TcpStoreServer::~TcpStoreServer() {
   m.close_all();
   ::close(m.wake_rd);
   ::close(m.wake_wr);
+}
+
+std::vector<std::string> TcpStoreServer::keys(const std::string& prefix) const {
+  std::vector<std::string> out;
+  {
+    std::lock_guard<std::mutex> lock(impl_->data_mu);
+    for (const auto& kv : impl_->data)
+      if (kv.first.compare(0, prefix.size(), prefix) == 0) out.push_back(kv.first);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
 }
 
 int TcpStoreServer::port() const { return impl_->port; }
@@ -377,6 +392,7 @@ void TcpStoreServer::Impl::handle_hello(Conn& c, Reader& r) {
 }
 
 void TcpStoreServer::Impl::handle_request(uint64_t id, Conn& c, Reader& r) {
+  std::lock_guard<std::mutex> lock(data_mu);
   uint8_t op = r.u8();
   Writer w;
   switch (op) {

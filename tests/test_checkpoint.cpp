@@ -17,12 +17,15 @@
 
 #include "core/checkpoint/checkpoint.h"
 #include "core/config/job_spec.h"
-#include "core/model/model_io.h"
+#include "tests/support/checkpoint_jobs.h"
 #include "tests/support/inprocess.h"
 #include "tests/support/testutil.h"
 
 using namespace trainrun;
 using Catch::Matchers::Contains;
+using test::latest_of;
+using test::losses_of;
+using test::weights_of;
 namespace fs = std::filesystem;
 
 namespace {
@@ -40,43 +43,12 @@ void flip_bits(const std::string& path, std::streamoff offset, char mask) {
   f.write(&c, 1);
 }
 
-// Units that do not divide evenly by 3 or 4 ranks; accumulation at world 1-2.
 std::string job_yaml(const std::string& dir, const std::string& strategy, const std::string& extra = "") {
-  return "model: {n_layer: 2, n_head: 2, n_embd: 18, vocab_size: 23, seq_len: 12}\n"
-         "data: {format: synthetic, synthetic: {vocab: 23, branching: 3}}\n"
-         "train: {global_batch_size: 12, micro_batch_size: 3, max_steps: 20, lr: 3.0e-3, min_lr: 3.0e-4,\n"
-         "        warmup_steps: 4, eval_interval: 0, eval_steps: 1, log_interval: 1, grad_clip: 0.5}\n"
-         "output: {dir: '" + dir + "', sample_tokens: 0}\n"
-         "parallel: {sharding: " + strategy + ", timeout_s: 60}\n" + extra;
+  return test::checkpoint_job_yaml(dir, strategy, extra);
 }
 
 JobSpec job_for(const std::string& dir, const std::string& strategy, int world, std::vector<std::string> sets = {}) {
-  // micro-batches that divide 12 sequences at every world size used here
-  sets.push_back("train.micro_batch_size=" + std::to_string(world == 3 ? 2 : world == 4 ? 3 : 3));
-  return parse_job_spec(job_yaml(dir, strategy), "job.yaml", sets);
-}
-
-std::vector<double> losses_of(const std::string& run_dir) {
-  std::vector<double> out;
-  std::ifstream f(run_dir + "/metrics.jsonl");
-  for (std::string l; std::getline(f, l);) {
-    auto p = l.find("\"loss\":");
-    if (p != std::string::npos) out.push_back(std::stod(l.substr(p + 7)));
-  }
-  return out;
-}
-
-std::vector<float> weights_of(const std::string& run_dir) {
-  std::vector<float> w;
-  load_model_safetensors(run_dir + "/model.safetensors", w);
-  return w;
-}
-
-std::string latest_of(const std::string& run_dir) {
-  std::ifstream f(run_dir + "/checkpoints/latest");
-  std::string s;
-  std::getline(f, s);
-  return s;
+  return test::checkpoint_job(dir, strategy, world, std::move(sets));
 }
 
 double max_rel(const std::vector<double>& a, const std::vector<double>& b) {

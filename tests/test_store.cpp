@@ -286,6 +286,39 @@ TEST_CASE("store: remove and check", "[store]") {
   CHECK_THROWS_AS(s->get("k", 50ms), StoreTimeoutError);
 }
 
+// What a job leaves in the store (the checkpoint tests count a run's
+// leftovers this way): every kind of write shows, a remove takes it away,
+// a failed compare_set on an absent key creates nothing.
+TEST_CASE("store: the server lists the keys it holds under a prefix", "[store]") {
+  TcpStoreServer server("127.0.0.1", 0, kSecret);
+  auto s = client(server);
+  CHECK(server.keys().empty());
+  s->set("a/2", store_bytes("x"));
+  s->add("a/1", 1);
+  s->compare_set("a/3", {}, store_bytes("y"));
+  s->compare_set("a/4", store_bytes("not there"), store_bytes("z"));
+  s->set("b", store_bytes("x"));
+  CHECK(server.keys("a/") == std::vector<std::string>{"a/1", "a/2", "a/3"});
+  CHECK(server.keys() == std::vector<std::string>{"a/1", "a/2", "a/3", "b"});
+  s->remove("a/2");
+  CHECK(server.keys("a/") == std::vector<std::string>{"a/1", "a/3"});
+  CHECK(server.keys("c").empty());
+  // Read while other clients write: consistent snapshots, no race (TSan).
+  std::atomic<bool> stop{false};
+  std::thread writer([&] {
+    auto w = client(server);
+    for (int i = 0; !stop; ++i) {
+      w->set("w/" + std::to_string(i % 50), store_bytes("v"));
+      w->remove("w/" + std::to_string((i + 25) % 50));
+    }
+  });
+  size_t most = 0;
+  for (int i = 0; i < 200; ++i) most = std::max(most, server.keys("w/").size());
+  CHECK(most <= 50);
+  stop = true;
+  writer.join();
+}
+
 TEST_CASE("store: wait returns when all keys exist and lists the missing ones on timeout", "[store]") {
   TcpStoreServer server("127.0.0.1", 0, kSecret);
   auto s = client(server);

@@ -21,6 +21,34 @@
 // leaves the previous checkpoint as `latest`; stale temporary directories
 // are removed at the next start.
 //
+// Store keys of checkpoint step S (under the attempt's prefix):
+//   ckpt/S/ready          rank 0: "ok", or why it could not lay out the files
+//   ckpt/S/segments/<r>   rank r: what it wrote (file, offset, bytes, xxhash64)
+//   ckpt/S/written/<r>    rank r: "ok" or "rank r: what went wrong"
+//   ckpt/S/committed      rank 0: "ok" or why the checkpoint was not committed
+//   ckpt/S/done           a counter: ranks that have read "committed"
+//   ckpt/abort            "rank r (why)": rank r stopped; no checkpoint of
+//                         this attempt can complete any more
+// Every rank always publishes its "written" status, whatever it caught, and
+// rank 0 always publishes "committed", so no rank waits out the checkpoint
+// timeout for a peer that failed. After reading "committed" a rank removes
+// its own two keys and bumps "done"; the rank that brings it to the world
+// size removes the rest: a finished checkpoint leaves no key behind.
+//
+// Abandoning. A rank whose trainer unwinds with an exception (the
+// Checkpointer's destructor) or that calls abort() sets "ckpt/abort". Every
+// wait of a checkpoint is sliced (kAbortPoll) and between slices checks
+// that key and the rank's own abort flag, so a save in flight anywhere ends
+// within about a second: rank 0 refuses to commit it (right up to the
+// rename into place), the other ranks' saves fail naming the rank that
+// stopped and why, and `latest` stays where it was.
+//
+// Re-saving a step that already exists (a run resumed from an older one):
+// the old directory is renamed to .old-step_N, the new one into place, then
+// `latest` moves and .old-step_N goes. A crash between the two renames
+// leaves step_N missing; clean_stale() at the next start then renames
+// .old-step_N back (it removes it only when step_N is there and complete).
+//
 // Checksums in one pass. Several ranks write disjoint ranges of one file, so
 // no single writer sees a file's bytes in order, and xxhash64 does not
 // compose. Each rank therefore hashes what it writes, as it writes it, in
@@ -35,9 +63,15 @@
 // anywhere makes every rank drop the candidate (auto: fall back to the
 // previous checkpoint). Format 1 manifests (one xxhash64 per whole file)
 // still load: the whole file is then one segment.
+//
+// Code: format.{h,cpp} (names, headers, hashing, manifest entries, verify),
+// checkpoint.cpp (the commit protocol), resume.cpp (load).
 #pragma once
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -62,9 +96,19 @@ class Checkpointer {
   // store may be null for a single-rank run.
   Checkpointer(const JobSpec& job, const GPT2Config& cfg, const ParamLayout& layout, int rank, int world,
                Store* store, Communicator* comm, std::string key_prefix);
+  // Waits for an async save in flight; during exception unwinding it first
+  // abandons it (abort()), so a failing rank never waits behind its save.
   ~Checkpointer();
 
-  // Rank 0: remove temporary directories left by a crash.
+  // Abandons the save in flight, if any, and every later one of this
+  // attempt on every rank (see "Abandoning" above); `why` goes into the
+  // other ranks' messages ("rank 1 (why)"). Returns once this rank's
+  // background save has ended (within about a second). Never throws.
+  void abort(const std::string& why);
+
+  // Rank 0: remove temporary directories left by a crash; put back a step
+  // that a crash left moved aside (.old-step_N) while it was re-saved.
+  // Never throws: what goes wrong fails the next load() on every rank.
   void clean_stale();
   // Collective. Snapshots the state; writes it now (sync) or in a background
   // thread (async). Returns the seconds training was blocked.
@@ -87,10 +131,12 @@ class Checkpointer {
   };
 
  private:
-  void write_and_commit(int64_t step, const TrainState& st, const std::vector<std::vector<float>>& parts);
+  // From the snapshot (live null: an async save) or straight from the store.
+  void write_and_commit(int64_t step, const TrainState& st, ParamStore* live);
   // segments: per file (model, optimizer), what every rank wrote.
   void commit_rank0(int64_t step, const TrainState& st, const std::string& tmp, const std::string& final_dir,
                     std::vector<std::vector<Segment>> segments);
+  void clean_stale_rank0();
   void retention();
   void ensure_snapshot_buffers();
   void handle_failure(const std::string& what);
@@ -107,6 +153,24 @@ class Checkpointer {
   void load_kind_by_kind(const std::string& dir, ParamStore& ps);
   // Collective: "" when no rank reported a problem, else the lowest rank's.
   std::string first_error_of_all(const std::string& mine);
+  // Collective: the lowest rank's `fatal`, else the lowest rank's `skip`
+  // (*is_fatal tells which), else "".
+  std::string worst_of_all(const std::string& fatal, const std::string& skip, bool* is_fatal);
+
+  // Abandoning (see the top of this file). Throws CheckpointAborted (an
+  // Error) when this rank's abort flag is set or the store's abort key is:
+  // the key is asked at most every kAbortPoll unless `ask_store_now`.
+  void check_abort(bool ask_store_now);
+  // Blocks until every key exists, in slices that check_abort() between
+  // them; at `deadline` an Error naming `what` and the missing keys.
+  void await_keys(const std::vector<std::string>& keys, std::chrono::steady_clock::time_point deadline,
+                  const std::string& what);
+  std::string await_text(const std::string& key, std::chrono::steady_clock::time_point deadline,
+                         const std::string& what);
+  // After this rank read "committed": drop its keys; the last rank drops the rest.
+  void drop_keys(int64_t step);
+  std::string abort_key() const { return prefix_ + "ckpt/abort"; }
+  std::string step_key(int64_t step) const { return prefix_ + "ckpt/" + std::to_string(step) + "/"; }
 
   const JobSpec& job_;
   GPT2Config cfg_;
@@ -119,8 +183,16 @@ class Checkpointer {
   std::vector<ParamStore::Range> write_ranges_;
   std::vector<ParamStore::Range> held_ranges_;
   std::vector<std::vector<float>> snapshot_ = std::vector<std::vector<float>>(3);
+  std::vector<float> piece_;  // a synchronous save's one-segment buffer
+  std::string clean_error_;  // rank 0: what clean_stale() could not do
   std::thread bg_;
   std::string bg_error_;
+  // Abandoning: set by abort() (any thread), read by the thread that saves.
+  std::atomic<bool> aborted_{false};
+  std::mutex abort_mu_;
+  std::string abort_why_;  // guarded by abort_mu_
+  std::chrono::steady_clock::time_point next_abort_poll_{};  // the saving thread's
+  int uncaught_at_start_ = 0;  // std::uncaught_exceptions() at construction
 };
 
 }  // namespace trainrun

@@ -3,10 +3,15 @@
 #include <time.h>
 
 #include <atomic>
+#include <csignal>
 #include <cstdlib>
+#include <new>
+#include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "core/common/error.h"
+#include "core/common/log.h"
 
 namespace trainrun {
 
@@ -37,6 +42,18 @@ const FailPlan& plan() {
     return f;
   }();
   return p;
+}
+
+// "a:b:c" -> {"a", "b", "c"}
+std::vector<std::string> split_colons(const std::string& s) {
+  std::vector<std::string> out(1);
+  for (char c : s) {
+    if (c == ':')
+      out.emplace_back();
+    else
+      out.back() += c;
+  }
+  return out;
 }
 
 }  // namespace
@@ -71,6 +88,39 @@ void debug_fail_hook(int rank, int step) {
   note_failure_now();
   TR_FAIL("injected failure (TRAINRUN_DEBUG_FAIL_RANK=", p.rank, ", TRAINRUN_DEBUG_FAIL_STEP=", p.step,
           "): rank ", rank, " fails at step ", step);
+}
+
+void debug_ckpt_throw_hook(int rank, const std::string& where) {
+  const char* v = std::getenv("TRAINRUN_DEBUG_CKPT_THROW");
+  if (!v || !*v) return;
+  const std::vector<std::string> f = split_colons(v);
+  TR_CHECK(f.size() == 3 && (f[2] == "error" || f[2] == "std" || f[2] == "bad_alloc" || f[2] == "other"),
+           "environment variable TRAINRUN_DEBUG_CKPT_THROW='", v,
+           "' is not <rank>:<step or load>:<error|std|bad_alloc|other>");
+  if (f[0] != std::to_string(rank) || f[1] != where) return;
+  note_failure_now();
+  const std::string what = "injected failure (TRAINRUN_DEBUG_CKPT_THROW=" + std::string(v) + ") on rank " +
+                           std::to_string(rank) + (where == "load" ? " in the checkpoint load" : " in checkpoint step " + where);
+  TR_LOG_WARN("debug: ", what, " (", f[2], ")");
+  if (f[2] == "error") throw Error(what);
+  if (f[2] == "std") throw std::runtime_error(what);
+  if (f[2] == "bad_alloc") throw std::bad_alloc();
+  throw 42;  // "other": not a std::exception at all
+}
+
+void debug_ckpt_kill_hook(const char* point, int64_t step) {
+  const char* v = std::getenv("TRAINRUN_DEBUG_CKPT_KILL");
+  if (!v || !*v) return;
+  const std::vector<std::string> f = split_colons(v);
+  if (f.size() != 2 || f[0] != point || f[1] != std::to_string(step)) return;
+  TR_LOG_WARN("debug: SIGKILL at '", point, "' of checkpoint step ", step, " (TRAINRUN_DEBUG_CKPT_KILL)");
+  std::raise(SIGKILL);
+}
+
+int64_t debug_ckpt_sleep_ms(int64_t step) {
+  const char* only = std::getenv("TRAINRUN_DEBUG_CKPT_SLEEP_STEP");
+  if (only && *only && std::atoll(only) != step) return 0;
+  return debug_env_ms("TRAINRUN_DEBUG_CKPT_SLEEP_MS");
 }
 
 }  // namespace trainrun

@@ -22,14 +22,53 @@
 //                                    (NodeGroup::join); a stop signal ends the wait
 //
 // Each logs a "debug: ..." line when it starts waiting.
+//
+// Checkpoint faults (core/checkpoint; read at every use, so in-process tests
+// may set and unset them between runs):
+//
+//   TRAINRUN_DEBUG_CKPT_THROW=<rank>:<where>:<kind>
+//       rank <rank> throws inside a checkpoint. <where> is a step number
+//       (the save of that step, as the rank starts writing its ranges) or
+//       "load" (Checkpointer::load: rank 0 while it picks the checkpoint to
+//       resume, before it tells the others; any other rank just before it
+//       reads its part). <kind> is what is thrown: error (trainrun::Error),
+//       std (std::runtime_error), bad_alloc (std::bad_alloc) or other (an
+//       int: not a std::exception at all)
+//   TRAINRUN_DEBUG_CKPT_KILL=<point>:<step>
+//       the committing rank raises SIGKILL at <point> of the commit of step
+//       <step>; points: moved_aside (re-saving a step that exists: the old
+//       directory has been renamed to .old-step_N, the new one is not in
+//       place yet)
+//   TRAINRUN_DEBUG_CKPT_SLEEP_MS=N, TRAINRUN_DEBUG_CKPT_SLEEP_STEP=S
+//       the committing rank pauses N ms between "every rank wrote its part"
+//       and the commit (of step S only, when set), so a test can kill or
+//       fail something inside that window; the pause ends early when the
+//       checkpoint is abandoned
+//   TRAINRUN_DEBUG_CKPT_TIMEOUT_MS=N
+//       a checkpoint's store waits give up after N ms instead of the default
+//       (10 x parallel.timeout_s, at least 10 minutes), so a test of an error
+//       path that should answer at once fails in bounded time if it hangs
+//
+// Each logs a "debug: ..." line when it fires.
 #pragma once
 #include <cstdint>
+#include <string>
 
 namespace trainrun {
 
 // Called by the trainer at the start of every step (1-based). Throws
 // trainrun::Error when this rank is the one told to fail at this step.
 void debug_fail_hook(int rank, int step);
+
+// TRAINRUN_DEBUG_CKPT_THROW: throws the configured kind when `rank` and
+// `where` (a step number, or "load") match it.
+void debug_ckpt_throw_hook(int rank, const std::string& where);
+
+// TRAINRUN_DEBUG_CKPT_KILL: raises SIGKILL when `point` and `step` match it.
+void debug_ckpt_kill_hook(const char* point, int64_t step);
+
+// TRAINRUN_DEBUG_CKPT_SLEEP_MS when it applies to `step`, else 0.
+int64_t debug_ckpt_sleep_ms(int64_t step);
 
 // The milliseconds in environment variable `name` (the pauses above); 0
 // when unset or not a positive integer.

@@ -146,6 +146,8 @@ class Trainer {
   StepResult train_step(int step);
   double evaluate();
   void sample_at_end();
+  // run() after setup, with the checkpointer it aborts on a failure.
+  TrainSummary run_with(Checkpointer& ckpt, Clock::time_point t_start);
   void log_memory_at_end();
   void read_batch(const TokenSource& src, int64_t first, int B);
   bool debug_nan_step(int step) const { return debug_nan_step_for(w_.rank, step); }
@@ -303,11 +305,22 @@ double Trainer::evaluate() {
 TrainSummary Trainer::run() {
   auto t_start = Clock::now();
   setup();
-  const auto& tr = job_.train;
-  const fs::path out(job_.output.dir);
   // Resume before anything is written, so a refused checkpoint loses nothing.
   Checkpointer ckpt(job_, cfg_, model_->layout(), w_.rank, w_.world, store_.get(), comm_.get(), prefix_);
   ckpt.clean_stale();
+  // A failure from here on first abandons any checkpoint in flight (its
+  // reason reaches every rank's save), then propagates.
+  try {
+    return run_with(ckpt, t_start);
+  } catch (const std::exception& e) {
+    ckpt.abort(e.what());
+    throw;
+  }
+}
+
+TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
+  const auto& tr = job_.train;
+  const fs::path out(job_.output.dir);
   TrainState resumed;
   const bool is_resume = ckpt.load(*params_, resumed);
   ckpt.prepare(*params_);

@@ -1,5 +1,6 @@
 #include "tests/support/inprocess.h"
 
+#include <chrono>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -8,12 +9,13 @@
 
 namespace trainrun::test {
 
-std::vector<TrainSummary> run_ranks_inprocess(const JobSpec& job, int world) {
+std::vector<RankOutcome> run_ranks_inprocess_outcomes(const JobSpec& job, int world,
+                                                      const std::function<void(TcpStoreServer&)>& inspect) {
   std::string secret = make_job_secret();
   TcpStoreServer server("127.0.0.1", 0, secret);
-  std::vector<TrainSummary> out(world);
-  std::vector<std::string> errors(world);
+  std::vector<RankOutcome> out(world);
   std::vector<std::thread> threads;
+  const auto t0 = std::chrono::steady_clock::now();
   for (int r = 0; r < world; ++r) {
     threads.emplace_back([&, r] {
       WorkerInfo w;
@@ -25,17 +27,29 @@ std::vector<TrainSummary> run_ranks_inprocess(const JobSpec& job, int world) {
       w.master_port = server.port();
       w.secret = secret;
       try {
-        out[r] = run_training(job, w);
+        out[r].summary = run_training(job, w);
       } catch (const std::exception& e) {
-        errors[r] = e.what();
+        out[r].error = e.what();
+        if (out[r].error.empty()) out[r].error = "(an exception with an empty message)";
+      } catch (...) {
+        out[r].error = "(an exception that is not a std::exception)";
       }
+      out[r].seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     });
   }
   for (auto& t : threads) t.join();
+  if (inspect) inspect(server);
+  return out;
+}
+
+std::vector<TrainSummary> run_ranks_inprocess(const JobSpec& job, int world) {
+  std::vector<RankOutcome> outcomes = run_ranks_inprocess_outcomes(job, world);
   std::string all;
   for (int r = 0; r < world; ++r)
-    if (!errors[r].empty()) all += "rank " + std::to_string(r) + ": " + errors[r] + "\n";
+    if (!outcomes[r].error.empty()) all += "rank " + std::to_string(r) + ": " + outcomes[r].error + "\n";
   if (!all.empty()) throw std::runtime_error(all);
+  std::vector<TrainSummary> out;
+  for (auto& o : outcomes) out.push_back(std::move(o.summary));
   return out;
 }
 

@@ -2,13 +2,33 @@
 // full trainer (run_training) talking Gloo over loopback through a real
 // TcpStoreServer. Throws (with every failing rank's message) if any rank fails.
 #pragma once
+#include <functional>
+#include <string>
 #include <vector>
 
 #include "core/config/job_spec.h"
 #include "core/train/trainer.h"
 
+namespace trainrun {
+class TcpStoreServer;
+}
+
 namespace trainrun::test {
 
 std::vector<TrainSummary> run_ranks_inprocess(const JobSpec& job, int world);
+
+// One rank of run_ranks_inprocess_outcomes: its summary, or what it threw.
+struct RankOutcome {
+  TrainSummary summary;
+  std::string error;     // "" when the rank returned normally
+  double seconds = 0;    // from the start of the run until the rank returned or threw
+};
+
+// The same, but every rank's outcome instead of one exception: for tests
+// of failures (which rank says what, and how soon). `inspect`, when given,
+// runs once every rank has returned, while the store server still serves,
+// to look at what the job left in it.
+std::vector<RankOutcome> run_ranks_inprocess_outcomes(const JobSpec& job, int world,
+                                                      const std::function<void(TcpStoreServer&)>& inspect = {});
 
 }  // namespace trainrun::test
