@@ -33,70 +33,23 @@
 #include "kernels/backend.h"
 #include "kernels/rope_table.h"
 #include "tests/support/device_io.h"
+#include "tests/support/op_test_util.h"
 #include "tests/support/reference_ops.h"
 #include "tests/support/testutil.h"
 
 using namespace trainrun;
 using ref::Vec;
+using namespace trainrun::test;
 using json = nlohmann::json;
 
 namespace {
 
-// As tests/test_cpu_ops.cpp (whose helpers these repeat): fp32 forward
-// against double ~1e-7, analytic fp32 gradients against double FD ~1e-6.
+// As tests/test_cpu_ops.cpp (helpers shared in tests/support/op_test_util.h):
+// fp32 forward against double ~1e-7, analytic fp32 gradients against double FD ~1e-6.
 constexpr double kFwdTol = 1e-5;
 constexpr double kGradTol = 1e-4;
 
 std::unique_ptr<Backend> make_backend() { return make_cpu_backend(2); }
-
-Vec randn(size_t n, uint64_t seed, double stddev = 1.0, double mean = 0.0) {
-  std::mt19937_64 gen(seed);
-  std::normal_distribution<double> d(mean, stddev);
-  Vec v(n);
-  for (auto& x : v) x = d(gen);
-  return v;
-}
-
-DeviceBuffer upload_f32(Backend* be, const Vec& v) { return test::upload_f32(be, std::vector<float>(v.begin(), v.end())); }
-Vec download_f32(Backend* be, const void* p, size_t n) {
-  const std::vector<float> f = test::download_f32(be, p, n);
-  return Vec(f.begin(), f.end());
-}
-DeviceBuffer upload_act(Backend* be, const Vec& v) { return test::upload_act(be, std::vector<float>(v.begin(), v.end())); }
-Vec download_act(Backend* be, const void* p, size_t n) {
-  const std::vector<float> f = test::download_act(be, p, n);
-  return Vec(f.begin(), f.end());
-}
-
-// A tensor as the backend holds it (rounded to the act dtype), with those
-// rounded values on the host for the reference.
-struct ActTensor {
-  DeviceBuffer buf;
-  Vec val;
-  ActTensor(Backend* be, const Vec& v) : buf(upload_act(be, v)), val(download_act(be, buf.get(), v.size())) {}
-  void* get() const { return buf.get(); }
-};
-struct F32Tensor {
-  DeviceBuffer buf;
-  Vec val;
-  F32Tensor(Backend* be, const Vec& v) : buf(upload_f32(be, v)), val(download_f32(be, buf.get(), v.size())) {}
-  float* get() const { return buf.as<float>(); }
-};
-
-Vec minus(const Vec& a, const Vec& b) {
-  Vec r(a.size());
-  for (size_t i = 0; i < a.size(); ++i) r[i] = a[i] - b[i];
-  return r;
-}
-
-double check_close(const std::string& what, const Vec& got, const Vec& want, double tol) {
-  REQUIRE(got.size() == want.size());
-  const double e = ref::rel_err(got, want);
-  std::printf("  %-52s rel err %.3e (tol %.0e)\n", what.c_str(), e, tol);
-  INFO(what << ": norm-wise relative error " << e << " exceeds " << tol);
-  CHECK(e <= tol);
-  return e;
-}
 
 std::vector<unsigned char> bytes_of(Backend* be, const void* p, size_t bytes) {
   std::vector<unsigned char> h(bytes);
@@ -225,11 +178,11 @@ TEST_CASE("llama_ops: rmsnorm forward and backward (+= into dinp and dweight)", 
   be->rmsnorm_forward(out.get(), rstd.as<float>(), x.get(), w.get(), N, C, eps);
   Vec rrstd;
   const Vec want = ref::rmsnorm(x.val, w.val, N, C, double(eps), &rrstd);
-  check_close("rmsnorm fwd out", download_act(be.get(), out.get(), want.size()), want, kFwdTol);
-  check_close("rmsnorm fwd rstd", download_f32(be.get(), rstd.get(), N), rrstd, kFwdTol);
+  check_close("rmsnorm fwd out", download_act_vec(be.get(), out.get(), want.size()), want, kFwdTol);
+  check_close("rmsnorm fwd rstd", download_f32_vec(be.get(), rstd.get(), N), rrstd, kFwdTol);
   const size_t big = size_t(N - 2) * C;  // rows [0, N-2) normal, [N-2, N) tiny
   check_close("rmsnorm fwd out, tiny rows (eps comparable to mean(x^2))",
-              slice(download_act(be.get(), out.get(), want.size()), big, want.size()), slice(want, big, want.size()),
+              slice(download_act_vec(be.get(), out.get(), want.size()), big, want.size()), slice(want, big, want.size()),
               kFwdTol);
 
   ActTensor R(be.get(), randn(size_t(N) * C, 203));
@@ -240,13 +193,13 @@ TEST_CASE("llama_ops: rmsnorm forward and backward (+= into dinp and dweight)", 
   Vec xv = x.val, wv = w.val;
   auto L = [&] { return ref::dot(ref::rmsnorm(xv, wv, N, C, double(eps)), R.val); };
   const Vec gx = ref::central_fd(xv, L, 1e-7);  // h below the tiny rows' 1e-3 scale
-  const Vec got_dx = minus(download_act(be.get(), dinp.get(), xv.size()), dinp.val);
+  const Vec got_dx = minus(download_act_vec(be.get(), dinp.get(), xv.size()), dinp.val);
   check_close("rmsnorm dinp (+=)", got_dx, gx, kGradTol);
   // Each kind of row on its own: the tiny rows' gradients are hundreds of
   // times larger per entry and would hide an error in the normal rows.
   check_close("rmsnorm dinp (+=), tiny rows", slice(got_dx, big, got_dx.size()), slice(gx, big, gx.size()), kGradTol);
   check_close("rmsnorm dinp (+=), normal rows", slice(got_dx, 0, big), slice(gx, 0, big), kGradTol);
-  check_close("rmsnorm dweight (+=)", minus(download_f32(be.get(), dw.get(), C), dw.val), ref::central_fd(wv, L),
+  check_close("rmsnorm dweight (+=)", minus(download_f32_vec(be.get(), dw.get(), C), dw.val), ref::central_fd(wv, L),
               kGradTol);
 }
 
@@ -263,13 +216,13 @@ TEST_CASE("llama_ops: fused residual + rmsnorm equals the two ops, and rmsnorm_b
     DeviceBuffer res2(be.get(), n * es), out2(be.get(), n * es), rstd2(be.get(), N * 4);
     be->residual_forward(res2.get(), a.get(), b.get(), int64_t(n));
     be->rmsnorm_forward(out2.get(), rstd2.as<float>(), res2.get(), w.get(), N, C, eps);
-    CHECK(download_act(be.get(), res.get(), n) == download_act(be.get(), res2.get(), n));
-    CHECK(download_act(be.get(), out.get(), n) == download_act(be.get(), out2.get(), n));
-    CHECK(download_f32(be.get(), rstd.get(), N) == download_f32(be.get(), rstd2.get(), N));
+    CHECK(download_act_vec(be.get(), res.get(), n) == download_act_vec(be.get(), res2.get(), n));
+    CHECK(download_act_vec(be.get(), out.get(), n) == download_act_vec(be.get(), out2.get(), n));
+    CHECK(download_f32_vec(be.get(), rstd.get(), N) == download_f32_vec(be.get(), rstd2.get(), N));
     Vec sum(n);
     for (size_t i = 0; i < n; ++i) sum[i] = a.val[i] + b.val[i];
-    check_close("fused residual (rmsnorm)", download_act(be.get(), res.get(), n), sum, kFwdTol);
-    check_close("fused rmsnorm out", download_act(be.get(), out.get(), n), ref::rmsnorm(sum, w.val, N, C, eps),
+    check_close("fused residual (rmsnorm)", download_act_vec(be.get(), res.get(), n), sum, kFwdTol);
+    check_close("fused rmsnorm out", download_act_vec(be.get(), out.get(), n), ref::rmsnorm(sum, w.val, N, C, eps),
                 kFwdTol);
 
     // Two backward runs from identical (zero) starting buffers: identical bits.
@@ -330,7 +283,7 @@ TEST_CASE("llama_ops: rope forward and backward on q and k heads, v untouched", 
       ActTensor qkv(be.get(), randn(n, 221 + pos0));
       ActTensor y(be.get(), qkv.val);  // rotated in place
       be->rope_forward(y.get(), dtab.as<float>(), B, T, hd.NH, hd.NKV, HS, pos0);
-      const Vec got = download_act(be.get(), y.get(), n);
+      const Vec got = download_act_vec(be.get(), y.get(), n);
       const Vec want = ref::rope(qkv.val, f, B, T, hd.NH, hd.NKV, HS, pos0);
       check_close("rope fwd q", columns(got, ld, 0, size_t(hd.NH) * HS), columns(want, ld, 0, size_t(hd.NH) * HS),
                   kFwdTol);
@@ -344,13 +297,13 @@ TEST_CASE("llama_ops: rope forward and backward on q and k heads, v untouched", 
       be->rope_backward(d.get(), dtab.as<float>(), B, T, hd.NH, hd.NKV, HS, pos0);
       Vec qv = qkv.val;
       const Vec g = ref::central_fd(qv, [&] { return ref::dot(ref::rope(qv, f, B, T, hd.NH, hd.NKV, HS, pos0), R.val); });
-      const Vec dgot = download_act(be.get(), d.get(), n);
+      const Vec dgot = download_act_vec(be.get(), d.get(), n);
       check_close("rope dq,dk (in place)", columns(dgot, ld, 0, vcol), columns(g, ld, 0, vcol), kGradTol);
       CHECK(columns(dgot, ld, vcol, vw) == columns(R.val, ld, vcol, vw));  // dv passes through untouched
 
       // A rotation's transpose is its inverse: backward(forward(x)) = x.
       be->rope_backward(y.get(), dtab.as<float>(), B, T, hd.NH, hd.NKV, HS, pos0);
-      check_close("rope backward(forward(x)) = x", download_act(be.get(), y.get(), n), qkv.val, 1e-6);
+      check_close("rope backward(forward(x)) = x", download_act_vec(be.get(), y.get(), n), qkv.val, 1e-6);
     }
   }
   auto raw = make_backend();
@@ -372,7 +325,7 @@ TEST_CASE("llama_ops: swiglu forward and backward (dinp overwritten, may alias i
   ActTensor out(be.get(), randn(size_t(N) * F, 242));  // junk that must be replaced
   be->swiglu_forward(out.get(), x.get(), N, F);
   const Vec want = ref::swiglu(x.val, N, F);
-  const Vec got = download_act(be.get(), out.get(), want.size());
+  const Vec got = download_act_vec(be.get(), out.get(), want.size());
   check_close("swiglu fwd", got, want, kFwdTol);
   for (double v : got) REQUIRE(std::isfinite(v));
 
@@ -381,14 +334,14 @@ TEST_CASE("llama_ops: swiglu forward and backward (dinp overwritten, may alias i
   const Vec g = ref::central_fd(xv, [&] { return ref::dot(ref::swiglu(xv, N, F), R.val); });
   ActTensor dinp(be.get(), randn(xv.size(), 244, 1.0, 4.0));  // pre-filled: must be overwritten
   be->swiglu_backward(dinp.get(), R.get(), x.get(), N, F);
-  const Vec dg = download_act(be.get(), dinp.get(), xv.size());
+  const Vec dg = download_act_vec(be.get(), dinp.get(), xv.size());
   check_close("swiglu dinp (overwrite)", dg, g, kGradTol);
   check_close("swiglu dgate", columns(dg, 2 * F, 0, F), columns(g, 2 * F, 0, F), kGradTol);
   check_close("swiglu dup", columns(dg, 2 * F, F, F), columns(g, 2 * F, F, F), kGradTol);
 
   ActTensor inplace(be.get(), x.val);  // dinp == inp
   be->swiglu_backward(inplace.get(), R.get(), inplace.get(), N, F);
-  CHECK(download_act(be.get(), inplace.get(), xv.size()) == dg);
+  CHECK(download_act_vec(be.get(), inplace.get(), xv.size()) == dg);
 }
 
 // ---- grouped-query attention --------------------------------------------------------------------
@@ -406,14 +359,14 @@ TEST_CASE("llama_ops: attention_gqa forward and backward (dqkv overwritten)", "[
     DeviceBuffer saved(be.get(), be->attention_gqa_saved_floats(B, T, NH) * 4);
     be->attention_gqa_forward(out.get(), saved.as<float>(), qkv.get(), B, T, NH, NKV, HS);
     const Vec want = ref::attention_gqa(qkv.val, B, T, NH, NKV, HS);
-    check_close("attention_gqa fwd", download_act(be.get(), out.get(), want.size()), want, kFwdTol);
+    check_close("attention_gqa fwd", download_act_vec(be.get(), out.get(), want.size()), want, kFwdTol);
 
     ActTensor R(be.get(), randn(size_t(B) * T * C, 261 + NKV));
     ActTensor dqkv(be.get(), randn(qkv.val.size(), 271, 1.0, -3.0));  // pre-filled: must be overwritten
     be->attention_gqa_backward(dqkv.get(), R.get(), qkv.get(), out.get(), saved.as<float>(), B, T, NH, NKV, HS);
     Vec qv = qkv.val;
     const Vec g = ref::central_fd(qv, [&] { return ref::dot(ref::attention_gqa(qv, B, T, NH, NKV, HS), R.val); });
-    const Vec got = download_act(be.get(), dqkv.get(), qv.size());
+    const Vec got = download_act_vec(be.get(), dqkv.get(), qv.size());
     check_close("attention_gqa dqkv (overwrite)", got, g, kGradTol);
     // Per part: dk and dv are the group sums.
     const size_t qw = size_t(C), kw = size_t(NKV) * HS;
@@ -495,10 +448,10 @@ TEST_CASE("llama_ops: rope + attention_kv_gqa_forward in pieces match rope + att
     const Vec raw = randn(size_t(T) * ld, 301 + NKV);
     ActTensor full(be.get(), raw);
     be->rope_forward(full.get(), tab.as<float>(), 1, T, NH, NKV, HS, 0);
-    const Vec rotated = download_act(be.get(), full.get(), raw.size());
+    const Vec rotated = download_act_vec(be.get(), full.get(), raw.size());
     DeviceBuffer out_full(be.get(), size_t(T) * C * es), saved(be.get(), be->attention_gqa_saved_floats(1, T, NH) * 4);
     be->attention_gqa_forward(out_full.get(), saved.as<float>(), full.get(), 1, T, NH, NKV, HS);
-    const Vec want = download_act(be.get(), out_full.get(), size_t(T) * C);
+    const Vec want = download_act_vec(be.get(), out_full.get(), size_t(T) * C);
 
     DeviceBuffer kc(be.get(), size_t(cap) * KV * es), vc(be.get(), size_t(cap) * KV * es);
     DeviceBuffer out(be.get(), size_t(T) * C * es);
@@ -506,15 +459,15 @@ TEST_CASE("llama_ops: rope + attention_kv_gqa_forward in pieces match rope + att
     for (const auto& [pos, n] : std::vector<std::pair<int, int>>{{0, 4}, {4, 1}, {5, 3}, {8, 1}, {9, 2}}) {
       ActTensor piece(be.get(), Vec(raw.begin() + size_t(pos) * ld, raw.begin() + size_t(pos + n) * ld));
       be->rope_forward(piece.get(), tab.as<float>(), 1, n, NH, NKV, HS, pos);
-      const Vec pr = download_act(be.get(), piece.get(), size_t(n) * ld);
+      const Vec pr = download_act_vec(be.get(), piece.get(), size_t(n) * ld);
       got_rot.insert(got_rot.end(), pr.begin(), pr.end());
       be->attention_kv_gqa_forward(out.get(), kc.get(), vc.get(), piece.get(), pos, n, NH, NKV, HS);
-      const Vec rows = download_act(be.get(), out.get(), size_t(n) * C);
+      const Vec rows = download_act_vec(be.get(), out.get(), size_t(n) * C);
       got.insert(got.end(), rows.begin(), rows.end());
     }
     CHECK(got_rot == rotated);  // rotating at pos0 = pos is rotating the whole sequence
     check_close("attention_kv_gqa_forward rows", got, want, kFwdTol);
-    const Vec k = download_act(be.get(), kc.get(), size_t(T) * KV), v = download_act(be.get(), vc.get(), size_t(T) * KV);
+    const Vec k = download_act_vec(be.get(), kc.get(), size_t(T) * KV), v = download_act_vec(be.get(), vc.get(), size_t(T) * KV);
     CHECK(k == columns(rotated, ld, C, KV));
     CHECK(v == columns(rotated, ld, C + KV, KV));
   }
@@ -644,7 +597,7 @@ TEST_CASE("llama_ops [hf]: RoPE frequencies and tables, RMSNorm, MLP and attenti
     ActTensor x(be.get(), xn), w(be.get(), wn);
     DeviceBuffer out(be.get(), xn.size() * es), rstd(be.get(), N * 4);
     be->rmsnorm_forward(out.get(), rstd.as<float>(), x.get(), w.get(), N, C, 1e-5f);
-    check_close("rmsnorm vs LlamaRMSNorm", download_act(be.get(), out.get(), xn.size()), as_vec(hf["rmsnorm"]),
+    check_close("rmsnorm vs LlamaRMSNorm", download_act_vec(be.get(), out.get(), xn.size()), as_vec(hf["rmsnorm"]),
                 kFwdTol);
   }
 
@@ -656,7 +609,7 @@ TEST_CASE("llama_ops [hf]: RoPE frequencies and tables, RMSNorm, MLP and attenti
     be->matmul_forward(gu.get(), x.get(), wgu.get(), nullptr, N, C, 2 * I);
     be->swiglu_forward(act.get(), gu.get(), N, I);
     be->matmul_forward(y.get(), act.get(), wd.get(), nullptr, N, I, C);
-    check_close("mlp vs LlamaMLP", download_act(be.get(), y.get(), xm.size()), as_vec(hf["mlp"]), kFwdTol);
+    check_close("mlp vs LlamaMLP", download_act_vec(be.get(), y.get(), xm.size()), as_vec(hf["mlp"]), kFwdTol);
   }
 
   SECTION("fused qkv matmul + rope + attention_gqa + o matmul equals LlamaAttention (pos0 = 3)") {
@@ -672,7 +625,7 @@ TEST_CASE("llama_ops [hf]: RoPE frequencies and tables, RMSNorm, MLP and attenti
     be->rope_forward(qkv.get(), tab.as<float>(), B, T, NH, NKV, HS, pos0);
     be->attention_gqa_forward(att.get(), saved.as<float>(), qkv.get(), B, T, NH, NKV, HS);
     be->matmul_forward(y.get(), att.get(), Wo.get(), nullptr, B * T, CA, CA);
-    check_close("attention block vs LlamaAttention", download_act(be.get(), y.get(), xa.size()),
+    check_close("attention block vs LlamaAttention", download_act_vec(be.get(), y.get(), xa.size()),
                 as_vec(hf["attention"]), kFwdTol);
   }
 }

@@ -31,11 +31,13 @@
 
 #include "kernels/backend.h"
 #include "tests/support/device_io.h"
+#include "tests/support/op_test_util.h"
 #include "tests/support/reference_ops.h"
 
 using namespace trainrun;
 using ref::Tokens;
 using ref::Vec;
+using namespace trainrun::test;
 
 namespace {
 
@@ -48,14 +50,6 @@ constexpr double kGradTol = 1e-4;
 
 std::unique_ptr<Backend> make_backend() { return make_cpu_backend(2); }
 
-Vec randn(size_t n, uint64_t seed, double stddev = 1.0, double mean = 0.0) {
-  std::mt19937_64 gen(seed);
-  std::normal_distribution<double> d(mean, stddev);
-  Vec v(n);
-  for (auto& x : v) x = d(gen);
-  return v;
-}
-
 Tokens rand_tokens(size_t n, int V, uint64_t seed) {
   std::mt19937_64 gen(seed);
   std::uniform_int_distribution<int> d(0, V - 1);
@@ -64,51 +58,7 @@ Tokens rand_tokens(size_t n, int V, uint64_t seed) {
   return t;
 }
 
-// ---- device transfer helpers (backend-agnostic) ------------------------------------
-
-// The shared float helpers (tests/support/device_io.h) with this file's
-// double-precision vectors on the host side.
-DeviceBuffer upload_f32(Backend* be, const Vec& v) { return test::upload_f32(be, std::vector<float>(v.begin(), v.end())); }
-Vec download_f32(Backend* be, const void* p, size_t n) {
-  const std::vector<float> f = test::download_f32(be, p, n);
-  return Vec(f.begin(), f.end());
-}
-DeviceBuffer upload_act(Backend* be, const Vec& v) { return test::upload_act(be, std::vector<float>(v.begin(), v.end())); }
-Vec download_act(Backend* be, const void* p, size_t n) {
-  const std::vector<float> f = test::download_act(be, p, n);
-  return Vec(f.begin(), f.end());
-}
-using test::upload_i32;
-
-// A tensor as the backend holds it: uploading rounds to the act dtype, and the
-// reference must see exactly those rounded values, not the doubles we drew.
-struct ActTensor {
-  DeviceBuffer buf;
-  Vec val;
-  ActTensor(Backend* be, const Vec& v) : buf(upload_act(be, v)), val(download_act(be, buf.get(), v.size())) {}
-  void* get() const { return buf.get(); }
-};
-struct F32Tensor {
-  DeviceBuffer buf;
-  Vec val;
-  F32Tensor(Backend* be, const Vec& v) : buf(upload_f32(be, v)), val(download_f32(be, buf.get(), v.size())) {}
-  float* get() const { return buf.as<float>(); }
-};
-
-Vec minus(const Vec& a, const Vec& b) {
-  Vec r(a.size());
-  for (size_t i = 0; i < a.size(); ++i) r[i] = a[i] - b[i];
-  return r;
-}
-
-double check_close(const std::string& what, const Vec& got, const Vec& want, double tol) {
-  REQUIRE(got.size() == want.size());
-  const double e = ref::rel_err(got, want);
-  std::printf("  %-48s rel err %.3e (tol %.0e)\n", what.c_str(), e, tol);
-  INFO(what << ": norm-wise relative error " << e << " exceeds " << tol);
-  CHECK(e <= tol);
-  return e;
-}
+// Transfers, ActTensor/F32Tensor and check_close: tests/support/op_test_util.h.
 
 bool same_bits(Backend* be, const void* a, const void* b, size_t bytes) {
   std::vector<unsigned char> ha(bytes), hb(bytes);
@@ -165,7 +115,7 @@ TEST_CASE("cpu_ops: encoder forward and backward (+= into dwte, dwpe)", "[cpu_op
   DeviceBuffer out(be.get(), size_t(B) * T * C * dtype_size(be->act_dtype()));
   be->encoder_forward(out.get(), dtok.as<int32_t>(), wte.get(), wpe.get(), B, T, C);
   Vec want = ref::encoder(tok, wte.val, wpe.val, B, T, C);
-  check_close("encoder fwd", download_act(be.get(), out.get(), want.size()), want, kFwdTol);
+  check_close("encoder fwd", download_act_vec(be.get(), out.get(), want.size()), want, kFwdTol);
 
   ActTensor R(be.get(), randn(size_t(B) * T * C, 14));
   F32Tensor dwte(be.get(), randn(size_t(V) * C, 15));  // pre-filled: the contract is +=
@@ -174,9 +124,9 @@ TEST_CASE("cpu_ops: encoder forward and backward (+= into dwte, dwpe)", "[cpu_op
 
   Vec wte_v = wte.val, wpe_v = wpe.val;
   auto L = [&] { return ref::dot(ref::encoder(tok, wte_v, wpe_v, B, T, C), R.val); };
-  check_close("encoder dwte (+=)", minus(download_f32(be.get(), dwte.get(), wte_v.size()), dwte.val),
+  check_close("encoder dwte (+=)", minus(download_f32_vec(be.get(), dwte.get(), wte_v.size()), dwte.val),
               ref::central_fd(wte_v, L), kGradTol);
-  check_close("encoder dwpe (+=)", minus(download_f32(be.get(), dwpe.get(), wpe_v.size()), dwpe.val),
+  check_close("encoder dwpe (+=)", minus(download_f32_vec(be.get(), dwpe.get(), wpe_v.size()), dwpe.val),
               ref::central_fd(wpe_v, L), kGradTol);
 }
 
@@ -193,9 +143,9 @@ TEST_CASE("cpu_ops: layernorm forward and backward (+= into dinp, dweight, dbias
   be->layernorm_forward(out.get(), mean.as<float>(), rstd.as<float>(), x.get(), w.get(), b.get(), N, C);
   Vec rmean, rrstd;
   Vec want = ref::layernorm(x.val, w.val, b.val, N, C, &rmean, &rrstd);
-  check_close("layernorm fwd out", download_act(be.get(), out.get(), want.size()), want, kFwdTol);
-  check_close("layernorm fwd mean", download_f32(be.get(), mean.get(), N), rmean, kFwdTol);
-  check_close("layernorm fwd rstd", download_f32(be.get(), rstd.get(), N), rrstd, kFwdTol);
+  check_close("layernorm fwd out", download_act_vec(be.get(), out.get(), want.size()), want, kFwdTol);
+  check_close("layernorm fwd mean", download_f32_vec(be.get(), mean.get(), N), rmean, kFwdTol);
+  check_close("layernorm fwd rstd", download_f32_vec(be.get(), rstd.get(), N), rrstd, kFwdTol);
 
   ActTensor R(be.get(), randn(size_t(N) * C, 24));
   ActTensor dinp(be.get(), randn(size_t(N) * C, 25));  // all three pre-filled: contract is +=
@@ -206,11 +156,11 @@ TEST_CASE("cpu_ops: layernorm forward and backward (+= into dinp, dweight, dbias
 
   Vec xv = x.val, wv = w.val, bv = b.val;
   auto L = [&] { return ref::dot(ref::layernorm(xv, wv, bv, N, C), R.val); };
-  check_close("layernorm dinp (+=)", minus(download_act(be.get(), dinp.get(), xv.size()), dinp.val),
+  check_close("layernorm dinp (+=)", minus(download_act_vec(be.get(), dinp.get(), xv.size()), dinp.val),
               ref::central_fd(xv, L), kGradTol);
-  check_close("layernorm dweight (+=)", minus(download_f32(be.get(), dw.get(), C), dw.val),
+  check_close("layernorm dweight (+=)", minus(download_f32_vec(be.get(), dw.get(), C), dw.val),
               ref::central_fd(wv, L), kGradTol);
-  check_close("layernorm dbias (+=)", minus(download_f32(be.get(), db.get(), C), db.val),
+  check_close("layernorm dbias (+=)", minus(download_f32_vec(be.get(), db.get(), C), db.val),
               ref::central_fd(bv, L), kGradTol);
 }
 
@@ -223,8 +173,8 @@ TEST_CASE("cpu_ops: linear + GELU forward and the fused dGELU backward", "[cpu_o
   DeviceBuffer out(be.get(), size_t(N) * OC * es), pre(be.get(), size_t(N) * OC * es);
   be->matmul_gelu_forward(out.get(), pre.get(), x.get(), w.get(), bias.get(), N, C, OC);
   const Vec want_pre = ref::linear(x.val, w.val, bias.val, N, C, OC);
-  check_close("linear+gelu pre", download_act(be.get(), pre.get(), want_pre.size()), want_pre, kFwdTol);
-  check_close("linear+gelu out", download_act(be.get(), out.get(), want_pre.size()), ref::gelu(want_pre), kFwdTol);
+  check_close("linear+gelu pre", download_act_vec(be.get(), pre.get(), want_pre.size()), want_pre, kFwdTol);
+  check_close("linear+gelu out", download_act_vec(be.get(), out.get(), want_pre.size()), ref::gelu(want_pre), kFwdTol);
 
   // Backward of y = gelu(h) @ W2^T + b2 w.r.t. h, W2, b2, with h = pre.
   const int OC2 = 5;
@@ -238,11 +188,11 @@ TEST_CASE("cpu_ops: linear + GELU forward and the fused dGELU backward", "[cpu_o
   be->matmul_backward_dgelu(dh.get(), dw2.get(), db2.get(), R.get(), g_in.get(), w2.get(), h.get(), N, OC, OC2);
   Vec hv = h.val, wv = w2.val, bv = b2.val;
   auto L = [&] { return ref::dot(ref::linear(ref::gelu(hv), wv, bv, N, OC, OC2), R.val); };
-  check_close("dgelu dinp (overwrite)", download_act(be.get(), dh.get(), hv.size()), ref::central_fd(hv, L),
+  check_close("dgelu dinp (overwrite)", download_act_vec(be.get(), dh.get(), hv.size()), ref::central_fd(hv, L),
               kGradTol);
-  check_close("dgelu dweight (+=)", minus(download_f32(be.get(), dw2.get(), wv.size()), dw2.val),
+  check_close("dgelu dweight (+=)", minus(download_f32_vec(be.get(), dw2.get(), wv.size()), dw2.val),
               ref::central_fd(wv, L), kGradTol);
-  check_close("dgelu dbias (+=)", minus(download_f32(be.get(), db2.get(), OC2), db2.val), ref::central_fd(bv, L),
+  check_close("dgelu dbias (+=)", minus(download_f32_vec(be.get(), db2.get(), OC2), db2.val), ref::central_fd(bv, L),
               kGradTol);
 }
 
@@ -259,18 +209,18 @@ TEST_CASE("cpu_ops: fused residual + layernorm forward equals the two ops", "[cp
     DeviceBuffer res2(be.get(), n * es), out2(be.get(), n * es), mean2(be.get(), N * 4), rstd2(be.get(), N * 4);
     be->residual_forward(res2.get(), a.get(), b.get(), int64_t(n));
     be->layernorm_forward(out2.get(), mean2.as<float>(), rstd2.as<float>(), res2.get(), w.get(), bias.get(), N, C);
-    CHECK(download_act(be.get(), res.get(), n) == download_act(be.get(), res2.get(), n));
-    CHECK(download_act(be.get(), out.get(), n) == download_act(be.get(), out2.get(), n));
-    CHECK(download_f32(be.get(), mean.get(), N) == download_f32(be.get(), mean2.get(), N));
-    CHECK(download_f32(be.get(), rstd.get(), N) == download_f32(be.get(), rstd2.get(), N));
+    CHECK(download_act_vec(be.get(), res.get(), n) == download_act_vec(be.get(), res2.get(), n));
+    CHECK(download_act_vec(be.get(), out.get(), n) == download_act_vec(be.get(), out2.get(), n));
+    CHECK(download_f32_vec(be.get(), mean.get(), N) == download_f32_vec(be.get(), mean2.get(), N));
+    CHECK(download_f32_vec(be.get(), rstd.get(), N) == download_f32_vec(be.get(), rstd2.get(), N));
     // ... and the double-precision definition.
     Vec sum(n);
     for (size_t i = 0; i < n; ++i) sum[i] = a.val[i] + b.val[i];
-    check_close("fused residual", download_act(be.get(), res.get(), n), sum, kFwdTol);
+    check_close("fused residual", download_act_vec(be.get(), res.get(), n), sum, kFwdTol);
     Vec rmean, rrstd;
     Vec want = ref::layernorm(sum, w.val, bias.val, N, C, &rmean, &rrstd);
-    check_close("fused layernorm out", download_act(be.get(), out.get(), n), want, kFwdTol);
-    check_close("fused layernorm mean", download_f32(be.get(), mean.get(), N), rmean, kFwdTol);
+    check_close("fused layernorm out", download_act_vec(be.get(), out.get(), n), want, kFwdTol);
+    check_close("fused layernorm mean", download_f32_vec(be.get(), mean.get(), N), rmean, kFwdTol);
   }
 }
 
@@ -286,12 +236,12 @@ TEST_CASE("cpu_ops: matmul forward and backward (dinp overwritten, dweight/dbias
   SECTION("forward with and without bias") {
     be->matmul_forward(out.get(), x.get(), W.get(), bias.get(), N, C, OC);
     Vec want = ref::linear(x.val, W.val, bias.val, N, C, OC);
-    check_close("matmul fwd (bias)", download_act(be.get(), out.get(), want.size()), want, kFwdTol);
+    check_close("matmul fwd (bias)", download_act_vec(be.get(), out.get(), want.size()), want, kFwdTol);
     // Without bias the output must not keep anything from before: fill it first.
     ActTensor junk(be.get(), randn(size_t(N) * OC, 34));
     be->matmul_forward(junk.get(), x.get(), W.get(), nullptr, N, C, OC);
     want = ref::linear(x.val, W.val, Vec(), N, C, OC);
-    check_close("matmul fwd (no bias, over junk)", download_act(be.get(), junk.get(), want.size()), want,
+    check_close("matmul fwd (no bias, over junk)", download_act_vec(be.get(), junk.get(), want.size()), want,
                 kFwdTol);
   }
 
@@ -305,18 +255,18 @@ TEST_CASE("cpu_ops: matmul forward and backward (dinp overwritten, dweight/dbias
     Vec xv = x.val, Wv = W.val, bv = bias.val;
     auto L = [&] { return ref::dot(ref::linear(xv, Wv, bv, N, C, OC), R.val); };
     const Vec gW = ref::central_fd(Wv, L);
-    check_close("matmul dinp (overwrite)", download_act(be.get(), dinp.get(), xv.size()),
+    check_close("matmul dinp (overwrite)", download_act_vec(be.get(), dinp.get(), xv.size()),
                 ref::central_fd(xv, L), kGradTol);
-    check_close("matmul dweight (+=)", minus(download_f32(be.get(), dW.get(), Wv.size()), dW.val), gW,
+    check_close("matmul dweight (+=)", minus(download_f32_vec(be.get(), dW.get(), Wv.size()), dW.val), gW,
                 kGradTol);
-    check_close("matmul dbias (+=)", minus(download_f32(be.get(), db.get(), OC), db.val),
+    check_close("matmul dbias (+=)", minus(download_f32_vec(be.get(), db.get(), OC), db.val),
                 ref::central_fd(bv, L), kGradTol);
 
     // Null dinp and dbias are skipped; dweight still accumulates.
     F32Tensor dW2(be.get(), randn(size_t(OC) * C, 39));
     be->matmul_backward(nullptr, dW2.get(), nullptr, R.get(), x.get(), W.get(), N, C, OC);
     check_close("matmul dweight (+=, null dinp/dbias)",
-                minus(download_f32(be.get(), dW2.get(), Wv.size()), dW2.val), gW, kGradTol);
+                minus(download_f32_vec(be.get(), dW2.get(), Wv.size()), dW2.val), gW, kGradTol);
   }
 }
 
@@ -331,7 +281,7 @@ TEST_CASE("cpu_ops: attention forward and backward (dqkv overwritten)", "[cpu_op
   DeviceBuffer saved(be.get(), be->attention_saved_floats(B, T, NH) * 4);
   be->attention_forward(out.get(), saved.as<float>(), qkv.get(), B, T, C, NH);
   Vec want = ref::attention(qkv.val, B, T, C, NH);
-  check_close("attention fwd", download_act(be.get(), out.get(), want.size()), want, kFwdTol);
+  check_close("attention fwd", download_act_vec(be.get(), out.get(), want.size()), want, kFwdTol);
 
   ActTensor R(be.get(), randn(size_t(B) * T * C, 42));
   ActTensor dqkv(be.get(), randn(qkv.val.size(), 43, 1.0, -3.0));  // pre-filled: must be overwritten
@@ -339,7 +289,7 @@ TEST_CASE("cpu_ops: attention forward and backward (dqkv overwritten)", "[cpu_op
   Vec qv = qkv.val;
   auto L = [&] { return ref::dot(ref::attention(qv, B, T, C, NH), R.val); };
   const Vec g = ref::central_fd(qv, L);
-  const Vec got = download_act(be.get(), dqkv.get(), qv.size());
+  const Vec got = download_act_vec(be.get(), dqkv.get(), qv.size());
   check_close("attention dqkv (overwrite)", got, g, kGradTol);
   // Per part, so a bug confined to dq, dk or dv is named (dk is the smallest).
   for (int part = 0; part < 3; ++part) {
@@ -368,11 +318,11 @@ TEST_CASE("cpu_ops: attention_kv_forward appends to the cache and matches causal
   for (const auto& [pos, n] : std::vector<std::pair<int, int>>{{0, 4}, {4, 1}, {5, 3}, {8, 1}, {9, 2}}) {
     const char* q = static_cast<const char*>(qkv.get()) + size_t(pos) * 3 * C * es;
     be->attention_kv_forward(out.get(), kc.get(), vc.get(), q, pos, n, C, NH);
-    const Vec rows = download_act(be.get(), out.get(), size_t(n) * C);
+    const Vec rows = download_act_vec(be.get(), out.get(), size_t(n) * C);
     got.insert(got.end(), rows.begin(), rows.end());
   }
   check_close("attention_kv_forward rows", got, want, kFwdTol);
-  const Vec k = download_act(be.get(), kc.get(), size_t(T) * C), v = download_act(be.get(), vc.get(), size_t(T) * C);
+  const Vec k = download_act_vec(be.get(), kc.get(), size_t(T) * C), v = download_act_vec(be.get(), vc.get(), size_t(T) * C);
   for (int t = 0; t < T; ++t)
     for (int c = 0; c < C; ++c) {
       INFO("position " << t << " channel " << c);
@@ -389,7 +339,7 @@ TEST_CASE("cpu_ops: gelu forward and backward (overwrite, dinp may alias dout)",
   DeviceBuffer out(be.get(), n * dtype_size(be->act_dtype()));
   be->gelu_forward(out.get(), x.get(), n);
   Vec want = ref::gelu(x.val);
-  check_close("gelu fwd", download_act(be.get(), out.get(), n), want, kFwdTol);
+  check_close("gelu fwd", download_act_vec(be.get(), out.get(), n), want, kFwdTol);
 
   ActTensor R(be.get(), randn(n, 52));
   Vec xv = x.val;
@@ -397,11 +347,11 @@ TEST_CASE("cpu_ops: gelu forward and backward (overwrite, dinp may alias dout)",
 
   ActTensor dinp(be.get(), randn(n, 53, 1.0, 4.0));  // pre-filled: must be overwritten
   be->gelu_backward(dinp.get(), x.get(), R.get(), n);
-  check_close("gelu dinp (overwrite)", download_act(be.get(), dinp.get(), n), g, kGradTol);
+  check_close("gelu dinp (overwrite)", download_act_vec(be.get(), dinp.get(), n), g, kGradTol);
 
   ActTensor inplace(be.get(), R.val);  // dinp == dout
   be->gelu_backward(inplace.get(), x.get(), inplace.get(), n);
-  check_close("gelu dinp (aliasing dout)", download_act(be.get(), inplace.get(), n), g, kGradTol);
+  check_close("gelu dinp (aliasing dout)", download_act_vec(be.get(), inplace.get(), n), g, kGradTol);
 }
 
 TEST_CASE("cpu_ops: residual forward", "[cpu_ops]") {
@@ -410,7 +360,7 @@ TEST_CASE("cpu_ops: residual forward", "[cpu_ops]") {
   ActTensor a(be.get(), randn(n, 61)), b(be.get(), randn(n, 62));
   ActTensor out(be.get(), randn(n, 63));  // junk that must be replaced
   be->residual_forward(out.get(), a.get(), b.get(), n);
-  check_close("residual fwd", download_act(be.get(), out.get(), n), ref::residual(a.val, b.val), kFwdTol);
+  check_close("residual fwd", download_act_vec(be.get(), out.get(), n), ref::residual(a.val, b.val), kFwdTol);
   // Gradient: residual has no backward op — d(a+b)/da = d(a+b)/db = dout, so
   // the model passes dout on to both branches (exercised by test_model_grad).
 }
@@ -440,27 +390,27 @@ TEST_CASE("cpu_ops: softmax cross-entropy losses and dlogits", "[cpu_ops]") {
   SECTION("losses only: logits untouched") {
     DeviceBuffer losses(be.get(), N * 4);
     be->softmax_cross_entropy(losses.as<float>(), nullptr, logits.get(), dtgt.as<int32_t>(), N, V, V, scale);
-    Vec got = download_f32(be.get(), losses.get(), N);
+    Vec got = download_f32_vec(be.get(), losses.get(), N);
     check_close("xent losses", got, want_loss, kFwdTol);
     CHECK(got[4] == 0.0);
-    CHECK(download_act(be.get(), logits.get(), zv.size()) == logits.val);
+    CHECK(download_act_vec(be.get(), logits.get(), zv.size()) == logits.val);
   }
   SECTION("separate dlogits buffer (overwritten)") {
     F32Tensor losses(be.get(), randn(N, 73));  // junk
     ActTensor dlogits(be.get(), randn(zv.size(), 74, 1.0, 2.0));
     be->softmax_cross_entropy(losses.get(), dlogits.get(), logits.get(), dtgt.as<int32_t>(), N, V, V, scale);
-    check_close("xent losses (with dlogits)", download_f32(be.get(), losses.get(), N), want_loss, kFwdTol);
-    Vec got = download_act(be.get(), dlogits.get(), zv.size());
+    check_close("xent losses (with dlogits)", download_f32_vec(be.get(), losses.get(), N), want_loss, kFwdTol);
+    Vec got = download_act_vec(be.get(), dlogits.get(), zv.size());
     check_close("xent dlogits (scale 0.37)", got, g, kGradTol);
     for (int v = 0; v < V; ++v) CHECK(got[4 * V + v] == 0.0);
-    CHECK(download_act(be.get(), logits.get(), zv.size()) == logits.val);
+    CHECK(download_act_vec(be.get(), logits.get(), zv.size()) == logits.val);
   }
   SECTION("dlogits aliasing logits") {
     F32Tensor losses(be.get(), randn(N, 75));
     ActTensor inplace(be.get(), logits.val);
     be->softmax_cross_entropy(losses.get(), inplace.get(), inplace.get(), dtgt.as<int32_t>(), N, V, V, scale);
-    check_close("xent losses (aliased)", download_f32(be.get(), losses.get(), N), want_loss, kFwdTol);
-    Vec got = download_act(be.get(), inplace.get(), zv.size());
+    check_close("xent losses (aliased)", download_f32_vec(be.get(), losses.get(), N), want_loss, kFwdTol);
+    Vec got = download_act_vec(be.get(), inplace.get(), zv.size());
     check_close("xent dlogits (aliased)", got, g, kGradTol);
     for (int v = 0; v < V; ++v) CHECK(got[4 * V + v] == 0.0);
   }
@@ -472,8 +422,8 @@ TEST_CASE("cpu_ops: softmax cross-entropy losses and dlogits", "[cpu_ops]") {
     ActTensor padded(be.get(), zp);
     F32Tensor losses(be.get(), randn(N, 76));
     be->softmax_cross_entropy(losses.get(), padded.get(), padded.get(), dtgt.as<int32_t>(), N, V, ldv, scale);
-    check_close("xent losses (padded rows)", download_f32(be.get(), losses.get(), N), want_loss, kFwdTol);
-    Vec got = download_act(be.get(), padded.get(), zp.size());
+    check_close("xent losses (padded rows)", download_f32_vec(be.get(), losses.get(), N), want_loss, kFwdTol);
+    Vec got = download_act_vec(be.get(), padded.get(), zp.size());
     Vec body;
     for (int n = 0; n < N; ++n) {
       for (int v = 0; v < V; ++v) body.push_back(got[size_t(n) * ldv + v]);
@@ -493,8 +443,8 @@ TEST_CASE("cpu_ops: lm head over padded logits rows equals the plain matmul", "[
   DeviceBuffer plain(be.get(), size_t(N) * V * es);
   be->lm_head_forward(logits.get(), x.get(), wte.get(), N, C, V, ldv);
   be->matmul_forward(plain.get(), x.get(), wte.get(), nullptr, N, C, V);
-  const Vec got = download_act(be.get(), logits.get(), size_t(N) * ldv);
-  const Vec want = download_act(be.get(), plain.get(), size_t(N) * V);
+  const Vec got = download_act_vec(be.get(), logits.get(), size_t(N) * ldv);
+  const Vec want = download_act_vec(be.get(), plain.get(), size_t(N) * V);
   Vec body;
   for (int n = 0; n < N; ++n) {
     for (int v = 0; v < V; ++v) body.push_back(got[size_t(n) * ldv + v]);
@@ -513,10 +463,10 @@ TEST_CASE("cpu_ops: lm head over padded logits rows equals the plain matmul", "[
   F32Tensor dw(be.get(), randn(size_t(V) * C, 94)), dw2(be.get(), dw.val);  // += : pre-filled
   be->lm_head_backward(dinp.get(), dw.get(), dlog.get(), x.get(), wte.get(), N, C, V, ldv);
   be->matmul_backward(dinp2.get(), dw2.get(), nullptr, dlog_plain.get(), x.get(), wte.get(), N, C, V);
-  check_close("lm head dinp (padded rows)", download_act(be.get(), dinp.get(), size_t(N) * C),
-              download_act(be.get(), dinp2.get(), size_t(N) * C), 1e-6);
-  check_close("lm head dwte += (padded rows)", download_f32(be.get(), dw.get(), size_t(V) * C),
-              download_f32(be.get(), dw2.get(), size_t(V) * C), 1e-6);
+  check_close("lm head dinp (padded rows)", download_act_vec(be.get(), dinp.get(), size_t(N) * C),
+              download_act_vec(be.get(), dinp2.get(), size_t(N) * C), 1e-6);
+  check_close("lm head dwte += (padded rows)", download_f32_vec(be.get(), dw.get(), size_t(V) * C),
+              download_f32_vec(be.get(), dw2.get(), size_t(V) * C), 1e-6);
 }
 
 TEST_CASE("cpu_ops: sum_squares and sum accumulate into their output, and scale", "[cpu_ops]") {
@@ -528,7 +478,7 @@ TEST_CASE("cpu_ops: sum_squares and sum accumulate into their output, and scale"
   double want = 1.5;
   for (double v : x.val) want += v * v;
   // fp32 result of a double-accumulated sum: one final rounding (~6e-8).
-  check_close("sum_squares", download_f32(be.get(), out.get(), 1), Vec{want}, 1e-6);
+  check_close("sum_squares", download_f32_vec(be.get(), out.get(), 1), Vec{want}, 1e-6);
 
   // sum: the trainer's on-device loss total; += across micro-batches.
   F32Tensor total(be.get(), Vec{-2.25});
@@ -537,13 +487,13 @@ TEST_CASE("cpu_ops: sum_squares and sum accumulate into their output, and scale"
   double want_sum = -2.25;
   for (double v : x.val) want_sum += v;
   for (int i = 0; i < 17; ++i) want_sum += x.val[i];
-  CHECK(std::abs(download_f32(be.get(), total.get(), 1)[0] - want_sum) < 1e-4);
+  CHECK(std::abs(download_f32_vec(be.get(), total.get(), 1)[0] - want_sum) < 1e-4);
 
   F32Tensor y(be.get(), randn(61, 82));
   be->scale(y.get(), -0.3f, 61);
   Vec wy(61);
   for (int i = 0; i < 61; ++i) wy[i] = y.val[i] * double(-0.3f);
-  check_close("scale", download_f32(be.get(), y.get(), 61), wy, 1e-7);
+  check_close("scale", download_f32_vec(be.get(), y.get(), 61), wy, 1e-7);
 }
 
 namespace {
@@ -602,9 +552,9 @@ TEST_CASE("cpu_ops: adamw_update against a double AdamW step", "[cpu_ops]") {
 
     Vec w = master.val, mr = m.val, vr = v.val;
     adamw_ref(w, mr, vr, grad.val, c.a);
-    const Vec w_new = download_f32(be.get(), master.get(), n);
-    check_close("adamw m", download_f32(be.get(), m.get(), n), mr, 1e-6);
-    check_close("adamw v", download_f32(be.get(), v.get(), n), vr, 1e-6);
+    const Vec w_new = download_f32_vec(be.get(), master.get(), n);
+    check_close("adamw m", download_f32_vec(be.get(), m.get(), n), mr, 1e-6);
+    check_close("adamw v", download_f32_vec(be.get(), v.get(), n), vr, 1e-6);
     check_close("adamw weight update", minus(w_new, master.val), minus(w, master.val), kFwdTol);
     check_close("adamw weights", w_new, w, 1e-6);
     if (!c.aliased) {
@@ -614,7 +564,7 @@ TEST_CASE("cpu_ops: adamw_update against a double AdamW step", "[cpu_ops]") {
         ActTensor cast(be.get(), w_new);
         expect = cast.val;
       }
-      CHECK(download_act(be.get(), param, n) == expect);
+      CHECK(download_act_vec(be.get(), param, n) == expect);
     }
   }
 }
