@@ -43,6 +43,7 @@
 #include "core/train/trainer.h"
 #include "kernels/backend.h"
 #include "kernels/backend_factory.h"
+#include "kernels/rope_table.h"
 #include "parallel/communicator.h"
 #include "tests/support/device_io.h"
 #include "tests/support/inprocess.h"
@@ -537,8 +538,9 @@ void check_attention_kv(Pair& p, Twin& kc, Twin& vc, int pos, int Tq, int C, int
 // Caches of maxT rows: random rows [0, pos) on both sides, NaN from pos on (GPU).
 Twin kv_cache(Pair& p, int maxT, int pos, int C, uint64_t seed) {
   Twin t(p, randn(size_t(maxT) * C, seed), true);
-  std::vector<unsigned char> nan(size_t(maxT - pos) * C * 2, 0xFF);
-  p.gpu->copy_to_device(t.gbuf.as<char>() + size_t(pos) * C * 2, nan.data(), nan.size());
+  const size_t es = dtype_size(p.gpu->act_dtype());
+  std::vector<unsigned char> nan(size_t(maxT - pos) * C * es, 0xFF);
+  p.gpu->copy_to_device(t.gbuf.as<char>() + size_t(pos) * C * es, nan.data(), nan.size());
   return t;
 }
 }  // namespace
@@ -594,6 +596,420 @@ TEST_CASE("cuda: gelu and residual", "[cuda]") {
       p.gpu->residual_forward(r.g(), a.g(), b.g(), int64_t(n));
       check_close("residual " + sh, r.read_gpu(p), r.read_cpu(p), kBf16);
     }
+  }
+}
+
+// ---- Llama ops: RMSNorm, RoPE, SwiGLU, grouped-query attention --------------------------------------
+// Tolerances as above. Two more kinds of check: bit-for-bit equalities the
+// kernels promise (HF's RMSNorm rounding, RoPE pieces vs the whole sequence,
+// the GQA entry points with NKV == NH vs the multi-head ones, run-to-run
+// reproducibility), and exact copies (v columns RoPE must not touch, cache rows).
+
+namespace {
+// Round to nearest even to bf16, on the host (finite values): what
+// __float2bfloat16_rn does on the device.
+float bf16_round(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  u &= 0xFFFF0000u;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+bool same_bits(const Vec& a, const Vec& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+}
+// Columns [c0, c0 + w) of every ld-wide row.
+Vec columns(const Vec& x, size_t ld, size_t c0, size_t w) {
+  Vec r;
+  for (size_t row = 0; row < x.size() / ld; ++row)
+    r.insert(r.end(), x.begin() + row * ld + c0, x.begin() + row * ld + c0 + w);
+  return r;
+}
+Vec rows(const Vec& x, size_t ld, size_t r0, size_t n) { return Vec(x.begin() + r0 * ld, x.begin() + (r0 + n) * ld); }
+// The CPU side of a twin set to `v` (e.g. what the GPU computed), so the
+// next op on both backends starts from the very same values.
+void set_cpu(Pair& p, Twin& t, const Vec& v) {
+  REQUIRE(v.size() == t.n);
+  p.cpu->copy_to_device(t.c(), v.data(), v.size() * 4);
+  t.val = v;
+}
+// The (maxT, HS/2, 2) fp32 RoPE table on both backends (theta 5e5, Llama 3's).
+struct RopeTab {
+  DeviceBuffer c, g;
+  RopeTab(Pair& p, int maxT, int HS, const RopeScaling* scaling) {
+    const std::vector<float> t = rope_table(maxT, HS, 500000.0, scaling);
+    c = upload_f32(p.cpu.get(), t);
+    g = upload_f32(p.gpu.get(), t);
+  }
+  const float* cp() const { return c.as<float>(); }
+  const float* gp() const { return g.as<float>(); }
+};
+}  // namespace
+
+TEST_CASE("cuda: rmsnorm forward (HF's bf16 rounding) and backward (+=)", "[cuda][llama]") {
+  CUDA_TEST_OR_SKIP();
+  Pair p;
+  struct S { int N, C; size_t off; float eps; };
+  // C = 13 (scalar path), 768, 1000, 2048, 4096, 8192 (16-byte packs; the
+  // backward's 8, 8, 4, 2 and 1 teams of warps); N = 7, 19, 111 and 2000
+  // (several rows per team); pointers off 16-byte alignment (scalar path at
+  // C = 4096); eps 1e-5 and 1e-6.
+  for (S s : {S{7, 13, 0, 1e-5f}, S{19, 768, 0, 1e-6f}, S{111, 2048, 0, 1e-5f}, S{7, 4096, 0, 1e-5f},
+              S{19, 4096, 1, 1e-6f}, S{111, 13, 1, 1e-5f}, S{2000, 2048, 0, 1e-5f}, S{5, 8192, 0, 1e-5f},
+              S{19, 1000, 0, 1e-6f}}) {
+    const std::string sh = shape({{"N", s.N}, {"C", s.C}}) + (s.off ? " unaligned" : "");
+    const size_t n = size_t(s.N) * s.C;
+    Twin x(p, randn(n, 151, 2.0f, 0.5f), true, s.off), w(p, randn(s.C, 152, 0.5f, 1.0f), true, s.off);
+    Twin out = out_twin(p, n, true, s.off), rstd = out_twin(p, s.N, false);
+    p.cpu->rmsnorm_forward(out.c(), rstd.cf(), x.c(), w.c(), s.N, s.C, s.eps);
+    p.gpu->rmsnorm_forward(out.g(), rstd.gf(), x.g(), w.g(), s.N, s.C, s.eps);
+    const Vec og = out.read_gpu(p), rg = rstd.read_gpu(p);
+    // The GPU rounds x*rstd to bf16 before the weight (HF) and the product
+    // again: two roundings against the CPU's fp32, still within kBf16.
+    check_close("rmsnorm out " + sh, og, out.read_cpu(p), kBf16);
+    check_close("rmsnorm rstd " + sh, rg, rstd.read_cpu(p), kF32);
+    // HF's LlamaRMSNorm with bf16 activations is weight * bf16(x * rstd),
+    // rounded to bf16: with the GPU's rstd that is the GPU's output bit for bit.
+    Vec hf(n);
+    for (int r = 0; r < s.N; ++r)
+      for (int c = 0; c < s.C; ++c) {
+        const size_t i = size_t(r) * s.C + c;
+        hf[i] = bf16_round(bf16_round(x.val[i] * rg[r]) * w.val[c]);
+      }
+    CHECK(same_bits(og, hf));
+
+    Twin r2(p, rstd.read_cpu(p), false);  // both sides normalise with the same rstd
+    Twin dout(p, randn(n, 153), true, s.off);
+    Twin dinp(p, randn(n, 154), true, s.off);  // += : pre-filled on both sides
+    Twin dw(p, randn(s.C, 155), false);
+    p.cpu->rmsnorm_backward(dinp.c(), dw.cf(), dout.c(), x.c(), w.c(), r2.cf(), s.N, s.C);
+    p.gpu->rmsnorm_backward(dinp.g(), dw.gf(), dout.g(), x.g(), w.g(), r2.gf(), s.N, s.C);
+    check_close("rmsnorm dinp (+=) " + sh, dinp.read_gpu(p), dinp.read_cpu(p), kBf16);
+    check_close("rmsnorm dweight (+=) " + sh, dw.read_gpu(p), dw.read_cpu(p), kF32);
+    // dweight's block partials are summed in a fixed order: the same bits twice.
+    Twin dw1(p, Vec(s.C, 0.0f), false), dw2(p, Vec(s.C, 0.0f), false);
+    Twin dx1(p, Vec(n, 0.0f), true, s.off), dx2(p, Vec(n, 0.0f), true, s.off);
+    p.gpu->rmsnorm_backward(dx1.g(), dw1.gf(), dout.g(), x.g(), w.g(), r2.gf(), s.N, s.C);
+    p.gpu->rmsnorm_backward(dx2.g(), dw2.gf(), dout.g(), x.g(), w.g(), r2.gf(), s.N, s.C);
+    CHECK(same_bits(dw1.read_gpu(p), dw2.read_gpu(p)));
+    CHECK(same_bits(dx1.read_gpu(p), dx2.read_gpu(p)));
+  }
+}
+
+TEST_CASE("cuda: fused residual + rmsnorm forward", "[cuda][llama]") {
+  CUDA_TEST_OR_SKIP();
+  Pair p;
+  struct S { int N, C; size_t off; };
+  for (S s : {S{1, 1, 0}, S{19, 111, 1}, S{7, 2048, 0}, S{37, 4096, 1}, S{111, 13, 0}, S{19, 768, 0}}) {
+    const std::string sh = shape({{"N", s.N}, {"C", s.C}}) + (s.off ? " unaligned" : "");
+    const size_t n = size_t(s.N) * s.C;
+    const float eps = 1e-5f;
+    Twin a(p, randn(n, 161, 2.0f, 0.5f), true, s.off), b(p, randn(n, 162, 0.5f, -1.0f), true, s.off);
+    Twin w(p, randn(s.C, 163, 0.5f, 1.0f), true);
+    Twin res = out_twin(p, n, true, s.off), out = out_twin(p, n, true, s.off), rstd = out_twin(p, s.N, false);
+    p.cpu->residual_rmsnorm_forward(res.c(), out.c(), rstd.cf(), a.c(), b.c(), w.c(), s.N, s.C, eps);
+    p.gpu->residual_rmsnorm_forward(res.g(), out.g(), rstd.gf(), a.g(), b.g(), w.g(), s.N, s.C, eps);
+    check_close("fused residual " + sh, res.read_gpu(p), res.read_cpu(p), kBf16);
+    check_close("fused rmsnorm out " + sh, out.read_gpu(p), out.read_cpu(p), kBf16);
+    // The GPU's statistic is over the bf16-rounded sum (what an unfused
+    // rmsnorm would read back), the CPU's over the fp32 sum.
+    check_close("fused rmsnorm rstd " + sh, rstd.read_gpu(p), rstd.read_cpu(p), kBf16);
+    // Bit for bit residual_forward + rmsnorm_forward on the GPU.
+    Twin res2 = out_twin(p, n, true, s.off), out2 = out_twin(p, n, true, s.off), rstd2 = out_twin(p, s.N, false);
+    p.gpu->residual_forward(res2.g(), a.g(), b.g(), int64_t(n));
+    p.gpu->rmsnorm_forward(out2.g(), rstd2.gf(), res2.g(), w.g(), s.N, s.C, eps);
+    CHECK(same_bits(res.read_gpu(p), res2.read_gpu(p)));
+    CHECK(same_bits(out.read_gpu(p), out2.read_gpu(p)));
+    CHECK(same_bits(rstd.read_gpu(p), rstd2.read_gpu(p)));
+  }
+}
+
+TEST_CASE("cuda: rope forward and backward in place on the q and k heads", "[cuda][llama]") {
+  CUDA_TEST_OR_SKIP();
+  Pair p;
+  RopeScaling llama31;
+  struct S { int B, T, NH, NKV, HS, pos0; bool scaled; size_t off; };
+  // HS 64 and 128 (HS/2 % 8 == 0: 8 pairs per thread), 6 and 38 (HS/2 = 3,
+  // 19: one pair per thread); NH/NKV 8/2, 32/8, 6/6, 4/1; pos0 0 and > 0;
+  // llama3 rope_scaling and plain; an unaligned qkv (scalar path at HS 64);
+  // T = 1030.
+  for (S s : {S{2, 19, 8, 2, 64, 0, false, 0}, S{1, 111, 32, 8, 64, 5, true, 0}, S{3, 7, 6, 6, 128, 1000, true, 0},
+              S{2, 19, 4, 1, 6, 3, false, 0}, S{1, 1030, 8, 2, 128, 0, true, 0}, S{2, 19, 8, 2, 64, 7, false, 1},
+              S{1, 13, 6, 6, 38, 2, false, 0}}) {
+    const std::string sh = shape({{"B", s.B}, {"T", s.T}, {"NH", s.NH}, {"NKV", s.NKV}, {"HS", s.HS},
+                                  {"pos0", s.pos0}}) + (s.scaled ? " llama3" : "") + (s.off ? " unaligned" : "");
+    const size_t ld = size_t(s.NH + 2 * s.NKV) * s.HS, n = size_t(s.B) * s.T * ld;
+    const size_t qk = size_t(s.NH + s.NKV) * s.HS, vw = size_t(s.NKV) * s.HS;  // rotated columns | v columns
+    RopeTab tab(p, s.pos0 + s.T + 3, s.HS, s.scaled ? &llama31 : nullptr);
+    Twin qkv(p, randn(n, 171), true, s.off);
+    p.cpu->rope_forward(qkv.c(), tab.cp(), s.B, s.T, s.NH, s.NKV, s.HS, s.pos0);
+    p.gpu->rope_forward(qkv.g(), tab.gp(), s.B, s.T, s.NH, s.NKV, s.HS, s.pos0);
+    const Vec got = qkv.read_gpu(p), want = qkv.read_cpu(p);
+    check_close("rope fwd q|k " + sh, columns(got, ld, 0, qk), columns(want, ld, 0, qk), kBf16);
+    CHECK(same_bits(columns(got, ld, qk, vw), columns(qkv.val, ld, qk, vw)));  // v: not touched
+
+    Twin d(p, randn(n, 172), true, s.off);
+    p.cpu->rope_backward(d.c(), tab.cp(), s.B, s.T, s.NH, s.NKV, s.HS, s.pos0);
+    p.gpu->rope_backward(d.g(), tab.gp(), s.B, s.T, s.NH, s.NKV, s.HS, s.pos0);
+    const Vec dgot = d.read_gpu(p);
+    check_close("rope bwd dq|dk " + sh, columns(dgot, ld, 0, qk), columns(d.read_cpu(p), ld, 0, qk), kBf16);
+    CHECK(same_bits(columns(dgot, ld, qk, vw), columns(d.val, ld, qk, vw)));  // dv passes through
+
+    // The backward is the forward's inverse (a rotation's transpose): two
+    // bf16 roundings away from the input.
+    p.gpu->rope_backward(qkv.g(), tab.gp(), s.B, s.T, s.NH, s.NKV, s.HS, s.pos0);
+    check_close("rope bwd(fwd(x)) = x " + sh, qkv.read_gpu(p), qkv.val, kBf16);
+  }
+  // Rows rotated in pieces at pos0 = their first position are the rows of
+  // the whole sequence rotated from 0, bit for bit, on the vector path
+  // (HS 64) and the scalar one (HS 38), and an unaligned copy (scalar path)
+  // gives the vector path's bits.
+  for (int HS : {64, 38}) {
+    const int T = 37, NH = 8, NKV = 2;
+    const size_t ld = size_t(NH + 2 * NKV) * HS;
+    RopeTab tab(p, T, HS, &llama31);
+    const Vec raw = randn(size_t(T) * ld, 173);
+    Twin full(p, raw, true), full_unaligned(p, raw, true, 1);
+    p.gpu->rope_forward(full.g(), tab.gp(), 1, T, NH, NKV, HS, 0);
+    p.gpu->rope_forward(full_unaligned.g(), tab.gp(), 1, T, NH, NKV, HS, 0);
+    const Vec whole = full.read_gpu(p);
+    CHECK(same_bits(full_unaligned.read_gpu(p), whole));
+    Vec pieces;
+    for (const auto& [pos, len] : std::vector<std::pair<int, int>>{{0, 10}, {10, 1}, {11, 20}, {31, 6}}) {
+      Twin piece(p, rows(full.val, ld, pos, len), true);
+      p.gpu->rope_forward(piece.g(), tab.gp(), 1, len, NH, NKV, HS, pos);
+      const Vec r = piece.read_gpu(p);
+      pieces.insert(pieces.end(), r.begin(), r.end());
+    }
+    INFO("HS " << HS);
+    CHECK(same_bits(pieces, whole));
+  }
+  CHECK_THROWS_WITH(p.gpu->rope_forward(nullptr, nullptr, 1, 1, 1, 1, 5, 0), Catch::Matchers::Contains("head size 5"));
+  CHECK_THROWS_WITH(p.gpu->rope_backward(nullptr, nullptr, 1, 1, 1, 1, 4, -1), Catch::Matchers::Contains("pos0 -1"));
+}
+
+TEST_CASE("cuda: swiglu forward and backward (dinp overwritten, may alias inp)", "[cuda][llama]") {
+  CUDA_TEST_OR_SKIP();
+  Pair p;
+  struct S { int N, F; size_t off; };
+  // F = 13 (scalar), 8 (one pack), 768, 2048, 8192 (packs); N = 1, 7, 19,
+  // 111; unaligned pointers (scalar path at F = 8192).
+  for (S s : {S{7, 13, 0}, S{1, 8, 0}, S{19, 768, 0}, S{111, 2048, 0}, S{7, 8192, 0}, S{19, 8192, 1},
+              S{111, 13, 1}}) {
+    const std::string sh = shape({{"N", s.N}, {"F", s.F}}) + (s.off ? " unaligned" : "");
+    const size_t nin = size_t(s.N) * 2 * s.F, nout = size_t(s.N) * s.F;
+    // std 3 gates reach both tails of the sigmoid; +-40 and +-100 saturate it
+    // (e^100 overflows __expf to inf: sigma must come out 0, not NaN).
+    Vec in = randn(nin, 181, 3.0f);
+    in[0] = 40.0f;
+    in[1] = -40.0f;
+    in[2] = 100.0f;
+    in[3] = -100.0f;
+    Twin x(p, in, true, s.off);
+    Twin out = out_twin(p, nout, true, s.off);
+    p.cpu->swiglu_forward(out.c(), x.c(), s.N, s.F);
+    p.gpu->swiglu_forward(out.g(), x.g(), s.N, s.F);
+    check_close("swiglu fwd " + sh, out.read_gpu(p), out.read_cpu(p), kBf16);
+
+    Twin dout(p, randn(nout, 182), true, s.off);
+    Twin dinp = out_twin(p, nin, true, s.off);  // overwritten: poisoned first
+    p.cpu->swiglu_backward(dinp.c(), dout.c(), x.c(), s.N, s.F);
+    p.gpu->swiglu_backward(dinp.g(), dout.g(), x.g(), s.N, s.F);
+    const Vec dg = dinp.read_gpu(p), dc = dinp.read_cpu(p);
+    check_close("swiglu dinp " + sh, dg, dc, kBf16);
+    check_close("swiglu dgate " + sh, columns(dg, 2 * s.F, 0, s.F), columns(dc, 2 * s.F, 0, s.F), kBf16);
+    check_close("swiglu dup " + sh, columns(dg, 2 * s.F, s.F, s.F), columns(dc, 2 * s.F, s.F, s.F), kBf16);
+    // In place (dinp == inp), as the model calls it: the same bits.
+    p.gpu->swiglu_backward(x.g(), dout.g(), x.g(), s.N, s.F);
+    CHECK(same_bits(x.read_gpu(p), dg));
+  }
+}
+
+namespace {
+struct Gqa {
+  int NH, NKV, HS;
+  size_t ld() const { return size_t(NH + 2 * NKV) * HS; }
+  size_t C() const { return size_t(NH) * HS; }
+  size_t KV() const { return size_t(NKV) * HS; }
+};
+}  // namespace
+
+TEST_CASE("cuda: grouped-query attention forward and backward", "[cuda][llama]") {
+  CUDA_TEST_OR_SKIP();
+  Pair p;
+  struct S { int B, T; Gqa h; };
+  // NH/NKV 8/2, 32/8, 6/6, 4/1; HS 64, 128, 19 (padded to 32, scalar
+  // loads), 40; T = 1, odd, crossing the 64-row tiles, 1030.
+  for (S s : {S{2, 19, {8, 2, 64}}, S{1, 130, {32, 8, 64}}, S{2, 65, {6, 6, 19}}, S{3, 70, {4, 1, 128}},
+              S{1, 1, {4, 1, 64}}, S{1, 1030, {8, 2, 128}}, S{2, 33, {4, 1, 40}}, S{2, 257, {32, 8, 64}}}) {
+    const Gqa& h = s.h;
+    const std::string sh = shape({{"B", s.B}, {"T", s.T}, {"NH", h.NH}, {"NKV", h.NKV}, {"HS", h.HS}});
+    const size_t nqkv = size_t(s.B) * s.T * h.ld(), nout = size_t(s.B) * s.T * h.C();
+    Twin qkv(p, randn(nqkv, 191), true);
+    Twin out = out_twin(p, nout, true);
+    CHECK(p.gpu->attention_gqa_saved_floats(s.B, s.T, h.NH) == size_t(s.B) * h.NH * s.T);  // the lse only
+    DeviceBuffer csaved(p.cpu.get(), p.cpu->attention_gqa_saved_floats(s.B, s.T, h.NH) * 4);
+    DeviceBuffer gsaved(p.gpu.get(), p.gpu->attention_gqa_saved_floats(s.B, s.T, h.NH) * 4);
+    p.cpu->attention_gqa_forward(out.c(), csaved.as<float>(), qkv.c(), s.B, s.T, h.NH, h.NKV, h.HS);
+    p.gpu->attention_gqa_forward(out.g(), gsaved.as<float>(), qkv.g(), s.B, s.T, h.NH, h.NKV, h.HS);
+    check_close("attention_gqa out " + sh, out.read_gpu(p), out.read_cpu(p), kAttnFwd);
+
+    Twin dout(p, randn(nout, 192), true);
+    Twin dqkv = out_twin(p, nqkv, true);  // overwritten: poisoned first
+    p.cpu->attention_gqa_backward(dqkv.c(), dout.c(), qkv.c(), out.c(), csaved.as<float>(), s.B, s.T, h.NH, h.NKV,
+                                  h.HS);
+    p.gpu->attention_gqa_backward(dqkv.g(), dout.g(), qkv.g(), out.g(), gsaved.as<float>(), s.B, s.T, h.NH, h.NKV,
+                                  h.HS);
+    const Vec dg = dqkv.read_gpu(p), dc = dqkv.read_cpu(p);
+    check_close("attention_gqa dqkv " + sh, dg, dc, kAttnBwd);
+    check_close("attention_gqa dq " + sh, columns(dg, h.ld(), 0, h.C()), columns(dc, h.ld(), 0, h.C()), kAttnBwd);
+    check_close("attention_gqa dk (group sum) " + sh, columns(dg, h.ld(), h.C(), h.KV()),
+                columns(dc, h.ld(), h.C(), h.KV()), kAttnBwd);
+    check_close("attention_gqa dv (group sum) " + sh, columns(dg, h.ld(), h.C() + h.KV(), h.KV()),
+                columns(dc, h.ld(), h.C() + h.KV(), h.KV()), kAttnBwd);
+    // dk/dv sum the group in a fixed order (no atomics): the same bits again.
+    Twin dqkv2 = out_twin(p, nqkv, true);
+    p.gpu->attention_gqa_backward(dqkv2.g(), dout.g(), qkv.g(), out.g(), gsaved.as<float>(), s.B, s.T, h.NH, h.NKV,
+                                  h.HS);
+    CHECK(same_bits(dqkv2.read_gpu(p), dg));
+  }
+  DeviceBuffer q(p.gpu.get(), 4096), o(p.gpu.get(), 4096), l(p.gpu.get(), 64);
+  CHECK_THROWS_WITH(p.gpu->attention_gqa_forward(o.get(), l.as<float>(), q.get(), 1, 1, 6, 4, 2),
+                    Catch::Matchers::Contains("num_key_value_heads 4 must divide num_attention_heads 6"));
+  CHECK_THROWS_WITH(p.gpu->attention_gqa_backward(q.get(), o.get(), q.get(), o.get(), l.as<float>(), 1, 1, 6, 4, 2),
+                    Catch::Matchers::Contains("num_key_value_heads 4"));
+  // A head size above the supported 128 is a clear error, not a wrong answer.
+  CHECK_THROWS_WITH(p.gpu->attention_gqa_forward(o.get(), l.as<float>(), q.get(), 1, 1, 2, 1, 256),
+                    Catch::Matchers::Contains("head size 256 (head_dim)"));
+}
+
+TEST_CASE("cuda: grouped-query attention with NKV == NH is multi-head attention bit for bit", "[cuda][llama]") {
+  CUDA_TEST_OR_SKIP();
+  Pair p;
+  Backend* g = p.gpu.get();
+  struct S { int B, T, NH, HS; };
+  for (S s : {S{2, 130, 3, 64}, S{1, 70, 2, 128}, S{2, 19, 2, 19}}) {
+    const int C = s.NH * s.HS;
+    const size_t nqkv = size_t(s.B) * s.T * 3 * C, nout = size_t(s.B) * s.T * C;
+    INFO(shape({{"B", s.B}, {"T", s.T}, {"NH", s.NH}, {"HS", s.HS}}));
+    const size_t es = dtype_size(g->act_dtype());
+    DeviceBuffer qkv = test::upload_act(g, randn(nqkv, 201)), dout = test::upload_act(g, randn(nout, 202));
+    DeviceBuffer o1(g, nout * es), o2(g, nout * es), l1(g, g->attention_saved_floats(s.B, s.T, s.NH) * 4),
+        l2(g, g->attention_gqa_saved_floats(s.B, s.T, s.NH) * 4), d1(g, nqkv * es), d2(g, nqkv * es);
+    g->attention_forward(o1.get(), l1.as<float>(), qkv.get(), s.B, s.T, C, s.NH);
+    g->attention_gqa_forward(o2.get(), l2.as<float>(), qkv.get(), s.B, s.T, s.NH, s.NH, s.HS);
+    CHECK(same_bits(download_act(g, o1.get(), nout), download_act(g, o2.get(), nout)));
+    CHECK(same_bits(download_f32(g, l1.get(), l1.bytes() / 4), download_f32(g, l2.get(), l2.bytes() / 4)));
+    g->attention_backward(d1.get(), dout.get(), qkv.get(), o1.get(), l1.as<float>(), s.B, s.T, C, s.NH);
+    g->attention_gqa_backward(d2.get(), dout.get(), qkv.get(), o2.get(), l2.as<float>(), s.B, s.T, s.NH, s.NH, s.HS);
+    CHECK(same_bits(download_act(g, d1.get(), nqkv), download_act(g, d2.get(), nqkv)));
+    // The KV-cached pair too: the caches and the output.
+    const int Tq = std::min(s.T, 7);
+    const size_t cache = size_t(s.T) * C * es;
+    DeviceBuffer kc1(g, cache), vc1(g, cache), kc2(g, cache), vc2(g, cache);
+    g->attention_kv_forward(o1.get(), kc1.get(), vc1.get(), qkv.get(), 0, Tq, C, s.NH);
+    g->attention_kv_gqa_forward(o2.get(), kc2.get(), vc2.get(), qkv.get(), 0, Tq, s.NH, s.NH, s.HS);
+    CHECK(same_bits(download_act(g, o1.get(), size_t(Tq) * C), download_act(g, o2.get(), size_t(Tq) * C)));
+    CHECK(same_bits(download_act(g, kc1.get(), size_t(Tq) * C), download_act(g, kc2.get(), size_t(Tq) * C)));
+    CHECK(same_bits(download_act(g, vc1.get(), size_t(Tq) * C), download_act(g, vc2.get(), size_t(Tq) * C)));
+  }
+}
+
+namespace {
+// One attention_kv_gqa_forward call on both backends from the same caches
+// (rows [0, pos) filled; from pos on NaN on the GPU, so a row read before it
+// is written, or past the causal edge, shows up as NaN).
+void check_attention_kv_gqa(Pair& p, Twin& kc, Twin& vc, const Twin& qkv, int pos, int Tq, const Gqa& h,
+                            const std::string& tag, Vec* gpu_out = nullptr) {
+  const std::string sh = tag + shape({{"NH", h.NH}, {"NKV", h.NKV}, {"HS", h.HS}, {"pos", pos}, {"Tq", Tq}});
+  Twin out = out_twin(p, size_t(Tq) * h.C(), true);
+  p.cpu->attention_kv_gqa_forward(out.c(), kc.c(), vc.c(), qkv.c(), pos, Tq, h.NH, h.NKV, h.HS);
+  p.gpu->attention_kv_gqa_forward(out.g(), kc.g(), vc.g(), qkv.g(), pos, Tq, h.NH, h.NKV, h.HS);
+  // P stays fp32 in this kernel: only the output's rounding differs.
+  const Vec og = out.read_gpu(p);
+  check_close("attention_kv_gqa out " + sh, og, out.read_cpu(p), kBf16);
+  if (gpu_out) *gpu_out = og;
+  // Rows [pos, pos+Tq) now hold the new k, v (exact copies); the rest is untouched.
+  const size_t written = size_t(pos + Tq) * h.KV();
+  for (Twin* t : {&kc, &vc}) {
+    const Vec g = t->read_gpu(p), c = t->read_cpu(p);
+    CHECK(same_bits(Vec(g.begin(), g.begin() + written), Vec(c.begin(), c.begin() + written)));
+    CHECK(std::all_of(g.begin() + written, g.end(), [](float v) { return std::isnan(v); }));
+  }
+}
+}  // namespace
+
+TEST_CASE("cuda: grouped-query attention with a KV cache (prefill and decode)", "[cuda][llama]") {
+  CUDA_TEST_OR_SKIP();
+  Pair p;
+  struct S { Gqa h; int maxT, pos, Tq; };
+  // Llama-3.2-1B's decode at the last position of a 2048 cache; HS 128,
+  // 200 (8 dims per lane), 19 (scalar key loads); Tq 1, 3, 37 and a
+  // prefill longer than 1024.
+  for (S s : {S{{32, 8, 64}, 2048, 2047, 1}, S{{8, 2, 128}, 300, 100, 37}, S{{4, 1, 200}, 80, 33, 3},
+              S{{6, 6, 19}, 64, 23, 1}, S{{8, 2, 64}, 1100, 0, 1030}}) {
+    Twin kc = kv_cache(p, s.maxT, s.pos, int(s.h.KV()), 211), vc = kv_cache(p, s.maxT, s.pos, int(s.h.KV()), 212);
+    Twin qkv(p, randn(size_t(s.Tq) * s.h.ld(), 213), true);
+    check_attention_kv_gqa(p, kc, vc, qkv, s.pos, s.Tq, s.h, "");
+  }
+  DeviceBuffer q(p.gpu.get(), 8192), o(p.gpu.get(), 4096), k(p.gpu.get(), 4096), v(p.gpu.get(), 4096);
+  CHECK_THROWS_WITH(p.gpu->attention_kv_gqa_forward(o.get(), k.get(), v.get(), q.get(), 0, 1, 6, 4, 2),
+                    Catch::Matchers::Contains("num_key_value_heads 4 must divide num_attention_heads 6"));
+  CHECK_THROWS_WITH(p.gpu->attention_kv_gqa_forward(o.get(), k.get(), v.get(), q.get(), 0, 1, 2, 1, 512),
+                    Catch::Matchers::Contains("head size 512 (head_dim)"));
+}
+
+TEST_CASE("cuda: rope + attention_kv_gqa_forward in pieces match rope + attention_gqa_forward", "[cuda][llama]") {
+  CUDA_TEST_OR_SKIP();
+  Pair p;
+  RopeScaling llama31;
+  // One sequence of T tokens on the GPU: rotated from 0 and attended at
+  // once (the training path), and in pieces (a prefill, then single tokens
+  // and short runs at pos > 0), each rotated at its own positions and
+  // attended through the GPU's own cache. The pieces' rows must be the whole
+  // sequence's: RoPE bit for bit, attention to kAttnFwd (the flash kernel
+  // rounds P to bf16 before P V, the cached kernel keeps it fp32). Each
+  // piece is also checked against the CPU on the same inputs and caches.
+  struct S { Gqa h; int T, prefill; };
+  for (S s : {S{{8, 2, 64}, 200, 64}, S{{32, 8, 64}, 150, 37}, S{{4, 1, 128}, 1030, 1000}, S{{6, 6, 38}, 70, 1},
+              S{{4, 1, 6}, 40, 19}}) {
+    const Gqa& h = s.h;
+    const size_t ld = h.ld(), C = h.C(), KV = h.KV();
+    const int maxT = s.T + 5;
+    INFO(shape({{"NH", h.NH}, {"NKV", h.NKV}, {"HS", h.HS}, {"T", s.T}}));
+    RopeTab tab(p, maxT, h.HS, &llama31);
+    const Vec raw = randn(size_t(s.T) * ld, 221);
+    Twin full(p, raw, true);
+    p.gpu->rope_forward(full.g(), tab.gp(), 1, s.T, h.NH, h.NKV, h.HS, 0);
+    const Vec rotated = full.read_gpu(p);
+    Twin out_full = out_twin(p, size_t(s.T) * C, true);
+    DeviceBuffer lse(p.gpu.get(), p.gpu->attention_gqa_saved_floats(1, s.T, h.NH) * 4);
+    p.gpu->attention_gqa_forward(out_full.g(), lse.as<float>(), full.g(), 1, s.T, h.NH, h.NKV, h.HS);
+    const Vec want = out_full.read_gpu(p);
+
+    Twin kc = kv_cache(p, maxT, 0, int(KV), 222), vc = kv_cache(p, maxT, 0, int(KV), 223);
+    std::vector<std::pair<int, int>> pieces{{0, s.prefill}};
+    const int runs[] = {1, 3, 1, 17};
+    for (int pos = s.prefill, i = 0; pos < s.T; pos += pieces.back().second, ++i)
+      pieces.push_back({pos, std::min(runs[i % 4], s.T - pos)});
+    Vec got, got_rot;
+    for (const auto& [pos, len] : pieces) {
+      Twin piece(p, rows(full.val, ld, pos, len), true);
+      p.gpu->rope_forward(piece.g(), tab.gp(), 1, len, h.NH, h.NKV, h.HS, pos);
+      const Vec pr = piece.read_gpu(p);
+      set_cpu(p, piece, pr);  // the CPU attends over the GPU's rotated values
+      got_rot.insert(got_rot.end(), pr.begin(), pr.end());
+      Vec rows_out;
+      check_attention_kv_gqa(p, kc, vc, piece, pos, len, h, "piece ", &rows_out);
+      got.insert(got.end(), rows_out.begin(), rows_out.end());
+    }
+    CHECK(same_bits(got_rot, rotated));
+    check_close("attention_kv_gqa pieces vs attention_gqa rows", got, want, kAttnFwd);
+    // The cache holds every token's rotated k and its v.
+    const Vec k = kc.read_gpu(p), v = vc.read_gpu(p);
+    CHECK(same_bits(Vec(k.begin(), k.begin() + size_t(s.T) * KV), columns(rotated, ld, C, KV)));
+    CHECK(same_bits(Vec(v.begin(), v.begin() + size_t(s.T) * KV), columns(rotated, ld, C + KV, KV)));
   }
 }
 

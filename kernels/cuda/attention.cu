@@ -103,6 +103,13 @@ struct Carver {
   }
 };
 
+// The qkv layout (attention.cuh): row stride and the first column of key
+// head g and of value head g. With NKV == NH they are 3C, C + g*HS and
+// 2C + g*HS, multi-head attention's.
+__device__ __forceinline__ int64_t qkv_row_stride(int NH, int NKV, int HS) { return int64_t(NH + 2 * NKV) * HS; }
+__device__ __forceinline__ int k_col(int NH, int HS, int g) { return (NH + g) * HS; }
+__device__ __forceinline__ int v_col(int NH, int NKV, int HS, int g) { return (NH + NKV + g) * HS; }
+
 // S(16 rows of warp w, 64) = X(rows) . Y^T, X and Y (64, HSP) bf16 tiles.
 template <int D16>
 __device__ __forceinline__ void warp_xyt(float* S, const bf16* X, const bf16* Y, int w) {
@@ -127,7 +134,7 @@ __device__ __forceinline__ void warp_xyt(float* S, const bf16* X, const bf16* Y,
 
 template <int D16, bool VEC>
 __global__ void __launch_bounds__(kThreads) attention_forward_kernel(bf16* out, float* lse, const bf16* qkv, int T,
-                                                                     int C, int NH, int HS, float scale) {
+                                                                     int NH, int NKV, int HS, float scale) {
   using D = Dims<D16>;
   constexpr int HSP = D::HSP, LDH = D::LDH, LDO = D::LDO;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -141,8 +148,10 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(bf16* out, 
 
   const int qt = gridDim.x - 1 - blockIdx.x;  // the longest rows first
   const int h = blockIdx.y, b = blockIdx.z;
+  const int g = h / (NH / NKV);  // its key/value head
   const int q0 = qt * kTile;
-  const int64_t ld = 3 * int64_t(C);
+  const int C = NH * HS;  // out's row stride
+  const int64_t ld = qkv_row_stride(NH, NKV, HS);
   const bf16* base = qkv + int64_t(b) * T * ld;
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int r = 16 * w + (lane >> 1), half = lane & 1;
@@ -155,8 +164,8 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(bf16* out, 
   for (int kt = 0; kt <= qt; ++kt) {
     const int k0 = kt * kTile;
     __syncthreads();  // everyone is done with the previous K/V tiles
-    load_tile<D16, VEC>(sK, base + C + h * HS, ld, k0, T, HS);
-    load_tile<D16, VEC>(sV, base + 2 * C + h * HS, ld, k0, T, HS);
+    load_tile<D16, VEC>(sK, base + k_col(NH, HS, g), ld, k0, T, HS);
+    load_tile<D16, VEC>(sV, base + v_col(NH, NKV, HS, g), ld, k0, T, HS);
     __syncthreads();
     warp_xyt<D16>(sS, sQ, sK, w);
     __syncwarp();
@@ -251,7 +260,7 @@ __device__ __forceinline__ void probs_and_dscores(const float* srow, const float
 template <int D16, bool VEC>
 __global__ void __launch_bounds__(kThreads) attention_backward_dq_kernel(bf16* dqkv, const bf16* dout, const bf16* qkv,
                                                                          const float* lse, const float* Dv, int T,
-                                                                         int C, int NH, int HS, float scale) {
+                                                                         int NH, int NKV, int HS, float scale) {
   using D = Dims<D16>;
   constexpr int LDH = D::LDH, LDO = D::LDO;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -268,8 +277,10 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dq_kernel(bf16* d
 
   const int qt = gridDim.x - 1 - blockIdx.x;
   const int h = blockIdx.y, b = blockIdx.z;
+  const int g = h / (NH / NKV);
   const int q0 = qt * kTile;
-  const int64_t ld = 3 * int64_t(C);
+  const int C = NH * HS;  // dout's row stride
+  const int64_t ld = qkv_row_stride(NH, NKV, HS);
   const bf16* base = qkv + int64_t(b) * T * ld;
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int r = 16 * w + (lane >> 1), half = lane & 1;
@@ -289,8 +300,8 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dq_kernel(bf16* d
   for (int kt = 0; kt <= qt; ++kt) {
     const int k0 = kt * kTile;
     __syncthreads();
-    load_tile<D16, VEC>(sK, base + C + h * HS, ld, k0, T, HS);
-    load_tile<D16, VEC>(sV, base + 2 * C + h * HS, ld, k0, T, HS);
+    load_tile<D16, VEC>(sK, base + k_col(NH, HS, g), ld, k0, T, HS);
+    load_tile<D16, VEC>(sV, base + v_col(NH, NKV, HS, g), ld, k0, T, HS);
     __syncthreads();
     warp_xyt<D16>(sS, sQ, sK, w);    // S = q k^T
     warp_xyt<D16>(sdP, sdO, sV, w);  // dP = dout v^T
@@ -320,12 +331,17 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dq_kernel(bf16* d
   store_tile<D16>(dqkv + int64_t(b) * T * ld + h * HS, ld, stage, q0, T, HS, 1.0f);
 }
 
-// dk, dv for one key tile: loops over query tiles kt..last. The accumulators
-// for the warp's 16 key rows live in registers.
-template <int D16, bool VEC>
+// dk, dv for one key tile of key/value head g: loops over the group's R =
+// NH / NKV query heads in order, and for each over the query tiles
+// kt..last. The accumulators for the warp's 16 key rows live in registers
+// across all of it, so the sum over the group runs in a fixed order with no
+// atomics. GROUPED = false fixes R = 1 at compile time (multi-head
+// attention: the loop over query tiles alone, as before grouped-query
+// attention, and its register allocation).
+template <int D16, bool VEC, bool GROUPED>
 __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_kernel(bf16* dqkv, const bf16* dout,
                                                                            const bf16* qkv, const float* lse,
-                                                                           const float* Dv, int T, int C, int NH,
+                                                                           const float* Dv, int T, int NH, int NKV,
                                                                            int HS, float scale) {
   using D = Dims<D16>;
   constexpr int LDH = D::LDH, LDO = D::LDO;
@@ -344,16 +360,17 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_kernel(bf16*
 
   const int ntiles = gridDim.x;
   const int kt = blockIdx.x;  // key tile; the first ones have the most work
-  const int h = blockIdx.y, b = blockIdx.z;
+  const int g = blockIdx.y, b = blockIdx.z;
+  const int R = GROUPED ? NH / NKV : 1;
   const int k0 = kt * kTile;
-  const int64_t ld = 3 * int64_t(C);
+  const int C = NH * HS;  // dout's row stride
+  const int64_t ld = qkv_row_stride(NH, NKV, HS);
   const bf16* base = qkv + int64_t(b) * T * ld;
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int r = 16 * w + (lane >> 1), half = lane & 1;
-  const int64_t stat = (int64_t(b) * NH + h) * T;
 
-  load_tile<D16, VEC>(sK, base + C + h * HS, ld, k0, T, HS);
-  load_tile<D16, VEC>(sV, base + 2 * C + h * HS, ld, k0, T, HS);
+  load_tile<D16, VEC>(sK, base + k_col(NH, HS, g), ld, k0, T, HS);
+  load_tile<D16, VEC>(sV, base + v_col(NH, NKV, HS, g), ld, k0, T, HS);
   FragC dk[D16], dv[D16];
 #pragma unroll
   for (int j = 0; j < D16; ++j) {
@@ -361,74 +378,157 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_kernel(bf16*
     wmma::fill_fragment(dv[j], 0.0f);
   }
 
-  for (int qt = kt; qt < ntiles; ++qt) {
-    const int q0 = qt * kTile;
-    const int qi = q0 + r;
-    __syncthreads();  // everyone is done with the previous Q/dO/P/dS tiles
-    load_tile<D16, VEC>(sQ, base + h * HS, ld, q0, T, HS);
-    load_tile<D16, VEC>(sdO, dout + int64_t(b) * T * C + h * HS, C, q0, T, HS);
-    for (int i = threadIdx.x; i < kTile; i += kThreads) {
-      sL[i] = q0 + i < T ? lse[stat + q0 + i] : 0.0f;
-      sD[i] = q0 + i < T ? Dv[stat + q0 + i] : 0.0f;
-    }
-    __syncthreads();
-    warp_xyt<D16>(sS, sQ, sK, w);    // S(q rows of warp, keys)
-    warp_xyt<D16>(sdP, sdO, sV, w);  // dP
-    __syncwarp();
-    probs_and_dscores(sS + r * LDS + 32 * half, sdP + r * LDS + 32 * half, sP + r * LDP + 32 * half,
-                      sdS + r * LDP + 32 * half, qi, k0 + 32 * half, T, sL[r], sD[r], scale);
-    __syncthreads();  // dv/dk of the warp's key rows read every query row of P and dS
-    // dv(key rows of warp) += P^T(keys, queries) . dout(queries, HSP)
-    // dk(key rows of warp) += dS^T . q
+  // One pass over the (query head, query tile) pairs: the group's heads
+  // h = g*R .. g*R+R-1 in order, for each the query tiles kt..last: the
+  // fixed summation order of dk and dv.
+  for (int h = g * R; h < (g + 1) * R; ++h)
+    for (int qt = kt; qt < ntiles; ++qt) {
+      const int64_t stat = (int64_t(b) * NH + h) * T;
+      const int q0 = qt * kTile;
+      const int qi = q0 + r;
+      __syncthreads();  // everyone is done with the previous Q/dO/P/dS tiles
+      load_tile<D16, VEC>(sQ, base + h * HS, ld, q0, T, HS);
+      load_tile<D16, VEC>(sdO, dout + int64_t(b) * T * C + h * HS, C, q0, T, HS);
+      for (int i = threadIdx.x; i < kTile; i += kThreads) {
+        sL[i] = q0 + i < T ? lse[stat + q0 + i] : 0.0f;
+        sD[i] = q0 + i < T ? Dv[stat + q0 + i] : 0.0f;
+      }
+      __syncthreads();
+      warp_xyt<D16>(sS, sQ, sK, w);    // S(q rows of warp, keys)
+      warp_xyt<D16>(sdP, sdO, sV, w);  // dP
+      __syncwarp();
+      probs_and_dscores(sS + r * LDS + 32 * half, sdP + r * LDS + 32 * half, sP + r * LDP + 32 * half,
+                        sdS + r * LDP + 32 * half, qi, k0 + 32 * half, T, sL[r], sD[r], scale);
+      __syncthreads();  // dv/dk of the warp's key rows read every query row of P and dS
+      // dv(key rows of warp) += P^T(keys, queries) . dout(queries, HSP)
+      // dk(key rows of warp) += dS^T . q
 #pragma unroll
-    for (int kk = 0; kk < kTile / 16; ++kk) {
-      FragAT pt, dst;
-      wmma::load_matrix_sync(pt, sP + (16 * kk) * LDP + 16 * w, LDP);
-      wmma::load_matrix_sync(dst, sdS + (16 * kk) * LDP + 16 * w, LDP);
+      for (int kk = 0; kk < kTile / 16; ++kk) {
+        FragAT pt, dst;
+        wmma::load_matrix_sync(pt, sP + (16 * kk) * LDP + 16 * w, LDP);
+        wmma::load_matrix_sync(dst, sdS + (16 * kk) * LDP + 16 * w, LDP);
 #pragma unroll
-      for (int j = 0; j < D16; ++j) {
-        FragB bo, bq;
-        wmma::load_matrix_sync(bo, sdO + (16 * kk) * LDH + 16 * j, LDH);
-        wmma::mma_sync(dv[j], pt, bo, dv[j]);
-        wmma::load_matrix_sync(bq, sQ + (16 * kk) * LDH + 16 * j, LDH);
-        wmma::mma_sync(dk[j], dst, bq, dk[j]);
+        for (int j = 0; j < D16; ++j) {
+          FragB bo, bq;
+          wmma::load_matrix_sync(bo, sdO + (16 * kk) * LDH + 16 * j, LDH);
+          wmma::mma_sync(dv[j], pt, bo, dv[j]);
+          wmma::load_matrix_sync(bq, sQ + (16 * kk) * LDH + 16 * j, LDH);
+          wmma::mma_sync(dk[j], dst, bq, dk[j]);
+        }
       }
     }
-  }
   __syncthreads();
   float* stage = sS;
 #pragma unroll
   for (int j = 0; j < D16; ++j)
     wmma::store_matrix_sync(stage + (16 * w) * LDO + 16 * j, dk[j], LDO, wmma::mem_row_major);
   __syncthreads();
-  store_tile<D16>(dqkv + int64_t(b) * T * ld + C + h * HS, ld, stage, k0, T, HS, 1.0f);
+  store_tile<D16>(dqkv + int64_t(b) * T * ld + k_col(NH, HS, g), ld, stage, k0, T, HS, 1.0f);
   __syncthreads();
 #pragma unroll
   for (int j = 0; j < D16; ++j)
     wmma::store_matrix_sync(stage + (16 * w) * LDO + 16 * j, dv[j], LDO, wmma::mem_row_major);
   __syncthreads();
-  store_tile<D16>(dqkv + int64_t(b) * T * ld + 2 * C + h * HS, ld, stage, k0, T, HS, 1.0f);
+  store_tile<D16>(dqkv + int64_t(b) * T * ld + v_col(NH, NKV, HS, g), ld, stage, k0, T, HS, 1.0f);
 }
 
 // ---- dispatch ---------------------------------------------------------------------------
 
 // Maps the runtime head size to the padded compile-time size (in 16s):
-// 1, 2, 4, 6 or 8, i.e. HS <= 16, 32, 64, 96, 128.
+// 1, 2, 4, 6 or 8, i.e. HS <= 16, 32, 64, 96, 128. `hint` names where the
+// head size comes from in the model's config.
 template <typename F>
-void dispatch_head_size(int HS, const char* what, F&& f) {
+void dispatch_head_size(int HS, const char* what, const char* hint, F&& f) {
   if (HS <= 16) f(std::integral_constant<int, 1>{});
   else if (HS <= 32) f(std::integral_constant<int, 2>{});
   else if (HS <= 64) f(std::integral_constant<int, 4>{});
   else if (HS <= 96) f(std::integral_constant<int, 6>{});
   else if (HS <= kAttnMaxHeadSize) f(std::integral_constant<int, 8>{});
   else
-    TR_FAIL(what, ": head size ", HS, " (n_embd / n_head) is larger than the supported ", kAttnMaxHeadSize,
+    TR_FAIL(what, ": head size ", HS, " (", hint, ") is larger than the supported ", kAttnMaxHeadSize,
             "; use more heads");
 }
 
 template <typename Kernel>
 void set_smem(Kernel k, size_t bytes) {
   TR_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+}
+
+// The grid's y (heads) and z (batch) limits.
+void check_grid(const char* what, int B, int NH) {
+  TR_CHECK(NH <= 65535 && B <= 65535, what, ": NH=", NH, " and B=", B, " must be at most 65535 (the grid's limits)");
+}
+
+// Both entry points (multi-head with NKV = NH, grouped-query) run these, so
+// the two agree bit for bit when NKV == NH.
+void forward_impl(bf16* out, float* lse, const bf16* qkv, int B, int T, int NH, int NKV, int HS, const char* what,
+                  const char* hint, cudaStream_t stream) {
+  check_grid(what, B, NH);
+  const float scale = 1.0f / sqrtf(float(HS));
+  // HS % 8 == 0 makes the row stride and every head's first column multiples of 8.
+  const bool vec = aligned16(qkv) && HS % 8 == 0;
+  dim3 grid((T + kTile - 1) / kTile, NH, B);
+  dispatch_head_size(HS, what, hint, [&](auto d16) {
+    constexpr int D16 = decltype(d16)::value;
+    const size_t smem = Dims<D16>::fwd_smem;
+    if (vec) {
+      set_smem(attention_forward_kernel<D16, true>, smem);
+      attention_forward_kernel<D16, true><<<grid, kThreads, smem, stream>>>(out, lse, qkv, T, NH, NKV, HS, scale);
+    } else {
+      set_smem(attention_forward_kernel<D16, false>, smem);
+      attention_forward_kernel<D16, false><<<grid, kThreads, smem, stream>>>(out, lse, qkv, T, NH, NKV, HS, scale);
+    }
+  });
+  TR_CUDA_LAUNCH_CHECK("attention_forward_kernel");
+}
+
+void backward_impl(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse, float* scratch,
+                   int B, int T, int NH, int NKV, int HS, const char* what, const char* hint, cudaStream_t stream) {
+  check_grid(what, B, NH);
+  const float scale = 1.0f / sqrtf(float(HS));
+  float* Dv = scratch;
+  const int C = NH * HS;
+  const int64_t rows = int64_t(B) * T * NH;
+  attention_backward_d_kernel<<<grid_for(rows, 8, 8192), 256, 0, stream>>>(Dv, dout, out, B, T, C, NH, HS);
+  TR_CUDA_LAUNCH_CHECK("attention_backward_d_kernel");
+  const bool vec = aligned16(qkv) && aligned16(dout) && HS % 8 == 0;
+  const int ntiles = (T + kTile - 1) / kTile;
+  const dim3 grid_dq(ntiles, NH, B), grid_dkv(ntiles, NKV, B);  // dk, dv: one block per key/value head
+  // NKV < NH: the dk/dv kernel's group loop; NKV == NH (multi-head): its
+  // instance with R = 1 fixed at compile time, which allocates registers as
+  // the kernel did before grouped-query attention (168 on sm_90 at HS 128;
+  // the grouped instance needs more).
+  const bool grouped = NKV != NH;
+  dispatch_head_size(HS, what, hint, [&](auto d16) {
+    constexpr int D16 = decltype(d16)::value;
+    const size_t s_dq = Dims<D16>::dq_smem, s_dkv = Dims<D16>::dkv_smem;
+    auto launch = [&](auto vec_c, auto grouped_c) {
+      constexpr bool V = decltype(vec_c)::value, G = decltype(grouped_c)::value;
+      set_smem(attention_backward_dkdv_kernel<D16, V, G>, s_dkv);
+      attention_backward_dkdv_kernel<D16, V, G>
+          <<<grid_dkv, kThreads, s_dkv, stream>>>(dqkv, dout, qkv, lse, Dv, T, NH, NKV, HS, scale);
+      TR_CUDA_LAUNCH_CHECK("attention_backward_dkdv_kernel");
+      set_smem(attention_backward_dq_kernel<D16, V>, s_dq);
+      attention_backward_dq_kernel<D16, V>
+          <<<grid_dq, kThreads, s_dq, stream>>>(dqkv, dout, qkv, lse, Dv, T, NH, NKV, HS, scale);
+    };
+    using Yes = std::true_type;
+    using No = std::false_type;
+    if (vec) {
+      grouped ? launch(Yes{}, Yes{}) : launch(Yes{}, No{});
+    } else {
+      grouped ? launch(No{}, Yes{}) : launch(No{}, No{});
+    }
+  });
+  TR_CUDA_LAUNCH_CHECK("attention_backward_dq_kernel");
+}
+
+constexpr const char* kMhaHint = "n_embd / n_head";
+constexpr const char* kGqaHint = "head_dim";
+
+void check_gqa_heads(const char* what, int NH, int NKV, int HS) {
+  TR_CHECK(NH > 0 && NKV > 0 && HS > 0, what, ": NH ", NH, ", NKV ", NKV, " and HS ", HS, " must be positive");
+  TR_CHECK(NH % NKV == 0, what, ": num_key_value_heads ", NKV, " must divide num_attention_heads ", NH);
 }
 
 }  // namespace
@@ -440,58 +540,28 @@ size_t attention_backward_scratch_bytes(int B, int T, int NH) { return size_t(B)
 void attention_forward(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int NH, cudaStream_t stream) {
   if (B <= 0 || T <= 0) return;
   TR_CHECK(NH > 0 && C % NH == 0, "attention_forward: C=", C, " is not divisible by NH=", NH);
-  const int HS = C / NH;
-  const float scale = 1.0f / sqrtf(float(HS));
-  const bool vec = aligned16(qkv) && C % 8 == 0 && HS % 8 == 0;
-  dim3 grid((T + kTile - 1) / kTile, NH, B);
-  dispatch_head_size(HS, "attention_forward", [&](auto d16) {
-    constexpr int D16 = decltype(d16)::value;
-    const size_t smem = Dims<D16>::fwd_smem;
-    if (vec) {
-      set_smem(attention_forward_kernel<D16, true>, smem);
-      attention_forward_kernel<D16, true><<<grid, kThreads, smem, stream>>>(out, lse, qkv, T, C, NH, HS, scale);
-    } else {
-      set_smem(attention_forward_kernel<D16, false>, smem);
-      attention_forward_kernel<D16, false><<<grid, kThreads, smem, stream>>>(out, lse, qkv, T, C, NH, HS, scale);
-    }
-  });
-  TR_CUDA_LAUNCH_CHECK("attention_forward");
+  forward_impl(out, lse, qkv, B, T, NH, NH, C / NH, "attention_forward", kMhaHint, stream);
 }
 
 void attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse,
                         float* scratch, int B, int T, int C, int NH, cudaStream_t stream) {
   if (B <= 0 || T <= 0) return;
   TR_CHECK(NH > 0 && C % NH == 0, "attention_backward: C=", C, " is not divisible by NH=", NH);
-  const int HS = C / NH;
-  const float scale = 1.0f / sqrtf(float(HS));
-  float* Dv = scratch;
-  const int64_t rows = int64_t(B) * T * NH;
-  attention_backward_d_kernel<<<grid_for(rows, 8, 8192), 256, 0, stream>>>(Dv, dout, out, B, T, C, NH, HS);
-  TR_CUDA_LAUNCH_CHECK("attention_backward_d");
-  const bool vec = aligned16(qkv) && aligned16(dout) && C % 8 == 0 && HS % 8 == 0;
-  dim3 grid((T + kTile - 1) / kTile, NH, B);
-  dispatch_head_size(HS, "attention_backward", [&](auto d16) {
-    constexpr int D16 = decltype(d16)::value;
-    const size_t s_dq = Dims<D16>::dq_smem, s_dkv = Dims<D16>::dkv_smem;
-    if (vec) {
-      set_smem(attention_backward_dkdv_kernel<D16, true>, s_dkv);
-      attention_backward_dkdv_kernel<D16, true>
-          <<<grid, kThreads, s_dkv, stream>>>(dqkv, dout, qkv, lse, Dv, T, C, NH, HS, scale);
-      TR_CUDA_LAUNCH_CHECK("attention_backward_dkdv");
-      set_smem(attention_backward_dq_kernel<D16, true>, s_dq);
-      attention_backward_dq_kernel<D16, true>
-          <<<grid, kThreads, s_dq, stream>>>(dqkv, dout, qkv, lse, Dv, T, C, NH, HS, scale);
-    } else {
-      set_smem(attention_backward_dkdv_kernel<D16, false>, s_dkv);
-      attention_backward_dkdv_kernel<D16, false>
-          <<<grid, kThreads, s_dkv, stream>>>(dqkv, dout, qkv, lse, Dv, T, C, NH, HS, scale);
-      TR_CUDA_LAUNCH_CHECK("attention_backward_dkdv");
-      set_smem(attention_backward_dq_kernel<D16, false>, s_dq);
-      attention_backward_dq_kernel<D16, false>
-          <<<grid, kThreads, s_dq, stream>>>(dqkv, dout, qkv, lse, Dv, T, C, NH, HS, scale);
-    }
-  });
-  TR_CUDA_LAUNCH_CHECK("attention_backward_dq");
+  backward_impl(dqkv, dout, qkv, out, lse, scratch, B, T, NH, NH, C / NH, "attention_backward", kMhaHint, stream);
+}
+
+void attention_gqa_forward(bf16* out, float* lse, const bf16* qkv, int B, int T, int NH, int NKV, int HS,
+                           cudaStream_t stream) {
+  check_gqa_heads("attention_gqa_forward", NH, NKV, HS);
+  if (B <= 0 || T <= 0) return;
+  forward_impl(out, lse, qkv, B, T, NH, NKV, HS, "attention_gqa_forward", kGqaHint, stream);
+}
+
+void attention_gqa_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse,
+                            float* scratch, int B, int T, int NH, int NKV, int HS, cudaStream_t stream) {
+  check_gqa_heads("attention_gqa_backward", NH, NKV, HS);
+  if (B <= 0 || T <= 0) return;
+  backward_impl(dqkv, dout, qkv, out, lse, scratch, B, T, NH, NKV, HS, "attention_gqa_backward", kGqaHint, stream);
 }
 
 }  // namespace trainrun::cuda

@@ -1,13 +1,21 @@
-// Causal multi-head self-attention, flash style: no (T,T) matrix in memory.
+// Causal self-attention, multi-head and grouped-query, flash style: no
+// (T,T) matrix in memory.
 //
-// qkv(B,T,3C) holds q | k | v; head h of q is columns [h*HS, (h+1)*HS) (k at
-// C + h*HS, v at 2C + h*HS); out(B,T,C); HS = C/NH; scale = 1/sqrt(HS).
+// qkv(B,T,(NH+2*NKV)*HS) holds per row NH q heads | NKV k heads | NKV v
+// heads, HS wide each: q head h at columns [h*HS, (h+1)*HS), k head g at
+// (NH+g)*HS, v head g at (NH+NKV+g)*HS. Query head h reads key/value head
+// g = h / R, R = NH/NKV (HF's repeat_kv). out(B,T,NH*HS); scale = 1/sqrt(HS).
+// Multi-head attention (GPT-2) is NKV = NH with C = NH*HS: qkv(B,T,3C), k
+// head h at C + h*HS, v at 2C + h*HS. Both entry points run the same kernels
+// (the head indices are the only difference), so attention_gqa_* with NKV
+// == NH gives attention_*'s bits.
 //
-//   forward   S = q k^T * scale (causal), P = softmax(S), out = P v,
+//   forward   S = q_h k_g^T * scale (causal), P = softmax(S), out_h = P v_g,
 //             lse(B,NH,T) = log-sum-exp of each row of S (fp32, saved)
 //   backward  D_i = dout_i . out_i                           (preprocess, fp32 scratch)
-//             P = exp(S - lse), dP = dout v^T, dS = P * (dP - D)
-//             dq = dS k * scale, dk = dS^T q * scale, dv = P^T dout   (dqkv overwritten)
+//             P = exp(S - lse), dP = dout_h v_g^T, dS = P * (dP - D)
+//             dq_h = dS k_g * scale                                  (dqkv overwritten)
+//             dk_g = sum_{h in g} dS_h^T q_h * scale, dv_g = sum_{h in g} P_h^T dout_h
 //
 // Tiles of 64 queries x 64 keys, 4 warps per block, each warp owning 16 rows;
 // the products run on the tensor cores through WMMA (bf16 in, fp32
@@ -17,11 +25,15 @@
 // Forward: one block per (query tile, head, batch), looping over key tiles
 // up to the diagonal; O stays in shared memory (fp32) because the online
 // softmax rescales its rows and WMMA fragments do not expose their rows.
-// Backward, deterministic (no atomics), in two kernels: dk/dv per key tile
-// looping over the query tiles at and below the diagonal (accumulators in
-// registers), and dq per query tile looping over the key tiles (so S and
-// dP are computed twice: 7 products instead of FlashAttention-2's 5 with
-// float atomics on dq).
+// Forward with GQA: each block reads the K/V tiles of its query head's
+// group (the R blocks of a group read the same tiles, mostly from L2).
+// Backward, deterministic (no atomics), in two kernels: dk/dv per (key
+// tile, key/value head) looping over the group's R query heads in order
+// and, for each, the query tiles at and below the diagonal (accumulators in
+// registers across the whole group: the sum over the group has a fixed
+// order), and dq per (query tile, query head) looping over the key tiles
+// (so S and dP are computed twice: 7 products instead of FlashAttention-2's
+// 5 with float atomics on dq).
 //
 // The backward needs the forward's output for D = rowsum(dout * out); the
 // Backend interface passes it (the model keeps it as an activation).
@@ -43,8 +55,15 @@ constexpr int kAttnMaxHeadSize = 128;
 size_t attention_saved_floats(int B, int T, int NH);
 void attention_forward(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int NH, cudaStream_t stream);
 
+// Scratch of both backwards: D, (B,NH,T) fp32.
 size_t attention_backward_scratch_bytes(int B, int T, int NH);
 void attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse,
                         float* scratch, int B, int T, int C, int NH, cudaStream_t stream);
+
+// Grouped-query: NKV divides NH; lse (B,NH,T) as attention_saved_floats.
+void attention_gqa_forward(bf16* out, float* lse, const bf16* qkv, int B, int T, int NH, int NKV, int HS,
+                           cudaStream_t stream);
+void attention_gqa_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse,
+                            float* scratch, int B, int T, int NH, int NKV, int HS, cudaStream_t stream);
 
 }  // namespace trainrun::cuda

@@ -13,47 +13,52 @@ constexpr int kChunk = 32;  // keys a warp scores at once (one per lane)
 
 // ---- kernels ---------------------------------------------------------------------
 
-// kcache/vcache rows [pos, pos+Tq) = the k / v columns of qkv. VEC: C % 8 == 0
-// and all three buffers 16-byte aligned (then every row piece is too).
+// kcache/vcache rows [pos, pos+Tq) = the k / v columns of qkv: row i of
+// qkv (stride ld = (NH+2*NKV)*HS) has its k heads at [C, C+KV) and its v
+// heads at [C+KV, C+2*KV), C = NH*HS, KV = NKV*HS (the caches' row stride).
+// VEC: C and KV multiples of 8 and all three buffers 16-byte aligned (then
+// every row piece is too).
 template <bool VEC>
-__global__ void kv_cache_write_kernel(bf16* kcache, bf16* vcache, const bf16* qkv, int pos, int Tq, int C) {
+__global__ void kv_cache_write_kernel(bf16* kcache, bf16* vcache, const bf16* qkv, int pos, int Tq, int C, int KV) {
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  const int64_t C3 = 3 * int64_t(C);
+  const int64_t ld = int64_t(C) + 2 * int64_t(KV);
   if (VEC) {
-    const int C8 = C / 8;
-    for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < int64_t(Tq) * C8; idx += stride) {
-      const int64_t i = idx / C8;
-      const int c = int(idx % C8) * 8;
-      const bf16* src = qkv + i * C3 + C + c;
-      Pack16<bf16>::load(src).store(kcache + (pos + i) * C + c);
-      Pack16<bf16>::load(src + C).store(vcache + (pos + i) * C + c);
+    const int KV8 = KV / 8;
+    for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < int64_t(Tq) * KV8; idx += stride) {
+      const int64_t i = idx / KV8;
+      const int c = int(idx % KV8) * 8;
+      const bf16* src = qkv + i * ld + C + c;
+      Pack16<bf16>::load(src).store(kcache + (pos + i) * KV + c);
+      Pack16<bf16>::load(src + KV).store(vcache + (pos + i) * KV + c);
     }
   } else {
-    for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < int64_t(Tq) * C; idx += stride) {
-      const int64_t i = idx / C;
-      const int c = int(idx % C);
-      kcache[(pos + i) * C + c] = qkv[i * C3 + C + c];
-      vcache[(pos + i) * C + c] = qkv[i * C3 + 2 * C + c];
+    for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < int64_t(Tq) * KV; idx += stride) {
+      const int64_t i = idx / KV;
+      const int c = int(idx % KV);
+      kcache[(pos + i) * KV + c] = qkv[i * ld + C + c];
+      vcache[(pos + i) * KV + c] = qkv[i * ld + C + KV + c];
     }
   }
 }
 
 // grid (ceil(Tq / QPB), NH), block kThreads; QPB = kWarps / S queries per
 // block, S key splits per query (S in 1, 2, 4, 8). Warp w serves query
-// blockIdx.x * QPB + w / S with split w % S. DPL: head dims per lane
-// (HS <= 32 * DPL); lane l owns dims l, l+32, ...
-// VEC: key rows are read as 16-byte packs (kcache 16-byte aligned, C and HS
-// multiples of 8).
+// blockIdx.x * QPB + w / S with split w % S, of query head blockIdx.y and
+// its key/value head g = h / (NH/NKV). DPL: head dims per lane (HS <= 32 *
+// DPL); lane l owns dims l, l+32, ...
+// VEC: key rows are read as 16-byte packs (kcache 16-byte aligned, HS a
+// multiple of 8, so the caches' row stride NKV*HS is too).
 template <int DPL, bool VEC>
 __global__ void __launch_bounds__(kThreads)
-    attention_kv_kernel(bf16* out, const bf16* kcache, const bf16* vcache, const bf16* qkv, int pos, int Tq, int C,
-                        int HS, int S, float scale) {
+    attention_kv_kernel(bf16* out, const bf16* kcache, const bf16* vcache, const bf16* qkv, int pos, int Tq, int NH,
+                        int NKV, int HS, int S, float scale) {
   constexpr int HSP = 32 * DPL;
   __shared__ float sq[kWarps][HSP];    // each warp's query, times scale, zero-padded
   __shared__ float sacc[kWarps][HSP];  // each warp's unnormalised output (for the merge)
   __shared__ float smax[kWarps], ssum[kWarps];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int h = blockIdx.y;
+  const int h = blockIdx.y, g = h / (NH / NKV);
+  const int C = NH * HS, KV = NKV * HS;  // the row strides of out and of the caches
   const int qpb = kWarps / S;
   const int qslot = warp / S, split = warp % S;
   const int i = blockIdx.x * qpb + qslot;
@@ -65,20 +70,20 @@ __global__ void __launch_bounds__(kThreads)
   for (int t = 0; t < DPL; ++t) acc[t] = 0.0f;
 
   if (active) {
-    const bf16* q = qkv + int64_t(i) * 3 * C + int64_t(h) * HS;
+    const bf16* q = qkv + int64_t(i) * (C + 2 * KV) + int64_t(h) * HS;
     for (int d = lane; d < HSP; d += 32) sq[warp][d] = d < HS ? to_float(q[d]) * scale : 0.0f;
     __syncwarp();
     const int last = pos + i;  // the query's own position: keys [0, last] are visible
     const int nchunks = last / kChunk + 1;
-    const bf16* kh = kcache + int64_t(h) * HS;
-    const bf16* vh = vcache + int64_t(h) * HS;
+    const bf16* kh = kcache + int64_t(g) * HS;
+    const bf16* vh = vcache + int64_t(g) * HS;
     for (int ch = split; ch < nchunks; ch += S) {  // warp-uniform bounds: shuffles below are safe
       const int j0 = ch * kChunk;
       const int j = j0 + lane;
       const bool valid = j <= last;  // never read a row past the causal edge (it may be past maxT)
       float s = -INFINITY;
       if (valid) {
-        const bf16* krow = kh + int64_t(j) * C;
+        const bf16* krow = kh + int64_t(j) * KV;
         float dot = 0.0f;
         if (VEC) {
 #pragma unroll 4
@@ -105,7 +110,7 @@ __global__ void __launch_bounds__(kThreads)
       const int nv = min(kChunk, last + 1 - j0);  // valid keys of the chunk (uniform)
       for (int jj = 0; jj < nv; ++jj) {
         const float pj = __shfl_sync(0xffffffffu, p, jj);
-        const bf16* vrow = vh + int64_t(j0 + jj) * C;
+        const bf16* vrow = vh + int64_t(j0 + jj) * KV;
 #pragma unroll
         for (int t = 0; t < DPL; ++t) {
           const int d = lane + 32 * t;
@@ -154,35 +159,28 @@ void dispatch_kv_head_size(int HS, F&& f) {
   if (HS <= 32) f(std::integral_constant<int, 1>{});
   else if (HS <= 64) f(std::integral_constant<int, 2>{});
   else if (HS <= 128) f(std::integral_constant<int, 4>{});
-  else if (HS <= kKvMaxHeadSize) f(std::integral_constant<int, 8>{});
-  else
-    TR_FAIL("attention_kv_forward: head size ", HS, " (n_embd / n_head) is larger than the supported ",
-            kKvMaxHeadSize, "; use more heads");
+  else f(std::integral_constant<int, 8>{});  // HS <= kKvMaxHeadSize: checked by the caller
 }
 
-}  // namespace
-
-// ---- launcher --------------------------------------------------------------------
-
-void attention_kv_forward(bf16* out, bf16* kcache, bf16* vcache, const bf16* qkv, int pos, int Tq, int C, int NH,
-                          cudaStream_t stream) {
-  if (Tq <= 0) return;
-  TR_CHECK(pos >= 0, "attention_kv_forward: negative position ", pos);
-  TR_CHECK(NH > 0 && C > 0 && C % NH == 0, "attention_kv_forward: C=", C, " is not divisible by NH=", NH);
-  TR_CHECK(NH <= 65535, "attention_kv_forward: NH=", NH, " heads exceed the grid's y limit (65535)");
-  const int HS = C / NH;
+// Both entry points run this (multi-head: NKV = NH), so they agree bit for
+// bit when NKV == NH. `hint` names where HS comes from in the config.
+void kv_forward_impl(bf16* out, bf16* kcache, bf16* vcache, const bf16* qkv, int pos, int Tq, int NH, int NKV,
+                     int HS, const char* what, const char* hint, cudaStream_t stream) {
+  TR_CHECK(pos >= 0, what, ": negative position ", pos);
+  TR_CHECK(NH <= 65535, what, ": NH=", NH, " heads exceed the grid's y limit (65535)");
   // Checked before the cache write, so a rejected call changes nothing.
-  TR_CHECK(HS <= kKvMaxHeadSize, "attention_kv_forward: head size ", HS, " (n_embd / n_head = ", C, " / ", NH,
-           ") is larger than the supported ", kKvMaxHeadSize, "; use more heads");
+  TR_CHECK(HS <= kKvMaxHeadSize, what, ": head size ", HS, " (", hint, ") is larger than the supported ",
+           kKvMaxHeadSize, "; use more heads");
+  const int C = NH * HS, KV = NKV * HS;
 
-  const bool vec_copy = C % 8 == 0 && aligned16(qkv) && aligned16(kcache) && aligned16(vcache);
-  const int64_t work = vec_copy ? int64_t(Tq) * (C / 8) : int64_t(Tq) * C;
+  const bool vec_copy = C % 8 == 0 && KV % 8 == 0 && aligned16(qkv) && aligned16(kcache) && aligned16(vcache);
+  const int64_t work = vec_copy ? int64_t(Tq) * (KV / 8) : int64_t(Tq) * KV;
   if (vec_copy) {
-    kv_cache_write_kernel<true><<<grid_for(work, 256), 256, 0, stream>>>(kcache, vcache, qkv, pos, Tq, C);
+    kv_cache_write_kernel<true><<<grid_for(work, 256), 256, 0, stream>>>(kcache, vcache, qkv, pos, Tq, C, KV);
   } else {
-    kv_cache_write_kernel<false><<<grid_for(work, 256), 256, 0, stream>>>(kcache, vcache, qkv, pos, Tq, C);
+    kv_cache_write_kernel<false><<<grid_for(work, 256), 256, 0, stream>>>(kcache, vcache, qkv, pos, Tq, C, KV);
   }
-  TR_CUDA_LAUNCH_CHECK("attention_kv_forward cache write");
+  TR_CUDA_LAUNCH_CHECK("kv_cache_write_kernel");
 
   // Key splits per query: all 8 warps on the one query of a decode step,
   // one warp per query from Tq = 8 up (then 8 queries per block).
@@ -191,18 +189,40 @@ void attention_kv_forward(bf16* out, bf16* kcache, bf16* vcache, const bf16* qkv
   const int qpb = kWarps / S;
   const dim3 grid((Tq + qpb - 1) / qpb, NH);
   const float scale = 1.0f / sqrtf(float(HS));
-  const bool vec = C % 8 == 0 && HS % 8 == 0 && aligned16(kcache);
+  const bool vec = HS % 8 == 0 && aligned16(kcache);
   dispatch_kv_head_size(HS, [&](auto dpl) {
     constexpr int DPL = decltype(dpl)::value;
     if (vec) {
       attention_kv_kernel<DPL, true>
-          <<<grid, kThreads, 0, stream>>>(out, kcache, vcache, qkv, pos, Tq, C, HS, S, scale);
+          <<<grid, kThreads, 0, stream>>>(out, kcache, vcache, qkv, pos, Tq, NH, NKV, HS, S, scale);
     } else {
       attention_kv_kernel<DPL, false>
-          <<<grid, kThreads, 0, stream>>>(out, kcache, vcache, qkv, pos, Tq, C, HS, S, scale);
+          <<<grid, kThreads, 0, stream>>>(out, kcache, vcache, qkv, pos, Tq, NH, NKV, HS, S, scale);
     }
   });
-  TR_CUDA_LAUNCH_CHECK("attention_kv_forward");
+  TR_CUDA_LAUNCH_CHECK("attention_kv_kernel");
+}
+
+}  // namespace
+
+// ---- launchers -------------------------------------------------------------------
+
+void attention_kv_forward(bf16* out, bf16* kcache, bf16* vcache, const bf16* qkv, int pos, int Tq, int C, int NH,
+                          cudaStream_t stream) {
+  if (Tq <= 0) return;
+  TR_CHECK(NH > 0 && C > 0 && C % NH == 0, "attention_kv_forward: C=", C, " is not divisible by NH=", NH);
+  kv_forward_impl(out, kcache, vcache, qkv, pos, Tq, NH, NH, C / NH, "attention_kv_forward", "n_embd / n_head",
+                  stream);
+}
+
+void attention_kv_gqa_forward(bf16* out, bf16* kcache, bf16* vcache, const bf16* qkv, int pos, int Tq, int NH,
+                              int NKV, int HS, cudaStream_t stream) {
+  TR_CHECK(NH > 0 && NKV > 0 && HS > 0, "attention_kv_gqa_forward: NH ", NH, ", NKV ", NKV, " and HS ", HS,
+           " must be positive");
+  TR_CHECK(NH % NKV == 0, "attention_kv_gqa_forward: num_key_value_heads ", NKV,
+           " must divide num_attention_heads ", NH);
+  if (Tq <= 0) return;
+  kv_forward_impl(out, kcache, vcache, qkv, pos, Tq, NH, NKV, HS, "attention_kv_gqa_forward", "head_dim", stream);
 }
 
 }  // namespace trainrun::cuda

@@ -1,24 +1,31 @@
 // KV-cached causal attention for one sequence (the sampler's op), forward
-// only: prefill (Tq = the prompt's length) and decode (Tq = 1).
+// only: prefill (Tq = the prompt's length) and decode (Tq = 1); multi-head
+// (GPT-2) and grouped-query (Llama).
 //
-// Shapes (bf16 throughout; HS = C/NH; scale = 1/sqrt(HS)):
-//   qkv     (Tq, 3C)   q | k | v of the Tq new tokens, at positions [pos, pos+Tq)
-//   kcache  (maxT, C)  row r = the key of position r, heads side by side (as in qkv)
-//   vcache  (maxT, C)  likewise the values
+// Shapes (bf16 throughout; scale = 1/sqrt(HS); C = NH*HS, KV = NKV*HS):
+//   qkv     (Tq, C + 2*KV)  per row NH q heads | NKV k heads | NKV v heads of
+//                           the Tq new tokens, at positions [pos, pos+Tq)
+//   kcache  (maxT, KV)      row r = the keys of position r, heads side by side (as in qkv)
+//   vcache  (maxT, KV)      likewise the values
 //   out     (Tq, C)
-// Math, per head h and new token i (its position is pos + i):
+// Query head h reads key/value head g = h / (NH/NKV). Multi-head attention
+// is NKV = NH (qkv (Tq, 3C), caches (maxT, C)); both entry points run the
+// same kernels, so attention_kv_gqa_forward with NKV == NH gives
+// attention_kv_forward's bits.
+// Math, per query head h and new token i (its position is pos + i):
 //   kcache[pos+i], vcache[pos+i] = k_i, v_i                      (first, for every i)
-//   s_j   = scale * q_i . kcache[j, h]     for j in [0, pos+i]   (fp32)
-//   out_i = sum_j softmax(s)_j vcache[j, h]                      (fp32, rounded to bf16 once)
+//   s_j   = scale * q_i,h . kcache[j, g]   for j in [0, pos+i]   (fp32)
+//   out_i,h = sum_j softmax(s)_j vcache[j, g]                    (fp32, rounded to bf16 once)
 // Rows >= pos+Tq of the caches are never read, rows outside [pos, pos+Tq)
 // never written.
 //
 // Two kernels: the cache write, then the attention (a separate launch, so
 // every block sees every new row; same stream, so no extra sync).
 // Attention: CUDA cores, fp32, online (flash-style) softmax; the scores and
-// probabilities never leave registers. A block is 8 warps for one head; the
-// warps are split as QPB queries x S key splits (S = 8 for decode, fewer as
-// Tq grows, 1 from Tq = 8 up). A warp walks its query's keys 32 at a time
+// probabilities never leave registers. A block is 8 warps for one query
+// head (with GQA the R query heads of a group read the same cache rows, the
+// repeats mostly from L2); the warps are split as QPB queries x S key
+// splits (S = 8 for decode, fewer as Tq grows, 1 from Tq = 8 up). A warp walks its query's keys 32 at a time
 // (chunks s, s+S, s+2S, ... of its split): lane l scores key j0+l against
 // the query (kept, pre-scaled, in shared memory), the warp takes the chunk's
 // max and sum with shuffles, and then every lane adds the chunk's 32
@@ -41,5 +48,7 @@ constexpr int kKvMaxHeadSize = 256;
 
 void attention_kv_forward(bf16* out, bf16* kcache, bf16* vcache, const bf16* qkv, int pos, int Tq, int C, int NH,
                           cudaStream_t stream);
+void attention_kv_gqa_forward(bf16* out, bf16* kcache, bf16* vcache, const bf16* qkv, int pos, int Tq, int NH,
+                              int NKV, int HS, cudaStream_t stream);
 
 }  // namespace trainrun::cuda

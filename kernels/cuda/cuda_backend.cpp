@@ -19,8 +19,11 @@
 #include "kernels/cuda/layernorm.cuh"
 #include "kernels/cuda/matmul.cuh"
 #include "kernels/cuda/matmul_gelu.cuh"
+#include "kernels/cuda/rmsnorm.cuh"
+#include "kernels/cuda/rope.cuh"
 #include "kernels/cuda/softmax_cross_entropy.cuh"
 #include "kernels/cuda/sum_squares.cuh"
+#include "kernels/cuda/swiglu.cuh"
 
 namespace trainrun::cuda {
 
@@ -237,6 +240,71 @@ void CudaBackend::attention_kv_forward(void* out, void* kcache, void* vcache, co
                                        int C, int NH) {
   make_current();
   cuda::attention_kv_forward(H(out), H(kcache), H(vcache), H(qkv), pos, Tq, C, NH, compute_);
+}
+
+// ---- Llama ops ------------------------------------------------------------------------
+
+void CudaBackend::rmsnorm_forward(void* out, float* rstd, const void* inp, const void* weight, int N, int C,
+                                  float eps) {
+  make_current();
+  cuda::rmsnorm_forward(H(out), rstd, H(inp), H(weight), N, C, eps, compute_);
+}
+
+void CudaBackend::residual_rmsnorm_forward(void* res_out, void* out, float* rstd, const void* a, const void* b,
+                                           const void* weight, int N, int C, float eps) {
+  make_current();
+  cuda::residual_rmsnorm_forward(H(res_out), H(out), rstd, H(a), H(b), H(weight), N, C, eps, compute_);
+}
+
+void CudaBackend::rmsnorm_backward(void* dinp, float* dweight, const void* dout, const void* inp, const void* weight,
+                                   const float* rstd, int N, int C) {
+  make_current();
+  Scratch s(*alloc_, rmsnorm_backward_scratch_bytes(N, C, num_sms_));
+  cuda::rmsnorm_backward(H(dinp), dweight, H(dout), H(inp), H(weight), rstd, N, C, s.as<float>(), num_sms_,
+                         compute_);
+}
+
+void CudaBackend::rope_forward(void* qkv, const float* cos_sin, int B, int T, int NH, int NKV, int HS, int pos0) {
+  make_current();
+  cuda::rope_forward(H(qkv), cos_sin, B, T, NH, NKV, HS, pos0, compute_);
+}
+
+void CudaBackend::rope_backward(void* dqkv, const float* cos_sin, int B, int T, int NH, int NKV, int HS, int pos0) {
+  make_current();
+  cuda::rope_backward(H(dqkv), cos_sin, B, T, NH, NKV, HS, pos0, compute_);
+}
+
+void CudaBackend::swiglu_forward(void* out, const void* inp, int N, int F) {
+  make_current();
+  cuda::swiglu_forward(H(out), H(inp), N, F, compute_);
+}
+
+void CudaBackend::swiglu_backward(void* dinp, const void* dout, const void* inp, int N, int F) {
+  make_current();
+  cuda::swiglu_backward(H(dinp), H(dout), H(inp), N, F, compute_);
+}
+
+size_t CudaBackend::attention_gqa_saved_floats(int B, int T, int NH) const {
+  return cuda::attention_saved_floats(B, T, NH);  // the log-sum-exp, (B,NH,T)
+}
+
+void CudaBackend::attention_gqa_forward(void* out, float* saved, const void* qkv, int B, int T, int NH, int NKV,
+                                        int HS) {
+  make_current();
+  cuda::attention_gqa_forward(H(out), saved, H(qkv), B, T, NH, NKV, HS, compute_);
+}
+
+void CudaBackend::attention_gqa_backward(void* dqkv, const void* dout, const void* qkv, const void* out,
+                                         const float* saved, int B, int T, int NH, int NKV, int HS) {
+  make_current();
+  Scratch s(*alloc_, attention_backward_scratch_bytes(B, T, NH));
+  cuda::attention_gqa_backward(H(dqkv), H(dout), H(qkv), H(out), saved, s.as<float>(), B, T, NH, NKV, HS, compute_);
+}
+
+void CudaBackend::attention_kv_gqa_forward(void* out, void* kcache, void* vcache, const void* qkv, int pos, int Tq,
+                                           int NH, int NKV, int HS) {
+  make_current();
+  cuda::attention_kv_gqa_forward(H(out), H(kcache), H(vcache), H(qkv), pos, Tq, NH, NKV, HS, compute_);
 }
 
 void CudaBackend::gelu_forward(void* out, const void* inp, int64_t n) {

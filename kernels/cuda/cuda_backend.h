@@ -1,5 +1,6 @@
 // The CUDA backend: bf16 parameters and activations, fp32 master weights,
-// moments, gradients, LayerNorm statistics and losses (kernels/backend.h).
+// moments, gradients, LayerNorm/RMSNorm statistics, the RoPE table and
+// losses (kernels/backend.h).
 //
 // Streams: every op is enqueued on the compute stream; the NCCL
 // communicator runs collectives on the comm stream, which waits on an event
@@ -67,6 +68,22 @@ class CudaBackend final : public Backend {
                           int NH) override;
   void attention_kv_forward(void* out, void* kcache, void* vcache, const void* qkv, int pos, int Tq, int C,
                             int NH) override;
+  void rmsnorm_forward(void* out, float* rstd, const void* inp, const void* weight, int N, int C, float eps) override;
+  void residual_rmsnorm_forward(void* res_out, void* out, float* rstd, const void* a, const void* b,
+                                const void* weight, int N, int C, float eps) override;
+  void rmsnorm_backward(void* dinp, float* dweight, const void* dout, const void* inp, const void* weight,
+                        const float* rstd, int N, int C) override;
+  void rope_forward(void* qkv, const float* cos_sin, int B, int T, int NH, int NKV, int HS, int pos0) override;
+  void rope_backward(void* dqkv, const float* cos_sin, int B, int T, int NH, int NKV, int HS, int pos0) override;
+  void swiglu_forward(void* out, const void* inp, int N, int F) override;
+  void swiglu_backward(void* dinp, const void* dout, const void* inp, int N, int F) override;
+  size_t attention_gqa_saved_floats(int B, int T, int NH) const override;
+  void attention_gqa_forward(void* out, float* saved, const void* qkv, int B, int T, int NH, int NKV,
+                             int HS) override;
+  void attention_gqa_backward(void* dqkv, const void* dout, const void* qkv, const void* out, const float* saved,
+                              int B, int T, int NH, int NKV, int HS) override;
+  void attention_kv_gqa_forward(void* out, void* kcache, void* vcache, const void* qkv, int pos, int Tq, int NH,
+                                int NKV, int HS) override;
   void gelu_forward(void* out, const void* inp, int64_t n) override;
   void gelu_backward(void* dinp, const void* inp, const void* dout, int64_t n) override;
   void residual_forward(void* out, const void* a, const void* b, int64_t n) override;

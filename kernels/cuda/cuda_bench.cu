@@ -9,7 +9,9 @@
 // same shape (the wrapper runs the heuristic's first); attention reports
 // TFLOP/s with the causal FLOP count (forward 2 products over half the
 // square, backward 2.5x the forward, FlashAttention's convention).
-// Sizes are GPT-2 124M's: B=16, T=1024, C=768, NH=12, V=50257 (quick: B=2).
+// Sizes are GPT-2 124M's: B=16, T=1024, C=768, NH=12, V=50257 (quick: B=2),
+// then the Llama ops (RMSNorm, RoPE, SwiGLU, grouped-query attention) at
+// Llama-3.2-1B's: C=2048, NH=32, NKV=8, HS=64, F=8192, T=2048, B=4 (quick: 1).
 // Wide models: TRAINRUN_BENCH_C=<C> (scripts/gpu-check.sh runs 4096 and
 // 8192) times the C-dependent rows at that width instead, with HS = 128
 // (NH = C/128, as Llama 7B / 70B) and B=4 (quick: 1), so each run stays
@@ -22,6 +24,7 @@
 // embedding backward is timed with uniform tokens and with 70% of them one
 // hot token (the long-run path).
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
@@ -370,6 +373,67 @@ int run_kernel_bench_impl(const KernelBenchOptions& opts) {
               [&] { be.attention_kv_forward(out, kc, vc, qkv, 0, T, C, NH); }, "CUDA cores, fp32");
     b.memory("attention kv decode (Tq=1, pos T-1)", detail::cat("cache ", T, "x", C), 2.0 * T * C * 2 + 8.0 * C,
              [&] { be.attention_kv_forward(out, kc, vc, qkv, T - 1, 1, C, NH); });
+  }
+
+  // ---- Llama-3.2-1B: RMSNorm, RoPE, SwiGLU, grouped-query attention ------------------------------
+  if (!wide) {
+    const int LB = opts.quick ? 1 : 4, LT = 2048, LC = 2048, LNH = 32, LNKV = 8, LHS = 64, LF = 8192;
+    const int LN = LB * LT, ld = (LNH + 2 * LNKV) * LHS, KV = LNKV * LHS;
+    const int64_t NC = int64_t(LN) * LC;
+    const float eps = 1e-5f;
+    bf16* x = b.buf<bf16>(NC);
+    bf16* y = b.buf<bf16>(NC);
+    bf16* res = b.buf<bf16>(NC);
+    bf16* dx = b.buf<bf16>(NC);
+    bf16* w = b.buf<bf16>(LC);
+    float* rstd = b.buf<float>(LN, 0.5f);
+    float* dw = b.buf<float>(LC);
+    const std::string sh = detail::cat(LN, "x", LC);
+    b.memory("llama rmsnorm fwd", sh, 2.0 * NC * 2 + 4.0 * LN,
+             [&] { be.rmsnorm_forward(y, rstd, x, w, LN, LC, eps); });
+    b.memory("llama residual + rmsnorm (fused)", sh, 4.0 * NC * 2 + 4.0 * LN,
+             [&] { be.residual_rmsnorm_forward(res, y, rstd, x, dx, w, LN, LC, eps); });
+    b.memory("llama rmsnorm bwd (dinp +=)", sh, 4.0 * NC * 2 + 4.0 * LN,
+             [&] { be.rmsnorm_backward(dx, dw, y, x, w, rstd, LN, LC); });
+    // RoPE: plain frequencies (theta 5e5) are enough to time it.
+    std::vector<float> tab(size_t(LT) * LHS);
+    for (int t = 0; t < LT; ++t)
+      for (int i = 0; i < LHS / 2; ++i) {
+        const double a = t * std::pow(500000.0, -2.0 * i / LHS);
+        tab[(size_t(t) * LHS / 2 + i) * 2] = float(std::cos(a));
+        tab[(size_t(t) * LHS / 2 + i) * 2 + 1] = float(std::sin(a));
+      }
+    float* cs = b.buf<float>(int64_t(tab.size()));
+    be.copy_to_device(cs, tab.data(), tab.size() * 4);
+    bf16* qkv = b.buf<bf16>(int64_t(LN) * ld);
+    const double rope_bytes = 2.0 * LN * (LNH + LNKV) * LHS * 2;  // q and k read and written
+    const std::string shq = detail::cat(LN, "x", ld, " (q|k of NH", LNH, " NKV", LNKV, ")");
+    b.memory("llama rope fwd (in place)", shq, rope_bytes,
+             [&] { be.rope_forward(qkv, cs, LB, LT, LNH, LNKV, LHS, 0); });
+    b.memory("llama rope bwd (in place)", shq, rope_bytes,
+             [&] { be.rope_backward(qkv, cs, LB, LT, LNH, LNKV, LHS, 0); });
+    bf16* gu = b.buf<bf16>(int64_t(LN) * 2 * LF);
+    bf16* h = b.buf<bf16>(int64_t(LN) * LF);
+    const std::string shf = detail::cat(LN, "x", 2 * LF, "->", LF);
+    b.memory("llama swiglu fwd", shf, 3.0 * LN * LF * 2, [&] { be.swiglu_forward(h, gu, LN, LF); });
+    b.memory("llama swiglu bwd (in place)", shf, 5.0 * LN * LF * 2, [&] { be.swiglu_backward(gu, h, gu, LN, LF); });
+    // Attention, causal FLOP count as above.
+    bf16* aout = b.buf<bf16>(int64_t(LN) * LNH * LHS);
+    bf16* adout = b.buf<bf16>(int64_t(LN) * LNH * LHS);
+    bf16* dqkv = b.buf<bf16>(int64_t(LN) * ld);
+    float* lse = b.buf<float>(int64_t(be.attention_gqa_saved_floats(LB, LT, LNH)));
+    const double fwd = 4.0 * LB * LNH * double(LT) * LT * LHS / 2;
+    const std::string sha = detail::cat("B", LB, " T", LT, " NH", LNH, " NKV", LNKV, " HS", LHS);
+    b.compute("llama attention gqa fwd (flash, WMMA)", sha, fwd,
+              [&] { be.attention_gqa_forward(aout, lse, qkv, LB, LT, LNH, LNKV, LHS); }, "");
+    b.compute("llama attention gqa bwd (flash, WMMA)", sha, 2.5 * fwd,
+              [&] { be.attention_gqa_backward(dqkv, adout, qkv, aout, lse, LB, LT, LNH, LNKV, LHS); }, "");
+    bf16* kc = b.buf<bf16>(int64_t(LT) * KV);
+    bf16* vc = b.buf<bf16>(int64_t(LT) * KV);
+    b.compute("llama attention kv gqa prefill (pos 0)", detail::cat("T", LT, " NH", LNH, " NKV", LNKV), fwd / LB,
+              [&] { be.attention_kv_gqa_forward(aout, kc, vc, qkv, 0, LT, LNH, LNKV, LHS); }, "CUDA cores, fp32");
+    b.memory("llama attention kv gqa decode (pos T-1)", detail::cat("cache ", LT, "x", KV), 2.0 * LT * KV * 2,
+             [&] { be.attention_kv_gqa_forward(aout, kc, vc, qkv, LT - 1, 1, LNH, LNKV, LHS); });
   }
 
   std::printf("\n%-40s %-22s %12s %12s %-8s %7s  %s\n", "kernel", "size", "time (us)", "achieved", "", "%",
