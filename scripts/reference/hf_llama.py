@@ -1,0 +1,135 @@
+#!/usr/bin/env python3
+"""Hugging Face transformers as the peer of trainrun's Llama model (issue #13's tests).
+
+  hf_llama.py random --out DIR --layers L --hidden C --heads NH --kv-heads NKV
+                     --intermediate F --vocab V --max-positions T [--rope-theta X]
+                     [--rope-scaling-factor F --low-freq-factor A --high-freq-factor B
+                      --original-max-positions P] [--tie] [--eps E] [--seed S]
+                     [--max-shard-size 50KB] [--batch BATCH.safetensors --out-ref REF.safetensors]
+      A random LlamaForCausalLM (every parameter perturbed, RMSNorm gains
+      around 1) saved with save_pretrained(DIR, safe_serialization=True),
+      sharded behind model.safetensors.index.json when --max-shard-size is
+      small. With --batch (int32 'inputs' and 'targets', (B,T)): writes REF
+      with 'logits' (B,T,V), 'loss' (mean cross-entropy over all targets,
+      fp32) and 'grad.<name>' for every parameter (HF names), from one
+      forward + backward in fp32.
+
+  hf_llama.py logits --model DIR --batch BATCH.safetensors --out OUT.safetensors
+      LlamaForCausalLM.from_pretrained(DIR) on BATCH's 'inputs'; 'logits'.
+      Fails (exit 1) when from_pretrained reports missing, unexpected or
+      mis-shaped tensors (it would otherwise only warn and init them).
+
+  hf_llama.py generate --model DIR --prompt "ID ID ..." --max-new-tokens N
+      Greedy generate (use_cache=True); prints prompt + continuation ids.
+
+Offline, with the repo's .venv python (transformers 4.44.2 on Debian's torch).
+"""
+import argparse
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+
+def load_clean(path):
+    hf_logging.set_verbosity_error()
+    model, info = LlamaForCausalLM.from_pretrained(path, local_files_only=True, output_loading_info=True,
+                                                   torch_dtype=torch.float32)
+    problems = {k: v for k, v in info.items() if v}
+    if problems:
+        print(f"from_pretrained({path}) did not load cleanly: {problems}", file=sys.stderr)
+        sys.exit(1)
+    model.eval()
+    return model
+
+
+def cmd_random(a):
+    torch.manual_seed(a.seed)
+    scaling = None
+    if a.rope_scaling_factor:
+        scaling = {"rope_type": "llama3", "factor": a.rope_scaling_factor, "low_freq_factor": a.low_freq_factor,
+                   "high_freq_factor": a.high_freq_factor,
+                   "original_max_position_embeddings": a.original_max_positions}
+    cfg = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.intermediate,
+                      num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
+                      max_position_embeddings=a.max_positions, rms_norm_eps=a.eps, rope_theta=a.rope_theta,
+                      rope_scaling=scaling, tie_word_embeddings=a.tie, attention_bias=False, mlp_bias=False,
+                      hidden_act="silu", torch_dtype="float32")
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            base = 1.0 if name.endswith("norm.weight") else 0.0
+            p.copy_(base + 0.1 * torch.randn_like(p))
+    model.save_pretrained(a.out, safe_serialization=True, max_shard_size=a.max_shard_size)
+    if a.batch:
+        batch = load_file(a.batch)
+        inputs, targets = batch["inputs"].to(torch.long), batch["targets"].to(torch.long)
+        model.train()  # no dropout in Llama; train() only enables the autograd path
+        out = model(inputs)
+        logits = out.logits.float()
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        loss.backward()
+        ref = {"logits": logits.detach().contiguous(), "loss": loss.detach().reshape(1)}
+        for name, p in model.named_parameters():
+            ref["grad." + name] = p.grad.detach().float().contiguous()
+        save_file(ref, a.out_ref)
+    return 0
+
+
+def cmd_logits(a):
+    model = load_clean(a.model)
+    with torch.no_grad():
+        logits = model(load_file(a.batch)["inputs"].to(torch.long)).logits
+    save_file({"logits": logits.float().contiguous()}, a.out)
+    return 0
+
+
+def cmd_generate(a):
+    model = load_clean(a.model)
+    ids = torch.tensor([[int(t) for t in a.prompt.split()]], dtype=torch.long)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=a.max_new_tokens,
+                             min_new_tokens=a.max_new_tokens, do_sample=False, use_cache=True, pad_token_id=0)
+    print(" ".join(str(int(t)) for t in out[0].tolist()))
+    return 0
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    rd = sub.add_parser("random")
+    rd.add_argument("--out", required=True)
+    for k in ("layers", "hidden", "heads", "kv-heads", "intermediate", "vocab", "max-positions"):
+        rd.add_argument("--" + k, type=int, required=True)
+    rd.add_argument("--rope-theta", type=float, default=500000.0)
+    rd.add_argument("--rope-scaling-factor", type=float, default=0.0)
+    rd.add_argument("--low-freq-factor", type=float, default=1.0)
+    rd.add_argument("--high-freq-factor", type=float, default=4.0)
+    rd.add_argument("--original-max-positions", type=int, default=8192)
+    rd.add_argument("--tie", action="store_true")
+    rd.add_argument("--eps", type=float, default=1e-5)
+    rd.add_argument("--seed", type=int, default=0)
+    rd.add_argument("--max-shard-size", default="10GB")
+    rd.add_argument("--batch")
+    rd.add_argument("--out-ref")
+    lg = sub.add_parser("logits")
+    lg.add_argument("--model", required=True)
+    lg.add_argument("--batch", required=True)
+    lg.add_argument("--out", required=True)
+    gn = sub.add_parser("generate")
+    gn.add_argument("--model", required=True)
+    gn.add_argument("--prompt", required=True)
+    gn.add_argument("--max-new-tokens", type=int, required=True)
+    a = ap.parse_args(argv)
+    return {"random": cmd_random, "logits": cmd_logits, "generate": cmd_generate}[a.cmd](a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
