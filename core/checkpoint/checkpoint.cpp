@@ -92,7 +92,7 @@ bool parse_step_name(const std::string& name, int64_t* step) {
 
 // The two files' headers: F32 tensors in the flat layout's order, so
 // global element g of kind k sits at a fixed offset every rank can compute.
-std::string model_header(const GPT2Config& cfg, const ParamLayout&) { return gpt2_model_file_header(cfg); }
+std::string model_header(const ModelArch& arch, const ParamLayout&) { return model_file_header(arch); }
 
 std::string optimizer_header(const ParamLayout& lay) {
   std::vector<SafeTensorEntry> es;
@@ -263,9 +263,9 @@ int64_t ckpt_timeout_ms(const JobSpec& job) {
 
 }  // namespace
 
-Checkpointer::Checkpointer(const JobSpec& job, const GPT2Config& cfg, const ParamLayout& layout, int rank,
-                           int world, Store* store, Communicator* comm, std::string key_prefix)
-    : job_(job), cfg_(cfg), layout_(layout), rank_(rank), world_(world), store_(store), comm_(comm),
+Checkpointer::Checkpointer(const JobSpec& job, const ModelArch& arch, int rank, int world, Store* store,
+                           Communicator* comm, std::string key_prefix)
+    : job_(job), arch_(arch), layout_(arch.layout()), rank_(rank), world_(world), store_(store), comm_(comm),
       prefix_(std::move(key_prefix)), root_((fs::path(job.output.dir) / "checkpoints").string()) {
   TR_CHECK(world == 1 || store, "checkpoint: a multi-rank job needs the rendezvous store");
 }
@@ -364,7 +364,7 @@ void Checkpointer::write_and_commit(int64_t step, const TrainState& st, const st
   const auto timeout = std::chrono::milliseconds(ckpt_timeout_ms(job_));
   const std::string final_dir = root_ + "/" + step_name(step);
   const std::string tmp = root_ + "/.tmp-" + step_name(step);
-  const std::string mhdr = model_header(cfg_, layout_), ohdr = optimizer_header(layout_);
+  const std::string mhdr = model_header(arch_, layout_), ohdr = optimizer_header(layout_);
   const std::string mpath = tmp + "/model.safetensors", opath = tmp + "/optimizer.safetensors";
 
   // 1. rank 0 lays out the directory and the files at full size.
@@ -499,8 +499,7 @@ void Checkpointer::commit_rank0(int64_t step, const TrainState& st, const std::s
   m["data_cursor"] = st.cursor;
   m["world_size"] = world_;
   m["sharding"] = job_.parallel.sharding;
-  m["model"] = {{"arch", "gpt2"}, {"n_layer", cfg_.L}, {"n_head", cfg_.NH}, {"n_embd", cfg_.C},
-                {"vocab_size", cfg_.V}, {"seq_len", cfg_.T}};
+  m["model"] = arch_.manifest_model();
   // Randomness is counter-based (init: (seed, index); data: (seed, sample
   // index); sampling: seed), so the seeds and the cursor are the RNG state.
   m["rng"] = {{"train_seed", job_.train.seed}, {"data_seed", job_.data.synthetic.seed}};
@@ -513,7 +512,7 @@ void Checkpointer::commit_rank0(int64_t step, const TrainState& st, const std::s
   m["layout"] = {{"total", layout_.total}, {"units", units}};
   // The segments must tile each file exactly: a gap would be bytes nobody
   // wrote (or verifies), an overlap two ranks writing the same bytes.
-  const uint64_t sizes[2] = {model_header(cfg_, layout_).size() + uint64_t(layout_.total) * 4,
+  const uint64_t sizes[2] = {model_header(arch_, layout_).size() + uint64_t(layout_.total) * 4,
                              optimizer_header(layout_).size() + uint64_t(layout_.total) * 8};
   json files = json::object();
   for (int f = 0; f < 2; ++f) {
@@ -677,7 +676,7 @@ std::string Checkpointer::read_verified(const std::string& dir, std::vector<std:
       out->assign(3, {});
       for (auto& v : *out) v.resize(held);
     }
-    const uint64_t mbase = model_header(cfg_, layout_).size(), obase = optimizer_header(layout_).size();
+    const uint64_t mbase = model_header(arch_, layout_).size(), obase = optimizer_header(layout_).size();
     Hasher h;
     std::vector<char> scratch;
     for (int f = 0; f < 2; ++f) {
@@ -767,7 +766,7 @@ void Checkpointer::load_kind_by_kind(const std::string& dir, ParamStore& ps) {
   size_t held = 0;
   for (const auto& r : held_ranges_) held += size_t(r.count);
   std::vector<float> buf(held);
-  const uint64_t mbase = model_header(cfg_, layout_).size(), obase = optimizer_header(layout_).size();
+  const uint64_t mbase = model_header(arch_, layout_).size(), obase = optimizer_header(layout_).size();
   for (int kind = 0; kind < 3; ++kind) {
     const std::string path = dir + "/" + kFileNames[kind == 0 ? 0 : 1];
     const uint64_t base = (kind == 0 ? mbase : obase) + (kind == 2 ? uint64_t(layout_.total) * 4 : 0);
@@ -853,17 +852,9 @@ bool Checkpointer::load(ParamStore& ps, TrainState& st) {
 
     std::ifstream f(dir + "/manifest.json");
     json m = json::parse(f);
-    const json& mm = m.at("model");
-    auto check_same = [&](const char* key, int have) {
-      int saved = mm.at(key).get<int>();
-      TR_CHECK(saved == have, "checkpoint ", dir, " was saved with model.", key, " = ", saved, " but this job has ",
-               have, "; the model shape cannot change on resume (use a new output.dir or checkpoint.resume: never)");
-    };
-    check_same("n_layer", cfg_.L);
-    check_same("n_head", cfg_.NH);
-    check_same("n_embd", cfg_.C);
-    check_same("vocab_size", cfg_.V);
-    check_same("seq_len", cfg_.T);
+    const std::string changed = manifest_model_mismatch(arch_, m.at("model"));
+    TR_CHECK(changed.empty(), "checkpoint ", dir, " was saved with ", changed,
+             "; the model shape cannot change on resume (use a new output.dir or checkpoint.resume: never)");
 
     // One pass (verify while reading into staging, then go live) needs the
     // rank's three state kinds in host memory at once. Where that would not

@@ -1,8 +1,8 @@
 // Checkpoints: atomic, verified, logical (reshardable), optionally async.
 //
 // <output.dir>/checkpoints/step_<8 digits>/
-//   model.safetensors      fp32 master weights, HF GPT-2 names, the flat
-//                          layout's order (so it is also a model file that
+//   model.safetensors      fp32 master weights, the layout's (HF-style) names and
+//                          order (so it is also a model file that
 //                          `generate` and the safetensors package read)
 //   optimizer.safetensors  exp_avg.<name>..., then exp_avg_sq.<name>...
 //   manifest.json          format version, step, tokens, data cursor, the
@@ -43,7 +43,7 @@
 #include <vector>
 
 #include "core/config/job_spec.h"
-#include "core/model/gpt2.h"
+#include "core/model/model.h"
 #include "parallel/communicator.h"
 #include "parallel/sharding.h"
 #include "parallel/store.h"
@@ -60,8 +60,10 @@ struct TrainState {
 class Checkpointer {
  public:
   // store may be null for a single-rank run.
-  Checkpointer(const JobSpec& job, const GPT2Config& cfg, const ParamLayout& layout, int rank, int world,
-               Store* store, Communicator* comm, std::string key_prefix);
+  // `arch` (the model: its layout, file header and manifest block) must
+  // outlive the Checkpointer.
+  Checkpointer(const JobSpec& job, const ModelArch& arch, int rank, int world, Store* store, Communicator* comm,
+               std::string key_prefix);
   ~Checkpointer();
 
   // Rank 0: remove temporary directories left by a crash.
@@ -109,7 +111,7 @@ class Checkpointer {
   std::string first_error_of_all(const std::string& mine);
 
   const JobSpec& job_;
-  GPT2Config cfg_;
+  const ModelArch& arch_;
   const ParamLayout& layout_;
   int rank_, world_;
   Store* store_;
