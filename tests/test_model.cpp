@@ -338,7 +338,7 @@ TEST_CASE("model: the file metadata rebuilds the config it came from", "[model]"
   CHECK(got == flat);
 }
 
-TEST_CASE("model: a manifest's model block is compared key by key; no arch means gpt2", "[model]") {
+TEST_CASE("model: a manifest's model block is compared key by key, and no arch means gpt2", "[model]") {
   const auto g = make_model_arch(GPT2Config::of(2, 2, 16, 29, 8));
   json saved = g->manifest_model();
   CHECK(saved.dump() == R"({"arch":"gpt2","n_layer":2,"n_head":2,"n_embd":16,"vocab_size":29,"seq_len":8})");
@@ -355,7 +355,7 @@ TEST_CASE("model: a manifest's model block is compared key by key; no arch means
   CHECK(manifest_model_mismatch(*l, lsaved) == "model.ffn_dim is not recorded but this job has 32");
 }
 
-TEST_CASE("model: model.arch auto follows init_from's model_type; llama is refused clearly", "[model]") {
+TEST_CASE("model: model.arch auto follows init_from's model_type, and llama is refused clearly", "[model]") {
   test::TempDir dir("model");
   ModelSpec m;
   CHECK(m.arch == "auto");
