@@ -21,6 +21,7 @@
 #include "core/launch/launch_mode.h"
 #include "core/launch/slurm_worker.h"
 #include "core/model/model_io.h"
+#include "core/model/model_shape.h"
 #include "core/train/generate.h"
 #include "core/train/planner.h"
 #include "core/train/plot.h"
@@ -138,11 +139,12 @@ int cmd_validate(const std::string& config, const std::vector<std::string>& sets
 int cmd_generate(const std::string& ckpt, const std::string& prompt, const SampleOptions& so) {
   const std::string file = resolve_verified_model_file(ckpt, "generate");
   std::vector<float> flat;
-  GPT2Config cfg = load_model_safetensors(file, flat);
-  TR_LOG_INFO("generate: ", file, " (gpt2 L=", cfg.L, " C=", cfg.C, " V=", cfg.V, ")");
+  const std::unique_ptr<ModelArch> arch = make_model_arch(load_model_safetensors(file, flat));
+  const ModelConfig& cfg = arch->config();
+  TR_LOG_INFO("generate: ", file, " (", arch->describe(), ")");
   const std::vector<int32_t> ids = encode_prompt(prompt, cfg.V);
   const auto t0 = std::chrono::steady_clock::now();
-  auto toks = sample_tokens(cfg, flat, ids, so);
+  auto toks = sample_tokens(*arch, flat, ids, so);
   const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const size_t made = toks.size() - ids.size();
   TR_LOG_INFO("generate: ", made, " tokens in ", dt, " s (", dt > 0 ? double(made) / dt : 0.0,
@@ -168,7 +170,7 @@ int cmd_plan(const PlanArgs& a) {
   if (!a.config.empty()) {
     JobSpec job = load_job_spec(a.config, a.sets);
     from_job = true;
-    req.model = ModelShape::from_spec(job.model);
+    if (a.model.empty()) req.model = ModelConfig::from_spec(job.model);
     req.micro_batch = job.train.micro_batch_size;
     req.global_batch = job.train.derived_global_batch_size();
     req.checkpointing = job.train.activation_checkpointing == "blocks";
@@ -176,7 +178,7 @@ int cmd_plan(const PlanArgs& a) {
     req.shard_group_size = job.parallel.shard_group_size;
     if (job.parallel.nproc_per_node > 0) req.gpus_per_node = job.parallel.nproc_per_node;
   }
-  if (!a.model.empty()) req.model = ModelShape::parse(a.model);
+  if (!a.model.empty()) req.model = parse_model_shape(a.model);
   if (a.gpus > 0) req.gpus_per_node = a.gpus;
   req.nodes = a.nodes;
   if (!a.gpu_memory.empty()) req.gpu_memory = parse_bytes(a.gpu_memory, "--gpu-memory");

@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "core/model/gpt2.h"
+#include "core/model/model.h"
 #include "kernels/backend.h"
 #include "parallel/communicator.h"
 
@@ -46,9 +46,9 @@ inline float sum_squares_to_host(Backend* be, float* acc, const float* x, int64_
 
 class ParamStore : public UnitAccess {
  public:
-  // Fill the parameters from the counter-based GPT-2 init (each rank inits
-  // only what it holds).
-  virtual void init_params(const GPT2Config& cfg, uint64_t seed) = 0;
+  // Fill the parameters from the architecture's counter-based init (each
+  // rank inits only what it holds). `arch` must have the store's layout.
+  virtual void init_params(const ModelArch& arch, uint64_t seed) = 0;
   virtual void zero_grads() = 0;
   // After the last micro-batch's backward: finish every gradient reduction.
   virtual void finish_grads() = 0;
@@ -102,6 +102,14 @@ class ParamStore : public UnitAccess {
   virtual double take_comm_wait_seconds() = 0;
   virtual std::string strategy() const = 0;
 };
+
+// init_params' check that the architecture is the one the store was built for.
+inline void check_same_layout(const ModelArch& arch, const ParamLayout& store_layout) {
+  TR_CHECK(arch.layout().total == store_layout.total && arch.layout().units.size() == store_layout.units.size(),
+           "init_params: the model (", arch.layout().total, " parameters in ", arch.layout().units.size(),
+           " units) is not the one the parameter store was built for (", store_layout.total, " in ",
+           store_layout.units.size(), ")");
+}
 
 // Builds a communicator over a subset of ranks: `prefix` names the group in
 // the rendezvous store, `rank`/`world` are the caller's place in it.

@@ -34,9 +34,10 @@ class ReplicatedStore final : public ParamStore {
   float* unit_grads(int unit) override { return grads_.as<float>() + layout_.units[unit].offset; }
   void grads_done(int) override {}
 
-  void init_params(const GPT2Config& cfg, uint64_t seed) override {
+  void init_params(const ModelArch& arch, uint64_t seed) override {
+    check_same_layout(arch, layout_);
     std::vector<float> host(layout_.total);
-    gpt2_init_params(cfg, layout_, seed, 0, layout_.total, host.data());
+    arch.init_params(seed, 0, layout_.total, host.data());
     load_full_params(host);
   }
   void zero_grads() override { be_->zero(grads_.get(), grads_.bytes()); }

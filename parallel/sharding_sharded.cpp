@@ -264,14 +264,15 @@ class ShardedStore final : public ParamStore {
   // ---- ParamStore -------------------------------------------------------------------
   // Unit by unit, through one host buffer the size of the largest owned
   // slice: a rank never holds its whole shard twice (device + host).
-  void init_params(const GPT2Config& cfg, uint64_t seed) override {
+  void init_params(const ModelArch& arch, uint64_t seed) override {
+    check_same_layout(arch, layout_);
     int64_t most = 0;
     for (const auto& u : units_) most = std::max(most, u.shard);
     std::vector<float> host(size_t(most), 0.0f);
     for (const auto& u : units_) {
       std::fill(host.begin(), host.begin() + u.shard, 0.0f);  // padding stays zero
       if (u.owned > 0)
-        gpt2_init_params(cfg, layout_, seed, u.offset + u.begin, u.offset + u.begin + u.owned, host.data());
+        arch.init_params(seed, u.offset + u.begin, u.offset + u.begin + u.owned, host.data());
       be_->copy_to_device(master_.as<float>() + u.shard_off, host.data(), size_t(u.shard) * 4);
     }
     master_to_params();

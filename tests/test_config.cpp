@@ -310,7 +310,7 @@ TEST_CASE("config: job_spec_to_yaml round-trips through parse_job_spec", "[confi
 
 TEST_CASE("config: job_spec_to_yaml writes every field with its doc", "[config]") {
   const std::string yaml = trainrun::job_spec_to_yaml(JobSpec{});
-  CHECK(yaml.find("\nmodel:\n  arch: gpt2 ") != std::string::npos);
+  CHECK(yaml.find("\nmodel:\n  arch: auto ") != std::string::npos);
   CHECK(yaml.find("\n  synthetic:\n    vocab: 0 ") != std::string::npos);
   CHECK(yaml.find("  lr: 0.001 ") != std::string::npos);
   CHECK(yaml.find("# peak learning rate, reached at the end of warmup; > 0\n") != std::string::npos);

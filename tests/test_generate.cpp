@@ -1,4 +1,4 @@
-// Sampling with a KV cache (core/model/gpt2_decoder.h, core/train/generate.h):
+// Sampling with a KV cache (core/model/gpt2/gpt2_decoder.h, core/train/generate.h):
 //  - the decoder's logits equal the full forward's at every position, for a
 //    chunked prefill longer than one chunk and for single-token steps, on
 //    the plain and the row-padded (GPU-like) logits path;
@@ -13,8 +13,9 @@
 #include <random>
 #include <vector>
 
-#include "core/model/gpt2.h"
-#include "core/model/gpt2_decoder.h"
+#include "core/model/gpt2/gpt2.h"
+#include "core/model/gpt2/gpt2_arch.h"
+#include "core/model/gpt2/gpt2_decoder.h"
 #include "core/train/generate.h"
 #include "kernels/backend.h"
 #include "tests/support/testutil.h"
@@ -124,7 +125,7 @@ TEST_CASE("generate: past the model's context the cache refills from the newest 
   so.max_tokens = 40;  // more than three windows
   so.top_k = 1;
   const std::vector<int32_t> prompt = {3, 1, 4};
-  const std::vector<int32_t> got = sample_tokens(m.be.get(), *m.units, cfg, prompt, so);
+  const std::vector<int32_t> got = sample_tokens(m.be.get(), *m.units, GPT2Arch(cfg), prompt, so);
   REQUIRE(got.size() == prompt.size() + 40);
   // The same rule by full recomputation: the context is seq[start:], and
   // when it already holds T tokens the next one starts a window of the

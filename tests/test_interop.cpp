@@ -21,7 +21,7 @@
 #include "core/checkpoint/bench_checkpoint.h"
 #include "core/checkpoint/hf_interop.h"
 #include "core/io/safetensors.h"
-#include "core/model/gpt2.h"
+#include "core/model/gpt2/gpt2.h"
 #include "core/model/model_io.h"
 #include "parallel/communicator.h"
 #include "parallel/sharding.h"
@@ -156,7 +156,7 @@ TEST_CASE("interop: export then import is bit-identical and uses the Hugging Fac
   const GPT2Config cfg = small_cfg(2, 2, 16, 37, 9);
   const std::vector<float> flat = random_flat(cfg, 1);
   const std::string out = dir / "hf";
-  export_hf_gpt2(out, cfg, flat);
+  export_hf(out, cfg, flat);
 
   const json c = read_json(out + "/config.json");
   CHECK(c["model_type"] == "gpt2");
@@ -197,7 +197,7 @@ TEST_CASE("interop: export then import is bit-identical and uses the Hugging Fac
   CHECK(f.find("transformer.wte.weight")->shape == std::vector<int64_t>{37, 16});
 
   std::vector<float> back;
-  const GPT2Config cfg2 = load_hf_gpt2(out, back);
+  const GPT2Config cfg2 = load_hf(out, back);
   CHECK(cfg2.L == cfg.L);
   CHECK(cfg2.NH == cfg.NH);
   CHECK(cfg2.C == cfg.C);
@@ -207,8 +207,8 @@ TEST_CASE("interop: export then import is bit-identical and uses the Hugging Fac
 
   SECTION("a second export replaces the first") {
     const std::vector<float> other = random_flat(cfg, 2);
-    export_hf_gpt2(out, cfg, other);
-    load_hf_gpt2(out, back);
+    export_hf(out, cfg, other);
+    load_hf(out, back);
     CHECK(bit_equal(back, other));
     for (const auto& e : fs::directory_iterator(dir.path()))  // no temporary or moved-aside folder left
       CHECK(e.path().filename() == "hf");
@@ -216,7 +216,7 @@ TEST_CASE("interop: export then import is bit-identical and uses the Hugging Fac
   SECTION("a directory holding anything else is refused, not deleted") {
     test::write_file(out + "/notes.txt", "mine");
     try {
-      export_hf_gpt2(out, cfg, flat);
+      export_hf(out, cfg, flat);
       FAIL("export into a directory with other files succeeded");
     } catch (const Error& e) {
       CHECK_THAT(e.what(), Contains("notes.txt") && Contains("choose a new or empty directory"));
@@ -247,13 +247,13 @@ TEST_CASE("interop: trainrun export writes a Hugging Face directory from a run o
   REQUIRE(r.exit_code == 0);
   CHECK(r.out == dir / "hf" + "\n");
   std::vector<float> back;
-  const GPT2Config c2 = load_hf_gpt2(dir / "hf", back);
+  const GPT2Config c2 = load_hf(dir / "hf", back);
   CHECK(c2.T == cfg.T);
   CHECK(bit_equal(back, ours));
   // A .safetensors file too (the run's final weights: the same step here).
   r = test::run_trainrun("export --checkpoint '" + run + "/model.safetensors' --out '" + dir / "hf2" + "'");
   REQUIRE(r.exit_code == 0);
-  load_hf_gpt2(dir / "hf2", back);
+  load_hf(dir / "hf2", back);
   CHECK(bit_equal(back, ours));
 
   // Usage errors exit 2, errors 1 with the reason.
@@ -288,7 +288,7 @@ TEST_CASE("interop: transformers loads the export and reproduces trainrun's logi
   // Odd sizes: 3 heads of 8, a vocab and context that are not powers of two.
   const GPT2Config cfg = small_cfg(3, 3, 24, 61, 13);
   const std::vector<float> flat = random_flat(cfg, 3);
-  export_hf_gpt2(dir / "hf", cfg, flat);
+  export_hf(dir / "hf", cfg, flat);
   const int B = 3;
   const std::vector<int32_t> in = random_tokens(B * cfg.T, cfg.V, 4);
   write_batch(dir / "batch.safetensors", in, B, cfg.T);
@@ -374,7 +374,7 @@ TEST_CASE("interop: model.init_from accepts the variants transformers writes", "
   const GPT2Config cfg = small_cfg(2, 2, 16, 37, 12);
   const std::vector<float> flat = random_flat(cfg, 8);
   const std::string base = dir / "base";
-  export_hf_gpt2(base, cfg, flat);
+  export_hf(base, cfg, flat);
   const SafeTensorFile st = read_safetensors(base + "/model.safetensors");
   auto variant = [&](const std::string& name, const std::function<void(SafeTensorFile&)>& edit) {
     const std::string d = dir / name;
@@ -450,7 +450,7 @@ TEST_CASE("interop: bad init_from directories are refused with errors that name 
   const GPT2Config cfg = small_cfg(2, 2, 16, 37, 12);
   const std::vector<float> flat = random_flat(cfg, 9);
   const std::string good = dir / "good";
-  export_hf_gpt2(good, cfg, flat);
+  export_hf(good, cfg, flat);
   const json config = read_json(good + "/config.json");
   const SafeTensorFile st = read_safetensors(good + "/model.safetensors");
   auto make = [&](const std::string& name, const std::function<void(json&)>& edit_config,
@@ -613,7 +613,7 @@ TEST_CASE("interop: trainrun generate (KV cache) continues a prompt as transform
   // Within n_positions (transformers cannot go past it); odd sizes.
   const GPT2Config cfg = small_cfg(3, 3, 24, 61, 40);
   const std::vector<float> flat = random_flat(cfg, 11);
-  export_hf_gpt2(dir / "hf", cfg, flat);
+  export_hf(dir / "hf", cfg, flat);
   save_model_safetensors(dir / "model.safetensors", cfg, flat);
   const std::string prompt = "5 17 2 40 33 8 1";
   auto hf = hf_script("generate --model '" + dir / "hf" + "' --prompt '" + prompt + "' --max-new-tokens 30");

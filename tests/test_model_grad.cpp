@@ -22,7 +22,7 @@
 #include <string>
 #include <vector>
 
-#include "core/model/gpt2.h"
+#include "core/model/gpt2/gpt2.h"
 #include "kernels/backend.h"
 #include "tests/support/device_io.h"
 #include "tests/support/reference_ops.h"

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "core/model/model_shape.h"
 #include "core/train/planner.h"
 #include "core/train/progress.h"
 #include "core/train/tensorboard.h"
@@ -308,10 +309,10 @@ TEST_CASE("operator: TRAINRUN_LOG_ALL_RANKS=1 shows every rank's lines, each pre
 TEST_CASE("operator: MFU's FLOPs per token and the GPU peak table", "[operator]") {
   // GPT-2 124M at T=1024: N = 124,439,808 parameters - 786,432 (wpe) =
   // 123,653,376; 6N + 12*L*C*T = 741,920,256 + 113,246,208.
-  ModelShape m = ModelShape::parse("gpt2:L=12,C=768,heads=12,V=50257,T=1024");
-  CHECK(m.num_parameters() == 124439808);
-  CHECK(m.matmul_parameters() == 123653376);
-  CHECK(m.flops_per_token() == 855166464.0);
+  const auto m = make_model_arch(parse_model_shape("gpt2:L=12,C=768,heads=12,V=50257,T=1024"));
+  CHECK(m->num_parameters() == 124439808);
+  CHECK(m->matmul_parameters() == 123653376);
+  CHECK(m->flops_per_token() == 855166464.0);
   // Datasheet dense bf16 peaks, found by key or by the device's own name.
   REQUIRE(find_gpu_spec("NVIDIA H100 80GB HBM3"));
   CHECK(find_gpu_spec("NVIDIA H100 80GB HBM3")->bf16_flops == 989.4e12);
@@ -444,10 +445,10 @@ TEST_CASE("operator: MFU in metrics.jsonl is tokens/s x (6N + 12LCT) / peak, and
   INFO(r.err);
   REQUIRE(r.exit_code == 0);
   CHECK_THAT(r.err, Contains("peak 100.0 GFLOP/s per rank (TRAINRUN_CPU_PEAK_FLOPS)"));
-  ModelShape m = ModelShape::parse("gpt2:L=2,C=32,heads=2,V=16,T=32");
+  const auto m = make_model_arch(parse_model_shape("gpt2:L=2,C=32,heads=2,V=16,T=32"));
   for (const auto& rec : records(dir / "run/metrics.jsonl"))
     CHECK(rec.at("mfu").get<double>() ==
-          Approx(rec.at("tokens_per_sec").get<double>() * m.flops_per_token() / 1e11).epsilon(1e-9));
+          Approx(rec.at("tokens_per_sec").get<double>() * m->flops_per_token() / 1e11).epsilon(1e-9));
 
   // Measured: the best figure is remembered per CPU model and thread count.
   r = test::run_command(bin + "'" + test::trainrun_binary() + "' --config " + dir / "job.yaml" + " --set output.dir=" +

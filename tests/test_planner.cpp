@@ -11,7 +11,8 @@
 #include <thread>
 
 #include "core/config/job_spec.h"
-#include "core/model/gpt2.h"
+#include "core/model/gpt2/gpt2.h"
+#include "core/model/model_shape.h"
 #include "core/train/planner.h"
 #include "core/train/trainer.h"
 #include "kernels/backend.h"
@@ -25,15 +26,18 @@ namespace {
 
 GPT2Config gpt2(int L, int NH, int C, int V, int T) { return GPT2Config::of(L, NH, C, V, T); }
 
-ModelShape shape_of(const GPT2Config& c) {
+// The model a job with this shape trains (through its model.* fields).
+std::unique_ptr<ModelArch> arch_of(const GPT2Config& c) {
   ModelSpec s;
   s.n_layer = c.L;
   s.n_head = c.NH;
   s.n_embd = c.C;
   s.vocab_size = c.V;
   s.seq_len = c.T;
-  return ModelShape::from_spec(s);
+  return make_model_arch(ModelConfig::from_spec(s));
 }
+
+std::string describe(const std::string& shape) { return make_model_arch(parse_model_shape(shape))->describe(); }
 
 // One CPU training run; ranks are threads of this process, each a full
 // trainer with its own backend (so its own peak counter), talking Gloo over
@@ -86,29 +90,32 @@ nlohmann::json run_job(const std::string& yaml_body, int world) {
 
 TEST_CASE("planner: gpt2 shapes have make_gpt2_layout's units and parameter count", "[planner]") {
   for (auto c : {gpt2(2, 2, 18, 23, 12), gpt2(4, 4, 128, 256, 128), gpt2(12, 12, 768, 50257, 1024)}) {
-    const ModelShape m = shape_of(c);
+    const auto m = make_model_arch(parse_model_shape("gpt2:L=" + std::to_string(c.L) + ",C=" + std::to_string(c.C) +
+                                                     ",heads=" + std::to_string(c.NH) + ",V=" + std::to_string(c.V) +
+                                                     ",T=" + std::to_string(c.T)));
     const ParamLayout lay = make_gpt2_layout(c);
-    const auto units = m.unit_numels();
-    REQUIRE(units.size() == lay.units.size());
-    for (size_t i = 0; i < units.size(); ++i) CHECK(units[i] == lay.units[i].numel);
-    CHECK(m.num_parameters() == lay.total);
+    REQUIRE(m->layout().units.size() == lay.units.size());
+    for (size_t i = 0; i < lay.units.size(); ++i) CHECK(m->layout().units[i].numel == lay.units[i].numel);
+    CHECK(m->num_parameters() == lay.total);
+    // GPT-2's closed form: L (12C^2 + 13C) blocks + (V + T) C embeddings + 2C final LayerNorm.
+    const int64_t C = c.C;
+    CHECK(m->num_parameters() == c.L * (12 * C * C + 13 * C) + (c.V + c.T) * C + 2 * C);
   }
 }
 
 TEST_CASE("planner: llama shapes count parameters like the published models", "[planner]") {
   // Llama 3 70B: 70,553,706,496 parameters (Meta's model card: 70B; the HF
   // checkpoint's exact count); Llama 2 7B: 6,738,415,616.
-  CHECK(ModelShape::parse("llama3-70b").num_parameters() == 70553706496LL);
-  CHECK(ModelShape::parse("llama:L=80,C=8192,heads=64,kv_heads=8,ffn=28672,V=128256,T=4096").num_parameters() ==
+  CHECK(parse_model_shape("llama3-70b").num_parameters() == 70553706496LL);
+  CHECK(parse_model_shape("llama:L=80,C=8192,heads=64,kv_heads=8,ffn=28672,V=128256,T=4096").num_parameters() ==
         70553706496LL);
-  CHECK(ModelShape::parse("llama2-7b").num_parameters() == 6738415616LL);
+  CHECK(parse_model_shape("llama2-7b").num_parameters() == 6738415616LL);
   // Presets take overrides; aliases from HF configs are accepted.
-  const ModelShape m = ModelShape::parse("llama3-70b:T=4096");
+  const ModelConfig m = parse_model_shape("llama3-70b:T=4096");
   CHECK(m.T == 4096);
-  CHECK(m.kv_heads == 8);
-  CHECK(ModelShape::parse("llama:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,intermediate_size=128,"
-                          "vocab_size=100,seq_len=16").describe() ==
-        "llama L=2 C=64 heads=4 kv_heads=4 ffn=128 V=100 T=16");
+  CHECK(m.NKV == 8);
+  CHECK(describe("llama:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,intermediate_size=128,"
+                 "vocab_size=100,seq_len=16") == "llama L=2 C=64 heads=4 kv_heads=4 ffn=128 V=100 T=16");
 }
 
 TEST_CASE("planner: the activation model is the model's arena, byte for byte", "[planner]") {
@@ -118,7 +125,7 @@ TEST_CASE("planner: the activation model is the model's arena, byte for byte", "
       for (bool ckpt : {false, true}) {
         GPT2 model(c, be.get(), B, ckpt);
         INFO("L=" << c.L << " C=" << c.C << " B=" << B << " ckpt=" << ckpt);
-        CHECK(estimate_activation_bytes(shape_of(c), B, ckpt, DeviceModel::cpu()) == double(model.activation_bytes()));
+        CHECK(estimate_activation_bytes(*arch_of(c), B, ckpt, DeviceModel::cpu()) == double(model.activation_bytes()));
       }
     }
   }
@@ -159,7 +166,7 @@ TEST_CASE("planner: predicted peak memory is within 15% of measured CPU runs", "
     s.strategy = c.strategy;
     s.world = c.world;
     s.group = c.strategy == "no_shard" ? 1 : c.strategy == "hybrid_shard" ? c.group : c.world;
-    const MemoryBreakdown pred = estimate_memory(shape_of(m), s, c.micro_batch, c.ckpt, DeviceModel::cpu());
+    const MemoryBreakdown pred = estimate_memory(*arch_of(m), s, c.micro_batch, c.ckpt, DeviceModel::cpu());
     const double measured = rec.at("mem_peak_bytes").get<double>();
     const double err = (pred.total() - measured) / measured;
     worst = std::max(worst, std::fabs(err));
@@ -184,19 +191,20 @@ TEST_CASE("planner: predicted peak memory is within 15% of measured CPU runs", "
 
 TEST_CASE("planner: the largest micro-batch that fits is the largest that fits", "[planner]") {
   PlanRequest req;
-  req.model = ModelShape::parse("gpt2-1.5b");
+  req.model = parse_model_shape("gpt2-1.5b");
   req.gpu = "a100";
   req.gpu_memory = parse_bytes("40GiB", "--gpu-memory");
   req.gpus_per_node = 8;
   req.micro_batch = 4;
   req.global_batch = 64;
   const Plan p = make_plan(req);
+  const auto arch = make_model_arch(req.model);
   REQUIRE(p.rows.size() == 4);
   for (const auto& row : p.rows) {
     INFO(row.sharding.strategy);
     REQUIRE(row.max_micro_batch > 0);
-    CHECK(estimate_memory(req.model, row.sharding, row.max_micro_batch, false, DeviceModel::gpu()).total() <= p.capacity);
-    CHECK(estimate_memory(req.model, row.sharding, row.max_micro_batch + 1, false, DeviceModel::gpu()).total() > p.capacity);
+    CHECK(estimate_memory(*arch, row.sharding, row.max_micro_batch, false, DeviceModel::gpu()).total() <= p.capacity);
+    CHECK(estimate_memory(*arch, row.sharding, row.max_micro_batch + 1, false, DeviceModel::gpu()).total() > p.capacity);
     CHECK(row.fits == (row.mem.total() <= p.capacity));
     CHECK(row.step_s >= row.compute_s);
     CHECK(row.mfu > 0);
@@ -209,7 +217,7 @@ TEST_CASE("planner: the largest micro-batch that fits is the largest that fits",
 
 TEST_CASE("planner: a 70B Llama does not train on 8 x 80 GB even with full sharding and checkpointing", "[planner]") {
   PlanRequest req;
-  req.model = ModelShape::parse("llama:L=80,C=8192,heads=64,kv_heads=8,ffn=28672,V=128256,T=4096");
+  req.model = parse_model_shape("llama:L=80,C=8192,heads=64,kv_heads=8,ffn=28672,V=128256,T=4096");
   req.gpu = "h100";
   req.gpu_memory = parse_bytes("80GiB", "--gpu-memory");
   req.gpus_per_node = 8;
@@ -278,11 +286,11 @@ TEST_CASE("planner: trainrun plan reads a job spec and marks its strategy", "[pl
 }
 
 TEST_CASE("planner: model shapes take the Hugging Face config names too", "[planner]") {
-  const ModelShape a = ModelShape::parse("gpt2:L=2,C=64,heads=4,V=100,T=16");
-  const ModelShape b =
-      ModelShape::parse("gpt2:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,vocab_size=100,n_positions=16");
-  const ModelShape c = ModelShape::parse("gpt2:n_layer=2,n_embd=64,n_head=4,vocab_size=100,n_ctx=16");
-  const ModelShape d = ModelShape::parse("llama:L=2,C=64,heads=4,ffn=128,V=100,max_position_embeddings=32");
+  const ModelConfig a = parse_model_shape("gpt2:L=2,C=64,heads=4,V=100,T=16");
+  const ModelConfig b =
+      parse_model_shape("gpt2:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,vocab_size=100,n_positions=16");
+  const ModelConfig c = parse_model_shape("gpt2:n_layer=2,n_embd=64,n_head=4,vocab_size=100,n_ctx=16");
+  const ModelConfig d = parse_model_shape("llama:L=2,C=64,heads=4,ffn=128,V=100,max_position_embeddings=32");
   CHECK(b.num_parameters() == a.num_parameters());
   CHECK(b.T == 16);
   CHECK(c.num_parameters() == a.num_parameters());

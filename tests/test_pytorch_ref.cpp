@@ -9,7 +9,7 @@
 #include <random>
 
 #include "core/io/safetensors.h"
-#include "core/model/gpt2.h"
+#include "core/model/gpt2/gpt2.h"
 #include "core/model/model_io.h"
 #include "parallel/communicator.h"
 #include "parallel/sharding.h"

@@ -21,7 +21,7 @@
 #include <sstream>
 #include <thread>
 
-#include "core/model/gpt2.h"
+#include "core/model/gpt2/gpt2.h"
 #include "kernels/backend.h"
 #include "parallel/sharding.h"
 #include "tests/support/testutil.h"

@@ -10,7 +10,8 @@
 #include <thread>
 
 #include "core/config/job_spec.h"
-#include "core/model/gpt2.h"
+#include "core/model/gpt2/gpt2.h"
+#include "core/model/gpt2/gpt2_arch.h"
 #include "core/model/model_io.h"
 #include "core/train/trainer.h"
 #include "kernels/backend.h"
@@ -232,7 +233,7 @@ TEST_CASE("sharding: full_shard waits for each deferred all-gather and reduce-sc
     auto comm = make_single_communicator();
     GPT2 model(cfg, be.get(), B, false);
     auto store = make_param_store("no_shard", model.layout(), be.get(), comm.get(), 0, nullptr);
-    store->init_params(cfg, 7);
+    store->init_params(GPT2Arch(cfg), 7);
     ref = train_steps(*store, model, be.get(), cfg, B);
   }
   for (const char* ckpt : {"none", "blocks"}) {
@@ -241,7 +242,7 @@ TEST_CASE("sharding: full_shard waits for each deferred all-gather and reduce-sc
     GPT2 model(cfg, be.get(), B, std::string(ckpt) == "blocks");
     {
       auto store = make_param_store("full_shard", model.layout(), be.get(), &comm, 0, nullptr);
-      store->init_params(cfg, 7);
+      store->init_params(GPT2Arch(cfg), 7);
       const std::vector<double> got = train_steps(*store, model, be.get(), cfg, B);
       INFO("activation checkpointing " << ckpt);
       REQUIRE(got.size() == ref.size());

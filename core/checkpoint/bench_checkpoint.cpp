@@ -184,30 +184,29 @@ int64_t parse_param_count(const std::string& text) {
   return int64_t(std::llround(n));
 }
 
-GPT2Config bench_model_for(int64_t target) {
-  // GPT-2's vocab and context at 12 layers down to ~4M parameters; below
-  // that a byte-level model, so tiny counts stay close too. The width is
-  // solved from params(C) = L(12C^2 + 13C) + (V + T + 2)C and rounded to a
-  // multiple of 8 (the closer of the two neighbours).
-  GPT2Config cfg;
-  cfg.L = 12;
-  cfg.V = 50257;
-  cfg.T = 1024;
+ModelConfig bench_model_for(int64_t target) {
+  // The default architecture with GPT-2's vocab and context at 12 layers
+  // down to ~4M parameters; below that a byte-level model, so tiny counts
+  // stay close too. The width is the multiple of 8 whose parameter count
+  // (the architecture's own) is closest to the target.
+  ModelConfig cfg = ModelConfig::of(12, 1, 64, 50257, 1024);
   auto count = [&](int C) {
-    GPT2Config c = cfg;
+    ModelConfig c = cfg;
     c.C = C;
     c.NH = 1;
     return c.num_parameters();
   };
-  if (target < count(64)) {
-    cfg.L = 4;
-    cfg.V = 256;
-    cfg.T = 128;
+  if (target < count(64)) cfg = ModelConfig::of(4, 1, 64, 256, 128);
+  // The parameter count grows with the width: bisect for the first multiple
+  // of 8 at or above the target, then take the closer of it and the one below.
+  int lo = 1, hi = 1;  // in units of 8
+  while (count(8 * hi) < target) lo = hi, hi *= 2;
+  while (hi - lo > 1) {
+    const int mid = lo + (hi - lo) / 2;
+    (count(8 * mid) < target ? lo : hi) = mid;
   }
-  const double a = 12.0 * cfg.L, b = 13.0 * cfg.L + cfg.V + cfg.T + 2;
-  const double c = (-b + std::sqrt(b * b + 4 * a * double(target))) / (2 * a);
-  int lo = std::max(8, int(c / 8) * 8), hi = lo + 8;
-  cfg.C = std::llabs(count(lo) - target) <= std::llabs(count(hi) - target) ? lo : hi;
+  const int above = 8 * hi, below = std::max(8, above - 8);
+  cfg.C = std::llabs(count(below) - target) <= std::llabs(count(above) - target) ? below : above;
   cfg.NH = cfg.C % 64 == 0 ? cfg.C / 64 : cfg.C / 8;  // head size 64 as in GPT-2 where it divides
   return cfg;
 }
@@ -215,8 +214,9 @@ GPT2Config bench_model_for(int64_t target) {
 int run_checkpoint_bench(const CheckpointBenchOptions& o) {
   TR_CHECK(o.repeat >= 1 && o.repeat <= 100, "bench checkpoint: --repeat must be in [1, 100], got ", o.repeat);
   const int64_t target = parse_param_count(o.params);
-  const GPT2Config cfg = bench_model_for(target);
-  const ParamLayout lay = make_gpt2_layout(cfg);
+  const ModelConfig cfg = bench_model_for(target);
+  const std::unique_ptr<ModelArch> arch = make_model_arch(cfg);
+  const ParamLayout& lay = arch->layout();
   const int64_t data_bytes = 3 * lay.total * 4;
 
   std::error_code ec;
@@ -240,7 +240,7 @@ int run_checkpoint_bench(const CheckpointBenchOptions& o) {
   auto be = make_cpu_backend();
   auto comm = make_single_communicator();
   auto ps = make_param_store("no_shard", lay, be.get(), comm.get(), 1, nullptr);
-  ps->init_params(cfg, 1);
+  ps->init_params(*arch, 1);
   std::vector<float> src_state = ps->get_state(0);
   // Moments like the weights, not zeros: no filesystem can compress them away.
   ps->set_state(1, src_state);
@@ -272,7 +272,7 @@ int run_checkpoint_bench(const CheckpointBenchOptions& o) {
       job.output.dir = run;
       job.checkpoint.async = "false";
       job.checkpoint.keep_last = 0;
-      Checkpointer ck(job, cfg, lay, 0, 1, nullptr, comm.get(), "");
+      Checkpointer ck(job, *arch, 0, 1, nullptr, comm.get(), "");
       TrainState st;
       st.step = rep + 1;
       t_save.push_back(ck.save(*ps, st));
@@ -288,7 +288,7 @@ int run_checkpoint_bench(const CheckpointBenchOptions& o) {
       JobSpec job;
       job.output.dir = run;
       job.checkpoint.resume = ckdir;
-      Checkpointer ck(job, cfg, lay, 0, 1, nullptr, comm.get(), "");
+      Checkpointer ck(job, *arch, 0, 1, nullptr, comm.get(), "");
       TrainState st;
       auto t0 = Clock::now();
       TR_CHECK(ck.load(*ps, st), "bench checkpoint: the checkpoint just written did not load (internal error)");
@@ -302,7 +302,7 @@ int run_checkpoint_bench(const CheckpointBenchOptions& o) {
       job.output.dir = run;
       job.checkpoint.async = "true";
       job.checkpoint.keep_last = 0;
-      Checkpointer ck(job, cfg, lay, 0, 1, nullptr, comm.get(), "");
+      Checkpointer ck(job, *arch, 0, 1, nullptr, comm.get(), "");
       ck.prepare(*ps);  // as the trainer does at start: the host snapshot is allocated up front
       TrainState st;
       st.step = rep + 1;
@@ -317,8 +317,8 @@ int run_checkpoint_bench(const CheckpointBenchOptions& o) {
   // ---- the table --------------------------------------------------------------
   const double gb = double(ckpt_bytes) / 1e9;
   const double dw = median(t_dw), dr = median(t_dr);
-  std::printf("trainrun bench checkpoint: gpt2 L=%d NH=%d C=%d V=%d T=%d, %s parameters\n", cfg.L, cfg.NH, cfg.C,
-              cfg.V, cfg.T, with_commas(lay.total).c_str());
+  std::printf("trainrun bench checkpoint: %s, %s parameters\n", arch->describe().c_str(),
+              with_commas(lay.total).c_str());
   std::printf("checkpoint: fp32 master weights + 2 AdamW moments = %.3f GB on disk (headers and manifest included)\n",
               gb);
   std::printf("directory: %s (%s); median of %d; GB = 1e9 bytes\n\n", fs::absolute(o.dir).lexically_normal().c_str(),

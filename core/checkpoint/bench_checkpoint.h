@@ -21,7 +21,7 @@
 #include <cstdint>
 #include <string>
 
-#include "core/model/gpt2.h"
+#include "core/model/model.h"
 
 namespace trainrun {
 
@@ -33,9 +33,9 @@ struct CheckpointBenchOptions {
 
 // "124M" -> 124000000; throws Error on anything else.
 int64_t parse_param_count(const std::string& text);
-// A GPT-2 (12 layers, GPT-2's vocab and context when the count allows) whose
-// parameter count is close to `params`.
-GPT2Config bench_model_for(int64_t params);
+// A model of the default architecture (GPT-2: 12 layers, GPT-2's vocab and
+// context when the count allows) whose parameter count is close to `params`.
+ModelConfig bench_model_for(int64_t params);
 
 // Prints the table to stdout (progress to stderr); returns 0.
 int run_checkpoint_bench(const CheckpointBenchOptions& opts);

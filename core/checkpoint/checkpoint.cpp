@@ -53,10 +53,9 @@ class CheckpointAborted : public Error {
 
 }  // namespace
 
-
-Checkpointer::Checkpointer(const JobSpec& job, const GPT2Config& cfg, const ParamLayout& layout, int rank,
-                           int world, Store* store, Communicator* comm, std::string key_prefix)
-    : job_(job), cfg_(cfg), layout_(layout), rank_(rank), world_(world), store_(store), comm_(comm),
+Checkpointer::Checkpointer(const JobSpec& job, const ModelArch& arch, int rank, int world, Store* store,
+                           Communicator* comm, std::string key_prefix)
+    : job_(job), arch_(arch), layout_(arch.layout()), rank_(rank), world_(world), store_(store), comm_(comm),
       prefix_(std::move(key_prefix)), root_((fs::path(job.output.dir) / "checkpoints").string()),
       uncaught_at_start_(std::uncaught_exceptions()) {
   TR_CHECK(world == 1 || store, "checkpoint: a multi-rank job needs the rendezvous store");
@@ -298,7 +297,7 @@ void Checkpointer::write_and_commit(int64_t step, const TrainState& st, ParamSto
   const auto deadline = Clock::now() + std::chrono::milliseconds(ckpt_timeout_ms(job_));
   const std::string final_dir = root_ + "/" + step_name(step);
   const std::string tmp = root_ + "/.tmp-" + step_name(step);
-  const std::string mhdr = model_header(cfg_, layout_), ohdr = optimizer_header(layout_);
+  const std::string mhdr = model_header(arch_, layout_), ohdr = optimizer_header(layout_);
   const std::string mpath = tmp + "/model.safetensors", opath = tmp + "/optimizer.safetensors";
   const std::string me = "rank " + std::to_string(rank_);
   next_abort_poll_ = {};
@@ -465,8 +464,7 @@ void Checkpointer::commit_rank0(int64_t step, const TrainState& st, const std::s
   m["data_cursor"] = st.cursor;
   m["world_size"] = world_;
   m["sharding"] = job_.parallel.sharding;
-  m["model"] = {{"arch", "gpt2"}, {"n_layer", cfg_.L}, {"n_head", cfg_.NH}, {"n_embd", cfg_.C},
-                {"vocab_size", cfg_.V}, {"seq_len", cfg_.T}};
+  m["model"] = arch_.manifest_model();
   // Randomness is counter-based (init: (seed, index); data: (seed, sample
   // index); sampling: seed), so the seeds and the cursor are the RNG state.
   m["rng"] = {{"train_seed", job_.train.seed}, {"data_seed", job_.data.synthetic.seed}};
@@ -479,7 +477,7 @@ void Checkpointer::commit_rank0(int64_t step, const TrainState& st, const std::s
   m["layout"] = {{"total", layout_.total}, {"units", units}};
   // The segments must tile each file exactly: a gap would be bytes nobody
   // wrote (or verifies), an overlap two ranks writing the same bytes.
-  const uint64_t sizes[2] = {model_header(cfg_, layout_).size() + uint64_t(layout_.total) * 4,
+  const uint64_t sizes[2] = {model_header(arch_, layout_).size() + uint64_t(layout_.total) * 4,
                              optimizer_header(layout_).size() + uint64_t(layout_.total) * 8};
   json files = json::object();
   for (int f = 0; f < 2; ++f) {

@@ -1,8 +1,8 @@
 // Checkpoints: atomic, verified, logical (reshardable), optionally async.
 //
 // <output.dir>/checkpoints/step_<8 digits>/
-//   model.safetensors      fp32 master weights, HF GPT-2 names, the flat
-//                          layout's order (so it is also a model file that
+//   model.safetensors      fp32 master weights, the layout's (HF-style) names and
+//                          order (so it is also a model file that
 //                          `generate` and the safetensors package read)
 //   optimizer.safetensors  exp_avg.<name>..., then exp_avg_sq.<name>...
 //   manifest.json          format version, step, tokens, data cursor, the
@@ -77,7 +77,7 @@
 #include <vector>
 
 #include "core/config/job_spec.h"
-#include "core/model/gpt2.h"
+#include "core/model/model.h"
 #include "parallel/communicator.h"
 #include "parallel/sharding.h"
 #include "parallel/store.h"
@@ -94,8 +94,10 @@ struct TrainState {
 class Checkpointer {
  public:
   // store may be null for a single-rank run.
-  Checkpointer(const JobSpec& job, const GPT2Config& cfg, const ParamLayout& layout, int rank, int world,
-               Store* store, Communicator* comm, std::string key_prefix);
+  // `arch` (the model: its layout, file header and manifest block) must
+  // outlive the Checkpointer.
+  Checkpointer(const JobSpec& job, const ModelArch& arch, int rank, int world, Store* store, Communicator* comm,
+               std::string key_prefix);
   // Waits for an async save in flight; during exception unwinding it first
   // abandons it (abort()), so a failing rank never waits behind its save.
   ~Checkpointer();
@@ -173,7 +175,7 @@ class Checkpointer {
   std::string step_key(int64_t step) const { return prefix_ + "ckpt/" + std::to_string(step) + "/"; }
 
   const JobSpec& job_;
-  GPT2Config cfg_;
+  const ModelArch& arch_;
   const ParamLayout& layout_;
   int rank_, world_;
   Store* store_;

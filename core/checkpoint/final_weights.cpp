@@ -76,11 +76,11 @@ int64_t disk_wait_timeout_ms(const JobSpec& job) {
   return std::max<int64_t>(600'000, int64_t(job.parallel.timeout_s * 10'000));
 }
 
-void save_final_weights(const std::string& path, const GPT2Config& cfg, ParamStore& ps, int rank, int world,
+void save_final_weights(const std::string& path, const ModelArch& arch, ParamStore& ps, int rank, int world,
                         Store* store, const std::string& key_prefix, std::chrono::milliseconds timeout) {
   TR_CHECK(world == 1 || store, "final weights: a multi-rank job needs the rendezvous store");
-  const std::string header = gpt2_model_file_header(cfg);
-  const int64_t total = make_gpt2_layout(cfg).total;
+  const std::string header = model_file_header(arch);
+  const int64_t total = arch.layout().total;
   // Rank 0 names the temporary file (its pid) for everyone.
   const std::string key = key_prefix + "final_weights/";
   std::string tmp = path + ".tmp." + std::to_string(::getpid());

@@ -2,7 +2,7 @@
 // way checkpoints are: no rank ever gathers the model.
 //
 // Rank 0 creates <path>.tmp.<pid> with the fp32 header (the flat layout's
-// tensors in order, gpt2_model_file_header) and reserves its full size;
+// tensors in order, model_file_header) and reserves its full size;
 // every rank then pwrites its ParamStore::write_ranges() of the fp32 master
 // weights at their global offsets, in pieces of at most kFinalWeightsPiece
 // bytes (so a rank holds its shard plus one piece), fsyncs, and reports
@@ -17,7 +17,7 @@
 #include <string>
 
 #include "core/config/job_spec.h"
-#include "core/model/gpt2.h"
+#include "core/model/model.h"
 #include "parallel/sharding.h"
 #include "parallel/store.h"
 
@@ -33,7 +33,7 @@ int64_t disk_wait_timeout_ms(const JobSpec& job);
 // Collective over the job's ranks. `store` may be null for a single rank.
 // `timeout` bounds each wait for another rank (writing is disk-bound: use a
 // checkpoint-sized timeout, not a collective's).
-void save_final_weights(const std::string& path, const GPT2Config& cfg, ParamStore& ps, int rank, int world,
+void save_final_weights(const std::string& path, const ModelArch& arch, ParamStore& ps, int rank, int world,
                         Store* store, const std::string& key_prefix, std::chrono::milliseconds timeout);
 
 }  // namespace trainrun

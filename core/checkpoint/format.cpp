@@ -37,7 +37,7 @@ bool parse_step_name(const std::string& name, int64_t* step) {
 
 // The two files' headers: F32 tensors in the flat layout's order, so
 // global element g of kind k sits at a fixed offset every rank can compute.
-std::string model_header(const GPT2Config& cfg, const ParamLayout&) { return gpt2_model_file_header(cfg); }
+std::string model_header(const ModelArch& arch, const ParamLayout&) { return model_file_header(arch); }
 
 std::string optimizer_header(const ParamLayout& lay) {
   std::vector<SafeTensorEntry> es;

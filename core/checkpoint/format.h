@@ -35,7 +35,7 @@ bool parse_step_name(const std::string& name, int64_t* step);
 
 // The two files' headers: F32 tensors in the flat layout's order, so
 // global element g of kind k sits at a fixed offset every rank can compute.
-std::string model_header(const GPT2Config& cfg, const ParamLayout& lay);
+std::string model_header(const ModelArch& arch, const ParamLayout& lay);
 std::string optimizer_header(const ParamLayout& lay);
 
 // An XXH64 state that frees itself.

@@ -10,7 +10,7 @@
 namespace trainrun {
 
 struct ModelSpec {
-  std::string arch = "gpt2";   // only gpt2 for now
+  std::string arch = "auto";   // auto | gpt2 | llama; auto = model.init_from's model_type, else gpt2 (ModelConfig::from_spec)
   int n_layer = 4;             // L, transformer blocks
   int n_head = 4;              // NH, attention heads; n_embd % n_head == 0
   int n_embd = 128;            // C, residual width

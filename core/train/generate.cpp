@@ -8,7 +8,6 @@
 #include <sstream>
 
 #include "core/common/error.h"
-#include "core/model/gpt2_decoder.h"
 #include "kernels/backend.h"
 
 namespace fs = std::filesystem;
@@ -47,19 +46,21 @@ int pick_token(const std::vector<float>& logits, const SampleOptions& o, uint64_
 }
 }  // namespace
 
-int sample_cache_positions(const GPT2Config& cfg, size_t prompt_tokens, const SampleOptions& o) {
+int sample_cache_positions(const ModelConfig& cfg, size_t prompt_tokens, const SampleOptions& o) {
   return int(std::min<int64_t>(cfg.T, int64_t(prompt_tokens) + std::max(o.max_tokens, 0)));
 }
 
-std::vector<int32_t> sample_tokens(Backend* be, UnitAccess& units, const GPT2Config& cfg,
+std::vector<int32_t> sample_tokens(Backend* be, UnitAccess& units, const ModelArch& arch,
                                    const std::vector<int32_t>& prompt, const SampleOptions& o, Communicator* comm) {
+  const ModelConfig& cfg = arch.config();
   TR_CHECK(!prompt.empty(), "generate: the prompt is empty; pass --prompt with at least one token");
   for (int32_t t : prompt)
     TR_CHECK(t >= 0 && t < cfg.V, "generate: prompt token ", t, " is outside the model's vocab of ", cfg.V);
   std::vector<int32_t> seq = prompt;
   if (o.max_tokens <= 0) return seq;
   const int cap = sample_cache_positions(cfg, prompt.size(), o);
-  GPT2Decoder dec(cfg, be, cap);
+  const std::unique_ptr<Decoder> decoder = arch.make_decoder(be, cap);
+  Decoder& dec = *decoder;
   std::vector<float> logits;
   // (Re)fill the cache from the newest `keep` tokens of the sequence.
   auto refill = [&](int keep) {
@@ -82,10 +83,10 @@ std::vector<int32_t> sample_tokens(Backend* be, UnitAccess& units, const GPT2Con
   return seq;
 }
 
-std::vector<int32_t> sample_tokens(const GPT2Config& cfg, const std::vector<float>& flat,
+std::vector<int32_t> sample_tokens(const ModelArch& arch, const std::vector<float>& flat,
                                    const std::vector<int32_t>& prompt, const SampleOptions& o) {
   auto be = make_cpu_backend();
-  const ParamLayout lay = make_gpt2_layout(cfg);
+  const ParamLayout& lay = arch.layout();
   TR_CHECK(int64_t(flat.size()) == lay.total, "generate: ", flat.size(), " weights for a model of ", lay.total);
   DeviceBuffer params(be.get(), lay.total * dtype_size(be->act_dtype()));
   {
@@ -94,7 +95,7 @@ std::vector<int32_t> sample_tokens(const GPT2Config& cfg, const std::vector<floa
     be->cast_from_f32(params.get(), master.as<float>(), lay.total);
   }
   FlatUnitAccess access(lay, params.get(), nullptr, be->act_dtype());
-  return sample_tokens(be.get(), access, cfg, prompt, o, nullptr);
+  return sample_tokens(be.get(), access, arch, prompt, o, nullptr);
 }
 
 std::vector<int32_t> encode_prompt(const std::string& text, int vocab) {

@@ -4,7 +4,7 @@
 #include <string>
 #include <vector>
 
-#include "core/model/gpt2.h"
+#include "core/model/model.h"
 #include "kernels/backend.h"
 #include "parallel/communicator.h"
 
@@ -17,8 +17,8 @@ struct SampleOptions {
   uint64_t seed = 1;
 };
 
-// Autoregressive sampling with a KV cache (core/model/gpt2_decoder.h) on
-// `be`, parameters through `units`. The cache holds min(T, prompt + 
+// Autoregressive sampling with a KV cache (the arch's Decoder) on `be`,
+// parameters through `units`. The cache holds min(T, prompt + 
 // max_tokens) positions; a sequence that outgrows the model's T keeps its
 // newest T/2 tokens and refills the cache from them (learned absolute
 // positions cannot slide one step at a time). Returns prompt + sampled tokens.
@@ -26,14 +26,14 @@ struct SampleOptions {
 // for each step), rank 0 picks each token and broadcasts it, so every rank
 // feeds the same sequence and the unit gathers stay in step; no rank waits
 // in a collective for longer than one token's forward.
-std::vector<int32_t> sample_tokens(Backend* be, UnitAccess& units, const GPT2Config& cfg,
+std::vector<int32_t> sample_tokens(Backend* be, UnitAccess& units, const ModelArch& arch,
                                    const std::vector<int32_t>& prompt, const SampleOptions& opts,
                                    Communicator* comm = nullptr);
 // The same from whole-model fp32 weights (`trainrun generate`), on the CPU backend.
-std::vector<int32_t> sample_tokens(const GPT2Config& cfg, const std::vector<float>& flat_params,
+std::vector<int32_t> sample_tokens(const ModelArch& arch, const std::vector<float>& flat_params,
                                    const std::vector<int32_t>& prompt, const SampleOptions& opts);
 // The KV-cache capacity sample_tokens uses for this prompt and options.
-int sample_cache_positions(const GPT2Config& cfg, size_t prompt_tokens, const SampleOptions& opts);
+int sample_cache_positions(const ModelConfig& cfg, size_t prompt_tokens, const SampleOptions& opts);
 
 // Byte-level when V == 256 (text <-> bytes), else whitespace-separated token ids.
 std::vector<int32_t> encode_prompt(const std::string& text, int vocab);

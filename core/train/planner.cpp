@@ -26,6 +26,16 @@ std::string fixed(double v, int prec) {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Bytes of one buffer: the arenas start every buffer on 64 bytes.
+double r64(double bytes) { return std::ceil(bytes / 64.0) * 64.0; }
+
+// Elements of each sharding unit, in the order parallel/ moves them.
+std::vector<int64_t> unit_numels(const ModelArch& m) {
+  std::vector<int64_t> u;
+  for (const auto& unit : m.layout().units) u.push_back(unit.numel);
+  return u;
+}
+
 std::string lower(std::string s) {
   for (auto& c : s) c = char(std::tolower(static_cast<unsigned char>(c)));
   return s;
@@ -36,231 +46,7 @@ std::string trim(const std::string& s) {
   return a == std::string::npos ? "" : s.substr(a, b - a + 1);
 }
 
-// Presets: published shapes, so the common questions need no typing.
-struct Preset {
-  const char* name;
-  const char* text;
-};
-const std::vector<Preset>& presets() {
-  static const std::vector<Preset> p = {
-      {"gpt2-124m", "gpt2:L=12,C=768,heads=12,V=50257,T=1024"},
-      {"gpt2-350m", "gpt2:L=24,C=1024,heads=16,V=50257,T=1024"},
-      {"gpt2-774m", "gpt2:L=36,C=1280,heads=20,V=50257,T=1024"},
-      {"gpt2-1.5b", "gpt2:L=48,C=1600,heads=25,V=50257,T=1024"},
-      {"llama2-7b", "llama:L=32,C=4096,heads=32,kv_heads=32,ffn=11008,V=32000,T=4096"},
-      {"llama2-70b", "llama:L=80,C=8192,heads=64,kv_heads=8,ffn=28672,V=32000,T=4096"},
-      {"llama3-8b", "llama:L=32,C=4096,heads=32,kv_heads=8,ffn=14336,V=128256,T=8192"},
-      {"llama3-70b", "llama:L=80,C=8192,heads=64,kv_heads=8,ffn=28672,V=128256,T=8192"},
-  };
-  return p;
-}
-
-// Accepted spellings of each key (the HF / job-spec names too).
-const std::map<std::string, std::string>& key_aliases() {
-  static const std::map<std::string, std::string> a = {
-      {"l", "L"},          {"layers", "L"},       {"n_layer", "L"},        {"num_hidden_layers", "L"},
-      {"c", "C"},          {"n_embd", "C"},       {"hidden", "C"},         {"hidden_size", "C"},
-      {"d_model", "C"},    {"heads", "heads"},    {"n_head", "heads"},     {"num_attention_heads", "heads"},
-      {"kv_heads", "kv_heads"}, {"n_kv_heads", "kv_heads"}, {"num_key_value_heads", "kv_heads"},
-      {"ffn", "ffn"},      {"intermediate_size", "ffn"}, {"v", "V"},      {"vocab", "V"},
-      {"vocab_size", "V"}, {"t", "T"},            {"seq_len", "T"},        {"context", "T"},
-      {"n_positions", "T"}, {"n_ctx", "T"},       {"max_position_embeddings", "T"},
-      {"n_inner", "ffn"},  {"tied", "tied"},
-  };
-  return a;
-}
-
-size_t edit_distance(const std::string& a, const std::string& b) {
-  std::vector<size_t> d(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) d[j] = j;
-  for (size_t i = 1; i <= a.size(); ++i) {
-    size_t prev = d[0];
-    d[0] = i;
-    for (size_t j = 1; j <= b.size(); ++j) {
-      size_t cur = d[j];
-      d[j] = std::min({d[j] + 1, d[j - 1] + 1, prev + (a[i - 1] == b[j - 1] ? 0 : 1)});
-      prev = cur;
-    }
-  }
-  return d[b.size()];
-}
-
-// Bytes of one buffer in GPT2's arena: every buffer starts on 64 bytes.
-double r64(double bytes) { return std::ceil(bytes / 64.0) * 64.0; }
-
 }  // namespace
-
-// ---- ModelShape ------------------------------------------------------------------------
-
-ModelShape ModelShape::from_spec(const ModelSpec& s) {
-  ModelShape m;
-  m.arch = s.arch;
-  m.L = s.n_layer;
-  m.C = s.n_embd;
-  m.heads = m.kv_heads = s.n_head;
-  m.ffn = 4 * int64_t(s.n_embd);
-  m.V = s.vocab_size;
-  m.T = s.seq_len;
-  m.tied = true;
-  return m;
-}
-
-std::string model_shape_help() {
-  std::string s =
-      "a shape ARCH:KEY=VALUE,... with ARCH gpt2 or llama and keys L (layers), C (width), heads, kv_heads "
-      "(llama, default heads), ffn (MLP width: gpt2 4C, llama required), V (vocab), T (context), tied (0/1), "
-      "e.g. llama:L=80,C=8192,heads=64,kv_heads=8,ffn=28672,V=128256,T=4096; or a preset (";
-  for (size_t i = 0; i < presets().size(); ++i) s += (i ? ", " : "") + std::string(presets()[i].name);
-  return s + "), optionally with overrides: llama3-70b:T=4096";
-}
-
-namespace {
-ModelShape parse_shape(const std::string& text_in, const std::string& what, bool presets_allowed);
-}
-ModelShape ModelShape::parse(const std::string& text) { return parse_shape(text, "--model '" + text + "'", true); }
-
-namespace {
-ModelShape parse_shape(const std::string& text_in, const std::string& what, bool presets_allowed) {
-  const std::string text = trim(text_in);
-  TR_CHECK(!text.empty(), "--model: empty; give ", model_shape_help());
-  const size_t colon = text.find(':');
-  std::string head = lower(trim(text.substr(0, colon)));
-  std::string body = colon == std::string::npos ? "" : text.substr(colon + 1);
-  ModelShape m;
-  m.arch = "";
-  std::map<std::string, int64_t> set;  // keys given explicitly
-  // A bare architecture name means its best-known size.
-  if (head == "gpt2" && body.empty()) head = "gpt2-124m";
-  // A preset fills every key; the text after ':' overrides some of them.
-  for (const auto& p : presets()) {
-    if (presets_allowed && head == p.name) {
-      // Later keys win, so the overrides simply follow the preset's text.
-      std::string merged = std::string(p.text);
-      if (!body.empty()) merged += "," + body;
-      return parse_shape(merged, what, false);
-    }
-  }
-  if (head == "gpt2" || head == "llama") {
-    m.arch = head;
-  } else {
-    std::string names = "gpt2, llama";
-    for (const auto& p : presets()) names += std::string(", ") + p.name;
-    std::string best;
-    size_t bd = 3;
-    std::vector<std::string> cands = {"gpt2", "llama"};
-    for (const auto& p : presets()) cands.push_back(p.name);
-    for (const auto& c : cands)
-      if (size_t d = edit_distance(head, c); d < bd) bd = d, best = c;
-    TR_FAIL(what, ": unknown architecture or preset '", head, "'",
-            best.empty() ? "" : "; did you mean '" + best + "'?", " (known: ", names, ")");
-  }
-  std::stringstream ss(body);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    item = trim(item);
-    if (item.empty()) continue;
-    const size_t eq = item.find('=');
-    TR_CHECK(eq != std::string::npos, what, ": '", item, "' is not KEY=VALUE (e.g. L=12)");
-    const std::string key_raw = trim(item.substr(0, eq)), val = trim(item.substr(eq + 1));
-    auto it = key_aliases().find(lower(key_raw));
-    // L/C/V/T are case-sensitive letters in the docs but lowercase aliases
-    // are accepted; "l" and "L" mean the same.
-    if (it == key_aliases().end()) {
-      std::string best;
-      size_t bd = 3;
-      for (const auto& [k, canon] : key_aliases())
-        if (size_t d = edit_distance(lower(key_raw), k); d < bd) bd = d, best = canon;
-      TR_FAIL(what, ": unknown key '", key_raw, "'", best.empty() ? "" : "; did you mean '" + best + "'?",
-              " (keys: L, C, heads, kv_heads, ffn, V, T, tied)");
-    }
-    char* end = nullptr;
-    errno = 0;
-    const long long v = std::strtoll(val.c_str(), &end, 10);
-    TR_CHECK(!val.empty() && end && *end == 0 && errno == 0, what, ": ", it->second, "='", val,
-             "' is not a whole number");
-    set[it->second] = v;
-  }
-  auto get = [&](const char* k, int64_t dflt, bool required) {
-    auto f = set.find(k);
-    if (f == set.end()) {
-      TR_CHECK(!required, what, ": ", k, " is required for ", m.arch, " (", model_shape_help(), ")");
-      return dflt;
-    }
-    return int64_t(f->second);
-  };
-  m.L = get("L", 0, true);
-  m.C = get("C", 0, true);
-  m.heads = get("heads", 0, true);
-  m.V = get("V", 0, true);
-  m.T = get("T", 0, true);
-  m.kv_heads = get("kv_heads", m.heads, false);
-  m.ffn = get("ffn", 4 * m.C, m.arch == "llama");
-  m.tied = get("tied", m.arch == "gpt2" ? 1 : 0, false) != 0;
-  auto positive = [&](const char* k, int64_t v) {
-    TR_CHECK(v >= 1, what, ": ", k, " must be at least 1 (got ", v, ")");
-  };
-  positive("L", m.L);
-  positive("C", m.C);
-  positive("heads", m.heads);
-  positive("kv_heads", m.kv_heads);
-  positive("ffn", m.ffn);
-  positive("T", m.T);
-  TR_CHECK(m.V >= 2, what, ": V must be at least 2 (got ", m.V, ")");
-  TR_CHECK(m.C % m.heads == 0, what, ": C (", m.C, ") must be divisible by heads (", m.heads, ")");
-  TR_CHECK(m.heads % m.kv_heads == 0, what, ": heads (", m.heads, ") must be a multiple of kv_heads (", m.kv_heads,
-           ")");
-  if (m.arch == "gpt2") {
-    TR_CHECK(m.kv_heads == m.heads, what, ": gpt2 has no grouped-query attention; drop kv_heads or use llama");
-    TR_CHECK(m.ffn == 4 * m.C, what, ": gpt2's MLP is 4C wide (", 4 * m.C, "); drop ffn or use llama");
-    TR_CHECK(m.tied, what, ": gpt2 ties the LM head to the token embedding; drop tied=0 or use llama");
-  }
-  return m;
-}
-}  // namespace
-
-std::vector<int64_t> ModelShape::unit_numels() const {
-  std::vector<int64_t> u;
-  if (arch == "gpt2") {
-    u.push_back(V * C + T * C);  // wte, wpe
-    // ln1 2C, qkv 3C^2+3C, attn proj C^2+C, ln2 2C, fc C*F+F, fc proj F*C+C
-    const int64_t block = 2 * C + 3 * C * C + 3 * C + C * C + C + 2 * C + C * ffn + ffn + ffn * C + C;
-    for (int64_t l = 0; l < L; ++l) u.push_back(block);
-    u.push_back(2 * C);  // ln_f; the head reuses wte
-  } else {
-    const int64_t kvdim = kv_heads * (C / heads);
-    u.push_back(V * C);  // token embedding; RoPE has no table
-    // attn_norm C, wq C*C, wk/wv C*kvdim each, wo C*C, ffn_norm C, gate/up/down 3*C*F
-    const int64_t block = C + C * C + 2 * C * kvdim + C * C + C + 3 * C * ffn;
-    for (int64_t l = 0; l < L; ++l) u.push_back(block);
-    u.push_back(C + (tied ? 0 : V * C));  // final norm (+ the untied LM head)
-  }
-  return u;
-}
-
-int64_t ModelShape::num_parameters() const {
-  int64_t n = 0;
-  for (int64_t x : unit_numels()) n += x;
-  return n;
-}
-
-int64_t ModelShape::matmul_parameters() const {
-  int64_t n = num_parameters();
-  if (arch == "gpt2") n -= T * C;  // wpe is a lookup
-  if (!tied) n -= V * C;           // an untied input embedding is a lookup
-  return n;
-}
-
-double ModelShape::flops_per_token() const {
-  return 6.0 * double(matmul_parameters()) + 12.0 * double(L) * double(C) * double(T);
-}
-
-std::string ModelShape::describe() const {
-  std::string s = arch + " L=" + std::to_string(L) + " C=" + std::to_string(C) + " heads=" + std::to_string(heads);
-  if (arch != "gpt2") s += " kv_heads=" + std::to_string(kv_heads) + " ffn=" + std::to_string(ffn);
-  s += " V=" + std::to_string(V) + " T=" + std::to_string(T);
-  if (arch != "gpt2" && tied) s += " tied=1";
-  return s;
-}
 
 // ---- hardware ------------------------------------------------------------------------------
 
@@ -335,50 +121,14 @@ DeviceModel DeviceModel::gpu() {
 
 // ---- memory ----------------------------------------------------------------------------------
 
-double estimate_activation_bytes(const ModelShape& m, int B, bool ckpt, const DeviceModel& d) {
-  // Mirrors GPT2::GPT2's arena (core/model/gpt2.cpp): the same buffers in the
-  // same sizes, each rounded up to 64 bytes. The llama arena is the same
-  // plan with RMSNorm (no mean), grouped q|k|v and a gated MLP (gate, up,
-  // silu(gate)*up), as the Llama model will allocate it.
-  const double es = d.act_bytes;
-  const double N = double(B) * double(m.T), C = double(m.C), F = double(m.ffn);
-  const double attn_saved = d.attention_probs ? double(B) * m.heads * double(m.T) * double(m.T)
-                                              : double(B) * m.heads * double(m.T);
-  const bool llama = m.arch != "gpt2";
-  const double qkv = llama ? C + 2.0 * m.kv_heads * (C / m.heads) : 3 * C;
-  double per_layer = 0;
-  per_layer += r64(N * C * es);                       // ln1
-  if (!llama) per_layer += r64(N * 4);                // ln1 mean
-  per_layer += r64(N * 4);                            // ln1 rstd
-  per_layer += r64(N * qkv * es);                     // qkv
-  per_layer += r64(N * C * es);                       // attention output
-  per_layer += r64(attn_saved * 4);                   // attention's saved state (fp32)
-  per_layer += r64(N * C * es);                       // residual after attention
-  per_layer += r64(N * C * es);                       // ln2
-  if (!llama) per_layer += r64(N * 4);                // ln2 mean
-  per_layer += r64(N * 4);                            // ln2 rstd
-  if (llama) per_layer += 3 * r64(N * F * es);        // gate, up, silu(gate)*up
-  else per_layer += 2 * r64(N * F * es);              // fc, gelu(fc)
-  double total = 0;
-  total += r64(N * C * es);                           // embeddings output
-  total += double(m.L) * r64(N * C * es);             // block outputs (the checkpoints)
-  total += double(ckpt ? 1 : m.L) * per_layer;        // per-layer sets, or one shared when recomputing
-  total += r64(N * C * es);                           // final norm
-  if (!llama) total += r64(N * 4);                    // its mean
-  total += r64(N * 4);                                // its rstd
-  const double Vp = std::ceil(double(m.V) / d.logits_align) * d.logits_align;
-  total += r64(N * Vp * es);                          // logits, rows padded (then dlogits in place)
-  total += r64(N * 4);                                // per-token losses
-  total += 2 * r64(N * C * es);                       // backward: dres, dbuf_c
-  total += r64(N * qkv * es);                         // backward: dqkv
-  total += (llama ? 2 : 1) * r64(N * F * es);         // backward: MLP hidden grad(s)
-  return total;
+double estimate_activation_bytes(const ModelArch& m, int B, bool ckpt, const DeviceModel& d) {
+  return m.activation_bytes(B, ckpt, d.activations());
 }
 
-MemoryBreakdown estimate_memory(const ModelShape& m, const Sharding& s, int B, bool ckpt, const DeviceModel& d) {
+MemoryBreakdown estimate_memory(const ModelArch& m, const Sharding& s, int B, bool ckpt, const DeviceModel& d) {
   MemoryBreakdown r;
   const double a = d.act_bytes;
-  const std::vector<int64_t> units = m.unit_numels();
+  const std::vector<int64_t> units = unit_numels(m);
   const bool extra_copy = d.act_bytes != 4;  // fp32 backends use the master weights directly
   if (s.strategy == "no_shard") {
     const double P = double(m.num_parameters());
@@ -407,14 +157,14 @@ MemoryBreakdown estimate_memory(const ModelShape& m, const Sharding& s, int B, b
     // full_shard / hybrid also gather parameters: embeddings (kept from the
     // end of forward into backward), head, and two blocks (the one in use and
     // the prefetched next one).
-    const double nblk = double(std::min<int64_t>(2, m.L));
+    const double nblk = double(std::min<int64_t>(2, m.config().L));
     const double unit_sum = pad(units.front()) + pad(units.back()) + nblk * pad(units[1]);
     r.comm = 4 * max_shard + 4 * unit_sum;
     if (s.strategy != "shard_grad_op") r.comm += a * unit_sum;
   }
   r.activations = estimate_activation_bytes(m, B, ckpt, d);
   // Device copies of one micro-batch's inputs and targets (int32).
-  r.workspace = 2 * r64(double(B) * double(m.T) * 4) + d.library_workspace + d.runtime_reserve;
+  r.workspace = 2 * r64(double(B) * double(m.config().T) * 4) + d.library_workspace + d.runtime_reserve;
   return r;
 }
 
@@ -436,14 +186,14 @@ struct CommVolume {
 // and reduce-scatters its gradient, all on the comm thread under compute;
 // hybrid_shard does full_shard in its group and all-reduces the gradient
 // shards across groups after backward (exposed).
-CommVolume comm_time(const ModelShape& m, const Sharding& s, int accum, double a, double bw_world,
+CommVolume comm_time(const ModelArch& m, const Sharding& s, int accum, double a, double bw_world,
                      double bw_group, double bw_replica) {
   CommVolume c;
   const double P = double(m.num_parameters());
   const int W = s.world;
   const int G = std::max(1, s.group);
   double S = 0, Ppad = 0;
-  for (int64_t n : m.unit_numels()) {
+  for (int64_t n : unit_numels(m)) {
     S += double(ceil_div(n, G));
     Ppad += double(ceil_div(n, G) * G);
   }
@@ -511,16 +261,18 @@ Plan make_plan(const PlanRequest& req) {
   const double bw_intra = spec->nvlink_bytes_per_s * req.bus_efficiency;
   const double bw_inter = spec->network_bytes_per_s * req.bus_efficiency;
   const double bw_world = req.nodes > 1 ? bw_inter : bw_intra;
-  const ModelShape& m = req.model;
+  const std::unique_ptr<ModelArch> arch = make_model_arch(req.model);
+  const ModelArch& m = *arch;
+  const ModelConfig& mc = m.config();
   const double fpt = m.flops_per_token();
   // Activation checkpointing reruns every block's forward once more in
   // backward: hardware FLOPs grow by the blocks' forward share.
   double block_params = 0;
   {
-    auto u = m.unit_numels();
+    auto u = unit_numels(m);
     for (size_t i = 1; i + 1 < u.size(); ++i) block_params += double(u[i]);
   }
-  const double recompute = req.checkpointing ? 2 * block_params + 4.0 * m.L * m.C * m.T : 0;
+  const double recompute = req.checkpointing ? 2 * block_params + 4.0 * mc.L * mc.C * mc.T : 0;
 
   for (const char* name : {"no_shard", "shard_grad_op", "full_shard", "hybrid_shard"}) {
     PlanRow row;
@@ -544,7 +296,7 @@ Plan make_plan(const PlanRequest& req) {
       row.max_micro_batch = lo;
     }
     row.accum = std::max(1, int(ceil_div(req.global_batch, int64_t(req.micro_batch) * W)));
-    const double tokens_gpu = double(row.accum) * req.micro_batch * double(m.T);
+    const double tokens_gpu = double(row.accum) * req.micro_batch * double(mc.T);
     row.compute_s = tokens_gpu * (fpt + recompute) / (spec->bf16_flops * req.compute_efficiency);
     const double bw_group = row.sharding.group <= req.gpus_per_node ? bw_intra : bw_inter;
     const double bw_replica = req.nodes > 1 ? bw_inter : bw_intra;
@@ -602,7 +354,8 @@ Plan make_plan(const PlanRequest& req) {
 
 std::string render_plan(const Plan& p) {
   const auto& r = p.req;
-  const ModelShape& m = r.model;
+  const std::unique_ptr<ModelArch> arch = make_model_arch(r.model);
+  const ModelArch& m = *arch;
   std::ostringstream o;
   o << "model     " << m.describe() << ": " << count_str(double(m.num_parameters())) << " parameters, "
     << si(m.flops_per_token(), "FLOP") << " per token (6N + 12*L*C*T, N = " << count_str(double(m.matmul_parameters()))
@@ -612,7 +365,7 @@ std::string render_plan(const Plan& p) {
     << fixed(p.gpu.nvlink_bytes_per_s * r.bus_efficiency / 1e9, 0) << " GB/s in a node";
   if (r.nodes > 1) o << ", " << fixed(p.gpu.network_bytes_per_s * r.bus_efficiency / 1e9, 0) << " GB/s between nodes";
   o << " (" << fixed(r.bus_efficiency * 100, 0) << "% of nominal)\n";
-  o << "batch     micro-batch " << r.micro_batch << " x " << m.T << " tokens, " << r.global_batch
+  o << "batch     micro-batch " << r.micro_batch << " x " << m.config().T << " tokens, " << r.global_batch
     << " sequences per step, activation checkpointing " << (r.checkpointing ? "on (blocks)" : "off") << "\n";
   // The launcher refuses a batch that does not split into whole
   // micro-batches on every GPU; the figures below round it up.

@@ -1,57 +1,23 @@
-// The performance model: model shapes, FLOPs per token, the GPU table, and
-// the memory / step-time planner behind `trainrun plan`.
+// The performance model: the GPU table and the memory / step-time planner
+// behind `trainrun plan`.
 //
 // Why one analytic model for both the planner and MFU: the figures a user
 // plans with and the figures a run reports must come from the same formulas,
-// or the two disagree for reasons nobody can see. The memory model mirrors
-// what the code allocates (core/model/gpt2.cpp's activation arena,
-// parallel/sharding_*.cpp's buffers), and tests/test_planner.cpp holds it to
+// or the two disagree for reasons nobody can see. Both take the model from
+// its ModelArch (core/model/model.h: units, parameters, FLOPs per token, the
+// activation arena); the rest of the memory model mirrors
+// parallel/sharding_*.cpp's buffers, and tests/test_planner.cpp holds it to
 // the backend's measured peak on CPU runs (within 15%) so it cannot drift.
+// Model shapes as text (`--model`) are core/model/model_shape.h.
 #pragma once
 #include <cstdint>
 #include <string>
 #include <vector>
 
 #include "core/config/job_spec.h"
+#include "core/model/model.h"
 
 namespace trainrun {
-
-// A transformer described by its shape, so a model can be planned before its
-// architecture is implemented (Llama). Text form, for `trainrun plan --model`:
-//   gpt2:L=12,C=768,heads=12,V=50304,T=1024
-//   llama:L=80,C=8192,heads=64,kv_heads=8,ffn=28672,V=128256,T=4096
-//   llama3-70b            (a preset; presets take overrides: llama3-70b:T=4096)
-// Keys: L (layers), C (width), heads, kv_heads (llama; default heads), ffn
-// (MLP width; gpt2 4C, llama required), V (vocab), T (context), tied (0/1:
-// LM head shares the token embedding; gpt2 1, llama 0).
-struct ModelShape {
-  std::string arch = "gpt2";  // gpt2 | llama
-  int64_t L = 0, C = 0, heads = 0, kv_heads = 0, ffn = 0, V = 0, T = 0;
-  bool tied = true;
-
-  static ModelShape from_spec(const ModelSpec& m);
-  // Throws Error naming the offending key/value and what is accepted.
-  static ModelShape parse(const std::string& text);
-  // Elements of each sharding unit, in the order parallel/ moves them:
-  // embeddings, block 0..L-1, head (for gpt2 equal to make_gpt2_layout's units).
-  std::vector<int64_t> unit_numels() const;
-  int64_t num_parameters() const;
-  // N of the MFU formula: the weights that multiply activations, i.e. every
-  // matrix including the LM head, but not lookup tables (position
-  // embeddings; the input embedding when it is not tied to the head).
-  int64_t matmul_parameters() const;
-  // Training FLOPs per token, forward + backward: 6N + 12*L*C*T. 6N is two
-  // FLOPs per multiply-add, times three for forward + the two backward
-  // GEMMs; 12*L*C*T is attention's QK^T and AV (2*2*T*C per layer forward,
-  // x3). Like PaLM and nanoGPT it counts the full T x T attention, not the
-  // causal half, and not the recompute of activation checkpointing (that is
-  // hardware FLOPs, not model FLOPs), so MFU is comparable with theirs.
-  double flops_per_token() const;
-  std::string describe() const;  // "llama L=80 C=8192 heads=64 kv_heads=8 ffn=28672 V=128256 T=4096"
-};
-
-// Help text for --model (keys, presets).
-std::string model_shape_help();
 
 // Published datasheet figures for the SXM parts: dense (no sparsity) tensor
 // core peaks, memory as nvidia-smi reports it, NVLink bandwidth per
@@ -85,6 +51,7 @@ struct DeviceModel {
   int logits_align = 1;           // logits rows padded to a multiple of this (Backend::logits_stride)
   static DeviceModel cpu();       // the CPU backend: fp32, probabilities, nothing reserved
   static DeviceModel gpu();       // bf16, flash attention, 32 MiB + 1 GiB reserved
+  ActivationDevice activations() const { return {act_bytes, attention_probs, logits_align}; }
 };
 
 // Bytes per rank by category. The categories are the run's report's too
@@ -107,15 +74,16 @@ struct Sharding {
   int world = 1;
 };
 
-MemoryBreakdown estimate_memory(const ModelShape& m, const Sharding& s, int micro_batch, bool checkpointing,
+MemoryBreakdown estimate_memory(const ModelArch& m, const Sharding& s, int micro_batch, bool checkpointing,
                                 const DeviceModel& d);
-// The activation arena alone (for gpt2 equal to GPT2::activation_bytes()).
-double estimate_activation_bytes(const ModelShape& m, int micro_batch, bool checkpointing, const DeviceModel& d);
+// The activation arena alone (ModelArch::activation_bytes; on the CPU equal
+// to the network's activation_bytes()).
+double estimate_activation_bytes(const ModelArch& m, int micro_batch, bool checkpointing, const DeviceModel& d);
 
 // ---- the plan ----------------------------------------------------------------------
 
 struct PlanRequest {
-  ModelShape model;
+  ModelConfig model;              // from the job spec or parse_model_shape()
   std::string gpu = "h100";       // a gpu_specs() key
   double gpu_memory = 0;          // bytes per GPU; 0 = the GPU's
   int gpus_per_node = 8;

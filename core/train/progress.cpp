@@ -222,7 +222,7 @@ PeakFlops device_peak_flops(Backend& be) {
 
 // ---- memory --------------------------------------------------------------------------------
 
-MemoryReport measure_memory(const Backend& be, const ParamStore& params, const GPT2& model) {
+MemoryReport measure_memory(const Backend& be, const ParamStore& params, const Network& model) {
   MemoryReport r;
   const ShardMemory sm = params.memory();
   r.by_category.params = double(sm.params);
@@ -267,14 +267,8 @@ ProgressOptions ProgressOptions::from_env() {
 // ---- the reporter ------------------------------------------------------------------------------
 
 RunReporter::RunReporter(const Context& ctx, const ProgressOptions& opt) : ctx_(ctx), opt_(opt) {
-  TR_CHECK(ctx_.job && ctx_.backend && ctx_.params && ctx_.gpt, "RunReporter: incomplete context");
-  ModelSpec ms;
-  ms.n_layer = ctx_.model.L;
-  ms.n_head = ctx_.model.NH;
-  ms.n_embd = ctx_.model.C;
-  ms.vocab_size = ctx_.model.V;
-  ms.seq_len = ctx_.model.T;
-  flops_per_token_ = ModelShape::from_spec(ms).flops_per_token();
+  TR_CHECK(ctx_.job && ctx_.arch && ctx_.backend && ctx_.params && ctx_.network, "RunReporter: incomplete context");
+  flops_per_token_ = ctx_.arch->flops_per_token();
   // Only rank 0 draws in place: several ranks redrawing one line would fight.
   relay_ = ctx_.rank == 0 && opt_.mode == ProgressOptions::Mode::Relay;
   live_ = ctx_.rank == 0 &&
@@ -403,7 +397,7 @@ void RunReporter::on_step(const StepReport& r) {
   const bool record = first || r.last || r.step == tr.max_steps || (tr.log_interval > 0 && r.step % tr.log_interval == 0) ||
                       r.val_loss >= 0;
   if (record) {
-    mem_ = measure_memory(*ctx_.backend, *ctx_.params, *ctx_.gpt);
+    mem_ = measure_memory(*ctx_.backend, *ctx_.params, *ctx_.network);
     const double ms = 1000 * window_seconds_ / std::max(1, window_steps_);
     const double tps = window_seconds_ > 0 ? double(ctx_.tokens_per_step) * window_steps_ / window_seconds_ : 0;
     const double u = mfu(tps);
@@ -495,7 +489,7 @@ void RunReporter::finish(const std::string& model_path) {
     std::string name;
     if (latest >> name && !name.empty()) ckpt = (out / "checkpoints" / name).string();
   }
-  if (steps_done_ == 0) mem_ = measure_memory(*ctx_.backend, *ctx_.params, *ctx_.gpt);
+  if (steps_done_ == 0) mem_ = measure_memory(*ctx_.backend, *ctx_.params, *ctx_.network);
   const double wall = since(ctx_.start);
   const double tps = mean_tokens_per_sec();
   const int max_steps = ctx_.job->train.max_steps;

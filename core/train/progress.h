@@ -29,7 +29,7 @@
 #include <vector>
 
 #include "core/config/job_spec.h"
-#include "core/model/gpt2.h"
+#include "core/model/model.h"
 #include "core/train/planner.h"
 #include "kernels/backend.h"
 
@@ -69,7 +69,7 @@ struct MemoryReport {
   double peak = 0;         // backend peak_bytes()
   double in_use = 0;       // backend bytes_in_use()
 };
-MemoryReport measure_memory(const Backend& be, const ParamStore& params, const GPT2& model);
+MemoryReport measure_memory(const Backend& be, const ParamStore& params, const Network& model);
 std::string describe_memory(const MemoryReport& m);  // "peak 45.1 MiB: params 1.2 MiB, grads ..."
 
 // ---- the reporter ---------------------------------------------------------------------------
@@ -105,10 +105,10 @@ class RunReporter {
  public:
   struct Context {
     const JobSpec* job = nullptr;
-    GPT2Config model;
+    const ModelArch* arch = nullptr;     // the model's description (FLOPs per token for MFU)
     Backend* backend = nullptr;
     const ParamStore* params = nullptr;
-    const GPT2* gpt = nullptr;
+    const Network* network = nullptr;   // its activation bytes
     int rank = 0, world = 1;
     int64_t tokens_per_step = 0;
     double entropy_floor = -1;          // the data's loss floor, when known

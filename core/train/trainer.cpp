@@ -16,9 +16,7 @@
 #include "core/common/log.h"
 #include "core/data/dataset.h"
 #include "core/launch/debug_hooks.h"
-#include "core/model/gpt2.h"
-#include "core/model/gpt2_decoder.h"
-#include "core/model/model_io.h"
+#include "core/model/model.h"
 #include "core/train/generate.h"
 #include "core/train/metrics.h"
 #include "core/train/preemption.h"
@@ -157,8 +155,8 @@ class Trainer {
   std::unique_ptr<Backend> be_;
   std::unique_ptr<Store> store_;
   std::unique_ptr<Communicator> comm_;
-  GPT2Config cfg_;
-  std::unique_ptr<GPT2> model_;
+  std::unique_ptr<ModelArch> arch_;  // the model's description (layout, init, files, FLOPs)
+  std::unique_ptr<Network> model_;   // its forward/backward and activations
   std::unique_ptr<ParamStore> params_;
   std::unique_ptr<TokenSource> train_src_, val_src_;
   int T_ = 0, mb_ = 0, global_B_ = 0, accum_ = 0;
@@ -198,15 +196,16 @@ void Trainer::setup() {
   comm_->set_group("world");
   comm_ = maybe_inject_faults(std::move(comm_), w_.rank);  // tests: TRAINRUN_DEBUG_COMM_FAULT
   // 3. model
-  cfg_ = GPT2Config::from_spec(job_.model);
-  T_ = cfg_.T;
+  arch_ = make_model_arch(ModelConfig::from_spec(job_.model));
+  const ModelConfig& cfg = arch_->config();
+  T_ = cfg.T;
   mb_ = job_.train.micro_batch_size;
   global_B_ = job_.train.derived_global_batch_size();
   TR_CHECK(global_B_ % (mb_ * w_.world) == 0, "train.global_batch_size (", global_B_,
            " sequences) must be a multiple of train.micro_batch_size (", mb_, ") x world size (", w_.world,
            "); change one of them so every rank gets whole micro-batches");
   accum_ = global_B_ / (mb_ * w_.world);
-  model_ = std::make_unique<GPT2>(cfg_, be_.get(), mb_, job_.train.activation_checkpointing == "blocks");
+  model_ = arch_->make_network(be_.get(), mb_, job_.train.activation_checkpointing == "blocks");
   // 4. sharded state
   // hybrid_shard group: the spec's, else the agent's topology decision (the
   // NVLink island, TRAINRUN_SHARD_GROUP_SIZE), else the ranks of this node.
@@ -222,13 +221,13 @@ void Trainer::setup() {
     c->set_group(prefix.substr(0, prefix.find('/')));
     return maybe_inject_faults(std::move(c), w_.rank);
   };
-  params_ = make_param_store(job_.parallel.sharding, model_->layout(), be_.get(), comm_.get(), group, factory);
-  params_->init_params(cfg_, job_.train.seed);
+  params_ = make_param_store(job_.parallel.sharding, arch_->layout(), be_.get(), comm_.get(), group, factory);
+  params_->init_params(*arch_, job_.train.seed);
   // 5. data
   train_src_ = open_train_source(job_);
   val_src_ = open_val_source(job_);
-  TR_CHECK(train_src_->vocab_bound() <= cfg_.V, "data: tokens go up to ", train_src_->vocab_bound() - 1,
-           " but model.vocab_size is ", cfg_.V, "; raise model.vocab_size");
+  TR_CHECK(train_src_->vocab_bound() <= cfg.V, "data: tokens go up to ", train_src_->vocab_bound() - 1,
+           " but model.vocab_size is ", cfg.V, "; raise model.vocab_size");
   host_in_.resize(size_t(mb_) * T_);
   host_tgt_.resize(size_t(mb_) * T_);
   dev_in_ = DeviceBuffer(be_.get(), host_in_.size() * 4);
@@ -236,8 +235,7 @@ void Trainer::setup() {
   dev_loss_sum_ = DeviceBuffer(be_.get(), 4);
 
   if (rank0_) {
-    TR_LOG_INFO("model: gpt2 L=", cfg_.L, " NH=", cfg_.NH, " C=", cfg_.C, " V=", cfg_.V, " T=", cfg_.T, " (",
-                model_->layout().total, " parameters)");
+    TR_LOG_INFO("model: ", arch_->describe(), " (", arch_->num_parameters(), " parameters)");
     TR_LOG_INFO("data: train ", train_src_->describe(), val_src_ ? "; val " + val_src_->describe() : "; no val");
     if (train_src_->entropy_floor() >= 0)
       TR_LOG_INFO("data: entropy floor (the lowest reachable loss) H = ", fmt(train_src_->entropy_floor(), 4),
@@ -306,7 +304,7 @@ TrainSummary Trainer::run() {
   auto t_start = Clock::now();
   setup();
   // Resume before anything is written, so a refused checkpoint loses nothing.
-  Checkpointer ckpt(job_, cfg_, model_->layout(), w_.rank, w_.world, store_.get(), comm_.get(), prefix_);
+  Checkpointer ckpt(job_, *arch_, w_.rank, w_.world, store_.get(), comm_.get(), prefix_);
   ckpt.clean_stale();
   // A failure from here on first abandons any checkpoint in flight (its
   // reason reaches every rank's save), then propagates.
@@ -335,7 +333,7 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
       // ranks agree on any rank's error before the weights go live.
       std::string why;
       try {
-        load_init_from_ranges(job_.model, *params_, rank0_);
+        load_init_from_ranges(*arch_, job_.model.init_from, *params_, rank0_);
       } catch (const std::exception& e) {
         why = e.what();
       }
@@ -386,10 +384,10 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
   // memory by category, the end-of-run summary and plot (core/train/progress.h).
   RunReporter::Context rc;
   rc.job = &job_;
-  rc.model = cfg_;
+  rc.arch = arch_.get();
   rc.backend = be_.get();
   rc.params = params_.get();
-  rc.gpt = model_.get();
+  rc.network = model_.get();
   rc.rank = w_.rank;
   rc.world = w_.world;
   rc.tokens_per_step = tokens_per_step;
@@ -504,7 +502,7 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
   // Final weights: each rank writes its own ranges, as for a checkpoint;
   // no rank ever holds the whole model.
   const std::string path = (out / "model.safetensors").string();
-  save_final_weights(path, cfg_, *params_, w_.rank, w_.world, store_.get(), prefix_,
+  save_final_weights(path, *arch_, *params_, w_.rank, w_.world, store_.get(), prefix_,
                      std::chrono::milliseconds(disk_wait_timeout_ms(job_)));
   sum.wall_seconds = seconds_since(t_start);
   if (job_.output.sample_tokens > 0) sample_at_end();
@@ -543,10 +541,11 @@ void Trainer::sample_at_end() {
   so.temperature = 0.8;
   so.top_k = 40;
   so.seed = job_.train.seed;
-  std::vector<int32_t> prompt = encode_prompt(job_.output.sample_prompt, cfg_.V);
+  const ModelConfig& cfg = arch_->config();
+  std::vector<int32_t> prompt = encode_prompt(job_.output.sample_prompt, cfg.V);
   if (prompt.empty()) prompt.push_back(0);
   const size_t training_acts = model_->activation_bytes();
-  const size_t need = GPT2Decoder::bytes_needed(cfg_, *be_, sample_cache_positions(cfg_, prompt.size(), so));
+  const size_t need = arch_->decoder_bytes_needed(*be_, sample_cache_positions(cfg, prompt.size(), so));
   if (need > std::max<size_t>(training_acts, size_t(256) << 20)) {
     if (rank0_)
       TR_LOG_INFO("sample: skipped: its KV cache and buffers would take ", human_bytes(double(need)),
@@ -555,8 +554,8 @@ void Trainer::sample_at_end() {
     return;
   }
   model_->free_activations();
-  auto toks = sample_tokens(be_.get(), *params_, cfg_, prompt, so, comm_.get());
-  if (rank0_) TR_LOG_INFO("sample:\n", decode_tokens(toks, cfg_.V));
+  auto toks = sample_tokens(be_.get(), *params_, *arch_, prompt, so, comm_.get());
+  if (rank0_) TR_LOG_INFO("sample:\n", decode_tokens(toks, cfg.V));
 }
 
 TrainSummary run_training(const JobSpec& job, const WorkerInfo& worker) {

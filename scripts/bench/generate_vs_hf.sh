@@ -22,7 +22,7 @@ OUT=$(mktemp -d)
 trap 'rm -rf "$OUT"' EXIT
 
 # A trainrun model file of the shape with random weights (the layout of
-# core/model/gpt2.cpp: HF names, nn.Linear layout, our metadata), then the
+# core/model/model_io.cpp: HF names, nn.Linear layout, our metadata), then the
 # same weights as a Hugging Face directory via `trainrun export`.
 make_model() {  # name L NH C V T
   "$PY" - "$OUT/$1.safetensors" "$2" "$3" "$4" "$5" "$6" <<'PY'

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """PyTorch reference of trainrun's GPT-2, used to check the C++ model.
 
-The model is exactly core/model/gpt2.h: token + learned position embeddings,
+The model is exactly core/model/gpt2/gpt2.h: token + learned position embeddings,
 L pre-LayerNorm blocks (causal multi-head attention, GELU(tanh) MLP of width
 4C), a final LayerNorm, an LM head tied to wte; LayerNorm eps 1e-5; loss =
 mean cross-entropy over all B*T positions. Parameter names and layouts are

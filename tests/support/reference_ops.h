@@ -15,7 +15,7 @@
 #include <functional>
 #include <vector>
 
-#include "core/model/gpt2.h"
+#include "core/model/gpt2/gpt2.h"
 
 namespace trainrun::ref {
 
@@ -71,7 +71,7 @@ Vec swiglu(const Vec& inp, int N, int F);
 // the textbook causal softmax attention. out(B,T,NH*HS).
 Vec attention_gqa(const Vec& qkv, int B, int T, int NH, int NKV, int HS);
 
-// GPT-2 forward (see core/model/gpt2.h for the architecture) from the flat
+// GPT-2 forward (see core/model/gpt2/gpt2.h for the architecture) from the flat
 // parameter vector in make_gpt2_layout(cfg)'s layout. Tensors are located by
 // their names in the layout, not by recomputing offsets, so a disagreement
 // between the layout and the model's own offset arithmetic shows up as a

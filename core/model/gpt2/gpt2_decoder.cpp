@@ -1,4 +1,4 @@
-#include "core/model/gpt2_decoder.h"
+#include "core/model/gpt2/gpt2_decoder.h"
 
 #include <algorithm>
 #include <utility>

@@ -16,27 +16,27 @@
 #include <cstdint>
 #include <vector>
 
-#include "core/model/gpt2.h"
+#include "core/model/gpt2/gpt2.h"
 #include "kernels/backend.h"
 
 namespace trainrun {
 
-class GPT2Decoder {
+class GPT2Decoder final : public Decoder {
  public:
   static constexpr int kChunk = 256;
   // capacity: positions the cache holds, 1..cfg.T.
   GPT2Decoder(const GPT2Config& cfg, Backend* be, int capacity);
   // What a decoder of this capacity allocates on `be`.
   static size_t bytes_needed(const GPT2Config& cfg, const Backend& be, int capacity);
-  size_t bytes() const { return arena_.bytes(); }
-  int capacity() const { return cap_; }
-  int position() const { return pos_; }  // positions in the cache
-  void reset() { pos_ = 0; }             // forget the cache (positions restart at 0)
+  size_t bytes() const override { return arena_.bytes(); }
+  int capacity() const override { return cap_; }
+  int position() const override { return pos_; }  // positions in the cache
+  void reset() override { pos_ = 0; }             // forget the cache (positions restart at 0)
 
   // Feeds n tokens (host ids) at positions [position(), position()+n) and
   // returns the fp32 logits (V) of the last one in `logits`. Needs
   // position() + n <= capacity().
-  void feed(UnitAccess& units, const int32_t* tokens, int n, std::vector<float>& logits);
+  void feed(UnitAccess& units, const int32_t* tokens, int n, std::vector<float>& logits) override;
 
  private:
   void feed_chunk(UnitAccess& units, const int32_t* tokens, int n, bool last_chunk);

@@ -1,98 +1,49 @@
 // GPT-2 parameter layout, deterministic init, forward and backward over the
 // Backend interface. No tensor memory is touched on the host here.
-#include "core/model/gpt2.h"
+#include "core/model/gpt2/gpt2.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/common/error.h"
+#include "core/model/init_rng.h"
 
 namespace trainrun {
 
-GPT2Config GPT2Config::from_spec(const ModelSpec& m) {
-  GPT2Config c;
-  c.L = m.n_layer;
-  c.NH = m.n_head;
-  c.C = m.n_embd;
-  c.V = m.vocab_size;
-  c.T = m.seq_len;
-  c.init_std = m.init_std;
-  return c;
-}
-
-
-int64_t GPT2Config::num_parameters() const { return make_gpt2_layout(*this).total; }
-
-const ParamTensor& ParamLayout::get(const std::string& name) const {
-  for (const auto& t : tensors)
-    if (t.name == name) return t;
-  TR_FAIL("model: no parameter named '", name, "'");
-}
-
 ParamLayout make_gpt2_layout(const GPT2Config& cfg) {
+  using S = ParamTensor::Split;
   const int64_t C = cfg.C, V = cfg.V, T = cfg.T;
-  ParamLayout lay;
-  int64_t off = 0;
-  auto add = [&](const std::string& name, std::vector<int64_t> shape, bool decay) {
-    ParamTensor t;
-    t.name = name;
-    t.shape = shape;
-    t.numel = 1;
-    for (auto d : shape) t.numel *= d;
-    t.offset = off;
-    t.unit = int(lay.units.size()) - 1;
-    t.decay = decay;
-    off += t.numel;
-    lay.tensors.push_back(t);
-  };
-  auto begin_unit = [&](const std::string& name) { lay.units.push_back({name, off, 0}); };
-  auto end_unit = [&]() { lay.units.back().numel = off - lay.units.back().offset; };
-
-  begin_unit("embeddings");
-  add("transformer.wte.weight", {V, C}, true);
-  add("transformer.wpe.weight", {T, C}, true);
-  end_unit();
+  LayoutBuilder b;
+  b.begin_unit("embeddings");
+  b.add("transformer.wte.weight", {V, C}, true, S::Vocab);
+  b.add("transformer.wpe.weight", {T, C}, true, S::Replicated);
+  b.end_unit();
   for (int l = 0; l < cfg.L; ++l) {
     const std::string p = "transformer.h." + std::to_string(l) + ".";
-    begin_unit("block " + std::to_string(l));
-    add(p + "ln_1.weight", {C}, false);
-    add(p + "ln_1.bias", {C}, false);
-    add(p + "attn.c_attn.weight", {3 * C, C}, true);
-    add(p + "attn.c_attn.bias", {3 * C}, false);
-    add(p + "attn.c_proj.weight", {C, C}, true);
-    add(p + "attn.c_proj.bias", {C}, false);
-    add(p + "ln_2.weight", {C}, false);
-    add(p + "ln_2.bias", {C}, false);
-    add(p + "mlp.c_fc.weight", {4 * C, C}, true);
-    add(p + "mlp.c_fc.bias", {4 * C}, false);
-    add(p + "mlp.c_proj.weight", {C, 4 * C}, true);
-    add(p + "mlp.c_proj.bias", {C}, false);
-    end_unit();
+    b.begin_unit("block " + std::to_string(l));
+    b.add(p + "ln_1.weight", {C}, false, S::Replicated);
+    b.add(p + "ln_1.bias", {C}, false, S::Replicated);
+    b.add(p + "attn.c_attn.weight", {3 * C, C}, true, S::Column, 3);  // q | k | v, each split by heads
+    b.add(p + "attn.c_attn.bias", {3 * C}, false, S::Column, 3);
+    b.add(p + "attn.c_proj.weight", {C, C}, true, S::Row);
+    b.add(p + "attn.c_proj.bias", {C}, false, S::Replicated);
+    b.add(p + "ln_2.weight", {C}, false, S::Replicated);
+    b.add(p + "ln_2.bias", {C}, false, S::Replicated);
+    b.add(p + "mlp.c_fc.weight", {4 * C, C}, true, S::Column);
+    b.add(p + "mlp.c_fc.bias", {4 * C}, false, S::Column);
+    b.add(p + "mlp.c_proj.weight", {C, 4 * C}, true, S::Row);
+    b.add(p + "mlp.c_proj.bias", {C}, false, S::Replicated);
+    b.end_unit();
   }
-  begin_unit("head");
-  add("transformer.ln_f.weight", {C}, false);
-  add("transformer.ln_f.bias", {C}, false);
-  end_unit();
-  lay.total = off;
-  return lay;
+  b.begin_unit("head");
+  b.add("transformer.ln_f.weight", {C}, false, S::Replicated);
+  b.add("transformer.ln_f.bias", {C}, false, S::Replicated);
+  b.end_unit();
+  b.tie("lm_head.weight", "transformer.wte.weight");  // the LM head reuses wte
+  return b.finish();
 }
 
 // ---- init ------------------------------------------------------------------------
-namespace {
-inline uint64_t splitmix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-// Standard normal from (seed, index) by Box-Muller on two hashed uniforms.
-inline double normal_at(uint64_t seed, uint64_t i) {
-  uint64_t a = splitmix64(seed ^ splitmix64(2 * i));
-  uint64_t b = splitmix64(seed ^ splitmix64(2 * i + 1));
-  double u1 = (double(a >> 11) + 1.0) * (1.0 / 9007199254740993.0);  // (0, 1]
-  double u2 = double(b >> 11) * (1.0 / 9007199254740992.0);          // [0, 1)
-  return std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
-}
-}  // namespace
 
 void gpt2_init_params(const GPT2Config& cfg, const ParamLayout& layout, uint64_t seed, int64_t begin,
                       int64_t end, float* out) {

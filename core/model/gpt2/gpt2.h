@@ -1,0 +1,119 @@
+// GPT-2: token + learned position embeddings, L pre-LayerNorm blocks
+// (causal multi-head attention, GELU(tanh) MLP of width 4C), a final
+// LayerNorm and an LM head tied to the token embedding.
+//
+// Parameters live in one contiguous buffer, grouped into the units that
+// sharding (parallel/) moves as one flat parameter:
+//   unit 0 "embeddings": wte (V,C), wpe (T,C)
+//   unit 1+l "block l":  ln1w (C), ln1b (C), qkvw (3C,C), qkvb (3C),
+//                        attprojw (C,C), attprojb (C), ln2w (C), ln2b (C),
+//                        fcw (4C,C), fcb (4C), fcprojw (C,4C), fcprojb (C)
+//   unit L+1 "head":     lnfw (C), lnfb (C)   (the LM head reuses wte)
+// External names (safetensors, the PyTorch reference) follow HF GPT-2 with
+// nn.Linear layout (out, in): transformer.wte.weight, transformer.h.{l}.attn.c_attn.weight, ...
+//
+// GPT2Arch (gpt2_arch.h) is this architecture's ModelArch; the functions
+// and the GPT2 class here are what it is built from (tests use them too).
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/model/model.h"
+
+namespace trainrun {
+
+// The many tests written against GPT-2 call its config by this name.
+using GPT2Config = ModelConfig;
+
+// Tensors with their Split: qkv and fc column (q|k|v as 3 blocks), the two
+// output projections row, their biases replicated, the column layers'
+// biases column, wte vocab, wpe and LayerNorms replicated; lm_head.weight
+// tied to transformer.wte.weight.
+ParamLayout make_gpt2_layout(const GPT2Config& cfg);
+
+// Element offsets of one block's tensors, relative to the block unit's
+// start (the order make_gpt2_layout adds them in).
+struct GPT2BlockOffsets {
+  int64_t ln1w, ln1b, qkvw, qkvb, attprojw, attprojb, ln2w, ln2b, fcw, fcb, fcprojw, fcprojb, total;
+  explicit GPT2BlockOffsets(int64_t C) {
+    int64_t o = 0;
+    ln1w = o; o += C;
+    ln1b = o; o += C;
+    qkvw = o; o += 3 * C * C;
+    qkvb = o; o += 3 * C;
+    attprojw = o; o += C * C;
+    attprojb = o; o += C;
+    ln2w = o; o += C;
+    ln2b = o; o += C;
+    fcw = o; o += 4 * C * C;
+    fcb = o; o += 4 * C;
+    fcprojw = o; o += 4 * C * C;
+    fcprojb = o; o += C;
+    total = o;
+  }
+};
+
+// Deterministic, counter-based GPT-2 init (ModelArch::init_params): element i
+// of the flat buffer is a function of (seed, i) only. Writes [begin, end) of
+// the flat parameter vector into host memory `out` (end-begin floats).
+void gpt2_init_params(const GPT2Config& cfg, const ParamLayout& layout, uint64_t seed, int64_t begin,
+                      int64_t end, float* out);
+
+// Forward/backward of GPT-2 over a Backend. Owns the activation buffers for
+// up to (maxB, T) tokens; parameters are reached through UnitAccess.
+class GPT2 final : public Network {
+ public:
+  GPT2(const GPT2Config& cfg, Backend* be, int maxB, bool activation_checkpointing);
+  const GPT2Config& config() const { return cfg_; }
+  const ParamLayout& layout() const { return layout_; }
+
+  void forward(UnitAccess& units, const int32_t* inputs, const int32_t* targets, int B, int T,
+               bool for_backward, float dloss_scale) override;
+  void backward(UnitAccess& units) override;
+
+  const float* losses() const override { return losses_; }
+  const void* logits() const override { return logits_; }
+  int logits_stride() const override { return ldv_; }
+  size_t activation_bytes() const override { return act_bytes_; }
+  void free_activations() override { arena_.reset(); }
+
+ private:
+  struct LayerActs {
+    void* ln1; float* ln1_mean; float* ln1_rstd;   // (N,C) (N) (N)
+    void* qkv;                                      // (N,3C)
+    void* atty;                                     // (N,C)
+    float* att;                                     // backend-private saved state
+    void* res2;                                     // (N,C) residual after attention
+    void* ln2; float* ln2_mean; float* ln2_rstd;   // (N,C) (N) (N)
+    void* fch;                                      // (N,4C)
+    void* fch_gelu;                                 // (N,4C)
+  };
+  void block_forward(const void* p, int l, const void* res_in, int B, int T);
+  void block_backward(const void* p, float* g, int l, const void* res_in, void* dres, int B, int T);
+  LayerActs& acts(int l) { return layers_[ckpt_ ? 0 : l]; }
+
+  GPT2Config cfg_;
+  ParamLayout layout_;
+  Backend* be_;
+  int maxB_;
+  bool ckpt_;
+  int B_ = 0, T_ = 0;
+  DeviceBuffer arena_;
+  size_t act_bytes_ = 0;
+  void* encoded_ = nullptr;                // (N,C)
+  std::vector<void*> res3_;                // per layer (N,C): block outputs (the checkpoints)
+  std::vector<LayerActs> layers_;          // L sets, or 1 when checkpointing
+  void* lnf_ = nullptr; float* lnf_mean_ = nullptr; float* lnf_rstd_ = nullptr;
+  void* logits_ = nullptr;                 // (N,V), rows ldv_ apart
+  int ldv_ = 0;
+  float* losses_ = nullptr;                // (N)
+  const int32_t* inputs_ = nullptr;
+  // backward scratch
+  void* dres_ = nullptr;                   // (N,C)
+  void* dbuf_c_ = nullptr;                 // (N,C)
+  void* dbuf_3c_ = nullptr;                // (N,3C)
+  void* dbuf_4c_ = nullptr;                // (N,4C)
+};
+
+}  // namespace trainrun

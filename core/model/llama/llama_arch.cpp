@@ -1,0 +1,247 @@
+// Llama's description (llama_arch.h): layout, init, cost model, metadata.
+#include "core/model/llama/llama_arch.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+
+#include "core/common/error.h"
+#include "core/model/init_rng.h"
+
+using json = nlohmann::ordered_json;
+
+namespace trainrun {
+
+void llama_not_implemented(const std::string& what) {
+  TR_FAIL("model.arch: llama is not implemented yet (", what,
+          "); trainrun can plan Llama shapes (`trainrun plan --model llama3-8b`) but trains, samples and "
+          "imports/exports only gpt2 so far");
+}
+
+namespace {
+
+ModelConfig resolved(ModelConfig c) {
+  check_model_config_common(c);
+  TR_CHECK(c.arch == "llama", "model.arch: '", c.arch, "' given to the llama architecture (a bug)");
+  TR_CHECK(c.F > 0, "model.ffn_dim: llama needs its MLP width (config.json's intermediate_size); set it");
+  TR_CHECK(c.head_size() % 2 == 0, "model.n_embd: the head size model.n_embd / model.n_head = ", c.head_size(),
+           " must be even for rotary embeddings");
+  c.NKV = c.kv_heads();
+  return c;
+}
+
+ParamLayout llama_layout(const ModelConfig& c) {
+  using S = ParamTensor::Split;
+  const int64_t C = c.C, V = c.V, F = c.F, KV = int64_t(c.kv_heads()) * c.head_size();
+  LayoutBuilder b;
+  b.begin_unit("embeddings");
+  b.add("model.embed_tokens.weight", {V, C}, true, S::Vocab);
+  b.end_unit();
+  for (int l = 0; l < c.L; ++l) {
+    const std::string p = "model.layers." + std::to_string(l) + ".";
+    b.begin_unit("block " + std::to_string(l));
+    b.add(p + "input_layernorm.weight", {C}, false, S::Replicated);
+    b.add(p + "self_attn.q_proj.weight", {C, C}, true, S::Column);
+    b.add(p + "self_attn.k_proj.weight", {KV, C}, true, S::Column);
+    b.add(p + "self_attn.v_proj.weight", {KV, C}, true, S::Column);
+    b.add(p + "self_attn.o_proj.weight", {C, C}, true, S::Row);
+    b.add(p + "post_attention_layernorm.weight", {C}, false, S::Replicated);
+    b.add(p + "mlp.gate_proj.weight", {F, C}, true, S::Column);
+    b.add(p + "mlp.up_proj.weight", {F, C}, true, S::Column);
+    b.add(p + "mlp.down_proj.weight", {C, F}, true, S::Row);
+    b.end_unit();
+  }
+  b.begin_unit("head");
+  b.add("model.norm.weight", {C}, false, S::Replicated);
+  if (!c.tied) b.add("lm_head.weight", {V, C}, true, S::Vocab);
+  b.end_unit();
+  if (c.tied) b.tie("lm_head.weight", "model.embed_tokens.weight");
+  return b.finish();
+}
+
+double r64(double bytes) { return std::ceil(bytes / 64.0) * 64.0; }
+
+bool ends_with(const std::string& n, const char* suf) {
+  const size_t k = std::char_traits<char>::length(suf);
+  return n.size() >= k && n.compare(n.size() - k, k, suf) == 0;
+}
+
+// Doubles in metadata: every digit, so they read back exactly.
+std::string exact(double v) {
+  char buf[40];
+  std::snprintf(buf, sizeof buf, "%.17g", v);
+  return buf;
+}
+
+}  // namespace
+
+LlamaArch::LlamaArch(const ModelConfig& cfg) : ModelArch(resolved(cfg), llama_layout(resolved(cfg))) {}
+
+std::unique_ptr<ModelArch> make_llama_arch(const ModelConfig& cfg) { return std::make_unique<LlamaArch>(cfg); }
+
+std::string LlamaArch::describe() const {
+  const ModelConfig& c = cfg_;
+  std::string s = "llama L=" + std::to_string(c.L) + " C=" + std::to_string(c.C) + " heads=" + std::to_string(c.NH) +
+                  " kv_heads=" + std::to_string(c.NKV) + " ffn=" + std::to_string(c.F) + " V=" + std::to_string(c.V) +
+                  " T=" + std::to_string(c.T);
+  if (c.tied) s += " tied=1";
+  return s;
+}
+
+void LlamaArch::init_params(uint64_t seed, int64_t begin, int64_t end, float* out) const {
+  // N(0, std) for matrices and the embedding, std/sqrt(2L) for the two
+  // residual projections (o_proj, down_proj), RMSNorm weights 1.
+  const double resid_std = cfg_.init_std / std::sqrt(2.0 * cfg_.L);
+  const uint64_t s = splitmix64(seed);
+  for (const auto& t : layout_.tensors) {
+    const int64_t lo = std::max(begin, t.offset), hi = std::min(end, t.offset + t.numel);
+    if (lo >= hi) continue;
+    const bool norm = ends_with(t.name, "norm.weight");
+    const double std = ends_with(t.name, "o_proj.weight") || ends_with(t.name, "down_proj.weight") ? resid_std
+                                                                                                    : cfg_.init_std;
+    for (int64_t i = lo; i < hi; ++i) out[i - begin] = norm ? 1.0f : float(std * normal_at(s, uint64_t(i)));
+  }
+}
+
+int64_t LlamaArch::matmul_parameters() const {
+  // RoPE has no table; an untied input embedding is a lookup.
+  return num_parameters() - (cfg_.tied ? 0 : int64_t(cfg_.V) * cfg_.C);
+}
+
+double LlamaArch::activation_bytes(int B, bool ckpt, const ActivationDevice& d) const {
+  // GPT-2's arena plan (gpt2_arch.cpp) with RMSNorm (no mean), grouped
+  // q|k|v and a gated MLP (gate|up, silu(gate)*up), as the Llama model will
+  // allocate it.
+  const ModelConfig& m = cfg_;
+  const double es = d.act_bytes;
+  const double N = double(B) * double(m.T), C = double(m.C), F = double(m.F);
+  const double attn_saved = d.attention_probs ? double(B) * m.NH * double(m.T) * double(m.T)
+                                              : double(B) * m.NH * double(m.T);
+  const double qkv = C + 2.0 * m.NKV * (C / m.NH);
+  double per_layer = 0;
+  per_layer += r64(N * C * es);                       // attention norm
+  per_layer += r64(N * 4);                            // its rstd
+  per_layer += r64(N * qkv * es);                     // q|k|v
+  per_layer += r64(N * C * es);                       // attention output
+  per_layer += r64(attn_saved * 4);                   // attention's saved state (fp32)
+  per_layer += r64(N * C * es);                       // residual after attention
+  per_layer += r64(N * C * es);                       // MLP norm
+  per_layer += r64(N * 4);                            // its rstd
+  per_layer += 3 * r64(N * F * es);                   // gate, up, silu(gate)*up
+  double total = 0;
+  total += r64(N * C * es);                           // embeddings output
+  total += double(m.L) * r64(N * C * es);             // block outputs (the checkpoints)
+  total += double(ckpt ? 1 : m.L) * per_layer;        // per-layer sets, or one shared when recomputing
+  total += r64(N * C * es);                           // final norm
+  total += r64(N * 4);                                // its rstd
+  const double Vp = std::ceil(double(m.V) / d.logits_align) * d.logits_align;
+  total += r64(N * Vp * es);                          // logits, rows padded (then dlogits in place)
+  total += r64(N * 4);                                // per-token losses
+  total += 2 * r64(N * C * es);                       // backward: dres, dbuf_c
+  total += r64(N * qkv * es);                         // backward: dqkv
+  total += 2 * r64(N * F * es);                       // backward: the MLP hidden grads
+  return total;
+}
+
+std::map<std::string, std::string> LlamaArch::file_metadata() const {
+  const ModelConfig& c = cfg_;
+  std::map<std::string, std::string> m = {{"format", "pt"},
+                                          {"arch", "llama"},
+                                          {"n_layer", std::to_string(c.L)},
+                                          {"n_head", std::to_string(c.NH)},
+                                          {"n_kv_head", std::to_string(c.NKV)},
+                                          {"n_embd", std::to_string(c.C)},
+                                          {"ffn_dim", std::to_string(c.F)},
+                                          {"vocab_size", std::to_string(c.V)},
+                                          {"seq_len", std::to_string(c.T)},
+                                          {"init_std", exact(c.init_std)},
+                                          {"norm_eps", exact(c.norm_eps)},
+                                          {"rope_theta", exact(c.rope_theta)},
+                                          {"tie_embeddings", c.tied ? "true" : "false"}};
+  if (!c.rope_scaling_type.empty()) {
+    m["rope_scaling.type"] = c.rope_scaling_type;
+    m["rope_scaling.factor"] = exact(c.rope_scaling.factor);
+    m["rope_scaling.low_freq_factor"] = exact(c.rope_scaling.low_freq_factor);
+    m["rope_scaling.high_freq_factor"] = exact(c.rope_scaling.high_freq_factor);
+    m["rope_scaling.original_max_position_embeddings"] = std::to_string(c.rope_scaling.original_max_position_embeddings);
+  }
+  return m;
+}
+
+ModelConfig llama_config_from_metadata(const std::map<std::string, std::string>& meta, const std::string& path) {
+  auto text = [&](const char* key) -> const std::string& {
+    auto it = meta.find(key);
+    TR_CHECK(it != meta.end(), path, ": missing __metadata__ key '", key,
+             "'; this file was not written by trainrun (or an older version)");
+    return it->second;
+  };
+  auto num = [&](const char* key) {
+    const std::string& v = text(key);
+    try {
+      size_t used = 0;
+      const double d = std::stod(v, &used);
+      if (used == v.size()) return d;
+    } catch (...) {
+    }
+    TR_FAIL(path, ": __metadata__ key '", key, "' is not a number: '", v, "'");
+  };
+  auto integer = [&](const char* key) {
+    const double d = num(key);
+    TR_CHECK(d == std::floor(d) && std::fabs(d) < 2e9, path, ": __metadata__ key '", key, "' is not an integer: '",
+             text(key), "'");
+    return int(d);
+  };
+  ModelConfig c;
+  c.arch = "llama";
+  c.L = integer("n_layer");
+  c.NH = integer("n_head");
+  c.NKV = integer("n_kv_head");
+  c.C = integer("n_embd");
+  c.F = integer("ffn_dim");
+  c.V = integer("vocab_size");
+  c.T = integer("seq_len");
+  c.init_std = num("init_std");
+  c.norm_eps = num("norm_eps");
+  c.rope_theta = num("rope_theta");
+  const std::string& tied = text("tie_embeddings");
+  TR_CHECK(tied == "true" || tied == "false", path, ": __metadata__ key 'tie_embeddings' is not true/false: '", tied,
+           "'");
+  c.tied = tied == "true";
+  if (meta.count("rope_scaling.type")) {
+    c.rope_scaling_type = text("rope_scaling.type");
+    c.rope_scaling.factor = num("rope_scaling.factor");
+    c.rope_scaling.low_freq_factor = num("rope_scaling.low_freq_factor");
+    c.rope_scaling.high_freq_factor = num("rope_scaling.high_freq_factor");
+    c.rope_scaling.original_max_position_embeddings = integer("rope_scaling.original_max_position_embeddings");
+  }
+  return c;
+}
+
+json LlamaArch::manifest_model() const {
+  const ModelConfig& c = cfg_;
+  json m = {{"arch", "llama"},       {"n_layer", c.L},    {"n_head", c.NH},         {"n_kv_head", c.NKV},
+            {"n_embd", c.C},         {"ffn_dim", c.F},    {"vocab_size", c.V},      {"seq_len", c.T},
+            {"norm_eps", c.norm_eps}, {"rope_theta", c.rope_theta}, {"tie_embeddings", c.tied},
+            {"rope_scaling", json::object()}};
+  if (!c.rope_scaling_type.empty())
+    m["rope_scaling"] = {{"type", c.rope_scaling_type},
+                         {"factor", c.rope_scaling.factor},
+                         {"low_freq_factor", c.rope_scaling.low_freq_factor},
+                         {"high_freq_factor", c.rope_scaling.high_freq_factor},
+                         {"original_max_position_embeddings", c.rope_scaling.original_max_position_embeddings}};
+  return m;
+}
+
+std::unique_ptr<Network> LlamaArch::make_network(Backend*, int, bool) const { llama_not_implemented("training"); }
+std::unique_ptr<Decoder> LlamaArch::make_decoder(Backend*, int) const { llama_not_implemented("sampling"); }
+size_t LlamaArch::decoder_bytes_needed(const Backend&, int) const { llama_not_implemented("sampling"); }
+json LlamaArch::hf_config_json() const { llama_not_implemented("Hugging Face export"); }
+void LlamaArch::check_init_from(const ModelConfig&, const std::string&) const {
+  llama_not_implemented("model.init_from");
+}
+ModelConfig llama_config_from_hf(const json&, const std::string&, const std::string&) {
+  llama_not_implemented("reading a Hugging Face config.json");
+}
+
+}  // namespace trainrun

@@ -1,0 +1,60 @@
+// Llama 3 as a ModelArch: so far its description only — the layout in
+// sharding units with HF's names and the tensor-parallel splits, the
+// counter-based init, the cost model (`trainrun plan` plans Llama shapes
+// from it), and what our files record. The network, the decoder and the
+// Hugging Face import/export are not implemented yet: those factories throw
+// "model.arch: llama is not implemented yet".
+//
+// Layout (nn.Linear (out, in), HS = C/NH, KV = NKV*HS):
+//   unit 0 "embeddings": model.embed_tokens.weight (V,C)
+//   unit 1+l "block l":  input_layernorm.weight (C), self_attn.q_proj (C,C),
+//                        k_proj (KV,C), v_proj (KV,C), o_proj (C,C),
+//                        post_attention_layernorm.weight (C),
+//                        mlp.gate_proj (F,C), up_proj (F,C), down_proj (C,F)
+//   unit L+1 "head":     model.norm.weight (C) [, lm_head.weight (V,C) untied]
+// q|k|v and gate|up are adjacent, so one GEMM reads each pair (or triple)
+// as a fused weight; RoPE pairs as HF stores q/k (rotate_half), so HF's
+// tensors need no permutation.
+#pragma once
+#include <map>
+#include <memory>
+#include <nlohmann/json_fwd.hpp>
+#include <string>
+
+#include "core/model/model.h"
+
+namespace trainrun {
+
+class LlamaArch final : public ModelArch {
+ public:
+  explicit LlamaArch(const ModelConfig& cfg);
+
+  std::string display_name() const override { return "Llama"; }
+  std::string describe() const override;
+  void init_params(uint64_t seed, int64_t begin, int64_t end, float* out) const override;
+
+  int64_t matmul_parameters() const override;
+  double activation_bytes(int B, bool activation_checkpointing, const ActivationDevice& d) const override;
+
+  std::map<std::string, std::string> file_metadata() const override;
+  nlohmann::ordered_json manifest_model() const override;
+
+  std::unique_ptr<Network> make_network(Backend* be, int maxB, bool activation_checkpointing) const override;
+  std::unique_ptr<Decoder> make_decoder(Backend* be, int capacity) const override;
+  size_t decoder_bytes_needed(const Backend& be, int capacity) const override;
+
+  std::string hf_model_type() const override { return "llama"; }
+  nlohmann::ordered_json hf_config_json() const override;
+  HfTensor hf_tensor(const ParamTensor& t) const override { return {t.name, false, ""}; }
+  std::string hf_shape_keys() const override { return "num_hidden_layers/hidden_size/vocab_size"; }
+  void check_init_from(const ModelConfig& hf, const std::string& dir) const override;
+};
+
+// The registry's hooks (core/model/model.cpp).
+std::unique_ptr<ModelArch> make_llama_arch(const ModelConfig& cfg);
+ModelConfig llama_config_from_hf(const nlohmann::ordered_json& c, const std::string& path, const std::string& what);
+ModelConfig llama_config_from_metadata(const std::map<std::string, std::string>& meta, const std::string& path);
+// "model.arch: llama is not implemented yet (...)", thrown by what is missing.
+[[noreturn]] void llama_not_implemented(const std::string& what);
+
+}  // namespace trainrun

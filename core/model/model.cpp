@@ -1,0 +1,296 @@
+// The model interface's shared parts (model.h): configs from a job spec,
+// the common rules, layouts, and the registry of architectures: the one
+// place where a name becomes an implementation.
+#include "core/model/model.h"
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "core/common/error.h"
+#include "core/model/gpt2/gpt2_arch.h"
+#include "core/model/llama/llama_arch.h"
+
+namespace fs = std::filesystem;
+using json = nlohmann::ordered_json;
+
+namespace trainrun {
+
+// ---- the registry ---------------------------------------------------------------------------
+
+namespace {
+
+struct ArchEntry {
+  const char* name;           // model.arch
+  const char* hf_model_type;  // config.json's model_type
+  bool implemented;           // has a network (else a description only: `trainrun plan`)
+  std::unique_ptr<ModelArch> (*make)(const ModelConfig&);
+  ModelConfig (*from_hf)(const json&, const std::string& path, const std::string& what);
+  ModelConfig (*from_metadata)(const std::map<std::string, std::string>&, const std::string& path);
+};
+
+const std::vector<ArchEntry>& registry() {
+  static const std::vector<ArchEntry> r = {
+      {"gpt2", "gpt2", true, make_gpt2_arch, gpt2_config_from_hf, gpt2_config_from_metadata},
+      {"llama", "llama", false, make_llama_arch, llama_config_from_hf, llama_config_from_metadata},
+  };
+  return r;
+}
+
+const ArchEntry* find_entry(const std::string& name) {
+  for (const auto& e : registry())
+    if (name == e.name) return &e;
+  return nullptr;
+}
+
+std::string join_names(bool implemented_only, const char* quote = "") {
+  std::string s;
+  for (const auto& e : registry())
+    if (!implemented_only || e.implemented) s += (s.empty() ? "" : ", ") + std::string(quote) + e.name + quote;
+  return s;
+}
+
+// `only "gpt2" can be loaded`: the HF model types trainrun can train.
+std::string loadable_types() {
+  std::string s;
+  for (const auto& e : registry())
+    if (e.implemented) s += (s.empty() ? "\"" : ", \"") + std::string(e.hf_model_type) + "\"";
+  return s;
+}
+
+}  // namespace
+
+std::vector<std::string> model_arch_names() {
+  std::vector<std::string> v;
+  for (const auto& e : registry()) v.push_back(e.name);
+  return v;
+}
+
+std::string arch_for_hf_model_type(const std::string& model_type) {
+  for (const auto& e : registry())
+    if (model_type == e.hf_model_type) return e.name;
+  return "";
+}
+
+std::unique_ptr<ModelArch> make_model_arch(const ModelConfig& cfg) {
+  const ArchEntry* e = find_entry(cfg.arch);
+  TR_CHECK(e, "model.arch: unknown architecture '", cfg.arch, "'; known: ", join_names(false));
+  return e->make(cfg);  // the arch checks the common rules and its own
+}
+
+// ---- configuration -------------------------------------------------------------------
+
+namespace {
+// model.arch auto: the model_type of model.init_from's config.json, else
+// gpt2. A directory that cannot be read resolves to gpt2 and load_init_from
+// then names what is wrong with it.
+std::string resolve_arch(const ModelSpec& m) {
+  if (m.arch != "auto") return m.arch;
+  if (m.init_from.empty()) return "gpt2";
+  const std::string path = (fs::path(m.init_from) / "config.json").string();
+  std::ifstream f(path);
+  if (!f) return "gpt2";
+  json c;
+  try {
+    c = json::parse(f);
+  } catch (const std::exception&) {
+    return "gpt2";
+  }
+  if (!c.is_object() || !c.contains("model_type") || !c["model_type"].is_string()) return "gpt2";
+  const std::string mt = c["model_type"].get<std::string>();
+  const std::string arch = arch_for_hf_model_type(mt);
+  TR_CHECK(!arch.empty(), "model.init_from: '", path, "' has model_type \"", mt,
+           "\", an architecture trainrun does not know (model.arch: auto follows the directory); only ",
+           loadable_types(), " can be loaded");
+  const ArchEntry* e = find_entry(arch);
+  TR_CHECK(e->implemented, "model.init_from: '", path, "' has model_type \"", mt, "\" (model.arch: auto): model.arch: ",
+           arch, " is not implemented yet; only ", loadable_types(), " can be loaded");
+  return arch;
+}
+}  // namespace
+
+ModelConfig ModelConfig::from_spec(const ModelSpec& m) {
+  ModelConfig c;
+  c.arch = resolve_arch(m);
+  const ArchEntry* e = find_entry(c.arch);
+  TR_CHECK(e, "model.arch: unknown architecture '", c.arch, "'; known: ", join_names(false), " (or auto)");
+  // The spec has GPT-2's shape fields only; Llama's come with its model.
+  TR_CHECK(e->implemented, "model.arch: ", c.arch, " is not implemented yet; use model.arch: ", join_names(true),
+           " (a ", c.arch, " shape can be planned: trainrun plan --model ", c.arch, ":...)");
+  c.L = m.n_layer;
+  c.NH = m.n_head;
+  c.C = m.n_embd;
+  c.V = m.vocab_size;
+  c.T = m.seq_len;
+  c.init_std = m.init_std;
+  return c;
+}
+
+ModelConfig ModelConfig::of(int L, int NH, int C, int V, int T, double init_std) {
+  ModelConfig c;
+  c.arch = "gpt2";
+  c.L = L;
+  c.NH = NH;
+  c.C = C;
+  c.V = V;
+  c.T = T;
+  c.init_std = init_std;
+  return c;
+}
+
+void ModelConfig::validate() const { (void)make_model_arch(*this); }
+
+int64_t ModelConfig::num_parameters() const { return make_model_arch(*this)->num_parameters(); }
+
+void check_model_config_common(const ModelConfig& c) {
+  auto at_least_1 = [](const char* key, int v) {
+    TR_CHECK(v >= 1, "model.", key, " must be at least 1 (got ", v, ")");
+  };
+  at_least_1("n_layer", c.L);
+  at_least_1("n_head", c.NH);
+  at_least_1("n_embd", c.C);
+  at_least_1("vocab_size", c.V);
+  at_least_1("seq_len", c.T);
+  TR_CHECK(c.C % c.NH == 0, "model.n_embd (", c.C, ") is not divisible by model.n_head (", c.NH,
+           "); make n_embd a multiple of n_head");
+  TR_CHECK(c.NKV >= 0, "model.n_kv_head must be at least 1, or 0 for model.n_head (got ", c.NKV, ")");
+  TR_CHECK(c.NH % c.kv_heads() == 0, "model.n_head (", c.NH, ") is not a multiple of model.n_kv_head (", c.NKV,
+           "); each key/value head serves a whole group of query heads");
+  TR_CHECK(c.F >= 0, "model.ffn_dim must be at least 1, or 0 for the architecture's default (got ", c.F, ")");
+  TR_CHECK(c.init_std > 0 && std::isfinite(c.init_std), "model.init_std must be a positive number (got ", c.init_std,
+           ")");
+  TR_CHECK(c.norm_eps > 0 && std::isfinite(c.norm_eps), "model.norm_eps must be a positive number (got ", c.norm_eps,
+           ")");
+  TR_CHECK(c.rope_theta > 0 && std::isfinite(c.rope_theta), "model.rope_theta must be a positive number (got ",
+           c.rope_theta, ")");
+  TR_CHECK(c.rope_scaling_type.empty() || c.rope_scaling_type == "llama3", "model.rope_scaling.type: unknown type '",
+           c.rope_scaling_type, "'; trainrun implements llama3 (or none: leave it empty)");
+  if (c.rope_scaling_type == "llama3") {
+    const RopeScaling& s = c.rope_scaling;
+    TR_CHECK(s.factor >= 1, "model.rope_scaling.factor must be at least 1 (got ", s.factor, ")");
+    TR_CHECK(s.low_freq_factor > 0 && s.high_freq_factor > s.low_freq_factor,
+             "model.rope_scaling.high_freq_factor (", s.high_freq_factor,
+             ") must be above model.rope_scaling.low_freq_factor (", s.low_freq_factor, "), both positive");
+    TR_CHECK(s.original_max_position_embeddings >= 1,
+             "model.rope_scaling.original_max_position_embeddings must be at least 1 (got ",
+             s.original_max_position_embeddings, ")");
+  }
+}
+
+// ---- layouts -------------------------------------------------------------------------------
+
+const char* split_name(ParamTensor::Split s) {
+  switch (s) {
+    case ParamTensor::Split::Replicated: return "replicated";
+    case ParamTensor::Split::Column: return "column";
+    case ParamTensor::Split::Row: return "row";
+    case ParamTensor::Split::Vocab: return "vocab";
+  }
+  return "?";
+}
+
+const ParamTensor* ParamLayout::find(const std::string& name) const {
+  for (const auto& t : tensors)
+    if (t.name == name) return &t;
+  return nullptr;
+}
+
+const ParamTensor& ParamLayout::get(const std::string& name) const {
+  const ParamTensor* t = find(name);
+  TR_CHECK(t, "model: no parameter named '", name, "'");
+  return *t;
+}
+
+void LayoutBuilder::begin_unit(const std::string& name) { lay_.units.push_back({name, off_, 0}); }
+
+void LayoutBuilder::add(const std::string& name, std::vector<int64_t> shape, bool decay, ParamTensor::Split split,
+                        int split_blocks) {
+  TR_CHECK(!lay_.units.empty(), "LayoutBuilder: tensor '", name, "' outside a unit (a bug)");
+  ParamTensor t;
+  t.name = name;
+  t.shape = std::move(shape);
+  t.numel = 1;
+  for (auto d : t.shape) t.numel *= d;
+  t.offset = off_;
+  t.unit = int(lay_.units.size()) - 1;
+  t.decay = decay;
+  t.split = split;
+  t.split_blocks = split_blocks;
+  off_ += t.numel;
+  lay_.tensors.push_back(std::move(t));
+}
+
+void LayoutBuilder::end_unit() { lay_.units.back().numel = off_ - lay_.units.back().offset; }
+
+ParamLayout LayoutBuilder::finish() {
+  lay_.total = off_;
+  for (const auto& tie : lay_.ties) (void)lay_.get(tie.tensor);
+  return std::move(lay_);
+}
+
+// ---- the architecture's shared formulas ------------------------------------------------------
+
+double ModelArch::flops_per_token() const {
+  return 6.0 * double(matmul_parameters()) + 12.0 * double(cfg_.L) * double(cfg_.C) * double(cfg_.T);
+}
+
+// ---- configs read back from files ----------------------------------------------------------
+
+ModelConfig read_hf_model_config(const std::string& dir, const std::string& what, const std::string& want_arch) {
+  const std::string hint =
+      "; expected a Hugging Face model directory (config.json + model.safetensors), as written by `trainrun "
+      "export` or save_pretrained(dir, safe_serialization=True)";
+  TR_CHECK(fs::exists(dir), what, ": '", dir, "' does not exist", hint);
+  TR_CHECK(fs::is_directory(dir), what, ": '", dir, "' is not a directory", hint);
+  const std::string path = (fs::path(dir) / "config.json").string();
+  std::ifstream f(path);
+  TR_CHECK(f, what, ": '", dir, "' has no config.json", hint);
+  json c;
+  try {
+    c = json::parse(f);
+  } catch (const std::exception& e) {
+    TR_FAIL(what, ": '", path, "' is not valid JSON (", e.what(), ")");
+  }
+  TR_CHECK(c.is_object(), what, ": '", path, "' is not a JSON object");
+  TR_CHECK(c.contains("model_type") && c["model_type"].is_string(), what, ": '", path,
+           "' has no model_type; only Hugging Face ", loadable_types(), " models can be loaded");
+  const std::string mt = c["model_type"].get<std::string>();
+  const std::string arch = arch_for_hf_model_type(mt);
+  TR_CHECK(!arch.empty(), what, ": '", path, "' has model_type \"", mt, "\"; only ", loadable_types(),
+           " can be loaded (trainrun implements ", join_names(true), ")");
+  TR_CHECK(want_arch.empty() || arch == want_arch, what, ": '", path, "' has model_type \"", mt,
+           "\" but model.arch is ", want_arch, "; only \"", (find_entry(want_arch) ? find_entry(want_arch)->hf_model_type : want_arch.c_str()),
+           "\" can be loaded into it (model.arch: auto follows the directory)");
+  const ArchEntry* e = find_entry(arch);
+  TR_CHECK(e->implemented, what, ": '", path, "' has model_type \"", mt, "\": model.arch: ", arch,
+           " is not implemented yet; only ", loadable_types(), " can be loaded");
+  ModelConfig cfg = e->from_hf(c, path, what);
+  cfg.arch = arch;
+  return cfg;
+}
+
+ModelConfig config_from_file_metadata(const std::map<std::string, std::string>& meta, const std::string& path) {
+  auto it = meta.find("arch");
+  const std::string arch = it == meta.end() ? "gpt2" : it->second;  // files from before "arch" are GPT-2
+  const ArchEntry* e = find_entry(arch);
+  TR_CHECK(e, path, ": unsupported arch '", arch, "' (trainrun knows ", join_names(false), ")");
+  ModelConfig cfg = e->from_metadata(meta, path);
+  cfg.arch = arch;
+  return cfg;
+}
+
+std::string manifest_model_mismatch(const ModelArch& arch, const json& saved) {
+  const json now = arch.manifest_model();
+  auto text = [](const json& v) { return v.is_string() ? v.get<std::string>() : v.dump(); };
+  for (const auto& [key, have] : now.items()) {
+    json was;
+    if (saved.contains(key)) was = saved.at(key);
+    else if (key == "arch") was = "gpt2";  // format-2 manifests before the arch was recorded
+    if (was.is_null()) return "model." + key + " is not recorded but this job has " + text(have);
+    if (was != have) return "model." + key + " = " + text(was) + " but this job has " + text(have);
+  }
+  return "";
+}
+
+}  // namespace trainrun

@@ -1,0 +1,340 @@
+// The model interface: one description per architecture.
+//
+// An architecture (core/model/<arch>/) is a ModelArch: its configuration;
+// the parameter layout in sharding units (visit order, ties, and how every
+// tensor splits for tensor parallelism); a counter-based init that any
+// shard runs on its own slice; the cost model (parameters, FLOPs and
+// activation bytes per token: MFU and `trainrun plan`); what our own files
+// record about it (safetensors __metadata__, the checkpoint manifest's
+// "model" block); the Hugging Face side as data (config.json both ways,
+// tensor names and layout conversions); and factories for the compute: a
+// Network (forward/backward over Backend ops) and a KV-cached Decoder.
+//
+// Nothing outside core/model names an architecture: the trainer, the
+// sharding stores, checkpoints, HF interop, sampling and the planner hold a
+// ModelArch and go through this interface; make_model_arch() is the one
+// place that maps a name to an implementation.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <nlohmann/json_fwd.hpp>
+#include <string>
+#include <vector>
+
+#include "core/config/job_spec.h"
+#include "kernels/backend.h"
+#include "kernels/rope_table.h"
+
+namespace trainrun {
+
+// ---- configuration -------------------------------------------------------------------
+
+// Every architecture's shape in one struct; an architecture reads the fields
+// it has. The model.* key each field is named by in messages is given in
+// brackets (the job spec has the first six today; the others are the names
+// the Llama fields will take there).
+struct ModelConfig {
+  std::string arch = "gpt2";   // [model.arch] gpt2 | llama (model_arch_names())
+  int L = 4;                   // [model.n_layer] transformer blocks
+  int NH = 4;                  // [model.n_head] attention (query) heads; divides C
+  int NKV = 0;                 // [model.n_kv_head] key/value heads (GQA), divides NH; 0 = NH (gpt2: always NH)
+  int C = 128;                 // [model.n_embd] residual width
+  int F = 0;                   // [model.ffn_dim] MLP width; 0 = the arch's default (gpt2: 4C, the only width it has)
+  int V = 256;                 // [model.vocab_size] vocabulary
+  int T = 128;                 // [model.seq_len] context: the longest sequence (gpt2: the position table's rows)
+  double init_std = 0.02;      // [model.init_std] std of the normal init
+  double norm_eps = 1e-5;      // [model.norm_eps] LayerNorm / RMSNorm epsilon (gpt2: 1e-5, the backend's)
+  double rope_theta = 10000;   // [model.rope_theta] RoPE base (llama)
+  std::string rope_scaling_type;  // [model.rope_scaling.type] "" (none) | "llama3" (llama)
+  RopeScaling rope_scaling;    // [model.rope_scaling.*] with rope_scaling_type "llama3"
+  bool tied = true;            // [model.tie_embeddings] LM head = the token embedding (gpt2: always)
+
+  // The config a job spec describes. model.arch auto is resolved here: the
+  // architecture of model.init_from's config.json (its model_type), else
+  // gpt2. Throws for an architecture the spec cannot describe yet
+  // ("model.arch: llama is not implemented yet").
+  static ModelConfig from_spec(const ModelSpec& m);
+  // A GPT-2 shape by its numbers (tests, benchmarks).
+  static ModelConfig of(int L, int NH, int C, int V, int T, double init_std = 0.02);
+
+  int kv_heads() const { return NKV > 0 ? NKV : NH; }
+  int head_size() const { return C / NH; }
+  // Throws an Error naming the model.* key and what to do (every rule,
+  // including the architecture's own: make_model_arch runs it).
+  void validate() const;
+  // Convenience: make_model_arch(*this)->num_parameters().
+  int64_t num_parameters() const;
+};
+
+// ---- parameter layout ----------------------------------------------------------------------
+
+struct ParamTensor {
+  // How tensor parallelism splits the tensor over a TP group. Matrices are in
+  // nn.Linear layout (out, in):
+  //   Replicated  every rank holds all of it (norms, position tables, the
+  //               biases of row-parallel layers: added once, after the all-reduce)
+  //   Column      dim 0 (output features) split: column-parallel weights and
+  //               their biases; with split_blocks > 1, dim 0 is that many
+  //               equal blocks (GPT-2's q|k|v) and each is split alike
+  //   Row         dim 1 (input features) split: row-parallel weights, whose
+  //               partial outputs are all-reduced
+  //   Vocab       dim 0 is the vocabulary: the token embedding (vocab-parallel
+  //               embedding and cross-entropy) and an untied LM head
+  enum class Split { Replicated, Column, Row, Vocab };
+
+  std::string name;            // our name (HF-style; hf_tensor() gives Hugging Face's)
+  std::vector<int64_t> shape;
+  int64_t offset = 0;          // element offset in the whole-model flat buffer (global coordinates)
+  int64_t numel = 0;
+  int unit = 0;                // which sharding unit owns it
+  bool decay = false;          // AdamW weight decay applies (matrices yes, biases/norms no)
+  Split split = Split::Replicated;
+  int split_blocks = 1;        // Column: equal blocks of dim 0 split one by one
+};
+const char* split_name(ParamTensor::Split s);  // "replicated", "column", "row", "vocab"
+
+struct ParamUnit {
+  std::string name;            // "embeddings", "block 3", "head"
+  int64_t offset = 0;          // element offset of the unit in the flat buffer
+  int64_t numel = 0;
+};
+
+// A parameter the model uses but does not store: it is another tensor
+// (the tied LM head is the token embedding).
+struct ParamTie {
+  std::string name;            // "lm_head.weight"
+  std::string tensor;          // the layout tensor it is: "transformer.wte.weight"
+};
+
+struct ParamLayout {
+  std::vector<ParamTensor> tensors;  // in flat-buffer order
+  // Sharding units in the order a forward visits them: embeddings, block
+  // 0..L-1, head (then the embeddings again when the head is tied); a
+  // backward visits them in reverse. parallel/ moves each as one flat parameter.
+  std::vector<ParamUnit> units;
+  std::vector<ParamTie> ties;
+  int64_t total = 0;
+  const ParamTensor& get(const std::string& name) const;  // throws naming the tensor
+  const ParamTensor* find(const std::string& name) const;
+};
+
+// Builds a layout in flat-buffer order: begin_unit, add..., end_unit, ...
+class LayoutBuilder {
+ public:
+  void begin_unit(const std::string& name);
+  void add(const std::string& name, std::vector<int64_t> shape, bool decay, ParamTensor::Split split,
+           int split_blocks = 1);
+  void end_unit();
+  void tie(const std::string& name, const std::string& tensor) { lay_.ties.push_back({name, tensor}); }
+  ParamLayout finish();
+
+ private:
+  ParamLayout lay_;
+  int64_t off_ = 0;
+};
+
+// ---- how the compute reaches parameters ----------------------------------------------------
+
+// How the model reaches its parameters and gradients, one unit at a time.
+// The model calls acquire/release around every use of a unit's parameters
+// and grads_done once a unit's gradient is complete, in this order:
+//   forward:  acquire(0) ... acquire(1+l)/release(1+l) ... acquire(L+1), acquire(0) for the tied head
+//   backward: head, blocks L-1..0, embeddings; grads_done(u) after each.
+// Without sharding this is pointer arithmetic into one flat buffer; the
+// sharding layer (parallel/) implements it with all-gather / reduce-scatter.
+class UnitAccess {
+ public:
+  virtual ~UnitAccess() = default;
+  // Parameters of the unit (act dtype, the unit's numel), valid until release.
+  virtual const void* acquire_params(int unit) = 0;
+  virtual void release_params(int unit) = 0;
+  // fp32 gradient of the unit (accumulated with +=).
+  virtual float* unit_grads(int unit) = 0;
+  virtual void grads_done(int unit) = 0;
+  // Start of a forward (with or without a backward to follow) or a backward
+  // pass: lets a sharded implementation prefetch units in the order they come.
+  virtual void begin_pass(bool backward_pass, bool backward_follows) {}
+};
+
+// Flat, unsharded access: params and grads are whole-model buffers.
+class FlatUnitAccess final : public UnitAccess {
+ public:
+  FlatUnitAccess(const ParamLayout& layout, void* params, float* grads, DType dtype)
+      : layout_(layout), params_(static_cast<char*>(params)), grads_(grads), esize_(dtype_size(dtype)) {}
+  const void* acquire_params(int unit) override { return params_ + layout_.units[unit].offset * esize_; }
+  void release_params(int) override {}
+  float* unit_grads(int unit) override { return grads_ + layout_.units[unit].offset; }
+  void grads_done(int) override {}
+
+ private:
+  const ParamLayout& layout_;
+  char* params_;
+  float* grads_;
+  size_t esize_;
+};
+
+// ---- the compute ---------------------------------------------------------------------------
+
+// Forward/backward of one architecture over a Backend. Owns the activation
+// buffers for up to (maxB, T) tokens; parameters come through UnitAccess.
+class Network {
+ public:
+  virtual ~Network() = default;
+  // Forward over inputs (B,T) device int32. With targets: per-token losses
+  // (device, B*T fp32 at losses()). When `for_backward`, the logits buffer is
+  // replaced by dloss_scale * dloss/dlogits (fused softmax + cross-entropy).
+  virtual void forward(UnitAccess& units, const int32_t* inputs, const int32_t* targets, int B, int T,
+                       bool for_backward, float dloss_scale) = 0;
+  // Accumulates parameter gradients (+=) for the last forward(for_backward=true).
+  virtual void backward(UnitAccess& units) = 0;
+  virtual const float* losses() const = 0;          // (B*T) device
+  // (B,T,V) device, rows logits_stride() >= V apart, after a forward without for_backward.
+  virtual const void* logits() const = 0;
+  virtual int logits_stride() const = 0;
+  virtual size_t activation_bytes() const = 0;
+  // Frees the activation buffers (the end-of-run sample's decoder needs the
+  // room); forward/backward must not be called afterwards.
+  virtual void free_activations() = 0;
+};
+
+// Incremental forward for sampling, with a KV cache; parameters come
+// through UnitAccess exactly as in training (so a sharded run samples
+// without any rank holding the whole model).
+class Decoder {
+ public:
+  virtual ~Decoder() = default;
+  virtual size_t bytes() const = 0;      // what it allocated on the backend
+  virtual int capacity() const = 0;      // positions the cache holds
+  virtual int position() const = 0;      // positions in the cache
+  virtual void reset() = 0;              // forget the cache (positions restart at 0)
+  // Feeds n tokens (host ids) at positions [position(), position()+n) and
+  // returns the fp32 logits (V) of the last one. Needs position() + n <= capacity().
+  virtual void feed(UnitAccess& units, const int32_t* tokens, int n, std::vector<float>& logits) = 0;
+};
+
+// What an activation estimate assumes about the device (the planner's
+// DeviceModel); the real sizes come from the Backend (act_dtype,
+// attention_saved_floats, logits_stride).
+struct ActivationDevice {
+  int act_bytes = 4;             // bytes per activation element (fp32 4, bf16 2)
+  bool attention_probs = true;   // attention keeps (B,NH,T,T) probabilities (CPU), else (B,NH,T) log-sum-exp
+  int logits_align = 1;          // logits rows padded to a multiple of this
+};
+
+// How a layout tensor appears in a Hugging Face directory.
+struct HfTensor {
+  std::string name;          // HF's name: "transformer.h.0.attn.c_attn.weight"
+  bool transposed = false;   // HF stores it (in, out), the transpose of our (out, in) (GPT-2's Conv1D)
+  std::string layout_note;   // for messages about its shape: "Hugging Face Conv1D layout: in, out"
+};
+
+// ---- the architecture ----------------------------------------------------------------------
+
+class ModelArch {
+ public:
+  virtual ~ModelArch() = default;
+  // The validated config, with its defaults resolved (NKV, F filled in).
+  const ModelConfig& config() const { return cfg_; }
+  const ParamLayout& layout() const { return layout_; }
+  const std::string& name() const { return cfg_.arch; }  // "gpt2"
+  virtual std::string display_name() const = 0;          // "GPT-2", for messages
+  // One line: "gpt2 L=12 C=768 heads=12 V=50257 T=1024".
+  virtual std::string describe() const = 0;
+
+  // Deterministic, counter-based init: element i of the flat buffer is a
+  // function of (seed, i) only, so any shard initialises its own slice and
+  // every world size starts from the same weights. Writes [begin, end) of the
+  // flat parameter vector into host memory `out` (end - begin floats).
+  virtual void init_params(uint64_t seed, int64_t begin, int64_t end, float* out) const = 0;
+
+  // ---- cost model (MFU and `trainrun plan`: one set of formulas) ----
+  int64_t num_parameters() const { return layout_.total; }
+  // N of the MFU formula: the weights that multiply activations, i.e. every
+  // matrix including the LM head, but not lookup tables (position
+  // embeddings; the input embedding when it is not tied to the head).
+  virtual int64_t matmul_parameters() const = 0;
+  // Training FLOPs per token, forward + backward: 6N + 12*L*C*T. 6N is two
+  // FLOPs per multiply-add, times three for forward + the two backward
+  // GEMMs; 12*L*C*T is attention's QK^T and AV (2*2*T*C per layer forward,
+  // x3). Like PaLM and nanoGPT it counts the full T x T attention, not the
+  // causal half, and not the recompute of activation checkpointing (that is
+  // hardware FLOPs, not model FLOPs), so MFU is comparable with theirs.
+  virtual double flops_per_token() const;
+  // The Network's activation arena for micro-batch B, buffer by buffer (on
+  // the CPU backend equal to make_network(...)->activation_bytes()).
+  virtual double activation_bytes(int B, bool activation_checkpointing, const ActivationDevice& d) const = 0;
+
+  // ---- our files ----
+  // The safetensors __metadata__ of our model files (checkpoints' and the
+  // run's model.safetensors); config_from_file_metadata() reads it back.
+  // It is part of a checkpoint's header: it must not change for an arch
+  // whose checkpoints exist.
+  virtual std::map<std::string, std::string> file_metadata() const = 0;
+  // A checkpoint manifest's "model" block: {"arch": name, shape keys...};
+  // a resume must find the same values (manifest_model_mismatch()).
+  virtual nlohmann::ordered_json manifest_model() const = 0;
+
+  // ---- compute ----
+  virtual std::unique_ptr<Network> make_network(Backend* be, int maxB, bool activation_checkpointing) const = 0;
+  // capacity: positions the cache holds, 1..T.
+  virtual std::unique_ptr<Decoder> make_decoder(Backend* be, int capacity) const = 0;
+  // What a decoder of this capacity allocates on `be`.
+  virtual size_t decoder_bytes_needed(const Backend& be, int capacity) const = 0;
+
+  // ---- Hugging Face ----
+  virtual std::string hf_model_type() const = 0;               // config.json's model_type
+  virtual nlohmann::ordered_json hf_config_json() const = 0;   // config.json for an export
+  // Where a layout tensor is in an HF directory, and in which layout.
+  virtual HfTensor hf_tensor(const ParamTensor& t) const = 0;
+  // A name in an HF file as it is looked up (GPT-2: without the optional
+  // "transformer." prefix, which GPT2Model leaves out).
+  virtual std::string hf_canonical_name(const std::string& file_name) const { return file_name; }
+  // A (canonical) name HF files may carry that is not a parameter (saved
+  // buffers such as GPT-2's causal masks): skipped without a warning.
+  virtual bool hf_ignored_buffer(const std::string& canonical_name) const { return false; }
+  // The config.json keys of the shape, for messages ("n_layer/n_embd/vocab_size").
+  virtual std::string hf_shape_keys() const = 0;
+  // model.init_from: this (the job's) model must be the directory's, `hf`
+  // (read_hf_model_config), except where the arch allows a difference
+  // (gpt2: a shorter model.seq_len). Throws naming the model.* key, the
+  // config.json key and both values.
+  virtual void check_init_from(const ModelConfig& hf, const std::string& dir) const = 0;
+
+ protected:
+  ModelArch(ModelConfig cfg, ParamLayout layout) : cfg_(std::move(cfg)), layout_(std::move(layout)) {}
+  ModelConfig cfg_;
+  ParamLayout layout_;
+};
+
+// ---- the registry ---------------------------------------------------------------------------
+
+// The rules every architecture's config obeys (positive sizes, heads that
+// divide the width, a known rope_scaling type, ...); each ModelArch adds its
+// own. Throws an Error naming the model.* key.
+void check_model_config_common(const ModelConfig& cfg);
+
+// The architecture for a config (validated first: every message names the
+// model.* key). An unknown arch is an Error naming it and the known ones.
+std::unique_ptr<ModelArch> make_model_arch(const ModelConfig& cfg);
+std::vector<std::string> model_arch_names();            // "gpt2", "llama"
+// The arch an HF model_type belongs to ("" when none does).
+std::string arch_for_hf_model_type(const std::string& model_type);
+
+// DIR/config.json -> ModelConfig. The model_type picks the arch; with
+// `want_arch` non-empty it must be that one. Keys config.json leaves out take
+// transformers' defaults, as from_pretrained would; what the arch does not
+// implement is refused (the weights would compute another function).
+// `what` prefixes every message ("model.init_from", "export").
+ModelConfig read_hf_model_config(const std::string& dir, const std::string& what, const std::string& want_arch = "");
+
+// The __metadata__ of one of our model files -> its config ("arch" absent:
+// gpt2, the files before it was written). `path` names the file in messages.
+ModelConfig config_from_file_metadata(const std::map<std::string, std::string>& meta, const std::string& path);
+
+// A checkpoint manifest's "model" block against the arch resuming from it:
+// "" when they agree, else "model.<key> = <saved> but this job has <now>".
+// A manifest without "arch" (format 2 before it had one) is gpt2.
+std::string manifest_model_mismatch(const ModelArch& arch, const nlohmann::ordered_json& saved);
+
+}  // namespace trainrun
