@@ -56,7 +56,7 @@ TEST_CASE("cli: --version names the backends", "[cli]") {
 
 // Test executables hide the GPUs (tests/support/hide_gpus.cpp), so these
 // hold on a GPU machine too: auto falls back with the reason, cuda refuses.
-TEST_CASE("cli: backend auto falls back to the CPU without a GPU; backend cuda is a clear error", "[cli]") {
+TEST_CASE("cli: backend auto falls back to the CPU without a GPU and backend cuda is a clear error", "[cli]") {
   const char* vis = std::getenv("CUDA_VISIBLE_DEVICES");
   REQUIRE(vis != nullptr);
   CHECK(std::string(vis).empty());

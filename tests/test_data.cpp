@@ -114,7 +114,7 @@ TEST_CASE("data: raw uint16 and uint32 files round trip", "[data]") {
   check_samples(*src, t32, 16);
 }
 
-TEST_CASE("data: shards in sorted glob order form one stream; windows span shards", "[data]") {
+TEST_CASE("data: shards in sorted glob order form one stream whose windows span shards", "[data]") {
   TempDir d("data");
   // Byte order, not numeric: c10 before c2. Sizes make windows straddle files.
   std::vector<std::pair<std::string, size_t>> files = {{"c2.bin", 12}, {"a.bin", 7}, {"c10.bin", 3}, {"b.bin", 5}};
