@@ -158,7 +158,7 @@ int run_comm_bench(const CommBenchOptions& o) {
       const double t = *std::max_element(secs[op][si].begin(), secs[op][si].end());
       const int64_t count = std::max<int64_t>(W, sizes[si] / 4 / W * W);
       const double algbw = double(count) * 4 / t / 1e9;
-      std::printf("%-15s %10s %12.1f %12.3f %12.3f %9.1f%%\n", ops[op], human(count * 4).c_str(), t * 1e6, algbw,
+      std::printf("%-15s %10s %12.1f %12.4g %12.4g %9.1f%%\n", ops[op], human(count * 4).c_str(), t * 1e6, algbw,
                   algbw * factor, 100.0 * algbw * factor / mem);
     }
   }
