@@ -326,7 +326,7 @@ TEST_CASE("config: job_spec_to_yaml writes every field with its doc", "[config]"
 
 TEST_CASE("config: the field table is complete and its defaults are valid", "[config]") {
   const auto fields = trainrun::job_spec_fields();
-  CHECK(fields.size() == 58);
+  CHECK(fields.size() == 68);
   std::vector<std::string> keys;
   for (const auto& f : fields) {
     INFO(f.key);
@@ -401,7 +401,8 @@ TEST_CASE("config: bad specs: YAML structure", "[config][bad]") {
        "job.yaml:4:3: train.seq_len: unknown key; did you mean 'model.seq_len'?"},
       {"unknown key, nothing close", kSynthetic + "model:\n  dropout: 0.1\n", {},
        "job.yaml:4:3: model.dropout: unknown key; the keys of 'model' are arch, n_layer, n_head, n_embd, "
-       "vocab_size, seq_len, init_std, init_from"},
+       "vocab_size, seq_len, init_std, init_from, n_kv_head, ffn_dim, norm_eps, rope_theta, tie_embeddings, "
+       "rope_scaling"},
       {"unknown key in a nested section", kSynthetic + "  synthetic:\n    brnaching: 2\n", {},
        "job.yaml:4:5: data.synthetic.brnaching: unknown key; did you mean 'data.synthetic.branching'?"},
       {"duplicate key", kSynthetic + "train:\n  lr: 0.1\n  max_steps: 5\n  lr: 0.2\n", {},

@@ -446,3 +446,29 @@ TEST_CASE("model: a format-2 manifest without an arch resumes as gpt2, bit for b
   CHECK_THAT(error_of([&] { test::run_ranks_inprocess(again, 1); }),
              Contains("was saved with model.arch = llama but this job has gpt2"));
 }
+
+TEST_CASE("model: gpt2 refuses Llama's shape fields instead of ignoring them", "[model]") {
+  auto error_of = [](const std::function<void(ModelSpec&)>& edit) {
+    ModelSpec m;
+    m.arch = "gpt2";
+    edit(m);
+    try {
+      ModelConfig::from_spec(m);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  CHECK(error_of([](ModelSpec&) {}).empty());
+  CHECK(error_of([](ModelSpec& m) { m.n_kv_head = m.n_head; }).empty());  // the same as gpt2's own
+  CHECK(error_of([](ModelSpec& m) { m.ffn_dim = 4 * m.n_embd; }).empty());
+  CHECK(error_of([](ModelSpec& m) { m.tie_embeddings = "true"; }).empty());
+  CHECK_THAT(error_of([](ModelSpec& m) { m.n_kv_head = 2; }),
+             Catch::Matchers::Contains("model.n_kv_head: 2; gpt2 has no grouped-query attention"));
+  CHECK_THAT(error_of([](ModelSpec& m) { m.ffn_dim = 100; }),
+             Catch::Matchers::Contains("model.ffn_dim: 100; gpt2's MLP is 4 * n_embd = 512"));
+  CHECK_THAT(error_of([](ModelSpec& m) { m.tie_embeddings = "false"; }),
+             Catch::Matchers::Contains("model.tie_embeddings: false"));
+  CHECK_THAT(error_of([](ModelSpec& m) { m.rope_scaling.type = "llama3"; }),
+             Catch::Matchers::Contains("model.rope_scaling.type: llama3; gpt2 has learned positions"));
+}

@@ -119,6 +119,23 @@ const std::vector<Field>& fields() {
                     "whose weights replace the random init, to fine-tune; model.* must match its config.json "
                     "(seq_len may be shorter than n_positions); a resumed checkpoint takes precedence; "
                     "empty = none"),
+      TR_SPEC_FIELD(model.n_kv_head, at_least(0),
+                    "key/value heads for grouped-query attention (llama); 0 = n_head; must divide n_head"),
+      TR_SPEC_FIELD(model.ffn_dim, at_least(0),
+                    "MLP width (llama: config.json's intermediate_size, required); 0 = the architecture's default "
+                    "(gpt2: 4 * n_embd)"),
+      TR_SPEC_FIELD(model.norm_eps, above(0), "RMSNorm epsilon (llama; gpt2's LayerNorm uses 1e-5)"),
+      TR_SPEC_FIELD(model.rope_theta, above(0), "RoPE base frequency (llama; Llama 3: 500000)"),
+      TR_SPEC_FIELD(model.tie_embeddings, one_of({"auto", "false", "true"}),
+                    "the LM head is the token embedding; auto = the architecture's way (gpt2: always tied; "
+                    "llama: untied, but Llama 3.2 1B/3B are tied)"),
+      TR_SPEC_FIELD(model.rope_scaling.type, one_of({"none", "llama3"}),
+                    "RoPE frequency scaling (llama): none, or llama3 (Llama 3.1's bands)"),
+      TR_SPEC_FIELD(model.rope_scaling.factor, above(0), "llama3 scaling: factor"),
+      TR_SPEC_FIELD(model.rope_scaling.low_freq_factor, above(0), "llama3 scaling: low_freq_factor"),
+      TR_SPEC_FIELD(model.rope_scaling.high_freq_factor, above(0), "llama3 scaling: high_freq_factor"),
+      TR_SPEC_FIELD(model.rope_scaling.original_max_position_embeddings, at_least(1),
+                    "llama3 scaling: the context the model was trained at before scaling"),
 
       TR_SPEC_FIELD(data.format, one_of({"llmc", "raw_uint16", "raw_uint32", "synthetic"}),
                     "layout of the token files; synthetic = a generated Markov chain, no files"),

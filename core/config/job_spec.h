@@ -18,6 +18,17 @@ struct ModelSpec {
   int seq_len = 128;           // T, context length (also the position table size)
   double init_std = 0.02;      // std of the normal init; residual projections get init_std/sqrt(2L)
   std::string init_from;       // Hugging Face GPT-2 directory to start from instead of the init; "" = none
+  // Llama's shape (GPT-2 has none of these: its kv heads = n_head, MLP = 4C, LayerNorm eps 1e-5).
+  int n_kv_head = 0;           // key/value heads (GQA); 0 = n_head; must divide n_head
+  int ffn_dim = 0;             // MLP width (llama: intermediate_size, required); 0 = the arch's default
+  double norm_eps = 1e-5;      // RMSNorm epsilon (llama)
+  double rope_theta = 500000;  // RoPE base (llama; Llama 3 uses 500000)
+  std::string tie_embeddings = "auto";  // auto | true | false; auto: gpt2 tied, llama untied (Llama 3.2 1B/3B: true)
+  struct RopeScalingSpec {
+    std::string type = "none";  // none | llama3 (Llama 3.1's frequency bands)
+    double factor = 8.0, low_freq_factor = 1.0, high_freq_factor = 4.0;
+    int original_max_position_embeddings = 8192;
+  } rope_scaling;
 };
 
 struct SyntheticSpec {

@@ -124,6 +124,30 @@ ModelConfig ModelConfig::from_spec(const ModelSpec& m) {
   c.V = m.vocab_size;
   c.T = m.seq_len;
   c.init_std = m.init_std;
+  c.NKV = m.n_kv_head;
+  c.F = m.ffn_dim;
+  const bool scaled = m.rope_scaling.type != "none";
+  if (c.arch == "gpt2") {
+    // GPT-2 has none of Llama's knobs: a value that would change the model
+    // is refused rather than ignored.
+    TR_CHECK(m.n_kv_head == 0 || m.n_kv_head == m.n_head, "model.n_kv_head: ", m.n_kv_head,
+             "; gpt2 has no grouped-query attention (0 or n_head = ", m.n_head, "); use model.arch: llama for GQA");
+    TR_CHECK(m.ffn_dim == 0 || m.ffn_dim == 4 * m.n_embd, "model.ffn_dim: ", m.ffn_dim, "; gpt2's MLP is 4 * n_embd = ",
+             4 * m.n_embd, " (0 = that)");
+    TR_CHECK(m.tie_embeddings != "false", "model.tie_embeddings: false; gpt2's LM head is always the token embedding");
+    TR_CHECK(!scaled, "model.rope_scaling.type: ", m.rope_scaling.type, "; gpt2 has learned positions, not RoPE");
+  } else {
+    c.norm_eps = m.norm_eps;
+    c.rope_theta = m.rope_theta;
+    c.tied = m.tie_embeddings == "true";
+    if (scaled) {
+      c.rope_scaling_type = m.rope_scaling.type;
+      c.rope_scaling.factor = m.rope_scaling.factor;
+      c.rope_scaling.low_freq_factor = m.rope_scaling.low_freq_factor;
+      c.rope_scaling.high_freq_factor = m.rope_scaling.high_freq_factor;
+      c.rope_scaling.original_max_position_embeddings = m.rope_scaling.original_max_position_embeddings;
+    }
+  }
   return c;
 }
 
