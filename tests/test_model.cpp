@@ -226,10 +226,9 @@ TEST_CASE("model: Llama's layout has HF's names, its splits and the planner's un
     }
     CHECK(lay.ties.size() == (tied ? 1u : 0u));
     CHECK(arch->matmul_parameters() == lay.total - (tied ? 0 : V * C));
-    // Not trainable yet, and says so.
+    // The network exists (tests/test_llama.cpp); sampling does not yet, and says so.
     auto be = make_cpu_backend(1);
-    CHECK_THAT(error_of([&] { arch->make_network(be.get(), 1, false); }),
-               Contains("model.arch: llama is not implemented yet"));
+    CHECK(arch->make_network(be.get(), 1, false) != nullptr);
     CHECK_THAT(error_of([&] { arch->make_decoder(be.get(), 4); }), Contains("model.arch: llama is not implemented yet"));
   }
 }

@@ -8,6 +8,7 @@
 
 #include "core/common/error.h"
 #include "core/model/init_rng.h"
+#include "core/model/llama/llama.h"
 
 using json = nlohmann::ordered_json;
 
@@ -110,9 +111,9 @@ int64_t LlamaArch::matmul_parameters() const {
 }
 
 double LlamaArch::activation_bytes(int B, bool ckpt, const ActivationDevice& d) const {
-  // GPT-2's arena plan (gpt2_arch.cpp) with RMSNorm (no mean), grouped
-  // q|k|v and a gated MLP (gate|up, silu(gate)*up), as the Llama model will
-  // allocate it.
+  // LlamaNetwork's arena (llama.cpp), buffer by buffer: GPT-2's plan with
+  // RMSNorm (no mean), grouped q|k|v, a gated MLP (gate|up, silu(gate)*up),
+  // the RoPE table and the zero position table the embedding lookup reads.
   const ModelConfig& m = cfg_;
   const double es = d.act_bytes;
   const double N = double(B) * double(m.T), C = double(m.C), F = double(m.F);
@@ -128,8 +129,12 @@ double LlamaArch::activation_bytes(int B, bool ckpt, const ActivationDevice& d) 
   per_layer += r64(N * C * es);                       // residual after attention
   per_layer += r64(N * C * es);                       // MLP norm
   per_layer += r64(N * 4);                            // its rstd
-  per_layer += 3 * r64(N * F * es);                   // gate, up, silu(gate)*up
+  per_layer += r64(N * 2 * F * es);                   // gate|up (dgate|dup in place in backward)
+  per_layer += r64(N * F * es);                       // silu(gate)*up
   double total = 0;
+  total += r64(double(m.T) * (C / m.NH) * 4);          // RoPE cos/sin table (T, HS/2, 2) fp32
+  total += r64(double(m.T) * C * es);                 // zero position table (encoder_forward's wpe)
+  total += r64(double(m.T) * C * 4);                  // its fp32 gradient scratch
   total += r64(N * C * es);                           // embeddings output
   total += double(m.L) * r64(N * C * es);             // block outputs (the checkpoints)
   total += double(ckpt ? 1 : m.L) * per_layer;        // per-layer sets, or one shared when recomputing
@@ -140,7 +145,7 @@ double LlamaArch::activation_bytes(int B, bool ckpt, const ActivationDevice& d) 
   total += r64(N * 4);                                // per-token losses
   total += 2 * r64(N * C * es);                       // backward: dres, dbuf_c
   total += r64(N * qkv * es);                         // backward: dqkv
-  total += 2 * r64(N * F * es);                       // backward: the MLP hidden grads
+  total += r64(N * F * es);                           // backward: d(silu(gate)*up)
   return total;
 }
 
@@ -233,7 +238,9 @@ json LlamaArch::manifest_model() const {
   return m;
 }
 
-std::unique_ptr<Network> LlamaArch::make_network(Backend*, int, bool) const { llama_not_implemented("training"); }
+std::unique_ptr<Network> LlamaArch::make_network(Backend* be, int maxB, bool activation_checkpointing) const {
+  return std::make_unique<LlamaNetwork>(cfg_, layout_, be, maxB, activation_checkpointing);
+}
 std::unique_ptr<Decoder> LlamaArch::make_decoder(Backend*, int) const { llama_not_implemented("sampling"); }
 size_t LlamaArch::decoder_bytes_needed(const Backend&, int) const { llama_not_implemented("sampling"); }
 json LlamaArch::hf_config_json() const { llama_not_implemented("Hugging Face export"); }

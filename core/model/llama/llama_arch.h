@@ -1,9 +1,9 @@
-// Llama 3 as a ModelArch: so far its description only — the layout in
-// sharding units with HF's names and the tensor-parallel splits, the
-// counter-based init, the cost model (`trainrun plan` plans Llama shapes
-// from it), and what our files record. The network, the decoder and the
-// Hugging Face import/export are not implemented yet: those factories throw
-// "model.arch: llama is not implemented yet".
+// Llama 3 as a ModelArch: the layout in sharding units with HF's names and
+// the tensor-parallel splits, the counter-based init, the cost model
+// (`trainrun plan` plans Llama shapes from it), what our files record, and
+// the training Network (LlamaNetwork, llama.h). The decoder and the Hugging
+// Face import/export are not implemented yet, and the job spec cannot name
+// llama yet: those throw "model.arch: llama is not implemented yet".
 //
 // Layout (nn.Linear (out, in), HS = C/NH, KV = NKV*HS):
 //   unit 0 "embeddings": model.embed_tokens.weight (V,C)

@@ -1,0 +1,215 @@
+// Llama's forward and backward over the Backend interface (llama.h). No
+// tensor memory is touched on the host here, except the RoPE table's upload.
+#include "core/model/llama/llama.h"
+
+#include "core/common/error.h"
+
+namespace trainrun {
+
+LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Backend* be, int maxB,
+                           bool activation_checkpointing)
+    : cfg_(cfg), be_(be), maxB_(maxB), ckpt_(activation_checkpointing) {
+  TR_CHECK(cfg.arch == "llama" && cfg.NKV > 0 && cfg.F > 0, "LlamaNetwork needs LlamaArch's resolved config (a bug)");
+  TR_CHECK(maxB >= 1, "LlamaNetwork: micro-batch ", maxB, " must be >= 1");
+  HS_ = cfg.head_size();
+  KV_ = cfg.NKV * HS_;
+  QKV_ = cfg.C + 2 * KV_;
+  eps_ = float(cfg.norm_eps);
+  if (!cfg.tied) {
+    const ParamTensor& h = layout.get("lm_head.weight");
+    lm_head_off_ = h.offset - layout.units[h.unit].offset;
+  }
+  const size_t es = dtype_size(be->act_dtype());
+  const int64_t N = int64_t(maxB) * cfg.T, C = cfg.C, F = cfg.F, T = cfg.T;
+  // One arena, every buffer on a 64-byte boundary; LlamaArch::activation_bytes
+  // adds up the same list.
+  std::vector<std::pair<void**, size_t>> plan;
+  auto req = [&](void* slot, size_t bytes) { plan.push_back({static_cast<void**>(slot), (bytes + 63) / 64 * 64}); };
+  req(&rope_, size_t(T) * HS_ * 4);  // (T, HS/2, 2) fp32
+  req(&zero_wpe_, T * C * es);
+  req(&dwpe_, T * C * 4);
+  req(&encoded_, N * C * es);
+  res3_.assign(cfg.L, nullptr);
+  for (int l = 0; l < cfg.L; ++l) req(&res3_[l], N * C * es);
+  layers_.resize(ckpt_ ? 1 : cfg.L);
+  for (auto& a : layers_) {
+    req(&a.ln1, N * C * es);
+    req(&a.ln1_rstd, N * 4);
+    req(&a.qkv, N * QKV_ * es);
+    req(&a.atty, N * C * es);
+    req(&a.att, be->attention_gqa_saved_floats(maxB, cfg.T, cfg.NH) * 4);
+    req(&a.res2, N * C * es);
+    req(&a.ln2, N * C * es);
+    req(&a.ln2_rstd, N * 4);
+    req(&a.gu, N * 2 * F * es);
+    req(&a.h, N * F * es);
+  }
+  req(&lnf_, N * C * es);
+  req(&lnf_rstd_, N * 4);
+  ldv_ = be->logits_stride(cfg.V);
+  req(&logits_, N * ldv_ * es);
+  req(&losses_, N * 4);
+  req(&dres_, N * C * es);
+  req(&dbuf_c_, N * C * es);
+  req(&dqkv_, N * QKV_ * es);
+  req(&dh_, N * F * es);
+  size_t total = 0;
+  for (auto& p : plan) total += p.second;
+  arena_ = DeviceBuffer(be, total);  // zero-initialised: zero_wpe_ stays all zeros (nothing writes it)
+  char* base = arena_.as<char>();
+  for (auto& p : plan) {
+    *p.first = base;
+    base += p.second;
+  }
+  act_bytes_ = total;
+  const RopeScaling* scaling = cfg.rope_scaling_type.empty() ? nullptr : &cfg.rope_scaling;
+  const std::vector<float> table = rope_table(cfg.T, HS_, cfg.rope_theta, scaling);
+  be->copy_to_device(rope_, table.data(), table.size() * 4);
+}
+
+namespace {
+template <typename P>
+struct BlockPtrs {
+  P ln1w, qkvw, ow, ln2w, guw, downw;
+};
+template <typename P, typename Base>
+BlockPtrs<P> block_ptrs(Base base, const LlamaBlockOffsets& o, size_t esize) {
+  auto at = [&](int64_t off) { return reinterpret_cast<P>(reinterpret_cast<uintptr_t>(base) + off * esize); };
+  return {at(o.ln1w), at(o.qkvw), at(o.ow), at(o.ln2w), at(o.guw), at(o.downw)};
+}
+}  // namespace
+
+// From the fused q|k|v projection to down_proj. On entry acts(l).ln1 holds
+// RMSNorm(res_in) (fused by the caller with the previous residual add); on
+// exit dbuf_c_ holds the MLP output, whose residual add the caller fuses
+// with the next RMSNorm.
+void LlamaNetwork::block_forward(const void* p, int l, const void* res_in, int B, int T) {
+  const int N = B * T, C = cfg_.C, F = cfg_.F;
+  auto w = block_ptrs<const void*>(p, LlamaBlockOffsets(C, KV_, F), dtype_size(be_->act_dtype()));
+  LayerActs& a = acts(l);
+  be_->matmul_forward(a.qkv, a.ln1, w.qkvw, nullptr, N, C, QKV_);
+  be_->rope_forward(a.qkv, rope_, B, T, cfg_.NH, cfg_.NKV, HS_, 0);
+  be_->attention_gqa_forward(a.atty, a.att, a.qkv, B, T, cfg_.NH, cfg_.NKV, HS_);
+  be_->matmul_forward(dbuf_c_, a.atty, w.ow, nullptr, N, C, C);
+  be_->residual_rmsnorm_forward(a.res2, a.ln2, a.ln2_rstd, res_in, dbuf_c_, w.ln2w, N, C, eps_);
+  be_->matmul_forward(a.gu, a.ln2, w.guw, nullptr, N, C, 2 * F);
+  be_->swiglu_forward(a.h, a.gu, N, F);
+  be_->matmul_forward(dbuf_c_, a.h, w.downw, nullptr, N, F, C);
+}
+
+void LlamaNetwork::forward(UnitAccess& units, const int32_t* inputs, const int32_t* targets, int B, int T,
+                           bool for_backward, float dloss_scale) {
+  TR_CHECK(B >= 1 && B <= maxB_ && T >= 1 && T <= cfg_.T, "model.forward: batch (", B, ",", T,
+           ") exceeds the buffers (", maxB_, ",", cfg_.T, ")");
+  TR_CHECK(!for_backward || targets, "model.forward: for_backward needs targets");
+  TR_CHECK(arena_.get(), "model.forward: the activations were freed (free_activations)");
+  B_ = B;
+  T_ = T;
+  inputs_ = inputs;
+  const int N = B * T, C = cfg_.C, L = cfg_.L, F = cfg_.F;
+  const size_t es = dtype_size(be_->act_dtype());
+  const LlamaBlockOffsets off(C, KV_, F);
+
+  units.begin_pass(false, for_backward);
+  be_->encoder_forward(encoded_, inputs, units.acquire_params(0), zero_wpe_, B, T, C);
+  units.release_params(0);
+
+  // Residual stream: res3_[l] = res2 + mlp(RMSNorm(res2)) of block l, its add
+  // fused with the RMSNorm that reads it next (block l+1's, or the final one).
+  for (int l = 0; l < L; ++l) {
+    const void* p = units.acquire_params(1 + l);
+    auto w = block_ptrs<const void*>(p, off, es);
+    LayerActs& a = acts(l);
+    if (l == 0)
+      be_->rmsnorm_forward(a.ln1, a.ln1_rstd, encoded_, w.ln1w, N, C, eps_);
+    else
+      be_->residual_rmsnorm_forward(res3_[l - 1], a.ln1, a.ln1_rstd, acts(l - 1).res2, dbuf_c_, w.ln1w, N, C, eps_);
+    block_forward(p, l, l == 0 ? encoded_ : res3_[l - 1], B, T);
+    units.release_params(1 + l);
+  }
+
+  const char* head = static_cast<const char*>(units.acquire_params(L + 1));
+  be_->residual_rmsnorm_forward(res3_[L - 1], lnf_, lnf_rstd_, acts(L - 1).res2, dbuf_c_, head, N, C, eps_);
+  if (cfg_.tied) {
+    units.release_params(L + 1);
+    be_->lm_head_forward(logits_, lnf_, units.acquire_params(0), N, C, cfg_.V, ldv_);
+    units.release_params(0);
+  } else {
+    be_->lm_head_forward(logits_, lnf_, head + lm_head_off_ * es, N, C, cfg_.V, ldv_);
+    units.release_params(L + 1);
+  }
+  if (targets)
+    be_->softmax_cross_entropy(losses_, for_backward ? logits_ : nullptr, logits_, targets, N, cfg_.V, ldv_,
+                               dloss_scale);
+}
+
+// Backward through one block: dres holds dL/d(block output) on entry and
+// dL/d(block input) on exit; parameter grads accumulate into g.
+void LlamaNetwork::block_backward(const void* p, float* g, int l, const void* res_in, void* dres, int B, int T) {
+  const int N = B * T, C = cfg_.C, F = cfg_.F;
+  const LlamaBlockOffsets off(C, KV_, F);
+  auto w = block_ptrs<const void*>(p, off, dtype_size(be_->act_dtype()));
+  auto dw = block_ptrs<float*>(g, off, 4);
+  LayerActs& a = acts(l);
+  // MLP: res_out = res2 + down(swiglu(gate_up(RMSNorm(res2))))
+  be_->matmul_backward(dh_, dw.downw, nullptr, dres, a.h, w.downw, N, F, C);
+  be_->swiglu_backward(a.gu, dh_, a.gu, N, F);  // in place: gate|up is not read again
+  be_->matmul_backward(dbuf_c_, dw.guw, nullptr, a.gu, a.ln2, w.guw, N, C, 2 * F);
+  be_->rmsnorm_backward(dres, dw.ln2w, dbuf_c_, a.res2, w.ln2w, a.ln2_rstd, N, C);
+  // Attention: res2 = res_in + o(attn(rope(qkv(RMSNorm(res_in)))))
+  be_->matmul_backward(dbuf_c_, dw.ow, nullptr, dres, a.atty, w.ow, N, C, C);
+  be_->attention_gqa_backward(dqkv_, dbuf_c_, a.qkv, a.atty, a.att, B, T, cfg_.NH, cfg_.NKV, HS_);
+  be_->rope_backward(dqkv_, rope_, B, T, cfg_.NH, cfg_.NKV, HS_, 0);
+  be_->matmul_backward(dbuf_c_, dw.qkvw, nullptr, dqkv_, a.ln1, w.qkvw, N, C, QKV_);
+  be_->rmsnorm_backward(dres, dw.ln1w, dbuf_c_, res_in, w.ln1w, a.ln1_rstd, N, C);
+}
+
+void LlamaNetwork::backward(UnitAccess& units) {
+  TR_CHECK(arena_.get(), "model.backward: the activations were freed (free_activations)");
+  const int B = B_, T = T_, N = B * T, C = cfg_.C, L = cfg_.L;
+  const size_t es = dtype_size(be_->act_dtype());
+  units.begin_pass(true, false);
+  // logits_ holds dlogits (forward with for_backward). Tied: the head's
+  // gradient lands in the embedding unit's, which stays open until the
+  // embedding's own turn at the end.
+  float* gemb = nullptr;
+  if (cfg_.tied) {
+    const void* emb = units.acquire_params(0);
+    gemb = units.unit_grads(0);
+    be_->lm_head_backward(dbuf_c_, gemb, logits_, lnf_, emb, N, C, cfg_.V, ldv_);
+    units.release_params(0);
+  }
+  const char* head = static_cast<const char*>(units.acquire_params(L + 1));
+  float* ghead = units.unit_grads(L + 1);
+  if (!cfg_.tied)
+    be_->lm_head_backward(dbuf_c_, ghead + lm_head_off_, logits_, lnf_, head + lm_head_off_ * es, N, C, cfg_.V,
+                          ldv_);
+  be_->zero(dres_, size_t(N) * C * es);
+  be_->rmsnorm_backward(dres_, ghead, dbuf_c_, res3_[L - 1], head, lnf_rstd_, N, C);
+  units.release_params(L + 1);
+  units.grads_done(L + 1);
+
+  const LlamaBlockOffsets off(C, KV_, cfg_.F);
+  for (int l = L - 1; l >= 0; --l) {
+    const void* p = units.acquire_params(1 + l);
+    const void* res_in = l == 0 ? encoded_ : res3_[l - 1];
+    // Activation checkpointing: refill the shared per-layer set from the
+    // kept block input. The recompute ends in dbuf_c_, which the backward
+    // overwrites before reading; the checkpoints (res3_) stay untouched.
+    if (ckpt_) {
+      auto w = block_ptrs<const void*>(p, off, es);
+      be_->rmsnorm_forward(acts(l).ln1, acts(l).ln1_rstd, res_in, w.ln1w, N, C, eps_);
+      block_forward(p, l, res_in, B, T);
+    }
+    block_backward(p, units.unit_grads(1 + l), l, res_in, dres_, B, T);
+    units.release_params(1 + l);
+    units.grads_done(1 + l);
+  }
+
+  if (!gemb) gemb = units.unit_grads(0);
+  be_->zero(dwpe_, size_t(cfg_.T) * C * 4);  // the zero table's gradient: written, never read
+  be_->encoder_backward(gemb, dwpe_, dres_, inputs_, B, T, C);
+  units.grads_done(0);
+}
+
+}  // namespace trainrun

@@ -1,0 +1,102 @@
+// Llama 3's training compute (LlamaArch::make_network): token embedding, L
+// pre-RMSNorm blocks (fused q|k|v projection, RoPE on q and k, causal
+// grouped-query attention, o_proj; fused gate|up projection, SwiGLU,
+// down_proj), a final RMSNorm and an LM head, tied to the embedding or its
+// own lm_head.weight in the head unit. No biases anywhere.
+//
+// It mirrors GPT2 (core/model/gpt2/gpt2.h): one activation arena, the
+// residual add fused with the RMSNorm that reads it next, the LM head over
+// rows logits_stride() apart with softmax + cross-entropy fused in place,
+// the UnitAccess order of model.h, and optional activation checkpointing
+// (only the block outputs are kept; each block's forward is rerun just
+// before its backward).
+//
+// The embedding lookup is Backend::encoder_forward with an all-zero (T,C)
+// position table kept in the arena: the Backend has no plain gather, and
+// wte[tok] + 0 is exact in any dtype, so no new op (and no CUDA kernel to
+// write and test) is needed for it; its backward writes the position
+// gradient into an fp32 scratch table that is thrown away.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "core/model/model.h"
+
+namespace trainrun {
+
+// Element offsets of one block's tensors relative to the block unit's start
+// (llama_layout's order; q|k|v and gate|up adjacent, read as fused weights).
+struct LlamaBlockOffsets {
+  int64_t ln1w, qkvw, ow, ln2w, guw, downw, total;
+  LlamaBlockOffsets(int64_t C, int64_t KV, int64_t F) {
+    int64_t o = 0;
+    ln1w = o; o += C;                // input_layernorm (C)
+    qkvw = o; o += (C + 2 * KV) * C; // q_proj (C,C) | k_proj (KV,C) | v_proj (KV,C)
+    ow = o; o += C * C;              // o_proj (C,C)
+    ln2w = o; o += C;                // post_attention_layernorm (C)
+    guw = o; o += 2 * F * C;         // gate_proj (F,C) | up_proj (F,C)
+    downw = o; o += C * F;           // down_proj (C,F)
+    total = o;
+  }
+};
+
+class LlamaNetwork final : public Network {
+ public:
+  // cfg: resolved (LlamaArch::config()); layout: LlamaArch::layout().
+  LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Backend* be, int maxB,
+               bool activation_checkpointing);
+
+  void forward(UnitAccess& units, const int32_t* inputs, const int32_t* targets, int B, int T,
+               bool for_backward, float dloss_scale) override;
+  void backward(UnitAccess& units) override;
+
+  const float* losses() const override { return losses_; }
+  const void* logits() const override { return logits_; }
+  int logits_stride() const override { return ldv_; }
+  size_t activation_bytes() const override { return act_bytes_; }
+  void free_activations() override { arena_.reset(); }
+
+ private:
+  struct LayerActs {
+    void* ln1; float* ln1_rstd;   // (N,C) (N)
+    void* qkv;                    // (N,QKV), q and k rotated
+    void* atty;                   // (N,C)
+    float* att;                   // backend-private saved state
+    void* res2;                   // (N,C) residual after attention
+    void* ln2; float* ln2_rstd;   // (N,C) (N)
+    void* gu;                     // (N,2F) gate | up (dgate | dup in backward)
+    void* h;                      // (N,F) silu(gate) * up
+  };
+  void block_forward(const void* p, int l, const void* res_in, int B, int T);
+  void block_backward(const void* p, float* g, int l, const void* res_in, void* dres, int B, int T);
+  LayerActs& acts(int l) { return layers_[ckpt_ ? 0 : l]; }
+
+  ModelConfig cfg_;
+  Backend* be_;
+  int maxB_;
+  bool ckpt_;
+  int HS_, KV_, QKV_;             // head size, NKV*HS, C + 2*KV
+  float eps_;
+  int64_t lm_head_off_ = -1;      // untied: lm_head.weight's offset in the head unit
+  int B_ = 0, T_ = 0;
+  DeviceBuffer arena_;
+  size_t act_bytes_ = 0;
+  float* rope_ = nullptr;         // (T, HS/2, 2) fp32 cos/sin, uploaded once
+  void* zero_wpe_ = nullptr;      // (T,C) zeros: encoder_forward's position table
+  float* dwpe_ = nullptr;         // (T,C) fp32 scratch for encoder_backward
+  void* encoded_ = nullptr;       // (N,C)
+  std::vector<void*> res3_;       // per layer (N,C): block outputs (the checkpoints)
+  std::vector<LayerActs> layers_; // L sets, or 1 when checkpointing
+  void* lnf_ = nullptr; float* lnf_rstd_ = nullptr;  // (N,C) (N)
+  void* logits_ = nullptr;        // (N,V), rows ldv_ apart
+  int ldv_ = 0;
+  float* losses_ = nullptr;       // (N)
+  const int32_t* inputs_ = nullptr;
+  // backward scratch
+  void* dres_ = nullptr;          // (N,C)
+  void* dbuf_c_ = nullptr;        // (N,C)
+  void* dqkv_ = nullptr;          // (N,QKV)
+  void* dh_ = nullptr;            // (N,F)
+};
+
+}  // namespace trainrun

@@ -1,0 +1,350 @@
+// The Llama network (core/model/llama/llama.h) end to end on the CPU backend:
+//  - the loss and every parameter gradient of a tiny Llama (GQA, tied and
+//    untied, llama3 rope scaling) against a double-precision reference
+//    forward composed here from tests/support/reference_ops.h, and central
+//    finite differences of its mean loss;
+//  - activation checkpointing and padded logits rows change nothing;
+//  - the logits, the loss and every parameter gradient against Hugging Face
+//    transformers' LlamaForCausalLM in fp32 (scripts/reference/hf_llama.py),
+//    the HF weights read into our flat layout by their names;
+//  - the arch's activation estimate is the network's arena.
+//
+// Error metric: norm-wise relative error per tensor (ref::rel_err), as in
+// tests/test_model_grad.cpp.
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/io/safetensors.h"
+#include "core/model/llama/llama.h"
+#include "core/model/model.h"
+#include "kernels/backend.h"
+#include "kernels/rope_table.h"
+#include "tests/support/device_io.h"
+#include "tests/support/reference_ops.h"
+#include "tests/support/testutil.h"
+
+using namespace trainrun;
+using ref::Tokens;
+using ref::Vec;
+
+namespace {
+
+ModelConfig llama_cfg(int L, int NH, int NKV, int C, int F, int V, int T, bool tied, bool scaled) {
+  ModelConfig c;
+  c.arch = "llama";
+  c.L = L, c.NH = NH, c.NKV = NKV, c.C = C, c.F = F, c.V = V, c.T = T;
+  c.tied = tied;
+  c.init_std = 0.3;  // not the near-identity blocks of 0.02: every term matters
+  c.rope_theta = 500000;
+  if (scaled) {
+    // theta 10000 and an original context of 64 put a head of 8's four
+    // frequencies (wavelengths 6.3, 63, 628, 6283) in all three bands of
+    // llama3 scaling: kept (< 16), blended (16..64) and stretched (> 64).
+    c.rope_theta = 10000;
+    c.rope_scaling_type = "llama3";
+    c.rope_scaling.factor = 8.0;
+    c.rope_scaling.original_max_position_embeddings = 64;
+  }
+  return c;
+}
+
+Tokens rand_tokens(size_t n, int V, uint64_t seed) {
+  std::mt19937_64 gen(seed);
+  std::uniform_int_distribution<int> d(0, V - 1);
+  Tokens t(n);
+  for (auto& x : t) x = d(gen);
+  return t;
+}
+
+// init_params, then noise on the RMSNorm gains (which start at exactly 1).
+std::vector<float> tiny_params(const ModelArch& arch) {
+  const ParamLayout& lay = arch.layout();
+  std::vector<float> p(size_t(lay.total));
+  arch.init_params(1234, 0, lay.total, p.data());
+  std::mt19937_64 gen(99);
+  std::normal_distribution<double> d(0.0, 0.1);
+  for (const auto& t : lay.tensors)
+    if (t.shape.size() == 1)
+      for (int64_t i = 0; i < t.numel; ++i) p[size_t(t.offset + i)] += float(d(gen));
+  return p;
+}
+
+// The Llama forward in double from the flat parameters, tensors found by
+// name (a disagreement with LlamaBlockOffsets shows up as a failure).
+Vec ref_logits(const ModelArch& arch, const Vec& p, const Tokens& tokens, int B, int T) {
+  const ModelConfig& c = arch.config();
+  const ParamLayout& lay = arch.layout();
+  const int N = B * T, C = c.C, F = c.F, HS = c.head_size(), KV = c.NKV * HS;
+  auto W = [&](const std::string& n) {
+    const ParamTensor& t = lay.get(n);
+    return Vec(p.begin() + t.offset, p.begin() + t.offset + t.numel);
+  };
+  const RopeScaling* scaling = c.rope_scaling_type.empty() ? nullptr : &c.rope_scaling;
+  const std::vector<double> inv = rope_inv_freq(HS, c.rope_theta, scaling);
+  const Vec inv_freq(inv.begin(), inv.end());
+  const Vec wte = W("model.embed_tokens.weight");
+  Vec x = ref::encoder(tokens, wte, Vec(size_t(T) * C, 0.0), B, T, C);
+  for (int l = 0; l < c.L; ++l) {
+    const std::string pre = "model.layers." + std::to_string(l) + ".";
+    Vec h = ref::rmsnorm(x, W(pre + "input_layernorm.weight"), N, C, c.norm_eps);
+    const Vec q = ref::linear(h, W(pre + "self_attn.q_proj.weight"), {}, N, C, C);
+    const Vec k = ref::linear(h, W(pre + "self_attn.k_proj.weight"), {}, N, C, KV);
+    const Vec v = ref::linear(h, W(pre + "self_attn.v_proj.weight"), {}, N, C, KV);
+    Vec qkv;
+    for (int n = 0; n < N; ++n) {
+      qkv.insert(qkv.end(), q.begin() + size_t(n) * C, q.begin() + size_t(n + 1) * C);
+      qkv.insert(qkv.end(), k.begin() + size_t(n) * KV, k.begin() + size_t(n + 1) * KV);
+      qkv.insert(qkv.end(), v.begin() + size_t(n) * KV, v.begin() + size_t(n + 1) * KV);
+    }
+    qkv = ref::rope(qkv, inv_freq, B, T, c.NH, c.NKV, HS, 0);
+    const Vec att = ref::attention_gqa(qkv, B, T, c.NH, c.NKV, HS);
+    x = ref::residual(x, ref::linear(att, W(pre + "self_attn.o_proj.weight"), {}, N, C, C));
+    h = ref::rmsnorm(x, W(pre + "post_attention_layernorm.weight"), N, C, c.norm_eps);
+    const Vec g = ref::linear(h, W(pre + "mlp.gate_proj.weight"), {}, N, C, F);
+    const Vec u = ref::linear(h, W(pre + "mlp.up_proj.weight"), {}, N, C, F);
+    Vec gu;
+    for (int n = 0; n < N; ++n) {
+      gu.insert(gu.end(), g.begin() + size_t(n) * F, g.begin() + size_t(n + 1) * F);
+      gu.insert(gu.end(), u.begin() + size_t(n) * F, u.begin() + size_t(n + 1) * F);
+    }
+    x = ref::residual(x, ref::linear(ref::swiglu(gu, N, F), W(pre + "mlp.down_proj.weight"), {}, N, F, C));
+  }
+  const Vec hf = ref::rmsnorm(x, W("model.norm.weight"), N, C, c.norm_eps);
+  return ref::linear(hf, c.tied ? wte : W("lm_head.weight"), {}, N, C, c.V);
+}
+
+double ref_loss(const ModelArch& arch, const Vec& p, const Tokens& in, const Tokens& tg, int B, int T) {
+  const Vec l = ref::cross_entropy(ref_logits(arch, p, in, B, T), tg, B * T, arch.config().V);
+  double s = 0;
+  for (double x : l) s += x;
+  return s / double(B * T);
+}
+
+struct RunOut {
+  std::vector<float> losses;  // (B*T)
+  std::vector<float> logits;  // (B*T*V), from a forward without backward
+  std::vector<float> grads;   // (total)
+};
+
+// A forward-only pass (logits) and one forward + backward (dloss_scale
+// 1/(B*T)) into a zeroed gradient, as the trainer runs a micro-batch.
+RunOut run_model(Backend* be, const ModelArch& arch, bool ckpt, const std::vector<float>& params, const Tokens& in,
+                 const Tokens& tg, int B, int T, int passes = 1) {
+  const ParamLayout& lay = arch.layout();
+  const int V = arch.config().V;
+  auto net = arch.make_network(be, B, ckpt);
+  DeviceBuffer p = test::upload_act(be, params);
+  DeviceBuffer g(be, size_t(lay.total) * 4);
+  DeviceBuffer din = test::upload_i32(be, in), dtg = test::upload_i32(be, tg);
+  FlatUnitAccess units(lay, p.get(), g.as<float>(), be->act_dtype());
+  RunOut r;
+  net->forward(units, din.as<int32_t>(), dtg.as<int32_t>(), B, T, false, 1.0f);
+  const int ldv = net->logits_stride();
+  const std::vector<float> padded = test::download_act(be, net->logits(), size_t(B) * T * ldv);
+  for (int n = 0; n < B * T; ++n)
+    r.logits.insert(r.logits.end(), padded.begin() + size_t(n) * ldv, padded.begin() + size_t(n) * ldv + V);
+  for (int i = 0; i < passes; ++i) {
+    net->forward(units, din.as<int32_t>(), dtg.as<int32_t>(), B, T, true, 1.0f / float(B * T));
+    net->backward(units);
+  }
+  r.losses = test::download_f32(be, net->losses(), size_t(B) * T);
+  r.grads = test::download_f32(be, g.get(), size_t(lay.total));
+  return r;
+}
+
+double mean(const std::vector<float>& v) {
+  double s = 0;
+  for (float x : v) s += x;
+  return s / double(v.size());
+}
+
+// Worst norm-wise relative error over the layout's tensors; prints each.
+double worst_tensor_err(const ParamLayout& lay, const std::vector<float>& got, const Vec& want,
+                        std::string* worst_name) {
+  double worst = 0;
+  for (const auto& t : lay.tensors) {
+    const Vec a(got.begin() + t.offset, got.begin() + t.offset + t.numel);
+    const Vec b(want.begin() + t.offset, want.begin() + t.offset + t.numel);
+    const double e = ref::rel_err(a, b);
+    std::printf("  %-44s rel err %.3e\n", t.name.c_str(), e);
+    if (!(e <= worst)) {  // NaN too
+      worst = e;
+      *worst_name = t.name;
+    }
+  }
+  return worst;
+}
+
+}  // namespace
+
+TEST_CASE("llama: tiny model loss and every gradient match the double reference and finite differences",
+          "[llama]") {
+  auto be = make_cpu_backend(2);
+  struct Case { int NKV; bool tied, scaled; };
+  for (const Case k : {Case{2, true, false}, Case{1, false, true}}) {
+    const auto arch = make_model_arch(llama_cfg(2, 4, k.NKV, 16, 24, 19, 7, k.tied, k.scaled));
+    INFO(arch->describe() << (k.scaled ? " llama3 rope scaling" : ""));
+    std::printf("%s\n", arch->describe().c_str());
+    const int B = 2, T = 7;
+    const std::vector<float> params = tiny_params(*arch);
+    const Tokens in = rand_tokens(size_t(B) * T, 19, 5), tg = rand_tokens(size_t(B) * T, 19, 6);
+    Vec x(params.begin(), params.end());
+    const RunOut run = run_model(be.get(), *arch, false, params, in, tg, B, T);
+
+    const Vec logits = ref_logits(*arch, x, in, B, T);
+    const double logit_err = ref::rel_err(Vec(run.logits.begin(), run.logits.end()), logits);
+    const double want = ref_loss(*arch, x, in, tg, B, T);
+    const double loss_err = std::abs(mean(run.losses) - want) / want;
+    std::printf("  logits rel err %.3e, loss %.6f (ref %.6f) rel err %.3e\n", logit_err, mean(run.losses), want,
+                loss_err);
+    CHECK(logit_err <= 1e-5);
+    CHECK(loss_err <= 1e-5);
+
+    const Vec fd = ref::central_fd(x, [&] { return ref_loss(*arch, x, in, tg, B, T); });
+    std::string name;
+    const double worst = worst_tensor_err(arch->layout(), run.grads, fd, &name);
+    INFO("worst tensor " << name << ": " << worst);
+    CHECK(worst <= 1e-4);
+  }
+}
+
+TEST_CASE("llama: checkpointing, padded logits rows and a second pass", "[llama]") {
+  const auto arch = make_model_arch(llama_cfg(3, 4, 2, 16, 24, 19, 9, false, false));
+  const int B = 3, T = 7;  // T < model T: shorter than the buffers
+  const std::vector<float> params = tiny_params(*arch);
+  const Tokens in = rand_tokens(size_t(B) * T, 19, 7), tg = rand_tokens(size_t(B) * T, 19, 8);
+  auto be = make_cpu_backend(2);
+  const RunOut off = run_model(be.get(), *arch, false, params, in, tg, B, T);
+  const RunOut on = run_model(be.get(), *arch, true, params, in, tg, B, T);
+  CHECK(std::memcmp(off.losses.data(), on.losses.data(), off.losses.size() * 4) == 0);
+  CHECK(std::memcmp(off.grads.data(), on.grads.data(), off.grads.size() * 4) == 0);
+  double n2 = 0;
+  for (float g : off.grads) n2 += double(g) * g;
+  CHECK(n2 > 0);
+  // Rows padded as on the GPU (64): the same numbers.
+  auto padded_be = make_cpu_backend(2, 64);
+  const RunOut pad = run_model(padded_be.get(), *arch, false, params, in, tg, B, T);
+  CHECK(std::memcmp(off.logits.data(), pad.logits.data(), off.logits.size() * 4) == 0);
+  CHECK(std::memcmp(off.grads.data(), pad.grads.data(), off.grads.size() * 4) == 0);
+  // Gradients accumulate: two passes give twice one.
+  const RunOut twice = run_model(be.get(), *arch, false, params, in, tg, B, T, 2);
+  double e = 0, r = 0;
+  for (size_t i = 0; i < off.grads.size(); ++i) {
+    e += std::pow(double(twice.grads[i]) - 2.0 * off.grads[i], 2);
+    r += std::pow(2.0 * off.grads[i], 2);
+  }
+  CHECK(std::sqrt(e / r) <= 1e-6);
+}
+
+TEST_CASE("llama: the arch's activation estimate is the network's arena", "[llama]") {
+  auto be = make_cpu_backend(1);
+  for (bool ckpt : {false, true})
+    for (bool tied : {false, true}) {
+      const auto arch = make_model_arch(llama_cfg(3, 4, 2, 16, 24, 19, 9, tied, false));
+      for (int B : {1, 3}) {
+        auto net = arch->make_network(be.get(), B, ckpt);
+        CHECK(arch->activation_bytes(B, ckpt, ActivationDevice{4, true, 1}) == double(net->activation_bytes()));
+      }
+    }
+}
+
+// ---- against Hugging Face transformers ------------------------------------------------
+
+namespace {
+
+std::string hf_python() {
+  // Missing is a FAILURE, not a skip (as in test_interop.cpp).
+  const std::string py = test::source_dir() + "/.venv/bin/python";
+  if (!test::file_exists(py) ||
+      test::run_command("'" + py + "' -c 'import transformers, safetensors, torch'").exit_code != 0)
+    FAIL("transformers is not available (looked for " << py << " able to `import transformers`); run "
+         "scripts/install-deps.sh --test");
+  return py;
+}
+
+std::vector<float> f32_of(const SafeTensorFile& f, const std::string& name, const std::string& path) {
+  const SafeTensor* t = f.find(name);
+  if (!t) FAIL(path << " has no tensor '" << name << "'");
+  return t->as_f32();
+}
+
+}  // namespace
+
+TEST_CASE("llama: logits, loss and every gradient match transformers' LlamaForCausalLM", "[llama][hf]") {
+  struct Case { int NH, NKV; bool tied, scaled; };
+  // GQA 2:1 and 4:1 (and 1:1), tied and untied, llama3 rope scaling.
+  for (const Case k : {Case{4, 2, true, false}, Case{4, 1, false, true}, Case{4, 4, false, false},
+                       Case{8, 2, true, true}}) {
+    const int L = 2, C = 32, F = 40, V = 37, T = 9, B = 2;
+    ModelConfig cfg = llama_cfg(L, k.NH, k.NKV, C, F, V, T, k.tied, k.scaled);
+    cfg.norm_eps = 1e-5;
+    const auto arch = make_model_arch(cfg);
+    INFO(arch->describe() << (k.scaled ? " llama3 rope scaling" : ""));
+    std::printf("%s%s\n", arch->describe().c_str(), k.scaled ? " llama3" : "");
+    test::TempDir dir("llama_hf");
+    const Tokens in = rand_tokens(size_t(B) * T, V, 11), tg = rand_tokens(size_t(B) * T, V, 12);
+    {
+      SafeTensorFile batch;
+      batch.tensors.push_back(make_tensor("inputs", "I32", {B, T}, in.data()));
+      batch.tensors.push_back(make_tensor("targets", "I32", {B, T}, tg.data()));
+      write_safetensors(dir / "batch.safetensors", batch);
+    }
+    char args[512];
+    std::snprintf(args, sizeof args,
+                  " random --out '%s' --layers %d --hidden %d --heads %d --kv-heads %d --intermediate %d --vocab %d "
+                  "--max-positions %d --rope-theta %g --eps %g%s%s --batch '%s' --out-ref '%s'",
+                  (dir / "model").c_str(), L, C, k.NH, k.NKV, F, V, T, cfg.rope_theta, cfg.norm_eps,
+                  k.tied ? " --tie" : "",
+                  k.scaled ? " --rope-scaling-factor 8 --low-freq-factor 1 --high-freq-factor 4"
+                             " --original-max-positions 64"
+                           : "",
+                  (dir / "batch.safetensors").c_str(), (dir / "ref.safetensors").c_str());
+    const test::RunResult r = test::run_command("OMP_NUM_THREADS=2 '" + hf_python() + "' '" + test::source_dir() +
+                                                "/scripts/reference/hf_llama.py'" + args);
+    INFO(r.err);
+    REQUIRE(r.exit_code == 0);
+
+    // HF's weights into our flat layout, by name (nn.Linear layout: no transpose).
+    const std::string wpath = dir / "model/model.safetensors";
+    const SafeTensorFile w = read_safetensors(wpath);
+    const ParamLayout& lay = arch->layout();
+    std::vector<float> params(size_t(lay.total));
+    for (const auto& t : lay.tensors) {
+      const SafeTensor* s = w.find(arch->hf_tensor(t).name);
+      if (!s) FAIL(wpath << " has no tensor '" << t.name << "'");
+      REQUIRE(s->shape == t.shape);
+      const std::vector<float> v = s->as_f32();
+      std::copy(v.begin(), v.end(), params.begin() + t.offset);
+    }
+    const std::string rpath = dir / "ref.safetensors";
+    const SafeTensorFile ref = read_safetensors(rpath);
+
+    auto be = make_cpu_backend(2);
+    const RunOut run = run_model(be.get(), *arch, false, params, in, tg, B, T);
+    const std::vector<float> hl = f32_of(ref, "logits", rpath);
+    const double logit_err = ref::rel_err(Vec(run.logits.begin(), run.logits.end()), Vec(hl.begin(), hl.end()));
+    const double hf_loss = f32_of(ref, "loss", rpath)[0];
+    const double loss_err = std::abs(mean(run.losses) - hf_loss) / hf_loss;
+    std::printf("  logits rel err %.3e, loss %.6f (HF %.6f) rel err %.3e\n", logit_err, mean(run.losses), hf_loss,
+                loss_err);
+    CHECK(logit_err <= 1e-5);
+    CHECK(loss_err <= 1e-5);
+
+    Vec want(size_t(lay.total));
+    for (const auto& t : lay.tensors) {
+      const std::vector<float> g = f32_of(ref, "grad." + arch->hf_tensor(t).name, rpath);
+      REQUIRE(int64_t(g.size()) == t.numel);
+      std::copy(g.begin(), g.end(), want.begin() + t.offset);
+    }
+    std::string name;
+    const double worst = worst_tensor_err(lay, run.grads, want, &name);
+    INFO("worst tensor " << name << ": " << worst);
+    CHECK(worst <= 1e-4);
+  }
+}
