@@ -348,3 +348,72 @@ TEST_CASE("llama: logits, loss and every gradient match transformers' LlamaForCa
     CHECK(worst <= 1e-4);
   }
 }
+
+// ---- training through the job spec ----------------------------------------------------
+
+#include "core/config/job_spec.h"
+#include "core/model/model_io.h"
+#include "core/train/trainer.h"
+#include "tests/support/inprocess.h"
+
+namespace {
+
+// GQA 2:1, llama3 rope scaling, units that do not divide evenly by 2 or 3
+// ranks; gradient clipping and accumulation on.
+std::string llama_job(const std::string& dir, const std::string& strategy, int group, const std::string& tie,
+                      const std::string& ckpt) {
+  return "model: {arch: llama, n_layer: 2, n_head: 4, n_kv_head: 2, n_embd: 16, ffn_dim: 22, vocab_size: 23,\n"
+         "        seq_len: 12, rope_theta: 10000, tie_embeddings: " + tie + ",\n"
+         "        rope_scaling: {type: llama3, factor: 4, original_max_position_embeddings: 8}}\n"
+         "data: {format: synthetic, synthetic: {vocab: 23, branching: 3}}\n"
+         "train: {global_batch_size: 12, micro_batch_size: 2, max_steps: 8, lr: 3.0e-3, min_lr: 3.0e-4,\n"
+         "        warmup_steps: 2, eval_interval: 4, eval_steps: 1, log_interval: 1, grad_clip: 0.5,\n"
+         "        activation_checkpointing: " + ckpt + "}\n"
+         "output: {dir: '" + dir + "', sample_tokens: 0}\n"
+         "parallel: {sharding: " + strategy + ", shard_group_size: " + std::to_string(group) + ", timeout_s: 60}\n";
+}
+
+struct LlamaRun {
+  std::vector<double> losses;
+  std::vector<float> weights;
+};
+
+LlamaRun run_llama(int world, const std::string& strategy, int group, const std::string& tie,
+                   const std::string& ckpt = "none") {
+  test::TempDir dir("llama");
+  const JobSpec job = parse_job_spec(llama_job(dir.path(), strategy, group, tie, ckpt), "job.yaml", {});
+  LlamaRun out;
+  out.losses = test::run_ranks_inprocess(job, world)[0].losses;
+  const ModelConfig c = load_model_safetensors(dir / "model.safetensors", out.weights);
+  CHECK(c.arch == "llama");
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("llama: every sharding strategy at 2 and 3 ranks trains as one rank does", "[llama][sharding]") {
+  for (const char* tie : {"false", "true"}) {
+    const LlamaRun ref = run_llama(1, "no_shard", 0, tie);
+    REQUIRE(ref.losses.size() == 8);
+    CHECK(ref.losses.back() < ref.losses.front());
+    for (const char* strategy : {"no_shard", "shard_grad_op", "full_shard", "hybrid_shard"}) {
+      for (int world : {2, 3}) {
+        INFO(strategy << " x" << world << ", tie_embeddings " << tie);
+        const LlamaRun got = run_llama(world, strategy, std::string(strategy) == "hybrid_shard" && world == 2 ? 1 : 0,
+                                       tie, world == 3 ? "blocks" : "none");
+        REQUIRE(got.losses.size() == ref.losses.size());
+        for (size_t i = 0; i < ref.losses.size(); ++i) {
+          INFO("step " << i + 1 << ": " << got.losses[i] << " vs " << ref.losses[i]);
+          CHECK(std::fabs(got.losses[i] - ref.losses[i]) <= 1e-5 * std::fabs(ref.losses[i]));
+        }
+        REQUIRE(got.weights.size() == ref.weights.size());
+        double num = 0, den = 0;
+        for (size_t i = 0; i < ref.weights.size(); ++i) {
+          num += (double(got.weights[i]) - ref.weights[i]) * (double(got.weights[i]) - ref.weights[i]);
+          den += double(ref.weights[i]) * ref.weights[i];
+        }
+        CHECK(std::sqrt(num / den) <= 1e-5);
+      }
+    }
+  }
+}

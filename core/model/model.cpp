@@ -24,7 +24,8 @@ namespace {
 struct ArchEntry {
   const char* name;           // model.arch
   const char* hf_model_type;  // config.json's model_type
-  bool implemented;           // has a network (else a description only: `trainrun plan`)
+  bool implemented;           // has a network: trains (else a description only: `trainrun plan`)
+  bool loads_hf;              // Hugging Face directories load into it (model.init_from)
   std::unique_ptr<ModelArch> (*make)(const ModelConfig&);
   ModelConfig (*from_hf)(const json&, const std::string& path, const std::string& what);
   ModelConfig (*from_metadata)(const std::map<std::string, std::string>&, const std::string& path);
@@ -32,8 +33,8 @@ struct ArchEntry {
 
 const std::vector<ArchEntry>& registry() {
   static const std::vector<ArchEntry> r = {
-      {"gpt2", "gpt2", true, make_gpt2_arch, gpt2_config_from_hf, gpt2_config_from_metadata},
-      {"llama", "llama", false, make_llama_arch, llama_config_from_hf, llama_config_from_metadata},
+      {"gpt2", "gpt2", true, true, make_gpt2_arch, gpt2_config_from_hf, gpt2_config_from_metadata},
+      {"llama", "llama", true, false, make_llama_arch, llama_config_from_hf, llama_config_from_metadata},
   };
   return r;
 }
@@ -51,11 +52,11 @@ std::string join_names(bool implemented_only, const char* quote = "") {
   return s;
 }
 
-// `only "gpt2" can be loaded`: the HF model types trainrun can train.
+// `only "gpt2" can be loaded`: the HF model types trainrun can import.
 std::string loadable_types() {
   std::string s;
   for (const auto& e : registry())
-    if (e.implemented) s += (s.empty() ? "\"" : ", \"") + std::string(e.hf_model_type) + "\"";
+    if (e.loads_hf) s += (s.empty() ? "\"" : ", \"") + std::string(e.hf_model_type) + "\"";
   return s;
 }
 
@@ -104,8 +105,8 @@ std::string resolve_arch(const ModelSpec& m) {
            "\", an architecture trainrun does not know (model.arch: auto follows the directory); only ",
            loadable_types(), " can be loaded");
   const ArchEntry* e = find_entry(arch);
-  TR_CHECK(e->implemented, "model.init_from: '", path, "' has model_type \"", mt, "\" (model.arch: auto): model.arch: ",
-           arch, " is not implemented yet; only ", loadable_types(), " can be loaded");
+  TR_CHECK(e->loads_hf, "model.init_from: '", path, "' has model_type \"", mt, "\" (model.arch: auto): importing ",
+           arch, " from Hugging Face is not implemented yet; only ", loadable_types(), " can be loaded");
   return arch;
 }
 }  // namespace
@@ -287,8 +288,8 @@ ModelConfig read_hf_model_config(const std::string& dir, const std::string& what
            "\" but model.arch is ", want_arch, "; only \"", (find_entry(want_arch) ? find_entry(want_arch)->hf_model_type : want_arch.c_str()),
            "\" can be loaded into it (model.arch: auto follows the directory)");
   const ArchEntry* e = find_entry(arch);
-  TR_CHECK(e->implemented, what, ": '", path, "' has model_type \"", mt, "\": model.arch: ", arch,
-           " is not implemented yet; only ", loadable_types(), " can be loaded");
+  TR_CHECK(e->loads_hf, what, ": '", path, "' has model_type \"", mt, "\": importing ", arch,
+           " from Hugging Face is not implemented yet; only ", loadable_types(), " can be loaded");
   ModelConfig cfg = e->from_hf(c, path, what);
   cfg.arch = arch;
   return cfg;

@@ -279,6 +279,9 @@ class ModelArch {
   virtual std::unique_ptr<Network> make_network(Backend* be, int maxB, bool activation_checkpointing) const = 0;
   // capacity: positions the cache holds, 1..T.
   virtual std::unique_ptr<Decoder> make_decoder(Backend* be, int capacity) const = 0;
+  // Whether make_decoder works (sampling); the end-of-run sample is skipped,
+  // with a line, for an architecture without one.
+  virtual bool has_decoder() const { return true; }
   // What a decoder of this capacity allocates on `be`.
   virtual size_t decoder_bytes_needed(const Backend& be, int capacity) const = 0;
 

@@ -536,6 +536,12 @@ void Trainer::log_memory_at_end() {
 // decoder would need more memory than they took, it is skipped with a line
 // saying so (every rank decides alike: the sizes are the same everywhere).
 void Trainer::sample_at_end() {
+  if (!arch_->has_decoder()) {
+    if (rank0_)
+      TR_LOG_INFO("sample: skipped: ", arch_->name(), " has no KV-cached decoder yet (output.sample_tokens: ",
+                  job_.output.sample_tokens, "); set output.sample_tokens: 0 to silence this");
+    return;
+  }
   SampleOptions so;
   so.max_tokens = job_.output.sample_tokens;
   so.temperature = 0.8;

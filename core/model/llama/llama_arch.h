@@ -41,6 +41,7 @@ class LlamaArch final : public ModelArch {
 
   std::unique_ptr<Network> make_network(Backend* be, int maxB, bool activation_checkpointing) const override;
   std::unique_ptr<Decoder> make_decoder(Backend* be, int capacity) const override;
+  bool has_decoder() const override { return false; }
   size_t decoder_bytes_needed(const Backend& be, int capacity) const override;
 
   std::string hf_model_type() const override { return "llama"; }
