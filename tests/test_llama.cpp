@@ -7,7 +7,11 @@
 //  - the logits, the loss and every parameter gradient against Hugging Face
 //    transformers' LlamaForCausalLM in fp32 (scripts/reference/hf_llama.py),
 //    the HF weights read into our flat layout by their names;
-//  - the arch's activation estimate is the network's arena.
+//  - the arch's activation estimate is the network's arena;
+//  - the KV-cached decoder (llama_decoder.h) against the full forward;
+//  - model.init_from of a LlamaForCausalLM directory (bit for bit, through a
+//    2-rank full_shard job), its refusals, and `trainrun generate` greedy
+//    against transformers' generate.
 //
 // Error metric: norm-wise relative error per tensor (ref::rel_err), as in
 // tests/test_model_grad.cpp.
@@ -568,6 +572,25 @@ TEST_CASE("llama: model.init_from loads a LlamaForCausalLM directory bit for bit
     REQUIRE(trained.size() == want.size());
     CHECK(std::memcmp(trained.data(), want.data(), want.size() * 4) == 0);
 
+    // `trainrun generate` (KV cache, greedy) on the written weights continues a
+    // prompt as transformers' greedy generate does, up to the 12 positions.
+    const std::string prompt = "5 17 2 28 0";
+    const test::RunResult theirs =
+        test::run_command("OMP_NUM_THREADS=1 '" + hf_python() + "' '" + test::source_dir() +
+                          "/scripts/reference/hf_llama.py' generate --model '" + hf + "' --prompt '" + prompt +
+                          "' --max-new-tokens 7");
+    INFO(theirs.err);
+    REQUIRE(theirs.exit_code == 0);
+    const test::RunResult ours = test::run_trainrun("generate --checkpoint '" + run + "/model.safetensors' --prompt '" +
+                                                    prompt + "' --max-tokens 7 --top-k 1");
+    INFO(ours.err);
+    REQUIRE(ours.exit_code == 0);
+    std::printf("generate (tied %d): ours '%s' transformers '%s'\n", int(tied), ours.out.c_str(), theirs.out.c_str());
+    CHECK(ours.out == theirs.out);
+    std::istringstream is(ours.out);
+    int n = 0;
+    for (std::string t; is >> t;) ++n;
+    CHECK(n == 12);
   }
 }
 
