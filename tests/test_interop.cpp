@@ -499,7 +499,7 @@ TEST_CASE("interop: bad init_from directories are refused with errors that name 
       {"missing directory", dir / "nope", with(same, dir / "nope"), {"model.init_from", "does not exist"}},
       {"missing config.json", no_config, with(same, no_config), {"has no config.json", "save_pretrained"}},
       {"not gpt2", make("llama", [](json& c) { c["model_type"] = "llama"; }, no_tensor_edit),
-       with(same, dir / "llama"), {"model_type \"llama\"", "only \"gpt2\""}},
+       with([](ModelSpec& s) { s.arch = "gpt2"; }, dir / "llama"), {"model_type \"llama\"", "only \"gpt2\""}},
       {"vocab mismatch", good, with([](ModelSpec& s) { s.vocab_size = 256; }, good),
        {"vocab_size = 37 (config.json) but model.vocab_size is 256", "set model.vocab_size: 37"}},
       {"width mismatch", good, with([](ModelSpec& s) { s.n_embd = 32; }, good),

@@ -7,11 +7,17 @@
 //  - the logits, the loss and every parameter gradient against Hugging Face
 //    transformers' LlamaForCausalLM in fp32 (scripts/reference/hf_llama.py),
 //    the HF weights read into our flat layout by their names;
-//  - the arch's activation estimate is the network's arena.
+//  - the arch's activation estimate is the network's arena;
+//  - the KV-cached decoder (llama_decoder.h) against the full forward;
+//  - model.init_from of a LlamaForCausalLM directory (bit for bit, through a
+//    2-rank full_shard job), its refusals, and `trainrun generate` greedy
+//    against transformers' generate.
 //
 // Error metric: norm-wise relative error per tensor (ref::rel_err), as in
 // tests/test_model_grad.cpp.
 #include <catch2/catch.hpp>
+#include <algorithm>
+#include <functional>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -32,6 +38,7 @@
 using namespace trainrun;
 using ref::Tokens;
 using ref::Vec;
+using Catch::Matchers::Contains;
 
 namespace {
 
@@ -254,6 +261,59 @@ TEST_CASE("llama: the arch's activation estimate is the network's arena", "[llam
     }
 }
 
+// ---- the KV-cached decoder -------------------------------------------------------------
+
+TEST_CASE("llama: the decoder's logits equal the full forward's last row at every step", "[llama][decoder]") {
+  struct Case { int NH, NKV; bool tied, scaled; int T, prefill, align; };
+  // GQA 2:1 and 4:1, tied and untied, llama3 scaling; a prefill of two
+  // chunks (> LlamaDecoder::kChunk rows); padded (GPU-like) logits rows.
+  for (const Case k : {Case{4, 2, true, true, 16, 4, 1}, Case{4, 1, false, true, 16, 3, 1},
+                       Case{4, 2, false, false, 16, 5, 64}, Case{8, 2, true, true, 280, 270, 1}}) {
+    const ModelConfig cfg = llama_cfg(2, k.NH, k.NKV, 32, 40, 37, k.T, k.tied, k.scaled);
+    const auto arch = make_model_arch(cfg);
+    INFO(arch->describe() << " prefill " << k.prefill << " align " << k.align);
+    REQUIRE(arch->has_decoder());
+    auto be = make_cpu_backend(2, k.align);
+    const std::vector<float> params = tiny_params(*arch);
+    DeviceBuffer p = test::upload_act(be.get(), params);
+    const ParamLayout& lay = arch->layout();
+    FlatUnitAccess units(lay, p.get(), nullptr, be->act_dtype());
+    const int steps = 5, cap = k.prefill + steps;
+    auto dec = arch->make_decoder(be.get(), cap);
+    CHECK(dec->bytes() == arch->decoder_bytes_needed(*be, cap));
+    CHECK(dec->capacity() == cap);
+    auto net = arch->make_network(be.get(), 1, false);
+    const Tokens seq = rand_tokens(size_t(cap), cfg.V, 21);
+    const int V = cfg.V;
+    double worst = 0;
+    std::vector<float> got;
+    for (int pass = 0; pass < 2; ++pass) {  // the second after reset(): the cache is reused
+      dec->reset();
+      REQUIRE(dec->position() == 0);
+      for (int n = k.prefill; n <= cap; ++n) {
+        if (n == k.prefill)
+          dec->feed(units, seq.data(), n, got);
+        else
+          dec->feed(units, seq.data() + n - 1, 1, got);
+        REQUIRE(dec->position() == n);
+        DeviceBuffer din = test::upload_i32(be.get(), Tokens(seq.begin(), seq.begin() + n));
+        net->forward(units, din.as<int32_t>(), nullptr, 1, n, false, 0.0f);
+        const int ldv = net->logits_stride();
+        const std::vector<float> all = test::download_act(be.get(), net->logits(), size_t(n) * ldv);
+        const Vec want(all.begin() + size_t(n - 1) * ldv, all.begin() + size_t(n - 1) * ldv + V);
+        REQUIRE(got.size() == size_t(V));
+        const double e = ref::rel_err(Vec(got.begin(), got.end()), want);
+        INFO("position " << n << " rel err " << e);
+        CHECK(e <= 1e-5);
+        worst = std::max(worst, e);
+      }
+    }
+    std::printf("decoder %s prefill %d: worst rel err %.3e\n", arch->describe().c_str(), k.prefill, worst);
+    // Past the capacity is an error, not a write outside the cache.
+    CHECK_THROWS_WITH(dec->feed(units, seq.data(), 1, got), Contains("capacity"));
+  }
+}
+
 // ---- against Hugging Face transformers ------------------------------------------------
 
 namespace {
@@ -415,5 +475,197 @@ TEST_CASE("llama: every sharding strategy at 2 and 3 ranks trains as one rank do
         CHECK(std::sqrt(num / den) <= 1e-5);
       }
     }
+  }
+}
+
+// ---- model.init_from: a Hugging Face LlamaForCausalLM directory -------------------------
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "core/checkpoint/hf_interop.h"
+
+namespace {
+
+// `hf_llama.py random` into dir/name: GQA 2:1, L=2, C=16, F=24, V=29, 12 positions.
+std::string hf_random_llama(const test::TempDir& dir, const std::string& name, bool tied, bool scaled) {
+  const std::string out = dir / name;
+  const std::string args =
+      " random --out '" + out + "' --layers 2 --hidden 16 --heads 4 --kv-heads 2 --intermediate 24 --vocab 29"
+      " --max-positions 12 --rope-theta 10000 --eps 1e-5 --seed 3" + std::string(tied ? " --tie" : "") +
+      (scaled ? " --rope-scaling-factor 4 --low-freq-factor 1 --high-freq-factor 4 --original-max-positions 8" : "");
+  const test::RunResult r = test::run_command("OMP_NUM_THREADS=1 '" + hf_python() + "' '" + test::source_dir() +
+                                              "/scripts/reference/hf_llama.py'" + args);
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  return out;
+}
+
+// The job's model.* for that directory.
+std::string hf_llama_model_yaml(const std::string& init_from, bool tied, bool scaled, const std::string& arch) {
+  return "model: {arch: " + arch + ", n_layer: 2, n_head: 4, n_kv_head: 2, n_embd: 16, ffn_dim: 24, vocab_size: 29,\n"
+         "        seq_len: 12, rope_theta: 10000, norm_eps: 1.0e-5, tie_embeddings: " + (tied ? "true" : "false") +
+         (scaled ? ",\n        rope_scaling: {type: llama3, factor: 4, low_freq_factor: 1, high_freq_factor: 4,"
+                   " original_max_position_embeddings: 8}"
+                 : "") +
+         ",\n        init_from: '" + init_from + "'}\n";
+}
+
+// HF's tensors in our flat layout, by name (nn.Linear layout: no transpose).
+std::vector<float> hf_flat(const ModelArch& arch, const std::string& dir) {
+  const SafeTensorFile w = read_safetensors(dir + "/model.safetensors");
+  std::vector<float> flat(size_t(arch.layout().total));
+  for (const auto& t : arch.layout().tensors) {
+    const SafeTensor* s = w.find(t.name);
+    if (!s) FAIL(dir << " has no tensor '" << t.name << "'");
+    REQUIRE(s->shape == t.shape);
+    REQUIRE(s->dtype == "F32");
+    const std::vector<float> v = s->as_f32();
+    std::copy(v.begin(), v.end(), flat.begin() + t.offset);
+  }
+  return flat;
+}
+
+std::string init_from_error(const ModelSpec& m) {
+  try {
+    load_init_from(m);
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST_CASE("llama: model.init_from loads a LlamaForCausalLM directory bit for bit", "[llama][hf][init_from]") {
+  test::TempDir dir("llama_init");
+  for (const bool tied : {true, false}) {
+    const bool scaled = true;
+    INFO("tie_embeddings " << tied);
+    const std::string hf = hf_random_llama(dir, tied ? "tied" : "untied", tied, scaled);
+    const std::string run = dir / (tied ? "run_tied" : "run_untied");
+    // model.arch auto follows config.json's model_type (tied); explicit llama (untied).
+    const std::string yaml =
+        hf_llama_model_yaml(hf, tied, scaled, tied ? "auto" : "llama") +
+        "data: {format: synthetic, synthetic: {vocab: 29, branching: 3}}\n"
+        // lr 1e-30: one real optimizer step that cannot move a weight of ~0.1.
+        "train: {global_batch_size: 4, micro_batch_size: 2, max_steps: 1, lr: 1.0e-30, min_lr: 0, warmup_steps: 0,\n"
+        "        schedule: constant, weight_decay: 0, grad_clip: 0, eval_steps: 1, log_interval: 1}\n"
+        "output: {dir: '" + run + "', sample_tokens: 0}\n"
+        "parallel: {sharding: full_shard, timeout_s: 60}\n";
+    const JobSpec job = parse_job_spec(yaml, "job.yaml", {});
+    const auto arch = make_model_arch(ModelConfig::from_spec(job.model));
+    REQUIRE(arch->name() == "llama");
+    CHECK(arch->config().tied == tied);
+    const std::vector<float> want = hf_flat(*arch, hf);
+    // The loader alone, then a 2-rank full_shard job (each rank reads its ranges).
+    const std::vector<float> loaded = load_init_from(job.model);
+    REQUIRE(loaded.size() == want.size());
+    CHECK(std::memcmp(loaded.data(), want.data(), want.size() * 4) == 0);
+    const auto sums = test::run_ranks_inprocess(job, 2);
+    REQUIRE(sums[0].losses.size() == 1);
+    std::vector<float> trained;
+    const ModelConfig c = load_model_safetensors(run + "/model.safetensors", trained);
+    CHECK(c.arch == "llama");
+    REQUIRE(trained.size() == want.size());
+    CHECK(std::memcmp(trained.data(), want.data(), want.size() * 4) == 0);
+
+    // `trainrun generate` (KV cache, greedy) on the written weights continues a
+    // prompt as transformers' greedy generate does, up to the 12 positions.
+    const std::string prompt = "5 17 2 28 0";
+    const test::RunResult theirs =
+        test::run_command("OMP_NUM_THREADS=1 '" + hf_python() + "' '" + test::source_dir() +
+                          "/scripts/reference/hf_llama.py' generate --model '" + hf + "' --prompt '" + prompt +
+                          "' --max-new-tokens 7");
+    INFO(theirs.err);
+    REQUIRE(theirs.exit_code == 0);
+    const test::RunResult ours = test::run_trainrun("generate --checkpoint '" + run + "/model.safetensors' --prompt '" +
+                                                    prompt + "' --max-tokens 7 --top-k 1");
+    INFO(ours.err);
+    REQUIRE(ours.exit_code == 0);
+    std::printf("generate (tied %d): ours '%s' transformers '%s'\n", int(tied), ours.out.c_str(), theirs.out.c_str());
+    CHECK(ours.out == theirs.out);
+    std::istringstream is(ours.out);
+    int n = 0;
+    for (std::string t; is >> t;) ++n;
+    CHECK(n == 12);
+  }
+}
+
+TEST_CASE("llama: bad init_from directories and configs are refused, naming the problem", "[llama][hf][init_from]") {
+  namespace fs = std::filesystem;
+  using nlohmann::ordered_json;
+  test::TempDir dir("llama_init_bad");
+  const std::string good = hf_random_llama(dir, "good", false, false);
+  ordered_json base;
+  {
+    std::ifstream f(good + "/config.json");
+    base = ordered_json::parse(f);
+  }
+  // A copy of the good directory with config.json edited.
+  auto with_config = [&](const std::string& name, const std::function<void(ordered_json&)>& edit) {
+    const std::string d = dir / name;
+    fs::create_directories(d);
+    fs::copy_file(good + "/model.safetensors", d + "/model.safetensors", fs::copy_options::overwrite_existing);
+    ordered_json c = base;
+    edit(c);
+    test::write_file(d + "/config.json", c.dump(2));
+    return d;
+  };
+  auto spec = [&](const std::string& d, const std::vector<std::string>& sets = {}) {
+    return parse_job_spec(hf_llama_model_yaml(d, false, false, "auto") + "data: {format: synthetic}\n", "job.yaml",
+                          sets)
+        .model;
+  };
+  REQUIRE(init_from_error(spec(good)).empty());
+
+  // A missing tensor.
+  const std::string missing = dir / "missing";
+  fs::create_directories(missing);
+  fs::copy_file(good + "/config.json", missing + "/config.json");
+  {
+    SafeTensorFile f = read_safetensors(good + "/model.safetensors");
+    f.tensors.erase(std::remove_if(f.tensors.begin(), f.tensors.end(),
+                                   [](const SafeTensor& t) { return t.name == "model.layers.1.mlp.up_proj.weight"; }),
+                    f.tensors.end());
+    write_safetensors(missing + "/model.safetensors", f);
+  }
+  struct Case {
+    const char* what;
+    ModelSpec m;
+    std::vector<std::string> expect;
+  };
+  const std::vector<Case> cases = {
+      {"unknown rope type",
+       spec(with_config("yarn", [](ordered_json& c) { c["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}}; })),
+       {"rope_scaling.rope_type = \"yarn\"", "llama3"}},
+      {"old-style type key", spec(with_config("dyn", [](ordered_json& c) {
+         c["rope_scaling"] = {{"type", "dynamic"}, {"factor", 2.0}};
+       })),
+       {"rope_scaling.type = \"dynamic\""}},
+      {"missing tensor", spec(missing), {"has no tensor 'model.layers.1.mlp.up_proj.weight'"}},
+      {"attention bias", spec(with_config("abias", [](ordered_json& c) { c["attention_bias"] = true; })),
+       {"attention_bias = true"}},
+      {"mlp bias", spec(with_config("mbias", [](ordered_json& c) { c["mlp_bias"] = true; })), {"mlp_bias = true"}},
+      {"gelu", spec(with_config("gelu", [](ordered_json& c) { c["hidden_act"] = "gelu"; })),
+       {"hidden_act = \"gelu\"", "silu"}},
+      {"width", spec(good, {"model.ffn_dim=32"}),
+       {"intermediate_size = 24 (config.json) but model.ffn_dim is 32", "set model.ffn_dim: 24"}},
+      {"kv heads", spec(good, {"model.n_kv_head=4"}), {"num_key_value_heads = 2 (config.json) but model.n_kv_head is 4"}},
+      {"theta", spec(good, {"model.rope_theta=500000"}), {"rope_theta = 10000 (config.json) but model.rope_theta is 500000"}},
+      {"tied", spec(good, {"model.tie_embeddings=true"}),
+       {"tie_word_embeddings = false (config.json) but model.tie_embeddings is true"}},
+      {"scaling", spec(good, {"model.rope_scaling.type=llama3"}),
+       {"rope_scaling.rope_type = none (config.json) but model.rope_scaling.type is llama3"}},
+      {"context", spec(good, {"model.seq_len=16"}), {"max_position_embeddings = 12", "model.seq_len is 16"}},
+  };
+  for (const auto& k : cases) {
+    INFO(k.what);
+    const std::string err = init_from_error(k.m);
+    INFO(err);
+    CHECK_THAT(err, Contains("model.init_from"));
+    for (const auto& e : k.expect) CHECK_THAT(err, Contains(e));
   }
 }

@@ -2,7 +2,7 @@
 // ModelConfig's validation (every message names the model.* key), the
 // tensor-parallel split of every tensor, counter-based init by slices,
 // the file metadata and manifest round trips, model.arch in the job spec
-// (auto, and llama's clear "not implemented yet"), and a resume from a
+// (auto follows init_from's model_type), and a resume from a
 // format-2 manifest without "arch".
 #include <catch2/catch.hpp>
 #include <xxhash.h>
@@ -226,10 +226,13 @@ TEST_CASE("model: Llama's layout has HF's names, its splits and the planner's un
     }
     CHECK(lay.ties.size() == (tied ? 1u : 0u));
     CHECK(arch->matmul_parameters() == lay.total - (tied ? 0 : V * C));
-    // The network exists (tests/test_llama.cpp); sampling does not yet, and says so.
+    // The network and the KV-cached decoder exist (tests/test_llama.cpp).
     auto be = make_cpu_backend(1);
     CHECK(arch->make_network(be.get(), 1, false) != nullptr);
-    CHECK_THAT(error_of([&] { arch->make_decoder(be.get(), 4); }), Contains("model.arch: llama is not implemented yet"));
+    CHECK(arch->has_decoder());
+    const auto dec = arch->make_decoder(be.get(), 4);
+    REQUIRE(dec != nullptr);
+    CHECK(dec->bytes() == arch->decoder_bytes_needed(*be, 4));
   }
 }
 
@@ -368,9 +371,12 @@ TEST_CASE("model: model.arch auto follows init_from's model_type, and llama trai
   m.arch = "auto";
   m.init_from = dir / "gpt2";
   CHECK(ModelConfig::from_spec(m).arch == "gpt2");
+  // A llama directory resolves to llama (its import: tests/test_llama.cpp).
+  std::filesystem::create_directories(dir / "llama");
+  test::write_file(dir / "llama/config.json", "{\"model_type\": \"llama\"}");
+  m.init_from = dir / "llama";
+  CHECK(ModelConfig::from_spec(m).arch == "llama");
   for (const auto& [type, expect] : std::vector<std::pair<std::string, std::string>>{
-           {"llama", "has model_type \"llama\" (model.arch: auto): importing llama from Hugging Face is not "
-                     "implemented yet; only \"gpt2\" can be loaded"},
            {"mistral", "has model_type \"mistral\", an architecture trainrun does not know"}}) {
     std::filesystem::create_directories(dir / type);
     test::write_file(dir / type + "/config.json", "{\"model_type\": \"" + type + "\"}");
@@ -389,7 +395,7 @@ TEST_CASE("model: model.arch auto follows init_from's model_type, and llama trai
   CHECK(ModelConfig::from_spec(m).arch == "gpt2");
   CHECK_THAT(error_of([&] { load_init_from(m); }), Contains("model.init_from: '" + dir / "nope" + "' does not exist"));
 
-  // A llama run needs its MLP width; with it, it trains (sampling is skipped, saying why).
+  // A llama run needs its MLP width; with it, it trains and samples at the end.
   test::write_file(dir / "job.yaml",
                    "model: {arch: llama, n_layer: 1, n_head: 2, n_embd: 8, vocab_size: 16, seq_len: 8}\n"
                    "data: {format: synthetic}\noutput: {dir: '" + dir / "run" + "', sample_tokens: 0}\n"
@@ -404,7 +410,8 @@ TEST_CASE("model: model.arch auto follows init_from's model_type, and llama trai
                          " --set output.sample_tokens=5");
   INFO(r.err);
   CHECK(r.exit_code == 0);
-  CHECK_THAT(r.err, Contains("model: llama L=1") && Contains("sample: skipped: llama has no KV-cached decoder yet"));
+  CHECK_THAT(r.err, Contains("model: llama L=1") && Contains("sample:\n"));
+  CHECK_THAT(r.err, !Contains("sample: skipped"));
   r = test::run_trainrun("--config " + dir / "job.yaml" + " --set model.arch=gpt4");
   CHECK(r.exit_code == 1);
   CHECK_THAT(r.err, Contains("model.arch: unknown value 'gpt4'") && Contains("auto, gpt2, llama"));

@@ -34,7 +34,7 @@ struct ArchEntry {
 const std::vector<ArchEntry>& registry() {
   static const std::vector<ArchEntry> r = {
       {"gpt2", "gpt2", true, true, make_gpt2_arch, gpt2_config_from_hf, gpt2_config_from_metadata},
-      {"llama", "llama", true, false, make_llama_arch, llama_config_from_hf, llama_config_from_metadata},
+      {"llama", "llama", true, true, make_llama_arch, llama_config_from_hf, llama_config_from_metadata},
   };
   return r;
 }

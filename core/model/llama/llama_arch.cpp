@@ -9,6 +9,7 @@
 #include "core/common/error.h"
 #include "core/model/init_rng.h"
 #include "core/model/llama/llama.h"
+#include "core/model/llama/llama_decoder.h"
 
 using json = nlohmann::ordered_json;
 
@@ -241,14 +242,12 @@ json LlamaArch::manifest_model() const {
 std::unique_ptr<Network> LlamaArch::make_network(Backend* be, int maxB, bool activation_checkpointing) const {
   return std::make_unique<LlamaNetwork>(cfg_, layout_, be, maxB, activation_checkpointing);
 }
-std::unique_ptr<Decoder> LlamaArch::make_decoder(Backend*, int) const { llama_not_implemented("sampling"); }
-size_t LlamaArch::decoder_bytes_needed(const Backend&, int) const { llama_not_implemented("sampling"); }
+std::unique_ptr<Decoder> LlamaArch::make_decoder(Backend* be, int capacity) const {
+  return std::make_unique<LlamaDecoder>(cfg_, layout_, be, capacity);
+}
+size_t LlamaArch::decoder_bytes_needed(const Backend& be, int capacity) const {
+  return LlamaDecoder::bytes_needed(cfg_, be, capacity);
+}
 json LlamaArch::hf_config_json() const { llama_not_implemented("Hugging Face export"); }
-void LlamaArch::check_init_from(const ModelConfig&, const std::string&) const {
-  llama_not_implemented("model.init_from");
-}
-ModelConfig llama_config_from_hf(const json&, const std::string&, const std::string&) {
-  llama_not_implemented("reading a Hugging Face config.json");
-}
 
 }  // namespace trainrun

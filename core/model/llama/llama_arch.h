@@ -41,13 +41,15 @@ class LlamaArch final : public ModelArch {
 
   std::unique_ptr<Network> make_network(Backend* be, int maxB, bool activation_checkpointing) const override;
   std::unique_ptr<Decoder> make_decoder(Backend* be, int capacity) const override;
-  bool has_decoder() const override { return false; }
   size_t decoder_bytes_needed(const Backend& be, int capacity) const override;
 
   std::string hf_model_type() const override { return "llama"; }
   nlohmann::ordered_json hf_config_json() const override;
   HfTensor hf_tensor(const ParamTensor& t) const override { return {t.name, false, ""}; }
-  std::string hf_shape_keys() const override { return "num_hidden_layers/hidden_size/vocab_size"; }
+  bool hf_ignored_buffer(const std::string& canonical_name) const override;
+  std::string hf_shape_keys() const override {
+    return "num_hidden_layers/hidden_size/num_attention_heads/num_key_value_heads/intermediate_size/vocab_size";
+  }
   void check_init_from(const ModelConfig& hf, const std::string& dir) const override;
 };
 

@@ -1,0 +1,151 @@
+#include "core/model/llama/llama_decoder.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "core/common/error.h"
+#include "core/model/llama/llama.h"
+#include "kernels/rope_table.h"
+
+namespace trainrun {
+
+namespace {
+struct Plan {
+  std::vector<std::pair<void**, size_t>> slots;
+  size_t total = 0;
+  void add(void** slot, size_t bytes) {
+    bytes = (bytes + 63) / 64 * 64;
+    slots.push_back({slot, bytes});
+    total += bytes;
+  }
+};
+
+// The decoder's buffers in arena order; the constructor and bytes_needed
+// lay out the same plan (p may point at scratch slots).
+Plan plan_for(const ModelConfig& cfg, const Backend& be, int cap, int chunk, std::vector<void*>& k,
+              std::vector<void*>& v, void** p[14]) {
+  const size_t es = dtype_size(be.act_dtype());
+  const int64_t C = cfg.C, R = chunk, F = cfg.F, HS = cfg.head_size(), KV = int64_t(cfg.kv_heads()) * HS;
+  Plan plan;
+  k.assign(size_t(cfg.L), nullptr);
+  v.assign(size_t(cfg.L), nullptr);
+  for (int l = 0; l < cfg.L; ++l) {
+    plan.add(&k[size_t(l)], size_t(cap) * KV * es);
+    plan.add(&v[size_t(l)], size_t(cap) * KV * es);
+  }
+  plan.add(p[0], size_t(cap) * HS * 4);            // rope (cap, HS/2, 2) fp32
+  plan.add(p[1], size_t(R) * C * es);              // zero_wpe
+  plan.add(p[2], size_t(R) * 4);                   // tokens
+  plan.add(p[3], size_t(R) * C * es);              // res_a
+  plan.add(p[4], size_t(R) * C * es);              // res_b
+  plan.add(p[5], size_t(R) * C * es);              // proj
+  plan.add(p[6], size_t(R) * C * es);              // ln
+  plan.add(p[7], size_t(R) * 4);                   // rstd
+  plan.add(p[8], size_t(R) * (C + 2 * KV) * es);   // qkv
+  plan.add(p[9], size_t(R) * C * es);              // atty
+  plan.add(p[10], size_t(R) * 2 * F * es);         // gate|up
+  plan.add(p[11], size_t(R) * F * es);             // h
+  plan.add(p[12], size_t(be.logits_stride(cfg.V)) * es);  // logits (1, ldv)
+  plan.add(p[13], size_t(cfg.V) * 4);              // the same, fp32
+  return plan;
+}
+}  // namespace
+
+size_t LlamaDecoder::bytes_needed(const ModelConfig& cfg, const Backend& be, int capacity) {
+  std::vector<void*> k, v;
+  void* scratch[14];
+  void** p[14];
+  for (int i = 0; i < 14; ++i) p[i] = &scratch[i];
+  return plan_for(cfg, be, capacity, std::min(capacity, kChunk), k, v, p).total;
+}
+
+LlamaDecoder::LlamaDecoder(const ModelConfig& cfg, const ParamLayout& layout, Backend* be, int capacity)
+    : cfg_(cfg), be_(be), cap_(capacity), chunk_(std::min(capacity, kChunk)) {
+  TR_CHECK(cfg.arch == "llama" && cfg.NKV > 0 && cfg.F > 0, "LlamaDecoder needs LlamaArch's resolved config (a bug)");
+  TR_CHECK(capacity >= 1 && capacity <= cfg.T, "decoder: capacity ", capacity, " outside 1..", cfg.T,
+           " (model.seq_len)");
+  HS_ = cfg.head_size();
+  KV_ = cfg.NKV * HS_;
+  QKV_ = cfg.C + 2 * KV_;
+  eps_ = float(cfg.norm_eps);
+  ldv_ = be->logits_stride(cfg.V);
+  if (!cfg.tied) {
+    const ParamTensor& h = layout.get("lm_head.weight");
+    lm_head_off_ = h.offset - layout.units[size_t(h.unit)].offset;
+  }
+  void** p[14] = {reinterpret_cast<void**>(&rope_), &zero_wpe_, reinterpret_cast<void**>(&tokens_), &res_a_,
+                  &res_b_, &proj_, &ln_, reinterpret_cast<void**>(&rstd_), &qkv_, &atty_, &gu_, &h_, &logits_,
+                  reinterpret_cast<void**>(&logits_f32_)};
+  Plan plan = plan_for(cfg, *be, cap_, chunk_, kcache_, vcache_, p);
+  arena_ = DeviceBuffer(be, plan.total);
+  char* base = arena_.as<char>();
+  for (auto& [slot, bytes] : plan.slots) {
+    *slot = base;
+    base += bytes;
+  }
+  be->zero(zero_wpe_, size_t(chunk_) * cfg.C * dtype_size(be->act_dtype()));
+  const RopeScaling* scaling = cfg.rope_scaling_type.empty() ? nullptr : &cfg.rope_scaling;
+  const std::vector<float> table = rope_table(cap_, HS_, cfg.rope_theta, scaling);
+  be->copy_to_device(rope_, table.data(), table.size() * 4);
+}
+
+void LlamaDecoder::feed(UnitAccess& units, const int32_t* tokens, int n, std::vector<float>& logits) {
+  TR_CHECK(n >= 1 && pos_ + n <= cap_, "decoder: feeding ", n, " tokens at position ", pos_,
+           " exceeds its capacity of ", cap_);
+  for (int i = 0; i < n; i += chunk_) feed_chunk(units, tokens + i, std::min(chunk_, n - i), i + chunk_ >= n);
+  logits.resize(size_t(cfg_.V));
+  be_->copy_to_host(logits.data(), logits_f32_, size_t(cfg_.V) * 4);
+}
+
+// LlamaNetwork::forward's ops on n rows at positions [pos_, pos_+n), with
+// attention over the cache.
+void LlamaDecoder::feed_chunk(UnitAccess& units, const int32_t* tokens, int n, bool last_chunk) {
+  for (int i = 0; i < n; ++i)
+    TR_CHECK(tokens[i] >= 0 && tokens[i] < cfg_.V, "decoder: token ", tokens[i], " is outside the vocab of ", cfg_.V);
+  const int C = cfg_.C, L = cfg_.L, F = cfg_.F;
+  const size_t es = dtype_size(be_->act_dtype());
+  be_->copy_to_device(tokens_, tokens, size_t(n) * 4);
+
+  units.begin_pass(false, false);
+  be_->encoder_forward(res_a_, tokens_, units.acquire_params(0), zero_wpe_, 1, n, C);
+  units.release_params(0);
+
+  const LlamaBlockOffsets o(C, KV_, F);
+  for (int l = 0; l < L; ++l) {
+    const char* p = static_cast<const char*>(units.acquire_params(1 + l));
+    auto w = [&](int64_t off) { return p + off * int64_t(es); };
+    if (l == 0)
+      be_->rmsnorm_forward(ln_, rstd_, res_a_, w(o.ln1w), n, C, eps_);
+    else
+      be_->residual_rmsnorm_forward(res_a_, ln_, rstd_, res_b_, proj_, w(o.ln1w), n, C, eps_);
+    be_->matmul_forward(qkv_, ln_, w(o.qkvw), nullptr, n, C, QKV_);
+    be_->rope_forward(qkv_, rope_, 1, n, cfg_.NH, cfg_.NKV, HS_, pos_);
+    be_->attention_kv_gqa_forward(atty_, kcache_[size_t(l)], vcache_[size_t(l)], qkv_, pos_, n, cfg_.NH, cfg_.NKV,
+                                  HS_);
+    be_->matmul_forward(proj_, atty_, w(o.ow), nullptr, n, C, C);
+    be_->residual_rmsnorm_forward(res_b_, ln_, rstd_, res_a_, proj_, w(o.ln2w), n, C, eps_);
+    be_->matmul_forward(gu_, ln_, w(o.guw), nullptr, n, C, 2 * F);
+    be_->swiglu_forward(h_, gu_, n, F);
+    be_->matmul_forward(proj_, h_, w(o.downw), nullptr, n, F, C);
+    units.release_params(1 + l);
+  }
+  pos_ += n;
+  const char* head = static_cast<const char*>(units.acquire_params(L + 1));
+  be_->residual_rmsnorm_forward(res_a_, ln_, rstd_, res_b_, proj_, head, n, C, eps_);
+  const char* last = static_cast<const char*>(ln_) + size_t(n - 1) * C * es;
+  if (!last_chunk) {
+    units.release_params(L + 1);
+    return;
+  }
+  if (cfg_.tied) {
+    units.release_params(L + 1);
+    be_->lm_head_forward(logits_, last, units.acquire_params(0), 1, C, cfg_.V, ldv_);
+    units.release_params(0);
+  } else {
+    be_->lm_head_forward(logits_, last, head + lm_head_off_ * int64_t(es), 1, C, cfg_.V, ldv_);
+    units.release_params(L + 1);
+  }
+  be_->cast_to_f32(logits_f32_, logits_, cfg_.V);
+}
+
+}  // namespace trainrun

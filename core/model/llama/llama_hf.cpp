@@ -1,0 +1,154 @@
+// Llama's Hugging Face side (llama_arch.h): config.json -> ModelConfig
+// (LlamaConfig's keys and defaults), tensor names (HF's own, nn.Linear
+// layout: no transpose, and q/k need no permutation since our RoPE pairs
+// as HF's rotate_half) and the init_from check. The files themselves are
+// read by core/checkpoint/hf_interop.cpp.
+#include <cmath>
+#include <cstring>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "core/common/error.h"
+#include "core/model/llama/llama_arch.h"
+
+using json = nlohmann::ordered_json;
+
+namespace trainrun {
+
+ModelConfig llama_config_from_hf(const json& c, const std::string& path, const std::string& what) {
+  // Keys left out take transformers' LlamaConfig defaults, as from_pretrained does.
+  auto has = [&](const char* key) { return c.contains(key) && !c[key].is_null(); };
+  auto get_int = [&](const json& o, const char* key, int dflt, const char* prefix = "") {
+    if (!o.contains(key) || o[key].is_null()) return dflt;
+    TR_CHECK(o[key].is_number_integer(), what, ": '", path, "': ", prefix, key, " is not an integer: ", o[key].dump());
+    return o[key].get<int>();
+  };
+  auto get_num = [&](const json& o, const char* key, double dflt, const char* prefix = "") {
+    if (!o.contains(key) || o[key].is_null()) return dflt;
+    TR_CHECK(o[key].is_number(), what, ": '", path, "': ", prefix, key, " is not a number: ", o[key].dump());
+    return o[key].get<double>();
+  };
+  auto get_bool = [&](const char* key, bool dflt) {
+    if (!has(key)) return dflt;
+    TR_CHECK(c[key].is_boolean(), what, ": '", path, "': ", key, " is not true/false: ", c[key].dump());
+    return c[key].get<bool>();
+  };
+  auto unsupported = [&](const std::string& key, const std::string& have, const std::string& need) {
+    TR_FAIL(what, ": '", path, "' has ", key, " = ", have, "; trainrun's Llama needs ", need,
+            ", so these weights would compute a different function");
+  };
+  ModelConfig cfg;
+  cfg.arch = "llama";
+  cfg.V = get_int(c, "vocab_size", 32000);
+  cfg.C = get_int(c, "hidden_size", 4096);
+  cfg.F = get_int(c, "intermediate_size", 11008);
+  cfg.L = get_int(c, "num_hidden_layers", 32);
+  cfg.NH = get_int(c, "num_attention_heads", 32);
+  cfg.NKV = get_int(c, "num_key_value_heads", cfg.NH);
+  cfg.T = get_int(c, "max_position_embeddings", 2048);
+  cfg.norm_eps = get_num(c, "rms_norm_eps", 1e-6);
+  cfg.rope_theta = get_num(c, "rope_theta", 10000.0);
+  cfg.init_std = get_num(c, "initializer_range", 0.02);
+  cfg.tied = get_bool("tie_word_embeddings", false);
+  TR_CHECK(cfg.V > 0 && cfg.C > 0 && cfg.F > 0 && cfg.L > 0 && cfg.NH > 0 && cfg.NKV > 0 && cfg.T > 0, what, ": '",
+           path,
+           "': vocab_size, hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, "
+           "num_key_value_heads and max_position_embeddings must be positive");
+  TR_CHECK(cfg.C % cfg.NH == 0, what, ": '", path, "': hidden_size (", cfg.C,
+           ") is not divisible by num_attention_heads (", cfg.NH, ")");
+  TR_CHECK(cfg.NH % cfg.NKV == 0, what, ": '", path, "': num_attention_heads (", cfg.NH,
+           ") is not a multiple of num_key_value_heads (", cfg.NKV, ")");
+  if (has("head_dim")) {
+    const int hd = get_int(c, "head_dim", 0);
+    if (hd != cfg.C / cfg.NH)
+      unsupported("head_dim", std::to_string(hd),
+                  "hidden_size / num_attention_heads = " + std::to_string(cfg.C / cfg.NH));
+  }
+  const std::string act = has("hidden_act") && c["hidden_act"].is_string() ? c["hidden_act"].get<std::string>()
+                          : has("hidden_act")                             ? c["hidden_act"].dump()
+                                                                          : "silu";
+  if (act != "silu") unsupported("hidden_act", "\"" + act + "\"", "\"silu\" (SwiGLU)");
+  if (get_bool("attention_bias", false)) unsupported("attention_bias", "true", "false (no biases)");
+  if (get_bool("mlp_bias", false)) unsupported("mlp_bias", "true", "false (no biases)");
+  if (has("rope_scaling")) {
+    const json& s = c["rope_scaling"];
+    TR_CHECK(s.is_object(), what, ": '", path, "': rope_scaling is not an object: ", s.dump());
+    // transformers reads rope_type, or the older "type".
+    const char* tkey = s.contains("rope_type") ? "rope_type" : "type";
+    TR_CHECK(s.contains(tkey) && s[tkey].is_string(), what, ": '", path,
+             "': rope_scaling has no rope_type (or type): ", s.dump());
+    const std::string type = s[tkey].get<std::string>();
+    if (type == "llama3") {
+      for (const char* k : {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"})
+        TR_CHECK(s.contains(k) && !s[k].is_null(), what, ": '", path, "': rope_scaling (llama3) has no ", k);
+      cfg.rope_scaling_type = "llama3";
+      cfg.rope_scaling.factor = get_num(s, "factor", 0, "rope_scaling.");
+      cfg.rope_scaling.low_freq_factor = get_num(s, "low_freq_factor", 0, "rope_scaling.");
+      cfg.rope_scaling.high_freq_factor = get_num(s, "high_freq_factor", 0, "rope_scaling.");
+      cfg.rope_scaling.original_max_position_embeddings =
+          get_int(s, "original_max_position_embeddings", 0, "rope_scaling.");
+    } else if (type != "default") {
+      unsupported("rope_scaling." + std::string(tkey), "\"" + type + "\"",
+                  "no rope_scaling, \"default\" or \"llama3\" (the only RoPE scaling it implements)");
+    }
+  }
+  return cfg;
+}
+
+// The RoPE inverse frequencies older transformers versions saved with the weights.
+bool LlamaArch::hf_ignored_buffer(const std::string& key) const {
+  const char* suf = ".rotary_emb.inv_freq";
+  const size_t n = std::strlen(suf);
+  return key.size() >= n && key.compare(key.size() - n, n, suf) == 0;
+}
+
+void LlamaArch::check_init_from(const ModelConfig& hf, const std::string& dir) const {
+  const std::string what = "model.init_from";
+  auto fail = [&](const char* field, const std::string& job, const char* key, const std::string& have,
+                  const std::string& fix) {
+    TR_FAIL(what, ": '", dir, "' holds a Llama with ", key, " = ", have, " (config.json) but model.", field, " is ",
+            job, "; set model.", field, ": ", fix, " (the job's model.* must describe the weights it starts from)");
+  };
+  auto same = [&](const char* field, int job, const char* key, int have) {
+    if (job != have) fail(field, std::to_string(job), key, std::to_string(have), std::to_string(have));
+  };
+  auto num = [](double v) {
+    std::ostringstream o;
+    o.precision(17);
+    o << v;
+    return o.str();
+  };
+  auto same_num = [&](const char* field, double job, const char* key, double have) {
+    if (job != have) fail(field, num(job), key, num(have), num(have));
+  };
+  const ModelConfig& m = cfg_;
+  same("n_layer", m.L, "num_hidden_layers", hf.L);
+  same("n_head", m.NH, "num_attention_heads", hf.NH);
+  same("n_kv_head", m.kv_heads(), "num_key_value_heads", hf.kv_heads());
+  same("n_embd", m.C, "hidden_size", hf.C);
+  same("ffn_dim", m.F, "intermediate_size", hf.F);
+  same("vocab_size", m.V, "vocab_size", hf.V);
+  same_num("norm_eps", m.norm_eps, "rms_norm_eps", hf.norm_eps);
+  same_num("rope_theta", m.rope_theta, "rope_theta", hf.rope_theta);
+  if (m.tied != hf.tied)
+    fail("tie_embeddings", m.tied ? "true" : "false", "tie_word_embeddings", hf.tied ? "true" : "false",
+         hf.tied ? "true" : "false");
+  const std::string mt = m.rope_scaling_type.empty() ? "none" : m.rope_scaling_type;
+  const std::string ht = hf.rope_scaling_type.empty() ? "none" : hf.rope_scaling_type;
+  if (mt != ht) fail("rope_scaling.type", mt, "rope_scaling.rope_type", ht, ht);
+  if (!hf.rope_scaling_type.empty()) {
+    same_num("rope_scaling.factor", m.rope_scaling.factor, "rope_scaling.factor", hf.rope_scaling.factor);
+    same_num("rope_scaling.low_freq_factor", m.rope_scaling.low_freq_factor, "rope_scaling.low_freq_factor",
+             hf.rope_scaling.low_freq_factor);
+    same_num("rope_scaling.high_freq_factor", m.rope_scaling.high_freq_factor, "rope_scaling.high_freq_factor",
+             hf.rope_scaling.high_freq_factor);
+    same("rope_scaling.original_max_position_embeddings", m.rope_scaling.original_max_position_embeddings,
+         "rope_scaling.original_max_position_embeddings", hf.rope_scaling.original_max_position_embeddings);
+  }
+  // RoPE has no table: a shorter context is the same model; a longer one
+  // is past what it was trained for.
+  TR_CHECK(m.T <= hf.T, what, ": '", dir, "' holds a Llama with max_position_embeddings = ", hf.T,
+           " (config.json) but model.seq_len is ", m.T, "; set model.seq_len to at most ", hf.T);
+}
+
+}  // namespace trainrun
