@@ -105,7 +105,7 @@ const std::vector<Field>& fields() {
 
       TR_SPEC_FIELD(model.arch, one_of({"auto", "gpt2", "llama"}),
                     "model family; auto = the model_type of model.init_from's config.json, else gpt2; "
-                    "llama is accepted here but not implemented yet (building the model fails)"),
+                    "llama = Llama 3 (RMSNorm, RoPE, SwiGLU, grouped-query attention; its shape in the fields below)"),
       TR_SPEC_FIELD(model.n_layer, at_least(1), "transformer blocks (L)"),
       TR_SPEC_FIELD(model.n_head, at_least(1), "attention heads (NH); must divide n_embd"),
       TR_SPEC_FIELD(model.n_embd, at_least(1), "residual stream width in channels (C)"),
