@@ -4,29 +4,17 @@
 #include <utility>
 
 #include "core/common/error.h"
+#include "core/model/arena_plan.h"
 
 namespace trainrun {
 
-namespace {
-// The decoder's buffers, in arena order: (slot, bytes), 64-byte aligned.
-struct Plan {
-  std::vector<std::pair<void**, size_t>> slots;
-  size_t total = 0;
-  void add(void** slot, size_t bytes) {
-    bytes = (bytes + 63) / 64 * 64;
-    slots.push_back({slot, bytes});
-    total += bytes;
-  }
-};
-}  // namespace
-
 // Both the constructor and bytes_needed lay out the same plan (slots may be
 // scratch pointers when only the size is wanted).
-static Plan plan_for(const GPT2Config& cfg, const Backend& be, int cap, int chunk, std::vector<void*>& k,
+static ArenaPlan plan_for(const GPT2Config& cfg, const Backend& be, int cap, int chunk, std::vector<void*>& k,
                      std::vector<void*>& v, void** p[13], int ldv) {
   const size_t es = dtype_size(be.act_dtype());
   const int64_t C = cfg.C, R = chunk;
-  Plan plan;
+  ArenaPlan plan;
   k.assign(cfg.L, nullptr);
   v.assign(cfg.L, nullptr);
   for (int l = 0; l < cfg.L; ++l) {
@@ -66,13 +54,8 @@ GPT2Decoder::GPT2Decoder(const GPT2Config& cfg, Backend* be, int capacity)
   void** p[13] = {reinterpret_cast<void**>(&tokens_), &res_a_, &res_b_, &proj_, &ln_,
                   reinterpret_cast<void**>(&mean_), reinterpret_cast<void**>(&rstd_), &qkv_, &atty_, &fch_,
                   &fch_gelu_, &logits_, reinterpret_cast<void**>(&logits_f32_)};
-  Plan plan = plan_for(cfg, *be, cap_, chunk_, kcache_, vcache_, p, ldv_);
-  arena_ = DeviceBuffer(be, plan.total);
-  char* base = arena_.as<char>();
-  for (auto& [slot, bytes] : plan.slots) {
-    *slot = base;
-    base += bytes;
-  }
+  const ArenaPlan plan = plan_for(cfg, *be, cap_, chunk_, kcache_, vcache_, p, ldv_);
+  arena_ = plan.allocate(be);
 }
 
 void GPT2Decoder::feed(UnitAccess& units, const int32_t* tokens, int n, std::vector<float>& logits) {

@@ -4,29 +4,21 @@
 #include <utility>
 
 #include "core/common/error.h"
+#include "core/model/arena_plan.h"
 #include "core/model/llama/llama.h"
 #include "kernels/rope_table.h"
 
 namespace trainrun {
 
 namespace {
-struct Plan {
-  std::vector<std::pair<void**, size_t>> slots;
-  size_t total = 0;
-  void add(void** slot, size_t bytes) {
-    bytes = (bytes + 63) / 64 * 64;
-    slots.push_back({slot, bytes});
-    total += bytes;
-  }
-};
 
 // The decoder's buffers in arena order; the constructor and bytes_needed
 // lay out the same plan (p may point at scratch slots).
-Plan plan_for(const ModelConfig& cfg, const Backend& be, int cap, int chunk, std::vector<void*>& k,
+ArenaPlan plan_for(const ModelConfig& cfg, const Backend& be, int cap, int chunk, std::vector<void*>& k,
               std::vector<void*>& v, void** p[14]) {
   const size_t es = dtype_size(be.act_dtype());
   const int64_t C = cfg.C, R = chunk, F = cfg.F, HS = cfg.head_size(), KV = int64_t(cfg.kv_heads()) * HS;
-  Plan plan;
+  ArenaPlan plan;
   k.assign(size_t(cfg.L), nullptr);
   v.assign(size_t(cfg.L), nullptr);
   for (int l = 0; l < cfg.L; ++l) {
@@ -76,13 +68,8 @@ LlamaDecoder::LlamaDecoder(const ModelConfig& cfg, const ParamLayout& layout, Ba
   void** p[14] = {reinterpret_cast<void**>(&rope_), &zero_wpe_, reinterpret_cast<void**>(&tokens_), &res_a_,
                   &res_b_, &proj_, &ln_, reinterpret_cast<void**>(&rstd_), &qkv_, &atty_, &gu_, &h_, &logits_,
                   reinterpret_cast<void**>(&logits_f32_)};
-  Plan plan = plan_for(cfg, *be, cap_, chunk_, kcache_, vcache_, p);
-  arena_ = DeviceBuffer(be, plan.total);
-  char* base = arena_.as<char>();
-  for (auto& [slot, bytes] : plan.slots) {
-    *slot = base;
-    base += bytes;
-  }
+  const ArenaPlan plan = plan_for(cfg, *be, cap_, chunk_, kcache_, vcache_, p);
+  arena_ = plan.allocate(be);
   be->zero(zero_wpe_, size_t(chunk_) * cfg.C * dtype_size(be->act_dtype()));
   const RopeScaling* scaling = cfg.rope_scaling_type.empty() ? nullptr : &cfg.rope_scaling;
   const std::vector<float> table = rope_table(cap_, HS_, cfg.rope_theta, scaling);
