@@ -414,6 +414,7 @@ TEST_CASE("llama: logits, loss and every gradient match transformers' LlamaForCa
 #include "core/config/job_spec.h"
 #include "core/model/model_io.h"
 #include "core/train/trainer.h"
+#include "tests/support/checkpoint_jobs.h"
 #include "tests/support/inprocess.h"
 
 namespace {
@@ -438,10 +439,14 @@ struct LlamaRun {
   std::vector<float> weights;
 };
 
+// The micro-batch that divides the 12 sequences of a step at `world` ranks.
+std::string llama_micro(int world) { return "train.micro_batch_size=" + std::to_string(world == 4 ? 3 : 2); }
+
 LlamaRun run_llama(int world, const std::string& strategy, int group, const std::string& tie,
                    const std::string& ckpt = "none") {
   test::TempDir dir("llama");
-  const JobSpec job = parse_job_spec(llama_job(dir.path(), strategy, group, tie, ckpt), "job.yaml", {});
+  const JobSpec job =
+      parse_job_spec(llama_job(dir.path(), strategy, group, tie, ckpt), "job.yaml", {llama_micro(world)});
   LlamaRun out;
   out.losses = test::run_ranks_inprocess(job, world)[0].losses;
   const ModelConfig c = load_model_safetensors(dir / "model.safetensors", out.weights);
@@ -451,16 +456,18 @@ LlamaRun run_llama(int world, const std::string& strategy, int group, const std:
 
 }  // namespace
 
-TEST_CASE("llama: every sharding strategy at 2 and 3 ranks trains as one rank does", "[llama][sharding]") {
+TEST_CASE("llama: every sharding strategy at 2, 3 and 4 ranks trains as one rank does", "[llama][sharding]") {
   for (const char* tie : {"false", "true"}) {
     const LlamaRun ref = run_llama(1, "no_shard", 0, tie);
     REQUIRE(ref.losses.size() == 8);
     CHECK(ref.losses.back() < ref.losses.front());
     for (const char* strategy : {"no_shard", "shard_grad_op", "full_shard", "hybrid_shard"}) {
-      for (int world : {2, 3}) {
+      for (int world : {2, 3, 4}) {
         INFO(strategy << " x" << world << ", tie_embeddings " << tie);
-        const LlamaRun got = run_llama(world, strategy, std::string(strategy) == "hybrid_shard" && world == 2 ? 1 : 0,
-                                       tie, world == 3 ? "blocks" : "none");
+        // hybrid_shard: groups of 1 (pure replication) at 2 ranks, 2 x 2 at 4.
+        const bool hybrid = std::string(strategy) == "hybrid_shard";
+        const int group = hybrid && world == 2 ? 1 : hybrid && world == 4 ? 2 : 0;
+        const LlamaRun got = run_llama(world, strategy, group, tie, world == 3 ? "blocks" : "none");
         REQUIRE(got.losses.size() == ref.losses.size());
         for (size_t i = 0; i < ref.losses.size(); ++i) {
           INFO("step " << i + 1 << ": " << got.losses[i] << " vs " << ref.losses[i]);
@@ -474,6 +481,58 @@ TEST_CASE("llama: every sharding strategy at 2 and 3 ranks trains as one rank do
         }
         CHECK(std::sqrt(num / den) <= 1e-5);
       }
+    }
+  }
+}
+
+namespace {
+
+// A run of llama_job in `dir` at `world` ranks with --set overrides; the
+// losses of metrics.jsonl (this and earlier invocations, in order).
+std::vector<double> llama_run_in(const std::string& dir, int world, const std::string& strategy,
+                                 const std::string& tie, std::vector<std::string> sets = {}) {
+  sets.push_back(llama_micro(world));
+  const JobSpec job = parse_job_spec(llama_job(dir, strategy, 0, tie, "none"), "job.yaml", sets);
+  test::run_ranks_inprocess(job, world);
+  return test::losses_of(dir);
+}
+
+}  // namespace
+
+TEST_CASE("llama: 4 steps + resume + 4 steps is bit-identical to 8 steps, every strategy", "[llama][checkpoint]") {
+  for (const char* strategy : {"no_shard", "shard_grad_op", "full_shard", "hybrid_shard"}) {
+    for (int world : {1, 2}) {
+      // The untied head is its own sharding unit (its optimizer state too).
+      const char* tie = world == 1 ? "true" : "false";
+      INFO(strategy << " x" << world << ", tie_embeddings " << tie);
+      test::TempDir dir("llama_resume");
+      const auto straight = llama_run_in(dir / "straight", world, strategy, tie);
+      const auto first = llama_run_in(dir / "resumed", world, strategy, tie, {"train.exit_interval=4"});
+      REQUIRE(test::latest_of(dir / "resumed") == "step_00000004");
+      REQUIRE(first.size() == 4);
+      const auto resumed = llama_run_in(dir / "resumed", world, strategy, tie);
+      REQUIRE(straight.size() == 8);
+      CHECK(resumed == straight);  // same world size, same arithmetic: bit-identical
+      CHECK(test::weights_of(dir / "straight") == test::weights_of(dir / "resumed"));
+    }
+  }
+}
+
+TEST_CASE("llama: a checkpoint from 2 ranks (full_shard) resumes on 3 (shard_grad_op) and 4 (hybrid)",
+          "[llama][checkpoint]") {
+  test::TempDir dir("llama_reshard");
+  const auto straight = llama_run_in(dir / "straight", 1, "no_shard", "false");
+  REQUIRE(straight.size() == 8);
+  for (const auto& [world, strategy] : {std::pair<int, const char*>{3, "shard_grad_op"}, {4, "hybrid_shard"}}) {
+    INFO("resumed at " << world << " ranks, " << strategy);
+    const std::string run = dir / ("r" + std::to_string(world));
+    llama_run_in(run, 2, "full_shard", "false", {"train.exit_interval=4"});
+    REQUIRE(test::latest_of(run) == "step_00000004");
+    const auto got = llama_run_in(run, world, strategy, "false");
+    REQUIRE(got.size() == straight.size());
+    for (size_t i = 0; i < got.size(); ++i) {
+      INFO("step " << i + 1 << ": " << got[i] << " vs " << straight[i]);
+      CHECK(std::fabs(got[i] - straight[i]) <= 1e-5 * std::fabs(straight[i]));
     }
   }
 }
