@@ -31,6 +31,8 @@
 #include "core/model/model.h"
 #include "kernels/backend.h"
 #include "kernels/rope_table.h"
+#include "parallel/communicator.h"
+#include "parallel/sharding.h"
 #include "tests/support/device_io.h"
 #include "tests/support/reference_ops.h"
 #include "tests/support/testutil.h"
@@ -247,6 +249,57 @@ TEST_CASE("llama: checkpointing, padded logits rows and a second pass", "[llama]
     r += std::pow(2.0 * off.grads[i], 2);
   }
   CHECK(std::sqrt(e / r) <= 1e-6);
+}
+
+namespace {
+// One rank that counts the all-gathers the sharded store issues.
+class GatherCounter final : public Communicator {
+ public:
+  int gathers = 0;
+  int rank() const override { return 0; }
+  int world_size() const override { return 1; }
+  std::string name() const override { return "gather-counter"; }
+  void all_reduce(float*, int64_t, ReduceOp) override {}
+  void reduce_scatter(float* out, const float* in, int64_t n, ReduceOp) override {
+    if (out != in) std::memcpy(out, in, size_t(n) * 4);
+  }
+  void all_gather(void* out, const void* in, size_t bytes) override {
+    ++gathers;
+    if (out != in) std::memcpy(out, in, bytes);
+  }
+  void broadcast(void*, size_t, int) override {}
+  void barrier() override {}
+};
+}  // namespace
+
+TEST_CASE("llama: full_shard gathers the embeddings a second time only for a tied head", "[llama][sharding]") {
+  for (const bool tied : {false, true}) {
+    INFO("tied " << tied);
+    const auto arch = make_model_arch(llama_cfg(2, 4, 2, 16, 24, 19, 9, tied, false));
+    const int B = 2, T = 9;
+    auto be = make_cpu_backend(1);
+    GatherCounter comm;
+    auto store = make_param_store("full_shard", arch->layout(), be.get(), &comm, 0, nullptr);
+    store->init_params(*arch, 7);
+    auto net = arch->make_network(be.get(), B, false);
+    const Tokens in = rand_tokens(size_t(B) * T, 19, 7), tg = rand_tokens(size_t(B) * T, 19, 8);
+    DeviceBuffer din = test::upload_i32(be.get(), in), dtg = test::upload_i32(be.get(), tg);
+    const int units = int(arch->layout().units.size());
+    // An evaluation forward: every unit once, the embeddings again for a tied
+    // head, and no prefetch of a unit the pass does not use.
+    comm.gathers = 0;
+    net->forward(*store, din.as<int32_t>(), dtg.as<int32_t>(), B, T, false, 0.0f);
+    CHECK(comm.gathers == units + (tied ? 1 : 0));
+    // A training step: the forward as above; the backward gathers the head
+    // and the blocks again, not the embeddings (a tied head keeps them from
+    // the end of the forward; an untied one needs only their gradient).
+    comm.gathers = 0;
+    store->zero_grads();
+    net->forward(*store, din.as<int32_t>(), dtg.as<int32_t>(), B, T, true, 1.0f / float(B * T));
+    net->backward(*store);
+    store->finish_grads();
+    CHECK(comm.gathers == units + (tied ? 1 : 0) + (units - 1));
+  }
 }
 
 TEST_CASE("llama: the arch's activation estimate is the network's arena", "[llama]") {
