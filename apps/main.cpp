@@ -28,9 +28,9 @@
 #include "core/train/preemption.h"
 #include "core/train/trainer.h"
 #include "kernels/backend_factory.h"
-#include "parallel/bench_comm.h"
-#include "parallel/topology.h"
-#include "parallel/topology_launch.h"
+#include "parallel/comm/bench_comm.h"
+#include "parallel/topology/topology.h"
+#include "parallel/topology/topology_launch.h"
 
 namespace fs = std::filesystem;
 using namespace trainrun;
@@ -303,7 +303,7 @@ int main(int argc, char** argv) {
   bench_kernels->add_flag("--quick", kbo.quick, "small sizes (a smoke run)");
 
   // Hidden: the CUDA peer probe, run by the topology code in a child process
-  // (parallel/topology_probe.cpp) so the agent never holds a CUDA context.
+  // (parallel/topology/topology_probe.cpp) so the agent never holds a CUDA context.
   auto* probe_p2p = app.add_subcommand("probe-p2p", "");
   probe_p2p->group("");
 

@@ -19,8 +19,8 @@
 #include <vector>
 
 #include "core/common/error.h"
-#include "parallel/communicator.h"
-#include "parallel/store.h"
+#include "parallel/comm/communicator.h"
+#include "parallel/rendezvous/store.h"
 #include "tests/support/testutil.h"
 
 using namespace trainrun;

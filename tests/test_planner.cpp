@@ -16,7 +16,7 @@
 #include "core/train/planner.h"
 #include "core/train/trainer.h"
 #include "kernels/backend.h"
-#include "parallel/store.h"
+#include "parallel/rendezvous/store.h"
 #include "tests/support/testutil.h"
 
 using namespace trainrun;
@@ -47,7 +47,7 @@ std::string describe(const std::string& shape) { return make_model_arch(parse_mo
 // One OpenMP thread per rank: the planner models collectives that keep pace
 // with compute (NCCL on NVLink, or Gloo with a core to itself). When every
 // core is busy with compute, the comm thread falls behind, and full-size
-// gradient buckets queue up for reduce-scatter (parallel/sharding_sharded.cpp
+// gradient buckets queue up for reduce-scatter (parallel/sharding/sharding_sharded.cpp
 // does not bound them), which measures up to ~20% above the model on a
 // 2-core machine.
 nlohmann::json run_job(const std::string& yaml_body, int world) {

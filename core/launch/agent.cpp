@@ -51,8 +51,8 @@
 #include "core/launch/node_group.h"
 #include "core/train/progress.h"
 #include "core/train/trainer.h"
-#include "parallel/store.h"
-#include "parallel/topology_launch.h"
+#include "parallel/rendezvous/store.h"
+#include "parallel/topology/topology_launch.h"
 
 extern char** environ;
 

@@ -24,11 +24,11 @@
 #include "core/train/schedule.h"
 #include "kernels/backend.h"
 #include "kernels/backend_factory.h"
-#include "parallel/communicator.h"
-#include "parallel/fault_injection.h"
-#include "parallel/net_address.h"
-#include "parallel/sharding.h"
-#include "parallel/store.h"
+#include "parallel/comm/communicator.h"
+#include "parallel/comm/fault_injection.h"
+#include "parallel/rendezvous/net_address.h"
+#include "parallel/sharding/sharding.h"
+#include "parallel/rendezvous/store.h"
 
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
