@@ -28,6 +28,7 @@
 #include "core/common/error.h"
 #include "core/common/log.h"
 #include "parallel/comm/comm_worker.h"
+#include "parallel/mesh/device_mesh.h"
 #include "parallel/sharding/sharding.h"
 
 namespace trainrun {
@@ -106,9 +107,13 @@ class ShardedStore final : public ParamStore {
     if (G_ == W) {
       shard_comm_ = world;
     } else {
-      // hybrid: shard inside consecutive groups of G ranks, replicate across them.
-      own_shard_ = factory("shard" + std::to_string(r / G_) + "/", g_, G_);
-      own_replica_ = factory("replica" + std::to_string(g_) + "/", r / G_, W / G_);
+      // hybrid: shard inside consecutive groups of G ranks, replicate across
+      // them: the mesh's dp_shard and dp_replicate groups (named for their
+      // errors, "dp_shard0", "dp_replicate1").
+      const DeviceMesh mesh(plan_mesh(W, 1, 1, "hybrid_shard", G_), r);
+      TR_CHECK(mesh.coord(MeshDim::dp_shard) == g_, "hybrid_shard: mesh and store disagree on rank ", r);
+      own_shard_ = factory(mesh.group_name(MeshDim::dp_shard) + "/", g_, G_);
+      own_replica_ = factory(mesh.group_name(MeshDim::dp_replicate) + "/", mesh.coord(MeshDim::dp_replicate), W / G_);
       shard_comm_ = own_shard_.get();
       replica_comm_ = own_replica_.get();
     }
