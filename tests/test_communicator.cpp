@@ -569,6 +569,125 @@ TEST_CASE("communicator: trainrun bench comm prints the nccl-tests style table, 
   CHECK_THAT(r.err, Contains("--backend"));
 }
 
+// ---- point to point and bf16 (pipeline stages, tensor-parallel activations) ----------
+
+TEST_CASE("communicator: gloo send_recv: a ring where every rank sends and receives at once, and tags",
+          "[communicator]") {
+  MemStore store;
+  for (int W : {2, 3, 5}) {
+    INFO("W = " << W);
+    run_group(store, W, [&](Communicator& c) {
+      const int r = c.rank(), next = (r + 1) % W, prev = (r + W - 1) % W;
+      // Every rank calls at the same time, sending forward and receiving
+      // from behind: it must not deadlock (both are posted before a wait).
+      std::vector<float> out(1000 + r), in(1000 + prev);
+      for (size_t i = 0; i < out.size(); ++i) out[i] = float(r * 10000 + int(i));
+      c.send_recv(out.data(), out.size() * 4, next, in.data(), in.size() * 4, prev, 7);
+      for (size_t i = 0; i < in.size(); ++i)
+        if (in[i] != float(prev * 10000 + int(i))) throw std::runtime_error("send_recv: wrong data from the ring");
+      // One-sided calls: a send is matched by the receive with its tag.
+      if (W == 2) {
+        int a = 11, b = 22, x = 0, y = 0;
+        if (r == 0) {
+          c.send(&a, 4, 1, 1);
+          c.recv(&y, 4, 1, 2);
+        } else {
+          c.recv(&x, 4, 0, 1);
+          c.send(&b, 4, 0, 2);
+        }
+        if ((r == 0 && y != 22) || (r == 1 && x != 11)) throw std::runtime_error("send/recv: wrong message");
+      }
+    });
+  }
+}
+
+TEST_CASE("communicator: gloo recv from a peer that never sends fails within the timeout, naming it",
+          "[communicator]") {
+  MemStore store;
+  std::string msg;
+  run_group(store, 2, [&](Communicator& c) {
+    c.set_step(3);
+    float x = 0;
+    if (c.rank() == 1) {
+      try {
+        c.recv(&x, 4, 0, 5);
+      } catch (const Error& e) {
+        msg = e.what();
+      }
+    } else {
+      // Sends, but with another tag: not the message rank 1 waits for.
+      try {
+        c.send(&x, 4, 1, 6);
+      } catch (const Error&) {
+      }
+    }
+  }, 500ms, "p2p");
+  CHECK_THAT(msg, Catch::Matchers::Contains("send_recv (step 3, rank 1 of 2)") && Catch::Matchers::Contains("rank 0"));
+  // Bad peers are refused before anything is posted.
+  run_group(store, 2, [&](Communicator& c) {
+    float x = 0;
+    bool threw = false;
+    try {
+      c.send(&x, 4, 2);
+    } catch (const Error& e) {
+      threw = std::string(e.what()).find("peer 2 is not a rank of a group of 2") != std::string::npos;
+    }
+    if (!threw) throw std::runtime_error("send to rank 2 of 2 was not refused");
+  });
+}
+
+TEST_CASE("communicator: bf16 all_reduce and reduce_scatter reduce in fp32 and round once, same bits on every rank",
+          "[communicator]") {
+  auto to_bf16 = [](float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return uint16_t(u >> 16);
+  };
+  auto from_bf16 = [](uint16_t h) {
+    const uint32_t u = uint32_t(h) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  };
+  MemStore store;
+  const int W = 3, n = 257;
+  std::vector<std::vector<uint16_t>> ar(W), rs(W);
+  run_group(store, W, [&](Communicator& c) {
+    const int r = c.rank();
+    std::vector<uint16_t> buf(n), in(size_t(W) * n), out(n);
+    for (int i = 0; i < n; ++i) buf[size_t(i)] = to_bf16(real_val(r, i));
+    for (int i = 0; i < W * n; ++i) in[size_t(i)] = to_bf16(real_val(r, i));
+    c.all_reduce_bf16(buf.data(), n, ReduceOp::Sum);
+    c.reduce_scatter_bf16(out.data(), in.data(), n, ReduceOp::Sum);
+    ar[size_t(r)] = buf;
+    rs[size_t(r)] = out;
+  });
+  for (int i = 0; i < n; ++i) {
+    // The reference: the bf16 inputs summed in fp32 (Gloo's ring order may
+    // differ from this one by an fp32 ulp, far below a bf16 ulp), rounded once.
+    float sum = 0;
+    for (int r = 0; r < W; ++r) sum += from_bf16(to_bf16(real_val(r, i)));
+    INFO("element " << i);
+    CHECK(std::fabs(from_bf16(ar[0][size_t(i)]) - sum) <= std::fabs(sum) * 0x1p-8f);
+    for (int r = 1; r < W; ++r) CHECK(ar[size_t(r)][size_t(i)] == ar[0][size_t(i)]);
+  }
+  for (int r = 0; r < W; ++r)
+    for (int i = 0; i < n; ++i) {
+      float sum = 0;
+      for (int q = 0; q < W; ++q) sum += from_bf16(to_bf16(real_val(q, r * n + i)));
+      CHECK(std::fabs(from_bf16(rs[size_t(r)][size_t(i)]) - sum) <= std::fabs(sum) * 0x1p-8f);
+    }
+  // One rank: the identity, also for buffers the host must not touch.
+  auto single = make_single_communicator();
+  std::vector<uint16_t> v = {to_bf16(1.5f), to_bf16(-2.0f)};
+  single->all_reduce_bf16(v.data(), 2, ReduceOp::Sum);
+  CHECK(from_bf16(v[0]) == 1.5f);
+  float a = 4.0f, b = 0;
+  single->send_recv(&a, 4, 0, &b, 4, 0);
+  CHECK(b == 4.0f);
+}
+
 // ---- the device mesh (parallel/mesh) ------------------------------------------------
 
 #include <set>

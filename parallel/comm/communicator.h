@@ -17,8 +17,11 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <cstring>
 #include <string>
+#include <vector>
 
+#include "core/common/error.h"
 #include "parallel/rendezvous/store.h"
 
 namespace trainrun {
@@ -82,6 +85,31 @@ class Communicator {
   }
   virtual void broadcast(void* buf, size_t bytes, int root) = 0;
   virtual void barrier() = 0;
+
+  // bf16 (bit patterns) all_reduce and reduce_scatter, for activations and
+  // act-dtype gradients (tensor parallelism on the GPU). all_gather moves
+  // bytes and needs no variant. NCCL reduces natively in bf16; the default,
+  // for communicators over host memory (Gloo), widens to fp32, runs the
+  // fp32 collective (its fixed order) and rounds once to nearest even, so
+  // every rank gets the same bits.
+  virtual void all_reduce_bf16(uint16_t* buf, int64_t count, ReduceOp op);
+  virtual void reduce_scatter_bf16(uint16_t* out, const uint16_t* in, int64_t count_per_rank, ReduceOp op);
+
+  // Point to point, for pipeline stages: sends send_bytes of send_buf to
+  // rank send_to and receives recv_bytes into recv_buf from rank recv_from
+  // (-1 skips a side), posting both before waiting for either, so a stage
+  // that sends forward and receives from behind in one call cannot
+  // deadlock with its neighbours whatever order they call in. `tag` tells
+  // apart messages between the same pair (the receive matches the send
+  // with the same tag). Buffers are in the backend's memory, as for the
+  // collectives; NCCL is stream-ordered, Gloo blocks. Every wait has the
+  // timeout, and its error names the peer.
+  virtual void send_recv(const void* send_buf, size_t send_bytes, int send_to, void* recv_buf, size_t recv_bytes,
+                         int recv_from, uint32_t tag = 0);
+  void send(const void* buf, size_t bytes, int to, uint32_t tag = 0) {
+    send_recv(buf, bytes, to, nullptr, 0, -1, tag);
+  }
+  void recv(void* buf, size_t bytes, int from, uint32_t tag = 0) { send_recv(nullptr, 0, -1, buf, bytes, from, tag); }
   // Throws the Error of a collective that failed after its call had
   // returned (NCCL: an async error or the watchdog's abort of a
   // stream-ordered collective), first waiting for the collectives already
@@ -108,6 +136,48 @@ class Communicator {
   int64_t step_ = -1;
   std::string group_;
 };
+
+// The defaults of Communicator's optional calls. Inline (like every other
+// member) so the class has no out-of-line virtual function and the CUDA
+// plugin, which does not link the core library, gets its vtable too.
+namespace comm_detail {
+inline float bf16_to_f32(uint16_t h) {
+  const uint32_t bits = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+// Round to nearest even; NaN stays a (quiet) NaN.
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+}  // namespace comm_detail
+
+inline void Communicator::all_reduce_bf16(uint16_t* buf, int64_t count, ReduceOp op) {
+  TR_CHECK(count >= 0, describe("all_reduce_bf16"), ": negative count ", count);
+  std::vector<float> f(static_cast<size_t>(count));
+  for (int64_t i = 0; i < count; ++i) f[size_t(i)] = comm_detail::bf16_to_f32(buf[i]);
+  all_reduce(f.data(), count, op);
+  for (int64_t i = 0; i < count; ++i) buf[i] = comm_detail::f32_to_bf16(f[size_t(i)]);
+}
+
+inline void Communicator::reduce_scatter_bf16(uint16_t* out, const uint16_t* in, int64_t count_per_rank, ReduceOp op) {
+  TR_CHECK(count_per_rank >= 0, describe("reduce_scatter_bf16"), ": negative count ", count_per_rank);
+  const size_t n = size_t(count_per_rank), total = n * size_t(world_size());
+  std::vector<float> fin(total), fout(n);
+  for (size_t i = 0; i < total; ++i) fin[i] = comm_detail::bf16_to_f32(in[i]);
+  reduce_scatter(fout.data(), fin.data(), count_per_rank, op);
+  for (size_t i = 0; i < n; ++i) out[i] = comm_detail::f32_to_bf16(fout[i]);
+}
+
+inline void Communicator::send_recv(const void*, size_t, int send_to, void*, size_t, int recv_from, uint32_t) {
+  if (send_to < 0 && recv_from < 0) return;
+  TR_FAIL(describe("send_recv"), ": the ", name(), " communicator has no point-to-point transfers");
+}
 
 // The first error any rank of `comm` reports, agreed by all of them in one
 // all-gather: "" when every rank passed "", else the lowest rank's text with

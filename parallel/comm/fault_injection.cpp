@@ -99,6 +99,22 @@ class FaultyCommunicator final : public Communicator {
     inner_->barrier();
     after("barrier");
   }
+  void all_reduce_bf16(uint16_t* buf, int64_t count, ReduceOp op) override {
+    faulting();
+    inner_->all_reduce_bf16(buf, count, op);
+    after("all_reduce_bf16");
+  }
+  void reduce_scatter_bf16(uint16_t* out, const uint16_t* in, int64_t n, ReduceOp op) override {
+    faulting();
+    inner_->reduce_scatter_bf16(out, in, n, op);
+    after("reduce_scatter_bf16");
+  }
+  void send_recv(const void* sbuf, size_t sbytes, int to, void* rbuf, size_t rbytes, int from,
+                 uint32_t tag) override {
+    faulting();
+    inner_->send_recv(sbuf, sbytes, to, rbuf, rbytes, from, tag);
+    after("send_recv");
+  }
   void check_health() override {
     {
       std::lock_guard<std::mutex> lk(mu_);

@@ -137,6 +137,7 @@ void reduce_max(float* c, const float* a, const float* b, size_t n) {
 // Our ring's messages get their own slot prefix so they can never be matched
 // with Gloo's own collectives (prefixes 0x01..0x08 in gloo/types.h).
 constexpr uint8_t kRingReduceScatterSlotPrefix = 0x7e;
+constexpr uint8_t kPointToPointSlotPrefix = 0x7d;
 
 // Largest piece of one rank's slice that travels through the ring at once:
 // bounds the scratch memory at 2 * kRingPieceFloats * 4 bytes (4 MiB) no
@@ -286,6 +287,40 @@ class GlooCommunicator final : public Communicator {
       opts.setRoot(root);
       opts.setTimeout(timeout_);
       gloo::broadcast(opts);
+    });
+  }
+
+  void send_recv(const void* send_buf, size_t send_bytes, int send_to, void* recv_buf, size_t recv_bytes,
+                 int recv_from, uint32_t tag) override {
+    const char* what = "send_recv";
+    check_usable(what);
+    const int W = world_size(), r = rank();
+    for (int peer : {send_to, recv_from})
+      TR_CHECK(peer >= -1 && peer < W, where(what), ": peer ", peer, " is not a rank of a group of ", W);
+    if (send_to == r || recv_from == r) {
+      // To itself: only as a matched pair (a stage of one), a copy.
+      TR_CHECK(send_to == r && recv_from == r && send_bytes == recv_bytes, where(what),
+               ": a rank sends to itself only with a matching receive from itself of the same size");
+      if (send_bytes) std::memmove(recv_buf, send_buf, send_bytes);
+      return;
+    }
+    const bool sending = send_to >= 0 && send_bytes > 0, receiving = recv_from >= 0 && recv_bytes > 0;
+    if (!sending && !receiving) return;
+    const uint64_t slot = gloo::Slot::build(kPointToPointSlotPrefix, tag);
+    guarded(what, -1, [&] {
+      std::unique_ptr<gloo::transport::UnboundBuffer> sb, rb;
+      // Post both before waiting (see the header): the receive first.
+      if (receiving) {
+        rb = ctx_->createUnboundBuffer(recv_buf, recv_bytes);
+        wait_on(what, recv_from, [&] { rb->recv(recv_from, slot, 0, recv_bytes); });
+      }
+      if (sending) {
+        // Gloo only reads a buffer it sends; its API takes void*.
+        sb = ctx_->createUnboundBuffer(const_cast<void*>(send_buf), send_bytes);
+        wait_on(what, send_to, [&] { sb->send(send_to, slot, 0, send_bytes); });
+      }
+      if (receiving) wait_on(what, recv_from, [&] { rb->waitRecv(timeout_); });
+      if (sending) wait_on(what, send_to, [&] { sb->waitSend(timeout_); });
     });
   }
 

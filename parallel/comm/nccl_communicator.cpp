@@ -266,6 +266,84 @@ class NcclCommunicator final : public Communicator {
     unstage(s, buf, bytes);
   }
 
+  // As the fp32 calls, reduced by NCCL in bf16.
+  void all_reduce_bf16(uint16_t* buf, int64_t count, ReduceOp op) override {
+    const char* what = "all_reduce_bf16";
+    check_usable(what);
+    TR_CHECK(count >= 0, where(what), ": negative count ", count);
+    if (count == 0 || world_ == 1) return;
+    const size_t bytes = size_t(count) * 2;
+    Staged s = stage(buf, bytes, true);
+    run(what, [&] {
+      return ncclAllReduce(s.dev, s.dev, size_t(count), ncclBfloat16, nccl_op(op), comm_, stream());
+    }, s.staged);
+    unstage(s, buf, bytes);
+  }
+
+  void reduce_scatter_bf16(uint16_t* out, const uint16_t* in, int64_t count_per_rank, ReduceOp op) override {
+    const char* what = "reduce_scatter_bf16";
+    check_usable(what);
+    TR_CHECK(count_per_rank >= 0, where(what), ": negative count ", count_per_rank);
+    if (count_per_rank == 0) return;
+    const size_t bytes = size_t(count_per_rank) * 2;
+    if (world_ == 1) return local_copy(out, in, bytes);
+    if (is_device_pointer(in) && is_device_pointer(out)) {
+      run(what, [&] {
+        return ncclReduceScatter(in, out, size_t(count_per_rank), ncclBfloat16, nccl_op(op), comm_, stream());
+      });
+      return;
+    }
+    const size_t in_bytes = bytes * size_t(world_);
+    void* st = staging(in_bytes);
+    copy_in(st, in, in_bytes);
+    char* slice = static_cast<char*>(st) + size_t(rank_) * bytes;
+    run(what, [&] {
+      return ncclReduceScatter(st, slice, size_t(count_per_rank), ncclBfloat16, nccl_op(op), comm_, stream());
+    }, true);
+    copy_out(out, slice, bytes);
+  }
+
+  // ncclSend/ncclRecv in one group, so both are posted before either waits.
+  // NCCL has no tags: messages between a pair match in the order they are
+  // issued, which the pipeline schedules keep the same on both sides.
+  void send_recv(const void* send_buf, size_t send_bytes, int send_to, void* recv_buf, size_t recv_bytes,
+                 int recv_from, uint32_t) override {
+    const char* what = "send_recv";
+    check_usable(what);
+    for (int peer : {send_to, recv_from})
+      TR_CHECK(peer >= -1 && peer < world_, where(what), ": peer ", peer, " is not a rank of a group of ", world_);
+    const bool sending = send_to >= 0 && send_bytes > 0, receiving = recv_from >= 0 && recv_bytes > 0;
+    if (!sending && !receiving) return;
+    if (send_to == rank_ || recv_from == rank_) {
+      TR_CHECK(send_to == rank_ && recv_from == rank_ && send_bytes == recv_bytes, where(what),
+               ": a rank sends to itself only with a matching receive from itself of the same size");
+      return local_copy(recv_buf, send_buf, send_bytes);
+    }
+    const bool dev = (!sending || is_device_pointer(send_buf)) && (!receiving || is_device_pointer(recv_buf));
+    if (dev) {
+      run(what, [&] {
+        ncclResult_t r = ncclSuccess;
+        if (receiving) r = ncclRecv(recv_buf, recv_bytes, ncclInt8, recv_from, comm_, stream());
+        if (sending && (r == ncclSuccess || r == ncclInProgress))
+          r = ncclSend(send_buf, send_bytes, ncclInt8, send_to, comm_, stream());
+        return r;
+      });
+      return;
+    }
+    // Host memory: both through one staging buffer, receive area first.
+    const size_t roff = 0, soff = (recv_bytes + 255) / 256 * 256;
+    char* st = static_cast<char*>(staging(soff + send_bytes));
+    if (sending) copy_in(st + soff, send_buf, send_bytes);
+    run(what, [&] {
+      ncclResult_t r = ncclSuccess;
+      if (receiving) r = ncclRecv(st + roff, recv_bytes, ncclInt8, recv_from, comm_, stream());
+      if (sending && (r == ncclSuccess || r == ncclInProgress))
+        r = ncclSend(st + soff, send_bytes, ncclInt8, send_to, comm_, stream());
+      return r;
+    }, true);
+    if (receiving) copy_out(recv_buf, st + roff, recv_bytes);
+  }
+
   void barrier() override {
     const char* what = "barrier";
     check_usable(what);

@@ -37,6 +37,24 @@ class SingleCommunicator final : public Communicator {
   }
 
   void barrier() override {}
+
+  // Buffers may be device memory (a one-GPU job): nothing here touches them
+  // on the host. Over one rank a reduction is the identity.
+  void all_reduce_bf16(uint16_t*, int64_t count, ReduceOp) override {
+    TR_CHECK(count >= 0, "all_reduce_bf16 (single rank): negative count ", count);
+  }
+  void reduce_scatter_bf16(uint16_t* out, const uint16_t* in, int64_t count_per_rank, ReduceOp) override {
+    TR_CHECK(count_per_rank >= 0, "reduce_scatter_bf16 (single rank): negative count ", count_per_rank);
+    if (count_per_rank > 0 && out != in) std::memmove(out, in, size_t(count_per_rank) * 2);
+  }
+  // A pipeline of one stage talks only to itself.
+  void send_recv(const void* send_buf, size_t send_bytes, int send_to, void* recv_buf, size_t recv_bytes,
+                 int recv_from, uint32_t) override {
+    if (send_to < 0 && recv_from < 0) return;
+    TR_CHECK(send_to == 0 && recv_from == 0 && send_bytes == recv_bytes,
+             "send_recv (single rank): the only peer is rank 0, as a matched send and receive of the same size");
+    if (send_bytes > 0 && send_buf != recv_buf) std::memmove(recv_buf, send_buf, send_bytes);
+  }
 };
 
 }  // namespace
