@@ -648,16 +648,18 @@ void check_fields(JobSpec& spec, const Origins& o, const std::string& fallback) 
 // so until then the rules that read it would judge the defaults.
 bool shape_is_final(const JobSpec& s) { return s.model.preset == "none" && s.model.init_from.empty(); }
 
-// Rules between fields, in one place so they are easy to audit.
-void check_rules(JobSpec& s, const Origins& o, const std::string& fallback) {
+// Rules between fields, in one place so they are easy to audit. `shape`:
+// model.* is the final shape, so the rules that read it run.
+void check_rules(JobSpec& s, const Origins& o, const std::string& fallback, bool shape = true) {
   auto at = [&](std::vector<std::string> keys) { return where_of(o, keys, fallback); };
   auto str = [](auto v) { return std::to_string(v); };
-  const bool shape = shape_is_final(s);
 
   const ModelSpec& m = s.model;
   if (shape && m.n_embd % m.n_head != 0) {
     // Name the key the user actually wrote ("--set model.n_head=5").
-    if (!o.count("model.n_embd") && o.count("model.n_head"))
+    // (A value model.preset / init_from filled, rank 0, is not one the user wrote.)
+    auto written = [&](const char* k) { auto it = o.find(k); return it != o.end() && it->second.rank > 0; };
+    if (!written("model.n_embd") && written("model.n_head"))
       fail(at({"model.n_head"}), "model.n_head",
            str(m.n_head) + " does not divide model.n_embd (" + str(m.n_embd) + "); choose a divisor of n_embd");
     fail(at({"model.n_embd", "model.n_head"}), "model.n_embd",
@@ -874,7 +876,7 @@ JobSpec parse_job_spec(const std::string& yaml_text, const std::string& name,
 
   const std::string fallback = name + ":1:1";
   check_fields(spec, origins, fallback);
-  check_rules(spec, origins, fallback);
+  check_rules(spec, origins, fallback, shape_is_final(spec));
   spec.source = name;
   spec.origins = std::move(origins);
   return spec;

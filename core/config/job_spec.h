@@ -152,7 +152,8 @@ std::string job_spec_to_yaml(const JobSpec& spec);
 // Range and cross-field checks for a spec built in code (parse_job_spec and
 // load_job_spec already run them, except, while model.preset or
 // model.init_from has not filled the shape in, the rules that read the
-// model's shape: resolve_model_shape() runs them once it has). Resolves
+// model's shape: resolve_model_shape() runs this once it has; this judges
+// the fields as they are). Resolves
 // train.global_batch_size from train.global_batch_tokens. Messages name
 // spec.origins' places, else spec.source.
 void validate_job_spec(JobSpec& spec);

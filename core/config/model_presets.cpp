@@ -95,4 +95,34 @@ std::vector<std::string> model_preset_names() {
   return v;
 }
 
+std::string model_presets_markdown() {
+  std::string out =
+      "| preset | arch | n_layer | n_embd | n_head | n_kv_head | ffn_dim | vocab_size | seq_len | tied | rope_theta | "
+      "rope_scaling | from |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+  for (const ModelPreset& p : model_presets()) {
+    const ModelSpec& m = p.spec;
+    const bool llama = m.arch == "llama";
+    auto num = [](double v) {
+      std::string s = std::to_string(v);
+      s.erase(s.find_last_not_of('0') + 1);
+      if (!s.empty() && s.back() == '.') s.pop_back();
+      return s;
+    };
+    std::string name = std::string("`") + p.name + "`";
+    for (const char* a : p.aliases) name += std::string(" (plan: also `") + a + "`)";
+    const std::string scaling = m.rope_scaling.type == "none"
+                                    ? "none"
+                                    : m.rope_scaling.type + " x" + num(m.rope_scaling.factor) + " (low " +
+                                          num(m.rope_scaling.low_freq_factor) + ", high " +
+                                          num(m.rope_scaling.high_freq_factor) + ", original " +
+                                          std::to_string(m.rope_scaling.original_max_position_embeddings) + ")";
+    out += "| " + name + " | " + m.arch + " | " + std::to_string(m.n_layer) + " | " + std::to_string(m.n_embd) +
+           " | " + std::to_string(m.n_head) + " | " + (llama ? std::to_string(m.n_kv_head) : "-") + " | " +
+           (llama ? std::to_string(m.ffn_dim) : "4C") + " | " + std::to_string(m.vocab_size) + " | " +
+           std::to_string(m.seq_len) + " | " + m.tie_embeddings + " | " + (llama ? num(m.rope_theta) : "-") +
+           " | " + (llama ? scaling : "-") + " | " + p.source + " |\n";
+  }
+  return out;
+}
+
 }  // namespace trainrun

@@ -24,5 +24,7 @@ const std::vector<ModelPreset>& model_presets();
 const ModelPreset* find_model_preset(const std::string& name);
 // The names (no aliases), for the model.preset enum and help texts.
 std::vector<std::string> model_preset_names();
+// The table as markdown; docs/job-spec.md embeds it and a test keeps the two equal.
+std::string model_presets_markdown();
 
 }  // namespace trainrun

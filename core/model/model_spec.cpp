@@ -96,6 +96,9 @@ void resolve_model_shape(JobSpec& job, bool log) {
   if (job.model.preset != "none") apply_preset(job, log);
   if (!job.model.init_from.empty()) apply_init_from(job);
   validate_job_spec(job);
+  // The whole model's rules (the arch's own too), here at job load rather
+  // than in every worker. A layout only: no weights are allocated.
+  ModelConfig::from_spec(job.model).validate();
 }
 
 JobSpec load_resolved_job_spec(const std::string& path, const std::vector<std::string>& overrides, bool log) {
