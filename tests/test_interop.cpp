@@ -557,7 +557,8 @@ TEST_CASE("interop: bad init_from directories are refused with errors that name 
   auto r = test::run_command("'" + test::trainrun_binary() + "' --config '" + dir / "job.yaml" +
                              "' --set model.vocab_size=40 --set data.synthetic.vocab=37");
   CHECK(r.exit_code == 1);
-  CHECK_THAT(r.err, Contains("vocab_size = 37 (config.json) but model.vocab_size is 40"));
+  // Now refused at job load (the shape is resolved there), naming the file, both values and the --set.
+  CHECK_THAT(r.err, Contains("config.json' has vocab_size = 37 but model.vocab_size is 40 (--set model.vocab_size=40)"));
   CHECK(!test::file_exists(run + "/metrics.jsonl"));
   r = test::run_command("'" + test::trainrun_binary() + "' --config '" + dir / "job.yaml" + "' --set model.init_from='" +
                         no_config + "'");
@@ -682,4 +683,14 @@ TEST_CASE("interop: a GPT-2 job with only model.init_from takes config.json's sh
                              "model.seq_len to at most 16"));
   // Refused at load: the run's files are untouched.
   CHECK(test::read_file(run + "/job.resolved.yaml") == resolved);
+
+  // Resuming the run from another directory's shape (2 layers, not 3) is
+  // refused as any changed shape is: the resolved shape is the job's.
+  const std::string hf2 = dir / "hf2";
+  r = hf_script("random --out '" + hf2 + "' --n-layer 2 --n-head 2 --n-embd 24 --vocab 41 --n-positions 16 --seed 6");
+  REQUIRE(r.exit_code == 0);
+  r = test::run_command("OMP_NUM_THREADS=1 '" + test::trainrun_binary() + "' --config '" + dir / "job.yaml" +
+                        "' --set model.init_from='" + hf2 + "' --set train.max_steps=2");
+  CHECK(r.exit_code != 0);
+  CHECK_THAT(r.err, Contains("model.n_layer = 3 but this job has 2"));
 }
