@@ -733,6 +733,9 @@ TEST_CASE("llama: a shape field that disagrees with init_from's config.json name
   // Agreeing fields are fine, and an explicit shorter seq_len is the training context.
   CHECK(resolve_error("model: {init_from: '" + hf + "', n_layer: 2, tie_embeddings: true, seq_len: 8}\n" + data) ==
         "");
+  // "The model's own" sentinels written out are filled, not compared.
+  CHECK(resolve_error("model: {init_from: '" + hf + "', tie_embeddings: auto, n_kv_head: 0, ffn_dim: 0}\n" + data) ==
+        "");
   CHECK(resolve_error("model: {init_from: '" + hf + "', n_layer: 3}\n" + data) ==
         "model.init_from: '" + cfg + "' has num_hidden_layers = 2 but model.n_layer is 3 (job.yaml:1:" +
             std::to_string(33 + hf.size()) +

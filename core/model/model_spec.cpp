@@ -21,6 +21,18 @@ std::string origin_of(const JobSpec& job, const std::string& key) {
   return it == job.origins.end() ? std::string("default") : it->second.where;
 }
 
+// Set, and to a value rather than to a field's "the arch's default"
+// sentinel: tie_embeddings: auto, n_kv_head: 0 and ffn_dim: 0 written out
+// mean "whatever the model has", so a preset or config.json fills them.
+bool has_value(const JobSpec& job, const std::string& key) {
+  if (!job.is_set(key)) return false;
+  const ModelSpec& m = job.model;
+  if (key == "model.tie_embeddings") return m.tie_embeddings != "auto";
+  if (key == "model.n_kv_head") return m.n_kv_head != 0;
+  if (key == "model.ffn_dim") return m.ffn_dim != 0;
+  return true;
+}
+
 void fill(JobSpec& job, const JobSpec& from, const std::string& key, const std::string& where) {
   job_spec_copy_field(from, job, key);
   job.origins[key] = {where, kFromResolution};
@@ -43,7 +55,7 @@ void apply_preset(JobSpec& job, bool log) {
   for (const ShapeKey& k : make_model_arch(ModelConfig::from_spec(p->spec))->shape_keys()) keys.push_back(k.field);
   keys.push_back("model.seq_len");
   for (const std::string& key : keys) {
-    if (!job.is_set(key)) {
+    if (!has_value(job, key)) {
       fill(job, preset, key, from);
       continue;
     }
@@ -64,7 +76,7 @@ void apply_init_from(JobSpec& job) {
 
   const std::unique_ptr<ModelArch> arch = make_model_arch(hf_cfg);
   for (const ShapeKey& k : arch->shape_keys()) {
-    if (!job.is_set(k.field)) {
+    if (!has_value(job, k.field)) {
       fill(job, hf, k.field, from);
       continue;
     }

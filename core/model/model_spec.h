@@ -11,6 +11,8 @@
 //                                context stays the spec's, at most the
 //                                directory's max_position_embeddings)
 //   else                         the default
+// ("Set" to a sentinel that means "the model's own", tie_embeddings: auto,
+// n_kv_head: 0, ffn_dim: 0, arch: auto, counts as not set.)
 // A field a preset filled counts as set for the init_from comparison, so a
 // preset and a directory that describe different models are an error
 // naming both. Every filled field is recorded in JobSpec::origins, which
