@@ -22,6 +22,7 @@
 #include "core/launch/slurm_worker.h"
 #include "core/model/model_io.h"
 #include "core/model/model_shape.h"
+#include "core/model/model_spec.h"
 #include "core/train/generate.h"
 #include "core/train/planner.h"
 #include "core/train/plot.h"
@@ -71,7 +72,7 @@ void prepare_output_dir(const JobSpec& job) {
 int cmd_run(const std::string& config, std::vector<std::string> sets, const LaunchFlags& flags) {
   // --nnodes/--master-addr/--master-port are job spec fields (launcher.*).
   for (std::string& o : flags.overrides()) sets.push_back(std::move(o));
-  JobSpec job = load_job_spec(config, sets);
+  JobSpec job = load_resolved_job_spec(config, sets);
   // How this process was started (core/launch/launch_mode.h): an agent for
   // several local workers, restarts or several nodes; a worker placed by
   // srun or by an outside launcher; else one worker right here.
@@ -131,7 +132,7 @@ int cmd_run(const std::string& config, std::vector<std::string> sets, const Laun
 }
 
 int cmd_validate(const std::string& config, const std::vector<std::string>& sets) {
-  JobSpec job = load_job_spec(config, sets);
+  JobSpec job = load_resolved_job_spec(config, sets);
   std::cout << job_spec_to_yaml(job);
   return 0;
 }
@@ -168,7 +169,7 @@ int cmd_plan(const PlanArgs& a) {
   req.gpu = a.gpu;
   bool from_job = false;
   if (!a.config.empty()) {
-    JobSpec job = load_job_spec(a.config, a.sets);
+    JobSpec job = load_resolved_job_spec(a.config, a.sets);
     from_job = true;
     if (a.model.empty()) req.model = ModelConfig::from_spec(job.model);
     req.micro_batch = job.train.micro_batch_size;

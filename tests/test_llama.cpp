@@ -781,3 +781,95 @@ TEST_CASE("llama: bad init_from directories and configs are refused, naming the 
     for (const auto& e : k.expect) CHECK_THAT(err, Contains(e));
   }
 }
+
+// ---- model.init_from alone: config.json gives the shape --------------------------------
+
+#include "core/model/model_spec.h"
+
+namespace {
+std::string resolve_error(const std::string& yaml) {
+  try {
+    JobSpec job = parse_job_spec(yaml, "job.yaml", {});
+    resolve_model_shape(job);
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+}  // namespace
+
+TEST_CASE("llama: a job with only model.init_from trains the directory's Llama", "[llama][hf][init_from][spec]") {
+  test::TempDir dir("llama_init_only");
+  const std::string hf = hf_random_llama(dir, "hf", /*tied=*/false, /*scaled=*/true);
+  const std::string run = dir / "run";
+  // No shape at all: seq_len's default 128 is capped at the 12 positions.
+  test::write_file(dir / "job.yaml",
+                   "model: {init_from: '" + hf + "'}\n"
+                   "data: {format: synthetic, synthetic: {vocab: 29, branching: 3}}\n"
+                   "train: {global_batch_size: 4, micro_batch_size: 2, max_steps: 1, lr: 1.0e-30, min_lr: 0,\n"
+                   "        warmup_steps: 0, schedule: constant, weight_decay: 0, grad_clip: 0, eval_steps: 1}\n"
+                   "output: {dir: '" + run + "', sample_tokens: 0}\n"
+                   "parallel: {nproc_per_node: 2, sharding: full_shard, timeout_s: 60}\n");
+  const test::RunResult r =
+      test::run_command("OMP_NUM_THREADS=1 '" + test::trainrun_binary() + "' --config '" + dir / "job.yaml" + "'");
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.err, Contains("model.seq_len: 12 (the default 128 is longer than " + hf +
+                             "/config.json's max_position_embeddings)"));
+  CHECK_THAT(r.err, Contains("model.init_from: initial weights from"));
+  // job.resolved.yaml holds config.json's shape (hf_llama.py random's arguments).
+  const std::string resolved = test::read_file(run + "/job.resolved.yaml");
+  for (const char* line : {"\n  arch: llama ", "\n  n_layer: 2 ", "\n  n_head: 4 ", "\n  n_kv_head: 2 ",
+                           "\n  n_embd: 16 ", "\n  ffn_dim: 24 ", "\n  vocab_size: 29 ", "\n  seq_len: 12 ",
+                           "\n  rope_theta: 10000 ", "\n  tie_embeddings: false ", "\n    type: llama3 ",
+                           "\n    factor: 4 ", "\n    original_max_position_embeddings: 8 "}) {
+    INFO(line);
+    CHECK(resolved.find(line) != std::string::npos);
+  }
+  // The weights that trained (one step that cannot move them) are the directory's, bit for bit.
+  std::vector<float> trained;
+  const ModelConfig c = load_model_safetensors(run + "/model.safetensors", trained);
+  CHECK(c.arch == "llama");
+  CHECK(c.L == 2);
+  CHECK(c.NKV == 2);
+  const std::vector<float> want = hf_flat(*make_model_arch(c), hf);
+  REQUIRE(trained.size() == want.size());
+  CHECK(std::memcmp(trained.data(), want.data(), want.size() * 4) == 0);
+}
+
+TEST_CASE("llama: a shape field that disagrees with init_from's config.json names both values", "[llama][hf][init_from][spec]") {
+  test::TempDir dir("llama_init_disagree");
+  const std::string hf = hf_random_llama(dir, "hf", /*tied=*/true, /*scaled=*/false);
+  const std::string cfg = hf + "/config.json";
+  const std::string data = "data: {format: synthetic}\n";
+  // Agreeing fields are fine, and an explicit shorter seq_len is the training context.
+  CHECK(resolve_error("model: {init_from: '" + hf + "', n_layer: 2, tie_embeddings: true, seq_len: 8}\n" + data) ==
+        "");
+  // "The model's own" sentinels written out are filled, not compared.
+  CHECK(resolve_error("model: {init_from: '" + hf + "', tie_embeddings: auto, n_kv_head: 0, ffn_dim: 0}\n" + data) ==
+        "");
+  CHECK(resolve_error("model: {init_from: '" + hf + "', n_layer: 3}\n" + data) ==
+        "model.init_from: '" + cfg + "' has num_hidden_layers = 2 but model.n_layer is 3 (job.yaml:1:" +
+            std::to_string(33 + hf.size()) +
+            "); remove model.n_layer to take the directory's value, or set it to 2 (the job's model.* must describe "
+            "the weights it starts from)");
+  CHECK_THAT(resolve_error("model: {init_from: '" + hf + "', tie_embeddings: false}\n" + data),
+             Contains("has tie_word_embeddings = true but model.tie_embeddings is false"));
+  CHECK_THAT(resolve_error("model: {init_from: '" + hf + "', rope_scaling: {type: llama3}}\n" + data),
+             Contains("has rope_scaling.rope_type = none but model.rope_scaling.type is llama3"));
+  CHECK_THAT(resolve_error("model: {init_from: '" + hf + "', n_kv_head: 4}\n" + data),
+             Contains("has num_key_value_heads = 2 but model.n_kv_head is 4"));
+  // seq_len past the model's positions.
+  CHECK(resolve_error("model: {init_from: '" + hf + "', seq_len: 13}\n" + data) ==
+        "model.init_from: '" + cfg + "' has max_position_embeddings = 12 but model.seq_len is 13 (job.yaml:1:" +
+            std::to_string(33 + hf.size()) + "); set model.seq_len to at most 12 (the model has no positions beyond "
+            "that)");
+  // A preset and a directory that are different models: both named.
+  CHECK(resolve_error("model: {init_from: '" + hf + "', preset: llama3.2-1b}\n" + data) ==
+        "model.init_from: '" + cfg + "' has num_hidden_layers = 2 but model.n_layer is 16 (model.preset "
+        "llama3.2-1b); remove model.n_layer to take the directory's value, or set it to 2 (the job's model.* must "
+        "describe the weights it starts from)");
+  // A missing directory is named at job load.
+  CHECK_THAT(resolve_error("model: {init_from: '" + dir / "nope" + "'}\n" + data),
+             Contains("model.init_from: '" + dir / "nope" + "' does not exist"));
+}

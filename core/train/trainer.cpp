@@ -17,6 +17,7 @@
 #include "core/data/dataset.h"
 #include "core/launch/debug_hooks.h"
 #include "core/model/model.h"
+#include "core/model/model_spec.h"
 #include "core/train/generate.h"
 #include "core/train/metrics.h"
 #include "core/train/preemption.h"
@@ -564,8 +565,12 @@ void Trainer::sample_at_end() {
   if (rank0_) TR_LOG_INFO("sample:\n", decode_tokens(toks, cfg.V));
 }
 
-TrainSummary run_training(const JobSpec& job, const WorkerInfo& worker) {
+TrainSummary run_training(const JobSpec& job_in, const WorkerInfo& worker) {
   install_stop_handlers();
+  // The launcher resolved model.preset / model.init_from already; a job
+  // built in code (tests, embedders) gets the same shape here. Idempotent.
+  JobSpec job = job_in;
+  resolve_model_shape(job, /*log=*/false);
   Trainer t(job, worker);
   return t.run();
 }
