@@ -248,6 +248,5 @@ std::unique_ptr<Decoder> LlamaArch::make_decoder(Backend* be, int capacity) cons
 size_t LlamaArch::decoder_bytes_needed(const Backend& be, int capacity) const {
   return LlamaDecoder::bytes_needed(cfg_, be, capacity);
 }
-json LlamaArch::hf_config_json() const { llama_not_implemented("Hugging Face export"); }
 
 }  // namespace trainrun

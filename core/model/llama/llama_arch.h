@@ -45,6 +45,7 @@ class LlamaArch final : public ModelArch {
 
   std::string hf_model_type() const override { return "llama"; }
   nlohmann::ordered_json hf_config_json() const override;
+  void hf_carry_over(const nlohmann::ordered_json& source, nlohmann::ordered_json& out) const override;
   HfTensor hf_tensor(const ParamTensor& t) const override { return {t.name, false, ""}; }
   bool hf_ignored_buffer(const std::string& canonical_name) const override;
   std::string hf_shape_keys() const override {
