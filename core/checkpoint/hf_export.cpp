@@ -65,8 +65,10 @@ uint64_t parse_max_shard_size(const std::string& text) {
   if (std::count(num.begin(), num.end(), '.') > 1) bad("is not a number");
   while (i < text.size() && std::isspace(static_cast<unsigned char>(text[i]))) ++i;
   std::string unit;
-  for (; i < text.size(); ++i)
-    if (!std::isspace(static_cast<unsigned char>(text[i]))) unit += char(std::toupper(static_cast<unsigned char>(text[i])));
+  for (; i < text.size() && !std::isspace(static_cast<unsigned char>(text[i])); ++i)
+    unit += char(std::toupper(static_cast<unsigned char>(text[i])));
+  while (i < text.size() && std::isspace(static_cast<unsigned char>(text[i]))) ++i;
+  if (i != text.size()) bad("is not a size");
   double mult = 0;
   const std::pair<const char*, double> units[] = {
       {"", 1},        {"B", 1},          {"KB", 1e3},       {"MB", 1e6},       {"GB", 1e9},
