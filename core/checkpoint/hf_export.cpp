@@ -5,7 +5,7 @@
 // is read (names, HF shapes, the dtype), so each output file is its header
 // followed by its tensors in order, and each tensor is read from the source
 // (mapped, hf_interop.h's FlatModelSource) in pieces of at most kExportPiece
-// bytes of fp32, transposed (GPT-2's Conv1D) and narrowed (bf16) in a buffer
+// (64 MiB) of fp32, transposed (GPT-2's Conv1D) and narrowed (bf16) in a buffer
 // of the piece's size, and pwritten at its offset. Peak memory is a few
 // pieces (the fp32 piece, its transpose, its bf16 form), never the model:
 // a 70B export holds ~200 MiB, not 280 GB.
@@ -227,11 +227,11 @@ class OutFile {
 };
 
 // One tensor from the source into `f` at byte `at`, piece by piece.
-void write_tensor(const FlatModelSource& src, const OutTensor& o, bool bf16, OutFile& f, uint64_t at,
-                  std::vector<float>& piece, std::vector<float>& tpiece, std::vector<uint16_t>& half) {
+void write_tensor(const FlatModelSource& src, const OutTensor& o, bool bf16, size_t piece_bytes, OutFile& f,
+                  uint64_t at, std::vector<float>& piece, std::vector<float>& tpiece, std::vector<uint16_t>& half) {
   const ParamTensor& t = *o.t;
   const size_t es = bf16 ? 2 : 4;
-  const int64_t max_elems = int64_t(kExportPiece / 4);
+  const int64_t max_elems = std::max<int64_t>(1, int64_t(piece_bytes / 4));
   // Emits n fp32 values as the output dtype at element offset e of the tensor.
   auto emit = [&](const float* v, int64_t n, int64_t e) {
     if (!bf16) return f.write_at(at + uint64_t(e) * es, v, size_t(n) * 4);
@@ -367,7 +367,7 @@ void write_weights(const fs::path& tmp, const FlatModelSource& src, const HfExpo
     f.write_at(0, header.data(), header.size());
     uint64_t at = header.size();
     for (size_t i : s.tensors) {
-      write_tensor(src, ts[i], bf16, f, at, piece, tpiece, half);
+      write_tensor(src, ts[i], bf16, opt.piece_bytes, f, at, piece, tpiece, half);
       at += ts[i].nbytes;
       weight_map[ts[i].hf.name] = s.file;
       total += ts[i].nbytes;

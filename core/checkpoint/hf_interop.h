@@ -25,9 +25,13 @@ namespace trainrun {
 
 // `trainrun export`'s options.
 constexpr uint64_t kDefaultMaxShardBytes = 5000000000ull;  // "5GB", save_pretrained's default
+constexpr size_t kExportPiece = size_t(64) << 20;          // the most fp32 bytes read at once
 struct HfExportOptions {
   std::string dtype = "fp32";                        // --dtype: fp32 | bf16 (round to nearest even)
   uint64_t max_shard_bytes = kDefaultMaxShardBytes;  // --max-shard-size: above it, shards + an index
+  // Bytes of fp32 per piece read from the source; tests make it tiny so
+  // small models take the piecewise paths (a transposed tensor in row blocks).
+  size_t piece_bytes = kExportPiece;
 };
 // --max-shard-size as Hugging Face reads it: a number of bytes, or a number
 // (decimals allowed) with KB/MB/GB/TB (powers of 1000) or KiB/MiB/GiB/TiB
@@ -61,12 +65,11 @@ std::unique_ptr<FlatModelSource> open_hf_source(const std::string& dir, const st
 // model.safetensors or model-0000i-of-0000N.safetensors +
 // model.safetensors.index.json (save_pretrained's greedy split above
 // max_shard_bytes), and origin's tokenizer files. Each tensor streams from
-// `src` in pieces of at most kExportPiece bytes of fp32, converted/transposed
+// `src` in pieces of at most opt.piece_bytes of fp32, converted/transposed
 // and written at its offset (every header is known from the layout up front).
 // `origin`: an HF directory the model came from ("" for none). An existing
 // DIR is replaced only when it holds nothing but export files; anything else
 // there is refused rather than deleted.
-constexpr size_t kExportPiece = size_t(64) << 20;
 void export_hf(const std::string& dir, const FlatModelSource& src, const HfExportOptions& opt,
                const std::string& origin = "");
 // The same from whole-model weights in memory (tests, small models).
