@@ -15,12 +15,6 @@ using json = nlohmann::ordered_json;
 
 namespace trainrun {
 
-void llama_not_implemented(const std::string& what) {
-  TR_FAIL("model.arch: llama is not implemented yet (", what,
-          "); trainrun can plan Llama shapes (`trainrun plan --model llama3-8b`) but trains, samples and "
-          "imports/exports only gpt2 so far");
-}
-
 namespace {
 
 ModelConfig resolved(ModelConfig c) {
