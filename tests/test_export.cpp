@@ -618,3 +618,43 @@ TEST_CASE("export: tiny pieces (transposed row blocks, split tensors) write the 
     CHECK(std::memcmp(back.data(), flat.data(), flat.size() * 4) == 0);
   }
 }
+
+TEST_CASE("export: shards split where save_pretrained splits them (the same index, byte for byte)", "[export][hf]") {
+  test::TempDir dir("export_shards");
+  // save_pretrained's own sharded saves, re-exported at the same limit.
+  struct Src {
+    std::string name, dir;
+  };
+  std::vector<Src> srcs;
+  for (const bool tied : {false, true}) {
+    const LlamaVariant v{tied ? "tied" : "untied", 2, 4, 2, 16, 24, 29, tied, false};
+    srcs.push_back({v.name, make_hf_llama(dir, v, " --max-shard-size 3KB")});
+  }
+  auto r = ref_script("hf_gpt2.py", "random --out '" + dir / "gpt2" + "' --n-layer 2 --n-head 2 --n-embd 16 "
+                                    "--vocab 37 --n-positions 12 --seed 2 --max-shard-size 3KB");
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  srcs.push_back({"gpt2", dir / "gpt2"});
+  for (const auto& s : srcs) {
+    INFO(s.name);
+    REQUIRE(test::file_exists(s.dir + "/model.safetensors.index.json"));
+    const std::string out = dir / ("out_" + s.name);
+    r = export_cmd("--checkpoint '" + s.dir + "' --out '" + out + "' --max-shard-size 3KB");
+    INFO(r.err);
+    REQUIRE(r.exit_code == 0);
+    CHECK(test::read_file(out + "/model.safetensors.index.json") ==
+          test::read_file(s.dir + "/model.safetensors.index.json"));
+    const json idx = read_json(out + "/model.safetensors.index.json");
+    REQUIRE(idx["weight_map"].size() > 10);
+    for (const auto& [name, file] : idx["weight_map"].items()) {
+      INFO(name);
+      // The same tensor, bit for bit, in the same shard.
+      const SafeTensorFile a = read_safetensors(out + "/" + file.get<std::string>());
+      const SafeTensorFile b = read_safetensors(s.dir + "/" + file.get<std::string>());
+      REQUIRE(a.find(name));
+      REQUIRE(b.find(name));
+      CHECK(a.find(name)->shape == b.find(name)->shape);
+      CHECK(a.find(name)->data == b.find(name)->data);
+    }
+  }
+}

@@ -11,7 +11,7 @@
 // a 70B export holds ~200 MiB, not 280 GB.
 //
 // Sharding follows save_pretrained (huggingface_hub's
-// split_torch_state_dict_into_shards): tensors in order, a new shard when
+// split_torch_state_dict_into_shards): tensors in HF's order (hf_save_order), a new shard when
 // the next tensor would take the current one past the limit, a tensor larger
 // than the limit alone in its own shard; shards are
 // model-0000i-of-0000N.safetensors with model.safetensors.index.json
@@ -343,7 +343,8 @@ void write_weights(const fs::path& tmp, const FlatModelSource& src, const HfExpo
   const bool bf16 = opt.dtype == "bf16";
   const char* dtype = bf16 ? "BF16" : "F32";
   std::vector<OutTensor> ts;
-  for (const auto& t : arch.layout().tensors) {
+  for (const ParamTensor* tp : arch.hf_save_order()) {
+    const ParamTensor& t = *tp;
     OutTensor o;
     o.t = &t;
     o.hf = arch.hf_tensor(t);

@@ -262,6 +262,12 @@ double ModelArch::flops_per_token() const {
 
 // ---- configs read back from files ----------------------------------------------------------
 
+std::vector<const ParamTensor*> ModelArch::hf_save_order() const {
+  std::vector<const ParamTensor*> order;
+  for (const auto& t : layout_.tensors) order.push_back(&t);
+  return order;
+}
+
 void ModelArch::hf_carry_over(const nlohmann::ordered_json& source, nlohmann::ordered_json& out) const {
   // Ids outside our vocabulary would make generate() stop on nothing (or crash).
   for (const char* key : {"bos_token_id", "eos_token_id", "pad_token_id"}) {

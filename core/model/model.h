@@ -297,6 +297,11 @@ class ModelArch {
   virtual void hf_carry_over(const nlohmann::ordered_json& source, nlohmann::ordered_json& out) const;
   // Where a layout tensor is in an HF directory, and in which layout.
   virtual HfTensor hf_tensor(const ParamTensor& t) const = 0;
+  // The layout's tensors in the order save_pretrained writes them (the HF
+  // model's named_parameters()), which decides where an export's shards
+  // split: the same limit gives save_pretrained's shards. Default: the
+  // layout's order (GPT-2's is HF's).
+  virtual std::vector<const ParamTensor*> hf_save_order() const;
   // A name in an HF file as it is looked up (GPT-2: without the optional
   // "transformer." prefix, which GPT2Model leaves out).
   virtual std::string hf_canonical_name(const std::string& file_name) const { return file_name; }

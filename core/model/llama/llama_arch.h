@@ -47,6 +47,7 @@ class LlamaArch final : public ModelArch {
   nlohmann::ordered_json hf_config_json() const override;
   void hf_carry_over(const nlohmann::ordered_json& source, nlohmann::ordered_json& out) const override;
   HfTensor hf_tensor(const ParamTensor& t) const override { return {t.name, false, ""}; }
+  std::vector<const ParamTensor*> hf_save_order() const override;
   bool hf_ignored_buffer(const std::string& canonical_name) const override;
   std::string hf_shape_keys() const override {
     return "num_hidden_layers/hidden_size/num_attention_heads/num_key_value_heads/intermediate_size/vocab_size";

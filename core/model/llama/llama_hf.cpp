@@ -149,6 +149,23 @@ void LlamaArch::hf_carry_over(const json& source, json& out) const {
     out["max_position_embeddings"] = source["max_position_embeddings"];
 }
 
+// LlamaDecoderLayer registers self_attn, mlp, then the two norms; ours puts
+// each norm before the matrices it feeds.
+std::vector<const ParamTensor*> LlamaArch::hf_save_order() const {
+  std::vector<const ParamTensor*> order = {&layout_.get("model.embed_tokens.weight")};
+  for (int l = 0; l < cfg_.L; ++l) {
+    const std::string p = "model.layers." + std::to_string(l) + ".";
+    for (const char* n : {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                          "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                          "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight"})
+      order.push_back(&layout_.get(p + n));
+  }
+  order.push_back(&layout_.get("model.norm.weight"));
+  if (!cfg_.tied) order.push_back(&layout_.get("lm_head.weight"));
+  TR_CHECK(order.size() == layout_.tensors.size(), "llama: hf_save_order misses a layout tensor (a bug)");
+  return order;
+}
+
 // The RoPE inverse frequencies older transformers versions saved with the weights.
 bool LlamaArch::hf_ignored_buffer(const std::string& key) const {
   const char* suf = ".rotary_emb.inv_freq";
