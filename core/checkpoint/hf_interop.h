@@ -5,8 +5,9 @@
 // models) with HF's names AND layouts. What an architecture's directory
 // looks like is the architecture's (ModelArch: config.json both ways,
 // hf_tensor() for each tensor's name and layout, ties such as GPT-2's
-// lm_head.weight = transformer.wte.weight); this file reads and writes the
-// files for any of them. A tied tensor is not written (save_pretrained
+// lm_head.weight = transformer.wte.weight, the order save_pretrained writes
+// tensors in); hf_interop.cpp reads and hf_export.cpp writes the files for
+// any of them, both through mapped files and bounded pieces. A tied tensor is not written (save_pretrained
 // omits it too: safetensors cannot hold two names for one storage); on
 // import it is accepted when present only if it equals what it is tied to.
 #pragma once
