@@ -22,15 +22,16 @@
 #include "core/launch/slurm_worker.h"
 #include "core/model/model_io.h"
 #include "core/model/model_shape.h"
+#include "core/model/model_spec.h"
 #include "core/train/generate.h"
 #include "core/train/planner.h"
 #include "core/train/plot.h"
 #include "core/train/preemption.h"
 #include "core/train/trainer.h"
 #include "kernels/backend_factory.h"
-#include "parallel/bench_comm.h"
-#include "parallel/topology.h"
-#include "parallel/topology_launch.h"
+#include "parallel/comm/bench_comm.h"
+#include "parallel/topology/topology.h"
+#include "parallel/topology/topology_launch.h"
 
 namespace fs = std::filesystem;
 using namespace trainrun;
@@ -71,7 +72,7 @@ void prepare_output_dir(const JobSpec& job) {
 int cmd_run(const std::string& config, std::vector<std::string> sets, const LaunchFlags& flags) {
   // --nnodes/--master-addr/--master-port are job spec fields (launcher.*).
   for (std::string& o : flags.overrides()) sets.push_back(std::move(o));
-  JobSpec job = load_job_spec(config, sets);
+  JobSpec job = load_resolved_job_spec(config, sets);
   // How this process was started (core/launch/launch_mode.h): an agent for
   // several local workers, restarts or several nodes; a worker placed by
   // srun or by an outside launcher; else one worker right here.
@@ -131,7 +132,7 @@ int cmd_run(const std::string& config, std::vector<std::string> sets, const Laun
 }
 
 int cmd_validate(const std::string& config, const std::vector<std::string>& sets) {
-  JobSpec job = load_job_spec(config, sets);
+  JobSpec job = load_resolved_job_spec(config, sets);
   std::cout << job_spec_to_yaml(job);
   return 0;
 }
@@ -171,7 +172,7 @@ int cmd_plan(const PlanArgs& a) {
   req.gpu = a.gpu;
   bool from_job = false;
   if (!a.config.empty()) {
-    JobSpec job = load_job_spec(a.config, a.sets);
+    JobSpec job = load_resolved_job_spec(a.config, a.sets);
     from_job = true;
     if (a.model.empty()) req.model = ModelConfig::from_spec(job.model);
     req.micro_batch = job.train.micro_batch_size;
@@ -320,7 +321,7 @@ int main(int argc, char** argv) {
   bench_kernels->add_flag("--quick", kbo.quick, "small sizes (a smoke run)");
 
   // Hidden: the CUDA peer probe, run by the topology code in a child process
-  // (parallel/topology_probe.cpp) so the agent never holds a CUDA context.
+  // (parallel/topology/topology_probe.cpp) so the agent never holds a CUDA context.
   auto* probe_p2p = app.add_subcommand("probe-p2p", "");
   probe_p2p->group("");
 

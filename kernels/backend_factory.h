@@ -26,7 +26,7 @@
 #include <vector>
 
 #include "kernels/backend.h"
-#include "parallel/communicator.h"
+#include "parallel/comm/communicator.h"
 
 namespace trainrun {
 
@@ -84,7 +84,7 @@ std::vector<GemmCheckRow> run_gemm_epilogue_check(int device);
 // cudaDeviceCanAccessPeer says yes AND a 1 MiB cudaMemcpyPeer from i to j
 // arrives intact, else 0 (the diagonal is 1). False with *why when CUDA is
 // unusable. Creates a context on every GPU: `trainrun probe-p2p` runs it in
-// a child process so the agent never holds one (see parallel/topology_nvml.cpp).
+// a child process so the agent never holds one (see parallel/topology/topology_nvml.cpp).
 bool cuda_peer_probe(std::vector<std::string>* bus_ids, std::vector<std::vector<int>>* ok, std::string* why);
 
 // ---- the plugin ABI (used by backend_factory.cpp and kernels/cuda/plugin.cpp) ----

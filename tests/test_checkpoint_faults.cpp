@@ -22,7 +22,7 @@
 
 #include "core/checkpoint/checkpoint.h"
 #include "core/config/job_spec.h"
-#include "parallel/store.h"
+#include "parallel/rendezvous/store.h"
 #include "tests/support/checkpoint_jobs.h"
 #include "tests/support/inprocess.h"
 #include "tests/support/testutil.h"

@@ -19,8 +19,8 @@
 #include <vector>
 
 #include "core/common/error.h"
-#include "parallel/communicator.h"
-#include "parallel/store.h"
+#include "parallel/comm/communicator.h"
+#include "parallel/rendezvous/store.h"
 #include "tests/support/testutil.h"
 
 using namespace trainrun;
@@ -567,4 +567,242 @@ TEST_CASE("communicator: trainrun bench comm prints the nccl-tests style table, 
   r = test::run_trainrun("bench comm --backend tpu");
   CHECK(r.exit_code == 2);
   CHECK_THAT(r.err, Contains("--backend"));
+}
+
+// ---- point to point and bf16 (pipeline stages, tensor-parallel activations) ----------
+
+TEST_CASE("communicator: gloo send_recv: a ring where every rank sends and receives at once, and tags",
+          "[communicator]") {
+  MemStore store;
+  for (int W : {2, 3, 5}) {
+    INFO("W = " << W);
+    run_group(store, W, [&](Communicator& c) {
+      const int r = c.rank(), next = (r + 1) % W, prev = (r + W - 1) % W;
+      // Every rank calls at the same time, sending forward and receiving
+      // from behind: it must not deadlock (both are posted before a wait).
+      std::vector<float> out(1000 + r), in(1000 + prev);
+      for (size_t i = 0; i < out.size(); ++i) out[i] = float(r * 10000 + int(i));
+      c.send_recv(out.data(), out.size() * 4, next, in.data(), in.size() * 4, prev, 7);
+      for (size_t i = 0; i < in.size(); ++i)
+        if (in[i] != float(prev * 10000 + int(i))) throw std::runtime_error("send_recv: wrong data from the ring");
+      // One-sided calls: a send is matched by the receive with its tag.
+      if (W == 2) {
+        int a = 11, b = 22, x = 0, y = 0;
+        if (r == 0) {
+          c.send(&a, 4, 1, 1);
+          c.recv(&y, 4, 1, 2);
+        } else {
+          c.recv(&x, 4, 0, 1);
+          c.send(&b, 4, 0, 2);
+        }
+        if ((r == 0 && y != 22) || (r == 1 && x != 11)) throw std::runtime_error("send/recv: wrong message");
+      }
+    });
+  }
+}
+
+TEST_CASE("communicator: gloo recv from a peer that never sends fails within the timeout, naming it",
+          "[communicator]") {
+  MemStore store;
+  std::string msg;
+  run_group(store, 2, [&](Communicator& c) {
+    c.set_step(3);
+    float x = 0;
+    if (c.rank() == 1) {
+      try {
+        c.recv(&x, 4, 0, 5);
+      } catch (const Error& e) {
+        msg = e.what();
+      }
+    } else {
+      // Sends, but with another tag: not the message rank 1 waits for.
+      try {
+        c.send(&x, 4, 1, 6);
+      } catch (const Error&) {
+      }
+    }
+  }, 500ms, "p2p");
+  CHECK_THAT(msg, Catch::Matchers::Contains("send_recv (step 3, rank 1 of 2)") && Catch::Matchers::Contains("rank 0"));
+  // Bad peers are refused before anything is posted.
+  run_group(store, 2, [&](Communicator& c) {
+    float x = 0;
+    bool threw = false;
+    try {
+      c.send(&x, 4, 2);
+    } catch (const Error& e) {
+      threw = std::string(e.what()).find("peer 2 is not a rank of a group of 2") != std::string::npos;
+    }
+    if (!threw) throw std::runtime_error("send to rank 2 of 2 was not refused");
+  });
+}
+
+TEST_CASE("communicator: bf16 all_reduce and reduce_scatter reduce in fp32 and round once, same bits on every rank",
+          "[communicator]") {
+  auto to_bf16 = [](float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return uint16_t(u >> 16);
+  };
+  auto from_bf16 = [](uint16_t h) {
+    const uint32_t u = uint32_t(h) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  };
+  MemStore store;
+  const int W = 3, n = 257;
+  std::vector<std::vector<uint16_t>> ar(W), rs(W);
+  run_group(store, W, [&](Communicator& c) {
+    const int r = c.rank();
+    std::vector<uint16_t> buf(n), in(size_t(W) * n), out(n);
+    for (int i = 0; i < n; ++i) buf[size_t(i)] = to_bf16(real_val(r, i));
+    for (int i = 0; i < W * n; ++i) in[size_t(i)] = to_bf16(real_val(r, i));
+    c.all_reduce_bf16(buf.data(), n, ReduceOp::Sum);
+    c.reduce_scatter_bf16(out.data(), in.data(), n, ReduceOp::Sum);
+    ar[size_t(r)] = buf;
+    rs[size_t(r)] = out;
+  });
+  for (int i = 0; i < n; ++i) {
+    // The reference: the bf16 inputs summed in fp32 (Gloo's ring order may
+    // differ from this one by an fp32 ulp, far below a bf16 ulp), rounded once.
+    float sum = 0;
+    for (int r = 0; r < W; ++r) sum += from_bf16(to_bf16(real_val(r, i)));
+    INFO("element " << i);
+    CHECK(std::fabs(from_bf16(ar[0][size_t(i)]) - sum) <= std::fabs(sum) * 0x1p-8f);
+    for (int r = 1; r < W; ++r) CHECK(ar[size_t(r)][size_t(i)] == ar[0][size_t(i)]);
+  }
+  for (int r = 0; r < W; ++r)
+    for (int i = 0; i < n; ++i) {
+      float sum = 0;
+      for (int q = 0; q < W; ++q) sum += from_bf16(to_bf16(real_val(q, r * n + i)));
+      CHECK(std::fabs(from_bf16(rs[size_t(r)][size_t(i)]) - sum) <= std::fabs(sum) * 0x1p-8f);
+    }
+  // One rank: the identity, also for buffers the host must not touch.
+  auto single = make_single_communicator();
+  std::vector<uint16_t> v = {to_bf16(1.5f), to_bf16(-2.0f)};
+  single->all_reduce_bf16(v.data(), 2, ReduceOp::Sum);
+  CHECK(from_bf16(v[0]) == 1.5f);
+  float a = 4.0f, b = 0;
+  single->send_recv(&a, 4, 0, &b, 4, 0);
+  CHECK(b == 4.0f);
+}
+
+// ---- the device mesh (parallel/mesh) ------------------------------------------------
+
+#include <set>
+
+#include "parallel/mesh/device_mesh.h"
+
+namespace {
+std::string mesh_error(int world, int tp, int pp, const std::string& sharding, int group) {
+  try {
+    plan_mesh(world, tp, pp, sharding, group);
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+}  // namespace
+
+TEST_CASE("mesh: the dims follow the degrees and the strategy; bad meshes name their factors", "[mesh]") {
+  MeshDims d = plan_mesh(8, 2, 1, "full_shard", 0);
+  CHECK((d.pp == 1 && d.dp_replicate == 1 && d.dp_shard == 4 && d.tp == 2));
+  d = plan_mesh(8, 2, 1, "hybrid_shard", 2);
+  CHECK((d.dp_replicate == 2 && d.dp_shard == 2 && d.tp == 2 && d.world() == 8));
+  d = plan_mesh(8, 1, 2, "no_shard", 0);
+  CHECK((d.pp == 2 && d.dp_replicate == 4 && d.dp_shard == 1));
+  CHECK(plan_mesh(1, 1, 1, "full_shard", 0).describe() == "pp1 x dp_replicate1 x dp_shard1 x tp1");
+
+  CHECK_THAT(mesh_error(6, 4, 1, "full_shard", 0),
+             Catch::Matchers::Contains("world size (6 ranks) is not divisible by parallel.tensor_parallel (4) x "
+                                       "parallel.pipeline_parallel (1) = 4"));
+  CHECK_THAT(mesh_error(12, 2, 2, "full_shard", 0), Catch::Matchers::Equals(""));
+  CHECK_THAT(mesh_error(8, 2, 2, "hybrid_shard", 3),
+             Catch::Matchers::Contains("parallel.shard_group_size (3) must divide the data-parallel size dp = 8 "
+                                       "ranks / (tensor_parallel 2 x pipeline_parallel 2) = 2"));
+  CHECK_THAT(mesh_error(8, 0, 1, "full_shard", 0), Catch::Matchers::Contains("parallel.tensor_parallel: 0"));
+  CHECK_THAT(mesh_error(8, 1, 0, "full_shard", 0), Catch::Matchers::Contains("parallel.pipeline_parallel: 0"));
+  CHECK_THAT(mesh_error(8, 1, 1, "zero3", 0), Catch::Matchers::Contains("unknown strategy 'zero3'"));
+}
+
+TEST_CASE("mesh: tp is innermost and every dim's groups partition the ranks consistently", "[mesh]") {
+  const MeshDims dims{2, 3, 2, 2};  // pp2 x dp_replicate3 x dp_shard2 x tp2 = 24 ranks
+  REQUIRE(dims.world() == 24);
+  // A TP group is consecutive ranks: one node, one NVLink island.
+  CHECK(DeviceMesh(dims, 5).group_ranks(MeshDim::tp) == std::vector<int>{4, 5});
+  CHECK(DeviceMesh(dims, 5).group_ranks(MeshDim::dp_shard) == std::vector<int>{5, 7});
+  CHECK(DeviceMesh(dims, 5).group_ranks(MeshDim::dp_replicate) == std::vector<int>{1, 5, 9});
+  CHECK(DeviceMesh(dims, 5).group_ranks(MeshDim::pp) == std::vector<int>{5, 17});
+  CHECK(DeviceMesh(dims, 5).dp_group_ranks() == std::vector<int>{1, 3, 5, 7, 9, 11});
+  for (MeshDim d : {MeshDim::pp, MeshDim::dp_replicate, MeshDim::dp_shard, MeshDim::tp}) {
+    INFO(mesh_dim_name(d));
+    std::set<std::string> names;
+    std::vector<int> seen(24, 0);
+    for (int r = 0; r < 24; ++r) {
+      const DeviceMesh m(dims, r);
+      const std::vector<int> g = m.group_ranks(d);
+      REQUIRE(int(g.size()) == dims.size(d));
+      CHECK(g[size_t(m.coord(d))] == r);
+      names.insert(m.group_name(d));
+      // Every member sees the same group under the same name, at its own index.
+      for (size_t i = 0; i < g.size(); ++i) {
+        const DeviceMesh o(dims, g[i]);
+        CHECK(o.group_ranks(d) == g);
+        CHECK(o.group_name(d) == m.group_name(d));
+        CHECK(o.coord(d) == int(i));
+      }
+      if (m.coord(d) == 0)
+        for (int x : g) seen[size_t(x)]++;
+    }
+    CHECK(int(names.size()) == 24 / dims.size(d));
+    CHECK(std::all_of(seen.begin(), seen.end(), [](int n) { return n == 1; }));  // a partition
+  }
+  CHECK_THROWS_AS(DeviceMesh(dims, 24), Error);
+}
+
+TEST_CASE("mesh: one communicator per group; a tp all-reduce sums the tp pair, a dp one the dp ranks", "[mesh]") {
+  MemStore store;
+  const MeshDims dims = plan_mesh(8, 2, 1, "hybrid_shard", 2);  // dp_replicate2 x dp_shard2 x tp2
+  std::vector<std::exception_ptr> errors(8);
+  std::vector<std::array<float, 4>> got(8);
+  std::vector<std::thread> threads;
+  const std::string job = fresh_prefix("mesh");
+  for (int r = 0; r < 8; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        const DeviceMesh mesh(dims, r);
+        MeshComms comms(mesh, [&](const std::string& prefix, int rank, int world) {
+          return make_gloo_communicator(store, job + "/" + prefix, rank, world, "127.0.0.1", 30s);
+        });
+        if (comms.comm(MeshDim::pp) != nullptr) throw std::runtime_error("a size-1 pp group got a communicator");
+        float tp = float(r), shard = float(r), rep = float(r), dp = float(r);
+        comms.comm(MeshDim::tp)->all_reduce(&tp, 1, ReduceOp::Sum);
+        comms.comm(MeshDim::dp_shard)->all_reduce(&shard, 1, ReduceOp::Sum);
+        comms.comm(MeshDim::dp_replicate)->all_reduce(&rep, 1, ReduceOp::Sum);
+        comms.dp()->all_reduce(&dp, 1, ReduceOp::Sum);
+        got[size_t(r)] = {tp, shard, rep, dp};
+      } catch (...) {
+        errors[size_t(r)] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+  for (int r = 0; r < 8; ++r) {
+    INFO("rank " << r);
+    const DeviceMesh m(dims, r);
+    auto sum = [](const std::vector<int>& g) {
+      float s = 0;
+      for (int x : g) s += float(x);
+      return s;
+    };
+    CHECK(got[size_t(r)][0] == sum(m.group_ranks(MeshDim::tp)));  // r^1 pairs: {0,1}, {2,3}...
+    CHECK(got[size_t(r)][1] == sum(m.group_ranks(MeshDim::dp_shard)));
+    CHECK(got[size_t(r)][2] == sum(m.group_ranks(MeshDim::dp_replicate)));
+    CHECK(got[size_t(r)][3] == sum(m.dp_group_ranks()));
+  }
+  CHECK(got[0][0] == 1.0f);  // ranks 0 + 1
+  CHECK(got[0][3] == 0.0f + 2 + 4 + 6);
 }

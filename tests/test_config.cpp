@@ -12,6 +12,9 @@
 
 #include "core/common/error.h"
 #include "core/config/job_spec.h"
+#include "core/config/model_presets.h"
+#include "core/model/model_shape.h"
+#include "core/model/model_spec.h"
 #include "core/train/schedule.h"
 #include "tests/support/testutil.h"
 
@@ -310,7 +313,8 @@ TEST_CASE("config: job_spec_to_yaml round-trips through parse_job_spec", "[confi
 
 TEST_CASE("config: job_spec_to_yaml writes every field with its doc", "[config]") {
   const std::string yaml = trainrun::job_spec_to_yaml(JobSpec{});
-  CHECK(yaml.find("\nmodel:\n  arch: auto ") != std::string::npos);
+  CHECK(yaml.find("\nmodel:\n  preset: none ") != std::string::npos);
+  CHECK(yaml.find("\n  arch: auto ") != std::string::npos);
   CHECK(yaml.find("\n  synthetic:\n    vocab: 0 ") != std::string::npos);
   CHECK(yaml.find("  lr: 0.001 ") != std::string::npos);
   CHECK(yaml.find("# peak learning rate, reached at the end of warmup; > 0\n") != std::string::npos);
@@ -326,7 +330,7 @@ TEST_CASE("config: job_spec_to_yaml writes every field with its doc", "[config]"
 
 TEST_CASE("config: the field table is complete and its defaults are valid", "[config]") {
   const auto fields = trainrun::job_spec_fields();
-  CHECK(fields.size() == 68);
+  CHECK(fields.size() == 69);
   std::vector<std::string> keys;
   for (const auto& f : fields) {
     INFO(f.key);
@@ -339,12 +343,32 @@ TEST_CASE("config: the field table is complete and its defaults are valid", "[co
   }
 }
 
+TEST_CASE("config: docs/job-spec.md holds the generated preset table", "[config][preset]") {
+  const std::string path = tt::source_dir() + "/docs/job-spec.md";
+  std::string doc = tt::read_file(path);
+  const std::string begin = "<!-- BEGIN GENERATED: model_presets_markdown() -->\n";
+  const std::string end = "<!-- END GENERATED -->";
+  const auto b = doc.find(begin);
+  REQUIRE(b != std::string::npos);
+  const auto e = doc.find(end, b);
+  REQUIRE(e != std::string::npos);
+  const std::string generated = trainrun::model_presets_markdown();
+  const char* update = std::getenv("TRAINRUN_UPDATE_DOCS");
+  if (update && *update && std::string(update) != "0") {
+    doc = doc.substr(0, b + begin.size()) + generated + doc.substr(e);
+    tt::write_file(path, doc);
+  }
+  const auto e2 = doc.find(end, b);
+  INFO("docs/job-spec.md is stale; rerun this test with TRAINRUN_UPDATE_DOCS=1 to regenerate it");
+  CHECK(doc.substr(b + begin.size(), e2 - b - begin.size()) == generated);
+}
+
 TEST_CASE("config: docs/job-spec.md holds the generated reference", "[config]") {
   const std::string path = tt::source_dir() + "/docs/job-spec.md";
   std::string doc = tt::read_file(path);
   const std::string begin = "<!-- BEGIN GENERATED: job_spec_reference_markdown() -->\n";
   const std::string end = "<!-- END GENERATED -->";
-  const auto b = doc.find(begin), e = doc.find(end);
+  const auto b = doc.find(begin), e = doc.find(end, b);
   REQUIRE(b != std::string::npos);
   REQUIRE(e != std::string::npos);
   const std::string generated = trainrun::job_spec_reference_markdown();
@@ -353,7 +377,7 @@ TEST_CASE("config: docs/job-spec.md holds the generated reference", "[config]") 
     doc = doc.substr(0, b + begin.size()) + generated + doc.substr(e);
     tt::write_file(path, doc);
   }
-  const auto e2 = doc.find(end);
+  const auto e2 = doc.find(end, b);
   for (const auto& f : trainrun::job_spec_fields()) {
     INFO(f.key);
     CHECK(doc.find("`" + f.key + "`") != std::string::npos);
@@ -400,7 +424,7 @@ TEST_CASE("config: bad specs: YAML structure", "[config][bad]") {
       {"right key, wrong section", kSynthetic + "train:\n  seq_len: 64\n", {},
        "job.yaml:4:3: train.seq_len: unknown key; did you mean 'model.seq_len'?"},
       {"unknown key, nothing close", kSynthetic + "model:\n  dropout: 0.1\n", {},
-       "job.yaml:4:3: model.dropout: unknown key; the keys of 'model' are arch, n_layer, n_head, n_embd, "
+       "job.yaml:4:3: model.dropout: unknown key; the keys of 'model' are preset, arch, n_layer, n_head, n_embd, "
        "vocab_size, seq_len, init_std, init_from, n_kv_head, ffn_dim, norm_eps, rope_theta, tie_embeddings, "
        "rope_scaling"},
       {"unknown key in a nested section", kSynthetic + "  synthetic:\n    brnaching: 2\n", {},
@@ -546,4 +570,125 @@ TEST_CASE("config: bad specs: files", "[config][bad]") {
   tt::write_file(typo, kSynthetic + "parallel:\n  timeout: 30\n");
   CHECK(load_error_of(typo, {"train.lr=0.01"}) ==
         typo + ":4:3: parallel.timeout: unknown key; did you mean 'parallel.timeout_s'?");
+}
+
+// ---- model.preset ------------------------------------------------------------------
+
+namespace {
+
+JobSpec resolved(const std::string& yaml, const std::vector<std::string>& overrides = {}) {
+  JobSpec job = parse_job_spec(yaml, "job.yaml", overrides);
+  trainrun::resolve_model_shape(job, /*log=*/false);
+  return job;
+}
+
+std::string resolve_error_of(const std::string& yaml, const std::vector<std::string>& overrides = {}) {
+  try {
+    resolved(yaml, overrides);
+  } catch (const trainrun::Error& e) {
+    return e.what();
+  }
+  return "<no error>";
+}
+
+}  // namespace
+
+TEST_CASE("config: every preset has its published model's parameter count", "[config][preset]") {
+  // The Hugging Face checkpoints' exact counts (sum of numel over
+  // model.safetensors, the tied head counted once), so a typo in any number of
+  // a preset shows up here.
+  const std::vector<std::pair<std::string, int64_t>> want = {
+      {"llama3.2-1b", 1235814400LL}, {"llama3.2-3b", 3212749824LL}, {"llama3.1-8b", 8030261248LL},
+      {"llama3.1-70b", 70553706496LL}, {"llama2-7b", 6738415616LL}, {"llama2-70b", 68976648192LL},
+      {"gpt2-124m", 124439808LL},     {"gpt2-350m", 354823168LL},   {"gpt2-774m", 774030080LL},
+      {"gpt2-1.5b", 1557611200LL},
+  };
+  REQUIRE(trainrun::model_preset_names().size() == want.size());
+  for (const auto& [name, params] : want) {
+    INFO(name);
+    const JobSpec job = resolved(kSynthetic + "model: {preset: " + name + "}\n");
+    const trainrun::ModelConfig c = trainrun::ModelConfig::from_spec(job.model);
+    // GPT-2's learned positions count too: its seq_len is the table's 1024 rows.
+    CHECK(c.num_parameters() == params);
+    // plan --model NAME reads the same table.
+    CHECK(trainrun::parse_model_shape(name).num_parameters() == params);
+  }
+}
+
+TEST_CASE("config: model.preset fills every shape field the spec does not set", "[config][preset]") {
+  const JobSpec j = resolved(kSynthetic + "model:\n  preset: llama3.1-8b\n  n_layer: 2\n", {"model.seq_len=256"});
+  const trainrun::ModelSpec& m = j.model;
+  CHECK(m.arch == "llama");
+  CHECK(m.n_layer == 2);      // explicit wins
+  CHECK(m.seq_len == 256);    // --set too
+  CHECK(m.n_head == 32);
+  CHECK(m.n_kv_head == 8);
+  CHECK(m.n_embd == 4096);
+  CHECK(m.ffn_dim == 14336);
+  CHECK(m.vocab_size == 128256);
+  CHECK(m.norm_eps == 1e-5);
+  CHECK(m.rope_theta == 500000);
+  CHECK(m.tie_embeddings == "false");
+  CHECK(m.rope_scaling.type == "llama3");
+  CHECK(m.rope_scaling.factor == 8);
+  CHECK(m.rope_scaling.original_max_position_embeddings == 8192);
+  CHECK(m.init_std == 0.02);  // not a shape field: the spec's default
+  // Unset: the preset's original context; tied Llama 3.2.
+  const JobSpec k = resolved(kSynthetic + "model: {preset: llama3.2-3b}\n");
+  CHECK(k.model.seq_len == 8192);
+  CHECK(k.model.tie_embeddings == "true");
+  CHECK(k.model.n_head == 24);
+  CHECK(k.model.rope_scaling.factor == 32);
+  CHECK(resolved(kSynthetic + "model: {preset: gpt2-1.5b}\n").model.seq_len == 1024);
+  // The resolved spec resolves to itself (workers re-read job.resolved.yaml).
+  const std::string yaml = trainrun::job_spec_to_yaml(j);
+  CHECK(trainrun::job_spec_to_yaml(resolved(yaml)) == yaml);
+  // A job without a preset is untouched: same YAML before and after.
+  JobSpec plain = parse_job_spec(kSynthetic + "model: {n_layer: 3}\n", "job.yaml");
+  const std::string before = trainrun::job_spec_to_yaml(plain);
+  trainrun::resolve_model_shape(plain);
+  CHECK(trainrun::job_spec_to_yaml(plain) == before);
+}
+
+TEST_CASE("config: rules that read the shape judge the preset's, not the defaults", "[config][preset]") {
+  // n_head 24 does not divide the default n_embd 128, but divides 3B's 3072.
+  CHECK(resolved(kSynthetic + "model: {preset: llama3.2-3b, n_head: 24}\n").model.n_embd == 3072);
+  // global_batch_tokens is a multiple of the preset's seq_len 8192 (not 128's).
+  const JobSpec j = resolved(kSynthetic + "model: {preset: llama3.2-1b}\ntrain: {global_batch_tokens: 65536, "
+                                          "micro_batch_size: 1}\n");
+  CHECK(j.train.global_batch_size == 8);
+  CHECK(resolve_error_of(kSynthetic + "model: {preset: llama3.2-1b}\ntrain: {global_batch_tokens: 1000}\n") ==
+        "job.yaml:4:30: train.global_batch_tokens: 1000 is not a multiple of model.seq_len (8192); use a multiple "
+        "such as 8192");
+  // A written n_head that does not divide the preset's n_embd is blamed on the line that wrote it.
+  CHECK(resolve_error_of(kSynthetic + "model: {preset: llama3.1-8b, n_head: 5}\n") ==
+        "job.yaml:3:38: model.n_head: 5 does not divide model.n_embd (4096); choose a divisor of n_embd");
+}
+
+TEST_CASE("config: bad presets: unknown names suggest the nearest, an arch that is another model", "[config][preset][bad]") {
+  const std::string err = resolve_error_of(kSynthetic + "model: {preset: llama3.1-7b}\n");
+  CHECK_THAT(err, Catch::Contains("job.yaml:3:17: model.preset: unknown value 'llama3.1-7b'; did you mean "
+                                  "'llama3.1-8b'?") &&
+                      Catch::Contains("llama3.2-1b") && Catch::Contains("gpt2-1.5b"));
+  // The plan's old spelling gets a suggestion here (one spelling per field).
+  CHECK_THAT(resolve_error_of(kSynthetic + "model: {preset: llama3-8b}\n"),
+             Catch::Contains("unknown value 'llama3-8b'; did you mean 'llama3.1-8b'?"));
+  CHECK(resolve_error_of(kSynthetic + "model: {preset: gpt2-124m, arch: llama}\n") ==
+        "job.yaml:3:34: model.arch: llama but model.preset gpt2-124m is a gpt2; remove one of them");
+  // gpt2 has no grouped-query attention, preset or not.
+  CHECK_THAT(resolve_error_of(kSynthetic + "model: {preset: gpt2-124m, n_kv_head: 4}\n"),
+             Catch::Contains("model.n_kv_head: 4; gpt2 has no grouped-query attention"));
+}
+
+TEST_CASE("config: an explicit field over a preset is logged once by the launcher", "[config][preset]") {
+  tt::TempDir dir("preset");
+  tt::write_file(dir / "job.yaml", kSynthetic + "model: {preset: llama3.1-8b, n_layer: 2, n_head: 32}\n");
+  const auto r = tt::run_trainrun("validate --config '" + dir / "job.yaml" + "'");
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.err, Catch::Contains("model.n_layer: 2 (preset llama3.1-8b has 32)"));
+  // The same value as the preset's is no override.
+  CHECK_THAT(r.err, !Catch::Contains("model.n_head"));
+  CHECK_THAT(r.out, Catch::Contains("\n  n_layer: 2 ") && Catch::Contains("\n  n_embd: 4096 ") &&
+                        Catch::Contains("\n  preset: llama3.1-8b "));
 }

@@ -44,7 +44,7 @@
 #include "kernels/backend.h"
 #include "kernels/backend_factory.h"
 #include "kernels/rope_table.h"
-#include "parallel/communicator.h"
+#include "parallel/comm/communicator.h"
 #include "tests/support/device_io.h"
 #include "tests/support/inprocess.h"
 #include "tests/support/testutil.h"

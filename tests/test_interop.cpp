@@ -23,8 +23,8 @@
 #include "core/io/safetensors.h"
 #include "core/model/gpt2/gpt2.h"
 #include "core/model/model_io.h"
-#include "parallel/communicator.h"
-#include "parallel/sharding.h"
+#include "parallel/comm/communicator.h"
+#include "parallel/sharding/sharding.h"
 #include "tests/support/testutil.h"
 
 using namespace trainrun;
@@ -557,7 +557,8 @@ TEST_CASE("interop: bad init_from directories are refused with errors that name 
   auto r = test::run_command("'" + test::trainrun_binary() + "' --config '" + dir / "job.yaml" +
                              "' --set model.vocab_size=40 --set data.synthetic.vocab=37");
   CHECK(r.exit_code == 1);
-  CHECK_THAT(r.err, Contains("vocab_size = 37 (config.json) but model.vocab_size is 40"));
+  // Now refused at job load (the shape is resolved there), naming the file, both values and the --set.
+  CHECK_THAT(r.err, Contains("config.json' has vocab_size = 37 but model.vocab_size is 40 (--set model.vocab_size=40)"));
   CHECK(!test::file_exists(run + "/metrics.jsonl"));
   r = test::run_command("'" + test::trainrun_binary() + "' --config '" + dir / "job.yaml" + "' --set model.init_from='" +
                         no_config + "'");
@@ -630,4 +631,66 @@ TEST_CASE("interop: trainrun generate (KV cache) continues a prompt as transform
   int n = 0;
   for (std::string t; is >> t;) ++n;
   CHECK(n == 37);
+}
+
+TEST_CASE("interop: a GPT-2 job with only model.init_from takes config.json's shape", "[interop][transformers][spec]") {
+  test::TempDir dir("interop_init_only");
+  const std::string hf = dir / "hf";
+  // A shape unlike every default (n_layer 4, n_head 4, n_embd 128, vocab 256).
+  auto r = hf_script("random --out '" + hf + "' --n-layer 3 --n-head 2 --n-embd 24 --vocab 41 --n-positions 16 --seed 5");
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  const std::string run = dir / "run";
+  const std::string rest =
+      "data: {format: synthetic, synthetic: {vocab: 41, branching: 3}}\n"
+      "train: {global_batch_size: 4, micro_batch_size: 2, max_steps: 1, lr: 1.0e-30, min_lr: 0, warmup_steps: 0,\n"
+      "        schedule: constant, weight_decay: 0, grad_clip: 0, eval_steps: 1}\n"
+      "output: {dir: '" + run + "', sample_tokens: 0}\n"
+      "parallel: {nproc_per_node: 2, sharding: full_shard, timeout_s: 60}\n";
+  test::write_file(dir / "job.yaml", "model: {init_from: '" + hf + "', seq_len: 16}\n" + rest);
+  r = test::run_command("OMP_NUM_THREADS=1 '" + test::trainrun_binary() + "' --config '" + dir / "job.yaml" + "'");
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  const std::string resolved = test::read_file(run + "/job.resolved.yaml");
+  for (const char* line : {"\n  arch: gpt2 ", "\n  n_layer: 3 ", "\n  n_head: 2 ", "\n  n_embd: 24 ",
+                           "\n  vocab_size: 41 ", "\n  seq_len: 16 "}) {
+    INFO(line);
+    CHECK(resolved.find(line) != std::string::npos);
+  }
+  std::vector<float> trained;
+  const ModelConfig c = load_model_safetensors(run + "/model.safetensors", trained);
+  CHECK((c.L == 3 && c.NH == 2 && c.C == 24 && c.V == 41 && c.T == 16));
+  ModelSpec m;
+  m.n_layer = 3, m.n_head = 2, m.n_embd = 24, m.vocab_size = 41, m.seq_len = 16, m.init_from = hf;
+  CHECK(bit_equal(trained, load_init_from(m)));
+  // plan --config sees the same shape.
+  r = test::run_trainrun("plan --config '" + dir / "job.yaml" + "' --gpus 2");
+  INFO(r.err);
+  CHECK(r.exit_code == 0);
+  CHECK_THAT(r.out, Contains("gpt2 L=3 C=24 heads=2 V=41 T=16"));
+
+  // An explicit field that disagrees: both values, the file, where it was set.
+  test::write_file(dir / "bad.yaml", "model: {init_from: '" + hf + "', n_embd: 32}\n" + rest);
+  r = test::run_trainrun("--config '" + dir / "bad.yaml" + "'");
+  CHECK(r.exit_code == 1);
+  CHECK_THAT(r.err, Contains("model.init_from: '" + hf + "/config.json' has n_embd = 24 but model.n_embd is 32 (" +
+                             dir / "bad.yaml" + ":1:") &&
+                        Contains("remove model.n_embd to take the directory's value, or set it to 24"));
+  // seq_len past n_positions.
+  r = test::run_trainrun("--config '" + dir / "job.yaml" + "' --set model.seq_len=17");
+  CHECK(r.exit_code == 1);
+  CHECK_THAT(r.err, Contains("has n_positions = 16 but model.seq_len is 17 (--set model.seq_len=17); set "
+                             "model.seq_len to at most 16"));
+  // Refused at load: the run's files are untouched.
+  CHECK(test::read_file(run + "/job.resolved.yaml") == resolved);
+
+  // Resuming the run from another directory's shape (2 layers, not 3) is
+  // refused as any changed shape is: the resolved shape is the job's.
+  const std::string hf2 = dir / "hf2";
+  r = hf_script("random --out '" + hf2 + "' --n-layer 2 --n-head 2 --n-embd 24 --vocab 41 --n-positions 16 --seed 6");
+  REQUIRE(r.exit_code == 0);
+  r = test::run_command("OMP_NUM_THREADS=1 '" + test::trainrun_binary() + "' --config '" + dir / "job.yaml" +
+                        "' --set model.init_from='" + hf2 + "' --set train.max_steps=2");
+  CHECK(r.exit_code != 0);
+  CHECK_THAT(r.err, Contains("model.n_layer = 3 but this job has 2"));
 }

@@ -22,7 +22,7 @@
 #include <string>
 #include <vector>
 
-#include "parallel/store.h"
+#include "parallel/rendezvous/store.h"
 #include "tests/support/process_util.h"
 #include "tests/support/testutil.h"
 

@@ -31,6 +31,8 @@
 #include "core/model/model.h"
 #include "kernels/backend.h"
 #include "kernels/rope_table.h"
+#include "parallel/comm/communicator.h"
+#include "parallel/sharding/sharding.h"
 #include "tests/support/device_io.h"
 #include "tests/support/reference_ops.h"
 #include "tests/support/testutil.h"
@@ -249,6 +251,57 @@ TEST_CASE("llama: checkpointing, padded logits rows and a second pass", "[llama]
   CHECK(std::sqrt(e / r) <= 1e-6);
 }
 
+namespace {
+// One rank that counts the all-gathers the sharded store issues.
+class GatherCounter final : public Communicator {
+ public:
+  int gathers = 0;
+  int rank() const override { return 0; }
+  int world_size() const override { return 1; }
+  std::string name() const override { return "gather-counter"; }
+  void all_reduce(float*, int64_t, ReduceOp) override {}
+  void reduce_scatter(float* out, const float* in, int64_t n, ReduceOp) override {
+    if (out != in) std::memcpy(out, in, size_t(n) * 4);
+  }
+  void all_gather(void* out, const void* in, size_t bytes) override {
+    ++gathers;
+    if (out != in) std::memcpy(out, in, bytes);
+  }
+  void broadcast(void*, size_t, int) override {}
+  void barrier() override {}
+};
+}  // namespace
+
+TEST_CASE("llama: full_shard gathers the embeddings a second time only for a tied head", "[llama][sharding]") {
+  for (const bool tied : {false, true}) {
+    INFO("tied " << tied);
+    const auto arch = make_model_arch(llama_cfg(2, 4, 2, 16, 24, 19, 9, tied, false));
+    const int B = 2, T = 9;
+    auto be = make_cpu_backend(1);
+    GatherCounter comm;
+    auto store = make_param_store("full_shard", arch->layout(), be.get(), &comm, 0, nullptr);
+    store->init_params(*arch, 7);
+    auto net = arch->make_network(be.get(), B, false);
+    const Tokens in = rand_tokens(size_t(B) * T, 19, 7), tg = rand_tokens(size_t(B) * T, 19, 8);
+    DeviceBuffer din = test::upload_i32(be.get(), in), dtg = test::upload_i32(be.get(), tg);
+    const int units = int(arch->layout().units.size());
+    // An evaluation forward: every unit once, the embeddings again for a tied
+    // head, and no prefetch of a unit the pass does not use.
+    comm.gathers = 0;
+    net->forward(*store, din.as<int32_t>(), dtg.as<int32_t>(), B, T, false, 0.0f);
+    CHECK(comm.gathers == units + (tied ? 1 : 0));
+    // A training step: the forward as above; the backward gathers the head
+    // and the blocks again, not the embeddings (a tied head keeps them from
+    // the end of the forward; an untied one needs only their gradient).
+    comm.gathers = 0;
+    store->zero_grads();
+    net->forward(*store, din.as<int32_t>(), dtg.as<int32_t>(), B, T, true, 1.0f / float(B * T));
+    net->backward(*store);
+    store->finish_grads();
+    CHECK(comm.gathers == units + (tied ? 1 : 0) + (units - 1));
+  }
+}
+
 TEST_CASE("llama: the arch's activation estimate is the network's arena", "[llama]") {
   auto be = make_cpu_backend(1);
   for (bool ckpt : {false, true})
@@ -414,6 +467,7 @@ TEST_CASE("llama: logits, loss and every gradient match transformers' LlamaForCa
 #include "core/config/job_spec.h"
 #include "core/model/model_io.h"
 #include "core/train/trainer.h"
+#include "tests/support/checkpoint_jobs.h"
 #include "tests/support/inprocess.h"
 
 namespace {
@@ -438,10 +492,14 @@ struct LlamaRun {
   std::vector<float> weights;
 };
 
+// The micro-batch that divides the 12 sequences of a step at `world` ranks.
+std::string llama_micro(int world) { return "train.micro_batch_size=" + std::to_string(world == 4 ? 3 : 2); }
+
 LlamaRun run_llama(int world, const std::string& strategy, int group, const std::string& tie,
                    const std::string& ckpt = "none") {
   test::TempDir dir("llama");
-  const JobSpec job = parse_job_spec(llama_job(dir.path(), strategy, group, tie, ckpt), "job.yaml", {});
+  const JobSpec job =
+      parse_job_spec(llama_job(dir.path(), strategy, group, tie, ckpt), "job.yaml", {llama_micro(world)});
   LlamaRun out;
   out.losses = test::run_ranks_inprocess(job, world)[0].losses;
   const ModelConfig c = load_model_safetensors(dir / "model.safetensors", out.weights);
@@ -451,16 +509,18 @@ LlamaRun run_llama(int world, const std::string& strategy, int group, const std:
 
 }  // namespace
 
-TEST_CASE("llama: every sharding strategy at 2 and 3 ranks trains as one rank does", "[llama][sharding]") {
+TEST_CASE("llama: every sharding strategy at 2, 3 and 4 ranks trains as one rank does", "[llama][sharding]") {
   for (const char* tie : {"false", "true"}) {
     const LlamaRun ref = run_llama(1, "no_shard", 0, tie);
     REQUIRE(ref.losses.size() == 8);
     CHECK(ref.losses.back() < ref.losses.front());
     for (const char* strategy : {"no_shard", "shard_grad_op", "full_shard", "hybrid_shard"}) {
-      for (int world : {2, 3}) {
+      for (int world : {2, 3, 4}) {
         INFO(strategy << " x" << world << ", tie_embeddings " << tie);
-        const LlamaRun got = run_llama(world, strategy, std::string(strategy) == "hybrid_shard" && world == 2 ? 1 : 0,
-                                       tie, world == 3 ? "blocks" : "none");
+        // hybrid_shard: groups of 1 (pure replication) at 2 ranks, 2 x 2 at 4.
+        const bool hybrid = std::string(strategy) == "hybrid_shard";
+        const int group = hybrid && world == 2 ? 1 : hybrid && world == 4 ? 2 : 0;
+        const LlamaRun got = run_llama(world, strategy, group, tie, world == 3 ? "blocks" : "none");
         REQUIRE(got.losses.size() == ref.losses.size());
         for (size_t i = 0; i < ref.losses.size(); ++i) {
           INFO("step " << i + 1 << ": " << got.losses[i] << " vs " << ref.losses[i]);
@@ -474,6 +534,58 @@ TEST_CASE("llama: every sharding strategy at 2 and 3 ranks trains as one rank do
         }
         CHECK(std::sqrt(num / den) <= 1e-5);
       }
+    }
+  }
+}
+
+namespace {
+
+// A run of llama_job in `dir` at `world` ranks with --set overrides; the
+// losses of metrics.jsonl (this and earlier invocations, in order).
+std::vector<double> llama_run_in(const std::string& dir, int world, const std::string& strategy,
+                                 const std::string& tie, std::vector<std::string> sets = {}) {
+  sets.push_back(llama_micro(world));
+  const JobSpec job = parse_job_spec(llama_job(dir, strategy, 0, tie, "none"), "job.yaml", sets);
+  test::run_ranks_inprocess(job, world);
+  return test::losses_of(dir);
+}
+
+}  // namespace
+
+TEST_CASE("llama: 4 steps + resume + 4 steps is bit-identical to 8 steps, every strategy", "[llama][checkpoint]") {
+  for (const char* strategy : {"no_shard", "shard_grad_op", "full_shard", "hybrid_shard"}) {
+    for (int world : {1, 2}) {
+      // The untied head is its own sharding unit (its optimizer state too).
+      const char* tie = world == 1 ? "true" : "false";
+      INFO(strategy << " x" << world << ", tie_embeddings " << tie);
+      test::TempDir dir("llama_resume");
+      const auto straight = llama_run_in(dir / "straight", world, strategy, tie);
+      const auto first = llama_run_in(dir / "resumed", world, strategy, tie, {"train.exit_interval=4"});
+      REQUIRE(test::latest_of(dir / "resumed") == "step_00000004");
+      REQUIRE(first.size() == 4);
+      const auto resumed = llama_run_in(dir / "resumed", world, strategy, tie);
+      REQUIRE(straight.size() == 8);
+      CHECK(resumed == straight);  // same world size, same arithmetic: bit-identical
+      CHECK(test::weights_of(dir / "straight") == test::weights_of(dir / "resumed"));
+    }
+  }
+}
+
+TEST_CASE("llama: a checkpoint from 2 ranks (full_shard) resumes on 3 (shard_grad_op) and 4 (hybrid)",
+          "[llama][checkpoint]") {
+  test::TempDir dir("llama_reshard");
+  const auto straight = llama_run_in(dir / "straight", 1, "no_shard", "false");
+  REQUIRE(straight.size() == 8);
+  for (const auto& [world, strategy] : {std::pair<int, const char*>{3, "shard_grad_op"}, {4, "hybrid_shard"}}) {
+    INFO("resumed at " << world << " ranks, " << strategy);
+    const std::string run = dir / ("r" + std::to_string(world));
+    llama_run_in(run, 2, "full_shard", "false", {"train.exit_interval=4"});
+    REQUIRE(test::latest_of(run) == "step_00000004");
+    const auto got = llama_run_in(run, world, strategy, "false");
+    REQUIRE(got.size() == straight.size());
+    for (size_t i = 0; i < got.size(); ++i) {
+      INFO("step " << i + 1 << ": " << got[i] << " vs " << straight[i]);
+      CHECK(std::fabs(got[i] - straight[i]) <= 1e-5 * std::fabs(straight[i]));
     }
   }
 }
@@ -668,4 +780,96 @@ TEST_CASE("llama: bad init_from directories and configs are refused, naming the 
     CHECK_THAT(err, Contains("model.init_from"));
     for (const auto& e : k.expect) CHECK_THAT(err, Contains(e));
   }
+}
+
+// ---- model.init_from alone: config.json gives the shape --------------------------------
+
+#include "core/model/model_spec.h"
+
+namespace {
+std::string resolve_error(const std::string& yaml) {
+  try {
+    JobSpec job = parse_job_spec(yaml, "job.yaml", {});
+    resolve_model_shape(job);
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+}  // namespace
+
+TEST_CASE("llama: a job with only model.init_from trains the directory's Llama", "[llama][hf][init_from][spec]") {
+  test::TempDir dir("llama_init_only");
+  const std::string hf = hf_random_llama(dir, "hf", /*tied=*/false, /*scaled=*/true);
+  const std::string run = dir / "run";
+  // No shape at all: seq_len's default 128 is capped at the 12 positions.
+  test::write_file(dir / "job.yaml",
+                   "model: {init_from: '" + hf + "'}\n"
+                   "data: {format: synthetic, synthetic: {vocab: 29, branching: 3}}\n"
+                   "train: {global_batch_size: 4, micro_batch_size: 2, max_steps: 1, lr: 1.0e-30, min_lr: 0,\n"
+                   "        warmup_steps: 0, schedule: constant, weight_decay: 0, grad_clip: 0, eval_steps: 1}\n"
+                   "output: {dir: '" + run + "', sample_tokens: 0}\n"
+                   "parallel: {nproc_per_node: 2, sharding: full_shard, timeout_s: 60}\n");
+  const test::RunResult r =
+      test::run_command("OMP_NUM_THREADS=1 '" + test::trainrun_binary() + "' --config '" + dir / "job.yaml" + "'");
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.err, Contains("model.seq_len: 12 (the default 128 is longer than " + hf +
+                             "/config.json's max_position_embeddings)"));
+  CHECK_THAT(r.err, Contains("model.init_from: initial weights from"));
+  // job.resolved.yaml holds config.json's shape (hf_llama.py random's arguments).
+  const std::string resolved = test::read_file(run + "/job.resolved.yaml");
+  for (const char* line : {"\n  arch: llama ", "\n  n_layer: 2 ", "\n  n_head: 4 ", "\n  n_kv_head: 2 ",
+                           "\n  n_embd: 16 ", "\n  ffn_dim: 24 ", "\n  vocab_size: 29 ", "\n  seq_len: 12 ",
+                           "\n  rope_theta: 10000 ", "\n  tie_embeddings: false ", "\n    type: llama3 ",
+                           "\n    factor: 4 ", "\n    original_max_position_embeddings: 8 "}) {
+    INFO(line);
+    CHECK(resolved.find(line) != std::string::npos);
+  }
+  // The weights that trained (one step that cannot move them) are the directory's, bit for bit.
+  std::vector<float> trained;
+  const ModelConfig c = load_model_safetensors(run + "/model.safetensors", trained);
+  CHECK(c.arch == "llama");
+  CHECK(c.L == 2);
+  CHECK(c.NKV == 2);
+  const std::vector<float> want = hf_flat(*make_model_arch(c), hf);
+  REQUIRE(trained.size() == want.size());
+  CHECK(std::memcmp(trained.data(), want.data(), want.size() * 4) == 0);
+}
+
+TEST_CASE("llama: a shape field that disagrees with init_from's config.json names both values", "[llama][hf][init_from][spec]") {
+  test::TempDir dir("llama_init_disagree");
+  const std::string hf = hf_random_llama(dir, "hf", /*tied=*/true, /*scaled=*/false);
+  const std::string cfg = hf + "/config.json";
+  const std::string data = "data: {format: synthetic}\n";
+  // Agreeing fields are fine, and an explicit shorter seq_len is the training context.
+  CHECK(resolve_error("model: {init_from: '" + hf + "', n_layer: 2, tie_embeddings: true, seq_len: 8}\n" + data) ==
+        "");
+  // "The model's own" sentinels written out are filled, not compared.
+  CHECK(resolve_error("model: {init_from: '" + hf + "', tie_embeddings: auto, n_kv_head: 0, ffn_dim: 0}\n" + data) ==
+        "");
+  CHECK(resolve_error("model: {init_from: '" + hf + "', n_layer: 3}\n" + data) ==
+        "model.init_from: '" + cfg + "' has num_hidden_layers = 2 but model.n_layer is 3 (job.yaml:1:" +
+            std::to_string(33 + hf.size()) +
+            "); remove model.n_layer to take the directory's value, or set it to 2 (the job's model.* must describe "
+            "the weights it starts from)");
+  CHECK_THAT(resolve_error("model: {init_from: '" + hf + "', tie_embeddings: false}\n" + data),
+             Contains("has tie_word_embeddings = true but model.tie_embeddings is false"));
+  CHECK_THAT(resolve_error("model: {init_from: '" + hf + "', rope_scaling: {type: llama3}}\n" + data),
+             Contains("has rope_scaling.rope_type = none but model.rope_scaling.type is llama3"));
+  CHECK_THAT(resolve_error("model: {init_from: '" + hf + "', n_kv_head: 4}\n" + data),
+             Contains("has num_key_value_heads = 2 but model.n_kv_head is 4"));
+  // seq_len past the model's positions.
+  CHECK(resolve_error("model: {init_from: '" + hf + "', seq_len: 13}\n" + data) ==
+        "model.init_from: '" + cfg + "' has max_position_embeddings = 12 but model.seq_len is 13 (job.yaml:1:" +
+            std::to_string(33 + hf.size()) + "); set model.seq_len to at most 12 (the model has no positions beyond "
+            "that)");
+  // A preset and a directory that are different models: both named.
+  CHECK(resolve_error("model: {init_from: '" + hf + "', preset: llama3.2-1b}\n" + data) ==
+        "model.init_from: '" + cfg + "' has num_hidden_layers = 2 but model.n_layer is 16 (model.preset "
+        "llama3.2-1b); remove model.n_layer to take the directory's value, or set it to 2 (the job's model.* must "
+        "describe the weights it starts from)");
+  // A missing directory is named at job load.
+  CHECK_THAT(resolve_error("model: {init_from: '" + dir / "nope" + "'}\n" + data),
+             Contains("model.init_from: '" + dir / "nope" + "' does not exist"));
 }

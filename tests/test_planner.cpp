@@ -16,7 +16,7 @@
 #include "core/train/planner.h"
 #include "core/train/trainer.h"
 #include "kernels/backend.h"
-#include "parallel/store.h"
+#include "parallel/rendezvous/store.h"
 #include "tests/support/testutil.h"
 
 using namespace trainrun;
@@ -47,7 +47,7 @@ std::string describe(const std::string& shape) { return make_model_arch(parse_mo
 // One OpenMP thread per rank: the planner models collectives that keep pace
 // with compute (NCCL on NVLink, or Gloo with a core to itself). When every
 // core is busy with compute, the comm thread falls behind, and full-size
-// gradient buckets queue up for reduce-scatter (parallel/sharding_sharded.cpp
+// gradient buckets queue up for reduce-scatter (parallel/sharding/sharding_sharded.cpp
 // does not bound them), which measures up to ~20% above the model on a
 // 2-core machine.
 nlohmann::json run_job(const std::string& yaml_body, int world) {
@@ -350,4 +350,37 @@ TEST_CASE("planner: bad input to plan gets a clear error and exit code", "[plann
     CHECK_THAT(r.err, Contains(c.message));
     CHECK(r.out.empty());
   }
+}
+
+TEST_CASE("planner: plan --model takes the model.preset names, and plan --config a job with model.preset",
+          "[planner][preset]") {
+  auto r = test::run_trainrun("plan --model llama3.1-70b --gpus 8");
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.out, Contains("llama L=80 C=8192 heads=64 kv_heads=8 ffn=28672 V=128256 T=8192") &&
+                        Contains("70.554B parameters"));
+  // The older spelling is an alias of the same table row.
+  CHECK(parse_model_shape("llama3-70b").num_parameters() == parse_model_shape("llama3.1-70b").num_parameters());
+  CHECK(parse_model_shape("llama3-8b").rope_scaling.factor == 8);
+  // A preset brings its Llama details, which the shape text has no keys for.
+  const ModelConfig one = parse_model_shape("llama3.2-1b:T=2048");
+  CHECK(one.T == 2048);
+  CHECK(one.tied);
+  CHECK(one.rope_theta == 500000);
+  CHECK(one.rope_scaling_type == "llama3");
+  CHECK(one.rope_scaling.factor == 32);
+  // A typo gets the nearest name.
+  r = test::run_trainrun("plan --model llama3.1-7b");
+  CHECK(r.exit_code == 1);
+  CHECK_THAT(r.err, Contains("unknown architecture or preset 'llama3.1-7b'; did you mean 'llama3.1-8b'?"));
+
+  test::TempDir dir("plan_preset");
+  test::write_file(dir / "job.yaml", "model: {preset: llama3.1-8b, seq_len: 4096}\ndata: {format: synthetic}\n"
+                                     "train: {micro_batch_size: 1, global_batch_size: 8}\n");
+  r = test::run_trainrun("plan --config '" + dir / "job.yaml" + "' --gpus 8");
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.out, Contains("llama L=32 C=4096 heads=32 kv_heads=8 ffn=14336 V=128256 T=4096") &&
+                        Contains("8.030B parameters"));
+  CHECK_THAT(r.err, Contains("model.seq_len: 4096 (preset llama3.1-8b has 8192)"));
 }

@@ -11,8 +11,8 @@
 #include "core/io/safetensors.h"
 #include "core/model/gpt2/gpt2.h"
 #include "core/model/model_io.h"
-#include "parallel/communicator.h"
-#include "parallel/sharding.h"
+#include "parallel/comm/communicator.h"
+#include "parallel/sharding/sharding.h"
 #include "tests/support/testutil.h"
 
 using namespace trainrun;

@@ -23,7 +23,7 @@
 
 #include "core/model/gpt2/gpt2.h"
 #include "kernels/backend.h"
-#include "parallel/sharding.h"
+#include "parallel/sharding/sharding.h"
 #include "tests/support/testutil.h"
 
 using namespace trainrun;

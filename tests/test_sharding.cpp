@@ -15,9 +15,9 @@
 #include "core/model/model_io.h"
 #include "core/train/trainer.h"
 #include "kernels/backend.h"
-#include "parallel/communicator.h"
-#include "parallel/sharding.h"
-#include "parallel/store.h"
+#include "parallel/comm/communicator.h"
+#include "parallel/sharding/sharding.h"
+#include "parallel/rendezvous/store.h"
 #include "tests/support/inprocess.h"
 #include "tests/support/testutil.h"
 

@@ -1,4 +1,4 @@
-// Slurm without Slurm: the hostlist parser (parallel/hostlist.h), the launch
+// Slurm without Slurm: the hostlist parser (parallel/rendezvous/hostlist.h), the launch
 // mode detection from fake SLURM_* environments (core/launch/launch_mode.h),
 // and the "direct workers" mode end to end, two trainrun processes given
 // the environment srun would give two tasks of one node.
@@ -21,7 +21,7 @@
 #include "core/config/job_spec.h"
 #include "core/launch/launch_mode.h"
 #include "core/launch/node_group.h"
-#include "parallel/hostlist.h"
+#include "parallel/rendezvous/hostlist.h"
 #include "tests/support/process_util.h"
 #include "tests/support/testutil.h"
 

@@ -18,8 +18,8 @@
 #include <thread>
 #include <vector>
 
-#include "parallel/store.h"
-#include "parallel/store_proto.h"
+#include "parallel/rendezvous/store.h"
+#include "parallel/rendezvous/store_proto.h"
 #if TRAINRUN_HAVE_GLOO
 #include <gloo/allreduce.h>
 #include <gloo/math.h>
@@ -27,7 +27,7 @@
 #include <gloo/rendezvous/prefix_store.h>
 #include <gloo/transport/tcp/device.h>
 
-#include "parallel/gloo_store.h"
+#include "parallel/rendezvous/gloo_store.h"
 #endif
 
 using namespace trainrun;

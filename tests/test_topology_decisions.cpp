@@ -11,7 +11,7 @@
 
 #include "core/config/job_spec.h"
 #include "core/launch/launch_mode.h"
-#include "parallel/topology_launch.h"
+#include "parallel/topology/topology_launch.h"
 #include "tests/support/process_util.h"
 #include "tests/support/topology_testutil.h"
 

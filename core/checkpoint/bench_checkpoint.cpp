@@ -21,8 +21,8 @@
 #include "core/common/fileio.h"
 #include "core/common/log.h"
 #include "kernels/backend.h"
-#include "parallel/communicator.h"
-#include "parallel/sharding.h"
+#include "parallel/comm/communicator.h"
+#include "parallel/sharding/sharding.h"
 
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;

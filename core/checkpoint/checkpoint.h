@@ -78,9 +78,9 @@
 
 #include "core/config/job_spec.h"
 #include "core/model/model.h"
-#include "parallel/communicator.h"
-#include "parallel/sharding.h"
-#include "parallel/store.h"
+#include "parallel/comm/communicator.h"
+#include "parallel/sharding/sharding.h"
+#include "parallel/rendezvous/store.h"
 
 namespace trainrun {
 

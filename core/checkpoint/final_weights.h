@@ -18,8 +18,8 @@
 
 #include "core/config/job_spec.h"
 #include "core/model/model.h"
-#include "parallel/sharding.h"
-#include "parallel/store.h"
+#include "parallel/sharding/sharding.h"
+#include "parallel/rendezvous/store.h"
 
 namespace trainrun {
 

@@ -18,7 +18,7 @@
 
 #include "core/config/job_spec.h"
 #include "core/model/model.h"
-#include "parallel/sharding.h"
+#include "parallel/sharding/sharding.h"
 
 namespace trainrun {
 

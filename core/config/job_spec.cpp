@@ -27,10 +27,12 @@
 #include <cstring>
 #include <map>
 #include <optional>
+#include <type_traits>
 #include <variant>
 
 #include "core/common/error.h"
 #include "core/common/log.h"
+#include "core/config/model_presets.h"
 
 namespace trainrun {
 
@@ -96,6 +98,12 @@ struct Field {
 #define TR_SPEC_FIELD(path, rule, doc) \
   Field { #path, [](JobSpec& s) -> Ref { return &s.path; }, rule, doc }
 
+std::vector<std::string> preset_choices() {
+  std::vector<std::string> c = {"none"};
+  for (const std::string& n : model_preset_names()) c.push_back(n);
+  return c;
+}
+
 // Order here is the order of job_spec_to_yaml() and of the docs. Fields of
 // one section are contiguous; a subsection follows its parent's fields.
 const std::vector<Field>& fields() {
@@ -103,6 +111,11 @@ const std::vector<Field>& fields() {
       TR_SPEC_FIELD(backend, one_of({"auto", "cpu", "cuda"}),
                     "compute backend; auto = cuda when a GPU is visible, else cpu"),
 
+      TR_SPEC_FIELD(model.preset, one_of(preset_choices()),
+                    "a published model's shape (the table in docs/job-spec.md): fills model.arch and every shape "
+                    "field this spec does not set (an explicit one wins, with a log line), seq_len with the "
+                    "model's original context (Llama 3.x 8192, Llama 2 4096, GPT-2 1024); with model.init_from "
+                    "both must describe the same model; none = off"),
       TR_SPEC_FIELD(model.arch, one_of({"auto", "gpt2", "llama"}),
                     "model family; auto = the model_type of model.init_from's config.json, else gpt2; "
                     "llama = Llama 3 (RMSNorm, RoPE, SwiGLU, grouped-query attention; its shape in the fields below)"),
@@ -111,14 +124,17 @@ const std::vector<Field>& fields() {
       TR_SPEC_FIELD(model.n_embd, at_least(1), "residual stream width in channels (C)"),
       TR_SPEC_FIELD(model.vocab_size, at_least(1), "vocabulary size in tokens (V); 256 = byte-level"),
       TR_SPEC_FIELD(model.seq_len, at_least(1),
-                    "context length in tokens (T); also the size of the position table"),
+                    "context length in tokens (T) of training; also the size of the position table; with "
+                    "model.init_from at most its max_position_embeddings (gpt2: n_positions), and when not set "
+                    "the default capped at that"),
       TR_SPEC_FIELD(model.init_std, above(0),
                     "std of the normal weight init; residual projections get init_std/sqrt(2*n_layer)"),
       TR_SPEC_FIELD(model.init_from, any(),
-                    "Hugging Face GPT-2 directory (config.json + model.safetensors, e.g. from trainrun export) "
-                    "whose weights replace the random init, to fine-tune; model.* must match its config.json "
-                    "(seq_len may be shorter than n_positions); a resumed checkpoint takes precedence; "
-                    "empty = none"),
+                    "Hugging Face directory (config.json + model.safetensors or sharded safetensors, e.g. from "
+                    "save_pretrained or trainrun export) whose weights replace the random init, to fine-tune; its "
+                    "config.json gives model.arch (auto) and every shape field this spec does not set, and one "
+                    "set to another value is an error naming both (seq_len is not taken: it is the training "
+                    "context); a resumed checkpoint takes precedence; empty = none"),
       TR_SPEC_FIELD(model.n_kv_head, at_least(0),
                     "key/value heads for grouped-query attention (llama); 0 = n_head; must divide n_head"),
       TR_SPEC_FIELD(model.ffn_dim, at_least(0),
@@ -472,12 +488,8 @@ std::string expected_text(const Field& f) {
 }
 
 // Who set a key (or opened a section), for messages and for precedence:
-// a --set beats the file.
-struct Origin {
-  std::string where;
-  int rank;  // 1 = file, 2 = --set
-};
-using Origins = std::map<std::string, Origin>;
+// a --set beats the file (SpecOrigin::rank). Kept in JobSpec::origins.
+using Origins = std::map<std::string, SpecOrigin>;
 constexpr int kFromFile = 1, kFromSet = 2;
 
 // The place to blame for a rule about `keys`: the first one that was written
@@ -631,15 +643,23 @@ void check_fields(JobSpec& spec, const Origins& o, const std::string& fallback) 
   }
 }
 
-// Rules between fields, in one place so they are easy to audit.
-void check_rules(JobSpec& s, const Origins& o, const std::string& fallback) {
+// Whether model.* holds the model's final shape. A preset or an init_from
+// directory fills it in later (resolve_model_shape, core/model/model_spec.h),
+// so until then the rules that read it would judge the defaults.
+bool shape_is_final(const JobSpec& s) { return s.model.preset == "none" && s.model.init_from.empty(); }
+
+// Rules between fields, in one place so they are easy to audit. `shape`:
+// model.* is the final shape, so the rules that read it run.
+void check_rules(JobSpec& s, const Origins& o, const std::string& fallback, bool shape = true) {
   auto at = [&](std::vector<std::string> keys) { return where_of(o, keys, fallback); };
   auto str = [](auto v) { return std::to_string(v); };
 
   const ModelSpec& m = s.model;
-  if (m.n_embd % m.n_head != 0) {
+  if (shape && m.n_embd % m.n_head != 0) {
     // Name the key the user actually wrote ("--set model.n_head=5").
-    if (!o.count("model.n_embd") && o.count("model.n_head"))
+    // (A value model.preset / init_from filled, rank 0, is not one the user wrote.)
+    auto written = [&](const char* k) { auto it = o.find(k); return it != o.end() && it->second.rank > 0; };
+    if (!written("model.n_embd") && written("model.n_head"))
       fail(at({"model.n_head"}), "model.n_head",
            str(m.n_head) + " does not divide model.n_embd (" + str(m.n_embd) + "); choose a divisor of n_embd");
     fail(at({"model.n_embd", "model.n_head"}), "model.n_embd",
@@ -652,7 +672,7 @@ void check_rules(JobSpec& s, const Origins& o, const std::string& fallback) {
     fail(at({"data.train", "data.format"}), "data.train",
          "required when data.format is '" + d.format +
              "'; set it to the training shards (a path or glob), or use data.format: synthetic");
-  if (d.format == "synthetic") {
+  if (shape && d.format == "synthetic") {
     if (d.synthetic.vocab > m.vocab_size)
       fail(at({"data.synthetic.vocab", "model.vocab_size"}), "data.synthetic.vocab",
            str(d.synthetic.vocab) + " is larger than model.vocab_size (" + str(m.vocab_size) +
@@ -665,7 +685,7 @@ void check_rules(JobSpec& s, const Origins& o, const std::string& fallback) {
   }
 
   TrainSpec& t = s.train;
-  if (t.global_batch_tokens > 0) {
+  if (shape && t.global_batch_tokens > 0) {
     const std::string where = at({"train.global_batch_tokens"});
     if (t.global_batch_tokens % m.seq_len != 0) {
       int64_t up = (t.global_batch_tokens / m.seq_len + 1) * m.seq_len;
@@ -856,8 +876,9 @@ JobSpec parse_job_spec(const std::string& yaml_text, const std::string& name,
 
   const std::string fallback = name + ":1:1";
   check_fields(spec, origins, fallback);
-  check_rules(spec, origins, fallback);
+  check_rules(spec, origins, fallback, shape_is_final(spec));
   spec.source = name;
+  spec.origins = std::move(origins);
   return spec;
 }
 
@@ -866,8 +887,22 @@ JobSpec load_job_spec(const std::string& path, const std::vector<std::string>& o
 }
 
 void validate_job_spec(JobSpec& spec) {
-  check_fields(spec, {}, spec.source);
-  check_rules(spec, {}, spec.source);
+  const Origins o = spec.origins;  // check_rules may rewrite spec's fields, not where they came from
+  check_fields(spec, o, spec.source);
+  check_rules(spec, o, spec.source);
+}
+
+std::string job_spec_value_text(const JobSpec& spec, const std::string& key) {
+  const Field* f = find_field(key);
+  TR_CHECK(f, "job spec: no field '", key, "' (a bug)");
+  return value_text(*f, spec);
+}
+
+void job_spec_copy_field(const JobSpec& from, JobSpec& to, const std::string& key) {
+  const Field* f = find_field(key);
+  TR_CHECK(f, "job spec: no field '", key, "' (a bug)");
+  Ref src = f->get(const_cast<JobSpec&>(from)), dst = f->get(to);
+  std::visit([&](auto* d) { *d = *std::get<std::remove_pointer_t<decltype(d)>*>(src); }, dst);
 }
 
 std::string job_spec_to_yaml(const JobSpec& spec) {

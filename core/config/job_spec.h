@@ -4,12 +4,14 @@
 // ranges and docs (docs/job-spec.md is checked against it by a test).
 #pragma once
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
 namespace trainrun {
 
 struct ModelSpec {
+  std::string preset = "none";  // a published shape (core/config/model_presets.h) filling the fields not set; none = off
   std::string arch = "auto";   // auto | gpt2 | llama; auto = model.init_from's model_type, else gpt2 (ModelConfig::from_spec)
   int n_layer = 4;             // L, transformer blocks
   int n_head = 4;              // NH, attention heads; n_embd % n_head == 0
@@ -17,7 +19,7 @@ struct ModelSpec {
   int vocab_size = 256;        // V; 256 = byte-level
   int seq_len = 128;           // T, context length (also the position table size)
   double init_std = 0.02;      // std of the normal init; residual projections get init_std/sqrt(2L)
-  std::string init_from;       // Hugging Face GPT-2 directory to start from instead of the init; "" = none
+  std::string init_from;       // Hugging Face directory to start from (its config.json gives the shape); "" = none
   // Llama's shape (GPT-2 has none of these: its kv heads = n_head, MLP = 4C, LayerNorm eps 1e-5).
   int n_kv_head = 0;           // key/value heads (GQA); 0 = n_head; must divide n_head
   int ffn_dim = 0;             // MLP width (llama: intermediate_size, required); 0 = the arch's default
@@ -109,6 +111,14 @@ struct CheckpointSpec {
   std::string final = "true";          // write a checkpoint at the end of the run
 };
 
+// Where a field's value came from: the file ("job.yaml:3:12"), an override
+// ("--set model.n_layer=2"), or the model resolution that filled it
+// (resolve_model_shape: "model.preset llama3.1-8b", "'DIR/config.json'").
+struct SpecOrigin {
+  std::string where;
+  int rank = 0;  // precedence: 0 = filled by resolution, 1 = file, 2 = --set
+};
+
 struct JobSpec {
   ModelSpec model;
   DataSpec data;
@@ -119,6 +129,12 @@ struct JobSpec {
   CheckpointSpec checkpoint;
   std::string backend = "auto";        // auto | cpu | cuda
   std::string source = "<defaults>";   // where it came from (file path), for messages
+  // Dotted keys that were set (fields, and sections that were opened),
+  // with where: a key absent here has its default. The model resolution
+  // (core/model/model_spec.h) reads it to tell "set" from "default", and
+  // validate_job_spec() to name the place a rule is about.
+  std::map<std::string, SpecOrigin> origins;
+  bool is_set(const std::string& key) const { return origins.count(key) != 0; }
 };
 
 // Load a job spec from a YAML file, apply "--set a.b=value" overrides, fill
@@ -134,9 +150,19 @@ JobSpec parse_job_spec(const std::string& yaml_text, const std::string& name,
 std::string job_spec_to_yaml(const JobSpec& spec);
 
 // Range and cross-field checks for a spec built in code (parse_job_spec and
-// load_job_spec already run them). Resolves train.global_batch_size from
-// train.global_batch_tokens. Messages are prefixed with spec.source.
+// load_job_spec already run them, except, while model.preset or
+// model.init_from has not filled the shape in, the rules that read the
+// model's shape: resolve_model_shape() runs this once it has; this judges
+// the fields as they are). Resolves
+// train.global_batch_size from train.global_batch_tokens. Messages name
+// spec.origins' places, else spec.source.
 void validate_job_spec(JobSpec& spec);
+
+// A field's value as job_spec_to_yaml() writes it ("32", "1e-05", "llama",
+// "\"dir\"" for a path), and a copy of one field between specs; both
+// throw for a key that is not a field.
+std::string job_spec_value_text(const JobSpec& spec, const std::string& key);
+void job_spec_copy_field(const JobSpec& from, JobSpec& to, const std::string& key);
 
 // One row of the field table, rendered as text (for docs, --help, tests).
 struct JobSpecField {

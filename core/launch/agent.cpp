@@ -49,10 +49,11 @@
 #include "core/launch/debug_hooks.h"
 #include "core/launch/launch_mode.h"
 #include "core/launch/node_group.h"
+#include "core/model/model_spec.h"
 #include "core/train/progress.h"
 #include "core/train/trainer.h"
-#include "parallel/store.h"
-#include "parallel/topology_launch.h"
+#include "parallel/rendezvous/store.h"
+#include "parallel/topology/topology_launch.h"
 
 extern char** environ;
 
@@ -1014,7 +1015,9 @@ int run_agent(const JobSpec& job, const LaunchPlan& plan, const std::string& res
 
 int run_worker(const std::string& resolved_spec_path) {
   try {
-    JobSpec job = load_job_spec(resolved_spec_path);
+    // The agent resolved the model already (every field is in the file);
+    // this re-checks it, without repeating the agent's log lines.
+    JobSpec job = load_resolved_job_spec(resolved_spec_path, {}, /*log=*/false);
     WorkerInfo w = WorkerInfo::from_env();
     const char* deaf = std::getenv("TRAINRUN_DEBUG_IGNORE_SIGTERM");
     if (deaf && std::string(deaf) == "1") {

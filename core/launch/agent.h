@@ -37,7 +37,7 @@
 //   TRAINRUN_STORE_SECRET (fresh per attempt), TRAINRUN_RESTART_COUNT,
 //   TRAINRUN_MAX_RESTARTS, TRAINRUN_ERROR_FILE (where the worker writes its
 //   error), OMP_NUM_THREADS (cores / workers, at least 1, unless already set).
-// plus the topology's decisions (parallel/topology_launch.h): NCCL_*,
+// plus the topology's decisions (parallel/topology/topology_launch.h): NCCL_*,
 // CUDA_VISIBLE_DEVICES, TRAINRUN_SHARD_GROUP_SIZE, each unless already set;
 // each worker is bound to its CPUs and NUMA node before exec, and the
 // decisions are written to <output.dir>/topology.json.

@@ -8,8 +8,8 @@
 #include <functional>
 
 #include "core/common/error.h"
-#include "parallel/hostlist.h"
-#include "parallel/topology_launch.h"
+#include "parallel/rendezvous/hostlist.h"
+#include "parallel/topology/topology_launch.h"
 
 extern char** environ;
 

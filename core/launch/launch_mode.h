@@ -16,7 +16,7 @@
 // With several nodes the store lives on node 0: its address is
 // launcher.master_addr when set (--master-addr), else under Slurm the first
 // host of the step's node list (SLURM_STEP_NODELIST, else SLURM_JOB_NODELIST,
-// expanded by parallel/hostlist.h); its port is launcher.master_port when set
+// expanded by parallel/rendezvous/hostlist.h); its port is launcher.master_port when set
 // (--master-port), else under Slurm kSlurmPortBase + SLURM_JOB_ID %
 // kSlurmPortSpan (two jobs sharing a node get different ports unless their
 // ids are 10000 apart), else kStaticPort. "Set" for the address means other

@@ -36,7 +36,7 @@
 #include "core/common/log.h"
 #include "core/launch/debug_hooks.h"
 #include "core/train/preemption.h"
-#include "parallel/net_address.h"
+#include "parallel/rendezvous/net_address.h"
 
 namespace trainrun {
 

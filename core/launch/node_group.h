@@ -47,7 +47,7 @@
 
 #include "core/config/job_spec.h"
 #include "core/launch/launch_mode.h"
-#include "parallel/store.h"
+#include "parallel/rendezvous/store.h"
 
 namespace trainrun {
 

@@ -7,8 +7,8 @@
 #include "core/common/log.h"
 #include "core/launch/node_group.h"
 #include "core/train/trainer.h"
-#include "parallel/net_address.h"
-#include "parallel/store.h"
+#include "parallel/rendezvous/net_address.h"
+#include "parallel/rendezvous/store.h"
 
 namespace trainrun {
 

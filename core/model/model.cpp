@@ -152,6 +152,30 @@ ModelConfig ModelConfig::from_spec(const ModelSpec& m) {
   return c;
 }
 
+ModelSpec ModelConfig::to_spec() const {
+  ModelSpec m;
+  m.arch = arch;
+  m.n_layer = L;
+  m.n_head = NH;
+  m.n_kv_head = NKV;
+  m.n_embd = C;
+  m.ffn_dim = F;
+  m.vocab_size = V;
+  m.seq_len = T;
+  m.init_std = init_std;
+  m.norm_eps = norm_eps;
+  m.rope_theta = rope_theta;
+  m.tie_embeddings = tied ? "true" : "false";
+  m.rope_scaling.type = rope_scaling_type.empty() ? "none" : rope_scaling_type;
+  if (!rope_scaling_type.empty()) {
+    m.rope_scaling.factor = rope_scaling.factor;
+    m.rope_scaling.low_freq_factor = rope_scaling.low_freq_factor;
+    m.rope_scaling.high_freq_factor = rope_scaling.high_freq_factor;
+    m.rope_scaling.original_max_position_embeddings = rope_scaling.original_max_position_embeddings;
+  }
+  return m;
+}
+
 ModelConfig ModelConfig::of(int L, int NH, int C, int V, int T, double init_std) {
   ModelConfig c;
   c.arch = "gpt2";

@@ -55,6 +55,11 @@ struct ModelConfig {
   // gpt2. Throws for an architecture the spec cannot describe yet
   // ("model.arch: llama is not implemented yet").
   static ModelConfig from_spec(const ModelSpec& m);
+  // The model.* values of this config (the inverse of from_spec for the
+  // fields an arch has; tie_embeddings "true"/"false", rope_scaling.type
+  // "none" when unscaled). model.init_from's resolution reads config.json's
+  // values through it.
+  ModelSpec to_spec() const;
   // A GPT-2 shape by its numbers (tests, benchmarks).
   static ModelConfig of(int L, int NH, int C, int V, int T, double init_std = 0.02);
 
@@ -229,6 +234,13 @@ struct HfTensor {
   std::string layout_note;   // for messages about its shape: "Hugging Face Conv1D layout: in, out"
 };
 
+// One model.* field of an architecture's shape and the config.json key that
+// holds it ("model.n_layer", "num_hidden_layers").
+struct ShapeKey {
+  const char* field;
+  const char* hf_key;
+};
+
 // ---- the architecture ----------------------------------------------------------------------
 
 class ModelArch {
@@ -315,6 +327,15 @@ class ModelArch {
   // (gpt2: a shorter model.seq_len). Throws naming the model.* key, the
   // config.json key and both values.
   virtual void check_init_from(const ModelConfig& hf, const std::string& dir) const = 0;
+  // The model.* fields that describe this model (not model.seq_len, the
+  // training context), with their config.json keys: what model.preset and
+  // model.init_from fill in (core/model/model_spec.h). Only the fields the
+  // arch reads (gpt2 has no n_kv_head); rope_scaling's numbers only when
+  // this config is scaled.
+  virtual std::vector<ShapeKey> shape_keys() const = 0;
+  // config.json's key for the longest context (gpt2 n_positions, llama
+  // max_position_embeddings): model.seq_len may not exceed it.
+  virtual const char* hf_context_key() const = 0;
 
  protected:
   ModelArch(ModelConfig cfg, ParamLayout layout) : cfg_(std::move(cfg)), layout_(std::move(layout)) {}

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/common/error.h"
+#include "core/config/model_presets.h"
 
 namespace trainrun {
 
@@ -26,24 +27,6 @@ std::string trim(const std::string& s) {
   return a == std::string::npos ? "" : s.substr(a, b - a + 1);
 }
 
-// Presets: published shapes, so the common questions need no typing.
-struct Preset {
-  const char* name;
-  const char* text;
-};
-const std::vector<Preset>& presets() {
-  static const std::vector<Preset> p = {
-      {"gpt2-124m", "gpt2:L=12,C=768,heads=12,V=50257,T=1024"},
-      {"gpt2-350m", "gpt2:L=24,C=1024,heads=16,V=50257,T=1024"},
-      {"gpt2-774m", "gpt2:L=36,C=1280,heads=20,V=50257,T=1024"},
-      {"gpt2-1.5b", "gpt2:L=48,C=1600,heads=25,V=50257,T=1024"},
-      {"llama2-7b", "llama:L=32,C=4096,heads=32,kv_heads=32,ffn=11008,V=32000,T=4096"},
-      {"llama2-70b", "llama:L=80,C=8192,heads=64,kv_heads=8,ffn=28672,V=32000,T=4096"},
-      {"llama3-8b", "llama:L=32,C=4096,heads=32,kv_heads=8,ffn=14336,V=128256,T=8192"},
-      {"llama3-70b", "llama:L=80,C=8192,heads=64,kv_heads=8,ffn=28672,V=128256,T=8192"},
-  };
-  return p;
-}
 
 // Accepted spellings of each key (the HF / job-spec names too).
 const std::map<std::string, std::string>& key_aliases() {
@@ -82,12 +65,25 @@ std::string model_shape_help() {
       "a shape ARCH:KEY=VALUE,... with ARCH gpt2 or llama and keys L (layers), C (width), heads, kv_heads "
       "(llama, default heads), ffn (MLP width: gpt2 4C, llama required), V (vocab), T (context), tied (0/1), "
       "e.g. llama:L=80,C=8192,heads=64,kv_heads=8,ffn=28672,V=128256,T=4096; or a preset (";
-  for (size_t i = 0; i < presets().size(); ++i) s += (i ? ", " : "") + std::string(presets()[i].name);
-  return s + "), optionally with overrides: llama3-70b:T=4096";
+  const std::vector<std::string> names = model_preset_names();
+  for (size_t i = 0; i < names.size(); ++i) s += (i ? ", " : "") + names[i];
+  return s + ", the model.preset names), optionally with overrides: llama3.1-70b:T=4096";
 }
 
 namespace {
-ModelConfig parse_shape(const std::string& text_in, const std::string& what, bool presets_allowed) {
+// The --model keys of a config, so a preset's values and the text's
+// overrides go through one path.
+std::map<std::string, int64_t> shape_keys_of(const ModelConfig& c) {
+  std::map<std::string, int64_t> k = {{"L", c.L}, {"C", c.C}, {"heads", c.NH}, {"V", c.V}, {"T", c.T},
+                                      {"tied", c.tied ? 1 : 0}};
+  // 0 = the arch's default (gpt2: kv_heads = heads, ffn = 4C), which must
+  // follow an override of heads or C.
+  if (c.NKV > 0) k["kv_heads"] = c.NKV;
+  if (c.F > 0) k["ffn"] = c.F;
+  return k;
+}
+
+ModelConfig parse_shape(const std::string& text_in, const std::string& what) {
   const std::string text = trim(text_in);
   TR_CHECK(!text.empty(), "--model: empty; give ", model_shape_help());
   const size_t colon = text.find(':');
@@ -98,26 +94,26 @@ ModelConfig parse_shape(const std::string& text_in, const std::string& what, boo
   std::map<std::string, int64_t> set;  // keys given explicitly
   // A bare architecture name means its best-known size.
   if (head == "gpt2" && body.empty()) head = "gpt2-124m";
-  // A preset fills every key; the text after ':' overrides some of them.
-  for (const auto& p : presets()) {
-    if (presets_allowed && head == p.name) {
-      // Later keys win, so the overrides simply follow the preset's text.
-      std::string merged = std::string(p.text);
-      if (!body.empty()) merged += "," + body;
-      return parse_shape(merged, what, false);
-    }
-  }
   const std::vector<std::string> archs = model_arch_names();
-  if (std::find(archs.begin(), archs.end(), head) != archs.end()) {
+  if (const ModelPreset* p = find_model_preset(head)) {
+    // A preset (the job spec's model.preset table, older spellings too)
+    // fills every key, and its Llama details (RoPE, norm eps); the text
+    // after ':' overrides some of them.
+    m = ModelConfig::from_spec(p->spec);
+    set = shape_keys_of(m);
+  } else if (std::find(archs.begin(), archs.end(), head) != archs.end()) {
     m.arch = head;
   } else {
     std::string names;
     for (const auto& a : archs) names += (names.empty() ? "" : ", ") + a;
-    for (const auto& p : presets()) names += std::string(", ") + p.name;
+    for (const auto& n : model_preset_names()) names += ", " + n;
     std::string best;
     size_t bd = 3;
     std::vector<std::string> cands = archs;
-    for (const auto& p : presets()) cands.push_back(p.name);
+    for (const auto& p : model_presets()) {
+      cands.push_back(p.name);
+      for (const char* a : p.aliases) cands.push_back(a);
+    }
     for (const auto& c : cands)
       if (size_t d = edit_distance(head, c); d < bd) bd = d, best = c;
     TR_FAIL(what, ": unknown architecture or preset '", head, "'",
@@ -193,6 +189,6 @@ ModelConfig parse_shape(const std::string& text_in, const std::string& what, boo
 }
 }  // namespace
 
-ModelConfig parse_model_shape(const std::string& text) { return parse_shape(text, "--model '" + text + "'", true); }
+ModelConfig parse_model_shape(const std::string& text) { return parse_shape(text, "--model '" + text + "'"); }
 
 }  // namespace trainrun

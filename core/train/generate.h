@@ -6,7 +6,7 @@
 
 #include "core/model/model.h"
 #include "kernels/backend.h"
-#include "parallel/communicator.h"
+#include "parallel/comm/communicator.h"
 
 namespace trainrun {
 

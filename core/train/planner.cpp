@@ -150,7 +150,7 @@ MemoryBreakdown estimate_memory(const ModelArch& m, const Sharding& s, int B, bo
     r.params = 4 * S + (extra_copy ? a * S : 0) + (s.strategy == "shard_grad_op" ? a * Ppad : 0);
     r.grads = 4 * S;
     r.optimizer = 8 * S;
-    // parallel/sharding_sharded.cpp: a landing buffer for one reduce-scatter
+    // parallel/sharding/sharding_sharded.cpp: a landing buffer for one reduce-scatter
     // shard; full-size fp32 gradient buckets for the embeddings (open for the
     // whole backward: the tied head writes into it first), the head, and two
     // blocks (the one computing, the one being reduce-scattered behind it);

@@ -19,7 +19,7 @@
 #include "core/train/metrics.h"
 #include "core/train/plot.h"
 #include "core/train/tensorboard.h"
-#include "parallel/sharding.h"
+#include "parallel/sharding/sharding.h"
 
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;

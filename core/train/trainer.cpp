@@ -17,6 +17,7 @@
 #include "core/data/dataset.h"
 #include "core/launch/debug_hooks.h"
 #include "core/model/model.h"
+#include "core/model/model_spec.h"
 #include "core/train/generate.h"
 #include "core/train/metrics.h"
 #include "core/train/preemption.h"
@@ -24,11 +25,11 @@
 #include "core/train/schedule.h"
 #include "kernels/backend.h"
 #include "kernels/backend_factory.h"
-#include "parallel/communicator.h"
-#include "parallel/fault_injection.h"
-#include "parallel/net_address.h"
-#include "parallel/sharding.h"
-#include "parallel/store.h"
+#include "parallel/comm/communicator.h"
+#include "parallel/comm/fault_injection.h"
+#include "parallel/rendezvous/net_address.h"
+#include "parallel/sharding/sharding.h"
+#include "parallel/rendezvous/store.h"
 
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
@@ -564,8 +565,12 @@ void Trainer::sample_at_end() {
   if (rank0_) TR_LOG_INFO("sample:\n", decode_tokens(toks, cfg.V));
 }
 
-TrainSummary run_training(const JobSpec& job, const WorkerInfo& worker) {
+TrainSummary run_training(const JobSpec& job_in, const WorkerInfo& worker) {
   install_stop_handlers();
+  // The launcher resolved model.preset / model.init_from already; a job
+  // built in code (tests, embedders) gets the same shape here. Idempotent.
+  JobSpec job = job_in;
+  resolve_model_shape(job, /*log=*/false);
   Trainer t(job, worker);
   return t.run();
 }

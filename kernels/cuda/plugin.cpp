@@ -13,7 +13,7 @@
 
 namespace trainrun::cuda {
 
-// Defined in parallel/nccl_communicator.cpp, cuda_bench.cpp and gemm_check.cpp.
+// Defined in parallel/comm/nccl_communicator.cpp, cuda_bench.cpp and gemm_check.cpp.
 std::unique_ptr<Communicator> make_nccl_communicator_impl(Backend* be, Store* store, const std::string& prefix,
                                                           int rank, int world, std::chrono::milliseconds timeout);
 int run_kernel_bench_impl(const KernelBenchOptions& opts);

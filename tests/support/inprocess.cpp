@@ -5,7 +5,7 @@
 #include <string>
 #include <thread>
 
-#include "parallel/store.h"
+#include "parallel/rendezvous/store.h"
 
 namespace trainrun::test {
 

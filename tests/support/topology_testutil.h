@@ -8,9 +8,9 @@
 #include <vector>
 
 #include "core/common/error.h"
-#include "parallel/topology.h"
-#include "parallel/topology_decide.h"
-#include "parallel/topology_sources.h"
+#include "parallel/topology/topology.h"
+#include "parallel/topology/topology_decide.h"
+#include "parallel/topology/topology_sources.h"
 #include "tests/support/testutil.h"
 
 namespace trainrun::test {

@@ -50,6 +50,11 @@ class GPT2Arch final : public ModelArch {
   bool hf_ignored_buffer(const std::string& canonical_name) const override;
   std::string hf_shape_keys() const override { return "n_layer/n_embd/vocab_size"; }
   void check_init_from(const ModelConfig& hf, const std::string& dir) const override;
+  std::vector<ShapeKey> shape_keys() const override {
+    return {{"model.n_layer", "n_layer"}, {"model.n_head", "n_head"}, {"model.n_embd", "n_embd"},
+            {"model.vocab_size", "vocab_size"}};
+  }
+  const char* hf_context_key() const override { return "n_positions"; }
 };
 
 // The registry's hooks (core/model/model.cpp).

@@ -53,6 +53,8 @@ class LlamaArch final : public ModelArch {
     return "num_hidden_layers/hidden_size/num_attention_heads/num_key_value_heads/intermediate_size/vocab_size";
   }
   void check_init_from(const ModelConfig& hf, const std::string& dir) const override;
+  std::vector<ShapeKey> shape_keys() const override;
+  const char* hf_context_key() const override { return "max_position_embeddings"; }
 };
 
 // The registry's hooks (core/model/model.cpp).

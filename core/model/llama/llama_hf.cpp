@@ -173,6 +173,27 @@ bool LlamaArch::hf_ignored_buffer(const std::string& key) const {
   return key.size() >= n && key.compare(key.size() - n, n, suf) == 0;
 }
 
+std::vector<ShapeKey> LlamaArch::shape_keys() const {
+  std::vector<ShapeKey> k = {{"model.n_layer", "num_hidden_layers"},
+                             {"model.n_head", "num_attention_heads"},
+                             {"model.n_kv_head", "num_key_value_heads"},
+                             {"model.n_embd", "hidden_size"},
+                             {"model.ffn_dim", "intermediate_size"},
+                             {"model.vocab_size", "vocab_size"},
+                             {"model.norm_eps", "rms_norm_eps"},
+                             {"model.rope_theta", "rope_theta"},
+                             {"model.tie_embeddings", "tie_word_embeddings"},
+                             {"model.rope_scaling.type", "rope_scaling.rope_type"}};
+  // Unscaled, the factors mean nothing (and config.json has none to compare).
+  if (!cfg_.rope_scaling_type.empty())
+    k.insert(k.end(), {{"model.rope_scaling.factor", "rope_scaling.factor"},
+                       {"model.rope_scaling.low_freq_factor", "rope_scaling.low_freq_factor"},
+                       {"model.rope_scaling.high_freq_factor", "rope_scaling.high_freq_factor"},
+                       {"model.rope_scaling.original_max_position_embeddings",
+                        "rope_scaling.original_max_position_embeddings"}});
+  return k;
+}
+
 void LlamaArch::check_init_from(const ModelConfig& hf, const std::string& dir) const {
   const std::string what = "model.init_from";
   auto fail = [&](const char* field, const std::string& job, const char* key, const std::string& have,

@@ -1,0 +1,128 @@
+// The preset table (model_presets.h). Values are those of each model's
+// Hugging Face config.json; seq_len is the context the model was
+// pre-trained at (Llama 3.x: 8192, the rope_scaling's
+// original_max_position_embeddings, not the 131072 its config.json allows
+// after long-context training; GPT-2: 1024), a context a fine-tune can
+// afford. A job spec may set a longer one.
+#include "core/config/model_presets.h"
+
+namespace trainrun {
+
+namespace {
+
+ModelSpec gpt2(int L, int NH, int C) {
+  ModelSpec m;
+  m.arch = "gpt2";
+  m.n_layer = L;
+  m.n_head = NH;
+  m.n_embd = C;
+  m.vocab_size = 50257;  // HF's config.json (llm.c pads to 50304 for speed; the tokenizer has 50257)
+  m.seq_len = 1024;
+  m.tie_embeddings = "true";
+  return m;
+}
+
+// Llama 3.1/3.2: rms_norm_eps 1e-5, rope_theta 500000, 128256 tokens,
+// rope_scaling llama3 (low 1, high 4, original 8192) with its factor.
+ModelSpec llama3(int L, int C, int NH, int F, bool tied, double factor) {
+  ModelSpec m;
+  m.arch = "llama";
+  m.n_layer = L;
+  m.n_embd = C;
+  m.n_head = NH;
+  m.n_kv_head = 8;
+  m.ffn_dim = F;
+  m.vocab_size = 128256;
+  m.seq_len = 8192;
+  m.norm_eps = 1e-5;
+  m.rope_theta = 500000;
+  m.tie_embeddings = tied ? "true" : "false";
+  m.rope_scaling.type = "llama3";
+  m.rope_scaling.factor = factor;
+  m.rope_scaling.low_freq_factor = 1;
+  m.rope_scaling.high_freq_factor = 4;
+  m.rope_scaling.original_max_position_embeddings = 8192;
+  return m;
+}
+
+// Llama 2: rope_theta 10000, no scaling, 32000 tokens, 4096 positions.
+ModelSpec llama2(int L, int C, int NH, int NKV, int F) {
+  ModelSpec m;
+  m.arch = "llama";
+  m.n_layer = L;
+  m.n_embd = C;
+  m.n_head = NH;
+  m.n_kv_head = NKV;
+  m.ffn_dim = F;
+  m.vocab_size = 32000;
+  m.seq_len = 4096;
+  m.norm_eps = 1e-5;
+  m.rope_theta = 10000;
+  m.tie_embeddings = "false";
+  return m;
+}
+
+}  // namespace
+
+const std::vector<ModelPreset>& model_presets() {
+  static const std::vector<ModelPreset> p = {
+      {"llama3.2-1b", "meta-llama/Llama-3.2-1B", llama3(16, 2048, 32, 8192, true, 32), {}},
+      {"llama3.2-3b", "meta-llama/Llama-3.2-3B", llama3(28, 3072, 24, 8192, true, 32), {}},
+      {"llama3.1-8b", "meta-llama/Llama-3.1-8B", llama3(32, 4096, 32, 14336, false, 8), {"llama3-8b"}},
+      {"llama3.1-70b", "meta-llama/Llama-3.1-70B", llama3(80, 8192, 64, 28672, false, 8), {"llama3-70b"}},
+      {"llama2-7b", "meta-llama/Llama-2-7b-hf", llama2(32, 4096, 32, 32, 11008), {}},
+      {"llama2-70b", "meta-llama/Llama-2-70b-hf", llama2(80, 8192, 64, 8, 28672), {}},
+      {"gpt2-124m", "openai-community/gpt2", gpt2(12, 12, 768), {}},
+      {"gpt2-350m", "openai-community/gpt2-medium", gpt2(24, 16, 1024), {}},
+      {"gpt2-774m", "openai-community/gpt2-large", gpt2(36, 20, 1280), {}},
+      {"gpt2-1.5b", "openai-community/gpt2-xl", gpt2(48, 25, 1600), {}},
+  };
+  return p;
+}
+
+const ModelPreset* find_model_preset(const std::string& name) {
+  for (const ModelPreset& p : model_presets()) {
+    if (name == p.name) return &p;
+    for (const char* a : p.aliases)
+      if (name == a) return &p;
+  }
+  return nullptr;
+}
+
+std::vector<std::string> model_preset_names() {
+  std::vector<std::string> v;
+  for (const ModelPreset& p : model_presets()) v.push_back(p.name);
+  return v;
+}
+
+std::string model_presets_markdown() {
+  std::string out =
+      "| preset | arch | n_layer | n_embd | n_head | n_kv_head | ffn_dim | vocab_size | seq_len | tied | rope_theta | "
+      "rope_scaling | from |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+  for (const ModelPreset& p : model_presets()) {
+    const ModelSpec& m = p.spec;
+    const bool llama = m.arch == "llama";
+    auto num = [](double v) {
+      std::string s = std::to_string(v);
+      s.erase(s.find_last_not_of('0') + 1);
+      if (!s.empty() && s.back() == '.') s.pop_back();
+      return s;
+    };
+    std::string name = std::string("`") + p.name + "`";
+    for (const char* a : p.aliases) name += std::string(" (plan: also `") + a + "`)";
+    const std::string scaling = m.rope_scaling.type == "none"
+                                    ? "none"
+                                    : m.rope_scaling.type + " x" + num(m.rope_scaling.factor) + " (low " +
+                                          num(m.rope_scaling.low_freq_factor) + ", high " +
+                                          num(m.rope_scaling.high_freq_factor) + ", original " +
+                                          std::to_string(m.rope_scaling.original_max_position_embeddings) + ")";
+    out += "| " + name + " | " + m.arch + " | " + std::to_string(m.n_layer) + " | " + std::to_string(m.n_embd) +
+           " | " + std::to_string(m.n_head) + " | " + (llama ? std::to_string(m.n_kv_head) : "-") + " | " +
+           (llama ? std::to_string(m.ffn_dim) : "4C") + " | " + std::to_string(m.vocab_size) + " | " +
+           std::to_string(m.seq_len) + " | " + m.tie_embeddings + " | " + (llama ? num(m.rope_theta) : "-") +
+           " | " + (llama ? scaling : "-") + " | " + p.source + " |\n";
+  }
+  return out;
+}
+
+}  // namespace trainrun

@@ -1,0 +1,99 @@
+// The device mesh: every rank's place in pp x dp_replicate x dp_shard x tp,
+// and one communicator per group it belongs to, built once in setup.
+//
+// Ranks are laid out with tp innermost (rank = ((pp * R + r) * S + s) * T +
+// t), so a tensor-parallel group is T consecutive ranks: on one node and,
+// where the agent binds local ranks to GPUs in order, one NVLink island
+// (torchtitan and Megatron lay out their meshes the same way). dp is the
+// data-parallel dimension the sharding strategies apply over; hybrid_shard
+// splits it into dp_replicate groups of dp_shard ranks, every other
+// strategy has dp_replicate = 1.
+//
+// The arithmetic (MeshDims, DeviceMesh) has no communication in it, so
+// that plan, topo and the tests can reason about a mesh of 8 x 1024 ranks
+// without building one; MeshComms builds the communicators.
+#pragma once
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "parallel/comm/communicator.h"
+
+namespace trainrun {
+
+enum class MeshDim { pp = 0, dp_replicate = 1, dp_shard = 2, tp = 3 };
+constexpr int kMeshDims = 4;
+const char* mesh_dim_name(MeshDim d);  // "pp", "dp_replicate", "dp_shard", "tp"
+
+struct MeshDims {
+  int pp = 1, dp_replicate = 1, dp_shard = 1, tp = 1;
+  int size(MeshDim d) const;
+  int dp() const { return dp_replicate * dp_shard; }
+  int world() const { return pp * dp_replicate * dp_shard * tp; }
+  std::string describe() const;  // "pp1 x dp_replicate2 x dp_shard4 x tp1"
+};
+
+// The mesh a job asks for: `world` ranks, tensor_parallel x pipeline_parallel
+// per data-parallel replica, parallel.sharding over the rest. hybrid_group:
+// hybrid_shard's shard group (the ranks of a dp_shard group), already
+// resolved (the spec's shard_group_size, else the topology's); ignored for
+// the other strategies. Every bad combination is an Error that names the
+// factors and the keys to change.
+MeshDims plan_mesh(int world, int tensor_parallel, int pipeline_parallel, const std::string& sharding,
+                   int hybrid_group);
+
+class DeviceMesh {
+ public:
+  DeviceMesh(MeshDims dims, int rank);
+
+  const MeshDims& dims() const { return dims_; }
+  int rank() const { return rank_; }
+  // This rank's index along d.
+  int coord(MeshDim d) const { return coord_[int(d)]; }
+  // Index inside the flattened dp = dp_replicate x dp_shard (data shards).
+  int dp_coord() const { return coord(MeshDim::dp_replicate) * dims_.dp_shard + coord(MeshDim::dp_shard); }
+  // The global rank at these coordinates (pp, dp_replicate, dp_shard, tp).
+  int rank_at(int pp, int dp_replicate, int dp_shard, int tp) const;
+  // The ranks of this rank's group along d (those that differ from it only
+  // in d), in the order of d's index: this rank is at coord(d).
+  std::vector<int> group_ranks(MeshDim d) const;
+  // The ranks of this rank's flattened dp group (dp_replicate x dp_shard).
+  std::vector<int> dp_group_ranks() const;
+  // Which group along d this rank is in, as a name that is unique in the
+  // job and the same on every member ("tp0", "dp_shard3"): the store prefix
+  // of its communicator and the group named in collective errors.
+  std::string group_name(MeshDim d) const;
+  std::string dp_group_name() const;  // "dp0"
+
+ private:
+  MeshDims dims_;
+  int rank_;
+  int coord_[kMeshDims];
+};
+
+// Makes a communicator for one group: prefix (unique per group, ending in
+// '/'), this rank's index in it, the group's size.
+using GroupCommFactory =
+    std::function<std::unique_ptr<Communicator>(const std::string& prefix, int rank, int world)>;
+
+// One communicator per group of size > 1 this rank belongs to, built in a
+// fixed order (every rank creates its groups in the same sequence, so
+// rendezvous never waits on a group another rank has not started), and a
+// size-1 group is no communicator at all: comm() returns null and callers
+// skip the collective. Destroyed in reverse order of creation.
+class MeshComms {
+ public:
+  MeshComms(const DeviceMesh& mesh, const GroupCommFactory& factory);
+  ~MeshComms();
+  const DeviceMesh& mesh() const { return mesh_; }
+  Communicator* comm(MeshDim d) const { return comms_[int(d)].get(); }
+  Communicator* dp() const { return dp_.get(); }  // the flattened dp group
+
+ private:
+  const DeviceMesh mesh_;
+  std::unique_ptr<Communicator> comms_[kMeshDims];
+  std::unique_ptr<Communicator> dp_;
+};
+
+}  // namespace trainrun

@@ -1,0 +1,125 @@
+// Sharded parameter state: where parameters, gradients and AdamW state live
+// across ranks, and the collectives that move them. Implements UnitAccess so
+// the model never knows which strategy is in force.
+//
+//   no_shard       (DDP)     params, grads, optimizer state replicated; grads all-reduced
+//   shard_grad_op  (ZeRO-2)  params replicated; grads reduce-scattered; optimizer state sharded;
+//                            updated shards all-gathered into the replicated params
+//   full_shard     (ZeRO-3)  params sharded too: each unit all-gathered before use, freed after
+//   hybrid_shard             full_shard inside groups of shard_group_size ranks, replicated across
+//
+// Every unit is one flat buffer padded to a multiple of the shard-group size,
+// so any world size works. Rank r of a group owns elements
+// [r*S, (r+1)*S) of each unit (S = padded/world), in logical (global) order.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/model/model.h"
+#include "kernels/backend.h"
+#include "parallel/comm/communicator.h"
+
+namespace trainrun {
+
+struct AdamWParams {
+  float lr = 1e-3f, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0.0f;
+};
+
+// Bytes held by this rank, for the log and the memory report.
+struct ShardMemory {
+  size_t params = 0, grads = 0, optimizer = 0, comm_buffers = 0;
+};
+
+// sum(x^2) over n fp32 device values, returned to the host. `acc` is a
+// 4-byte device scratch the store keeps, so the per-step grad norm does not
+// allocate (a cudaMalloc-backed pool would otherwise see it every step).
+inline float sum_squares_to_host(Backend* be, float* acc, const float* x, int64_t n) {
+  be->zero(acc, 4);
+  be->sum_squares(acc, x, n);
+  float host = 0;
+  be->copy_to_host(&host, acc, 4);
+  return host;
+}
+
+class ParamStore : public UnitAccess {
+ public:
+  // Fill the parameters from the architecture's counter-based init (each
+  // rank inits only what it holds). `arch` must have the store's layout.
+  virtual void init_params(const ModelArch& arch, uint64_t seed) = 0;
+  virtual void zero_grads() = 0;
+  // After the last micro-batch's backward: finish every gradient reduction.
+  virtual void finish_grads() = 0;
+  // Sum of squares of the full (global) gradient, identical on every rank.
+  virtual double grad_norm_squared() = 0;
+  // AdamW on this rank's shard (decay mask from the layout), then make the
+  // updated parameters visible where the strategy keeps them. `step` is 1-based.
+  virtual void optimizer_step(const AdamWParams& p, int step, float grad_scale) = 0;
+  // Replace all parameters from a whole-model host vector (every rank passes
+  // the same). Tests and small models only: real loads go range by range
+  // (write_state_range), so no rank holds a whole big model on the host.
+  virtual void load_full_params(const std::vector<float>& flat) = 0;
+  // ---- checkpoint access (logical layout) ----------------------------------
+  // Ranges of the flat parameter vector [global, global+count) this rank
+  // holds state for (what it must load), and the ranges it writes to a
+  // checkpoint: a partition of the whole model across all ranks (replicas
+  // of hybrid_shard / no_shard split the writing instead of repeating it).
+  struct Range {
+    int64_t global = 0, count = 0;
+  };
+  virtual std::vector<Range> held_ranges() const = 0;
+  virtual std::vector<Range> write_ranges() const = 0;
+  // State kind: 0 fp32 master weights, 1 AdamW first moment, 2 second moment.
+  // Host copies, concatenated in held_ranges() order.
+  virtual std::vector<float> get_state(int kind) = 0;
+  // One range (inside held_ranges()) of one kind straight into host memory:
+  // the checkpoint snapshot, with no intermediate buffers.
+  virtual void copy_state_range(int kind, const Range& r, float* out) = 0;
+  // The reverse: one range (inside held_ranges()) of one kind from host
+  // memory, so a loader streams a rank's state in bounded pieces. After the
+  // last range of kind 0, call params_updated() (collective: shard_grad_op
+  // re-gathers its replicated parameters) before the parameters are used.
+  virtual void write_state_range(int kind, const Range& r, const float* in) = 0;
+  virtual void params_updated() = 0;
+  // Collective for kind 0 (parameters may be re-gathered): every rank calls
+  // set_state in the same order.
+  virtual void set_state(int kind, const std::vector<float>& host) = 0;
+
+  // The step in progress, for the error messages of every communicator
+  // the store uses (the world's and hybrid_shard's own groups).
+  virtual void set_step(int64_t step) = 0;
+  // Before the optimizer step and before a checkpoint commit: every
+  // communicator the store uses reports a collective that failed after its
+  // call returned (Communicator::check_health), so no update and no
+  // checkpoint is ever made from a half-reduced gradient. Throws the Error,
+  // which names the operation, group, rank and step.
+  virtual void check_comms() = 0;
+
+  virtual ShardMemory memory() const = 0;
+  // Seconds spent waiting on collectives since the last call (and reset).
+  virtual double take_comm_wait_seconds() = 0;
+  virtual std::string strategy() const = 0;
+};
+
+// init_params' check that the architecture is the one the store was built for.
+inline void check_same_layout(const ModelArch& arch, const ParamLayout& store_layout) {
+  TR_CHECK(arch.layout().total == store_layout.total && arch.layout().units.size() == store_layout.units.size(),
+           "init_params: the model (", arch.layout().total, " parameters in ", arch.layout().units.size(),
+           " units) is not the one the parameter store was built for (", store_layout.total, " in ",
+           store_layout.units.size(), ")");
+}
+
+// Builds a communicator over a subset of ranks: `prefix` names the group in
+// the rendezvous store, `rank`/`world` are the caller's place in it.
+using CommFactory = std::function<std::unique_ptr<Communicator>(const std::string& prefix, int rank, int world)>;
+
+// `world` is the all-ranks communicator (used from the caller's thread only
+// while the store is idle: after finish_grads / between steps).
+// shard_group_size: hybrid_shard's group (must divide the world size).
+std::unique_ptr<ParamStore> make_param_store(const std::string& strategy, const ParamLayout& layout,
+                                             Backend* be, Communicator* world, int shard_group_size,
+                                             const CommFactory& factory);
+
+}  // namespace trainrun

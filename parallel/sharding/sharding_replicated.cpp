@@ -1,0 +1,131 @@
+// no_shard (DDP): every rank holds the whole model, its gradient and the
+// optimizer state; gradients are all-reduced (sum: the loss scale already
+// divides by the global token count). The single-rank case is this with a
+// world of one.
+#include <chrono>
+#include <cmath>
+
+#include "core/common/error.h"
+#include "parallel/sharding/sharding.h"
+
+namespace trainrun {
+
+namespace {
+
+class ReplicatedStore final : public ParamStore {
+ public:
+  ReplicatedStore(const ParamLayout& layout, Backend* be, Communicator* comm)
+      : layout_(layout), be_(be), comm_(comm) {
+    const int64_t n = layout.total;
+    // On fp32 backends the master copy doubles as the parameters.
+    master_ = DeviceBuffer(be, n * 4);
+    if (be->act_dtype() != DType::F32) params_ = DeviceBuffer(be, n * dtype_size(be->act_dtype()));
+    grads_ = DeviceBuffer(be, n * 4);
+    m_ = DeviceBuffer(be, n * 4);
+    v_ = DeviceBuffer(be, n * 4);
+    norm_acc_ = DeviceBuffer(be, 4);
+  }
+  void* params() { return params_.get() ? params_.get() : master_.get(); }
+
+  const void* acquire_params(int unit) override {
+    return static_cast<char*>(params()) + layout_.units[unit].offset * dtype_size(be_->act_dtype());
+  }
+  void release_params(int) override {}
+  float* unit_grads(int unit) override { return grads_.as<float>() + layout_.units[unit].offset; }
+  void grads_done(int) override {}
+
+  void init_params(const ModelArch& arch, uint64_t seed) override {
+    check_same_layout(arch, layout_);
+    std::vector<float> host(layout_.total);
+    arch.init_params(seed, 0, layout_.total, host.data());
+    load_full_params(host);
+  }
+  void zero_grads() override { be_->zero(grads_.get(), grads_.bytes()); }
+  void finish_grads() override {
+    if (comm_->world_size() == 1) return;
+    auto t0 = std::chrono::steady_clock::now();
+    // Ordered after the backward by the communicator itself (no host sync).
+    comm_->all_reduce(grads_.as<float>(), layout_.total, ReduceOp::Sum);
+    wait_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  double grad_norm_squared() override {
+    return sum_squares_to_host(be_, norm_acc_.as<float>(), grads_.as<float>(), layout_.total);
+  }
+  void optimizer_step(const AdamWParams& p, int step, float grad_scale) override {
+    const size_t es = dtype_size(be_->act_dtype());
+    for (const auto& t : layout_.tensors) {
+      be_->adamw_update(master_.as<float>() + t.offset, static_cast<char*>(params()) + t.offset * es,
+                        grads_.as<float>() + t.offset, m_.as<float>() + t.offset, v_.as<float>() + t.offset,
+                        t.numel, p.lr, p.beta1, p.beta2, p.eps, t.decay ? p.weight_decay : 0.0f, step,
+                        grad_scale);
+    }
+  }
+  void load_full_params(const std::vector<float>& flat) override {
+    TR_CHECK(int64_t(flat.size()) == layout_.total, "load_full_params: got ", flat.size(),
+             " values for a model of ", layout_.total);
+    be_->copy_to_device(master_.get(), flat.data(), flat.size() * 4);
+    if (params_.get()) be_->cast_from_f32(params_.get(), master_.as<float>(), layout_.total);
+  }
+  std::vector<Range> held_ranges() const override { return {{0, layout_.total}}; }
+  std::vector<Range> write_ranges() const override {
+    // Every rank holds everything: split the writing evenly.
+    const int W = comm_->world_size(), r = comm_->rank();
+    const int64_t b = layout_.total * r / W, e = layout_.total * (r + 1) / W;
+    if (e <= b) return {};
+    return {{b, e - b}};
+  }
+  std::vector<float> get_state(int kind) override {
+    std::vector<float> host(layout_.total);
+    be_->copy_to_host(host.data(), state(kind), host.size() * 4);
+    return host;
+  }
+  void copy_state_range(int kind, const Range& r, float* out) override {
+    TR_CHECK(r.global >= 0 && r.global + r.count <= layout_.total, "copy_state_range: out of range");
+    be_->copy_to_host(out, state(kind) + r.global, size_t(r.count) * 4);
+  }
+  void write_state_range(int kind, const Range& r, const float* in) override {
+    TR_CHECK(r.global >= 0 && r.global + r.count <= layout_.total, "write_state_range: out of range");
+    be_->copy_to_device(state(kind) + r.global, in, size_t(r.count) * 4);
+  }
+  void params_updated() override {
+    if (params_.get()) be_->cast_from_f32(params_.get(), master_.as<float>(), layout_.total);
+  }
+  void set_state(int kind, const std::vector<float>& host) override {
+    if (kind == 0) return load_full_params(host);
+    TR_CHECK(int64_t(host.size()) == layout_.total, "set_state: size mismatch");
+    be_->copy_to_device(state(kind), host.data(), host.size() * 4);
+  }
+  float* state(int kind) { return kind == 0 ? master_.as<float>() : kind == 1 ? m_.as<float>() : v_.as<float>(); }
+
+  ShardMemory memory() const override {
+    ShardMemory m;
+    m.params = master_.bytes() + params_.bytes();
+    m.grads = grads_.bytes();
+    m.optimizer = m_.bytes() + v_.bytes();
+    return m;
+  }
+  double take_comm_wait_seconds() override {
+    double w = wait_;
+    wait_ = 0;
+    return w;
+  }
+  std::string strategy() const override { return "no_shard"; }
+  void set_step(int64_t step) override { comm_->set_step(step); }
+  void check_comms() override { comm_->check_health(); }
+
+ private:
+  const ParamLayout& layout_;
+  Backend* be_;
+  Communicator* comm_;
+  DeviceBuffer master_, params_, grads_, m_, v_, norm_acc_;
+  double wait_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<ParamStore> make_replicated_param_store(const ParamLayout& layout, Backend* be,
+                                                        Communicator* comm) {
+  return std::make_unique<ReplicatedStore>(layout, be, comm);
+}
+
+}  // namespace trainrun
