@@ -138,9 +138,12 @@ int cmd_validate(const std::string& config, const std::vector<std::string>& sets
 }
 
 int cmd_generate(const std::string& ckpt, const std::string& prompt, const SampleOptions& so) {
-  const std::string file = resolve_verified_model_file(ckpt, "generate");
+  // Sampling on the CPU uses every weight at every token: the whole model is read.
   std::vector<float> flat;
-  const std::unique_ptr<ModelArch> arch = make_model_arch(load_model_safetensors(file, flat));
+  const bool hf = is_hf_model_dir(ckpt);
+  const std::string file = hf ? ckpt : resolve_verified_model_file(ckpt, "generate");
+  const std::unique_ptr<ModelArch> arch =
+      make_model_arch(hf ? load_hf(ckpt, flat, "generate") : load_model_safetensors(file, flat));
   const ModelConfig& cfg = arch->config();
   TR_LOG_INFO("generate: ", file, " (", arch->describe(), ")");
   const std::vector<int32_t> ids = encode_prompt(prompt, cfg.V);
@@ -238,18 +241,32 @@ int main(int argc, char** argv) {
   auto* generate = app.add_subcommand("generate", "sample text from a trained model");
   std::string ckpt, prompt;
   SampleOptions so;
-  generate->add_option("--checkpoint", ckpt, "run directory, checkpoint directory or .safetensors file")->required();
+  generate->add_option("--checkpoint", ckpt, "run directory, checkpoint directory, .safetensors file or Hugging Face model directory")->required();
   generate->add_option("--prompt", prompt, "prompt text (token ids if the vocab is not bytes)")->required();
   generate->add_option("--max-tokens", so.max_tokens, "tokens to generate")->capture_default_str()->check(CLI::Range(0, 1 << 20));
   generate->add_option("--temperature", so.temperature, "softmax temperature (0: greedy)")->capture_default_str()->check(CLI::Range(0.0, 100.0));
   generate->add_option("--top-k", so.top_k, "sample from the k most likely tokens (0: all, 1: greedy)")->capture_default_str()->check(CLI::NonNegativeNumber);
   generate->add_option("--seed", so.seed, "sampling seed")->capture_default_str();
 
-  auto* export_cmd = app.add_subcommand("export", "write a model as a Hugging Face GPT-2 directory (config.json + model.safetensors)");
-  std::string exp_ckpt, exp_format = "safetensors", exp_out;
-  export_cmd->add_option("--checkpoint", exp_ckpt, "run directory (its latest checkpoint), checkpoint directory or .safetensors file")->required();
+  auto* export_cmd = app.add_subcommand("export", "write a model as a Hugging Face directory (GPT2LMHeadModel / LlamaForCausalLM)");
+  std::string exp_ckpt, exp_format = "safetensors", exp_out, exp_dtype = "fp32", exp_shard = "5GB";
+  export_cmd->add_option("--checkpoint", exp_ckpt, "run directory (its latest checkpoint), checkpoint directory, .safetensors file or Hugging Face model directory")->required();
   export_cmd->add_option("--format", exp_format, "output format")->capture_default_str()->check(CLI::IsMember({"safetensors"}));
-  export_cmd->add_option("--out", exp_out, "directory to write; GPT2LMHeadModel.from_pretrained(DIR) loads it")->required();
+  export_cmd->add_option("--out", exp_out, "directory to write; AutoModelForCausalLM.from_pretrained(DIR) loads it")->required();
+  export_cmd->add_option("--dtype", exp_dtype, "weights dtype: fp32, or bf16 (round to nearest even)")->capture_default_str()->check(CLI::IsMember({"fp32", "bf16"}));
+  export_cmd->add_option("--max-shard-size", exp_shard, "above it, model-0000i-of-0000N.safetensors shards + model.safetensors.index.json (5GB = 5e9 bytes; KB/MB/GB/TB, KiB/MiB/GiB/TiB or bytes)")
+      ->capture_default_str()
+      ->check(CLI::Validator(
+          [](std::string& v) -> std::string {
+            try {
+              parse_max_shard_size(v);
+            } catch (const std::exception& e) {
+              const std::string m = e.what(), flag = "--max-shard-size: ";
+              return m.rfind(flag, 0) == 0 ? m.substr(flag.size()) : m;  // CLI11 names the flag itself
+            }
+            return "";
+          },
+          "SIZE"));
 
   auto* plot = app.add_subcommand("plot", "draw loss, val loss and throughput of a run to <dir>/plot.svg (needs gnuplot)");
   std::string plot_dir;
@@ -351,8 +368,11 @@ int main(int argc, char** argv) {
     if (*bench_ckpt) return run_checkpoint_bench(cbo);
     if (*bench_kernels) return run_kernel_bench(kbo);
     if (*export_cmd) {
-      const std::string from = export_checkpoint_hf(exp_ckpt, exp_out);
-      TR_LOG_INFO("export: ", from, " -> ", exp_out, " (Hugging Face GPT-2: config.json + model.safetensors)");
+      HfExportOptions eo;
+      eo.dtype = exp_dtype;
+      eo.max_shard_bytes = parse_max_shard_size(exp_shard);
+      const std::string from = export_checkpoint_hf(exp_ckpt, exp_out, eo);
+      TR_LOG_INFO("export: ", from, " -> ", exp_out, " (Hugging Face directory, ", exp_dtype, ")");
       std::cout << exp_out << "\n";
       return 0;
     }
