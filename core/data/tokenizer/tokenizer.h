@@ -87,6 +87,12 @@ class Tokenizer {
   // before $A, as Llama 3 ships), -1 when it adds none (GPT-2).
   int64_t bos_id() const;
   const std::string& name() const;
+  // True when cutting text right after a '\n' that is followed by an ASCII
+  // letter never changes the ids (the pieces on both sides encode alone to
+  // the same ids): the pre-tokenizers are GPT-2's, Llama 3's or Qwen2's
+  // regexes, none of which matches across such a point, and ByteLevel adds
+  // no prefix space. prepare cuts big files there to encode them in parallel.
+  bool can_cut_before_line() const;
 
   struct Impl;
 

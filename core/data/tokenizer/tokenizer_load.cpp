@@ -467,6 +467,26 @@ uint32_t Tokenizer::vocab_size() const { return impl_->vocab_size; }
 const std::string& Tokenizer::name() const { return impl_->name; }
 int64_t Tokenizer::bos_id() const { return impl_->bos; }
 
+bool Tokenizer::can_cut_before_line() const {
+  static const char* const known[] = {
+      kGpt2Pattern,
+      // Llama 3
+      R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)",
+      // Qwen2
+      R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)",
+  };
+  if (impl_->add_prefix_space) return false;
+  for (const auto& s : impl_->splits) {
+    bool ok = false;
+    for (const char* k : known) ok = ok || s.re.pattern == k;
+    if (!ok) return false;
+  }
+  // An added token spanning "\n" + letter could match across the cut.
+  for (const auto& a : impl_->added)
+    if (a.content.find('\n') != std::string::npos) return false;
+  return true;
+}
+
 int64_t Tokenizer::token_id(const std::string& token) const {
   if (auto it = impl_->added_by_content.find(token); it != impl_->added_by_content.end()) return it->second;
   if (auto it = impl_->vocab.find(token); it != impl_->vocab.end()) return it->second;
