@@ -6,7 +6,11 @@
 // must give the text back. Bad tokenizer.json files are refused with the
 // JSON path.
 #include <catch2/catch.hpp>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 
 #include "core/common/error.h"
@@ -217,4 +221,321 @@ TEST_CASE("tokenizer: unsupported or broken tokenizer.json names the JSON path",
   REQUIRE_THROWS_WITH(Tokenizer::from_json_text("{not json", "x.json"), Contains("x.json") && Contains("not valid JSON"));
   REQUIRE_THROWS_WITH(Tokenizer::load(fx.dir / "nope.json"), Contains("nope.json") && Contains("cannot open"));
   CHECK(load_error([](json&) {}) == "(no error)");
+}
+
+// ---- prepare --tokenizer ---------------------------------------------------------
+
+namespace {
+
+struct Shard {
+  int version = 0;
+  std::vector<uint32_t> tokens;
+};
+
+Shard read_shard(const std::string& path) {
+  const std::string b = test::read_file(path);
+  REQUIRE(b.size() >= 1024);
+  int32_t h[3];
+  std::memcpy(h, b.data(), sizeof h);
+  Shard s;
+  s.version = h[1];
+  const size_t w = s.version == 1 ? 2 : 4;
+  REQUIRE(b.size() == 1024 + w * static_cast<size_t>(h[2]));
+  for (int32_t i = 0; i < h[2]; ++i) {
+    uint32_t v = 0;
+    std::memcpy(&v, b.data() + 1024 + w * i, w);
+    s.tokens.push_back(v);
+  }
+  return s;
+}
+
+std::vector<uint8_t> read_mask(const std::string& path) {
+  const std::string b = test::read_file(path);
+  return std::vector<uint8_t>(b.begin(), b.end());
+}
+
+// HF's ids for each text (special tokens as text, as prepare's default).
+std::vector<std::vector<uint32_t>> hf_encode(const std::string& tokenizer, const std::vector<std::string>& texts,
+                                             const test::TempDir& dir) {
+  test::write_file(dir / "q.json", json(texts).dump());
+  const auto r = hf_tok("encode --tokenizer '" + tokenizer + "' --texts '" + (dir / "q.json") + "' --out '" +
+                        (dir / "a.json") + "'");
+  INFO(r.out << r.err);
+  REQUIRE(r.exit_code == 0);
+  return read_json(dir / "a.json")["plain"].get<std::vector<std::vector<uint32_t>>>();
+}
+
+// Equal, or where they first differ (Catch would print a million ids).
+std::string first_difference(const std::vector<uint32_t>& got, const std::vector<uint32_t>& want) {
+  const size_t n = std::min(got.size(), want.size());
+  for (size_t i = 0; i < n; ++i)
+    if (got[i] != want[i])
+      return "differ at token " + std::to_string(i) + ": " + std::to_string(got[i]) + " vs " + std::to_string(want[i]);
+  if (got.size() != want.size())
+    return "lengths differ: " + std::to_string(got.size()) + " vs " + std::to_string(want.size());
+  return "equal";
+}
+
+std::vector<uint32_t> concat_shards(const std::string& dir, const std::string& prefix) {
+  std::vector<uint32_t> all;
+  for (int i = 0;; ++i) {
+    char name[64];
+    std::snprintf(name, sizeof name, "/%s_%06d.bin", prefix.c_str(), i);
+    if (!test::file_exists(dir + name)) break;
+    auto s = read_shard(dir + name);
+    all.insert(all.end(), s.tokens.begin(), s.tokens.end());
+  }
+  return all;
+}
+
+// prepare's train/val cut of a text file: the first line start at or after
+// n - ceil(n * f).
+size_t val_cut(const std::string& s, double f) {
+  const size_t from = s.size() - static_cast<size_t>(std::ceil(s.size() * f));
+  const size_t nl = s.find('\n', from > 0 ? from - 1 : 0);
+  return nl == std::string::npos || nl + 1 >= s.size() ? from : std::max(nl + 1, from);
+}
+
+}  // namespace
+
+TEST_CASE("prepare --tokenizer: text files give HF's ids, BOS/EOS per document, any thread count", "[prepare][hf]") {
+  Fixture& fx = fixture();
+  test::TempDir d("prep");
+  // > 1 MiB, so a file is cut into blocks encoded on different threads.
+  std::string big;
+  while (big.size() < 2'000'000) big += test::read_file(fx.dir / "corpus.txt");
+  // Where a cut at any '\n' would change the ids ("\n\n  " is one
+  // pre-token): only the '\n' before "Line" is a safe cut.
+  while (big.size() < 4'000'000) big += "Line of text\n\n  indented code\n\t\n \n";
+  const std::string small = fx.texts[1] + "\n" + fx.texts[3] + "\nend <|endoftext|> of it\n";
+  test::write_file(d / "in/a.txt", big);
+  test::write_file(d / "in/b.txt", small);
+  for (const std::string style : {"gpt2", "llama3"}) {
+    INFO(style);
+    const std::string tj = fx.dir / (style + ".json");
+    const Tokenizer tok = Tokenizer::load(tj);
+    const uint32_t sep = static_cast<uint32_t>(style == "gpt2" ? tok.special_id("<|endoftext|>") : tok.bos_id());
+    const double f = 0.01;
+    const size_t ca = val_cut(big, f), cb = val_cut(small, f);
+    const auto ids = hf_encode(tj, {big.substr(0, ca), big.substr(ca), small.substr(0, cb), small.substr(cb)}, d);
+    std::vector<uint32_t> want_train, want_val;
+    for (int k : {0, 2}) {
+      want_train.push_back(sep);
+      want_train.insert(want_train.end(), ids[k].begin(), ids[k].end());
+      want_val.push_back(sep);
+      want_val.insert(want_val.end(), ids[k + 1].begin(), ids[k + 1].end());
+    }
+    for (const int threads : {1, 3}) {
+      INFO("threads " << threads);
+      const auto r = test::run_trainrun("prepare --tokenizer '" + tj + "' --input '" + (d / "in") + "' --output '" +
+                                        (d / "out") + "' --val-fraction 0.01 --threads " + std::to_string(threads) +
+                                        " --shard-tokens 200000");
+      INFO(r.out << r.err);
+      REQUIRE(r.exit_code == 0);
+      REQUIRE_THAT(r.err, Contains("MB/s") && Contains("ETA"));
+      REQUIRE_THAT(r.out, Contains("4 documents") && Contains("uint16"));
+      REQUIRE(read_shard(d / "out/train_000000.bin").version == 1);
+      CHECK(first_difference(concat_shards(d / "out", "train"), want_train) == "equal");
+      CHECK(first_difference(concat_shards(d / "out", "val"), want_val) == "equal");
+      REQUIRE_FALSE(test::file_exists(d / "out/train_000000.mask"));  // text: no mask
+    }
+  }
+}
+
+TEST_CASE("prepare --tokenizer: jsonl records, --text-field, val spread, --allow-special, uint32 shards", "[prepare][hf]") {
+  Fixture& fx = fixture();
+  test::TempDir d("prep");
+  std::vector<std::string> docs;
+  std::string lines;
+  for (int i = 0; i < 9; ++i) {
+    docs.push_back(fx.texts[i] + " #" + std::to_string(i));
+    lines += json{{"body", docs.back()}, {"id", i}}.dump() + (i == 4 ? "\r\n\n   \n" : "\n");
+  }
+  test::write_file(d / "a.jsonl", lines);
+  const std::string tj = fx.dir / "gpt2.json";
+  const Tokenizer tok = Tokenizer::load(tj);
+  const uint32_t eot = static_cast<uint32_t>(tok.special_id("<|endoftext|>"));
+  const auto ids = hf_encode(tj, docs, d);
+  auto run = [&](const std::string& extra) {
+    const auto r = test::run_trainrun("prepare --tokenizer '" + tj + "' --format jsonl --text-field body --input '" +
+                                      (d / "a.jsonl") + "' --output '" + (d / "out") + "' " + extra);
+    INFO(r.out << r.err);
+    REQUIRE(r.exit_code == 0);
+    return r;
+  };
+  run("--val-fraction 0.25");
+  // Record k goes to val when floor((k+1)/4) > floor(k/4): records 3 and 7.
+  std::vector<uint32_t> want_train, want_val;
+  for (int k = 0; k < 9; ++k) {
+    auto& w = (k == 3 || k == 7) ? want_val : want_train;
+    w.push_back(eot);
+    w.insert(w.end(), ids[k].begin(), ids[k].end());
+  }
+  CHECK(concat_shards(d / "out", "train") == want_train);
+  CHECK(concat_shards(d / "out", "val") == want_val);
+
+  // --val-fraction 0: no val shard (the old one is removed).
+  run("--val-fraction 0");
+  REQUIRE_FALSE(test::file_exists(d / "out/val_000000.bin"));
+
+  // --allow-special: record 8 spells <|endoftext|>; by default it is text.
+  const auto plain = concat_shards(d / "out", "train");
+  run("--val-fraction 0 --allow-special");
+  const auto special = concat_shards(d / "out", "train");
+  CHECK(std::count(plain.begin(), plain.end(), eot) == 9);
+  CHECK(std::count(special.begin(), special.end(), eot) == 9 + 3);
+
+  // A vocab past 65536 ids: llm.c v7 uint32 shards.
+  json big = read_json(tj);
+  big["added_tokens"].push_back({{"id", 70000}, {"content", "<|big|>"}, {"special", true}, {"single_word", false},
+                                 {"lstrip", false}, {"rstrip", false}, {"normalized", false}});
+  test::write_file(d / "big.json", big.dump());
+  const auto r = test::run_trainrun("prepare --tokenizer '" + (d / "big.json") + "' --format jsonl --text-field body --input '" +
+                                    (d / "a.jsonl") + "' --output '" + (d / "out32") + "' --val-fraction 0");
+  INFO(r.out << r.err);
+  REQUIRE(r.exit_code == 0);
+  REQUIRE_THAT(r.out, Contains("uint32"));
+  const Shard s = read_shard(d / "out32/train_000000.bin");
+  CHECK(s.version == 7);
+  CHECK(s.tokens == plain);
+}
+
+namespace {
+
+// Decodes the tokens where mask == want.
+std::string decode_masked(const Tokenizer& tok, const std::vector<uint32_t>& ids, const std::vector<uint8_t>& mask,
+                          uint8_t want) {
+  std::vector<uint32_t> sel;
+  for (size_t i = 0; i < ids.size(); ++i)
+    if (mask[i] == want) sel.push_back(ids[i]);
+  return tok.decode(sel);
+}
+
+}  // namespace
+
+TEST_CASE("prepare --tokenizer: chat, sharegpt and alpaca masks cover exactly the assistant replies", "[prepare]") {
+  Fixture& fx = fixture();
+  test::TempDir d("prep");
+  const std::string l3 = fx.dir / "llama3.json";
+  // A ChatML tokenizer: the GPT-2 one plus <|im_start|> / <|im_end|>.
+  json cm = read_json(fx.dir / "gpt2.json");
+  for (auto [id, name] : {std::pair{3001, "<|im_start|>"}, std::pair{3002, "<|im_end|>"}})
+    cm["added_tokens"].push_back({{"id", id}, {"content", name}, {"special", true}, {"single_word", false},
+                                  {"lstrip", false}, {"rstrip", false}, {"normalized", false}});
+  test::write_file(d / "chatml.json", cm.dump());
+
+  const std::string sys = "You are terse.", u1 = "Hi 日本 <|eot_id|>?", a1 = "Hello!  How can I help?\n",
+                    u2 = "2+2", a2 = "4 \U0001F600";
+  const json chat = {{"messages",
+                      {{{"role", "system"}, {"content", sys}}, {{"role", "user"}, {"content", u1}},
+                       {{"role", "assistant"}, {"content", a1}}, {{"role", "user"}, {"content", u2}},
+                       {{"role", "assistant"}, {"content", a2}}}}};
+  const json share = {{"conversations",
+                       {{{"from", "system"}, {"value", sys}}, {{"from", "human"}, {"value", u1}},
+                        {{"from", "gpt"}, {"value", a1}}, {{"from", "human"}, {"value", u2}},
+                        {{"from", "gpt"}, {"value", a2}}}}};
+  const json alpaca = {{"instruction", u1}, {"input", u2}, {"output", a1}};
+  test::write_file(d / "chat.jsonl", chat.dump() + "\n");
+  test::write_file(d / "share.jsonl", share.dump() + "\n");
+  test::write_file(d / "alpaca.jsonl", alpaca.dump() + "\n");
+
+  struct Case {
+    std::string format, file, tokenizer, tmpl, want_full, want_target;
+  };
+  const std::string h = "<|start_header_id|>", e = "<|end_header_id|>\n\n", eot = "<|eot_id|>";
+  const std::string l3_conv = "<|begin_of_text|>" + h + "system" + e + sys + eot + h + "user" + e + u1 + eot + h +
+                              "assistant" + e + a1 + eot + h + "user" + e + u2 + eot + h + "assistant" + e + a2 + eot;
+  const std::string cm_conv = "<|endoftext|><|im_start|>system\n" + sys + "<|im_end|>\n<|im_start|>user\n" + u1 +
+                              "<|im_end|>\n<|im_start|>assistant\n" + a1 + "<|im_end|>\n<|im_start|>user\n" + u2 +
+                              "<|im_end|>\n<|im_start|>assistant\n" + a2 + "<|im_end|>\n";
+  const std::string pl_conv = "<|endoftext|>System: " + sys + "\n\nUser: " + u1 + "\n\nAssistant: " + a1 +
+                              "\n\nUser: " + u2 + "\n\nAssistant: " + a2 + "\n\n";
+  const std::vector<Case> cases = {
+      {"chat", "chat.jsonl", l3, "", l3_conv, a1 + eot + a2 + eot},
+      {"sharegpt", "share.jsonl", l3, "llama3", l3_conv, a1 + eot + a2 + eot},
+      {"alpaca", "alpaca.jsonl", l3, "",
+       "<|begin_of_text|>" + h + "user" + e + u1 + "\n\n" + u2 + eot + h + "assistant" + e + a1 + eot, a1 + eot},
+      {"chat", "chat.jsonl", d / "chatml.json", "", cm_conv, a1 + "<|im_end|>" + a2 + "<|im_end|>"},
+      {"chat", "chat.jsonl", fx.dir / "gpt2.json", "", pl_conv, a1 + "\n\n" + a2 + "\n\n"},
+  };
+  for (const auto& c : cases) {
+    INFO(c.format << " " << c.tokenizer);
+    const Tokenizer tok = Tokenizer::load(c.tokenizer);
+    for (const bool all : {false, true}) {
+      const auto r = test::run_trainrun("prepare --tokenizer '" + c.tokenizer + "' --format " + c.format + " --input '" +
+                                        (d / c.file) + "' --output '" + (d / "out") + "' --val-fraction 0" +
+                                        (c.tmpl.empty() ? "" : " --chat-template " + c.tmpl) +
+                                        (all ? " --train-on-input" : ""));
+      INFO(r.out << r.err);
+      REQUIRE(r.exit_code == 0);
+      const auto ids = read_shard(d / "out/train_000000.bin").tokens;
+      const auto mask = read_mask(d / "out/train_000000.mask");
+      REQUIRE(mask.size() == ids.size());
+      CHECK(tok.decode(ids) == c.want_full);
+      // The user's "<|eot_id|>" is text (default policy), not the special id.
+      if (const int64_t eot_id = tok.special_id("<|eot_id|>"); eot_id >= 0)
+        CHECK(std::count(ids.begin(), ids.end(), static_cast<uint32_t>(eot_id)) == (c.format == "alpaca" ? 2 : 5));
+      if (all) {
+        CHECK(std::count(mask.begin(), mask.end(), 1) == static_cast<long>(mask.size()));
+      } else {
+        CHECK(decode_masked(tok, ids, mask, 1) == c.want_target);
+      }
+    }
+  }
+}
+
+TEST_CASE("prepare --tokenizer: bad input names file:line or the byte offset and leaves the output as it was",
+          "[prepare][errors]") {
+  Fixture& fx = fixture();
+  test::TempDir d("prep");
+  const std::string l3 = fx.dir / "llama3.json";
+  test::write_file(d / "good.jsonl", "{\"text\": \"fine\"}\n");
+  auto prep = [&](const std::string& args) {
+    return test::run_trainrun("prepare --tokenizer '" + l3 + "' --output '" + (d / "out") + "' --val-fraction 0 " + args);
+  };
+  REQUIRE(prep("--format jsonl --input '" + (d / "good.jsonl") + "'").exit_code == 0);
+  const std::string before = test::read_file(d / "out/train_000000.bin");
+
+  struct Bad {
+    std::string format, content, want1, want2;
+  };
+  const std::vector<Bad> bads = {
+      {"jsonl", "{\"text\": \"ok\"}\n{\"text\": \"ok\"}\n{\"text\": oops}\n", "x.jsonl:3:", "invalid JSON"},
+      {"jsonl", "{\"text\": \"ok\"}\n\n{\"body\": \"ok\"}\n", "x.jsonl:3:", "missing \"text\""},
+      {"jsonl", "{\"text\": 5}\n", "x.jsonl:1:", "not a string"},
+      {"jsonl", "[1, 2]\n", "x.jsonl:1:", "expected a JSON object"},
+      {"chat", "{\"messages\": [{\"role\": \"user\", \"content\": \"a\"}]}\n{\"messages\": [{\"role\": \"bot\", \"content\": \"a\"}]}\n",
+       "x.jsonl:2:", "unknown role \"bot\""},
+      {"chat", "{\"msgs\": []}\n", "x.jsonl:1:", "missing \"messages\""},
+      {"chat", "{\"messages\": [{\"role\": \"user\"}]}\n", "x.jsonl:1:", "messages[0]: missing \"content\""},
+      {"sharegpt", "{\"conversations\": [{\"from\": \"robot\", \"value\": \"a\"}]}\n", "x.jsonl:1:", "unknown from \"robot\""},
+      {"alpaca", "{\"instruction\": \"a\"}\n", "x.jsonl:1:", "missing \"output\""},
+      {"jsonl", "{\"text\": \"ok\"}\n{\"text\": \"bad \xff byte\"}\n", "x.jsonl:2:", "byte offset 29"},
+      {"text", std::string("fine text\nthen \xc3\x28 bad"), "x.jsonl:", "not valid UTF-8 at byte offset 15"},
+  };
+  for (const auto& b : bads) {
+    INFO(b.format << ": " << b.content);
+    test::write_file(d / "x.jsonl", b.content);
+    const auto r = prep("--format " + b.format + " --input '" + (d / "x.jsonl") + "' --threads 2");
+    CHECK(r.exit_code == 1);
+    CHECK_THAT(r.err, Contains(b.want1) && Contains(b.want2));
+    // Nothing half-written: the earlier output is intact and no temp file is left.
+    CHECK(test::read_file(d / "out/train_000000.bin") == before);
+    for (const auto& f : std::filesystem::directory_iterator(d / "out"))
+      CHECK(f.path().filename().string().find(".tmp") == std::string::npos);
+  }
+  // Options that do not fit together, and templates the tokenizer cannot do.
+  CHECK_THAT(prep("--format jsonl --chat-template llama3 --input '" + (d / "good.jsonl") + "'").err,
+             Contains("--chat-template") && Contains("only the chat formats"));
+  test::write_file(d / "c.jsonl", "{\"messages\": [{\"role\": \"user\", \"content\": \"a\"}]}\n");
+  CHECK_THAT(prep("--format chat --chat-template chatml --input '" + (d / "c.jsonl") + "'").err,
+             Contains("--chat-template chatml") && Contains("<|im_start|>"));
+  CHECK_THAT(test::run_trainrun("prepare --format jsonl --input '" + (d / "good.jsonl") + "' --output '" + (d / "o2") + "'").err,
+             Contains("--format jsonl needs --tokenizer"));
+  CHECK_THAT(prep("--format jsonl --seq-len 64 --input '" + (d / "good.jsonl") + "'").err,
+             Contains("--seq-len") && Contains("65"));
+  CHECK_THAT(test::run_trainrun("prepare --tokenizer '" + (d / "nope.json") + "' --input '" + (d / "good.jsonl") +
+                                "' --output '" + (d / "o3") + "'").err,
+             Contains("nope.json") && Contains("cannot open"));
+  CHECK(test::read_file(d / "out/train_000000.bin") == before);
 }

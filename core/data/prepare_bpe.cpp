@@ -465,10 +465,13 @@ class Reader {
         continue;
       }
       if (can_cut && carry.size() >= kBatchBytes) {
-        // The last '\n' followed by an ASCII letter: the ids do not change there.
+        // The last "<printable ASCII>\n<ASCII letter>": the ids do not change
+        // there (Tokenizer::can_cut_before_line says why).
         size_t at = 0;
-        for (size_t i = carry.size() - 1; i > 0 && at == 0; --i)
-          if (carry[i - 1] == '\n' && (carry[i] | 0x20) >= 'a' && (carry[i] | 0x20) <= 'z') at = i;
+        for (size_t i = carry.size() - 1; i > 1 && at == 0; --i)
+          if (carry[i - 1] == '\n' && carry[i - 2] > ' ' && carry[i - 2] < 0x7F && (carry[i] | 0x20) >= 'a' &&
+              (carry[i] | 0x20) <= 'z')
+            at = i;
         if (at > 0) {
           emit_text(f, carry.substr(0, at), carry_off, doc_start, pos > cut);
           carry.erase(0, at);

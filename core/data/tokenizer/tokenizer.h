@@ -87,11 +87,13 @@ class Tokenizer {
   // before $A, as Llama 3 ships), -1 when it adds none (GPT-2).
   int64_t bos_id() const;
   const std::string& name() const;
-  // True when cutting text right after a '\n' that is followed by an ASCII
-  // letter never changes the ids (the pieces on both sides encode alone to
-  // the same ids): the pre-tokenizers are GPT-2's, Llama 3's or Qwen2's
-  // regexes, none of which matches across such a point, and ByteLevel adds
-  // no prefix space. prepare cuts big files there to encode them in parallel.
+  // True when cutting text at "<printable ASCII>\n|<ASCII letter>" never
+  // changes the ids (both sides, encoded alone, give the ids of the whole):
+  // the pre-tokenizers are GPT-2's, Llama 3's or Qwen2's regexes, and
+  // ByteLevel adds no prefix space. A whitespace before the '\n' would not
+  // do: "\s+(?!\S)" matches " \n" whole at the end of a piece, but " " and
+  // "\n" apart when a letter follows. prepare cuts big files there to
+  // encode them in parallel.
   bool can_cut_before_line() const;
 
   struct Impl;
