@@ -33,6 +33,13 @@ class TokenSource {
   virtual double entropy_floor() const { return -1.0; }
   // Tokens in one epoch of the stream, or -1 when unbounded (synthetic).
   virtual int64_t num_tokens() const { return -1; }
+  // True when the source carries a loss mask (prepare's chat formats):
+  // read_samples then writes -1 for every masked target (ignored by the loss).
+  virtual bool has_mask() const { return false; }
+  // The number of targets in the loss among samples [first, first + B)
+  // (B*T without a mask). The trainer divides the step's loss by this count
+  // over the whole global batch, so every rank computes the same scale.
+  virtual int64_t count_targets(int64_t first, int B, int T) const { return int64_t(B) * T; }
 };
 
 // Fails with "<key>: the data (<describe()>) holds N tokens, fewer than
