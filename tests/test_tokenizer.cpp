@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <functional>
 #include <nlohmann/json.hpp>
 
@@ -538,4 +539,75 @@ TEST_CASE("prepare --tokenizer: bad input names file:line or the byte offset and
                                 "' --output '" + (d / "o3") + "'").err,
              Contains("nope.json") && Contains("cannot open"));
   CHECK(test::read_file(d / "out/train_000000.bin") == before);
+}
+
+namespace {
+
+// The "loss" of every metrics.jsonl record of a run.
+std::vector<double> run_losses(const std::string& dir) {
+  std::vector<double> out;
+  std::istringstream is(test::read_file(dir + "/metrics.jsonl"));
+  for (std::string l; std::getline(is, l);) {
+    const json j = json::parse(l);
+    if (j.contains("loss") && j.contains("step")) out.push_back(j["loss"].get<double>());
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("train on masked chat shards: the loss is the mean over the global batch's targets, any micro-batch/rank split",
+          "[prepare][train]") {
+  Fixture& fx = fixture();
+  test::TempDir d("sft");
+  // Conversations of uneven lengths, so micro-batches hold different numbers
+  // of targets and a per-micro-batch mean would differ from the global one.
+  std::string lines;
+  const std::string& prose = fx.texts.back();
+  for (int i = 0; i < 120; ++i) {
+    const std::string user = prose.substr((i * 131) % 5000, 20 + (i * 37) % 150);
+    const std::string reply = prose.substr((i * 71) % 5000, 5 + (i * 53) % 90);
+    lines += json{{"messages", {{{"role", "user"}, {"content", user}}, {{"role", "assistant"}, {"content", reply}}}}}.dump() + "\n";
+  }
+  test::write_file(d / "chat.jsonl", lines);
+  const std::string tj = fx.dir / "llama3.json";
+  for (const std::string& out : {std::string("masked"), std::string("all")}) {
+    const auto r = test::run_trainrun("prepare --tokenizer '" + tj + "' --format chat --input '" + (d / "chat.jsonl") +
+                                      "' --output '" + (d / out) + "' --val-fraction 0" +
+                                      (out == "all" ? " --train-on-input" : ""));
+    INFO(r.out << r.err);
+    REQUIRE(r.exit_code == 0);
+  }
+  auto job = [&](const std::string& data, const std::string& run, int micro, int nproc) {
+    test::write_file(d / (run + ".yaml"),
+                     "model: {n_layer: 2, n_head: 2, n_embd: 32, vocab_size: 3001, seq_len: 32}\n"
+                     "data: {format: llmc, train: '" + (d / data) + "/train_*.bin'}\n"
+                     "train: {global_batch_size: 8, micro_batch_size: " + std::to_string(micro) +
+                     ", max_steps: 4, lr: 1.0e-3, warmup_steps: 1, log_interval: 1, eval_interval: 0}\n"
+                     "output: {dir: '" + (d / run) + "', sample_tokens: 0}\n"
+                     "parallel: {nproc_per_node: " + std::to_string(nproc) + "}\n");
+    const auto r = test::run_command("OMP_NUM_THREADS=1 '" + test::trainrun_binary() + "' --config '" + (d / (run + ".yaml")) + "'");
+    INFO(r.out << r.err);
+    REQUIRE(r.exit_code == 0);
+    REQUIRE_THAT(r.out + r.err, Contains("with loss masks") || Contains(data == "all" ? "with loss masks" : "?"));
+    return run_losses(d / run);
+  };
+  const auto one = job("masked", "m8", 8, 1);       // one micro-batch
+  const auto accum = job("masked", "m2", 2, 1);     // 4 micro-batches
+  const auto ranks = job("masked", "m2r2", 2, 2);   // 2 ranks x 2 micro-batches
+  const auto all = job("all", "a8", 8, 1);
+  REQUIRE(one.size() == 4);
+  REQUIRE(accum.size() == 4);
+  REQUIRE(ranks.size() == 4);
+  for (size_t i = 0; i < one.size(); ++i) {
+    INFO("step " << i + 1 << ": one " << one[i] << " accum " << accum[i] << " ranks " << ranks[i] << " all " << all[i]);
+    CHECK(std::fabs(accum[i] - one[i]) <= 1e-5 * one[i]);
+    CHECK(std::fabs(ranks[i] - one[i]) <= 1e-5 * one[i]);
+    CHECK(std::fabs(all[i] - one[i]) > 1e-4 * one[i]);  // the mask changes what is averaged
+  }
+  // At the random init every token's loss is about log V, so a mean over the
+  // targets in the loss is too; a sum over them divided by all B*T tokens
+  // (the unmasked normalisation) would be a fraction of it.
+  CHECK(std::fabs(one[0] - all[0]) < 0.02 * all[0]);
+  CHECK(std::fabs(one[0] - std::log(3001.0)) < 0.05 * one[0]);
 }
