@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/common/error.h"
+#include "core/data/dataset.h"
 #include "core/data/tokenizer/tokenizer.h"
 #include "tests/support/testutil.h"
 
@@ -539,6 +540,13 @@ TEST_CASE("prepare --tokenizer: bad input names file:line or the byte offset and
                                 "' --output '" + (d / "o3") + "'").err,
              Contains("nope.json") && Contains("cannot open"));
   CHECK(test::read_file(d / "out/train_000000.bin") == before);
+
+  // The tokenizer's vocab against model.vocab_size, at job start (prepare.json).
+  REQUIRE(read_json(d / "out/prepare.json")["vocab_size"] == 3001);
+  REQUIRE_THROWS_WITH(open_token_files(d / "out/train_*.bin", "llmc", 3000, "data.train"),
+                      Contains("data.train") && Contains("3001 ids") && Contains("model.vocab_size = 3000") &&
+                          Contains("prepare.json"));
+  REQUIRE(open_token_files(d / "out/train_*.bin", "llmc", 3001, "data.train")->num_tokens() > 0);
 }
 
 namespace {

@@ -277,6 +277,9 @@ std::string prepare_byte_shards(const PrepareOptions& opts) {
   TR_CHECK(train.tokens() > 0, "--input: the inputs hold only ", val.tokens(),
            " bytes, all of which went to validation; pass more text or lower --val-fraction");
 
+  // A tokenizer run's record would otherwise describe these byte shards.
+  std::error_code rm_ec;
+  fs::remove(opts.output_dir + "/prepare.json", rm_ec);
   std::set<std::string> keep(train.written().begin(), train.written().end());
   keep.insert(val.written().begin(), val.written().end());
   if (int removed = remove_stale_shards(opts.output_dir, keep))

@@ -644,6 +644,17 @@ std::string prepare_tokenized_shards(const PrepareOptions& opts) {
   if (int removed = prep::remove_stale_shards(opts.output_dir, keep))
     TR_LOG_INFO("prepare: removed ", removed, " stale shard file(s) from an earlier run in ", opts.output_dir);
 
+  // What the shards were made with, so a job can refuse a model whose
+  // vocab is smaller than the tokenizer's before it trains (token_files.cpp).
+  const json meta = {{"tokenizer", opts.tokenizer},
+                     {"vocab_size", tok.vocab_size()},
+                     {"format", opts.format},
+                     {"document_start", job.sp.doc_start_name},
+                     {"chat_template", chat ? template_name(job.sp.tmpl) : ""},
+                     {"loss_masks", chat}};
+  const std::string meta_text = meta.dump(2) + "\n";
+  prep::write_file_atomic(opts.output_dir + "/prepare.json", meta_text.data(), meta_text.size(), true);
+
   const double secs = progress.elapsed();
   std::ostringstream os;
   os << "prepared " << in.texts.size() << " " << opts.format << " file" << (in.texts.size() == 1 ? "" : "s");

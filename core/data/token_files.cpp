@@ -15,6 +15,9 @@
 #include <climits>
 #include <cstring>
 #include <iomanip>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 
 #include "core/common/error.h"
@@ -388,6 +391,35 @@ class TokenFileSource : public TokenSource {
   int64_t max_token_ = 0;
 };
 
+// `prepare --tokenizer` leaves prepare.json beside its shards. A model
+// vocab smaller than the tokenizer's is refused even when these shards
+// happen not to hold a high id: generation and later data would.
+void check_prepared_vocab(const std::vector<std::string>& paths, int vocab_size, const std::string& key) {
+  if (vocab_size <= 0) return;
+  std::set<std::string> dirs;
+  for (const auto& p : paths) {
+    const size_t slash = p.rfind('/');
+    dirs.insert(slash == std::string::npos ? "." : p.substr(0, slash));
+  }
+  for (const auto& dir : dirs) {
+    const std::string meta_path = dir + "/prepare.json";
+    std::ifstream f(meta_path);
+    if (!f) continue;
+    nlohmann::json meta;
+    try {
+      meta = nlohmann::json::parse(f);
+    } catch (const std::exception& e) {
+      TR_FAIL(key, ": '", meta_path, "' is not valid JSON (", e.what(), "); re-run `trainrun prepare` or remove it");
+    }
+    if (!meta.is_object() || !meta.contains("vocab_size") || !meta["vocab_size"].is_number_unsigned()) continue;
+    const uint64_t v = meta["vocab_size"].get<uint64_t>();
+    if (v > static_cast<uint64_t>(vocab_size))
+      TR_FAIL(key, ": the data in '", dir, "' was prepared with the tokenizer '", meta.value("tokenizer", "?"),
+              "' of ", v, " ids (", meta_path, "), more than model.vocab_size = ", vocab_size,
+              "; set model.vocab_size to at least ", v, " (or the model's own tokenizer's size)");
+  }
+}
+
 }  // namespace
 
 std::unique_ptr<TokenSource> open_token_files(const std::string& pattern, const std::string& format,
@@ -397,7 +429,9 @@ std::unique_ptr<TokenSource> open_token_files(const std::string& pattern, const 
   if (pattern.empty())
     TR_FAIL(key, ": no path given; set it to a token file or a glob such as data/train_*.bin");
   auto src = std::make_unique<TokenFileSource>(pattern, format, key);
-  for (const auto& path : expand_pattern(pattern, key)) src->add_file(path, vocab_size);
+  const std::vector<std::string> paths = expand_pattern(pattern, key);
+  check_prepared_vocab(paths, vocab_size, key);
+  for (const auto& path : paths) src->add_file(path, vocab_size);
   src->check_masks();
   TR_LOG_INFO(key, ": ", src->describe());
   return src;
