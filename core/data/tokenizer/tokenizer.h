@@ -1,6 +1,7 @@
 // Hugging Face byte-level BPE tokenizers (tokenizer.json), the kind GPT-2,
-// Llama 3, Qwen2 and Mistral-Nemo ship, encoded to the same ids as the
-// `tokenizers` library.
+// Llama 3 and Mistral-Nemo ship, encoded to the same ids as the `tokenizers`
+// library. (Qwen2's adds an NFC normalizer, which is refused: no normalizer
+// is implemented.)
 //
 // The pipeline, as HF runs it for these models:
 //   1. added tokens: the text is cut at every added token (leftmost-longest
