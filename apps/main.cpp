@@ -231,12 +231,29 @@ int main(int argc, char** argv) {
   validate->add_option("--config", vconfig, "job spec (YAML)")->required();
   validate->add_option("--set", vsets, "override a field (repeatable)");
 
-  auto* prepare = app.add_subcommand("prepare", "tokenize text at byte level into llm.c shards");
+  auto* prepare = app.add_subcommand(
+      "prepare", "tokenize text, jsonl or chat data into llm.c shards (byte-level, or an HF tokenizer.json)");
   PrepareOptions popts;
-  prepare->add_option("--input", popts.inputs, "text files or directories")->required();
+  prepare->add_option("--input", popts.inputs, "text or jsonl files, or directories of them")->required();
   prepare->add_option("--output", popts.output_dir, "output directory")->required();
-  prepare->add_option("--val-fraction", popts.val_fraction, "fraction of each input held out for validation")
+  prepare->add_option("--val-fraction", popts.val_fraction, "fraction of the data held out for validation (0: no val shard)")
       ->capture_default_str();
+  prepare->add_option("--tokenizer", popts.tokenizer, "Hugging Face tokenizer.json (byte-level BPE); default: byte-level, vocab 256");
+  prepare->add_option("--format", popts.format, "input format")
+      ->capture_default_str()->check(CLI::IsMember({"text", "jsonl", "chat", "alpaca", "sharegpt"}));
+  prepare->add_option("--text-field", popts.text_field, "jsonl: the field holding each document")->capture_default_str();
+  prepare->add_option("--seq-len", popts.seq_len, "check that each split holds seq_len + 1 tokens; count longer documents")
+      ->check(CLI::NonNegativeNumber);
+  prepare->add_option("--threads", popts.threads, "encoding threads (0: all cores)")->capture_default_str()
+      ->check(CLI::Range(0, 4096));
+  prepare->add_option("--chat-template", popts.chat_template,
+                      "chat formats: llama3 | chatml | plain (default: from the tokenizer's special tokens)")
+      ->check(CLI::IsMember({"llama3", "chatml", "plain"}));
+  prepare->add_flag("--train-on-input", popts.train_on_input, "chat formats: every token in the loss, not only the replies");
+  prepare->add_flag("--allow-special", popts.allow_special,
+                    "match special tokens spelled in the text (as HF encode does); default: they are plain text");
+  prepare->add_option("--shard-tokens", popts.shard_tokens, "tokens per shard file")->capture_default_str()
+      ->check(CLI::Range(int64_t{1}, int64_t{INT32_MAX}));
 
   auto* generate = app.add_subcommand("generate", "sample text from a trained model");
   std::string ckpt, prompt;
@@ -377,7 +394,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (*prepare) {
-      std::cout << prepare_byte_shards(popts) << "\n";
+      std::cout << prepare_shards(popts) << "\n";
       return 0;
     }
     if (*generate) return cmd_generate(ckpt, prompt, so);
