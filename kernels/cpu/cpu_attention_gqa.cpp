@@ -17,7 +17,8 @@
 // only B*NKV work items (B*NH in the forward); per-head dk/dv partials
 // summed afterwards would parallelise more at the price of R copies of them.
 // With NKV == NH every sgemm and row kernel is the one attention_forward /
-// attention_backward runs (tested to agree bit for bit).
+// attention_backward runs (tested to agree bit for bit): both are
+// causal_head.h per head.
 #include <cblas.h>
 #include <omp.h>
 
@@ -26,6 +27,7 @@
 #include <vector>
 
 #include "core/common/error.h"
+#include "kernels/cpu/causal_head.h"
 #include "kernels/cpu/causal_softmax.h"
 #include "kernels/cpu/cpu_backend.h"
 
@@ -55,11 +57,7 @@ void CpuBackend::attention_gqa_forward(void* out_, float* saved, const void* qkv
     const float* k = row0 + (NH + g) * HS;
     const float* v = row0 + (NH + NKV + g) * HS;
     float* P = saved + int64_t(bh) * T * T;
-    // The full T x T product, then masked (as attention_forward: faster than triangular dots).
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, T, HS, sc, q, ld, k, ld, 0.0f, P, T);
-    for (int t = 0; t < T; ++t) cpu::causal_softmax_row(P + int64_t(t) * T, t, T);
-    float* o = out + int64_t(b) * T * C + h * HS;
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, HS, T, 1.0f, P, T, v, ld, 0.0f, o, C);
+    cpu::causal_head_forward(out + int64_t(b) * T * C + h * HS, C, P, q, k, v, ld, T, HS, sc);
   }
 }
 
@@ -91,14 +89,7 @@ void CpuBackend::attention_gqa_backward(void* dqkv_, const void* dout_, const vo
         float* dq = dqkv + row0 + h * HS;
         const float* P = saved + (int64_t(b) * NH + h) * T * T;
         const float* dO = dout + int64_t(b) * T * C + h * HS;
-        // dP = dO v^T, dv (+)= P^T dO
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, T, HS, 1.0f, dO, C, v, ld, 0.0f, dP, T);
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, T, HS, T, 1.0f, P, T, dO, C, beta, dv, ld);
-        for (int t = 0; t < T; ++t)
-          cpu::causal_softmax_backward_row(dP + int64_t(t) * T, P + int64_t(t) * T, t, T, sc);
-        // dq = dS k, dk (+)= dS^T q
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, HS, T, 1.0f, dP, T, k, ld, 0.0f, dq, ld);
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, T, HS, T, 1.0f, dP, T, q, ld, beta, dk, ld);
+        cpu::causal_head_backward(dq, dk, dv, beta, dP, dO, C, P, q, k, v, ld, T, HS, sc);
       }
     }
   }
