@@ -9,10 +9,10 @@
 # it exists) and that model under torch.compile. The ratio is trainrun over
 # the best PyTorch figure of the row.
 #
-# Steady state: trainrun reports the mean over steps 2-20 of 23 (its metrics
-# record at step 20; the record at step 1 takes the cold first step out);
-# PyTorch the median over 20 timed steps after 3 warmup steps (the compile
-# mode compiles in the first of them). Each (model, threads) row runs its
+# Steady state, the same rule on both sides: the median step time over 20
+# timed steps after 3 warmup steps (the compile mode compiles in the first
+# of them). trainrun runs the config's 23 steps with train.log_interval=1,
+# so its metrics hold every step's time; steps 4-23 are the timed ones. Each (model, threads) row runs its
 # programs back to back, trainrun first, so load from other processes hits
 # them alike; BENCH_ROUNDS=N repeats each row's sequence N times and keeps
 # each program's best figure. The machine's load average is printed before
@@ -84,7 +84,7 @@ echo "cpu_vs_pytorch: $(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --shor
   "$(nproc) cores ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')), rounds $ROUNDS"
 echo "load before: $(cut -d' ' -f1-3 /proc/loadavg)"
 H_T2=${T2:+torch $T2}
-printf "%-6s %-7s %-10s %-12s %-14s %-14s %-7s\n" model threads trainrun "torch ${T1}" "${H_T2:-torch 2.x} sdpa" \
+printf "%-6s %-7s %-10s %-13s %-18s %-21s %-7s\n" model threads trainrun "torch ${T1}" "${H_T2:-torch 2.x} sdpa" \
   "${H_T2:-torch 2.x} compile" "vs best"
 for model in "${MODELS[@]}"; do
   cfg=configs/bench_cpu.yaml
@@ -92,11 +92,17 @@ for model in "${MODELS[@]}"; do
   for t in "${THREADS[@]}"; do
     tr=() p1=() ps=() pc=()
     for ((r = 1; r <= ROUNDS; ++r)); do
-      # log_interval 20 with 23 steps: the record at step 20 covers steps 2-20.
       rm -rf "$OUT/tr"
       OMP_NUM_THREADS=$t OMP_WAIT_POLICY=PASSIVE "$BIN" --config "$cfg" --set output.dir="$OUT/tr" \
-        >"$OUT/tr.log" 2>&1 || { cat "$OUT/tr.log"; exit 1; }
-      tr+=("$($PY -c "import json; r=[json.loads(l) for l in open('$OUT/tr/metrics.jsonl')]; print('%.0f' % r[1]['tokens_per_sec'])")")
+        --set train.log_interval=1 >"$OUT/tr.log" 2>&1 || { cat "$OUT/tr.log"; exit 1; }
+      tr+=("$($PY - "$OUT/tr/metrics.jsonl" <<'PY'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+timed = [r["tokens_per_sec"] for r in rows if r["step"] >= 4]  # after 3 warmup steps
+assert len(timed) == 20, f"expected steps 4-23 in {sys.argv[1]}, got {len(timed)}"
+print("%.0f" % statistics.median(timed))
+PY
+)")
       p1+=("$(torch_tps "$PY" "$model" "$t" eager "$model-t$t-1.13")")
       if [[ -n $VPY ]]; then
         ps+=("$(torch_tps "$VPY" "$model" "$t" sdpa "$model-t$t-sdpa")")
@@ -108,7 +114,7 @@ for model in "${MODELS[@]}"; do
     b_tr=$(best_of "${tr[@]}") b1=$(best_of "${p1[@]}") bs=$(best_of "${ps[@]}") bc=$(best_of "${pc[@]}")
     best=$(best_of "$b1" "$bs" "$bc")
     ratio=$($PY -c "import sys; b=sys.argv[2]; print('-' if b == '-' else '%.2fx' % (float(sys.argv[1]) / float(b)))" "$b_tr" "$best")
-    printf "%-6s %-7s %-10s %-12s %-14s %-14s %-7s\n" "$model" "$t" "$b_tr" "$b1" "$bs" "$bc" "$ratio"
+    printf "%-6s %-7s %-10s %-13s %-18s %-21s %-7s\n" "$model" "$t" "$b_tr" "$b1" "$bs" "$bc" "$ratio"
   done
 done
 echo "load after: $(cut -d' ' -f1-3 /proc/loadavg)   (tokens/s; 'vs best' = trainrun / the best PyTorch figure of the row)"
