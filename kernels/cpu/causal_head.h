@@ -1,8 +1,9 @@
 // One (batch, head) of causal attention on the CPU, forward and backward,
 // shared by multi-head (cpu_attention.cpp) and grouped-query
-// (cpu_attention_gqa.cpp) attention. q, k, v, dq, dk, dv are (T, HS) strided
-// views with leading dimension ld (columns of the fused qkv); o and dO have
-// leading dimension ldo; P and dP are dense (T, T).
+// (cpu_attention_gqa.cpp) attention. q, k, v, dq are (T, HS) strided views
+// with leading dimension ld (columns of the fused qkv), dk and dv with
+// leading dimension ldkv (ld, or HS for a dense per-head partial); o and dO
+// have leading dimension ldo; P and dP are dense (T, T).
 //
 // Causal block skipping: the rows are taken kCausalBlock at a time, and a
 // block of queries [t0, t1) only multiplies keys [0, t1): the sgemms skip
@@ -46,8 +47,8 @@ inline void causal_head_forward(float* o, int ldo, float* P, const float* q, con
 }
 
 // dP is scratch (T, T); on return it holds dS.
-inline void causal_head_backward(float* dq, float* dk, float* dv, float beta_kv, float* dP, const float* dO, int ldo,
-                                 const float* P, const float* q, const float* k, const float* v, int ld, int T,
+inline void causal_head_backward(float* dq, float* dk, float* dv, int ldkv, float beta_kv, float* dP, const float* dO,
+                                 int ldo, const float* P, const float* q, const float* k, const float* v, int ld, int T,
                                  int HS, float sc) {
   for (int t0 = 0; t0 < T; t0 += kCausalBlock) {
     const int t1 = std::min(T, t0 + kCausalBlock), m = t1 - t0;
@@ -63,9 +64,9 @@ inline void causal_head_backward(float* dq, float* dk, float* dv, float beta_kv,
     const int m = std::min(T, j0 + kCausalBlock) - j0, kk = T - j0;  // kk: the queries t >= j0
     const int64_t at = int64_t(j0) * T + j0;
     cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, m, HS, kk, 1.0f, P + at, T, dO + int64_t(j0) * ldo, ldo,
-                beta_kv, dv + int64_t(j0) * ld, ld);
+                beta_kv, dv + int64_t(j0) * ldkv, ldkv);
     cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, m, HS, kk, 1.0f, dP + at, T, q + int64_t(j0) * ld, ld,
-                beta_kv, dk + int64_t(j0) * ld, ld);
+                beta_kv, dk + int64_t(j0) * ldkv, ldkv);
   }
 }
 

@@ -76,7 +76,7 @@ void CpuBackend::attention_backward(void* dqkv_, const void* dout_, const void* 
       float* dv = dq + 2 * C;
       const float* P = saved + int64_t(bh) * T * T;
       const float* dO = dout + int64_t(b) * T * C + h * HS;
-      cpu::causal_head_backward(dq, dk, dv, 0.0f, dP, dO, C, P, q, k, v, C3, T, HS, sc);
+      cpu::causal_head_backward(dq, dk, dv, C3, 0.0f, dP, dO, C, P, q, k, v, C3, T, HS, sc);
     }
   }
 }
