@@ -12,6 +12,7 @@
 #include <regex>
 #include <set>
 #include <sstream>
+#include <vector>
 
 #include "core/common/error.h"
 #include "core/common/log.h"
@@ -33,28 +34,13 @@ void write_shard_file(const std::string& path, const void* tokens, int64_t ntok,
   header[0] = version == llmc::kVersionU16 ? llmc::kMagicU16 : llmc::kMagicU32;
   header[1] = version;
   header[2] = static_cast<int32_t>(ntok);
-  size_t tok_bytes = version == llmc::kVersionU16 ? 2 : 4;
-
-  std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  FILE* f = std::fopen(tmp.c_str(), "wb");
-  if (!f) TR_FAIL("cannot create '", tmp, "': ", detail::errno_string(), "; check that the directory is writable");
-  bool ok = std::fwrite(header, sizeof header, 1, f) == 1;
-  if (ok && ntok > 0) ok = std::fwrite(tokens, tok_bytes, static_cast<size_t>(ntok), f) == static_cast<size_t>(ntok);
-  ok = ok && std::fflush(f) == 0 && ::fsync(fileno(f)) == 0;
-  std::string err = ok ? "" : detail::errno_string();
-  if (std::fclose(f) != 0 && ok) {
-    ok = false;
-    err = detail::errno_string();
-  }
-  if (!ok) {
-    std::remove(tmp.c_str());
-    TR_FAIL("cannot write '", path, "': ", err, " (is the disk full?)");
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    err = detail::errno_string();
-    std::remove(tmp.c_str());
-    TR_FAIL("cannot rename '", tmp, "' to '", path, "': ", err);
-  }
+  const size_t tok_bytes = version == llmc::kVersionU16 ? 2 : 4;
+  // One buffer (header + tokens) through the one atomic writer: shards are
+  // at most a few hundred MB, and the writer's checks stay in one place.
+  std::vector<char> buf(sizeof header + size_t(ntok) * tok_bytes);
+  std::memcpy(buf.data(), header, sizeof header);
+  if (ntok > 0) std::memcpy(buf.data() + sizeof header, tokens, size_t(ntok) * tok_bytes);
+  write_file_atomic(path, buf.data(), buf.size(), true);
 }
 
 void write_file_atomic(const std::string& path, const void* data, size_t bytes, bool commit) {
