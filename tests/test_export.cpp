@@ -71,16 +71,7 @@ std::vector<int32_t> random_tokens(int n, int V, unsigned seed) {
   return v;
 }
 
-double rel_err(const std::vector<float>& got, const std::vector<float>& ref) {
-  REQUIRE(got.size() == ref.size());
-  double num = 0, den = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    const double d = double(got[i]) - ref[i];
-    num += d * d;
-    den += double(ref[i]) * ref[i];
-  }
-  return std::sqrt(num / std::max(den, 1e-30));
-}
+using test::rel_err;
 
 // trainrun's logits (B,T,V) for whole-model weights, on the CPU backend.
 std::vector<float> our_logits(const ModelArch& arch, const std::vector<float>& flat, const std::vector<int32_t>& in,

@@ -64,15 +64,7 @@ std::vector<float> full_forward_last(Loaded& m, const GPT2Config& cfg, const std
   return row;
 }
 
-double rel_err(const std::vector<float>& got, const std::vector<float>& want) {
-  REQUIRE(got.size() == want.size());
-  double num = 0, den = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    num += (double(got[i]) - want[i]) * (double(got[i]) - want[i]);
-    den += double(want[i]) * want[i];
-  }
-  return std::sqrt(num / den);
-}
+using test::rel_err;
 
 std::vector<int32_t> tokens(int n, int V, unsigned seed) {
   std::mt19937 rng(seed);

@@ -19,16 +19,7 @@ using namespace trainrun;
 
 namespace {
 
-// Norm-wise relative error: robust for tensors with tiny entries.
-double rel_err(const std::vector<float>& got, const std::vector<float>& ref) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    double d = double(got[i]) - ref[i];
-    num += d * d;
-    den += double(ref[i]) * ref[i];
-  }
-  return std::sqrt(num / std::max(den, 1e-30));
-}
+using test::rel_err;
 
 struct Case {
   GPT2Config cfg;

@@ -3,6 +3,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -70,5 +72,18 @@ void write_file(const std::string& path, const std::string& content) {
 }
 std::string read_file(const std::string& path) { return slurp(path); }
 bool file_exists(const std::string& path) { return fs::exists(path); }
+
+double rel_err(const std::vector<float>& got, const std::vector<float>& ref) {
+  if (got.size() != ref.size())
+    throw std::runtime_error("rel_err: " + std::to_string(got.size()) + " values against " +
+                             std::to_string(ref.size()));
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double d = double(got[i]) - ref[i];
+    num += d * d;
+    den += double(ref[i]) * ref[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-30));
+}
 
 }  // namespace trainrun::test
