@@ -513,16 +513,7 @@ TEST_CASE("llama_ops: rope + attention_kv_gqa_forward in pieces match rope + att
 // ---- against transformers ---------------------------------------------------------------------------
 
 namespace {
-// The venv python with transformers. Missing is a FAILURE, not a skip (as in
-// tests/test_interop.cpp): CI installs it with scripts/install-deps.sh --test.
-std::string hf_python() {
-  const std::string py = test::source_dir() + "/.venv/bin/python";
-  if (!test::file_exists(py) ||
-      test::run_command("'" + py + "' -c 'import transformers, torch'").exit_code != 0)
-    FAIL("transformers is not available (looked for " << py << " able to `import transformers`); run "
-         "scripts/install-deps.sh --test");
-  return py;
-}
+using test::hf_python;
 
 json hf_llama_ops(const json& request) {
   test::TempDir dir("hf_llama_ops");

@@ -44,14 +44,7 @@ using json = nlohmann::json;
 
 namespace {
 
-// Missing transformers is a failure, not a skip (CI installs it).
-std::string hf_python() {
-  const std::string py = test::source_dir() + "/.venv/bin/python";
-  if (!test::file_exists(py) ||
-      test::run_command("'" + py + "' -c 'import transformers, safetensors, torch'").exit_code != 0)
-    FAIL("transformers is not available (looked for " << py << "); run scripts/install-deps.sh --test");
-  return py;
-}
+using test::hf_python;
 
 test::RunResult ref_script(const std::string& script, const std::string& args) {
   return test::run_command("OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 '" + hf_python() + "' '" +

@@ -85,16 +85,7 @@ bool bit_equal(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
 }
 
-// The venv python with transformers. Missing is a FAILURE, not a skip: CI
-// installs it, and a silently skipped cross-check proves nothing.
-std::string hf_python() {
-  const std::string py = test::source_dir() + "/.venv/bin/python";
-  if (!test::file_exists(py) ||
-      test::run_command("'" + py + "' -c 'import transformers, safetensors, torch'").exit_code != 0)
-    FAIL("transformers is not available (looked for " << py << " able to `import transformers`); run "
-         "scripts/install-deps.sh --test");
-  return py;
-}
+using test::hf_python;
 
 test::RunResult hf_script(const std::string& args) {
   return test::run_command("HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 '" + hf_python() + "' '" + test::source_dir() +

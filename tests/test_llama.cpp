@@ -371,15 +371,7 @@ TEST_CASE("llama: the decoder's logits equal the full forward's last row at ever
 
 namespace {
 
-std::string hf_python() {
-  // Missing is a FAILURE, not a skip (as in test_interop.cpp).
-  const std::string py = test::source_dir() + "/.venv/bin/python";
-  if (!test::file_exists(py) ||
-      test::run_command("'" + py + "' -c 'import transformers, safetensors, torch'").exit_code != 0)
-    FAIL("transformers is not available (looked for " << py << " able to `import transformers`); run "
-         "scripts/install-deps.sh --test");
-  return py;
-}
+using test::hf_python;
 
 std::vector<float> f32_of(const SafeTensorFile& f, const std::string& name, const std::string& path) {
   const SafeTensor* t = f.find(name);

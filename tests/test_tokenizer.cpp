@@ -25,14 +25,7 @@ using json = nlohmann::json;
 
 namespace {
 
-// Missing venv is a FAILURE, not a skip (CI installs it: scripts/install-deps.sh --test).
-std::string hf_python() {
-  const std::string py = test::source_dir() + "/.venv/bin/python";
-  if (!test::file_exists(py) || test::run_command("'" + py + "' -c 'import tokenizers'").exit_code != 0)
-    FAIL("HF tokenizers is not available (looked for " << py << " able to `import tokenizers`); run "
-         "scripts/install-deps.sh --test");
-  return py;
-}
+using test::hf_python;
 
 test::RunResult hf_tok(const std::string& args) {
   return test::run_command("'" + hf_python() + "' '" + test::source_dir() + "/scripts/reference/hf_tokenizer.py' " +
@@ -618,4 +611,41 @@ TEST_CASE("train on masked chat shards: the loss is the mean over the global bat
   // (the unmasked normalisation) would be a fraction of it.
   CHECK(std::fabs(one[0] - all[0]) < 0.02 * all[0]);
   CHECK(std::fabs(one[0] - std::log(3001.0)) < 0.05 * one[0]);
+}
+
+TEST_CASE("tokenizer: utf8_lossy replaces each maximal invalid subpart with U+FFFD, as Python and Rust do",
+          "[tokenizer]") {
+  // Truncated sequences, stray continuations, overlongs, surrogates, > U+10FFFF, valid text between.
+  const std::vector<std::string> cases = {"ok", "\x84\xf7\xb0", "a\xe2\x82", "\xe2\x82\xac\xe2", "\xc0\xaf",
+                                          "\xed\xa0\x80x", "\xf4\x90\x80\x80", "\xf0\x9f\x98", "\xf0\x9f\x98\x80!",
+                                          "\xe0\x80\xaf", "\xff\xfe", "caf\xc3\xa9\xc3"};
+  test::TempDir dir("lossy");
+  std::string hex_in;
+  for (const std::string& c : cases) {
+    for (unsigned char b : c) {
+      char h[3];
+      std::snprintf(h, sizeof h, "%02x", b);
+      hex_in += h;
+    }
+    hex_in += "\n";
+  }
+  test::write_file(dir / "in.txt", hex_in);
+  const test::RunResult r = test::run_command(
+      "'" + hf_python() + "' -c \"import sys\nfor l in open(sys.argv[1]):\n"
+      "    print(bytes.fromhex(l.strip()).decode('utf-8', 'replace').encode('utf-8').hex())\" '" + dir / "in.txt" + "'");
+  REQUIRE(r.exit_code == 0);
+  std::istringstream want(r.out);
+  for (const std::string& c : cases) {
+    std::string line;
+    REQUIRE(std::getline(want, line));
+    std::string got_hex;
+    for (unsigned char b : utf8_lossy(c)) {
+      char h[3];
+      std::snprintf(h, sizeof h, "%02x", b);
+      got_hex += h;
+    }
+    INFO("case " << got_hex);
+    CHECK(got_hex == line);
+    CHECK(find_invalid_utf8(utf8_lossy(c)) == -1);
+  }
 }

@@ -107,6 +107,22 @@ def cmd_generate(a):
     return 0
 
 
+def cmd_generate_text(a):
+    """Greedy text generation as `trainrun generate --top-k 1` does it: the
+    prompt encoded by the model directory's tokenizer.json (its
+    post-processor's BOS included), max_new_tokens without stopping at EOS,
+    decoded with special tokens kept."""
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(os.path.join(a.model, "tokenizer.json"))
+    model = load_clean(a.model)
+    ids = torch.tensor([tok.encode(a.prompt).ids], dtype=torch.long)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=a.max_new_tokens,
+                             min_new_tokens=a.max_new_tokens, do_sample=False, use_cache=True, pad_token_id=0)
+    sys.stdout.write(tok.decode(out[0].tolist(), skip_special_tokens=False))
+    return 0
+
+
 def cmd_same_bf16(a):
     full = dict(load_clean(a.fp32).named_parameters())
     half = dict(load_clean(a.bf16, torch.bfloat16).named_parameters())
@@ -148,11 +164,16 @@ def main(argv=None):
     gn.add_argument("--model", required=True)
     gn.add_argument("--prompt", required=True)
     gn.add_argument("--max-new-tokens", type=int, required=True)
+    gt = sub.add_parser("generate-text")
+    gt.add_argument("--model", required=True)
+    gt.add_argument("--prompt", required=True)
+    gt.add_argument("--max-new-tokens", type=int, required=True)
     sb = sub.add_parser("same-bf16")
     sb.add_argument("--fp32", required=True)
     sb.add_argument("--bf16", required=True)
     a = ap.parse_args(argv)
-    return {"random": cmd_random, "logits": cmd_logits, "generate": cmd_generate, "same-bf16": cmd_same_bf16}[a.cmd](a)
+    return {"random": cmd_random, "logits": cmd_logits, "generate": cmd_generate, "generate-text": cmd_generate_text,
+            "same-bf16": cmd_same_bf16}[a.cmd](a)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 #include "tests/support/testutil.h"
 
+#include <catch2/catch.hpp>
+
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -72,6 +74,20 @@ void write_file(const std::string& path, const std::string& content) {
 }
 std::string read_file(const std::string& path) { return slurp(path); }
 bool file_exists(const std::string& path) { return fs::exists(path); }
+
+std::string hf_python() {
+  static const std::string checked = [] {
+    const std::string py = source_dir() + "/.venv/bin/python";
+    if (!file_exists(py) ||
+        run_command("'" + py + "' -c 'import transformers, safetensors, torch, tokenizers'").exit_code != 0)
+      return std::string();
+    return py;
+  }();
+  if (checked.empty())
+    FAIL("transformers is not available (looked for " << source_dir() << "/.venv/bin/python able to `import "
+         "transformers, safetensors, torch, tokenizers`); run scripts/install-deps.sh --test");
+  return checked;
+}
 
 double rel_err(const std::vector<float>& got, const std::vector<float>& ref) {
   if (got.size() != ref.size())

@@ -110,4 +110,10 @@ class Tokenizer {
 // Rust's str and PCRE2).
 int64_t find_invalid_utf8(std::string_view s);
 
+// `s` with every maximal invalid UTF-8 subsequence replaced by U+FFFD, as
+// Rust's String::from_utf8_lossy (what HF's ByteLevel decoder returns for
+// ids that end inside a character): text for a terminal, where
+// Tokenizer::decode gives the exact bytes.
+std::string utf8_lossy(std::string_view s);
+
 }  // namespace trainrun

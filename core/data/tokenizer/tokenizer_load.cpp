@@ -50,6 +50,46 @@ void append_utf8(uint32_t cp, std::string& out) {
   }
 }
 
+std::string utf8_lossy(std::string_view s) {
+  std::string out;
+  out.reserve(s.size());
+  const size_t n = s.size();
+  auto byte = [&](size_t i) { return static_cast<unsigned char>(s[i]); };
+  for (size_t i = 0; i < n;) {
+    const unsigned char b = byte(i);
+    if (b < 0x80) {
+      out.push_back(char(b));
+      ++i;
+      continue;
+    }
+    // Continuation bytes a lead byte needs, and the range of the first one
+    // (which excludes overlong forms, surrogates and code points > U+10FFFF).
+    int need = 0;
+    unsigned char lo = 0x80, hi = 0xBF;
+    if (b >= 0xC2 && b <= 0xDF) need = 1;
+    else if (b == 0xE0) need = 2, lo = 0xA0;
+    else if ((b >= 0xE1 && b <= 0xEC) || b == 0xEE || b == 0xEF) need = 2;
+    else if (b == 0xED) need = 2, hi = 0x9F;
+    else if (b == 0xF0) need = 3, lo = 0x90;
+    else if (b >= 0xF1 && b <= 0xF3) need = 3;
+    else if (b == 0xF4) need = 3, hi = 0x8F;
+    size_t j = i + 1;
+    bool ok = need > 0;
+    for (int k = 0; k < need; ++k, lo = 0x80, hi = 0xBF) {
+      if (j < n && byte(j) >= lo && byte(j) <= hi) {
+        ++j;
+      } else {
+        ok = false;
+        break;
+      }
+    }
+    if (ok) out.append(s.substr(i, j - i));
+    else out += "\xEF\xBF\xBD";  // U+FFFD for the maximal invalid subpart s[i, j)
+    i = j;
+  }
+  return out;
+}
+
 int64_t find_invalid_utf8(std::string_view s) {
   const auto* p = reinterpret_cast<const unsigned char*>(s.data());
   const size_t n = s.size();
