@@ -214,7 +214,7 @@ void Trainer::setup() {
   int group = job_.parallel.shard_group_size > 0 ? job_.parallel.shard_group_size
               : topo_group > 0                    ? topo_group
                                                   : w_.local_world;
-  // Each group is named for its errors ("shard0", "replica1": the prefix).
+  // Each group is named for its errors ("dp_shard0", "dp_replicate1": the prefix).
   CommFactory factory = [this, timeout, nccl](const std::string& prefix, int rank, int world) {
     std::unique_ptr<Communicator> c =
         nccl ? make_nccl_communicator(be_.get(), store_.get(), prefix_ + prefix, rank, world, timeout)
