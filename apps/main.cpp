@@ -203,7 +203,18 @@ int cmd_generate(const std::string& ckpt, const std::string& prompt, SampleOptio
   std::unique_ptr<Tokenizer> tok;
   std::vector<int32_t> ids;
   if (!tok_path.empty()) {
-    tok = std::make_unique<Tokenizer>(Tokenizer::load(tok_path));
+    try {
+      tok = std::make_unique<Tokenizer>(Tokenizer::load(tok_path));
+    } catch (const Error& e) {
+      // One found beside the model that trainrun cannot read (a normalizer,
+      // a SentencePiece-style pre-tokenizer): the model still samples, on
+      // token ids. Asked for by name (--tokenizer, --chat): an error.
+      if (!gt.tokenizer.empty() || gt.chat) throw;
+      TR_LOG_WARN("generate: not using ", tok_path, " (", e.what(),
+                  "); --prompt is read as token ids and the output printed as ids");
+    }
+  }
+  if (tok) {
     TR_CHECK(int64_t(tok->vocab_size()) <= cfg.V, "generate: the tokenizer '", tok_path, "' has ", tok->vocab_size(),
              " tokens but the model's vocab is ", cfg.V, "; pass the model's own tokenizer (--tokenizer)");
     std::vector<uint32_t> u;
