@@ -30,6 +30,7 @@
 #include "core/train/trainer.h"
 #include "kernels/backend_factory.h"
 #include "parallel/comm/bench_comm.h"
+#include "kernels/cpu/bench_host_adamw.h"
 #include "parallel/topology/topology.h"
 #include "parallel/topology/topology_launch.h"
 
@@ -320,6 +321,13 @@ int main(int argc, char** argv) {
   bench_kernels->add_option("--repeats", kbo.repeats, "timed launches per kernel (median)")->capture_default_str()->check(CLI::Range(3, 1000));
   bench_kernels->add_flag("--quick", kbo.quick, "small sizes (a smoke run)");
 
+  auto* bench_opt = bench->add_subcommand("optimizer", "host AdamW (parallel.offload) parameters/s at 1 and 2 threads next to a memory triad and torch.optim.AdamW");
+  OptimizerBenchOptions obo;
+  bench_opt->add_option("--params", obo.params, "elements of the optimizer shard: 32M, 100000000")->capture_default_str();
+  bench_opt->add_option("--threads", obo.threads, "thread counts to measure")->capture_default_str()->check(CLI::Range(1, 1024));
+  bench_opt->add_option("--repeat", obo.repeat, "timed runs per row (median)")->capture_default_str()->check(CLI::Range(1, 1000));
+  bench_opt->add_option("--python", obo.python, "interpreter with torch for the PyTorch rows (\"\" skips them)")->capture_default_str();
+
   // Hidden: the CUDA peer probe, run by the topology code in a child process
   // (parallel/topology/topology_probe.cpp) so the agent never holds a CUDA context.
   auto* probe_p2p = app.add_subcommand("probe-p2p", "");
@@ -367,6 +375,7 @@ int main(int argc, char** argv) {
     if (*bench_comm) return run_comm_bench(cb);
     if (*bench_ckpt) return run_checkpoint_bench(cbo);
     if (*bench_kernels) return run_kernel_bench(kbo);
+    if (*bench_opt) return run_optimizer_bench(obo);
     if (*export_cmd) {
       HfExportOptions eo;
       eo.dtype = exp_dtype;
