@@ -33,6 +33,7 @@
 #include "core/train/trainer.h"
 #include "kernels/backend_factory.h"
 #include "parallel/comm/bench_comm.h"
+#include "kernels/cpu/bench_host_adamw.h"
 #include "parallel/topology/topology.h"
 #include "parallel/topology/topology_launch.h"
 
@@ -265,7 +266,8 @@ int cmd_generate(const std::string& ckpt, const std::string& prompt, SampleOptio
 // `trainrun plan`: what the job (or a model shape) needs per GPU under
 // each sharding strategy. Flags override the job's fields.
 struct PlanArgs {
-  std::string config, model, gpu = "h100", gpu_memory, checkpointing;
+  std::string config, model, gpu = "h100", gpu_memory, checkpointing, offload, host_memory;
+  double host_adamw = 0, pcie = 0, nvme_bw = 0;
   std::vector<std::string> sets;
   int gpus = 0, nodes = 1, micro_batch = 0, global_batch = 0;
 };
@@ -283,6 +285,7 @@ int cmd_plan(const PlanArgs& a) {
     req.checkpointing = job.train.activation_checkpointing == "blocks";
     req.job_strategy = job.parallel.sharding;
     req.shard_group_size = job.parallel.shard_group_size;
+    req.offload = job.parallel.offload;
     if (job.parallel.nproc_per_node > 0) req.gpus_per_node = job.parallel.nproc_per_node;
   }
   if (!a.model.empty()) req.model = parse_model_shape(a.model);
@@ -291,6 +294,11 @@ int cmd_plan(const PlanArgs& a) {
   if (!a.gpu_memory.empty()) req.gpu_memory = parse_bytes(a.gpu_memory, "--gpu-memory");
   if (a.micro_batch > 0) req.micro_batch = a.micro_batch;
   if (!a.checkpointing.empty()) req.checkpointing = a.checkpointing == "blocks";
+  if (!a.offload.empty()) req.offload = a.offload;
+  if (!a.host_memory.empty()) req.host_memory = parse_bytes(a.host_memory, "--host-memory");
+  if (a.host_adamw > 0) req.host_adamw_params_per_s = a.host_adamw;
+  if (a.pcie > 0) req.pcie_bytes_per_s = a.pcie;
+  if (a.nvme_bw > 0) req.nvme_bytes_per_s = a.nvme_bw;
   // Without a job: one micro-batch per GPU per step unless told otherwise.
   if (a.global_batch > 0) req.global_batch = a.global_batch;
   else if (!from_job) req.global_batch = req.micro_batch * req.gpus_per_node * req.nodes;
@@ -413,6 +421,11 @@ int main(int argc, char** argv) {
   plan->add_option("--micro-batch", pa.micro_batch, "sequences per GPU per forward (default: the job's, else 1)")->check(CLI::Range(1, 1 << 20));
   plan->add_option("--global-batch", pa.global_batch, "sequences per optimizer step (default: the job's, else one micro-batch per GPU)")->check(CLI::Range(1, 1 << 30));
   plan->add_option("--activation-checkpointing", pa.checkpointing, "none or blocks (default: the job's, else none)")->check(CLI::IsMember({"none", "blocks"}));
+  plan->add_option("--offload", pa.offload, "none, cpu or nvme: optimizer state off the GPU (default: the job's parallel.offload, else none)")->check(CLI::IsMember({"none", "cpu", "nvme"}));
+  plan->add_option("--host-memory", pa.host_memory, "host memory per node for offload, e.g. 2TB (default: not checked)");
+  plan->add_option("--host-adamw", pa.host_adamw, "host AdamW parameters/s per node (default 4e9; measure with trainrun bench optimizer)")->check(CLI::PositiveNumber);
+  plan->add_option("--pcie", pa.pcie, "host<->GPU bytes/s per GPU (default 25e9)")->check(CLI::PositiveNumber);
+  plan->add_option("--nvme-bandwidth", pa.nvme_bw, "NVMe bytes/s per node for offload nvme (default 12e9)")->check(CLI::PositiveNumber);
 
   auto* topo_cmd = app.add_subcommand("topo", "describe this node's GPUs, links, NUMA and NICs, and what a launch would do");
   topo::TopoCommandOptions to;
@@ -445,6 +458,13 @@ int main(int argc, char** argv) {
   bench_kernels->add_option("--device", kbo.device, "GPU index")->capture_default_str()->check(CLI::NonNegativeNumber);
   bench_kernels->add_option("--repeats", kbo.repeats, "timed launches per kernel (median)")->capture_default_str()->check(CLI::Range(3, 1000));
   bench_kernels->add_flag("--quick", kbo.quick, "small sizes (a smoke run)");
+
+  auto* bench_opt = bench->add_subcommand("optimizer", "host AdamW (parallel.offload) parameters/s at 1 and 2 threads next to a memory triad and torch.optim.AdamW");
+  OptimizerBenchOptions obo;
+  bench_opt->add_option("--params", obo.params, "elements of the optimizer shard: 32M, 100000000")->capture_default_str();
+  bench_opt->add_option("--threads", obo.threads, "thread counts to measure")->capture_default_str()->check(CLI::Range(1, 1024));
+  bench_opt->add_option("--repeat", obo.repeat, "timed runs per row (median)")->capture_default_str()->check(CLI::Range(1, 1000));
+  bench_opt->add_option("--python", obo.python, "interpreter with torch for the PyTorch rows (\"\" skips them)")->capture_default_str();
 
   // Hidden: the CUDA peer probe, run by the topology code in a child process
   // (parallel/topology/topology_probe.cpp) so the agent never holds a CUDA context.
@@ -493,6 +513,7 @@ int main(int argc, char** argv) {
     if (*bench_comm) return run_comm_bench(cb);
     if (*bench_ckpt) return run_checkpoint_bench(cbo);
     if (*bench_kernels) return run_kernel_bench(kbo);
+    if (*bench_opt) return run_optimizer_bench(obo);
     if (*export_cmd) {
       HfExportOptions eo;
       eo.dtype = exp_dtype;

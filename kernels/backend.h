@@ -58,6 +58,13 @@ class Backend {
   virtual size_t bytes_in_use() const = 0;
   virtual size_t peak_bytes() const = 0;
   virtual void reset_peak() = 0;
+  // Page-locking host memory for fast device copies (parallel.offload's
+  // state). A backend whose copies run from pageable memory as fast says
+  // no (the CPU's "device" is host memory); pin_host returns false when it
+  // cannot, and the caller keeps the memory pageable.
+  virtual bool wants_pinned_host() const { return false; }
+  virtual bool pin_host(void* p, size_t bytes) { return false; }
+  virtual void unpin_host(void* p) {}
 
   // ---- conversions (master fp32 <-> act dtype) ----------------------------
   // dst (act dtype, n) = src (fp32, n). On fp32 backends with dst == src, a no-op.

@@ -384,3 +384,81 @@ TEST_CASE("planner: plan --model takes the model.preset names, and plan --config
                         Contains("8.030B parameters"));
   CHECK_THAT(r.err, Contains("model.seq_len: 4096 (preset llama3.1-8b has 8192)"));
 }
+
+TEST_CASE("planner: offload's device and host bytes are the store's, byte for byte", "[planner][offload]") {
+  struct Case {
+    std::string strategy;
+    int world, group;
+  };
+  for (const Case& c : {Case{"no_shard", 1, 0}, Case{"shard_grad_op", 2, 0}, Case{"full_shard", 2, 0},
+                        Case{"hybrid_shard", 4, 2}}) {
+    INFO(c.strategy << " x" << c.world);
+    const GPT2Config m = gpt2(2, 4, 64, 256, 32);
+    std::ostringstream y;
+    y << "model: {n_layer: " << m.L << ", n_head: " << m.NH << ", n_embd: " << m.C << ", vocab_size: " << m.V
+      << ", seq_len: " << m.T << "}\n"
+      << "data: {format: synthetic, synthetic: {vocab: 64, branching: 3}}\n"
+      << "train: {global_batch_size: " << 2 * c.world << ", micro_batch_size: 2, max_steps: 2, warmup_steps: 1,"
+      << " log_interval: 1, eval_interval: 0, eval_steps: 1}\n"
+      << "parallel: {sharding: " << c.strategy << ", shard_group_size: " << c.group
+      << ", timeout_s: 60, offload: cpu}\n";
+    const auto rec = run_job(y.str(), c.world);
+    Sharding s;
+    s.strategy = c.strategy;
+    s.world = c.world;
+    s.group = c.strategy == "no_shard" ? 1 : c.strategy == "hybrid_shard" ? c.group : c.world;
+    s.offload = true;
+    const MemoryBreakdown pred = estimate_memory(*arch_of(m), s, 2, false, DeviceModel::cpu());
+    CHECK(pred.params == rec.at("mem_params_bytes").get<double>());
+    CHECK(pred.grads == rec.at("mem_grads_bytes").get<double>());
+    CHECK(pred.optimizer == 0);
+    CHECK(rec.at("mem_optimizer_bytes").get<double>() == 0);
+    CHECK(offload_host_bytes_per_rank(*arch_of(m), s) == rec.at("mem_host_bytes").get<double>());
+  }
+}
+
+TEST_CASE("planner: Llama 3 70B on 8 x 80 GB trains with offload cpu, and says how much host memory", "[planner][offload]") {
+  PlanRequest req;
+  req.model = parse_model_shape("llama3.1-70b");
+  req.gpu = "a100";
+  req.gpu_memory = parse_bytes("80GB", "--gpu-memory");
+  req.gpus_per_node = 8;
+  req.micro_batch = 1;
+  req.global_batch = 8;
+  req.checkpointing = true;
+  req.job_strategy = "full_shard";
+  const Plan none = make_plan(req);
+  REQUIRE(none.rows[2].sharding.strategy == "full_shard");
+  CHECK_FALSE(none.rows[2].fits);
+  CHECK_THAT(none.verdict, Contains("DOES NOT FIT"));
+  req.offload = "cpu";
+  const Plan cpu = make_plan(req);
+  const PlanRow& fs = cpu.rows[2];
+  CHECK(fs.fits);
+  CHECK(fs.mem.optimizer == 0);
+  CHECK(fs.mem.grads == 0);
+  // 16 bytes per parameter (fp32 master, two moments, fp32 gradient) on the
+  // host: 1.13 TB for the node (the shards' padding is negligible).
+  CHECK(fs.host_bytes_per_node == Approx(16.0 * 70553706496.0).epsilon(1e-6));
+  CHECK(fs.offload_s > 0);
+  CHECK(fs.step_s > none.rows[2].step_s);  // offload costs time
+  CHECK_THAT(cpu.verdict, Contains("with parallel.offload: cpu, FITS") && Contains("GiB of host memory per node"));
+  // With a node of 512 GB the host memory does not hold it.
+  req.host_memory = 512e9;
+  const Plan small = make_plan(req);
+  CHECK_FALSE(small.rows[2].fits);
+  CHECK_THAT(small.verdict, Contains("DOES NOT FIT in host memory") && Contains("--offload nvme"));
+  // nvme: only buffers on the host, the traffic on the disks.
+  req.offload = "nvme";
+  const Plan nvme = make_plan(req);
+  CHECK(nvme.rows[2].fits);
+  CHECK(nvme.rows[2].host_bytes_per_node < 0.1 * fs.host_bytes_per_node);
+  CHECK(nvme.rows[2].nvme_bytes_per_step > 0);
+  // From the command line.
+  auto r = test::run_trainrun("plan --model llama3.1-70b --gpu a100 --gpu-memory 80GB --activation-checkpointing blocks --offload cpu");
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.out, Contains("offload   cpu:") && Contains("with parallel.offload: cpu, FITS"));
+  r = test::run_trainrun("plan --model llama3.1-70b --gpu a100 --gpu-memory 80GB --activation-checkpointing blocks");
+  CHECK_THAT(r.out, Contains("DOES NOT FIT"));
+}

@@ -205,6 +205,13 @@ const std::vector<Field>& fields() {
                     "how parameters, gradients and optimizer state are split: DDP, ZeRO-2, FSDP, HSDP"),
       TR_SPEC_FIELD(parallel.shard_group_size, at_least(0),
                     "ranks per shard group for hybrid_shard; 0 = ranks per node"),
+      TR_SPEC_FIELD(parallel.offload, one_of({"none", "cpu", "nvme"}),
+                    "where each rank's fp32 master weights, AdamW moments and fp32 gradient shard live (16 bytes "
+                    "per parameter of its shard): none = on the device; cpu = host memory (pinned on GPUs), the "
+                    "update on host threads (vectorised host AdamW, bit-identical to the device's on the CPU "
+                    "backend); nvme = files under offload_dir (not implemented yet)"),
+      TR_SPEC_FIELD(parallel.offload_dir, any(),
+                    "directory for parallel.offload: nvme's state files (required with nvme; must be writable)"),
       TR_SPEC_FIELD(parallel.timeout_s, above(0),
                     "seconds a collective or rendezvous wait may take before the job stops"),
       TR_SPEC_FIELD(parallel.topology_file, any(),
@@ -743,6 +750,9 @@ void check_rules(JobSpec& s, const Origins& o, const std::string& fallback, bool
     fail(at({"parallel.shard_group_size", "parallel.sharding"}), "parallel.shard_group_size",
          str(p.shard_group_size) + " only applies to parallel.sharding: hybrid_shard (it is '" + p.sharding +
              "'); use hybrid_shard or set shard_group_size to 0");
+  if (p.offload == "nvme" && p.offload_dir.empty())
+    fail(at({"parallel.offload_dir", "parallel.offload"}), "parallel.offload_dir",
+         "is required with parallel.offload: nvme; name a directory on a local NVMe disk");
 }
 
 // ---- YAML walking ----------------------------------------------------------------

@@ -87,6 +87,8 @@ struct ParallelSpec {
   int nproc_per_node = 0;              // 0 = one per usable GPU (resolve_nproc_per_node), 1 without / backend cpu
   std::string sharding = "full_shard"; // no_shard | shard_grad_op | full_shard | hybrid_shard
   int shard_group_size = 0;            // hybrid_shard group size; 0 = ranks per node
+  std::string offload = "none";        // none | cpu | nvme: where master weights, moments and grad shard live
+  std::string offload_dir;             // nvme: directory for the state files (required with nvme)
   double timeout_s = 300;              // every collective / rendezvous wait
   std::string topology_file;           // saved topology description (trainrun topo --save); empty = detect
   std::string cpu_affinity = "auto";   // auto | none: bind workers to cores near their GPU / spread over NUMA

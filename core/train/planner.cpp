@@ -135,6 +135,9 @@ MemoryBreakdown estimate_memory(const ModelArch& m, const Sharding& s, int B, bo
     r.params = 4 * P + (extra_copy ? a * P : 0);
     r.grads = 4 * P;
     r.optimizer = 8 * P;
+    // Offload: the act-dtype parameters (their own buffer, even in fp32)
+    // and the all-reduce's gradient bucket stay.
+    if (s.offload) r.params = a * P, r.optimizer = 0;
     // The all-reduce works in place; NCCL's / Gloo's own buffers are in the
     // runtime reserve (GPU) or outside the backend (CPU).
   } else {
@@ -150,6 +153,12 @@ MemoryBreakdown estimate_memory(const ModelArch& m, const Sharding& s, int B, bo
     r.params = 4 * S + (extra_copy ? a * S : 0) + (s.strategy == "shard_grad_op" ? a * Ppad : 0);
     r.grads = 4 * S;
     r.optimizer = 8 * S;
+    if (s.offload) {
+      r.params = a * S + (s.strategy == "shard_grad_op" ? a * Ppad : 0);
+      r.optimizer = 0;
+      // hybrid_shard across replica groups sums the shards on the device.
+      if (!(s.strategy == "hybrid_shard" && s.world / G > 1)) r.grads = 0;
+    }
     // parallel/sharding/sharding_sharded.cpp: a landing buffer for one reduce-scatter
     // shard; full-size fp32 gradient buckets for the embeddings (open for the
     // whole backward: the tied head writes into it first), the head, and two
@@ -166,6 +175,14 @@ MemoryBreakdown estimate_memory(const ModelArch& m, const Sharding& s, int B, bo
   // Device copies of one micro-batch's inputs and targets (int32).
   r.workspace = 2 * r64(double(B) * double(m.config().T) * 4) + d.library_workspace + d.runtime_reserve;
   return r;
+}
+
+double offload_host_bytes_per_rank(const ModelArch& m, const Sharding& s) {
+  if (s.strategy == "no_shard") return 16.0 * double(m.num_parameters());
+  const int64_t G = std::max(1, s.group);
+  double S = 0;
+  for (int64_t n : unit_numels(m)) S += double(ceil_div(n, G));
+  return 16.0 * S;
 }
 
 // ---- the plan ------------------------------------------------------------------------------
@@ -258,6 +275,11 @@ Plan make_plan(const PlanRequest& req) {
   const int hybrid_group = req.shard_group_size > 0 ? req.shard_group_size : req.gpus_per_node;
   TR_CHECK(W % hybrid_group == 0, "parallel.shard_group_size (", hybrid_group, ") must divide the GPU count (", W, ")");
   const DeviceModel dev = DeviceModel::gpu();
+  TR_CHECK(req.offload == "none" || req.offload == "cpu" || req.offload == "nvme", "--offload: '", req.offload,
+           "' is not one of none, cpu, nvme");
+  const bool offload = req.offload != "none", nvme = req.offload == "nvme";
+  TR_CHECK(req.host_adamw_params_per_s > 0 && req.pcie_bytes_per_s > 0 && req.nvme_bytes_per_s > 0,
+           "plan: --host-adamw, --pcie and --nvme-bandwidth must be positive");
   const double bw_intra = spec->nvlink_bytes_per_s * req.bus_efficiency;
   const double bw_inter = spec->network_bytes_per_s * req.bus_efficiency;
   const double bw_world = req.nodes > 1 ? bw_inter : bw_intra;
@@ -279,8 +301,22 @@ Plan make_plan(const PlanRequest& req) {
     row.sharding.strategy = name;
     row.sharding.world = W;
     row.sharding.group = std::string(name) == "no_shard" ? 1 : std::string(name) == "hybrid_shard" ? hybrid_group : W;
+    row.sharding.offload = offload;
     row.mem = estimate_memory(m, row.sharding, req.micro_batch, req.checkpointing, dev);
     row.fits = row.mem.total() <= plan.capacity;
+    if (offload) {
+      const double state = offload_host_bytes_per_rank(m, row.sharding);  // per rank
+      // nvme: the state streams through bounded buffers (two of the
+      // largest unit's state per rank); cpu: all of it sits in host memory.
+      double largest = 0;
+      for (int64_t n : unit_numels(m)) largest = std::max(largest, double(n));
+      const double G = std::max(1, row.sharding.group);
+      row.host_bytes_per_node =
+          req.gpus_per_node * (nvme ? std::min(state, 2 * 16.0 * std::ceil(largest / G)) : state);
+      // nvme reads and writes master weights and moments once per step.
+      if (nvme) row.nvme_bytes_per_step = req.gpus_per_node * 2 * (12.0 / 16.0) * state;
+      if (req.host_memory > 0 && row.host_bytes_per_node > req.host_memory) row.fits = false;
+    }
     // Memory grows with the micro-batch (activations, inputs) and nothing
     // else: the largest that fits by bisection on the exact model.
     auto fits_at = [&](int b) {
@@ -301,6 +337,18 @@ Plan make_plan(const PlanRequest& req) {
     const double bw_group = row.sharding.group <= req.gpus_per_node ? bw_intra : bw_inter;
     const double bw_replica = req.nodes > 1 ? bw_inter : bw_intra;
     CommVolume c = comm_time(m, row.sharding, row.accum, dev.act_bytes, bw_world, bw_group, bw_replica);
+    if (offload) {
+      // Per rank: the state's elements (16 bytes each), updated on the
+      // node's host threads shared by its ranks; the gradient comes down
+      // once per micro-batch (overlapped with backward, with the
+      // reduce-scatters), the act-dtype parameters go up once per step.
+      const double elems = offload_host_bytes_per_rank(m, row.sharding) / 16.0;
+      const double adamw_s = elems * req.gpus_per_node / req.host_adamw_params_per_s;
+      const double up_s = elems * dev.act_bytes / req.pcie_bytes_per_s;
+      c.overlapped += row.accum * elems * 4 / req.pcie_bytes_per_s;
+      row.offload_s = adamw_s + up_s + row.nvme_bytes_per_step / req.nvme_bytes_per_s;
+      c.exposed += row.offload_s;
+    }
     row.comm_s = c.overlapped + c.exposed;
     row.exposed_comm_s = c.exposed;
     row.step_s = c.exposed + std::max(row.compute_s, c.overlapped);
@@ -322,10 +370,21 @@ Plan make_plan(const PlanRequest& req) {
     << (req.checkpointing ? " and activation checkpointing" : " without activation checkpointing") << " on "
     << req.nodes << " x " << req.gpus_per_node << " " << spec->name << " (" << gib(plan.capacity) << " GiB each), micro-batch "
     << req.micro_batch << ": ";
+  if (offload) v << "with parallel.offload: " << req.offload << ", ";
   if (f->fits) {
     v << "FITS, " << gib(f->mem.total()) << " of " << gib(plan.capacity) << " GiB per GPU; micro-batch up to "
       << f->max_micro_batch << "; about " << seconds(f->step_s) << " per step of " << req.global_batch
       << " sequences (" << fixed(f->mfu * 100, 0) << "% MFU).";
+    if (offload)
+      v << " Offload needs " << gib(f->host_bytes_per_node) << " GiB of host memory per node"
+        << (nvme ? " (buffers; the state is on NVMe: " + gib(f->nvme_bytes_per_step) + " GiB read+written per step)"
+                 : std::string(" (pinned where it can be)"))
+        << " and adds " << seconds(f->offload_s) << " per step (host AdamW at " << si(req.host_adamw_params_per_s, "")
+        << " params/s per node, PCIe " << fixed(req.pcie_bytes_per_s / 1e9, 0) << " GB/s per GPU).";
+  } else if (offload && req.host_memory > 0 && f->host_bytes_per_node > req.host_memory &&
+             f->mem.total() <= plan.capacity) {
+    v << "DOES NOT FIT in host memory: offload needs " << gib(f->host_bytes_per_node) << " GiB per node, "
+      << gib(req.host_memory) << " available; use --offload nvme or more nodes.";
   } else {
     v << "DOES NOT FIT: " << gib(f->mem.total()) << " GiB per GPU needed, " << gib(plan.capacity) << " available";
     const double state = f->mem.params + f->mem.grads + f->mem.optimizer;
@@ -335,11 +394,11 @@ Plan make_plan(const PlanRequest& req) {
     } else {
       int need = 0;
       for (int nodes = req.nodes; nodes <= 4096 && !need; ++nodes) {
-        Sharding s{"full_shard", nodes * req.gpus_per_node, nodes * req.gpus_per_node};
+        Sharding s{"full_shard", nodes * req.gpus_per_node, nodes * req.gpus_per_node, offload};
         if (estimate_memory(m, s, 1, req.checkpointing, dev).total() <= plan.capacity) need = nodes;
       }
       if (need) {
-        Sharding s{"full_shard", need * req.gpus_per_node, need * req.gpus_per_node};
+        Sharding s{"full_shard", need * req.gpus_per_node, need * req.gpus_per_node, offload};
         v << " Smallest cluster of these nodes where full_shard fits at micro-batch 1: " << need << " x "
           << req.gpus_per_node << " = " << need * req.gpus_per_node << " GPUs ("
           << gib(estimate_memory(m, s, 1, req.checkpointing, dev).total()) << " GiB per GPU).";
@@ -374,6 +433,11 @@ std::string render_plan(const Plan& p) {
     o << "note      " << r.global_batch << " sequences do not split into micro-batches of " << r.micro_batch
       << " over " << r.gpus_per_node * r.nodes << " GPUs: a job would be refused at launch; the figures assume "
       << ceil_div(r.global_batch, split) * split << " (use a multiple of " << split << ")\n";
+  if (r.offload != "none")
+    o << "offload   " << r.offload << ": fp32 master weights, moments and gradient shard off the GPU; host AdamW "
+      << si(r.host_adamw_params_per_s, "") << " params/s per node, PCIe " << fixed(r.pcie_bytes_per_s / 1e9, 0)
+      << " GB/s per GPU" << (r.offload == "nvme" ? ", NVMe " + fixed(r.nvme_bytes_per_s / 1e9, 0) + " GB/s per node" : "")
+      << (r.host_memory > 0 ? ", " + gib(r.host_memory) + " GiB host memory per node" : "") << "\n";
   o << "assumes   bf16 parameters/activations, fp32 master weights, gradients and AdamW moments, flash attention, "
     << fixed(r.compute_efficiency * 100, 0) << "% of peak in compute, 1 GiB runtime reserve\n\n";
   const std::vector<std::pair<std::string, size_t>> cols = {
@@ -399,6 +463,7 @@ std::string render_plan(const Plan& p) {
     std::string line;
     for (size_t i = 0; i < cols.size(); ++i)
       line += i == 0 ? pad_right(c[i], cols[i].second) : pad_left(c[i], cols[i].second);
+    if (row.host_bytes_per_node > 0) line += "  host " + gib(row.host_bytes_per_node) + " GiB/node, +" + seconds(row.offload_s);
     o << line << "\n";
   }
   if (!r.job_strategy.empty()) o << "(* the job's parallel.sharding)\n";

@@ -72,7 +72,14 @@ struct Sharding {
   std::string strategy = "full_shard";
   int group = 1;
   int world = 1;
+  // parallel.offload cpu/nvme (parallel/sharding/offload.h): the fp32 master
+  // weights, moments and gradient shard leave the device; it keeps its
+  // act-dtype parameter shard (and hybrid_shard its gradient shard, which
+  // it all-reduces across replicas on the device).
+  bool offload = false;
 };
+// Host bytes per rank that offload keeps (16 per element of the rank's state).
+double offload_host_bytes_per_rank(const ModelArch& m, const Sharding& s);
 
 MemoryBreakdown estimate_memory(const ModelArch& m, const Sharding& s, int micro_batch, bool checkpointing,
                                 const DeviceModel& d);
@@ -95,6 +102,12 @@ struct PlanRequest {
   int shard_group_size = 0;       // hybrid_shard group; 0 = GPUs per node
   double compute_efficiency = 0.45;  // share of peak the GEMMs reach (the design's MFU target)
   double bus_efficiency = 0.80;      // share of nominal link bandwidth a ring collective reaches
+  // Offload (--offload): where the optimizer state lives, and the host side's speeds.
+  std::string offload = "none";          // none | cpu | nvme
+  double host_adamw_params_per_s = 4e9;  // host AdamW per node (all its ranks): `trainrun bench optimizer`
+  double pcie_bytes_per_s = 25e9;        // per GPU, each direction (PCIe Gen4 x16 in practice; Gen5 ~50e9)
+  double host_memory = 0;                // bytes per node available to offload; 0 = not checked
+  double nvme_bytes_per_s = 12e9;        // per node, read and write (nvme)
 };
 
 struct PlanRow {
@@ -105,6 +118,11 @@ struct PlanRow {
   int accum = 1;                  // micro-batches per rank per step
   double compute_s = 0, comm_s = 0, exposed_comm_s = 0, step_s = 0;
   double tokens_per_s = 0, mfu = 0;
+  // Offload only: host memory per node (cpu: the state; nvme: its buffers),
+  // NVMe traffic per step per node, and the step time it adds: host AdamW
+  // plus the host->device parameter copy (exposed, between steps), the
+  // device->host gradient copies (overlapped with backward; in comm_s).
+  double host_bytes_per_node = 0, nvme_bytes_per_step = 0, offload_s = 0;
 };
 
 struct Plan {

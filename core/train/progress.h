@@ -68,6 +68,7 @@ struct MemoryReport {
   MemoryBreakdown by_category;
   double peak = 0;         // backend peak_bytes()
   double in_use = 0;       // backend bytes_in_use()
+  double host = 0;         // parallel.offload's host memory (not in the device's categories)
 };
 MemoryReport measure_memory(const Backend& be, const ParamStore& params, const Network& model);
 std::string describe_memory(const MemoryReport& m);  // "peak 45.1 MiB: params 1.2 MiB, grads ..."

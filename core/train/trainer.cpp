@@ -222,7 +222,19 @@ void Trainer::setup() {
     c->set_group(prefix.substr(0, prefix.find('/')));
     return maybe_inject_faults(std::move(c), w_.rank);
   };
-  params_ = make_param_store(job_.parallel.sharding, arch_->layout(), be_.get(), comm_.get(), group, factory);
+  // Offload: the whole node's host memory is checked before any rank
+  // allocates (each rank's shard is about total/world; 16 bytes each).
+  OffloadOptions offload;
+  offload.mode = parse_offload_mode(job_.parallel.offload);
+  offload.dir = job_.parallel.offload_dir;
+  if (offload.mode == OffloadMode::Nvme) check_offload_dir(offload.dir);
+  if (offload.mode == OffloadMode::Cpu) {
+    const int64_t per_rank = job_.parallel.sharding == "no_shard" ? arch_->layout().total
+                                                                  : (arch_->layout().total + w_.world - 1) / w_.world;
+    check_offload_host_memory(offload_host_bytes(per_rank) * size_t(w_.local_world), host_memory_available(),
+                              w_.local_world);
+  }
+  params_ = make_param_store(job_.parallel.sharding, arch_->layout(), be_.get(), comm_.get(), group, factory, offload);
   params_->init_params(*arch_, job_.train.seed);
   // 5. data
   train_src_ = open_train_source(job_);
@@ -247,7 +259,8 @@ void Trainer::setup() {
   ShardMemory m = params_->memory();
   TR_LOG_INFO("memory (rank ", w_.rank, ", ", params_->strategy(), "): params ", human_bytes(m.params), ", grads ",
               human_bytes(m.grads), ", optimizer ", human_bytes(m.optimizer), ", activations ",
-              human_bytes(model_->activation_bytes()));
+              human_bytes(model_->activation_bytes()),
+              m.host ? ", host (parallel.offload: " + job_.parallel.offload + ") " + human_bytes(m.host) : std::string());
 }
 
 void Trainer::read_batch(const TokenSource& src, int64_t first, int B) {
@@ -498,6 +511,7 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
   sum.params_bytes = mem.params;
   sum.grads_bytes = mem.grads;
   sum.optimizer_bytes = mem.optimizer;
+  sum.host_bytes = mem.host;
   sum.activation_bytes = model_->activation_bytes();
 
   if (sum.stop_signal != 0) {

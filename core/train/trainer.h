@@ -26,6 +26,7 @@ struct TrainSummary {
   int64_t tokens = 0;
   // This rank's bytes by category (see ShardMemory) and activations.
   size_t params_bytes = 0, grads_bytes = 0, optimizer_bytes = 0, activation_bytes = 0;
+  size_t host_bytes = 0;  // parallel.offload's host memory (master weights, moments, grad shard)
   std::vector<double> losses;  // every step's loss (all ranks)
   double checkpoint_blocked_seconds = 0;
   int skipped_steps = 0;

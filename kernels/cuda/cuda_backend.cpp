@@ -136,6 +136,20 @@ void CudaBackend::copy_to_device(void* dst, const void* src, size_t bytes) {
   TR_CUDA_CHECK(cudaEventRecord(slot.read, compute_));
 }
 
+bool CudaBackend::pin_host(void* p, size_t bytes) {
+  make_current();
+  if (cudaHostRegister(p, bytes, cudaHostRegisterDefault) != cudaSuccess) {
+    cudaGetLastError();  // the caller falls back to pageable memory with a warning
+    return false;
+  }
+  return true;
+}
+
+void CudaBackend::unpin_host(void* p) {
+  make_current();
+  if (cudaHostUnregister(p) != cudaSuccess) cudaGetLastError();
+}
+
 void CudaBackend::copy_to_host(void* dst, const void* src, size_t bytes) {
   if (!bytes) return;
   make_current();

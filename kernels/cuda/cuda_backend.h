@@ -45,6 +45,11 @@ class CudaBackend final : public Backend {
   size_t bytes_in_use() const override { return alloc_->in_use(); }
   size_t peak_bytes() const override { return alloc_->peak(); }
   void reset_peak() override { alloc_->reset_peak(); }
+  // parallel.offload's host state: page-locked in place (cudaHostRegister),
+  // so copy_to_device sees it as pinned and DMAs it directly.
+  bool wants_pinned_host() const override { return true; }
+  bool pin_host(void* p, size_t bytes) override;
+  void unpin_host(void* p) override;
 
   void cast_from_f32(void* dst, const float* src, int64_t n) override;
   void cast_to_f32(float* dst, const void* src, int64_t n) override;

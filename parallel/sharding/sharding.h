@@ -21,6 +21,7 @@
 #include "core/model/model.h"
 #include "kernels/backend.h"
 #include "parallel/comm/communicator.h"
+#include "parallel/sharding/offload.h"
 
 namespace trainrun {
 
@@ -31,6 +32,7 @@ struct AdamWParams {
 // Bytes held by this rank, for the log and the memory report.
 struct ShardMemory {
   size_t params = 0, grads = 0, optimizer = 0, comm_buffers = 0;
+  size_t host = 0;  // parallel.offload: host memory holding master weights, moments, gradient shard
 };
 
 // sum(x^2) over n fp32 device values, returned to the host. `acc` is a
@@ -118,8 +120,9 @@ using CommFactory = std::function<std::unique_ptr<Communicator>(const std::strin
 // `world` is the all-ranks communicator (used from the caller's thread only
 // while the store is idle: after finish_grads / between steps).
 // shard_group_size: hybrid_shard's group (must divide the world size).
+// offload: where the optimizer state lives (offload.h); none = the device.
 std::unique_ptr<ParamStore> make_param_store(const std::string& strategy, const ParamLayout& layout,
                                              Backend* be, Communicator* world, int shard_group_size,
-                                             const CommFactory& factory);
+                                             const CommFactory& factory, const OffloadOptions& offload = {});
 
 }  // namespace trainrun

@@ -3,6 +3,7 @@
 // divides by the global token count). The single-rank case is this with a
 // world of one.
 #include <chrono>
+#include <algorithm>
 #include <cmath>
 
 #include "core/common/error.h"
@@ -14,16 +15,22 @@ namespace {
 
 class ReplicatedStore final : public ParamStore {
  public:
-  ReplicatedStore(const ParamLayout& layout, Backend* be, Communicator* comm)
+  ReplicatedStore(const ParamLayout& layout, Backend* be, Communicator* comm, const OffloadOptions& offload)
       : layout_(layout), be_(be), comm_(comm) {
     const int64_t n = layout.total;
+    grads_ = DeviceBuffer(be, n * 4);  // the all-reduce's bucket, on the device either way
+    norm_acc_ = DeviceBuffer(be, 4);
+    if (offload.mode != OffloadMode::None) {
+      // Offload (offload.h): the device keeps only its act-dtype parameters.
+      host_ = std::make_unique<HostOptimizerState>(be, n, offload);
+      params_ = DeviceBuffer(be, n * dtype_size(be->act_dtype()));
+      return;
+    }
     // On fp32 backends the master copy doubles as the parameters.
     master_ = DeviceBuffer(be, n * 4);
     if (be->act_dtype() != DType::F32) params_ = DeviceBuffer(be, n * dtype_size(be->act_dtype()));
-    grads_ = DeviceBuffer(be, n * 4);
     m_ = DeviceBuffer(be, n * 4);
     v_ = DeviceBuffer(be, n * 4);
-    norm_acc_ = DeviceBuffer(be, 4);
   }
   void* params() { return params_.get() ? params_.get() : master_.get(); }
 
@@ -40,19 +47,32 @@ class ReplicatedStore final : public ParamStore {
     arch.init_params(seed, 0, layout_.total, host.data());
     load_full_params(host);
   }
-  void zero_grads() override { be_->zero(grads_.get(), grads_.bytes()); }
+  void zero_grads() override {
+    be_->zero(grads_.get(), grads_.bytes());
+    if (host_) host_->zero_grads();
+  }
   void finish_grads() override {
-    if (comm_->world_size() == 1) return;
-    auto t0 = std::chrono::steady_clock::now();
-    // Ordered after the backward by the communicator itself (no host sync).
-    comm_->all_reduce(grads_.as<float>(), layout_.total, ReduceOp::Sum);
-    wait_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (comm_->world_size() > 1) {
+      auto t0 = std::chrono::steady_clock::now();
+      // Ordered after the backward by the communicator itself (no host sync).
+      comm_->all_reduce(grads_.as<float>(), layout_.total, ReduceOp::Sum);
+      wait_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
+    if (host_) host_->grad_from_device(grads_.as<float>(), layout_.total);
   }
   double grad_norm_squared() override {
+    if (host_) return host_->grad_sum_squares();
     return sum_squares_to_host(be_, norm_acc_.as<float>(), grads_.as<float>(), layout_.total);
   }
   void optimizer_step(const AdamWParams& p, int step, float grad_scale) override {
     const size_t es = dtype_size(be_->act_dtype());
+    if (host_) {
+      for (const auto& t : layout_.tensors)
+        host_->update(t.offset, t.numel, p.lr, p.beta1, p.beta2, p.eps, t.decay ? p.weight_decay : 0.0f, step,
+                      grad_scale);
+      host_->master_to_device(params_.get(), 0, layout_.total);
+      return;
+    }
     for (const auto& t : layout_.tensors) {
       be_->adamw_update(master_.as<float>() + t.offset, static_cast<char*>(params()) + t.offset * es,
                         grads_.as<float>() + t.offset, m_.as<float>() + t.offset, v_.as<float>() + t.offset,
@@ -63,8 +83,8 @@ class ReplicatedStore final : public ParamStore {
   void load_full_params(const std::vector<float>& flat) override {
     TR_CHECK(int64_t(flat.size()) == layout_.total, "load_full_params: got ", flat.size(),
              " values for a model of ", layout_.total);
-    be_->copy_to_device(master_.get(), flat.data(), flat.size() * 4);
-    if (params_.get()) be_->cast_from_f32(params_.get(), master_.as<float>(), layout_.total);
+    from_host(0, 0, flat.data(), layout_.total);
+    params_updated();
   }
   std::vector<Range> held_ranges() const override { return {{0, layout_.total}}; }
   std::vector<Range> write_ranges() const override {
@@ -76,32 +96,43 @@ class ReplicatedStore final : public ParamStore {
   }
   std::vector<float> get_state(int kind) override {
     std::vector<float> host(layout_.total);
-    be_->copy_to_host(host.data(), state(kind), host.size() * 4);
+    to_host(kind, 0, host.data(), layout_.total);
     return host;
   }
   void copy_state_range(int kind, const Range& r, float* out) override {
     TR_CHECK(r.global >= 0 && r.global + r.count <= layout_.total, "copy_state_range: out of range");
-    be_->copy_to_host(out, state(kind) + r.global, size_t(r.count) * 4);
+    to_host(kind, r.global, out, r.count);
   }
   void write_state_range(int kind, const Range& r, const float* in) override {
     TR_CHECK(r.global >= 0 && r.global + r.count <= layout_.total, "write_state_range: out of range");
-    be_->copy_to_device(state(kind) + r.global, in, size_t(r.count) * 4);
+    from_host(kind, r.global, in, r.count);
   }
   void params_updated() override {
-    if (params_.get()) be_->cast_from_f32(params_.get(), master_.as<float>(), layout_.total);
+    if (host_) host_->master_to_device(params_.get(), 0, layout_.total);
+    else if (params_.get()) be_->cast_from_f32(params_.get(), master_.as<float>(), layout_.total);
   }
   void set_state(int kind, const std::vector<float>& host) override {
     if (kind == 0) return load_full_params(host);
     TR_CHECK(int64_t(host.size()) == layout_.total, "set_state: size mismatch");
-    be_->copy_to_device(state(kind), host.data(), host.size() * 4);
+    from_host(kind, 0, host.data(), layout_.total);
   }
   float* state(int kind) { return kind == 0 ? master_.as<float>() : kind == 1 ? m_.as<float>() : v_.as<float>(); }
+  // State kind [off, off+n) to / from host memory, wherever it lives.
+  void to_host(int kind, int64_t off, float* out, int64_t n) {
+    if (host_) std::copy(host_->state(kind) + off, host_->state(kind) + off + n, out);
+    else be_->copy_to_host(out, state(kind) + off, size_t(n) * 4);
+  }
+  void from_host(int kind, int64_t off, const float* in, int64_t n) {
+    if (host_) std::copy(in, in + n, host_->state(kind) + off);
+    else be_->copy_to_device(state(kind) + off, in, size_t(n) * 4);
+  }
 
   ShardMemory memory() const override {
     ShardMemory m;
     m.params = master_.bytes() + params_.bytes();
     m.grads = grads_.bytes();
     m.optimizer = m_.bytes() + v_.bytes();
+    if (host_) m.host = host_->host_bytes();
     return m;
   }
   double take_comm_wait_seconds() override {
@@ -118,14 +149,15 @@ class ReplicatedStore final : public ParamStore {
   Backend* be_;
   Communicator* comm_;
   DeviceBuffer master_, params_, grads_, m_, v_, norm_acc_;
+  std::unique_ptr<HostOptimizerState> host_;  // parallel.offload; null = state on the device
   double wait_ = 0;
 };
 
 }  // namespace
 
 std::unique_ptr<ParamStore> make_replicated_param_store(const ParamLayout& layout, Backend* be,
-                                                        Communicator* comm) {
-  return std::make_unique<ReplicatedStore>(layout, be, comm);
+                                                        Communicator* comm, const OffloadOptions& offload) {
+  return std::make_unique<ReplicatedStore>(layout, be, comm, offload);
 }
 
 }  // namespace trainrun

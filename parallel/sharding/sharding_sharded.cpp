@@ -95,7 +95,7 @@ struct Unit {
 class ShardedStore final : public ParamStore {
  public:
   ShardedStore(const std::string& strategy, const ParamLayout& layout, Backend* be, Communicator* world,
-               int group, const CommFactory& factory)
+               int group, const CommFactory& factory, const OffloadOptions& offload)
       : strategy_(strategy), layout_(layout), be_(be), world_(world), pool_(be) {
     const int W = world->world_size();
     const int r = world->rank();
@@ -144,12 +144,21 @@ class ShardedStore final : public ParamStore {
     }
     shard_total_ = soff;
     padded_total_ = poff;
-    master_ = DeviceBuffer(be, shard_total_ * 4);
-    m_ = DeviceBuffer(be, shard_total_ * 4);
-    v_ = DeviceBuffer(be, shard_total_ * 4);
-    grad_ = DeviceBuffer(be, shard_total_ * 4);
     norm_acc_ = DeviceBuffer(be, 4);
-    if (be->act_dtype() != DType::F32) shard_act_ = DeviceBuffer(be, shard_total_ * es_);
+    if (offload.mode != OffloadMode::None) {
+      // Offload (offload.h): master, moments and gradient shard on the host;
+      // the device keeps its own act-dtype shard. hybrid_shard still sums
+      // the shards across replicas on the device, so it keeps grad_ too.
+      host_ = std::make_unique<HostOptimizerState>(be, shard_total_, offload);
+      shard_act_ = DeviceBuffer(be, shard_total_ * es_);
+      if (replica_comm_) grad_ = DeviceBuffer(be, shard_total_ * 4);
+    } else {
+      master_ = DeviceBuffer(be, shard_total_ * 4);
+      m_ = DeviceBuffer(be, shard_total_ * 4);
+      v_ = DeviceBuffer(be, shard_total_ * 4);
+      grad_ = DeviceBuffer(be, shard_total_ * 4);
+      if (be->act_dtype() != DType::F32) shard_act_ = DeviceBuffer(be, shard_total_ * es_);
+    }
     if (!shard_params_) replicated_ = DeviceBuffer(be, padded_total_ * es_);
   }
 
@@ -247,7 +256,8 @@ class ShardedStore final : public ParamStore {
     Unit& U = units_[u];
     if (!U.full_grad) return;
     float* full = U.full_grad;
-    float* shard = grad_.as<float>() + U.shard_off;
+    float* shard = grad_.get() ? grad_.as<float>() + U.shard_off : nullptr;  // null: offloaded (host_)
+    const int64_t shard_off = U.shard_off;
     const int64_t S = U.shard;
     // Its own output buffer: the previous unit's may still be waiting to be
     // accumulated when this reduction starts on the GPU.
@@ -270,9 +280,10 @@ class ShardedStore final : public ParamStore {
     // whatever the compute thread has enqueued by the time the comm thread
     // issues it.
     std::shared_ptr<void> after = shard_comm_->compute_point();
-    U.reduced = comm_.submit([this, full, shard, tmp, S, after] {
+    U.reduced = comm_.submit([this, full, shard, shard_off, tmp, S, after] {
       finish_reduce();  // the previous unit's
-      pending_reduce_ = {shard_comm_->reduce_scatter_deferred(tmp, full, S, ReduceOp::Sum, after), full, shard, tmp, S};
+      pending_reduce_ = {shard_comm_->reduce_scatter_deferred(tmp, full, S, ReduceOp::Sum, after), full, shard, tmp, S,
+                         shard_off};
       if (!pending_reduce_.op) finish_reduce();  // it completed already (Gloo)
     });
     U.reducing = true;
@@ -291,7 +302,7 @@ class ShardedStore final : public ParamStore {
       std::fill(host.begin(), host.begin() + u.shard, 0.0f);  // padding stays zero
       if (u.owned > 0)
         arch.init_params(seed, u.offset + u.begin, u.offset + u.begin + u.owned, host.data());
-      be_->copy_to_device(master_.as<float>() + u.shard_off, host.data(), size_t(u.shard) * 4);
+      state_from_host(0, u.shard_off, host.data(), u.shard);
     }
     master_to_params();
   }
@@ -306,16 +317,21 @@ class ShardedStore final : public ParamStore {
     set_master(host);
   }
 
-  void zero_grads() override { be_->zero(grad_.get(), grad_.bytes()); }
+  void zero_grads() override {
+    if (grad_.get()) be_->zero(grad_.get(), grad_.bytes());
+    if (host_) host_->zero_grads();
+  }
 
   void finish_grads() override {
     drain();
     if (replica_comm_) run([&] { replica_comm_->all_reduce(grad_.as<float>(), shard_total_, ReduceOp::Sum); });
+    if (host_ && replica_comm_) host_->grad_from_device(grad_.as<float>(), shard_total_);
   }
 
   double grad_norm_squared() override {
     // Padding is zero, so the shard's sum is exact.
-    float local = sum_squares_to_host(be_, norm_acc_.as<float>(), grad_.as<float>(), shard_total_);
+    float local = host_ ? host_->grad_sum_squares()
+                        : sum_squares_to_host(be_, norm_acc_.as<float>(), grad_.as<float>(), shard_total_);
     run([&] { shard_comm_->all_reduce(&local, 1, ReduceOp::Sum); });
     return local;
   }
@@ -329,11 +345,16 @@ class ShardedStore final : public ParamStore {
         const int64_t a = std::max(lo, t.offset), b = std::min(hi, t.offset + t.numel);
         if (a >= b) continue;
         const int64_t s = u.shard_off + (a - lo);
+        if (host_) {
+          host_->update(s, b - a, p.lr, p.beta1, p.beta2, p.eps, t.decay ? p.weight_decay : 0.0f, step, grad_scale);
+          continue;
+        }
         be_->adamw_update(master_.as<float>() + s, static_cast<char*>(act) + s * es_, grad_.as<float>() + s,
                           m_.as<float>() + s, v_.as<float>() + s, b - a, p.lr, p.beta1, p.beta2, p.eps,
                           t.decay ? p.weight_decay : 0.0f, step, grad_scale);
       }
     }
+    if (host_) host_->master_to_device(shard_act_.get(), 0, shard_total_);
     if (!shard_params_) gather_replicated();
   }
 
@@ -350,16 +371,16 @@ class ShardedStore final : public ParamStore {
   }
   std::vector<float> get_state(int kind) override {
     std::vector<float> shard(shard_total_), out;
-    be_->copy_to_host(shard.data(), state(kind), shard.size() * 4);
+    state_to_host(kind, 0, shard.data(), shard_total_);
     for (const auto& u : units_)
       out.insert(out.end(), shard.begin() + u.shard_off, shard.begin() + u.shard_off + u.owned);
     return out;
   }
   void copy_state_range(int kind, const Range& r, float* out) override {
-    be_->copy_to_host(out, state(kind) + shard_offset_of(r, "copy_state_range"), size_t(r.count) * 4);
+    state_to_host(kind, shard_offset_of(r, "copy_state_range"), out, r.count);
   }
   void write_state_range(int kind, const Range& r, const float* in) override {
-    be_->copy_to_device(state(kind) + shard_offset_of(r, "write_state_range"), in, size_t(r.count) * 4);
+    state_from_host(kind, shard_offset_of(r, "write_state_range"), in, r.count);
   }
   void params_updated() override { master_to_params(); }
   void set_state(int kind, const std::vector<float>& host) override {
@@ -372,7 +393,7 @@ class ShardedStore final : public ParamStore {
     }
     TR_CHECK(pos == host.size(), "set_state: ", host.size(), " values for ", pos, " held");
     if (kind == 0) return set_master(shard);
-    be_->copy_to_device(state(kind), shard.data(), shard.size() * 4);
+    state_from_host(kind, 0, shard.data(), shard_total_);
   }
 
   ShardMemory memory() const override {
@@ -381,6 +402,7 @@ class ShardedStore final : public ParamStore {
     m.grads = grad_.bytes();
     m.optimizer = m_.bytes() + v_.bytes();
     m.comm_buffers = pool_.peak();
+    if (host_) m.host = host_->host_bytes();
     return m;
   }
 
@@ -392,6 +414,15 @@ class ShardedStore final : public ParamStore {
 
  private:
   float* state(int kind) { return kind == 0 ? master_.as<float>() : kind == 1 ? m_.as<float>() : v_.as<float>(); }
+  // State kind [off, off+n) of the shard to / from host memory, wherever it lives.
+  void state_to_host(int kind, int64_t off, float* out, int64_t n) {
+    if (host_) std::copy(host_->state(kind) + off, host_->state(kind) + off + n, out);
+    else be_->copy_to_host(out, state(kind) + off, size_t(n) * 4);
+  }
+  void state_from_host(int kind, int64_t off, const float* in, int64_t n) {
+    if (host_) std::copy(in, in + n, host_->state(kind) + off);
+    else be_->copy_to_device(state(kind) + off, in, size_t(n) * 4);
+  }
   // Where a range of the flat layout sits in this rank's shard buffers; it
   // must lie inside one unit's owned slice.
   int64_t shard_offset_of(const Range& r, const char* what) const {
@@ -402,12 +433,13 @@ class ShardedStore final : public ParamStore {
     TR_FAIL(what, ": [", r.global, ", +", r.count, ") is not held by rank ", world_->rank());
   }
   void set_master(const std::vector<float>& host) {
-    be_->copy_to_device(master_.get(), host.data(), host.size() * 4);
+    state_from_host(0, 0, host.data(), int64_t(host.size()));
     master_to_params();
   }
   // The act-dtype parameters from the fp32 master shard.
   void master_to_params() {
-    if (shard_act_.get()) be_->cast_from_f32(shard_act_.get(), master_.as<float>(), shard_total_);
+    if (host_) host_->master_to_device(shard_act_.get(), 0, shard_total_);
+    else if (shard_act_.get()) be_->cast_from_f32(shard_act_.get(), master_.as<float>(), shard_total_);
     if (!shard_params_) gather_replicated();
   }
   // shard_grad_op: every rank's updated shard into the replicated params.
@@ -452,7 +484,8 @@ class ShardedStore final : public ParamStore {
     PendingReduce& p = pending_reduce_;
     if (!p.full) return;
     if (p.op) p.op->order_compute_after();
-    be_->accumulate(p.shard, p.tmp, p.S);
+    if (p.shard) be_->accumulate(p.shard, p.tmp, p.S);
+    else host_->add_grad_from_device(p.shard_off, p.tmp, p.S);  // offload: device -> host, added there
     // Back to the pool once every use is enqueued on the compute stream: a
     // later user enqueues there after it, or (a deferred collective) starts
     // after a compute_point() taken after getting the block.
@@ -499,6 +532,7 @@ class ShardedStore final : public ParamStore {
   std::vector<Unit> units_;
   int64_t shard_total_ = 0, padded_total_ = 0;
   DeviceBuffer master_, m_, v_, grad_, shard_act_, replicated_, norm_acc_;
+  std::unique_ptr<HostOptimizerState> host_;  // parallel.offload; null = state on the device
   BufferPool pool_;
   static constexpr size_t kMaxPendingReduces = 2;
   struct PendingReduce {
@@ -507,6 +541,7 @@ class ShardedStore final : public ParamStore {
     float* shard = nullptr;
     float* tmp = nullptr;
     int64_t S = 0;
+    int64_t shard_off = 0;
   };
   PendingReduce pending_reduce_;  // the comm thread's; see finish_reduce()
   std::deque<int> in_flight_;  // units whose reduce-scatter is queued, oldest first
@@ -523,8 +558,8 @@ class ShardedStore final : public ParamStore {
 
 std::unique_ptr<ParamStore> make_sharded_param_store(const std::string& strategy, const ParamLayout& layout,
                                                      Backend* be, Communicator* world, int group,
-                                                     const CommFactory& factory) {
-  return std::make_unique<ShardedStore>(strategy, layout, be, world, group, factory);
+                                                     const CommFactory& factory, const OffloadOptions& offload) {
+  return std::make_unique<ShardedStore>(strategy, layout, be, world, group, factory, offload);
 }
 
 }  // namespace trainrun

@@ -1,0 +1,187 @@
+// parallel.offload: cpu against offload none. Ranks run as threads of this
+// process (a real store, Gloo, the comm thread), as in test_sharding.cpp.
+// The CPU backend runs the offload path for real: the optimizer state sits
+// in separate host buffers, every unit's reduce-scattered gradient is
+// copied out through the backend and added on the host, host AdamW updates
+// it and the parameters are copied back. Host AdamW is the backend's AdamW
+// bit for bit (test_host_adamw.cpp), so the losses and weights must be
+// bit-identical, not merely close.
+#include <catch2/catch.hpp>
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "core/config/job_spec.h"
+#include "core/model/model_io.h"
+#include "core/train/trainer.h"
+#include "parallel/sharding/offload.h"
+#include "tests/support/checkpoint_jobs.h"
+#include "tests/support/inprocess.h"
+#include "tests/support/testutil.h"
+
+using namespace trainrun;
+using Catch::Matchers::Contains;
+
+namespace {
+
+// test_sharding.cpp's model: units that 3 and 4 ranks do not divide (padding).
+std::string job_yaml(const std::string& dir, const std::string& strategy, int group, const std::string& offload) {
+  return "model: {n_layer: 2, n_head: 2, n_embd: 18, vocab_size: 23, seq_len: 12}\n"
+         "data: {format: synthetic, synthetic: {vocab: 23, branching: 3}}\n"
+         "train: {global_batch_size: 12, micro_batch_size: 1, max_steps: 6, lr: 3.0e-3, min_lr: 3.0e-4,\n"
+         "        warmup_steps: 2, eval_interval: 0, log_interval: 1, grad_clip: 0.5, weight_decay: 0.1}\n"
+         "output: {dir: '" + dir + "', sample_tokens: 0}\n"
+         "parallel: {sharding: " + strategy + ", shard_group_size: " + std::to_string(group) +
+         ", timeout_s: 60, offload: " + offload + "}\n";
+}
+
+struct RunOut {
+  std::vector<double> losses;
+  std::vector<float> weights;
+  std::vector<TrainSummary> per_rank;
+};
+
+RunOut run(int world, const std::string& strategy, int group, const std::string& offload) {
+  test::TempDir dir("offload");
+  const int mb = world == 3 ? 2 : 3;  // accumulation at every world but 4
+  JobSpec job = parse_job_spec(job_yaml(dir.path(), strategy, group, offload), "job.yaml",
+                               {"train.micro_batch_size=" + std::to_string(mb)});
+  RunOut out;
+  out.per_rank = test::run_ranks_inprocess(job, world);
+  out.losses = out.per_rank[0].losses;
+  load_model_safetensors(dir / "model.safetensors", out.weights);
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("offload cpu: losses and weights bit-identical to offload none, 1-4 ranks x every strategy", "[offload]") {
+  for (const char* strategy : {"no_shard", "shard_grad_op", "full_shard", "hybrid_shard"}) {
+    for (int world : {1, 2, 3, 4}) {
+      const int group = std::string(strategy) == "hybrid_shard" ? (world % 2 == 0 ? 2 : world) : 0;
+      SECTION(std::string(strategy) + " world " + std::to_string(world)) {
+        const RunOut none = run(world, strategy, group, "none");
+        const RunOut cpu = run(world, strategy, group, "cpu");
+        REQUIRE(none.losses.size() == 6);
+        REQUIRE(none.losses.back() < none.losses.front());
+        CHECK(cpu.losses == none.losses);
+        CHECK(cpu.weights == none.weights);
+        for (int r = 0; r < world; ++r) {
+          INFO("rank " << r);
+          // The device holds no optimizer state; the host holds 16 bytes per
+          // element of the rank's state (master, 2 moments, gradient).
+          CHECK(cpu.per_rank[r].optimizer_bytes == 0);
+          CHECK(none.per_rank[r].optimizer_bytes > 0);
+          CHECK(none.per_rank[r].host_bytes == 0);
+          CHECK(cpu.per_rank[r].host_bytes == none.per_rank[r].optimizer_bytes * 2);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("offload cpu: metrics.jsonl reports host bytes and zero device optimizer bytes", "[offload]") {
+  test::TempDir dir("offload_metrics");
+  JobSpec job = parse_job_spec(job_yaml(dir.path(), "full_shard", 0, "cpu"), "job.yaml", {"train.max_steps=2"});
+  test::run_ranks_inprocess(job, 2);
+  std::ifstream f(dir / "metrics.jsonl");
+  std::string line, last;
+  while (std::getline(f, line))
+    if (line.find("\"mem_host_bytes\"") != std::string::npos) last = line;
+  REQUIRE(!last.empty());
+  CHECK_THAT(last, Contains("\"mem_optimizer_bytes\":0"));
+}
+
+TEST_CASE("offload: resume across offload settings continues exactly", "[offload]") {
+  // 10 steps without offload, then 10 with, against 20 without; and the
+  // reverse. The checkpoint is the same logical state either way.
+  test::TempDir dir("offload_resume");
+  for (const char* strategy : {"no_shard", "full_shard"}) {
+    for (int world : {1, 2}) {
+      SECTION(std::string(strategy) + " x" + std::to_string(world)) {
+        const std::string straight = dir / (std::string("straight_") + strategy + std::to_string(world));
+        test::run_ranks_inprocess(test::checkpoint_job(straight, strategy, world), world);
+        for (const auto& [first, second] : {std::pair<std::string, std::string>{"none", "cpu"}, {"cpu", "none"}}) {
+          INFO(first << " then " << second);
+          const std::string resumed = dir / (std::string("resumed_") + strategy + std::to_string(world) + first);
+          test::run_ranks_inprocess(
+              test::checkpoint_job(resumed, strategy, world, {"train.exit_interval=10", "parallel.offload=" + first}),
+              world);
+          REQUIRE(test::latest_of(resumed) == "step_00000010");
+          test::run_ranks_inprocess(test::checkpoint_job(resumed, strategy, world, {"parallel.offload=" + second}),
+                                    world);
+          CHECK(test::losses_of(resumed) == test::losses_of(straight));
+          CHECK(test::weights_of(resumed) == test::weights_of(straight));
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("offload: bad inputs name the key or path", "[offload]") {
+  test::TempDir dir("offload_bad");
+  const std::string base = job_yaml(dir.path(), "full_shard", 0, "nvme");
+  // nvme without offload_dir: the spec's validation names the key.
+  try {
+    parse_job_spec(base, "job.yaml", {});
+    FAIL("no error");
+  } catch (const Error& e) {
+    CHECK_THAT(std::string(e.what()), Contains("parallel.offload_dir") && Contains("nvme"));
+  }
+  // An unknown mode names the key and the choices.
+  try {
+    parse_job_spec(job_yaml(dir.path(), "full_shard", 0, "gpu"), "job.yaml", {});
+    FAIL("no error");
+  } catch (const Error& e) {
+    CHECK_THAT(std::string(e.what()), Contains("parallel.offload"));
+  }
+  // An unwritable directory: the error names it (read-only parent; root
+  // ignores permissions, so the check is skipped there).
+  if (geteuid() != 0) {
+    const std::string ro = dir / "ro";
+    std::filesystem::create_directories(ro);
+    chmod(ro.c_str(), 0500);
+    try {
+      check_offload_dir(ro + "/state");
+      FAIL("no error");
+    } catch (const Error& e) {
+      CHECK_THAT(std::string(e.what()), Contains(ro + "/state") && Contains("parallel.offload_dir"));
+    }
+    try {
+      check_offload_dir(ro);
+      FAIL("no error");
+    } catch (const Error& e) {
+      CHECK_THAT(std::string(e.what()), Contains("'" + ro + "' is not writable"));
+    }
+    chmod(ro.c_str(), 0700);
+  }
+  // A file where the directory should be.
+  const std::string file = dir / "file";
+  std::ofstream(file) << "x";
+  try {
+    check_offload_dir(file);
+    FAIL("no error");
+  } catch (const Error& e) {
+    CHECK_THAT(std::string(e.what()), Contains(file));
+  }
+  check_offload_dir(dir / "ok");  // a writable one passes
+}
+
+TEST_CASE("offload: the host memory check and the memlock warning say what to do", "[offload]") {
+  try {
+    check_offload_host_memory(size_t(1130) * 1000 * 1000 * 1000, size_t(512) * 1000 * 1000 * 1000, 8);
+    FAIL("no error");
+  } catch (const Error& e) {
+    CHECK_THAT(std::string(e.what()), Contains("needs 1.13 TB of host memory on this node") &&
+                                          Contains("it has 512 GB") && Contains("use parallel.offload: nvme or more nodes"));
+  }
+  check_offload_host_memory(100, 200, 1);
+  check_offload_host_memory(100, 0, 1);  // unknown: not checked
+  CHECK(memlock_warning(1 << 20, uint64_t(8) << 20).empty());
+  CHECK_THAT(memlock_warning(size_t(64) << 30, uint64_t(8) << 20),
+             Contains("RLIMIT_MEMLOCK") && Contains("ulimit -l") && Contains("unpinned"));
+  CHECK(host_memory_available() > 0);
+}
