@@ -212,6 +212,16 @@ const std::vector<Field>& fields() {
       TR_SPEC_FIELD(parallel.cpu_affinity, one_of({"auto", "none"}),
                     "auto: bind each worker to cores of its GPU's NUMA node (CPU backend: spread over NUMA nodes); none: leave it to the OS"),
 
+      TR_SPEC_FIELD(parallel.tensor_parallel, at_least(1),
+                    "ranks per tensor-parallel group (Megatron-style column/row-parallel linears, vocab-parallel "
+                    "embedding and cross-entropy), consecutive ranks of one node; must divide the world size "
+                    "together with pipeline_parallel; data parallelism (parallel.sharding) runs over the rest; 1 = off"),
+      TR_SPEC_FIELD(parallel.sequence_parallel, one_of({"false", "true"}),
+                    "true: split activations along the sequence between the tensor-parallel linears (needs "
+                    "tensor_parallel > 1; with 1 it is ignored, with a warning)"),
+      TR_SPEC_FIELD(parallel.pipeline_parallel, at_least(1),
+                    "pipeline stages; 1 = off (more is not implemented yet: issue #15)"),
+
       TR_SPEC_FIELD(checkpoint.interval, at_least(0), "steps between checkpoints; 0 = only the final one"),
       TR_SPEC_FIELD(checkpoint.keep_last, at_least(0), "newest checkpoints kept; older ones are deleted (0 = keep all)"),
       TR_SPEC_FIELD(checkpoint.keep_every, at_least(0),
@@ -743,6 +753,13 @@ void check_rules(JobSpec& s, const Origins& o, const std::string& fallback, bool
     fail(at({"parallel.shard_group_size", "parallel.sharding"}), "parallel.shard_group_size",
          str(p.shard_group_size) + " only applies to parallel.sharding: hybrid_shard (it is '" + p.sharding +
              "'); use hybrid_shard or set shard_group_size to 0");
+  if (p.pipeline_parallel > 1)
+    fail(at({"parallel.pipeline_parallel"}), "parallel.pipeline_parallel",
+         str(p.pipeline_parallel) + ": pipeline parallelism is not implemented yet (issue #15); set it to 1");
+  if (p.sequence_parallel_on() && p.tensor_parallel == 1)
+    TR_LOG_WARN(at({"parallel.sequence_parallel", "parallel.tensor_parallel"}),
+                ": parallel.sequence_parallel: true has no effect with parallel.tensor_parallel: 1 (sequence "
+                "parallelism splits the activations of a tensor-parallel group); ignored");
 }
 
 // ---- YAML walking ----------------------------------------------------------------

@@ -49,7 +49,12 @@ class ReplicatedStore final : public ParamStore {
     wait_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
   double grad_norm_squared() override {
-    return sum_squares_to_host(be_, norm_acc_.as<float>(), grads_.as<float>(), layout_.total);
+    if (norm_skip_.empty()) return sum_squares_to_host(be_, norm_acc_.as<float>(), grads_.as<float>(), layout_.total);
+    be_->zero(norm_acc_.get(), 4);
+    sum_squares_skipping(be_, norm_acc_.as<float>(), grads_.as<float>(), 0, layout_.total, norm_skip_);
+    float host = 0;
+    be_->copy_to_host(&host, norm_acc_.get(), 4);
+    return host;
   }
   void optimizer_step(const AdamWParams& p, int step, float grad_scale) override {
     const size_t es = dtype_size(be_->act_dtype());

@@ -3,24 +3,49 @@
 #include "core/model/llama/llama.h"
 
 #include "core/common/error.h"
+#include "core/model/tensor_parallel.h"
 
 namespace trainrun {
 
 LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Backend* be, int maxB,
-                           bool activation_checkpointing)
-    : cfg_(cfg), be_(be), maxB_(maxB), ckpt_(activation_checkpointing) {
+                           bool activation_checkpointing, const TensorParallel* tp)
+    : cfg_(cfg), be_(be), maxB_(maxB), ckpt_(activation_checkpointing), tp_(tp && tp->plan ? tp : nullptr) {
   TR_CHECK(cfg.arch == "llama" && cfg.NKV > 0 && cfg.F > 0, "LlamaNetwork needs LlamaArch's resolved config (a bug)");
   TR_CHECK(maxB >= 1, "LlamaNetwork: micro-batch ", maxB, " must be >= 1");
   HS_ = cfg.head_size();
-  KV_ = cfg.NKV * HS_;
-  QKV_ = cfg.C + 2 * KV_;
+  NH_ = cfg.NH;
+  NKV_ = cfg.NKV;
+  NKV_global_ = cfg.NKV;
+  F_ = cfg.F;
+  VL_ = v_valid_ = cfg.V;
+  const ParamLayout* lay = &layout;
+  if (tp_) {
+    // This rank's heads, MLP columns and vocabulary rows (tensor_parallel.h).
+    const TpLocalShape& s = tp_->plan->shape();
+    NH_ = s.NH;
+    NKV_ = s.NKV;
+    F_ = s.F;
+    VL_ = s.V_local;
+    v_begin_ = s.v_begin;
+    v_valid_ = s.v_valid;
+    kv_replicas_ = s.kv_replicas;
+    kv_head_ = s.rank / s.kv_replicas;
+    lay = &tp_->plan->local_layout();
+  }
+  Q_ = NH_ * HS_;
+  KV_ = NKV_ * HS_;
+  QKV_ = Q_ + 2 * KV_;
   eps_ = float(cfg.norm_eps);
   if (!cfg.tied) {
-    const ParamTensor& h = layout.get("lm_head.weight");
-    lm_head_off_ = h.offset - layout.units[h.unit].offset;
+    const ParamTensor& h = lay->get("lm_head.weight");
+    lm_head_off_ = h.offset - lay->units[h.unit].offset;
+  }
+  if (kv_replicas_ > 1) {
+    kv_grad_scratch_ = DeviceBuffer(be, size_t(QKV_) * cfg.C * 4);
+    kv_grad_slots_ = DeviceBuffer(be, size_t(NKV_global_) * 2 * KV_ * cfg.C * 4);
   }
   const size_t es = dtype_size(be->act_dtype());
-  const int64_t N = int64_t(maxB) * cfg.T, C = cfg.C, F = cfg.F, T = cfg.T;
+  const int64_t N = int64_t(maxB) * cfg.T, C = cfg.C, F = F_, T = cfg.T;
   // One arena, every buffer on a 64-byte boundary; LlamaArch::activation_bytes
   // adds up the same list.
   std::vector<std::pair<void**, size_t>> plan;
@@ -36,8 +61,8 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
     req(&a.ln1, N * C * es);
     req(&a.ln1_rstd, N * 4);
     req(&a.qkv, N * QKV_ * es);
-    req(&a.atty, N * C * es);
-    req(&a.att, be->attention_gqa_saved_floats(maxB, cfg.T, cfg.NH) * 4);
+    req(&a.atty, N * Q_ * es);
+    req(&a.att, be->attention_gqa_saved_floats(maxB, cfg.T, NH_) * 4);
     req(&a.res2, N * C * es);
     req(&a.ln2, N * C * es);
     req(&a.ln2_rstd, N * 4);
@@ -46,9 +71,13 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
   }
   req(&lnf_, N * C * es);
   req(&lnf_rstd_, N * 4);
-  ldv_ = be->logits_stride(cfg.V);
+  ldv_ = be->logits_stride(VL_);
   req(&logits_, N * ldv_ * es);
   req(&losses_, N * 4);
+  if (tp_) {
+    req(&ce_rowmax_, N * 4);
+    req(&ce_stats_, 2 * N * 4);
+  }
   req(&dres_, N * C * es);
   req(&dbuf_c_, N * C * es);
   req(&dqkv_, N * QKV_ * es);
@@ -83,18 +112,44 @@ BlockPtrs<P> block_ptrs(Base base, const LlamaBlockOffsets& o, size_t esize) {
 // RMSNorm(res_in) (fused by the caller with the previous residual add); on
 // exit dbuf_c_ holds the MLP output, whose residual add the caller fuses
 // with the next RMSNorm.
+// With tensor parallelism q|k|v and gate|up are this rank's columns, and
+// o_proj / down_proj (row-parallel) give partial sums, all-reduced here.
 void LlamaNetwork::block_forward(const void* p, int l, const void* res_in, int B, int T) {
-  const int N = B * T, C = cfg_.C, F = cfg_.F;
-  auto w = block_ptrs<const void*>(p, LlamaBlockOffsets(C, KV_, F), dtype_size(be_->act_dtype()));
+  const int N = B * T, C = cfg_.C, F = F_;
+  auto w = block_ptrs<const void*>(p, LlamaBlockOffsets(C, Q_, KV_, F), dtype_size(be_->act_dtype()));
   LayerActs& a = acts(l);
   be_->matmul_forward(a.qkv, a.ln1, w.qkvw, nullptr, N, C, QKV_);
-  be_->rope_forward(a.qkv, rope_, B, T, cfg_.NH, cfg_.NKV, HS_, 0);
-  be_->attention_gqa_forward(a.atty, a.att, a.qkv, B, T, cfg_.NH, cfg_.NKV, HS_);
-  be_->matmul_forward(dbuf_c_, a.atty, w.ow, nullptr, N, C, C);
+  be_->rope_forward(a.qkv, rope_, B, T, NH_, NKV_, HS_, 0);
+  be_->attention_gqa_forward(a.atty, a.att, a.qkv, B, T, NH_, NKV_, HS_);
+  be_->matmul_forward(dbuf_c_, a.atty, w.ow, nullptr, N, Q_, C);
+  tp_sum(dbuf_c_, int64_t(N) * C);
   be_->residual_rmsnorm_forward(a.res2, a.ln2, a.ln2_rstd, res_in, dbuf_c_, w.ln2w, N, C, eps_);
   be_->matmul_forward(a.gu, a.ln2, w.guw, nullptr, N, C, 2 * F);
   be_->swiglu_forward(a.h, a.gu, N, F);
   be_->matmul_forward(dbuf_c_, a.h, w.downw, nullptr, N, F, C);
+  tp_sum(dbuf_c_, int64_t(N) * C);
+}
+
+void LlamaNetwork::tp_sum(void* buf, int64_t n) {
+  if (tp_) tp_->all_reduce(buf, n, be_->act_dtype());
+}
+
+// Without tensor parallelism: the fused softmax + cross-entropy. With it,
+// the logits are this rank's vocabulary columns; the row max and the
+// sum of exponentials (and the target's logit, from the rank holding it)
+// are all-reduced, so the full logits are never gathered.
+void LlamaNetwork::cross_entropy(const int32_t* targets, int N, bool for_backward, float dloss_scale) {
+  void* dlogits = for_backward ? logits_ : nullptr;
+  if (!tp_) {
+    be_->softmax_cross_entropy(losses_, dlogits, logits_, targets, N, cfg_.V, ldv_, dloss_scale);
+    return;
+  }
+  be_->vocab_ce_max(ce_rowmax_, logits_, N, v_valid_, ldv_);
+  tp_->comm->all_reduce(ce_rowmax_, N, ReduceOp::Max);
+  be_->vocab_ce_sumexp(ce_stats_, logits_, targets, ce_rowmax_, v_begin_, N, v_valid_, ldv_);
+  tp_->comm->all_reduce(ce_stats_, 2 * int64_t(N), ReduceOp::Sum);
+  be_->vocab_ce_finish(losses_, dlogits, logits_, targets, ce_rowmax_, ce_stats_, v_begin_, N, v_valid_, ldv_,
+                       dloss_scale);
 }
 
 void LlamaNetwork::forward(UnitAccess& units, const int32_t* inputs, const int32_t* targets, int B, int T,
@@ -106,12 +161,18 @@ void LlamaNetwork::forward(UnitAccess& units, const int32_t* inputs, const int32
   B_ = B;
   T_ = T;
   inputs_ = inputs;
-  const int N = B * T, C = cfg_.C, L = cfg_.L, F = cfg_.F;
+  const int N = B * T, C = cfg_.C, L = cfg_.L, F = F_;
   const size_t es = dtype_size(be_->act_dtype());
-  const LlamaBlockOffsets off(C, KV_, F);
+  const LlamaBlockOffsets off(C, Q_, KV_, F);
 
   units.begin_pass(false, for_backward);
-  be_->encoder_forward(encoded_, inputs, units.acquire_params(0), zero_wpe_, B, T, C);
+  if (tp_) {
+    // Vocab-parallel embedding: this rank's rows, zeros for the others' tokens.
+    be_->vocab_embedding_forward(encoded_, inputs, units.acquire_params(0), nullptr, v_begin_, v_valid_, B, T, C);
+    tp_sum(encoded_, int64_t(N) * C);
+  } else {
+    be_->encoder_forward(encoded_, inputs, units.acquire_params(0), zero_wpe_, B, T, C);
+  }
   units.release_params(0);
 
   // Residual stream: res3_[l] = res2 + mlp(RMSNorm(res2)) of block l, its add
@@ -132,22 +193,20 @@ void LlamaNetwork::forward(UnitAccess& units, const int32_t* inputs, const int32
   be_->residual_rmsnorm_forward(res3_[L - 1], lnf_, lnf_rstd_, acts(L - 1).res2, dbuf_c_, head, N, C, eps_);
   if (cfg_.tied) {
     units.release_params(L + 1);
-    be_->lm_head_forward(logits_, lnf_, units.acquire_params(0), N, C, cfg_.V, ldv_);
+    be_->lm_head_forward(logits_, lnf_, units.acquire_params(0), N, C, v_valid_, ldv_);
     units.release_params(0);
   } else {
-    be_->lm_head_forward(logits_, lnf_, head + lm_head_off_ * es, N, C, cfg_.V, ldv_);
+    be_->lm_head_forward(logits_, lnf_, head + lm_head_off_ * es, N, C, v_valid_, ldv_);
     units.release_params(L + 1);
   }
-  if (targets)
-    be_->softmax_cross_entropy(losses_, for_backward ? logits_ : nullptr, logits_, targets, N, cfg_.V, ldv_,
-                               dloss_scale);
+  if (targets) cross_entropy(targets, N, for_backward, dloss_scale);
 }
 
 // Backward through one block: dres holds dL/d(block output) on entry and
 // dL/d(block input) on exit; parameter grads accumulate into g.
 void LlamaNetwork::block_backward(const void* p, float* g, int l, const void* res_in, void* dres, int B, int T) {
-  const int N = B * T, C = cfg_.C, F = cfg_.F;
-  const LlamaBlockOffsets off(C, KV_, F);
+  const int N = B * T, C = cfg_.C, F = F_;
+  const LlamaBlockOffsets off(C, Q_, KV_, F);
   auto w = block_ptrs<const void*>(p, off, dtype_size(be_->act_dtype()));
   auto dw = block_ptrs<float*>(g, off, 4);
   LayerActs& a = acts(l);
@@ -155,12 +214,33 @@ void LlamaNetwork::block_backward(const void* p, float* g, int l, const void* re
   be_->matmul_backward(dh_, dw.downw, nullptr, dres, a.h, w.downw, N, F, C);
   be_->swiglu_backward(a.gu, dh_, a.gu, N, F);  // in place: gate|up is not read again
   be_->matmul_backward(dbuf_c_, dw.guw, nullptr, a.gu, a.ln2, w.guw, N, C, 2 * F);
+  tp_sum(dbuf_c_, int64_t(N) * C);  // column-parallel: each rank's columns add to the input gradient
   be_->rmsnorm_backward(dres, dw.ln2w, dbuf_c_, a.res2, w.ln2w, a.ln2_rstd, N, C);
   // Attention: res2 = res_in + o(attn(rope(qkv(RMSNorm(res_in)))))
-  be_->matmul_backward(dbuf_c_, dw.ow, nullptr, dres, a.atty, w.ow, N, C, C);
-  be_->attention_gqa_backward(dqkv_, dbuf_c_, a.qkv, a.atty, a.att, B, T, cfg_.NH, cfg_.NKV, HS_);
-  be_->rope_backward(dqkv_, rope_, B, T, cfg_.NH, cfg_.NKV, HS_, 0);
-  be_->matmul_backward(dbuf_c_, dw.qkvw, nullptr, dqkv_, a.ln1, w.qkvw, N, C, QKV_);
+  be_->matmul_backward(dbuf_c_, dw.ow, nullptr, dres, a.atty, w.ow, N, Q_, C);
+  be_->attention_gqa_backward(dqkv_, dbuf_c_, a.qkv, a.atty, a.att, B, T, NH_, NKV_, HS_);
+  be_->rope_backward(dqkv_, rope_, B, T, NH_, NKV_, HS_, 0);
+  if (kv_replicas_ == 1) {
+    be_->matmul_backward(dbuf_c_, dw.qkvw, nullptr, dqkv_, a.ln1, w.qkvw, N, C, QKV_);
+  } else {
+    // KV heads replicated over kv_replicas_ ranks: each holds the gradient
+    // its own query heads give k and v; the true one is their sum. This
+    // step's qkv gradient goes to a scratch, its k|v part into this KV
+    // head's slot, one all-reduce sums every slot over the group, and each
+    // rank adds back its slot (the input gradient needs no change: the
+    // ranks' dk Wk terms are the parts of the sum).
+    const int64_t qC = int64_t(Q_) * C, kvC = 2 * int64_t(KV_) * C;
+    float* scratch = kv_grad_scratch_.as<float>();
+    float* slots = kv_grad_slots_.as<float>();
+    be_->zero(scratch, kv_grad_scratch_.bytes());
+    be_->matmul_backward(dbuf_c_, scratch, nullptr, dqkv_, a.ln1, w.qkvw, N, C, QKV_);
+    be_->zero(slots, kv_grad_slots_.bytes());
+    be_->copy_device(slots + kv_head_ * kvC, scratch + qC, kvC * 4);
+    tp_->comm->all_reduce(slots, int64_t(NKV_global_) * kvC, ReduceOp::Sum);
+    be_->accumulate(dw.qkvw, scratch, qC);
+    be_->accumulate(dw.qkvw + qC, slots + kv_head_ * kvC, kvC);
+  }
+  tp_sum(dbuf_c_, int64_t(N) * C);
   be_->rmsnorm_backward(dres, dw.ln1w, dbuf_c_, res_in, w.ln1w, a.ln1_rstd, N, C);
 }
 
@@ -176,20 +256,21 @@ void LlamaNetwork::backward(UnitAccess& units) {
   if (cfg_.tied) {
     const void* emb = units.acquire_params(0);
     gemb = units.unit_grads(0);
-    be_->lm_head_backward(dbuf_c_, gemb, logits_, lnf_, emb, N, C, cfg_.V, ldv_);
+    be_->lm_head_backward(dbuf_c_, gemb, logits_, lnf_, emb, N, C, v_valid_, ldv_);
     units.release_params(0);
   }
   const char* head = static_cast<const char*>(units.acquire_params(L + 1));
   float* ghead = units.unit_grads(L + 1);
   if (!cfg_.tied)
-    be_->lm_head_backward(dbuf_c_, ghead + lm_head_off_, logits_, lnf_, head + lm_head_off_ * es, N, C, cfg_.V,
+    be_->lm_head_backward(dbuf_c_, ghead + lm_head_off_, logits_, lnf_, head + lm_head_off_ * es, N, C, v_valid_,
                           ldv_);
+  tp_sum(dbuf_c_, int64_t(N) * C);  // the head is column-parallel over the vocabulary
   be_->zero(dres_, size_t(N) * C * es);
   be_->rmsnorm_backward(dres_, ghead, dbuf_c_, res3_[L - 1], head, lnf_rstd_, N, C);
   units.release_params(L + 1);
   units.grads_done(L + 1);
 
-  const LlamaBlockOffsets off(C, KV_, cfg_.F);
+  const LlamaBlockOffsets off(C, Q_, KV_, F_);
   for (int l = L - 1; l >= 0; --l) {
     const void* p = units.acquire_params(1 + l);
     const void* res_in = l == 0 ? encoded_ : res3_[l - 1];
@@ -207,8 +288,12 @@ void LlamaNetwork::backward(UnitAccess& units) {
   }
 
   if (!gemb) gemb = units.unit_grads(0);
-  be_->zero(dwpe_, size_t(cfg_.T) * C * 4);  // the zero table's gradient: written, never read
-  be_->encoder_backward(gemb, dwpe_, dres_, inputs_, B, T, C);
+  if (tp_) {
+    be_->vocab_embedding_backward(gemb, nullptr, dres_, inputs_, v_begin_, v_valid_, B, T, C);
+  } else {
+    be_->zero(dwpe_, size_t(cfg_.T) * C * 4);  // the zero table's gradient: written, never read
+    be_->encoder_backward(gemb, dwpe_, dres_, inputs_, B, T, C);
+  }
   units.grads_done(0);
 }
 
