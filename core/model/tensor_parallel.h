@@ -94,6 +94,10 @@ void check_tensor_parallel(const ModelConfig& cfg, int tp);
 struct TensorParallel {
   const TensorParallelPlan* plan = nullptr;
   Communicator* comm = nullptr;
+  // parallel.sequence_parallel: between the blocks' linears the activations
+  // are split along the rows (tokens); all-gather before each column layer,
+  // reduce-scatter after each row layer, norm-weight gradients all-reduced.
+  bool sequence_parallel = false;
   // In-place sum over the TP group of n act-dtype elements (fp32 or bf16).
   void all_reduce(void* buf, int64_t n, DType dt) const;
 };

@@ -236,9 +236,6 @@ void Trainer::setup() {
            " = world size ", w_.world, " / parallel.tensor_parallel ", tp,
            "); change one of them so every rank gets whole micro-batches");
   accum_ = global_B_ / (mb_ * dp_size_);
-  if (job_.parallel.sequence_parallel_on() && tp > 1)
-    TR_FAIL("parallel.sequence_parallel: true is not implemented yet (tensor parallelism without it is: set it to "
-            "false)");
   // 4. sharded state
   // Each group is named for its errors ("shard0", "replica1": the prefix).
   CommFactory factory = [this, timeout, nccl](const std::string& prefix, int rank, int world) {
@@ -258,6 +255,7 @@ void Trainer::setup() {
     tp_plan_ = std::make_unique<TensorParallelPlan>(*arch_, tp, mesh_->coord(MeshDim::tp));
     tp_ctx_.plan = tp_plan_.get();
     tp_ctx_.comm = mesh_comms_->comm(MeshDim::tp);
+    tp_ctx_.sequence_parallel = job_.parallel.sequence_parallel_on();
     model_ = arch_->make_network(be_.get(), mb_, job_.train.activation_checkpointing == "blocks", &tp_ctx_);
     Communicator* dp = mesh_comms_->dp();
     if (!dp) {

@@ -89,6 +89,8 @@ GPT2::GPT2(const GPT2Config& cfg, Backend* be, int maxB, bool activation_checkpo
     v_begin_ = s.v_begin;
     v_valid_ = s.v_valid;
     adds_row_bias_ = s.rank == 0;
+    TR_CHECK(!tp_->sequence_parallel, "parallel.sequence_parallel: true is not implemented for gpt2 yet (llama has "
+             "it); set it to false");
     layout_ = tp_->plan->local_layout();
   }
   Q_ = NH_ * cfg.head_size();

@@ -31,6 +31,7 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
     kv_replicas_ = s.kv_replicas;
     kv_head_ = s.rank / s.kv_replicas;
     lay = &tp_->plan->local_layout();
+    sp_ = tp_->sequence_parallel && s.tp > 1;
   }
   Q_ = NH_ * HS_;
   KV_ = NKV_ * HS_;
@@ -46,6 +47,9 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
   }
   const size_t es = dtype_size(be->act_dtype());
   const int64_t N = int64_t(maxB) * cfg.T, C = cfg.C, F = F_, T = cfg.T;
+  // Sequence parallelism: the residual stream, the norms' statistics and
+  // the residual gradient hold this rank's 1/T of the rows.
+  const int64_t NR = sp_ ? (N + tp_->plan->size() - 1) / tp_->plan->size() : N;
   // One arena, every buffer on a 64-byte boundary; LlamaArch::activation_bytes
   // adds up the same list.
   std::vector<std::pair<void**, size_t>> plan;
@@ -53,24 +57,24 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
   req(&rope_, size_t(T) * HS_ * 4);  // (T, HS/2, 2) fp32
   req(&zero_wpe_, T * C * es);
   req(&dwpe_, T * C * 4);
-  req(&encoded_, N * C * es);
+  req(&encoded_, NR * C * es);
   res3_.assign(cfg.L, nullptr);
-  for (int l = 0; l < cfg.L; ++l) req(&res3_[l], N * C * es);
+  for (int l = 0; l < cfg.L; ++l) req(&res3_[l], NR * C * es);
   layers_.resize(ckpt_ ? 1 : cfg.L);
   for (auto& a : layers_) {
     req(&a.ln1, N * C * es);
-    req(&a.ln1_rstd, N * 4);
+    req(&a.ln1_rstd, NR * 4);
     req(&a.qkv, N * QKV_ * es);
     req(&a.atty, N * Q_ * es);
     req(&a.att, be->attention_gqa_saved_floats(maxB, cfg.T, NH_) * 4);
-    req(&a.res2, N * C * es);
+    req(&a.res2, NR * C * es);
     req(&a.ln2, N * C * es);
-    req(&a.ln2_rstd, N * 4);
+    req(&a.ln2_rstd, NR * 4);
     req(&a.gu, N * 2 * F * es);
     req(&a.h, N * F * es);
   }
   req(&lnf_, N * C * es);
-  req(&lnf_rstd_, N * 4);
+  req(&lnf_rstd_, NR * 4);
   ldv_ = be->logits_stride(VL_);
   req(&logits_, N * ldv_ * es);
   req(&losses_, N * 4);
@@ -78,7 +82,12 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
     req(&ce_rowmax_, N * 4);
     req(&ce_stats_, 2 * N * 4);
   }
-  req(&dres_, N * C * es);
+  req(&dres_, NR * C * es);
+  if (sp_) {
+    req(&sp_rows_, NR * C * es);
+    req(&dres_full_, N * C * es);
+    req(&norm_grad_, C * 4);
+  }
   req(&dbuf_c_, N * C * es);
   req(&dqkv_, N * QKV_ * es);
   req(&dh_, N * F * es);
@@ -122,12 +131,69 @@ void LlamaNetwork::block_forward(const void* p, int l, const void* res_in, int B
   be_->rope_forward(a.qkv, rope_, B, T, NH_, NKV_, HS_, 0);
   be_->attention_gqa_forward(a.atty, a.att, a.qkv, B, T, NH_, NKV_, HS_);
   be_->matmul_forward(dbuf_c_, a.atty, w.ow, nullptr, N, Q_, C);
-  tp_sum(dbuf_c_, int64_t(N) * C);
-  be_->residual_rmsnorm_forward(a.res2, a.ln2, a.ln2_rstd, res_in, dbuf_c_, w.ln2w, N, C, eps_);
+  const void* attn_out = row_parallel_out(dbuf_c_, N);
+  be_->residual_rmsnorm_forward(a.res2, my_rows(a.ln2, N), a.ln2_rstd, res_in, attn_out, w.ln2w, rows(N), C, eps_);
+  gather_rows(a.ln2, N);
   be_->matmul_forward(a.gu, a.ln2, w.guw, nullptr, N, C, 2 * F);
   be_->swiglu_forward(a.h, a.gu, N, F);
   be_->matmul_forward(dbuf_c_, a.h, w.downw, nullptr, N, F, C);
-  tp_sum(dbuf_c_, int64_t(N) * C);
+  (void)row_parallel_out(dbuf_c_, N);  // -> mlp_out()
+}
+
+// ---- the collectives of tensor and sequence parallelism ----------------------------------
+// Without SP a row-parallel output is all-reduced in place (dbuf_c_) and a
+// column layer's input gradient likewise; with SP they are reduce-scattered
+// into this rank's rows (sp_rows_), and the norms' outputs (and the
+// residual gradient, in the backward) are all-gathered before a column
+// layer reads them. Without tensor parallelism every one is a no-op.
+
+int LlamaNetwork::rows(int N) const { return sp_ ? N / tp_->plan->size() : N; }
+
+void* LlamaNetwork::my_rows(void* full, int N) const {
+  if (!sp_) return full;
+  return static_cast<char*>(full) + int64_t(tp_->plan->rank()) * rows(N) * cfg_.C * dtype_size(be_->act_dtype());
+}
+
+void LlamaNetwork::gather_rows(void* full, int N) {
+  if (!sp_) return;
+  const size_t bytes = size_t(rows(N)) * cfg_.C * dtype_size(be_->act_dtype());
+  tp_->comm->all_gather(full, my_rows(full, N), bytes);  // in place
+}
+
+const void* LlamaNetwork::row_parallel_out(void* partial, int N) {
+  if (!sp_) {
+    tp_sum(partial, int64_t(N) * cfg_.C);
+    return partial;
+  }
+  const int64_t n = int64_t(rows(N)) * cfg_.C;
+  if (be_->act_dtype() == DType::F32)
+    tp_->comm->reduce_scatter(static_cast<float*>(sp_rows_), static_cast<const float*>(partial), n, ReduceOp::Sum);
+  else
+    tp_->comm->reduce_scatter_bf16(static_cast<uint16_t*>(sp_rows_), static_cast<const uint16_t*>(partial), n,
+                                   ReduceOp::Sum);
+  return sp_rows_;
+}
+
+const void* LlamaNetwork::full_rows(const void* mine, int N) {
+  if (!sp_) return mine;
+  const size_t bytes = size_t(rows(N)) * cfg_.C * dtype_size(be_->act_dtype());
+  be_->copy_device(my_rows(dres_full_, N), mine, bytes);
+  gather_rows(dres_full_, N);
+  return dres_full_;
+}
+
+float* LlamaNetwork::norm_grad(float* dweight) {
+  if (!sp_) return dweight;
+  be_->zero(norm_grad_, size_t(cfg_.C) * 4);
+  return norm_grad_;
+}
+
+// Under SP each rank's norm-weight gradient covers its own rows only: the
+// weights are replicated, so the gradient is the sum over the group.
+void LlamaNetwork::norm_grad_done(float* dweight) {
+  if (!sp_) return;
+  tp_->comm->all_reduce(norm_grad_, cfg_.C, ReduceOp::Sum);
+  be_->accumulate(dweight, norm_grad_, cfg_.C);
 }
 
 void LlamaNetwork::tp_sum(void* buf, int64_t n) {
@@ -165,11 +231,21 @@ void LlamaNetwork::forward(UnitAccess& units, const int32_t* inputs, const int32
   const size_t es = dtype_size(be_->act_dtype());
   const LlamaBlockOffsets off(C, Q_, KV_, F);
 
+  TR_CHECK(!sp_ || N % tp_->plan->size() == 0, "parallel.sequence_parallel: the micro-batch's ", N,
+           " tokens (train.micro_batch_size x model.seq_len) do not split over parallel.tensor_parallel (",
+           tp_ ? tp_->plan->size() : 1, "); make micro_batch_size x seq_len a multiple of it");
+  const int NR = rows(N);
+
   units.begin_pass(false, for_backward);
   if (tp_) {
     // Vocab-parallel embedding: this rank's rows, zeros for the others' tokens.
-    be_->vocab_embedding_forward(encoded_, inputs, units.acquire_params(0), nullptr, v_begin_, v_valid_, B, T, C);
-    tp_sum(encoded_, int64_t(N) * C);
+    if (sp_) {
+      be_->vocab_embedding_forward(dbuf_c_, inputs, units.acquire_params(0), nullptr, v_begin_, v_valid_, B, T, C);
+      be_->copy_device(encoded_, row_parallel_out(dbuf_c_, N), size_t(NR) * C * es);
+    } else {
+      be_->vocab_embedding_forward(encoded_, inputs, units.acquire_params(0), nullptr, v_begin_, v_valid_, B, T, C);
+      tp_sum(encoded_, int64_t(N) * C);
+    }
   } else {
     be_->encoder_forward(encoded_, inputs, units.acquire_params(0), zero_wpe_, B, T, C);
   }
@@ -182,15 +258,19 @@ void LlamaNetwork::forward(UnitAccess& units, const int32_t* inputs, const int32
     auto w = block_ptrs<const void*>(p, off, es);
     LayerActs& a = acts(l);
     if (l == 0)
-      be_->rmsnorm_forward(a.ln1, a.ln1_rstd, encoded_, w.ln1w, N, C, eps_);
+      be_->rmsnorm_forward(my_rows(a.ln1, N), a.ln1_rstd, encoded_, w.ln1w, NR, C, eps_);
     else
-      be_->residual_rmsnorm_forward(res3_[l - 1], a.ln1, a.ln1_rstd, acts(l - 1).res2, dbuf_c_, w.ln1w, N, C, eps_);
+      be_->residual_rmsnorm_forward(res3_[l - 1], my_rows(a.ln1, N), a.ln1_rstd, acts(l - 1).res2, mlp_out(), w.ln1w,
+                                    NR, C, eps_);
+    gather_rows(a.ln1, N);
     block_forward(p, l, l == 0 ? encoded_ : res3_[l - 1], B, T);
     units.release_params(1 + l);
   }
 
   const char* head = static_cast<const char*>(units.acquire_params(L + 1));
-  be_->residual_rmsnorm_forward(res3_[L - 1], lnf_, lnf_rstd_, acts(L - 1).res2, dbuf_c_, head, N, C, eps_);
+  be_->residual_rmsnorm_forward(res3_[L - 1], my_rows(lnf_, N), lnf_rstd_, acts(L - 1).res2, mlp_out(), head, NR, C,
+                                eps_);
+  gather_rows(lnf_, N);
   if (cfg_.tied) {
     units.release_params(L + 1);
     be_->lm_head_forward(logits_, lnf_, units.acquire_params(0), N, C, v_valid_, ldv_);
@@ -205,19 +285,21 @@ void LlamaNetwork::forward(UnitAccess& units, const int32_t* inputs, const int32
 // Backward through one block: dres holds dL/d(block output) on entry and
 // dL/d(block input) on exit; parameter grads accumulate into g.
 void LlamaNetwork::block_backward(const void* p, float* g, int l, const void* res_in, void* dres, int B, int T) {
-  const int N = B * T, C = cfg_.C, F = F_;
+  const int N = B * T, C = cfg_.C, F = F_, NR = rows(N);
   const LlamaBlockOffsets off(C, Q_, KV_, F);
   auto w = block_ptrs<const void*>(p, off, dtype_size(be_->act_dtype()));
   auto dw = block_ptrs<float*>(g, off, 4);
   LayerActs& a = acts(l);
   // MLP: res_out = res2 + down(swiglu(gate_up(RMSNorm(res2))))
-  be_->matmul_backward(dh_, dw.downw, nullptr, dres, a.h, w.downw, N, F, C);
+  be_->matmul_backward(dh_, dw.downw, nullptr, full_rows(dres, N), a.h, w.downw, N, F, C);
   be_->swiglu_backward(a.gu, dh_, a.gu, N, F);  // in place: gate|up is not read again
   be_->matmul_backward(dbuf_c_, dw.guw, nullptr, a.gu, a.ln2, w.guw, N, C, 2 * F);
-  tp_sum(dbuf_c_, int64_t(N) * C);  // column-parallel: each rank's columns add to the input gradient
-  be_->rmsnorm_backward(dres, dw.ln2w, dbuf_c_, a.res2, w.ln2w, a.ln2_rstd, N, C);
+  // column-parallel: each rank's columns add to the input gradient
+  const void* dln2 = row_parallel_out(dbuf_c_, N);
+  be_->rmsnorm_backward(dres, norm_grad(dw.ln2w), dln2, a.res2, w.ln2w, a.ln2_rstd, NR, C);
+  norm_grad_done(dw.ln2w);
   // Attention: res2 = res_in + o(attn(rope(qkv(RMSNorm(res_in)))))
-  be_->matmul_backward(dbuf_c_, dw.ow, nullptr, dres, a.atty, w.ow, N, Q_, C);
+  be_->matmul_backward(dbuf_c_, dw.ow, nullptr, full_rows(dres, N), a.atty, w.ow, N, Q_, C);
   be_->attention_gqa_backward(dqkv_, dbuf_c_, a.qkv, a.atty, a.att, B, T, NH_, NKV_, HS_);
   be_->rope_backward(dqkv_, rope_, B, T, NH_, NKV_, HS_, 0);
   if (kv_replicas_ == 1) {
@@ -240,13 +322,14 @@ void LlamaNetwork::block_backward(const void* p, float* g, int l, const void* re
     be_->accumulate(dw.qkvw, scratch, qC);
     be_->accumulate(dw.qkvw + qC, slots + kv_head_ * kvC, kvC);
   }
-  tp_sum(dbuf_c_, int64_t(N) * C);
-  be_->rmsnorm_backward(dres, dw.ln1w, dbuf_c_, res_in, w.ln1w, a.ln1_rstd, N, C);
+  const void* dln1 = row_parallel_out(dbuf_c_, N);
+  be_->rmsnorm_backward(dres, norm_grad(dw.ln1w), dln1, res_in, w.ln1w, a.ln1_rstd, NR, C);
+  norm_grad_done(dw.ln1w);
 }
 
 void LlamaNetwork::backward(UnitAccess& units) {
   TR_CHECK(arena_.get(), "model.backward: the activations were freed (free_activations)");
-  const int B = B_, T = T_, N = B * T, C = cfg_.C, L = cfg_.L;
+  const int B = B_, T = T_, N = B * T, C = cfg_.C, L = cfg_.L, NR = rows(N);
   const size_t es = dtype_size(be_->act_dtype());
   units.begin_pass(true, false);
   // logits_ holds dlogits (forward with for_backward). Tied: the head's
@@ -264,9 +347,10 @@ void LlamaNetwork::backward(UnitAccess& units) {
   if (!cfg_.tied)
     be_->lm_head_backward(dbuf_c_, ghead + lm_head_off_, logits_, lnf_, head + lm_head_off_ * es, N, C, v_valid_,
                           ldv_);
-  tp_sum(dbuf_c_, int64_t(N) * C);  // the head is column-parallel over the vocabulary
-  be_->zero(dres_, size_t(N) * C * es);
-  be_->rmsnorm_backward(dres_, ghead, dbuf_c_, res3_[L - 1], head, lnf_rstd_, N, C);
+  const void* dlnf = row_parallel_out(dbuf_c_, N);  // the head is column-parallel over the vocabulary
+  be_->zero(dres_, size_t(NR) * C * es);
+  be_->rmsnorm_backward(dres_, norm_grad(ghead), dlnf, res3_[L - 1], head, lnf_rstd_, NR, C);
+  norm_grad_done(ghead);
   units.release_params(L + 1);
   units.grads_done(L + 1);
 
@@ -279,7 +363,8 @@ void LlamaNetwork::backward(UnitAccess& units) {
     // overwrites before reading; the checkpoints (res3_) stay untouched.
     if (ckpt_) {
       auto w = block_ptrs<const void*>(p, off, es);
-      be_->rmsnorm_forward(acts(l).ln1, acts(l).ln1_rstd, res_in, w.ln1w, N, C, eps_);
+      be_->rmsnorm_forward(my_rows(acts(l).ln1, N), acts(l).ln1_rstd, res_in, w.ln1w, NR, C, eps_);
+      gather_rows(acts(l).ln1, N);
       block_forward(p, l, res_in, B, T);
     }
     block_backward(p, units.unit_grads(1 + l), l, res_in, dres_, B, T);
@@ -289,7 +374,7 @@ void LlamaNetwork::backward(UnitAccess& units) {
 
   if (!gemb) gemb = units.unit_grads(0);
   if (tp_) {
-    be_->vocab_embedding_backward(gemb, nullptr, dres_, inputs_, v_begin_, v_valid_, B, T, C);
+    be_->vocab_embedding_backward(gemb, nullptr, full_rows(dres_, N), inputs_, v_begin_, v_valid_, B, T, C);
   } else {
     be_->zero(dwpe_, size_t(cfg_.T) * C * 4);  // the zero table's gradient: written, never read
     be_->encoder_backward(gemb, dwpe_, dres_, inputs_, B, T, C);

@@ -90,6 +90,19 @@ class LlamaNetwork final : public Network {
   float* ce_rowmax_ = nullptr;    // (N) vocab-parallel cross-entropy
   float* ce_stats_ = nullptr;     // (2N)
   void tp_sum(void* buf, int64_t n);  // all-reduce over TP (no-op without)
+  // Sequence parallelism (parallel.sequence_parallel): see llama.cpp.
+  bool sp_ = false;
+  void* sp_rows_ = nullptr;       // (N/T, C) this rank's rows of a reduce-scattered output / input gradient
+  void* dres_full_ = nullptr;     // (N, C) the gathered residual gradient
+  float* norm_grad_ = nullptr;    // (C) one norm's weight gradient, summed over TP
+  int rows(int N) const;          // this rank's rows of N (N without SP)
+  void* my_rows(void* full, int N) const;
+  void gather_rows(void* full, int N);
+  const void* row_parallel_out(void* partial, int N);
+  const void* full_rows(const void* mine, int N);
+  float* norm_grad(float* dweight);
+  void norm_grad_done(float* dweight);
+  const void* mlp_out() const { return sp_ ? sp_rows_ : dbuf_c_; }  // the last block's output, reduced
   void cross_entropy(const int32_t* targets, int N, bool for_backward, float dloss_scale);
   float eps_;
   int64_t lm_head_off_ = -1;      // untied: lm_head.weight's offset in the head unit
