@@ -5,6 +5,7 @@
 // (Llama GQA 2:1 and 4:1, tied and untied, GPT-2, a vocabulary that needs
 // padding), resume across meshes, and the bad meshes' messages.
 #include <catch2/catch.hpp>
+#include <chrono>
 #include <cmath>
 #include <random>
 #include <string>
@@ -394,5 +395,51 @@ TEST_CASE("tp: bad meshes are clear errors", "[tp]") {
   SECTION("sequence parallelism with tp1 is only a warning") {
     CHECK_NOTHROW(parse_job_spec(tp_job(dir.path(), kGpt2Model, "full_shard", 1, 0), "job.yaml",
                                  {"parallel.sequence_parallel=true"}));
+  }
+}
+
+// ---- failures inside the tensor-parallel group ---------------------------------------------
+
+namespace {
+std::string tp_binary_job(const std::string& dir) {
+  return "backend: cpu\n"
+         "model: {arch: llama, n_layer: 2, n_head: 4, n_kv_head: 2, n_embd: 16, ffn_dim: 24, vocab_size: 23, "
+         "seq_len: 8}\n"
+         "data: {format: synthetic}\n"
+         "train: {global_batch_size: 4, micro_batch_size: 2, max_steps: 5, log_interval: 1, eval_interval: 0, "
+         "eval_steps: 1, warmup_steps: 1}\n"
+         "parallel: {nproc_per_node: 2, tensor_parallel: 2, sharding: full_shard, timeout_s: 60}\n"
+         "output: {dir: '" + dir + "/run', sample_tokens: 0}\n";
+}
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+}  // namespace
+
+TEST_CASE("tp: a failed TP collective or a dead TP peer ends the job within the timeout, naming it", "[tp][faults]") {
+  using Catch::Matchers::Contains;
+  TempDir dir("tp_fault");
+  write_file(dir / "job.yaml", tp_binary_job(dir.path()));
+  SECTION("rank 1's tp0 collective of step 2 fails after returning") {
+    const auto t0 = std::chrono::steady_clock::now();
+    const auto r = run_command("OMP_NUM_THREADS=1 TRAINRUN_DEBUG_COMM_FAULT=tp0:1:2 '" + trainrun_binary() +
+                               "' --config '" + dir / "job.yaml" + "'");
+    INFO(r.err);
+    CHECK(r.exit_code == 1);
+    CHECK(seconds_since(t0) < 30);  // well inside parallel.timeout_s
+    // Rank 1 stops at its next TP call; rank 0, inside a tp0 collective
+    // with it, loses the connection: whichever exits first, the report
+    // names the group and the step, and rank 1's log the injected failure.
+    CHECK_THAT(r.err, Contains("group tp0") && Contains("step 2"));
+    CHECK_THAT(read_file(dir / "run/logs/rank1.log"), Contains("group tp0") && Contains("injected failure"));
+  }
+  SECTION("rank 1 dies at step 2: its TP peer stops in the collective it was waiting in") {
+    const auto t0 = std::chrono::steady_clock::now();
+    const auto r = run_command("OMP_NUM_THREADS=1 TRAINRUN_DEBUG_FAIL_RANK=1 TRAINRUN_DEBUG_FAIL_STEP=2 '" +
+                               trainrun_binary() + "' --config '" + dir / "job.yaml" + "'");
+    INFO(r.err);
+    CHECK(r.exit_code == 1);
+    CHECK(seconds_since(t0) < 30);
+    CHECK_THAT(r.err, Contains("rank 1 (pid ") && Contains("failed first") && Contains("rank 1 fails at step 2"));
   }
 }
