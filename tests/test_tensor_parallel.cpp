@@ -310,14 +310,15 @@ TEST_CASE("tp: llama GQA 4:1 (KV head replicated) at tp2, tp4 and tp2 x dp2 trai
 
 TEST_CASE("tp: gpt2 at tp2, tp4 and tp2 x dp2 trains as one rank does", "[tp][gpt2]") { check_meshes(kGpt2Model); }
 
-TEST_CASE("tp: sequence parallelism (llama) at tp2, tp4 and tp2 x dp2 trains as one rank does", "[tp][sp]") {
+TEST_CASE("tp: sequence parallelism at tp2, tp4 and tp2 x dp2 trains as one rank does", "[tp][sp]") {
   // The mutation check of issue #14: without the all-reduce of the norm
-  // weights' gradients (LlamaNetwork::norm_grad_done) every case here fails.
+  // weights' gradients (TpCollectives::norm_grad_done) every case here fails.
   const std::vector<std::string> sp = {"parallel.sequence_parallel=true"};
-  for (int nkv : {2, 1}) {
-    for (const char* tie : {"false", "true"}) {
-      const std::string model = llama_model(nkv, tie);
-      INFO("n_kv_head " << nkv << ", tie_embeddings " << tie);
+  for (const std::string& model :
+       {llama_model(2, "false"), llama_model(2, "true"), llama_model(1, "false"), llama_model(1, "true"),
+        std::string(kGpt2Model)}) {
+    {
+      INFO(model);
       const Run ref = run_tp(model, 1, 1, "no_shard");
       {
         INFO("tp2 + SP");
@@ -379,12 +380,6 @@ TEST_CASE("tp: bad meshes are clear errors", "[tp]") {
     CHECK_THROWS_WITH(parse_job_spec(tp_job(dir.path(), kGpt2Model, "full_shard", 1, 0), "job.yaml",
                                      {"parallel.pipeline_parallel=2"}),
                       Contains("parallel.pipeline_parallel") && Contains("not implemented yet (issue #15)"));
-  }
-  SECTION("sequence parallelism is refused for gpt2 (not implemented there yet)") {
-    const JobSpec job = parse_job_spec(tp_job(dir.path(), kGpt2Model, "full_shard", 2, 0), "job.yaml",
-                                       {"parallel.sequence_parallel=true"});
-    CHECK_THROWS_WITH(run_ranks_inprocess(job, 2),
-                      Contains("parallel.sequence_parallel: true is not implemented for gpt2 yet"));
   }
   SECTION("sequence parallelism needs the micro-batch's tokens to split over the group") {
     const JobSpec job = parse_job_spec(tp_job(dir.path(), llama_model(2, "true"), "full_shard", 2, 0), "job.yaml",

@@ -188,4 +188,48 @@ void TensorParallel::all_reduce(void* buf, int64_t n, DType dt) const {
   else comm->all_reduce_bf16(static_cast<uint16_t*>(buf), n, ReduceOp::Sum);
 }
 
+void* TpCollectives::my_rows(void* full, int N) const {
+  if (!sp) return full;
+  return static_cast<char*>(full) + int64_t(tp->plan->rank()) * rows(N) * C * dtype_size(be->act_dtype());
+}
+
+void TpCollectives::gather_rows(void* full, int N) const {
+  if (!sp) return;
+  tp->comm->all_gather(full, my_rows(full, N), size_t(rows(N)) * C * dtype_size(be->act_dtype()));
+}
+
+const void* TpCollectives::reduce_out(void* partial, int N) const {
+  if (!tp) return partial;
+  if (!sp) {
+    tp->all_reduce(partial, int64_t(N) * C, be->act_dtype());
+    return partial;
+  }
+  const int64_t n = int64_t(rows(N)) * C;
+  if (be->act_dtype() == DType::F32)
+    tp->comm->reduce_scatter(static_cast<float*>(rows_buf), static_cast<const float*>(partial), n, ReduceOp::Sum);
+  else
+    tp->comm->reduce_scatter_bf16(static_cast<uint16_t*>(rows_buf), static_cast<const uint16_t*>(partial), n,
+                                  ReduceOp::Sum);
+  return rows_buf;
+}
+
+const void* TpCollectives::full_rows(const void* mine, int N) const {
+  if (!sp) return mine;
+  be->copy_device(my_rows(full_buf, N), mine, size_t(rows(N)) * C * dtype_size(be->act_dtype()));
+  gather_rows(full_buf, N);
+  return full_buf;
+}
+
+float* TpCollectives::norm_grad(float* dparams) const {
+  if (!sp) return dparams;
+  be->zero(norm_buf, size_t(norm_len) * 4);
+  return norm_buf;
+}
+
+void TpCollectives::norm_grad_done(float* dparams) const {
+  if (!sp) return;
+  tp->comm->all_reduce(norm_buf, norm_len, ReduceOp::Sum);
+  be->accumulate(dparams, norm_buf, norm_len);
+}
+
 }  // namespace trainrun

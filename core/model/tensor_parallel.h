@@ -102,4 +102,39 @@ struct TensorParallel {
   void all_reduce(void* buf, int64_t n, DType dt) const;
 };
 
+// The collectives a network issues between its GEMMs under tensor (and
+// sequence) parallelism, shared by the architectures. Without tensor
+// parallelism every call is a pass-through, so the tp1 path runs the same
+// ops on the same buffers as before. Without SP a row-parallel output and
+// a column layer's input gradient are all-reduced in place; with SP they
+// are reduce-scattered into this rank's rows (rows_buf), and a norm's
+// output (forward) and the residual gradient (backward) are all-gathered
+// before a column layer reads them; a norm's weight gradient, computed
+// from this rank's rows only, is summed over the group.
+struct TpCollectives {
+  const TensorParallel* tp = nullptr;  // null: no tensor parallelism
+  Backend* be = nullptr;
+  int C = 0;
+  bool sp = false;
+  void* rows_buf = nullptr;      // (N/T, C) act dtype: reduce-scattered rows (SP)
+  void* full_buf = nullptr;      // (N, C) act dtype: the gathered residual gradient (SP)
+  float* norm_buf = nullptr;     // (norm_len) fp32: one norm's parameter gradients (SP)
+  int norm_len = 0;              // C (RMSNorm) or 2C (LayerNorm weight | bias, adjacent)
+
+  // This rank's rows of N (N without SP), and where they start in a full buffer.
+  int rows(int N) const { return sp ? N / tp->plan->size() : N; }
+  void* my_rows(void* full, int N) const;
+  // In place: every rank's rows of `full` to every rank (SP; else nothing).
+  void gather_rows(void* full, int N) const;
+  // A row-parallel layer's (N, C) partial output, or a column layer's
+  // partial input gradient, reduced: returns where the (rows(N), C) result is.
+  const void* reduce_out(void* partial, int N) const;
+  // (rows(N), C) of this rank -> all N rows (SP: full_buf; else `mine`).
+  const void* full_rows(const void* mine, int N) const;
+  // Where a norm's backward accumulates its parameter gradients, and the
+  // step that sums them over the group into `dparams` (norm_len values).
+  float* norm_grad(float* dparams) const;
+  void norm_grad_done(float* dparams) const;
+};
+
 }  // namespace trainrun

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "core/model/model.h"
+#include "core/model/tensor_parallel.h"
 
 namespace trainrun {
 
@@ -113,6 +114,13 @@ class GPT2 final : public Network {
   float* ce_rowmax_ = nullptr;             // (N) vocab-parallel cross-entropy
   float* ce_stats_ = nullptr;              // (2N)
   void tp_sum(void* buf, int64_t n);
+  // Sequence parallelism (parallel.sequence_parallel): TpCollectives.
+  TpCollectives tpc_;
+  bool sp_ = false;
+  void* sp_rows_ = nullptr;                // (N/T, C)
+  void* dres_full_ = nullptr;              // (N, C)
+  float* norm_grad_ = nullptr;             // (2C) one LayerNorm's weight | bias gradient
+  const void* mlp_out() const { return sp_ ? sp_rows_ : dbuf_c_; }
   DeviceBuffer arena_;
   size_t act_bytes_ = 0;
   void* encoded_ = nullptr;                // (N,C)

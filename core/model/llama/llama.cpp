@@ -100,6 +100,14 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
     base += p.second;
   }
   act_bytes_ = total;
+  tpc_.tp = tp_;
+  tpc_.be = be;
+  tpc_.C = cfg.C;
+  tpc_.sp = sp_;
+  tpc_.rows_buf = sp_rows_;
+  tpc_.full_buf = dres_full_;
+  tpc_.norm_buf = norm_grad_;
+  tpc_.norm_len = cfg.C;
   const RopeScaling* scaling = cfg.rope_scaling_type.empty() ? nullptr : &cfg.rope_scaling;
   const std::vector<float> table = rope_table(cfg.T, HS_, cfg.rope_theta, scaling);
   be->copy_to_device(rope_, table.data(), table.size() * 4);
@@ -140,61 +148,14 @@ void LlamaNetwork::block_forward(const void* p, int l, const void* res_in, int B
   (void)row_parallel_out(dbuf_c_, N);  // -> mlp_out()
 }
 
-// ---- the collectives of tensor and sequence parallelism ----------------------------------
-// Without SP a row-parallel output is all-reduced in place (dbuf_c_) and a
-// column layer's input gradient likewise; with SP they are reduce-scattered
-// into this rank's rows (sp_rows_), and the norms' outputs (and the
-// residual gradient, in the backward) are all-gathered before a column
-// layer reads them. Without tensor parallelism every one is a no-op.
-
-int LlamaNetwork::rows(int N) const { return sp_ ? N / tp_->plan->size() : N; }
-
-void* LlamaNetwork::my_rows(void* full, int N) const {
-  if (!sp_) return full;
-  return static_cast<char*>(full) + int64_t(tp_->plan->rank()) * rows(N) * cfg_.C * dtype_size(be_->act_dtype());
-}
-
-void LlamaNetwork::gather_rows(void* full, int N) {
-  if (!sp_) return;
-  const size_t bytes = size_t(rows(N)) * cfg_.C * dtype_size(be_->act_dtype());
-  tp_->comm->all_gather(full, my_rows(full, N), bytes);  // in place
-}
-
-const void* LlamaNetwork::row_parallel_out(void* partial, int N) {
-  if (!sp_) {
-    tp_sum(partial, int64_t(N) * cfg_.C);
-    return partial;
-  }
-  const int64_t n = int64_t(rows(N)) * cfg_.C;
-  if (be_->act_dtype() == DType::F32)
-    tp_->comm->reduce_scatter(static_cast<float*>(sp_rows_), static_cast<const float*>(partial), n, ReduceOp::Sum);
-  else
-    tp_->comm->reduce_scatter_bf16(static_cast<uint16_t*>(sp_rows_), static_cast<const uint16_t*>(partial), n,
-                                   ReduceOp::Sum);
-  return sp_rows_;
-}
-
-const void* LlamaNetwork::full_rows(const void* mine, int N) {
-  if (!sp_) return mine;
-  const size_t bytes = size_t(rows(N)) * cfg_.C * dtype_size(be_->act_dtype());
-  be_->copy_device(my_rows(dres_full_, N), mine, bytes);
-  gather_rows(dres_full_, N);
-  return dres_full_;
-}
-
-float* LlamaNetwork::norm_grad(float* dweight) {
-  if (!sp_) return dweight;
-  be_->zero(norm_grad_, size_t(cfg_.C) * 4);
-  return norm_grad_;
-}
-
-// Under SP each rank's norm-weight gradient covers its own rows only: the
-// weights are replicated, so the gradient is the sum over the group.
-void LlamaNetwork::norm_grad_done(float* dweight) {
-  if (!sp_) return;
-  tp_->comm->all_reduce(norm_grad_, cfg_.C, ReduceOp::Sum);
-  be_->accumulate(dweight, norm_grad_, cfg_.C);
-}
+// The collectives between the GEMMs: TpCollectives (core/model/tensor_parallel.h).
+int LlamaNetwork::rows(int N) const { return tpc_.rows(N); }
+void* LlamaNetwork::my_rows(void* full, int N) const { return tpc_.my_rows(full, N); }
+void LlamaNetwork::gather_rows(void* full, int N) { tpc_.gather_rows(full, N); }
+const void* LlamaNetwork::row_parallel_out(void* partial, int N) { return tpc_.reduce_out(partial, N); }
+const void* LlamaNetwork::full_rows(const void* mine, int N) { return tpc_.full_rows(mine, N); }
+float* LlamaNetwork::norm_grad(float* dweight) { return tpc_.norm_grad(dweight); }
+void LlamaNetwork::norm_grad_done(float* dweight) { tpc_.norm_grad_done(dweight); }
 
 void LlamaNetwork::tp_sum(void* buf, int64_t n) {
   if (tp_) tp_->all_reduce(buf, n, be_->act_dtype());

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "core/model/model.h"
+#include "core/model/tensor_parallel.h"
 
 namespace trainrun {
 
@@ -90,7 +91,8 @@ class LlamaNetwork final : public Network {
   float* ce_rowmax_ = nullptr;    // (N) vocab-parallel cross-entropy
   float* ce_stats_ = nullptr;     // (2N)
   void tp_sum(void* buf, int64_t n);  // all-reduce over TP (no-op without)
-  // Sequence parallelism (parallel.sequence_parallel): see llama.cpp.
+  // Sequence parallelism (parallel.sequence_parallel): TpCollectives.
+  TpCollectives tpc_;
   bool sp_ = false;
   void* sp_rows_ = nullptr;       // (N/T, C) this rank's rows of a reduce-scattered output / input gradient
   void* dres_full_ = nullptr;     // (N, C) the gathered residual gradient
