@@ -361,6 +361,27 @@ TEST_CASE("tp: a tp2 checkpoint resumes on tp1 and a tp1 one on tp2 (logical che
   }
 }
 
+TEST_CASE("tp: model.init_from (a Hugging Face directory) loads at tp2 as at tp1", "[tp][interop]") {
+  TempDir dir("tp_init");
+  // A trained GPT-2, exported: weights that are not the init's.
+  const Run first = run_tp(kGpt2Model, 1, 1, "no_shard");
+  const std::string hf = dir / "hf";
+  {
+    TempDir run("tp_init_run");
+    const JobSpec job = parse_job_spec(tp_job(run.path(), kGpt2Model, "no_shard", 1, 0), "job.yaml");
+    run_ranks_inprocess(job, 1);
+    const auto r = run_command("'" + trainrun_binary() + "' export --checkpoint '" + run / "model.safetensors" +
+                               "' --format safetensors --out '" + hf + "'");
+    INFO(r.err);
+    REQUIRE(r.exit_code == 0);
+  }
+  const std::vector<std::string> sets = {"model.init_from=" + hf, "train.max_steps=3"};
+  const Run tp1 = run_tp(kGpt2Model, 1, 1, "full_shard", 0, sets);
+  const Run tp2 = run_tp(kGpt2Model, 2, 2, "full_shard", 0, sets);
+  CHECK(tp1.losses.front() < first.losses.front());  // it started from the trained weights
+  check_same(tp2, tp1);
+}
+
 TEST_CASE("tp: bad meshes are clear errors", "[tp]") {
   using Catch::Matchers::Contains;
   TempDir dir("tp_bad");
