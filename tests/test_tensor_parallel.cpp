@@ -449,6 +449,17 @@ TEST_CASE("tp: a failed TP collective or a dead TP peer ends the job within the 
     CHECK_THAT(r.err, Contains("group tp0") && Contains("step 2"));
     CHECK_THAT(read_file(dir / "run/logs/rank1.log"), Contains("group tp0") && Contains("injected failure"));
   }
+  SECTION("a model that does not split is refused once, before any worker starts") {
+    std::string job = tp_binary_job(dir.path());
+    job.replace(job.find("nproc_per_node: 2, tensor_parallel: 2"), 37, "nproc_per_node: 3, tensor_parallel: 3");
+    job.replace(job.find("global_batch_size: 4"), 20, "global_batch_size: 6");
+    write_file(dir / "job3.yaml", job);
+    const auto r = run_command("OMP_NUM_THREADS=1 '" + trainrun_binary() + "' --config '" + dir / "job3.yaml" + "'");
+    INFO(r.err);
+    CHECK(r.exit_code == 1);
+    CHECK_THAT(r.err, Contains("model.n_head (4) is not divisible by parallel.tensor_parallel (3)"));
+    CHECK_FALSE(file_exists(dir / "run/logs"));
+  }
   SECTION("rank 1 dies at step 2: its TP peer stops in the collective it was waiting in") {
     const auto t0 = std::chrono::steady_clock::now();
     const auto r = run_command("OMP_NUM_THREADS=1 TRAINRUN_DEBUG_FAIL_RANK=1 TRAINRUN_DEBUG_FAIL_STEP=2 '" +

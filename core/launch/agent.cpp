@@ -50,6 +50,7 @@
 #include "core/launch/launch_mode.h"
 #include "core/launch/node_group.h"
 #include "core/model/model_spec.h"
+#include "core/model/tensor_parallel.h"
 #include "core/train/progress.h"
 #include "core/train/trainer.h"
 #include "parallel/rendezvous/store.h"
@@ -1000,6 +1001,9 @@ static void check_launchable(const JobSpec& job, int nproc, int nnodes) {
            ") is not divisible by parallel.tensor_parallel (", tp, ") x parallel.pipeline_parallel (", pp, ") = ",
            per_replica, "; run a multiple of ", per_replica, " ranks or change the degrees");
   const int dp = world / per_replica;
+  // The model must split over the TP group (heads, KV heads, ffn, vocab):
+  // said once here rather than by every worker.
+  if (tp > 1) check_tensor_parallel(make_model_arch(ModelConfig::from_spec(job.model))->config(), tp);
   if (per_replica == 1)
     TR_CHECK(mb > 0 && global_b % (mb * world) == 0, job.source, ": train.global_batch_size (", global_b,
              " sequences) must be a multiple of train.micro_batch_size (", mb, ") x world size (", workers,
