@@ -288,6 +288,10 @@ void Trainer::setup() {
     TR_LOG_INFO("batch: ", global_B_, " sequences x ", T_, " tokens per step = ", mb_, " micro-batch x ", accum_,
                 " accumulation x ", dp_size_, " data-parallel ranks; backend ", be_->name());
     TR_LOG_INFO("mesh: ", dims.describe(), " (", w_.world, " ranks; tp innermost: a TP group is consecutive ranks)");
+    if (tp > 1 && (tp > w_.local_world || w_.local_world % tp != 0))
+      TR_LOG_WARN("mesh: parallel.tensor_parallel (", tp, ") does not divide the ", w_.local_world,
+                  " ranks per node, so a TP group spans nodes: its all-reduces (several per block, every micro-batch) "
+                  "cross the network instead of NVLink; use a degree that divides the GPUs per node");
     if (tp > 1) {
       std::string coords;
       for (int r = 0; r < w_.world; ++r) {
