@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <nlohmann/json.hpp>
 #include <thread>
 
 #include "core/checkpoint/bench_checkpoint.h"
@@ -15,7 +16,9 @@
 #include "core/common/error.h"
 #include "core/common/log.h"
 #include "core/config/job_spec.h"
+#include "core/data/chat_template.h"
 #include "core/data/dataset.h"
+#include "core/data/tokenizer/tokenizer.h"
 #include "core/launch/agent.h"
 #include "core/launch/debug_hooks.h"
 #include "core/launch/launch_mode.h"
@@ -137,21 +140,113 @@ int cmd_validate(const std::string& config, const std::vector<std::string>& sets
   return 0;
 }
 
-int cmd_generate(const std::string& ckpt, const std::string& prompt, const SampleOptions& so) {
-  const std::string file = resolve_verified_model_file(ckpt, "generate");
+// What `generate` reads and writes text with: --tokenizer, else the
+// tokenizer.json of the HF directory it samples from, or of the job's
+// model.init_from (a fine-tune of an HF model); none: bytes (vocab 256) or
+// token ids.
+struct GenerateText {
+  std::string tokenizer, chat_template;  // chat_template: "" = the tokenizer's default
+  bool chat = false, allow_special = false;
+  std::string system;
+};
+
+namespace {
+std::string find_tokenizer(const GenerateText& gt, const std::string& ckpt, bool hf, const std::string& file,
+                           std::string* dir_out) {
+  if (!gt.tokenizer.empty()) {
+    *dir_out = fs::path(gt.tokenizer).parent_path().string();
+    return gt.tokenizer;
+  }
+  const std::string dir = hf ? ckpt : init_from_of_model_file(file);
+  *dir_out = dir;
+  if (!dir.empty() && fs::exists(fs::path(dir) / "tokenizer.json")) return (fs::path(dir) / "tokenizer.json").string();
+  return "";
+}
+
+// eos_token_id (a number or a list) of generation_config.json, else config.json, in `dir`.
+std::vector<int32_t> eos_ids_of(const std::string& dir) {
+  std::vector<int32_t> out;
+  for (const char* name : {"generation_config.json", "config.json"}) {
+    std::ifstream f(fs::path(dir) / name);
+    if (!f) continue;
+    try {
+      const nlohmann::json j = nlohmann::json::parse(f);
+      if (!j.contains("eos_token_id")) continue;
+      const auto& e = j["eos_token_id"];
+      if (e.is_number_integer()) out.push_back(e.get<int32_t>());
+      if (e.is_array())
+        for (const auto& x : e)
+          if (x.is_number_integer()) out.push_back(x.get<int32_t>());
+      return out;
+    } catch (const std::exception&) {
+    }
+  }
+  return out;
+}
+}  // namespace
+
+int cmd_generate(const std::string& ckpt, const std::string& prompt, SampleOptions so, const GenerateText& gt) {
+  // Sampling on the CPU uses every weight at every token: the whole model is read.
   std::vector<float> flat;
-  const std::unique_ptr<ModelArch> arch = make_model_arch(load_model_safetensors(file, flat));
+  const bool hf = is_hf_model_dir(ckpt);
+  const std::string file = hf ? ckpt : resolve_verified_model_file(ckpt, "generate");
+  const std::unique_ptr<ModelArch> arch =
+      make_model_arch(hf ? load_hf(ckpt, flat, "generate") : load_model_safetensors(file, flat));
   const ModelConfig& cfg = arch->config();
   TR_LOG_INFO("generate: ", file, " (", arch->describe(), ")");
-  const std::vector<int32_t> ids = encode_prompt(prompt, cfg.V);
+  TR_CHECK(gt.chat || (gt.chat_template.empty() && gt.system.empty()),
+           "generate: --chat-template and --system apply to --chat; add --chat");
+  std::string tok_dir;
+  const std::string tok_path = find_tokenizer(gt, ckpt, hf, file, &tok_dir);
+  TR_CHECK(!tok_path.empty() || !gt.chat, "generate --chat: no tokenizer.json with the model (",
+           hf ? ckpt : file, "); pass --tokenizer tokenizer.json");
+  std::unique_ptr<Tokenizer> tok;
+  std::vector<int32_t> ids;
+  if (!tok_path.empty()) {
+    tok = std::make_unique<Tokenizer>(Tokenizer::load(tok_path));
+    TR_CHECK(int64_t(tok->vocab_size()) <= cfg.V, "generate: the tokenizer '", tok_path, "' has ", tok->vocab_size(),
+             " tokens but the model's vocab is ", cfg.V, "; pass the model's own tokenizer (--tokenizer)");
+    std::vector<uint32_t> u;
+    if (gt.chat) {
+      const chat::Specials sp = chat::resolve_specials(*tok, gt.chat_template, true, "generate --chat-template");
+      std::vector<chat::Message> msgs;
+      if (!gt.system.empty()) msgs.push_back({chat::Role::kSystem, gt.system});
+      msgs.push_back({chat::Role::kUser, prompt});
+      u = chat::encode_segments(*tok, chat::render_generation_prompt(sp, msgs));
+      // The reply ends with the template's end of turn.
+      if (chat::end_of_turn(sp) >= 0) so.stop_tokens.push_back(int32_t(chat::end_of_turn(sp)));
+    } else {
+      // As HF's encode(): the post-processor's BOS (Llama 3), then the text.
+      if (tok->bos_id() >= 0) u.push_back(uint32_t(tok->bos_id()));
+      TokenEncoder enc(*tok);
+      enc.encode(prompt, gt.allow_special, u);
+    }
+    ids.assign(u.begin(), u.end());
+    if (!tok_dir.empty())
+      for (int32_t e : eos_ids_of(tok_dir)) so.stop_tokens.push_back(e);
+    TR_LOG_INFO("generate: tokenizer ", tok_path, ", prompt ", ids.size(), " tokens",
+                gt.chat ? " (chat template)" : "");
+  } else {
+    TR_CHECK(gt.chat_template.empty() && !gt.allow_special, "generate: --chat-template and --allow-special need a "
+             "tokenizer (--tokenizer tokenizer.json, or one next to the model)");
+    ids = encode_prompt(prompt, cfg.V);
+  }
   const auto t0 = std::chrono::steady_clock::now();
   auto toks = sample_tokens(*arch, flat, ids, so);
   const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const size_t made = toks.size() - ids.size();
   TR_LOG_INFO("generate: ", made, " tokens in ", dt, " s (", dt > 0 ? double(made) / dt : 0.0,
               " tokens/s, KV cache, prefill of ", ids.size(), " included)");
-  std::cout << decode_tokens(toks, cfg.V);
-  if (cfg.V != 256) std::cout << "\n";
+  if (tok) {
+    for (int32_t t : toks)
+      TR_CHECK(uint32_t(t) < tok->vocab_size(), "generate: the model sampled token ", t,
+               ", which the tokenizer has no text for (its vocab is ", tok->vocab_size(), ")");
+    // As HF's decode: bytes that end inside a character become U+FFFD.
+    std::cout << utf8_lossy(tok->decode(std::vector<uint32_t>(toks.begin(), toks.end()))) << "\n";
+  } else {
+    std::cout << decode_tokens(toks, cfg.V);
+    if (cfg.V != 256) std::cout << "\n";
+  }
   std::cout.flush();
   return 0;
 }
@@ -228,28 +323,65 @@ int main(int argc, char** argv) {
   validate->add_option("--config", vconfig, "job spec (YAML)")->required();
   validate->add_option("--set", vsets, "override a field (repeatable)");
 
-  auto* prepare = app.add_subcommand("prepare", "tokenize text at byte level into llm.c shards");
+  auto* prepare = app.add_subcommand(
+      "prepare", "tokenize text, jsonl or chat data into llm.c shards (byte-level, or an HF tokenizer.json)");
   PrepareOptions popts;
-  prepare->add_option("--input", popts.inputs, "text files or directories")->required();
+  prepare->add_option("--input", popts.inputs, "text or jsonl files, or directories of them")->required();
   prepare->add_option("--output", popts.output_dir, "output directory")->required();
-  prepare->add_option("--val-fraction", popts.val_fraction, "fraction of each input held out for validation")
+  prepare->add_option("--val-fraction", popts.val_fraction, "fraction of the data held out for validation (0: no val shard)")
       ->capture_default_str();
+  prepare->add_option("--tokenizer", popts.tokenizer, "Hugging Face tokenizer.json (byte-level BPE); default: byte-level, vocab 256");
+  prepare->add_option("--format", popts.format, "input format")
+      ->capture_default_str()->check(CLI::IsMember({"text", "jsonl", "chat", "alpaca", "sharegpt"}));
+  prepare->add_option("--text-field", popts.text_field, "jsonl: the field holding each document")->capture_default_str();
+  prepare->add_option("--seq-len", popts.seq_len, "check that each split holds seq_len + 1 tokens; count longer documents")
+      ->check(CLI::NonNegativeNumber);
+  prepare->add_option("--threads", popts.threads, "encoding threads (0: all cores)")->capture_default_str()
+      ->check(CLI::Range(0, 4096));
+  prepare->add_option("--chat-template", popts.chat_template,
+                      "chat formats: llama3 | chatml | plain (default: from the tokenizer's special tokens)")
+      ->check(CLI::IsMember({"llama3", "chatml", "plain"}));
+  prepare->add_flag("--train-on-input", popts.train_on_input, "chat formats: every token in the loss, not only the replies");
+  prepare->add_flag("--allow-special", popts.allow_special,
+                    "match special tokens spelled in the text (as HF encode does); default: they are plain text");
+  prepare->add_option("--shard-tokens", popts.shard_tokens, "tokens per shard file")->capture_default_str()
+      ->check(CLI::Range(int64_t{1}, int64_t{INT32_MAX}));
 
   auto* generate = app.add_subcommand("generate", "sample text from a trained model");
   std::string ckpt, prompt;
   SampleOptions so;
-  generate->add_option("--checkpoint", ckpt, "run directory, checkpoint directory or .safetensors file")->required();
+  generate->add_option("--checkpoint", ckpt, "run directory, checkpoint directory, .safetensors file or Hugging Face model directory")->required();
   generate->add_option("--prompt", prompt, "prompt text (token ids if the vocab is not bytes)")->required();
   generate->add_option("--max-tokens", so.max_tokens, "tokens to generate")->capture_default_str()->check(CLI::Range(0, 1 << 20));
   generate->add_option("--temperature", so.temperature, "softmax temperature (0: greedy)")->capture_default_str()->check(CLI::Range(0.0, 100.0));
   generate->add_option("--top-k", so.top_k, "sample from the k most likely tokens (0: all, 1: greedy)")->capture_default_str()->check(CLI::NonNegativeNumber);
   generate->add_option("--seed", so.seed, "sampling seed")->capture_default_str();
+  GenerateText gt;
+  generate->add_option("--tokenizer", gt.tokenizer, "tokenizer.json for the prompt and the output (default: the one next to the model, or its model.init_from's; none: bytes or token ids)");
+  generate->add_flag("--chat", gt.chat, "wrap the prompt as a user message in the chat template and stop at the end of the assistant's turn");
+  generate->add_option("--system", gt.system, "with --chat: a system message before the prompt");
+  generate->add_option("--chat-template", gt.chat_template, "with --chat: llama3, chatml or plain (default: from the tokenizer's special tokens)");
+  generate->add_flag("--allow-special", gt.allow_special, "match special tokens spelled in --prompt (default: they are text)");
 
-  auto* export_cmd = app.add_subcommand("export", "write a model as a Hugging Face GPT-2 directory (config.json + model.safetensors)");
-  std::string exp_ckpt, exp_format = "safetensors", exp_out;
-  export_cmd->add_option("--checkpoint", exp_ckpt, "run directory (its latest checkpoint), checkpoint directory or .safetensors file")->required();
+  auto* export_cmd = app.add_subcommand("export", "write a model as a Hugging Face directory (GPT2LMHeadModel / LlamaForCausalLM)");
+  std::string exp_ckpt, exp_format = "safetensors", exp_out, exp_dtype = "fp32", exp_shard = "5GB";
+  export_cmd->add_option("--checkpoint", exp_ckpt, "run directory (its latest checkpoint), checkpoint directory, .safetensors file or Hugging Face model directory")->required();
   export_cmd->add_option("--format", exp_format, "output format")->capture_default_str()->check(CLI::IsMember({"safetensors"}));
-  export_cmd->add_option("--out", exp_out, "directory to write; GPT2LMHeadModel.from_pretrained(DIR) loads it")->required();
+  export_cmd->add_option("--out", exp_out, "directory to write; AutoModelForCausalLM.from_pretrained(DIR) loads it")->required();
+  export_cmd->add_option("--dtype", exp_dtype, "weights dtype: fp32, or bf16 (round to nearest even)")->capture_default_str()->check(CLI::IsMember({"fp32", "bf16"}));
+  export_cmd->add_option("--max-shard-size", exp_shard, "above it, model-0000i-of-0000N.safetensors shards + model.safetensors.index.json (5GB = 5e9 bytes; KB/MB/GB/TB, KiB/MiB/GiB/TiB or bytes)")
+      ->capture_default_str()
+      ->check(CLI::Validator(
+          [](std::string& v) -> std::string {
+            try {
+              parse_max_shard_size(v);
+            } catch (const std::exception& e) {
+              const std::string m = e.what(), flag = "--max-shard-size: ";
+              return m.rfind(flag, 0) == 0 ? m.substr(flag.size()) : m;  // CLI11 names the flag itself
+            }
+            return "";
+          },
+          "SIZE"));
 
   auto* plot = app.add_subcommand("plot", "draw loss, val loss and throughput of a run to <dir>/plot.svg (needs gnuplot)");
   std::string plot_dir;
@@ -351,16 +483,19 @@ int main(int argc, char** argv) {
     if (*bench_ckpt) return run_checkpoint_bench(cbo);
     if (*bench_kernels) return run_kernel_bench(kbo);
     if (*export_cmd) {
-      const std::string from = export_checkpoint_hf(exp_ckpt, exp_out);
-      TR_LOG_INFO("export: ", from, " -> ", exp_out, " (Hugging Face GPT-2: config.json + model.safetensors)");
+      HfExportOptions eo;
+      eo.dtype = exp_dtype;
+      eo.max_shard_bytes = parse_max_shard_size(exp_shard);
+      const std::string from = export_checkpoint_hf(exp_ckpt, exp_out, eo);
+      TR_LOG_INFO("export: ", from, " -> ", exp_out, " (Hugging Face directory, ", exp_dtype, ")");
       std::cout << exp_out << "\n";
       return 0;
     }
     if (*prepare) {
-      std::cout << prepare_byte_shards(popts) << "\n";
+      std::cout << prepare_shards(popts) << "\n";
       return 0;
     }
-    if (*generate) return cmd_generate(ckpt, prompt, so);
+    if (*generate) return cmd_generate(ckpt, prompt, so, gt);
     if (*plot) {
       std::cout << plot_run(plot_dir, plot_opts) << "\n";
       return 0;

@@ -23,11 +23,20 @@
 #            reference for the attention target;
 #         4. GPT-2 124M training on one GPU (configs/gpt2_124m_h200.yaml):
 #            tokens/s and MFU = tokens/s x (6N + 12 L C T) / peak;
+#         5. Llama-3.2-1B-shaped training on one GPU
+#            (configs/llama3_1b_h200.yaml: L16 C2048 NH32 NKV8 F8192 V128256,
+#            tied, rope llama3, bf16, B=16 x T=2048): tokens/s and MFU with
+#            the FLOPs per token the run itself prints (the model's
+#            6N + 12 L C T); GPU_CHECK_LLAMA=0 skips it;
 #       then prints a short table. Logs go to $OUT (device tool) or
 #       build-gpu-bundle/out.
 #
 #   scripts/gpu-check.sh wide
 #       Only the two wide `bench kernels` runs of step 2 (a short device call).
+#
+#   scripts/gpu-check.sh llama
+#       Only step 5, the Llama-3.2-1B-shaped training run (its log; the MFU
+#       line is in `run`'s summary).
 #
 # With the device tool: carry ["build-gpu-bundle"], timeout_s 580, command
 #   bash scripts/gpu-check.sh run
@@ -164,17 +173,17 @@ run() {
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"
 
   # 1. CUDA tests -------------------------------------------------------------------
-  echo; echo "== 1/4 CUDA tests"
+  echo; echo "== 1/5 CUDA tests"
   (cd "$WORK" && timeout 150 "$B/bin/test_cuda_ops" -d yes 2>&1) | tee "$OUTDIR/cuda_tests.log" | grep -iE "rel err|rel diff|FAILED|skipped|passed|error" | tail -120
   local test_rc=${PIPESTATUS[0]}
 
   # 2. kernels and GEMMs ------------------------------------------------------------------
-  echo; echo "== 2/4 trainrun bench kernels"
+  echo; echo "== 2/5 trainrun bench kernels (GPT-2 124M shapes, then the Llama ops at Llama-3.2-1B's)"
   timeout 120 "$B/bin/trainrun" bench kernels --repeats 20 2>&1 | tee "$OUTDIR/bench_kernels.txt"
   [[ "${GPU_CHECK_WIDE:-1}" != 0 ]] && bench_wide
 
   # 3. the attention reference -----------------------------------------------------------
-  echo; echo "== 3/4 torch SDPA reference (B=16 T=1024 NH=12 HS=64, causal, bf16)"
+  echo; echo "== 3/5 torch SDPA reference (B=16 T=1024 NH=12 HS=64, causal, bf16)"
   timeout 60 python3 - <<'PY' 2>&1 | tee "$OUTDIR/torch_ref.txt"
 import contextlib, torch, torch.nn.functional as F
 B, T, NH, HS = 16, 1024, 12, 64
@@ -212,11 +221,21 @@ print(f"torch bf16 matmul 8192^3: {2*8192**3/t/1e9:.1f} TFLOP/s")
 PY
 
   # 4. GPT-2 124M training ------------------------------------------------------------------
-  echo; echo "== 4/4 GPT-2 124M training, one GPU (configs/gpt2_124m_h200.yaml)"
+  echo; echo "== 4/5 GPT-2 124M training, one GPU (configs/gpt2_124m_h200.yaml)"
   rm -rf "$WORK/run124m"
   timeout 180 "$B/bin/trainrun" --config "$ROOT/configs/gpt2_124m_h200.yaml" --set output.dir="$WORK/run124m" 2>&1 |
     tee "$OUTDIR/train_124m.log" | grep -E "step|error|memory|backend" | tail -12
   local train_rc=${PIPESTATUS[0]}
+
+  # 5. Llama-3.2-1B-shaped training ----------------------------------------------------------
+  local llama_rc=skipped
+  if [[ "${GPU_CHECK_LLAMA:-1}" != 0 ]]; then
+    echo; echo "== 5/5 Llama-3.2-1B-shaped training, one GPU (configs/llama3_1b_h200.yaml)"
+    rm -rf "$WORK/runllama1b"
+    timeout 240 "$B/bin/trainrun" --config "$ROOT/configs/llama3_1b_h200.yaml" --set output.dir="$WORK/runllama1b" 2>&1 |
+      tee "$OUTDIR/train_llama1b.log" | grep -E "step|error|memory|backend|mfu:" | tail -12
+    llama_rc=${PIPESTATUS[0]}
+  fi
 
   # NCCL bandwidth, when the machine has 2+ GPUs (one rank per GPU) ------------------------
   local ngpu
@@ -233,6 +252,17 @@ PY
   # 6N + 12 L C T with N = 124,439,808 (V=50257, T=1024)
   local fpt=$((6 * 124439808 + 12 * 12 * 768 * 1024))
   if [[ -n "$tps" ]]; then mfu=$(awk -v t="$tps" -v f="$fpt" -v p="$peak" 'BEGIN{printf "%.1f", 100*t*f/(p*1e12)}'); fi
+  # Llama: the last logged step's tokens/s (steady state: the first logs
+  # hold the warm-up steps), and the FLOPs per token from the run's own
+  # "mfu: X MFLOP per token" line (6N + 12 L C T of the model); the
+  # fallback is that formula for this config: N = 1,235,746,816, T = 2048.
+  local ltps="" lmfu="" lfpt=""
+  if [[ -f "$OUTDIR/train_llama1b.log" ]]; then
+    ltps=$(grep -E "^(\[rank 0\] )?step" "$OUTDIR/train_llama1b.log" | grep -o "[0-9.]* tok/s" | tail -1 | awk '{print $1}')
+    lfpt=$(grep -o "mfu: [0-9.]* MFLOP per token" "$OUTDIR/train_llama1b.log" | head -1 | awk '{printf "%.0f", $2 * 1e6}')
+    [[ -z "$lfpt" ]] && lfpt=$((6 * 1235746816 + 12 * 16 * 2048 * 2048))
+    if [[ -n "$ltps" ]]; then lmfu=$(awk -v t="$ltps" -v f="$lfpt" -v p="$peak" 'BEGIN{printf "%.1f", 100*t*f/(p*1e12)}'); fi
+  fi
   echo
   say "== gpu-check summary: ${card:-unknown GPU}, $(date -u +%Y-%m-%d), bundle commit $(cat "$B/COMMIT"), $((SECONDS - t_start)) s"
   if grep -q "SKIPPED: no usable GPU" "$OUTDIR/cuda_tests.log"; then
@@ -250,13 +280,28 @@ PY
   say "$(grep -E '^torch' "$OUTDIR/torch_ref.txt" || echo 'torch reference: no results; see torch_ref.txt')"
   if [[ -n "$tps" ]]; then say "GPT-2 124M train      $tps tok/s, MFU $mfu% (6N+12LCT = $fpt FLOP/token, peak $peak TFLOP/s bf16 dense)"
   else say "GPT-2 124M train      no throughput (rc=$train_rc); see train_124m.log"; fi
+  if [[ $llama_rc == skipped ]]; then say "Llama 1B train        skipped (GPU_CHECK_LLAMA=0)"
+  elif [[ -n "$ltps" ]]; then say "Llama 1B train        $ltps tok/s, MFU $lmfu% (6N+12LCT = $lfpt FLOP/token, peak $peak TFLOP/s bf16 dense; target 50%)"
+  else say "Llama 1B train        no throughput (rc=$llama_rc); see train_llama1b.log"; fi
+  say "$(grep -E '^llama' "$OUTDIR/bench_kernels.txt" | sed 's/  */ /g' || echo 'bench kernels: no Llama rows; see bench_kernels.txt')"
   say "(full kernel table: bench_kernels.txt; logs in $OUTDIR)"
-  [[ $test_rc -eq 0 && -n "$tps" ]]
+  [[ $test_rc -eq 0 && -n "$tps" && ( $llama_rc == skipped || -n "$ltps" ) ]]
+}
+
+# Step 5 alone (a short device call): the Llama-3.2-1B-shaped training run.
+llama() {
+  mkdir -p "$OUTDIR" "$WORK"
+  unpack || return $?
+  rm -rf "$WORK/runllama1b"
+  timeout 240 "$WORK/b/bin/trainrun" --config "$ROOT/configs/llama3_1b_h200.yaml" --set output.dir="$WORK/runllama1b" 2>&1 |
+    tee "$OUTDIR/train_llama1b.log" | grep -E "step|error|memory|backend|mfu:" | tail -12
+  return "${PIPESTATUS[0]}"
 }
 
 case "$MODE" in
   bundle) bundle ;;
   run) run ;;
   wide) wide ;;
-  *) echo "usage: scripts/gpu-check.sh [bundle|run|wide]" >&2; exit 2 ;;
+  llama) llama ;;
+  *) echo "usage: scripts/gpu-check.sh [bundle|run|wide|llama]" >&2; exit 2 ;;
 esac

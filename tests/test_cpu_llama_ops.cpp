@@ -379,6 +379,43 @@ TEST_CASE("llama_ops: attention_gqa forward and backward (dqkv overwritten)", "[
                     Catch::Matchers::Contains("num_key_value_heads 4 must divide num_attention_heads 6"));
 }
 
+// kernels/cpu/causal_head.h takes the queries 64 rows at a time and skips the
+// keys after each block: at T = 150 (blocks 64, 64, 22) the block edges, the
+// short last block and the key-block sums of dk/dv (queries t >= j0) are all
+// crossed, which T <= 64 above never does. Both attention ops, against the
+// double reference and its finite differences (2 heads, HS 4, so that the
+// FD over all 150 x 16 inputs stays ~1 s).
+TEST_CASE("llama_ops: causal attention across several row blocks (T = 150), GQA and multi-head",
+          "[cpu_ops][llama]") {
+  auto be = make_backend();
+  const int B = 1, T = 150, NH = 2, HS = 4, C = NH * HS;
+  const size_t es = dtype_size(be->act_dtype());
+  for (const int NKV : {1, 2}) {
+    INFO("NKV " << NKV);
+    const int ld = (NH + 2 * NKV) * HS;
+    ActTensor qkv(be.get(), randn(size_t(B) * T * ld, 611 + NKV));
+    ActTensor R(be.get(), randn(size_t(B) * T * C, 621 + NKV));
+    DeviceBuffer out(be.get(), size_t(B) * T * C * es), saved(be.get(), be->attention_gqa_saved_floats(B, T, NH) * 4);
+    ActTensor dqkv(be.get(), randn(qkv.val.size(), 631, 1.0, -3.0));  // pre-filled: must be overwritten
+    if (NKV == NH) {  // the multi-head op (q | k | v, C each): the same layout
+      be->attention_forward(out.get(), saved.as<float>(), qkv.get(), B, T, C, NH);
+      be->attention_backward(dqkv.get(), R.get(), qkv.get(), out.get(), saved.as<float>(), B, T, C, NH);
+    } else {
+      be->attention_gqa_forward(out.get(), saved.as<float>(), qkv.get(), B, T, NH, NKV, HS);
+      be->attention_gqa_backward(dqkv.get(), R.get(), qkv.get(), out.get(), saved.as<float>(), B, T, NH, NKV, HS);
+    }
+    const Vec want = ref::attention_gqa(qkv.val, B, T, NH, NKV, HS);
+    check_close("attention fwd, T 150", download_act_vec(be.get(), out.get(), want.size()), want, kFwdTol);
+    Vec qv = qkv.val;
+    const Vec g = ref::central_fd(qv, [&] { return ref::dot(ref::attention_gqa(qv, B, T, NH, NKV, HS), R.val); });
+    const Vec got = download_act_vec(be.get(), dqkv.get(), qv.size());
+    const size_t qw = size_t(C), kw = size_t(NKV) * HS;
+    check_close("attention dq, T 150", columns(got, ld, 0, qw), columns(g, ld, 0, qw), kGradTol);
+    check_close("attention dk, T 150", columns(got, ld, qw, kw), columns(g, ld, qw, kw), kGradTol);
+    check_close("attention dv, T 150", columns(got, ld, qw + kw, kw), columns(g, ld, qw + kw, kw), kGradTol);
+  }
+}
+
 TEST_CASE("llama_ops: attention_gqa with NKV == NH is attention_forward/backward bit for bit", "[cpu_ops][llama]") {
   auto be = make_backend();
   const int B = 2, T = 7, NH = 3, HS = 6, C = NH * HS;
@@ -476,16 +513,7 @@ TEST_CASE("llama_ops: rope + attention_kv_gqa_forward in pieces match rope + att
 // ---- against transformers ---------------------------------------------------------------------------
 
 namespace {
-// The venv python with transformers. Missing is a FAILURE, not a skip (as in
-// tests/test_interop.cpp): CI installs it with scripts/install-deps.sh --test.
-std::string hf_python() {
-  const std::string py = test::source_dir() + "/.venv/bin/python";
-  if (!test::file_exists(py) ||
-      test::run_command("'" + py + "' -c 'import transformers, torch'").exit_code != 0)
-    FAIL("transformers is not available (looked for " << py << " able to `import transformers`); run "
-         "scripts/install-deps.sh --test");
-  return py;
-}
+using test::hf_python;
 
 json hf_llama_ops(const json& request) {
   test::TempDir dir("hf_llama_ops");

@@ -519,3 +519,59 @@ TEST_CASE("data: prepare: the fortunes corpus (when installed)", "[data][prepare
   REQUIRE(va->num_tokens() > 10000);
   REQUIRE(tr->vocab_bound() <= 256);
 }
+
+// ---- loss masks ---------------------------------------------------------------
+
+TEST_CASE("data: .mask sidecars: masked targets read as -1, count_targets, errors", "[data][mask]") {
+  TempDir d("mask");
+  auto toks = iota_tokens(41, 5, 300);
+  // Two shards of 20 and 21 tokens; the mask spans them as one stream.
+  std::vector<uint32_t> a(toks.begin(), toks.begin() + 20), b(toks.begin() + 20, toks.end());
+  write_llmc_shard(d / "train_000000.bin", a, 1);
+  write_llmc_shard(d / "train_000001.bin", b, 1);
+  std::string m(41, '\0');
+  for (int i = 0; i < 41; ++i) m[i] = (i % 3 == 0 || i > 35) ? 1 : 0;
+  write_file(d / "train_000000.mask", m.substr(0, 20));
+  write_file(d / "train_000001.mask", m.substr(20));
+  auto src = open_token_files(d / "train_*.bin", "llmc", 300, "data.train");
+  REQUIRE(src->has_mask());
+  REQUIRE_THAT(src->describe(), Contains("with loss masks"));
+  const int T = 8, B = 5;  // 5 samples: all of them, the last spans both shards
+  std::vector<int32_t> in(B * T), tg(B * T);
+  src->read_samples(0, B, T, in.data(), tg.data());
+  int64_t expect = 0;
+  for (int s = 0; s < B; ++s)
+    for (int t = 0; t < T; ++t) {
+      const int pos = s * T + t + 1;  // the target's index in the stream
+      REQUIRE(in[s * T + t] == int32_t(toks[pos - 1]));
+      REQUIRE(tg[s * T + t] == (m[pos] ? int32_t(toks[pos]) : -1));
+      expect += m[pos];
+    }
+  REQUIRE(src->count_targets(0, B, T) == expect);
+  REQUIRE(src->count_targets(5, 1, T) == src->count_targets(0, 1, T));  // wraps like read_samples
+  REQUIRE(open_token_files(d / "train_000000.bin", "llmc", 300, "data.train")->count_targets(0, 2, 8) > 0);
+
+  SECTION("without masks: every target counts") {
+    auto plain = open_token_files(d / "train_*.bin", "raw_uint16", 0, "data.train");
+    REQUIRE_FALSE(plain->has_mask());
+    REQUIRE(plain->count_targets(0, 3, 7) == 21);
+  }
+  SECTION("a mask of the wrong size names both files") {
+    write_file(d / "train_000001.mask", m.substr(20, 5));
+    REQUIRE_THROWS_WITH(open_token_files(d / "train_*.bin", "llmc", 300, "data.train"),
+                        Contains("train_000001.mask") && Contains("5 bytes") && Contains("21 tokens") &&
+                            Contains("trainrun prepare"));
+  }
+  SECTION("some shards with a mask, some without") {
+    fs::remove(d / "train_000001.mask");
+    REQUIRE_THROWS_WITH(open_token_files(d / "train_*.bin", "llmc", 300, "data.train"),
+                        Contains("data.train") && Contains("1 of 2 shards") && Contains("train_000001.bin"));
+  }
+  SECTION("a mask byte other than 0/1") {
+    std::string bad = m.substr(20);
+    bad[3] = 7;
+    write_file(d / "train_000001.mask", bad);
+    REQUIRE_THROWS_WITH(open_token_files(d / "train_*.bin", "llmc", 300, "data.train"),
+                        Contains("byte 7") && Contains("index 3"));
+  }
+}

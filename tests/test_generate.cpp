@@ -64,15 +64,7 @@ std::vector<float> full_forward_last(Loaded& m, const GPT2Config& cfg, const std
   return row;
 }
 
-double rel_err(const std::vector<float>& got, const std::vector<float>& want) {
-  REQUIRE(got.size() == want.size());
-  double num = 0, den = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    num += (double(got[i]) - want[i]) * (double(got[i]) - want[i]);
-    den += double(want[i]) * want[i];
-  }
-  return std::sqrt(num / den);
-}
+using test::rel_err;
 
 std::vector<int32_t> tokens(int n, int V, unsigned seed) {
   std::mt19937 rng(seed);
@@ -166,4 +158,102 @@ TEST_CASE("generate: a sharded run's end-of-run sample is what generate samples 
     const std::string log = test::read_file(run + "/logs/rank0.log");
     CHECK(log.find("sample:\n" + g.out) != std::string::npos);
   }
+}
+
+TEST_CASE("generate: a stop token ends the sample right after it, as transformers stops at eos", "[generate]") {
+  const GPT2Config cfg = GPT2Config::of(2, 2, 16, 29, 12);
+  const std::vector<float> flat = random_weights(cfg, 8, 0.8f);
+  Loaded m(cfg, flat, 1);
+  SampleOptions so;
+  so.max_tokens = 8;
+  so.top_k = 1;
+  const std::vector<int32_t> prompt = {3, 1, 4};
+  const std::vector<int32_t> full = sample_tokens(m.be.get(), *m.units, GPT2Arch(cfg), prompt, so);
+  REQUIRE(full.size() == prompt.size() + 8);
+  // Stop at the third sampled token (the first of its value).
+  const int32_t stop = full[prompt.size() + 2];
+  size_t first = prompt.size();
+  while (full[first] != stop) ++first;
+  so.stop_tokens = {stop};
+  const std::vector<int32_t> got = sample_tokens(m.be.get(), *m.units, GPT2Arch(cfg), prompt, so);
+  CHECK(got == std::vector<int32_t>(full.begin(), full.begin() + long(first) + 1));
+}
+
+// ---- text in and out through the model's tokenizer.json ----------------------------------
+
+#include <filesystem>
+
+#include "core/data/tokenizer/tokenizer.h"
+
+namespace {
+uint32_t Tokenizer_vocab_of(const std::string& path) { return Tokenizer::load(path).vocab_size(); }
+}  // namespace
+
+TEST_CASE("generate: the prompt and the output go through the model's tokenizer.json, as transformers' greedy",
+          "[generate][tokenizer][hf]") {
+  test::TempDir dir("gen_tok");
+  const std::string py = test::hf_python();
+  // A Llama-3-style tokenizer trained offline on text the test writes, and a
+  // random Llama with its vocab.
+  std::string corpus;
+  for (int i = 0; i < 200; ++i)
+    corpus += "the quick brown fox jumps over the lazy dog " + std::to_string(i % 17) + "\nHello there, friend.\n";
+  test::write_file(dir / "corpus.txt", corpus);
+  test::RunResult r = test::run_command("'" + py + "' '" + test::source_dir() +
+                                        "/scripts/reference/hf_tokenizer.py' make --dir '" + dir / "tok" +
+                                        "' --corpus '" + dir / "corpus.txt" + "' --vocab 300");
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  const int vocab = int(Tokenizer_vocab_of(dir / "tok/llama3.json"));
+  const std::string model = dir / "model";
+  r = test::run_command("OMP_NUM_THREADS=1 '" + py + "' '" + test::source_dir() +
+                        "/scripts/reference/hf_llama.py' random --out '" + model +
+                        "' --layers 2 --hidden 16 --heads 4 --kv-heads 2 --intermediate 24 --vocab " +
+                        std::to_string(vocab) + " --max-positions 64 --rope-theta 10000 --seed 5");
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  std::filesystem::copy_file(dir / "tok/llama3.json", model + "/tokenizer.json");
+
+  const std::string prompt = "the quick brown fox";
+  const test::RunResult want = test::run_command("OMP_NUM_THREADS=1 '" + py + "' '" + test::source_dir() +
+                                                 "/scripts/reference/hf_llama.py' generate-text --model '" + model +
+                                                 "' --prompt '" + prompt + "' --max-new-tokens 6");
+  INFO(want.err);
+  REQUIRE(want.exit_code == 0);
+  const test::RunResult got = test::run_trainrun("generate --checkpoint '" + model + "' --prompt '" + prompt +
+                                                 "' --top-k 1 --max-tokens 6");
+  INFO(got.err);
+  REQUIRE(got.exit_code == 0);
+  CHECK(got.out == want.out + "\n");
+  CHECK_THAT(want.out, Catch::Matchers::StartsWith("<|begin_of_text|>the quick brown fox"));
+  CHECK_THAT(got.err, Contains("tokenizer " + model + "/tokenizer.json"));
+
+  // --chat: the prompt as a user turn of the Llama 3 template, then the assistant's header.
+  const test::RunResult chat = test::run_trainrun("generate --checkpoint '" + model +
+                                                  "' --prompt Hello --system 'Be brief.' --chat --top-k 1 --max-tokens 3");
+  INFO(chat.err);
+  REQUIRE(chat.exit_code == 0);
+  CHECK_THAT(chat.out, Catch::Matchers::StartsWith(
+                           "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+                           "<|start_header_id|>user<|end_header_id|>\n\nHello<|eot_id|>"
+                           "<|start_header_id|>assistant<|end_header_id|>\n\n"));
+
+  // Bad: a tokenizer larger than the model's vocab; --chat without a tokenizer; --system without --chat.
+  r = test::run_command("OMP_NUM_THREADS=1 '" + py + "' '" + test::source_dir() +
+                        "/scripts/reference/hf_llama.py' random --out '" + dir / "small" +
+                        "' --layers 1 --hidden 16 --heads 4 --kv-heads 2 --intermediate 24 --vocab 100"
+                        " --max-positions 64 --seed 5");
+  REQUIRE(r.exit_code == 0);
+  const test::RunResult big = test::run_trainrun("generate --checkpoint '" + dir / "small" + "' --tokenizer '" +
+                                                 dir / "tok/llama3.json" + "' --prompt hi --max-tokens 1");
+  CHECK(big.exit_code != 0);
+  CHECK_THAT(big.err, Contains("has " + std::to_string(vocab) + " tokens but the model's vocab is 100"));
+  const test::RunResult nochat =
+      test::run_trainrun("generate --checkpoint '" + dir / "small" + "' --prompt '1 2' --chat --max-tokens 1");
+  CHECK(nochat.exit_code != 0);
+  CHECK_THAT(nochat.err, Contains("generate --chat: no tokenizer.json with the model"));
+  const test::RunResult sys =
+      test::run_trainrun("generate --checkpoint '" + model + "' --prompt hi --system x --max-tokens 1");
+  CHECK(sys.exit_code != 0);
+  CHECK_THAT(sys.err, Contains("--chat-template and --system apply to --chat"));
 }

@@ -79,32 +79,13 @@ std::vector<float> cpp_logits(const GPT2Config& cfg, const std::vector<float>& f
   return logits;
 }
 
-// Norm-wise relative error (robust to tiny entries).
-double rel_err(const std::vector<float>& got, const std::vector<float>& ref) {
-  REQUIRE(got.size() == ref.size());
-  double num = 0, den = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    const double d = double(got[i]) - ref[i];
-    num += d * d;
-    den += double(ref[i]) * ref[i];
-  }
-  return std::sqrt(num / std::max(den, 1e-30));
-}
+using test::rel_err;
 
 bool bit_equal(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
 }
 
-// The venv python with transformers. Missing is a FAILURE, not a skip: CI
-// installs it, and a silently skipped cross-check proves nothing.
-std::string hf_python() {
-  const std::string py = test::source_dir() + "/.venv/bin/python";
-  if (!test::file_exists(py) ||
-      test::run_command("'" + py + "' -c 'import transformers, safetensors, torch'").exit_code != 0)
-    FAIL("transformers is not available (looked for " << py << " able to `import transformers`); run "
-         "scripts/install-deps.sh --test");
-  return py;
-}
+using test::hf_python;
 
 test::RunResult hf_script(const std::string& args) {
   return test::run_command("HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 '" + hf_python() + "' '" + test::source_dir() +

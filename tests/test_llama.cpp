@@ -371,15 +371,7 @@ TEST_CASE("llama: the decoder's logits equal the full forward's last row at ever
 
 namespace {
 
-std::string hf_python() {
-  // Missing is a FAILURE, not a skip (as in test_interop.cpp).
-  const std::string py = test::source_dir() + "/.venv/bin/python";
-  if (!test::file_exists(py) ||
-      test::run_command("'" + py + "' -c 'import transformers, safetensors, torch'").exit_code != 0)
-    FAIL("transformers is not available (looked for " << py << " able to `import transformers`); run "
-         "scripts/install-deps.sh --test");
-  return py;
-}
+using test::hf_python;
 
 std::vector<float> f32_of(const SafeTensorFile& f, const std::string& name, const std::string& path) {
   const SafeTensor* t = f.find(name);
@@ -835,6 +827,21 @@ TEST_CASE("llama: a job with only model.init_from trains the directory's Llama",
   const std::vector<float> want = hf_flat(*make_model_arch(c), hf);
   REQUIRE(trained.size() == want.size());
   CHECK(std::memcmp(trained.data(), want.data(), want.size() * 4) == 0);
+
+  // The directory goes away (a purged scratch disk); the job, preempted,
+  // resumes from its checkpoint, which holds the shape and the weights.
+  std::filesystem::remove_all(hf);
+  const test::RunResult resumed = test::run_command("OMP_NUM_THREADS=1 '" + test::trainrun_binary() + "' --config '" +
+                                                    dir / "job.yaml" + "' --set train.max_steps=2");
+  INFO(resumed.err);
+  REQUIRE(resumed.exit_code == 0);
+  CHECK_THAT(resumed.err, Contains("is gone; the shape comes from " + run + "/checkpoints/step_00000001"));
+  CHECK(test::read_file(run + "/metrics.jsonl").find("\"step\":2,") != std::string::npos);
+  // A fresh start (no checkpoint to resume) still needs the directory, and says so.
+  const test::RunResult fresh = test::run_command("OMP_NUM_THREADS=1 '" + test::trainrun_binary() + "' --config '" +
+                                                  dir / "job.yaml" + "' --set output.dir='" + dir / "run2" + "'");
+  CHECK(fresh.exit_code != 0);
+  CHECK_THAT(fresh.err, Contains("model.init_from: '" + hf + "' does not exist"));
 }
 
 TEST_CASE("llama: a shape field that disagrees with init_from's config.json names both values", "[llama][hf][init_from][spec]") {

@@ -19,20 +19,12 @@ using namespace trainrun;
 
 namespace {
 
-// Norm-wise relative error: robust for tensors with tiny entries.
-double rel_err(const std::vector<float>& got, const std::vector<float>& ref) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    double d = double(got[i]) - ref[i];
-    num += d * d;
-    den += double(ref[i]) * ref[i];
-  }
-  return std::sqrt(num / std::max(den, 1e-30));
-}
+using test::rel_err;
 
 struct Case {
   GPT2Config cfg;
   int B;
+  int mask_every = 0;  // > 0: every k-th target (and a few more) masked, as SFT loss masks
 };
 
 void run_case(const Case& c, bool clip_active) {
@@ -46,10 +38,19 @@ void run_case(const Case& c, bool clip_active) {
 
   std::mt19937 rng(123);
   std::vector<int32_t> inputs(N), targets(N);
+  // Masked labels: torch gets ignore_index -100, ours -1 (any negative
+  // target is skipped); both average over the unmasked ones.
+  std::vector<int32_t> ours_tg(N);
+  int n_in_loss = 0;
   for (int i = 0; i < N; ++i) {
     inputs[i] = int32_t(rng() % cfg.V);
     targets[i] = int32_t(rng() % cfg.V);
+    const bool masked = c.mask_every > 0 && (i % c.mask_every == 0 || rng() % 3 == 0);
+    ours_tg[i] = masked ? -1 : targets[i];
+    if (masked) targets[i] = -100;
+    n_in_loss += !masked;
   }
+  REQUIRE(n_in_loss > 0);
   SafeTensorFile batch;
   batch.tensors.push_back(make_tensor("inputs", "I32", {B, T}, inputs.data()));
   batch.tensors.push_back(make_tensor("targets", "I32", {B, T}, targets.data()));
@@ -77,7 +78,7 @@ void run_case(const Case& c, bool clip_active) {
   store->load_full_params(flat);
   DeviceBuffer din(be.get(), N * 4), dtg(be.get(), N * 4);
   be->copy_to_device(din.get(), inputs.data(), N * 4);
-  be->copy_to_device(dtg.get(), targets.data(), N * 4);
+  be->copy_to_device(dtg.get(), ours_tg.data(), N * 4);
 
   model.forward(*store, din.as<int32_t>(), dtg.as<int32_t>(), B, T, false, 0.0f);
   std::vector<float> logits(size_t(N) * cfg.V), losses(N);
@@ -88,11 +89,11 @@ void run_case(const Case& c, bool clip_active) {
   std::vector<float> grads0(lay.total);
   for (int step = 1; step <= steps; ++step) {
     store->zero_grads();
-    model.forward(*store, din.as<int32_t>(), dtg.as<int32_t>(), B, T, true, 1.0f / N);
+    model.forward(*store, din.as<int32_t>(), dtg.as<int32_t>(), B, T, true, 1.0f / n_in_loss);
     be->copy_to_host(losses.data(), model.losses(), N * 4);
     double l = 0;
     for (float x : losses) l += x;
-    our_losses.push_back(l / N);
+    our_losses.push_back(l / n_in_loss);
     model.backward(*store);
     store->finish_grads();
     if (step == 1) {
@@ -158,6 +159,19 @@ TEST_CASE("pytorch: loss, logits, gradients and 5 AdamW steps match torch", "[py
   c.B = 3;
   SECTION("no clipping") { run_case(c, false); }
   SECTION("clipping active") { run_case(c, true); }
+}
+
+TEST_CASE("pytorch: masked labels (SFT loss masks) match torch's ignore_index=-100 mean", "[pytorch][mask]") {
+  Case c;
+  c.cfg.L = 2;
+  c.cfg.NH = 2;
+  c.cfg.C = 16;
+  c.cfg.V = 37;
+  c.cfg.T = 9;
+  c.cfg.init_std = 0.1;
+  c.B = 3;
+  c.mask_every = 4;
+  run_case(c, false);
 }
 
 TEST_CASE("pytorch: a GPT-2-shaped model with odd sizes matches torch", "[pytorch]") {

@@ -65,13 +65,13 @@ TEST_CASE("scale: a replica all-reduce that fails after returning stops the step
   test::write_file(dir / "job.yaml", hybrid_job(run, 5));
   // Rank 1's replica group (ranks 1 and 3) loses its step-3 gradient all-reduce.
   const auto t0 = Clock::now();
-  auto r = test::run_command("OMP_NUM_THREADS=1 TRAINRUN_DEBUG_COMM_FAULT=replica:1:3 '" + test::trainrun_binary() +
+  auto r = test::run_command("OMP_NUM_THREADS=1 TRAINRUN_DEBUG_COMM_FAULT=dp_replicate:1:3 '" + test::trainrun_binary() +
                              "' --config '" + dir / "job.yaml" + "'");
   const double took = seconds_since(t0);
   INFO(r.err);
   CHECK(r.exit_code == 1);
   CHECK(took < 30);  // well inside parallel.timeout_s: nobody waits out a collective
-  CHECK_THAT(r.err, Contains("rank 1") && Contains("group replica") && Contains("step 3") &&
+  CHECK_THAT(r.err, Contains("rank 1") && Contains("group dp_replicate") && Contains("step 3") &&
                         Contains("injected failure"));
   // Steps 1 and 2 were committed; step 3's half-reduced state never was.
   CHECK(fs::exists(run + "/checkpoints/step_00000002/manifest.json"));

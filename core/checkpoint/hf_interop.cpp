@@ -28,98 +28,13 @@ namespace trainrun {
 
 namespace {
 
-// dst (cols, rows) = src (rows, cols)^T, in tiles so that both sides stay in
-// cache for the large matrices of a 1.5B model.
-void transpose(const float* src, int64_t rows, int64_t cols, float* dst) {
-  constexpr int64_t B = 32;
-  for (int64_t i0 = 0; i0 < rows; i0 += B)
-    for (int64_t j0 = 0; j0 < cols; j0 += B)
-      for (int64_t i = i0; i < std::min(rows, i0 + B); ++i)
-        for (int64_t j = j0; j < std::min(cols, j0 + B); ++j) dst[j * rows + i] = src[i * cols + j];
-}
-
 std::string shape_str(const std::vector<int64_t>& s) {
   std::string out = "(";
   for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
   return out + ")";
 }
 
-void fsync_dir(const fs::path& dir) {
-  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return;
-  ::fsync(fd);
-  ::close(fd);
-}
-
-// Files a previous export leaves; a directory holding only these may be replaced.
-bool is_export_file(const std::string& name) { return name == "config.json" || name == "model.safetensors"; }
-
 }  // namespace
-
-void export_hf(const std::string& dir, const ModelConfig& cfg, const std::vector<float>& flat) {
-  const std::unique_ptr<ModelArch> arch = make_model_arch(cfg);
-  const ParamLayout& lay = arch->layout();
-  TR_CHECK(int64_t(flat.size()) == lay.total, "export: ", flat.size(), " values for a model of ", lay.total);
-  TR_CHECK(!dir.empty(), "export: --out is empty; name the directory to write");
-  const std::string config = arch->hf_config_json().dump(2) + "\n";
-  fs::path out = fs::absolute(fs::path(dir)).lexically_normal();
-  if (out.filename().empty()) out = out.parent_path();  // "dir/" -> "dir"
-  const fs::path parent = out.parent_path();
-  const std::string name = out.filename().string();
-
-  // Refuse before writing anything: replacing a directory that holds other
-  // files (a run directory, ".") would delete them.
-  if (fs::exists(out)) {
-    TR_CHECK(fs::is_directory(out), "export: --out '", dir, "' exists and is not a directory");
-    for (const auto& e : fs::directory_iterator(out))
-      TR_CHECK(is_export_file(e.path().filename().string()), "export: --out '", dir, "' exists and holds '",
-               e.path().filename().string(),
-               "', which an export did not write; choose a new or empty directory (it is replaced as a whole)");
-  }
-  std::error_code ec;
-  fs::create_directories(parent, ec);
-  TR_CHECK(!ec, "export: cannot create '", parent.string(), "': ", ec.message());
-  const fs::path tmp = parent / ("." + name + ".tmp-" + std::to_string(::getpid()));
-  const fs::path old = parent / ("." + name + ".old-" + std::to_string(::getpid()));
-  fs::remove_all(tmp, ec);
-  fs::create_directory(tmp, ec);
-  TR_CHECK(!ec, "export: cannot create '", tmp.string(), "': ", ec.message());
-  try {
-    SafeTensorFile f;
-    // transformers refuses a safetensors file without metadata format "pt".
-    f.metadata["format"] = "pt";
-    f.metadata["producer"] = std::string("trainrun ") + TRAINRUN_VERSION;
-    std::vector<float> tbuf;
-    for (const auto& t : lay.tensors) {
-      const float* src = flat.data() + t.offset;
-      const HfTensor h = arch->hf_tensor(t);
-      if (h.transposed) {
-        tbuf.resize(size_t(t.numel));
-        transpose(src, t.shape[0], t.shape[1], tbuf.data());
-        f.tensors.push_back(make_f32_tensor(h.name, {t.shape[1], t.shape[0]}, tbuf.data()));
-      } else {
-        f.tensors.push_back(make_f32_tensor(h.name, t.shape, src));
-      }
-    }
-    write_safetensors((tmp / "model.safetensors").string(), f);
-    write_file_synced((tmp / "config.json").string(), config);
-    fsync_dir(tmp);
-    // Swap into place. A crash between the two renames leaves the previous
-    // export intact under the .old- name (and the new one under .tmp-).
-    if (fs::exists(out)) {
-      fs::remove_all(old, ec);
-      fs::rename(out, old, ec);
-      TR_CHECK(!ec, "export: cannot move aside '", out.string(), "': ", ec.message());
-    }
-    fs::rename(tmp, out, ec);
-    TR_CHECK(!ec, "export: cannot rename '", tmp.string(), "' to '", out.string(), "': ", ec.message());
-    fsync_dir(parent);
-    fs::remove_all(old, ec);
-  } catch (...) {
-    fs::remove_all(tmp, ec);  // never leave a half-written export behind
-    throw;
-  }
-}
 
 std::string resolve_verified_model_file(const std::string& path, const char* what) {
   const std::string file = resolve_model_file(path);
@@ -131,14 +46,6 @@ std::string resolve_verified_model_file(const std::string& path, const char* wha
     TR_CHECK(why.empty(), what, ": checkpoint '", ckdir.string(), "' is damaged: ", why, "; ", what,
              " from an earlier checkpoint (pass its checkpoints/step_... directory)");
   }
-  return file;
-}
-
-std::string export_checkpoint_hf(const std::string& checkpoint, const std::string& out_dir) {
-  const std::string file = resolve_verified_model_file(checkpoint, "export");
-  std::vector<float> flat;
-  const ModelConfig cfg = load_model_safetensors(file, flat);
-  export_hf(out_dir, cfg, flat);
   return file;
 }
 
@@ -265,6 +172,7 @@ class HfReader {
   }
 
   const ModelConfig& config() const { return source_->config(); }
+  const ModelArch& source_arch() const { return *source_; }
   const ParamLayout& target() const { return target_->layout(); }
 
   void warn_ignored() const {
@@ -345,6 +253,22 @@ class HfReader {
   std::map<std::string, Tied> tied_;  // by the tensor they are tied to
   std::vector<std::string> ignored_;
 };
+
+namespace {
+class HfSource final : public FlatModelSource {
+ public:
+  HfSource(const std::string& dir, const std::string& what) : r_(dir, what) { r_.warn_ignored(); }
+  const ModelArch& arch() const override { return r_.source_arch(); }
+  void read(int64_t global, int64_t count, float* out) const override { r_.read(global, count, out); }
+
+ private:
+  HfReader r_;
+};
+}  // namespace
+
+std::unique_ptr<FlatModelSource> open_hf_source(const std::string& dir, const std::string& what) {
+  return std::make_unique<HfSource>(dir, what);
+}
 
 ModelConfig load_hf(const std::string& dir, std::vector<float>& flat, const std::string& what) {
   HfReader r(dir, what);

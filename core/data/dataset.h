@@ -33,6 +33,13 @@ class TokenSource {
   virtual double entropy_floor() const { return -1.0; }
   // Tokens in one epoch of the stream, or -1 when unbounded (synthetic).
   virtual int64_t num_tokens() const { return -1; }
+  // True when the source carries a loss mask (prepare's chat formats):
+  // read_samples then writes -1 for every masked target (ignored by the loss).
+  virtual bool has_mask() const { return false; }
+  // The number of targets in the loss among samples [first, first + B)
+  // (B*T without a mask). The trainer divides the step's loss by this count
+  // over the whole global batch, so every rank computes the same scale.
+  virtual int64_t count_targets(int64_t first, int B, int T) const { return int64_t(B) * T; }
 };
 
 // Fails with "<key>: the data (<describe()>) holds N tokens, fewer than
@@ -57,17 +64,34 @@ std::unique_ptr<TokenSource> make_synthetic_source(const SyntheticSpec& spec, in
 std::unique_ptr<TokenSource> open_train_source(const JobSpec& job);
 std::unique_ptr<TokenSource> open_val_source(const JobSpec& job);
 
-// `trainrun prepare`: byte-level tokenisation (vocab 256) of text files into
-// llm.c shards (magic 20240520, version 1, uint16) `train_000000.bin`... and
-// `val_000000.bin` in out_dir. The last val_fraction of each input's bytes go
-// to val. Returns a one-line summary.
+// `trainrun prepare`: text into llm.c shards `train_000000.bin`... and
+// `val_000000.bin` in output_dir (format: docs/data-format.md).
+//  - without a tokenizer: byte-level (vocab 256, uint16); the last
+//    val_fraction of each input's bytes go to val;
+//  - with an HF tokenizer.json: its byte-level BPE, documents separated by
+//    its BOS (or <|endoftext|>), uint16 shards when the vocab fits, else
+//    v7 uint32; for the chat formats a loss mask `train_000000.mask` (one
+//    uint8 per token, 1 = a target in the loss) beside each shard.
+// Returns a one-line summary.
 struct PrepareOptions {
   std::vector<std::string> inputs;
   std::string output_dir;
   double val_fraction = 0.01;
   int64_t shard_tokens = 100'000'000;  // tokens per shard file
+  std::string tokenizer;               // tokenizer.json; empty = byte-level
+  std::string format = "text";         // text | jsonl | chat | alpaca | sharegpt
+  std::string text_field = "text";     // jsonl: the field holding the document
+  int seq_len = 0;                     // > 0: each split must hold seq_len + 1 tokens; longer documents counted
+  int threads = 0;                     // encoding threads; 0 = all cores
+  std::string chat_template;           // llama3 | chatml | plain; empty = from the tokenizer's special tokens
+  bool train_on_input = false;         // chat formats: every token in the loss, not only the replies
+  bool allow_special = false;          // match special tokens spelled in the text (HF's default); off = text is data
+  bool progress = true;                // the MB/s + ETA line on stderr
 };
 std::string prepare_byte_shards(const PrepareOptions& opts);
+std::string prepare_tokenized_shards(const PrepareOptions& opts);
+// Either of the two, by opts.tokenizer; refuses options the byte path lacks.
+std::string prepare_shards(const PrepareOptions& opts);
 
 // Write an llm.c shard (used by prepare and by tests). version 1 = uint16, 7 = uint32.
 void write_llmc_shard(const std::string& path, const std::vector<uint32_t>& tokens, int version);

@@ -12,16 +12,18 @@
 #include <regex>
 #include <set>
 #include <sstream>
+#include <vector>
 
 #include "core/common/error.h"
 #include "core/common/log.h"
 #include "core/data/dataset.h"
 #include "core/data/llmc_format.h"
+#include "core/data/prepare_common.h"
 
 namespace fs = std::filesystem;
 
 namespace trainrun {
-namespace {
+namespace prep {
 
 // Writes to a temp name and renames, so a crash or a full disk never leaves
 // a truncated shard under the final name for a later job to pick up.
@@ -32,13 +34,20 @@ void write_shard_file(const std::string& path, const void* tokens, int64_t ntok,
   header[0] = version == llmc::kVersionU16 ? llmc::kMagicU16 : llmc::kMagicU32;
   header[1] = version;
   header[2] = static_cast<int32_t>(ntok);
-  size_t tok_bytes = version == llmc::kVersionU16 ? 2 : 4;
+  const size_t tok_bytes = version == llmc::kVersionU16 ? 2 : 4;
+  // One buffer (header + tokens) through the one atomic writer: shards are
+  // at most a few hundred MB, and the writer's checks stay in one place.
+  std::vector<char> buf(sizeof header + size_t(ntok) * tok_bytes);
+  std::memcpy(buf.data(), header, sizeof header);
+  if (ntok > 0) std::memcpy(buf.data() + sizeof header, tokens, size_t(ntok) * tok_bytes);
+  write_file_atomic(path, buf.data(), buf.size(), true);
+}
 
-  std::string tmp = path + ".tmp." + std::to_string(::getpid());
+void write_file_atomic(const std::string& path, const void* data, size_t bytes, bool commit) {
+  std::string tmp = commit ? path + ".tmp." + std::to_string(::getpid()) : path;
   FILE* f = std::fopen(tmp.c_str(), "wb");
   if (!f) TR_FAIL("cannot create '", tmp, "': ", detail::errno_string(), "; check that the directory is writable");
-  bool ok = std::fwrite(header, sizeof header, 1, f) == 1;
-  if (ok && ntok > 0) ok = std::fwrite(tokens, tok_bytes, static_cast<size_t>(ntok), f) == static_cast<size_t>(ntok);
+  bool ok = bytes == 0 || std::fwrite(data, 1, bytes, f) == bytes;
   ok = ok && std::fflush(f) == 0 && ::fsync(fileno(f)) == 0;
   std::string err = ok ? "" : detail::errno_string();
   if (std::fclose(f) != 0 && ok) {
@@ -49,7 +58,7 @@ void write_shard_file(const std::string& path, const void* tokens, int64_t ntok,
     std::remove(tmp.c_str());
     TR_FAIL("cannot write '", path, "': ", err, " (is the disk full?)");
   }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+  if (commit && std::rename(tmp.c_str(), path.c_str()) != 0) {
     err = detail::errno_string();
     std::remove(tmp.c_str());
     TR_FAIL("cannot rename '", tmp, "' to '", path, "': ", err);
@@ -62,40 +71,16 @@ std::string shard_name(const std::string& prefix, int index) {
   return buf;
 }
 
-// Accumulates byte tokens and writes a shard each time shard_tokens are full.
-class ShardWriter {
- public:
-  ShardWriter(std::string dir, std::string prefix, int64_t shard_tokens)
-      : dir_(std::move(dir)), prefix_(std::move(prefix)), cap_(shard_tokens) {}
-  void add(const unsigned char* p, int64_t n) {
-    while (n > 0) {
-      int64_t take = std::min<int64_t>(n, cap_ - static_cast<int64_t>(buf_.size()));
-      buf_.insert(buf_.end(), p, p + take);  // widening uint8 -> uint16
-      p += take;
-      n -= take;
-      tokens_ += take;
-      if (static_cast<int64_t>(buf_.size()) == cap_) flush();
-    }
+int remove_stale_shards(const std::string& dir, const std::set<std::string>& keep) {
+  static const std::regex shard_re("(train|val)_[0-9]{6}\\.(bin|mask)");
+  int removed = 0;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    std::string name = e.path().filename().string();
+    if (std::regex_match(name, shard_re) && !keep.count(name) && fs::remove(e.path(), ec)) ++removed;
   }
-  void finish() {
-    if (!buf_.empty()) flush();
-  }
-  int64_t tokens() const { return tokens_; }
-  const std::vector<std::string>& written() const { return written_; }
-
- private:
-  void flush() {
-    std::string name = shard_name(prefix_, static_cast<int>(written_.size()));
-    write_shard_file(dir_ + "/" + name, buf_.data(), static_cast<int64_t>(buf_.size()), llmc::kVersionU16);
-    written_.push_back(name);
-    buf_.clear();
-  }
-  std::string dir_, prefix_;
-  int64_t cap_;
-  std::vector<uint16_t> buf_;
-  std::vector<std::string> written_;
-  int64_t tokens_ = 0;
-};
+  return removed;
+}
 
 // A NUL byte in the first 4 KiB is what grep and git use to call a file binary.
 bool looks_binary(const std::string& path) {
@@ -146,24 +131,79 @@ void prepare_output_dir(const std::string& dir) {
   ::unlink(probe.c_str());
 }
 
-// Shards of an earlier, larger run would otherwise be picked up by a
-// data.train glob together with the new ones.
-int remove_stale_shards(const std::string& dir, const std::set<std::string>& keep) {
-  static const std::regex shard_re("(train|val)_[0-9]{6}\\.bin");
-  int removed = 0;
-  std::error_code ec;
-  for (const auto& e : fs::directory_iterator(dir, ec)) {
-    std::string name = e.path().filename().string();
-    if (std::regex_match(name, shard_re) && !keep.count(name) && fs::remove(e.path(), ec)) ++removed;
-  }
-  return removed;
-}
-
 std::string shard_range(const std::vector<std::string>& names) {
   if (names.empty()) return "no shard";
   if (names.size() == 1) return "1 shard (" + names[0] + ")";
   return std::to_string(names.size()) + " shards (" + names.front() + " .. " + names.back() + ")";
 }
+
+InputSet select_text_files(const std::vector<std::string>& inputs) {
+  InputSet in;
+  std::vector<std::string> candidates = collect_inputs(inputs);
+  std::set<std::string> seen;
+  int empty = 0;
+  for (const auto& p : candidates) {
+    std::error_code ec;
+    std::string canon = fs::weakly_canonical(p, ec).string();
+    // Symlinks (fortunes' *.u8 -> *) and repeated inputs would duplicate text.
+    if (!seen.insert(ec ? p : canon).second) { ++in.duplicates; continue; }
+    if (fs::file_size(p, ec) == 0 && !ec) { ++empty; continue; }
+    if (looks_binary(p)) in.binary.push_back(p);
+    else in.texts.push_back(p);
+  }
+  if (!in.binary.empty()) {
+    std::string list;
+    for (size_t i = 0; i < in.binary.size() && i < 5; ++i) list += (i ? ", " : "") + in.binary[i];
+    if (in.binary.size() > 5) list += ", ...";
+    TR_LOG_INFO("prepare: skipped ", in.binary.size(), " binary file", in.binary.size() == 1 ? "" : "s",
+                " (NUL byte in the first 4 KiB): ", list);
+  }
+  if (in.duplicates) TR_LOG_INFO("prepare: skipped ", in.duplicates, " duplicate path(s) (symlinks or repeated inputs)");
+  if (in.texts.empty())
+    TR_FAIL("--input: no text found in ", candidates.size(), " file(s) (", in.binary.size(), " binary, ", empty,
+            " empty); pass text files or directories that contain text");
+  return in;
+}
+
+}  // namespace prep
+
+namespace {
+using namespace prep;
+
+// Accumulates byte tokens and writes a shard each time shard_tokens are full.
+class ShardWriter {
+ public:
+  ShardWriter(std::string dir, std::string prefix, int64_t shard_tokens)
+      : dir_(std::move(dir)), prefix_(std::move(prefix)), cap_(shard_tokens) {}
+  void add(const unsigned char* p, int64_t n) {
+    while (n > 0) {
+      int64_t take = std::min<int64_t>(n, cap_ - static_cast<int64_t>(buf_.size()));
+      buf_.insert(buf_.end(), p, p + take);  // widening uint8 -> uint16
+      p += take;
+      n -= take;
+      tokens_ += take;
+      if (static_cast<int64_t>(buf_.size()) == cap_) flush();
+    }
+  }
+  void finish() {
+    if (!buf_.empty()) flush();
+  }
+  int64_t tokens() const { return tokens_; }
+  const std::vector<std::string>& written() const { return written_; }
+
+ private:
+  void flush() {
+    std::string name = shard_name(prefix_, static_cast<int>(written_.size()));
+    write_shard_file(dir_ + "/" + name, buf_.data(), static_cast<int64_t>(buf_.size()), llmc::kVersionU16);
+    written_.push_back(name);
+    buf_.clear();
+  }
+  std::string dir_, prefix_;
+  int64_t cap_;
+  std::vector<uint16_t> buf_;
+  std::vector<std::string> written_;
+  int64_t tokens_ = 0;
+};
 
 }  // namespace
 
@@ -191,31 +231,10 @@ std::string prepare_byte_shards(const PrepareOptions& opts) {
            " tokens must be in [1, ", INT32_MAX, "]");
   TR_CHECK(!opts.inputs.empty(), "--input: no input given; pass text files or directories");
 
-  std::vector<std::string> candidates = collect_inputs(opts.inputs);
-  std::vector<std::string> texts;
-  std::vector<std::string> binary;
-  std::set<std::string> seen;
-  int duplicates = 0, empty = 0;
-  for (const auto& p : candidates) {
-    std::error_code ec;
-    std::string canon = fs::weakly_canonical(p, ec).string();
-    // Symlinks (fortunes' *.u8 -> *) and repeated inputs would duplicate text.
-    if (!seen.insert(ec ? p : canon).second) { ++duplicates; continue; }
-    if (fs::file_size(p, ec) == 0 && !ec) { ++empty; continue; }
-    if (looks_binary(p)) binary.push_back(p);
-    else texts.push_back(p);
-  }
-  if (!binary.empty()) {
-    std::string list;
-    for (size_t i = 0; i < binary.size() && i < 5; ++i) list += (i ? ", " : "") + binary[i];
-    if (binary.size() > 5) list += ", ...";
-    TR_LOG_INFO("prepare: skipped ", binary.size(), " binary file", binary.size() == 1 ? "" : "s",
-                " (NUL byte in the first 4 KiB): ", list);
-  }
-  if (duplicates) TR_LOG_INFO("prepare: skipped ", duplicates, " duplicate path(s) (symlinks or repeated inputs)");
-  if (texts.empty())
-    TR_FAIL("--input: no text found in ", candidates.size(), " file(s) (", binary.size(), " binary, ", empty,
-            " empty); pass text files or directories that contain text");
+  const InputSet in = select_text_files(opts.inputs);
+  const std::vector<std::string>& texts = in.texts;
+  const std::vector<std::string>& binary = in.binary;
+  const int duplicates = in.duplicates;
 
   prepare_output_dir(opts.output_dir);
   ShardWriter train(opts.output_dir, "train", opts.shard_tokens), val(opts.output_dir, "val", opts.shard_tokens);
@@ -244,6 +263,9 @@ std::string prepare_byte_shards(const PrepareOptions& opts) {
   TR_CHECK(train.tokens() > 0, "--input: the inputs hold only ", val.tokens(),
            " bytes, all of which went to validation; pass more text or lower --val-fraction");
 
+  // A tokenizer run's record would otherwise describe these byte shards.
+  std::error_code rm_ec;
+  fs::remove(opts.output_dir + "/prepare.json", rm_ec);
   std::set<std::string> keep(train.written().begin(), train.written().end());
   keep.insert(val.written().begin(), val.written().end());
   if (int removed = remove_stale_shards(opts.output_dir, keep))

@@ -15,6 +15,9 @@
 #include <climits>
 #include <cstring>
 #include <iomanip>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 
 #include "core/common/error.h"
@@ -33,6 +36,12 @@ struct Shard {
   int64_t ntok = 0;
   int tok_bytes = 2;
   int64_t start = 0;  // global index of this shard's first token
+  // The loss-mask sidecar (prepare's chat formats): one byte per token,
+  // 1 = a target in the loss. Null when the shard has none.
+  std::string mask_path;
+  void* mask_map = nullptr;
+  size_t mask_bytes = 0;
+  const uint8_t* mask = nullptr;
 };
 
 std::string human_count(int64_t n) {
@@ -84,8 +93,10 @@ class TokenFileSource : public TokenSource {
   TokenFileSource(std::string pattern, std::string format, std::string key)
       : pattern_(std::move(pattern)), format_(std::move(format)), key_(std::move(key)) {}
   ~TokenFileSource() override {
-    for (auto& s : shards_)
+    for (auto& s : shards_) {
       if (s.map) ::munmap(s.map, s.map_bytes);
+      if (s.mask_map) ::munmap(s.mask_map, s.mask_bytes);
+    }
   }
   TokenFileSource(const TokenFileSource&) = delete;
   TokenFileSource& operator=(const TokenFileSource&) = delete;
@@ -102,6 +113,35 @@ class TokenFileSource : public TokenSource {
     sh.start = total_;
     total_ += sh.ntok;
     check_tokens(sh, vocab_size);
+    if (format_ == "llmc") map_mask(sh);
+  }
+
+  // Every shard has a mask or none does: a half-masked stream would train on
+  // the prompts of some conversations and not others, silently.
+  void check_masks() const {
+    size_t with = 0;
+    for (const auto& s : shards_) with += s.mask != nullptr;
+    if (with == 0 || with == shards_.size()) return;
+    for (const auto& s : shards_)
+      if (!s.mask)
+        TR_FAIL(key_, ": ", with, " of ", shards_.size(), " shards have a loss mask (.mask) but '", s.path,
+                "' has none ('", s.mask_path, "'); re-run `trainrun prepare` for all of them or remove the .mask files");
+  }
+  bool has_mask() const override { return !shards_.empty() && shards_[0].mask != nullptr; }
+
+  int64_t count_targets(int64_t first, int B, int T) const override {
+    if (!has_mask()) return int64_t(B) * T;
+    const int64_t ns = num_samples(T);
+    if (ns == 0) check_source_length(*this, T, key_);
+    int64_t n = 0;
+    for (int b = 0; b < B; ++b) {
+      int64_t s = (first + b) % ns;
+      if (s < 0) s += ns;
+      for_mask(s * T + 1, T, [&](const uint8_t* m, int64_t k) {
+        for (int64_t i = 0; i < k; ++i) n += m[i];
+      });
+    }
+    return n;
   }
 
   int64_t num_samples(int T) const override {
@@ -121,6 +161,15 @@ class TokenFileSource : public TokenSource {
       copy_tokens(start, T, in);
       if (T > 1) std::memcpy(tg, in + 1, sizeof(int32_t) * (T - 1));
       copy_tokens(start + T, 1, tg + T - 1);
+      if (has_mask()) {
+        // Target t is token start+t+1; a masked one is -1, which the
+        // cross-entropy ops skip (PyTorch's ignore_index).
+        int64_t t = 0;
+        for_mask(start + 1, T, [&](const uint8_t* m, int64_t k) {
+          for (int64_t i = 0; i < k; ++i, ++t)
+            if (!m[i]) tg[t] = -1;
+        });
+      }
     }
   }
 
@@ -136,6 +185,7 @@ class TokenFileSource : public TokenSource {
     os << "'" << pattern_ << "': " << shards_.size() << " " << kind << (shards_.size() == 1 ? "" : "s");
     if (format_ == "llmc") os << " (" << width << ")";
     os << ", " << human_count(total_) << " tokens";
+    if (has_mask()) os << ", with loss masks";
     return os.str();
   }
 
@@ -269,6 +319,49 @@ class TokenFileSource : public TokenSource {
     max_token_ = std::max<int64_t>(max_token_, m);
   }
 
+  // Sibling "<stem>.mask" of "<stem>.bin": mapped and checked when present.
+  void map_mask(Shard& sh) {
+    const size_t dot = sh.path.rfind(".bin");
+    if (dot == std::string::npos || dot + 4 != sh.path.size()) return;
+    sh.mask_path = sh.path.substr(0, dot) + ".mask";
+    struct stat st;
+    if (::stat(sh.mask_path.c_str(), &st) != 0) return;
+    if (static_cast<int64_t>(st.st_size) != sh.ntok)
+      TR_FAIL(key_, ": loss mask '", sh.mask_path, "' has ", static_cast<int64_t>(st.st_size), " bytes but '", sh.path,
+              "' has ", sh.ntok, " tokens (one mask byte per token); the two are from different runs: re-run `trainrun prepare`");
+    int fd = ::open(sh.mask_path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) TR_FAIL(key_, ": cannot open '", sh.mask_path, "': ", detail::errno_string());
+    void* p = ::mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ, MAP_PRIVATE, fd, 0);
+    std::string err = p == MAP_FAILED ? detail::errno_string() : "";
+    ::close(fd);
+    if (p == MAP_FAILED) TR_FAIL(key_, ": cannot memory-map '", sh.mask_path, "': ", err);
+    sh.mask_map = p;
+    sh.mask_bytes = static_cast<size_t>(st.st_size);
+    sh.mask = static_cast<const uint8_t*>(p);
+    for (int64_t i = 0; i < sh.ntok; ++i)
+      if (sh.mask[i] > 1)
+        TR_FAIL(key_, ": loss mask '", sh.mask_path, "' has byte ", int(sh.mask[i]), " at index ", i,
+                " (only 0 and 1 are allowed); the file is corrupt, re-run `trainrun prepare`");
+  }
+
+  // Calls f(mask, k) over the mask bytes of tokens [pos, pos + n) of the
+  // stream, one call per shard the span touches.
+  template <typename F>
+  void for_mask(int64_t pos, int64_t n, F&& f) const {
+    auto it = std::upper_bound(shards_.begin(), shards_.end(), pos,
+                               [](int64_t p, const Shard& s) { return p < s.start; });
+    size_t si = static_cast<size_t>(it - shards_.begin()) - 1;
+    while (n > 0) {
+      const Shard& sh = shards_[si];
+      const int64_t off = pos - sh.start;
+      const int64_t take = std::min(n, sh.ntok - off);
+      f(sh.mask + off, take);
+      pos += take;
+      n -= take;
+      ++si;
+    }
+  }
+
   void copy_tokens(int64_t pos, int64_t n, int32_t* out) const {
     // Find the shard holding `pos`: the last one whose start <= pos.
     auto it = std::upper_bound(shards_.begin(), shards_.end(), pos,
@@ -298,6 +391,35 @@ class TokenFileSource : public TokenSource {
   int64_t max_token_ = 0;
 };
 
+// `prepare --tokenizer` leaves prepare.json beside its shards. A model
+// vocab smaller than the tokenizer's is refused even when these shards
+// happen not to hold a high id: generation and later data would.
+void check_prepared_vocab(const std::vector<std::string>& paths, int vocab_size, const std::string& key) {
+  if (vocab_size <= 0) return;
+  std::set<std::string> dirs;
+  for (const auto& p : paths) {
+    const size_t slash = p.rfind('/');
+    dirs.insert(slash == std::string::npos ? "." : p.substr(0, slash));
+  }
+  for (const auto& dir : dirs) {
+    const std::string meta_path = dir + "/prepare.json";
+    std::ifstream f(meta_path);
+    if (!f) continue;
+    nlohmann::json meta;
+    try {
+      meta = nlohmann::json::parse(f);
+    } catch (const std::exception& e) {
+      TR_FAIL(key, ": '", meta_path, "' is not valid JSON (", e.what(), "); re-run `trainrun prepare` or remove it");
+    }
+    if (!meta.is_object() || !meta.contains("vocab_size") || !meta["vocab_size"].is_number_unsigned()) continue;
+    const uint64_t v = meta["vocab_size"].get<uint64_t>();
+    if (v > static_cast<uint64_t>(vocab_size))
+      TR_FAIL(key, ": the data in '", dir, "' was prepared with the tokenizer '", meta.value("tokenizer", "?"),
+              "' of ", v, " ids (", meta_path, "), more than model.vocab_size = ", vocab_size,
+              "; set model.vocab_size to at least ", v, " (or the model's own tokenizer's size)");
+  }
+}
+
 }  // namespace
 
 std::unique_ptr<TokenSource> open_token_files(const std::string& pattern, const std::string& format,
@@ -307,7 +429,10 @@ std::unique_ptr<TokenSource> open_token_files(const std::string& pattern, const 
   if (pattern.empty())
     TR_FAIL(key, ": no path given; set it to a token file or a glob such as data/train_*.bin");
   auto src = std::make_unique<TokenFileSource>(pattern, format, key);
-  for (const auto& path : expand_pattern(pattern, key)) src->add_file(path, vocab_size);
+  const std::vector<std::string> paths = expand_pattern(pattern, key);
+  check_prepared_vocab(paths, vocab_size, key);
+  for (const auto& path : paths) src->add_file(path, vocab_size);
+  src->check_masks();
   TR_LOG_INFO(key, ": ", src->describe());
   return src;
 }

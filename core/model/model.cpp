@@ -287,6 +287,29 @@ double ModelArch::flops_per_token() const {
 
 // ---- configs read back from files ----------------------------------------------------------
 
+std::vector<const ParamTensor*> ModelArch::hf_save_order() const {
+  std::vector<const ParamTensor*> order;
+  for (const auto& t : layout_.tensors) order.push_back(&t);
+  return order;
+}
+
+void ModelArch::hf_carry_over(const nlohmann::ordered_json& source, nlohmann::ordered_json& out) const {
+  // Ids outside our vocabulary would make generate() stop on nothing (or crash).
+  for (const char* key : {"bos_token_id", "eos_token_id", "pad_token_id"}) {
+    if (!source.contains(key)) continue;
+    const auto& v = source[key];
+    auto in_vocab = [&](const nlohmann::ordered_json& id) {
+      return id.is_number_integer() && id.get<int64_t>() >= 0 && id.get<int64_t>() < cfg_.V;
+    };
+    bool ok = v.is_null() || in_vocab(v);
+    if (v.is_array()) {
+      ok = true;
+      for (const auto& id : v) ok = ok && in_vocab(id);
+    }
+    if (ok) out[key] = v;
+  }
+}
+
 ModelConfig read_hf_model_config(const std::string& dir, const std::string& what, const std::string& want_arch) {
   const std::string hint =
       "; expected a Hugging Face model directory (config.json + model.safetensors), as written by `trainrun "

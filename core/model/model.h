@@ -309,9 +309,21 @@ class ModelArch {
 
   // ---- Hugging Face ----
   virtual std::string hf_model_type() const = 0;               // config.json's model_type
-  virtual nlohmann::ordered_json hf_config_json() const = 0;   // config.json for an export
+  // config.json for an export ("torch_dtype" says float32; the export sets the dtype it writes).
+  virtual nlohmann::ordered_json hf_config_json() const = 0;
+  // An export of a model fine-tuned from an HF directory (model.init_from) or
+  // re-exported from one: what of the source's config.json `source` (same
+  // model_type) the export keeps in `out` (hf_config_json()). Every arch: the
+  // special token ids (bos/eos/pad_token_id: the tokenizer's, which trainrun
+  // does not know); Llama also a longer max_position_embeddings.
+  virtual void hf_carry_over(const nlohmann::ordered_json& source, nlohmann::ordered_json& out) const;
   // Where a layout tensor is in an HF directory, and in which layout.
   virtual HfTensor hf_tensor(const ParamTensor& t) const = 0;
+  // The layout's tensors in the order save_pretrained writes them (the HF
+  // model's named_parameters()), which decides where an export's shards
+  // split: the same limit gives save_pretrained's shards. Default: the
+  // layout's order (GPT-2's is HF's).
+  virtual std::vector<const ParamTensor*> hf_save_order() const;
   // A name in an HF file as it is looked up (GPT-2: without the optional
   // "transformer." prefix, which GPT2Model leaves out).
   virtual std::string hf_canonical_name(const std::string& file_name) const { return file_name; }

@@ -2,6 +2,8 @@
 #include "core/model/model_spec.h"
 
 #include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
 
 #include "core/common/error.h"
 #include "core/common/log.h"
@@ -64,9 +66,52 @@ void apply_preset(JobSpec& job, bool log) {
   }
 }
 
-void apply_init_from(JobSpec& job) {
+// The checkpoint a start of this job resumes from, if any (checkpoint.resume:
+// auto = output.dir's latest; a path; never), as the Checkpointer finds it.
+std::string checkpoint_to_resume(const JobSpec& job) {
+  const std::string& r = job.checkpoint.resume;
+  if (r == "never") return "";
+  if (r != "auto") return r;
+  const fs::path ck = fs::path(job.output.dir) / "checkpoints";
+  std::ifstream f(ck / "latest");
+  std::string name;
+  if (!f || !std::getline(f, name) || name.empty()) return "";
+  return (ck / name).string();
+}
+
+// model.init_from's directory is gone but the job resumes: the checkpoint
+// holds the weights, and the shape the job was resolved to when it started
+// (its manifest's job_spec). The directory is only needed for a fresh start.
+bool apply_resumed_shape(JobSpec& job, const std::string& missing, bool log) {
+  const std::string ck = checkpoint_to_resume(job);
+  if (ck.empty()) return false;
+  std::ifstream f(fs::path(ck) / "manifest.json");
+  if (!f) return false;
+  nlohmann::json m;
+  try {
+    m = nlohmann::json::parse(f);
+  } catch (const std::exception&) {
+    return false;  // a damaged manifest: the resume reports it
+  }
+  if (!m.contains("job_spec") || !m["job_spec"].is_string()) return false;
+  const JobSpec was = parse_job_spec(m["job_spec"].get<std::string>(), ck + "/manifest.json", {});
+  const std::string from = "'" + ck + "' (the checkpoint this job resumes; " + missing + " is gone)";
+  JobSpec shape;
+  shape.model = was.model;
+  if (job.model.arch == "auto") fill(job, shape, "model.arch", from);
+  for (const ShapeKey& k : make_model_arch(ModelConfig::from_spec(was.model))->shape_keys())
+    if (!has_value(job, k.field)) fill(job, shape, k.field, from);
+  if (!job.is_set("model.seq_len")) fill(job, shape, "model.seq_len", from);
+  if (log)
+    TR_LOG_INFO("model.init_from: ", missing, " is gone; the shape comes from ", ck,
+                ", which this job resumes (the weights come from it too)");
+  return true;  // a disagreement with the checkpoint is the resume's error, as for any job
+}
+
+void apply_init_from(JobSpec& job, bool log) {
   const std::string dir = job.model.init_from;
   const std::string path = (fs::path(dir) / "config.json").string();
+  if (!fs::exists(path) && apply_resumed_shape(job, path, log)) return;
   const ModelConfig hf_cfg =
       read_hf_model_config(dir, "model.init_from", job.model.arch == "auto" ? "" : job.model.arch);
   JobSpec hf;
@@ -106,7 +151,7 @@ void apply_init_from(JobSpec& job) {
 void resolve_model_shape(JobSpec& job, bool log) {
   if (job.model.preset == "none" && job.model.init_from.empty()) return;  // the spec is the shape, as it always was
   if (job.model.preset != "none") apply_preset(job, log);
-  if (!job.model.init_from.empty()) apply_init_from(job);
+  if (!job.model.init_from.empty()) apply_init_from(job, log);
   validate_job_spec(job);
   // The whole model's rules (the arch's own too), here at job load rather
   // than in every worker. A layout only: no weights are allocated.

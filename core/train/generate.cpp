@@ -75,6 +75,7 @@ std::vector<int32_t> sample_tokens(Backend* be, UnitAccess& units, const ModelAr
     if (comm && comm->world_size() > 1) comm->broadcast(&next, sizeof next, 0);
     seq.push_back(next);
     if (i + 1 == o.max_tokens) break;
+    if (std::find(o.stop_tokens.begin(), o.stop_tokens.end(), next) != o.stop_tokens.end()) break;
     if (dec.position() == cap)
       refill(std::max(1, cap / 2));  // outgrew the model's T (cap == T here)
     else

@@ -15,6 +15,9 @@ struct SampleOptions {
   double temperature = 1.0;   // 0 or top_k == 1: greedy
   int top_k = 0;              // 0 = full distribution
   uint64_t seed = 1;
+  // Generation ends after any of these is sampled (kept in the output), as
+  // transformers' generate stops at eos_token_id.
+  std::vector<int32_t> stop_tokens;
 };
 
 // Autoregressive sampling with a KV cache (the arch's Decoder) on `be`,

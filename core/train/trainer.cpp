@@ -237,7 +237,7 @@ void Trainer::setup() {
            "); change one of them so every rank gets whole micro-batches");
   accum_ = global_B_ / (mb_ * dp_size_);
   // 4. sharded state
-  // Each group is named for its errors ("shard0", "replica1": the prefix).
+  // Each group is named for its errors ("dp_shard0", "dp_replicate1": the prefix).
   CommFactory factory = [this, timeout, nccl](const std::string& prefix, int rank, int world) {
     std::unique_ptr<Communicator> c =
         nccl ? make_nccl_communicator(be_.get(), store_.get(), prefix_ + prefix, rank, world, timeout)
@@ -319,7 +319,12 @@ void Trainer::read_batch(const TokenSource& src, int64_t first, int B) {
 // rides one all-reduce together with the preemption vote.
 Trainer::StepResult Trainer::train_step(int step) {
   params_->zero_grads();
-  float dloss_scale = 1.0f / float(int64_t(global_B_) * T_);
+  // The mean over the targets in the loss of the whole global batch (all
+  // micro-batches and ranks), as PyTorch's ignore_index mean over that
+  // batch: every rank counts the same global window from the (mmapped)
+  // masks, so no collective is needed. Without masks this is B*T, as before.
+  const int64_t ntgt = train_src_->count_targets(cursor_, global_B_, T_);
+  float dloss_scale = ntgt > 0 ? 1.0f / float(ntgt) : 0.0f;  // an all-masked batch trains nothing
   if (debug_nan_step(step + 1)) dloss_scale = NAN;  // tests: TRAINRUN_DEBUG_NAN_STEP
   be_->zero(dev_loss_sum_.get(), 4);
   for (int m = 0; m < accum_; ++m) {
@@ -336,7 +341,7 @@ Trainer::StepResult Trainer::train_step(int step) {
   if (!counts_loss_) v[0] = 0.0f;  // the TP ranks of a dp index computed the same loss: count it once
   StepResult r;
   r.stop_signal = agree_on_stop(*comm_, v);  // the vote rides the loss all-reduce
-  r.loss = double(v[0]) / (double(global_B_) * T_);
+  r.loss = ntgt > 0 ? double(v[0]) / double(ntgt) : 0.0;
   return r;
 }
 
@@ -346,7 +351,9 @@ Trainer::StepResult Trainer::train_step(int step) {
 double Trainer::evaluate() {
   if (!val_src_ || job_.train.eval_steps <= 0) return -1;
   be_->zero(dev_loss_sum_.get(), 4);
+  int64_t ntgt = 0;
   for (int e = 0; e < job_.train.eval_steps; ++e) {
+    ntgt += val_src_->count_targets(int64_t(e) * global_B_, global_B_, T_);
     for (int m = 0; m < accum_; ++m) {
       read_batch(*val_src_, int64_t(e) * global_B_ + (int64_t(m) * dp_size_ + dp_rank_) * mb_, mb_);
       model_->forward(*params_, dev_in_.as<int32_t>(), dev_tgt_.as<int32_t>(), mb_, T_, false, 0.0f);
@@ -358,7 +365,7 @@ double Trainer::evaluate() {
   be_->copy_to_host(&total, dev_loss_sum_.get(), 4);
   if (!counts_loss_) total = 0.0f;
   comm_->all_reduce(&total, 1, ReduceOp::Sum);
-  return double(total) / (double(job_.train.eval_steps) * global_B_ * T_);
+  return ntgt > 0 ? double(total) / double(ntgt) : 0.0;
 }
 
 TrainSummary Trainer::run() {

@@ -9,6 +9,8 @@
 // log-sum-exp; on the CPU memory is cheap relative to recomputation).
 // Backward per (b,h): dP = dout v^T, dS = P * (dP - rowsum(P*dP)) / sqrt(HS),
 //                     dq = dS k, dk = dS^T q, dv = P^T dout.
+// Each (b,h) is causal_head.h's forward/backward, which skips the masked
+// upper triangle block by block without changing a bit.
 // The (b,h) pairs are spread over OpenMP threads; inside the parallel region
 // the OpenMP build of OpenBLAS runs each sgemm single-threaded. The row
 // softmax and its backward are shared with grouped-query attention
@@ -20,6 +22,7 @@
 #include <cmath>
 #include <vector>
 
+#include "kernels/cpu/causal_head.h"
 #include "kernels/cpu/causal_softmax.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/fastmath.h"
@@ -43,12 +46,7 @@ void CpuBackend::attention_forward(void* out_, float* saved, const void* qkv_, i
     const float* k = q + C;
     const float* v = q + 2 * C;
     float* P = saved + int64_t(bh) * T * T;
-    // The full T x T product is computed, then masked: sgemm on the whole
-    // square beats row-by-row triangular dot products by a wide margin.
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, T, HS, sc, q, C3, k, C3, 0.0f, P, T);
-    for (int t = 0; t < T; ++t) cpu::causal_softmax_row(P + int64_t(t) * T, t, T);
-    float* o = out + int64_t(b) * T * C + h * HS;
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, HS, T, 1.0f, P, T, v, C3, 0.0f, o, C);
+    cpu::causal_head_forward(out + int64_t(b) * T * C + h * HS, C, P, q, k, v, C3, T, HS, sc);
   }
 }
 
@@ -78,14 +76,7 @@ void CpuBackend::attention_backward(void* dqkv_, const void* dout_, const void* 
       float* dv = dq + 2 * C;
       const float* P = saved + int64_t(bh) * T * T;
       const float* dO = dout + int64_t(b) * T * C + h * HS;
-      // dP = dO v^T, dv = P^T dO
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, T, HS, 1.0f, dO, C, v, C3, 0.0f, dP, T);
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, T, HS, T, 1.0f, P, T, dO, C, 0.0f, dv, C3);
-      // dS = P * (dP - rowsum(P*dP)) * sc, written over dP; zero above the diagonal.
-      for (int t = 0; t < T; ++t) cpu::causal_softmax_backward_row(dP + int64_t(t) * T, P + int64_t(t) * T, t, T, sc);
-      // dq = dS k, dk = dS^T q
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, HS, T, 1.0f, dP, T, k, C3, 0.0f, dq, C3);
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, T, HS, T, 1.0f, dP, T, q, C3, 0.0f, dk, C3);
+      cpu::causal_head_backward(dq, dk, dv, C3, 0.0f, dP, dO, C, P, q, k, v, C3, T, HS, sc);
     }
   }
 }

@@ -8,16 +8,19 @@
 // Forward per (b,h):  S = q_h k_g^T / sqrt(HS) (T,T), P = causal_softmax(S),
 //                     out[:, h*HS:(h+1)*HS] = P v_g;   out (B,T,NH*HS).
 // P (B,NH,T,T) is kept for backward, as in cpu_attention.cpp.
-// Backward per (b,g), over the group's query heads h = g*R + r in order r = 0..R-1:
+// Backward per (b,h), h = g*R + r:
 //   dP = dout_h v_g^T,  dS = P * (dP - rowsum(P*dP)) / sqrt(HS),
-//   dq_h = dS k_g,      dk_g (+)= dS^T q_h,      dv_g (+)= P^T dout_h,
-// the first head of the group writing dk_g/dv_g (beta 0), the others adding
-// (beta 1). Each (b,g) belongs to one thread and its sum runs in that fixed
-// order, so dqkv is bit-identical across runs and thread counts. The cost:
-// only B*NKV work items (B*NH in the forward); per-head dk/dv partials
-// summed afterwards would parallelise more at the price of R copies of them.
+//   dq_h = dS k_g,      dk_g,r = dS^T q_h,      dv_g,r = P^T dout_h,
+// then dk_g = sum_r dk_g,r and dv_g = sum_r dv_g,r in the fixed order
+// r = 0..R-1, row by row. The per-head partials (2 x (B,NH,T,HS) floats,
+// R times dk/dv's size) let the B*NH heads run in parallel, as in the
+// forward, instead of only the B*NKV groups (8 work items for a Llama 8B
+// micro-batch of 1 would idle most cores of a big CPU); the ordered sum keeps
+// dqkv bit-identical across runs and thread counts. With R = 1 the partial
+// is written straight into dqkv (no copies).
 // With NKV == NH every sgemm and row kernel is the one attention_forward /
-// attention_backward runs (tested to agree bit for bit).
+// attention_backward runs (tested to agree bit for bit): both are
+// causal_head.h per head.
 #include <cblas.h>
 #include <omp.h>
 
@@ -26,6 +29,7 @@
 #include <vector>
 
 #include "core/common/error.h"
+#include "kernels/cpu/causal_head.h"
 #include "kernels/cpu/causal_softmax.h"
 #include "kernels/cpu/cpu_backend.h"
 
@@ -55,11 +59,7 @@ void CpuBackend::attention_gqa_forward(void* out_, float* saved, const void* qkv
     const float* k = row0 + (NH + g) * HS;
     const float* v = row0 + (NH + NKV + g) * HS;
     float* P = saved + int64_t(bh) * T * T;
-    // The full T x T product, then masked (as attention_forward: faster than triangular dots).
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, T, HS, sc, q, ld, k, ld, 0.0f, P, T);
-    for (int t = 0; t < T; ++t) cpu::causal_softmax_row(P + int64_t(t) * T, t, T);
-    float* o = out + int64_t(b) * T * C + h * HS;
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, HS, T, 1.0f, P, T, v, ld, 0.0f, o, C);
+    cpu::causal_head_forward(out + int64_t(b) * T * C + h * HS, C, P, q, k, v, ld, T, HS, sc);
   }
 }
 
@@ -72,33 +72,49 @@ void CpuBackend::attention_gqa_backward(void* dqkv_, const void* dout_, const vo
   const int R = NH / NKV, C = NH * HS, ld = (NH + 2 * NKV) * HS;
   const float sc = 1.0f / std::sqrt(float(HS));
   const int nt = threads();
+  const int64_t part = int64_t(T) * HS;  // one head's dk or dv partial, dense (T, HS)
   std::vector<float> scratch(size_t(nt) * T * T);
+  std::vector<float> partials(R > 1 ? size_t(2) * B * NH * part : 0);
+  float* pk = partials.data();
+  float* pv = partials.data() + (R > 1 ? int64_t(B) * NH * part : 0);
 #pragma omp parallel num_threads(nt)
   {
     float* dP = scratch.data() + size_t(omp_get_thread_num()) * T * T;
 #pragma omp for schedule(static)
-    for (int bg = 0; bg < B * NKV; ++bg) {
-      const int b = bg / NKV, g = bg % NKV;
+    for (int bh = 0; bh < B * NH; ++bh) {
+      const int b = bh / NH, h = bh % NH, g = h / R;
       const int64_t row0 = int64_t(b) * T * ld;
+      const float* q = qkv + row0 + h * HS;
       const float* k = qkv + row0 + (NH + g) * HS;
       const float* v = qkv + row0 + (NH + NKV + g) * HS;
-      float* dk = dqkv + row0 + (NH + g) * HS;
-      float* dv = dqkv + row0 + (NH + NKV + g) * HS;
-      for (int r = 0; r < R; ++r) {  // the fixed summation order of dk_g, dv_g
-        const int h = g * R + r;
-        const float beta = r == 0 ? 0.0f : 1.0f;
-        const float* q = qkv + row0 + h * HS;
-        float* dq = dqkv + row0 + h * HS;
-        const float* P = saved + (int64_t(b) * NH + h) * T * T;
-        const float* dO = dout + int64_t(b) * T * C + h * HS;
-        // dP = dO v^T, dv (+)= P^T dO
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, T, HS, 1.0f, dO, C, v, ld, 0.0f, dP, T);
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, T, HS, T, 1.0f, P, T, dO, C, beta, dv, ld);
-        for (int t = 0; t < T; ++t)
-          cpu::causal_softmax_backward_row(dP + int64_t(t) * T, P + int64_t(t) * T, t, T, sc);
-        // dq = dS k, dk (+)= dS^T q
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, HS, T, 1.0f, dP, T, k, ld, 0.0f, dq, ld);
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, T, HS, T, 1.0f, dP, T, q, ld, beta, dk, ld);
+      float* dq = dqkv + row0 + h * HS;
+      const float* P = saved + int64_t(bh) * T * T;
+      const float* dO = dout + int64_t(b) * T * C + h * HS;
+      if (R == 1)
+        cpu::causal_head_backward(dq, dqkv + row0 + (NH + g) * HS, dqkv + row0 + (NH + NKV + g) * HS, ld, 0.0f, dP, dO,
+                                  C, P, q, k, v, ld, T, HS, sc);
+      else
+        cpu::causal_head_backward(dq, pk + bh * part, pv + bh * part, HS, 0.0f, dP, dO, C, P, q, k, v, ld, T, HS, sc);
+    }
+    if (R > 1) {
+      // dk_g, dv_g = the group's partials summed in head order, row by row.
+#pragma omp for schedule(static)
+      for (int64_t bt = 0; bt < int64_t(B) * T; ++bt) {
+        const int64_t b = bt / T, t = bt % T;
+        for (int g = 0; g < NKV; ++g) {
+          float* dk = dqkv + bt * ld + (NH + g) * HS;
+          float* dv = dqkv + bt * ld + (NH + NKV + g) * HS;
+          const int64_t h0 = (b * NH + int64_t(g) * R) * part + t * HS;
+          for (int i = 0; i < HS; ++i) {
+            dk[i] = pk[h0 + i];
+            dv[i] = pv[h0 + i];
+          }
+          for (int r = 1; r < R; ++r)
+            for (int i = 0; i < HS; ++i) {
+              dk[i] += pk[h0 + r * part + i];
+              dv[i] += pv[h0 + r * part + i];
+            }
+        }
       }
     }
   }

@@ -119,14 +119,14 @@ class Communicator {
   // so for it there is nothing to check.
   virtual void check_health() {}
   // For error messages: the training step in progress, and the group this
-  // communicator serves ("world", "shard0", "replica1"; empty: unnamed).
+  // communicator serves ("world", "dp_shard0", "dp_replicate1"; empty: unnamed).
   virtual void set_step(int64_t step) { step_ = step; }
   int64_t step() const { return step_; }
   virtual void set_group(const std::string& group) { group_ = group; }
   const std::string& group() const { return group_; }
 
  protected:
-  // "all_reduce (step 12, rank 1 of 4, group replica1)": where an error happened.
+  // "all_reduce (step 12, rank 1 of 4, group dp_replicate1)": where an error happened.
   std::string describe(const std::string& op) const {
     std::string s = op + " (" + (step_ >= 0 ? "step " + std::to_string(step_) : std::string("before the first step")) +
                     ", rank " + std::to_string(rank()) + " of " + std::to_string(world_size());

@@ -23,7 +23,7 @@ bool parse_fault(const char* s, FaultSpec* out) {
   const std::string v(s);
   const size_t a = v.find(':'), b = v.find(':', a == std::string::npos ? a : a + 1);
   TR_CHECK(a != std::string::npos && b != std::string::npos, "TRAINRUN_DEBUG_COMM_FAULT='", v,
-           "': expected <group>:<rank>:<step>, e.g. replica:1:3");
+           "': expected <group>:<rank>:<step>, e.g. dp_replicate:1:3");
   out->group = v.substr(0, a);
   try {
     out->rank = std::stoi(v.substr(a + 1, b - a - 1));

@@ -4,7 +4,7 @@
 //   TRAINRUN_DEBUG_COMM_FAULT=<group>:<rank>:<step>
 //
 // On global rank <rank>, the communicator whose group name starts with
-// <group> ("world", "shard", "replica1", ...) fails its first collective
+// <group> ("world", "dp_shard", "dp_replicate1", ...) fails its first collective
 // issued during step <step>: the collective runs (its peers complete it, as
 // they would on a GPU), but this rank's output is thrown away (a reduction
 // gets its input back: a gradient that was never reduced) and the call

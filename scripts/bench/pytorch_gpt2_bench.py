@@ -4,20 +4,27 @@ model, same threads, same machine).
 
   pytorch_gpt2_bench.py --threads N [--layers 4 --heads 4 --embd 256 --vocab 4096
                         --seq 256 --batch 8 --steps 20 --warmup 3]
-                        [--grad-clip 1.0] [--foreach 1] [--seed 0]
+                        [--grad-clip 1.0] [--foreach 1] [--seed 0] [--mode eager|sdpa|compile]
 
 Prints exactly one line on stdout:
-  pytorch tokens_per_sec=<float> threads=<N> ms_per_step=<float>
+  pytorch tokens_per_sec=<float> threads=<N> ms_per_step=<float> mode=<mode> torch=<version>
 (median over the timed steps; details go to stderr). One step is what
 trainrun's training step does: zero grads, forward, backward, global grad-norm
 clip (trainrun's default 1.0; --grad-clip 0 turns it off), AdamW update with
 decay on 2-D weights only.
 
 The model is gpt2_ref.GPT2 (scripts/reference/gpt2_ref.py), i.e. exactly the
-model the C++ backend is checked against. Runs with /usr/bin/python3.
+model the C++ backend is checked against. Runs with /usr/bin/python3
+(torch 1.13: --mode eager only) or a torch 2.x venv (cpu_vs_pytorch.sh makes
+one), whose best settings are the other two modes:
+  eager    gpt2_ref's attention as written (q k^T, mask, softmax, P v);
+  sdpa     the same model with F.scaled_dot_product_attention(is_causal=True);
+  compile  sdpa's model under torch.compile (the first warmup step compiles);
+and, on 2.4+, AdamW(fused=True) (the CPU fused kernel) instead of --foreach.
 """
 import argparse
 import os
+import re
 import statistics
 import sys
 import time
@@ -43,6 +50,7 @@ def main(argv=None):
     # this model: ~15 ms vs ~20-60 ms), so it is the default; 1 selects foreach.
     ap.add_argument("--foreach", type=int, default=0, choices=(0, 1))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mode", choices=("eager", "sdpa", "compile"), default="eager")
     args = ap.parse_args(argv)
     if args.threads < 1 or args.steps < 1 or args.warmup < 0:
         ap.error("--threads and --steps must be >= 1, --warmup >= 0")
@@ -54,6 +62,13 @@ def main(argv=None):
     # torch's N OpenMP threads; pin it to N before torch loads the library.
     os.environ["OPENBLAS_NUM_THREADS"] = str(args.threads)
     import torch
+    import torch.nn.functional as F
+    if args.mode != "eager" and not hasattr(F, "scaled_dot_product_attention"):
+        print(f"pytorch: torch {torch.__version__} has no scaled_dot_product_attention; --mode {args.mode} "
+              "needs torch 2.x (use --mode eager)", file=sys.stderr)
+        return 2
+    if args.mode == "compile" and args.warmup < 2:
+        ap.error("--mode compile needs --warmup >= 2 (the first steps compile)")
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "reference"))
     import gpt2_ref
 
@@ -72,12 +87,31 @@ def main(argv=None):
     torch.autograd.set_detect_anomaly(False)
     torch.manual_seed(args.seed)
 
+    if args.mode != "eager":
+        # The same projections and head split as gpt2_ref.CausalSelfAttention,
+        # with the fused attention kernel in place of the written-out one.
+        def sdpa_forward(self, x):
+            B, T, C = x.shape
+            q, k, v = (t.view(B, T, self.NH, C // self.NH).transpose(1, 2) for t in self.c_attn(x).split(C, dim=2))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+        gpt2_ref.CausalSelfAttention.forward = sdpa_forward
+
     model = gpt2_ref.GPT2(n_layer=args.layers, n_head=args.heads, n_embd=args.embd,
                           vocab_size=args.vocab, seq_len=args.seq).init_random(seed=args.seed)
     model.train()
     # trainrun's TrainSpec defaults (lr does not affect speed).
-    opt = gpt2_ref.make_adamw(model, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
-                              foreach=bool(args.foreach))
+    # The fused CPU AdamW came in 2.4 (1.13 has no `fused`; 2.0-2.3 only for CUDA).
+    major, minor = (int(x) for x in re.match(r"(\d+)\.(\d+)", torch.__version__).groups())
+    fused = (major, minor) >= (2, 4)
+    if fused:
+        decay, no_decay = gpt2_ref.decay_groups(model)
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                                lr=1e-3, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    else:
+        opt = gpt2_ref.make_adamw(model, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
+                                  foreach=bool(args.foreach))
+    step_model = torch.compile(model) if args.mode == "compile" else model
 
     # Random batches, made before timing so only the training step is measured.
     n = args.warmup + args.steps
@@ -89,7 +123,7 @@ def main(argv=None):
     for i in range(n):
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        _, loss = model(xs[i], ys[i])
+        _, loss = step_model(xs[i], ys[i])
         loss.backward()
         if args.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
@@ -102,11 +136,12 @@ def main(argv=None):
     med = statistics.median(times)
     tokens = args.batch * args.seq
     nparams = sum(p.numel() for p in model.parameters())
-    print(f"pytorch: torch {torch.__version__}, {nparams} params, B={args.batch} T={args.seq}, "
+    print(f"pytorch gpt2: torch {torch.__version__}, mode {args.mode}, adamw fused={fused}, {nparams} params, B={args.batch} T={args.seq}, "
           f"threads={torch.get_num_threads()} interop={torch.get_num_interop_threads()}, foreach={bool(args.foreach)}, "
           f"grad_clip={args.grad_clip}; step ms min/median/max {1e3 * min(times):.1f}/{1e3 * med:.1f}/"
           f"{1e3 * max(times):.1f}; loss {losses[0]:.4f} -> {losses[-1]:.4f}", file=sys.stderr)
-    print(f"pytorch tokens_per_sec={tokens / med:.1f} threads={args.threads} ms_per_step={1e3 * med:.3f}")
+    print(f"pytorch tokens_per_sec={tokens / med:.1f} threads={args.threads} ms_per_step={1e3 * med:.3f} "
+          f"mode={args.mode} torch={torch.__version__}")
     return 0
 
 

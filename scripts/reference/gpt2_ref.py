@@ -4,7 +4,8 @@
 The model is exactly core/model/gpt2/gpt2.h: token + learned position embeddings,
 L pre-LayerNorm blocks (causal multi-head attention, GELU(tanh) MLP of width
 4C), a final LayerNorm, an LM head tied to wte; LayerNorm eps 1e-5; loss =
-mean cross-entropy over all B*T positions. Parameter names and layouts are
+mean cross-entropy over all B*T positions (over those whose target is not
+-100, PyTorch's ignore_index, when some are masked). Parameter names and layouts are
 HF GPT-2's with nn.Linear (out, in) weights, so named_parameters() of GPT2
 below are exactly the safetensors names.
 
@@ -260,8 +261,12 @@ def load_batch(path, vocab_size, seq_len):
     if x.shape[1] > seq_len:
         sys.exit(f"gpt2_ref: {path}: T={x.shape[1]} exceeds the model's seq_len {seq_len}")
     for k, t in (("inputs", x), ("targets", y)):
-        if t.numel() and (t.min() < 0 or t.max() >= vocab_size):
-            sys.exit(f"gpt2_ref: {path}: {k} has token ids outside [0, {vocab_size})")
+        # A target of -100 is a masked label (F.cross_entropy's ignore_index):
+        # the loss is the mean over the others, as SFT with loss masks.
+        valid = t[t != -100] if k == "targets" else t
+        if valid.numel() and (valid.min() < 0 or valid.max() >= vocab_size):
+            sys.exit(f"gpt2_ref: {path}: {k} has token ids outside [0, {vocab_size})"
+                     + (" (or -100, a masked target)" if k == "targets" else ""))
     return x, y
 
 

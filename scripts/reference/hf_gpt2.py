@@ -10,6 +10,7 @@
 
   hf_gpt2.py random --out DIR --n-layer L --n-head H --n-embd C --vocab V
                     --n-positions T --seed S [--batch BATCH.safetensors --logits OUT.safetensors]
+                    [--max-shard-size 50KB]
       A random GPT2LMHeadModel (every parameter perturbed, so biases and
       LayerNorms are not at their trivial init) written with
       save_pretrained(DIR, safe_serialization=True); with --batch, also its
@@ -74,7 +75,7 @@ def cmd_random(a):
             # LayerNorm gains around 1, everything else a visible random value.
             base = 1.0 if name.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight")) else 0.0
             p.copy_(base + 0.1 * torch.randn_like(p))
-    model.save_pretrained(a.out, safe_serialization=True)
+    model.save_pretrained(a.out, safe_serialization=True, max_shard_size=a.max_shard_size)
     if a.batch:
         model.eval()
         with torch.no_grad():
@@ -120,6 +121,7 @@ def main(argv=None):
     rd.add_argument("--vocab", type=int, required=True)
     rd.add_argument("--n-positions", type=int, required=True)
     rd.add_argument("--seed", type=int, default=0)
+    rd.add_argument("--max-shard-size", default="10GB")
     rd.add_argument("--batch")
     rd.add_argument("--logits")
     gn = sub.add_parser("generate")

@@ -22,6 +22,12 @@
   hf_llama.py generate --model DIR --prompt "ID ID ..." --max-new-tokens N
       Greedy generate (use_cache=True); prints prompt + continuation ids.
 
+  hf_llama.py same-bf16 --fp32 DIR --bf16 DIR
+      Both directories through from_pretrained (torch_dtype float32 and
+      bfloat16; each must load cleanly): every parameter of the second must
+      equal the first's rounded to bfloat16 by torch (round to nearest
+      even), bit for bit. Prints the first mismatch and exits 1 otherwise.
+
 Offline, with the repo's .venv python (transformers 4.44.2 on Debian's torch).
 """
 import argparse
@@ -38,10 +44,10 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 
-def load_clean(path):
+def load_clean(path, dtype=torch.float32):
     hf_logging.set_verbosity_error()
     model, info = LlamaForCausalLM.from_pretrained(path, local_files_only=True, output_loading_info=True,
-                                                   torch_dtype=torch.float32)
+                                                   torch_dtype=dtype)
     problems = {k: v for k, v in info.items() if v}
     if problems:
         print(f"from_pretrained({path}) did not load cleanly: {problems}", file=sys.stderr)
@@ -101,6 +107,37 @@ def cmd_generate(a):
     return 0
 
 
+def cmd_generate_text(a):
+    """Greedy text generation as `trainrun generate --top-k 1` does it: the
+    prompt encoded by the model directory's tokenizer.json (its
+    post-processor's BOS included), max_new_tokens without stopping at EOS,
+    decoded with special tokens kept."""
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(os.path.join(a.model, "tokenizer.json"))
+    model = load_clean(a.model)
+    ids = torch.tensor([tok.encode(a.prompt).ids], dtype=torch.long)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=a.max_new_tokens,
+                             min_new_tokens=a.max_new_tokens, do_sample=False, use_cache=True, pad_token_id=0)
+    sys.stdout.write(tok.decode(out[0].tolist(), skip_special_tokens=False))
+    return 0
+
+
+def cmd_same_bf16(a):
+    full = dict(load_clean(a.fp32).named_parameters())
+    half = dict(load_clean(a.bf16, torch.bfloat16).named_parameters())
+    if sorted(full) != sorted(half):
+        print(f"different parameters: {sorted(set(full) ^ set(half))}", file=sys.stderr)
+        return 1
+    for name, p in full.items():
+        q = half[name]
+        if q.dtype != torch.bfloat16 or not torch.equal(p.detach().to(torch.bfloat16), q.detach()):
+            print(f"{name}: {q.dtype}, not the fp32 export rounded to bfloat16", file=sys.stderr)
+            return 1
+    print(f"{len(full)} parameters equal")
+    return 0
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -127,8 +164,16 @@ def main(argv=None):
     gn.add_argument("--model", required=True)
     gn.add_argument("--prompt", required=True)
     gn.add_argument("--max-new-tokens", type=int, required=True)
+    gt = sub.add_parser("generate-text")
+    gt.add_argument("--model", required=True)
+    gt.add_argument("--prompt", required=True)
+    gt.add_argument("--max-new-tokens", type=int, required=True)
+    sb = sub.add_parser("same-bf16")
+    sb.add_argument("--fp32", required=True)
+    sb.add_argument("--bf16", required=True)
     a = ap.parse_args(argv)
-    return {"random": cmd_random, "logits": cmd_logits, "generate": cmd_generate}[a.cmd](a)
+    return {"random": cmd_random, "logits": cmd_logits, "generate": cmd_generate, "generate-text": cmd_generate_text,
+            "same-bf16": cmd_same_bf16}[a.cmd](a)
 
 
 if __name__ == "__main__":

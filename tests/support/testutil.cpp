@@ -1,8 +1,12 @@
 #include "tests/support/testutil.h"
 
+#include <catch2/catch.hpp>
+
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -70,5 +74,32 @@ void write_file(const std::string& path, const std::string& content) {
 }
 std::string read_file(const std::string& path) { return slurp(path); }
 bool file_exists(const std::string& path) { return fs::exists(path); }
+
+std::string hf_python() {
+  static const std::string checked = [] {
+    const std::string py = source_dir() + "/.venv/bin/python";
+    if (!file_exists(py) ||
+        run_command("'" + py + "' -c 'import transformers, safetensors, torch, tokenizers'").exit_code != 0)
+      return std::string();
+    return py;
+  }();
+  if (checked.empty())
+    FAIL("transformers is not available (looked for " << source_dir() << "/.venv/bin/python able to `import "
+         "transformers, safetensors, torch, tokenizers`); run scripts/install-deps.sh --test");
+  return checked;
+}
+
+double rel_err(const std::vector<float>& got, const std::vector<float>& ref) {
+  if (got.size() != ref.size())
+    throw std::runtime_error("rel_err: " + std::to_string(got.size()) + " values against " +
+                             std::to_string(ref.size()));
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double d = double(got[i]) - ref[i];
+    num += d * d;
+    den += double(ref[i]) * ref[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-30));
+}
 
 }  // namespace trainrun::test

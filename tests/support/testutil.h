@@ -1,6 +1,7 @@
 // Shared helpers for the Catch2 tests: temp dirs, running the trainrun binary.
 #pragma once
 #include <string>
+#include <vector>
 
 namespace trainrun::test {
 
@@ -31,6 +32,14 @@ std::string source_dir();
 
 void write_file(const std::string& path, const std::string& content);
 std::string read_file(const std::string& path);
+// The test venv's python (.venv/bin/python) with transformers, safetensors,
+// torch and tokenizers. Missing is a FAILURE, not a skip: CI installs it
+// (scripts/install-deps.sh --test), and a silently skipped cross-check
+// proves nothing.
+std::string hf_python();
+// Norm-wise relative error ||got - ref|| / ||ref|| in double (robust to
+// tiny entries); sizes must match.
+double rel_err(const std::vector<float>& got, const std::vector<float>& ref);
 bool file_exists(const std::string& path);
 
 }  // namespace trainrun::test

@@ -15,12 +15,6 @@ using json = nlohmann::ordered_json;
 
 namespace trainrun {
 
-void llama_not_implemented(const std::string& what) {
-  TR_FAIL("model.arch: llama is not implemented yet (", what,
-          "); trainrun can plan Llama shapes (`trainrun plan --model llama3-8b`) but trains, samples and "
-          "imports/exports only gpt2 so far");
-}
-
 namespace {
 
 ModelConfig resolved(ModelConfig c) {
@@ -249,6 +243,5 @@ std::unique_ptr<Decoder> LlamaArch::make_decoder(Backend* be, int capacity) cons
 size_t LlamaArch::decoder_bytes_needed(const Backend& be, int capacity) const {
   return LlamaDecoder::bytes_needed(cfg_, be, capacity);
 }
-json LlamaArch::hf_config_json() const { llama_not_implemented("Hugging Face export"); }
 
 }  // namespace trainrun

@@ -1,9 +1,9 @@
 // Llama 3 as a ModelArch: the layout in sharding units with HF's names and
 // the tensor-parallel splits, the counter-based init, the cost model
 // (`trainrun plan` plans Llama shapes from it), what our files record, and
-// the training Network (LlamaNetwork, llama.h). The decoder and the Hugging
-// Face import/export are not implemented yet, and the job spec cannot name
-// llama yet: those throw "model.arch: llama is not implemented yet".
+// the training Network (LlamaNetwork, llama.h), the KV-cached decoder
+// (llama_decoder.h) and the Hugging Face side (llama_hf.cpp: config.json
+// both ways; the files are read and written by core/checkpoint).
 //
 // Layout (nn.Linear (out, in), HS = C/NH, KV = NKV*HS):
 //   unit 0 "embeddings": model.embed_tokens.weight (V,C)
@@ -46,7 +46,9 @@ class LlamaArch final : public ModelArch {
 
   std::string hf_model_type() const override { return "llama"; }
   nlohmann::ordered_json hf_config_json() const override;
+  void hf_carry_over(const nlohmann::ordered_json& source, nlohmann::ordered_json& out) const override;
   HfTensor hf_tensor(const ParamTensor& t) const override { return {t.name, false, ""}; }
+  std::vector<const ParamTensor*> hf_save_order() const override;
   bool hf_ignored_buffer(const std::string& canonical_name) const override;
   std::string hf_shape_keys() const override {
     return "num_hidden_layers/hidden_size/num_attention_heads/num_key_value_heads/intermediate_size/vocab_size";
@@ -60,7 +62,5 @@ class LlamaArch final : public ModelArch {
 std::unique_ptr<ModelArch> make_llama_arch(const ModelConfig& cfg);
 ModelConfig llama_config_from_hf(const nlohmann::ordered_json& c, const std::string& path, const std::string& what);
 ModelConfig llama_config_from_metadata(const std::map<std::string, std::string>& meta, const std::string& path);
-// "model.arch: llama is not implemented yet (...)", thrown by what is missing.
-[[noreturn]] void llama_not_implemented(const std::string& what);
 
 }  // namespace trainrun

@@ -95,6 +95,77 @@ ModelConfig llama_config_from_hf(const json& c, const std::string& path, const s
   return cfg;
 }
 
+json LlamaArch::hf_config_json() const {
+  const ModelConfig& cfg = cfg_;
+  json c;
+  c["architectures"] = {"LlamaForCausalLM"};
+  c["model_type"] = "llama";
+  c["vocab_size"] = cfg.V;
+  c["hidden_size"] = cfg.C;
+  c["intermediate_size"] = cfg.F;
+  c["num_hidden_layers"] = cfg.L;
+  c["num_attention_heads"] = cfg.NH;
+  c["num_key_value_heads"] = cfg.kv_heads();
+  // transformers 4.44 derives it from hidden_size / num_attention_heads;
+  // later versions and other readers (vLLM) read it when present.
+  c["head_dim"] = cfg.head_size();
+  c["hidden_act"] = "silu";
+  c["rms_norm_eps"] = cfg.norm_eps;
+  c["rope_theta"] = cfg.rope_theta;
+  if (cfg.rope_scaling_type == "llama3") {
+    c["rope_scaling"] = {{"rope_type", "llama3"},
+                         {"factor", cfg.rope_scaling.factor},
+                         {"low_freq_factor", cfg.rope_scaling.low_freq_factor},
+                         {"high_freq_factor", cfg.rope_scaling.high_freq_factor},
+                         {"original_max_position_embeddings", cfg.rope_scaling.original_max_position_embeddings}};
+  } else {
+    c["rope_scaling"] = nullptr;
+  }
+  c["tie_word_embeddings"] = cfg.tied;
+  c["attention_bias"] = false;
+  c["attention_dropout"] = 0.0;
+  c["mlp_bias"] = false;
+  c["pretraining_tp"] = 1;
+  // Our seq_len is the context we trained at; RoPE has no table, so an
+  // export of a fine-tune carries the source's longer max_position_embeddings
+  // over (hf_carry_over).
+  c["max_position_embeddings"] = cfg.T;
+  c["initializer_range"] = cfg.init_std;
+  c["use_cache"] = true;
+  // A model trained here from scratch has no known special tokens (LlamaConfig's
+  // defaults 1/2 would name arbitrary ids); a fine-tune carries its source's.
+  c["bos_token_id"] = nullptr;
+  c["eos_token_id"] = nullptr;
+  c["torch_dtype"] = "float32";
+  return c;
+}
+
+void LlamaArch::hf_carry_over(const json& source, json& out) const {
+  ModelArch::hf_carry_over(source, out);
+  // Only a longer context than we trained at: a shorter one would be a
+  // model that claims less than it was trained for (and than check_init_from allowed).
+  if (source.contains("max_position_embeddings") && source["max_position_embeddings"].is_number_integer() &&
+      source["max_position_embeddings"].get<int64_t>() >= cfg_.T)
+    out["max_position_embeddings"] = source["max_position_embeddings"];
+}
+
+// LlamaDecoderLayer registers self_attn, mlp, then the two norms; ours puts
+// each norm before the matrices it feeds.
+std::vector<const ParamTensor*> LlamaArch::hf_save_order() const {
+  std::vector<const ParamTensor*> order = {&layout_.get("model.embed_tokens.weight")};
+  for (int l = 0; l < cfg_.L; ++l) {
+    const std::string p = "model.layers." + std::to_string(l) + ".";
+    for (const char* n : {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                          "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                          "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight"})
+      order.push_back(&layout_.get(p + n));
+  }
+  order.push_back(&layout_.get("model.norm.weight"));
+  if (!cfg_.tied) order.push_back(&layout_.get("lm_head.weight"));
+  TR_CHECK(order.size() == layout_.tensors.size(), "llama: hf_save_order misses a layout tensor (a bug)");
+  return order;
+}
+
 // The RoPE inverse frequencies older transformers versions saved with the weights.
 bool LlamaArch::hf_ignored_buffer(const std::string& key) const {
   const char* suf = ".rotary_emb.inv_freq";

@@ -1,0 +1,572 @@
+// `trainrun prepare --tokenizer tokenizer.json`: text, jsonl and chat data
+// into llm.c shards with an HF byte-level BPE tokenizer.
+//
+// Streaming and parallel: the main thread reads the inputs into batches of
+// ~1 MiB (lines for the line formats, line-aligned blocks for text), a
+// window of batches is encoded by `threads` OpenMP threads (one
+// TokenEncoder each), and the window's tokens are appended in input order,
+// so the output does not depend on the thread count. Memory is a window's
+// text plus one shard of tokens, whatever the input size.
+//
+// Atomic: shards go to temp names while the inputs are read and are renamed
+// to train_NNNNNN.bin / .mask only once every input was read and encoded
+// without error, so a bad line at the end of a 50 GB run leaves the previous
+// output as it was (and no temp files).
+#include <omp.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <thread>
+
+#include "core/common/error.h"
+#include "core/common/log.h"
+#include "core/data/dataset.h"
+#include "core/data/llmc_format.h"
+#include "core/data/chat_template.h"
+#include "core/data/prepare_common.h"
+#include "core/data/tokenizer/tokenizer.h"
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+namespace trainrun {
+namespace {
+
+enum class Format { kText, kJsonl, kChat, kAlpaca, kShareGpt };
+
+Format parse_format(const std::string& s) {
+  if (s == "text") return Format::kText;
+  if (s == "jsonl") return Format::kJsonl;
+  if (s == "chat") return Format::kChat;
+  if (s == "alpaca") return Format::kAlpaca;
+  if (s == "sharegpt") return Format::kShareGpt;
+  TR_FAIL("--format: '", s, "' is not one of text, jsonl, chat, alpaca, sharegpt");
+}
+
+using namespace chat;  // the templates (core/data/chat_template.h)
+
+
+// One unit of input: a line (line formats) or a block of a text document.
+struct Item {
+  int file = 0;
+  int64_t line = 0;    // 1-based (line formats)
+  int64_t offset = 0;  // byte offset of `raw` in its file
+  std::string raw;
+  bool doc_start = false;  // text: the first block of a document
+  bool val = false;
+};
+
+struct Output {
+  std::vector<uint32_t> tokens;
+  std::vector<uint8_t> mask;
+  int64_t docs = 0, long_docs = 0;
+};
+
+struct Batch {
+  std::vector<Item> items;
+  size_t bytes = 0;
+  Output out[2];  // train, val
+  std::string error;
+};
+
+struct Job {
+  const PrepareOptions& opts;
+  Format format;
+  const Tokenizer& tok;
+  Specials sp;
+  const std::vector<std::string>& files;
+  bool masks;
+};
+
+[[noreturn]] void fail_at(const Job& job, const Item& it, const std::string& what) {
+  if (job.format == Format::kText) TR_FAIL(job.files[it.file], ": ", what);
+  TR_FAIL(job.files[it.file], ":", it.line, ": ", what);
+}
+
+const std::string& get_string(const Job& job, const Item& it, const json& obj, const char* key, const std::string& where) {
+  auto f = obj.find(key);
+  if (f == obj.end()) fail_at(job, it, where + "missing \"" + key + "\"");
+  if (!f->is_string()) fail_at(job, it, where + "\"" + key + "\" is not a string (" + std::string(f->type_name()) + ")");
+  return f->get_ref<const std::string&>();
+}
+
+std::vector<Message> parse_messages(const Job& job, const Item& it, const json& j) {
+  std::vector<Message> msgs;
+  if (job.format == Format::kAlpaca) {
+    std::string user = get_string(job, it, j, "instruction", "");
+    if (auto in = j.find("input"); in != j.end() && !in->is_null()) {
+      if (!in->is_string()) fail_at(job, it, "\"input\" is not a string");
+      if (!in->get_ref<const std::string&>().empty()) user += "\n\n" + in->get<std::string>();
+    }
+    msgs.push_back({Role::kUser, user});
+    msgs.push_back({Role::kAssistant, get_string(job, it, j, "output", "")});
+    return msgs;
+  }
+  const bool sharegpt = job.format == Format::kShareGpt;
+  const char* list_key = sharegpt ? "conversations" : "messages";
+  const char* role_key = sharegpt ? "from" : "role";
+  const char* text_key = sharegpt ? "value" : "content";
+  auto list = j.find(list_key);
+  if (list == j.end()) fail_at(job, it, std::string("missing \"") + list_key + "\"");
+  if (!list->is_array() || list->empty()) fail_at(job, it, std::string("\"") + list_key + "\" is not a non-empty array");
+  for (size_t k = 0; k < list->size(); ++k) {
+    const json& m = (*list)[k];
+    const std::string where = std::string(list_key) + "[" + std::to_string(k) + "]: ";
+    if (!m.is_object()) fail_at(job, it, where + "not an object");
+    const std::string& r = get_string(job, it, m, role_key, where);
+    Role role;
+    if (r == "system") role = Role::kSystem;
+    else if (r == "user" || r == "human") role = Role::kUser;
+    else if (r == "assistant" || r == "gpt") role = Role::kAssistant;
+    else
+      fail_at(job, it, where + "unknown " + role_key + " \"" + r + "\" (" +
+                           (sharegpt ? "expected system, human or gpt)" : "expected system, user or assistant)"));
+    msgs.push_back({role, get_string(job, it, m, text_key, where)});
+  }
+  return msgs;
+}
+
+void encode_segments(const Job& job, TokenEncoder& enc, const std::vector<Segment>& segs, Output& out) {
+  for (const auto& s : segs) {
+    if (s.special) out.tokens.push_back(s.id);
+    else enc.encode(s.text, job.opts.allow_special, out.tokens);
+    if (job.masks) out.mask.resize(out.tokens.size(), (s.target || job.opts.train_on_input) ? 1 : 0);
+  }
+}
+
+void encode_item(const Job& job, TokenEncoder& enc, const Item& it, Output& out) {
+  const size_t first = out.tokens.size();
+  if (int64_t bad = find_invalid_utf8(it.raw); bad >= 0)
+    fail_at(job, it, "not valid UTF-8 at byte offset " + std::to_string(it.offset + bad) +
+                         "; fix the file or leave it out (iconv -f <encoding> -t utf-8 converts it)");
+  if (job.format == Format::kText) {
+    if (it.doc_start) out.tokens.push_back(job.sp.doc_start);
+    enc.encode(it.raw, job.opts.allow_special, out.tokens);
+    if (it.doc_start) ++out.docs;
+    return;
+  }
+  json j;
+  try {
+    j = json::parse(it.raw);
+  } catch (const json::parse_error& e) {
+    fail_at(job, it, std::string("invalid JSON: ") + e.what());
+  }
+  if (!j.is_object()) fail_at(job, it, "expected a JSON object, got " + std::string(j.type_name()));
+  if (job.format == Format::kJsonl) {
+    const std::string& text = get_string(job, it, j, job.opts.text_field.c_str(), "");
+    out.tokens.push_back(job.sp.doc_start);
+    enc.encode(text, job.opts.allow_special, out.tokens);
+  } else {
+    encode_segments(job, enc, render_chat(job.sp, parse_messages(job, it, j)), out);
+  }
+  ++out.docs;
+  if (job.opts.seq_len > 0 && static_cast<int64_t>(out.tokens.size() - first) > job.opts.seq_len) ++out.long_docs;
+}
+
+// Shards under temp names until commit(); the destructor removes what was
+// not committed (an error anywhere leaves the output directory as it was).
+class PendingShards {
+ public:
+  PendingShards(std::string dir, std::string prefix, int64_t cap, int version, bool masks)
+      : dir_(std::move(dir)), prefix_(std::move(prefix)), cap_(cap), version_(version), masks_(masks) {}
+  ~PendingShards() {
+    for (const auto& p : pending_) {
+      std::remove(p.first.c_str());
+      if (masks_) std::remove(mask_path(p.first).c_str());
+    }
+  }
+  void add(const Output& o) {
+    size_t pos = 0;
+    while (pos < o.tokens.size()) {
+      const size_t take = std::min<size_t>(o.tokens.size() - pos, cap_ - tokens_.size());
+      tokens_.insert(tokens_.end(), o.tokens.begin() + pos, o.tokens.begin() + pos + take);
+      if (masks_) mask_.insert(mask_.end(), o.mask.begin() + pos, o.mask.begin() + pos + take);
+      pos += take;
+      total_ += take;
+      if (static_cast<int64_t>(tokens_.size()) == cap_) flush();
+    }
+  }
+  void finish() {
+    if (!tokens_.empty()) flush();
+  }
+  // Masks first: a .bin never sits under its final name without its .mask.
+  void commit() {
+    for (const auto& [tmp, final] : pending_) {
+      if (masks_) rename_or_fail(mask_path(tmp), mask_path(final));
+      rename_or_fail(tmp, final);
+    }
+    pending_.clear();
+  }
+  int64_t tokens() const { return total_; }
+  const std::vector<std::string>& names() const { return names_; }
+
+ private:
+  static std::string mask_path(const std::string& bin) {
+    // ".../train_000000.bin[.tmp.PID]" -> ".../train_000000.mask[.tmp.PID]"
+    std::string s = bin;
+    s.replace(s.rfind(".bin"), 4, ".mask");
+    return s;
+  }
+  static void rename_or_fail(const std::string& from, const std::string& to) {
+    if (std::rename(from.c_str(), to.c_str()) != 0)
+      TR_FAIL("cannot rename '", from, "' to '", to, "': ", detail::errno_string());
+  }
+  void flush() {
+    const std::string name = prep::shard_name(prefix_, static_cast<int>(names_.size()));
+    const std::string final = dir_ + "/" + name;
+    const std::string tmp = final + ".tmp." + std::to_string(::getpid());
+    pending_.emplace_back(tmp, final);
+    names_.push_back(name);
+    int32_t header[llmc::kHeaderInts] = {};
+    header[0] = version_ == llmc::kVersionU16 ? llmc::kMagicU16 : llmc::kMagicU32;
+    header[1] = version_;
+    header[2] = static_cast<int32_t>(tokens_.size());
+    std::string bytes(reinterpret_cast<const char*>(header), sizeof header);
+    if (version_ == llmc::kVersionU16) {
+      std::vector<uint16_t> narrow(tokens_.begin(), tokens_.end());
+      bytes.append(reinterpret_cast<const char*>(narrow.data()), narrow.size() * 2);
+    } else {
+      bytes.append(reinterpret_cast<const char*>(tokens_.data()), tokens_.size() * 4);
+    }
+    if (masks_) prep::write_file_atomic(mask_path(tmp), mask_.data(), mask_.size(), false);
+    prep::write_file_atomic(tmp, bytes.data(), bytes.size(), false);
+    tokens_.clear();
+    mask_.clear();
+  }
+  std::string dir_, prefix_;
+  int64_t cap_;
+  int version_;
+  bool masks_;
+  std::vector<uint32_t> tokens_;
+  std::vector<uint8_t> mask_;
+  std::vector<std::pair<std::string, std::string>> pending_;
+  std::vector<std::string> names_;
+  int64_t total_ = 0;
+};
+
+std::string fmt_duration(double s) {
+  if (!std::isfinite(s) || s < 0) return "?";
+  char buf[32];
+  const int64_t t = static_cast<int64_t>(s + 0.5);
+  std::snprintf(buf, sizeof buf, "%d:%02d:%02d", static_cast<int>(t / 3600), static_cast<int>(t / 60 % 60),
+                static_cast<int>(t % 60));
+  return buf;
+}
+
+// "prepare: 12.3 / 45.6 MB (27%), 38.2 MB/s, ETA 0:00:01": in place on a
+// terminal, else one line every 10 s (logs stay short).
+class Progress {
+ public:
+  Progress(int64_t total, bool on) : total_(total), on_(on), tty_(::isatty(2)), t0_(clock::now()), last_(t0_) {}
+  void update(int64_t done, bool final) {
+    if (!on_) return;
+    const auto now = clock::now();
+    const double since = std::chrono::duration<double>(now - last_).count();
+    if (!final && since < (tty_ ? 0.5 : 10.0)) return;
+    last_ = now;
+    const double el = std::chrono::duration<double>(now - t0_).count();
+    const double rate = el > 0 ? done / el : 0;
+    char buf[160];
+    std::snprintf(buf, sizeof buf, "prepare: %.1f / %.1f MB (%d%%), %.1f MB/s, ETA %s", done / 1e6, total_ / 1e6,
+                  total_ > 0 ? static_cast<int>(100.0 * done / total_) : 100, rate / 1e6,
+                  rate > 0 ? fmt_duration((total_ - done) / rate).c_str() : "?");
+    if (tty_) std::fprintf(stderr, "\r%s%s", buf, final ? "\n" : "");
+    else std::fprintf(stderr, "%s\n", buf);
+  }
+  double elapsed() const { return std::chrono::duration<double>(clock::now() - t0_).count(); }
+
+ private:
+  using clock = std::chrono::steady_clock;
+  int64_t total_;
+  bool on_, tty_;
+  clock::time_point t0_, last_;
+};
+
+constexpr size_t kBatchBytes = 1 << 20;
+
+// Reads the inputs into batches and hands each full window to `flush`.
+class Reader {
+ public:
+  Reader(const Job& job, size_t window, std::function<void(std::vector<Batch>&)> flush)
+      : job_(job), window_(window), flush_(std::move(flush)) {
+    batches_.emplace_back();
+  }
+  void read_all() {
+    for (int f = 0; f < static_cast<int>(job_.files.size()); ++f) {
+      if (job_.format == Format::kText) read_text(f);
+      else read_lines(f);
+    }
+    flush_(batches_);
+  }
+
+ private:
+  void push(Item&& it) {
+    Batch& b = batches_.back();
+    b.bytes += it.raw.size();
+    b.items.push_back(std::move(it));
+    if (b.bytes >= kBatchBytes || b.items.size() >= 8192) {
+      if (batches_.size() == window_) {
+        flush_(batches_);
+        batches_.clear();
+      }
+      batches_.emplace_back();
+    }
+  }
+
+  // One document per file, or two with val: the last val_fraction of the
+  // bytes, from the first line start at or after that point.
+  void read_text(int f) {
+    const std::string& path = job_.files[f];
+    std::ifstream in(path, std::ios::binary);
+    if (!in) TR_FAIL("--input: cannot open '", path, "': ", detail::errno_string());
+    std::error_code ec;
+    const int64_t n = static_cast<int64_t>(fs::file_size(path, ec));
+    const int64_t nval = static_cast<int64_t>(std::ceil(static_cast<double>(n) * job_.opts.val_fraction));
+    const int64_t cut = nval > 0 ? val_cut(path, n, n - nval) : n;
+    std::string carry;
+    int64_t carry_off = 0, pos = 0;
+    bool doc_start = true;
+    std::vector<char> buf(kBatchBytes);
+    const bool can_cut = job_.tok.can_cut_before_line();
+    while (pos < n) {
+      // Reads never cross the train/val cut, so the train document ends exactly there.
+      const int64_t limit = pos < cut ? cut : n;
+      in.read(buf.data(), static_cast<std::streamsize>(std::min<int64_t>(limit - pos, buf.size())));
+      const int64_t got = in.gcount();
+      if (got <= 0) TR_FAIL("--input: '", path, "' ended after ", pos, " of ", n, " bytes; did it change while being read?");
+      carry.append(buf.data(), static_cast<size_t>(got));
+      pos += got;
+      if (pos == cut && cut < n) {
+        emit_text(f, std::move(carry), carry_off, doc_start, false);
+        carry.clear();
+        carry_off = pos;
+        doc_start = true;
+        continue;
+      }
+      if (can_cut && carry.size() >= kBatchBytes) {
+        // The last "<printable ASCII>\n<ASCII letter>": the ids do not change
+        // there (Tokenizer::can_cut_before_line says why).
+        size_t at = 0;
+        for (size_t i = carry.size() - 1; i > 1 && at == 0; --i)
+          if (carry[i - 1] == '\n' && carry[i - 2] > ' ' && carry[i - 2] < 0x7F && (carry[i] | 0x20) >= 'a' &&
+              (carry[i] | 0x20) <= 'z')
+            at = i;
+        if (at > 0) {
+          emit_text(f, carry.substr(0, at), carry_off, doc_start, pos > cut);
+          carry.erase(0, at);
+          carry_off += static_cast<int64_t>(at);
+          doc_start = false;
+        }
+      }
+    }
+    emit_text(f, std::move(carry), carry_off, doc_start, cut < n);
+  }
+  // The start of the first line at or after `from`; when no line starts
+  // there, `from` itself moved back to the start of a UTF-8 character.
+  static int64_t val_cut(const std::string& path, int64_t n, int64_t from) {
+    std::ifstream in(path, std::ios::binary);
+    int64_t p = std::max<int64_t>(from - 1, 0);
+    in.seekg(p);
+    std::vector<char> buf(1 << 16);
+    while (p < n && in) {
+      in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
+      const int64_t got = in.gcount();
+      if (got <= 0) break;
+      const void* nl = std::memchr(buf.data(), '\n', static_cast<size_t>(got));
+      if (nl) {
+        const int64_t at = p + (static_cast<const char*>(nl) - buf.data()) + 1;
+        if (at < n) return std::max(at, from);
+        break;
+      }
+      p += got;
+    }
+    std::ifstream again(path, std::ios::binary);
+    int64_t c = from;
+    while (c > 0) {
+      again.seekg(c);
+      const int ch = again.get();
+      if (ch == EOF || (ch & 0xC0) != 0x80) break;
+      --c;
+    }
+    return c;
+  }
+  void emit_text(int f, std::string text, int64_t off, bool doc_start, bool val) {
+    if (text.empty()) return;  // an empty val part adds no lone separator
+    Item it;
+    it.file = f;
+    it.offset = off;
+    it.raw = std::move(text);
+    it.doc_start = doc_start;
+    it.val = val;
+    push(std::move(it));
+  }
+
+  // One record per non-blank line; record k of a file goes to val when
+  // floor((k+1) f) > floor(k f): an even spread, the same on every run.
+  void read_lines(int f) {
+    const std::string& path = job_.files[f];
+    std::ifstream in(path, std::ios::binary);
+    if (!in) TR_FAIL("--input: cannot open '", path, "': ", detail::errno_string());
+    std::string line;
+    int64_t lineno = 0, off = 0, k = 0;
+    const double fr = job_.opts.val_fraction;
+    while (std::getline(in, line)) {
+      ++lineno;
+      const int64_t this_off = off;
+      off += static_cast<int64_t>(line.size()) + 1;
+      if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+      Item it;
+      it.file = f;
+      it.line = lineno;
+      it.offset = this_off;
+      it.raw = std::move(line);
+      it.val = std::floor((k + 1) * fr) > std::floor(k * fr);
+      ++k;
+      push(std::move(it));
+      line.clear();
+    }
+  }
+
+  const Job& job_;
+  size_t window_;
+  std::function<void(std::vector<Batch>&)> flush_;
+  std::vector<Batch> batches_;
+};
+
+}  // namespace
+
+std::string prepare_tokenized_shards(const PrepareOptions& opts) {
+  const double f = opts.val_fraction;
+  TR_CHECK(f >= 0.0 && f <= 0.5, "--val-fraction: ", f,
+           " is outside [0, 0.5]; it is the fraction of the data kept for validation (e.g. 0.01)");
+  TR_CHECK(opts.shard_tokens > 0 && opts.shard_tokens <= INT32_MAX, "prepare: shard size ", opts.shard_tokens,
+           " tokens must be in [1, ", INT32_MAX, "]");
+  TR_CHECK(opts.seq_len >= 0, "--seq-len: ", opts.seq_len, " must be >= 0 (0: no check)");
+  TR_CHECK(opts.threads >= 0, "--threads: ", opts.threads, " must be >= 0 (0: all cores)");
+  TR_CHECK(!opts.inputs.empty(), "--input: no input given; pass text or jsonl files or directories");
+  const Format format = parse_format(opts.format);
+  const bool chat = format == Format::kChat || format == Format::kAlpaca || format == Format::kShareGpt;
+  if (!chat && !opts.chat_template.empty())
+    TR_FAIL("--chat-template: only the chat formats (chat, alpaca, sharegpt) use a template; --format is ", opts.format);
+  if (!chat && opts.train_on_input)
+    TR_FAIL("--train-on-input: only the chat formats (chat, alpaca, sharegpt) have a loss mask; --format is ", opts.format);
+
+  const Tokenizer tok = Tokenizer::load(opts.tokenizer);
+  const prep::InputSet in = prep::select_text_files(opts.inputs);
+  Job job{opts, format, tok, resolve_specials(tok, opts.chat_template, chat), in.texts, chat};
+  prep::prepare_output_dir(opts.output_dir);
+
+  const int threads = opts.threads > 0 ? opts.threads : std::max(1u, std::thread::hardware_concurrency());
+  const int version = tok.vocab_size() <= 65536 ? llmc::kVersionU16 : llmc::kVersionU32;
+  PendingShards train(opts.output_dir, "train", opts.shard_tokens, version, chat);
+  PendingShards val(opts.output_dir, "val", opts.shard_tokens, version, chat);
+  std::vector<TokenEncoder> encoders;
+  encoders.reserve(threads);
+  for (int t = 0; t < threads; ++t) encoders.emplace_back(tok);
+
+  int64_t total_bytes = 0;
+  for (const auto& p : in.texts) {
+    std::error_code ec;
+    total_bytes += static_cast<int64_t>(fs::file_size(p, ec));
+  }
+  Progress progress(total_bytes, opts.progress);
+  int64_t done_bytes = 0, docs = 0, long_docs = 0;
+  auto flush = [&](std::vector<Batch>& window) {
+    const int nb = static_cast<int>(window.size());
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int b = 0; b < nb; ++b) {
+      TokenEncoder& enc = encoders[omp_get_thread_num()];
+      Batch& batch = window[b];
+      try {
+        for (const Item& it : batch.items) encode_item(job, enc, it, batch.out[it.val ? 1 : 0]);
+      } catch (const std::exception& e) {
+        batch.error = e.what();
+      }
+    }
+    // The first failing batch in input order: the same message whatever the thread count.
+    for (Batch& batch : window) {
+      if (!batch.error.empty()) throw Error(batch.error);
+      train.add(batch.out[0]);
+      val.add(batch.out[1]);
+      for (const Output& o : batch.out) {
+        docs += o.docs;
+        long_docs += o.long_docs;
+      }
+      done_bytes += static_cast<int64_t>(batch.bytes);
+      batch = Batch{};
+    }
+    progress.update(std::min(done_bytes, total_bytes), false);
+  };
+  Reader reader(job, static_cast<size_t>(threads) * 4, flush);
+  reader.read_all();
+  train.finish();
+  val.finish();
+  progress.update(total_bytes, true);
+
+  TR_CHECK(train.tokens() > 0, "--input: the inputs gave no train tokens (", val.tokens(),
+           " val tokens); pass more data or lower --val-fraction");
+  if (opts.seq_len > 0) {
+    TR_CHECK(train.tokens() > opts.seq_len, "--seq-len: the train split holds ", train.tokens(),
+             " tokens, fewer than seq_len + 1 = ", opts.seq_len + 1, "; pass more data or a smaller --seq-len");
+    TR_CHECK(val.tokens() == 0 || val.tokens() > opts.seq_len, "--seq-len: the val split holds ", val.tokens(),
+             " tokens, fewer than seq_len + 1 = ", opts.seq_len + 1,
+             "; raise --val-fraction, pass more data, or --val-fraction 0 for no val split");
+  }
+  train.commit();
+  val.commit();
+  std::set<std::string> keep;
+  for (const auto* w : {&train, &val})
+    for (const auto& n : w->names()) {
+      keep.insert(n);
+      if (chat) keep.insert(n.substr(0, n.size() - 4) + ".mask");
+    }
+  if (int removed = prep::remove_stale_shards(opts.output_dir, keep))
+    TR_LOG_INFO("prepare: removed ", removed, " stale shard file(s) from an earlier run in ", opts.output_dir);
+
+  // What the shards were made with, so a job can refuse a model whose
+  // vocab is smaller than the tokenizer's before it trains (token_files.cpp).
+  const json meta = {{"tokenizer", opts.tokenizer},
+                     {"vocab_size", tok.vocab_size()},
+                     {"format", opts.format},
+                     {"document_start", job.sp.doc_start_name},
+                     {"chat_template", chat ? template_name(job.sp.tmpl) : ""},
+                     {"loss_masks", chat}};
+  const std::string meta_text = meta.dump(2) + "\n";
+  prep::write_file_atomic(opts.output_dir + "/prepare.json", meta_text.data(), meta_text.size(), true);
+
+  const double secs = progress.elapsed();
+  std::ostringstream os;
+  os << "prepared " << in.texts.size() << " " << opts.format << " file" << (in.texts.size() == 1 ? "" : "s");
+  if (!in.binary.empty() || in.duplicates) os << " (skipped " << in.binary.size() << " binary, " << in.duplicates << " duplicate)";
+  os << ", " << docs << " document" << (docs == 1 ? "" : "s") << " -> " << opts.output_dir << ": " << train.tokens()
+     << " train tokens in " << prep::shard_range(train.names()) << ", " << val.tokens() << " val tokens in "
+     << prep::shard_range(val.names()) << "; tokenizer " << opts.tokenizer << " (vocab " << tok.vocab_size() << ", "
+     << (version == llmc::kVersionU16 ? "uint16" : "uint32 v7") << "), documents start with " << job.sp.doc_start_name;
+  if (chat) os << ", template " << template_name(job.sp.tmpl) << ", loss masks (.mask)";
+  if (opts.seq_len > 0) os << "; " << long_docs << " document(s) longer than --seq-len " << opts.seq_len;
+  char rate[64];
+  std::snprintf(rate, sizeof rate, "; %.1f MB in %.2f s (%.1f MB/s, %d thread%s)", total_bytes / 1e6, secs,
+                secs > 0 ? total_bytes / 1e6 / secs : 0.0, threads, threads == 1 ? "" : "s");
+  os << rate;
+  return os.str();
+}
+
+std::string prepare_shards(const PrepareOptions& opts) {
+  if (!opts.tokenizer.empty()) return prepare_tokenized_shards(opts);
+  if (opts.format != "text")
+    TR_FAIL("--format ", opts.format, " needs --tokenizer tokenizer.json (byte-level prepare reads text only)");
+  if (!opts.chat_template.empty() || opts.train_on_input || opts.allow_special)
+    TR_FAIL("--chat-template, --train-on-input and --allow-special need --tokenizer tokenizer.json");
+  return prepare_byte_shards(opts);
+}
+
+}  // namespace trainrun

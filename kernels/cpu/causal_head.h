@@ -1,0 +1,73 @@
+// One (batch, head) of causal attention on the CPU, forward and backward,
+// shared by multi-head (cpu_attention.cpp) and grouped-query
+// (cpu_attention_gqa.cpp) attention. q, k, v, dq are (T, HS) strided views
+// with leading dimension ld (columns of the fused qkv), dk and dv with
+// leading dimension ldkv (ld, or HS for a dense per-head partial); o and dO
+// have leading dimension ldo; P and dP are dense (T, T).
+//
+// Causal block skipping: the rows are taken kCausalBlock at a time, and a
+// block of queries [t0, t1) only multiplies keys [0, t1): the sgemms skip
+// the zero upper triangle, about 3/8 of the work at T = 256. Every product
+// that is skipped is an exact 0 * x term (P and dS are exactly zero above
+// the diagonal) that sgemm would have added to an accumulator, so skipping
+// it does not change a bit: each output element still sums the same
+// non-zero terms in the same order along k. (Tested: the GPT-2 losses and
+// the GQA == MHA bit-for-bit test are unchanged.)
+//   forward:  S[t0:t1, :t1] = sc q[t0:t1] k[:t1]^T,  P = causal_softmax(S)
+//             o[t0:t1] = P[t0:t1, :t1] v[:t1]
+//   backward: dP[t0:t1, :t1] = dO[t0:t1] v[:t1]^T,  dS = softmax_backward(dP)
+//             dq[t0:t1] = dS[t0:t1, :t1] k[:t1]
+//             and by key blocks [j0, j1), the queries [j0, T) that see them:
+//             dv[j0:j1] (+)= P[j0:, j0:j1]^T dO[j0:],  dk[j0:j1] (+)= dS[j0:, j0:j1]^T q[j0:]
+//   beta_kv 0 overwrites dk/dv, 1 adds (the later heads of a GQA group).
+#pragma once
+#include <cblas.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "kernels/cpu/causal_softmax.h"
+
+namespace trainrun::cpu {
+
+// 64 rows: big enough that each sgemm keeps its speed (HS = 32..128), small
+// enough to skip most of the triangle at T = 256..1024.
+constexpr int kCausalBlock = 64;
+
+inline void causal_head_forward(float* o, int ldo, float* P, const float* q, const float* k, const float* v, int ld,
+                                int T, int HS, float sc) {
+  for (int t0 = 0; t0 < T; t0 += kCausalBlock) {
+    const int t1 = std::min(T, t0 + kCausalBlock), m = t1 - t0;
+    float* Pb = P + int64_t(t0) * T;
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, t1, HS, sc, q + int64_t(t0) * ld, ld, k, ld, 0.0f, Pb, T);
+    for (int t = t0; t < t1; ++t) causal_softmax_row(P + int64_t(t) * T, t, T);  // zero-fills up to T
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, HS, t1, 1.0f, Pb, T, v, ld, 0.0f, o + int64_t(t0) * ldo,
+                ldo);
+  }
+}
+
+// dP is scratch (T, T); on return it holds dS.
+inline void causal_head_backward(float* dq, float* dk, float* dv, int ldkv, float beta_kv, float* dP, const float* dO,
+                                 int ldo, const float* P, const float* q, const float* k, const float* v, int ld, int T,
+                                 int HS, float sc) {
+  for (int t0 = 0; t0 < T; t0 += kCausalBlock) {
+    const int t1 = std::min(T, t0 + kCausalBlock), m = t1 - t0;
+    float* dPb = dP + int64_t(t0) * T;
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, t1, HS, 1.0f, dO + int64_t(t0) * ldo, ldo, v, ld, 0.0f,
+                dPb, T);
+    for (int t = t0; t < t1; ++t)
+      causal_softmax_backward_row(dP + int64_t(t) * T, P + int64_t(t) * T, t, T, sc);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, HS, t1, 1.0f, dPb, T, k, ld, 0.0f, dq + int64_t(t0) * ld,
+                ld);
+  }
+  for (int j0 = 0; j0 < T; j0 += kCausalBlock) {
+    const int m = std::min(T, j0 + kCausalBlock) - j0, kk = T - j0;  // kk: the queries t >= j0
+    const int64_t at = int64_t(j0) * T + j0;
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, m, HS, kk, 1.0f, P + at, T, dO + int64_t(j0) * ldo, ldo,
+                beta_kv, dv + int64_t(j0) * ldkv, ldkv);
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, m, HS, kk, 1.0f, dP + at, T, q + int64_t(j0) * ld, ld,
+                beta_kv, dk + int64_t(j0) * ldkv, ldkv);
+  }
+}
+
+}  // namespace trainrun::cpu

@@ -1,0 +1,124 @@
+// Pipeline schedules (parallel/pipeline/schedule.h): every schedule is
+// complete and hang-free for a range of shapes, has the properties it is
+// chosen for (1f1b's bounded activations, the smaller bubbles of
+// interleaving and zero_bubble), and bad shapes and splits are errors that
+// name the numbers.
+#include <catch2/catch.hpp>
+
+#include <string>
+
+#include "core/common/error.h"
+#include "parallel/pipeline/schedule.h"
+
+using namespace trainrun;
+using Catch::Matchers::Contains;
+
+namespace {
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+}  // namespace
+
+TEST_CASE("pipeline: every schedule is complete and hang-free for 1-8 stages and up to 16 microbatches",
+          "[pipeline]") {
+  for (const char* kind : {"gpipe", "1f1b", "zero_bubble"})
+    for (int P = 1; P <= 8; ++P)
+      for (int M = P; M <= 16; ++M) {
+        INFO(kind << " P=" << P << " M=" << M);
+        const PipelineSchedule s = make_pipeline_schedule(kind, P, 1, M);
+        CHECK_NOTHROW(check_pipeline_schedule(s));
+      }
+  for (int P = 1; P <= 4; ++P)
+    for (int v = 1; v <= 3; ++v)
+      for (int M = P * v; M <= 12; ++M) {
+        if (M % P) continue;
+        INFO("interleaved_1f1b P=" << P << " v=" << v << " M=" << M);
+        CHECK_NOTHROW(check_pipeline_schedule(make_pipeline_schedule("interleaved_1f1b", P, v, M)));
+      }
+}
+
+TEST_CASE("pipeline: 1f1b bounds activations, interleaving and zero_bubble shrink the bubble", "[pipeline]") {
+  const int P = 4, M = 8;
+  const PipelineStats gpipe = simulate_pipeline_schedule(make_pipeline_schedule("gpipe", P, 1, M));
+  const PipelineStats f1b = simulate_pipeline_schedule(make_pipeline_schedule("1f1b", P, 1, M));
+  const PipelineStats zb = simulate_pipeline_schedule(make_pipeline_schedule("zero_bubble", P, 1, M));
+  const PipelineStats il = simulate_pipeline_schedule(make_pipeline_schedule("interleaved_1f1b", P, 2, M));
+  // gpipe holds every microbatch; 1f1b at most P - r on rank r; ZB-H1 the same as 1f1b.
+  for (int r = 0; r < P; ++r) {
+    INFO("rank " << r);
+    CHECK(gpipe.peak_in_flight[size_t(r)] == M);
+    CHECK(f1b.peak_in_flight[size_t(r)] == P - r);
+    CHECK(zb.peak_in_flight[size_t(r)] <= P);
+  }
+  // The same bubble for gpipe and 1f1b: (P - 1) / (M + P - 1) with B = 2 F.
+  CHECK(gpipe.length == f1b.length);
+  CHECK(f1b.bubble == Approx(double(P - 1) / double(M + P - 1)));
+  CHECK(zb.bubble < f1b.bubble);
+  CHECK(zb.length < f1b.length);
+  // Interleaving: each chunk is half as long; the bubble shrinks, and so
+  // does the step (Megatron: the bubble is (P - 1) / v chunks' worth).
+  CHECK(il.bubble < f1b.bubble);
+  CHECK(il.length < f1b.length);
+  CHECK(zb.bubble == Approx(double(P - 1) / zb.length));  // ZB-H1: a third of 1f1b's idle time (F = BI = BW)
+}
+
+TEST_CASE("pipeline: the checker finds hangs, missing work and misrouted messages", "[pipeline]") {
+  // Two ranks that both receive first: a hang, reported with both blocked actions.
+  PipelineSchedule s = make_pipeline_schedule("gpipe", 2, 1, 2);
+  std::swap(s.actions[0][0], s.actions[0][s.actions[0].size() - 1]);
+  CHECK_THAT(error_of([&] { check_pipeline_schedule(s); }), Contains("rank 0"));
+  // A rank that waits for a gradient before sending the activation it depends on.
+  s = make_pipeline_schedule("1f1b", 2, 1, 2);
+  auto& r0 = s.actions[0];
+  // rank 0: recv_grad for mb0 moved ahead of everything.
+  for (size_t i = 0; i < r0.size(); ++i)
+    if (r0[i].op == PipeOp::RecvGrad) {
+      const PipeAction a = r0[i];
+      r0.erase(r0.begin() + long(i));
+      r0.insert(r0.begin(), a);
+      break;
+    }
+  CHECK_THAT(error_of([&] { check_pipeline_schedule(s); }), Contains("would hang") && Contains("recv_grad mb0"));
+  // A dropped backward.
+  s = make_pipeline_schedule("1f1b", 2, 1, 3);
+  for (size_t i = 0; i < s.actions[0].size(); ++i)
+    if (s.actions[0][i].op == PipeOp::B) {
+      s.actions[0].erase(s.actions[0].begin() + long(i));
+      break;
+    }
+  CHECK_THAT(error_of([&] { check_pipeline_schedule(s); }), Contains("send_grad") || Contains("backward"));
+  // Messages out of order between a pair.
+  s = make_pipeline_schedule("gpipe", 2, 1, 2);
+  std::vector<PipeAction>& r1 = s.actions[1];
+  std::swap(r1[0], r1[3]);  // rank 1: recv_act mb1 before recv_act mb0
+  CHECK_THAT(error_of([&] { check_pipeline_schedule(s); }), Contains("match in order") || Contains("not received"));
+  // The schedule prints; each rank's line lists its actions.
+  const std::string ex = explain_pipeline_schedule(make_pipeline_schedule("zero_bubble", 2, 1, 2));
+  CHECK_THAT(ex, Contains("rank 0:") && Contains("rank 1:") && Contains("BW") && Contains("bubble"));
+}
+
+TEST_CASE("pipeline: too few microbatches, bad chunks and bad layer splits are errors naming the numbers",
+          "[pipeline]") {
+  CHECK_THAT(error_of([] { make_pipeline_schedule("1f1b", 4, 1, 3); }),
+             Contains("at least as many microbatches as pipeline stages (4); the step has 3"));
+  CHECK_THAT(error_of([] { make_pipeline_schedule("interleaved_1f1b", 2, 2, 3); }),
+             Contains("multiple of parallel.pipeline_parallel (2) microbatches, at least 4"));
+  CHECK_THAT(error_of([] { make_pipeline_schedule("1f1b", 2, 2, 4); }),
+             Contains("parallel.pipeline_virtual_stages: 2 needs parallel.pipeline_schedule: interleaved_1f1b"));
+  CHECK_THAT(error_of([] { make_pipeline_schedule("pipedream", 2, 1, 4); }),
+             Contains("unknown schedule 'pipedream'"));
+  CHECK(split_pipeline_layers(3, 2, {}) == std::vector<int>{2, 1});  // uneven: 3 layers over 2 stages
+  CHECK(split_pipeline_layers(8, 4, {}) == std::vector<int>{2, 2, 2, 2});
+  CHECK(split_pipeline_layers(5, 2, {1, 4}) == std::vector<int>{1, 4});
+  CHECK_THAT(error_of([] { split_pipeline_layers(5, 2, {2, 2}); }),
+             Contains("[2, 2] covers 4 layers but the model has 5") && Contains("dropped"));
+  CHECK_THAT(error_of([] { split_pipeline_layers(5, 2, {3, 3}); }), Contains("duplicated"));
+  CHECK_THAT(error_of([] { split_pipeline_layers(5, 2, {5, 0}); }), Contains("gives stage 1 0 layers"));
+  CHECK_THAT(error_of([] { split_pipeline_layers(5, 3, {2, 3}); }), Contains("has 2 entries for 3 stages"));
+  CHECK_THAT(error_of([] { split_pipeline_layers(2, 3, {}); }), Contains("3 stages for 2 layers"));
+}
