@@ -241,6 +241,49 @@ class Backend {
     not_implemented("attention_kv_gqa_forward");
   }
 
+  // ---- vocab-parallel embedding and cross-entropy (tensor parallelism) ----------
+  // A rank of a TP group holds rows [v_begin, v_begin + v_count) of the
+  // vocabulary (wte(v_count, C) here is that slice). Defaults throw.
+  //
+  // out(B,T,C) = (v_begin <= tok < v_begin + v_count ? wte[tok - v_begin] : 0)
+  //            + (wpe ? wpe[t] : 0).
+  // Summed over the group (all-reduce) it is encoder_forward: exactly one
+  // rank owns each token; one rank passes wpe, the others null.
+  virtual void vocab_embedding_forward(void* out, const int32_t* tokens, const void* wte, const void* wpe,
+                                       int v_begin, int v_count, int B, int T, int C) {
+    not_implemented("vocab_embedding_forward");
+  }
+  // dwte(v_count,C) += scatter of dout over the tokens in range; dwpe(T,C)
+  // += sum_b dout when dwpe is non-null. Deterministic, as encoder_backward.
+  virtual void vocab_embedding_backward(float* dwte, float* dwpe, const void* dout, const int32_t* tokens,
+                                        int v_begin, int v_count, int B, int T, int C) {
+    not_implemented("vocab_embedding_backward");
+  }
+  // Cross-entropy over logits split by vocabulary, without gathering them
+  // (Megatron's vocab-parallel cross-entropy). logits(N, ldv)[:, :V] are
+  // this rank's V columns, global ids [v_begin, v_begin + V). Three steps,
+  // with the caller's all-reduces between them:
+  //   vocab_ce_max:     rowmax(N) = max_j logits[n, j]  (-inf when V = 0)   -> all-reduce max
+  //   vocab_ce_sumexp:  stats(2N): [0,N) sum_j exp(logits[n,j] - rowmax[n]),
+  //                     [N,2N) logits[n, target - v_begin] when this rank
+  //                     holds the target, else 0                          -> all-reduce sum
+  //   vocab_ce_finish:  losses(N) = log(stats[n]) + rowmax[n] - stats[N+n];
+  //                     with dlogits (may alias logits), dloss_scale *
+  //                     (softmax - onehot(target)) on this rank's columns.
+  // Targets < 0 are ignored (loss 0, grad 0), as in softmax_cross_entropy.
+  virtual void vocab_ce_max(float* rowmax, const void* logits, int N, int V, int ldv) {
+    not_implemented("vocab_ce_max");
+  }
+  virtual void vocab_ce_sumexp(float* stats, const void* logits, const int32_t* targets, const float* rowmax,
+                               int v_begin, int N, int V, int ldv) {
+    not_implemented("vocab_ce_sumexp");
+  }
+  virtual void vocab_ce_finish(float* losses, void* dlogits, const void* logits, const int32_t* targets,
+                               const float* rowmax, const float* stats, int v_begin, int N, int V, int ldv,
+                               float dloss_scale) {
+    not_implemented("vocab_ce_finish");
+  }
+
   // ---- optimizer --------------------------------------------------------------
   // out[0] += sum(x^2) over n fp32 values (for the global grad norm).
   virtual void sum_squares(float* out, const float* x, int64_t n) = 0;

@@ -1062,6 +1062,70 @@ TEST_CASE("cuda: softmax cross-entropy", "[cuda]") {
   }
 }
 
+TEST_CASE("cuda: vocab-parallel embedding forward and backward", "[cuda][tp]") {
+  CUDA_TEST_OR_SKIP();
+  Pair p;
+  struct S { int B, T, C, V, v_begin, v_count; bool wpe; };
+  for (S s : {S{1, 1, 1, 5, 0, 3, true}, S{2, 19, 111, 37, 12, 13, false}, S{3, 64, 64, 500, 250, 250, true},
+              S{2, 111, 19, 7, 6, 1, false}}) {
+    const std::string sh = shape({{"B", s.B}, {"T", s.T}, {"C", s.C}, {"v_begin", s.v_begin}, {"v_count", s.v_count}});
+    Tok tk(p, rand_tokens(size_t(s.B) * s.T, s.V, 17 + s.C));
+    Twin wte(p, randn(size_t(s.v_count) * s.C, 18), true), wpe(p, randn(size_t(s.T) * s.C, 19), true);
+    const size_t n = size_t(s.B) * s.T * s.C;
+    Twin out = out_twin(p, n, true);
+    p.cpu->vocab_embedding_forward(out.c(), tk.cp(), wte.c(), s.wpe ? wpe.c() : nullptr, s.v_begin, s.v_count, s.B,
+                                   s.T, s.C);
+    p.gpu->vocab_embedding_forward(out.g(), tk.gp(), wte.g(), s.wpe ? wpe.g() : nullptr, s.v_begin, s.v_count, s.B,
+                                   s.T, s.C);
+    check_close("vocab embedding fwd " + sh, out.read_gpu(p), out.read_cpu(p), kBf16);
+    Twin dout(p, randn(n, 20), true);
+    Twin dwte(p, randn(size_t(s.v_count) * s.C, 21), false), dwpe(p, randn(size_t(s.T) * s.C, 22), false);
+    p.cpu->vocab_embedding_backward(dwte.cf(), s.wpe ? dwpe.cf() : nullptr, dout.c(), tk.cp(), s.v_begin, s.v_count,
+                                    s.B, s.T, s.C);
+    p.gpu->vocab_embedding_backward(dwte.gf(), s.wpe ? dwpe.gf() : nullptr, dout.g(), tk.gp(), s.v_begin, s.v_count,
+                                    s.B, s.T, s.C);
+    check_close("vocab embedding dwte (+=) " + sh, dwte.read_gpu(p), dwte.read_cpu(p), kF32);
+    check_close("vocab embedding dwpe (+= or untouched) " + sh, dwpe.read_gpu(p), dwpe.read_cpu(p), kF32);
+  }
+}
+
+TEST_CASE("cuda: vocab-parallel cross-entropy (max, sum-exp, finish)", "[cuda][tp]") {
+  CUDA_TEST_OR_SKIP();
+  Pair p;
+  struct S { int N, V, ldv, v_begin; };
+  for (S s : {S{1, 1, 1, 0}, S{19, 37, 40, 37}, S{5, 111, 111, 0}, S{4, 25000, 25024, 25000}}) {
+    const std::string sh = shape({{"N", s.N}, {"V", s.V}, {"ldv", s.ldv}, {"v_begin", s.v_begin}});
+    auto tgt = rand_tokens(s.N, 2 * s.V + s.v_begin, 63);  // some targets on this rank, some elsewhere
+    if (s.N > 2) tgt[1] = -1;
+    if (s.N > 3) tgt[2] = s.v_begin;  // one surely held
+    Tok tk(p, tgt);
+    const size_t n = size_t(s.N) * s.ldv;
+    Twin logits(p, randn(n, 64, 3.0f), true);
+    Twin mx = out_twin(p, s.N, false);
+    p.cpu->vocab_ce_max(mx.cf(), logits.c(), s.N, s.V, s.ldv);
+    p.gpu->vocab_ce_max(mx.gf(), logits.g(), s.N, s.V, s.ldv);
+    check_close("vocab CE max " + sh, mx.read_gpu(p), mx.read_cpu(p), kF32);
+    // The group's max is at least this rank's: raise it a little, as another rank would.
+    Vec gmax = mx.read_cpu(p);
+    for (auto& x : gmax) x += 0.5f;
+    Twin M(p, gmax, false);
+    Twin st = out_twin(p, 2 * size_t(s.N), false);
+    p.cpu->vocab_ce_sumexp(st.cf(), logits.c(), tk.cp(), M.cf(), s.v_begin, s.N, s.V, s.ldv);
+    p.gpu->vocab_ce_sumexp(st.gf(), logits.g(), tk.gp(), M.gf(), s.v_begin, s.N, s.V, s.ldv);
+    check_close("vocab CE sum-exp and target logit " + sh, st.read_gpu(p), st.read_cpu(p), kF32);
+    Vec stats = st.read_cpu(p);
+    for (int i = 0; i < s.N; ++i) stats[size_t(i)] += 1.0f;  // the other ranks' share of the sum
+    Twin S2(p, stats, false);
+    Twin loss = out_twin(p, s.N, false), dl = out_twin(p, n, true);
+    p.cpu->vocab_ce_finish(loss.cf(), dl.c(), logits.c(), tk.cp(), M.cf(), S2.cf(), s.v_begin, s.N, s.V, s.ldv, 0.25f);
+    p.gpu->vocab_ce_finish(loss.gf(), dl.g(), logits.g(), tk.gp(), M.gf(), S2.gf(), s.v_begin, s.N, s.V, s.ldv, 0.25f);
+    check_close("vocab CE loss " + sh, loss.read_gpu(p), loss.read_cpu(p), kF32);
+    const Vec dg = dl.read_gpu(p), dc = dl.read_cpu(p);
+    check_close("vocab CE dlogits " + sh, unpad(dg, s.N, s.V, s.ldv), unpad(dc, s.N, s.V, s.ldv), kBf16);
+    CHECK(pad_is_nan(dg, s.N, s.V, s.ldv));
+  }
+}
+
 TEST_CASE("cuda: lm head over padded logits rows", "[cuda]") {
   CUDA_TEST_OR_SKIP();
   Pair p;

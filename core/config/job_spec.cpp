@@ -219,6 +219,16 @@ const std::vector<Field>& fields() {
       TR_SPEC_FIELD(parallel.cpu_affinity, one_of({"auto", "none"}),
                     "auto: bind each worker to cores of its GPU's NUMA node (CPU backend: spread over NUMA nodes); none: leave it to the OS"),
 
+      TR_SPEC_FIELD(parallel.tensor_parallel, at_least(1),
+                    "ranks per tensor-parallel group (Megatron-style column/row-parallel linears, vocab-parallel "
+                    "embedding and cross-entropy), consecutive ranks of one node; must divide the world size "
+                    "together with pipeline_parallel; data parallelism (parallel.sharding) runs over the rest; 1 = off"),
+      TR_SPEC_FIELD(parallel.sequence_parallel, one_of({"false", "true"}),
+                    "true: split activations along the sequence between the tensor-parallel linears (needs "
+                    "tensor_parallel > 1; with 1 it is ignored, with a warning)"),
+      TR_SPEC_FIELD(parallel.pipeline_parallel, at_least(1),
+                    "pipeline stages; 1 = off (more is not implemented yet: issue #15)"),
+
       TR_SPEC_FIELD(checkpoint.interval, at_least(0), "steps between checkpoints; 0 = only the final one"),
       TR_SPEC_FIELD(checkpoint.keep_last, at_least(0), "newest checkpoints kept; older ones are deleted (0 = keep all)"),
       TR_SPEC_FIELD(checkpoint.keep_every, at_least(0),
@@ -753,6 +763,17 @@ void check_rules(JobSpec& s, const Origins& o, const std::string& fallback, bool
   if (p.offload == "nvme" && p.offload_dir.empty())
     fail(at({"parallel.offload_dir", "parallel.offload"}), "parallel.offload_dir",
          "is required with parallel.offload: nvme; name a directory on a local NVMe disk");
+  if (p.pipeline_parallel > 1)
+    fail(at({"parallel.pipeline_parallel"}), "parallel.pipeline_parallel",
+         str(p.pipeline_parallel) + ": pipeline parallelism is not implemented yet (issue #15); set it to 1");
+  if (p.sequence_parallel_on() && p.tensor_parallel == 1)
+    TR_LOG_WARN(at({"parallel.sequence_parallel", "parallel.tensor_parallel"}),
+                ": parallel.sequence_parallel: true has no effect with parallel.tensor_parallel: 1 (sequence "
+                "parallelism splits the activations of a tensor-parallel group); ignored");
+  if (p.offload != "none" && p.tensor_parallel > 1)
+    fail(at({"parallel.offload", "parallel.tensor_parallel"}), "parallel.offload",
+         p.offload + " with parallel.tensor_parallel " + str(p.tensor_parallel) +
+             " is not supported yet; use offload or tensor parallelism, not both");
 }
 
 // ---- YAML walking ----------------------------------------------------------------

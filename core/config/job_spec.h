@@ -92,6 +92,10 @@ struct ParallelSpec {
   double timeout_s = 300;              // every collective / rendezvous wait
   std::string topology_file;           // saved topology description (trainrun topo --save); empty = detect
   std::string cpu_affinity = "auto";   // auto | none: bind workers to cores near their GPU / spread over NUMA
+  int tensor_parallel = 1;             // ranks per tensor-parallel group (tp, innermost in the mesh); 1 = off
+  std::string sequence_parallel = "false";  // "true": split activations along the sequence between the TP linears
+  int pipeline_parallel = 1;           // pipeline stages; 1 = off (more is not implemented yet, issue #15)
+  bool sequence_parallel_on() const { return sequence_parallel == "true"; }
 };
 
 struct LauncherSpec {

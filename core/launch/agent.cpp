@@ -50,6 +50,7 @@
 #include "core/launch/launch_mode.h"
 #include "core/launch/node_group.h"
 #include "core/model/model_spec.h"
+#include "core/model/tensor_parallel.h"
 #include "core/train/progress.h"
 #include "core/train/trainer.h"
 #include "parallel/rendezvous/store.h"
@@ -992,9 +993,26 @@ static void check_launchable(const JobSpec& job, int nproc, int nnodes) {
   const std::string workers = nnodes == 1 ? std::to_string(world) + " workers"
                                           : std::to_string(world) + " workers: " + std::to_string(nnodes) +
                                                 " nodes x " + std::to_string(nproc);
-  TR_CHECK(mb > 0 && global_b % (mb * world) == 0, job.source, ": train.global_batch_size (", global_b,
-           " sequences) must be a multiple of train.micro_batch_size (", mb, ") x world size (", workers,
-           "); change one of them so every rank gets whole micro-batches");
+  // The mesh first (its message names the factors); the batch splits over
+  // the data-parallel ranks: world / (tensor_parallel x pipeline_parallel).
+  const int tp = job.parallel.tensor_parallel, pp = job.parallel.pipeline_parallel;
+  const int per_replica = std::max(1, tp) * std::max(1, pp);
+  TR_CHECK(world % per_replica == 0, job.source, ": mesh: the world size (", workers,
+           ") is not divisible by parallel.tensor_parallel (", tp, ") x parallel.pipeline_parallel (", pp, ") = ",
+           per_replica, "; run a multiple of ", per_replica, " ranks or change the degrees");
+  const int dp = world / per_replica;
+  // The model must split over the TP group (heads, KV heads, ffn, vocab):
+  // said once here rather than by every worker.
+  if (tp > 1) check_tensor_parallel(make_model_arch(ModelConfig::from_spec(job.model))->config(), tp);
+  if (per_replica == 1)
+    TR_CHECK(mb > 0 && global_b % (mb * world) == 0, job.source, ": train.global_batch_size (", global_b,
+             " sequences) must be a multiple of train.micro_batch_size (", mb, ") x world size (", workers,
+             "); change one of them so every rank gets whole micro-batches");
+  else
+    TR_CHECK(mb > 0 && global_b % (mb * dp) == 0, job.source, ": train.global_batch_size (", global_b,
+             " sequences) must be a multiple of train.micro_batch_size (", mb, ") x data-parallel size (", dp,
+             " = world size ", workers, " / (parallel.tensor_parallel ", tp, " x parallel.pipeline_parallel ", pp,
+             ")); change one of them so every rank gets whole micro-batches");
   TR_CHECK(job.launcher.grace_period_s >= 0, "launcher.grace_period_s must be >= 0");
 }
 

@@ -254,7 +254,7 @@ const ParamTensor& ParamLayout::get(const std::string& name) const {
 void LayoutBuilder::begin_unit(const std::string& name) { lay_.units.push_back({name, off_, 0}); }
 
 void LayoutBuilder::add(const std::string& name, std::vector<int64_t> shape, bool decay, ParamTensor::Split split,
-                        int split_blocks) {
+                        int split_blocks, int split_units) {
   TR_CHECK(!lay_.units.empty(), "LayoutBuilder: tensor '", name, "' outside a unit (a bug)");
   ParamTensor t;
   t.name = name;
@@ -266,6 +266,7 @@ void LayoutBuilder::add(const std::string& name, std::vector<int64_t> shape, boo
   t.decay = decay;
   t.split = split;
   t.split_blocks = split_blocks;
+  t.split_units = split_units;
   off_ += t.numel;
   lay_.tensors.push_back(std::move(t));
 }

@@ -34,6 +34,8 @@ namespace trainrun {
 // it has. The model.* key each field is named by in messages is given in
 // brackets (the job spec has the first six today; the others are the names
 // the Llama fields will take there).
+struct TensorParallel;  // core/model/tensor_parallel.h
+
 struct ModelConfig {
   std::string arch = "gpt2";   // [model.arch] gpt2 | llama (model_arch_names())
   int L = 4;                   // [model.n_layer] transformer blocks
@@ -96,6 +98,11 @@ struct ParamTensor {
   bool decay = false;          // AdamW weight decay applies (matrices yes, biases/norms no)
   Split split = Split::Replicated;
   int split_blocks = 1;        // Column: equal blocks of dim 0 split one by one
+  // Column/Row: the split dim (per block) is this many indivisible units,
+  // attention heads (q: n_head, k/v: n_kv_head); 0 = rows/columns. Units
+  // split evenly when T divides them; when they divide T, each unit is
+  // replicated on T/units ranks (Megatron's query groups for KV heads).
+  int split_units = 0;
 };
 const char* split_name(ParamTensor::Split s);  // "replicated", "column", "row", "vocab"
 
@@ -129,7 +136,7 @@ class LayoutBuilder {
  public:
   void begin_unit(const std::string& name);
   void add(const std::string& name, std::vector<int64_t> shape, bool decay, ParamTensor::Split split,
-           int split_blocks = 1);
+           int split_blocks = 1, int split_units = 0);
   void end_unit();
   void tie(const std::string& name, const std::string& tensor) { lay_.ties.push_back({name, tensor}); }
   ParamLayout finish();
@@ -288,7 +295,10 @@ class ModelArch {
   virtual nlohmann::ordered_json manifest_model() const = 0;
 
   // ---- compute ----
-  virtual std::unique_ptr<Network> make_network(Backend* be, int maxB, bool activation_checkpointing) const = 0;
+  // tp: this rank's tensor-parallel plan and group (core/model/tensor_parallel.h);
+  // null = the whole model on one rank (the path every tp1 run takes).
+  virtual std::unique_ptr<Network> make_network(Backend* be, int maxB, bool activation_checkpointing,
+                                                const TensorParallel* tp = nullptr) const = 0;
   // capacity: positions the cache holds, 1..T.
   virtual std::unique_ptr<Decoder> make_decoder(Backend* be, int capacity) const = 0;
   // Whether make_decoder works (sampling); the end-of-run sample is skipped,

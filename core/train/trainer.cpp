@@ -18,6 +18,7 @@
 #include "core/launch/debug_hooks.h"
 #include "core/model/model.h"
 #include "core/model/model_spec.h"
+#include "core/model/tensor_parallel.h"
 #include "core/train/generate.h"
 #include "core/train/metrics.h"
 #include "core/train/preemption.h"
@@ -28,8 +29,10 @@
 #include "parallel/comm/communicator.h"
 #include "parallel/comm/fault_injection.h"
 #include "parallel/rendezvous/net_address.h"
+#include "parallel/mesh/device_mesh.h"
 #include "parallel/sharding/sharding.h"
 #include "parallel/rendezvous/store.h"
+#include "parallel/tensor/tp_param_store.h"
 
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
@@ -160,6 +163,16 @@ class Trainer {
   std::unique_ptr<Network> model_;   // its forward/backward and activations
   std::unique_ptr<ParamStore> params_;
   std::unique_ptr<TokenSource> train_src_, val_src_;
+  // The device mesh (parallel/mesh): with tensor_parallel > 1 its groups'
+  // communicators, this rank's TP plan and the network's TP context. A tp1
+  // run keeps the world communicator and the store's own groups, as before.
+  std::unique_ptr<DeviceMesh> mesh_;
+  std::unique_ptr<MeshComms> mesh_comms_;
+  std::unique_ptr<Communicator> dp_single_;  // the dp group when it is one rank
+  std::unique_ptr<TensorParallelPlan> tp_plan_;
+  TensorParallel tp_ctx_;
+  int dp_rank_ = 0, dp_size_ = 1;  // data shards: the TP ranks of one dp index read the same samples
+  bool counts_loss_ = true;        // TP rank 0 adds this dp index's loss to the world's sum
   int T_ = 0, mb_ = 0, global_B_ = 0, accum_ = 0;
   int64_t cursor_ = 0;  // global sample index of the next training batch
   std::vector<int32_t> host_in_, host_tgt_;
@@ -202,18 +215,28 @@ void Trainer::setup() {
   T_ = cfg.T;
   mb_ = job_.train.micro_batch_size;
   global_B_ = job_.train.derived_global_batch_size();
-  TR_CHECK(global_B_ % (mb_ * w_.world) == 0, "train.global_batch_size (", global_B_,
-           " sequences) must be a multiple of train.micro_batch_size (", mb_, ") x world size (", w_.world,
-           "); change one of them so every rank gets whole micro-batches");
-  accum_ = global_B_ / (mb_ * w_.world);
-  model_ = arch_->make_network(be_.get(), mb_, job_.train.activation_checkpointing == "blocks");
-  // 4. sharded state
+  // 3b. the mesh: pp x dp_replicate x dp_shard x tp, tp innermost.
   // hybrid_shard group: the spec's, else the agent's topology decision (the
-  // NVLink island, TRAINRUN_SHARD_GROUP_SIZE), else the ranks of this node.
+  // NVLink island, TRAINRUN_SHARD_GROUP_SIZE), else the ranks of this node;
+  // with tensor parallelism the topology's or the node's ranks hold that
+  // many / tp data-parallel ranks.
+  const int tp = job_.parallel.tensor_parallel;
   const int topo_group = env_int("TRAINRUN_SHARD_GROUP_SIZE", 0);
   int group = job_.parallel.shard_group_size > 0 ? job_.parallel.shard_group_size
-              : topo_group > 0                    ? topo_group
-                                                  : w_.local_world;
+              : topo_group > 0                    ? std::max(1, topo_group / tp)
+                                                  : std::max(1, w_.local_world / tp);
+  const MeshDims dims = plan_mesh(w_.world, tp, job_.parallel.pipeline_parallel, job_.parallel.sharding,
+                                  job_.parallel.sharding == "hybrid_shard" ? group : 1);
+  mesh_ = std::make_unique<DeviceMesh>(dims, w_.rank);
+  dp_size_ = dims.dp();
+  dp_rank_ = mesh_->dp_coord();
+  counts_loss_ = mesh_->coord(MeshDim::tp) == 0;
+  TR_CHECK(global_B_ % (mb_ * dp_size_) == 0, "train.global_batch_size (", global_B_,
+           " sequences) must be a multiple of train.micro_batch_size (", mb_, ") x data-parallel size (", dp_size_,
+           " = world size ", w_.world, " / parallel.tensor_parallel ", tp,
+           "); change one of them so every rank gets whole micro-batches");
+  accum_ = global_B_ / (mb_ * dp_size_);
+  // 4. sharded state
   // Each group is named for its errors ("dp_shard0", "dp_replicate1": the prefix).
   CommFactory factory = [this, timeout, nccl](const std::string& prefix, int rank, int world) {
     std::unique_ptr<Communicator> c =
@@ -234,7 +257,31 @@ void Trainer::setup() {
     check_offload_host_memory(offload_host_bytes(per_rank) * size_t(w_.local_world), host_memory_available(),
                               w_.local_world);
   }
-  params_ = make_param_store(job_.parallel.sharding, arch_->layout(), be_.get(), comm_.get(), group, factory, offload);
+  if (tp == 1) {
+    model_ = arch_->make_network(be_.get(), mb_, job_.train.activation_checkpointing == "blocks");
+    params_ = make_param_store(job_.parallel.sharding, arch_->layout(), be_.get(), comm_.get(), group, factory,
+                               nullptr, offload);
+  } else {
+    TR_CHECK(offload.mode == OffloadMode::None, "parallel.offload: ", job_.parallel.offload,
+             " with parallel.tensor_parallel ", tp, " is not supported yet; use one of them");
+    // Every group's communicator, built once in the same order on every
+    // rank; the store shards this rank's TP slice over the dp group.
+    mesh_comms_ = std::make_unique<MeshComms>(*mesh_, factory);
+    tp_plan_ = std::make_unique<TensorParallelPlan>(*arch_, tp, mesh_->coord(MeshDim::tp));
+    tp_ctx_.plan = tp_plan_.get();
+    tp_ctx_.comm = mesh_comms_->comm(MeshDim::tp);
+    tp_ctx_.sequence_parallel = job_.parallel.sequence_parallel_on();
+    model_ = arch_->make_network(be_.get(), mb_, job_.train.activation_checkpointing == "blocks", &tp_ctx_);
+    Communicator* dp = mesh_comms_->dp();
+    if (!dp) {
+      dp_single_ = make_single_communicator();
+      dp = dp_single_.get();
+    }
+    HybridComms hybrid{mesh_comms_->comm(MeshDim::dp_shard), mesh_comms_->comm(MeshDim::dp_replicate)};
+    auto inner = make_param_store(job_.parallel.sharding, tp_plan_->local_layout(), be_.get(), dp, dims.dp_shard,
+                                  factory, &hybrid);
+    params_ = make_tensor_parallel_store(std::move(inner), *tp_plan_, tp_ctx_.comm);
+  }
   params_->init_params(*arch_, job_.train.seed);
   // 5. data
   train_src_ = open_train_source(job_);
@@ -254,7 +301,21 @@ void Trainer::setup() {
       TR_LOG_INFO("data: entropy floor (the lowest reachable loss) H = ", fmt(train_src_->entropy_floor(), 4),
                   " nats/token");
     TR_LOG_INFO("batch: ", global_B_, " sequences x ", T_, " tokens per step = ", mb_, " micro-batch x ", accum_,
-                " accumulation x ", w_.world, " ranks; backend ", be_->name());
+                " accumulation x ", dp_size_, " data-parallel ranks; backend ", be_->name());
+    TR_LOG_INFO("mesh: ", dims.describe(), " (", w_.world, " ranks; tp innermost: a TP group is consecutive ranks)");
+    if (tp > 1 && (tp > w_.local_world || w_.local_world % tp != 0))
+      TR_LOG_WARN("mesh: parallel.tensor_parallel (", tp, ") does not divide the ", w_.local_world,
+                  " ranks per node, so a TP group spans nodes: its all-reduces (several per block, every micro-batch) "
+                  "cross the network instead of NVLink; use a degree that divides the GPUs per node");
+    if (tp > 1) {
+      std::string coords;
+      for (int r = 0; r < w_.world; ++r) {
+        const DeviceMesh m(dims, r);
+        coords += (r ? ", " : "") + std::to_string(r) + "->(pp" + std::to_string(m.coord(MeshDim::pp)) + ",dp" +
+                  std::to_string(m.dp_coord()) + ",tp" + std::to_string(m.coord(MeshDim::tp)) + ")";
+      }
+      TR_LOG_INFO("mesh: rank -> (pp, dp, tp): ", coords);
+    }
   }
   ShardMemory m = params_->memory();
   TR_LOG_INFO("memory (rank ", w_.rank, ", ", params_->strategy(), "): params ", human_bytes(m.params), ", grads ",
@@ -283,7 +344,7 @@ Trainer::StepResult Trainer::train_step(int step) {
   if (debug_nan_step(step + 1)) dloss_scale = NAN;  // tests: TRAINRUN_DEBUG_NAN_STEP
   be_->zero(dev_loss_sum_.get(), 4);
   for (int m = 0; m < accum_; ++m) {
-    int64_t first = cursor_ + (int64_t(m) * w_.world + w_.rank) * mb_;
+    int64_t first = cursor_ + (int64_t(m) * dp_size_ + dp_rank_) * mb_;
     read_batch(*train_src_, first, mb_);
     model_->forward(*params_, dev_in_.as<int32_t>(), dev_tgt_.as<int32_t>(), mb_, T_, true, dloss_scale);
     be_->sum(dev_loss_sum_.as<float>(), model_->losses(), int64_t(mb_) * T_);
@@ -293,6 +354,7 @@ Trainer::StepResult Trainer::train_step(int step) {
   params_->finish_grads();
   std::vector<float> v(1, 0.0f);
   be_->copy_to_host(v.data(), dev_loss_sum_.get(), 4);
+  if (!counts_loss_) v[0] = 0.0f;  // the TP ranks of a dp index computed the same loss: count it once
   StepResult r;
   r.stop_signal = agree_on_stop(*comm_, v);  // the vote rides the loss all-reduce
   r.loss = ntgt > 0 ? double(v[0]) / double(ntgt) : 0.0;
@@ -309,7 +371,7 @@ double Trainer::evaluate() {
   for (int e = 0; e < job_.train.eval_steps; ++e) {
     ntgt += val_src_->count_targets(int64_t(e) * global_B_, global_B_, T_);
     for (int m = 0; m < accum_; ++m) {
-      read_batch(*val_src_, int64_t(e) * global_B_ + (int64_t(m) * w_.world + w_.rank) * mb_, mb_);
+      read_batch(*val_src_, int64_t(e) * global_B_ + (int64_t(m) * dp_size_ + dp_rank_) * mb_, mb_);
       model_->forward(*params_, dev_in_.as<int32_t>(), dev_tgt_.as<int32_t>(), mb_, T_, false, 0.0f);
       be_->sum(dev_loss_sum_.as<float>(), model_->losses(), int64_t(mb_) * T_);
     }
@@ -317,6 +379,7 @@ double Trainer::evaluate() {
   params_->take_comm_wait_seconds();  // eval's gathers are not training-step communication
   float total = 0;
   be_->copy_to_host(&total, dev_loss_sum_.get(), 4);
+  if (!counts_loss_) total = 0.0f;
   comm_->all_reduce(&total, 1, ReduceOp::Sum);
   return ntgt > 0 ? double(total) / double(ntgt) : 0.0;
 }
@@ -433,6 +496,12 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
   }
   for (int step = first_step; step < end_step && sum.stop_signal == 0; ++step) {
     params_->set_step(step + 1);  // the world's communicator and the store's own groups
+    if (mesh_comms_) {
+      comm_->set_step(step + 1);
+      for (MeshDim d : {MeshDim::tp, MeshDim::dp_shard, MeshDim::dp_replicate, MeshDim::pp})
+        if (Communicator* c = mesh_comms_->comm(d)) c->set_step(step + 1);
+      if (Communicator* c = mesh_comms_->dp()) c->set_step(step + 1);
+    }
     debug_fail_hook(w_.rank, step + 1);  // launcher tests: TRAINRUN_DEBUG_FAIL_RANK/_STEP
     auto t0 = Clock::now();
     const double lr = lr_at(step, tr.max_steps, tr.warmup_steps, tr.lr, tr.min_lr, tr.schedule);
@@ -558,6 +627,13 @@ void Trainer::log_memory_at_end() {
 // decoder would need more memory than they took, it is skipped with a line
 // saying so (every rank decides alike: the sizes are the same everywhere).
 void Trainer::sample_at_end() {
+  if (tp_plan_) {
+    if (rank0_)
+      TR_LOG_INFO("sample: skipped: the KV-cached decoder does not run tensor-parallel yet (parallel.tensor_parallel: ",
+                  job_.parallel.tensor_parallel, "); sample from model.safetensors with `trainrun generate`, or set "
+                  "output.sample_tokens: 0 to silence this");
+    return;
+  }
   if (!arch_->has_decoder()) {
     if (rank0_)
       TR_LOG_INFO("sample: skipped: ", arch_->name(), " has no KV-cached decoder yet (output.sample_tokens: ",

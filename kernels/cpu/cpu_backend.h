@@ -80,6 +80,16 @@ class CpuBackend final : public Backend {
                               int B, int T, int NH, int NKV, int HS) override;
   void attention_kv_gqa_forward(void* out, void* kcache, void* vcache, const void* qkv, int pos, int Tq, int NH,
                                 int NKV, int HS) override;
+  // Vocab-parallel ops: cpu_vocab_parallel.cpp.
+  void vocab_embedding_forward(void* out, const int32_t* tokens, const void* wte, const void* wpe, int v_begin,
+                               int v_count, int B, int T, int C) override;
+  void vocab_embedding_backward(float* dwte, float* dwpe, const void* dout, const int32_t* tokens, int v_begin,
+                                int v_count, int B, int T, int C) override;
+  void vocab_ce_max(float* rowmax, const void* logits, int N, int V, int ldv) override;
+  void vocab_ce_sumexp(float* stats, const void* logits, const int32_t* targets, const float* rowmax, int v_begin,
+                       int N, int V, int ldv) override;
+  void vocab_ce_finish(float* losses, void* dlogits, const void* logits, const int32_t* targets, const float* rowmax,
+                       const float* stats, int v_begin, int N, int V, int ldv, float dloss_scale) override;
   void sum_squares(float* out, const float* x, int64_t n) override;
   void sum(float* out, const float* x, int64_t n) override;
   void scale(float* x, float s, int64_t n) override;

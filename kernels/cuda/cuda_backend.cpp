@@ -22,6 +22,7 @@
 #include "kernels/cuda/rmsnorm.cuh"
 #include "kernels/cuda/rope.cuh"
 #include "kernels/cuda/softmax_cross_entropy.cuh"
+#include "kernels/cuda/vocab_parallel.cuh"
 #include "kernels/cuda/sum_squares.cuh"
 #include "kernels/cuda/swiglu.cuh"
 
@@ -198,6 +199,39 @@ void CudaBackend::encoder_backward(float* dwte, float* dwpe, const void* dout, c
   make_current();
   Scratch s(*alloc_, encoder_backward_scratch_bytes(B * T, C));
   cuda::encoder_backward(dwte, dwpe, H(dout), tokens, B, T, C, s.as<void>(), s.bytes(), compute_);
+}
+
+void CudaBackend::vocab_embedding_forward(void* out, const int32_t* tokens, const void* wte, const void* wpe,
+                                          int v_begin, int v_count, int B, int T, int C) {
+  make_current();
+  cuda::vocab_embedding_forward(H(out), tokens, H(wte), H(wpe), v_begin, v_count, B, T, C, compute_);
+}
+
+void CudaBackend::vocab_embedding_backward(float* dwte, float* dwpe, const void* dout, const int32_t* tokens,
+                                           int v_begin, int v_count, int B, int T, int C) {
+  make_current();
+  Scratch s(*alloc_, cuda::vocab_embedding_backward_scratch_bytes(v_count, B, T, C));
+  cuda::vocab_embedding_backward(dwte, dwpe, H(dout), tokens, v_begin, v_count, B, T, C, s.as<void>(), s.bytes(),
+                                 compute_);
+}
+
+void CudaBackend::vocab_ce_max(float* rowmax, const void* logits, int N, int V, int ldv) {
+  make_current();
+  cuda::vocab_ce_max(rowmax, H(logits), N, V, ldv, compute_);
+}
+
+void CudaBackend::vocab_ce_sumexp(float* stats, const void* logits, const int32_t* targets, const float* rowmax,
+                                  int v_begin, int N, int V, int ldv) {
+  make_current();
+  cuda::vocab_ce_sumexp(stats, H(logits), targets, rowmax, v_begin, N, V, ldv, compute_);
+}
+
+void CudaBackend::vocab_ce_finish(float* losses, void* dlogits, const void* logits, const int32_t* targets,
+                                  const float* rowmax, const float* stats, int v_begin, int N, int V, int ldv,
+                                  float dloss_scale) {
+  make_current();
+  cuda::vocab_ce_finish(losses, H(dlogits), H(logits), targets, rowmax, stats, v_begin, N, V, ldv, dloss_scale,
+                        compute_);
 }
 
 void CudaBackend::layernorm_forward(void* out, float* mean, float* rstd, const void* inp, const void* weight,

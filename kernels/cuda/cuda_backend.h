@@ -57,6 +57,16 @@ class CudaBackend final : public Backend {
                        int C) override;
   void encoder_backward(float* dwte, float* dwpe, const void* dout, const int32_t* tokens, int B, int T,
                         int C) override;
+  // Vocab-parallel ops (tensor parallelism): vocab_parallel.cu.
+  void vocab_embedding_forward(void* out, const int32_t* tokens, const void* wte, const void* wpe, int v_begin,
+                               int v_count, int B, int T, int C) override;
+  void vocab_embedding_backward(float* dwte, float* dwpe, const void* dout, const int32_t* tokens, int v_begin,
+                                int v_count, int B, int T, int C) override;
+  void vocab_ce_max(float* rowmax, const void* logits, int N, int V, int ldv) override;
+  void vocab_ce_sumexp(float* stats, const void* logits, const int32_t* targets, const float* rowmax, int v_begin,
+                       int N, int V, int ldv) override;
+  void vocab_ce_finish(float* losses, void* dlogits, const void* logits, const int32_t* targets, const float* rowmax,
+                       const float* stats, int v_begin, int N, int V, int ldv, float dloss_scale) override;
   void layernorm_forward(void* out, float* mean, float* rstd, const void* inp, const void* weight,
                          const void* bias, int N, int C) override;
   void residual_layernorm_forward(void* res_out, void* out, float* mean, float* rstd, const void* a, const void* b,

@@ -12,10 +12,12 @@
 // so any world size works. Rank r of a group owns elements
 // [r*S, (r+1)*S) of each unit (S = padded/world), in logical (global) order.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/model/model.h"
@@ -46,8 +48,30 @@ inline float sum_squares_to_host(Backend* be, float* acc, const float* x, int64_
   return host;
 }
 
+// Adds sum(x^2) over layout elements [lo, hi) to acc[0], where x[0] is
+// element lo, leaving out the (start, count) ranges of `skip` (sorted).
+inline void sum_squares_skipping(Backend* be, float* acc, const float* x, int64_t lo, int64_t hi,
+                                 const std::vector<std::pair<int64_t, int64_t>>& skip) {
+  int64_t at = lo;
+  for (const auto& [s0, n] : skip) {
+    const int64_t s1 = s0 + n;
+    if (s1 <= at) continue;
+    if (s0 >= hi) break;
+    if (s0 > at) be->sum_squares(acc, x + (at - lo), std::min(s0, hi) - at);
+    at = std::max(at, s1);
+    if (at >= hi) return;
+  }
+  if (at < hi) be->sum_squares(acc, x + (at - lo), hi - at);
+}
+
 class ParamStore : public UnitAccess {
  public:
+  // Ranges (start, count) of the store's layout whose gradients
+  // grad_norm_squared() leaves out: elements another rank holds too
+  // (tensor parallelism's replicas and vocabulary padding), so every element
+  // of the model counts once. Sorted; empty (the default) = count all.
+  void set_grad_norm_skip(std::vector<std::pair<int64_t, int64_t>> skip) { norm_skip_ = std::move(skip); }
+
   // Fill the parameters from the architecture's counter-based init (each
   // rank inits only what it holds). `arch` must have the store's layout.
   virtual void init_params(const ModelArch& arch, uint64_t seed) = 0;
@@ -103,6 +127,9 @@ class ParamStore : public UnitAccess {
   // Seconds spent waiting on collectives since the last call (and reset).
   virtual double take_comm_wait_seconds() = 0;
   virtual std::string strategy() const = 0;
+
+ protected:
+  std::vector<std::pair<int64_t, int64_t>> norm_skip_;
 };
 
 // init_params' check that the architecture is the one the store was built for.
@@ -120,9 +147,17 @@ using CommFactory = std::function<std::unique_ptr<Communicator>(const std::strin
 // `world` is the all-ranks communicator (used from the caller's thread only
 // while the store is idle: after finish_grads / between steps).
 // shard_group_size: hybrid_shard's group (must divide the world size).
+// hybrid_shard with a device mesh (tensor parallelism): `world` is the
+// data-parallel group and the mesh's dp_shard / dp_replicate communicators
+// are passed in (hybrid_comms), instead of the store building its own.
 // offload: where the optimizer state lives (offload.h); none = the device.
+struct HybridComms {
+  Communicator* shard = nullptr;    // dp_shard group (null: size 1)
+  Communicator* replica = nullptr;  // dp_replicate group (null: size 1)
+};
 std::unique_ptr<ParamStore> make_param_store(const std::string& strategy, const ParamLayout& layout,
                                              Backend* be, Communicator* world, int shard_group_size,
-                                             const CommFactory& factory, const OffloadOptions& offload = {});
+                                             const CommFactory& factory, const HybridComms* hybrid_comms = nullptr,
+                                             const OffloadOptions& offload = {});
 
 }  // namespace trainrun

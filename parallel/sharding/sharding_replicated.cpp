@@ -61,8 +61,19 @@ class ReplicatedStore final : public ParamStore {
     if (host_) host_->grad_from_device(grads_.as<float>(), layout_.total);
   }
   double grad_norm_squared() override {
-    if (host_) return host_->grad_sum_squares();
-    return sum_squares_to_host(be_, norm_acc_.as<float>(), grads_.as<float>(), layout_.total);
+    if (host_) {
+      // Offloaded: the host holds the gradient. Tensor parallelism's
+      // replicated-tensor skip (norm_skip_) is not applied there yet, so
+      // the two are refused together at job load.
+      TR_CHECK(norm_skip_.empty(), "parallel.offload with parallel.tensor_parallel > 1 is not supported yet");
+      return host_->grad_sum_squares();
+    }
+    if (norm_skip_.empty()) return sum_squares_to_host(be_, norm_acc_.as<float>(), grads_.as<float>(), layout_.total);
+    be_->zero(norm_acc_.get(), 4);
+    sum_squares_skipping(be_, norm_acc_.as<float>(), grads_.as<float>(), 0, layout_.total, norm_skip_);
+    float host = 0;
+    be_->copy_to_host(&host, norm_acc_.get(), 4);
+    return host;
   }
   void optimizer_step(const AdamWParams& p, int step, float grad_scale) override {
     const size_t es = dtype_size(be_->act_dtype());

@@ -95,7 +95,8 @@ struct Unit {
 class ShardedStore final : public ParamStore {
  public:
   ShardedStore(const std::string& strategy, const ParamLayout& layout, Backend* be, Communicator* world,
-               int group, const CommFactory& factory, const OffloadOptions& offload)
+               int group, const CommFactory& factory, const HybridComms* hybrid_comms,
+               const OffloadOptions& offload)
       : strategy_(strategy), layout_(layout), be_(be), world_(world), pool_(be) {
     const int W = world->world_size();
     const int r = world->rank();
@@ -106,6 +107,14 @@ class ShardedStore final : public ParamStore {
     g_ = r % G_;
     if (G_ == W) {
       shard_comm_ = world;
+    } else if (hybrid_comms) {
+      // The device mesh's groups (tensor parallelism: the dp groups of one
+      // tp index); a size-1 group has no communicator.
+      TR_CHECK(W / G_ == 1 || hybrid_comms->replica,
+               "hybrid_shard: the mesh's dp_replicate communicator is missing (a bug)");
+      if (!hybrid_comms->shard) own_shard_ = make_single_communicator();  // shard groups of one rank
+      shard_comm_ = hybrid_comms->shard ? hybrid_comms->shard : own_shard_.get();
+      replica_comm_ = W / G_ > 1 ? hybrid_comms->replica : nullptr;
     } else {
       // hybrid: shard inside consecutive groups of G ranks, replicate across
       // them: the mesh's dp_shard and dp_replicate groups (named for their
@@ -330,8 +339,21 @@ class ShardedStore final : public ParamStore {
 
   double grad_norm_squared() override {
     // Padding is zero, so the shard's sum is exact.
-    float local = host_ ? host_->grad_sum_squares()
-                        : sum_squares_to_host(be_, norm_acc_.as<float>(), grad_.as<float>(), shard_total_);
+    float local = 0;
+    if (host_) {
+      // See ReplicatedStore: offload and tensor parallelism are refused together for now.
+      TR_CHECK(norm_skip_.empty(), "parallel.offload with parallel.tensor_parallel > 1 is not supported yet");
+      local = host_->grad_sum_squares();
+    } else if (norm_skip_.empty()) {
+      local = sum_squares_to_host(be_, norm_acc_.as<float>(), grad_.as<float>(), shard_total_);
+    } else {
+      be_->zero(norm_acc_.get(), 4);
+      for (const auto& u : units_)
+        if (u.owned > 0)
+          sum_squares_skipping(be_, norm_acc_.as<float>(), grad_.as<float>() + u.shard_off, u.offset + u.begin,
+                               u.offset + u.begin + u.owned, norm_skip_);
+      be_->copy_to_host(&local, norm_acc_.get(), 4);
+    }
     run([&] { shard_comm_->all_reduce(&local, 1, ReduceOp::Sum); });
     return local;
   }
@@ -558,8 +580,9 @@ class ShardedStore final : public ParamStore {
 
 std::unique_ptr<ParamStore> make_sharded_param_store(const std::string& strategy, const ParamLayout& layout,
                                                      Backend* be, Communicator* world, int group,
-                                                     const CommFactory& factory, const OffloadOptions& offload) {
-  return std::make_unique<ShardedStore>(strategy, layout, be, world, group, factory, offload);
+                                                     const CommFactory& factory, const HybridComms* hybrid_comms,
+                                                     const OffloadOptions& offload) {
+  return std::make_unique<ShardedStore>(strategy, layout, be, world, group, factory, hybrid_comms, offload);
 }
 
 }  // namespace trainrun

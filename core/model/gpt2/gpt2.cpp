@@ -7,6 +7,7 @@
 
 #include "core/common/error.h"
 #include "core/model/init_rng.h"
+#include "core/model/tensor_parallel.h"
 
 namespace trainrun {
 
@@ -23,9 +24,9 @@ ParamLayout make_gpt2_layout(const GPT2Config& cfg) {
     b.begin_unit("block " + std::to_string(l));
     b.add(p + "ln_1.weight", {C}, false, S::Replicated);
     b.add(p + "ln_1.bias", {C}, false, S::Replicated);
-    b.add(p + "attn.c_attn.weight", {3 * C, C}, true, S::Column, 3);  // q | k | v, each split by heads
-    b.add(p + "attn.c_attn.bias", {3 * C}, false, S::Column, 3);
-    b.add(p + "attn.c_proj.weight", {C, C}, true, S::Row);
+    b.add(p + "attn.c_attn.weight", {3 * C, C}, true, S::Column, 3, cfg.NH);  // q | k | v, each split by heads
+    b.add(p + "attn.c_attn.bias", {3 * C}, false, S::Column, 3, cfg.NH);
+    b.add(p + "attn.c_proj.weight", {C, C}, true, S::Row, 1, cfg.NH);
     b.add(p + "attn.c_proj.bias", {C}, false, S::Replicated);
     b.add(p + "ln_2.weight", {C}, false, S::Replicated);
     b.add(p + "ln_2.bias", {C}, false, S::Replicated);
@@ -73,42 +74,70 @@ void gpt2_init_params(const GPT2Config& cfg, const ParamLayout& layout, uint64_t
 }
 
 // ---- activations --------------------------------------------------------------------
-GPT2::GPT2(const GPT2Config& cfg, Backend* be, int maxB, bool activation_checkpointing)
-    : cfg_(cfg), layout_(make_gpt2_layout(cfg)), be_(be), maxB_(maxB), ckpt_(activation_checkpointing) {
+GPT2::GPT2(const GPT2Config& cfg, Backend* be, int maxB, bool activation_checkpointing, const TensorParallel* tp)
+    : cfg_(cfg), layout_(make_gpt2_layout(cfg)), be_(be), maxB_(maxB), ckpt_(activation_checkpointing),
+      tp_(tp && tp->plan ? tp : nullptr) {
   TR_CHECK(cfg.C % cfg.NH == 0, "model.n_embd (", cfg.C, ") must be divisible by model.n_head (", cfg.NH, ")");
+  NH_ = cfg.NH;
+  F_ = 4 * cfg.C;
+  VL_ = v_valid_ = cfg.V;
+  if (tp_) {
+    const TpLocalShape& s = tp_->plan->shape();
+    NH_ = s.NH;
+    F_ = s.F;
+    VL_ = s.V_local;
+    v_begin_ = s.v_begin;
+    v_valid_ = s.v_valid;
+    adds_row_bias_ = s.rank == 0;
+    sp_ = tp_->sequence_parallel && s.tp > 1;
+    layout_ = tp_->plan->local_layout();
+  }
+  Q_ = NH_ * cfg.head_size();
   const size_t es = dtype_size(be->act_dtype());
-  const int64_t N = int64_t(maxB) * cfg.T, C = cfg.C;
+  const int64_t N = int64_t(maxB) * cfg.T, C = cfg.C, Q = Q_, F = F_;
+  // Sequence parallelism: the residual stream, the LayerNorm statistics and
+  // the residual gradient hold this rank's 1/T of the rows.
+  const int64_t NR = sp_ ? (N + tp_->plan->size() - 1) / tp_->plan->size() : N;
   // One arena; every buffer starts on a 64-byte boundary.
   std::vector<std::pair<void**, size_t>> plan;
   auto req = [&](void** slot, size_t bytes) { plan.push_back({slot, (bytes + 63) / 64 * 64}); };
-  req(&encoded_, N * C * es);
+  req(&encoded_, NR * C * es);
   res3_.assign(cfg.L, nullptr);
-  for (int l = 0; l < cfg.L; ++l) req(&res3_[l], N * C * es);
+  for (int l = 0; l < cfg.L; ++l) req(&res3_[l], NR * C * es);
   layers_.resize(ckpt_ ? 1 : cfg.L);
   for (auto& a : layers_) {
     req(&a.ln1, N * C * es);
-    req(reinterpret_cast<void**>(&a.ln1_mean), N * 4);
-    req(reinterpret_cast<void**>(&a.ln1_rstd), N * 4);
-    req(&a.qkv, N * 3 * C * es);
-    req(&a.atty, N * C * es);
-    req(reinterpret_cast<void**>(&a.att), be->attention_saved_floats(maxB, cfg.T, cfg.NH) * 4);
-    req(&a.res2, N * C * es);
+    req(reinterpret_cast<void**>(&a.ln1_mean), NR * 4);
+    req(reinterpret_cast<void**>(&a.ln1_rstd), NR * 4);
+    req(&a.qkv, N * 3 * Q * es);
+    req(&a.atty, N * Q * es);
+    req(reinterpret_cast<void**>(&a.att), be->attention_saved_floats(maxB, cfg.T, NH_) * 4);
+    req(&a.res2, NR * C * es);
     req(&a.ln2, N * C * es);
-    req(reinterpret_cast<void**>(&a.ln2_mean), N * 4);
-    req(reinterpret_cast<void**>(&a.ln2_rstd), N * 4);
-    req(&a.fch, N * 4 * C * es);
-    req(&a.fch_gelu, N * 4 * C * es);
+    req(reinterpret_cast<void**>(&a.ln2_mean), NR * 4);
+    req(reinterpret_cast<void**>(&a.ln2_rstd), NR * 4);
+    req(&a.fch, N * F * es);
+    req(&a.fch_gelu, N * F * es);
   }
   req(&lnf_, N * C * es);
-  req(reinterpret_cast<void**>(&lnf_mean_), N * 4);
-  req(reinterpret_cast<void**>(&lnf_rstd_), N * 4);
-  ldv_ = be->logits_stride(cfg.V);  // rows padded on the GPU (kernels/backend.h)
+  req(reinterpret_cast<void**>(&lnf_mean_), NR * 4);
+  req(reinterpret_cast<void**>(&lnf_rstd_), NR * 4);
+  ldv_ = be->logits_stride(VL_);  // rows padded on the GPU (kernels/backend.h)
   req(&logits_, N * ldv_ * es);
   req(reinterpret_cast<void**>(&losses_), N * 4);
-  req(&dres_, N * C * es);
+  if (tp_) {
+    req(reinterpret_cast<void**>(&ce_rowmax_), N * 4);
+    req(reinterpret_cast<void**>(&ce_stats_), 2 * N * 4);
+  }
+  req(&dres_, NR * C * es);
+  if (sp_) {
+    req(&sp_rows_, NR * C * es);
+    req(&dres_full_, N * C * es);
+    req(reinterpret_cast<void**>(&norm_grad_), 2 * C * 4);
+  }
   req(&dbuf_c_, N * C * es);
-  req(&dbuf_3c_, N * 3 * C * es);
-  req(&dbuf_4c_, N * 4 * C * es);
+  req(&dbuf_3c_, N * 3 * Q * es);
+  req(&dbuf_4c_, N * F * es);
   size_t total = 0;
   for (auto& p : plan) total += p.second;
   arena_ = DeviceBuffer(be, total);
@@ -118,6 +147,14 @@ GPT2::GPT2(const GPT2Config& cfg, Backend* be, int maxB, bool activation_checkpo
     base += p.second;
   }
   act_bytes_ = total;
+  tpc_.tp = tp_;
+  tpc_.be = be;
+  tpc_.C = cfg.C;
+  tpc_.sp = sp_;
+  tpc_.rows_buf = sp_rows_;
+  tpc_.full_buf = dres_full_;
+  tpc_.norm_buf = norm_grad_;
+  tpc_.norm_len = 2 * cfg.C;  // weight | bias: adjacent in every LayerNorm of the layout
 }
 
 // Pointers into one block unit's parameters (act dtype) or gradients (fp32).
@@ -127,8 +164,7 @@ struct BlockPtrs {
   P ln1w, ln1b, qkvw, qkvb, attprojw, attprojb, ln2w, ln2b, fcw, fcb, fcprojw, fcprojb;
 };
 template <typename P, typename Base>
-BlockPtrs<P> block_ptrs(Base base, int64_t C, size_t esize) {
-  GPT2BlockOffsets o(C);
+BlockPtrs<P> block_ptrs(Base base, const GPT2BlockOffsets& o, size_t esize) {
   auto at = [&](int64_t off) { return reinterpret_cast<P>(reinterpret_cast<uintptr_t>(base) + off * esize); };
   return {at(o.ln1w), at(o.ln1b), at(o.qkvw), at(o.qkvb), at(o.attprojw), at(o.attprojb),
           at(o.ln2w), at(o.ln2b), at(o.fcw), at(o.fcb), at(o.fcprojw), at(o.fcprojb)};
@@ -139,16 +175,28 @@ BlockPtrs<P> block_ptrs(Base base, int64_t C, size_t esize) {
 // acts(l).ln1 holds ln1(res_in) (the caller fuses it with the previous
 // block's residual add); on exit dbuf_c_ holds the MLP output, whose residual
 // add the caller fuses with the next LayerNorm (the next block's ln1, or lnf).
+//
+// Tensor parallelism: qkv and fc are this rank's columns (whole heads),
+// attn.c_proj and mlp.c_proj give partial sums that are all-reduced; their
+// (replicated) biases are added once, by TP rank 0, into its partial sum.
 void GPT2::block_forward(const void* p, int l, const void* res_in, int B, int T) {
-  const int N = B * T, C = cfg_.C;
-  auto w = block_ptrs<const void*>(p, C, dtype_size(be_->act_dtype()));
+  const int N = B * T, C = cfg_.C, Q = Q_, F = F_;
+  auto w = block_ptrs<const void*>(p, GPT2BlockOffsets(C, Q, F), dtype_size(be_->act_dtype()));
   LayerActs& a = acts(l);
-  be_->matmul_forward(a.qkv, a.ln1, w.qkvw, w.qkvb, N, C, 3 * C);
-  be_->attention_forward(a.atty, a.att, a.qkv, B, T, C, cfg_.NH);
-  be_->matmul_forward(dbuf_c_, a.atty, w.attprojw, w.attprojb, N, C, C);
-  be_->residual_layernorm_forward(a.res2, a.ln2, a.ln2_mean, a.ln2_rstd, res_in, dbuf_c_, w.ln2w, w.ln2b, N, C);
-  be_->matmul_gelu_forward(a.fch_gelu, a.fch, a.ln2, w.fcw, w.fcb, N, C, 4 * C);
-  be_->matmul_forward(dbuf_c_, a.fch_gelu, w.fcprojw, w.fcprojb, N, 4 * C, C);
+  be_->matmul_forward(a.qkv, a.ln1, w.qkvw, w.qkvb, N, C, 3 * Q);
+  be_->attention_forward(a.atty, a.att, a.qkv, B, T, Q, NH_);
+  be_->matmul_forward(dbuf_c_, a.atty, w.attprojw, adds_row_bias_ ? w.attprojb : nullptr, N, Q, C);
+  const void* attn_out = tpc_.reduce_out(dbuf_c_, N);
+  be_->residual_layernorm_forward(a.res2, tpc_.my_rows(a.ln2, N), a.ln2_mean, a.ln2_rstd, res_in, attn_out, w.ln2w,
+                                  w.ln2b, tpc_.rows(N), C);
+  tpc_.gather_rows(a.ln2, N);
+  be_->matmul_gelu_forward(a.fch_gelu, a.fch, a.ln2, w.fcw, w.fcb, N, C, F);
+  be_->matmul_forward(dbuf_c_, a.fch_gelu, w.fcprojw, adds_row_bias_ ? w.fcprojb : nullptr, N, F, C);
+  (void)tpc_.reduce_out(dbuf_c_, N);  // -> mlp_out()
+}
+
+void GPT2::tp_sum(void* buf, int64_t n) {
+  if (tp_) tp_->all_reduce(buf, n, be_->act_dtype());
 }
 
 void GPT2::forward(UnitAccess& units, const int32_t* inputs, const int32_t* targets, int B, int T,
@@ -161,75 +209,121 @@ void GPT2::forward(UnitAccess& units, const int32_t* inputs, const int32_t* targ
   inputs_ = inputs;
   const int N = B * T, C = cfg_.C, L = cfg_.L;
   const size_t es = dtype_size(be_->act_dtype());
+  TR_CHECK(!sp_ || N % tp_->plan->size() == 0, "parallel.sequence_parallel: the micro-batch's ", N,
+           " tokens (train.micro_batch_size x model.seq_len) do not split over parallel.tensor_parallel (",
+           tp_ ? tp_->plan->size() : 1, "); make micro_batch_size x seq_len a multiple of it");
+  const int NR = tpc_.rows(N);
 
   units.begin_pass(false, for_backward);
   const char* emb = static_cast<const char*>(units.acquire_params(0));
   const void* wte = emb;
-  const void* wpe = emb + int64_t(cfg_.V) * C * es;
-  be_->encoder_forward(encoded_, inputs, wte, wpe, B, T, C);
+  const void* wpe = emb + int64_t(VL_) * C * es;
+  if (tp_) {
+    // Vocab-parallel: this rank's rows (zeros for the others' tokens), the
+    // positions added by rank 0, summed over the group.
+    if (sp_) {
+      be_->vocab_embedding_forward(dbuf_c_, inputs, wte, adds_row_bias_ ? wpe : nullptr, v_begin_, v_valid_, B, T, C);
+      be_->copy_device(encoded_, tpc_.reduce_out(dbuf_c_, N), size_t(NR) * C * es);
+    } else {
+      be_->vocab_embedding_forward(encoded_, inputs, wte, adds_row_bias_ ? wpe : nullptr, v_begin_, v_valid_, B, T,
+                                   C);
+      tp_sum(encoded_, int64_t(N) * C);
+    }
+  } else {
+    be_->encoder_forward(encoded_, inputs, wte, wpe, B, T, C);
+  }
   units.release_params(0);
 
   // Residual stream: res3_[l] = res2 + mlp(ln2(res2)) of block l. Its add is
   // fused with the LayerNorm that reads it next: block l+1's ln1, or lnf.
+  const GPT2BlockOffsets off(C, Q_, F_);
   for (int l = 0; l < L; ++l) {
     const void* p = units.acquire_params(1 + l);
-    auto w = block_ptrs<const void*>(p, C, es);
+    auto w = block_ptrs<const void*>(p, off, es);
     LayerActs& a = acts(l);
     if (l == 0)
-      be_->layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, encoded_, w.ln1w, w.ln1b, N, C);
+      be_->layernorm_forward(tpc_.my_rows(a.ln1, N), a.ln1_mean, a.ln1_rstd, encoded_, w.ln1w, w.ln1b, NR, C);
     else
-      be_->residual_layernorm_forward(res3_[l - 1], a.ln1, a.ln1_mean, a.ln1_rstd, acts(l - 1).res2, dbuf_c_, w.ln1w,
-                                      w.ln1b, N, C);
+      be_->residual_layernorm_forward(res3_[l - 1], tpc_.my_rows(a.ln1, N), a.ln1_mean, a.ln1_rstd, acts(l - 1).res2,
+                                      mlp_out(), w.ln1w, w.ln1b, NR, C);
+    tpc_.gather_rows(a.ln1, N);
     block_forward(p, l, l == 0 ? encoded_ : res3_[l - 1], B, T);
     units.release_params(1 + l);
   }
 
   const char* head = static_cast<const char*>(units.acquire_params(L + 1));
-  be_->residual_layernorm_forward(res3_[L - 1], lnf_, lnf_mean_, lnf_rstd_, acts(L - 1).res2, dbuf_c_, head,
-                                  head + C * es, N, C);
+  be_->residual_layernorm_forward(res3_[L - 1], tpc_.my_rows(lnf_, N), lnf_mean_, lnf_rstd_, acts(L - 1).res2,
+                                  mlp_out(), head, head + C * es, NR, C);
+  tpc_.gather_rows(lnf_, N);
   units.release_params(L + 1);
   emb = static_cast<const char*>(units.acquire_params(0));  // tied LM head
-  be_->lm_head_forward(logits_, lnf_, emb, N, C, cfg_.V, ldv_);
+  be_->lm_head_forward(logits_, lnf_, emb, N, C, v_valid_, ldv_);
   units.release_params(0);
-  if (targets)
-    be_->softmax_cross_entropy(losses_, for_backward ? logits_ : nullptr, logits_, targets, N, cfg_.V, ldv_,
-                               dloss_scale);
+  if (!targets) return;
+  void* dlogits = for_backward ? logits_ : nullptr;
+  if (!tp_) {
+    be_->softmax_cross_entropy(losses_, dlogits, logits_, targets, N, cfg_.V, ldv_, dloss_scale);
+    return;
+  }
+  // Vocab-parallel cross-entropy: the row max and the sum of exponentials
+  // (and the target's logit, from its owner) are all-reduced; the logits
+  // are never gathered.
+  be_->vocab_ce_max(ce_rowmax_, logits_, N, v_valid_, ldv_);
+  tp_->comm->all_reduce(ce_rowmax_, N, ReduceOp::Max);
+  be_->vocab_ce_sumexp(ce_stats_, logits_, targets, ce_rowmax_, v_begin_, N, v_valid_, ldv_);
+  tp_->comm->all_reduce(ce_stats_, 2 * int64_t(N), ReduceOp::Sum);
+  be_->vocab_ce_finish(losses_, dlogits, logits_, targets, ce_rowmax_, ce_stats_, v_begin_, N, v_valid_, ldv_,
+                       dloss_scale);
 }
 
 // Backward through one block. On entry dres holds dL/d(block output); on
 // exit dL/d(block input). Parameter grads accumulate into g.
+// Tensor parallelism: the replicated biases' gradients come from the same
+// (all-reduced) dres on every rank, so the replicas stay equal; the input
+// gradients of the column layers (fc, qkv) are all-reduced.
 void GPT2::block_backward(const void* p, float* g, int l, const void* res_in, void* dres, int B, int T) {
-  const int N = B * T, C = cfg_.C;
+  const int N = B * T, C = cfg_.C, Q = Q_, F = F_, NR = tpc_.rows(N);
   const size_t es = dtype_size(be_->act_dtype());
-  auto w = block_ptrs<const void*>(p, C, es);
-  auto dw = block_ptrs<float*>(g, C, 4);
+  const GPT2BlockOffsets off(C, Q, F);
+  auto w = block_ptrs<const void*>(p, off, es);
+  auto dw = block_ptrs<float*>(g, off, 4);
   LayerActs& a = acts(l);
   // MLP: res_out = res2 + fcproj(gelu(fc(ln2(res2))))
-  be_->matmul_backward_dgelu(dbuf_4c_, dw.fcprojw, dw.fcprojb, dres, a.fch_gelu, w.fcprojw, a.fch, N, 4 * C, C);
-  be_->matmul_backward(dbuf_c_, dw.fcw, dw.fcb, dbuf_4c_, a.ln2, w.fcw, N, C, 4 * C);
-  be_->layernorm_backward(dres, dw.ln2w, dw.ln2b, dbuf_c_, a.res2, w.ln2w, a.ln2_mean, a.ln2_rstd, N, C);
+  be_->matmul_backward_dgelu(dbuf_4c_, dw.fcprojw, dw.fcprojb, tpc_.full_rows(dres, N), a.fch_gelu, w.fcprojw, a.fch,
+                             N, F, C);
+  be_->matmul_backward(dbuf_c_, dw.fcw, dw.fcb, dbuf_4c_, a.ln2, w.fcw, N, C, F);
+  const void* dln2 = tpc_.reduce_out(dbuf_c_, N);
+  float* g2 = tpc_.norm_grad(dw.ln2w);  // ln2w | ln2b (adjacent)
+  be_->layernorm_backward(dres, g2, g2 + C, dln2, a.res2, w.ln2w, a.ln2_mean, a.ln2_rstd, NR, C);
+  tpc_.norm_grad_done(dw.ln2w);
   // Attention: res2 = res_in + attproj(attn(qkv(ln1(res_in))))
-  be_->matmul_backward(dbuf_c_, dw.attprojw, dw.attprojb, dres, a.atty, w.attprojw, N, C, C);
-  be_->attention_backward(dbuf_3c_, dbuf_c_, a.qkv, a.atty, a.att, B, T, C, cfg_.NH);
-  be_->matmul_backward(dbuf_c_, dw.qkvw, dw.qkvb, dbuf_3c_, a.ln1, w.qkvw, N, C, 3 * C);
-  be_->layernorm_backward(dres, dw.ln1w, dw.ln1b, dbuf_c_, res_in, w.ln1w, a.ln1_mean, a.ln1_rstd, N, C);
+  be_->matmul_backward(dbuf_c_, dw.attprojw, dw.attprojb, tpc_.full_rows(dres, N), a.atty, w.attprojw, N, Q, C);
+  be_->attention_backward(dbuf_3c_, dbuf_c_, a.qkv, a.atty, a.att, B, T, Q, NH_);
+  be_->matmul_backward(dbuf_c_, dw.qkvw, dw.qkvb, dbuf_3c_, a.ln1, w.qkvw, N, C, 3 * Q);
+  const void* dln1 = tpc_.reduce_out(dbuf_c_, N);
+  float* g1 = tpc_.norm_grad(dw.ln1w);  // ln1w | ln1b
+  be_->layernorm_backward(dres, g1, g1 + C, dln1, res_in, w.ln1w, a.ln1_mean, a.ln1_rstd, NR, C);
+  tpc_.norm_grad_done(dw.ln1w);
 }
 
 void GPT2::backward(UnitAccess& units) {
-  const int B = B_, T = T_, N = B * T, C = cfg_.C, L = cfg_.L;
+  const int B = B_, T = T_, N = B * T, C = cfg_.C, L = cfg_.L, NR = tpc_.rows(N);
   const size_t es = dtype_size(be_->act_dtype());
   units.begin_pass(true, false);
   // logits_ now holds dlogits (see forward). Tied head: grads land in the
   // embedding unit's wte gradient, which stays open until the encoder's turn.
   const void* emb = units.acquire_params(0);
   float* gemb = units.unit_grads(0);
-  be_->lm_head_backward(dbuf_c_, gemb, logits_, lnf_, emb, N, C, cfg_.V, ldv_);
+  be_->lm_head_backward(dbuf_c_, gemb, logits_, lnf_, emb, N, C, v_valid_, ldv_);
   units.release_params(0);
+  const void* dlnf = tpc_.reduce_out(dbuf_c_, N);  // the head is column-parallel over the vocabulary
 
   const char* head = static_cast<const char*>(units.acquire_params(L + 1));
   float* ghead = units.unit_grads(L + 1);
-  be_->zero(dres_, size_t(N) * C * es);
-  be_->layernorm_backward(dres_, ghead, ghead + C, dbuf_c_, res3_[L - 1], head, lnf_mean_, lnf_rstd_, N, C);
+  be_->zero(dres_, size_t(NR) * C * es);
+  float* gf = tpc_.norm_grad(ghead);  // lnfw | lnfb
+  be_->layernorm_backward(dres_, gf, gf + C, dlnf, res3_[L - 1], head, lnf_mean_, lnf_rstd_, NR, C);
+  tpc_.norm_grad_done(ghead);
   units.release_params(L + 1);
   units.grads_done(L + 1);
 
@@ -241,9 +335,10 @@ void GPT2::backward(UnitAccess& units) {
     // scratch. The recompute ends in dbuf_c_, which backward overwrites
     // before reading, so the checkpoints stay untouched.
     if (ckpt_) {
-      auto w = block_ptrs<const void*>(p, C, es);
+      auto w = block_ptrs<const void*>(p, GPT2BlockOffsets(C, Q_, F_), es);
       LayerActs& a = acts(l);
-      be_->layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, res_in, w.ln1w, w.ln1b, N, C);
+      be_->layernorm_forward(tpc_.my_rows(a.ln1, N), a.ln1_mean, a.ln1_rstd, res_in, w.ln1w, w.ln1b, NR, C);
+      tpc_.gather_rows(a.ln1, N);
       block_forward(p, l, res_in, B, T);
     }
     block_backward(p, units.unit_grads(1 + l), l, res_in, dres_, B, T);
@@ -251,7 +346,11 @@ void GPT2::backward(UnitAccess& units) {
     units.grads_done(1 + l);
   }
 
-  be_->encoder_backward(gemb, gemb + int64_t(cfg_.V) * C, dres_, inputs_, B, T, C);
+  if (tp_)
+    be_->vocab_embedding_backward(gemb, gemb + int64_t(VL_) * C, tpc_.full_rows(dres_, N), inputs_, v_begin_,
+                                  v_valid_, B, T, C);
+  else
+    be_->encoder_backward(gemb, gemb + int64_t(cfg_.V) * C, dres_, inputs_, B, T, C);
   units.grads_done(0);
 }
 

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "core/model/model.h"
+#include "core/model/tensor_parallel.h"
 
 namespace trainrun {
 
@@ -36,19 +37,22 @@ ParamLayout make_gpt2_layout(const GPT2Config& cfg);
 // start (the order make_gpt2_layout adds them in).
 struct GPT2BlockOffsets {
   int64_t ln1w, ln1b, qkvw, qkvb, attprojw, attprojb, ln2w, ln2b, fcw, fcb, fcprojw, fcprojb, total;
-  explicit GPT2BlockOffsets(int64_t C) {
+  explicit GPT2BlockOffsets(int64_t C) : GPT2BlockOffsets(C, C, 4 * C) {}
+  // Q: attention width NH*HS, F: MLP width (C and 4C on one rank; a
+  // tensor-parallel rank's slices, tensor_parallel.h).
+  GPT2BlockOffsets(int64_t C, int64_t Q, int64_t F) {
     int64_t o = 0;
     ln1w = o; o += C;
     ln1b = o; o += C;
-    qkvw = o; o += 3 * C * C;
-    qkvb = o; o += 3 * C;
-    attprojw = o; o += C * C;
+    qkvw = o; o += 3 * Q * C;
+    qkvb = o; o += 3 * Q;
+    attprojw = o; o += C * Q;
     attprojb = o; o += C;
     ln2w = o; o += C;
     ln2b = o; o += C;
-    fcw = o; o += 4 * C * C;
-    fcb = o; o += 4 * C;
-    fcprojw = o; o += 4 * C * C;
+    fcw = o; o += F * C;
+    fcb = o; o += F;
+    fcprojw = o; o += C * F;
     fcprojb = o; o += C;
     total = o;
   }
@@ -64,7 +68,10 @@ void gpt2_init_params(const GPT2Config& cfg, const ParamLayout& layout, uint64_t
 // up to (maxB, T) tokens; parameters are reached through UnitAccess.
 class GPT2 final : public Network {
  public:
-  GPT2(const GPT2Config& cfg, Backend* be, int maxB, bool activation_checkpointing);
+  // tp: tensor parallelism (this rank's slices, the collectives between
+  // the linears); null = the whole model.
+  GPT2(const GPT2Config& cfg, Backend* be, int maxB, bool activation_checkpointing,
+       const TensorParallel* tp = nullptr);
   const GPT2Config& config() const { return cfg_; }
   const ParamLayout& layout() const { return layout_; }
 
@@ -99,6 +106,21 @@ class GPT2 final : public Network {
   int maxB_;
   bool ckpt_;
   int B_ = 0, T_ = 0;
+  // This rank's sizes (the whole model without tensor parallelism).
+  const TensorParallel* tp_ = nullptr;
+  int NH_ = 0, Q_ = 0, F_ = 0;             // heads, NH*HS, MLP width
+  int VL_ = 0, v_begin_ = 0, v_valid_ = 0; // vocab rows held (padded), first id, real rows
+  bool adds_row_bias_ = true;              // row-parallel biases: added by TP rank 0 only
+  float* ce_rowmax_ = nullptr;             // (N) vocab-parallel cross-entropy
+  float* ce_stats_ = nullptr;              // (2N)
+  void tp_sum(void* buf, int64_t n);
+  // Sequence parallelism (parallel.sequence_parallel): TpCollectives.
+  TpCollectives tpc_;
+  bool sp_ = false;
+  void* sp_rows_ = nullptr;                // (N/T, C)
+  void* dres_full_ = nullptr;              // (N, C)
+  float* norm_grad_ = nullptr;             // (2C) one LayerNorm's weight | bias gradient
+  const void* mlp_out() const { return sp_ ? sp_rows_ : dbuf_c_; }
   DeviceBuffer arena_;
   size_t act_bytes_ = 0;
   void* encoded_ = nullptr;                // (N,C)

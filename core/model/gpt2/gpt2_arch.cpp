@@ -138,8 +138,9 @@ nlohmann::ordered_json GPT2Arch::manifest_model() const {
   return {{"arch", "gpt2"}, {"n_layer", c.L}, {"n_head", c.NH}, {"n_embd", c.C}, {"vocab_size", c.V}, {"seq_len", c.T}};
 }
 
-std::unique_ptr<Network> GPT2Arch::make_network(Backend* be, int maxB, bool activation_checkpointing) const {
-  return std::make_unique<GPT2>(cfg_, be, maxB, activation_checkpointing);
+std::unique_ptr<Network> GPT2Arch::make_network(Backend* be, int maxB, bool activation_checkpointing,
+                                                const TensorParallel* tp) const {
+  return std::make_unique<GPT2>(cfg_, be, maxB, activation_checkpointing, tp);
 }
 
 std::unique_ptr<Decoder> GPT2Arch::make_decoder(Backend* be, int capacity) const {

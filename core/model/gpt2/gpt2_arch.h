@@ -39,7 +39,8 @@ class GPT2Arch final : public ModelArch {
   std::map<std::string, std::string> file_metadata() const override;
   nlohmann::ordered_json manifest_model() const override;
 
-  std::unique_ptr<Network> make_network(Backend* be, int maxB, bool activation_checkpointing) const override;
+  std::unique_ptr<Network> make_network(Backend* be, int maxB, bool activation_checkpointing,
+                                        const TensorParallel* tp = nullptr) const override;
   std::unique_ptr<Decoder> make_decoder(Backend* be, int capacity) const override;
   size_t decoder_bytes_needed(const Backend& be, int capacity) const override;
 

@@ -3,24 +3,53 @@
 #include "core/model/llama/llama.h"
 
 #include "core/common/error.h"
+#include "core/model/tensor_parallel.h"
 
 namespace trainrun {
 
 LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Backend* be, int maxB,
-                           bool activation_checkpointing)
-    : cfg_(cfg), be_(be), maxB_(maxB), ckpt_(activation_checkpointing) {
+                           bool activation_checkpointing, const TensorParallel* tp)
+    : cfg_(cfg), be_(be), maxB_(maxB), ckpt_(activation_checkpointing), tp_(tp && tp->plan ? tp : nullptr) {
   TR_CHECK(cfg.arch == "llama" && cfg.NKV > 0 && cfg.F > 0, "LlamaNetwork needs LlamaArch's resolved config (a bug)");
   TR_CHECK(maxB >= 1, "LlamaNetwork: micro-batch ", maxB, " must be >= 1");
   HS_ = cfg.head_size();
-  KV_ = cfg.NKV * HS_;
-  QKV_ = cfg.C + 2 * KV_;
+  NH_ = cfg.NH;
+  NKV_ = cfg.NKV;
+  NKV_global_ = cfg.NKV;
+  F_ = cfg.F;
+  VL_ = v_valid_ = cfg.V;
+  const ParamLayout* lay = &layout;
+  if (tp_) {
+    // This rank's heads, MLP columns and vocabulary rows (tensor_parallel.h).
+    const TpLocalShape& s = tp_->plan->shape();
+    NH_ = s.NH;
+    NKV_ = s.NKV;
+    F_ = s.F;
+    VL_ = s.V_local;
+    v_begin_ = s.v_begin;
+    v_valid_ = s.v_valid;
+    kv_replicas_ = s.kv_replicas;
+    kv_head_ = s.rank / s.kv_replicas;
+    lay = &tp_->plan->local_layout();
+    sp_ = tp_->sequence_parallel && s.tp > 1;
+  }
+  Q_ = NH_ * HS_;
+  KV_ = NKV_ * HS_;
+  QKV_ = Q_ + 2 * KV_;
   eps_ = float(cfg.norm_eps);
   if (!cfg.tied) {
-    const ParamTensor& h = layout.get("lm_head.weight");
-    lm_head_off_ = h.offset - layout.units[h.unit].offset;
+    const ParamTensor& h = lay->get("lm_head.weight");
+    lm_head_off_ = h.offset - lay->units[h.unit].offset;
+  }
+  if (kv_replicas_ > 1) {
+    kv_grad_scratch_ = DeviceBuffer(be, size_t(QKV_) * cfg.C * 4);
+    kv_grad_slots_ = DeviceBuffer(be, size_t(NKV_global_) * 2 * KV_ * cfg.C * 4);
   }
   const size_t es = dtype_size(be->act_dtype());
-  const int64_t N = int64_t(maxB) * cfg.T, C = cfg.C, F = cfg.F, T = cfg.T;
+  const int64_t N = int64_t(maxB) * cfg.T, C = cfg.C, F = F_, T = cfg.T;
+  // Sequence parallelism: the residual stream, the norms' statistics and
+  // the residual gradient hold this rank's 1/T of the rows.
+  const int64_t NR = sp_ ? (N + tp_->plan->size() - 1) / tp_->plan->size() : N;
   // One arena, every buffer on a 64-byte boundary; LlamaArch::activation_bytes
   // adds up the same list.
   std::vector<std::pair<void**, size_t>> plan;
@@ -28,28 +57,37 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
   req(&rope_, size_t(T) * HS_ * 4);  // (T, HS/2, 2) fp32
   req(&zero_wpe_, T * C * es);
   req(&dwpe_, T * C * 4);
-  req(&encoded_, N * C * es);
+  req(&encoded_, NR * C * es);
   res3_.assign(cfg.L, nullptr);
-  for (int l = 0; l < cfg.L; ++l) req(&res3_[l], N * C * es);
+  for (int l = 0; l < cfg.L; ++l) req(&res3_[l], NR * C * es);
   layers_.resize(ckpt_ ? 1 : cfg.L);
   for (auto& a : layers_) {
     req(&a.ln1, N * C * es);
-    req(&a.ln1_rstd, N * 4);
+    req(&a.ln1_rstd, NR * 4);
     req(&a.qkv, N * QKV_ * es);
-    req(&a.atty, N * C * es);
-    req(&a.att, be->attention_gqa_saved_floats(maxB, cfg.T, cfg.NH) * 4);
-    req(&a.res2, N * C * es);
+    req(&a.atty, N * Q_ * es);
+    req(&a.att, be->attention_gqa_saved_floats(maxB, cfg.T, NH_) * 4);
+    req(&a.res2, NR * C * es);
     req(&a.ln2, N * C * es);
-    req(&a.ln2_rstd, N * 4);
+    req(&a.ln2_rstd, NR * 4);
     req(&a.gu, N * 2 * F * es);
     req(&a.h, N * F * es);
   }
   req(&lnf_, N * C * es);
-  req(&lnf_rstd_, N * 4);
-  ldv_ = be->logits_stride(cfg.V);
+  req(&lnf_rstd_, NR * 4);
+  ldv_ = be->logits_stride(VL_);
   req(&logits_, N * ldv_ * es);
   req(&losses_, N * 4);
-  req(&dres_, N * C * es);
+  if (tp_) {
+    req(&ce_rowmax_, N * 4);
+    req(&ce_stats_, 2 * N * 4);
+  }
+  req(&dres_, NR * C * es);
+  if (sp_) {
+    req(&sp_rows_, NR * C * es);
+    req(&dres_full_, N * C * es);
+    req(&norm_grad_, C * 4);
+  }
   req(&dbuf_c_, N * C * es);
   req(&dqkv_, N * QKV_ * es);
   req(&dh_, N * F * es);
@@ -62,6 +100,14 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
     base += p.second;
   }
   act_bytes_ = total;
+  tpc_.tp = tp_;
+  tpc_.be = be;
+  tpc_.C = cfg.C;
+  tpc_.sp = sp_;
+  tpc_.rows_buf = sp_rows_;
+  tpc_.full_buf = dres_full_;
+  tpc_.norm_buf = norm_grad_;
+  tpc_.norm_len = cfg.C;
   const RopeScaling* scaling = cfg.rope_scaling_type.empty() ? nullptr : &cfg.rope_scaling;
   const std::vector<float> table = rope_table(cfg.T, HS_, cfg.rope_theta, scaling);
   be->copy_to_device(rope_, table.data(), table.size() * 4);
@@ -83,18 +129,54 @@ BlockPtrs<P> block_ptrs(Base base, const LlamaBlockOffsets& o, size_t esize) {
 // RMSNorm(res_in) (fused by the caller with the previous residual add); on
 // exit dbuf_c_ holds the MLP output, whose residual add the caller fuses
 // with the next RMSNorm.
+// With tensor parallelism q|k|v and gate|up are this rank's columns, and
+// o_proj / down_proj (row-parallel) give partial sums, all-reduced here.
 void LlamaNetwork::block_forward(const void* p, int l, const void* res_in, int B, int T) {
-  const int N = B * T, C = cfg_.C, F = cfg_.F;
-  auto w = block_ptrs<const void*>(p, LlamaBlockOffsets(C, KV_, F), dtype_size(be_->act_dtype()));
+  const int N = B * T, C = cfg_.C, F = F_;
+  auto w = block_ptrs<const void*>(p, LlamaBlockOffsets(C, Q_, KV_, F), dtype_size(be_->act_dtype()));
   LayerActs& a = acts(l);
   be_->matmul_forward(a.qkv, a.ln1, w.qkvw, nullptr, N, C, QKV_);
-  be_->rope_forward(a.qkv, rope_, B, T, cfg_.NH, cfg_.NKV, HS_, 0);
-  be_->attention_gqa_forward(a.atty, a.att, a.qkv, B, T, cfg_.NH, cfg_.NKV, HS_);
-  be_->matmul_forward(dbuf_c_, a.atty, w.ow, nullptr, N, C, C);
-  be_->residual_rmsnorm_forward(a.res2, a.ln2, a.ln2_rstd, res_in, dbuf_c_, w.ln2w, N, C, eps_);
+  be_->rope_forward(a.qkv, rope_, B, T, NH_, NKV_, HS_, 0);
+  be_->attention_gqa_forward(a.atty, a.att, a.qkv, B, T, NH_, NKV_, HS_);
+  be_->matmul_forward(dbuf_c_, a.atty, w.ow, nullptr, N, Q_, C);
+  const void* attn_out = row_parallel_out(dbuf_c_, N);
+  be_->residual_rmsnorm_forward(a.res2, my_rows(a.ln2, N), a.ln2_rstd, res_in, attn_out, w.ln2w, rows(N), C, eps_);
+  gather_rows(a.ln2, N);
   be_->matmul_forward(a.gu, a.ln2, w.guw, nullptr, N, C, 2 * F);
   be_->swiglu_forward(a.h, a.gu, N, F);
   be_->matmul_forward(dbuf_c_, a.h, w.downw, nullptr, N, F, C);
+  (void)row_parallel_out(dbuf_c_, N);  // -> mlp_out()
+}
+
+// The collectives between the GEMMs: TpCollectives (core/model/tensor_parallel.h).
+int LlamaNetwork::rows(int N) const { return tpc_.rows(N); }
+void* LlamaNetwork::my_rows(void* full, int N) const { return tpc_.my_rows(full, N); }
+void LlamaNetwork::gather_rows(void* full, int N) { tpc_.gather_rows(full, N); }
+const void* LlamaNetwork::row_parallel_out(void* partial, int N) { return tpc_.reduce_out(partial, N); }
+const void* LlamaNetwork::full_rows(const void* mine, int N) { return tpc_.full_rows(mine, N); }
+float* LlamaNetwork::norm_grad(float* dweight) { return tpc_.norm_grad(dweight); }
+void LlamaNetwork::norm_grad_done(float* dweight) { tpc_.norm_grad_done(dweight); }
+
+void LlamaNetwork::tp_sum(void* buf, int64_t n) {
+  if (tp_) tp_->all_reduce(buf, n, be_->act_dtype());
+}
+
+// Without tensor parallelism: the fused softmax + cross-entropy. With it,
+// the logits are this rank's vocabulary columns; the row max and the
+// sum of exponentials (and the target's logit, from the rank holding it)
+// are all-reduced, so the full logits are never gathered.
+void LlamaNetwork::cross_entropy(const int32_t* targets, int N, bool for_backward, float dloss_scale) {
+  void* dlogits = for_backward ? logits_ : nullptr;
+  if (!tp_) {
+    be_->softmax_cross_entropy(losses_, dlogits, logits_, targets, N, cfg_.V, ldv_, dloss_scale);
+    return;
+  }
+  be_->vocab_ce_max(ce_rowmax_, logits_, N, v_valid_, ldv_);
+  tp_->comm->all_reduce(ce_rowmax_, N, ReduceOp::Max);
+  be_->vocab_ce_sumexp(ce_stats_, logits_, targets, ce_rowmax_, v_begin_, N, v_valid_, ldv_);
+  tp_->comm->all_reduce(ce_stats_, 2 * int64_t(N), ReduceOp::Sum);
+  be_->vocab_ce_finish(losses_, dlogits, logits_, targets, ce_rowmax_, ce_stats_, v_begin_, N, v_valid_, ldv_,
+                       dloss_scale);
 }
 
 void LlamaNetwork::forward(UnitAccess& units, const int32_t* inputs, const int32_t* targets, int B, int T,
@@ -106,12 +188,28 @@ void LlamaNetwork::forward(UnitAccess& units, const int32_t* inputs, const int32
   B_ = B;
   T_ = T;
   inputs_ = inputs;
-  const int N = B * T, C = cfg_.C, L = cfg_.L, F = cfg_.F;
+  const int N = B * T, C = cfg_.C, L = cfg_.L, F = F_;
   const size_t es = dtype_size(be_->act_dtype());
-  const LlamaBlockOffsets off(C, KV_, F);
+  const LlamaBlockOffsets off(C, Q_, KV_, F);
+
+  TR_CHECK(!sp_ || N % tp_->plan->size() == 0, "parallel.sequence_parallel: the micro-batch's ", N,
+           " tokens (train.micro_batch_size x model.seq_len) do not split over parallel.tensor_parallel (",
+           tp_ ? tp_->plan->size() : 1, "); make micro_batch_size x seq_len a multiple of it");
+  const int NR = rows(N);
 
   units.begin_pass(false, for_backward);
-  be_->encoder_forward(encoded_, inputs, units.acquire_params(0), zero_wpe_, B, T, C);
+  if (tp_) {
+    // Vocab-parallel embedding: this rank's rows, zeros for the others' tokens.
+    if (sp_) {
+      be_->vocab_embedding_forward(dbuf_c_, inputs, units.acquire_params(0), nullptr, v_begin_, v_valid_, B, T, C);
+      be_->copy_device(encoded_, row_parallel_out(dbuf_c_, N), size_t(NR) * C * es);
+    } else {
+      be_->vocab_embedding_forward(encoded_, inputs, units.acquire_params(0), nullptr, v_begin_, v_valid_, B, T, C);
+      tp_sum(encoded_, int64_t(N) * C);
+    }
+  } else {
+    be_->encoder_forward(encoded_, inputs, units.acquire_params(0), zero_wpe_, B, T, C);
+  }
   units.release_params(0);
 
   // Residual stream: res3_[l] = res2 + mlp(RMSNorm(res2)) of block l, its add
@@ -121,52 +219,78 @@ void LlamaNetwork::forward(UnitAccess& units, const int32_t* inputs, const int32
     auto w = block_ptrs<const void*>(p, off, es);
     LayerActs& a = acts(l);
     if (l == 0)
-      be_->rmsnorm_forward(a.ln1, a.ln1_rstd, encoded_, w.ln1w, N, C, eps_);
+      be_->rmsnorm_forward(my_rows(a.ln1, N), a.ln1_rstd, encoded_, w.ln1w, NR, C, eps_);
     else
-      be_->residual_rmsnorm_forward(res3_[l - 1], a.ln1, a.ln1_rstd, acts(l - 1).res2, dbuf_c_, w.ln1w, N, C, eps_);
+      be_->residual_rmsnorm_forward(res3_[l - 1], my_rows(a.ln1, N), a.ln1_rstd, acts(l - 1).res2, mlp_out(), w.ln1w,
+                                    NR, C, eps_);
+    gather_rows(a.ln1, N);
     block_forward(p, l, l == 0 ? encoded_ : res3_[l - 1], B, T);
     units.release_params(1 + l);
   }
 
   const char* head = static_cast<const char*>(units.acquire_params(L + 1));
-  be_->residual_rmsnorm_forward(res3_[L - 1], lnf_, lnf_rstd_, acts(L - 1).res2, dbuf_c_, head, N, C, eps_);
+  be_->residual_rmsnorm_forward(res3_[L - 1], my_rows(lnf_, N), lnf_rstd_, acts(L - 1).res2, mlp_out(), head, NR, C,
+                                eps_);
+  gather_rows(lnf_, N);
   if (cfg_.tied) {
     units.release_params(L + 1);
-    be_->lm_head_forward(logits_, lnf_, units.acquire_params(0), N, C, cfg_.V, ldv_);
+    be_->lm_head_forward(logits_, lnf_, units.acquire_params(0), N, C, v_valid_, ldv_);
     units.release_params(0);
   } else {
-    be_->lm_head_forward(logits_, lnf_, head + lm_head_off_ * es, N, C, cfg_.V, ldv_);
+    be_->lm_head_forward(logits_, lnf_, head + lm_head_off_ * es, N, C, v_valid_, ldv_);
     units.release_params(L + 1);
   }
-  if (targets)
-    be_->softmax_cross_entropy(losses_, for_backward ? logits_ : nullptr, logits_, targets, N, cfg_.V, ldv_,
-                               dloss_scale);
+  if (targets) cross_entropy(targets, N, for_backward, dloss_scale);
 }
 
 // Backward through one block: dres holds dL/d(block output) on entry and
 // dL/d(block input) on exit; parameter grads accumulate into g.
 void LlamaNetwork::block_backward(const void* p, float* g, int l, const void* res_in, void* dres, int B, int T) {
-  const int N = B * T, C = cfg_.C, F = cfg_.F;
-  const LlamaBlockOffsets off(C, KV_, F);
+  const int N = B * T, C = cfg_.C, F = F_, NR = rows(N);
+  const LlamaBlockOffsets off(C, Q_, KV_, F);
   auto w = block_ptrs<const void*>(p, off, dtype_size(be_->act_dtype()));
   auto dw = block_ptrs<float*>(g, off, 4);
   LayerActs& a = acts(l);
   // MLP: res_out = res2 + down(swiglu(gate_up(RMSNorm(res2))))
-  be_->matmul_backward(dh_, dw.downw, nullptr, dres, a.h, w.downw, N, F, C);
+  be_->matmul_backward(dh_, dw.downw, nullptr, full_rows(dres, N), a.h, w.downw, N, F, C);
   be_->swiglu_backward(a.gu, dh_, a.gu, N, F);  // in place: gate|up is not read again
   be_->matmul_backward(dbuf_c_, dw.guw, nullptr, a.gu, a.ln2, w.guw, N, C, 2 * F);
-  be_->rmsnorm_backward(dres, dw.ln2w, dbuf_c_, a.res2, w.ln2w, a.ln2_rstd, N, C);
+  // column-parallel: each rank's columns add to the input gradient
+  const void* dln2 = row_parallel_out(dbuf_c_, N);
+  be_->rmsnorm_backward(dres, norm_grad(dw.ln2w), dln2, a.res2, w.ln2w, a.ln2_rstd, NR, C);
+  norm_grad_done(dw.ln2w);
   // Attention: res2 = res_in + o(attn(rope(qkv(RMSNorm(res_in)))))
-  be_->matmul_backward(dbuf_c_, dw.ow, nullptr, dres, a.atty, w.ow, N, C, C);
-  be_->attention_gqa_backward(dqkv_, dbuf_c_, a.qkv, a.atty, a.att, B, T, cfg_.NH, cfg_.NKV, HS_);
-  be_->rope_backward(dqkv_, rope_, B, T, cfg_.NH, cfg_.NKV, HS_, 0);
-  be_->matmul_backward(dbuf_c_, dw.qkvw, nullptr, dqkv_, a.ln1, w.qkvw, N, C, QKV_);
-  be_->rmsnorm_backward(dres, dw.ln1w, dbuf_c_, res_in, w.ln1w, a.ln1_rstd, N, C);
+  be_->matmul_backward(dbuf_c_, dw.ow, nullptr, full_rows(dres, N), a.atty, w.ow, N, Q_, C);
+  be_->attention_gqa_backward(dqkv_, dbuf_c_, a.qkv, a.atty, a.att, B, T, NH_, NKV_, HS_);
+  be_->rope_backward(dqkv_, rope_, B, T, NH_, NKV_, HS_, 0);
+  if (kv_replicas_ == 1) {
+    be_->matmul_backward(dbuf_c_, dw.qkvw, nullptr, dqkv_, a.ln1, w.qkvw, N, C, QKV_);
+  } else {
+    // KV heads replicated over kv_replicas_ ranks: each holds the gradient
+    // its own query heads give k and v; the true one is their sum. This
+    // step's qkv gradient goes to a scratch, its k|v part into this KV
+    // head's slot, one all-reduce sums every slot over the group, and each
+    // rank adds back its slot (the input gradient needs no change: the
+    // ranks' dk Wk terms are the parts of the sum).
+    const int64_t qC = int64_t(Q_) * C, kvC = 2 * int64_t(KV_) * C;
+    float* scratch = kv_grad_scratch_.as<float>();
+    float* slots = kv_grad_slots_.as<float>();
+    be_->zero(scratch, kv_grad_scratch_.bytes());
+    be_->matmul_backward(dbuf_c_, scratch, nullptr, dqkv_, a.ln1, w.qkvw, N, C, QKV_);
+    be_->zero(slots, kv_grad_slots_.bytes());
+    be_->copy_device(slots + kv_head_ * kvC, scratch + qC, kvC * 4);
+    tp_->comm->all_reduce(slots, int64_t(NKV_global_) * kvC, ReduceOp::Sum);
+    be_->accumulate(dw.qkvw, scratch, qC);
+    be_->accumulate(dw.qkvw + qC, slots + kv_head_ * kvC, kvC);
+  }
+  const void* dln1 = row_parallel_out(dbuf_c_, N);
+  be_->rmsnorm_backward(dres, norm_grad(dw.ln1w), dln1, res_in, w.ln1w, a.ln1_rstd, NR, C);
+  norm_grad_done(dw.ln1w);
 }
 
 void LlamaNetwork::backward(UnitAccess& units) {
   TR_CHECK(arena_.get(), "model.backward: the activations were freed (free_activations)");
-  const int B = B_, T = T_, N = B * T, C = cfg_.C, L = cfg_.L;
+  const int B = B_, T = T_, N = B * T, C = cfg_.C, L = cfg_.L, NR = rows(N);
   const size_t es = dtype_size(be_->act_dtype());
   units.begin_pass(true, false);
   // logits_ holds dlogits (forward with for_backward). Tied: the head's
@@ -176,20 +300,22 @@ void LlamaNetwork::backward(UnitAccess& units) {
   if (cfg_.tied) {
     const void* emb = units.acquire_params(0);
     gemb = units.unit_grads(0);
-    be_->lm_head_backward(dbuf_c_, gemb, logits_, lnf_, emb, N, C, cfg_.V, ldv_);
+    be_->lm_head_backward(dbuf_c_, gemb, logits_, lnf_, emb, N, C, v_valid_, ldv_);
     units.release_params(0);
   }
   const char* head = static_cast<const char*>(units.acquire_params(L + 1));
   float* ghead = units.unit_grads(L + 1);
   if (!cfg_.tied)
-    be_->lm_head_backward(dbuf_c_, ghead + lm_head_off_, logits_, lnf_, head + lm_head_off_ * es, N, C, cfg_.V,
+    be_->lm_head_backward(dbuf_c_, ghead + lm_head_off_, logits_, lnf_, head + lm_head_off_ * es, N, C, v_valid_,
                           ldv_);
-  be_->zero(dres_, size_t(N) * C * es);
-  be_->rmsnorm_backward(dres_, ghead, dbuf_c_, res3_[L - 1], head, lnf_rstd_, N, C);
+  const void* dlnf = row_parallel_out(dbuf_c_, N);  // the head is column-parallel over the vocabulary
+  be_->zero(dres_, size_t(NR) * C * es);
+  be_->rmsnorm_backward(dres_, norm_grad(ghead), dlnf, res3_[L - 1], head, lnf_rstd_, NR, C);
+  norm_grad_done(ghead);
   units.release_params(L + 1);
   units.grads_done(L + 1);
 
-  const LlamaBlockOffsets off(C, KV_, cfg_.F);
+  const LlamaBlockOffsets off(C, Q_, KV_, F_);
   for (int l = L - 1; l >= 0; --l) {
     const void* p = units.acquire_params(1 + l);
     const void* res_in = l == 0 ? encoded_ : res3_[l - 1];
@@ -198,7 +324,8 @@ void LlamaNetwork::backward(UnitAccess& units) {
     // overwrites before reading; the checkpoints (res3_) stay untouched.
     if (ckpt_) {
       auto w = block_ptrs<const void*>(p, off, es);
-      be_->rmsnorm_forward(acts(l).ln1, acts(l).ln1_rstd, res_in, w.ln1w, N, C, eps_);
+      be_->rmsnorm_forward(my_rows(acts(l).ln1, N), acts(l).ln1_rstd, res_in, w.ln1w, NR, C, eps_);
+      gather_rows(acts(l).ln1, N);
       block_forward(p, l, res_in, B, T);
     }
     block_backward(p, units.unit_grads(1 + l), l, res_in, dres_, B, T);
@@ -207,8 +334,12 @@ void LlamaNetwork::backward(UnitAccess& units) {
   }
 
   if (!gemb) gemb = units.unit_grads(0);
-  be_->zero(dwpe_, size_t(cfg_.T) * C * 4);  // the zero table's gradient: written, never read
-  be_->encoder_backward(gemb, dwpe_, dres_, inputs_, B, T, C);
+  if (tp_) {
+    be_->vocab_embedding_backward(gemb, nullptr, full_rows(dres_, N), inputs_, v_begin_, v_valid_, B, T, C);
+  } else {
+    be_->zero(dwpe_, size_t(cfg_.T) * C * 4);  // the zero table's gradient: written, never read
+    be_->encoder_backward(gemb, dwpe_, dres_, inputs_, B, T, C);
+  }
   units.grads_done(0);
 }
 

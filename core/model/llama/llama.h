@@ -21,18 +21,21 @@
 #include <vector>
 
 #include "core/model/model.h"
+#include "core/model/tensor_parallel.h"
 
 namespace trainrun {
 
 // Element offsets of one block's tensors relative to the block unit's start
 // (llama_layout's order; q|k|v and gate|up adjacent, read as fused weights).
+// Q = NH*HS query rows (C on one rank; a tensor-parallel rank's NH/T heads).
 struct LlamaBlockOffsets {
   int64_t ln1w, qkvw, ow, ln2w, guw, downw, total;
-  LlamaBlockOffsets(int64_t C, int64_t KV, int64_t F) {
+  LlamaBlockOffsets(int64_t C, int64_t KV, int64_t F) : LlamaBlockOffsets(C, C, KV, F) {}
+  LlamaBlockOffsets(int64_t C, int64_t Q, int64_t KV, int64_t F) {
     int64_t o = 0;
     ln1w = o; o += C;                // input_layernorm (C)
-    qkvw = o; o += (C + 2 * KV) * C; // q_proj (C,C) | k_proj (KV,C) | v_proj (KV,C)
-    ow = o; o += C * C;              // o_proj (C,C)
+    qkvw = o; o += (Q + 2 * KV) * C; // q_proj (Q,C) | k_proj (KV,C) | v_proj (KV,C)
+    ow = o; o += C * Q;              // o_proj (C,Q)
     ln2w = o; o += C;                // post_attention_layernorm (C)
     guw = o; o += 2 * F * C;         // gate_proj (F,C) | up_proj (F,C)
     downw = o; o += C * F;           // down_proj (C,F)
@@ -43,8 +46,10 @@ struct LlamaBlockOffsets {
 class LlamaNetwork final : public Network {
  public:
   // cfg: resolved (LlamaArch::config()); layout: LlamaArch::layout().
+  // tp: tensor parallelism (this rank's slice of every tensor, the
+  // collectives between the linears); null = the whole model.
   LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Backend* be, int maxB,
-               bool activation_checkpointing);
+               bool activation_checkpointing, const TensorParallel* tp = nullptr);
 
   void forward(UnitAccess& units, const int32_t* inputs, const int32_t* targets, int B, int T,
                bool for_backward, float dloss_scale) override;
@@ -75,7 +80,32 @@ class LlamaNetwork final : public Network {
   Backend* be_;
   int maxB_;
   bool ckpt_;
-  int HS_, KV_, QKV_;             // head size, NKV*HS, C + 2*KV
+  int HS_, KV_, QKV_;             // head size, NKV*HS, Q + 2*KV (this rank's)
+  // This rank's sizes: all of the model without tensor parallelism.
+  int NH_ = 0, NKV_ = 0, F_ = 0, Q_ = 0;  // heads, kv heads, MLP width, NH*HS
+  int VL_ = 0, v_begin_ = 0, v_valid_ = 0;  // vocab rows held (padded), first id, real rows
+  const TensorParallel* tp_ = nullptr;
+  int kv_replicas_ = 1, kv_head_ = 0, NKV_global_ = 0;  // KV heads replicated over TP ranks
+  DeviceBuffer kv_grad_scratch_;  // replicated KV: (QKV,C) fp32 this step's qkv weight grad
+  DeviceBuffer kv_grad_slots_;    // replicated KV: (NKV_global, 2*KV*C) fp32, summed over TP
+  float* ce_rowmax_ = nullptr;    // (N) vocab-parallel cross-entropy
+  float* ce_stats_ = nullptr;     // (2N)
+  void tp_sum(void* buf, int64_t n);  // all-reduce over TP (no-op without)
+  // Sequence parallelism (parallel.sequence_parallel): TpCollectives.
+  TpCollectives tpc_;
+  bool sp_ = false;
+  void* sp_rows_ = nullptr;       // (N/T, C) this rank's rows of a reduce-scattered output / input gradient
+  void* dres_full_ = nullptr;     // (N, C) the gathered residual gradient
+  float* norm_grad_ = nullptr;    // (C) one norm's weight gradient, summed over TP
+  int rows(int N) const;          // this rank's rows of N (N without SP)
+  void* my_rows(void* full, int N) const;
+  void gather_rows(void* full, int N);
+  const void* row_parallel_out(void* partial, int N);
+  const void* full_rows(const void* mine, int N);
+  float* norm_grad(float* dweight);
+  void norm_grad_done(float* dweight);
+  const void* mlp_out() const { return sp_ ? sp_rows_ : dbuf_c_; }  // the last block's output, reduced
+  void cross_entropy(const int32_t* targets, int N, bool for_backward, float dloss_scale);
   float eps_;
   int64_t lm_head_off_ = -1;      // untied: lm_head.weight's offset in the head unit
   int B_ = 0, T_ = 0;

@@ -38,10 +38,10 @@ ParamLayout llama_layout(const ModelConfig& c) {
     const std::string p = "model.layers." + std::to_string(l) + ".";
     b.begin_unit("block " + std::to_string(l));
     b.add(p + "input_layernorm.weight", {C}, false, S::Replicated);
-    b.add(p + "self_attn.q_proj.weight", {C, C}, true, S::Column);
-    b.add(p + "self_attn.k_proj.weight", {KV, C}, true, S::Column);
-    b.add(p + "self_attn.v_proj.weight", {KV, C}, true, S::Column);
-    b.add(p + "self_attn.o_proj.weight", {C, C}, true, S::Row);
+    b.add(p + "self_attn.q_proj.weight", {C, C}, true, S::Column, 1, c.NH);  // split by heads
+    b.add(p + "self_attn.k_proj.weight", {KV, C}, true, S::Column, 1, c.kv_heads());
+    b.add(p + "self_attn.v_proj.weight", {KV, C}, true, S::Column, 1, c.kv_heads());
+    b.add(p + "self_attn.o_proj.weight", {C, C}, true, S::Row, 1, c.NH);
     b.add(p + "post_attention_layernorm.weight", {C}, false, S::Replicated);
     b.add(p + "mlp.gate_proj.weight", {F, C}, true, S::Column);
     b.add(p + "mlp.up_proj.weight", {F, C}, true, S::Column);
@@ -233,8 +233,9 @@ json LlamaArch::manifest_model() const {
   return m;
 }
 
-std::unique_ptr<Network> LlamaArch::make_network(Backend* be, int maxB, bool activation_checkpointing) const {
-  return std::make_unique<LlamaNetwork>(cfg_, layout_, be, maxB, activation_checkpointing);
+std::unique_ptr<Network> LlamaArch::make_network(Backend* be, int maxB, bool activation_checkpointing,
+                                                 const TensorParallel* tp) const {
+  return std::make_unique<LlamaNetwork>(cfg_, layout_, be, maxB, activation_checkpointing, tp);
 }
 std::unique_ptr<Decoder> LlamaArch::make_decoder(Backend* be, int capacity) const {
   return std::make_unique<LlamaDecoder>(cfg_, layout_, be, capacity);

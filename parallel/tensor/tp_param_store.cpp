@@ -1,0 +1,175 @@
+// Tensor-parallel parameter store (tp_param_store.h).
+#include "parallel/tensor/tp_param_store.h"
+
+#include <algorithm>
+
+#include "core/common/error.h"
+
+namespace trainrun {
+
+namespace {
+
+// A contiguous piece of the global vector and where it is in the inner
+// (local) store.
+using Range = ParamStore::Range;
+
+struct Mapped {
+  Range global;
+  int64_t local = 0;
+};
+
+class TensorParallelStore final : public ParamStore {
+ public:
+  TensorParallelStore(std::unique_ptr<ParamStore> inner, const TensorParallelPlan& plan, Communicator* tp)
+      : inner_(std::move(inner)), plan_(plan), tp_(tp) {
+    TR_CHECK(tp_ && tp_->world_size() == plan.size(), "tensor parallelism: the TP communicator has ",
+             tp_ ? tp_->world_size() : 0, " ranks but the plan ", plan.size(), " (a bug)");
+    inner_->set_grad_norm_skip(plan.non_owner_ranges());
+    held_ = map_ranges(inner_->held_ranges(), false);
+    write_ = map_ranges(inner_->write_ranges(), true);
+    for (const Mapped& m : held_) held_ranges_.push_back(m.global);
+    for (const Mapped& m : write_) write_ranges_.push_back(m.global);
+    by_global_ = held_;
+    std::sort(by_global_.begin(), by_global_.end(),
+              [](const Mapped& a, const Mapped& b) { return a.global.global < b.global.global; });
+  }
+
+  // ---- UnitAccess: the local units, as the network reads them --------------
+  const void* acquire_params(int unit) override { return inner_->acquire_params(unit); }
+  void release_params(int unit) override { inner_->release_params(unit); }
+  float* unit_grads(int unit) override { return inner_->unit_grads(unit); }
+  void grads_done(int unit) override { inner_->grads_done(unit); }
+  void begin_pass(bool backward_pass, bool backward_follows) override {
+    inner_->begin_pass(backward_pass, backward_follows);
+  }
+
+  void init_params(const ModelArch& arch, uint64_t seed) override {
+    TR_CHECK(arch.layout().total == plan_.global_layout().total, "init_params: the model (", arch.layout().total,
+             " parameters) is not the one the tensor-parallel plan was built for (", plan_.global_layout().total, ")");
+    // Element by global index: the same weights on every mesh. Padding rows are zero.
+    std::vector<float> buf;
+    for (const Range& r : inner_->held_ranges()) {
+      buf.assign(size_t(r.count), 0.0f);
+      for (const TpRun& run : plan_.runs_in(r.global, r.count))
+        if (run.global >= 0) arch.init_params(seed, run.global, run.global + run.count, buf.data() + (run.local - r.global));
+      inner_->write_state_range(0, r, buf.data());
+    }
+    inner_->params_updated();
+  }
+  void zero_grads() override { inner_->zero_grads(); }
+  void finish_grads() override { inner_->finish_grads(); }
+  double grad_norm_squared() override {
+    float local = float(inner_->grad_norm_squared());  // owned elements only (set_grad_norm_skip)
+    tp_->all_reduce(&local, 1, ReduceOp::Sum);
+    return local;
+  }
+  void optimizer_step(const AdamWParams& p, int step, float grad_scale) override {
+    inner_->optimizer_step(p, step, grad_scale);
+  }
+  void load_full_params(const std::vector<float>& flat) override {
+    TR_CHECK(int64_t(flat.size()) == plan_.global_layout().total, "load_full_params: got ", flat.size(),
+             " values for a model of ", plan_.global_layout().total);
+    std::vector<float> local(size_t(plan_.local_layout().total), 0.0f);
+    for (const TpRun& r : plan_.runs())
+      if (r.global >= 0) std::copy(flat.begin() + r.global, flat.begin() + r.global + r.count, local.begin() + r.local);
+    inner_->load_full_params(local);
+  }
+
+  std::vector<Range> held_ranges() const override { return held_ranges_; }
+  std::vector<Range> write_ranges() const override { return write_ranges_; }
+  std::vector<float> get_state(int kind) override {
+    size_t n = 0;
+    for (const Range& r : held_ranges_) n += size_t(r.count);
+    std::vector<float> out(n);
+    size_t at = 0;
+    for (const Range& r : held_ranges_) {
+      copy_state_range(kind, r, out.data() + at);
+      at += size_t(r.count);
+    }
+    return out;
+  }
+  void copy_state_range(int kind, const Range& r, float* out) override {
+    for_local(r, "copy_state_range", [&](const Range& local, int64_t at) { inner_->copy_state_range(kind, local, out + at); });
+  }
+  void write_state_range(int kind, const Range& r, const float* in) override {
+    for_local(r, "write_state_range", [&](const Range& local, int64_t at) { inner_->write_state_range(kind, local, in + at); });
+  }
+  void params_updated() override { inner_->params_updated(); }
+  void set_state(int kind, const std::vector<float>& host) override {
+    size_t at = 0;
+    for (const Range& r : held_ranges_) {
+      TR_CHECK(at + size_t(r.count) <= host.size(), "set_state: too few values");
+      write_state_range(kind, r, host.data() + at);
+      at += size_t(r.count);
+    }
+    TR_CHECK(at == host.size(), "set_state: ", host.size(), " values for ", at, " held");
+    if (kind == 0) inner_->params_updated();
+  }
+
+  void set_step(int64_t step) override {
+    inner_->set_step(step);
+    tp_->set_step(step);
+  }
+  void check_comms() override {
+    inner_->check_comms();
+    tp_->check_health();
+  }
+  ShardMemory memory() const override { return inner_->memory(); }
+  double take_comm_wait_seconds() override { return inner_->take_comm_wait_seconds(); }
+  std::string strategy() const override { return inner_->strategy(); }
+
+ private:
+  // Local ranges -> the global runs they hold, in the same order, adjacent
+  // runs merged where both sides are contiguous. owners_only: drop what
+  // another rank writes (replicas) and padding.
+  std::vector<Mapped> map_ranges(const std::vector<Range>& local, bool owners_only) const {
+    std::vector<Mapped> out;
+    for (const Range& r : local) {
+      // Never merged across the inner store's ranges: it serves each of
+      // them on its own (a sharded unit's slice).
+      const size_t first = out.size();
+      for (const TpRun& run : plan_.runs_in(r.global, r.count)) {
+        if (run.global < 0 || (owners_only && !run.owner)) continue;
+        if (out.size() > first) {
+          Mapped& b = out.back();
+          if (b.global.global + b.global.count == run.global && b.local + b.global.count == run.local) {
+            b.global.count += run.count;
+            continue;
+          }
+        }
+        out.push_back({{run.global, run.count}, run.local});
+      }
+    }
+    return out;
+  }
+  // Calls f(local range, offset in r) for the local pieces of global range r.
+  template <typename F>
+  void for_local(const Range& r, const char* what, F f) {
+    int64_t g = r.global;
+    const int64_t end = r.global + r.count;
+    while (g < end) {
+      auto it = std::upper_bound(by_global_.begin(), by_global_.end(), g,
+                                 [](int64_t v, const Mapped& m) { return v < m.global.global + m.global.count; });
+      TR_CHECK(it != by_global_.end() && it->global.global <= g, what, ": global element ", g,
+               " is not held by this tensor-parallel rank (a bug)");
+      const int64_t n = std::min(end, it->global.global + it->global.count) - g;
+      f(Range{it->local + (g - it->global.global), n}, g - r.global);
+      g += n;
+    }
+  }
+
+  std::unique_ptr<ParamStore> inner_;
+  const TensorParallelPlan& plan_;
+  Communicator* tp_;
+  std::vector<Mapped> held_, write_, by_global_;
+  std::vector<Range> held_ranges_, write_ranges_;
+};
+
+}  // namespace
+
+std::unique_ptr<ParamStore> make_tensor_parallel_store(std::unique_ptr<ParamStore> inner,
+                                                       const TensorParallelPlan& plan, Communicator* tp) {
+  return std::make_unique<TensorParallelStore>(std::move(inner), plan, tp);
+}
+
+}  // namespace trainrun
