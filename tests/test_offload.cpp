@@ -8,6 +8,7 @@
 // bit-identical, not merely close.
 #include <catch2/catch.hpp>
 
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -35,7 +36,8 @@ std::string job_yaml(const std::string& dir, const std::string& strategy, int gr
          "        warmup_steps: 2, eval_interval: 0, log_interval: 1, grad_clip: 0.5, weight_decay: 0.1}\n"
          "output: {dir: '" + dir + "', sample_tokens: 0}\n"
          "parallel: {sharding: " + strategy + ", shard_group_size: " + std::to_string(group) +
-         ", timeout_s: 60, offload: " + offload + "}\n";
+         ", timeout_s: 60, offload: " + offload + (offload == "nvme" ? ", offload_dir: '" + dir + "/nvme'" : "") +
+         "}\n";
 }
 
 struct RunOut {
@@ -58,17 +60,21 @@ RunOut run(int world, const std::string& strategy, int group, const std::string&
 
 }  // namespace
 
-TEST_CASE("offload cpu: losses and weights bit-identical to offload none, 1-4 ranks x every strategy", "[offload]") {
+TEST_CASE("offload cpu and nvme: losses and weights bit-identical to offload none, 1-4 ranks x every strategy",
+          "[offload]") {
   for (const char* strategy : {"no_shard", "shard_grad_op", "full_shard", "hybrid_shard"}) {
     for (int world : {1, 2, 3, 4}) {
       const int group = std::string(strategy) == "hybrid_shard" ? (world % 2 == 0 ? 2 : world) : 0;
       SECTION(std::string(strategy) + " world " + std::to_string(world)) {
         const RunOut none = run(world, strategy, group, "none");
         const RunOut cpu = run(world, strategy, group, "cpu");
+        const RunOut nvme = run(world, strategy, group, "nvme");
         REQUIRE(none.losses.size() == 6);
         REQUIRE(none.losses.back() < none.losses.front());
         CHECK(cpu.losses == none.losses);
         CHECK(cpu.weights == none.weights);
+        CHECK(nvme.losses == none.losses);
+        CHECK(nvme.weights == none.weights);
         for (int r = 0; r < world; ++r) {
           INFO("rank " << r);
           // The device holds no optimizer state; the host holds 16 bytes per
@@ -77,6 +83,7 @@ TEST_CASE("offload cpu: losses and weights bit-identical to offload none, 1-4 ra
           CHECK(none.per_rank[r].optimizer_bytes > 0);
           CHECK(none.per_rank[r].host_bytes == 0);
           CHECK(cpu.per_rank[r].host_bytes == none.per_rank[r].optimizer_bytes * 2);
+          CHECK(nvme.per_rank[r].optimizer_bytes == 0);
         }
       }
     }
@@ -95,6 +102,60 @@ TEST_CASE("offload cpu: metrics.jsonl reports host bytes and zero device optimiz
   CHECK_THAT(last, Contains("\"mem_optimizer_bytes\":0"));
 }
 
+TEST_CASE("offload nvme: a shard of several I/O chunks, the files removed, bytes reported", "[offload]") {
+  // A model whose shard spans more than one kChunk (1M elements), so the
+  // double-buffered read / update / write pipeline really overlaps chunks.
+  test::TempDir dir("offload_nvme");
+  auto yaml = [&](const std::string& offload) {
+    return "model: {n_layer: 1, n_head: 4, n_embd: 256, vocab_size: 4096, seq_len: 16}\n"
+           "data: {format: synthetic, synthetic: {vocab: 64, branching: 3}}\n"
+           "train: {global_batch_size: 2, micro_batch_size: 2, max_steps: 3, warmup_steps: 1, log_interval: 1,\n"
+           "        eval_interval: 0, grad_clip: 1.0, weight_decay: 0.1}\n"
+           "output: {dir: '" + dir.path() + "/" + offload + "', sample_tokens: 0}\n"
+           "parallel: {sharding: no_shard, timeout_s: 60, offload: " + offload + ", offload_dir: '" + dir.path() +
+           "/state'}\n";
+  };
+  const auto none = test::run_ranks_inprocess(parse_job_spec(yaml("none"), "job.yaml", {}), 1);
+  const auto nvme = test::run_ranks_inprocess(parse_job_spec(yaml("nvme"), "job.yaml", {}), 1);
+  CHECK(nvme[0].losses == none[0].losses);
+  CHECK(test::weights_of(dir / "nvme") == test::weights_of(dir / "none"));
+  // Nothing is left in offload_dir (the state file is unlinked once open).
+  REQUIRE(std::filesystem::is_directory(dir / "state"));
+  CHECK(std::filesystem::is_empty(dir / "state"));
+  std::ifstream f(dir / "nvme/metrics.jsonl");
+  std::string line, last;
+  while (std::getline(f, line)) last = line;
+  CHECK_THAT(last, Contains("\"mem_nvme_bytes\"") && Contains("\"mem_optimizer_bytes\":0"));
+}
+
+TEST_CASE("offload nvme: a short read and a full disk name the path", "[offload]") {
+  test::TempDir dir("offload_io");
+  const std::string path = dir / "short.state";
+  std::ofstream(path) << "0123456789";
+  const int fd = ::open(path.c_str(), O_RDWR);
+  REQUIRE(fd >= 0);
+  char buf[64];
+  pread_full(fd, path, buf, 10, 0);  // all there
+  try {
+    pread_full(fd, path, buf, 64, 0);
+    FAIL("no error");
+  } catch (const Error& e) {
+    CHECK_THAT(std::string(e.what()), Contains("short read of " + path) && Contains("resume from the last checkpoint"));
+  }
+  ::close(fd);
+  // /dev/full answers every write with ENOSPC.
+  const int full = ::open("/dev/full", O_WRONLY);
+  if (full >= 0) {
+    try {
+      pwrite_full(full, "/dev/full", buf, 64, 0);
+      FAIL("no error");
+    } catch (const Error& e) {
+      CHECK_THAT(std::string(e.what()), Contains("the disk of /dev/full is full") && Contains("parallel.offload_dir"));
+    }
+    ::close(full);
+  }
+}
+
 TEST_CASE("offload: resume across offload settings continues exactly", "[offload]") {
   // 10 steps without offload, then 10 with, against 20 without; and the
   // reverse. The checkpoint is the same logical state either way.
@@ -104,15 +165,18 @@ TEST_CASE("offload: resume across offload settings continues exactly", "[offload
       SECTION(std::string(strategy) + " x" + std::to_string(world)) {
         const std::string straight = dir / (std::string("straight_") + strategy + std::to_string(world));
         test::run_ranks_inprocess(test::checkpoint_job(straight, strategy, world), world);
-        for (const auto& [first, second] : {std::pair<std::string, std::string>{"none", "cpu"}, {"cpu", "none"}}) {
+        for (const auto& [first, second] :
+             {std::pair<std::string, std::string>{"none", "cpu"}, {"cpu", "none"}, {"nvme", "cpu"}, {"none", "nvme"}}) {
           INFO(first << " then " << second);
-          const std::string resumed = dir / (std::string("resumed_") + strategy + std::to_string(world) + first);
-          test::run_ranks_inprocess(
-              test::checkpoint_job(resumed, strategy, world, {"train.exit_interval=10", "parallel.offload=" + first}),
-              world);
-          REQUIRE(test::latest_of(resumed) == "step_00000010");
-          test::run_ranks_inprocess(test::checkpoint_job(resumed, strategy, world, {"parallel.offload=" + second}),
+          const std::string resumed =
+              dir / (std::string("resumed_") + strategy + std::to_string(world) + first + "_" + second);
+          const std::string odir = "parallel.offload_dir=" + dir / "state";
+          test::run_ranks_inprocess(test::checkpoint_job(resumed, strategy, world,
+                                                         {"train.exit_interval=10", "parallel.offload=" + first, odir}),
                                     world);
+          REQUIRE(test::latest_of(resumed) == "step_00000010");
+          test::run_ranks_inprocess(
+              test::checkpoint_job(resumed, strategy, world, {"parallel.offload=" + second, odir}), world);
           CHECK(test::losses_of(resumed) == test::losses_of(straight));
           CHECK(test::weights_of(resumed) == test::weights_of(straight));
         }
@@ -123,10 +187,10 @@ TEST_CASE("offload: resume across offload settings continues exactly", "[offload
 
 TEST_CASE("offload: bad inputs name the key or path", "[offload]") {
   test::TempDir dir("offload_bad");
-  const std::string base = job_yaml(dir.path(), "full_shard", 0, "nvme");
+  const std::string base = job_yaml(dir.path(), "full_shard", 0, "none");
   // nvme without offload_dir: the spec's validation names the key.
   try {
-    parse_job_spec(base, "job.yaml", {});
+    parse_job_spec(base, "job.yaml", {"parallel.offload=nvme"});
     FAIL("no error");
   } catch (const Error& e) {
     CHECK_THAT(std::string(e.what()), Contains("parallel.offload_dir") && Contains("nvme"));

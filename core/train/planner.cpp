@@ -306,13 +306,11 @@ Plan make_plan(const PlanRequest& req) {
     row.fits = row.mem.total() <= plan.capacity;
     if (offload) {
       const double state = offload_host_bytes_per_rank(m, row.sharding);  // per rank
-      // nvme: the state streams through bounded buffers (two of the
-      // largest unit's state per rank); cpu: all of it sits in host memory.
-      double largest = 0;
-      for (int64_t n : unit_numels(m)) largest = std::max(largest, double(n));
-      const double G = std::max(1, row.sharding.group);
-      row.host_bytes_per_node =
-          req.gpus_per_node * (nvme ? std::min(state, 2 * 16.0 * std::ceil(largest / G)) : state);
+      // nvme: master weights and moments stream through two buffer sets
+      // of 1M elements x 3 kinds per rank, the gradient shard (a quarter
+      // of the state) stays in host memory (parallel/sharding/offload.h);
+      // cpu: all of it sits in host memory.
+      row.host_bytes_per_node = req.gpus_per_node * (nvme ? state / 4 + 2 * 3 * 4.0 * (1 << 20) : state);
       // nvme reads and writes master weights and moments once per step.
       if (nvme) row.nvme_bytes_per_step = req.gpus_per_node * 2 * (12.0 / 16.0) * state;
       if (req.host_memory > 0 && row.host_bytes_per_node > req.host_memory) row.fits = false;

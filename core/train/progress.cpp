@@ -230,6 +230,7 @@ MemoryReport measure_memory(const Backend& be, const ParamStore& params, const N
   r.by_category.optimizer = double(sm.optimizer);
   r.by_category.comm = double(sm.comm_buffers);
   r.host = double(sm.host);
+  r.disk = double(sm.disk);
   r.by_category.activations = double(model.activation_bytes());
   r.peak = double(be.peak_bytes());
   r.in_use = double(be.bytes_in_use());
@@ -438,6 +439,7 @@ void RunReporter::on_step(const StepReport& r) {
             {"mem_comm_bytes", c.comm},
             {"mem_workspace_bytes", c.workspace}};
         if (mem_.host > 0) rec.push_back({"mem_host_bytes", mem_.host});
+        if (mem_.disk > 0) rec.push_back({"mem_nvme_bytes", mem_.disk});
         if (r.val_loss >= 0) rec.push_back({"val_loss", r.val_loss});
         ctx_.metrics->write(rec);
       }

@@ -69,6 +69,7 @@ struct MemoryReport {
   double peak = 0;         // backend peak_bytes()
   double in_use = 0;       // backend bytes_in_use()
   double host = 0;         // parallel.offload's host memory (not in the device's categories)
+  double disk = 0;         // parallel.offload nvme: bytes of its state files
 };
 MemoryReport measure_memory(const Backend& be, const ParamStore& params, const Network& model);
 std::string describe_memory(const MemoryReport& m);  // "peak 45.1 MiB: params 1.2 MiB, grads ..."

@@ -321,7 +321,8 @@ void Trainer::setup() {
   TR_LOG_INFO("memory (rank ", w_.rank, ", ", params_->strategy(), "): params ", human_bytes(m.params), ", grads ",
               human_bytes(m.grads), ", optimizer ", human_bytes(m.optimizer), ", activations ",
               human_bytes(model_->activation_bytes()),
-              m.host ? ", host (parallel.offload: " + job_.parallel.offload + ") " + human_bytes(m.host) : std::string());
+              m.host ? ", host (parallel.offload: " + job_.parallel.offload + ") " + human_bytes(m.host) : std::string(),
+              m.disk ? ", on disk under " + job_.parallel.offload_dir + " " + human_bytes(m.disk) : std::string());
 }
 
 void Trainer::read_batch(const TokenSource& src, int64_t first, int B) {

@@ -56,8 +56,30 @@ std::string memlock_warning(size_t bytes, uint64_t memlock_limit);
 // created and removed); the error names the directory and parallel.offload_dir.
 void check_offload_dir(const std::string& dir);
 
+// Low-level I/O of the nvme state files, each error naming the path:
+// a short read (the file is shorter than the state), a full disk (ENOSPC),
+// any other errno. Exposed for the tests.
+void pread_full(int fd, const std::string& path, void* buf, size_t bytes, uint64_t offset);
+void pwrite_full(int fd, const std::string& path, const void* buf, size_t bytes, uint64_t offset);
+
+// A piece of the shard updated with one weight decay (one tensor's slice).
+struct OffloadSegment {
+  int64_t off = 0, n = 0;
+  float weight_decay = 0;
+};
+
 // One rank's offloaded optimizer state: n fp32 elements each of master
-// weights, moments and (optionally) the gradient, in host memory.
+// weights and moments, and the gradient, outside the device.
+//   cpu   all four in one host allocation;
+//   nvme  master and moments in one file under offload_dir (unlinked as
+//         soon as it is open, so it is gone when the process ends, even
+//         after kill -9), the gradient in host memory (4 bytes/param).
+//         Each step streams the file through two buffer sets of kChunk
+//         elements (double-buffered: the next chunk is read and the last
+//         one written on the I/O threads while this one is updated).
+//         O_DIRECT where the filesystem takes it, else buffered I/O with a
+//         logged fallback; pread/pwrite on a thread pool (liburing is not
+//         used: not installed here; logged once).
 class HostOptimizerState {
  public:
   HostOptimizerState(Backend* be, int64_t n, const OffloadOptions& opts);
@@ -65,9 +87,11 @@ class HostOptimizerState {
   HostOptimizerState(const HostOptimizerState&) = delete;
   HostOptimizerState& operator=(const HostOptimizerState&) = delete;
 
-  // kind 0 master, 1 first moment, 2 second moment, 3 gradient (host pointers).
-  float* state(int kind) { return bufs_[kind]; }
   int64_t size() const { return n_; }
+  // Kind 0 master, 1 first moment, 2 second moment: [off, off+n) to / from
+  // host memory (checkpoints, init, loads).
+  void read_state(int kind, int64_t off, float* out, int64_t n);
+  void write_state(int kind, int64_t off, const float* in, int64_t n);
   void zero_grads();
   // grad[off, off+n) += the device's src[0, n): the device->host copy of one
   // reduce-scattered unit, then the add of the backend's accumulate().
@@ -77,24 +101,34 @@ class HostOptimizerState {
   // sum(grad^2) over the whole buffer, as the CPU backend's sum_squares
   // (per-thread double partials in thread order): the same bits.
   float grad_sum_squares() const;
-  // Host AdamW on [off, off+n) (one tensor's piece: its own weight decay).
-  void update(int64_t off, int64_t n, float lr, float beta1, float beta2, float eps, float weight_decay, int step,
-              float grad_scale);
-  // The device's act-dtype params [0, n) from master[off, off+n): fp32
-  // backends copy, others go through a bounded fp32 device staging buffer.
-  void master_to_device(void* dev_act, int64_t off, int64_t n);
-  size_t host_bytes() const { return size_t(n_) * 16; }
+  // Host AdamW on every segment, then the updated master weights into the
+  // device's act-dtype shard dev_act[0, n).
+  void step(const std::vector<OffloadSegment>& segments, float lr, float beta1, float beta2, float eps, int step,
+            float grad_scale, void* dev_act);
+  // The device's act-dtype shard from the master weights (after a load).
+  void master_to_device(void* dev_act);
+  // Host bytes this rank holds (cpu: the state; nvme: gradient + buffers)
+  // and bytes on disk (nvme).
+  size_t host_bytes() const;
+  size_t disk_bytes() const { return nvme_ ? size_t(3) * region_bytes_ : 0; }
   bool pinned() const { return pinned_; }
+  static constexpr int64_t kChunk = int64_t(1) << 20;  // elements per nvme I/O (4 MiB per kind)
 
  private:
+  struct Nvme;
+  void to_device(void* dev_act, int64_t off, const float* host, int64_t n);
   Backend* be_;
   int64_t n_;
   int threads_;
   bool pinned_ = false;
-  float* base_ = nullptr;  // one allocation: master | m | v | grad
+  bool nvme_ = false;
+  size_t alloc_bytes_ = 0;
+  size_t region_bytes_ = 0;  // nvme: one kind's bytes in the file, 4 KiB aligned
+  float* base_ = nullptr;  // cpu: master | m | v | grad; nvme: grad only
   float* bufs_[4] = {};
   std::vector<float> staging_host_;  // add_grad_from_device's landing buffer (comm thread)
-  DeviceBuffer staging_dev_;         // master_to_device on non-fp32 backends
+  DeviceBuffer staging_dev_;         // to_device on non-fp32 backends
+  std::unique_ptr<Nvme> io_;
 };
 
 }  // namespace trainrun

@@ -16,7 +16,6 @@ std::unique_ptr<ParamStore> make_param_store(const std::string& strategy, const 
                                              Backend* be, Communicator* world, int shard_group_size,
                                              const CommFactory& factory, const HybridComms* hybrid_comms,
                                              const OffloadOptions& offload) {
-  TR_CHECK(offload.mode != OffloadMode::Nvme, "parallel.offload: nvme is not implemented yet; use cpu or none");
   if (strategy == "no_shard") return make_replicated_param_store(layout, be, world, offload);
   if (strategy == "shard_grad_op" || strategy == "full_shard" || strategy == "hybrid_shard") {
     int group = world->world_size();

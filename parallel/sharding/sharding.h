@@ -35,6 +35,7 @@ struct AdamWParams {
 struct ShardMemory {
   size_t params = 0, grads = 0, optimizer = 0, comm_buffers = 0;
   size_t host = 0;  // parallel.offload: host memory holding master weights, moments, gradient shard
+  size_t disk = 0;  // parallel.offload nvme: bytes of state files under offload_dir
 };
 
 // sum(x^2) over n fp32 device values, returned to the host. `acc` is a

@@ -78,10 +78,9 @@ class ReplicatedStore final : public ParamStore {
   void optimizer_step(const AdamWParams& p, int step, float grad_scale) override {
     const size_t es = dtype_size(be_->act_dtype());
     if (host_) {
-      for (const auto& t : layout_.tensors)
-        host_->update(t.offset, t.numel, p.lr, p.beta1, p.beta2, p.eps, t.decay ? p.weight_decay : 0.0f, step,
-                      grad_scale);
-      host_->master_to_device(params_.get(), 0, layout_.total);
+      std::vector<OffloadSegment> segments;
+      for (const auto& t : layout_.tensors) segments.push_back({t.offset, t.numel, t.decay ? p.weight_decay : 0.0f});
+      host_->step(segments, p.lr, p.beta1, p.beta2, p.eps, step, grad_scale, params_.get());
       return;
     }
     for (const auto& t : layout_.tensors) {
@@ -119,7 +118,7 @@ class ReplicatedStore final : public ParamStore {
     from_host(kind, r.global, in, r.count);
   }
   void params_updated() override {
-    if (host_) host_->master_to_device(params_.get(), 0, layout_.total);
+    if (host_) host_->master_to_device(params_.get());
     else if (params_.get()) be_->cast_from_f32(params_.get(), master_.as<float>(), layout_.total);
   }
   void set_state(int kind, const std::vector<float>& host) override {
@@ -130,11 +129,11 @@ class ReplicatedStore final : public ParamStore {
   float* state(int kind) { return kind == 0 ? master_.as<float>() : kind == 1 ? m_.as<float>() : v_.as<float>(); }
   // State kind [off, off+n) to / from host memory, wherever it lives.
   void to_host(int kind, int64_t off, float* out, int64_t n) {
-    if (host_) std::copy(host_->state(kind) + off, host_->state(kind) + off + n, out);
+    if (host_) host_->read_state(kind, off, out, n);
     else be_->copy_to_host(out, state(kind) + off, size_t(n) * 4);
   }
   void from_host(int kind, int64_t off, const float* in, int64_t n) {
-    if (host_) std::copy(in, in + n, host_->state(kind) + off);
+    if (host_) host_->write_state(kind, off, in, n);
     else be_->copy_to_device(state(kind) + off, in, size_t(n) * 4);
   }
 
@@ -143,7 +142,7 @@ class ReplicatedStore final : public ParamStore {
     m.params = master_.bytes() + params_.bytes();
     m.grads = grads_.bytes();
     m.optimizer = m_.bytes() + v_.bytes();
-    if (host_) m.host = host_->host_bytes();
+    if (host_) m.host = host_->host_bytes(), m.disk = host_->disk_bytes();
     return m;
   }
   double take_comm_wait_seconds() override {

@@ -360,6 +360,7 @@ class ShardedStore final : public ParamStore {
 
   void optimizer_step(const AdamWParams& p, int step, float grad_scale) override {
     void* act = shard_act_.get() ? shard_act_.get() : master_.get();
+    std::vector<OffloadSegment> segments;  // offload: the same pieces, updated on the host
     for (const auto& u : units_) {
       if (u.owned == 0) continue;
       const int64_t lo = u.offset + u.begin, hi = lo + u.owned;
@@ -368,7 +369,7 @@ class ShardedStore final : public ParamStore {
         if (a >= b) continue;
         const int64_t s = u.shard_off + (a - lo);
         if (host_) {
-          host_->update(s, b - a, p.lr, p.beta1, p.beta2, p.eps, t.decay ? p.weight_decay : 0.0f, step, grad_scale);
+          segments.push_back({s, b - a, t.decay ? p.weight_decay : 0.0f});
           continue;
         }
         be_->adamw_update(master_.as<float>() + s, static_cast<char*>(act) + s * es_, grad_.as<float>() + s,
@@ -376,7 +377,7 @@ class ShardedStore final : public ParamStore {
                           t.decay ? p.weight_decay : 0.0f, step, grad_scale);
       }
     }
-    if (host_) host_->master_to_device(shard_act_.get(), 0, shard_total_);
+    if (host_) host_->step(segments, p.lr, p.beta1, p.beta2, p.eps, step, grad_scale, shard_act_.get());
     if (!shard_params_) gather_replicated();
   }
 
@@ -424,7 +425,7 @@ class ShardedStore final : public ParamStore {
     m.grads = grad_.bytes();
     m.optimizer = m_.bytes() + v_.bytes();
     m.comm_buffers = pool_.peak();
-    if (host_) m.host = host_->host_bytes();
+    if (host_) m.host = host_->host_bytes(), m.disk = host_->disk_bytes();
     return m;
   }
 
@@ -438,11 +439,11 @@ class ShardedStore final : public ParamStore {
   float* state(int kind) { return kind == 0 ? master_.as<float>() : kind == 1 ? m_.as<float>() : v_.as<float>(); }
   // State kind [off, off+n) of the shard to / from host memory, wherever it lives.
   void state_to_host(int kind, int64_t off, float* out, int64_t n) {
-    if (host_) std::copy(host_->state(kind) + off, host_->state(kind) + off + n, out);
+    if (host_) host_->read_state(kind, off, out, n);
     else be_->copy_to_host(out, state(kind) + off, size_t(n) * 4);
   }
   void state_from_host(int kind, int64_t off, const float* in, int64_t n) {
-    if (host_) std::copy(in, in + n, host_->state(kind) + off);
+    if (host_) host_->write_state(kind, off, in, n);
     else be_->copy_to_device(state(kind) + off, in, size_t(n) * 4);
   }
   // Where a range of the flat layout sits in this rank's shard buffers; it
@@ -460,7 +461,7 @@ class ShardedStore final : public ParamStore {
   }
   // The act-dtype parameters from the fp32 master shard.
   void master_to_params() {
-    if (host_) host_->master_to_device(shard_act_.get(), 0, shard_total_);
+    if (host_) host_->master_to_device(shard_act_.get());
     else if (shard_act_.get()) be_->cast_from_f32(shard_act_.get(), master_.as<float>(), shard_total_);
     if (!shard_params_) gather_replicated();
   }
