@@ -24,10 +24,7 @@ and, on 2.4+, AdamW(fused=True) (the CPU fused kernel) instead of --foreach.
 """
 import argparse
 import os
-import re
-import statistics
 import sys
-import time
 
 # torch is imported in main(), after OPENBLAS_NUM_THREADS is set (see there).
 
@@ -55,13 +52,10 @@ def main(argv=None):
     if args.threads < 1 or args.steps < 1 or args.warmup < 0:
         ap.error("--threads and --steps must be >= 1, --warmup >= 0")
 
-    # Debian's torch does its GEMMs through libblas.so.3, which is OpenBLAS
-    # (pthread build by default) with its own thread pool that
-    # torch.set_num_threads does not control (torch was built with
-    # BLAS_INFO=generic). Left alone it starts one thread per core on top of
-    # torch's N OpenMP threads; pin it to N before torch loads the library.
-    os.environ["OPENBLAS_NUM_THREADS"] = str(args.threads)
-    import torch
+    # The thread and seed setup is torch_bench_common's (shared with the Llama side).
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import torch_bench_common as common
+    torch = common.import_torch(args.threads, args.seed)
     import torch.nn.functional as F
     if args.mode != "eager" and not hasattr(F, "scaled_dot_product_attention"):
         print(f"pytorch: torch {torch.__version__} has no scaled_dot_product_attention; --mode {args.mode} "
@@ -71,21 +65,6 @@ def main(argv=None):
         ap.error("--mode compile needs --warmup >= 2 (the first steps compile)")
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "reference"))
     import gpt2_ref
-
-    # PyTorch's best CPU settings, so the comparison is fair:
-    # - set_num_threads(N): intra-op (OpenMP) threads, the same N trainrun gets.
-    # - set_num_interop_threads(1): eager training has no inter-op parallelism
-    #   to exploit; extra pools only compete for the N cores. Must be called
-    #   before any parallel work starts, hence first.
-    # - autograd anomaly detection off (the default; stated explicitly, it is
-    #   very slow when on).
-    # - model.train(): the mode a training step runs in (there is no dropout,
-    #   so it costs nothing).
-    # - zero_grad(set_to_none=True): no memset of the grads every step.
-    torch.set_num_interop_threads(1)
-    torch.set_num_threads(args.threads)
-    torch.autograd.set_detect_anomaly(False)
-    torch.manual_seed(args.seed)
 
     if args.mode != "eager":
         # The same projections and head split as gpt2_ref.CausalSelfAttention,
@@ -99,11 +78,8 @@ def main(argv=None):
 
     model = gpt2_ref.GPT2(n_layer=args.layers, n_head=args.heads, n_embd=args.embd,
                           vocab_size=args.vocab, seq_len=args.seq).init_random(seed=args.seed)
-    model.train()
     # trainrun's TrainSpec defaults (lr does not affect speed).
-    # The fused CPU AdamW came in 2.4 (1.13 has no `fused`; 2.0-2.3 only for CUDA).
-    major, minor = (int(x) for x in re.match(r"(\d+)\.(\d+)", torch.__version__).groups())
-    fused = (major, minor) >= (2, 4)
+    fused = common.has_fused_cpu_adamw(torch)
     if fused:
         decay, no_decay = gpt2_ref.decay_groups(model)
         opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
@@ -113,35 +89,13 @@ def main(argv=None):
                                   foreach=bool(args.foreach))
     step_model = torch.compile(model) if args.mode == "compile" else model
 
-    # Random batches, made before timing so only the training step is measured.
-    n = args.warmup + args.steps
-    g = torch.Generator().manual_seed(args.seed + 1)
-    xs = torch.randint(0, args.vocab, (n, args.batch, args.seq), generator=g)
-    ys = torch.randint(0, args.vocab, (n, args.batch, args.seq), generator=g)
+    times, losses, _ = common.time_steps(torch, args, model, opt, lambda x, y: step_model(x, y)[1])
 
-    times, losses = [], []
-    for i in range(n):
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        _, loss = step_model(xs[i], ys[i])
-        loss.backward()
-        if args.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        opt.step()
-        losses.append(loss.item())  # .item() also makes sure the step is finished
-        dt = time.perf_counter() - t0
-        if i >= args.warmup:
-            times.append(dt)
-
-    med = statistics.median(times)
-    tokens = args.batch * args.seq
     nparams = sum(p.numel() for p in model.parameters())
     print(f"pytorch gpt2: torch {torch.__version__}, mode {args.mode}, adamw fused={fused}, {nparams} params, B={args.batch} T={args.seq}, "
           f"threads={torch.get_num_threads()} interop={torch.get_num_interop_threads()}, foreach={bool(args.foreach)}, "
-          f"grad_clip={args.grad_clip}; step ms min/median/max {1e3 * min(times):.1f}/{1e3 * med:.1f}/"
-          f"{1e3 * max(times):.1f}; loss {losses[0]:.4f} -> {losses[-1]:.4f}", file=sys.stderr)
-    print(f"pytorch tokens_per_sec={tokens / med:.1f} threads={args.threads} ms_per_step={1e3 * med:.3f} "
-          f"mode={args.mode} torch={torch.__version__}")
+          f"grad_clip={args.grad_clip}; {common.step_summary(times, losses)}", file=sys.stderr)
+    print(common.result_line(torch, args, times))
     return 0
 
 

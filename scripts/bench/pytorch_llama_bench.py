@@ -34,10 +34,7 @@ pytorch_gpt2_bench.py).
 import argparse
 import math
 import os
-import re
-import statistics
 import sys
-import time
 
 # torch is imported in main(), after OPENBLAS_NUM_THREADS is set (see there).
 
@@ -180,10 +177,10 @@ def main(argv=None):
     if args.mode == "compile" and args.warmup < 2:
         ap.error("--mode compile needs --warmup >= 2 (the first steps compile)")
 
-    # See pytorch_gpt2_bench.py: Debian's torch runs its GEMMs in OpenBLAS's
-    # own pthread pool, which set_num_threads does not reach.
-    os.environ["OPENBLAS_NUM_THREADS"] = str(args.threads)
-    import torch
+    # Thread and seed setup: torch_bench_common (shared with the GPT-2 side).
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import torch_bench_common as common
+    torch = common.import_torch(args.threads, args.seed)
     if args.mode != "eager" and not hasattr(torch.nn.functional, "scaled_dot_product_attention"):
         print(f"pytorch: torch {torch.__version__} has no scaled_dot_product_attention; --mode {args.mode} "
               "needs torch 2.x (use --mode eager)", file=sys.stderr)
@@ -191,54 +188,23 @@ def main(argv=None):
     if args.mode == "compile" and not hasattr(torch, "compile"):
         print(f"pytorch: torch {torch.__version__} has no torch.compile (needs 2.x)", file=sys.stderr)
         return 2
-    torch.set_num_interop_threads(1)  # eager training has no inter-op parallelism to use
-    torch.set_num_threads(args.threads)
-    torch.autograd.set_detect_anomaly(False)
-    torch.manual_seed(args.seed)
 
     model, how = build_model(torch, args, args.mode)
-    model.train()
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
     kw = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
-    # The fused CPU kernel came in 2.4 (1.13 has no `fused`; 2.0-2.3 accept it for CUDA only).
-    major, minor = (int(x) for x in re.match(r"(\d+)\.(\d+)", torch.__version__).groups())
-    fused = (major, minor) >= (2, 4)
+    fused = common.has_fused_cpu_adamw(torch)
     opt = torch.optim.AdamW(groups, fused=True, **kw) if fused else torch.optim.AdamW(groups, foreach=False, **kw)
     step_model = torch.compile(model) if args.mode == "compile" else model
 
-    n = args.warmup + args.steps
-    g = torch.Generator().manual_seed(args.seed + 1)
-    xs = torch.randint(0, args.vocab, (n, args.batch, args.seq), generator=g)
-    ys = torch.randint(0, args.vocab, (n, args.batch, args.seq), generator=g)
+    times, losses, t_first = common.time_steps(torch, args, model, opt, step_model)
 
-    times, losses = [], []
-    t_first = None
-    for i in range(n):
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        loss = step_model(xs[i], ys[i])
-        loss.backward()
-        if args.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        opt.step()
-        losses.append(loss.item())  # .item() also makes sure the step is finished
-        dt = time.perf_counter() - t0
-        if i == 0:
-            t_first = dt
-        if i >= args.warmup:
-            times.append(dt)
-
-    med = statistics.median(times)
-    tokens = args.batch * args.seq
     nparams = sum(p.numel() for p in model.parameters())
     print(f"pytorch llama: torch {torch.__version__}, mode {args.mode} ({how}), {nparams} params, "
           f"B={args.batch} T={args.seq}, threads={torch.get_num_threads()}, adamw fused={fused}; first step "
-          f"{1e3 * t_first:.0f} ms; step ms min/median/max {1e3 * min(times):.1f}/{1e3 * med:.1f}/"
-          f"{1e3 * max(times):.1f}; loss {losses[0]:.4f} -> {losses[-1]:.4f}", file=sys.stderr)
-    print(f"pytorch tokens_per_sec={tokens / med:.1f} threads={args.threads} ms_per_step={1e3 * med:.3f} "
-          f"mode={args.mode} torch={torch.__version__}")
+          f"{1e3 * t_first:.0f} ms; {common.step_summary(times, losses)}", file=sys.stderr)
+    print(common.result_line(torch, args, times))
     return 0
 
 
