@@ -1,9 +1,8 @@
 // RMSNorm forward and backward: see rmsnorm.cuh.
 #include "kernels/cuda/rmsnorm.cuh"
+#include "kernels/cuda/smem_occupancy.cuh"
 
 #include <algorithm>
-#include <map>
-#include <mutex>
 
 namespace trainrun::cuda {
 
@@ -212,58 +211,12 @@ __global__ void rmsnorm_backward_finish_kernel(float* dweight, const float* part
   }
 }
 
-// Per-device facts the backward's launch depends on, queried once per
-// device: the opt-in shared memory limit, and the resident blocks per SM of
-// each kernel variant at each shared memory size.
-class BwdDeviceCache {
- public:
-  // Blocks per SM of the variant at `smem` bytes on the current device (0:
-  // does not fit); `smem` > 48 KiB raises the kernels' dynamic shared memory
-  // limit to the opt-in one first (once per device).
-  int blocks_per_sm(bool vec, size_t smem, int* optin_out) {
-    int dev = 0;
-    TR_CUDA_CHECK(cudaGetDevice(&dev));
-    std::lock_guard<std::mutex> lk(mu_);
-    Entry& e = entries_[dev];
-    if (e.optin == 0) {
-      TR_CUDA_CHECK(cudaDeviceGetAttribute(&e.optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-      if (e.optin <= 0) e.optin = int(kBwdSmemTarget);
-    }
-    *optin_out = e.optin;
-    if (smem > size_t(e.optin)) return 0;
-    if (smem > kBwdSmemTarget && !e.raised) {
-      TR_CUDA_CHECK(cudaFuncSetAttribute(rmsnorm_backward_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         e.optin));
-      TR_CUDA_CHECK(cudaFuncSetAttribute(rmsnorm_backward_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         e.optin));
-      e.raised = true;
-    }
-    auto it = e.blocks_per_sm.find({vec, smem});
-    if (it != e.blocks_per_sm.end()) return it->second;
-    int n = 0;
-    if (vec) {
-      TR_CUDA_CHECK(
-          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, rmsnorm_backward_kernel<true>, kBwdThreads, smem));
-    } else {
-      TR_CUDA_CHECK(
-          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, rmsnorm_backward_kernel<false>, kBwdThreads, smem));
-    }
-    e.blocks_per_sm[{vec, smem}] = n;
-    return n;
-  }
-
- private:
-  struct Entry {
-    int optin = 0;        // cudaDevAttrMaxSharedMemoryPerBlockOptin
-    bool raised = false;  // cudaFuncAttributeMaxDynamicSharedMemorySize set to optin for both variants
-    std::map<std::pair<bool, size_t>, int> blocks_per_sm;
-  };
-  std::mutex mu_;
-  std::map<int, Entry> entries_;
-};
-
-BwdDeviceCache& bwd_cache() {
-  static BwdDeviceCache c;
+// The backward's per-device launch facts (opt-in shared memory, blocks
+// per SM of each variant), queried once per device and size.
+SmemOccupancyCache& bwd_cache() {
+  static SmemOccupancyCache c(reinterpret_cast<const void*>(rmsnorm_backward_kernel<true>),
+                              reinterpret_cast<const void*>(rmsnorm_backward_kernel<false>), kBwdThreads,
+                              kBwdSmemTarget);
   return c;
 }
 
