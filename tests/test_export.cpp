@@ -356,6 +356,28 @@ TEST_CASE("export: a Llama trained from scratch gets a minimal generation_config
   CHECK(entries(dir / "hf2") == std::set<std::string>{"config.json", "generation_config.json", "model.safetensors"});
 }
 
+TEST_CASE("export: a relative model.init_from is found from any cwd (the resolved spec holds it absolute)",
+          "[export][llama]") {
+  test::TempDir dir("export_relative");
+  make_hf_llama(dir, {"rel", 1, 4, 2, 16, 24, 31, true, false});
+  test::write_file(dir / "src_rel/tokenizer_config.json", "{\"model_max_length\": 64}\n");
+  test::write_file(dir / "job.yaml", "model: {arch: llama, init_from: 'src_rel', seq_len: 8}\n"
+                                     "data: {format: synthetic, synthetic: {vocab: 31, branching: 3}}\n"
+                                     "train: {global_batch_size: 2, micro_batch_size: 2, max_steps: 1, "
+                                     "warmup_steps: 0, eval_steps: 1}\n"
+                                     "output: {dir: 'run', sample_tokens: 0}\n");
+  // The job runs in `dir` (init_from relative to it); export runs elsewhere.
+  auto r = test::run_command("cd '" + dir.path() + "' && OMP_NUM_THREADS=1 '" + test::trainrun_binary() +
+                             "' --config job.yaml 2>&1");
+  INFO(r.out);
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(test::read_file(dir / "run/job.resolved.yaml"), Contains(dir / "src_rel"));
+  r = export_cmd("--checkpoint '" + dir / "run" + "' --out '" + dir / "hf" + "'");
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK(test::read_file(dir / "hf/tokenizer_config.json") == "{\"model_max_length\": 64}\n");
+}
+
 TEST_CASE("export: GPT-2 from a Hugging Face directory, re-exported as bf16 shards, and generate from it",
           "[export][gpt2][hf]") {
   test::TempDir dir("export_gpt2");

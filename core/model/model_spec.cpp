@@ -151,7 +151,13 @@ void apply_init_from(JobSpec& job, bool log) {
 void resolve_model_shape(JobSpec& job, bool log) {
   if (job.model.preset == "none" && job.model.init_from.empty()) return;  // the spec is the shape, as it always was
   if (job.model.preset != "none") apply_preset(job, log);
-  if (!job.model.init_from.empty()) apply_init_from(job, log);
+  if (!job.model.init_from.empty()) {
+    // Absolute from here on: job.resolved.yaml and the checkpoints' job
+    // spec carry it, and `export`/`generate` read it later from wherever
+    // they are run (a relative path would resolve against their cwd).
+    job.model.init_from = fs::absolute(job.model.init_from).lexically_normal().string();
+    apply_init_from(job, log);
+  }
   validate_job_spec(job);
   // The whole model's rules (the arch's own too), here at job load rather
   // than in every worker. A layout only: no weights are allocated.
