@@ -169,7 +169,8 @@ void check_attention_per_document(const Heads& h) {
     DeviceBuffer saved(be.get(), saved_floats(be.get(), h, 1, n) * 4);
     attn_fwd(be.get(), h, o.get(), saved.as<float>(), q.get(), 1, n, nullptr);
     attn_bwd(be.get(), h, dq.get(), d.get(), q.get(), o.get(), saved.as<float>(), 1, n, nullptr);
-    const Vec oo = download_act_vec(be.get(), o.get(), size_t(n) * C), gg = download_act_vec(be.get(), dq.get(), size_t(n) * W);
+    const Vec oo = download_act_vec(be.get(), o.get(), size_t(n) * C);
+    const Vec gg = download_act_vec(be.get(), dq.get(), size_t(n) * W);
     std::copy(oo.begin(), oo.end(), want_out.begin() + row0 * C);
     std::copy(gg.begin(), gg.end(), want_dqkv.begin() + row0 * W);
   }
@@ -279,7 +280,8 @@ TEST_CASE("docmask: the wpe lookup and its gradient use the positions (encoder a
     F32Tensor gw(be.get(), Vec(size_t(V) * C, 0.0)), gp(be.get(), Vec(size_t(L.T) * C, 0.0));
     ActTensor dd(be.get(), rows(dout, row0, n, C));
     be->encoder_backward(gw.get(), gp.get(), dd.get(), dt.as<int32_t>(), 1, n, C);
-    const Vec a = download_f32_vec(be.get(), gw.get(), size_t(V) * C), b = download_f32_vec(be.get(), gp.get(), size_t(L.T) * C);
+    const Vec a = download_f32_vec(be.get(), gw.get(), size_t(V) * C);
+    const Vec b = download_f32_vec(be.get(), gp.get(), size_t(L.T) * C);
     for (size_t i = 0; i < a.size(); ++i) want_dwte[i] += a[i];
     for (size_t i = 0; i < b.size(); ++i) want_dwpe[i] += b[i];
   }
@@ -291,7 +293,8 @@ TEST_CASE("docmask: the wpe lookup and its gradient use the positions (encoder a
     be->encoder_backward(gw.get(), gp.get(), d.get(), tok.as<int32_t>(), L.B, L.T, C, pos.as<int32_t>());
     check_close("encoder dwpe (by position) == per-document sum", download_f32_vec(be.get(), gp.get(), size_t(L.T) * C),
                 want_dwpe, 1e-6);
-    check_close("encoder dwte == per-document sum", download_f32_vec(be.get(), gw.get(), size_t(V) * C), want_dwte, 1e-6);
+    check_close("encoder dwte == per-document sum", download_f32_vec(be.get(), gw.get(), size_t(V) * C), want_dwte,
+                1e-6);
   }
   SECTION("vocab-parallel embedding, summed over two vocabulary halves") {
     Vec out(size_t(N) * C, 0.0), dwte(size_t(V) * C, 0.0), dwpe(size_t(L.T) * C, 0.0);
@@ -306,7 +309,8 @@ TEST_CASE("docmask: the wpe lookup and its gradient use the positions (encoder a
       F32Tensor gw(be.get(), Vec(size_t(nv) * C, 0.0)), gp(be.get(), Vec(size_t(L.T) * C, 0.0));
       be->vocab_embedding_backward(gw.get(), r == 0 ? gp.get() : nullptr, d.get(), tok.as<int32_t>(), v0, nv, L.B, L.T,
                                    C, pos.as<int32_t>());
-      const Vec a = download_f32_vec(be.get(), gw.get(), size_t(nv) * C), b = download_f32_vec(be.get(), gp.get(), size_t(L.T) * C);
+      const Vec a = download_f32_vec(be.get(), gw.get(), size_t(nv) * C);
+      const Vec b = download_f32_vec(be.get(), gp.get(), size_t(L.T) * C);
       for (size_t i = 0; i < a.size(); ++i) dwte[size_t(v0) * C + i] += a[i];
       for (size_t i = 0; i < b.size(); ++i) dwpe[i] += b[i];
     }
@@ -392,7 +396,8 @@ TEST_CASE("docmask: a document's losses do not see the document before it (and d
       const auto r1 = run_model(be.get(), *arch, params, g1, in, tg, 1, 16, on ? sep : -1);
       const auto r2 = run_model(be.get(), *arch, params, g2, in2, tg, 1, 16, on ? sep : -1);
       double worst = 0;
-      for (int t = 7; t < 16; ++t) worst = std::max(worst, double(std::fabs(r1.losses[size_t(t)] - r2.losses[size_t(t)])));
+      for (int t = 7; t < 16; ++t)
+        worst = std::max(worst, double(std::fabs(r1.losses[size_t(t)] - r2.losses[size_t(t)])));
       std::printf("  %-6s mask %-3s: max |loss change| on document 2 = %.3e\n", a, on ? "on" : "off", worst);
       if (on) CHECK(worst <= 1e-6);
       else CHECK(worst > 1e-4);
@@ -423,8 +428,8 @@ TEST_CASE("docmask: packing equivalence: losses and gradients equal the document
       const auto r = run_model(be.get(), *arch, params, sep_g, di, dt, 1, n, -1);
       std::copy(r.losses.begin(), r.losses.end(), want_losses.begin() + s);
     }
-    check_close(std::string(a) + " packed per-token losses == per document", Vec(packed.losses.begin(), packed.losses.end()),
-                Vec(want_losses.begin(), want_losses.end()), 1e-6);
+    check_close(std::string(a) + " packed per-token losses == per document",
+                Vec(packed.losses.begin(), packed.losses.end()), Vec(want_losses.begin(), want_losses.end()), 1e-6);
     check_close(std::string(a) + " packed gradients == sum over documents", Vec(packed_g.begin(), packed_g.end()),
                 Vec(sep_g.begin(), sep_g.end()), 1e-5);
   }
@@ -484,7 +489,8 @@ void check_same(const std::vector<double>& got, const std::vector<double>& want)
 
 }  // namespace
 
-TEST_CASE("docmask: dp2 (full_shard) and tp2 with sequence parallelism train as one rank does", "[docmask][multirank]") {
+TEST_CASE("docmask: dp2 (full_shard) and tp2 with sequence parallelism train as one rank does",
+          "[docmask][multirank]") {
   for (const char* model : {kGpt2, kLlama}) {
     INFO(model);
     const auto ref = train_losses(model, 1, 1, "no_shard");

@@ -193,6 +193,9 @@ class Trainer {
 
 void Trainer::setup() {
   rank0_ = w_.rank == 0;
+  // data.document_mask's separator first: a job that cannot know it fails
+  // in milliseconds, before a large model is built and initialised.
+  doc_separator_ = resolve_document_separator(job_);
   if (rank0_) {
     std::error_code ec;
     fs::create_directories(job_.output.dir, ec);
@@ -301,7 +304,6 @@ void Trainer::setup() {
   host_tgt_.resize(size_t(mb_) * T_);
   dev_in_ = DeviceBuffer(be_.get(), host_in_.size() * 4);
   dev_tgt_ = DeviceBuffer(be_.get(), host_tgt_.size() * 4);
-  doc_separator_ = resolve_document_separator(job_);
   if (doc_separator_ >= 0) {
     host_doc_start_.resize(host_in_.size());
     host_pos_.resize(host_in_.size());

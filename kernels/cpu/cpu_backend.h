@@ -46,7 +46,8 @@ class CpuBackend final : public Backend {
   void matmul_backward(void* dinp, float* dweight, float* dbias, const void* dout, const void* inp,
                        const void* weight, int N, int C, int OC) override;
   size_t attention_saved_floats(int B, int T, int NH) const override;
-  void attention_forward(void* out, float* saved, const void* qkv, int B, int T, int C, int NH, const int32_t* doc_start = nullptr) override;
+  void attention_forward(void* out, float* saved, const void* qkv, int B, int T, int C, int NH,
+                         const int32_t* doc_start = nullptr) override;
   void attention_backward(void* dqkv, const void* dout, const void* qkv, const void* out, const float* saved, int B, int T,
                           int C, int NH, const int32_t* doc_start = nullptr) override;
   void attention_kv_forward(void* out, void* kcache, void* vcache, const void* qkv, int pos, int Tq, int C,
@@ -69,8 +70,10 @@ class CpuBackend final : public Backend {
                                 int N, int C, float eps) override;
   void rmsnorm_backward(void* dinp, float* dweight, const void* dout, const void* inp, const void* weight,
                         const float* rstd, int N, int C) override;
-  void rope_forward(void* qkv, const float* cos_sin, int B, int T, int NH, int NKV, int HS, int pos0, const int32_t* pos = nullptr) override;
-  void rope_backward(void* dqkv, const float* cos_sin, int B, int T, int NH, int NKV, int HS, int pos0, const int32_t* pos = nullptr) override;
+  void rope_forward(void* qkv, const float* cos_sin, int B, int T, int NH, int NKV, int HS, int pos0,
+                    const int32_t* pos = nullptr) override;
+  void rope_backward(void* dqkv, const float* cos_sin, int B, int T, int NH, int NKV, int HS, int pos0,
+                     const int32_t* pos = nullptr) override;
   void swiglu_forward(void* out, const void* inp, int N, int F) override;
   void swiglu_backward(void* dinp, const void* dout, const void* inp, int N, int F) override;
   size_t attention_gqa_saved_floats(int B, int T, int NH) const override;

@@ -89,8 +89,10 @@ class CudaBackend final : public Backend {
                                 const void* weight, int N, int C, float eps) override;
   void rmsnorm_backward(void* dinp, float* dweight, const void* dout, const void* inp, const void* weight,
                         const float* rstd, int N, int C) override;
-  void rope_forward(void* qkv, const float* cos_sin, int B, int T, int NH, int NKV, int HS, int pos0, const int32_t* pos = nullptr) override;
-  void rope_backward(void* dqkv, const float* cos_sin, int B, int T, int NH, int NKV, int HS, int pos0, const int32_t* pos = nullptr) override;
+  void rope_forward(void* qkv, const float* cos_sin, int B, int T, int NH, int NKV, int HS, int pos0,
+                    const int32_t* pos = nullptr) override;
+  void rope_backward(void* dqkv, const float* cos_sin, int B, int T, int NH, int NKV, int HS, int pos0,
+                     const int32_t* pos = nullptr) override;
   void swiglu_forward(void* out, const void* inp, int N, int F) override;
   void swiglu_backward(void* dinp, const void* dout, const void* inp, int N, int F) override;
   size_t attention_gqa_saved_floats(int B, int T, int NH) const override;
