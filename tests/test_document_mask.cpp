@@ -489,7 +489,7 @@ void check_same(const std::vector<double>& got, const std::vector<double>& want)
 
 }  // namespace
 
-TEST_CASE("docmask: dp2 (full_shard) and tp2 with sequence parallelism train as one rank does",
+TEST_CASE("docmask: dp2 (full_shard, and with activation checkpointing) and tp2 + SP train as one rank does",
           "[docmask][multirank]") {
   for (const char* model : {kGpt2, kLlama}) {
     INFO(model);
@@ -505,6 +505,10 @@ TEST_CASE("docmask: dp2 (full_shard) and tp2 with sequence parallelism train as 
     {
       INFO("tp2 + sequence parallelism");
       check_same(train_losses(model, 2, 2, "no_shard", {"parallel.sequence_parallel=true"}), ref);
+    }
+    {
+      INFO("dp2 shard_grad_op + activation checkpointing (the recompute sees the same documents)");
+      check_same(train_losses(model, 2, 1, "shard_grad_op", {"train.activation_checkpointing=blocks"}), ref);
     }
   }
 }
