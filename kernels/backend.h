@@ -19,6 +19,20 @@
 //        accumulate into theirs, because the residual stream's gradient is
 //        the sum of two paths;
 //      * rope_backward works in place on the gradient it is given.
+// Document masking (data.document_mask; docs/data-format.md): several
+// documents packed into one sequence attend only within their own document
+// and restart their positions at 0. The ops it changes take two optional
+// trailing device arrays (B,T) int32, null = one document per sequence,
+// where every bit is as without them:
+//      * doc_start[b*T+t]: the index in sequence b of the first token of
+//        t's document (0 <= doc_start <= t, non-decreasing in t): the
+//        attention ops let query t see keys [doc_start, t];
+//      * pos[b*T+t] = t - doc_start[b*T+t]: the position the position ops
+//        (encoder/vocab_embedding's wpe row, RoPE's angle) use for row t.
+//   Both come from the host (core/data/document_mask.h), once per batch.
+//   The trailing parameters default to null so that the many callers
+//   without documents stay as they are; every override repeats "= nullptr"
+//   (a default argument binds to the static type).
 // Dimension letters: B batch, T time, C channels, NH heads, HS = C/NH,
 // V vocab, N = B*T rows, OC output channels; for Llama also NKV key/value
 // heads (grouped-query attention), HS the head size, F the MLP's width.
@@ -72,11 +86,13 @@ class Backend {
   virtual void cast_to_f32(float* dst, const void* src, int64_t n) = 0;
 
   // ---- embedding: out(B,T,C) = wte[tokens] + wpe[t] -----------------------
+  // With pos (document masking, above): wpe[pos[b,t]] instead of wpe[t].
   virtual void encoder_forward(void* out, const int32_t* tokens, const void* wte, const void* wpe,
-                               int B, int T, int C) = 0;
-  // dwte(V,C) += scatter(dout), dwpe(T,C) += sum_b dout. Deterministic.
+                               int B, int T, int C, const int32_t* pos = nullptr) = 0;
+  // dwte(V,C) += scatter(dout), dwpe(T,C) += sum_b dout (with pos: the
+  // scatter of dout by pos). Deterministic.
   virtual void encoder_backward(float* dwte, float* dwpe, const void* dout, const int32_t* tokens,
-                                int B, int T, int C) = 0;
+                                int B, int T, int C, const int32_t* pos = nullptr) = 0;
 
   // ---- LayerNorm over the last dim: out = (x-mean)*rstd*w + b, eps 1e-5 -----
   virtual void layernorm_forward(void* out, float* mean, float* rstd, const void* inp,
@@ -131,12 +147,14 @@ class Backend {
   // `saved` is backend-private state for backward, attention_saved_floats() long
   // (the CPU keeps the (B,NH,T,T) probabilities; a flash kernel keeps (B,NH,T) log-sum-exp).
   virtual size_t attention_saved_floats(int B, int T, int NH) const = 0;
+  // With doc_start (document masking, above) query t sees keys [doc_start, t].
   virtual void attention_forward(void* out, float* saved, const void* qkv, int B, int T, int C,
-                                 int NH) = 0;
+                                 int NH, const int32_t* doc_start = nullptr) = 0;
   // dqkv(B,T,3C) overwritten. `out` is the forward's output (B,T,C): a flash
   // backward needs rowsum(dout * out) and must not have to recompute it.
   virtual void attention_backward(void* dqkv, const void* dout, const void* qkv, const void* out,
-                                  const float* saved, int B, int T, int C, int NH) = 0;
+                                  const float* saved, int B, int T, int C, int NH,
+                                  const int32_t* doc_start = nullptr) = 0;
   // Incremental (KV-cached) causal attention for one sequence, the sampler's
   // op. qkv(Tq,3C) holds q|k|v of Tq new tokens at positions [pos, pos+Tq).
   // Their k and v are first written to rows [pos, pos+Tq) of kcache and
@@ -193,13 +211,16 @@ class Backend {
   // is at position pos0 + t (pos0 > 0: KV-cached decoding; training uses 0).
   // cos_sin is fp32 device memory (maxT, HS/2, 2): cos_sin[(p*HS/2 + i)*2] =
   // cos(p f_i), [.. + 1] = sin(p f_i), as kernels/rope_table.h computes it on
-  // the host; it needs maxT >= pos0 + T rows. HS must be even.
-  virtual void rope_forward(void* qkv, const float* cos_sin, int B, int T, int NH, int NKV, int HS, int pos0) {
+  // the host; it needs maxT >= pos0 + T rows. HS must be even. With pos
+  // (document masking, above) row (b,t) is at position pos0 + pos[b,t].
+  virtual void rope_forward(void* qkv, const float* cos_sin, int B, int T, int NH, int NKV, int HS, int pos0,
+                            const int32_t* pos = nullptr) {
     not_implemented("rope_forward");
   }
   // In place on dqkv's dq and dk heads: the transposed rotation (angle -p f_i).
   // dv is not touched (v passes through RoPE unchanged).
-  virtual void rope_backward(void* dqkv, const float* cos_sin, int B, int T, int NH, int NKV, int HS, int pos0) {
+  virtual void rope_backward(void* dqkv, const float* cos_sin, int B, int T, int NH, int NKV, int HS, int pos0,
+                             const int32_t* pos = nullptr) {
     not_implemented("rope_backward");
   }
 
@@ -221,14 +242,15 @@ class Backend {
     not_implemented("attention_gqa_saved_floats");
   }
   virtual void attention_gqa_forward(void* out, float* saved, const void* qkv, int B, int T, int NH, int NKV,
-                                     int HS) {
+                                     int HS, const int32_t* doc_start = nullptr) {
     not_implemented("attention_gqa_forward");
   }
   // dqkv(B,T,(NH+2*NKV)*HS) overwritten. dk and dv of a KV head are summed
   // over the query heads of its group in a fixed order, so the result is
   // bit-reproducible run to run and across thread counts.
   virtual void attention_gqa_backward(void* dqkv, const void* dout, const void* qkv, const void* out,
-                                      const float* saved, int B, int T, int NH, int NKV, int HS) {
+                                      const float* saved, int B, int T, int NH, int NKV, int HS,
+                                      const int32_t* doc_start = nullptr) {
     not_implemented("attention_gqa_backward");
   }
   // KV-cached grouped-query attention for one sequence, as attention_kv_forward:
@@ -249,14 +271,17 @@ class Backend {
   //            + (wpe ? wpe[t] : 0).
   // Summed over the group (all-reduce) it is encoder_forward: exactly one
   // rank owns each token; one rank passes wpe, the others null.
+  // With pos (document masking): wpe[pos[b,t]], as encoder_forward.
   virtual void vocab_embedding_forward(void* out, const int32_t* tokens, const void* wte, const void* wpe,
-                                       int v_begin, int v_count, int B, int T, int C) {
+                                       int v_begin, int v_count, int B, int T, int C,
+                                       const int32_t* pos = nullptr) {
     not_implemented("vocab_embedding_forward");
   }
   // dwte(v_count,C) += scatter of dout over the tokens in range; dwpe(T,C)
   // += sum_b dout when dwpe is non-null. Deterministic, as encoder_backward.
   virtual void vocab_embedding_backward(float* dwte, float* dwpe, const void* dout, const int32_t* tokens,
-                                        int v_begin, int v_count, int B, int T, int C) {
+                                        int v_begin, int v_count, int B, int T, int C,
+                                        const int32_t* pos = nullptr) {
     not_implemented("vocab_embedding_backward");
   }
   // Cross-entropy over logits split by vocabulary, without gathering them

@@ -103,8 +103,8 @@ struct BareBackend final : Backend {
   void reset_peak() override {}
   void cast_from_f32(void*, const float*, int64_t) override {}
   void cast_to_f32(float*, const void*, int64_t) override {}
-  void encoder_forward(void*, const int32_t*, const void*, const void*, int, int, int) override {}
-  void encoder_backward(float*, float*, const void*, const int32_t*, int, int, int) override {}
+  void encoder_forward(void*, const int32_t*, const void*, const void*, int, int, int, const int32_t*) override {}
+  void encoder_backward(float*, float*, const void*, const int32_t*, int, int, int, const int32_t*) override {}
   void layernorm_forward(void*, float*, float*, const void*, const void*, const void*, int, int) override {}
   void residual_layernorm_forward(void*, void*, float*, float*, const void*, const void*, const void*, const void*,
                                   int, int) override {}
@@ -118,8 +118,9 @@ struct BareBackend final : Backend {
   void lm_head_forward(void*, const void*, const void*, int, int, int, int) override {}
   void lm_head_backward(void*, float*, const void*, const void*, const void*, int, int, int, int) override {}
   size_t attention_saved_floats(int, int, int) const override { return 0; }
-  void attention_forward(void*, float*, const void*, int, int, int, int) override {}
-  void attention_backward(void*, const void*, const void*, const void*, const float*, int, int, int, int) override {}
+  void attention_forward(void*, float*, const void*, int, int, int, int, const int32_t*) override {}
+  void attention_backward(void*, const void*, const void*, const void*, const float*, int, int, int, int,
+                          const int32_t*) override {}
   void attention_kv_forward(void*, void*, void*, const void*, int, int, int, int) override {}
   void gelu_forward(void*, const void*, int64_t) override {}
   void gelu_backward(void*, const void*, const void*, int64_t) override {}

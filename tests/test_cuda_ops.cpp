@@ -884,6 +884,82 @@ TEST_CASE("cuda: grouped-query attention forward and backward", "[cuda][llama]")
                     Catch::Matchers::Contains("head size 256 (head_dim)"));
 }
 
+// data.document_mask on the GPU against the CPU backend (itself checked
+// against per-document runs and finite differences, tests/test_document_mask.cpp):
+// attention (MHA and GQA, forward + backward), RoPE and the encoder with
+// positions restarting per document. Documents of length 1, at positions 0
+// and T-1, on and off the 64-row tiles, one spanning a whole sequence.
+TEST_CASE("cuda: document-masked attention, RoPE and encoder match the CPU backend", "[cuda][llama][docmask]") {
+  CUDA_TEST_OR_SKIP();
+  Pair p;
+  const int T = 200, B = 3;
+  const std::vector<std::vector<int>> starts = {{0, 1, 2, 3, 64, 65, 130, 199}, {}, {63, 64, 128, 129}};
+  std::vector<int32_t> ds(size_t(B) * T), pos(size_t(B) * T);
+  for (int b = 0; b < B; ++b) {
+    int cur = 0;
+    for (int t = 0; t < T; ++t) {
+      for (int s : starts[size_t(b)]) if (s == t) cur = t;
+      ds[size_t(b * T + t)] = cur;
+      pos[size_t(b * T + t)] = t - cur;
+    }
+  }
+  Tok dsk(p, ds), posk(p, pos);
+  for (Gqa h : {Gqa{4, 4, 64}, Gqa{8, 2, 64}, Gqa{6, 6, 19}, Gqa{4, 1, 128}}) {
+    const bool mha = h.NH == h.NKV;
+    const std::string sh = shape({{"NH", h.NH}, {"NKV", h.NKV}, {"HS", h.HS}});
+    const size_t nqkv = size_t(B) * T * h.ld(), nout = size_t(B) * T * h.C();
+    Twin qkv(p, randn(nqkv, 291), true);
+    Twin out = out_twin(p, nout, true);
+    DeviceBuffer csaved(p.cpu.get(), p.cpu->attention_gqa_saved_floats(B, T, h.NH) * 4);
+    DeviceBuffer gsaved(p.gpu.get(), p.gpu->attention_gqa_saved_floats(B, T, h.NH) * 4);
+    Twin dout(p, randn(nout, 292), true);
+    Twin dqkv = out_twin(p, nqkv, true);
+    if (mha) {
+      const int C = int(h.C());
+      p.cpu->attention_forward(out.c(), csaved.as<float>(), qkv.c(), B, T, C, h.NH, dsk.cp());
+      p.gpu->attention_forward(out.g(), gsaved.as<float>(), qkv.g(), B, T, C, h.NH, dsk.gp());
+      p.cpu->attention_backward(dqkv.c(), dout.c(), qkv.c(), out.c(), csaved.as<float>(), B, T, C, h.NH, dsk.cp());
+      p.gpu->attention_backward(dqkv.g(), dout.g(), qkv.g(), out.g(), gsaved.as<float>(), B, T, C, h.NH, dsk.gp());
+    } else {
+      p.cpu->attention_gqa_forward(out.c(), csaved.as<float>(), qkv.c(), B, T, h.NH, h.NKV, h.HS, dsk.cp());
+      p.gpu->attention_gqa_forward(out.g(), gsaved.as<float>(), qkv.g(), B, T, h.NH, h.NKV, h.HS, dsk.gp());
+      p.cpu->attention_gqa_backward(dqkv.c(), dout.c(), qkv.c(), out.c(), csaved.as<float>(), B, T, h.NH, h.NKV, h.HS,
+                                    dsk.cp());
+      p.gpu->attention_gqa_backward(dqkv.g(), dout.g(), qkv.g(), out.g(), gsaved.as<float>(), B, T, h.NH, h.NKV, h.HS,
+                                    dsk.gp());
+    }
+    check_close("doc-masked attention out " + sh, out.read_gpu(p), out.read_cpu(p), kAttnFwd);
+    check_close("doc-masked attention dqkv " + sh, dqkv.read_gpu(p), dqkv.read_cpu(p), kAttnBwd);
+  }
+  {
+    const Gqa h{8, 2, 64};
+    const std::vector<float> table = rope_table(T, h.HS, 500000.0, nullptr);
+    DeviceBuffer ccs = upload_f32(p.cpu.get(), table), gcs = upload_f32(p.gpu.get(), table);
+    Twin x(p, randn(size_t(B) * T * h.ld(), 293), true);
+    p.cpu->rope_forward(x.c(), ccs.as<float>(), B, T, h.NH, h.NKV, h.HS, 0, posk.cp());
+    p.gpu->rope_forward(x.g(), gcs.as<float>(), B, T, h.NH, h.NKV, h.HS, 0, posk.gp());
+    check_close("doc-masked rope forward", x.read_gpu(p), x.read_cpu(p), kBf16);
+    p.cpu->rope_backward(x.c(), ccs.as<float>(), B, T, h.NH, h.NKV, h.HS, 0, posk.cp());
+    p.gpu->rope_backward(x.g(), gcs.as<float>(), B, T, h.NH, h.NKV, h.HS, 0, posk.gp());
+    check_close("doc-masked rope backward", x.read_gpu(p), x.read_cpu(p), kBf16);
+  }
+  {
+    const int C = 72, V = 50;
+    Tok tk(p, rand_tokens(size_t(B) * T, V, 294));
+    Twin wte(p, randn(size_t(V) * C, 295), true), wpe(p, randn(size_t(T) * C, 296), true);
+    Twin out = out_twin(p, size_t(B) * T * C, true);
+    p.cpu->encoder_forward(out.c(), tk.cp(), wte.c(), wpe.c(), B, T, C, posk.cp());
+    p.gpu->encoder_forward(out.g(), tk.gp(), wte.g(), wpe.g(), B, T, C, posk.gp());
+    check_close("doc-masked encoder fwd", out.read_gpu(p), out.read_cpu(p), kBf16);
+    Twin dout(p, randn(size_t(B) * T * C, 297), true);
+    Twin dwte(p, Vec(size_t(V) * C, 0.0f), false), dwpe(p, Vec(size_t(T) * C, 0.0f), false);
+    p.cpu->encoder_backward(dwte.cf(), dwpe.cf(), dout.c(), tk.cp(), B, T, C, posk.cp());
+    p.gpu->encoder_backward(dwte.gf(), dwpe.gf(), dout.g(), tk.gp(), B, T, C, posk.gp());
+    check_close("doc-masked encoder dwte", dwte.read_gpu(p), dwte.read_cpu(p), kF32);
+    check_close("doc-masked encoder dwpe (by position)", dwpe.read_gpu(p), dwpe.read_cpu(p), kF32);
+  }
+}
+
 TEST_CASE("cuda: grouped-query attention with NKV == NH is multi-head attention bit for bit", "[cuda][llama]") {
   CUDA_TEST_OR_SKIP();
   Pair p;

@@ -16,6 +16,7 @@
 
 #include "core/common/error.h"
 #include "core/data/dataset.h"
+#include "core/data/document_mask.h"
 #include "core/data/tokenizer/tokenizer.h"
 #include "tests/support/testutil.h"
 
@@ -540,6 +541,17 @@ TEST_CASE("prepare --tokenizer: bad input names file:line or the byte offset and
                       Contains("data.train") && Contains("3001 ids") && Contains("model.vocab_size = 3000") &&
                           Contains("prepare.json"));
   REQUIRE(open_token_files(d / "out/train_*.bin", "llmc", 3001, "data.train")->num_tokens() > 0);
+
+  // data.document_mask's default separator: prepare.json's document_start_id
+  // is the token every document starts with (the shard's first token).
+  const std::string shard = test::read_file(d / "out/train_000000.bin");
+  REQUIRE(shard.size() >= 1026);
+  const int first = int(uint8_t(shard[1024])) | int(uint8_t(shard[1025])) << 8;  // uint16 after the 1024-byte header
+  CHECK(read_json(d / "out/prepare.json")["document_start_id"] == first);
+  const JobSpec job = parse_job_spec("model: {n_layer: 1, n_head: 2, n_embd: 8, vocab_size: 3001, seq_len: 8}\n"
+                                     "data: {train: '" + (d / "out/train_*.bin") + "', document_mask: true}\n",
+                                     "job.yaml");
+  CHECK(resolve_document_separator(job) == first);
 }
 
 namespace {

@@ -157,6 +157,16 @@ const std::vector<Field>& fields() {
                     "layout of the token files; synthetic = a generated Markov chain, no files"),
       TR_SPEC_FIELD(data.train, any(), "training shards, a path or glob; required unless format is synthetic"),
       TR_SPEC_FIELD(data.val, any(), "validation shards, a path or glob; empty = no evaluation"),
+      TR_SPEC_FIELD(data.document_mask, one_of({"false", "true"}),
+                    "pack documents without letting them see each other: true = block-causal attention (a token "
+                    "attends only to earlier tokens of its own document) and positions (gpt2's wpe, llama's RoPE) "
+                    "restarting at 0 at each document; a document starts at each data.document_separator token "
+                    "(which belongs to the document it starts) and at each sequence start (docs/data-format.md)"),
+      TR_SPEC_FIELD(data.document_separator, at_least(-1),
+                    "with data.document_mask: the token id that starts each document (prepare writes the "
+                    "tokenizer's BOS, e.g. Llama 3's 128000, or GPT-2's <|endoftext|> 50256, before every "
+                    "document); -1 = the document_start_id of the prepare.json beside data.train (an error when "
+                    "there is none, e.g. synthetic or raw data); must be below model.vocab_size"),
       TR_SPEC_FIELD(data.synthetic.vocab, at_least(0), "tokens in the Markov chain; 0 = model.vocab_size"),
       TR_SPEC_FIELD(data.synthetic.branching, at_least(1), "successors per state with non-zero probability"),
       TR_SPEC_FIELD(data.synthetic.concentration, above(0),
@@ -701,6 +711,16 @@ void check_rules(JobSpec& s, const Origins& o, const std::string& fallback, bool
            str(d.synthetic.branching) + " is larger than the chain's vocabulary (" + str(chain_vocab) +
                "); use at most " + str(chain_vocab));
   }
+  // data.document_mask's separator: what the spec alone can tell (prepare.json
+  // is looked up when the data is opened, core/data/document_mask.h).
+  if (d.document_mask_on() && d.format == "synthetic" && d.document_separator < 0)
+    fail(at({"data.document_mask", "data.document_separator", "data.format"}), "data.document_mask",
+         "true needs data.document_separator with data.format synthetic (a generated chain has no documents); set "
+         "data.document_separator to a token id that starts a document, or turn data.document_mask off");
+  if (shape && d.document_separator >= m.vocab_size)
+    fail(at({"data.document_separator", "model.vocab_size"}), "data.document_separator",
+         str(d.document_separator) + " is not a token id of the model (model.vocab_size = " + str(m.vocab_size) +
+             "); use the id of the token that starts each document");
 
   TrainSpec& t = s.train;
   if (shape && t.global_batch_tokens > 0) {

@@ -45,6 +45,9 @@ struct DataSpec {
   std::string train;                  // path or glob of training shards (not for synthetic)
   std::string val;                    // path or glob of validation shards; empty = no eval
   SyntheticSpec synthetic;
+  std::string document_mask = "false"; // false | true: block-causal attention + positions restarting per document
+  int document_separator = -1;        // the token id that starts a document; -1 = prepare.json's document_start_id
+  bool document_mask_on() const { return document_mask == "true"; }
 };
 
 struct TrainSpec {

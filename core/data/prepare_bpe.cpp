@@ -538,6 +538,7 @@ std::string prepare_tokenized_shards(const PrepareOptions& opts) {
                      {"vocab_size", tok.vocab_size()},
                      {"format", opts.format},
                      {"document_start", job.sp.doc_start_name},
+                     {"document_start_id", job.sp.doc_start},
                      {"chat_template", chat ? template_name(job.sp.tmpl) : ""},
                      {"loss_masks", chat}};
   const std::string meta_text = meta.dump(2) + "\n";

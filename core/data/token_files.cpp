@@ -23,6 +23,7 @@
 #include "core/common/error.h"
 #include "core/common/log.h"
 #include "core/data/dataset.h"
+#include "core/data/document_mask.h"
 #include "core/data/llmc_format.h"
 
 namespace trainrun {
@@ -421,6 +422,36 @@ void check_prepared_vocab(const std::vector<std::string>& paths, int vocab_size,
 }
 
 }  // namespace
+
+int prepared_document_start(const std::string& pattern, const std::string& key) {
+  if (pattern.empty()) return -1;
+  std::set<std::string> dirs;
+  for (const auto& p : expand_pattern(pattern, key)) {
+    const size_t slash = p.rfind('/');
+    dirs.insert(slash == std::string::npos ? "." : p.substr(0, slash));
+  }
+  int id = -1;
+  std::string from;
+  for (const auto& dir : dirs) {
+    const std::string meta_path = dir + "/prepare.json";
+    std::ifstream f(meta_path);
+    if (!f) continue;
+    nlohmann::json meta;
+    try {
+      meta = nlohmann::json::parse(f);
+    } catch (const std::exception& e) {
+      TR_FAIL(key, ": '", meta_path, "' is not valid JSON (", e.what(), "); re-run `trainrun prepare` or remove it");
+    }
+    if (!meta.is_object() || !meta.contains("document_start_id") || !meta["document_start_id"].is_number_unsigned())
+      continue;
+    const int v = meta["document_start_id"].get<int>();
+    TR_CHECK(id < 0 || v == id, key, ": '", meta_path, "' records document_start_id ", v, " but '", from, "' ", id,
+             "; the shards were prepared with different tokenizers: set data.document_separator explicitly");
+    id = v;
+    from = meta_path;
+  }
+  return id;
+}
 
 std::unique_ptr<TokenSource> open_token_files(const std::string& pattern, const std::string& format,
                                               int vocab_size, const std::string& key) {

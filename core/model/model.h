@@ -188,6 +188,18 @@ class FlatUnitAccess final : public UnitAccess {
 
 // ---- the compute ---------------------------------------------------------------------------
 
+// Document masking (data.document_mask): where each token's document starts
+// in its sequence, as the backend's document-masked ops take it
+// (kernels/backend.h). Both are device int32 (B,T), made on the host from
+// the batch's tokens (core/data/document_mask.h). Under tensor/sequence
+// parallelism every TP rank passes the same arrays of the full sequence:
+// attention and the embedding run on all T rows on every rank.
+struct DocumentMask {
+  const int32_t* doc_start = nullptr;  // (B,T) first index of t's document; attention sees keys [doc_start, t]
+  const int32_t* pos = nullptr;        // (B,T) t - doc_start: the position wpe / RoPE use
+  bool on() const { return doc_start != nullptr; }
+};
+
 // Forward/backward of one architecture over a Backend. Owns the activation
 // buffers for up to (maxB, T) tokens; parameters come through UnitAccess.
 class Network {
@@ -196,8 +208,11 @@ class Network {
   // Forward over inputs (B,T) device int32. With targets: per-token losses
   // (device, B*T fp32 at losses()). When `for_backward`, the logits buffer is
   // replaced by dloss_scale * dloss/dlogits (fused softmax + cross-entropy).
+  // `docs` (document masking): the batch's documents, which the backward of
+  // this forward uses too (they must stay valid until it); default: one
+  // document per sequence, bit for bit the model without documents.
   virtual void forward(UnitAccess& units, const int32_t* inputs, const int32_t* targets, int B, int T,
-                       bool for_backward, float dloss_scale) = 0;
+                       bool for_backward, float dloss_scale, DocumentMask docs = {}) = 0;
   // Accumulates parameter gradients (+=) for the last forward(for_backward=true).
   virtual void backward(UnitAccess& units) = 0;
   virtual const float* losses() const = 0;          // (B*T) device

@@ -15,6 +15,7 @@
 #include "core/common/error.h"
 #include "core/common/log.h"
 #include "core/data/dataset.h"
+#include "core/data/document_mask.h"
 #include "core/launch/debug_hooks.h"
 #include "core/model/model.h"
 #include "core/model/model_spec.h"
@@ -177,6 +178,14 @@ class Trainer {
   int64_t cursor_ = 0;  // global sample index of the next training batch
   std::vector<int32_t> host_in_, host_tgt_;
   DeviceBuffer dev_in_, dev_tgt_;
+  // data.document_mask: the separator (-1 = off) and each batch's document
+  // offsets (host, then device), made from the inputs in read_batch.
+  int doc_separator_ = -1;
+  std::vector<int32_t> host_doc_start_, host_pos_;
+  DeviceBuffer dev_doc_start_, dev_pos_;
+  DocumentMask docs() const {
+    return doc_separator_ < 0 ? DocumentMask{} : DocumentMask{dev_doc_start_.as<int32_t>(), dev_pos_.as<int32_t>()};
+  }
   DeviceBuffer dev_loss_sum_;  // one fp32: the sum of this rank's token losses so far
   bool rank0_ = true;
   std::string prefix_;
@@ -184,6 +193,9 @@ class Trainer {
 
 void Trainer::setup() {
   rank0_ = w_.rank == 0;
+  // data.document_mask's separator first: a job that cannot know it fails
+  // in milliseconds, before a large model is built and initialised.
+  doc_separator_ = resolve_document_separator(job_);
   if (rank0_) {
     std::error_code ec;
     fs::create_directories(job_.output.dir, ec);
@@ -292,11 +304,21 @@ void Trainer::setup() {
   host_tgt_.resize(size_t(mb_) * T_);
   dev_in_ = DeviceBuffer(be_.get(), host_in_.size() * 4);
   dev_tgt_ = DeviceBuffer(be_.get(), host_tgt_.size() * 4);
+  if (doc_separator_ >= 0) {
+    host_doc_start_.resize(host_in_.size());
+    host_pos_.resize(host_in_.size());
+    dev_doc_start_ = DeviceBuffer(be_.get(), host_in_.size() * 4);
+    dev_pos_ = DeviceBuffer(be_.get(), host_in_.size() * 4);
+  }
   dev_loss_sum_ = DeviceBuffer(be_.get(), 4);
 
   if (rank0_) {
     TR_LOG_INFO("model: ", arch_->describe(), " (", arch_->num_parameters(), " parameters)");
     TR_LOG_INFO("data: train ", train_src_->describe(), val_src_ ? "; val " + val_src_->describe() : "; no val");
+    if (doc_separator_ >= 0)
+      TR_LOG_INFO("data: document mask on: a document starts at each token ", doc_separator_,
+                  job_.data.document_separator < 0 ? " (prepare.json's document_start_id)" : "",
+                  " and at each sequence start; attention stays inside a document and positions restart at 0");
     if (train_src_->entropy_floor() >= 0)
       TR_LOG_INFO("data: entropy floor (the lowest reachable loss) H = ", fmt(train_src_->entropy_floor(), 4),
                   " nats/token");
@@ -329,6 +351,11 @@ void Trainer::read_batch(const TokenSource& src, int64_t first, int B) {
   src.read_samples(first, B, T_, host_in_.data(), host_tgt_.data());
   be_->copy_to_device(dev_in_.get(), host_in_.data(), size_t(B) * T_ * 4);
   be_->copy_to_device(dev_tgt_.get(), host_tgt_.data(), size_t(B) * T_ * 4);
+  if (doc_separator_ >= 0) {
+    document_offsets(host_in_.data(), B, T_, doc_separator_, host_doc_start_.data(), host_pos_.data());
+    be_->copy_to_device(dev_doc_start_.get(), host_doc_start_.data(), size_t(B) * T_ * 4);
+    be_->copy_to_device(dev_pos_.get(), host_pos_.data(), size_t(B) * T_ * 4);
+  }
 }
 
 // The per-token losses are summed on the device, so on a GPU no micro-batch
@@ -347,7 +374,8 @@ Trainer::StepResult Trainer::train_step(int step) {
   for (int m = 0; m < accum_; ++m) {
     int64_t first = cursor_ + (int64_t(m) * dp_size_ + dp_rank_) * mb_;
     read_batch(*train_src_, first, mb_);
-    model_->forward(*params_, dev_in_.as<int32_t>(), dev_tgt_.as<int32_t>(), mb_, T_, true, dloss_scale);
+    model_->forward(*params_, dev_in_.as<int32_t>(), dev_tgt_.as<int32_t>(), mb_, T_, true, dloss_scale,
+                    docs());
     be_->sum(dev_loss_sum_.as<float>(), model_->losses(), int64_t(mb_) * T_);
     model_->backward(*params_);
   }
@@ -373,7 +401,7 @@ double Trainer::evaluate() {
     ntgt += val_src_->count_targets(int64_t(e) * global_B_, global_B_, T_);
     for (int m = 0; m < accum_; ++m) {
       read_batch(*val_src_, int64_t(e) * global_B_ + (int64_t(m) * dp_size_ + dp_rank_) * mb_, mb_);
-      model_->forward(*params_, dev_in_.as<int32_t>(), dev_tgt_.as<int32_t>(), mb_, T_, false, 0.0f);
+      model_->forward(*params_, dev_in_.as<int32_t>(), dev_tgt_.as<int32_t>(), mb_, T_, false, 0.0f, docs());
       be_->sum(dev_loss_sum_.as<float>(), model_->losses(), int64_t(mb_) * T_);
     }
   }

@@ -34,34 +34,54 @@ namespace trainrun::cpu {
 // enough to skip most of the triangle at T = 256..1024.
 constexpr int kCausalBlock = 64;
 
+// Document masking: ds (T) is this sequence's doc_start (kernels/backend.h),
+// null for one document. doc_start never decreases along t, so query block
+// [t0, t1) sees keys [ds[t0], t1) and key block [j0, j1) is seen by queries
+// [j0, doc_end_after(j1)), where doc_end_after(j1) is the first t >= j1 whose
+// document starts at or after j1. The same exact-zero argument as the causal
+// skip applies, so without a mask (ds null: key range [0, t1)) every bit is
+// as before.
+inline int doc_first_key(const int32_t* ds, int t) { return ds ? ds[t] : 0; }
+inline int doc_queries_end(const int32_t* ds, int j1, int T) {
+  if (!ds) return T;
+  int t = j1;
+  while (t < T && ds[t] < j1) ++t;
+  return t;
+}
+
 inline void causal_head_forward(float* o, int ldo, float* P, const float* q, const float* k, const float* v, int ld,
-                                int T, int HS, float sc) {
+                                int T, int HS, float sc, const int32_t* ds = nullptr) {
   for (int t0 = 0; t0 < T; t0 += kCausalBlock) {
     const int t1 = std::min(T, t0 + kCausalBlock), m = t1 - t0;
-    float* Pb = P + int64_t(t0) * T;
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, t1, HS, sc, q + int64_t(t0) * ld, ld, k, ld, 0.0f, Pb, T);
-    for (int t = t0; t < t1; ++t) causal_softmax_row(P + int64_t(t) * T, t, T);  // zero-fills up to T
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, HS, t1, 1.0f, Pb, T, v, ld, 0.0f, o + int64_t(t0) * ldo,
-                ldo);
+    const int kb = doc_first_key(ds, t0);  // the block's first visible key
+    float* Pb = P + int64_t(t0) * T + kb;
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, t1 - kb, HS, sc, q + int64_t(t0) * ld, ld,
+                k + int64_t(kb) * ld, ld, 0.0f, Pb, T);
+    for (int t = t0; t < t1; ++t)  // zero-fills [0, first) and (t, T)
+      causal_softmax_row(P + int64_t(t) * T, doc_first_key(ds, t), t, T);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, HS, t1 - kb, 1.0f, Pb, T, v + int64_t(kb) * ld, ld, 0.0f,
+                o + int64_t(t0) * ldo, ldo);
   }
 }
 
 // dP is scratch (T, T); on return it holds dS.
 inline void causal_head_backward(float* dq, float* dk, float* dv, int ldkv, float beta_kv, float* dP, const float* dO,
                                  int ldo, const float* P, const float* q, const float* k, const float* v, int ld, int T,
-                                 int HS, float sc) {
+                                 int HS, float sc, const int32_t* ds = nullptr) {
   for (int t0 = 0; t0 < T; t0 += kCausalBlock) {
     const int t1 = std::min(T, t0 + kCausalBlock), m = t1 - t0;
-    float* dPb = dP + int64_t(t0) * T;
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, t1, HS, 1.0f, dO + int64_t(t0) * ldo, ldo, v, ld, 0.0f,
-                dPb, T);
+    const int kb = doc_first_key(ds, t0);
+    float* dPb = dP + int64_t(t0) * T + kb;
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, t1 - kb, HS, 1.0f, dO + int64_t(t0) * ldo, ldo,
+                v + int64_t(kb) * ld, ld, 0.0f, dPb, T);
     for (int t = t0; t < t1; ++t)
-      causal_softmax_backward_row(dP + int64_t(t) * T, P + int64_t(t) * T, t, T, sc);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, HS, t1, 1.0f, dPb, T, k, ld, 0.0f, dq + int64_t(t0) * ld,
-                ld);
+      causal_softmax_backward_row(dP + int64_t(t) * T, P + int64_t(t) * T, doc_first_key(ds, t), t, T, sc);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, HS, t1 - kb, 1.0f, dPb, T, k + int64_t(kb) * ld, ld,
+                0.0f, dq + int64_t(t0) * ld, ld);
   }
   for (int j0 = 0; j0 < T; j0 += kCausalBlock) {
-    const int m = std::min(T, j0 + kCausalBlock) - j0, kk = T - j0;  // kk: the queries t >= j0
+    const int j1 = std::min(T, j0 + kCausalBlock), m = j1 - j0;
+    const int kk = doc_queries_end(ds, j1, T) - j0;  // kk: the queries t >= j0 that see a key of the block
     const int64_t at = int64_t(j0) * T + j0;
     cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, m, HS, kk, 1.0f, P + at, T, dO + int64_t(j0) * ldo, ldo,
                 beta_kv, dv + int64_t(j0) * ldkv, ldkv);

@@ -10,7 +10,8 @@
 // Backward per (b,h): dP = dout v^T, dS = P * (dP - rowsum(P*dP)) / sqrt(HS),
 //                     dq = dS k, dk = dS^T q, dv = P^T dout.
 // Each (b,h) is causal_head.h's forward/backward, which skips the masked
-// upper triangle block by block without changing a bit.
+// upper triangle block by block without changing a bit, and with doc_start
+// (document masking) also the blocks of keys before a block's document.
 // The (b,h) pairs are spread over OpenMP threads; inside the parallel region
 // the OpenMP build of OpenBLAS runs each sgemm single-threaded. The row
 // softmax and its backward are shared with grouped-query attention
@@ -33,7 +34,8 @@ size_t CpuBackend::attention_saved_floats(int B, int T, int NH) const {
   return size_t(B) * NH * T * T;
 }
 
-void CpuBackend::attention_forward(void* out_, float* saved, const void* qkv_, int B, int T, int C, int NH) {
+void CpuBackend::attention_forward(void* out_, float* saved, const void* qkv_, int B, int T, int C, int NH,
+                                   const int32_t* doc_start) {
   float* out = static_cast<float*>(out_);
   const float* qkv = static_cast<const float*>(qkv_);
   const int HS = C / NH;
@@ -46,13 +48,13 @@ void CpuBackend::attention_forward(void* out_, float* saved, const void* qkv_, i
     const float* k = q + C;
     const float* v = q + 2 * C;
     float* P = saved + int64_t(bh) * T * T;
-    cpu::causal_head_forward(out + int64_t(b) * T * C + h * HS, C, P, q, k, v, C3, T, HS, sc);
+    cpu::causal_head_forward(out + int64_t(b) * T * C + h * HS, C, P, q, k, v, C3, T, HS, sc,
+                             doc_start ? doc_start + int64_t(b) * T : nullptr);
   }
 }
 
 void CpuBackend::attention_backward(void* dqkv_, const void* dout_, const void* qkv_, const void* /*out: P is kept*/,
-                                    const float* saved, int B,
-                                    int T, int C, int NH) {
+                                    const float* saved, int B, int T, int C, int NH, const int32_t* doc_start) {
   float* dqkv = static_cast<float*>(dqkv_);
   const float* dout = static_cast<const float*>(dout_);
   const float* qkv = static_cast<const float*>(qkv_);
@@ -76,7 +78,8 @@ void CpuBackend::attention_backward(void* dqkv_, const void* dout_, const void* 
       float* dv = dq + 2 * C;
       const float* P = saved + int64_t(bh) * T * T;
       const float* dO = dout + int64_t(b) * T * C + h * HS;
-      cpu::causal_head_backward(dq, dk, dv, C3, 0.0f, dP, dO, C, P, q, k, v, C3, T, HS, sc);
+      cpu::causal_head_backward(dq, dk, dv, C3, 0.0f, dP, dO, C, P, q, k, v, C3, T, HS, sc,
+                                doc_start ? doc_start + int64_t(b) * T : nullptr);
     }
   }
 }

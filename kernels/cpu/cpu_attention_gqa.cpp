@@ -45,7 +45,7 @@ void check_gqa_heads(const char* op, int NH, int NKV, int HS) {
 size_t CpuBackend::attention_gqa_saved_floats(int B, int T, int NH) const { return size_t(B) * NH * T * T; }
 
 void CpuBackend::attention_gqa_forward(void* out_, float* saved, const void* qkv_, int B, int T, int NH, int NKV,
-                                       int HS) {
+                                       int HS, const int32_t* doc_start) {
   check_gqa_heads("attention_gqa_forward", NH, NKV, HS);
   float* out = static_cast<float*>(out_);
   const float* qkv = static_cast<const float*>(qkv_);
@@ -59,12 +59,14 @@ void CpuBackend::attention_gqa_forward(void* out_, float* saved, const void* qkv
     const float* k = row0 + (NH + g) * HS;
     const float* v = row0 + (NH + NKV + g) * HS;
     float* P = saved + int64_t(bh) * T * T;
-    cpu::causal_head_forward(out + int64_t(b) * T * C + h * HS, C, P, q, k, v, ld, T, HS, sc);
+    cpu::causal_head_forward(out + int64_t(b) * T * C + h * HS, C, P, q, k, v, ld, T, HS, sc,
+                             doc_start ? doc_start + int64_t(b) * T : nullptr);
   }
 }
 
 void CpuBackend::attention_gqa_backward(void* dqkv_, const void* dout_, const void* qkv_, const void* /*out: P is kept*/,
-                                        const float* saved, int B, int T, int NH, int NKV, int HS) {
+                                        const float* saved, int B, int T, int NH, int NKV, int HS,
+                                        const int32_t* doc_start) {
   check_gqa_heads("attention_gqa_backward", NH, NKV, HS);
   float* dqkv = static_cast<float*>(dqkv_);
   const float* dout = static_cast<const float*>(dout_);
@@ -90,11 +92,13 @@ void CpuBackend::attention_gqa_backward(void* dqkv_, const void* dout_, const vo
       float* dq = dqkv + row0 + h * HS;
       const float* P = saved + int64_t(bh) * T * T;
       const float* dO = dout + int64_t(b) * T * C + h * HS;
+      const int32_t* ds = doc_start ? doc_start + int64_t(b) * T : nullptr;
       if (R == 1)
         cpu::causal_head_backward(dq, dqkv + row0 + (NH + g) * HS, dqkv + row0 + (NH + NKV + g) * HS, ld, 0.0f, dP, dO,
-                                  C, P, q, k, v, ld, T, HS, sc);
+                                  C, P, q, k, v, ld, T, HS, sc, ds);
       else
-        cpu::causal_head_backward(dq, pk + bh * part, pv + bh * part, HS, 0.0f, dP, dO, C, P, q, k, v, ld, T, HS, sc);
+        cpu::causal_head_backward(dq, pk + bh * part, pv + bh * part, HS, 0.0f, dP, dO, C, P, q, k, v, ld, T, HS, sc,
+                                  ds);
     }
     if (R > 1) {
       // dk_g, dv_g = the group's partials summed in head order, row by row.
@@ -147,7 +151,7 @@ void CpuBackend::attention_kv_gqa_forward(void* out_, void* kcache_, void* vcach
       const int g = h / R;
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, Tq, Tk, HS, sc, qkv + h * HS, ld, kc + g * HS, KV, 0.0f, S,
                   Tk);
-      for (int i = 0; i < Tq; ++i) cpu::causal_softmax_row(S + int64_t(i) * Tk, pos + i, Tk);
+      for (int i = 0; i < Tq; ++i) cpu::causal_softmax_row(S + int64_t(i) * Tk, 0, pos + i, Tk);
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, Tq, HS, Tk, 1.0f, S, Tk, vc + g * HS, KV, 0.0f,
                   out + h * HS, C);
     }

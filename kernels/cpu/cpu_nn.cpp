@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/scatter_rows.h"
 #include "kernels/cpu/fastmath.h"
 
 namespace trainrun {
@@ -22,14 +23,14 @@ inline const float* F(const void* p) { return static_cast<const float*>(p); }
 // ---- embedding ----------------------------------------------------------------
 // out[b,t,:] = wte[tokens[b,t],:] + wpe[t,:]
 void CpuBackend::encoder_forward(void* out_, const int32_t* tokens, const void* wte_, const void* wpe_, int B,
-                                 int T, int C) {
+                                 int T, int C, const int32_t* pos) {
   float* out = F(out_);
   const float* wte = F(wte_);
   const float* wpe = F(wpe_);
 #pragma omp parallel for schedule(static)
   for (int64_t bt = 0; bt < int64_t(B) * T; ++bt) {
     const float* e = wte + int64_t(tokens[bt]) * C;
-    const float* p = wpe + (bt % T) * C;
+    const float* p = wpe + (pos ? pos[bt] : bt % T) * C;
     float* o = out + bt * C;
 #pragma omp simd
     for (int c = 0; c < C; ++c) o[c] = e[c] + p[c];
@@ -41,7 +42,7 @@ void CpuBackend::encoder_forward(void* out_, const int32_t* tokens, const void* 
 // threads split the channel dimension instead: each thread walks every
 // position in order for its own channels -> no races, fixed summation order.
 void CpuBackend::encoder_backward(float* dwte, float* dwpe, const void* dout_, const int32_t* tokens, int B,
-                                  int T, int C) {
+                                  int T, int C, const int32_t* pos) {
   const float* dout = F(dout_);
   const int64_t N = int64_t(B) * T;
 #pragma omp parallel
@@ -53,6 +54,10 @@ void CpuBackend::encoder_backward(float* dwte, float* dwpe, const void* dout_, c
       const float* g = dout + bt * C;
       for (int c = c0; c < c1; ++c) d[c] += g[c];
     }
+  }
+  if (pos) {
+    cpu::scatter_rows(dwpe, dout, pos, N, C);
+    return;
   }
 #pragma omp parallel for schedule(static)
   for (int t = 0; t < T; ++t) {

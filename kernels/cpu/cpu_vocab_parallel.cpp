@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/scatter_rows.h"
 #include "kernels/cpu/fastmath.h"
 
 namespace trainrun {
@@ -22,7 +23,7 @@ inline bool in_range(int tok, int v_begin, int v_count) { return tok >= v_begin 
 // ---- embedding ----------------------------------------------------------------
 
 void CpuBackend::vocab_embedding_forward(void* out_, const int32_t* tokens, const void* wte_, const void* wpe_,
-                                         int v_begin, int v_count, int B, int T, int C) {
+                                         int v_begin, int v_count, int B, int T, int C, const int32_t* pos) {
   float* out = F(out_);
   const float* wte = F(wte_);
   const float* wpe = F(wpe_);
@@ -31,7 +32,7 @@ void CpuBackend::vocab_embedding_forward(void* out_, const int32_t* tokens, cons
     float* o = out + bt * C;
     const int tok = tokens[bt];
     const float* e = in_range(tok, v_begin, v_count) ? wte + int64_t(tok - v_begin) * C : nullptr;
-    const float* p = wpe ? wpe + (bt % T) * C : nullptr;
+    const float* p = wpe ? wpe + (pos ? pos[bt] : bt % T) * C : nullptr;
     if (e && p) {
 #pragma omp simd
       for (int c = 0; c < C; ++c) o[c] = e[c] + p[c];
@@ -48,7 +49,7 @@ void CpuBackend::vocab_embedding_forward(void* out_, const int32_t* tokens, cons
 // As encoder_backward: threads split the channels, so the scatter has no
 // races and a fixed order.
 void CpuBackend::vocab_embedding_backward(float* dwte, float* dwpe, const void* dout_, const int32_t* tokens,
-                                          int v_begin, int v_count, int B, int T, int C) {
+                                          int v_begin, int v_count, int B, int T, int C, const int32_t* pos) {
   const float* dout = F(dout_);
   const int64_t N = int64_t(B) * T;
 #pragma omp parallel
@@ -64,6 +65,10 @@ void CpuBackend::vocab_embedding_backward(float* dwte, float* dwpe, const void* 
     }
   }
   if (!dwpe) return;
+  if (pos) {
+    cpu::scatter_rows(dwpe, dout, pos, N, C);
+    return;
+  }
 #pragma omp parallel for schedule(static)
   for (int t = 0; t < T; ++t) {
     float* d = dwpe + int64_t(t) * C;

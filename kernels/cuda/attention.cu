@@ -132,9 +132,30 @@ __device__ __forceinline__ void warp_xyt(float* S, const bf16* X, const bf16* Y,
 
 // ---- forward --------------------------------------------------------------------------
 
+// Document masking (doc_start (B,T) or null; kernels/backend.h): the first
+// key row qi may see. Rows past T (a partial last tile) take row T-1's.
+__device__ __forceinline__ int row_doc_start(const int32_t* doc_start, int b, int T, int qi) {
+  return doc_start ? doc_start[int64_t(b) * T + min(qi, T - 1)] : 0;
+}
+// The first query t >= j1 whose document starts at or after key j1 (T when
+// none): the queries [j1 - 64, that) are all that see keys [j1 - 64, j1).
+// doc_start never decreases, so a binary search.
+__device__ __forceinline__ int doc_queries_end(const int32_t* doc_start, int b, int T, int j1) {
+  if (!doc_start) return T;
+  const int32_t* ds = doc_start + int64_t(b) * T;
+  int lo = j1, hi = T;
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (ds[mid] < j1) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo;
+}
+
 template <int D16, bool VEC>
 __global__ void __launch_bounds__(kThreads) attention_forward_kernel(bf16* out, float* lse, const bf16* qkv, int T,
-                                                                     int NH, int NKV, int HS, float scale) {
+                                                                     int NH, int NKV, int HS, float scale,
+                                                                     const int32_t* doc_start) {
   using D = Dims<D16>;
   constexpr int HSP = D::HSP, LDH = D::LDH, LDO = D::LDO;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -156,12 +177,13 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(bf16* out, 
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int r = 16 * w + (lane >> 1), half = lane & 1;
   const int qi = q0 + r;
+  const int ds_i = row_doc_start(doc_start, b, T, qi);
 
   load_tile<D16, VEC>(sQ, base + h * HS, ld, q0, T, HS);
   for (int i = threadIdx.x; i < kTile * LDO; i += kThreads) sO[i] = 0.0f;
   float m_i = -INFINITY, l_i = 0.0f;
 
-  for (int kt = 0; kt <= qt; ++kt) {
+  for (int kt = row_doc_start(doc_start, b, T, q0) / kTile; kt <= qt; ++kt) {
     const int k0 = kt * kTile;
     __syncthreads();  // everyone is done with the previous K/V tiles
     load_tile<D16, VEC>(sK, base + k_col(NH, HS, g), ld, k0, T, HS);
@@ -175,18 +197,22 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(bf16* out, 
 #pragma unroll 8
     for (int c = 0; c < 32; ++c) {
       const int kj = k0 + 32 * half + c;
-      const float s = kj <= qi ? srow[c] * scale : -INFINITY;
+      const float s = (kj <= qi && kj >= ds_i) ? srow[c] * scale : -INFINITY;
       srow[c] = s;
       mx = fmaxf(mx, s);
     }
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    const float m_new = fmaxf(m_i, mx);  // finite: key 0 is visible to every row
-    const float alpha = __expf(m_i - m_new);
+    // Without documents m_new is finite (key 0 is visible to every row);
+    // with them a row sees nothing in the tiles before its document, where
+    // m_new stays -inf: take 0 there so that p = 0 and alpha = 0, not NaN.
+    const float m_new = fmaxf(m_i, mx);
+    const float m_use = m_new == -INFINITY ? 0.0f : m_new;
+    const float alpha = __expf(m_i - m_use);
     float sum = 0.0f;
     bf16* prow = sP + r * LDP + 32 * half;
 #pragma unroll 8
     for (int c = 0; c < 32; ++c) {
-      const float p = __expf(srow[c] - m_new);
+      const float p = __expf(srow[c] - m_use);
       prow[c] = from_float<bf16>(p);
       sum += p;
     }
@@ -245,11 +271,12 @@ __global__ void attention_backward_d_kernel(float* Dv, const bf16* dout, const b
 // Fills P (or only uses it) and dS for this lane's half row from S and dP:
 // p = exp(S*scale - lse) on the causal/valid entries, ds = p (dP - D) * scale.
 __device__ __forceinline__ void probs_and_dscores(const float* srow, const float* dprow, bf16* prow, bf16* dsrow,
-                                                  int qi, int kbase, int T, float lse_i, float d_i, float scale) {
+                                                  int qi, int kbase, int T, float lse_i, float d_i, float scale,
+                                                  int ds_i) {
 #pragma unroll 8
   for (int c = 0; c < 32; ++c) {
     const int kj = kbase + c;
-    const float p = (qi < T && kj <= qi) ? __expf(srow[c] * scale - lse_i) : 0.0f;
+    const float p = (qi < T && kj <= qi && kj >= ds_i) ? __expf(srow[c] * scale - lse_i) : 0.0f;
     if (prow) prow[c] = from_float<bf16>(p);
     dsrow[c] = from_float<bf16>(p * (dprow[c] - d_i) * scale);
   }
@@ -260,7 +287,8 @@ __device__ __forceinline__ void probs_and_dscores(const float* srow, const float
 template <int D16, bool VEC>
 __global__ void __launch_bounds__(kThreads) attention_backward_dq_kernel(bf16* dqkv, const bf16* dout, const bf16* qkv,
                                                                          const float* lse, const float* Dv, int T,
-                                                                         int NH, int NKV, int HS, float scale) {
+                                                                         int NH, int NKV, int HS, float scale,
+                                                                         const int32_t* doc_start) {
   using D = Dims<D16>;
   constexpr int LDH = D::LDH, LDO = D::LDO;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -285,6 +313,7 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dq_kernel(bf16* d
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int r = 16 * w + (lane >> 1), half = lane & 1;
   const int qi = q0 + r;
+  const int ds_i = row_doc_start(doc_start, b, T, qi);
   const int64_t stat = (int64_t(b) * NH + h) * T;
 
   load_tile<D16, VEC>(sQ, base + h * HS, ld, q0, T, HS);
@@ -297,7 +326,7 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dq_kernel(bf16* d
 #pragma unroll
   for (int j = 0; j < D16; ++j) wmma::fill_fragment(dq[j], 0.0f);
 
-  for (int kt = 0; kt <= qt; ++kt) {
+  for (int kt = row_doc_start(doc_start, b, T, q0) / kTile; kt <= qt; ++kt) {
     const int k0 = kt * kTile;
     __syncthreads();
     load_tile<D16, VEC>(sK, base + k_col(NH, HS, g), ld, k0, T, HS);
@@ -307,7 +336,7 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dq_kernel(bf16* d
     warp_xyt<D16>(sdP, sdO, sV, w);  // dP = dout v^T
     __syncwarp();
     probs_and_dscores(sS + r * LDS + 32 * half, sdP + r * LDS + 32 * half, nullptr, sdS + r * LDP + 32 * half, qi,
-                      k0 + 32 * half, T, sL[r], sD[r], scale);
+                      k0 + 32 * half, T, sL[r], sD[r], scale, ds_i);
     __syncwarp();
     // dq(warp rows) += dS(warp rows, 64) . K(64, HSP)
 #pragma unroll
@@ -342,7 +371,8 @@ template <int D16, bool VEC, bool GROUPED>
 __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_kernel(bf16* dqkv, const bf16* dout,
                                                                            const bf16* qkv, const float* lse,
                                                                            const float* Dv, int T, int NH, int NKV,
-                                                                           int HS, float scale) {
+                                                                           int HS, float scale,
+                                                                           const int32_t* doc_start) {
   using D = Dims<D16>;
   constexpr int LDH = D::LDH, LDO = D::LDO;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -358,9 +388,11 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_kernel(bf16*
   float* sL = cv.take<float>(kTile * sizeof(float));
   float* sD = cv.take<float>(kTile * sizeof(float));
 
-  const int ntiles = gridDim.x;
   const int kt = blockIdx.x;  // key tile; the first ones have the most work
   const int g = blockIdx.y, b = blockIdx.z;
+  // The query tiles that see a key of this tile: kt up to the one holding
+  // the last query of the document of the tile's last key.
+  const int ntiles = (doc_queries_end(doc_start, b, T, min(T, (kt + 1) * kTile)) + kTile - 1) / kTile;
   const int R = GROUPED ? NH / NKV : 1;
   const int k0 = kt * kTile;
   const int C = NH * HS;  // dout's row stride
@@ -386,6 +418,7 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_kernel(bf16*
       const int64_t stat = (int64_t(b) * NH + h) * T;
       const int q0 = qt * kTile;
       const int qi = q0 + r;
+      const int ds_i = row_doc_start(doc_start, b, T, qi);
       __syncthreads();  // everyone is done with the previous Q/dO/P/dS tiles
       load_tile<D16, VEC>(sQ, base + h * HS, ld, q0, T, HS);
       load_tile<D16, VEC>(sdO, dout + int64_t(b) * T * C + h * HS, C, q0, T, HS);
@@ -398,7 +431,7 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_kernel(bf16*
       warp_xyt<D16>(sdP, sdO, sV, w);  // dP
       __syncwarp();
       probs_and_dscores(sS + r * LDS + 32 * half, sdP + r * LDS + 32 * half, sP + r * LDP + 32 * half,
-                        sdS + r * LDP + 32 * half, qi, k0 + 32 * half, T, sL[r], sD[r], scale);
+                        sdS + r * LDP + 32 * half, qi, k0 + 32 * half, T, sL[r], sD[r], scale, ds_i);
       __syncthreads();  // dv/dk of the warp's key rows read every query row of P and dS
       // dv(key rows of warp) += P^T(keys, queries) . dout(queries, HSP)
       // dk(key rows of warp) += dS^T . q
@@ -462,7 +495,7 @@ void check_grid(const char* what, int B, int NH) {
 // Both entry points (multi-head with NKV = NH, grouped-query) run these, so
 // the two agree bit for bit when NKV == NH.
 void forward_impl(bf16* out, float* lse, const bf16* qkv, int B, int T, int NH, int NKV, int HS, const char* what,
-                  const char* hint, cudaStream_t stream) {
+                  const char* hint, const int32_t* doc_start, cudaStream_t stream) {
   check_grid(what, B, NH);
   const float scale = 1.0f / sqrtf(float(HS));
   // HS % 8 == 0 makes the row stride and every head's first column multiples of 8.
@@ -473,17 +506,20 @@ void forward_impl(bf16* out, float* lse, const bf16* qkv, int B, int T, int NH, 
     const size_t smem = Dims<D16>::fwd_smem;
     if (vec) {
       set_smem(attention_forward_kernel<D16, true>, smem);
-      attention_forward_kernel<D16, true><<<grid, kThreads, smem, stream>>>(out, lse, qkv, T, NH, NKV, HS, scale);
+      attention_forward_kernel<D16, true>
+          <<<grid, kThreads, smem, stream>>>(out, lse, qkv, T, NH, NKV, HS, scale, doc_start);
     } else {
       set_smem(attention_forward_kernel<D16, false>, smem);
-      attention_forward_kernel<D16, false><<<grid, kThreads, smem, stream>>>(out, lse, qkv, T, NH, NKV, HS, scale);
+      attention_forward_kernel<D16, false>
+          <<<grid, kThreads, smem, stream>>>(out, lse, qkv, T, NH, NKV, HS, scale, doc_start);
     }
   });
   TR_CUDA_LAUNCH_CHECK("attention_forward_kernel");
 }
 
 void backward_impl(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse, float* scratch,
-                   int B, int T, int NH, int NKV, int HS, const char* what, const char* hint, cudaStream_t stream) {
+                   int B, int T, int NH, int NKV, int HS, const char* what, const char* hint, const int32_t* doc_start,
+                   cudaStream_t stream) {
   check_grid(what, B, NH);
   const float scale = 1.0f / sqrtf(float(HS));
   float* Dv = scratch;
@@ -506,11 +542,11 @@ void backward_impl(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* ou
       constexpr bool V = decltype(vec_c)::value, G = decltype(grouped_c)::value;
       set_smem(attention_backward_dkdv_kernel<D16, V, G>, s_dkv);
       attention_backward_dkdv_kernel<D16, V, G>
-          <<<grid_dkv, kThreads, s_dkv, stream>>>(dqkv, dout, qkv, lse, Dv, T, NH, NKV, HS, scale);
+          <<<grid_dkv, kThreads, s_dkv, stream>>>(dqkv, dout, qkv, lse, Dv, T, NH, NKV, HS, scale, doc_start);
       TR_CUDA_LAUNCH_CHECK("attention_backward_dkdv_kernel");
       set_smem(attention_backward_dq_kernel<D16, V>, s_dq);
       attention_backward_dq_kernel<D16, V>
-          <<<grid_dq, kThreads, s_dq, stream>>>(dqkv, dout, qkv, lse, Dv, T, NH, NKV, HS, scale);
+          <<<grid_dq, kThreads, s_dq, stream>>>(dqkv, dout, qkv, lse, Dv, T, NH, NKV, HS, scale, doc_start);
     };
     using Yes = std::true_type;
     using No = std::false_type;
@@ -537,31 +573,35 @@ size_t attention_saved_floats(int B, int T, int NH) { return size_t(B) * NH * T;
 
 size_t attention_backward_scratch_bytes(int B, int T, int NH) { return size_t(B) * NH * T * sizeof(float); }
 
-void attention_forward(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int NH, cudaStream_t stream) {
+void attention_forward(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int NH, cudaStream_t stream,
+                       const int32_t* doc_start) {
   if (B <= 0 || T <= 0) return;
   TR_CHECK(NH > 0 && C % NH == 0, "attention_forward: C=", C, " is not divisible by NH=", NH);
-  forward_impl(out, lse, qkv, B, T, NH, NH, C / NH, "attention_forward", kMhaHint, stream);
+  forward_impl(out, lse, qkv, B, T, NH, NH, C / NH, "attention_forward", kMhaHint, doc_start, stream);
 }
 
 void attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse,
-                        float* scratch, int B, int T, int C, int NH, cudaStream_t stream) {
+                        float* scratch, int B, int T, int C, int NH, cudaStream_t stream, const int32_t* doc_start) {
   if (B <= 0 || T <= 0) return;
   TR_CHECK(NH > 0 && C % NH == 0, "attention_backward: C=", C, " is not divisible by NH=", NH);
-  backward_impl(dqkv, dout, qkv, out, lse, scratch, B, T, NH, NH, C / NH, "attention_backward", kMhaHint, stream);
+  backward_impl(dqkv, dout, qkv, out, lse, scratch, B, T, NH, NH, C / NH, "attention_backward", kMhaHint, doc_start,
+                stream);
 }
 
 void attention_gqa_forward(bf16* out, float* lse, const bf16* qkv, int B, int T, int NH, int NKV, int HS,
-                           cudaStream_t stream) {
+                           cudaStream_t stream, const int32_t* doc_start) {
   check_gqa_heads("attention_gqa_forward", NH, NKV, HS);
   if (B <= 0 || T <= 0) return;
-  forward_impl(out, lse, qkv, B, T, NH, NKV, HS, "attention_gqa_forward", kGqaHint, stream);
+  forward_impl(out, lse, qkv, B, T, NH, NKV, HS, "attention_gqa_forward", kGqaHint, doc_start, stream);
 }
 
 void attention_gqa_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse,
-                            float* scratch, int B, int T, int NH, int NKV, int HS, cudaStream_t stream) {
+                            float* scratch, int B, int T, int NH, int NKV, int HS, cudaStream_t stream,
+                            const int32_t* doc_start) {
   check_gqa_heads("attention_gqa_backward", NH, NKV, HS);
   if (B <= 0 || T <= 0) return;
-  backward_impl(dqkv, dout, qkv, out, lse, scratch, B, T, NH, NKV, HS, "attention_gqa_backward", kGqaHint, stream);
+  backward_impl(dqkv, dout, qkv, out, lse, scratch, B, T, NH, NKV, HS, "attention_gqa_backward", kGqaHint, doc_start,
+                stream);
 }
 
 }  // namespace trainrun::cuda

@@ -44,6 +44,7 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <cstdint>
 
 #include "kernels/cuda/cuda_common.cuh"
 
@@ -53,17 +54,24 @@ constexpr int kAttnMaxHeadSize = 128;
 
 // Floats of `saved` per forward: the log-sum-exp, (B,NH,T).
 size_t attention_saved_floats(int B, int T, int NH);
-void attention_forward(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int NH, cudaStream_t stream);
+// doc_start (B,T) device int32 or null: document masking, query t sees keys
+// [doc_start[b,t], t] (kernels/backend.h). Key tiles before a query tile's
+// first document and query tiles past a key tile's last document are
+// skipped, so short documents cost less.
+void attention_forward(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int NH, cudaStream_t stream,
+                       const int32_t* doc_start = nullptr);
 
 // Scratch of both backwards: D, (B,NH,T) fp32.
 size_t attention_backward_scratch_bytes(int B, int T, int NH);
 void attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse,
-                        float* scratch, int B, int T, int C, int NH, cudaStream_t stream);
+                        float* scratch, int B, int T, int C, int NH, cudaStream_t stream,
+                        const int32_t* doc_start = nullptr);
 
 // Grouped-query: NKV divides NH; lse (B,NH,T) as attention_saved_floats.
 void attention_gqa_forward(bf16* out, float* lse, const bf16* qkv, int B, int T, int NH, int NKV, int HS,
-                           cudaStream_t stream);
+                           cudaStream_t stream, const int32_t* doc_start = nullptr);
 void attention_gqa_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse,
-                            float* scratch, int B, int T, int NH, int NKV, int HS, cudaStream_t stream);
+                            float* scratch, int B, int T, int NH, int NKV, int HS, cudaStream_t stream,
+                            const int32_t* doc_start = nullptr);
 
 }  // namespace trainrun::cuda

@@ -189,30 +189,30 @@ void CudaBackend::cast_to_f32(float* dst, const void* src, int64_t n) {
 }
 
 void CudaBackend::encoder_forward(void* out, const int32_t* tokens, const void* wte, const void* wpe, int B, int T,
-                                  int C) {
+                                  int C, const int32_t* pos) {
   make_current();
-  cuda::encoder_forward(H(out), tokens, H(wte), H(wpe), B, T, C, compute_);
+  cuda::encoder_forward(H(out), tokens, H(wte), H(wpe), B, T, C, compute_, pos);
 }
 
 void CudaBackend::encoder_backward(float* dwte, float* dwpe, const void* dout, const int32_t* tokens, int B, int T,
-                                   int C) {
+                                   int C, const int32_t* pos) {
   make_current();
   Scratch s(*alloc_, encoder_backward_scratch_bytes(B * T, C));
-  cuda::encoder_backward(dwte, dwpe, H(dout), tokens, B, T, C, s.as<void>(), s.bytes(), compute_);
+  cuda::encoder_backward(dwte, dwpe, H(dout), tokens, B, T, C, s.as<void>(), s.bytes(), compute_, pos);
 }
 
 void CudaBackend::vocab_embedding_forward(void* out, const int32_t* tokens, const void* wte, const void* wpe,
-                                          int v_begin, int v_count, int B, int T, int C) {
+                                          int v_begin, int v_count, int B, int T, int C, const int32_t* pos) {
   make_current();
-  cuda::vocab_embedding_forward(H(out), tokens, H(wte), H(wpe), v_begin, v_count, B, T, C, compute_);
+  cuda::vocab_embedding_forward(H(out), tokens, H(wte), H(wpe), v_begin, v_count, B, T, C, compute_, pos);
 }
 
 void CudaBackend::vocab_embedding_backward(float* dwte, float* dwpe, const void* dout, const int32_t* tokens,
-                                           int v_begin, int v_count, int B, int T, int C) {
+                                           int v_begin, int v_count, int B, int T, int C, const int32_t* pos) {
   make_current();
   Scratch s(*alloc_, cuda::vocab_embedding_backward_scratch_bytes(v_count, B, T, C));
   cuda::vocab_embedding_backward(dwte, dwpe, H(dout), tokens, v_begin, v_count, B, T, C, s.as<void>(), s.bytes(),
-                                 compute_);
+                                 compute_, pos);
 }
 
 void CudaBackend::vocab_ce_max(float* rowmax, const void* logits, int N, int V, int ldv) {
@@ -272,16 +272,17 @@ size_t CudaBackend::attention_saved_floats(int B, int T, int NH) const {
   return cuda::attention_saved_floats(B, T, NH);
 }
 
-void CudaBackend::attention_forward(void* out, float* saved, const void* qkv, int B, int T, int C, int NH) {
+void CudaBackend::attention_forward(void* out, float* saved, const void* qkv, int B, int T, int C, int NH,
+                                    const int32_t* doc_start) {
   make_current();
-  cuda::attention_forward(H(out), saved, H(qkv), B, T, C, NH, compute_);
+  cuda::attention_forward(H(out), saved, H(qkv), B, T, C, NH, compute_, doc_start);
 }
 
 void CudaBackend::attention_backward(void* dqkv, const void* dout, const void* qkv, const void* out,
-                                     const float* saved, int B, int T, int C, int NH) {
+                                     const float* saved, int B, int T, int C, int NH, const int32_t* doc_start) {
   make_current();
   Scratch s(*alloc_, attention_backward_scratch_bytes(B, T, NH));
-  cuda::attention_backward(H(dqkv), H(dout), H(qkv), H(out), saved, s.as<float>(), B, T, C, NH, compute_);
+  cuda::attention_backward(H(dqkv), H(dout), H(qkv), H(out), saved, s.as<float>(), B, T, C, NH, compute_, doc_start);
 }
 
 void CudaBackend::attention_kv_forward(void* out, void* kcache, void* vcache, const void* qkv, int pos, int Tq,
@@ -312,14 +313,16 @@ void CudaBackend::rmsnorm_backward(void* dinp, float* dweight, const void* dout,
                          compute_);
 }
 
-void CudaBackend::rope_forward(void* qkv, const float* cos_sin, int B, int T, int NH, int NKV, int HS, int pos0) {
+void CudaBackend::rope_forward(void* qkv, const float* cos_sin, int B, int T, int NH, int NKV, int HS, int pos0,
+                               const int32_t* pos) {
   make_current();
-  cuda::rope_forward(H(qkv), cos_sin, B, T, NH, NKV, HS, pos0, compute_);
+  cuda::rope_forward(H(qkv), cos_sin, B, T, NH, NKV, HS, pos0, compute_, pos);
 }
 
-void CudaBackend::rope_backward(void* dqkv, const float* cos_sin, int B, int T, int NH, int NKV, int HS, int pos0) {
+void CudaBackend::rope_backward(void* dqkv, const float* cos_sin, int B, int T, int NH, int NKV, int HS, int pos0,
+                                const int32_t* pos) {
   make_current();
-  cuda::rope_backward(H(dqkv), cos_sin, B, T, NH, NKV, HS, pos0, compute_);
+  cuda::rope_backward(H(dqkv), cos_sin, B, T, NH, NKV, HS, pos0, compute_, pos);
 }
 
 void CudaBackend::swiglu_forward(void* out, const void* inp, int N, int F) {
@@ -337,16 +340,18 @@ size_t CudaBackend::attention_gqa_saved_floats(int B, int T, int NH) const {
 }
 
 void CudaBackend::attention_gqa_forward(void* out, float* saved, const void* qkv, int B, int T, int NH, int NKV,
-                                        int HS) {
+                                        int HS, const int32_t* doc_start) {
   make_current();
-  cuda::attention_gqa_forward(H(out), saved, H(qkv), B, T, NH, NKV, HS, compute_);
+  cuda::attention_gqa_forward(H(out), saved, H(qkv), B, T, NH, NKV, HS, compute_, doc_start);
 }
 
 void CudaBackend::attention_gqa_backward(void* dqkv, const void* dout, const void* qkv, const void* out,
-                                         const float* saved, int B, int T, int NH, int NKV, int HS) {
+                                         const float* saved, int B, int T, int NH, int NKV, int HS,
+                                         const int32_t* doc_start) {
   make_current();
   Scratch s(*alloc_, attention_backward_scratch_bytes(B, T, NH));
-  cuda::attention_gqa_backward(H(dqkv), H(dout), H(qkv), H(out), saved, s.as<float>(), B, T, NH, NKV, HS, compute_);
+  cuda::attention_gqa_backward(H(dqkv), H(dout), H(qkv), H(out), saved, s.as<float>(), B, T, NH, NKV, HS, compute_,
+                               doc_start);
 }
 
 void CudaBackend::attention_kv_gqa_forward(void* out, void* kcache, void* vcache, const void* qkv, int pos, int Tq,

@@ -54,14 +54,14 @@ class CudaBackend final : public Backend {
   void cast_from_f32(void* dst, const float* src, int64_t n) override;
   void cast_to_f32(float* dst, const void* src, int64_t n) override;
   void encoder_forward(void* out, const int32_t* tokens, const void* wte, const void* wpe, int B, int T,
-                       int C) override;
+                       int C, const int32_t* pos = nullptr) override;
   void encoder_backward(float* dwte, float* dwpe, const void* dout, const int32_t* tokens, int B, int T,
-                        int C) override;
+                        int C, const int32_t* pos = nullptr) override;
   // Vocab-parallel ops (tensor parallelism): vocab_parallel.cu.
   void vocab_embedding_forward(void* out, const int32_t* tokens, const void* wte, const void* wpe, int v_begin,
-                               int v_count, int B, int T, int C) override;
+                               int v_count, int B, int T, int C, const int32_t* pos = nullptr) override;
   void vocab_embedding_backward(float* dwte, float* dwpe, const void* dout, const int32_t* tokens, int v_begin,
-                                int v_count, int B, int T, int C) override;
+                                int v_count, int B, int T, int C, const int32_t* pos = nullptr) override;
   void vocab_ce_max(float* rowmax, const void* logits, int N, int V, int ldv) override;
   void vocab_ce_sumexp(float* stats, const void* logits, const int32_t* targets, const float* rowmax, int v_begin,
                        int N, int V, int ldv) override;
@@ -78,9 +78,10 @@ class CudaBackend final : public Backend {
   void matmul_backward(void* dinp, float* dweight, float* dbias, const void* dout, const void* inp,
                        const void* weight, int N, int C, int OC) override;
   size_t attention_saved_floats(int B, int T, int NH) const override;
-  void attention_forward(void* out, float* saved, const void* qkv, int B, int T, int C, int NH) override;
+  void attention_forward(void* out, float* saved, const void* qkv, int B, int T, int C, int NH,
+                         const int32_t* doc_start = nullptr) override;
   void attention_backward(void* dqkv, const void* dout, const void* qkv, const void* out, const float* saved, int B, int T, int C,
-                          int NH) override;
+                          int NH, const int32_t* doc_start = nullptr) override;
   void attention_kv_forward(void* out, void* kcache, void* vcache, const void* qkv, int pos, int Tq, int C,
                             int NH) override;
   void rmsnorm_forward(void* out, float* rstd, const void* inp, const void* weight, int N, int C, float eps) override;
@@ -88,15 +89,17 @@ class CudaBackend final : public Backend {
                                 const void* weight, int N, int C, float eps) override;
   void rmsnorm_backward(void* dinp, float* dweight, const void* dout, const void* inp, const void* weight,
                         const float* rstd, int N, int C) override;
-  void rope_forward(void* qkv, const float* cos_sin, int B, int T, int NH, int NKV, int HS, int pos0) override;
-  void rope_backward(void* dqkv, const float* cos_sin, int B, int T, int NH, int NKV, int HS, int pos0) override;
+  void rope_forward(void* qkv, const float* cos_sin, int B, int T, int NH, int NKV, int HS, int pos0,
+                    const int32_t* pos = nullptr) override;
+  void rope_backward(void* dqkv, const float* cos_sin, int B, int T, int NH, int NKV, int HS, int pos0,
+                     const int32_t* pos = nullptr) override;
   void swiglu_forward(void* out, const void* inp, int N, int F) override;
   void swiglu_backward(void* dinp, const void* dout, const void* inp, int N, int F) override;
   size_t attention_gqa_saved_floats(int B, int T, int NH) const override;
   void attention_gqa_forward(void* out, float* saved, const void* qkv, int B, int T, int NH, int NKV,
-                             int HS) override;
+                             int HS, const int32_t* doc_start = nullptr) override;
   void attention_gqa_backward(void* dqkv, const void* dout, const void* qkv, const void* out, const float* saved,
-                              int B, int T, int NH, int NKV, int HS) override;
+                              int B, int T, int NH, int NKV, int HS, const int32_t* doc_start = nullptr) override;
   void attention_kv_gqa_forward(void* out, void* kcache, void* vcache, const void* qkv, int pos, int Tq, int NH,
                                 int NKV, int HS) override;
   void gelu_forward(void* out, const void* inp, int64_t n) override;

@@ -16,14 +16,14 @@ constexpr int kRunChunk = 128;  // sorted rows per chunk: the longest segment on
 
 template <bool VEC>
 __global__ void encoder_forward_kernel(bf16* out, const int32_t* tokens, const bf16* wte, const bf16* wpe, int64_t N,
-                                       int T, int C) {
+                                       int T, int C, const int32_t* pos) {
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   if (VEC) {
     const int C8 = C / 8;
     for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < N * C8; i += stride) {
       const int64_t bt = i / C8;
       const int c = int(i % C8) * 8;
-      const int t = int(bt % T);
+      const int t = pos ? pos[bt] : int(bt % T);
       const auto e = Pack16<bf16>::load(wte + int64_t(tokens[bt]) * C + c);
       const auto p = Pack16<bf16>::load(wpe + int64_t(t) * C + c);
       Pack16<bf16> o;
@@ -35,7 +35,7 @@ __global__ void encoder_forward_kernel(bf16* out, const int32_t* tokens, const b
     for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < N * C; i += stride) {
       const int64_t bt = i / C;
       const int c = int(i % C);
-      const int t = int(bt % T);
+      const int t = pos ? pos[bt] : int(bt % T);
       out[i] = from_float<bf16>(to_float(wte[int64_t(tokens[bt]) * C + c]) + to_float(wpe[int64_t(t) * C + c]));
     }
   }
@@ -154,13 +154,15 @@ size_t partial_bytes(int N, int C) { return size_t(2) * run_chunks(N) * C * size
 // ---- launchers -------------------------------------------------------------------
 
 void encoder_forward(bf16* out, const int32_t* tokens, const bf16* wte, const bf16* wpe, int B, int T, int C,
-                     cudaStream_t stream) {
+                     cudaStream_t stream, const int32_t* pos) {
   const int64_t N = int64_t(B) * T;
   if (N <= 0 || C <= 0) return;
   if (C % 8 == 0 && aligned16(out) && aligned16(wte) && aligned16(wpe)) {
-    encoder_forward_kernel<true><<<grid_for(N * C / 8, kThreads), kThreads, 0, stream>>>(out, tokens, wte, wpe, N, T, C);
+    encoder_forward_kernel<true><<<grid_for(N * C / 8, kThreads), kThreads, 0, stream>>>(out, tokens, wte, wpe, N, T, C,
+                                                                                                 pos);
   } else {
-    encoder_forward_kernel<false><<<grid_for(N * C, kThreads), kThreads, 0, stream>>>(out, tokens, wte, wpe, N, T, C);
+    encoder_forward_kernel<false><<<grid_for(N * C, kThreads), kThreads, 0, stream>>>(out, tokens, wte, wpe, N, T, C,
+                                                                                             pos);
   }
   TR_CUDA_LAUNCH_CHECK("encoder_forward");
 }
@@ -170,7 +172,7 @@ size_t encoder_backward_scratch_bytes(int N, int C) {
 }
 
 void encoder_backward(float* dwte, float* dwpe, const bf16* dout, const int32_t* tokens, int B, int T, int C,
-                      void* scratch, size_t scratch_bytes, cudaStream_t stream) {
+                      void* scratch, size_t scratch_bytes, cudaStream_t stream, const int32_t* pos) {
   const int N = B * T;
   if (N <= 0 || C <= 0) return;
   TR_CHECK(scratch_bytes >= encoder_backward_scratch_bytes(N, C), "encoder_backward: scratch too small");
@@ -186,20 +188,28 @@ void encoder_backward(float* dwte, float* dwpe, const bf16* dout, const int32_t*
 
   iota_kernel<<<grid_for(N, kThreads), kThreads, 0, stream>>>(pos_in, N);
   TR_CUDA_LAUNCH_CHECK("encoder_backward iota");
-  // Stable LSD radix sort over bits [0, 31) (tokens are non-negative): equal
-  // tokens keep their position order, so every run is summed in that order.
-  TR_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp, temp_bytes, tokens, sorted_tokens, pos_in, sorted_pos, N, 0, 31,
-                                                stream));
-  // Every partial slot that the second kernel reads is written by the first
-  // (a run that leaves chunk k wrote its head slot and one slot 2kk per
-  // later chunk it covers), so the partials need no zeroing.
   const int slabs = (C + kSlab - 1) / kSlab;
-  dim3 grid(N, slabs), block(32, kRowGroups);
-  encoder_backward_wte_kernel<<<grid, block, 0, stream>>>(dwte, partial, dout, sorted_tokens, sorted_pos, N, C);
-  TR_CUDA_LAUNCH_CHECK("encoder_backward_wte");
-  encoder_backward_wte_runs_kernel<<<dim3(run_chunks(N), slabs), kSlab, 0, stream>>>(dwte, partial, sorted_tokens, N,
-                                                                                    C);
-  TR_CUDA_LAUNCH_CHECK("encoder_backward_wte_runs");
+  // dtable[index[n]] += dout[n], deterministically: the rows sorted by index.
+  auto scatter = [&](float* dtable, const int32_t* index) {
+    // Stable LSD radix sort over bits [0, 31) (ids are non-negative): equal
+    // ids keep their row order, so every run is summed in that order.
+    TR_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp, temp_bytes, index, sorted_tokens, pos_in, sorted_pos, N, 0, 31,
+                                                  stream));
+    // Every partial slot that the second kernel reads is written by the first
+    // (a run that leaves chunk k wrote its head slot and one slot 2kk per
+    // later chunk it covers), so the partials need no zeroing.
+    dim3 grid(N, slabs), block(32, kRowGroups);
+    encoder_backward_wte_kernel<<<grid, block, 0, stream>>>(dtable, partial, dout, sorted_tokens, sorted_pos, N, C);
+    TR_CUDA_LAUNCH_CHECK("encoder_backward_wte");
+    encoder_backward_wte_runs_kernel<<<dim3(run_chunks(N), slabs), kSlab, 0, stream>>>(dtable, partial, sorted_tokens,
+                                                                                      N, C);
+    TR_CUDA_LAUNCH_CHECK("encoder_backward_wte_runs");
+  };
+  scatter(dwte, tokens);
+  if (pos) {  // document masking: many rows share a position, as tokens share a row of wte
+    scatter(dwpe, pos);
+    return;
+  }
   encoder_backward_wpe_kernel<<<grid_for(int64_t(T) * C, kThreads), kThreads, 0, stream>>>(dwpe, dout, B, T, C);
   TR_CUDA_LAUNCH_CHECK("encoder_backward_wpe");
 }

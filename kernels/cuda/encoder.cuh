@@ -33,11 +33,14 @@
 
 namespace trainrun::cuda {
 
+// pos (B,T) device int32 or null (document masking): wpe row pos[b,t]
+// instead of t, and dwpe the scatter of dout by pos, summed the same
+// deterministic way as dwte (positions sorted like tokens).
 void encoder_forward(bf16* out, const int32_t* tokens, const bf16* wte, const bf16* wpe, int B, int T, int C,
-                     cudaStream_t stream);
+                     cudaStream_t stream, const int32_t* pos = nullptr);
 
 size_t encoder_backward_scratch_bytes(int N, int C);
 void encoder_backward(float* dwte, float* dwpe, const bf16* dout, const int32_t* tokens, int B, int T, int C,
-                      void* scratch, size_t scratch_bytes, cudaStream_t stream);
+                      void* scratch, size_t scratch_bytes, cudaStream_t stream, const int32_t* pos = nullptr);
 
 }  // namespace trainrun::cuda

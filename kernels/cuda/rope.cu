@@ -36,7 +36,7 @@ __device__ __forceinline__ Item item_of(int64_t idx, int per_head, int width, in
 // aligned (then so is every pack: ld and HS are multiples of 16 elements).
 template <int kSign, bool VEC>
 __global__ void rope_kernel(bf16* qkv, const float* cos_sin, int T, int NH, int NKV, int HS, int pos0,
-                            int64_t work) {
+                            int64_t work, const int32_t* pos) {
   const int half = HS / 2, NR = NH + NKV;
   const int64_t ld = int64_t(NH + 2 * NKV) * HS;
   constexpr int kW = VEC ? 8 : 1;
@@ -44,7 +44,7 @@ __global__ void rope_kernel(bf16* qkv, const float* cos_sin, int T, int NH, int 
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < work; idx += stride) {
     const Item it = item_of(idx, per_head, kW, NR);
-    const int p = pos0 + int(it.bt % T);
+    const int p = pos0 + (pos ? pos[it.bt] : int(it.bt % T));  // pos: document masking
     bf16* x1 = qkv + it.bt * ld + int64_t(it.h) * HS + it.i;
     bf16* x2 = x1 + half;
     const float* cs = cos_sin + (int64_t(p) * half + it.i) * 2;
@@ -76,7 +76,7 @@ __global__ void rope_kernel(bf16* qkv, const float* cos_sin, int T, int NH, int 
 // Checks the arguments and launches; false when there is nothing to do.
 template <int kSign>
 bool rope_launch(bf16* qkv, const float* cos_sin, int B, int T, int NH, int NKV, int HS, int pos0,
-                 cudaStream_t stream, const char* op) {
+                 const int32_t* pos, cudaStream_t stream, const char* op) {
   TR_CHECK(HS > 0 && HS % 2 == 0, op, ": head size ", HS, " must be even (RoPE rotates pairs i, i+HS/2)");
   TR_CHECK(NH > 0 && NKV > 0, op, ": NH ", NH, " and NKV ", NKV, " must be positive");
   TR_CHECK(pos0 >= 0, op, ": pos0 ", pos0, " must be >= 0");
@@ -87,10 +87,10 @@ bool rope_launch(bf16* qkv, const float* cos_sin, int B, int T, int NH, int NKV,
   const int64_t work = vec ? pairs / 8 : pairs;
   if (vec) {
     rope_kernel<kSign, true><<<grid_for(work, kThreads), kThreads, 0, stream>>>(qkv, cos_sin, T, NH, NKV, HS, pos0,
-                                                                                work);
+                                                                                work, pos);
   } else {
     rope_kernel<kSign, false><<<grid_for(work, kThreads), kThreads, 0, stream>>>(qkv, cos_sin, T, NH, NKV, HS, pos0,
-                                                                                 work);
+                                                                                 work, pos);
   }
   return true;
 }
@@ -98,14 +98,14 @@ bool rope_launch(bf16* qkv, const float* cos_sin, int B, int T, int NH, int NKV,
 }  // namespace
 
 void rope_forward(bf16* qkv, const float* cos_sin, int B, int T, int NH, int NKV, int HS, int pos0,
-                  cudaStream_t stream) {
-  if (rope_launch<+1>(qkv, cos_sin, B, T, NH, NKV, HS, pos0, stream, "rope_forward"))
+                  cudaStream_t stream, const int32_t* pos) {
+  if (rope_launch<+1>(qkv, cos_sin, B, T, NH, NKV, HS, pos0, pos, stream, "rope_forward"))
     TR_CUDA_LAUNCH_CHECK("rope_forward");
 }
 
 void rope_backward(bf16* dqkv, const float* cos_sin, int B, int T, int NH, int NKV, int HS, int pos0,
-                   cudaStream_t stream) {
-  if (rope_launch<-1>(dqkv, cos_sin, B, T, NH, NKV, HS, pos0, stream, "rope_backward"))
+                   cudaStream_t stream, const int32_t* pos) {
+  if (rope_launch<-1>(dqkv, cos_sin, B, T, NH, NKV, HS, pos0, pos, stream, "rope_backward"))
     TR_CUDA_LAUNCH_CHECK("rope_backward");
 }
 

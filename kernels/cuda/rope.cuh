@@ -31,9 +31,11 @@
 
 namespace trainrun::cuda {
 
+// pos (B,T) device int32 or null: document masking, row (b,t) at position
+// pos0 + pos[b,t] instead of pos0 + t.
 void rope_forward(bf16* qkv, const float* cos_sin, int B, int T, int NH, int NKV, int HS, int pos0,
-                  cudaStream_t stream);
+                  cudaStream_t stream, const int32_t* pos = nullptr);
 void rope_backward(bf16* dqkv, const float* cos_sin, int B, int T, int NH, int NKV, int HS, int pos0,
-                   cudaStream_t stream);
+                   cudaStream_t stream, const int32_t* pos = nullptr);
 
 }  // namespace trainrun::cuda

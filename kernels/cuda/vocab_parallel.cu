@@ -14,14 +14,15 @@ __device__ __forceinline__ bool in_range(int tok, int v_begin, int v_count) {
 }
 
 __global__ void vocab_embedding_forward_kernel(bf16* out, const int32_t* tokens, const bf16* wte, const bf16* wpe,
-                                               int v_begin, int v_count, int64_t N, int T, int C) {
+                                               int v_begin, int v_count, int64_t N, int T, int C,
+                                               const int32_t* pos) {
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < N * C; i += stride) {
     const int64_t bt = i / C;
     const int c = int(i % C);
     const int tok = tokens[bt];
     float v = in_range(tok, v_begin, v_count) ? to_float(wte[int64_t(tok - v_begin) * C + c]) : 0.0f;
-    if (wpe) v += to_float(wpe[int64_t(bt % T) * C + c]);
+    if (wpe) v += to_float(wpe[int64_t(pos ? pos[bt] : bt % T) * C + c]);
     out[i] = from_float<bf16>(v);
   }
 }
@@ -90,11 +91,11 @@ size_t align256(size_t b) { return (b + 255) / 256 * 256; }
 }  // namespace
 
 void vocab_embedding_forward(bf16* out, const int32_t* tokens, const bf16* wte, const bf16* wpe, int v_begin,
-                             int v_count, int B, int T, int C, cudaStream_t stream) {
+                             int v_count, int B, int T, int C, cudaStream_t stream, const int32_t* pos) {
   const int64_t N = int64_t(B) * T;
   if (N == 0 || C == 0) return;
   vocab_embedding_forward_kernel<<<grid_for(N * C, kThreads), kThreads, 0, stream>>>(out, tokens, wte, wpe, v_begin,
-                                                                                     v_count, N, T, C);
+                                                                                     v_count, N, T, C, pos);
   TR_CUDA_LAUNCH_CHECK("vocab_embedding_forward");
 }
 
@@ -106,7 +107,7 @@ size_t vocab_embedding_backward_scratch_bytes(int v_count, int B, int T, int C) 
 
 void vocab_embedding_backward(float* dwte, float* dwpe, const bf16* dout, const int32_t* tokens, int v_begin,
                               int v_count, int B, int T, int C, void* scratch, size_t scratch_bytes,
-                              cudaStream_t stream) {
+                              cudaStream_t stream, const int32_t* pos_ids) {
   const int N = B * T;
   TR_CHECK(scratch_bytes >= vocab_embedding_backward_scratch_bytes(v_count, B, T, C),
            "vocab_embedding_backward: scratch too small (a bug)");
@@ -122,7 +123,7 @@ void vocab_embedding_backward(float* dwte, float* dwpe, const bf16* dout, const 
   if (!dwpe) TR_CUDA_CHECK(cudaMemsetAsync(pos, 0, size_t(T) * C * 4, stream));
   remap_tokens_kernel<<<grid_for(N, kThreads), kThreads, 0, stream>>>(local, tokens, v_begin, v_count, N);
   TR_CUDA_LAUNCH_CHECK("vocab_embedding_backward (remap)");
-  encoder_backward(table, dwpe ? dwpe : pos, dout, local, B, T, C, p, enc_bytes, stream);
+  encoder_backward(table, dwpe ? dwpe : pos, dout, local, B, T, C, p, enc_bytes, stream, pos_ids);
   const int64_t n = int64_t(v_count) * C;
   if (n > 0) {
     add_kernel<<<grid_for(n, kThreads), kThreads, 0, stream>>>(dwte, table, n);

@@ -21,11 +21,11 @@
 namespace trainrun::cuda {
 
 void vocab_embedding_forward(bf16* out, const int32_t* tokens, const bf16* wte, const bf16* wpe, int v_begin,
-                             int v_count, int B, int T, int C, cudaStream_t stream);
+                             int v_count, int B, int T, int C, cudaStream_t stream, const int32_t* pos = nullptr);
 size_t vocab_embedding_backward_scratch_bytes(int v_count, int B, int T, int C);
 void vocab_embedding_backward(float* dwte, float* dwpe, const bf16* dout, const int32_t* tokens, int v_begin,
                               int v_count, int B, int T, int C, void* scratch, size_t scratch_bytes,
-                              cudaStream_t stream);
+                              cudaStream_t stream, const int32_t* pos = nullptr);
 
 void vocab_ce_max(float* rowmax, const bf16* logits, int N, int V, int64_t ldv, cudaStream_t stream);
 void vocab_ce_sumexp(float* stats, const bf16* logits, const int32_t* targets, const float* rowmax, int v_begin, int N,

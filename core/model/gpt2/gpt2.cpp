@@ -184,7 +184,7 @@ void GPT2::block_forward(const void* p, int l, const void* res_in, int B, int T)
   auto w = block_ptrs<const void*>(p, GPT2BlockOffsets(C, Q, F), dtype_size(be_->act_dtype()));
   LayerActs& a = acts(l);
   be_->matmul_forward(a.qkv, a.ln1, w.qkvw, w.qkvb, N, C, 3 * Q);
-  be_->attention_forward(a.atty, a.att, a.qkv, B, T, Q, NH_);
+  be_->attention_forward(a.atty, a.att, a.qkv, B, T, Q, NH_, docs_.doc_start);
   be_->matmul_forward(dbuf_c_, a.atty, w.attprojw, adds_row_bias_ ? w.attprojb : nullptr, N, Q, C);
   const void* attn_out = tpc_.reduce_out(dbuf_c_, N);
   be_->residual_layernorm_forward(a.res2, tpc_.my_rows(a.ln2, N), a.ln2_mean, a.ln2_rstd, res_in, attn_out, w.ln2w,
@@ -200,13 +200,14 @@ void GPT2::tp_sum(void* buf, int64_t n) {
 }
 
 void GPT2::forward(UnitAccess& units, const int32_t* inputs, const int32_t* targets, int B, int T,
-                   bool for_backward, float dloss_scale) {
+                   bool for_backward, float dloss_scale, DocumentMask docs) {
   TR_CHECK(B >= 1 && B <= maxB_ && T >= 1 && T <= cfg_.T, "model.forward: batch (", B, ",", T,
            ") exceeds the buffers (", maxB_, ",", cfg_.T, ")");
   TR_CHECK(!for_backward || targets, "model.forward: for_backward needs targets");
   B_ = B;
   T_ = T;
   inputs_ = inputs;
+  docs_ = docs;
   const int N = B * T, C = cfg_.C, L = cfg_.L;
   const size_t es = dtype_size(be_->act_dtype());
   TR_CHECK(!sp_ || N % tp_->plan->size() == 0, "parallel.sequence_parallel: the micro-batch's ", N,
@@ -222,15 +223,16 @@ void GPT2::forward(UnitAccess& units, const int32_t* inputs, const int32_t* targ
     // Vocab-parallel: this rank's rows (zeros for the others' tokens), the
     // positions added by rank 0, summed over the group.
     if (sp_) {
-      be_->vocab_embedding_forward(dbuf_c_, inputs, wte, adds_row_bias_ ? wpe : nullptr, v_begin_, v_valid_, B, T, C);
+      be_->vocab_embedding_forward(dbuf_c_, inputs, wte, adds_row_bias_ ? wpe : nullptr, v_begin_, v_valid_, B, T, C,
+                                   docs_.pos);
       be_->copy_device(encoded_, tpc_.reduce_out(dbuf_c_, N), size_t(NR) * C * es);
     } else {
       be_->vocab_embedding_forward(encoded_, inputs, wte, adds_row_bias_ ? wpe : nullptr, v_begin_, v_valid_, B, T,
-                                   C);
+                                   C, docs_.pos);
       tp_sum(encoded_, int64_t(N) * C);
     }
   } else {
-    be_->encoder_forward(encoded_, inputs, wte, wpe, B, T, C);
+    be_->encoder_forward(encoded_, inputs, wte, wpe, B, T, C, docs_.pos);
   }
   units.release_params(0);
 
@@ -298,7 +300,7 @@ void GPT2::block_backward(const void* p, float* g, int l, const void* res_in, vo
   tpc_.norm_grad_done(dw.ln2w);
   // Attention: res2 = res_in + attproj(attn(qkv(ln1(res_in))))
   be_->matmul_backward(dbuf_c_, dw.attprojw, dw.attprojb, tpc_.full_rows(dres, N), a.atty, w.attprojw, N, Q, C);
-  be_->attention_backward(dbuf_3c_, dbuf_c_, a.qkv, a.atty, a.att, B, T, Q, NH_);
+  be_->attention_backward(dbuf_3c_, dbuf_c_, a.qkv, a.atty, a.att, B, T, Q, NH_, docs_.doc_start);
   be_->matmul_backward(dbuf_c_, dw.qkvw, dw.qkvb, dbuf_3c_, a.ln1, w.qkvw, N, C, 3 * Q);
   const void* dln1 = tpc_.reduce_out(dbuf_c_, N);
   float* g1 = tpc_.norm_grad(dw.ln1w);  // ln1w | ln1b
@@ -348,9 +350,9 @@ void GPT2::backward(UnitAccess& units) {
 
   if (tp_)
     be_->vocab_embedding_backward(gemb, gemb + int64_t(VL_) * C, tpc_.full_rows(dres_, N), inputs_, v_begin_,
-                                  v_valid_, B, T, C);
+                                  v_valid_, B, T, C, docs_.pos);
   else
-    be_->encoder_backward(gemb, gemb + int64_t(cfg_.V) * C, dres_, inputs_, B, T, C);
+    be_->encoder_backward(gemb, gemb + int64_t(cfg_.V) * C, dres_, inputs_, B, T, C, docs_.pos);
   units.grads_done(0);
 }
 

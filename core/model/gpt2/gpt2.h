@@ -76,7 +76,7 @@ class GPT2 final : public Network {
   const ParamLayout& layout() const { return layout_; }
 
   void forward(UnitAccess& units, const int32_t* inputs, const int32_t* targets, int B, int T,
-               bool for_backward, float dloss_scale) override;
+               bool for_backward, float dloss_scale, DocumentMask docs = {}) override;
   void backward(UnitAccess& units) override;
 
   const float* losses() const override { return losses_; }
@@ -131,6 +131,7 @@ class GPT2 final : public Network {
   int ldv_ = 0;
   float* losses_ = nullptr;                // (N)
   const int32_t* inputs_ = nullptr;
+  DocumentMask docs_;                      // the last forward's (backward reuses them)
   // backward scratch
   void* dres_ = nullptr;                   // (N,C)
   void* dbuf_c_ = nullptr;                 // (N,C)

@@ -136,8 +136,8 @@ void LlamaNetwork::block_forward(const void* p, int l, const void* res_in, int B
   auto w = block_ptrs<const void*>(p, LlamaBlockOffsets(C, Q_, KV_, F), dtype_size(be_->act_dtype()));
   LayerActs& a = acts(l);
   be_->matmul_forward(a.qkv, a.ln1, w.qkvw, nullptr, N, C, QKV_);
-  be_->rope_forward(a.qkv, rope_, B, T, NH_, NKV_, HS_, 0);
-  be_->attention_gqa_forward(a.atty, a.att, a.qkv, B, T, NH_, NKV_, HS_);
+  be_->rope_forward(a.qkv, rope_, B, T, NH_, NKV_, HS_, 0, docs_.pos);
+  be_->attention_gqa_forward(a.atty, a.att, a.qkv, B, T, NH_, NKV_, HS_, docs_.doc_start);
   be_->matmul_forward(dbuf_c_, a.atty, w.ow, nullptr, N, Q_, C);
   const void* attn_out = row_parallel_out(dbuf_c_, N);
   be_->residual_rmsnorm_forward(a.res2, my_rows(a.ln2, N), a.ln2_rstd, res_in, attn_out, w.ln2w, rows(N), C, eps_);
@@ -180,7 +180,7 @@ void LlamaNetwork::cross_entropy(const int32_t* targets, int N, bool for_backwar
 }
 
 void LlamaNetwork::forward(UnitAccess& units, const int32_t* inputs, const int32_t* targets, int B, int T,
-                           bool for_backward, float dloss_scale) {
+                           bool for_backward, float dloss_scale, DocumentMask docs) {
   TR_CHECK(B >= 1 && B <= maxB_ && T >= 1 && T <= cfg_.T, "model.forward: batch (", B, ",", T,
            ") exceeds the buffers (", maxB_, ",", cfg_.T, ")");
   TR_CHECK(!for_backward || targets, "model.forward: for_backward needs targets");
@@ -188,6 +188,7 @@ void LlamaNetwork::forward(UnitAccess& units, const int32_t* inputs, const int32
   B_ = B;
   T_ = T;
   inputs_ = inputs;
+  docs_ = docs;
   const int N = B * T, C = cfg_.C, L = cfg_.L, F = F_;
   const size_t es = dtype_size(be_->act_dtype());
   const LlamaBlockOffsets off(C, Q_, KV_, F);
@@ -261,8 +262,8 @@ void LlamaNetwork::block_backward(const void* p, float* g, int l, const void* re
   norm_grad_done(dw.ln2w);
   // Attention: res2 = res_in + o(attn(rope(qkv(RMSNorm(res_in)))))
   be_->matmul_backward(dbuf_c_, dw.ow, nullptr, full_rows(dres, N), a.atty, w.ow, N, Q_, C);
-  be_->attention_gqa_backward(dqkv_, dbuf_c_, a.qkv, a.atty, a.att, B, T, NH_, NKV_, HS_);
-  be_->rope_backward(dqkv_, rope_, B, T, NH_, NKV_, HS_, 0);
+  be_->attention_gqa_backward(dqkv_, dbuf_c_, a.qkv, a.atty, a.att, B, T, NH_, NKV_, HS_, docs_.doc_start);
+  be_->rope_backward(dqkv_, rope_, B, T, NH_, NKV_, HS_, 0, docs_.pos);
   if (kv_replicas_ == 1) {
     be_->matmul_backward(dbuf_c_, dw.qkvw, nullptr, dqkv_, a.ln1, w.qkvw, N, C, QKV_);
   } else {

@@ -52,7 +52,7 @@ class LlamaNetwork final : public Network {
                bool activation_checkpointing, const TensorParallel* tp = nullptr);
 
   void forward(UnitAccess& units, const int32_t* inputs, const int32_t* targets, int B, int T,
-               bool for_backward, float dloss_scale) override;
+               bool for_backward, float dloss_scale, DocumentMask docs = {}) override;
   void backward(UnitAccess& units) override;
 
   const float* losses() const override { return losses_; }
@@ -122,6 +122,7 @@ class LlamaNetwork final : public Network {
   int ldv_ = 0;
   float* losses_ = nullptr;       // (N)
   const int32_t* inputs_ = nullptr;
+  DocumentMask docs_;                      // the last forward's (backward reuses them)
   // backward scratch
   void* dres_ = nullptr;          // (N,C)
   void* dbuf_c_ = nullptr;        // (N,C)
