@@ -151,6 +151,7 @@ class Trainer {
   // run() after setup, with the checkpointer it aborts on a failure.
   TrainSummary run_with(Checkpointer& ckpt, Clock::time_point t_start);
   void log_memory_at_end();
+  void write_resolved_spec_with_mesh(const MeshDims& dims) const;
   void read_batch(const TokenSource& src, int64_t first, int B);
   bool debug_nan_step(int step) const { return debug_nan_step_for(w_.rank, step); }
 
@@ -302,20 +303,19 @@ void Trainer::setup() {
                   " nats/token");
     TR_LOG_INFO("batch: ", global_B_, " sequences x ", T_, " tokens per step = ", mb_, " micro-batch x ", accum_,
                 " accumulation x ", dp_size_, " data-parallel ranks; backend ", be_->name());
-    TR_LOG_INFO("mesh: ", dims.describe(), " (", w_.world, " ranks; tp innermost: a TP group is consecutive ranks)");
+    // The resolved mesh, once: degrees, every rank's coordinates (compact
+    // past 16 ranks) and the groups; job.resolved.yaml gets the same.
+    TR_LOG_INFO("mesh: ", dims.describe(), " (", w_.world, " ranks; tp innermost: a TP group is consecutive ranks",
+                tp > 1 && job_.parallel.sequence_parallel_on() ? "; sequence parallel" : "", ")");
+    TR_LOG_INFO("mesh: rank -> (pp, dp_replicate, dp_shard, tp): ", describe_rank_coords(dims));
+    TR_LOG_INFO("mesh: groups: ", describe_mesh_groups(dims));
     if (tp > 1 && (tp > w_.local_world || w_.local_world % tp != 0))
       TR_LOG_WARN("mesh: parallel.tensor_parallel (", tp, ") does not divide the ", w_.local_world,
-                  " ranks per node, so a TP group spans nodes: its all-reduces (several per block, every micro-batch) "
-                  "cross the network instead of NVLink; use a degree that divides the GPUs per node");
-    if (tp > 1) {
-      std::string coords;
-      for (int r = 0; r < w_.world; ++r) {
-        const DeviceMesh m(dims, r);
-        coords += (r ? ", " : "") + std::to_string(r) + "->(pp" + std::to_string(m.coord(MeshDim::pp)) + ",dp" +
-                  std::to_string(m.dp_coord()) + ",tp" + std::to_string(m.coord(MeshDim::tp)) + ")";
-      }
-      TR_LOG_INFO("mesh: rank -> (pp, dp, tp): ", coords);
-    }
+                  " ranks per node, so a TP group spans nodes. TP does 4 activation collectives per layer per "
+                  "micro-batch (2 forward, 2 backward) between GEMMs, where nothing hides them; over the network "
+                  "they run at a fraction of NVLink's bandwidth. Put TP inside an NVLink island (a degree that "
+                  "divides the GPUs per node) or lower parallel.tensor_parallel");
+    write_resolved_spec_with_mesh(dims);
   }
   ShardMemory m = params_->memory();
   TR_LOG_INFO("memory (rank ", w_.rank, ", ", params_->strategy(), "): params ", human_bytes(m.params), ", grads ",
@@ -323,6 +323,24 @@ void Trainer::setup() {
               human_bytes(model_->activation_bytes()),
               m.host ? ", host (parallel.offload: " + job_.parallel.offload + ") " + human_bytes(m.host) : std::string(),
               m.disk ? ", on disk under " + job_.parallel.offload_dir + " " + human_bytes(m.disk) : std::string());
+}
+
+// <output.dir>/job.resolved.yaml: the resolved spec (as the launcher wrote
+// it) plus the resolved_mesh section. Written to a temporary file and
+// renamed over the old one, because workers on other nodes may be reading
+// it (restarts re-read it); either version loads as the same job.
+void Trainer::write_resolved_spec_with_mesh(const MeshDims& dims) const {
+  const fs::path path = fs::path(job_.output.dir) / "job.resolved.yaml";
+  const fs::path tmp = fs::path(job_.output.dir) / ".job.resolved.yaml.tmp";
+  {
+    std::ofstream f(tmp);
+    TR_CHECK(f, "cannot write '", tmp.string(), "'; check that output.dir is writable");
+    f << job_spec_to_yaml(job_) << resolved_mesh_yaml(dims, job_.parallel.sequence_parallel_on());
+    TR_CHECK(f.good(), "cannot write '", tmp.string(), "' (disk full?)");
+  }
+  std::error_code ec;
+  fs::rename(tmp, path, ec);
+  TR_CHECK(!ec, "cannot replace '", path.string(), "': ", ec.message());
 }
 
 void Trainer::read_batch(const TokenSource& src, int64_t first, int B) {

@@ -145,7 +145,9 @@ std::vector<TpGroup> tp_groups(const Topology& t, const Decisions& d, int tp);
 std::string describe_tp_group(const TpGroup& g);
 // The warning for groups that span PCIe or nodes (why, what to do); "" when
 // every group is on NVLink or one host. Names the largest degree that would
-// stay on NVLink here.
-std::string tp_groups_warning(const Topology& t, const Decisions& d, int tp);
+// stay on NVLink here. include_cross_node false: only PCIe groups count (the
+// agent's case: the trainer warns about groups that span nodes itself,
+// since only it knows every node's ranks).
+std::string tp_groups_warning(const Topology& t, const Decisions& d, int tp, bool include_cross_node = true);
 
 }  // namespace trainrun::topo

@@ -274,6 +274,16 @@ LaunchTopology prepare_launch_topology(const JobSpec& job, int nproc) {
               t.numa_nodes.size() == 1 ? "" : "s", ";", binding, " details in ", path.string());
   if (!applied.empty()) TR_LOG_INFO("topology: worker environment:", applied);
   for (const TopologyWarning& w : d.warnings) TR_LOG_WARN("topology: ", w.message);
+  // Tensor parallelism: where this node's TP groups sit, and the warning
+  // (once per node, here rather than in every worker) when one spans PCIe.
+  if (job.parallel.tensor_parallel > 1) {
+    std::string groups;
+    for (const TpGroup& g : tp_groups(t, d, job.parallel.tensor_parallel))
+      groups += (groups.empty() ? "" : "; ") + describe_tp_group(g);
+    TR_LOG_INFO("topology: TP groups: ", groups);
+    const std::string w = tp_groups_warning(t, d, job.parallel.tensor_parallel, /*include_cross_node=*/false);
+    if (!w.empty()) TR_LOG_WARN("topology: ", w);
+  }
   return plan;
 }
 

@@ -82,12 +82,12 @@ std::string describe_tp_group(const TpGroup& g) {
   return os.str();
 }
 
-std::string tp_groups_warning(const Topology& t, const Decisions& d, int tp) {
+std::string tp_groups_warning(const Topology& t, const Decisions& d, int tp, bool include_cross_node) {
   const std::vector<TpGroup> groups = tp_groups(t, d, tp);
   std::string bad;
   bool pcie = false, cross = false;
   for (const TpGroup& g : groups) {
-    if (g.kind != TpLinkKind::PCIe && g.kind != TpLinkKind::CrossNode) continue;
+    if (g.kind != TpLinkKind::PCIe && !(include_cross_node && g.kind == TpLinkKind::CrossNode)) continue;
     pcie = pcie || g.kind == TpLinkKind::PCIe;
     cross = cross || g.kind == TpLinkKind::CrossNode;
     bad += (bad.empty() ? "" : "; ") + describe_tp_group(g);
