@@ -26,6 +26,7 @@
 #include "core/model/model_io.h"
 #include "core/model/model_shape.h"
 #include "core/model/model_spec.h"
+#include "core/train/bench_tp.h"
 #include "core/train/generate.h"
 #include "core/train/planner.h"
 #include "core/train/plot.h"
@@ -502,6 +503,10 @@ int main(int argc, char** argv) {
   bench_comm->add_option("--min-bytes", cb.min_bytes, "smallest message")->capture_default_str()->check(CLI::Range(int64_t(4), int64_t(1) << 40));
   bench_comm->add_option("--max-bytes", cb.max_bytes, "largest message")->capture_default_str()->check(CLI::Range(int64_t(4), int64_t(1) << 40));
   bench_comm->add_option("--iters", cb.iters, "iterations per size (0: adaptive)")->capture_default_str()->check(CLI::NonNegativeNumber);
+  TpStepBenchOptions tpb;
+  bench_comm->add_option("--tp", cb.tp, "TP group size for the TP rows: bf16 activation collectives, and training steps at tp1 vs this (0: no TP rows)")->capture_default_str()->check(CLI::Range(0, 64));
+  bench_comm->add_option("--tp-config", tpb.config, "job spec whose model and micro-batch size the TP rows use (default: the CPU benchmark model, configs/bench_cpu.yaml)")->check(CLI::ExistingFile);
+  bench_comm->add_option("--tp-steps", tpb.steps, "training steps per mesh for the tp1 vs tp step rows, the first not counted (0: skip them)")->capture_default_str()->check(CLI::Range(0, 1000));
   auto* bench_ckpt = bench->add_subcommand("checkpoint", "checkpoint write/read GB/s next to the disk's sequential speed; training blocked with async on/off");
   CheckpointBenchOptions cbo;
   bench_ckpt->add_option("--params", cbo.params, "model size in parameters: 124000000, 124M, 1.5B")->capture_default_str();
@@ -565,7 +570,27 @@ int main(int argc, char** argv) {
     }
     if (*validate) return cmd_validate(vconfig, vsets);
     if (*topo_cmd) return topo::run_topo_command(to, std::cout);
-    if (*bench_comm) return run_comm_bench(cb);
+    if (*bench_comm) {
+      if (cb.tp == 1) cb.tp = 0;  // tp 1 has no TP traffic
+      if (!tpb.config.empty()) {
+        // The TP rows' sizes: one micro-batch's activations of that job.
+        const JobSpec tj = load_resolved_job_spec(tpb.config, {});
+        cb.tp_values = int64_t(tj.train.micro_batch_size) * tj.model.seq_len * tj.model.n_embd;
+        cb.tp_shape = std::to_string(tj.train.micro_batch_size) + " x " + std::to_string(tj.model.seq_len) + " x " +
+                      std::to_string(tj.model.n_embd) + " (" + tpb.config + ")";
+      }
+      const int rc = run_comm_bench(cb);
+      if (rc != 0 || cb.tp < 2 || tpb.steps == 0) return rc;
+      if (cb.backend != "cpu") {
+        std::printf("# training-step rows (tp1 vs tp%d) run on the CPU backend only: use --backend cpu\n", cb.tp);
+        return rc;
+      }
+      tpb.tp = cb.tp;
+      std::string described;
+      const std::vector<TpStepRow> rows = run_tp_step_bench(tpb, &described);
+      std::cout << format_tp_step_table(rows, described) << std::flush;
+      return rc;
+    }
     if (*bench_ckpt) return run_checkpoint_bench(cbo);
     if (*bench_kernels) return run_kernel_bench(kbo);
     if (*bench_opt) return run_optimizer_bench(obo);

@@ -3,6 +3,8 @@
 // into job.resolved.yaml (which must still load as the same job), compact
 // for meshes of thousands of ranks; and a real tp2 x dp2 run's log and file.
 #include <catch2/catch.hpp>
+#include <nlohmann/json.hpp>
+#include <sstream>
 #include <string>
 
 #include "core/config/job_spec.h"
@@ -85,6 +87,21 @@ TEST_CASE("mesh: a tp2 x dp2 run logs the mesh and writes it into job.resolved.y
   CHECK_THAT(yaml, Contains("    tp: [[0, 1], [2, 3]]\n    dp_shard: [[0, 2], [1, 3]]\n"));
   CHECK_THAT(yaml, Contains("    3: [0,0,1,1]\n"));
   CHECK_FALSE(file_exists(dir / "run/.job.resolved.yaml.tmp"));
+  // metrics.jsonl: rank 0's time inside TP collectives, and its share of the step.
+  std::istringstream metrics(read_file(dir / "run/metrics.jsonl"));
+  int records = 0;
+  for (std::string line; std::getline(metrics, line);) {
+    if (line.empty()) continue;
+    const auto j = nlohmann::json::parse(line);
+    INFO(line);
+    REQUIRE(j.contains("tp_comm_ms"));
+    CHECK(j.at("tp_comm_ms").get<double>() > 0);
+    CHECK(j.at("tp_comm_fraction").get<double>() >= 0);
+    CHECK(j.at("tp_comm_fraction").get<double>() <= 1);
+    CHECK(j.at("tp_comm_ms").get<double>() <= j.at("ms_per_step").get<double>());
+    ++records;
+  }
+  CHECK(records == 2);
   // The file is still a job spec: validate loads it (the section ignored).
   const auto v = run_trainrun("validate --config '" + dir / "run/job.resolved.yaml" + "'");
   INFO(v.err);

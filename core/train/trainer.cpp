@@ -523,6 +523,7 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
     }
     debug_fail_hook(w_.rank, step + 1);  // launcher tests: TRAINRUN_DEBUG_FAIL_RANK/_STEP
     auto t0 = Clock::now();
+    if (tp_plan_) tp_ctx_.take_comm_seconds();  // only this step's collectives
     const double lr = lr_at(step, tr.max_steps, tr.warmup_steps, tr.lr, tr.min_lr, tr.schedule);
     const StepResult sr = train_step(step);
     const double loss = sr.loss;
@@ -557,6 +558,7 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
     be_->synchronize();
     const double dt = seconds_since(t0);
     const double comm_wait = params_->take_comm_wait_seconds();
+    const double tp_comm = tp_plan_ ? tp_ctx_.take_comm_seconds() : -1;  // before eval: the step's only
     train_time += dt;
     sum.steps = step + 1;
     sum.final_loss = loss;
@@ -575,6 +577,7 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
     report.grad_norm = gnorm;
     report.step_seconds = dt;
     report.comm_wait_seconds = comm_wait;
+    report.tp_comm_seconds = tp_comm;
     report.val_loss = val_loss;
     reporter.on_step(report);
     if (job_.checkpoint.interval > 0 && (step + 1) % job_.checkpoint.interval == 0) save_checkpoint(step + 1);
