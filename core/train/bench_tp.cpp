@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "core/common/error.h"
+#include "core/common/log.h"
 #include "core/config/job_spec.h"
 #include "core/model/model.h"
 #include "core/model/model_spec.h"
@@ -119,14 +120,20 @@ std::vector<TpStepRow> run_tp_step_bench(const TpStepBenchOptions& o, std::strin
   TR_CHECK(mkdtemp(tmpl), "bench comm: cannot make a scratch directory under /tmp");
   const fs::path dir = tmpl;
   std::vector<TpStepRow> rows;
+  // The runs' own info lines (setup, memory) would bury the table; their
+  // warnings and errors still show.
+  const LogLevel level = log_level();
+  if (level < LogLevel::Warn) set_log_level(LogLevel::Warn);
   try {
     rows.push_back(run_mesh(job, 1, o.steps, threads, dir));
     rows.push_back(run_mesh(job, o.tp, o.steps, threads, dir));
   } catch (...) {
+    set_log_level(level);
     std::error_code ec;
     fs::remove_all(dir, ec);
     throw;
   }
+  set_log_level(level);
   std::error_code ec;
   fs::remove_all(dir, ec);
   return rows;
