@@ -26,6 +26,7 @@
 #include "core/model/model_io.h"
 #include "core/model/model_shape.h"
 #include "core/model/model_spec.h"
+#include "core/train/bench_tp.h"
 #include "core/train/generate.h"
 #include "core/train/planner.h"
 #include "core/train/plot.h"
@@ -35,6 +36,8 @@
 #include "parallel/comm/bench_comm.h"
 #include "kernels/cpu/bench_host_adamw.h"
 #include "parallel/topology/topology.h"
+#include "parallel/topology/topology_decide.h"
+#include "parallel/topology/topology_sources.h"
 #include "parallel/topology/topology_launch.h"
 
 namespace fs = std::filesystem;
@@ -267,6 +270,7 @@ int cmd_generate(const std::string& ckpt, const std::string& prompt, SampleOptio
 // each sharding strategy. Flags override the job's fields.
 struct PlanArgs {
   std::string config, model, gpu = "h100", gpu_memory, checkpointing, offload, host_memory;
+  std::string topology, nvidia_smi_topo;  // the node's TP links
   double host_adamw = 0, pcie = 0, nvme_bw = 0;
   std::vector<std::string> sets;
   int gpus = 0, nodes = 1, micro_batch = 0, global_batch = 0;
@@ -276,6 +280,8 @@ int cmd_plan(const PlanArgs& a) {
   PlanRequest req;
   req.gpu = a.gpu;
   bool from_job = false;
+  std::string job_topology_file;
+  int job_nproc = 0;
   if (!a.config.empty()) {
     JobSpec job = load_resolved_job_spec(a.config, a.sets);
     from_job = true;
@@ -286,6 +292,10 @@ int cmd_plan(const PlanArgs& a) {
     req.job_strategy = job.parallel.sharding;
     req.shard_group_size = job.parallel.shard_group_size;
     req.offload = job.parallel.offload;
+    req.sequence_parallel = job.parallel.sequence_parallel_on();
+    req.job_tp = job.parallel.tensor_parallel;
+    job_topology_file = job.parallel.topology_file;
+    job_nproc = job.parallel.nproc_per_node;
     if (job.parallel.nproc_per_node > 0) req.gpus_per_node = job.parallel.nproc_per_node;
   }
   if (!a.model.empty()) req.model = parse_model_shape(a.model);
@@ -299,6 +309,48 @@ int cmd_plan(const PlanArgs& a) {
   if (a.host_adamw > 0) req.host_adamw_params_per_s = a.host_adamw;
   if (a.pcie > 0) req.pcie_bytes_per_s = a.pcie;
   if (a.nvme_bw > 0) req.nvme_bytes_per_s = a.nvme_bw;
+  // TP links from the node's topology: a saved description, nvidia-smi
+  // text, or the job's parallel.topology_file. The groups are those a
+  // launch would make (topo::tp_groups over decide()'s rank -> GPU order).
+  std::string topo_file = a.topology, smi_file = a.nvidia_smi_topo;
+  if (topo_file.empty() && smi_file.empty() && !a.config.empty()) topo_file = job_topology_file;
+  if (!topo_file.empty() || !smi_file.empty()) {
+    const topo::Topology t = !topo_file.empty() ? topo::load_topology(topo_file)
+                                                : topo::make_nvidia_smi_source(smi_file)->read();
+    TR_CHECK(t.gpu_count() > 0, "plan: the topology in ", !topo_file.empty() ? topo_file : smi_file,
+             " has no GPUs; plan needs a GPU node's description (trainrun topo --save on one)");
+    if (a.gpus == 0 && !(from_job && job_nproc > 0)) req.gpus_per_node = t.gpu_count();
+    req.topology_source = !topo_file.empty() ? topo_file : smi_file;
+    req.topology_has_nvlink = false;
+    for (const auto& row : t.links)
+      for (const auto& l : row) req.topology_has_nvlink = req.topology_has_nvlink || l.kind == topo::LinkKind::NVLink;
+    const GpuSpec* spec = find_gpu_spec(req.gpu);
+    for (int tp : {2, 4, 8}) {
+      if (tp > req.gpus_per_node) break;
+      topo::DecisionInputs in;
+      in.nproc = req.gpus_per_node;
+      in.backend = "cuda";
+      const topo::Decisions d = topo::decide(t, in);
+      PlanRequest::TpLink link;
+      link.tp = tp;
+      link.kind = "NVLink";
+      int nvlinks = 1 << 30;
+      for (const topo::TpGroup& g : topo::tp_groups(t, d, tp)) {
+        if (g.kind == topo::TpLinkKind::CrossNode) link.kind = "cross-node";
+        else if (g.kind != topo::TpLinkKind::NVLink && link.kind == "NVLink") link.kind = "PCIe", link.detail = topo::describe_tp_group(g);
+        else if (g.kind == topo::TpLinkKind::NVLink && g.slowest.kind == topo::LinkKind::NVLink) nvlinks = std::min(nvlinks, g.slowest.nvlinks);
+      }
+      // NVLink: 25 GB/s per link per direction (NVLink 3 and 4), at most the
+      // GPU's; PCIe: --pcie; a group past the node: the network.
+      const double nvlink_bw = spec ? spec->nvlink_bytes_per_s : 450e9;
+      link.bytes_per_s = link.kind == "PCIe"         ? req.pcie_bytes_per_s
+                         : link.kind == "cross-node" ? (spec ? spec->network_bytes_per_s : 50e9)
+                         : nvlinks < (1 << 30)       ? std::min(nvlink_bw, 25e9 * nvlinks)
+                                                     : nvlink_bw;
+      if (link.kind == "NVLink" && nvlinks < (1 << 30)) link.detail = "NV" + std::to_string(nvlinks) + " between its GPUs";
+      req.tp_links.push_back(link);
+    }
+  }
   // Without a job: one micro-batch per GPU per step unless told otherwise.
   if (a.global_batch > 0) req.global_batch = a.global_batch;
   else if (!from_job) req.global_batch = req.micro_batch * req.gpus_per_node * req.nodes;
@@ -425,6 +477,8 @@ int main(int argc, char** argv) {
   plan->add_option("--host-memory", pa.host_memory, "host memory per node for offload, e.g. 2TB (default: not checked)");
   plan->add_option("--host-adamw", pa.host_adamw, "host AdamW parameters/s per node (default 4e9; measure with trainrun bench optimizer)")->check(CLI::PositiveNumber);
   plan->add_option("--pcie", pa.pcie, "host<->GPU bytes/s per GPU (default 25e9)")->check(CLI::PositiveNumber);
+  auto* plan_topo = plan->add_option("--topology", pa.topology, "the node's topology (saved with trainrun topo --save): which TP degrees stay on NVLink (default: the job's parallel.topology_file, else NVLink inside a node)")->check(CLI::ExistingFile);
+  plan->add_option("--nvidia-smi-topo", pa.nvidia_smi_topo, "the node's `nvidia-smi topo -m` output, instead of --topology")->check(CLI::ExistingFile)->excludes(plan_topo);
   plan->add_option("--nvme-bandwidth", pa.nvme_bw, "NVMe bytes/s per node for offload nvme (default 12e9)")->check(CLI::PositiveNumber);
 
   auto* topo_cmd = app.add_subcommand("topo", "describe this node's GPUs, links, NUMA and NICs, and what a launch would do");
@@ -435,6 +489,8 @@ int main(int argc, char** argv) {
   topo_smi->excludes(topo_file)->excludes(topo_sysfs);
   topo_file->excludes(topo_sysfs);
   topo_cmd->add_option("--nproc", to.nproc, "ranks to plan for (default: one per GPU, 1 without GPUs)")->check(CLI::Range(1, 1024));
+  topo_cmd->add_option("--tp", to.tp, "show the tensor-parallel groups for this degree and their links (default: the --config job's parallel.tensor_parallel)")->check(CLI::Range(1, 1024));
+  topo_cmd->add_option("--config", to.config, "job spec: its parallel.tensor_parallel, nproc_per_node and topology_file (flags here win)")->check(CLI::ExistingFile);
   topo_cmd->add_flag("--json", to.json, "print the description and the decisions as JSON");
   topo_cmd->add_option("--save", to.save_file, "write the description to FILE (load it with --topology or parallel.topology_file)");
 
@@ -447,6 +503,10 @@ int main(int argc, char** argv) {
   bench_comm->add_option("--min-bytes", cb.min_bytes, "smallest message")->capture_default_str()->check(CLI::Range(int64_t(4), int64_t(1) << 40));
   bench_comm->add_option("--max-bytes", cb.max_bytes, "largest message")->capture_default_str()->check(CLI::Range(int64_t(4), int64_t(1) << 40));
   bench_comm->add_option("--iters", cb.iters, "iterations per size (0: adaptive)")->capture_default_str()->check(CLI::NonNegativeNumber);
+  TpStepBenchOptions tpb;
+  bench_comm->add_option("--tp", cb.tp, "TP group size for the TP rows: bf16 activation collectives, and training steps at tp1 vs this (0: no TP rows)")->capture_default_str()->check(CLI::Range(0, 64));
+  bench_comm->add_option("--tp-config", tpb.config, "job spec whose model and micro-batch size the TP rows use (default: the CPU benchmark model, configs/bench_cpu.yaml)")->check(CLI::ExistingFile);
+  bench_comm->add_option("--tp-steps", tpb.steps, "training steps per mesh for the tp1 vs tp step rows, the first not counted (0: skip them)")->capture_default_str()->check(CLI::Range(0, 1000));
   auto* bench_ckpt = bench->add_subcommand("checkpoint", "checkpoint write/read GB/s next to the disk's sequential speed; training blocked with async on/off");
   CheckpointBenchOptions cbo;
   bench_ckpt->add_option("--params", cbo.params, "model size in parameters: 124000000, 124M, 1.5B")->capture_default_str();
@@ -510,7 +570,27 @@ int main(int argc, char** argv) {
     }
     if (*validate) return cmd_validate(vconfig, vsets);
     if (*topo_cmd) return topo::run_topo_command(to, std::cout);
-    if (*bench_comm) return run_comm_bench(cb);
+    if (*bench_comm) {
+      if (cb.tp == 1) cb.tp = 0;  // tp 1 has no TP traffic
+      if (!tpb.config.empty()) {
+        // The TP rows' sizes: one micro-batch's activations of that job.
+        const JobSpec tj = load_resolved_job_spec(tpb.config, {});
+        cb.tp_values = int64_t(tj.train.micro_batch_size) * tj.model.seq_len * tj.model.n_embd;
+        cb.tp_shape = std::to_string(tj.train.micro_batch_size) + " x " + std::to_string(tj.model.seq_len) + " x " +
+                      std::to_string(tj.model.n_embd) + " (" + tpb.config + ")";
+      }
+      const int rc = run_comm_bench(cb);
+      if (rc != 0 || cb.tp < 2 || tpb.steps == 0) return rc;
+      if (cb.backend != "cpu") {
+        std::printf("# training-step rows (tp1 vs tp%d) run on the CPU backend only: use --backend cpu\n", cb.tp);
+        return rc;
+      }
+      tpb.tp = cb.tp;
+      std::string described;
+      const std::vector<TpStepRow> rows = run_tp_step_bench(tpb, &described);
+      std::cout << format_tp_step_table(rows, described) << std::flush;
+      return rc;
+    }
     if (*bench_ckpt) return run_checkpoint_bench(cbo);
     if (*bench_kernels) return run_kernel_bench(kbo);
     if (*bench_opt) return run_optimizer_bench(obo);

@@ -539,7 +539,8 @@ using Catch::Matchers::Contains;
 
 TEST_CASE("communicator: trainrun bench comm prints the nccl-tests style table, and refuses what it cannot run",
           "[communicator]") {
-  auto r = test::run_trainrun("bench comm --nproc 2 --min-bytes 4096 --max-bytes 65536 --iters 3");
+  // --tp 0: the TP rows have their own test (below).
+  auto r = test::run_trainrun("bench comm --nproc 2 --min-bytes 4096 --max-bytes 65536 --iters 3 --tp 0");
   INFO(r.out << r.err);
   REQUIRE(r.exit_code == 0);
   CHECK_THAT(r.out, Contains("backend cpu (gloo, TCP loopback), 2 ranks") && Contains("host memcpy bandwidth"));
@@ -567,6 +568,64 @@ TEST_CASE("communicator: trainrun bench comm prints the nccl-tests style table, 
   r = test::run_trainrun("bench comm --backend tpu");
   CHECK(r.exit_code == 2);
   CHECK_THAT(r.err, Contains("--backend"));
+}
+
+TEST_CASE("communicator: trainrun bench comm adds TP-sized bf16 rows and tp1 vs tp2 training steps", "[communicator][tp]") {
+  test::TempDir dir("bench_tp");
+  // A small model so the test is quick: 2 x 8 x 32 activations per micro-batch.
+  test::write_file(dir / "job.yaml", "model: {n_layer: 2, n_head: 4, n_embd: 32, vocab_size: 64, seq_len: 8}\n"
+                                     "data: {format: synthetic, synthetic: {vocab: 64, branching: 3}}\n"
+                                     "train: {micro_batch_size: 2, global_batch_size: 2}\n");
+  auto r = test::run_trainrun("bench comm --nproc 2 --min-bytes 4096 --max-bytes 4096 --iters 2 --tp 2 --tp-steps 3 "
+                              "--tp-config '" + dir / "job.yaml" + "'");
+  INFO(r.out << r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.out, Contains("# TP activation collectives: bf16, 2 ranks, micro-batch x seq_len x n_embd = 2 x 8 x 32 (") &&
+                        Contains(" = 512 values (1 KiB)"));
+  int tp_rows = 0, step_rows = 0;
+  std::istringstream in(r.out);
+  for (std::string line; std::getline(in, line);) {
+    INFO(line);
+    if (line.rfind("tp_", 0) == 0) {
+      ++tp_rows;
+      std::istringstream f(line);
+      std::string op, num, unit;
+      double t = 0, algbw = 0, busbw = 0;
+      f >> op >> num >> unit >> t >> algbw >> busbw;
+      CHECK((op == "tp_all_reduce" || op == "tp_all_gather" || op == "tp_reduce_scatter"));
+      CHECK(num + " " + unit == "1 KiB");
+      CHECK(t > 0);
+      CHECK(busbw > 0);
+    } else if (line.rfind("tp1 ", 0) == 0 || line.rfind("tp2 ", 0) == 0) {
+      ++step_rows;
+      std::istringstream f(line);
+      std::string mesh, pct;
+      int ranks = 0, threads = 0;
+      double step_ms = 0, tp_ms = -1;
+      f >> mesh >> ranks >> threads >> step_ms >> tp_ms >> pct;
+      CHECK(ranks == (mesh == "tp1" ? 1 : 2));
+      CHECK(step_ms > 0);
+      const double fraction = std::stod(pct.substr(0, pct.size() - 1)) / 100;
+      CHECK(fraction >= 0);
+      CHECK(fraction <= 1);
+      if (mesh == "tp1") CHECK(tp_ms == 0);
+      else CHECK(tp_ms > 0);  // two ranks really exchanged activations
+    }
+  }
+  CHECK(tp_rows == 3);
+  CHECK(step_rows == 2);
+  CHECK_THAT(r.out, Contains("# training steps, gpt2 L=2 C=32 heads=4 V=64 T=8, micro-batch 2 (") &&
+                        Contains("tp1 vs tp2"));
+  // Bad input: a degree the model does not split, a missing job, a negative step count.
+  r = test::run_trainrun("bench comm --nproc 2 --min-bytes 4096 --max-bytes 4096 --tp 3 --tp-config '" + dir / "job.yaml" + "'");
+  CHECK(r.exit_code == 1);
+  CHECK_THAT(r.err, Contains("model.n_head (4) is not divisible by parallel.tensor_parallel (3)"));
+  r = test::run_trainrun("bench comm --tp-config '" + dir / "missing.yaml" + "'");
+  CHECK(r.exit_code == 2);
+  CHECK_THAT(r.err, Contains("--tp-config"));
+  r = test::run_trainrun("bench comm --tp-steps -1");
+  CHECK(r.exit_code == 2);
+  CHECK_THAT(r.err, Contains("--tp-steps"));
 }
 
 // ---- point to point and bf16 (pipeline stages, tensor-parallel activations) ----------

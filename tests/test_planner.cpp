@@ -3,6 +3,7 @@
 // the command's errors.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <nlohmann/json.hpp>
@@ -13,6 +14,7 @@
 #include "core/config/job_spec.h"
 #include "core/model/gpt2/gpt2.h"
 #include "core/model/model_shape.h"
+#include "core/model/tensor_parallel.h"
 #include "core/train/planner.h"
 #include "core/train/trainer.h"
 #include "kernels/backend.h"
@@ -463,4 +465,211 @@ TEST_CASE("planner: Llama 3 70B on 8 x 80 GB trains with offload cpu, and says h
   CHECK_THAT(r.out, Contains("offload   cpu:") && Contains("with parallel.offload: cpu, FITS"));
   r = test::run_trainrun("plan --model llama3.1-70b --gpu a100 --gpu-memory 80GB --activation-checkpointing blocks");
   CHECK_THAT(r.out, Contains("DOES NOT FIT"));
+}
+
+// ---- tensor parallelism ------------------------------------------------------------------
+
+TEST_CASE("planner: the TP activation model is each TP rank's arena, byte for byte", "[planner][tp]") {
+  auto be = make_cpu_backend(1);
+  std::vector<ModelConfig> shapes = {parse_model_shape("gpt2:L=2,C=32,heads=4,V=100,T=8"),
+                                     parse_model_shape("llama:L=2,C=32,heads=4,kv_heads=2,ffn=48,V=101,T=8"),
+                                     parse_model_shape("llama:L=3,C=32,heads=4,kv_heads=1,ffn=64,V=64,T=16")};
+  for (const ModelConfig& c : shapes) {
+    const auto arch = make_model_arch(c);
+    for (int tp : {2, 4}) {
+      for (bool sp : {false, true}) {
+        for (bool ckpt : {false, true}) {
+          for (int B : {1, 3}) {
+            if (sp && (B * c.T) % tp != 0) continue;  // SP splits the rows evenly
+            const TensorParallelPlan plan(*arch, tp, 1);
+            TensorParallel ctx;
+            ctx.plan = &plan;
+            ctx.sequence_parallel = sp;
+            const auto net = arch->make_network(be.get(), B, ckpt, &ctx);
+            INFO(arch->describe() << " tp" << tp << " sp=" << sp << " ckpt=" << ckpt << " B=" << B);
+            CHECK(estimate_tp_activation_bytes(*arch, tp, sp, B, ckpt, DeviceModel::cpu()) ==
+                  double(net->activation_bytes()));
+          }
+        }
+      }
+    }
+    // tp 1 is the existing model.
+    CHECK(estimate_tp_activation_bytes(*arch, 1, false, 2, false, DeviceModel::cpu()) ==
+          estimate_activation_bytes(*arch, 2, false, DeviceModel::cpu()));
+  }
+}
+
+TEST_CASE("planner: a tp2 row's memory and time are the hand-computed ones", "[planner][tp]") {
+  // GPT-2 L=2 C=64 heads=4 V=256 T=32 on 2 GPUs: tp2 x dp1 no_shard.
+  PlanRequest req;
+  req.model = parse_model_shape("gpt2:L=2,C=64,heads=4,V=256,T=32");
+  req.gpu = "h100";
+  req.gpus_per_node = 2;
+  req.micro_batch = 2;
+  req.global_batch = 4;  // dp1: two micro-batches per step
+  const Plan p = make_plan(req);
+  const PlanRow* row = nullptr;
+  for (const auto& r : p.tp_rows)
+    if (r.tp == 2 && r.sharding.strategy == "no_shard") row = &r;
+  REQUIRE(row);
+  CHECK(row->dp == 1);
+  CHECK(row->accum == 2);
+  // One TP rank's parameters: per block the replicated LayerNorms (2 x 2C)
+  // and row-parallel biases (2 x C), and half of c_attn (3C x C + 3C),
+  // attn c_proj's weight (C x C), c_fc (4C x C + 4C) and mlp c_proj's
+  // weight (C x 4C); half the (tied) token embedding, the whole position
+  // table and the final LayerNorm.
+  const double C = 64, V = 256, T = 32;
+  const double block = 4 * C + 2 * C + (3 * C * C + 3 * C + C * C + 4 * C * C + 4 * C + 4 * C * C) / 2;
+  const double P = 2 * block + V * C / 2 + T * C + 2 * C;
+  CHECK(row->mem.params == 6 * P);  // fp32 master + bf16 copy
+  CHECK(row->mem.grads == 4 * P);
+  CHECK(row->mem.optimizer == 8 * P);
+  // TP traffic: (4 per block + embedding + head) all-reduces of B*T*C bf16
+  // values per micro-batch, ring 2(T-1)/T, at 80% of 450 GB/s.
+  const double bytes = 2 * T * C * 2;
+  CHECK(tp_collectives_per_micro_batch(req.model, false) == 10);
+  CHECK(tp_collectives_per_micro_batch(req.model, true) == 14);
+  CHECK(row->tp_comm_s == Approx(2 * 10 * 2.0 * (2 - 1) / 2 * bytes / (450e9 * 0.8)).epsilon(1e-12));
+  // Compute: half of each micro-batch's FLOPs per GPU.
+  const auto arch = make_model_arch(req.model);
+  CHECK(row->compute_s == Approx(2 * 2 * T * arch->flops_per_token() / 2 / (989.4e12 * 0.45)).epsilon(1e-12));
+  CHECK(row->step_s == Approx(row->compute_s + row->tp_comm_s).epsilon(1e-12));  // dp1: no dp traffic
+  CHECK(row->tp_link == "NVLink");
+}
+
+TEST_CASE("planner: TP degrees the model cannot split are not offered, and say why", "[planner][tp]") {
+  PlanRequest req;
+  req.model = parse_model_shape("gpt2:L=2,C=96,heads=12,V=256,T=32");  // 12 heads: tp 8 does not divide them
+  req.gpus_per_node = 8;
+  const Plan p = make_plan(req);
+  bool saw8 = false;
+  for (const auto& n : p.tp_not_offered)
+    if (n.first == 8) {
+      saw8 = true;
+      CHECK_THAT(n.second, Contains("model.n_head (12) is not divisible by parallel.tensor_parallel (8)"));
+    }
+  CHECK(saw8);
+  for (const auto& r : p.tp_rows) CHECK(r.tp != 8);
+  CHECK(std::any_of(p.tp_rows.begin(), p.tp_rows.end(), [](const PlanRow& r) { return r.tp == 4; }));
+  auto r = test::run_trainrun("plan --model gpt2:L=2,C=96,heads=12,V=256,T=32 --gpus 8");
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.out, Contains("tp8: not offered: model.n_head (12) is not divisible by parallel.tensor_parallel (8)") &&
+                        Contains("\ntp4 x dp2  full_shard ") && !Contains("\ntp8 x "));
+  // Llama 3 8B's 8 KV heads split at tp 8; 6 GPUs only take tp 2.
+  r = test::run_trainrun("plan --model llama3-8b --gpus 6");
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.out, Contains("tp4: not offered: does not divide the 6 GPUs") && Contains("tp8: not offered: more than the 6 GPUs"));
+}
+
+TEST_CASE("planner: Llama 3 70B on 8 x 80 GB gets a mesh that fits", "[planner][tp]") {
+  PlanRequest req;
+  req.model = parse_model_shape("llama3.1-70b");
+  req.gpu = "h100";
+  req.gpu_memory = parse_bytes("80GiB", "--gpu-memory");
+  req.gpus_per_node = 8;
+  req.micro_batch = 1;
+  req.global_batch = 8;
+  req.checkpointing = true;
+  // No mesh holds 18 bytes x 70.6B / 8 of state in 80 GiB: it says so.
+  Plan p = make_plan(req);
+  CHECK_FALSE(p.has_recommendation);
+  CHECK_THAT(p.recommendation, Contains("recommended: none") && Contains("--offload cpu"));
+  // With the optimizer state on the host it does (TP with offload is refused for now).
+  req.offload = "cpu";
+  p = make_plan(req);
+  REQUIRE(p.has_recommendation);
+  CHECK(p.recommended.fits);
+  CHECK(p.recommended.mem.total() <= p.capacity);
+  CHECK(p.recommended.tp == 1);
+  CHECK_THAT(p.recommendation, Contains("recommended: tp1 x dp8 full_shard with parallel.offload cpu: fits in 80.0 GiB with"));
+  for (const auto& n : p.tp_not_offered) CHECK_THAT(n.second, Contains("parallel.offload with parallel.tensor_parallel"));
+  // On 4 nodes it trains without offload, and the fastest fitting mesh keeps TP inside a node.
+  req.offload = "none";
+  req.nodes = 4;
+  req.global_batch = 32;
+  p = make_plan(req);
+  REQUIRE(p.has_recommendation);
+  CHECK(p.recommended.fits);
+  for (const auto& r : p.rows)
+    if (r.fits) CHECK(p.recommended.step_s <= r.step_s);
+  for (const auto& r : p.tp_rows)
+    if (r.fits && r.tp_link == "NVLink") CHECK(p.recommended.step_s <= r.step_s);
+  CHECK(p.recommended.tp <= 8);
+  CHECK((p.recommended.tp == 1 || p.recommended.tp_link == "NVLink"));
+  CHECK_THAT(p.recommendation, Contains("GiB free") && Contains("meshes that fit"));
+  WARN(render_plan(p));
+}
+
+TEST_CASE("planner: TP never goes over PCIe when the node has NVLink, even when it looks faster", "[planner][tp]") {
+  PlanRequest req;
+  req.model = parse_model_shape("llama3-8b");
+  req.gpu = "a100";
+  req.gpus_per_node = 4;
+  req.micro_batch = 1;
+  req.global_batch = 4;
+  // A node where tp 4 crosses PCIe but the planner is told PCIe is fast:
+  // the tp4 rows become the fastest, yet are not recommended.
+  req.tp_links = {{2, "NVLink", 300e9, ""}, {4, "PCIe", 1e15, ""}};
+  req.topology_has_nvlink = true;
+  req.compute_efficiency = 0.45;
+  Plan p = make_plan(req);
+  const PlanRow* fastest = nullptr;
+  for (const auto& r : p.tp_rows)
+    if (r.fits && (!fastest || r.step_s < fastest->step_s)) fastest = &r;
+  REQUIRE(fastest);
+  REQUIRE(fastest->tp == 4);
+  REQUIRE(p.has_recommendation);
+  CHECK(p.recommended.tp_link != "PCIe");
+  CHECK_THAT(p.recommendation, Contains("Not tp4 x dp1") && Contains("would put TP over PCIe while this node has NVLink"));
+  // A node with no NVLink at all: PCIe is all there is, and allowed.
+  req.topology_has_nvlink = false;
+  p = make_plan(req);
+  REQUIRE(p.has_recommendation);
+  CHECK(p.recommended.tp == 4);
+  CHECK_THAT(p.recommendation, Contains("tp runs over PCIe (this node has no NVLink"));
+}
+
+TEST_CASE("planner: plan reads the TP links from a topology and marks the job's mesh", "[planner][tp][cli]") {
+  const std::string fx = std::string(TRAINRUN_SOURCE_DIR) + "/tests/fixtures/topology/";
+  auto r = test::run_trainrun("plan --model llama3-8b --gpu a100 --nvidia-smi-topo '" + fx + "pcie_nvlink_pairs.txt' "
+                              "--activation-checkpointing blocks");
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  // 4 GPUs from the topology; tp 2 on the NVLink pairs (4 links), tp 4 over PCIe.
+  CHECK_THAT(r.out, Contains("1 node x 4 A100") && Contains("TP links from " + fx + "pcie_nvlink_pairs.txt") &&
+                        Contains("  tp2: NVLink, 100 GB/s (NV4 between its GPUs)") &&
+                        Contains("  tp4: PCIe, 25 GB/s (ranks 0-3 (GPUs 0,1,2,3): PCIe (NODE))"));
+  CHECK_THAT(r.out, Contains("\ntp4 x dp1  full_shard ") && Contains("tp8: not offered: more than the 4 GPUs"));
+  CHECK_THAT(r.out, Contains("\nrecommended: ") && !Contains("recommended: tp4"));
+  // A DGX: every degree on NVLink (NV18, capped at the GPU's 450 GB/s).
+  r = test::run_trainrun("plan --model llama3-8b --nvidia-smi-topo '" + fx + "dgx_h100.txt'");
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.out, Contains("  tp8: NVLink, 450 GB/s (NV18 between its GPUs)"));
+  // The job's mesh is marked; its topology_file is read.
+  test::TempDir dir("plan_tp");
+  REQUIRE(test::run_trainrun("topo --save '" + dir / "pairs.json" + "' --nvidia-smi-topo '" + fx + "pcie_nvlink_pairs.txt'")
+              .exit_code == 0);
+  test::write_file(dir / "job.yaml", "model: {preset: llama3.2-1b, seq_len: 2048}\ndata: {format: synthetic}\n"
+                                     "train: {micro_batch_size: 1, global_batch_size: 4}\n"
+                                     "parallel: {tensor_parallel: 2, sequence_parallel: true, sharding: full_shard, "
+                                     "topology_file: '" + dir / "pairs.json" + "'}\n");
+  r = test::run_trainrun("plan --config '" + dir / "job.yaml" + "'");
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.out, Contains("\ntp2 x dp2  full_shard * ") && Contains("(* the job's parallel.tensor_parallel") &&
+                        Contains("; sequence parallel)") && Contains("TP links from " + dir / "pairs.json"));
+  // Bad input.
+  r = test::run_trainrun("plan --model llama3-8b --topology '" + dir / "missing.json" + "'");
+  CHECK(r.exit_code == 2);
+  CHECK_THAT(r.err, Contains("--topology"));
+  r = test::run_trainrun("plan --model llama3-8b --topology '" + dir / "pairs.json" + "' --nvidia-smi-topo '" + fx +
+                         "dgx_h100.txt'");
+  CHECK(r.exit_code == 2);
+  CHECK_THAT(r.err, Contains("excludes"));
+  // A description without GPUs (a CPU node's sysfs fixture) cannot say where TP goes.
+  REQUIRE(test::run_trainrun("topo --save '" + dir / "cpu.json" + "' --sysfs-root '" + fx + "sysfs/cpu_only_2numa'").exit_code == 0);
+  r = test::run_trainrun("plan --model llama3-8b --topology '" + dir / "cpu.json" + "'");
+  CHECK(r.exit_code == 1);
+  CHECK_THAT(r.err, Contains("has no GPUs; plan needs a GPU node's description"));
 }

@@ -516,3 +516,66 @@ TEST_CASE("topology: trainrun topo rejects bad input with exit code 1", "[topolo
   CHECK(r.exit_code == 2);  // a usage error
 }
 
+
+TEST_CASE("topology: trainrun topo --tp shows the TP groups, their link and a warning off NVLink", "[topology][cli][tp]") {
+  // NVLink pairs (0-1, 2-3) joined by PCIe: tp2 stays on NVLink, tp4 spans PCIe.
+  auto r = test::run_trainrun("topo --tp 2 --nvidia-smi-topo '" + fixture("pcie_nvlink_pairs.txt") + "'");
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.out, Contains("tensor-parallel groups (tp 2, 4 ranks on this node") &&
+                        Contains("ranks 0-1 (GPUs 0,1): NVLink (NV4)") && Contains("ranks 2-3 (GPUs 2,3): NVLink (NV4)"));
+  CHECK_THAT(r.out, !Contains("[tp_link]"));
+  r = test::run_trainrun("topo --tp 4 --nvidia-smi-topo '" + fixture("pcie_nvlink_pairs.txt") + "'");
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.out, Contains("ranks 0-3 (GPUs 0,1,2,3): PCIe (NODE)"));
+  CHECK_THAT(r.out, Contains("[tp_link] parallel.tensor_parallel 4: TP group ranks 0-3 (GPUs 0,1,2,3): PCIe (NODE). "
+                             "TP does 4 activation collectives per layer per micro-batch") &&
+                        Contains("Put TP inside an NVLink island (islands here: GPUs 0-1, 2-3) or lower "
+                                 "parallel.tensor_parallel to 2"));
+  // A DGX (NVSwitch): every group of 8 is NVLink.
+  r = test::run_trainrun("topo --tp 8 --nvidia-smi-topo '" + fixture("dgx_h100.txt") + "'");
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.out, Contains("ranks 0-7 (GPUs 0,1,2,3,4,5,6,7): NVLink (NV18)") && !Contains("[tp_link]"));
+  // A PCIe-only box: every group is PCIe, and the advice says there is no island.
+  r = test::run_trainrun("topo --tp 2 --nvidia-smi-topo '" + fixture("pcie_8gpu_2socket.txt") + "'");
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.out, Contains("ranks 0-1 (GPUs 0,1): PCIe") && Contains("(this node has none: TP over PCIe is all it can do)"));
+  // 3 ranks per node at tp 2: the last group continues on the next node.
+  r = test::run_trainrun("topo --tp 2 --nproc 3 --nvidia-smi-topo '" + fixture("dgx_h100.txt") + "'");
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.out, Contains("rank 2 (GPU 2): cross-node (continues on the next node's ranks)") &&
+                        Contains("over the network") && Contains("a degree that divides the ranks per node"));
+  // JSON carries the groups.
+  r = test::run_trainrun("topo --json --tp 4 --nvidia-smi-topo '" + fixture("pcie_nvlink_pairs.txt") + "'");
+  REQUIRE(r.exit_code == 0);
+  const auto j = nlohmann::json::parse(r.out);
+  CHECK(j.at("tp_groups").at("tp") == 4);
+  CHECK(j.at("tp_groups").at("groups").at(0).at("link") == "PCIe");
+  CHECK(j.at("tp_groups").at("groups").at(0).at("ranks") == std::vector<int>{0, 1, 2, 3});
+}
+
+TEST_CASE("topology: trainrun topo --config takes the job's parallel.tensor_parallel and topology", "[topology][cli][tp]") {
+  test::TempDir dir("topo_tp");
+  const std::string saved = dir / "pairs.json";
+  REQUIRE(test::run_trainrun("topo --save '" + saved + "' --nvidia-smi-topo '" + fixture("pcie_nvlink_pairs.txt") + "'")
+              .exit_code == 0);
+  test::write_file(dir / "job.yaml", "model: {n_layer: 2, n_head: 4, n_embd: 64, vocab_size: 64, seq_len: 16}\n"
+                                     "data: {format: synthetic}\n"
+                                     "parallel: {tensor_parallel: 4, topology_file: '" + saved + "'}\n");
+  auto r = test::run_trainrun("topo --config '" + dir / "job.yaml" + "'");
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.out, Contains("tensor-parallel groups (tp 4") && Contains("[tp_link] parallel.tensor_parallel 4"));
+  // --tp wins over the job's degree.
+  r = test::run_trainrun("topo --tp 2 --config '" + dir / "job.yaml" + "'");
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.out, Contains("tensor-parallel groups (tp 2") && !Contains("[tp_link]"));
+  // Bad input.
+  r = test::run_trainrun("topo --tp 0 --nvidia-smi-topo '" + fixture("dgx_h100.txt") + "'");
+  CHECK(r.exit_code == 2);
+  CHECK_THAT(r.err, Contains("--tp"));
+  test::write_file(dir / "bad.yaml", "parallel: {tensor_paralel: 2}\n");
+  r = test::run_trainrun("topo --config '" + dir / "bad.yaml" + "'");
+  CHECK(r.exit_code == 1);
+  CHECK_THAT(r.err, Contains("parallel.tensor_paralel: unknown key; did you mean 'parallel.tensor_parallel'?"));
+}

@@ -537,3 +537,38 @@ TEST_CASE("topology: parallel.topology_file drives the agent and user variables 
   CHECK(one.exit_code == 0);
   CHECK_THAT(one.err, Contains("topology: " + saved + " is used by the agent's placement"));
 }
+
+TEST_CASE("topology: TP groups follow the rank -> GPU order, so tp stays inside NVLink islands", "[topology][tp]") {
+  // NVLink pairs {0,2} and {1,3} interleaved in PCI order: decide() makes
+  // islands contiguous in rank order, so tp2's groups of consecutive ranks
+  // land on the pairs.
+  Topology x = smi("pcie_nvlink_pairs.txt");
+  for (int a = 0; a < 4; ++a)
+    for (int b = 0; b < 4; ++b)
+      if (a != b) x.links[size_t(a)][size_t(b)] = (a % 2 == b % 2) ? Link{LinkKind::NVLink, 4} : Link{LinkKind::Node, 0};
+  const Decisions d = decide_for(x, 0, "cuda");
+  const auto g2 = tp_groups(x, d, 2);
+  REQUIRE(g2.size() == 2);
+  CHECK(g2[0].kind == TpLinkKind::NVLink);
+  CHECK(g2[1].kind == TpLinkKind::NVLink);
+  CHECK(g2[0].gpus == std::vector<int>{0, 2});
+  CHECK(tp_groups_warning(x, d, 2).empty());
+  const auto g4 = tp_groups(x, d, 4);
+  REQUIRE(g4.size() == 1);
+  CHECK(g4[0].kind == TpLinkKind::PCIe);
+  CHECK(link_code(g4[0].slowest) == "NODE");
+  CHECK_THAT(tp_groups_warning(x, d, 4), Contains("lower parallel.tensor_parallel to 2"));
+  // tp 8 over 4 ranks: the group continues on the next node; the agent
+  // leaves that warning to the trainer.
+  const auto g8 = tp_groups(x, d, 8);
+  REQUIRE(g8.size() == 1);
+  CHECK(g8[0].kind == TpLinkKind::CrossNode);
+  CHECK_THAT(tp_groups_warning(x, d, 8), Contains("cross-node"));
+  CHECK(tp_groups_warning(x, d, 8, /*include_cross_node=*/false).empty());
+  // The CPU backend: ranks of one host, nothing to warn about.
+  const Decisions cpu = decide_for(x, 4, "cpu");
+  CHECK(tp_groups(x, cpu, 4)[0].kind == TpLinkKind::Host);
+  CHECK(tp_groups_warning(x, cpu, 4).empty());
+  // tp 1: no groups to speak of.
+  CHECK(tp_groups(x, d, 1)[0].kind == TpLinkKind::Single);
+}

@@ -833,6 +833,16 @@ void walk(const YAML::Node& map, const std::string& prefix, const std::string& n
       fail(kwhere, key, "duplicate key (first set on line " + std::to_string(dup->second) + "); keep only one");
     seen[key] = k.Mark().line + 1;
 
+    if (key == "resolved_mesh") {
+      // What a run resolved (parallel/mesh/device_mesh.h resolved_mesh_yaml),
+      // written into job.resolved.yaml for people and tools: informational,
+      // so loading the file back (workers, restarts, a copied spec) ignores it.
+      if (!v.IsMap() && !v.IsNull())
+        fail(where_mark(name, v.Mark()), key,
+             "is the informational mesh trainrun writes into job.resolved.yaml and must be a map (got " + kind_of(v) +
+                 "); remove it, it is not a setting (the mesh comes from parallel.*)");
+      continue;
+    }
     if (const Field* f = find_field(key)) {
       // A null value's mark points past the key (often to the next line).
       const std::string vwhere = v.IsNull() ? kwhere : where_mark(name, v.Mark());

@@ -1,6 +1,8 @@
 // Tensor parallelism's local layouts (tensor_parallel.h).
 #include "core/model/tensor_parallel.h"
 
+#include <chrono>
+
 #include <algorithm>
 
 #include "core/common/error.h"
@@ -182,8 +184,22 @@ std::vector<std::pair<int64_t, int64_t>> TensorParallelPlan::non_owner_ranges() 
   return out;
 }
 
+namespace {
+// Adds the scope's host time to the context's TP collective clock.
+struct TpCommClock {
+  const TensorParallel* tp;
+  std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
+  explicit TpCommClock(const TensorParallel* t) : tp(t) {}
+  ~TpCommClock() {
+    tp->comm_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    ++tp->comm_calls;
+  }
+};
+}  // namespace
+
 void TensorParallel::all_reduce(void* buf, int64_t n, DType dt) const {
   if (!comm || n == 0) return;
+  const TpCommClock clock(this);
   if (dt == DType::F32) comm->all_reduce(static_cast<float*>(buf), n, ReduceOp::Sum);
   else comm->all_reduce_bf16(static_cast<uint16_t*>(buf), n, ReduceOp::Sum);
 }
@@ -195,6 +211,7 @@ void* TpCollectives::my_rows(void* full, int N) const {
 
 void TpCollectives::gather_rows(void* full, int N) const {
   if (!sp) return;
+  const TpCommClock clock(tp);
   tp->comm->all_gather(full, my_rows(full, N), size_t(rows(N)) * C * dtype_size(be->act_dtype()));
 }
 
@@ -205,6 +222,7 @@ const void* TpCollectives::reduce_out(void* partial, int N) const {
     return partial;
   }
   const int64_t n = int64_t(rows(N)) * C;
+  const TpCommClock clock(tp);
   if (be->act_dtype() == DType::F32)
     tp->comm->reduce_scatter(static_cast<float*>(rows_buf), static_cast<const float*>(partial), n, ReduceOp::Sum);
   else
@@ -228,7 +246,10 @@ float* TpCollectives::norm_grad(float* dparams) const {
 
 void TpCollectives::norm_grad_done(float* dparams) const {
   if (!sp) return;
-  tp->comm->all_reduce(norm_buf, norm_len, ReduceOp::Sum);
+  {
+    const TpCommClock clock(tp);
+    tp->comm->all_reduce(norm_buf, norm_len, ReduceOp::Sum);
+  }
   be->accumulate(dparams, norm_buf, norm_len);
 }
 

@@ -100,6 +100,22 @@ struct TensorParallel {
   bool sequence_parallel = false;
   // In-place sum over the TP group of n act-dtype elements (fp32 or bf16).
   void all_reduce(void* buf, int64_t n, DType dt) const;
+  // Host seconds spent inside the activation collectives issued through
+  // this context (TpCollectives and all_reduce above), accumulated for the
+  // step-time report (metrics.jsonl tp_comm_ms) and `bench comm`. One clock
+  // read per collective, a few per layer: cheap next to the collective.
+  // On Gloo the collectives are synchronous, so this is their time; NCCL
+  // ones return once enqueued on the stream, so on CUDA it is the enqueue
+  // cost only (a profiler shows the transfer). The cross-entropy's max/sum
+  // all-reduces of N values, issued by the networks themselves, are not in
+  // it. Single-threaded per rank, like the network.
+  mutable double comm_seconds = 0;
+  mutable int64_t comm_calls = 0;
+  double take_comm_seconds() const {
+    const double s = comm_seconds;
+    comm_seconds = 0;
+    return s;
+  }
 };
 
 // The collectives a network issues between its GEMMs under tensor (and

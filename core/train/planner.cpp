@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "core/common/error.h"
+#include "core/model/tensor_parallel.h"
 
 namespace trainrun {
 
@@ -125,13 +126,17 @@ double estimate_activation_bytes(const ModelArch& m, int B, bool ckpt, const Dev
   return m.activation_bytes(B, ckpt, d.activations());
 }
 
-MemoryBreakdown estimate_memory(const ModelArch& m, const Sharding& s, int B, bool ckpt, const DeviceModel& d) {
+namespace {
+// The memory model over a layout's units (the whole model's, or one TP
+// rank's local layout) with a given activation arena.
+MemoryBreakdown memory_of_units(const std::vector<int64_t>& units, int L, int T, const Sharding& s, int B,
+                                double activations, const DeviceModel& d) {
   MemoryBreakdown r;
   const double a = d.act_bytes;
-  const std::vector<int64_t> units = unit_numels(m);
   const bool extra_copy = d.act_bytes != 4;  // fp32 backends use the master weights directly
   if (s.strategy == "no_shard") {
-    const double P = double(m.num_parameters());
+    double P = 0;
+    for (int64_t n : units) P += double(n);
     r.params = 4 * P + (extra_copy ? a * P : 0);
     r.grads = 4 * P;
     r.optimizer = 8 * P;
@@ -166,15 +171,116 @@ MemoryBreakdown estimate_memory(const ModelArch& m, const Sharding& s, int B, bo
     // full_shard / hybrid also gather parameters: embeddings (kept from the
     // end of forward into backward), head, and two blocks (the one in use and
     // the prefetched next one).
-    const double nblk = double(std::min<int64_t>(2, m.config().L));
+    const double nblk = double(std::min<int64_t>(2, L));
     const double unit_sum = pad(units.front()) + pad(units.back()) + nblk * pad(units[1]);
     r.comm = 4 * max_shard + 4 * unit_sum;
     if (s.strategy != "shard_grad_op") r.comm += a * unit_sum;
   }
-  r.activations = estimate_activation_bytes(m, B, ckpt, d);
+  r.activations = activations;
   // Device copies of one micro-batch's inputs and targets (int32).
-  r.workspace = 2 * r64(double(B) * double(m.config().T) * 4) + d.library_workspace + d.runtime_reserve;
+  r.workspace = 2 * r64(double(B) * double(T) * 4) + d.library_workspace + d.runtime_reserve;
   return r;
+}
+
+}  // namespace
+
+MemoryBreakdown estimate_memory(const ModelArch& m, const Sharding& s, int B, bool ckpt, const DeviceModel& d) {
+  return memory_of_units(unit_numels(m), m.config().L, m.config().T, s, B, estimate_activation_bytes(m, B, ckpt, d), d);
+}
+
+
+// ---- tensor parallelism --------------------------------------------------------------------
+
+namespace {
+double tp_activation_bytes(const ModelArch& m, const TpLocalShape& sh, bool sp, int B, bool ckpt, const DeviceModel& d);
+MemoryBreakdown tp_memory(const ModelArch& m, const TensorParallelPlan& plan, bool sp, const Sharding& s, int B,
+                          bool ckpt, const DeviceModel& d);
+}  // namespace
+
+double estimate_tp_activation_bytes(const ModelArch& m, int tp, bool sp, int B, bool ckpt, const DeviceModel& d) {
+  if (tp <= 1) return estimate_activation_bytes(m, B, ckpt, d);
+  return tp_activation_bytes(m, TensorParallelPlan(m, tp, 0).shape(), sp, B, ckpt, d);  // rank 0's sizes are every rank's
+}
+
+MemoryBreakdown estimate_tp_memory(const ModelArch& m, int tp, bool sp, const Sharding& s, int B, bool ckpt,
+                                   const DeviceModel& d) {
+  if (tp <= 1) return estimate_memory(m, s, B, ckpt, d);
+  return tp_memory(m, TensorParallelPlan(m, tp, 0), sp, s, B, ckpt, d);
+}
+
+namespace {
+
+double tp_activation_bytes(const ModelArch& m, const TpLocalShape& sh, bool sp, int B, bool ckpt, const DeviceModel& d) {
+  const int tp = sh.tp;
+  // Mirrors the networks' arenas under a TensorParallel context
+  // (core/model/gpt2/gpt2.cpp, core/model/llama/llama.cpp): the same buffers
+  // in the same sizes, each rounded up to 64 bytes.
+  const ModelConfig& c = m.config();
+  const bool llama = c.arch == "llama";
+  const double es = d.act_bytes;
+  const double N = double(B) * double(c.T), C = double(c.C), F = double(sh.F), HS = double(c.C / c.NH);
+  const double NR = sp ? double(ceil_div(int64_t(N), tp)) : N;  // rows of the residual stream on this rank
+  const double Q = sh.NH * HS;                                  // this rank's query width
+  const double QKV = llama ? Q + 2.0 * sh.NKV * HS : 3 * Q;     // its q|k|v width
+  const double saved = d.attention_probs ? double(B) * sh.NH * double(c.T) * double(c.T) : double(B) * sh.NH * double(c.T);
+  const double ldv = std::ceil(double(sh.V_local) / d.logits_align) * d.logits_align;
+  double layer = 0;
+  layer += r64(N * C * es);                                   // ln1 (gathered: the column layers read all rows)
+  layer += (llama ? 1 : 2) * r64(NR * 4);                     // its statistics (rows)
+  layer += r64(N * QKV * es);                                 // q|k|v (heads / tp)
+  layer += r64(N * Q * es);                                   // attention output (heads / tp)
+  layer += r64(saved * 4);                                    // attention's saved state (heads / tp)
+  layer += r64(NR * C * es);                                  // residual after attention (rows)
+  layer += r64(N * C * es);                                   // ln2 (gathered)
+  layer += (llama ? 1 : 2) * r64(NR * 4);                     // its statistics (rows)
+  layer += llama ? r64(N * 2 * F * es) + r64(N * F * es)      // gate|up, silu(gate)*up (ffn / tp)
+                 : 2 * r64(N * F * es);                       // fc, gelu(fc) (ffn / tp)
+  double total = 0;
+  if (llama) {
+    total += r64(double(c.T) * HS * 4);                       // RoPE table
+    total += r64(double(c.T) * C * es) + r64(double(c.T) * C * 4);  // zero position table, its gradient scratch
+  }
+  total += r64(NR * C * es);                                  // embeddings output (rows)
+  total += double(c.L) * r64(NR * C * es);                    // block outputs (rows)
+  total += double(ckpt ? 1 : c.L) * layer;
+  total += r64(N * C * es);                                   // final norm (gathered)
+  total += (llama ? 1 : 2) * r64(NR * 4);                     // its statistics
+  total += r64(N * ldv * es);                                 // logits: this rank's vocab rows
+  total += r64(N * 4);                                        // per-token losses
+  total += r64(N * 4) + r64(2 * N * 4);                       // vocab-parallel cross-entropy: row max, sums
+  total += r64(NR * C * es);                                  // backward: residual gradient (rows)
+  if (sp) {
+    total += r64(NR * C * es);                                // reduce-scattered rows
+    total += r64(N * C * es);                                 // the gathered residual gradient
+    total += r64((llama ? 1 : 2) * C * 4);                    // a norm's parameter gradients
+  }
+  total += r64(N * C * es);                                   // backward: dbuf_c
+  total += r64(N * QKV * es);                                 // backward: dqkv
+  total += r64(N * F * es);                                   // backward: the MLP hidden grad
+  return total;
+}
+
+MemoryBreakdown tp_memory(const ModelArch& m, const TensorParallelPlan& plan, bool sp, const Sharding& s, int B,
+                          bool ckpt, const DeviceModel& d) {
+  std::vector<int64_t> units;
+  for (const auto& u : plan.local_layout().units) units.push_back(u.numel);
+  MemoryBreakdown r = memory_of_units(units, m.config().L, m.config().T, s, B,
+                                      tp_activation_bytes(m, plan.shape(), sp, B, ckpt, d), d);
+  // Replicated KV heads (tp > n_kv_head, Llama): fp32 scratch that sums the
+  // replicas' q|k|v weight gradients (llama.cpp, outside the arena).
+  const TpLocalShape& sh = plan.shape();
+  if (m.config().arch == "llama" && sh.kv_replicas > 1) {
+    const double HS = double(m.config().C / m.config().NH), C = double(m.config().C);
+    const double QKV = sh.NH * HS + 2.0 * sh.NKV * HS;
+    r.workspace += r64(QKV * C * 4) + r64(double(m.config().kv_heads()) * 2 * sh.NKV * HS * C * 4);
+  }
+  return r;
+}
+
+}  // namespace
+
+int tp_collectives_per_micro_batch(const ModelConfig& c, bool ckpt) {
+  return 4 * c.L + 2 + (ckpt ? 2 * c.L : 0);
 }
 
 double offload_host_bytes_per_rank(const ModelArch& m, const Sharding& s) {
@@ -203,14 +309,15 @@ struct CommVolume {
 // and reduce-scatters its gradient, all on the comm thread under compute;
 // hybrid_shard does full_shard in its group and all-reduces the gradient
 // shards across groups after backward (exposed).
-CommVolume comm_time(const ModelArch& m, const Sharding& s, int accum, double a, double bw_world,
+CommVolume comm_time(const std::vector<int64_t>& units, const Sharding& s, int accum, double a, double bw_world,
                      double bw_group, double bw_replica) {
   CommVolume c;
-  const double P = double(m.num_parameters());
+  double P = 0;
+  for (int64_t n : units) P += double(n);
   const int W = s.world;
   const int G = std::max(1, s.group);
   double S = 0, Ppad = 0;
-  for (int64_t n : unit_numels(m)) {
+  for (int64_t n : units) {
     S += double(ceil_div(n, G));
     Ppad += double(ceil_div(n, G) * G);
   }
@@ -252,6 +359,148 @@ std::string count_str(double n) {
 
 std::string pad_right(const std::string& s, size_t w) { return s.size() >= w ? s : s + std::string(w - s.size(), ' '); }
 std::string pad_left(const std::string& s, size_t w) { return s.size() >= w ? s : std::string(w - s.size(), ' ') + s; }
+
+
+// Tensor-parallel meshes: tp 2, 4, 8 x the strategies over dp = W / tp.
+// Every TP rank computes 1/tp of each GEMM; the TP collectives
+// (tp_collectives_per_micro_batch) sit between GEMMs, so they add to the
+// step rather than hide under it; the dp collectives are those of the
+// TP-local layout over the dp group.
+void plan_tensor_parallel(Plan& plan, const ModelArch& m, const DeviceModel& dev, double bw_intra, double bw_inter,
+                          double recompute, double fpt) {
+  const PlanRequest& req = plan.req;
+  const ModelConfig& mc = m.config();
+  const int W = req.gpus_per_node * req.nodes;
+  for (int tp : {2, 4, 8}) {
+    auto skip = [&](const std::string& why) { plan.tp_not_offered.push_back({tp, why}); };
+    if (tp > W) {
+      skip("more than the " + std::to_string(W) + " GPUs");
+      continue;
+    }
+    if (W % tp != 0) {
+      skip("does not divide the " + std::to_string(W) + " GPUs");
+      continue;
+    }
+    try {
+      check_tensor_parallel(mc, tp);
+    } catch (const Error& e) {
+      skip(e.what());
+      continue;
+    }
+    if (req.offload != "none") {
+      skip("parallel.offload with parallel.tensor_parallel is refused for now");
+      continue;
+    }
+    // The TP group's link: the topology's, else NVLink inside a node.
+    std::string link = tp <= req.gpus_per_node ? "NVLink" : "cross-node";
+    double bw = tp <= req.gpus_per_node ? plan.gpu.nvlink_bytes_per_s : plan.gpu.network_bytes_per_s;
+    for (const auto& l : req.tp_links)
+      if (l.tp == tp) link = l.kind, bw = l.bytes_per_s;
+    const double bw_tp = bw * req.bus_efficiency;
+    const int dp = W / tp;
+    const TensorParallelPlan tp_plan(m, tp, 0);  // every rank's sizes are rank 0's
+    std::vector<int64_t> units;
+    for (const auto& u : tp_plan.local_layout().units) units.push_back(u.numel);
+    const int hybrid_dp = req.shard_group_size > 0 ? req.shard_group_size : std::max(1, req.gpus_per_node / tp);
+    for (const char* name : {"no_shard", "shard_grad_op", "full_shard", "hybrid_shard"}) {
+      const std::string strategy = name;
+      PlanRow row;
+      row.tp = tp;
+      row.dp = dp;
+      row.tp_link = link;
+      row.sharding.strategy = strategy;
+      row.sharding.world = dp;
+      row.sharding.group = strategy == "no_shard" ? 1 : strategy == "hybrid_shard" ? hybrid_dp : dp;
+      if (strategy == "hybrid_shard" && dp % hybrid_dp != 0) continue;  // no such mesh
+      row.mem = tp_memory(m, tp_plan, req.sequence_parallel, row.sharding, req.micro_batch, req.checkpointing, dev);
+      row.fits = row.mem.total() <= plan.capacity;
+      auto fits_at = [&](int b) {
+        return tp_memory(m, tp_plan, req.sequence_parallel, row.sharding, b, req.checkpointing, dev).total() <=
+               plan.capacity;
+      };
+      if (fits_at(1)) {
+        int lo = 1, hi = 2;
+        while (hi <= (1 << 20) && fits_at(hi)) lo = hi, hi *= 2;
+        while (hi - lo > 1) {
+          const int mid = lo + (hi - lo) / 2;
+          (fits_at(mid) ? lo : hi) = mid;
+        }
+        row.max_micro_batch = lo;
+      }
+      row.accum = std::max(1, int(ceil_div(req.global_batch, int64_t(req.micro_batch) * dp)));
+      const double tokens_dp = double(row.accum) * req.micro_batch * double(mc.T);  // per TP group
+      row.compute_s = tokens_dp * (fpt + recompute) / tp / (plan.gpu.bf16_flops * req.compute_efficiency);
+      const double act = double(req.micro_batch) * mc.T * mc.C * dev.act_bytes;
+      row.tp_comm_s = row.accum * tp_collectives_per_micro_batch(mc, req.checkpointing) * 2.0 * (tp - 1) / tp * act / bw_tp;
+      // A dp group of g ranks spans g * tp GPUs.
+      const double bw_world = req.nodes > 1 ? bw_inter : bw_intra;
+      const double bw_group = row.sharding.group * tp <= req.gpus_per_node ? bw_intra : bw_inter;
+      const CommVolume c = comm_time(units, row.sharding, row.accum, dev.act_bytes, bw_world, bw_group, bw_world);
+      row.comm_s = c.overlapped + c.exposed + row.tp_comm_s;
+      row.exposed_comm_s = c.exposed + row.tp_comm_s;
+      row.step_s = row.exposed_comm_s + std::max(row.compute_s, c.overlapped);
+      row.tokens_per_s = tokens_dp * dp / row.step_s;
+      row.mfu = tokens_dp * dp * fpt / W / row.step_s / plan.gpu.bf16_flops;
+      plan.tp_rows.push_back(row);
+    }
+  }
+}
+
+std::string mesh_name(const PlanRow& r) {
+  return "tp" + std::to_string(r.tp) + " x dp" + std::to_string(r.dp) + " " + r.sharding.strategy;
+}
+
+// The fastest mesh that fits (ties: the least memory), never with TP over
+// PCIe when the node has NVLink, nor a TP group across nodes.
+void recommend_mesh(Plan& plan) {
+  const PlanRequest& req = plan.req;
+  std::vector<const PlanRow*> all;
+  for (const auto& r : plan.rows) all.push_back(&r);
+  for (const auto& r : plan.tp_rows) all.push_back(&r);
+  const PlanRow* best = nullptr;
+  int fitting = 0;
+  auto bad_link = [&](const PlanRow& r) {
+    return r.tp_link == "cross-node" || (r.tp_link == "PCIe" && req.topology_has_nvlink);
+  };
+  for (const PlanRow* r : all) {
+    if (!r->fits || bad_link(*r)) continue;
+    ++fitting;
+    if (!best || r->step_s < best->step_s * (1 - 1e-9) ||
+        (std::fabs(r->step_s - best->step_s) <= 1e-9 * best->step_s && r->mem.total() < best->mem.total()))
+      best = r;
+  }
+  std::ostringstream o;
+  if (!best) {
+    o << "recommended: none; no mesh of tp 1/2/4/8 and the four strategies fits " << gib(plan.capacity)
+      << " GiB per GPU here. Try " << (req.offload == "none" ? "--offload cpu, " : "") << "more nodes (--nodes)"
+      << (req.checkpointing ? "" : ", --activation-checkpointing blocks") << " or a smaller micro-batch.";
+    plan.recommendation = o.str();
+    return;
+  }
+  // A faster mesh that fits but was set aside for its TP link is named.
+  std::string passed;
+  const PlanRow* faster = nullptr;
+  for (const PlanRow* r : all)
+    if (r->fits && bad_link(*r) && r->step_s < best->step_s && (!faster || r->step_s < faster->step_s)) faster = r;
+  if (faster)
+    passed = mesh_name(*faster) + " (" + seconds(faster->step_s) + " per step) would put TP over " + faster->tp_link +
+             (faster->tp_link == "PCIe" ? " while this node has NVLink" : "");
+  plan.has_recommendation = true;
+  plan.recommended = *best;
+  o << "recommended: " << mesh_name(*best) << (req.offload != "none" ? " with parallel.offload " + req.offload : "")
+    << ": fits in " << gib(plan.capacity) << " GiB with " << gib(plan.capacity - best->mem.total()) << " GiB free, "
+    << seconds(best->step_s) << " per step (" << fixed(best->mfu * 100, 0) << "% MFU), the fastest of the " << fitting
+    << " meshes that fit; ";
+  if (best->tp == 1)
+    o << "no tensor parallelism needed (TP would add activation collectives to every layer).";
+  else if (best->tp_link == "NVLink")
+    o << "tp stays inside an NVLink island (TP collectives " << seconds(best->tp_comm_s) << " per step).";
+  else
+    o << "tp runs over " << best->tp_link << " (this node has no NVLink; TP collectives " << seconds(best->tp_comm_s)
+      << " per step).";
+  if (!passed.empty()) o << " Not " << passed << ".";
+  plan.recommendation = o.str();
+}
 
 }  // namespace
 
@@ -298,6 +547,7 @@ Plan make_plan(const PlanRequest& req) {
 
   for (const char* name : {"no_shard", "shard_grad_op", "full_shard", "hybrid_shard"}) {
     PlanRow row;
+    row.dp = W;
     row.sharding.strategy = name;
     row.sharding.world = W;
     row.sharding.group = std::string(name) == "no_shard" ? 1 : std::string(name) == "hybrid_shard" ? hybrid_group : W;
@@ -334,7 +584,7 @@ Plan make_plan(const PlanRequest& req) {
     row.compute_s = tokens_gpu * (fpt + recompute) / (spec->bf16_flops * req.compute_efficiency);
     const double bw_group = row.sharding.group <= req.gpus_per_node ? bw_intra : bw_inter;
     const double bw_replica = req.nodes > 1 ? bw_inter : bw_intra;
-    CommVolume c = comm_time(m, row.sharding, row.accum, dev.act_bytes, bw_world, bw_group, bw_replica);
+    CommVolume c = comm_time(unit_numels(m), row.sharding, row.accum, dev.act_bytes, bw_world, bw_group, bw_replica);
     if (offload) {
       // Per rank: the state's elements (16 bytes each), updated on the
       // node's host threads shared by its ranks; the gradient comes down
@@ -406,8 +656,51 @@ Plan make_plan(const PlanRequest& req) {
     }
   }
   plan.verdict = v.str();
+  plan_tensor_parallel(plan, m, dev, bw_intra, bw_inter, recompute, fpt);
+  recommend_mesh(plan);
   return plan;
 }
+
+namespace {
+
+// The tensor-parallel meshes: per-GPU memory and step time with the TP
+// collectives and the TP group's link.
+void render_tp_table(const Plan& p, std::ostringstream& o) {
+  const auto& r = p.req;
+  o << "\ntensor parallel (tp x dp = " << r.gpus_per_node * r.nodes << " GPUs; sharding over dp"
+    << (r.sequence_parallel ? "; sequence parallel" : "; no sequence parallelism") << "); TP links "
+    << (r.topology_source.empty() ? "assumed: NVLink inside a node (SXM on NVSwitch), the network across nodes"
+                                  : "from " + r.topology_source)
+    << "\n";
+  for (const auto& l : r.tp_links)
+    o << "  tp" << l.tp << ": " << l.kind << ", " << fixed(l.bytes_per_s / 1e9, 0) << " GB/s"
+      << (l.detail.empty() ? "" : " (" + l.detail + ")") << "\n";
+  const std::vector<std::pair<std::string, size_t>> cols = {
+      {"mesh", 11},   {"strategy", 15}, {"params", 8}, {"grads", 8},  {"optim", 8},  {"activ", 8},
+      {"comm", 8},    {"total", 8},     {"fits", 5},   {"max mb", 7}, {"compute", 9}, {"tp comm", 9},
+      {"dp comm", 9}, {"step", 9},      {"tok/s", 10}, {"MFU", 5},    {"tp link", 12}};
+  std::string header;
+  for (size_t i = 0; i < cols.size(); ++i)
+    header += i <= 1 ? pad_right(cols[i].first, cols[i].second) : pad_left(cols[i].first, cols[i].second);
+  if (!p.tp_rows.empty()) o << header << "\n" << std::string(header.size(), '-') << "\n";
+  for (const auto& row : p.tp_rows) {
+    const bool mark = row.tp == r.job_tp && row.sharding.strategy == r.job_strategy;
+    std::vector<std::string> c = {
+        "tp" + std::to_string(row.tp) + " x dp" + std::to_string(row.dp), row.sharding.strategy + (mark ? " *" : ""),
+        gib(row.mem.params, 2), gib(row.mem.grads, 2), gib(row.mem.optimizer, 2), gib(row.mem.activations, 2),
+        gib(row.mem.comm, 2), gib(row.mem.total(), 2), row.fits ? "yes" : "NO",
+        row.max_micro_batch > 0 ? std::to_string(row.max_micro_batch) : "-", seconds(row.compute_s),
+        seconds(row.tp_comm_s), seconds(row.comm_s - row.tp_comm_s), seconds(row.step_s), si(row.tokens_per_s, ""),
+        fixed(row.mfu * 100, 0) + "%", row.tp_link};
+    std::string line;
+    for (size_t i = 0; i < cols.size(); ++i) line += i <= 1 ? pad_right(c[i], cols[i].second) : pad_left(c[i], cols[i].second);
+    o << line << "\n";
+  }
+  for (const auto& n : p.tp_not_offered) o << "tp" << n.first << ": not offered: " << n.second << "\n";
+  if (r.job_tp > 1) o << "(* the job's parallel.tensor_parallel and parallel.sharding)\n";
+}
+
+}  // namespace
 
 std::string render_plan(const Plan& p) {
   const auto& r = p.req;
@@ -465,7 +758,9 @@ std::string render_plan(const Plan& p) {
     o << line << "\n";
   }
   if (!r.job_strategy.empty()) o << "(* the job's parallel.sharding)\n";
+  render_tp_table(p, o);
   o << "\n" << p.verdict << "\n";
+  o << p.recommendation << "\n";
   return o.str();
 }
 

@@ -87,6 +87,34 @@ MemoryBreakdown estimate_memory(const ModelArch& m, const Sharding& s, int micro
 // to the network's activation_bytes()).
 double estimate_activation_bytes(const ModelArch& m, int micro_batch, bool checkpointing, const DeviceModel& d);
 
+// ---- tensor parallelism ----------------------------------------------------------
+
+// The activation arena of one rank of a TP group of `tp` (core/model/
+// gpt2|llama's networks with a TensorParallel context, buffer by buffer;
+// tp 1: estimate_activation_bytes). Inside attention and the MLP (q|k|v,
+// attention state, the MLP's hidden, their gradients) and the logits
+// (vocab-parallel) a rank holds 1/tp; the residual stream, the norms'
+// statistics and the residual gradient hold 1/tp of the rows only with
+// sequence parallelism; the norms' outputs, which the column layers read
+// whole, stay full size (this code base keeps them gathered rather than
+// re-gathering them in backward, as Megatron does).
+double estimate_tp_activation_bytes(const ModelArch& m, int tp, bool sequence_parallel, int micro_batch,
+                                    bool checkpointing, const DeviceModel& d);
+// Per-GPU memory of one rank of a tp x dp mesh: the TP-local layout
+// (core/model/tensor_parallel.h: split weights, replicated norms, the vocab
+// padded to a multiple of tp) sharded over the dp group as `s` says (s.group
+// and s.world count dp ranks), and the TP activation arena. tp 1 is
+// estimate_memory.
+MemoryBreakdown estimate_tp_memory(const ModelArch& m, int tp, bool sequence_parallel, const Sharding& s,
+                                   int micro_batch, bool checkpointing, const DeviceModel& d);
+// Activation collectives of one micro-batch under TP (each an all-reduce of
+// micro_batch x seq_len x n_embd act-dtype values, or with sequence
+// parallelism an all-gather plus a reduce-scatter of the same bus volume):
+// 2 forward + 2 backward per block, the vocab-parallel embedding's forward
+// and the LM head's input gradient, and 2 more per block when checkpointing
+// recomputes the forward.
+int tp_collectives_per_micro_batch(const ModelConfig& c, bool checkpointing);
+
 // ---- the plan ----------------------------------------------------------------------
 
 struct PlanRequest {
@@ -108,10 +136,30 @@ struct PlanRequest {
   double pcie_bytes_per_s = 25e9;        // per GPU, each direction (PCIe Gen4 x16 in practice; Gen5 ~50e9)
   double host_memory = 0;                // bytes per node available to offload; 0 = not checked
   double nvme_bytes_per_s = 12e9;        // per node, read and write (nvme)
+  // Tensor parallelism: degrees 1, 2, 4, 8 are planned (those that the model
+  // and the GPU count allow), over the links below.
+  bool sequence_parallel = false;  // the job's parallel.sequence_parallel
+  int job_tp = 0;                  // the job's parallel.tensor_parallel, marked in the table; 0 = none
+  // The link a TP group of each degree gets, from the node's topology
+  // (`plan --topology` / `--nvidia-smi-topo`; parallel/topology's TP groups).
+  // A degree not listed: within a node, the GPU's NVLink (SXM parts sit on
+  // NVSwitch); past a node, the network.
+  struct TpLink {
+    int tp = 2;
+    std::string kind;          // "NVLink", "PCIe", "cross-node"
+    double bytes_per_s = 0;    // nominal, per direction per GPU
+    std::string detail;        // "ranks 0-1 (GPUs 0,1): NVLink (NV4)"
+  };
+  std::vector<TpLink> tp_links;
+  std::string topology_source;  // where tp_links came from ("" = the GPU table)
+  bool topology_has_nvlink = true;  // the node has NVLink at all (never recommend TP over PCIe then)
 };
 
 struct PlanRow {
-  Sharding sharding;
+  int tp = 1, dp = 1;             // the mesh: tp x dp = the GPUs
+  std::string tp_link = "none";   // the TP group's link: none (tp 1), NVLink, PCIe, cross-node
+  double tp_comm_s = 0;           // TP activation collectives per step (exposed: between GEMMs)
+  Sharding sharding;              // over the dp ranks
   MemoryBreakdown mem;
   bool fits = false;
   int max_micro_batch = 0;        // 0: not even 1 fits
@@ -129,8 +177,15 @@ struct Plan {
   PlanRequest req;
   GpuSpec gpu;
   double capacity = 0;
-  std::vector<PlanRow> rows;      // no_shard, shard_grad_op, full_shard, hybrid_shard (when > 1 node)
-  std::string verdict;            // one paragraph answering "does it train?"
+  std::vector<PlanRow> rows;      // tp 1: no_shard, shard_grad_op, full_shard, hybrid_shard
+  std::string verdict;            // one paragraph answering "does it train?" (tp 1)
+  std::vector<PlanRow> tp_rows;   // tp 2, 4, 8 x the strategies, where offered
+  std::vector<std::pair<int, std::string>> tp_not_offered;  // degree, why
+  // The recommended mesh (the fastest that fits, TP never across PCIe when
+  // the node has NVLink, nor across nodes) and why, in one or two lines.
+  bool has_recommendation = false;
+  PlanRow recommended;
+  std::string recommendation;
 };
 
 // Throws Error for impossible requests (no GPUs, an unknown GPU, ...).

@@ -381,6 +381,7 @@ void RunReporter::on_step(const StepReport& r) {
   train_seconds_ += r.step_seconds;
   window_seconds_ += r.step_seconds;
   window_comm_ += r.comm_wait_seconds;
+  if (r.tp_comm_seconds >= 0) window_tp_comm_ = std::max(0.0, window_tp_comm_) + r.tp_comm_seconds;
   ++window_steps_;
   // The status line's throughput: smoothed over ~5 steps so it reads
   // steadily; restarted at step 2 because the first step pays for warm-up
@@ -413,6 +414,8 @@ void RunReporter::on_step(const StepReport& r) {
       line += std::string(lr) + " | grad_norm " + fixed(r.grad_norm, 3) + " | " + fixed(ms, 1) + " ms/step | " +
               fixed(tps, 0) + " tok/s";
       if (ctx_.world > 1) line += " | comm wait " + fixed(100 * window_comm_ / std::max(1e-9, window_seconds_), 1) + "%";
+      if (window_tp_comm_ >= 0)
+        line += " | tp comm " + fixed(100 * window_tp_comm_ / std::max(1e-9, window_seconds_), 1) + "%";
       if (peak_.flops > 0) line += " | MFU " + fixed(100 * u, 1) + "%";
       line += " | mem " + format_bytes(mem_.peak) + " | " + elapsed_eta();
       if (r.val_loss >= 0) line += " | val_loss " + fixed(r.val_loss, 4);
@@ -441,6 +444,11 @@ void RunReporter::on_step(const StepReport& r) {
         if (mem_.host > 0) rec.push_back({"mem_host_bytes", mem_.host});
         if (mem_.disk > 0) rec.push_back({"mem_nvme_bytes", mem_.disk});
         if (r.val_loss >= 0) rec.push_back({"val_loss", r.val_loss});
+        if (window_tp_comm_ >= 0) {
+          // Rank 0's time inside TP collectives, per step over the window, and its share of the step.
+          rec.push_back({"tp_comm_ms", 1000 * window_tp_comm_ / std::max(1, window_steps_)});
+          rec.push_back({"tp_comm_fraction", window_tp_comm_ / std::max(1e-9, window_seconds_)});
+        }
         ctx_.metrics->write(rec);
       }
       if (tb_) {
@@ -464,6 +472,7 @@ void RunReporter::on_step(const StepReport& r) {
       }
     }
     window_seconds_ = window_comm_ = 0;
+    if (window_tp_comm_ >= 0) window_tp_comm_ = 0;
     window_steps_ = 0;
   }
   draw_status(r.last);

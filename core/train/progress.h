@@ -99,6 +99,7 @@ struct StepReport {
   double loss = 0, lr = 0, grad_norm = 0;
   double step_seconds = 0;       // the training step (not eval)
   double comm_wait_seconds = 0;  // of which waiting on collectives
+  double tp_comm_seconds = -1;   // of which inside TP activation collectives (tensor_parallel > 1); < 0: no TP
   double val_loss = -1;          // >= 0 when this step was evaluated
   bool last = false;             // the last step this process runs (max_steps, or an early exit)
 };
@@ -157,7 +158,7 @@ class RunReporter {
   std::string tb_dir_, plot_path_, last_checkpoint_;
   // counters
   int steps_done_ = 0, last_step_ = 0, first_step_ = 0;
-  double train_seconds_ = 0, window_seconds_ = 0, window_comm_ = 0;
+  double train_seconds_ = 0, window_seconds_ = 0, window_comm_ = 0, window_tp_comm_ = -1;
   int window_steps_ = 0;
   double ema_step_seconds_ = 0;
   double last_loss_ = 0, best_val_ = -1;

@@ -152,6 +152,7 @@ class Trainer {
   // run() after setup, with the checkpointer it aborts on a failure.
   TrainSummary run_with(Checkpointer& ckpt, Clock::time_point t_start);
   void log_memory_at_end();
+  void write_resolved_spec_with_mesh(const MeshDims& dims) const;
   void read_batch(const TokenSource& src, int64_t first, int B);
   bool debug_nan_step(int step) const { return debug_nan_step_for(w_.rank, step); }
 
@@ -324,20 +325,19 @@ void Trainer::setup() {
                   " nats/token");
     TR_LOG_INFO("batch: ", global_B_, " sequences x ", T_, " tokens per step = ", mb_, " micro-batch x ", accum_,
                 " accumulation x ", dp_size_, " data-parallel ranks; backend ", be_->name());
-    TR_LOG_INFO("mesh: ", dims.describe(), " (", w_.world, " ranks; tp innermost: a TP group is consecutive ranks)");
+    // The resolved mesh, once: degrees, every rank's coordinates (compact
+    // past 16 ranks) and the groups; job.resolved.yaml gets the same.
+    TR_LOG_INFO("mesh: ", dims.describe(), " (", w_.world, " ranks; tp innermost: a TP group is consecutive ranks",
+                tp > 1 && job_.parallel.sequence_parallel_on() ? "; sequence parallel" : "", ")");
+    TR_LOG_INFO("mesh: rank -> (pp, dp_replicate, dp_shard, tp): ", describe_rank_coords(dims));
+    TR_LOG_INFO("mesh: groups: ", describe_mesh_groups(dims));
     if (tp > 1 && (tp > w_.local_world || w_.local_world % tp != 0))
       TR_LOG_WARN("mesh: parallel.tensor_parallel (", tp, ") does not divide the ", w_.local_world,
-                  " ranks per node, so a TP group spans nodes: its all-reduces (several per block, every micro-batch) "
-                  "cross the network instead of NVLink; use a degree that divides the GPUs per node");
-    if (tp > 1) {
-      std::string coords;
-      for (int r = 0; r < w_.world; ++r) {
-        const DeviceMesh m(dims, r);
-        coords += (r ? ", " : "") + std::to_string(r) + "->(pp" + std::to_string(m.coord(MeshDim::pp)) + ",dp" +
-                  std::to_string(m.dp_coord()) + ",tp" + std::to_string(m.coord(MeshDim::tp)) + ")";
-      }
-      TR_LOG_INFO("mesh: rank -> (pp, dp, tp): ", coords);
-    }
+                  " ranks per node, so a TP group spans nodes. TP does 4 activation collectives per layer per "
+                  "micro-batch (2 forward, 2 backward) between GEMMs, where nothing hides them; over the network "
+                  "they run at a fraction of NVLink's bandwidth. Put TP inside an NVLink island (a degree that "
+                  "divides the GPUs per node) or lower parallel.tensor_parallel");
+    write_resolved_spec_with_mesh(dims);
   }
   ShardMemory m = params_->memory();
   TR_LOG_INFO("memory (rank ", w_.rank, ", ", params_->strategy(), "): params ", human_bytes(m.params), ", grads ",
@@ -345,6 +345,24 @@ void Trainer::setup() {
               human_bytes(model_->activation_bytes()),
               m.host ? ", host (parallel.offload: " + job_.parallel.offload + ") " + human_bytes(m.host) : std::string(),
               m.disk ? ", on disk under " + job_.parallel.offload_dir + " " + human_bytes(m.disk) : std::string());
+}
+
+// <output.dir>/job.resolved.yaml: the resolved spec (as the launcher wrote
+// it) plus the resolved_mesh section. Written to a temporary file and
+// renamed over the old one, because workers on other nodes may be reading
+// it (restarts re-read it); either version loads as the same job.
+void Trainer::write_resolved_spec_with_mesh(const MeshDims& dims) const {
+  const fs::path path = fs::path(job_.output.dir) / "job.resolved.yaml";
+  const fs::path tmp = fs::path(job_.output.dir) / ".job.resolved.yaml.tmp";
+  {
+    std::ofstream f(tmp);
+    TR_CHECK(f, "cannot write '", tmp.string(), "'; check that output.dir is writable");
+    f << job_spec_to_yaml(job_) << resolved_mesh_yaml(dims, job_.parallel.sequence_parallel_on());
+    TR_CHECK(f.good(), "cannot write '", tmp.string(), "' (disk full?)");
+  }
+  std::error_code ec;
+  fs::rename(tmp, path, ec);
+  TR_CHECK(!ec, "cannot replace '", path.string(), "': ", ec.message());
 }
 
 void Trainer::read_batch(const TokenSource& src, int64_t first, int B) {
@@ -533,6 +551,7 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
     }
     debug_fail_hook(w_.rank, step + 1);  // launcher tests: TRAINRUN_DEBUG_FAIL_RANK/_STEP
     auto t0 = Clock::now();
+    if (tp_plan_) tp_ctx_.take_comm_seconds();  // only this step's collectives
     const double lr = lr_at(step, tr.max_steps, tr.warmup_steps, tr.lr, tr.min_lr, tr.schedule);
     const StepResult sr = train_step(step);
     const double loss = sr.loss;
@@ -567,6 +586,7 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
     be_->synchronize();
     const double dt = seconds_since(t0);
     const double comm_wait = params_->take_comm_wait_seconds();
+    const double tp_comm = tp_plan_ ? tp_ctx_.take_comm_seconds() : -1;  // before eval: the step's only
     train_time += dt;
     sum.steps = step + 1;
     sum.final_loss = loss;
@@ -585,6 +605,7 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
     report.grad_norm = gnorm;
     report.step_seconds = dt;
     report.comm_wait_seconds = comm_wait;
+    report.tp_comm_seconds = tp_comm;
     report.val_loss = val_loss;
     reporter.on_step(report);
     if (job_.checkpoint.interval > 0 && (step + 1) % job_.checkpoint.interval == 0) save_checkpoint(step + 1);

@@ -45,6 +45,85 @@ std::string human(int64_t b) {
   return buf;
 }
 
+
+// The activation collectives of a TP group: `tp` ranks, bf16, one
+// micro-batch's b*t*d values (the all_reduce's vector; the all_gather's
+// output and the reduce_scatter's input, so each rank holds 1/tp of it,
+// as under sequence parallelism). Gloo has no bf16 sum: the Communicator
+// widens to fp32 around it (parallel/comm/communicator.h), which these
+// rows include, as training does.
+void run_tp_rows(const CommBenchOptions& o, bool nccl, std::chrono::milliseconds timeout) {
+  const int W = o.tp;
+  if (nccl) {
+    std::string why;
+    const int gpus = cuda_device_count(&why);
+    TR_CHECK(W <= gpus, "bench comm: --tp ", W, " needs one GPU per rank but ", gpus, " are visible");
+  }
+  const int64_t count = std::max<int64_t>(W, o.tp_values / W * W);
+  const std::string secret = make_job_secret();
+  TcpStoreServer server("127.0.0.1", 0, secret);
+  const char* ops[] = {"tp_all_reduce", "tp_all_gather", "tp_reduce_scatter"};
+  std::vector<std::vector<double>> secs(3, std::vector<double>(size_t(W)));
+  std::vector<std::string> errors(static_cast<size_t>(W));
+  const int iters = o.iters > 0 ? o.iters : int(std::clamp<int64_t>((64ll << 20) / (count * 2), 3, 50)) * (nccl ? 4 : 1);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < W; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        auto store = connect_tcp_store("127.0.0.1", server.port(), secret, timeout);
+        std::unique_ptr<Backend> be;
+        std::unique_ptr<Communicator> comm;
+        std::vector<uint16_t> hbuf, hout;
+        DeviceBuffer dbuf, dout;
+        uint16_t *buf, *out;
+        if (nccl) {
+          be = make_backend("cuda", r, nullptr);
+          comm = make_nccl_communicator(be.get(), store.get(), "benchtp/", r, W, timeout);
+          dbuf = DeviceBuffer(be.get(), size_t(count) * 2);
+          dout = DeviceBuffer(be.get(), size_t(count) * 2);
+          buf = static_cast<uint16_t*>(dbuf.get());
+          out = static_cast<uint16_t*>(dout.get());
+        } else {
+          comm = make_gloo_communicator(*store, "benchtp/", r, W, "127.0.0.1", timeout);
+          hbuf.assign(size_t(count), 0x3f80);  // bf16 1.0
+          hout.assign(size_t(count), 0);
+          buf = hbuf.data();
+          out = hout.data();
+        }
+        for (int op = 0; op < 3; ++op) {
+          auto run_once = [&] {
+            if (op == 0) comm->all_reduce_bf16(buf, count, ReduceOp::Sum);
+            else if (op == 1) comm->all_gather(out, buf, size_t(count / W) * 2);
+            else comm->reduce_scatter_bf16(out, buf, count / W, ReduceOp::Sum);
+          };
+          run_once();
+          comm->barrier();
+          if (be) be->synchronize();
+          const auto t0 = Clock::now();
+          for (int i = 0; i < iters; ++i) run_once();
+          if (be) be->synchronize();
+          secs[size_t(op)][size_t(r)] = std::chrono::duration<double>(Clock::now() - t0).count() / iters;
+        }
+      } catch (const std::exception& e) {
+        errors[size_t(r)] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < W; ++r) TR_CHECK(errors[size_t(r)].empty(), "bench comm: TP rows, rank ", r, ": ", errors[size_t(r)]);
+  std::printf("# TP activation collectives: bf16, %d ranks, micro-batch x seq_len x n_embd = %s = %lld values "
+              "(%s); a TP layer does 4 per block per micro-batch%s\n",
+              W, o.tp_shape.c_str(), (long long)count, human(count * 2).c_str(),
+              nccl ? "" : "; Gloo sums in fp32 (bf16 widened around it)");
+  std::printf("%-18s %10s %12s %12s %12s\n", "op", "size", "time (us)", "algbw GB/s", "busbw GB/s");
+  for (int op = 0; op < 3; ++op) {
+    const double factor = op == 0 ? 2.0 * (W - 1) / W : double(W - 1) / W;
+    const double t = *std::max_element(secs[size_t(op)].begin(), secs[size_t(op)].end());
+    const double algbw = double(count) * 2 / t / 1e9;
+    std::printf("%-18s %10s %12.1f %12.4g %12.4g\n", ops[op], human(count * 2).c_str(), t * 1e6, algbw, algbw * factor);
+  }
+}
+
 }  // namespace
 
 // Device-to-device copy bandwidth of one GPU (read + write counted once).
@@ -162,6 +241,7 @@ int run_comm_bench(const CommBenchOptions& o) {
                   algbw * factor, 100.0 * algbw * factor / mem);
     }
   }
+  if (o.tp >= 2) run_tp_rows(o, nccl, timeout);
   return 0;
 }
 

@@ -1,5 +1,7 @@
 #include "parallel/mesh/device_mesh.h"
 
+#include <algorithm>
+
 #include "core/common/error.h"
 
 namespace trainrun {
@@ -109,6 +111,98 @@ std::string DeviceMesh::group_name(MeshDim d) const {
 
 std::string DeviceMesh::dp_group_name() const {
   return "dp" + std::to_string(coord(MeshDim::pp) * dims_.tp + coord(MeshDim::tp));
+}
+
+std::vector<std::vector<int>> mesh_groups(const MeshDims& dims, MeshDim d) {
+  std::vector<std::vector<int>> out;
+  for (int r = 0; r < dims.world(); ++r) {
+    const DeviceMesh m(dims, r);
+    if (m.coord(d) == 0) out.push_back(m.group_ranks(d));  // a group's first member opens it
+  }
+  return out;
+}
+
+namespace {
+
+std::string coords_of(const MeshDims& dims, int r) {
+  const DeviceMesh m(dims, r);
+  return std::to_string(m.coord(MeshDim::pp)) + "," + std::to_string(m.coord(MeshDim::dp_replicate)) + "," +
+         std::to_string(m.coord(MeshDim::dp_shard)) + "," + std::to_string(m.coord(MeshDim::tp));
+}
+
+std::string ranks_list(const std::vector<int>& v) {
+  std::string s = "[";
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  return s + "]";
+}
+
+// A group for the log: in full up to 8 ranks, else its first two, its last
+// and the stride (mesh groups are arithmetic progressions).
+std::string compact_ranks(const std::vector<int>& v) {
+  if (v.size() <= 8) return ranks_list(v);
+  return "[" + std::to_string(v[0]) + ", " + std::to_string(v[1]) + ", ..., " + std::to_string(v.back()) + "]";
+}
+
+constexpr const char* kLayoutRule =
+    "rank = ((pp * dp_replicate_size + dp_replicate) * dp_shard_size + dp_shard) * tp_size + tp (tp innermost)";
+
+}  // namespace
+
+std::string describe_rank_coords(const MeshDims& dims, int max_listed) {
+  const int W = dims.world();
+  std::string s;
+  auto add = [&](int r) { s += (s.empty() ? "" : " ") + std::to_string(r) + "->(" + coords_of(dims, r) + ")"; };
+  if (W <= max_listed) {
+    for (int r = 0; r < W; ++r) add(r);
+    return s;
+  }
+  const int head = std::max(1, max_listed / 2), tail = std::max(1, max_listed / 4);
+  for (int r = 0; r < head; ++r) add(r);
+  s += " ...";
+  for (int r = W - tail; r < W; ++r) add(r);
+  return s + " (" + std::to_string(W) + " ranks; " + kLayoutRule + ")";
+}
+
+std::string describe_mesh_groups(const MeshDims& dims, int max_groups) {
+  std::string s;
+  for (MeshDim d : {MeshDim::tp, MeshDim::dp_shard, MeshDim::dp_replicate, MeshDim::pp}) {
+    if (dims.size(d) <= 1) continue;
+    const auto groups = mesh_groups(dims, d);
+    s += std::string(s.empty() ? "" : "; ") + mesh_dim_name(d);
+    for (size_t i = 0; i < groups.size() && int(i) < max_groups; ++i) s += " " + compact_ranks(groups[i]);
+    if (int(groups.size()) > max_groups) s += " ...";
+    if (int(groups.size()) > max_groups || dims.size(d) > 8)
+      s += " (" + std::to_string(groups.size()) + " groups of " + std::to_string(dims.size(d)) + ")";
+  }
+  return s.empty() ? "none (one rank per replica, no groups)" : s;
+}
+
+std::string resolved_mesh_yaml(const MeshDims& dims, bool sequence_parallel, int max_listed) {
+  const int W = dims.world();
+  std::string y =
+      "\n# The device mesh this run resolved (informational: written by trainrun at start; ignored when this\n"
+      "# file is loaded as a job spec). ranks: rank -> [pp, dp_replicate, dp_shard, tp].\n"
+      "resolved_mesh:\n";
+  y += "  world: " + std::to_string(W) + "\n";
+  y += "  dims: {pp: " + std::to_string(dims.pp) + ", dp_replicate: " + std::to_string(dims.dp_replicate) +
+       ", dp_shard: " + std::to_string(dims.dp_shard) + ", tp: " + std::to_string(dims.tp) + "}\n";
+  y += "  dp: " + std::to_string(dims.dp()) + "\n";
+  y += std::string("  sequence_parallel: ") + (sequence_parallel && dims.tp > 1 ? "true" : "false") + "\n";
+  y += std::string("  layout: '") + kLayoutRule + "'\n";
+  if (W > max_listed) {
+    y += "  listed: false  # more than " + std::to_string(max_listed) + " ranks: the layout rule gives every group\n";
+    return y;
+  }
+  y += "  groups:\n";
+  for (MeshDim d : {MeshDim::tp, MeshDim::dp_shard, MeshDim::dp_replicate, MeshDim::pp}) {
+    std::string line = std::string("    ") + mesh_dim_name(d) + ": [";
+    const auto groups = mesh_groups(dims, d);
+    for (size_t i = 0; i < groups.size(); ++i) line += (i ? ", " : "") + ranks_list(groups[i]);
+    y += line + "]\n";
+  }
+  y += "  ranks:\n";
+  for (int r = 0; r < W; ++r) y += "    " + std::to_string(r) + ": [" + coords_of(dims, r) + "]\n";
+  return y;
 }
 
 MeshComms::MeshComms(const DeviceMesh& mesh, const GroupCommFactory& factory) : mesh_(mesh) {

@@ -72,6 +72,25 @@ class DeviceMesh {
   int coord_[kMeshDims];
 };
 
+// ---- the resolved mesh in words (the start-of-job log, job.resolved.yaml) ----
+
+// Every group along d, each as its ranks in d's order, groups ordered by
+// their first rank: {{0,1},{2,3}} for tp at tp2 x dp2.
+std::vector<std::vector<int>> mesh_groups(const MeshDims& dims, MeshDim d);
+// "0->(0,0,0,0) 1->(0,0,0,1) ..." (pp, dp_replicate, dp_shard, tp) for every
+// rank up to `max_listed` ranks; a larger mesh lists the first and last few
+// ranks around "..." and says how any rank's coordinates follow from the
+// layout, so a 1024-node job logs one short line.
+std::string describe_rank_coords(const MeshDims& dims, int max_listed = 16);
+// The groups of every dim of size > 1, "tp [0,1] [2,3]; dp_shard [0,2] [1,3]",
+// the first few of each when there are many.
+std::string describe_mesh_groups(const MeshDims& dims, int max_groups = 8);
+// The `resolved_mesh:` section of job.resolved.yaml (informational; the
+// job spec loader checks it is a map and ignores it): degrees, the layout
+// rule, and, up to `max_listed` ranks, every group and every rank's
+// coordinates.
+std::string resolved_mesh_yaml(const MeshDims& dims, bool sequence_parallel, int max_listed = 1024);
+
 // Makes a communicator for one group: prefix (unique per group, ending in
 // '/'), this rank's index in it, the group's size.
 using GroupCommFactory =

@@ -112,6 +112,42 @@ nlohmann::json decisions_to_json(const Decisions& d);
 std::string format_link_matrix(const Topology& t);
 // Everything `trainrun topo` prints: matrix, NUMA/NIC placement, every
 // decision with its reason, warnings.
-std::string format_topology_report(const Topology& t, const Decisions& d);
+// `tp_section`: text printed before the warnings (`trainrun topo --tp`).
+std::string format_topology_report(const Topology& t, const Decisions& d, const std::string& tp_section = "");
+
+// ---- tensor-parallel groups (topology_tp.cpp) -----------------------------------------------
+
+// A TP group is `tp` consecutive ranks (parallel/mesh/device_mesh.h: tp is
+// the innermost mesh dimension), so on a node it is `tp` consecutive local
+// ranks, placed on the GPUs decide() gave them. What matters for TP is the
+// group's slowest link: its four activation collectives per layer per
+// micro-batch sit between GEMMs and cannot hide behind compute.
+enum class TpLinkKind {
+  Single,     // tp 1: no TP traffic
+  Host,       // CPU ranks of one host (Gloo over loopback)
+  NVLink,     // every pair of the group's GPUs on NVLink
+  PCIe,       // some pair only through PCIe (PIX ... SYS)
+  CrossNode,  // the group reaches past this node's ranks (tp does not divide them)
+  Unknown,    // a pair's link is unknown
+};
+const char* tp_link_name(TpLinkKind k);  // "none", "host", "NVLink", "PCIe", "cross-node", "unknown"
+
+struct TpGroup {
+  std::vector<int> ranks;    // local ranks on this node
+  std::vector<int> gpus;     // their GPUs (empty on the CPU backend)
+  TpLinkKind kind = TpLinkKind::Single;
+  Link slowest;              // the slowest link between two of the group's GPUs (NVLink/PCIe)
+};
+
+// The node's TP groups for `tp` (>= 1) over the ranks of `d`.
+std::vector<TpGroup> tp_groups(const Topology& t, const Decisions& d, int tp);
+// One line per group: "ranks 0-1 (GPUs 0,1): NVLink (NV4)".
+std::string describe_tp_group(const TpGroup& g);
+// The warning for groups that span PCIe or nodes (why, what to do); "" when
+// every group is on NVLink or one host. Names the largest degree that would
+// stay on NVLink here. include_cross_node false: only PCIe groups count (the
+// agent's case: the trainer warns about groups that span nodes itself,
+// since only it knows every node's ranks).
+std::string tp_groups_warning(const Topology& t, const Decisions& d, int tp, bool include_cross_node = true);
 
 }  // namespace trainrun::topo

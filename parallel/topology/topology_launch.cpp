@@ -11,10 +11,12 @@
 #include <fstream>
 #include <map>
 #include <mutex>
+#include <sstream>
 #include <nlohmann/json.hpp>
 
 #include "core/common/error.h"
 #include "core/common/log.h"
+#include "core/model/model_spec.h"
 #include "parallel/topology/topology_decide.h"
 #include "parallel/topology/topology_sources.h"
 
@@ -64,11 +66,21 @@ const char* env_lookup(const std::string& name) {
 int run_topo_command(const TopoCommandOptions& o, std::ostream& out) {
   const int given = int(!o.nvidia_smi_file.empty()) + int(!o.topology_file.empty()) + int(!o.sysfs_root.empty());
   TR_CHECK(given <= 1, "topo: use at most one of --nvidia-smi-topo, --topology and --sysfs-root");
+  TR_CHECK(o.tp >= 0, "topo: --tp must be at least 1 (got ", o.tp, ")");
+  // --config: the job's mesh and node (flags given here win).
+  int tp = o.tp, nproc = o.nproc;
+  std::string topology_file = o.topology_file;
+  if (!o.config.empty()) {
+    const JobSpec job = load_resolved_job_spec(o.config, {});
+    if (tp == 0) tp = job.parallel.tensor_parallel;
+    if (nproc == 0 && job.parallel.nproc_per_node > 0) nproc = job.parallel.nproc_per_node;
+    if (given == 0) topology_file = job.parallel.topology_file;
+  }
   Topology t;
   DecisionInputs in;
-  in.nproc = o.nproc;
-  if (!o.topology_file.empty()) {
-    t = load_topology(o.topology_file);
+  in.nproc = nproc;
+  if (!topology_file.empty()) {
+    t = load_topology(topology_file);
   } else if (!o.nvidia_smi_file.empty()) {
     t = make_nvidia_smi_source(o.nvidia_smi_file)->read();
   } else if (!o.sysfs_root.empty()) {
@@ -79,15 +91,34 @@ int run_topo_command(const TopoCommandOptions& o, std::ostream& out) {
     in.allowed_cpus = process_cpus();
     if (t.gpu_count() > 0) apply_visible(resolve_visible_gpus(t, cuda_visible_devices(), "this machine"), &in);
   }
-  const Decisions d = decide(t, in);
+  Decisions d = decide(t, in);
+  // TP groups: tp consecutive ranks (the mesh's innermost dimension).
+  std::string tp_section;
+  json tp_json = json::array();
+  if (tp > 0) {
+    std::ostringstream os;
+    os << "  tensor-parallel groups (tp " << tp << ", " << d.nproc << " rank" << (d.nproc == 1 ? "" : "s")
+       << " on this node; a group is " << tp << " consecutive ranks):\n";
+    for (const TpGroup& g : tp_groups(t, d, tp)) {
+      os << "    " << describe_tp_group(g) << "\n";
+      tp_json.push_back({{"ranks", g.ranks}, {"gpus", g.gpus}, {"link", tp_link_name(g.kind)},
+                         {"slowest", g.kind == TpLinkKind::NVLink || g.kind == TpLinkKind::PCIe ? link_code(g.slowest) : ""}});
+    }
+    tp_section = os.str();
+    const std::string w = tp_groups_warning(t, d, tp);
+    if (!w.empty()) d.warnings.push_back({"tp_link", w});
+  }
   if (!o.save_file.empty()) {
     save_topology(t, o.save_file);
     TR_LOG_INFO("topo: description saved to ", o.save_file, " (load it with --topology or parallel.topology_file)");
   }
-  if (o.json)
-    out << json{{"description", topology_to_json(t)}, {"decisions", decisions_to_json(d)}}.dump(2) << "\n";
-  else
-    out << format_topology_report(t, d);
+  if (o.json) {
+    json j{{"description", topology_to_json(t)}, {"decisions", decisions_to_json(d)}};
+    if (tp > 0) j["tp_groups"] = {{"tp", tp}, {"groups", tp_json}};
+    out << j.dump(2) << "\n";
+  } else {
+    out << format_topology_report(t, d, tp_section);
+  }
   return 0;
 }
 
@@ -243,6 +274,16 @@ LaunchTopology prepare_launch_topology(const JobSpec& job, int nproc) {
               t.numa_nodes.size() == 1 ? "" : "s", ";", binding, " details in ", path.string());
   if (!applied.empty()) TR_LOG_INFO("topology: worker environment:", applied);
   for (const TopologyWarning& w : d.warnings) TR_LOG_WARN("topology: ", w.message);
+  // Tensor parallelism: where this node's TP groups sit, and the warning
+  // (once per node, here rather than in every worker) when one spans PCIe.
+  if (job.parallel.tensor_parallel > 1) {
+    std::string groups;
+    for (const TpGroup& g : tp_groups(t, d, job.parallel.tensor_parallel))
+      groups += (groups.empty() ? "" : "; ") + describe_tp_group(g);
+    TR_LOG_INFO("topology: TP groups: ", groups);
+    const std::string w = tp_groups_warning(t, d, job.parallel.tensor_parallel, /*include_cross_node=*/false);
+    if (!w.empty()) TR_LOG_WARN("topology: ", w);
+  }
   return plan;
 }
 

@@ -28,6 +28,8 @@ struct TopoCommandOptions {
   std::string save_file;        // --save FILE
   int nproc = 0;                // --nproc N; 0 = one per GPU, 1 without
   bool json = false;            // --json
+  int tp = 0;                   // --tp N: show the TP groups; 0 = the job's parallel.tensor_parallel (else none)
+  std::string config;           // --config job.yaml: tensor_parallel, nproc_per_node, topology_file
 };
 // Prints the report (or JSON) to `out`; returns the exit code. Throws
 // trainrun::Error for bad input (the caller prints it and exits 1).

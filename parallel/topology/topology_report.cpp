@@ -105,7 +105,7 @@ void why(std::ostringstream& os, const std::string& text, const std::string& ind
 
 }  // namespace
 
-std::string format_topology_report(const Topology& t, const Decisions& d) {
+std::string format_topology_report(const Topology& t, const Decisions& d, const std::string& tp_section) {
   std::ostringstream os;
   os << "topology of " << (t.host.empty() ? "an unnamed host" : t.host);
   std::string srcs;
@@ -203,6 +203,7 @@ std::string format_topology_report(const Topology& t, const Decisions& d) {
   os << "  hybrid_shard group: " << d.hybrid_shard_group << (d.hybrid_shard_group == 1 ? " rank\n" : " ranks\n");
   why(os, d.hybrid_shard_reason);
 
+  os << tp_section;
   os << "\nwarnings:" << (d.warnings.empty() ? " none" : "") << "\n";
   for (const TopologyWarning& w : d.warnings) os << "  - [" << w.code << "] " << w.message << "\n";
   return os.str();

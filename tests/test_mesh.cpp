@@ -1,0 +1,110 @@
+// The resolved device mesh in words: every rank's (pp, dp_replicate,
+// dp_shard, tp) coordinates and the groups, as logged at start and written
+// into job.resolved.yaml (which must still load as the same job), compact
+// for meshes of thousands of ranks; and a real tp2 x dp2 run's log and file.
+#include <catch2/catch.hpp>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+
+#include "core/config/job_spec.h"
+#include "parallel/mesh/device_mesh.h"
+#include "tests/support/testutil.h"
+
+using namespace trainrun;
+using namespace trainrun::test;
+using Catch::Matchers::Contains;
+
+TEST_CASE("mesh: rank coordinates and groups at tp2 x dp2, and compact for many ranks", "[mesh]") {
+  const MeshDims d = plan_mesh(4, 2, 1, "full_shard", 1);
+  CHECK(describe_rank_coords(d) == "0->(0,0,0,0) 1->(0,0,0,1) 2->(0,0,1,0) 3->(0,0,1,1)");
+  CHECK(describe_mesh_groups(d) == "tp [0, 1] [2, 3]; dp_shard [0, 2] [1, 3]");
+  CHECK(mesh_groups(d, MeshDim::tp) == std::vector<std::vector<int>>{{0, 1}, {2, 3}});
+  // hybrid_shard 2 x 2 with tp2 over 8 ranks: dp_replicate is the outer dp dim.
+  const MeshDims h = plan_mesh(8, 2, 1, "hybrid_shard", 2);
+  CHECK(describe_rank_coords(h) ==
+        "0->(0,0,0,0) 1->(0,0,0,1) 2->(0,0,1,0) 3->(0,0,1,1) 4->(0,1,0,0) 5->(0,1,0,1) 6->(0,1,1,0) 7->(0,1,1,1)");
+  CHECK(describe_mesh_groups(h) == "tp [0, 1] [2, 3] [4, 5] [6, 7]; dp_shard [0, 2] [1, 3] [4, 6] [5, 7]; "
+                                   "dp_replicate [0, 4] [1, 5] [2, 6] [3, 7]");
+  // 8192 ranks (1024 nodes of 8) at tp8: one short line, first and last ranks.
+  const MeshDims big = plan_mesh(8192, 8, 1, "full_shard", 1);
+  const std::string line = describe_rank_coords(big);
+  CHECK(line.size() < 400);
+  CHECK_THAT(line, Contains("0->(0,0,0,0) ") && Contains(" ... ") && Contains("8191->(0,0,1023,7)") &&
+                       Contains("8192 ranks; rank = ((pp * dp_replicate_size + dp_replicate)"));
+  CHECK(describe_mesh_groups(big).size() < 600);
+  CHECK_THAT(describe_mesh_groups(big), Contains("dp_shard [0, 8, ..., 8184] [1, 9, ..., 8185]") && Contains("... (1024 groups of 8)") && Contains("[7, 15, ..., 8191] (8 groups of 1024)"));
+  CHECK_THAT(resolved_mesh_yaml(big, false), Contains("listed: false") && !Contains("\n  ranks:"));
+}
+
+TEST_CASE("mesh: job.resolved.yaml's resolved_mesh section loads back as the same job", "[mesh][config]") {
+  const std::string spec = "model: {n_layer: 2, n_head: 4, n_embd: 16, vocab_size: 23, seq_len: 8}\n"
+                           "data: {format: synthetic}\n"
+                           "parallel: {tensor_parallel: 2, sequence_parallel: true}\n";
+  const JobSpec job = parse_job_spec(spec, "job.yaml");
+  const std::string yaml = job_spec_to_yaml(job) + resolved_mesh_yaml(plan_mesh(4, 2, 1, "full_shard", 1), true);
+  CHECK_THAT(yaml, Contains("\nresolved_mesh:\n  world: 4\n  dims: {pp: 1, dp_replicate: 1, dp_shard: 2, tp: 2}\n"
+                            "  dp: 2\n  sequence_parallel: true\n"));
+  CHECK_THAT(yaml, Contains("  groups:\n    tp: [[0, 1], [2, 3]]\n    dp_shard: [[0, 2], [1, 3]]\n"
+                            "    dp_replicate: [[0], [1], [2], [3]]\n    pp: [[0], [1], [2], [3]]\n"));
+  CHECK_THAT(yaml, Contains("  ranks:\n    0: [0,0,0,0]\n    1: [0,0,0,1]\n    2: [0,0,1,0]\n    3: [0,0,1,1]\n"));
+  CHECK(job_spec_to_yaml(parse_job_spec(yaml, "job.resolved.yaml")) == job_spec_to_yaml(job));
+  // Not a map: refused, naming the key and that it is not a setting.
+  try {
+    parse_job_spec(spec + "resolved_mesh: 4\n", "job.yaml");
+    FAIL("a scalar resolved_mesh was accepted");
+  } catch (const std::exception& e) {
+    CHECK_THAT(e.what(), Contains("resolved_mesh") && Contains("must be a map") && Contains("not a setting"));
+  }
+  // Only at the top level.
+  CHECK_THROWS_WITH(parse_job_spec(spec + "train: {resolved_mesh: {}}\n", "job.yaml"),
+                    Contains("train.resolved_mesh: unknown key"));
+}
+
+TEST_CASE("mesh: a tp2 x dp2 run logs the mesh and writes it into job.resolved.yaml", "[mesh][tp]") {
+  TempDir dir("mesh_run");
+  write_file(dir / "job.yaml",
+             "backend: cpu\n"
+             "model: {arch: llama, n_layer: 2, n_head: 4, n_kv_head: 2, n_embd: 16, ffn_dim: 24, vocab_size: 23, "
+             "seq_len: 8}\n"
+             "data: {format: synthetic}\n"
+             "train: {global_batch_size: 4, micro_batch_size: 1, max_steps: 2, log_interval: 1, eval_interval: 0, "
+             "eval_steps: 1, warmup_steps: 1}\n"
+             "parallel: {nproc_per_node: 4, tensor_parallel: 2, sharding: full_shard, timeout_s: 60}\n"
+             "output: {dir: '" + dir / "run" + "', sample_tokens: 0}\n");
+  const auto r = run_command("OMP_NUM_THREADS=1 '" + trainrun_binary() + "' --config '" + dir / "job.yaml" + "'");
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  const std::string log = read_file(dir / "run/logs/rank0.log");
+  CHECK_THAT(log, Contains("mesh: pp1 x dp_replicate1 x dp_shard2 x tp2 (4 ranks;"));
+  CHECK_THAT(log, Contains("mesh: rank -> (pp, dp_replicate, dp_shard, tp): 0->(0,0,0,0) 1->(0,0,0,1) 2->(0,0,1,0) "
+                           "3->(0,0,1,1)"));
+  CHECK_THAT(log, Contains("mesh: groups: tp [0, 1] [2, 3]; dp_shard [0, 2] [1, 3]"));
+  // Logged once (rank 0), not by every rank.
+  CHECK_THAT(read_file(dir / "run/logs/rank1.log"), !Contains("mesh: rank ->"));
+  const std::string yaml = read_file(dir / "run/job.resolved.yaml");
+  CHECK_THAT(yaml, Contains("\nresolved_mesh:\n  world: 4\n  dims: {pp: 1, dp_replicate: 1, dp_shard: 2, tp: 2}\n"));
+  CHECK_THAT(yaml, Contains("    tp: [[0, 1], [2, 3]]\n    dp_shard: [[0, 2], [1, 3]]\n"));
+  CHECK_THAT(yaml, Contains("    3: [0,0,1,1]\n"));
+  CHECK_FALSE(file_exists(dir / "run/.job.resolved.yaml.tmp"));
+  // metrics.jsonl: rank 0's time inside TP collectives, and its share of the step.
+  std::istringstream metrics(read_file(dir / "run/metrics.jsonl"));
+  int records = 0;
+  for (std::string line; std::getline(metrics, line);) {
+    if (line.empty()) continue;
+    const auto j = nlohmann::json::parse(line);
+    INFO(line);
+    REQUIRE(j.contains("tp_comm_ms"));
+    CHECK(j.at("tp_comm_ms").get<double>() > 0);
+    CHECK(j.at("tp_comm_fraction").get<double>() >= 0);
+    CHECK(j.at("tp_comm_fraction").get<double>() <= 1);
+    CHECK(j.at("tp_comm_ms").get<double>() <= j.at("ms_per_step").get<double>());
+    ++records;
+  }
+  CHECK(records == 2);
+  // The file is still a job spec: validate loads it (the section ignored).
+  const auto v = run_trainrun("validate --config '" + dir / "run/job.resolved.yaml" + "'");
+  INFO(v.err);
+  CHECK(v.exit_code == 0);
+  CHECK_THAT(v.out, Contains("tensor_parallel: 2") && !Contains("resolved_mesh"));
+}
