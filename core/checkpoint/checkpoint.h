@@ -127,9 +127,14 @@ class Checkpointer {
   // tests and `trainrun` tools.
   static std::string verify(const std::string& dir);
 
-  // xxhash64 of bytes [offset, offset + bytes) of one checkpoint file.
+  // xxhash64 of bytes [offset, offset + bytes) of one checkpoint file, or
+  // (reps > 1, format 3: a rank's strided tensor-parallel slice) of the
+  // `reps` runs of `bytes` bytes at offset + i*stride, hashed in order.
   struct Segment {
     uint64_t offset = 0, bytes = 0, hash = 0;
+    uint64_t stride = 0, reps = 1;
+    uint64_t total() const { return bytes * reps; }
+    uint64_t end() const { return offset + (reps - 1) * stride + bytes; }
   };
 
  private:
