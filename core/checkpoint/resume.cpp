@@ -154,8 +154,10 @@ bool may_overlap(const Segment& g, const std::vector<Dest>& dests) {
     const Dest& d = *it;
     if (d.end() <= g.offset) continue;
     if (g.reps > 1 && d.reps > 1 && g.stride == d.stride) {
-      const uint64_t a = g.offset % g.stride, b = d.off % d.stride;  // column starts within a row
-      if (a < b + d.bytes && b < a + g.bytes) return true;
+      // Rows of one tensor: compare the columns, g's first relative to d's.
+      const int64_t s = int64_t(g.stride), diff = int64_t(g.offset) - int64_t(d.off);
+      const uint64_t m = uint64_t(((diff % s) + s) % s);
+      if (m < d.bytes || m + g.bytes > g.stride) return true;
       continue;
     }
     return true;
