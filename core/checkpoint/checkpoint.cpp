@@ -489,7 +489,12 @@ void Checkpointer::write_and_commit(int64_t step, const TrainState& st, ParamSto
 void Checkpointer::commit_rank0(int64_t step, const TrainState& st, const std::string& tmp,
                                 const std::string& final_dir, std::vector<std::vector<Segment>> segments) {
   json m;
-  m["format_version"] = kFormatVersion;
+  // Format 3 only where it is needed (a strided segment), so a checkpoint
+  // without tensor parallelism stays readable by format-2 binaries.
+  bool strided = false;
+  for (const auto& segs : segments)
+    for (const Segment& g : segs) strided = strided || g.reps > 1;
+  m["format_version"] = strided ? kFormatVersion : 2;
   m["step"] = st.step;
   m["tokens_seen"] = st.tokens;
   m["data_cursor"] = st.cursor;

@@ -317,6 +317,7 @@ std::string Checkpointer::worst_of_all(const std::string& fatal, const std::stri
 }
 
 bool Checkpointer::load(ParamStore& ps, TrainState& st) {
+  const auto t0 = std::chrono::steady_clock::now();
   held_ranges_ = ps.held_ranges();
   write_ranges_ = ps.write_ranges();
   // Rank 0 names a candidate that passes the checks needing no data (the
@@ -483,7 +484,9 @@ bool Checkpointer::load(ParamStore& ps, TrainState& st) {
     if (rank_ == 0)
       TR_LOG_INFO("resume: loaded ", dir, " (step ", st.step, ", ", st.tokens, " tokens; saved by ",
                   pick.at("world_size").get<int>(), " ranks with ", pick.at("sharding").get<std::string>(),
-                  ", loaded on ", world_, " ranks with ", job_.parallel.sharding, ")");
+                  ", loaded on ", world_, " ranks with ", job_.parallel.sharding, "; ",
+                  held_ranges_.size(), " ranges on rank 0, ",
+                  std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), " s)");
     return true;
   }
 }

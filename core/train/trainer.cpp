@@ -267,7 +267,8 @@ void Trainer::setup() {
     // Every group's communicator, built once in the same order on every
     // rank; the store shards this rank's TP slice over the dp group.
     mesh_comms_ = std::make_unique<MeshComms>(*mesh_, factory);
-    tp_plan_ = std::make_unique<TensorParallelPlan>(*arch_, tp, mesh_->coord(MeshDim::tp));
+    // The backend's logits row alignment also pads the vocabulary (CUDA: to lcm(tp, 64)).
+    tp_plan_ = std::make_unique<TensorParallelPlan>(*arch_, tp, mesh_->coord(MeshDim::tp), be_->logits_stride(1));
     tp_ctx_.plan = tp_plan_.get();
     tp_ctx_.comm = mesh_comms_->comm(MeshDim::tp);
     tp_ctx_.sequence_parallel = job_.parallel.sequence_parallel_on();
