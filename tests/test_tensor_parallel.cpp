@@ -5,6 +5,7 @@
 // (Llama GQA 2:1 and 4:1, tied and untied, GPT-2, a vocabulary that needs
 // padding), resume across meshes, and the bad meshes' messages.
 #include <catch2/catch.hpp>
+#include <algorithm>
 #include <chrono>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -19,7 +20,9 @@
 #include "core/model/model_io.h"
 #include "core/model/tensor_parallel.h"
 #include "core/train/trainer.h"
+#include "core/io/safetensors.h"
 #include "kernels/backend.h"
+#include "kernels/backend_factory.h"
 #include "tests/support/checkpoint_jobs.h"
 #include "tests/support/device_io.h"
 #include "tests/support/inprocess.h"
@@ -228,9 +231,9 @@ namespace {
 // Gradient clipping on (the global norm must count every element once),
 // accumulation on, a vocabulary of 23 (padded to 24 at tp2 and tp4).
 std::string tp_job(const std::string& dir, const std::string& model, const std::string& strategy, int tp, int group,
-                   int steps = 6) {
+                   int steps = 6, int data_vocab = 23) {
   return "model: " + model + "\n"
-         "data: {format: synthetic, synthetic: {vocab: 23, branching: 3}}\n"
+         "data: {format: synthetic, synthetic: {vocab: " + std::to_string(data_vocab) + ", branching: 3}}\n"
          "train: {global_batch_size: 8, micro_batch_size: 2, max_steps: " + std::to_string(steps) + ", lr: 3.0e-3,\n"
          "        min_lr: 3.0e-4, warmup_steps: 2, eval_interval: 3, eval_steps: 1, log_interval: 1, grad_clip: 0.3}\n"
          "output: {dir: '" + dir + "', sample_tokens: 0}\n"
@@ -474,6 +477,136 @@ TEST_CASE("tp: a row-parallel slice is one strided range per tensor, and a damag
   (void)load_model_safetensors(dir.path() + "/model.safetensors", got.weights);
   got.losses = straight.losses;  // the metrics file holds the replayed step twice
   check_same(got, straight);
+}
+
+namespace {
+
+// TRAINRUN_CPU_LOGITS_ALIGN for one scope (the in-process ranks share the
+// environment): the CPU backend then pads as the CUDA backend does.
+struct LogitsAlign {
+  explicit LogitsAlign(int n) { ::setenv("TRAINRUN_CPU_LOGITS_ALIGN", std::to_string(n).c_str(), 1); }
+  ~LogitsAlign() { ::unsetenv("TRAINRUN_CPU_LOGITS_ALIGN"); }
+};
+
+std::string with_vocab(std::string model, int v) {
+  const std::string key = "vocab_size: 23";
+  model.replace(model.find(key), key.size(), "vocab_size: " + std::to_string(v));
+  return model;
+}
+
+Run run_padded(const std::string& model, int world, int tp, const std::string& strategy, int vocab, int group = 0) {
+  TempDir dir("tp_pad");
+  const JobSpec job = parse_job_spec(tp_job(dir.path(), model, strategy, tp, group, 6, vocab), "job.yaml");
+  Run out;
+  out.losses = run_ranks_inprocess(job, world)[0].losses;
+  (void)load_model_safetensors(dir / "model.safetensors", out.weights);
+  // Exactly vocab_size rows on disk: the final model file and the checkpoint.
+  for (const std::string& f : {dir / "model.safetensors", dir / "checkpoints/step_00000006/model.safetensors"}) {
+    INFO(f);
+    const SafeTensorFile st = read_safetensors(f);
+    for (const char* name : {"model.embed_tokens.weight", "transformer.wte.weight", "lm_head.weight"})
+      if (const SafeTensor* t = st.find(name)) {
+        INFO(name);
+        CHECK(t->shape.at(0) == vocab);
+      }
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("tp: the vocabulary pads to lcm(tp, 64) under the CUDA rule (forced on the CPU) and trains as one rank does",
+          "[tp][padding]") {
+  {
+    // The plan: 100 rows at tp2 and tp4 pad to 128 (64 | 128); 23 at tp4
+    // pads to 64, leaving ranks 2 and 3 with padding only.
+    const auto arch = make_model_arch(llama_cfg(4, 2, 24, 100, false));
+    CHECK(TensorParallelPlan(*arch, 2, 1, 64).shape().V_pad == 128);
+    CHECK(TensorParallelPlan(*arch, 4, 3, 64).shape().V_local == 32);
+    CHECK(TensorParallelPlan(*arch, 4, 3, 64).shape().v_valid == 4);
+    CHECK(TensorParallelPlan(*arch, 4, 3, 1).shape().V_pad == 100);
+    const auto small = make_model_arch(llama_cfg(4, 2, 24, 23, false));
+    CHECK(TensorParallelPlan(*small, 4, 2, 64).shape().v_valid == 0);
+    CHECK(TensorParallelPlan(*small, 2, 0, 1).shape().V_pad == 24);
+    check_coverage(*arch, 4);
+  }
+  for (int vocab : {100, 23}) {
+    for (const std::string& model : {with_vocab(llama_model(2, "false"), vocab), with_vocab(llama_model(2, "true"), vocab),
+                                     with_vocab(kGpt2Model, vocab)}) {
+      INFO(model);
+      const Run ref = run_padded(model, 1, 1, "no_shard", vocab);  // no padding at all
+      LogitsAlign align(64);
+      {
+        INFO("tp2, vocab padded to 64-multiple");
+        check_same(run_padded(model, 2, 2, "full_shard", vocab), ref);
+      }
+      {
+        INFO("tp4, vocab padded to 64-multiple");
+        check_same(run_padded(model, 4, 4, "shard_grad_op", vocab), ref);
+      }
+      {
+        INFO("tp2 x dp2 hybrid_shard, vocab padded to 64-multiple");
+        check_same(run_padded(model, 4, 2, "hybrid_shard", vocab, 1), ref);
+      }
+    }
+  }
+}
+
+TEST_CASE("tp: TRAINRUN_CPU_LOGITS_ALIGN that is not a number is refused, naming it", "[tp][padding]") {
+  ::setenv("TRAINRUN_CPU_LOGITS_ALIGN", "sixty-four", 1);
+  std::string err;
+  try {
+    (void)make_backend("cpu", 0, nullptr);
+  } catch (const Error& e) {
+    err = e.what();
+  }
+  ::unsetenv("TRAINRUN_CPU_LOGITS_ALIGN");
+  CHECK_THAT(err, Catch::Contains("TRAINRUN_CPU_LOGITS_ALIGN") && Catch::Contains("sixty-four"));
+}
+
+TEST_CASE("tp: the end-of-run sample at tp2 is the tp1 sample and `trainrun generate`'s on the same file",
+          "[tp][sample]") {
+  for (const char* model :
+       {"{arch: llama, n_layer: 2, n_head: 4, n_kv_head: 2, n_embd: 32, ffn_dim: 48, vocab_size: 61, seq_len: 32}",
+        "{arch: gpt2, n_layer: 2, n_head: 4, n_embd: 32, vocab_size: 61, seq_len: 32}"}) {
+    INFO(model);
+    TempDir dir("tp_sample");
+    std::vector<std::string> samples;
+    for (int tp : {1, 2}) {
+      INFO("tp" << tp);
+      const std::string run = dir / ("tp" + std::to_string(tp));
+      write_file(dir / "job.yaml",
+                 std::string("model: ") + model + "\n"
+                 // Token ids, not bytes (V != 256): a sampled NUL byte would end the log line.
+                 "data: {format: synthetic, synthetic: {vocab: 61}}\n"
+                 "train: {global_batch_size: 4, micro_batch_size: 2, max_steps: 4, warmup_steps: 1, seed: 42}\n"
+                 "parallel: {nproc_per_node: " + std::to_string(tp) + ", tensor_parallel: " + std::to_string(tp) +
+                 ", sharding: full_shard, timeout_s: 60}\n"
+                 "checkpoint: {final: 'false'}\n"
+                 "output: {dir: '" + run + "', sample_tokens: 30, sample_prompt: '7 3'}\n");
+      const auto r = run_command("OMP_NUM_THREADS=1 '" + trainrun_binary() + "' --config '" + dir / "job.yaml" + "'");
+      INFO(r.err);
+      REQUIRE(r.exit_code == 0);
+      const auto g = run_trainrun("generate --checkpoint '" + run + "/model.safetensors' --prompt '7 3' --max-tokens 30 "
+                                  "--temperature 0.8 --top-k 40 --seed 42");
+      INFO(g.err);
+      REQUIRE(g.exit_code == 0);
+      REQUIRE(std::count(g.out.begin(), g.out.end(), ' ') >= 31);  // the prompt and 30 ids
+      // tp1 runs in-process (its log is stderr), tp2 under the agent (logs/rank0.log).
+      const std::string log = r.err + (file_exists(run + "/logs/rank0.log") ? read_file(run + "/logs/rank0.log") : "");
+      if (tp == 1) {
+        CHECK(log.find("sample:\n" + g.out) != std::string::npos);
+      } else {
+        CHECK(log.find("sample (tensor_parallel 2: rank 0 decodes " + run + "/model.safetensors):\n" + g.out) !=
+              std::string::npos);
+        CHECK(log.find("sample: skipped") == std::string::npos);
+      }
+      samples.push_back(g.out);
+    }
+    // tp1 and tp2 train to the same weights (to float rounding), so the
+    // same seed samples the same text.
+    CHECK(samples[0] == samples[1]);
+  }
 }
 
 TEST_CASE("tp: model.init_from (a Hugging Face directory) loads at tp2 as at tp1", "[tp][interop]") {
