@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <chrono>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <cmath>
 #include <random>
@@ -477,6 +478,42 @@ TEST_CASE("tp: a row-parallel slice is one strided range per tensor, and a damag
   (void)load_model_safetensors(dir.path() + "/model.safetensors", got.weights);
   got.losses = straight.losses;  // the metrics file holds the replayed step twice
   check_same(got, straight);
+}
+
+TEST_CASE("tp: a manifest whose strided segments are malformed or do not tile the file is refused, naming it",
+          "[tp][checkpoint]") {
+  TempDir dir("tp_strided_bad");
+  run_stage(dir.path(), kLlama41, "full_shard", 2, 2, false);
+  const std::string ck = dir.path() + "/checkpoints/step_00000002";
+  REQUIRE(Checkpointer::verify(ck).empty());
+  const nlohmann::json good = read_manifest(ck);
+  size_t at = 0;  // the first strided segment of model.safetensors
+  const auto& segs = good.at("files").at("model.safetensors").at("segments");
+  while (at < segs.size() && !segs[at].contains("reps")) ++at;
+  REQUIRE(at < segs.size());
+  struct Case {
+    const char* what;
+    std::function<void(nlohmann::json&)> edit;
+    const char* message;
+  };
+  const std::vector<Case> cases = {
+      {"stride missing", [](nlohmann::json& g) { g.erase("stride"); }, "strided entry without a valid stride and reps"},
+      {"reps zero", [](nlohmann::json& g) { g["reps"] = 0; }, "strided entry without a valid stride and reps"},
+      {"one run short", [](nlohmann::json& g) { g["reps"] = g["reps"].get<uint64_t>() - 1; }, "do not tile the file: gap"},
+      {"runs that overlap", [](nlohmann::json& g) { g["stride"] = g["bytes"].get<uint64_t>() - 4; }, "runs overlap"},
+      {"a stride that lands on another rank's bytes",
+       [](nlohmann::json& g) { g["stride"] = g["stride"].get<uint64_t>() + 4; }, "do not tile the file"},
+  };
+  for (const Case& c : cases) {
+    INFO(c.what);
+    nlohmann::json m = good;
+    c.edit(m["files"]["model.safetensors"]["segments"][at]);
+    write_file(ck + "/manifest.json", m.dump(2));
+    const std::string why = Checkpointer::verify(ck);
+    CHECK_THAT(why, Catch::Contains("model.safetensors") && Catch::Contains(c.message));
+  }
+  write_file(ck + "/manifest.json", good.dump(2));
+  CHECK(Checkpointer::verify(ck).empty());
 }
 
 namespace {
