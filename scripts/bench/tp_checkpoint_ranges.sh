@@ -8,7 +8,7 @@
 #
 # Give several binaries (e.g. main's build and this branch's) to compare
 # them on the same job. Needs strace. CPU backend, 2 ranks.
-set -euo pipefail
+set -uo pipefail
 bins=("$@")
 [ ${#bins[@]} -gt 0 ] || bins=("$(dirname "$0")/../../build/trainrun")
 work=$(mktemp -d /tmp/tp_ckpt_bench.XXXXXX)
@@ -38,7 +38,7 @@ for bin in "${bins[@]}"; do
     "$bin" --config "$work/job.yaml" --set train.max_steps=2 > "$work/load.log" 2>&1
   run_s=$(echo "$(date +%s.%N) - $t0" | bc)
   pr=$(awk '$NF=="pread64"{print $4}' "$work/load.strace")
-  load_s=$(grep -o '[0-9.]* s)$' "$work/load.log" | head -1 | awk '{print $1}')
-  ranges=$(grep -o '; [0-9]* ranges on rank 0' "$work/load.log" | awk '{print $2}')
+  load_s=$(grep -o 'ranges on rank 0, [0-9.]* s)' "$work/load.log" | awk '{print $5}' || true)
+  ranges=$(grep -o "; [0-9]* ranges on rank 0" "$work/load.log" | awk "{print \$2}" || true)
   printf '%-40s %9s %9s %9s %9s %9s %12s %9s\n' "$bin" "$segs" "$pw" "${save_s:--}" "$pr" "${load_s:--}" "$run_s" "${ranges:--}"
 done
