@@ -172,11 +172,27 @@ class TensorParallelStore final : public ParamStore {
   }
   // Calls f(local range, offset in r's host copy) for the local pieces of
   // global range r (contiguous or strided), pieces adjacent on both sides
-  // merged: a held strided range is one local range, one call.
+  // merged, never across two of this store's pieces (the inner store
+  // serves each of its ranges on its own): a held strided range, or rows
+  // of one, is one local range, one call.
   template <typename F>
   void for_local(const Range& r, const char* what, F f) {
+    if (r.reps > 1) {  // the common case: rows of one held strided piece, without a search per row
+      auto it = std::upper_bound(by_global_.begin(), by_global_.end(), r.global,
+                                 [](int64_t v, const Mapped& m) { return v < m.global.global; });
+      if (it != by_global_.begin()) {
+        const Mapped& m = *std::prev(it);
+        const Range& h = m.global;
+        if (h.reps > 1 && h.stride == r.stride && h.count == r.count && (r.global - h.global) % h.stride == 0 &&
+            r.end() <= h.end()) {
+          f(Range{m.local + (r.global - h.global) / h.stride * h.count, r.numel()}, 0);
+          return;
+        }
+      }
+    }
     Range pending{-1, 0};
     int64_t pending_at = 0;
+    const Mapped* pending_of = nullptr;
     for (int64_t rep = 0; rep < r.reps; ++rep) {
       int64_t g = r.global + rep * r.stride;
       const int64_t end = g + r.count;
@@ -193,12 +209,14 @@ class TensorParallelStore final : public ParamStore {
                  " is not held by this tensor-parallel rank (a bug)");
         const int64_t n = std::min(end, rs + m.global.count) - g;
         const int64_t local = m.local + row * m.global.count + (g - rs);
-        if (pending.count > 0 && pending.global + pending.count == local && pending_at + pending.count == at) {
+        if (pending.count > 0 && pending_of == &m && pending.global + pending.count == local &&
+            pending_at + pending.count == at) {
           pending.count += n;
         } else {
           if (pending.count > 0) f(pending, pending_at);
           pending = Range{local, n};
           pending_at = at;
+          pending_of = &m;
         }
         g += n;
         at += n;
