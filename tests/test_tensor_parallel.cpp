@@ -3,7 +3,9 @@
 // backend against the single-rank ops they split, whole training runs at
 // tp2 / tp4 / tp2 x dp2 under every sharding strategy against one rank
 // (Llama GQA 2:1 and 4:1, tied and untied, GPT-2, a vocabulary that needs
-// padding), resume across meshes, and the bad meshes' messages.
+// padding, also to lcm(tp, 64) as on CUDA), resume chains across meshes
+// and strategies, strided checkpoint segments (layout, damage, malformed
+// manifests), the end-of-run sample at tp2, and the bad meshes' messages.
 #include <catch2/catch.hpp>
 #include <algorithm>
 #include <chrono>
