@@ -148,7 +148,7 @@ class Trainer {
   };
   StepResult train_step(int step);
   double evaluate();
-  void sample_at_end(const std::string& final_weights);
+  void sample_at_end();
   void sample_tensor_parallel(const std::string& final_weights);
   // run() after setup, with the checkpointer it aborts on a failure.
   TrainSummary run_with(Checkpointer& ckpt, Clock::time_point t_start);
@@ -604,11 +604,14 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
   save_final_weights(path, *arch_, *params_, w_.rank, w_.world, store_.get(), prefix_,
                      std::chrono::milliseconds(disk_wait_timeout_ms(job_)));
   sum.wall_seconds = seconds_since(t_start);
-  if (job_.output.sample_tokens > 0) sample_at_end(path);
+  if (job_.output.sample_tokens > 0 && !tp_plan_) sample_at_end();
   log_memory_at_end();
   // Every rank is done with collectives; rank 0 then draws the summary and
   // plot without anyone waiting on it.
   comm_->barrier();
+  // At tp > 1 rank 0 samples alone and without collectives: after the
+  // barrier, so no peer waits for it inside a collective's timeout.
+  if (job_.output.sample_tokens > 0 && tp_plan_) sample_tensor_parallel(path);
   if (rank0_) reporter.finish(path);  // the one-screen summary (last on screen) and plot.svg
   return sum;
 }
@@ -634,11 +637,7 @@ void Trainer::log_memory_at_end() {
 // token's forward. The training activations are freed first; if the
 // decoder would need more memory than they took, it is skipped with a line
 // saying so (every rank decides alike: the sizes are the same everywhere).
-void Trainer::sample_at_end(const std::string& final_weights) {
-  if (tp_plan_) {
-    sample_tensor_parallel(final_weights);
-    return;
-  }
+void Trainer::sample_at_end() {
   if (!arch_->has_decoder()) {
     if (rank0_)
       TR_LOG_INFO("sample: skipped: ", arch_->name(), " has no KV-cached decoder yet (output.sample_tokens: ",
@@ -677,8 +676,8 @@ void Trainer::sample_at_end(const std::string& final_weights) {
 // than the training state this rank held (its params, grads and optimizer
 // share) or 256 MiB: a small model samples as at tp1, and a large one (a
 // 70B model at tp8 holds ~2 bytes per parameter per rank, the file is 4)
-// is never gathered on one rank; it is skipped with a line saying so. The
-// other ranks go on to the end-of-run barrier.
+// is never gathered on one rank; it is skipped with a line saying so.
+// Called after the end-of-run barrier: the other ranks are done.
 void Trainer::sample_tensor_parallel(const std::string& final_weights) {
   if (!rank0_) return;
   if (!arch_->has_decoder()) {
