@@ -100,9 +100,27 @@ const Plugin& plugin() {
 
 }  // namespace
 
+namespace {
+
+// TRAINRUN_CPU_LOGITS_ALIGN=N (tests): the CPU backend pads logits rows
+// and, under tensor parallelism, the vocabulary as the CUDA backend does
+// (64), so that path runs without a GPU. Unset: 1 (no padding).
+std::unique_ptr<Backend> cpu_backend_from_env() {
+  const char* v = std::getenv("TRAINRUN_CPU_LOGITS_ALIGN");
+  if (!v || !*v) return make_cpu_backend();
+  char* end = nullptr;
+  const long n = std::strtol(v, &end, 10);
+  TR_CHECK(end && *end == 0 && n >= 1 && n <= 4096, "TRAINRUN_CPU_LOGITS_ALIGN: '", v,
+           "' is not a whole number in [1, 4096]; unset it or give e.g. 64 (the CUDA backend's alignment)");
+  TR_LOG_INFO("backend: cpu: TRAINRUN_CPU_LOGITS_ALIGN=", n, ": logits rows (and a tensor-parallel vocabulary) padded to a multiple of ", n);
+  return make_cpu_backend(0, int(n));
+}
+
+}  // namespace
+
 std::unique_ptr<Backend> make_backend(const std::string& requested, int local_rank, std::string* why) {
   if (why) why->clear();
-  if (requested == "cpu") return make_cpu_backend();
+  if (requested == "cpu") return cpu_backend_from_env();
   TR_CHECK(requested == "auto" || requested == "cuda", "backend: '", requested,
            "' is not a backend; use auto, cpu or cuda");
   const Plugin& p = plugin();
@@ -129,7 +147,7 @@ std::unique_ptr<Backend> make_backend(const std::string& requested, int local_ra
   TR_LOG_DEBUG("backend: auto: ", msg, "; using the CPU backend");
 #endif
   if (why) *why = msg;
-  return make_cpu_backend();
+  return cpu_backend_from_env();
 }
 
 int cuda_device_count(std::string* reason) {

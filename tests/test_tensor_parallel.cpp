@@ -3,20 +3,29 @@
 // backend against the single-rank ops they split, whole training runs at
 // tp2 / tp4 / tp2 x dp2 under every sharding strategy against one rank
 // (Llama GQA 2:1 and 4:1, tied and untied, GPT-2, a vocabulary that needs
-// padding), resume across meshes, and the bad meshes' messages.
+// padding, also to lcm(tp, 64) as on CUDA), resume chains across meshes
+// and strategies, strided checkpoint segments (layout, damage, malformed
+// manifests), the end-of-run sample at tp2, and the bad meshes' messages.
 #include <catch2/catch.hpp>
+#include <algorithm>
 #include <chrono>
+#include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
 #include <cmath>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "core/checkpoint/checkpoint.h"
 #include "core/config/job_spec.h"
 #include "core/model/model.h"
 #include "core/model/model_io.h"
 #include "core/model/tensor_parallel.h"
 #include "core/train/trainer.h"
+#include "core/io/safetensors.h"
 #include "kernels/backend.h"
+#include "kernels/backend_factory.h"
 #include "tests/support/checkpoint_jobs.h"
 #include "tests/support/device_io.h"
 #include "tests/support/inprocess.h"
@@ -225,9 +234,9 @@ namespace {
 // Gradient clipping on (the global norm must count every element once),
 // accumulation on, a vocabulary of 23 (padded to 24 at tp2 and tp4).
 std::string tp_job(const std::string& dir, const std::string& model, const std::string& strategy, int tp, int group,
-                   int steps = 6) {
+                   int steps = 6, int data_vocab = 23) {
   return "model: " + model + "\n"
-         "data: {format: synthetic, synthetic: {vocab: 23, branching: 3}}\n"
+         "data: {format: synthetic, synthetic: {vocab: " + std::to_string(data_vocab) + ", branching: 3}}\n"
          "train: {global_batch_size: 8, micro_batch_size: 2, max_steps: " + std::to_string(steps) + ", lr: 3.0e-3,\n"
          "        min_lr: 3.0e-4, warmup_steps: 2, eval_interval: 3, eval_steps: 1, log_interval: 1, grad_clip: 0.3}\n"
          "output: {dir: '" + dir + "', sample_tokens: 0}\n"
@@ -358,6 +367,284 @@ TEST_CASE("tp: a tp2 checkpoint resumes on tp1 and a tp1 one on tp2 (logical che
       (void)load_model_safetensors(dir / "model.safetensors", resumed.weights);
       check_same(resumed, straight);
     }
+  }
+}
+
+namespace {
+
+// One stage of a resume chain: `world` ranks at `tp` continue the run in
+// `dir` for 2 steps (or to the end).
+void run_stage(const std::string& dir, const std::string& model, const std::string& strategy, int world, int tp,
+               bool last, const std::vector<std::string>& extra = {}) {
+  std::vector<std::string> sets = extra;
+  if (!last) sets.push_back("train.exit_interval=2");
+  const int group = strategy == "hybrid_shard" ? (world / tp > 1 ? 1 : 1) : 0;
+  run_ranks_inprocess(parse_job_spec(tp_job(dir, model, strategy, tp, group), "job.yaml", sets), world);
+}
+
+Run resumed_run(const std::string& dir) {
+  Run r;
+  r.losses = losses_of(dir);
+  (void)load_model_safetensors(dir + "/model.safetensors", r.weights);
+  return r;
+}
+
+const char* kLlama41 = "{arch: llama, n_layer: 2, n_head: 4, n_kv_head: 1, n_embd: 16, ffn_dim: 24, "
+                       "vocab_size: 23, seq_len: 8, tie_embeddings: false}";
+
+nlohmann::json read_manifest(const std::string& ckpt_dir) {
+  std::ifstream in(ckpt_dir + "/manifest.json");
+  REQUIRE(in.good());
+  return nlohmann::json::parse(in);
+}
+
+}  // namespace
+
+TEST_CASE("tp: resume chains across meshes: tp2 -> tp1 -> tp4 and tp2 x dp2 -> dp4 -> tp4", "[tp][checkpoint]") {
+  for (const char* model : {kGpt2Model, kLlama41}) {
+    INFO(model);
+    const Run straight = run_tp(model, 1, 1, "no_shard");
+    {
+      INFO("tp2 (full_shard) -> tp1 (no_shard) -> tp4 (shard_grad_op, async checkpoints)");
+      TempDir dir("tp_chain");
+      run_stage(dir.path(), model, "full_shard", 2, 2, false);
+      REQUIRE(latest_of(dir.path()) == "step_00000002");
+      run_stage(dir.path(), model, "no_shard", 1, 1, false);
+      REQUIRE(latest_of(dir.path()) == "step_00000004");
+      run_stage(dir.path(), model, "shard_grad_op", 4, 4, true, {"checkpoint.async=true"});
+      check_same(resumed_run(dir.path()), straight);
+    }
+    for (const char* strategy : {"no_shard", "shard_grad_op", "full_shard", "hybrid_shard"}) {
+      INFO("tp2 x dp2 -> dp4 -> tp4, all " << strategy);
+      TempDir dir("tp_chain");
+      run_stage(dir.path(), model, strategy, 4, 2, false, {"checkpoint.async=true"});
+      REQUIRE(latest_of(dir.path()) == "step_00000002");
+      run_stage(dir.path(), model, strategy, 4, 1, false);
+      REQUIRE(latest_of(dir.path()) == "step_00000004");
+      run_stage(dir.path(), model, strategy, 4, 4, true);
+      check_same(resumed_run(dir.path()), straight);
+    }
+  }
+}
+
+TEST_CASE("tp: a row-parallel slice is one strided range per tensor, and a damaged run is found", "[tp][checkpoint]") {
+  // Llama at tp2: o_proj and down_proj are split along their inner dim, so
+  // each rank holds one run per row. The manifest lists them as strided
+  // segments (not one per row), and every byte is still covered once.
+  TempDir dir("tp_strided");
+  run_stage(dir.path(), kLlama41, "full_shard", 2, 2, false, {"checkpoint.interval=1"});
+  REQUIRE(latest_of(dir.path()) == "step_00000002");
+  const std::string ck = dir.path() + "/checkpoints/step_00000002";
+  REQUIRE(Checkpointer::verify(ck).empty());
+  const nlohmann::json m = read_manifest(ck);
+  CHECK(m.at("format_version").get<int>() == 3);
+  int strided = 0, segments = 0;
+  uint64_t runs = 0;
+  nlohmann::json victim;
+  for (const auto& g : m.at("files").at("model.safetensors").at("segments")) {
+    ++segments;
+    if (g.contains("reps")) {
+      ++strided;
+      runs += g.at("reps").get<uint64_t>();
+      CHECK(g.at("stride").get<uint64_t>() > g.at("bytes").get<uint64_t>());
+      if (victim.is_null()) victim = g;
+    }
+  }
+  // Per layer: o_proj (16 rows of 16) and down_proj (16 rows of 24), each
+  // split in two: 4 strided segments of 16 runs per layer; gate|up's two
+  // row blocks of each rank fold into one strided segment of 2 runs too.
+  CHECK(strided >= 2 * 4);
+  CHECK(runs >= 2 * 4 * 16);
+  INFO(segments << " segments");
+  CHECK(segments < 40);  // one per row would be 128 for these alone
+
+  // A flipped byte in the third run of a strided segment: verify names the
+  // strided segment, and a resume at tp4 drops this checkpoint and falls
+  // back to step 1 (then ends as an unbroken run does).
+  REQUIRE(!victim.is_null());
+  const uint64_t off = victim.at("offset").get<uint64_t>() + 2 * victim.at("stride").get<uint64_t>() + 1;
+  {
+    std::fstream f(ck + "/model.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(std::streamoff(off));
+    char c = 0;
+    f.read(&c, 1);
+    c ^= 0x10;
+    f.seekp(std::streamoff(off));
+    f.write(&c, 1);
+  }
+  const std::string why = Checkpointer::verify(ck);
+  CHECK_THAT(why, Catch::Contains("model.safetensors: checksum mismatch") && Catch::Contains("runs of"));
+  run_stage(dir.path(), kLlama41, "full_shard", 4, 4, true, {"checkpoint.interval=1"});
+  const Run straight = run_tp(kLlama41, 1, 1, "no_shard");
+  Run got;
+  (void)load_model_safetensors(dir.path() + "/model.safetensors", got.weights);
+  got.losses = straight.losses;  // the metrics file holds the replayed step twice
+  check_same(got, straight);
+}
+
+TEST_CASE("tp: a manifest whose strided segments are malformed or do not tile the file is refused, naming it",
+          "[tp][checkpoint]") {
+  TempDir dir("tp_strided_bad");
+  run_stage(dir.path(), kLlama41, "full_shard", 2, 2, false);
+  const std::string ck = dir.path() + "/checkpoints/step_00000002";
+  REQUIRE(Checkpointer::verify(ck).empty());
+  const nlohmann::json good = read_manifest(ck);
+  size_t at = 0;  // the first strided segment of model.safetensors
+  const auto& segs = good.at("files").at("model.safetensors").at("segments");
+  while (at < segs.size() && !segs[at].contains("reps")) ++at;
+  REQUIRE(at < segs.size());
+  struct Case {
+    const char* what;
+    std::function<void(nlohmann::json&)> edit;
+    const char* message;
+  };
+  const std::vector<Case> cases = {
+      {"stride missing", [](nlohmann::json& g) { g.erase("stride"); }, "strided entry without a valid stride and reps"},
+      {"reps zero", [](nlohmann::json& g) { g["reps"] = 0; }, "strided entry without a valid stride and reps"},
+      {"one run short", [](nlohmann::json& g) { g["reps"] = g["reps"].get<uint64_t>() - 1; }, "do not tile the file: gap"},
+      {"runs that overlap", [](nlohmann::json& g) { g["stride"] = g["bytes"].get<uint64_t>() - 4; }, "runs overlap"},
+      {"a stride that lands on another rank's bytes",
+       [](nlohmann::json& g) { g["stride"] = g["stride"].get<uint64_t>() + 4; }, "do not tile the file"},
+  };
+  for (const Case& c : cases) {
+    INFO(c.what);
+    nlohmann::json m = good;
+    c.edit(m["files"]["model.safetensors"]["segments"][at]);
+    write_file(ck + "/manifest.json", m.dump(2));
+    const std::string why = Checkpointer::verify(ck);
+    CHECK_THAT(why, Catch::Contains("model.safetensors") && Catch::Contains(c.message));
+  }
+  write_file(ck + "/manifest.json", good.dump(2));
+  CHECK(Checkpointer::verify(ck).empty());
+}
+
+namespace {
+
+// TRAINRUN_CPU_LOGITS_ALIGN for one scope (the in-process ranks share the
+// environment): the CPU backend then pads as the CUDA backend does.
+struct LogitsAlign {
+  explicit LogitsAlign(int n) { ::setenv("TRAINRUN_CPU_LOGITS_ALIGN", std::to_string(n).c_str(), 1); }
+  ~LogitsAlign() { ::unsetenv("TRAINRUN_CPU_LOGITS_ALIGN"); }
+};
+
+std::string with_vocab(std::string model, int v) {
+  const std::string key = "vocab_size: 23";
+  model.replace(model.find(key), key.size(), "vocab_size: " + std::to_string(v));
+  return model;
+}
+
+Run run_padded(const std::string& model, int world, int tp, const std::string& strategy, int vocab, int group = 0) {
+  TempDir dir("tp_pad");
+  const JobSpec job = parse_job_spec(tp_job(dir.path(), model, strategy, tp, group, 6, vocab), "job.yaml");
+  Run out;
+  out.losses = run_ranks_inprocess(job, world)[0].losses;
+  (void)load_model_safetensors(dir / "model.safetensors", out.weights);
+  // Exactly vocab_size rows on disk: the final model file and the checkpoint.
+  for (const std::string& f : {dir / "model.safetensors", dir / "checkpoints/step_00000006/model.safetensors"}) {
+    INFO(f);
+    const SafeTensorFile st = read_safetensors(f);
+    for (const char* name : {"model.embed_tokens.weight", "transformer.wte.weight", "lm_head.weight"})
+      if (const SafeTensor* t = st.find(name)) {
+        INFO(name);
+        CHECK(t->shape.at(0) == vocab);
+      }
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("tp: the vocabulary pads to lcm(tp, 64) under the CUDA rule (forced on the CPU) and trains as one rank does",
+          "[tp][padding]") {
+  {
+    // The plan: 100 rows at tp2 and tp4 pad to 128 (64 | 128); 23 at tp4
+    // pads to 64, leaving ranks 2 and 3 with padding only.
+    const auto arch = make_model_arch(llama_cfg(4, 2, 24, 100, false));
+    CHECK(TensorParallelPlan(*arch, 2, 1, 64).shape().V_pad == 128);
+    CHECK(TensorParallelPlan(*arch, 4, 3, 64).shape().V_local == 32);
+    CHECK(TensorParallelPlan(*arch, 4, 3, 64).shape().v_valid == 4);
+    CHECK(TensorParallelPlan(*arch, 4, 3, 1).shape().V_pad == 100);
+    const auto small = make_model_arch(llama_cfg(4, 2, 24, 23, false));
+    CHECK(TensorParallelPlan(*small, 4, 2, 64).shape().v_valid == 0);
+    CHECK(TensorParallelPlan(*small, 2, 0, 1).shape().V_pad == 24);
+    check_coverage(*arch, 4);
+  }
+  for (int vocab : {100, 23}) {
+    for (const std::string& model : {with_vocab(llama_model(2, "false"), vocab), with_vocab(llama_model(2, "true"), vocab),
+                                     with_vocab(kGpt2Model, vocab)}) {
+      INFO(model);
+      const Run ref = run_padded(model, 1, 1, "no_shard", vocab);  // no padding at all
+      LogitsAlign align(64);
+      {
+        INFO("tp2, vocab padded to 64-multiple");
+        check_same(run_padded(model, 2, 2, "full_shard", vocab), ref);
+      }
+      {
+        INFO("tp4, vocab padded to 64-multiple");
+        check_same(run_padded(model, 4, 4, "shard_grad_op", vocab), ref);
+      }
+      {
+        INFO("tp2 x dp2 hybrid_shard, vocab padded to 64-multiple");
+        check_same(run_padded(model, 4, 2, "hybrid_shard", vocab, 1), ref);
+      }
+    }
+  }
+}
+
+TEST_CASE("tp: TRAINRUN_CPU_LOGITS_ALIGN that is not a number is refused, naming it", "[tp][padding]") {
+  ::setenv("TRAINRUN_CPU_LOGITS_ALIGN", "sixty-four", 1);
+  std::string err;
+  try {
+    (void)make_backend("cpu", 0, nullptr);
+  } catch (const Error& e) {
+    err = e.what();
+  }
+  ::unsetenv("TRAINRUN_CPU_LOGITS_ALIGN");
+  CHECK_THAT(err, Catch::Contains("TRAINRUN_CPU_LOGITS_ALIGN") && Catch::Contains("sixty-four"));
+}
+
+TEST_CASE("tp: the end-of-run sample at tp2 is the tp1 sample and `trainrun generate`'s on the same file",
+          "[tp][sample]") {
+  for (const char* model :
+       {"{arch: llama, n_layer: 2, n_head: 4, n_kv_head: 2, n_embd: 32, ffn_dim: 48, vocab_size: 61, seq_len: 32}",
+        "{arch: gpt2, n_layer: 2, n_head: 4, n_embd: 32, vocab_size: 61, seq_len: 32}"}) {
+    INFO(model);
+    TempDir dir("tp_sample");
+    std::vector<std::string> samples;
+    for (int tp : {1, 2}) {
+      INFO("tp" << tp);
+      const std::string run = dir / ("tp" + std::to_string(tp));
+      write_file(dir / "job.yaml",
+                 std::string("model: ") + model + "\n"
+                 // Token ids, not bytes (V != 256): a sampled NUL byte would end the log line.
+                 "data: {format: synthetic, synthetic: {vocab: 61}}\n"
+                 "train: {global_batch_size: 4, micro_batch_size: 2, max_steps: 4, warmup_steps: 1, seed: 42}\n"
+                 "parallel: {nproc_per_node: " + std::to_string(tp) + ", tensor_parallel: " + std::to_string(tp) +
+                 ", sharding: full_shard, timeout_s: 60}\n"
+                 "checkpoint: {final: 'false'}\n"
+                 "output: {dir: '" + run + "', sample_tokens: 30, sample_prompt: '7 3'}\n");
+      const auto r = run_command("OMP_NUM_THREADS=1 '" + trainrun_binary() + "' --config '" + dir / "job.yaml" + "'");
+      INFO(r.err);
+      REQUIRE(r.exit_code == 0);
+      const auto g = run_trainrun("generate --checkpoint '" + run + "/model.safetensors' --prompt '7 3' --max-tokens 30 "
+                                  "--temperature 0.8 --top-k 40 --seed 42");
+      INFO(g.err);
+      REQUIRE(g.exit_code == 0);
+      REQUIRE(std::count(g.out.begin(), g.out.end(), ' ') >= 31);  // the prompt and 30 ids
+      // tp1 runs in-process (its log is stderr), tp2 under the agent (logs/rank0.log).
+      const std::string log = r.err + (file_exists(run + "/logs/rank0.log") ? read_file(run + "/logs/rank0.log") : "");
+      if (tp == 1) {
+        CHECK(log.find("sample:\n" + g.out) != std::string::npos);
+      } else {
+        CHECK(log.find("sample (tensor_parallel 2: rank 0 decodes " + run + "/model.safetensors):\n" + g.out) !=
+              std::string::npos);
+        CHECK(log.find("sample: skipped") == std::string::npos);
+      }
+      samples.push_back(g.out);
+    }
+    // tp1 and tp2 train to the same weights (to float rounding), so the
+    // same seed samples the same text.
+    CHECK(samples[0] == samples[1]);
   }
 }
 

@@ -32,6 +32,7 @@ using Clock = std::chrono::steady_clock;
 namespace trainrun {
 
 using namespace ckpt;
+using Range = ParamStore::Range;
 
 namespace {
 
@@ -161,7 +162,7 @@ double Checkpointer::save(ParamStore& ps, const TrainState& st) {
       size_t pos = 0;
       for (const auto& w : write_ranges_) {
         ps.copy_state_range(kind, w, snapshot_[kind].data() + pos);
-        pos += size_t(w.count);
+        pos += size_t(w.numel());
       }
     }
     bg_ = std::thread([this, step, st] {
@@ -195,7 +196,7 @@ void Checkpointer::prepare(ParamStore& ps) {
 
 void Checkpointer::ensure_snapshot_buffers() {
   size_t n = 0;
-  for (const auto& w : write_ranges_) n += size_t(w.count);
+  for (const auto& w : write_ranges_) n += size_t(w.numel());
   for (auto& b : snapshot_)
     if (b.size() != n) b.assign(n, 0.0f);
 }
@@ -361,7 +362,27 @@ void Checkpointer::write_and_commit(int64_t step, const TrainState& st, ParamSto
       try {
         for (const auto& r : write_ranges_) {
           check_abort(false);
-          if (!live) {
+          if (r.reps > 1) {
+            // Strided (a TP rank's slice of an inner dim): groups of runs,
+            // one segment each; the live path copies one group at a time,
+            // so both paths hash the same segments.
+            const uint64_t per = runs_per_segment(uint64_t(r.count) * 4);
+            for (int64_t first = 0; first < r.reps; first += int64_t(per)) {
+              const Range part = r.rows(first, std::min(int64_t(per), r.reps - first));
+              const float* src = nullptr;
+              if (!live) {
+                src = snapshot_[kind].data() + pos + size_t(first * r.count);
+              } else {
+                piece_.resize(size_t(part.numel()));
+                live->copy_state_range(kind, part, piece_.data());
+                src = piece_.data();
+              }
+              hashed_pwrite_strided(fd, reinterpret_cast<const char*>(src), uint64_t(r.count) * 4,
+                                    uint64_t(r.stride) * 4, uint64_t(part.reps), uint64_t(base + part.global * 4), path,
+                                    h, mine[file]);
+              check_abort(false);
+            }
+          } else if (!live) {
             hashed_pwrite(fd, reinterpret_cast<const char*>(snapshot_[kind].data() + pos), uint64_t(r.count) * 4,
                           uint64_t(base + r.global * 4), path, h, mine[file]);
           } else {
@@ -371,12 +392,12 @@ void Checkpointer::write_and_commit(int64_t step, const TrainState& st, ParamSto
             piece_.resize(size_t(std::min(piece, r.count)));
             for (int64_t at = 0; at < r.count; at += piece) {
               const int64_t n = std::min(piece, r.count - at);
-              live->copy_state_range(kind, {r.global + at, n}, piece_.data());
+              live->copy_state_range(kind, Range{r.global + at, n}, piece_.data());
               hashed_pwrite(fd, reinterpret_cast<const char*>(piece_.data()), uint64_t(n) * 4,
                             uint64_t(base + (r.global + at) * 4), path, h, mine[file]);
             }
           }
-          pos += size_t(r.count);
+          pos += size_t(r.numel());
         }
         TR_CHECK_ERRNO(::fsync(fd) == 0, "cannot fsync '", path, "'");
       } catch (...) {
@@ -392,7 +413,12 @@ void Checkpointer::write_and_commit(int64_t step, const TrainState& st, ParamSto
     // The segments go first: "written" tells rank 0 they are there.
     json segs = json::array();
     for (int file = 0; file < 2; ++file)
-      for (const Segment& g : mine[file]) segs.push_back({file, g.offset, g.bytes, hex64(g.hash)});
+      for (const Segment& g : mine[file]) {
+        if (g.reps > 1)
+          segs.push_back({file, g.offset, g.bytes, hex64(g.hash), g.stride, g.reps});
+        else
+          segs.push_back({file, g.offset, g.bytes, hex64(g.hash)});
+      }
     store_->set(key + "segments/" + std::to_string(rank_), store_bytes(segs.dump()));
     store_->set(key + "written/" + std::to_string(rank_), store_bytes(status));
   }
@@ -421,7 +447,12 @@ void Checkpointer::write_and_commit(int64_t step, const TrainState& st, ParamSto
               uint64_t hash = 0;
               const int file = g.at(0).get<int>();
               TR_CHECK((file == 0 || file == 1) && parse_hex64(g.at(3).get<std::string>(), &hash), "bad entry");
-              all[size_t(file)].push_back({g.at(1).get<uint64_t>(), g.at(2).get<uint64_t>(), hash});
+              Segment seg{g.at(1).get<uint64_t>(), g.at(2).get<uint64_t>(), hash};
+              if (g.size() == 6) {
+                seg.stride = g.at(4).get<uint64_t>();
+                seg.reps = g.at(5).get<uint64_t>();
+              }
+              all[size_t(file)].push_back(seg);
             }
           } catch (const std::exception& e) {
             TR_FAIL("rank ", r, " reported unreadable checksums for its ranges (", e.what(), ")");
@@ -458,7 +489,12 @@ void Checkpointer::write_and_commit(int64_t step, const TrainState& st, ParamSto
 void Checkpointer::commit_rank0(int64_t step, const TrainState& st, const std::string& tmp,
                                 const std::string& final_dir, std::vector<std::vector<Segment>> segments) {
   json m;
-  m["format_version"] = kFormatVersion;
+  // Format 3 only where it is needed (a strided segment), so a checkpoint
+  // without tensor parallelism stays readable by format-2 binaries.
+  bool strided = false;
+  for (const auto& segs : segments)
+    for (const Segment& g : segs) strided = strided || g.reps > 1;
+  m["format_version"] = strided ? kFormatVersion : 2;
   m["step"] = st.step;
   m["tokens_seen"] = st.tokens;
   m["data_cursor"] = st.cursor;
@@ -483,17 +519,18 @@ void Checkpointer::commit_rank0(int64_t step, const TrainState& st, const std::s
   for (int f = 0; f < 2; ++f) {
     auto& segs = segments[size_t(f)];
     std::sort(segs.begin(), segs.end(), [](const Segment& a, const Segment& b) { return a.offset < b.offset; });
+    const std::string flaw = tiling_error(segs, sizes[f]);
+    TR_CHECK(flaw.empty(), "checkpoint: the ranges written to ", kFileNames[f], " do not tile it (", flaw,
+             "); the strategy's write_ranges are not a partition of the model (a bug)");
     json list = json::array();
-    uint64_t at = 0;
     for (const Segment& g : segs) {
-      TR_CHECK(g.offset == at, "checkpoint: the ranges written to ", kFileNames[f], " do not tile it (",
-               g.offset < at ? "overlap" : "gap", " at byte ", std::min(at, g.offset),
-               "); the strategy's write_ranges are not a partition of the model (a bug)");
-      list.push_back({{"offset", g.offset}, {"bytes", g.bytes}, {"xxhash64", hex64(g.hash)}});
-      at += g.bytes;
+      json e = {{"offset", g.offset}, {"bytes", g.bytes}, {"xxhash64", hex64(g.hash)}};
+      if (g.reps > 1) {
+        e["stride"] = g.stride;
+        e["reps"] = g.reps;
+      }
+      list.push_back(std::move(e));
     }
-    TR_CHECK(at == sizes[f], "checkpoint: the ranges written to ", kFileNames[f], " cover ", at, " of its ", sizes[f],
-             " bytes; the strategy's write_ranges are not a partition of the model (a bug)");
     files[kFileNames[f]] = {{"size", sizes[f]}, {"segments", list}};
   }
   m["files"] = files;

@@ -64,6 +64,17 @@
 // previous checkpoint). Format 1 manifests (one xxhash64 per whole file)
 // still load: the whole file is then one segment.
 //
+// Strided ranges (format 3). A tensor-parallel rank's slice of a weight
+// split along its inner dim is one run per row; ParamStore::Range carries
+// it as one strided range (start, count, stride, reps) per tensor, written
+// with one pwrite per run (the runs are not adjacent: nothing vectored can
+// merge them) and hashed as one strided segment per 64 MiB of it, so the
+// manifest, the store keys and every rank's range lists stay at a few
+// hundred entries where one per row would be ~1.3M (Llama-3 70B, tp8).
+// The segments still tile each file; the check walks every segment's runs
+// in file order (a heap merge: memory per segment). Manifests without
+// strided segments stay format 2.
+//
 // Code: format.{h,cpp} (names, headers, hashing, manifest entries, verify),
 // checkpoint.cpp (the commit protocol), resume.cpp (load).
 #pragma once
@@ -127,9 +138,14 @@ class Checkpointer {
   // tests and `trainrun` tools.
   static std::string verify(const std::string& dir);
 
-  // xxhash64 of bytes [offset, offset + bytes) of one checkpoint file.
+  // xxhash64 of bytes [offset, offset + bytes) of one checkpoint file, or
+  // (reps > 1, format 3: a rank's strided tensor-parallel slice) of the
+  // `reps` runs of `bytes` bytes at offset + i*stride, hashed in order.
   struct Segment {
     uint64_t offset = 0, bytes = 0, hash = 0;
+    uint64_t stride = 0, reps = 1;
+    uint64_t total() const { return bytes * reps; }
+    uint64_t end() const { return offset + (reps - 1) * stride + bytes; }
   };
 
  private:

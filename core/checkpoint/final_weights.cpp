@@ -45,6 +45,18 @@ void write_mine(const std::string& tmp, uint64_t base, ParamStore& ps) {
     const int64_t piece = int64_t(kFinalWeightsPiece / 4);
     std::vector<float> buf;
     for (const auto& r : ps.write_ranges()) {
+      if (r.reps > 1) {  // strided (a TP slice): groups of whole runs, one pwrite per run
+        const int64_t per = std::max<int64_t>(1, piece / r.count);
+        for (int64_t first = 0; first < r.reps; first += per) {
+          const ParamStore::Range part = r.rows(first, std::min(per, r.reps - first));
+          buf.resize(size_t(part.numel()));
+          ps.copy_state_range(0, part, buf.data());
+          for (int64_t i = 0; i < part.reps; ++i)
+            pwrite_all(fd, buf.data() + i * r.count, size_t(r.count) * 4,
+                       off_t(base + uint64_t(part.global + i * r.stride) * 4), tmp);
+        }
+        continue;
+      }
       for (int64_t at = 0; at < r.count; at += piece) {
         const int64_t n = std::min(piece, r.count - at);
         buf.resize(size_t(n));

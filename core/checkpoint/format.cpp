@@ -78,6 +78,68 @@ void hashed_pwrite(int fd, const char* data, uint64_t bytes, uint64_t off, const
   }
 }
 
+uint64_t runs_per_segment(uint64_t bytes) { return bytes == 0 ? 1 : std::max<uint64_t>(1, kSegmentBytes / bytes); }
+
+void hashed_pwrite_strided(int fd, const char* data, uint64_t bytes, uint64_t stride, uint64_t reps, uint64_t off,
+                           const std::string& path, Hasher& h, std::vector<Segment>& segs) {
+  if (reps <= 1 || bytes > kSegmentBytes) {
+    for (uint64_t i = 0; i < reps; ++i) hashed_pwrite(fd, data + i * bytes, bytes, off + i * stride, path, h, segs);
+    return;
+  }
+  const uint64_t per = runs_per_segment(bytes);
+  for (uint64_t first = 0; first < reps; first += per) {
+    const uint64_t n = std::min(per, reps - first);
+    h.reset();
+    for (uint64_t i = first; i < first + n; ++i) {
+      h.update(data + i * bytes, size_t(bytes));
+      pwrite_all(fd, data + i * bytes, size_t(bytes), off_t(off + i * stride), path);
+    }
+    if (n == 1)
+      segs.push_back({off + first * stride, bytes, h.digest()});
+    else
+      segs.push_back({off + first * stride, bytes, h.digest(), stride, n});
+  }
+}
+
+std::string tiling_error(std::vector<Segment> segs, uint64_t size) {
+  // Each segment yields its runs in file order; a min-heap on the next run's
+  // offset walks all of them in file order, checking each starts where the
+  // previous ended.
+  struct Cursor {
+    uint64_t at;  // offset of the segment's next run
+    size_t seg;
+    uint64_t rep;
+  };
+  auto later = [](const Cursor& a, const Cursor& b) { return a.at > b.at; };
+  std::vector<Cursor> heap;
+  heap.reserve(segs.size());
+  for (size_t i = 0; i < segs.size(); ++i) {
+    const Segment& g = segs[i];
+    if (g.bytes == 0 || g.reps == 0) return "an empty segment at byte " + std::to_string(g.offset);
+    if (g.reps > 1 && g.stride < g.bytes)
+      return "a strided segment at byte " + std::to_string(g.offset) + " whose runs overlap (stride " +
+             std::to_string(g.stride) + " < " + std::to_string(g.bytes) + " bytes)";
+    heap.push_back({g.offset, i, 0});
+  }
+  std::make_heap(heap.begin(), heap.end(), later);
+  uint64_t at = 0;
+  while (!heap.empty()) {
+    std::pop_heap(heap.begin(), heap.end(), later);
+    Cursor c = heap.back();
+    heap.pop_back();
+    if (c.at != at) return std::string(c.at < at ? "overlap" : "gap") + " at byte " + std::to_string(std::min(at, c.at));
+    const Segment& g = segs[c.seg];
+    at += g.bytes;
+    if (++c.rep < g.reps) {
+      c.at += g.stride;
+      heap.push_back(c);
+      std::push_heap(heap.begin(), heap.end(), later);
+    }
+  }
+  if (at != size) return "they cover " + std::to_string(at) + " of its " + std::to_string(size) + " bytes";
+  return "";
+}
+
 // pread()s [off, off + bytes) into `dst` in cache-sized pieces, feeding `h`.
 void hashed_pread(int fd, char* dst, uint64_t bytes, uint64_t off, const std::string& path, Hasher& h) {
   for (uint64_t done = 0; done < bytes;) {
@@ -89,8 +151,11 @@ void hashed_pread(int fd, char* dst, uint64_t bytes, uint64_t off, const std::st
 }
 
 std::string mismatch(const std::string& name, const Segment& s, uint64_t have) {
-  return name + ": checksum mismatch in bytes [" + std::to_string(s.offset) + ", " + std::to_string(s.offset + s.bytes) +
-         ") (xxhash64 " + hex64(have) + ", manifest " + hex64(s.hash) + "); the file is corrupt";
+  const std::string runs = s.reps > 1 ? " (" + std::to_string(s.reps) + " runs of " + std::to_string(s.bytes) +
+                                            " bytes, " + std::to_string(s.stride) + " apart)"
+                                      : "";
+  return name + ": checksum mismatch in bytes [" + std::to_string(s.offset) + ", " + std::to_string(s.end()) + ")" +
+         runs + " (xxhash64 " + hex64(have) + ", manifest " + hex64(s.hash) + "); the file is corrupt";
 }
 
 // The segments of one "files" entry: format 2's list, or format 1's
@@ -112,6 +177,14 @@ FileEntry file_entry(const std::string& name, const json& info) {
                j.dump());
       s.offset = j.at("offset").get<uint64_t>();
       s.bytes = j.at("bytes").get<uint64_t>();
+      if (j.contains("reps") || j.contains("stride")) {  // format 3: strided
+        TR_CHECK(j.contains("reps") && j.at("reps").is_number_unsigned() && j.contains("stride") &&
+                     j.at("stride").is_number_unsigned() && j.at("reps").get<uint64_t>() >= 1,
+                 "manifest.json: files.", name, ".segments has a strided entry without a valid stride and reps: ",
+                 j.dump());
+        s.stride = j.at("stride").get<uint64_t>();
+        s.reps = j.at("reps").get<uint64_t>();
+      }
       f.segments.push_back(s);
     }
   } else {
@@ -125,13 +198,8 @@ FileEntry file_entry(const std::string& name, const json& info) {
   // Gaps would be bytes nobody verifies; overlaps cannot come from a save.
   std::sort(f.segments.begin(), f.segments.end(),
             [](const Segment& a, const Segment& b) { return a.offset < b.offset; });
-  uint64_t at = 0;
-  for (const Segment& s : f.segments) {
-    TR_CHECK(s.offset == at && s.bytes > 0, "manifest.json: the segments of ", name, " do not tile the file (bytes ",
-             at, " onwards)");
-    at += s.bytes;
-  }
-  TR_CHECK(at == f.size, "manifest.json: the segments of ", name, " cover ", at, " of its ", f.size, " bytes");
+  const std::string flaw = tiling_error(f.segments, f.size);
+  TR_CHECK(flaw.empty(), "manifest.json: the segments of ", name, " do not tile the file: ", flaw);
   return f;
 }
 
@@ -208,19 +276,23 @@ std::string Checkpointer::verify(const std::string& dir) {
       int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
       TR_CHECK_ERRNO(fd >= 0, "cannot open '", path, "'");
       ::posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);
-      // The segments tile the file: one sequential pass hashes them all.
+      // The segments tile the file: one pass over them reads every byte once
+      // (in file order, but for strided segments, whose runs interleave).
       for (const Segment& g : f.segments) {
         h.reset();
-        for (uint64_t done = 0; done < g.bytes;) {
-          const size_t c = size_t(std::min<uint64_t>(g.bytes - done, buf.size()));
-          try {
-            pread_all(fd, buf.data(), c, off_t(g.offset + done), path);
-          } catch (...) {
-            ::close(fd);
-            throw;
+        for (uint64_t rep = 0; rep < g.reps; ++rep) {
+          const uint64_t off = g.offset + rep * g.stride;
+          for (uint64_t done = 0; done < g.bytes;) {
+            const size_t c = size_t(std::min<uint64_t>(g.bytes - done, buf.size()));
+            try {
+              pread_all(fd, buf.data(), c, off_t(off + done), path);
+            } catch (...) {
+              ::close(fd);
+              throw;
+            }
+            h.update(buf.data(), c);
+            done += c;
           }
-          h.update(buf.data(), c);
-          done += c;
         }
         if (h.digest() != g.hash) {
           ::close(fd);

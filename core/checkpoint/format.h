@@ -18,8 +18,10 @@ namespace trainrun::ckpt {
 using json = nlohmann::ordered_json;
 using Segment = Checkpointer::Segment;
 
-// 2: per-segment xxhash64 ("segments"); 1: one xxhash64 per file (still loaded).
-constexpr int kFormatVersion = 2;
+// 3: segments may be strided ("stride", "reps": a tensor-parallel rank's
+// slice of an inner dimension, one run per row); 2: per-segment xxhash64
+// ("segments"); 1: one xxhash64 per file. All three load.
+constexpr int kFormatVersion = 3;
 // The largest range one hash covers: what a rank loading a resharded
 // checkpoint reads beyond its own ranges, at most, to verify them.
 constexpr uint64_t kSegmentBytes = uint64_t(64) << 20;
@@ -64,6 +66,21 @@ bool parse_hex64(const std::string& s, uint64_t* out);
 // segments of at most kSegmentBytes, appended to `segs`.
 void hashed_pwrite(int fd, const char* data, uint64_t bytes, uint64_t off, const std::string& path, Hasher& h,
                    std::vector<Segment>& segs);
+// The strided form: `reps` runs of `bytes` bytes, `stride` bytes apart in
+// the file from `off`, back to back in `data`. One segment per group of
+// runs of at most kSegmentBytes (a run longer than that: contiguous
+// segments per run), so a rank's whole slice of a tensor is a few manifest
+// entries, not one per row. Still one pwrite per run: the runs are not
+// adjacent in the file, so no vectored call can merge them.
+void hashed_pwrite_strided(int fd, const char* data, uint64_t bytes, uint64_t stride, uint64_t reps, uint64_t off,
+                           const std::string& path, Hasher& h, std::vector<Segment>& segs);
+// Runs per strided segment for runs of `bytes` (what every writer uses, so a
+// synchronous save that streams a range in pieces hashes as one whole write).
+uint64_t runs_per_segment(uint64_t bytes);
+// "" when `segs` (any order) cover [0, size) exactly once, else the first
+// gap or overlap. A merge over the segments' runs: memory per segment, time
+// per run.
+std::string tiling_error(std::vector<Segment> segs, uint64_t size);
 // pread()s [off, off + bytes) into `dst` in cache-sized pieces, feeding `h`.
 void hashed_pread(int fd, char* dst, uint64_t bytes, uint64_t off, const std::string& path, Hasher& h);
 // "<file>: checksum mismatch in bytes [a, b) (...)".

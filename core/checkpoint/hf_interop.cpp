@@ -302,6 +302,16 @@ void load_init_from_ranges(const ModelArch& arch, const std::string& dir, ParamS
   const int64_t piece = int64_t(kInitFromPiece / 4);
   std::vector<float> buf;
   for (const auto& h : ps.held_ranges()) {
+    if (h.reps > 1) {  // strided (a TP slice): groups of whole runs
+      const int64_t per = std::max<int64_t>(1, piece / h.count);
+      for (int64_t first = 0; first < h.reps; first += per) {
+        const ParamStore::Range part = h.rows(first, std::min(per, h.reps - first));
+        buf.resize(size_t(part.numel()));
+        for (int64_t i = 0; i < part.reps; ++i) r.read(part.global + i * h.stride, h.count, buf.data() + i * h.count);
+        ps.write_state_range(0, part, buf.data());
+      }
+      continue;
+    }
     for (int64_t at = 0; at < h.count; at += piece) {
       const int64_t n = std::min(piece, h.count - at);
       buf.resize(size_t(n));

@@ -109,13 +109,71 @@ std::vector<std::string> Checkpointer::resume_candidates() {
   return dirs;
 }
 
+namespace {
+
+// Where a rank's bytes of one file go: one held range of one kind, in
+// file bytes (reps runs of `bytes`, `stride` apart; reps 1: contiguous).
+// A rank's ranges never interleave (each is a tensor's slice, and a
+// strided one covers consecutive rows), so sorted by offset their spans
+// [off, end()) are disjoint.
+struct Dest {
+  uint64_t off = 0, bytes = 0, stride = 0, reps = 1;
+  char* dst = nullptr;
+  uint64_t end() const { return off + (reps - 1) * stride + bytes; }
+};
+
+// The piece of [at, stop) that starts at `at`: inside one run of a
+// destination (*into = where it goes) or up to the next destination byte
+// (*into = null: read, verified, dropped). `dests` sorted by offset.
+uint64_t next_piece(const std::vector<Dest>& dests, uint64_t at, uint64_t stop, char** into) {
+  *into = nullptr;
+  auto it = std::upper_bound(dests.begin(), dests.end(), at, [](uint64_t v, const Dest& d) { return v < d.off; });
+  uint64_t next = it == dests.end() ? stop : std::min(stop, it->off);  // the next destination's start
+  if (it != dests.begin()) {
+    const Dest& d = *std::prev(it);
+    if (at < d.end()) {
+      const uint64_t row = d.reps > 1 ? (at - d.off) / d.stride : 0;
+      const uint64_t rs = d.off + row * d.stride;
+      if (at < rs + d.bytes) {
+        if (d.dst) *into = d.dst + row * d.bytes + (at - rs);
+        return std::min(stop, rs + d.bytes) - at;
+      }
+      next = std::min(next, rs + d.stride);  // the gap up to the next run
+    }
+  }
+  return next - at;
+}
+
+// Whether segment g may hold bytes of a destination: exact for contiguous
+// pieces and for strided ones of the same stride (columns overlap), by
+// span otherwise (then a segment may be read only to be verified).
+bool may_overlap(const Segment& g, const std::vector<Dest>& dests) {
+  auto it = std::upper_bound(dests.begin(), dests.end(), g.offset, [](uint64_t v, const Dest& d) { return v < d.off; });
+  if (it != dests.begin()) --it;
+  for (; it != dests.end() && it->off < g.end(); ++it) {
+    const Dest& d = *it;
+    if (d.end() <= g.offset) continue;
+    if (g.reps > 1 && d.reps > 1 && g.stride == d.stride) {
+      // Rows of one tensor: compare the columns, g's first relative to d's.
+      const int64_t s = int64_t(g.stride), diff = int64_t(g.offset) - int64_t(d.off);
+      const uint64_t m = uint64_t(((diff % s) + s) % s);
+      if (m < d.bytes || m + g.bytes > g.stride) return true;
+      continue;
+    }
+    return true;
+  }
+  return false;
+}
+
+}  // namespace
+
 std::string Checkpointer::read_verified(const std::string& dir, std::vector<std::vector<float>>* out) {
   try {
     std::vector<FileEntry> files;
     const std::string why = check_manifest(dir, nullptr, &files);
     if (!why.empty()) return why;
     size_t held = 0;
-    for (const auto& r : held_ranges_) held += size_t(r.count);
+    for (const auto& r : held_ranges_) held += size_t(r.numel());
     if (out) {
       out->assign(3, {});
       for (auto& v : *out) v.resize(held);
@@ -128,24 +186,22 @@ std::string Checkpointer::read_verified(const std::string& dir, std::vector<std:
                                           [&](const FileEntry& e) { return e.name == kFileNames[f]; });
       // Where this rank's bytes of the file go: its held ranges of the
       // file's kinds, in file order.
-      struct Dest {
-        uint64_t off, bytes;
-        char* dst;
-      };
       std::vector<Dest> dests;
       for (int kind : f == 0 ? std::vector<int>{0} : std::vector<int>{1, 2}) {
         const uint64_t base = (f == 0 ? mbase : obase) + (kind == 2 ? uint64_t(layout_.total) * 4 : 0);
         size_t pos = 0;
         for (const auto& r : held_ranges_) {
-          dests.push_back({base + uint64_t(r.global) * 4, uint64_t(r.count) * 4,
-                           out ? reinterpret_cast<char*>((*out)[size_t(kind)].data() + pos) : nullptr});
-          pos += size_t(r.count);
+          dests.push_back({base + uint64_t(r.global) * 4, uint64_t(r.count) * 4, uint64_t(r.stride) * 4,
+                           uint64_t(r.reps), out ? reinterpret_cast<char*>((*out)[size_t(kind)].data() + pos) : nullptr});
+          pos += size_t(r.numel());
         }
       }
       std::sort(dests.begin(), dests.end(), [](const Dest& a, const Dest& b) { return a.off < b.off; });
-      if (!dests.empty() && dests.back().off + dests.back().bytes > fe.size)
+      uint64_t need = 0;
+      for (const Dest& d : dests) need = std::max(need, d.end());
+      if (need > fe.size)
         return fe.name + " has " + std::to_string(fe.size) + " bytes, too few for this model (it needs " +
-               std::to_string(dests.back().off + dests.back().bytes) + "); was it written by another model?";
+               std::to_string(need) + "); was it written by another model?";
       // The segments to verify: those that overlap a destination, and on
       // rank 0 the header's (every data byte is held by some rank, so the
       // ranks together verify the whole file).
@@ -156,35 +212,23 @@ std::string Checkpointer::read_verified(const std::string& dir, std::vector<std:
       ::posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);
       std::string bad;
       try {
-        size_t d = 0;
         for (const Segment& g : fe.segments) {
-          const uint64_t end = g.offset + g.bytes;
-          while (d < dests.size() && dests[d].off + dests[d].bytes <= g.offset) ++d;
-          const bool overlaps = d < dests.size() && dests[d].off < end;
-          if (!overlaps && !(rank_ == 0 && g.offset < header_end)) continue;
-          // Walk the segment: pieces inside a destination are read straight
-          // into it, the rest into scratch (verified, then dropped).
+          if (!may_overlap(g, dests) && !(rank_ == 0 && g.offset < header_end)) continue;
+          // Walk the segment run by run: pieces inside a destination are
+          // read straight into it, the rest into scratch (verified, then
+          // dropped). Verify only: everything through scratch.
           h.reset();
-          size_t k = d;
-          if (!out) {  // verify only: the whole segment through scratch
-            for (uint64_t at = g.offset; at < end;) {
-              const uint64_t n = std::min<uint64_t>(end - at, kIoChunk);
-              scratch.resize(std::max<size_t>(scratch.size(), size_t(n)));
-              hashed_pread(fd, scratch.data(), n, at, path, h);
-              at += n;
-            }
-          }
-          for (uint64_t at = out ? g.offset : end; at < end;) {
-            while (k < dests.size() && dests[k].off + dests[k].bytes <= at) ++k;
-            if (k < dests.size() && dests[k].off <= at) {
-              const uint64_t n = std::min(end, dests[k].off + dests[k].bytes) - at;
-              hashed_pread(fd, dests[k].dst + (at - dests[k].off), n, at, path, h);
-              at += n;
-            } else {
-              const uint64_t stop = k < dests.size() ? std::min(end, dests[k].off) : end;
-              const uint64_t n = std::min<uint64_t>(stop - at, kIoChunk);
-              scratch.resize(std::max<size_t>(scratch.size(), size_t(n)));
-              hashed_pread(fd, scratch.data(), n, at, path, h);
+          for (uint64_t rep = 0; rep < g.reps; ++rep) {
+            const uint64_t stop = g.offset + rep * g.stride + g.bytes;
+            for (uint64_t at = g.offset + rep * g.stride; at < stop;) {
+              char* into = nullptr;
+              uint64_t n = out ? next_piece(dests, at, stop, &into) : stop - at;
+              if (!into) {
+                n = std::min<uint64_t>(n, kIoChunk);
+                scratch.resize(std::max<size_t>(scratch.size(), size_t(n)));
+                into = scratch.data();
+              }
+              hashed_pread(fd, into, n, at, path, h);
               at += n;
             }
           }
@@ -210,7 +254,7 @@ std::string Checkpointer::read_verified(const std::string& dir, std::vector<std:
 
 void Checkpointer::load_kind_by_kind(const std::string& dir, ParamStore& ps) {
   size_t held = 0;
-  for (const auto& r : held_ranges_) held += size_t(r.count);
+  for (const auto& r : held_ranges_) held += size_t(r.numel());
   std::vector<float> buf(held);
   const uint64_t mbase = model_header(arch_, layout_).size(), obase = optimizer_header(layout_).size();
   for (int kind = 0; kind < 3; ++kind) {
@@ -221,9 +265,11 @@ void Checkpointer::load_kind_by_kind(const std::string& dir, ParamStore& ps) {
     try {
       size_t pos = 0;
       for (const auto& r : held_ranges_) {
-        pread_all(fd, reinterpret_cast<char*>(buf.data() + pos), size_t(r.count) * 4,
-                  off_t(base + uint64_t(r.global) * 4), path);
-        pos += size_t(r.count);
+        for (int64_t rep = 0; rep < r.reps; ++rep) {  // strided: one pread per run
+          pread_all(fd, reinterpret_cast<char*>(buf.data() + pos), size_t(r.count) * 4,
+                    off_t(base + uint64_t(r.global + rep * r.stride) * 4), path);
+          pos += size_t(r.count);
+        }
       }
     } catch (...) {
       ::close(fd);
@@ -271,6 +317,7 @@ std::string Checkpointer::worst_of_all(const std::string& fatal, const std::stri
 }
 
 bool Checkpointer::load(ParamStore& ps, TrainState& st) {
+  const auto t0 = std::chrono::steady_clock::now();
   held_ranges_ = ps.held_ranges();
   write_ranges_ = ps.write_ranges();
   // Rank 0 names a candidate that passes the checks needing no data (the
@@ -382,7 +429,7 @@ bool Checkpointer::load(ParamStore& ps, TrainState& st) {
     // memory. A flaw in the candidate drops it (auto: the next older one);
     // anything else a rank throws fails the load on every rank.
     size_t held = 0;
-    for (const auto& r : held_ranges_) held += size_t(r.count);
+    for (const auto& r : held_ranges_) held += size_t(r.numel());
     const uint64_t need = uint64_t(held) * 4 * 3;
     uint64_t limit = 0;
     bool staged_load = false;
@@ -437,7 +484,9 @@ bool Checkpointer::load(ParamStore& ps, TrainState& st) {
     if (rank_ == 0)
       TR_LOG_INFO("resume: loaded ", dir, " (step ", st.step, ", ", st.tokens, " tokens; saved by ",
                   pick.at("world_size").get<int>(), " ranks with ", pick.at("sharding").get<std::string>(),
-                  ", loaded on ", world_, " ranks with ", job_.parallel.sharding, ")");
+                  ", loaded on ", world_, " ranks with ", job_.parallel.sharding, "; ",
+                  held_ranges_.size(), " ranges on rank 0, ",
+                  std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), " s)");
     return true;
   }
 }

@@ -4,6 +4,7 @@
 #include <chrono>
 
 #include <algorithm>
+#include <numeric>
 
 #include "core/common/error.h"
 
@@ -99,7 +100,13 @@ Piece split_tensor(const ParamTensor& t, int T, int r, int V_local, int v_valid)
 
 }  // namespace
 
-TensorParallelPlan::TensorParallelPlan(const ModelArch& arch, int tp, int rank) : global_(arch.layout()) {
+int vocab_pad_multiple(int tp, int backend_align) {
+  TR_CHECK(tp >= 1 && backend_align >= 1, "vocab padding: tp ", tp, ", backend alignment ", backend_align, " (a bug)");
+  return std::lcm(tp, backend_align);
+}
+
+TensorParallelPlan::TensorParallelPlan(const ModelArch& arch, int tp, int rank, int backend_align)
+    : global_(arch.layout()) {
   const ModelConfig& c = arch.config();
   check_tensor_parallel(c, tp);
   TR_CHECK(rank >= 0 && rank < tp, "tensor parallelism: rank ", rank, " outside a group of ", tp, " (a bug)");
@@ -112,8 +119,13 @@ TensorParallelPlan::TensorParallelPlan(const ModelArch& arch, int tp, int rank) 
   s.kv_replicas = kv % tp == 0 ? 1 : tp / kv;
   const int F = c.F > 0 ? c.F : 4 * c.C;
   s.F = F / tp;
-  s.V_local = (c.V + tp - 1) / tp;
-  s.V_pad = s.V_local * tp;
+  // The padded vocabulary: a multiple of the TP degree (equal shards) and
+  // of the backend's row alignment (CUDA: 64, for its GEMM tiles and
+  // vectorised logits rows). A rank's shard may then be all padding when
+  // the vocabulary is small; it still runs every collective.
+  const int multiple = vocab_pad_multiple(tp, backend_align);
+  s.V_pad = (c.V + multiple - 1) / multiple * multiple;
+  s.V_local = s.V_pad / tp;
   s.v_begin = rank * s.V_local;
   s.v_valid = std::max(0, std::min(s.V_local, c.V - s.v_begin));
 

@@ -8,9 +8,11 @@
 //            local tensor is again q_local | k_local | v_local.
 //   Row      dim 1 (input features) split: o_proj / down_proj (attn.c_proj,
 //            mlp.c_proj); their partial outputs are all-reduced over TP.
-//   Vocab    dim 0 is the vocabulary, padded to a multiple of T: rank t holds
-//            rows [t*Vl, (t+1)*Vl) (Vl = V_pad / T). Padding rows are zero,
-//            never read by the lookup or the loss, never saved.
+//   Vocab    dim 0 is the vocabulary, padded to a multiple of lcm(T, the
+//            backend's row alignment: CUDA 64, CPU 1): rank t holds rows
+//            [t*Vl, (t+1)*Vl) (Vl = V_pad / T). Padding rows are zero, never
+//            read by the lookup or the loss, never in the grad norm, never
+//            saved (checkpoints and model files have vocab_size rows).
 //   Replicated  every rank holds all of it (norms, position tables, the
 //            biases of row-parallel layers).
 //
@@ -53,14 +55,21 @@ struct TpLocalShape {
   int V_local = 0;       // vocabulary rows on this rank, padding included (V_pad / T)
   int v_begin = 0;       // first global token id of this rank's rows
   int v_valid = 0;       // real (unpadded) rows on this rank
-  int V_pad = 0;         // the padded vocabulary (a multiple of T)
+  int V_pad = 0;         // the padded vocabulary (a multiple of vocab_pad_multiple)
 };
+
+// What the vocabulary is padded to under tensor parallelism: lcm(tp, the
+// backend's row alignment). The alignment is Backend::logits_stride(1)
+// (CUDA: 64; CPU: 1, or what make_cpu_backend was given, so the CUDA rule
+// runs on the CPU in tests).
+int vocab_pad_multiple(int tp, int backend_align);
 
 class TensorParallelPlan {
  public:
   // Throws an Error naming the model.* keys and parallel.tensor_parallel
   // when the model does not split over `tp` ranks.
-  TensorParallelPlan(const ModelArch& arch, int tp, int rank);
+  // backend_align: the backend's row alignment (see vocab_pad_multiple).
+  TensorParallelPlan(const ModelArch& arch, int tp, int rank, int backend_align = 1);
 
   const TpLocalShape& shape() const { return shape_; }
   int size() const { return shape_.tp; }

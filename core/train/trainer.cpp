@@ -20,6 +20,7 @@
 #include "core/model/model.h"
 #include "core/model/model_spec.h"
 #include "core/model/tensor_parallel.h"
+#include "core/model/model_io.h"
 #include "core/train/generate.h"
 #include "core/train/metrics.h"
 #include "core/train/preemption.h"
@@ -149,6 +150,7 @@ class Trainer {
   StepResult train_step(int step);
   double evaluate();
   void sample_at_end();
+  void sample_tensor_parallel(const std::string& final_weights);
   // run() after setup, with the checkpointer it aborts on a failure.
   TrainSummary run_with(Checkpointer& ckpt, Clock::time_point t_start);
   void log_memory_at_end();
@@ -280,7 +282,12 @@ void Trainer::setup() {
     // Every group's communicator, built once in the same order on every
     // rank; the store shards this rank's TP slice over the dp group.
     mesh_comms_ = std::make_unique<MeshComms>(*mesh_, factory);
-    tp_plan_ = std::make_unique<TensorParallelPlan>(*arch_, tp, mesh_->coord(MeshDim::tp));
+    // The backend's logits row alignment also pads the vocabulary (CUDA: to lcm(tp, 64)).
+    tp_plan_ = std::make_unique<TensorParallelPlan>(*arch_, tp, mesh_->coord(MeshDim::tp), be_->logits_stride(1));
+    if (w_.rank == 0 && tp_plan_->shape().V_pad != cfg.V)
+      TR_LOG_INFO("tensor parallelism: the vocabulary of ", cfg.V, " is padded to ", tp_plan_->shape().V_pad,
+                  " rows (a multiple of lcm(tp ", tp, ", backend row alignment ", be_->logits_stride(1),
+                  ")); the padding rows are never in the loss, the grad norm or a file");
     tp_ctx_.plan = tp_plan_.get();
     tp_ctx_.comm = mesh_comms_->comm(MeshDim::tp);
     tp_ctx_.sequence_parallel = job_.parallel.sequence_parallel_on();
@@ -646,11 +653,14 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
   save_final_weights(path, *arch_, *params_, w_.rank, w_.world, store_.get(), prefix_,
                      std::chrono::milliseconds(disk_wait_timeout_ms(job_)));
   sum.wall_seconds = seconds_since(t_start);
-  if (job_.output.sample_tokens > 0) sample_at_end();
+  if (job_.output.sample_tokens > 0 && !tp_plan_) sample_at_end();
   log_memory_at_end();
   // Every rank is done with collectives; rank 0 then draws the summary and
   // plot without anyone waiting on it.
   comm_->barrier();
+  // At tp > 1 rank 0 samples alone and without collectives: after the
+  // barrier, so no peer waits for it inside a collective's timeout.
+  if (job_.output.sample_tokens > 0 && tp_plan_) sample_tensor_parallel(path);
   if (rank0_) reporter.finish(path);  // the one-screen summary (last on screen) and plot.svg
   return sum;
 }
@@ -677,13 +687,6 @@ void Trainer::log_memory_at_end() {
 // decoder would need more memory than they took, it is skipped with a line
 // saying so (every rank decides alike: the sizes are the same everywhere).
 void Trainer::sample_at_end() {
-  if (tp_plan_) {
-    if (rank0_)
-      TR_LOG_INFO("sample: skipped: the KV-cached decoder does not run tensor-parallel yet (parallel.tensor_parallel: ",
-                  job_.parallel.tensor_parallel, "); sample from model.safetensors with `trainrun generate`, or set "
-                  "output.sample_tokens: 0 to silence this");
-    return;
-  }
   if (!arch_->has_decoder()) {
     if (rank0_)
       TR_LOG_INFO("sample: skipped: ", arch_->name(), " has no KV-cached decoder yet (output.sample_tokens: ",
@@ -710,6 +713,53 @@ void Trainer::sample_at_end() {
   model_->free_activations();
   auto toks = sample_tokens(be_.get(), *params_, *arch_, prompt, so, comm_.get());
   if (rank0_) TR_LOG_INFO("sample:\n", decode_tokens(toks, cfg.V));
+}
+
+// The sample at tp > 1. The KV-cached decoders have no tensor-parallel
+// split yet (that would be the training forward's column/row collectives
+// once per token), so the sample runs on the logical model file just
+// written (model.safetensors, global coordinates): rank 0 alone, with the
+// single-process decoder of `trainrun generate` (CPU, fp32), the same
+// seed, temperature and top-k as the tp1 sample. That needs the whole fp32
+// model in rank 0's host memory, so it runs only when that is no more
+// than the training state this rank held (its params, grads and optimizer
+// share) or 256 MiB: a small model samples as at tp1, and a large one (a
+// 70B model at tp8 holds ~2 bytes per parameter per rank, the file is 4)
+// is never gathered on one rank; it is skipped with a line saying so.
+// Called after the end-of-run barrier: the other ranks are done.
+void Trainer::sample_tensor_parallel(const std::string& final_weights) {
+  if (!rank0_) return;
+  if (!arch_->has_decoder()) {
+    TR_LOG_INFO("sample: skipped: ", arch_->name(), " has no KV-cached decoder yet (output.sample_tokens: ",
+                job_.output.sample_tokens, "); set output.sample_tokens: 0 to silence this");
+    return;
+  }
+  const ShardMemory mem = params_->memory();
+  const double whole = double(arch_->layout().total) * 4;
+  const double allowed = std::max(double(mem.params + mem.grads + mem.optimizer), double(256 << 20));
+  if (whole > allowed) {
+    TR_LOG_INFO("sample: skipped: at parallel.tensor_parallel ", job_.parallel.tensor_parallel,
+                " the sample decodes the whole model on one rank, and its ", human_bytes(whole),
+                " of fp32 weights are more than the ", human_bytes(allowed),
+                " this rank held for training; sample from ", final_weights,
+                " with `trainrun generate` on a machine with the memory, or set output.sample_tokens: 0");
+    return;
+  }
+  SampleOptions so;
+  so.max_tokens = job_.output.sample_tokens;
+  so.temperature = 0.8;
+  so.top_k = 40;
+  so.seed = job_.train.seed;
+  const ModelConfig& cfg = arch_->config();
+  std::vector<int32_t> prompt = encode_prompt(job_.output.sample_prompt, cfg.V);
+  if (prompt.empty()) prompt.push_back(0);
+  std::vector<float> flat;
+  (void)load_model_safetensors(final_weights, flat);
+  TR_CHECK(int64_t(flat.size()) == arch_->layout().total, "sample: ", final_weights, " holds ", flat.size(),
+           " parameters, not this model's ", arch_->layout().total, " (a bug)");
+  const auto toks = sample_tokens(*arch_, flat, prompt, so);
+  TR_LOG_INFO("sample (tensor_parallel ", job_.parallel.tensor_parallel, ": rank 0 decodes ", final_weights, "):\n",
+              decode_tokens(toks, cfg.V));
 }
 
 TrainSummary run_training(const JobSpec& job_in, const WorkerInfo& worker) {

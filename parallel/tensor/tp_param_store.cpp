@@ -9,8 +9,9 @@ namespace trainrun {
 
 namespace {
 
-// A contiguous piece of the global vector and where it is in the inner
-// (local) store.
+// A piece of the global vector (contiguous, or strided: a slice of an
+// inner dim, one run per row) and where it starts in the inner (local)
+// store, whose copy holds the runs back to back.
 using Range = ParamStore::Range;
 
 struct Mapped {
@@ -32,6 +33,11 @@ class TensorParallelStore final : public ParamStore {
     by_global_ = held_;
     std::sort(by_global_.begin(), by_global_.end(),
               [](const Mapped& a, const Mapped& b) { return a.global.global < b.global.global; });
+    // for_local finds a global element by the one piece whose span holds it.
+    for (size_t i = 1; i < by_global_.size(); ++i)
+      TR_CHECK(by_global_[i - 1].global.end() <= by_global_[i].global.global,
+               "tensor parallelism: this rank's pieces of the global layout interleave at element ",
+               by_global_[i].global.global, " (a bug)");
   }
 
   // ---- UnitAccess: the local units, as the network reads them --------------
@@ -79,12 +85,12 @@ class TensorParallelStore final : public ParamStore {
   std::vector<Range> write_ranges() const override { return write_ranges_; }
   std::vector<float> get_state(int kind) override {
     size_t n = 0;
-    for (const Range& r : held_ranges_) n += size_t(r.count);
+    for (const Range& r : held_ranges_) n += size_t(r.numel());
     std::vector<float> out(n);
     size_t at = 0;
     for (const Range& r : held_ranges_) {
       copy_state_range(kind, r, out.data() + at);
-      at += size_t(r.count);
+      at += size_t(r.numel());
     }
     return out;
   }
@@ -98,9 +104,9 @@ class TensorParallelStore final : public ParamStore {
   void set_state(int kind, const std::vector<float>& host) override {
     size_t at = 0;
     for (const Range& r : held_ranges_) {
-      TR_CHECK(at + size_t(r.count) <= host.size(), "set_state: too few values");
+      TR_CHECK(at + size_t(r.numel()) <= host.size(), "set_state: too few values");
       write_state_range(kind, r, host.data() + at);
-      at += size_t(r.count);
+      at += size_t(r.numel());
     }
     TR_CHECK(at == host.size(), "set_state: ", host.size(), " values for ", at, " held");
     if (kind == 0) inner_->params_updated();
@@ -119,9 +125,11 @@ class TensorParallelStore final : public ParamStore {
   std::string strategy() const override { return inner_->strategy(); }
 
  private:
-  // Local ranges -> the global runs they hold, in the same order, adjacent
-  // runs merged where both sides are contiguous. owners_only: drop what
-  // another rank writes (replicas) and padding.
+  // Local ranges -> the global pieces they hold, in the same order:
+  // adjacent runs merged where both sides are contiguous, then runs of
+  // equal length, equally spaced in the global vector and back to back
+  // locally (a row-parallel weight's rows) folded into one strided range.
+  // owners_only: drop what another rank writes (replicas) and padding.
   std::vector<Mapped> map_ranges(const std::vector<Range>& local, bool owners_only) const {
     std::vector<Mapped> out;
     for (const Range& r : local) {
@@ -132,30 +140,89 @@ class TensorParallelStore final : public ParamStore {
         if (run.global < 0 || (owners_only && !run.owner)) continue;
         if (out.size() > first) {
           Mapped& b = out.back();
-          if (b.global.global + b.global.count == run.global && b.local + b.global.count == run.local) {
+          if (b.global.reps == 1 && b.global.global + b.global.count == run.global &&
+              b.local + b.global.count == run.local) {
             b.global.count += run.count;
             continue;
           }
         }
         out.push_back({{run.global, run.count}, run.local});
       }
+      // Fold equally spaced runs (each entry is still contiguous here,
+      // except the strided ones this loop builds).
+      size_t w = first;
+      for (size_t i = first; i < out.size(); ++i) {
+        const Mapped& m = out[i];
+        if (w > first) {
+          Range& b = out[w - 1].global;
+          const bool next_local = out[w - 1].local + b.numel() == m.local;
+          const bool same_len = b.count == m.global.count;
+          const int64_t gap = m.global.global - (b.reps == 1 ? b.global : b.global + (b.reps - 1) * b.stride);
+          if (next_local && same_len && gap > b.count && (b.reps == 1 || gap == b.stride)) {
+            b.stride = gap;
+            ++b.reps;
+            continue;
+          }
+        }
+        out[w++] = m;
+      }
+      out.resize(w);
     }
     return out;
   }
-  // Calls f(local range, offset in r) for the local pieces of global range r.
+  // Calls f(local range, offset in r's host copy) for the local pieces of
+  // global range r (contiguous or strided), pieces adjacent on both sides
+  // merged, never across two of this store's pieces (the inner store
+  // serves each of its ranges on its own): a held strided range, or rows
+  // of one, is one local range, one call.
   template <typename F>
   void for_local(const Range& r, const char* what, F f) {
-    int64_t g = r.global;
-    const int64_t end = r.global + r.count;
-    while (g < end) {
-      auto it = std::upper_bound(by_global_.begin(), by_global_.end(), g,
-                                 [](int64_t v, const Mapped& m) { return v < m.global.global + m.global.count; });
-      TR_CHECK(it != by_global_.end() && it->global.global <= g, what, ": global element ", g,
-               " is not held by this tensor-parallel rank (a bug)");
-      const int64_t n = std::min(end, it->global.global + it->global.count) - g;
-      f(Range{it->local + (g - it->global.global), n}, g - r.global);
-      g += n;
+    if (r.reps > 1) {  // the common case: rows of one held strided piece, without a search per row
+      auto it = std::upper_bound(by_global_.begin(), by_global_.end(), r.global,
+                                 [](int64_t v, const Mapped& m) { return v < m.global.global; });
+      if (it != by_global_.begin()) {
+        const Mapped& m = *std::prev(it);
+        const Range& h = m.global;
+        if (h.reps > 1 && h.stride == r.stride && h.count == r.count && (r.global - h.global) % h.stride == 0 &&
+            r.end() <= h.end()) {
+          f(Range{m.local + (r.global - h.global) / h.stride * h.count, r.numel()}, 0);
+          return;
+        }
+      }
     }
+    Range pending{-1, 0};
+    int64_t pending_at = 0;
+    const Mapped* pending_of = nullptr;
+    for (int64_t rep = 0; rep < r.reps; ++rep) {
+      int64_t g = r.global + rep * r.stride;
+      const int64_t end = g + r.count;
+      int64_t at = rep * r.count;
+      while (g < end) {
+        auto it = std::upper_bound(by_global_.begin(), by_global_.end(), g,
+                                   [](int64_t v, const Mapped& m) { return v < m.global.global; });
+        TR_CHECK(it != by_global_.begin(), what, ": global element ", g,
+                 " is not held by this tensor-parallel rank (a bug)");
+        const Mapped& m = *std::prev(it);
+        const int64_t row = m.global.reps > 1 ? (g - m.global.global) / m.global.stride : 0;
+        const int64_t rs = m.global.global + row * m.global.stride;
+        TR_CHECK(g < m.global.end() && g < rs + m.global.count, what, ": global element ", g,
+                 " is not held by this tensor-parallel rank (a bug)");
+        const int64_t n = std::min(end, rs + m.global.count) - g;
+        const int64_t local = m.local + row * m.global.count + (g - rs);
+        if (pending.count > 0 && pending_of == &m && pending.global + pending.count == local &&
+            pending_at + pending.count == at) {
+          pending.count += n;
+        } else {
+          if (pending.count > 0) f(pending, pending_at);
+          pending = Range{local, n};
+          pending_at = at;
+          pending_of = &m;
+        }
+        g += n;
+        at += n;
+      }
+    }
+    if (pending.count > 0) f(pending, pending_at);
   }
 
   std::unique_ptr<ParamStore> inner_;
