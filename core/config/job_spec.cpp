@@ -771,10 +771,6 @@ void check_rules(JobSpec& s, const Origins& o, const std::string& fallback, bool
     TR_LOG_WARN(at({"parallel.sequence_parallel", "parallel.tensor_parallel"}),
                 ": parallel.sequence_parallel: true has no effect with parallel.tensor_parallel: 1 (sequence "
                 "parallelism splits the activations of a tensor-parallel group); ignored");
-  if (p.offload != "none" && p.tensor_parallel > 1)
-    fail(at({"parallel.offload", "parallel.tensor_parallel"}), "parallel.offload",
-         p.offload + " with parallel.tensor_parallel " + str(p.tensor_parallel) +
-             " is not supported yet; use offload or tensor parallelism, not both");
 }
 
 // ---- YAML walking ----------------------------------------------------------------
