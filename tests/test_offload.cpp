@@ -12,13 +12,17 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <random>
 
 #include "core/config/job_spec.h"
 #include "core/model/model_io.h"
 #include "core/train/trainer.h"
+#include "kernels/backend.h"
 #include "parallel/sharding/offload.h"
+#include "parallel/sharding/sharding.h"
 #include "tests/support/checkpoint_jobs.h"
 #include "tests/support/inprocess.h"
 #include "tests/support/testutil.h"
@@ -248,4 +252,145 @@ TEST_CASE("offload: the host memory check and the memlock warning say what to do
   CHECK_THAT(memlock_warning(size_t(64) << 30, uint64_t(8) << 20),
              Contains("RLIMIT_MEMLOCK") && Contains("ulimit -l") && Contains("unpinned"));
   CHECK(host_memory_available() > 0);
+}
+
+// ---- the state itself against the device path (issue #17's remaining parts) ----
+
+namespace {
+
+std::vector<float> random_vec(size_t n, uint32_t seed, float lo, float hi) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> d(lo, hi);
+  std::vector<float> v(n);
+  for (float& x : v) x = d(rng);
+  return v;
+}
+
+// Restores TRAINRUN_OFFLOAD_IO when a test is done with it.
+struct IoEnv {
+  explicit IoEnv(const char* v) {
+    if (v) setenv("TRAINRUN_OFFLOAD_IO", v, 1);
+    else unsetenv("TRAINRUN_OFFLOAD_IO");
+  }
+  ~IoEnv() { unsetenv("TRAINRUN_OFFLOAD_IO"); }
+};
+
+}  // namespace
+
+TEST_CASE("offload: host state = the device path bit for bit (cpu, nvme on io_uring and on the pool, many chunks)",
+          "[offload]") {
+  // n spans 4 chunks of 3072 and 2 threads' static blocks that straddle
+  // chunks; the units are added in backward order, twice per step
+  // (accumulation), and unit {4100, 3000} only at step 1, so its pages hold
+  // a stale gradient on disk afterwards that must read as zero.
+  auto be = make_cpu_backend(2);
+  const int64_t n = 10037;
+  struct Unit {
+    int64_t off, n;
+  };
+  const std::vector<Unit> units = {{0, 1500}, {1500, 2600}, {4100, 3000}, {7100, 2937}};
+  const std::vector<std::pair<int64_t, int64_t>> skip = {{100, 50}, {3000, 2000}, {9000, 10}};
+  const std::vector<OffloadSegment> segments = {{0, 4100, 0.1f}, {4100, 3000, 0.0f}, {7100, 2937, 0.1f}};
+  test::TempDir dir("offload_state");
+  struct Cfg {
+    const char* name;
+    OffloadMode mode;
+    IoChoice io;
+  };
+  std::vector<Cfg> cfgs = {{"cpu", OffloadMode::Cpu, IoChoice::Auto}, {"nvme pool", OffloadMode::Nvme, IoChoice::Pool}};
+  if (io_uring_built_in()) cfgs.push_back({"nvme io_uring", OffloadMode::Nvme, IoChoice::Uring});
+  else WARN("liburing is not built in: the io_uring engine is not tested");
+  for (const Cfg& cfg : cfgs) {
+    SECTION(cfg.name) {
+      OffloadOptions o;
+      o.mode = cfg.mode;
+      o.dir = dir / "state";
+      o.threads = 2;
+      o.chunk_elements = 3072;
+      o.io = cfg.io;
+      HostOptimizerState h(be.get(), n, o);
+      if (cfg.mode == OffloadMode::Nvme) CHECK(std::string(h.io_engine()) == (cfg.io == IoChoice::Pool ? "pool" : "io_uring"));
+      // The device path's state (the CPU backend's buffers are host memory).
+      std::vector<float> master = random_vec(n, 1, -1, 1), m = random_vec(n, 2, -0.1f, 0.1f),
+                         v = random_vec(n, 3, 0, 0.01f), grad(n, 0.0f), act(n, 0.0f);
+      h.write_state(0, 0, master.data(), n);
+      h.write_state(1, 0, m.data(), n);
+      h.write_state(2, 0, v.data(), n);
+      for (int step = 1; step <= 3; ++step) {
+        INFO("step " << step);
+        h.zero_grads();
+        std::fill(grad.begin(), grad.end(), 0.0f);
+        for (int micro = 0; micro < 2; ++micro)
+          for (int u = int(units.size()) - 1; u >= 0; --u) {
+            if (u == 2 && step > 1) continue;
+            const std::vector<float> g = random_vec(size_t(units[u].n), uint32_t(100 * step + 10 * micro + u), -1, 1);
+            be->accumulate(grad.data() + units[u].off, g.data(), units[u].n);
+            h.add_grad_from_device(units[u].off, g.data(), units[u].n);
+          }
+        // The norm, whole and with skipped ranges (tensor parallelism).
+        float whole = 0;
+        be->sum_squares(&whole, grad.data(), n);
+        CHECK(h.grad_sum_squares({{0, n}}) == whole);
+        float parts = 0;
+        sum_squares_skipping(be.get(), &parts, grad.data(), 0, n, skip);
+        CHECK(h.grad_sum_squares(unskipped_pieces(0, n, skip)) == parts);
+        CHECK(parts < whole);
+        for (const OffloadSegment& s : segments)
+          be->adamw_update(master.data() + s.off, master.data() + s.off, grad.data() + s.off, m.data() + s.off,
+                           v.data() + s.off, s.n, 1e-2f, 0.9f, 0.95f, 1e-8f, s.weight_decay, step, 0.7f);
+        h.step(segments, 1e-2f, 0.9f, 0.95f, 1e-8f, step, 0.7f, act.data());
+        CHECK(act == master);
+        std::vector<float> got(n);
+        h.read_state(0, 0, got.data(), n);
+        CHECK(got == master);
+        h.read_state(1, 0, got.data(), n);
+        CHECK(got == m);
+        h.read_state(2, 0, got.data(), n);
+        CHECK(got == v);
+      }
+      // A replicated gradient (no_shard, hybrid_shard) replaces it whole.
+      const std::vector<float> g = random_vec(size_t(n), 7, -2, 2);
+      h.grad_from_device(g.data(), n);
+      float want = 0;
+      be->sum_squares(&want, g.data(), n);
+      CHECK(h.grad_sum_squares({{0, n}}) == want);
+      if (cfg.mode == OffloadMode::Nvme) {
+        CHECK(h.host_bytes() == offload_nvme_host_bytes(3072));  // bounded, not 16 bytes per element
+        CHECK(h.disk_bytes() == 4 * size_t(10240) * 4);           // 4 kinds of 10037 rounded up to pages
+        CHECK(std::filesystem::is_empty(o.dir));  // unlinked as soon as it was open
+      }
+    }
+  }
+}
+
+TEST_CASE("offload nvme: io_uring and the pread/pwrite pool train to the same bits as offload none", "[offload]") {
+  for (const char* strategy : {"no_shard", "full_shard"}) {
+    SECTION(strategy) {
+      const RunOut none = run(2, strategy, 0, "none");
+      RunOut pool, uring;
+      {
+        IoEnv env("pool");
+        pool = run(2, strategy, 0, "nvme");
+      }
+      {
+        IoEnv env(io_uring_built_in() ? "uring" : nullptr);
+        uring = run(2, strategy, 0, "nvme");
+      }
+      CHECK(pool.losses == none.losses);
+      CHECK(pool.weights == none.weights);
+      CHECK(uring.losses == none.losses);
+      CHECK(uring.weights == none.weights);
+    }
+  }
+}
+
+TEST_CASE("offload: TRAINRUN_OFFLOAD_IO takes auto, uring, pool and names itself otherwise", "[offload]") {
+  CHECK(parse_io_choice("") == IoChoice::Auto);
+  CHECK(parse_io_choice("pool") == IoChoice::Pool);
+  CHECK(parse_io_choice("uring") == IoChoice::Uring);
+  CHECK_THROWS_WITH(parse_io_choice("threads"), Contains("TRAINRUN_OFFLOAD_IO") && Contains("auto, uring, pool"));
+  IoEnv env("bogus");
+  test::TempDir dir("offload_ioenv");
+  JobSpec job = parse_job_spec(job_yaml(dir.path(), "full_shard", 0, "nvme"), "job.yaml", {"train.max_steps=1"});
+  CHECK_THROWS_WITH(test::run_ranks_inprocess(job, 1), Contains("TRAINRUN_OFFLOAD_IO: 'bogus'"));
 }

@@ -448,13 +448,16 @@ TEST_CASE("planner: Llama 3 70B on 8 x 80 GB trains with offload cpu, and says h
   const Plan small = make_plan(req);
   CHECK_FALSE(small.rows[2].fits);
   CHECK_THAT(small.verdict, Contains("DOES NOT FIT in host memory") && Contains("--offload nvme"));
-  // nvme: the gradient shard and the I/O buffers on the host, master
-  // weights and moments (12 of the 16 bytes) on the disks.
+  // nvme: only the I/O buffers on the host (10 chunks of 1M fp32 and 2
+  // pages per rank); master weights, moments and gradient on the disks:
+  // per element 32 bytes per step plus 8 per micro-batch after the first
+  // and 4 for the first (the gradient's read-modify-write).
   req.offload = "nvme";
   const Plan nvme = make_plan(req);
   CHECK(nvme.rows[2].fits);
-  CHECK(nvme.rows[2].host_bytes_per_node == Approx(fs.host_bytes_per_node / 4 + 8 * 24.0 * (1 << 20)));
-  CHECK(nvme.rows[2].nvme_bytes_per_step == Approx(fs.host_bytes_per_node * 2 * 12 / 16));
+  CHECK(nvme.rows[2].host_bytes_per_node == Approx(8 * (10.0 * (1 << 20) + 2048) * 4));
+  const double elems_node = fs.host_bytes_per_node / 16;
+  CHECK(nvme.rows[2].nvme_bytes_per_step == Approx(elems_node * (32 + 8.0 * nvme.rows[2].accum - 4)));
   CHECK(nvme.rows[2].nvme_bytes_per_step > 0);
   // From the command line.
   auto r = test::run_trainrun("plan --model llama3.1-70b --gpu a100 --gpu-memory 80GB --activation-checkpointing blocks --offload cpu");

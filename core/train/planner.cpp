@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "core/common/error.h"
+#include "parallel/sharding/offload.h"
 
 namespace trainrun {
 
@@ -306,13 +307,10 @@ Plan make_plan(const PlanRequest& req) {
     row.fits = row.mem.total() <= plan.capacity;
     if (offload) {
       const double state = offload_host_bytes_per_rank(m, row.sharding);  // per rank
-      // nvme: master weights and moments stream through two buffer sets
-      // of 1M elements x 3 kinds per rank, the gradient shard (a quarter
-      // of the state) stays in host memory (parallel/sharding/offload.h);
+      // nvme: all four kinds (master, moments, gradient) on disk, streamed
+      // through a fixed set of I/O buffers per rank (parallel/sharding/offload.h);
       // cpu: all of it sits in host memory.
-      row.host_bytes_per_node = req.gpus_per_node * (nvme ? state / 4 + 2 * 3 * 4.0 * (1 << 20) : state);
-      // nvme reads and writes master weights and moments once per step.
-      if (nvme) row.nvme_bytes_per_step = req.gpus_per_node * 2 * (12.0 / 16.0) * state;
+      row.host_bytes_per_node = req.gpus_per_node * (nvme ? double(offload_nvme_host_bytes()) : state);
       if (req.host_memory > 0 && row.host_bytes_per_node > req.host_memory) row.fits = false;
     }
     // Memory grows with the micro-batch (activations, inputs) and nothing
@@ -341,6 +339,7 @@ Plan make_plan(const PlanRequest& req) {
       // once per micro-batch (overlapped with backward, with the
       // reduce-scatters), the act-dtype parameters go up once per step.
       const double elems = offload_host_bytes_per_rank(m, row.sharding) / 16.0;
+      if (nvme) row.nvme_bytes_per_step = req.gpus_per_node * offload_nvme_bytes_per_step(elems, row.accum);
       const double adamw_s = elems * req.gpus_per_node / req.host_adamw_params_per_s;
       const double up_s = elems * dev.act_bytes / req.pcie_bytes_per_s;
       c.overlapped += row.accum * elems * 4 / req.pcie_bytes_per_s;

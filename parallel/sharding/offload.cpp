@@ -185,7 +185,7 @@ HostOptimizerState::HostOptimizerState(Backend* be, int64_t n, const OffloadOpti
              " elements) must be a positive multiple of 1024");
   }
   // cpu: master | m | v | grad; nvme: the I/O buffers only (the state is on disk).
-  alloc_bytes_ = nvme_ ? size_t(8 * chunk_ + chunk_ + chunk_ + 2 * kPage) * 4 : std::max<size_t>(64, size_t(n) * 16);
+  alloc_bytes_ = nvme_ ? offload_nvme_host_bytes(chunk_) : std::max<size_t>(64, size_t(n) * 16);
   void* p = nullptr;
   if (posix_memalign(&p, 4096, alloc_bytes_) != 0 || !p)
     TR_FAIL("parallel.offload: cannot allocate ", gb(double(alloc_bytes_)), " of host memory for the optimizer state (",

@@ -48,6 +48,19 @@ struct OffloadOptions {
 
 // Bytes of host memory offload keeps per rank for a shard of n elements.
 inline size_t offload_host_bytes(int64_t shard_elements) { return size_t(shard_elements) * 16; }
+// nvme: the host memory of a rank is its I/O buffers only, whatever the
+// shard (see HostOptimizerState): two step sets of 4 kinds, the gradient's
+// landing chunk and its read-modify-write window (a chunk and 2 pages).
+inline size_t offload_nvme_host_bytes(int64_t chunk_elements = int64_t(1) << 20) {
+  return size_t(10 * chunk_elements + 2048) * 4;
+}
+// nvme: bytes read + written on disk per step for a shard of n elements
+// and `accum` micro-batches: the gradient written each micro-batch (and
+// read back after the first), read by the norm and the step; master and
+// both moments read and written by the step.
+inline double offload_nvme_bytes_per_step(double shard_elements, int accum) {
+  return shard_elements * (4.0 * accum + 4.0 * (accum - 1) + 4 + 4 + 12 + 12);
+}
 
 // The start-up check of a node's host memory: throws naming parallel.offload
 // when `needed` (all ranks of the node) exceeds `available`.
