@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <random>
 
 #include "core/config/job_spec.h"
@@ -458,4 +459,57 @@ TEST_CASE("offload cpu and nvme with tensor parallelism: tp2 and tp2 x dp2 train
       }
     }
   }
+}
+
+// ---- kill -9 in the middle of an nvme step, then a resume -----------------------
+
+namespace {
+
+// step -> loss of a run's metrics.jsonl; a resumed run's lines replace the
+// lost run's for the steps it repeats.
+std::map<int, double> losses_by_step(const std::string& run_dir) {
+  std::map<int, double> out;
+  std::ifstream f(run_dir + "/metrics.jsonl");
+  for (std::string l; std::getline(f, l);) {
+    const auto s = l.find("\"step\":"), p = l.find("\"loss\":");
+    if (s != std::string::npos && p != std::string::npos) out[std::stoi(l.substr(s + 7))] = std::stod(l.substr(p + 7));
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("offload nvme: a worker killed by SIGKILL mid-step leaves no state files, and the resume continues exactly",
+          "[offload]") {
+  // Two worker processes (the agent's), full_shard, a checkpoint every 4
+  // steps; rank 1 raises SIGKILL inside the optimizer step of step 6, after
+  // the first chunk's write of its state file was submitted.
+  test::TempDir dir("offload_kill");
+  const std::string run = dir / "run", state = dir / "state";
+  test::write_file(dir / "job.yaml", test::checkpoint_job_yaml(run, "full_shard", "checkpoint: {interval: 4}\n"));
+  const std::string trainrun = "OMP_NUM_THREADS=1 '" + test::trainrun_binary() + "' --config " + dir / "job.yaml" +
+                               " --set parallel.nproc_per_node=2 --set train.max_steps=10 --set parallel.offload=nvme"
+                               " --set parallel.offload_dir=" + state;
+  auto r = test::run_command(trainrun + " --set output.dir=" + dir / "straight");
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  r = test::run_command("TRAINRUN_DEBUG_OFFLOAD_KILL=1:6 " + trainrun);
+  INFO(r.err);
+  CHECK(r.exit_code == 1);
+  CHECK_THAT(r.err, Contains("rank 1 (pid ") && Contains("killed by signal SIGKILL (9)") &&
+                       Contains("debug: SIGKILL in the nvme optimizer step of step 6 on rank 1"));
+  // The state files were unlinked when opened: nothing is left, on either rank.
+  REQUIRE(std::filesystem::is_directory(state));
+  CHECK(std::filesystem::is_empty(state));
+  REQUIRE(test::latest_of(run) == "step_00000004");
+  // The resume loads step 4 and ends where the uninterrupted run ended.
+  r = test::run_command(trainrun);
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.err, Contains("resume: loaded " + run + "/checkpoints/step_00000004"));
+  CHECK(std::filesystem::is_empty(state));
+  const std::map<int, double> straight = losses_by_step(dir / "straight"), resumed = losses_by_step(run);
+  REQUIRE(straight.size() == 10);
+  CHECK(resumed == straight);
+  CHECK(test::weights_of(run) == test::weights_of(dir / "straight"));
 }
