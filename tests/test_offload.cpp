@@ -281,7 +281,7 @@ struct IoEnv {
 
 TEST_CASE("offload: host state = the device path bit for bit (cpu, nvme on io_uring and on the pool, many chunks)",
           "[offload]") {
-  // n spans 4 chunks of 3072 and 2 threads' static blocks that straddle
+  // n spans 10 chunks of 1024 and 2 threads' static blocks that straddle
   // chunks; the units are added in backward order, twice per step
   // (accumulation), and unit {4100, 3000} only at step 1, so its pages hold
   // a stale gradient on disk afterwards that must read as zero.
@@ -308,7 +308,7 @@ TEST_CASE("offload: host state = the device path bit for bit (cpu, nvme on io_ur
       o.mode = cfg.mode;
       o.dir = dir / "state";
       o.threads = 2;
-      o.chunk_elements = 3072;
+      o.chunk_elements = 1024;  // the step walks 10 chunks, the norm 3 (4 chunks each)
       o.io = cfg.io;
       HostOptimizerState h(be.get(), n, o);
       if (cfg.mode == OffloadMode::Nvme) CHECK(std::string(h.io_engine()) == (cfg.io == IoChoice::Pool ? "pool" : "io_uring"));
@@ -357,7 +357,7 @@ TEST_CASE("offload: host state = the device path bit for bit (cpu, nvme on io_ur
       be->sum_squares(&want, g.data(), n);
       CHECK(h.grad_sum_squares({{0, n}}) == want);
       if (cfg.mode == OffloadMode::Nvme) {
-        CHECK(h.host_bytes() == offload_nvme_host_bytes(3072));  // bounded, not 16 bytes per element
+        CHECK(h.host_bytes() == offload_nvme_host_bytes(1024));  // bounded, not 16 bytes per element
         CHECK(h.disk_bytes() == 4 * size_t(10240) * 4);           // 4 kinds of 10037 rounded up to pages
         CHECK(std::filesystem::is_empty(o.dir));  // unlinked as soon as it was open
       }

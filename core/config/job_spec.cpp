@@ -209,8 +209,9 @@ const std::vector<Field>& fields() {
                     "where each rank's fp32 master weights, AdamW moments and fp32 gradient shard live (16 bytes "
                     "per parameter of its shard): none = on the device; cpu = host memory (pinned on GPUs), the "
                     "update on host threads (vectorised host AdamW, bit-identical to the device's on the CPU "
-                    "backend); nvme = master weights and moments in files under offload_dir (streamed each step, O_DIRECT "
-                    "where possible; removed at exit), the gradient shard in host memory"),
+                    "backend); nvme = all four in one file per rank under offload_dir (streamed through a fixed 40 MiB of "
+                    "host buffers per rank, O_DIRECT where possible, io_uring when built in; unlinked once open). "
+                    "Works with every strategy and with parallel.tensor_parallel"),
       TR_SPEC_FIELD(parallel.offload_dir, any(),
                     "directory for parallel.offload: nvme's state files (required with nvme; must be writable)"),
       TR_SPEC_FIELD(parallel.timeout_s, above(0),

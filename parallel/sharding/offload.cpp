@@ -180,9 +180,10 @@ HostOptimizerState::HostOptimizerState(Backend* be, int64_t n, const OffloadOpti
     : be_(be), n_(n), threads_(opts.threads > 0 ? opts.threads : omp_get_max_threads()) {
   nvme_ = opts.mode == OffloadMode::Nvme;
   if (nvme_) {
-    chunk_ = opts.chunk_elements;
-    TR_CHECK(chunk_ > 0 && chunk_ % kPage == 0, "parallel.offload: the nvme chunk (", chunk_,
-             " elements) must be a positive multiple of 1024");
+    TR_CHECK(opts.chunk_elements > 0 && opts.chunk_elements % kPage == 0, "parallel.offload: the nvme chunk (",
+             opts.chunk_elements, " elements) must be a positive multiple of 1024");
+    // A shard smaller than a chunk needs no more buffer than itself.
+    chunk_ = std::min(opts.chunk_elements, round_up(std::max<int64_t>(n, 1), kPage));
   }
   // cpu: master | m | v | grad; nvme: the I/O buffers only (the state is on disk).
   alloc_bytes_ = nvme_ ? offload_nvme_host_bytes(chunk_) : std::max<size_t>(64, size_t(n) * 16);
@@ -340,18 +341,23 @@ float HostOptimizerState::grad_sum_squares(const std::vector<std::pair<int64_t, 
   // Streamed a chunk at a time (double-buffered). Each thread's block of a
   // piece is summed in element order across chunks, so the partials, and
   // the float total, are those of sum_squares_like_backend on the piece.
+  // A step set holds 4 chunks: the norm reads 4 chunks at a time, as 4
+  // requests in flight (one 4 MiB request at a time leaves a disk idle
+  // between requests).
   Nvme& io = *io_;
-  const int64_t K = chunk_, chunks = (n_ + K - 1) / K;
+  const int64_t K = 4 * chunk_, chunks = (n_ + K - 1) / K;
   auto read = [&](int64_t c, float* buf) {
-    const int64_t len = std::min(K, n_ - c * K);
-    return io.engine->submit({{false, buf, size_t(round_up(len, kPage)) * 4,
-                               3 * uint64_t(region_bytes_) + uint64_t(c * K) * 4}});
+    std::vector<IoOp> ops;
+    for (int64_t lo = c * K; lo < std::min(n_, (c + 1) * K); lo += chunk_)
+      ops.push_back({false, buf + (lo - c * K), size_t(round_up(std::min(chunk_, n_ - lo), kPage)) * 4,
+                     3 * uint64_t(region_bytes_) + uint64_t(lo) * 4});
+    return io.engine->submit(ops);
   };
   const int T = threads_;
   std::vector<double> partial(size_t(T), 0.0);
   size_t piece = 0;
   uint64_t ticket[2] = {0, 0};
-  float* buf[2] = {io.set[0] + 3 * K, io.set[1] + 3 * K};
+  float* buf[2] = {io.set[0], io.set[1]};
   if (chunks > 0) ticket[0] = read(0, buf[0]);
   for (int64_t c = 0; c < chunks && piece < pieces.size(); ++c) {
     const int b = int(c % 2);
