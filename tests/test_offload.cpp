@@ -386,6 +386,32 @@ TEST_CASE("offload nvme: io_uring and the pread/pwrite pool train to the same bi
   }
 }
 
+TEST_CASE("offload nvme: a kernel that refuses io_uring falls back to the pool, or fails when uring was asked for",
+          "[offload]") {
+  if (!io_uring_built_in()) {
+    WARN("liburing is not built in: nothing to fall back from");
+    return;
+  }
+  auto be = make_cpu_backend(1);
+  test::TempDir dir("offload_refuse");
+  OffloadOptions o;
+  o.mode = OffloadMode::Nvme;
+  o.dir = dir.path();
+  o.threads = 1;
+  setenv("TRAINRUN_DEBUG_OFFLOAD_NO_URING", "1", 1);
+  {
+    HostOptimizerState h(be.get(), 5000, o);
+    CHECK(std::string(h.io_engine()) == "pool");
+  }
+  o.io = IoChoice::Uring;
+  CHECK_THROWS_WITH(HostOptimizerState(be.get(), 5000, o),
+                    Contains("TRAINRUN_OFFLOAD_IO=uring: the kernel refused an io_uring ring") &&
+                        Contains("Operation not permitted"));
+  unsetenv("TRAINRUN_DEBUG_OFFLOAD_NO_URING");
+  HostOptimizerState h(be.get(), 5000, o);
+  CHECK(std::string(h.io_engine()) == "io_uring");
+}
+
 TEST_CASE("offload: TRAINRUN_OFFLOAD_IO takes auto, uring, pool and names itself otherwise", "[offload]") {
   CHECK(parse_io_choice("") == IoChoice::Auto);
   CHECK(parse_io_choice("pool") == IoChoice::Pool);

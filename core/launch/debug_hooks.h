@@ -55,6 +55,9 @@
 //       the worker whose RANK is <rank> raises SIGKILL inside the nvme
 //       optimizer step of training step <step>, right after the first
 //       chunk's write was submitted (state I/O in flight)
+//   TRAINRUN_DEBUG_OFFLOAD_NO_URING=1
+//       io_uring_queue_init is treated as refused by the kernel (EPERM), so
+//       the nvme path takes its logged pread/pwrite fallback
 //
 // Each logs a "debug: ..." line when it fires.
 #pragma once
