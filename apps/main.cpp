@@ -35,6 +35,7 @@
 #include "kernels/backend_factory.h"
 #include "parallel/comm/bench_comm.h"
 #include "kernels/cpu/bench_host_adamw.h"
+#include "parallel/sharding/bench_offload.h"
 #include "parallel/topology/topology.h"
 #include "parallel/topology/topology_decide.h"
 #include "parallel/topology/topology_sources.h"
@@ -526,6 +527,14 @@ int main(int argc, char** argv) {
   bench_opt->add_option("--repeat", obo.repeat, "timed runs per row (median)")->capture_default_str()->check(CLI::Range(1, 1000));
   bench_opt->add_option("--python", obo.python, "interpreter with torch for the PyTorch rows (\"\" skips them)")->capture_default_str();
 
+  auto* bench_off = bench->add_subcommand("offload", "parallel.offload nvme streaming GB/s next to the disk's O_DIRECT sequential read/write, and step time with offload none/cpu/nvme on the benchmark model");
+  OffloadBenchOptions offo;
+  bench_off->add_option("--params", offo.params, "elements of the optimizer shard: 32M, 100000000")->capture_default_str();
+  bench_off->add_option("--dir", offo.dir, "directory on the disk to measure, as parallel.offload_dir (a scratch folder inside is removed after)")->capture_default_str();
+  bench_off->add_option("--repeat", offo.repeat, "timed runs per row (median)")->capture_default_str()->check(CLI::Range(1, 100));
+  bench_off->add_option("--config", offo.config, "the step-time model (\"\" skips that table)")->capture_default_str();
+  bench_off->add_option("--steps", offo.steps, "steps per step-time run (the median skips the first 3)")->capture_default_str()->check(CLI::Range(5, 1000));
+
   // Hidden: the CUDA peer probe, run by the topology code in a child process
   // (parallel/topology/topology_probe.cpp) so the agent never holds a CUDA context.
   auto* probe_p2p = app.add_subcommand("probe-p2p", "");
@@ -594,6 +603,7 @@ int main(int argc, char** argv) {
     if (*bench_ckpt) return run_checkpoint_bench(cbo);
     if (*bench_kernels) return run_kernel_bench(kbo);
     if (*bench_opt) return run_optimizer_bench(obo);
+    if (*bench_off) return run_offload_bench(offo);
     if (*export_cmd) {
       HfExportOptions eo;
       eo.dtype = exp_dtype;

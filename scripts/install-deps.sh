@@ -20,10 +20,11 @@ if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
 PKGS=(build-essential cmake ninja-build ccache pkg-config git
       libcli11-dev libyaml-cpp-dev nlohmann-json3-dev catch2
       libopenblas-dev libopenblas-openmp-dev libgloo-dev libxxhash-dev
-      libprotobuf-dev protobuf-compiler libpcre2-dev gnuplot-nox
+      libprotobuf-dev protobuf-compiler libpcre2-dev liburing-dev gnuplot-nox
       fortunes fortunes-min iproute2 procps)
 # libprotobuf-dev + protobuf-compiler: TensorBoard event files (core/train/proto);
 # libpcre2-dev: the tokenizer's Unicode regexes (core/data/tokenizer);
+# liburing-dev: io_uring for parallel.offload: nvme (optional at build time: without it, a pread/pwrite pool);
 # gnuplot-nox: `trainrun plot` and the end-of-run plot (run as a program, not linked).
 if [ "$WITH_TEST" = 1 ]; then
   PKGS+=(python3 python3-venv python3-numpy python3-torch)

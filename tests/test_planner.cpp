@@ -450,13 +450,16 @@ TEST_CASE("planner: Llama 3 70B on 8 x 80 GB trains with offload cpu, and says h
   const Plan small = make_plan(req);
   CHECK_FALSE(small.rows[2].fits);
   CHECK_THAT(small.verdict, Contains("DOES NOT FIT in host memory") && Contains("--offload nvme"));
-  // nvme: the gradient shard and the I/O buffers on the host, master
-  // weights and moments (12 of the 16 bytes) on the disks.
+  // nvme: only the I/O buffers on the host (10 chunks of 1M fp32 and 2
+  // pages per rank); master weights, moments and gradient on the disks:
+  // per element 32 bytes per step plus 8 per micro-batch after the first
+  // and 4 for the first (the gradient's read-modify-write).
   req.offload = "nvme";
   const Plan nvme = make_plan(req);
   CHECK(nvme.rows[2].fits);
-  CHECK(nvme.rows[2].host_bytes_per_node == Approx(fs.host_bytes_per_node / 4 + 8 * 24.0 * (1 << 20)));
-  CHECK(nvme.rows[2].nvme_bytes_per_step == Approx(fs.host_bytes_per_node * 2 * 12 / 16));
+  CHECK(nvme.rows[2].host_bytes_per_node == Approx(8 * (10.0 * (1 << 20) + 2048) * 4));
+  const double elems_node = fs.host_bytes_per_node / 16;
+  CHECK(nvme.rows[2].nvme_bytes_per_step == Approx(elems_node * (32 + 8.0 * nvme.rows[2].accum - 4)));
   CHECK(nvme.rows[2].nvme_bytes_per_step > 0);
   // From the command line.
   auto r = test::run_trainrun("plan --model llama3.1-70b --gpu a100 --gpu-memory 80GB --activation-checkpointing blocks --offload cpu");
@@ -575,15 +578,29 @@ TEST_CASE("planner: Llama 3 70B on 8 x 80 GB gets a mesh that fits", "[planner][
   Plan p = make_plan(req);
   CHECK_FALSE(p.has_recommendation);
   CHECK_THAT(p.recommendation, Contains("recommended: none") && Contains("--offload cpu"));
-  // With the optimizer state on the host it does (TP with offload is refused for now).
+  // With the optimizer state on the host it does, at tp1 and on TP meshes.
   req.offload = "cpu";
   p = make_plan(req);
   REQUIRE(p.has_recommendation);
   CHECK(p.recommended.fits);
   CHECK(p.recommended.mem.total() <= p.capacity);
-  CHECK(p.recommended.tp == 1);
-  CHECK_THAT(p.recommendation, Contains("recommended: tp1 x dp8 full_shard with parallel.offload cpu: fits in 80.0 GiB with"));
-  for (const auto& n : p.tp_not_offered) CHECK_THAT(n.second, Contains("parallel.offload with parallel.tensor_parallel"));
+  CHECK_THAT(p.recommendation, Contains("with parallel.offload cpu: fits in 80.0 GiB with"));
+  CHECK(p.tp_not_offered.empty());
+  // A TP rank offloads its slice: tp2 x dp4 full_shard holds what tp1 x dp8
+  // full_shard holds (the same 1/8 of the state per GPU, up to padding).
+  const PlanRow* tp1 = nullptr;
+  const PlanRow* tp2 = nullptr;
+  for (const auto& r : p.rows)
+    if (r.sharding.strategy == "full_shard") tp1 = &r;
+  for (const auto& r : p.tp_rows)
+    if (r.tp == 2 && r.sharding.strategy == "full_shard") tp2 = &r;
+  REQUIRE(tp1);
+  REQUIRE(tp2);
+  CHECK(tp1->host_bytes_per_node > 1e12);  // 16 bytes x 70.6B = 1.13 TB on the node
+  CHECK(tp2->host_bytes_per_node == Approx(tp1->host_bytes_per_node).epsilon(0.001));
+  CHECK(tp2->mem.optimizer == 0);
+  CHECK(tp2->offload_s > 0);
+  CHECK_THAT(render_plan(p), Contains("tp2 x dp4  full_shard ") && Contains("host 1051.3 GiB/node"));
   // On 4 nodes it trains without offload, and the fastest fitting mesh keeps TP inside a node.
   req.offload = "none";
   req.nodes = 4;

@@ -684,11 +684,6 @@ TEST_CASE("tp: bad meshes are clear errors", "[tp]") {
     CHECK_THROWS_WITH(run_ranks_inprocess(job, 3),
                       Contains("model.n_head (4) is not divisible by parallel.tensor_parallel (3)"));
   }
-  SECTION("optimizer offload with tensor parallelism is refused at load (not supported yet)") {
-    CHECK_THROWS_WITH(parse_job_spec(tp_job(dir.path(), kGpt2Model, "full_shard", 2, 0), "job.yaml",
-                                     {"parallel.offload=cpu"}),
-                      Contains("parallel.offload") && Contains("cpu with parallel.tensor_parallel 2 is not supported yet"));
-  }
   SECTION("pipeline parallelism is refused at load") {
     CHECK_THROWS_WITH(parse_job_spec(tp_job(dir.path(), kGpt2Model, "full_shard", 1, 0), "job.yaml",
                                      {"parallel.pipeline_parallel=2"}),

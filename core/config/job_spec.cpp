@@ -219,8 +219,9 @@ const std::vector<Field>& fields() {
                     "where each rank's fp32 master weights, AdamW moments and fp32 gradient shard live (16 bytes "
                     "per parameter of its shard): none = on the device; cpu = host memory (pinned on GPUs), the "
                     "update on host threads (vectorised host AdamW, bit-identical to the device's on the CPU "
-                    "backend); nvme = master weights and moments in files under offload_dir (streamed each step, O_DIRECT "
-                    "where possible; removed at exit), the gradient shard in host memory"),
+                    "backend); nvme = all four in one file per rank under offload_dir (streamed through a fixed 40 MiB of "
+                    "host buffers per rank, O_DIRECT where possible, io_uring when built in; unlinked once open). "
+                    "Works with every strategy and with parallel.tensor_parallel"),
       TR_SPEC_FIELD(parallel.offload_dir, any(),
                     "directory for parallel.offload: nvme's state files (required with nvme; must be writable)"),
       TR_SPEC_FIELD(parallel.timeout_s, above(0),
@@ -791,10 +792,6 @@ void check_rules(JobSpec& s, const Origins& o, const std::string& fallback, bool
     TR_LOG_WARN(at({"parallel.sequence_parallel", "parallel.tensor_parallel"}),
                 ": parallel.sequence_parallel: true has no effect with parallel.tensor_parallel: 1 (sequence "
                 "parallelism splits the activations of a tensor-parallel group); ignored");
-  if (p.offload != "none" && p.tensor_parallel > 1)
-    fail(at({"parallel.offload", "parallel.tensor_parallel"}), "parallel.offload",
-         p.offload + " with parallel.tensor_parallel " + str(p.tensor_parallel) +
-             " is not supported yet; use offload or tensor parallelism, not both");
 }
 
 // ---- YAML walking ----------------------------------------------------------------

@@ -117,6 +117,17 @@ void debug_ckpt_kill_hook(const char* point, int64_t step) {
   std::raise(SIGKILL);
 }
 
+void debug_offload_kill_hook(int64_t step) {
+  const char* v = std::getenv("TRAINRUN_DEBUG_OFFLOAD_KILL");
+  const char* rank = std::getenv("RANK");
+  if (!v || !*v || !rank) return;
+  const std::vector<std::string> f = split_colons(v);
+  if (f.size() != 2 || f[0] != rank || f[1] != std::to_string(step)) return;
+  TR_LOG_WARN("debug: SIGKILL in the nvme optimizer step of step ", step, " on rank ", rank,
+              " (TRAINRUN_DEBUG_OFFLOAD_KILL)");
+  std::raise(SIGKILL);
+}
+
 int64_t debug_ckpt_sleep_ms(int64_t step) {
   const char* only = std::getenv("TRAINRUN_DEBUG_CKPT_SLEEP_STEP");
   if (only && *only && std::atoll(only) != step) return 0;

@@ -49,6 +49,16 @@
 //       (10 x parallel.timeout_s, at least 10 minutes), so a test of an error
 //       path that should answer at once fails in bounded time if it hangs
 //
+// Offload faults (parallel/sharding/offload.cpp):
+//
+//   TRAINRUN_DEBUG_OFFLOAD_KILL=<rank>:<step>
+//       the worker whose RANK is <rank> raises SIGKILL inside the nvme
+//       optimizer step of training step <step>, right after the first
+//       chunk's write was submitted (state I/O in flight)
+//   TRAINRUN_DEBUG_OFFLOAD_NO_URING=1
+//       io_uring_queue_init is treated as refused by the kernel (EPERM), so
+//       the nvme path takes its logged pread/pwrite fallback
+//
 // Each logs a "debug: ..." line when it fires.
 #pragma once
 #include <cstdint>
@@ -66,6 +76,10 @@ void debug_ckpt_throw_hook(int rank, const std::string& where);
 
 // TRAINRUN_DEBUG_CKPT_KILL: raises SIGKILL when `point` and `step` match it.
 void debug_ckpt_kill_hook(const char* point, int64_t step);
+
+// TRAINRUN_DEBUG_OFFLOAD_KILL: raises SIGKILL when this process's RANK and
+// `step` match it.
+void debug_offload_kill_hook(int64_t step);
 
 // TRAINRUN_DEBUG_CKPT_SLEEP_MS when it applies to `step`, else 0.
 int64_t debug_ckpt_sleep_ms(int64_t step);

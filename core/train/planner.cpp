@@ -12,6 +12,7 @@
 
 #include "core/common/error.h"
 #include "core/model/tensor_parallel.h"
+#include "parallel/sharding/offload.h"
 
 namespace trainrun {
 
@@ -283,12 +284,20 @@ int tp_collectives_per_micro_batch(const ModelConfig& c, bool ckpt) {
   return 4 * c.L + 2 + (ckpt ? 2 * c.L : 0);
 }
 
-double offload_host_bytes_per_rank(const ModelArch& m, const Sharding& s) {
-  if (s.strategy == "no_shard") return 16.0 * double(m.num_parameters());
-  const int64_t G = std::max(1, s.group);
+namespace {
+// The offloaded state of one rank over a layout's units (the whole model's,
+// or a TP rank's local layout): fp32 master, two moments and the gradient
+// shard, 16 bytes per element of its shard.
+double offload_state_bytes(const std::vector<int64_t>& units, const Sharding& s) {
+  const int64_t G = s.strategy == "no_shard" ? 1 : std::max(1, s.group);
   double S = 0;
-  for (int64_t n : unit_numels(m)) S += double(ceil_div(n, G));
+  for (int64_t n : units) S += double(ceil_div(n, G));
   return 16.0 * S;
+}
+}  // namespace
+
+double offload_host_bytes_per_rank(const ModelArch& m, const Sharding& s) {
+  return offload_state_bytes(unit_numels(m), s);
 }
 
 // ---- the plan ------------------------------------------------------------------------------
@@ -298,6 +307,29 @@ namespace {
 struct CommVolume {
   double overlapped = 0, exposed = 0;  // seconds
 };
+
+// Offload's share of one row (tp1 or a TP mesh) with `units` the rank's
+// layout: host memory per node (nvme: all four kinds on disk, streamed
+// through a fixed set of I/O buffers per rank, parallel/sharding/offload.h;
+// cpu: all of it in host memory), and the step time it adds. Per rank the
+// state's elements are updated on the node's host threads shared by its
+// ranks; the gradient comes down once per micro-batch (overlapped with
+// backward, with the reduce-scatters), the act-dtype parameters go up once
+// per step.
+void add_offload(PlanRow& row, const std::vector<int64_t>& units, const PlanRequest& req, double act_bytes,
+                 CommVolume& c) {
+  const bool nvme = req.offload == "nvme";
+  const double state = offload_state_bytes(units, row.sharding);
+  row.host_bytes_per_node = req.gpus_per_node * (nvme ? double(offload_nvme_host_bytes()) : state);
+  if (req.host_memory > 0 && row.host_bytes_per_node > req.host_memory) row.fits = false;
+  const double elems = state / 16.0;
+  if (nvme) row.nvme_bytes_per_step = req.gpus_per_node * offload_nvme_bytes_per_step(elems, row.accum);
+  const double adamw_s = elems * req.gpus_per_node / req.host_adamw_params_per_s;
+  const double up_s = elems * act_bytes / req.pcie_bytes_per_s;
+  c.overlapped += row.accum * elems * 4 / req.pcie_bytes_per_s;
+  row.offload_s = adamw_s + up_s + row.nvme_bytes_per_step / req.nvme_bytes_per_s;
+  c.exposed += row.offload_s;
+}
 
 // Seconds of collective traffic per step for one strategy, with ring
 // algorithms (bytes * (n-1)/n for all-gather / reduce-scatter, 2x that for
@@ -387,10 +419,6 @@ void plan_tensor_parallel(Plan& plan, const ModelArch& m, const DeviceModel& dev
       skip(e.what());
       continue;
     }
-    if (req.offload != "none") {
-      skip("parallel.offload with parallel.tensor_parallel is refused for now");
-      continue;
-    }
     // The TP group's link: the topology's, else NVLink inside a node.
     std::string link = tp <= req.gpus_per_node ? "NVLink" : "cross-node";
     double bw = tp <= req.gpus_per_node ? plan.gpu.nvlink_bytes_per_s : plan.gpu.network_bytes_per_s;
@@ -412,6 +440,7 @@ void plan_tensor_parallel(Plan& plan, const ModelArch& m, const DeviceModel& dev
       row.sharding.world = dp;
       row.sharding.group = strategy == "no_shard" ? 1 : strategy == "hybrid_shard" ? hybrid_dp : dp;
       if (strategy == "hybrid_shard" && dp % hybrid_dp != 0) continue;  // no such mesh
+      row.sharding.offload = req.offload != "none";
       row.mem = tp_memory(m, tp_plan, req.sequence_parallel, row.sharding, req.micro_batch, req.checkpointing, dev);
       row.fits = row.mem.total() <= plan.capacity;
       auto fits_at = [&](int b) {
@@ -435,7 +464,8 @@ void plan_tensor_parallel(Plan& plan, const ModelArch& m, const DeviceModel& dev
       // A dp group of g ranks spans g * tp GPUs.
       const double bw_world = req.nodes > 1 ? bw_inter : bw_intra;
       const double bw_group = row.sharding.group * tp <= req.gpus_per_node ? bw_intra : bw_inter;
-      const CommVolume c = comm_time(units, row.sharding, row.accum, dev.act_bytes, bw_world, bw_group, bw_world);
+      CommVolume c = comm_time(units, row.sharding, row.accum, dev.act_bytes, bw_world, bw_group, bw_world);
+      if (row.sharding.offload) add_offload(row, units, req, dev.act_bytes, c);  // the rank's TP slice
       row.comm_s = c.overlapped + c.exposed + row.tp_comm_s;
       row.exposed_comm_s = c.exposed + row.tp_comm_s;
       row.step_s = row.exposed_comm_s + std::max(row.compute_s, c.overlapped);
@@ -554,17 +584,6 @@ Plan make_plan(const PlanRequest& req) {
     row.sharding.offload = offload;
     row.mem = estimate_memory(m, row.sharding, req.micro_batch, req.checkpointing, dev);
     row.fits = row.mem.total() <= plan.capacity;
-    if (offload) {
-      const double state = offload_host_bytes_per_rank(m, row.sharding);  // per rank
-      // nvme: master weights and moments stream through two buffer sets
-      // of 1M elements x 3 kinds per rank, the gradient shard (a quarter
-      // of the state) stays in host memory (parallel/sharding/offload.h);
-      // cpu: all of it sits in host memory.
-      row.host_bytes_per_node = req.gpus_per_node * (nvme ? state / 4 + 2 * 3 * 4.0 * (1 << 20) : state);
-      // nvme reads and writes master weights and moments once per step.
-      if (nvme) row.nvme_bytes_per_step = req.gpus_per_node * 2 * (12.0 / 16.0) * state;
-      if (req.host_memory > 0 && row.host_bytes_per_node > req.host_memory) row.fits = false;
-    }
     // Memory grows with the micro-batch (activations, inputs) and nothing
     // else: the largest that fits by bisection on the exact model.
     auto fits_at = [&](int b) {
@@ -585,18 +604,7 @@ Plan make_plan(const PlanRequest& req) {
     const double bw_group = row.sharding.group <= req.gpus_per_node ? bw_intra : bw_inter;
     const double bw_replica = req.nodes > 1 ? bw_inter : bw_intra;
     CommVolume c = comm_time(unit_numels(m), row.sharding, row.accum, dev.act_bytes, bw_world, bw_group, bw_replica);
-    if (offload) {
-      // Per rank: the state's elements (16 bytes each), updated on the
-      // node's host threads shared by its ranks; the gradient comes down
-      // once per micro-batch (overlapped with backward, with the
-      // reduce-scatters), the act-dtype parameters go up once per step.
-      const double elems = offload_host_bytes_per_rank(m, row.sharding) / 16.0;
-      const double adamw_s = elems * req.gpus_per_node / req.host_adamw_params_per_s;
-      const double up_s = elems * dev.act_bytes / req.pcie_bytes_per_s;
-      c.overlapped += row.accum * elems * 4 / req.pcie_bytes_per_s;
-      row.offload_s = adamw_s + up_s + row.nvme_bytes_per_step / req.nvme_bytes_per_s;
-      c.exposed += row.offload_s;
-    }
+    if (offload) add_offload(row, unit_numels(m), req, dev.act_bytes, c);
     row.comm_s = c.overlapped + c.exposed;
     row.exposed_comm_s = c.exposed;
     row.step_s = c.exposed + std::max(row.compute_s, c.overlapped);
@@ -694,6 +702,7 @@ void render_tp_table(const Plan& p, std::ostringstream& o) {
         fixed(row.mfu * 100, 0) + "%", row.tp_link};
     std::string line;
     for (size_t i = 0; i < cols.size(); ++i) line += i <= 1 ? pad_right(c[i], cols[i].second) : pad_left(c[i], cols[i].second);
+    if (row.host_bytes_per_node > 0) line += "  host " + gib(row.host_bytes_per_node) + " GiB/node, +" + seconds(row.offload_s);
     o << line << "\n";
   }
   for (const auto& n : p.tp_not_offered) o << "tp" << n.first << ": not offered: " << n.second << "\n";

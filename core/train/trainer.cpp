@@ -266,19 +266,21 @@ void Trainer::setup() {
   offload.mode = parse_offload_mode(job_.parallel.offload);
   offload.dir = job_.parallel.offload_dir;
   if (offload.mode == OffloadMode::Nvme) check_offload_dir(offload.dir);
-  if (offload.mode == OffloadMode::Cpu) {
-    const int64_t per_rank = job_.parallel.sharding == "no_shard" ? arch_->layout().total
-                                                                  : (arch_->layout().total + w_.world - 1) / w_.world;
+  // `local_total`: the elements of this rank's model slice (all of it at
+  // tp1, its TP slice otherwise), sharded over the data-parallel ranks.
+  auto check_host_memory = [&](int64_t local_total) {
+    if (offload.mode != OffloadMode::Cpu) return;
+    const int64_t per_rank =
+        job_.parallel.sharding == "no_shard" ? local_total : (local_total + dp_size_ - 1) / dp_size_;
     check_offload_host_memory(offload_host_bytes(per_rank) * size_t(w_.local_world), host_memory_available(),
                               w_.local_world);
-  }
+  };
   if (tp == 1) {
+    check_host_memory(arch_->layout().total);
     model_ = arch_->make_network(be_.get(), mb_, job_.train.activation_checkpointing == "blocks");
     params_ = make_param_store(job_.parallel.sharding, arch_->layout(), be_.get(), comm_.get(), group, factory,
                                nullptr, offload);
   } else {
-    TR_CHECK(offload.mode == OffloadMode::None, "parallel.offload: ", job_.parallel.offload,
-             " with parallel.tensor_parallel ", tp, " is not supported yet; use one of them");
     // Every group's communicator, built once in the same order on every
     // rank; the store shards this rank's TP slice over the dp group.
     mesh_comms_ = std::make_unique<MeshComms>(*mesh_, factory);
@@ -288,6 +290,7 @@ void Trainer::setup() {
       TR_LOG_INFO("tensor parallelism: the vocabulary of ", cfg.V, " is padded to ", tp_plan_->shape().V_pad,
                   " rows (a multiple of lcm(tp ", tp, ", backend row alignment ", be_->logits_stride(1),
                   ")); the padding rows are never in the loss, the grad norm or a file");
+    check_host_memory(tp_plan_->local_layout().total);
     tp_ctx_.plan = tp_plan_.get();
     tp_ctx_.comm = mesh_comms_->comm(MeshDim::tp);
     tp_ctx_.sequence_parallel = job_.parallel.sequence_parallel_on();
@@ -298,8 +301,10 @@ void Trainer::setup() {
       dp = dp_single_.get();
     }
     HybridComms hybrid{mesh_comms_->comm(MeshDim::dp_shard), mesh_comms_->comm(MeshDim::dp_replicate)};
+    // Offload works on the inner (local) store: the TP store's norm skip
+    // reaches its host grad norm too (HostOptimizerState::grad_sum_squares).
     auto inner = make_param_store(job_.parallel.sharding, tp_plan_->local_layout(), be_.get(), dp, dims.dp_shard,
-                                  factory, &hybrid);
+                                  factory, &hybrid, offload);
     params_ = make_tensor_parallel_store(std::move(inner), *tp_plan_, tp_ctx_.comm);
   }
   params_->init_params(*arch_, job_.train.seed);

@@ -24,6 +24,7 @@
 
 #include "core/common/error.h"
 #include "core/common/log.h"
+#include "core/launch/debug_hooks.h"
 #include "kernels/cpu/host_adamw.h"
 
 namespace trainrun {
@@ -104,85 +105,7 @@ void check_offload_dir(const std::string& dir) {
   ::unlink(probe.c_str());
 }
 
-void pread_full(int fd, const std::string& path, void* buf, size_t bytes, uint64_t offset) {
-  char* p = static_cast<char*>(buf);
-  while (bytes > 0) {
-    const ssize_t got = ::pread(fd, p, bytes, off_t(offset));
-    if (got < 0 && errno == EINTR) continue;
-    TR_CHECK(got >= 0, "parallel.offload: reading ", bytes, " bytes at offset ", offset, " of ", path, " failed: ",
-             std::strerror(errno));
-    TR_CHECK(got > 0, "parallel.offload: short read of ", path, " at offset ", offset, " (", bytes,
-             " bytes missing): the state file was truncated or replaced; the run cannot continue, resume from the last "
-             "checkpoint");
-    p += got;
-    bytes -= size_t(got);
-    offset += uint64_t(got);
-  }
-}
-
-void pwrite_full(int fd, const std::string& path, const void* buf, size_t bytes, uint64_t offset) {
-  const char* p = static_cast<const char*>(buf);
-  while (bytes > 0) {
-    const ssize_t put = ::pwrite(fd, p, bytes, off_t(offset));
-    if (put < 0 && errno == EINTR) continue;
-    if (put < 0 && errno == ENOSPC)
-      TR_FAIL("parallel.offload: the disk of ", path, " is full (writing ", bytes, " bytes at offset ", offset,
-              "); free space there or point parallel.offload_dir at a larger disk");
-    TR_CHECK(put > 0, "parallel.offload: writing ", bytes, " bytes at offset ", offset, " of ", path, " failed: ",
-             put < 0 ? std::strerror(errno) : "no progress");
-    p += put;
-    bytes -= size_t(put);
-    offset += uint64_t(put);
-  }
-}
-
 namespace {
-
-// A few threads that run pread/pwrite jobs in order of submission.
-class IoPool {
- public:
-  explicit IoPool(int threads) {
-    for (int i = 0; i < threads; ++i) workers_.emplace_back([this] { loop(); });
-  }
-  ~IoPool() {
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    for (auto& t : workers_) t.join();
-  }
-  std::future<void> submit(std::function<void()> fn) {
-    std::packaged_task<void()> task(std::move(fn));
-    std::future<void> f = task.get_future();
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      jobs_.push_back(std::move(task));
-    }
-    cv_.notify_one();
-    return f;
-  }
-
- private:
-  void loop() {
-    for (;;) {
-      std::packaged_task<void()> job;
-      {
-        std::unique_lock<std::mutex> lk(mu_);
-        cv_.wait(lk, [this] { return stop_ || !jobs_.empty(); });
-        if (jobs_.empty()) return;
-        job = std::move(jobs_.front());
-        jobs_.pop_front();
-      }
-      job();  // exceptions land in the future
-    }
-  }
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::packaged_task<void()>> jobs_;
-  bool stop_ = false;
-  std::vector<std::thread> workers_;
-};
 
 struct AlignedBlock {
   float* p = nullptr;
@@ -199,18 +122,55 @@ struct AlignedBlock {
 };
 
 std::atomic<int> g_file_counter{0};
+constexpr int64_t kPage = 1024;  // fp32 elements per 4 KiB page
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// OpenMP's schedule(static) split of n iterations over T threads (libgomp:
+// the first n % T threads get one more): thread t's [begin, end).
+std::pair<int64_t, int64_t> static_block(int64_t n, int T, int t) {
+  const int64_t q = n / T, r = n % T;
+  const int64_t b = q * t + std::min<int64_t>(t, r);
+  return {b, b + q + (t < r ? 1 : 0)};
+}
+
+// The CPU backend's sum_squares over x[0, n) (reduce_into): same split, same
+// per-thread double accumulation, same thread-order total.
+float sum_squares_like_backend(const float* x, int64_t n, int threads) {
+  std::vector<double> partial(threads, 0.0);
+#pragma omp parallel num_threads(threads)
+  {
+    const int tid = omp_get_thread_num();
+    double acc = 0.0;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < n; ++i) acc += double(x[i]) * double(x[i]);
+    partial[tid] = acc;
+  }
+  double total = 0.0;
+  for (double p : partial) total += p;
+  return static_cast<float>(total);
+}
 
 }  // namespace
 
+// The nvme file and its buffers. The engine is the last member, so it is
+// destroyed first: its in-flight I/O ends before the buffers go.
 struct HostOptimizerState::Nvme {
   std::string path;
   int direct_fd = -1;    // the streaming I/O (O_DIRECT where possible)
   int buffered_fd = -1;  // checkpoint reads/writes at any offset
   bool o_direct = false;
-  IoPool pool{2};
-  // Two buffer sets, each master | m | v of kChunk elements.
-  std::unique_ptr<AlignedBlock> set[2];
+  // Inside base_ (one pinned block): two step sets of master | m | v | grad
+  // (chunk each), the gradient's device landing chunk and its
+  // read-modify-write window (chunk + 2 pages: a range's first and last
+  // pages may be partial).
+  float* set[2] = {};
+  float* grad_landing = nullptr;
+  float* grad_window = nullptr;
+  std::vector<char> written;  // per grad page: written since zero_grads()
+  std::unique_ptr<IoEngine> engine;
   ~Nvme() {
+    engine.reset();
     if (direct_fd >= 0 && direct_fd != buffered_fd) ::close(direct_fd);
     if (buffered_fd >= 0) ::close(buffered_fd);
   }
@@ -219,23 +179,31 @@ struct HostOptimizerState::Nvme {
 HostOptimizerState::HostOptimizerState(Backend* be, int64_t n, const OffloadOptions& opts)
     : be_(be), n_(n), threads_(opts.threads > 0 ? opts.threads : omp_get_max_threads()) {
   nvme_ = opts.mode == OffloadMode::Nvme;
-  // cpu: master | m | v | grad; nvme: the gradient only (the rest is on disk).
-  alloc_bytes_ = std::max<size_t>(64, size_t(n) * (nvme_ ? 4 : 16));
+  if (nvme_) {
+    TR_CHECK(opts.chunk_elements > 0 && opts.chunk_elements % kPage == 0, "parallel.offload: the nvme chunk (",
+             opts.chunk_elements, " elements) must be a positive multiple of 1024");
+    // A shard smaller than a chunk needs no more buffer than itself.
+    chunk_ = std::min(opts.chunk_elements, round_up(std::max<int64_t>(n, 1), kPage));
+  }
+  // cpu: master | m | v | grad; nvme: the I/O buffers only (the state is on disk).
+  alloc_bytes_ = nvme_ ? offload_nvme_host_bytes(chunk_) : std::max<size_t>(64, size_t(n) * 16);
   void* p = nullptr;
-  if (posix_memalign(&p, 64, alloc_bytes_) != 0 || !p)
+  if (posix_memalign(&p, 4096, alloc_bytes_) != 0 || !p)
     TR_FAIL("parallel.offload: cannot allocate ", gb(double(alloc_bytes_)), " of host memory for the optimizer state (",
             n, " elements); use parallel.offload: nvme, more ranks or more nodes");
   base_ = static_cast<float*>(p);
   std::memset(base_, 0, alloc_bytes_);  // also the first touch: no page faults inside a step
-  if (nvme_) {
-    bufs_[3] = base_;
-  } else {
+  if (!nvme_) {
     for (int k = 0; k < 4; ++k) bufs_[k] = base_ + size_t(k) * size_t(n);
-  }
-  if (nvme_) {
+  } else {
     check_offload_dir(opts.dir);
     io_ = std::make_unique<Nvme>();
-    region_bytes_ = (size_t(n) * 4 + 4095) / 4096 * 4096;
+    io_->set[0] = base_;
+    io_->set[1] = base_ + 4 * chunk_;
+    io_->grad_landing = base_ + 8 * chunk_;
+    io_->grad_window = base_ + 9 * chunk_;
+    region_bytes_ = size_t(round_up(std::max<int64_t>(n, 1), kPage)) * 4;
+    io_->written.assign(region_bytes_ / 4096, 0);
     io_->path = opts.dir + "/trainrun-offload-" + std::to_string(getpid()) + "-" + std::to_string(g_file_counter++) +
                 ".state";
     io_->buffered_fd = ::open(io_->path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
@@ -251,17 +219,23 @@ HostOptimizerState::HostOptimizerState(Backend* be, int64_t n, const OffloadOpti
     // Gone from the directory at once: the space is returned when the
     // process ends, however it ends.
     ::unlink(io_->path.c_str());
-    const int rc = posix_fallocate(io_->buffered_fd, 0, off_t(3 * region_bytes_));
+    const size_t file_bytes = 4 * region_bytes_;
+    const int rc = posix_fallocate(io_->buffered_fd, 0, off_t(file_bytes));
     if (rc == ENOSPC)
-      TR_FAIL("parallel.offload: the disk of ", opts.dir, " is full: the optimizer state needs ",
-              gb(double(3 * region_bytes_)), " there; free space or point parallel.offload_dir at a larger disk");
-    if (rc != 0) TR_CHECK(::ftruncate(io_->buffered_fd, off_t(3 * region_bytes_)) == 0, "parallel.offload: cannot size ",
+      TR_FAIL("parallel.offload: the disk of ", opts.dir, " is full: the optimizer state needs ", gb(double(file_bytes)),
+              " there; free space or point parallel.offload_dir at a larger disk");
+    if (rc != 0) TR_CHECK(::ftruncate(io_->buffered_fd, off_t(file_bytes)) == 0, "parallel.offload: cannot size ",
                           io_->path, ": ", std::strerror(errno));
-    for (auto& b : io_->set) b = std::make_unique<AlignedBlock>(size_t(3 * kChunk) * 4);
+    const IoChoice choice = opts.io == IoChoice::Auto ? io_choice_from_env() : opts.io;
+    std::string fallback;
+    io_->engine = make_io_engine(io_->direct_fd, io_->path, choice, &fallback);
     static std::once_flag logged;
     std::call_once(logged, [&] {
       TR_LOG_INFO("parallel.offload: nvme state under ", opts.dir, " (", io_->o_direct ? "O_DIRECT" : "buffered",
-                  "), pread/pwrite on 2 I/O threads per rank (io_uring not used: liburing is not built in)");
+                  ", ", io_->engine->name(), "; ", gb(double(alloc_bytes_)), " of I/O buffers per rank)");
+      if (!fallback.empty())
+        TR_LOG_WARN("parallel.offload: io_uring is not used (", fallback,
+                    "); nvme I/O runs on a pread/pwrite thread pool instead");
     });
   }
   if (be->wants_pinned_host()) {
@@ -276,14 +250,14 @@ HostOptimizerState::HostOptimizerState(Backend* be, int64_t n, const OffloadOpti
 }
 
 HostOptimizerState::~HostOptimizerState() {
-  io_.reset();  // joins the I/O threads before the buffers go
+  io_.reset();  // ends the I/O before the buffers go
   if (pinned_) be_->unpin_host(base_);
   std::free(base_);
 }
 
-size_t HostOptimizerState::host_bytes() const {
-  return alloc_bytes_ + (nvme_ ? size_t(2 * 3 * kChunk) * 4 : 0);
-}
+size_t HostOptimizerState::host_bytes() const { return alloc_bytes_; }
+
+const char* HostOptimizerState::io_engine() const { return io_ ? io_->engine->name() : ""; }
 
 void HostOptimizerState::read_state(int kind, int64_t off, float* out, int64_t n) {
   TR_CHECK(kind >= 0 && kind < 3 && off >= 0 && off + n <= n_, "offload: state range out of bounds");
@@ -297,36 +271,128 @@ void HostOptimizerState::write_state(int kind, int64_t off, const float* in, int
   pwrite_full(io_->buffered_fd, io_->path, in, size_t(n) * 4, uint64_t(kind) * region_bytes_ + uint64_t(off) * 4);
 }
 
-void HostOptimizerState::zero_grads() { std::memset(bufs_[3], 0, size_t(n_) * 4); }
+void HostOptimizerState::zero_grads() {
+  // nvme: no write; pages not written since then read as zero.
+  if (nvme_) return void(std::fill(io_->written.begin(), io_->written.end(), 0));
+  std::memset(bufs_[3], 0, size_t(n_) * 4);
+}
+
+void HostOptimizerState::zero_unwritten_grad_pages(float* buf, int64_t p0, int64_t p1) const {
+  for (int64_t p = p0; p < p1; ++p)
+    if (!io_->written[size_t(p)]) std::memset(buf + (p - p0) * kPage, 0, 4096);
+}
 
 void HostOptimizerState::add_grad_from_device(int64_t off, const float* dev_src, int64_t n) {
   TR_CHECK(off >= 0 && off + n <= n_, "offload: gradient range [", off, ", +", n, ") outside the shard of ", n_);
-  if (int64_t(staging_host_.size()) < n) staging_host_.resize(size_t(n));
-  be_->copy_to_host(staging_host_.data(), dev_src, size_t(n) * 4);
-  host_accumulate(bufs_[3] + off, staging_host_.data(), n, threads_);
+  if (!nvme_) {
+    if (int64_t(staging_host_.size()) < n) staging_host_.resize(size_t(n));
+    be_->copy_to_host(staging_host_.data(), dev_src, size_t(n) * 4);
+    return host_accumulate(bufs_[3] + off, staging_host_.data(), n, threads_);
+  }
+  // A chunk at a time through the landing buffer; whole pages of the grad
+  // region read (only those written since zero_grads), added to, written.
+  // On the comm thread, synchronously: it overlaps the backward of earlier
+  // units, which is what the device does meanwhile.
+  Nvme& io = *io_;
+  const uint64_t grad_base = 3 * uint64_t(region_bytes_);
+  for (int64_t i = 0; i < n; i += chunk_) {
+    const int64_t len = std::min(chunk_, n - i), x = off + i;
+    const int64_t p0 = x / kPage, p1 = (x + len + kPage - 1) / kPage;
+    float* win = io.grad_window;
+    for (int64_t p = p0; p < p1;) {
+      int64_t q = p;
+      const char w = io.written[size_t(p)];
+      while (q < p1 && io.written[size_t(q)] == w) ++q;
+      float* dst = win + (p - p0) * kPage;
+      if (w) pread_full(io.direct_fd, io.path, dst, size_t(q - p) * 4096, grad_base + uint64_t(p) * 4096);
+      else std::memset(dst, 0, size_t(q - p) * 4096);
+      p = q;
+    }
+    be_->copy_to_host(io.grad_landing, dev_src + i, size_t(len) * 4);
+    host_accumulate(win + (x - p0 * kPage), io.grad_landing, len, threads_);
+    pwrite_full(io.direct_fd, io.path, win, size_t(p1 - p0) * 4096, grad_base + uint64_t(p0) * 4096);
+    std::fill(io.written.begin() + p0, io.written.begin() + p1, 1);
+  }
 }
 
 void HostOptimizerState::grad_from_device(const float* dev_src, int64_t n) {
   TR_CHECK(n <= n_, "offload: ", n, " gradient values for a shard of ", n_);
-  be_->copy_to_host(bufs_[3], dev_src, size_t(n) * 4);
+  if (!nvme_) return be_->copy_to_host(bufs_[3], dev_src, size_t(n) * 4);
+  zero_grads();
+  Nvme& io = *io_;
+  for (int64_t lo = 0; lo < n; lo += chunk_) {
+    const int64_t len = std::min(chunk_, n - lo), pages = (len + kPage - 1) / kPage;
+    std::memset(io.grad_window + len, 0, size_t(pages * kPage - len) * 4);  // the last page's tail
+    be_->copy_to_host(io.grad_window, dev_src + lo, size_t(len) * 4);
+    pwrite_full(io.direct_fd, io.path, io.grad_window, size_t(pages) * 4096,
+                3 * uint64_t(region_bytes_) + uint64_t(lo) * 4);
+    std::fill(io.written.begin() + lo / kPage, io.written.begin() + lo / kPage + pages, 1);
+  }
 }
 
-float HostOptimizerState::grad_sum_squares() const {
-  // The loop of the CPU backend's sum_squares, thread count included.
-  const float* x = bufs_[3];
-  const int64_t n = n_;
-  std::vector<double> partial(threads_, 0.0);
-#pragma omp parallel num_threads(threads_)
-  {
-    const int tid = omp_get_thread_num();
-    double acc = 0.0;
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < n; ++i) acc += double(x[i]) * double(x[i]);
-    partial[tid] = acc;
+float HostOptimizerState::grad_sum_squares(const std::vector<std::pair<int64_t, int64_t>>& pieces) {
+  for (const auto& [s, c] : pieces)
+    TR_CHECK(s >= 0 && c >= 0 && s + c <= n_, "offload: norm piece [", s, ", +", c, ") outside the shard of ", n_);
+  float total = 0.0f;
+  if (!nvme_) {
+    for (const auto& [s, c] : pieces) total += sum_squares_like_backend(bufs_[3] + s, c, threads_);
+    return total;
   }
-  double total = 0.0;
-  for (double p : partial) total += p;
-  return static_cast<float>(total);
+  // Streamed a chunk at a time (double-buffered). Each thread's block of a
+  // piece is summed in element order across chunks, so the partials, and
+  // the float total, are those of sum_squares_like_backend on the piece.
+  // A step set holds 4 chunks: the norm reads 4 chunks at a time, as 4
+  // requests in flight (one 4 MiB request at a time leaves a disk idle
+  // between requests).
+  Nvme& io = *io_;
+  const int64_t K = 4 * chunk_, chunks = (n_ + K - 1) / K;
+  auto read = [&](int64_t c, float* buf) {
+    std::vector<IoOp> ops;
+    for (int64_t lo = c * K; lo < std::min(n_, (c + 1) * K); lo += chunk_)
+      ops.push_back({false, buf + (lo - c * K), size_t(round_up(std::min(chunk_, n_ - lo), kPage)) * 4,
+                     3 * uint64_t(region_bytes_) + uint64_t(lo) * 4});
+    return io.engine->submit(ops);
+  };
+  const int T = threads_;
+  std::vector<double> partial(size_t(T), 0.0);
+  size_t piece = 0;
+  uint64_t ticket[2] = {0, 0};
+  float* buf[2] = {io.set[0], io.set[1]};
+  if (chunks > 0) ticket[0] = read(0, buf[0]);
+  for (int64_t c = 0; c < chunks && piece < pieces.size(); ++c) {
+    const int b = int(c % 2);
+    io.engine->wait(ticket[b]);
+    ticket[b] = 0;
+    if (c + 1 < chunks) ticket[1 - b] = read(c + 1, buf[1 - b]);
+    const int64_t lo = c * K, hi = std::min(n_, lo + K);
+    zero_unwritten_grad_pages(buf[b], lo / kPage, (hi + kPage - 1) / kPage);
+    while (piece < pieces.size()) {
+      const auto [ps, pc] = pieces[piece];
+      const int64_t x = std::max(lo, ps), y = std::min(hi, ps + pc);
+      if (x < y) {
+        const float* data = buf[b] - lo;
+#pragma omp parallel for num_threads(T) schedule(static, 1)
+        for (int t = 0; t < T; ++t) {
+          const auto [tb, te] = static_block(pc, T, t);
+          const int64_t u = std::max(x, ps + tb), v = std::min(y, ps + te);
+          double acc = partial[size_t(t)];
+          for (int64_t i = u; i < v; ++i) acc += double(data[i]) * double(data[i]);
+          partial[size_t(t)] = acc;
+        }
+      }
+      if (ps + pc > hi) break;  // continues in the next chunk
+      double sum = 0.0;
+      for (double p : partial) sum += p;
+      total += static_cast<float>(sum);
+      std::fill(partial.begin(), partial.end(), 0.0);
+      ++piece;
+    }
+  }
+  // A prefetch the loop did not need (the pieces ended early) must land
+  // before the buffer is reused.
+  for (uint64_t& t : ticket)
+    if (t) io.engine->wait(t), t = 0;
+  return total;
 }
 
 void HostOptimizerState::step(const std::vector<OffloadSegment>& segments_in, float lr, float beta1, float beta2,
@@ -346,69 +412,61 @@ void HostOptimizerState::step(const std::vector<OffloadSegment>& segments_in, fl
     }
     return to_device(dev_act, 0, bufs_[0], n_);
   }
-  // nvme: chunk c of the shard is [c*K, min(n, (c+1)*K)); its three kinds
-  // sit at kind*region + c*K*4 in the file, always 4 KiB aligned, and reads
-  // and writes are whole multiples of 4 KiB (the file is padded to them).
+  // nvme: chunk c of the shard is [c*K, min(n, (c+1)*K)); its kinds sit at
+  // kind*region + c*K*4 in the file, always 4 KiB aligned, and reads and
+  // writes are whole multiples of 4 KiB (the file is padded to them).
   std::vector<OffloadSegment> segments = segments_in;  // the chunk walk below needs them in order
   std::sort(segments.begin(), segments.end(),
             [](const OffloadSegment& x, const OffloadSegment& y) { return x.off < y.off; });
-  const int64_t K = kChunk;
+  const int64_t K = chunk_;
   const int64_t chunks = (n_ + K - 1) / K;
   Nvme& io = *io_;
-  auto io_bytes = [&](int64_t c) {
-    const int64_t len = std::min(K, n_ - c * K);
-    return (size_t(len) * 4 + 4095) / 4096 * 4096;
+  auto ops = [&](int64_t c, float* buf, bool write) {
+    const size_t bytes = size_t(round_up(std::min(K, n_ - c * K), kPage)) * 4;
+    std::vector<IoOp> v;
+    for (int k = 0; k < (write ? 3 : 4); ++k)
+      v.push_back({write, buf + k * K, bytes, uint64_t(k) * region_bytes_ + uint64_t(c * K) * 4});
+    return io.engine->submit(v);
   };
-  auto read_chunk = [&](int64_t c, float* buf) {
-    return io.pool.submit([&io, this, c, buf, bytes = io_bytes(c)] {
-      for (int k = 0; k < 3; ++k)
-        pread_full(io.direct_fd, io.path, buf + k * kChunk, bytes, uint64_t(k) * region_bytes_ + uint64_t(c) * kChunk * 4);
-    });
-  };
-  auto write_chunk = [&](int64_t c, const float* buf) {
-    return io.pool.submit([&io, this, c, buf, bytes = io_bytes(c)] {
-      for (int k = 0; k < 3; ++k)
-        pwrite_full(io.direct_fd, io.path, buf + k * kChunk, bytes, uint64_t(k) * region_bytes_ + uint64_t(c) * kChunk * 4);
-    });
-  };
-  std::future<void> reads[2], writes[2];
-  if (chunks > 0) reads[0] = read_chunk(0, io.set[0]->p);
+  uint64_t reads[2] = {0, 0}, writes[2] = {0, 0};
+  if (chunks > 0) reads[0] = ops(0, io.set[0], false);
   size_t seg = 0;
   for (int64_t c = 0; c < chunks; ++c) {
     const int b = int(c % 2);
-    float* buf = io.set[b]->p;
-    reads[b].get();
+    float* buf = io.set[b];
+    io.engine->wait(reads[b]);
     // Prefetch the next chunk into the other set once its write is done.
     if (c + 1 < chunks) {
-      if (writes[1 - b].valid()) writes[1 - b].get();
-      reads[1 - b] = read_chunk(c + 1, io.set[1 - b]->p);
+      if (writes[1 - b]) io.engine->wait(writes[1 - b]), writes[1 - b] = 0;
+      reads[1 - b] = ops(c + 1, io.set[1 - b], false);
     }
     const int64_t lo = c * K, hi = std::min(n_, lo + K);
+    zero_unwritten_grad_pages(buf + 3 * K, lo / kPage, (hi + kPage - 1) / kPage);
     while (seg < segments.size() && segments[seg].off + segments[seg].n <= lo) ++seg;
     for (size_t j = seg; j < segments.size() && segments[j].off < hi; ++j) {
       const int64_t x = std::max(lo, segments[j].off), y = std::min(hi, segments[j].off + segments[j].n);
       if (x >= y) continue;
       a.weight_decay = segments[j].weight_decay;
-      host_adamw_update(buf + (x - lo), bufs_[3] + x, buf + kChunk + (x - lo), buf + 2 * kChunk + (x - lo), y - x, a,
+      host_adamw_update(buf + (x - lo), buf + 3 * K + (x - lo), buf + K + (x - lo), buf + 2 * K + (x - lo), y - x, a,
                         threads_);
     }
-    writes[b] = write_chunk(c, buf);
+    writes[b] = ops(c, buf, true);
+    if (c == 0) debug_offload_kill_hook(step);  // a write of this step is in flight
     to_device(dev_act, lo, buf, hi - lo);
   }
-  for (auto& w : writes)
-    if (w.valid()) w.get();
+  for (uint64_t w : writes)
+    if (w) io.engine->wait(w);
 }
 
 void HostOptimizerState::master_to_device(void* dev_act) {
   if (!nvme_) return to_device(dev_act, 0, bufs_[0], n_);
-  float* buf = io_->set[0]->p;
-  for (int64_t lo = 0; lo < n_; lo += kChunk) {
-    const int64_t len = std::min(kChunk, n_ - lo);
+  float* buf = io_->set[0];
+  for (int64_t lo = 0; lo < n_; lo += chunk_) {
+    const int64_t len = std::min(chunk_, n_ - lo);
     read_state(0, lo, buf, len);
     to_device(dev_act, lo, buf, len);
   }
 }
-
 void HostOptimizerState::to_device(void* dev_act, int64_t off, const float* host, int64_t n) {
   if (n == 0) return;
   const size_t es = dtype_size(be_->act_dtype());

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "kernels/backend.h"
+#include "parallel/sharding/offload_io.h"
 
 namespace trainrun {
 
@@ -38,10 +39,28 @@ struct OffloadOptions {
   OffloadMode mode = OffloadMode::None;
   std::string dir;   // parallel.offload_dir (nvme)
   int threads = 0;   // host AdamW threads; 0 = OpenMP's (the CPU backend's) count
+  // nvme: elements per I/O chunk and kind (a positive multiple of 1024, so
+  // every read and write is whole 4 KiB pages). Tests make it small so that
+  // a small model spans many chunks.
+  int64_t chunk_elements = int64_t(1) << 20;
+  IoChoice io = IoChoice::Auto;  // nvme: io_uring or the pread/pwrite pool (offload_io.h)
 };
 
 // Bytes of host memory offload keeps per rank for a shard of n elements.
 inline size_t offload_host_bytes(int64_t shard_elements) { return size_t(shard_elements) * 16; }
+// nvme: the host memory of a rank is its I/O buffers only, whatever the
+// shard (see HostOptimizerState): two step sets of 4 kinds, the gradient's
+// landing chunk and its read-modify-write window (a chunk and 2 pages).
+inline size_t offload_nvme_host_bytes(int64_t chunk_elements = int64_t(1) << 20) {
+  return size_t(10 * chunk_elements + 2048) * 4;
+}
+// nvme: bytes read + written on disk per step for a shard of n elements
+// and `accum` micro-batches: the gradient written each micro-batch (and
+// read back after the first), read by the norm and the step; master and
+// both moments read and written by the step.
+inline double offload_nvme_bytes_per_step(double shard_elements, int accum) {
+  return shard_elements * (4.0 * accum + 4.0 * (accum - 1) + 4 + 4 + 12 + 12);
+}
 
 // The start-up check of a node's host memory: throws naming parallel.offload
 // when `needed` (all ranks of the node) exceeds `available`.
@@ -56,12 +75,6 @@ std::string memlock_warning(size_t bytes, uint64_t memlock_limit);
 // created and removed); the error names the directory and parallel.offload_dir.
 void check_offload_dir(const std::string& dir);
 
-// Low-level I/O of the nvme state files, each error naming the path:
-// a short read (the file is shorter than the state), a full disk (ENOSPC),
-// any other errno. Exposed for the tests.
-void pread_full(int fd, const std::string& path, void* buf, size_t bytes, uint64_t offset);
-void pwrite_full(int fd, const std::string& path, const void* buf, size_t bytes, uint64_t offset);
-
 // A piece of the shard updated with one weight decay (one tensor's slice).
 struct OffloadSegment {
   int64_t off = 0, n = 0;
@@ -69,17 +82,26 @@ struct OffloadSegment {
 };
 
 // One rank's offloaded optimizer state: n fp32 elements each of master
-// weights and moments, and the gradient, outside the device.
+// weights, both moments and the gradient, outside the device.
 //   cpu   all four in one host allocation;
-//   nvme  master and moments in one file under offload_dir (unlinked as
-//         soon as it is open, so it is gone when the process ends, even
-//         after kill -9), the gradient in host memory (4 bytes/param).
-//         Each step streams the file through two buffer sets of kChunk
-//         elements (double-buffered: the next chunk is read and the last
-//         one written on the I/O threads while this one is updated).
+//   nvme  all four in one file under offload_dir (regions of n elements
+//         rounded up to 4 KiB: master | m | v | grad), unlinked as soon as it
+//         is open, so it is gone when the process ends, even after kill -9.
+//         Host memory is a fixed set of buffers (about 18 chunks, 72 MiB at
+//         the default chunk), whatever the shard's size:
+//           backward  each unit's gradient comes off the device a chunk at a
+//                     time and is added into its pages of the grad region
+//                     (read-modify-write of whole pages; pages not written
+//                     since zero_grads() read as zero without a read);
+//           norm      the grad region streamed once (double-buffered);
+//           step      chunk by chunk: master, m, v and grad read, AdamW,
+//                     master, m, v written, while the next chunk is read
+//                     (two buffer sets).
+//         Disk traffic per step and parameter: 4 bytes written per
+//         micro-batch (plus 4 read after the first), 8 read by norm and
+//         step's grad, 12 read and 12 written by the step.
 //         O_DIRECT where the filesystem takes it, else buffered I/O with a
-//         logged fallback; pread/pwrite on a thread pool (liburing is not
-//         used: not installed here; logged once).
+//         logged fallback; io_uring or a pread/pwrite pool (offload_io.h).
 class HostOptimizerState {
  public:
   HostOptimizerState(Backend* be, int64_t n, const OffloadOptions& opts);
@@ -98,35 +120,44 @@ class HostOptimizerState {
   void add_grad_from_device(int64_t off, const float* dev_src, int64_t n);
   // grad[0, n) = the device's src (a replicated all-reduced gradient).
   void grad_from_device(const float* dev_src, int64_t n);
-  // sum(grad^2) over the whole buffer, as the CPU backend's sum_squares
-  // (per-thread double partials in thread order): the same bits.
-  float grad_sum_squares() const;
+  // The gradient's sum of squares over `pieces` ((start, count) of the
+  // shard, ascending), as the device path computes it: each piece summed
+  // as the CPU backend's sum_squares does (per-thread double partials over
+  // OpenMP's static split, in thread order), cast to float and added to a
+  // float total in piece order. The same bits as the device path, with or
+  // without tensor parallelism's skipped (replicated) ranges.
+  float grad_sum_squares(const std::vector<std::pair<int64_t, int64_t>>& pieces);
   // Host AdamW on every segment, then the updated master weights into the
   // device's act-dtype shard dev_act[0, n).
   void step(const std::vector<OffloadSegment>& segments, float lr, float beta1, float beta2, float eps, int step,
             float grad_scale, void* dev_act);
   // The device's act-dtype shard from the master weights (after a load).
   void master_to_device(void* dev_act);
-  // Host bytes this rank holds (cpu: the state; nvme: gradient + buffers)
+  // Host bytes this rank holds (cpu: the state; nvme: the I/O buffers)
   // and bytes on disk (nvme).
   size_t host_bytes() const;
-  size_t disk_bytes() const { return nvme_ ? size_t(3) * region_bytes_ : 0; }
+  size_t disk_bytes() const { return nvme_ ? size_t(4) * region_bytes_ : 0; }
   bool pinned() const { return pinned_; }
-  static constexpr int64_t kChunk = int64_t(1) << 20;  // elements per nvme I/O (4 MiB per kind)
+  // nvme: "io_uring" or "pool"; "" for cpu.
+  const char* io_engine() const;
 
  private:
   struct Nvme;
   void to_device(void* dev_act, int64_t off, const float* host, int64_t n);
+  // nvme: grad pages [p0, p1) not written since zero_grads() set to zero in
+  // buf (which holds the grad from page p0 on).
+  void zero_unwritten_grad_pages(float* buf, int64_t p0, int64_t p1) const;
   Backend* be_;
   int64_t n_;
   int threads_;
+  int64_t chunk_ = 0;  // nvme: elements per chunk (OffloadOptions::chunk_elements)
   bool pinned_ = false;
   bool nvme_ = false;
   size_t alloc_bytes_ = 0;
   size_t region_bytes_ = 0;  // nvme: one kind's bytes in the file, 4 KiB aligned
-  float* base_ = nullptr;  // cpu: master | m | v | grad; nvme: grad only
-  float* bufs_[4] = {};
-  std::vector<float> staging_host_;  // add_grad_from_device's landing buffer (comm thread)
+  float* base_ = nullptr;    // cpu: master | m | v | grad; nvme: the I/O buffers
+  float* bufs_[4] = {};      // cpu: the four kinds
+  std::vector<float> staging_host_;  // cpu: add_grad_from_device's landing buffer (comm thread)
   DeviceBuffer staging_dev_;         // to_device on non-fp32 backends
   std::unique_ptr<Nvme> io_;
 };

@@ -49,20 +49,31 @@ inline float sum_squares_to_host(Backend* be, float* acc, const float* x, int64_
   return host;
 }
 
-// Adds sum(x^2) over layout elements [lo, hi) to acc[0], where x[0] is
-// element lo, leaving out the (start, count) ranges of `skip` (sorted).
-inline void sum_squares_skipping(Backend* be, float* acc, const float* x, int64_t lo, int64_t hi,
-                                 const std::vector<std::pair<int64_t, int64_t>>& skip) {
+// The (start, count) pieces of layout elements [lo, hi) outside the sorted
+// (start, count) ranges of `skip`, ascending: what a gradient norm counts.
+inline std::vector<std::pair<int64_t, int64_t>> unskipped_pieces(
+    int64_t lo, int64_t hi, const std::vector<std::pair<int64_t, int64_t>>& skip) {
+  std::vector<std::pair<int64_t, int64_t>> out;
   int64_t at = lo;
   for (const auto& [s0, n] : skip) {
     const int64_t s1 = s0 + n;
     if (s1 <= at) continue;
     if (s0 >= hi) break;
-    if (s0 > at) be->sum_squares(acc, x + (at - lo), std::min(s0, hi) - at);
+    if (s0 > at) out.push_back({at, std::min(s0, hi) - at});
     at = std::max(at, s1);
-    if (at >= hi) return;
+    if (at >= hi) return out;
   }
-  if (at < hi) be->sum_squares(acc, x + (at - lo), hi - at);
+  if (at < hi) out.push_back({at, hi - at});
+  return out;
+}
+
+// Adds sum(x^2) over layout elements [lo, hi) to acc[0], where x[0] is
+// element lo, leaving out the (start, count) ranges of `skip` (sorted): one
+// backend sum_squares per piece, in order (the offload path, which sums on
+// the host, reproduces exactly this: HostOptimizerState::grad_sum_squares).
+inline void sum_squares_skipping(Backend* be, float* acc, const float* x, int64_t lo, int64_t hi,
+                                 const std::vector<std::pair<int64_t, int64_t>>& skip) {
+  for (const auto& [s, n] : unskipped_pieces(lo, hi, skip)) be->sum_squares(acc, x + (s - lo), n);
 }
 
 class ParamStore : public UnitAccess {

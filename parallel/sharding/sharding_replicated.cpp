@@ -62,11 +62,10 @@ class ReplicatedStore final : public ParamStore {
   }
   double grad_norm_squared() override {
     if (host_) {
-      // Offloaded: the host holds the gradient. Tensor parallelism's
-      // replicated-tensor skip (norm_skip_) is not applied there yet, so
-      // the two are refused together at job load.
-      TR_CHECK(norm_skip_.empty(), "parallel.offload with parallel.tensor_parallel > 1 is not supported yet");
-      return host_->grad_sum_squares();
+      // Offloaded: the host holds the gradient; the same pieces as below
+      // (tensor parallelism's replicas left out), summed to the same bits.
+      return host_->grad_sum_squares(norm_skip_.empty() ? std::vector<std::pair<int64_t, int64_t>>{{0, layout_.total}}
+                                                        : unskipped_pieces(0, layout_.total, norm_skip_));
     }
     if (norm_skip_.empty()) return sum_squares_to_host(be_, norm_acc_.as<float>(), grads_.as<float>(), layout_.total);
     be_->zero(norm_acc_.get(), 4);

@@ -341,9 +341,14 @@ class ShardedStore final : public ParamStore {
     // Padding is zero, so the shard's sum is exact.
     float local = 0;
     if (host_) {
-      // See ReplicatedStore: offload and tensor parallelism are refused together for now.
-      TR_CHECK(norm_skip_.empty(), "parallel.offload with parallel.tensor_parallel > 1 is not supported yet");
-      local = host_->grad_sum_squares();
+      // The device path's pieces below, in shard offsets: summed on the host to the same bits.
+      std::vector<std::pair<int64_t, int64_t>> pieces;
+      if (norm_skip_.empty()) pieces.push_back({0, shard_total_});
+      for (const auto& u : units_)
+        if (!norm_skip_.empty() && u.owned > 0)
+          for (const auto& [s, n] : unskipped_pieces(u.offset + u.begin, u.offset + u.begin + u.owned, norm_skip_))
+            pieces.push_back({u.shard_off + (s - (u.offset + u.begin)), n});
+      local = host_->grad_sum_squares(pieces);
     } else if (norm_skip_.empty()) {
       local = sum_squares_to_host(be_, norm_acc_.as<float>(), grad_.as<float>(), shard_total_);
     } else {
