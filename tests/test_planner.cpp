@@ -502,6 +502,38 @@ TEST_CASE("planner: the TP activation model is each TP rank's arena, byte for by
   }
 }
 
+TEST_CASE("sequence parallelism keeps 1/T of every per-layer activation outside attention and the MLP",
+          "[planner][tp][sp]") {
+  // Per layer the residual stream (after attention, after the MLP), both
+  // norms' outputs and their statistics live outside attention and the MLP:
+  // with SP a rank keeps only its N/T rows of each (the norm outputs are
+  // all-gathered again where a column layer reads them). Measured on the
+  // networks' own arenas as the per-layer growth (L=4 minus L=2, halved).
+  auto be = make_cpu_backend(1);
+  for (const char* shape : {"gpt2:C=32,heads=4,V=100,T=16", "llama:C=32,heads=4,kv_heads=2,ffn=48,V=101,T=16"}) {
+    for (int tp : {2, 4}) {
+      const int B = 4, N = B * 16, C = 32, NR = N / tp;
+      auto per_layer = [&](bool sp) {
+        double bytes[2];
+        for (int i = 0; i < 2; ++i) {
+          const auto arch = make_model_arch(parse_model_shape(std::string(shape) + ",L=" + std::to_string(2 + 2 * i)));
+          const TensorParallelPlan plan(*arch, tp, 0);
+          TensorParallel ctx;
+          ctx.plan = &plan;
+          ctx.sequence_parallel = sp;
+          bytes[i] = double(arch->make_network(be.get(), B, false, &ctx)->activation_bytes());
+        }
+        return (bytes[1] - bytes[0]) / 2;
+      };
+      const bool llama = std::string(shape).rfind("llama", 0) == 0;
+      const double stats = llama ? 2 : 4;  // RMSNorm: rstd x 2 norms; LayerNorm: mean, rstd x 2
+      INFO(shape << " tp" << tp);
+      // 4 (rows, C) fp32 activations and the statistics, each N -> N/T rows.
+      CHECK(per_layer(false) - per_layer(true) == 4.0 * (N - NR) * C * 4 + stats * (N - NR) * 4);
+    }
+  }
+}
+
 TEST_CASE("planner: a tp2 row's memory and time are the hand-computed ones", "[planner][tp]") {
   // GPT-2 L=2 C=64 heads=4 V=256 T=32 on 2 GPUs: tp2 x dp1 no_shard.
   PlanRequest req;

@@ -133,8 +133,9 @@ struct TensorParallel {
 // ops on the same buffers as before. Without SP a row-parallel output and
 // a column layer's input gradient are all-reduced in place; with SP they
 // are reduce-scattered into this rank's rows (rows_buf), and a norm's
-// output (forward) and the residual gradient (backward) are all-gathered
-// before a column layer reads them; a norm's weight gradient, computed
+// output (forward, and again for the column layer's weight gradient in
+// backward: only this rank's rows are kept) and the residual gradient
+// (backward) are all-gathered before a column layer reads them; a norm's weight gradient, computed
 // from this rank's rows only, is summed over the group.
 struct TpCollectives {
   const TensorParallel* tp = nullptr;  // null: no tensor parallelism
@@ -142,7 +143,8 @@ struct TpCollectives {
   int C = 0;
   bool sp = false;
   void* rows_buf = nullptr;      // (N/T, C) act dtype: reduce-scattered rows (SP)
-  void* full_buf = nullptr;      // (N, C) act dtype: the gathered residual gradient (SP)
+  void* full_buf = nullptr;      // (N, C) act dtype: gathered rows (SP): the residual gradient, or a norm output
+                                 // a column layer reads; valid until the next full_rows call
   float* norm_buf = nullptr;     // (norm_len) fp32: one norm's parameter gradients (SP)
   int norm_len = 0;              // C (RMSNorm) or 2C (LayerNorm weight | bias, adjacent)
 

@@ -226,13 +226,13 @@ double tp_activation_bytes(const ModelArch& m, const TpLocalShape& sh, bool sp, 
   const double saved = d.attention_probs ? double(B) * sh.NH * double(c.T) * double(c.T) : double(B) * sh.NH * double(c.T);
   const double ldv = std::ceil(double(sh.V_local) / d.logits_align) * d.logits_align;
   double layer = 0;
-  layer += r64(N * C * es);                                   // ln1 (gathered: the column layers read all rows)
+  layer += r64(NR * C * es);                                  // ln1 (rows; gathered into the shared buffer when read)
   layer += (llama ? 1 : 2) * r64(NR * 4);                     // its statistics (rows)
   layer += r64(N * QKV * es);                                 // q|k|v (heads / tp)
   layer += r64(N * Q * es);                                   // attention output (heads / tp)
   layer += r64(saved * 4);                                    // attention's saved state (heads / tp)
   layer += r64(NR * C * es);                                  // residual after attention (rows)
-  layer += r64(N * C * es);                                   // ln2 (gathered)
+  layer += r64(NR * C * es);                                  // ln2 (rows)
   layer += (llama ? 1 : 2) * r64(NR * 4);                     // its statistics (rows)
   layer += llama ? r64(N * 2 * F * es) + r64(N * F * es)      // gate|up, silu(gate)*up (ffn / tp)
                  : 2 * r64(N * F * es);                       // fc, gelu(fc) (ffn / tp)
@@ -244,7 +244,7 @@ double tp_activation_bytes(const ModelArch& m, const TpLocalShape& sh, bool sp, 
   total += r64(NR * C * es);                                  // embeddings output (rows)
   total += double(c.L) * r64(NR * C * es);                    // block outputs (rows)
   total += double(ckpt ? 1 : c.L) * layer;
-  total += r64(N * C * es);                                   // final norm (gathered)
+  total += r64(NR * C * es);                                  // final norm (rows)
   total += (llama ? 1 : 2) * r64(NR * 4);                     // its statistics
   total += r64(N * ldv * es);                                 // logits: this rank's vocab rows
   total += r64(N * 4);                                        // per-token losses
@@ -252,7 +252,7 @@ double tp_activation_bytes(const ModelArch& m, const TpLocalShape& sh, bool sp, 
   total += r64(NR * C * es);                                  // backward: residual gradient (rows)
   if (sp) {
     total += r64(NR * C * es);                                // reduce-scattered rows
-    total += r64(N * C * es);                                 // the gathered residual gradient
+    total += r64(N * C * es);                                 // the gathered buffer: residual gradient, norm outputs
     total += r64((llama ? 1 : 2) * C * 4);                    // a norm's parameter gradients
   }
   total += r64(N * C * es);                                   // backward: dbuf_c

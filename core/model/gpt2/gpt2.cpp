@@ -95,8 +95,11 @@ GPT2::GPT2(const GPT2Config& cfg, Backend* be, int maxB, bool activation_checkpo
   Q_ = NH_ * cfg.head_size();
   const size_t es = dtype_size(be->act_dtype());
   const int64_t N = int64_t(maxB) * cfg.T, C = cfg.C, Q = Q_, F = F_;
-  // Sequence parallelism: the residual stream, the LayerNorm statistics and
-  // the residual gradient hold this rank's 1/T of the rows.
+  // Sequence parallelism: the residual stream, the LayerNorms' outputs and
+  // statistics and the residual gradient hold this rank's 1/T of the rows.
+  // A column layer reads its LayerNorm output all-gathered into the shared
+  // (N, C) buffer (forward, and again for its weight gradient in backward,
+  // as Megatron does), so no (N, C) activation is kept per layer.
   const int64_t NR = sp_ ? (N + tp_->plan->size() - 1) / tp_->plan->size() : N;
   // One arena; every buffer starts on a 64-byte boundary.
   std::vector<std::pair<void**, size_t>> plan;
@@ -106,20 +109,20 @@ GPT2::GPT2(const GPT2Config& cfg, Backend* be, int maxB, bool activation_checkpo
   for (int l = 0; l < cfg.L; ++l) req(&res3_[l], NR * C * es);
   layers_.resize(ckpt_ ? 1 : cfg.L);
   for (auto& a : layers_) {
-    req(&a.ln1, N * C * es);
+    req(&a.ln1, NR * C * es);
     req(reinterpret_cast<void**>(&a.ln1_mean), NR * 4);
     req(reinterpret_cast<void**>(&a.ln1_rstd), NR * 4);
     req(&a.qkv, N * 3 * Q * es);
     req(&a.atty, N * Q * es);
     req(reinterpret_cast<void**>(&a.att), be->attention_saved_floats(maxB, cfg.T, NH_) * 4);
     req(&a.res2, NR * C * es);
-    req(&a.ln2, N * C * es);
+    req(&a.ln2, NR * C * es);
     req(reinterpret_cast<void**>(&a.ln2_mean), NR * 4);
     req(reinterpret_cast<void**>(&a.ln2_rstd), NR * 4);
     req(&a.fch, N * F * es);
     req(&a.fch_gelu, N * F * es);
   }
-  req(&lnf_, N * C * es);
+  req(&lnf_, NR * C * es);
   req(reinterpret_cast<void**>(&lnf_mean_), NR * 4);
   req(reinterpret_cast<void**>(&lnf_rstd_), NR * 4);
   ldv_ = be->logits_stride(VL_);  // rows padded on the GPU (kernels/backend.h)
@@ -183,14 +186,13 @@ void GPT2::block_forward(const void* p, int l, const void* res_in, int B, int T)
   const int N = B * T, C = cfg_.C, Q = Q_, F = F_;
   auto w = block_ptrs<const void*>(p, GPT2BlockOffsets(C, Q, F), dtype_size(be_->act_dtype()));
   LayerActs& a = acts(l);
-  be_->matmul_forward(a.qkv, a.ln1, w.qkvw, w.qkvb, N, C, 3 * Q);
+  be_->matmul_forward(a.qkv, tpc_.full_rows(a.ln1, N), w.qkvw, w.qkvb, N, C, 3 * Q);
   be_->attention_forward(a.atty, a.att, a.qkv, B, T, Q, NH_, docs_.doc_start);
   be_->matmul_forward(dbuf_c_, a.atty, w.attprojw, adds_row_bias_ ? w.attprojb : nullptr, N, Q, C);
   const void* attn_out = tpc_.reduce_out(dbuf_c_, N);
-  be_->residual_layernorm_forward(a.res2, tpc_.my_rows(a.ln2, N), a.ln2_mean, a.ln2_rstd, res_in, attn_out, w.ln2w,
+  be_->residual_layernorm_forward(a.res2, a.ln2, a.ln2_mean, a.ln2_rstd, res_in, attn_out, w.ln2w,
                                   w.ln2b, tpc_.rows(N), C);
-  tpc_.gather_rows(a.ln2, N);
-  be_->matmul_gelu_forward(a.fch_gelu, a.fch, a.ln2, w.fcw, w.fcb, N, C, F);
+  be_->matmul_gelu_forward(a.fch_gelu, a.fch, tpc_.full_rows(a.ln2, N), w.fcw, w.fcb, N, C, F);
   be_->matmul_forward(dbuf_c_, a.fch_gelu, w.fcprojw, adds_row_bias_ ? w.fcprojb : nullptr, N, F, C);
   (void)tpc_.reduce_out(dbuf_c_, N);  // -> mlp_out()
 }
@@ -244,22 +246,20 @@ void GPT2::forward(UnitAccess& units, const int32_t* inputs, const int32_t* targ
     auto w = block_ptrs<const void*>(p, off, es);
     LayerActs& a = acts(l);
     if (l == 0)
-      be_->layernorm_forward(tpc_.my_rows(a.ln1, N), a.ln1_mean, a.ln1_rstd, encoded_, w.ln1w, w.ln1b, NR, C);
+      be_->layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, encoded_, w.ln1w, w.ln1b, NR, C);
     else
-      be_->residual_layernorm_forward(res3_[l - 1], tpc_.my_rows(a.ln1, N), a.ln1_mean, a.ln1_rstd, acts(l - 1).res2,
+      be_->residual_layernorm_forward(res3_[l - 1], a.ln1, a.ln1_mean, a.ln1_rstd, acts(l - 1).res2,
                                       mlp_out(), w.ln1w, w.ln1b, NR, C);
-    tpc_.gather_rows(a.ln1, N);
     block_forward(p, l, l == 0 ? encoded_ : res3_[l - 1], B, T);
     units.release_params(1 + l);
   }
 
   const char* head = static_cast<const char*>(units.acquire_params(L + 1));
-  be_->residual_layernorm_forward(res3_[L - 1], tpc_.my_rows(lnf_, N), lnf_mean_, lnf_rstd_, acts(L - 1).res2,
+  be_->residual_layernorm_forward(res3_[L - 1], lnf_, lnf_mean_, lnf_rstd_, acts(L - 1).res2,
                                   mlp_out(), head, head + C * es, NR, C);
-  tpc_.gather_rows(lnf_, N);
   units.release_params(L + 1);
   emb = static_cast<const char*>(units.acquire_params(0));  // tied LM head
-  be_->lm_head_forward(logits_, lnf_, emb, N, C, v_valid_, ldv_);
+  be_->lm_head_forward(logits_, tpc_.full_rows(lnf_, N), emb, N, C, v_valid_, ldv_);
   units.release_params(0);
   if (!targets) return;
   void* dlogits = for_backward ? logits_ : nullptr;
@@ -293,7 +293,8 @@ void GPT2::block_backward(const void* p, float* g, int l, const void* res_in, vo
   // MLP: res_out = res2 + fcproj(gelu(fc(ln2(res2))))
   be_->matmul_backward_dgelu(dbuf_4c_, dw.fcprojw, dw.fcprojb, tpc_.full_rows(dres, N), a.fch_gelu, w.fcprojw, a.fch,
                              N, F, C);
-  be_->matmul_backward(dbuf_c_, dw.fcw, dw.fcb, dbuf_4c_, a.ln2, w.fcw, N, C, F);
+  // (full_rows: dres's gathered copy is consumed; the buffer takes ln2's.)
+  be_->matmul_backward(dbuf_c_, dw.fcw, dw.fcb, dbuf_4c_, tpc_.full_rows(a.ln2, N), w.fcw, N, C, F);
   const void* dln2 = tpc_.reduce_out(dbuf_c_, N);
   float* g2 = tpc_.norm_grad(dw.ln2w);  // ln2w | ln2b (adjacent)
   be_->layernorm_backward(dres, g2, g2 + C, dln2, a.res2, w.ln2w, a.ln2_mean, a.ln2_rstd, NR, C);
@@ -301,7 +302,7 @@ void GPT2::block_backward(const void* p, float* g, int l, const void* res_in, vo
   // Attention: res2 = res_in + attproj(attn(qkv(ln1(res_in))))
   be_->matmul_backward(dbuf_c_, dw.attprojw, dw.attprojb, tpc_.full_rows(dres, N), a.atty, w.attprojw, N, Q, C);
   be_->attention_backward(dbuf_3c_, dbuf_c_, a.qkv, a.atty, a.att, B, T, Q, NH_, docs_.doc_start);
-  be_->matmul_backward(dbuf_c_, dw.qkvw, dw.qkvb, dbuf_3c_, a.ln1, w.qkvw, N, C, 3 * Q);
+  be_->matmul_backward(dbuf_c_, dw.qkvw, dw.qkvb, dbuf_3c_, tpc_.full_rows(a.ln1, N), w.qkvw, N, C, 3 * Q);
   const void* dln1 = tpc_.reduce_out(dbuf_c_, N);
   float* g1 = tpc_.norm_grad(dw.ln1w);  // ln1w | ln1b
   be_->layernorm_backward(dres, g1, g1 + C, dln1, res_in, w.ln1w, a.ln1_mean, a.ln1_rstd, NR, C);
@@ -316,7 +317,7 @@ void GPT2::backward(UnitAccess& units) {
   // embedding unit's wte gradient, which stays open until the encoder's turn.
   const void* emb = units.acquire_params(0);
   float* gemb = units.unit_grads(0);
-  be_->lm_head_backward(dbuf_c_, gemb, logits_, lnf_, emb, N, C, v_valid_, ldv_);
+  be_->lm_head_backward(dbuf_c_, gemb, logits_, tpc_.full_rows(lnf_, N), emb, N, C, v_valid_, ldv_);
   units.release_params(0);
   const void* dlnf = tpc_.reduce_out(dbuf_c_, N);  // the head is column-parallel over the vocabulary
 
@@ -339,8 +340,7 @@ void GPT2::backward(UnitAccess& units) {
     if (ckpt_) {
       auto w = block_ptrs<const void*>(p, GPT2BlockOffsets(C, Q_, F_), es);
       LayerActs& a = acts(l);
-      be_->layernorm_forward(tpc_.my_rows(a.ln1, N), a.ln1_mean, a.ln1_rstd, res_in, w.ln1w, w.ln1b, NR, C);
-      tpc_.gather_rows(a.ln1, N);
+      be_->layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, res_in, w.ln1w, w.ln1b, NR, C);
       block_forward(p, l, res_in, B, T);
     }
     block_backward(p, units.unit_grads(1 + l), l, res_in, dres_, B, T);

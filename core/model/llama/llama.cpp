@@ -47,8 +47,11 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
   }
   const size_t es = dtype_size(be->act_dtype());
   const int64_t N = int64_t(maxB) * cfg.T, C = cfg.C, F = F_, T = cfg.T;
-  // Sequence parallelism: the residual stream, the norms' statistics and
-  // the residual gradient hold this rank's 1/T of the rows.
+  // Sequence parallelism: the residual stream, the norms' outputs and
+  // statistics and the residual gradient hold this rank's 1/T of the rows.
+  // A column layer reads its norm output all-gathered into dres_full_
+  // (forward, and again for its weight gradient in backward, as Megatron
+  // does), so no (N, C) activation is kept per layer.
   const int64_t NR = sp_ ? (N + tp_->plan->size() - 1) / tp_->plan->size() : N;
   // One arena, every buffer on a 64-byte boundary; LlamaArch::activation_bytes
   // adds up the same list.
@@ -62,18 +65,18 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
   for (int l = 0; l < cfg.L; ++l) req(&res3_[l], NR * C * es);
   layers_.resize(ckpt_ ? 1 : cfg.L);
   for (auto& a : layers_) {
-    req(&a.ln1, N * C * es);
+    req(&a.ln1, NR * C * es);
     req(&a.ln1_rstd, NR * 4);
     req(&a.qkv, N * QKV_ * es);
     req(&a.atty, N * Q_ * es);
     req(&a.att, be->attention_gqa_saved_floats(maxB, cfg.T, NH_) * 4);
     req(&a.res2, NR * C * es);
-    req(&a.ln2, N * C * es);
+    req(&a.ln2, NR * C * es);
     req(&a.ln2_rstd, NR * 4);
     req(&a.gu, N * 2 * F * es);
     req(&a.h, N * F * es);
   }
-  req(&lnf_, N * C * es);
+  req(&lnf_, NR * C * es);
   req(&lnf_rstd_, NR * 4);
   ldv_ = be->logits_stride(VL_);
   req(&logits_, N * ldv_ * es);
@@ -135,14 +138,13 @@ void LlamaNetwork::block_forward(const void* p, int l, const void* res_in, int B
   const int N = B * T, C = cfg_.C, F = F_;
   auto w = block_ptrs<const void*>(p, LlamaBlockOffsets(C, Q_, KV_, F), dtype_size(be_->act_dtype()));
   LayerActs& a = acts(l);
-  be_->matmul_forward(a.qkv, a.ln1, w.qkvw, nullptr, N, C, QKV_);
+  be_->matmul_forward(a.qkv, full_rows(a.ln1, N), w.qkvw, nullptr, N, C, QKV_);
   be_->rope_forward(a.qkv, rope_, B, T, NH_, NKV_, HS_, 0, docs_.pos);
   be_->attention_gqa_forward(a.atty, a.att, a.qkv, B, T, NH_, NKV_, HS_, docs_.doc_start);
   be_->matmul_forward(dbuf_c_, a.atty, w.ow, nullptr, N, Q_, C);
   const void* attn_out = row_parallel_out(dbuf_c_, N);
-  be_->residual_rmsnorm_forward(a.res2, my_rows(a.ln2, N), a.ln2_rstd, res_in, attn_out, w.ln2w, rows(N), C, eps_);
-  gather_rows(a.ln2, N);
-  be_->matmul_forward(a.gu, a.ln2, w.guw, nullptr, N, C, 2 * F);
+  be_->residual_rmsnorm_forward(a.res2, a.ln2, a.ln2_rstd, res_in, attn_out, w.ln2w, rows(N), C, eps_);
+  be_->matmul_forward(a.gu, full_rows(a.ln2, N), w.guw, nullptr, N, C, 2 * F);
   be_->swiglu_forward(a.h, a.gu, N, F);
   be_->matmul_forward(dbuf_c_, a.h, w.downw, nullptr, N, F, C);
   (void)row_parallel_out(dbuf_c_, N);  // -> mlp_out()
@@ -150,8 +152,6 @@ void LlamaNetwork::block_forward(const void* p, int l, const void* res_in, int B
 
 // The collectives between the GEMMs: TpCollectives (core/model/tensor_parallel.h).
 int LlamaNetwork::rows(int N) const { return tpc_.rows(N); }
-void* LlamaNetwork::my_rows(void* full, int N) const { return tpc_.my_rows(full, N); }
-void LlamaNetwork::gather_rows(void* full, int N) { tpc_.gather_rows(full, N); }
 const void* LlamaNetwork::row_parallel_out(void* partial, int N) { return tpc_.reduce_out(partial, N); }
 const void* LlamaNetwork::full_rows(const void* mine, int N) { return tpc_.full_rows(mine, N); }
 float* LlamaNetwork::norm_grad(float* dweight) { return tpc_.norm_grad(dweight); }
@@ -220,25 +220,24 @@ void LlamaNetwork::forward(UnitAccess& units, const int32_t* inputs, const int32
     auto w = block_ptrs<const void*>(p, off, es);
     LayerActs& a = acts(l);
     if (l == 0)
-      be_->rmsnorm_forward(my_rows(a.ln1, N), a.ln1_rstd, encoded_, w.ln1w, NR, C, eps_);
+      be_->rmsnorm_forward(a.ln1, a.ln1_rstd, encoded_, w.ln1w, NR, C, eps_);
     else
-      be_->residual_rmsnorm_forward(res3_[l - 1], my_rows(a.ln1, N), a.ln1_rstd, acts(l - 1).res2, mlp_out(), w.ln1w,
+      be_->residual_rmsnorm_forward(res3_[l - 1], a.ln1, a.ln1_rstd, acts(l - 1).res2, mlp_out(), w.ln1w,
                                     NR, C, eps_);
-    gather_rows(a.ln1, N);
     block_forward(p, l, l == 0 ? encoded_ : res3_[l - 1], B, T);
     units.release_params(1 + l);
   }
 
   const char* head = static_cast<const char*>(units.acquire_params(L + 1));
-  be_->residual_rmsnorm_forward(res3_[L - 1], my_rows(lnf_, N), lnf_rstd_, acts(L - 1).res2, mlp_out(), head, NR, C,
+  be_->residual_rmsnorm_forward(res3_[L - 1], lnf_, lnf_rstd_, acts(L - 1).res2, mlp_out(), head, NR, C,
                                 eps_);
-  gather_rows(lnf_, N);
+  const void* lnf_in = full_rows(lnf_, N);
   if (cfg_.tied) {
     units.release_params(L + 1);
-    be_->lm_head_forward(logits_, lnf_, units.acquire_params(0), N, C, v_valid_, ldv_);
+    be_->lm_head_forward(logits_, lnf_in, units.acquire_params(0), N, C, v_valid_, ldv_);
     units.release_params(0);
   } else {
-    be_->lm_head_forward(logits_, lnf_, head + lm_head_off_ * es, N, C, v_valid_, ldv_);
+    be_->lm_head_forward(logits_, lnf_in, head + lm_head_off_ * es, N, C, v_valid_, ldv_);
     units.release_params(L + 1);
   }
   if (targets) cross_entropy(targets, N, for_backward, dloss_scale);
@@ -255,7 +254,8 @@ void LlamaNetwork::block_backward(const void* p, float* g, int l, const void* re
   // MLP: res_out = res2 + down(swiglu(gate_up(RMSNorm(res2))))
   be_->matmul_backward(dh_, dw.downw, nullptr, full_rows(dres, N), a.h, w.downw, N, F, C);
   be_->swiglu_backward(a.gu, dh_, a.gu, N, F);  // in place: gate|up is not read again
-  be_->matmul_backward(dbuf_c_, dw.guw, nullptr, a.gu, a.ln2, w.guw, N, C, 2 * F);
+  // (full_rows: dres's gathered copy is consumed; the buffer takes ln2's.)
+  be_->matmul_backward(dbuf_c_, dw.guw, nullptr, a.gu, full_rows(a.ln2, N), w.guw, N, C, 2 * F);
   // column-parallel: each rank's columns add to the input gradient
   const void* dln2 = row_parallel_out(dbuf_c_, N);
   be_->rmsnorm_backward(dres, norm_grad(dw.ln2w), dln2, a.res2, w.ln2w, a.ln2_rstd, NR, C);
@@ -265,7 +265,7 @@ void LlamaNetwork::block_backward(const void* p, float* g, int l, const void* re
   be_->attention_gqa_backward(dqkv_, dbuf_c_, a.qkv, a.atty, a.att, B, T, NH_, NKV_, HS_, docs_.doc_start);
   be_->rope_backward(dqkv_, rope_, B, T, NH_, NKV_, HS_, 0, docs_.pos);
   if (kv_replicas_ == 1) {
-    be_->matmul_backward(dbuf_c_, dw.qkvw, nullptr, dqkv_, a.ln1, w.qkvw, N, C, QKV_);
+    be_->matmul_backward(dbuf_c_, dw.qkvw, nullptr, dqkv_, full_rows(a.ln1, N), w.qkvw, N, C, QKV_);
   } else {
     // KV heads replicated over kv_replicas_ ranks: each holds the gradient
     // its own query heads give k and v; the true one is their sum. This
@@ -277,7 +277,7 @@ void LlamaNetwork::block_backward(const void* p, float* g, int l, const void* re
     float* scratch = kv_grad_scratch_.as<float>();
     float* slots = kv_grad_slots_.as<float>();
     be_->zero(scratch, kv_grad_scratch_.bytes());
-    be_->matmul_backward(dbuf_c_, scratch, nullptr, dqkv_, a.ln1, w.qkvw, N, C, QKV_);
+    be_->matmul_backward(dbuf_c_, scratch, nullptr, dqkv_, full_rows(a.ln1, N), w.qkvw, N, C, QKV_);
     be_->zero(slots, kv_grad_slots_.bytes());
     be_->copy_device(slots + kv_head_ * kvC, scratch + qC, kvC * 4);
     tp_->comm->all_reduce(slots, int64_t(NKV_global_) * kvC, ReduceOp::Sum);
@@ -301,13 +301,13 @@ void LlamaNetwork::backward(UnitAccess& units) {
   if (cfg_.tied) {
     const void* emb = units.acquire_params(0);
     gemb = units.unit_grads(0);
-    be_->lm_head_backward(dbuf_c_, gemb, logits_, lnf_, emb, N, C, v_valid_, ldv_);
+    be_->lm_head_backward(dbuf_c_, gemb, logits_, full_rows(lnf_, N), emb, N, C, v_valid_, ldv_);
     units.release_params(0);
   }
   const char* head = static_cast<const char*>(units.acquire_params(L + 1));
   float* ghead = units.unit_grads(L + 1);
   if (!cfg_.tied)
-    be_->lm_head_backward(dbuf_c_, ghead + lm_head_off_, logits_, lnf_, head + lm_head_off_ * es, N, C, v_valid_,
+    be_->lm_head_backward(dbuf_c_, ghead + lm_head_off_, logits_, full_rows(lnf_, N), head + lm_head_off_ * es, N, C, v_valid_,
                           ldv_);
   const void* dlnf = row_parallel_out(dbuf_c_, N);  // the head is column-parallel over the vocabulary
   be_->zero(dres_, size_t(NR) * C * es);
@@ -325,8 +325,7 @@ void LlamaNetwork::backward(UnitAccess& units) {
     // overwrites before reading; the checkpoints (res3_) stay untouched.
     if (ckpt_) {
       auto w = block_ptrs<const void*>(p, off, es);
-      be_->rmsnorm_forward(my_rows(acts(l).ln1, N), acts(l).ln1_rstd, res_in, w.ln1w, NR, C, eps_);
-      gather_rows(acts(l).ln1, N);
+      be_->rmsnorm_forward(acts(l).ln1, acts(l).ln1_rstd, res_in, w.ln1w, NR, C, eps_);
       block_forward(p, l, res_in, B, T);
     }
     block_backward(p, units.unit_grads(1 + l), l, res_in, dres_, B, T);

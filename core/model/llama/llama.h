@@ -95,11 +95,9 @@ class LlamaNetwork final : public Network {
   TpCollectives tpc_;
   bool sp_ = false;
   void* sp_rows_ = nullptr;       // (N/T, C) this rank's rows of a reduce-scattered output / input gradient
-  void* dres_full_ = nullptr;     // (N, C) the gathered residual gradient
+  void* dres_full_ = nullptr;     // (N, C) all-gathered rows: the residual gradient, or a norm output a column layer reads
   float* norm_grad_ = nullptr;    // (C) one norm's weight gradient, summed over TP
   int rows(int N) const;          // this rank's rows of N (N without SP)
-  void* my_rows(void* full, int N) const;
-  void gather_rows(void* full, int N);
   const void* row_parallel_out(void* partial, int N);
   const void* full_rows(const void* mine, int N);
   float* norm_grad(float* dweight);
