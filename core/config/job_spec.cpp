@@ -33,6 +33,7 @@
 #include "core/common/error.h"
 #include "core/common/log.h"
 #include "core/config/model_presets.h"
+#include "parallel/pipeline/schedule.h"
 
 namespace trainrun {
 
@@ -228,7 +229,24 @@ const std::vector<Field>& fields() {
                     "true: split activations along the sequence between the tensor-parallel linears (needs "
                     "tensor_parallel > 1; with 1 it is ignored, with a warning)"),
       TR_SPEC_FIELD(parallel.pipeline_parallel, at_least(1),
-                    "pipeline stages; 1 = off (more is not implemented yet: issue #15)"),
+                    "pipeline stages (pp, the outermost mesh dimension): the layers split over this many ranks, the "
+                    "embedding on the first and the final norm and LM head on the last; microbatches are the "
+                    "step's gradient-accumulation count (global_batch_size / (micro_batch_size x data-parallel "
+                    "size)) and must be >= the stages; 1 = off"),
+      TR_SPEC_FIELD(parallel.pipeline_virtual_stages, at_least(1),
+                    "model chunks per pipeline rank (v): interleaved_1f1b only (needs microbatches >= "
+                    "pipeline_parallel x v and a multiple of pipeline_parallel); 1 for every other schedule"),
+      TR_SPEC_FIELD(parallel.pipeline_schedule, one_of({"gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"}),
+                    "pipeline schedule: gpipe (all forwards, then all backwards), 1f1b (one forward one "
+                    "backward; bubble (p-1)/m), interleaved_1f1b (v chunks per rank; bubble (p-1)/(v m)), "
+                    "zero_bubble (ZB-H1; not implemented yet: refused at load)"),
+      TR_SPEC_FIELD(parallel.pipeline_layers, any(),
+                    "layers per virtual stage, e.g. [3, 1] (a YAML list, or '3,1'): they must sum to model.n_layer "
+                    "and give every stage at least one; empty = an even split (the first stages one more)"),
+      TR_SPEC_FIELD(parallel.pipeline_reshard, one_of({"false", "true"}),
+                    "true: under full_shard / hybrid_shard a stage re-gathers each unit for every microbatch "
+                    "(less memory, more all-gathers); false: each unit is gathered once per step for all "
+                    "microbatches and its gradient reduce-scattered once after the last"),
 
       TR_SPEC_FIELD(checkpoint.interval, at_least(0), "steps between checkpoints; 0 = only the final one"),
       TR_SPEC_FIELD(checkpoint.keep_last, at_least(0), "newest checkpoints kept; older ones are deleted (0 = keep all)"),
@@ -577,8 +595,20 @@ Parsed parse_uint64(const std::string& text, uint64_t& out) {
 // Store one YAML value into a field, checking only its type; ranges and
 // cross-field rules run afterwards in check_fields / check_rules so specs
 // built in code get the same checks.
+std::string kind_of(const YAML::Node& n);
+
 void assign(const Field& f, JobSpec& spec, const YAML::Node& v, const std::string& where) {
   const std::string key = f.key;
+  if (v.IsSequence() && key == "parallel.pipeline_layers") {
+    // The one list-valued key: kept as its text, "3,1" (parse_pipeline_layers).
+    std::string joined;
+    for (const YAML::Node& e : v) {
+      if (!e.IsScalar()) fail(where, key, "expected a list of layer counts, got a nested " + kind_of(e));
+      joined += (joined.empty() ? "" : ",") + e.Scalar();
+    }
+    *std::get<std::string*>(f.get(spec)) = joined;
+    return;
+  }
   if (v.IsSequence()) fail(where, key, "expected " + expected_text(f) + ", got a list");
   if (v.IsMap()) fail(where, key, "expected " + expected_text(f) + ", got a map");
   Ref r = f.get(spec);
@@ -764,9 +794,29 @@ void check_rules(JobSpec& s, const Origins& o, const std::string& fallback, bool
   if (p.offload == "nvme" && p.offload_dir.empty())
     fail(at({"parallel.offload_dir", "parallel.offload"}), "parallel.offload_dir",
          "is required with parallel.offload: nvme; name a directory on a local NVMe disk");
-  if (p.pipeline_parallel > 1)
-    fail(at({"parallel.pipeline_parallel"}), "parallel.pipeline_parallel",
-         str(p.pipeline_parallel) + ": pipeline parallelism is not implemented yet (issue #15); set it to 1");
+  if (p.pipeline_parallel > 1 && p.pipeline_schedule == "zero_bubble")
+    fail(at({"parallel.pipeline_schedule", "parallel.pipeline_parallel"}), "parallel.pipeline_schedule",
+         "zero_bubble is not implemented yet (its backward split into input- and weight-gradient steps is not "
+         "built); use 1f1b (the default) or interleaved_1f1b");
+  if (p.pipeline_virtual_stages > 1 && p.pipeline_schedule != "interleaved_1f1b")
+    fail(at({"parallel.pipeline_virtual_stages", "parallel.pipeline_schedule"}), "parallel.pipeline_virtual_stages",
+         str(p.pipeline_virtual_stages) + " needs parallel.pipeline_schedule: interleaved_1f1b (it is '" +
+             p.pipeline_schedule + "'); set pipeline_virtual_stages to 1 or use interleaved_1f1b");
+  if (p.pipeline_parallel > 1 && p.offload != "none")
+    fail(at({"parallel.offload", "parallel.pipeline_parallel"}), "parallel.offload",
+         p.offload + " with parallel.pipeline_parallel " + str(p.pipeline_parallel) +
+             " is not supported yet; use offload or pipeline parallelism, not both");
+  if (p.pipeline_parallel > 1 || !p.pipeline_layers.empty()) {
+    // The split: every layer once, every virtual stage at least one (the
+    // microbatch count needs the world size: checked by the launcher).
+    try {
+      split_pipeline_layers(s.model.n_layer, p.pipeline_parallel * p.pipeline_virtual_stages,
+                            parse_pipeline_layers(p.pipeline_layers));
+    } catch (const Error& e) {
+      fail(at({"parallel.pipeline_layers", "parallel.pipeline_parallel", "model.n_layer"}), "parallel.pipeline_layers",
+           e.what());
+    }
+  }
   if (p.sequence_parallel_on() && p.tensor_parallel == 1)
     TR_LOG_WARN(at({"parallel.sequence_parallel", "parallel.tensor_parallel"}),
                 ": parallel.sequence_parallel: true has no effect with parallel.tensor_parallel: 1 (sequence "

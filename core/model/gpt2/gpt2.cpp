@@ -74,9 +74,12 @@ void gpt2_init_params(const GPT2Config& cfg, const ParamLayout& layout, uint64_t
 }
 
 // ---- activations --------------------------------------------------------------------
-GPT2::GPT2(const GPT2Config& cfg, Backend* be, int maxB, bool activation_checkpointing, const TensorParallel* tp)
-    : cfg_(cfg), layout_(make_gpt2_layout(cfg)), be_(be), maxB_(maxB), ckpt_(activation_checkpointing),
-      tp_(tp && tp->plan ? tp : nullptr) {
+GPT2::GPT2(const GPT2Config& cfg_in, Backend* be, int maxB, bool activation_checkpointing, const TensorParallel* tp,
+           const PipelineStage* stage)
+    : cfg_(stage_config(cfg_in, stage)), layout_(make_gpt2_layout(cfg_)), stage_(stage ? *stage : PipelineStage{}),
+      be_(be), maxB_(maxB), ckpt_(activation_checkpointing), tp_(tp && tp->plan ? tp : nullptr) {
+  const GPT2Config& cfg = cfg_;
+  TR_CHECK(cfg.L >= 1, "GPT2: a pipeline stage needs at least one block (a bug)");
   TR_CHECK(cfg.C % cfg.NH == 0, "model.n_embd (", cfg.C, ") must be divisible by model.n_head (", cfg.NH, ")");
   NH_ = cfg.NH;
   F_ = 4 * cfg.C;
@@ -119,13 +122,15 @@ GPT2::GPT2(const GPT2Config& cfg, Backend* be, int maxB, bool activation_checkpo
     req(&a.fch, N * F * es);
     req(&a.fch_gelu, N * F * es);
   }
-  req(&lnf_, N * C * es);
-  req(reinterpret_cast<void**>(&lnf_mean_), NR * 4);
-  req(reinterpret_cast<void**>(&lnf_rstd_), NR * 4);
   ldv_ = be->logits_stride(VL_);  // rows padded on the GPU (kernels/backend.h)
-  req(&logits_, N * ldv_ * es);
-  req(reinterpret_cast<void**>(&losses_), N * 4);
-  if (tp_) {
+  if (stage_.last) {  // a pipeline stage before the last has no head: no logits
+    req(&lnf_, N * C * es);
+    req(reinterpret_cast<void**>(&lnf_mean_), NR * 4);
+    req(reinterpret_cast<void**>(&lnf_rstd_), NR * 4);
+    req(&logits_, N * ldv_ * es);
+    req(reinterpret_cast<void**>(&losses_), N * 4);
+  }
+  if (tp_ && stage_.last) {
     req(reinterpret_cast<void**>(&ce_rowmax_), N * 4);
     req(reinterpret_cast<void**>(&ce_stats_), 2 * N * 4);
   }
@@ -203,7 +208,7 @@ void GPT2::forward(UnitAccess& units, const int32_t* inputs, const int32_t* targ
                    bool for_backward, float dloss_scale) {
   TR_CHECK(B >= 1 && B <= maxB_ && T >= 1 && T <= cfg_.T, "model.forward: batch (", B, ",", T,
            ") exceeds the buffers (", maxB_, ",", cfg_.T, ")");
-  TR_CHECK(!for_backward || targets, "model.forward: for_backward needs targets");
+  TR_CHECK(!for_backward || targets || !stage_.last, "model.forward: for_backward needs targets");
   B_ = B;
   T_ = T;
   inputs_ = inputs;
@@ -215,6 +220,36 @@ void GPT2::forward(UnitAccess& units, const int32_t* inputs, const int32_t* targ
   const int NR = tpc_.rows(N);
 
   units.begin_pass(false, for_backward);
+  // A pipeline stage after the first finds its input at stage_input() (encoded_).
+  if (stage_.first) embed(units, inputs, B, T);
+
+  // Residual stream: res3_[l] = res2 + mlp(ln2(res2)) of block l. Its add is
+  // fused with the LayerNorm that reads it next: block l+1's ln1, or lnf.
+  const GPT2BlockOffsets off(C, Q_, F_);
+  for (int l = 0; l < L; ++l) {
+    const void* p = units.acquire_params(1 + l);
+    auto w = block_ptrs<const void*>(p, off, es);
+    LayerActs& a = acts(l);
+    if (l == 0)
+      be_->layernorm_forward(tpc_.my_rows(a.ln1, N), a.ln1_mean, a.ln1_rstd, encoded_, w.ln1w, w.ln1b, NR, C);
+    else
+      be_->residual_layernorm_forward(res3_[l - 1], tpc_.my_rows(a.ln1, N), a.ln1_mean, a.ln1_rstd, acts(l - 1).res2,
+                                      mlp_out(), w.ln1w, w.ln1b, NR, C);
+    tpc_.gather_rows(a.ln1, N);
+    block_forward(p, l, l == 0 ? encoded_ : res3_[l - 1], B, T);
+    units.release_params(1 + l);
+  }
+  if (!stage_.last) {
+    // The stage's output (stage_output()): the residual add no LayerNorm follows here.
+    be_->residual_forward(res3_[L - 1], acts(L - 1).res2, mlp_out(), int64_t(NR) * C);
+    return;
+  }
+  head_forward(units, targets, N, for_backward, dloss_scale);
+}
+
+void GPT2::embed(UnitAccess& units, const int32_t* inputs, int B, int T) {
+  const int N = B * T, C = cfg_.C, NR = tpc_.rows(N);
+  const size_t es = dtype_size(be_->act_dtype());
   const char* emb = static_cast<const char*>(units.acquire_params(0));
   const void* wte = emb;
   const void* wpe = emb + int64_t(VL_) * C * es;
@@ -233,24 +268,12 @@ void GPT2::forward(UnitAccess& units, const int32_t* inputs, const int32_t* targ
     be_->encoder_forward(encoded_, inputs, wte, wpe, B, T, C);
   }
   units.release_params(0);
+}
 
-  // Residual stream: res3_[l] = res2 + mlp(ln2(res2)) of block l. Its add is
-  // fused with the LayerNorm that reads it next: block l+1's ln1, or lnf.
-  const GPT2BlockOffsets off(C, Q_, F_);
-  for (int l = 0; l < L; ++l) {
-    const void* p = units.acquire_params(1 + l);
-    auto w = block_ptrs<const void*>(p, off, es);
-    LayerActs& a = acts(l);
-    if (l == 0)
-      be_->layernorm_forward(tpc_.my_rows(a.ln1, N), a.ln1_mean, a.ln1_rstd, encoded_, w.ln1w, w.ln1b, NR, C);
-    else
-      be_->residual_layernorm_forward(res3_[l - 1], tpc_.my_rows(a.ln1, N), a.ln1_mean, a.ln1_rstd, acts(l - 1).res2,
-                                      mlp_out(), w.ln1w, w.ln1b, NR, C);
-    tpc_.gather_rows(a.ln1, N);
-    block_forward(p, l, l == 0 ? encoded_ : res3_[l - 1], B, T);
-    units.release_params(1 + l);
-  }
-
+void GPT2::head_forward(UnitAccess& units, const int32_t* targets, int N, bool for_backward, float dloss_scale) {
+  const int C = cfg_.C, L = cfg_.L, NR = tpc_.rows(N);
+  const size_t es = dtype_size(be_->act_dtype());
+  const char* emb = nullptr;
   const char* head = static_cast<const char*>(units.acquire_params(L + 1));
   be_->residual_layernorm_forward(res3_[L - 1], tpc_.my_rows(lnf_, N), lnf_mean_, lnf_rstd_, acts(L - 1).res2,
                                   mlp_out(), head, head + C * es, NR, C);
@@ -312,20 +335,25 @@ void GPT2::backward(UnitAccess& units) {
   units.begin_pass(true, false);
   // logits_ now holds dlogits (see forward). Tied head: grads land in the
   // embedding unit's wte gradient, which stays open until the encoder's turn.
-  const void* emb = units.acquire_params(0);
-  float* gemb = units.unit_grads(0);
-  be_->lm_head_backward(dbuf_c_, gemb, logits_, lnf_, emb, N, C, v_valid_, ldv_);
-  units.release_params(0);
-  const void* dlnf = tpc_.reduce_out(dbuf_c_, N);  // the head is column-parallel over the vocabulary
+  // A pipeline stage before the last starts from the caller's dL/d output
+  // in dres_ (stage_output_grad()).
+  float* gemb = nullptr;
+  if (stage_.last) {
+    const void* emb = units.acquire_params(0);
+    gemb = units.unit_grads(0);
+    be_->lm_head_backward(dbuf_c_, gemb, logits_, lnf_, emb, N, C, v_valid_, ldv_);
+    units.release_params(0);
+    const void* dlnf = tpc_.reduce_out(dbuf_c_, N);  // the head is column-parallel over the vocabulary
 
-  const char* head = static_cast<const char*>(units.acquire_params(L + 1));
-  float* ghead = units.unit_grads(L + 1);
-  be_->zero(dres_, size_t(NR) * C * es);
-  float* gf = tpc_.norm_grad(ghead);  // lnfw | lnfb
-  be_->layernorm_backward(dres_, gf, gf + C, dlnf, res3_[L - 1], head, lnf_mean_, lnf_rstd_, NR, C);
-  tpc_.norm_grad_done(ghead);
-  units.release_params(L + 1);
-  units.grads_done(L + 1);
+    const char* head = static_cast<const char*>(units.acquire_params(L + 1));
+    float* ghead = units.unit_grads(L + 1);
+    be_->zero(dres_, size_t(NR) * C * es);
+    float* gf = tpc_.norm_grad(ghead);  // lnfw | lnfb
+    be_->layernorm_backward(dres_, gf, gf + C, dlnf, res3_[L - 1], head, lnf_mean_, lnf_rstd_, NR, C);
+    tpc_.norm_grad_done(ghead);
+    units.release_params(L + 1);
+    units.grads_done(L + 1);
+  }
 
   for (int l = L - 1; l >= 0; --l) {
     const void* p = units.acquire_params(1 + l);
@@ -346,12 +374,16 @@ void GPT2::backward(UnitAccess& units) {
     units.grads_done(1 + l);
   }
 
-  if (tp_)
-    be_->vocab_embedding_backward(gemb, gemb + int64_t(VL_) * C, tpc_.full_rows(dres_, N), inputs_, v_begin_,
-                                  v_valid_, B, T, C);
-  else
-    be_->encoder_backward(gemb, gemb + int64_t(cfg_.V) * C, dres_, inputs_, B, T, C);
-  units.grads_done(0);
+  // A pipeline stage after the first leaves dL/d input in dres_ (stage_input_grad()).
+  if (stage_.first) {
+    if (!gemb) gemb = units.unit_grads(0);
+    if (tp_)
+      be_->vocab_embedding_backward(gemb, gemb + int64_t(VL_) * C, tpc_.full_rows(dres_, N), inputs_, v_begin_,
+                                    v_valid_, B, T, C);
+    else
+      be_->encoder_backward(gemb, gemb + int64_t(cfg_.V) * C, dres_, inputs_, B, T, C);
+  }
+  if (gemb) units.grads_done(0);
 }
 
 }  // namespace trainrun

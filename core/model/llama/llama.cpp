@@ -8,10 +8,11 @@
 namespace trainrun {
 
 LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Backend* be, int maxB,
-                           bool activation_checkpointing, const TensorParallel* tp)
-    : cfg_(cfg), be_(be), maxB_(maxB), ckpt_(activation_checkpointing), tp_(tp && tp->plan ? tp : nullptr) {
+                           bool activation_checkpointing, const TensorParallel* tp, const PipelineStage* stage)
+    : cfg_(stage_config(cfg, stage)), stage_(stage ? *stage : PipelineStage{}), be_(be), maxB_(maxB), ckpt_(activation_checkpointing), tp_(tp && tp->plan ? tp : nullptr) {
   TR_CHECK(cfg.arch == "llama" && cfg.NKV > 0 && cfg.F > 0, "LlamaNetwork needs LlamaArch's resolved config (a bug)");
   TR_CHECK(maxB >= 1, "LlamaNetwork: micro-batch ", maxB, " must be >= 1");
+  TR_CHECK(cfg_.L >= 1, "LlamaNetwork: a pipeline stage needs at least one block (a bug)");
   HS_ = cfg.head_size();
   NH_ = cfg.NH;
   NKV_ = cfg.NKV;
@@ -58,9 +59,9 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
   req(&zero_wpe_, T * C * es);
   req(&dwpe_, T * C * 4);
   req(&encoded_, NR * C * es);
-  res3_.assign(cfg.L, nullptr);
-  for (int l = 0; l < cfg.L; ++l) req(&res3_[l], NR * C * es);
-  layers_.resize(ckpt_ ? 1 : cfg.L);
+  res3_.assign(cfg_.L, nullptr);
+  for (int l = 0; l < cfg_.L; ++l) req(&res3_[l], NR * C * es);
+  layers_.resize(ckpt_ ? 1 : cfg_.L);
   for (auto& a : layers_) {
     req(&a.ln1, N * C * es);
     req(&a.ln1_rstd, NR * 4);
@@ -73,12 +74,14 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
     req(&a.gu, N * 2 * F * es);
     req(&a.h, N * F * es);
   }
-  req(&lnf_, N * C * es);
-  req(&lnf_rstd_, NR * 4);
   ldv_ = be->logits_stride(VL_);
-  req(&logits_, N * ldv_ * es);
-  req(&losses_, N * 4);
-  if (tp_) {
+  if (stage_.last) {  // a pipeline stage before the last has no head: no logits
+    req(&lnf_, N * C * es);
+    req(&lnf_rstd_, NR * 4);
+    req(&logits_, N * ldv_ * es);
+    req(&losses_, N * 4);
+  }
+  if (tp_ && stage_.last) {
     req(&ce_rowmax_, N * 4);
     req(&ce_stats_, 2 * N * 4);
   }
@@ -183,7 +186,7 @@ void LlamaNetwork::forward(UnitAccess& units, const int32_t* inputs, const int32
                            bool for_backward, float dloss_scale) {
   TR_CHECK(B >= 1 && B <= maxB_ && T >= 1 && T <= cfg_.T, "model.forward: batch (", B, ",", T,
            ") exceeds the buffers (", maxB_, ",", cfg_.T, ")");
-  TR_CHECK(!for_backward || targets, "model.forward: for_backward needs targets");
+  TR_CHECK(!for_backward || targets || !stage_.last, "model.forward: for_backward needs targets");
   TR_CHECK(arena_.get(), "model.forward: the activations were freed (free_activations)");
   B_ = B;
   T_ = T;
@@ -198,19 +201,8 @@ void LlamaNetwork::forward(UnitAccess& units, const int32_t* inputs, const int32
   const int NR = rows(N);
 
   units.begin_pass(false, for_backward);
-  if (tp_) {
-    // Vocab-parallel embedding: this rank's rows, zeros for the others' tokens.
-    if (sp_) {
-      be_->vocab_embedding_forward(dbuf_c_, inputs, units.acquire_params(0), nullptr, v_begin_, v_valid_, B, T, C);
-      be_->copy_device(encoded_, row_parallel_out(dbuf_c_, N), size_t(NR) * C * es);
-    } else {
-      be_->vocab_embedding_forward(encoded_, inputs, units.acquire_params(0), nullptr, v_begin_, v_valid_, B, T, C);
-      tp_sum(encoded_, int64_t(N) * C);
-    }
-  } else {
-    be_->encoder_forward(encoded_, inputs, units.acquire_params(0), zero_wpe_, B, T, C);
-  }
-  units.release_params(0);
+  // A pipeline stage after the first finds its input at stage_input() (encoded_).
+  if (stage_.first) embed(units, inputs, B, T);
 
   // Residual stream: res3_[l] = res2 + mlp(RMSNorm(res2)) of block l, its add
   // fused with the RMSNorm that reads it next (block l+1's, or the final one).
@@ -228,6 +220,11 @@ void LlamaNetwork::forward(UnitAccess& units, const int32_t* inputs, const int32
     units.release_params(1 + l);
   }
 
+  if (!stage_.last) {
+    // The stage's output (stage_output()): the residual add no RMSNorm follows here.
+    be_->residual_forward(res3_[L - 1], acts(L - 1).res2, mlp_out(), int64_t(NR) * C);
+    return;
+  }
   const char* head = static_cast<const char*>(units.acquire_params(L + 1));
   be_->residual_rmsnorm_forward(res3_[L - 1], my_rows(lnf_, N), lnf_rstd_, acts(L - 1).res2, mlp_out(), head, NR, C,
                                 eps_);
@@ -241,6 +238,26 @@ void LlamaNetwork::forward(UnitAccess& units, const int32_t* inputs, const int32
     units.release_params(L + 1);
   }
   if (targets) cross_entropy(targets, N, for_backward, dloss_scale);
+}
+
+void LlamaNetwork::embed(UnitAccess& units, const int32_t* inputs, int B, int T) {
+  const int N = B * T, C = cfg_.C, NR = rows(N);
+  const size_t es = dtype_size(be_->act_dtype());
+  (void)NR;
+  (void)es;
+  if (tp_) {
+    // Vocab-parallel embedding: this rank's rows, zeros for the others' tokens.
+    if (sp_) {
+      be_->vocab_embedding_forward(dbuf_c_, inputs, units.acquire_params(0), nullptr, v_begin_, v_valid_, B, T, C);
+      be_->copy_device(encoded_, row_parallel_out(dbuf_c_, N), size_t(NR) * C * es);
+    } else {
+      be_->vocab_embedding_forward(encoded_, inputs, units.acquire_params(0), nullptr, v_begin_, v_valid_, B, T, C);
+      tp_sum(encoded_, int64_t(N) * C);
+    }
+  } else {
+    be_->encoder_forward(encoded_, inputs, units.acquire_params(0), zero_wpe_, B, T, C);
+  }
+  units.release_params(0);
 }
 
 // Backward through one block: dres holds dL/d(block output) on entry and
@@ -296,24 +313,9 @@ void LlamaNetwork::backward(UnitAccess& units) {
   // logits_ holds dlogits (forward with for_backward). Tied: the head's
   // gradient lands in the embedding unit's, which stays open until the
   // embedding's own turn at the end.
-  float* gemb = nullptr;
-  if (cfg_.tied) {
-    const void* emb = units.acquire_params(0);
-    gemb = units.unit_grads(0);
-    be_->lm_head_backward(dbuf_c_, gemb, logits_, lnf_, emb, N, C, v_valid_, ldv_);
-    units.release_params(0);
-  }
-  const char* head = static_cast<const char*>(units.acquire_params(L + 1));
-  float* ghead = units.unit_grads(L + 1);
-  if (!cfg_.tied)
-    be_->lm_head_backward(dbuf_c_, ghead + lm_head_off_, logits_, lnf_, head + lm_head_off_ * es, N, C, v_valid_,
-                          ldv_);
-  const void* dlnf = row_parallel_out(dbuf_c_, N);  // the head is column-parallel over the vocabulary
-  be_->zero(dres_, size_t(NR) * C * es);
-  be_->rmsnorm_backward(dres_, norm_grad(ghead), dlnf, res3_[L - 1], head, lnf_rstd_, NR, C);
-  norm_grad_done(ghead);
-  units.release_params(L + 1);
-  units.grads_done(L + 1);
+  // A pipeline stage before the last starts from the caller's dL/d output
+  // in dres_ (stage_output_grad()).
+  float* gemb = stage_.last ? head_backward(units) : nullptr;
 
   const LlamaBlockOffsets off(C, Q_, KV_, F_);
   for (int l = L - 1; l >= 0; --l) {
@@ -333,14 +335,43 @@ void LlamaNetwork::backward(UnitAccess& units) {
     units.grads_done(1 + l);
   }
 
-  if (!gemb) gemb = units.unit_grads(0);
-  if (tp_) {
-    be_->vocab_embedding_backward(gemb, nullptr, full_rows(dres_, N), inputs_, v_begin_, v_valid_, B, T, C);
-  } else {
-    be_->zero(dwpe_, size_t(cfg_.T) * C * 4);  // the zero table's gradient: written, never read
-    be_->encoder_backward(gemb, dwpe_, dres_, inputs_, B, T, C);
+  // A pipeline stage after the first leaves dL/d input in dres_ (stage_input_grad()).
+  if (stage_.first) {
+    if (!gemb) gemb = units.unit_grads(0);
+    if (tp_) {
+      be_->vocab_embedding_backward(gemb, nullptr, full_rows(dres_, N), inputs_, v_begin_, v_valid_, B, T, C);
+    } else {
+      be_->zero(dwpe_, size_t(cfg_.T) * C * 4);  // the zero table's gradient: written, never read
+      be_->encoder_backward(gemb, dwpe_, dres_, inputs_, B, T, C);
+    }
   }
-  units.grads_done(0);
+  if (gemb) units.grads_done(0);
+}
+
+// The LM head and final RMSNorm's backward into dres_; returns the
+// embedding unit's gradient when the head is tied to it (else null).
+float* LlamaNetwork::head_backward(UnitAccess& units) {
+  const int N = B_ * T_, C = cfg_.C, L = cfg_.L, NR = rows(N);
+  const size_t es = dtype_size(be_->act_dtype());
+  float* gemb = nullptr;
+  if (cfg_.tied) {
+    const void* emb = units.acquire_params(0);
+    gemb = units.unit_grads(0);
+    be_->lm_head_backward(dbuf_c_, gemb, logits_, lnf_, emb, N, C, v_valid_, ldv_);
+    units.release_params(0);
+  }
+  const char* head = static_cast<const char*>(units.acquire_params(L + 1));
+  float* ghead = units.unit_grads(L + 1);
+  if (!cfg_.tied)
+    be_->lm_head_backward(dbuf_c_, ghead + lm_head_off_, logits_, lnf_, head + lm_head_off_ * es, N, C, v_valid_,
+                          ldv_);
+  const void* dlnf = row_parallel_out(dbuf_c_, N);  // the head is column-parallel over the vocabulary
+  be_->zero(dres_, size_t(NR) * C * es);
+  be_->rmsnorm_backward(dres_, norm_grad(ghead), dlnf, res3_[L - 1], head, lnf_rstd_, NR, C);
+  norm_grad_done(ghead);
+  units.release_params(L + 1);
+  units.grads_done(L + 1);
+  return gemb;
 }
 
 }  // namespace trainrun
