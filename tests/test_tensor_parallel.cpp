@@ -402,10 +402,10 @@ TEST_CASE("tp: bad meshes are clear errors", "[tp]") {
                                      {"parallel.offload=cpu"}),
                       Contains("parallel.offload") && Contains("cpu with parallel.tensor_parallel 2 is not supported yet"));
   }
-  SECTION("pipeline parallelism is refused at load") {
+  SECTION("the zero_bubble pipeline schedule is refused at load (not implemented yet)") {
     CHECK_THROWS_WITH(parse_job_spec(tp_job(dir.path(), kGpt2Model, "full_shard", 1, 0), "job.yaml",
-                                     {"parallel.pipeline_parallel=2"}),
-                      Contains("parallel.pipeline_parallel") && Contains("not implemented yet (issue #15)"));
+                                     {"parallel.pipeline_parallel=2", "parallel.pipeline_schedule=zero_bubble"}),
+                      Contains("parallel.pipeline_schedule") && Contains("zero_bubble is not implemented yet"));
   }
   SECTION("sequence parallelism needs the micro-batch's tokens to split over the group") {
     const JobSpec job = parse_job_spec(tp_job(dir.path(), llama_model(2, "true"), "full_shard", 2, 0), "job.yaml",

@@ -30,6 +30,9 @@
 #include "parallel/comm/fault_injection.h"
 #include "parallel/rendezvous/net_address.h"
 #include "parallel/mesh/device_mesh.h"
+#include "parallel/pipeline/executor.h"
+#include "parallel/pipeline/stage_plan.h"
+#include "parallel/pipeline/stage_store.h"
 #include "parallel/sharding/sharding.h"
 #include "parallel/rendezvous/store.h"
 #include "parallel/tensor/tp_param_store.h"
@@ -152,6 +155,10 @@ class Trainer {
   TrainSummary run_with(Checkpointer& ckpt, Clock::time_point t_start);
   void log_memory_at_end();
   void read_batch(const TokenSource& src, int64_t first, int B);
+  // Microbatch m of the batch at `cursor` into device buffers (pipeline stages).
+  void read_microbatch(const TokenSource& src, int64_t cursor, int m, int32_t* in, int32_t* tgt);
+  // The compute's activations for the reports: the network, or the pipeline's stage networks.
+  const Network& network() const { return pipe_ ? pipe_->network_view() : *model_; }
   bool debug_nan_step(int step) const { return debug_nan_step_for(w_.rank, step); }
 
   const JobSpec& job_;
@@ -171,6 +178,14 @@ class Trainer {
   std::unique_ptr<Communicator> dp_single_;  // the dp group when it is one rank
   std::unique_ptr<TensorParallelPlan> tp_plan_;
   TensorParallel tp_ctx_;
+  // Pipeline parallelism (parallel.pipeline_parallel > 1): this rank's
+  // stage layout, its store (inside the TP store when both are on) and the
+  // executor that runs the schedule over the stage networks; model_ is null.
+  std::unique_ptr<PipelineStagePlan> pp_plan_;
+  PipelineStageStore* pp_store_ = nullptr;
+  std::unique_ptr<PipelineExecutor> pipe_;
+  int64_t step_ = 0;  // the step in progress, for the pipeline's messages
+  bool pp_logged_ = false;
   int dp_rank_ = 0, dp_size_ = 1;  // data shards: the TP ranks of one dp index read the same samples
   bool counts_loss_ = true;        // TP rank 0 adds this dp index's loss to the world's sum
   int T_ = 0, mb_ = 0, global_B_ = 0, accum_ = 0;
@@ -230,7 +245,8 @@ void Trainer::setup() {
   mesh_ = std::make_unique<DeviceMesh>(dims, w_.rank);
   dp_size_ = dims.dp();
   dp_rank_ = mesh_->dp_coord();
-  counts_loss_ = mesh_->coord(MeshDim::tp) == 0;
+  // The loss is the last pipeline stage's; TP rank 0 of it counts it once.
+  counts_loss_ = mesh_->coord(MeshDim::tp) == 0 && mesh_->coord(MeshDim::pp) == dims.pp - 1;
   TR_CHECK(global_B_ % (mb_ * dp_size_) == 0, "train.global_batch_size (", global_B_,
            " sequences) must be a multiple of train.micro_batch_size (", mb_, ") x data-parallel size (", dp_size_,
            " = world size ", w_.world, " / parallel.tensor_parallel ", tp,
@@ -257,7 +273,8 @@ void Trainer::setup() {
     check_offload_host_memory(offload_host_bytes(per_rank) * size_t(w_.local_world), host_memory_available(),
                               w_.local_world);
   }
-  if (tp == 1) {
+  const int pp = dims.pp;
+  if (tp == 1 && pp == 1) {
     model_ = arch_->make_network(be_.get(), mb_, job_.train.activation_checkpointing == "blocks");
     params_ = make_param_store(job_.parallel.sharding, arch_->layout(), be_.get(), comm_.get(), group, factory,
                                nullptr, offload);
@@ -267,20 +284,50 @@ void Trainer::setup() {
     // Every group's communicator, built once in the same order on every
     // rank; the store shards this rank's TP slice over the dp group.
     mesh_comms_ = std::make_unique<MeshComms>(*mesh_, factory);
-    tp_plan_ = std::make_unique<TensorParallelPlan>(*arch_, tp, mesh_->coord(MeshDim::tp));
-    tp_ctx_.plan = tp_plan_.get();
-    tp_ctx_.comm = mesh_comms_->comm(MeshDim::tp);
-    tp_ctx_.sequence_parallel = job_.parallel.sequence_parallel_on();
-    model_ = arch_->make_network(be_.get(), mb_, job_.train.activation_checkpointing == "blocks", &tp_ctx_);
+    if (tp > 1) {
+      tp_plan_ = std::make_unique<TensorParallelPlan>(*arch_, tp, mesh_->coord(MeshDim::tp));
+      tp_ctx_.plan = tp_plan_.get();
+      tp_ctx_.comm = mesh_comms_->comm(MeshDim::tp);
+      tp_ctx_.sequence_parallel = job_.parallel.sequence_parallel_on();
+    }
+    const TensorParallel* tpc = tp > 1 ? &tp_ctx_ : nullptr;
+    // The layout this rank's stores see: the TP slice (or the whole model),
+    // then, with a pipeline, this stage's units of it.
+    const ParamLayout& outer = tp > 1 ? tp_plan_->local_layout() : arch_->layout();
     Communicator* dp = mesh_comms_->dp();
     if (!dp) {
       dp_single_ = make_single_communicator();
       dp = dp_single_.get();
     }
     HybridComms hybrid{mesh_comms_->comm(MeshDim::dp_shard), mesh_comms_->comm(MeshDim::dp_replicate)};
-    auto inner = make_param_store(job_.parallel.sharding, tp_plan_->local_layout(), be_.get(), dp, dims.dp_shard,
-                                  factory, &hybrid);
-    params_ = make_tensor_parallel_store(std::move(inner), *tp_plan_, tp_ctx_.comm);
+    std::unique_ptr<ParamStore> store;
+    if (pp == 1) {
+      model_ = arch_->make_network(be_.get(), mb_, job_.train.activation_checkpointing == "blocks", tpc);
+      store = make_param_store(job_.parallel.sharding, outer, be_.get(), dp, dims.dp_shard, factory, &hybrid);
+    } else {
+      const ParallelSpec& ps = job_.parallel;
+      const int v = ps.pipeline_virtual_stages;
+      const std::vector<int> split = split_pipeline_layers(cfg.L, pp * v, parse_pipeline_layers(ps.pipeline_layers));
+      // Checked before the first step (the launcher checked it too): a
+      // schedule that would hang is an error naming the blocked ranks.
+      PipelineSchedule sched = make_pipeline_schedule(ps.pipeline_schedule, pp, v, accum_);
+      check_pipeline_schedule(sched);
+      pp_plan_ = std::make_unique<PipelineStagePlan>(outer, pp, v, mesh_->coord(MeshDim::pp), split);
+      auto inner = make_param_store(ps.sharding, pp_plan_->stage_layout(), be_.get(), dp, dims.dp_shard, factory,
+                                    &hybrid);
+      Communicator* ppc = mesh_comms_->comm(MeshDim::pp);
+      auto stage_store = make_pipeline_stage_store(std::move(inner), *pp_plan_, ppc, be_.get(), ps.pipeline_reshard_on());
+      pp_store_ = stage_store.get();
+      PipelineExecutor::Options po;
+      po.micro_batch = mb_;
+      po.seq_len = T_;
+      po.activation_checkpointing = job_.train.activation_checkpointing == "blocks";
+      po.tp = tpc;
+      po.stage_ranks = mesh_->group_ranks(MeshDim::pp);
+      pipe_ = std::make_unique<PipelineExecutor>(*arch_, be_.get(), *pp_plan_, std::move(sched), *pp_store_, ppc, po);
+      store = std::move(stage_store);
+    }
+    params_ = tp > 1 ? make_tensor_parallel_store(std::move(store), *tp_plan_, tp_ctx_.comm) : std::move(store);
   }
   params_->init_params(*arch_, job_.train.seed);
   // 5. data
@@ -307,7 +354,22 @@ void Trainer::setup() {
       TR_LOG_WARN("mesh: parallel.tensor_parallel (", tp, ") does not divide the ", w_.local_world,
                   " ranks per node, so a TP group spans nodes: its all-reduces (several per block, every micro-batch) "
                   "cross the network instead of NVLink; use a degree that divides the GPUs per node");
-    if (tp > 1) {
+    if (pp_plan_) {
+      std::string split;
+      for (int r = 0; r < dims.pp; ++r) {
+        const PipelineStagePlan pl(arch_->layout(), dims.pp, job_.parallel.pipeline_virtual_stages, r,
+                                   split_pipeline_layers(cfg.L, dims.pp * job_.parallel.pipeline_virtual_stages,
+                                                         parse_pipeline_layers(job_.parallel.pipeline_layers)));
+        for (const PipelineChunk& c : pl.chunks())
+          split += std::string(split.empty() ? "" : ", ") + "stage " + std::to_string(c.virtual_stage) + " (pp rank " +
+                   std::to_string(r) + "): layers " + std::to_string(c.stage.first_layer) + ".." +
+                   std::to_string(c.stage.first_layer + c.stage.layers - 1) + (c.stage.first ? " + embedding" : "") +
+                   (c.stage.last ? " + head" : "");
+      }
+      TR_LOG_INFO("pipeline: ", pipe_->schedule().kind, ", ", accum_, " microbatches over ", dims.pp, " ranks x ",
+                  job_.parallel.pipeline_virtual_stages, " chunks; ", split);
+    }
+    if (tp > 1 || pp > 1) {
       std::string coords;
       for (int r = 0; r < w_.world; ++r) {
         const DeviceMesh m(dims, r);
@@ -320,9 +382,15 @@ void Trainer::setup() {
   ShardMemory m = params_->memory();
   TR_LOG_INFO("memory (rank ", w_.rank, ", ", params_->strategy(), "): params ", human_bytes(m.params), ", grads ",
               human_bytes(m.grads), ", optimizer ", human_bytes(m.optimizer), ", activations ",
-              human_bytes(model_->activation_bytes()),
+              human_bytes(network().activation_bytes()),
               m.host ? ", host (parallel.offload: " + job_.parallel.offload + ") " + human_bytes(m.host) : std::string(),
               m.disk ? ", on disk under " + job_.parallel.offload_dir + " " + human_bytes(m.disk) : std::string());
+}
+
+void Trainer::read_microbatch(const TokenSource& src, int64_t cursor, int m, int32_t* in, int32_t* tgt) {
+  src.read_samples(cursor + (int64_t(m) * dp_size_ + dp_rank_) * mb_, mb_, T_, host_in_.data(), host_tgt_.data());
+  be_->copy_to_device(in, host_in_.data(), size_t(mb_) * T_ * 4);
+  be_->copy_to_device(tgt, host_tgt_.data(), size_t(mb_) * T_ * 4);
 }
 
 void Trainer::read_batch(const TokenSource& src, int64_t first, int B) {
@@ -344,7 +412,22 @@ Trainer::StepResult Trainer::train_step(int step) {
   float dloss_scale = ntgt > 0 ? 1.0f / float(ntgt) : 0.0f;  // an all-masked batch trains nothing
   if (debug_nan_step(step + 1)) dloss_scale = NAN;  // tests: TRAINRUN_DEBUG_NAN_STEP
   be_->zero(dev_loss_sum_.get(), 4);
-  for (int m = 0; m < accum_; ++m) {
+  if (pipe_) {
+    // The schedule's forwards and backwards; the last stage sums the losses.
+    pipe_->train_step(
+        step + 1, [&](int m, int32_t* in, int32_t* tgt) { read_microbatch(*train_src_, cursor_, m, in, tgt); },
+        dloss_scale, dev_loss_sum_.as<float>());
+    if (!pp_logged_) {
+      // FSDP under a pipeline gathers each of the stage's units once per
+      // step (not once per microbatch) and reduces it once: said once per rank.
+      pp_logged_ = true;
+      TR_LOG_INFO("pipeline (rank ", w_.rank, ", pp rank ", mesh_->coord(MeshDim::pp), "): step ", step + 1, ": ",
+                  pp_store_->acquires_last_step(), " unit acquires and ", pp_store_->reductions_last_step(),
+                  " gradient reductions for ", pp_plan_->stage_layout().units.size(), " units and ", accum_,
+                  " microbatches; waited on peers ", fmt(100 * pipe_->last_wait_fraction(), 1), "% of the step");
+    }
+  }
+  for (int m = 0; m < accum_ && !pipe_; ++m) {
     int64_t first = cursor_ + (int64_t(m) * dp_size_ + dp_rank_) * mb_;
     read_batch(*train_src_, first, mb_);
     model_->forward(*params_, dev_in_.as<int32_t>(), dev_tgt_.as<int32_t>(), mb_, T_, true, dloss_scale);
@@ -371,7 +454,12 @@ double Trainer::evaluate() {
   int64_t ntgt = 0;
   for (int e = 0; e < job_.train.eval_steps; ++e) {
     ntgt += val_src_->count_targets(int64_t(e) * global_B_, global_B_, T_);
-    for (int m = 0; m < accum_; ++m) {
+    if (pipe_)
+      pipe_->forward_only(
+          step_, accum_,
+          [&](int m, int32_t* in, int32_t* tgt) { read_microbatch(*val_src_, int64_t(e) * global_B_, m, in, tgt); },
+          dev_loss_sum_.as<float>());
+    for (int m = 0; m < accum_ && !pipe_; ++m) {
       read_batch(*val_src_, int64_t(e) * global_B_ + (int64_t(m) * dp_size_ + dp_rank_) * mb_, mb_);
       model_->forward(*params_, dev_in_.as<int32_t>(), dev_tgt_.as<int32_t>(), mb_, T_, false, 0.0f);
       be_->sum(dev_loss_sum_.as<float>(), model_->losses(), int64_t(mb_) * T_);
@@ -472,7 +560,7 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
   rc.arch = arch_.get();
   rc.backend = be_.get();
   rc.params = params_.get();
-  rc.network = model_.get();
+  rc.network = &network();
   rc.rank = w_.rank;
   rc.world = w_.world;
   rc.tokens_per_step = tokens_per_step;
@@ -503,6 +591,7 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
         if (Communicator* c = mesh_comms_->comm(d)) c->set_step(step + 1);
       if (Communicator* c = mesh_comms_->dp()) c->set_step(step + 1);
     }
+    step_ = step + 1;
     debug_fail_hook(w_.rank, step + 1);  // launcher tests: TRAINRUN_DEBUG_FAIL_RANK/_STEP
     auto t0 = Clock::now();
     const double lr = lr_at(step, tr.max_steps, tr.warmup_steps, tr.lr, tr.min_lr, tr.schedule);
@@ -582,7 +671,7 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
   sum.grads_bytes = mem.grads;
   sum.optimizer_bytes = mem.optimizer;
   sum.host_bytes = mem.host;
-  sum.activation_bytes = model_->activation_bytes();
+  sum.activation_bytes = network().activation_bytes();
 
   if (sum.stop_signal != 0) {
     // Preempted: the checkpoint is what matters; skip the final export and
@@ -628,6 +717,13 @@ void Trainer::log_memory_at_end() {
 // decoder would need more memory than they took, it is skipped with a line
 // saying so (every rank decides alike: the sizes are the same everywhere).
 void Trainer::sample_at_end() {
+  if (pipe_) {
+    if (rank0_)
+      TR_LOG_INFO("sample: skipped: the KV-cached decoder does not run over pipeline stages yet "
+                  "(parallel.pipeline_parallel: ", job_.parallel.pipeline_parallel, "); sample from model.safetensors "
+                  "with `trainrun generate`, or set output.sample_tokens: 0 to silence this");
+    return;
+  }
   if (tp_plan_) {
     if (rank0_)
       TR_LOG_INFO("sample: skipped: the KV-cached decoder does not run tensor-parallel yet (parallel.tensor_parallel: ",
