@@ -368,8 +368,13 @@ TEST_CASE("pp: full_shard gathers each stage unit once per step; a stage killed 
     CHECK(r.exit_code != 0);
     CHECK(seconds_since(t0) < 40);
     CHECK_THAT(r.err, Contains("rank 1"));
-    // No worker is left: the agent reaped both (pgrep finds no process of this job's directory).
-    const auto left = run_command("pgrep -f '" + dir / "job.yaml" + "' || true");
+    CHECK_THAT(r.err, Contains("failed first: killed by signal SIGKILL"));
+    // Its peer names the stage it lost, the microbatch and the step.
+    CHECK_THAT(r.err, Contains("pipeline (step 3)") && Contains("microbatch 2 between stage 0 (rank 0) and stage 1 "
+                                                                "(rank 1)"));
+    // No worker is left: the agent reaped both. (The bracket keeps pgrep's
+    // own command line from matching the pattern.)
+    const auto left = run_command("pgrep -f '" + dir.path() + "/job[.]yaml' || true");
     CHECK(left.out.empty());
   }
 }
