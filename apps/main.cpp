@@ -26,6 +26,7 @@
 #include "core/model/model_io.h"
 #include "core/model/model_shape.h"
 #include "core/model/model_spec.h"
+#include "core/train/pipeline_explain.h"
 #include "core/train/generate.h"
 #include "core/train/planner.h"
 #include "core/train/plot.h"
@@ -73,7 +74,7 @@ void prepare_output_dir(const JobSpec& job) {
   TR_CHECK(!ec, "output.dir: cannot create '", job.output.dir, "': ", ec.message());
 }
 
-int cmd_run(const std::string& config, std::vector<std::string> sets, const LaunchFlags& flags) {
+int cmd_run(const std::string& config, std::vector<std::string> sets, const LaunchFlags& flags, bool explain) {
   // --nnodes/--master-addr/--master-port are job spec fields (launcher.*).
   for (std::string& o : flags.overrides()) sets.push_back(std::move(o));
   JobSpec job = load_resolved_job_spec(config, sets);
@@ -81,6 +82,11 @@ int cmd_run(const std::string& config, std::vector<std::string> sets, const Laun
   // several local workers, restarts or several nodes; a worker placed by
   // srun or by an outside launcher; else one worker right here.
   const LaunchPlan plan = plan_launch(job, flags, current_environment(), this_host_name());
+  if (explain) {
+    // The mesh and the pipeline's per-rank action lists; nothing starts.
+    std::cout << explain_pipeline_job(job, plan.world_size());
+    return 0;
+  }
   TR_LOG_INFO("launch: ", plan.describe());
   if (!plan.nproc_reason.empty()) TR_LOG_INFO("launch: ", plan.nproc_reason);
   for (const std::string& w : plan.warnings) TR_LOG_WARN("launch: ", w);
@@ -324,6 +330,9 @@ int main(int argc, char** argv) {
   std::vector<std::string> sets;
   app.add_option("--config", config, "job spec (YAML)")->check(CLI::ExistingFile);
   app.add_option("--set", sets, "override a job spec field: --set train.lr=3e-4 (repeatable)");
+  bool explain = false;
+  app.add_flag("--explain", explain,
+               "print the mesh and each pipeline rank's schedule (its action list, simulated bubble) and exit");
   // torchrun-style static rendezvous across nodes (outside Slurm; under
   // srun the node rank and count come from SLURM_*), see README "Slurm and
   // several nodes".
@@ -547,7 +556,7 @@ int main(int argc, char** argv) {
       std::cerr << app.help() << "\ntrainrun: error: --config is required to run a job\n";
       return 2;
     }
-    return cmd_run(config, sets, lflags);
+    return cmd_run(config, sets, lflags, explain);
   } catch (const Error& e) {
     std::cerr << "trainrun: error: " << e.what() << std::endl;
     return 1;

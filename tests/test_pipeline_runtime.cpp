@@ -345,6 +345,20 @@ TEST_CASE("pp: the launcher refuses too few microbatches before any worker start
   CHECK_FALSE(file_exists(dir / "run/logs"));
 }
 
+TEST_CASE("pp: --explain prints the mesh, the split and every rank's action list", "[pp][cli]") {
+  TempDir dir("pp_explain");
+  write_file(dir / "job.yaml", pp_binary_job(dir.path()));
+  const auto r = run_command("'" + trainrun_binary() + "' --config '" + dir / "job.yaml" + "' --explain");
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.out, Contains("mesh: pp2 x dp_replicate1 x dp_shard1 x tp1 (2 ranks)") &&
+                        Contains("pp rank 0 (global ranks 0): stage 0 = layers 0..0 + embedding") &&
+                        Contains("pp rank 1 (global ranks 1): stage 1 = layers 1..1 + head (tied") &&
+                        Contains("rank 0: F0 send_act0") && Contains("rank 1: recv_act0 F0 B0 send_grad0") &&
+                        Contains("bubble formula (p-1)/m relative to the ideal step: 25%"));
+  CHECK_FALSE(file_exists(dir / "run/logs"));  // nothing started
+}
+
 TEST_CASE("pp: full_shard gathers each stage unit once per step; a stage killed mid-step stops the job",
           "[pp][faults]") {
   TempDir dir("pp_kill");
@@ -359,6 +373,9 @@ TEST_CASE("pp: full_shard gathers each stage unit once per step; a stage killed 
                Contains("2 unit acquires and 2 gradient reductions for 2 units and 4 microbatches"));
     CHECK_THAT(read_file(dir / "run/logs/rank1.log"),
                Contains("3 unit acquires and 3 gradient reductions for 3 units and 4 microbatches"));
+    // Each logged step reports the measured bubble (the ranks' mean wait share).
+    CHECK_THAT(read_file(dir / "run/metrics.jsonl"), Contains("\"pipeline_bubble\":"));
+    CHECK_THAT(r.err, Contains("| bubble "));
   }
   SECTION("kill -9 of stage 1 in the middle of step 3") {
     const auto t0 = std::chrono::steady_clock::now();

@@ -413,6 +413,7 @@ void RunReporter::on_step(const StepReport& r) {
       line += std::string(lr) + " | grad_norm " + fixed(r.grad_norm, 3) + " | " + fixed(ms, 1) + " ms/step | " +
               fixed(tps, 0) + " tok/s";
       if (ctx_.world > 1) line += " | comm wait " + fixed(100 * window_comm_ / std::max(1e-9, window_seconds_), 1) + "%";
+      if (r.bubble >= 0) line += " | bubble " + fixed(100 * r.bubble, 1) + "%";
       if (peak_.flops > 0) line += " | MFU " + fixed(100 * u, 1) + "%";
       line += " | mem " + format_bytes(mem_.peak) + " | " + elapsed_eta();
       if (r.val_loss >= 0) line += " | val_loss " + fixed(r.val_loss, 4);
@@ -441,6 +442,7 @@ void RunReporter::on_step(const StepReport& r) {
         if (mem_.host > 0) rec.push_back({"mem_host_bytes", mem_.host});
         if (mem_.disk > 0) rec.push_back({"mem_nvme_bytes", mem_.disk});
         if (r.val_loss >= 0) rec.push_back({"val_loss", r.val_loss});
+        if (r.bubble >= 0) rec.push_back({"pipeline_bubble", r.bubble});
         ctx_.metrics->write(rec);
       }
       if (tb_) {

@@ -100,6 +100,7 @@ struct StepReport {
   double step_seconds = 0;       // the training step (not eval)
   double comm_wait_seconds = 0;  // of which waiting on collectives
   double val_loss = -1;          // >= 0 when this step was evaluated
+  double bubble = -1;            // pipeline: the ranks' mean share of the step spent waiting on peers; -1 = none
   bool last = false;             // the last step this process runs (max_steps, or an early exit)
 };
 

@@ -146,6 +146,7 @@ class Trainer {
   void setup();
   struct StepResult {
     double loss = 0;     // the global mean loss
+    double bubble = -1;  // pipeline: the ranks' mean share of the step spent waiting on peers
     int stop_signal = 0; // a preemption signal some rank received, else 0
   };
   StepResult train_step(int step);
@@ -439,8 +440,10 @@ Trainer::StepResult Trainer::train_step(int step) {
   std::vector<float> v(1, 0.0f);
   be_->copy_to_host(v.data(), dev_loss_sum_.get(), 4);
   if (!counts_loss_) v[0] = 0.0f;  // the TP ranks of a dp index computed the same loss: count it once
+  if (pipe_) v.push_back(float(pipe_->last_wait_fraction()));  // averaged over the ranks below
   StepResult r;
   r.stop_signal = agree_on_stop(*comm_, v);  // the vote rides the loss all-reduce
+  if (pipe_) r.bubble = double(v[1]) / w_.world;
   r.loss = ntgt > 0 ? double(v[0]) / double(ntgt) : 0.0;
   return r;
 }
@@ -647,6 +650,7 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
     report.step_seconds = dt;
     report.comm_wait_seconds = comm_wait;
     report.val_loss = val_loss;
+    report.bubble = sr.bubble;
     reporter.on_step(report);
     if (job_.checkpoint.interval > 0 && (step + 1) % job_.checkpoint.interval == 0) save_checkpoint(step + 1);
     // Preemption: the ranks agreed in train_step; save and stop at this
