@@ -211,7 +211,11 @@ TEST_CASE("pp: llama tied and untied at pp2 (1f1b, gpipe) and pp4 trains as one 
       check_same(run_pp(llama(tie), 2, 2, 1, "no_shard", "gpipe"), ref);
     }
     {
-      INFO("pp4 interleaved is not possible with 4 layers and v=2; pp4 1f1b");
+      INFO("pp2 interleaved_1f1b v=2 (one layer per virtual stage)");
+      check_same(run_pp(llama(tie), 2, 2, 1, "full_shard", "interleaved_1f1b", 2), ref);
+    }
+    {
+      INFO("pp4 1f1b");
       check_same(run_pp(llama(tie), 4, 4, 1, "full_shard"), ref);
     }
   }
@@ -251,8 +255,11 @@ TEST_CASE("pp: a pp2 checkpoint resumes on tp2 and dp2, and a tp2 one on pp2 (lo
     struct Mesh {
       int pp, tp;
     };
-    for (auto [a, b] : {std::pair<Mesh, Mesh>{{2, 1}, {1, 2}}, {{1, 2}, {2, 1}}, {{2, 1}, {1, 1}}}) {
-      const int wa = a.pp * a.tp, wb = b.pp * b.tp == 1 ? 2 : b.pp * b.tp;  // pp1 tp1 at world 2: dp2
+    // pp2 -> tp2, tp2 -> pp2, pp2 -> dp2, and pp2 x tp2 -> pp4 and -> dp4.
+    for (auto [a, b] : {std::pair<Mesh, Mesh>{{2, 1}, {1, 2}}, {{1, 2}, {2, 1}}, {{2, 1}, {1, 1}}, {{2, 2}, {4, 1}},
+                        {{2, 2}, {1, 1}}}) {
+      const int wa = a.pp * a.tp;
+      const int wb = b.pp * b.tp > 1 ? b.pp * b.tp : a.pp * a.tp == 4 ? 4 : 2;  // pp1 tp1: dp2 or dp4
       INFO("pp" << a.pp << " tp" << a.tp << " -> pp" << b.pp << " tp" << b.tp << " (world " << wb << ")");
       TempDir dir("pp_resume");
       const JobSpec ja = parse_job_spec(pp_job(dir.path(), model, "full_shard", a.pp, a.tp), "job.yaml",
@@ -268,6 +275,25 @@ TEST_CASE("pp: a pp2 checkpoint resumes on tp2 and dp2, and a tp2 one on pp2 (lo
       check_same(resumed, straight);
     }
   }
+}
+
+TEST_CASE("pp: a non-finite step is skipped on every stage alike", "[pp][nan]") {
+  // Rank 1 (the last stage) poisons its gradients at step 2: every rank
+  // sees the non-finite norm and skips, so the run stays the same as one
+  // rank that skipped the same step.
+  TempDir d1("pp_nan1"), d2("pp_nan2");
+  setenv("TRAINRUN_DEBUG_NAN_STEP", "2", 1);
+  setenv("TRAINRUN_DEBUG_NAN_RANK", "0", 1);
+  const auto one = run_ranks_inprocess(parse_job_spec(pp_job(d1.path(), kGpt2, "no_shard", 1, 1), "job.yaml"), 1);
+  setenv("TRAINRUN_DEBUG_NAN_RANK", "1", 1);
+  const auto two = run_ranks_inprocess(parse_job_spec(pp_job(d2.path(), kGpt2, "full_shard", 2, 1), "job.yaml"), 2);
+  unsetenv("TRAINRUN_DEBUG_NAN_STEP");
+  unsetenv("TRAINRUN_DEBUG_NAN_RANK");
+  CHECK(one[0].skipped_steps == 1);
+  for (const TrainSummary& s : two) CHECK(s.skipped_steps == 1);
+  REQUIRE(two[0].losses.size() == one[0].losses.size());
+  for (size_t i = 2; i < one[0].losses.size(); ++i)
+    CHECK(std::fabs(two[0].losses[i] - one[0].losses[i]) <= 1e-5 * std::fabs(one[0].losses[i]));
 }
 
 TEST_CASE("pp: bad splits, schedules and microbatch counts are clear errors at load", "[pp][config]") {
