@@ -193,6 +193,31 @@ TEST_CASE("pp: gpt2 (head tied across stages) at pp2 under gpipe, 1f1b, interlea
   }
 }
 
+TEST_CASE("pp: zero_bubble (ZB-H1: input- and weight-gradient steps) trains as one rank does", "[pp][zb]") {
+  for (const std::string& model : {std::string(kGpt2), llama("true"), llama("false")}) {
+    INFO(model);
+    const Run ref = run_pp(model, 1, 1, 1, "no_shard");
+    {
+      INFO("pp2 zero_bubble");
+      check_same(run_pp(model, 2, 2, 1, "full_shard", "zero_bubble"), ref);
+    }
+    {
+      INFO("pp4 zero_bubble");
+      check_same(run_pp(model, 4, 4, 1, "no_shard", "zero_bubble"), ref);
+    }
+    {
+      INFO("pp2 x dp2 zero_bubble, full_shard with reshard (a reduction per weight step)");
+      check_same(run_pp(model, 4, 2, 1, "full_shard", "zero_bubble", 1, {"parallel.pipeline_reshard=true"}), ref);
+    }
+  }
+  // Tensor parallelism inside the stages, KV heads replicated over the TP
+  // pair (their weight gradients summed over TP in the weight step).
+  const std::string gqa = "{arch: llama, n_layer: 4, n_head: 4, n_kv_head: 1, n_embd: 16, ffn_dim: 24, "
+                          "vocab_size: 23, seq_len: 8, tie_embeddings: false}";
+  INFO("pp2 x tp2 zero_bubble, GQA 4:1");
+  check_same(run_pp(gqa, 4, 2, 2, "full_shard", "zero_bubble"), run_pp(gqa, 1, 1, 1, "no_shard"));
+}
+
 TEST_CASE("pp: 3 layers over 2 stages (the even split gives 2 and 1)", "[pp][gpt2]") {
   const std::string model = "{arch: gpt2, n_layer: 3, n_head: 4, n_embd: 16, vocab_size: 23, seq_len: 8}";
   check_same(run_pp(model, 2, 2, 1, "shard_grad_op"), run_pp(model, 1, 1, 1, "no_shard"));
@@ -325,8 +350,9 @@ TEST_CASE("pp: bad splits, schedules and microbatch counts are clear errors at l
   SECTION("more stages than layers") {
     CHECK_THROWS_WITH(spec({"parallel.pipeline_parallel=8"}), Contains("8 stages for 4 layers"));
   }
-  SECTION("zero_bubble is refused, as is v > 1 without interleaving, and offload") {
-    CHECK_THROWS_WITH(spec({"parallel.pipeline_schedule=zero_bubble"}), Contains("zero_bubble is not implemented yet"));
+  SECTION("zero_bubble with activation checkpointing is refused, as is v > 1 without interleaving, and offload") {
+    CHECK_THROWS_WITH(spec({"parallel.pipeline_schedule=zero_bubble", "train.activation_checkpointing=blocks"}),
+                      Contains("zero_bubble with train.activation_checkpointing: blocks is not supported"));
     CHECK_THROWS_WITH(spec({"parallel.pipeline_virtual_stages=2"}),
                       Contains("parallel.pipeline_virtual_stages") && Contains("needs parallel.pipeline_schedule: "
                                                                                "interleaved_1f1b"));

@@ -402,10 +402,11 @@ TEST_CASE("tp: bad meshes are clear errors", "[tp]") {
                                      {"parallel.offload=cpu"}),
                       Contains("parallel.offload") && Contains("cpu with parallel.tensor_parallel 2 is not supported yet"));
   }
-  SECTION("the zero_bubble pipeline schedule is refused at load (not implemented yet)") {
+  SECTION("the zero_bubble pipeline schedule with activation checkpointing is refused at load") {
     CHECK_THROWS_WITH(parse_job_spec(tp_job(dir.path(), kGpt2Model, "full_shard", 1, 0), "job.yaml",
-                                     {"parallel.pipeline_parallel=2", "parallel.pipeline_schedule=zero_bubble"}),
-                      Contains("parallel.pipeline_schedule") && Contains("zero_bubble is not implemented yet"));
+                                     {"parallel.pipeline_parallel=2", "parallel.pipeline_schedule=zero_bubble",
+                                      "train.activation_checkpointing=blocks"}),
+                      Contains("parallel.pipeline_schedule") && Contains("zero_bubble with train.activation_checkpointing"));
   }
   SECTION("sequence parallelism needs the micro-batch's tokens to split over the group") {
     const JobSpec job = parse_job_spec(tp_job(dir.path(), llama_model(2, "true"), "full_shard", 2, 0), "job.yaml",

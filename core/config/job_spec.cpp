@@ -239,7 +239,9 @@ const std::vector<Field>& fields() {
       TR_SPEC_FIELD(parallel.pipeline_schedule, one_of({"gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"}),
                     "pipeline schedule: gpipe (all forwards, then all backwards), 1f1b (one forward one "
                     "backward; bubble (p-1)/m), interleaved_1f1b (v chunks per rank; bubble (p-1)/(v m)), "
-                    "zero_bubble (ZB-H1; not implemented yet: refused at load)"),
+                    "zero_bubble (ZB-H1: the backward split into an input-gradient step and a weight-gradient step that "
+                    "rank r defers r times; bubble (p-1)/(3m); keeps each block's output gradients until the weight "
+                    "step; not with activation checkpointing)"),
       TR_SPEC_FIELD(parallel.pipeline_layers, any(),
                     "layers per virtual stage, e.g. [3, 1] (a YAML list, or '3,1'): they must sum to model.n_layer "
                     "and give every stage at least one; empty = an even split (the first stages one more)"),
@@ -794,10 +796,10 @@ void check_rules(JobSpec& s, const Origins& o, const std::string& fallback, bool
   if (p.offload == "nvme" && p.offload_dir.empty())
     fail(at({"parallel.offload_dir", "parallel.offload"}), "parallel.offload_dir",
          "is required with parallel.offload: nvme; name a directory on a local NVMe disk");
-  if (p.pipeline_parallel > 1 && p.pipeline_schedule == "zero_bubble")
-    fail(at({"parallel.pipeline_schedule", "parallel.pipeline_parallel"}), "parallel.pipeline_schedule",
-         "zero_bubble is not implemented yet (its backward split into input- and weight-gradient steps is not "
-         "built); use 1f1b (the default) or interleaved_1f1b");
+  if (p.pipeline_parallel > 1 && p.pipeline_schedule == "zero_bubble" && t.activation_checkpointing == "blocks")
+    fail(at({"parallel.pipeline_schedule", "train.activation_checkpointing"}), "parallel.pipeline_schedule",
+         "zero_bubble with train.activation_checkpointing: blocks is not supported (its deferred weight step needs "
+         "every block's inputs, which checkpointing does not keep); use 1f1b, or turn checkpointing off");
   if (p.pipeline_virtual_stages > 1 && p.pipeline_schedule != "interleaved_1f1b")
     fail(at({"parallel.pipeline_virtual_stages", "parallel.pipeline_schedule"}), "parallel.pipeline_virtual_stages",
          str(p.pipeline_virtual_stages) + " needs parallel.pipeline_schedule: interleaved_1f1b (it is '" +

@@ -198,6 +198,10 @@ class FlatUnitAccess final : public UnitAccess {
 struct PipelineStage {
   int first_layer = 0, layers = 0;
   bool first = true, last = true;
+  // zero_bubble: the backward runs as backward_input() then, later,
+  // backward_weight() (the network keeps each block's output gradients
+  // for the weight step in between).
+  bool split_backward = false;
 };
 // The config a stage network computes with: `stage`'s blocks (cfg when null).
 inline ModelConfig stage_config(ModelConfig cfg, const PipelineStage* stage) {
@@ -241,6 +245,14 @@ class Network {
   virtual const void* stage_output() const { not_a_stage("stage_output"); }
   virtual void* stage_output_grad() { not_a_stage("stage_output_grad"); }
   virtual const void* stage_input_grad() const { not_a_stage("stage_input_grad"); }
+  // zero_bubble (a stage built with split_backward): backward() in two
+  // steps. backward_input() computes the input gradient (stage_input_grad())
+  // and every gradient but the blocks' linear weights and biases, keeping
+  // the output gradients those need; backward_weight() computes them, after
+  // which the blocks' units are grads_done. Together they add exactly what
+  // backward() adds.
+  virtual void backward_input(UnitAccess& units) { not_a_stage("backward_input"); }
+  virtual void backward_weight(UnitAccess& units) { not_a_stage("backward_weight"); }
 
  private:
   [[noreturn]] static void not_a_stage(const char* what);

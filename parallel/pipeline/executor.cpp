@@ -90,6 +90,7 @@ struct Slot {
 
 struct ChunkRun {
   const PipelineChunk* chunk = nullptr;
+  PipelineStage stage;  // the chunk's, with split_backward under zero_bubble
   std::vector<Slot> slots;
   std::map<int, int> slot_of;  // microbatch -> slot
 };
@@ -123,6 +124,7 @@ struct PipelineExecutor::Impl {
   std::unique_ptr<NetworkView> view;
   int64_t step = 0;
   double wait_s = 0;
+  bool split = false;
   // Tests: TRAINRUN_DEBUG_PIPE_KILL=<global rank>:<step>:<microbatch> kills
   // this process with SIGKILL before that microbatch's forward (mid-step).
   int kill_rank = -1, kill_mb = -1;
@@ -217,6 +219,8 @@ PipelineExecutor::PipelineExecutor(const ModelArch& arch, Backend* be, const Pip
                                    Options opts)
     : impl_(std::make_unique<Impl>(be, plan, store, pp, std::move(opts))), schedule_(std::move(schedule)) {
   Impl& im = *impl_;
+  // zero_bubble: BI then, later, BW; a microbatch's activations stay until its BW.
+  im.split = schedule_.kind == "zero_bubble";
   TR_CHECK(pp && schedule_.ranks == plan.ranks() && schedule_.virtual_stages == int(plan.chunks().size()),
            "pipeline: schedule, plan and pp group disagree (a bug)");
   const int r = plan.rank();
@@ -239,9 +243,11 @@ PipelineExecutor::PipelineExecutor(const ModelArch& arch, Backend* be, const Pip
   for (size_t c = 0; c < plan.chunks().size(); ++c) {
     ChunkRun cr;
     cr.chunk = &plan.chunks()[c];
+    cr.stage = cr.chunk->stage;
+    cr.stage.split_backward = im.split;
     for (int i = 0; i < most[c]; ++i) {
       Slot s;
-      s.net = arch.make_network(be, B, im.opts.activation_checkpointing, im.opts.tp, &cr.chunk->stage);
+      s.net = arch.make_network(be, B, im.opts.activation_checkpointing, im.opts.tp, &cr.stage);
       s.in = DeviceBuffer(be, size_t(B) * T * 4);
       s.tgt = DeviceBuffer(be, size_t(B) * T * 4);
       cr.slots.push_back(std::move(s));
@@ -305,13 +311,18 @@ void PipelineExecutor::train_step(int64_t step, const Loader& load, float dloss_
       case PipeOp::SendGrad: {
         Slot& s = im.slot(c, a.microbatch);
         im.send(s, s.net->stage_input_grad(), a.microbatch, a.stage, a.stage - 1, 1);
-        im.free_slot(c, a.microbatch);  // reused only after that send has left (Impl::slot)
+        // Reused only after that send has left (Impl::slot); under
+        // zero_bubble only after its weight step too.
+        if (!im.split) im.free_slot(c, a.microbatch);
         break;
       }
       case PipeOp::BI:
+        im.slot(c, a.microbatch).net->backward_input(im.store.chunk_access(c));
+        break;
       case PipeOp::BW:
-        TR_FAIL("pipeline: the ", pipe_op_name(a.op), " step of parallel.pipeline_schedule: ", schedule_.kind,
-                " is not implemented (the job loader refuses zero_bubble)");
+        im.slot(c, a.microbatch).net->backward_weight(im.store.chunk_access(c));
+        im.free_slot(c, a.microbatch);
+        break;
     }
   }
   im.wait_all_sends();

@@ -143,6 +143,17 @@ GPT2::GPT2(const GPT2Config& cfg_in, Backend* be, int maxB, bool activation_chec
   req(&dbuf_c_, N * C * es);
   req(&dbuf_3c_, N * 3 * Q * es);
   req(&dbuf_4c_, N * F * es);
+  if (stage_.split_backward) {
+    TR_CHECK(!ckpt_, "parallel.pipeline_schedule: zero_bubble with train.activation_checkpointing: blocks is not "
+                     "supported (the weight step needs every block's inputs); use 1f1b or turn checkpointing off");
+    kept_.resize(cfg.L);
+    for (auto& k : kept_) {
+      req(&k.d_fcproj, N * C * es);
+      req(&k.d_fc, N * F * es);
+      req(&k.d_attproj, N * C * es);
+      req(&k.d_qkv, N * 3 * Q * es);
+    }
+  }
   size_t total = 0;
   for (auto& p : plan) total += p.second;
   arena_ = DeviceBuffer(be, total);
@@ -304,32 +315,72 @@ void GPT2::head_forward(UnitAccess& units, const int32_t* targets, int N, bool f
 // Tensor parallelism: the replicated biases' gradients come from the same
 // (all-reduced) dres on every rank, so the replicas stay equal; the input
 // gradients of the column layers (fc, qkv) are all-reduced.
-void GPT2::block_backward(const void* p, float* g, int l, const void* res_in, void* dres, int B, int T) {
+void GPT2::block_backward(const void* p, float* g, int l, const void* res_in, void* dres, int B, int T,
+                          const KeptGrads* keep) {
   const int N = B * T, C = cfg_.C, Q = Q_, F = F_, NR = tpc_.rows(N);
   const size_t es = dtype_size(be_->act_dtype());
   const GPT2BlockOffsets off(C, Q, F);
   auto w = block_ptrs<const void*>(p, off, es);
   auto dw = block_ptrs<float*>(g, off, 4);
   LayerActs& a = acts(l);
+  // zero_bubble's input step: no weight/bias gradients here (null skips
+  // them), their output gradients kept for block_weight_grads.
+  auto W = [&](float* x) { return keep ? nullptr : x; };
+  auto kept = [&](void* dst, const void* src, int64_t n) {
+    if (keep) be_->copy_device(dst, src, size_t(n) * es);
+  };
   // MLP: res_out = res2 + fcproj(gelu(fc(ln2(res2))))
-  be_->matmul_backward_dgelu(dbuf_4c_, dw.fcprojw, dw.fcprojb, tpc_.full_rows(dres, N), a.fch_gelu, w.fcprojw, a.fch,
-                             N, F, C);
-  be_->matmul_backward(dbuf_c_, dw.fcw, dw.fcb, dbuf_4c_, a.ln2, w.fcw, N, C, F);
+  const void* dmlp = tpc_.full_rows(dres, N);
+  if (keep) kept(keep->d_fcproj, dmlp, int64_t(N) * C);
+  be_->matmul_backward_dgelu(dbuf_4c_, W(dw.fcprojw), W(dw.fcprojb), dmlp, a.fch_gelu, w.fcprojw, a.fch, N, F, C);
+  if (keep) kept(keep->d_fc, dbuf_4c_, int64_t(N) * F);
+  be_->matmul_backward(dbuf_c_, W(dw.fcw), W(dw.fcb), dbuf_4c_, a.ln2, w.fcw, N, C, F);
   const void* dln2 = tpc_.reduce_out(dbuf_c_, N);
   float* g2 = tpc_.norm_grad(dw.ln2w);  // ln2w | ln2b (adjacent)
   be_->layernorm_backward(dres, g2, g2 + C, dln2, a.res2, w.ln2w, a.ln2_mean, a.ln2_rstd, NR, C);
   tpc_.norm_grad_done(dw.ln2w);
   // Attention: res2 = res_in + attproj(attn(qkv(ln1(res_in))))
-  be_->matmul_backward(dbuf_c_, dw.attprojw, dw.attprojb, tpc_.full_rows(dres, N), a.atty, w.attprojw, N, Q, C);
+  const void* dattn = tpc_.full_rows(dres, N);
+  if (keep) kept(keep->d_attproj, dattn, int64_t(N) * C);
+  be_->matmul_backward(dbuf_c_, W(dw.attprojw), W(dw.attprojb), dattn, a.atty, w.attprojw, N, Q, C);
   be_->attention_backward(dbuf_3c_, dbuf_c_, a.qkv, a.atty, a.att, B, T, Q, NH_);
-  be_->matmul_backward(dbuf_c_, dw.qkvw, dw.qkvb, dbuf_3c_, a.ln1, w.qkvw, N, C, 3 * Q);
+  if (keep) kept(keep->d_qkv, dbuf_3c_, int64_t(N) * 3 * Q);
+  be_->matmul_backward(dbuf_c_, W(dw.qkvw), W(dw.qkvb), dbuf_3c_, a.ln1, w.qkvw, N, C, 3 * Q);
   const void* dln1 = tpc_.reduce_out(dbuf_c_, N);
   float* g1 = tpc_.norm_grad(dw.ln1w);  // ln1w | ln1b
   be_->layernorm_backward(dres, g1, g1 + C, dln1, res_in, w.ln1w, a.ln1_mean, a.ln1_rstd, NR, C);
   tpc_.norm_grad_done(dw.ln1w);
 }
 
-void GPT2::backward(UnitAccess& units) {
+// zero_bubble's weight step: dW += dout^T inp, db += sum dout of the four
+// linears, from the output gradients the input step kept and the layer's
+// saved inputs (the same operands backward() gives the fused op).
+void GPT2::block_weight_grads(float* g, int l, const KeptGrads& k, int N) {
+  const int C = cfg_.C, Q = Q_, F = F_;
+  auto dw = block_ptrs<float*>(g, GPT2BlockOffsets(C, Q, F), 4);
+  const LayerActs& a = layers_[size_t(l)];
+  be_->matmul_backward(nullptr, dw.fcprojw, dw.fcprojb, k.d_fcproj, a.fch_gelu, nullptr, N, F, C);
+  be_->matmul_backward(nullptr, dw.fcw, dw.fcb, k.d_fc, a.ln2, nullptr, N, C, F);
+  be_->matmul_backward(nullptr, dw.attprojw, dw.attprojb, k.d_attproj, a.atty, nullptr, N, Q, C);
+  be_->matmul_backward(nullptr, dw.qkvw, dw.qkvb, k.d_qkv, a.ln1, nullptr, N, C, 3 * Q);
+}
+
+void GPT2::backward(UnitAccess& units) { backward_pass(units, false); }
+
+void GPT2::backward_input(UnitAccess& units) {
+  TR_CHECK(stage_.split_backward, "GPT2: backward_input needs a stage built with split_backward (a bug)");
+  backward_pass(units, true);
+}
+
+void GPT2::backward_weight(UnitAccess& units) {
+  TR_CHECK(stage_.split_backward, "GPT2: backward_weight needs a stage built with split_backward (a bug)");
+  for (int l = cfg_.L - 1; l >= 0; --l) {
+    block_weight_grads(units.unit_grads(1 + l), l, kept_[size_t(l)], B_ * T_);
+    units.grads_done(1 + l);
+  }
+}
+
+void GPT2::backward_pass(UnitAccess& units, bool input_only) {
   const int B = B_, T = T_, N = B * T, C = cfg_.C, L = cfg_.L, NR = tpc_.rows(N);
   const size_t es = dtype_size(be_->act_dtype());
   units.begin_pass(true, false);
@@ -369,9 +420,9 @@ void GPT2::backward(UnitAccess& units) {
       tpc_.gather_rows(a.ln1, N);
       block_forward(p, l, res_in, B, T);
     }
-    block_backward(p, units.unit_grads(1 + l), l, res_in, dres_, B, T);
+    block_backward(p, units.unit_grads(1 + l), l, res_in, dres_, B, T, input_only ? &kept_[size_t(l)] : nullptr);
     units.release_params(1 + l);
-    units.grads_done(1 + l);
+    if (!input_only) units.grads_done(1 + l);  // else after backward_weight
   }
 
   // A pipeline stage after the first leaves dL/d input in dres_ (stage_input_grad()).

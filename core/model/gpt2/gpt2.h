@@ -91,6 +91,8 @@ class GPT2 final : public Network {
   const void* stage_output() const override { return res3_.back(); }
   void* stage_output_grad() override { return dres_; }
   const void* stage_input_grad() const override { return dres_; }
+  void backward_input(UnitAccess& units) override;
+  void backward_weight(UnitAccess& units) override;
 
  private:
   struct LayerActs {
@@ -104,7 +106,17 @@ class GPT2 final : public Network {
     void* fch_gelu;                                 // (N,4C)
   };
   void block_forward(const void* p, int l, const void* res_in, int B, int T);
-  void block_backward(const void* p, float* g, int l, const void* res_in, void* dres, int B, int T);
+  // With `keep` (zero_bubble's input step) the four linears' weight and
+  // bias gradients are skipped and their output gradients copied to keep;
+  // block_weight_grads computes them from there.
+  struct KeptGrads {
+    void* d_fcproj; void* d_fc; void* d_attproj; void* d_qkv;  // (N,C) (N,F) (N,C) (N,3Q)
+  };
+  void block_backward(const void* p, float* g, int l, const void* res_in, void* dres, int B, int T,
+                      const KeptGrads* keep = nullptr);
+  void block_weight_grads(float* g, int l, const KeptGrads& keep, int N);
+  void backward_pass(UnitAccess& units, bool input_only);
+  std::vector<KeptGrads> kept_;            // per layer, zero_bubble only
   // The first stage's token + position embedding into encoded_; the last
   // stage's final LayerNorm, LM head and loss.
   void embed(UnitAccess& units, const int32_t* inputs, int B, int T);

@@ -94,6 +94,16 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
   req(&dbuf_c_, N * C * es);
   req(&dqkv_, N * QKV_ * es);
   req(&dh_, N * F * es);
+  if (stage_.split_backward) {
+    TR_CHECK(!ckpt_, "parallel.pipeline_schedule: zero_bubble with train.activation_checkpointing: blocks is not "
+                     "supported (the weight step needs every block's inputs); use 1f1b or turn checkpointing off");
+    kept_.resize(cfg_.L);
+    for (auto& k : kept_) {
+      req(&k.d_down, N * C * es);
+      req(&k.d_o, N * C * es);
+      req(&k.d_qkv, N * QKV_ * es);
+    }
+  }
   size_t total = 0;
   for (auto& p : plan) total += p.second;
   arena_ = DeviceBuffer(be, total);  // zero-initialised: zero_wpe_ stays all zeros (nothing writes it)
@@ -262,26 +272,47 @@ void LlamaNetwork::embed(UnitAccess& units, const int32_t* inputs, int B, int T)
 
 // Backward through one block: dres holds dL/d(block output) on entry and
 // dL/d(block input) on exit; parameter grads accumulate into g.
-void LlamaNetwork::block_backward(const void* p, float* g, int l, const void* res_in, void* dres, int B, int T) {
+void LlamaNetwork::block_backward(const void* p, float* g, int l, const void* res_in, void* dres, int B, int T,
+                                  const KeptGrads* keep) {
   const int N = B * T, C = cfg_.C, F = F_, NR = rows(N);
+  const size_t es = dtype_size(be_->act_dtype());
   const LlamaBlockOffsets off(C, Q_, KV_, F);
-  auto w = block_ptrs<const void*>(p, off, dtype_size(be_->act_dtype()));
+  auto w = block_ptrs<const void*>(p, off, es);
   auto dw = block_ptrs<float*>(g, off, 4);
   LayerActs& a = acts(l);
+  // zero_bubble's input step: no weight gradients here (null skips them),
+  // the output gradients they need kept for block_weight_grads (gate|up's
+  // stays in a.gu, which nothing else reads).
+  auto W = [&](float* x) { return keep ? nullptr : x; };
   // MLP: res_out = res2 + down(swiglu(gate_up(RMSNorm(res2))))
-  be_->matmul_backward(dh_, dw.downw, nullptr, full_rows(dres, N), a.h, w.downw, N, F, C);
+  const void* dmlp = full_rows(dres, N);
+  if (keep) be_->copy_device(keep->d_down, dmlp, size_t(N) * C * es);
+  be_->matmul_backward(dh_, W(dw.downw), nullptr, dmlp, a.h, w.downw, N, F, C);
   be_->swiglu_backward(a.gu, dh_, a.gu, N, F);  // in place: gate|up is not read again
-  be_->matmul_backward(dbuf_c_, dw.guw, nullptr, a.gu, a.ln2, w.guw, N, C, 2 * F);
+  be_->matmul_backward(dbuf_c_, W(dw.guw), nullptr, a.gu, a.ln2, w.guw, N, C, 2 * F);
   // column-parallel: each rank's columns add to the input gradient
   const void* dln2 = row_parallel_out(dbuf_c_, N);
   be_->rmsnorm_backward(dres, norm_grad(dw.ln2w), dln2, a.res2, w.ln2w, a.ln2_rstd, NR, C);
   norm_grad_done(dw.ln2w);
   // Attention: res2 = res_in + o(attn(rope(qkv(RMSNorm(res_in)))))
-  be_->matmul_backward(dbuf_c_, dw.ow, nullptr, full_rows(dres, N), a.atty, w.ow, N, Q_, C);
+  const void* dattn = full_rows(dres, N);
+  if (keep) be_->copy_device(keep->d_o, dattn, size_t(N) * C * es);
+  be_->matmul_backward(dbuf_c_, W(dw.ow), nullptr, dattn, a.atty, w.ow, N, Q_, C);
   be_->attention_gqa_backward(dqkv_, dbuf_c_, a.qkv, a.atty, a.att, B, T, NH_, NKV_, HS_);
   be_->rope_backward(dqkv_, rope_, B, T, NH_, NKV_, HS_, 0);
-  if (kv_replicas_ == 1) {
-    be_->matmul_backward(dbuf_c_, dw.qkvw, nullptr, dqkv_, a.ln1, w.qkvw, N, C, QKV_);
+  if (keep) be_->copy_device(keep->d_qkv, dqkv_, size_t(N) * QKV_ * es);
+  qkv_backward(dbuf_c_, W(dw.qkvw), dqkv_, a.ln1, w.qkvw, N);
+  const void* dln1 = row_parallel_out(dbuf_c_, N);
+  be_->rmsnorm_backward(dres, norm_grad(dw.ln1w), dln1, res_in, w.ln1w, a.ln1_rstd, NR, C);
+  norm_grad_done(dw.ln1w);
+}
+
+// The q|k|v projection's backward: dinp (null: skipped) and, with dqkvw,
+// its weight gradient.
+void LlamaNetwork::qkv_backward(void* dinp, float* dqkvw, const void* dqkv, const void* ln1, const void* wqkv, int N) {
+  const int C = cfg_.C;
+  if (kv_replicas_ == 1 || !dqkvw) {
+    be_->matmul_backward(dinp, dqkvw, nullptr, dqkv, ln1, wqkv, N, C, QKV_);
   } else {
     // KV heads replicated over kv_replicas_ ranks: each holds the gradient
     // its own query heads give k and v; the true one is their sum. This
@@ -293,19 +324,43 @@ void LlamaNetwork::block_backward(const void* p, float* g, int l, const void* re
     float* scratch = kv_grad_scratch_.as<float>();
     float* slots = kv_grad_slots_.as<float>();
     be_->zero(scratch, kv_grad_scratch_.bytes());
-    be_->matmul_backward(dbuf_c_, scratch, nullptr, dqkv_, a.ln1, w.qkvw, N, C, QKV_);
+    be_->matmul_backward(dinp, scratch, nullptr, dqkv, ln1, wqkv, N, C, QKV_);
     be_->zero(slots, kv_grad_slots_.bytes());
     be_->copy_device(slots + kv_head_ * kvC, scratch + qC, kvC * 4);
     tp_->comm->all_reduce(slots, int64_t(NKV_global_) * kvC, ReduceOp::Sum);
-    be_->accumulate(dw.qkvw, scratch, qC);
-    be_->accumulate(dw.qkvw + qC, slots + kv_head_ * kvC, kvC);
+    be_->accumulate(dqkvw, scratch, qC);
+    be_->accumulate(dqkvw + qC, slots + kv_head_ * kvC, kvC);
   }
-  const void* dln1 = row_parallel_out(dbuf_c_, N);
-  be_->rmsnorm_backward(dres, norm_grad(dw.ln1w), dln1, res_in, w.ln1w, a.ln1_rstd, NR, C);
-  norm_grad_done(dw.ln1w);
 }
 
-void LlamaNetwork::backward(UnitAccess& units) {
+// zero_bubble's weight step (GPT2::block_weight_grads): the four linears'
+// weight gradients from the kept output gradients and the saved inputs.
+void LlamaNetwork::block_weight_grads(float* g, int l, const KeptGrads& k, int N) {
+  const int C = cfg_.C, F = F_;
+  auto dw = block_ptrs<float*>(g, LlamaBlockOffsets(C, Q_, KV_, F), 4);
+  const LayerActs& a = layers_[size_t(l)];
+  be_->matmul_backward(nullptr, dw.downw, nullptr, k.d_down, a.h, nullptr, N, F, C);
+  be_->matmul_backward(nullptr, dw.guw, nullptr, a.gu, a.ln2, nullptr, N, C, 2 * F);
+  be_->matmul_backward(nullptr, dw.ow, nullptr, k.d_o, a.atty, nullptr, N, Q_, C);
+  qkv_backward(nullptr, dw.qkvw, k.d_qkv, a.ln1, nullptr, N);
+}
+
+void LlamaNetwork::backward_input(UnitAccess& units) {
+  TR_CHECK(stage_.split_backward, "LlamaNetwork: backward_input needs a stage built with split_backward (a bug)");
+  backward_pass(units, true);
+}
+
+void LlamaNetwork::backward_weight(UnitAccess& units) {
+  TR_CHECK(stage_.split_backward, "LlamaNetwork: backward_weight needs a stage built with split_backward (a bug)");
+  for (int l = cfg_.L - 1; l >= 0; --l) {
+    block_weight_grads(units.unit_grads(1 + l), l, kept_[size_t(l)], B_ * T_);
+    units.grads_done(1 + l);
+  }
+}
+
+void LlamaNetwork::backward(UnitAccess& units) { backward_pass(units, false); }
+
+void LlamaNetwork::backward_pass(UnitAccess& units, bool input_only) {
   TR_CHECK(arena_.get(), "model.backward: the activations were freed (free_activations)");
   const int B = B_, T = T_, N = B * T, C = cfg_.C, L = cfg_.L, NR = rows(N);
   const size_t es = dtype_size(be_->act_dtype());
@@ -330,9 +385,9 @@ void LlamaNetwork::backward(UnitAccess& units) {
       gather_rows(acts(l).ln1, N);
       block_forward(p, l, res_in, B, T);
     }
-    block_backward(p, units.unit_grads(1 + l), l, res_in, dres_, B, T);
+    block_backward(p, units.unit_grads(1 + l), l, res_in, dres_, B, T, input_only ? &kept_[size_t(l)] : nullptr);
     units.release_params(1 + l);
-    units.grads_done(1 + l);
+    if (!input_only) units.grads_done(1 + l);  // else after backward_weight
   }
 
   // A pipeline stage after the first leaves dL/d input in dres_ (stage_input_grad()).

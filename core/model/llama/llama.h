@@ -68,6 +68,8 @@ class LlamaNetwork final : public Network {
   const void* stage_output() const override { return res3_.back(); }
   void* stage_output_grad() override { return dres_; }
   const void* stage_input_grad() const override { return dres_; }
+  void backward_input(UnitAccess& units) override;
+  void backward_weight(UnitAccess& units) override;
 
  private:
   struct LayerActs {
@@ -81,7 +83,17 @@ class LlamaNetwork final : public Network {
     void* h;                      // (N,F) silu(gate) * up
   };
   void block_forward(const void* p, int l, const void* res_in, int B, int T);
-  void block_backward(const void* p, float* g, int l, const void* res_in, void* dres, int B, int T);
+  // zero_bubble: with `keep` the linears' weight gradients are skipped and
+  // the output gradients they need kept; block_weight_grads computes them.
+  struct KeptGrads {
+    void* d_down; void* d_o; void* d_qkv;  // (N,C) (N,C) (N,QKV); gate|up's stays in the layer's gu
+  };
+  void block_backward(const void* p, float* g, int l, const void* res_in, void* dres, int B, int T,
+                      const KeptGrads* keep = nullptr);
+  void block_weight_grads(float* g, int l, const KeptGrads& keep, int N);
+  void qkv_backward(void* dinp, float* dqkvw, const void* dqkv, const void* ln1, const void* wqkv, int N);
+  void backward_pass(UnitAccess& units, bool input_only);
+  std::vector<KeptGrads> kept_;  // per layer, zero_bubble only
   // The first stage's token embedding into encoded_; the last stage's head backward.
   void embed(UnitAccess& units, const int32_t* inputs, int B, int T);
   float* head_backward(UnitAccess& units);
