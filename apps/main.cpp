@@ -26,6 +26,7 @@
 #include "core/model/model_io.h"
 #include "core/model/model_shape.h"
 #include "core/model/model_spec.h"
+#include "core/train/bench_pipeline.h"
 #include "core/train/pipeline_explain.h"
 #include "core/train/generate.h"
 #include "core/train/planner.h"
@@ -468,6 +469,13 @@ int main(int argc, char** argv) {
   bench_kernels->add_option("--repeats", kbo.repeats, "timed launches per kernel (median)")->capture_default_str()->check(CLI::Range(3, 1000));
   bench_kernels->add_flag("--quick", kbo.quick, "small sizes (a smoke run)");
 
+  auto* bench_pipe = bench->add_subcommand("pipeline", "each pipeline schedule's measured bubble next to its formula, and its step time against pp1 (CPU backend, one core per stage)");
+  PipelineBenchOptions pbo;
+  bench_pipe->add_option("--stages", pbo.stages, "pipeline stages p (ranks)")->capture_default_str()->check(CLI::Range(2, 64));
+  bench_pipe->add_option("--microbatches", pbo.microbatches, "microbatches m per step")->capture_default_str()->check(CLI::Range(1, 4096));
+  bench_pipe->add_option("--steps", pbo.steps, "steps per job (the first 2 are warm-up)")->capture_default_str()->check(CLI::Range(3, 1000));
+  bench_pipe->add_option("--layers", pbo.layers, "GPT-2 blocks")->capture_default_str()->check(CLI::Range(2, 1024));
+  bench_pipe->add_option("--width", pbo.width, "GPT-2 n_embd (a multiple of 4)")->capture_default_str()->check(CLI::Range(4, 65536));
   auto* bench_opt = bench->add_subcommand("optimizer", "host AdamW (parallel.offload) parameters/s at 1 and 2 threads next to a memory triad and torch.optim.AdamW");
   OptimizerBenchOptions obo;
   bench_opt->add_option("--params", obo.params, "elements of the optimizer shard: 32M, 100000000")->capture_default_str();
@@ -523,6 +531,7 @@ int main(int argc, char** argv) {
     if (*bench_ckpt) return run_checkpoint_bench(cbo);
     if (*bench_kernels) return run_kernel_bench(kbo);
     if (*bench_opt) return run_optimizer_bench(obo);
+    if (*bench_pipe) return run_pipeline_bench(pbo);
     if (*export_cmd) {
       HfExportOptions eo;
       eo.dtype = exp_dtype;
