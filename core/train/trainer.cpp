@@ -307,6 +307,11 @@ void Trainer::setup() {
       store = make_param_store(job_.parallel.sharding, outer, be_.get(), dp, dims.dp_shard, factory, &hybrid);
     } else {
       const ParallelSpec& ps = job_.parallel;
+      // The executor posts sends from a second thread, which an NCCL
+      // communicator does not allow, and NCCL's p2p needs grouped
+      // send/recv pairs to be hang-free on one stream: not built yet.
+      TR_CHECK(!nccl, "parallel.pipeline_parallel: ", pp, " runs on the CPU backend (Gloo) only for now; its NCCL "
+                      "point-to-point path is not built yet; use backend: cpu or pipeline_parallel: 1");
       const int v = ps.pipeline_virtual_stages;
       const std::vector<int> split = split_pipeline_layers(cfg.L, pp * v, parse_pipeline_layers(ps.pipeline_layers));
       // Checked before the first step (the launcher checked it too): a
