@@ -330,7 +330,7 @@ TEST_CASE("config: job_spec_to_yaml writes every field with its doc", "[config]"
 
 TEST_CASE("config: the field table is complete and its defaults are valid", "[config]") {
   const auto fields = trainrun::job_spec_fields();
-  CHECK(fields.size() == 78);  // + parallel.offload, offload_dir, tensor_parallel, sequence_parallel, pipeline_*
+  CHECK(fields.size() == 79);  // + parallel.offload, offload_dir, tensor_parallel, sequence_parallel, pipeline_*, output.trace_steps
   std::vector<std::string> keys;
   for (const auto& f : fields) {
     INFO(f.key);

@@ -5,7 +5,11 @@
 // and last stage, Llama tied and untied), resume across meshes, the bad
 // specs' messages, and a stage killed mid-step.
 #include <catch2/catch.hpp>
+#include <algorithm>
 #include <chrono>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -367,6 +371,73 @@ TEST_CASE("pp: bad splits, schedules and microbatch counts are clear errors at l
                                       "job.yaml", {"train.micro_batch_size=4"});  // 2 < 2 x 2
     CHECK_THROWS_WITH(run_ranks_inprocess(ji, 2), Contains("at least 4 (2 stages x 2 virtual stages)"));
   }
+}
+
+// ---- output.trace_steps ---------------------------------------------------------------
+
+namespace {
+// Every span of one (pid, tid) either ends before the next starts or holds
+// it entirely: a stack of open spans.
+void check_nesting(std::vector<std::pair<int64_t, int64_t>> spans) {
+  std::sort(spans.begin(), spans.end(), [](const auto& a, const auto& b) {
+    return a.first != b.first ? a.first < b.first : a.second > b.second;  // outer first
+  });
+  std::vector<int64_t> ends;
+  for (const auto& [ts, dur] : spans) {
+    while (!ends.empty() && ts >= ends.back()) ends.pop_back();
+    if (!ends.empty()) {
+      INFO("span at " << ts << " (+" << dur << ") overlaps its parent ending at " << ends.back());
+      CHECK(ts + dur <= ends.back());
+    }
+    ends.push_back(ts + dur);
+  }
+}
+}  // namespace
+
+TEST_CASE("pp: output.trace_steps writes one well-formed Chrome trace holding every rank", "[pp][trace]") {
+  for (int pp : {2, 1}) {
+    INFO("pp" << pp);
+    TempDir dir("pp_trace");
+    const JobSpec job = parse_job_spec(pp_job(dir.path(), kGpt2, "full_shard", pp, 1), "job.yaml",
+                                       {"output.trace_steps=2,4"});
+    run_ranks_inprocess(job, 2);
+    const nlohmann::json t = nlohmann::json::parse(read_file(dir / "trace.json"));  // throws if malformed
+    REQUIRE(t.contains("traceEvents"));
+    std::map<std::pair<int, int>, std::vector<std::pair<int64_t, int64_t>>> by_thread;
+    std::set<int> pids, steps;
+    std::set<std::string> names;
+    for (const auto& e : t["traceEvents"]) {
+      if (e["ph"] == "M") continue;
+      REQUIRE(e["ph"] == "X");
+      REQUIRE(e["dur"].get<int64_t>() >= 0);
+      pids.insert(e["pid"].get<int>());
+      steps.insert(e["args"]["step"].get<int>());
+      const std::string n = e["name"];
+      names.insert(n.substr(0, n.find(' ')));
+      by_thread[{e["pid"].get<int>(), e["tid"].get<int>()}].push_back({e["ts"].get<int64_t>(), e["dur"].get<int64_t>()});
+    }
+    CHECK(pids == std::set<int>{0, 1});
+    CHECK(steps == std::set<int>{2, 4});
+    for (const char* n : {"step", "forward", "backward", "optimizer", "grad", "finish_grads"}) {
+      INFO(n);
+      CHECK(names.count(n) == 1);
+    }
+    if (pp == 2)
+      for (const char* n : {"send_act", "recv_act", "send_grad", "recv_grad"}) {
+        INFO(n);
+        CHECK(names.count(n) == 1);
+      }
+    for (auto& [who, spans] : by_thread) {
+      INFO("rank " << who.first << " thread " << who.second);
+      check_nesting(spans);
+    }
+    CHECK_FALSE(file_exists(dir / "trace.parts"));
+  }
+  TempDir dir("pp_trace_bad");
+  CHECK_THROWS_WITH(parse_job_spec(pp_job(dir.path(), kGpt2, "full_shard", 2, 1), "job.yaml", {"output.trace_steps=0"}),
+                    Contains("output.trace_steps") && Contains("steps count from 1"));
+  CHECK_THROWS_WITH(parse_job_spec(pp_job(dir.path(), kGpt2, "full_shard", 2, 1), "job.yaml", {"output.trace_steps=x"}),
+                    Contains("is not a list of step numbers"));
 }
 
 // ---- the binary: the launcher's load checks, a stage killed mid-step ----------------------

@@ -32,6 +32,7 @@
 
 #include "core/common/error.h"
 #include "core/common/log.h"
+#include "core/common/trace.h"
 #include "core/config/model_presets.h"
 #include "parallel/pipeline/schedule.h"
 
@@ -198,6 +199,10 @@ const std::vector<Field>& fields() {
                     "run directory: metrics.jsonl, job.resolved.yaml, checkpoints, model.safetensors"),
       TR_SPEC_FIELD(output.sample_tokens, at_least(0), "tokens sampled at the end of the run; 0 = none"),
       TR_SPEC_FIELD(output.sample_prompt, any(), "text the end-of-run sample starts from"),
+      TR_SPEC_FIELD(output.trace_steps, any(),
+                    "steps whose timeline (forward, backward, send, recv, optimizer and collective spans of every "
+                    "rank) is written to <output.dir>/trace.json in the Chrome trace-event format (Perfetto, "
+                    "chrome://tracing), e.g. [2, 10]; empty = none"),
 
       TR_SPEC_FIELD(parallel.nproc_per_node, at_least(0),
                     "worker processes per node; 0 = one per GPU this process may use (the topology's GPUs narrowed by "
@@ -601,11 +606,11 @@ std::string kind_of(const YAML::Node& n);
 
 void assign(const Field& f, JobSpec& spec, const YAML::Node& v, const std::string& where) {
   const std::string key = f.key;
-  if (v.IsSequence() && key == "parallel.pipeline_layers") {
-    // The one list-valued key: kept as its text, "3,1" (parse_pipeline_layers).
+  if (v.IsSequence() && (key == "parallel.pipeline_layers" || key == "output.trace_steps")) {
+    // The list-valued keys: kept as their text, "3,1" (parse_pipeline_layers, parse_trace_steps).
     std::string joined;
     for (const YAML::Node& e : v) {
-      if (!e.IsScalar()) fail(where, key, "expected a list of layer counts, got a nested " + kind_of(e));
+      if (!e.IsScalar()) fail(where, key, "expected a list of numbers, got a nested " + kind_of(e));
       joined += (joined.empty() ? "" : ",") + e.Scalar();
     }
     *std::get<std::string*>(f.get(spec)) = joined;
@@ -788,6 +793,11 @@ void check_rules(JobSpec& s, const Origins& o, const std::string& fallback, bool
     t.warmup_steps = t.max_steps;
   }
 
+  try {
+    (void)parse_trace_steps(s.output.trace_steps);
+  } catch (const Error& e) {
+    fail(at({"output.trace_steps"}), "output.trace_steps", e.what());
+  }
   const ParallelSpec& p = s.parallel;
   if (p.shard_group_size > 0 && p.sharding != "hybrid_shard")
     fail(at({"parallel.shard_group_size", "parallel.sharding"}), "parallel.shard_group_size",

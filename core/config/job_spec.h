@@ -81,6 +81,7 @@ struct OutputSpec {
   std::string dir = "runs/default";   // run directory: metrics.jsonl, job.resolved.yaml, model.safetensors
   int sample_tokens = 200;             // tokens sampled at the end of the run (0 = none)
   std::string sample_prompt = "\n";
+  std::string trace_steps;             // steps whose timeline is written to <dir>/trace.json: "2,10"; "" = none
 };
 
 struct ParallelSpec {

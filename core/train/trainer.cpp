@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iomanip>
+#include <optional>
 #include <sstream>
 
 #include "core/checkpoint/checkpoint.h"
@@ -14,6 +15,7 @@
 #include "core/checkpoint/hf_interop.h"
 #include "core/common/error.h"
 #include "core/common/log.h"
+#include "core/common/trace.h"
 #include "core/data/dataset.h"
 #include "core/launch/debug_hooks.h"
 #include "core/model/model.h"
@@ -187,6 +189,8 @@ class Trainer {
   std::unique_ptr<PipelineExecutor> pipe_;
   int64_t step_ = 0;  // the step in progress, for the pipeline's messages
   bool pp_logged_ = false;
+  std::unique_ptr<StepTracer> tracer_;  // output.trace_steps; null = none
+  void write_trace();
   int dp_rank_ = 0, dp_size_ = 1;  // data shards: the TP ranks of one dp index read the same samples
   bool counts_loss_ = true;        // TP rank 0 adds this dp index's loss to the world's sum
   int T_ = 0, mb_ = 0, global_B_ = 0, accum_ = 0;
@@ -336,6 +340,11 @@ void Trainer::setup() {
     params_ = tp > 1 ? make_tensor_parallel_store(std::move(store), *tp_plan_, tp_ctx_.comm) : std::move(store);
   }
   params_->init_params(*arch_, job_.train.seed);
+  // output.trace_steps: this rank's timeline of those steps.
+  if (const auto steps = parse_trace_steps(job_.output.trace_steps); !steps.empty()) {
+    tracer_ = std::make_unique<StepTracer>(steps, w_.rank);
+    if (pipe_) pipe_->set_tracer(tracer_.get());
+  }
   // 5. data
   train_src_ = open_train_source(job_);
   val_src_ = open_val_source(job_);
@@ -436,17 +445,25 @@ Trainer::StepResult Trainer::train_step(int step) {
   for (int m = 0; m < accum_ && !pipe_; ++m) {
     int64_t first = cursor_ + (int64_t(m) * dp_size_ + dp_rank_) * mb_;
     read_batch(*train_src_, first, mb_);
-    model_->forward(*params_, dev_in_.as<int32_t>(), dev_tgt_.as<int32_t>(), mb_, T_, true, dloss_scale);
-    be_->sum(dev_loss_sum_.as<float>(), model_->losses(), int64_t(mb_) * T_);
+    {
+      StepTracer::Span span(tracer_.get(), "forward mb" + std::to_string(m), "compute");
+      model_->forward(*params_, dev_in_.as<int32_t>(), dev_tgt_.as<int32_t>(), mb_, T_, true, dloss_scale);
+      be_->sum(dev_loss_sum_.as<float>(), model_->losses(), int64_t(mb_) * T_);
+    }
+    StepTracer::Span span(tracer_.get(), "backward mb" + std::to_string(m), "compute");
     model_->backward(*params_);
   }
   cursor_ += global_B_;
-  params_->finish_grads();
+  {
+    StepTracer::Span span(tracer_.get(), "finish_grads (gradient reductions)", "collective");
+    params_->finish_grads();
+  }
   std::vector<float> v(1, 0.0f);
   be_->copy_to_host(v.data(), dev_loss_sum_.get(), 4);
   if (!counts_loss_) v[0] = 0.0f;  // the TP ranks of a dp index computed the same loss: count it once
   if (pipe_) v.push_back(float(pipe_->last_wait_fraction()));  // averaged over the ranks below
   StepResult r;
+  StepTracer::Span vote_span(tracer_.get(), "loss all_reduce + stop vote", "collective");
   r.stop_signal = agree_on_stop(*comm_, v);  // the vote rides the loss all-reduce
   if (pipe_) r.bubble = double(v[1]) / w_.world;
   r.loss = ntgt > 0 ? double(v[0]) / double(ntgt) : 0.0;
@@ -603,9 +620,16 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
     debug_fail_hook(w_.rank, step + 1);  // launcher tests: TRAINRUN_DEBUG_FAIL_RANK/_STEP
     auto t0 = Clock::now();
     const double lr = lr_at(step, tr.max_steps, tr.warmup_steps, tr.lr, tr.min_lr, tr.schedule);
+    if (tracer_) tracer_->begin_step(step + 1);
+    std::optional<StepTracer::Span> step_span;
+    step_span.emplace(tracer_.get(), "step " + std::to_string(step + 1), "step");
     const StepResult sr = train_step(step);
     const double loss = sr.loss;
-    const double gnorm = std::sqrt(params_->grad_norm_squared());
+    double gnorm = 0;
+    {
+      StepTracer::Span span(tracer_.get(), "grad norm (all_reduce)", "collective");
+      gnorm = std::sqrt(params_->grad_norm_squared());
+    }
     // Clip by the global norm: every rank computed the same norm, so every
     // shard scales by the same factor.
     float grad_scale = 1.0f;
@@ -621,6 +645,7 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
     if (finite) {
       // AdamW's bias correction uses the global step (not the count of
       // applied updates), so a resumed run recomputes it exactly.
+      StepTracer::Span span(tracer_.get(), "optimizer (AdamW + gathers)", "optimizer");
       params_->optimizer_step(ap, step + 1, grad_scale);
     } else {
       ++sum.skipped_steps;
@@ -634,6 +659,8 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
                "checkpoint holds the state before the divergence");
     }
     be_->synchronize();
+    step_span.reset();  // ends here: eval, reporting and checkpoints are not the step
+    if (tracer_) tracer_->end_step();
     const double dt = seconds_since(t0);
     const double comm_wait = params_->take_comm_wait_seconds();
     train_time += dt;
@@ -673,6 +700,7 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
       last_saved != std::max(first_step, end_step) && !(is_resume && first_step >= tr.max_steps))
     save_checkpoint(std::max(first_step, end_step));
   ckpt.wait();
+  write_trace();
   sum.checkpoint_blocked_seconds = ckpt_blocked;
   sum.tokens_per_sec = train_time > 0 ? sum.tokens / train_time : 0;
   const ShardMemory mem = params_->memory();
@@ -702,6 +730,39 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
   comm_->barrier();
   if (rank0_) reporter.finish(path);  // the one-screen summary (last on screen) and plot.svg
   return sum;
+}
+
+// output.trace_steps: every rank writes its events next to the others'
+// then rank 0 merges them into <output.dir>/trace.json (ranks as processes)
+// and removes the pieces.
+void Trainer::write_trace() {
+  if (!tracer_) return;
+  const fs::path dir = fs::path(job_.output.dir) / "trace.parts";
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  const fs::path mine = dir / ("rank" + std::to_string(w_.rank) + ".json");
+  {
+    std::ofstream f(mine);
+    f << tracer_->events_json();
+    TR_CHECK(f.good(), "output.trace_steps: cannot write ", mine.string());
+  }
+  comm_->barrier();
+  if (!rank0_) return;
+  std::vector<std::string> parts;
+  for (int r = 0; r < w_.world; ++r) {
+    std::ifstream f(dir / ("rank" + std::to_string(r) + ".json"));
+    TR_CHECK(f.good(), "output.trace_steps: rank ", r, "'s timeline is missing from ", dir.string());
+    parts.emplace_back(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+  }
+  const fs::path out = fs::path(job_.output.dir) / "trace.json";
+  {
+    std::ofstream f(out);
+    f << merge_trace_json(parts);
+    TR_CHECK(f.good(), "output.trace_steps: cannot write ", out.string());
+  }
+  fs::remove_all(dir, ec);
+  TR_LOG_INFO("trace: steps ", job_.output.trace_steps, " of ", w_.world, " ranks in ", out.string(),
+              " (open in https://ui.perfetto.dev or chrome://tracing)");
 }
 
 // Every rank's memory, for whoever sizes the next run (and the tests that

@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "core/common/error.h"
+#include "core/common/trace.h"
 
 namespace trainrun {
 
@@ -34,12 +35,12 @@ class Sender {
     cv_.notify_all();
     th_.join();
   }
-  std::shared_future<void> post(const void* buf, size_t bytes, int peer, uint32_t tag) {
+  std::shared_future<void> post(const void* buf, size_t bytes, int peer, uint32_t tag, std::string label) {
     auto done = std::make_shared<std::promise<void>>();
     std::shared_future<void> f = done->get_future().share();
     {
       std::lock_guard<std::mutex> lk(mu_);
-      q_.push_back({buf, bytes, peer, tag, done});
+      q_.push_back({buf, bytes, peer, tag, done, std::move(label)});
     }
     cv_.notify_all();
     return f;
@@ -52,6 +53,7 @@ class Sender {
     int peer;
     uint32_t tag;
     std::shared_ptr<std::promise<void>> done;
+    std::string label;  // the trace span's name
   };
   void loop() {
     for (;;) {
@@ -64,6 +66,7 @@ class Sender {
         q_.pop_front();
       }
       try {
+        StepTracer::Span span(tracer, j.label, "p2p", 1);
         comm_->send(j.buf, j.bytes, j.peer, j.tag);
         j.done->set_value();
       } catch (...) {
@@ -71,6 +74,10 @@ class Sender {
       }
     }
   }
+ public:
+  StepTracer* tracer = nullptr;  // set between steps only
+
+ private:
   Communicator* comm_;
   std::mutex mu_;
   std::condition_variable cv_;
@@ -125,6 +132,7 @@ struct PipelineExecutor::Impl {
   int64_t step = 0;
   double wait_s = 0;
   bool split = false;
+  StepTracer* tracer = nullptr;
   // Tests: TRAINRUN_DEBUG_PIPE_KILL=<global rank>:<step>:<microbatch> kills
   // this process with SIGKILL before that microbatch's forward (mid-step).
   int kill_rank = -1, kill_mb = -1;
@@ -184,6 +192,7 @@ struct PipelineExecutor::Impl {
     cr.slot_of.erase(it);
   }
   void recv(void* buf, int mb, int vs, int peer_vs, int dir) {
+    StepTracer::Span span(tracer, detail::cat(dir == 0 ? "recv_act mb" : "recv_grad mb", mb, " stage ", vs), "p2p");
     const auto t0 = Clock::now();
     const int boundary = std::min(vs, peer_vs);
     try {
@@ -197,7 +206,8 @@ struct PipelineExecutor::Impl {
   void send(Slot& s, const void* buf, int mb, int vs, int peer_vs, int dir) {
     wait_send(s);
     s.send_what = where(dir == 0 ? "sending the activation" : "sending the gradient", mb, vs, peer_vs);
-    s.send = sender->post(buf, io_bytes, peer_vs % P(), tag(mb, std::min(vs, peer_vs), dir));
+    s.send = sender->post(buf, io_bytes, peer_vs % P(), tag(mb, std::min(vs, peer_vs), dir),
+                          detail::cat(dir == 0 ? "send_act mb" : "send_grad mb", mb, " stage ", vs));
   }
   void wait_all_sends() {
     for (ChunkRun& cr : chunks)
@@ -278,6 +288,11 @@ size_t PipelineExecutor::activation_bytes() const {
 
 const Network& PipelineExecutor::network_view() const { return *impl_->view; }
 
+void PipelineExecutor::set_tracer(StepTracer* t) {
+  impl_->tracer = t;
+  impl_->sender->tracer = t;
+}
+
 void PipelineExecutor::train_step(int64_t step, const Loader& load, float dloss_scale, float* loss_sum) {
   Impl& im = *impl_;
   im.step = step;
@@ -287,6 +302,12 @@ void PipelineExecutor::train_step(int64_t step, const Loader& load, float dloss_
   for (const PipeAction& a : schedule_.actions[size_t(im.plan.rank())]) {
     const int c = im.chunk_of(a.stage);
     const PipelineChunk& ch = *im.chunks[size_t(c)].chunk;
+    const bool compute = a.op == PipeOp::F || a.op == PipeOp::B || a.op == PipeOp::BI || a.op == PipeOp::BW;
+    StepTracer::Span span(compute ? im.tracer : nullptr,
+                          detail::cat(a.op == PipeOp::F ? "forward" : a.op == PipeOp::B ? "backward"
+                                      : a.op == PipeOp::BI ? "backward_input" : "backward_weight",
+                                      " mb", a.microbatch, " stage ", a.stage),
+                          "compute");
     switch (a.op) {
       case PipeOp::RecvAct: {
         Slot& s = im.slot(c, a.microbatch);
@@ -325,8 +346,14 @@ void PipelineExecutor::train_step(int64_t step, const Loader& load, float dloss_
         break;
     }
   }
-  im.wait_all_sends();
-  im.store.end_backward();
+  {
+    StepTracer::Span span(im.tracer, "wait for sends", "p2p");
+    im.wait_all_sends();
+  }
+  {
+    StepTracer::Span span(im.tracer, "tied sum + reductions queued", "collective");
+    im.store.end_backward();
+  }
   const double total = seconds(Clock::now() - t0);
   last_wait_fraction_ = total > 0 ? im.wait_s / total : 0;
 }

@@ -34,6 +34,7 @@
 namespace trainrun {
 
 struct TensorParallel;
+class StepTracer;
 
 class PipelineExecutor {
  public:
@@ -65,6 +66,9 @@ class PipelineExecutor {
   // A Network standing for this rank's stage networks where the trainer's
   // reporting wants one (activation_bytes); computing through it is an error.
   const Network& network_view() const;
+  // output.trace_steps: spans of every action (compute thread) and send
+  // (sender thread) while a traced step runs; null = none.
+  void set_tracer(StepTracer* t);
 
  private:
   struct Impl;
