@@ -354,6 +354,12 @@ TEST_CASE("pp: bad splits, schedules and microbatch counts are clear errors at l
   SECTION("more stages than layers") {
     CHECK_THROWS_WITH(spec({"parallel.pipeline_parallel=8"}), Contains("8 stages for 4 layers"));
   }
+  SECTION("a preset's layers are what the split is judged against, once it has filled them in") {
+    // gpt2-124m has 12 layers: 8 stages fit, though the spec's own n_layer (4) would not.
+    std::string y = pp_job(dir.path(), kGpt2, "full_shard", 8, 1);
+    y.replace(y.find(kGpt2), std::string(kGpt2).size(), "{preset: gpt2-124m}");
+    CHECK_NOTHROW(parse_job_spec(y, "job.yaml"));
+  }
   SECTION("zero_bubble with activation checkpointing is refused, as is v > 1 without interleaving, and offload") {
     CHECK_THROWS_WITH(spec({"parallel.pipeline_schedule=zero_bubble", "train.activation_checkpointing=blocks"}),
                       Contains("zero_bubble with train.activation_checkpointing: blocks is not supported"));

@@ -818,9 +818,10 @@ void check_rules(JobSpec& s, const Origins& o, const std::string& fallback, bool
     fail(at({"parallel.offload", "parallel.pipeline_parallel"}), "parallel.offload",
          p.offload + " with parallel.pipeline_parallel " + str(p.pipeline_parallel) +
              " is not supported yet; use offload or pipeline parallelism, not both");
-  if (p.pipeline_parallel > 1 || !p.pipeline_layers.empty()) {
+  if ((p.pipeline_parallel > 1 || !p.pipeline_layers.empty()) && shape) {
     // The split: every layer once, every virtual stage at least one (the
-    // microbatch count needs the world size: checked by the launcher).
+    // microbatch count needs the world size: checked by the launcher;
+    // with a preset or init_from this runs again once they set n_layer).
     try {
       split_pipeline_layers(s.model.n_layer, p.pipeline_parallel * p.pipeline_virtual_stages,
                             parse_pipeline_layers(p.pipeline_layers));
