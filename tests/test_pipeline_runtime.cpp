@@ -502,6 +502,9 @@ TEST_CASE("pp: full_shard gathers each stage unit once per step; a stage killed 
                Contains("2 unit acquires and 2 gradient reductions for 2 units and 4 microbatches"));
     CHECK_THAT(read_file(dir / "run/logs/rank1.log"),
                Contains("3 unit acquires and 3 gradient reductions for 3 units and 4 microbatches"));
+    // The tied embedding and its copy: the same bits at the end of the run.
+    CHECK_THAT(read_file(dir / "run/logs/rank0.log"), Contains("the tied embedding is identical on the first and last stage"));
+    CHECK_THAT(read_file(dir / "run/logs/rank1.log"), Contains("the tied embedding is identical on the first and last stage"));
     // Each logged step reports the measured bubble (the ranks' mean wait share).
     CHECK_THAT(read_file(dir / "run/metrics.jsonl"), Contains("\"pipeline_bubble\":"));
     CHECK_THAT(r.err, Contains("| bubble "));

@@ -701,6 +701,17 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
     save_checkpoint(std::max(first_step, end_step));
   ckpt.wait();
   write_trace();
+  if (pp_store_ && pp_plan_->tied()) {
+    // The tied embedding and its copy on the last stage must still be the
+    // same weights (the gradient sum keeps them so): checked, not assumed.
+    uint64_t h = 0;
+    const bool same = pp_store_->tied_copies_identical(&h);
+    TR_CHECK(same, "pipeline: the tied embedding on the first and last stage differ after step ", sum.steps,
+             " (rank ", w_.rank, "); this is a bug: the head's gradient was not summed between the stages");
+    if (pp_plan_->embedding_unit() >= 0 || pp_plan_->tied_copy_unit() >= 0)
+      TR_LOG_INFO("pipeline (rank ", w_.rank, "): the tied embedding is identical on the first and last stage after "
+                  "step ", sum.steps, " (fp32 master weights, hash ", std::hex, h, std::dec, ")");
+  }
   sum.checkpoint_blocked_seconds = ckpt_blocked;
   sum.tokens_per_sec = train_time > 0 ? sum.tokens / train_time : 0;
   const ShardMemory mem = params_->memory();

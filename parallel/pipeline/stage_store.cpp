@@ -101,6 +101,33 @@ class StageStore final : public PipelineStageStore {
     last_reductions_ = reductions_;
   }
   void end_forward_only() override { release_held(); }
+  bool tied_copies_identical(uint64_t* hash_out) override {
+    if (!plan_.tied() || plan_.ranks() == 1) return true;
+    const int su = plan_.tied_copy_unit() >= 0 ? plan_.tied_copy_unit() : plan_.embedding_unit();
+    if (su < 0) return true;
+    const int peer = plan_.tied_copy_unit() >= 0 ? 0 : plan_.ranks() - 1;
+    const ParamUnit& u = plan_.stage_layout().units[size_t(su)];
+    // FNV-1a over the bits of this rank's shard of the unit (both stages
+    // shard the unit alike: same size, same dp group position).
+    uint64_t h = 1469598103934665603ull;
+    std::vector<float> buf;
+    for (const Range& r : inner_->held_ranges()) {
+      const int64_t lo = std::max(r.global, u.offset), hi = std::min(r.global + r.count, u.offset + u.numel);
+      if (lo >= hi) continue;
+      buf.resize(size_t(hi - lo));
+      inner_->copy_state_range(0, Range{lo, hi - lo}, buf.data());
+      const unsigned char* b = reinterpret_cast<const unsigned char*>(buf.data());
+      for (size_t i = 0; i < buf.size() * 4; ++i) h = (h ^ b[i]) * 1099511628211ull;
+    }
+    if (hash_out) *hash_out = h;
+    // Through backend buffers: the communicator moves device memory.
+    DeviceBuffer mine(be_, 8), theirs(be_, 8);
+    be_->copy_to_device(mine.get(), &h, 8);
+    pp_->send_recv(mine.get(), 8, peer, theirs.get(), 8, peer, kPipelineTiedGradTag - 1);
+    uint64_t other = 0;
+    be_->copy_to_host(&other, theirs.get(), 8);
+    return other == h;
+  }
   int acquires_last_step() const override { return last_acquires_; }
   int reductions_last_step() const override { return last_reductions_; }
 

@@ -47,6 +47,12 @@ class PipelineStageStore : public ParamStore {
   // acquires (a gather under full_shard) and grads_done (a reduce-scatter).
   virtual int acquires_last_step() const = 0;
   virtual int reductions_last_step() const = 0;
+  // Whether this rank's tied embedding (the first stage's, or the last
+  // stage's copy) holds the same fp32 master weights, bit for bit, as the
+  // other stage's: its shard's hash exchanged with the peer of the same dp
+  // and tp index (a p2p pair, not a collective of the whole group). True
+  // without a tie and on a middle stage. `hash_out`: this rank's hash.
+  virtual bool tied_copies_identical(uint64_t* hash_out = nullptr) = 0;
 };
 
 // inner: built over plan.stage_layout(); pp: the pipeline group's
