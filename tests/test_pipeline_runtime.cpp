@@ -57,7 +57,7 @@ void check_stage_coverage(const ParamLayout& outer, int pp, int v, const std::ve
 
 }  // namespace
 
-TEST_CASE("pp: stage layouts hold every layer once; the tied embedding is copied to the last stage", "[pp]") {
+TEST_CASE("pp: stage layouts hold every layer once, and the tied embedding is copied to the last stage", "[pp]") {
   auto gpt2 = make_model_arch(ModelConfig::of(4, 4, 16, 23, 8));
   SECTION("gpt2 pp2 even split: stage 1 holds blocks 2..3, the head and a copy of the embedding") {
     const PipelineStagePlan p1(gpt2->layout(), 2, 1, 1, {2, 2});
@@ -488,7 +488,7 @@ TEST_CASE("pp: --explain prints the mesh, the split and every rank's action list
   CHECK_FALSE(file_exists(dir / "run/logs"));  // nothing started
 }
 
-TEST_CASE("pp: full_shard gathers each stage unit once per step; a stage killed mid-step stops the job",
+TEST_CASE("pp: full_shard gathers each stage unit once per step, and a stage killed mid-step stops the job",
           "[pp][faults]") {
   TempDir dir("pp_kill");
   write_file(dir / "job.yaml", pp_binary_job(dir.path()));
