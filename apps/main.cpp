@@ -27,6 +27,8 @@
 #include "core/model/model_shape.h"
 #include "core/model/model_spec.h"
 #include "core/train/bench_tp.h"
+#include "core/train/bench_pipeline.h"
+#include "core/train/pipeline_explain.h"
 #include "core/train/generate.h"
 #include "core/train/planner.h"
 #include "core/train/plot.h"
@@ -77,7 +79,7 @@ void prepare_output_dir(const JobSpec& job) {
   TR_CHECK(!ec, "output.dir: cannot create '", job.output.dir, "': ", ec.message());
 }
 
-int cmd_run(const std::string& config, std::vector<std::string> sets, const LaunchFlags& flags) {
+int cmd_run(const std::string& config, std::vector<std::string> sets, const LaunchFlags& flags, bool explain) {
   // --nnodes/--master-addr/--master-port are job spec fields (launcher.*).
   for (std::string& o : flags.overrides()) sets.push_back(std::move(o));
   JobSpec job = load_resolved_job_spec(config, sets);
@@ -85,6 +87,11 @@ int cmd_run(const std::string& config, std::vector<std::string> sets, const Laun
   // several local workers, restarts or several nodes; a worker placed by
   // srun or by an outside launcher; else one worker right here.
   const LaunchPlan plan = plan_launch(job, flags, current_environment(), this_host_name());
+  if (explain) {
+    // The mesh and the pipeline's per-rank action lists; nothing starts.
+    std::cout << explain_pipeline_job(job, plan.world_size());
+    return 0;
+  }
   TR_LOG_INFO("launch: ", plan.describe());
   if (!plan.nproc_reason.empty()) TR_LOG_INFO("launch: ", plan.nproc_reason);
   for (const std::string& w : plan.warnings) TR_LOG_WARN("launch: ", w);
@@ -377,6 +384,9 @@ int main(int argc, char** argv) {
   std::vector<std::string> sets;
   app.add_option("--config", config, "job spec (YAML)")->check(CLI::ExistingFile);
   app.add_option("--set", sets, "override a job spec field: --set train.lr=3e-4 (repeatable)");
+  bool explain = false;
+  app.add_flag("--explain", explain,
+               "print the mesh and each pipeline rank's schedule (its action list, simulated bubble) and exit");
   // torchrun-style static rendezvous across nodes (outside Slurm; under
   // srun the node rank and count come from SLURM_*), see README "Slurm and
   // several nodes".
@@ -520,6 +530,13 @@ int main(int argc, char** argv) {
   bench_kernels->add_option("--repeats", kbo.repeats, "timed launches per kernel (median)")->capture_default_str()->check(CLI::Range(3, 1000));
   bench_kernels->add_flag("--quick", kbo.quick, "small sizes (a smoke run)");
 
+  auto* bench_pipe = bench->add_subcommand("pipeline", "each pipeline schedule's measured bubble next to its formula, and its step time against pp1 (CPU backend, one core per stage)");
+  PipelineBenchOptions pbo;
+  bench_pipe->add_option("--stages", pbo.stages, "pipeline stages p (ranks)")->capture_default_str()->check(CLI::Range(2, 64));
+  bench_pipe->add_option("--microbatches", pbo.microbatches, "microbatches m per step")->capture_default_str()->check(CLI::Range(1, 4096));
+  bench_pipe->add_option("--steps", pbo.steps, "steps per job (the first 2 are warm-up)")->capture_default_str()->check(CLI::Range(3, 1000));
+  bench_pipe->add_option("--layers", pbo.layers, "GPT-2 blocks")->capture_default_str()->check(CLI::Range(2, 1024));
+  bench_pipe->add_option("--width", pbo.width, "GPT-2 n_embd (a multiple of 4)")->capture_default_str()->check(CLI::Range(4, 65536));
   auto* bench_opt = bench->add_subcommand("optimizer", "host AdamW (parallel.offload) parameters/s at 1 and 2 threads next to a memory triad and torch.optim.AdamW");
   OptimizerBenchOptions obo;
   bench_opt->add_option("--params", obo.params, "elements of the optimizer shard: 32M, 100000000")->capture_default_str();
@@ -604,6 +621,7 @@ int main(int argc, char** argv) {
     if (*bench_kernels) return run_kernel_bench(kbo);
     if (*bench_opt) return run_optimizer_bench(obo);
     if (*bench_off) return run_offload_bench(offo);
+    if (*bench_pipe) return run_pipeline_bench(pbo);
     if (*export_cmd) {
       HfExportOptions eo;
       eo.dtype = exp_dtype;
@@ -637,7 +655,7 @@ int main(int argc, char** argv) {
       std::cerr << app.help() << "\ntrainrun: error: --config is required to run a job\n";
       return 2;
     }
-    return cmd_run(config, sets, lflags);
+    return cmd_run(config, sets, lflags, explain);
   } catch (const Error& e) {
     std::cerr << "trainrun: error: " << e.what() << std::endl;
     return 1;

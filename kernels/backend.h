@@ -113,7 +113,8 @@ class Backend {
   virtual void matmul_forward(void* out, const void* inp, const void* weight, const void* bias,
                               int N, int C, int OC) = 0;
   // dinp(N,C) = dout @ weight (overwritten; skipped when null),
-  // dweight(OC,C) += dout^T @ inp, dbias(OC) += sum_n dout (skipped when null).
+  // dweight(OC,C) += dout^T @ inp, dbias(OC) += sum_n dout (each skipped
+  // when null: zero_bubble computes dinp and dweight in separate steps).
   virtual void matmul_backward(void* dinp, float* dweight, float* dbias, const void* dout,
                                const void* inp, const void* weight, int N, int C, int OC) = 0;
 

@@ -330,9 +330,9 @@ TEST_CASE("config: job_spec_to_yaml writes every field with its doc", "[config]"
 
 TEST_CASE("config: the field table is complete and its defaults are valid", "[config]") {
   const auto fields = trainrun::job_spec_fields();
-  // + parallel.offload, offload_dir, tensor_parallel, sequence_parallel, pipeline_parallel,
-  // data.document_mask, data.document_separator
-  CHECK(fields.size() == 76);
+  // + parallel.offload, offload_dir, tensor_parallel, sequence_parallel, pipeline_*,
+  // data.document_mask, data.document_separator, output.trace_steps
+  CHECK(fields.size() == 81);
   std::vector<std::string> keys;
   for (const auto& f : fields) {
     INFO(f.key);

@@ -636,7 +636,7 @@ TEST_CASE("tp: the end-of-run sample at tp2 is the tp1 sample and `trainrun gene
       if (tp == 1) {
         CHECK(log.find("sample:\n" + g.out) != std::string::npos);
       } else {
-        CHECK(log.find("sample (tensor_parallel 2: rank 0 decodes " + run + "/model.safetensors):\n" + g.out) !=
+        CHECK(log.find("sample (tensor_parallel 2, pipeline_parallel 1: rank 0 decodes " + run + "/model.safetensors):\n" + g.out) !=
               std::string::npos);
         CHECK(log.find("sample: skipped") == std::string::npos);
       }
@@ -684,10 +684,11 @@ TEST_CASE("tp: bad meshes are clear errors", "[tp]") {
     CHECK_THROWS_WITH(run_ranks_inprocess(job, 3),
                       Contains("model.n_head (4) is not divisible by parallel.tensor_parallel (3)"));
   }
-  SECTION("pipeline parallelism is refused at load") {
+  SECTION("the zero_bubble pipeline schedule with activation checkpointing is refused at load") {
     CHECK_THROWS_WITH(parse_job_spec(tp_job(dir.path(), kGpt2Model, "full_shard", 1, 0), "job.yaml",
-                                     {"parallel.pipeline_parallel=2"}),
-                      Contains("parallel.pipeline_parallel") && Contains("not implemented yet (issue #15)"));
+                                     {"parallel.pipeline_parallel=2", "parallel.pipeline_schedule=zero_bubble",
+                                      "train.activation_checkpointing=blocks"}),
+                      Contains("parallel.pipeline_schedule") && Contains("zero_bubble with train.activation_checkpointing"));
   }
   SECTION("sequence parallelism needs the micro-batch's tokens to split over the group") {
     const JobSpec job = parse_job_spec(tp_job(dir.path(), llama_model(2, "true"), "full_shard", 2, 0), "job.yaml",

@@ -32,7 +32,9 @@
 
 #include "core/common/error.h"
 #include "core/common/log.h"
+#include "core/common/trace.h"
 #include "core/config/model_presets.h"
+#include "parallel/pipeline/schedule.h"
 
 namespace trainrun {
 
@@ -207,6 +209,10 @@ const std::vector<Field>& fields() {
                     "run directory: metrics.jsonl, job.resolved.yaml, checkpoints, model.safetensors"),
       TR_SPEC_FIELD(output.sample_tokens, at_least(0), "tokens sampled at the end of the run; 0 = none"),
       TR_SPEC_FIELD(output.sample_prompt, any(), "text the end-of-run sample starts from"),
+      TR_SPEC_FIELD(output.trace_steps, any(),
+                    "steps whose timeline (forward, backward, send, recv, optimizer and collective spans of every "
+                    "rank) is written to <output.dir>/trace.json in the Chrome trace-event format (Perfetto, "
+                    "chrome://tracing), e.g. [2, 10]; empty = none"),
 
       TR_SPEC_FIELD(parallel.nproc_per_node, at_least(0),
                     "worker processes per node; 0 = one per GPU this process may use (the topology's GPUs narrowed by "
@@ -239,7 +245,26 @@ const std::vector<Field>& fields() {
                     "true: split activations along the sequence between the tensor-parallel linears (needs "
                     "tensor_parallel > 1; with 1 it is ignored, with a warning)"),
       TR_SPEC_FIELD(parallel.pipeline_parallel, at_least(1),
-                    "pipeline stages; 1 = off (more is not implemented yet: issue #15)"),
+                    "pipeline stages (pp, the outermost mesh dimension): the layers split over this many ranks, the "
+                    "embedding on the first and the final norm and LM head on the last; microbatches are the "
+                    "step's gradient-accumulation count (global_batch_size / (micro_batch_size x data-parallel "
+                    "size)) and must be >= the stages; 1 = off"),
+      TR_SPEC_FIELD(parallel.pipeline_virtual_stages, at_least(1),
+                    "model chunks per pipeline rank (v): interleaved_1f1b only (needs microbatches >= "
+                    "pipeline_parallel x v and a multiple of pipeline_parallel); 1 for every other schedule"),
+      TR_SPEC_FIELD(parallel.pipeline_schedule, one_of({"gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"}),
+                    "pipeline schedule: gpipe (all forwards, then all backwards), 1f1b (one forward one "
+                    "backward; bubble (p-1)/m), interleaved_1f1b (v chunks per rank; bubble (p-1)/(v m)), "
+                    "zero_bubble (ZB-H1: the backward split into an input-gradient step and a weight-gradient step that "
+                    "rank r defers r times; bubble (p-1)/(3m); keeps each block's output gradients until the weight "
+                    "step; not with activation checkpointing)"),
+      TR_SPEC_FIELD(parallel.pipeline_layers, any(),
+                    "layers per virtual stage, e.g. [3, 1] (a YAML list, or '3,1'): they must sum to model.n_layer "
+                    "and give every stage at least one; empty = an even split (the first stages one more)"),
+      TR_SPEC_FIELD(parallel.pipeline_reshard, one_of({"false", "true"}),
+                    "true: under full_shard / hybrid_shard a stage re-gathers each unit for every microbatch "
+                    "(less memory, more all-gathers); false: each unit is gathered once per step for all "
+                    "microbatches and its gradient reduce-scattered once after the last"),
 
       TR_SPEC_FIELD(checkpoint.interval, at_least(0), "steps between checkpoints; 0 = only the final one"),
       TR_SPEC_FIELD(checkpoint.keep_last, at_least(0), "newest checkpoints kept; older ones are deleted (0 = keep all)"),
@@ -588,8 +613,20 @@ Parsed parse_uint64(const std::string& text, uint64_t& out) {
 // Store one YAML value into a field, checking only its type; ranges and
 // cross-field rules run afterwards in check_fields / check_rules so specs
 // built in code get the same checks.
+std::string kind_of(const YAML::Node& n);
+
 void assign(const Field& f, JobSpec& spec, const YAML::Node& v, const std::string& where) {
   const std::string key = f.key;
+  if (v.IsSequence() && (key == "parallel.pipeline_layers" || key == "output.trace_steps")) {
+    // The list-valued keys: kept as their text, "3,1" (parse_pipeline_layers, parse_trace_steps).
+    std::string joined;
+    for (const YAML::Node& e : v) {
+      if (!e.IsScalar()) fail(where, key, "expected a list of numbers, got a nested " + kind_of(e));
+      joined += (joined.empty() ? "" : ",") + e.Scalar();
+    }
+    *std::get<std::string*>(f.get(spec)) = joined;
+    return;
+  }
   if (v.IsSequence()) fail(where, key, "expected " + expected_text(f) + ", got a list");
   if (v.IsMap()) fail(where, key, "expected " + expected_text(f) + ", got a map");
   Ref r = f.get(spec);
@@ -777,6 +814,11 @@ void check_rules(JobSpec& s, const Origins& o, const std::string& fallback, bool
     t.warmup_steps = t.max_steps;
   }
 
+  try {
+    (void)parse_trace_steps(s.output.trace_steps);
+  } catch (const Error& e) {
+    fail(at({"output.trace_steps"}), "output.trace_steps", e.what());
+  }
   const ParallelSpec& p = s.parallel;
   if (p.shard_group_size > 0 && p.sharding != "hybrid_shard")
     fail(at({"parallel.shard_group_size", "parallel.sharding"}), "parallel.shard_group_size",
@@ -785,9 +827,34 @@ void check_rules(JobSpec& s, const Origins& o, const std::string& fallback, bool
   if (p.offload == "nvme" && p.offload_dir.empty())
     fail(at({"parallel.offload_dir", "parallel.offload"}), "parallel.offload_dir",
          "is required with parallel.offload: nvme; name a directory on a local NVMe disk");
-  if (p.pipeline_parallel > 1)
-    fail(at({"parallel.pipeline_parallel"}), "parallel.pipeline_parallel",
-         str(p.pipeline_parallel) + ": pipeline parallelism is not implemented yet (issue #15); set it to 1");
+  if (p.pipeline_parallel > 1 && p.pipeline_schedule == "zero_bubble" && t.activation_checkpointing == "blocks")
+    fail(at({"parallel.pipeline_schedule", "train.activation_checkpointing"}), "parallel.pipeline_schedule",
+         "zero_bubble with train.activation_checkpointing: blocks is not supported (its deferred weight step needs "
+         "every block's inputs, which checkpointing does not keep); use 1f1b, or turn checkpointing off");
+  if (p.pipeline_virtual_stages > 1 && p.pipeline_schedule != "interleaved_1f1b")
+    fail(at({"parallel.pipeline_virtual_stages", "parallel.pipeline_schedule"}), "parallel.pipeline_virtual_stages",
+         str(p.pipeline_virtual_stages) + " needs parallel.pipeline_schedule: interleaved_1f1b (it is '" +
+             p.pipeline_schedule + "'); set pipeline_virtual_stages to 1 or use interleaved_1f1b");
+  if (p.pipeline_parallel > 1 && s.data.document_mask_on())
+    fail(at({"data.document_mask", "parallel.pipeline_parallel"}), "data.document_mask",
+         "with parallel.pipeline_parallel " + str(p.pipeline_parallel) +
+             " is not supported yet (the pipeline's stages do not get the documents' offsets); turn one of them off");
+  if (p.pipeline_parallel > 1 && p.offload != "none")
+    fail(at({"parallel.offload", "parallel.pipeline_parallel"}), "parallel.offload",
+         p.offload + " with parallel.pipeline_parallel " + str(p.pipeline_parallel) +
+             " is not supported yet; use offload or pipeline parallelism, not both");
+  if ((p.pipeline_parallel > 1 || !p.pipeline_layers.empty()) && shape) {
+    // The split: every layer once, every virtual stage at least one (the
+    // microbatch count needs the world size: checked by the launcher;
+    // with a preset or init_from this runs again once they set n_layer).
+    try {
+      split_pipeline_layers(s.model.n_layer, p.pipeline_parallel * p.pipeline_virtual_stages,
+                            parse_pipeline_layers(p.pipeline_layers));
+    } catch (const Error& e) {
+      fail(at({"parallel.pipeline_layers", "parallel.pipeline_parallel", "model.n_layer"}), "parallel.pipeline_layers",
+           e.what());
+    }
+  }
   if (p.sequence_parallel_on() && p.tensor_parallel == 1)
     TR_LOG_WARN(at({"parallel.sequence_parallel", "parallel.tensor_parallel"}),
                 ": parallel.sequence_parallel: true has no effect with parallel.tensor_parallel: 1 (sequence "

@@ -84,6 +84,7 @@ struct OutputSpec {
   std::string dir = "runs/default";   // run directory: metrics.jsonl, job.resolved.yaml, model.safetensors
   int sample_tokens = 200;             // tokens sampled at the end of the run (0 = none)
   std::string sample_prompt = "\n";
+  std::string trace_steps;             // steps whose timeline is written to <dir>/trace.json: "2,10"; "" = none
 };
 
 struct ParallelSpec {
@@ -97,8 +98,13 @@ struct ParallelSpec {
   std::string cpu_affinity = "auto";   // auto | none: bind workers to cores near their GPU / spread over NUMA
   int tensor_parallel = 1;             // ranks per tensor-parallel group (tp, innermost in the mesh); 1 = off
   std::string sequence_parallel = "false";  // "true": split activations along the sequence between the TP linears
-  int pipeline_parallel = 1;           // pipeline stages; 1 = off (more is not implemented yet, issue #15)
+  int pipeline_parallel = 1;           // pipeline stages (pp, outermost in the mesh); 1 = off
+  int pipeline_virtual_stages = 1;     // model chunks per pipeline rank (interleaved_1f1b); 1 otherwise
+  std::string pipeline_schedule = "1f1b";  // gpipe | 1f1b | interleaved_1f1b | zero_bubble (refused for now)
+  std::string pipeline_layers;         // "" = even split; else layers per virtual stage, "3,1" (YAML list or text)
+  std::string pipeline_reshard = "false";  // "true": FSDP re-gathers a stage's units for every microbatch
   bool sequence_parallel_on() const { return sequence_parallel == "true"; }
+  bool pipeline_reshard_on() const { return pipeline_reshard == "true"; }
 };
 
 struct LauncherSpec {

@@ -17,6 +17,7 @@
 // (waitid WNOWAIT first): while the zombie leader exists its pgid cannot be
 // reused, so the group kill cannot hit an unrelated process.
 #include "core/launch/agent.h"
+#include "parallel/pipeline/schedule.h"
 #include "core/train/preemption.h"
 
 #include <fcntl.h>
@@ -1013,6 +1014,19 @@ static void check_launchable(const JobSpec& job, int nproc, int nnodes) {
              " sequences) must be a multiple of train.micro_batch_size (", mb, ") x data-parallel size (", dp,
              " = world size ", workers, " / (parallel.tensor_parallel ", tp, " x parallel.pipeline_parallel ", pp,
              ")); change one of them so every rank gets whole micro-batches");
+  // The pipeline's microbatches are the accumulation count: enough for the
+  // schedule (its message names the numbers), said once before any worker starts.
+  if (pp > 1) {
+    const int accum = global_b / (mb * dp);
+    try {
+      check_pipeline_schedule(make_pipeline_schedule(job.parallel.pipeline_schedule, pp,
+                                                     job.parallel.pipeline_virtual_stages, accum));
+    } catch (const Error& e) {
+      TR_FAIL(job.source, ": ", e.what(), " (microbatches = train.global_batch_size ", global_b,
+              " / (train.micro_batch_size ", mb, " x data-parallel size ", dp, ") = ", accum,
+              "; raise global_batch_size or lower micro_batch_size)");
+    }
+  }
   TR_CHECK(job.launcher.grace_period_s >= 0, "launcher.grace_period_s must be >= 0");
 }
 

@@ -229,6 +229,10 @@ void check_model_config_common(const ModelConfig& c) {
 
 // ---- layouts -------------------------------------------------------------------------------
 
+void Network::not_a_stage(const char* what) {
+  TR_FAIL("model.", what, ": this network is not a pipeline stage (make_network without a PipelineStage; a bug)");
+}
+
 const char* split_name(ParamTensor::Split s) {
   switch (s) {
     case ParamTensor::Split::Replicated: return "replicated";

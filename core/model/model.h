@@ -199,6 +199,26 @@ struct DocumentMask {
   const int32_t* pos = nullptr;        // (B,T) t - doc_start: the position wpe / RoPE use
   bool on() const { return doc_start != nullptr; }
 };
+// A pipeline stage's share of the model (parallel.pipeline_parallel; the
+// runtime is parallel/pipeline/): blocks [first_layer, first_layer + layers)
+// of the global model, the token embedding with the first stage and the
+// final norm and LM head with the last. A stage network numbers its units
+// as a whole model of `layers` blocks would (0 embeddings, 1..layers its
+// blocks, layers + 1 head); the pipeline's UnitAccess maps them onto the
+// stage's parameter store.
+struct PipelineStage {
+  int first_layer = 0, layers = 0;
+  bool first = true, last = true;
+  // zero_bubble: the backward runs as backward_input() then, later,
+  // backward_weight() (the network keeps each block's output gradients
+  // for the weight step in between).
+  bool split_backward = false;
+};
+// The config a stage network computes with: `stage`'s blocks (cfg when null).
+inline ModelConfig stage_config(ModelConfig cfg, const PipelineStage* stage) {
+  if (stage) cfg.L = stage->layers;
+  return cfg;
+}
 
 // Forward/backward of one architecture over a Backend. Owns the activation
 // buffers for up to (maxB, T) tokens; parameters come through UnitAccess.
@@ -223,6 +243,33 @@ class Network {
   // Frees the activation buffers (the end-of-run sample's decoder needs the
   // room); forward/backward must not be called afterwards.
   virtual void free_activations() = 0;
+
+  // ---- pipeline stages (make_network with a PipelineStage) ----
+  // What one stage hands the next: the residual stream after its last
+  // block, (rows, C) act dtype, rows = this rank's rows of the micro-batch's
+  // B*T tokens (all of them; 1/T under sequence parallelism). A stage that
+  // is not the first reads stage_input() instead of embedding `inputs`
+  // (forward may get null inputs); one that is not the last leaves its
+  // output at stage_output() and computes no loss (targets may be null).
+  // Its backward starts from stage_output_grad() (dL/d output, written by
+  // the caller before backward()) and, when not the first, leaves dL/d
+  // input at stage_input_grad().
+  virtual int64_t stage_io_elems(int B, int T) const { not_a_stage("stage_io_elems"); }
+  virtual void* stage_input() { not_a_stage("stage_input"); }
+  virtual const void* stage_output() const { not_a_stage("stage_output"); }
+  virtual void* stage_output_grad() { not_a_stage("stage_output_grad"); }
+  virtual const void* stage_input_grad() const { not_a_stage("stage_input_grad"); }
+  // zero_bubble (a stage built with split_backward): backward() in two
+  // steps. backward_input() computes the input gradient (stage_input_grad())
+  // and every gradient but the blocks' linear weights and biases, keeping
+  // the output gradients those need; backward_weight() computes them, after
+  // which the blocks' units are grads_done. Together they add exactly what
+  // backward() adds.
+  virtual void backward_input(UnitAccess& units) { not_a_stage("backward_input"); }
+  virtual void backward_weight(UnitAccess& units) { not_a_stage("backward_weight"); }
+
+ private:
+  [[noreturn]] static void not_a_stage(const char* what);
 };
 
 // Incremental forward for sampling, with a KV cache; parameters come
@@ -312,8 +359,10 @@ class ModelArch {
   // ---- compute ----
   // tp: this rank's tensor-parallel plan and group (core/model/tensor_parallel.h);
   // null = the whole model on one rank (the path every tp1 run takes).
+  // stage: one pipeline stage's layers (PipelineStage); null = every layer.
   virtual std::unique_ptr<Network> make_network(Backend* be, int maxB, bool activation_checkpointing,
-                                                const TensorParallel* tp = nullptr) const = 0;
+                                                const TensorParallel* tp = nullptr,
+                                                const PipelineStage* stage = nullptr) const = 0;
   // capacity: positions the cache holds, 1..T.
   virtual std::unique_ptr<Decoder> make_decoder(Backend* be, int capacity) const = 0;
   // Whether make_decoder works (sampling); the end-of-run sample is skipped,

@@ -416,6 +416,7 @@ void RunReporter::on_step(const StepReport& r) {
       if (ctx_.world > 1) line += " | comm wait " + fixed(100 * window_comm_ / std::max(1e-9, window_seconds_), 1) + "%";
       if (window_tp_comm_ >= 0)
         line += " | tp comm " + fixed(100 * window_tp_comm_ / std::max(1e-9, window_seconds_), 1) + "%";
+      if (r.bubble >= 0) line += " | bubble " + fixed(100 * r.bubble, 1) + "%";
       if (peak_.flops > 0) line += " | MFU " + fixed(100 * u, 1) + "%";
       line += " | mem " + format_bytes(mem_.peak) + " | " + elapsed_eta();
       if (r.val_loss >= 0) line += " | val_loss " + fixed(r.val_loss, 4);
@@ -449,6 +450,7 @@ void RunReporter::on_step(const StepReport& r) {
           rec.push_back({"tp_comm_ms", 1000 * window_tp_comm_ / std::max(1, window_steps_)});
           rec.push_back({"tp_comm_fraction", window_tp_comm_ / std::max(1e-9, window_seconds_)});
         }
+        if (r.bubble >= 0) rec.push_back({"pipeline_bubble", r.bubble});
         ctx_.metrics->write(rec);
       }
       if (tb_) {

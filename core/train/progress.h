@@ -101,6 +101,7 @@ struct StepReport {
   double comm_wait_seconds = 0;  // of which waiting on collectives
   double tp_comm_seconds = -1;   // of which inside TP activation collectives (tensor_parallel > 1); < 0: no TP
   double val_loss = -1;          // >= 0 when this step was evaluated
+  double bubble = -1;            // pipeline: the ranks' mean share of the step spent waiting on peers; -1 = none
   bool last = false;             // the last step this process runs (max_steps, or an early exit)
 };
 

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iomanip>
+#include <optional>
 #include <sstream>
 
 #include "core/checkpoint/checkpoint.h"
@@ -14,6 +15,7 @@
 #include "core/checkpoint/hf_interop.h"
 #include "core/common/error.h"
 #include "core/common/log.h"
+#include "core/common/trace.h"
 #include "core/data/dataset.h"
 #include "core/data/document_mask.h"
 #include "core/launch/debug_hooks.h"
@@ -32,6 +34,9 @@
 #include "parallel/comm/fault_injection.h"
 #include "parallel/rendezvous/net_address.h"
 #include "parallel/mesh/device_mesh.h"
+#include "parallel/pipeline/executor.h"
+#include "parallel/pipeline/stage_plan.h"
+#include "parallel/pipeline/stage_store.h"
 #include "parallel/sharding/sharding.h"
 #include "parallel/rendezvous/store.h"
 #include "parallel/tensor/tp_param_store.h"
@@ -145,17 +150,22 @@ class Trainer {
   void setup();
   struct StepResult {
     double loss = 0;     // the global mean loss
+    double bubble = -1;  // pipeline: the ranks' mean share of the step spent waiting on peers
     int stop_signal = 0; // a preemption signal some rank received, else 0
   };
   StepResult train_step(int step);
   double evaluate();
   void sample_at_end();
-  void sample_tensor_parallel(const std::string& final_weights);
+  void sample_from_model_file(const std::string& final_weights);
   // run() after setup, with the checkpointer it aborts on a failure.
   TrainSummary run_with(Checkpointer& ckpt, Clock::time_point t_start);
   void log_memory_at_end();
   void write_resolved_spec_with_mesh(const MeshDims& dims) const;
   void read_batch(const TokenSource& src, int64_t first, int B);
+  // Microbatch m of the batch at `cursor` into device buffers (pipeline stages).
+  void read_microbatch(const TokenSource& src, int64_t cursor, int m, int32_t* in, int32_t* tgt);
+  // The compute's activations for the reports: the network, or the pipeline's stage networks.
+  const Network& network() const { return pipe_ ? pipe_->network_view() : *model_; }
   bool debug_nan_step(int step) const { return debug_nan_step_for(w_.rank, step); }
 
   const JobSpec& job_;
@@ -175,6 +185,16 @@ class Trainer {
   std::unique_ptr<Communicator> dp_single_;  // the dp group when it is one rank
   std::unique_ptr<TensorParallelPlan> tp_plan_;
   TensorParallel tp_ctx_;
+  // Pipeline parallelism (parallel.pipeline_parallel > 1): this rank's
+  // stage layout, its store (inside the TP store when both are on) and the
+  // executor that runs the schedule over the stage networks; model_ is null.
+  std::unique_ptr<PipelineStagePlan> pp_plan_;
+  PipelineStageStore* pp_store_ = nullptr;
+  std::unique_ptr<PipelineExecutor> pipe_;
+  int64_t step_ = 0;  // the step in progress, for the pipeline's messages
+  bool pp_logged_ = false;
+  std::unique_ptr<StepTracer> tracer_;  // output.trace_steps; null = none
+  void write_trace();
   int dp_rank_ = 0, dp_size_ = 1;  // data shards: the TP ranks of one dp index read the same samples
   bool counts_loss_ = true;        // TP rank 0 adds this dp index's loss to the world's sum
   int T_ = 0, mb_ = 0, global_B_ = 0, accum_ = 0;
@@ -245,7 +265,8 @@ void Trainer::setup() {
   mesh_ = std::make_unique<DeviceMesh>(dims, w_.rank);
   dp_size_ = dims.dp();
   dp_rank_ = mesh_->dp_coord();
-  counts_loss_ = mesh_->coord(MeshDim::tp) == 0;
+  // The loss is the last pipeline stage's; TP rank 0 of it counts it once.
+  counts_loss_ = mesh_->coord(MeshDim::tp) == 0 && mesh_->coord(MeshDim::pp) == dims.pp - 1;
   TR_CHECK(global_B_ % (mb_ * dp_size_) == 0, "train.global_batch_size (", global_B_,
            " sequences) must be a multiple of train.micro_batch_size (", mb_, ") x data-parallel size (", dp_size_,
            " = world size ", w_.world, " / parallel.tensor_parallel ", tp,
@@ -275,7 +296,8 @@ void Trainer::setup() {
     check_offload_host_memory(offload_host_bytes(per_rank) * size_t(w_.local_world), host_memory_available(),
                               w_.local_world);
   };
-  if (tp == 1) {
+  const int pp = dims.pp;
+  if (tp == 1 && pp == 1) {
     check_host_memory(arch_->layout().total);
     model_ = arch_->make_network(be_.get(), mb_, job_.train.activation_checkpointing == "blocks");
     params_ = make_param_store(job_.parallel.sharding, arch_->layout(), be_.get(), comm_.get(), group, factory,
@@ -284,30 +306,71 @@ void Trainer::setup() {
     // Every group's communicator, built once in the same order on every
     // rank; the store shards this rank's TP slice over the dp group.
     mesh_comms_ = std::make_unique<MeshComms>(*mesh_, factory);
-    // The backend's logits row alignment also pads the vocabulary (CUDA: to lcm(tp, 64)).
-    tp_plan_ = std::make_unique<TensorParallelPlan>(*arch_, tp, mesh_->coord(MeshDim::tp), be_->logits_stride(1));
-    if (w_.rank == 0 && tp_plan_->shape().V_pad != cfg.V)
-      TR_LOG_INFO("tensor parallelism: the vocabulary of ", cfg.V, " is padded to ", tp_plan_->shape().V_pad,
-                  " rows (a multiple of lcm(tp ", tp, ", backend row alignment ", be_->logits_stride(1),
-                  ")); the padding rows are never in the loss, the grad norm or a file");
-    check_host_memory(tp_plan_->local_layout().total);
-    tp_ctx_.plan = tp_plan_.get();
-    tp_ctx_.comm = mesh_comms_->comm(MeshDim::tp);
-    tp_ctx_.sequence_parallel = job_.parallel.sequence_parallel_on();
-    model_ = arch_->make_network(be_.get(), mb_, job_.train.activation_checkpointing == "blocks", &tp_ctx_);
+    if (tp > 1) {
+      // The backend's logits row alignment also pads the vocabulary (CUDA: to lcm(tp, 64)).
+      tp_plan_ = std::make_unique<TensorParallelPlan>(*arch_, tp, mesh_->coord(MeshDim::tp), be_->logits_stride(1));
+      if (w_.rank == 0 && tp_plan_->shape().V_pad != cfg.V)
+        TR_LOG_INFO("tensor parallelism: the vocabulary of ", cfg.V, " is padded to ", tp_plan_->shape().V_pad,
+                    " rows (a multiple of lcm(tp ", tp, ", backend row alignment ", be_->logits_stride(1),
+                    ")); the padding rows are never in the loss, the grad norm or a file");
+      tp_ctx_.plan = tp_plan_.get();
+      tp_ctx_.comm = mesh_comms_->comm(MeshDim::tp);
+      tp_ctx_.sequence_parallel = job_.parallel.sequence_parallel_on();
+    }
+    const TensorParallel* tpc = tp > 1 ? &tp_ctx_ : nullptr;
+    // The layout this rank's stores see: the TP slice (or the whole model),
+    // then, with a pipeline, this stage's units of it.
+    const ParamLayout& outer = tp > 1 ? tp_plan_->local_layout() : arch_->layout();
+    check_host_memory(outer.total);  // offload with a pipeline is refused at load
     Communicator* dp = mesh_comms_->dp();
     if (!dp) {
       dp_single_ = make_single_communicator();
       dp = dp_single_.get();
     }
     HybridComms hybrid{mesh_comms_->comm(MeshDim::dp_shard), mesh_comms_->comm(MeshDim::dp_replicate)};
-    // Offload works on the inner (local) store: the TP store's norm skip
-    // reaches its host grad norm too (HostOptimizerState::grad_sum_squares).
-    auto inner = make_param_store(job_.parallel.sharding, tp_plan_->local_layout(), be_.get(), dp, dims.dp_shard,
-                                  factory, &hybrid, offload);
-    params_ = make_tensor_parallel_store(std::move(inner), *tp_plan_, tp_ctx_.comm);
+    std::unique_ptr<ParamStore> store;
+    if (pp == 1) {
+      model_ = arch_->make_network(be_.get(), mb_, job_.train.activation_checkpointing == "blocks", tpc);
+      // Offload works on the inner (local) store: the TP store's norm skip
+      // reaches its host grad norm too (HostOptimizerState::grad_sum_squares).
+      store = make_param_store(job_.parallel.sharding, outer, be_.get(), dp, dims.dp_shard, factory, &hybrid,
+                               offload);
+    } else {
+      const ParallelSpec& ps = job_.parallel;
+      // The executor posts sends from a second thread, which an NCCL
+      // communicator does not allow, and NCCL's p2p needs grouped
+      // send/recv pairs to be hang-free on one stream: not built yet.
+      TR_CHECK(!nccl, "parallel.pipeline_parallel: ", pp, " runs on the CPU backend (Gloo) only for now; its NCCL "
+                      "point-to-point path is not built yet; use backend: cpu or pipeline_parallel: 1");
+      const int v = ps.pipeline_virtual_stages;
+      const std::vector<int> split = split_pipeline_layers(cfg.L, pp * v, parse_pipeline_layers(ps.pipeline_layers));
+      // Checked before the first step (the launcher checked it too): a
+      // schedule that would hang is an error naming the blocked ranks.
+      PipelineSchedule sched = make_pipeline_schedule(ps.pipeline_schedule, pp, v, accum_);
+      check_pipeline_schedule(sched);
+      pp_plan_ = std::make_unique<PipelineStagePlan>(outer, pp, v, mesh_->coord(MeshDim::pp), split);
+      auto inner = make_param_store(ps.sharding, pp_plan_->stage_layout(), be_.get(), dp, dims.dp_shard, factory,
+                                    &hybrid);
+      Communicator* ppc = mesh_comms_->comm(MeshDim::pp);
+      auto stage_store = make_pipeline_stage_store(std::move(inner), *pp_plan_, ppc, be_.get(), ps.pipeline_reshard_on());
+      pp_store_ = stage_store.get();
+      PipelineExecutor::Options po;
+      po.micro_batch = mb_;
+      po.seq_len = T_;
+      po.activation_checkpointing = job_.train.activation_checkpointing == "blocks";
+      po.tp = tpc;
+      po.stage_ranks = mesh_->group_ranks(MeshDim::pp);
+      pipe_ = std::make_unique<PipelineExecutor>(*arch_, be_.get(), *pp_plan_, std::move(sched), *pp_store_, ppc, po);
+      store = std::move(stage_store);
+    }
+    params_ = tp > 1 ? make_tensor_parallel_store(std::move(store), *tp_plan_, tp_ctx_.comm) : std::move(store);
   }
   params_->init_params(*arch_, job_.train.seed);
+  // output.trace_steps: this rank's timeline of those steps.
+  if (const auto steps = parse_trace_steps(job_.output.trace_steps); !steps.empty()) {
+    tracer_ = std::make_unique<StepTracer>(steps, w_.rank);
+    if (pipe_) pipe_->set_tracer(tracer_.get());
+  }
   // 5. data
   train_src_ = open_train_source(job_);
   val_src_ = open_val_source(job_);
@@ -350,11 +413,26 @@ void Trainer::setup() {
                   "they run at a fraction of NVLink's bandwidth. Put TP inside an NVLink island (a degree that "
                   "divides the GPUs per node) or lower parallel.tensor_parallel");
     write_resolved_spec_with_mesh(dims);
+    if (pp_plan_) {
+      std::string split;
+      for (int r = 0; r < dims.pp; ++r) {
+        const PipelineStagePlan pl(arch_->layout(), dims.pp, job_.parallel.pipeline_virtual_stages, r,
+                                   split_pipeline_layers(cfg.L, dims.pp * job_.parallel.pipeline_virtual_stages,
+                                                         parse_pipeline_layers(job_.parallel.pipeline_layers)));
+        for (const PipelineChunk& c : pl.chunks())
+          split += std::string(split.empty() ? "" : ", ") + "stage " + std::to_string(c.virtual_stage) + " (pp rank " +
+                   std::to_string(r) + "): layers " + std::to_string(c.stage.first_layer) + ".." +
+                   std::to_string(c.stage.first_layer + c.stage.layers - 1) + (c.stage.first ? " + embedding" : "") +
+                   (c.stage.last ? " + head" : "");
+      }
+      TR_LOG_INFO("pipeline: ", pipe_->schedule().kind, ", ", accum_, " microbatches over ", dims.pp, " ranks x ",
+                  job_.parallel.pipeline_virtual_stages, " chunks; ", split);
+    }
   }
   ShardMemory m = params_->memory();
   TR_LOG_INFO("memory (rank ", w_.rank, ", ", params_->strategy(), "): params ", human_bytes(m.params), ", grads ",
               human_bytes(m.grads), ", optimizer ", human_bytes(m.optimizer), ", activations ",
-              human_bytes(model_->activation_bytes()),
+              human_bytes(network().activation_bytes()),
               m.host ? ", host (parallel.offload: " + job_.parallel.offload + ") " + human_bytes(m.host) : std::string(),
               m.disk ? ", on disk under " + job_.parallel.offload_dir + " " + human_bytes(m.disk) : std::string());
 }
@@ -375,6 +453,12 @@ void Trainer::write_resolved_spec_with_mesh(const MeshDims& dims) const {
   std::error_code ec;
   fs::rename(tmp, path, ec);
   TR_CHECK(!ec, "cannot replace '", path.string(), "': ", ec.message());
+}
+
+void Trainer::read_microbatch(const TokenSource& src, int64_t cursor, int m, int32_t* in, int32_t* tgt) {
+  src.read_samples(cursor + (int64_t(m) * dp_size_ + dp_rank_) * mb_, mb_, T_, host_in_.data(), host_tgt_.data());
+  be_->copy_to_device(in, host_in_.data(), size_t(mb_) * T_ * 4);
+  be_->copy_to_device(tgt, host_tgt_.data(), size_t(mb_) * T_ * 4);
 }
 
 void Trainer::read_batch(const TokenSource& src, int64_t first, int B) {
@@ -401,21 +485,46 @@ Trainer::StepResult Trainer::train_step(int step) {
   float dloss_scale = ntgt > 0 ? 1.0f / float(ntgt) : 0.0f;  // an all-masked batch trains nothing
   if (debug_nan_step(step + 1)) dloss_scale = NAN;  // tests: TRAINRUN_DEBUG_NAN_STEP
   be_->zero(dev_loss_sum_.get(), 4);
-  for (int m = 0; m < accum_; ++m) {
+  if (pipe_) {
+    // The schedule's forwards and backwards; the last stage sums the losses.
+    pipe_->train_step(
+        step + 1, [&](int m, int32_t* in, int32_t* tgt) { read_microbatch(*train_src_, cursor_, m, in, tgt); },
+        dloss_scale, dev_loss_sum_.as<float>());
+    if (!pp_logged_) {
+      // FSDP under a pipeline gathers each of the stage's units once per
+      // step (not once per microbatch) and reduces it once: said once per rank.
+      pp_logged_ = true;
+      TR_LOG_INFO("pipeline (rank ", w_.rank, ", pp rank ", mesh_->coord(MeshDim::pp), "): step ", step + 1, ": ",
+                  pp_store_->acquires_last_step(), " unit acquires and ", pp_store_->reductions_last_step(),
+                  " gradient reductions for ", pp_plan_->stage_layout().units.size(), " units and ", accum_,
+                  " microbatches; waited on peers ", fmt(100 * pipe_->last_wait_fraction(), 1), "% of the step");
+    }
+  }
+  for (int m = 0; m < accum_ && !pipe_; ++m) {
     int64_t first = cursor_ + (int64_t(m) * dp_size_ + dp_rank_) * mb_;
     read_batch(*train_src_, first, mb_);
-    model_->forward(*params_, dev_in_.as<int32_t>(), dev_tgt_.as<int32_t>(), mb_, T_, true, dloss_scale,
-                    docs());
-    be_->sum(dev_loss_sum_.as<float>(), model_->losses(), int64_t(mb_) * T_);
+    {
+      StepTracer::Span span(tracer_.get(), "forward mb" + std::to_string(m), "compute");
+      model_->forward(*params_, dev_in_.as<int32_t>(), dev_tgt_.as<int32_t>(), mb_, T_, true, dloss_scale,
+                      docs());
+      be_->sum(dev_loss_sum_.as<float>(), model_->losses(), int64_t(mb_) * T_);
+    }
+    StepTracer::Span span(tracer_.get(), "backward mb" + std::to_string(m), "compute");
     model_->backward(*params_);
   }
   cursor_ += global_B_;
-  params_->finish_grads();
+  {
+    StepTracer::Span span(tracer_.get(), "finish_grads (gradient reductions)", "collective");
+    params_->finish_grads();
+  }
   std::vector<float> v(1, 0.0f);
   be_->copy_to_host(v.data(), dev_loss_sum_.get(), 4);
   if (!counts_loss_) v[0] = 0.0f;  // the TP ranks of a dp index computed the same loss: count it once
+  if (pipe_) v.push_back(float(pipe_->last_wait_fraction()));  // averaged over the ranks below
   StepResult r;
+  StepTracer::Span vote_span(tracer_.get(), "loss all_reduce + stop vote", "collective");
   r.stop_signal = agree_on_stop(*comm_, v);  // the vote rides the loss all-reduce
+  if (pipe_) r.bubble = double(v[1]) / w_.world;
   r.loss = ntgt > 0 ? double(v[0]) / double(ntgt) : 0.0;
   return r;
 }
@@ -429,7 +538,12 @@ double Trainer::evaluate() {
   int64_t ntgt = 0;
   for (int e = 0; e < job_.train.eval_steps; ++e) {
     ntgt += val_src_->count_targets(int64_t(e) * global_B_, global_B_, T_);
-    for (int m = 0; m < accum_; ++m) {
+    if (pipe_)
+      pipe_->forward_only(
+          step_, accum_,
+          [&](int m, int32_t* in, int32_t* tgt) { read_microbatch(*val_src_, int64_t(e) * global_B_, m, in, tgt); },
+          dev_loss_sum_.as<float>());
+    for (int m = 0; m < accum_ && !pipe_; ++m) {
       read_batch(*val_src_, int64_t(e) * global_B_ + (int64_t(m) * dp_size_ + dp_rank_) * mb_, mb_);
       model_->forward(*params_, dev_in_.as<int32_t>(), dev_tgt_.as<int32_t>(), mb_, T_, false, 0.0f, docs());
       be_->sum(dev_loss_sum_.as<float>(), model_->losses(), int64_t(mb_) * T_);
@@ -530,7 +644,7 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
   rc.arch = arch_.get();
   rc.backend = be_.get();
   rc.params = params_.get();
-  rc.network = model_.get();
+  rc.network = &network();
   rc.rank = w_.rank;
   rc.world = w_.world;
   rc.tokens_per_step = tokens_per_step;
@@ -561,13 +675,21 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
         if (Communicator* c = mesh_comms_->comm(d)) c->set_step(step + 1);
       if (Communicator* c = mesh_comms_->dp()) c->set_step(step + 1);
     }
+    step_ = step + 1;
     debug_fail_hook(w_.rank, step + 1);  // launcher tests: TRAINRUN_DEBUG_FAIL_RANK/_STEP
     auto t0 = Clock::now();
     if (tp_plan_) tp_ctx_.take_comm_seconds();  // only this step's collectives
     const double lr = lr_at(step, tr.max_steps, tr.warmup_steps, tr.lr, tr.min_lr, tr.schedule);
+    if (tracer_) tracer_->begin_step(step + 1);
+    std::optional<StepTracer::Span> step_span;
+    step_span.emplace(tracer_.get(), "step " + std::to_string(step + 1), "step");
     const StepResult sr = train_step(step);
     const double loss = sr.loss;
-    const double gnorm = std::sqrt(params_->grad_norm_squared());
+    double gnorm = 0;
+    {
+      StepTracer::Span span(tracer_.get(), "grad norm (all_reduce)", "collective");
+      gnorm = std::sqrt(params_->grad_norm_squared());
+    }
     // Clip by the global norm: every rank computed the same norm, so every
     // shard scales by the same factor.
     float grad_scale = 1.0f;
@@ -583,6 +705,7 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
     if (finite) {
       // AdamW's bias correction uses the global step (not the count of
       // applied updates), so a resumed run recomputes it exactly.
+      StepTracer::Span span(tracer_.get(), "optimizer (AdamW + gathers)", "optimizer");
       params_->optimizer_step(ap, step + 1, grad_scale);
     } else {
       ++sum.skipped_steps;
@@ -596,6 +719,8 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
                "checkpoint holds the state before the divergence");
     }
     be_->synchronize();
+    step_span.reset();  // ends here: eval, reporting and checkpoints are not the step
+    if (tracer_) tracer_->end_step();
     const double dt = seconds_since(t0);
     const double comm_wait = params_->take_comm_wait_seconds();
     const double tp_comm = tp_plan_ ? tp_ctx_.take_comm_seconds() : -1;  // before eval: the step's only
@@ -619,6 +744,7 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
     report.comm_wait_seconds = comm_wait;
     report.tp_comm_seconds = tp_comm;
     report.val_loss = val_loss;
+    report.bubble = sr.bubble;
     reporter.on_step(report);
     if (job_.checkpoint.interval > 0 && (step + 1) % job_.checkpoint.interval == 0) save_checkpoint(step + 1);
     // Preemption: the ranks agreed in train_step; save and stop at this
@@ -636,6 +762,18 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
       last_saved != std::max(first_step, end_step) && !(is_resume && first_step >= tr.max_steps))
     save_checkpoint(std::max(first_step, end_step));
   ckpt.wait();
+  write_trace();
+  if (pp_store_ && pp_plan_->tied()) {
+    // The tied embedding and its copy on the last stage must still be the
+    // same weights (the gradient sum keeps them so): checked, not assumed.
+    uint64_t h = 0;
+    const bool same = pp_store_->tied_copies_identical(&h);
+    TR_CHECK(same, "pipeline: the tied embedding on the first and last stage differ after step ", sum.steps,
+             " (rank ", w_.rank, "); this is a bug: the head's gradient was not summed between the stages");
+    if (pp_plan_->embedding_unit() >= 0 || pp_plan_->tied_copy_unit() >= 0)
+      TR_LOG_INFO("pipeline (rank ", w_.rank, "): the tied embedding is identical on the first and last stage after "
+                  "step ", sum.steps, " (fp32 master weights, hash ", std::hex, h, std::dec, ")");
+  }
   sum.checkpoint_blocked_seconds = ckpt_blocked;
   sum.tokens_per_sec = train_time > 0 ? sum.tokens / train_time : 0;
   const ShardMemory mem = params_->memory();
@@ -643,7 +781,7 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
   sum.grads_bytes = mem.grads;
   sum.optimizer_bytes = mem.optimizer;
   sum.host_bytes = mem.host;
-  sum.activation_bytes = model_->activation_bytes();
+  sum.activation_bytes = network().activation_bytes();
 
   if (sum.stop_signal != 0) {
     // Preempted: the checkpoint is what matters; skip the final export and
@@ -658,16 +796,49 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
   save_final_weights(path, *arch_, *params_, w_.rank, w_.world, store_.get(), prefix_,
                      std::chrono::milliseconds(disk_wait_timeout_ms(job_)));
   sum.wall_seconds = seconds_since(t_start);
-  if (job_.output.sample_tokens > 0 && !tp_plan_) sample_at_end();
+  if (job_.output.sample_tokens > 0 && !tp_plan_ && !pipe_) sample_at_end();
   log_memory_at_end();
   // Every rank is done with collectives; rank 0 then draws the summary and
   // plot without anyone waiting on it.
   comm_->barrier();
   // At tp > 1 rank 0 samples alone and without collectives: after the
   // barrier, so no peer waits for it inside a collective's timeout.
-  if (job_.output.sample_tokens > 0 && tp_plan_) sample_tensor_parallel(path);
+  if (job_.output.sample_tokens > 0 && (tp_plan_ || pipe_)) sample_from_model_file(path);
   if (rank0_) reporter.finish(path);  // the one-screen summary (last on screen) and plot.svg
   return sum;
+}
+
+// output.trace_steps: every rank writes its events next to the others'
+// then rank 0 merges them into <output.dir>/trace.json (ranks as processes)
+// and removes the pieces.
+void Trainer::write_trace() {
+  if (!tracer_) return;
+  const fs::path dir = fs::path(job_.output.dir) / "trace.parts";
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  const fs::path mine = dir / ("rank" + std::to_string(w_.rank) + ".json");
+  {
+    std::ofstream f(mine);
+    f << tracer_->events_json();
+    TR_CHECK(f.good(), "output.trace_steps: cannot write ", mine.string());
+  }
+  comm_->barrier();
+  if (!rank0_) return;
+  std::vector<std::string> parts;
+  for (int r = 0; r < w_.world; ++r) {
+    std::ifstream f(dir / ("rank" + std::to_string(r) + ".json"));
+    TR_CHECK(f.good(), "output.trace_steps: rank ", r, "'s timeline is missing from ", dir.string());
+    parts.emplace_back(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+  }
+  const fs::path out = fs::path(job_.output.dir) / "trace.json";
+  {
+    std::ofstream f(out);
+    f << merge_trace_json(parts);
+    TR_CHECK(f.good(), "output.trace_steps: cannot write ", out.string());
+  }
+  fs::remove_all(dir, ec);
+  TR_LOG_INFO("trace: steps ", job_.output.trace_steps, " of ", w_.world, " ranks in ", out.string(),
+              " (open in https://ui.perfetto.dev or chrome://tracing)");
 }
 
 // Every rank's memory, for whoever sizes the next run (and the tests that
@@ -720,8 +891,8 @@ void Trainer::sample_at_end() {
   if (rank0_) TR_LOG_INFO("sample:\n", decode_tokens(toks, cfg.V));
 }
 
-// The sample at tp > 1. The KV-cached decoders have no tensor-parallel
-// split yet (that would be the training forward's column/row collectives
+// The sample at tp > 1 or pp > 1. The KV-cached decoders have no tensor-
+// or pipeline-parallel split yet (that would be the training forward's column/row collectives
 // once per token), so the sample runs on the logical model file just
 // written (model.safetensors, global coordinates): rank 0 alone, with the
 // single-process decoder of `trainrun generate` (CPU, fp32), the same
@@ -732,7 +903,7 @@ void Trainer::sample_at_end() {
 // 70B model at tp8 holds ~2 bytes per parameter per rank, the file is 4)
 // is never gathered on one rank; it is skipped with a line saying so.
 // Called after the end-of-run barrier: the other ranks are done.
-void Trainer::sample_tensor_parallel(const std::string& final_weights) {
+void Trainer::sample_from_model_file(const std::string& final_weights) {
   if (!rank0_) return;
   if (!arch_->has_decoder()) {
     TR_LOG_INFO("sample: skipped: ", arch_->name(), " has no KV-cached decoder yet (output.sample_tokens: ",
@@ -744,7 +915,7 @@ void Trainer::sample_tensor_parallel(const std::string& final_weights) {
   const double allowed = std::max(double(mem.params + mem.grads + mem.optimizer), double(256 << 20));
   if (whole > allowed) {
     TR_LOG_INFO("sample: skipped: at parallel.tensor_parallel ", job_.parallel.tensor_parallel,
-                " the sample decodes the whole model on one rank, and its ", human_bytes(whole),
+                ", pipeline_parallel ", job_.parallel.pipeline_parallel, " the sample decodes the whole model on one rank, and its ", human_bytes(whole),
                 " of fp32 weights are more than the ", human_bytes(allowed),
                 " this rank held for training; sample from ", final_weights,
                 " with `trainrun generate` on a machine with the memory, or set output.sample_tokens: 0");
@@ -763,7 +934,8 @@ void Trainer::sample_tensor_parallel(const std::string& final_weights) {
   TR_CHECK(int64_t(flat.size()) == arch_->layout().total, "sample: ", final_weights, " holds ", flat.size(),
            " parameters, not this model's ", arch_->layout().total, " (a bug)");
   const auto toks = sample_tokens(*arch_, flat, prompt, so);
-  TR_LOG_INFO("sample (tensor_parallel ", job_.parallel.tensor_parallel, ": rank 0 decodes ", final_weights, "):\n",
+  TR_LOG_INFO("sample (tensor_parallel ", job_.parallel.tensor_parallel, ", pipeline_parallel ",
+              job_.parallel.pipeline_parallel, ": rank 0 decodes ", final_weights, "):\n",
               decode_tokens(toks, cfg.V));
 }
 

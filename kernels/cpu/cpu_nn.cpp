@@ -200,8 +200,9 @@ void CpuBackend::matmul_backward(void* dinp_, float* dweight, float* dbias, cons
   if (dinp_)  // dinp(N,C) = dout(N,OC) @ weight(OC,C)
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, C, OC, 1.0f, dout, OC, F(weight_), C, 0.0f,
                 F(dinp_), C);
-  // dweight(OC,C) += dout^T(OC,N) @ inp(N,C)
-  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, OC, C, N, 1.0f, dout, OC, F(inp_), C, 1.0f, dweight, C);
+  // dweight(OC,C) += dout^T(OC,N) @ inp(N,C); null: skipped (zero_bubble's input step)
+  if (dweight)
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, OC, C, N, 1.0f, dout, OC, F(inp_), C, 1.0f, dweight, C);
   if (dbias) {
     // Column sums: threads own disjoint column ranges, rows summed in order.
 #pragma omp parallel

@@ -136,6 +136,11 @@ void matmul_backward(Gemm& gemm, bf16* dinp, float* dweight, float* dbias, const
     p.d = dinp;
     gemm.run(linear_dinp_desc(N, C, OC, ldo), p, stream);
   }
+  // No weight gradient asked for (zero_bubble's input step): no bias one either.
+  if (!dweight) {
+    TR_CHECK(!dbias, "matmul_backward: a bias gradient without the weight gradient is not supported");
+    return;
+  }
   const GemmDesc g = linear_dweight_desc(N, C, OC, ldo);
   GemmPtrs p;
   p.a = inp;

@@ -86,4 +86,8 @@ std::string explain_pipeline_schedule(const PipelineSchedule& s);
 // number of entries, or gives a stage no layers is an error naming it.
 std::vector<int> split_pipeline_layers(int layers, int stages, const std::vector<int>& explicit_split);
 
+// parallel.pipeline_layers' text ("3,1", "[3, 1]", "" = none) as numbers;
+// anything else is an Error naming the key and the text.
+std::vector<int> parse_pipeline_layers(const std::string& text);
+
 }  // namespace trainrun

@@ -74,9 +74,12 @@ void gpt2_init_params(const GPT2Config& cfg, const ParamLayout& layout, uint64_t
 }
 
 // ---- activations --------------------------------------------------------------------
-GPT2::GPT2(const GPT2Config& cfg, Backend* be, int maxB, bool activation_checkpointing, const TensorParallel* tp)
-    : cfg_(cfg), layout_(make_gpt2_layout(cfg)), be_(be), maxB_(maxB), ckpt_(activation_checkpointing),
-      tp_(tp && tp->plan ? tp : nullptr) {
+GPT2::GPT2(const GPT2Config& cfg_in, Backend* be, int maxB, bool activation_checkpointing, const TensorParallel* tp,
+           const PipelineStage* stage)
+    : cfg_(stage_config(cfg_in, stage)), layout_(make_gpt2_layout(cfg_)), stage_(stage ? *stage : PipelineStage{}),
+      be_(be), maxB_(maxB), ckpt_(activation_checkpointing), tp_(tp && tp->plan ? tp : nullptr) {
+  const GPT2Config& cfg = cfg_;
+  TR_CHECK(cfg.L >= 1, "GPT2: a pipeline stage needs at least one block (a bug)");
   TR_CHECK(cfg.C % cfg.NH == 0, "model.n_embd (", cfg.C, ") must be divisible by model.n_head (", cfg.NH, ")");
   NH_ = cfg.NH;
   F_ = 4 * cfg.C;
@@ -122,13 +125,15 @@ GPT2::GPT2(const GPT2Config& cfg, Backend* be, int maxB, bool activation_checkpo
     req(&a.fch, N * F * es);
     req(&a.fch_gelu, N * F * es);
   }
-  req(&lnf_, NR * C * es);
-  req(reinterpret_cast<void**>(&lnf_mean_), NR * 4);
-  req(reinterpret_cast<void**>(&lnf_rstd_), NR * 4);
   ldv_ = be->logits_stride(VL_);  // rows padded on the GPU (kernels/backend.h)
-  req(&logits_, N * ldv_ * es);
-  req(reinterpret_cast<void**>(&losses_), N * 4);
-  if (tp_) {
+  if (stage_.last) {  // a pipeline stage before the last has no head: no logits
+    req(&lnf_, NR * C * es);
+    req(reinterpret_cast<void**>(&lnf_mean_), NR * 4);
+    req(reinterpret_cast<void**>(&lnf_rstd_), NR * 4);
+    req(&logits_, N * ldv_ * es);
+    req(reinterpret_cast<void**>(&losses_), N * 4);
+  }
+  if (tp_ && stage_.last) {
     req(reinterpret_cast<void**>(&ce_rowmax_), N * 4);
     req(reinterpret_cast<void**>(&ce_stats_), 2 * N * 4);
   }
@@ -141,6 +146,17 @@ GPT2::GPT2(const GPT2Config& cfg, Backend* be, int maxB, bool activation_checkpo
   req(&dbuf_c_, N * C * es);
   req(&dbuf_3c_, N * 3 * Q * es);
   req(&dbuf_4c_, N * F * es);
+  if (stage_.split_backward) {
+    TR_CHECK(!ckpt_, "parallel.pipeline_schedule: zero_bubble with train.activation_checkpointing: blocks is not "
+                     "supported (the weight step needs every block's inputs); use 1f1b or turn checkpointing off");
+    kept_.resize(cfg.L);
+    for (auto& k : kept_) {
+      req(&k.d_fcproj, N * C * es);
+      req(&k.d_fc, N * F * es);
+      req(&k.d_attproj, N * C * es);
+      req(&k.d_qkv, N * 3 * Q * es);
+    }
+  }
   size_t total = 0;
   for (auto& p : plan) total += p.second;
   arena_ = DeviceBuffer(be, total);
@@ -205,7 +221,7 @@ void GPT2::forward(UnitAccess& units, const int32_t* inputs, const int32_t* targ
                    bool for_backward, float dloss_scale, DocumentMask docs) {
   TR_CHECK(B >= 1 && B <= maxB_ && T >= 1 && T <= cfg_.T, "model.forward: batch (", B, ",", T,
            ") exceeds the buffers (", maxB_, ",", cfg_.T, ")");
-  TR_CHECK(!for_backward || targets, "model.forward: for_backward needs targets");
+  TR_CHECK(!for_backward || targets || !stage_.last, "model.forward: for_backward needs targets");
   B_ = B;
   T_ = T;
   inputs_ = inputs;
@@ -218,6 +234,35 @@ void GPT2::forward(UnitAccess& units, const int32_t* inputs, const int32_t* targ
   const int NR = tpc_.rows(N);
 
   units.begin_pass(false, for_backward);
+  // A pipeline stage after the first finds its input at stage_input() (encoded_).
+  if (stage_.first) embed(units, inputs, B, T);
+
+  // Residual stream: res3_[l] = res2 + mlp(ln2(res2)) of block l. Its add is
+  // fused with the LayerNorm that reads it next: block l+1's ln1, or lnf.
+  const GPT2BlockOffsets off(C, Q_, F_);
+  for (int l = 0; l < L; ++l) {
+    const void* p = units.acquire_params(1 + l);
+    auto w = block_ptrs<const void*>(p, off, es);
+    LayerActs& a = acts(l);
+    if (l == 0)
+      be_->layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, encoded_, w.ln1w, w.ln1b, NR, C);
+    else
+      be_->residual_layernorm_forward(res3_[l - 1], a.ln1, a.ln1_mean, a.ln1_rstd, acts(l - 1).res2,
+                                      mlp_out(), w.ln1w, w.ln1b, NR, C);
+    block_forward(p, l, l == 0 ? encoded_ : res3_[l - 1], B, T);
+    units.release_params(1 + l);
+  }
+  if (!stage_.last) {
+    // The stage's output (stage_output()): the residual add no LayerNorm follows here.
+    be_->residual_forward(res3_[L - 1], acts(L - 1).res2, mlp_out(), int64_t(NR) * C);
+    return;
+  }
+  head_forward(units, targets, N, for_backward, dloss_scale);
+}
+
+void GPT2::embed(UnitAccess& units, const int32_t* inputs, int B, int T) {
+  const int N = B * T, C = cfg_.C, NR = tpc_.rows(N);
+  const size_t es = dtype_size(be_->act_dtype());
   const char* emb = static_cast<const char*>(units.acquire_params(0));
   const void* wte = emb;
   const void* wpe = emb + int64_t(VL_) * C * es;
@@ -237,23 +282,12 @@ void GPT2::forward(UnitAccess& units, const int32_t* inputs, const int32_t* targ
     be_->encoder_forward(encoded_, inputs, wte, wpe, B, T, C, docs_.pos);
   }
   units.release_params(0);
+}
 
-  // Residual stream: res3_[l] = res2 + mlp(ln2(res2)) of block l. Its add is
-  // fused with the LayerNorm that reads it next: block l+1's ln1, or lnf.
-  const GPT2BlockOffsets off(C, Q_, F_);
-  for (int l = 0; l < L; ++l) {
-    const void* p = units.acquire_params(1 + l);
-    auto w = block_ptrs<const void*>(p, off, es);
-    LayerActs& a = acts(l);
-    if (l == 0)
-      be_->layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, encoded_, w.ln1w, w.ln1b, NR, C);
-    else
-      be_->residual_layernorm_forward(res3_[l - 1], a.ln1, a.ln1_mean, a.ln1_rstd, acts(l - 1).res2,
-                                      mlp_out(), w.ln1w, w.ln1b, NR, C);
-    block_forward(p, l, l == 0 ? encoded_ : res3_[l - 1], B, T);
-    units.release_params(1 + l);
-  }
-
+void GPT2::head_forward(UnitAccess& units, const int32_t* targets, int N, bool for_backward, float dloss_scale) {
+  const int C = cfg_.C, L = cfg_.L, NR = tpc_.rows(N);
+  const size_t es = dtype_size(be_->act_dtype());
+  const char* emb = nullptr;
   const char* head = static_cast<const char*>(units.acquire_params(L + 1));
   be_->residual_layernorm_forward(res3_[L - 1], lnf_, lnf_mean_, lnf_rstd_, acts(L - 1).res2,
                                   mlp_out(), head, head + C * es, NR, C);
@@ -283,52 +317,98 @@ void GPT2::forward(UnitAccess& units, const int32_t* inputs, const int32_t* targ
 // Tensor parallelism: the replicated biases' gradients come from the same
 // (all-reduced) dres on every rank, so the replicas stay equal; the input
 // gradients of the column layers (fc, qkv) are all-reduced.
-void GPT2::block_backward(const void* p, float* g, int l, const void* res_in, void* dres, int B, int T) {
+void GPT2::block_backward(const void* p, float* g, int l, const void* res_in, void* dres, int B, int T,
+                          const KeptGrads* keep) {
   const int N = B * T, C = cfg_.C, Q = Q_, F = F_, NR = tpc_.rows(N);
   const size_t es = dtype_size(be_->act_dtype());
   const GPT2BlockOffsets off(C, Q, F);
   auto w = block_ptrs<const void*>(p, off, es);
   auto dw = block_ptrs<float*>(g, off, 4);
   LayerActs& a = acts(l);
+  // zero_bubble's input step: no weight/bias gradients here (null skips
+  // them), their output gradients kept for block_weight_grads.
+  auto W = [&](float* x) { return keep ? nullptr : x; };
+  auto kept = [&](void* dst, const void* src, int64_t n) {
+    if (keep) be_->copy_device(dst, src, size_t(n) * es);
+  };
   // MLP: res_out = res2 + fcproj(gelu(fc(ln2(res2))))
-  be_->matmul_backward_dgelu(dbuf_4c_, dw.fcprojw, dw.fcprojb, tpc_.full_rows(dres, N), a.fch_gelu, w.fcprojw, a.fch,
-                             N, F, C);
+  const void* dmlp = tpc_.full_rows(dres, N);
+  if (keep) kept(keep->d_fcproj, dmlp, int64_t(N) * C);
+  be_->matmul_backward_dgelu(dbuf_4c_, W(dw.fcprojw), W(dw.fcprojb), dmlp, a.fch_gelu, w.fcprojw, a.fch, N, F, C);
+  if (keep) kept(keep->d_fc, dbuf_4c_, int64_t(N) * F);
   // (full_rows: dres's gathered copy is consumed; the buffer takes ln2's.)
-  be_->matmul_backward(dbuf_c_, dw.fcw, dw.fcb, dbuf_4c_, tpc_.full_rows(a.ln2, N), w.fcw, N, C, F);
+  be_->matmul_backward(dbuf_c_, W(dw.fcw), W(dw.fcb), dbuf_4c_, tpc_.full_rows(a.ln2, N), w.fcw, N, C, F);
   const void* dln2 = tpc_.reduce_out(dbuf_c_, N);
   float* g2 = tpc_.norm_grad(dw.ln2w);  // ln2w | ln2b (adjacent)
   be_->layernorm_backward(dres, g2, g2 + C, dln2, a.res2, w.ln2w, a.ln2_mean, a.ln2_rstd, NR, C);
   tpc_.norm_grad_done(dw.ln2w);
   // Attention: res2 = res_in + attproj(attn(qkv(ln1(res_in))))
-  be_->matmul_backward(dbuf_c_, dw.attprojw, dw.attprojb, tpc_.full_rows(dres, N), a.atty, w.attprojw, N, Q, C);
+  const void* dattn = tpc_.full_rows(dres, N);
+  if (keep) kept(keep->d_attproj, dattn, int64_t(N) * C);
+  be_->matmul_backward(dbuf_c_, W(dw.attprojw), W(dw.attprojb), dattn, a.atty, w.attprojw, N, Q, C);
   be_->attention_backward(dbuf_3c_, dbuf_c_, a.qkv, a.atty, a.att, B, T, Q, NH_, docs_.doc_start);
-  be_->matmul_backward(dbuf_c_, dw.qkvw, dw.qkvb, dbuf_3c_, tpc_.full_rows(a.ln1, N), w.qkvw, N, C, 3 * Q);
+  if (keep) kept(keep->d_qkv, dbuf_3c_, int64_t(N) * 3 * Q);
+  be_->matmul_backward(dbuf_c_, W(dw.qkvw), W(dw.qkvb), dbuf_3c_, tpc_.full_rows(a.ln1, N), w.qkvw, N, C, 3 * Q);
   const void* dln1 = tpc_.reduce_out(dbuf_c_, N);
   float* g1 = tpc_.norm_grad(dw.ln1w);  // ln1w | ln1b
   be_->layernorm_backward(dres, g1, g1 + C, dln1, res_in, w.ln1w, a.ln1_mean, a.ln1_rstd, NR, C);
   tpc_.norm_grad_done(dw.ln1w);
 }
 
-void GPT2::backward(UnitAccess& units) {
+// zero_bubble's weight step: dW += dout^T inp, db += sum dout of the four
+// linears, from the output gradients the input step kept and the layer's
+// saved inputs (the same operands backward() gives the fused op).
+void GPT2::block_weight_grads(float* g, int l, const KeptGrads& k, int N) {
+  const int C = cfg_.C, Q = Q_, F = F_;
+  auto dw = block_ptrs<float*>(g, GPT2BlockOffsets(C, Q, F), 4);
+  const LayerActs& a = layers_[size_t(l)];
+  be_->matmul_backward(nullptr, dw.fcprojw, dw.fcprojb, k.d_fcproj, a.fch_gelu, nullptr, N, F, C);
+  // The LayerNorm outputs are this rank's rows under sequence parallelism: gathered again here.
+  be_->matmul_backward(nullptr, dw.fcw, dw.fcb, k.d_fc, tpc_.full_rows(a.ln2, N), nullptr, N, C, F);
+  be_->matmul_backward(nullptr, dw.attprojw, dw.attprojb, k.d_attproj, a.atty, nullptr, N, Q, C);
+  be_->matmul_backward(nullptr, dw.qkvw, dw.qkvb, k.d_qkv, tpc_.full_rows(a.ln1, N), nullptr, N, C, 3 * Q);
+}
+
+void GPT2::backward(UnitAccess& units) { backward_pass(units, false); }
+
+void GPT2::backward_input(UnitAccess& units) {
+  TR_CHECK(stage_.split_backward, "GPT2: backward_input needs a stage built with split_backward (a bug)");
+  backward_pass(units, true);
+}
+
+void GPT2::backward_weight(UnitAccess& units) {
+  TR_CHECK(stage_.split_backward, "GPT2: backward_weight needs a stage built with split_backward (a bug)");
+  for (int l = cfg_.L - 1; l >= 0; --l) {
+    block_weight_grads(units.unit_grads(1 + l), l, kept_[size_t(l)], B_ * T_);
+    units.grads_done(1 + l);
+  }
+}
+
+void GPT2::backward_pass(UnitAccess& units, bool input_only) {
   const int B = B_, T = T_, N = B * T, C = cfg_.C, L = cfg_.L, NR = tpc_.rows(N);
   const size_t es = dtype_size(be_->act_dtype());
   units.begin_pass(true, false);
   // logits_ now holds dlogits (see forward). Tied head: grads land in the
   // embedding unit's wte gradient, which stays open until the encoder's turn.
-  const void* emb = units.acquire_params(0);
-  float* gemb = units.unit_grads(0);
-  be_->lm_head_backward(dbuf_c_, gemb, logits_, tpc_.full_rows(lnf_, N), emb, N, C, v_valid_, ldv_);
-  units.release_params(0);
-  const void* dlnf = tpc_.reduce_out(dbuf_c_, N);  // the head is column-parallel over the vocabulary
+  // A pipeline stage before the last starts from the caller's dL/d output
+  // in dres_ (stage_output_grad()).
+  float* gemb = nullptr;
+  if (stage_.last) {
+    const void* emb = units.acquire_params(0);
+    gemb = units.unit_grads(0);
+    be_->lm_head_backward(dbuf_c_, gemb, logits_, tpc_.full_rows(lnf_, N), emb, N, C, v_valid_, ldv_);
+    units.release_params(0);
+    const void* dlnf = tpc_.reduce_out(dbuf_c_, N);  // the head is column-parallel over the vocabulary
 
-  const char* head = static_cast<const char*>(units.acquire_params(L + 1));
-  float* ghead = units.unit_grads(L + 1);
-  be_->zero(dres_, size_t(NR) * C * es);
-  float* gf = tpc_.norm_grad(ghead);  // lnfw | lnfb
-  be_->layernorm_backward(dres_, gf, gf + C, dlnf, res3_[L - 1], head, lnf_mean_, lnf_rstd_, NR, C);
-  tpc_.norm_grad_done(ghead);
-  units.release_params(L + 1);
-  units.grads_done(L + 1);
+    const char* head = static_cast<const char*>(units.acquire_params(L + 1));
+    float* ghead = units.unit_grads(L + 1);
+    be_->zero(dres_, size_t(NR) * C * es);
+    float* gf = tpc_.norm_grad(ghead);  // lnfw | lnfb
+    be_->layernorm_backward(dres_, gf, gf + C, dlnf, res3_[L - 1], head, lnf_mean_, lnf_rstd_, NR, C);
+    tpc_.norm_grad_done(ghead);
+    units.release_params(L + 1);
+    units.grads_done(L + 1);
+  }
 
   for (int l = L - 1; l >= 0; --l) {
     const void* p = units.acquire_params(1 + l);
@@ -343,17 +423,21 @@ void GPT2::backward(UnitAccess& units) {
       be_->layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, res_in, w.ln1w, w.ln1b, NR, C);
       block_forward(p, l, res_in, B, T);
     }
-    block_backward(p, units.unit_grads(1 + l), l, res_in, dres_, B, T);
+    block_backward(p, units.unit_grads(1 + l), l, res_in, dres_, B, T, input_only ? &kept_[size_t(l)] : nullptr);
     units.release_params(1 + l);
-    units.grads_done(1 + l);
+    if (!input_only) units.grads_done(1 + l);  // else after backward_weight
   }
 
-  if (tp_)
-    be_->vocab_embedding_backward(gemb, gemb + int64_t(VL_) * C, tpc_.full_rows(dres_, N), inputs_, v_begin_,
-                                  v_valid_, B, T, C, docs_.pos);
-  else
-    be_->encoder_backward(gemb, gemb + int64_t(cfg_.V) * C, dres_, inputs_, B, T, C, docs_.pos);
-  units.grads_done(0);
+  // A pipeline stage after the first leaves dL/d input in dres_ (stage_input_grad()).
+  if (stage_.first) {
+    if (!gemb) gemb = units.unit_grads(0);
+    if (tp_)
+      be_->vocab_embedding_backward(gemb, gemb + int64_t(VL_) * C, tpc_.full_rows(dres_, N), inputs_, v_begin_,
+                                    v_valid_, B, T, C, docs_.pos);
+    else
+      be_->encoder_backward(gemb, gemb + int64_t(cfg_.V) * C, dres_, inputs_, B, T, C, docs_.pos);
+  }
+  if (gemb) units.grads_done(0);
 }
 
 }  // namespace trainrun

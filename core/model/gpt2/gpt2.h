@@ -69,9 +69,10 @@ void gpt2_init_params(const GPT2Config& cfg, const ParamLayout& layout, uint64_t
 class GPT2 final : public Network {
  public:
   // tp: tensor parallelism (this rank's slices, the collectives between
-  // the linears); null = the whole model.
+  // the linears); null = the whole model. stage: one pipeline stage's
+  // layers (model.h); null = all of them.
   GPT2(const GPT2Config& cfg, Backend* be, int maxB, bool activation_checkpointing,
-       const TensorParallel* tp = nullptr);
+       const TensorParallel* tp = nullptr, const PipelineStage* stage = nullptr);
   const GPT2Config& config() const { return cfg_; }
   const ParamLayout& layout() const { return layout_; }
 
@@ -85,6 +86,14 @@ class GPT2 final : public Network {
   size_t activation_bytes() const override { return act_bytes_; }
   void free_activations() override { arena_.reset(); }
 
+  int64_t stage_io_elems(int B, int T) const override { return int64_t(tpc_.rows(B * T)) * cfg_.C; }
+  void* stage_input() override { return encoded_; }
+  const void* stage_output() const override { return res3_.back(); }
+  void* stage_output_grad() override { return dres_; }
+  const void* stage_input_grad() const override { return dres_; }
+  void backward_input(UnitAccess& units) override;
+  void backward_weight(UnitAccess& units) override;
+
  private:
   struct LayerActs {
     void* ln1; float* ln1_mean; float* ln1_rstd;   // (N,C) (N) (N)
@@ -97,11 +106,26 @@ class GPT2 final : public Network {
     void* fch_gelu;                                 // (N,4C)
   };
   void block_forward(const void* p, int l, const void* res_in, int B, int T);
-  void block_backward(const void* p, float* g, int l, const void* res_in, void* dres, int B, int T);
+  // With `keep` (zero_bubble's input step) the four linears' weight and
+  // bias gradients are skipped and their output gradients copied to keep;
+  // block_weight_grads computes them from there.
+  struct KeptGrads {
+    void* d_fcproj; void* d_fc; void* d_attproj; void* d_qkv;  // (N,C) (N,F) (N,C) (N,3Q)
+  };
+  void block_backward(const void* p, float* g, int l, const void* res_in, void* dres, int B, int T,
+                      const KeptGrads* keep = nullptr);
+  void block_weight_grads(float* g, int l, const KeptGrads& keep, int N);
+  void backward_pass(UnitAccess& units, bool input_only);
+  std::vector<KeptGrads> kept_;            // per layer, zero_bubble only
+  // The first stage's token + position embedding into encoded_; the last
+  // stage's final LayerNorm, LM head and loss.
+  void embed(UnitAccess& units, const int32_t* inputs, int B, int T);
+  void head_forward(UnitAccess& units, const int32_t* targets, int N, bool for_backward, float dloss_scale);
   LayerActs& acts(int l) { return layers_[ckpt_ ? 0 : l]; }
 
-  GPT2Config cfg_;
+  GPT2Config cfg_;             // cfg_.L: the blocks this network computes (a pipeline stage's)
   ParamLayout layout_;
+  PipelineStage stage_;        // first / last: embeds the tokens / computes the head and loss
   Backend* be_;
   int maxB_;
   bool ckpt_;

@@ -40,7 +40,8 @@ class GPT2Arch final : public ModelArch {
   nlohmann::ordered_json manifest_model() const override;
 
   std::unique_ptr<Network> make_network(Backend* be, int maxB, bool activation_checkpointing,
-                                        const TensorParallel* tp = nullptr) const override;
+                                        const TensorParallel* tp = nullptr,
+                                        const PipelineStage* stage = nullptr) const override;
   std::unique_ptr<Decoder> make_decoder(Backend* be, int capacity) const override;
   size_t decoder_bytes_needed(const Backend& be, int capacity) const override;
 

@@ -8,10 +8,11 @@
 namespace trainrun {
 
 LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Backend* be, int maxB,
-                           bool activation_checkpointing, const TensorParallel* tp)
-    : cfg_(cfg), be_(be), maxB_(maxB), ckpt_(activation_checkpointing), tp_(tp && tp->plan ? tp : nullptr) {
+                           bool activation_checkpointing, const TensorParallel* tp, const PipelineStage* stage)
+    : cfg_(stage_config(cfg, stage)), stage_(stage ? *stage : PipelineStage{}), be_(be), maxB_(maxB), ckpt_(activation_checkpointing), tp_(tp && tp->plan ? tp : nullptr) {
   TR_CHECK(cfg.arch == "llama" && cfg.NKV > 0 && cfg.F > 0, "LlamaNetwork needs LlamaArch's resolved config (a bug)");
   TR_CHECK(maxB >= 1, "LlamaNetwork: micro-batch ", maxB, " must be >= 1");
+  TR_CHECK(cfg_.L >= 1, "LlamaNetwork: a pipeline stage needs at least one block (a bug)");
   HS_ = cfg.head_size();
   NH_ = cfg.NH;
   NKV_ = cfg.NKV;
@@ -61,9 +62,9 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
   req(&zero_wpe_, T * C * es);
   req(&dwpe_, T * C * 4);
   req(&encoded_, NR * C * es);
-  res3_.assign(cfg.L, nullptr);
-  for (int l = 0; l < cfg.L; ++l) req(&res3_[l], NR * C * es);
-  layers_.resize(ckpt_ ? 1 : cfg.L);
+  res3_.assign(cfg_.L, nullptr);
+  for (int l = 0; l < cfg_.L; ++l) req(&res3_[l], NR * C * es);
+  layers_.resize(ckpt_ ? 1 : cfg_.L);
   for (auto& a : layers_) {
     req(&a.ln1, NR * C * es);
     req(&a.ln1_rstd, NR * 4);
@@ -76,12 +77,14 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
     req(&a.gu, N * 2 * F * es);
     req(&a.h, N * F * es);
   }
-  req(&lnf_, NR * C * es);
-  req(&lnf_rstd_, NR * 4);
   ldv_ = be->logits_stride(VL_);
-  req(&logits_, N * ldv_ * es);
-  req(&losses_, N * 4);
-  if (tp_) {
+  if (stage_.last) {  // a pipeline stage before the last has no head: no logits
+    req(&lnf_, NR * C * es);
+    req(&lnf_rstd_, NR * 4);
+    req(&logits_, N * ldv_ * es);
+    req(&losses_, N * 4);
+  }
+  if (tp_ && stage_.last) {
     req(&ce_rowmax_, N * 4);
     req(&ce_stats_, 2 * N * 4);
   }
@@ -94,6 +97,16 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
   req(&dbuf_c_, N * C * es);
   req(&dqkv_, N * QKV_ * es);
   req(&dh_, N * F * es);
+  if (stage_.split_backward) {
+    TR_CHECK(!ckpt_, "parallel.pipeline_schedule: zero_bubble with train.activation_checkpointing: blocks is not "
+                     "supported (the weight step needs every block's inputs); use 1f1b or turn checkpointing off");
+    kept_.resize(cfg_.L);
+    for (auto& k : kept_) {
+      req(&k.d_down, N * C * es);
+      req(&k.d_o, N * C * es);
+      req(&k.d_qkv, N * QKV_ * es);
+    }
+  }
   size_t total = 0;
   for (auto& p : plan) total += p.second;
   arena_ = DeviceBuffer(be, total);  // zero-initialised: zero_wpe_ stays all zeros (nothing writes it)
@@ -183,7 +196,7 @@ void LlamaNetwork::forward(UnitAccess& units, const int32_t* inputs, const int32
                            bool for_backward, float dloss_scale, DocumentMask docs) {
   TR_CHECK(B >= 1 && B <= maxB_ && T >= 1 && T <= cfg_.T, "model.forward: batch (", B, ",", T,
            ") exceeds the buffers (", maxB_, ",", cfg_.T, ")");
-  TR_CHECK(!for_backward || targets, "model.forward: for_backward needs targets");
+  TR_CHECK(!for_backward || targets || !stage_.last, "model.forward: for_backward needs targets");
   TR_CHECK(arena_.get(), "model.forward: the activations were freed (free_activations)");
   B_ = B;
   T_ = T;
@@ -199,19 +212,8 @@ void LlamaNetwork::forward(UnitAccess& units, const int32_t* inputs, const int32
   const int NR = rows(N);
 
   units.begin_pass(false, for_backward);
-  if (tp_) {
-    // Vocab-parallel embedding: this rank's rows, zeros for the others' tokens.
-    if (sp_) {
-      be_->vocab_embedding_forward(dbuf_c_, inputs, units.acquire_params(0), nullptr, v_begin_, v_valid_, B, T, C);
-      be_->copy_device(encoded_, row_parallel_out(dbuf_c_, N), size_t(NR) * C * es);
-    } else {
-      be_->vocab_embedding_forward(encoded_, inputs, units.acquire_params(0), nullptr, v_begin_, v_valid_, B, T, C);
-      tp_sum(encoded_, int64_t(N) * C);
-    }
-  } else {
-    be_->encoder_forward(encoded_, inputs, units.acquire_params(0), zero_wpe_, B, T, C);
-  }
-  units.release_params(0);
+  // A pipeline stage after the first finds its input at stage_input() (encoded_).
+  if (stage_.first) embed(units, inputs, B, T);
 
   // Residual stream: res3_[l] = res2 + mlp(RMSNorm(res2)) of block l, its add
   // fused with the RMSNorm that reads it next (block l+1's, or the final one).
@@ -228,6 +230,11 @@ void LlamaNetwork::forward(UnitAccess& units, const int32_t* inputs, const int32
     units.release_params(1 + l);
   }
 
+  if (!stage_.last) {
+    // The stage's output (stage_output()): the residual add no RMSNorm follows here.
+    be_->residual_forward(res3_[L - 1], acts(L - 1).res2, mlp_out(), int64_t(NR) * C);
+    return;
+  }
   const char* head = static_cast<const char*>(units.acquire_params(L + 1));
   be_->residual_rmsnorm_forward(res3_[L - 1], lnf_, lnf_rstd_, acts(L - 1).res2, mlp_out(), head, NR, C,
                                 eps_);
@@ -243,29 +250,70 @@ void LlamaNetwork::forward(UnitAccess& units, const int32_t* inputs, const int32
   if (targets) cross_entropy(targets, N, for_backward, dloss_scale);
 }
 
+void LlamaNetwork::embed(UnitAccess& units, const int32_t* inputs, int B, int T) {
+  const int N = B * T, C = cfg_.C, NR = rows(N);
+  const size_t es = dtype_size(be_->act_dtype());
+  (void)NR;
+  (void)es;
+  if (tp_) {
+    // Vocab-parallel embedding: this rank's rows, zeros for the others' tokens.
+    if (sp_) {
+      be_->vocab_embedding_forward(dbuf_c_, inputs, units.acquire_params(0), nullptr, v_begin_, v_valid_, B, T, C);
+      be_->copy_device(encoded_, row_parallel_out(dbuf_c_, N), size_t(NR) * C * es);
+    } else {
+      be_->vocab_embedding_forward(encoded_, inputs, units.acquire_params(0), nullptr, v_begin_, v_valid_, B, T, C);
+      tp_sum(encoded_, int64_t(N) * C);
+    }
+  } else {
+    be_->encoder_forward(encoded_, inputs, units.acquire_params(0), zero_wpe_, B, T, C);
+  }
+  units.release_params(0);
+}
+
 // Backward through one block: dres holds dL/d(block output) on entry and
 // dL/d(block input) on exit; parameter grads accumulate into g.
-void LlamaNetwork::block_backward(const void* p, float* g, int l, const void* res_in, void* dres, int B, int T) {
+void LlamaNetwork::block_backward(const void* p, float* g, int l, const void* res_in, void* dres, int B, int T,
+                                  const KeptGrads* keep) {
   const int N = B * T, C = cfg_.C, F = F_, NR = rows(N);
+  const size_t es = dtype_size(be_->act_dtype());
   const LlamaBlockOffsets off(C, Q_, KV_, F);
-  auto w = block_ptrs<const void*>(p, off, dtype_size(be_->act_dtype()));
+  auto w = block_ptrs<const void*>(p, off, es);
   auto dw = block_ptrs<float*>(g, off, 4);
   LayerActs& a = acts(l);
+  // zero_bubble's input step: no weight gradients here (null skips them),
+  // the output gradients they need kept for block_weight_grads (gate|up's
+  // stays in a.gu, which nothing else reads).
+  auto W = [&](float* x) { return keep ? nullptr : x; };
   // MLP: res_out = res2 + down(swiglu(gate_up(RMSNorm(res2))))
-  be_->matmul_backward(dh_, dw.downw, nullptr, full_rows(dres, N), a.h, w.downw, N, F, C);
+  const void* dmlp = full_rows(dres, N);
+  if (keep) be_->copy_device(keep->d_down, dmlp, size_t(N) * C * es);
+  be_->matmul_backward(dh_, W(dw.downw), nullptr, dmlp, a.h, w.downw, N, F, C);
   be_->swiglu_backward(a.gu, dh_, a.gu, N, F);  // in place: gate|up is not read again
   // (full_rows: dres's gathered copy is consumed; the buffer takes ln2's.)
-  be_->matmul_backward(dbuf_c_, dw.guw, nullptr, a.gu, full_rows(a.ln2, N), w.guw, N, C, 2 * F);
+  be_->matmul_backward(dbuf_c_, W(dw.guw), nullptr, a.gu, full_rows(a.ln2, N), w.guw, N, C, 2 * F);
   // column-parallel: each rank's columns add to the input gradient
   const void* dln2 = row_parallel_out(dbuf_c_, N);
   be_->rmsnorm_backward(dres, norm_grad(dw.ln2w), dln2, a.res2, w.ln2w, a.ln2_rstd, NR, C);
   norm_grad_done(dw.ln2w);
   // Attention: res2 = res_in + o(attn(rope(qkv(RMSNorm(res_in)))))
-  be_->matmul_backward(dbuf_c_, dw.ow, nullptr, full_rows(dres, N), a.atty, w.ow, N, Q_, C);
+  const void* dattn = full_rows(dres, N);
+  if (keep) be_->copy_device(keep->d_o, dattn, size_t(N) * C * es);
+  be_->matmul_backward(dbuf_c_, W(dw.ow), nullptr, dattn, a.atty, w.ow, N, Q_, C);
   be_->attention_gqa_backward(dqkv_, dbuf_c_, a.qkv, a.atty, a.att, B, T, NH_, NKV_, HS_, docs_.doc_start);
   be_->rope_backward(dqkv_, rope_, B, T, NH_, NKV_, HS_, 0, docs_.pos);
-  if (kv_replicas_ == 1) {
-    be_->matmul_backward(dbuf_c_, dw.qkvw, nullptr, dqkv_, full_rows(a.ln1, N), w.qkvw, N, C, QKV_);
+  if (keep) be_->copy_device(keep->d_qkv, dqkv_, size_t(N) * QKV_ * es);
+  qkv_backward(dbuf_c_, W(dw.qkvw), dqkv_, full_rows(a.ln1, N), w.qkvw, N);  // dattn is consumed
+  const void* dln1 = row_parallel_out(dbuf_c_, N);
+  be_->rmsnorm_backward(dres, norm_grad(dw.ln1w), dln1, res_in, w.ln1w, a.ln1_rstd, NR, C);
+  norm_grad_done(dw.ln1w);
+}
+
+// The q|k|v projection's backward: dinp (null: skipped) and, with dqkvw,
+// its weight gradient.
+void LlamaNetwork::qkv_backward(void* dinp, float* dqkvw, const void* dqkv, const void* ln1, const void* wqkv, int N) {
+  const int C = cfg_.C;
+  if (kv_replicas_ == 1 || !dqkvw) {
+    be_->matmul_backward(dinp, dqkvw, nullptr, dqkv, ln1, wqkv, N, C, QKV_);
   } else {
     // KV heads replicated over kv_replicas_ ranks: each holds the gradient
     // its own query heads give k and v; the true one is their sum. This
@@ -277,19 +325,44 @@ void LlamaNetwork::block_backward(const void* p, float* g, int l, const void* re
     float* scratch = kv_grad_scratch_.as<float>();
     float* slots = kv_grad_slots_.as<float>();
     be_->zero(scratch, kv_grad_scratch_.bytes());
-    be_->matmul_backward(dbuf_c_, scratch, nullptr, dqkv_, full_rows(a.ln1, N), w.qkvw, N, C, QKV_);
+    be_->matmul_backward(dinp, scratch, nullptr, dqkv, ln1, wqkv, N, C, QKV_);
     be_->zero(slots, kv_grad_slots_.bytes());
     be_->copy_device(slots + kv_head_ * kvC, scratch + qC, kvC * 4);
     tp_->comm->all_reduce(slots, int64_t(NKV_global_) * kvC, ReduceOp::Sum);
-    be_->accumulate(dw.qkvw, scratch, qC);
-    be_->accumulate(dw.qkvw + qC, slots + kv_head_ * kvC, kvC);
+    be_->accumulate(dqkvw, scratch, qC);
+    be_->accumulate(dqkvw + qC, slots + kv_head_ * kvC, kvC);
   }
-  const void* dln1 = row_parallel_out(dbuf_c_, N);
-  be_->rmsnorm_backward(dres, norm_grad(dw.ln1w), dln1, res_in, w.ln1w, a.ln1_rstd, NR, C);
-  norm_grad_done(dw.ln1w);
 }
 
-void LlamaNetwork::backward(UnitAccess& units) {
+// zero_bubble's weight step (GPT2::block_weight_grads): the four linears'
+// weight gradients from the kept output gradients and the saved inputs.
+void LlamaNetwork::block_weight_grads(float* g, int l, const KeptGrads& k, int N) {
+  const int C = cfg_.C, F = F_;
+  auto dw = block_ptrs<float*>(g, LlamaBlockOffsets(C, Q_, KV_, F), 4);
+  const LayerActs& a = layers_[size_t(l)];
+  be_->matmul_backward(nullptr, dw.downw, nullptr, k.d_down, a.h, nullptr, N, F, C);
+  // The norm outputs are this rank's rows under sequence parallelism: gathered again here.
+  be_->matmul_backward(nullptr, dw.guw, nullptr, a.gu, full_rows(a.ln2, N), nullptr, N, C, 2 * F);
+  be_->matmul_backward(nullptr, dw.ow, nullptr, k.d_o, a.atty, nullptr, N, Q_, C);
+  qkv_backward(nullptr, dw.qkvw, k.d_qkv, full_rows(a.ln1, N), nullptr, N);
+}
+
+void LlamaNetwork::backward_input(UnitAccess& units) {
+  TR_CHECK(stage_.split_backward, "LlamaNetwork: backward_input needs a stage built with split_backward (a bug)");
+  backward_pass(units, true);
+}
+
+void LlamaNetwork::backward_weight(UnitAccess& units) {
+  TR_CHECK(stage_.split_backward, "LlamaNetwork: backward_weight needs a stage built with split_backward (a bug)");
+  for (int l = cfg_.L - 1; l >= 0; --l) {
+    block_weight_grads(units.unit_grads(1 + l), l, kept_[size_t(l)], B_ * T_);
+    units.grads_done(1 + l);
+  }
+}
+
+void LlamaNetwork::backward(UnitAccess& units) { backward_pass(units, false); }
+
+void LlamaNetwork::backward_pass(UnitAccess& units, bool input_only) {
   TR_CHECK(arena_.get(), "model.backward: the activations were freed (free_activations)");
   const int B = B_, T = T_, N = B * T, C = cfg_.C, L = cfg_.L, NR = rows(N);
   const size_t es = dtype_size(be_->act_dtype());
@@ -297,6 +370,45 @@ void LlamaNetwork::backward(UnitAccess& units) {
   // logits_ holds dlogits (forward with for_backward). Tied: the head's
   // gradient lands in the embedding unit's, which stays open until the
   // embedding's own turn at the end.
+  // A pipeline stage before the last starts from the caller's dL/d output
+  // in dres_ (stage_output_grad()).
+  float* gemb = stage_.last ? head_backward(units) : nullptr;
+
+  const LlamaBlockOffsets off(C, Q_, KV_, F_);
+  for (int l = L - 1; l >= 0; --l) {
+    const void* p = units.acquire_params(1 + l);
+    const void* res_in = l == 0 ? encoded_ : res3_[l - 1];
+    // Activation checkpointing: refill the shared per-layer set from the
+    // kept block input. The recompute ends in dbuf_c_, which the backward
+    // overwrites before reading; the checkpoints (res3_) stay untouched.
+    if (ckpt_) {
+      auto w = block_ptrs<const void*>(p, off, es);
+      be_->rmsnorm_forward(acts(l).ln1, acts(l).ln1_rstd, res_in, w.ln1w, NR, C, eps_);
+      block_forward(p, l, res_in, B, T);
+    }
+    block_backward(p, units.unit_grads(1 + l), l, res_in, dres_, B, T, input_only ? &kept_[size_t(l)] : nullptr);
+    units.release_params(1 + l);
+    if (!input_only) units.grads_done(1 + l);  // else after backward_weight
+  }
+
+  // A pipeline stage after the first leaves dL/d input in dres_ (stage_input_grad()).
+  if (stage_.first) {
+    if (!gemb) gemb = units.unit_grads(0);
+    if (tp_) {
+      be_->vocab_embedding_backward(gemb, nullptr, full_rows(dres_, N), inputs_, v_begin_, v_valid_, B, T, C);
+    } else {
+      be_->zero(dwpe_, size_t(cfg_.T) * C * 4);  // the zero table's gradient: written, never read
+      be_->encoder_backward(gemb, dwpe_, dres_, inputs_, B, T, C);
+    }
+  }
+  if (gemb) units.grads_done(0);
+}
+
+// The LM head and final RMSNorm's backward into dres_; returns the
+// embedding unit's gradient when the head is tied to it (else null).
+float* LlamaNetwork::head_backward(UnitAccess& units) {
+  const int N = B_ * T_, C = cfg_.C, L = cfg_.L, NR = rows(N);
+  const size_t es = dtype_size(be_->act_dtype());
   float* gemb = nullptr;
   if (cfg_.tied) {
     const void* emb = units.acquire_params(0);
@@ -315,32 +427,7 @@ void LlamaNetwork::backward(UnitAccess& units) {
   norm_grad_done(ghead);
   units.release_params(L + 1);
   units.grads_done(L + 1);
-
-  const LlamaBlockOffsets off(C, Q_, KV_, F_);
-  for (int l = L - 1; l >= 0; --l) {
-    const void* p = units.acquire_params(1 + l);
-    const void* res_in = l == 0 ? encoded_ : res3_[l - 1];
-    // Activation checkpointing: refill the shared per-layer set from the
-    // kept block input. The recompute ends in dbuf_c_, which the backward
-    // overwrites before reading; the checkpoints (res3_) stay untouched.
-    if (ckpt_) {
-      auto w = block_ptrs<const void*>(p, off, es);
-      be_->rmsnorm_forward(acts(l).ln1, acts(l).ln1_rstd, res_in, w.ln1w, NR, C, eps_);
-      block_forward(p, l, res_in, B, T);
-    }
-    block_backward(p, units.unit_grads(1 + l), l, res_in, dres_, B, T);
-    units.release_params(1 + l);
-    units.grads_done(1 + l);
-  }
-
-  if (!gemb) gemb = units.unit_grads(0);
-  if (tp_) {
-    be_->vocab_embedding_backward(gemb, nullptr, full_rows(dres_, N), inputs_, v_begin_, v_valid_, B, T, C);
-  } else {
-    be_->zero(dwpe_, size_t(cfg_.T) * C * 4);  // the zero table's gradient: written, never read
-    be_->encoder_backward(gemb, dwpe_, dres_, inputs_, B, T, C);
-  }
-  units.grads_done(0);
+  return gemb;
 }
 
 }  // namespace trainrun

@@ -48,8 +48,10 @@ class LlamaNetwork final : public Network {
   // cfg: resolved (LlamaArch::config()); layout: LlamaArch::layout().
   // tp: tensor parallelism (this rank's slice of every tensor, the
   // collectives between the linears); null = the whole model.
+  // stage: one pipeline stage's layers (model.h); null = all of them.
   LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Backend* be, int maxB,
-               bool activation_checkpointing, const TensorParallel* tp = nullptr);
+               bool activation_checkpointing, const TensorParallel* tp = nullptr,
+               const PipelineStage* stage = nullptr);
 
   void forward(UnitAccess& units, const int32_t* inputs, const int32_t* targets, int B, int T,
                bool for_backward, float dloss_scale, DocumentMask docs = {}) override;
@@ -60,6 +62,14 @@ class LlamaNetwork final : public Network {
   int logits_stride() const override { return ldv_; }
   size_t activation_bytes() const override { return act_bytes_; }
   void free_activations() override { arena_.reset(); }
+
+  int64_t stage_io_elems(int B, int T) const override { return int64_t(tpc_.rows(B * T)) * cfg_.C; }
+  void* stage_input() override { return encoded_; }
+  const void* stage_output() const override { return res3_.back(); }
+  void* stage_output_grad() override { return dres_; }
+  const void* stage_input_grad() const override { return dres_; }
+  void backward_input(UnitAccess& units) override;
+  void backward_weight(UnitAccess& units) override;
 
  private:
   struct LayerActs {
@@ -73,10 +83,24 @@ class LlamaNetwork final : public Network {
     void* h;                      // (N,F) silu(gate) * up
   };
   void block_forward(const void* p, int l, const void* res_in, int B, int T);
-  void block_backward(const void* p, float* g, int l, const void* res_in, void* dres, int B, int T);
+  // zero_bubble: with `keep` the linears' weight gradients are skipped and
+  // the output gradients they need kept; block_weight_grads computes them.
+  struct KeptGrads {
+    void* d_down; void* d_o; void* d_qkv;  // (N,C) (N,C) (N,QKV); gate|up's stays in the layer's gu
+  };
+  void block_backward(const void* p, float* g, int l, const void* res_in, void* dres, int B, int T,
+                      const KeptGrads* keep = nullptr);
+  void block_weight_grads(float* g, int l, const KeptGrads& keep, int N);
+  void qkv_backward(void* dinp, float* dqkvw, const void* dqkv, const void* ln1, const void* wqkv, int N);
+  void backward_pass(UnitAccess& units, bool input_only);
+  std::vector<KeptGrads> kept_;  // per layer, zero_bubble only
+  // The first stage's token embedding into encoded_; the last stage's head backward.
+  void embed(UnitAccess& units, const int32_t* inputs, int B, int T);
+  float* head_backward(UnitAccess& units);
   LayerActs& acts(int l) { return layers_[ckpt_ ? 0 : l]; }
 
-  ModelConfig cfg_;
+  ModelConfig cfg_;      // cfg_.L: the blocks this network computes (a pipeline stage's)
+  PipelineStage stage_;  // first / last: embeds the tokens / computes the head and loss
   Backend* be_;
   int maxB_;
   bool ckpt_;

@@ -1,0 +1,80 @@
+// The pipeline runtime of one rank: runs its action list (schedule.h) every
+// step over its stage networks, moving activations and their gradients to
+// and from the neighbouring stages over the mesh's pp group.
+//
+// Per chunk (a virtual stage this rank computes) the executor keeps one
+// network per microbatch it may hold at once (the most the action list
+// has forwarded and not yet backwarded: P - r for 1f1b's rank r, M for
+// gpipe), each with its own activation arena and token buffers; a
+// microbatch takes a free one at its receive or forward and gives it back
+// after its backward (once the gradient sent from it has left).
+//
+// Sends are posted to a sender thread, in the order the list issues them,
+// and the list goes on (the schedule's contract: check_pipeline_schedule
+// proves the lists cannot hang with sends that do not wait); receives wait
+// on the compute thread. Each message has its own tag (microbatch, stage
+// boundary, direction), so a receive can only match its own send. A
+// transfer that fails or times out is an Error naming this stage, the
+// peer stage and its rank, the microbatch and the step.
+//
+// The loss: the last stage adds every microbatch's token losses to the
+// caller's device sum (normalised by the caller's dloss_scale, the global
+// target count); the trainer's all-reduce reports it on every rank.
+#pragma once
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "core/model/model.h"
+#include "parallel/comm/communicator.h"
+#include "parallel/pipeline/schedule.h"
+#include "parallel/pipeline/stage_plan.h"
+#include "parallel/pipeline/stage_store.h"
+
+namespace trainrun {
+
+struct TensorParallel;
+class StepTracer;
+
+class PipelineExecutor {
+ public:
+  struct Options {
+    int micro_batch = 1, seq_len = 1;
+    bool activation_checkpointing = false;
+    const TensorParallel* tp = nullptr;
+    // Global ranks of the pp group (index = stage rank), for messages.
+    std::vector<int> stage_ranks;
+  };
+  PipelineExecutor(const ModelArch& arch, Backend* be, const PipelineStagePlan& plan, PipelineSchedule schedule,
+                   PipelineStageStore& store, Communicator* pp, Options opts);
+  ~PipelineExecutor();
+
+  // Fills microbatch m's tokens (B*T int32 each, device memory) for the
+  // first stage (inputs) and the last (targets).
+  using Loader = std::function<void(int m, int32_t* inputs, int32_t* targets)>;
+  // One training step's forwards and backwards (the store's end_backward
+  // included); the last stage adds its token losses to loss_sum (device).
+  void train_step(int64_t step, const Loader& load, float dloss_scale, float* loss_sum);
+  // Forwards only, microbatch by microbatch (evaluation).
+  void forward_only(int64_t step, int microbatches, const Loader& load, float* loss_sum);
+
+  const PipelineSchedule& schedule() const { return schedule_; }
+  size_t activation_bytes() const;
+  // The share of the last train_step this rank spent waiting on its peers
+  // (receives and unfinished sends), the measured bubble.
+  double last_wait_fraction() const { return last_wait_fraction_; }
+  // A Network standing for this rank's stage networks where the trainer's
+  // reporting wants one (activation_bytes); computing through it is an error.
+  const Network& network_view() const;
+  // output.trace_steps: spans of every action (compute thread) and send
+  // (sender thread) while a traced step runs; null = none.
+  void set_tracer(StepTracer* t);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+  PipelineSchedule schedule_;
+  double last_wait_fraction_ = 0;
+};
+
+}  // namespace trainrun

@@ -1,0 +1,529 @@
+// Pipeline parallelism's runtime (issue #15): stage layouts that cover the
+// model, whole training runs at pp2 / pp4, every schedule the runtime
+// executes, an uneven split, pp2 x dp2 under every sharding strategy and
+// pp2 x tp2 against one rank (GPT-2 with its head tied across the first
+// and last stage, Llama tied and untied), resume across meshes, the bad
+// specs' messages, and a stage killed mid-step.
+#include <catch2/catch.hpp>
+#include <algorithm>
+#include <chrono>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "core/config/job_spec.h"
+#include "core/model/model.h"
+#include "core/model/model_io.h"
+#include "core/model/tensor_parallel.h"
+#include "parallel/pipeline/schedule.h"
+#include "parallel/pipeline/stage_plan.h"
+#include "tests/support/checkpoint_jobs.h"
+#include "tests/support/inprocess.h"
+#include "tests/support/process_util.h"
+#include "tests/support/testutil.h"
+
+using namespace trainrun;
+using namespace trainrun::test;
+using Catch::Matchers::Contains;
+
+namespace {
+
+// Every element of the model layout held by some stage and owned (written,
+// counted in the norm) by exactly one.
+void check_stage_coverage(const ParamLayout& outer, int pp, int v, const std::vector<int>& split) {
+  std::vector<int> held(size_t(outer.total), 0), owned(size_t(outer.total), 0);
+  for (int r = 0; r < pp; ++r) {
+    const PipelineStagePlan plan(outer, pp, v, r, split);
+    int64_t local = 0;
+    for (const StageRun& run : plan.runs()) {
+      REQUIRE(run.local == local);
+      local += run.count;
+      for (int64_t i = 0; i < run.count; ++i) {
+        ++held[size_t(run.outer + i)];
+        if (run.owner) ++owned[size_t(run.outer + i)];
+      }
+    }
+    CHECK(local == plan.stage_layout().total);
+  }
+  for (int64_t g = 0; g < outer.total; ++g) {
+    INFO("element " << g);
+    REQUIRE(owned[size_t(g)] == 1);
+    REQUIRE(held[size_t(g)] >= 1);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("pp: stage layouts hold every layer once, and the tied embedding is copied to the last stage", "[pp]") {
+  auto gpt2 = make_model_arch(ModelConfig::of(4, 4, 16, 23, 8));
+  SECTION("gpt2 pp2 even split: stage 1 holds blocks 2..3, the head and a copy of the embedding") {
+    const PipelineStagePlan p1(gpt2->layout(), 2, 1, 1, {2, 2});
+    REQUIRE(p1.chunks().size() == 1);
+    const PipelineChunk& c = p1.chunks()[0];
+    CHECK(c.stage.first_layer == 2);
+    CHECK(c.stage.layers == 2);
+    CHECK_FALSE(c.stage.first);
+    CHECK(c.stage.last);
+    CHECK(p1.tied_copy_unit() >= 0);
+    CHECK(p1.stage_layout().find("transformer.h.1.ln_1.weight") == nullptr);
+    CHECK(p1.stage_layout().find("transformer.h.3.ln_1.weight") != nullptr);
+    CHECK(p1.stage_layout().find("transformer.wte.weight") != nullptr);  // the copy
+    check_stage_coverage(gpt2->layout(), 2, 1, {2, 2});
+  }
+  SECTION("uneven, interleaved and pp4 splits") {
+    auto three = make_model_arch(ModelConfig::of(3, 4, 16, 23, 8));
+    check_stage_coverage(three->layout(), 2, 1, {2, 1});
+    check_stage_coverage(gpt2->layout(), 2, 2, {1, 1, 1, 1});
+    check_stage_coverage(gpt2->layout(), 4, 1, {1, 1, 1, 1});
+    const PipelineStagePlan p0(gpt2->layout(), 2, 2, 0, {1, 1, 1, 1});
+    REQUIRE(p0.chunks().size() == 2);
+    CHECK(p0.chunks()[0].virtual_stage == 0);
+    CHECK(p0.chunks()[1].virtual_stage == 2);
+    CHECK(p0.chunks()[1].stage.first_layer == 2);
+  }
+  SECTION("llama untied: no copy; tp2's local layout splits the same way") {
+    ModelConfig c;
+    c.arch = "llama";
+    c.L = 4;
+    c.NH = 4;
+    c.NKV = 2;
+    c.C = 16;
+    c.F = 24;
+    c.V = 23;
+    c.T = 8;
+    c.tied = false;
+    auto arch = make_model_arch(c);
+    const PipelineStagePlan p1(arch->layout(), 2, 1, 1, {2, 2});
+    CHECK(p1.tied_copy_unit() < 0);
+    check_stage_coverage(arch->layout(), 2, 1, {2, 2});
+    const TensorParallelPlan tp(*arch, 2, 1);
+    check_stage_coverage(tp.local_layout(), 2, 1, {3, 1});
+  }
+}
+
+// ---- training runs against one rank -------------------------------------------------
+
+namespace {
+
+// Gradient clipping on (the global norm must count every element once, the
+// tied copy included), 8 microbatches at world 2 (micro-batch 1), eval on.
+std::string pp_job(const std::string& dir, const std::string& model, const std::string& strategy, int pp, int tp,
+                   const std::string& schedule = "1f1b", int v = 1, int steps = 5) {
+  return "model: " + model + "\n"
+         "data: {format: synthetic, synthetic: {vocab: 23, branching: 3}}\n"
+         "train: {global_batch_size: 8, micro_batch_size: 1, max_steps: " + std::to_string(steps) + ", lr: 3.0e-3,\n"
+         "        min_lr: 3.0e-4, warmup_steps: 2, eval_interval: 3, eval_steps: 1, log_interval: 1, grad_clip: 0.3}\n"
+         "output: {dir: '" + dir + "', sample_tokens: 0}\n"
+         "parallel: {sharding: " + strategy + ", tensor_parallel: " + std::to_string(tp) +
+         ", pipeline_parallel: " + std::to_string(pp) + ", pipeline_schedule: " + schedule +
+         ", pipeline_virtual_stages: " + std::to_string(v) + ", timeout_s: 60}\n";
+}
+
+const char* kGpt2 = "{arch: gpt2, n_layer: 4, n_head: 4, n_embd: 16, vocab_size: 23, seq_len: 8}";
+std::string llama(const std::string& tie, int layers = 4) {
+  return "{arch: llama, n_layer: " + std::to_string(layers) +
+         ", n_head: 4, n_kv_head: 2, n_embd: 16, ffn_dim: 24, vocab_size: 23, seq_len: 8, tie_embeddings: " + tie + "}";
+}
+
+struct Run {
+  std::vector<double> losses;
+  std::vector<float> weights;
+  double val = -1;
+};
+
+Run run_pp(const std::string& model, int world, int pp, int tp, const std::string& strategy,
+           const std::string& schedule = "1f1b", int v = 1, const std::vector<std::string>& sets = {}) {
+  TempDir dir("pp");
+  const JobSpec job = parse_job_spec(pp_job(dir.path(), model, strategy, pp, tp, schedule, v), "job.yaml", sets);
+  Run out;
+  const auto sums = run_ranks_inprocess(job, world);
+  out.losses = sums[0].losses;
+  out.val = sums[0].best_val_loss;
+  for (const TrainSummary& s : sums) CHECK(s.losses == out.losses);  // reported on every rank
+  (void)load_model_safetensors(dir / "model.safetensors", out.weights);
+  return out;
+}
+
+void check_same(const Run& got, const Run& ref) {
+  REQUIRE(got.losses.size() == ref.losses.size());
+  for (size_t i = 0; i < ref.losses.size(); ++i) {
+    INFO("step " << i + 1 << ": " << got.losses[i] << " vs " << ref.losses[i]);
+    CHECK(std::fabs(got.losses[i] - ref.losses[i]) <= 1e-5 * std::fabs(ref.losses[i]));
+  }
+  INFO("val loss " << got.val << " vs " << ref.val);
+  CHECK(std::fabs(got.val - ref.val) <= 1e-5 * std::fabs(ref.val));
+  REQUIRE(got.weights.size() == ref.weights.size());
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.weights.size(); ++i) {
+    num += (double(got.weights[i]) - ref.weights[i]) * (double(got.weights[i]) - ref.weights[i]);
+    den += double(ref.weights[i]) * ref.weights[i];
+  }
+  INFO("final weights rel err " << std::sqrt(num / den));
+  CHECK(std::sqrt(num / den) <= 1e-5);
+}
+
+}  // namespace
+
+TEST_CASE("pp: gpt2 (head tied across stages) at pp2 under gpipe, 1f1b, interleaved v=2 and at pp4 trains as one "
+          "rank does", "[pp][gpt2]") {
+  // The mutation check of issue #15: without the tied-gradient sum between
+  // the first and last stage (StageStore::sum_tied_grads) every case fails.
+  const Run ref = run_pp(kGpt2, 1, 1, 1, "no_shard");
+  REQUIRE(ref.losses.size() == 5);
+  {
+    INFO("pp2 gpipe");
+    check_same(run_pp(kGpt2, 2, 2, 1, "full_shard", "gpipe"), ref);
+  }
+  {
+    INFO("pp2 1f1b");
+    check_same(run_pp(kGpt2, 2, 2, 1, "full_shard", "1f1b"), ref);
+  }
+  {
+    INFO("pp2 interleaved_1f1b v=2");
+    check_same(run_pp(kGpt2, 2, 2, 1, "full_shard", "interleaved_1f1b", 2), ref);
+  }
+  {
+    INFO("pp4 1f1b");
+    check_same(run_pp(kGpt2, 4, 4, 1, "no_shard", "1f1b"), ref);
+  }
+  {
+    INFO("pp2 1f1b with an explicit uneven split [3, 1] and activation checkpointing");
+    check_same(run_pp(kGpt2, 2, 2, 1, "full_shard", "1f1b", 1,
+                      {"parallel.pipeline_layers=3,1", "train.activation_checkpointing=blocks"}),
+               ref);
+  }
+}
+
+TEST_CASE("pp: zero_bubble (ZB-H1: input- and weight-gradient steps) trains as one rank does", "[pp][zb]") {
+  for (const std::string& model : {std::string(kGpt2), llama("true"), llama("false")}) {
+    INFO(model);
+    const Run ref = run_pp(model, 1, 1, 1, "no_shard");
+    {
+      INFO("pp2 zero_bubble");
+      check_same(run_pp(model, 2, 2, 1, "full_shard", "zero_bubble"), ref);
+    }
+    {
+      INFO("pp4 zero_bubble");
+      check_same(run_pp(model, 4, 4, 1, "no_shard", "zero_bubble"), ref);
+    }
+    {
+      INFO("pp2 x dp2 zero_bubble, full_shard with reshard (a reduction per weight step)");
+      check_same(run_pp(model, 4, 2, 1, "full_shard", "zero_bubble", 1, {"parallel.pipeline_reshard=true"}), ref);
+    }
+  }
+  // Tensor parallelism inside the stages, KV heads replicated over the TP
+  // pair (their weight gradients summed over TP in the weight step).
+  const std::string gqa = "{arch: llama, n_layer: 4, n_head: 4, n_kv_head: 1, n_embd: 16, ffn_dim: 24, "
+                          "vocab_size: 23, seq_len: 8, tie_embeddings: false}";
+  INFO("pp2 x tp2 zero_bubble, GQA 4:1");
+  check_same(run_pp(gqa, 4, 2, 2, "full_shard", "zero_bubble"), run_pp(gqa, 1, 1, 1, "no_shard"));
+}
+
+TEST_CASE("pp: 3 layers over 2 stages (the even split gives 2 and 1)", "[pp][gpt2]") {
+  const std::string model = "{arch: gpt2, n_layer: 3, n_head: 4, n_embd: 16, vocab_size: 23, seq_len: 8}";
+  check_same(run_pp(model, 2, 2, 1, "shard_grad_op"), run_pp(model, 1, 1, 1, "no_shard"));
+}
+
+TEST_CASE("pp: llama tied and untied at pp2 (1f1b, gpipe) and pp4 trains as one rank does", "[pp][llama]") {
+  for (const char* tie : {"false", "true"}) {
+    INFO("tie_embeddings " << tie);
+    const Run ref = run_pp(llama(tie), 1, 1, 1, "no_shard");
+    {
+      INFO("pp2 1f1b");
+      check_same(run_pp(llama(tie), 2, 2, 1, "full_shard"), ref);
+    }
+    {
+      INFO("pp2 gpipe");
+      check_same(run_pp(llama(tie), 2, 2, 1, "no_shard", "gpipe"), ref);
+    }
+    {
+      INFO("pp2 interleaved_1f1b v=2 (one layer per virtual stage)");
+      check_same(run_pp(llama(tie), 2, 2, 1, "full_shard", "interleaved_1f1b", 2), ref);
+    }
+    {
+      INFO("pp4 1f1b");
+      check_same(run_pp(llama(tie), 4, 4, 1, "full_shard"), ref);
+    }
+  }
+}
+
+TEST_CASE("pp: pp2 x dp2 under every sharding strategy trains as one rank does", "[pp][sharding]") {
+  for (const std::string& model : {std::string(kGpt2), llama("false")}) {
+    INFO(model);
+    const Run ref = run_pp(model, 1, 1, 1, "no_shard");
+    for (const char* strategy : {"no_shard", "shard_grad_op", "full_shard", "hybrid_shard"}) {
+      INFO("pp2 x dp2, " << strategy);
+      const std::vector<std::string> sets =
+          std::string(strategy) == "hybrid_shard" ? std::vector<std::string>{"parallel.shard_group_size=1"}
+                                                  : std::vector<std::string>{};
+      check_same(run_pp(model, 4, 2, 1, strategy, "1f1b", 1, sets), ref);
+    }
+  }
+}
+
+TEST_CASE("pp: pp2 x tp2 trains as one rank does (gpt2, llama tied and untied, sequence parallel)", "[pp][tp]") {
+  for (const std::string& model : {std::string(kGpt2), llama("true"), llama("false")}) {
+    INFO(model);
+    const Run ref = run_pp(model, 1, 1, 1, "no_shard");
+    check_same(run_pp(model, 4, 2, 2, "full_shard"), ref);
+    INFO("with sequence parallelism, reshard");
+    check_same(run_pp(model, 4, 2, 2, "full_shard", "1f1b", 1,
+                      {"parallel.sequence_parallel=true", "parallel.pipeline_reshard=true"}),
+               ref);
+  }
+}
+
+TEST_CASE("pp: a pp2 checkpoint resumes on tp2 and dp2, and a tp2 one on pp2 (logical checkpoints)",
+          "[pp][checkpoint]") {
+  for (const std::string& model : {std::string(kGpt2), llama("false")}) {
+    INFO(model);
+    const Run straight = run_pp(model, 1, 1, 1, "full_shard");
+    struct Mesh {
+      int pp, tp;
+    };
+    // pp2 -> tp2, tp2 -> pp2, pp2 -> dp2, and pp2 x tp2 -> pp4 and -> dp4.
+    for (auto [a, b] : {std::pair<Mesh, Mesh>{{2, 1}, {1, 2}}, {{1, 2}, {2, 1}}, {{2, 1}, {1, 1}}, {{2, 2}, {4, 1}},
+                        {{2, 2}, {1, 1}}}) {
+      const int wa = a.pp * a.tp;
+      const int wb = b.pp * b.tp > 1 ? b.pp * b.tp : a.pp * a.tp == 4 ? 4 : 2;  // pp1 tp1: dp2 or dp4
+      INFO("pp" << a.pp << " tp" << a.tp << " -> pp" << b.pp << " tp" << b.tp << " (world " << wb << ")");
+      TempDir dir("pp_resume");
+      const JobSpec ja = parse_job_spec(pp_job(dir.path(), model, "full_shard", a.pp, a.tp), "job.yaml",
+                                        {"train.exit_interval=3"});
+      run_ranks_inprocess(ja, wa);
+      REQUIRE(latest_of(dir.path()) == "step_00000003");
+      const JobSpec jb = parse_job_spec(pp_job(dir.path(), model, "full_shard", b.pp, b.tp), "job.yaml");
+      run_ranks_inprocess(jb, wb);
+      Run resumed;
+      resumed.losses = losses_of(dir.path());
+      resumed.val = straight.val;  // the resumed run's summary is not the whole run's
+      (void)load_model_safetensors(dir / "model.safetensors", resumed.weights);
+      check_same(resumed, straight);
+    }
+  }
+}
+
+TEST_CASE("pp: a non-finite step is skipped on every stage alike", "[pp][nan]") {
+  // Rank 1 (the last stage) poisons its gradients at step 2: every rank
+  // sees the non-finite norm and skips, so the run stays the same as one
+  // rank that skipped the same step.
+  TempDir d1("pp_nan1"), d2("pp_nan2");
+  setenv("TRAINRUN_DEBUG_NAN_STEP", "2", 1);
+  setenv("TRAINRUN_DEBUG_NAN_RANK", "0", 1);
+  const auto one = run_ranks_inprocess(parse_job_spec(pp_job(d1.path(), kGpt2, "no_shard", 1, 1), "job.yaml"), 1);
+  setenv("TRAINRUN_DEBUG_NAN_RANK", "1", 1);
+  const auto two = run_ranks_inprocess(parse_job_spec(pp_job(d2.path(), kGpt2, "full_shard", 2, 1), "job.yaml"), 2);
+  unsetenv("TRAINRUN_DEBUG_NAN_STEP");
+  unsetenv("TRAINRUN_DEBUG_NAN_RANK");
+  CHECK(one[0].skipped_steps == 1);
+  for (const TrainSummary& s : two) CHECK(s.skipped_steps == 1);
+  REQUIRE(two[0].losses.size() == one[0].losses.size());
+  for (size_t i = 2; i < one[0].losses.size(); ++i)
+    CHECK(std::fabs(two[0].losses[i] - one[0].losses[i]) <= 1e-5 * std::fabs(one[0].losses[i]));
+}
+
+TEST_CASE("pp: bad splits, schedules and microbatch counts are clear errors at load", "[pp][config]") {
+  TempDir dir("pp_bad");
+  auto spec = [&](const std::vector<std::string>& sets) {
+    return parse_job_spec(pp_job(dir.path(), kGpt2, "full_shard", 2, 1), "job.yaml", sets);
+  };
+  SECTION("a split that drops a layer names it") {
+    CHECK_THROWS_WITH(spec({"parallel.pipeline_layers=2,1"}),
+                      Contains("parallel.pipeline_layers") && Contains("[2, 1] covers 3 layers but the model has 4"));
+  }
+  SECTION("a split that duplicates one, or gives a stage none") {
+    CHECK_THROWS_WITH(spec({"parallel.pipeline_layers=3,2"}), Contains("layers would be duplicated"));
+    CHECK_THROWS_WITH(spec({"parallel.pipeline_layers=4,0"}), Contains("gives stage 1 0 layers"));
+    CHECK_THROWS_WITH(spec({"parallel.pipeline_layers=1,1,2"}), Contains("has 3 entries for 2 stages"));
+  }
+  SECTION("a split that is not a list of numbers") {
+    CHECK_THROWS_WITH(spec({"parallel.pipeline_layers=2;2"}),
+                      Contains("parallel.pipeline_layers: '2;2' is not a list of layer counts"));
+    CHECK_THROWS_WITH(spec({"parallel.pipeline_layers=2,,2"}), Contains("has an empty entry"));
+  }
+  SECTION("the YAML list form is read") {
+    std::string y = pp_job(dir.path(), kGpt2, "full_shard", 2, 1);
+    y.replace(y.find("timeout_s: 60}"), 14, "timeout_s: 60, pipeline_layers: [3, 1]}");
+    CHECK(parse_job_spec(y, "job.yaml").parallel.pipeline_layers == "3,1");
+    y.replace(y.find("[3, 1]"), 6, "[3, 0]");
+    CHECK_THROWS_WITH(parse_job_spec(y, "job.yaml"), Contains("gives stage 1 0 layers"));
+  }
+  SECTION("more stages than layers") {
+    CHECK_THROWS_WITH(spec({"parallel.pipeline_parallel=8"}), Contains("8 stages for 4 layers"));
+  }
+  SECTION("a preset's layers are what the split is judged against, once it has filled them in") {
+    // gpt2-124m has 12 layers: 8 stages fit, though the spec's own n_layer (4) would not.
+    std::string y = pp_job(dir.path(), kGpt2, "full_shard", 8, 1);
+    y.replace(y.find(kGpt2), std::string(kGpt2).size(), "{preset: gpt2-124m}");
+    CHECK_NOTHROW(parse_job_spec(y, "job.yaml"));
+  }
+  SECTION("zero_bubble with activation checkpointing is refused, as is v > 1 without interleaving, and offload") {
+    CHECK_THROWS_WITH(spec({"parallel.pipeline_schedule=zero_bubble", "train.activation_checkpointing=blocks"}),
+                      Contains("zero_bubble with train.activation_checkpointing: blocks is not supported"));
+    CHECK_THROWS_WITH(spec({"parallel.pipeline_virtual_stages=2"}),
+                      Contains("parallel.pipeline_virtual_stages") && Contains("needs parallel.pipeline_schedule: "
+                                                                               "interleaved_1f1b"));
+    CHECK_THROWS_WITH(spec({"parallel.offload=cpu"}), Contains("with parallel.pipeline_parallel 2 is not supported"));
+  }
+  SECTION("too few microbatches names the numbers (the trainer's check)") {
+    const JobSpec j4 = parse_job_spec(pp_job(dir.path(), kGpt2, "full_shard", 4, 1), "job.yaml",
+                                      {"train.micro_batch_size=4"});  // 2 microbatches for 4 stages
+    CHECK_THROWS_WITH(run_ranks_inprocess(j4, 4),
+                      Contains("needs at least as many microbatches as pipeline stages (4); the step has 2"));
+    const JobSpec ji = parse_job_spec(pp_job(dir.path(), kGpt2, "full_shard", 2, 1, "interleaved_1f1b", 2),
+                                      "job.yaml", {"train.micro_batch_size=4"});  // 2 < 2 x 2
+    CHECK_THROWS_WITH(run_ranks_inprocess(ji, 2), Contains("at least 4 (2 stages x 2 virtual stages)"));
+  }
+}
+
+// ---- output.trace_steps ---------------------------------------------------------------
+
+namespace {
+// Every span of one (pid, tid) either ends before the next starts or holds
+// it entirely: a stack of open spans.
+void check_nesting(std::vector<std::pair<int64_t, int64_t>> spans) {
+  std::sort(spans.begin(), spans.end(), [](const auto& a, const auto& b) {
+    return a.first != b.first ? a.first < b.first : a.second > b.second;  // outer first
+  });
+  std::vector<int64_t> ends;
+  for (const auto& [ts, dur] : spans) {
+    while (!ends.empty() && ts >= ends.back()) ends.pop_back();
+    if (!ends.empty()) {
+      INFO("span at " << ts << " (+" << dur << ") overlaps its parent ending at " << ends.back());
+      CHECK(ts + dur <= ends.back());
+    }
+    ends.push_back(ts + dur);
+  }
+}
+}  // namespace
+
+TEST_CASE("pp: output.trace_steps writes one well-formed Chrome trace holding every rank", "[pp][trace]") {
+  for (int pp : {2, 1}) {
+    INFO("pp" << pp);
+    TempDir dir("pp_trace");
+    const JobSpec job = parse_job_spec(pp_job(dir.path(), kGpt2, "full_shard", pp, 1), "job.yaml",
+                                       {"output.trace_steps=2,4"});
+    run_ranks_inprocess(job, 2);
+    const nlohmann::json t = nlohmann::json::parse(read_file(dir / "trace.json"));  // throws if malformed
+    REQUIRE(t.contains("traceEvents"));
+    std::map<std::pair<int, int>, std::vector<std::pair<int64_t, int64_t>>> by_thread;
+    std::set<int> pids, steps;
+    std::set<std::string> names;
+    for (const auto& e : t["traceEvents"]) {
+      if (e["ph"] == "M") continue;
+      REQUIRE(e["ph"] == "X");
+      REQUIRE(e["dur"].get<int64_t>() >= 0);
+      pids.insert(e["pid"].get<int>());
+      steps.insert(e["args"]["step"].get<int>());
+      const std::string n = e["name"];
+      names.insert(n.substr(0, n.find(' ')));
+      by_thread[{e["pid"].get<int>(), e["tid"].get<int>()}].push_back({e["ts"].get<int64_t>(), e["dur"].get<int64_t>()});
+    }
+    CHECK(pids == std::set<int>{0, 1});
+    CHECK(steps == std::set<int>{2, 4});
+    for (const char* n : {"step", "forward", "backward", "optimizer", "grad", "finish_grads"}) {
+      INFO(n);
+      CHECK(names.count(n) == 1);
+    }
+    if (pp == 2)
+      for (const char* n : {"send_act", "recv_act", "send_grad", "recv_grad"}) {
+        INFO(n);
+        CHECK(names.count(n) == 1);
+      }
+    for (auto& [who, spans] : by_thread) {
+      INFO("rank " << who.first << " thread " << who.second);
+      check_nesting(spans);
+    }
+    CHECK_FALSE(file_exists(dir / "trace.parts"));
+  }
+  TempDir dir("pp_trace_bad");
+  CHECK_THROWS_WITH(parse_job_spec(pp_job(dir.path(), kGpt2, "full_shard", 2, 1), "job.yaml", {"output.trace_steps=0"}),
+                    Contains("output.trace_steps") && Contains("steps count from 1"));
+  CHECK_THROWS_WITH(parse_job_spec(pp_job(dir.path(), kGpt2, "full_shard", 2, 1), "job.yaml", {"output.trace_steps=x"}),
+                    Contains("is not a list of step numbers"));
+}
+
+// ---- the binary: the launcher's load checks, a stage killed mid-step ----------------------
+
+namespace {
+std::string pp_binary_job(const std::string& dir, int gbs = 8) {
+  return "backend: cpu\n"
+         "model: {arch: gpt2, n_layer: 2, n_head: 4, n_embd: 16, vocab_size: 23, seq_len: 8}\n"
+         "data: {format: synthetic}\n"
+         "train: {global_batch_size: " + std::to_string(gbs) + ", micro_batch_size: 2, max_steps: 40, log_interval: 1, "
+         "eval_interval: 0, eval_steps: 1, warmup_steps: 1}\n"
+         "parallel: {nproc_per_node: 2, pipeline_parallel: 2, sharding: full_shard, timeout_s: 20}\n"
+         "output: {dir: '" + dir + "/run', sample_tokens: 0}\n";
+}
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+}  // namespace
+
+TEST_CASE("pp: the launcher refuses too few microbatches before any worker starts", "[pp][launcher]") {
+  TempDir dir("pp_launch");
+  write_file(dir / "job.yaml", pp_binary_job(dir.path(), 2));  // 2 / (2 x 1) = 1 microbatch for 2 stages
+  const auto r = run_command("OMP_NUM_THREADS=1 '" + trainrun_binary() + "' --config '" + dir / "job.yaml" + "'");
+  INFO(r.err);
+  CHECK(r.exit_code == 1);
+  CHECK_THAT(r.err, Contains("needs at least as many microbatches as pipeline stages (2); the step has 1") &&
+                        Contains("train.global_batch_size 2 / (train.micro_batch_size 2 x data-parallel size 1)"));
+  CHECK_FALSE(file_exists(dir / "run/logs"));
+}
+
+TEST_CASE("pp: --explain prints the mesh, the split and every rank's action list", "[pp][cli]") {
+  TempDir dir("pp_explain");
+  write_file(dir / "job.yaml", pp_binary_job(dir.path()));
+  const auto r = run_command("'" + trainrun_binary() + "' --config '" + dir / "job.yaml" + "' --explain");
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.out, Contains("mesh: pp2 x dp_replicate1 x dp_shard1 x tp1 (2 ranks)") &&
+                        Contains("pp rank 0 (global ranks 0): stage 0 = layers 0..0 + embedding") &&
+                        Contains("pp rank 1 (global ranks 1): stage 1 = layers 1..1 + head (tied") &&
+                        Contains("rank 0: F0 send_act0") && Contains("rank 1: recv_act0 F0 B0 send_grad0") &&
+                        Contains("bubble formula (p-1)/m relative to the ideal step: 25%"));
+  CHECK_FALSE(file_exists(dir / "run/logs"));  // nothing started
+}
+
+TEST_CASE("pp: full_shard gathers each stage unit once per step, and a stage killed mid-step stops the job",
+          "[pp][faults]") {
+  TempDir dir("pp_kill");
+  write_file(dir / "job.yaml", pp_binary_job(dir.path()));
+  SECTION("gathers and reductions once per unit per step for 4 microbatches") {
+    const auto r = run_command("OMP_NUM_THREADS=1 '" + trainrun_binary() + "' --config '" + dir / "job.yaml" +
+                               "' --set train.max_steps=2");
+    INFO(r.err);
+    REQUIRE(r.exit_code == 0);
+    // Stage 0: embeddings + block 0 = 2 units; stage 1: block 1, head and the tied copy = 3.
+    CHECK_THAT(read_file(dir / "run/logs/rank0.log"),
+               Contains("2 unit acquires and 2 gradient reductions for 2 units and 4 microbatches"));
+    CHECK_THAT(read_file(dir / "run/logs/rank1.log"),
+               Contains("3 unit acquires and 3 gradient reductions for 3 units and 4 microbatches"));
+    // The tied embedding and its copy: the same bits at the end of the run.
+    CHECK_THAT(read_file(dir / "run/logs/rank0.log"), Contains("the tied embedding is identical on the first and last stage"));
+    CHECK_THAT(read_file(dir / "run/logs/rank1.log"), Contains("the tied embedding is identical on the first and last stage"));
+    // Each logged step reports the measured bubble (the ranks' mean wait share).
+    CHECK_THAT(read_file(dir / "run/metrics.jsonl"), Contains("\"pipeline_bubble\":"));
+    CHECK_THAT(r.err, Contains("| bubble "));
+  }
+  SECTION("kill -9 of stage 1 in the middle of step 3") {
+    const auto t0 = std::chrono::steady_clock::now();
+    const auto r = run_command("OMP_NUM_THREADS=1 TRAINRUN_DEBUG_PIPE_KILL=1:3:2 '" + trainrun_binary() +
+                               "' --config '" + dir / "job.yaml" + "'");
+    INFO(r.err);
+    CHECK(r.exit_code != 0);
+    CHECK(seconds_since(t0) < 40);
+    CHECK_THAT(r.err, Contains("rank 1"));
+    CHECK_THAT(r.err, Contains("failed first: killed by signal SIGKILL"));
+    // Its peer names the stage it lost, the microbatch and the step.
+    CHECK_THAT(r.err, Contains("pipeline (step 3)") && Contains("microbatch 2 between stage 0 (rank 0) and stage 1 "
+                                                                "(rank 1)"));
+    // No worker is left: the agent reaped both. (The bracket keeps pgrep's
+    // own command line from matching the pattern.)
+    const auto left = run_command("pgrep -f '" + dir.path() + "/job[.]yaml' || true");
+    CHECK(left.out.empty());
+  }
+}
