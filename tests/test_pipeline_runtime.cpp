@@ -7,6 +7,7 @@
 #include <catch2/catch.hpp>
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <fstream>
 #include <map>
 #include <thread>
@@ -658,6 +659,7 @@ TEST_CASE("pp: trainrun export of a pp2 run (checkpoint and final weights) is th
     std::vector<int32_t> in(16);
     for (size_t i = 0; i < in.size(); ++i) in[i] = int32_t((i * 7 + 3) % 23);
     const double e = rel_err(logits_of(*arch, flat, in, 2, 8), hf_logits_of(c.script, runs[2] + "/hf_ckpt", in, 2, 8, dir));
+    std::printf("pp2 export reloaded in transformers: logits rel err vs trainrun's pp1 weights %.3e\n", e);
     INFO("logits rel err transformers(pp2 export) vs trainrun(pp1) " << e);
     CHECK(e <= 1e-5);
   }
@@ -682,8 +684,11 @@ std::string pp_preempt_job(const std::string& run, int nproc, int steps) {
 }
 
 // Starts the job in the background, waits for `want` in its output, sends
-// SIG`sig` to the agent and returns the job's exit code.
-int run_pp_and_signal(const std::string& cfg, const std::string& log, const std::string& sig, const std::string& want) {
+// SIG`sig` to the agent (rank < 0: Slurm's path, the agent forwards it to
+// every worker) or to the worker of global rank `rank` alone (the others
+// learn of it only through the stop vote), and returns the job's exit code.
+int run_pp_and_signal(const std::string& cfg, const std::string& log, const std::string& sig, const std::string& want,
+                      int rank) {
   TempDir t("pp_sig");
   const std::string rc = t / "rc";
   run_command("( OMP_NUM_THREADS=1 '" + trainrun_binary() + "' --config '" + cfg + "' > '" + log + "' 2>&1; echo $? > '" +
@@ -695,7 +700,15 @@ int run_pp_and_signal(const std::string& cfg, const std::string& log, const std:
   }
   INFO(read_file(log));
   REQUIRE(seen);
-  run_command("pkill -" + sig + " -P $(cat '" + t / "pid" + "')");  // the subshell's child: the agent
+  const std::string agent = "$(pgrep -P $(cat '" + t / "pid" + "'))";  // the subshell's child
+  if (rank < 0) {
+    REQUIRE(run_command("kill -" + sig + " " + agent).exit_code == 0);
+  } else {
+    // The agent's children are the workers; RANK in its environment names each.
+    const auto k = run_command("for p in $(pgrep -P " + agent + "); do tr '\\0' '\\n' < /proc/$p/environ | grep -qx RANK=" +
+                               std::to_string(rank) + " && kill -" + sig + " $p && echo signalled; done");
+    REQUIRE(k.out == "signalled\n");
+  }
   for (int i = 0; i < 1200 && !file_exists(rc); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
   REQUIRE(file_exists(rc));
   return std::stoi(read_file(rc));
@@ -705,12 +718,15 @@ int run_pp_and_signal(const std::string& cfg, const std::string& log, const std:
 
 TEST_CASE("pp: SIGTERM mid-run stops every stage together, checkpoints, exits 75, and the resume ends as a "
           "straight run", "[pp][preemption]") {
-  for (int nproc : {2, 4}) {
-    INFO("pp2 x dp" << nproc / 2);
+  // (nproc, the rank signalled): the agent at pp2; the last stage alone at
+  // pp2, and one rank of the last stage at pp2 x dp2, where only the vote
+  // tells the other stage (and the other replica) to stop.
+  for (auto [nproc, signalled] : {std::pair<int, int>{2, -1}, {2, 1}, {4, 3}}) {
+    INFO("pp2 x dp" << nproc / 2 << ", SIGTERM to " << (signalled < 0 ? "the agent" : "rank " + std::to_string(signalled)));
     TempDir dir("pp_preempt");
     const std::string run = dir / "run";
     write_file(dir / "job.yaml", pp_preempt_job(run, nproc, 100000));
-    const int code = run_pp_and_signal(dir / "job.yaml", dir / "out.txt", "TERM", "step 3/");
+    const int code = run_pp_and_signal(dir / "job.yaml", dir / "out.txt", "TERM", "step 3/", signalled);
     const std::string out = read_file(dir / "out.txt");
     INFO(out);
     CHECK(code == 75);
@@ -720,12 +736,15 @@ TEST_CASE("pp: SIGTERM mid-run stops every stage together, checkpoints, exits 75
     const int saved = std::stoi(latest.substr(5));
     CHECK(saved >= 3);
     CHECK(saved < 100000);
-    // Every stage stopped at the same step boundary: each rank's log says
-    // it stopped there (no rank trained on, none waited out the timeout).
+    // Every stage stopped at the same step boundary: each rank's end-of-run
+    // check of the tied embedding names the saved step (no rank trained
+    // on, none waited out the timeout), and no final weights were written.
     CHECK_FALSE(file_exists(run + "/model.safetensors"));
     for (int r = 0; r < nproc; ++r) {
       INFO("rank " << r);
       const std::string log = read_file(run + "/logs/rank" + std::to_string(r) + ".log");
+      CHECK(log.find("the tied embedding is identical on the first and last stage after step " +
+                     std::to_string(saved) + " ") != std::string::npos);
       CHECK(log.find("timed out") == std::string::npos);
     }
     REQUIRE(losses_of(run).size() == size_t(saved));
@@ -754,6 +773,8 @@ TEST_CASE("pp: SIGTERM mid-run stops every stage together, checkpoints, exits 75
     (void)load_model_safetensors(straight + "/model.safetensors", wr);
     REQUIRE(wg.size() == wr.size());
     const double e = rel_err(wg, wr);
+    std::printf("pp2 x dp%d, SIGTERM to rank %d (-1: the agent): preempted at step %d, resumed to %d: final weights "
+                "rel err vs straight run %.3e%s\n", nproc / 2, signalled, saved, end, e, wg == wr ? " (bit-identical)" : "");
     INFO("final weights rel err " << e << (wg == wr ? " (bit-identical)" : ""));
     CHECK(e <= 1e-6);
   }
