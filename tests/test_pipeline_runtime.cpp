@@ -3,7 +3,9 @@
 // executes, an uneven split, pp2 x dp2 under every sharding strategy and
 // pp2 x tp2 against one rank (GPT-2 with its head tied across the first
 // and last stage, Llama tied and untied), resume across meshes, the bad
-// specs' messages, and a stage killed mid-step.
+// specs' messages, a stage killed mid-step, and what must work as without
+// a pipeline: activation checkpointing, HF export, preemption (the stop
+// vote, the resume) and the end-of-run sample.
 #include <catch2/catch.hpp>
 #include <algorithm>
 #include <chrono>
@@ -739,6 +741,8 @@ TEST_CASE("pp: SIGTERM mid-run stops every stage together, checkpoints, exits 75
     INFO(out);
     CHECK(code == 75);
     CHECK_THAT(out, Contains("saving a checkpoint at step") && Contains("checkpointed, please requeue"));
+    // No worker is left behind (the bracket keeps pgrep from matching itself).
+    CHECK(run_command("pgrep -f '" + run + "/job[.]resolved' || true").out.empty());
     const std::string latest = latest_of(run);
     REQUIRE(latest.rfind("step_", 0) == 0);
     const int saved = std::stoi(latest.substr(5));
