@@ -16,6 +16,7 @@
 #include "core/model/model_shape.h"
 #include "core/model/tensor_parallel.h"
 #include "core/train/planner.h"
+#include "parallel/pipeline/schedule.h"
 #include "core/train/trainer.h"
 #include "kernels/backend.h"
 #include "parallel/rendezvous/store.h"
@@ -721,4 +722,165 @@ TEST_CASE("planner: plan reads the TP links from a topology and marks the job's 
   r = test::run_trainrun("plan --model llama3-8b --topology '" + dir / "cpu.json" + "'");
   CHECK(r.exit_code == 1);
   CHECK_THAT(r.err, Contains("has no GPUs; plan needs a GPU node's description"));
+}
+
+// ---- pipeline parallelism -------------------------------------------------------------
+
+TEST_CASE("planner: the bubble formulas per schedule, and the schedules' simulated idle time", "[planner][pp]") {
+  CHECK(pipeline_bubble_formula("1f1b", 4, 1, 8) == Approx(3.0 / 8));
+  CHECK(pipeline_bubble_formula("gpipe", 4, 1, 8) == Approx(3.0 / 8));
+  CHECK(pipeline_bubble_formula("interleaved_1f1b", 4, 2, 8) == Approx(3.0 / 16));
+  CHECK(pipeline_bubble_formula("zero_bubble", 4, 1, 8) == Approx(3.0 / 24));
+  CHECK(pipeline_bubble_formula("1f1b", 1, 1, 8) == 0);
+  CHECK_THROWS_WITH(pipeline_bubble_formula("zb", 2, 1, 4), Contains("unknown schedule 'zb'"));
+  // The formula is idle / busy; the simulator (unit costs) gives idle /
+  // (idle + busy): the two agree for every schedule.
+  struct K { std::string kind; int p, v, m; };
+  for (const K& k : std::vector<K>{{"1f1b", 4, 1, 8}, {"gpipe", 4, 1, 8}, {"interleaved_1f1b", 4, 2, 8},
+                                   {"zero_bubble", 4, 1, 8}, {"1f1b", 2, 1, 6}}) {
+    const PipelineStats st = simulate_pipeline_schedule(make_pipeline_schedule(k.kind, k.p, k.v, k.m));
+    INFO(k.kind << " p" << k.p << " v" << k.v << " m" << k.m);
+    CHECK(st.bubble / (1 - st.bubble) == Approx(pipeline_bubble_formula(k.kind, k.p, k.v, k.m)).epsilon(1e-9));
+  }
+}
+
+TEST_CASE("planner: per-stage memory is the stage's units and P in-flight microbatches, by hand", "[planner][pp]") {
+  // GPT-2 (tied head), 4 layers over pp2: rank 0 has the embedding and
+  // blocks 0-1, rank 1 blocks 2-3, the final norm and head and the tied
+  // embedding's copy. no_shard over dp 1 on the GPU model: 4 + 2 bytes of
+  // parameters, 4 of gradients and 8 of moments per element.
+  const std::string shape = "gpt2:L=4,C=64,heads=4,V=256,T=32";
+  const auto m = make_model_arch(parse_model_shape(shape));
+  const auto& u = m->layout().units;
+  REQUIRE(u.size() == 6);
+  const double e0 = double(u[0].numel), blk = double(u[1].numel), head = double(u[5].numel);
+  const DeviceModel d = DeviceModel::gpu();
+  Sharding s{"no_shard", 1, 1, false};
+  // One microbatch's arena for 1 and 2 blocks: what a block adds, and the rest.
+  ModelConfig c1 = parse_model_shape(shape), c2 = c1;
+  c1.L = 1, c2.L = 2;
+  const double a1 = estimate_activation_bytes(*make_model_arch(c1), 2, false, d);
+  const double a2 = estimate_activation_bytes(*make_model_arch(c2), 2, false, d);
+  const double per_layer = a2 - a1, fixed = a1 - per_layer;
+  REQUIRE(per_layer > 0);
+  auto st = estimate_pipeline_memory(*m, 1, false, 2, "1f1b", 1, 4, s, 2, false, d);
+  REQUIRE(st.size() == 2);
+  CHECK(st[0].layers == 2);
+  CHECK(st[0].in_flight == 2);  // 1F1B: the first stage holds P microbatches
+  CHECK(st[1].in_flight == 1);
+  CHECK(st[0].mem.params == Approx(6 * (e0 + 2 * blk)));
+  CHECK(st[1].mem.params == Approx(6 * (2 * blk + head + e0)));  // with the tied copy
+  CHECK(st[0].mem.grads == Approx(4 * (e0 + 2 * blk)));
+  CHECK(st[1].mem.optimizer == Approx(8 * (2 * blk + head + e0)));
+  CHECK(st[0].mem.activations == Approx(2 * 2 * per_layer + fixed));
+  CHECK(st[1].mem.activations == Approx(1 * 2 * per_layer + fixed));
+  // GPipe holds all m; zero_bubble 1F1B's plus the last stage's deferred
+  // weight step's kept output gradients.
+  st = estimate_pipeline_memory(*m, 1, false, 2, "gpipe", 1, 4, s, 2, false, d);
+  CHECK(st[0].in_flight == 4);
+  CHECK(st[0].mem.activations == Approx(4 * 2 * per_layer + fixed));
+  st = estimate_pipeline_memory(*m, 1, false, 2, "zero_bubble", 1, 4, s, 2, false, d);
+  // The ZB-H1 lists (explain_pipeline_schedule): rank 0 runs BI k BW k
+  // back to back (1 open), rank 1 runs BI0 BI1 before BW0 (2 open).
+  CHECK(st[0].deferred == 1);
+  CHECK(st[1].deferred == 2);
+  const double N = 2 * 32, kept = N * (3 * 64 + 64 + 64 + 256) * 2;  // q|k|v, attn out, fc, mlp out (bf16)
+  CHECK(st[0].mem.activations == Approx(st[0].in_flight * 2 * per_layer + fixed + st[0].deferred * 2 * kept));
+  // Over dp 2 with full_shard each rank holds half its stage's state.
+  Sharding fs{"full_shard", 2, 2, false};
+  st = estimate_pipeline_memory(*m, 1, false, 2, "1f1b", 1, 4, fs, 2, false, d);
+  CHECK(st[0].mem.optimizer == Approx(8 * (std::ceil(e0 / 2) + 2 * std::ceil(blk / 2))));
+}
+
+TEST_CASE("planner: a pp row's bubble, compute and p2p are the hand-computed ones", "[planner][pp]") {
+  PlanRequest req;
+  req.model = parse_model_shape("gpt2:L=4,C=64,heads=4,V=256,T=32");
+  req.gpus_per_node = 2;
+  req.micro_batch = 2;
+  req.global_batch = 8;  // pp2 x dp1: 4 microbatches
+  const Plan p = make_plan(req);
+  const PlanRow* r = nullptr;
+  for (const auto& row : p.pp_rows)
+    if (row.pp == 2 && row.tp == 1) r = &row;
+  REQUIRE(r);
+  CHECK(r->dp == 1);
+  CHECK(r->accum == 4);
+  CHECK(r->bubble == Approx(1.0 / 4));
+  CHECK(r->worst_stage == 0);
+  const double fpt = make_model_arch(req.model)->flops_per_token();
+  CHECK(r->compute_s == Approx(4 * 2 * 32 * fpt / 2 / (989.4e12 * 0.45)));
+  // 4 microbatches x forward + backward x 2 x 32 x 64 bf16 over NVLink at 80%.
+  CHECK(r->p2p_s == Approx(2.0 * 4 * (2 * 32 * 64 * 2) / (450e9 * 0.8)));
+  CHECK(r->pp_link == "NVLink");
+  CHECK(r->step_s >= r->compute_s * 1.25 + r->p2p_s);
+}
+
+TEST_CASE("planner: pipeline degrees that do not divide the layers or GPUs are not offered, and say why",
+          "[planner][pp]") {
+  PlanRequest req;
+  req.model = parse_model_shape("gpt2:L=12,C=96,heads=12,V=256,T=32");
+  req.gpus_per_node = 8;
+  req.global_batch = 64;
+  Plan p = make_plan(req);
+  auto why = [&](const Plan& pl, const std::string& mesh) {
+    for (const auto& n : pl.pp_not_offered)
+      if (n.first == mesh) return n.second;
+    return std::string("(offered)");
+  };
+  CHECK_THAT(why(p, "pp8"), Contains("does not divide the model's 12 layers into 8 equal stages"));
+  CHECK_THAT(why(p, "tp4 x pp4"), Contains("tp x pp does not divide the 8 GPUs"));
+  for (const auto& r : p.pp_rows) CHECK(r.pp != 8);
+  CHECK(std::any_of(p.pp_rows.begin(), p.pp_rows.end(), [](const PlanRow& r) { return r.pp == 4 && r.tp == 2; }));
+  // Too few microbatches for the stages: the schedule's own error.
+  req.global_batch = 4;  // pp4 x dp2: 2 microbatches per step for 4 stages
+  p = make_plan(req);
+  CHECK_THAT(why(p, "tp1 x pp4"), Contains("microbatches") && Contains("raise --global-batch"));
+  // Offload with PP is refused by the loader, so never offered.
+  req.global_batch = 64;
+  req.offload = "cpu";
+  p = make_plan(req);
+  CHECK(p.pp_rows.empty());
+  CHECK_THAT(why(p, "pp2"), Contains("parallel.offload does not run with pipeline parallelism"));
+  auto r = test::run_trainrun("plan --model gpt2:L=12,C=96,heads=12,V=256,T=32 --gpus 6 --global-batch 48");
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.out, Contains("pp4: not offered: does not divide the 6 GPUs") && Contains("\ntp1 x pp2 x dp3 ") &&
+                        Contains("pipeline parallel (tp x pp x dp = 6 GPUs; schedule 1f1b"));
+}
+
+TEST_CASE("planner: plan --pp-schedule and --pp-virtual-stages, and their bad input", "[planner][pp][cli]") {
+  const std::string base = "plan --model gpt2:L=8,C=64,heads=4,V=256,T=32 --gpus 4 --global-batch 32 ";
+  auto r = test::run_trainrun(base + "--pp-schedule interleaved_1f1b --pp-virtual-stages 2");
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.out, Contains("schedule interleaved_1f1b"));
+  r = test::run_trainrun(base + "--pp-schedule zero_bubble");
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.out, Contains("schedule zero_bubble") && Contains("\ntp1 x pp2 x dp2 "));
+  r = test::run_trainrun(base + "--pp-schedule zb");
+  CHECK(r.exit_code == 2);
+  CHECK_THAT(r.out + r.err, Contains("--pp-schedule"));
+  r = test::run_trainrun(base + "--pp-virtual-stages 2");
+  CHECK(r.exit_code == 1);
+  CHECK_THAT(r.out + r.err, Contains("--pp-virtual-stages 2: only interleaved_1f1b has chunks"));
+}
+
+TEST_CASE("planner: Llama 3 70B on 2 nodes gets a tp x pp x dp recommendation and why", "[planner][pp]") {
+  PlanRequest req;
+  req.model = parse_model_shape("llama3.1-70b");
+  req.gpu = "h200";
+  req.gpus_per_node = 8;
+  req.nodes = 2;
+  req.micro_batch = 1;
+  req.global_batch = 64;
+  req.checkpointing = true;
+  const Plan p = make_plan(req);
+  REQUIRE(p.has_recommendation);
+  CHECK(p.recommended.fits);
+  CHECK(p.recommended.tp * p.recommended.pp * p.recommended.dp == 16);
+  CHECK_FALSE(p.pp_rows.empty());
+  for (const auto& r : p.pp_rows) {
+    CHECK(r.pp_link == "network");  // pp outermost: a stage boundary crosses the nodes
+    if (r.fits && r.tp_link != "cross-node") CHECK(p.recommended.step_s <= r.step_s);
+  }
+  CHECK_THAT(p.recommendation, Contains("recommended: tp"));
+  WARN(render_plan(p));
 }
