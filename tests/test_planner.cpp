@@ -785,7 +785,9 @@ TEST_CASE("planner: per-stage memory is the stage's units and P in-flight microb
   CHECK(st[0].deferred == 1);
   CHECK(st[1].deferred == 2);
   const double N = 2 * 32, kept = N * (3 * 64 + 64 + 64 + 256) * 2;  // q|k|v, attn out, fc, mlp out (bf16)
-  CHECK(st[0].mem.activations == Approx(st[0].in_flight * 2 * per_layer + fixed + st[0].deferred * 2 * kept));
+  // Every held microbatch network keeps them for each of its blocks.
+  CHECK(st[0].mem.activations == Approx(st[0].in_flight * 2 * (per_layer + kept) + fixed));
+  CHECK(st[1].mem.activations == Approx(st[1].in_flight * 2 * (per_layer + kept) + fixed));
   // Over dp 2 with full_shard each rank holds half its stage's state.
   Sharding fs{"full_shard", 2, 2, false};
   st = estimate_pipeline_memory(*m, 1, false, 2, "1f1b", 1, 4, fs, 2, false, d);
@@ -861,6 +863,10 @@ TEST_CASE("planner: plan --pp-schedule and --pp-virtual-stages, and their bad in
   r = test::run_trainrun(base + "--pp-virtual-stages 2");
   CHECK(r.exit_code == 1);
   CHECK_THAT(r.out + r.err, Contains("--pp-virtual-stages 2: only interleaved_1f1b has chunks"));
+  // zero_bubble with checkpointing is refused at load: never offered.
+  r = test::run_trainrun(base + "--pp-schedule zero_bubble --activation-checkpointing blocks");
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.out, Contains("pp2: not offered: zero_bubble with train.activation_checkpointing: blocks is refused"));
 }
 
 TEST_CASE("planner: Llama 3 70B on 2 nodes gets a tp x pp x dp recommendation and why", "[planner][pp]") {

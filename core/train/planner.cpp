@@ -324,16 +324,18 @@ std::vector<PipelineStageMemory> estimate_pipeline_memory(const ModelArch& m, in
   // logits, exact in form for the last.
   const double a1 = arena_of_layers(m, tp, sp, 1, B, ckpt, d), a2 = arena_of_layers(m, tp, sp, 2, B, ckpt, d);
   const double per_layer = a2 - a1, fixed_part = a1 - per_layer;
-  // zero_bubble's kept output gradients per block and microbatch (the
-  // weight step's inputs that the activations do not already hold): q|k|v,
-  // the attention projection's output, the MLP's hidden and its output.
+  // zero_bubble's kept output gradients (the networks' kept_ buffers):
+  // every block of every microbatch network a rank holds keeps the output
+  // gradients its deferred weight step reads: q|k|v, the attention
+  // projection's and the MLP's outputs, and GPT-2's MLP hidden (Llama's
+  // gate|up gradient stays in its activation).
   double kept_grads = 0;
   if (kind == "zero_bubble") {
     const TpLocalShape sh = TensorParallelPlan(m, std::max(1, tp), 0).shape();
-    const double HS = double(mc.C / mc.NH), N = double(B) * mc.T;
-    const double QKV = mc.arch == "llama" ? sh.NH * HS + 2.0 * sh.NKV * HS : 3.0 * sh.NH * HS;
-    const double F = mc.arch == "llama" ? 2.0 * sh.F : double(sh.F);
-    kept_grads = r64(N * QKV * d.act_bytes) + 2 * r64(N * mc.C * d.act_bytes) + r64(N * F * d.act_bytes);
+    const double HS = double(mc.C / mc.NH), N = double(B) * mc.T, es = d.act_bytes;
+    const bool llama = mc.arch == "llama";
+    const double QKV = llama ? sh.NH * HS + 2.0 * sh.NKV * HS : 3.0 * sh.NH * HS;
+    kept_grads = r64(N * QKV * es) + 2 * r64(N * mc.C * es) + (llama ? 0 : r64(N * sh.F * es));
   }
   std::vector<PipelineStageMemory> out;
   for (int r = 0; r < pp; ++r) {
@@ -367,7 +369,7 @@ std::vector<PipelineStageMemory> estimate_pipeline_memory(const ModelArch& m, in
       if (a.op == PipeOp::BI) st.deferred = std::max(st.deferred, ++open);
       if (a.op == PipeOp::BW) --open;
     }
-    const double acts = st.in_flight * max_chunk * per_layer + fixed_part + st.deferred * max_chunk * kept_grads;
+    const double acts = st.in_flight * max_chunk * (per_layer + kept_grads) + fixed_part;
     st.mem = memory_of_units(mine, st.layers, mc.T, s, B, acts, d);
     out.push_back(st);
   }
@@ -601,6 +603,11 @@ void plan_pipeline_parallel(Plan& plan, const ModelArch& m, const DeviceModel& d
     if (pp > W) { skip(name, "more stages than the " + Ws + " GPUs"); continue; }
     if (W % pp != 0) { skip(name, "does not divide the " + Ws + " GPUs"); continue; }
     if (pp * v > mc.L) { skip(name, "more stages than the model's " + L + " layers"); continue; }
+    if (kind == "zero_bubble" && req.checkpointing) {
+      skip(name, "zero_bubble with train.activation_checkpointing: blocks is refused at load (the weight step needs "
+                 "every block's inputs); use --pp-schedule 1f1b or checkpointing none");
+      continue;
+    }
     if (mc.L % (pp * v) != 0) {
       skip(name, "does not divide the model's " + L + " layers into " + std::to_string(pp * v) +
                      " equal stages (an uneven split runs with parallel.pipeline_layers; the planner plans even ones)");
