@@ -830,7 +830,7 @@ TEST_CASE("planner: pipeline degrees that do not divide the layers or GPUs are n
     return std::string("(offered)");
   };
   CHECK_THAT(why(p, "pp8"), Contains("does not divide the model's 12 layers into 8 equal stages"));
-  CHECK_THAT(why(p, "tp4 x pp4"), Contains("tp x pp does not divide the 8 GPUs"));
+  CHECK_THAT(why(p, "tp4 x pp4"), Contains("tp x pp = 16 is more than the 8 GPUs"));
   for (const auto& r : p.pp_rows) CHECK(r.pp != 8);
   CHECK(std::any_of(p.pp_rows.begin(), p.pp_rows.end(), [](const PlanRow& r) { return r.pp == 4 && r.tp == 2; }));
   // Too few microbatches for the stages: the schedule's own error.

@@ -617,6 +617,7 @@ void plan_pipeline_parallel(Plan& plan, const ModelArch& m, const DeviceModel& d
     const double bw_link = req.nodes > 1 ? bw_inter : bw_intra;
     for (int tp : tps) {
       const std::string mesh = "tp" + std::to_string(tp) + " x " + name;
+      if (tp * pp > W) { skip(mesh, "tp x pp = " + std::to_string(tp * pp) + " is more than the " + Ws + " GPUs"); continue; }
       if (W % (tp * pp) != 0) { skip(mesh, "tp x pp does not divide the " + Ws + " GPUs"); continue; }
       const int dp = W / (tp * pp);
       const int accum = std::max(1, int(ceil_div(req.global_batch, int64_t(req.micro_batch) * dp)));
