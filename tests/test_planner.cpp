@@ -889,4 +889,35 @@ TEST_CASE("planner: Llama 3 70B on 2 nodes gets a tp x pp x dp recommendation an
   }
   CHECK_THAT(p.recommendation, Contains("recommended: tp"));
   WARN(render_plan(p));
+  // On 4 nodes of A100 (half the network per GPU) at T 4096 the dp
+  // collectives cost more than a pipeline's bubble: pp across the nodes,
+  // tp inside NVLink, and the line says so.
+  auto r = test::run_trainrun("plan --model llama3.1-70b:T=4096 --gpu a100 --nodes 4 --activation-checkpointing blocks "
+                              "--global-batch 256");
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.out, Contains("recommended: tp2 x pp4 x dp4 full_shard (1f1b): fits in 80.0 GiB") &&
+                        Contains("pp4 stages over the network across nodes (bubble 4.7%") &&
+                        Contains("tp2 inside an NVLink island") && Contains("dp4 full_shard over the rest."));
+}
+
+TEST_CASE("planner: plan --config takes the job's pipeline degree and schedule and marks its mesh", "[planner][pp][cli]") {
+  test::TempDir dir("planpp");
+  test::write_file(dir / "job.yaml",
+                   "model: {n_layer: 12, n_head: 12, n_embd: 768, vocab_size: 50257, seq_len: 1024}\n"
+                   "data: {format: synthetic}\n"
+                   "train: {global_batch_size: 64, micro_batch_size: 1}\n"
+                   "parallel: {nproc_per_node: 8, pipeline_parallel: 2, pipeline_schedule: gpipe}\n");
+  auto r = test::run_trainrun("plan --config " + dir / "job.yaml");
+  INFO(r.out << r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.out, Contains("schedule gpipe;") && Contains("(* the job's parallel.pipeline_parallel)"));
+  // The job's mesh: tp1 x pp2 x dp4, 16 microbatches, gpipe's first stage holds all 16.
+  const auto at = r.out.find("\ntp1 x pp2 x dp4 ");
+  REQUIRE(at != std::string::npos);
+  const std::string line = r.out.substr(at + 1, r.out.find('\n', at + 1) - at - 1);
+  CHECK_THAT(line, Contains(" * ") && Contains("    16 ") && Contains("6.2%"));
+  // The flag wins over the job's schedule.
+  r = test::run_trainrun("plan --config " + dir / "job.yaml" + " --pp-schedule 1f1b");
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.out, Contains("schedule 1f1b;"));
 }
