@@ -772,22 +772,26 @@ TEST_CASE("planner: per-stage memory is the stage's units and P in-flight microb
   CHECK(st[1].mem.params == Approx(6 * (2 * blk + head + e0)));  // with the tied copy
   CHECK(st[0].mem.grads == Approx(4 * (e0 + 2 * blk)));
   CHECK(st[1].mem.optimizer == Approx(8 * (2 * blk + head + e0)));
-  CHECK(st[0].mem.activations == Approx(2 * 2 * per_layer + fixed));
-  CHECK(st[1].mem.activations == Approx(1 * 2 * per_layer + fixed));
+  // Each microbatch in flight has its own stage network (the executor's):
+  // its 2 blocks and the rest of an arena, without the final norm, logits
+  // and losses on the first stage (N = 2 x 32 rows, bf16, vocab 256):
+  const double N = 2 * 32, head_acts = N * 64 * 2 + 2 * N * 4 + N * 256 * 2 + N * 4;
+  CHECK(st[0].mem.activations == Approx(2 * (2 * per_layer + fixed - head_acts)));
+  CHECK(st[1].mem.activations == Approx(1 * (2 * per_layer + fixed)));
   // GPipe holds all m; zero_bubble 1F1B's plus the last stage's deferred
   // weight step's kept output gradients.
   st = estimate_pipeline_memory(*m, 1, false, 2, "gpipe", 1, 4, s, 2, false, d);
   CHECK(st[0].in_flight == 4);
-  CHECK(st[0].mem.activations == Approx(4 * 2 * per_layer + fixed));
+  CHECK(st[0].mem.activations == Approx(4 * (2 * per_layer + fixed - head_acts)));
   st = estimate_pipeline_memory(*m, 1, false, 2, "zero_bubble", 1, 4, s, 2, false, d);
   // The ZB-H1 lists (explain_pipeline_schedule): rank 0 runs BI k BW k
   // back to back (1 open), rank 1 runs BI0 BI1 before BW0 (2 open).
   CHECK(st[0].deferred == 1);
   CHECK(st[1].deferred == 2);
-  const double N = 2 * 32, kept = N * (3 * 64 + 64 + 64 + 256) * 2;  // q|k|v, attn out, fc, mlp out (bf16)
+  const double kept = N * (3 * 64 + 64 + 64 + 256) * 2;  // q|k|v, attn out, fc, mlp out (bf16)
   // Every held microbatch network keeps them for each of its blocks.
-  CHECK(st[0].mem.activations == Approx(st[0].in_flight * 2 * (per_layer + kept) + fixed));
-  CHECK(st[1].mem.activations == Approx(st[1].in_flight * 2 * (per_layer + kept) + fixed));
+  CHECK(st[0].mem.activations == Approx(st[0].in_flight * (2 * (per_layer + kept) + fixed - head_acts)));
+  CHECK(st[1].mem.activations == Approx(st[1].in_flight * (2 * (per_layer + kept) + fixed)));
   // Over dp 2 with full_shard each rank holds half its stage's state.
   Sharding fs{"full_shard", 2, 2, false};
   st = estimate_pipeline_memory(*m, 1, false, 2, "1f1b", 1, 4, fs, 2, false, d);
@@ -920,4 +924,25 @@ TEST_CASE("planner: plan --config takes the job's pipeline degree and schedule a
   r = test::run_trainrun("plan --config " + dir / "job.yaml" + " --pp-schedule 1f1b");
   REQUIRE(r.exit_code == 0);
   CHECK_THAT(r.out, Contains("schedule 1f1b;"));
+}
+
+// The executor holds one stage network per microbatch in flight: the
+// model must be in_flight x the stage network's arena, byte for byte on
+// the CPU backend (first stage without the head's buffers, last with).
+TEST_CASE("planner: a pipeline rank's activations are its microbatch networks' arenas", "[planner][pp]") {
+  auto be = make_cpu_backend(1);
+  const DeviceModel d = DeviceModel::cpu();
+  for (std::string shape : {"gpt2:L=4,C=64,heads=4,V=256,T=32", "llama:L=4,C=64,heads=4,kv_heads=2,ffn=128,V=256,T=32"}) {
+    auto m = make_model_arch(parse_model_shape(shape));
+    for (const std::string kind : {"1f1b", "gpipe"}) {
+      const auto st = estimate_pipeline_memory(*m, 1, false, 2, kind, 1, 4, Sharding{"no_shard", 1, 1, false}, 2, false, d);
+      for (int r = 0; r < 2; ++r) {
+        PipelineStage ps;
+        ps.first_layer = 2 * r, ps.layers = 2, ps.first = r == 0, ps.last = r == 1;
+        auto net = m->make_network(be.get(), 2, false, nullptr, &ps);
+        INFO(shape << " " << kind << " rank " << r);
+        CHECK(st[size_t(r)].mem.activations == Approx(double(st[size_t(r)].in_flight) * net->activation_bytes()));
+      }
+    }
+  }
 }

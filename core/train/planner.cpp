@@ -317,13 +317,27 @@ std::vector<PipelineStageMemory> estimate_pipeline_memory(const ModelArch& m, in
   } else {
     units = unit_numels(m);
   }
-  // Activations: what one more block adds to a microbatch's arena (its
-  // kept activations; with checkpointing only its output), and the rest
-  // (embedding output, final norm, logits, backward scratch) counted once
-  // per rank: a conservative bound for the middle stages, which have no
-  // logits, exact in form for the last.
+  // Activations: the executor holds one stage network per microbatch in
+  // flight, each with its own arena: what its blocks add (per block: what
+  // one more block adds to a microbatch's arena; with checkpointing only
+  // its output) plus the rest (embedding output, backward scratch; the
+  // final norm and logits only on the last stage).
   const double a1 = arena_of_layers(m, tp, sp, 1, B, ckpt, d), a2 = arena_of_layers(m, tp, sp, 2, B, ckpt, d);
   const double per_layer = a2 - a1, fixed_part = a1 - per_layer;
+  // What a stage network without the head does not allocate: the final
+  // norm and its statistics, the logits and the per-token losses (and the
+  // vocab-parallel cross-entropy's row buffers under TP), as the arenas
+  // of core/model/gpt2|llama size them.
+  double head_part = 0;
+  {
+    const TpLocalShape sh = TensorParallelPlan(m, std::max(1, tp), 0).shape();
+    const double N = double(B) * mc.T, es = d.act_bytes;
+    const double NR = sp && tp > 1 ? double(ceil_div(int64_t(N), tp)) : N;
+    const double V = tp > 1 ? double(sh.V_local) : double(mc.V);
+    const double ldv = std::ceil(V / d.logits_align) * d.logits_align;
+    head_part = r64(NR * mc.C * es) + (mc.arch == "llama" ? 1 : 2) * r64(NR * 4) + r64(N * ldv * es) + r64(N * 4);
+    if (tp > 1) head_part += r64(N * 4) + r64(2 * N * 4);
+  }
   // zero_bubble's kept output gradients (the networks' kept_ buffers):
   // every block of every microbatch network a rank holds keeps the output
   // gradients its deferred weight step reads: q|k|v, the attention
@@ -369,7 +383,8 @@ std::vector<PipelineStageMemory> estimate_pipeline_memory(const ModelArch& m, in
       if (a.op == PipeOp::BI) st.deferred = std::max(st.deferred, ++open);
       if (a.op == PipeOp::BW) --open;
     }
-    const double acts = st.in_flight * max_chunk * (per_layer + kept_grads) + fixed_part;
+    const bool has_head = r == pp - 1;
+    const double acts = st.in_flight * (max_chunk * (per_layer + kept_grads) + fixed_part - (has_head ? 0 : head_part));
     st.mem = memory_of_units(mine, st.layers, mc.T, s, B, acts, d);
     out.push_back(st);
   }
