@@ -169,9 +169,12 @@ double pipeline_bubble_formula(const std::string& schedule, int pp, int virtual_
 // One pipeline rank's memory: its stage's units (blocks; the first stage
 // the embedding, the last the final norm and head and, when tied and
 // pp > 1, its copy of the embedding) over the TP-local layout, sharded over
-// dp as `s` says; activations of `in_flight` microbatches of its chunks'
-// layers (the schedule's peak) plus one microbatch's working buffers, and
-// zero_bubble's kept output gradients for `deferred` microbatches.
+// dp as `s` says; activations: `in_flight` stage networks (the executor
+// holds one per microbatch in flight, each with its own arena: its chunk's
+// blocks, the rest of an arena, the head's buffers on the last stage only,
+// and zero_bubble's kept output gradients); in_flight is the schedule
+// simulator's peak, deferred the most input-gradient steps awaiting their
+// weight step at once (zero_bubble; reported, already inside in_flight).
 struct PipelineStageMemory {
   int rank = 0, layers = 0, in_flight = 0, deferred = 0;
   MemoryBreakdown mem;
