@@ -303,17 +303,22 @@ double arena_of_layers(const ModelArch& m, int tp, bool sp, int layers, int B, b
 }
 }  // namespace
 
-std::vector<PipelineStageMemory> estimate_pipeline_memory(const ModelArch& m, int tp, bool sp, int pp,
-                                                          const std::string& kind, int v, int mb_count,
-                                                          const Sharding& s, int B, bool ckpt, const DeviceModel& d) {
+namespace {
+// estimate_pipeline_memory with the TP plan built once by the caller (a
+// 70B model's plan is costly to build, and the planner asks for every
+// strategy of every mesh).
+std::vector<PipelineStageMemory> pipeline_memory(const ModelArch& m, const TensorParallelPlan& tpp, bool sp, int pp,
+                                                 const std::string& kind, int v, int mb_count, const Sharding& s,
+                                                 int B, bool ckpt, const DeviceModel& d) {
   const ModelConfig& mc = m.config();
+  const int tp = tpp.shape().tp;
   const PipelineSchedule sched = make_pipeline_schedule(kind, pp, v, mb_count);
   const PipelineStats stats = simulate_pipeline_schedule(sched);
   const std::vector<int> split = split_pipeline_layers(mc.L, pp * v, {});
   // The TP-local layout's units: embeddings, L blocks, head (tp 1: the model's).
   std::vector<int64_t> units;
   if (tp > 1) {
-    for (const auto& u : TensorParallelPlan(m, tp, 0).local_layout().units) units.push_back(u.numel);
+    for (const auto& u : tpp.local_layout().units) units.push_back(u.numel);
   } else {
     units = unit_numels(m);
   }
@@ -330,7 +335,7 @@ std::vector<PipelineStageMemory> estimate_pipeline_memory(const ModelArch& m, in
   // of core/model/gpt2|llama size them.
   double head_part = 0;
   {
-    const TpLocalShape sh = TensorParallelPlan(m, std::max(1, tp), 0).shape();
+    const TpLocalShape sh = tpp.shape();
     const double N = double(B) * mc.T, es = d.act_bytes;
     const double NR = sp && tp > 1 ? double(ceil_div(int64_t(N), tp)) : N;
     const double V = tp > 1 ? double(sh.V_local) : double(mc.V);
@@ -345,7 +350,7 @@ std::vector<PipelineStageMemory> estimate_pipeline_memory(const ModelArch& m, in
   // gate|up gradient stays in its activation).
   double kept_grads = 0;
   if (kind == "zero_bubble") {
-    const TpLocalShape sh = TensorParallelPlan(m, std::max(1, tp), 0).shape();
+    const TpLocalShape sh = tpp.shape();
     const double HS = double(mc.C / mc.NH), N = double(B) * mc.T, es = d.act_bytes;
     const bool llama = mc.arch == "llama";
     const double QKV = llama ? sh.NH * HS + 2.0 * sh.NKV * HS : 3.0 * sh.NH * HS;
@@ -389,6 +394,13 @@ std::vector<PipelineStageMemory> estimate_pipeline_memory(const ModelArch& m, in
     out.push_back(st);
   }
   return out;
+}
+}  // namespace
+
+std::vector<PipelineStageMemory> estimate_pipeline_memory(const ModelArch& m, int tp, bool sp, int pp,
+                                                          const std::string& kind, int v, int mb_count,
+                                                          const Sharding& s, int B, bool ckpt, const DeviceModel& d) {
+  return pipeline_memory(m, TensorParallelPlan(m, std::max(1, tp), 0), sp, pp, kind, v, mb_count, s, B, ckpt, d);
 }
 
 int tp_collectives_per_micro_batch(const ModelConfig& c, bool ckpt) {
@@ -608,6 +620,17 @@ void plan_pipeline_parallel(Plan& plan, const ModelArch& m, const DeviceModel& d
   for (const auto& r : plan.tp_rows)
     if (std::find(tps.begin(), tps.end(), r.tp) == tps.end()) tps.push_back(r.tp);
   const std::string L = std::to_string(mc.L), Ws = std::to_string(W);
+  // One TP plan per degree, and its local layout's units.
+  std::map<int, std::unique_ptr<TensorParallelPlan>> tp_plans;
+  std::map<int, std::vector<int64_t>> tp_units;
+  for (int tp : tps) {
+    tp_plans[tp] = std::make_unique<TensorParallelPlan>(m, tp, 0);
+    if (tp > 1) {
+      for (const auto& u : tp_plans[tp]->local_layout().units) tp_units[tp].push_back(u.numel);
+    } else {
+      tp_units[tp] = unit_numels(m);
+    }
+  }
   for (int pp : degrees) {
     const std::string name = "pp" + std::to_string(pp);
     auto skip = [&](const std::string& n, const std::string& why) { plan.pp_not_offered.push_back({n, why}); };
@@ -657,9 +680,8 @@ void plan_pipeline_parallel(Plan& plan, const ModelArch& m, const DeviceModel& d
         row.sharding.world = dp;
         row.sharding.group = strategy == "no_shard" ? 1 : strategy == "hybrid_shard" ? hybrid_dp : dp;
         if (strategy == "hybrid_shard" && dp % hybrid_dp != 0) continue;
-        const auto stages = estimate_pipeline_memory(m, tp, req.sequence_parallel, pp, kind, v, accum, row.sharding,
-                                                     req.micro_batch, req.checkpointing, dev);
-        std::vector<int64_t> worst_units;
+        const auto stages = pipeline_memory(m, *tp_plans[tp], req.sequence_parallel, pp, kind, v, accum, row.sharding,
+                                            req.micro_batch, req.checkpointing, dev);
         for (const auto& st : stages)
           if (st.mem.total() > row.mem.total()) row.mem = st.mem, row.worst_stage = st.rank, row.worst_in_flight = st.in_flight;
         row.fits = row.mem.total() <= plan.capacity;
@@ -684,11 +706,7 @@ void plan_pipeline_parallel(Plan& plan, const ModelArch& m, const DeviceModel& d
         // dp collectives of the worst stage's share (sharding_* over dp).
         const double stage_share = 1.0 / pp;
         std::vector<int64_t> units;
-        if (tp > 1) {
-          for (const auto& u : TensorParallelPlan(m, tp, 0).local_layout().units) units.push_back(int64_t(u.numel * stage_share));
-        } else {
-          for (int64_t n : unit_numels(m)) units.push_back(int64_t(double(n) * stage_share));
-        }
+        for (int64_t n : tp_units[tp]) units.push_back(int64_t(double(n) * stage_share));
         const double bw_world = dp * tp <= req.gpus_per_node ? bw_intra : bw_inter;
         const double bw_group = row.sharding.group * tp <= req.gpus_per_node ? bw_intra : bw_inter;
         CommVolume c = comm_time(units, row.sharding, accum, dev.act_bytes, bw_world, bw_group, bw_world);
