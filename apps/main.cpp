@@ -279,6 +279,8 @@ int cmd_generate(const std::string& ckpt, const std::string& prompt, SampleOptio
 struct PlanArgs {
   std::string config, model, gpu = "h100", gpu_memory, checkpointing, offload, host_memory;
   std::string topology, nvidia_smi_topo;  // the node's TP links
+  std::string pp_schedule;                // "" = the job's parallel.pipeline_schedule, else 1f1b
+  int pp_virtual_stages = 0;              // 0 = the job's, else 2 for interleaved_1f1b, else 1
   double host_adamw = 0, pcie = 0, nvme_bw = 0;
   std::vector<std::string> sets;
   int gpus = 0, nodes = 1, micro_batch = 0, global_batch = 0;
@@ -302,11 +304,16 @@ int cmd_plan(const PlanArgs& a) {
     req.offload = job.parallel.offload;
     req.sequence_parallel = job.parallel.sequence_parallel_on();
     req.job_tp = job.parallel.tensor_parallel;
+    req.job_pp = job.parallel.pipeline_parallel;
+    if (!job.parallel.pipeline_schedule.empty()) req.pp_schedule = job.parallel.pipeline_schedule;
+    if (job.parallel.pipeline_virtual_stages > 1) req.pp_virtual_stages = job.parallel.pipeline_virtual_stages;
     job_topology_file = job.parallel.topology_file;
     job_nproc = job.parallel.nproc_per_node;
     if (job.parallel.nproc_per_node > 0) req.gpus_per_node = job.parallel.nproc_per_node;
   }
   if (!a.model.empty()) req.model = parse_model_shape(a.model);
+  if (!a.pp_schedule.empty()) req.pp_schedule = a.pp_schedule;
+  if (a.pp_virtual_stages > 0) req.pp_virtual_stages = a.pp_virtual_stages;
   if (a.gpus > 0) req.gpus_per_node = a.gpus;
   req.nodes = a.nodes;
   if (!a.gpu_memory.empty()) req.gpu_memory = parse_bytes(a.gpu_memory, "--gpu-memory");
@@ -490,6 +497,8 @@ int main(int argc, char** argv) {
   plan->add_option("--pcie", pa.pcie, "host<->GPU bytes/s per GPU (default 25e9)")->check(CLI::PositiveNumber);
   auto* plan_topo = plan->add_option("--topology", pa.topology, "the node's topology (saved with trainrun topo --save): which TP degrees stay on NVLink (default: the job's parallel.topology_file, else NVLink inside a node)")->check(CLI::ExistingFile);
   plan->add_option("--nvidia-smi-topo", pa.nvidia_smi_topo, "the node's `nvidia-smi topo -m` output, instead of --topology")->check(CLI::ExistingFile)->excludes(plan_topo);
+  plan->add_option("--pp-schedule", pa.pp_schedule, "pipeline schedule for the PP table: 1f1b, gpipe, interleaved_1f1b or zero_bubble (default: the job's parallel.pipeline_schedule, else 1f1b)")->check(CLI::IsMember({"1f1b", "gpipe", "interleaved_1f1b", "zero_bubble"}));
+  plan->add_option("--pp-virtual-stages", pa.pp_virtual_stages, "model chunks per pipeline rank for interleaved_1f1b (default: the job's, else 2)")->check(CLI::Range(1, 64));
   plan->add_option("--nvme-bandwidth", pa.nvme_bw, "NVMe bytes/s per node for offload nvme (default 12e9)")->check(CLI::PositiveNumber);
 
   auto* topo_cmd = app.add_subcommand("topo", "describe this node's GPUs, links, NUMA and NICs, and what a launch would do");

@@ -16,6 +16,7 @@
 #include "core/model/model_shape.h"
 #include "core/model/tensor_parallel.h"
 #include "core/train/planner.h"
+#include "parallel/pipeline/schedule.h"
 #include "core/train/trainer.h"
 #include "kernels/backend.h"
 #include "parallel/rendezvous/store.h"
@@ -721,4 +722,227 @@ TEST_CASE("planner: plan reads the TP links from a topology and marks the job's 
   r = test::run_trainrun("plan --model llama3-8b --topology '" + dir / "cpu.json" + "'");
   CHECK(r.exit_code == 1);
   CHECK_THAT(r.err, Contains("has no GPUs; plan needs a GPU node's description"));
+}
+
+// ---- pipeline parallelism -------------------------------------------------------------
+
+TEST_CASE("planner: the bubble formulas per schedule, and the schedules' simulated idle time", "[planner][pp]") {
+  CHECK(pipeline_bubble_formula("1f1b", 4, 1, 8) == Approx(3.0 / 8));
+  CHECK(pipeline_bubble_formula("gpipe", 4, 1, 8) == Approx(3.0 / 8));
+  CHECK(pipeline_bubble_formula("interleaved_1f1b", 4, 2, 8) == Approx(3.0 / 16));
+  CHECK(pipeline_bubble_formula("zero_bubble", 4, 1, 8) == Approx(3.0 / 24));
+  CHECK(pipeline_bubble_formula("1f1b", 1, 1, 8) == 0);
+  CHECK_THROWS_WITH(pipeline_bubble_formula("zb", 2, 1, 4), Contains("unknown schedule 'zb'"));
+  // The formula is idle / busy; the simulator (unit costs) gives idle /
+  // (idle + busy): the two agree for every schedule.
+  struct K { std::string kind; int p, v, m; };
+  for (const K& k : std::vector<K>{{"1f1b", 4, 1, 8}, {"gpipe", 4, 1, 8}, {"interleaved_1f1b", 4, 2, 8},
+                                   {"zero_bubble", 4, 1, 8}, {"1f1b", 2, 1, 6}}) {
+    const PipelineStats st = simulate_pipeline_schedule(make_pipeline_schedule(k.kind, k.p, k.v, k.m));
+    INFO(k.kind << " p" << k.p << " v" << k.v << " m" << k.m);
+    CHECK(st.bubble / (1 - st.bubble) == Approx(pipeline_bubble_formula(k.kind, k.p, k.v, k.m)).epsilon(1e-9));
+  }
+}
+
+TEST_CASE("planner: per-stage memory is the stage's units and P in-flight microbatches, by hand", "[planner][pp]") {
+  // GPT-2 (tied head), 4 layers over pp2: rank 0 has the embedding and
+  // blocks 0-1, rank 1 blocks 2-3, the final norm and head and the tied
+  // embedding's copy. no_shard over dp 1 on the GPU model: 4 + 2 bytes of
+  // parameters, 4 of gradients and 8 of moments per element.
+  const std::string shape = "gpt2:L=4,C=64,heads=4,V=256,T=32";
+  const auto m = make_model_arch(parse_model_shape(shape));
+  const auto& u = m->layout().units;
+  REQUIRE(u.size() == 6);
+  const double e0 = double(u[0].numel), blk = double(u[1].numel), head = double(u[5].numel);
+  const DeviceModel d = DeviceModel::gpu();
+  Sharding s{"no_shard", 1, 1, false};
+  // One microbatch's arena for 1 and 2 blocks: what a block adds, and the rest.
+  ModelConfig c1 = parse_model_shape(shape), c2 = c1;
+  c1.L = 1, c2.L = 2;
+  const double a1 = estimate_activation_bytes(*make_model_arch(c1), 2, false, d);
+  const double a2 = estimate_activation_bytes(*make_model_arch(c2), 2, false, d);
+  const double per_layer = a2 - a1, fixed = a1 - per_layer;
+  REQUIRE(per_layer > 0);
+  auto st = estimate_pipeline_memory(*m, 1, false, 2, "1f1b", 1, 4, s, 2, false, d);
+  REQUIRE(st.size() == 2);
+  CHECK(st[0].layers == 2);
+  CHECK(st[0].in_flight == 2);  // 1F1B: the first stage holds P microbatches
+  CHECK(st[1].in_flight == 1);
+  CHECK(st[0].mem.params == Approx(6 * (e0 + 2 * blk)));
+  CHECK(st[1].mem.params == Approx(6 * (2 * blk + head + e0)));  // with the tied copy
+  CHECK(st[0].mem.grads == Approx(4 * (e0 + 2 * blk)));
+  CHECK(st[1].mem.optimizer == Approx(8 * (2 * blk + head + e0)));
+  // Each microbatch in flight has its own stage network (the executor's):
+  // its 2 blocks and the rest of an arena, without the final norm, logits
+  // and losses on the first stage (N = 2 x 32 rows, bf16, vocab 256):
+  const double N = 2 * 32, head_acts = N * 64 * 2 + 2 * N * 4 + N * 256 * 2 + N * 4;
+  CHECK(st[0].mem.activations == Approx(2 * (2 * per_layer + fixed - head_acts)));
+  CHECK(st[1].mem.activations == Approx(1 * (2 * per_layer + fixed)));
+  // GPipe holds all m; zero_bubble 1F1B's plus the last stage's deferred
+  // weight step's kept output gradients.
+  st = estimate_pipeline_memory(*m, 1, false, 2, "gpipe", 1, 4, s, 2, false, d);
+  CHECK(st[0].in_flight == 4);
+  CHECK(st[0].mem.activations == Approx(4 * (2 * per_layer + fixed - head_acts)));
+  st = estimate_pipeline_memory(*m, 1, false, 2, "zero_bubble", 1, 4, s, 2, false, d);
+  // The ZB-H1 lists (explain_pipeline_schedule): rank 0 runs BI k BW k
+  // back to back (1 open), rank 1 runs BI0 BI1 before BW0 (2 open).
+  CHECK(st[0].deferred == 1);
+  CHECK(st[1].deferred == 2);
+  const double kept = N * (3 * 64 + 64 + 64 + 256) * 2;  // q|k|v, attn out, fc, mlp out (bf16)
+  // Every held microbatch network keeps them for each of its blocks.
+  CHECK(st[0].mem.activations == Approx(st[0].in_flight * (2 * (per_layer + kept) + fixed - head_acts)));
+  CHECK(st[1].mem.activations == Approx(st[1].in_flight * (2 * (per_layer + kept) + fixed)));
+  // Over dp 2 with full_shard each rank holds half its stage's state.
+  Sharding fs{"full_shard", 2, 2, false};
+  st = estimate_pipeline_memory(*m, 1, false, 2, "1f1b", 1, 4, fs, 2, false, d);
+  CHECK(st[0].mem.optimizer == Approx(8 * (std::ceil(e0 / 2) + 2 * std::ceil(blk / 2))));
+}
+
+TEST_CASE("planner: a pp row's bubble, compute and p2p are the hand-computed ones", "[planner][pp]") {
+  PlanRequest req;
+  req.model = parse_model_shape("gpt2:L=4,C=64,heads=4,V=256,T=32");
+  req.gpus_per_node = 2;
+  req.micro_batch = 2;
+  req.global_batch = 8;  // pp2 x dp1: 4 microbatches
+  const Plan p = make_plan(req);
+  const PlanRow* r = nullptr;
+  for (const auto& row : p.pp_rows)
+    if (row.pp == 2 && row.tp == 1) r = &row;
+  REQUIRE(r);
+  CHECK(r->dp == 1);
+  CHECK(r->accum == 4);
+  CHECK(r->bubble == Approx(1.0 / 4));
+  CHECK(r->worst_stage == 0);
+  const double fpt = make_model_arch(req.model)->flops_per_token();
+  CHECK(r->compute_s == Approx(4 * 2 * 32 * fpt / 2 / (989.4e12 * 0.45)));
+  // 4 microbatches x forward + backward x 2 x 32 x 64 bf16 over NVLink at 80%.
+  CHECK(r->p2p_s == Approx(2.0 * 4 * (2 * 32 * 64 * 2) / (450e9 * 0.8)));
+  CHECK(r->pp_link == "NVLink");
+  CHECK(r->step_s >= r->compute_s * 1.25 + r->p2p_s);
+}
+
+TEST_CASE("planner: pipeline degrees that do not divide the layers or GPUs are not offered, and say why",
+          "[planner][pp]") {
+  PlanRequest req;
+  req.model = parse_model_shape("gpt2:L=12,C=96,heads=12,V=256,T=32");
+  req.gpus_per_node = 8;
+  req.global_batch = 64;
+  Plan p = make_plan(req);
+  auto why = [&](const Plan& pl, const std::string& mesh) {
+    for (const auto& n : pl.pp_not_offered)
+      if (n.first == mesh) return n.second;
+    return std::string("(offered)");
+  };
+  CHECK_THAT(why(p, "pp8"), Contains("does not divide the model's 12 layers into 8 equal stages"));
+  CHECK_THAT(why(p, "tp4 x pp4"), Contains("tp x pp = 16 is more than the 8 GPUs"));
+  for (const auto& r : p.pp_rows) CHECK(r.pp != 8);
+  CHECK(std::any_of(p.pp_rows.begin(), p.pp_rows.end(), [](const PlanRow& r) { return r.pp == 4 && r.tp == 2; }));
+  // Too few microbatches for the stages: the schedule's own error.
+  req.global_batch = 4;  // pp4 x dp2: 2 microbatches per step for 4 stages
+  p = make_plan(req);
+  CHECK_THAT(why(p, "tp1 x pp4"), Contains("microbatches") && Contains("raise --global-batch"));
+  // Offload with PP is refused by the loader, so never offered.
+  req.global_batch = 64;
+  req.offload = "cpu";
+  p = make_plan(req);
+  CHECK(p.pp_rows.empty());
+  CHECK_THAT(why(p, "pp2"), Contains("parallel.offload does not run with pipeline parallelism"));
+  auto r = test::run_trainrun("plan --model gpt2:L=12,C=96,heads=12,V=256,T=32 --gpus 6 --global-batch 48");
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.out, Contains("pp4: not offered: does not divide the 6 GPUs") && Contains("\ntp1 x pp2 x dp3 ") &&
+                        Contains("pipeline parallel (tp x pp x dp = 6 GPUs; schedule 1f1b"));
+}
+
+TEST_CASE("planner: plan --pp-schedule and --pp-virtual-stages, and their bad input", "[planner][pp][cli]") {
+  const std::string base = "plan --model gpt2:L=8,C=64,heads=4,V=256,T=32 --gpus 4 --global-batch 32 ";
+  auto r = test::run_trainrun(base + "--pp-schedule interleaved_1f1b --pp-virtual-stages 2");
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.out, Contains("schedule interleaved_1f1b"));
+  r = test::run_trainrun(base + "--pp-schedule zero_bubble");
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.out, Contains("schedule zero_bubble") && Contains("\ntp1 x pp2 x dp2 "));
+  r = test::run_trainrun(base + "--pp-schedule zb");
+  CHECK(r.exit_code == 2);
+  CHECK_THAT(r.out + r.err, Contains("--pp-schedule"));
+  r = test::run_trainrun(base + "--pp-virtual-stages 2");
+  CHECK(r.exit_code == 1);
+  CHECK_THAT(r.out + r.err, Contains("--pp-virtual-stages 2: only interleaved_1f1b has chunks"));
+  // zero_bubble with checkpointing is refused at load: never offered.
+  r = test::run_trainrun(base + "--pp-schedule zero_bubble --activation-checkpointing blocks");
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.out, Contains("pp2: not offered: zero_bubble with train.activation_checkpointing: blocks is refused"));
+}
+
+TEST_CASE("planner: Llama 3 70B on 2 nodes gets a tp x pp x dp recommendation and why", "[planner][pp]") {
+  PlanRequest req;
+  req.model = parse_model_shape("llama3.1-70b");
+  req.gpu = "h200";
+  req.gpus_per_node = 8;
+  req.nodes = 2;
+  req.micro_batch = 1;
+  req.global_batch = 64;
+  req.checkpointing = true;
+  const Plan p = make_plan(req);
+  REQUIRE(p.has_recommendation);
+  CHECK(p.recommended.fits);
+  CHECK(p.recommended.tp * p.recommended.pp * p.recommended.dp == 16);
+  CHECK_FALSE(p.pp_rows.empty());
+  for (const auto& r : p.pp_rows) {
+    CHECK(r.pp_link == "network");  // pp outermost: a stage boundary crosses the nodes
+    if (r.fits && r.tp_link != "cross-node") CHECK(p.recommended.step_s <= r.step_s);
+  }
+  CHECK_THAT(p.recommendation, Contains("recommended: tp"));
+  WARN(render_plan(p));
+  // On 4 nodes of A100 (half the network per GPU) at T 4096 the dp
+  // collectives cost more than a pipeline's bubble: pp across the nodes,
+  // tp inside NVLink, and the line says so.
+  auto r = test::run_trainrun("plan --model llama3.1-70b:T=4096 --gpu a100 --nodes 4 --activation-checkpointing blocks "
+                              "--global-batch 256");
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.out, Contains("recommended: tp2 x pp4 x dp4 full_shard (1f1b): fits in 80.0 GiB") &&
+                        Contains("pp4 stages over the network across nodes (bubble 4.7%") &&
+                        Contains("tp2 inside an NVLink island") && Contains("dp4 full_shard over the rest."));
+}
+
+TEST_CASE("planner: plan --config takes the job's pipeline degree and schedule and marks its mesh", "[planner][pp][cli]") {
+  test::TempDir dir("planpp");
+  test::write_file(dir / "job.yaml",
+                   "model: {n_layer: 12, n_head: 12, n_embd: 768, vocab_size: 50257, seq_len: 1024}\n"
+                   "data: {format: synthetic}\n"
+                   "train: {global_batch_size: 64, micro_batch_size: 1}\n"
+                   "parallel: {nproc_per_node: 8, pipeline_parallel: 2, pipeline_schedule: gpipe}\n");
+  auto r = test::run_trainrun("plan --config " + dir / "job.yaml");
+  INFO(r.out << r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.out, Contains("schedule gpipe;") && Contains("(* the job's parallel.pipeline_parallel)"));
+  // The job's mesh: tp1 x pp2 x dp4, 16 microbatches, gpipe's first stage holds all 16.
+  const auto at = r.out.find("\ntp1 x pp2 x dp4 ");
+  REQUIRE(at != std::string::npos);
+  const std::string line = r.out.substr(at + 1, r.out.find('\n', at + 1) - at - 1);
+  CHECK_THAT(line, Contains(" * ") && Contains("    16 ") && Contains("6.2%"));
+  // The flag wins over the job's schedule.
+  r = test::run_trainrun("plan --config " + dir / "job.yaml" + " --pp-schedule 1f1b");
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.out, Contains("schedule 1f1b;"));
+}
+
+// The executor holds one stage network per microbatch in flight: the
+// model must be in_flight x the stage network's arena, byte for byte on
+// the CPU backend (first stage without the head's buffers, last with).
+TEST_CASE("planner: a pipeline rank's activations are its microbatch networks' arenas", "[planner][pp]") {
+  auto be = make_cpu_backend(1);
+  const DeviceModel d = DeviceModel::cpu();
+  for (std::string shape : {"gpt2:L=4,C=64,heads=4,V=256,T=32", "llama:L=4,C=64,heads=4,kv_heads=2,ffn=128,V=256,T=32"}) {
+    auto m = make_model_arch(parse_model_shape(shape));
+    for (const std::string kind : {"1f1b", "gpipe"}) {
+      const auto st = estimate_pipeline_memory(*m, 1, false, 2, kind, 1, 4, Sharding{"no_shard", 1, 1, false}, 2, false, d);
+      for (int r = 0; r < 2; ++r) {
+        PipelineStage ps;
+        ps.first_layer = 2 * r, ps.layers = 2, ps.first = r == 0, ps.last = r == 1;
+        auto net = m->make_network(be.get(), 2, false, nullptr, &ps);
+        INFO(shape << " " << kind << " rank " << r);
+        CHECK(st[size_t(r)].mem.activations == Approx(double(st[size_t(r)].in_flight) * net->activation_bytes()));
+      }
+    }
+  }
 }

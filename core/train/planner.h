@@ -153,10 +153,48 @@ struct PlanRequest {
   std::vector<TpLink> tp_links;
   std::string topology_source;  // where tp_links came from ("" = the GPU table)
   bool topology_has_nvlink = true;  // the node has NVLink at all (never recommend TP over PCIe then)
+  // Pipeline parallelism: degrees 2, 4, 8 and the node count, x the TP
+  // degrees, under one schedule (`--pp-schedule`, default the job's
+  // parallel.pipeline_schedule) with v chunks per rank for interleaved_1f1b.
+  std::string pp_schedule = "1f1b";
+  int pp_virtual_stages = 1;       // 0 = 2 for interleaved_1f1b, else 1
+  int job_pp = 0;                  // the job's parallel.pipeline_parallel, marked; 0 = none
 };
 
+// The schedule's bubble as a share of the step's compute: (p-1)/m for gpipe
+// and 1f1b, (p-1)/(v m) for interleaved_1f1b, (p-1)/(3m) for zero_bubble
+// (ZB-H1). Throws Error for an unknown schedule.
+double pipeline_bubble_formula(const std::string& schedule, int pp, int virtual_stages, int microbatches);
+
+// One pipeline rank's memory: its stage's units (blocks; the first stage
+// the embedding, the last the final norm and head and, when tied and
+// pp > 1, its copy of the embedding) over the TP-local layout, sharded over
+// dp as `s` says; activations: `in_flight` stage networks (the executor
+// holds one per microbatch in flight, each with its own arena: its chunk's
+// blocks, the rest of an arena, the head's buffers on the last stage only,
+// and zero_bubble's kept output gradients); in_flight is the schedule
+// simulator's peak, deferred the most input-gradient steps awaiting their
+// weight step at once (zero_bubble; reported, already inside in_flight).
+struct PipelineStageMemory {
+  int rank = 0, layers = 0, in_flight = 0, deferred = 0;
+  MemoryBreakdown mem;
+};
+// Every rank's, for a tp x pp x dp mesh (split: split_pipeline_layers).
+std::vector<PipelineStageMemory> estimate_pipeline_memory(const ModelArch& m, int tp, bool sequence_parallel,
+                                                          int pp, const std::string& schedule, int virtual_stages,
+                                                          int microbatches, const Sharding& s, int micro_batch,
+                                                          bool checkpointing, const DeviceModel& d);
+
 struct PlanRow {
-  int tp = 1, dp = 1;             // the mesh: tp x dp = the GPUs
+  int tp = 1, dp = 1;             // the mesh: tp x pp x dp = the GPUs
+  int pp = 1;                     // pipeline stages (1: none)
+  // Pipeline rows only: schedule, chunks per rank, microbatches per step
+  // (= accum), the bubble formula's share, the p2p seconds per step, the
+  // stage link, and the worst stage (the rank whose memory is mem).
+  std::string pp_schedule;
+  int pp_v = 1, worst_stage = 0, worst_in_flight = 0;
+  double bubble = 0, p2p_s = 0;
+  std::string pp_link;
   std::string tp_link = "none";   // the TP group's link: none (tp 1), NVLink, PCIe, cross-node
   double tp_comm_s = 0;           // TP activation collectives per step (exposed: between GEMMs)
   Sharding sharding;              // over the dp ranks
@@ -181,6 +219,10 @@ struct Plan {
   std::string verdict;            // one paragraph answering "does it train?" (tp 1)
   std::vector<PlanRow> tp_rows;   // tp 2, 4, 8 x the strategies, where offered
   std::vector<std::pair<int, std::string>> tp_not_offered;  // degree, why
+  // tp x pp meshes: for each (tp, pp) the best strategy (the fastest that
+  // fits, else the one that needs the least memory).
+  std::vector<PlanRow> pp_rows;
+  std::vector<std::pair<std::string, std::string>> pp_not_offered;  // "tp2 x pp8" or "pp8", why
   // The recommended mesh (the fastest that fits, TP never across PCIe when
   // the node has NVLink, nor across nodes) and why, in one or two lines.
   bool has_recommendation = false;
