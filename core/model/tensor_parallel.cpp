@@ -221,6 +221,22 @@ void* TpCollectives::my_rows(void* full, int N) const {
   return static_cast<char*>(full) + int64_t(tp->plan->rank()) * rows(N) * C * dtype_size(be->act_dtype());
 }
 
+void TpCollectives::vocab_cross_entropy(float* losses, void* dlogits, const void* logits, const int32_t* targets,
+                                        float* rowmax, float* stats, int v_begin, int N, int v_valid, int ldv,
+                                        float dloss_scale) const {
+  be->vocab_ce_max(rowmax, logits, N, v_valid, ldv);
+  {
+    const TpCommClock clock(tp);
+    tp->comm->all_reduce(rowmax, N, ReduceOp::Max);
+  }
+  be->vocab_ce_sumexp(stats, logits, targets, rowmax, v_begin, N, v_valid, ldv);
+  {
+    const TpCommClock clock(tp);
+    tp->comm->all_reduce(stats, 2 * int64_t(N), ReduceOp::Sum);
+  }
+  be->vocab_ce_finish(losses, dlogits, logits, targets, rowmax, stats, v_begin, N, v_valid, ldv, dloss_scale);
+}
+
 void TpCollectives::gather_rows(void* full, int N) const {
   if (!sp) return;
   const TpCommClock clock(tp);

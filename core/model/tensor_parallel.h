@@ -115,9 +115,10 @@ struct TensorParallel {
   // read per collective, a few per layer: cheap next to the collective.
   // On Gloo the collectives are synchronous, so this is their time; NCCL
   // ones return once enqueued on the stream, so on CUDA it is the enqueue
-  // cost only (a profiler shows the transfer). The cross-entropy's max/sum
-  // all-reduces of N values, issued by the networks themselves, are not in
-  // it. Single-threaded per rank, like the network.
+  // cost only (a profiler shows the transfer). The vocab-parallel
+  // cross-entropy's max/sum all-reduces of N values are in it too
+  // (TpCollectives::vocab_cross_entropy). Single-threaded per rank, like
+  // the network.
   mutable double comm_seconds = 0;
   mutable int64_t comm_calls = 0;
   double take_comm_seconds() const {
@@ -147,6 +148,16 @@ struct TpCollectives {
                                  // a column layer reads; valid until the next full_rows call
   float* norm_buf = nullptr;     // (norm_len) fp32: one norm's parameter gradients (SP)
   int norm_len = 0;              // C (RMSNorm) or 2C (LayerNorm weight | bias, adjacent)
+
+  // The vocab-parallel cross-entropy (Megatron's): over this rank's logits
+  // columns [v_begin, v_begin + v_valid) (row stride ldv), the row max and
+  // then the sums of exponentials and the target's logit (from the rank
+  // that holds it) are all-reduced over TP, so the full logits are never
+  // gathered; losses (N) are every rank's, and with dlogits (may alias
+  // logits) dloss_scale * (softmax - onehot) on this rank's columns.
+  // rowmax (N) and stats (2N) are fp32 scratch. Needs `tp`.
+  void vocab_cross_entropy(float* losses, void* dlogits, const void* logits, const int32_t* targets, float* rowmax,
+                           float* stats, int v_begin, int N, int v_valid, int ldv, float dloss_scale) const;
 
   // This rank's rows of N (N without SP), and where they start in a full buffer.
   int rows(int N) const { return sp ? N / tp->plan->size() : N; }

@@ -304,12 +304,8 @@ void GPT2::head_forward(UnitAccess& units, const int32_t* targets, int N, bool f
   // Vocab-parallel cross-entropy: the row max and the sum of exponentials
   // (and the target's logit, from its owner) are all-reduced; the logits
   // are never gathered.
-  be_->vocab_ce_max(ce_rowmax_, logits_, N, v_valid_, ldv_);
-  tp_->comm->all_reduce(ce_rowmax_, N, ReduceOp::Max);
-  be_->vocab_ce_sumexp(ce_stats_, logits_, targets, ce_rowmax_, v_begin_, N, v_valid_, ldv_);
-  tp_->comm->all_reduce(ce_stats_, 2 * int64_t(N), ReduceOp::Sum);
-  be_->vocab_ce_finish(losses_, dlogits, logits_, targets, ce_rowmax_, ce_stats_, v_begin_, N, v_valid_, ldv_,
-                       dloss_scale);
+  tpc_.vocab_cross_entropy(losses_, dlogits, logits_, targets, ce_rowmax_, ce_stats_, v_begin_, N, v_valid_, ldv_,
+                           dloss_scale);
 }
 
 // Backward through one block. On entry dres holds dL/d(block output); on

@@ -184,12 +184,8 @@ void LlamaNetwork::cross_entropy(const int32_t* targets, int N, bool for_backwar
     be_->softmax_cross_entropy(losses_, dlogits, logits_, targets, N, cfg_.V, ldv_, dloss_scale);
     return;
   }
-  be_->vocab_ce_max(ce_rowmax_, logits_, N, v_valid_, ldv_);
-  tp_->comm->all_reduce(ce_rowmax_, N, ReduceOp::Max);
-  be_->vocab_ce_sumexp(ce_stats_, logits_, targets, ce_rowmax_, v_begin_, N, v_valid_, ldv_);
-  tp_->comm->all_reduce(ce_stats_, 2 * int64_t(N), ReduceOp::Sum);
-  be_->vocab_ce_finish(losses_, dlogits, logits_, targets, ce_rowmax_, ce_stats_, v_begin_, N, v_valid_, ldv_,
-                       dloss_scale);
+  tpc_.vocab_cross_entropy(losses_, dlogits, logits_, targets, ce_rowmax_, ce_stats_, v_begin_, N, v_valid_, ldv_,
+                           dloss_scale);
 }
 
 void LlamaNetwork::forward(UnitAccess& units, const int32_t* inputs, const int32_t* targets, int B, int T,
