@@ -21,6 +21,7 @@
 #include "core/config/job_spec.h"
 #include "core/model/model.h"
 #include "core/model/model_io.h"
+#include "core/model/model_shape.h"
 #include "core/model/tensor_parallel.h"
 #include "core/train/trainer.h"
 #include "core/io/safetensors.h"
@@ -119,6 +120,42 @@ TEST_CASE("tp: local layouts hold every element, each owned by exactly one rank"
     CHECK(p.local_of(g.offset + 24 * 16) == l.offset + 8 * 16);
     for (int tp : {2, 4}) check_coverage(*arch, tp);
   }
+}
+
+TEST_CASE("tp: TpCollectives::vocab_cross_entropy over one rank is the plain cross-entropy, its all-reduces timed",
+          "[tp][cpu_ops]") {
+  auto be = make_cpu_backend(1);
+  const int N = 6, V = 11;
+  std::mt19937 rng(3);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> logits(size_t(N) * V);
+  for (auto& x : logits) x = nd(rng);
+  std::vector<int32_t> tgt = {0, 10, 3, -1, 7, 5};  // -1: ignored
+  DeviceBuffer d_tgt = upload_i32(be.get(), tgt);
+  // The reference: the backend's fused op on a copy (it writes dlogits in place).
+  DeviceBuffer ref_logits = upload_f32(be.get(), logits), ref_loss(be.get(), N * 4);
+  be->softmax_cross_entropy(ref_loss.as<float>(), ref_logits.get(), ref_logits.get(), d_tgt.as<int32_t>(), N, V, V,
+                            0.5f);
+  const auto arch = make_model_arch(parse_model_shape("gpt2:L=1,C=8,heads=2,V=11,T=4"));
+  const TensorParallelPlan plan(*arch, 1, 0);
+  const auto comm = make_single_communicator();
+  TensorParallel ctx;
+  ctx.plan = &plan;
+  ctx.comm = comm.get();
+  TpCollectives tpc;
+  tpc.tp = &ctx;
+  tpc.be = be.get();
+  DeviceBuffer d_logits = upload_f32(be.get(), logits), loss(be.get(), N * 4), rowmax(be.get(), N * 4),
+      stats(be.get(), 2 * N * 4);
+  tpc.vocab_cross_entropy(loss.as<float>(), d_logits.get(), d_logits.get(), d_tgt.as<int32_t>(), rowmax.as<float>(),
+                          stats.as<float>(), 0, N, V, V, 0.5f);
+  const auto a = download_f32(be.get(), loss.get(), N), b = download_f32(be.get(), ref_loss.get(), N);
+  const auto ga = download_f32(be.get(), d_logits.get(), size_t(N) * V);
+  const auto gb = download_f32(be.get(), ref_logits.get(), size_t(N) * V);
+  for (int i = 0; i < N; ++i) CHECK(a[size_t(i)] == Approx(b[size_t(i)]).epsilon(1e-6));
+  for (size_t i = 0; i < ga.size(); ++i) CHECK(ga[i] == Approx(gb[i]).margin(1e-7));
+  // Its max and sum all-reduces count in the TP collective time (tp_comm_ms).
+  CHECK(ctx.comm_calls == 2);
 }
 
 TEST_CASE("tp: models that do not split are errors naming the keys", "[tp]") {
