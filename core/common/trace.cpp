@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "core/common/error.h"
+#include "core/common/int_list.h"
 
 namespace trainrun {
 
@@ -64,28 +65,12 @@ std::string StepTracer::events_json() const {
 }
 
 std::vector<int> parse_trace_steps(const std::string& text) {
-  std::vector<int> out;
-  std::string cur;
-  auto bad = [&](const std::string& why) {
-    TR_FAIL("output.trace_steps: '", text, "' ", why, "; write the steps to trace, e.g. [2, 10] (or '2,10')");
-  };
-  auto flush = [&] {
-    if (cur.empty()) bad("has an empty entry");
-    if (cur.size() > 9) bad("has a step number too large (" + cur + ")");
-    const int v = std::stoi(cur);
-    if (v < 1) bad("has step " + cur + " (steps count from 1)");
-    out.push_back(v);
-    cur.clear();
-  };
-  for (size_t i = 0; i < text.size(); ++i) {
-    const char c = text[i];
-    const bool bracket = (c == '[' && i == text.find_first_not_of(' ')) ||
-                         (c == ']' && i == text.find_last_not_of(' '));
-    if (c >= '0' && c <= '9') cur += c;
-    else if (c == ',') flush();
-    else if (c != ' ' && c != '\t' && !bracket) bad(std::string("is not a list of step numbers (a '") + c + "')");
-  }
-  if (!cur.empty() || !out.empty()) flush();
+  const std::vector<int> out = parse_int_list(
+      text, {"output.trace_steps", "step number", "write the steps to trace, e.g. [2, 10] (or '2,10')", 9});
+  for (int v : out)
+    if (v < 1)
+      TR_FAIL("output.trace_steps: '", text, "' has step ", v,
+              " (steps count from 1); write the steps to trace, e.g. [2, 10] (or '2,10')");
   return out;
 }
 

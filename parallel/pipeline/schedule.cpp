@@ -8,6 +8,7 @@
 #include <tuple>
 
 #include "core/common/error.h"
+#include "core/common/int_list.h"
 
 namespace trainrun {
 
@@ -366,28 +367,8 @@ std::vector<int> split_pipeline_layers(int layers, int stages, const std::vector
 }
 
 std::vector<int> parse_pipeline_layers(const std::string& text) {
-  std::vector<int> out;
-  std::string cur;
-  auto bad = [&](const std::string& why) {
-    TR_FAIL("parallel.pipeline_layers: '", text, "' ", why,
-            "; write one layer count per virtual stage, e.g. [3, 1] (or '3,1')");
-  };
-  auto flush = [&] {
-    if (cur.empty()) bad("has an empty entry");
-    if (cur.size() > 6) bad("has a layer count too large (" + cur + ")");
-    out.push_back(std::stoi(cur));
-    cur.clear();
-  };
-  for (size_t i = 0; i < text.size(); ++i) {
-    const char c = text[i];
-    const bool bracket = (c == '[' && i == text.find_first_not_of(' ')) ||
-                         (c == ']' && i == text.find_last_not_of(' '));
-    if (c >= '0' && c <= '9') cur += c;
-    else if (c == ',') flush();
-    else if (c != ' ' && c != '\t' && !bracket) bad(std::string("is not a list of layer counts (a '") + c + "')");
-  }
-  if (!cur.empty() || !out.empty()) flush();
-  return out;
+  return parse_int_list(text, {"parallel.pipeline_layers", "layer count",
+                               "write one layer count per virtual stage, e.g. [3, 1] (or '3,1')", 6});
 }
 
 }  // namespace trainrun
