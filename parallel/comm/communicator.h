@@ -194,6 +194,17 @@ std::unique_ptr<Communicator> make_gloo_communicator(Store& store, const std::st
                                                      int world, const std::string& host,
                                                      std::chrono::milliseconds timeout);
 
+// Two ranks on one host, point to point only (send/recv/send_recv and
+// barrier; the collectives are errors): a ring per direction in one shared
+// mapping (parallel/comm/shm_communicator.cpp), for pipeline links.
+// Bootstraps through `store` under `prefix`; `rank` is 0 or 1. Messages
+// between the pair arrive in the order sent: a receive whose next message
+// has another tag or size is an Error. A wait that passes `timeout`, or
+// whose peer process has exited, is an Error naming the peer.
+std::unique_ptr<Communicator> make_shm_communicator(Store& store, const std::string& prefix, int rank,
+                                                    std::chrono::milliseconds timeout,
+                                                    size_t ring_bytes = size_t(4) << 20);
+
 // A single-rank communicator (every op is a copy or a no-op).
 std::unique_ptr<Communicator> make_single_communicator();
 
