@@ -637,6 +637,15 @@ TEST_CASE("docmask: configs that cannot know the separator, or name a bad one, a
                                        "job.yaml"),
                         Contains("data.document_separator") && Contains("64") && Contains("model.vocab_size"));
   }
+  SECTION("under a pipeline: accepted with a separator, refused as at pp1 without one") {
+    const std::string pp = "model: {n_layer: 2, n_head: 2, n_embd: 8, vocab_size: 64, seq_len: 8}\n"
+                           "parallel: {pipeline_parallel: 2}\n";
+    CHECK(parse_job_spec(pp + "data: {format: synthetic, document_mask: true, document_separator: 3}\n", "job.yaml")
+              .data.document_mask_on());
+    REQUIRE_THROWS_WITH(parse_job_spec(pp + "data: {format: synthetic, document_mask: true}\n", "job.yaml"),
+                        Contains("data.document_mask") && Contains("data.document_separator") &&
+                            Contains("synthetic"));
+  }
   SECTION("a separator below -1, and a document_mask that is not a boolean") {
     REQUIRE_THROWS_WITH(parse_job_spec(base + "data: {format: synthetic, document_separator: -2}\n", "job.yaml"),
                         Contains("data.document_separator"));
