@@ -162,9 +162,11 @@ int run_comm_bench(const CommBenchOptions& o) {
   // send_recv: pipeline-style point to point, ranks paired (0-1, 2-3, ...)
   // in a ping-pong; its time is half the round trip (one message's latency
   // plus transfer), an odd last rank sits out.
-  const char* ops[] = {"all_reduce", "reduce_scatter", "all_gather", "send_recv"};
-  const int n_ops = W >= 2 ? 4 : 3;
-  std::vector<std::vector<std::vector<double>>> secs(4, std::vector<std::vector<double>>(sizes.size(), std::vector<double>(W)));
+  // send_recv (shm), CPU only: the same over the shared-memory link that
+  // same-host pipeline stages use (make_shm_communicator).
+  const char* ops[] = {"all_reduce", "reduce_scatter", "all_gather", "send_recv", "send_recv (shm)"};
+  const int n_ops = W >= 2 ? (nccl ? 4 : 5) : 3;
+  std::vector<std::vector<std::vector<double>>> secs(5, std::vector<std::vector<double>>(sizes.size(), std::vector<double>(W)));
   std::vector<std::string> errors(W);
   double copy_gbps = 0;  // NCCL: GPU 0's device copy bandwidth (rank 0 measures)
 
@@ -182,6 +184,9 @@ int run_comm_bench(const CommBenchOptions& o) {
         } else {
           comm = make_gloo_communicator(*store, "bench/", r, W, "127.0.0.1", timeout);
         }
+        std::unique_ptr<Communicator> shm;  // this rank's link to its ping-pong partner
+        if (!nccl && W >= 2 && (r ^ 1) < W)
+          shm = make_shm_communicator(*store, "benchshm/" + std::to_string(r / 2) + "/", r % 2, timeout);
         for (size_t si = 0; si < sizes.size(); ++si) {
           // Round to a multiple of W floats so every rank's slice is whole.
           int64_t count = std::max<int64_t>(W, sizes[si] / 4 / W * W);
@@ -207,12 +212,16 @@ int run_comm_bench(const CommBenchOptions& o) {
               if (op == 0) comm->all_reduce(buf, count, ReduceOp::Sum);
               else if (op == 1) comm->reduce_scatter(out, buf, count / W, ReduceOp::Sum);
               else if (op == 2) comm->all_gather(out, buf, size_t(count / W) * 4);
-              else if (partner < W && r % 2 == 0) {
-                comm->send(buf, size_t(count) * 4, partner, 7);
-                comm->recv(out, size_t(count) * 4, partner, 7);
-              } else if (partner < W) {
-                comm->recv(out, size_t(count) * 4, partner, 7);
-                comm->send(out, size_t(count) * 4, partner, 7);
+              else if (partner < W) {
+                Communicator& c = op == 3 ? *comm : *shm;
+                const int peer = op == 3 ? partner : 1 - r % 2;
+                if (r % 2 == 0) {
+                  c.send(buf, size_t(count) * 4, peer, 7);
+                  c.recv(out, size_t(count) * 4, peer, 7);
+                } else {
+                  c.recv(out, size_t(count) * 4, peer, 7);
+                  c.send(out, size_t(count) * 4, peer, 7);
+                }
               }
             };
             run_once();  // warmup: connections, page faults
@@ -221,7 +230,7 @@ int run_comm_bench(const CommBenchOptions& o) {
             auto t0 = Clock::now();
             for (int i = 0; i < iters; ++i) run_once();
             if (be) be->synchronize();  // NCCL calls return once enqueued
-            secs[op][si][r] = std::chrono::duration<double>(Clock::now() - t0).count() / iters / (op == 3 ? 2 : 1);
+            secs[op][si][r] = std::chrono::duration<double>(Clock::now() - t0).count() / iters / (op >= 3 ? 2 : 1);
           }
         }
       } catch (const std::exception& e) {
@@ -245,7 +254,7 @@ int run_comm_bench(const CommBenchOptions& o) {
   std::printf("%-15s %10s %12s %12s %12s %10s\n", "op", "size", "time (us)", "algbw GB/s", "busbw GB/s",
               nccl ? "busbw/copy" : "busbw/memcpy");
   for (int op = 0; op < n_ops; ++op) {
-    const double factor = op == 0 ? 2.0 * (W - 1) / W : op == 3 ? 1.0 : double(W - 1) / W;
+    const double factor = op == 0 ? 2.0 * (W - 1) / W : op >= 3 ? 1.0 : double(W - 1) / W;
     for (size_t si = 0; si < sizes.size(); ++si) {
       const double t = *std::max_element(secs[op][si].begin(), secs[op][si].end());
       const int64_t count = std::max<int64_t>(W, sizes[si] / 4 / W * W);
