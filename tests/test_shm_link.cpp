@@ -181,3 +181,39 @@ TEST_CASE("shm link: a peer that never sends times out naming it; one that exite
   CHECK(std::chrono::steady_clock::now() - t1 < 10s);  // not the 30 s timeout
   CHECK(our_shm_files(child).empty());
 }
+
+TEST_CASE("shm link: a pipeline link is shared memory on one host, Gloo when TRAINRUN_PIPELINE_SHM=0", "[shm]") {
+  Server s;
+  for (const bool force_gloo : {false, true}) {
+    INFO("TRAINRUN_PIPELINE_SHM=" << (force_gloo ? "0" : "(unset)"));
+    if (force_gloo) ::setenv("TRAINRUN_PIPELINE_SHM", "0", 1);
+    else ::unsetenv("TRAINRUN_PIPELINE_SHM");
+    const std::string prefix = fresh("p2p");
+    std::vector<std::string> err(2), kind(2);
+    std::vector<int> shm(2, -1);
+    std::vector<std::thread> th;
+    for (int r = 0; r < 2; ++r)
+      th.emplace_back([&, r] {
+        try {
+          auto store = s.client();
+          bool is_shm = false;
+          auto link = make_p2p_link_communicator(*store, prefix, r, "127.0.0.1", 20s, &is_shm);
+          shm[size_t(r)] = is_shm;
+          kind[size_t(r)] = link->name();
+          std::vector<float> v(1000, float(r));
+          if (r == 0) link->send(v.data(), v.size() * 4, 1, 9);
+          else link->recv(v.data(), v.size() * 4, 0, 9);
+          if (v[999] != 0.0f) throw std::runtime_error("wrong data");
+        } catch (const std::exception& e) {
+          err[size_t(r)] = e.what();
+        }
+      });
+    for (auto& t : th) t.join();
+    CHECK(err[0] == "");
+    CHECK(err[1] == "");
+    CHECK(kind[0] == (force_gloo ? "gloo" : "shm"));
+    CHECK(kind[1] == kind[0]);
+    CHECK(shm[0] == (force_gloo ? 0 : 1));
+  }
+  ::unsetenv("TRAINRUN_PIPELINE_SHM");
+}

@@ -38,6 +38,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstdio>
+#include <cstdlib>
 #include <chrono>
 #include <cstring>
 #include <random>
@@ -328,7 +330,38 @@ class ShmCommunicator final : public Communicator {
   size_t cap_ = 0;
 };
 
+// Which /dev/shm this process sees: the boot and the tmpfs mount's device
+// and inode. Two processes with the same one can share a segment (same
+// host, same mount, whatever their hostnames or containers say).
+std::string shm_identity() {
+  std::string boot;
+  if (FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "r")) {
+    char buf[64] = {0};
+    if (std::fgets(buf, sizeof buf, f)) boot = buf;
+    std::fclose(f);
+  }
+  struct stat st {};
+  if (boot.empty() || ::stat("/dev/shm", &st) != 0) return "";
+  return detail::cat(boot, "/", st.st_dev, "/", st.st_ino);
+}
+
 }  // namespace
+
+std::unique_ptr<Communicator> make_p2p_link_communicator(Store& store, const std::string& prefix, int rank,
+                                                         const std::string& host, std::chrono::milliseconds timeout,
+                                                         bool* shared_memory) {
+  TR_CHECK(rank == 0 || rank == 1, "p2p link ", prefix, ": rank ", rank, " (a link has ranks 0 and 1)");
+  const char* env = std::getenv("TRAINRUN_PIPELINE_SHM");
+  const bool allowed = !(env && std::strcmp(env, "0") == 0);
+  // Both sides publish what they see and decide alike from the pair.
+  const std::string mine = allowed ? shm_identity() : "";
+  store.set(prefix + "shm_identity/" + std::to_string(rank), store_bytes(mine.empty() ? "-" : mine));
+  const std::string theirs = store_text(store.get(prefix + "shm_identity/" + std::to_string(1 - rank), timeout));
+  const bool shm = !mine.empty() && theirs == mine;
+  if (shared_memory) *shared_memory = shm;
+  if (shm) return make_shm_communicator(store, prefix, rank, timeout);
+  return make_gloo_communicator(store, prefix, rank, 2, host, timeout);
+}
 
 std::unique_ptr<Communicator> make_shm_communicator(Store& store, const std::string& prefix, int rank,
                                                     std::chrono::milliseconds timeout, size_t ring_bytes) {
