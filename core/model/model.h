@@ -213,6 +213,11 @@ struct PipelineStage {
   // backward_weight() (the network keeps each block's output gradients
   // for the weight step in between).
   bool split_backward = false;
+  // The pipeline executor's stage networks: the network allocates only its
+  // kept activations (core/model/arena_plan.h) and computes over a
+  // transient scratch the caller shares between every stage network of
+  // the rank (Network::bind_transient), one compute call at a time.
+  bool shared_scratch = false;
 };
 // The config a stage network computes with: `stage`'s blocks (cfg when null).
 inline ModelConfig stage_config(ModelConfig cfg, const PipelineStage* stage) {
@@ -239,7 +244,16 @@ class Network {
   // (B,T,V) device, rows logits_stride() >= V apart, after a forward without for_backward.
   virtual const void* logits() const = 0;
   virtual int logits_stride() const = 0;
+  // The activation bytes this network allocated: its whole arena, or with
+  // PipelineStage::shared_scratch only the kept part (the owner of the
+  // shared scratch counts that once).
   virtual size_t activation_bytes() const = 0;
+  // With PipelineStage::shared_scratch: the transient scratch it needs (the
+  // buffers written and read within one forward / backward call), and
+  // where it lies, bound before the first forward; the caller keeps it
+  // alive. 0 and a no-op for a network with its own arena.
+  virtual size_t transient_bytes() const { return 0; }
+  virtual void bind_transient(void* scratch) { (void)scratch; }
   // Frees the activation buffers (the end-of-run sample's decoder needs the
   // room); forward/backward must not be called afterwards.
   virtual void free_activations() = 0;

@@ -131,6 +131,7 @@ struct PipelineExecutor::Impl {
   Communicator* pp;
   Options opts;
   std::vector<ChunkRun> chunks;
+  DeviceBuffer scratch;  // the stage networks' shared transient buffers
   std::unique_ptr<Sender> sender;
   std::unique_ptr<NetworkView> view;
   int64_t step = 0;
@@ -268,6 +269,7 @@ PipelineExecutor::PipelineExecutor(const ModelArch& arch, Backend* be, const Pip
     cr.chunk = &plan.chunks()[c];
     cr.stage = cr.chunk->stage;
     cr.stage.split_backward = im.split;
+    cr.stage.shared_scratch = true;
     for (int i = 0; i < most[c]; ++i) {
       Slot s;
       s.net = arch.make_network(be, B, im.opts.activation_checkpointing, im.opts.tp, &cr.stage);
@@ -281,6 +283,15 @@ PipelineExecutor::PipelineExecutor(const ModelArch& arch, Backend* be, const Pip
     }
     im.chunks.push_back(std::move(cr));
   }
+  // One transient scratch for every stage network of the rank (arena_plan.h):
+  // one compute call runs at a time, and none leaves anything in it.
+  size_t transient = 0;
+  for (const ChunkRun& cr : im.chunks)
+    for (const Slot& s : cr.slots) transient = std::max(transient, s.net->transient_bytes());
+  im.scratch = DeviceBuffer(be, transient);
+  if (transient > 0)
+    for (ChunkRun& cr : im.chunks)
+      for (Slot& s : cr.slots) s.net->bind_transient(im.scratch.get());
   im.io_bytes = size_t(im.chunks[0].slots[0].net->stage_io_elems(B, T)) * dtype_size(be->act_dtype());
   if (const char* k = std::getenv("TRAINRUN_DEBUG_PIPE_KILL"); k && *k) {
     long long kr = -1, ks = -1, km = -1;
@@ -300,7 +311,7 @@ size_t PipelineExecutor::activation_bytes() const {
   size_t n = 0;
   for (const ChunkRun& cr : impl_->chunks)
     for (const Slot& s : cr.slots) n += s.net->activation_bytes();
-  return n;
+  return n + impl_->scratch.bytes();
 }
 
 const Network& PipelineExecutor::network_view() const { return *impl_->view; }

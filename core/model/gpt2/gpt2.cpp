@@ -104,76 +104,86 @@ GPT2::GPT2(const GPT2Config& cfg_in, Backend* be, int maxB, bool activation_chec
   // (N, C) buffer (forward, and again for its weight gradient in backward,
   // as Megatron does), so no (N, C) activation is kept per layer.
   const int64_t NR = sp_ ? (N + tp_->plan->size() - 1) / tp_->plan->size() : N;
-  // One arena; every buffer starts on a 64-byte boundary.
-  std::vector<std::pair<void**, size_t>> plan;
-  auto req = [&](void** slot, size_t bytes) { plan.push_back({slot, (bytes + 63) / 64 * 64}); };
-  req(&encoded_, NR * C * es);
+  // One arena; every buffer starts on a 64-byte boundary. The transient
+  // buffers (arena_plan.h) hold nothing a later call reads: the recompute
+  // set under checkpointing is refilled before each block's backward, the
+  // rest is backward and collective scratch.
+  shared_ = stage_.shared_scratch;
+  ArenaPlan& plan = plan_;
+  auto req = [&](void* slot, size_t bytes) { plan.add(static_cast<void**>(slot), bytes); };
+  auto tmp = [&](void* slot, size_t bytes) { plan.add_transient(static_cast<void**>(slot), bytes); };
+  req(&encoded_, NR * C * es);  // the stage's input: received asynchronously
   res3_.assign(cfg.L, nullptr);
   for (int l = 0; l < cfg.L; ++l) req(&res3_[l], NR * C * es);
   layers_.resize(ckpt_ ? 1 : cfg.L);
+  auto layer_buf = [&](void* slot, size_t bytes) { ckpt_ ? tmp(slot, bytes) : req(slot, bytes); };
   for (auto& a : layers_) {
-    req(&a.ln1, NR * C * es);
-    req(reinterpret_cast<void**>(&a.ln1_mean), NR * 4);
-    req(reinterpret_cast<void**>(&a.ln1_rstd), NR * 4);
-    req(&a.qkv, N * 3 * Q * es);
-    req(&a.atty, N * Q * es);
-    req(reinterpret_cast<void**>(&a.att), be->attention_saved_floats(maxB, cfg.T, NH_) * 4);
-    req(&a.res2, NR * C * es);
-    req(&a.ln2, NR * C * es);
-    req(reinterpret_cast<void**>(&a.ln2_mean), NR * 4);
-    req(reinterpret_cast<void**>(&a.ln2_rstd), NR * 4);
-    req(&a.fch, N * F * es);
-    req(&a.fch_gelu, N * F * es);
+    layer_buf(&a.ln1, NR * C * es);
+    layer_buf(&a.ln1_mean, NR * 4);
+    layer_buf(&a.ln1_rstd, NR * 4);
+    layer_buf(&a.qkv, N * 3 * Q * es);
+    layer_buf(&a.atty, N * Q * es);
+    layer_buf(&a.att, be->attention_saved_floats(maxB, cfg.T, NH_) * 4);
+    layer_buf(&a.res2, NR * C * es);
+    layer_buf(&a.ln2, NR * C * es);
+    layer_buf(&a.ln2_mean, NR * 4);
+    layer_buf(&a.ln2_rstd, NR * 4);
+    layer_buf(&a.fch, N * F * es);
+    layer_buf(&a.fch_gelu, N * F * es);
   }
   ldv_ = be->logits_stride(VL_);  // rows padded on the GPU (kernels/backend.h)
   if (stage_.last) {  // a pipeline stage before the last has no head: no logits
     req(&lnf_, NR * C * es);
-    req(reinterpret_cast<void**>(&lnf_mean_), NR * 4);
-    req(reinterpret_cast<void**>(&lnf_rstd_), NR * 4);
-    req(&logits_, N * ldv_ * es);
-    req(reinterpret_cast<void**>(&losses_), N * 4);
+    req(&lnf_mean_, NR * 4);
+    req(&lnf_rstd_, NR * 4);
+    req(&logits_, N * ldv_ * es);  // dlogits from forward to backward
+    req(&losses_, N * 4);
   }
   if (tp_ && stage_.last) {
-    req(reinterpret_cast<void**>(&ce_rowmax_), N * 4);
-    req(reinterpret_cast<void**>(&ce_stats_), 2 * N * 4);
+    req(&ce_rowmax_, N * 4);
+    req(&ce_stats_, 2 * N * 4);
   }
-  req(&dres_, NR * C * es);
+  req(&dres_, NR * C * es);  // the stage's output gradient in, input gradient out (sent asynchronously)
   if (sp_) {
-    req(&sp_rows_, NR * C * es);
-    req(&dres_full_, N * C * es);
-    req(reinterpret_cast<void**>(&norm_grad_), 2 * C * 4);
+    tmp(&sp_rows_, NR * C * es);
+    tmp(&dres_full_, N * C * es);
+    tmp(&norm_grad_, 2 * C * 4);
   }
-  req(&dbuf_c_, N * C * es);
-  req(&dbuf_3c_, N * 3 * Q * es);
-  req(&dbuf_4c_, N * F * es);
+  tmp(&dbuf_c_, N * C * es);
+  tmp(&dbuf_3c_, N * 3 * Q * es);
+  tmp(&dbuf_4c_, N * F * es);
   if (stage_.split_backward) {
     TR_CHECK(!ckpt_, "parallel.pipeline_schedule: zero_bubble with train.activation_checkpointing: blocks is not "
                      "supported (the weight step needs every block's inputs); use 1f1b or turn checkpointing off");
     kept_.resize(cfg.L);
-    for (auto& k : kept_) {
+    for (auto& k : kept_) {  // from backward_input to backward_weight
       req(&k.d_fcproj, N * C * es);
       req(&k.d_fc, N * F * es);
       req(&k.d_attproj, N * C * es);
       req(&k.d_qkv, N * 3 * Q * es);
     }
   }
-  size_t total = 0;
-  for (auto& p : plan) total += p.second;
-  arena_ = DeviceBuffer(be, total);
-  char* base = arena_.as<char>();
-  for (auto& p : plan) {
-    *p.first = base;
-    base += p.second;
-  }
-  act_bytes_ = total;
+  arena_ = shared_ ? plan.allocate_kept(be) : plan.allocate(be);
+  act_bytes_ = shared_ ? plan.kept_total() : plan.total;
   tpc_.tp = tp_;
   tpc_.be = be;
   tpc_.C = cfg.C;
   tpc_.sp = sp_;
+  tpc_.norm_len = 2 * cfg.C;  // weight | bias: adjacent in every LayerNorm of the layout
+  wire_scratch();
+}
+
+void GPT2::wire_scratch() {
   tpc_.rows_buf = sp_rows_;
   tpc_.full_buf = dres_full_;
   tpc_.norm_buf = norm_grad_;
-  tpc_.norm_len = 2 * cfg.C;  // weight | bias: adjacent in every LayerNorm of the layout
+}
+
+void GPT2::bind_transient(void* scratch) {
+  TR_CHECK(shared_ && scratch, "GPT2: bind_transient needs a stage built with shared_scratch and a buffer (a bug)");
+  plan_.bind_transient(scratch);
+  wire_scratch();
+  bound_ = true;
 }
 
 // Pointers into one block unit's parameters (act dtype) or gradients (fp32).
@@ -222,6 +232,7 @@ void GPT2::forward(UnitAccess& units, const int32_t* inputs, const int32_t* targ
   TR_CHECK(B >= 1 && B <= maxB_ && T >= 1 && T <= cfg_.T, "model.forward: batch (", B, ",", T,
            ") exceeds the buffers (", maxB_, ",", cfg_.T, ")");
   TR_CHECK(!for_backward || targets || !stage_.last, "model.forward: for_backward needs targets");
+  TR_CHECK(!shared_ || bound_, "GPT2: a shared_scratch stage computed before bind_transient (a bug)");
   B_ = B;
   T_ = T;
   inputs_ = inputs;

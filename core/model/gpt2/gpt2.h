@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "core/model/arena_plan.h"
 #include "core/model/model.h"
 #include "core/model/tensor_parallel.h"
 
@@ -84,6 +85,8 @@ class GPT2 final : public Network {
   const void* logits() const override { return logits_; }
   int logits_stride() const override { return ldv_; }
   size_t activation_bytes() const override { return act_bytes_; }
+  size_t transient_bytes() const override { return shared_ ? plan_.transient_total : 0; }
+  void bind_transient(void* scratch) override;
   void free_activations() override { arena_.reset(); }
 
   int64_t stage_io_elems(int B, int T) const override { return int64_t(tpc_.rows(B * T)) * cfg_.C; }
@@ -145,8 +148,11 @@ class GPT2 final : public Network {
   void* dres_full_ = nullptr;              // (N, C)
   float* norm_grad_ = nullptr;             // (2C) one LayerNorm's weight | bias gradient
   const void* mlp_out() const { return sp_ ? sp_rows_ : dbuf_c_; }
-  DeviceBuffer arena_;
+  DeviceBuffer arena_;  // every buffer, or the kept ones with shared_
   size_t act_bytes_ = 0;
+  ArenaPlan plan_;      // points into arena_ and the bound scratch (arena_plan.h)
+  bool shared_ = false, bound_ = false;  // PipelineStage::shared_scratch; bind_transient done
+  void wire_scratch();  // the collectives' buffers from the plan's pointers
   void* encoded_ = nullptr;                // (N,C)
   std::vector<void*> res3_;                // per layer (N,C): block outputs (the checkpoints)
   std::vector<LayerActs> layers_;          // L sets, or 1 when checkpointing

@@ -42,10 +42,7 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
     const ParamTensor& h = lay->get("lm_head.weight");
     lm_head_off_ = h.offset - lay->units[h.unit].offset;
   }
-  if (kv_replicas_ > 1) {
-    kv_grad_scratch_ = DeviceBuffer(be, size_t(QKV_) * cfg.C * 4);
-    kv_grad_slots_ = DeviceBuffer(be, size_t(NKV_global_) * 2 * KV_ * cfg.C * 4);
-  }
+  shared_ = stage_.shared_scratch;
   const size_t es = dtype_size(be->act_dtype());
   const int64_t N = int64_t(maxB) * cfg.T, C = cfg.C, F = F_, T = cfg.T;
   // Sequence parallelism: the residual stream, the norms' outputs and
@@ -55,78 +52,107 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
   // does), so no (N, C) activation is kept per layer.
   const int64_t NR = sp_ ? (N + tp_->plan->size() - 1) / tp_->plan->size() : N;
   // One arena, every buffer on a 64-byte boundary; LlamaArch::activation_bytes
-  // adds up the same list.
-  std::vector<std::pair<void**, size_t>> plan;
-  auto req = [&](void* slot, size_t bytes) { plan.push_back({static_cast<void**>(slot), (bytes + 63) / 64 * 64}); };
-  req(&rope_, size_t(T) * HS_ * 4);  // (T, HS/2, 2) fp32
-  req(&zero_wpe_, T * C * es);
-  req(&dwpe_, T * C * 4);
-  req(&encoded_, NR * C * es);
+  // adds up the same list. The transient buffers (arena_plan.h) hold
+  // nothing a later call reads: the zero position table is zeroed before
+  // each use when shared (another chunk's backward writes over it), the
+  // recompute set under checkpointing is refilled before each block's
+  // backward, the rest is backward and collective scratch.
+  ArenaPlan& plan = plan_;
+  auto req = [&](void* slot, size_t bytes) { plan.add(static_cast<void**>(slot), bytes); };
+  auto tmp = [&](void* slot, size_t bytes) { plan.add_transient(static_cast<void**>(slot), bytes); };
+  req(&rope_, size_t(T) * HS_ * 4);  // (T, HS/2, 2) fp32, uploaded once below
+  tmp(&zero_wpe_, T * C * es);
+  tmp(&dwpe_, T * C * 4);
+  req(&encoded_, NR * C * es);  // the stage's input: received asynchronously
   res3_.assign(cfg_.L, nullptr);
   for (int l = 0; l < cfg_.L; ++l) req(&res3_[l], NR * C * es);
   layers_.resize(ckpt_ ? 1 : cfg_.L);
+  // Checkpointing: the one set is rewritten by each block's recompute
+  // before its backward reads it, so nothing in it outlives a call.
+  auto layer_buf = [&](void* slot, size_t bytes) { ckpt_ ? tmp(slot, bytes) : req(slot, bytes); };
   for (auto& a : layers_) {
-    req(&a.ln1, NR * C * es);
-    req(&a.ln1_rstd, NR * 4);
-    req(&a.qkv, N * QKV_ * es);
-    req(&a.atty, N * Q_ * es);
-    req(&a.att, be->attention_gqa_saved_floats(maxB, cfg.T, NH_) * 4);
-    req(&a.res2, NR * C * es);
-    req(&a.ln2, NR * C * es);
-    req(&a.ln2_rstd, NR * 4);
-    req(&a.gu, N * 2 * F * es);
-    req(&a.h, N * F * es);
+    layer_buf(&a.ln1, NR * C * es);
+    layer_buf(&a.ln1_rstd, NR * 4);
+    layer_buf(&a.qkv, N * QKV_ * es);
+    layer_buf(&a.atty, N * Q_ * es);
+    layer_buf(&a.att, be->attention_gqa_saved_floats(maxB, cfg.T, NH_) * 4);
+    layer_buf(&a.res2, NR * C * es);
+    layer_buf(&a.ln2, NR * C * es);
+    layer_buf(&a.ln2_rstd, NR * 4);
+    layer_buf(&a.gu, N * 2 * F * es);
+    layer_buf(&a.h, N * F * es);
   }
   ldv_ = be->logits_stride(VL_);
   if (stage_.last) {  // a pipeline stage before the last has no head: no logits
     req(&lnf_, NR * C * es);
     req(&lnf_rstd_, NR * 4);
-    req(&logits_, N * ldv_ * es);
+    req(&logits_, N * ldv_ * es);  // dlogits from forward to backward
     req(&losses_, N * 4);
   }
   if (tp_ && stage_.last) {
     req(&ce_rowmax_, N * 4);
     req(&ce_stats_, 2 * N * 4);
   }
-  req(&dres_, NR * C * es);
+  req(&dres_, NR * C * es);  // the stage's output gradient in, input gradient out (sent asynchronously)
   if (sp_) {
-    req(&sp_rows_, NR * C * es);
-    req(&dres_full_, N * C * es);
-    req(&norm_grad_, C * 4);
+    tmp(&sp_rows_, NR * C * es);
+    tmp(&dres_full_, N * C * es);
+    tmp(&norm_grad_, C * 4);
   }
-  req(&dbuf_c_, N * C * es);
-  req(&dqkv_, N * QKV_ * es);
-  req(&dh_, N * F * es);
+  tmp(&dbuf_c_, N * C * es);
+  tmp(&dqkv_, N * QKV_ * es);
+  tmp(&dh_, N * F * es);
   if (stage_.split_backward) {
     TR_CHECK(!ckpt_, "parallel.pipeline_schedule: zero_bubble with train.activation_checkpointing: blocks is not "
                      "supported (the weight step needs every block's inputs); use 1f1b or turn checkpointing off");
     kept_.resize(cfg_.L);
-    for (auto& k : kept_) {
+    for (auto& k : kept_) {  // from backward_input to backward_weight
       req(&k.d_down, N * C * es);
       req(&k.d_o, N * C * es);
       req(&k.d_qkv, N * QKV_ * es);
     }
   }
-  size_t total = 0;
-  for (auto& p : plan) total += p.second;
-  arena_ = DeviceBuffer(be, total);  // zero-initialised: zero_wpe_ stays all zeros (nothing writes it)
-  char* base = arena_.as<char>();
-  for (auto& p : plan) {
-    *p.first = base;
-    base += p.second;
+  // Replicated KV heads: the q|k|v weight gradient's fp32 scratch, used
+  // within one qkv_backward. Outside the arena on a network of its own
+  // (the planner counts it as workspace); in the shared scratch otherwise.
+  if (kv_replicas_ > 1) {
+    kv_scratch_bytes_ = size_t(QKV_) * cfg.C * 4;
+    kv_slots_bytes_ = size_t(NKV_global_) * 2 * KV_ * cfg.C * 4;
+    if (shared_) {
+      tmp(&kv_scratch_, kv_scratch_bytes_);
+      tmp(&kv_slots_, kv_slots_bytes_);
+    } else {
+      kv_grad_scratch_ = DeviceBuffer(be, kv_scratch_bytes_);
+      kv_grad_slots_ = DeviceBuffer(be, kv_slots_bytes_);
+      kv_scratch_ = kv_grad_scratch_.as<float>();
+      kv_slots_ = kv_grad_slots_.as<float>();
+    }
   }
-  act_bytes_ = total;
+  // Zero-initialised: without sharing zero_wpe_ stays all zeros (nothing writes it).
+  arena_ = shared_ ? plan.allocate_kept(be) : plan.allocate(be);
+  act_bytes_ = shared_ ? plan.kept_total() : plan.total;
   tpc_.tp = tp_;
   tpc_.be = be;
   tpc_.C = cfg.C;
   tpc_.sp = sp_;
-  tpc_.rows_buf = sp_rows_;
-  tpc_.full_buf = dres_full_;
-  tpc_.norm_buf = norm_grad_;
   tpc_.norm_len = cfg.C;
+  wire_scratch();
   const RopeScaling* scaling = cfg.rope_scaling_type.empty() ? nullptr : &cfg.rope_scaling;
   const std::vector<float> table = rope_table(cfg.T, HS_, cfg.rope_theta, scaling);
   be->copy_to_device(rope_, table.data(), table.size() * 4);
+}
+
+void LlamaNetwork::wire_scratch() {
+  tpc_.rows_buf = sp_rows_;
+  tpc_.full_buf = dres_full_;
+  tpc_.norm_buf = norm_grad_;
+}
+
+void LlamaNetwork::bind_transient(void* scratch) {
+  TR_CHECK(shared_ && scratch, "LlamaNetwork: bind_transient needs a stage built with shared_scratch and a buffer (a bug)");
+  plan_.bind_transient(scratch);
+  wire_scratch();
+  bound_ = true;
 }
 
 namespace {
@@ -194,6 +220,7 @@ void LlamaNetwork::forward(UnitAccess& units, const int32_t* inputs, const int32
            ") exceeds the buffers (", maxB_, ",", cfg_.T, ")");
   TR_CHECK(!for_backward || targets || !stage_.last, "model.forward: for_backward needs targets");
   TR_CHECK(arena_.get(), "model.forward: the activations were freed (free_activations)");
+  TR_CHECK(!shared_ || bound_, "LlamaNetwork: a shared_scratch stage computed before bind_transient (a bug)");
   B_ = B;
   T_ = T;
   inputs_ = inputs;
@@ -261,6 +288,8 @@ void LlamaNetwork::embed(UnitAccess& units, const int32_t* inputs, int B, int T)
       tp_sum(encoded_, int64_t(N) * C);
     }
   } else {
+    // A shared scratch's zero table was scribbled on by other calls: zero it again.
+    if (shared_) be_->zero(zero_wpe_, size_t(cfg_.T) * C * es);
     be_->encoder_forward(encoded_, inputs, units.acquire_params(0), zero_wpe_, B, T, C);
   }
   units.release_params(0);
@@ -318,11 +347,11 @@ void LlamaNetwork::qkv_backward(void* dinp, float* dqkvw, const void* dqkv, cons
     // rank adds back its slot (the input gradient needs no change: the
     // ranks' dk Wk terms are the parts of the sum).
     const int64_t qC = int64_t(Q_) * C, kvC = 2 * int64_t(KV_) * C;
-    float* scratch = kv_grad_scratch_.as<float>();
-    float* slots = kv_grad_slots_.as<float>();
-    be_->zero(scratch, kv_grad_scratch_.bytes());
+    float* scratch = kv_scratch_;
+    float* slots = kv_slots_;
+    be_->zero(scratch, kv_scratch_bytes_);
     be_->matmul_backward(dinp, scratch, nullptr, dqkv, ln1, wqkv, N, C, QKV_);
-    be_->zero(slots, kv_grad_slots_.bytes());
+    be_->zero(slots, kv_slots_bytes_);
     be_->copy_device(slots + kv_head_ * kvC, scratch + qC, kvC * 4);
     tp_->comm->all_reduce(slots, int64_t(NKV_global_) * kvC, ReduceOp::Sum);
     be_->accumulate(dqkvw, scratch, qC);

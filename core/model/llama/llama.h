@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/model/arena_plan.h"
 #include "core/model/model.h"
 #include "core/model/tensor_parallel.h"
 
@@ -61,6 +62,8 @@ class LlamaNetwork final : public Network {
   const void* logits() const override { return logits_; }
   int logits_stride() const override { return ldv_; }
   size_t activation_bytes() const override { return act_bytes_; }
+  size_t transient_bytes() const override { return shared_ ? plan_.transient_total : 0; }
+  void bind_transient(void* scratch) override;
   void free_activations() override { arena_.reset(); }
 
   int64_t stage_io_elems(int B, int T) const override { return int64_t(tpc_.rows(B * T)) * cfg_.C; }
@@ -110,8 +113,11 @@ class LlamaNetwork final : public Network {
   int VL_ = 0, v_begin_ = 0, v_valid_ = 0;  // vocab rows held (padded), first id, real rows
   const TensorParallel* tp_ = nullptr;
   int kv_replicas_ = 1, kv_head_ = 0, NKV_global_ = 0;  // KV heads replicated over TP ranks
-  DeviceBuffer kv_grad_scratch_;  // replicated KV: (QKV,C) fp32 this step's qkv weight grad
-  DeviceBuffer kv_grad_slots_;    // replicated KV: (NKV_global, 2*KV*C) fp32, summed over TP
+  DeviceBuffer kv_grad_scratch_;  // replicated KV, own arena: kv_scratch_'s memory
+  DeviceBuffer kv_grad_slots_;    // replicated KV, own arena: kv_slots_'s memory
+  float* kv_scratch_ = nullptr;   // replicated KV: (QKV,C) fp32 this step's qkv weight grad
+  float* kv_slots_ = nullptr;     // replicated KV: (NKV_global, 2*KV*C) fp32, summed over TP
+  size_t kv_scratch_bytes_ = 0, kv_slots_bytes_ = 0;
   float* ce_rowmax_ = nullptr;    // (N) vocab-parallel cross-entropy
   float* ce_stats_ = nullptr;     // (2N)
   void tp_sum(void* buf, int64_t n);  // all-reduce over TP (no-op without)
@@ -131,8 +137,11 @@ class LlamaNetwork final : public Network {
   float eps_;
   int64_t lm_head_off_ = -1;      // untied: lm_head.weight's offset in the head unit
   int B_ = 0, T_ = 0;
-  DeviceBuffer arena_;
+  DeviceBuffer arena_;  // every buffer, or the kept ones with shared_
   size_t act_bytes_ = 0;
+  ArenaPlan plan_;      // points into arena_ and the bound scratch (arena_plan.h)
+  bool shared_ = false, bound_ = false;  // PipelineStage::shared_scratch; bind_transient done
+  void wire_scratch();  // the collectives' buffers from the plan's pointers
   float* rope_ = nullptr;         // (T, HS/2, 2) fp32 cos/sin, uploaded once
   void* zero_wpe_ = nullptr;      // (T,C) zeros: encoder_forward's position table
   float* dwpe_ = nullptr;         // (T,C) fp32 scratch for encoder_backward
