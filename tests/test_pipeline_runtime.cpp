@@ -570,6 +570,49 @@ TEST_CASE("pp: llama with activation checkpointing at pp2 1f1b (and interleaved)
   }
 }
 
+// Only one compute call runs at a time on a rank, so the stage networks
+// keep only what outlives a call (a forward's activations for its
+// backward, the stage's input, output and gradients in flight) and share
+// one transient scratch: under checkpointing the recompute set and the
+// backward scratch, which dominate, are held once and not per microbatch.
+TEST_CASE("pp: stage networks share one transient scratch: a pp2 1f1b rank holds slots x kept + one scratch",
+          "[pp][memory]") {
+  for (const std::string& model : {std::string(kGpt2), llama("false")}) {
+    for (const bool ckpt : {true, false}) {
+      INFO(model << (ckpt ? " with" : " without") << " activation checkpointing");
+      TempDir dir("ppmem");
+      std::vector<std::string> sets;
+      if (ckpt) sets.push_back("train.activation_checkpointing=blocks");
+      const JobSpec job = parse_job_spec(pp_job(dir.path(), model, "no_shard", 2, 1), "job.yaml", sets);
+      const auto sums = run_ranks_inprocess(job, 2);
+      REQUIRE(sums.size() == 2);
+      const auto arch = make_model_arch(ModelConfig::from_spec(job.model));
+      auto be = make_cpu_backend(1);
+      // Stage r's network on its own (one arena, as at pp1) and as the
+      // executor builds it (kept part only, the rest bound from outside).
+      size_t own[2], kept[2], transient[2];
+      for (int r = 0; r < 2; ++r) {
+        PipelineStage ps;
+        ps.first_layer = 2 * r, ps.layers = 2, ps.first = r == 0, ps.last = r == 1;
+        own[r] = arch->make_network(be.get(), 1, ckpt, nullptr, &ps)->activation_bytes();
+        ps.shared_scratch = true;
+        auto net = arch->make_network(be.get(), 1, ckpt, nullptr, &ps);
+        kept[r] = net->activation_bytes();
+        transient[r] = net->transient_bytes();
+        CHECK(kept[r] + transient[r] == own[r]);  // the same buffers, split
+        CHECK(transient[r] > 0);
+      }
+      // Both stages need the same scratch (no head buffer is transient).
+      CHECK(transient[0] == transient[1]);
+      // 1F1B: the first stage holds P = 2 microbatches, the last one.
+      CHECK(sums[0].activation_bytes == 2 * kept[0] + transient[0]);
+      CHECK(sums[1].activation_bytes == kept[1] + transient[1]);
+      CHECK(sums[0].activation_bytes < 2 * own[0]);
+      if (ckpt) CHECK(transient[0] > kept[0]);  // the recompute set and backward scratch dominate
+    }
+  }
+}
+
 namespace {
 
 // trainrun's logits (B,T,V) for whole-model weights, on the CPU backend.
