@@ -1,8 +1,10 @@
-// The performance model behind `trainrun plan` and the run's MFU (see planner.h).
+// The performance model behind `trainrun plan` and the run's MFU (see planner.h):
+// hardware, the tp1 memory model, offload, the plan, its verdict and the
+// recommended mesh. The tensor- and pipeline-parallel meshes are
+// planner_tp.cpp and planner_pp.cpp.
 #include "core/train/planner.h"
 
 #include <algorithm>
-#include <cctype>
 #include <cerrno>
 #include <cstdlib>
 #include <cmath>
@@ -11,8 +13,7 @@
 #include <sstream>
 
 #include "core/common/error.h"
-#include "core/model/tensor_parallel.h"
-#include "parallel/pipeline/schedule.h"
+#include "core/common/text.h"
 #include "core/train/planner_internal.h"
 #include "parallel/sharding/offload.h"
 
@@ -37,20 +38,6 @@ std::vector<int64_t> unit_numels(const ModelArch& m) {
 
 using namespace planner_detail;
 
-namespace {
-
-std::string lower(std::string s) {
-  for (auto& c : s) c = char(std::tolower(static_cast<unsigned char>(c)));
-  return s;
-}
-
-std::string trim(const std::string& s) {
-  size_t a = s.find_first_not_of(" \t"), b = s.find_last_not_of(" \t");
-  return a == std::string::npos ? "" : s.substr(a, b - a + 1);
-}
-
-}  // namespace
-
 // ---- hardware ------------------------------------------------------------------------------
 
 const std::vector<GpuSpec>& gpu_specs() {
@@ -69,17 +56,17 @@ const std::vector<GpuSpec>& gpu_specs() {
 }
 
 const GpuSpec* find_gpu_spec(const std::string& name) {
-  const std::string n = lower(name);
+  const std::string n = ascii_lower(name);
   for (const auto& g : gpu_specs())
     if (n == g.key || n.find(g.key) != std::string::npos) return &g;
   return nullptr;
 }
 
 double parse_bytes(const std::string& text, const std::string& what) {
-  const std::string t = trim(text);
+  const std::string t = trim_blanks(text);
   char* end = nullptr;
   const double v = std::strtod(t.c_str(), &end);
-  std::string unit = lower(trim(end ? std::string(end) : ""));
+  std::string unit = ascii_lower(trim_blanks(end ? std::string(end) : ""));
   static const std::map<std::string, double> units = {
       {"b", 1},        {"kb", 1e3},     {"mb", 1e6},     {"gb", 1e9},     {"tb", 1e12},
       {"kib", 1024.0}, {"mib", 1048576.0}, {"gib", kGiB}, {"tib", kGiB * 1024},
