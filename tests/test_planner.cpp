@@ -7,9 +7,7 @@
 #include <cmath>
 #include <cstdio>
 #include <nlohmann/json.hpp>
-#include <omp.h>
 #include <sstream>
-#include <thread>
 
 #include "core/config/job_spec.h"
 #include "core/model/gpt2/gpt2.h"
@@ -19,7 +17,7 @@
 #include "parallel/pipeline/schedule.h"
 #include "core/train/trainer.h"
 #include "kernels/backend.h"
-#include "parallel/rendezvous/store.h"
+#include "tests/support/inprocess.h"
 #include "tests/support/testutil.h"
 
 using namespace trainrun;
@@ -92,33 +90,8 @@ std::string describe(const std::string& shape) { return make_model_arch(parse_mo
 // 2-core machine.
 nlohmann::json run_job(const std::string& yaml_body, int world) {
   test::TempDir dir("plan");
-  JobSpec job = parse_job_spec(yaml_body + "output: {dir: '" + dir.path() + "', sample_tokens: 0}\n", "job.yaml");
-  std::string secret = make_job_secret();
-  TcpStoreServer server("127.0.0.1", 0, secret);
-  std::vector<std::string> errors(world);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
-      omp_set_num_threads(1);  // this thread's OpenMP team size; the backend picks it up
-      WorkerInfo w;
-      w.rank = r;
-      w.world = world;
-      w.local_rank = r;
-      w.local_world = world;
-      w.master_port = server.port();
-      w.secret = secret;
-      try {
-        run_training(job, w);
-      } catch (const std::exception& e) {
-        errors[r] = e.what();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (int r = 0; r < world; ++r) {
-    INFO("rank " << r << ": " << errors[r]);
-    REQUIRE(errors[r].empty());
-  }
+  const JobSpec job = parse_job_spec(yaml_body + "output: {dir: '" + dir.path() + "', sample_tokens: 0}\n", "job.yaml");
+  test::run_ranks_inprocess(job, world, /*omp_threads_per_rank=*/1);
   std::istringstream in(test::read_file(dir / "metrics.jsonl"));
   std::string line, last;
   while (std::getline(in, line))
