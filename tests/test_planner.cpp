@@ -750,15 +750,18 @@ TEST_CASE("planner: per-stage memory is the stage's units and P in-flight microb
   CHECK(st[1].mem.optimizer == Approx(8 * (2 * blk + head + e0)));
   // Each microbatch in flight has its own stage network (the executor's):
   // its 2 blocks and the rest of an arena, without the final norm, logits
-  // and losses on the first stage (N = 2 x 32 rows, bf16, vocab 256):
+  // and losses on the first stage (N = 2 x 32 rows, bf16, vocab 256),
+  // less the backward scratch (dbuf_c, dqkv, the MLP hidden grad), which
+  // every network of the rank shares, counted once:
   const double N = 2 * 32, head_acts = N * 64 * 2 + 2 * N * 4 + N * 256 * 2 + N * 4;
-  CHECK(st[0].mem.activations == Approx(2 * (2 * per_layer + fixed - head_acts)));
-  CHECK(st[1].mem.activations == Approx(1 * (2 * per_layer + fixed)));
+  const double scratch = N * (64 + 3 * 64 + 4 * 64) * 2;
+  CHECK(st[0].mem.activations == Approx(2 * (2 * per_layer + fixed - head_acts - scratch) + scratch));
+  CHECK(st[1].mem.activations == Approx(1 * (2 * per_layer + fixed - scratch) + scratch));
   // GPipe holds all m; zero_bubble 1F1B's plus the last stage's deferred
   // weight step's kept output gradients.
   st = estimate_pipeline_memory(*m, 1, false, 2, "gpipe", 1, 4, s, 2, false, d);
   CHECK(st[0].in_flight == 4);
-  CHECK(st[0].mem.activations == Approx(4 * (2 * per_layer + fixed - head_acts)));
+  CHECK(st[0].mem.activations == Approx(4 * (2 * per_layer + fixed - head_acts - scratch) + scratch));
   st = estimate_pipeline_memory(*m, 1, false, 2, "zero_bubble", 1, 4, s, 2, false, d);
   // The ZB-H1 lists (explain_pipeline_schedule): rank 0 runs BI k BW k
   // back to back (1 open), rank 1 runs BI0 BI1 before BW0 (2 open).
@@ -766,8 +769,9 @@ TEST_CASE("planner: per-stage memory is the stage's units and P in-flight microb
   CHECK(st[1].deferred == 2);
   const double kept = N * (3 * 64 + 64 + 64 + 256) * 2;  // q|k|v, attn out, fc, mlp out (bf16)
   // Every held microbatch network keeps them for each of its blocks.
-  CHECK(st[0].mem.activations == Approx(st[0].in_flight * (2 * (per_layer + kept) + fixed - head_acts)));
-  CHECK(st[1].mem.activations == Approx(st[1].in_flight * (2 * (per_layer + kept) + fixed)));
+  CHECK(st[0].mem.activations ==
+        Approx(st[0].in_flight * (2 * (per_layer + kept) + fixed - head_acts - scratch) + scratch));
+  CHECK(st[1].mem.activations == Approx(st[1].in_flight * (2 * (per_layer + kept) + fixed - scratch) + scratch));
   // Over dp 2 with full_shard each rank holds half its stage's state.
   Sharding fs{"full_shard", 2, 2, false};
   st = estimate_pipeline_memory(*m, 1, false, 2, "1f1b", 1, 4, fs, 2, false, d);
@@ -889,22 +893,54 @@ TEST_CASE("planner: plan --config takes the job's pipeline degree and schedule a
   CHECK_THAT(r.out, Contains("schedule 1f1b;"));
 }
 
-// The executor holds one stage network per microbatch in flight: the
-// model must be in_flight x the stage network's arena, byte for byte on
-// the CPU backend (first stage without the head's buffers, last with).
-TEST_CASE("planner: a pipeline rank's activations are its microbatch networks' arenas", "[planner][pp]") {
+// The executor holds one stage network per microbatch in flight, each
+// with its kept buffers, and one transient scratch they all share: the
+// model must be in_flight x the stage network's kept bytes + its
+// transient bytes once, byte for byte on the CPU backend (first stage
+// without the head's buffers, last with), with and without checkpointing,
+// under zero_bubble (the kept output gradients), and on TP ranks with
+// sequence parallelism and with KV heads replicated over TP.
+TEST_CASE("planner: a pipeline rank's activations are its microbatch networks' kept arenas and one shared scratch",
+          "[planner][pp]") {
   auto be = make_cpu_backend(1);
   const DeviceModel d = DeviceModel::cpu();
-  for (std::string shape : {"gpt2:L=4,C=64,heads=4,V=256,T=32", "llama:L=4,C=64,heads=4,kv_heads=2,ffn=128,V=256,T=32"}) {
+  for (std::string shape : {"gpt2:L=4,C=64,heads=4,V=256,T=32", "llama:L=4,C=64,heads=4,kv_heads=2,ffn=128,V=256,T=32",
+                            "llama:L=4,C=64,heads=4,kv_heads=1,ffn=96,V=250,T=16"}) {
     auto m = make_model_arch(parse_model_shape(shape));
-    for (const std::string kind : {"1f1b", "gpipe"}) {
-      const auto st = estimate_pipeline_memory(*m, 1, false, 2, kind, 1, 4, Sharding{"no_shard", 1, 1, false}, 2, false, d);
-      for (int r = 0; r < 2; ++r) {
-        PipelineStage ps;
-        ps.first_layer = 2 * r, ps.layers = 2, ps.first = r == 0, ps.last = r == 1;
-        auto net = m->make_network(be.get(), 2, false, nullptr, &ps);
-        INFO(shape << " " << kind << " rank " << r);
-        CHECK(st[size_t(r)].mem.activations == Approx(double(st[size_t(r)].in_flight) * net->activation_bytes()));
+    for (int tp : {1, 2}) {
+      const TensorParallelPlan plan(*m, tp, tp - 1);
+      for (bool sp : {false, true}) {
+        if (sp && tp == 1) continue;
+        for (bool ckpt : {false, true}) {
+          for (const std::string kind : {"1f1b", "gpipe", "zero_bubble"}) {
+            if (ckpt && kind == "zero_bubble") continue;  // refused
+            const auto st = estimate_pipeline_memory(*m, tp, sp, 2, kind, 1, 4, Sharding{"no_shard", 1, 1, false}, 2,
+                                                     ckpt, d);
+            for (int r = 0; r < 2; ++r) {
+              TensorParallel ctx;
+              ctx.plan = &plan;
+              ctx.sequence_parallel = sp;
+              PipelineStage ps;
+              ps.first_layer = 2 * r, ps.layers = 2, ps.first = r == 0, ps.last = r == 1;
+              ps.split_backward = kind == "zero_bubble";
+              const size_t own = m->make_network(be.get(), 2, ckpt, tp > 1 ? &ctx : nullptr, &ps)->activation_bytes();
+              ps.shared_scratch = true;
+              auto net = m->make_network(be.get(), 2, ckpt, tp > 1 ? &ctx : nullptr, &ps);
+              INFO(shape << " tp" << tp << " sp=" << sp << " ckpt=" << ckpt << " " << kind << " rank " << r);
+              // Replicated KV heads: their gradient scratch is outside a network's own
+              // arena (the planner's workspace at pp1), in the shared scratch here.
+              const TpLocalShape& sh = plan.shape();
+              const size_t C = size_t(m->config().C), HS = C / size_t(m->config().NH);
+              const size_t QKV = size_t(sh.NH + 2 * sh.NKV) * HS, NKV = size_t(m->config().kv_heads());
+              const size_t kv = tp > 1 && sh.kv_replicas > 1 ? QKV * C * 4 + NKV * 2 * sh.NKV * HS * C * 4 : 0;
+              CHECK(net->activation_bytes() + net->transient_bytes() == own + kv);
+              CHECK(st[size_t(r)].kept_activations == double(net->activation_bytes()));
+              CHECK(st[size_t(r)].transient_activations == double(net->transient_bytes()));
+              CHECK(st[size_t(r)].mem.activations ==
+                    double(st[size_t(r)].in_flight) * net->activation_bytes() + net->transient_bytes());
+            }
+          }
+        }
       }
     }
   }

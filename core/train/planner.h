@@ -177,7 +177,11 @@ double pipeline_bubble_formula(const std::string& schedule, int pp, int virtual_
 // weight step at once (zero_bubble; reported, already inside in_flight).
 struct PipelineStageMemory {
   int rank = 0, layers = 0, in_flight = 0, deferred = 0;
-  MemoryBreakdown mem;
+  MemoryBreakdown mem;  // activations: in_flight x kept_activations + transient_activations
+  // One stage network's kept buffers (what outlives a compute call), and
+  // the transient scratch every stage network of the rank shares, counted
+  // once (core/model/arena_plan.h).
+  double kept_activations = 0, transient_activations = 0;
 };
 // Every rank's, for a tp x pp x dp mesh (split: split_pipeline_layers).
 std::vector<PipelineStageMemory> estimate_pipeline_memory(const ModelArch& m, int tp, bool sequence_parallel,

@@ -36,6 +36,33 @@ double arena_of_layers(const ModelArch& m, int tp, bool sp, int layers, int B, b
   return estimate_tp_activation_bytes(*a, tp, sp, B, ckpt, d);
 }
 
+// The transient scratch the stage networks of a rank share (the buffers
+// core/model/gpt2|llama add with add_transient; the same for every stage,
+// head or not): the recompute set under checkpointing (what L = 2 blocks'
+// arena holds beyond the checkpointed one's: one layer's set), the
+// backward scratch, the sequence-parallel collectives' buffers, Llama's
+// zero position table and its gradient scratch, and with KV heads
+// replicated over TP their fp32 weight-gradient scratch (outside the arena
+// of a network of its own: `outside_arena`).
+double pipeline_transient_bytes(const ModelArch& m, const TpLocalShape& sh, bool sp, int B, bool ckpt,
+                                const DeviceModel& d, double* outside_arena) {
+  const ModelConfig& mc = m.config();
+  const int tp = sh.tp;
+  const bool llama = mc.arch == "llama", seq = sp && tp > 1;
+  const double N = double(B) * mc.T, C = double(mc.C), T = double(mc.T), es = d.act_bytes;
+  const double HS = C / mc.NH, F = double(sh.F);
+  const double NR = seq ? double(ceil_div(int64_t(N), tp)) : N;
+  const double QKV = llama ? sh.NH * HS + 2.0 * sh.NKV * HS : 3.0 * sh.NH * HS;
+  double t = 0;
+  if (ckpt) t += arena_of_layers(m, tp, sp, 2, B, false, d) - arena_of_layers(m, tp, sp, 2, B, true, d);
+  if (llama) t += r64(T * C * es) + r64(T * C * 4);  // zero position table, its gradient
+  if (seq) t += r64(NR * C * es) + r64(N * C * es) + r64((llama ? 1 : 2) * C * 4);  // rows, gathered, a norm's grads
+  t += r64(N * C * es) + r64(N * QKV * es) + r64(N * F * es);  // backward: dbuf_c, dqkv, the MLP hidden grad
+  *outside_arena = 0;
+  if (llama && sh.kv_replicas > 1) *outside_arena = r64(QKV * C * 4) + r64(double(mc.kv_heads()) * 2 * sh.NKV * HS * C * 4);
+  return t + *outside_arena;
+}
+
 // estimate_pipeline_memory with the TP plan built once by the caller (a
 // 70B model's plan is costly to build, and the planner asks for every
 // strategy of every mesh).
@@ -55,12 +82,15 @@ std::vector<PipelineStageMemory> pipeline_memory(const ModelArch& m, const Tenso
     units = unit_numels(m);
   }
   // Activations: the executor holds one stage network per microbatch in
-  // flight, each with its own arena: what its blocks add (per block: what
-  // one more block adds to a microbatch's arena; with checkpointing only
-  // its output) plus the rest (embedding output, backward scratch; the
-  // final norm and logits only on the last stage).
+  // flight: what its blocks add (per block: what one more block adds to a
+  // microbatch's arena; with checkpointing only its output) plus the rest
+  // (embedding output, backward scratch; the final norm and logits only on
+  // the last stage), less the transient part that every network of the
+  // rank shares, counted once.
   const double a1 = arena_of_layers(m, tp, sp, 1, B, ckpt, d), a2 = arena_of_layers(m, tp, sp, 2, B, ckpt, d);
   const double per_layer = a2 - a1, fixed_part = a1 - per_layer;
+  double kv_scratch = 0;  // the part of the transient that no arena of its own holds
+  const double transient = pipeline_transient_bytes(m, tpp.shape(), sp, B, ckpt, d, &kv_scratch);
   // What a stage network without the head does not allocate: the final
   // norm and its statistics, the logits and the per-token losses (and the
   // vocab-parallel cross-entropy's row buffers under TP), as the arenas
@@ -121,7 +151,10 @@ std::vector<PipelineStageMemory> pipeline_memory(const ModelArch& m, const Tenso
       if (a.op == PipeOp::BW) --open;
     }
     const bool has_head = r == pp - 1;
-    const double acts = st.in_flight * (max_chunk * (per_layer + kept_grads) + fixed_part - (has_head ? 0 : head_part));
+    st.kept_activations =
+        max_chunk * (per_layer + kept_grads) + fixed_part - (transient - kv_scratch) - (has_head ? 0 : head_part);
+    st.transient_activations = transient;
+    const double acts = st.in_flight * st.kept_activations + transient;
     st.mem = memory_of_units(mine, st.layers, mc.T, s, B, acts, d);
     out.push_back(st);
   }

@@ -5,7 +5,9 @@
 // Per chunk (a virtual stage this rank computes) the executor keeps one
 // network per microbatch it may hold at once (the most the action list
 // has forwarded and not yet backwarded: P - r for 1f1b's rank r, M for
-// gpipe), each with its own activation arena and token buffers; a
+// gpipe), each with its own kept activations and token buffers, and one
+// transient scratch that every network of the rank shares (what a single
+// forward or backward writes and reads; core/model/arena_plan.h); a
 // microbatch takes a free one at its receive or forward and gives it back
 // after its backward (once the gradient sent from it has left).
 //
@@ -73,6 +75,7 @@ class PipelineExecutor {
   void forward_only(int64_t step, int microbatches, const Loader& load, float* loss_sum);
 
   const PipelineSchedule& schedule() const { return schedule_; }
+  // Every stage network's kept activations plus the shared scratch once.
   size_t activation_bytes() const;
   // The share of the last train_step this rank spent waiting on its peers
   // (receives and unfinished sends), the measured bubble.
