@@ -612,6 +612,19 @@ TEST_CASE("pp: stage networks share one transient scratch: a pp2 1f1b rank holds
       CHECK(sums[0].activation_bytes < 2 * own[0]);
       if (ckpt) CHECK(transient[0] > kept[0]);  // the recompute set and backward scratch dominate
     }
+    // A shared-scratch network used before its scratch is bound, or bound
+    // to nothing, is a clear error, not a write through null.
+    const auto arch = make_model_arch(
+        ModelConfig::from_spec(parse_job_spec(pp_job("/tmp", model, "no_shard", 2, 1), "job.yaml").model));
+    auto be = make_cpu_backend(1);
+    PipelineStage ps;
+    ps.layers = 2, ps.first = true, ps.last = false, ps.shared_scratch = true;
+    auto net = arch->make_network(be.get(), 1, true, nullptr, &ps);
+    DeviceBuffer tokens(be.get(), 8 * 4);
+    FlatUnitAccess units(arch->layout(), nullptr, nullptr, be->act_dtype());
+    CHECK_THROWS_WITH(net->forward(units, tokens.as<int32_t>(), nullptr, 1, 8, true, 1.0f),
+                      Contains("before bind_transient"));
+    CHECK_THROWS_WITH(net->bind_transient(nullptr), Contains("bind_transient needs"));
   }
 }
 
