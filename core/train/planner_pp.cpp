@@ -44,8 +44,12 @@ double arena_of_layers(const ModelArch& m, int tp, bool sp, int layers, int B, b
 // zero position table and its gradient scratch, and with KV heads
 // replicated over TP their fp32 weight-gradient scratch (outside the arena
 // of a network of its own: `outside_arena`).
+// position_tables: the arena's zero position table and its gradient,
+// which a stage network leaves out of the shared scratch unless it embeds
+// through them (the first stage without TP); `position_tables` says their
+// bytes.
 double pipeline_transient_bytes(const ModelArch& m, const TpLocalShape& sh, bool sp, int B, bool ckpt,
-                                const DeviceModel& d, double* outside_arena) {
+                                const DeviceModel& d, double* outside_arena, double* position_tables) {
   const ModelConfig& mc = m.config();
   const int tp = sh.tp;
   const bool llama = mc.arch == "llama", seq = sp && tp > 1;
@@ -55,7 +59,8 @@ double pipeline_transient_bytes(const ModelArch& m, const TpLocalShape& sh, bool
   const double QKV = llama ? sh.NH * HS + 2.0 * sh.NKV * HS : 3.0 * sh.NH * HS;
   double t = 0;
   if (ckpt) t += arena_of_layers(m, tp, sp, 2, B, false, d) - arena_of_layers(m, tp, sp, 2, B, true, d);
-  if (llama) t += r64(T * C * es) + r64(T * C * 4);  // zero position table, its gradient
+  *position_tables = llama ? r64(T * C * es) + r64(T * C * 4) : 0;  // zero position table, its gradient
+  t += *position_tables;
   if (seq) t += r64(NR * C * es) + r64(N * C * es) + r64((llama ? 1 : 2) * C * 4);  // rows, gathered, a norm's grads
   t += r64(N * C * es) + r64(N * QKV * es) + r64(N * F * es);  // backward: dbuf_c, dqkv, the MLP hidden grad
   *outside_arena = 0;
@@ -90,7 +95,8 @@ std::vector<PipelineStageMemory> pipeline_memory(const ModelArch& m, const Tenso
   const double a1 = arena_of_layers(m, tp, sp, 1, B, ckpt, d), a2 = arena_of_layers(m, tp, sp, 2, B, ckpt, d);
   const double per_layer = a2 - a1, fixed_part = a1 - per_layer;
   double kv_scratch = 0;  // the part of the transient that no arena of its own holds
-  const double transient = pipeline_transient_bytes(m, tpp.shape(), sp, B, ckpt, d, &kv_scratch);
+  double pos_tables = 0;  // the part only the first stage without TP needs
+  const double transient = pipeline_transient_bytes(m, tpp.shape(), sp, B, ckpt, d, &kv_scratch, &pos_tables);
   // What a stage network without the head does not allocate: the final
   // norm and its statistics, the logits and the per-token losses (and the
   // vocab-parallel cross-entropy's row buffers under TP), as the arenas
@@ -153,8 +159,10 @@ std::vector<PipelineStageMemory> pipeline_memory(const ModelArch& m, const Tenso
     const bool has_head = r == pp - 1;
     st.kept_activations =
         max_chunk * (per_layer + kept_grads) + fixed_part - (transient - kv_scratch) - (has_head ? 0 : head_part);
-    st.transient_activations = transient;
-    const double acts = st.in_flight * st.kept_activations + transient;
+    // The executor's scratch is its largest chunk's: with the position
+    // tables only where virtual stage 0 lives (rank 0) and TP is off.
+    st.transient_activations = transient - (r == 0 && tp == 1 ? 0 : pos_tables);
+    const double acts = st.in_flight * st.kept_activations + st.transient_activations;
     st.mem = memory_of_units(mine, st.layers, mc.T, s, B, acts, d);
     out.push_back(st);
   }

@@ -61,8 +61,13 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
   auto req = [&](void* slot, size_t bytes) { plan.add(static_cast<void**>(slot), bytes); };
   auto tmp = [&](void* slot, size_t bytes) { plan.add_transient(static_cast<void**>(slot), bytes); };
   req(&rope_, size_t(T) * HS_ * 4);  // (T, HS/2, 2) fp32, uploaded once below
-  tmp(&zero_wpe_, T * C * es);
-  tmp(&dwpe_, T * C * 4);
+  // Only the first stage without TP embeds through encoder_forward; a
+  // stage network elsewhere leaves both tables out of the shared scratch
+  // (a network of its own keeps them, as the pp1 arena always had).
+  if (!shared_ || (stage_.first && !tp_)) {
+    tmp(&zero_wpe_, T * C * es);
+    tmp(&dwpe_, T * C * 4);
+  }
   req(&encoded_, NR * C * es);  // the stage's input: received asynchronously
   res3_.assign(cfg_.L, nullptr);
   for (int l = 0; l < cfg_.L; ++l) req(&res3_[l], NR * C * es);
