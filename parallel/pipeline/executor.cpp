@@ -1,7 +1,7 @@
 // The pipeline runtime of one rank (executor.h).
 #include "parallel/pipeline/executor.h"
 
-#include <chrono>
+#include <algorithm>
 #include <cstdio>
 #include <csignal>
 #include <cstdlib>
@@ -19,14 +19,13 @@ namespace trainrun {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
-
 // Posts sends in order on one thread, so the compute thread never waits
-// for a peer to take a message it does not need yet.
+// for a peer to take a message it does not need yet (communicators whose
+// send waits for the peer: Gloo, blocking NCCL). It is the only user of
+// this rank's outgoing links (links.h).
 class Sender {
  public:
-  explicit Sender(Communicator* comm) : comm_(comm), th_([this] { loop(); }) {}
+  explicit Sender(int global_rank) : rank_(global_rank), th_([this] { loop(); }) {}
   ~Sender() {
     {
       std::lock_guard<std::mutex> lk(mu_);
@@ -35,12 +34,14 @@ class Sender {
     cv_.notify_all();
     th_.join();
   }
-  std::shared_future<void> post(const void* buf, size_t bytes, int peer, uint32_t tag, std::string label) {
+  // `link`: the outgoing link to pp rank `to` (the peer is its rank 1).
+  std::shared_future<void> post(Communicator* link, int from, int to, const void* buf, size_t bytes, uint32_t tag,
+                                std::string label) {
     auto done = std::make_shared<std::promise<void>>();
     std::shared_future<void> f = done->get_future().share();
     {
       std::lock_guard<std::mutex> lk(mu_);
-      q_.push_back({buf, bytes, peer, tag, done, std::move(label)});
+      q_.push_back({link, from, to, buf, bytes, tag, done, std::move(label)});
     }
     cv_.notify_all();
     return f;
@@ -48,9 +49,10 @@ class Sender {
 
  private:
   struct Job {
+    Communicator* link;
+    int from, to;  // pp ranks, for the tests' record of who used which link
     const void* buf;
     size_t bytes;
-    int peer;
     uint32_t tag;
     std::shared_ptr<std::promise<void>> done;
     std::string label;  // the trace span's name
@@ -67,7 +69,8 @@ class Sender {
       }
       try {
         StepTracer::Span span(tracer, j.label, "p2p", 1);
-        comm_->send(j.buf, j.bytes, j.peer, j.tag);
+        record_pipeline_link_use(rank_, j.from, j.to, true);
+        j.link->send(j.buf, j.bytes, 1, j.tag);
         j.done->set_value();
       } catch (...) {
         j.done->set_exception(std::current_exception());
@@ -78,7 +81,7 @@ class Sender {
   StepTracer* tracer = nullptr;  // set between steps only
 
  private:
-  Communicator* comm_;
+  int rank_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Job> q_;
@@ -90,7 +93,10 @@ class Sender {
 struct Slot {
   std::unique_ptr<Network> net;
   DeviceBuffer in, tgt;
-  std::shared_future<void> send;  // the last send from its buffers
+  // The last send from its buffers: on the sender thread (a future), or
+  // stream-ordered (the compute stream's wait for it, still owed).
+  std::shared_future<void> send;
+  std::unique_ptr<PendingCollective> pending;
   std::string send_what;          // for the message if that send failed
   bool busy = false;
 };
@@ -124,14 +130,21 @@ struct PipelineExecutor::Impl {
   Backend* be;
   const PipelineStagePlan& plan;
   PipelineStageStore& store;
-  Communicator* pp;
+  PipelineLinks& links;
   Options opts;
   std::vector<ChunkRun> chunks;
+  // Null when the links are stream-ordered (NCCL): sends are then issued
+  // from the compute thread, since enqueueing one never waits on the peer.
   std::unique_ptr<Sender> sender;
   std::unique_ptr<NetworkView> view;
   int64_t step = 0;
-  double wait_s = 0;
   bool split = false;
+  // The measured bubble: marks on the compute stream (Backend::time_mark)
+  // around every compute action of the last train_step, and at its start
+  // and end; read (which may wait for the GPU) only when asked for.
+  std::shared_ptr<void> step_begin, step_end;
+  std::vector<std::pair<std::shared_ptr<void>, std::shared_ptr<void>>> compute_marks;
+  double bubble = -1;  // from those marks, once computed
   StepTracer* tracer = nullptr;
   // Tests: TRAINRUN_DEBUG_PIPE_KILL=<global rank>:<step>:<microbatch> kills
   // this process with SIGKILL before that microbatch's forward (mid-step).
@@ -139,8 +152,8 @@ struct PipelineExecutor::Impl {
   int64_t kill_step = -1;
   size_t io_bytes = 0;
 
-  Impl(Backend* b, const PipelineStagePlan& p, PipelineStageStore& s, Communicator* c, Options o)
-      : be(b), plan(p), store(s), pp(c), opts(std::move(o)) {}
+  Impl(Backend* b, const PipelineStagePlan& p, PipelineStageStore& s, PipelineLinks& l, Options o)
+      : be(b), plan(p), store(s), links(l), opts(std::move(o)) {}
 
   int P() const { return plan.ranks(); }
   int stages() const { return plan.ranks() * int(plan.chunks().size()); }
@@ -157,9 +170,14 @@ struct PipelineExecutor::Impl {
                        global_rank(plan.rank()), ") and stage ", peer_vs, " (rank ", global_rank(peer_vs % P()), ")");
   }
 
+  // Before the slot's buffers are overwritten (slot reuse) and at the end
+  // of the step: its last send must have read them.
   void wait_send(Slot& s) {
+    if (s.pending) {
+      s.pending->order_compute_after();  // on the GPU: the host does not wait
+      s.pending.reset();
+    }
     if (!s.send.valid()) return;
-    const auto t0 = Clock::now();
     try {
       s.send.get();
     } catch (const std::exception& e) {
@@ -167,7 +185,6 @@ struct PipelineExecutor::Impl {
       TR_FAIL(s.send_what, " failed: ", e.what());
     }
     s.send = {};
-    wait_s += seconds(Clock::now() - t0);
   }
   Slot& slot(int c, int mb) {
     ChunkRun& cr = chunks[size_t(c)];
@@ -191,23 +208,46 @@ struct PipelineExecutor::Impl {
     cr.slots[size_t(it->second)].busy = false;
     cr.slot_of.erase(it);
   }
+  // On the compute thread, over the link from the peer's rank (its rank 0).
+  // Stream-ordered (NCCL): the link's stream waits for the compute stream's
+  // current point (the buffer is free: its last send was waited for by
+  // wait_send), and the compute stream waits for the receive.
   void recv(void* buf, int mb, int vs, int peer_vs, int dir) {
     StepTracer::Span span(tracer, detail::cat(dir == 0 ? "recv_act mb" : "recv_grad mb", mb, " stage ", vs), "p2p");
-    const auto t0 = Clock::now();
-    const int boundary = std::min(vs, peer_vs);
+    const int boundary = std::min(vs, peer_vs), peer = peer_vs % P();
+    const std::string what = where(dir == 0 ? "receiving the activation" : "receiving the gradient", mb, vs, peer_vs);
+    Communicator* link = links.from(peer);
+    TR_CHECK(link, what, ": no link from pp rank ", peer, " to pp rank ", plan.rank(), " (a bug)");
     try {
-      pp->recv(buf, io_bytes, peer_vs % P(), tag(mb, boundary, dir));
+      link->set_op_label(what);
+      record_pipeline_link_use(global_rank(plan.rank()), peer, plan.rank(), false);
+      link->recv(buf, io_bytes, 0, tag(mb, boundary, dir));
     } catch (const std::exception& e) {
-      TR_FAIL(where(dir == 0 ? "receiving the activation" : "receiving the gradient", mb, vs, peer_vs), " failed: ",
-              e.what());
+      TR_FAIL(what, " failed: ", e.what());
     }
-    wait_s += seconds(Clock::now() - t0);
   }
   void send(Slot& s, const void* buf, int mb, int vs, int peer_vs, int dir) {
     wait_send(s);
+    const int peer = peer_vs % P();
     s.send_what = where(dir == 0 ? "sending the activation" : "sending the gradient", mb, vs, peer_vs);
-    s.send = sender->post(buf, io_bytes, peer_vs % P(), tag(mb, std::min(vs, peer_vs), dir),
-                          detail::cat(dir == 0 ? "send_act mb" : "send_grad mb", mb, " stage ", vs));
+    Communicator* link = links.to(peer);
+    TR_CHECK(link, s.send_what, ": no link from pp rank ", plan.rank(), " to pp rank ", peer, " (a bug)");
+    const uint32_t t = tag(mb, std::min(vs, peer_vs), dir);
+    std::string label = detail::cat(dir == 0 ? "send_act mb" : "send_grad mb", mb, " stage ", vs);
+    if (!sender) {
+      // Stream-ordered: enqueued after the compute that produced `buf`;
+      // the compute stream waits for it only in wait_send.
+      StepTracer::Span span(tracer, label, "p2p");
+      try {
+        link->set_op_label(s.send_what);
+        record_pipeline_link_use(global_rank(plan.rank()), plan.rank(), peer, true);
+        s.pending = link->send_deferred(buf, io_bytes, 1, t);
+      } catch (const std::exception& e) {
+        TR_FAIL(s.send_what, " failed: ", e.what());
+      }
+      return;
+    }
+    s.send = sender->post(link, plan.rank(), peer, buf, io_bytes, t, std::move(label));
   }
   void wait_all_sends() {
     for (ChunkRun& cr : chunks)
@@ -225,14 +265,14 @@ struct PipelineExecutor::Impl {
 };
 
 PipelineExecutor::PipelineExecutor(const ModelArch& arch, Backend* be, const PipelineStagePlan& plan,
-                                   PipelineSchedule schedule, PipelineStageStore& store, Communicator* pp,
+                                   PipelineSchedule schedule, PipelineStageStore& store, PipelineLinks& links,
                                    Options opts)
-    : impl_(std::make_unique<Impl>(be, plan, store, pp, std::move(opts))), schedule_(std::move(schedule)) {
+    : impl_(std::make_unique<Impl>(be, plan, store, links, std::move(opts))), schedule_(std::move(schedule)) {
   Impl& im = *impl_;
   // zero_bubble: BI then, later, BW; a microbatch's activations stay until its BW.
   im.split = schedule_.kind == "zero_bubble";
-  TR_CHECK(pp && schedule_.ranks == plan.ranks() && schedule_.virtual_stages == int(plan.chunks().size()),
-           "pipeline: schedule, plan and pp group disagree (a bug)");
+  TR_CHECK(schedule_.ranks == plan.ranks() && schedule_.virtual_stages == int(plan.chunks().size()),
+           "pipeline: schedule and plan disagree (a bug)");
   const int r = plan.rank();
   // Activation sets per chunk: the most microbatches this rank's list has
   // received or forwarded and not yet backwarded on it, at any point.
@@ -273,7 +313,7 @@ PipelineExecutor::PipelineExecutor(const ModelArch& arch, Backend* be, const Pip
       im.kill_mb = int(km);
     }
   }
-  im.sender = std::make_unique<Sender>(pp);
+  if (!links.stream_ordered()) im.sender = std::make_unique<Sender>(im.global_rank(r));
   im.view = std::make_unique<NetworkView>(*this);
 }
 
@@ -290,15 +330,17 @@ const Network& PipelineExecutor::network_view() const { return *impl_->view; }
 
 void PipelineExecutor::set_tracer(StepTracer* t) {
   impl_->tracer = t;
-  impl_->sender->tracer = t;
+  if (impl_->sender) impl_->sender->tracer = t;
 }
 
 void PipelineExecutor::train_step(int64_t step, const Loader& load, float dloss_scale, float* loss_sum) {
   Impl& im = *impl_;
   im.step = step;
-  im.wait_s = 0;
-  const auto t0 = Clock::now();
+  im.links.set_step(step);
+  im.compute_marks.clear();
+  im.bubble = -1;
   im.store.begin_step();
+  im.step_begin = im.be->time_mark();
   for (const PipeAction& a : schedule_.actions[size_t(im.plan.rank())]) {
     const int c = im.chunk_of(a.stage);
     const PipelineChunk& ch = *im.chunks[size_t(c)].chunk;
@@ -308,6 +350,7 @@ void PipelineExecutor::train_step(int64_t step, const Loader& load, float dloss_
                                       : a.op == PipeOp::BI ? "backward_input" : "backward_weight",
                                       " mb", a.microbatch, " stage ", a.stage),
                           "compute");
+    if (compute) im.compute_marks.emplace_back(im.be->time_mark(), nullptr);
     switch (a.op) {
       case PipeOp::RecvAct: {
         Slot& s = im.slot(c, a.microbatch);
@@ -345,22 +388,40 @@ void PipelineExecutor::train_step(int64_t step, const Loader& load, float dloss_
         im.free_slot(c, a.microbatch);
         break;
     }
+    if (compute) im.compute_marks.back().second = im.be->time_mark();
   }
   {
     StepTracer::Span span(im.tracer, "wait for sends", "p2p");
     im.wait_all_sends();
   }
+  im.step_end = im.be->time_mark();
   {
     StepTracer::Span span(im.tracer, "tied sum + reductions queued", "collective");
     im.store.end_backward();
   }
-  const double total = seconds(Clock::now() - t0);
-  last_wait_fraction_ = total > 0 ? im.wait_s / total : 0;
+}
+
+// bubble = 1 - (the compute actions' time) / (the step's span), both as
+// the compute stream saw them. On the CPU the marks are host clock reads
+// around synchronous ops, so the idle share is the time spent waiting on
+// peers (receives, unfinished sends) plus the executor's own bookkeeping;
+// on CUDA, where the host only enqueues and never waits, the events show
+// when the stream itself stood waiting for a receive or a send.
+double PipelineExecutor::last_wait_fraction() const {
+  Impl& im = *impl_;
+  if (im.bubble < 0 && im.step_begin && im.step_end) {
+    const double span = im.be->ms_between(im.step_begin, im.step_end);
+    double busy = 0;
+    for (const auto& [a, b] : im.compute_marks) busy += im.be->ms_between(a, b);
+    im.bubble = span > 0 ? std::clamp(1.0 - busy / span, 0.0, 1.0) : 0.0;
+  }
+  return std::max(0.0, im.bubble);
 }
 
 void PipelineExecutor::forward_only(int64_t step, int microbatches, const Loader& load, float* loss_sum) {
   Impl& im = *impl_;
   im.step = step;
+  im.links.set_step(step);
   // Microbatch by microbatch, chunk by chunk: every rank takes (m, chunk)
   // in the same order and each only waits on earlier ones, with sends that
   // do not wait, so this cannot hang.

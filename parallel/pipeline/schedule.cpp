@@ -137,6 +137,59 @@ void build_interleaved(PipelineSchedule& s) {
   }
 }
 
+// One message on a link, as its sender or its receiver sees it.
+struct LinkMessage {
+  int microbatch, from_stage, to_stage;
+  bool act;
+  bool operator==(const LinkMessage& o) const {
+    return microbatch == o.microbatch && from_stage == o.from_stage && to_stage == o.to_stage && act == o.act;
+  }
+};
+
+std::string message_text(const LinkMessage& m) {
+  return std::string(m.act ? "the activation" : "the gradient") + " of microbatch " + std::to_string(m.microbatch) +
+         " (stage " + std::to_string(m.from_stage) + " -> " + std::to_string(m.to_stage) + ")";
+}
+
+// The link order check: on every link (from -> to) the sender's sends, in
+// its list order, are the receiver's receives in its list order. NCCL has
+// no tags, so this is what makes the k-th receive get the k-th send; on
+// Gloo the tags would match them anyway, but one rule serves both. Actions
+// whose stages or peers are wrong are left to the simulation below, which
+// names them.
+void check_link_order(const PipelineSchedule& s) {
+  const int S = s.stages();
+  std::map<std::pair<int, int>, std::vector<LinkMessage>> sent, received;
+  for (int r = 0; r < s.ranks; ++r)
+    for (const PipeAction& a : s.actions[size_t(r)]) {
+      const bool send = a.op == PipeOp::SendAct || a.op == PipeOp::SendGrad;
+      const bool recv = a.op == PipeOp::RecvAct || a.op == PipeOp::RecvGrad;
+      if (!send && !recv) continue;
+      const bool act = a.op == PipeOp::SendAct || a.op == PipeOp::RecvAct;
+      // The other end's stage: an activation goes up a stage, a gradient down.
+      const int other = send ? (act ? a.stage + 1 : a.stage - 1) : (act ? a.stage - 1 : a.stage + 1);
+      if (a.stage < 0 || a.stage >= S || other < 0 || other >= S || a.peer != s.rank_of_stage(other)) continue;
+      if (send) sent[{r, a.peer}].push_back({a.microbatch, a.stage, other, act});
+      else received[{a.peer, r}].push_back({a.microbatch, other, a.stage, act});
+    }
+  std::set<std::pair<int, int>> links;
+  for (const auto& [k, v] : sent) links.insert(k);
+  for (const auto& [k, v] : received) links.insert(k);
+  for (const auto& link : links) {
+    const auto& out = sent[link];
+    const auto& in = received[link];
+    const std::string name = s.kind + " schedule: the link from rank " + std::to_string(link.first) + " to rank " +
+                             std::to_string(link.second);
+    for (size_t i = 0; i < std::min(out.size(), in.size()); ++i)
+      TR_CHECK(out[i] == in[i], name, ": its message ", i + 1, " is ", message_text(out[i]), " as rank ", link.first,
+               " sends, but rank ", link.second, " receives ", message_text(in[i]),
+               " there (messages on a link match in order: NCCL has no tags); rank ", link.second,
+               " must receive in rank ", link.first, "'s send order");
+    TR_CHECK(out.size() == in.size(), name, ": rank ", link.first, " sends ", out.size(), " message(s) on it and rank ",
+             link.second, " receives ", in.size());
+  }
+}
+
 }  // namespace
 
 PipelineSchedule make_pipeline_schedule(const std::string& kind, int ranks, int virtual_stages, int microbatches) {
@@ -176,6 +229,7 @@ PipelineSchedule make_pipeline_schedule(const std::string& kind, int ranks, int 
 }
 
 void check_pipeline_schedule(const PipelineSchedule& s) {
+  check_link_order(s);
   const int P = s.ranks, S = s.stages(), M = s.microbatches;
   // What each rank has done, per (microbatch, stage).
   std::set<std::tuple<int, int>> fwd, bwd_in, bwd_w, act_in, grad_in;

@@ -61,7 +61,34 @@ PipelineSchedule make_pipeline_schedule(const std::string& kind, int ranks, int 
 // virtual stage, on the rank that holds it, after the data it needs
 // arrived, and the lists run to the end with sends posted and receives
 // waiting: throws Error naming what is wrong (for a hang: every rank's next
-// action).
+// action). First, the link order check: on every link (an ordered pair of
+// ranks, links.h) the sender's send order is the receiver's receive order,
+// else an Error naming the link, its ranks and the two microbatches.
+//
+// Why the NCCL runtime (a stream per link, every op issued in list order
+// from the compute thread, nothing waiting on the host) cannot hang once
+// this check passes. Write the run as a graph of GPU operations (compute
+// actions; transfers, a send and its receive being one node that runs when
+// both ends are ready) with an edge for every "must finish before":
+//  - compute: the previous compute on the rank's compute stream, the
+//    receives it needs (the compute stream waits for them), and the sends
+//    whose buffer it overwrites (wait_send at slot reuse);
+//  - a transfer, on each end: the previous op on its link stream, and the
+//    compute stream's point at which it was issued (the data produced, or
+//    the buffer free).
+// The Gloo runtime has every one of those edges and more: its receives
+// block the compute thread (so all later work waits for them, needed or
+// not), and its one sender thread runs the sends of all links in one
+// order. A cycle among the NCCL edges is therefore a cycle among Gloo's:
+// NCCL can only hang where Gloo hangs too. And the matching is the same:
+// Gloo pairs messages by tag, NCCL by order on the link, and the link
+// order check proves the k-th send and the k-th receive of every link are
+// the same message. What the simulation below proves is the buffered model
+// (a send never waits); transfers that meet (rendezvous) add, per link,
+// only "the k-th transfer after the (k-1)-th", which the receiver's list
+// order already implies. The slot-reuse waits are the executor's (it holds
+// as many slots as the list has microbatches in flight) and are the same
+// on both runtimes; every built-in schedule runs them in the tests on Gloo.
 void check_pipeline_schedule(const PipelineSchedule& s);
 
 // A simulated run with unit costs (F = 1, BI = 1, BW = 1, B = 2 for a
