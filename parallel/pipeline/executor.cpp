@@ -19,13 +19,19 @@ namespace trainrun {
 
 namespace {
 
-// Posts sends in order on one thread, so the compute thread never waits
-// for a peer to take a message it does not need yet (communicators whose
-// send waits for the peer: Gloo, blocking NCCL). It is the only user of
-// this rank's outgoing links (links.h).
+// Posts the sends of one outgoing link in order on a thread of its own, so
+// the compute thread never waits for a peer to take a message it does not
+// need yet (communicators whose send waits for the peer: Gloo, blocking
+// NCCL). It is the only user of its link (links.h). One thread per link,
+// not one for all: a send that waits for one peer must not hold up the
+// sends to another, which the schedule check does not model (one shared
+// thread hung pp4 interleaved_1f1b: rank 2's gradient to rank 1 queued
+// behind its activation to rank 3, which rank 3 took only after that
+// gradient's chain let it reuse its slot). Per link is also what NCCL's
+// stream per link does, so both runtimes wait on the same things.
 class Sender {
  public:
-  explicit Sender(int global_rank) : rank_(global_rank), th_([this] { loop(); }) {}
+  Sender(int global_rank, int tid) : rank_(global_rank), tid_(tid), th_([this] { loop(); }) {}
   ~Sender() {
     {
       std::lock_guard<std::mutex> lk(mu_);
@@ -68,7 +74,7 @@ class Sender {
         q_.pop_front();
       }
       try {
-        StepTracer::Span span(tracer, j.label, "p2p", 1);
+        StepTracer::Span span(tracer, j.label, "p2p", tid_);
         record_pipeline_link_use(rank_, j.from, j.to, true);
         j.link->send(j.buf, j.bytes, 1, j.tag);
         j.done->set_value();
@@ -82,6 +88,7 @@ class Sender {
 
  private:
   int rank_;
+  int tid_;  // its row in the trace
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Job> q_;
@@ -133,9 +140,10 @@ struct PipelineExecutor::Impl {
   PipelineLinks& links;
   Options opts;
   std::vector<ChunkRun> chunks;
-  // Null when the links are stream-ordered (NCCL): sends are then issued
-  // from the compute thread, since enqueueing one never waits on the peer.
-  std::unique_ptr<Sender> sender;
+  // One per outgoing link, by the peer's pp rank; none when the links are
+  // stream-ordered (NCCL): sends are then issued from the compute thread,
+  // since enqueueing one never waits on the peer.
+  std::map<int, std::unique_ptr<Sender>> senders;
   std::unique_ptr<NetworkView> view;
   int64_t step = 0;
   bool split = false;
@@ -234,7 +242,7 @@ struct PipelineExecutor::Impl {
     TR_CHECK(link, s.send_what, ": no link from pp rank ", plan.rank(), " to pp rank ", peer, " (a bug)");
     const uint32_t t = tag(mb, std::min(vs, peer_vs), dir);
     std::string label = detail::cat(dir == 0 ? "send_act mb" : "send_grad mb", mb, " stage ", vs);
-    if (!sender) {
+    if (senders.empty()) {
       // Stream-ordered: enqueued after the compute that produced `buf`;
       // the compute stream waits for it only in wait_send.
       StepTracer::Span span(tracer, label, "p2p");
@@ -247,7 +255,9 @@ struct PipelineExecutor::Impl {
       }
       return;
     }
-    s.send = sender->post(link, plan.rank(), peer, buf, io_bytes, t, std::move(label));
+    auto it = senders.find(peer);
+    TR_CHECK(it != senders.end(), s.send_what, ": no sender thread for pp rank ", peer, " (a bug)");
+    s.send = it->second->post(link, plan.rank(), peer, buf, io_bytes, t, std::move(label));
   }
   void wait_all_sends() {
     for (ChunkRun& cr : chunks)
@@ -313,7 +323,14 @@ PipelineExecutor::PipelineExecutor(const ModelArch& arch, Backend* be, const Pip
       im.kill_mb = int(km);
     }
   }
-  if (!links.stream_ordered()) im.sender = std::make_unique<Sender>(im.global_rank(r));
+  if (!links.stream_ordered()) {
+    // Trace rows 1, 2, ...: one per link, in the order of the peers.
+    for (const PipeAction& a : schedule_.actions[size_t(r)])
+      if ((a.op == PipeOp::SendAct || a.op == PipeOp::SendGrad) && !im.senders.count(a.peer))
+        im.senders[a.peer] = nullptr;
+    int tid = 1;
+    for (auto& [peer, snd] : im.senders) snd = std::make_unique<Sender>(im.global_rank(r), tid++);
+  }
   im.view = std::make_unique<NetworkView>(*this);
 }
 
@@ -330,7 +347,11 @@ const Network& PipelineExecutor::network_view() const { return *impl_->view; }
 
 void PipelineExecutor::set_tracer(StepTracer* t) {
   impl_->tracer = t;
-  if (impl_->sender) impl_->sender->tracer = t;
+  int tid = 1;
+  for (auto& [peer, snd] : impl_->senders) {
+    snd->tracer = t;
+    if (t) t->name_thread(tid++, detail::cat("pipeline sends to pp rank ", peer));
+  }
 }
 
 void PipelineExecutor::train_step(int64_t step, const Loader& load, float dloss_scale, float* loss_sum) {
