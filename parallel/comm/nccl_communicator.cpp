@@ -725,7 +725,14 @@ std::unique_ptr<Communicator> make_nccl_communicator_impl(Backend* be_base, Stor
   if (r != ncclSuccess) {
     const std::string detail = comm ? ncclGetLastError(comm) : "";
     if (comm) ncclCommAbort(comm);
-    TR_FAIL(where, ": ncclCommInitRank failed: ", ncclGetErrorString(r), detail.empty() ? "" : " (" + detail + ")");
+    // The common cause of invalid usage here: two ranks of the group on one
+    // GPU (NCCL: "Duplicate GPU detected"), e.g. every worker pinned to
+    // GPU 0 by CUDA_VISIBLE_DEVICES. trainrun gives each rank its own GPU.
+    TR_FAIL(where, ": ncclCommInitRank failed: ", ncclGetErrorString(r), detail.empty() ? "" : " (" + detail + ")",
+            r == ncclInvalidUsage ? "; if two ranks share a GPU (NCCL refuses duplicate GPUs in a communicator), "
+                                    "give each rank its own: one worker per GPU, LOCAL_RANK r on GPU r, and no "
+                                    "CUDA_VISIBLE_DEVICES that maps several workers to one device"
+                                  : "");
   }
   int version = 0;
   ncclGetVersion(&version);

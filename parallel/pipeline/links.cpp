@@ -11,6 +11,11 @@
 
 namespace trainrun {
 
+namespace {
+// Above every tag the executor uses ((microbatch x stages + boundary) x 2 + direction).
+constexpr uint32_t kHandshakeTag = 0xfffffff0u;
+}  // namespace
+
 std::vector<std::pair<int, int>> pipeline_link_pairs(const PipelineSchedule& s) {
   std::set<std::pair<int, int>> pairs;
   for (int r = 0; r < s.ranks; ++r)
@@ -43,6 +48,22 @@ PipelineLinks::PipelineLinks(const PipelineSchedule& s, int pp_rank, const std::
     TR_CHECK(c && c->world_size() == 2, "pipeline: the link from pp rank ", from, " to pp rank ", to,
              " did not get a 2-rank communicator (a bug)");
     c->set_group(prefix.substr(0, prefix.size() - 1));  // "pp0.link0to1": named in its errors
+    // One message over it now, in the same order, for two reasons: NCCL
+    // connects a pair lazily at its first send/recv, which waits on the
+    // host for the peer (done here, where both ends are known to be, not at
+    // some first use mid-step where the other end may be busy elsewhere);
+    // and a link that does not work fails here, named, before step 1.
+    const int32_t want = 0x11c0000 + from * 1000 + to;
+    int32_t got = 0;
+    try {
+      if (from == pp_rank) c->send(&want, sizeof want, 1, kHandshakeTag);
+      else c->recv(&got, sizeof got, 0, kHandshakeTag);
+    } catch (const std::exception& e) {
+      TR_FAIL("pipeline: the link from pp rank ", from, " to pp rank ", to, " (", c->group(),
+              ") failed its first message: ", e.what());
+    }
+    TR_CHECK(from == pp_rank || got == want, "pipeline: the link from pp rank ", from, " to pp rank ", to,
+             " delivered ", got, " instead of ", want, " (a bug)");
     links_.push_back(Link{from, to, std::move(c)});
   }
 }
