@@ -11,6 +11,7 @@
 #include "core/common/error.h"
 #include "parallel/pipeline/links.h"
 #include "parallel/pipeline/schedule.h"
+#include "parallel/pipeline/slots.h"
 
 using namespace trainrun;
 using Catch::Matchers::Contains;
@@ -193,5 +194,40 @@ TEST_CASE("pipeline: on every link the send order is the receive order (NCCL mat
     CHECK_THAT(error_of([&] { check_pipeline_schedule(s); }),
                Contains("the link from rank 0 to rank 1") && Contains("rank 0 sends 2 message(s) on it and rank 1 "
                                                                        "receives 1"));
+  }
+}
+
+TEST_CASE("pipeline: the check runs the executor's buffer reuse too (slots.h), and refuses a list that hangs on it",
+          "[pipeline][slots]") {
+  SECTION("1f1b's last stage has one slot: each receive after the first waits for the gradient sent from it") {
+    const PipelineSchedule s = make_pipeline_schedule("1f1b", 2, 1, 3);
+    const PipelineSlotPlan p = plan_pipeline_slots(s, 1);
+    REQUIRE(p.slots_per_chunk == std::vector<int>{1});
+    const auto& list = s.actions[1];
+    int waits = 0;
+    for (size_t i = 0; i < list.size(); ++i)
+      for (int w : p.waits[i]) {
+        ++waits;
+        CHECK(list[i].op == PipeOp::RecvAct);
+        CHECK(list[size_t(w)].op == PipeOp::SendGrad);
+        CHECK(list[size_t(w)].microbatch == list[i].microbatch - 1);
+      }
+    CHECK(waits == 2);
+  }
+  SECTION("a list that passes with sends that never wait, but hangs once a slot waits for its last send") {
+    // interleaved_1f1b, 3 ranks: rank 2 sends microbatch 2's activation
+    // five actions late. Buffered, every list still runs to the end; with
+    // the executor's reuse rank 2 cannot take the slot back before its
+    // gradient to rank 1 is received, and rank 1 waits for that activation.
+    PipelineSchedule s = make_pipeline_schedule("interleaved_1f1b", 3, 2, 6);
+    auto& l = s.actions[2];
+    REQUIRE(l[8].op == PipeOp::SendAct);
+    REQUIRE(l[8].microbatch == 2);
+    const PipeAction a = l[8];
+    l.erase(l.begin() + 8);
+    l.insert(l.begin() + 13, a);
+    CHECK_THAT(error_of([&] { check_pipeline_schedule(s); }),
+               Contains("would hang") && Contains("rank 2 at recv_act mb1 stage5") &&
+                   Contains("first waiting for its send_grad mb0 stage5 to rank 1 to be received"));
   }
 }

@@ -14,6 +14,7 @@
 
 #include "core/common/error.h"
 #include "core/common/trace.h"
+#include "parallel/pipeline/slots.h"
 
 namespace trainrun {
 
@@ -100,19 +101,20 @@ class Sender {
 struct Slot {
   std::unique_ptr<Network> net;
   DeviceBuffer in, tgt;
-  // The last send from its buffers: on the sender thread (a future), or
-  // stream-ordered (the compute stream's wait for it, still owed).
-  std::shared_future<void> send;
+};
+
+// A send that may still be reading its slot's buffers: on a sender thread
+// (a future), or stream-ordered (the compute stream's wait for it, owed).
+struct SendInFlight {
+  std::shared_future<void> done;
   std::unique_ptr<PendingCollective> pending;
-  std::string send_what;          // for the message if that send failed
-  bool busy = false;
+  std::string what;  // for the message if it failed
 };
 
 struct ChunkRun {
   const PipelineChunk* chunk = nullptr;
   PipelineStage stage;  // the chunk's, with split_backward under zero_bubble
   std::vector<Slot> slots;
-  std::map<int, int> slot_of;  // microbatch -> slot
 };
 
 class NetworkView final : public Network {
@@ -178,43 +180,24 @@ struct PipelineExecutor::Impl {
                        global_rank(plan.rank()), ") and stage ", peer_vs, " (rank ", global_rank(peer_vs % P()), ")");
   }
 
-  // Before the slot's buffers are overwritten (slot reuse) and at the end
-  // of the step: its last send must have read them.
-  void wait_send(Slot& s) {
-    if (s.pending) {
-      s.pending->order_compute_after();  // on the GPU: the host does not wait
-      s.pending.reset();
-    }
-    if (!s.send.valid()) return;
+  // The sends still out, by id (the action's index in the list;
+  // forward_only numbers its own). The slot plan says which to wait for
+  // before which action: before a slot's buffers are overwritten, and
+  // before a second send from one slot; the end of the step waits for all.
+  std::map<int, SendInFlight> inflight;
+  PipelineSlotPlan slots;  // this rank's (slots.h)
+  void wait_send(int id) {
+    auto it = inflight.find(id);
+    if (it == inflight.end()) return;
+    SendInFlight f = std::move(it->second);
+    inflight.erase(it);
+    if (f.pending) f.pending->order_compute_after();  // on the GPU: the host does not wait
+    if (!f.done.valid()) return;
     try {
-      s.send.get();
+      f.done.get();
     } catch (const std::exception& e) {
-      s.send = {};
-      TR_FAIL(s.send_what, " failed: ", e.what());
+      TR_FAIL(f.what, " failed: ", e.what());
     }
-    s.send = {};
-  }
-  Slot& slot(int c, int mb) {
-    ChunkRun& cr = chunks[size_t(c)];
-    auto it = cr.slot_of.find(mb);
-    if (it != cr.slot_of.end()) return cr.slots[size_t(it->second)];
-    for (size_t i = 0; i < cr.slots.size(); ++i)
-      if (!cr.slots[i].busy) {
-        Slot& s = cr.slots[i];
-        wait_send(s);  // its buffers are about to be overwritten
-        s.busy = true;
-        cr.slot_of[mb] = int(i);
-        return s;
-      }
-    TR_FAIL("pipeline: stage ", cr.chunk->virtual_stage, " holds more microbatches than its ", cr.slots.size(),
-            " activation sets (a bug)");
-  }
-  void free_slot(int c, int mb) {
-    ChunkRun& cr = chunks[size_t(c)];
-    auto it = cr.slot_of.find(mb);
-    if (it == cr.slot_of.end()) return;
-    cr.slots[size_t(it->second)].busy = false;
-    cr.slot_of.erase(it);
   }
   // On the compute thread, over the link from the peer's rank (its rank 0).
   // Stream-ordered (NCCL): the link's stream waits for the compute stream's
@@ -234,12 +217,13 @@ struct PipelineExecutor::Impl {
       TR_FAIL(what, " failed: ", e.what());
     }
   }
-  void send(Slot& s, const void* buf, int mb, int vs, int peer_vs, int dir) {
-    wait_send(s);
+  // `id`: the send's number for wait_send.
+  void send(int id, const void* buf, int mb, int vs, int peer_vs, int dir) {
     const int peer = peer_vs % P();
-    s.send_what = where(dir == 0 ? "sending the activation" : "sending the gradient", mb, vs, peer_vs);
+    SendInFlight& s = inflight[id];
+    s.what = where(dir == 0 ? "sending the activation" : "sending the gradient", mb, vs, peer_vs);
     Communicator* link = links.to(peer);
-    TR_CHECK(link, s.send_what, ": no link from pp rank ", plan.rank(), " to pp rank ", peer, " (a bug)");
+    TR_CHECK(link, s.what, ": no link from pp rank ", plan.rank(), " to pp rank ", peer, " (a bug)");
     const uint32_t t = tag(mb, std::min(vs, peer_vs), dir);
     std::string label = detail::cat(dir == 0 ? "send_act mb" : "send_grad mb", mb, " stage ", vs);
     if (senders.empty()) {
@@ -247,21 +231,20 @@ struct PipelineExecutor::Impl {
       // the compute stream waits for it only in wait_send.
       StepTracer::Span span(tracer, label, "p2p");
       try {
-        link->set_op_label(s.send_what);
+        link->set_op_label(s.what);
         record_pipeline_link_use(global_rank(plan.rank()), plan.rank(), peer, true);
         s.pending = link->send_deferred(buf, io_bytes, 1, t);
       } catch (const std::exception& e) {
-        TR_FAIL(s.send_what, " failed: ", e.what());
+        TR_FAIL(s.what, " failed: ", e.what());
       }
       return;
     }
     auto it = senders.find(peer);
-    TR_CHECK(it != senders.end(), s.send_what, ": no sender thread for pp rank ", peer, " (a bug)");
-    s.send = it->second->post(link, plan.rank(), peer, buf, io_bytes, t, std::move(label));
+    TR_CHECK(it != senders.end(), s.what, ": no sender thread for pp rank ", peer, " (a bug)");
+    s.done = it->second->post(link, plan.rank(), peer, buf, io_bytes, t, std::move(label));
   }
   void wait_all_sends() {
-    for (ChunkRun& cr : chunks)
-      for (Slot& s : cr.slots) wait_send(s);
+    while (!inflight.empty()) wait_send(inflight.begin()->first);
   }
   void forward(Slot& s, const PipelineChunk& ch, int mb, const Loader& load, bool for_backward, float dloss_scale,
                float* loss_sum) {
@@ -284,21 +267,11 @@ PipelineExecutor::PipelineExecutor(const ModelArch& arch, Backend* be, const Pip
   TR_CHECK(schedule_.ranks == plan.ranks() && schedule_.virtual_stages == int(plan.chunks().size()),
            "pipeline: schedule and plan disagree (a bug)");
   const int r = plan.rank();
-  // Activation sets per chunk: the most microbatches this rank's list has
-  // received or forwarded and not yet backwarded on it, at any point.
-  std::vector<int> live(plan.chunks().size(), 0), most(plan.chunks().size(), 1);
-  std::vector<std::map<int, bool>> open(plan.chunks().size());
-  for (const PipeAction& a : schedule_.actions[size_t(r)]) {
-    const size_t c = size_t(im.chunk_of(a.stage));
-    if (a.op == PipeOp::RecvAct || a.op == PipeOp::F) {
-      if (!open[c][a.microbatch]) {
-        open[c][a.microbatch] = true;
-        most[c] = std::max(most[c], ++live[c]);
-      }
-    } else if (a.op == PipeOp::B || a.op == PipeOp::BW) {
-      if (open[c].erase(a.microbatch)) --live[c];
-    }
-  }
+  // Activation sets per chunk, each action's set and the sends it waits
+  // for: the slot plan (slots.h), which check_pipeline_schedule proved
+  // cannot hang.
+  im.slots = plan_pipeline_slots(schedule_, r);
+  const std::vector<int>& most = im.slots.slots_per_chunk;
   const int B = im.opts.micro_batch, T = im.opts.seq_len;
   for (size_t c = 0; c < plan.chunks().size(); ++c) {
     ChunkRun cr;
@@ -362,9 +335,15 @@ void PipelineExecutor::train_step(int64_t step, const Loader& load, float dloss_
   im.bubble = -1;
   im.store.begin_step();
   im.step_begin = im.be->time_mark();
-  for (const PipeAction& a : schedule_.actions[size_t(im.plan.rank())]) {
+  const std::vector<PipeAction>& list = schedule_.actions[size_t(im.plan.rank())];
+  for (size_t i = 0; i < list.size(); ++i) {
+    const PipeAction& a = list[i];
     const int c = im.chunk_of(a.stage);
     const PipelineChunk& ch = *im.chunks[size_t(c)].chunk;
+    // The sends whose buffers this action takes over or sends from again
+    // (slots.h): waited for first, so their time counts as idle.
+    for (int w : im.slots.waits[i]) im.wait_send(w);
+    Slot& s = im.chunks[size_t(c)].slots[size_t(im.slots.slot[i])];
     const bool compute = a.op == PipeOp::F || a.op == PipeOp::B || a.op == PipeOp::BI || a.op == PipeOp::BW;
     StepTracer::Span span(compute ? im.tracer : nullptr,
                           detail::cat(a.op == PipeOp::F ? "forward" : a.op == PipeOp::B ? "backward"
@@ -372,41 +351,31 @@ void PipelineExecutor::train_step(int64_t step, const Loader& load, float dloss_
                                       " mb", a.microbatch, " stage ", a.stage),
                           "compute");
     if (compute) im.compute_marks.emplace_back(im.be->time_mark(), nullptr);
+    const int id = int(i);
     switch (a.op) {
-      case PipeOp::RecvAct: {
-        Slot& s = im.slot(c, a.microbatch);
+      case PipeOp::RecvAct:
         im.recv(s.net->stage_input(), a.microbatch, a.stage, a.stage - 1, 0);
         break;
-      }
       case PipeOp::F:
-        im.forward(im.slot(c, a.microbatch), ch, a.microbatch, load, true, dloss_scale, loss_sum);
+        im.forward(s, ch, a.microbatch, load, true, dloss_scale, loss_sum);
         break;
-      case PipeOp::SendAct: {
-        Slot& s = im.slot(c, a.microbatch);
-        im.send(s, s.net->stage_output(), a.microbatch, a.stage, a.stage + 1, 0);
+      case PipeOp::SendAct:
+        im.send(id, s.net->stage_output(), a.microbatch, a.stage, a.stage + 1, 0);
         break;
-      }
       case PipeOp::RecvGrad:
-        im.recv(im.slot(c, a.microbatch).net->stage_output_grad(), a.microbatch, a.stage, a.stage + 1, 1);
+        im.recv(s.net->stage_output_grad(), a.microbatch, a.stage, a.stage + 1, 1);
         break;
       case PipeOp::B:
-        im.slot(c, a.microbatch).net->backward(im.store.chunk_access(c));
-        if (ch.stage.first) im.free_slot(c, a.microbatch);
+        s.net->backward(im.store.chunk_access(c));
         break;
-      case PipeOp::SendGrad: {
-        Slot& s = im.slot(c, a.microbatch);
-        im.send(s, s.net->stage_input_grad(), a.microbatch, a.stage, a.stage - 1, 1);
-        // Reused only after that send has left (Impl::slot); under
-        // zero_bubble only after its weight step too.
-        if (!im.split) im.free_slot(c, a.microbatch);
+      case PipeOp::SendGrad:
+        im.send(id, s.net->stage_input_grad(), a.microbatch, a.stage, a.stage - 1, 1);
         break;
-      }
       case PipeOp::BI:
-        im.slot(c, a.microbatch).net->backward_input(im.store.chunk_access(c));
+        s.net->backward_input(im.store.chunk_access(c));
         break;
       case PipeOp::BW:
-        im.slot(c, a.microbatch).net->backward_weight(im.store.chunk_access(c));
-        im.free_slot(c, a.microbatch);
+        s.net->backward_weight(im.store.chunk_access(c));
         break;
     }
     if (compute) im.compute_marks.back().second = im.be->time_mark();
@@ -446,14 +415,16 @@ void PipelineExecutor::forward_only(int64_t step, int microbatches, const Loader
   // Microbatch by microbatch, chunk by chunk: every rank takes (m, chunk)
   // in the same order and each only waits on earlier ones, with sends that
   // do not wait, so this cannot hang.
+  // Each chunk's slot 0 carries every microbatch: its last send (id c) is
+  // waited for before the slot is overwritten by the next.
   for (int m = 0; m < microbatches; ++m)
     for (size_t c = 0; c < im.chunks.size(); ++c) {
       const PipelineChunk& ch = *im.chunks[c].chunk;
       Slot& s = im.chunks[c].slots[0];
-      im.wait_send(s);
+      im.wait_send(int(c));
       if (!ch.stage.first) im.recv(s.net->stage_input(), m, ch.virtual_stage, ch.virtual_stage - 1, 0);
       im.forward(s, ch, m, load, false, 0.0f, loss_sum);
-      if (!ch.stage.last) im.send(s, s.net->stage_output(), m, ch.virtual_stage, ch.virtual_stage + 1, 0);
+      if (!ch.stage.last) im.send(int(c), s.net->stage_output(), m, ch.virtual_stage, ch.virtual_stage + 1, 0);
     }
   im.wait_all_sends();
   im.store.end_forward_only();

@@ -9,6 +9,7 @@
 
 #include "core/common/error.h"
 #include "core/common/int_list.h"
+#include "parallel/pipeline/slots.h"
 
 namespace trainrun {
 
@@ -228,16 +229,23 @@ PipelineSchedule make_pipeline_schedule(const std::string& kind, int ranks, int 
   return s;
 }
 
-void check_pipeline_schedule(const PipelineSchedule& s) {
-  check_link_order(s);
+namespace {
+
+// The run of every rank's list with sends that do not wait and receives
+// that do; with `slots`, also the executor's own waits (slots.h): an action
+// runs only once the earlier sends it waits for have been received.
+void simulate_lists(const PipelineSchedule& s, const std::vector<PipelineSlotPlan>* slots) {
   const int P = s.ranks, S = s.stages(), M = s.microbatches;
   // What each rank has done, per (microbatch, stage).
   std::set<std::tuple<int, int>> fwd, bwd_in, bwd_w, act_in, grad_in;
   // Messages in flight per (from, to), in order: (microbatch, stage of the
   // sender). One queue for activations and gradients together: NCCL has no
   // tags, so a pair's messages must match in issue order whatever they carry.
-  std::map<std::tuple<int, int, int>, std::deque<std::pair<int, int>>> wires;
+  // Each entry also carries the send's index in the sender's list.
+  std::map<std::tuple<int, int, int>, std::deque<std::tuple<int, int, size_t>>> wires;
+  std::set<std::pair<int, size_t>> received;  // (sender rank, send action index)
   std::vector<size_t> pc(size_t(P), 0);
+  std::vector<int> waiting_for(size_t(P), -1);  // the send a blocked rank waits for (slots), else -1
   auto where = [&](int r, const PipeAction& a) {
     return s.kind + " schedule, rank " + std::to_string(r) + ", action " + std::to_string(pc[size_t(r)]) + " (" +
            action_text(a) + ")";
@@ -256,6 +264,14 @@ void check_pipeline_schedule(const PipelineSchedule& s) {
           TR_CHECK(s.rank_of_stage(a.stage) == r, where(r, a), ": stage ", a.stage, " belongs to rank ",
                    s.rank_of_stage(a.stage));
         bool blocked = false;
+        waiting_for[size_t(r)] = -1;
+        if (slots)
+          for (int w : (*slots)[size_t(r)].waits[pc[size_t(r)]])
+            if (!received.count({r, size_t(w)})) {
+              waiting_for[size_t(r)] = w;
+              blocked = true;
+            }
+        if (blocked) break;
         switch (a.op) {
           case PipeOp::F:
             TR_CHECK(a.stage == 0 || act_in.count(key), where(r, a), ": its input activation was not received");
@@ -279,7 +295,7 @@ void check_pipeline_schedule(const PipelineSchedule& s) {
             const int to_stage = act ? a.stage + 1 : a.stage - 1;
             TR_CHECK(to_stage >= 0 && to_stage < S && a.peer == s.rank_of_stage(to_stage), where(r, a),
                      ": stage ", to_stage, " is not on rank ", a.peer);
-            wires[std::make_tuple(r, a.peer, 0)].push_back({a.microbatch, a.stage});
+            wires[std::make_tuple(r, a.peer, 0)].push_back({a.microbatch, a.stage, pc[size_t(r)]});
             break;
           }
           case PipeOp::RecvAct:
@@ -293,9 +309,10 @@ void check_pipeline_schedule(const PipelineSchedule& s) {
               blocked = true;
               break;
             }
-            TR_CHECK(q.front() == std::make_pair(a.microbatch, from_stage), where(r, a), ": the next message from rank ",
-                     a.peer, " is microbatch ", q.front().first, " of stage ", q.front().second,
-                     " (messages between two ranks match in order)");
+            TR_CHECK(std::get<0>(q.front()) == a.microbatch && std::get<1>(q.front()) == from_stage, where(r, a),
+                     ": the next message from rank ", a.peer, " is microbatch ", std::get<0>(q.front()), " of stage ",
+                     std::get<1>(q.front()), " (messages between two ranks match in order)");
+            received.insert({a.peer, std::get<2>(q.front())});
             q.pop_front();
             (act ? act_in : grad_in).insert(key);
             break;
@@ -312,8 +329,13 @@ void check_pipeline_schedule(const PipelineSchedule& s) {
       std::string msg = s.kind + " schedule (" + std::to_string(P) + " ranks, " + std::to_string(M) +
                         " microbatches) would hang: every rank waits for a message that is never sent:";
       for (int r = 0; r < P; ++r)
-        if (pc[size_t(r)] < s.actions[size_t(r)].size())
-          msg += " rank " + std::to_string(r) + " at " + action_text(s.actions[size_t(r)][pc[size_t(r)]]) + ";";
+        if (pc[size_t(r)] < s.actions[size_t(r)].size()) {
+          msg += " rank " + std::to_string(r) + " at " + action_text(s.actions[size_t(r)][pc[size_t(r)]]);
+          if (waiting_for[size_t(r)] >= 0)
+            msg += " (first waiting for its " + action_text(s.actions[size_t(r)][size_t(waiting_for[size_t(r)])]) +
+                   " to be received: the executor reuses that send's buffers)";
+          msg += ";";
+        }
       TR_FAIL(msg);
     }
   }
@@ -324,6 +346,18 @@ void check_pipeline_schedule(const PipelineSchedule& s) {
   TR_CHECK(fwd.size() == want && bwd_in.size() == want && bwd_w.size() == want, s.kind, " schedule: ", fwd.size(),
            " forwards, ", bwd_in.size(), " backwards and ", bwd_w.size(), " weight gradients of the ", want,
            " (stages x microbatches) it must run");
+}
+
+}  // namespace
+
+void check_pipeline_schedule(const PipelineSchedule& s) {
+  check_link_order(s);
+  // First the lists alone, whose errors name what is wrong with them; then
+  // with the executor's buffer reuse (slots.h), which only a sound list has.
+  simulate_lists(s, nullptr);
+  std::vector<PipelineSlotPlan> slots;
+  for (int r = 0; r < s.ranks; ++r) slots.push_back(plan_pipeline_slots(s, r));
+  simulate_lists(s, &slots);
 }
 
 PipelineStats simulate_pipeline_schedule(const PipelineSchedule& s) {
