@@ -2,8 +2,9 @@
 // pair of pp ranks (from -> to) that the schedule sends on, used in one
 // direction only.
 //
-// Why one per direction: the executor sends from one place (a sender thread
-// on Gloo, the compute thread on NCCL) and receives on the compute thread.
+// Why one per direction: the executor sends from one place per link (its
+// sender thread on Gloo, the compute thread on NCCL) and receives on the
+// compute thread.
 // Over one shared communicator the two would use it from two threads at
 // once (a Gloo context is not documented as thread-safe) and, on NCCL, a
 // receive waiting for its peer would hold up every send queued behind it on

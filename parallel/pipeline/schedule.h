@@ -65,30 +65,32 @@ PipelineSchedule make_pipeline_schedule(const std::string& kind, int ranks, int 
 // ranks, links.h) the sender's send order is the receiver's receive order,
 // else an Error naming the link, its ranks and the two microbatches.
 //
-// Why the NCCL runtime (a stream per link, every op issued in list order
-// from the compute thread, nothing waiting on the host) cannot hang once
-// this check passes. Write the run as a graph of GPU operations (compute
-// actions; transfers, a send and its receive being one node that runs when
-// both ends are ready) with an edge for every "must finish before":
-//  - compute: the previous compute on the rank's compute stream, the
-//    receives it needs (the compute stream waits for them), and the sends
-//    whose buffer it overwrites (wait_send at slot reuse);
-//  - a transfer, on each end: the previous op on its link stream, and the
-//    compute stream's point at which it was issued (the data produced, or
-//    the buffer free).
-// The Gloo runtime has every one of those edges and more: its receives
-// block the compute thread (so all later work waits for them, needed or
-// not), and its one sender thread runs the sends of all links in one
-// order. A cycle among the NCCL edges is therefore a cycle among Gloo's:
-// NCCL can only hang where Gloo hangs too. And the matching is the same:
-// Gloo pairs messages by tag, NCCL by order on the link, and the link
-// order check proves the k-th send and the k-th receive of every link are
-// the same message. What the simulation below proves is the buffered model
-// (a send never waits); transfers that meet (rendezvous) add, per link,
-// only "the k-th transfer after the (k-1)-th", which the receiver's list
-// order already implies. The slot-reuse waits are the executor's (it holds
-// as many slots as the list has microbatches in flight) and are the same
-// on both runtimes; every built-in schedule runs them in the tests on Gloo.
+// Then the lists again with the executor's buffer reuse (slots.h): an
+// action that takes over a slot, or sends from it again, runs only once
+// the slot's last send has been received.
+//
+// What that proves about the runtimes. The model: each rank runs its list
+// in order; a receive waits for its message; a send is posted and the list
+// goes on; the slot waits wait for "received"; on every link messages pair
+// up in order (the link order check). The Gloo runtime is that model: its
+// compute thread runs the list, blocks in receives and in the slot waits,
+// and hands each send to its link's own sender thread (one per link, so a
+// send that waits for one peer never holds up another link; one thread for
+// all links hung pp4 interleaved_1f1b). A send there meets its receive
+// (rendezvous) instead of being buffered, which adds only "the k-th
+// transfer on a link after the (k-1)-th": already implied, since the
+// receiver's k-th receive comes after its (k-1)-th in its list.
+// The NCCL runtime (a stream per link, every op issued in list order from
+// the compute thread, nothing waiting on the host) has the same waits, as
+// GPU edges: a transfer starts after the previous op on its link's stream
+// and after the compute stream's point at its issue (the data produced, or
+// the buffer free); a compute action waits for the previous compute, for
+// the receives it needs and for the slot plan's sends. That is a subset of
+// Gloo's edges (there, a receive blocks every later action, needed or not),
+// so a cycle among NCCL's waits would be one among Gloo's: what this check
+// proves for Gloo holds for NCCL. (The executor's only other waits are at
+// the end of the step, for every send, which the check's "every message
+// received" covers.)
 void check_pipeline_schedule(const PipelineSchedule& s);
 
 // A simulated run with unit costs (F = 1, BI = 1, BW = 1, B = 2 for a
