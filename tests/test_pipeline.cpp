@@ -70,6 +70,29 @@ TEST_CASE("pipeline: 1f1b bounds activations, interleaving and zero_bubble shrin
   CHECK(zb.bubble == Approx(double(P - 1) / zb.length));  // ZB-H1: a third of 1f1b's idle time (F = BI = BW)
 }
 
+TEST_CASE("pipeline: the simulator with measured costs gives ZB-H1's general bubble and charges p2p", "[pipeline]") {
+  // Qi et al. (arXiv 2401.10241): ZB-H1 idles (p - 1)(F + B - W) per rank,
+  // so with BW cheaper than F its bubble is (p-1)(F+BI-BW) / (m (F+BI+BW)),
+  // not (p-1)/(3m): what `bench pipeline`'s model column shows.
+  for (int P : {2, 4}) {
+    const int M = 4 * P;
+    const PipelineSchedule zb = make_pipeline_schedule("zero_bubble", P, 1, M);
+    const double F = 1, BI = 1, BW = 0.5;
+    auto cost = [&](int, PipeOp op) { return op == PipeOp::F ? F : op == PipeOp::BI ? BI : BW; };
+    const PipelineStats st = simulate_pipeline_schedule(zb, cost, 0.0);
+    INFO("P=" << P);
+    CHECK(st.bubble / (1 - st.bubble) == Approx((P - 1) * (F + BI - BW) / (M * (F + BI + BW))));
+    // Unit costs: the plain simulation, and the formula (p-1)/(3m).
+    const PipelineStats unit = simulate_pipeline_schedule(zb, [](int, PipeOp) { return 1.0; }, 0.0);
+    CHECK(unit.length == simulate_pipeline_schedule(zb).length);
+    CHECK(unit.bubble / (1 - unit.bubble) == Approx(double(P - 1) / (3.0 * M)));
+    // A transfer time lengthens the step and the bubble.
+    const PipelineStats slow = simulate_pipeline_schedule(zb, cost, 0.25);
+    CHECK(slow.length > st.length);
+    CHECK(slow.bubble > st.bubble);
+  }
+}
+
 TEST_CASE("pipeline: the checker finds hangs, missing work and misrouted messages", "[pipeline]") {
   // Two ranks that both receive first: a hang, reported with both blocked actions.
   PipelineSchedule s = make_pipeline_schedule("gpipe", 2, 1, 2);

@@ -10,6 +10,11 @@
 // pipeline_bubble, w; PipelineExecutor::last_wait_fraction), shown as idle / busy =
 // w / (1 - w) so it reads against the formulas: (p-1)/m for gpipe and 1f1b,
 // (p-1)/(v m) interleaved, (p-1)/(3m) ZB-H1 (which assumes F = B = W).
+// The steps after the warm-up are traced (output.trace_steps), and the
+// "model" column simulates each schedule with those measured per-stage op
+// times and free p2p (simulate_pipeline_schedule with costs): the bubble
+// the stage costs alone give, so measured - model is the runtime's and the
+// transfers' share and model - formula the stage costs'.
 #pragma once
 #include <string>
 

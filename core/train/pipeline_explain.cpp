@@ -1,5 +1,6 @@
 // `--explain` (pipeline_explain.h).
 #include "core/train/pipeline_explain.h"
+#include "core/train/planner.h"
 
 #include <sstream>
 
@@ -50,10 +51,10 @@ std::string explain_pipeline_job(const JobSpec& job, int world) {
     o << '\n';
   }
   o << explain_pipeline_schedule(s);
-  const double formula = p.pipeline_schedule == "interleaved_1f1b" ? double(pp - 1) / (v * accum)
-                                                                  : double(pp - 1) / accum;
-  o << "  bubble formula (p-1)/" << (v > 1 ? "(v m)" : "m") << " relative to the ideal step: "
-    << int(formula * 1000 + 0.5) / 10.0 << "%\n";
+  const double formula = pipeline_bubble_formula(p.pipeline_schedule, pp, v, accum);
+  o << "  bubble formula (p-1)/"
+    << (p.pipeline_schedule == "interleaved_1f1b" ? "(v m)" : p.pipeline_schedule == "zero_bubble" ? "(3m)" : "m")
+    << " relative to the ideal step: " << int(formula * 1000 + 0.5) / 10.0 << "%\n";
   return o.str();
 }
 

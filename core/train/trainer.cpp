@@ -162,8 +162,9 @@ class Trainer {
   void log_memory_at_end();
   void write_resolved_spec_with_mesh(const MeshDims& dims) const;
   void read_batch(const TokenSource& src, int64_t first, int B);
-  // Microbatch m of the batch at `cursor` into device buffers (pipeline stages).
-  void read_microbatch(const TokenSource& src, int64_t cursor, int m, int32_t* in, int32_t* tgt);
+  // Microbatch m of the batch at `cursor` into one pipeline stage's device
+  // buffers: those of `to` that are not null.
+  void read_microbatch(const TokenSource& src, int64_t cursor, int m, const PipelineExecutor::MicrobatchBuffers& to);
   // The compute's activations for the reports: the network, or the pipeline's stage networks.
   const Network& network() const { return pipe_ ? pipe_->network_view() : *model_; }
   bool debug_nan_step(int step) const { return debug_nan_step_for(w_.rank, step); }
@@ -365,6 +366,7 @@ void Trainer::setup() {
       po.micro_batch = mb_;
       po.seq_len = T_;
       po.activation_checkpointing = job_.train.activation_checkpointing == "blocks";
+      po.document_mask = doc_separator_ >= 0;  // resolved first thing in setup()
       po.tp = tpc;
       po.stage_ranks = mesh_->group_ranks(MeshDim::pp);
       pipe_ = std::make_unique<PipelineExecutor>(*arch_, be_.get(), *pp_plan_, std::move(sched), *pp_store_,
@@ -463,10 +465,21 @@ void Trainer::write_resolved_spec_with_mesh(const MeshDims& dims) const {
   TR_CHECK(!ec, "cannot replace '", path.string(), "': ", ec.message());
 }
 
-void Trainer::read_microbatch(const TokenSource& src, int64_t cursor, int m, int32_t* in, int32_t* tgt) {
+void Trainer::read_microbatch(const TokenSource& src, int64_t cursor, int m,
+                              const PipelineExecutor::MicrobatchBuffers& to) {
+  // Every pp rank reads the same samples (the cursor is global, the dp rank
+  // picks the share): a middle stage reads them only to find the document
+  // offsets, a host pass over B*T tokens, and copies just those to the device.
   src.read_samples(cursor + (int64_t(m) * dp_size_ + dp_rank_) * mb_, mb_, T_, host_in_.data(), host_tgt_.data());
-  be_->copy_to_device(in, host_in_.data(), size_t(mb_) * T_ * 4);
-  be_->copy_to_device(tgt, host_tgt_.data(), size_t(mb_) * T_ * 4);
+  const size_t bytes = size_t(mb_) * T_ * 4;
+  if (to.inputs) be_->copy_to_device(to.inputs, host_in_.data(), bytes);
+  if (to.targets) be_->copy_to_device(to.targets, host_tgt_.data(), bytes);
+  if (to.doc_start) {
+    TR_CHECK(doc_separator_ >= 0 && to.pos, "pipeline: document offsets asked for without data.document_mask (a bug)");
+    document_offsets(host_in_.data(), mb_, T_, doc_separator_, host_doc_start_.data(), host_pos_.data());
+    be_->copy_to_device(to.doc_start, host_doc_start_.data(), bytes);
+    be_->copy_to_device(to.pos, host_pos_.data(), bytes);
+  }
 }
 
 void Trainer::read_batch(const TokenSource& src, int64_t first, int B) {
@@ -496,7 +509,8 @@ Trainer::StepResult Trainer::train_step(int step) {
   if (pipe_) {
     // The schedule's forwards and backwards; the last stage sums the losses.
     pipe_->train_step(
-        step + 1, [&](int m, int32_t* in, int32_t* tgt) { read_microbatch(*train_src_, cursor_, m, in, tgt); },
+        step + 1,
+        [&](int m, const PipelineExecutor::MicrobatchBuffers& to) { read_microbatch(*train_src_, cursor_, m, to); },
         dloss_scale, dev_loss_sum_.as<float>());
     if (!pp_logged_) {
       // FSDP under a pipeline gathers each of the stage's units once per
@@ -550,7 +564,9 @@ double Trainer::evaluate() {
     if (pipe_)
       pipe_->forward_only(
           step_, accum_,
-          [&](int m, int32_t* in, int32_t* tgt) { read_microbatch(*val_src_, int64_t(e) * global_B_, m, in, tgt); },
+          [&](int m, const PipelineExecutor::MicrobatchBuffers& to) {
+            read_microbatch(*val_src_, int64_t(e) * global_B_, m, to);
+          },
           dev_loss_sum_.as<float>());
     for (int m = 0; m < accum_ && !pipe_; ++m) {
       read_batch(*val_src_, int64_t(e) * global_B_ + (int64_t(m) * dp_size_ + dp_rank_) * mb_, mb_);

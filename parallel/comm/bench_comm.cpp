@@ -159,8 +159,14 @@ int run_comm_bench(const CommBenchOptions& o) {
   std::vector<int64_t> sizes;
   for (int64_t b = o.min_bytes; b <= o.max_bytes; b *= 4) sizes.push_back(b);
   // per op, per size: each rank's seconds per iteration
-  const char* ops[] = {"all_reduce", "reduce_scatter", "all_gather"};
-  std::vector<std::vector<std::vector<double>>> secs(3, std::vector<std::vector<double>>(sizes.size(), std::vector<double>(W)));
+  // send_recv: pipeline-style point to point, ranks paired (0-1, 2-3, ...)
+  // in a ping-pong; its time is half the round trip (one message's latency
+  // plus transfer), an odd last rank sits out.
+  // send_recv (shm), CPU only: the same over the shared-memory link that
+  // same-host pipeline stages use (make_shm_communicator).
+  const char* ops[] = {"all_reduce", "reduce_scatter", "all_gather", "send_recv", "send_recv (shm)"};
+  const int n_ops = W >= 2 ? (nccl ? 4 : 5) : 3;
+  std::vector<std::vector<std::vector<double>>> secs(5, std::vector<std::vector<double>>(sizes.size(), std::vector<double>(W)));
   std::vector<std::string> errors(W);
   double copy_gbps = 0;  // NCCL: GPU 0's device copy bandwidth (rank 0 measures)
 
@@ -178,6 +184,9 @@ int run_comm_bench(const CommBenchOptions& o) {
         } else {
           comm = make_gloo_communicator(*store, "bench/", r, W, "127.0.0.1", timeout);
         }
+        std::unique_ptr<Communicator> shm;  // this rank's link to its ping-pong partner
+        if (!nccl && W >= 2 && (r ^ 1) < W)
+          shm = make_shm_communicator(*store, "benchshm/" + std::to_string(r / 2) + "/", r % 2, timeout);
         for (size_t si = 0; si < sizes.size(); ++si) {
           // Round to a multiple of W floats so every rank's slice is whole.
           int64_t count = std::max<int64_t>(W, sizes[si] / 4 / W * W);
@@ -197,11 +206,23 @@ int run_comm_bench(const CommBenchOptions& o) {
           }
           int iters = o.iters > 0 ? o.iters : int(std::clamp<int64_t>((64ll << 20) / sizes[si], 3, 50));
           if (nccl) iters *= 4;  // microseconds per call: more of them
-          for (int op = 0; op < 3; ++op) {
+          const int partner = r ^ 1;
+          for (int op = 0; op < n_ops; ++op) {
             auto run_once = [&] {
               if (op == 0) comm->all_reduce(buf, count, ReduceOp::Sum);
               else if (op == 1) comm->reduce_scatter(out, buf, count / W, ReduceOp::Sum);
-              else comm->all_gather(out, buf, size_t(count / W) * 4);
+              else if (op == 2) comm->all_gather(out, buf, size_t(count / W) * 4);
+              else if (partner < W) {
+                Communicator& c = op == 3 ? *comm : *shm;
+                const int peer = op == 3 ? partner : 1 - r % 2;
+                if (r % 2 == 0) {
+                  c.send(buf, size_t(count) * 4, peer, 7);
+                  c.recv(out, size_t(count) * 4, peer, 7);
+                } else {
+                  c.recv(out, size_t(count) * 4, peer, 7);
+                  c.send(out, size_t(count) * 4, peer, 7);
+                }
+              }
             };
             run_once();  // warmup: connections, page faults
             comm->barrier();
@@ -209,7 +230,7 @@ int run_comm_bench(const CommBenchOptions& o) {
             auto t0 = Clock::now();
             for (int i = 0; i < iters; ++i) run_once();
             if (be) be->synchronize();  // NCCL calls return once enqueued
-            secs[op][si][r] = std::chrono::duration<double>(Clock::now() - t0).count() / iters;
+            secs[op][si][r] = std::chrono::duration<double>(Clock::now() - t0).count() / iters / (op >= 3 ? 2 : 1);
           }
         }
       } catch (const std::exception& e) {
@@ -228,11 +249,12 @@ int run_comm_bench(const CommBenchOptions& o) {
     std::printf("# trainrun bench comm: backend %s (gloo, TCP loopback), %d ranks (threads)\n", o.backend.c_str(), W);
     std::printf("# host memcpy bandwidth (64 MiB copy, this run): %.2f GB/s\n", mem);
   }
-  std::printf("# busbw factor: all_reduce 2(n-1)/n, reduce_scatter and all_gather (n-1)/n\n");
+  std::printf("# busbw factor: all_reduce 2(n-1)/n, reduce_scatter and all_gather (n-1)/n, send_recv 1 (its time: "
+              "one way, half a ping-pong's round trip between rank pairs 0-1, 2-3, ...)\n");
   std::printf("%-15s %10s %12s %12s %12s %10s\n", "op", "size", "time (us)", "algbw GB/s", "busbw GB/s",
               nccl ? "busbw/copy" : "busbw/memcpy");
-  for (int op = 0; op < 3; ++op) {
-    const double factor = op == 0 ? 2.0 * (W - 1) / W : double(W - 1) / W;
+  for (int op = 0; op < n_ops; ++op) {
+    const double factor = op == 0 ? 2.0 * (W - 1) / W : op >= 3 ? 1.0 : double(W - 1) / W;
     for (size_t si = 0; si < sizes.size(); ++si) {
       const double t = *std::max_element(secs[op][si].begin(), secs[op][si].end());
       const int64_t count = std::max<int64_t>(W, sizes[si] / 4 / W * W);

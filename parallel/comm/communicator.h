@@ -219,6 +219,26 @@ std::unique_ptr<Communicator> make_gloo_communicator(Store& store, const std::st
                                                      int world, const std::string& host,
                                                      std::chrono::milliseconds timeout);
 
+// Two ranks on one host, point to point only (send/recv/send_recv and
+// barrier; the collectives are errors): a ring per direction in one shared
+// mapping (parallel/comm/shm_communicator.cpp), for pipeline links.
+// Bootstraps through `store` under `prefix`; `rank` is 0 or 1. Messages
+// between the pair arrive in the order sent: a receive whose next message
+// has another tag or size is an Error. A wait that passes `timeout`, or
+// whose peer process has exited, is an Error naming the peer.
+std::unique_ptr<Communicator> make_shm_communicator(Store& store, const std::string& prefix, int rank,
+                                                    std::chrono::milliseconds timeout,
+                                                    size_t ring_bytes = size_t(4) << 20);
+
+// A pipeline link between two ranks of the CPU backend: the shared-memory
+// link when both see the same /dev/shm (same boot, same tmpfs mount), else
+// Gloo over TCP (`host` is the address Gloo binds). Both ranks decide alike
+// (they exchange what they see through `store`); TRAINRUN_PIPELINE_SHM=0
+// forces Gloo. `shared_memory` (optional) says which one it is.
+std::unique_ptr<Communicator> make_p2p_link_communicator(Store& store, const std::string& prefix, int rank,
+                                                         const std::string& host, std::chrono::milliseconds timeout,
+                                                         bool* shared_memory = nullptr);
+
 // A single-rank communicator (every op is a copy or a no-op).
 std::unique_ptr<Communicator> make_single_communicator();
 

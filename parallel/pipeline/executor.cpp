@@ -97,10 +97,14 @@ class Sender {
   std::thread th_;  // last: started once the rest is built
 };
 
-// One microbatch's place on a chunk: a network (its activations) and its tokens.
+// One microbatch's place on a chunk: a network (its activations) and its
+// tokens, and with document masking its document offsets, which stay until
+// the slot's next forward, so the backward (and activation checkpointing's
+// recompute, and zero_bubble's deferred weight step) sees the same documents.
 struct Slot {
   std::unique_ptr<Network> net;
   DeviceBuffer in, tgt;
+  DeviceBuffer doc_start, pos;  // (B,T) int32, with Options::document_mask only
 };
 
 // A send that may still be reading its slot's buffers: on a sender thread
@@ -250,9 +254,18 @@ struct PipelineExecutor::Impl {
                float* loss_sum) {
     const int B = opts.micro_batch, T = opts.seq_len;
     if (kill_rank == global_rank(plan.rank()) && kill_step == step && kill_mb == mb) std::raise(SIGKILL);
-    if (ch.stage.first || ch.stage.last) load(mb, s.in.as<int32_t>(), s.tgt.as<int32_t>());
-    s.net->forward(store.chunk_access(chunk_of(ch.virtual_stage)), ch.stage.first ? s.in.as<int32_t>() : nullptr,
-                   ch.stage.last ? s.tgt.as<int32_t>() : nullptr, B, T, for_backward, dloss_scale);
+    MicrobatchBuffers to;
+    if (ch.stage.first) to.inputs = s.in.as<int32_t>();
+    if (ch.stage.last) to.targets = s.tgt.as<int32_t>();
+    DocumentMask docs;
+    if (opts.document_mask) {
+      to.doc_start = s.doc_start.as<int32_t>();
+      to.pos = s.pos.as<int32_t>();
+      docs = DocumentMask{to.doc_start, to.pos};
+    }
+    if (to.inputs || to.targets || to.doc_start) load(mb, to);
+    s.net->forward(store.chunk_access(chunk_of(ch.virtual_stage)), to.inputs, to.targets, B, T, for_backward,
+                   dloss_scale, docs);
     if (ch.stage.last) be->sum(loss_sum, s.net->losses(), int64_t(B) * T);
   }
 };
@@ -283,6 +296,10 @@ PipelineExecutor::PipelineExecutor(const ModelArch& arch, Backend* be, const Pip
       s.net = arch.make_network(be, B, im.opts.activation_checkpointing, im.opts.tp, &cr.stage);
       s.in = DeviceBuffer(be, size_t(B) * T * 4);
       s.tgt = DeviceBuffer(be, size_t(B) * T * 4);
+      if (im.opts.document_mask) {
+        s.doc_start = DeviceBuffer(be, size_t(B) * T * 4);
+        s.pos = DeviceBuffer(be, size_t(B) * T * 4);
+      }
       cr.slots.push_back(std::move(s));
     }
     im.chunks.push_back(std::move(cr));

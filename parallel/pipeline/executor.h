@@ -56,6 +56,10 @@ class PipelineExecutor {
   struct Options {
     int micro_batch = 1, seq_len = 1;
     bool activation_checkpointing = false;
+    // data.document_mask: every stage (not only the first) gets each
+    // microbatch's document offsets, since every stage's attention (and
+    // Llama's RoPE) is block-causal over them.
+    bool document_mask = false;
     const TensorParallel* tp = nullptr;
     // Global ranks of the pp group (index = stage rank), for messages.
     std::vector<int> stage_ranks;
@@ -65,9 +69,19 @@ class PipelineExecutor {
                    PipelineStageStore& store, PipelineLinks& links, Options opts);
   ~PipelineExecutor();
 
-  // Fills microbatch m's tokens (B*T int32 each, device memory) for the
-  // first stage (inputs) and the last (targets).
-  using Loader = std::function<void(int m, int32_t* inputs, int32_t* targets)>;
+  // Where the loader puts microbatch m's data for one stage: B*T int32 each,
+  // device memory; null = this stage does not need it. The first stage gets
+  // the input tokens, the last the targets and, with Options::document_mask,
+  // every stage the document offsets (DocumentMask, made from the inputs),
+  // so a middle stage is handed no tokens, only the two offset arrays.
+  struct MicrobatchBuffers {
+    int32_t* inputs = nullptr;
+    int32_t* targets = nullptr;
+    int32_t* doc_start = nullptr;
+    int32_t* pos = nullptr;
+  };
+  // Called before each forward of a stage that needs any of them.
+  using Loader = std::function<void(int m, const MicrobatchBuffers& to)>;
   // One training step's forwards and backwards (the store's end_backward
   // included); the last stage adds its token losses to loss_sum (device).
   void train_step(int64_t step, const Loader& load, float dloss_scale, float* loss_sum);

@@ -361,13 +361,15 @@ void check_pipeline_schedule(const PipelineSchedule& s) {
 }
 
 PipelineStats simulate_pipeline_schedule(const PipelineSchedule& s) {
-  check_pipeline_schedule(s);
-  const int P = s.ranks;
   // A chunk of an interleaved schedule holds 1/v of the rank's layers.
   const double scale = 1.0 / s.virtual_stages;
-  auto cost = [&](PipeOp op) {
-    return scale * (op == PipeOp::B ? 2 : (op == PipeOp::F || op == PipeOp::BI || op == PipeOp::BW) ? 1 : 0);
-  };
+  return simulate_pipeline_schedule(s, [&](int, PipeOp op) { return scale * (op == PipeOp::B ? 2 : 1); }, 0.0);
+}
+
+PipelineStats simulate_pipeline_schedule(const PipelineSchedule& s, const std::function<double(int, PipeOp)>& op_cost,
+                                         double p2p) {
+  check_pipeline_schedule(s);
+  const int P = s.ranks;
   // Each message's arrival time, per (from, to, kind) in order.
   std::map<std::tuple<int, int, int>, std::deque<double>> arrivals;
   std::vector<size_t> pc(size_t(P), 0);
@@ -387,10 +389,11 @@ PipelineStats simulate_pipeline_schedule(const PipelineSchedule& s) {
           clock[size_t(r)] = std::max(clock[size_t(r)], q.front());
           q.pop_front();
         } else if (a.op == PipeOp::SendAct || a.op == PipeOp::SendGrad) {
-          arrivals[std::make_tuple(r, a.peer, a.op == PipeOp::SendAct ? 0 : 1)].push_back(clock[size_t(r)]);
+          arrivals[std::make_tuple(r, a.peer, a.op == PipeOp::SendAct ? 0 : 1)].push_back(clock[size_t(r)] + p2p);
         } else {
-          clock[size_t(r)] += cost(a.op);
-          busy[size_t(r)] += cost(a.op);
+          const double c = op_cost(a.stage, a.op);
+          clock[size_t(r)] += c;
+          busy[size_t(r)] += c;
           if (a.op == PipeOp::F) held[size_t(r)]++;
           if (a.op == PipeOp::B || a.op == PipeOp::BW) held[size_t(r)]--;
           st.peak_in_flight[size_t(r)] = std::max(st.peak_in_flight[size_t(r)], held[size_t(r)]);

@@ -29,6 +29,7 @@
 //                     passes to the end, where its 1f1b bubble was, keeping
 //                     1f1b's activation memory
 #pragma once
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -104,6 +105,13 @@ struct PipelineStats {
   std::vector<int> peak_in_flight;
 };
 PipelineStats simulate_pipeline_schedule(const PipelineSchedule& s);
+// The same run with given costs: cost(virtual stage, op) for each compute
+// op (F, B, BI, BW) and `p2p` for every message's transfer (arrival = the
+// send's time + p2p). `trainrun bench pipeline` feeds it a real run's
+// measured times, which tells a schedule's bubble with those stage costs
+// (uneven stages, BW cheaper than F) from what the runtime adds.
+PipelineStats simulate_pipeline_schedule(const PipelineSchedule& s, const std::function<double(int, PipeOp)>& cost,
+                                         double p2p);
 
 // `--explain`: one line per rank (its actions in order, e.g. "F0.1 send_act
 // ..."), then the simulated length, bubble and activation peaks.
