@@ -350,11 +350,14 @@ void Trainer::setup() {
                                     &hybrid);
       Communicator* ppc = mesh_comms_->comm(MeshDim::pp);
       // The p2p links (parallel/pipeline/links.h), after every mesh group
-      // and in the same order on every rank; on NCCL each on its own stream.
+      // and in the same order on every rank; on NCCL each on its own
+      // stream, on the CPU shared memory where both ranks share a host
+      // (else Gloo; TRAINRUN_PIPELINE_SHM=0 forces Gloo).
       GroupCommFactory link_factory = [this, timeout, nccl](const std::string& prefix, int rank, int world) {
+        TR_CHECK(world == 2, "pipeline: a link has 2 ranks, not ", world, " (a bug)");
         std::unique_ptr<Communicator> c =
             nccl ? make_nccl_communicator(be_.get(), store_.get(), prefix_ + prefix, rank, world, timeout, true)
-                 : make_gloo_communicator(*store_, prefix_ + prefix, rank, world, w_.bind_addr, timeout);
+                 : make_p2p_link_communicator(*store_, prefix_ + prefix, rank, w_.bind_addr, timeout);
         c->set_group(prefix.substr(0, prefix.find('/')));
         return maybe_inject_faults(std::move(c), w_.rank);
       };
