@@ -11,6 +11,7 @@
 
 #include "core/common/error.h"
 #include "core/data/dataset.h"
+#include "core/data/document_mask.h"
 #include "tests/support/testutil.h"
 
 using namespace trainrun;
@@ -497,6 +498,48 @@ TEST_CASE("data: write_llmc_shard rejects what it cannot represent", "[data][err
                       Contains("a.bin") && Contains("70000") && Contains("index 1") && Contains("version 7"));
   REQUIRE_THROWS_WITH(write_llmc_shard(d / "a.bin", {1}, 3), Contains("version 3"));
   REQUIRE_FALSE(fs::exists(d / "a.bin"));
+}
+
+TEST_CASE("data: prepare.json beside the shards: read for the vocab check and the document start, bad ones named",
+          "[data][errors]") {
+  TempDir d("prepjson");
+  fs::create_directories(d / "a");
+  fs::create_directories(d / "b");
+  write_llmc_shard(d / "a/x.bin", iota_tokens(40, 0, 50), 1);
+  write_llmc_shard(d / "b/x.bin", iota_tokens(40, 0, 50), 1);
+  const std::string both = d / "*/x.bin";
+  SECTION("none: no vocab to check, no document start") {
+    CHECK(open_token_files(both, "llmc", 50, "data.train")->num_tokens() == 80);
+    CHECK(prepared_document_start(both, "data.train") == -1);
+  }
+  SECTION("the vocab of one directory's tokenizer is checked; the ids of the two agree") {
+    write_file(d / "a/prepare.json", "{\"vocab_size\": 64, \"tokenizer\": \"t.json\", \"document_start_id\": 3}");
+    write_file(d / "b/prepare.json", "{\"vocab_size\": 50, \"document_start_id\": 3}");
+    REQUIRE_THROWS_WITH(open_token_files(both, "llmc", 50, "data.train"),
+                        Contains("data.train") && Contains(d / "a") && Contains("'t.json' of 64 ids") &&
+                            Contains("model.vocab_size = 50"));
+    CHECK(open_token_files(both, "llmc", 64, "data.train")->num_tokens() == 80);
+    CHECK(prepared_document_start(both, "data.train") == 3);
+  }
+  SECTION("two directories prepared with different document starts") {
+    write_file(d / "a/prepare.json", "{\"document_start_id\": 3}");
+    write_file(d / "b/prepare.json", "{\"document_start_id\": 4}");
+    REQUIRE_THROWS_WITH(prepared_document_start(both, "data.train"),
+                        Contains("data.train") && Contains(d / "b/prepare.json") && Contains("document_start_id 4") &&
+                            Contains(d / "a/prepare.json") && Contains("data.document_separator"));
+  }
+  SECTION("a prepare.json that is not JSON is refused by both, naming it") {
+    write_file(d / "b/prepare.json", "{\"vocab_size\": ");
+    for (int which = 0; which < 2; ++which) {
+      INFO(which);
+      const auto call = [&] {
+        if (which == 0) open_token_files(both, "llmc", 50, "data.val");
+        else prepared_document_start(both, "data.val");
+      };
+      REQUIRE_THROWS_WITH(call(), Contains("data.val") && Contains(d / "b/prepare.json") &&
+                                      Contains("not valid JSON") && Contains("re-run `trainrun prepare`"));
+    }
+  }
 }
 
 TEST_CASE("data: prepare: the fortunes corpus (when installed)", "[data][prepare]") {

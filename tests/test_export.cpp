@@ -33,8 +33,7 @@
 #include "core/io/safetensors.h"
 #include "core/model/model.h"
 #include "core/model/model_io.h"
-#include "kernels/backend_factory.h"
-#include "tests/support/device_io.h"
+#include "tests/support/hf_reference.h"
 #include "tests/support/testutil.h"
 
 using namespace trainrun;
@@ -45,11 +44,7 @@ using json = nlohmann::json;
 namespace {
 
 using test::hf_python;
-
-test::RunResult ref_script(const std::string& script, const std::string& args) {
-  return test::run_command("OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 '" + hf_python() + "' '" +
-                           test::source_dir() + "/scripts/reference/" + script + "' " + args);
-}
+using test::run_reference_script;
 
 json read_json(const std::string& path) {
   std::ifstream f(path);
@@ -64,38 +59,9 @@ std::vector<int32_t> random_tokens(int n, int V, unsigned seed) {
   return v;
 }
 
+using test::hf_logits_of;
+using test::logits_of;
 using test::rel_err;
-
-// trainrun's logits (B,T,V) for whole-model weights, on the CPU backend.
-std::vector<float> our_logits(const ModelArch& arch, const std::vector<float>& flat, const std::vector<int32_t>& in,
-                              int B, int T) {
-  auto be = make_cpu_backend();
-  auto net = arch.make_network(be.get(), B, false);
-  DeviceBuffer p = test::upload_act(be.get(), flat);
-  DeviceBuffer g(be.get(), flat.size() * 4);
-  DeviceBuffer din = test::upload_i32(be.get(), in);
-  FlatUnitAccess units(arch.layout(), p.get(), g.as<float>(), be->act_dtype());
-  net->forward(units, din.as<int32_t>(), nullptr, B, T, false, 0.0f);
-  const int V = arch.config().V, ld = net->logits_stride();
-  const std::vector<float> padded = test::download_act(be.get(), net->logits(), size_t(B) * T * ld);
-  std::vector<float> out;
-  for (int n = 0; n < B * T; ++n)
-    out.insert(out.end(), padded.begin() + size_t(n) * ld, padded.begin() + size_t(n) * ld + V);
-  return out;
-}
-
-// transformers' logits of DIR (from_pretrained must load it cleanly).
-std::vector<float> hf_logits(const std::string& script, const std::string& dir, const std::vector<int32_t>& in,
-                             int B, int T, const test::TempDir& tmp) {
-  SafeTensorFile f;
-  f.tensors.push_back(make_tensor("inputs", "I32", {B, T}, in.data()));
-  write_safetensors(tmp / "batch.safetensors", f);
-  const auto r = ref_script(script, "logits --model '" + dir + "' --batch '" + tmp / "batch.safetensors" +
-                                        "' --out '" + tmp / "logits.safetensors" + "'");
-  INFO(r.err);
-  REQUIRE(r.exit_code == 0);
-  return read_safetensors(tmp / "logits.safetensors").find("logits")->as_f32();
-}
 
 struct LlamaVariant {
   const char* name;
@@ -112,7 +78,7 @@ std::string make_hf_llama(const test::TempDir& dir, const LlamaVariant& v, const
     << (v.scaled ? " --rope-scaling-factor 4 --low-freq-factor 1 --high-freq-factor 4 --original-max-positions 8"
                  : "")
     << extra;
-  const auto r = ref_script("hf_llama.py", a.str());
+  const auto r = run_reference_script("hf_llama.py", a.str());
   INFO(r.err);
   REQUIRE(r.exit_code == 0);
   return out;
@@ -233,8 +199,8 @@ TEST_CASE("export: a fine-tuned Llama reloads in transformers with trainrun's lo
       // transformers computes trainrun's logits for these weights.
       const int B = 2, T = 12;
       const std::vector<int32_t> in = random_tokens(B * T, v.V, 5);
-      const std::vector<float> theirs = hf_logits("hf_llama.py", out, in, B, T, dir);
-      const double e = rel_err(our_logits(*arch, flat, in, B, T), theirs);
+      const std::vector<float> theirs = hf_logits_of("hf_llama.py", out, in, B, T, dir);
+      const double e = rel_err(logits_of(*arch, flat, in, B, T), theirs);
       std::printf("export %s: logits relative error trainrun vs transformers %.3e\n", v.name, e);
       CHECK(e <= 1e-5);
 
@@ -243,7 +209,7 @@ TEST_CASE("export: a fine-tuned Llama reloads in transformers with trainrun's lo
       REQUIRE(r.exit_code == 0);
       CHECK(read_json(dir / "hf16/config.json")["torch_dtype"] == "bfloat16");
       for (const auto& t : read_safetensors(dir / "hf16/model.safetensors").tensors) CHECK(t.dtype == "BF16");
-      r = ref_script("hf_llama.py", "same-bf16 --fp32 '" + out + "' --bf16 '" + dir / "hf16" + "'");
+      r = run_reference_script("hf_llama.py", "same-bf16 --fp32 '" + out + "' --bf16 '" + dir / "hf16" + "'");
       INFO(r.err);
       CHECK(r.exit_code == 0);
 
@@ -278,7 +244,7 @@ TEST_CASE("export: a fine-tuned Llama reloads in transformers with trainrun's lo
       CHECK(tensors == idx["weight_map"].size());
       CHECK(tensors == arch->layout().tensors.size());
       CHECK(!test::file_exists(dir / "hfsh/model.safetensors"));
-      const std::vector<float> sharded = hf_logits("hf_llama.py", dir / "hfsh", in, B, T, dir);
+      const std::vector<float> sharded = hf_logits_of("hf_llama.py", dir / "hfsh", in, B, T, dir);
       CHECK(rel_err(sharded, theirs) == 0.0);
 
       // An HF directory as the source: the sharded one back into one file is
@@ -292,8 +258,8 @@ TEST_CASE("export: a fine-tuned Llama reloads in transformers with trainrun's lo
 
       // generate --checkpoint HF_DIR (sharded here) is transformers' greedy.
       const std::string prompt = "5 17 2 28 0";
-      const auto theirs_gen = ref_script("hf_llama.py", "generate --model '" + dir / "hfsh" + "' --prompt '" + prompt +
-                                                            "' --max-new-tokens 7");
+      const auto theirs_gen = run_reference_script(
+          "hf_llama.py", "generate --model '" + dir / "hfsh" + "' --prompt '" + prompt + "' --max-new-tokens 7");
       REQUIRE(theirs_gen.exit_code == 0);
       const auto ours_gen = test::run_trainrun("generate --checkpoint '" + dir / "hfsh" + "' --prompt '" + prompt +
                                                "' --max-tokens 7 --top-k 1");
@@ -333,7 +299,7 @@ TEST_CASE("export: a Llama trained from scratch gets a minimal generation_config
   std::vector<float> flat;
   const auto arch = make_model_arch(load_model_safetensors(run + "/model.safetensors", flat));
   const std::vector<int32_t> in = random_tokens(8, 31, 1);
-  CHECK(rel_err(our_logits(*arch, flat, in, 1, 8), hf_logits("hf_llama.py", dir / "hf", in, 1, 8, dir)) <= 1e-5);
+  CHECK(rel_err(logits_of(*arch, flat, in, 1, 8), hf_logits_of("hf_llama.py", dir / "hf", in, 1, 8, dir)) <= 1e-5);
 
   // A job whose init_from directory is gone exports too, without its tokenizer.
   const std::string src = make_hf_llama(dir, {"gone", 1, 4, 2, 16, 24, 31, true, false});
@@ -382,8 +348,8 @@ TEST_CASE("export: GPT-2 from a Hugging Face directory, re-exported as bf16 shar
           "[export][gpt2][hf]") {
   test::TempDir dir("export_gpt2");
   const std::string src = dir / "src";
-  auto r = ref_script("hf_gpt2.py", "random --out '" + src + "' --n-layer 2 --n-head 3 --n-embd 24 --vocab 53 "
-                                    "--n-positions 16 --seed 4");
+  auto r = run_reference_script("hf_gpt2.py", "random --out '" + src + "' --n-layer 2 --n-head 3 --n-embd 24 "
+                                              "--vocab 53 --n-positions 16 --seed 4");
   INFO(r.err);
   REQUIRE(r.exit_code == 0);
   test::write_file(src + "/vocab.json", "{\"a\": 0}");
@@ -415,10 +381,11 @@ TEST_CASE("export: GPT-2 from a Hugging Face directory, re-exported as bf16 shar
   // transformers loads it (tied head, Conv1D layouts) and agrees with trainrun on the bf16 weights.
   const auto arch = make_model_arch(read_hf_model_config(dir / "hf", "test"));
   const std::vector<int32_t> in = random_tokens(2 * 16, 53, 9);
-  const double e = rel_err(our_logits(*arch, got, in, 2, 16), hf_logits("hf_gpt2.py", dir / "hf", in, 2, 16, dir));
+  const double e = rel_err(logits_of(*arch, got, in, 2, 16), hf_logits_of("hf_gpt2.py", dir / "hf", in, 2, 16, dir));
   CHECK(e <= 1e-5);
   // generate --checkpoint HF_DIR (GPT-2) is transformers' greedy.
-  const auto theirs = ref_script("hf_gpt2.py", "generate --model '" + src + "' --prompt '3 9 27' --max-new-tokens 9");
+  const auto theirs =
+      run_reference_script("hf_gpt2.py", "generate --model '" + src + "' --prompt '3 9 27' --max-new-tokens 9");
   REQUIRE(theirs.exit_code == 0);
   const auto ours = test::run_trainrun("generate --checkpoint '" + src + "' --prompt '3 9 27' --max-tokens 9 --top-k 1");
   INFO(ours.err);
@@ -639,7 +606,7 @@ TEST_CASE("export: shards split where save_pretrained splits them (the same inde
     const LlamaVariant v{tied ? "tied" : "untied", 2, 4, 2, 16, 24, 29, tied, false};
     srcs.push_back({v.name, make_hf_llama(dir, v, " --max-shard-size 3KB")});
   }
-  auto r = ref_script("hf_gpt2.py", "random --out '" + dir / "gpt2" + "' --n-layer 2 --n-head 2 --n-embd 16 "
+  auto r = run_reference_script("hf_gpt2.py", "random --out '" + dir / "gpt2" + "' --n-layer 2 --n-head 2 --n-embd 16 "
                                     "--vocab 37 --n-positions 12 --seed 2 --max-shard-size 3KB");
   INFO(r.err);
   REQUIRE(r.exit_code == 0);

@@ -31,8 +31,10 @@
 #include "parallel/pipeline/stage_plan.h"
 #include "tests/support/checkpoint_jobs.h"
 #include "tests/support/device_io.h"
+#include "tests/support/hf_reference.h"
 #include "tests/support/inprocess.h"
 #include "tests/support/process_util.h"
+#include "tests/support/sample_run.h"
 #include "tests/support/testutil.h"
 
 using namespace trainrun;
@@ -627,38 +629,6 @@ TEST_CASE("pp: llama with activation checkpointing at pp2 1f1b (and interleaved)
 
 namespace {
 
-// trainrun's logits (B,T,V) for whole-model weights, on the CPU backend.
-std::vector<float> logits_of(const ModelArch& arch, const std::vector<float>& flat, const std::vector<int32_t>& in,
-                             int B, int T) {
-  auto be = make_cpu_backend();
-  auto net = arch.make_network(be.get(), B, false);
-  DeviceBuffer p = upload_act(be.get(), flat);
-  DeviceBuffer g(be.get(), flat.size() * 4);
-  DeviceBuffer din = upload_i32(be.get(), in);
-  FlatUnitAccess units(arch.layout(), p.get(), g.as<float>(), be->act_dtype());
-  net->forward(units, din.as<int32_t>(), nullptr, B, T, false, 0.0f);
-  const int V = arch.config().V, ld = net->logits_stride();
-  const std::vector<float> padded = download_act(be.get(), net->logits(), size_t(B) * T * ld);
-  std::vector<float> out;
-  for (int n = 0; n < B * T; ++n)
-    out.insert(out.end(), padded.begin() + size_t(n) * ld, padded.begin() + size_t(n) * ld + V);
-  return out;
-}
-
-// transformers' logits of the exported directory DIR (from_pretrained must load it).
-std::vector<float> hf_logits_of(const std::string& script, const std::string& dir, const std::vector<int32_t>& in,
-                                int B, int T, const TempDir& tmp) {
-  SafeTensorFile f;
-  f.tensors.push_back(make_tensor("inputs", "I32", {B, T}, in.data()));
-  write_safetensors(tmp / "batch.safetensors", f);
-  const auto r = run_command("OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 '" + hf_python() + "' '" +
-                             source_dir() + "/scripts/reference/" + script + "' logits --model '" + dir +
-                             "' --batch '" + tmp / "batch.safetensors" + "' --out '" + tmp / "logits.safetensors" + "'");
-  INFO(r.err);
-  REQUIRE(r.exit_code == 0);
-  return read_safetensors(tmp / "logits.safetensors").find("logits")->as_f32();
-}
-
 // Every tensor of two HF model.safetensors files: the same names and
 // shapes, values within `tol` (relative, per tensor).
 void check_same_tensors(const std::string& got_path, const std::string& ref_path, double tol) {
@@ -857,36 +827,17 @@ TEST_CASE("pp: the end-of-run sample at pp2 is the pp1 sample and `trainrun gene
     std::vector<std::string> samples;
     for (int pp : {1, 2}) {
       INFO("pp" << pp);
-      const std::string run = dir / ("pp" + std::to_string(pp));
-      write_file(dir / "job.yaml",
-                 std::string("model: ") + model + "\n"
-                 // Token ids, not bytes (V != 256): a sampled NUL byte would end the log line.
-                 "data: {format: synthetic, synthetic: {vocab: 61}}\n"
-                 "train: {global_batch_size: 4, micro_batch_size: 2, max_steps: 4, warmup_steps: 1, seed: 42}\n"
-                 "parallel: {nproc_per_node: " + std::to_string(pp) + ", pipeline_parallel: " + std::to_string(pp) +
-                 ", sharding: full_shard, timeout_s: 60}\n"
-                 "checkpoint: {final: 'false'}\n"
-                 "output: {dir: '" + run + "', sample_tokens: 30, sample_prompt: '7 3'}\n");
-      const auto r = run_command("OMP_NUM_THREADS=1 '" + trainrun_binary() + "' --config '" + dir / "job.yaml" + "'");
-      INFO(r.err);
-      REQUIRE(r.exit_code == 0);
-      const auto g = run_trainrun("generate --checkpoint '" + run + "/model.safetensors' --prompt '7 3' --max-tokens 30 "
-                                  "--temperature 0.8 --top-k 40 --seed 42");
-      INFO(g.err);
-      REQUIRE(g.exit_code == 0);
-      REQUIRE(std::count(g.out.begin(), g.out.end(), ' ') >= 31);  // the prompt and 30 ids
-      // pp1 runs in-process (its log is stderr), pp2 under the agent (logs/rank0.log).
-      const std::string log = r.err + (file_exists(run + "/logs/rank0.log") ? read_file(run + "/logs/rank0.log") : "");
+      const SampleRun s = run_with_sample(dir, model, "pipeline_parallel", pp);
       if (pp == 1) {
-        CHECK(log.find("sample:\n" + g.out) != std::string::npos);
+        CHECK(s.log.find("sample:\n" + s.generated) != std::string::npos);
       } else {
-        CHECK(log.find("sample (tensor_parallel 1, pipeline_parallel 2: rank 0 decodes " + run +
-                       "/model.safetensors):\n" + g.out) != std::string::npos);
-        CHECK(log.find("sample: skipped") == std::string::npos);
+        CHECK(s.log.find("sample (tensor_parallel 1, pipeline_parallel 2: rank 0 decodes " + s.run +
+                         "/model.safetensors):\n" + s.generated) != std::string::npos);
+        CHECK(s.log.find("sample: skipped") == std::string::npos);
         // Only rank 0 samples.
-        CHECK(read_file(run + "/logs/rank1.log").find("sample") == std::string::npos);
+        CHECK(read_file(s.run + "/logs/rank1.log").find("sample") == std::string::npos);
       }
-      samples.push_back(g.out);
+      samples.push_back(s.generated);
     }
     CHECK(samples[0] == samples[1]);
   }

@@ -7,9 +7,7 @@
 #include <cmath>
 #include <cstdio>
 #include <nlohmann/json.hpp>
-#include <omp.h>
 #include <sstream>
-#include <thread>
 
 #include "core/config/job_spec.h"
 #include "core/model/gpt2/gpt2.h"
@@ -19,7 +17,7 @@
 #include "parallel/pipeline/schedule.h"
 #include "core/train/trainer.h"
 #include "kernels/backend.h"
-#include "parallel/rendezvous/store.h"
+#include "tests/support/inprocess.h"
 #include "tests/support/testutil.h"
 
 using namespace trainrun;
@@ -40,6 +38,43 @@ std::unique_ptr<ModelArch> arch_of(const GPT2Config& c) {
   return make_model_arch(ModelConfig::from_spec(s));
 }
 
+// A PlanRequest with PlanRequest's defaults but for the fields a test
+// names, e.g. request_for("gpt2-1.5b").gpu("a100", "40GiB").gpus(8).batch(4, 64).
+struct RequestBuilder {
+  PlanRequest req;
+  // GPU type and, as --gpu-memory reads it, its memory ("" = the GPU's).
+  RequestBuilder& gpu(const std::string& type, const std::string& memory = "") {
+    req.gpu = type;
+    if (!memory.empty()) req.gpu_memory = parse_bytes(memory, "--gpu-memory");
+    return *this;
+  }
+  RequestBuilder& gpus(int per_node, int nodes = 1) {
+    req.gpus_per_node = per_node;
+    req.nodes = nodes;
+    return *this;
+  }
+  RequestBuilder& batch(int micro, int global) {
+    req.micro_batch = micro;
+    req.global_batch = global;
+    return *this;
+  }
+  RequestBuilder& checkpointing() {
+    req.checkpointing = true;
+    return *this;
+  }
+  RequestBuilder& job_strategy(const std::string& strategy) {
+    req.job_strategy = strategy;
+    return *this;
+  }
+  operator PlanRequest() const { return req; }
+};
+
+RequestBuilder request_for(const std::string& shape) {
+  RequestBuilder b;
+  b.req.model = parse_model_shape(shape);
+  return b;
+}
+
 std::string describe(const std::string& shape) { return make_model_arch(parse_model_shape(shape))->describe(); }
 
 // One CPU training run; ranks are threads of this process, each a full
@@ -55,33 +90,8 @@ std::string describe(const std::string& shape) { return make_model_arch(parse_mo
 // 2-core machine.
 nlohmann::json run_job(const std::string& yaml_body, int world) {
   test::TempDir dir("plan");
-  JobSpec job = parse_job_spec(yaml_body + "output: {dir: '" + dir.path() + "', sample_tokens: 0}\n", "job.yaml");
-  std::string secret = make_job_secret();
-  TcpStoreServer server("127.0.0.1", 0, secret);
-  std::vector<std::string> errors(world);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
-      omp_set_num_threads(1);  // this thread's OpenMP team size; the backend picks it up
-      WorkerInfo w;
-      w.rank = r;
-      w.world = world;
-      w.local_rank = r;
-      w.local_world = world;
-      w.master_port = server.port();
-      w.secret = secret;
-      try {
-        run_training(job, w);
-      } catch (const std::exception& e) {
-        errors[r] = e.what();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (int r = 0; r < world; ++r) {
-    INFO("rank " << r << ": " << errors[r]);
-    REQUIRE(errors[r].empty());
-  }
+  const JobSpec job = parse_job_spec(yaml_body + "output: {dir: '" + dir.path() + "', sample_tokens: 0}\n", "job.yaml");
+  test::run_ranks_inprocess(job, world, /*omp_threads_per_rank=*/1);
   std::istringstream in(test::read_file(dir / "metrics.jsonl"));
   std::string line, last;
   while (std::getline(in, line))
@@ -193,13 +203,7 @@ TEST_CASE("planner: predicted peak memory is within 15% of measured CPU runs", "
 }
 
 TEST_CASE("planner: the largest micro-batch that fits is the largest that fits", "[planner]") {
-  PlanRequest req;
-  req.model = parse_model_shape("gpt2-1.5b");
-  req.gpu = "a100";
-  req.gpu_memory = parse_bytes("40GiB", "--gpu-memory");
-  req.gpus_per_node = 8;
-  req.micro_batch = 4;
-  req.global_batch = 64;
+  const PlanRequest req = request_for("gpt2-1.5b").gpu("a100", "40GiB").gpus(8).batch(4, 64);
   const Plan p = make_plan(req);
   const auto arch = make_model_arch(req.model);
   REQUIRE(p.rows.size() == 4);
@@ -219,16 +223,12 @@ TEST_CASE("planner: the largest micro-batch that fits is the largest that fits",
 }
 
 TEST_CASE("planner: a 70B Llama does not train on 8 x 80 GB even with full sharding and checkpointing", "[planner]") {
-  PlanRequest req;
-  req.model = parse_model_shape("llama:L=80,C=8192,heads=64,kv_heads=8,ffn=28672,V=128256,T=4096");
-  req.gpu = "h100";
-  req.gpu_memory = parse_bytes("80GiB", "--gpu-memory");
-  req.gpus_per_node = 8;
-  req.nodes = 1;
-  req.micro_batch = 1;
-  req.global_batch = 8;
-  req.checkpointing = true;
-  req.job_strategy = "full_shard";
+  PlanRequest req = request_for("llama:L=80,C=8192,heads=64,kv_heads=8,ffn=28672,V=128256,T=4096")
+                        .gpu("h100", "80GiB")
+                        .gpus(8)
+                        .batch(1, 8)
+                        .checkpointing()
+                        .job_strategy("full_shard");
   const Plan p = make_plan(req);
   const PlanRow& fs = p.rows[2];
   REQUIRE(fs.sharding.strategy == "full_shard");
@@ -421,15 +421,8 @@ TEST_CASE("planner: offload's device and host bytes are the store's, byte for by
 }
 
 TEST_CASE("planner: Llama 3 70B on 8 x 80 GB trains with offload cpu, and says how much host memory", "[planner][offload]") {
-  PlanRequest req;
-  req.model = parse_model_shape("llama3.1-70b");
-  req.gpu = "a100";
-  req.gpu_memory = parse_bytes("80GB", "--gpu-memory");
-  req.gpus_per_node = 8;
-  req.micro_batch = 1;
-  req.global_batch = 8;
-  req.checkpointing = true;
-  req.job_strategy = "full_shard";
+  PlanRequest req =
+      request_for("llama3.1-70b").gpu("a100", "80GB").gpus(8).batch(1, 8).checkpointing().job_strategy("full_shard");
   const Plan none = make_plan(req);
   REQUIRE(none.rows[2].sharding.strategy == "full_shard");
   CHECK_FALSE(none.rows[2].fits);
@@ -537,12 +530,8 @@ TEST_CASE("sequence parallelism keeps 1/T of every per-layer activation outside 
 
 TEST_CASE("planner: a tp2 row's memory and time are the hand-computed ones", "[planner][tp]") {
   // GPT-2 L=2 C=64 heads=4 V=256 T=32 on 2 GPUs: tp2 x dp1 no_shard.
-  PlanRequest req;
-  req.model = parse_model_shape("gpt2:L=2,C=64,heads=4,V=256,T=32");
-  req.gpu = "h100";
-  req.gpus_per_node = 2;
-  req.micro_batch = 2;
-  req.global_batch = 4;  // dp1: two micro-batches per step
+  // dp1: two micro-batches per step.
+  const PlanRequest req = request_for("gpt2:L=2,C=64,heads=4,V=256,T=32").gpu("h100").gpus(2).batch(2, 4);
   const Plan p = make_plan(req);
   const PlanRow* row = nullptr;
   for (const auto& r : p.tp_rows)
@@ -575,9 +564,8 @@ TEST_CASE("planner: a tp2 row's memory and time are the hand-computed ones", "[p
 }
 
 TEST_CASE("planner: TP degrees the model cannot split are not offered, and say why", "[planner][tp]") {
-  PlanRequest req;
-  req.model = parse_model_shape("gpt2:L=2,C=96,heads=12,V=256,T=32");  // 12 heads: tp 8 does not divide them
-  req.gpus_per_node = 8;
+  // 12 heads: tp 8 does not divide them.
+  const PlanRequest req = request_for("gpt2:L=2,C=96,heads=12,V=256,T=32").gpus(8);
   const Plan p = make_plan(req);
   bool saw8 = false;
   for (const auto& n : p.tp_not_offered)
@@ -599,14 +587,7 @@ TEST_CASE("planner: TP degrees the model cannot split are not offered, and say w
 }
 
 TEST_CASE("planner: Llama 3 70B on 8 x 80 GB gets a mesh that fits", "[planner][tp]") {
-  PlanRequest req;
-  req.model = parse_model_shape("llama3.1-70b");
-  req.gpu = "h100";
-  req.gpu_memory = parse_bytes("80GiB", "--gpu-memory");
-  req.gpus_per_node = 8;
-  req.micro_batch = 1;
-  req.global_batch = 8;
-  req.checkpointing = true;
+  PlanRequest req = request_for("llama3.1-70b").gpu("h100", "80GiB").gpus(8).batch(1, 8).checkpointing();
   // No mesh holds 18 bytes x 70.6B / 8 of state in 80 GiB: it says so.
   Plan p = make_plan(req);
   CHECK_FALSE(p.has_recommendation);
@@ -652,12 +633,7 @@ TEST_CASE("planner: Llama 3 70B on 8 x 80 GB gets a mesh that fits", "[planner][
 }
 
 TEST_CASE("planner: TP never goes over PCIe when the node has NVLink, even when it looks faster", "[planner][tp]") {
-  PlanRequest req;
-  req.model = parse_model_shape("llama3-8b");
-  req.gpu = "a100";
-  req.gpus_per_node = 4;
-  req.micro_batch = 1;
-  req.global_batch = 4;
+  PlanRequest req = request_for("llama3-8b").gpu("a100").gpus(4).batch(1, 4);
   // A node where tp 4 crosses PCIe but the planner is told PCIe is fast:
   // the tp4 rows become the fastest, yet are not recommended.
   req.tp_links = {{2, "NVLink", 300e9, ""}, {4, "PCIe", 1e15, ""}};
@@ -799,11 +775,8 @@ TEST_CASE("planner: per-stage memory is the stage's units and P in-flight microb
 }
 
 TEST_CASE("planner: a pp row's bubble, compute and p2p are the hand-computed ones", "[planner][pp]") {
-  PlanRequest req;
-  req.model = parse_model_shape("gpt2:L=4,C=64,heads=4,V=256,T=32");
-  req.gpus_per_node = 2;
-  req.micro_batch = 2;
-  req.global_batch = 8;  // pp2 x dp1: 4 microbatches
+  // pp2 x dp1: 4 microbatches.
+  const PlanRequest req = request_for("gpt2:L=4,C=64,heads=4,V=256,T=32").gpus(2).batch(2, 8);
   const Plan p = make_plan(req);
   const PlanRow* r = nullptr;
   for (const auto& row : p.pp_rows)
@@ -823,10 +796,7 @@ TEST_CASE("planner: a pp row's bubble, compute and p2p are the hand-computed one
 
 TEST_CASE("planner: pipeline degrees that do not divide the layers or GPUs are not offered, and say why",
           "[planner][pp]") {
-  PlanRequest req;
-  req.model = parse_model_shape("gpt2:L=12,C=96,heads=12,V=256,T=32");
-  req.gpus_per_node = 8;
-  req.global_batch = 64;
+  PlanRequest req = request_for("gpt2:L=12,C=96,heads=12,V=256,T=32").gpus(8).batch(1, 64);
   Plan p = make_plan(req);
   auto why = [&](const Plan& pl, const std::string& mesh) {
     for (const auto& n : pl.pp_not_offered)
@@ -874,14 +844,7 @@ TEST_CASE("planner: plan --pp-schedule and --pp-virtual-stages, and their bad in
 }
 
 TEST_CASE("planner: Llama 3 70B on 2 nodes gets a tp x pp x dp recommendation and why", "[planner][pp]") {
-  PlanRequest req;
-  req.model = parse_model_shape("llama3.1-70b");
-  req.gpu = "h200";
-  req.gpus_per_node = 8;
-  req.nodes = 2;
-  req.micro_batch = 1;
-  req.global_batch = 64;
-  req.checkpointing = true;
+  const PlanRequest req = request_for("llama3.1-70b").gpu("h200").gpus(8, 2).batch(1, 64).checkpointing();
   const Plan p = make_plan(req);
   REQUIRE(p.has_recommendation);
   CHECK(p.recommended.fits);

@@ -30,6 +30,7 @@
 #include "tests/support/checkpoint_jobs.h"
 #include "tests/support/device_io.h"
 #include "tests/support/inprocess.h"
+#include "tests/support/sample_run.h"
 #include "tests/support/testutil.h"
 
 using namespace trainrun;
@@ -650,34 +651,15 @@ TEST_CASE("tp: the end-of-run sample at tp2 is the tp1 sample and `trainrun gene
     std::vector<std::string> samples;
     for (int tp : {1, 2}) {
       INFO("tp" << tp);
-      const std::string run = dir / ("tp" + std::to_string(tp));
-      write_file(dir / "job.yaml",
-                 std::string("model: ") + model + "\n"
-                 // Token ids, not bytes (V != 256): a sampled NUL byte would end the log line.
-                 "data: {format: synthetic, synthetic: {vocab: 61}}\n"
-                 "train: {global_batch_size: 4, micro_batch_size: 2, max_steps: 4, warmup_steps: 1, seed: 42}\n"
-                 "parallel: {nproc_per_node: " + std::to_string(tp) + ", tensor_parallel: " + std::to_string(tp) +
-                 ", sharding: full_shard, timeout_s: 60}\n"
-                 "checkpoint: {final: 'false'}\n"
-                 "output: {dir: '" + run + "', sample_tokens: 30, sample_prompt: '7 3'}\n");
-      const auto r = run_command("OMP_NUM_THREADS=1 '" + trainrun_binary() + "' --config '" + dir / "job.yaml" + "'");
-      INFO(r.err);
-      REQUIRE(r.exit_code == 0);
-      const auto g = run_trainrun("generate --checkpoint '" + run + "/model.safetensors' --prompt '7 3' --max-tokens 30 "
-                                  "--temperature 0.8 --top-k 40 --seed 42");
-      INFO(g.err);
-      REQUIRE(g.exit_code == 0);
-      REQUIRE(std::count(g.out.begin(), g.out.end(), ' ') >= 31);  // the prompt and 30 ids
-      // tp1 runs in-process (its log is stderr), tp2 under the agent (logs/rank0.log).
-      const std::string log = r.err + (file_exists(run + "/logs/rank0.log") ? read_file(run + "/logs/rank0.log") : "");
+      const SampleRun s = run_with_sample(dir, model, "tensor_parallel", tp);
       if (tp == 1) {
-        CHECK(log.find("sample:\n" + g.out) != std::string::npos);
+        CHECK(s.log.find("sample:\n" + s.generated) != std::string::npos);
       } else {
-        CHECK(log.find("sample (tensor_parallel 2, pipeline_parallel 1: rank 0 decodes " + run + "/model.safetensors):\n" + g.out) !=
-              std::string::npos);
-        CHECK(log.find("sample: skipped") == std::string::npos);
+        CHECK(s.log.find("sample (tensor_parallel 2, pipeline_parallel 1: rank 0 decodes " + s.run +
+                         "/model.safetensors):\n" + s.generated) != std::string::npos);
+        CHECK(s.log.find("sample: skipped") == std::string::npos);
       }
-      samples.push_back(g.out);
+      samples.push_back(s.generated);
     }
     // tp1 and tp2 train to the same weights (to float rounding), so the
     // same seed samples the same text.

@@ -392,11 +392,12 @@ class TokenFileSource : public TokenSource {
   int64_t max_token_ = 0;
 };
 
-// `prepare --tokenizer` leaves prepare.json beside its shards. A model
-// vocab smaller than the tokenizer's is refused even when these shards
-// happen not to hold a high id: generation and later data would.
-void check_prepared_vocab(const std::vector<std::string>& paths, int vocab_size, const std::string& key) {
-  if (vocab_size <= 0) return;
+// `prepare --tokenizer` leaves prepare.json beside its shards: `visit` gets
+// each one found in the directories of `paths` (in directory order), parsed,
+// one at a time, so that the first bad file stops the walk. A file that is
+// not JSON is an error naming `key` and the file.
+template <class Visit>
+void for_each_prepare_json(const std::vector<std::string>& paths, const std::string& key, Visit visit) {
   std::set<std::string> dirs;
   for (const auto& p : paths) {
     const size_t slash = p.rfind('/');
@@ -412,44 +413,41 @@ void check_prepared_vocab(const std::vector<std::string>& paths, int vocab_size,
     } catch (const std::exception& e) {
       TR_FAIL(key, ": '", meta_path, "' is not valid JSON (", e.what(), "); re-run `trainrun prepare` or remove it");
     }
-    if (!meta.is_object() || !meta.contains("vocab_size") || !meta["vocab_size"].is_number_unsigned()) continue;
+    visit(dir, meta_path, meta);
+  }
+}
+
+// A model vocab smaller than the tokenizer's is refused even when these
+// shards happen not to hold a high id: generation and later data would.
+void check_prepared_vocab(const std::vector<std::string>& paths, int vocab_size, const std::string& key) {
+  if (vocab_size <= 0) return;
+  for_each_prepare_json(paths, key, [&](const std::string& dir, const std::string& meta_path,
+                                        const nlohmann::json& meta) {
+    if (!meta.is_object() || !meta.contains("vocab_size") || !meta["vocab_size"].is_number_unsigned()) return;
     const uint64_t v = meta["vocab_size"].get<uint64_t>();
     if (v > static_cast<uint64_t>(vocab_size))
       TR_FAIL(key, ": the data in '", dir, "' was prepared with the tokenizer '", meta.value("tokenizer", "?"),
               "' of ", v, " ids (", meta_path, "), more than model.vocab_size = ", vocab_size,
               "; set model.vocab_size to at least ", v, " (or the model's own tokenizer's size)");
-  }
+  });
 }
 
 }  // namespace
 
 int prepared_document_start(const std::string& pattern, const std::string& key) {
   if (pattern.empty()) return -1;
-  std::set<std::string> dirs;
-  for (const auto& p : expand_pattern(pattern, key)) {
-    const size_t slash = p.rfind('/');
-    dirs.insert(slash == std::string::npos ? "." : p.substr(0, slash));
-  }
   int id = -1;
   std::string from;
-  for (const auto& dir : dirs) {
-    const std::string meta_path = dir + "/prepare.json";
-    std::ifstream f(meta_path);
-    if (!f) continue;
-    nlohmann::json meta;
-    try {
-      meta = nlohmann::json::parse(f);
-    } catch (const std::exception& e) {
-      TR_FAIL(key, ": '", meta_path, "' is not valid JSON (", e.what(), "); re-run `trainrun prepare` or remove it");
-    }
+  for_each_prepare_json(expand_pattern(pattern, key), key, [&](const std::string&, const std::string& meta_path,
+                                                              const nlohmann::json& meta) {
     if (!meta.is_object() || !meta.contains("document_start_id") || !meta["document_start_id"].is_number_unsigned())
-      continue;
+      return;
     const int v = meta["document_start_id"].get<int>();
     TR_CHECK(id < 0 || v == id, key, ": '", meta_path, "' records document_start_id ", v, " but '", from, "' ", id,
              "; the shards were prepared with different tokenizers: set data.document_separator explicitly");
     id = v;
     from = meta_path;
-  }
+  });
   return id;
 }
 

@@ -11,22 +11,12 @@
 #include <vector>
 
 #include "core/common/error.h"
+#include "core/common/text.h"
 #include "core/config/model_presets.h"
 
 namespace trainrun {
 
 namespace {
-
-std::string lower(std::string s) {
-  for (auto& c : s) c = char(std::tolower(static_cast<unsigned char>(c)));
-  return s;
-}
-
-std::string trim(const std::string& s) {
-  size_t a = s.find_first_not_of(" \t"), b = s.find_last_not_of(" \t");
-  return a == std::string::npos ? "" : s.substr(a, b - a + 1);
-}
-
 
 // Accepted spellings of each key (the HF / job-spec names too).
 const std::map<std::string, std::string>& key_aliases() {
@@ -84,10 +74,10 @@ std::map<std::string, int64_t> shape_keys_of(const ModelConfig& c) {
 }
 
 ModelConfig parse_shape(const std::string& text_in, const std::string& what) {
-  const std::string text = trim(text_in);
+  const std::string text = trim_blanks(text_in);
   TR_CHECK(!text.empty(), "--model: empty; give ", model_shape_help());
   const size_t colon = text.find(':');
-  std::string head = lower(trim(text.substr(0, colon)));
+  std::string head = ascii_lower(trim_blanks(text.substr(0, colon)));
   std::string body = colon == std::string::npos ? "" : text.substr(colon + 1);
   ModelConfig m;
   m.arch = "";
@@ -122,19 +112,19 @@ ModelConfig parse_shape(const std::string& text_in, const std::string& what) {
   std::stringstream ss(body);
   std::string item;
   while (std::getline(ss, item, ',')) {
-    item = trim(item);
+    item = trim_blanks(item);
     if (item.empty()) continue;
     const size_t eq = item.find('=');
     TR_CHECK(eq != std::string::npos, what, ": '", item, "' is not KEY=VALUE (e.g. L=12)");
-    const std::string key_raw = trim(item.substr(0, eq)), val = trim(item.substr(eq + 1));
-    auto it = key_aliases().find(lower(key_raw));
+    const std::string key_raw = trim_blanks(item.substr(0, eq)), val = trim_blanks(item.substr(eq + 1));
+    auto it = key_aliases().find(ascii_lower(key_raw));
     // L/C/V/T are case-sensitive letters in the docs but lowercase aliases
     // are accepted; "l" and "L" mean the same.
     if (it == key_aliases().end()) {
       std::string best;
       size_t bd = 3;
       for (const auto& [k, canon] : key_aliases())
-        if (size_t d = edit_distance(lower(key_raw), k); d < bd) bd = d, best = canon;
+        if (size_t d = edit_distance(ascii_lower(key_raw), k); d < bd) bd = d, best = canon;
       TR_FAIL(what, ": unknown key '", key_raw, "'", best.empty() ? "" : "; did you mean '" + best + "'?",
               " (keys: L, C, heads, kv_heads, ffn, V, T, tied)");
     }

@@ -39,35 +39,14 @@ void CpuBackend::encoder_forward(void* out_, const int32_t* tokens, const void* 
 
 // dwte[tok] += dout[b,t]; dwpe[t] += sum_b dout[b,t].
 // The scatter into dwte would race when two positions share a token, so
-// threads split the channel dimension instead: each thread walks every
-// position in order for its own channels -> no races, fixed summation order.
+// threads split the channel dimension instead (scatter_rows): each thread
+// walks every position in order for its own channels -> no races, fixed
+// summation order.
 void CpuBackend::encoder_backward(float* dwte, float* dwpe, const void* dout_, const int32_t* tokens, int B,
                                   int T, int C, const int32_t* pos) {
   const float* dout = F(dout_);
-  const int64_t N = int64_t(B) * T;
-#pragma omp parallel
-  {
-    int nt = omp_get_num_threads(), tid = omp_get_thread_num();
-    int c0 = int(int64_t(C) * tid / nt), c1 = int(int64_t(C) * (tid + 1) / nt);
-    for (int64_t bt = 0; bt < N; ++bt) {
-      float* d = dwte + int64_t(tokens[bt]) * C;
-      const float* g = dout + bt * C;
-      for (int c = c0; c < c1; ++c) d[c] += g[c];
-    }
-  }
-  if (pos) {
-    cpu::scatter_rows(dwpe, dout, pos, N, C);
-    return;
-  }
-#pragma omp parallel for schedule(static)
-  for (int t = 0; t < T; ++t) {
-    float* d = dwpe + int64_t(t) * C;
-    for (int b = 0; b < B; ++b) {
-      const float* g = dout + (int64_t(b) * T + t) * C;
-#pragma omp simd
-      for (int c = 0; c < C; ++c) d[c] += g[c];
-    }
-  }
+  cpu::scatter_rows(dwte, dout, tokens, int64_t(B) * T, C);
+  cpu::add_position_grads(dwpe, dout, pos, B, T, C);
 }
 
 // ---- LayerNorm ------------------------------------------------------------------

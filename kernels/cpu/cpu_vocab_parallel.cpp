@@ -65,19 +65,7 @@ void CpuBackend::vocab_embedding_backward(float* dwte, float* dwpe, const void* 
     }
   }
   if (!dwpe) return;
-  if (pos) {
-    cpu::scatter_rows(dwpe, dout, pos, N, C);
-    return;
-  }
-#pragma omp parallel for schedule(static)
-  for (int t = 0; t < T; ++t) {
-    float* d = dwpe + int64_t(t) * C;
-    for (int b = 0; b < B; ++b) {
-      const float* g = dout + (int64_t(b) * T + t) * C;
-#pragma omp simd
-      for (int c = 0; c < C; ++c) d[c] += g[c];
-    }
-  }
+  cpu::add_position_grads(dwpe, dout, pos, B, T, C);
 }
 
 // ---- cross-entropy ------------------------------------------------------------

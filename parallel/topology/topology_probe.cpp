@@ -14,6 +14,7 @@
 #include <sstream>
 
 #include "core/common/error.h"
+#include "core/common/text.h"
 #include "parallel/topology/topology_sources.h"
 
 extern char** environ;
@@ -21,11 +22,6 @@ extern char** environ;
 namespace trainrun::topo {
 
 namespace {
-
-std::string lower(std::string s) {
-  for (char& c : s) c = char(std::tolower(static_cast<unsigned char>(c)));
-  return s;
-}
 
 // Spawns argv with CUDA_VISIBLE_DEVICES removed (the topology covers every
 // GPU of the node), collects stdout until exit or the deadline (then kills).
@@ -110,7 +106,7 @@ PeerProbe parse_peer_probe_output(const std::string& out, const std::vector<Gpu>
     return p;
   }
   std::vector<std::string> bus;
-  while (head >> word) bus.push_back(lower(word));
+  while (head >> word) bus.push_back(ascii_lower(word));
   const size_t n = bus.size();
   std::vector<std::vector<int>> cuda_ok;
   while (cuda_ok.size() < n && std::getline(is, line)) {
@@ -133,7 +129,7 @@ PeerProbe parse_peer_probe_output(const std::string& out, const std::vector<Gpu>
   // NVML's PCI order unless CUDA_DEVICE_ORDER=PCI_BUS_ID).
   std::vector<size_t> cuda_of(gpus.size());
   for (size_t i = 0; i < gpus.size(); ++i) {
-    const std::string want = lower(gpus[i].pci_bus_id);
+    const std::string want = ascii_lower(gpus[i].pci_bus_id);
     auto it = want.empty() ? bus.end() : std::find(bus.begin(), bus.end(), want);
     if (it == bus.end()) {
       p.why = "GPU " + std::to_string(i) + " (bus id '" + gpus[i].pci_bus_id + "') is not among the " +

@@ -21,6 +21,7 @@
 #include <sstream>
 
 #include "core/common/error.h"
+#include "core/common/text.h"
 #include "parallel/topology/topology_sources.h"
 
 namespace trainrun::topo {
@@ -33,13 +34,6 @@ bool is_extra(const std::string& s) {
   return std::find(std::begin(kExtraColumns), std::end(kExtraColumns), s) != std::end(kExtraColumns);
 }
 
-std::string trim(const std::string& s) {
-  size_t b = 0, e = s.size();
-  while (b < e && std::isspace(static_cast<unsigned char>(s[b]))) ++b;
-  while (e > b && std::isspace(static_cast<unsigned char>(s[e - 1]))) --e;
-  return s.substr(b, e - b);
-}
-
 // The non-empty cells of one line. Tabs are the real separator; a line
 // without tabs is split on whitespace. nvidia-smi pads with extra tabs where
 // a header is wider than its values, so empty cells carry no meaning.
@@ -48,7 +42,7 @@ std::vector<std::string> cells_of(const std::string& line) {
   if (line.find('\t') != std::string::npos) {
     std::istringstream in(line);
     for (std::string c; std::getline(in, c, '\t');)
-      if (!trim(c).empty()) out.push_back(trim(c));
+      if (!trim_space(c).empty()) out.push_back(trim_space(c));
     return out;
   }
   std::istringstream in(line);
@@ -158,7 +152,7 @@ Topology parse_nvidia_smi_topo(const std::string& text, const std::string& name)
   std::vector<std::string> blank_rows;  // GPU rows with blank CPU/NUMA Affinity
   size_t i = header + 1;
   for (; i < lines.size(); ++i) {
-    const std::string t = trim(lines[i]);
+    const std::string t = trim_space(lines[i]);
     if (t.empty()) {
       if (rows.empty()) continue;
       break;
@@ -225,10 +219,10 @@ Topology parse_nvidia_smi_topo(const std::string& text, const std::string& name)
   // 3. The NIC legend (newer releases): "  NIC0: mlx5_0".
   std::map<std::string, std::string> nic_names;
   for (; i < lines.size(); ++i) {
-    const std::string t = trim(lines[i]);
+    const std::string t = trim_space(lines[i]);
     const auto colon = t.find(':');
     if (t.rfind("NIC", 0) == 0 && colon != std::string::npos && colon > 3 && colon + 1 < t.size())
-      nic_names[t.substr(0, colon)] = trim(t.substr(colon + 1));
+      nic_names[t.substr(0, colon)] = trim_space(t.substr(colon + 1));
   }
 
   // 4. Symmetry: nvidia-smi prints both halves; a mismatch means a damaged paste.

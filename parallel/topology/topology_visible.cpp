@@ -12,26 +12,15 @@
 #include <set>
 
 #include "core/common/error.h"
+#include "core/common/text.h"
 #include "parallel/topology/topology_decide_internal.h"
 
 namespace trainrun::topo {
 
 namespace {
 
-std::string trim(const std::string& s) {
-  size_t a = 0, b = s.size();
-  while (a < b && std::isspace(static_cast<unsigned char>(s[a]))) ++a;
-  while (b > a && std::isspace(static_cast<unsigned char>(s[b - 1]))) --b;
-  return s.substr(a, b - a);
-}
-
-std::string lower(std::string s) {
-  for (char& c : s) c = char(std::tolower(static_cast<unsigned char>(c)));
-  return s;
-}
-
 bool starts_with_nocase(const std::string& s, const std::string& prefix) {
-  return s.size() >= prefix.size() && lower(s.substr(0, prefix.size())) == lower(prefix);
+  return s.size() >= prefix.size() && ascii_lower(s.substr(0, prefix.size())) == ascii_lower(prefix);
 }
 
 }  // namespace
@@ -45,7 +34,7 @@ VisibleGpus resolve_visible_gpus(const Topology& t, const char* value, const std
     return v;
   }
   v.set = true;
-  const std::string all = trim(value);
+  const std::string all = trim_space(value);
   // What CUDA reads as "no device", and what Slurm / Grid Engine set for a
   // job that was given no GPU.
   if (all.empty() || all == "-1" || all == "NoDevFiles") return v;
@@ -57,7 +46,7 @@ VisibleGpus resolve_visible_gpus(const Topology& t, const char* value, const std
   std::vector<std::string> entries;
   for (size_t start = 0;;) {
     const size_t comma = all.find(',', start);
-    entries.push_back(trim(all.substr(start, comma == std::string::npos ? std::string::npos : comma - start)));
+    entries.push_back(trim_space(all.substr(start, comma == std::string::npos ? std::string::npos : comma - start)));
     if (comma == std::string::npos) break;
     start = comma + 1;
   }

@@ -1,5 +1,7 @@
 #include "tests/support/inprocess.h"
 
+#include <omp.h>
+
 #include <chrono>
 #include <stdexcept>
 #include <string>
@@ -10,7 +12,8 @@
 namespace trainrun::test {
 
 std::vector<RankOutcome> run_ranks_inprocess_outcomes(const JobSpec& job, int world,
-                                                      const std::function<void(TcpStoreServer&)>& inspect) {
+                                                      const std::function<void(TcpStoreServer&)>& inspect,
+                                                      int omp_threads_per_rank) {
   std::string secret = make_job_secret();
   TcpStoreServer server("127.0.0.1", 0, secret);
   std::vector<RankOutcome> out(world);
@@ -18,6 +21,7 @@ std::vector<RankOutcome> run_ranks_inprocess_outcomes(const JobSpec& job, int wo
   const auto t0 = std::chrono::steady_clock::now();
   for (int r = 0; r < world; ++r) {
     threads.emplace_back([&, r] {
+      if (omp_threads_per_rank > 0) omp_set_num_threads(omp_threads_per_rank);  // this thread's team size
       WorkerInfo w;
       w.rank = r;
       w.world = world;
@@ -42,8 +46,8 @@ std::vector<RankOutcome> run_ranks_inprocess_outcomes(const JobSpec& job, int wo
   return out;
 }
 
-std::vector<TrainSummary> run_ranks_inprocess(const JobSpec& job, int world) {
-  std::vector<RankOutcome> outcomes = run_ranks_inprocess_outcomes(job, world);
+std::vector<TrainSummary> run_ranks_inprocess(const JobSpec& job, int world, int omp_threads_per_rank) {
+  std::vector<RankOutcome> outcomes = run_ranks_inprocess_outcomes(job, world, {}, omp_threads_per_rank);
   std::string all;
   for (int r = 0; r < world; ++r)
     if (!outcomes[r].error.empty()) all += "rank " + std::to_string(r) + ": " + outcomes[r].error + "\n";

@@ -15,7 +15,10 @@ class TcpStoreServer;
 
 namespace trainrun::test {
 
-std::vector<TrainSummary> run_ranks_inprocess(const JobSpec& job, int world);
+// omp_threads_per_rank > 0: each rank's thread sets its OpenMP team to
+// that size (the CPU backend's GEMMs and ops pick it up); 0 leaves the
+// process default.
+std::vector<TrainSummary> run_ranks_inprocess(const JobSpec& job, int world, int omp_threads_per_rank = 0);
 
 // One rank of run_ranks_inprocess_outcomes: its summary, or what it threw.
 struct RankOutcome {
@@ -29,6 +32,7 @@ struct RankOutcome {
 // runs once every rank has returned, while the store server still serves,
 // to look at what the job left in it.
 std::vector<RankOutcome> run_ranks_inprocess_outcomes(const JobSpec& job, int world,
-                                                      const std::function<void(TcpStoreServer&)>& inspect = {});
+                                                      const std::function<void(TcpStoreServer&)>& inspect = {},
+                                                      int omp_threads_per_rank = 0);
 
 }  // namespace trainrun::test

@@ -1,0 +1,66 @@
+// Shared by the planner's three files (planner.cpp: hardware, the tp1
+// memory model, offload, the plan and its verdict; planner_tp.cpp: tensor
+// parallelism; planner_pp.cpp: pipeline parallelism): the memory and
+// collective models every mesh is built from, and the table formatting.
+// Internal to core/train; the API is planner.h.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "core/train/planner.h"
+
+namespace trainrun {
+namespace planner_detail {
+
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
+std::string fixed(double v, int prec);
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Bytes of one buffer: the arenas start every buffer on 64 bytes.
+inline double r64(double bytes) { return std::ceil(bytes / 64.0) * 64.0; }
+
+// Elements of each sharding unit, in the order parallel/ moves them.
+std::vector<int64_t> unit_numels(const ModelArch& m);
+
+// The memory model over a layout's units (the whole model's, or one TP
+// rank's local layout, or one pipeline stage's) with a given activation arena.
+MemoryBreakdown memory_of_units(const std::vector<int64_t>& units, int L, int T, const Sharding& s, int B,
+                                double activations, const DeviceModel& d);
+
+struct CommVolume {
+  double overlapped = 0, exposed = 0;  // seconds
+};
+
+// Seconds of one strategy's dp collectives per step (planner.cpp says when
+// each is issued and whether it hides under compute).
+CommVolume comm_time(const std::vector<int64_t>& units, const Sharding& s, int accum, double a, double bw_world,
+                     double bw_group, double bw_replica);
+
+// Offload's host memory and added step time for one row whose rank holds `units`.
+void add_offload(PlanRow& row, const std::vector<int64_t>& units, const PlanRequest& req, double act_bytes,
+                 CommVolume& c);
+
+// Formatting for the tables: GiB, "12 ms" / "1.25 s", "3.21 k", padded cells.
+std::string gib(double b, int prec = 1);
+std::string seconds(double s);
+std::string si(double v, const char* unit);
+inline std::string pad_right(const std::string& s, size_t w) { return s.size() >= w ? s : s + std::string(w - s.size(), ' '); }
+inline std::string pad_left(const std::string& s, size_t w) { return s.size() >= w ? s : std::string(w - s.size(), ' ') + s; }
+
+// planner_tp.cpp: the tp 2/4/8 rows and their table.
+void plan_tensor_parallel(Plan& plan, const ModelArch& m, const DeviceModel& dev, double bw_intra, double bw_inter,
+                          double recompute, double fpt);
+void render_tp_table(const Plan& p, std::ostringstream& o);
+
+// planner_pp.cpp: the tp x pp rows and their table.
+void plan_pipeline_parallel(Plan& plan, const ModelArch& m, const DeviceModel& dev, double bw_intra,
+                            double bw_inter, double recompute, double fpt);
+void render_pp_table(const Plan& p, std::ostringstream& o);
+
+}  // namespace planner_detail
+}  // namespace trainrun
