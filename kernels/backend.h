@@ -41,6 +41,7 @@
 // throws "<op>: not implemented by the <name()> backend", so a backend that
 // has not caught up yet still builds and fails only when a model needs them.
 #pragma once
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -79,6 +80,23 @@ class Backend {
   virtual bool wants_pinned_host() const { return false; }
   virtual bool pin_host(void* p, size_t bytes) { return false; }
   virtual void unpin_host(void* p) {}
+
+  // ---- timing on the compute stream (the pipeline's measured bubble) -------
+  // A point in the compute stream's order, stamped with the time the stream
+  // reaches it. The default, right for any backend whose ops run
+  // synchronously on the calling thread (the CPU's), reads the host clock
+  // now; CUDA records a timing event on the compute stream, so a host that
+  // only enqueues work still measures what the GPU did. ms_between waits
+  // until `to` has been reached: read marks after the step's host sync.
+  virtual std::shared_ptr<void> time_mark() {
+    return std::make_shared<std::chrono::steady_clock::time_point>(std::chrono::steady_clock::now());
+  }
+  virtual double ms_between(const std::shared_ptr<void>& from, const std::shared_ptr<void>& to) {
+    using TP = std::chrono::steady_clock::time_point;
+    return std::chrono::duration<double, std::milli>(*static_cast<const TP*>(to.get()) -
+                                                     *static_cast<const TP*>(from.get()))
+        .count();
+  }
 
   // ---- conversions (master fp32 <-> act dtype) ----------------------------
   // dst (act dtype, n) = src (fp32, n). On fp32 backends with dst == src, a no-op.

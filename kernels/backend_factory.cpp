@@ -165,11 +165,12 @@ int cuda_device_count(std::string* reason) {
 bool is_cuda_backend(const Backend* be) { return be && be->name().rfind("cuda", 0) == 0; }
 
 std::unique_ptr<Communicator> make_nccl_communicator(Backend* be, Store* store, const std::string& prefix, int rank,
-                                                     int world, std::chrono::milliseconds timeout) {
+                                                     int world, std::chrono::milliseconds timeout,
+                                                     bool own_stream) {
   const Plugin& p = plugin();
   TR_CHECK(p.api, "nccl communicator: ", p.error);
   TR_CHECK(is_cuda_backend(be), "nccl communicator: needs the CUDA backend, got '", be ? be->name() : "null", "'");
-  return p.api->make_nccl_communicator(be, store, prefix, rank, world, timeout);
+  return p.api->make_nccl_communicator(be, store, prefix, rank, world, timeout, own_stream);
 }
 
 std::string cuda_version_report() {

@@ -49,9 +49,13 @@ bool is_cuda_backend(const Backend* be);
 
 // The communicator for ranks whose backend is CUDA: NCCL over the plugin.
 // `store` may be null when world == 1 (no rendezvous needed). Buffers are in
-// the backend's (device) memory; host pointers are staged.
+// the backend's (device) memory; host pointers are staged. `own_stream`: its
+// work runs on a CUDA stream of its own rather than the backend's comm
+// stream (a pipeline link, parallel/pipeline/links.h), so it never queues
+// behind, or holds up, the other communicators' collectives.
 std::unique_ptr<Communicator> make_nccl_communicator(Backend* be, Store* store, const std::string& prefix, int rank,
-                                                     int world, std::chrono::milliseconds timeout);
+                                                     int world, std::chrono::milliseconds timeout,
+                                                     bool own_stream = false);
 
 // What the CUDA side of this binary offers, for `trainrun --version`: the
 // plugin's path and the versions of the CUDA runtime, driver, cuBLASLt,
@@ -88,7 +92,8 @@ std::vector<GemmCheckRow> run_gemm_epilogue_check(int device);
 bool cuda_peer_probe(std::vector<std::string>* bus_ids, std::vector<std::vector<int>>* ok, std::string* why);
 
 // ---- the plugin ABI (used by backend_factory.cpp and kernels/cuda/plugin.cpp) ----
-constexpr uint32_t kCudaPluginAbi = 4;
+// 5: make_nccl_communicator takes own_stream (pipeline links).
+constexpr uint32_t kCudaPluginAbi = 5;
 
 using LogFn = void (*)(int level, const char* msg);  // level as trainrun::LogLevel
 
@@ -102,7 +107,8 @@ struct CudaPluginApi {
   std::unique_ptr<Backend> (*make_backend)(int device);
   bool (*is_cuda_backend)(const Backend* be);
   std::unique_ptr<Communicator> (*make_nccl_communicator)(Backend* be, Store* store, const std::string& prefix,
-                                                          int rank, int world, std::chrono::milliseconds timeout);
+                                                          int rank, int world, std::chrono::milliseconds timeout,
+                                                          bool own_stream);
   std::string (*versions)();
   int (*run_kernel_bench)(const KernelBenchOptions& opts);
   std::vector<GemmCheckRow> (*run_gemm_epilogue_check)(int device);

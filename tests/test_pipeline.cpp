@@ -5,10 +5,13 @@
 // name the numbers.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <string>
 
 #include "core/common/error.h"
+#include "parallel/pipeline/links.h"
 #include "parallel/pipeline/schedule.h"
+#include "parallel/pipeline/slots.h"
 
 using namespace trainrun;
 using Catch::Matchers::Contains;
@@ -144,4 +147,110 @@ TEST_CASE("pipeline: too few microbatches, bad chunks and bad layer splits are e
   CHECK_THAT(error_of([] { split_pipeline_layers(5, 2, {5, 0}); }), Contains("gives stage 1 0 layers"));
   CHECK_THAT(error_of([] { split_pipeline_layers(5, 3, {2, 3}); }), Contains("has 2 entries for 3 stages"));
   CHECK_THAT(error_of([] { split_pipeline_layers(2, 3, {}); }), Contains("3 stages for 2 layers"));
+}
+
+TEST_CASE("pipeline: on every link the send order is the receive order (NCCL matches by order, not tags)",
+          "[pipeline][links]") {
+  SECTION("every built-in schedule passes, and its links are the neighbour pairs (interleaved: and the wrap)") {
+    for (const char* kind : {"gpipe", "1f1b", "zero_bubble"})
+      for (int P = 2; P <= 6; ++P)
+        for (int M = P; M <= 12; M += 3) {
+          INFO(kind << " P=" << P << " M=" << M);
+          const PipelineSchedule s = make_pipeline_schedule(kind, P, 1, M);
+          CHECK_NOTHROW(check_pipeline_schedule(s));
+          std::vector<std::pair<int, int>> want;
+          for (int r = 0; r + 1 < P; ++r) want.push_back({r, r + 1});
+          for (int r = 0; r + 1 < P; ++r) want.push_back({r + 1, r});
+          std::sort(want.begin(), want.end());
+          CHECK(pipeline_link_pairs(s) == want);
+        }
+    for (int P = 2; P <= 4; ++P)
+      for (int v = 2; v <= 3; ++v) {
+        const PipelineSchedule s = make_pipeline_schedule("interleaved_1f1b", P, v, P * v * 2);
+        INFO("interleaved_1f1b P=" << P << " v=" << v);
+        CHECK_NOTHROW(check_pipeline_schedule(s));
+        const auto links = pipeline_link_pairs(s);
+        CHECK(std::count(links.begin(), links.end(), std::make_pair(P - 1, 0)) == 1);  // the wrap, both ways
+        CHECK(std::count(links.begin(), links.end(), std::make_pair(0, P - 1)) == 1);
+        CHECK(links.size() == (P == 2 ? 2u : size_t(2 * P)));
+      }
+    CHECK(pipeline_link_pairs(make_pipeline_schedule("1f1b", 1, 1, 3)).empty());
+  }
+  SECTION("a schedule whose receiver swaps two receives on a link is refused, naming the link and microbatches") {
+    // 1f1b at pp2, rank 1 (the last stage): swap its first two recv_act,
+    // moving their forwards along so the lists stay complete. The buffered
+    // simulation alone would also object, but as a hang or a mismatch; the
+    // link check names the link, both ranks and both messages.
+    PipelineSchedule s = make_pipeline_schedule("1f1b", 2, 1, 4);
+    auto& r1 = s.actions[1];
+    std::vector<size_t> recvs;
+    for (size_t i = 0; i < r1.size(); ++i)
+      if (r1[i].op == PipeOp::RecvAct) recvs.push_back(i);
+    REQUIRE(recvs.size() == 4);
+    std::swap(r1[recvs[0]].microbatch, r1[recvs[1]].microbatch);
+    const std::string e = error_of([&] { check_pipeline_schedule(s); });
+    CHECK_THAT(e, Contains("the link from rank 0 to rank 1") && Contains("message 1") &&
+                      Contains("the activation of microbatch 0 (stage 0 -> 1) as rank 0 sends") &&
+                      Contains("rank 1 receives the activation of microbatch 1") && Contains("match in order"));
+  }
+  SECTION("a gradient received out of order on the backward link is refused too") {
+    PipelineSchedule s = make_pipeline_schedule("gpipe", 2, 1, 3);
+    auto& r0 = s.actions[0];
+    std::vector<size_t> recvs;
+    for (size_t i = 0; i < r0.size(); ++i)
+      if (r0[i].op == PipeOp::RecvGrad) recvs.push_back(i);
+    REQUIRE(recvs.size() == 3);
+    std::swap(r0[recvs[1]].microbatch, r0[recvs[2]].microbatch);
+    CHECK_THAT(error_of([&] { check_pipeline_schedule(s); }),
+               Contains("the link from rank 1 to rank 0") && Contains("message 2") &&
+                   Contains("the gradient of microbatch 1 (stage 1 -> 0)") &&
+                   Contains("rank 0 receives the gradient of microbatch 2"));
+  }
+  SECTION("a message that is sent and never received on its link is counted") {
+    PipelineSchedule s = make_pipeline_schedule("gpipe", 2, 1, 2);
+    auto& r1 = s.actions[1];
+    for (size_t i = 0; i < r1.size(); ++i)
+      if (r1[i].op == PipeOp::RecvAct && r1[i].microbatch == 1) {
+        r1.erase(r1.begin() + long(i));
+        break;
+      }
+    CHECK_THAT(error_of([&] { check_pipeline_schedule(s); }),
+               Contains("the link from rank 0 to rank 1") && Contains("rank 0 sends 2 message(s) on it and rank 1 "
+                                                                       "receives 1"));
+  }
+}
+
+TEST_CASE("pipeline: the check runs the executor's buffer reuse too (slots.h), and refuses a list that hangs on it",
+          "[pipeline][slots]") {
+  SECTION("1f1b's last stage has one slot: each receive after the first waits for the gradient sent from it") {
+    const PipelineSchedule s = make_pipeline_schedule("1f1b", 2, 1, 3);
+    const PipelineSlotPlan p = plan_pipeline_slots(s, 1);
+    REQUIRE(p.slots_per_chunk == std::vector<int>{1});
+    const auto& list = s.actions[1];
+    int waits = 0;
+    for (size_t i = 0; i < list.size(); ++i)
+      for (int w : p.waits[i]) {
+        ++waits;
+        CHECK(list[i].op == PipeOp::RecvAct);
+        CHECK(list[size_t(w)].op == PipeOp::SendGrad);
+        CHECK(list[size_t(w)].microbatch == list[i].microbatch - 1);
+      }
+    CHECK(waits == 2);
+  }
+  SECTION("a list that passes with sends that never wait, but hangs once a slot waits for its last send") {
+    // interleaved_1f1b, 3 ranks: rank 2 sends microbatch 2's activation
+    // five actions late. Buffered, every list still runs to the end; with
+    // the executor's reuse rank 2 cannot take the slot back before its
+    // gradient to rank 1 is received, and rank 1 waits for that activation.
+    PipelineSchedule s = make_pipeline_schedule("interleaved_1f1b", 3, 2, 6);
+    auto& l = s.actions[2];
+    REQUIRE(l[8].op == PipeOp::SendAct);
+    REQUIRE(l[8].microbatch == 2);
+    const PipeAction a = l[8];
+    l.erase(l.begin() + 8);
+    l.insert(l.begin() + 13, a);
+    CHECK_THAT(error_of([&] { check_pipeline_schedule(s); }),
+               Contains("would hang") && Contains("rank 2 at recv_act mb1 stage5") &&
+                   Contains("first waiting for its send_grad mb0 stage5 to rank 1 to be received"));
+  }
 }

@@ -17,6 +17,7 @@
 #include <set>
 #include <cmath>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "core/config/job_spec.h"
@@ -25,6 +26,7 @@
 #include "core/io/safetensors.h"
 #include "core/model/tensor_parallel.h"
 #include "kernels/backend_factory.h"
+#include "parallel/pipeline/links.h"
 #include "parallel/pipeline/schedule.h"
 #include "parallel/pipeline/stage_plan.h"
 #include "tests/support/checkpoint_jobs.h"
@@ -205,6 +207,59 @@ TEST_CASE("pp: gpt2 (head tied across stages) at pp2 under gpipe, 1f1b, interlea
                       {"parallel.pipeline_layers=3,1", "train.activation_checkpointing=blocks"}),
                ref);
   }
+}
+
+TEST_CASE("pp: each link communicator is used from one thread, in one direction (pp2 1f1b, pp2 and pp4 interleaved)",
+          "[pp][links]") {
+  // The executor's record of every link call (links.h): which rank, which
+  // link, send or receive, from which thread. On Gloo the sends go from the
+  // sender thread and the receives from the compute thread, each over its
+  // own link, so no Gloo context ever sees two threads.
+  struct Case {
+    int pp, v;
+    const char* schedule;
+  };
+  for (const Case& c : {Case{2, 1, "1f1b"}, Case{2, 2, "interleaved_1f1b"}, Case{4, 2, "interleaved_1f1b"}}) {
+    INFO("pp" << c.pp << " " << c.schedule << " v=" << c.v);
+    set_pipeline_link_recording(true);
+    const std::string model = "{arch: gpt2, n_layer: " + std::to_string(4 * c.v) +
+                              ", n_head: 4, n_embd: 16, vocab_size: 23, seq_len: 8}";
+    (void)run_pp(model, c.pp, c.pp, 1, "no_shard", c.schedule, c.v);
+    const std::vector<PipelineLinkUse> uses = recorded_pipeline_link_uses();
+    set_pipeline_link_recording(false);
+    // (rank, from, to) -> the threads that used that rank's communicator of the link, and how.
+    std::map<std::tuple<int, int, int>, std::set<std::thread::id>> threads;
+    std::map<std::tuple<int, int, int>, std::set<bool>> dirs;
+    for (const PipelineLinkUse& u : uses) {
+      threads[{u.rank, u.from, u.to}].insert(u.thread);
+      dirs[{u.rank, u.from, u.to}].insert(u.send);
+    }
+    const auto pairs = pipeline_link_pairs(make_pipeline_schedule(c.schedule, c.pp, c.v, 8));
+    REQUIRE(threads.size() == 2 * pairs.size());  // each link: its sender's end and its receiver's
+    for (const auto& [from, to] : pairs) {
+      INFO("link " << from << " -> " << to);
+      const auto snd = std::make_tuple(from, from, to), rcv = std::make_tuple(to, from, to);
+      REQUIRE(threads.count(snd) == 1);
+      REQUIRE(threads.count(rcv) == 1);
+      CHECK(threads[snd].size() == 1);  // one thread per communicator
+      CHECK(threads[rcv].size() == 1);
+      CHECK(dirs[snd] == std::set<bool>{true});  // the sender's end only sends
+      CHECK(dirs[rcv] == std::set<bool>{false});  // the receiver's end only receives
+    }
+    // Gloo sends wait for the peer: they leave from the sender thread, never
+    // the compute thread that receives (and computes).
+    for (const PipelineLinkUse& s : uses)
+      for (const PipelineLinkUse& r : uses)
+        if (s.send && !r.send && s.rank == r.rank) CHECK(s.thread != r.thread);
+  }
+}
+
+TEST_CASE("pp: pp4 interleaved_1f1b v=2 (links 3 -> 0 and 0 -> 3 wrap around) trains as one rank does",
+          "[pp][links][gpt2]") {
+  // With one sender thread for all of a rank's links this hung at step 1:
+  // a send waiting for one peer held up a send to another (executor.cpp's Sender).
+  const std::string model = "{arch: gpt2, n_layer: 8, n_head: 4, n_embd: 16, vocab_size: 23, seq_len: 8}";
+  check_same(run_pp(model, 4, 4, 1, "no_shard", "interleaved_1f1b", 2), run_pp(model, 1, 1, 1, "no_shard"));
 }
 
 TEST_CASE("pp: zero_bubble (ZB-H1: input- and weight-gradient steps) trains as one rank does", "[pp][zb]") {

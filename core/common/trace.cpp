@@ -50,16 +50,20 @@ void StepTracer::add(const std::string& name, const char* cat, int tid, int64_t 
   events_.push_back(std::move(e));
 }
 
+void StepTracer::name_thread(int tid, const std::string& name) {
+  std::lock_guard<std::mutex> lk(mu_);
+  thread_names_[tid] = name;
+}
+
 std::string StepTracer::events_json() const {
   std::lock_guard<std::mutex> lk(mu_);
   std::string out;
   // Thread names, so the viewer labels the rows.
   out += "{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":" + std::to_string(rank_) +
          ",\"args\":{\"name\":\"rank " + std::to_string(rank_) + "\"}}";
-  out += ",{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":" + std::to_string(rank_) +
-         ",\"tid\":0,\"args\":{\"name\":\"compute\"}}";
-  out += ",{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":" + std::to_string(rank_) +
-         ",\"tid\":1,\"args\":{\"name\":\"pipeline sends\"}}";
+  for (const auto& [tid, name] : thread_names_)
+    out += ",{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":" + std::to_string(rank_) +
+           ",\"tid\":" + std::to_string(tid) + ",\"args\":{\"name\":\"" + json_escape(name) + "\"}}";
   for (const std::string& e : events_) out += "," + e;
   return out;
 }

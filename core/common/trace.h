@@ -2,7 +2,8 @@
 // trace-event format that Perfetto and chrome://tracing open: complete
 // events ("ph": "X") with microsecond start and duration, one process per
 // rank (pid = rank) and one thread per timeline of that rank (tid 0 the
-// compute thread; tid 1 the pipeline's sender thread). Spans are recorded
+// compute thread; tid 1, 2, ... the pipeline's sender threads, one per
+// outgoing link). Spans are recorded
 // only while a traced step runs, so an untraced step costs one branch.
 //
 // Times are CLOCK_MONOTONIC (steady_clock), shared by the processes of one
@@ -11,6 +12,7 @@
 #pragma once
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -24,6 +26,8 @@ class StepTracer {
   void begin_step(int step);
   void end_step();
   bool active() const { return active_; }
+  // The trace's name for timeline `tid` (0: "compute", 1: "pipeline sends").
+  void name_thread(int tid, const std::string& name);
 
   // A span from construction to destruction (a no-op when not active).
   class Span {
@@ -56,6 +60,7 @@ class StepTracer {
   int step_ = 0;
   mutable std::mutex mu_;
   std::vector<std::string> events_;
+  std::map<int, std::string> thread_names_{{0, "compute"}, {1, "pipeline sends"}};
 };
 
 // output.trace_steps' text ("2,5", "[2, 5]", "" = none) as step numbers >= 1;

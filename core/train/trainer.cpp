@@ -191,6 +191,7 @@ class Trainer {
   // executor that runs the schedule over the stage networks; model_ is null.
   std::unique_ptr<PipelineStagePlan> pp_plan_;
   PipelineStageStore* pp_store_ = nullptr;
+  std::unique_ptr<PipelineLinks> pp_links_;  // before pipe_: the executor sends on them until it is gone
   std::unique_ptr<PipelineExecutor> pipe_;
   int64_t step_ = 0;  // the step in progress, for the pipeline's messages
   bool pp_logged_ = false;
@@ -338,11 +339,6 @@ void Trainer::setup() {
                                offload);
     } else {
       const ParallelSpec& ps = job_.parallel;
-      // The executor posts sends from a second thread, which an NCCL
-      // communicator does not allow, and NCCL's p2p needs grouped
-      // send/recv pairs to be hang-free on one stream: not built yet.
-      TR_CHECK(!nccl, "parallel.pipeline_parallel: ", pp, " runs on the CPU backend (Gloo) only for now; its NCCL "
-                      "point-to-point path is not built yet; use backend: cpu or pipeline_parallel: 1");
       const int v = ps.pipeline_virtual_stages;
       const std::vector<int> split = split_pipeline_layers(cfg.L, pp * v, parse_pipeline_layers(ps.pipeline_layers));
       // Checked before the first step (the launcher checked it too): a
@@ -353,6 +349,20 @@ void Trainer::setup() {
       auto inner = make_param_store(ps.sharding, pp_plan_->stage_layout(), be_.get(), dp, dims.dp_shard, factory,
                                     &hybrid);
       Communicator* ppc = mesh_comms_->comm(MeshDim::pp);
+      // The p2p links (parallel/pipeline/links.h), after every mesh group
+      // and in the same order on every rank; on NCCL each on its own
+      // stream, on the CPU shared memory where both ranks share a host
+      // (else Gloo; TRAINRUN_PIPELINE_SHM=0 forces Gloo).
+      GroupCommFactory link_factory = [this, timeout, nccl](const std::string& prefix, int rank, int world) {
+        TR_CHECK(world == 2, "pipeline: a link has 2 ranks, not ", world, " (a bug)");
+        std::unique_ptr<Communicator> c =
+            nccl ? make_nccl_communicator(be_.get(), store_.get(), prefix_ + prefix, rank, world, timeout, true)
+                 : make_p2p_link_communicator(*store_, prefix_ + prefix, rank, w_.bind_addr, timeout);
+        c->set_group(prefix.substr(0, prefix.find('/')));
+        return maybe_inject_faults(std::move(c), w_.rank);
+      };
+      pp_links_ = std::make_unique<PipelineLinks>(sched, mesh_->coord(MeshDim::pp), mesh_->group_name(MeshDim::pp),
+                                                  link_factory);
       auto stage_store = make_pipeline_stage_store(std::move(inner), *pp_plan_, ppc, be_.get(), ps.pipeline_reshard_on());
       pp_store_ = stage_store.get();
       PipelineExecutor::Options po;
@@ -362,7 +372,8 @@ void Trainer::setup() {
       po.document_mask = doc_separator_ >= 0;  // resolved first thing in setup()
       po.tp = tpc;
       po.stage_ranks = mesh_->group_ranks(MeshDim::pp);
-      pipe_ = std::make_unique<PipelineExecutor>(*arch_, be_.get(), *pp_plan_, std::move(sched), *pp_store_, ppc, po);
+      pipe_ = std::make_unique<PipelineExecutor>(*arch_, be_.get(), *pp_plan_, std::move(sched), *pp_store_,
+                                                 *pp_links_, po);
       store = std::move(stage_store);
     }
     params_ = tp > 1 ? make_tensor_parallel_store(std::move(store), *tp_plan_, tp_ctx_.comm) : std::move(store);
@@ -511,7 +522,8 @@ Trainer::StepResult Trainer::train_step(int step) {
       TR_LOG_INFO("pipeline (rank ", w_.rank, ", pp rank ", mesh_->coord(MeshDim::pp), "): step ", step + 1, ": ",
                   pp_store_->acquires_last_step(), " unit acquires and ", pp_store_->reductions_last_step(),
                   " gradient reductions for ", pp_plan_->stage_layout().units.size(), " units and ", accum_,
-                  " microbatches; waited on peers ", fmt(100 * pipe_->last_wait_fraction(), 1), "% of the step");
+                  " microbatches; idle (waiting on peers) ", fmt(100 * pipe_->last_wait_fraction(), 1),
+                  "% of the pipeline's span");
     }
   }
   for (int m = 0; m < accum_ && !pipe_; ++m) {

@@ -151,6 +151,24 @@ void CudaBackend::unpin_host(void* p) {
   if (cudaHostUnregister(p) != cudaSuccess) cudaGetLastError();
 }
 
+std::shared_ptr<void> CudaBackend::time_mark() {
+  make_current();
+  cudaEvent_t ev = nullptr;
+  TR_CUDA_CHECK(cudaEventCreate(&ev));  // with timing, unlike the ordering events
+  TR_CUDA_CHECK(cudaEventRecord(ev, compute_));
+  // Destroyed with the last reference (cudaEventDestroy is fine on a pending event).
+  return std::shared_ptr<void>(ev, [](void* e) { cudaEventDestroy(static_cast<cudaEvent_t>(e)); });
+}
+
+double CudaBackend::ms_between(const std::shared_ptr<void>& from, const std::shared_ptr<void>& to) {
+  make_current();
+  auto a = static_cast<cudaEvent_t>(from.get()), b = static_cast<cudaEvent_t>(to.get());
+  TR_CUDA_CHECK(cudaEventSynchronize(b));
+  float ms = 0;
+  TR_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+  return double(ms);
+}
+
 void CudaBackend::copy_to_host(void* dst, const void* src, size_t bytes) {
   if (!bytes) return;
   make_current();

@@ -50,6 +50,9 @@ class CudaBackend final : public Backend {
   bool wants_pinned_host() const override { return true; }
   bool pin_host(void* p, size_t bytes) override;
   void unpin_host(void* p) override;
+  // Timing events on the compute stream (Backend::time_mark).
+  std::shared_ptr<void> time_mark() override;
+  double ms_between(const std::shared_ptr<void>& from, const std::shared_ptr<void>& to) override;
 
   void cast_from_f32(void* dst, const float* src, int64_t n) override;
   void cast_to_f32(float* dst, const void* src, int64_t n) override;

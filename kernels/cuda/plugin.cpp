@@ -15,7 +15,8 @@ namespace trainrun::cuda {
 
 // Defined in parallel/comm/nccl_communicator.cpp, cuda_bench.cpp and gemm_check.cpp.
 std::unique_ptr<Communicator> make_nccl_communicator_impl(Backend* be, Store* store, const std::string& prefix,
-                                                          int rank, int world, std::chrono::milliseconds timeout);
+                                                          int rank, int world, std::chrono::milliseconds timeout,
+                                                          bool own_stream);
 int run_kernel_bench_impl(const KernelBenchOptions& opts);
 std::vector<GemmCheckRow> run_gemm_epilogue_check_impl(int device);
 

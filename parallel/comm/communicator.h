@@ -110,6 +110,30 @@ class Communicator {
     send_recv(buf, bytes, to, nullptr, 0, -1, tag);
   }
   void recv(void* buf, size_t bytes, int from, uint32_t tag = 0) { send_recv(nullptr, 0, -1, buf, bytes, from, tag); }
+  // True when send/recv (and send_deferred) only enqueue work on the GPU and
+  // return without waiting for the peer (NCCL in its default mode): the
+  // caller may issue them from its compute thread. False (Gloo, blocking
+  // NCCL): a send waits until the peer takes it.
+  virtual bool stream_ordered() const { return false; }
+  // A send whose completion the compute stream waits for only at the
+  // handle's order_compute_after(): it reads `buf` after `after` (a
+  // compute_point(); null: everything enqueued on the compute stream so
+  // far), and until order_compute_after() the compute stream must not
+  // overwrite `buf`. Null handle: it already completed (every synchronous
+  // communicator, and the default, which sends here).
+  virtual std::unique_ptr<PendingCollective> send_deferred(const void* buf, size_t bytes, int to, uint32_t tag = 0,
+                                                           const std::shared_ptr<void>& after = nullptr) {
+    (void)after;
+    send(buf, bytes, to, tag);
+    return nullptr;
+  }
+  // What the next calls are for, in the caller's words ("pipeline (step 3):
+  // sending the activation of microbatch 2 between stage 0 (rank 0) and
+  // stage 1 (rank 1)"): a stream-ordered communicator, whose failures surface
+  // after the call has returned (NCCL's watchdog), puts it in their message.
+  // Empty: none. One thread uses a communicator that it labels.
+  virtual void set_op_label(const std::string& label) { op_label_ = label; }
+  const std::string& op_label() const { return op_label_; }
   // Throws the Error of a collective that failed after its call had
   // returned (NCCL: an async error or the watchdog's abort of a
   // stream-ordered collective), first waiting for the collectives already
@@ -135,6 +159,7 @@ class Communicator {
   }
   int64_t step_ = -1;
   std::string group_;
+  std::string op_label_;
 };
 
 // The defaults of Communicator's optional calls. Inline (like every other

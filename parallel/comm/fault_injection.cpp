@@ -115,6 +115,18 @@ class FaultyCommunicator final : public Communicator {
     inner_->send_recv(sbuf, sbytes, to, rbuf, rbytes, from, tag);
     after("send_recv");
   }
+  bool stream_ordered() const override { return inner_->stream_ordered(); }
+  std::unique_ptr<PendingCollective> send_deferred(const void* buf, size_t bytes, int to, uint32_t tag,
+                                                   const std::shared_ptr<void>& after_point) override {
+    faulting();
+    auto pending = inner_->send_deferred(buf, bytes, to, tag, after_point);
+    after("send_recv");
+    return pending;
+  }
+  void set_op_label(const std::string& label) override {
+    Communicator::set_op_label(label);
+    inner_->set_op_label(label);
+  }
   void check_health() override {
     {
       std::lock_guard<std::mutex> lk(mu_);

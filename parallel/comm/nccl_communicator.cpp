@@ -35,6 +35,16 @@
 // it, and every later call repeats it. Host-staged calls, barrier() and
 // blocking mode wait inline, with the same checks.
 //
+// Pipeline links (make_nccl_communicator with own_stream): a 2-rank
+// communicator that carries one direction between two pipeline stages runs
+// on a stream of its own instead of the backend's comm stream, so a
+// receive that waits for its peer holds up neither the FSDP collectives nor
+// the sends and receives of the other links. send_deferred is its send:
+// the compute stream waits for it only where the executor is about to
+// overwrite the buffer (slot reuse) and at the end of the step. The
+// caller's op label (set_op_label: the step, the microbatch, the peer
+// stage) goes into every message, the watchdog's abort included.
+//
 // Host pointers (e.g. the trainer's loss scalar) are staged through a
 // device buffer. A world of one needs no NCCL at all: copies on the compute
 // stream.
@@ -108,9 +118,10 @@ class DeferredWait final : public PendingCollective {
 class NcclCommunicator final : public Communicator {
  public:
   NcclCommunicator(CudaBackend* be, ncclComm_t comm, int rank, int world, std::string prefix,
-                   std::chrono::milliseconds timeout)
+                   std::chrono::milliseconds timeout, bool own_stream)
       : be_(be), comm_(comm), rank_(rank), world_(world), prefix_(std::move(prefix)), timeout_(timeout) {
     be_->make_current();
+    if (own_stream) TR_CUDA_CHECK(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking));
     TR_CUDA_CHECK(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming));
     TR_CUDA_CHECK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming));
     const char* b = std::getenv("TRAINRUN_NCCL_BLOCKING");
@@ -143,11 +154,13 @@ class NcclCommunicator final : public Communicator {
     if (staging_) be_->allocator().release(staging_);
     if (ready_) cudaEventDestroy(ready_);
     if (done_) cudaEventDestroy(done_);
+    if (own_stream_) cudaStreamDestroy(own_stream_);  // released once its work has drained
   }
 
   int rank() const override { return rank_; }
   int world_size() const override { return world_; }
   std::string name() const override { return "nccl"; }
+  bool stream_ordered() const override { return world_ > 1 && stream_ordered_ && watchdog_.joinable(); }
 
   void all_reduce(float* buf, int64_t count, ReduceOp op) override {
     const char* what = "all_reduce";
@@ -308,7 +321,7 @@ class NcclCommunicator final : public Communicator {
   // issued, which the pipeline schedules keep the same on both sides.
   void send_recv(const void* send_buf, size_t send_bytes, int send_to, void* recv_buf, size_t recv_bytes,
                  int recv_from, uint32_t) override {
-    const char* what = "send_recv";
+    const char* what = send_to < 0 ? "recv" : recv_from < 0 ? "send" : "send_recv";
     check_usable(what);
     for (int peer : {send_to, recv_from})
       TR_CHECK(peer >= -1 && peer < world_, where(what), ": peer ", peer, " is not a rank of a group of ", world_);
@@ -344,6 +357,27 @@ class NcclCommunicator final : public Communicator {
     if (receiving) copy_out(recv_buf, st + roff, recv_bytes);
   }
 
+  // A send on this communicator's stream after `after` (or the compute
+  // stream's current end), its completion recorded in the handle's event
+  // instead of being waited for by the compute stream (as all_gather_deferred).
+  std::unique_ptr<PendingCollective> send_deferred(const void* buf, size_t bytes, int to, uint32_t tag,
+                                                   const std::shared_ptr<void>& after) override {
+    const char* what = "send";
+    be_->make_current();  // before is_device_pointer: see all_gather_deferred
+    if (!stream_ordered() || bytes == 0 || to == rank_ || !is_device_pointer(buf)) {
+      send(buf, bytes, to, tag);
+      return nullptr;
+    }
+    check_usable(what);
+    TR_CHECK(to >= 0 && to < world_, where(what), ": peer ", to, " is not a rank of a group of ", world_);
+    cudaEvent_t ev = nullptr;
+    TR_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+    auto pending = std::make_unique<DeferredWait>(be_, ev);
+    run(what, [&] { return ncclSend(buf, bytes, ncclInt8, to, comm_, stream()); }, false, ev,
+        static_cast<cudaEvent_t>(after.get()));
+    return pending;
+  }
+
   void barrier() override {
     const char* what = "barrier";
     check_usable(what);
@@ -359,10 +393,15 @@ class NcclCommunicator final : public Communicator {
     bool staged = false;
   };
 
-  cudaStream_t stream() const { return be_->comm_stream(); }
+  cudaStream_t stream() const { return own_stream_ ? own_stream_ : be_->comm_stream(); }
 
-  // "reduce_scatter (step 12, rank 1 of 4)"
-  std::string where(const char* op) const { return describe(std::string("nccl ") + op); }
+  // "reduce_scatter (step 12, rank 1 of 4)", then the caller's label
+  // ("...: pipeline (step 12): receiving the activation of microbatch 3 ...").
+  std::string where(const char* op) const {
+    std::string w = describe(std::string("nccl ") + op);
+    if (!op_label().empty()) w += ": " + op_label();
+    return w;
+  }
 
   // Waits until every collective issued so far has finished on the GPU (the
   // watchdog pops them; it aborts one that fails or passes the timeout),
@@ -616,6 +655,7 @@ class NcclCommunicator final : public Communicator {
   std::string prefix_;
   std::chrono::milliseconds timeout_;
   cudaEvent_t ready_ = nullptr, done_ = nullptr;
+  cudaStream_t own_stream_ = nullptr;  // a pipeline link's (own_stream); null: the backend's comm stream
   void* staging_ = nullptr;
   size_t staging_bytes_ = 0;
   bool stream_ordered_ = true;
@@ -633,14 +673,15 @@ class NcclCommunicator final : public Communicator {
 }  // namespace
 
 std::unique_ptr<Communicator> make_nccl_communicator_impl(Backend* be_base, Store* store, const std::string& prefix,
-                                                          int rank, int world, std::chrono::milliseconds timeout) {
+                                                          int rank, int world, std::chrono::milliseconds timeout,
+                                                          bool own_stream) {
   auto* be = dynamic_cast<CudaBackend*>(be_base);
   const std::string where = detail::cat("nccl rendezvous (prefix '", prefix, "', rank ", rank, " of ", world, ")");
   TR_CHECK(be, where, ": needs the CUDA backend");
   TR_CHECK(world >= 1 && rank >= 0 && rank < world, where, ": rank out of range");
   TR_CHECK(timeout.count() > 0, where, ": timeout must be positive");
   be->make_current();
-  if (world == 1) return std::make_unique<NcclCommunicator>(be, nullptr, 0, 1, prefix, timeout);
+  if (world == 1) return std::make_unique<NcclCommunicator>(be, nullptr, 0, 1, prefix, timeout, false);
   TR_CHECK(store, where, ": a rendezvous store is needed for more than one rank");
 
   const std::string key = prefix + "nccl_unique_id";
@@ -684,13 +725,20 @@ std::unique_ptr<Communicator> make_nccl_communicator_impl(Backend* be_base, Stor
   if (r != ncclSuccess) {
     const std::string detail = comm ? ncclGetLastError(comm) : "";
     if (comm) ncclCommAbort(comm);
-    TR_FAIL(where, ": ncclCommInitRank failed: ", ncclGetErrorString(r), detail.empty() ? "" : " (" + detail + ")");
+    // The common cause of invalid usage here: two ranks of the group on one
+    // GPU (NCCL: "Duplicate GPU detected"), e.g. every worker pinned to
+    // GPU 0 by CUDA_VISIBLE_DEVICES. trainrun gives each rank its own GPU.
+    TR_FAIL(where, ": ncclCommInitRank failed: ", ncclGetErrorString(r), detail.empty() ? "" : " (" + detail + ")",
+            r == ncclInvalidUsage ? "; if two ranks share a GPU (NCCL refuses duplicate GPUs in a communicator), "
+                                    "give each rank its own: one worker per GPU, LOCAL_RANK r on GPU r, and no "
+                                    "CUDA_VISIBLE_DEVICES that maps several workers to one device"
+                                  : "");
   }
   int version = 0;
   ncclGetVersion(&version);
   TR_CUDA_LOG_DEBUG("nccl: rank ", rank, " of ", world, " ready on ", be->name(), " (prefix '", prefix, "', NCCL ",
                     version, ")");
-  return std::make_unique<NcclCommunicator>(be, comm, rank, world, prefix, timeout);
+  return std::make_unique<NcclCommunicator>(be, comm, rank, world, prefix, timeout, own_stream);
 }
 
 }  // namespace trainrun::cuda

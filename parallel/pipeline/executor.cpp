@@ -1,7 +1,7 @@
 // The pipeline runtime of one rank (executor.h).
 #include "parallel/pipeline/executor.h"
 
-#include <chrono>
+#include <algorithm>
 #include <cstdio>
 #include <csignal>
 #include <cstdlib>
@@ -14,19 +14,25 @@
 
 #include "core/common/error.h"
 #include "core/common/trace.h"
+#include "parallel/pipeline/slots.h"
 
 namespace trainrun {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
-
-// Posts sends in order on one thread, so the compute thread never waits
-// for a peer to take a message it does not need yet.
+// Posts the sends of one outgoing link in order on a thread of its own, so
+// the compute thread never waits for a peer to take a message it does not
+// need yet (communicators whose send waits for the peer: Gloo, blocking
+// NCCL). It is the only user of its link (links.h). One thread per link,
+// not one for all: a send that waits for one peer must not hold up the
+// sends to another, which the schedule check does not model (one shared
+// thread hung pp4 interleaved_1f1b: rank 2's gradient to rank 1 queued
+// behind its activation to rank 3, which rank 3 took only after that
+// gradient's chain let it reuse its slot). Per link is also what NCCL's
+// stream per link does, so both runtimes wait on the same things.
 class Sender {
  public:
-  explicit Sender(Communicator* comm) : comm_(comm), th_([this] { loop(); }) {}
+  Sender(int global_rank, int tid) : rank_(global_rank), tid_(tid), th_([this] { loop(); }) {}
   ~Sender() {
     {
       std::lock_guard<std::mutex> lk(mu_);
@@ -35,12 +41,14 @@ class Sender {
     cv_.notify_all();
     th_.join();
   }
-  std::shared_future<void> post(const void* buf, size_t bytes, int peer, uint32_t tag, std::string label) {
+  // `link`: the outgoing link to pp rank `to` (the peer is its rank 1).
+  std::shared_future<void> post(Communicator* link, int from, int to, const void* buf, size_t bytes, uint32_t tag,
+                                std::string label) {
     auto done = std::make_shared<std::promise<void>>();
     std::shared_future<void> f = done->get_future().share();
     {
       std::lock_guard<std::mutex> lk(mu_);
-      q_.push_back({buf, bytes, peer, tag, done, std::move(label)});
+      q_.push_back({link, from, to, buf, bytes, tag, done, std::move(label)});
     }
     cv_.notify_all();
     return f;
@@ -48,9 +56,10 @@ class Sender {
 
  private:
   struct Job {
+    Communicator* link;
+    int from, to;  // pp ranks, for the tests' record of who used which link
     const void* buf;
     size_t bytes;
-    int peer;
     uint32_t tag;
     std::shared_ptr<std::promise<void>> done;
     std::string label;  // the trace span's name
@@ -66,8 +75,9 @@ class Sender {
         q_.pop_front();
       }
       try {
-        StepTracer::Span span(tracer, j.label, "p2p", 1);
-        comm_->send(j.buf, j.bytes, j.peer, j.tag);
+        StepTracer::Span span(tracer, j.label, "p2p", tid_);
+        record_pipeline_link_use(rank_, j.from, j.to, true);
+        j.link->send(j.buf, j.bytes, 1, j.tag);
         j.done->set_value();
       } catch (...) {
         j.done->set_exception(std::current_exception());
@@ -78,7 +88,8 @@ class Sender {
   StepTracer* tracer = nullptr;  // set between steps only
 
  private:
-  Communicator* comm_;
+  int rank_;
+  int tid_;  // its row in the trace
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Job> q_;
@@ -94,16 +105,20 @@ struct Slot {
   std::unique_ptr<Network> net;
   DeviceBuffer in, tgt;
   DeviceBuffer doc_start, pos;  // (B,T) int32, with Options::document_mask only
-  std::shared_future<void> send;  // the last send from its buffers
-  std::string send_what;          // for the message if that send failed
-  bool busy = false;
+};
+
+// A send that may still be reading its slot's buffers: on a sender thread
+// (a future), or stream-ordered (the compute stream's wait for it, owed).
+struct SendInFlight {
+  std::shared_future<void> done;
+  std::unique_ptr<PendingCollective> pending;
+  std::string what;  // for the message if it failed
 };
 
 struct ChunkRun {
   const PipelineChunk* chunk = nullptr;
   PipelineStage stage;  // the chunk's, with split_backward under zero_bubble
   std::vector<Slot> slots;
-  std::map<int, int> slot_of;  // microbatch -> slot
 };
 
 class NetworkView final : public Network {
@@ -128,15 +143,23 @@ struct PipelineExecutor::Impl {
   Backend* be;
   const PipelineStagePlan& plan;
   PipelineStageStore& store;
-  Communicator* pp;
+  PipelineLinks& links;
   Options opts;
   std::vector<ChunkRun> chunks;
   DeviceBuffer scratch;  // the stage networks' shared transient buffers
-  std::unique_ptr<Sender> sender;
+  // One per outgoing link, by the peer's pp rank; none when the links are
+  // stream-ordered (NCCL): sends are then issued from the compute thread,
+  // since enqueueing one never waits on the peer.
+  std::map<int, std::unique_ptr<Sender>> senders;
   std::unique_ptr<NetworkView> view;
   int64_t step = 0;
-  double wait_s = 0;
   bool split = false;
+  // The measured bubble: marks on the compute stream (Backend::time_mark)
+  // around every compute action of the last train_step, and at its start
+  // and end; read (which may wait for the GPU) only when asked for.
+  std::shared_ptr<void> step_begin, step_end;
+  std::vector<std::pair<std::shared_ptr<void>, std::shared_ptr<void>>> compute_marks;
+  double bubble = -1;  // from those marks, once computed
   StepTracer* tracer = nullptr;
   // Tests: TRAINRUN_DEBUG_PIPE_KILL=<global rank>:<step>:<microbatch> kills
   // this process with SIGKILL before that microbatch's forward (mid-step).
@@ -144,8 +167,8 @@ struct PipelineExecutor::Impl {
   int64_t kill_step = -1;
   size_t io_bytes = 0;
 
-  Impl(Backend* b, const PipelineStagePlan& p, PipelineStageStore& s, Communicator* c, Options o)
-      : be(b), plan(p), store(s), pp(c), opts(std::move(o)) {}
+  Impl(Backend* b, const PipelineStagePlan& p, PipelineStageStore& s, PipelineLinks& l, Options o)
+      : be(b), plan(p), store(s), links(l), opts(std::move(o)) {}
 
   int P() const { return plan.ranks(); }
   int stages() const { return plan.ranks() * int(plan.chunks().size()); }
@@ -162,61 +185,71 @@ struct PipelineExecutor::Impl {
                        global_rank(plan.rank()), ") and stage ", peer_vs, " (rank ", global_rank(peer_vs % P()), ")");
   }
 
-  void wait_send(Slot& s) {
-    if (!s.send.valid()) return;
-    const auto t0 = Clock::now();
+  // The sends still out, by id (the action's index in the list;
+  // forward_only numbers its own). The slot plan says which to wait for
+  // before which action: before a slot's buffers are overwritten, and
+  // before a second send from one slot; the end of the step waits for all.
+  std::map<int, SendInFlight> inflight;
+  PipelineSlotPlan slots;  // this rank's (slots.h)
+  void wait_send(int id) {
+    auto it = inflight.find(id);
+    if (it == inflight.end()) return;
+    SendInFlight f = std::move(it->second);
+    inflight.erase(it);
+    if (f.pending) f.pending->order_compute_after();  // on the GPU: the host does not wait
+    if (!f.done.valid()) return;
     try {
-      s.send.get();
+      f.done.get();
     } catch (const std::exception& e) {
-      s.send = {};
-      TR_FAIL(s.send_what, " failed: ", e.what());
+      TR_FAIL(f.what, " failed: ", e.what());
     }
-    s.send = {};
-    wait_s += seconds(Clock::now() - t0);
   }
-  Slot& slot(int c, int mb) {
-    ChunkRun& cr = chunks[size_t(c)];
-    auto it = cr.slot_of.find(mb);
-    if (it != cr.slot_of.end()) return cr.slots[size_t(it->second)];
-    for (size_t i = 0; i < cr.slots.size(); ++i)
-      if (!cr.slots[i].busy) {
-        Slot& s = cr.slots[i];
-        wait_send(s);  // its buffers are about to be overwritten
-        s.busy = true;
-        cr.slot_of[mb] = int(i);
-        return s;
-      }
-    TR_FAIL("pipeline: stage ", cr.chunk->virtual_stage, " holds more microbatches than its ", cr.slots.size(),
-            " activation sets (a bug)");
-  }
-  void free_slot(int c, int mb) {
-    ChunkRun& cr = chunks[size_t(c)];
-    auto it = cr.slot_of.find(mb);
-    if (it == cr.slot_of.end()) return;
-    cr.slots[size_t(it->second)].busy = false;
-    cr.slot_of.erase(it);
-  }
+  // On the compute thread, over the link from the peer's rank (its rank 0).
+  // Stream-ordered (NCCL): the link's stream waits for the compute stream's
+  // current point (the buffer is free: its last send was waited for by
+  // wait_send), and the compute stream waits for the receive.
   void recv(void* buf, int mb, int vs, int peer_vs, int dir) {
     StepTracer::Span span(tracer, detail::cat(dir == 0 ? "recv_act mb" : "recv_grad mb", mb, " stage ", vs), "p2p");
-    const auto t0 = Clock::now();
-    const int boundary = std::min(vs, peer_vs);
+    const int boundary = std::min(vs, peer_vs), peer = peer_vs % P();
+    const std::string what = where(dir == 0 ? "receiving the activation" : "receiving the gradient", mb, vs, peer_vs);
+    Communicator* link = links.from(peer);
+    TR_CHECK(link, what, ": no link from pp rank ", peer, " to pp rank ", plan.rank(), " (a bug)");
     try {
-      pp->recv(buf, io_bytes, peer_vs % P(), tag(mb, boundary, dir));
+      link->set_op_label(what);
+      record_pipeline_link_use(global_rank(plan.rank()), peer, plan.rank(), false);
+      link->recv(buf, io_bytes, 0, tag(mb, boundary, dir));
     } catch (const std::exception& e) {
-      TR_FAIL(where(dir == 0 ? "receiving the activation" : "receiving the gradient", mb, vs, peer_vs), " failed: ",
-              e.what());
+      TR_FAIL(what, " failed: ", e.what());
     }
-    wait_s += seconds(Clock::now() - t0);
   }
-  void send(Slot& s, const void* buf, int mb, int vs, int peer_vs, int dir) {
-    wait_send(s);
-    s.send_what = where(dir == 0 ? "sending the activation" : "sending the gradient", mb, vs, peer_vs);
-    s.send = sender->post(buf, io_bytes, peer_vs % P(), tag(mb, std::min(vs, peer_vs), dir),
-                          detail::cat(dir == 0 ? "send_act mb" : "send_grad mb", mb, " stage ", vs));
+  // `id`: the send's number for wait_send.
+  void send(int id, const void* buf, int mb, int vs, int peer_vs, int dir) {
+    const int peer = peer_vs % P();
+    SendInFlight& s = inflight[id];
+    s.what = where(dir == 0 ? "sending the activation" : "sending the gradient", mb, vs, peer_vs);
+    Communicator* link = links.to(peer);
+    TR_CHECK(link, s.what, ": no link from pp rank ", plan.rank(), " to pp rank ", peer, " (a bug)");
+    const uint32_t t = tag(mb, std::min(vs, peer_vs), dir);
+    std::string label = detail::cat(dir == 0 ? "send_act mb" : "send_grad mb", mb, " stage ", vs);
+    if (senders.empty()) {
+      // Stream-ordered: enqueued after the compute that produced `buf`;
+      // the compute stream waits for it only in wait_send.
+      StepTracer::Span span(tracer, label, "p2p");
+      try {
+        link->set_op_label(s.what);
+        record_pipeline_link_use(global_rank(plan.rank()), plan.rank(), peer, true);
+        s.pending = link->send_deferred(buf, io_bytes, 1, t);
+      } catch (const std::exception& e) {
+        TR_FAIL(s.what, " failed: ", e.what());
+      }
+      return;
+    }
+    auto it = senders.find(peer);
+    TR_CHECK(it != senders.end(), s.what, ": no sender thread for pp rank ", peer, " (a bug)");
+    s.done = it->second->post(link, plan.rank(), peer, buf, io_bytes, t, std::move(label));
   }
   void wait_all_sends() {
-    for (ChunkRun& cr : chunks)
-      for (Slot& s : cr.slots) wait_send(s);
+    while (!inflight.empty()) wait_send(inflight.begin()->first);
   }
   void forward(Slot& s, const PipelineChunk& ch, int mb, const Loader& load, bool for_backward, float dloss_scale,
                float* loss_sum) {
@@ -239,30 +272,20 @@ struct PipelineExecutor::Impl {
 };
 
 PipelineExecutor::PipelineExecutor(const ModelArch& arch, Backend* be, const PipelineStagePlan& plan,
-                                   PipelineSchedule schedule, PipelineStageStore& store, Communicator* pp,
+                                   PipelineSchedule schedule, PipelineStageStore& store, PipelineLinks& links,
                                    Options opts)
-    : impl_(std::make_unique<Impl>(be, plan, store, pp, std::move(opts))), schedule_(std::move(schedule)) {
+    : impl_(std::make_unique<Impl>(be, plan, store, links, std::move(opts))), schedule_(std::move(schedule)) {
   Impl& im = *impl_;
   // zero_bubble: BI then, later, BW; a microbatch's activations stay until its BW.
   im.split = schedule_.kind == "zero_bubble";
-  TR_CHECK(pp && schedule_.ranks == plan.ranks() && schedule_.virtual_stages == int(plan.chunks().size()),
-           "pipeline: schedule, plan and pp group disagree (a bug)");
+  TR_CHECK(schedule_.ranks == plan.ranks() && schedule_.virtual_stages == int(plan.chunks().size()),
+           "pipeline: schedule and plan disagree (a bug)");
   const int r = plan.rank();
-  // Activation sets per chunk: the most microbatches this rank's list has
-  // received or forwarded and not yet backwarded on it, at any point.
-  std::vector<int> live(plan.chunks().size(), 0), most(plan.chunks().size(), 1);
-  std::vector<std::map<int, bool>> open(plan.chunks().size());
-  for (const PipeAction& a : schedule_.actions[size_t(r)]) {
-    const size_t c = size_t(im.chunk_of(a.stage));
-    if (a.op == PipeOp::RecvAct || a.op == PipeOp::F) {
-      if (!open[c][a.microbatch]) {
-        open[c][a.microbatch] = true;
-        most[c] = std::max(most[c], ++live[c]);
-      }
-    } else if (a.op == PipeOp::B || a.op == PipeOp::BW) {
-      if (open[c].erase(a.microbatch)) --live[c];
-    }
-  }
+  // Activation sets per chunk, each action's set and the sends it waits
+  // for: the slot plan (slots.h), which check_pipeline_schedule proved
+  // cannot hang.
+  im.slots = plan_pipeline_slots(schedule_, r);
+  const std::vector<int>& most = im.slots.slots_per_chunk;
   const int B = im.opts.micro_batch, T = im.opts.seq_len;
   for (size_t c = 0; c < plan.chunks().size(); ++c) {
     ChunkRun cr;
@@ -301,7 +324,14 @@ PipelineExecutor::PipelineExecutor(const ModelArch& arch, Backend* be, const Pip
       im.kill_mb = int(km);
     }
   }
-  im.sender = std::make_unique<Sender>(pp);
+  if (!links.stream_ordered()) {
+    // Trace rows 1, 2, ...: one per link, in the order of the peers.
+    for (const PipeAction& a : schedule_.actions[size_t(r)])
+      if ((a.op == PipeOp::SendAct || a.op == PipeOp::SendGrad) && !im.senders.count(a.peer))
+        im.senders[a.peer] = nullptr;
+    int tid = 1;
+    for (auto& [peer, snd] : im.senders) snd = std::make_unique<Sender>(im.global_rank(r), tid++);
+  }
   im.view = std::make_unique<NetworkView>(*this);
 }
 
@@ -318,88 +348,111 @@ const Network& PipelineExecutor::network_view() const { return *impl_->view; }
 
 void PipelineExecutor::set_tracer(StepTracer* t) {
   impl_->tracer = t;
-  impl_->sender->tracer = t;
+  int tid = 1;
+  for (auto& [peer, snd] : impl_->senders) {
+    snd->tracer = t;
+    if (t) t->name_thread(tid++, detail::cat("pipeline sends to pp rank ", peer));
+  }
 }
 
 void PipelineExecutor::train_step(int64_t step, const Loader& load, float dloss_scale, float* loss_sum) {
   Impl& im = *impl_;
   im.step = step;
-  im.wait_s = 0;
-  const auto t0 = Clock::now();
+  im.links.set_step(step);
+  im.compute_marks.clear();
+  im.bubble = -1;
   im.store.begin_step();
-  for (const PipeAction& a : schedule_.actions[size_t(im.plan.rank())]) {
+  im.step_begin = im.be->time_mark();
+  const std::vector<PipeAction>& list = schedule_.actions[size_t(im.plan.rank())];
+  for (size_t i = 0; i < list.size(); ++i) {
+    const PipeAction& a = list[i];
     const int c = im.chunk_of(a.stage);
     const PipelineChunk& ch = *im.chunks[size_t(c)].chunk;
+    // The sends whose buffers this action takes over or sends from again
+    // (slots.h): waited for first, so their time counts as idle.
+    for (int w : im.slots.waits[i]) im.wait_send(w);
+    Slot& s = im.chunks[size_t(c)].slots[size_t(im.slots.slot[i])];
     const bool compute = a.op == PipeOp::F || a.op == PipeOp::B || a.op == PipeOp::BI || a.op == PipeOp::BW;
     StepTracer::Span span(compute ? im.tracer : nullptr,
                           detail::cat(a.op == PipeOp::F ? "forward" : a.op == PipeOp::B ? "backward"
                                       : a.op == PipeOp::BI ? "backward_input" : "backward_weight",
                                       " mb", a.microbatch, " stage ", a.stage),
                           "compute");
+    if (compute) im.compute_marks.emplace_back(im.be->time_mark(), nullptr);
+    const int id = int(i);
     switch (a.op) {
-      case PipeOp::RecvAct: {
-        Slot& s = im.slot(c, a.microbatch);
+      case PipeOp::RecvAct:
         im.recv(s.net->stage_input(), a.microbatch, a.stage, a.stage - 1, 0);
         break;
-      }
       case PipeOp::F:
-        im.forward(im.slot(c, a.microbatch), ch, a.microbatch, load, true, dloss_scale, loss_sum);
+        im.forward(s, ch, a.microbatch, load, true, dloss_scale, loss_sum);
         break;
-      case PipeOp::SendAct: {
-        Slot& s = im.slot(c, a.microbatch);
-        im.send(s, s.net->stage_output(), a.microbatch, a.stage, a.stage + 1, 0);
+      case PipeOp::SendAct:
+        im.send(id, s.net->stage_output(), a.microbatch, a.stage, a.stage + 1, 0);
         break;
-      }
       case PipeOp::RecvGrad:
-        im.recv(im.slot(c, a.microbatch).net->stage_output_grad(), a.microbatch, a.stage, a.stage + 1, 1);
+        im.recv(s.net->stage_output_grad(), a.microbatch, a.stage, a.stage + 1, 1);
         break;
       case PipeOp::B:
-        im.slot(c, a.microbatch).net->backward(im.store.chunk_access(c));
-        if (ch.stage.first) im.free_slot(c, a.microbatch);
+        s.net->backward(im.store.chunk_access(c));
         break;
-      case PipeOp::SendGrad: {
-        Slot& s = im.slot(c, a.microbatch);
-        im.send(s, s.net->stage_input_grad(), a.microbatch, a.stage, a.stage - 1, 1);
-        // Reused only after that send has left (Impl::slot); under
-        // zero_bubble only after its weight step too.
-        if (!im.split) im.free_slot(c, a.microbatch);
+      case PipeOp::SendGrad:
+        im.send(id, s.net->stage_input_grad(), a.microbatch, a.stage, a.stage - 1, 1);
         break;
-      }
       case PipeOp::BI:
-        im.slot(c, a.microbatch).net->backward_input(im.store.chunk_access(c));
+        s.net->backward_input(im.store.chunk_access(c));
         break;
       case PipeOp::BW:
-        im.slot(c, a.microbatch).net->backward_weight(im.store.chunk_access(c));
-        im.free_slot(c, a.microbatch);
+        s.net->backward_weight(im.store.chunk_access(c));
         break;
     }
+    if (compute) im.compute_marks.back().second = im.be->time_mark();
   }
   {
     StepTracer::Span span(im.tracer, "wait for sends", "p2p");
     im.wait_all_sends();
   }
+  im.step_end = im.be->time_mark();
   {
     StepTracer::Span span(im.tracer, "tied sum + reductions queued", "collective");
     im.store.end_backward();
   }
-  const double total = seconds(Clock::now() - t0);
-  last_wait_fraction_ = total > 0 ? im.wait_s / total : 0;
+}
+
+// bubble = 1 - (the compute actions' time) / (the step's span), both as
+// the compute stream saw them. On the CPU the marks are host clock reads
+// around synchronous ops, so the idle share is the time spent waiting on
+// peers (receives, unfinished sends) plus the executor's own bookkeeping;
+// on CUDA, where the host only enqueues and never waits, the events show
+// when the stream itself stood waiting for a receive or a send.
+double PipelineExecutor::last_wait_fraction() const {
+  Impl& im = *impl_;
+  if (im.bubble < 0 && im.step_begin && im.step_end) {
+    const double span = im.be->ms_between(im.step_begin, im.step_end);
+    double busy = 0;
+    for (const auto& [a, b] : im.compute_marks) busy += im.be->ms_between(a, b);
+    im.bubble = span > 0 ? std::clamp(1.0 - busy / span, 0.0, 1.0) : 0.0;
+  }
+  return std::max(0.0, im.bubble);
 }
 
 void PipelineExecutor::forward_only(int64_t step, int microbatches, const Loader& load, float* loss_sum) {
   Impl& im = *impl_;
   im.step = step;
+  im.links.set_step(step);
   // Microbatch by microbatch, chunk by chunk: every rank takes (m, chunk)
   // in the same order and each only waits on earlier ones, with sends that
   // do not wait, so this cannot hang.
+  // Each chunk's slot 0 carries every microbatch: its last send (id c) is
+  // waited for before the slot is overwritten by the next.
   for (int m = 0; m < microbatches; ++m)
     for (size_t c = 0; c < im.chunks.size(); ++c) {
       const PipelineChunk& ch = *im.chunks[c].chunk;
       Slot& s = im.chunks[c].slots[0];
-      im.wait_send(s);
+      im.wait_send(int(c));
       if (!ch.stage.first) im.recv(s.net->stage_input(), m, ch.virtual_stage, ch.virtual_stage - 1, 0);
       im.forward(s, ch, m, load, false, 0.0f, loss_sum);
-      if (!ch.stage.last) im.send(s, s.net->stage_output(), m, ch.virtual_stage, ch.virtual_stage + 1, 0);
+      if (!ch.stage.last) im.send(int(c), s.net->stage_output(), m, ch.virtual_stage, ch.virtual_stage + 1, 0);
     }
   im.wait_all_sends();
   im.store.end_forward_only();

@@ -11,13 +11,27 @@
 // microbatch takes a free one at its receive or forward and gives it back
 // after its backward (once the gradient sent from it has left).
 //
-// Sends are posted to a sender thread, in the order the list issues them,
-// and the list goes on (the schedule's contract: check_pipeline_schedule
-// proves the lists cannot hang with sends that do not wait); receives wait
-// on the compute thread. Each message has its own tag (microbatch, stage
-// boundary, direction), so a receive can only match its own send. A
-// transfer that fails or times out is an Error naming this stage, the
-// peer stage and its rank, the microbatch and the step.
+// Messages go over the pipeline's links (links.h): one 2-rank communicator
+// per direction between two pp ranks, so no communicator is used from two
+// threads. Two ways to send, chosen by the links:
+//  - blocking sends (Gloo, or NCCL with TRAINRUN_NCCL_BLOCKING=1): posted to
+//    a sender thread, in the order the list issues them, and the list goes
+//    on; receives wait on the compute thread. Each message has its own tag
+//    (microbatch, stage boundary, direction), so a receive can only match
+//    its own send.
+//  - stream-ordered links (NCCL): everything is issued from the compute
+//    thread and nothing waits on the host. A send runs on its link's stream
+//    after the compute that produced it (send_deferred); the compute stream
+//    waits for it only before the buffer is overwritten (slot reuse) and at
+//    the end of the step. A receive runs on its link's stream once the
+//    compute stream is past the buffer's last use, and the compute stream
+//    waits for it. NCCL has no tags: messages on a link match in issue
+//    order, which check_pipeline_schedule proves is the same on both sides.
+// Either way the schedule's contract holds: check_pipeline_schedule proves
+// the lists cannot hang with sends that do not wait. A transfer that fails
+// or times out is an Error naming this stage, the peer stage and its rank,
+// the microbatch and the step (on NCCL through the link's op label, in the
+// watchdog's abort message too).
 //
 // The loss: the last stage adds every microbatch's token losses to the
 // caller's device sum (normalised by the caller's dloss_scale, the global
@@ -29,6 +43,7 @@
 
 #include "core/model/model.h"
 #include "parallel/comm/communicator.h"
+#include "parallel/pipeline/links.h"
 #include "parallel/pipeline/schedule.h"
 #include "parallel/pipeline/stage_plan.h"
 #include "parallel/pipeline/stage_store.h"
@@ -51,8 +66,9 @@ class PipelineExecutor {
     // Global ranks of the pp group (index = stage rank), for messages.
     std::vector<int> stage_ranks;
   };
+  // `links`: this rank's, built from the same schedule; outlives the executor.
   PipelineExecutor(const ModelArch& arch, Backend* be, const PipelineStagePlan& plan, PipelineSchedule schedule,
-                   PipelineStageStore& store, Communicator* pp, Options opts);
+                   PipelineStageStore& store, PipelineLinks& links, Options opts);
   ~PipelineExecutor();
 
   // Where the loader puts microbatch m's data for one stage: B*T int32 each,
@@ -77,9 +93,12 @@ class PipelineExecutor {
   const PipelineSchedule& schedule() const { return schedule_; }
   // Every stage network's kept activations plus the shared scratch once.
   size_t activation_bytes() const;
-  // The share of the last train_step this rank spent waiting on its peers
-  // (receives and unfinished sends), the measured bubble.
-  double last_wait_fraction() const { return last_wait_fraction_; }
+  // The measured bubble of the last train_step: 1 - the time of its compute
+  // actions / its span, both on the compute stream (Backend::time_mark:
+  // host clock on the CPU, CUDA events on the GPU), so the idle share is
+  // the time the stage spent waiting on its peers. On CUDA it waits for the
+  // step's marks: call it after the step's host sync (the loss).
+  double last_wait_fraction() const;
   // A Network standing for this rank's stage networks where the trainer's
   // reporting wants one (activation_bytes); computing through it is an error.
   const Network& network_view() const;
@@ -91,7 +110,6 @@ class PipelineExecutor {
   struct Impl;
   std::unique_ptr<Impl> impl_;
   PipelineSchedule schedule_;
-  double last_wait_fraction_ = 0;
 };
 
 }  // namespace trainrun

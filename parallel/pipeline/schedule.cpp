@@ -9,6 +9,7 @@
 
 #include "core/common/error.h"
 #include "core/common/int_list.h"
+#include "parallel/pipeline/slots.h"
 
 namespace trainrun {
 
@@ -137,6 +138,59 @@ void build_interleaved(PipelineSchedule& s) {
   }
 }
 
+// One message on a link, as its sender or its receiver sees it.
+struct LinkMessage {
+  int microbatch, from_stage, to_stage;
+  bool act;
+  bool operator==(const LinkMessage& o) const {
+    return microbatch == o.microbatch && from_stage == o.from_stage && to_stage == o.to_stage && act == o.act;
+  }
+};
+
+std::string message_text(const LinkMessage& m) {
+  return std::string(m.act ? "the activation" : "the gradient") + " of microbatch " + std::to_string(m.microbatch) +
+         " (stage " + std::to_string(m.from_stage) + " -> " + std::to_string(m.to_stage) + ")";
+}
+
+// The link order check: on every link (from -> to) the sender's sends, in
+// its list order, are the receiver's receives in its list order. NCCL has
+// no tags, so this is what makes the k-th receive get the k-th send; on
+// Gloo the tags would match them anyway, but one rule serves both. Actions
+// whose stages or peers are wrong are left to the simulation below, which
+// names them.
+void check_link_order(const PipelineSchedule& s) {
+  const int S = s.stages();
+  std::map<std::pair<int, int>, std::vector<LinkMessage>> sent, received;
+  for (int r = 0; r < s.ranks; ++r)
+    for (const PipeAction& a : s.actions[size_t(r)]) {
+      const bool send = a.op == PipeOp::SendAct || a.op == PipeOp::SendGrad;
+      const bool recv = a.op == PipeOp::RecvAct || a.op == PipeOp::RecvGrad;
+      if (!send && !recv) continue;
+      const bool act = a.op == PipeOp::SendAct || a.op == PipeOp::RecvAct;
+      // The other end's stage: an activation goes up a stage, a gradient down.
+      const int other = send ? (act ? a.stage + 1 : a.stage - 1) : (act ? a.stage - 1 : a.stage + 1);
+      if (a.stage < 0 || a.stage >= S || other < 0 || other >= S || a.peer != s.rank_of_stage(other)) continue;
+      if (send) sent[{r, a.peer}].push_back({a.microbatch, a.stage, other, act});
+      else received[{a.peer, r}].push_back({a.microbatch, other, a.stage, act});
+    }
+  std::set<std::pair<int, int>> links;
+  for (const auto& [k, v] : sent) links.insert(k);
+  for (const auto& [k, v] : received) links.insert(k);
+  for (const auto& link : links) {
+    const auto& out = sent[link];
+    const auto& in = received[link];
+    const std::string name = s.kind + " schedule: the link from rank " + std::to_string(link.first) + " to rank " +
+                             std::to_string(link.second);
+    for (size_t i = 0; i < std::min(out.size(), in.size()); ++i)
+      TR_CHECK(out[i] == in[i], name, ": its message ", i + 1, " is ", message_text(out[i]), " as rank ", link.first,
+               " sends, but rank ", link.second, " receives ", message_text(in[i]),
+               " there (messages on a link match in order: NCCL has no tags); rank ", link.second,
+               " must receive in rank ", link.first, "'s send order");
+    TR_CHECK(out.size() == in.size(), name, ": rank ", link.first, " sends ", out.size(), " message(s) on it and rank ",
+             link.second, " receives ", in.size());
+  }
+}
+
 }  // namespace
 
 PipelineSchedule make_pipeline_schedule(const std::string& kind, int ranks, int virtual_stages, int microbatches) {
@@ -175,15 +229,23 @@ PipelineSchedule make_pipeline_schedule(const std::string& kind, int ranks, int 
   return s;
 }
 
-void check_pipeline_schedule(const PipelineSchedule& s) {
+namespace {
+
+// The run of every rank's list with sends that do not wait and receives
+// that do; with `slots`, also the executor's own waits (slots.h): an action
+// runs only once the earlier sends it waits for have been received.
+void simulate_lists(const PipelineSchedule& s, const std::vector<PipelineSlotPlan>* slots) {
   const int P = s.ranks, S = s.stages(), M = s.microbatches;
   // What each rank has done, per (microbatch, stage).
   std::set<std::tuple<int, int>> fwd, bwd_in, bwd_w, act_in, grad_in;
   // Messages in flight per (from, to), in order: (microbatch, stage of the
   // sender). One queue for activations and gradients together: NCCL has no
   // tags, so a pair's messages must match in issue order whatever they carry.
-  std::map<std::tuple<int, int, int>, std::deque<std::pair<int, int>>> wires;
+  // Each entry also carries the send's index in the sender's list.
+  std::map<std::tuple<int, int, int>, std::deque<std::tuple<int, int, size_t>>> wires;
+  std::set<std::pair<int, size_t>> received;  // (sender rank, send action index)
   std::vector<size_t> pc(size_t(P), 0);
+  std::vector<int> waiting_for(size_t(P), -1);  // the send a blocked rank waits for (slots), else -1
   auto where = [&](int r, const PipeAction& a) {
     return s.kind + " schedule, rank " + std::to_string(r) + ", action " + std::to_string(pc[size_t(r)]) + " (" +
            action_text(a) + ")";
@@ -202,6 +264,14 @@ void check_pipeline_schedule(const PipelineSchedule& s) {
           TR_CHECK(s.rank_of_stage(a.stage) == r, where(r, a), ": stage ", a.stage, " belongs to rank ",
                    s.rank_of_stage(a.stage));
         bool blocked = false;
+        waiting_for[size_t(r)] = -1;
+        if (slots)
+          for (int w : (*slots)[size_t(r)].waits[pc[size_t(r)]])
+            if (!received.count({r, size_t(w)})) {
+              waiting_for[size_t(r)] = w;
+              blocked = true;
+            }
+        if (blocked) break;
         switch (a.op) {
           case PipeOp::F:
             TR_CHECK(a.stage == 0 || act_in.count(key), where(r, a), ": its input activation was not received");
@@ -225,7 +295,7 @@ void check_pipeline_schedule(const PipelineSchedule& s) {
             const int to_stage = act ? a.stage + 1 : a.stage - 1;
             TR_CHECK(to_stage >= 0 && to_stage < S && a.peer == s.rank_of_stage(to_stage), where(r, a),
                      ": stage ", to_stage, " is not on rank ", a.peer);
-            wires[std::make_tuple(r, a.peer, 0)].push_back({a.microbatch, a.stage});
+            wires[std::make_tuple(r, a.peer, 0)].push_back({a.microbatch, a.stage, pc[size_t(r)]});
             break;
           }
           case PipeOp::RecvAct:
@@ -239,9 +309,10 @@ void check_pipeline_schedule(const PipelineSchedule& s) {
               blocked = true;
               break;
             }
-            TR_CHECK(q.front() == std::make_pair(a.microbatch, from_stage), where(r, a), ": the next message from rank ",
-                     a.peer, " is microbatch ", q.front().first, " of stage ", q.front().second,
-                     " (messages between two ranks match in order)");
+            TR_CHECK(std::get<0>(q.front()) == a.microbatch && std::get<1>(q.front()) == from_stage, where(r, a),
+                     ": the next message from rank ", a.peer, " is microbatch ", std::get<0>(q.front()), " of stage ",
+                     std::get<1>(q.front()), " (messages between two ranks match in order)");
+            received.insert({a.peer, std::get<2>(q.front())});
             q.pop_front();
             (act ? act_in : grad_in).insert(key);
             break;
@@ -258,8 +329,13 @@ void check_pipeline_schedule(const PipelineSchedule& s) {
       std::string msg = s.kind + " schedule (" + std::to_string(P) + " ranks, " + std::to_string(M) +
                         " microbatches) would hang: every rank waits for a message that is never sent:";
       for (int r = 0; r < P; ++r)
-        if (pc[size_t(r)] < s.actions[size_t(r)].size())
-          msg += " rank " + std::to_string(r) + " at " + action_text(s.actions[size_t(r)][pc[size_t(r)]]) + ";";
+        if (pc[size_t(r)] < s.actions[size_t(r)].size()) {
+          msg += " rank " + std::to_string(r) + " at " + action_text(s.actions[size_t(r)][pc[size_t(r)]]);
+          if (waiting_for[size_t(r)] >= 0)
+            msg += " (first waiting for its " + action_text(s.actions[size_t(r)][size_t(waiting_for[size_t(r)])]) +
+                   " to be received: the executor reuses that send's buffers)";
+          msg += ";";
+        }
       TR_FAIL(msg);
     }
   }
@@ -270,6 +346,18 @@ void check_pipeline_schedule(const PipelineSchedule& s) {
   TR_CHECK(fwd.size() == want && bwd_in.size() == want && bwd_w.size() == want, s.kind, " schedule: ", fwd.size(),
            " forwards, ", bwd_in.size(), " backwards and ", bwd_w.size(), " weight gradients of the ", want,
            " (stages x microbatches) it must run");
+}
+
+}  // namespace
+
+void check_pipeline_schedule(const PipelineSchedule& s) {
+  check_link_order(s);
+  // First the lists alone, whose errors name what is wrong with them; then
+  // with the executor's buffer reuse (slots.h), which only a sound list has.
+  simulate_lists(s, nullptr);
+  std::vector<PipelineSlotPlan> slots;
+  for (int r = 0; r < s.ranks; ++r) slots.push_back(plan_pipeline_slots(s, r));
+  simulate_lists(s, &slots);
 }
 
 PipelineStats simulate_pipeline_schedule(const PipelineSchedule& s) {

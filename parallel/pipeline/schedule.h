@@ -62,7 +62,36 @@ PipelineSchedule make_pipeline_schedule(const std::string& kind, int ranks, int 
 // virtual stage, on the rank that holds it, after the data it needs
 // arrived, and the lists run to the end with sends posted and receives
 // waiting: throws Error naming what is wrong (for a hang: every rank's next
-// action).
+// action). First, the link order check: on every link (an ordered pair of
+// ranks, links.h) the sender's send order is the receiver's receive order,
+// else an Error naming the link, its ranks and the two microbatches.
+//
+// Then the lists again with the executor's buffer reuse (slots.h): an
+// action that takes over a slot, or sends from it again, runs only once
+// the slot's last send has been received.
+//
+// What that proves about the runtimes. The model: each rank runs its list
+// in order; a receive waits for its message; a send is posted and the list
+// goes on; the slot waits wait for "received"; on every link messages pair
+// up in order (the link order check). The Gloo runtime is that model: its
+// compute thread runs the list, blocks in receives and in the slot waits,
+// and hands each send to its link's own sender thread (one per link, so a
+// send that waits for one peer never holds up another link; one thread for
+// all links hung pp4 interleaved_1f1b). A send there meets its receive
+// (rendezvous) instead of being buffered, which adds only "the k-th
+// transfer on a link after the (k-1)-th": already implied, since the
+// receiver's k-th receive comes after its (k-1)-th in its list.
+// The NCCL runtime (a stream per link, every op issued in list order from
+// the compute thread, nothing waiting on the host) has the same waits, as
+// GPU edges: a transfer starts after the previous op on its link's stream
+// and after the compute stream's point at its issue (the data produced, or
+// the buffer free); a compute action waits for the previous compute, for
+// the receives it needs and for the slot plan's sends. That is a subset of
+// Gloo's edges (there, a receive blocks every later action, needed or not),
+// so a cycle among NCCL's waits would be one among Gloo's: what this check
+// proves for Gloo holds for NCCL. (The executor's only other waits are at
+// the end of the step, for every send, which the check's "every message
+// received" covers.)
 void check_pipeline_schedule(const PipelineSchedule& s);
 
 // A simulated run with unit costs (F = 1, BI = 1, BW = 1, B = 2 for a
