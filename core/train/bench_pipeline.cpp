@@ -78,8 +78,8 @@ JobResult run_job(const PipelineBenchOptions& o, const fs::path& dir, int pp, co
   std::ostringstream y;
   y << "backend: cpu\n"
     << "model: {arch: gpt2, n_layer: " << o.layers << ", n_head: 4, n_embd: " << o.width
-    << ", vocab_size: 512, seq_len: " << o.seq_len << "}\n"
-    << "data: {format: synthetic, synthetic: {vocab: 512}}\n"
+    << ", vocab_size: 64, seq_len: " << o.seq_len << "}\n"
+    << "data: {format: synthetic, synthetic: {vocab: 64}}\n"
     << "train: {global_batch_size: " << gbs << ", micro_batch_size: " << o.micro_batch << ", max_steps: " << o.steps
     << ", warmup_steps: 1, log_interval: 1, eval_interval: 0}\n"
     << "parallel: {nproc_per_node: " << pp << ", pipeline_parallel: " << pp << ", pipeline_schedule: " << schedule

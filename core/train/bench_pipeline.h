@@ -3,11 +3,13 @@
 // global batch, on the CPU backend with one core per stage.
 //
 // Every row is a real job: this binary re-run on a small GPT-2 (synthetic
-// data, OMP_NUM_THREADS=1 per rank) for a few steps; the first steps
+// data, OMP_NUM_THREADS=1 per rank) for a few steps, with a vocabulary of
+// 64 so the last stage's head and loss (which the formulas leave out) stay
+// under 1% of a stage; the first steps
 // (warm-up) are left out and the medians of the rest are shown. The
-// measured bubble is the ranks' mean idle share of the schedule's span,
-// 1 - compute / span timed on the compute stream (metrics.jsonl's
-// pipeline_bubble, w; PipelineExecutor::last_wait_fraction), shown as idle / busy =
+// measured bubble is 1 - the ranks' mean compute / the slowest rank's span
+// of the schedule, timed on the compute stream (metrics.jsonl's
+// pipeline_bubble, w; PipelineExecutor::last_step_times), shown as idle / busy =
 // w / (1 - w) so it reads against the formulas: (p-1)/m for gpipe and 1f1b,
 // (p-1)/(v m) interleaved, (p-1)/(3m) ZB-H1 (which assumes F = B = W).
 // The steps after the warm-up are traced (output.trace_steps), and the

@@ -1,5 +1,6 @@
 #include "core/train/trainer.h"
 
+#include <algorithm>
 #include <chrono>
 #include <csignal>
 #include <cmath>
@@ -546,11 +547,22 @@ Trainer::StepResult Trainer::train_step(int step) {
   std::vector<float> v(1, 0.0f);
   be_->copy_to_host(v.data(), dev_loss_sum_.get(), 4);
   if (!counts_loss_) v[0] = 0.0f;  // the TP ranks of a dp index computed the same loss: count it once
-  if (pipe_) v.push_back(float(pipe_->last_wait_fraction()));  // averaged over the ranks below
+  PipelineExecutor::StepTimes pt;
+  if (pipe_) {
+    pt = pipe_->last_step_times();
+    v.push_back(float(pt.compute_ms));  // summed over the ranks below
+  }
   StepResult r;
   StepTracer::Span vote_span(tracer_.get(), "loss all_reduce + stop vote", "collective");
   r.stop_signal = agree_on_stop(*comm_, v);  // the vote rides the loss all-reduce
-  if (pipe_) r.bubble = double(v[1]) / w_.world;
+  if (pipe_) {
+    // The bubble: 1 - the ranks' mean compute / the slowest rank's span
+    // (the pipeline's length), so a stage that ends its list early counts
+    // its wait for the step's end, as the schedules' formulas do.
+    float span = float(pt.span_ms);
+    comm_->all_reduce(&span, 1, ReduceOp::Max);
+    r.bubble = span > 0 ? std::clamp(1.0 - double(v[1]) / w_.world / double(span), 0.0, 1.0) : 0.0;
+  }
   r.loss = ntgt > 0 ? double(v[0]) / double(ntgt) : 0.0;
   return r;
 }

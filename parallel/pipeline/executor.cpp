@@ -160,6 +160,7 @@ struct PipelineExecutor::Impl {
   std::shared_ptr<void> step_begin, step_end;
   std::vector<std::pair<std::shared_ptr<void>, std::shared_ptr<void>>> compute_marks;
   double bubble = -1;  // from those marks, once computed
+  StepTimes times;
   StepTracer* tracer = nullptr;
   // Tests: TRAINRUN_DEBUG_PIPE_KILL=<global rank>:<step>:<microbatch> kills
   // this process with SIGKILL before that microbatch's forward (mid-step).
@@ -425,15 +426,21 @@ void PipelineExecutor::train_step(int64_t step, const Loader& load, float dloss_
 // peers (receives, unfinished sends) plus the executor's own bookkeeping;
 // on CUDA, where the host only enqueues and never waits, the events show
 // when the stream itself stood waiting for a receive or a send.
-double PipelineExecutor::last_wait_fraction() const {
+PipelineExecutor::StepTimes PipelineExecutor::last_step_times() const {
   Impl& im = *impl_;
   if (im.bubble < 0 && im.step_begin && im.step_end) {
-    const double span = im.be->ms_between(im.step_begin, im.step_end);
-    double busy = 0;
-    for (const auto& [a, b] : im.compute_marks) busy += im.be->ms_between(a, b);
-    im.bubble = span > 0 ? std::clamp(1.0 - busy / span, 0.0, 1.0) : 0.0;
+    im.times.span_ms = im.be->ms_between(im.step_begin, im.step_end);
+    im.times.compute_ms = 0;
+    for (const auto& [a, b] : im.compute_marks) im.times.compute_ms += im.be->ms_between(a, b);
+    const double span = im.times.span_ms;
+    im.bubble = span > 0 ? std::clamp(1.0 - im.times.compute_ms / span, 0.0, 1.0) : 0.0;
   }
-  return std::max(0.0, im.bubble);
+  return im.times;
+}
+
+double PipelineExecutor::last_wait_fraction() const {
+  last_step_times();
+  return std::max(0.0, impl_->bubble);
 }
 
 void PipelineExecutor::forward_only(int64_t step, int microbatches, const Loader& load, float* loss_sum) {

@@ -99,6 +99,15 @@ class PipelineExecutor {
   // the time the stage spent waiting on its peers. On CUDA it waits for the
   // step's marks: call it after the step's host sync (the loss).
   double last_wait_fraction() const;
+  // The last train_step's compute time (its compute actions) and span, in
+  // ms, from the same marks. The trainer's bubble compares every rank's
+  // compute with the slowest rank's span: a stage that finishes its list
+  // early idles until the step's collectives all the same, and the
+  // schedules' formulas count that idle time too.
+  struct StepTimes {
+    double compute_ms = 0, span_ms = 0;
+  };
+  StepTimes last_step_times() const;
   // A Network standing for this rank's stage networks where the trainer's
   // reporting wants one (activation_bytes); computing through it is an error.
   const Network& network_view() const;
