@@ -82,6 +82,14 @@ int gpus(std::string* reason) {
     return;                                                          \
   }
 
+// Multi-GPU tests: skipped with the count where fewer GPUs are visible.
+#define CUDA_TEST_OR_SKIP_BELOW(n_gpus)                                 \
+  CUDA_TEST_OR_SKIP();                                                  \
+  if (const int visible_ = gpus(&skip_reason_); visible_ < (n_gpus)) { \
+    WARN("SKIPPED: needs " << (n_gpus) << " GPUs, " << visible_ << " visible"); \
+    return;                                                             \
+  }
+
 Vec randn(size_t n, uint64_t seed, float stddev = 1.0f, float mean = 0.0f) {
   std::mt19937_64 gen(seed);
   std::normal_distribution<float> d(mean, stddev);
@@ -1356,13 +1364,7 @@ TEST_CASE("cuda: 20 GPT-2 steps track the CPU backend's losses", "[cuda]") {
 }
 
 TEST_CASE("cuda: sharded runs over NCCL match the single-GPU run", "[cuda]") {
-  CUDA_TEST_OR_SKIP();
-  std::string reason;
-  const int n = gpus(&reason);
-  if (n < 2) {
-    WARN("SKIPPED: needs 2 GPUs, " << n << " visible");
-    return;
-  }
+  CUDA_TEST_OR_SKIP_BELOW(2);
   const TrainSummary single = train("cuda", "no_shard");
   for (const char* sharding : {"no_shard", "full_shard"}) {
     test::TempDir dir("cuda_nccl");
@@ -1382,13 +1384,7 @@ TEST_CASE("cuda: sharded runs over NCCL match the single-GPU run", "[cuda]") {
 
 TEST_CASE("cuda: pp2 over NCCL links (a stream per link, sends from the compute thread) matches the single-GPU run",
           "[cuda][pp]") {
-  CUDA_TEST_OR_SKIP();
-  std::string reason;
-  const int n = gpus(&reason);
-  if (n < 2) {
-    WARN("SKIPPED: needs 2 GPUs, " << n << " visible");
-    return;
-  }
+  CUDA_TEST_OR_SKIP_BELOW(2);
   // 4 layers, micro-batch 2: 4 microbatches per step, so the schedules
   // really overlap stages (and interleaving has 2 chunks per rank).
   const std::vector<std::string> common = {"model.n_layer=4", "train.micro_batch_size=2"};
