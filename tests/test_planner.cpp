@@ -815,12 +815,25 @@ TEST_CASE("planner: pipeline degrees that do not divide the layers or GPUs are n
   req.global_batch = 4;  // pp4 x dp2: 2 microbatches per step for 4 stages
   p = make_plan(req);
   CHECK_THAT(why(p, "tp1 x pp4"), Contains("microbatches") && Contains("raise --global-batch"));
-  // Offload with PP is refused by the loader, so never offered.
+  // Offload with PP: each stage's ranks offload their own units; a fully
+  // sharded pipeline spreads the whole model's host state over the node's
+  // GPUs, so its host memory per node is the tp1 full_shard row's.
   req.global_batch = 64;
   req.offload = "cpu";
   p = make_plan(req);
-  CHECK(p.pp_rows.empty());
-  CHECK_THAT(why(p, "pp2"), Contains("parallel.offload does not run with pipeline parallelism"));
+  REQUIRE(!p.pp_rows.empty());
+  const auto tp1_full = std::find_if(p.rows.begin(), p.rows.end(),
+                                     [](const PlanRow& r) { return r.sharding.strategy == "full_shard"; });
+  REQUIRE(tp1_full != p.rows.end());
+  for (const PlanRow& r : p.pp_rows) {
+    INFO("tp" << r.tp << " x pp" << r.pp << " " << r.sharding.strategy);
+    CHECK(r.sharding.offload);
+    CHECK(r.host_bytes_per_node > 0);
+    CHECK(r.offload_s > 0);
+    CHECK(r.mem.optimizer == 0);  // the moments live on the host
+    if (r.sharding.strategy == "full_shard" && r.tp == 1)
+      CHECK(r.host_bytes_per_node == Approx(tp1_full->host_bytes_per_node).epsilon(0.02));
+  }
   auto r = test::run_trainrun("plan --model gpt2:L=12,C=96,heads=12,V=256,T=32 --gpus 6 --global-batch 48");
   REQUIRE(r.exit_code == 0);
   CHECK_THAT(r.out, Contains("pp4: not offered: does not divide the 6 GPUs") && Contains("\ntp1 x pp2 x dp3 ") &&

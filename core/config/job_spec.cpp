@@ -835,10 +835,6 @@ void check_rules(JobSpec& s, const Origins& o, const std::string& fallback, bool
     fail(at({"parallel.pipeline_virtual_stages", "parallel.pipeline_schedule"}), "parallel.pipeline_virtual_stages",
          str(p.pipeline_virtual_stages) + " needs parallel.pipeline_schedule: interleaved_1f1b (it is '" +
              p.pipeline_schedule + "'); set pipeline_virtual_stages to 1 or use interleaved_1f1b");
-  if (p.pipeline_parallel > 1 && p.offload != "none")
-    fail(at({"parallel.offload", "parallel.pipeline_parallel"}), "parallel.offload",
-         p.offload + " with parallel.pipeline_parallel " + str(p.pipeline_parallel) +
-             " is not supported yet; use offload or pipeline parallelism, not both");
   if ((p.pipeline_parallel > 1 || !p.pipeline_layers.empty()) && shape) {
     // The split: every layer once, every virtual stage at least one (the
     // microbatch count needs the world size: checked by the launcher;

@@ -213,10 +213,6 @@ void plan_pipeline_parallel(Plan& plan, const ModelArch& m, const DeviceModel& d
   for (int pp : degrees) {
     const std::string name = "pp" + std::to_string(pp);
     auto skip = [&](const std::string& n, const std::string& why) { plan.pp_not_offered.push_back({n, why}); };
-    if (req.offload != "none") {
-      skip(name, "parallel.offload does not run with pipeline parallelism (the loader refuses it)");
-      continue;
-    }
     if (pp > W) { skip(name, "more stages than the " + Ws + " GPUs"); continue; }
     if (W % pp != 0) { skip(name, "does not divide the " + Ws + " GPUs"); continue; }
     if (pp * v > mc.L) { skip(name, "more stages than the model's " + L + " layers"); continue; }
@@ -259,6 +255,8 @@ void plan_pipeline_parallel(Plan& plan, const ModelArch& m, const DeviceModel& d
         row.sharding.world = dp;
         row.sharding.group = strategy == "no_shard" ? 1 : strategy == "hybrid_shard" ? hybrid_dp : dp;
         if (strategy == "hybrid_shard" && dp % hybrid_dp != 0) continue;
+        // Offload: each stage's ranks offload their own units (below).
+        row.sharding.offload = req.offload != "none";
         const auto stages = pipeline_memory(m, *tp_plans[tp], req.sequence_parallel, pp, kind, v, accum, row.sharding,
                                             req.micro_batch, req.checkpointing, dev);
         for (const auto& st : stages)
@@ -289,6 +287,9 @@ void plan_pipeline_parallel(Plan& plan, const ModelArch& m, const DeviceModel& d
         const double bw_world = dp * tp <= req.gpus_per_node ? bw_intra : bw_inter;
         const double bw_group = row.sharding.group * tp <= req.gpus_per_node ? bw_intra : bw_inter;
         CommVolume c = comm_time(units, row.sharding, accum, dev.act_bytes, bw_world, bw_group, bw_world);
+        // Host memory as if every GPU of a node held the worst stage's share
+        // (an upper bound: a node's ranks hold different stages).
+        if (row.sharding.offload) add_offload(row, units, req, dev.act_bytes, c);
         row.comm_s = c.overlapped + c.exposed + row.tp_comm_s + row.p2p_s;
         row.exposed_comm_s = c.exposed + row.tp_comm_s + row.p2p_s;
         row.step_s = row.exposed_comm_s + std::max(row.compute_s * (1 + row.bubble), c.overlapped);
@@ -330,6 +331,7 @@ void render_pp_table(const Plan& p, std::ostringstream& o) {
         si(row.tokens_per_s, ""), fixed(row.mfu * 100, 0) + "%"};
     std::string line;
     for (size_t i = 0; i < cols.size(); ++i) line += i <= 1 ? pad_right(c[i], cols[i].second) : pad_left(c[i], cols[i].second);
+    if (row.host_bytes_per_node > 0) line += "  host " + gib(row.host_bytes_per_node) + " GiB/node, +" + seconds(row.offload_s);
     o << line << "\n";
   }
   for (const auto& n : p.pp_not_offered) o << n.first << ": not offered: " << n.second << "\n";

@@ -324,7 +324,7 @@ void Trainer::setup() {
     // The layout this rank's stores see: the TP slice (or the whole model),
     // then, with a pipeline, this stage's units of it.
     const ParamLayout& outer = tp > 1 ? tp_plan_->local_layout() : arch_->layout();
-    check_host_memory(outer.total);  // offload with a pipeline is refused at load
+    if (pp == 1) check_host_memory(outer.total);  // a pipeline checks its stage's units below
     Communicator* dp = mesh_comms_->dp();
     if (!dp) {
       dp_single_ = make_single_communicator();
@@ -347,8 +347,10 @@ void Trainer::setup() {
       PipelineSchedule sched = make_pipeline_schedule(ps.pipeline_schedule, pp, v, accum_);
       check_pipeline_schedule(sched);
       pp_plan_ = std::make_unique<PipelineStagePlan>(outer, pp, v, mesh_->coord(MeshDim::pp), split);
+      // Offload works on the inner store too: each stage offloads its own units.
+      check_host_memory(pp_plan_->stage_layout().total);
       auto inner = make_param_store(ps.sharding, pp_plan_->stage_layout(), be_.get(), dp, dims.dp_shard, factory,
-                                    &hybrid);
+                                    &hybrid, offload);
       Communicator* ppc = mesh_comms_->comm(MeshDim::pp);
       // The p2p links (parallel/pipeline/links.h), after every mesh group
       // and in the same order on every rank; on NCCL each on its own
