@@ -619,6 +619,20 @@ TEST_CASE("pp: full_shard gathers each stage unit once per step, and a stage kil
     CHECK_THAT(read_file(dir / "run/metrics.jsonl"), Contains("\"pipeline_bubble\":"));
     CHECK_THAT(r.err, Contains("| bubble "));
   }
+  SECTION("a link op that fails after its call returned (as an aborted NCCL receive) fails that step, even the last") {
+    // Rank 0 receives the gradients on link 1 -> 0, 4 per step; the last
+    // one of the run's last step is marked failed after returning. Nothing
+    // calls that link again, so only the per-step link health check can
+    // catch it: without it the run ends with exit 0 and an update made
+    // from a bad buffer.
+    const auto r = run_command("OMP_NUM_THREADS=1 TRAINRUN_DEBUG_COMM_FAULT=pp0.link1to0:0:3:3 '" + trainrun_binary() +
+                               "' --config '" + dir / "job.yaml" + "' --set train.max_steps=3");
+    INFO(r.err);
+    CHECK(r.exit_code != 0);
+    CHECK_THAT(read_file(dir / "run/logs/rank0.log"),
+               Contains("group pp0.link1to0") && Contains("injected failure") && Contains("check_health"));
+    CHECK_FALSE(file_exists(dir / "run/model.safetensors"));  // no final weights from that step
+  }
   SECTION("kill -9 of stage 1 in the middle of step 3") {
     const auto t0 = std::chrono::steady_clock::now();
     const auto r = run_command("OMP_NUM_THREADS=1 TRAINRUN_DEBUG_PIPE_KILL=1:3:2 '" + trainrun_binary() +

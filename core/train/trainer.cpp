@@ -548,6 +548,10 @@ Trainer::StepResult Trainer::train_step(int step) {
   }
   std::vector<float> v(1, 0.0f);
   be_->copy_to_host(v.data(), dev_loss_sum_.get(), 4);
+  // The loss sync has drained the pipeline links: a link op the watchdog
+  // aborted fails here, naming its peer and microbatch, before the world
+  // all-reduce and long before the optimizer could use its buffer.
+  if (pp_links_) pp_links_->check_health();
   if (!counts_loss_) v[0] = 0.0f;  // the TP ranks of a dp index computed the same loss: count it once
   PipelineExecutor::StepTimes pt;
   if (pipe_) {
@@ -594,6 +598,7 @@ double Trainer::evaluate() {
   params_->take_comm_wait_seconds();  // eval's gathers are not training-step communication
   float total = 0;
   be_->copy_to_host(&total, dev_loss_sum_.get(), 4);
+  if (pp_links_) pp_links_->check_health();  // as after a training step
   if (!counts_loss_) total = 0.0f;
   comm_->all_reduce(&total, 1, ReduceOp::Sum);
   return ntgt > 0 ? double(total) / double(ntgt) : 0.0;
@@ -660,6 +665,7 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
   int last_saved = -1;
   auto save_checkpoint = [&](int done_steps) {
     params_->check_comms();  // never commit state that a failed collective produced
+    if (pp_links_) pp_links_->check_health();
     TrainState st;
     st.step = done_steps;
     st.cursor = cursor_;
@@ -744,6 +750,7 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
     // step here: an update from a half-reduced gradient, and a checkpoint
     // of it, would be silently wrong.
     params_->check_comms();
+    if (pp_links_) pp_links_->check_health();
     if (finite) {
       // AdamW's bias correction uses the global step (not the count of
       // applied updates), so a resumed run recomputes it exactly.

@@ -17,27 +17,30 @@ struct FaultSpec {
   std::string group;
   int rank = -1;
   int64_t step = -1;
+  int call = 0;  // which call of that step fails (0: the first)
 };
 
 bool parse_fault(const char* s, FaultSpec* out) {
   const std::string v(s);
   const size_t a = v.find(':'), b = v.find(':', a == std::string::npos ? a : a + 1);
   TR_CHECK(a != std::string::npos && b != std::string::npos, "TRAINRUN_DEBUG_COMM_FAULT='", v,
-           "': expected <group>:<rank>:<step>, e.g. dp_replicate:1:3");
+           "': expected <group>:<rank>:<step>[:<call>], e.g. dp_replicate:1:3");
   out->group = v.substr(0, a);
+  const size_t c = v.find(':', b + 1);
   try {
     out->rank = std::stoi(v.substr(a + 1, b - a - 1));
-    out->step = std::stoll(v.substr(b + 1));
+    out->step = std::stoll(v.substr(b + 1, c == std::string::npos ? std::string::npos : c - b - 1));
+    if (c != std::string::npos) out->call = std::stoi(v.substr(c + 1));
   } catch (...) {
-    TR_FAIL("TRAINRUN_DEBUG_COMM_FAULT='", v, "': rank and step must be integers");
+    TR_FAIL("TRAINRUN_DEBUG_COMM_FAULT='", v, "': rank, step and call must be integers");
   }
   return true;
 }
 
 class FaultyCommunicator final : public Communicator {
  public:
-  FaultyCommunicator(std::unique_ptr<Communicator> inner, int64_t fault_step)
-      : inner_(std::move(inner)), fault_step_(fault_step) {
+  FaultyCommunicator(std::unique_ptr<Communicator> inner, int64_t fault_step, int fault_call)
+      : inner_(std::move(inner)), fault_step_(fault_step), fault_call_(fault_call) {
     group_ = inner_->group();
   }
   int rank() const override { return inner_->rank(); }
@@ -142,7 +145,7 @@ class FaultyCommunicator final : public Communicator {
     std::lock_guard<std::mutex> lk(mu_);
     if (!broken_.empty()) TR_FAIL(describe("collective"), ": the communicator is unusable after an earlier failure: ",
                                   broken_);
-    pending_fault_ = step_ == fault_step_ && !fired_;
+    pending_fault_ = step_ == fault_step_ && !fired_ && calls_in_step_++ == fault_call_;
     return pending_fault_;
   }
   // After it: the failure is recorded, to surface at the next call or check.
@@ -158,6 +161,7 @@ class FaultyCommunicator final : public Communicator {
 
   std::unique_ptr<Communicator> inner_;
   int64_t fault_step_;
+  int fault_call_, calls_in_step_ = 0;  // the calls made so far in the fault step
   std::mutex mu_;  // the comm thread and the trainer's thread both call in
   std::string broken_;
   bool pending_fault_ = false, fired_ = false;
@@ -171,7 +175,7 @@ std::unique_ptr<Communicator> maybe_inject_faults(std::unique_ptr<Communicator> 
   FaultSpec f;
   parse_fault(s, &f);
   if (f.rank != global_rank || inner->group().rfind(f.group, 0) != 0) return inner;
-  return std::make_unique<FaultyCommunicator>(std::move(inner), f.step);
+  return std::make_unique<FaultyCommunicator>(std::move(inner), f.step, f.call);
 }
 
 }  // namespace trainrun

@@ -50,6 +50,7 @@
 // stream.
 #include <nccl.h>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
@@ -138,9 +139,29 @@ class NcclCommunicator final : public Communicator {
       wd_cv_.notify_all();
       watchdog_.join();
     }
+    // Ops still in flight (an error unwinding past enqueued pipeline
+    // receives and sends that no peer will match): a short grace for them
+    // to finish, then abort rather than finalize, which would wait the whole
+    // timeout per communicator while the agent waits to hear of the failure.
+    bool drained = true;
+    {
+      const auto t0 = Clock::now();
+      for (const Pending& p : pending_) {
+        cudaError_t q;
+        while ((q = cudaEventQuery(p.ev)) == cudaErrorNotReady && Clock::now() - t0 < std::chrono::seconds(5))
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        if (q != cudaSuccess) {
+          drained = false;
+          cudaGetLastError();
+          break;
+        }
+      }
+    }
     for (const Pending& p : pending_) free_events_.push_back(p.ev);
     for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
-    if (comm_ && broken_.empty()) {
+    if (comm_ && broken_.empty() && !drained) {
+      ncclCommAbort(comm_);
+    } else if (comm_ && broken_.empty()) {
       // Flush, then destroy; a peer that is gone makes finalize hang: abort then.
       ncclResult_t st = ncclCommFinalize(comm_);
       const auto t0 = Clock::now();
@@ -602,6 +623,11 @@ class NcclCommunicator final : public Communicator {
         } else {
           pending_.pop_front();
           free_events_.push_back(p.ev);
+          // The next one's clock starts when it can start (this one is
+          // done; the comm stream runs them in order), not at its enqueue:
+          // a host that runs ahead (a pipeline link's stream-ordered
+          // receives) must not time out an op still queued behind others.
+          if (!pending_.empty()) pending_.front().t0 = std::max(pending_.front().t0, Clock::now());
         }
         continue;
       }

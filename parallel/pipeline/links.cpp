@@ -91,6 +91,10 @@ bool PipelineLinks::stream_ordered() const {
   return true;
 }
 
+void PipelineLinks::check_health() {
+  for (Link& l : links_) l.comm->check_health();
+}
+
 void PipelineLinks::set_step(int64_t step) {
   for (Link& l : links_) l.comm->set_step(step);
 }

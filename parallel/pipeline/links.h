@@ -62,6 +62,11 @@ class PipelineLinks {
   // compute thread without waiting for the peer. False when there are none.
   bool stream_ordered() const;
   void set_step(int64_t step);
+  // Every link's Communicator::check_health: a stream-ordered (NCCL) link
+  // whose receive or send the watchdog aborted reports it here, with its
+  // label (peer, microbatch, step), instead of the step going on over a
+  // half-written buffer. Gloo and shm links fail in the call itself.
+  void check_health();
 
  private:
   struct Link {
