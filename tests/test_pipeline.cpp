@@ -149,6 +149,17 @@ TEST_CASE("pipeline: too few microbatches, bad chunks and bad layer splits are e
   CHECK_THAT(error_of([] { split_pipeline_layers(2, 3, {}); }), Contains("3 stages for 2 layers"));
 }
 
+// Swaps the microbatches of rank r's i-th and j-th receives of kind `op`
+// (the lists stay complete; only the order on the link changes).
+static void swap_receives(PipelineSchedule& s, int r, PipeOp op, size_t i, size_t j) {
+  auto& list = s.actions[size_t(r)];
+  std::vector<size_t> recvs;
+  for (size_t k = 0; k < list.size(); ++k)
+    if (list[k].op == op) recvs.push_back(k);
+  REQUIRE(recvs.size() > std::max(i, j));
+  std::swap(list[recvs[i]].microbatch, list[recvs[j]].microbatch);
+}
+
 TEST_CASE("pipeline: on every link the send order is the receive order (NCCL matches by order, not tags)",
           "[pipeline][links]") {
   SECTION("every built-in schedule passes, and its links are the neighbour pairs (interleaved: and the wrap)") {
@@ -182,12 +193,7 @@ TEST_CASE("pipeline: on every link the send order is the receive order (NCCL mat
     // simulation alone would also object, but as a hang or a mismatch; the
     // link check names the link, both ranks and both messages.
     PipelineSchedule s = make_pipeline_schedule("1f1b", 2, 1, 4);
-    auto& r1 = s.actions[1];
-    std::vector<size_t> recvs;
-    for (size_t i = 0; i < r1.size(); ++i)
-      if (r1[i].op == PipeOp::RecvAct) recvs.push_back(i);
-    REQUIRE(recvs.size() == 4);
-    std::swap(r1[recvs[0]].microbatch, r1[recvs[1]].microbatch);
+    swap_receives(s, 1, PipeOp::RecvAct, 0, 1);
     const std::string e = error_of([&] { check_pipeline_schedule(s); });
     CHECK_THAT(e, Contains("the link from rank 0 to rank 1") && Contains("message 1") &&
                       Contains("the activation of microbatch 0 (stage 0 -> 1) as rank 0 sends") &&
@@ -195,12 +201,7 @@ TEST_CASE("pipeline: on every link the send order is the receive order (NCCL mat
   }
   SECTION("a gradient received out of order on the backward link is refused too") {
     PipelineSchedule s = make_pipeline_schedule("gpipe", 2, 1, 3);
-    auto& r0 = s.actions[0];
-    std::vector<size_t> recvs;
-    for (size_t i = 0; i < r0.size(); ++i)
-      if (r0[i].op == PipeOp::RecvGrad) recvs.push_back(i);
-    REQUIRE(recvs.size() == 3);
-    std::swap(r0[recvs[1]].microbatch, r0[recvs[2]].microbatch);
+    swap_receives(s, 0, PipeOp::RecvGrad, 1, 2);
     CHECK_THAT(error_of([&] { check_pipeline_schedule(s); }),
                Contains("the link from rank 1 to rank 0") && Contains("message 2") &&
                    Contains("the gradient of microbatch 1 (stage 1 -> 0)") &&
