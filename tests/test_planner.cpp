@@ -268,13 +268,17 @@ TEST_CASE("planner: trainrun plan answers the 70B question from the command line
                              "refused at launch; the figures assume 32 (use a multiple of 32)"));
 }
 
+// A GPT-2 124M job on 8 GPUs, global batch 64, for `plan --config`.
+static std::string gpt2_124m_job(int micro_batch, const std::string& parallel) {
+  return "model: {n_layer: 12, n_head: 12, n_embd: 768, vocab_size: 50257, seq_len: 1024}\n"
+         "data: {format: synthetic}\n"
+         "train: {global_batch_size: 64, micro_batch_size: " + std::to_string(micro_batch) + "}\n"
+         "parallel: {nproc_per_node: 8, " + parallel + "}\n";
+}
+
 TEST_CASE("planner: trainrun plan reads a job spec and marks its strategy", "[planner]") {
   test::TempDir dir("planjob");
-  test::write_file(dir / "job.yaml",
-                   "model: {n_layer: 12, n_head: 12, n_embd: 768, vocab_size: 50257, seq_len: 1024}\n"
-                   "data: {format: synthetic}\n"
-                   "train: {global_batch_size: 64, micro_batch_size: 8}\n"
-                   "parallel: {nproc_per_node: 8, sharding: shard_grad_op}\n");
+  test::write_file(dir / "job.yaml", gpt2_124m_job(8, "sharding: shard_grad_op"));
   auto r = test::run_trainrun("plan --config " + dir / "job.yaml" + " --gpu h200");
   INFO(r.err);
   REQUIRE(r.exit_code == 0);
@@ -886,11 +890,7 @@ TEST_CASE("planner: Llama 3 70B on 2 nodes gets a tp x pp x dp recommendation an
 
 TEST_CASE("planner: plan --config takes the job's pipeline degree and schedule and marks its mesh", "[planner][pp][cli]") {
   test::TempDir dir("planpp");
-  test::write_file(dir / "job.yaml",
-                   "model: {n_layer: 12, n_head: 12, n_embd: 768, vocab_size: 50257, seq_len: 1024}\n"
-                   "data: {format: synthetic}\n"
-                   "train: {global_batch_size: 64, micro_batch_size: 1}\n"
-                   "parallel: {nproc_per_node: 8, pipeline_parallel: 2, pipeline_schedule: gpipe}\n");
+  test::write_file(dir / "job.yaml", gpt2_124m_job(1, "pipeline_parallel: 2, pipeline_schedule: gpipe"));
   auto r = test::run_trainrun("plan --config " + dir / "job.yaml");
   INFO(r.out << r.err);
   REQUIRE(r.exit_code == 0);
