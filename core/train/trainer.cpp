@@ -193,6 +193,12 @@ class Trainer {
   std::unique_ptr<PipelineStagePlan> pp_plan_;
   PipelineStageStore* pp_store_ = nullptr;
   std::unique_ptr<PipelineLinks> pp_links_;  // before pipe_: the executor sends on them until it is gone
+  // Every collective and pipeline link that may have failed after its call
+  // returned (NCCL): before anything acts on their results.
+  void check_comms() {
+    params_->check_comms();
+    if (pp_links_) pp_links_->check_health();
+  }
   std::unique_ptr<PipelineExecutor> pipe_;
   int64_t step_ = 0;  // the step in progress, for the pipeline's messages
   bool pp_logged_ = false;
@@ -664,8 +670,7 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
   double ckpt_blocked = 0;
   int last_saved = -1;
   auto save_checkpoint = [&](int done_steps) {
-    params_->check_comms();  // never commit state that a failed collective produced
-    if (pp_links_) pp_links_->check_health();
+    check_comms();  // never commit state that a failed collective produced
     TrainState st;
     st.step = done_steps;
     st.cursor = cursor_;
@@ -749,8 +754,7 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
     // A collective that failed after its call returned (NCCL) must stop the
     // step here: an update from a half-reduced gradient, and a checkpoint
     // of it, would be silently wrong.
-    params_->check_comms();
-    if (pp_links_) pp_links_->check_health();
+    check_comms();
     if (finite) {
       // AdamW's bias correction uses the global step (not the count of
       // applied updates), so a resumed run recomputes it exactly.
