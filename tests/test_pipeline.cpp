@@ -6,14 +6,21 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <cmath>
+#include <map>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include "core/common/error.h"
+#include "core/train/bench_pipeline.h"
 #include "parallel/pipeline/links.h"
 #include "parallel/pipeline/schedule.h"
 #include "parallel/pipeline/slots.h"
+#include "tests/support/testutil.h"
 
 using namespace trainrun;
+using namespace trainrun::test;
 using Catch::Matchers::Contains;
 
 namespace {
@@ -91,6 +98,85 @@ TEST_CASE("pipeline: the simulator with measured costs gives ZB-H1's general bub
     CHECK(slow.length > st.length);
     CHECK(slow.bubble > st.bubble);
   }
+}
+
+TEST_CASE("pipeline: a replay with each action's own time is the simulation when the times agree, and charges "
+          "one slow op to both ranks", "[pipeline][bench]") {
+  // Constant times per (stage, op): the replay is the simulation.
+  for (const char* kind : {"gpipe", "1f1b", "zero_bubble"}) {
+    const PipelineSchedule s = make_pipeline_schedule(kind, 2, 1, 4);
+    auto cost = [](int stage, PipeOp op) { return (op == PipeOp::B ? 2.0 : 1.0) + 0.25 * stage; };
+    const PipelineStats sim = simulate_pipeline_schedule(s, cost, 0.0);
+    const PipelineStats rep = replay_pipeline_schedule(s, [&](const PipeAction& a) { return cost(a.stage, a.op); }, 0.0);
+    INFO(kind);
+    CHECK(rep.length == sim.length);
+    CHECK(rep.bubble == sim.bubble);
+  }
+  // 1f1b, p = 2, m = 2, F = 1, B = 2, but rank 1's forward of microbatch 0
+  // takes 2. By hand: rank 0 F0 [0,1] F1 [1,2]; rank 1 F0 [1,3] B0 [3,5]
+  // F1 [5,6] B1 [6,8]; rank 0 B0 [5,7] B1 [8,10]. Length 10; idle 4 + 3.
+  const PipelineSchedule s = make_pipeline_schedule("1f1b", 2, 1, 2);
+  const PipelineStats st = replay_pipeline_schedule(s, [](const PipeAction& a) {
+    if (a.op == PipeOp::F) return a.stage == 1 && a.microbatch == 0 ? 2.0 : 1.0;
+    return 2.0;
+  }, 0.0);
+  CHECK(st.length == 10.0);
+  CHECK(st.bubble == Approx(7.0 / 20.0));
+}
+
+namespace {
+// One compute span of trace.json as core/common/trace.h writes it.
+std::string span(int pid, const std::string& name, int64_t ts, int64_t dur, int step) {
+  return "{\"name\":\"" + name + "\",\"cat\":\"compute\",\"ph\":\"X\",\"ts\":" + std::to_string(ts) +
+         ",\"dur\":" + std::to_string(dur) + ",\"pid\":" + std::to_string(pid) + ",\"tid\":0,\"args\":{\"step\":" +
+         std::to_string(step) + "}}";
+}
+}  // namespace
+
+TEST_CASE("pipeline: bench pipeline reads a trace's op times back and replays each traced step", "[pipeline][bench]") {
+  TempDir dir("pp_replay");
+  // The hand-computed 1f1b above as a trace (microseconds), twice: step 3
+  // with the slow forward, step 4 without; plus spans that are no
+  // pipeline's (the one-rank trainer's "forward mb0", a p2p span).
+  const std::vector<std::tuple<int, std::string, int64_t>> ops = {
+      {0, "forward mb0 stage 0", 1000}, {0, "forward mb1 stage 0", 1000}, {0, "backward mb0 stage 0", 2000},
+      {0, "backward mb1 stage 0", 2000}, {1, "forward mb0 stage 1", 2000}, {1, "backward mb0 stage 1", 2000},
+      {1, "forward mb1 stage 1", 1000}, {1, "backward mb1 stage 1", 2000}};
+  std::string events = "{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":0,\"args\":{\"name\":\"rank 0\"}}";
+  for (int step : {3, 4})
+    for (const auto& [pid, name, dur] : ops)
+      events += "," + span(pid, name, 0, step == 4 && name == "forward mb0 stage 1" ? 1000 : dur, step);
+  events += "," + span(0, "forward mb0", 0, 5, 3);
+  events += ",{\"name\":\"send_act mb0 stage 0\",\"cat\":\"p2p\",\"ph\":\"X\",\"ts\":0,\"dur\":9,\"pid\":0,"
+            "\"tid\":1,\"args\":{\"step\":3}}";
+  write_file(dir / "trace.json", "{\"displayTimeUnit\":\"ms\",\"traceEvents\":[" + events + "]}");
+  const PipelineTraceTimes t = read_pipeline_trace(dir / "trace.json");
+  REQUIRE(t.steps.size() == 2);
+  CHECK(t.steps.at(3).size() == 8);
+  CHECK(t.steps.at(3).at({1, PipeOp::F, 0}) == 2.0);
+  CHECK(t.steps.at(4).at({1, PipeOp::F, 0}) == 1.0);
+  CHECK(t.mean.at({1, PipeOp::F}) == Approx(1.25));  // 2, 1, 1, 1
+  CHECK(t.mean.at({0, PipeOp::B}) == 2.0);
+  // Noise: only stage 1's F varies (stdev sqrt(3)/4 over mean 5/4), averaged over the 4 (stage, op)s.
+  CHECK(t.cv == Approx(std::sqrt(3.0) / 5.0 / 4.0));
+  const std::map<int, double> rep = replay_traced_steps(make_pipeline_schedule("1f1b", 2, 1, 2), t);
+  REQUIRE(rep.size() == 2);
+  CHECK(rep.at(3) == Approx(7.0 / 13.0));  // idle / busy: 7 / (6 + 7)
+  CHECK(rep.at(4) == Approx(0.5));         // (p-1)/m with equal stages
+  // A schedule the trace did not run: the missing action is named.
+  CHECK_THAT(error_of([&] { replay_traced_steps(make_pipeline_schedule("1f1b", 2, 1, 4), t); }),
+             Contains("the trace of step 3 has no F of microbatch 2 on stage 0"));
+  // Bad files name the file and what is wrong.
+  CHECK_THAT(error_of([&] { read_pipeline_trace(dir / "none.json"); }),
+             Contains("no trace at") && Contains("none.json"));
+  write_file(dir / "bad.json", "{\"traceEvents\": [");
+  CHECK_THAT(error_of([&] { read_pipeline_trace(dir / "bad.json"); }), Contains("bad.json is not JSON"));
+  write_file(dir / "other.json", "{\"events\": []}");
+  CHECK_THAT(error_of([&] { read_pipeline_trace(dir / "other.json"); }), Contains("has no traceEvents array"));
+  write_file(dir / "onerank.json", "{\"traceEvents\":[" + span(0, "forward mb0", 0, 5, 3) + "]}");
+  CHECK_THAT(error_of([&] { read_pipeline_trace(dir / "onerank.json"); }), Contains("holds no pipeline compute spans"));
+  write_file(dir / "odd.json", "{\"traceEvents\":[" + span(0, "sideways mb0 stage 0", 0, 5, 3) + "]}");
+  CHECK_THAT(error_of([&] { read_pipeline_trace(dir / "odd.json"); }), Contains("unknown compute span 'sideways'"));
 }
 
 TEST_CASE("pipeline: the checker finds hangs, missing work and misrouted messages", "[pipeline]") {

@@ -25,6 +25,7 @@
 #include "core/model/model_io.h"
 #include "core/io/safetensors.h"
 #include "core/model/tensor_parallel.h"
+#include "core/train/bench_pipeline.h"
 #include "kernels/backend_factory.h"
 #include "parallel/pipeline/links.h"
 #include "parallel/pipeline/schedule.h"
@@ -538,11 +539,19 @@ TEST_CASE("pp: output.trace_steps writes one well-formed Chrome trace holding ev
       INFO(n);
       CHECK(names.count(n) == 1);
     }
-    if (pp == 2)
+    if (pp == 2) {
       for (const char* n : {"send_act", "recv_act", "send_grad", "recv_grad"}) {
         INFO(n);
         CHECK(names.count(n) == 1);
       }
+      // `bench pipeline` reads this file back: every compute action of the
+      // 1f1b schedule (8 microbatches) in both traced steps, replayable.
+      const PipelineTraceTimes times = read_pipeline_trace(dir / "trace.json");
+      CHECK(times.steps.size() == 2);
+      const std::map<int, double> rep = replay_traced_steps(make_pipeline_schedule("1f1b", 2, 1, 8), times);
+      CHECK(rep.size() == 2);
+      for (const auto& [step, b] : rep) CHECK((b >= 0 && b < 1));
+    }
     for (auto& [who, spans] : by_thread) {
       INFO("rank " << who.first << " thread " << who.second);
       check_nesting(spans);

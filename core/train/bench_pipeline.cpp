@@ -10,6 +10,7 @@
 #include <fstream>
 #include <iostream>
 #include <iterator>
+#include <cmath>
 #include <map>
 #include <sstream>
 #include <vector>
@@ -18,6 +19,8 @@
 #include "core/train/planner.h"
 #include "parallel/pipeline/schedule.h"
 
+#include <nlohmann/json.hpp>
+
 namespace fs = std::filesystem;
 
 namespace trainrun {
@@ -25,38 +28,17 @@ namespace trainrun {
 namespace {
 
 struct JobResult {
-  double ms = 0, wait = 0;
-  // The traced steps' compute spans: mean ms per (virtual stage, op).
-  std::map<std::pair<int, PipeOp>, double> cost;
+  double ms = 0;
+  std::map<int, double> wait;  // step -> pipeline_bubble (w, the idle share)
+  PipelineTraceTimes trace;    // pp > 1
 };
 
-// output.trace_steps' file (core/common/trace.h, written by this binary, so
-// its layout is known): every compute span's op, virtual stage and length,
-// averaged per (stage, op). Names are "<op> mb<m> stage <s>".
-std::map<std::pair<int, PipeOp>, double> compute_costs(const fs::path& trace) {
-  std::ifstream f(trace);
-  TR_CHECK(f, "bench pipeline: no trace at ", trace.string(), " (the job ran without output.trace_steps?)");
-  const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  std::map<std::pair<int, PipeOp>, std::pair<double, int>> sum;
-  const std::string key = "{\"name\":\"";
-  for (size_t at = text.find(key); at != std::string::npos; at = text.find(key, at + 1)) {
-    const size_t end = text.find('}', at);
-    const std::string ev = text.substr(at, end - at);
-    if (ev.find("\"cat\":\"compute\"") == std::string::npos) continue;
-    const std::string name = ev.substr(key.size(), ev.find('"', key.size()) - key.size());
-    const size_t mb = name.find(" mb"), st = name.find(" stage ");
-    const size_t dur = ev.find("\"dur\":");
-    if (mb == std::string::npos || st == std::string::npos || dur == std::string::npos) continue;
-    const std::string op = name.substr(0, mb);
-    const PipeOp o = op == "forward" ? PipeOp::F : op == "backward" ? PipeOp::B
-                     : op == "backward_input" ? PipeOp::BI : PipeOp::BW;
-    auto& acc = sum[{std::atoi(name.c_str() + st + 7), o}];
-    acc.first += std::atof(ev.c_str() + dur + 6) / 1000.0;
-    acc.second += 1;
-  }
-  std::map<std::pair<int, PipeOp>, double> out;
-  for (const auto& [k, v] : sum) out[k] = v.first / v.second;
-  return out;
+PipeOp op_of(const std::string& name, const std::string& what) {
+  if (name == "forward") return PipeOp::F;
+  if (name == "backward") return PipeOp::B;
+  if (name == "backward_input") return PipeOp::BI;
+  if (name == "backward_weight") return PipeOp::BW;
+  TR_FAIL(what, ": unknown compute span '", name, "'");
 }
 
 double median(std::vector<double> v) {
@@ -99,20 +81,81 @@ JobResult run_job(const PipelineBenchOptions& o, const fs::path& dir, int pp, co
   TR_CHECK(rc == 0, "bench pipeline: the ", schedule, " job (pp", pp, ") failed (exit ", rc, "); see ",
            (dir / "log.txt").string());
   std::ifstream m(dir / "run" / "metrics.jsonl");
-  std::vector<double> ms, wait;
+  std::vector<double> ms;
+  JobResult res;
   for (std::string line; std::getline(m, line);) {
-    if (field(line, "step") <= 2) continue;  // warm-up
+    const int step = int(field(line, "step"));
+    if (step <= 2) continue;  // warm-up
     ms.push_back(field(line, "ms_per_step"));
-    if (field(line, "pipeline_bubble") >= 0) wait.push_back(field(line, "pipeline_bubble"));
+    if (field(line, "pipeline_bubble") >= 0) res.wait[step] = field(line, "pipeline_bubble");
   }
   TR_CHECK(!ms.empty(), "bench pipeline: no steps after the warm-up in ", (dir / "run/metrics.jsonl").string(),
            "; raise --steps");
-  JobResult res{median(ms), median(wait), {}};
-  if (pp > 1) res.cost = compute_costs(dir / "run" / "trace.json");
+  res.ms = median(ms);
+  if (pp > 1) res.trace = read_pipeline_trace((dir / "run" / "trace.json").string());
   return res;
 }
 
 }  // namespace
+
+PipelineTraceTimes read_pipeline_trace(const std::string& path) {
+  std::ifstream f(path);
+  TR_CHECK(f, "bench pipeline: no trace at ", path, " (the job ran without output.trace_steps?)");
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(f);
+  } catch (const std::exception& e) {
+    TR_FAIL("bench pipeline: ", path, " is not JSON: ", e.what());
+  }
+  TR_CHECK(j.is_object() && j.contains("traceEvents") && j["traceEvents"].is_array(), "bench pipeline: ", path,
+           " has no traceEvents array (not a trainrun trace)");
+  PipelineTraceTimes t;
+  std::map<std::pair<int, PipeOp>, std::vector<double>> all;
+  for (const auto& ev : j["traceEvents"]) {
+    if (ev.value("ph", "") != "X" || ev.value("cat", "") != "compute") continue;
+    const std::string name = ev.value("name", "");
+    const size_t mb = name.find(" mb"), st = name.find(" stage ");
+    // The one-rank trainer's spans ("forward mb3") name no stage: not a pipeline's.
+    if (mb == std::string::npos || st == std::string::npos) continue;
+    const std::string what = detail::cat("bench pipeline: ", path, ": span '", name, "'");
+    TR_CHECK(ev.contains("dur") && ev.contains("args") && ev["args"].contains("step"), what,
+             " has no dur or args.step");
+    const PipeOp op = op_of(name.substr(0, mb), what);
+    const int micro = std::atoi(name.c_str() + mb + 3), stage = std::atoi(name.c_str() + st + 7);
+    const double ms = ev["dur"].get<double>() / 1000.0;
+    t.steps[ev["args"]["step"].get<int>()][{stage, op, micro}] = ms;
+    all[{stage, op}].push_back(ms);
+  }
+  TR_CHECK(!t.steps.empty(), "bench pipeline: ", path, " holds no pipeline compute spans");
+  int n = 0;
+  for (const auto& [k, v] : all) {
+    double sum = 0, sq = 0;
+    for (double x : v) sum += x;
+    const double mean = sum / double(v.size());
+    t.mean[k] = mean;
+    if (v.size() < 2 || mean <= 0) continue;
+    for (double x : v) sq += (x - mean) * (x - mean);
+    t.cv += std::sqrt(sq / double(v.size())) / mean;
+    ++n;
+  }
+  if (n > 0) t.cv /= n;
+  return t;
+}
+
+std::map<int, double> replay_traced_steps(const PipelineSchedule& s, const PipelineTraceTimes& t) {
+  std::map<int, double> out;
+  for (const auto& [step, ops] : t.steps) {
+    const double share = replay_pipeline_schedule(s, [&, step = step](const PipeAction& a) {
+      const auto it = ops.find({a.stage, a.op, a.microbatch});
+      TR_CHECK(it != ops.end(), "bench pipeline: the trace of step ", step, " has no ", pipe_op_name(a.op),
+               " of microbatch ", a.microbatch, " on stage ", a.stage, " (a ", s.kind, " schedule with ", s.ranks,
+               " ranks, ", s.virtual_stages, " virtual stages, ", s.microbatches, " microbatches)");
+      return it->second;
+    }, 0.0).bubble;
+    out[step] = share / (1 - share);
+  }
+  return out;
+}
 
 int run_pipeline_bench(const PipelineBenchOptions& o) {
   const int p = o.stages, m = o.microbatches;
@@ -124,45 +167,64 @@ int run_pipeline_bench(const PipelineBenchOptions& o) {
               "each), %d steps (first 2 left out), CPU backend\n",
               o.layers, o.width, o.seq_len, o.micro_batch, m, p, o.steps);
   const JobResult base = run_job(o, dir, 1, "1f1b", 1);
-  std::printf("%-18s %4s %10s %10s %10s %12s %10s  %s\n", "schedule", "v", "bubble", "formula", "model",
-              "step ms", "vs pp1", "measured ms per op and stage (mean of the steps after the warm-up)");
-  std::printf("%-18s %4s %10s %10s %10s %12.1f %10s\n", "pp1 (one rank)", "-", "-", "-", "-", base.ms, "1.00x");
+  std::printf("%-18s %3s %8s %8s %8s %8s %8s %7s %9s %7s  %s\n", "schedule", "v", "bubble", "formula", "model",
+              "replay", "runtime", "op cv", "step ms", "vs pp1",
+              "measured ms per op and stage (mean of the steps after the warm-up)");
+  std::printf("%-18s %3s %8s %8s %8s %8s %8s %7s %9.1f %7s\n", "pp1 (one rank)", "-", "-", "-", "-", "-", "-", "-",
+              base.ms, "1.00x");
   struct Row {
     const char* kind;
     int v;
   };
   const std::vector<Row> rows = {{"gpipe", 1}, {"1f1b", 1}, {"interleaved_1f1b", 2}, {"zero_bubble", 1}};
+  auto pct = [](double x) {
+    char b[32];
+    std::snprintf(b, sizeof b, "%.1f%%", 100 * x);
+    return x < 0 ? std::string("-") : std::string(b);
+  };
+  auto points = [](double x) {  // percentage points, signed
+    char b[32];
+    std::snprintf(b, sizeof b, "%+.1f", 100 * x);
+    return std::string(b);
+  };
   for (const Row& r : rows) {
     if (r.v > 1 && (m % p != 0 || m < p * r.v || o.layers < p * r.v)) continue;
     const JobResult j = run_job(o, dir, p, r.kind, r.v);
-    const double bubble = j.wait < 1 ? j.wait / (1 - j.wait) : 0;
-    // The model: this schedule run with the traced step's per-stage op
-    // times and free p2p; measured - model is what the runtime and the
-    // transfers add, model - formula what the stage costs do (uneven
-    // stages; BW cheaper than F, which ZB-H1's formula assumes equal).
     const PipelineSchedule sched = make_pipeline_schedule(r.kind, p, r.v, m);
+    std::vector<double> measured, replayed, runtime;
+    for (const auto& [step, w] : j.wait) measured.push_back(w < 1 ? w / (1 - w) : 0);
     std::string costs;
-    for (const auto& [k, ms] : j.cost)
+    for (const auto& [k, ms] : j.trace.mean)
       costs += detail::cat(" ", pipe_op_name(k.second), k.first, "=", int(ms * 10 + 0.5) / 10.0);
     double model = -1;
     try {
       const double share = simulate_pipeline_schedule(sched, [&](int stage, PipeOp op) {
-        const auto it = j.cost.find({stage, op});
-        TR_CHECK(it != j.cost.end(), "bench pipeline: the trace has no ", pipe_op_name(op), " on stage ", stage);
+        const auto it = j.trace.mean.find({stage, op});
+        TR_CHECK(it != j.trace.mean.end(), "bench pipeline: the trace has no ", pipe_op_name(op), " on stage ", stage);
         return it->second;
       }, 0.0).bubble;
       model = share / (1 - share);
+      for (const auto& [step, b] : replay_traced_steps(sched, j.trace)) {
+        replayed.push_back(b);
+        const auto w = j.wait.find(step);
+        if (w != j.wait.end() && w->second < 1) runtime.push_back(w->second / (1 - w->second) - b);
+      }
     } catch (const Error& e) {
       costs += detail::cat(" (no model: ", e.what(), ")");
     }
-    std::printf("%-18s %4d %9.1f%% %9.1f%% %9.1f%% %12.1f %9.2fx  %s\n", r.kind, r.v, 100 * bubble,
-                100 * pipeline_bubble_formula(r.kind, p, r.v, m), 100 * model, j.ms, base.ms / j.ms, costs.c_str());
+    const double formula = pipeline_bubble_formula(r.kind, p, r.v, m);
+    std::printf("%-18s %3d %8s %8s %8s %8s %8s %7s %9.1f %6.2fx  %s\n", r.kind, r.v, pct(median(measured)).c_str(),
+                pct(formula).c_str(), pct(model).c_str(), pct(replayed.empty() ? -1 : median(replayed)).c_str(),
+                runtime.empty() ? "-" : points(median(runtime)).c_str(),
+                pct(j.trace.cv).c_str(), j.ms, base.ms / j.ms, costs.c_str());
     std::fflush(stdout);
   }
-  std::printf("bubble: measured idle / busy share of the step (the ranks' mean wait w as w / (1 - w)); formula: "
-              "(p-1)/m, (p-1)/(v m), (p-1)/(3m) (equal stages, F = BI = BW, free p2p); model: the schedule "
-              "simulated with the measured op times per stage and free p2p, the same ratio; vs pp1: pp1's "
-              "step time / this one's\n");
+  std::printf("bubble: measured idle / busy of the step (the ranks' mean wait w as w / (1 - w)), median over the "
+              "steps; formula: (p-1)/m, (p-1)/(v m), (p-1)/(3m) (equal stages, F = BI = BW, free p2p); model: the "
+              "schedule simulated with the measured mean op time per stage and free p2p; replay: each traced step "
+              "replayed with every op's own measured time and free p2p (a runtime with no overhead over the same "
+              "ops; replay - model is the op-time noise's share); runtime: bubble - replay, step by step, in points "
+              "(what the runtime adds); op cv: stdev / mean of one op's times; vs pp1: pp1's step time / this one's\n");
   std::error_code ec;
   fs::remove_all(dir, ec);
   return 0;

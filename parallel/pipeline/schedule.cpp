@@ -368,6 +368,11 @@ PipelineStats simulate_pipeline_schedule(const PipelineSchedule& s) {
 
 PipelineStats simulate_pipeline_schedule(const PipelineSchedule& s, const std::function<double(int, PipeOp)>& op_cost,
                                          double p2p) {
+  return replay_pipeline_schedule(s, [&](const PipeAction& a) { return op_cost(a.stage, a.op); }, p2p);
+}
+
+PipelineStats replay_pipeline_schedule(const PipelineSchedule& s, const std::function<double(const PipeAction&)>& op_cost,
+                                       double p2p) {
   check_pipeline_schedule(s);
   const int P = s.ranks;
   // Each message's arrival time, per (from, to, kind) in order.
@@ -391,7 +396,7 @@ PipelineStats simulate_pipeline_schedule(const PipelineSchedule& s, const std::f
         } else if (a.op == PipeOp::SendAct || a.op == PipeOp::SendGrad) {
           arrivals[std::make_tuple(r, a.peer, a.op == PipeOp::SendAct ? 0 : 1)].push_back(clock[size_t(r)] + p2p);
         } else {
-          const double c = op_cost(a.stage, a.op);
+          const double c = op_cost(a);
           clock[size_t(r)] += c;
           busy[size_t(r)] += c;
           if (a.op == PipeOp::F) held[size_t(r)]++;

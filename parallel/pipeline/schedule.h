@@ -112,6 +112,14 @@ PipelineStats simulate_pipeline_schedule(const PipelineSchedule& s);
 // (uneven stages, BW cheaper than F) from what the runtime adds.
 PipelineStats simulate_pipeline_schedule(const PipelineSchedule& s, const std::function<double(int, PipeOp)>& cost,
                                          double p2p);
+// The same run with a cost for each compute action itself (its stage, op
+// and microbatch): `trainrun bench pipeline` replays a traced step with
+// every action's own measured time, so the bubble it gives is what a
+// runtime with no overhead and free transfers would have measured over the
+// very same op times, noise included; the measured bubble minus that is
+// the runtime's own share.
+PipelineStats replay_pipeline_schedule(const PipelineSchedule& s, const std::function<double(const PipeAction&)>& cost,
+                                       double p2p);
 
 // `--explain`: one line per rank (its actions in order, e.g. "F0.1 send_act
 // ..."), then the simulated length, bubble and activation peaks.
