@@ -539,7 +539,7 @@ int main(int argc, char** argv) {
   bench_kernels->add_option("--repeats", kbo.repeats, "timed launches per kernel (median)")->capture_default_str()->check(CLI::Range(3, 1000));
   bench_kernels->add_flag("--quick", kbo.quick, "small sizes (a smoke run)");
 
-  auto* bench_pipe = bench->add_subcommand("pipeline", "each pipeline schedule's measured bubble next to its formula, and its step time against pp1 (CPU backend, one core per stage)");
+  auto* bench_pipe = bench->add_subcommand("pipeline", "each pipeline schedule's measured bubble next to its formula, what the stage costs (model), the ops' time noise (replay) and the runtime itself add to it, and its step time against pp1 (CPU backend, one core per stage)");
   PipelineBenchOptions pbo;
   bench_pipe->add_option("--stages", pbo.stages, "pipeline stages p (ranks)")->capture_default_str()->check(CLI::Range(2, 64));
   bench_pipe->add_option("--microbatches", pbo.microbatches, "microbatches m per step")->capture_default_str()->check(CLI::Range(1, 4096));
