@@ -4,22 +4,20 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <iostream>
-#include <iterator>
-#include <cmath>
 #include <map>
 #include <sstream>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "core/common/error.h"
 #include "core/train/planner.h"
 #include "parallel/pipeline/schedule.h"
-
-#include <nlohmann/json.hpp>
 
 namespace fs = std::filesystem;
 
@@ -33,13 +31,9 @@ struct JobResult {
   PipelineTraceTimes trace;    // pp > 1
 };
 
-PipeOp op_of(const std::string& name, const std::string& what) {
-  if (name == "forward") return PipeOp::F;
-  if (name == "backward") return PipeOp::B;
-  if (name == "backward_input") return PipeOp::BI;
-  if (name == "backward_weight") return PipeOp::BW;
-  TR_FAIL(what, ": unknown compute span '", name, "'");
-}
+// A bubble as the idle share of ranks x span (what the trainer and the
+// simulator give) -> idle / busy, the formulas' ratio.
+double idle_over_busy(double share) { return share < 1 ? share / (1 - share) : 0; }
 
 double median(std::vector<double> v) {
   if (v.empty()) return 0;
@@ -120,7 +114,9 @@ PipelineTraceTimes read_pipeline_trace(const std::string& path) {
     const std::string what = detail::cat("bench pipeline: ", path, ": span '", name, "'");
     TR_CHECK(ev.contains("dur") && ev.contains("args") && ev["args"].contains("step"), what,
              " has no dur or args.step");
-    const PipeOp op = op_of(name.substr(0, mb), what);
+    PipeOp op;
+    TR_CHECK(pipe_op_from_span_name(name.substr(0, mb), &op), what, ": unknown compute span '", name.substr(0, mb),
+             "'");
     const int micro = std::atoi(name.c_str() + mb + 3), stage = std::atoi(name.c_str() + st + 7);
     const double ms = ev["dur"].get<double>() / 1000.0;
     t.steps[ev["args"]["step"].get<int>()][{stage, op, micro}] = ms;
@@ -152,7 +148,7 @@ std::map<int, double> replay_traced_steps(const PipelineSchedule& s, const Pipel
                " ranks, ", s.virtual_stages, " virtual stages, ", s.microbatches, " microbatches)");
       return it->second;
     }, 0.0).bubble;
-    out[step] = share / (1 - share);
+    out[step] = idle_over_busy(share);
   }
   return out;
 }
@@ -177,10 +173,11 @@ int run_pipeline_bench(const PipelineBenchOptions& o) {
     int v;
   };
   const std::vector<Row> rows = {{"gpipe", 1}, {"1f1b", 1}, {"interleaved_1f1b", 2}, {"zero_bubble", 1}};
-  auto pct = [](double x) {
+  auto pct = [](double x) {  // x < 0: none
     char b[32];
+    if (x < 0) return std::string("-");
     std::snprintf(b, sizeof b, "%.1f%%", 100 * x);
-    return x < 0 ? std::string("-") : std::string(b);
+    return std::string(b);
   };
   auto points = [](double x) {  // percentage points, signed
     char b[32];
@@ -192,7 +189,7 @@ int run_pipeline_bench(const PipelineBenchOptions& o) {
     const JobResult j = run_job(o, dir, p, r.kind, r.v);
     const PipelineSchedule sched = make_pipeline_schedule(r.kind, p, r.v, m);
     std::vector<double> measured, replayed, runtime;
-    for (const auto& [step, w] : j.wait) measured.push_back(w < 1 ? w / (1 - w) : 0);
+    for (const auto& [step, w] : j.wait) measured.push_back(idle_over_busy(w));
     std::string costs;
     for (const auto& [k, ms] : j.trace.mean)
       costs += detail::cat(" ", pipe_op_name(k.second), k.first, "=", int(ms * 10 + 0.5) / 10.0);
@@ -203,11 +200,11 @@ int run_pipeline_bench(const PipelineBenchOptions& o) {
         TR_CHECK(it != j.trace.mean.end(), "bench pipeline: the trace has no ", pipe_op_name(op), " on stage ", stage);
         return it->second;
       }, 0.0).bubble;
-      model = share / (1 - share);
+      model = idle_over_busy(share);
       for (const auto& [step, b] : replay_traced_steps(sched, j.trace)) {
         replayed.push_back(b);
         const auto w = j.wait.find(step);
-        if (w != j.wait.end() && w->second < 1) runtime.push_back(w->second / (1 - w->second) - b);
+        if (w != j.wait.end()) runtime.push_back(idle_over_busy(w->second) - b);
       }
     } catch (const Error& e) {
       costs += detail::cat(" (no model: ", e.what(), ")");

@@ -374,10 +374,10 @@ void PipelineExecutor::train_step(int64_t step, const Loader& load, float dloss_
     for (int w : im.slots.waits[i]) im.wait_send(w);
     Slot& s = im.chunks[size_t(c)].slots[size_t(im.slots.slot[i])];
     const bool compute = a.op == PipeOp::F || a.op == PipeOp::B || a.op == PipeOp::BI || a.op == PipeOp::BW;
-    StepTracer::Span span(compute ? im.tracer : nullptr,
-                          detail::cat(a.op == PipeOp::F ? "forward" : a.op == PipeOp::B ? "backward"
-                                      : a.op == PipeOp::BI ? "backward_input" : "backward_weight",
-                                      " mb", a.microbatch, " stage ", a.stage),
+    // The span's name is built only while a step is traced (a hot loop).
+    StepTracer* const tr = compute && im.tracer && im.tracer->active() ? im.tracer : nullptr;
+    StepTracer::Span span(tr, tr ? detail::cat(pipe_compute_span_name(a.op), " mb", a.microbatch, " stage ", a.stage)
+                                 : std::string(),
                           "compute");
     if (compute) im.compute_marks.emplace_back(im.be->time_mark(), nullptr);
     const int id = int(i);

@@ -27,6 +27,25 @@ const char* pipe_op_name(PipeOp op) {
   return "?";
 }
 
+const char* pipe_compute_span_name(PipeOp op) {
+  switch (op) {
+    case PipeOp::F: return "forward";
+    case PipeOp::B: return "backward";
+    case PipeOp::BI: return "backward_input";
+    case PipeOp::BW: return "backward_weight";
+    default: return nullptr;
+  }
+}
+
+bool pipe_op_from_span_name(const std::string& name, PipeOp* op) {
+  for (PipeOp o : {PipeOp::F, PipeOp::B, PipeOp::BI, PipeOp::BW})
+    if (name == pipe_compute_span_name(o)) {
+      *op = o;
+      return true;
+    }
+  return false;
+}
+
 namespace {
 
 std::string action_text(const PipeAction& a) {

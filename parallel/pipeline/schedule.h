@@ -37,6 +37,12 @@ namespace trainrun {
 
 enum class PipeOp { F, B, BI, BW, SendAct, RecvAct, SendGrad, RecvGrad };
 const char* pipe_op_name(PipeOp op);  // "F", "B", "BI", "BW", "send_act", ...
+// A compute op's name in trace spans ("forward", "backward",
+// "backward_input", "backward_weight"; the executor writes "<name> mb<m>
+// stage <s>", `bench pipeline` reads it back); null for a comm op.
+const char* pipe_compute_span_name(PipeOp op);
+// Its inverse: false for a name that is no compute op's.
+bool pipe_op_from_span_name(const std::string& name, PipeOp* op);
 
 struct PipeAction {
   PipeOp op;
@@ -109,7 +115,8 @@ PipelineStats simulate_pipeline_schedule(const PipelineSchedule& s);
 // op (F, B, BI, BW) and `p2p` for every message's transfer (arrival = the
 // send's time + p2p). `trainrun bench pipeline` feeds it a real run's
 // measured times, which tells a schedule's bubble with those stage costs
-// (uneven stages, BW cheaper than F) from what the runtime adds.
+// (uneven stages, BW cheaper than F) from what the ops' time noise and the
+// runtime add (replay_pipeline_schedule below).
 PipelineStats simulate_pipeline_schedule(const PipelineSchedule& s, const std::function<double(int, PipeOp)>& cost,
                                          double p2p);
 // The same run with a cost for each compute action itself (its stage, op
