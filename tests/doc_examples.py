@@ -10,7 +10,7 @@ the checkout (every top-level entry a symlink, `build/` the binary's folder,
 the binary's folder first on PATH), so a page reads like a session a user
 types from the repository root and later blocks see what earlier ones wrote:
 
-- ```sh / ```bash / ```shell: run with `bash -e -o pipefail`; exit 0 or it fails;
+- ```sh / ```bash / ```shell: run with `bash -e -o pipefail -x`; exit 0 or it fails;
 - ```console: the `$ ` lines (with `\\` continuations) are run the same way;
   the other lines are sample output and are not compared;
 - ```yaml: `trainrun validate --config` on the block (exit 0 or it fails);
@@ -173,7 +173,7 @@ def run_page(page, source_dir, binary, timeout):
                 path = os.path.join(work, ".doc-block-%d.sh" % k)
                 with open(path, "w", encoding="utf-8") as f:
                     f.write(script)
-                cmd = ["bash", "-e", "-o", "pipefail", path]
+                cmd = ["bash", "-e", "-o", "pipefail", "-x", path]  # -x: the output shows which line failed
                 kind = "sh" if b.lang in SHELL else "console"
                 shown = script
             counts[kind] += 1
