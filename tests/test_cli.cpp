@@ -89,18 +89,20 @@ TEST_CASE("cli: --help on every subcommand", "[cli]") {
 
 namespace {
 
-// The commands a --help lists under SUBCOMMANDS (CLI11's layout: two spaces,
-// the name, its description), so a command added later is checked too.
+// The commands a --help lists under "Subcommands:" (CLI11 2.x's layout: two
+// spaces, the name, its description; the list ends at a blank line), so a
+// command added later is checked too.
 std::vector<std::string> listed_subcommands(const std::string& help) {
   std::vector<std::string> names;
   bool in = false;
   for (const auto& line : lines_of(help)) {
-    if (line.rfind("SUBCOMMANDS:", 0) == 0) {
+    if (line == "Subcommands:" || line == "SUBCOMMANDS:") {
       in = true;
       continue;
     }
     if (!in) continue;
-    if (line.size() < 3 || line[0] != ' ' || line[2] == ' ') break;
+    if (line.find_first_not_of(' ') == std::string::npos) break;
+    if (line.size() < 3 || line[0] != ' ' || line[2] == ' ') continue;  // a continuation line
     names.push_back(line.substr(2, line.find(' ', 2) - 2));
   }
   return names;
