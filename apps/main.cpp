@@ -395,8 +395,7 @@ int main(int argc, char** argv) {
   app.add_flag("--explain", explain,
                "print the mesh and each pipeline rank's schedule (its action list, simulated bubble) and exit");
   // torchrun-style static rendezvous across nodes (outside Slurm; under
-  // srun the node rank and count come from SLURM_*), see README "Slurm and
-  // several nodes".
+  // srun the node rank and count come from SLURM_*), see docs/slurm.md.
   LaunchFlags lflags;
   app.add_option("--nnodes", lflags.nnodes, "nodes in the job, one agent each (launcher.nnodes)")
       ->check(CLI::Range(1, 65536));
@@ -571,6 +570,20 @@ int main(int argc, char** argv) {
   worker->group("");
   std::string wconfig;
   worker->add_option("--config", wconfig, "the resolved job spec")->required();
+
+  // Every command's --help ends with the page of docs/ that explains it
+  // (tests/test_cli.cpp finds the commands in --help and checks that each
+  // names a page that exists); a new subcommand adds its line here.
+  app.footer("Docs: docs/quickstart.md (running a job, every command), docs/job-spec.md (the job spec); "
+             "every page: docs/README.md");
+  const std::pair<CLI::App*, const char*> doc_pages[] = {
+      {validate, "docs/job-spec.md"},       {prepare, "docs/data-format.md"},   {generate, "docs/models.md"},
+      {export_cmd, "docs/models.md"},       {plot, "docs/monitoring.md"},       {plan, "docs/planner.md"},
+      {topo_cmd, "docs/planner.md"},        {bench, "docs/benchmarks.md"},      {bench_comm, "docs/benchmarks.md"},
+      {bench_ckpt, "docs/benchmarks.md"},   {bench_kernels, "docs/benchmarks.md"},
+      {bench_pipe, "docs/benchmarks.md"},   {bench_opt, "docs/benchmarks.md"},  {bench_off, "docs/benchmarks.md"},
+  };
+  for (const auto& [sub, page] : doc_pages) sub->footer(std::string("Docs: ") + page);
 
   try {
     app.parse(argc, argv);

@@ -87,6 +87,54 @@ TEST_CASE("cli: --help on every subcommand", "[cli]") {
   }
 }
 
+namespace {
+
+// The commands a --help lists under "Subcommands:" (CLI11 2.x's layout: two
+// spaces, the name, its description; the list ends at a blank line), so a
+// command added later is checked too.
+std::vector<std::string> listed_subcommands(const std::string& help) {
+  std::vector<std::string> names;
+  bool in = false;
+  for (const auto& line : lines_of(help)) {
+    if (line == "Subcommands:" || line == "SUBCOMMANDS:") {
+      in = true;
+      continue;
+    }
+    if (!in) continue;
+    if (line.find_first_not_of(' ') == std::string::npos) break;
+    if (line.size() < 3 || line[0] != ' ' || line[2] == ' ') continue;  // a continuation line
+    names.push_back(line.substr(2, line.find(' ', 2) - 2));
+  }
+  return names;
+}
+
+}  // namespace
+
+TEST_CASE("cli: every command's --help names the docs page that explains it, and the page exists", "[cli][docs]") {
+  std::vector<std::string> commands = {""};
+  for (const auto& s : listed_subcommands(test::run_trainrun("--help").out)) commands.push_back(s + " ");
+  for (const auto& s : listed_subcommands(test::run_trainrun("bench --help").out)) commands.push_back("bench " + s + " ");
+  // validate prepare generate export plot plan topo bench + bench's six, at least.
+  CHECK(commands.size() >= 15);
+  for (const auto& cmd : commands) {
+    INFO("trainrun " << cmd << "--help");
+    auto r = test::run_trainrun(cmd + "--help");
+    REQUIRE(r.exit_code == 0);
+    const auto p = r.out.find("Docs: docs/");
+    REQUIRE(p != std::string::npos);  // add the command to doc_pages in apps/main.cpp
+    // Every page the footer names (top level: several) exists in the checkout.
+    for (auto q = r.out.find("docs/", p); q != std::string::npos; q = r.out.find("docs/", q + 1)) {
+      const auto e = r.out.find(".md", q);
+      REQUIRE(e != std::string::npos);
+      const std::string page = r.out.substr(q, e + 3 - q);
+      INFO(page);
+      CHECK(test::file_exists(test::source_dir() + "/" + page));
+    }
+  }
+  CHECK_THAT(test::run_trainrun("plan --help").out, Contains("Docs: docs/planner.md"));
+  CHECK_THAT(test::run_trainrun("--help").out, Contains("docs/quickstart.md") && Contains("docs/job-spec.md"));
+}
+
 TEST_CASE("cli: usage errors exit 2", "[cli]") {
   auto r = test::run_trainrun("");
   CHECK(r.exit_code == 2);
