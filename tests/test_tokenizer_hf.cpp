@@ -1,0 +1,137 @@
+// Every tokenizer family causal LMs ship, against HF `tokenizers` itself:
+// scripts/reference/hf_tokenizer_zoo.py trains SentencePiece BPE and Unigram
+// models offline and converts them with transformers' slow->fast converters
+// (Llama 2 legacy, Mistral, Gemma, T5's Precompiled charsmap), and builds
+// others with `tokenizers` (Qwen2's NFC + regex, a byte-level vocab missing
+// bytes with unk, a character BPE with every BPE knob and added-token flag,
+// Split with each behavior and invert). On hard text each must give HF's
+// ids (special tokens as text and matched, with and without the
+// post-processor) and HF's decode, also of random id lists.
+#include <catch2/catch.hpp>
+#include <nlohmann/json.hpp>
+
+#include "core/common/error.h"
+#include "core/data/tokenizer/tokenizer.h"
+#include "tests/support/testutil.h"
+
+using namespace trainrun;
+using Catch::Contains;
+using json = nlohmann::json;
+
+namespace {
+
+json read_json(const std::string& path) { return json::parse(test::read_file(path)); }
+
+std::vector<std::string> hard_texts() {
+  return {
+      "Hello, World! It's 2024 and I'M here; you'RE there. DON'T.",
+      "日本語のテキストと中文文本，还有한국어 텍스트。東京タワー",
+      "Family: \U0001F468\u200D\U0001F469\u200D\U0001F467\u200D\U0001F466 and \U0001F3F3\uFE0F\u200D\U0001F308 "
+      "flags \U0001F44D\U0001F3FD ok \U0001F600\U0001F600",
+      "line one\r\nline two\r\n\r\nline four\n\n\nend\r",
+      "   leading spaces and trailing   ",
+      " one leading space",
+      "a  b   c\t\td \t \t e      \n    indented\tcode()  \t\n\t\t\tx   ",
+      "pi=3.14159265358979 and 1234567890123 x99y 00000 ½ ² ٣٤٥ Ⅻ",
+      "zero\u200Bwidth\u200Djoin e\u0301 n\u0303 a\u0308\u0304 \uFEFFbom ﬁ ｆｕｌｌ ㍻ Å Ω",
+      "ctl\x01\x02\x7f\x1b[0m bell\a nul-free \x0b\x0c",
+      "nbsp\u00A0here \u2028sep\u2029 nel\u0085x \u3000ideo ſ İstanbul ΣΑΣ",
+      "<s> begin </s> end <unk> <pad> <0x41> <mask> [TOOL] <|endoftext|> <|im_start|>user<|im_end|>",
+      "say hello, hellothere, hello! <mask>   spaced   <tool>   after [RAW]x Ünïcödé ÜNÏ",
+      "<start_of_turn>user\nhi<end_of_turn>\n▁literal▁meta ▁▁",
+      "",
+      " ",
+      "\n",
+      std::string(300, ' ') + "x" + std::string(20, '\t'),
+      "def f(x):\n    return {'k': [1, 2.5e-3, \"s\"]}  # comment\n",
+      "Ünïcödé ÀÉÎÕÜ ΑΒΓ αβγ Привет мир ąčęėįšųūž العربية עברית",
+  };
+}
+
+struct Zoo {
+  test::TempDir dir{"tokzoo"};
+  std::vector<std::string> texts = hard_texts();
+  Zoo() {
+    std::string corpus;
+    for (const char* f : {"/usr/share/games/fortunes/computers", "/usr/share/games/fortunes/science"})
+      if (test::file_exists(f)) corpus += test::read_file(f);
+    // The hard texts are in the corpus too, so pieces over CJK, emoji and
+    // whitespace runs exist (and byte fallback still has bytes to do).
+    for (int r = 0; r < 5; ++r)
+      for (const auto& t : texts) corpus += t + "\n";
+    test::write_file(dir / "corpus.txt", corpus);
+    const auto r = run("make --vocab 1000 --dir '" + dir.path() + "' --corpus '" + (dir / "corpus.txt") + "'");
+    INFO(r.out << r.err);
+    REQUIRE(r.exit_code == 0);
+    texts.push_back(corpus.substr(1000, 6000));  // running prose
+    test::write_file(dir / "texts.json", json(texts).dump());
+  }
+  static test::RunResult run(const std::string& args) {
+    return test::run_command("'" + test::hf_python() + "' '" + test::source_dir() +
+                             "/scripts/reference/hf_tokenizer_zoo.py' " + args);
+  }
+};
+
+Zoo& zoo() {
+  static Zoo z;
+  return z;
+}
+
+}  // namespace
+
+TEST_CASE("tokenizer zoo: ids and decode equal HF tokenizers' for every family", "[tokenizer][hf]") {
+  Zoo& z = zoo();
+  const std::string name =
+      GENERATE("llama2", "mistral", "gemma", "t5", "unigram_bf", "qwen2", "unk_bytes", "charbpe", "split_removed",
+               "split_removed_inv", "split_isolated", "split_isolated_inv", "split_merged_with_previous",
+               "split_merged_with_previous_inv", "split_merged_with_next", "split_merged_with_next_inv",
+               "split_contiguous", "split_contiguous_inv");
+  const std::string path = z.dir / (name + ".json");
+  const auto r = Zoo::run("encode --tokenizer '" + path + "' --texts '" + (z.dir / "texts.json") + "' --out '" +
+                          (z.dir / (name + ".out.json")) + "'");
+  INFO(r.out << r.err);
+  REQUIRE(r.exit_code == 0);
+  const json ref = read_json(z.dir / (name + ".out.json"));
+  const Tokenizer tok = Tokenizer::load(path);
+  TokenEncoder enc(tok);  // one encoder across texts: its cache must not leak between them
+  for (size_t i = 0; i < z.texts.size(); ++i) {
+    INFO(name << " text " << i << ": " << z.texts[i].substr(0, 200));
+    std::vector<uint32_t> plain;
+    enc.encode(z.texts[i], false, plain);
+    CHECK(plain == ref["plain"][i].get<std::vector<uint32_t>>());
+    const auto special = tok.encode(z.texts[i], true);
+    CHECK(special == ref["special"][i].get<std::vector<uint32_t>>());
+    CHECK(tok.with_special_tokens(special) == ref["with_special"][i].get<std::vector<uint32_t>>());
+    CHECK(utf8_lossy(tok.decode(plain)) == ref["decoded"][i].get<std::string>());
+  }
+  const auto lists = ref["lists"].get<std::vector<std::vector<uint32_t>>>();
+  for (size_t i = 0; i < lists.size(); ++i) {
+    INFO(name << " id list " << i);
+    CHECK(utf8_lossy(tok.decode(lists[i])) == ref["lists_decoded"][i].get<std::string>());
+  }
+}
+
+TEST_CASE("tokenizer zoo: the families use what they claim to", "[tokenizer][hf]") {
+  // The comparison above only tests a component if the file has it: check
+  // the converters wrote what the names say.
+  Zoo& z = zoo();
+  const json llama = read_json(z.dir / "llama2.json");
+  CHECK(llama["model"]["byte_fallback"] == true);
+  CHECK(llama["normalizer"]["normalizers"][0]["type"] == "Prepend");
+  CHECK(read_json(z.dir / "mistral.json")["pre_tokenizer"]["prepend_scheme"] == "first");
+  const json t5 = read_json(z.dir / "t5.json");
+  CHECK(t5["model"]["type"] == "Unigram");
+  CHECK(t5["normalizer"]["normalizers"][0]["type"] == "Precompiled");
+  CHECK(t5["normalizer"]["normalizers"][0]["precompiled_charsmap"].get<std::string>().size() > 1000);
+  CHECK(read_json(z.dir / "qwen2.json")["normalizer"]["type"] == "NFC");
+  CHECK(read_json(z.dir / "gemma.json")["pre_tokenizer"]["behavior"] == "MergedWithPrevious");
+  // unk_bytes really lacks byte symbols, and the hard texts hit them.
+  const json ub = read_json(z.dir / "unk_bytes.json");
+  CHECK(!ub["model"]["vocab"].contains("Ā"));  // byte 0x00's symbol
+  const Tokenizer u = Tokenizer::load(z.dir / "unk_bytes.json");
+  const auto ids = u.encode("ctl\x01\x02 日本");
+  CHECK(std::count(ids.begin(), ids.end(), static_cast<uint32_t>(u.token_id("<unk>"))) >= 2);
+  const json cb = read_json(z.dir / "charbpe.json");
+  CHECK(cb["model"]["continuing_subword_prefix"] == "##");
+  CHECK(cb["model"]["end_of_word_suffix"] == "</w>");
+}
