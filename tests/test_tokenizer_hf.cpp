@@ -102,11 +102,12 @@ TEST_CASE("tokenizer zoo: ids and decode equal HF tokenizers' for every family",
     const auto special = tok.encode(z.texts[i], true);
     CHECK(special == ref["special"][i].get<std::vector<uint32_t>>());
     CHECK(tok.with_special_tokens(special) == ref["with_special"][i].get<std::vector<uint32_t>>());
-    CHECK(utf8_lossy(tok.decode(plain)) == ref["decoded"][i].get<std::string>());
+    if (!ref["decoded"][i].is_null()) CHECK(utf8_lossy(tok.decode(plain)) == ref["decoded"][i].get<std::string>());
   }
   const auto lists = ref["lists"].get<std::vector<std::vector<uint32_t>>>();
   for (size_t i = 0; i < lists.size(); ++i) {
     INFO(name << " id list " << i);
+    if (ref["lists_decoded"][i].is_null()) continue;  // HF panicked on it (see hf_tokenizer_zoo.py)
     CHECK(utf8_lossy(tok.decode(lists[i])) == ref["lists_decoded"][i].get<std::string>());
   }
 }

@@ -78,7 +78,8 @@ const json& get_list(const Ctx& c, const json& obj, const std::string& path, con
 void compile_regex(const Ctx& c, const std::string& path, const std::string& pattern, bool literal, CompiledRegex& out) {
   int err = 0;
   PCRE2_SIZE off = 0;
-  uint32_t opts = PCRE2_UTF | PCRE2_UCP | (literal ? PCRE2_LITERAL : 0);
+  // PCRE2_LITERAL allows PCRE2_UTF but not PCRE2_UCP (nothing to classify).
+  const uint32_t opts = literal ? (PCRE2_UTF | PCRE2_LITERAL) : (PCRE2_UTF | PCRE2_UCP);
   out.pattern = pattern;
   out.code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(), opts, &err, &off, nullptr);
   if (!out.code) {
