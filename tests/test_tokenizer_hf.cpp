@@ -136,3 +136,106 @@ TEST_CASE("tokenizer zoo: the families use what they claim to", "[tokenizer][hf]
   CHECK(cb["model"]["continuing_subword_prefix"] == "##");
   CHECK(cb["model"]["end_of_word_suffix"] == "</w>");
 }
+
+TEST_CASE("tokenizer zoo: every component type HF tokenizers defines is read as HF does, or refused with a reason",
+          "[tokenizer][hf]") {
+  // The types of tokenizers 0.19 (normalizers/mod.rs, pre_tokenizers/mod.rs,
+  // models/mod.rs, decoders/mod.rs, processors/mod.rs), each swapped into
+  // the character BPE: a supported one must give HF's ids and decode, a
+  // refused one an error naming the JSON path and why.
+  Zoo& z = zoo();
+  const json base = read_json(z.dir / "charbpe.json");
+  const json charsmap = read_json(z.dir / "t5.json")["normalizer"]["normalizers"][0];
+  const uint32_t cls = base["model"]["vocab"]["[CLS]"], sep = base["model"]["vocab"]["[SEP]"];
+  const json tmpl = json::parse(R"({"type": "TemplateProcessing",
+      "single": [{"SpecialToken": {"id": "[CLS]", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                 {"SpecialToken": {"id": "[SEP]", "type_id": 0}}],
+      "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+      "special_tokens": {"[CLS]": {"id": "[CLS]", "ids": [)" + std::to_string(cls) + R"(], "tokens": ["[CLS]"]},
+                         "[SEP]": {"id": "[SEP]", "ids": [)" + std::to_string(sep) + R"(], "tokens": ["[SEP]"]}}})");
+  struct Component {
+    std::string slot;  // the top-level key it goes in
+    json config;
+    std::string refused;  // empty: supported
+  };
+  const std::string no = "not supported";
+  const std::vector<Component> all = {
+      {"normalizer", {{"type", "BertNormalizer"}, {"clean_text", true}, {"handle_chinese_chars", true}, {"strip_accents", nullptr}, {"lowercase", true}}, no},
+      {"normalizer", {{"type", "Strip"}, {"strip_left", true}, {"strip_right", false}}, ""},
+      {"normalizer", {{"type", "StripAccents"}}, no},
+      {"normalizer", {{"type", "NFC"}}, ""},
+      {"normalizer", {{"type", "NFD"}}, ""},
+      {"normalizer", {{"type", "NFKC"}}, ""},
+      {"normalizer", {{"type", "NFKD"}}, ""},
+      {"normalizer", {{"type", "Sequence"}, {"normalizers", {{{"type", "NFD"}}, {{"type", "Lowercase"}}}}}, ""},
+      {"normalizer", {{"type", "Lowercase"}}, ""},
+      {"normalizer", {{"type", "Nmt"}}, no},
+      {"normalizer", charsmap, ""},
+      {"normalizer", {{"type", "Replace"}, {"pattern", {{"Regex", "[aeiou]+"}}}, {"content", "_"}}, ""},
+      {"normalizer", {{"type", "Prepend"}, {"prepend", "\u2581"}}, ""},
+      {"pre_tokenizer", {{"type", "BertPreTokenizer"}}, ""},
+      {"pre_tokenizer", {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", true}, {"use_regex", true}}, ""},
+      {"pre_tokenizer", {{"type", "CharDelimiterSplit"}, {"delimiter", "e"}}, ""},
+      {"pre_tokenizer", {{"type", "Metaspace"}, {"replacement", "\u2581"}, {"prepend_scheme", "always"}, {"split", true}}, ""},
+      {"pre_tokenizer", {{"type", "Whitespace"}}, ""},
+      {"pre_tokenizer", {{"type", "Sequence"}, {"pretokenizers", {{{"type", "WhitespaceSplit"}}, {{"type", "Digits"}, {"individual_digits", false}}}}}, ""},
+      {"pre_tokenizer", {{"type", "Split"}, {"pattern", {{"String", "e"}}}, {"behavior", "Contiguous"}, {"invert", false}}, ""},
+      {"pre_tokenizer", {{"type", "Punctuation"}, {"behavior", "MergedWithNext"}}, ""},
+      {"pre_tokenizer", {{"type", "WhitespaceSplit"}}, ""},
+      {"pre_tokenizer", {{"type", "Digits"}, {"individual_digits", true}}, ""},
+      {"pre_tokenizer", {{"type", "UnicodeScripts"}}, no},
+      {"decoder", {{"type", "BPEDecoder"}, {"suffix", "</w>"}}, no},
+      {"decoder", {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", true}, {"use_regex", true}}, ""},
+      {"decoder", {{"type", "WordPiece"}, {"prefix", "##"}, {"cleanup", true}}, no},
+      {"decoder", {{"type", "Metaspace"}, {"replacement", "#"}, {"prepend_scheme", "always"}, {"split", true}}, ""},
+      {"decoder", {{"type", "CTC"}, {"pad_token", "<pad>"}, {"word_delimiter_token", "|"}, {"cleanup", true}}, no},
+      {"decoder", {{"type", "Sequence"}, {"decoders", {{{"type", "Fuse"}}, {{"type", "Strip"}, {"content", "<"}, {"start", 1}, {"stop", 2}}}}}, ""},
+      {"decoder", {{"type", "Replace"}, {"pattern", {{"Regex", "#+"}}}, {"content", "-"}}, ""},
+      {"decoder", {{"type", "Fuse"}}, ""},
+      {"decoder", {{"type", "Strip"}, {"content", "#"}, {"start", 2}, {"stop", 0}}, ""},
+      {"decoder", {{"type", "ByteFallback"}}, ""},
+      {"post_processor", {{"type", "RobertaProcessing"}, {"sep", {"[SEP]", sep}}, {"cls", {"[CLS]", cls}}, {"trim_offsets", true}, {"add_prefix_space", true}}, ""},
+      {"post_processor", {{"type", "BertProcessing"}, {"sep", {"[SEP]", sep}}, {"cls", {"[CLS]", cls}}}, ""},
+      {"post_processor", {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", true}, {"use_regex", true}}, ""},
+      {"post_processor", tmpl, ""},
+      {"post_processor", {{"type", "Sequence"}, {"processors", {{{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", false}, {"use_regex", true}}, tmpl}}}, ""},
+      {"model", {{"type", "WordPiece"}, {"unk_token", "[UNK]"}, {"continuing_subword_prefix", "##"}, {"max_input_chars_per_word", 100}, {"vocab", {{"[UNK]", 0}}}}, no},
+      {"model", {{"type", "WordLevel"}, {"vocab", {{"[UNK]", 0}}}, {"unk_token", "[UNK]"}}, no},
+  };
+  std::vector<std::string> supported;
+  for (size_t k = 0; k < all.size(); ++k) {
+    const Component& c = all[k];
+    json j = base;
+    j[c.slot] = c.config;
+    const std::string path = z.dir / ("component_" + std::to_string(k) + ".json");
+    test::write_file(path, j.dump());
+    INFO(c.slot << " " << c.config["type"]);
+    if (c.refused.empty()) {
+      supported.push_back(path);
+      continue;
+    }
+    try {
+      Tokenizer::load(path);
+      FAIL("loaded, but it should be refused");
+    } catch (const Error& e) {
+      CHECK_THAT(e.what(), Contains(c.slot + ".type") && Contains(c.config["type"].get<std::string>()) && Contains(c.refused));
+    }
+  }
+  std::string args = "encode --texts '" + (z.dir / "texts.json") + "' --tokenizer";
+  for (const auto& p : supported) args += " '" + p + "'";
+  const auto r = Zoo::run(args);
+  INFO(r.out << r.err);
+  REQUIRE(r.exit_code == 0);
+  for (const auto& p : supported) {
+    const json ref = read_json(p.substr(0, p.size() - 5) + ".out.json");
+    const json cfg = read_json(p);
+    const Tokenizer tok = Tokenizer::load(p);
+    for (size_t i = 0; i < z.texts.size(); ++i) {
+      INFO(p << " text " << i << ": " << z.texts[i].substr(0, 120));
+      const auto plain = tok.encode(z.texts[i], false);
+      CHECK(plain == ref["plain"][i].get<std::vector<uint32_t>>());
+      CHECK(tok.with_special_tokens(tok.encode(z.texts[i], true)) == ref["with_special"][i].get<std::vector<uint32_t>>());
+      if (!ref["decoded"][i].is_null()) CHECK(utf8_lossy(tok.decode(plain)) == ref["decoded"][i].get<std::string>());
+    }
+  }
+}

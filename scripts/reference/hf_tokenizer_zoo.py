@@ -15,7 +15,7 @@
                      continuing_subword_prefix, end_of_word_suffix, unk; added tokens with lstrip,
                      rstrip, single_word, normalized
            split_<behavior>[_inv]  Split(regex) with each behavior (and invert) before Metaspace
-  encode --tokenizer T --texts texts.json --out out.json
+  encode --tokenizer T... --texts texts.json [--out out.json]   (several T: each X.json -> X.out.json)
          {"plain": ids, special tokens as text; "special": special tokens matched;
           "with_special": add_special_tokens=True (post-processor); "decoded": decode(plain);
           "lists": random id lists, "lists_decoded": their decode}
@@ -152,9 +152,14 @@ def decode_or_none(tok, ids):
 
 
 def cmd_encode(a):
-    tok = Tokenizer.from_file(a.tokenizer)
     with open(a.texts, encoding="utf-8") as f:
         texts = json.load(f)
+    for path in a.tokenizer:
+        encode_one(path, texts, a.out if len(a.tokenizer) == 1 else path[:-len(".json")] + ".out.json")
+
+
+def encode_one(path, texts, out_path):
+    tok = Tokenizer.from_file(path)
     out = {}
     tok.encode_special_tokens = True
     out["plain"] = [tok.encode(t, add_special_tokens=False).ids for t in texts]
@@ -166,7 +171,7 @@ def cmd_encode(a):
     n = tok.get_vocab_size(with_added_tokens=True)
     out["lists"] = [[rng.randrange(n) for _ in range(rng.randrange(1, 12))] for _ in range(200)]
     out["lists_decoded"] = [decode_or_none(tok, ids) for ids in out["lists"]]
-    with open(a.out, "w", encoding="utf-8") as f:
+    with open(out_path, "w", encoding="utf-8") as f:
         json.dump(out, f, ensure_ascii=False)
 
 
@@ -178,9 +183,9 @@ def main():
     m.add_argument("--corpus", required=True)
     m.add_argument("--vocab", type=int, default=1000)
     e = sub.add_parser("encode")
-    e.add_argument("--tokenizer", required=True)
+    e.add_argument("--tokenizer", required=True, nargs="+", help="several: each X.json gets X.out.json")
     e.add_argument("--texts", required=True)
-    e.add_argument("--out", required=True)
+    e.add_argument("--out")
     a = p.parse_args()
     {"make": cmd_make, "encode": cmd_encode}[a.cmd](a)
 

@@ -35,7 +35,7 @@ void char_matches(std::string_view s, Pred&& pred, std::vector<Mark>& out) {
 void split_piece(const PreTokStep& st, const Piece& in, MatchState& ms, std::vector<Piece>& out) {
   const std::string_view s = in.text;
   std::vector<Mark> marks;
-  if (st.kind == PreTokStep::kRegex) {
+  if (st.re) {  // Split, Whitespace, ByteLevel's own regex
     std::vector<Span> m;
     regex_find_all(*st.re, s, ms, m);
     size_t prev = 0;
