@@ -137,9 +137,11 @@ def make_hf(a):
 
 def cmd_make(a):
     os.makedirs(a.dir, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        make_spm(a, tmp)
-    make_hf(a)
+    if a.only in (None, "spm"):
+        with tempfile.TemporaryDirectory() as tmp:
+            make_spm(a, tmp)
+    if a.only in (None, "hf"):
+        make_hf(a)
 
 
 def decode_or_none(tok, ids):
@@ -182,6 +184,7 @@ def main():
     m.add_argument("--dir", required=True)
     m.add_argument("--corpus", required=True)
     m.add_argument("--vocab", type=int, default=1000)
+    m.add_argument("--only", choices=["spm", "hf"], help="only the SentencePiece conversions, or only the tokenizers-built ones")
     e = sub.add_parser("encode")
     e.add_argument("--tokenizer", required=True, nargs="+", help="several: each X.json gets X.out.json")
     e.add_argument("--texts", required=True)

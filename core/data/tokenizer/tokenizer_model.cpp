@@ -3,6 +3,8 @@
 // end_of_word_suffix) and Unigram (SentencePiece's Viterbi, as HF's
 // encode_optimized), each turning one pre-token into ids.
 #include <algorithm>
+#include <charconv>
+#include <cmath>
 #include <cstdio>
 
 #include "core/common/error.h"
@@ -307,6 +309,55 @@ void load_bpe(const Ctx& c, const json& m, Tokenizer::Impl& impl) {
   md.merges.build(table);
 }
 
+// The f64 that serde_json (without its float_roundtrip feature, as HF
+// tokenizers builds it) reads from the text a score was written as: the
+// decimal digits as a u64 converted to f64, then one multiply or divide by
+// a power of ten. For 17-digit scores that rounds twice and can land one
+// ulp off the correctly rounded value nlohmann gives; the Viterbi's ties
+// (runs of equal-scored segmentations) then fall the other way. The text
+// is recovered as the shortest round-trip form of the value, which is what
+// serde_json (ryu) wrote.
+double serde_json_f64(double v) {
+  if (!std::isfinite(v) || v == 0.0) return v;
+  char buf[64];
+  const auto res = std::to_chars(buf, buf + sizeof buf, v);
+  const std::string_view t(buf, static_cast<size_t>(res.ptr - buf));
+  size_t i = 0;
+  const bool neg = t[0] == '-';
+  if (neg) ++i;
+  uint64_t sig = 0;
+  int exp = 0, digits = 0;
+  bool frac = false;
+  for (; i < t.size() && t[i] != 'e' && t[i] != 'E'; ++i) {
+    if (t[i] == '.') {
+      frac = true;
+      continue;
+    }
+    if (digits >= 19) return v;  // serde's overflow path: not reached by shortest forms
+    sig = sig * 10 + static_cast<uint64_t>(t[i] - '0');
+    ++digits;
+    if (frac) --exp;
+  }
+  if (i < t.size()) exp += std::atoi(std::string(t.substr(i + 1)).c_str());
+  static const std::array<double, 309> pow10 = [] {
+    std::array<double, 309> p{};
+    for (int k = 0; k < 309; ++k) p[k] = std::stod("1e" + std::to_string(k));
+    return p;
+  }();
+  double f = static_cast<double>(sig);
+  for (;;) {
+    const int a = exp < 0 ? -exp : exp;
+    if (a < 309) {
+      f = exp >= 0 ? f * pow10[a] : f / pow10[a];
+      break;
+    }
+    if (exp >= 0) return v;
+    f /= 1e308;
+    exp += 308;
+  }
+  return neg ? -f : f;
+}
+
 void load_unigram(const Ctx& c, const json& m, Tokenizer::Impl& impl) {
   Model& md = impl.model;
   md.unigram = true;
@@ -321,7 +372,7 @@ void load_unigram(const Ctx& c, const json& m, Tokenizer::Impl& impl) {
     if (!e.is_array() || e.size() != 2 || !e[0].is_string() || !e[1].is_number())
       c.fail("model.vocab[" + std::to_string(i) + "]", "expected [\"piece\", score], got " + show(e));
     const std::string piece = e[0].get<std::string>();
-    const double score = e[1].get<double>();
+    const double score = e[1].is_number_float() ? serde_json_f64(e[1].get<double>()) : e[1].get<double>();
     md.vocab[piece] = static_cast<uint32_t>(i);
     g.score.push_back(score);
     min_score = std::min(min_score, score);
