@@ -20,10 +20,11 @@ if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
 PKGS=(build-essential cmake ninja-build ccache pkg-config git
       libcli11-dev libyaml-cpp-dev nlohmann-json3-dev catch2
       libopenblas-dev libopenblas-openmp-dev libgloo-dev libxxhash-dev
-      libprotobuf-dev protobuf-compiler libpcre2-dev liburing-dev gnuplot-nox
+      libprotobuf-dev protobuf-compiler libpcre2-dev libicu-dev liburing-dev gnuplot-nox
       fortunes fortunes-min iproute2 procps)
 # libprotobuf-dev + protobuf-compiler: TensorBoard event files (core/train/proto);
 # libpcre2-dev: the tokenizer's Unicode regexes (core/data/tokenizer);
+# libicu-dev: its normal forms, case mapping and grapheme clusters (NFC/NFKC, Lowercase, Precompiled);
 # liburing-dev: io_uring for parallel.offload: nvme (optional at build time: without it, a pread/pwrite pool);
 # gnuplot-nox: `trainrun plot` and the end-of-run plot (run as a program, not linked).
 if [ "$WITH_TEST" = 1 ]; then
@@ -65,5 +66,11 @@ if [ "$WITH_TEST" = 1 ]; then
   if ! "$VENV/bin/python" -c "import transformers, sys; sys.exit(transformers.__version__ != '4.44.2')" 2>/dev/null; then
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check "transformers==4.44.2" "huggingface_hub==0.36.2" \
       "tokenizers==0.19.1"
+  fi
+  # sentencepiece: trains the SentencePiece BPE and Unigram models that
+  # tests/test_tokenizer_hf.cpp converts with transformers' slow->fast
+  # converters (which read the model proto with protobuf, pinned above).
+  if ! "$VENV/bin/python" -c "import sentencepiece, sys; sys.exit(sentencepiece.__version__ != '0.2.0')" 2>/dev/null; then
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check "sentencepiece==0.2.0"
   fi
 fi

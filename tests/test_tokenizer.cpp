@@ -178,41 +178,32 @@ TEST_CASE("tokenizer: unsupported or broken tokenizer.json names the JSON path",
     }
     return std::string("(no error)");
   };
-  CHECK_THAT(load_error([](json& j) { j["normalizer"] = {{"type", "NFC"}}; }),
-             Contains("bad.json") && Contains("normalizer") && Contains("\"NFC\"") && Contains("not supported"));
-  CHECK_THAT(load_error([](json& j) { j["model"]["type"] = "Unigram"; }),
-             Contains("model.type") && Contains("Unigram"));
+  // (What was refused here before and is now read — NFC, Unigram, byte
+  // fallback, every Split behavior, lstrip, BertProcessing, missing byte
+  // symbols — is checked against HF in tests/test_tokenizer_hf.cpp.)
+  CHECK_THAT(load_error([](json& j) { j["normalizer"] = {{"type", "BertNormalizer"}}; }),
+             Contains("bad.json") && Contains("normalizer.type") && Contains("\"BertNormalizer\"") && Contains("not supported"));
   CHECK_THAT(load_error([](json& j) { j["model"]["type"] = "WordPiece"; }), Contains("model.type") && Contains("WordPiece"));
   CHECK_THAT(load_error([](json& j) { j["model"]["dropout"] = 0.1; }), Contains("model.dropout") && Contains("0.1"));
-  CHECK_THAT(load_error([](json& j) { j["model"]["byte_fallback"] = true; }), Contains("model.byte_fallback"));
-  CHECK_THAT(load_error([](json& j) { j["pre_tokenizer"]["pretokenizers"][0]["behavior"] = "Removed"; }),
-             Contains("pre_tokenizer.pretokenizers[0].behavior") && Contains("Removed"));
-  CHECK_THAT(load_error([](json& j) { j["pre_tokenizer"]["pretokenizers"][0]["invert"] = true; }),
+  CHECK_THAT(load_error([](json& j) { j["pre_tokenizer"]["pretokenizers"][0]["behavior"] = "Sideways"; }),
+             Contains("pre_tokenizer.pretokenizers[0].behavior") && Contains("Sideways"));
+  CHECK_THAT(load_error([](json& j) { j["pre_tokenizer"]["pretokenizers"][0]["invert"] = 3; }),
              Contains("pre_tokenizer.pretokenizers[0].invert"));
-  CHECK_THAT(load_error([](json& j) { j["pre_tokenizer"]["pretokenizers"][1] = {{"type", "Whitespace"}}; }),
-             Contains("pre_tokenizer.pretokenizers[1].type") && Contains("Whitespace"));
+  CHECK_THAT(load_error([](json& j) { j["pre_tokenizer"]["pretokenizers"][1] = {{"type", "UnicodeScripts"}}; }),
+             Contains("pre_tokenizer.pretokenizers[1].type") && Contains("UnicodeScripts"));
   CHECK_THAT(load_error([](json& j) { j["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = "(unclosed"; }),
              Contains("pre_tokenizer.pretokenizers[0].pattern.Regex") && Contains("(unclosed") && Contains("PCRE2"));
-  CHECK_THAT(load_error([](json& j) {
-               auto& p = j["pre_tokenizer"]["pretokenizers"];
-               std::swap(p[0], p[1]);
-             }),
-             Contains("pre_tokenizer.pretokenizers[1]") && Contains("ByteLevel must come last"));
-  CHECK_THAT(load_error([](json& j) { j["pre_tokenizer"] = j["pre_tokenizer"]["pretokenizers"][0]; }),
-             Contains("pre_tokenizer") && Contains("no ByteLevel"));
   CHECK_THAT(load_error([](json& j) { j["decoder"] = {{"type", "WordPiece"}}; }), Contains("decoder.type") && Contains("WordPiece"));
   CHECK_THAT(load_error([](json& j) { j["model"]["merges"][5] = "a b c"; }), Contains("model.merges[5]") && Contains("a b c"));
   CHECK_THAT(load_error([](json& j) { j["model"]["merges"][7] = json::array({"zzzq", "h"}); }),
              Contains("model.merges[7]") && Contains("zzzq") && Contains("not in model.vocab"));
   CHECK_THAT(load_error([](json& j) { j["model"]["merges"][2] = 17; }), Contains("model.merges[2]") && Contains("17"));
   CHECK_THAT(load_error([](json& j) { j["model"]["vocab"]["Ġthe"] = -4; }), Contains("model.vocab[\"Ġthe\"]") && Contains("-4"));
-  CHECK_THAT(load_error([](json& j) { j["model"]["vocab"].erase("Ā"); }),
-             Contains("model.vocab") && Contains("0x00") && Contains("byte-level symbols"));
-  CHECK_THAT(load_error([](json& j) { j["added_tokens"][1]["lstrip"] = true; }), Contains("added_tokens[1].lstrip"));
+  CHECK_THAT(load_error([](json& j) { j["added_tokens"][1]["lstrip"] = "yes"; }), Contains("added_tokens[1].lstrip"));
   CHECK_THAT(load_error([](json& j) { j["added_tokens"][0].erase("content"); }), Contains("added_tokens[0].content"));
   CHECK_THAT(load_error([](json& j) { j["truncation"] = {{"max_length", 8}}; }), Contains("truncation"));
   CHECK_THAT(load_error([](json& j) { j["post_processor"] = {{"type", "BertProcessing"}}; }),
-             Contains("post_processor.type") && Contains("BertProcessing"));
+             Contains("post_processor.cls") && Contains("[\"token\", id]"));
   CHECK_THAT(load_error([](json& j) { j.erase("model"); }), Contains("model") && Contains("missing"));
   REQUIRE_THROWS_WITH(Tokenizer::from_json_text("{not json", "x.json"), Contains("x.json") && Contains("not valid JSON"));
   REQUIRE_THROWS_WITH(Tokenizer::load(fx.dir / "nope.json"), Contains("nope.json") && Contains("cannot open"));

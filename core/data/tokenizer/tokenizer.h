@@ -1,21 +1,27 @@
-// Hugging Face byte-level BPE tokenizers (tokenizer.json), the kind GPT-2,
-// Llama 3 and Mistral-Nemo ship, encoded to the same ids as the `tokenizers`
-// library. (Qwen2's adds an NFC normalizer, which is refused: no normalizer
-// is implemented.)
+// Hugging Face tokenizers (tokenizer.json), encoded to the same ids and
+// decoded to the same text as the `tokenizers` library (0.19): byte-level
+// BPE (GPT-2, Llama 3, Qwen2), SentencePiece-style BPE with byte fallback
+// (Llama 2, Mistral, Gemma) and Unigram models.
 //
-// The pipeline, as HF runs it for these models:
-//   1. added tokens: the text is cut at every added token (leftmost-longest
-//      match). Non-special added tokens always match; special ones only when
+// The pipeline, as HF runs it:
+//   1. added tokens: the text is cut at every added token that is matched
+//      on the raw text (normalized: false), leftmost-longest; lstrip/rstrip
+//      take the whitespace beside it, single_word needs non-word neighbours.
+//      Non-special added tokens always match; special ones only when
 //      allow_special is set (see "special-token policy" below).
-//   2. pre-tokenizer: each remaining segment is split into pre-tokens by
-//      Split(Regex, Isolated) and/or ByteLevel(use_regex: GPT-2's regex),
-//      optionally in a Sequence; ByteLevel (last) maps bytes to its 256
-//      printable code points.
-//   3. BPE on each pre-token: start from one symbol per byte and apply the
-//      lowest-ranked merge until none applies. With ignore_merges, a
-//      pre-token that is itself in the vocab is emitted whole.
-// Decoding (the ByteLevel decoder) concatenates the tokens' strings and maps
-// the code points back to bytes; added tokens decode as their content.
+//   2. normalizer (NFC/NFKC/..., Lowercase, Strip, Replace, Prepend,
+//      Precompiled) on each remaining piece, then the added tokens with
+//      normalized: true are cut out of the normalized text the same way.
+//   3. pre-tokenizer: Split (any behavior, invert), ByteLevel, Metaspace,
+//      Whitespace, WhitespaceSplit, Punctuation, Digits, in a Sequence.
+//   4. model on each pre-token: BPE (lowest-ranked merge first; byte
+//      fallback to <0xNN>, unk with fuse_unk, ignore_merges, subword
+//      prefix/suffix) or Unigram (Viterbi over the pieces' scores).
+//   5. post-processor (TemplateProcessing, Bert/Roberta, ByteLevel) only in
+//      with_special_tokens(): encode() adds no BOS/EOS.
+// Decoding runs the decoder chain (ByteLevel, ByteFallback, Fuse, Replace,
+// Strip, Metaspace) over the tokens' strings; added tokens enter it as
+// their content.
 //
 // Special-token policy: text is data. A special token's spelling inside raw
 // text ("<|endoftext|>" in a scraped page) is encoded as ordinary text unless
@@ -23,9 +29,9 @@
 // special tokens as HF's encode() does. Templates (BOS/EOS, chat headers)
 // insert special ids directly, never by spelling them.
 //
-// Anything the encoder does not implement (a normalizer, a non-BPE model,
-// BPE dropout, another pre-tokenizer or decoder, ...) is refused at load with
-// the JSON path and the value, never silently approximated.
+// Anything the encoder does not implement (WordPiece, BPE dropout,
+// UnicodeScripts, ...) is refused at load with the JSON path and the value,
+// never silently approximated.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -55,10 +61,12 @@ class TokenEncoder {
 
  private:
   struct State;
-  void encode_segment(std::string_view seg, std::vector<uint32_t>& out);
-  void encode_pretoken(std::string_view piece, std::vector<uint32_t>& out);
+  void encode_normalized(std::string_view seg, bool at_start, std::vector<uint32_t>& out);
+  void encode_segment(std::string_view seg, bool at_start, std::vector<uint32_t>& out);
+  void encode_pretoken(std::string_view piece, bool raw_bytes, std::vector<uint32_t>& out);
   const Tokenizer* tok_;
   std::unique_ptr<State> st_;
+  bool allow_special_ = false;
 };
 
 class Tokenizer {
@@ -73,9 +81,14 @@ class Tokenizer {
 
   // One-shot helpers (a fresh TokenEncoder per call: use TokenEncoder in loops).
   std::vector<uint32_t> encode(std::string_view text, bool allow_special = false) const;
-  // Bytes of the decoded ids (added/special tokens as their content). Throws
-  // on an id outside the vocab.
+  // The decoded ids (added/special tokens as their content), as bytes:
+  // utf8_lossy() of it is HF's decode(skip_special_tokens=False). (A
+  // ByteLevel decoder's output is kept exact, so ids that end inside a
+  // character keep their bytes.) Throws on an id outside the vocab.
   std::string decode(const std::vector<uint32_t>& ids) const;
+  // `ids` with what the post-processor adds around one sequence (HF's
+  // encode(add_special_tokens=True) is with_special_tokens(encode(text))).
+  std::vector<uint32_t> with_special_tokens(const std::vector<uint32_t>& ids) const;
 
   // Largest id + 1 over the vocab and the added tokens.
   uint32_t vocab_size() const;

@@ -1,0 +1,241 @@
+// Every tokenizer family causal LMs ship, against HF `tokenizers` itself:
+// scripts/reference/hf_tokenizer_zoo.py trains SentencePiece BPE and Unigram
+// models offline and converts them with transformers' slow->fast converters
+// (Llama 2 legacy, Mistral, Gemma, T5's Precompiled charsmap), and builds
+// others with `tokenizers` (Qwen2's NFC + regex, a byte-level vocab missing
+// bytes with unk, a character BPE with every BPE knob and added-token flag,
+// Split with each behavior and invert). On hard text each must give HF's
+// ids (special tokens as text and matched, with and without the
+// post-processor) and HF's decode, also of random id lists.
+#include <catch2/catch.hpp>
+#include <nlohmann/json.hpp>
+
+#include "core/common/error.h"
+#include "core/data/tokenizer/tokenizer.h"
+#include "tests/support/testutil.h"
+
+using namespace trainrun;
+using Catch::Contains;
+using json = nlohmann::json;
+
+namespace {
+
+json read_json(const std::string& path) { return json::parse(test::read_file(path)); }
+
+std::vector<std::string> hard_texts() {
+  return {
+      "Hello, World! It's 2024 and I'M here; you'RE there. DON'T.",
+      "日本語のテキストと中文文本，还有한국어 텍스트。東京タワー",
+      "Family: \U0001F468\u200D\U0001F469\u200D\U0001F467\u200D\U0001F466 and \U0001F3F3\uFE0F\u200D\U0001F308 "
+      "flags \U0001F44D\U0001F3FD ok \U0001F600\U0001F600",
+      "line one\r\nline two\r\n\r\nline four\n\n\nend\r",
+      "   leading spaces and trailing   ",
+      " one leading space",
+      "a  b   c\t\td \t \t e      \n    indented\tcode()  \t\n\t\t\tx   ",
+      "pi=3.14159265358979 and 1234567890123 x99y 00000 ½ ² ٣٤٥ Ⅻ",
+      "zero\u200Bwidth\u200Djoin e\u0301 n\u0303 a\u0308\u0304 \uFEFFbom ﬁ ｆｕｌｌ ㍻ Å Ω",
+      "ctl\x01\x02\x7f\x1b[0m bell\a nul-free \x0b\x0c",
+      "nbsp\u00A0here \u2028sep\u2029 nel\u0085x \u3000ideo ſ İstanbul ΣΑΣ",
+      "<s> begin </s> end <unk> <pad> <0x41> <mask> [TOOL] <|endoftext|> <|im_start|>user<|im_end|>",
+      "say hello, hellothere, hello! <mask>   spaced   <tool>   after [RAW]x Ünïcödé ÜNÏ",
+      "<start_of_turn>user\nhi<end_of_turn>\n▁literal▁meta ▁▁",
+      "",
+      " ",
+      "\n",
+      std::string(300, ' ') + "x" + std::string(20, '\t'),
+      "def f(x):\n    return {'k': [1, 2.5e-3, \"s\"]}  # comment\n",
+      "Ünïcödé ÀÉÎÕÜ ΑΒΓ αβγ Привет мир ąčęėįšųūž العربية עברית",
+  };
+}
+
+struct Zoo {
+  test::TempDir dir{"tokzoo"};
+  std::vector<std::string> texts = hard_texts();
+  Zoo() {
+    std::string corpus;
+    for (const char* f : {"/usr/share/games/fortunes/computers", "/usr/share/games/fortunes/science"})
+      if (test::file_exists(f)) corpus += test::read_file(f);
+    // The hard texts are in the corpus too, so pieces over CJK, emoji and
+    // whitespace runs exist (and byte fallback still has bytes to do).
+    for (int r = 0; r < 5; ++r)
+      for (const auto& t : texts) corpus += t + "\n";
+    test::write_file(dir / "corpus.txt", corpus);
+    const auto r = run("make --vocab 1000 --dir '" + dir.path() + "' --corpus '" + (dir / "corpus.txt") + "'");
+    INFO(r.out << r.err);
+    REQUIRE(r.exit_code == 0);
+    texts.push_back(corpus.substr(1000, 6000));  // running prose
+    test::write_file(dir / "texts.json", json(texts).dump());
+  }
+  static test::RunResult run(const std::string& args) {
+    return test::run_command("'" + test::hf_python() + "' '" + test::source_dir() +
+                             "/scripts/reference/hf_tokenizer_zoo.py' " + args);
+  }
+};
+
+Zoo& zoo() {
+  static Zoo z;
+  return z;
+}
+
+}  // namespace
+
+TEST_CASE("tokenizer zoo: ids and decode equal HF tokenizers' for every family", "[tokenizer][hf]") {
+  Zoo& z = zoo();
+  const std::string name =
+      GENERATE("llama2", "mistral", "gemma", "t5", "unigram_bf", "qwen2", "unk_bytes", "charbpe", "split_removed",
+               "split_removed_inv", "split_isolated", "split_isolated_inv", "split_merged_with_previous",
+               "split_merged_with_previous_inv", "split_merged_with_next", "split_merged_with_next_inv",
+               "split_contiguous", "split_contiguous_inv");
+  const std::string path = z.dir / (name + ".json");
+  const auto r = Zoo::run("encode --tokenizer '" + path + "' --texts '" + (z.dir / "texts.json") + "' --out '" +
+                          (z.dir / (name + ".out.json")) + "'");
+  INFO(r.out << r.err);
+  REQUIRE(r.exit_code == 0);
+  const json ref = read_json(z.dir / (name + ".out.json"));
+  const Tokenizer tok = Tokenizer::load(path);
+  TokenEncoder enc(tok);  // one encoder across texts: its cache must not leak between them
+  for (size_t i = 0; i < z.texts.size(); ++i) {
+    INFO(name << " text " << i << ": " << z.texts[i].substr(0, 200));
+    std::vector<uint32_t> plain;
+    enc.encode(z.texts[i], false, plain);
+    CHECK(plain == ref["plain"][i].get<std::vector<uint32_t>>());
+    const auto special = tok.encode(z.texts[i], true);
+    CHECK(special == ref["special"][i].get<std::vector<uint32_t>>());
+    CHECK(tok.with_special_tokens(special) == ref["with_special"][i].get<std::vector<uint32_t>>());
+    if (!ref["decoded"][i].is_null()) CHECK(utf8_lossy(tok.decode(plain)) == ref["decoded"][i].get<std::string>());
+  }
+  const auto lists = ref["lists"].get<std::vector<std::vector<uint32_t>>>();
+  for (size_t i = 0; i < lists.size(); ++i) {
+    INFO(name << " id list " << i);
+    if (ref["lists_decoded"][i].is_null()) continue;  // HF panicked on it (see hf_tokenizer_zoo.py)
+    CHECK(utf8_lossy(tok.decode(lists[i])) == ref["lists_decoded"][i].get<std::string>());
+  }
+}
+
+TEST_CASE("tokenizer zoo: the families use what they claim to", "[tokenizer][hf]") {
+  // The comparison above only tests a component if the file has it: check
+  // the converters wrote what the names say.
+  Zoo& z = zoo();
+  const json llama = read_json(z.dir / "llama2.json");
+  CHECK(llama["model"]["byte_fallback"] == true);
+  CHECK(llama["normalizer"]["normalizers"][0]["type"] == "Prepend");
+  CHECK(read_json(z.dir / "mistral.json")["pre_tokenizer"]["prepend_scheme"] == "first");
+  const json t5 = read_json(z.dir / "t5.json");
+  CHECK(t5["model"]["type"] == "Unigram");
+  CHECK(t5["normalizer"]["normalizers"][0]["type"] == "Precompiled");
+  CHECK(t5["normalizer"]["normalizers"][0]["precompiled_charsmap"].get<std::string>().size() > 1000);
+  CHECK(read_json(z.dir / "qwen2.json")["normalizer"]["type"] == "NFC");
+  CHECK(read_json(z.dir / "gemma.json")["pre_tokenizer"]["behavior"] == "MergedWithPrevious");
+  // unk_bytes really lacks byte symbols, and the hard texts hit them.
+  const json ub = read_json(z.dir / "unk_bytes.json");
+  CHECK(!ub["model"]["vocab"].contains("Ā"));  // byte 0x00's symbol
+  const Tokenizer u = Tokenizer::load(z.dir / "unk_bytes.json");
+  const auto ids = u.encode("ctl\x01\x02 日本");
+  CHECK(std::count(ids.begin(), ids.end(), static_cast<uint32_t>(u.token_id("<unk>"))) >= 2);
+  const json cb = read_json(z.dir / "charbpe.json");
+  CHECK(cb["model"]["continuing_subword_prefix"] == "##");
+  CHECK(cb["model"]["end_of_word_suffix"] == "</w>");
+}
+
+TEST_CASE("tokenizer zoo: every component type HF tokenizers defines is read as HF does, or refused with a reason",
+          "[tokenizer][hf]") {
+  // The types of tokenizers 0.19 (normalizers/mod.rs, pre_tokenizers/mod.rs,
+  // models/mod.rs, decoders/mod.rs, processors/mod.rs), each swapped into
+  // the character BPE: a supported one must give HF's ids and decode, a
+  // refused one an error naming the JSON path and why.
+  Zoo& z = zoo();
+  const json base = read_json(z.dir / "charbpe.json");
+  const json charsmap = read_json(z.dir / "t5.json")["normalizer"]["normalizers"][0];
+  const uint32_t cls = base["model"]["vocab"]["[CLS]"], sep = base["model"]["vocab"]["[SEP]"];
+  const json tmpl = json::parse(R"({"type": "TemplateProcessing",
+      "single": [{"SpecialToken": {"id": "[CLS]", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                 {"SpecialToken": {"id": "[SEP]", "type_id": 0}}],
+      "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+      "special_tokens": {"[CLS]": {"id": "[CLS]", "ids": [)" + std::to_string(cls) + R"(], "tokens": ["[CLS]"]},
+                         "[SEP]": {"id": "[SEP]", "ids": [)" + std::to_string(sep) + R"(], "tokens": ["[SEP]"]}}})");
+  struct Component {
+    std::string slot;  // the top-level key it goes in
+    json config;
+    std::string refused;  // empty: supported
+  };
+  const std::string no = "not supported";
+  const std::vector<Component> all = {
+      {"normalizer", {{"type", "BertNormalizer"}, {"clean_text", true}, {"handle_chinese_chars", true}, {"strip_accents", nullptr}, {"lowercase", true}}, no},
+      {"normalizer", {{"type", "Strip"}, {"strip_left", true}, {"strip_right", false}}, ""},
+      {"normalizer", {{"type", "StripAccents"}}, no},
+      {"normalizer", {{"type", "NFC"}}, ""},
+      {"normalizer", {{"type", "NFD"}}, ""},
+      {"normalizer", {{"type", "NFKC"}}, ""},
+      {"normalizer", {{"type", "NFKD"}}, ""},
+      {"normalizer", {{"type", "Sequence"}, {"normalizers", {{{"type", "NFD"}}, {{"type", "Lowercase"}}}}}, ""},
+      {"normalizer", {{"type", "Lowercase"}}, ""},
+      {"normalizer", {{"type", "Nmt"}}, no},
+      {"normalizer", charsmap, ""},
+      {"normalizer", {{"type", "Replace"}, {"pattern", {{"Regex", "[aeiou]+"}}}, {"content", "_"}}, ""},
+      {"normalizer", {{"type", "Prepend"}, {"prepend", "\u2581"}}, ""},
+      {"pre_tokenizer", {{"type", "BertPreTokenizer"}}, ""},
+      {"pre_tokenizer", {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", true}, {"use_regex", true}}, ""},
+      {"pre_tokenizer", {{"type", "CharDelimiterSplit"}, {"delimiter", "e"}}, ""},
+      {"pre_tokenizer", {{"type", "Metaspace"}, {"replacement", "\u2581"}, {"prepend_scheme", "always"}, {"split", true}}, ""},
+      {"pre_tokenizer", {{"type", "Whitespace"}}, ""},
+      {"pre_tokenizer", {{"type", "Sequence"}, {"pretokenizers", {{{"type", "WhitespaceSplit"}}, {{"type", "Digits"}, {"individual_digits", false}}}}}, ""},
+      {"pre_tokenizer", {{"type", "Split"}, {"pattern", {{"String", "e"}}}, {"behavior", "Contiguous"}, {"invert", false}}, ""},
+      {"pre_tokenizer", {{"type", "Punctuation"}, {"behavior", "MergedWithNext"}}, ""},
+      {"pre_tokenizer", {{"type", "WhitespaceSplit"}}, ""},
+      {"pre_tokenizer", {{"type", "Digits"}, {"individual_digits", true}}, ""},
+      {"pre_tokenizer", {{"type", "UnicodeScripts"}}, no},
+      {"decoder", {{"type", "BPEDecoder"}, {"suffix", "</w>"}}, no},
+      {"decoder", {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", true}, {"use_regex", true}}, ""},
+      {"decoder", {{"type", "WordPiece"}, {"prefix", "##"}, {"cleanup", true}}, no},
+      {"decoder", {{"type", "Metaspace"}, {"replacement", "#"}, {"prepend_scheme", "always"}, {"split", true}}, ""},
+      {"decoder", {{"type", "CTC"}, {"pad_token", "<pad>"}, {"word_delimiter_token", "|"}, {"cleanup", true}}, no},
+      {"decoder", {{"type", "Sequence"}, {"decoders", {{{"type", "Fuse"}}, {{"type", "Strip"}, {"content", "<"}, {"start", 1}, {"stop", 2}}}}}, ""},
+      {"decoder", {{"type", "Replace"}, {"pattern", {{"Regex", "#+"}}}, {"content", "-"}}, ""},
+      {"decoder", {{"type", "Fuse"}}, ""},
+      {"decoder", {{"type", "Strip"}, {"content", "#"}, {"start", 2}, {"stop", 0}}, ""},
+      {"decoder", {{"type", "ByteFallback"}}, ""},
+      {"post_processor", {{"type", "RobertaProcessing"}, {"sep", {"[SEP]", sep}}, {"cls", {"[CLS]", cls}}, {"trim_offsets", true}, {"add_prefix_space", true}}, ""},
+      {"post_processor", {{"type", "BertProcessing"}, {"sep", {"[SEP]", sep}}, {"cls", {"[CLS]", cls}}}, ""},
+      {"post_processor", {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", true}, {"use_regex", true}}, ""},
+      {"post_processor", tmpl, ""},
+      {"post_processor", {{"type", "Sequence"}, {"processors", {{{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", false}, {"use_regex", true}}, tmpl}}}, ""},
+      {"model", {{"type", "WordPiece"}, {"unk_token", "[UNK]"}, {"continuing_subword_prefix", "##"}, {"max_input_chars_per_word", 100}, {"vocab", {{"[UNK]", 0}}}}, no},
+      {"model", {{"type", "WordLevel"}, {"vocab", {{"[UNK]", 0}}}, {"unk_token", "[UNK]"}}, no},
+  };
+  std::vector<std::string> supported;
+  for (size_t k = 0; k < all.size(); ++k) {
+    const Component& c = all[k];
+    json j = base;
+    j[c.slot] = c.config;
+    const std::string path = z.dir / ("component_" + std::to_string(k) + ".json");
+    test::write_file(path, j.dump());
+    INFO(c.slot << " " << c.config["type"]);
+    if (c.refused.empty()) {
+      supported.push_back(path);
+      continue;
+    }
+    try {
+      Tokenizer::load(path);
+      FAIL("loaded, but it should be refused");
+    } catch (const Error& e) {
+      CHECK_THAT(e.what(), Contains(c.slot + ".type") && Contains(c.config["type"].get<std::string>()) && Contains(c.refused));
+    }
+  }
+  std::string args = "encode --texts '" + (z.dir / "texts.json") + "' --tokenizer";
+  for (const auto& p : supported) args += " '" + p + "'";
+  const auto r = Zoo::run(args);
+  INFO(r.out << r.err);
+  REQUIRE(r.exit_code == 0);
+  for (const auto& p : supported) {
+    const json ref = read_json(p.substr(0, p.size() - 5) + ".out.json");
+    const json cfg = read_json(p);
+    const Tokenizer tok = Tokenizer::load(p);
+    for (size_t i = 0; i < z.texts.size(); ++i) {
+      INFO(p << " text " << i << ": " << z.texts[i].substr(0, 120));
+      const auto plain = tok.encode(z.texts[i], false);
+      CHECK(plain == ref["plain"][i].get<std::vector<uint32_t>>());
+      CHECK(tok.with_special_tokens(tok.encode(z.texts[i], true)) == ref["with_special"][i].get<std::vector<uint32_t>>());
+      if (!ref["decoded"][i].is_null()) CHECK(utf8_lossy(tok.decode(plain)) == ref["decoded"][i].get<std::string>());
+    }
+  }
+}
