@@ -8,8 +8,9 @@
       Trains a small byte-level BPE tokenizer offline with every special token the fixture
       templates use, and saves it (tokenizer.json + tokenizer_config.json) to DIR.
   apply DIR CASES.json OUT.json
-      CASES: [{"chat_template": str, "messages": [...], "add_generation_prompt": bool}];
-      tokenizer.apply_chat_template(tokenize=True) with the tokenizer in DIR. OUT: [ids | {"error"}].
+      CASES: [{"chat_template": str, "messages": [...], "add_generation_prompt": bool, "assistant_mask": bool}];
+      tokenizer.apply_chat_template(tokenize=True) with the tokenizer in DIR. OUT: [ids | {"ids", "mask"}
+      (assistant_mask: return_assistant_tokens_mask, for {% generation %} templates) | {"error"}].
 
 strftime_now is given to templates as transformers 4.45 added it (4.44.2 lacks it), so
 Llama 3.2's date line is today's in both renderers.
@@ -65,8 +66,13 @@ def apply(d, cases_path, out_path):
     for c in json.load(open(cases_path)):
         try:
             compile_template(c["chat_template"])  # primes the lru_cache with strftime_now
-            out.append(tok.apply_chat_template(c["messages"], chat_template=c["chat_template"], tokenize=True,
-                                               add_generation_prompt=c["add_generation_prompt"]))
+            if c.get("assistant_mask"):
+                r = tok.apply_chat_template(c["messages"], chat_template=c["chat_template"], tokenize=True,
+                                            return_dict=True, return_assistant_tokens_mask=True)
+                out.append({"ids": r["input_ids"], "mask": r["assistant_masks"]})
+            else:
+                out.append(tok.apply_chat_template(c["messages"], chat_template=c["chat_template"], tokenize=True,
+                                                   add_generation_prompt=c["add_generation_prompt"]))
         except Exception as e:  # noqa: BLE001
             out.append({"error": f"{type(e).__name__}: {e}"})
     json.dump(out, open(out_path, "w"))

@@ -754,8 +754,10 @@ class Parser {
         if (!slice && !n->b) fail(at, "empty subscript");
         e = n;
       } else if (is_op("(")) {
-        const Token at = peek();
-        NodePtr n = make(Node::Type::kCall, at);
+        // Positioned at the callee: "f.jinja:1:4: ... raise_exception(...)".
+        NodePtr n = make(Node::Type::kCall, peek());
+        n->line = e->line;
+        n->col = e->col;
         n->a = e;
         parse_call_args(n);
         e = n;
