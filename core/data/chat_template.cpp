@@ -194,16 +194,21 @@ ChatTemplate::Spans ChatTemplate::assistant_spans(const std::vector<Message>& ms
     const std::vector<Message> before(msgs.begin(), msgs.begin() + static_cast<long>(k));
     const std::vector<Message> through(msgs.begin(), msgs.begin() + static_cast<long>(k) + 1);
     const std::string S = render(before, true), E = render(through, false);
-    if (E.compare(0, S.size(), S) != 0)
-      TR_FAIL(description_, ": the conversation through message ", k + 1,
-              " (assistant) does not start with the conversation before it rendered with add_generation_prompt, "
-              "so its turn cannot be told apart; add {% generation %} blocks to the template or pass another "
-              "--chat-template");
-    const std::string delta = E.substr(S.size());
+    // Where the turn starts in E: after the prompt for it, or, when the
+    // template renders the earlier turns differently once the reply is
+    // there (Mistral drops the system message unless the last message is
+    // the user's), where E and the same conversation with an empty reply part.
+    size_t turn = S.size();
+    if (E.compare(0, S.size(), S) != 0) {
+      std::vector<Message> empty = through;
+      empty.back().content.clear();
+      turn = common_prefix(render(empty, false), 0, E, 0);
+    }
+    const std::string delta = E.substr(turn);
     size_t start, end;
-    if (S.size() >= prev_end && F.compare(0, S.size(), S) == 0) {
+    if (turn >= prev_end && F.compare(0, turn, E, 0, turn) == 0) {
       // The usual case: the conversation renders as a growing prefix.
-      start = S.size();
+      start = turn;
       end = start + common_prefix(delta, 0, F, start);
     } else {
       // A template that renders earlier turns differently once more follow

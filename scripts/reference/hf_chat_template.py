@@ -27,8 +27,9 @@ SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|en
             "<|assistant|>", "<|end|>", "<unk>"]
 
 
-def compile_template(src):
-    t = PreTrainedTokenizerBase._compile_jinja_template(None, src)
+def compile_template(src, tok=None):
+    # lru_cache'd per (tokenizer, source): apply_chat_template then finds this one.
+    t = PreTrainedTokenizerBase._compile_jinja_template(tok, src)
     t.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     return t
 
@@ -65,7 +66,7 @@ def apply(d, cases_path, out_path):
     out = []
     for c in json.load(open(cases_path)):
         try:
-            compile_template(c["chat_template"])  # primes the lru_cache with strftime_now
+            compile_template(c["chat_template"], tok)  # primes the lru_cache with strftime_now
             if c.get("assistant_mask"):
                 r = tok.apply_chat_template(c["messages"], chat_template=c["chat_template"], tokenize=True,
                                             return_dict=True, return_assistant_tokens_mask=True)
