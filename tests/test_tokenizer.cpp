@@ -459,7 +459,9 @@ TEST_CASE("prepare --tokenizer: chat, sharegpt and alpaca masks cover exactly th
        a1t + eot},
       // The assistant's turn is what it adds to the text: "<|im_end|>\n" too.
       {"chat", "chat.jsonl", d / "chatml.json", "", cm_conv, a1 + "<|im_end|>\n" + a2 + "<|im_end|>\n"},
-      {"chat", "chat.jsonl", fx.dir / "gpt2.json", "", pl_conv, a1 + "\n\n" + a2 + "\n\n"},
+      // "Assistant: Hello" encoded whole: " Hello" crosses into the reply and
+      // ends inside it, so it is a target.
+      {"chat", "chat.jsonl", fx.dir / "gpt2.json", "", pl_conv, " " + a1 + "\n\n" + " " + a2 + "\n\n"},
   };
   for (const auto& c : cases) {
     INFO(c.format << " " << c.tokenizer);
@@ -665,9 +667,14 @@ TEST_CASE("prepare.json records each shard's tokens and largest id: checked once
     std::vector<int32_t> in(64), tg(64);
     for (int64_t s = 0; s < src->num_samples(64); ++s) src->read_samples(s, 1, 64, in.data(), tg.data());
   }
-  // The vocabulary against the record, without reading a token.
+  // The vocabulary against the record, without reading a token (with the
+  // tokenizer's vocab_size left out, which is checked first).
+  json no_vocab = meta;
+  no_vocab.erase("vocab_size");
+  test::write_file(d / "out/prepare.json", no_vocab.dump());
   CHECK_THROWS_WITH(open_token_files(pattern, "llmc", static_cast<int>(max_all), "data.train"),
                     Contains("has token ids up to " + std::to_string(max_all)) && Contains("prepare.json"));
+  test::write_file(d / "out/prepare.json", meta.dump());
 
   // A token corrupted past the vocabulary: the job opens (nothing scans the
   // tokens at start); the sample that reads it fails, naming file and offset.

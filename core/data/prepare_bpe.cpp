@@ -150,7 +150,7 @@ void encode_chat(const Job& job, TokenEncoder& enc, const Item& it, const std::v
   }
   if (ids.empty() || ids[0] != job.doc_start.id) {
     out.tokens.push_back(job.doc_start.id);
-    out.mask.push_back(0);
+    out.mask.push_back(job.opts.train_on_input ? 1 : 0);
   }
   out.tokens.insert(out.tokens.end(), ids.begin(), ids.end());
   if (job.opts.train_on_input) std::fill(mask.begin(), mask.end(), 1);
