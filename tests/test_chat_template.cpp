@@ -296,6 +296,26 @@ TEST_CASE("chat template: the model's template is found beside its tokenizer; bu
   CHECK_THROWS_WITH(chat::ChatTemplate::resolve(tok, tj, ""), Contains("tokenizer_config.json' chat_template is neither"));
 }
 
+TEST_CASE("chat template: a turn is found when earlier turns render differently as more follow", "[chat]") {
+  const jinja::Value specials = jinja::Value::make_dict();
+  const std::vector<chat::Message> msgs = {{"user", "hi"}, {"assistant", "yo"}, {"user", "ok"}, {"assistant", "bye"}};
+  // The header counts the messages: no prefix of the whole conversation is
+  // a rendered prefix, so each reply's text is found after the previous one.
+  const chat::ChatTemplate count(
+      "{{ messages | length }} messages\n{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}",
+      "count.jinja", specials);
+  const auto sp = count.assistant_spans(msgs);
+  REQUIRE(sp.assistant.size() == 2);
+  CHECK(sp.text.substr(sp.assistant[0].first, sp.assistant[0].second - sp.assistant[0].first) == "yo\n");
+  CHECK(sp.text.substr(sp.assistant[1].first, sp.assistant[1].second - sp.assistant[1].first) == "bye\n");
+  // A reply rendered differently once more follows is not in the whole text: an error naming it.
+  const chat::ChatTemplate upper(
+      "{% for m in messages %}{{ m.role }}: {{ m.content if loop.last else m.content | upper }}\n{% endfor %}",
+      "upper.jinja", specials);
+  CHECK_THROWS_WITH(upper.assistant_spans(msgs), Contains("upper.jinja: the text of assistant message 2") &&
+                                                     Contains("{% generation %}"));
+}
+
 TEST_CASE("chat template: a template outside the subset or broken is an error naming line:column", "[chat][errors]") {
   struct Bad {
     std::string src, where, what;

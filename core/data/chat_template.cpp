@@ -205,12 +205,13 @@ ChatTemplate::Spans ChatTemplate::assistant_spans(const std::vector<Message>& ms
       turn = common_prefix(render(empty, false), 0, E, 0);
     }
     const std::string delta = E.substr(turn);
-    size_t start, end;
+    size_t start = 0, end = 0;
     if (turn >= prev_end && F.compare(0, turn, E, 0, turn) == 0) {
       // The usual case: the conversation renders as a growing prefix.
       start = turn;
       end = start + common_prefix(delta, 0, F, start);
-    } else {
+    }
+    if (end == start && !delta.empty()) {
       // A template that renders earlier turns differently once more follow
       // (Mistral puts the system message in the last user turn): the turn's
       // text, found after the previous one.

@@ -5,7 +5,9 @@
 # for a "\n<letter>" cut point and kept the whole document in memory
 # (0.84 s for 32 MB, 13.6 s for 256 MB, 55.9 s for 512 MB, 2.07 GB RSS);
 # now each byte is scanned once and blocks are cut at spaces and CJK
-# punctuation too, so time grows linearly and memory stays bounded.
+# punctuation too, so time grows linearly and memory stays bounded (by the
+# blocks in flight plus one shard of tokens, --shard-tokens: at 512 MB the
+# RSS is that shard's 100M tokens, not the text).
 # The tokenizer is Llama-3 style (scripts/reference/hf_tokenizer.py, vocab
 # 2000, trained offline on the generated text); one encoding thread.
 #   usage: scripts/bench/prepare_long_lines.sh [MB...]   (default: 32 512)
