@@ -231,13 +231,18 @@ int cmd_generate(const std::string& ckpt, const std::string& prompt, SampleOptio
              " tokens but the model's vocab is ", cfg.V, "; pass the model's own tokenizer (--tokenizer)");
     std::vector<uint32_t> u;
     if (gt.chat) {
-      const chat::Specials sp = chat::resolve_specials(*tok, gt.chat_template, true, "generate --chat-template");
+      // As apply_chat_template(add_generation_prompt=True): the model's own
+      // template (or --chat-template), rendered, encoded whole.
+      const chat::ChatTemplate tmpl =
+          chat::ChatTemplate::resolve(*tok, tok_path, gt.chat_template, "generate --chat-template");
       std::vector<chat::Message> msgs;
-      if (!gt.system.empty()) msgs.push_back({chat::Role::kSystem, gt.system});
-      msgs.push_back({chat::Role::kUser, prompt});
-      u = chat::encode_segments(*tok, chat::render_generation_prompt(sp, msgs));
+      if (!gt.system.empty()) msgs.push_back({"system", gt.system});
+      msgs.push_back({"user", prompt});
+      TokenEncoder enc(*tok);
+      tmpl.encode(enc, msgs, true, u, nullptr);
       // The reply ends with the template's end of turn.
-      if (chat::end_of_turn(sp) >= 0) so.stop_tokens.push_back(int32_t(chat::end_of_turn(sp)));
+      if (const int64_t eot = tmpl.end_of_turn(*tok); eot >= 0) so.stop_tokens.push_back(int32_t(eot));
+      TR_LOG_INFO("generate: chat template ", tmpl.description());
     } else {
       // As HF's encode(): the post-processor's BOS (Llama 3), then the text.
       if (tok->bos_id() >= 0) u.push_back(uint32_t(tok->bos_id()));
@@ -427,8 +432,8 @@ int main(int argc, char** argv) {
   prepare->add_option("--threads", popts.threads, "encoding threads (0: all cores)")->capture_default_str()
       ->check(CLI::Range(0, 4096));
   prepare->add_option("--chat-template", popts.chat_template,
-                      "chat formats: llama3 | chatml | plain (default: from the tokenizer's special tokens)")
-      ->check(CLI::IsMember({"llama3", "chatml", "plain"}));
+                      "chat formats: llama3 | chatml | plain | a template name of tokenizer_config.json | a Jinja file "
+                      "(default: the model's chat_template beside --tokenizer)");
   prepare->add_flag("--train-on-input", popts.train_on_input, "chat formats: every token in the loss, not only the replies");
   prepare->add_flag("--allow-special", popts.allow_special,
                     "match special tokens spelled in the text (as HF encode does); default: they are plain text");
@@ -448,7 +453,7 @@ int main(int argc, char** argv) {
   generate->add_option("--tokenizer", gt.tokenizer, "tokenizer.json for the prompt and the output (default: the one next to the model, or its model.init_from's; none: bytes or token ids)");
   generate->add_flag("--chat", gt.chat, "wrap the prompt as a user message in the chat template and stop at the end of the assistant's turn");
   generate->add_option("--system", gt.system, "with --chat: a system message before the prompt");
-  generate->add_option("--chat-template", gt.chat_template, "with --chat: llama3, chatml or plain (default: from the tokenizer's special tokens)");
+  generate->add_option("--chat-template", gt.chat_template, "with --chat: llama3 | chatml | plain | a template name | a Jinja file (default: the model's chat_template beside the tokenizer)");
   generate->add_flag("--allow-special", gt.allow_special, "match special tokens spelled in --prompt (default: they are text)");
 
   auto* export_cmd = app.add_subcommand("export", "write a model as a Hugging Face directory (GPT2LMHeadModel / LlamaForCausalLM)");

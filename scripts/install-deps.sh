@@ -73,4 +73,9 @@ if [ "$WITH_TEST" = 1 ]; then
   if ! "$VENV/bin/python" -c "import sentencepiece, sys; sys.exit(sentencepiece.__version__ != '0.2.0')" 2>/dev/null; then
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check "sentencepiece==0.2.0"
   fi
+  # jinja2: apply_chat_template renders with it; tests/test_chat_template.cpp
+  # checks trainrun's own Jinja renderer against it (transformers needs >= 3.1).
+  if ! "$VENV/bin/python" -c "import jinja2" 2>/dev/null; then
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check "jinja2==3.1.4" "markupsafe==3.0.4"
+  fi
 fi

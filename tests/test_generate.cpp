@@ -182,6 +182,7 @@ TEST_CASE("generate: a stop token ends the sample right after it, as transformer
 // ---- text in and out through the model's tokenizer.json ----------------------------------
 
 #include <filesystem>
+#include <nlohmann/json.hpp>
 
 #include "core/data/tokenizer/tokenizer.h"
 
@@ -233,8 +234,10 @@ TEST_CASE("generate: the prompt and the output go through the model's tokenizer.
                                                   "' --prompt Hello --system 'Be brief.' --chat --top-k 1 --max-tokens 3");
   INFO(chat.err);
   REQUIRE(chat.exit_code == 0);
+  // No chat_template beside the tokenizer: the llama3 built-in, Meta's Llama 3.1 template.
   CHECK_THAT(chat.out, Catch::Matchers::StartsWith(
-                           "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+                           "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: "
+                           "December 2023\nToday Date: 26 Jul 2024\n\nBe brief.<|eot_id|>"
                            "<|start_header_id|>user<|end_header_id|>\n\nHello<|eot_id|>"
                            "<|start_header_id|>assistant<|end_header_id|>\n\n"));
 
@@ -256,4 +259,48 @@ TEST_CASE("generate: the prompt and the output go through the model's tokenizer.
       test::run_trainrun("generate --checkpoint '" + model + "' --prompt hi --system x --max-tokens 1");
   CHECK(sys.exit_code != 0);
   CHECK_THAT(sys.err, Contains("--chat-template and --system apply to --chat"));
+}
+
+TEST_CASE("generate --chat: the model's own chat template, greedy, as apply_chat_template + transformers' generate",
+          "[generate][chat][hf]") {
+  test::TempDir dir("gen_chat");
+  const std::string py = test::hf_python();
+  // A byte-level tokenizer with the templates' special tokens (saved by
+  // transformers: tokenizer.json + tokenizer_config.json), its config given
+  // Qwen2.5's template, and a random Llama over its vocab.
+  const std::string model = dir / "model";
+  test::RunResult r = test::run_command("'" + py + "' '" + test::source_dir() +
+                                        "/scripts/reference/hf_chat_template.py' tokenizer '" + dir / "tok" + "'");
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  const int vocab = int(Tokenizer_vocab_of(dir / "tok/tokenizer.json"));
+  r = test::run_command("OMP_NUM_THREADS=1 '" + py + "' '" + test::source_dir() +
+                        "/scripts/reference/hf_llama.py' random --out '" + model +
+                        "' --layers 2 --hidden 16 --heads 4 --kv-heads 2 --intermediate 24 --vocab " +
+                        std::to_string(vocab) + " --max-positions 128 --rope-theta 10000 --seed 7");
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  for (const char* f : {"tokenizer.json", "special_tokens_map.json"})
+    std::filesystem::copy_file(dir / "tok/" + f, model + "/" + f);
+  nlohmann::json config = nlohmann::json::parse(test::read_file(dir / "tok/tokenizer_config.json"));
+  config["chat_template"] = test::read_file(test::source_dir() + "/tests/fixtures/chat_templates/qwen2.5.jinja");
+  test::write_file(model + "/tokenizer_config.json", config.dump());
+
+  for (const std::string system : {"", "Be brief."}) {
+    INFO("system: " << system);
+    const test::RunResult want = test::run_command(
+        "OMP_NUM_THREADS=1 '" + py + "' '" + test::source_dir() + "/scripts/reference/hf_llama.py' generate-chat --model '" +
+        model + "' --prompt 'Hello there' --system '" + system + "' --stop '<|im_end|>' --max-new-tokens 8");
+    INFO(want.err);
+    REQUIRE(want.exit_code == 0);
+    const test::RunResult got = test::run_trainrun("generate --checkpoint '" + model + "' --prompt 'Hello there' --chat" +
+                                                   (system.empty() ? "" : " --system '" + system + "'") +
+                                                   " --top-k 1 --max-tokens 8");
+    INFO(got.err);
+    REQUIRE(got.exit_code == 0);
+    CHECK(got.out == want.out + "\n");
+    CHECK_THAT(got.err, Contains("chat template " + model + "/tokenizer_config.json chat_template"));
+    CHECK_THAT(want.out, Catch::Matchers::StartsWith(system.empty() ? "<|im_start|>system\nYou are Qwen"
+                                                                     : "<|im_start|>system\nBe brief.<|im_end|>"));
+  }
 }

@@ -429,21 +429,30 @@ TEST_CASE("prepare --tokenizer: chat, sharegpt and alpaca masks cover exactly th
   struct Case {
     std::string format, file, tokenizer, tmpl, want_full, want_target;
   };
+  // llama3: Meta's Llama 3.1 template (contents trimmed, the dated system header).
   const std::string h = "<|start_header_id|>", e = "<|end_header_id|>\n\n", eot = "<|eot_id|>";
-  const std::string l3_conv = "<|begin_of_text|>" + h + "system" + e + sys + eot + h + "user" + e + u1 + eot + h +
-                              "assistant" + e + a1 + eot + h + "user" + e + u2 + eot + h + "assistant" + e + a2 + eot;
+  const std::string dates = "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n";
+  const std::string a1t = "Hello!  How can I help?";
+  const std::string l3_conv = "<|begin_of_text|>" + h + "system" + e + dates + sys + eot + h + "user" + e + u1 + eot +
+                              h + "assistant" + e + a1t + eot + h + "user" + e + u2 + eot + h + "assistant" + e + a2 +
+                              eot;
   const std::string cm_conv = "<|endoftext|><|im_start|>system\n" + sys + "<|im_end|>\n<|im_start|>user\n" + u1 +
                               "<|im_end|>\n<|im_start|>assistant\n" + a1 + "<|im_end|>\n<|im_start|>user\n" + u2 +
                               "<|im_end|>\n<|im_start|>assistant\n" + a2 + "<|im_end|>\n";
   const std::string pl_conv = "<|endoftext|>System: " + sys + "\n\nUser: " + u1 + "\n\nAssistant: " + a1 +
                               "\n\nUser: " + u2 + "\n\nAssistant: " + a2 + "\n\n";
   const std::vector<Case> cases = {
-      {"chat", "chat.jsonl", l3, "", l3_conv, a1 + eot + a2 + eot},
-      {"sharegpt", "share.jsonl", l3, "llama3", l3_conv, a1 + eot + a2 + eot},
+      {"chat", "chat.jsonl", l3, "", l3_conv, a1t + eot + a2 + eot},
+      {"sharegpt", "share.jsonl", l3, "llama3", l3_conv, a1t + eot + a2 + eot},
       {"alpaca", "alpaca.jsonl", l3, "",
-       "<|begin_of_text|>" + h + "user" + e + u1 + "\n\n" + u2 + eot + h + "assistant" + e + a1 + eot, a1 + eot},
-      {"chat", "chat.jsonl", d / "chatml.json", "", cm_conv, a1 + "<|im_end|>" + a2 + "<|im_end|>"},
-      {"chat", "chat.jsonl", fx.dir / "gpt2.json", "", pl_conv, a1 + "\n\n" + a2 + "\n\n"},
+       "<|begin_of_text|>" + h + "system" + e + dates + eot + h + "user" + e + u1 + "\n\n" + u2 + eot + h +
+           "assistant" + e + a1t + eot,
+       a1t + eot},
+      // The assistant's turn is what it adds to the text: "<|im_end|>\n" too.
+      {"chat", "chat.jsonl", d / "chatml.json", "", cm_conv, a1 + "<|im_end|>\n" + a2 + "<|im_end|>\n"},
+      // "Assistant: Hello" encoded whole: " Hello" crosses into the reply and
+      // ends inside it, so it is a target.
+      {"chat", "chat.jsonl", fx.dir / "gpt2.json", "", pl_conv, " " + a1 + "\n\n" + " " + a2 + "\n\n"},
   };
   for (const auto& c : cases) {
     INFO(c.format << " " << c.tokenizer);
@@ -459,9 +468,10 @@ TEST_CASE("prepare --tokenizer: chat, sharegpt and alpaca masks cover exactly th
       const auto mask = read_mask(d / "out/train_000000.mask");
       REQUIRE(mask.size() == ids.size());
       CHECK(tok.decode(ids) == c.want_full);
-      // The user's "<|eot_id|>" is text (default policy), not the special id.
+      // The rendered text is encoded whole with special tokens matched, as
+      // apply_chat_template does: the user's "<|eot_id|>" is the special id.
       if (const int64_t eot_id = tok.special_id("<|eot_id|>"); eot_id >= 0)
-        CHECK(std::count(ids.begin(), ids.end(), static_cast<uint32_t>(eot_id)) == (c.format == "alpaca" ? 2 : 5));
+        CHECK(std::count(ids.begin(), ids.end(), static_cast<uint32_t>(eot_id)) == (c.format == "alpaca" ? 4 : 6));
       if (all) {
         CHECK(std::count(mask.begin(), mask.end(), 1) == static_cast<long>(mask.size()));
       } else {
@@ -614,6 +624,86 @@ TEST_CASE("train on masked chat shards: the loss is the mean over the global bat
   // (the unmasked normalisation) would be a fraction of it.
   CHECK(std::fabs(one[0] - all[0]) < 0.02 * all[0]);
   CHECK(std::fabs(one[0] - std::log(3001.0)) < 0.05 * one[0]);
+}
+
+TEST_CASE("prepare.json records each shard's tokens and largest id: checked once at open, each sample as it is read",
+          "[prepare][data]") {
+  Fixture& fx = fixture();
+  test::TempDir d("prep_meta");
+  const std::string tj = fx.dir / "gpt2.json";
+  test::write_file(d / "a.txt", test::read_file("/usr/share/games/fortunes/computers").substr(0, 30000));
+  auto r = test::run_trainrun("prepare --tokenizer '" + tj + "' --input '" + (d / "a.txt") + "' --output '" +
+                              (d / "out") + "' --val-fraction 0.1 --shard-tokens 3000");
+  INFO(r.out << r.err);
+  REQUIRE(r.exit_code == 0);
+  const json meta = read_json(d / "out/prepare.json");
+  int64_t train = 0;
+  uint32_t max_all = 0;
+  for (const auto& [name, rec] : meta["shards"].items()) {
+    INFO(name);
+    const Shard sh = read_shard(d / ("out/" + name));
+    CHECK(rec["tokens"].get<int64_t>() == static_cast<int64_t>(sh.tokens.size()));
+    CHECK(rec["max_token_id"].get<uint32_t>() == *std::max_element(sh.tokens.begin(), sh.tokens.end()));
+    if (name.rfind("train_", 0) == 0) train += rec["tokens"].get<int64_t>();
+    max_all = std::max(max_all, rec["max_token_id"].get<uint32_t>());
+  }
+  CHECK(meta["shards"].size() >= 3);
+  CHECK(meta["train_tokens"].get<int64_t>() == train);
+  CHECK(meta["max_token_id"].get<uint32_t>() == max_all);
+  const int vocab = static_cast<int>(Tokenizer::load(tj).vocab_size());
+  const std::string pattern = d / "out/train_*.bin";
+  {
+    auto src = open_token_files(pattern, "llmc", vocab, "data.train");
+    CHECK(src->vocab_bound() <= static_cast<int>(max_all) + 1);  // from the records of the train shards
+    std::vector<int32_t> in(64), tg(64);
+    for (int64_t s = 0; s < src->num_samples(64); ++s) src->read_samples(s, 1, 64, in.data(), tg.data());
+  }
+  // The vocabulary against the record, without reading a token (with the
+  // tokenizer's vocab_size left out, which is checked first).
+  json no_vocab = meta;
+  no_vocab.erase("vocab_size");
+  test::write_file(d / "out/prepare.json", no_vocab.dump());
+  CHECK_THROWS_WITH(open_token_files(pattern, "llmc", static_cast<int>(max_all), "data.train"),
+                    Contains("has token ids up to " + std::to_string(max_all)) && Contains("prepare.json"));
+  test::write_file(d / "out/prepare.json", meta.dump());
+
+  // A token corrupted past the vocabulary: the job opens (nothing scans the
+  // tokens at start); the sample that reads it fails, naming file and offset.
+  const std::string shard0 = d / "out/train_000000.bin";
+  std::string bytes = test::read_file(shard0);
+  bytes[1024 + 2 * 1000] = char(0xFF);
+  bytes[1024 + 2 * 1000 + 1] = char(0xFF);
+  test::write_file(shard0, bytes);
+  {
+    auto src = open_token_files(pattern, "llmc", vocab, "data.train");
+    std::vector<int32_t> in(64), tg(64);
+    src->read_samples(0, 1, 64, in.data(), tg.data());  // tokens 0..64: fine
+    CHECK_THROWS_WITH(src->read_samples(1000 / 64, 1, 64, in.data(), tg.data()),
+                      Contains("train_000000.bin' has token id 65535 at token index 1000 (byte offset 3024)"));
+  }
+  // A record that does not match the shard is refused at open.
+  json bad = meta;
+  bad["shards"]["train_000001.bin"]["tokens"] = 5;
+  test::write_file(d / "out/prepare.json", bad.dump());
+  CHECK_THROWS_WITH(open_token_files(pattern, "llmc", vocab, "data.train"),
+                    Contains("records 5 tokens for '" + d / "out/train_000001.bin") &&
+                        Contains("from different runs"));
+
+  // Masks: a corrupt byte is caught by the sample that reads it.
+  const json chat = {{"messages", {{{"role", "user"}, {"content", "hi"}}, {{"role", "assistant"}, {"content", "yo"}}}}};
+  std::string lines;
+  for (int i = 0; i < 40; ++i) lines += chat.dump() + "\n";
+  test::write_file(d / "c.jsonl", lines);
+  r = test::run_trainrun("prepare --tokenizer '" + tj + "' --format chat --input '" + (d / "c.jsonl") + "' --output '" +
+                         (d / "chat") + "' --val-fraction 0");
+  REQUIRE(r.exit_code == 0);
+  std::string m = test::read_file(d / "chat/train_000000.mask");
+  m[200] = 7;
+  test::write_file(d / "chat/train_000000.mask", m);
+  auto src = open_token_files(d / "chat/train_*.bin", "llmc", vocab, "data.train");
+  std::vector<int32_t> in(32), tg(32);
+  CHECK_THROWS_WITH(src->read_samples(200 / 32, 1, 32, in.data(), tg.data()),
+                    Contains("train_000000.mask' has byte 7 at index 200"));
 }
 
 TEST_CASE("tokenizer: utf8_lossy replaces each maximal invalid subpart with U+FFFD, as Python and Rust do",

@@ -83,7 +83,7 @@ struct PrepareOptions {
   std::string text_field = "text";     // jsonl: the field holding the document
   int seq_len = 0;                     // > 0: each split must hold seq_len + 1 tokens; longer documents counted
   int threads = 0;                     // encoding threads; 0 = all cores
-  std::string chat_template;           // llama3 | chatml | plain; empty = from the tokenizer's special tokens
+  std::string chat_template;           // llama3 | chatml | plain | NAME | FILE; empty = the model's (core/data/chat_template.h)
   bool train_on_input = false;         // chat formats: every token in the loss, not only the replies
   bool allow_special = false;          // match special tokens spelled in the text (HF's default); off = text is data
   bool progress = true;                // the MB/s + ETA line on stderr

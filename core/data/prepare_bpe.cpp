@@ -23,6 +23,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <thread>
@@ -82,7 +83,8 @@ struct Job {
   const PrepareOptions& opts;
   Format format;
   const Tokenizer& tok;
-  Specials sp;
+  DocStart doc_start;
+  const ChatTemplate* tmpl;  // the chat formats
   const std::vector<std::string>& files;
   bool masks;
 };
@@ -107,8 +109,8 @@ std::vector<Message> parse_messages(const Job& job, const Item& it, const json& 
       if (!in->is_string()) fail_at(job, it, "\"input\" is not a string");
       if (!in->get_ref<const std::string&>().empty()) user += "\n\n" + in->get<std::string>();
     }
-    msgs.push_back({Role::kUser, user});
-    msgs.push_back({Role::kAssistant, get_string(job, it, j, "output", "")});
+    msgs.push_back({"user", user});
+    msgs.push_back({"assistant", get_string(job, it, j, "output", "")});
     return msgs;
   }
   const bool sharegpt = job.format == Format::kShareGpt;
@@ -123,10 +125,10 @@ std::vector<Message> parse_messages(const Job& job, const Item& it, const json& 
     const std::string where = std::string(list_key) + "[" + std::to_string(k) + "]: ";
     if (!m.is_object()) fail_at(job, it, where + "not an object");
     const std::string& r = get_string(job, it, m, role_key, where);
-    Role role;
-    if (r == "system") role = Role::kSystem;
-    else if (r == "user" || r == "human") role = Role::kUser;
-    else if (r == "assistant" || r == "gpt") role = Role::kAssistant;
+    std::string role;
+    if (r == "system") role = "system";
+    else if (r == "user" || r == "human") role = "user";
+    else if (r == "assistant" || r == "gpt") role = "assistant";
     else
       fail_at(job, it, where + "unknown " + role_key + " \"" + r + "\" (" +
                            (sharegpt ? "expected system, human or gpt)" : "expected system, user or assistant)"));
@@ -135,12 +137,24 @@ std::vector<Message> parse_messages(const Job& job, const Item& it, const json& 
   return msgs;
 }
 
-void encode_segments(const Job& job, TokenEncoder& enc, const std::vector<Segment>& segs, Output& out) {
-  for (const auto& s : segs) {
-    if (s.special) out.tokens.push_back(s.id);
-    else enc.encode(s.text, job.opts.allow_special, out.tokens);
-    if (job.masks) out.mask.resize(out.tokens.size(), (s.target || job.opts.train_on_input) ? 1 : 0);
+// The conversation as the template renders it, encoded whole (special
+// tokens matched, as apply_chat_template does), after the document start
+// unless the template already begins with it (its BOS).
+void encode_chat(const Job& job, TokenEncoder& enc, const Item& it, const std::vector<Message>& msgs, Output& out) {
+  std::vector<uint32_t> ids;
+  std::vector<uint8_t> mask;
+  try {
+    job.tmpl->encode(enc, msgs, false, ids, &mask);
+  } catch (const Error& e) {
+    fail_at(job, it, e.what());
   }
+  if (ids.empty() || ids[0] != job.doc_start.id) {
+    out.tokens.push_back(job.doc_start.id);
+    out.mask.push_back(job.opts.train_on_input ? 1 : 0);
+  }
+  out.tokens.insert(out.tokens.end(), ids.begin(), ids.end());
+  if (job.opts.train_on_input) std::fill(mask.begin(), mask.end(), 1);
+  out.mask.insert(out.mask.end(), mask.begin(), mask.end());
 }
 
 void encode_item(const Job& job, TokenEncoder& enc, const Item& it, Output& out) {
@@ -149,7 +163,7 @@ void encode_item(const Job& job, TokenEncoder& enc, const Item& it, Output& out)
     fail_at(job, it, "not valid UTF-8 at byte offset " + std::to_string(it.offset + bad) +
                          "; fix the file or leave it out (iconv -f <encoding> -t utf-8 converts it)");
   if (job.format == Format::kText) {
-    if (it.doc_start) out.tokens.push_back(job.sp.doc_start);
+    if (it.doc_start) out.tokens.push_back(job.doc_start.id);
     enc.encode(it.raw, job.opts.allow_special, out.tokens);
     if (it.doc_start) ++out.docs;
     return;
@@ -163,10 +177,10 @@ void encode_item(const Job& job, TokenEncoder& enc, const Item& it, Output& out)
   if (!j.is_object()) fail_at(job, it, "expected a JSON object, got " + std::string(j.type_name()));
   if (job.format == Format::kJsonl) {
     const std::string& text = get_string(job, it, j, job.opts.text_field.c_str(), "");
-    out.tokens.push_back(job.sp.doc_start);
+    out.tokens.push_back(job.doc_start.id);
     enc.encode(text, job.opts.allow_special, out.tokens);
   } else {
-    encode_segments(job, enc, render_chat(job.sp, parse_messages(job, it, j)), out);
+    encode_chat(job, enc, it, parse_messages(job, it, j), out);
   }
   ++out.docs;
   if (job.opts.seq_len > 0 && static_cast<int64_t>(out.tokens.size() - first) > job.opts.seq_len) ++out.long_docs;
@@ -208,6 +222,12 @@ class PendingShards {
   }
   int64_t tokens() const { return total_; }
   const std::vector<std::string>& names() const { return names_; }
+  struct ShardStats {
+    std::string name;
+    int64_t tokens = 0, targets = 0;
+    uint32_t max_token_id = 0;
+  };
+  const std::vector<ShardStats>& stats() const { return stats_; }
 
  private:
   static std::string mask_path(const std::string& bin) {
@@ -239,6 +259,14 @@ class PendingShards {
     }
     if (masks_) prep::write_file_atomic(mask_path(tmp), mask_.data(), mask_.size(), false);
     prep::write_file_atomic(tmp, bytes.data(), bytes.size(), false);
+    // What prepare.json records of the shard, so a job checks the counts
+    // and the largest id once instead of scanning every token at start.
+    ShardStats st;
+    st.name = name;
+    st.tokens = static_cast<int64_t>(tokens_.size());
+    for (uint32_t t : tokens_) st.max_token_id = std::max(st.max_token_id, t);
+    for (uint8_t m : mask_) st.targets += m;
+    stats_.push_back(st);
     tokens_.clear();
     mask_.clear();
   }
@@ -250,6 +278,7 @@ class PendingShards {
   std::vector<uint8_t> mask_;
   std::vector<std::pair<std::string, std::string>> pending_;
   std::vector<std::string> names_;
+  std::vector<ShardStats> stats_;
   int64_t total_ = 0;
 };
 
@@ -293,6 +322,75 @@ class Progress {
 
 constexpr size_t kBatchBytes = 1 << 20;
 
+// Where a text document may be cut into blocks encoded apart with the ids
+// of the whole (when Tokenizer::can_cut_before_line: GPT-2's, Llama 3's or
+// Qwen2's pre-tokenizer regex, no prefix space). A cut at i splits
+// text[0, i) | text[i, ...); it is safe when no pre-token can span i and the
+// one starting at i does not depend on what comes before (the regexes have
+// no lookbehind):
+//   "<printable ASCII>\n" | "<ASCII letter>"  (Tokenizer::can_cut_before_line)
+//   "<printable ASCII, not space>" | " <ASCII letter>": the run before ends at
+//        a non-space character, and " ?\p{L}+" (GPT-2) or
+//        "[^\r\n\p{L}\p{N}]?\p{L}+" (Llama 3, Qwen2) starts at the space, before
+//        any whitespace alternative; code and prose without newlines have these
+//   "<CJK letter>" | "<CJK punctuation>" (，。、！？；：): the letter run ends
+//        before the punctuation, and the pre-token at it (punctuation run, or
+//        punctuation + letters) reads only what follows; CJK prose has these
+// A whitespace character before the cut would not do ("\s+(?!\S)" would
+// take it with the next space).
+bool is_ascii_letter(unsigned char c) { return (c | 0x20) >= 'a' && (c | 0x20) <= 'z'; }
+bool is_printable_ascii(unsigned char c) { return c > ' ' && c < 0x7F; }
+
+// The code point of the 3-byte UTF-8 sequence at p, or 0.
+uint32_t utf8_3byte(const std::string& s, size_t p) {
+  if (p + 3 > s.size()) return 0;
+  const auto a = static_cast<unsigned char>(s[p]), b = static_cast<unsigned char>(s[p + 1]),
+             c = static_cast<unsigned char>(s[p + 2]);
+  if ((a & 0xF0) != 0xE0 || (b & 0xC0) != 0x80 || (c & 0xC0) != 0x80) return 0;
+  return (uint32_t(a & 0x0F) << 12) | (uint32_t(b & 0x3F) << 6) | uint32_t(c & 0x3F);
+}
+bool is_cjk_letter(uint32_t cp) {
+  return (cp >= 0x4E00 && cp <= 0x9FFF) || (cp >= 0x3041 && cp <= 0x3096) || (cp >= 0x30A1 && cp <= 0x30FA) ||
+         (cp >= 0xAC00 && cp <= 0xD7A3);
+}
+bool is_cjk_punct(uint32_t cp) {
+  return cp == 0x3001 || cp == 0x3002 || cp == 0xFF0C || cp == 0xFF01 || cp == 0xFF1F || cp == 0xFF1B || cp == 0xFF1A;
+}
+// Which of the rules above hold: an added token (matched before the
+// pre-tokenizer) holding a space or a CJK punctuation mark could match
+// across such a cut.
+struct CutRules {
+  bool line = false, space = false, cjk = false;
+};
+CutRules cut_rules(const Tokenizer& tok) {
+  CutRules r;
+  if (!tok.can_cut_before_line()) return r;
+  r.line = r.space = r.cjk = true;
+  for (const std::string& a : tok.added_token_contents()) {
+    if (a.find(' ') != std::string::npos) r.space = false;
+    for (size_t k = 0; k + 3 <= a.size(); ++k)
+      if (is_cjk_punct(utf8_3byte(a, k))) r.cjk = false;
+  }
+  return r;
+}
+bool cut_point(const std::string& s, size_t i, const CutRules& r) {
+  if (i < 3 || i + 1 >= s.size()) return false;
+  const auto prev = static_cast<unsigned char>(s[i - 1]), cur = static_cast<unsigned char>(s[i]);
+  if (prev == '\n') return r.line && is_printable_ascii(static_cast<unsigned char>(s[i - 2])) && is_ascii_letter(cur);
+  if (cur == ' ') return r.space && is_printable_ascii(prev) && is_ascii_letter(static_cast<unsigned char>(s[i + 1]));
+  return r.cjk && is_cjk_punct(utf8_3byte(s, i)) && is_cjk_letter(utf8_3byte(s, i - 3));
+}
+// Bytes past a position that cut_point() reads: a position closer than this
+// to the buffer's end is scanned again once more bytes arrive.
+constexpr size_t kCutLookahead = 3;
+
+// The last cut point at or after `from`, or 0.
+size_t last_cut_point(const std::string& s, size_t from, const CutRules& r) {
+  for (size_t i = s.size(); i-- > std::max<size_t>(from, 3);)
+    if (cut_point(s, i, r)) return i;
+  return 0;
+}
+
 // Reads the inputs into batches and hands each full window to `flush`.
 class Reader {
  public:
@@ -333,10 +431,12 @@ class Reader {
     const int64_t nval = static_cast<int64_t>(std::ceil(static_cast<double>(n) * job_.opts.val_fraction));
     const int64_t cut = nval > 0 ? val_cut(path, n, n - nval) : n;
     std::string carry;
+    size_t scanned = 0;  // carry[0, scanned) holds no cut point
     int64_t carry_off = 0, pos = 0;
     bool doc_start = true;
     std::vector<char> buf(kBatchBytes);
-    const bool can_cut = job_.tok.can_cut_before_line();
+    const CutRules rules = cut_rules(job_.tok);
+    const bool can_cut = rules.line;
     while (pos < n) {
       // Reads never cross the train/val cut, so the train document ends exactly there.
       const int64_t limit = pos < cut ? cut : n;
@@ -348,22 +448,23 @@ class Reader {
       if (pos == cut && cut < n) {
         emit_text(f, std::move(carry), carry_off, doc_start, false);
         carry.clear();
+        scanned = 0;
         carry_off = pos;
         doc_start = true;
         continue;
       }
       if (can_cut && carry.size() >= kBatchBytes) {
-        // The last "<printable ASCII>\n<ASCII letter>": the ids do not change
-        // there (Tokenizer::can_cut_before_line says why).
-        size_t at = 0;
-        for (size_t i = carry.size() - 1; i > 1 && at == 0; --i)
-          if (carry[i - 1] == '\n' && carry[i - 2] > ' ' && carry[i - 2] < 0x7F && (carry[i] | 0x20) >= 'a' &&
-              (carry[i] | 0x20) <= 'z')
-            at = i;
+        // The last cut point in the bytes not scanned yet: each byte is
+        // scanned once (a text without cut points no longer rescans its
+        // whole buffer every MiB), and the buffer is cut at least every MiB
+        // wherever the text has one.
+        const size_t at = last_cut_point(carry, scanned, rules);
+        scanned = carry.size() > kCutLookahead ? carry.size() - kCutLookahead : 0;
         if (at > 0) {
           emit_text(f, carry.substr(0, at), carry_off, doc_start, pos > cut);
           carry.erase(0, at);
           carry_off += static_cast<int64_t>(at);
+          scanned = carry.size() > kCutLookahead ? carry.size() - kCutLookahead : 0;
           doc_start = false;
         }
       }
@@ -462,7 +563,9 @@ std::string prepare_tokenized_shards(const PrepareOptions& opts) {
 
   const Tokenizer tok = Tokenizer::load(opts.tokenizer);
   const prep::InputSet in = prep::select_text_files(opts.inputs);
-  Job job{opts, format, tok, resolve_specials(tok, opts.chat_template, chat), in.texts, chat};
+  std::unique_ptr<ChatTemplate> tmpl;
+  if (chat) tmpl = std::make_unique<ChatTemplate>(ChatTemplate::resolve(tok, opts.tokenizer, opts.chat_template));
+  Job job{opts, format, tok, resolve_doc_start(tok), tmpl.get(), in.texts, chat};
   prep::prepare_output_dir(opts.output_dir);
 
   const int threads = opts.threads > 0 ? opts.threads : std::max(1u, std::thread::hardware_concurrency());
@@ -534,13 +637,26 @@ std::string prepare_tokenized_shards(const PrepareOptions& opts) {
 
   // What the shards were made with, so a job can refuse a model whose
   // vocab is smaller than the tokenizer's before it trains (token_files.cpp).
+  json shards = json::object();
+  uint32_t max_id = 0;
+  for (const auto* w : {&train, &val})
+    for (const auto& st : w->stats()) {
+      json one = {{"tokens", st.tokens}, {"max_token_id", st.max_token_id}};
+      if (chat) one["targets"] = st.targets;
+      shards[st.name] = one;
+      max_id = std::max(max_id, st.max_token_id);
+    }
   const json meta = {{"tokenizer", opts.tokenizer},
                      {"vocab_size", tok.vocab_size()},
                      {"format", opts.format},
-                     {"document_start", job.sp.doc_start_name},
-                     {"document_start_id", job.sp.doc_start},
-                     {"chat_template", chat ? template_name(job.sp.tmpl) : ""},
-                     {"loss_masks", chat}};
+                     {"document_start", job.doc_start.name},
+                     {"document_start_id", job.doc_start.id},
+                     {"chat_template", chat ? tmpl->description() : ""},
+                     {"loss_masks", chat},
+                     {"train_tokens", train.tokens()},
+                     {"val_tokens", val.tokens()},
+                     {"max_token_id", max_id},
+                     {"shards", shards}};
   const std::string meta_text = meta.dump(2) + "\n";
   prep::write_file_atomic(opts.output_dir + "/prepare.json", meta_text.data(), meta_text.size(), true);
 
@@ -551,8 +667,8 @@ std::string prepare_tokenized_shards(const PrepareOptions& opts) {
   os << ", " << docs << " document" << (docs == 1 ? "" : "s") << " -> " << opts.output_dir << ": " << train.tokens()
      << " train tokens in " << prep::shard_range(train.names()) << ", " << val.tokens() << " val tokens in "
      << prep::shard_range(val.names()) << "; tokenizer " << opts.tokenizer << " (vocab " << tok.vocab_size() << ", "
-     << (version == llmc::kVersionU16 ? "uint16" : "uint32 v7") << "), documents start with " << job.sp.doc_start_name;
-  if (chat) os << ", template " << template_name(job.sp.tmpl) << ", loss masks (.mask)";
+     << (version == llmc::kVersionU16 ? "uint16" : "uint32 v7") << "), documents start with " << job.doc_start.name;
+  if (chat) os << ", chat template " << tmpl->description() << ", loss masks (.mask)";
   if (opts.seq_len > 0) os << "; " << long_docs << " document(s) longer than --seq-len " << opts.seq_len;
   char rate[64];
   std::snprintf(rate, sizeof rate, "; %.1f MB in %.2f s (%.1f MB/s, %d thread%s)", total_bytes / 1e6, secs,

@@ -2,9 +2,13 @@
 // headerless raw uint16 / uint32 files, concatenated in sorted path order
 // into one virtual token stream.
 //
-// Everything that can be wrong with a file is checked once at open (header,
-// size, every token id against the vocabulary) so that a bad shard fails the
-// job before step 0, not hours later when the cursor first reaches it.
+// Everything that can be wrong with a file's shape is checked once at open
+// (header, size) so that a bad shard fails the job before step 0. Token ids
+// against the vocabulary: shards that `prepare` wrote come with their token
+// count and largest id in prepare.json, checked at open against the header
+// and model.vocab_size without reading the tokens; each token and mask byte
+// is then checked as a sample reads it (an error names the file and the
+// offset). Files without that record are scanned once at open.
 #include <fcntl.h>
 #include <glob.h>
 #include <sys/mman.h>
@@ -15,6 +19,7 @@
 #include <climits>
 #include <cstring>
 #include <iomanip>
+#include <map>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -43,6 +48,17 @@ struct Shard {
   void* mask_map = nullptr;
   size_t mask_bytes = 0;
   const uint8_t* mask = nullptr;
+  // Ids at or above this are refused when read: model.vocab_size, or the
+  // largest id prepare.json records + 1 when that is lower.
+  uint32_t id_bound = UINT32_MAX;
+  bool recorded = false;  // counts and largest id from prepare.json
+};
+
+// prepare.json's record of one shard.
+struct ShardRecord {
+  std::string meta_path;
+  int64_t tokens = 0;
+  uint32_t max_token_id = 0;
 };
 
 std::string human_count(int64_t n) {
@@ -104,7 +120,7 @@ class TokenFileSource : public TokenSource {
 
   // Maps and validates one file; the shard is owned by *this from the moment
   // it is mapped so a failure half-way through still unmaps everything.
-  void add_file(const std::string& path, int vocab_size) {
+  void add_file(const std::string& path, int vocab_size, const ShardRecord* rec) {
     shards_.emplace_back();
     Shard& sh = shards_.back();
     sh.path = path;
@@ -113,7 +129,9 @@ class TokenFileSource : public TokenSource {
     else parse_raw(sh);
     sh.start = total_;
     total_ += sh.ntok;
-    check_tokens(sh, vocab_size);
+    if (vocab_size > 0) sh.id_bound = static_cast<uint32_t>(vocab_size);
+    if (rec) check_record(sh, *rec, vocab_size);
+    else check_tokens(sh, vocab_size);
     if (format_ == "llmc") map_mask(sh);
   }
 
@@ -138,8 +156,12 @@ class TokenFileSource : public TokenSource {
     for (int b = 0; b < B; ++b) {
       int64_t s = (first + b) % ns;
       if (s < 0) s += ns;
-      for_mask(s * T + 1, T, [&](const uint8_t* m, int64_t k) {
-        for (int64_t i = 0; i < k; ++i) n += m[i];
+      for_mask(s * T + 1, T, [&](const Shard& sh, int64_t off, int64_t k) {
+        const uint8_t* m = sh.mask + off;
+        for (int64_t i = 0; i < k; ++i) {
+          if (m[i] > 1) bad_mask(sh, off + i);
+          n += m[i];
+        }
       });
     }
     return n;
@@ -166,9 +188,12 @@ class TokenFileSource : public TokenSource {
         // Target t is token start+t+1; a masked one is -1, which the
         // cross-entropy ops skip (PyTorch's ignore_index).
         int64_t t = 0;
-        for_mask(start + 1, T, [&](const uint8_t* m, int64_t k) {
-          for (int64_t i = 0; i < k; ++i, ++t)
+        for_mask(start + 1, T, [&](const Shard& sh, int64_t off, int64_t k) {
+          const uint8_t* m = sh.mask + off;
+          for (int64_t i = 0; i < k; ++i, ++t) {
+            if (m[i] > 1) bad_mask(sh, off + i);
             if (!m[i]) tg[t] = -1;
+          }
         });
       }
     }
@@ -320,6 +345,34 @@ class TokenFileSource : public TokenSource {
     max_token_ = std::max<int64_t>(max_token_, m);
   }
 
+  // prepare.json's counts against the header, its largest id against the
+  // vocabulary: no token is read.
+  void check_record(Shard& sh, const ShardRecord& rec, int vocab_size) {
+    if (rec.tokens != sh.ntok)
+      TR_FAIL(key_, ": '", rec.meta_path, "' records ", rec.tokens, " tokens for '", sh.path, "' but the file holds ",
+              sh.ntok, "; the shard and its prepare.json are from different runs: re-run `trainrun prepare`");
+    if (vocab_size > 0 && rec.max_token_id >= static_cast<uint32_t>(vocab_size))
+      TR_FAIL(key_, ": file '", sh.path, "' has token ids up to ", rec.max_token_id, " (", rec.meta_path,
+              "), not below model.vocab_size = ", vocab_size, "; the data was tokenised for a larger vocabulary: "
+              "set model.vocab_size to at least ", static_cast<int64_t>(rec.max_token_id) + 1, " or re-tokenise the data");
+    if (rec.max_token_id >= static_cast<uint32_t>(INT32_MAX))
+      TR_FAIL(key_, ": '", rec.meta_path, "' records token id ", rec.max_token_id, ", which does not fit an int32");
+    sh.id_bound = std::min(sh.id_bound, rec.max_token_id + 1);
+    sh.recorded = true;
+    max_token_ = std::max<int64_t>(max_token_, rec.max_token_id);
+  }
+
+  [[noreturn]] void bad_token(const Shard& sh, int64_t off, uint32_t v) const {
+    TR_FAIL(key_, ": file '", sh.path, "' has token id ", v, " at token index ", off, " (byte offset ",
+            (sh.tokens - static_cast<const uint8_t*>(sh.map)) + off * sh.tok_bytes, "), not below ", sh.id_bound,
+            sh.recorded ? " (its prepare.json's largest id + 1, or model.vocab_size)" : " (model.vocab_size)",
+            "; the file is corrupt or changed since `trainrun prepare`: re-create it");
+  }
+  [[noreturn]] void bad_mask(const Shard& sh, int64_t off) const {
+    TR_FAIL(key_, ": loss mask '", sh.mask_path, "' has byte ", int(sh.mask[off]), " at index ", off,
+            " (only 0 and 1 are allowed); the file is corrupt, re-run `trainrun prepare`");
+  }
+
   // Sibling "<stem>.mask" of "<stem>.bin": mapped and checked when present.
   void map_mask(Shard& sh) {
     const size_t dot = sh.path.rfind(".bin");
@@ -339,14 +392,13 @@ class TokenFileSource : public TokenSource {
     sh.mask_map = p;
     sh.mask_bytes = static_cast<size_t>(st.st_size);
     sh.mask = static_cast<const uint8_t*>(p);
+    if (sh.recorded) return;  // checked byte by byte as samples read it
     for (int64_t i = 0; i < sh.ntok; ++i)
-      if (sh.mask[i] > 1)
-        TR_FAIL(key_, ": loss mask '", sh.mask_path, "' has byte ", int(sh.mask[i]), " at index ", i,
-                " (only 0 and 1 are allowed); the file is corrupt, re-run `trainrun prepare`");
+      if (sh.mask[i] > 1) bad_mask(sh, i);
   }
 
-  // Calls f(mask, k) over the mask bytes of tokens [pos, pos + n) of the
-  // stream, one call per shard the span touches.
+  // Calls f(shard, offset, k) over the mask bytes of tokens [pos, pos + n)
+  // of the stream, one call per shard the span touches.
   template <typename F>
   void for_mask(int64_t pos, int64_t n, F&& f) const {
     auto it = std::upper_bound(shards_.begin(), shards_.end(), pos,
@@ -356,7 +408,7 @@ class TokenFileSource : public TokenSource {
       const Shard& sh = shards_[si];
       const int64_t off = pos - sh.start;
       const int64_t take = std::min(n, sh.ntok - off);
-      f(sh.mask + off, take);
+      f(sh, off, take);
       pos += take;
       n -= take;
       ++si;
@@ -372,12 +424,19 @@ class TokenFileSource : public TokenSource {
       const Shard& sh = shards_[si];
       int64_t off = pos - sh.start;
       int64_t take = std::min(n, sh.ntok - off);
+      // Each id is checked as it is read (cheap next to the copy).
       if (sh.tok_bytes == 2) {
         const auto* p = reinterpret_cast<const uint16_t*>(sh.tokens) + off;
-        for (int64_t i = 0; i < take; ++i) out[i] = p[i];
+        for (int64_t i = 0; i < take; ++i) {
+          if (p[i] >= sh.id_bound) bad_token(sh, off + i, p[i]);
+          out[i] = p[i];
+        }
       } else {
         const auto* p = reinterpret_cast<const uint32_t*>(sh.tokens) + off;
-        for (int64_t i = 0; i < take; ++i) out[i] = static_cast<int32_t>(p[i]);
+        for (int64_t i = 0; i < take; ++i) {
+          if (p[i] >= sh.id_bound) bad_token(sh, off + i, p[i]);
+          out[i] = static_cast<int32_t>(p[i]);
+        }
       }
       out += take;
       pos += take;
@@ -432,6 +491,32 @@ void check_prepared_vocab(const std::vector<std::string>& paths, int vocab_size,
   });
 }
 
+// The "shards" of each prepare.json: path -> its token count and largest id.
+std::map<std::string, ShardRecord> prepared_shard_records(const std::vector<std::string>& paths,
+                                                          const std::string& key) {
+  std::map<std::string, ShardRecord> out;
+  for_each_prepare_json(paths, key, [&](const std::string& dir, const std::string& meta_path,
+                                        const nlohmann::json& meta) {
+    if (!meta.is_object() || !meta.contains("shards")) return;
+    const auto& shards = meta["shards"];
+    if (!shards.is_object())
+      TR_FAIL(key, ": '", meta_path, "' \"shards\" is not an object; re-run `trainrun prepare` or remove the file");
+    for (auto it = shards.begin(); it != shards.end(); ++it) {
+      const auto& v = it.value();
+      if (!v.is_object() || !v.contains("tokens") || !v["tokens"].is_number_unsigned() || !v.contains("max_token_id") ||
+          !v["max_token_id"].is_number_unsigned())
+        TR_FAIL(key, ": '", meta_path, "' shards.", it.key(),
+                " needs unsigned \"tokens\" and \"max_token_id\"; re-run `trainrun prepare` or remove the file");
+      ShardRecord r;
+      r.meta_path = meta_path;
+      r.tokens = v["tokens"].get<int64_t>();
+      r.max_token_id = v["max_token_id"].get<uint32_t>();
+      out[dir + "/" + it.key()] = r;
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 int prepared_document_start(const std::string& pattern, const std::string& key) {
@@ -460,7 +545,11 @@ std::unique_ptr<TokenSource> open_token_files(const std::string& pattern, const 
   auto src = std::make_unique<TokenFileSource>(pattern, format, key);
   const std::vector<std::string> paths = expand_pattern(pattern, key);
   check_prepared_vocab(paths, vocab_size, key);
-  for (const auto& path : paths) src->add_file(path, vocab_size);
+  const std::map<std::string, ShardRecord> records = prepared_shard_records(paths, key);
+  for (const auto& path : paths) {
+    auto rec = records.find(path.find('/') == std::string::npos ? "./" + path : path);
+    src->add_file(path, vocab_size, rec == records.end() ? nullptr : &rec->second);
+  }
   src->check_masks();
   TR_LOG_INFO(key, ": ", src->describe());
   return src;

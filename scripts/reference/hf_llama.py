@@ -123,6 +123,26 @@ def cmd_generate_text(a):
     return 0
 
 
+def cmd_generate_chat(a):
+    """Greedy chat generation as `trainrun generate --chat --top-k 1` does it:
+    apply_chat_template(add_generation_prompt=True) with the model directory's
+    tokenizer (its tokenizer_config.json's chat_template), then generate,
+    stopping at the --stop tokens and the generation config's eos; decoded
+    with special tokens kept (the tokenizers library's decode, no clean-up)."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(a.model)
+    model = load_clean(a.model)
+    msgs = ([{"role": "system", "content": a.system}] if a.system else []) + [{"role": "user", "content": a.prompt}]
+    ids = torch.tensor([tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)], dtype=torch.long)
+    eos = model.generation_config.eos_token_id
+    stops = [tok.convert_tokens_to_ids(t) for t in a.stop] + (eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=a.max_new_tokens,
+                             do_sample=False, use_cache=True, pad_token_id=0, eos_token_id=stops)
+    sys.stdout.write(tok.backend_tokenizer.decode(out[0].tolist(), skip_special_tokens=False))
+    return 0
+
+
 def cmd_same_bf16(a):
     full = dict(load_clean(a.fp32).named_parameters())
     half = dict(load_clean(a.bf16, torch.bfloat16).named_parameters())
@@ -168,11 +188,18 @@ def main(argv=None):
     gt.add_argument("--model", required=True)
     gt.add_argument("--prompt", required=True)
     gt.add_argument("--max-new-tokens", type=int, required=True)
+    gc = sub.add_parser("generate-chat")
+    gc.add_argument("--model", required=True)
+    gc.add_argument("--prompt", required=True)
+    gc.add_argument("--system", default="")
+    gc.add_argument("--stop", nargs="*", default=[])
+    gc.add_argument("--max-new-tokens", type=int, required=True)
     sb = sub.add_parser("same-bf16")
     sb.add_argument("--fp32", required=True)
     sb.add_argument("--bf16", required=True)
     a = ap.parse_args(argv)
     return {"random": cmd_random, "logits": cmd_logits, "generate": cmd_generate, "generate-text": cmd_generate_text,
+            "generate-chat": cmd_generate_chat,
             "same-bf16": cmd_same_bf16}[a.cmd](a)
 
 

@@ -109,6 +109,10 @@ class Tokenizer {
   // "\n" apart when a letter follows. prepare cuts big files there to
   // encode them in parallel.
   bool can_cut_before_line() const;
+  // The contents of the added tokens (special or not), in id order: what
+  // matches before the pre-tokenizer (prepare checks its other cut points
+  // against them).
+  std::vector<std::string> added_token_contents() const;
 
   struct Impl;
 

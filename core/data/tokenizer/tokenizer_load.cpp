@@ -292,6 +292,12 @@ bool Tokenizer::can_cut_before_line() const {
   return true;
 }
 
+std::vector<std::string> Tokenizer::added_token_contents() const {
+  std::vector<std::string> out;
+  for (const auto& a : impl_->added) out.push_back(a.content);
+  return out;
+}
+
 int64_t Tokenizer::token_id(const std::string& token) const {
   if (auto it = impl_->added_by_content.find(token); it != impl_->added_by_content.end()) return it->second;
   if (auto it = impl_->model.vocab.find(token); it != impl_->model.vocab.end()) return it->second;
