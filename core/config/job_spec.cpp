@@ -161,8 +161,9 @@ const std::vector<Field>& fields() {
       TR_SPEC_FIELD(model.adapter.type, one_of({"none", "lora", "dora"}),
                     "parameter-efficient fine-tuning (docs/fine-tuning.md): lora = frozen base + trainable "
                     "low-rank A (rank x in) and B (out x rank) on each target linear, y = W x + (alpha/rank) B A "
-                    "dropout(x); only A and B get gradients, optimizer state and checkpoint entries; dora is not "
-                    "implemented yet; none = train every weight"),
+                    "dropout(x); only A and B get gradients and optimizer state, and the run writes them to "
+                    "output.dir/adapter in peft's format; CPU, tp1/pp1 only so far, no adapter checkpoints yet "
+                    "(docs/fine-tuning.md); dora is not implemented yet; none = train every weight"),
       TR_SPEC_FIELD(model.adapter.rank, at_least(1), "LoRA rank r (peft's r)"),
       TR_SPEC_FIELD(model.adapter.alpha, above(0), "LoRA alpha: the update is scaled by alpha / rank (peft's lora_alpha)"),
       TR_SPEC_FIELD(model.adapter.dropout, in_half_open(0, 1),
