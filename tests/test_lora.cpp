@@ -377,3 +377,57 @@ TEST_CASE("lora training: combinations not implemented yet are refused naming th
                     Catch::Contains("checkpoint.interval: 2 (adapter checkpoints") &&
                         Catch::Contains("is not implemented with model.adapter yet"));
 }
+
+TEST_CASE("lora: export --merge equals peft's merge_and_unload() (llama, gpt2)", "[lora][peft]") {
+  for (const PeftCase& c : {llama_case(), gpt2_case()}) {
+    SECTION(c.arch) {
+      TempDir tmp("lora_merge");
+      make_peft_case(c, tmp);
+      auto r = run_trainrun("export --checkpoint '" + tmp / "base" + "' --merge '" + tmp / "adapter" + "' --out '" +
+                            tmp / "ours" + "'");
+      INFO(r.out << r.err);
+      REQUIRE(r.exit_code == 0);
+      r = run_reference_script("peft_lora.py", "merge --base '" + tmp / "base" + "' --adapter '" + tmp / "adapter" +
+                                                   "' --out '" + tmp / "theirs" + "'");
+      INFO(r.err);
+      REQUIRE(r.exit_code == 0);
+      const SafeTensorFile ours = read_safetensors(tmp / "ours/model.safetensors");
+      const SafeTensorFile theirs = read_safetensors(tmp / "theirs/model.safetensors");
+      const SafeTensorFile base = read_safetensors(tmp / "base/model.safetensors");
+      REQUIRE(ours.tensors.size() == theirs.tensors.size());
+      int changed = 0;
+      for (const SafeTensor& t : ours.tensors) {
+        INFO(t.name);
+        const SafeTensor* want = theirs.find(t.name);
+        REQUIRE(want);
+        CHECK(max_abs_diff(t.as_f32(), want->as_f32()) <= 1e-5f);
+        if (const SafeTensor* b = base.find(t.name); b && max_abs_diff(t.as_f32(), b->as_f32()) > 1e-4f) ++changed;
+      }
+      // Every adapted weight changed (llama: 7 per layer, gpt2: 4 per layer, 2 layers).
+      CHECK(changed == (c.arch == "llama" ? 14 : 8));
+    }
+  }
+}
+
+TEST_CASE("lora: generate --adapter samples what transformers samples from peft's merged model", "[lora][peft]") {
+  TempDir tmp("lora_gen");
+  make_peft_case(llama_case(), tmp);
+  auto r = run_reference_script("peft_lora.py", "merge --base '" + tmp / "base" + "' --adapter '" + tmp / "adapter" +
+                                                    "' --out '" + tmp / "merged" + "'");
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  const auto want = run_reference_script("hf_llama.py", "generate --model '" + tmp / "merged" +
+                                                            "' --prompt '1 2 3' --max-new-tokens 8");
+  INFO(want.err);
+  REQUIRE(want.exit_code == 0);
+  const auto got = run_trainrun("generate --checkpoint '" + tmp / "base" + "' --adapter '" + tmp / "adapter" +
+                                "' --prompt '1 2 3' --top-k 1 --max-tokens 8");
+  INFO(got.err);
+  REQUIRE(got.exit_code == 0);
+  CHECK(got.out == want.out);
+  // Without the adapter the base samples something else (the adapter is not ignored).
+  const auto plain =
+      run_trainrun("generate --checkpoint '" + tmp / "base" + "' --prompt '1 2 3' --top-k 1 --max-tokens 8");
+  REQUIRE(plain.exit_code == 0);
+  CHECK(plain.out != got.out);
+}

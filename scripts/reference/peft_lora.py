@@ -18,6 +18,9 @@
   peft_lora.py logits --base DIR --adapter DIR --batch BATCH --out OUT
       The adapted model's logits (PeftModel.from_pretrained, unmerged).
 
+  peft_lora.py merge --base DIR --adapter DIR --out DIR
+      merge_and_unload() saved with save_pretrained (safetensors).
+
 Offline, with the repo's .venv python (transformers 4.44.2, peft 0.12.0, torch 1.13).
 """
 import argparse
@@ -105,6 +108,12 @@ def cmd_logits(a):
     return 0
 
 
+def cmd_merge(a):
+    model = load_adapted(a.base, a.adapter, False).merge_and_unload()
+    model.save_pretrained(a.out, safe_serialization=True)
+    return 0
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -121,8 +130,12 @@ def main(argv=None):
         s.add_argument("--adapter", required=True)
         s.add_argument("--batch", required=True)
         s.add_argument("--out", required=True)
+    mg = sub.add_parser("merge")
+    mg.add_argument("--base", required=True)
+    mg.add_argument("--adapter", required=True)
+    mg.add_argument("--out", required=True)
     a = p.parse_args(argv)
-    return {"make": cmd_make, "grads": cmd_grads, "logits": cmd_logits}[a.cmd](a)
+    return {"make": cmd_make, "grads": cmd_grads, "logits": cmd_logits, "merge": cmd_merge}[a.cmd](a)
 
 
 if __name__ == "__main__":

@@ -74,6 +74,31 @@ void write_peft_adapter(const std::string& dir, const ModelArch& arch, const Lor
   write_safetensors((fs::path(dir) / "adapter_model.safetensors").string(), st);  // atomic
 }
 
+LoraOptions peft_adapter_options(const std::string& dir, const std::string& what) {
+  const fs::path cfg_path = fs::path(dir) / "adapter_config.json";
+  std::ifstream f(cfg_path);
+  TR_CHECK(f, what, ": '", cfg_path.string(), "' cannot be read; point it at a PEFT adapter directory");
+  nlohmann::json c;
+  try {
+    f >> c;
+  } catch (const std::exception& e) {
+    TR_FAIL(what, ": '", cfg_path.string(), "' is not valid JSON: ", e.what());
+  }
+  TR_CHECK(c.contains("r") && c["r"].is_number_integer() && c.contains("lora_alpha") && c["lora_alpha"].is_number(),
+           what, ": '", cfg_path.string(), "' has no integer r or numeric lora_alpha (not a LoRA adapter?)");
+  LoraOptions o;
+  o.rank = c["r"].get<int>();
+  o.alpha = c["lora_alpha"].get<double>();
+  if (c.contains("lora_dropout") && c["lora_dropout"].is_number()) o.dropout = c["lora_dropout"].get<double>();
+  if (c.contains("target_modules") && c["target_modules"].is_array()) {
+    o.target_modules.clear();
+    for (const auto& e : c["target_modules"]) o.target_modules += (o.target_modules.empty() ? "" : ",") + e.get<std::string>();
+  } else if (c.contains("target_modules") && c["target_modules"].is_string()) {
+    o.target_modules = c["target_modules"].get<std::string>();  // all-linear (a regex is refused on read)
+  }
+  return o;
+}
+
 std::vector<float> read_peft_adapter(const std::string& dir, const ModelArch& arch, const LoraAdapters& adapters,
                                      const std::string& what) {
   const fs::path cfg_path = fs::path(dir) / "adapter_config.json";

@@ -22,6 +22,11 @@ inline std::string peft_tensor_name(const std::string& ours) { return "base_mode
 void write_peft_adapter(const std::string& dir, const ModelArch& arch, const LoraAdapters& adapters,
                         const std::vector<float>& flat, const std::string& base_model);
 
+// The LoRA options a PEFT adapter directory was trained with (r,
+// lora_alpha, lora_dropout, target_modules), for tools that take only the
+// directory (export --merge); read_peft_adapter then checks the rest.
+LoraOptions peft_adapter_options(const std::string& dir, const std::string& what);
+
 // Reads a PEFT adapter directory into the adapter layout (fp32, whole).
 // Its config must be a LoRA adapter with this job's r, lora_alpha and
 // target modules and nothing trainrun does not implement (use_rslora,
