@@ -39,6 +39,7 @@
 #include "parallel/pipeline/executor.h"
 #include "parallel/pipeline/stage_plan.h"
 #include "parallel/pipeline/stage_store.h"
+#include "parallel/sharding/frozen_store.h"
 #include "parallel/sharding/sharding.h"
 #include "parallel/rendezvous/store.h"
 #include "parallel/tensor/tp_param_store.h"
@@ -330,8 +331,13 @@ void Trainer::setup() {
   if (tp == 1 && pp == 1) {
     check_host_memory(arch_->layout().total);
     model_ = arch_->make_network(be_.get(), mb_, job_.train.activation_checkpointing == "blocks");
-    params_ = make_param_store(job_.parallel.sharding, arch_->layout(), be_.get(), comm_.get(), group, factory,
-                               nullptr, offload);
+    // With adapters the base is frozen: its store has parameters only (no
+    // gradients, master weights or moments), sharded alike.
+    params_ = job_.model.adapter.on()
+                  ? make_frozen_param_store(job_.parallel.sharding, arch_->layout(), be_.get(), comm_.get(), group,
+                                            factory)
+                  : make_param_store(job_.parallel.sharding, arch_->layout(), be_.get(), comm_.get(), group, factory,
+                                     nullptr, offload);
     if (job_.model.adapter.on()) {
       // The adapters' store talks over its own communicator (its own thread).
       std::unique_ptr<Communicator> own =
@@ -887,6 +893,13 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
   sum.grads_bytes = mem.grads;
   sum.optimizer_bytes = mem.optimizer;
   sum.host_bytes = mem.host;
+  if (adapt_) {
+    // The frozen base has parameters only; gradients and AdamW state are the adapters'.
+    const ShardMemory am = adapt_->store().memory();
+    sum.params_bytes += am.params;
+    sum.grads_bytes = am.grads;
+    sum.optimizer_bytes = am.optimizer;
+  }
   sum.activation_bytes = network().activation_bytes();
 
   if (sum.stop_signal != 0) {
