@@ -492,6 +492,11 @@ void Trainer::setup() {
                   job_.parallel.pipeline_virtual_stages, " chunks; ", split);
     }
   }
+  if (adapt_) {
+    const ShardMemory am = adapt_->store().memory();
+    TR_LOG_INFO("memory (rank ", w_.rank, ", adapters, ", adapt_->store().strategy(), "): params ",
+                human_bytes(am.params), ", grads ", human_bytes(am.grads), ", optimizer ", human_bytes(am.optimizer));
+  }
   ShardMemory m = params_->memory();
   TR_LOG_INFO("memory (rank ", w_.rank, ", ", params_->strategy(), "): params ", human_bytes(m.params), ", grads ",
               human_bytes(m.grads), ", optimizer ", human_bytes(m.optimizer), ", activations ",
