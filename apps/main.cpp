@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "core/checkpoint/bench_checkpoint.h"
+#include "core/checkpoint/adapter_merge.h"
 #include "core/checkpoint/hf_interop.h"
 #include "core/common/error.h"
 #include "core/common/log.h"
@@ -160,6 +161,7 @@ struct GenerateText {
   std::string tokenizer, chat_template;  // chat_template: "" = the tokenizer's default
   bool chat = false, allow_special = false;
   std::string system;
+  std::string adapter;  // --adapter: a PEFT LoRA directory applied to the weights
 };
 
 namespace {
@@ -206,6 +208,12 @@ int cmd_generate(const std::string& ckpt, const std::string& prompt, SampleOptio
       make_model_arch(hf ? load_hf(ckpt, flat, "generate") : load_model_safetensors(file, flat));
   const ModelConfig& cfg = arch->config();
   TR_LOG_INFO("generate: ", file, " (", arch->describe(), ")");
+  if (!gt.adapter.empty()) {
+    // The sampler holds the whole model here anyway: the adapter is folded
+    // into its weights (W + s B A, the function peft computes unmerged).
+    merge_adapter_into(*arch, flat, gt.adapter, "generate --adapter");
+    TR_LOG_INFO("generate: adapter ", gt.adapter, " merged into the weights");
+  }
   TR_CHECK(gt.chat || (gt.chat_template.empty() && gt.system.empty()),
            "generate: --chat-template and --system apply to --chat; add --chat");
   std::string tok_dir;
@@ -454,14 +462,16 @@ int main(int argc, char** argv) {
   generate->add_flag("--chat", gt.chat, "wrap the prompt as a user message in the chat template and stop at the end of the assistant's turn");
   generate->add_option("--system", gt.system, "with --chat: a system message before the prompt");
   generate->add_option("--chat-template", gt.chat_template, "with --chat: llama3 | chatml | plain | a template name | a Jinja file (default: the model's chat_template beside the tokenizer)");
+  generate->add_option("--adapter", gt.adapter, "a PEFT LoRA adapter directory (a run's adapter/, or peft's save_pretrained) to sample with");
   generate->add_flag("--allow-special", gt.allow_special, "match special tokens spelled in --prompt (default: they are text)");
 
   auto* export_cmd = app.add_subcommand("export", "write a model as a Hugging Face directory (GPT2LMHeadModel / LlamaForCausalLM)");
-  std::string exp_ckpt, exp_format = "safetensors", exp_out, exp_dtype = "fp32", exp_shard = "5GB";
+  std::string exp_ckpt, exp_format = "safetensors", exp_out, exp_dtype = "fp32", exp_shard = "5GB", exp_merge;
   export_cmd->add_option("--checkpoint", exp_ckpt, "run directory (its latest checkpoint), checkpoint directory, .safetensors file or Hugging Face model directory")->required();
   export_cmd->add_option("--format", exp_format, "output format")->capture_default_str()->check(CLI::IsMember({"safetensors"}));
   export_cmd->add_option("--out", exp_out, "directory to write; AutoModelForCausalLM.from_pretrained(DIR) loads it")->required();
   export_cmd->add_option("--dtype", exp_dtype, "weights dtype: fp32, or bf16 (round to nearest even)")->capture_default_str()->check(CLI::IsMember({"fp32", "bf16"}));
+  export_cmd->add_option("--merge", exp_merge, "a PEFT LoRA adapter directory (a run's adapter/, or peft's save_pretrained) to merge into the weights: W + (alpha/r) B A on each adapted linear, as peft's merge_and_unload()");
   export_cmd->add_option("--max-shard-size", exp_shard, "above it, model-0000i-of-0000N.safetensors shards + model.safetensors.index.json (5GB = 5e9 bytes; KB/MB/GB/TB, KiB/MiB/GiB/TiB or bytes)")
       ->capture_default_str()
       ->check(CLI::Validator(
@@ -653,7 +663,8 @@ int main(int argc, char** argv) {
       HfExportOptions eo;
       eo.dtype = exp_dtype;
       eo.max_shard_bytes = parse_max_shard_size(exp_shard);
-      const std::string from = export_checkpoint_hf(exp_ckpt, exp_out, eo);
+      const std::string from = exp_merge.empty() ? export_checkpoint_hf(exp_ckpt, exp_out, eo)
+                                                 : export_merged_hf(exp_ckpt, exp_merge, exp_out, eo);
       TR_LOG_INFO("export: ", from, " -> ", exp_out, " (Hugging Face directory, ", exp_dtype, ")");
       std::cout << exp_out << "\n";
       return 0;

@@ -328,6 +328,27 @@ class Backend {
     not_implemented("vocab_ce_finish");
   }
 
+  // ---- the adapters' small products (core/model/adapter) -------------------------
+  // c (M,N), rows ldc apart = alpha * op(a) @ op(b) + beta * c, where op(x) is
+  // x or x^T (GemmOp::T) and a, b are act dtype with rows lda / ldb apart;
+  // c is act dtype, or fp32 with c_f32 (the adapters' weight gradients,
+  // accumulated with beta = 1). LoRA needs products with a strided output
+  // (its share of a fused q|k|v GEMM) and accumulation into one, which
+  // matmul_forward/backward do not give.
+  enum class GemmOp { N, T };
+  virtual void gemm(void* c, int ldc, bool c_f32, const void* a, int lda, GemmOp ta, const void* b, int ldb,
+                    GemmOp tb, int M, int N, int K, float alpha, float beta) {
+    not_implemented("gemm");
+  }
+  // Inverted dropout, counter-based: out (N,C) = inp * keep / (1 - p), where
+  // keep for element (n, c) is hash(seed, (row0 + n) * C + c) >= p, so the
+  // mask depends on the global row, not on which rank or micro-batch holds
+  // it. Applied to a gradient with the same arguments it is its own
+  // backward. out may alias inp.
+  virtual void dropout_forward(void* out, const void* inp, int N, int C, float p, uint64_t seed, int64_t row0) {
+    not_implemented("dropout_forward");
+  }
+
   // ---- optimizer --------------------------------------------------------------
   // out[0] += sum(x^2) over n fp32 values (for the global grad norm).
   virtual void sum_squares(float* out, const float* x, int64_t n) = 0;

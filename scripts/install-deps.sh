@@ -78,4 +78,11 @@ if [ "$WITH_TEST" = 1 ]; then
   if ! "$VENV/bin/python" -c "import jinja2" 2>/dev/null; then
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check "jinja2==3.1.4" "markupsafe==3.0.4"
   fi
+  # peft: the LoRA adapters' peer (tests/test_lora.cpp, scripts/reference/peft_lora.py).
+  # 0.12.0 is the last line that runs on transformers 4.44 and torch 1.13;
+  # it imports accelerate (0.33.0, which still accepts torch 1.13). --no-deps:
+  # their other requirements are already in the venv, pinned above.
+  if ! "$VENV/bin/python" -c "import peft, sys; sys.exit(peft.__version__ != '0.12.0')" 2>/dev/null; then
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps "peft==0.12.0" "accelerate==0.33.0"
+  fi
 fi

@@ -331,8 +331,9 @@ TEST_CASE("config: job_spec_to_yaml writes every field with its doc", "[config]"
 TEST_CASE("config: the field table is complete and its defaults are valid", "[config]") {
   const auto fields = trainrun::job_spec_fields();
   // + parallel.offload, offload_dir, tensor_parallel, sequence_parallel, pipeline_*,
-  // data.document_mask, data.document_separator, output.trace_steps
-  CHECK(fields.size() == 81);
+  // data.document_mask, data.document_separator, output.trace_steps,
+  // model.base_dtype, model.adapter.{type, rank, alpha, dropout, target_modules, init_from}
+  CHECK(fields.size() == 88);
   std::vector<std::string> keys;
   for (const auto& f : fields) {
     INFO(f.key);
@@ -425,10 +426,12 @@ TEST_CASE("config: bad specs: YAML structure", "[config][bad]") {
        "job.yaml:4:3: train.lerning_rate: unknown key; did you mean 'train.lr'?"},
       {"right key, wrong section", kSynthetic + "train:\n  seq_len: 64\n", {},
        "job.yaml:4:3: train.seq_len: unknown key; did you mean 'model.seq_len'?"},
-      {"unknown key, nothing close", kSynthetic + "model:\n  dropout: 0.1\n", {},
-       "job.yaml:4:3: model.dropout: unknown key; the keys of 'model' are preset, arch, n_layer, n_head, n_embd, "
+      {"unknown key, nothing close", kSynthetic + "model:\n  colour: 0.1\n", {},
+       "job.yaml:4:3: model.colour: unknown key; the keys of 'model' are preset, arch, n_layer, n_head, n_embd, "
        "vocab_size, seq_len, init_std, init_from, n_kv_head, ffn_dim, norm_eps, rope_theta, tie_embeddings, "
-       "rope_scaling"},
+       "base_dtype, rope_scaling, adapter"},
+      {"a subsection's key one level up", kSynthetic + "model:\n  dropout: 0.1\n", {},
+       "job.yaml:4:3: model.dropout: unknown key; did you mean 'model.adapter.dropout'?"},
       {"unknown key in a nested section", kSynthetic + "  synthetic:\n    brnaching: 2\n", {},
        "job.yaml:4:5: data.synthetic.brnaching: unknown key; did you mean 'data.synthetic.branching'?"},
       {"duplicate key", kSynthetic + "train:\n  lr: 0.1\n  max_steps: 5\n  lr: 0.2\n", {},

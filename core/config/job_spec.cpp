@@ -147,6 +147,9 @@ const std::vector<Field>& fields() {
       TR_SPEC_FIELD(model.tie_embeddings, one_of({"auto", "false", "true"}),
                     "the LM head is the token embedding; auto = the architecture's way (gpt2: always tied; "
                     "llama: untied, but Llama 3.2 1B/3B are tied)"),
+      TR_SPEC_FIELD(model.base_dtype, one_of({"auto", "fp32", "bf16", "nf4"}),
+                    "with model.adapter: how the frozen base weights are held; auto = fp32 (the CPU backend's "
+                    "only dtype today); bf16 and nf4 (QLoRA) are not implemented yet"),
       TR_SPEC_FIELD(model.rope_scaling.type, one_of({"none", "llama3"}),
                     "RoPE frequency scaling (llama): none, or llama3 (Llama 3.1's bands)"),
       TR_SPEC_FIELD(model.rope_scaling.factor, above(0), "llama3 scaling: factor"),
@@ -154,6 +157,27 @@ const std::vector<Field>& fields() {
       TR_SPEC_FIELD(model.rope_scaling.high_freq_factor, above(0), "llama3 scaling: high_freq_factor"),
       TR_SPEC_FIELD(model.rope_scaling.original_max_position_embeddings, at_least(1),
                     "llama3 scaling: the context the model was trained at before scaling"),
+
+      TR_SPEC_FIELD(model.adapter.type, one_of({"none", "lora", "dora"}),
+                    "parameter-efficient fine-tuning (docs/fine-tuning.md): lora = frozen base + trainable "
+                    "low-rank A (rank x in) and B (out x rank) on each target linear, y = W x + (alpha/rank) B A "
+                    "dropout(x); only A and B get gradients and optimizer state, and the run writes them to "
+                    "output.dir/adapter in peft's format; CPU, tp1/pp1 only so far, no adapter checkpoints yet "
+                    "(docs/fine-tuning.md); dora is not implemented yet; none = train every weight"),
+      TR_SPEC_FIELD(model.adapter.rank, at_least(1), "LoRA rank r (peft's r)"),
+      TR_SPEC_FIELD(model.adapter.alpha, above(0), "LoRA alpha: the update is scaled by alpha / rank (peft's lora_alpha)"),
+      TR_SPEC_FIELD(model.adapter.dropout, in_half_open(0, 1),
+                    "dropout on each adapter's input (peft's lora_dropout); the mask is a function of train.seed, "
+                    "the step and the global token position, so any rank layout draws the same one"),
+      TR_SPEC_FIELD(model.adapter.target_modules, non_empty(),
+                    "the linears to adapt, by their Hugging Face module names (a YAML list, or 'q_proj,v_proj'); "
+                    "llama: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj; gpt2: c_attn c_proj c_fc; "
+                    "all-linear = every linear of the blocks (not the LM head, as peft)"),
+      TR_SPEC_FIELD(model.adapter.init_from, any(),
+                    "a PEFT adapter directory (adapter_config.json + adapter_model.safetensors, from peft's "
+                    "save_pretrained or a trainrun run's adapter/) to continue from; its r, lora_alpha and "
+                    "target_modules must equal model.adapter's; empty = a fresh adapter (A kaiming-uniform as "
+                    "peft, B zero)"),
 
       TR_SPEC_FIELD(data.format, one_of({"llmc", "raw_uint16", "raw_uint32", "synthetic"}),
                     "layout of the token files; synthetic = a generated Markov chain, no files"),
@@ -617,11 +641,13 @@ std::string kind_of(const YAML::Node& n);
 
 void assign(const Field& f, JobSpec& spec, const YAML::Node& v, const std::string& where) {
   const std::string key = f.key;
-  if (v.IsSequence() && (key == "parallel.pipeline_layers" || key == "output.trace_steps")) {
-    // The list-valued keys: kept as their text, "3,1" (parse_pipeline_layers, parse_trace_steps).
+  if (v.IsSequence() &&
+      (key == "parallel.pipeline_layers" || key == "output.trace_steps" || key == "model.adapter.target_modules")) {
+    // The list-valued keys: kept as their text, "3,1" (parse_pipeline_layers,
+    // parse_trace_steps, the adapter's target list).
     std::string joined;
     for (const YAML::Node& e : v) {
-      if (!e.IsScalar()) fail(where, key, "expected a list of numbers, got a nested " + kind_of(e));
+      if (!e.IsScalar()) fail(where, key, "expected a list of plain values, got a nested " + kind_of(e));
       joined += (joined.empty() ? "" : ",") + e.Scalar();
     }
     *std::get<std::string*>(f.get(spec)) = joined;
@@ -847,6 +873,17 @@ void check_rules(JobSpec& s, const Origins& o, const std::string& fallback, bool
            e.what());
     }
   }
+  // model.adapter / model.base_dtype: what is implemented so far (docs/fine-tuning.md).
+  const ModelSpec::AdapterSpec& ad = m.adapter;
+  if (ad.type == "dora")
+    fail(at({"model.adapter.type"}), "model.adapter.type",
+         "dora is not implemented yet (its magnitude vector); use lora");
+  if (m.base_dtype == "bf16" || m.base_dtype == "nf4")
+    fail(at({"model.base_dtype"}), "model.base_dtype",
+         m.base_dtype + " is not implemented yet; use auto or fp32 (the frozen base in fp32)");
+  if (!ad.on() && !ad.init_from.empty())
+    fail(at({"model.adapter.init_from", "model.adapter.type"}), "model.adapter.init_from",
+         "needs model.adapter.type: lora (it is none); set the type or remove init_from");
   if (p.sequence_parallel_on() && p.tensor_parallel == 1)
     TR_LOG_WARN(at({"parallel.sequence_parallel", "parallel.tensor_parallel"}),
                 ": parallel.sequence_parallel: true has no effect with parallel.tensor_parallel: 1 (sequence "

@@ -31,6 +31,17 @@ struct ModelSpec {
     double factor = 8.0, low_freq_factor = 1.0, high_freq_factor = 4.0;
     int original_max_position_embeddings = 8192;
   } rope_scaling;
+  // Parameter-efficient fine-tuning (docs/fine-tuning.md): the base frozen, only the adapters train.
+  std::string base_dtype = "auto";  // auto | fp32 | bf16 | nf4: how the frozen base is held (auto: fp32 on the CPU)
+  struct AdapterSpec {
+    std::string type = "none";      // none | lora | dora
+    int rank = 8;                   // r, the adapters' inner dimension
+    double alpha = 16;              // the update is scaled by alpha / rank (peft's lora_alpha)
+    double dropout = 0;             // on the adapter's input (peft's lora_dropout), deterministic per seed
+    std::string target_modules = "all-linear";  // HF module names, comma-joined ("q_proj,v_proj"), or all-linear
+    std::string init_from;          // a PEFT adapter directory to start from; "" = fresh (A kaiming-uniform, B zero)
+    bool on() const { return type != "none"; }
+  } adapter;
 };
 
 struct SyntheticSpec {

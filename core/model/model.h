@@ -148,6 +148,38 @@ class LayoutBuilder {
 
 // ---- how the compute reaches parameters ----------------------------------------------------
 
+// ---- adapters (core/model/adapter) -------------------------------------------------------
+
+// A linear of a transformer block that an adapter can wrap, in Hugging
+// Face's terms. Every block has the same list (ModelArch::block_linears).
+struct BlockLinear {
+  std::string module;     // HF module path inside the block: "self_attn.q_proj", "attn.c_attn"
+  int gemm = 0;           // which of the block's GEMMs computes it (the arch's own numbering)
+  int64_t in = 0, out = 0;  // features
+  int64_t out_begin = 0;  // its first output column in that GEMM's output (fused q|k|v, gate|up)
+  // The short name target_modules matches: the last component ("q_proj").
+  std::string short_name() const { return module.substr(module.rfind('.') + 1); }
+};
+
+// What a Network calls around the linears of a block when its UnitAccess
+// carries adapters (UnitAccess::adapters()): the base GEMM runs as before
+// and the adapters of that GEMM add their share. Forward: begin_block(l),
+// forward(...) after each GEMM, end_block(l). Backward (the recompute of
+// activation checkpointing included): begin_block(l, true), backward(...)
+// after each GEMM's own backward, end_block(l, true) (the block's adapter
+// gradients are then complete).
+class LinearAdapters {
+ public:
+  virtual ~LinearAdapters() = default;
+  virtual void begin_block(int layer, bool backward) = 0;
+  virtual void end_block(int layer, bool backward) = 0;
+  // y (N, rows ldy apart): GEMM `gemm` of block `layer`'s output; x (N, its in) its input.
+  virtual void forward(int layer, int gemm, const void* x, void* y, int ldy, int N) = 0;
+  // dy: that GEMM's output gradient (rows ldy apart); dx (N, in) += the
+  // adapters' input gradient; their weight gradients accumulate.
+  virtual void backward(int layer, int gemm, const void* x, const void* dy, int ldy, void* dx, int N) = 0;
+};
+
 // How the model reaches its parameters and gradients, one unit at a time.
 // The model calls acquire/release around every use of a unit's parameters
 // and grads_done once a unit's gradient is complete, in this order:
@@ -167,6 +199,12 @@ class UnitAccess {
   // Start of a forward (with or without a backward to follow) or a backward
   // pass: lets a sharded implementation prefetch units in the order they come.
   virtual void begin_pass(bool backward_pass, bool backward_follows) {}
+  // Parameter-efficient fine-tuning: the adapters the network adds around
+  // its linears (null: none), and whether the base is frozen (the network
+  // then skips the base linears' weight gradients; unit_grads still takes
+  // what the rest writes, which the caller throws away).
+  virtual LinearAdapters* adapters() { return nullptr; }
+  virtual bool base_frozen() const { return false; }
 };
 
 // Flat, unsharded access: params and grads are whole-model buffers.
@@ -384,6 +422,12 @@ class ModelArch {
   virtual bool has_decoder() const { return true; }
   // What a decoder of this capacity allocates on `be`.
   virtual size_t decoder_bytes_needed(const Backend& be, int capacity) const = 0;
+
+  // ---- adapters (core/model/adapter) ----
+  // The linears of every block an adapter can wrap (empty: none), and the
+  // HF module prefix of block `layer` ("model.layers.3.").
+  virtual std::vector<BlockLinear> block_linears() const { return {}; }
+  virtual std::string hf_block_prefix(int layer) const { return ""; }
 
   // ---- Hugging Face ----
   virtual std::string hf_model_type() const = 0;               // config.json's model_type

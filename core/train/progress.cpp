@@ -270,7 +270,7 @@ ProgressOptions ProgressOptions::from_env() {
 
 RunReporter::RunReporter(const Context& ctx, const ProgressOptions& opt) : ctx_(ctx), opt_(opt) {
   TR_CHECK(ctx_.job && ctx_.arch && ctx_.backend && ctx_.params && ctx_.network, "RunReporter: incomplete context");
-  flops_per_token_ = ctx_.arch->flops_per_token();
+  flops_per_token_ = ctx_.flops_per_token > 0 ? ctx_.flops_per_token : ctx_.arch->flops_per_token();
   // Only rank 0 draws in place: several ranks redrawing one line would fight.
   relay_ = ctx_.rank == 0 && opt_.mode == ProgressOptions::Mode::Relay;
   live_ = ctx_.rank == 0 &&
@@ -278,7 +278,8 @@ RunReporter::RunReporter(const Context& ctx, const ProgressOptions& opt) : ctx_(
            (opt_.mode == ProgressOptions::Mode::Auto && ::isatty(2)));
   if (printing()) {
     peak_ = device_peak_flops(*ctx_.backend);
-    print_line("mfu: " + fixed(flops_per_token_ / 1e6, 2) + " MFLOP per token (6N + 12*L*C*T); peak " +
+    print_line("mfu: " + fixed(flops_per_token_ / 1e6, 2) + " MFLOP per token (" +
+               (ctx_.flops_formula.empty() ? std::string("6N + 12*L*C*T") : ctx_.flops_formula) + "); peak " +
                flops_str(peak_.flops) + " per rank (" + peak_.source + ")");
   }
   const fs::path out(ctx_.job->output.dir);

@@ -117,6 +117,11 @@ class RunReporter {
     int64_t tokens_per_step = 0;
     double entropy_floor = -1;          // the data's loss floor, when known
     MetricsWriter* metrics = nullptr;   // rank 0's metrics.jsonl (the trainer owns it)
+    // > 0: the model FLOPs per token instead of arch->flops_per_token(), and
+    // how they are counted (model.adapter: the frozen base's forward and
+    // input gradient, 4N, plus 6 per adapter parameter).
+    double flops_per_token = 0;
+    std::string flops_formula;
     std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
   };
   explicit RunReporter(const Context& ctx, const ProgressOptions& opt = ProgressOptions::from_env());

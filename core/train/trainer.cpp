@@ -24,6 +24,7 @@
 #include "core/model/model_spec.h"
 #include "core/model/tensor_parallel.h"
 #include "core/model/model_io.h"
+#include "core/train/adapter_training.h"
 #include "core/train/generate.h"
 #include "core/train/metrics.h"
 #include "core/train/preemption.h"
@@ -38,6 +39,7 @@
 #include "parallel/pipeline/executor.h"
 #include "parallel/pipeline/stage_plan.h"
 #include "parallel/pipeline/stage_store.h"
+#include "parallel/sharding/frozen_store.h"
 #include "parallel/sharding/sharding.h"
 #include "parallel/rendezvous/store.h"
 #include "parallel/tensor/tp_param_store.h"
@@ -197,9 +199,15 @@ class Trainer {
   // returned (NCCL): before anything acts on their results.
   void check_comms() {
     params_->check_comms();
+    if (adapt_) adapt_->store().check_comms();
     if (pp_links_) pp_links_->check_health();
   }
   std::unique_ptr<PipelineExecutor> pipe_;
+  // model.adapter: the adapters and their store (the only state the
+  // optimizer trains); params_ then holds the frozen base.
+  std::unique_ptr<AdapterTraining> adapt_;
+  UnitAccess& units() { return adapt_ ? adapt_->units() : static_cast<UnitAccess&>(*params_); }
+  ParamStore& trained() { return adapt_ ? adapt_->store() : *params_; }
   int64_t step_ = 0;  // the step in progress, for the pipeline's messages
   bool pp_logged_ = false;
   std::unique_ptr<StepTracer> tracer_;  // output.trace_steps; null = none
@@ -254,6 +262,20 @@ void Trainer::setup() {
   comm_->set_group("world");
   comm_ = maybe_inject_faults(std::move(comm_), w_.rank);  // tests: TRAINRUN_DEBUG_COMM_FAULT
   // 3. model
+  if (job_.model.adapter.on()) {
+    // What adapters run with so far (docs/fine-tuning.md, "Status").
+    const ParallelSpec& ps = job_.parallel;
+    auto refuse = [&](bool bad, const std::string& key, const std::string& value) {
+      TR_CHECK(!bad, key, ": ", value, " is not implemented with model.adapter yet; run the adapters without it");
+    };
+    refuse(ps.tensor_parallel > 1, "parallel.tensor_parallel", std::to_string(ps.tensor_parallel));
+    refuse(ps.pipeline_parallel > 1, "parallel.pipeline_parallel", std::to_string(ps.pipeline_parallel));
+    refuse(ps.offload != "none", "parallel.offload", ps.offload);
+    refuse(is_cuda_backend(be_.get()), "backend", be_->name());
+    refuse(job_.checkpoint.interval > 0, "checkpoint.interval",
+           std::to_string(job_.checkpoint.interval) + " (adapter checkpoints; the run writes output.dir/adapter at "
+                                                      "its end)");
+  }
   arch_ = make_model_arch(ModelConfig::from_spec(job_.model));
   const ModelConfig& cfg = arch_->config();
   T_ = cfg.T;
@@ -309,8 +331,23 @@ void Trainer::setup() {
   if (tp == 1 && pp == 1) {
     check_host_memory(arch_->layout().total);
     model_ = arch_->make_network(be_.get(), mb_, job_.train.activation_checkpointing == "blocks");
-    params_ = make_param_store(job_.parallel.sharding, arch_->layout(), be_.get(), comm_.get(), group, factory,
-                               nullptr, offload);
+    // With adapters the base is frozen: its store has parameters only (no
+    // gradients, master weights or moments), sharded alike.
+    params_ = job_.model.adapter.on()
+                  ? make_frozen_param_store(job_.parallel.sharding, arch_->layout(), be_.get(), comm_.get(), group,
+                                            factory)
+                  : make_param_store(job_.parallel.sharding, arch_->layout(), be_.get(), comm_.get(), group, factory,
+                                     nullptr, offload);
+    if (job_.model.adapter.on()) {
+      // The adapters' store talks over its own communicator (its own thread).
+      std::unique_ptr<Communicator> own =
+          w_.world > 1 ? make_gloo_communicator(*store_, prefix_ + "adapter_world/", w_.rank, w_.world, w_.bind_addr,
+                                                timeout)
+                       : make_single_communicator();
+      own->set_group("adapter_world");
+      adapt_ = std::make_unique<AdapterTraining>(job_, *arch_, be_.get(), *params_, *comm_, std::move(own), group,
+                                                 factory, mb_ * T_);
+    }
   } else {
     // Every group's communicator, built once in the same order on every
     // rank; the store shards this rank's TP slice over the dp group.
@@ -412,6 +449,10 @@ void Trainer::setup() {
 
   if (rank0_) {
     TR_LOG_INFO("model: ", arch_->describe(), " (", arch_->num_parameters(), " parameters)");
+    if (adapt_)
+      TR_LOG_INFO("adapter: lora r=", job_.model.adapter.rank, " alpha=", job_.model.adapter.alpha, " on ",
+                  adapt_->adapters().targets().size(), " linears (", job_.model.adapter.target_modules,
+                  "), base frozen; ", adapt_->trainable_line());
     TR_LOG_INFO("data: train ", train_src_->describe(), val_src_ ? "; val " + val_src_->describe() : "; no val");
     if (doc_separator_ >= 0)
       TR_LOG_INFO("data: document mask on: a document starts at each token ", doc_separator_,
@@ -450,6 +491,11 @@ void Trainer::setup() {
       TR_LOG_INFO("pipeline: ", pipe_->schedule().kind, ", ", accum_, " microbatches over ", dims.pp, " ranks x ",
                   job_.parallel.pipeline_virtual_stages, " chunks; ", split);
     }
+  }
+  if (adapt_) {
+    const ShardMemory am = adapt_->store().memory();
+    TR_LOG_INFO("memory (rank ", w_.rank, ", adapters, ", adapt_->store().strategy(), "): params ",
+                human_bytes(am.params), ", grads ", human_bytes(am.grads), ", optimizer ", human_bytes(am.optimizer));
   }
   ShardMemory m = params_->memory();
   TR_LOG_INFO("memory (rank ", w_.rank, ", ", params_->strategy(), "): params ", human_bytes(m.params), ", grads ",
@@ -509,7 +555,7 @@ void Trainer::read_batch(const TokenSource& src, int64_t first, int B) {
 // waits for a host copy; the step's one host read is the total, which then
 // rides one all-reduce together with the preemption vote.
 Trainer::StepResult Trainer::train_step(int step) {
-  params_->zero_grads();
+  trained().zero_grads();
   // The mean over the targets in the loss of the whole global batch (all
   // micro-batches and ranks), as PyTorch's ignore_index mean over that
   // batch: every rank counts the same global window from the (mmapped)
@@ -538,19 +584,20 @@ Trainer::StepResult Trainer::train_step(int step) {
   for (int m = 0; m < accum_ && !pipe_; ++m) {
     int64_t first = cursor_ + (int64_t(m) * dp_size_ + dp_rank_) * mb_;
     read_batch(*train_src_, first, mb_);
+    if (adapt_) adapt_->set_microbatch(true, step + 1, first, T_);
     {
       StepTracer::Span span(tracer_.get(), "forward mb" + std::to_string(m), "compute");
-      model_->forward(*params_, dev_in_.as<int32_t>(), dev_tgt_.as<int32_t>(), mb_, T_, true, dloss_scale,
+      model_->forward(units(), dev_in_.as<int32_t>(), dev_tgt_.as<int32_t>(), mb_, T_, true, dloss_scale,
                       docs());
       be_->sum(dev_loss_sum_.as<float>(), model_->losses(), int64_t(mb_) * T_);
     }
     StepTracer::Span span(tracer_.get(), "backward mb" + std::to_string(m), "compute");
-    model_->backward(*params_);
+    model_->backward(units());
   }
   cursor_ += global_B_;
   {
     StepTracer::Span span(tracer_.get(), "finish_grads (gradient reductions)", "collective");
-    params_->finish_grads();
+    trained().finish_grads();
   }
   std::vector<float> v(1, 0.0f);
   be_->copy_to_host(v.data(), dev_loss_sum_.get(), 4);
@@ -597,7 +644,8 @@ double Trainer::evaluate() {
           dev_loss_sum_.as<float>());
     for (int m = 0; m < accum_ && !pipe_; ++m) {
       read_batch(*val_src_, int64_t(e) * global_B_ + (int64_t(m) * dp_size_ + dp_rank_) * mb_, mb_);
-      model_->forward(*params_, dev_in_.as<int32_t>(), dev_tgt_.as<int32_t>(), mb_, T_, false, 0.0f, docs());
+      if (adapt_) adapt_->set_microbatch(false, 0, 0, T_);  // no dropout
+      model_->forward(units(), dev_in_.as<int32_t>(), dev_tgt_.as<int32_t>(), mb_, T_, false, 0.0f, docs());
       be_->sum(dev_loss_sum_.as<float>(), model_->losses(), int64_t(mb_) * T_);
     }
   }
@@ -630,8 +678,10 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
   const auto& tr = job_.train;
   const fs::path out(job_.output.dir);
   TrainState resumed;
-  const bool is_resume = ckpt.load(*params_, resumed);
-  ckpt.prepare(*params_);
+  // Adapters have no checkpoints yet (setup refuses checkpoint.interval):
+  // a run with them always starts fresh, from model.init_from.
+  const bool is_resume = adapt_ ? false : ckpt.load(*params_, resumed);
+  if (!adapt_) ckpt.prepare(*params_);
   // model.init_from replaces the random init, but only for a fresh start: a
   // checkpoint already holds the fine-tuned weights (and the moments) that
   // grew from it. Decided after load() so a resume never needs the directory.
@@ -652,6 +702,11 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
       params_->params_updated();
       if (rank0_) TR_LOG_INFO("model.init_from: initial weights from ", job_.model.init_from);
     }
+  }
+  if (adapt_) {
+    adapt_->init_params();
+    if (rank0_ && !job_.model.adapter.init_from.empty())
+      TR_LOG_INFO("model.adapter.init_from: initial adapters from ", job_.model.adapter.init_from);
   }
   cursor_ = resumed.cursor;
   const int first_step = int(resumed.step);
@@ -704,6 +759,14 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
   rc.entropy_floor = sum.entropy_floor;
   rc.metrics = metrics.get();
   rc.start = t_start;
+  if (adapt_) {
+    // The frozen base computes its forward and input gradient (4N) but no
+    // weight gradient; the adapters all three (6 per parameter).
+    const ModelConfig& c = arch_->config();
+    rc.flops_per_token = 4.0 * double(arch_->matmul_parameters()) + 6.0 * double(adapt_->adapters().layout().total) +
+                         12.0 * double(c.L) * double(c.C) * double(c.T);
+    rc.flops_formula = "4N frozen base + 6 x adapter params + 12*L*C*T";
+  }
   RunReporter reporter(rc);
   if (is_resume && first_step >= tr.max_steps && rank0_)
     TR_LOG_INFO("resume: the checkpoint is at step ", first_step, " >= train.max_steps (", tr.max_steps,
@@ -722,6 +785,7 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
   }
   for (int step = first_step; step < end_step && sum.stop_signal == 0; ++step) {
     params_->set_step(step + 1);  // the world's communicator and the store's own groups
+    if (adapt_) adapt_->store().set_step(step + 1);
     if (mesh_comms_) {
       comm_->set_step(step + 1);
       for (MeshDim d : {MeshDim::tp, MeshDim::dp_shard, MeshDim::dp_replicate, MeshDim::pp})
@@ -741,7 +805,7 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
     double gnorm = 0;
     {
       StepTracer::Span span(tracer_.get(), "grad norm (all_reduce)", "collective");
-      gnorm = std::sqrt(params_->grad_norm_squared());
+      gnorm = std::sqrt(trained().grad_norm_squared());
     }
     // Clip by the global norm: every rank computed the same norm, so every
     // shard scales by the same factor.
@@ -759,7 +823,7 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
       // AdamW's bias correction uses the global step (not the count of
       // applied updates), so a resumed run recomputes it exactly.
       StepTracer::Span span(tracer_.get(), "optimizer (AdamW + gathers)", "optimizer");
-      params_->optimizer_step(ap, step + 1, grad_scale);
+      trained().optimizer_step(ap, step + 1, grad_scale);
     } else {
       ++sum.skipped_steps;
       if (rank0_)
@@ -775,7 +839,7 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
     step_span.reset();  // ends here: eval, reporting and checkpoints are not the step
     if (tracer_) tracer_->end_step();
     const double dt = seconds_since(t0);
-    const double comm_wait = params_->take_comm_wait_seconds();
+    const double comm_wait = trained().take_comm_wait_seconds();
     const double tp_comm = tp_plan_ ? tp_ctx_.take_comm_seconds() : -1;  // before eval: the step's only
     train_time += dt;
     sum.steps = step + 1;
@@ -811,7 +875,7 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
     }
   }
   const bool stopped_early = end_step < tr.max_steps;
-  if (sum.stop_signal == 0 && (job_.checkpoint.final == "true" || stopped_early) &&
+  if (!adapt_ && sum.stop_signal == 0 && (job_.checkpoint.final == "true" || stopped_early) &&
       last_saved != std::max(first_step, end_step) && !(is_resume && first_step >= tr.max_steps))
     save_checkpoint(std::max(first_step, end_step));
   ckpt.wait();
@@ -834,11 +898,33 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
   sum.grads_bytes = mem.grads;
   sum.optimizer_bytes = mem.optimizer;
   sum.host_bytes = mem.host;
+  if (adapt_) {
+    // The frozen base has parameters only; gradients and AdamW state are the adapters'.
+    const ShardMemory am = adapt_->store().memory();
+    sum.params_bytes += am.params;
+    sum.grads_bytes = am.grads;
+    sum.optimizer_bytes = am.optimizer;
+  }
   sum.activation_bytes = network().activation_bytes();
 
   if (sum.stop_signal != 0) {
     // Preempted: the checkpoint is what matters; skip the final export and
     // the sample so the job exits well inside the agent's grace period.
+    log_memory_at_end();
+    comm_->barrier();
+    return sum;
+  }
+  if (adapt_) {
+    // The run's result is the adapter, in peft's format; the base is
+    // model.init_from, unchanged.
+    adapt_->write_peft((out / "adapter").string());
+    sum.wall_seconds = seconds_since(t_start);
+    if (rank0_) {
+      TR_LOG_INFO("adapter: written to ", (out / "adapter").string(),
+                  " (peft.PeftModel.from_pretrained(base, dir) loads it)");
+      if (job_.output.sample_tokens > 0)
+        TR_LOG_INFO("sample: skipped: sampling with adapters is not implemented yet");
+    }
     log_memory_at_end();
     comm_->barrier();
     return sum;

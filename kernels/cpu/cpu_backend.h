@@ -93,6 +93,9 @@ class CpuBackend final : public Backend {
                        int N, int V, int ldv) override;
   void vocab_ce_finish(float* losses, void* dlogits, const void* logits, const int32_t* targets, const float* rowmax,
                        const float* stats, int v_begin, int N, int V, int ldv, float dloss_scale) override;
+  void gemm(void* c, int ldc, bool c_f32, const void* a, int lda, GemmOp ta, const void* b, int ldb, GemmOp tb, int M,
+            int N, int K, float alpha, float beta) override;
+  void dropout_forward(void* out, const void* inp, int N, int C, float p, uint64_t seed, int64_t row0) override;
   void sum_squares(float* out, const float* x, int64_t n) override;
   void sum(float* out, const float* x, int64_t n) override;
   void scale(float* x, float s, int64_t n) override;

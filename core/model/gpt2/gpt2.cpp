@@ -212,14 +212,26 @@ void GPT2::block_forward(const void* p, int l, const void* res_in, int B, int T)
   const int N = B * T, C = cfg_.C, Q = Q_, F = F_;
   auto w = block_ptrs<const void*>(p, GPT2BlockOffsets(C, Q, F), dtype_size(be_->act_dtype()));
   LayerActs& a = acts(l);
-  be_->matmul_forward(a.qkv, tpc_.full_rows(a.ln1, N), w.qkvw, w.qkvb, N, C, 3 * Q);
+  const int gl = stage_.first_layer + l;  // adapters are numbered by the global layer
+  const void* x_qkv = tpc_.full_rows(a.ln1, N);
+  be_->matmul_forward(a.qkv, x_qkv, w.qkvw, w.qkvb, N, C, 3 * Q);
+  if (ad_) ad_->forward(gl, 0, x_qkv, a.qkv, 3 * Q, N);
   be_->attention_forward(a.atty, a.att, a.qkv, B, T, Q, NH_, docs_.doc_start);
   be_->matmul_forward(dbuf_c_, a.atty, w.attprojw, adds_row_bias_ ? w.attprojb : nullptr, N, Q, C);
+  if (ad_) ad_->forward(gl, 1, a.atty, dbuf_c_, C, N);
   const void* attn_out = tpc_.reduce_out(dbuf_c_, N);
   be_->residual_layernorm_forward(a.res2, a.ln2, a.ln2_mean, a.ln2_rstd, res_in, attn_out, w.ln2w,
                                   w.ln2b, tpc_.rows(N), C);
-  be_->matmul_gelu_forward(a.fch_gelu, a.fch, tpc_.full_rows(a.ln2, N), w.fcw, w.fcb, N, C, F);
+  const void* x_fc = tpc_.full_rows(a.ln2, N);
+  be_->matmul_gelu_forward(a.fch_gelu, a.fch, x_fc, w.fcw, w.fcb, N, C, F);
+  if (ad_) {
+    // An adapter on c_fc adds to the pre-activation: the GELU is applied
+    // again over the sum (the fused GEMM's output is overwritten).
+    ad_->forward(gl, 2, x_fc, a.fch, F, N);
+    be_->gelu_forward(a.fch_gelu, a.fch, int64_t(N) * F);
+  }
   be_->matmul_forward(dbuf_c_, a.fch_gelu, w.fcprojw, adds_row_bias_ ? w.fcprojb : nullptr, N, F, C);
+  if (ad_) ad_->forward(gl, 3, a.fch_gelu, dbuf_c_, C, N);
   (void)tpc_.reduce_out(dbuf_c_, N);  // -> mlp_out()
 }
 
@@ -237,6 +249,8 @@ void GPT2::forward(UnitAccess& units, const int32_t* inputs, const int32_t* targ
   T_ = T;
   inputs_ = inputs;
   docs_ = docs;
+  ad_ = units.adapters();
+  frozen_ = units.base_frozen();
   const int N = B * T, C = cfg_.C, L = cfg_.L;
   const size_t es = dtype_size(be_->act_dtype());
   TR_CHECK(!sp_ || N % tp_->plan->size() == 0, "parallel.sequence_parallel: the micro-batch's ", N,
@@ -253,6 +267,7 @@ void GPT2::forward(UnitAccess& units, const int32_t* inputs, const int32_t* targ
   const GPT2BlockOffsets off(C, Q_, F_);
   for (int l = 0; l < L; ++l) {
     const void* p = units.acquire_params(1 + l);
+    if (ad_) ad_->begin_block(stage_.first_layer + l, false);
     auto w = block_ptrs<const void*>(p, off, es);
     LayerActs& a = acts(l);
     if (l == 0)
@@ -261,6 +276,7 @@ void GPT2::forward(UnitAccess& units, const int32_t* inputs, const int32_t* targ
       be_->residual_layernorm_forward(res3_[l - 1], a.ln1, a.ln1_mean, a.ln1_rstd, acts(l - 1).res2,
                                       mlp_out(), w.ln1w, w.ln1b, NR, C);
     block_forward(p, l, l == 0 ? encoded_ : res3_[l - 1], B, T);
+    if (ad_) ad_->end_block(stage_.first_layer + l, false);
     units.release_params(1 + l);
   }
   if (!stage_.last) {
@@ -334,17 +350,29 @@ void GPT2::block_backward(const void* p, float* g, int l, const void* res_in, vo
   LayerActs& a = acts(l);
   // zero_bubble's input step: no weight/bias gradients here (null skips
   // them), their output gradients kept for block_weight_grads.
-  auto W = [&](float* x) { return keep ? nullptr : x; };
+  // A frozen base (adapters): no weight/bias gradients for its linears either.
+  auto W = [&](float* x) { return keep || frozen_ ? nullptr : x; };
+  const int gl = stage_.first_layer + l;
   auto kept = [&](void* dst, const void* src, int64_t n) {
     if (keep) be_->copy_device(dst, src, size_t(n) * es);
   };
   // MLP: res_out = res2 + fcproj(gelu(fc(ln2(res2))))
   const void* dmlp = tpc_.full_rows(dres, N);
   if (keep) kept(keep->d_fcproj, dmlp, int64_t(N) * C);
-  be_->matmul_backward_dgelu(dbuf_4c_, W(dw.fcprojw), W(dw.fcprojb), dmlp, a.fch_gelu, w.fcprojw, a.fch, N, F, C);
+  if (ad_) {
+    // Adapters: d gelu-output = the base's + the adapter's, then the GELU's
+    // backward (the fused dgelu GEMM would apply it to the base's share only).
+    be_->matmul_backward(dbuf_4c_, W(dw.fcprojw), W(dw.fcprojb), dmlp, a.fch_gelu, w.fcprojw, N, F, C);
+    ad_->backward(gl, 3, a.fch_gelu, dmlp, C, dbuf_4c_, N);
+    be_->gelu_backward(dbuf_4c_, a.fch, dbuf_4c_, int64_t(N) * F);
+  } else {
+    be_->matmul_backward_dgelu(dbuf_4c_, W(dw.fcprojw), W(dw.fcprojb), dmlp, a.fch_gelu, w.fcprojw, a.fch, N, F, C);
+  }
   if (keep) kept(keep->d_fc, dbuf_4c_, int64_t(N) * F);
   // (full_rows: dres's gathered copy is consumed; the buffer takes ln2's.)
-  be_->matmul_backward(dbuf_c_, W(dw.fcw), W(dw.fcb), dbuf_4c_, tpc_.full_rows(a.ln2, N), w.fcw, N, C, F);
+  const void* x_fc = tpc_.full_rows(a.ln2, N);
+  be_->matmul_backward(dbuf_c_, W(dw.fcw), W(dw.fcb), dbuf_4c_, x_fc, w.fcw, N, C, F);
+  if (ad_) ad_->backward(gl, 2, x_fc, dbuf_4c_, F, dbuf_c_, N);
   const void* dln2 = tpc_.reduce_out(dbuf_c_, N);
   float* g2 = tpc_.norm_grad(dw.ln2w);  // ln2w | ln2b (adjacent)
   be_->layernorm_backward(dres, g2, g2 + C, dln2, a.res2, w.ln2w, a.ln2_mean, a.ln2_rstd, NR, C);
@@ -353,9 +381,12 @@ void GPT2::block_backward(const void* p, float* g, int l, const void* res_in, vo
   const void* dattn = tpc_.full_rows(dres, N);
   if (keep) kept(keep->d_attproj, dattn, int64_t(N) * C);
   be_->matmul_backward(dbuf_c_, W(dw.attprojw), W(dw.attprojb), dattn, a.atty, w.attprojw, N, Q, C);
+  if (ad_) ad_->backward(gl, 1, a.atty, dattn, C, dbuf_c_, N);
   be_->attention_backward(dbuf_3c_, dbuf_c_, a.qkv, a.atty, a.att, B, T, Q, NH_, docs_.doc_start);
   if (keep) kept(keep->d_qkv, dbuf_3c_, int64_t(N) * 3 * Q);
-  be_->matmul_backward(dbuf_c_, W(dw.qkvw), W(dw.qkvb), dbuf_3c_, tpc_.full_rows(a.ln1, N), w.qkvw, N, C, 3 * Q);
+  const void* x_qkv = tpc_.full_rows(a.ln1, N);
+  be_->matmul_backward(dbuf_c_, W(dw.qkvw), W(dw.qkvb), dbuf_3c_, x_qkv, w.qkvw, N, C, 3 * Q);
+  if (ad_) ad_->backward(gl, 0, x_qkv, dbuf_3c_, 3 * Q, dbuf_c_, N);
   const void* dln1 = tpc_.reduce_out(dbuf_c_, N);
   float* g1 = tpc_.norm_grad(dw.ln1w);  // ln1w | ln1b
   be_->layernorm_backward(dres, g1, g1 + C, dln1, res_in, w.ln1w, a.ln1_mean, a.ln1_rstd, NR, C);
@@ -395,6 +426,8 @@ void GPT2::backward_pass(UnitAccess& units, bool input_only) {
   const int B = B_, T = T_, N = B * T, C = cfg_.C, L = cfg_.L, NR = tpc_.rows(N);
   const size_t es = dtype_size(be_->act_dtype());
   units.begin_pass(true, false);
+  ad_ = units.adapters();
+  frozen_ = units.base_frozen();
   // logits_ now holds dlogits (see forward). Tied head: grads land in the
   // embedding unit's wte gradient, which stays open until the encoder's turn.
   // A pipeline stage before the last starts from the caller's dL/d output
@@ -419,6 +452,7 @@ void GPT2::backward_pass(UnitAccess& units, bool input_only) {
 
   for (int l = L - 1; l >= 0; --l) {
     const void* p = units.acquire_params(1 + l);
+    if (ad_) ad_->begin_block(stage_.first_layer + l, true);  // before the recompute, which reads the adapters
     const void* res_in = l == 0 ? encoded_ : res3_[l - 1];
     // Activation checkpointing: only block outputs (res3_) were kept; rerun
     // this block's forward (from its ln1) to refill the shared per-layer
@@ -431,6 +465,7 @@ void GPT2::backward_pass(UnitAccess& units, bool input_only) {
       block_forward(p, l, res_in, B, T);
     }
     block_backward(p, units.unit_grads(1 + l), l, res_in, dres_, B, T, input_only ? &kept_[size_t(l)] : nullptr);
+    if (ad_) ad_->end_block(stage_.first_layer + l, true);
     units.release_params(1 + l);
     if (!input_only) units.grads_done(1 + l);  // else after backward_weight
   }

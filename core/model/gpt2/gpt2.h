@@ -120,6 +120,8 @@ class GPT2 final : public Network {
   void block_weight_grads(float* g, int l, const KeptGrads& keep, int N);
   void backward_pass(UnitAccess& units, bool input_only);
   std::vector<KeptGrads> kept_;            // per layer, zero_bubble only
+  LinearAdapters* ad_ = nullptr;           // the pass's adapters (UnitAccess::adapters()), null = none
+  bool frozen_ = false;                    // the pass's base is frozen: no base linear weight/bias gradients
   // The first stage's token + position embedding into encoded_; the last
   // stage's final LayerNorm, LM head and loss.
   void embed(UnitAccess& units, const int32_t* inputs, int B, int T);

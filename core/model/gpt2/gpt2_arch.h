@@ -48,6 +48,8 @@ class GPT2Arch final : public ModelArch {
   std::string hf_model_type() const override { return "gpt2"; }
   nlohmann::ordered_json hf_config_json() const override;
   HfTensor hf_tensor(const ParamTensor& t) const override;
+  std::vector<BlockLinear> block_linears() const override;
+  std::string hf_block_prefix(int layer) const override;
   std::string hf_canonical_name(const std::string& file_name) const override;
   bool hf_ignored_buffer(const std::string& canonical_name) const override;
   std::string hf_shape_keys() const override { return "n_layer/n_embd/vocab_size"; }

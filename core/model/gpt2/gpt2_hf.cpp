@@ -114,6 +114,17 @@ ModelConfig gpt2_config_from_hf(const json& c, const std::string& path, const st
   return cfg;
 }
 
+// The block's GEMMs as GPT2 numbers them: 0 c_attn (q|k|v), 1 attn.c_proj,
+// 2 mlp.c_fc, 3 mlp.c_proj (gpt2.cpp's block_forward). HF's Conv1D stores
+// the weights (in, out), but an adapter's A (r, in) and B (out, r) are the
+// same as on a Linear (peft's fan_in_fan_out only transposes the base).
+std::vector<BlockLinear> GPT2Arch::block_linears() const {
+  const int64_t C = cfg_.C;
+  return {{"attn.c_attn", 0, C, 3 * C, 0}, {"attn.c_proj", 1, C, C, 0}, {"mlp.c_fc", 2, C, 4 * C, 0},
+          {"mlp.c_proj", 3, 4 * C, C, 0}};
+}
+std::string GPT2Arch::hf_block_prefix(int layer) const { return "transformer.h." + std::to_string(layer) + "."; }
+
 HfTensor GPT2Arch::hf_tensor(const ParamTensor& t) const {
   if (is_conv1d(t.name)) return {t.name, true, "Hugging Face Conv1D layout: in, out"};
   return {t.name, false, ""};

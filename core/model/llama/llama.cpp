@@ -182,15 +182,22 @@ void LlamaNetwork::block_forward(const void* p, int l, const void* res_in, int B
   const int N = B * T, C = cfg_.C, F = F_;
   auto w = block_ptrs<const void*>(p, LlamaBlockOffsets(C, Q_, KV_, F), dtype_size(be_->act_dtype()));
   LayerActs& a = acts(l);
-  be_->matmul_forward(a.qkv, full_rows(a.ln1, N), w.qkvw, nullptr, N, C, QKV_);
+  const int gl = stage_.first_layer + l;  // adapters are numbered by the global layer
+  const void* x_qkv = full_rows(a.ln1, N);
+  be_->matmul_forward(a.qkv, x_qkv, w.qkvw, nullptr, N, C, QKV_);
+  if (ad_) ad_->forward(gl, 0, x_qkv, a.qkv, QKV_, N);
   be_->rope_forward(a.qkv, rope_, B, T, NH_, NKV_, HS_, 0, docs_.pos);
   be_->attention_gqa_forward(a.atty, a.att, a.qkv, B, T, NH_, NKV_, HS_, docs_.doc_start);
   be_->matmul_forward(dbuf_c_, a.atty, w.ow, nullptr, N, Q_, C);
+  if (ad_) ad_->forward(gl, 1, a.atty, dbuf_c_, C, N);
   const void* attn_out = row_parallel_out(dbuf_c_, N);
   be_->residual_rmsnorm_forward(a.res2, a.ln2, a.ln2_rstd, res_in, attn_out, w.ln2w, rows(N), C, eps_);
-  be_->matmul_forward(a.gu, full_rows(a.ln2, N), w.guw, nullptr, N, C, 2 * F);
+  const void* x_gu = full_rows(a.ln2, N);
+  be_->matmul_forward(a.gu, x_gu, w.guw, nullptr, N, C, 2 * F);
+  if (ad_) ad_->forward(gl, 2, x_gu, a.gu, 2 * F, N);
   be_->swiglu_forward(a.h, a.gu, N, F);
   be_->matmul_forward(dbuf_c_, a.h, w.downw, nullptr, N, F, C);
+  if (ad_) ad_->forward(gl, 3, a.h, dbuf_c_, C, N);
   (void)row_parallel_out(dbuf_c_, N);  // -> mlp_out()
 }
 
@@ -230,6 +237,8 @@ void LlamaNetwork::forward(UnitAccess& units, const int32_t* inputs, const int32
   T_ = T;
   inputs_ = inputs;
   docs_ = docs;
+  ad_ = units.adapters();
+  frozen_ = units.base_frozen();
   const int N = B * T, C = cfg_.C, L = cfg_.L, F = F_;
   const size_t es = dtype_size(be_->act_dtype());
   const LlamaBlockOffsets off(C, Q_, KV_, F);
@@ -247,6 +256,7 @@ void LlamaNetwork::forward(UnitAccess& units, const int32_t* inputs, const int32
   // fused with the RMSNorm that reads it next (block l+1's, or the final one).
   for (int l = 0; l < L; ++l) {
     const void* p = units.acquire_params(1 + l);
+    if (ad_) ad_->begin_block(stage_.first_layer + l, false);
     auto w = block_ptrs<const void*>(p, off, es);
     LayerActs& a = acts(l);
     if (l == 0)
@@ -255,6 +265,7 @@ void LlamaNetwork::forward(UnitAccess& units, const int32_t* inputs, const int32
       be_->residual_rmsnorm_forward(res3_[l - 1], a.ln1, a.ln1_rstd, acts(l - 1).res2, mlp_out(), w.ln1w,
                                     NR, C, eps_);
     block_forward(p, l, l == 0 ? encoded_ : res3_[l - 1], B, T);
+    if (ad_) ad_->end_block(stage_.first_layer + l, false);
     units.release_params(1 + l);
   }
 
@@ -313,14 +324,19 @@ void LlamaNetwork::block_backward(const void* p, float* g, int l, const void* re
   // zero_bubble's input step: no weight gradients here (null skips them),
   // the output gradients they need kept for block_weight_grads (gate|up's
   // stays in a.gu, which nothing else reads).
-  auto W = [&](float* x) { return keep ? nullptr : x; };
+  // A frozen base (adapters): no weight gradients for its linears either.
+  auto W = [&](float* x) { return keep || frozen_ ? nullptr : x; };
+  const int gl = stage_.first_layer + l;
   // MLP: res_out = res2 + down(swiglu(gate_up(RMSNorm(res2))))
   const void* dmlp = full_rows(dres, N);
   if (keep) be_->copy_device(keep->d_down, dmlp, size_t(N) * C * es);
   be_->matmul_backward(dh_, W(dw.downw), nullptr, dmlp, a.h, w.downw, N, F, C);
+  if (ad_) ad_->backward(gl, 3, a.h, dmlp, C, dh_, N);
   be_->swiglu_backward(a.gu, dh_, a.gu, N, F);  // in place: gate|up is not read again
   // (full_rows: dres's gathered copy is consumed; the buffer takes ln2's.)
-  be_->matmul_backward(dbuf_c_, W(dw.guw), nullptr, a.gu, full_rows(a.ln2, N), w.guw, N, C, 2 * F);
+  const void* x_gu = full_rows(a.ln2, N);
+  be_->matmul_backward(dbuf_c_, W(dw.guw), nullptr, a.gu, x_gu, w.guw, N, C, 2 * F);
+  if (ad_) ad_->backward(gl, 2, x_gu, a.gu, 2 * F, dbuf_c_, N);
   // column-parallel: each rank's columns add to the input gradient
   const void* dln2 = row_parallel_out(dbuf_c_, N);
   be_->rmsnorm_backward(dres, norm_grad(dw.ln2w), dln2, a.res2, w.ln2w, a.ln2_rstd, NR, C);
@@ -329,10 +345,13 @@ void LlamaNetwork::block_backward(const void* p, float* g, int l, const void* re
   const void* dattn = full_rows(dres, N);
   if (keep) be_->copy_device(keep->d_o, dattn, size_t(N) * C * es);
   be_->matmul_backward(dbuf_c_, W(dw.ow), nullptr, dattn, a.atty, w.ow, N, Q_, C);
+  if (ad_) ad_->backward(gl, 1, a.atty, dattn, C, dbuf_c_, N);
   be_->attention_gqa_backward(dqkv_, dbuf_c_, a.qkv, a.atty, a.att, B, T, NH_, NKV_, HS_, docs_.doc_start);
   be_->rope_backward(dqkv_, rope_, B, T, NH_, NKV_, HS_, 0, docs_.pos);
   if (keep) be_->copy_device(keep->d_qkv, dqkv_, size_t(N) * QKV_ * es);
-  qkv_backward(dbuf_c_, W(dw.qkvw), dqkv_, full_rows(a.ln1, N), w.qkvw, N);  // dattn is consumed
+  const void* x_qkv = full_rows(a.ln1, N);
+  qkv_backward(dbuf_c_, W(dw.qkvw), dqkv_, x_qkv, w.qkvw, N);  // dattn is consumed
+  if (ad_) ad_->backward(gl, 0, x_qkv, dqkv_, QKV_, dbuf_c_, N);
   const void* dln1 = row_parallel_out(dbuf_c_, N);
   be_->rmsnorm_backward(dres, norm_grad(dw.ln1w), dln1, res_in, w.ln1w, a.ln1_rstd, NR, C);
   norm_grad_done(dw.ln1w);
@@ -397,6 +416,8 @@ void LlamaNetwork::backward_pass(UnitAccess& units, bool input_only) {
   const int B = B_, T = T_, N = B * T, C = cfg_.C, L = cfg_.L, NR = rows(N);
   const size_t es = dtype_size(be_->act_dtype());
   units.begin_pass(true, false);
+  ad_ = units.adapters();
+  frozen_ = units.base_frozen();
   // logits_ holds dlogits (forward with for_backward). Tied: the head's
   // gradient lands in the embedding unit's, which stays open until the
   // embedding's own turn at the end.
@@ -407,6 +428,7 @@ void LlamaNetwork::backward_pass(UnitAccess& units, bool input_only) {
   const LlamaBlockOffsets off(C, Q_, KV_, F_);
   for (int l = L - 1; l >= 0; --l) {
     const void* p = units.acquire_params(1 + l);
+    if (ad_) ad_->begin_block(stage_.first_layer + l, true);  // before the recompute, which reads the adapters
     const void* res_in = l == 0 ? encoded_ : res3_[l - 1];
     // Activation checkpointing: refill the shared per-layer set from the
     // kept block input. The recompute ends in dbuf_c_, which the backward
@@ -417,6 +439,7 @@ void LlamaNetwork::backward_pass(UnitAccess& units, bool input_only) {
       block_forward(p, l, res_in, B, T);
     }
     block_backward(p, units.unit_grads(1 + l), l, res_in, dres_, B, T, input_only ? &kept_[size_t(l)] : nullptr);
+    if (ad_) ad_->end_block(stage_.first_layer + l, true);
     units.release_params(1 + l);
     if (!input_only) units.grads_done(1 + l);  // else after backward_weight
   }

@@ -97,6 +97,8 @@ class LlamaNetwork final : public Network {
   void qkv_backward(void* dinp, float* dqkvw, const void* dqkv, const void* ln1, const void* wqkv, int N);
   void backward_pass(UnitAccess& units, bool input_only);
   std::vector<KeptGrads> kept_;  // per layer, zero_bubble only
+  LinearAdapters* ad_ = nullptr;  // the pass's adapters (UnitAccess::adapters()), null = none
+  bool frozen_ = false;           // the pass's base is frozen: no base linear weight gradients
   // The first stage's token embedding into encoded_; the last stage's head backward.
   void embed(UnitAccess& units, const int32_t* inputs, int B, int T);
   float* head_backward(UnitAccess& units);

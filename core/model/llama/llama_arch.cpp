@@ -76,6 +76,18 @@ LlamaArch::LlamaArch(const ModelConfig& cfg) : ModelArch(resolved(cfg), llama_la
 
 std::unique_ptr<ModelArch> make_llama_arch(const ModelConfig& cfg) { return std::make_unique<LlamaArch>(cfg); }
 
+// The block's GEMMs as LlamaNetwork numbers them: 0 q|k|v, 1 o_proj,
+// 2 gate|up, 3 down_proj (llama.cpp's block_forward).
+std::vector<BlockLinear> LlamaArch::block_linears() const {
+  const ModelConfig& c = cfg_;
+  const int64_t C = c.C, F = c.F, KV = int64_t(c.kv_heads()) * c.head_size();
+  return {{"self_attn.q_proj", 0, C, C, 0},         {"self_attn.k_proj", 0, C, KV, C},
+          {"self_attn.v_proj", 0, C, KV, C + KV},   {"self_attn.o_proj", 1, C, C, 0},
+          {"mlp.gate_proj", 2, C, F, 0},            {"mlp.up_proj", 2, C, F, F},
+          {"mlp.down_proj", 3, F, C, 0}};
+}
+std::string LlamaArch::hf_block_prefix(int layer) const { return "model.layers." + std::to_string(layer) + "."; }
+
 std::string LlamaArch::describe() const {
   const ModelConfig& c = cfg_;
   std::string s = "llama L=" + std::to_string(c.L) + " C=" + std::to_string(c.C) + " heads=" + std::to_string(c.NH) +

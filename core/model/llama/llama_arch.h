@@ -49,6 +49,8 @@ class LlamaArch final : public ModelArch {
   nlohmann::ordered_json hf_config_json() const override;
   void hf_carry_over(const nlohmann::ordered_json& source, nlohmann::ordered_json& out) const override;
   HfTensor hf_tensor(const ParamTensor& t) const override { return {t.name, false, ""}; }
+  std::vector<BlockLinear> block_linears() const override;
+  std::string hf_block_prefix(int layer) const override;
   std::vector<const ParamTensor*> hf_save_order() const override;
   bool hf_ignored_buffer(const std::string& canonical_name) const override;
   std::string hf_shape_keys() const override {

@@ -1,0 +1,103 @@
+// export --merge (adapter_merge.h).
+#include "core/checkpoint/adapter_merge.h"
+
+#include <algorithm>
+
+#include "core/common/error.h"
+#include "core/model/adapter/lora.h"
+#include "core/model/adapter/peft_files.h"
+#include "kernels/backend_factory.h"
+
+namespace trainrun {
+
+namespace {
+// The base's elements with s * B A added inside each adapted weight.
+class MergedSource final : public FlatModelSource {
+ public:
+  MergedSource(std::unique_ptr<FlatModelSource> base, const std::string& adapter_dir,
+               const std::string& what = "export --merge")
+      : base_(std::move(base)), be_(make_cpu_backend(1)) {
+    const LoraOptions o = peft_adapter_options(adapter_dir, what);
+    ad_ = std::make_unique<LoraAdapters>(base_->arch(), o, be_.get(), 1);
+    flat_ = read_peft_adapter(adapter_dir, base_->arch(), *ad_, what);
+    for (const LoraTarget& t : ad_->targets()) {
+      const ParamTensor& w = base_->arch().layout().get(t.module + ".weight");
+      TR_CHECK(w.shape.size() == 2 && w.shape[0] == t.linear.out && w.shape[1] == t.linear.in,
+               "export --merge: ", w.name, " is not the (", t.linear.out, ", ", t.linear.in, ") linear the adapter wraps (a bug)");
+      weights_.push_back(&w);
+    }
+  }
+  const ModelArch& arch() const override { return base_->arch(); }
+  void read(int64_t global, int64_t count, float* out) const override {
+    base_->read(global, count, out);
+    const int64_t r = ad_->options().rank;
+    const double s = ad_->scaling();
+    const ParamLayout& al = ad_->layout();
+    for (size_t k = 0; k < weights_.size(); ++k) {
+      const ParamTensor& w = *weights_[k];
+      const int64_t lo = std::max(global, w.offset), hi = std::min(global + count, w.offset + w.numel);
+      if (lo >= hi) continue;
+      const LoraTarget& t = ad_->targets()[k];
+      const float* A = flat_.data() + al.tensors[size_t(t.a_tensor)].offset;  // (r, in)
+      const float* B = flat_.data() + al.tensors[size_t(t.b_tensor)].offset;  // (out, r)
+      const int64_t in = t.linear.in;
+      for (int64_t e = lo; e < hi; ++e) {
+        const int64_t o = (e - w.offset) / in, i = (e - w.offset) % in;
+        double d = 0;
+        for (int64_t j = 0; j < r; ++j) d += double(B[o * r + j]) * double(A[j * in + i]);
+        out[e - global] += float(s * d);
+      }
+    }
+  }
+
+ private:
+  std::unique_ptr<FlatModelSource> base_;
+  std::unique_ptr<Backend> be_;  // LoraAdapters' scratch (it never computes here)
+  std::unique_ptr<LoraAdapters> ad_;
+  std::vector<float> flat_;  // the adapter (small)
+  std::vector<const ParamTensor*> weights_;  // per target, its base weight
+};
+// Whole-model weights in memory as a source.
+class VectorSource final : public FlatModelSource {
+ public:
+  VectorSource(const ModelArch& arch, const std::vector<float>& flat) : arch_(arch), flat_(flat) {}
+  const ModelArch& arch() const override { return arch_; }
+  void read(int64_t global, int64_t count, float* out) const override {
+    std::copy(flat_.begin() + global, flat_.begin() + global + count, out);
+  }
+
+ private:
+  const ModelArch& arch_;
+  const std::vector<float>& flat_;
+};
+}  // namespace
+
+void merge_adapter_into(const ModelArch& arch, std::vector<float>& flat, const std::string& adapter_dir,
+                        const std::string& what) {
+  TR_CHECK(int64_t(flat.size()) == arch.layout().total, what, ": ", flat.size(), " weights for a model of ",
+           arch.layout().total, " (a bug)");
+  MergedSource merged(std::make_unique<VectorSource>(arch, flat), adapter_dir, what);
+  std::vector<float> out(flat.size());
+  merged.read(0, int64_t(out.size()), out.data());
+  flat.swap(out);
+}
+
+std::string export_merged_hf(const std::string& base, const std::string& adapter_dir, const std::string& out_dir,
+                             const HfExportOptions& opt) {
+  std::string origin, from;
+  std::unique_ptr<FlatModelSource> src;
+  if (is_hf_model_dir(base)) {
+    src = open_hf_source(base, "export --merge");
+    origin = from = base;
+  } else {
+    from = resolve_verified_model_file(base, "export --merge");
+    src = open_model_file_source(from);
+    origin = init_from_of_model_file(from);
+    if (!origin.empty() && !is_hf_model_dir(origin)) origin.clear();
+  }
+  MergedSource merged(std::move(src), adapter_dir);
+  export_hf(out_dir, merged, opt, origin);
+  return from + " + " + adapter_dir;
+}
+
+}  // namespace trainrun

@@ -1,0 +1,228 @@
+// LoRA adapters: layout, init and the per-GEMM forward/backward (lora.h).
+#include "core/model/adapter/lora.h"
+
+#include <algorithm>
+#include <cmath>
+#include <set>
+#include <sstream>
+
+#include "core/common/error.h"
+#include "core/model/init_rng.h"
+
+namespace trainrun {
+
+namespace {
+std::vector<std::string> split_names(const std::string& s) {
+  std::vector<std::string> out;
+  std::string cur;
+  for (char c : s + ",") {
+    if (c == ',') {
+      // trim blanks and the quotes a hand-written list may carry
+      const auto b = cur.find_first_not_of(" \t'\"[");
+      const auto e = cur.find_last_not_of(" \t'\"]");
+      if (b != std::string::npos) out.push_back(cur.substr(b, e - b + 1));
+      cur.clear();
+    } else {
+      cur += c;
+    }
+  }
+  return out;
+}
+std::string join(const std::vector<std::string>& v) {
+  std::string s;
+  for (const auto& x : v) s += (s.empty() ? "" : ", ") + x;
+  return s;
+}
+}  // namespace
+
+LoraOptions LoraOptions::from_spec(const ModelSpec::AdapterSpec& a) {
+  LoraOptions o;
+  o.rank = a.rank;
+  o.alpha = a.alpha;
+  o.dropout = a.dropout;
+  o.target_modules = a.target_modules;
+  return o;
+}
+
+std::vector<std::string> resolve_target_modules(const ModelArch& arch, const std::string& target_modules) {
+  std::vector<std::string> known;
+  for (const BlockLinear& b : arch.block_linears())
+    if (std::find(known.begin(), known.end(), b.short_name()) == known.end()) known.push_back(b.short_name());
+  TR_CHECK(!known.empty(), "model.adapter: the ", arch.display_name(), " architecture has no adaptable linears");
+  const std::vector<std::string> asked = split_names(target_modules);
+  TR_CHECK(!asked.empty(), "model.adapter.target_modules: empty; name the linears to adapt (", join(known),
+           ") or all-linear");
+  if (asked.size() == 1 && asked[0] == "all-linear") return known;
+  std::vector<std::string> out;
+  for (const std::string& n : asked) {
+    TR_CHECK(std::find(known.begin(), known.end(), n) != known.end(), "model.adapter.target_modules: '", n,
+             "' matches no linear of the ", arch.display_name(), " model (its block linears are ", join(known),
+             "; or all-linear); fix the name");
+    if (std::find(out.begin(), out.end(), n) == out.end()) out.push_back(n);
+  }
+  // In the arch's order, so the layout does not depend on how the list was written.
+  std::vector<std::string> ordered;
+  for (const std::string& k : known)
+    if (std::find(out.begin(), out.end(), k) != out.end()) ordered.push_back(k);
+  return ordered;
+}
+
+LoraAdapters::LoraAdapters(const ModelArch& arch, const LoraOptions& opt, Backend* be, int max_rows)
+    : opt_(opt), scale_(opt.scaling()), be_(be), max_rows_(max_rows) {
+  TR_CHECK(opt.rank >= 1, "model.adapter.rank: ", opt.rank, " must be >= 1");
+  TR_CHECK(opt.dropout >= 0 && opt.dropout < 1, "model.adapter.dropout: ", opt.dropout, " must be in [0, 1)");
+  names_ = resolve_target_modules(arch, opt.target_modules);
+  const int L = arch.config().L;
+  const int64_t r = opt.rank;
+  const std::vector<BlockLinear> lins = arch.block_linears();
+  int gemms = 0;
+  for (const BlockLinear& b : lins) gemms = std::max(gemms, b.gemm + 1);
+  by_gemm_.assign(size_t(L), std::vector<std::vector<int>>(size_t(gemms)));
+  LayoutBuilder lb;
+  int64_t max_in = 0;
+  int tensor = 0;
+  for (int l = 0; l < L; ++l) {
+    lb.begin_unit("block " + std::to_string(l));
+    int64_t in_unit = 0;
+    for (const BlockLinear& b : lins) {
+      if (std::find(names_.begin(), names_.end(), b.short_name()) == names_.end()) continue;
+      LoraTarget t;
+      t.layer = l;
+      t.linear = b;
+      t.module = arch.hf_block_prefix(l) + b.module;
+      // Replicated: tensor parallelism is not wired for adapters (the job spec refuses it).
+      lb.add(t.module + ".lora_A.weight", {r, b.in}, true, ParamTensor::Split::Replicated);
+      lb.add(t.module + ".lora_B.weight", {b.out, r}, true, ParamTensor::Split::Replicated);
+      t.a_tensor = tensor++;
+      t.b_tensor = tensor++;
+      t.a_off = in_unit;
+      in_unit += r * b.in;
+      t.b_off = in_unit;
+      in_unit += b.out * r;
+      max_in = std::max(max_in, b.in);
+      by_gemm_[size_t(l)][size_t(b.gemm)].push_back(int(targets_.size()));
+      targets_.push_back(t);
+    }
+    lb.end_unit();
+  }
+  layout_ = lb.finish();
+  const size_t es = dtype_size(be->act_dtype());
+  xd_ = DeviceBuffer(be, size_t(max_rows) * size_t(max_in) * es);
+  xa_ = DeviceBuffer(be, size_t(max_rows) * size_t(r) * es);
+  dxa_ = DeviceBuffer(be, size_t(max_rows) * size_t(r) * es);
+}
+
+// peft: nn.init.kaiming_uniform_(A, a=sqrt(5)): gain sqrt(2/(1+5)), bound
+// gain * sqrt(3/fan_in) = 1/sqrt(in). B: zeros, so the adapted model starts
+// as the base.
+void LoraAdapters::init_params(uint64_t seed, int64_t begin, int64_t end, float* out) const {
+  std::fill(out, out + (end - begin), 0.0f);
+  const uint64_t s = splitmix64(seed ^ 0x4c6f5241ull);  // "LoRA": not the base init's stream
+  for (const LoraTarget& t : targets_) {
+    const ParamTensor& a = layout_.tensors[size_t(t.a_tensor)];
+    const int64_t lo = std::max(begin, a.offset), hi = std::min(end, a.offset + a.numel);
+    const double bound = 1.0 / std::sqrt(double(t.linear.in));
+    for (int64_t i = lo; i < hi; ++i) {
+      const double u = double(splitmix64(s ^ splitmix64(uint64_t(i))) >> 11) * (1.0 / 9007199254740992.0);
+      out[i - begin] = float((2.0 * u - 1.0) * bound);
+    }
+  }
+}
+
+void LoraAdapters::begin_block(int layer, bool backward) {
+  TR_CHECK(params_, "LoraAdapters: no parameter store bound (a bug)");
+  TR_CHECK(layer >= 0 && layer < int(by_gemm_.size()), "LoraAdapters: layer ", layer, " out of range (a bug)");
+  open_layer_ = layer;
+  unit_params_ = static_cast<const char*>(params_->acquire_params(layer));
+  unit_grads_ = backward ? params_->unit_grads(layer) : nullptr;
+}
+
+void LoraAdapters::end_block(int layer, bool backward) {
+  TR_CHECK(layer == open_layer_, "LoraAdapters: block ", layer, " ended while ", open_layer_, " is open (a bug)");
+  params_->release_params(layer);
+  if (backward) params_->grads_done(layer);
+  open_layer_ = -1;
+  unit_params_ = nullptr;
+  unit_grads_ = nullptr;
+}
+
+uint64_t LoraAdapters::target_seed(const LoraTarget& t) const {
+  return splitmix64(drop_seed_ ^ splitmix64(uint64_t(t.a_tensor)));  // a_tensor: unique per target
+}
+
+const void* LoraAdapters::dropped(const LoraTarget& t, const void* x, int N) {
+  if (!dropout_on()) return x;
+  be_->dropout_forward(xd_.get(), x, N, int(t.linear.in), float(opt_.dropout), target_seed(t), row0_);
+  return xd_.get();
+}
+
+void LoraAdapters::forward(int layer, int gemm, const void* x, void* y, int ldy, int N) {
+  TR_CHECK(layer == open_layer_ && N <= max_rows_, "LoraAdapters: forward outside its block or over ", max_rows_,
+           " rows (a bug)");
+  using Op = Backend::GemmOp;
+  const size_t es = dtype_size(be_->act_dtype());
+  const int r = opt_.rank;
+  for (int ti : by_gemm_[size_t(layer)][size_t(gemm)]) {
+    const LoraTarget& t = targets_[size_t(ti)];
+    const int in = int(t.linear.in), out = int(t.linear.out);
+    const void* A = unit_params_ + t.a_off * es;
+    const void* B = unit_params_ + t.b_off * es;
+    const void* xd = dropped(t, x, N);
+    be_->gemm(xa_.get(), r, false, xd, in, Op::N, A, in, Op::T, N, r, in, 1.0f, 0.0f);  // xa = xd A^T
+    char* ycols = static_cast<char*>(y) + t.linear.out_begin * es;
+    be_->gemm(ycols, ldy, false, xa_.get(), r, Op::N, B, r, Op::T, N, out, r, scale_, 1.0f);  // y += s xa B^T
+  }
+}
+
+void LoraAdapters::backward(int layer, int gemm, const void* x, const void* dy, int ldy, void* dx, int N) {
+  TR_CHECK(layer == open_layer_ && unit_grads_ && N <= max_rows_,
+           "LoraAdapters: backward outside its block's backward (a bug)");
+  using Op = Backend::GemmOp;
+  const size_t es = dtype_size(be_->act_dtype());
+  const int r = opt_.rank;
+  for (int ti : by_gemm_[size_t(layer)][size_t(gemm)]) {
+    const LoraTarget& t = targets_[size_t(ti)];
+    const int in = int(t.linear.in), out = int(t.linear.out);
+    const void* A = unit_params_ + t.a_off * es;
+    const void* B = unit_params_ + t.b_off * es;
+    float* dA = unit_grads_ + t.a_off;
+    float* dB = unit_grads_ + t.b_off;
+    const char* dycols = static_cast<const char*>(dy) + t.linear.out_begin * es;
+    // Recompute dropout(x) and xa = dropout(x) A^T (nothing was kept).
+    const void* xd = dropped(t, x, N);
+    be_->gemm(xa_.get(), r, false, xd, in, Op::N, A, in, Op::T, N, r, in, 1.0f, 0.0f);
+    be_->gemm(dB, r, true, dycols, ldy, Op::T, xa_.get(), r, Op::N, out, r, N, scale_, 1.0f);  // dB += s dy^T xa
+    be_->gemm(dxa_.get(), r, false, dycols, ldy, Op::N, B, r, Op::N, N, r, out, scale_, 0.0f);  // dxa = s dy B
+    be_->gemm(dA, in, true, dxa_.get(), r, Op::T, xd, in, Op::N, r, in, N, 1.0f, 1.0f);  // dA += dxa^T xd
+    if (!dropout_on()) {
+      be_->gemm(dx, in, false, dxa_.get(), r, Op::N, A, in, Op::N, N, in, r, 1.0f, 1.0f);  // dx += dxa A
+    } else {
+      // d dropout(x) = dxa A into the scratch (xd is consumed), through the same mask, added to dx.
+      be_->gemm(xd_.get(), in, false, dxa_.get(), r, Op::N, A, in, Op::N, N, in, r, 1.0f, 0.0f);
+      be_->dropout_forward(xd_.get(), xd_.get(), N, in, float(opt_.dropout), target_seed(t), row0_);
+      be_->residual_forward(dx, dx, xd_.get(), int64_t(N) * in);
+    }
+  }
+}
+
+AdaptedUnitAccess::AdaptedUnitAccess(UnitAccess& base, const ParamLayout& base_layout, LoraAdapters& adapters,
+                                     UnitAccess& adapter_params, Backend* be)
+    : base_(base), adapters_(adapters), adapter_params_(adapter_params), be_(be) {
+  int64_t most = 0;
+  for (const ParamUnit& u : base_layout.units) most = std::max(most, u.numel);
+  scratch_bytes_ = size_t(most) * 4;
+  scratch_ = DeviceBuffer(be, scratch_bytes_);
+  adapters_.bind(&adapter_params_);
+}
+
+float* AdaptedUnitAccess::unit_grads(int) { return scratch_.as<float>(); }
+
+void AdaptedUnitAccess::begin_pass(bool backward_pass, bool backward_follows) {
+  base_.begin_pass(backward_pass, backward_follows);
+  adapter_params_.begin_pass(backward_pass, backward_follows);
+  // What the network accumulates there is never read; zeroed once per
+  // backward so it cannot grow to inf over a long run.
+  if (backward_pass) be_->zero(scratch_.get(), scratch_bytes_);
+}
+
+}  // namespace trainrun

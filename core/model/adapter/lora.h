@@ -1,0 +1,138 @@
+// LoRA adapters (Hu et al. 2021, as Hugging Face peft implements them): a
+// frozen base linear y = W x plus a trainable low-rank update
+//
+//   y += s * B A dropout(x),   A (r, in), B (out, r), s = alpha / r
+//
+// on every block linear a target list names (ModelArch::block_linears: HF
+// module names, e.g. q_proj, or all-linear). The adapters are a model of
+// their own for the rest of the system: a ParamLayout with one unit per
+// block ("block l": its A and B tensors, named as peft names them without
+// the "base_model.model." prefix), held by an ordinary ParamStore, so only
+// they get gradients, AdamW state, master weights and checkpoint entries.
+// The base keeps its own layout and store; AdaptedUnitAccess (below) joins
+// the two for the Network, which calls LinearAdapters around each GEMM.
+//
+// Numerics match peft: A starts kaiming-uniform with a = sqrt(5) (U(-1/sqrt(in),
+// 1/sqrt(in))), B zero, so the first forward is the base's. The products are
+// not cached between forward and backward: the backward recomputes
+// dropout(x) and x A^T (N x r, cheap), so the adapters keep no activations
+// (activation checkpointing needs nothing more). Dropout is the backend's
+// counter-based mask of (seed, step, global token row, feature), so N
+// ranks draw what 1 rank draws.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/config/job_spec.h"
+#include "core/model/model.h"
+#include "kernels/backend.h"
+
+namespace trainrun {
+
+struct LoraOptions {
+  int rank = 8;
+  double alpha = 16;
+  double dropout = 0;
+  std::string target_modules = "all-linear";  // comma-joined short names, or all-linear
+  static LoraOptions from_spec(const ModelSpec::AdapterSpec& a);
+  float scaling() const { return float(alpha / rank); }
+};
+
+// One adapted linear.
+struct LoraTarget {
+  int layer = 0;
+  BlockLinear linear;
+  std::string module;    // the HF module: "model.layers.0.self_attn.q_proj"
+  int a_tensor = 0, b_tensor = 0;  // indices into the adapter layout's tensors
+  int64_t a_off = 0, b_off = 0;    // element offsets inside the layer's unit
+};
+
+// The short names target_modules asks for, resolved against the arch's
+// block linears: all-linear = every one; a name matching none is an Error
+// naming it, the key and the names there are.
+std::vector<std::string> resolve_target_modules(const ModelArch& arch, const std::string& target_modules);
+
+class LoraAdapters final : public LinearAdapters {
+ public:
+  // max_rows: the most rows (B*T tokens) one forward computes.
+  LoraAdapters(const ModelArch& arch, const LoraOptions& opt, Backend* be, int max_rows);
+
+  const ParamLayout& layout() const { return layout_; }
+  const std::vector<LoraTarget>& targets() const { return targets_; }
+  const std::vector<std::string>& target_names() const { return names_; }
+  const LoraOptions& options() const { return opt_; }
+  float scaling() const { return scale_; }
+  // Elements [begin, end) of the adapters' flat init (A kaiming-uniform from
+  // (seed, index), B zero), like ModelArch::init_params.
+  void init_params(uint64_t seed, int64_t begin, int64_t end, float* out) const;
+
+  // Where the adapters' parameters and gradients are (their ParamStore, or a
+  // FlatUnitAccess over the adapter layout). Unit l is block l's.
+  void bind(UnitAccess* params) { params_ = params; }
+  // Before each micro-batch's forward: the dropout stream (a function of
+  // the run's seed and the step) and the global index of its first token
+  // row (first sample * T), so a row's mask is the same on any rank layout.
+  void set_dropout_rows(uint64_t seed, int64_t row0) {
+    drop_seed_ = seed;
+    row0_ = row0;
+  }
+  // Dropout applies to training forwards only (peft's nn.Dropout in train
+  // mode); evaluation and sampling forwards run without it.
+  void set_training(bool on) { training_ = on; }
+  // Debug/tests: override the scale (the "break the scaling" mutation check).
+  void set_scaling_for_test(float s) { scale_ = s; }
+
+  void begin_block(int layer, bool backward) override;
+  void end_block(int layer, bool backward) override;
+  void forward(int layer, int gemm, const void* x, void* y, int ldy, int N) override;
+  void backward(int layer, int gemm, const void* x, const void* dy, int ldy, void* dx, int N) override;
+
+ private:
+  const void* dropped(const LoraTarget& t, const void* x, int N);  // dropout(x) or x
+  uint64_t target_seed(const LoraTarget& t) const;
+  bool dropout_on() const { return training_ && opt_.dropout > 0; }
+  LoraOptions opt_;
+  float scale_;
+  Backend* be_;
+  int max_rows_;
+  std::vector<std::string> names_;
+  ParamLayout layout_;
+  std::vector<LoraTarget> targets_;
+  std::vector<std::vector<std::vector<int>>> by_gemm_;  // [layer][gemm] -> target indices
+  UnitAccess* params_ = nullptr;
+  int open_layer_ = -1;
+  const char* unit_params_ = nullptr;  // the open block's adapter parameters
+  float* unit_grads_ = nullptr;        // and gradients (backward)
+  uint64_t drop_seed_ = 0;
+  int64_t row0_ = 0;
+  bool training_ = true;
+  DeviceBuffer xd_, xa_, dxa_;  // (rows, max in) dropout(x) / scratch; (rows, r) x A^T; (rows, r) its gradient
+};
+
+// The Network's view of an adapted model: the base's parameters from its
+// store (frozen: its gradients land in a scratch that is thrown away and no
+// base unit is ever reduced), the adapters' through LoraAdapters. begin_pass
+// reaches both stores, so each prefetches in its own order.
+class AdaptedUnitAccess final : public UnitAccess {
+ public:
+  AdaptedUnitAccess(UnitAccess& base, const ParamLayout& base_layout, LoraAdapters& adapters,
+                    UnitAccess& adapter_params, Backend* be);
+  const void* acquire_params(int unit) override { return base_.acquire_params(unit); }
+  void release_params(int unit) override { base_.release_params(unit); }
+  float* unit_grads(int unit) override;
+  void grads_done(int) override {}
+  void begin_pass(bool backward_pass, bool backward_follows) override;
+  LinearAdapters* adapters() override { return &adapters_; }
+  bool base_frozen() const override { return true; }
+
+ private:
+  UnitAccess& base_;
+  LoraAdapters& adapters_;
+  UnitAccess& adapter_params_;
+  Backend* be_;
+  DeviceBuffer scratch_;  // fp32, the largest base unit: what the network writes as base gradients
+  size_t scratch_bytes_ = 0;
+};
+
+}  // namespace trainrun

@@ -1,0 +1,102 @@
+// AdapterTraining (adapter_training.h).
+#include "core/train/adapter_training.h"
+
+#include <cstdio>
+#include <filesystem>
+
+#include "core/common/error.h"
+#include "core/common/log.h"
+#include "core/model/adapter/peft_files.h"
+#include "core/model/init_rng.h"
+
+namespace fs = std::filesystem;
+
+namespace trainrun {
+
+AdapterTraining::AdapterTraining(const JobSpec& job, const ModelArch& arch, Backend* be, ParamStore& base,
+                                 Communicator& world, std::unique_ptr<Communicator> own_world, int shard_group_size,
+                                 const CommFactory& factory, int max_rows)
+    : job_(job), arch_(arch), be_(be), world_(world), own_world_(std::move(own_world)) {
+  adapters_ = std::make_unique<LoraAdapters>(arch, LoraOptions::from_spec(job.model.adapter), be, max_rows);
+  // hybrid_shard's groups for the adapters: the same ranks as the base's,
+  // under their own rendezvous keys.
+  CommFactory own = [factory](const std::string& prefix, int rank, int world) {
+    return factory("adapter_" + prefix, rank, world);
+  };
+  store_ = make_param_store(job.parallel.sharding, adapters_->layout(), be, own_world_.get(), shard_group_size, own);
+  units_ = std::make_unique<AdaptedUnitAccess>(base, arch.layout(), *adapters_, *store_, be);
+}
+
+void AdapterTraining::init_params() {
+  const ParamLayout& lay = adapters_->layout();
+  std::vector<float> flat(size_t(lay.total));
+  const std::string& from = job_.model.adapter.init_from;
+  if (!from.empty()) {
+    // Every rank reads the (small) file; the ranks agree on any rank's error.
+    std::string why;
+    try {
+      flat = read_peft_adapter(from, arch_, *adapters_, "model.adapter.init_from");
+    } catch (const std::exception& e) {
+      why = e.what();
+    }
+    why = first_error_of_ranks(world_, why);
+    if (!why.empty()) TR_FAIL(why);
+  } else {
+    adapters_->init_params(job_.train.seed, 0, lay.total, flat.data());
+  }
+  for (const ParamStore::Range& r : store_->held_ranges()) {
+    TR_CHECK(r.reps == 1, "adapter: a strided range in the adapter store (a bug)");
+    store_->write_state_range(0, r, flat.data() + r.global);
+  }
+  store_->params_updated();
+}
+
+void AdapterTraining::set_microbatch(bool training, int step, int64_t first_sample, int T) {
+  adapters_->set_training(training);
+  adapters_->set_dropout_rows(splitmix64(job_.train.seed ^ splitmix64(0x64726f70ull + uint64_t(step))),
+                              first_sample * int64_t(T));
+}
+
+std::vector<float> AdapterTraining::gather_whole() {
+  // write_ranges() partition the adapter over the ranks: each fills its
+  // own, one all-reduce sums them (every other element is zero).
+  std::vector<float> flat(size_t(adapters_->layout().total), 0.0f);
+  for (const ParamStore::Range& r : store_->write_ranges()) {
+    TR_CHECK(r.reps == 1, "adapter: a strided range in the adapter store (a bug)");
+    store_->copy_state_range(0, r, flat.data() + r.global);
+  }
+  world_.all_reduce(flat.data(), int64_t(flat.size()), ReduceOp::Sum);
+  return flat;
+}
+
+void AdapterTraining::write_peft(const std::string& dir) {
+  const std::vector<float> flat = gather_whole();
+  std::string why;
+  if (world_.rank() == 0) {
+    try {
+      write_peft_adapter(dir, arch_, *adapters_, flat, job_.model.init_from);
+    } catch (const std::exception& e) {
+      why = e.what();
+    }
+  }
+  why = first_error_of_ranks(world_, why);
+  if (!why.empty()) TR_FAIL(why);
+}
+
+std::string AdapterTraining::trainable_line() const {
+  const int64_t trainable = adapters_->layout().total;
+  const int64_t all = trainable + arch_.num_parameters();
+  auto grouped = [](int64_t v) {
+    std::string s = std::to_string(v), out;
+    for (size_t i = 0; i < s.size(); ++i) {
+      if (i && (s.size() - i) % 3 == 0) out += ',';
+      out += s[i];
+    }
+    return out;
+  };
+  char pct[32];
+  std::snprintf(pct, sizeof pct, "%.4f", 100.0 * double(trainable) / double(all));
+  return "trainable params: " + grouped(trainable) + " || all params: " + grouped(all) + " || trainable%: " + pct;
+}
+
+}  // namespace trainrun

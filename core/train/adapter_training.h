@@ -1,0 +1,61 @@
+// The trainer's side of parameter-efficient fine-tuning (model.adapter,
+// docs/fine-tuning.md): the LoRA adapters (core/model/adapter), their own
+// ParamStore (the only one the optimizer, the gradient norm and the clip
+// see), and the UnitAccess the network computes through (the base's store
+// for the frozen weights, the adapters' for the rest).
+//
+// The adapter store gets its own communicator (or communicators, for
+// hybrid_shard: the factory's groups under an "adapter_" prefix): it runs
+// its collectives on its own thread, and two threads never enqueue on one
+// communicator. Both stores shard alike, so no rank holds the whole base
+// under full_shard / hybrid_shard.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "core/config/job_spec.h"
+#include "core/model/adapter/lora.h"
+#include "parallel/comm/communicator.h"
+#include "parallel/sharding/sharding.h"
+
+namespace trainrun {
+
+class AdapterTraining {
+ public:
+  // base: the base model's store (built as for a full fine-tune); world: the
+  // all-ranks communicator, used from the caller's thread for the adapter's
+  // files; own_world: a communicator over the same ranks for the adapter
+  // store alone. max_rows: micro_batch_size x seq_len.
+  AdapterTraining(const JobSpec& job, const ModelArch& arch, Backend* be, ParamStore& base, Communicator& world,
+                  std::unique_ptr<Communicator> own_world, int shard_group_size, const CommFactory& factory,
+                  int max_rows);
+
+  UnitAccess& units() { return *units_; }
+  ParamStore& store() { return *store_; }
+  const LoraAdapters& adapters() const { return *adapters_; }
+  // The adapters' initial values: model.adapter.init_from's PEFT directory,
+  // else the counter-based init of train.seed (kaiming-uniform A, B zero).
+  void init_params();
+  // Before each micro-batch's forward: training (dropout on) or not, the
+  // step, and the global index of its first sample.
+  void set_microbatch(bool training, int step, int64_t first_sample, int T);
+  // adapter/adapter_config.json + adapter_model.safetensors under `dir`
+  // (rank 0 writes; collective: every rank calls it).
+  void write_peft(const std::string& dir);
+  // "trainable params: 65,536 || all params: 1,235,814,400 || trainable%: 0.0053", as peft prints it.
+  std::string trainable_line() const;
+
+ private:
+  std::vector<float> gather_whole();  // the whole adapter on every rank (it is small)
+  const JobSpec& job_;
+  const ModelArch& arch_;
+  Backend* be_;
+  Communicator& world_;
+  std::unique_ptr<Communicator> own_world_;
+  std::unique_ptr<LoraAdapters> adapters_;
+  std::unique_ptr<ParamStore> store_;
+  std::unique_ptr<AdaptedUnitAccess> units_;
+};
+
+}  // namespace trainrun

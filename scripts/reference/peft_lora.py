@@ -1,0 +1,142 @@
+#!/usr/bin/env python3
+"""Hugging Face peft as the peer of trainrun's LoRA adapters (core/model/adapter).
+
+  peft_lora.py make --arch llama|gpt2 --out DIR --r R --alpha A --targets q_proj,v_proj [--seed S]
+      DIR/base: a small random model (every parameter perturbed, norm gains
+      around 1) saved with save_pretrained; DIR/adapter: a peft LoRA adapter
+      on it (get_peft_model + LoraConfig), its A and B both set to visible
+      random values (peft starts B at zero, which would leave every A
+      gradient zero and hide mistakes), saved with PeftModel.save_pretrained.
+
+  peft_lora.py grads --base DIR --adapter DIR --batch BATCH.safetensors --out OUT.safetensors
+      PeftModel.from_pretrained(base, adapter, is_trainable=True) in fp32;
+      one forward on BATCH's int32 'inputs' (B,T), the mean cross-entropy
+      against its 'targets' (no shift) and a backward. OUT: 'logits'
+      (B,T,V), 'loss' (1) and 'grad.<name>' for every adapter tensor, named
+      as in adapter_model.safetensors.
+
+  peft_lora.py logits --base DIR --adapter DIR --batch BATCH --out OUT
+      The adapted model's logits (PeftModel.from_pretrained, unmerged).
+
+  peft_lora.py merge --base DIR --adapter DIR --out DIR
+      merge_and_unload() saved with save_pretrained (safetensors).
+
+Offline, with the repo's .venv python (transformers 4.44.2, peft 0.12.0, torch 1.13).
+"""
+import argparse
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
+from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
+
+
+def random_base(arch, seed):
+    torch.manual_seed(seed)
+    if arch == "llama":
+        cfg = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                          rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, attention_bias=False,
+                          mlp_bias=False, hidden_act="silu", torch_dtype="float32")
+        model = LlamaForCausalLM(cfg)
+    else:
+        cfg = GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=61, n_positions=16,
+                         activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                         layer_norm_epsilon=1e-5)
+        model = GPT2LMHeadModel(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            base = 1.0 if ("norm" in name or ".ln_" in name) and name.endswith("weight") else 0.0
+            p.copy_(base + 0.1 * torch.randn_like(p))
+    return model
+
+
+def load_adapted(base, adapter, trainable):
+    hf_logging.set_verbosity_error()
+    model = AutoModelForCausalLM.from_pretrained(base, local_files_only=True, torch_dtype=torch.float32)
+    model = PeftModel.from_pretrained(model, adapter, is_trainable=trainable)
+    model.eval()  # no dropout anywhere (lora_dropout is 0 in these tests)
+    return model
+
+
+def file_name(param_name):
+    # named_parameters: ...q_proj.lora_A.default.weight; the file drops the adapter name.
+    return param_name.replace(".default", "")
+
+
+def cmd_make(a):
+    model = random_base(a.arch, a.seed)
+    model.save_pretrained(os.path.join(a.out, "base"), safe_serialization=True)
+    cfg = LoraConfig(r=a.r, lora_alpha=a.alpha, lora_dropout=0.0, target_modules=a.targets.split(","),
+                     bias="none", task_type="CAUSAL_LM", fan_in_fan_out=(a.arch == "gpt2"))
+    peft_model = get_peft_model(model, cfg)
+    torch.manual_seed(a.seed + 1)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(0.2 * torch.randn_like(p))
+    peft_model.save_pretrained(os.path.join(a.out, "adapter"), safe_serialization=True)
+    return 0
+
+
+def cmd_grads(a):
+    model = load_adapted(a.base, a.adapter, True)
+    batch = load_file(a.batch)
+    inputs, targets = batch["inputs"].to(torch.long), batch["targets"].to(torch.long)
+    logits = model(input_ids=inputs).logits.float()
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    loss.backward()
+    ref = {"logits": logits.detach().contiguous(), "loss": loss.detach().reshape(1)}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            ref["grad." + file_name(name)] = p.grad.detach().float().contiguous()
+    save_file(ref, a.out)
+    return 0
+
+
+def cmd_logits(a):
+    model = load_adapted(a.base, a.adapter, False)
+    with torch.no_grad():
+        logits = model(input_ids=load_file(a.batch)["inputs"].to(torch.long)).logits
+    save_file({"logits": logits.float().contiguous()}, a.out)
+    return 0
+
+
+def cmd_merge(a):
+    model = load_adapted(a.base, a.adapter, False).merge_and_unload()
+    model.save_pretrained(a.out, safe_serialization=True)
+    return 0
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers(dest="cmd", required=True)
+    mk = sub.add_parser("make")
+    mk.add_argument("--arch", choices=["llama", "gpt2"], required=True)
+    mk.add_argument("--out", required=True)
+    mk.add_argument("--r", type=int, required=True)
+    mk.add_argument("--alpha", type=float, required=True)
+    mk.add_argument("--targets", required=True)
+    mk.add_argument("--seed", type=int, default=0)
+    for name in ("grads", "logits"):
+        s = sub.add_parser(name)
+        s.add_argument("--base", required=True)
+        s.add_argument("--adapter", required=True)
+        s.add_argument("--batch", required=True)
+        s.add_argument("--out", required=True)
+    mg = sub.add_parser("merge")
+    mg.add_argument("--base", required=True)
+    mg.add_argument("--adapter", required=True)
+    mg.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+    return {"make": cmd_make, "grads": cmd_grads, "logits": cmd_logits, "merge": cmd_merge}[a.cmd](a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
