@@ -89,7 +89,7 @@ int cmd_run(const std::string& config, std::vector<std::string> sets, const Laun
   const LaunchPlan plan = plan_launch(job, flags, current_environment(), this_host_name());
   if (explain) {
     // The mesh and the pipeline's per-rank action lists; nothing starts.
-    std::cout << explain_pipeline_job(job, plan.world_size());
+    std::cout << explain_pipeline_job(job, plan.world_size(), plan.nproc_per_node);
     return 0;
   }
   TR_LOG_INFO("launch: ", plan.describe());

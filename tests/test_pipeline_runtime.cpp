@@ -27,6 +27,7 @@
 #include "core/model/tensor_parallel.h"
 #include "core/train/bench_pipeline.h"
 #include "kernels/backend_factory.h"
+#include "parallel/mesh/device_mesh.h"
 #include "parallel/pipeline/links.h"
 #include "parallel/pipeline/schedule.h"
 #include "parallel/pipeline/stage_plan.h"
@@ -373,6 +374,17 @@ TEST_CASE("pp: pp2 x dp2 under every sharding strategy trains as one rank does",
       check_same(run_pp(model, 4, 2, 1, strategy, "1f1b", 1, sets), ref);
     }
   }
+}
+
+// Issue 30 item 2: hybrid_shard without parallel.shard_group_size takes the
+// dp ranks of a node as its group, and with a pipeline the dp group is
+// world / (tp x pp): one node of 4 ranks at pp2 has dp 2, so the group is 2
+// (it was the node's 4, and the job failed with "shard_group_size (4) must
+// divide ... dp = 2", a key the job never set).
+TEST_CASE("pp: hybrid_shard at pp2 on one node without shard_group_size groups the stage's dp ranks", "[pp][sharding]") {
+  const Run ref = run_pp(kGpt2, 1, 1, 1, "no_shard");
+  check_same(run_pp(kGpt2, 4, 2, 1, "hybrid_shard"), ref);
+  CHECK(default_hybrid_shard_group(4, 1, 2) == 2);  // the trainer's rule for this job
 }
 
 TEST_CASE("pp: pp2 x tp2 trains as one rank does (gpt2, llama tied and untied, sequence parallel)", "[pp][tp]") {

@@ -11,6 +11,7 @@
 #include "core/model/tensor_parallel.h"
 #include "core/train/planner.h"
 #include "core/train/planner_internal.h"
+#include "parallel/mesh/device_mesh.h"
 #include "parallel/pipeline/schedule.h"
 
 namespace trainrun {
@@ -240,8 +241,9 @@ void plan_pipeline_parallel(Plan& plan, const ModelArch& m, const DeviceModel& d
         skip(mesh, std::string(e.what()) + " (" + std::to_string(accum) + " microbatches per step: raise --global-batch)");
         continue;
       }
+      // The trainer's default (parallel/mesh: the dp ranks of a node, a divisor of dp).
       const int hybrid_dp = req.shard_group_size > 0 ? req.shard_group_size
-                                                     : std::max(1, std::min(dp, req.gpus_per_node / tp));
+                                                     : default_hybrid_shard_group(req.gpus_per_node, tp, dp);
       PlanRow best;
       bool have = false;
       for (const char* sname : {"no_shard", "shard_grad_op", "full_shard", "hybrid_shard"}) {

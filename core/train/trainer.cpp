@@ -260,15 +260,16 @@ void Trainer::setup() {
   mb_ = job_.train.micro_batch_size;
   global_B_ = job_.train.derived_global_batch_size();
   // 3b. the mesh: pp x dp_replicate x dp_shard x tp, tp innermost.
-  // hybrid_shard group: the spec's, else the agent's topology decision (the
-  // NVLink island, TRAINRUN_SHARD_GROUP_SIZE), else the ranks of this node;
-  // with tensor parallelism the topology's or the node's ranks hold that
-  // many / tp data-parallel ranks.
+  // hybrid_shard group: the spec's, else the dp ranks inside the agent's
+  // topology decision (the NVLink island, TRAINRUN_SHARD_GROUP_SIZE) or
+  // this node: island / tp of them, at most the dp group (world / (tp x pp))
+  // and a divisor of it, as `trainrun plan` counts it.
   const int tp = job_.parallel.tensor_parallel;
   const int topo_group = env_int("TRAINRUN_SHARD_GROUP_SIZE", 0);
-  int group = job_.parallel.shard_group_size > 0 ? job_.parallel.shard_group_size
-              : topo_group > 0                    ? std::max(1, topo_group / tp)
-                                                  : std::max(1, w_.local_world / tp);
+  const int dp_ranks = std::max(1, w_.world / std::max(1, tp * job_.parallel.pipeline_parallel));
+  int group = job_.parallel.shard_group_size > 0
+                  ? job_.parallel.shard_group_size
+                  : default_hybrid_shard_group(topo_group > 0 ? topo_group : w_.local_world, tp, dp_ranks);
   const MeshDims dims = plan_mesh(w_.world, tp, job_.parallel.pipeline_parallel, job_.parallel.sharding,
                                   job_.parallel.sharding == "hybrid_shard" ? group : 1);
   mesh_ = std::make_unique<DeviceMesh>(dims, w_.rank);
