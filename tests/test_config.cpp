@@ -672,9 +672,14 @@ TEST_CASE("config: bad presets: unknown names suggest the nearest, an arch that 
   CHECK_THAT(err, Catch::Contains("job.yaml:3:17: model.preset: unknown value 'llama3.1-7b'; did you mean "
                                   "'llama3.1-8b'?") &&
                       Catch::Contains("llama3.2-1b") && Catch::Contains("gpt2-1.5b"));
-  // The plan's old spelling gets a suggestion here (one spelling per field).
+  // A name more than one release fits is refused with the exact names it
+  // could mean (issue 30 item 4), in the spec as in plan.
   CHECK_THAT(resolve_error_of(kSynthetic + "model: {preset: llama3-8b}\n"),
-             Catch::Contains("unknown value 'llama3-8b'; did you mean 'llama3.1-8b'?"));
+             Catch::Contains("job.yaml:3:17: model.preset: 'llama3-8b' is ambiguous") &&
+                 Catch::Contains("llama3.1-8b (meta-llama/Llama-3.1-8B)") && !Catch::Contains("unknown value"));
+  CHECK_THAT(resolve_error_of(kSynthetic + "model: {preset: gpt2}\n"),
+             Catch::Contains("'gpt2' is ambiguous: it names a family") && Catch::Contains("gpt2-124m (openai-community/gpt2)") &&
+                 Catch::Contains("gpt2-1.5b (openai-community/gpt2-xl)"));
   CHECK(resolve_error_of(kSynthetic + "model: {preset: gpt2-124m, arch: llama}\n") ==
         "job.yaml:3:34: model.arch: llama but model.preset gpt2-124m is a gpt2; remove one of them");
   // gpt2 has no grouped-query attention, preset or not.

@@ -57,6 +57,9 @@ struct Rule {
   std::optional<Bound> lo, hi;
   std::vector<std::string> choices;  // non-empty = enum
   bool non_empty = false;
+  // An enum value outside choices that this explains better than "unknown
+  // value" (model.preset: a name more than one release fits); "" = no.
+  std::string (*explain_unknown)(const std::string&) = nullptr;
 };
 
 Rule any() { return {}; }
@@ -100,10 +103,11 @@ struct Field {
 #define TR_SPEC_FIELD(path, rule, doc) \
   Field { #path, [](JobSpec& s) -> Ref { return &s.path; }, rule, doc }
 
-std::vector<std::string> preset_choices() {
-  std::vector<std::string> c = {"none"};
-  for (const std::string& n : model_preset_names()) c.push_back(n);
-  return c;
+Rule one_of_presets() {
+  Rule r = one_of({"none"});
+  for (const std::string& n : model_preset_names()) r.choices.push_back(n);
+  r.explain_unknown = ambiguous_preset_message;
+  return r;
 }
 
 // Order here is the order of job_spec_to_yaml() and of the docs. Fields of
@@ -113,7 +117,7 @@ const std::vector<Field>& fields() {
       TR_SPEC_FIELD(backend, one_of({"auto", "cpu", "cuda"}),
                     "compute backend; auto = cuda when a GPU is visible, else cpu"),
 
-      TR_SPEC_FIELD(model.preset, one_of(preset_choices()),
+      TR_SPEC_FIELD(model.preset, one_of_presets(),
                     "a published model's shape (the table in docs/job-spec.md): fills model.arch and every shape "
                     "field this spec does not set (an explicit one wins, with a log line), seq_len with the "
                     "model's original context (Llama 3.x 8192, Llama 2 4096, GPT-2 1024); with model.init_from "
@@ -689,6 +693,8 @@ void check_fields(JobSpec& spec, const Origins& o, const std::string& fallback) 
       const std::string& s = **p;
       if (f.is_enum() && std::find(f.rule.choices.begin(), f.rule.choices.end(), s) == f.rule.choices.end()) {
         const std::string all = join(f.rule.choices, ", ");
+        if (f.rule.explain_unknown)
+          if (const std::string why = f.rule.explain_unknown(s); !why.empty()) fail(where, f.key, why);
         if (auto near = suggest_choice(s, f.rule.choices))
           fail(where, f.key, "unknown value '" + s + "'; did you mean '" + *near + "'? (one of: " + all + ")");
         fail(where, f.key, "unknown value '" + s + "'; use one of: " + all);
