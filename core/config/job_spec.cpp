@@ -132,15 +132,15 @@ const std::vector<Field>& fields() {
       TR_SPEC_FIELD(model.seq_len, at_least(1),
                     "context length in tokens (T) of training; also the size of the position table; with "
                     "model.init_from at most its max_position_embeddings (gpt2: n_positions), and when not set "
-                    "the default capped at that"),
+                    "that, capped at 8192 (logged)"),
       TR_SPEC_FIELD(model.init_std, above(0),
                     "std of the normal weight init; residual projections get init_std/sqrt(2*n_layer)"),
       TR_SPEC_FIELD(model.init_from, any(),
                     "Hugging Face directory (config.json + model.safetensors or sharded safetensors, e.g. from "
                     "save_pretrained or trainrun export) whose weights replace the random init, to fine-tune; its "
                     "config.json gives model.arch (auto) and every shape field this spec does not set, and one "
-                    "set to another value is an error naming both (seq_len is not taken: it is the training "
-                    "context); a resumed checkpoint takes precedence; empty = none"),
+                    "set to another value is an error naming both (seq_len, when not set: its max_position_embeddings, "
+                    "capped at 8192); a resumed checkpoint takes precedence; empty = none"),
       TR_SPEC_FIELD(model.n_kv_head, at_least(0),
                     "key/value heads for grouped-query attention (llama); 0 = n_head; must divide n_head"),
       TR_SPEC_FIELD(model.ffn_dim, at_least(0),
