@@ -265,10 +265,13 @@ const std::vector<Field>& fields() {
       TR_SPEC_FIELD(parallel.pipeline_layers, any(),
                     "layers per virtual stage, e.g. [3, 1] (a YAML list, or '3,1'): they must sum to model.n_layer "
                     "and give every stage at least one; empty = an even split (the first stages one more)"),
-      TR_SPEC_FIELD(parallel.pipeline_reshard, one_of({"false", "true"}),
-                    "true: under full_shard / hybrid_shard a stage re-gathers each unit for every microbatch "
-                    "(less memory, more all-gathers); false: each unit is gathered once per step for all "
-                    "microbatches and its gradient reduce-scattered once after the last"),
+      TR_SPEC_FIELD(parallel.pipeline_reshard, one_of({"auto", "false", "true"}),
+                    "true: a stage gathers each unit for every microbatch and frees it after use, and "
+                    "reduce-scatters its gradient per microbatch (FSDP's memory; more all-gathers, overlapped "
+                    "by prefetch); false: each unit is gathered once per step and held, with its full fp32 "
+                    "gradient, for all microbatches, reduce-scattered after the last (fewer collectives, the "
+                    "stage's parameters and gradients unsharded all step); auto = true under full_shard and "
+                    "hybrid_shard, false under no_shard and shard_grad_op; trainrun plan shows both"),
 
       TR_SPEC_FIELD(checkpoint.interval, at_least(0), "steps between checkpoints; 0 = only the final one"),
       TR_SPEC_FIELD(checkpoint.keep_last, at_least(0), "newest checkpoints kept; older ones are deleted (0 = keep all)"),

@@ -835,6 +835,7 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
   sum.grads_bytes = mem.grads;
   sum.optimizer_bytes = mem.optimizer;
   sum.host_bytes = mem.host;
+  sum.comm_bytes = mem.comm_buffers;
   sum.activation_bytes = network().activation_bytes();
 
   if (sum.stop_signal != 0) {

@@ -225,6 +225,12 @@ class ShardedStore final : public ParamStore {
     keep_embeddings_ = backward_follows;
   }
 
+  void begin_pass_in_order(const std::vector<int>& units) override {
+    seq_ = units;
+    pos_ = 0;
+    keep_embeddings_ = false;  // the caller's order says what comes next
+  }
+
   const void* acquire_params(int u) override {
     if (!shard_params_) return static_cast<char*>(replicated_.get()) + units_[u].padded_off * es_;
     Unit& U = units_[u];
