@@ -401,35 +401,43 @@ TEST_CASE("pp: hybrid_shard at pp2 on one node without shard_group_size groups t
 // parallel.pipeline_reshard. Held (false), a stage keeps every unit
 // gathered and its full fp32 gradient all step: plan counted about two
 // blocks, as without a pipeline. pp2 x dp2 full_shard, 4 microbatches, on
-// the CPU (fp32): rank 0 is stage 0, rank 2 stage 1 (pp outermost).
+// the CPU (fp32): rank 0 is stage 0, rank 2 stage 1 (pp outermost). Six
+// blocks a stage, so that holding them (and their gradients) is well apart
+// from the two or so a per-use stage has live: with two a stage, both
+// figures fall in each other's timing band and the test could not tell the
+// models apart.
 TEST_CASE("pp: plan's stage comm bytes are the stage store's, held and resharded", "[pp][planner]") {
-  const JobSpec spec = parse_job_spec(pp_job("/tmp", kGpt2, "full_shard", 2, 1), "job.yaml");
+  const std::string model = "{arch: gpt2, n_layer: 12, n_head: 4, n_embd: 16, vocab_size: 23, seq_len: 8}";
+  const JobSpec spec = parse_job_spec(pp_job("/tmp", model, "full_shard", 2, 1), "job.yaml");
   const auto arch = make_model_arch(ModelConfig::from_spec(spec.model));
   const auto& u = arch->layout().units;
   int64_t max_shard = 0;
   for (const auto& x : u) max_shard = std::max(max_shard, (x.numel + 1) / 2);
   const double block = double((u[1].numel + 1) / 2 * 2);  // one block's padded unit
-  const Run ref = run_pp(kGpt2, 1, 1, 1, "no_shard");
+  const Run ref = run_pp(model, 1, 1, 1, "no_shard");
   std::map<bool, std::vector<size_t>> measured;
   for (const bool reshard : {false, true}) {
     INFO("pipeline_reshard " << reshard);
     const Run got =
-        run_pp(kGpt2, 4, 2, 1, "full_shard", "1f1b", 1, {std::string("parallel.pipeline_reshard=") + (reshard ? "true" : "false")});
+        run_pp(model, 4, 2, 1, "full_shard", "1f1b", 1, {std::string("parallel.pipeline_reshard=") + (reshard ? "true" : "false")});
     check_same(got, ref);  // stage-order prefetch changes no number
     Sharding s{"full_shard", 2, 2, false, reshard};
     const auto st = estimate_pipeline_memory(*arch, 1, false, 2, "1f1b", 1, 4, s, 1, false, DeviceModel::cpu());
-    for (const int stage : {0, 1}) {
-      const double pred = st[size_t(stage)].mem.comm, meas = double(got.comm_bytes[size_t(2 * stage)]);
-      INFO("stage " << stage << ": plan " << pred << " B, store " << meas << " B");
-      CHECK(got.comm_bytes[size_t(2 * stage)] == got.comm_bytes[size_t(2 * stage + 1)]);  // both dp ranks alike
+    for (const int rank : {0, 1, 2, 3}) {
+      const int stage = rank / 2;  // both dp ranks of a stage hold alike, up to the comm thread's timing
+      const double pred = st[size_t(stage)].mem.comm, meas = double(got.comm_bytes[size_t(rank)]);
+      INFO("rank " << rank << ", stage " << stage << ": plan " << pred << " B, store " << meas << " B");
       if (!reshard) {
         // Exact but for the landing shards of reduce-scatters the comm
         // thread has not finished yet (at most two more than the one counted).
         CHECK(meas >= pred);
         CHECK(meas <= pred + 2 * 4.0 * double(max_shard));
       } else {
-        // Per use: timing decides whether a third block's gradient is still
-        // waiting for its reduce-scatter; within one block's fp32 gradient
+        // Per use: plan counts two blocks' fp32 gradients live (the one
+        // computing, the one whose reduce-scatter overlaps it: NCCL's
+        // deferred reduction); Gloo's on the CPU often finishes first, so
+        // the store may hold one fewer; and the comm thread's timing decides
+        // how many landing shards are out. Within one block's fp32 gradient
         // and two landing shards either way.
         CHECK(std::fabs(meas - pred) <= 4 * block + 2 * 4.0 * double(max_shard));
       }

@@ -271,7 +271,7 @@ const std::vector<Field>& fields() {
                     "by prefetch); false: each unit is gathered once per step and held, with its full fp32 "
                     "gradient, for all microbatches, reduce-scattered after the last (fewer collectives, the "
                     "stage's parameters and gradients unsharded all step); auto = true under full_shard and "
-                    "hybrid_shard, false under no_shard and shard_grad_op; trainrun plan shows both"),
+                    "hybrid_shard, false under no_shard and shard_grad_op; trainrun plan --pp-reshard counts either"),
 
       TR_SPEC_FIELD(checkpoint.interval, at_least(0), "steps between checkpoints; 0 = only the final one"),
       TR_SPEC_FIELD(checkpoint.keep_last, at_least(0), "newest checkpoints kept; older ones are deleted (0 = keep all)"),

@@ -526,8 +526,9 @@ Trainer::StepResult Trainer::train_step(int step) {
         [&](int m, const PipelineExecutor::MicrobatchBuffers& to) { read_microbatch(*train_src_, cursor_, m, to); },
         dloss_scale, dev_loss_sum_.as<float>());
     if (!pp_logged_) {
-      // FSDP under a pipeline gathers each of the stage's units once per
-      // step (not once per microbatch) and reduces it once: said once per rank.
+      // How often FSDP under a pipeline gathered and reduced the stage's
+      // units (once per step held, per microbatch with pipeline_reshard):
+      // said once per rank.
       pp_logged_ = true;
       TR_LOG_INFO("pipeline (rank ", w_.rank, ", pp rank ", mesh_->coord(MeshDim::pp), "): step ", step + 1, ": ",
                   pp_store_->acquires_last_step(), " unit acquires and ", pp_store_->reductions_last_step(),

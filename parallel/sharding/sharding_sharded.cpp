@@ -50,9 +50,12 @@ class BufferPool {
     std::lock_guard<std::mutex> lk(mu_);
     auto& v = free_[bytes];
     if (!v.empty()) {
+      // A reused buffer counts toward the peak too: freed ones of other
+      // sizes stay allocated, so live_ can pass every earlier peak here.
       void* p = v.back();
       v.pop_back();
       live_ += bytes;
+      peak_ = std::max(peak_, live_);
       return p;
     }
     live_ += bytes;
