@@ -90,7 +90,7 @@ int cmd_run(const std::string& config, std::vector<std::string> sets, const Laun
   const LaunchPlan plan = plan_launch(job, flags, current_environment(), this_host_name());
   if (explain) {
     // The mesh and the pipeline's per-rank action lists; nothing starts.
-    std::cout << explain_pipeline_job(job, plan.world_size());
+    std::cout << explain_pipeline_job(job, plan.world_size(), plan.nproc_per_node);
     return 0;
   }
   TR_LOG_INFO("launch: ", plan.describe());
@@ -293,6 +293,7 @@ struct PlanArgs {
   std::string config, model, gpu = "h100", gpu_memory, checkpointing, offload, host_memory;
   std::string topology, nvidia_smi_topo;  // the node's TP links
   std::string pp_schedule;                // "" = the job's parallel.pipeline_schedule, else 1f1b
+  std::string pp_reshard;                 // "" = the job's parallel.pipeline_reshard, else auto
   int pp_virtual_stages = 0;              // 0 = the job's, else 2 for interleaved_1f1b, else 1
   double host_adamw = 0, pcie = 0, nvme_bw = 0;
   std::vector<std::string> sets;
@@ -319,6 +320,7 @@ int cmd_plan(const PlanArgs& a) {
     req.job_tp = job.parallel.tensor_parallel;
     req.job_pp = job.parallel.pipeline_parallel;
     if (!job.parallel.pipeline_schedule.empty()) req.pp_schedule = job.parallel.pipeline_schedule;
+    req.pipeline_reshard = job.parallel.pipeline_reshard;
     if (job.parallel.pipeline_virtual_stages > 1) req.pp_virtual_stages = job.parallel.pipeline_virtual_stages;
     job_topology_file = job.parallel.topology_file;
     job_nproc = job.parallel.nproc_per_node;
@@ -326,6 +328,7 @@ int cmd_plan(const PlanArgs& a) {
   }
   if (!a.model.empty()) req.model = parse_model_shape(a.model);
   if (!a.pp_schedule.empty()) req.pp_schedule = a.pp_schedule;
+  if (!a.pp_reshard.empty()) req.pipeline_reshard = a.pp_reshard;
   if (a.pp_virtual_stages > 0) req.pp_virtual_stages = a.pp_virtual_stages;
   if (a.gpus > 0) req.gpus_per_node = a.gpus;
   req.nodes = a.nodes;
@@ -512,6 +515,7 @@ int main(int argc, char** argv) {
   auto* plan_topo = plan->add_option("--topology", pa.topology, "the node's topology (saved with trainrun topo --save): which TP degrees stay on NVLink (default: the job's parallel.topology_file, else NVLink inside a node)")->check(CLI::ExistingFile);
   plan->add_option("--nvidia-smi-topo", pa.nvidia_smi_topo, "the node's `nvidia-smi topo -m` output, instead of --topology")->check(CLI::ExistingFile)->excludes(plan_topo);
   plan->add_option("--pp-schedule", pa.pp_schedule, "pipeline schedule for the PP table: 1f1b, gpipe, interleaved_1f1b or zero_bubble (default: the job's parallel.pipeline_schedule, else 1f1b)")->check(CLI::IsMember({"1f1b", "gpipe", "interleaved_1f1b", "zero_bubble"}));
+  plan->add_option("--pp-reshard", pa.pp_reshard, "parallel.pipeline_reshard for the PP table: auto (true under full_shard and hybrid_shard), true (a stage gathers each unit per use) or false (it holds its units and fp32 gradients all step) (default: the job's, else auto)")->check(CLI::IsMember({"auto", "true", "false"}));
   plan->add_option("--pp-virtual-stages", pa.pp_virtual_stages, "model chunks per pipeline rank for interleaved_1f1b (default: the job's, else 2)")->check(CLI::Range(1, 64));
   plan->add_option("--nvme-bandwidth", pa.nvme_bw, "NVMe bytes/s per node for offload nvme (default 12e9)")->check(CLI::PositiveNumber);
 

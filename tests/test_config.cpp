@@ -675,9 +675,14 @@ TEST_CASE("config: bad presets: unknown names suggest the nearest, an arch that 
   CHECK_THAT(err, Catch::Contains("job.yaml:3:17: model.preset: unknown value 'llama3.1-7b'; did you mean "
                                   "'llama3.1-8b'?") &&
                       Catch::Contains("llama3.2-1b") && Catch::Contains("gpt2-1.5b"));
-  // The plan's old spelling gets a suggestion here (one spelling per field).
+  // A name more than one release fits is refused with the exact names it
+  // could mean (issue 30 item 4), in the spec as in plan.
   CHECK_THAT(resolve_error_of(kSynthetic + "model: {preset: llama3-8b}\n"),
-             Catch::Contains("unknown value 'llama3-8b'; did you mean 'llama3.1-8b'?"));
+             Catch::Contains("job.yaml:3:17: model.preset: 'llama3-8b' is ambiguous") &&
+                 Catch::Contains("llama3.1-8b (meta-llama/Llama-3.1-8B)") && !Catch::Contains("unknown value"));
+  CHECK_THAT(resolve_error_of(kSynthetic + "model: {preset: gpt2}\n"),
+             Catch::Contains("'gpt2' is ambiguous: it names a family") && Catch::Contains("gpt2-124m (openai-community/gpt2)") &&
+                 Catch::Contains("gpt2-1.5b (openai-community/gpt2-xl)"));
   CHECK(resolve_error_of(kSynthetic + "model: {preset: gpt2-124m, arch: llama}\n") ==
         "job.yaml:3:34: model.arch: llama but model.preset gpt2-124m is a gpt2; remove one of them");
   // gpt2 has no grouped-query attention, preset or not.
@@ -696,4 +701,51 @@ TEST_CASE("config: an explicit field over a preset is logged once by the launche
   CHECK_THAT(r.err, !Catch::Contains("model.n_head"));
   CHECK_THAT(r.out, Catch::Contains("\n  n_layer: 2 ") && Catch::Contains("\n  n_embd: 4096 ") &&
                         Catch::Contains("\n  preset: llama3.1-8b "));
+}
+
+// Issue 30 item 3: model.init_from without model.seq_len trains at the
+// directory's context (max_position_embeddings), capped at 8192 with a line
+// saying so, as model.preset gives the model's context; it trained at the
+// field's default 128 without a word. A set seq_len stays the spec's.
+TEST_CASE("config: model.init_from without seq_len takes the model's positions, capped at 8192, and says so",
+          "[config][init_from]") {
+  tt::TempDir dir("init_ctx");
+  // Llama 3.1 8B's config.json (the shape fields resolution reads; no weights needed).
+  auto hf_dir = [&](const std::string& name, int positions) {
+    const std::string d = dir / name;
+    tt::write_file(d + "/config.json",
+                   "{\"model_type\": \"llama\", \"hidden_size\": 4096, \"intermediate_size\": 14336, "
+                   "\"num_hidden_layers\": 32, \"num_attention_heads\": 32, \"num_key_value_heads\": 8, "
+                   "\"vocab_size\": 128256, \"max_position_embeddings\": " + std::to_string(positions) +
+                   ", \"rms_norm_eps\": 1e-05, \"rope_theta\": 500000.0, \"tie_word_embeddings\": false, "
+                   "\"rope_scaling\": {\"rope_type\": \"llama3\", \"factor\": 8.0, \"low_freq_factor\": 1.0, "
+                   "\"high_freq_factor\": 4.0, \"original_max_position_embeddings\": 8192}}");
+    return d;
+  };
+  const std::string long_ctx = hf_dir("llama31", 131072), short_ctx = hf_dir("short", 300);
+  auto validate = [&](const std::string& hf, const std::string& extra) {
+    tt::write_file(dir / "job.yaml", kSynthetic + "model: {init_from: '" + hf + "'" + extra + "}\n");
+    return tt::run_trainrun("validate --config '" + dir / "job.yaml" + "'");
+  };
+  auto r = validate(long_ctx, "");
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.out, Catch::Contains("\n  seq_len: 8192 "));
+  CHECK_THAT(r.err, Catch::Contains("model.seq_len: 8192 (not set: " + long_ctx +
+                                    "/config.json's max_position_embeddings is 131072, capped at 8192") &&
+                        Catch::Contains("set model.seq_len for longer, up to 131072"));
+  // Fewer positions than the cap: all of them, no cap mentioned.
+  r = validate(short_ctx, "");
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.out, Catch::Contains("\n  seq_len: 300 "));
+  CHECK_THAT(r.err, Catch::Contains("model.seq_len: 300 (not set: " + short_ctx +
+                                    "/config.json's max_position_embeddings is 300)"));
+  // Set: the spec's, silently, up to the directory's positions.
+  r = validate(long_ctx, ", seq_len: 16384");
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.out, Catch::Contains("\n  seq_len: 16384 "));
+  CHECK_THAT(r.err, !Catch::Contains("model.seq_len:"));
+  r = validate(short_ctx, ", seq_len: 512");
+  CHECK(r.exit_code == 1);
+  CHECK_THAT(r.err, Catch::Contains("max_position_embeddings = 300 but model.seq_len is 512"));
 }

@@ -794,7 +794,7 @@ TEST_CASE("llama: a job with only model.init_from trains the directory's Llama",
   test::TempDir dir("llama_init_only");
   const std::string hf = hf_random_llama(dir, "hf", /*tied=*/false, /*scaled=*/true);
   const std::string run = dir / "run";
-  // No shape at all: seq_len's default 128 is capped at the 12 positions.
+  // No shape at all: seq_len is the directory's 12 positions.
   test::write_file(dir / "job.yaml",
                    "model: {init_from: '" + hf + "'}\n"
                    "data: {format: synthetic, synthetic: {vocab: 29, branching: 3}}\n"
@@ -806,8 +806,7 @@ TEST_CASE("llama: a job with only model.init_from trains the directory's Llama",
       test::run_command("OMP_NUM_THREADS=1 '" + test::trainrun_binary() + "' --config '" + dir / "job.yaml" + "'");
   INFO(r.err);
   REQUIRE(r.exit_code == 0);
-  CHECK_THAT(r.err, Contains("model.seq_len: 12 (the default 128 is longer than " + hf +
-                             "/config.json's max_position_embeddings)"));
+  CHECK_THAT(r.err, Contains("model.seq_len: 12 (not set: " + hf + "/config.json's max_position_embeddings is 12)"));
   CHECK_THAT(r.err, Contains("model.init_from: initial weights from"));
   // job.resolved.yaml holds config.json's shape (hf_llama.py random's arguments).
   const std::string resolved = test::read_file(run + "/job.resolved.yaml");

@@ -3,6 +3,7 @@
 // into job.resolved.yaml (which must still load as the same job), compact
 // for meshes of thousands of ranks; and a real tp2 x dp2 run's log and file.
 #include <catch2/catch.hpp>
+#include <algorithm>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
@@ -107,4 +108,72 @@ TEST_CASE("mesh: a tp2 x dp2 run logs the mesh and writes it into job.resolved.y
   INFO(v.err);
   CHECK(v.exit_code == 0);
   CHECK_THAT(v.out, Contains("tensor_parallel: 2") && !Contains("resolved_mesh"));
+}
+
+// Issue 30 item 17: under full_shard (dp_replicate 1) the flattened dp group
+// is the dp_shard group, under no_shard the dp_replicate one; a second
+// communicator over the same ranks (on NCCL: its own GPU buffers and
+// stream) is not built. Only hybrid_shard with both dims > 1 has a dp group
+// of its own.
+TEST_CASE("mesh: the dp group reuses the dp_shard or dp_replicate communicator when they are the same ranks",
+          "[mesh]") {
+  struct Case {
+    const char* sharding;
+    int world, tp, pp, group;
+    int expect_built;
+    MeshDim same_as;  // the dim whose communicator dp() is; tp = a dp communicator of its own
+  };
+  for (const Case& c : {Case{"full_shard", 4, 2, 1, 1, 2, MeshDim::dp_shard},       // tp, dp_shard
+                        Case{"shard_grad_op", 8, 1, 2, 1, 2, MeshDim::dp_shard},    // dp_shard, pp
+                        Case{"no_shard", 4, 2, 1, 1, 2, MeshDim::dp_replicate},     // tp, dp_replicate
+                        Case{"hybrid_shard", 8, 2, 1, 2, 4, MeshDim::tp},           // tp, shard, replicate, dp
+                        Case{"hybrid_shard", 8, 2, 1, 4, 2, MeshDim::dp_shard}}) {  // one group: = full_shard
+    INFO(c.sharding << " world " << c.world << " tp" << c.tp << " pp" << c.pp << " group " << c.group);
+    const MeshDims dims = plan_mesh(c.world, c.tp, c.pp, c.sharding, c.group);
+    for (int r = 0; r < c.world; ++r) {
+      int made = 0;
+      std::vector<std::string> prefixes;
+      const MeshComms comms(DeviceMesh(dims, r), [&](const std::string& prefix, int, int) {
+        ++made;
+        prefixes.push_back(prefix);
+        return make_single_communicator();  // counted, never used
+      });
+      INFO("rank " << r);
+      CHECK(made == c.expect_built);
+      CHECK(comms.built() == c.expect_built);
+      REQUIRE(comms.dp() != nullptr);
+      if (c.same_as == MeshDim::tp) {
+        CHECK(comms.dp() != comms.comm(MeshDim::dp_shard));
+        CHECK(comms.dp() != comms.comm(MeshDim::dp_replicate));
+        CHECK(std::count(prefixes.begin(), prefixes.end(), DeviceMesh(dims, r).dp_group_name() + "/") == 1);
+      } else {
+        CHECK(comms.dp() == comms.comm(c.same_as));
+      }
+    }
+  }
+}
+
+// Issue 30 item 2: hybrid_shard's default group is the dp ranks of a node
+// (or NVLink island), at most dp and a divisor of it; plan_mesh takes it
+// for every pipeline degree a node allows.
+TEST_CASE("mesh: the default hybrid_shard group divides the dp group at every pp degree", "[mesh]") {
+  CHECK(default_hybrid_shard_group(8, 1, 8) == 8);   // one node, pp1: the node
+  CHECK(default_hybrid_shard_group(8, 2, 4) == 4);   // tp2: 4 dp ranks per node
+  CHECK(default_hybrid_shard_group(4, 1, 2) == 2);   // one node of 4 at pp2: dp 2
+  CHECK(default_hybrid_shard_group(8, 2, 2) == 2);   // tp2 x pp2 on 8: dp 2
+  CHECK(default_hybrid_shard_group(8, 1, 16) == 8);  // 2 nodes at pp1 ... or 4 nodes at pp2: a node each
+  CHECK(default_hybrid_shard_group(6, 1, 4) == 2);   // 6 ranks a node, dp 4: the largest common divisor
+  for (int nodes : {1, 2, 4})
+    for (int per_node : {4, 8})
+      for (int tp : {1, 2})
+        for (int pp : {1, 2, 4}) {
+          const int world = nodes * per_node;
+          if (world % (tp * pp) != 0) continue;
+          const int dp = world / (tp * pp);
+          const int g = default_hybrid_shard_group(per_node, tp, dp);
+          INFO(nodes << " x " << per_node << " tp" << tp << " pp" << pp << ": group " << g);
+          const MeshDims d = plan_mesh(world, tp, pp, "hybrid_shard", g);
+          CHECK(d.dp_shard * d.dp_replicate == dp);
+          CHECK(g * tp <= per_node);  // a shard group never leaves a node
+        }
 }

@@ -416,7 +416,7 @@ TEST_CASE("model: model.arch auto follows init_from's model_type, and llama trai
   CHECK(r.exit_code == 1);
   CHECK_THAT(r.err, Contains("model.arch: unknown value 'gpt4'") && Contains("auto, gpt2, llama"));
   // plan still plans a Llama from its shape.
-  r = test::run_trainrun("plan --model llama3-8b --gpus 8");
+  r = test::run_trainrun("plan --model llama3.1-8b --gpus 8");
   CHECK(r.exit_code == 0);
   CHECK_THAT(r.out, Contains("llama L=32 C=4096 heads=32 kv_heads=8 ffn=14336 V=128256 T=8192"));
 }

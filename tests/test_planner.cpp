@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "core/config/job_spec.h"
+#include "core/config/model_presets.h"
 #include "core/model/gpt2/gpt2.h"
 #include "core/model/model_shape.h"
 #include "core/model/tensor_parallel.h"
@@ -119,12 +120,12 @@ TEST_CASE("planner: gpt2 shapes have make_gpt2_layout's units and parameter coun
 TEST_CASE("planner: llama shapes count parameters like the published models", "[planner]") {
   // Llama 3 70B: 70,553,706,496 parameters (Meta's model card: 70B; the HF
   // checkpoint's exact count); Llama 2 7B: 6,738,415,616.
-  CHECK(parse_model_shape("llama3-70b").num_parameters() == 70553706496LL);
+  CHECK(parse_model_shape("llama3.1-70b").num_parameters() == 70553706496LL);
   CHECK(parse_model_shape("llama:L=80,C=8192,heads=64,kv_heads=8,ffn=28672,V=128256,T=4096").num_parameters() ==
         70553706496LL);
   CHECK(parse_model_shape("llama2-7b").num_parameters() == 6738415616LL);
   // Presets take overrides; aliases from HF configs are accepted.
-  const ModelConfig m = parse_model_shape("llama3-70b:T=4096");
+  const ModelConfig m = parse_model_shape("llama3.1-70b:T=4096");
   CHECK(m.T == 4096);
   CHECK(m.NKV == 8);
   CHECK(describe("llama:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,intermediate_size=128,"
@@ -329,7 +330,7 @@ TEST_CASE("planner: bad input to plan gets a clear error and exit code", "[plann
       {"plan --config " + dir / "nope.yaml", 2, "File does not exist"},
       {"plan --config " + dir / "bad.yaml", 1, "model.n_layr: unknown key; did you mean 'model.n_layer'?"},
       {"plan --model gpt3:L=2", 1, "--model 'gpt3:L=2': unknown architecture or preset 'gpt3'; did you mean 'gpt2'?"},
-      {"plan --model llama3-8bb", 1, "unknown architecture or preset 'llama3-8bb'; did you mean 'llama3-8b'?"},
+      {"plan --model llama3.1-8bb", 1, "unknown architecture or preset 'llama3.1-8bb'; did you mean 'llama3.1-8b'?"},
       {"plan --model llama:L=2,C=64,heads=4,V=100,T=16", 1, "ffn is required for llama"},
       {"plan --model gpt2:L=2,C=64,heads=4,V=100,T=16,layres=3", 1, "unknown key 'layres'; did you mean 'L'?"},
       {"plan --model gpt2:L=two,C=64,heads=4,V=100,T=16", 1, "L='two' is not a whole number"},
@@ -366,9 +367,27 @@ TEST_CASE("planner: plan --model takes the model.preset names, and plan --config
   REQUIRE(r.exit_code == 0);
   CHECK_THAT(r.out, Contains("llama L=80 C=8192 heads=64 kv_heads=8 ffn=28672 V=128256 T=8192") &&
                         Contains("70.554B parameters"));
-  // The older spelling is an alias of the same table row.
-  CHECK(parse_model_shape("llama3-70b").num_parameters() == parse_model_shape("llama3.1-70b").num_parameters());
-  CHECK(parse_model_shape("llama3-8b").rope_scaling.factor == 8);
+  // Issue 30 item 4: a name that fits more than one release is refused with
+  // the exact names (llama3-8b was an alias of Llama 3.1's row, RoPE scaling
+  // x8 included, which Meta-Llama-3-8B does not have).
+  for (const std::string amb : {"llama3-8b", "llama3-70b"}) {
+    r = test::run_trainrun("plan --model " + amb + " --gpus 8");
+    INFO(r.err);
+    CHECK(r.exit_code == 1);
+    CHECK_THAT(r.err, Contains("--model '" + amb + "': '" + amb + "' is ambiguous") &&
+                          Contains("which Llama 3 release") &&
+                          Contains(amb == "llama3-8b" ? "llama3.1-8b (meta-llama/Llama-3.1-8B)"
+                                                      : "llama3.1-70b (meta-llama/Llama-3.1-70B)"));
+    CHECK_THROWS_WITH(parse_model_shape(amb), Contains("is ambiguous"));
+  }
+  // A family without a size lists every size; one of its point releases too.
+  CHECK_THROWS_WITH(parse_model_shape("llama3"),
+                    Contains("llama3.2-1b (meta-llama/Llama-3.2-1B), llama3.2-3b (meta-llama/Llama-3.2-3B), "
+                             "llama3.1-8b (meta-llama/Llama-3.1-8B), llama3.1-70b (meta-llama/Llama-3.1-70B)"));
+  CHECK_THROWS_WITH(parse_model_shape("llama3.2"), Contains("llama3.2-1b") && Contains("llama3.2-3b") &&
+                                                       !Contains("llama3.1-8b"));
+  CHECK(ambiguous_preset_message("llama3.1-8b").empty());
+  CHECK(ambiguous_preset_message("llama3.1-7b").empty());  // no such size: a typo, with a suggestion below
   // A preset brings its Llama details, which the shape text has no keys for.
   const ModelConfig one = parse_model_shape("llama3.2-1b:T=2048");
   CHECK(one.T == 2048);
@@ -585,7 +604,7 @@ TEST_CASE("planner: TP degrees the model cannot split are not offered, and say w
   CHECK_THAT(r.out, Contains("tp8: not offered: model.n_head (12) is not divisible by parallel.tensor_parallel (8)") &&
                         Contains("\ntp4 x dp2  full_shard ") && !Contains("\ntp8 x "));
   // Llama 3 8B's 8 KV heads split at tp 8; 6 GPUs only take tp 2.
-  r = test::run_trainrun("plan --model llama3-8b --gpus 6");
+  r = test::run_trainrun("plan --model llama3.1-8b --gpus 6");
   REQUIRE(r.exit_code == 0);
   CHECK_THAT(r.out, Contains("tp4: not offered: does not divide the 6 GPUs") && Contains("tp8: not offered: more than the 6 GPUs"));
 }
@@ -637,7 +656,7 @@ TEST_CASE("planner: Llama 3 70B on 8 x 80 GB gets a mesh that fits", "[planner][
 }
 
 TEST_CASE("planner: TP never goes over PCIe when the node has NVLink, even when it looks faster", "[planner][tp]") {
-  PlanRequest req = request_for("llama3-8b").gpu("a100").gpus(4).batch(1, 4);
+  PlanRequest req = request_for("llama3.1-8b").gpu("a100").gpus(4).batch(1, 4);
   // A node where tp 4 crosses PCIe but the planner is told PCIe is fast:
   // the tp4 rows become the fastest, yet are not recommended.
   req.tp_links = {{2, "NVLink", 300e9, ""}, {4, "PCIe", 1e15, ""}};
@@ -662,7 +681,7 @@ TEST_CASE("planner: TP never goes over PCIe when the node has NVLink, even when 
 
 TEST_CASE("planner: plan reads the TP links from a topology and marks the job's mesh", "[planner][tp][cli]") {
   const std::string fx = std::string(TRAINRUN_SOURCE_DIR) + "/tests/fixtures/topology/";
-  auto r = test::run_trainrun("plan --model llama3-8b --gpu a100 --nvidia-smi-topo '" + fx + "pcie_nvlink_pairs.txt' "
+  auto r = test::run_trainrun("plan --model llama3.1-8b --gpu a100 --nvidia-smi-topo '" + fx + "pcie_nvlink_pairs.txt' "
                               "--activation-checkpointing blocks");
   INFO(r.err);
   REQUIRE(r.exit_code == 0);
@@ -673,7 +692,7 @@ TEST_CASE("planner: plan reads the TP links from a topology and marks the job's 
   CHECK_THAT(r.out, Contains("\ntp4 x dp1  full_shard ") && Contains("tp8: not offered: more than the 4 GPUs"));
   CHECK_THAT(r.out, Contains("\nrecommended: ") && !Contains("recommended: tp4"));
   // A DGX: every degree on NVLink (NV18, capped at the GPU's 450 GB/s).
-  r = test::run_trainrun("plan --model llama3-8b --nvidia-smi-topo '" + fx + "dgx_h100.txt'");
+  r = test::run_trainrun("plan --model llama3.1-8b --nvidia-smi-topo '" + fx + "dgx_h100.txt'");
   REQUIRE(r.exit_code == 0);
   CHECK_THAT(r.out, Contains("  tp8: NVLink, 450 GB/s (NV18 between its GPUs)"));
   // The job's mesh is marked; its topology_file is read.
@@ -690,16 +709,16 @@ TEST_CASE("planner: plan reads the TP links from a topology and marks the job's 
   CHECK_THAT(r.out, Contains("\ntp2 x dp2  full_shard * ") && Contains("(* the job's parallel.tensor_parallel") &&
                         Contains("; sequence parallel)") && Contains("TP links from " + dir / "pairs.json"));
   // Bad input.
-  r = test::run_trainrun("plan --model llama3-8b --topology '" + dir / "missing.json" + "'");
+  r = test::run_trainrun("plan --model llama3.1-8b --topology '" + dir / "missing.json" + "'");
   CHECK(r.exit_code == 2);
   CHECK_THAT(r.err, Contains("--topology"));
-  r = test::run_trainrun("plan --model llama3-8b --topology '" + dir / "pairs.json" + "' --nvidia-smi-topo '" + fx +
+  r = test::run_trainrun("plan --model llama3.1-8b --topology '" + dir / "pairs.json" + "' --nvidia-smi-topo '" + fx +
                          "dgx_h100.txt'");
   CHECK(r.exit_code == 2);
   CHECK_THAT(r.err, Contains("excludes"));
   // A description without GPUs (a CPU node's sysfs fixture) cannot say where TP goes.
   REQUIRE(test::run_trainrun("topo --save '" + dir / "cpu.json" + "' --sysfs-root '" + fx + "sysfs/cpu_only_2numa'").exit_code == 0);
-  r = test::run_trainrun("plan --model llama3-8b --topology '" + dir / "cpu.json" + "'");
+  r = test::run_trainrun("plan --model llama3.1-8b --topology '" + dir / "cpu.json" + "'");
   CHECK(r.exit_code == 1);
   CHECK_THAT(r.err, Contains("has no GPUs; plan needs a GPU node's description"));
 }

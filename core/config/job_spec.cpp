@@ -57,6 +57,9 @@ struct Rule {
   std::optional<Bound> lo, hi;
   std::vector<std::string> choices;  // non-empty = enum
   bool non_empty = false;
+  // An enum value outside choices that this explains better than "unknown
+  // value" (model.preset: a name more than one release fits); "" = no.
+  std::string (*explain_unknown)(const std::string&) = nullptr;
 };
 
 Rule any() { return {}; }
@@ -100,10 +103,11 @@ struct Field {
 #define TR_SPEC_FIELD(path, rule, doc) \
   Field { #path, [](JobSpec& s) -> Ref { return &s.path; }, rule, doc }
 
-std::vector<std::string> preset_choices() {
-  std::vector<std::string> c = {"none"};
-  for (const std::string& n : model_preset_names()) c.push_back(n);
-  return c;
+Rule one_of_presets() {
+  Rule r = one_of({"none"});
+  for (const std::string& n : model_preset_names()) r.choices.push_back(n);
+  r.explain_unknown = ambiguous_preset_message;
+  return r;
 }
 
 // Order here is the order of job_spec_to_yaml() and of the docs. Fields of
@@ -113,7 +117,7 @@ const std::vector<Field>& fields() {
       TR_SPEC_FIELD(backend, one_of({"auto", "cpu", "cuda"}),
                     "compute backend; auto = cuda when a GPU is visible, else cpu"),
 
-      TR_SPEC_FIELD(model.preset, one_of(preset_choices()),
+      TR_SPEC_FIELD(model.preset, one_of_presets(),
                     "a published model's shape (the table in docs/job-spec.md): fills model.arch and every shape "
                     "field this spec does not set (an explicit one wins, with a log line), seq_len with the "
                     "model's original context (Llama 3.x 8192, Llama 2 4096, GPT-2 1024); with model.init_from "
@@ -128,15 +132,15 @@ const std::vector<Field>& fields() {
       TR_SPEC_FIELD(model.seq_len, at_least(1),
                     "context length in tokens (T) of training; also the size of the position table; with "
                     "model.init_from at most its max_position_embeddings (gpt2: n_positions), and when not set "
-                    "the default capped at that"),
+                    "that, capped at 8192 (logged)"),
       TR_SPEC_FIELD(model.init_std, above(0),
                     "std of the normal weight init; residual projections get init_std/sqrt(2*n_layer)"),
       TR_SPEC_FIELD(model.init_from, any(),
                     "Hugging Face directory (config.json + model.safetensors or sharded safetensors, e.g. from "
                     "save_pretrained or trainrun export) whose weights replace the random init, to fine-tune; its "
                     "config.json gives model.arch (auto) and every shape field this spec does not set, and one "
-                    "set to another value is an error naming both (seq_len is not taken: it is the training "
-                    "context); a resumed checkpoint takes precedence; empty = none"),
+                    "set to another value is an error naming both (seq_len, when not set: its max_position_embeddings, "
+                    "capped at 8192); a resumed checkpoint takes precedence; empty = none"),
       TR_SPEC_FIELD(model.n_kv_head, at_least(0),
                     "key/value heads for grouped-query attention (llama); 0 = n_head; must divide n_head"),
       TR_SPEC_FIELD(model.ffn_dim, at_least(0),
@@ -285,10 +289,13 @@ const std::vector<Field>& fields() {
       TR_SPEC_FIELD(parallel.pipeline_layers, any(),
                     "layers per virtual stage, e.g. [3, 1] (a YAML list, or '3,1'): they must sum to model.n_layer "
                     "and give every stage at least one; empty = an even split (the first stages one more)"),
-      TR_SPEC_FIELD(parallel.pipeline_reshard, one_of({"false", "true"}),
-                    "true: under full_shard / hybrid_shard a stage re-gathers each unit for every microbatch "
-                    "(less memory, more all-gathers); false: each unit is gathered once per step for all "
-                    "microbatches and its gradient reduce-scattered once after the last"),
+      TR_SPEC_FIELD(parallel.pipeline_reshard, one_of({"auto", "false", "true"}),
+                    "true: a stage gathers each unit for every microbatch and frees it after use, and "
+                    "reduce-scatters its gradient per microbatch (FSDP's memory; more all-gathers, overlapped "
+                    "by prefetch); false: each unit is gathered once per step and held, with its full fp32 "
+                    "gradient, for all microbatches, reduce-scattered after the last (fewer collectives, the "
+                    "stage's parameters and gradients unsharded all step); auto = true under full_shard and "
+                    "hybrid_shard, false under no_shard and shard_grad_op; trainrun plan --pp-reshard counts either"),
 
       TR_SPEC_FIELD(checkpoint.interval, at_least(0), "steps between checkpoints; 0 = only the final one"),
       TR_SPEC_FIELD(checkpoint.keep_last, at_least(0), "newest checkpoints kept; older ones are deleted (0 = keep all)"),
@@ -715,6 +722,8 @@ void check_fields(JobSpec& spec, const Origins& o, const std::string& fallback) 
       const std::string& s = **p;
       if (f.is_enum() && std::find(f.rule.choices.begin(), f.rule.choices.end(), s) == f.rule.choices.end()) {
         const std::string all = join(f.rule.choices, ", ");
+        if (f.rule.explain_unknown)
+          if (const std::string why = f.rule.explain_unknown(s); !why.empty()) fail(where, f.key, why);
         if (auto near = suggest_choice(s, f.rule.choices))
           fail(where, f.key, "unknown value '" + s + "'; did you mean '" + *near + "'? (one of: " + all + ")");
         fail(where, f.key, "unknown value '" + s + "'; use one of: " + all);

@@ -113,9 +113,19 @@ struct ParallelSpec {
   int pipeline_virtual_stages = 1;     // model chunks per pipeline rank (interleaved_1f1b); 1 otherwise
   std::string pipeline_schedule = "1f1b";  // gpipe | 1f1b | interleaved_1f1b | zero_bubble (refused for now)
   std::string pipeline_layers;         // "" = even split; else layers per virtual stage, "3,1" (YAML list or text)
-  std::string pipeline_reshard = "false";  // "true": FSDP re-gathers a stage's units for every microbatch
+  std::string pipeline_reshard = "auto";  // auto | true | false: a stage re-gathers its units per microbatch
   bool sequence_parallel_on() const { return sequence_parallel == "true"; }
-  bool pipeline_reshard_on() const { return pipeline_reshard == "true"; }
+  bool pipeline_reshard_on() const { return pipeline_reshard_resolved(pipeline_reshard, sharding); }
+  // auto: true where the strategy shards parameters (full_shard,
+  // hybrid_shard): a pipeline stage then holds a unit gathered only while it
+  // computes and reduce-scatters its gradient per microbatch, the memory the
+  // user chose FSDP for; holding a stage's units and fp32 gradients whole for
+  // the step (false) is twice a 70B tp2 x pp2 stage's state on an H200.
+  // no_shard / shard_grad_op replicate parameters anyway: false.
+  static bool pipeline_reshard_resolved(const std::string& setting, const std::string& strategy) {
+    if (setting == "auto") return strategy == "full_shard" || strategy == "hybrid_shard";
+    return setting == "true";
+  }
 };
 
 struct LauncherSpec {

@@ -66,27 +66,56 @@ ModelSpec llama2(int L, int C, int NH, int NKV, int F) {
 
 const std::vector<ModelPreset>& model_presets() {
   static const std::vector<ModelPreset> p = {
-      {"llama3.2-1b", "meta-llama/Llama-3.2-1B", llama3(16, 2048, 32, 8192, true, 32), {}},
-      {"llama3.2-3b", "meta-llama/Llama-3.2-3B", llama3(28, 3072, 24, 8192, true, 32), {}},
-      {"llama3.1-8b", "meta-llama/Llama-3.1-8B", llama3(32, 4096, 32, 14336, false, 8), {"llama3-8b"}},
-      {"llama3.1-70b", "meta-llama/Llama-3.1-70B", llama3(80, 8192, 64, 28672, false, 8), {"llama3-70b"}},
-      {"llama2-7b", "meta-llama/Llama-2-7b-hf", llama2(32, 4096, 32, 32, 11008), {}},
-      {"llama2-70b", "meta-llama/Llama-2-70b-hf", llama2(80, 8192, 64, 8, 28672), {}},
-      {"gpt2-124m", "openai-community/gpt2", gpt2(12, 12, 768), {}},
-      {"gpt2-350m", "openai-community/gpt2-medium", gpt2(24, 16, 1024), {}},
-      {"gpt2-774m", "openai-community/gpt2-large", gpt2(36, 20, 1280), {}},
-      {"gpt2-1.5b", "openai-community/gpt2-xl", gpt2(48, 25, 1600), {}},
+      {"llama3.2-1b", "meta-llama/Llama-3.2-1B", llama3(16, 2048, 32, 8192, true, 32)},
+      {"llama3.2-3b", "meta-llama/Llama-3.2-3B", llama3(28, 3072, 24, 8192, true, 32)},
+      {"llama3.1-8b", "meta-llama/Llama-3.1-8B", llama3(32, 4096, 32, 14336, false, 8)},
+      {"llama3.1-70b", "meta-llama/Llama-3.1-70B", llama3(80, 8192, 64, 28672, false, 8)},
+      {"llama2-7b", "meta-llama/Llama-2-7b-hf", llama2(32, 4096, 32, 32, 11008)},
+      {"llama2-70b", "meta-llama/Llama-2-70b-hf", llama2(80, 8192, 64, 8, 28672)},
+      {"gpt2-124m", "openai-community/gpt2", gpt2(12, 12, 768)},
+      {"gpt2-350m", "openai-community/gpt2-medium", gpt2(24, 16, 1024)},
+      {"gpt2-774m", "openai-community/gpt2-large", gpt2(36, 20, 1280)},
+      {"gpt2-1.5b", "openai-community/gpt2-xl", gpt2(48, 25, 1600)},
   };
   return p;
 }
 
 const ModelPreset* find_model_preset(const std::string& name) {
-  for (const ModelPreset& p : model_presets()) {
+  for (const ModelPreset& p : model_presets())
     if (name == p.name) return &p;
-    for (const char* a : p.aliases)
-      if (name == a) return &p;
-  }
   return nullptr;
+}
+
+std::string ambiguous_preset_message(const std::string& name) {
+  if (name.empty() || find_model_preset(name)) return "";
+  // "family-size" or "family": a preset matches when its family is the
+  // name's or a point release of it (llama3 -> llama3.1, llama3.2) and, if
+  // the name has a size, its size is that size.
+  const size_t dash = name.rfind('-');
+  const std::string family = dash == std::string::npos ? name : name.substr(0, dash);
+  const std::string size = dash == std::string::npos ? "" : name.substr(dash + 1);
+  std::string matches;
+  int n = 0;
+  for (const ModelPreset& p : model_presets()) {
+    const std::string pn = p.name;
+    const size_t pd = pn.rfind('-');
+    const std::string pf = pn.substr(0, pd), ps = pn.substr(pd + 1);
+    const bool family_fits = pf == family || pf.rfind(family + ".", 0) == 0;
+    if (!family_fits || (!size.empty() && ps != size)) continue;
+    matches += std::string(n++ ? ", " : "") + pn + " (" + p.source + ")";
+  }
+  if (n == 0) return "";
+  // A family name without a point release has several (Meta's Llama 3 and
+  // 3.1 differ in RoPE scaling and context at the same size); a bare family
+  // has several sizes.
+  const bool release_missing = family.find('.') == std::string::npos && family.rfind("llama3", 0) == 0;
+  std::string why = size.empty() ? "it names a family, not one model"
+                    : release_missing
+                        ? "it does not say which Llama 3 release (3, 3.1 and 3.2 differ in RoPE scaling: "
+                          "meta-llama/Meta-Llama-3-8B has none, Llama-3.1-8B scales x8)"
+                        : "it names more than one release";
+  return "'" + name + "' is ambiguous: " + why + "; presets are named exactly for the release they copy. Write one of: " +
+         matches + " (for a model no preset names, point model.init_from at its Hugging Face directory)";
 }
 
 std::vector<std::string> model_preset_names() {
@@ -108,8 +137,7 @@ std::string model_presets_markdown() {
       if (!s.empty() && s.back() == '.') s.pop_back();
       return s;
     };
-    std::string name = std::string("`") + p.name + "`";
-    for (const char* a : p.aliases) name += std::string(" (plan: also `") + a + "`)";
+    const std::string name = std::string("`") + p.name + "`";
     const std::string scaling = m.rope_scaling.type == "none"
                                     ? "none"
                                     : m.rope_scaling.type + " x" + num(m.rope_scaling.factor) + " (low " +

@@ -11,18 +11,26 @@
 
 namespace trainrun {
 
+// A preset is named exactly for the release whose config.json it copies
+// ("llama3.1-8b" is meta-llama/Llama-3.1-8B); no alias stands for it. A
+// name that fits more than one release ("llama3-8b": Llama 3 and Llama 3.1
+// share the shape but not the RoPE scaling; "llama3": every size) is
+// refused with the exact names it could mean (ambiguous_preset_message).
 struct ModelPreset {
   const char* name;         // "llama3.1-8b"
   const char* source;       // what it is: the HF model whose config.json it copies
   ModelSpec spec;           // arch and every shape field; seq_len = the model's original context
-  std::vector<const char*> aliases;  // older spellings that `plan --model` still accepts ("llama3-8b")
 };
 
 // In the order they are listed in docs and messages.
 const std::vector<ModelPreset>& model_presets();
-// By name or alias; nullptr when none is.
+// By its exact name; nullptr otherwise.
 const ModelPreset* find_model_preset(const std::string& name);
-// The names (no aliases), for the model.preset enum and help texts.
+// When `name` is not a preset but reads as a family (and size) that more
+// than one preset or release answers to ("llama3-8b", "llama3", "llama3.1"):
+// the error text naming each exact preset it could mean; else "".
+std::string ambiguous_preset_message(const std::string& name);
+// The names, for the model.preset enum and help texts.
 std::vector<std::string> model_preset_names();
 // The table as markdown; docs/job-spec.md embeds it and a test keeps the two equal.
 std::string model_presets_markdown();

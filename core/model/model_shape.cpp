@@ -86,13 +86,15 @@ ModelConfig parse_shape(const std::string& text_in, const std::string& what) {
   if (head == "gpt2" && body.empty()) head = "gpt2-124m";
   const std::vector<std::string> archs = model_arch_names();
   if (const ModelPreset* p = find_model_preset(head)) {
-    // A preset (the job spec's model.preset table, older spellings too)
+    // A preset (the job spec's model.preset table, by its exact name)
     // fills every key, and its Llama details (RoPE, norm eps); the text
     // after ':' overrides some of them.
     m = ModelConfig::from_spec(p->spec);
     set = shape_keys_of(m);
   } else if (std::find(archs.begin(), archs.end(), head) != archs.end()) {
     m.arch = head;
+  } else if (const std::string amb = ambiguous_preset_message(head); !amb.empty()) {
+    TR_FAIL(what, ": ", amb);
   } else {
     std::string names;
     for (const auto& a : archs) names += (names.empty() ? "" : ", ") + a;
@@ -100,10 +102,7 @@ ModelConfig parse_shape(const std::string& text_in, const std::string& what) {
     std::string best;
     size_t bd = 3;
     std::vector<std::string> cands = archs;
-    for (const auto& p : model_presets()) {
-      cands.push_back(p.name);
-      for (const char* a : p.aliases) cands.push_back(a);
-    }
+    for (const auto& p : model_presets()) cands.push_back(p.name);
     for (const auto& c : cands)
       if (size_t d = edit_distance(head, c); d < bd) bd = d, best = c;
     TR_FAIL(what, ": unknown architecture or preset '", head, "'",

@@ -1,6 +1,7 @@
 // model.preset and model.init_from filling the shape (model_spec.h).
 #include "core/model/model_spec.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -131,19 +132,31 @@ void apply_init_from(JobSpec& job, bool log) {
               origin_of(job, k.field), "); remove ", k.field, " to take the directory's value, or set it to ", theirs,
               " (the job's model.* must describe the weights it starts from)");
   }
-  // seq_len is the training context: the spec's, not the directory's, but
-  // no longer than the positions the model has (GPT-2's table has no more
+  // seq_len is the training context: the spec's when it sets one, never
+  // longer than the positions the model has (GPT-2's table has no more
   // rows; Llama's RoPE was not trained past them).
   const int max_t = hf_cfg.T;
-  if (job.model.seq_len > max_t) {
-    TR_CHECK(!job.is_set("model.seq_len"), "model.init_from: '", path, "' has ", arch->hf_context_key(), " = ", max_t,
+  if (job.is_set("model.seq_len")) {
+    TR_CHECK(job.model.seq_len <= max_t, "model.init_from: '", path, "' has ", arch->hf_context_key(), " = ", max_t,
              " but model.seq_len is ", job.model.seq_len, " (", origin_of(job, "model.seq_len"),
              "); set model.seq_len to at most ", max_t, " (the model has no positions beyond that)");
-    TR_LOG_INFO("model.seq_len: ", max_t, " (the default ", job.model.seq_len, " is longer than ", path, "'s ",
-                arch->hf_context_key(), ")");
-    job.model.seq_len = max_t;
-    job.origins["model.seq_len"] = {from, kFromResolution};
+    return;
   }
+  // Not set: the model's context, as model.preset gives it, not the field's
+  // default of 128 (a fine-tune of a Llama at 128 tokens trains silently at
+  // 1/64 of the context it was made for). Capped at kInitFromMaxSeqLen,
+  // with a line saying so.
+  const int t = std::min(max_t, kInitFromMaxSeqLen);
+  if (log)
+    TR_LOG_INFO("model.seq_len: ", t, " (not set: ", path, "'s ", arch->hf_context_key(), " is ", max_t,
+                max_t > kInitFromMaxSeqLen
+                    ? ", capped at " + std::to_string(kInitFromMaxSeqLen) +
+                          ", the context Llama 3 was pre-trained at and model.preset's; set model.seq_len for "
+                          "longer, up to " + std::to_string(max_t)
+                    : std::string(""),
+                ")");
+  job.model.seq_len = t;
+  job.origins["model.seq_len"] = {from, kFromResolution};
 }
 
 }  // namespace

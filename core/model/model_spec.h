@@ -7,9 +7,10 @@
 //                                has 32)"; model.init_from's config.json with
 //                                another one is an error naming both
 //   else, model.preset           the preset's value
-//   else, model.init_from        config.json's (seq_len excepted: the training
-//                                context stays the spec's, at most the
-//                                directory's max_position_embeddings)
+//   else, model.init_from        config.json's; seq_len: its
+//                                max_position_embeddings (gpt2: n_positions)
+//                                capped at kInitFromMaxSeqLen, logged (a set
+//                                seq_len must be at most the directory's)
 //   else                         the default
 // ("Set" to a sentinel that means "the model's own", tie_embeddings: auto,
 // n_kv_head: 0, ffn_dim: 0, arch: auto, counts as not set.)
@@ -25,6 +26,15 @@
 #include "core/config/job_spec.h"
 
 namespace trainrun {
+
+// The longest model.seq_len that model.init_from gives a job that sets none:
+// 8192, the context Llama 3.x was pre-trained at (its rope_scaling's
+// original_max_position_embeddings) and the seq_len of model.preset's Llama 3
+// rows and of torchtitan's Llama 3 training configs. Llama 3.1's config.json
+// allows 131072 after long-context training; at that length one micro-batch's
+// activations alone outgrow a GPU, so a longer context is asked for, not
+// assumed. Models with fewer positions (GPT-2's 1024, Llama 2's 4096) get theirs.
+constexpr int kInitFromMaxSeqLen = 8192;
 
 // Resolves in place, then runs validate_job_spec() (the rules that read the
 // shape were deferred by the parser). `log`: the explicit-over-preset lines

@@ -2,6 +2,7 @@
 #include "core/train/pipeline_explain.h"
 #include "core/train/planner.h"
 
+#include <algorithm>
 #include <sstream>
 
 #include "core/common/error.h"
@@ -12,12 +13,14 @@
 
 namespace trainrun {
 
-std::string explain_pipeline_job(const JobSpec& job, int world) {
+std::string explain_pipeline_job(const JobSpec& job, int world, int ranks_per_node) {
   const ParallelSpec& p = job.parallel;
   const int pp = p.pipeline_parallel, tp = p.tensor_parallel, v = p.pipeline_virtual_stages;
-  const MeshDims dims = plan_mesh(world, tp, pp, p.sharding, p.sharding == "hybrid_shard" && p.shard_group_size > 0
-                                                                 ? p.shard_group_size
-                                                                 : 1);
+  // hybrid_shard without a group: the trainer's default (the dp ranks of a node).
+  const int group = p.shard_group_size > 0 ? p.shard_group_size
+                                           : default_hybrid_shard_group(ranks_per_node > 0 ? ranks_per_node : world, tp,
+                                                                        world / std::max(1, tp * pp));
+  const MeshDims dims = plan_mesh(world, tp, pp, p.sharding, p.sharding == "hybrid_shard" ? group : 1);
   const int mb = job.train.micro_batch_size, gb = job.train.derived_global_batch_size();
   TR_CHECK(mb > 0 && gb % (mb * dims.dp()) == 0, "train.global_batch_size (", gb,
            ") must be a multiple of train.micro_batch_size (", mb, ") x data-parallel size (", dims.dp(), ")");

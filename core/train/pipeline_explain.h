@@ -11,6 +11,6 @@ namespace trainrun {
 
 // world: the ranks the launch would start. Errors (a bad split, too few
 // microbatches) are thrown as at launch.
-std::string explain_pipeline_job(const JobSpec& job, int world);
+std::string explain_pipeline_job(const JobSpec& job, int world, int ranks_per_node = 0);  // 0 = world
 
 }  // namespace trainrun

@@ -77,6 +77,12 @@ struct Sharding {
   // act-dtype parameter shard (and hybrid_shard its gradient shard, which
   // it all-reduces across replicas on the device).
   bool offload = false;
+  // Pipelines only: parallel.pipeline_reshard resolved for this strategy
+  // (JobSpec's auto: true under full_shard / hybrid_shard). true: a stage
+  // gathers a unit per use and reduce-scatters its gradient per microbatch;
+  // false: it holds every unit gathered, and its full fp32 gradient, for
+  // the whole step (parallel/pipeline/stage_store.h).
+  bool pipeline_reshard = true;
 };
 // Host bytes per rank that offload keeps (16 per element of the rank's state).
 double offload_host_bytes_per_rank(const ModelArch& m, const Sharding& s);
@@ -159,6 +165,7 @@ struct PlanRequest {
   std::string pp_schedule = "1f1b";
   int pp_virtual_stages = 1;       // 0 = 2 for interleaved_1f1b, else 1
   int job_pp = 0;                  // the job's parallel.pipeline_parallel, marked; 0 = none
+  std::string pipeline_reshard = "auto";  // the job's parallel.pipeline_reshard (--pp-reshard): auto | true | false
 };
 
 // The schedule's bubble as a share of the step's compute: (p-1)/m for gpipe
@@ -169,7 +176,8 @@ double pipeline_bubble_formula(const std::string& schedule, int pp, int virtual_
 // One pipeline rank's memory: its stage's units (blocks; the first stage
 // the embedding, the last the final norm and head and, when tied and
 // pp > 1, its copy of the embedding) over the TP-local layout, sharded over
-// dp as `s` says; activations: `in_flight` stage networks (the executor
+// dp as `s` says (comm: the stage store's gathered units and full-size
+// gradients, held all step or per use as s.pipeline_reshard says); activations: `in_flight` stage networks (the executor
 // holds one per microbatch in flight, each with its own arena: its chunk's
 // blocks, the rest of an arena, the head's buffers on the last stage only,
 // and zero_bubble's kept output gradients); in_flight is the schedule
@@ -199,6 +207,7 @@ struct PlanRow {
   int pp_v = 1, worst_stage = 0, worst_in_flight = 0;
   double bubble = 0, p2p_s = 0;
   std::string pp_link;
+  bool pp_reshard = false;        // pipeline rows: the stage store re-gathers per microbatch (sharding.pipeline_reshard)
   std::string tp_link = "none";   // the TP group's link: none (tp 1), NVLink, PCIe, cross-node
   double tp_comm_s = 0;           // TP activation collectives per step (exposed: between GEMMs)
   Sharding sharding;              // over the dp ranks

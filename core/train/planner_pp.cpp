@@ -11,6 +11,7 @@
 #include "core/model/tensor_parallel.h"
 #include "core/train/planner.h"
 #include "core/train/planner_internal.h"
+#include "parallel/mesh/device_mesh.h"
 #include "parallel/pipeline/schedule.h"
 
 namespace trainrun {
@@ -66,6 +67,46 @@ double pipeline_transient_bytes(const ModelArch& m, const TpLocalShape& sh, bool
   *outside_arena = 0;
   if (llama && sh.kv_replicas > 1) *outside_arena = r64(QKV * C * 4) + r64(double(mc.kv_heads()) * 2 * sh.NKV * HS * C * 4);
   return t + *outside_arena;
+}
+
+// The stage store's communication buffers (parallel/pipeline/stage_store.cpp
+// over sharding_sharded.cpp's pool), from each chunk pass's units in the
+// order its network acquires them (the stage store's begin_chunk_pass),
+// padded to the shard group:
+//   held (pipeline_reshard false): every unit of the stage gathered
+//     (full_shard / hybrid_shard) and its full fp32 gradient, all step (the
+//     reductions wait for the last microbatch); one landing shard.
+//   reshard: the gathers of two consecutive units of a pass (the one
+//     computing, the next one prefetched); the fp32 gradients of two
+//     consecutive units of a backward (the one computing, the one being
+//     reduce-scattered behind it); the tied embedding's (or its copy's)
+//     gradient, open all step for the sum between the first and last
+//     stage; one landing shard.
+struct ChunkPasses {
+  std::vector<int64_t> forward, backward;  // unit numels, acquire order
+  std::vector<int64_t> grads;              // backward's gradients reduced per microbatch, in order
+  int64_t tied = 0;                        // the tied unit's numel on this chunk (0: none)
+};
+double stage_comm_bytes(const std::vector<ChunkPasses>& chunks, const Sharding& s, double a) {
+  if (s.strategy == "no_shard") return 0;  // replicated: no gathers, gradients in place
+  const int64_t G = std::max(1, s.group);
+  auto pad = [&](int64_t n) { return double(ceil_div(n, G) * G); };
+  const bool gathers = s.strategy != "shard_grad_op";
+  double max_shard = 0, held = 0, pair_params = 0, pair_grads = 0, tied = 0;
+  for (const ChunkPasses& c : chunks) {
+    for (int64_t n : c.forward) max_shard = std::max(max_shard, double(ceil_div(n, G))), held += pad(n);
+    auto max_pair = [&](const std::vector<int64_t>& v) {
+      double m = v.empty() ? 0 : pad(v.front());
+      for (size_t i = 1; i < v.size(); ++i) m = std::max(m, pad(v[i - 1]) + pad(v[i]));
+      return m;
+    };
+    pair_params = std::max({pair_params, max_pair(c.forward), max_pair(c.backward)});
+    pair_grads = std::max(pair_grads, max_pair(c.grads));
+    if (c.tied > 0) tied += pad(c.tied);
+  }
+  const double landing = 4 * max_shard;
+  if (!s.pipeline_reshard) return (gathers ? a * held : 0) + 4 * held + landing;
+  return (gathers ? a * pair_params : 0) + 4 * (pair_grads + tied) + landing;
 }
 
 // estimate_pipeline_memory with the TP plan built once by the caller (a
@@ -129,6 +170,7 @@ std::vector<PipelineStageMemory> pipeline_memory(const ModelArch& m, const Tenso
     PipelineStageMemory st;
     st.rank = r;
     std::vector<int64_t> mine;
+    std::vector<ChunkPasses> passes;
     int first_layer_of_rank_chunk = 0, max_chunk = 0;
     std::vector<int> starts(split.size(), 0);
     for (size_t i = 1; i < split.size(); ++i) starts[i] = starts[i - 1] + split[i - 1];
@@ -137,13 +179,37 @@ std::vector<PipelineStageMemory> pipeline_memory(const ModelArch& m, const Tenso
       first_layer_of_rank_chunk = starts[size_t(vs)];
       max_chunk = std::max(max_chunk, split[size_t(vs)]);
       st.layers += split[size_t(vs)];
-      if (vs == 0) mine.push_back(units.front());  // the embedding
-      for (int l = 0; l < split[size_t(vs)]; ++l) mine.push_back(units[size_t(1 + first_layer_of_rank_chunk + l)]);
+      ChunkPasses cp;
+      std::vector<int64_t> blocks;
+      for (int l = 0; l < split[size_t(vs)]; ++l) blocks.push_back(units[size_t(1 + first_layer_of_rank_chunk + l)]);
+      if (vs == 0) {
+        mine.push_back(units.front());  // the embedding
+        cp.forward.push_back(units.front());
+        if (mc.tied) cp.tied = units.front();  // its gradient waits for the last stage's
+      }
+      mine.insert(mine.end(), blocks.begin(), blocks.end());
+      cp.forward.insert(cp.forward.end(), blocks.begin(), blocks.end());
       if (vs == pp * v - 1) {
         mine.push_back(units.back());  // final norm and head
+        cp.forward.push_back(units.back());
         // A tied head reads the embedding: the last stage holds a copy.
         if (mc.tied && r != 0) mine.push_back(units.front());
+        if (mc.tied) {
+          cp.forward.push_back(units.front());
+          cp.backward.push_back(units.front());
+          if (r != 0) cp.tied = units.front();
+        }
+        cp.backward.push_back(units.back());
+        cp.grads.push_back(units.back());
       }
+      cp.backward.insert(cp.backward.end(), blocks.rbegin(), blocks.rend());
+      cp.grads.insert(cp.grads.end(), blocks.rbegin(), blocks.rend());
+      // The first stage's embedding gradient comes last, with no gather; tied, it waits all step (cp.tied).
+      if (vs == 0 && !mc.tied) cp.grads.push_back(units.front());
+      // The held store gathers the tied copy once; a rank that is first and
+      // last (pp 1) reads its own embedding: counted once.
+      if (vs == 0 && vs == pp * v - 1 && mc.tied) cp.forward.pop_back();
+      passes.push_back(cp);
     }
     // memory_of_units reads [0], [1] and back() for its gather buffers; a
     // stage of one block pads with empty units (which hold nothing).
@@ -164,6 +230,7 @@ std::vector<PipelineStageMemory> pipeline_memory(const ModelArch& m, const Tenso
     st.transient_activations = transient - (r == 0 && tp == 1 ? 0 : pos_tables);
     const double acts = st.in_flight * st.kept_activations + st.transient_activations;
     st.mem = memory_of_units(mine, st.layers, mc.T, s, B, acts, d);
+    st.mem.comm = stage_comm_bytes(passes, s, d.act_bytes);
     out.push_back(st);
   }
   return out;
@@ -240,8 +307,9 @@ void plan_pipeline_parallel(Plan& plan, const ModelArch& m, const DeviceModel& d
         skip(mesh, std::string(e.what()) + " (" + std::to_string(accum) + " microbatches per step: raise --global-batch)");
         continue;
       }
+      // The trainer's default (parallel/mesh: the dp ranks of a node, a divisor of dp).
       const int hybrid_dp = req.shard_group_size > 0 ? req.shard_group_size
-                                                     : std::max(1, std::min(dp, req.gpus_per_node / tp));
+                                                     : default_hybrid_shard_group(req.gpus_per_node, tp, dp);
       PlanRow best;
       bool have = false;
       for (const char* sname : {"no_shard", "shard_grad_op", "full_shard", "hybrid_shard"}) {
@@ -257,6 +325,8 @@ void plan_pipeline_parallel(Plan& plan, const ModelArch& m, const DeviceModel& d
         if (strategy == "hybrid_shard" && dp % hybrid_dp != 0) continue;
         // Offload: each stage's ranks offload their own units (below).
         row.sharding.offload = req.offload != "none";
+        row.sharding.pipeline_reshard = ParallelSpec::pipeline_reshard_resolved(req.pipeline_reshard, strategy);
+        row.pp_reshard = row.sharding.pipeline_reshard && strategy != "no_shard";
         const auto stages = pipeline_memory(m, *tp_plans[tp], req.sequence_parallel, pp, kind, v, accum, row.sharding,
                                             req.micro_batch, req.checkpointing, dev);
         for (const auto& st : stages)
@@ -287,6 +357,26 @@ void plan_pipeline_parallel(Plan& plan, const ModelArch& m, const DeviceModel& d
         const double bw_world = dp * tp <= req.gpus_per_node ? bw_intra : bw_inter;
         const double bw_group = row.sharding.group * tp <= req.gpus_per_node ? bw_intra : bw_inter;
         CommVolume c = comm_time(units, row.sharding, accum, dev.act_bytes, bw_world, bw_group, bw_world);
+        if (!row.pp_reshard && strategy != "no_shard") {
+          // Held (stage_store.h): each unit gathered once per step, under the
+          // first microbatch's forward (prefetched in stage order:
+          // overlapped), every reduce-scatter after the last backward, where
+          // nothing hides it (exposed); shard_grad_op's all-gather after the
+          // optimizer and hybrid's replica all-reduce as without a pipeline.
+          const int G = std::max(1, row.sharding.group);
+          double Ppad = 0;
+          for (int64_t n : units) Ppad += double(ceil_div(n, G) * G);
+          const double ring = G > 1 ? double(G - 1) / G : 0;
+          const double bw_rs = strategy == "shard_grad_op" ? bw_world : bw_group;
+          const CommVolume once = comm_time(units, row.sharding, 1, dev.act_bytes, bw_world, bw_group, bw_world);
+          c = CommVolume{};
+          if (strategy == "shard_grad_op") {
+            c.exposed = once.exposed + ring * 4 * Ppad / bw_rs;
+          } else {
+            c.overlapped = ring * dev.act_bytes * Ppad / bw_group;
+            c.exposed = ring * 4 * Ppad / bw_rs + once.exposed;  // once.exposed: hybrid's replica all-reduce
+          }
+        }
         // Host memory as if every GPU of a node held the worst stage's share
         // (an upper bound: a node's ranks hold different stages).
         if (row.sharding.offload) add_offload(row, units, req, dev.act_bytes, c);
@@ -311,10 +401,12 @@ void render_pp_table(const Plan& p, std::ostringstream& o) {
   o << "\npipeline parallel (tp x pp x dp = " << r.gpus_per_node * r.nodes << " GPUs; schedule "
     << (p.pp_rows.empty() ? r.pp_schedule : p.pp_rows.front().pp_schedule)
     << "; pp outermost, stages over " << (r.nodes > 1 ? "the network" : "NVLink")
-    << "; memory of the worst stage; the best strategy per mesh)\n";
+    << "; memory of the worst stage; the best strategy per mesh; pipeline_reshard " << r.pipeline_reshard
+    << (r.pipeline_reshard == "auto" ? " (true under full_shard and hybrid_shard)" : "")
+    << ": comm is " << "each unit gathered per use (reshard) or the stage's units and fp32 gradients held all step)\n";
   const std::vector<std::pair<std::string, size_t>> cols = {
-      {"mesh", 17}, {"strategy", 15}, {"stage", 6}, {"inflt", 6}, {"params", 8}, {"grads", 8}, {"optim", 8},
-      {"activ", 8}, {"total", 8},     {"fits", 5},  {"mb/step", 8}, {"bubble", 7}, {"compute", 9}, {"p2p", 9},
+      {"mesh", 17}, {"strategy", 20}, {"stage", 6}, {"inflt", 6}, {"params", 8}, {"grads", 8}, {"optim", 8},
+      {"activ", 8}, {"comm", 8}, {"total", 8},     {"fits", 5},  {"mb/step", 8}, {"bubble", 7}, {"compute", 9}, {"p2p", 9},
       {"tp comm", 9}, {"step", 9},    {"tok/s", 10}, {"MFU", 5}};
   std::string header;
   for (size_t i = 0; i < cols.size(); ++i)
@@ -324,9 +416,10 @@ void render_pp_table(const Plan& p, std::ostringstream& o) {
     const bool mark = row.pp == r.job_pp && (r.job_tp <= 1 ? row.tp == 1 : row.tp == r.job_tp);
     std::vector<std::string> c = {
         "tp" + std::to_string(row.tp) + " x pp" + std::to_string(row.pp) + " x dp" + std::to_string(row.dp),
-        row.sharding.strategy + (mark ? " *" : ""), std::to_string(row.worst_stage), std::to_string(row.worst_in_flight),
+        row.sharding.strategy + (row.pp_reshard || row.sharding.strategy == "no_shard" ? "" : " held") + (mark ? " *" : ""),
+        std::to_string(row.worst_stage), std::to_string(row.worst_in_flight),
         gib(row.mem.params, 2), gib(row.mem.grads, 2), gib(row.mem.optimizer, 2), gib(row.mem.activations, 2),
-        gib(row.mem.total(), 2), row.fits ? "yes" : "NO", std::to_string(row.accum), fixed(row.bubble * 100, 1) + "%",
+        gib(row.mem.comm, 2), gib(row.mem.total(), 2), row.fits ? "yes" : "NO", std::to_string(row.accum), fixed(row.bubble * 100, 1) + "%",
         seconds(row.compute_s), seconds(row.p2p_s), seconds(row.tp_comm_s), seconds(row.step_s),
         si(row.tokens_per_s, ""), fixed(row.mfu * 100, 0) + "%"};
     std::string line;

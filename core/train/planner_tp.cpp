@@ -9,6 +9,7 @@
 #include "core/model/tensor_parallel.h"
 #include "core/train/planner.h"
 #include "core/train/planner_internal.h"
+#include "parallel/mesh/device_mesh.h"
 
 namespace trainrun {
 
@@ -138,7 +139,8 @@ void plan_tensor_parallel(Plan& plan, const ModelArch& m, const DeviceModel& dev
     const TensorParallelPlan tp_plan(m, tp, 0);  // every rank's sizes are rank 0's
     std::vector<int64_t> units;
     for (const auto& u : tp_plan.local_layout().units) units.push_back(u.numel);
-    const int hybrid_dp = req.shard_group_size > 0 ? req.shard_group_size : std::max(1, req.gpus_per_node / tp);
+    const int hybrid_dp =
+        req.shard_group_size > 0 ? req.shard_group_size : default_hybrid_shard_group(req.gpus_per_node, tp, dp);
     for (const char* name : {"no_shard", "shard_grad_op", "full_shard", "hybrid_shard"}) {
       const std::string strategy = name;
       PlanRow row;

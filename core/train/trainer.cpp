@@ -282,15 +282,16 @@ void Trainer::setup() {
   mb_ = job_.train.micro_batch_size;
   global_B_ = job_.train.derived_global_batch_size();
   // 3b. the mesh: pp x dp_replicate x dp_shard x tp, tp innermost.
-  // hybrid_shard group: the spec's, else the agent's topology decision (the
-  // NVLink island, TRAINRUN_SHARD_GROUP_SIZE), else the ranks of this node;
-  // with tensor parallelism the topology's or the node's ranks hold that
-  // many / tp data-parallel ranks.
+  // hybrid_shard group: the spec's, else the dp ranks inside the agent's
+  // topology decision (the NVLink island, TRAINRUN_SHARD_GROUP_SIZE) or
+  // this node: island / tp of them, at most the dp group (world / (tp x pp))
+  // and a divisor of it, as `trainrun plan` counts it.
   const int tp = job_.parallel.tensor_parallel;
   const int topo_group = env_int("TRAINRUN_SHARD_GROUP_SIZE", 0);
-  int group = job_.parallel.shard_group_size > 0 ? job_.parallel.shard_group_size
-              : topo_group > 0                    ? std::max(1, topo_group / tp)
-                                                  : std::max(1, w_.local_world / tp);
+  const int dp_ranks = std::max(1, w_.world / std::max(1, tp * job_.parallel.pipeline_parallel));
+  int group = job_.parallel.shard_group_size > 0
+                  ? job_.parallel.shard_group_size
+                  : default_hybrid_shard_group(topo_group > 0 ? topo_group : w_.local_world, tp, dp_ranks);
   const MeshDims dims = plan_mesh(w_.world, tp, job_.parallel.pipeline_parallel, job_.parallel.sharding,
                                   job_.parallel.sharding == "hybrid_shard" ? group : 1);
   mesh_ = std::make_unique<DeviceMesh>(dims, w_.rank);
@@ -571,8 +572,9 @@ Trainer::StepResult Trainer::train_step(int step) {
         [&](int m, const PipelineExecutor::MicrobatchBuffers& to) { read_microbatch(*train_src_, cursor_, m, to); },
         dloss_scale, dev_loss_sum_.as<float>());
     if (!pp_logged_) {
-      // FSDP under a pipeline gathers each of the stage's units once per
-      // step (not once per microbatch) and reduces it once: said once per rank.
+      // How often FSDP under a pipeline gathered and reduced the stage's
+      // units (once per step held, per microbatch with pipeline_reshard):
+      // said once per rank.
       pp_logged_ = true;
       TR_LOG_INFO("pipeline (rank ", w_.rank, ", pp rank ", mesh_->coord(MeshDim::pp), "): step ", step + 1, ": ",
                   pp_store_->acquires_last_step(), " unit acquires and ", pp_store_->reductions_last_step(),
@@ -898,6 +900,7 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
   sum.grads_bytes = mem.grads;
   sum.optimizer_bytes = mem.optimizer;
   sum.host_bytes = mem.host;
+  sum.comm_bytes = mem.comm_buffers;
   if (adapt_) {
     // The frozen base has parameters only; gradients and AdamW state are the adapters'.
     const ShardMemory am = adapt_->store().memory();

@@ -27,6 +27,7 @@ struct TrainSummary {
   // This rank's bytes by category (see ShardMemory) and activations.
   size_t params_bytes = 0, grads_bytes = 0, optimizer_bytes = 0, activation_bytes = 0;
   size_t host_bytes = 0;  // parallel.offload's host memory (master weights, moments, grad shard)
+  size_t comm_bytes = 0;  // peak of the store's gathered units and full-size gradient buffers
   std::vector<double> losses;  // every step's loss (all ranks)
   double checkpoint_blocked_seconds = 0;
   int skipped_steps = 0;

@@ -1,6 +1,7 @@
 #include "parallel/mesh/device_mesh.h"
 
 #include <algorithm>
+#include <numeric>
 
 #include "core/common/error.h"
 
@@ -62,6 +63,13 @@ MeshDims plan_mesh(int world, int tensor_parallel, int pipeline_parallel, const 
             "'; use no_shard, shard_grad_op, full_shard or hybrid_shard");
   }
   return d;
+}
+
+int default_hybrid_shard_group(int island_ranks, int tensor_parallel, int dp) {
+  // Ranks are tp-innermost, then dp_shard (device_mesh.h): the dp ranks of
+  // one island are consecutive dp_shard indices, so a divisor of both the
+  // island's dp ranks and dp keeps every shard group inside an island.
+  return std::gcd(std::max(1, dp), std::max(1, island_ranks / std::max(1, tensor_parallel)));
 }
 
 DeviceMesh::DeviceMesh(MeshDims dims, int rank) : dims_(dims), rank_(rank) {
@@ -210,14 +218,26 @@ MeshComms::MeshComms(const DeviceMesh& mesh, const GroupCommFactory& factory) : 
   // uses. The order is the same on every rank.
   for (MeshDim d : {MeshDim::tp, MeshDim::dp_shard, MeshDim::dp_replicate, MeshDim::pp}) {
     const int n = mesh_.dims().size(d);
-    if (n > 1) comms_[int(d)] = factory(mesh_.group_name(d) + "/", mesh_.coord(d), n);
+    if (n > 1) comms_[int(d)] = factory(mesh_.group_name(d) + "/", mesh_.coord(d), n), ++built_;
   }
-  const int ndp = mesh_.dims().dp();
-  if (ndp > 1) dp_ = factory(mesh_.dp_group_name() + "/", mesh_.dp_coord(), ndp);
+  // The same ranks in the same order (dp_coord is the dp_shard or the
+  // dp_replicate index when the other is 1): one communicator for both.
+  const MeshDims& dims = mesh_.dims();
+  if (dims.dp() <= 1) return;
+  if (dims.dp_replicate == 1) {
+    dp_ = comms_[int(MeshDim::dp_shard)].get();
+  } else if (dims.dp_shard == 1) {
+    dp_ = comms_[int(MeshDim::dp_replicate)].get();
+  } else {
+    own_dp_ = factory(mesh_.dp_group_name() + "/", mesh_.dp_coord(), dims.dp());
+    dp_ = own_dp_.get();
+    ++built_;
+  }
 }
 
 MeshComms::~MeshComms() {
-  dp_.reset();
+  dp_ = nullptr;
+  own_dp_.reset();
   for (MeshDim d : {MeshDim::pp, MeshDim::dp_replicate, MeshDim::dp_shard, MeshDim::tp}) comms_[int(d)].reset();
 }
 

@@ -43,6 +43,14 @@ struct MeshDims {
 MeshDims plan_mesh(int world, int tensor_parallel, int pipeline_parallel, const std::string& sharding,
                    int hybrid_group);
 
+// hybrid_shard's shard group when parallel.shard_group_size is 0: the dp
+// ranks inside one island of `island_ranks` consecutive ranks (a node, or
+// the topology's NVLink island), i.e. island_ranks / tp of them, but never
+// more than the dp group and always a divisor of it: with a pipeline the dp
+// group is world / (tp x pp), so one node of 4 at pp2 has dp 2 and a group
+// of 2 (not 4, which no dp group has). `trainrun plan` uses the same rule.
+int default_hybrid_shard_group(int island_ranks, int tensor_parallel, int dp);
+
 class DeviceMesh {
  public:
   DeviceMesh(MeshDims dims, int rank);
@@ -101,18 +109,28 @@ using GroupCommFactory =
 // rendezvous never waits on a group another rank has not started), and a
 // size-1 group is no communicator at all: comm() returns null and callers
 // skip the collective. Destroyed in reverse order of creation.
+//
+// The flattened dp group is the same set of ranks as dp_shard when
+// dp_replicate is 1 (full_shard, shard_grad_op, hybrid_shard with one
+// group) and as dp_replicate when dp_shard is 1 (no_shard): dp() is then
+// that communicator, not a second one over the same ranks (on NCCL each
+// communicator holds its own GPU buffers and stream). built() counts what
+// the factory made.
 class MeshComms {
  public:
   MeshComms(const DeviceMesh& mesh, const GroupCommFactory& factory);
   ~MeshComms();
   const DeviceMesh& mesh() const { return mesh_; }
   Communicator* comm(MeshDim d) const { return comms_[int(d)].get(); }
-  Communicator* dp() const { return dp_.get(); }  // the flattened dp group
+  Communicator* dp() const { return dp_; }  // the flattened dp group
+  int built() const { return built_; }
 
  private:
   const DeviceMesh mesh_;
   std::unique_ptr<Communicator> comms_[kMeshDims];
-  std::unique_ptr<Communicator> dp_;
+  std::unique_ptr<Communicator> own_dp_;  // only when dp is neither dp_shard nor dp_replicate
+  Communicator* dp_ = nullptr;
+  int built_ = 0;
 };
 
 }  // namespace trainrun

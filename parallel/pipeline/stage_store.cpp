@@ -26,6 +26,7 @@ class ChunkAccess final : public UnitAccess {
   void release_params(int unit) override;
   float* unit_grads(int unit) override;
   void grads_done(int unit) override;
+  void begin_pass(bool backward_pass, bool backward_follows) override;
 
  private:
   int map(int unit) const {
@@ -83,6 +84,34 @@ class StageStore final : public PipelineStageStore {
       return;
     }
     deferred_[size_t(su)] = true;
+  }
+
+  // The stage units chunk c's network acquires in this pass, in its order
+  // (core/model/gpt2|llama: forward the embedding on the first stage, the
+  // blocks, then the head and, tied, the embedding it reads; backward the
+  // tied embedding and the head on the last stage, then the blocks in
+  // reverse; the first stage's embedding gradient needs no gather), so the
+  // inner store gathers each one while the one before it computes. Without
+  // it the stage order is unknown to the inner store and nothing is
+  // prefetched: every gather is exposed.
+  void begin_chunk_pass(const PipelineChunk& c, bool backward) {
+    std::vector<int> order;  // network unit numbers
+    const int layers = c.stage.layers;
+    const bool tied_head = c.stage.last && plan_.tied();
+    if (!backward) {
+      if (c.stage.first) order.push_back(0);
+      for (int l = 1; l <= layers; ++l) order.push_back(l);
+      if (c.stage.last) order.push_back(layers + 1);
+      if (tied_head) order.push_back(0);
+    } else {
+      if (tied_head) order.push_back(0);
+      if (c.stage.last) order.push_back(layers + 1);
+      for (int l = layers; l >= 1; --l) order.push_back(l);
+    }
+    std::vector<int> mapped;
+    for (int u : order)
+      if (u >= 0 && u < int(c.units.size()) && c.units[size_t(u)] >= 0) mapped.push_back(c.units[size_t(u)]);
+    inner_->begin_pass_in_order(mapped);
   }
 
   void begin_step() override {
@@ -242,6 +271,9 @@ class StageStore final : public PipelineStageStore {
   }
 
   void release_held() {
+    // No pass follows in this step: the inner store must not keep a unit
+    // for a "next" use its last order named.
+    inner_->begin_pass_in_order({});
     for (size_t su = 0; su < held_.size(); ++su)
       if (held_[su]) {
         inner_->release_params(int(su));
@@ -289,6 +321,7 @@ const void* ChunkAccess::acquire_params(int unit) { return s_.acquire(map(unit))
 void ChunkAccess::release_params(int unit) { s_.release(map(unit)); }
 float* ChunkAccess::unit_grads(int unit) { return s_.grads(map(unit)); }
 void ChunkAccess::grads_done(int unit) { s_.done(map(unit)); }
+void ChunkAccess::begin_pass(bool backward_pass, bool) { s_.begin_chunk_pass(c_, backward_pass); }
 
 }  // namespace
 

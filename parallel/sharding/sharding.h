@@ -149,6 +149,12 @@ class ParamStore : public UnitAccess {
   // which names the operation, group, rank and step.
   virtual void check_comms() = 0;
 
+  // The units the coming pass acquires, in order, where the caller knows
+  // them better than begin_pass's whole-layout order (a pipeline chunk's
+  // network: parallel/pipeline/stage_store.cpp): a sharded store queues each
+  // unit's all-gather while the one before it computes. Default: ignored.
+  virtual void begin_pass_in_order(const std::vector<int>& units) {}
+
   virtual ShardMemory memory() const = 0;
   // Seconds spent waiting on collectives since the last call (and reset).
   virtual double take_comm_wait_seconds() = 0;

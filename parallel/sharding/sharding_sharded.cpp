@@ -50,9 +50,12 @@ class BufferPool {
     std::lock_guard<std::mutex> lk(mu_);
     auto& v = free_[bytes];
     if (!v.empty()) {
+      // A reused buffer counts toward the peak too: freed ones of other
+      // sizes stay allocated, so live_ can pass every earlier peak here.
       void* p = v.back();
       v.pop_back();
       live_ += bytes;
+      peak_ = std::max(peak_, live_);
       return p;
     }
     live_ += bytes;
@@ -223,6 +226,12 @@ class ShardedStore final : public ParamStore {
     }
     pos_ = 0;
     keep_embeddings_ = backward_follows;
+  }
+
+  void begin_pass_in_order(const std::vector<int>& units) override {
+    seq_ = units;
+    pos_ = 0;
+    keep_embeddings_ = false;  // the caller's order says what comes next
   }
 
   const void* acquire_params(int u) override {
