@@ -13,6 +13,7 @@
 
 #include "core/checkpoint/bench_checkpoint.h"
 #include "core/checkpoint/hf_interop.h"
+#include "core/common/debug_hooks.h"
 #include "core/common/error.h"
 #include "core/common/log.h"
 #include "core/config/job_spec.h"
@@ -20,7 +21,6 @@
 #include "core/data/dataset.h"
 #include "core/data/tokenizer/tokenizer.h"
 #include "core/launch/agent.h"
-#include "core/launch/debug_hooks.h"
 #include "core/launch/launch_mode.h"
 #include "core/launch/slurm_worker.h"
 #include "core/model/model_io.h"

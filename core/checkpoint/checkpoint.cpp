@@ -21,10 +21,10 @@
 #include <thread>
 
 #include "core/checkpoint/format.h"
+#include "core/common/debug_hooks.h"
 #include "core/common/error.h"
 #include "core/common/fileio.h"
 #include "core/common/log.h"
-#include "core/launch/debug_hooks.h"
 
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;

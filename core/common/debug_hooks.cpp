@@ -1,4 +1,4 @@
-#include "core/launch/debug_hooks.h"
+#include "core/common/debug_hooks.h"
 
 #include <time.h>
 
