@@ -202,8 +202,11 @@ int cmd_generate(const std::string& ckpt, const std::string& prompt, SampleOptio
   std::vector<float> flat;
   const bool hf = is_hf_model_dir(ckpt);
   const std::string file = hf ? ckpt : resolve_verified_model_file(ckpt, "generate");
-  const std::unique_ptr<ModelArch> arch =
-      make_model_arch(hf ? load_hf(ckpt, flat, "generate") : load_model_safetensors(file, flat));
+  // Held at once while sampling starts: the fp32 weights read (4 bytes per
+  // parameter), the CPU backend's copy (4) and its fp32 staging (4).
+  constexpr double kGenerateHostBytesPerParam = 12;
+  const std::unique_ptr<ModelArch> arch = make_model_arch(
+      hf ? load_hf(ckpt, flat, "generate", kGenerateHostBytesPerParam) : load_model_safetensors(file, flat));
   const ModelConfig& cfg = arch->config();
   TR_LOG_INFO("generate: ", file, " (", arch->describe(), ")");
   TR_CHECK(gt.chat || (gt.chat_template.empty() && gt.system.empty()),

@@ -50,6 +50,13 @@
 //       (10 x parallel.timeout_s, at least 10 minutes), so a test of an error
 //       path that should answer at once fails in bounded time if it hangs
 //
+// Start-up skew (core/train/trainer.cpp):
+//
+//   TRAINRUN_DEBUG_INIT_FROM_DELAY_MS=<rank>:<ms>
+//       rank <rank> waits <ms> before it reads its part of model.init_from:
+//       a slow shared filesystem, for the test that the ranks then agree
+//       through the store with the disk timeout, not the collective one
+//
 // Offload faults (parallel/sharding/offload.cpp):
 //
 //   TRAINRUN_DEBUG_OFFLOAD_KILL=<rank>:<step>
@@ -81,6 +88,10 @@ void debug_ckpt_kill_hook(const char* point, int64_t step);
 // TRAINRUN_DEBUG_OFFLOAD_KILL: raises SIGKILL when this process's RANK and
 // `step` match it.
 void debug_offload_kill_hook(int64_t step);
+
+// TRAINRUN_DEBUG_INIT_FROM_DELAY_MS: the milliseconds when `rank` is the
+// one it names (logged), else 0.
+int64_t debug_init_from_delay_ms(int rank);
 
 // TRAINRUN_DEBUG_CKPT_SLEEP_MS when it applies to `step`, else 0.
 int64_t debug_ckpt_sleep_ms(int64_t step);

@@ -154,6 +154,23 @@ struct Ctx {
   }
 };
 
+// Token ids index dense tables (an entry per id up to the largest: bytes,
+// known flags), so one hostile id of 2^31 - 1 would cost ~66 GiB before any
+// other check. Real vocabularies stay under 300K ids (Gemma 3: 262K), so
+// anything above 2^22 is refused, with what its tables would have cost.
+void check_token_id_size(const Ctx& c, const std::string& path, uint64_t id) {
+  constexpr uint64_t kMaxTokenId = (uint64_t(1) << 22) - 1;
+  constexpr uint64_t kTableBytesPerId = sizeof(std::string) + 1;  // id_to_bytes + id_known
+  if (id <= kMaxTokenId) return;
+  const double gib = double(id + 1) * double(kTableBytesPerId) / double(uint64_t(1) << 30);
+  std::ostringstream cost;
+  cost.precision(1);
+  cost << std::fixed << gib;
+  c.fail(path, "id " + std::to_string(id) + " is above the " + std::to_string(kMaxTokenId) +
+                   " that trainrun accepts: its id tables hold an entry per id up to the largest, " + cost.str() +
+                   " GiB for this one (real vocabularies stay under 300K ids); the file is corrupt");
+}
+
 std::string show(const json& v) {
   std::string s = v.dump();
   if (s.size() > 120) s = s.substr(0, 117) + "...";
@@ -341,6 +358,7 @@ void load_model(const Ctx& c, const json& m, Tokenizer::Impl& impl) {
   for (auto it = vocab->begin(); it != vocab->end(); ++it) {
     if (!it.value().is_number_unsigned() || it.value().get<uint64_t>() > 0x7FFFFFFF)
       c.fail("model.vocab[" + show(json(it.key())) + "]", "expected a non-negative id, got " + show(it.value()));
+    check_token_id_size(c, "model.vocab[" + show(json(it.key())) + "]", it.value().get<uint64_t>());
     const uint32_t id = it.value().get<uint32_t>();
     impl.vocab[it.key()] = id;
     max_id = std::max(max_id, id);
@@ -418,6 +436,7 @@ void load_added_tokens(const Ctx& c, const json& root, Tokenizer::Impl& impl) {
     const json* content = member(t, "content");
     if (!id || !id->is_number_unsigned() || id->get<uint64_t>() > 0x7FFFFFFF)
       c.fail(path + ".id", "missing or not a non-negative integer");
+    check_token_id_size(c, path + ".id", id->get<uint64_t>());
     if (!content || !content->is_string() || content->get<std::string>().empty())
       c.fail(path + ".content", "missing, empty or not a string");
     // These change where a token matches; none of the supported models sets them.
