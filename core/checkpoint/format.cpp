@@ -114,9 +114,9 @@ std::string tiling_error(std::vector<Segment> segs, uint64_t size) {
   std::vector<Cursor> heap;
   heap.reserve(segs.size());
   // Arithmetic first, before walking any run: every segment inside the file
-  // and their runs adding up to its size (both without overflow). The walk
-  // below visits each run once, so a hostile "reps" (2^60 runs of one byte)
-  // must be refused here, not counted out.
+  // and their runs adding up to no more than its size (both without
+  // overflow). The walk below visits each run once, so a hostile "reps"
+  // (2^60 runs) must be refused here, not counted out.
   uint64_t covered = 0;
   for (size_t i = 0; i < segs.size(); ++i) {
     const Segment& g = segs[i];
@@ -136,7 +136,8 @@ std::string tiling_error(std::vector<Segment> segs, uint64_t size) {
              " overlap)";
     heap.push_back({g.offset, i, 0});
   }
-  if (covered != size) return "they cover " + std::to_string(covered) + " of its " + std::to_string(size) + " bytes";
+  // Bounded now: at most one run per byte of the file. A shortfall is
+  // found there, at the byte where the gap is.
   std::make_heap(heap.begin(), heap.end(), later);
   uint64_t at = 0;
   while (!heap.empty()) {
