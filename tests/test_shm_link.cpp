@@ -1,7 +1,9 @@
 // The shared-memory link (make_shm_communicator): what a pipeline boundary
 // sends arrives byte for byte, in order, through rings smaller than the
 // messages; a disagreeing receive, a silent peer and a dead peer are
-// Errors naming it; nothing is left in /dev/shm.
+// Errors naming it; nothing is left in /dev/shm; ranks in two PID
+// namespaces take Gloo. Also the pipeline's sender thread over such a link:
+// an unwinding step drops the sends still queued.
 #include <catch2/catch.hpp>
 #include <dirent.h>
 #include <sched.h>

@@ -18,7 +18,7 @@ bool reserve_file_size(int fd, off_t bytes, const std::string& path) {
   const int e = errno;
   if (e == ENOSPC || e == EDQUOT || e == EFBIG) {
     errno = e;
-    TR_CHECK_ERRNO(false, "cannot allocate ", bytes, " bytes for '", path, "' (disk full, quota or file size limit?)");
+    TR_CHECK_ERRNO(false, "cannot allocate ", bytes, " bytes for '", path, "' (disk full or file size limit?)");
   }
   TR_CHECK_ERRNO(::ftruncate(fd, bytes) == 0, "cannot size '", path, "' to ", bytes,
                  " bytes (its filesystem refused fallocate too: ", std::strerror(e), ")");
