@@ -14,6 +14,7 @@
 #include "core/checkpoint/bench_checkpoint.h"
 #include "core/checkpoint/adapter_merge.h"
 #include "core/checkpoint/hf_interop.h"
+#include "core/common/debug_hooks.h"
 #include "core/common/error.h"
 #include "core/common/log.h"
 #include "core/config/job_spec.h"
@@ -21,7 +22,6 @@
 #include "core/data/dataset.h"
 #include "core/data/tokenizer/tokenizer.h"
 #include "core/launch/agent.h"
-#include "core/launch/debug_hooks.h"
 #include "core/launch/launch_mode.h"
 #include "core/launch/slurm_worker.h"
 #include "core/model/model_io.h"
@@ -204,8 +204,11 @@ int cmd_generate(const std::string& ckpt, const std::string& prompt, SampleOptio
   std::vector<float> flat;
   const bool hf = is_hf_model_dir(ckpt);
   const std::string file = hf ? ckpt : resolve_verified_model_file(ckpt, "generate");
-  const std::unique_ptr<ModelArch> arch =
-      make_model_arch(hf ? load_hf(ckpt, flat, "generate") : load_model_safetensors(file, flat));
+  // Held at once while sampling starts: the fp32 weights read (4 bytes per
+  // parameter), the CPU backend's copy (4) and its fp32 staging (4).
+  constexpr double kGenerateHostBytesPerParam = 12;
+  const std::unique_ptr<ModelArch> arch = make_model_arch(
+      hf ? load_hf(ckpt, flat, "generate", kGenerateHostBytesPerParam) : load_model_safetensors(file, flat));
   const ModelConfig& cfg = arch->config();
   TR_LOG_INFO("generate: ", file, " (", arch->describe(), ")");
   if (!gt.adapter.empty()) {

@@ -2,7 +2,7 @@
 // loading, every rank hears of it at once, with that rank's message; a rank
 // whose training fails abandons the save in flight everywhere; a crash while
 // a step is re-saved loses nothing; a finished checkpoint leaves no keys in
-// the rendezvous store. Each test injects the fault (core/launch/debug_hooks.h),
+// the rendezvous store. Each test injects the fault (core/common/debug_hooks.h),
 // asserts how soon it surfaces, well under the timeout that would otherwise
 // end the wait, and that the previous checkpoint is intact and resumes.
 //

@@ -843,6 +843,32 @@ TEST_CASE("llama: a job with only model.init_from trains the directory's Llama",
   CHECK_THAT(fresh.err, Contains("model.init_from: '" + hf + "' does not exist"));
 }
 
+// Rank 1 reads its part of model.init_from 8 s late (a slow shared
+// filesystem: TRAINRUN_DEBUG_INIT_FROM_DELAY_MS), with a 3 s collective
+// timeout. Before, the ranks agreed on the load in an all-gather, which
+// timed out on rank 0 after 3 s; now they agree through the rendezvous
+// store with the disk timeout (10 x parallel.timeout_s, at least 10 min).
+TEST_CASE("llama: rank skew in reading init_from longer than the collective timeout does not fail the job",
+          "[llama][hf][init_from]") {
+  test::TempDir dir("llama_init_skew");
+  const std::string hf = hf_random_llama(dir, "hf", /*tied=*/false, /*scaled=*/false);
+  const std::string run = dir / "run";
+  test::write_file(dir / "job.yaml",
+                   "model: {init_from: '" + hf + "'}\n"
+                   "data: {format: synthetic, synthetic: {vocab: 29, branching: 3}}\n"
+                   "train: {global_batch_size: 4, micro_batch_size: 2, max_steps: 1, lr: 1.0e-30, min_lr: 0,\n"
+                   "        warmup_steps: 0, schedule: constant, weight_decay: 0, grad_clip: 0, eval_steps: 1}\n"
+                   "output: {dir: '" + run + "', sample_tokens: 0}\n"
+                   "parallel: {nproc_per_node: 2, sharding: full_shard, timeout_s: 3}\n");
+  const test::RunResult r = test::run_command("OMP_NUM_THREADS=1 TRAINRUN_DEBUG_INIT_FROM_DELAY_MS=1:8000 '" +
+                                              test::trainrun_binary() + "' --config '" + dir / "job.yaml" + "'");
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(test::read_file(run + "/logs/rank1.log"), Contains("debug: rank 1 waits 8000 ms before reading model.init_from"));
+  CHECK_THAT(r.err, Contains("model.init_from: initial weights from"));
+  CHECK(test::file_exists(run + "/model.safetensors"));
+}
+
 TEST_CASE("llama: a shape field that disagrees with init_from's config.json names both values", "[llama][hf][init_from][spec]") {
   test::TempDir dir("llama_init_disagree");
   const std::string hf = hf_random_llama(dir, "hf", /*tied=*/true, /*scaled=*/false);

@@ -2,7 +2,9 @@
 // name, and a cross-check against the real `safetensors` Python package (so
 // "we can read what we write" is not the only evidence that the format is
 // right).
+#include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
@@ -351,20 +353,82 @@ TEST_CASE("safetensors: the reader names every kind of corruption", "[safetensor
   }
 }
 
-TEST_CASE("safetensors: empty tensors and gaps between tensors are accepted", "[safetensors]") {
-  // Other writers may align tensors, leaving gaps; empty tensors share offsets.
+// A header of 200 MB (over safetensors' 100 MB limit) in a sparse file:
+// refused from its length alone, before a byte of it is read. The reader
+// runs in a child process whose peak resident set (wait4's ru_maxrss) is
+// compared: before the cap, reading it took the header's size and more.
+TEST_CASE("safetensors: a header over 100 MB is refused from its length, without reading it", "[safetensors]") {
+  TempDir dir("sthuge");
+  const std::string path = dir / "huge_header.safetensors";
+  const uint64_t n = 200'000'000;
+  write_file(path, le64(n) + "{");
+  REQUIRE(::truncate(path.c_str(), off_t(8 + n + 8)) == 0);  // sparse: costs no disk
+  for (const bool mapped : {false, true}) {
+    INFO((mapped ? "MappedSafeTensors" : "read_safetensors"));
+    int pipefd[2];
+    REQUIRE(::pipe(pipefd) == 0);
+    const pid_t child = ::fork();
+    if (child == 0) {
+      ::close(pipefd[0]);
+      std::string msg = "no error";
+      try {
+        if (mapped) MappedSafeTensors m(path);
+        else (void)read_safetensors(path);
+      } catch (const std::exception& e) {
+        msg = e.what();
+      }
+      const ssize_t w = ::write(pipefd[1], msg.data(), msg.size());
+      ::_exit(w == ssize_t(msg.size()) ? 0 : 1);
+    }
+    REQUIRE(child > 0);
+    ::close(pipefd[1]);
+    std::string msg;
+    char buf[4096];
+    for (ssize_t k; (k = ::read(pipefd[0], buf, sizeof buf)) > 0;) msg.append(buf, size_t(k));
+    ::close(pipefd[0]);
+    int status = 0;
+    struct rusage ru {};
+    REQUIRE(::wait4(child, &status, 0, &ru) == child);
+    INFO("message: " << msg);
+    CHECK(WIFEXITED(status));
+    CHECK(msg.find(path) != std::string::npos);
+    CHECK(msg.find("header length 200000000 bytes is over the 100000000-byte limit") != std::string::npos);
+    // The child starts as a copy of this process (a few MB to tens of MB
+    // resident); reading the header would add 200 MB.
+    struct rusage self {};
+    ::getrusage(RUSAGE_SELF, &self);
+    CHECK(ru.ru_maxrss < self.ru_maxrss + 50 * 1024);  // KiB
+  }
+}
+
+TEST_CASE("safetensors: empty tensors share offsets; gaps and trailing bytes are refused, as safetensors does",
+          "[safetensors]") {
+  // safetensors' reader (Metadata::validate) wants the tensors back to back
+  // from offset 0 to the end of the file; empty tensors take no bytes.
   TempDir dir("stg");
   const std::string path = dir / "gap.safetensors";
+  auto read = [&] { (void)read_safetensors(path); };
   std::string data(24, '\0');
   float a[2] = {1.5f, -2.0f};
   std::memcpy(&data[16], a, 8);
-  write_file(path, raw_file(R"({"z":{"dtype":"F32","shape":[0],"data_offsets":[16,16]},)"
+  write_file(path, raw_file(R"({"y":{"dtype":"U8","shape":[16],"data_offsets":[0,16]},)"
+                            R"("z":{"dtype":"F32","shape":[0],"data_offsets":[16,16]},)"
                             R"("a":{"dtype":"F32","shape":[2],"data_offsets":[16,24]}})",
                             data));
   SafeTensorFile f = read_safetensors(path);
-  REQUIRE(f.tensors.size() == 2);
-  CHECK(f.tensors[0].name == "z");
+  REQUIRE(f.tensors.size() == 3);
+  CHECK(f.tensors[1].name == "z");
   CHECK(f.find("a")->as_f32() == std::vector<float>{1.5f, -2.0f});
+
+  // The first 16 bytes belong to no tensor: a gap before 'a'.
+  write_file(path, raw_file(R"({"z":{"dtype":"F32","shape":[0],"data_offsets":[16,16]},)"
+                            R"("a":{"dtype":"F32","shape":[2],"data_offsets":[16,24]}})",
+                            data));
+  require_error(read, path, "a gap of 16 bytes before tensor 'z' (data_offsets [16, 16]");
+  CHECK_THROWS_AS(MappedSafeTensors(path), Error);
+  // 8 bytes after the last tensor.
+  write_file(path, raw_file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", std::string(16, '\0')));
+  require_error(read, path, "8 bytes after the last tensor (the tensors end at 8 of the data area's 16 bytes)");
 }
 
 TEST_CASE("safetensors: the Python safetensors package reads what we write", "[safetensors][python]") {

@@ -1,12 +1,16 @@
 // The shared-memory link (make_shm_communicator): what a pipeline boundary
 // sends arrives byte for byte, in order, through rings smaller than the
 // messages; a disagreeing receive, a silent peer and a dead peer are
-// Errors naming it; nothing is left in /dev/shm.
+// Errors naming it; nothing is left in /dev/shm; ranks in two PID
+// namespaces take Gloo. Also the pipeline's sender thread over such a link:
+// an unwinding step drops the sends still queued.
 #include <catch2/catch.hpp>
 #include <dirent.h>
+#include <sched.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <functional>
@@ -16,6 +20,7 @@
 
 #include "core/common/error.h"
 #include "parallel/comm/communicator.h"
+#include "parallel/pipeline/sender.h"
 #include "parallel/rendezvous/store.h"
 
 using namespace trainrun;
@@ -216,4 +221,123 @@ TEST_CASE("shm link: a pipeline link is shared memory on one host, Gloo when TRA
     CHECK(shm[0] == (force_gloo ? 0 : 1));
   }
   ::unsetenv("TRAINRUN_PIPELINE_SHM");
+}
+
+// Rank 1 in a new PID namespace (its pid there, 1, is another process
+// here), sharing this /dev/shm. Before, the pair's identity (boot, /dev/shm)
+// matched, the link was shared memory, and each side's liveness check was
+// kill() on a pid from the other namespace: a dead peer could look alive,
+// or a live one dead. Now the identity includes the PID namespace, and the
+// pair takes Gloo.
+TEST_CASE("shm link: ranks in different PID namespaces take Gloo, whose peer check needs no pid", "[shm]") {
+  Server s;
+  const std::string prefix = fresh("pidns");
+  int ready[2];
+  REQUIRE(::pipe(ready) == 0);
+  const pid_t child = ::fork();
+  if (child == 0) {
+    ::close(ready[0]);
+    const bool entered = ::unshare(CLONE_NEWPID) == 0 || ::unshare(CLONE_NEWUSER | CLONE_NEWPID) == 0;
+    const char word = entered ? 'y' : 'n';
+    if (::write(ready[1], &word, 1) != 1 || !entered) ::_exit(77);
+    const pid_t inner = ::fork();  // the first process of the new namespace (its pid 1)
+    if (inner == 0) {
+      try {
+        auto store = s.client();
+        bool is_shm = true;
+        auto link = make_p2p_link_communicator(*store, prefix, 1, "127.0.0.1", 20s, &is_shm);
+        std::vector<float> v(1000, 0.0f);
+        link->recv(v.data(), v.size() * 4, 0, 9);
+        if (v[999] != 7.0f) ::_exit(12);
+        ::_exit(is_shm ? 10 : 11);
+      } catch (...) {
+        ::_exit(13);
+      }
+    }
+    int st = 0;
+    ::waitpid(inner, &st, 0);
+    ::_exit(WIFEXITED(st) ? WEXITSTATUS(st) : 14);
+  }
+  REQUIRE(child > 0);
+  ::close(ready[1]);
+  char word = 'n';
+  const bool got = ::read(ready[0], &word, 1) == 1;
+  ::close(ready[0]);
+  if (!got || word != 'y') {
+    int st = 0;
+    ::waitpid(child, &st, 0);
+    WARN("cannot create a PID namespace here (unshare CLONE_NEWPID refused): the cross-namespace case is untested");
+    return;
+  }
+  bool is_shm = true;
+  std::string kind, err;
+  try {
+    auto store = s.client();
+    auto link = make_p2p_link_communicator(*store, prefix, 0, "127.0.0.1", 20s, &is_shm);
+    kind = link->name();
+    std::vector<float> v(1000, 7.0f);
+    link->send(v.data(), v.size() * 4, 1, 9);
+  } catch (const std::exception& e) {
+    err = e.what();
+  }
+  int st = 0;
+  REQUIRE(::waitpid(child, &st, 0) == child);
+  CHECK(err == "");
+  CHECK_FALSE(is_shm);
+  CHECK(kind == "gloo");
+  REQUIRE(WIFEXITED(st));
+  CHECK(WEXITSTATUS(st) == 11);  // rank 1: Gloo too, and the message arrived
+}
+
+// A pipeline link's sender thread (parallel/pipeline/sender.h) with nine
+// sends queued on a shared-memory link whose peer never reads: the first
+// blocks (64 KiB through a 4 KiB ring) until the 1 s timeout. The step
+// "fails" meanwhile and the sender is destroyed, as when a rank unwinds.
+// Before, the destructor ran every queued send, each waiting out its own
+// timeout (about 9 s); now the queued ones are dropped at once.
+TEST_CASE("pipeline sender: an unwinding step drops its queued sends instead of running each to its timeout",
+          "[shm][pp]") {
+  Server s;
+  const std::string prefix = fresh("sender");
+  constexpr auto kTimeout = 1000ms;
+  constexpr int kSends = 9;
+  std::atomic<bool> leave{false};
+  std::string peer_err;
+  std::thread peer([&] {  // maps the link, then stays alive and silent
+    try {
+      auto store = s.client();
+      auto link = make_shm_communicator(*store, prefix, 1, 30s, 4096);
+      while (!leave) std::this_thread::sleep_for(10ms);
+    } catch (const std::exception& e) {
+      peer_err = e.what();
+    }
+  });
+  std::vector<std::shared_future<void>> done;
+  double unwind_s = 0;
+  {
+    auto store = s.client();
+    auto link = make_shm_communicator(*store, prefix, 0, kTimeout, 4096);
+    std::vector<char> msg(64 << 10, 'x');
+    auto sender = std::make_unique<PipelineSender>(0, 1);
+    for (int i = 0; i < kSends; ++i)
+      done.push_back(sender->post(link.get(), 0, 1, msg.data(), msg.size(), uint32_t(i),
+                                  "send_act mb" + std::to_string(i)));
+    std::this_thread::sleep_for(100ms);  // the first send is in flight, blocked on the silent peer
+    // The injected failure: the step unwinds with sends queued.
+    const auto t0 = std::chrono::steady_clock::now();
+    sender.reset();
+    unwind_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    leave = true;
+  }
+  peer.join();
+  CHECK(peer_err == "");
+  REQUIRE(done.size() == size_t(kSends));
+  CHECK_THROWS_WITH(done[0].get(), Contains("timed out"));  // the one in flight ended on its own timeout
+  for (int i = 1; i < kSends; ++i) {
+    INFO("send " << i);
+    CHECK_THROWS_WITH(done[size_t(i)].get(), Contains("send_act mb" + std::to_string(i)) &&
+                                                 Contains("dropped unsent: the step is unwinding"));
+  }
+  // The one send in flight (at most its 1 s timeout), not nine of them.
+  CHECK(unwind_s < 3.0);
 }

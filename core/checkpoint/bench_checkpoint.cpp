@@ -164,26 +164,6 @@ std::string with_commas(int64_t v) {
 
 }  // namespace
 
-int64_t parse_param_count(const std::string& text) {
-  std::string t = text;
-  double mult = 1;
-  if (!t.empty()) {
-    const char c = char(std::toupper(static_cast<unsigned char>(t.back())));
-    if (c == 'K' || c == 'M' || c == 'B' || c == 'G') {
-      mult = c == 'K' ? 1e3 : c == 'M' ? 1e6 : 1e9;
-      t.pop_back();
-    }
-  }
-  char* end = nullptr;
-  errno = 0;
-  const double v = t.empty() ? 0 : std::strtod(t.c_str(), &end);
-  TR_CHECK(!t.empty() && end && *end == 0 && errno == 0 && std::isfinite(v) && v > 0, "bench checkpoint: --params '",
-           text, "' is not a parameter count; use e.g. 124000000, 124M, 1.5B or 350K");
-  const double n = v * mult;
-  TR_CHECK(n >= 1e4 && n <= 1e12, "bench checkpoint: --params ", text, " is outside [10K, 1000B]");
-  return int64_t(std::llround(n));
-}
-
 ModelConfig bench_model_for(int64_t target) {
   // The default architecture with GPT-2's vocab and context at 12 layers
   // down to ~4M parameters; below that a byte-level model, so tiny counts

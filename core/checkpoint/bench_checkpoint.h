@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <string>
 
+#include "core/common/text.h"  // parse_param_count
 #include "core/model/model.h"
 
 namespace trainrun {
@@ -31,8 +32,6 @@ struct CheckpointBenchOptions {
   int repeat = 3;               // repetitions; the table shows medians
 };
 
-// "124M" -> 124000000; throws Error on anything else.
-int64_t parse_param_count(const std::string& text);
 // A model of the default architecture (GPT-2: 12 layers, GPT-2's vocab and
 // context when the count allows) whose parameter count is close to `params`.
 ModelConfig bench_model_for(int64_t params);

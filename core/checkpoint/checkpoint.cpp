@@ -21,10 +21,10 @@
 #include <thread>
 
 #include "core/checkpoint/format.h"
+#include "core/common/debug_hooks.h"
 #include "core/common/error.h"
 #include "core/common/fileio.h"
 #include "core/common/log.h"
-#include "core/launch/debug_hooks.h"
 
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
@@ -324,18 +324,19 @@ void Checkpointer::write_and_commit(int64_t step, const TrainState& st, ParamSto
         for (const auto& [path, hdr, elems] :
              {std::tuple{mpath, mhdr, layout_.total}, std::tuple{opath, ohdr, 2 * layout_.total}}) {
           write_file_synced(path, hdr);
-          // Reserve the blocks now (posix_fallocate), so a full disk or a
-          // file-size limit shows up here, before any rank writes, rather
-          // than as a short write later; fall back to a sparse truncate
-          // where the filesystem cannot preallocate.
+          // Reserve the blocks now, so a full disk or a file-size limit
+          // shows up here, before any rank writes, rather than as a short
+          // write later (sparse where the filesystem cannot preallocate).
           const off_t total = off_t(hdr.size() + elems * 4);
           int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
           TR_CHECK_ERRNO(fd >= 0, "cannot open '", path, "'");
-          int rc = ::posix_fallocate(fd, 0, total);
+          try {
+            reserve_file_size(fd, total, path);
+          } catch (...) {
+            ::close(fd);
+            throw;
+          }
           ::close(fd);
-          if (rc == EINVAL || rc == EOPNOTSUPP) rc = ::truncate(path.c_str(), total) == 0 ? 0 : errno;
-          errno = rc;
-          TR_CHECK_ERRNO(rc == 0, "cannot allocate ", total, " bytes for '", path, "' (disk full or file size limit?)");
         }
       } catch (...) {
         setup_error = current_exception_text();

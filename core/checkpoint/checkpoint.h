@@ -135,8 +135,11 @@ class Checkpointer {
 
   // Verifies a checkpoint directory (manifest, sizes, checksums: every
   // byte is read once); returns "" when good, else what is wrong. Public for
-  // tests and `trainrun` tools.
-  static std::string verify(const std::string& dir);
+  // tests and `trainrun` tools. With `only` (file names, "model.safetensors"),
+  // the checksums of just those files are read: a tool that reads only the
+  // weights (export, generate) verifies what it reads, not the optimizer
+  // file, twice the model's size (every file must still be listed and sized).
+  static std::string verify(const std::string& dir, const std::vector<std::string>& only = {});
 
   // xxhash64 of bytes [offset, offset + bytes) of one checkpoint file, or
   // (reps > 1, format 3: a rank's strided tensor-parallel slice) of the

@@ -30,11 +30,13 @@ void lay_out(const std::string& tmp, const std::string& header, int64_t total) {
   const off_t size = off_t(header.size() + uint64_t(total) * 4);
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CLOEXEC);
   TR_CHECK_ERRNO(fd >= 0, "cannot open '", tmp, "'");
-  int rc = ::posix_fallocate(fd, 0, size);
+  try {
+    reserve_file_size(fd, size, tmp);  // sparse where the filesystem cannot preallocate
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
   ::close(fd);
-  if (rc == EINVAL || rc == EOPNOTSUPP) rc = ::truncate(tmp.c_str(), size) == 0 ? 0 : errno;
-  errno = rc;
-  TR_CHECK_ERRNO(rc == 0, "cannot allocate ", size, " bytes for '", tmp, "' (disk full or file size limit?)");
 }
 
 // This rank's ranges, piece by piece.

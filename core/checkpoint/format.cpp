@@ -113,14 +113,31 @@ std::string tiling_error(std::vector<Segment> segs, uint64_t size) {
   auto later = [](const Cursor& a, const Cursor& b) { return a.at > b.at; };
   std::vector<Cursor> heap;
   heap.reserve(segs.size());
+  // Arithmetic first, before walking any run: every segment inside the file
+  // and their runs adding up to no more than its size (both without
+  // overflow). The walk below visits each run once, so a hostile "reps"
+  // (2^60 runs) must be refused here, not counted out.
+  uint64_t covered = 0;
   for (size_t i = 0; i < segs.size(); ++i) {
     const Segment& g = segs[i];
+    const std::string at = "a segment at byte " + std::to_string(g.offset);
     if (g.bytes == 0 || g.reps == 0) return "an empty segment at byte " + std::to_string(g.offset);
     if (g.reps > 1 && g.stride < g.bytes)
       return "a strided segment at byte " + std::to_string(g.offset) + " whose runs overlap (stride " +
              std::to_string(g.stride) + " < " + std::to_string(g.bytes) + " bytes)";
+    uint64_t span = 0, end = 0, run_bytes = 0;
+    if (__builtin_mul_overflow(g.reps - 1, g.stride, &span) || __builtin_add_overflow(span, g.bytes, &span) ||
+        __builtin_add_overflow(span, g.offset, &end) || end > size)
+      return at + " (" + std::to_string(g.reps) + " runs of " + std::to_string(g.bytes) + " bytes, " +
+             std::to_string(g.stride) + " apart) ends past the file's " + std::to_string(size) + " bytes";
+    if (__builtin_mul_overflow(g.reps, g.bytes, &run_bytes) || __builtin_add_overflow(covered, run_bytes, &covered) ||
+        covered > size)
+      return "they hold more bytes than the file's " + std::to_string(size) + " (the runs up to " + at +
+             " overlap)";
     heap.push_back({g.offset, i, 0});
   }
+  // Bounded now: at most one run per byte of the file. A shortfall is
+  // found there, at the byte where the gap is.
   std::make_heap(heap.begin(), heap.end(), later);
   uint64_t at = 0;
   while (!heap.empty()) {
@@ -224,11 +241,14 @@ std::string check_manifest(const std::string& dir, json* out, std::vector<FileEn
     for (const auto& [name, info] : m.at("files").items()) {
       const std::string path = dir + "/" + name;
       if (!fs::exists(path)) return name + " is missing";
-      FileEntry e = file_entry(name, info);
+      // The size on disk first: the segments are then checked against the
+      // file as it is, not against whatever size the manifest claims.
       const uint64_t have = fs::file_size(path);
-      if (have != e.size)
-        return name + " has " + std::to_string(have) + " bytes, the manifest says " + std::to_string(e.size) +
-               " (truncated?)";
+      if (info.is_object() && info.contains("size") && info.at("size").is_number_unsigned() &&
+          info.at("size").get<uint64_t>() != have)
+        return name + " has " + std::to_string(have) + " bytes, the manifest says " +
+               std::to_string(info.at("size").get<uint64_t>()) + " (truncated?)";
+      FileEntry e = file_entry(name, info);
       fs_.push_back(std::move(e));
     }
     for (const char* name : kFileNames)
@@ -264,14 +284,18 @@ std::string current_exception_text() {
 
 using namespace ckpt;
 
-std::string Checkpointer::verify(const std::string& dir) {
+std::string Checkpointer::verify(const std::string& dir, const std::vector<std::string>& only) {
   std::vector<FileEntry> files;
   std::string why = check_manifest(dir, nullptr, &files);
   if (!why.empty()) return why;
+  for (const std::string& name : only)
+    if (std::none_of(files.begin(), files.end(), [&](const FileEntry& e) { return e.name == name; }))
+      return "manifest.json does not list " + name;
   try {
     Hasher h;
     std::vector<char> buf(kIoChunk);
     for (const FileEntry& f : files) {
+      if (!only.empty() && std::find(only.begin(), only.end(), f.name) == only.end()) continue;
       const std::string path = dir + "/" + f.name;
       int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
       TR_CHECK_ERRNO(fd >= 0, "cannot open '", path, "'");

@@ -12,6 +12,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <sstream>
 
 #include "core/checkpoint/checkpoint.h"
 #include "core/common/error.h"
@@ -20,6 +21,7 @@
 #include "core/io/safetensors.h"
 #include "core/model/model_io.h"
 #include "core/train/generate.h"
+#include "parallel/sharding/offload.h"  // host_memory_available
 
 namespace fs = std::filesystem;
 using json = nlohmann::ordered_json;
@@ -42,7 +44,8 @@ std::string resolve_verified_model_file(const std::string& path, const char* wha
   if (fs::exists(ckdir / "manifest.json")) {
     // A checkpoint carries checksums: using a damaged one would hand a
     // corrupt model to the user (or every tool downstream) without a word.
-    const std::string why = Checkpointer::verify(ckdir.string());
+    // Only the file that is read: the optimizer state is twice its size.
+    const std::string why = Checkpointer::verify(ckdir.string(), {fs::path(file).filename().string()});
     TR_CHECK(why.empty(), what, ": checkpoint '", ckdir.string(), "' is damaged: ", why, "; ", what,
              " from an earlier checkpoint (pass its checkpoints/step_... directory)");
   }
@@ -270,7 +273,26 @@ std::unique_ptr<FlatModelSource> open_hf_source(const std::string& dir, const st
   return std::make_unique<HfSource>(dir, what);
 }
 
-ModelConfig load_hf(const std::string& dir, std::vector<float>& flat, const std::string& what) {
+void check_host_memory_for_model(const std::string& dir, const std::string& what, double bytes_per_param,
+                                 uint64_t available) {
+  const std::unique_ptr<ModelArch> arch = make_model_arch(read_hf_model_config(dir, what, ""));
+  const double params = double(arch->layout().total), needed = params * bytes_per_param;
+  if (available == 0 || needed <= double(available)) return;
+  const double gib = double(uint64_t(1) << 30);
+  std::ostringstream o;
+  o.precision(1);
+  o << std::fixed << what << ": '" << dir << "' is a " << arch->describe() << " of " << params / 1e9
+    << "B parameters; " << what << " holds it whole in host memory, " << bytes_per_param
+    << " bytes per parameter: " << needed / gib << " GiB are needed and " << double(available) / gib
+    << " GiB are available (MemAvailable, or the cgroup's memory.max). Use a machine with more memory or a "
+       "smaller model";
+  TR_FAIL(o.str());
+}
+
+ModelConfig load_hf(const std::string& dir, std::vector<float>& flat, const std::string& what,
+                    double host_bytes_per_param) {
+  // From config.json alone, before a file is mapped or a byte allocated.
+  check_host_memory_for_model(dir, what, host_bytes_per_param, host_memory_available());
   HfReader r(dir, what);
   flat.assign(size_t(r.target().total), 0.0f);
   r.read(0, r.target().total, flat.data());

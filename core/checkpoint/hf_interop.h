@@ -112,8 +112,17 @@ std::string resolve_verified_model_file(const std::string& path, const char* wha
 // Reads a whole HF directory (config.json: read_hf_model_config) into our
 // flat layout (nn.Linear layout); returns its config. Names may carry the
 // arch's optional prefixes (GPT-2: "transformer."); F16/BF16 are widened.
-// Missing or mis-shaped tensors are errors naming the tensor.
-ModelConfig load_hf(const std::string& dir, std::vector<float>& flat, const std::string& what = "hf");
+// Missing or mis-shaped tensors are errors naming the tensor. First, from
+// config.json alone, the parameter count x `host_bytes_per_param` (what the
+// caller will hold: 4 for `flat`, more when it copies it) is checked
+// against host memory (check_host_memory_for_model).
+ModelConfig load_hf(const std::string& dir, std::vector<float>& flat, const std::string& what = "hf",
+                    double host_bytes_per_param = 4);
+// Throws Error naming `what`, the model, the GiB needed and the GiB
+// available when the model of `dir`'s config.json, at `bytes_per_param`,
+// exceeds `available` bytes (0: unknown, no check).
+void check_host_memory_for_model(const std::string& dir, const std::string& what, double bytes_per_param,
+                                 uint64_t available);
 
 // model.init_from: the job's model (from its model.* fields: the job spec
 // stays the one description of the model that is trained, resumed and

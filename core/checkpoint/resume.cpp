@@ -15,10 +15,10 @@
 
 #include "core/checkpoint/checkpoint.h"
 #include "core/checkpoint/format.h"
+#include "core/common/debug_hooks.h"
 #include "core/common/error.h"
 #include "core/common/fileio.h"
 #include "core/common/log.h"
-#include "core/launch/debug_hooks.h"
 #include "core/train/planner.h"
 
 namespace fs = std::filesystem;

@@ -4,10 +4,26 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstring>
 
 #include "core/common/error.h"
 
 namespace trainrun {
+
+bool reserve_file_size(int fd, off_t bytes, const std::string& path) {
+  int rc = 0;
+  do rc = ::fallocate(fd, 0, 0, bytes);
+  while (rc != 0 && errno == EINTR);
+  if (rc == 0) return true;
+  const int e = errno;
+  if (e == ENOSPC || e == EDQUOT || e == EFBIG) {
+    errno = e;
+    TR_CHECK_ERRNO(false, "cannot allocate ", bytes, " bytes for '", path, "' (disk full or file size limit?)");
+  }
+  TR_CHECK_ERRNO(::ftruncate(fd, bytes) == 0, "cannot size '", path, "' to ", bytes,
+                 " bytes (its filesystem refused fallocate too: ", std::strerror(e), ")");
+  return false;
+}
 
 void write_file_synced(const std::string& path, const std::string& data) {
   int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);

@@ -1,6 +1,11 @@
 #include "core/common/text.h"
 
 #include <cctype>
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+
+#include "core/common/error.h"
 
 namespace trainrun {
 
@@ -19,6 +24,26 @@ std::string trim_space(const std::string& s) {
   while (a < b && std::isspace(static_cast<unsigned char>(s[a]))) ++a;
   while (b > a && std::isspace(static_cast<unsigned char>(s[b - 1]))) --b;
   return s.substr(a, b - a);
+}
+
+int64_t parse_param_count(const std::string& text) {
+  std::string t = text;
+  double mult = 1;
+  if (!t.empty()) {
+    const char c = char(std::toupper(static_cast<unsigned char>(t.back())));
+    if (c == 'K' || c == 'M' || c == 'B' || c == 'G') {
+      mult = c == 'K' ? 1e3 : c == 'M' ? 1e6 : 1e9;
+      t.pop_back();
+    }
+  }
+  char* end = nullptr;
+  errno = 0;
+  const double v = t.empty() ? 0 : std::strtod(t.c_str(), &end);
+  TR_CHECK(!t.empty() && end && *end == 0 && errno == 0 && std::isfinite(v) && v > 0, "--params '",
+           text, "' is not a parameter count; use e.g. 124000000, 124M, 1.5B or 350K");
+  const double n = v * mult;
+  TR_CHECK(n >= 1e4 && n <= 1e12, "--params ", text, " is outside [10K, 1000B]");
+  return int64_t(std::llround(n));
 }
 
 }  // namespace trainrun

@@ -295,6 +295,11 @@ void write_safetensors(const std::string& path, const SafeTensorFile& file) {
 // ---- reader --------------------------------------------------------------------
 
 namespace {
+// safetensors' MAX_HEADER_SIZE (tensor.rs): 100 MB, decimal.
+constexpr uint64_t kMaxHeaderBytes = 100'000'000;
+}  // namespace
+
+namespace {
 // The validated header of an open file: metadata, tensors (no data yet) and
 // each one's byte range in the data area, which starts at *data_start.
 struct ParsedHeader {
@@ -326,6 +331,12 @@ ParsedHeader parse_header(int fd, const std::string& path) {
   for (int i = 0; i < 8; ++i) n |= static_cast<uint64_t>(len_bytes[i]) << (8 * i);
   TR_CHECK(n <= size - 8, where, ": header length ", n, " is larger than the file (", size,
            " bytes). The file is truncated or not a safetensors file");
+  // The reference implementation's limit (safetensors' MAX_HEADER_SIZE):
+  // a header is read and parsed whole, so without one a hostile file costs
+  // its header's size in memory, several times over once parsed.
+  TR_CHECK(n <= kMaxHeaderBytes, where, ": header length ", n, " bytes is over the ", kMaxHeaderBytes,
+           "-byte limit that safetensors itself enforces (a real header of 100K tensors is a few MB). "
+           "The file is corrupt or not a safetensors file");
   std::string json(n, '\0');
   pread_all(f.fd, reinterpret_cast<uint8_t*>(json.data()), n, 8, "cannot read " + where);
 
@@ -403,22 +414,32 @@ ParsedHeader parse_header(int fd, const std::string& path) {
     out.tensors.push_back(std::move(tensor));
   }
 
-  // Overlap check on byte ranges sorted by start. Empty tensors occupy no
-  // bytes and cannot overlap anything. Gaps between tensors are tolerated
-  // (other writers may align); a gap is not corruption we can name.
-  // stable_sort: ties (empty tensors at one offset) keep the header's
-  // iteration order, which nlohmann::json makes alphabetical: deterministic.
+  // The tensors must tile the data area, as safetensors' own reader
+  // requires (Metadata::validate: sorted by offsets, each starts where the
+  // previous ended, the last ends at the end of the file): no overlaps, and
+  // no gaps or trailing bytes either, which no writer of the format leaves
+  // and which would be bytes no tensor accounts for. stable_sort: ties
+  // (empty tensors at one offset) keep the header's iteration order, which
+  // nlohmann::json makes alphabetical: deterministic.
   std::stable_sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) {
     return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
   });
   const Entry* prev = nullptr;
+  uint64_t packed_to = 0;  // where the next tensor must start
   for (const auto& e : entries) {
-    if (e.begin == e.end) continue;
-    if (prev && e.begin < prev->end)
+    if (e.begin < packed_to)
       TR_FAIL(where, ": overlapping tensors '", out.tensors[prev->index].name, "' [", prev->begin, ", ", prev->end,
               ") and '", out.tensors[e.index].name, "' [", e.begin, ", ", e.end, ")");
-    if (!prev || e.end > prev->end) prev = &e;
+    if (e.begin > packed_to)
+      TR_FAIL(where, ": a gap of ", e.begin - packed_to, " bytes before tensor '", out.tensors[e.index].name,
+              "' (data_offsets [", e.begin, ", ", e.end, "]; the data before it ends at ", packed_to,
+              "); safetensors packs tensors back to back and refuses such files too. The file is corrupt");
+    packed_to = e.end;
+    prev = &e;
   }
+  TR_CHECK(packed_to == data_size, where, ": ", data_size - packed_to, " bytes after the last tensor (the tensors end at ",
+           packed_to, " of the data area's ", data_size,
+           " bytes); safetensors refuses such files too. The file is corrupt or was appended to");
 
   return ph;
 }

@@ -42,8 +42,10 @@ std::string encode_safetensors_header(const std::vector<SafeTensorEntry>& entrie
 
 // Writes atomically (temp file + fsync + rename). Throws Error naming the path.
 void write_safetensors(const std::string& path, const SafeTensorFile& file);
-// Validates the header (length, JSON, dtypes, offsets within the file, no
-// overlaps) and throws Error naming the path and the problem.
+// Validates the header (length at most 100 MB as safetensors' own limit,
+// JSON, dtypes, offsets within the file; the tensors packed back to back
+// up to the end of the file: no overlap, gap or trailing bytes, as
+// safetensors itself requires) and throws Error naming the path and the problem.
 SafeTensorFile read_safetensors(const std::string& path);
 
 // A file mapped read-only, for reading parts of large files (each rank its

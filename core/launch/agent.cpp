@@ -45,9 +45,9 @@
 #include <sstream>
 #include <vector>
 
+#include "core/common/debug_hooks.h"
 #include "core/common/error.h"
 #include "core/common/log.h"
-#include "core/launch/debug_hooks.h"
 #include "core/launch/launch_mode.h"
 #include "core/launch/node_group.h"
 #include "core/model/model_spec.h"

@@ -32,9 +32,9 @@
 #include <fstream>
 #include <sstream>
 
+#include "core/common/debug_hooks.h"
 #include "core/common/error.h"
 #include "core/common/log.h"
-#include "core/launch/debug_hooks.h"
 #include "core/train/preemption.h"
 #include "parallel/rendezvous/net_address.h"
 

@@ -10,16 +10,17 @@
 #include <iomanip>
 #include <optional>
 #include <sstream>
+#include <thread>
 
 #include "core/checkpoint/checkpoint.h"
 #include "core/checkpoint/final_weights.h"
 #include "core/checkpoint/hf_interop.h"
+#include "core/common/debug_hooks.h"
 #include "core/common/error.h"
 #include "core/common/log.h"
 #include "core/common/trace.h"
 #include "core/data/dataset.h"
 #include "core/data/document_mask.h"
-#include "core/launch/debug_hooks.h"
 #include "core/model/model.h"
 #include "core/model/model_spec.h"
 #include "core/model/tensor_parallel.h"
@@ -150,6 +151,10 @@ class Trainer {
   TrainSummary run();
 
  private:
+  // Every rank's error text (or "") after work whose time grows with the
+  // disk, agreed through the store with the disk timeout: "" when every rank
+  // passed "", else the lowest rank's text naming it. `what` keys it ("init_from/").
+  std::string agree_after_disk_work(const std::string& what, const std::string& mine);
   void setup();
   struct StepResult {
     double loss = 0;     // the global mean loss
@@ -660,6 +665,35 @@ double Trainer::evaluate() {
   return ntgt > 0 ? double(total) / double(ntgt) : 0.0;
 }
 
+std::string Trainer::agree_after_disk_work(const std::string& what, const std::string& mine) {
+  if (w_.world == 1) return mine;
+  // The rendezvous store, not a collective: the ranks finish reading a
+  // shared filesystem minutes apart at 70B, far past parallel.timeout_s
+  // (meant for compute skew), so the wait has the disk timeout. Rank 0
+  // collects one key per rank and publishes the verdict: O(world) keys.
+  const Millis timeout(disk_wait_timeout_ms(job_));
+  const std::string key = prefix_ + what;
+  store_->set(key + std::to_string(w_.rank), store_bytes("." + mine));  // "." + "": passed
+  if (w_.rank == 0) {
+    std::vector<std::string> keys;
+    for (int r = 0; r < w_.world; ++r) keys.push_back(key + std::to_string(r));
+    std::string verdict = ".";
+    try {
+      store_->wait(keys, timeout);
+      for (int r = 0; r < w_.world; ++r) {
+        const std::string text = store_text(store_->get(keys[size_t(r)], timeout)).substr(1);
+        store_->remove(keys[size_t(r)]);
+        if (!text.empty() && verdict == ".") verdict += text + " (rank " + std::to_string(r) + ")";
+      }
+    } catch (const std::exception& e) {
+      verdict = std::string(".") + e.what();  // still published, so no rank waits on
+    }
+    store_->set(key + "verdict", store_bytes(verdict));
+    return verdict.substr(1);
+  }
+  return store_text(store_->get(key + "verdict", timeout)).substr(1);
+}
+
 TrainSummary Trainer::run() {
   auto t_start = Clock::now();
   setup();
@@ -695,11 +729,12 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
       // ranks agree on any rank's error before the weights go live.
       std::string why;
       try {
+        if (const int64_t ms = debug_init_from_delay_ms(w_.rank)) std::this_thread::sleep_for(Millis(ms));
         load_init_from_ranges(*arch_, job_.model.init_from, *params_, rank0_);
       } catch (const std::exception& e) {
         why = e.what();
       }
-      why = first_error_of_ranks(*comm_, why);
+      why = agree_after_disk_work("init_from/", why);
       if (!why.empty()) TR_FAIL(why);
       params_->params_updated();
       if (rank0_) TR_LOG_INFO("model.init_from: initial weights from ", job_.model.init_from);

@@ -13,8 +13,8 @@
 #include <memory>
 #include <sstream>
 
-#include "core/checkpoint/bench_checkpoint.h"
 #include "core/common/error.h"
+#include "core/common/text.h"
 #include "kernels/cpu/host_adamw.h"
 
 namespace trainrun {

@@ -23,7 +23,9 @@
 //
 // Failure: every wait has the timeout; it also checks every 50 ms whether
 // the peer process still exists (its pid is in the header), so a peer that
-// died is reported as such within that, not after the whole timeout.
+// died is reported as such within that, not after the whole timeout. The
+// pid means the same process to both only in one PID namespace, so a link
+// is shared memory only between processes of one (shm_identity).
 // Lifetime: rank 0 creates the segment under a random name and unlinks it
 // as soon as rank 1 has mapped it, so nothing is left in /dev/shm even if
 // both die afterwards.
@@ -331,8 +333,13 @@ class ShmCommunicator final : public Communicator {
 };
 
 // Which /dev/shm this process sees: the boot and the tmpfs mount's device
-// and inode. Two processes with the same one can share a segment (same
-// host, same mount, whatever their hostnames or containers say).
+// and inode; and its PID namespace. Two processes with the same one can
+// share a segment (same host, same mount, whatever their hostnames or
+// containers say) and name each other by pid: the link's liveness check is
+// kill(peer pid, 0), which in another PID namespace (two containers sharing
+// /dev/shm, a sidecar) asks about whatever process has that number here,
+// so such a pair takes Gloo instead. Without /proc/self/ns/pid (no
+// namespaces) it is left out: every process is then in the one namespace.
 std::string shm_identity() {
   std::string boot;
   if (FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "r")) {
@@ -342,7 +349,10 @@ std::string shm_identity() {
   }
   struct stat st {};
   if (boot.empty() || ::stat("/dev/shm", &st) != 0) return "";
-  return detail::cat(boot, "/", st.st_dev, "/", st.st_ino);
+  std::string id = detail::cat(boot, "/", st.st_dev, "/", st.st_ino);
+  struct stat ns {};
+  if (::stat("/proc/self/ns/pid", &ns) == 0) id += detail::cat("/pidns:", ns.st_dev, ":", ns.st_ino);
+  return id;
 }
 
 }  // namespace

@@ -14,88 +14,12 @@
 
 #include "core/common/error.h"
 #include "core/common/trace.h"
+#include "parallel/pipeline/sender.h"
 #include "parallel/pipeline/slots.h"
 
 namespace trainrun {
 
 namespace {
-
-// Posts the sends of one outgoing link in order on a thread of its own, so
-// the compute thread never waits for a peer to take a message it does not
-// need yet (communicators whose send waits for the peer: Gloo, blocking
-// NCCL). It is the only user of its link (links.h). One thread per link,
-// not one for all: a send that waits for one peer must not hold up the
-// sends to another, which the schedule check does not model (one shared
-// thread hung pp4 interleaved_1f1b: rank 2's gradient to rank 1 queued
-// behind its activation to rank 3, which rank 3 took only after that
-// gradient's chain let it reuse its slot). Per link is also what NCCL's
-// stream per link does, so both runtimes wait on the same things.
-class Sender {
- public:
-  Sender(int global_rank, int tid) : rank_(global_rank), tid_(tid), th_([this] { loop(); }) {}
-  ~Sender() {
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    th_.join();
-  }
-  // `link`: the outgoing link to pp rank `to` (the peer is its rank 1).
-  std::shared_future<void> post(Communicator* link, int from, int to, const void* buf, size_t bytes, uint32_t tag,
-                                std::string label) {
-    auto done = std::make_shared<std::promise<void>>();
-    std::shared_future<void> f = done->get_future().share();
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      q_.push_back({link, from, to, buf, bytes, tag, done, std::move(label)});
-    }
-    cv_.notify_all();
-    return f;
-  }
-
- private:
-  struct Job {
-    Communicator* link;
-    int from, to;  // pp ranks, for the tests' record of who used which link
-    const void* buf;
-    size_t bytes;
-    uint32_t tag;
-    std::shared_ptr<std::promise<void>> done;
-    std::string label;  // the trace span's name
-  };
-  void loop() {
-    for (;;) {
-      Job j;
-      {
-        std::unique_lock<std::mutex> lk(mu_);
-        cv_.wait(lk, [&] { return stop_ || !q_.empty(); });
-        if (q_.empty()) return;
-        j = q_.front();
-        q_.pop_front();
-      }
-      try {
-        StepTracer::Span span(tracer, j.label, "p2p", tid_);
-        record_pipeline_link_use(rank_, j.from, j.to, true);
-        j.link->send(j.buf, j.bytes, 1, j.tag);
-        j.done->set_value();
-      } catch (...) {
-        j.done->set_exception(std::current_exception());
-      }
-    }
-  }
- public:
-  StepTracer* tracer = nullptr;  // set between steps only
-
- private:
-  int rank_;
-  int tid_;  // its row in the trace
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Job> q_;
-  bool stop_ = false;
-  std::thread th_;  // last: started once the rest is built
-};
 
 // One microbatch's place on a chunk: a network (its activations) and its
 // tokens, and with document masking its document offsets, which stay until
@@ -150,7 +74,7 @@ struct PipelineExecutor::Impl {
   // One per outgoing link, by the peer's pp rank; none when the links are
   // stream-ordered (NCCL): sends are then issued from the compute thread,
   // since enqueueing one never waits on the peer.
-  std::map<int, std::unique_ptr<Sender>> senders;
+  std::map<int, std::unique_ptr<PipelineSender>> senders;
   std::unique_ptr<NetworkView> view;
   int64_t step = 0;
   bool split = false;
@@ -331,7 +255,7 @@ PipelineExecutor::PipelineExecutor(const ModelArch& arch, Backend* be, const Pip
       if ((a.op == PipeOp::SendAct || a.op == PipeOp::SendGrad) && !im.senders.count(a.peer))
         im.senders[a.peer] = nullptr;
     int tid = 1;
-    for (auto& [peer, snd] : im.senders) snd = std::make_unique<Sender>(im.global_rank(r), tid++);
+    for (auto& [peer, snd] : im.senders) snd = std::make_unique<PipelineSender>(im.global_rank(r), tid++);
   }
   im.view = std::make_unique<NetworkView>(*this);
 }

@@ -15,8 +15,8 @@
 #include <functional>
 #include <vector>
 
-#include "core/checkpoint/bench_checkpoint.h"
 #include "core/common/error.h"
+#include "core/common/text.h"
 #include "kernels/backend.h"
 #include "parallel/sharding/offload.h"
 

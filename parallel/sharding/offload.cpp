@@ -22,9 +22,9 @@
 #include <fstream>
 #include <sstream>
 
+#include "core/common/debug_hooks.h"
 #include "core/common/error.h"
 #include "core/common/log.h"
-#include "core/launch/debug_hooks.h"
 #include "kernels/cpu/host_adamw.h"
 
 namespace trainrun {

@@ -149,7 +149,7 @@ class UringEngine final : public IoEngine {
  public:
   static constexpr unsigned kDepth = 32;
   UringEngine(int fd, std::string path) : fd_(fd), path_(std::move(path)) {
-    // The kernel's refusal, simulated (core/launch/debug_hooks.h).
+    // The kernel's refusal, simulated (core/common/debug_hooks.h).
     if (const char* v = std::getenv("TRAINRUN_DEBUG_OFFLOAD_NO_URING"); v && std::string(v) == "1")
       throw Error("io_uring_queue_init: Operation not permitted (TRAINRUN_DEBUG_OFFLOAD_NO_URING)");
     const int rc = io_uring_queue_init(kDepth, &ring_, 0);

@@ -16,6 +16,8 @@ struct Ctx {
   [[noreturn]] void fail(const std::string& path, const std::string& what) const;
 };
 
+// Refuses an id above 2^22 - 1 (the dense id tables' cost), naming path.
+void check_token_id_size(const Ctx& c, const std::string& path, uint64_t id);
 std::string show(const json& v);
 const json* member(const json& obj, const char* key);
 bool get_bool(const Ctx& c, const json& obj, const std::string& path, const char* key, bool dflt);

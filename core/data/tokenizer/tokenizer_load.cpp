@@ -17,6 +17,23 @@ void Ctx::fail(const std::string& path, const std::string& what) const {
   TR_FAIL("tokenizer '", file, "': ", path, ": ", what);
 }
 
+// Token ids index dense tables (an entry per id up to the largest: bytes,
+// known flags), so one hostile id of 2^31 - 1 would cost ~66 GiB before any
+// other check. Real vocabularies stay under 300K ids (Gemma 3: 262K), so
+// anything above 2^22 is refused, with what its tables would have cost.
+void check_token_id_size(const Ctx& c, const std::string& path, uint64_t id) {
+  constexpr uint64_t kMaxTokenId = (uint64_t(1) << 22) - 1;
+  constexpr uint64_t kTableBytesPerId = sizeof(std::string) + 1;  // id_to_bytes + id_known
+  if (id <= kMaxTokenId) return;
+  const double gib = double(id + 1) * double(kTableBytesPerId) / double(uint64_t(1) << 30);
+  std::ostringstream cost;
+  cost.precision(1);
+  cost << std::fixed << gib;
+  c.fail(path, "id " + std::to_string(id) + " is above the " + std::to_string(kMaxTokenId) +
+                   " that trainrun accepts: its id tables hold an entry per id up to the largest, " + cost.str() +
+                   " GiB for this one (real vocabularies stay under 300K ids); the file is corrupt");
+}
+
 std::string show(const json& v) {
   std::string s = v.dump();
   if (s.size() > 120) s = s.substr(0, 117) + "...";
@@ -133,6 +150,7 @@ void load_added_tokens(const Ctx& c, const json& root, Tokenizer::Impl& impl) {
     const json* id = member(t, "id");
     if (!id || !id->is_number_unsigned() || id->get<uint64_t>() > 0x7FFFFFFF)
       c.fail(path + ".id", "missing or not a non-negative integer");
+    check_token_id_size(c, path + ".id", id->get<uint64_t>());
     AddedToken a;
     a.id = id->get<uint32_t>();
     a.spelled = get_string(c, t, path, "content", "");

@@ -268,6 +268,7 @@ void load_bpe(const Ctx& c, const json& m, Tokenizer::Impl& impl) {
   for (auto it = vocab->begin(); it != vocab->end(); ++it) {
     if (!it.value().is_number_unsigned() || it.value().get<uint64_t>() > 0x7FFFFFFF)
       c.fail("model.vocab[" + show(json(it.key())) + "]", "expected a non-negative id, got " + show(it.value()));
+    check_token_id_size(c, "model.vocab[" + show(json(it.key())) + "]", it.value().get<uint64_t>());
     md.vocab[it.key()] = it.value().get<uint32_t>();
   }
   const std::string unk = get_string(c, m, "model", "unk_token", "");

@@ -1,4 +1,4 @@
-#include "core/launch/debug_hooks.h"
+#include "core/common/debug_hooks.h"
 
 #include <time.h>
 
@@ -126,6 +126,17 @@ void debug_offload_kill_hook(int64_t step) {
   TR_LOG_WARN("debug: SIGKILL in the nvme optimizer step of step ", step, " on rank ", rank,
               " (TRAINRUN_DEBUG_OFFLOAD_KILL)");
   std::raise(SIGKILL);
+}
+
+int64_t debug_init_from_delay_ms(int rank) {
+  const char* v = std::getenv("TRAINRUN_DEBUG_INIT_FROM_DELAY_MS");
+  if (!v || !*v) return 0;
+  const std::vector<std::string> f = split_colons(v);
+  if (f.size() != 2 || f[0] != std::to_string(rank)) return 0;
+  const int64_t ms = std::atoll(f[1].c_str());
+  if (ms <= 0) return 0;
+  TR_LOG_WARN("debug: rank ", rank, " waits ", ms, " ms before reading model.init_from (TRAINRUN_DEBUG_INIT_FROM_DELAY_MS)");
+  return ms;
 }
 
 int64_t debug_ckpt_sleep_ms(int64_t step) {
