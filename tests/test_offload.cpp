@@ -96,6 +96,39 @@ TEST_CASE("offload cpu and nvme: losses and weights bit-identical to offload non
   }
 }
 
+TEST_CASE("offload nvme: the disk sees the gradient once per step, whatever the number of micro-batches",
+          "[offload]") {
+  // 12 sequences a step over 2 ranks: 1 micro-batch of 6 per rank, or 6 of 1.
+  // Every byte written to the state files (the init, the gradient, the
+  // step's master and moments) is counted: the totals must be equal.
+  std::map<int, uint64_t> written;
+  std::map<int, std::vector<double>> losses;
+  for (const char* strategy : {"full_shard", "shard_grad_op"}) {
+    for (int mb : {6, 1}) {
+      INFO(strategy << ", micro-batch " << mb);
+      test::TempDir dir("offload_accum");
+      const JobSpec job = parse_job_spec(job_yaml(dir.path(), strategy, 0, "nvme"), "job.yaml",
+                                         {"train.micro_batch_size=" + std::to_string(mb), "train.max_steps=3"});
+      const uint64_t before = HostOptimizerState::nvme_bytes_written();
+      const auto ranks = test::run_ranks_inprocess(job, 2);
+      written[mb] = HostOptimizerState::nvme_bytes_written() - before;
+      losses[mb] = ranks[0].losses;
+      // Equal to offload none at the same micro-batch (bit for bit).
+      test::TempDir ref("offload_accum_none");
+      const auto none = test::run_ranks_inprocess(
+          parse_job_spec(job_yaml(ref.path(), strategy, 0, "none"), "job.yaml",
+                         {"train.micro_batch_size=" + std::to_string(mb), "train.max_steps=3"}),
+          2);
+      CHECK(ranks[0].losses == none[0].losses);
+      CHECK(test::weights_of(dir.path()) == test::weights_of(ref.path()));
+    }
+    INFO(strategy << ": " << written[6] << " bytes written with 1 micro-batch, " << written[1] << " with 6");
+    CHECK(written[6] > 0);
+    CHECK(written[1] == written[6]);
+    REQUIRE(losses[1].size() == 3);
+  }
+}
+
 TEST_CASE("offload cpu: metrics.jsonl reports host bytes and zero device optimizer bytes", "[offload]") {
   test::TempDir dir("offload_metrics");
   JobSpec job = parse_job_spec(job_yaml(dir.path(), "full_shard", 0, "cpu"), "job.yaml", {"train.max_steps=2"});

@@ -688,6 +688,41 @@ TEST_CASE("tp: model.init_from (a Hugging Face directory) loads at tp2 as at tp1
   check_same(tp2, tp1);
 }
 
+TEST_CASE("tp: model.init_from at tp2 drops a tensor's pages once per tensor, not once per row", "[tp][interop]") {
+  // Llama: o_proj and down_proj are row-parallel, so a tp2 rank reads them
+  // as one run per row (64 rows each per layer here).
+  const std::string model =
+      "{arch: llama, n_layer: 2, n_head: 4, n_kv_head: 2, n_embd: 64, ffn_dim: 96, vocab_size: 23, seq_len: 8}";
+  TempDir dir("tp_init_pages");
+  const std::string hf = dir / "hf";
+  {
+    TempDir run("tp_init_pages_run");
+    const JobSpec job = parse_job_spec(tp_job(run.path(), model, "no_shard", 1, 0, 2), "job.yaml");
+    run_ranks_inprocess(job, 1);
+    const auto r = run_command("'" + trainrun_binary() + "' export --checkpoint '" + run / "model.safetensors" +
+                               "' --format safetensors --out '" + hf + "'");
+    INFO(r.err);
+    REQUIRE(r.exit_code == 0);
+  }
+  ModelConfig cfg = llama_cfg(4, 2, 96, 23, false);
+  cfg.C = 64;
+  const std::unique_ptr<ModelArch> arch = make_model_arch(cfg);
+  const int64_t tensors = int64_t(arch->layout().tensors.size());
+  int64_t runs = 0;  // the pieces of the global layout one tp2 rank holds: ~ one per row-parallel row
+  for (const TpRun& r : TensorParallelPlan(*arch, 2, 0).runs()) runs += r.global >= 0;
+  REQUIRE(runs >= 4 * tensors);  // so that one call per row would break the bound below
+
+  const std::vector<std::string> sets = {"model.init_from=" + hf, "train.max_steps=1"};
+  const Run tp1 = run_tp(model, 1, 1, "full_shard", 0, sets);
+  const uint64_t before = MappedSafeTensors::drop_pages_calls();
+  const Run tp2 = run_tp(model, 2, 2, "full_shard", 0, sets);
+  const uint64_t calls = MappedSafeTensors::drop_pages_calls() - before;
+  INFO(calls << " madvise calls for 2 ranks, " << tensors << " tensors, " << runs << " runs a rank");
+  CHECK(calls >= uint64_t(tensors));         // the pages are dropped
+  CHECK(calls <= uint64_t(2 * 2 * tensors));  // per tensor (and held range), per rank
+  check_same(tp2, tp1);
+}
+
 TEST_CASE("tp: bad meshes are clear errors", "[tp]") {
   using Catch::Matchers::Contains;
   TempDir dir("tp_bad");

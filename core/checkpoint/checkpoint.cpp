@@ -18,6 +18,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <future>
 #include <thread>
 
 #include "core/checkpoint/format.h"
@@ -154,22 +155,23 @@ double Checkpointer::save(ParamStore& ps, const TrainState& st) {
   }
   const int64_t step = st.step;
   if (job_.checkpoint.async == "true") {
-    // Snapshot: this rank's write ranges of master, m, v, copied straight
-    // into host buffers kept across saves (allocating and faulting in fresh
-    // buffers every time cost seconds per GB; reusing them is a plain copy).
-    ensure_snapshot_buffers();
-    for (int kind = 0; kind < 3; ++kind) {
-      size_t pos = 0;
-      for (const auto& w : write_ranges_) {
-        ps.copy_state_range(kind, w, snapshot_[kind].data() + pos);
-        pos += size_t(w.numel());
-      }
-    }
-    bg_ = std::thread([this, step, st] {
+    // No whole snapshot (12 bytes per element of the shard: 106 GB a rank
+    // at 70B over 8): the background thread streams the live state to the
+    // files in pieces of one segment, as a synchronous save does, while
+    // this thread goes on with forward and backward, which leave master
+    // weights and moments alone. The next change to them waits for the
+    // pieces to be read (before_state_change).
+    std::promise<void> released;
+    state_read_ = released.get_future().share();
+    bg_ = std::thread([this, step, st, &ps, released = std::move(released)]() mutable {
       try {
-        write_and_commit(step, st, nullptr);
+        write_and_commit(step, st, &ps, &released);
       } catch (...) {
         bg_error_ = current_exception_text();
+      }
+      try {
+        released.set_value();  // if write_and_commit failed before it released the state
+      } catch (const std::future_error&) {
       }
     });
     return std::chrono::duration<double>(Clock::now() - t0).count();
@@ -178,7 +180,7 @@ double Checkpointer::save(ParamStore& ps, const TrainState& st) {
   // files in pieces of one segment (a rank holds its shard plus one piece).
   std::string failed;
   try {
-    write_and_commit(step, st, &ps);
+    write_and_commit(step, st, &ps, nullptr);
   } catch (...) {
     failed = current_exception_text();
   }
@@ -189,20 +191,23 @@ double Checkpointer::save(ParamStore& ps, const TrainState& st) {
 void Checkpointer::prepare(ParamStore& ps) {
   write_ranges_ = ps.write_ranges();
   held_ranges_ = ps.held_ranges();
-  // Async saves snapshot into these while training runs: fault them in now,
-  // not inside the first save's blocked window.
-  if (job_.checkpoint.async == "true") ensure_snapshot_buffers();
 }
 
-void Checkpointer::ensure_snapshot_buffers() {
-  size_t n = 0;
-  for (const auto& w : write_ranges_) n += size_t(w.numel());
-  for (auto& b : snapshot_)
-    if (b.size() != n) b.assign(n, 0.0f);
+double Checkpointer::before_state_change() {
+  if (!state_read_.valid()) return 0;
+  const auto t0 = Clock::now();
+  state_read_.wait();
+  state_read_ = {};
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+void Checkpointer::note_host_bytes() {
+  host_bytes_peak_ = std::max(host_bytes_peak_, piece_.capacity() * sizeof(float));
 }
 
 void Checkpointer::wait() {
   if (bg_.joinable()) bg_.join();
+  state_read_ = {};
   if (!bg_error_.empty()) {
     std::string e;
     std::swap(e, bg_error_);
@@ -293,7 +298,8 @@ void Checkpointer::drop_keys(int64_t step) {
   }
 }
 
-void Checkpointer::write_and_commit(int64_t step, const TrainState& st, ParamStore* live) {
+void Checkpointer::write_and_commit(int64_t step, const TrainState& st, ParamStore* live,
+                                    std::promise<void>* released) {
   const std::string key = step_key(step);
   const auto deadline = Clock::now() + std::chrono::milliseconds(ckpt_timeout_ms(job_));
   const std::string final_dir = root_ + "/" + step_name(step);
@@ -358,7 +364,6 @@ void Checkpointer::write_and_commit(int64_t step, const TrainState& st, ParamSto
       if (write_ranges_.empty()) continue;
       int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
       TR_CHECK_ERRNO(fd >= 0, "cannot open '", path, "'");
-      size_t pos = 0;
       try {
         for (const auto& r : write_ranges_) {
           check_abort(false);
@@ -369,27 +374,21 @@ void Checkpointer::write_and_commit(int64_t step, const TrainState& st, ParamSto
             const uint64_t per = runs_per_segment(uint64_t(r.count) * 4);
             for (int64_t first = 0; first < r.reps; first += int64_t(per)) {
               const Range part = r.rows(first, std::min(int64_t(per), r.reps - first));
-              const float* src = nullptr;
-              if (!live) {
-                src = snapshot_[kind].data() + pos + size_t(first * r.count);
-              } else {
-                piece_.resize(size_t(part.numel()));
-                live->copy_state_range(kind, part, piece_.data());
-                src = piece_.data();
-              }
+              piece_.resize(size_t(part.numel()));
+              note_host_bytes();
+              live->copy_state_range(kind, part, piece_.data());
+              const float* src = piece_.data();
               hashed_pwrite_strided(fd, reinterpret_cast<const char*>(src), uint64_t(r.count) * 4,
                                     uint64_t(r.stride) * 4, uint64_t(part.reps), uint64_t(base + part.global * 4), path,
                                     h, mine[file]);
               check_abort(false);
             }
-          } else if (!live) {
-            hashed_pwrite(fd, reinterpret_cast<const char*>(snapshot_[kind].data() + pos), uint64_t(r.count) * 4,
-                          uint64_t(base + r.global * 4), path, h, mine[file]);
           } else {
             // Pieces of exactly one segment from the range's start: the
             // segments (and their hashes) are those of one whole-range write.
             const int64_t piece = int64_t(kSegmentBytes / 4);
             piece_.resize(size_t(std::min(piece, r.count)));
+            note_host_bytes();
             for (int64_t at = 0; at < r.count; at += piece) {
               const int64_t n = std::min(piece, r.count - at);
               live->copy_state_range(kind, Range{r.global + at, n}, piece_.data());
@@ -397,7 +396,6 @@ void Checkpointer::write_and_commit(int64_t step, const TrainState& st, ParamSto
                             uint64_t(base + (r.global + at) * 4), path, h, mine[file]);
             }
           }
-          pos += size_t(r.numel());
         }
         TR_CHECK_ERRNO(::fsync(fd) == 0, "cannot fsync '", path, "'");
       } catch (...) {
@@ -409,6 +407,9 @@ void Checkpointer::write_and_commit(int64_t step, const TrainState& st, ParamSto
   } catch (...) {
     status = me + ": " + current_exception_text();
   }
+  // Every piece of the state is in the files (or never will be): an async
+  // save's trainer may change it again (before_state_change).
+  if (released) released->set_value();
   if (store_) {
     // The segments go first: "written" tells rank 0 they are there.
     json segs = json::array();

@@ -81,6 +81,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <future>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -126,8 +127,17 @@ class Checkpointer {
   // Collective. Snapshots the state; writes it now (sync) or in a background
   // thread (async). Returns the seconds training was blocked.
   double save(ParamStore& ps, const TrainState& st);
-  // Learn the rank's ranges; with async, allocate the host snapshot now.
+  // Learn the rank's ranges.
   void prepare(ParamStore& ps);
+  // Async: the background save reads the live state piece by piece (no
+  // whole snapshot in host memory), so the trainer calls this before
+  // anything changes master weights or moments (the optimizer step): it
+  // blocks until the save in flight has read all of them. Returns the
+  // seconds it blocked (training's share of an async save); 0 when none.
+  double before_state_change();
+  // The most host memory this rank's saves have held for the state (bytes):
+  // one piece of at most one segment (kSegmentBytes), whatever the shard.
+  size_t host_buffer_bytes() const { return host_bytes_peak_; }
   // Wait for an in-flight async save (and apply checkpoint.on_error).
   void wait();
   // Collective. Resolves checkpoint.resume and loads; false when nothing to load.
@@ -149,14 +159,15 @@ class Checkpointer {
   };
 
  private:
-  // From the snapshot (live null: an async save) or straight from the store.
-  void write_and_commit(int64_t step, const TrainState& st, ParamStore* live);
+  // Streams `live`'s write ranges to the files in pieces and commits;
+  // `released` (an async save's) is set once every piece has been read.
+  void write_and_commit(int64_t step, const TrainState& st, ParamStore* live, std::promise<void>* released);
   // segments: per file (model, optimizer), what every rank wrote.
   void commit_rank0(int64_t step, const TrainState& st, const std::string& tmp, const std::string& final_dir,
                     std::vector<std::vector<Segment>> segments);
   void clean_stale_rank0();
   void retention();
-  void ensure_snapshot_buffers();
+  void note_host_bytes();  // after piece_ grew: the peak host_buffer_bytes() reports
   void handle_failure(const std::string& what);
   // Rank 0, resume: never: move an earlier run's checkpoints aside.
   void set_aside_earlier_checkpoints();
@@ -200,8 +211,9 @@ class Checkpointer {
   std::string root_;  // <output.dir>/checkpoints
   std::vector<ParamStore::Range> write_ranges_;
   std::vector<ParamStore::Range> held_ranges_;
-  std::vector<std::vector<float>> snapshot_ = std::vector<std::vector<float>>(3);
-  std::vector<float> piece_;  // a synchronous save's one-segment buffer
+  std::vector<float> piece_;  // a save's one-segment buffer (either thread: one save at a time)
+  size_t host_bytes_peak_ = 0;
+  std::shared_future<void> state_read_;  // an async save: set once it has read the whole state
   std::string clean_error_;  // rank 0: what clean_stale() could not do
   std::thread bg_;
   std::string bg_error_;

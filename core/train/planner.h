@@ -77,6 +77,9 @@ struct Sharding {
   // act-dtype parameter shard (and hybrid_shard its gradient shard, which
   // it all-reduces across replicas on the device).
   bool offload = false;
+  // nvme with gradient accumulation keeps the fp32 gradient shard on the
+  // device too (offload_keeps_device_grad): summed there, landed once a step.
+  bool offload_grad_on_device = false;
 };
 // Host bytes per rank that offload keeps (16 per element of the rank's state).
 double offload_host_bytes_per_rank(const ModelArch& m, const Sharding& s);

@@ -11,6 +11,7 @@
 #include "core/model/tensor_parallel.h"
 #include "core/train/planner.h"
 #include "core/train/planner_internal.h"
+#include "parallel/sharding/offload.h"
 #include "parallel/pipeline/schedule.h"
 
 namespace trainrun {
@@ -257,6 +258,7 @@ void plan_pipeline_parallel(Plan& plan, const ModelArch& m, const DeviceModel& d
         if (strategy == "hybrid_shard" && dp % hybrid_dp != 0) continue;
         // Offload: each stage's ranks offload their own units (below).
         row.sharding.offload = req.offload != "none";
+        row.sharding.offload_grad_on_device = offload_keeps_device_grad(parse_offload_mode(req.offload), accum);
         const auto stages = pipeline_memory(m, *tp_plans[tp], req.sequence_parallel, pp, kind, v, accum, row.sharding,
                                             req.micro_batch, req.checkpointing, dev);
         for (const auto& st : stages)

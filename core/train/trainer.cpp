@@ -295,6 +295,7 @@ void Trainer::setup() {
   OffloadOptions offload;
   offload.mode = parse_offload_mode(job_.parallel.offload);
   offload.dir = job_.parallel.offload_dir;
+  offload.accum = accum_;
   if (offload.mode == OffloadMode::Nvme) check_offload_dir(offload.dir);
   // `local_total`: the elements of this rank's model slice (all of it at
   // tp1, its TP slice otherwise), sharded over the data-parallel ranks.
@@ -679,7 +680,10 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
     ckpt_blocked += blocked;
     last_saved = done_steps;
     if (rank0_)
-      TR_LOG_INFO("checkpoint: step ", done_steps, (job_.checkpoint.async == "true" ? " snapshot taken" : " written"),
+      TR_LOG_INFO("checkpoint: step ", done_steps,
+                  (job_.checkpoint.async == "true" ? " writing in the background (the next optimizer step waits for "
+                                                     "it to have read the state)"
+                                                   : " written"),
                   "; training blocked ", fmt(blocked, 3), " s");
   };
   sum.entropy_floor = train_src_->entropy_floor();
@@ -758,6 +762,8 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
     if (finite) {
       // AdamW's bias correction uses the global step (not the count of
       // applied updates), so a resumed run recomputes it exactly.
+      // An async checkpoint in flight reads the state the update changes.
+      ckpt_blocked += ckpt.before_state_change();
       StepTracer::Span span(tracer_.get(), "optimizer (AdamW + gathers)", "optimizer");
       params_->optimizer_step(ap, step + 1, grad_scale);
     } else {
@@ -828,6 +834,7 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
                   "step ", sum.steps, " (fp32 master weights, hash ", std::hex, h, std::dec, ")");
   }
   sum.checkpoint_blocked_seconds = ckpt_blocked;
+  sum.checkpoint_host_bytes = ckpt.host_buffer_bytes();
   sum.tokens_per_sec = train_time > 0 ? sum.tokens / train_time : 0;
   const ShardMemory mem = params_->memory();
   sum.params_bytes = mem.params;

@@ -29,6 +29,7 @@ struct TrainSummary {
   size_t host_bytes = 0;  // parallel.offload's host memory (master weights, moments, grad shard)
   std::vector<double> losses;  // every step's loss (all ranks)
   double checkpoint_blocked_seconds = 0;
+  size_t checkpoint_host_bytes = 0;  // the most host memory a save held for the state (one piece)
   int skipped_steps = 0;
   int stop_signal = 0;  // the signal that stopped the run early (checkpoint saved), else 0
 };
