@@ -9,6 +9,7 @@
 #include <catch2/catch.hpp>
 #include <algorithm>
 #include <chrono>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
@@ -518,6 +519,48 @@ TEST_CASE("tp: a row-parallel slice is one strided range per tensor, and a damag
   (void)load_model_safetensors(dir.path() + "/model.safetensors", got.weights);
   got.losses = straight.losses;  // the metrics file holds the replayed step twice
   check_same(got, straight);
+}
+
+TEST_CASE("tp: a tp2 checkpoint is written in whole rows, O(tensors) pwrites, and loads on 1 rank and tp2 x dp2",
+          "[tp][checkpoint]") {
+  // o_proj and down_proj are row-parallel: 64 rows per layer each, one run
+  // per row on each tp2 rank. The TP group trades slices so that each
+  // rank writes whole rows: the pwrites count ranges, not rows.
+  const std::string model =
+      "{arch: llama, n_layer: 2, n_head: 4, n_kv_head: 2, n_embd: 64, ffn_dim: 96, vocab_size: 23, seq_len: 8}";
+  ModelConfig cfg = llama_cfg(4, 2, 96, 23, false);
+  cfg.C = 64;
+  const std::unique_ptr<ModelArch> arch = make_model_arch(cfg);
+  const int64_t tensors = int64_t(arch->layout().tensors.size());
+  int64_t runs = 0;  // the pieces of the global layout one tp2 rank holds: ~ one per row-parallel row
+  for (const TpRun& r : TensorParallelPlan(*arch, 2, 0).runs()) runs += r.global >= 0;
+  const int64_t bound = 2 /*ranks*/ * 3 /*kinds*/ * 2 * tensors;
+  REQUIRE(2 * 3 * runs > 2 * bound);  // one pwrite per run would break the bound
+
+  TempDir dir("tp_rows");
+  const uint64_t before = Checkpointer::write_calls();
+  run_stage(dir.path(), model, "full_shard", 2, 2, false);
+  const uint64_t calls = Checkpointer::write_calls() - before;
+  REQUIRE(latest_of(dir.path()) == "step_00000002");  // the one checkpoint of the run
+  INFO(calls << " pwrites for 2 ranks, " << tensors << " tensors, " << runs << " runs a rank");
+  CHECK(calls <= uint64_t(bound));
+  const std::string ck = dir.path() + "/checkpoints/step_00000002";
+  REQUIRE(Checkpointer::verify(ck).empty());
+  // The manifest still has a strided segment per TP slice (a same-mesh
+  // loader reads only its own): written whole, hashed by slice.
+  int strided = 0;
+  for (const auto& g : read_manifest(ck).at("files").at("model.safetensors").at("segments")) strided += g.contains("reps");
+  CHECK(strided >= 2 * 2 * 2);  // 2 layers x (o_proj, down_proj) x 2 slices
+
+  // It loads on other meshes and continues as the unbroken run does.
+  const Run straight = run_tp(model, 1, 1, "no_shard");
+  TempDir other("tp_rows_dp");
+  std::filesystem::copy(dir.path(), other.path(), std::filesystem::copy_options::recursive |
+                                                      std::filesystem::copy_options::overwrite_existing);
+  run_stage(dir.path(), model, "no_shard", 1, 1, true);
+  check_same(resumed_run(dir.path()), straight);
+  run_stage(other.path(), model, "full_shard", 4, 2, true);
+  check_same(resumed_run(other.path()), straight);
 }
 
 TEST_CASE("tp: a manifest whose strided segments are malformed or do not tile the file is refused, naming it",

@@ -22,6 +22,7 @@
 #include <thread>
 
 #include "core/checkpoint/format.h"
+#include "core/checkpoint/row_exchange.h"
 #include "core/common/error.h"
 #include "core/common/fileio.h"
 #include "core/common/log.h"
@@ -149,10 +150,7 @@ void Checkpointer::clean_stale_rank0() {
 double Checkpointer::save(ParamStore& ps, const TrainState& st) {
   auto t0 = Clock::now();
   wait();  // one save in flight at a time
-  if (write_ranges_.empty() && held_ranges_.empty()) {
-    write_ranges_ = ps.write_ranges();
-    held_ranges_ = ps.held_ranges();
-  }
+  if (write_ranges_.empty() && held_ranges_.empty()) prepare(ps);
   const int64_t step = st.step;
   if (job_.checkpoint.async == "true") {
     // No whole snapshot (12 bytes per element of the shard: 106 GB a rank
@@ -191,6 +189,15 @@ double Checkpointer::save(ParamStore& ps, const TrainState& st) {
 void Checkpointer::prepare(ParamStore& ps) {
   write_ranges_ = ps.write_ranges();
   held_ranges_ = ps.held_ranges();
+  whole_rows_.assign(write_ranges_.size(), -1);
+  if (tp_exchange_ && tp_exchange_->world_size() > 1) {
+    const RowExchangePlan plan = plan_row_exchange(write_ranges_, *tp_exchange_);
+    whole_rows_ = plan.position;
+    if (!row_bufs_) row_bufs_ = std::make_unique<RowExchangeBuffers>();
+    if (rank_ == 0)
+      TR_LOG_INFO("checkpoint: ", plan.ranges, " tensor-parallel slice(s) of rank 0 are written as whole rows by the "
+                  "TP group (one pwrite per group of rows, not per row)");
+  }
 }
 
 double Checkpointer::before_state_change() {
@@ -365,9 +372,15 @@ void Checkpointer::write_and_commit(int64_t step, const TrainState& st, ParamSto
       int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
       TR_CHECK_ERRNO(fd >= 0, "cannot open '", path, "'");
       try {
-        for (const auto& r : write_ranges_) {
+        for (size_t ri = 0; ri < write_ranges_.size(); ++ri) {
+          const Range& r = write_ranges_[ri];
           check_abort(false);
-          if (r.reps > 1) {
+          if (r.reps > 1 && whole_rows_[ri] >= 0) {
+            // Collective over the TP group: every member is at this range.
+            write_whole_rows(fd, path, uint64_t(base), kind, r, whole_rows_[ri] * 3 + kind, *live, *tp_exchange_, h,
+                             *row_bufs_, mine[file]);
+            host_bytes_peak_ = std::max(host_bytes_peak_, row_bufs_->bytes());
+          } else if (r.reps > 1) {
             // Strided (a TP rank's slice of an inner dim): groups of runs,
             // one segment each; the live path copies one group at a time,
             // so both paths hash the same segments.

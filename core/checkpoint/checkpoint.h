@@ -96,6 +96,10 @@
 
 namespace trainrun {
 
+namespace ckpt {
+struct RowExchangeBuffers;
+}
+
 // Everything besides the tensors that shapes the future of a run.
 struct TrainState {
   int64_t step = 0;     // optimizer steps completed
@@ -127,7 +131,12 @@ class Checkpointer {
   // Collective. Snapshots the state; writes it now (sync) or in a background
   // thread (async). Returns the seconds training was blocked.
   double save(ParamStore& ps, const TrainState& st);
-  // Learn the rank's ranges.
+  // Tensor parallelism: a host communicator of this rank's TP group used
+  // only by checkpoints, so that its row-parallel slices are written as
+  // whole rows (row_exchange.h) instead of one pwrite per row. Set before
+  // prepare(); null (the default) or size 1: every rank writes its own runs.
+  void set_tp_exchange(Communicator* tp) { tp_exchange_ = tp; }
+  // Learn the rank's ranges (collective over the TP exchange, when set).
   void prepare(ParamStore& ps);
   // Async: the background save reads the live state piece by piece (no
   // whole snapshot in host memory), so the trainer calls this before
@@ -138,6 +147,9 @@ class Checkpointer {
   // The most host memory this rank's saves have held for the state (bytes):
   // one piece of at most one segment (kSegmentBytes), whatever the shard.
   size_t host_buffer_bytes() const { return host_bytes_peak_; }
+  // pwrite calls of checkpoint data made in this process so far (every
+  // rank of an in-process test): the tests hold "O(tensors), not O(rows)".
+  static uint64_t write_calls();
   // Wait for an in-flight async save (and apply checkpoint.on_error).
   void wait();
   // Collective. Resolves checkpoint.resume and loads; false when nothing to load.
@@ -212,6 +224,9 @@ class Checkpointer {
   std::vector<ParamStore::Range> write_ranges_;
   std::vector<ParamStore::Range> held_ranges_;
   std::vector<float> piece_;  // a save's one-segment buffer (either thread: one save at a time)
+  Communicator* tp_exchange_ = nullptr;
+  std::vector<int64_t> whole_rows_;  // per write range: its place among those the TP group writes whole, or -1
+  std::unique_ptr<ckpt::RowExchangeBuffers> row_bufs_;
   size_t host_bytes_peak_ = 0;
   std::shared_future<void> state_read_;  // an async save: set once it has read the whole state
   std::string clean_error_;  // rank 0: what clean_stale() could not do

@@ -192,9 +192,11 @@ class HfReader {
   // rank's slice of an inner dim: one run per row), back to back into out.
   // Each tensor the runs touched drops its pages once at the end, not once
   // per row: a 70B tp8 rank reads ~1.3M rows in a few thousand calls.
+  // A single run drops each tensor as soon as it is read (a whole-model
+  // read then holds one tensor's pages at a time).
   void read_runs(int64_t global, int64_t count, int64_t stride, int64_t reps, float* out) const {
     std::vector<const Source*> touched;
-    for (int64_t i = 0; i < reps; ++i) read_one(global + i * stride, count, out + i * count, touched);
+    for (int64_t i = 0; i < reps; ++i) read_one(global + i * stride, count, out + i * count, touched, reps == 1);
     for (const Source* src : touched) src->file->drop_pages(*src->view);
   }
 
@@ -205,8 +207,14 @@ class HfReader {
     const MappedSafeTensors* file = nullptr;
   };
 
-  // One contiguous run; adds each source it read (once) to `touched`.
-  void read_one(int64_t global, int64_t count, float* out, std::vector<const Source*>& touched) const {
+  // One contiguous run; drops each source's pages after it (drop_now) or
+  // adds it (once) to `touched` for the caller to drop.
+  void read_one(int64_t global, int64_t count, float* out, std::vector<const Source*>& touched,
+                bool drop_now) const {
+    auto done = [&](const Source* src) {
+      if (drop_now) src->file->drop_pages(*src->view);
+      else if (std::find(touched.begin(), touched.end(), src) == touched.end()) touched.push_back(src);
+    };
     const int64_t end = global + count;
     const auto& ts = target().tensors;  // in flat order: the first one ending after `global`
     auto first = std::upper_bound(ts.begin(), ts.end(), global,
@@ -232,14 +240,11 @@ class HfReader {
         convert_to_f32(src.view->dtype, src.view->data + size_t(a) * es, size_t(n), dst);
         if (auto tit = tied_.find(t.name); tit != tied_.end()) {
           check_tied(tit->second, a, n, dst);
-          note(tit->second.src, touched);
+          done(tit->second.src);
         }
       }
-      note(&src, touched);
+      done(&src);
     }
-  }
-  static void note(const Source* src, std::vector<const Source*>& touched) {
-    if (std::find(touched.begin(), touched.end(), src) == touched.end()) touched.push_back(src);
   }
   struct Tied {
     const Source* src = nullptr;  // the file's copy (lm_head.weight)
