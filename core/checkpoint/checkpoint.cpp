@@ -18,6 +18,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <functional>
 #include <future>
 #include <thread>
 
@@ -305,6 +306,37 @@ void Checkpointer::drop_keys(int64_t step) {
   }
 }
 
+void Checkpointer::write_range(int fd, const std::string& path, int64_t base, int kind, const Range& r,
+                               ParamStore& live, Hasher& h, std::vector<Segment>& segs) {
+  if (r.reps > 1) {
+    // Strided (a TP rank's slice of an inner dim): groups of runs, one
+    // segment each, one pwrite per run.
+    const uint64_t per = runs_per_segment(uint64_t(r.count) * 4);
+    for (int64_t first = 0; first < r.reps; first += int64_t(per)) {
+      const Range part = r.rows(first, std::min(int64_t(per), r.reps - first));
+      piece_.resize(size_t(part.numel()));
+      note_host_bytes();
+      live.copy_state_range(kind, part, piece_.data());
+      hashed_pwrite_strided(fd, reinterpret_cast<const char*>(piece_.data()), uint64_t(r.count) * 4,
+                            uint64_t(r.stride) * 4, uint64_t(part.reps), uint64_t(base + part.global * 4), path, h,
+                            segs);
+      check_abort(false);
+    }
+    return;
+  }
+  // Pieces of exactly one segment from the range's start: the segments
+  // (and their hashes) are those of one whole-range write.
+  const int64_t piece = int64_t(kSegmentBytes / 4);
+  piece_.resize(size_t(std::min(piece, r.count)));
+  note_host_bytes();
+  for (int64_t at = 0; at < r.count; at += piece) {
+    const int64_t n = std::min(piece, r.count - at);
+    live.copy_state_range(kind, Range{r.global + at, n}, piece_.data());
+    hashed_pwrite(fd, reinterpret_cast<const char*>(piece_.data()), uint64_t(n) * 4,
+                  uint64_t(base + (r.global + at) * 4), path, h, segs);
+  }
+}
+
 void Checkpointer::write_and_commit(int64_t step, const TrainState& st, ParamStore* live,
                                     std::promise<void>* released) {
   const std::string key = step_key(step);
@@ -362,61 +394,68 @@ void Checkpointer::write_and_commit(int64_t step, const TrainState& st, ParamSto
       // Rank 0 reports its own error; this rank has nothing to add.
       if (setup_error != "ok") TR_FAIL("rank 0 could not lay out the directory");
     }
-    debug_ckpt_throw_hook(rank_, std::to_string(step));  // tests: TRAINRUN_DEBUG_CKPT_THROW
+    // A TP group that writes whole rows (row_exchange.h) meets at every
+    // such range: a member that fails or is abandoned must not leave its
+    // peers waiting in an exchange. Its error is held (`deferred`) until
+    // the next meeting, where the group agrees to stop (agree()); without
+    // one, errors propagate at once, as always.
+    const bool group = tp_exchange_ && tp_exchange_->world_size() > 1 &&
+                       std::any_of(whole_rows_.begin(), whole_rows_.end(), [](int64_t p) { return p >= 0; });
+    std::exception_ptr deferred;
+    auto guarded = [&](const std::function<void()>& fn) {
+      if (!group) return fn();
+      if (deferred) return;
+      try {
+        fn();
+      } catch (...) {
+        deferred = std::current_exception();
+      }
+    };
+    const std::function<void(bool)> agree = [&](bool failed_inside) {
+      guarded([&] { check_abort(false); });
+      float stop = deferred || failed_inside ? 1.0f : 0.0f;
+      tp_exchange_->all_reduce(&stop, 1, ReduceOp::Max);
+      if (stop == 0) return;
+      if (deferred) std::rethrow_exception(deferred);
+      // (failed_inside: write_whole_rows rethrows this member's own error instead)
+      TR_FAIL("a rank of this rank's tensor-parallel group could not write its part (that rank's error says why)");
+    };
+    guarded([&] { debug_ckpt_throw_hook(rank_, std::to_string(step)); });  // tests: TRAINRUN_DEBUG_CKPT_THROW
     Hasher h;
     for (int kind = 0; kind < 3; ++kind) {
       const int file = kind == 0 ? 0 : 1;
       const std::string& path = file == 0 ? mpath : opath;
       const int64_t base = int64_t(kind == 0 ? mhdr.size() : ohdr.size()) + (kind == 2 ? layout_.total * 4 : 0);
       if (write_ranges_.empty()) continue;
-      int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
-      TR_CHECK_ERRNO(fd >= 0, "cannot open '", path, "'");
+      int fd = -1;
+      guarded([&] {
+        fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
+        TR_CHECK_ERRNO(fd >= 0, "cannot open '", path, "'");
+      });
       try {
         for (size_t ri = 0; ri < write_ranges_.size(); ++ri) {
           const Range& r = write_ranges_[ri];
-          check_abort(false);
           if (r.reps > 1 && whole_rows_[ri] >= 0) {
             // Collective over the TP group: every member is at this range.
+            agree(false);
             write_whole_rows(fd, path, uint64_t(base), kind, r, whole_rows_[ri] * 3 + kind, *live, *tp_exchange_, h,
-                             *row_bufs_, mine[file]);
+                             *row_bufs_, mine[file], agree);
             host_bytes_peak_ = std::max(host_bytes_peak_, row_bufs_->bytes());
-          } else if (r.reps > 1) {
-            // Strided (a TP rank's slice of an inner dim): groups of runs,
-            // one segment each; the live path copies one group at a time,
-            // so both paths hash the same segments.
-            const uint64_t per = runs_per_segment(uint64_t(r.count) * 4);
-            for (int64_t first = 0; first < r.reps; first += int64_t(per)) {
-              const Range part = r.rows(first, std::min(int64_t(per), r.reps - first));
-              piece_.resize(size_t(part.numel()));
-              note_host_bytes();
-              live->copy_state_range(kind, part, piece_.data());
-              const float* src = piece_.data();
-              hashed_pwrite_strided(fd, reinterpret_cast<const char*>(src), uint64_t(r.count) * 4,
-                                    uint64_t(r.stride) * 4, uint64_t(part.reps), uint64_t(base + part.global * 4), path,
-                                    h, mine[file]);
-              check_abort(false);
-            }
-          } else {
-            // Pieces of exactly one segment from the range's start: the
-            // segments (and their hashes) are those of one whole-range write.
-            const int64_t piece = int64_t(kSegmentBytes / 4);
-            piece_.resize(size_t(std::min(piece, r.count)));
-            note_host_bytes();
-            for (int64_t at = 0; at < r.count; at += piece) {
-              const int64_t n = std::min(piece, r.count - at);
-              live->copy_state_range(kind, Range{r.global + at, n}, piece_.data());
-              hashed_pwrite(fd, reinterpret_cast<const char*>(piece_.data()), uint64_t(n) * 4,
-                            uint64_t(base + (r.global + at) * 4), path, h, mine[file]);
-            }
+            continue;
           }
+          guarded([&] {
+            check_abort(false);
+            write_range(fd, path, base, kind, r, *live, h, mine[file]);
+          });
         }
-        TR_CHECK_ERRNO(::fsync(fd) == 0, "cannot fsync '", path, "'");
+        guarded([&] { TR_CHECK_ERRNO(::fsync(fd) == 0, "cannot fsync '", path, "'"); });
       } catch (...) {
-        ::close(fd);
+        if (fd >= 0) ::close(fd);
         throw;
       }
-      ::close(fd);
+      if (fd >= 0) ::close(fd);
     }
+    if (deferred) std::rethrow_exception(deferred);
   } catch (...) {
     status = me + ": " + current_exception_text();
   }

@@ -66,11 +66,14 @@
 //
 // Strided ranges (format 3). A tensor-parallel rank's slice of a weight
 // split along its inner dim is one run per row; ParamStore::Range carries
-// it as one strided range (start, count, stride, reps) per tensor, written
-// with one pwrite per run (the runs are not adjacent: nothing vectored can
-// merge them) and hashed as one strided segment per 64 MiB of it, so the
-// manifest, the store keys and every rank's range lists stay at a few
-// hundred entries where one per row would be ~1.3M (Llama-3 70B, tp8).
+// it as one strided range (start, count, stride, reps) per tensor, hashed
+// as strided segments, so the manifest, the store keys and every rank's
+// range lists stay at a few hundred entries where one per row would be
+// ~1.3M (Llama-3 70B, tp8). Written as is, such a range is one pwrite per
+// run (the runs are not adjacent: nothing vectored can merge them); with a
+// TP exchange communicator (set_tp_exchange) the group trades slices and
+// each rank writes groups of whole rows instead (row_exchange.h), still
+// hashing one strided segment per TP slice of each group.
 // The segments still tile each file; the check walks every segment's runs
 // in file order (a heap merge: memory per segment). Manifests without
 // strided segments stay format 2.
@@ -98,6 +101,7 @@ namespace trainrun {
 
 namespace ckpt {
 struct RowExchangeBuffers;
+class Hasher;
 }
 
 // Everything besides the tensors that shapes the future of a run.
@@ -175,6 +179,10 @@ class Checkpointer {
   // `released` (an async save's) is set once every piece has been read.
   void write_and_commit(int64_t step, const TrainState& st, ParamStore* live, std::promise<void>* released);
   // segments: per file (model, optimizer), what every rank wrote.
+  // One write range of one kind from `live`, in one-segment pieces (a
+  // strided one: one pwrite per run), hashed into `segs`.
+  void write_range(int fd, const std::string& path, int64_t base, int kind, const ParamStore::Range& r,
+                   ParamStore& live, ckpt::Hasher& h, std::vector<Segment>& segs);
   void commit_rank0(int64_t step, const TrainState& st, const std::string& tmp, const std::string& final_dir,
                     std::vector<std::vector<Segment>> segments);
   void clean_stale_rank0();

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <exception>
 
 #include "core/common/error.h"
 #include "core/common/fileio.h"
@@ -27,7 +28,7 @@ RowExchangePlan plan_row_exchange(const std::vector<Range>& write_ranges, Commun
   }
   // Every member's count first: the lists are then gathered at the longest.
   const int64_t n = int64_t(index.size());
-  std::vector<int64_t> counts(size_t(T));
+  std::vector<int64_t> counts(static_cast<size_t>(T));
   tp.all_gather(counts.data(), &n, sizeof(int64_t));
   const int64_t most = *std::max_element(counts.begin(), counts.end());
   if (most == 0) return plan;
@@ -49,7 +50,7 @@ RowExchangePlan plan_row_exchange(const std::vector<Range>& write_ranges, Commun
 
 void write_whole_rows(int fd, const std::string& path, uint64_t base, int kind, const Range& r, int64_t rotate,
                       ParamStore& ps, Communicator& tp, Hasher& h, RowExchangeBuffers& bufs,
-                      std::vector<Segment>& segs) {
+                      std::vector<Segment>& segs, const std::function<void(bool failed)>& agree) {
   const int T = tp.world_size(), t = tp.rank();
   const int64_t c = r.count, S = r.stride, R = r.reps;
   TR_CHECK(S == int64_t(T) * c, "checkpoint: range at element ", r.global, " is not a tensor-parallel row slice (a bug)");
@@ -59,13 +60,27 @@ void write_whole_rows(int fd, const std::string& path, uint64_t base, int kind, 
   const int64_t groups = (R + G - 1) / G;
   auto rows_of = [&](int64_t g) { return g < groups ? std::min(G, R - g * G) : int64_t(0); };
   const int64_t rot = rotate % T;
+  std::exception_ptr err;  // this member's failure, raised at the next meeting
+  auto meet = [&] {
+    try {
+      agree(bool(err));
+    } catch (...) {
+      if (err) std::rethrow_exception(err);
+      throw;
+    }
+  };
   for (int64_t q = 0; q < groups; q += T) {
+    meet();
     // The group of the round that rank u writes.
     auto group_of = [&](int u) { return q + (u - rot + T) % T; };
     // This rank's slices of the round's rows, back to back.
     const int64_t lo = q * G, hi = std::min(R, (q + T) * G);
     bufs.mine.resize(size_t((hi - lo) * c));
-    ps.copy_state_range(kind, r.rows(lo, hi - lo), bufs.mine.data());
+    try {
+      ps.copy_state_range(kind, r.rows(lo, hi - lo), bufs.mine.data());
+    } catch (...) {
+      err = std::current_exception();
+    }
     const int64_t own = group_of(t), n = rows_of(own);
     if (n > 0) {
       bufs.full.resize(size_t(n * S));
@@ -82,10 +97,15 @@ void write_whole_rows(int fd, const std::string& path, uint64_t base, int kind, 
       for (int64_t i = 0; i < n; ++i)
         std::memcpy(bufs.full.data() + i * S + from * c, bufs.recv.data() + i * c, size_t(c) * 4);
     }
-    if (n == 0) continue;
+    if (n == 0 || err) continue;
     // One write for the group's rows; one strided segment per TP slice.
     const uint64_t off = base + uint64_t(g0 + own * G * S) * 4;
-    pwrite_all(fd, bufs.full.data(), size_t(n * S) * 4, off_t(off), path);
+    try {
+      pwrite_all(fd, bufs.full.data(), size_t(n * S) * 4, off_t(off), path);
+    } catch (...) {
+      err = std::current_exception();
+      continue;
+    }
     count_checkpoint_write();
     for (int u = 0; u < T; ++u) {
       h.reset();
@@ -96,6 +116,7 @@ void write_whole_rows(int fd, const std::string& path, uint64_t base, int kind, 
         segs.push_back({off + uint64_t(u * c) * 4, uint64_t(c) * 4, h.digest(), uint64_t(S) * 4, uint64_t(n)});
     }
   }
+  meet();  // the last round's writes
 }
 
 }  // namespace trainrun::ckpt

@@ -22,6 +22,7 @@
 // slices of a round (two segments), whatever the model.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -57,8 +58,13 @@ struct RowExchangeBuffers {
 // `segs`. Every member calls it for the same range at the same time.
 // `rotate` (the same on every member) moves which rank writes a range's
 // first group, so small tensors (one group) spread over the group.
+// `agree(failed)` is the group's meeting (collective; it throws on every
+// member when any failed): called before each round and at the end, so an
+// error on one member (a write that failed) stops all of them together
+// instead of leaving its peers in an exchange; this member's own error is
+// the one it then rethrows.
 void write_whole_rows(int fd, const std::string& path, uint64_t base, int kind, const ParamStore::Range& r,
                       int64_t rotate, ParamStore& ps, Communicator& tp, Hasher& h, RowExchangeBuffers& bufs,
-                      std::vector<Segment>& segs);
+                      std::vector<Segment>& segs, const std::function<void(bool failed)>& agree);
 
 }  // namespace trainrun::ckpt
