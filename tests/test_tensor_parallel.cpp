@@ -549,7 +549,8 @@ TEST_CASE("tp: a tp2 checkpoint is written in whole rows, O(tensors) pwrites, an
   // The manifest still has a strided segment per TP slice (a same-mesh
   // loader reads only its own): written whole, hashed by slice.
   int strided = 0;
-  for (const auto& g : read_manifest(ck).at("files").at("model.safetensors").at("segments")) strided += g.contains("reps");
+  const nlohmann::json manifest = read_manifest(ck);
+  for (const auto& g : manifest.at("files").at("model.safetensors").at("segments")) strided += g.contains("reps");
   CHECK(strided >= 2 * 2 * 2);  // 2 layers x (o_proj, down_proj) x 2 slices
 
   // It loads on other meshes and continues as the unbroken run does.
@@ -561,6 +562,23 @@ TEST_CASE("tp: a tp2 checkpoint is written in whole rows, O(tensors) pwrites, an
   check_same(resumed_run(dir.path()), straight);
   run_stage(other.path(), model, "full_shard", 4, 2, true);
   check_same(resumed_run(other.path()), straight);
+}
+
+TEST_CASE("tp: a rank that fails inside a whole-row checkpoint stops its TP peer at once, not at a timeout",
+          "[tp][checkpoint]") {
+  // Rank 1 throws as its write of step 2 begins; rank 0 would otherwise wait
+  // in the first row exchange for the communicator's timeout (60 s here).
+  TempDir dir("tp_rows_fail");
+  ::setenv("TRAINRUN_DEBUG_CKPT_THROW", "1:2:error", 1);
+  const auto out = run_ranks_inprocess_outcomes(
+      parse_job_spec(tp_job(dir.path(), kLlama41, "full_shard", 2, 0), "job.yaml", {"train.exit_interval=2"}), 2);
+  ::unsetenv("TRAINRUN_DEBUG_CKPT_THROW");
+  for (int r = 0; r < 2; ++r) {
+    INFO("rank " << r << " ended after " << out[r].seconds << " s: " << out[r].error);
+    CHECK_THAT(out[r].error, Catch::Contains("checkpoint step 2 could not be written: rank 1: injected failure"));
+    CHECK(out[r].seconds < 30);
+  }
+  CHECK(latest_of(dir.path()).empty());
 }
 
 TEST_CASE("tp: a manifest whose strided segments are malformed or do not tile the file is refused, naming it",

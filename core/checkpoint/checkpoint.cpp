@@ -44,6 +44,10 @@ int64_t ckpt_timeout_ms(const JobSpec& job) {
   return disk_wait_timeout_ms(job);  // the final weights wait as long (final_weights.h)
 }
 
+// What a member of a TP group that writes whole rows says when it stopped
+// only because a peer failed (the commit then reports the peer's message).
+constexpr const char* kPeerStopped = "a rank of this rank's tensor-parallel group could not write its part";
+
 // How often a checkpoint's waits look for the abort key: the bound on how
 // long a save in flight outlives its abandonment.
 constexpr auto kAbortPoll = std::chrono::milliseconds(200);
@@ -418,7 +422,7 @@ void Checkpointer::write_and_commit(int64_t step, const TrainState& st, ParamSto
       if (stop == 0) return;
       if (deferred) std::rethrow_exception(deferred);
       // (failed_inside: write_whole_rows rethrows this member's own error instead)
-      TR_FAIL("a rank of this rank's tensor-parallel group could not write its part (that rank's error says why)");
+      TR_FAIL(kPeerStopped, " (that rank's error says why)");
     };
     guarded([&] { debug_ckpt_throw_hook(rank_, std::to_string(step)); });  // tests: TRAINRUN_DEBUG_CKPT_THROW
     Hasher h;
@@ -489,10 +493,17 @@ void Checkpointer::write_and_commit(int64_t step, const TrainState& st, ParamSto
         std::vector<std::string> keys;
         for (int r = 0; r < world_; ++r) keys.push_back(key + "written/" + std::to_string(r));
         await_keys(keys, deadline, "every rank to write its part");
+        // The first rank's failure, but a rank that only stopped because a
+        // TP peer failed (kPeerStopped) gives way to the peer's own message.
+        std::string failed;
         for (int r = 0; r < world_; ++r) {
-          std::string s = store_text(store_->get(keys[r], Millis(10'000)));
-          TR_CHECK(s == "ok", s);
+          const std::string s = store_text(store_->get(keys[r], Millis(10'000)));
+          if (s == "ok") continue;
+          if (failed.empty() || (failed.find(kPeerStopped) != std::string::npos &&
+                                 s.find(kPeerStopped) == std::string::npos))
+            failed = s;
         }
+        TR_CHECK(failed.empty(), failed);
         for (int r = 1; r < world_; ++r) {
           const std::string text = store_text(store_->get(key + "segments/" + std::to_string(r), Millis(10'000)));
           try {

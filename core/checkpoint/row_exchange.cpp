@@ -2,7 +2,9 @@
 #include "core/checkpoint/row_exchange.h"
 
 #include <algorithm>
+#include <array>
 #include <cstring>
+#include <set>
 #include <exception>
 
 #include "core/common/error.h"
@@ -35,16 +37,35 @@ RowExchangePlan plan_row_exchange(const std::vector<Range>& write_ranges, Commun
   mine.resize(size_t(most) * 4, -1);
   std::vector<int64_t> all(size_t(T) * size_t(most) * 4);
   tp.all_gather(all.data(), mine.data(), size_t(most) * 4 * sizeof(int64_t));
-  const int64_t fewest = *std::min_element(counts.begin(), counts.end());
   auto at = [&](int u, int64_t j, int f) { return all[(size_t(u) * size_t(most) + size_t(j)) * 4 + size_t(f)]; };
-  for (int64_t j = 0; j < fewest; ++j) {
-    const int64_t g0 = at(0, j, 0), c = at(0, j, 1), stride = at(0, j, 2), reps = at(0, j, 3);
-    bool ok = c > 0 && stride == int64_t(T) * c && reps > 1 && uint64_t(stride) * 4 <= kSegmentBytes;
-    for (int u = 1; u < T && ok; ++u)
-      ok = at(u, j, 0) == g0 + u * c && at(u, j, 1) == c && at(u, j, 2) == stride && at(u, j, 3) == reps;
+  // Matched by the rows they slice, not by position: rank 0 also writes
+  // the replicated tensors, so its list can differ around them (a slice
+  // next to one it owns merges into a contiguous range).
+  std::vector<std::set<std::array<int64_t, 4>>> of_rank(static_cast<size_t>(T));
+  for (int u = 0; u < T; ++u)
+    for (int64_t j = 0; j < counts[size_t(u)]; ++j)
+      of_rank[size_t(u)].insert({at(u, j, 0), at(u, j, 1), at(u, j, 2), at(u, j, 3)});
+  const int t = tp.rank();
+  // The qualified row blocks are the same on every member (the test is
+  // symmetric); the group meets them in each member's write order, which
+  // must then be one order: by their rows. A member that writes them in
+  // another order turns the exchange off for the whole group.
+  int64_t last_row0 = -1, out_of_order = 0;
+  std::vector<size_t> chosen;
+  for (size_t k = 0; k < index.size(); ++k) {
+    const Range& r = write_ranges[index[k]];
+    const int64_t c = r.count, g0 = r.global - int64_t(t) * c;
+    bool ok = c > 0 && r.stride == int64_t(T) * c && r.reps > 1 && uint64_t(r.stride) * 4 <= kSegmentBytes;
+    for (int u = 0; u < T && ok; ++u) ok = of_rank[size_t(u)].count({g0 + u * c, c, r.stride, r.reps}) > 0;
     if (!ok) continue;
-    plan.position[index[size_t(j)]] = plan.ranges++;
+    if (g0 <= last_row0) out_of_order = 1;
+    last_row0 = g0;
+    chosen.push_back(index[k]);
   }
+  std::vector<int64_t> any_out(static_cast<size_t>(T));
+  tp.all_gather(any_out.data(), &out_of_order, sizeof(int64_t));
+  if (std::count(any_out.begin(), any_out.end(), 0) != T) return plan;
+  for (size_t i : chosen) plan.position[i] = plan.ranges++;
   return plan;
 }
 
