@@ -553,6 +553,7 @@ int main(int argc, char** argv) {
   bench_ckpt->add_option("--params", cbo.params, "model size in parameters: 124000000, 124M, 1.5B")->capture_default_str();
   bench_ckpt->add_option("--dir", cbo.dir, "directory on the disk to measure (a scratch folder inside is removed after)")->capture_default_str();
   bench_ckpt->add_option("--repeat", cbo.repeat, "repetitions (the table shows medians)")->capture_default_str()->check(CLI::Range(1, 100));
+  bench_ckpt->add_option("--tp2", cbo.tp2, "also checkpoint a tp2 Llama trained one step on two ranks: seconds and pwrites")->capture_default_str();
 
   auto* bench_kernels = bench->add_subcommand("kernels", "CUDA kernels and GEMMs: GB/s or TFLOP/s next to the card's copy bandwidth and cuBLASLt rate");
   KernelBenchOptions kbo;

@@ -88,6 +88,15 @@ TEST_CASE("checkpoint: async writes give the same checkpoint and an exact resume
   test::run_ranks_inprocess(job_for(dir / "async", "full_shard", 2, {"checkpoint.async=true"}), 2);
   CHECK(losses_of(dir / "straight") == losses_of(dir / "async"));
   CHECK(weights_of(dir / "straight") == weights_of(dir / "async"));
+  // Host memory: one piece at a time, never a whole snapshot. A rank of 2
+  // writes about half of the P elements; a snapshot of master, m and v is
+  // 12 bytes each (6P bytes), one piece at most one unit's shard of fp32.
+  const size_t P = weights_of(dir / "straight").size();
+  for (int r = 0; r < 2; ++r) {
+    INFO("rank " << r << ": " << s[r].checkpoint_host_bytes << " bytes of host buffers for " << P << " parameters");
+    CHECK(s[r].checkpoint_host_bytes > 0);
+    CHECK(s[r].checkpoint_host_bytes <= 2 * P);
+  }
 }
 
 TEST_CASE("checkpoint: resharding across world sizes and strategies continues the run", "[checkpoint]") {

@@ -20,6 +20,7 @@
 #include <random>
 
 #include "core/config/job_spec.h"
+#include "core/model/model.h"
 #include "core/model/model_io.h"
 #include "core/train/trainer.h"
 #include "kernels/backend.h"
@@ -93,6 +94,43 @@ TEST_CASE("offload cpu and nvme: losses and weights bit-identical to offload non
         }
       }
     }
+  }
+}
+
+TEST_CASE("offload nvme: the disk sees the gradient once per step, whatever the number of micro-batches",
+          "[offload]") {
+  // 12 sequences a step over 2 ranks: 1, 2 or 6 micro-batches per rank.
+  // Every byte written to the state files (the init, the gradient, the
+  // step's master and moments) is counted. With accumulation the gradient
+  // is summed on the device and lands once: the same bytes for 2 and 6.
+  // One micro-batch lands each unit's reduction as it comes (no device
+  // copy), whole pages: at most one page more per unit where two units'
+  // shards share a page.
+  std::map<int, uint64_t> written;
+  for (const char* strategy : {"full_shard", "shard_grad_op"}) {
+    for (int mb : {6, 3, 1}) {
+      INFO(strategy << ", micro-batch " << mb);
+      test::TempDir dir("offload_accum");
+      const std::vector<std::string> sets = {"train.micro_batch_size=" + std::to_string(mb), "train.max_steps=3"};
+      const JobSpec job = parse_job_spec(job_yaml(dir.path(), strategy, 0, "nvme"), "job.yaml", sets);
+      const uint64_t before = HostOptimizerState::nvme_bytes_written();
+      const auto ranks = test::run_ranks_inprocess(job, 2);
+      written[mb] = HostOptimizerState::nvme_bytes_written() - before;
+      // Equal to offload none at the same micro-batch, bit for bit.
+      test::TempDir ref("offload_accum_none");
+      const auto none =
+          test::run_ranks_inprocess(parse_job_spec(job_yaml(ref.path(), strategy, 0, "none"), "job.yaml", sets), 2);
+      CHECK(ranks[0].losses == none[0].losses);
+      CHECK(test::weights_of(dir.path()) == test::weights_of(ref.path()));
+    }
+    const JobSpec job = parse_job_spec(job_yaml("/tmp", strategy, 0, "nvme"), "job.yaml");
+    const size_t units = make_model_arch(ModelConfig::from_spec(job.model))->layout().units.size();
+    INFO(strategy << ": bytes written over 3 steps: " << written[6] << " with 1 micro-batch, " << written[3]
+                  << " with 2, " << written[1] << " with 6; " << units << " units");
+    CHECK(written[1] > 0);
+    CHECK(written[3] == written[1]);
+    CHECK(written[6] >= written[1]);
+    CHECK(written[6] <= written[1] + units * 4096 * 2 /*ranks*/ * 3 /*steps*/);
   }
 }
 

@@ -9,6 +9,7 @@
 #include <catch2/catch.hpp>
 #include <algorithm>
 #include <chrono>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
@@ -520,6 +521,66 @@ TEST_CASE("tp: a row-parallel slice is one strided range per tensor, and a damag
   check_same(got, straight);
 }
 
+TEST_CASE("tp: a tp2 checkpoint is written in whole rows, O(tensors) pwrites, and loads on 1 rank and tp2 x dp2",
+          "[tp][checkpoint]") {
+  // o_proj and down_proj are row-parallel: 64 rows per layer each, one run
+  // per row on each tp2 rank. The TP group trades slices so that each
+  // rank writes whole rows: the pwrites count ranges, not rows.
+  const std::string model =
+      "{arch: llama, n_layer: 2, n_head: 4, n_kv_head: 2, n_embd: 64, ffn_dim: 96, vocab_size: 23, seq_len: 8}";
+  ModelConfig cfg = llama_cfg(4, 2, 96, 23, false);
+  cfg.C = 64;
+  const std::unique_ptr<ModelArch> arch = make_model_arch(cfg);
+  const int64_t tensors = int64_t(arch->layout().tensors.size());
+  int64_t runs = 0;  // the pieces of the global layout one tp2 rank holds: ~ one per row-parallel row
+  for (const TpRun& r : TensorParallelPlan(*arch, 2, 0).runs()) runs += r.global >= 0;
+  const int64_t bound = 2 /*ranks*/ * 3 /*kinds*/ * 2 * tensors;
+  REQUIRE(2 * 3 * runs > 2 * bound);  // one pwrite per run would break the bound
+
+  TempDir dir("tp_rows");
+  const uint64_t before = Checkpointer::write_calls();
+  run_stage(dir.path(), model, "full_shard", 2, 2, false);
+  const uint64_t calls = Checkpointer::write_calls() - before;
+  REQUIRE(latest_of(dir.path()) == "step_00000002");  // the one checkpoint of the run
+  INFO(calls << " pwrites for 2 ranks, " << tensors << " tensors, " << runs << " runs a rank");
+  CHECK(calls <= uint64_t(bound));
+  const std::string ck = dir.path() + "/checkpoints/step_00000002";
+  REQUIRE(Checkpointer::verify(ck).empty());
+  // The manifest still has a strided segment per TP slice (a same-mesh
+  // loader reads only its own): written whole, hashed by slice.
+  int strided = 0;
+  const nlohmann::json manifest = read_manifest(ck);
+  for (const auto& g : manifest.at("files").at("model.safetensors").at("segments")) strided += g.contains("reps");
+  CHECK(strided >= 2 * 2 * 2);  // 2 layers x (o_proj, down_proj) x 2 slices
+
+  // It loads on other meshes and continues as the unbroken run does.
+  const Run straight = run_tp(model, 1, 1, "no_shard");
+  TempDir other("tp_rows_dp");
+  std::filesystem::copy(dir.path(), other.path(), std::filesystem::copy_options::recursive |
+                                                      std::filesystem::copy_options::overwrite_existing);
+  run_stage(dir.path(), model, "no_shard", 1, 1, true);
+  check_same(resumed_run(dir.path()), straight);
+  run_stage(other.path(), model, "full_shard", 4, 2, true);
+  check_same(resumed_run(other.path()), straight);
+}
+
+TEST_CASE("tp: a rank that fails inside a whole-row checkpoint stops its TP peer at once, not at a timeout",
+          "[tp][checkpoint]") {
+  // Rank 1 throws as its write of step 2 begins; rank 0 would otherwise wait
+  // in the first row exchange for the communicator's timeout (60 s here).
+  TempDir dir("tp_rows_fail");
+  ::setenv("TRAINRUN_DEBUG_CKPT_THROW", "1:2:error", 1);
+  const auto out = run_ranks_inprocess_outcomes(
+      parse_job_spec(tp_job(dir.path(), kLlama41, "full_shard", 2, 0), "job.yaml", {"train.exit_interval=2"}), 2);
+  ::unsetenv("TRAINRUN_DEBUG_CKPT_THROW");
+  for (int r = 0; r < 2; ++r) {
+    INFO("rank " << r << " ended after " << out[r].seconds << " s: " << out[r].error);
+    CHECK_THAT(out[r].error, Catch::Contains("checkpoint step 2 could not be written: rank 1: injected failure"));
+    CHECK(out[r].seconds < 30);
+  }
+  CHECK(latest_of(dir.path()).empty());
+}
+
 TEST_CASE("tp: a manifest whose strided segments are malformed or do not tile the file is refused, naming it",
           "[tp][checkpoint]") {
   TempDir dir("tp_strided_bad");
@@ -685,6 +746,41 @@ TEST_CASE("tp: model.init_from (a Hugging Face directory) loads at tp2 as at tp1
   const Run tp1 = run_tp(kGpt2Model, 1, 1, "full_shard", 0, sets);
   const Run tp2 = run_tp(kGpt2Model, 2, 2, "full_shard", 0, sets);
   CHECK(tp1.losses.front() < first.losses.front());  // it started from the trained weights
+  check_same(tp2, tp1);
+}
+
+TEST_CASE("tp: model.init_from at tp2 drops a tensor's pages once per tensor, not once per row", "[tp][interop]") {
+  // Llama: o_proj and down_proj are row-parallel, so a tp2 rank reads them
+  // as one run per row (64 rows each per layer here).
+  const std::string model =
+      "{arch: llama, n_layer: 2, n_head: 4, n_kv_head: 2, n_embd: 64, ffn_dim: 96, vocab_size: 23, seq_len: 8}";
+  TempDir dir("tp_init_pages");
+  const std::string hf = dir / "hf";
+  {
+    TempDir run("tp_init_pages_run");
+    const JobSpec job = parse_job_spec(tp_job(run.path(), model, "no_shard", 1, 0, 2), "job.yaml");
+    run_ranks_inprocess(job, 1);
+    const auto r = run_command("'" + trainrun_binary() + "' export --checkpoint '" + run / "model.safetensors" +
+                               "' --format safetensors --out '" + hf + "'");
+    INFO(r.err);
+    REQUIRE(r.exit_code == 0);
+  }
+  ModelConfig cfg = llama_cfg(4, 2, 96, 23, false);
+  cfg.C = 64;
+  const std::unique_ptr<ModelArch> arch = make_model_arch(cfg);
+  const int64_t tensors = int64_t(arch->layout().tensors.size());
+  int64_t runs = 0;  // the pieces of the global layout one tp2 rank holds: ~ one per row-parallel row
+  for (const TpRun& r : TensorParallelPlan(*arch, 2, 0).runs()) runs += r.global >= 0;
+  REQUIRE(runs >= 4 * tensors);  // so that one call per row would break the bound below
+
+  const std::vector<std::string> sets = {"model.init_from=" + hf, "train.max_steps=1"};
+  const Run tp1 = run_tp(model, 1, 1, "full_shard", 0, sets);
+  const uint64_t before = MappedSafeTensors::drop_pages_calls();
+  const Run tp2 = run_tp(model, 2, 2, "full_shard", 0, sets);
+  const uint64_t calls = MappedSafeTensors::drop_pages_calls() - before;
+  INFO(calls << " madvise calls for 2 ranks, " << tensors << " tensors, " << runs << " runs a rank");
+  CHECK(calls >= uint64_t(tensors));         // the pages are dropped
+  CHECK(calls <= uint64_t(2 * 2 * tensors));  // per tensor (and held range), per rank
   check_same(tp2, tp1);
 }
 

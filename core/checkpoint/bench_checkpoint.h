@@ -9,6 +9,9 @@
 //   save async   the same with async true: the time training is blocked (the
 //                host snapshot) and the background write's total
 //   load         Checkpointer::load (sizes, then read + verify xxhash64 in one pass)
+//   tp2          a tp2 Llama (4 x 1024, 110M parameters) trained one step by
+//                this binary on two ranks: its checkpoint's seconds and
+//                rank 0's pwrite count (whole rows, row_exchange.h)
 // The model is a GPT-2 of about --params parameters; a checkpoint holds the
 // fp32 master weights and both AdamW moments (12 bytes per parameter).
 //
@@ -30,6 +33,7 @@ struct CheckpointBenchOptions {
   std::string params = "124M";  // parameter count: 124000000, 124M, 1.5B, 350K
   std::string dir = ".";        // the directory (disk) to measure; a scratch folder is made and removed inside
   int repeat = 3;               // repetitions; the table shows medians
+  bool tp2 = true;              // also a tp2 Llama's checkpoint (two ranks of this binary): seconds and pwrites
 };
 
 // A model of the default architecture (GPT-2: 12 layers, GPT-2's vocab and

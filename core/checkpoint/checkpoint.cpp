@@ -18,10 +18,13 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <functional>
+#include <future>
 #include <thread>
 
 #include "core/checkpoint/format.h"
 #include "core/common/debug_hooks.h"
+#include "core/checkpoint/row_exchange.h"
 #include "core/common/error.h"
 #include "core/common/fileio.h"
 #include "core/common/log.h"
@@ -40,6 +43,10 @@ int64_t ckpt_timeout_ms(const JobSpec& job) {
   if (const int64_t ms = debug_env_ms("TRAINRUN_DEBUG_CKPT_TIMEOUT_MS")) return ms;  // tests
   return disk_wait_timeout_ms(job);  // the final weights wait as long (final_weights.h)
 }
+
+// What a member of a TP group that writes whole rows says when it stopped
+// only because a peer failed (the commit then reports the peer's message).
+constexpr const char* kPeerStopped = "a rank of this rank's tensor-parallel group could not write its part";
 
 // How often a checkpoint's waits look for the abort key: the bound on how
 // long a save in flight outlives its abandonment.
@@ -148,28 +155,26 @@ void Checkpointer::clean_stale_rank0() {
 double Checkpointer::save(ParamStore& ps, const TrainState& st) {
   auto t0 = Clock::now();
   wait();  // one save in flight at a time
-  if (write_ranges_.empty() && held_ranges_.empty()) {
-    write_ranges_ = ps.write_ranges();
-    held_ranges_ = ps.held_ranges();
-  }
+  if (write_ranges_.empty() && held_ranges_.empty()) prepare(ps);
   const int64_t step = st.step;
   if (job_.checkpoint.async == "true") {
-    // Snapshot: this rank's write ranges of master, m, v, copied straight
-    // into host buffers kept across saves (allocating and faulting in fresh
-    // buffers every time cost seconds per GB; reusing them is a plain copy).
-    ensure_snapshot_buffers();
-    for (int kind = 0; kind < 3; ++kind) {
-      size_t pos = 0;
-      for (const auto& w : write_ranges_) {
-        ps.copy_state_range(kind, w, snapshot_[kind].data() + pos);
-        pos += size_t(w.numel());
-      }
-    }
-    bg_ = std::thread([this, step, st] {
+    // No whole snapshot (12 bytes per element of the shard: 106 GB a rank
+    // at 70B over 8): the background thread streams the live state to the
+    // files in pieces of one segment, as a synchronous save does, while
+    // this thread goes on with forward and backward, which leave master
+    // weights and moments alone. The next change to them waits for the
+    // pieces to be read (before_state_change).
+    std::promise<void> released;
+    state_read_ = released.get_future().share();
+    bg_ = std::thread([this, step, st, &ps, released = std::move(released)]() mutable {
       try {
-        write_and_commit(step, st, nullptr);
+        write_and_commit(step, st, &ps, &released);
       } catch (...) {
         bg_error_ = current_exception_text();
+      }
+      try {
+        released.set_value();  // if write_and_commit failed before it released the state
+      } catch (const std::future_error&) {
       }
     });
     return std::chrono::duration<double>(Clock::now() - t0).count();
@@ -178,7 +183,7 @@ double Checkpointer::save(ParamStore& ps, const TrainState& st) {
   // files in pieces of one segment (a rank holds its shard plus one piece).
   std::string failed;
   try {
-    write_and_commit(step, st, &ps);
+    write_and_commit(step, st, &ps, nullptr);
   } catch (...) {
     failed = current_exception_text();
   }
@@ -189,20 +194,32 @@ double Checkpointer::save(ParamStore& ps, const TrainState& st) {
 void Checkpointer::prepare(ParamStore& ps) {
   write_ranges_ = ps.write_ranges();
   held_ranges_ = ps.held_ranges();
-  // Async saves snapshot into these while training runs: fault them in now,
-  // not inside the first save's blocked window.
-  if (job_.checkpoint.async == "true") ensure_snapshot_buffers();
+  whole_rows_.assign(write_ranges_.size(), -1);
+  if (tp_exchange_ && tp_exchange_->world_size() > 1) {
+    const RowExchangePlan plan = plan_row_exchange(write_ranges_, *tp_exchange_);
+    whole_rows_ = plan.position;
+    if (!row_bufs_) row_bufs_ = std::make_unique<RowExchangeBuffers>();
+    if (rank_ == 0)
+      TR_LOG_INFO("checkpoint: ", plan.ranges, " tensor-parallel slice(s) of rank 0 are written as whole rows by the "
+                  "TP group (one pwrite per group of rows, not per row)");
+  }
 }
 
-void Checkpointer::ensure_snapshot_buffers() {
-  size_t n = 0;
-  for (const auto& w : write_ranges_) n += size_t(w.numel());
-  for (auto& b : snapshot_)
-    if (b.size() != n) b.assign(n, 0.0f);
+double Checkpointer::before_state_change() {
+  if (!state_read_.valid()) return 0;
+  const auto t0 = Clock::now();
+  state_read_.wait();
+  state_read_ = {};
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+void Checkpointer::note_host_bytes() {
+  host_bytes_peak_ = std::max(host_bytes_peak_, piece_.capacity() * sizeof(float));
 }
 
 void Checkpointer::wait() {
   if (bg_.joinable()) bg_.join();
+  state_read_ = {};
   if (!bg_error_.empty()) {
     std::string e;
     std::swap(e, bg_error_);
@@ -293,7 +310,39 @@ void Checkpointer::drop_keys(int64_t step) {
   }
 }
 
-void Checkpointer::write_and_commit(int64_t step, const TrainState& st, ParamStore* live) {
+void Checkpointer::write_range(int fd, const std::string& path, int64_t base, int kind, const Range& r,
+                               ParamStore& live, Hasher& h, std::vector<Segment>& segs) {
+  if (r.reps > 1) {
+    // Strided (a TP rank's slice of an inner dim): groups of runs, one
+    // segment each, one pwrite per run.
+    const uint64_t per = runs_per_segment(uint64_t(r.count) * 4);
+    for (int64_t first = 0; first < r.reps; first += int64_t(per)) {
+      const Range part = r.rows(first, std::min(int64_t(per), r.reps - first));
+      piece_.resize(size_t(part.numel()));
+      note_host_bytes();
+      live.copy_state_range(kind, part, piece_.data());
+      hashed_pwrite_strided(fd, reinterpret_cast<const char*>(piece_.data()), uint64_t(r.count) * 4,
+                            uint64_t(r.stride) * 4, uint64_t(part.reps), uint64_t(base + part.global * 4), path, h,
+                            segs);
+      check_abort(false);
+    }
+    return;
+  }
+  // Pieces of exactly one segment from the range's start: the segments
+  // (and their hashes) are those of one whole-range write.
+  const int64_t piece = int64_t(kSegmentBytes / 4);
+  piece_.resize(size_t(std::min(piece, r.count)));
+  note_host_bytes();
+  for (int64_t at = 0; at < r.count; at += piece) {
+    const int64_t n = std::min(piece, r.count - at);
+    live.copy_state_range(kind, Range{r.global + at, n}, piece_.data());
+    hashed_pwrite(fd, reinterpret_cast<const char*>(piece_.data()), uint64_t(n) * 4,
+                  uint64_t(base + (r.global + at) * 4), path, h, segs);
+  }
+}
+
+void Checkpointer::write_and_commit(int64_t step, const TrainState& st, ParamStore* live,
+                                    std::promise<void>* released) {
   const std::string key = step_key(step);
   const auto deadline = Clock::now() + std::chrono::milliseconds(ckpt_timeout_ms(job_));
   const std::string final_dir = root_ + "/" + step_name(step);
@@ -350,66 +399,74 @@ void Checkpointer::write_and_commit(int64_t step, const TrainState& st, ParamSto
       // Rank 0 reports its own error; this rank has nothing to add.
       if (setup_error != "ok") TR_FAIL("rank 0 could not lay out the directory");
     }
-    debug_ckpt_throw_hook(rank_, std::to_string(step));  // tests: TRAINRUN_DEBUG_CKPT_THROW
+    // A TP group that writes whole rows (row_exchange.h) meets at every
+    // such range: a member that fails or is abandoned must not leave its
+    // peers waiting in an exchange. Its error is held (`deferred`) until
+    // the next meeting, where the group agrees to stop (agree()); without
+    // one, errors propagate at once, as always.
+    const bool group = tp_exchange_ && tp_exchange_->world_size() > 1 &&
+                       std::any_of(whole_rows_.begin(), whole_rows_.end(), [](int64_t p) { return p >= 0; });
+    std::exception_ptr deferred;
+    auto guarded = [&](const std::function<void()>& fn) {
+      if (!group) return fn();
+      if (deferred) return;
+      try {
+        fn();
+      } catch (...) {
+        deferred = std::current_exception();
+      }
+    };
+    const std::function<void(bool)> agree = [&](bool failed_inside) {
+      guarded([&] { check_abort(false); });
+      float stop = deferred || failed_inside ? 1.0f : 0.0f;
+      tp_exchange_->all_reduce(&stop, 1, ReduceOp::Max);
+      if (stop == 0) return;
+      if (deferred) std::rethrow_exception(deferred);
+      // (failed_inside: write_whole_rows rethrows this member's own error instead)
+      TR_FAIL(kPeerStopped, " (that rank's error says why)");
+    };
+    guarded([&] { debug_ckpt_throw_hook(rank_, std::to_string(step)); });  // tests: TRAINRUN_DEBUG_CKPT_THROW
     Hasher h;
     for (int kind = 0; kind < 3; ++kind) {
       const int file = kind == 0 ? 0 : 1;
       const std::string& path = file == 0 ? mpath : opath;
       const int64_t base = int64_t(kind == 0 ? mhdr.size() : ohdr.size()) + (kind == 2 ? layout_.total * 4 : 0);
       if (write_ranges_.empty()) continue;
-      int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
-      TR_CHECK_ERRNO(fd >= 0, "cannot open '", path, "'");
-      size_t pos = 0;
+      int fd = -1;
+      guarded([&] {
+        fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
+        TR_CHECK_ERRNO(fd >= 0, "cannot open '", path, "'");
+      });
       try {
-        for (const auto& r : write_ranges_) {
-          check_abort(false);
-          if (r.reps > 1) {
-            // Strided (a TP rank's slice of an inner dim): groups of runs,
-            // one segment each; the live path copies one group at a time,
-            // so both paths hash the same segments.
-            const uint64_t per = runs_per_segment(uint64_t(r.count) * 4);
-            for (int64_t first = 0; first < r.reps; first += int64_t(per)) {
-              const Range part = r.rows(first, std::min(int64_t(per), r.reps - first));
-              const float* src = nullptr;
-              if (!live) {
-                src = snapshot_[kind].data() + pos + size_t(first * r.count);
-              } else {
-                piece_.resize(size_t(part.numel()));
-                live->copy_state_range(kind, part, piece_.data());
-                src = piece_.data();
-              }
-              hashed_pwrite_strided(fd, reinterpret_cast<const char*>(src), uint64_t(r.count) * 4,
-                                    uint64_t(r.stride) * 4, uint64_t(part.reps), uint64_t(base + part.global * 4), path,
-                                    h, mine[file]);
-              check_abort(false);
-            }
-          } else if (!live) {
-            hashed_pwrite(fd, reinterpret_cast<const char*>(snapshot_[kind].data() + pos), uint64_t(r.count) * 4,
-                          uint64_t(base + r.global * 4), path, h, mine[file]);
-          } else {
-            // Pieces of exactly one segment from the range's start: the
-            // segments (and their hashes) are those of one whole-range write.
-            const int64_t piece = int64_t(kSegmentBytes / 4);
-            piece_.resize(size_t(std::min(piece, r.count)));
-            for (int64_t at = 0; at < r.count; at += piece) {
-              const int64_t n = std::min(piece, r.count - at);
-              live->copy_state_range(kind, Range{r.global + at, n}, piece_.data());
-              hashed_pwrite(fd, reinterpret_cast<const char*>(piece_.data()), uint64_t(n) * 4,
-                            uint64_t(base + (r.global + at) * 4), path, h, mine[file]);
-            }
+        for (size_t ri = 0; ri < write_ranges_.size(); ++ri) {
+          const Range& r = write_ranges_[ri];
+          if (r.reps > 1 && whole_rows_[ri] >= 0) {
+            // Collective over the TP group: every member is at this range.
+            agree(false);
+            write_whole_rows(fd, path, uint64_t(base), kind, r, whole_rows_[ri] * 3 + kind, *live, *tp_exchange_, h,
+                             *row_bufs_, mine[file], agree);
+            host_bytes_peak_ = std::max(host_bytes_peak_, row_bufs_->bytes());
+            continue;
           }
-          pos += size_t(r.numel());
+          guarded([&] {
+            check_abort(false);
+            write_range(fd, path, base, kind, r, *live, h, mine[file]);
+          });
         }
-        TR_CHECK_ERRNO(::fsync(fd) == 0, "cannot fsync '", path, "'");
+        guarded([&] { TR_CHECK_ERRNO(::fsync(fd) == 0, "cannot fsync '", path, "'"); });
       } catch (...) {
-        ::close(fd);
+        if (fd >= 0) ::close(fd);
         throw;
       }
-      ::close(fd);
+      if (fd >= 0) ::close(fd);
     }
+    if (deferred) std::rethrow_exception(deferred);
   } catch (...) {
     status = me + ": " + current_exception_text();
   }
+  // Every piece of the state is in the files (or never will be): an async
+  // save's trainer may change it again (before_state_change).
+  if (released) released->set_value();
   if (store_) {
     // The segments go first: "written" tells rank 0 they are there.
     json segs = json::array();
@@ -437,10 +494,17 @@ void Checkpointer::write_and_commit(int64_t step, const TrainState& st, ParamSto
         std::vector<std::string> keys;
         for (int r = 0; r < world_; ++r) keys.push_back(key + "written/" + std::to_string(r));
         await_keys(keys, deadline, "every rank to write its part");
+        // The first rank's failure, but a rank that only stopped because a
+        // TP peer failed (kPeerStopped) gives way to the peer's own message.
+        std::string failed;
         for (int r = 0; r < world_; ++r) {
-          std::string s = store_text(store_->get(keys[r], Millis(10'000)));
-          TR_CHECK(s == "ok", s);
+          const std::string s = store_text(store_->get(keys[r], Millis(10'000)));
+          if (s == "ok") continue;
+          if (failed.empty() || (failed.find(kPeerStopped) != std::string::npos &&
+                                 s.find(kPeerStopped) == std::string::npos))
+            failed = s;
         }
+        TR_CHECK(failed.empty(), failed);
         for (int r = 1; r < world_; ++r) {
           const std::string text = store_text(store_->get(key + "segments/" + std::to_string(r), Millis(10'000)));
           try {

@@ -66,11 +66,14 @@
 //
 // Strided ranges (format 3). A tensor-parallel rank's slice of a weight
 // split along its inner dim is one run per row; ParamStore::Range carries
-// it as one strided range (start, count, stride, reps) per tensor, written
-// with one pwrite per run (the runs are not adjacent: nothing vectored can
-// merge them) and hashed as one strided segment per 64 MiB of it, so the
-// manifest, the store keys and every rank's range lists stay at a few
-// hundred entries where one per row would be ~1.3M (Llama-3 70B, tp8).
+// it as one strided range (start, count, stride, reps) per tensor, hashed
+// as strided segments, so the manifest, the store keys and every rank's
+// range lists stay at a few hundred entries where one per row would be
+// ~1.3M (Llama-3 70B, tp8). Written as is, such a range is one pwrite per
+// run (the runs are not adjacent: nothing vectored can merge them); with a
+// TP exchange communicator (set_tp_exchange) the group trades slices and
+// each rank writes groups of whole rows instead (row_exchange.h), still
+// hashing one strided segment per TP slice of each group.
 // The segments still tile each file; the check walks every segment's runs
 // in file order (a heap merge: memory per segment). Manifests without
 // strided segments stay format 2.
@@ -81,6 +84,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <future>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -94,6 +98,11 @@
 #include "parallel/rendezvous/store.h"
 
 namespace trainrun {
+
+namespace ckpt {
+struct RowExchangeBuffers;
+class Hasher;
+}
 
 // Everything besides the tensors that shapes the future of a run.
 struct TrainState {
@@ -126,8 +135,25 @@ class Checkpointer {
   // Collective. Snapshots the state; writes it now (sync) or in a background
   // thread (async). Returns the seconds training was blocked.
   double save(ParamStore& ps, const TrainState& st);
-  // Learn the rank's ranges; with async, allocate the host snapshot now.
+  // Tensor parallelism: a host communicator of this rank's TP group used
+  // only by checkpoints, so that its row-parallel slices are written as
+  // whole rows (row_exchange.h) instead of one pwrite per row. Set before
+  // prepare(); null (the default) or size 1: every rank writes its own runs.
+  void set_tp_exchange(Communicator* tp) { tp_exchange_ = tp; }
+  // Learn the rank's ranges (collective over the TP exchange, when set).
   void prepare(ParamStore& ps);
+  // Async: the background save reads the live state piece by piece (no
+  // whole snapshot in host memory), so the trainer calls this before
+  // anything changes master weights or moments (the optimizer step): it
+  // blocks until the save in flight has read all of them. Returns the
+  // seconds it blocked (training's share of an async save); 0 when none.
+  double before_state_change();
+  // The most host memory this rank's saves have held for the state (bytes):
+  // one piece of at most one segment (kSegmentBytes), whatever the shard.
+  size_t host_buffer_bytes() const { return host_bytes_peak_; }
+  // pwrite calls of checkpoint data made in this process so far (every
+  // rank of an in-process test): the tests hold "O(tensors), not O(rows)".
+  static uint64_t write_calls();
   // Wait for an in-flight async save (and apply checkpoint.on_error).
   void wait();
   // Collective. Resolves checkpoint.resume and loads; false when nothing to load.
@@ -152,14 +178,19 @@ class Checkpointer {
   };
 
  private:
-  // From the snapshot (live null: an async save) or straight from the store.
-  void write_and_commit(int64_t step, const TrainState& st, ParamStore* live);
+  // Streams `live`'s write ranges to the files in pieces and commits;
+  // `released` (an async save's) is set once every piece has been read.
+  void write_and_commit(int64_t step, const TrainState& st, ParamStore* live, std::promise<void>* released);
   // segments: per file (model, optimizer), what every rank wrote.
+  // One write range of one kind from `live`, in one-segment pieces (a
+  // strided one: one pwrite per run), hashed into `segs`.
+  void write_range(int fd, const std::string& path, int64_t base, int kind, const ParamStore::Range& r,
+                   ParamStore& live, ckpt::Hasher& h, std::vector<Segment>& segs);
   void commit_rank0(int64_t step, const TrainState& st, const std::string& tmp, const std::string& final_dir,
                     std::vector<std::vector<Segment>> segments);
   void clean_stale_rank0();
   void retention();
-  void ensure_snapshot_buffers();
+  void note_host_bytes();  // after piece_ grew: the peak host_buffer_bytes() reports
   void handle_failure(const std::string& what);
   // Rank 0, resume: never: move an earlier run's checkpoints aside.
   void set_aside_earlier_checkpoints();
@@ -203,8 +234,12 @@ class Checkpointer {
   std::string root_;  // <output.dir>/checkpoints
   std::vector<ParamStore::Range> write_ranges_;
   std::vector<ParamStore::Range> held_ranges_;
-  std::vector<std::vector<float>> snapshot_ = std::vector<std::vector<float>>(3);
-  std::vector<float> piece_;  // a synchronous save's one-segment buffer
+  std::vector<float> piece_;  // a save's one-segment buffer (either thread: one save at a time)
+  Communicator* tp_exchange_ = nullptr;
+  std::vector<int64_t> whole_rows_;  // per write range: its place among those the TP group writes whole, or -1
+  std::unique_ptr<ckpt::RowExchangeBuffers> row_bufs_;
+  size_t host_bytes_peak_ = 0;
+  std::shared_future<void> state_read_;  // an async save: set once it has read the whole state
   std::string clean_error_;  // rank 0: what clean_stale() could not do
   std::thread bg_;
   std::string bg_error_;

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <exception>
 #include <filesystem>
@@ -58,6 +59,12 @@ bool parse_hex64(const std::string& s, uint64_t* out) {
   return true;
 }
 
+namespace {
+std::atomic<uint64_t> g_write_calls{0};
+}  // namespace
+
+void count_checkpoint_write() { g_write_calls.fetch_add(1, std::memory_order_relaxed); }
+
 // pwrite()s [data, data + bytes) at `off`, hashing it on the way in
 // segments of at most kSegmentBytes, appended to `segs`.
 void hashed_pwrite(int fd, const char* data, uint64_t bytes, uint64_t off, const std::string& path, Hasher& h,
@@ -69,6 +76,7 @@ void hashed_pwrite(int fd, const char* data, uint64_t bytes, uint64_t off, const
       const size_t c = size_t(std::min<uint64_t>(n - done, kIoChunk));
       h.update(data + done, c);
       pwrite_all(fd, data + done, c, off_t(off + done), path);
+      count_checkpoint_write();
       done += c;
     }
     segs.push_back({off, n, h.digest()});
@@ -93,6 +101,7 @@ void hashed_pwrite_strided(int fd, const char* data, uint64_t bytes, uint64_t st
     for (uint64_t i = first; i < first + n; ++i) {
       h.update(data + i * bytes, size_t(bytes));
       pwrite_all(fd, data + i * bytes, size_t(bytes), off_t(off + i * stride), path);
+      count_checkpoint_write();
     }
     if (n == 1)
       segs.push_back({off + first * stride, bytes, h.digest()});
@@ -283,6 +292,8 @@ std::string current_exception_text() {
 }  // namespace ckpt
 
 using namespace ckpt;
+
+uint64_t Checkpointer::write_calls() { return g_write_calls.load(); }
 
 std::string Checkpointer::verify(const std::string& dir, const std::vector<std::string>& only) {
   std::vector<FileEntry> files;

@@ -74,6 +74,9 @@ void hashed_pwrite(int fd, const char* data, uint64_t bytes, uint64_t off, const
 // adjacent in the file, so no vectored call can merge them.
 void hashed_pwrite_strided(int fd, const char* data, uint64_t bytes, uint64_t stride, uint64_t reps, uint64_t off,
                            const std::string& path, Hasher& h, std::vector<Segment>& segs);
+// Every pwrite of checkpoint data in this process (all ranks, all files):
+// Checkpointer::write_calls() reads it, for the tests and `bench checkpoint`.
+void count_checkpoint_write();
 // Runs per strided segment for runs of `bytes` (what every writer uses, so a
 // synchronous save that streams a range in pieces hashes as one whole write).
 uint64_t runs_per_segment(uint64_t bytes);

@@ -302,7 +302,8 @@ const std::vector<Field>& fields() {
       TR_SPEC_FIELD(checkpoint.keep_every, at_least(0),
                     "also keep checkpoints whose step is a multiple of this, forever; 0 = none"),
       TR_SPEC_FIELD(checkpoint.async, one_of({"false", "true"}),
-                    "true: copy the state to host memory, then write it in a background thread"),
+                    "true: write in a background thread, reading the state in 64 MiB pieces while forward and backward run; "
+                    "the next optimizer step waits until it has read the state"),
       TR_SPEC_FIELD(checkpoint.on_error, one_of({"stop", "continue"}),
                     "when a checkpoint cannot be written (disk full...): stop the job, or warn and continue"),
       TR_SPEC_FIELD(checkpoint.resume, non_empty(),

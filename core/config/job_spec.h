@@ -141,7 +141,7 @@ struct CheckpointSpec {
   int interval = 0;                    // steps between checkpoints; 0 = only the final one
   int keep_last = 3;                   // newest checkpoints kept (0 = keep all)
   int keep_every = 0;                  // also keep every step divisible by this forever; 0 = none
-  std::string async = "false";         // "true": snapshot to host, write in a background thread
+  std::string async = "false";         // "true": write in a background thread (the state read in pieces)
   std::string on_error = "stop";       // a failed write: stop | continue (training goes on)
   std::string resume = "auto";         // auto (latest verified in output.dir) | never | a checkpoint path
   std::string final = "true";          // write a checkpoint at the end of the run

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
@@ -502,12 +503,20 @@ const MappedSafeTensors::View* MappedSafeTensors::find(const std::string& name) 
   return nullptr;
 }
 
+namespace {
+std::atomic<uint64_t> g_drop_pages_calls{0};
+}  // namespace
+
+uint64_t MappedSafeTensors::drop_pages_calls() { return g_drop_pages_calls.load(); }
+
 void MappedSafeTensors::drop_pages(const View& v) const {
   // Whole pages inside the tensor only: a neighbour's pages may still be read.
   const uintptr_t page = uintptr_t(::sysconf(_SC_PAGESIZE));
   const uintptr_t b = (reinterpret_cast<uintptr_t>(v.data) + page - 1) / page * page;
   const uintptr_t e = (reinterpret_cast<uintptr_t>(v.data) + v.nbytes) / page * page;
-  if (e > b) ::madvise(reinterpret_cast<void*>(b), e - b, MADV_DONTNEED);
+  if (e <= b) return;
+  g_drop_pages_calls.fetch_add(1, std::memory_order_relaxed);
+  ::madvise(reinterpret_cast<void*>(b), e - b, MADV_DONTNEED);
 }
 
 }  // namespace trainrun

@@ -68,8 +68,13 @@ class MappedSafeTensors {
   const std::vector<View>& tensors() const { return views_; }  // in file order
   const View* find(const std::string& name) const;
   // Done with a tensor: its pages leave this process's resident set (they
-  // are file-backed; reading them again faults them back in).
+  // are file-backed; reading them again faults them back in). One madvise
+  // per call: callers reading a tensor row by row call it once per tensor
+  // (or group of rows), never per row.
   void drop_pages(const View& v) const;
+  // madvise calls drop_pages has made in this process (all files, all
+  // threads): tests hold the "once per tensor, not per row" bound with it.
+  static uint64_t drop_pages_calls();
 
  private:
   std::string path_;

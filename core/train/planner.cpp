@@ -152,7 +152,7 @@ MemoryBreakdown memory_of_units(const std::vector<int64_t>& units, int L, int T,
       r.params = a * S + (s.strategy == "shard_grad_op" ? a * Ppad : 0);
       r.optimizer = 0;
       // hybrid_shard across replica groups sums the shards on the device.
-      if (!(s.strategy == "hybrid_shard" && s.world / G > 1)) r.grads = 0;
+      if (!(s.strategy == "hybrid_shard" && s.world / G > 1) && !s.offload_grad_on_device) r.grads = 0;
     }
     // parallel/sharding/sharding_sharded.cpp: a landing buffer for one reduce-scatter
     // shard; full-size fp32 gradient buckets for the embeddings (open for the
@@ -204,8 +204,8 @@ namespace planner_detail {
 // cpu: all of it in host memory), and the step time it adds. Per rank the
 // state's elements are updated on the node's host threads shared by its
 // ranks; the gradient comes down once per micro-batch (overlapped with
-// backward, with the reduce-scatters), the act-dtype parameters go up once
-// per step.
+// backward, with the reduce-scatters; nvme with accumulation: once per
+// step, summed on the device), the act-dtype parameters go up once per step.
 void add_offload(PlanRow& row, const std::vector<int64_t>& units, const PlanRequest& req, double act_bytes,
                  CommVolume& c) {
   const bool nvme = req.offload == "nvme";
@@ -216,7 +216,9 @@ void add_offload(PlanRow& row, const std::vector<int64_t>& units, const PlanRequ
   if (nvme) row.nvme_bytes_per_step = req.gpus_per_node * offload_nvme_bytes_per_step(elems, row.accum);
   const double adamw_s = elems * req.gpus_per_node / req.host_adamw_params_per_s;
   const double up_s = elems * act_bytes / req.pcie_bytes_per_s;
-  c.overlapped += row.accum * elems * 4 / req.pcie_bytes_per_s;
+  // nvme with accumulation lands the device's summed shard once, after backward (exposed).
+  if (row.sharding.offload_grad_on_device) c.exposed += elems * 4 / req.pcie_bytes_per_s;
+  else c.overlapped += row.accum * elems * 4 / req.pcie_bytes_per_s;
   row.offload_s = adamw_s + up_s + row.nvme_bytes_per_step / req.nvme_bytes_per_s;
   c.exposed += row.offload_s;
 }
@@ -398,6 +400,8 @@ Plan make_plan(const PlanRequest& req) {
     row.sharding.world = W;
     row.sharding.group = std::string(name) == "no_shard" ? 1 : std::string(name) == "hybrid_shard" ? hybrid_group : W;
     row.sharding.offload = offload;
+    row.sharding.offload_grad_on_device = offload_keeps_device_grad(
+        parse_offload_mode(req.offload), std::max(1, int(ceil_div(req.global_batch, int64_t(req.micro_batch) * W))));
     row.mem = estimate_memory(m, row.sharding, req.micro_batch, req.checkpointing, dev);
     row.fits = row.mem.total() <= plan.capacity;
     // Memory grows with the micro-batch (activations, inputs) and nothing

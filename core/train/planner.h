@@ -83,6 +83,9 @@ struct Sharding {
   // false: it holds every unit gathered, and its full fp32 gradient, for
   // the whole step (parallel/pipeline/stage_store.h).
   bool pipeline_reshard = true;
+  // nvme with gradient accumulation keeps the fp32 gradient shard on the
+  // device too (offload_keeps_device_grad): summed there, landed once a step.
+  bool offload_grad_on_device = false;
 };
 // Host bytes per rank that offload keeps (16 per element of the rank's state).
 double offload_host_bytes_per_rank(const ModelArch& m, const Sharding& s);

@@ -12,6 +12,7 @@
 #include "core/train/planner.h"
 #include "core/train/planner_internal.h"
 #include "parallel/mesh/device_mesh.h"
+#include "parallel/sharding/offload.h"
 #include "parallel/pipeline/schedule.h"
 
 namespace trainrun {
@@ -327,6 +328,7 @@ void plan_pipeline_parallel(Plan& plan, const ModelArch& m, const DeviceModel& d
         row.sharding.offload = req.offload != "none";
         row.sharding.pipeline_reshard = ParallelSpec::pipeline_reshard_resolved(req.pipeline_reshard, strategy);
         row.pp_reshard = row.sharding.pipeline_reshard && strategy != "no_shard";
+        row.sharding.offload_grad_on_device = offload_keeps_device_grad(parse_offload_mode(req.offload), accum);
         const auto stages = pipeline_memory(m, *tp_plans[tp], req.sequence_parallel, pp, kind, v, accum, row.sharding,
                                             req.micro_batch, req.checkpointing, dev);
         for (const auto& st : stages)

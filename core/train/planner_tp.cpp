@@ -10,6 +10,7 @@
 #include "core/train/planner.h"
 #include "core/train/planner_internal.h"
 #include "parallel/mesh/device_mesh.h"
+#include "parallel/sharding/offload.h"
 
 namespace trainrun {
 
@@ -152,6 +153,8 @@ void plan_tensor_parallel(Plan& plan, const ModelArch& m, const DeviceModel& dev
       row.sharding.group = strategy == "no_shard" ? 1 : strategy == "hybrid_shard" ? hybrid_dp : dp;
       if (strategy == "hybrid_shard" && dp % hybrid_dp != 0) continue;  // no such mesh
       row.sharding.offload = req.offload != "none";
+      row.sharding.offload_grad_on_device = offload_keeps_device_grad(
+          parse_offload_mode(req.offload), std::max(1, int(ceil_div(req.global_batch, int64_t(req.micro_batch) * dp))));
       row.mem = tp_memory(m, tp_plan, req.sequence_parallel, row.sharding, req.micro_batch, req.checkpointing, dev);
       row.fits = row.mem.total() <= plan.capacity;
       auto fits_at = [&](int b) {

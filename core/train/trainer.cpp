@@ -192,6 +192,7 @@ class Trainer {
   std::unique_ptr<DeviceMesh> mesh_;
   std::unique_ptr<MeshComms> mesh_comms_;
   std::unique_ptr<Communicator> dp_single_;  // the dp group when it is one rank
+  std::unique_ptr<Communicator> ckpt_tp_comm_;  // tp > 1: the checkpoint's TP exchange (row_exchange.h)
   std::unique_ptr<TensorParallelPlan> tp_plan_;
   TensorParallel tp_ctx_;
   // Pipeline parallelism (parallel.pipeline_parallel > 1): this rank's
@@ -323,6 +324,7 @@ void Trainer::setup() {
   OffloadOptions offload;
   offload.mode = parse_offload_mode(job_.parallel.offload);
   offload.dir = job_.parallel.offload_dir;
+  offload.accum = accum_;
   if (offload.mode == OffloadMode::Nvme) check_offload_dir(offload.dir);
   // `local_total`: the elements of this rank's model slice (all of it at
   // tp1, its TP slice otherwise), sharded over the data-parallel ranks.
@@ -368,6 +370,12 @@ void Trainer::setup() {
       tp_ctx_.plan = tp_plan_.get();
       tp_ctx_.comm = mesh_comms_->comm(MeshDim::tp);
       tp_ctx_.sequence_parallel = job_.parallel.sequence_parallel_on();
+      // The checkpoint's own host communicator of the TP group (Gloo on every
+      // backend: it trades host pieces), so a save, also one in a background
+      // thread, never shares the training's communicators.
+      ckpt_tp_comm_ = make_gloo_communicator(*store_, prefix_ + "ckpt_" + mesh_->group_name(MeshDim::tp) + "/",
+                                             mesh_->coord(MeshDim::tp), tp, w_.bind_addr, timeout);
+      ckpt_tp_comm_->set_group("ckpt_" + mesh_->group_name(MeshDim::tp));
     }
     const TensorParallel* tpc = tp > 1 ? &tp_ctx_ : nullptr;
     // The layout this rank's stores see: the TP slice (or the whole model),
@@ -717,7 +725,10 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
   // Adapters have no checkpoints yet (setup refuses checkpoint.interval):
   // a run with them always starts fresh, from model.init_from.
   const bool is_resume = adapt_ ? false : ckpt.load(*params_, resumed);
-  if (!adapt_) ckpt.prepare(*params_);
+  if (!adapt_) {
+    ckpt.set_tp_exchange(ckpt_tp_comm_.get());
+    ckpt.prepare(*params_);
+  }
   // model.init_from replaces the random init, but only for a fresh start: a
   // checkpoint already holds the fine-tuned weights (and the moments) that
   // grew from it. Decided after load() so a resume never needs the directory.
@@ -767,12 +778,22 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
     st.step = done_steps;
     st.cursor = cursor_;
     st.tokens = sum.tokens;
+    const uint64_t writes0 = Checkpointer::write_calls();
     const double blocked = ckpt.save(*params_, st);
     ckpt_blocked += blocked;
     last_saved = done_steps;
-    if (rank0_)
-      TR_LOG_INFO("checkpoint: step ", done_steps, (job_.checkpoint.async == "true" ? " snapshot taken" : " written"),
-                  "; training blocked ", fmt(blocked, 3), " s");
+    if (rank0_) {
+      // The pwrites of this process (one rank in a real job; `bench
+      // checkpoint` reads them from here).
+      const std::string writes =
+          job_.checkpoint.async == "true" ? ""
+                                          : ", " + std::to_string(Checkpointer::write_calls() - writes0) + " pwrites";
+      TR_LOG_INFO("checkpoint: step ", done_steps,
+                  (job_.checkpoint.async == "true" ? " writing in the background (the next optimizer step waits for "
+                                                     "it to have read the state)"
+                                                   : " written"),
+                  "; training blocked ", fmt(blocked, 3), " s", writes);
+    }
   };
   sum.entropy_floor = train_src_->entropy_floor();
   AdamWParams ap;
@@ -859,6 +880,8 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
     if (finite) {
       // AdamW's bias correction uses the global step (not the count of
       // applied updates), so a resumed run recomputes it exactly.
+      // An async checkpoint in flight reads the state the update changes.
+      ckpt_blocked += ckpt.before_state_change();
       StepTracer::Span span(tracer_.get(), "optimizer (AdamW + gathers)", "optimizer");
       trained().optimizer_step(ap, step + 1, grad_scale);
     } else {
@@ -929,6 +952,7 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
                   "step ", sum.steps, " (fp32 master weights, hash ", std::hex, h, std::dec, ")");
   }
   sum.checkpoint_blocked_seconds = ckpt_blocked;
+  sum.checkpoint_host_bytes = ckpt.host_buffer_bytes();
   sum.tokens_per_sec = train_time > 0 ? sum.tokens / train_time : 0;
   const ShardMemory mem = params_->memory();
   sum.params_bytes = mem.params;

@@ -30,6 +30,7 @@ struct TrainSummary {
   size_t comm_bytes = 0;  // peak of the store's gathered units and full-size gradient buffers
   std::vector<double> losses;  // every step's loss (all ranks)
   double checkpoint_blocked_seconds = 0;
+  size_t checkpoint_host_bytes = 0;  // the most host memory a save held for the state (one piece)
   int skipped_steps = 0;
   int stop_signal = 0;  // the signal that stopped the run early (checkpoint saved), else 0
 };

@@ -8,7 +8,8 @@
 //               the step (reads master, m, v, grad; writes master, m, v:
 //               28 bytes per element), the grad norm (reads 4) and the
 //               gradient's landing (writes 4; reads 4 more after the first
-//               micro-batch), each as GB/s and as a share of the disk's
+//               micro-batch; or, summed on the device under accumulation,
+//               written once per step), each as GB/s and as a share of the disk's
 //               time for the same bytes (reads at the read speed plus
 //               writes at the write speed)
 //   step time   the CPU benchmark model (--config, configs/bench_cpu.yaml)

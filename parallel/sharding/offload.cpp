@@ -122,6 +122,8 @@ struct AlignedBlock {
 };
 
 std::atomic<int> g_file_counter{0};
+std::atomic<uint64_t> g_nvme_bytes_written{0};
+void count_written(size_t bytes) { g_nvme_bytes_written.fetch_add(bytes, std::memory_order_relaxed); }
 constexpr int64_t kPage = 1024;  // fp32 elements per 4 KiB page
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
@@ -259,6 +261,8 @@ size_t HostOptimizerState::host_bytes() const { return alloc_bytes_; }
 
 const char* HostOptimizerState::io_engine() const { return io_ ? io_->engine->name() : ""; }
 
+uint64_t HostOptimizerState::nvme_bytes_written() { return g_nvme_bytes_written.load(); }
+
 void HostOptimizerState::read_state(int kind, int64_t off, float* out, int64_t n) {
   TR_CHECK(kind >= 0 && kind < 3 && off >= 0 && off + n <= n_, "offload: state range out of bounds");
   if (!nvme_) return void(std::copy(bufs_[kind] + off, bufs_[kind] + off + n, out));
@@ -269,6 +273,7 @@ void HostOptimizerState::write_state(int kind, int64_t off, const float* in, int
   TR_CHECK(kind >= 0 && kind < 3 && off >= 0 && off + n <= n_, "offload: state range out of bounds");
   if (!nvme_) return void(std::copy(in, in + n, bufs_[kind] + off));
   pwrite_full(io_->buffered_fd, io_->path, in, size_t(n) * 4, uint64_t(kind) * region_bytes_ + uint64_t(off) * 4);
+  count_written(size_t(n) * 4);
 }
 
 void HostOptimizerState::zero_grads() {
@@ -311,6 +316,7 @@ void HostOptimizerState::add_grad_from_device(int64_t off, const float* dev_src,
     be_->copy_to_host(io.grad_landing, dev_src + i, size_t(len) * 4);
     host_accumulate(win + (x - p0 * kPage), io.grad_landing, len, threads_);
     pwrite_full(io.direct_fd, io.path, win, size_t(p1 - p0) * 4096, grad_base + uint64_t(p0) * 4096);
+    count_written(size_t(p1 - p0) * 4096);
     std::fill(io.written.begin() + p0, io.written.begin() + p1, 1);
   }
 }
@@ -319,15 +325,30 @@ void HostOptimizerState::grad_from_device(const float* dev_src, int64_t n) {
   TR_CHECK(n <= n_, "offload: ", n, " gradient values for a shard of ", n_);
   if (!nvme_) return be_->copy_to_host(bufs_[3], dev_src, size_t(n) * 4);
   zero_grads();
+  // The whole shard once per step (a replicated or device-summed gradient):
+  // through the two step sets, 4 chunks each, one batch of 4 writes in
+  // flight while the next 4 chunks come off the device (one 4 MiB pwrite
+  // at a time left the disk idle between requests).
   Nvme& io = *io_;
-  for (int64_t lo = 0; lo < n; lo += chunk_) {
-    const int64_t len = std::min(chunk_, n - lo), pages = (len + kPage - 1) / kPage;
-    std::memset(io.grad_window + len, 0, size_t(pages * kPage - len) * 4);  // the last page's tail
-    be_->copy_to_host(io.grad_window, dev_src + lo, size_t(len) * 4);
-    pwrite_full(io.direct_fd, io.path, io.grad_window, size_t(pages) * 4096,
-                3 * uint64_t(region_bytes_) + uint64_t(lo) * 4);
+  const int64_t K = 4 * chunk_;
+  uint64_t ticket[2] = {0, 0};
+  int b = 0;
+  for (int64_t lo = 0; lo < n; lo += K, b ^= 1) {
+    if (ticket[b]) io.engine->wait(ticket[b]), ticket[b] = 0;
+    float* buf = io.set[b];
+    const int64_t len = std::min(K, n - lo), pages = (len + kPage - 1) / kPage;
+    std::memset(buf + len, 0, size_t(pages * kPage - len) * 4);  // the last page's tail
+    be_->copy_to_host(buf, dev_src + lo, size_t(len) * 4);
+    std::vector<IoOp> ops;
+    for (int64_t at = 0; at < pages * kPage; at += chunk_)
+      ops.push_back({true, buf + at, size_t(std::min(chunk_, pages * kPage - at)) * 4,
+                     3 * uint64_t(region_bytes_) + uint64_t(lo + at) * 4});
+    ticket[b] = io.engine->submit(ops);
+    count_written(size_t(pages) * 4096);
     std::fill(io.written.begin() + lo / kPage, io.written.begin() + lo / kPage + pages, 1);
   }
+  for (uint64_t& t : ticket)
+    if (t) io.engine->wait(t), t = 0;
 }
 
 float HostOptimizerState::grad_sum_squares(const std::vector<std::pair<int64_t, int64_t>>& pieces) {
@@ -426,6 +447,7 @@ void HostOptimizerState::step(const std::vector<OffloadSegment>& segments_in, fl
     std::vector<IoOp> v;
     for (int k = 0; k < (write ? 3 : 4); ++k)
       v.push_back({write, buf + k * K, bytes, uint64_t(k) * region_bytes_ + uint64_t(c * K) * 4});
+    if (write) count_written(3 * bytes);
     return io.engine->submit(v);
   };
   uint64_t reads[2] = {0, 0}, writes[2] = {0, 0};

@@ -160,10 +160,13 @@ class ShardedStore final : public ParamStore {
     if (offload.mode != OffloadMode::None) {
       // Offload (offload.h): master, moments and gradient shard on the host;
       // the device keeps its own act-dtype shard. hybrid_shard still sums
-      // the shards across replicas on the device, so it keeps grad_ too.
+      // the shards across replicas on the device, so it keeps grad_ too;
+      // so does nvme with accumulation (offload_keeps_device_grad): the
+      // disk then sees the gradient once per step, not per micro-batch.
       host_ = std::make_unique<HostOptimizerState>(be, shard_total_, offload);
       shard_act_ = DeviceBuffer(be, shard_total_ * es_);
-      if (replica_comm_) grad_ = DeviceBuffer(be, shard_total_ * 4);
+      if (replica_comm_ || offload_keeps_device_grad(offload.mode, offload.accum))
+        grad_ = DeviceBuffer(be, shard_total_ * 4);
     } else {
       master_ = DeviceBuffer(be, shard_total_ * 4);
       m_ = DeviceBuffer(be, shard_total_ * 4);
@@ -343,13 +346,13 @@ class ShardedStore final : public ParamStore {
   void finish_grads() override {
     drain();
     if (replica_comm_) run([&] { replica_comm_->all_reduce(grad_.as<float>(), shard_total_, ReduceOp::Sum); });
-    if (host_ && replica_comm_) host_->grad_from_device(grad_.as<float>(), shard_total_);
+    if (host_ && grad_.get()) host_->grad_from_device(grad_.as<float>(), shard_total_);
   }
 
   double grad_norm_squared() override {
     // Padding is zero, so the shard's sum is exact.
     float local = 0;
-    if (host_) {
+    if (host_ && !grad_.get()) {  // a device copy (hybrid, nvme accumulation) is summed there, unread from disk
       // The device path's pieces below, in shard offsets: summed on the host to the same bits.
       std::vector<std::pair<int64_t, int64_t>> pieces;
       if (norm_skip_.empty()) pieces.push_back({0, shard_total_});
