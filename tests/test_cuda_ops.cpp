@@ -483,6 +483,25 @@ TEST_CASE("cuda: matmul forward and backward", "[cuda]") {
   for (S s : {S{19, 111, 37}, S{128, 768, 2304}}) check_matmul(q, s.N, s.C, s.OC, true, 0, "bgrad-epilogue ");
 }
 
+TEST_CASE("cuda: matmul backward with OC = 0 (an all-padding vocab shard) zeroes dinp", "[cuda][tp]") {
+  CUDA_TEST_OR_SKIP();
+  Pair p;
+  const int N = 19, C = 37;
+  Twin x(p, randn(size_t(N) * C, 61), true), dout(p, Vec{1.0f}, true), w(p, Vec{1.0f}, true);
+  Twin dw(p, Vec{3.0f}, false), db(p, Vec{4.0f}, false);
+  for (bool gelu : {false, true}) {
+    Twin dinp = out_twin(p, size_t(N) * C, true);  // poisoned: must be overwritten
+    if (gelu)
+      p.gpu->matmul_backward_dgelu(dinp.g(), dw.gf(), db.gf(), dout.g(), x.g(), w.g(), x.g(), N, C, 0);
+    else
+      p.gpu->matmul_backward(dinp.g(), dw.gf(), db.gf(), dout.g(), x.g(), w.g(), N, C, 0);
+    INFO(gelu ? "matmul_backward_dgelu" : "matmul_backward");
+    CHECK(dinp.read_gpu(p) == Vec(size_t(N) * C, 0.0f));
+    CHECK(dw.read_gpu(p) == Vec{3.0f});
+    CHECK(db.read_gpu(p) == Vec{4.0f});
+  }
+}
+
 TEST_CASE("cuda: gemm wrapper epilogues against a host reference", "[cuda]") {
   CUDA_TEST_OR_SKIP();
   for (const auto& row : run_gemm_epilogue_check(0)) {

@@ -28,6 +28,8 @@ namespace trainrun {
 
 enum class ReduceOp { Sum, Avg, Max };
 
+class EnqueueOrder;  // parallel/comm/enqueue_order.h
+
 // A collective whose result the compute stream has not been told to wait
 // for yet (see Communicator::all_gather_deferred).
 class PendingCollective {
@@ -148,6 +150,10 @@ class Communicator {
   int64_t step() const { return step_; }
   virtual void set_group(const std::string& group) { group_ = group; }
   const std::string& group() const { return group_; }
+  // The rank's cross-group call order this communicator takes turns in
+  // (enqueue_order.h); null: none. A CommWorker that issues this
+  // communicator's calls reserves its tasks' turns in it.
+  virtual EnqueueOrder* enqueue_order() const { return nullptr; }
 
  protected:
   // "all_reduce (step 12, rank 1 of 4, group dp_replicate1)": where an error happened.

@@ -17,7 +17,8 @@
 //   step      AdamW on the shard; shard_grad_op all-gathers the updated
 //             shards into its replicated parameters.
 // All collectives of the store run on one CommWorker thread, in the same
-// order on every rank.
+// order on every rank, and take their turns in the rank's cross-group order
+// (parallel/comm/enqueue_order.h) where the compute thread submitted them.
 #include <chrono>
 #include <cmath>
 #include <deque>
@@ -126,6 +127,9 @@ class ShardedStore final : public ParamStore {
       shard_comm_ = own_shard_.get();
       replica_comm_ = own_replica_.get();
     }
+    // The comm thread's tasks take their turns in the rank's cross-group
+    // order (enqueue_order.h) in the order this thread submits them.
+    comm_.set_order(world->enqueue_order() ? world->enqueue_order() : shard_comm_->enqueue_order());
     es_ = dtype_size(be->act_dtype());
     // A tie to a tensor of the first unit (the token embedding).
     for (const ParamTie& t : layout.ties) {
