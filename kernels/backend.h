@@ -105,6 +105,8 @@ class Backend {
 
   // ---- embedding: out(B,T,C) = wte[tokens] + wpe[t] -----------------------
   // With pos (document masking, above): wpe[pos[b,t]] instead of wpe[t].
+  // wpe null: no position table (Llama and the other RoPE families): out =
+  // wte[tokens], and encoder_backward's dwpe is null too.
   virtual void encoder_forward(void* out, const int32_t* tokens, const void* wte, const void* wpe,
                                int B, int T, int C, const int32_t* pos = nullptr) = 0;
   // dwte(V,C) += scatter(dout), dwpe(T,C) += sum_b dout (with pos: the

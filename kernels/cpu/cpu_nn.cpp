@@ -27,6 +27,12 @@ void CpuBackend::encoder_forward(void* out_, const int32_t* tokens, const void* 
   float* out = F(out_);
   const float* wte = F(wte_);
   const float* wpe = F(wpe_);
+  if (!wpe) {  // a position-free architecture (Llama): the lookup alone
+#pragma omp parallel for schedule(static)
+    for (int64_t bt = 0; bt < int64_t(B) * T; ++bt)
+      std::copy_n(wte + int64_t(tokens[bt]) * C, C, out + bt * C);
+    return;
+  }
 #pragma omp parallel for schedule(static)
   for (int64_t bt = 0; bt < int64_t(B) * T; ++bt) {
     const float* e = wte + int64_t(tokens[bt]) * C;

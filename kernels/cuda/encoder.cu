@@ -25,6 +25,10 @@ __global__ void encoder_forward_kernel(bf16* out, const int32_t* tokens, const b
       const int c = int(i % C8) * 8;
       const int t = pos ? pos[bt] : int(bt % T);
       const auto e = Pack16<bf16>::load(wte + int64_t(tokens[bt]) * C + c);
+      if (!wpe) {  // no position table (Llama): the lookup alone, bit for bit
+        e.store(out + bt * C + c);
+        continue;
+      }
       const auto p = Pack16<bf16>::load(wpe + int64_t(t) * C + c);
       Pack16<bf16> o;
 #pragma unroll
@@ -36,7 +40,8 @@ __global__ void encoder_forward_kernel(bf16* out, const int32_t* tokens, const b
       const int64_t bt = i / C;
       const int c = int(i % C);
       const int t = pos ? pos[bt] : int(bt % T);
-      out[i] = from_float<bf16>(to_float(wte[int64_t(tokens[bt]) * C + c]) + to_float(wpe[int64_t(t) * C + c]));
+      const bf16 e = wte[int64_t(tokens[bt]) * C + c];
+      out[i] = wpe ? from_float<bf16>(to_float(e) + to_float(wpe[int64_t(t) * C + c])) : e;
     }
   }
 }
@@ -206,6 +211,7 @@ void encoder_backward(float* dwte, float* dwpe, const bf16* dout, const int32_t*
     TR_CUDA_LAUNCH_CHECK("encoder_backward_wte_runs");
   };
   scatter(dwte, tokens);
+  if (!dwpe) return;  // no position table (Llama)
   if (pos) {  // document masking: many rows share a position, as tokens share a row of wte
     scatter(dwpe, pos);
     return;
