@@ -50,6 +50,7 @@ CudaBackend::CudaBackend(int device) : device_(device) {
   TR_CUDA_CHECK(cudaStreamCreateWithFlags(&compute_, cudaStreamNonBlocking));
   TR_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_, cudaStreamNonBlocking));
   alloc_ = std::make_unique<DeviceAllocator>(device);
+  alloc_->set_release_stream(compute_);  // every op runs there: a block's last use is in its order
   gemm_ = std::make_unique<Gemm>(device);
 }
 
