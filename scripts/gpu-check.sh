@@ -14,7 +14,7 @@
 #       The steps of RUN_STEPS below, in order of what we learn per second:
 #       every CUDA op against the CPU at small odd shapes; the same at wide
 #       shapes (C 4096/8192, T > 1030, HS 128, one KV head per rank); 20
-#       GPT-2 and Llama steps against the CPU's losses; GPT-2 124M and
+#       GPT-2 steps against the CPU's losses; GPT-2 124M and
 #       Llama-1B tokens/s and MFU; the kernel benches.
 #
 #   scripts/gpu-check.sh run2 [STEP...]   (a later call)
@@ -76,7 +76,7 @@ RUN_STEPS=(
   "setup|15|unpack the bundle; GPU, driver, libraries, version"
   "ops_small|110|every CUDA op vs the CPU backend at small odd shapes (test_cuda_ops, not [wide]/[train]/[docmask])"
   "ops_wide|80|the ops at C=4096/8192, T>1030, HS=128, one KV head per rank, checked against the CPU (test_cuda_ops [wide])"
-  "train_vs_cpu|80|20 GPT-2 and 20 Llama steps on CUDA vs the CPU's losses, and the 1-GPU NCCL paths (test_cuda_ops [train])"
+  "train_vs_cpu|80|20 GPT-2 steps on CUDA vs the CPU's losses, no_shard and full_shard (test_cuda_ops [train]; its 2-GPU NCCL cases skip on one GPU)"
   "gpt2_124m|75|GPT-2 124M training on one GPU: tokens/s and MFU (configs/gpt2_124m_h200.yaml)"
   "llama_1b|100|Llama-3.2-1B-shaped training on one GPU: tokens/s and MFU (configs/llama3_1b_h200.yaml)"
   "bench_kernels|60|trainrun bench kernels at GPT-2 124M's shapes (and the Llama ops at 1B's)"

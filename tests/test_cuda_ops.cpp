@@ -915,6 +915,37 @@ TEST_CASE("cuda: grouped-query attention forward and backward", "[cuda][llama]")
                     Catch::Matchers::Contains("head size 256 (head_dim)"));
 }
 
+// The shapes of wide models (scripts/gpu-check.sh step ops_wide): GEMMs at
+// C = 4096 and 8192, and grouped-query attention with HS = 128, T > 1030
+// and one KV head (what a TP rank of a 70B model holds at tp8), checked
+// against the CPU backend, not only timed. Not yet run on a GPU (2026-12-03).
+TEST_CASE("cuda: wide shapes (C 4096/8192, HS 128, T > 1030, one KV head) match the CPU backend", "[cuda][wide]") {
+  CUDA_TEST_OR_SKIP();
+  Pair p;
+  check_matmul(p, 19, 4096, 1031, true, 0, "wide ");
+  check_matmul(p, 33, 8192, 257, false, 0, "wide ");
+  struct S { int B, T; Gqa h; };
+  for (S s : {S{1, 1031, {8, 1, 128}}, S{1, 1100, {4, 1, 128}}}) {
+    const Gqa& h = s.h;
+    const std::string sh = shape({{"B", s.B}, {"T", s.T}, {"NH", h.NH}, {"NKV", h.NKV}, {"HS", h.HS}});
+    const size_t nqkv = size_t(s.B) * s.T * h.ld(), nout = size_t(s.B) * s.T * h.C();
+    Twin qkv(p, randn(nqkv, 291), true);
+    Twin out = out_twin(p, nout, true);
+    DeviceBuffer csaved(p.cpu.get(), p.cpu->attention_gqa_saved_floats(s.B, s.T, h.NH) * 4);
+    DeviceBuffer gsaved(p.gpu.get(), p.gpu->attention_gqa_saved_floats(s.B, s.T, h.NH) * 4);
+    p.cpu->attention_gqa_forward(out.c(), csaved.as<float>(), qkv.c(), s.B, s.T, h.NH, h.NKV, h.HS);
+    p.gpu->attention_gqa_forward(out.g(), gsaved.as<float>(), qkv.g(), s.B, s.T, h.NH, h.NKV, h.HS);
+    check_close("wide attention_gqa out " + sh, out.read_gpu(p), out.read_cpu(p), kAttnFwd);
+    Twin dout(p, randn(nout, 292), true);
+    Twin dqkv = out_twin(p, nqkv, true);
+    p.cpu->attention_gqa_backward(dqkv.c(), dout.c(), qkv.c(), out.c(), csaved.as<float>(), s.B, s.T, h.NH, h.NKV,
+                                  h.HS);
+    p.gpu->attention_gqa_backward(dqkv.g(), dout.g(), qkv.g(), out.g(), gsaved.as<float>(), s.B, s.T, h.NH, h.NKV,
+                                  h.HS);
+    check_close("wide attention_gqa dqkv " + sh, dqkv.read_gpu(p), dqkv.read_cpu(p), kAttnBwd);
+  }
+}
+
 // data.document_mask on the GPU against the CPU backend (itself checked
 // against per-document runs and finite differences, tests/test_document_mask.cpp):
 // attention (MHA and GQA, forward + backward), RoPE and the encoder with
@@ -1365,7 +1396,7 @@ TrainSummary train(const std::string& backend, const std::string& sharding) {
 }
 }  // namespace
 
-TEST_CASE("cuda: 20 GPT-2 steps track the CPU backend's losses", "[cuda]") {
+TEST_CASE("cuda: 20 GPT-2 steps track the CPU backend's losses", "[cuda][train]") {
   CUDA_TEST_OR_SKIP();
   const TrainSummary cpu = train("cpu", "no_shard");
   for (const char* sharding : {"no_shard", "full_shard"}) {
@@ -1382,7 +1413,7 @@ TEST_CASE("cuda: 20 GPT-2 steps track the CPU backend's losses", "[cuda]") {
   }
 }
 
-TEST_CASE("cuda: sharded runs over NCCL match the single-GPU run", "[cuda]") {
+TEST_CASE("cuda: sharded runs over NCCL match the single-GPU run", "[cuda][train]") {
   CUDA_TEST_OR_SKIP_BELOW(2);
   const TrainSummary single = train("cuda", "no_shard");
   for (const char* sharding : {"no_shard", "full_shard"}) {
@@ -1402,7 +1433,7 @@ TEST_CASE("cuda: sharded runs over NCCL match the single-GPU run", "[cuda]") {
 }
 
 TEST_CASE("cuda: pp2 over NCCL links (a stream per link, sends from the compute thread) matches the single-GPU run",
-          "[cuda][pp]") {
+          "[cuda][pp][train]") {
   CUDA_TEST_OR_SKIP_BELOW(2);
   // 4 layers, micro-batch 2: 4 microbatches per step, so the schedules
   // really overlap stages (and interleaving has 2 chunks per rank).
