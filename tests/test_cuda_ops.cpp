@@ -244,6 +244,37 @@ TEST_CASE("cuda: memory, copies and casts", "[cuda]") {
   check_close("cast fp32 -> bf16 -> fp32 (n=4099)", download_act(be, act.get(), big.size()), big, kBf16);
 }
 
+// Backend::copy_to_host_chunks (parallel.offload's gradient copies): on
+// the copy stream through two pinned 4 MiB landing buffers, after `ready`
+// (a point on the compute stream here; the offload path passes the
+// reduce-scatter's own event) or, when null, after the compute stream's
+// work so far. The chunks must hold what the compute stream wrote just
+// before: a scale() enqueued right before the copy. Not yet run on a GPU (2026-12-03).
+TEST_CASE("cuda: chunked device->host copy waits for its ready point, in order, every byte once", "[cuda][offload]") {
+  CUDA_TEST_OR_SKIP();
+  Pair p;
+  Backend* be = p.gpu.get();
+  const size_t n = (size_t(9) << 20) / 4 + 3;  // 2 whole chunks, a part, and a tail of 12 bytes
+  const Vec v = randn(n, 41);
+  for (bool with_ready : {false, true}) {
+    INFO(with_ready ? "ready: a compute-stream point" : "ready: null");
+    DeviceBuffer d = upload_f32(be, v);
+    be->scale(d.as<float>(), 2.0f, int64_t(n));  // enqueued; the copy must see it
+    const std::shared_ptr<void> ready = with_ready ? be->time_mark() : nullptr;
+    Vec got(n, 0.0f);
+    std::vector<std::pair<size_t, size_t>> calls;
+    be->copy_to_host_chunks(d.get(), n * 4, ready, [&](const void* chunk, size_t off, size_t bytes) {
+      calls.push_back({off, bytes});
+      std::memcpy(reinterpret_cast<char*>(got.data()) + off, chunk, bytes);
+    });
+    size_t bad = 0;
+    for (size_t i = 0; i < n; ++i) bad += got[i] != 2.0f * v[i];
+    CHECK(bad == 0);
+    const size_t mib4 = size_t(4) << 20;
+    CHECK(calls == std::vector<std::pair<size_t, size_t>>{{0, mib4}, {mib4, mib4}, {2 * mib4, n * 4 - 2 * mib4}});
+  }
+}
+
 TEST_CASE("cuda: encoder forward and backward", "[cuda]") {
   CUDA_TEST_OR_SKIP();
   Pair p;
@@ -913,6 +944,57 @@ TEST_CASE("cuda: grouped-query attention forward and backward", "[cuda][llama]")
   // A head size above the supported 128 is a clear error, not a wrong answer.
   CHECK_THROWS_WITH(p.gpu->attention_gqa_forward(o.get(), l.as<float>(), q.get(), 1, 1, 2, 1, 256),
                     Catch::Matchers::Contains("head size 256 (head_dim)"));
+}
+
+// The dk/dv kernel's query splits (attention.cuh): each key tile's (query
+// head, query tile) list cut into S runs on S blocks, fp32 partials summed
+// in a fixed order. Forced through TRAINRUN_CUDA_ATTN_DKV_SPLITS (read by
+// the backend's constructor): S = 2, 3 and 7 against the CPU backend, bit
+// for bit across runs, dq untouched (its kernel does not change), and dk/dv
+// within a bf16 rounding of S = 1; splits larger than a tile's list leave
+// blocks with no pairs, which must write zero partials. Not yet run on a
+// GPU (2026-12-03).
+TEST_CASE("cuda: attention dk/dv split over query ranges matches the CPU and is deterministic", "[cuda][llama]") {
+  CUDA_TEST_OR_SKIP();
+  struct S { int B, T; Gqa h; };
+  for (S s : {S{1, 200, {4, 1, 128}}, S{2, 130, {8, 2, 64}}, S{1, 70, {6, 6, 19}}}) {
+    const Gqa& h = s.h;
+    const std::string sh = shape({{"B", s.B}, {"T", s.T}, {"NH", h.NH}, {"NKV", h.NKV}, {"HS", h.HS}});
+    const size_t nqkv = size_t(s.B) * s.T * h.ld(), nout = size_t(s.B) * s.T * h.C();
+    Vec ref_dq, ref_dkv;
+    for (int splits : {1, 2, 3, 7}) {
+      ::setenv("TRAINRUN_CUDA_ATTN_DKV_SPLITS", std::to_string(splits).c_str(), 1);
+      Pair p;
+      ::unsetenv("TRAINRUN_CUDA_ATTN_DKV_SPLITS");
+      Twin qkv(p, randn(nqkv, 391), true);
+      Twin out = out_twin(p, nout, true);
+      DeviceBuffer csaved(p.cpu.get(), p.cpu->attention_gqa_saved_floats(s.B, s.T, h.NH) * 4);
+      DeviceBuffer gsaved(p.gpu.get(), p.gpu->attention_gqa_saved_floats(s.B, s.T, h.NH) * 4);
+      p.cpu->attention_gqa_forward(out.c(), csaved.as<float>(), qkv.c(), s.B, s.T, h.NH, h.NKV, h.HS);
+      p.gpu->attention_gqa_forward(out.g(), gsaved.as<float>(), qkv.g(), s.B, s.T, h.NH, h.NKV, h.HS);
+      Twin dout(p, randn(nout, 392), true);
+      Twin dqkv = out_twin(p, nqkv, true);
+      p.cpu->attention_gqa_backward(dqkv.c(), dout.c(), qkv.c(), out.c(), csaved.as<float>(), s.B, s.T, h.NH, h.NKV,
+                                    h.HS);
+      p.gpu->attention_gqa_backward(dqkv.g(), dout.g(), qkv.g(), out.g(), gsaved.as<float>(), s.B, s.T, h.NH, h.NKV,
+                                    h.HS);
+      const Vec dg = dqkv.read_gpu(p), dc = dqkv.read_cpu(p);
+      const std::string tag = sh + " splits " + std::to_string(splits);
+      check_close("attention_gqa dqkv " + tag, dg, dc, kAttnBwd);
+      const Vec dq = columns(dg, h.ld(), 0, h.C()), dkv = columns(dg, h.ld(), h.C(), 2 * h.KV());
+      Twin again = out_twin(p, nqkv, true);
+      p.gpu->attention_gqa_backward(again.g(), dout.g(), qkv.g(), out.g(), gsaved.as<float>(), s.B, s.T, h.NH, h.NKV,
+                                    h.HS);
+      CHECK(same_bits(again.read_gpu(p), dg));
+      if (splits == 1) {
+        ref_dq = dq;
+        ref_dkv = dkv;
+      } else {
+        CHECK(same_bits(dq, ref_dq));
+        check_close("dk|dv split vs unsplit " + tag, dkv, ref_dkv, kBf16);
+      }
+    }
+  }
 }
 
 // The shapes of wide models (scripts/gpu-check.sh step ops_wide): GEMMs at

@@ -78,6 +78,11 @@ class RecordingCommunicator final : public ForwardingCommunicator {
     note("send", bytes);
     return inner_->send_deferred(buf, bytes, to, tag, after);
   }
+  std::unique_ptr<PendingCollective> recv_deferred(void* buf, size_t bytes, int from, uint32_t tag,
+                                                   const std::shared_ptr<void>& after) override {
+    note("recv", bytes);
+    return inner_->recv_deferred(buf, bytes, from, tag, after);
+  }
 
  private:
   void note(const char* op, uint64_t bytes) {

@@ -38,6 +38,11 @@ class PendingCollective {
   // Ops enqueued on the compute stream from now on run after the
   // collective. Call it before reading the result or handing its buffer on.
   virtual void order_compute_after() = 0;
+  // A point after the collective's completion that another stream (a
+  // backend's copy, Backend::copy_to_host_chunks) can wait on without the
+  // compute stream (NCCL: the event recorded after it). Null: none; order
+  // on the compute stream (order_compute_after) instead.
+  virtual std::shared_ptr<void> ready_point() const { return nullptr; }
 };
 
 class Communicator {
@@ -127,6 +132,18 @@ class Communicator {
                                                            const std::shared_ptr<void>& after = nullptr) {
     (void)after;
     send(buf, bytes, to, tag);
+    return nullptr;
+  }
+  // A receive posted ahead of its use (a pipeline stage's next input, once
+  // the slot's last reader is enqueued): it writes `buf` after `after` (a
+  // compute_point(); null: everything enqueued on the compute stream so
+  // far), and the compute stream waits for it only at the handle's
+  // order_compute_after(); until then the compute stream must not touch
+  // `buf`. Null handle: it already completed (the default receives here).
+  virtual std::unique_ptr<PendingCollective> recv_deferred(void* buf, size_t bytes, int from, uint32_t tag = 0,
+                                                           const std::shared_ptr<void>& after = nullptr) {
+    (void)after;
+    recv(buf, bytes, from, tag);
     return nullptr;
   }
   // What the next calls are for, in the caller's words ("pipeline (step 3):

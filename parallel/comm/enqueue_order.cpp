@@ -117,6 +117,11 @@ class OrderedCommunicator final : public ForwardingCommunicator {
     EnqueueOrder::Turn t(order_);
     return inner_->send_deferred(buf, bytes, to, tag, after);
   }
+  std::unique_ptr<PendingCollective> recv_deferred(void* buf, size_t bytes, int from, uint32_t tag,
+                                                   const std::shared_ptr<void>& after) override {
+    EnqueueOrder::Turn t(order_);
+    return inner_->recv_deferred(buf, bytes, from, tag, after);
+  }
 
  private:
   EnqueueOrder* order_;

@@ -52,6 +52,10 @@ class ForwardingCommunicator : public Communicator {
                                                    const std::shared_ptr<void>& after) override {
     return inner_->send_deferred(buf, bytes, to, tag, after);
   }
+  std::unique_ptr<PendingCollective> recv_deferred(void* buf, size_t bytes, int from, uint32_t tag,
+                                                   const std::shared_ptr<void>& after) override {
+    return inner_->recv_deferred(buf, bytes, from, tag, after);
+  }
   void set_op_label(const std::string& label) override {
     op_label_ = label;
     inner_->set_op_label(label);

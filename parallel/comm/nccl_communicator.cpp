@@ -103,25 +103,26 @@ ncclRedOp_t nccl_op(ReduceOp op) {
   return ncclSum;
 }
 
-// The compute stream's wait for one deferred collective (its own event).
+// The compute stream's wait for one deferred collective (its own event,
+// recorded after the collective on the communicator's stream). The event
+// is shared: ready_point() hands it to another stream's wait (offload's
+// copy stream), and it is destroyed with its last holder; a wait already
+// enqueued on it stays valid (CUDA releases it once the GPU has passed).
 class DeferredWait final : public PendingCollective {
  public:
-  DeferredWait(CudaBackend* be, cudaEvent_t ev) : be_(be), ev_(ev) {}
-  ~DeferredWait() override {
-    // Never waited for (an error path): the event goes when the GPU is done.
-    if (ev_) cudaEventDestroy(ev_);
-  }
+  DeferredWait(CudaBackend* be, cudaEvent_t ev)
+      : be_(be), ev_(ev, [](void* e) { cudaEventDestroy(static_cast<cudaEvent_t>(e)); }) {}
   void order_compute_after() override {
     if (!ev_) return;
     be_->make_current();
-    TR_CUDA_CHECK(cudaStreamWaitEvent(be_->compute_stream(), ev_, 0));
-    cudaEventDestroy(ev_);  // released once the GPU has passed it
-    ev_ = nullptr;
+    TR_CUDA_CHECK(cudaStreamWaitEvent(be_->compute_stream(), static_cast<cudaEvent_t>(ev_.get()), 0));
+    ev_.reset();
   }
+  std::shared_ptr<void> ready_point() const override { return ev_; }
 
  private:
   CudaBackend* be_;
-  cudaEvent_t ev_;
+  std::shared_ptr<void> ev_;
 };
 
 class NcclCommunicator final : public Communicator {
@@ -406,6 +407,27 @@ class NcclCommunicator final : public Communicator {
     TR_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
     auto pending = std::make_unique<DeferredWait>(be_, ev);
     run(what, [&] { return ncclSend(buf, bytes, ncclInt8, to, comm_, stream()); }, false, ev,
+        static_cast<cudaEvent_t>(after.get()));
+    return pending;
+  }
+
+  // A receive posted ahead of its use (the pipeline's early receives):
+  // like send_deferred, on this communicator's stream after `after`; the
+  // compute stream waits for it at the handle's order_compute_after().
+  std::unique_ptr<PendingCollective> recv_deferred(void* buf, size_t bytes, int from, uint32_t tag,
+                                                   const std::shared_ptr<void>& after) override {
+    const char* what = "recv";
+    be_->make_current();  // before is_device_pointer: see all_gather_deferred
+    if (!stream_ordered() || bytes == 0 || from == rank_ || !is_device_pointer(buf)) {
+      recv(buf, bytes, from, tag);
+      return nullptr;
+    }
+    check_usable(what);
+    TR_CHECK(from >= 0 && from < world_, where(what), ": peer ", from, " is not a rank of a group of ", world_);
+    cudaEvent_t ev = nullptr;
+    TR_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+    auto pending = std::make_unique<DeferredWait>(be_, ev);
+    run(what, [&] { return ncclRecv(buf, bytes, ncclInt8, from, comm_, stream()); }, false, ev,
         static_cast<cudaEvent_t>(after.get()));
     return pending;
   }

@@ -515,9 +515,12 @@ class ShardedStore final : public ParamStore {
   void finish_reduce() {
     PendingReduce& p = pending_reduce_;
     if (!p.full) return;
+    // Offload's copy waits for the reduce-scatter itself (its ready point),
+    // not for the compute stream, which has queued later units' backward.
+    const std::shared_ptr<void> ready = p.op ? p.op->ready_point() : nullptr;
     if (p.op) p.op->order_compute_after();
     if (p.shard) be_->accumulate(p.shard, p.tmp, p.S);
-    else host_->add_grad_from_device(p.shard_off, p.tmp, p.S);  // offload: device -> host, added there
+    else host_->add_grad_from_device(p.shard_off, p.tmp, p.S, ready);  // offload: device -> host, added there
     // Back to the pool once every use is enqueued on the compute stream: a
     // later user enqueues there after it, or (a deferred collective) starts
     // after a compute_point() taken after getting the block.
