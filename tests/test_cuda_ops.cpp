@@ -257,7 +257,7 @@ TEST_CASE("cuda: chunked device->host copy waits for its ready point, in order, 
   const size_t n = (size_t(9) << 20) / 4 + 3;  // 2 whole chunks, a part, and a tail of 12 bytes
   const Vec v = randn(n, 41);
   for (bool with_ready : {false, true}) {
-    INFO(with_ready ? "ready: a compute-stream point" : "ready: null");
+    INFO((with_ready ? "ready: a compute-stream point" : "ready: null"));
     DeviceBuffer d = upload_f32(be, v);
     be->scale(d.as<float>(), 2.0f, int64_t(n));  // enqueued; the copy must see it
     const std::shared_ptr<void> ready = with_ready ? be->time_mark() : nullptr;
@@ -526,7 +526,7 @@ TEST_CASE("cuda: matmul backward with OC = 0 (an all-padding vocab shard) zeroes
       p.gpu->matmul_backward_dgelu(dinp.g(), dw.gf(), db.gf(), dout.g(), x.g(), w.g(), x.g(), N, C, 0);
     else
       p.gpu->matmul_backward(dinp.g(), dw.gf(), db.gf(), dout.g(), x.g(), w.g(), N, C, 0);
-    INFO(gelu ? "matmul_backward_dgelu" : "matmul_backward");
+    INFO((gelu ? "matmul_backward_dgelu" : "matmul_backward"));
     CHECK(dinp.read_gpu(p) == Vec(size_t(N) * C, 0.0f));
     CHECK(dw.read_gpu(p) == Vec{3.0f});
     CHECK(db.read_gpu(p) == Vec{4.0f});

@@ -18,7 +18,7 @@ namespace {
 // A stub trainrun: training runs print a throughput line, except the
 // Llama-1B one, which hangs (and records a TERM if it gets one); `bench
 // kernels` hangs ignoring TERM when STUB_BENCH_HANGS is set.
-const char* kStubTrainrun = R"(#!/usr/bin/env bash
+const char* kStubTrainrun = R"SH(#!/usr/bin/env bash
 for a in "$@"; do
   case "$a" in
     *llama3_1b*)
@@ -32,10 +32,10 @@ if [[ "$1" == bench && -n "${STUB_BENCH_HANGS:-}" ]]; then
 fi
 [[ "$1" == --version ]] && { echo "trainrun stub"; exit 0; }
 echo "step 30/30 | loss 3.1 | 1234.5 tok/s"
-)";
-const char* kStubTests = R"(#!/usr/bin/env bash
+)SH";
+const char* kStubTests = R"SH(#!/usr/bin/env bash
 echo "All tests passed (7 assertions in 3 test cases)"
-)";
+)SH";
 
 struct Call {
   RunResult r;

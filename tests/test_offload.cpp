@@ -554,7 +554,7 @@ TEST_CASE("offload: the chunked device->host copy hands over every byte once, in
   DeviceBuffer dev(be.get(), bytes);
   be->copy_to_device(dev.get(), src.data(), bytes);
   for (bool base : {true, false}) {
-    INFO(base ? "Backend's default" : "the CPU backend's");
+    INFO((base ? "Backend's default" : "the CPU backend's"));
     std::vector<unsigned char> got(bytes, 0);
     std::vector<std::pair<size_t, size_t>> calls;
     auto sink = [&](const void* chunk, size_t off, size_t n) {
