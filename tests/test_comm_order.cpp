@@ -63,9 +63,13 @@ TEST_CASE("enqueue order: a dropped task gives its turn back (no later call wait
   {
     CommWorker worker;
     worker.set_order(&order);
-    std::promise<void> gate;
+    std::promise<void> gate, started;
     std::shared_future<void> open = gate.get_future().share();
-    auto first = worker.submit([open] { open.wait(); });
+    auto first = worker.submit([open, &started] {
+      started.set_value();
+      open.wait();
+    });
+    started.get_future().wait();  // running, so cancel_pending drops only the second
     worker.submit([&] { ran = true; });  // queued behind `first`, dropped below
     worker.cancel_pending();
     gate.set_value();
