@@ -41,11 +41,14 @@
 // throws "<op>: not implemented by the <name()> backend", so a backend that
 // has not caught up yet still builds and fails only when a model needs them.
 #pragma once
+#include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "core/common/error.h"
 
@@ -80,6 +83,19 @@ class Backend {
   virtual bool wants_pinned_host() const { return false; }
   virtual bool pin_host(void* p, size_t bytes) { return false; }
   virtual void unpin_host(void* p) {}
+  // Device -> host in chunks without a host wait on the compute stream
+  // (parallel.offload's gradients, read on the store's comm thread while the
+  // compute stream runs the backward of earlier units). `src` is read once
+  // `ready` has passed: a backend point (Communicator::compute_point,
+  // PendingCollective::ready_point; null: everything enqueued on the
+  // compute stream so far). Each chunk goes to consume(chunk, offset, bytes)
+  // on the calling thread, in order; `chunk` is the backend's memory, valid
+  // during the call only. Returns when the last chunk is consumed. CUDA:
+  // pinned landing buffers and a copy stream of its own; the default (and
+  // the CPU's, whose device memory is host memory) needs no landing.
+  using HostChunkSink = std::function<void(const void* chunk, size_t offset, size_t bytes)>;
+  virtual void copy_to_host_chunks(const void* src, size_t bytes, const std::shared_ptr<void>& ready,
+                                   const HostChunkSink& consume);
 
   // ---- timing on the compute stream (the pipeline's measured bubble) -------
   // A point in the compute stream's order, stamped with the time the stream
@@ -105,6 +121,8 @@ class Backend {
 
   // ---- embedding: out(B,T,C) = wte[tokens] + wpe[t] -----------------------
   // With pos (document masking, above): wpe[pos[b,t]] instead of wpe[t].
+  // wpe null: no position table (Llama and the other RoPE families): out =
+  // wte[tokens], and encoder_backward's dwpe is null too.
   virtual void encoder_forward(void* out, const int32_t* tokens, const void* wte, const void* wpe,
                                int B, int T, int C, const int32_t* pos = nullptr) = 0;
   // dwte(V,C) += scatter(dout), dwpe(T,C) += sum_b dout (with pos: the
@@ -409,5 +427,17 @@ class DeviceBuffer {
   size_t bytes_ = 0;
   void* p_ = nullptr;
 };
+
+inline void Backend::copy_to_host_chunks(const void* src, size_t bytes, const std::shared_ptr<void>& ready,
+                                         const HostChunkSink& consume) {
+  (void)ready;  // copy_to_host runs after everything enqueued so far
+  constexpr size_t kChunk = size_t(4) << 20;
+  std::vector<unsigned char> landing(std::min(bytes, kChunk));
+  for (size_t off = 0; off < bytes; off += kChunk) {
+    const size_t n = std::min(kChunk, bytes - off);
+    copy_to_host(landing.data(), static_cast<const unsigned char*>(src) + off, n);
+    consume(landing.data(), off, n);
+  }
+}
 
 }  // namespace trainrun

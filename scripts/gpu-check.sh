@@ -1,56 +1,64 @@
 #!/usr/bin/env bash
-# The one GPU check of the CUDA backend, in two halves:
+# The GPU check of the CUDA backend. A GPU is lent for ~15 minutes of device
+# time in calls of at most 600 s, so one call of `run` is planned to learn
+# the most per second and to lose nothing when it is cut short:
 #
 #   scripts/gpu-check.sh bundle
 #       On a build machine with the CUDA toolkit (no GPU needed): builds
 #       build-cuda (trainrun, libtrainrun_cuda.so, test_cuda_ops) and packs
-#       them, with the non-system shared libraries they need (OpenBLAS,
-#       yaml-cpp, Gloo, ...), into build-gpu-bundle/bundle.tar.xz
-#       (git-ignored: /build*/). cuBLASLt, NCCL and cuDNN are NOT packed: the
-#       GPU machine has them in its Python nvidia-* wheels.
+#       them, with the non-system shared libraries they need, into
+#       build-gpu-bundle/bundle.tar.xz (git-ignored). cuBLASLt, NCCL and cuDNN
+#       are NOT packed: the GPU machine has them in its nvidia-* wheels.
 #
-#   scripts/gpu-check.sh run          (the default)
-#       On the GPU machine, using only the carried bundle (no network, no
-#       installs, no build), within ~8 minutes on an H100/H200:
-#         1. the CUDA tests (tests/test_cuda_ops.cpp: every kernel against the
-#            CPU backend, the GEMM epilogues, NCCL, 20 training steps vs CPU);
-#         2. `trainrun bench kernels`: each kernel's GB/s or TFLOP/s next to
-#            the card's measured copy bandwidth and cuBLASLt GEMM rate, at
-#            GPT-2 124M's shapes, then again at C = 4096 and 8192 (wide
-#            models: TRAINRUN_BENCH_C, HS 128, B=4; GPU_CHECK_WIDE=0 skips
-#            these two);
-#         3. torch's SDPA (flash / cuDNN) at the same attention shape, the
-#            reference for the attention target;
-#         4. GPT-2 124M training on one GPU (configs/gpt2_124m_h200.yaml):
-#            tokens/s and MFU = tokens/s x (6N + 12 L C T) / peak;
-#         5. Llama-3.2-1B-shaped training on one GPU
-#            (configs/llama3_1b_h200.yaml: L16 C2048 NH32 NKV8 F8192 V128256,
-#            tied, rope llama3, bf16, B=16 x T=2048): tokens/s and MFU with
-#            the FLOPs per token the run itself prints (the model's
-#            6N + 12 L C T); GPU_CHECK_LLAMA=0 skips it;
-#       then prints a short table. Logs go to $OUT (device tool) or
-#       build-gpu-bundle/out.
+#   scripts/gpu-check.sh run          (the default; the first call)
+#       The steps of RUN_STEPS below, in order of what we learn per second:
+#       every CUDA op against the CPU at small odd shapes; the same at wide
+#       shapes (C 4096/8192, T > 1030, HS 128, one KV head per rank); 20
+#       GPT-2 steps against the CPU's losses; GPT-2 124M and
+#       Llama-1B tokens/s and MFU; the kernel benches.
 #
-#   scripts/gpu-check.sh wide
-#       Only the two wide `bench kernels` runs of step 2 (a short device call).
+#   scripts/gpu-check.sh run2 [STEP...]   (a later call)
+#       RUN2_STEPS: offload, `generate` on CUDA, document-masked attention,
+#       the wide kernel benches and torch's SDPA reference; or the named
+#       steps (of either list: what a first call did not finish, as its
+#       summary.txt says).
 #
-#   scripts/gpu-check.sh llama
-#       Only step 5, the Llama-3.2-1B-shaped training run (its log; the MFU
-#       line is in `run`'s summary).
+#   scripts/gpu-check.sh --dry-run [run|run2]
+#       Prints the steps, their caps and the total; exits 0 only when the
+#       total fits one call (<= GPU_CHECK_BUDGET_S, 540 s by default).
+#
+# Time: one global deadline, GPU_CHECK_BUDGET_S (540 s: 60 s under the
+# device call's 600 s for the transfers) from the start. Every step runs
+# under `timeout -k KILL_S CAP` with CAP = min(its cap, the time left before
+# the deadline less KILL_S), and a step with under GPU_CHECK_MIN_STEP_S left
+# is skipped, so the call ends by the deadline whatever hangs. Training runs
+# get SIGKILL at their cap (timeout -s KILL), never SIGTERM: trainrun takes
+# a TERM as a preemption and writes a checkpoint (15 GB for Llama-1B); its
+# worker dies with it (PR_SET_PDEATHSIG). After each step one line goes to
+# $OUT/summary.txt (step, PASS/FAIL/TIMEOUT/SKIPPED, rc, seconds, the
+# result), so a call that is cut short still says what it found.
+#
+# Environment (tests/test_gpu_check.cpp runs the script in seconds with these):
+#   GPU_CHECK_BUDGET_S  the deadline (default 540)
+#   GPU_CHECK_KILL_S    timeout -k grace (default 10)
+#   GPU_CHECK_CAP_S     every step's cap (default: each its own, below)
+#   GPU_CHECK_MIN_STEP_S  the least time worth starting a step (default 5)
+#   GPU_CHECK_BIN       a directory with trainrun and test_cuda_ops to use
+#                       instead of unpacking the bundle (tests: stubs)
 #
 # With the device tool: carry ["build-gpu-bundle"], timeout_s 580, command
 #   bash scripts/gpu-check.sh run
-# Record what it prints in docs/gpu-results.md.
+# Record what summary.txt says in docs/gpu-results.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
-MODE="${1:-run}"
 BUNDLE_DIR="$ROOT/build-gpu-bundle"
 
 # The checked-out commit, read from .git without running git ("unknown" if
 # this is not a plain checkout). Uncommitted changes are not reflected.
 commit_id() {
   local head ref
+  git -C "$ROOT" rev-parse --short=12 HEAD 2>/dev/null && return
   head=$(cat "$ROOT/.git/HEAD" 2>/dev/null) || { echo unknown; return; }
   if [[ $head == ref:* ]]; then
     ref=${head#ref: }
@@ -59,6 +67,57 @@ commit_id() {
   else
     echo "${head:0:12}"
   fi
+}
+
+# ---- the steps: name|cap in seconds|what it tells us ---------------------------------
+# The sum of a list's caps plus one KILL_S must stay <= 540 (--dry-run checks;
+# so does tests/test_gpu_check.cpp).
+RUN_STEPS=(
+  "setup|15|unpack the bundle; GPU, driver, libraries, version"
+  "ops_small|110|every CUDA op vs the CPU backend at small odd shapes (test_cuda_ops, not [wide]/[train]/[docmask])"
+  "ops_wide|80|the ops at C=4096/8192, T>1030, HS=128, one KV head per rank, checked against the CPU (test_cuda_ops [wide])"
+  "train_vs_cpu|80|20 GPT-2 steps on CUDA vs the CPU's losses, no_shard and full_shard (test_cuda_ops [train]; its 2-GPU NCCL cases skip on one GPU)"
+  "gpt2_124m|75|GPT-2 124M training on one GPU: tokens/s and MFU (configs/gpt2_124m_h200.yaml)"
+  "llama_1b|100|Llama-3.2-1B-shaped training on one GPU: tokens/s and MFU (configs/llama3_1b_h200.yaml)"
+  "bench_kernels|60|trainrun bench kernels at GPT-2 124M's shapes (and the Llama ops at 1B's)"
+)
+RUN2_STEPS=(
+  "setup|15|unpack the bundle; GPU, driver, libraries, version"
+  "offload|90|GPT-2 124M with parallel.offload=cpu (full_shard): tokens/s, pinned chunked gradient copies"
+  "generate|60|a tiny run on CUDA, then trainrun generate from its weights"
+  "docmask|60|document-masked attention, RoPE and encoder vs the CPU (test_cuda_ops [docmask])"
+  "bench_wide|130|trainrun bench kernels at C=4096 and 8192"
+  "torch_ref|60|torch SDPA (flash, cuDNN) and bf16 matmul: the references for the kernel targets"
+)
+
+BUDGET_S="${GPU_CHECK_BUDGET_S:-540}"
+KILL_S="${GPU_CHECK_KILL_S:-10}"
+MIN_STEP_S="${GPU_CHECK_MIN_STEP_S:-5}"
+OUTDIR="${OUT:-$BUNDLE_DIR/out}"  # git-ignored (/build*/)
+WORK="${TMPDIR:-/tmp}/trainrun-gpu-check"
+B="$WORK/b"  # the unpacked bundle (bin/, lib/), or GPU_CHECK_BIN's stand-ins
+
+step_field() { local IFS='|'; read -r -a f <<< "$1"; echo "${f[$2]}"; }
+find_step() {
+  local s
+  for s in "${RUN_STEPS[@]}" "${RUN2_STEPS[@]}"; do
+    [[ "$(step_field "$s" 0)" == "$1" ]] && { echo "$s"; return 0; }
+  done
+  return 1
+}
+cap_of() { if [[ -n "${GPU_CHECK_CAP_S:-}" ]]; then echo "$GPU_CHECK_CAP_S"; else step_field "$1" 1; fi; }
+
+dry_run() {
+  local -a list=("$@") ; local total=0 s
+  printf '%-14s %6s  %s\n' step cap_s what
+  for s in "${list[@]}"; do
+    printf '%-14s %6s  %s\n' "$(step_field "$s" 0)" "$(cap_of "$s")" "$(step_field "$s" 2)"
+    total=$((total + $(cap_of "$s")))
+  done
+  total=$((total + KILL_S))
+  local limit=$((BUDGET_S < 540 ? BUDGET_S : 540))
+  printf 'total %d s (the caps + one timeout -k grace of %d s); one call allows %d s\n' "$total" "$KILL_S" "$limit"
+  ((total <= limit))
 }
 
 # ---------------------------------------------------------------------------------
@@ -91,12 +150,6 @@ bundle() {
   echo "gpu-check bundle: done; carry build-gpu-bundle and run: bash scripts/gpu-check.sh run"
 }
 
-# ---------------------------------------------------------------------------------
-OUTDIR="${OUT:-$BUNDLE_DIR/out}"  # git-ignored (/build*/)
-WORK="${TMPDIR:-/tmp}/trainrun-gpu-check"
-
-say() { printf '%s\n' "$*" | tee -a "$OUTDIR/summary.txt"; }
-
 # Directories of the CUDA libraries in python3's nvidia-* wheels.
 nvidia_wheel_libdirs() {
   python3 - <<'PY' 2>/dev/null
@@ -123,68 +176,177 @@ unpack() {
     return 2
   fi
   rm -rf "$WORK/b" && mkdir -p "$WORK/b"
-  tar -C "$WORK/b" -xJf "$BUNDLE_DIR/bundle.tar.xz" 2>/dev/null ||
-    python3 -c "import tarfile,sys; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" "$BUNDLE_DIR/bundle.tar.xz" "$WORK/b" ||
+  timeout -k "$KILL_S" "$STEP_CAP" tar -C "$WORK/b" -xJf "$BUNDLE_DIR/bundle.tar.xz" 2>/dev/null ||
+    timeout -k "$KILL_S" "$STEP_CAP" python3 -c "import tarfile,sys; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" "$BUNDLE_DIR/bundle.tar.xz" "$WORK/b" ||
     { echo "gpu-check: cannot unpack the bundle" >&2; return 2; }
   local NV
-  NV=$(nvidia_wheel_libdirs)
+  NV=$(timeout -k "$KILL_S" 20 bash -c "$(declare -f nvidia_wheel_libdirs); nvidia_wheel_libdirs")
   export LD_LIBRARY_PATH="$WORK/b/lib${NV:+:$NV}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   # The build machine's libstdc++ only if the GPU machine's is too old for the binaries.
-  if ! "$WORK/b/bin/trainrun" --help >/dev/null 2>&1; then export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$WORK/b/lib/fallback"; fi
+  if ! timeout -k "$KILL_S" 20 "$WORK/b/bin/trainrun" --help >/dev/null 2>&1; then export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$WORK/b/lib/fallback"; fi
 }
 
-# `bench kernels` at the wide-model widths (kernels/cuda/cuda_bench.cu:
-# TRAINRUN_BENCH_C): LayerNorm's shared-memory plans, the embedding backward
-# and the GEMMs where C = 4096 / 8192 take them. Fewer repeats than the
-# 124M table, to stay inside the device call's time.
-bench_wide() {
-  local c
-  for c in 4096 8192; do
-    echo; echo "== bench kernels at C=$c (TRAINRUN_BENCH_C=$c)"
-    TRAINRUN_BENCH_C=$c timeout 60 "$WORK/b/bin/trainrun" bench kernels --repeats 10 2>&1 | tee "$OUTDIR/bench_kernels_c$c.txt"
-  done
+
+# ---- running steps under the deadline ------------------------------------------------
+T0=$SECONDS
+summary() { printf '%s\n' "$*" >> "$OUTDIR/summary.txt"; printf '%s\n' "$*"; }
+left() { echo $((BUDGET_S - (SECONDS - T0))); }
+# The cap a step may have now: its own, or what is left before the deadline
+# less the kill grace. 0: not worth starting.
+cap_now() {
+  local cap=$1 room
+  room=$(( $(left) - KILL_S ))
+  ((room < cap)) && cap=$room
+  ((room < MIN_STEP_S)) && cap=0
+  echo "$cap"
+}
+# Runs `cmd...` under the step's cap: TERM at the cap, KILL KILL_S later.
+# `kill_at_cap`: SIGKILL at the cap (training runs: no preemption checkpoint).
+STEP_CAP=0
+t_run() { timeout -k "$KILL_S" "$STEP_CAP" "$@"; }
+t_train() { timeout -s KILL -k "$KILL_S" "$STEP_CAP" "$@"; }
+
+# rc 124 (TERM at the cap) and 137 (KILL) are TIMEOUT.
+verdict() { case "$1" in 0) echo PASS ;; 124|137) echo TIMEOUT ;; *) echo FAIL ;; esac; }
+
+run_step() {
+  local spec=$1 name cap t rc note
+  name=$(step_field "$spec" 0)
+  cap=$(cap_now "$(cap_of "$spec")")
+  if ((cap <= 0)); then
+    summary "$(printf '%-14s SKIPPED  the deadline (%s s) leaves %s s' "$name" "$BUDGET_S" "$(left)")"
+    return 0
+  fi
+  STEP_CAP=$cap
+  t=$SECONDS
+  NOTE=""
+  "step_$name" > "$OUTDIR/$name.log" 2>&1
+  rc=$?
+  summary "$(printf '%-14s %-8s rc=%-3s %4d s (cap %d)  %s' "$name" "$(verdict $rc)" "$rc" $((SECONDS - t)) "$cap" "$NOTE")"
+  return 0
 }
 
-wide() {
-  mkdir -p "$OUTDIR" "$WORK"
-  unpack || return $?
-  bench_wide
-}
-
-run() {
+run_list() {
   mkdir -p "$OUTDIR" "$WORK"
   : > "$OUTDIR/summary.txt"
-  local t_start=$SECONDS
+  summary "== gpu-check $MODE $(date -u +%Y-%m-%dT%H:%MZ), checkout $(commit_id), budget ${BUDGET_S} s"
+  local s
+  for s in "$@"; do run_step "$s"; done
+  summary "== gpu-check $MODE done in $((SECONDS - T0)) s (logs: $OUTDIR)"
+  ! grep -qE " (FAIL|TIMEOUT) " "$OUTDIR/summary.txt"
+}
+
+# ---- the steps -----------------------------------------------------------------------
+# Each writes its log to stdout (run_step sends it to $OUTDIR/<step>.log)
+# and may set NOTE, the rest of its summary line.
+
+step_setup() {
+  if [[ -n "${GPU_CHECK_BIN:-}" ]]; then
+    mkdir -p "$B/bin" && cp "$GPU_CHECK_BIN"/* "$B/bin/"
+    echo "gpu-check: GPU_CHECK_BIN=$GPU_CHECK_BIN (stand-ins, no bundle)"
+    NOTE="binaries from GPU_CHECK_BIN"
+    return 0
+  fi
   unpack || return $?
-  local B="$WORK/b"
-  local missing
-  missing=$(ldd "$B/bin/trainrun" "$B/bin/libtrainrun_cuda.so" "$B/bin/test_cuda_ops" 2>&1 | grep "not found" | sort -u)
-  {
-    echo "== gpu-check $(date -u +%Y-%m-%dT%H:%MZ), bundle commit $(cat "$B/COMMIT"), built $(cat "$B/BUILT")"
-    # The bundle carries binaries; the checkout carries configs and the
-    # commit to record. Say so when they differ (a stale bundle).
-    [[ "$(cat "$B/COMMIT")" != "$(commit_id)" ]] &&
-      echo "WARNING: the bundle was built from $(cat "$B/COMMIT") but this checkout is $(commit_id); rebuild it (scripts/gpu-check.sh bundle) before recording results"
-    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>&1 | head -2
-    echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
-    [[ -n "$missing" ]] && echo "MISSING LIBRARIES:" && echo "$missing"
-    "$B/bin/trainrun" --version
-  } 2>&1 | tee "$OUTDIR/env.txt"
-  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"
+  echo "bundle commit $(cat "$B/COMMIT"), built $(cat "$B/BUILT")"
+  [[ "$(cat "$B/COMMIT")" != "$(commit_id)" ]] &&
+    echo "WARNING: the bundle was built from $(cat "$B/COMMIT") but this checkout is $(commit_id); rebuild it"
+  t_run nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>&1 | head -2
+  echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+  ldd "$B/bin/trainrun" "$B/bin/libtrainrun_cuda.so" "$B/bin/test_cuda_ops" 2>&1 | grep "not found" | sort -u
+  t_run "$B/bin/trainrun" --version
+  local rc=$?
+  NOTE="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1), bundle $(cat "$B/COMMIT")"
+  return $rc
+}
 
-  # 1. CUDA tests -------------------------------------------------------------------
-  echo; echo "== 1/5 CUDA tests"
-  (cd "$WORK" && timeout 150 "$B/bin/test_cuda_ops" -d yes 2>&1) | tee "$OUTDIR/cuda_tests.log" | grep -iE "rel err|rel diff|FAILED|skipped|passed|error" | tail -120
-  local test_rc=${PIPESTATUS[0]}
+# test_cuda_ops with a Catch2 filter; NOTE: its totals line.
+cuda_tests() {
+  (cd "$WORK" && t_run "$B/bin/test_cuda_ops" -d yes "$@" 2>&1)
+  local rc=${PIPESTATUS[0]}
+  return "$rc"
+}
+tests_note() {
+  local log="$OUTDIR/$1.log"
+  if grep -q "SKIPPED: no usable GPU" "$log"; then echo "SKIPPED: no usable GPU"; return; fi
+  grep -E "test cases|All tests passed" "$log" | tail -1
+  grep -E "FAILED|rel err .*e\+|inf \(tol" "$log" | head -3 | tr -s ' \n' ' '
+}
+step_ops_small() { cuda_tests "~[wide]~[train]~[docmask]"; local rc=$?; NOTE=$(tests_note ops_small); return $rc; }
+step_ops_wide() { cuda_tests "[wide]"; local rc=$?; NOTE=$(tests_note ops_wide); return $rc; }
+step_train_vs_cpu() { cuda_tests "[train]"; local rc=$?; NOTE=$(tests_note train_vs_cpu); return $rc; }
+step_docmask() { cuda_tests "[docmask]"; local rc=$?; NOTE=$(tests_note docmask); return $rc; }
 
-  # 2. kernels and GEMMs ------------------------------------------------------------------
-  echo; echo "== 2/5 trainrun bench kernels (GPT-2 124M shapes, then the Llama ops at Llama-3.2-1B's)"
-  timeout 120 "$B/bin/trainrun" bench kernels --repeats 20 2>&1 | tee "$OUTDIR/bench_kernels.txt"
-  [[ "${GPU_CHECK_WIDE:-1}" != 0 ]] && bench_wide
-
-  # 3. the attention reference -----------------------------------------------------------
-  echo; echo "== 3/5 torch SDPA reference (B=16 T=1024 NH=12 HS=64, causal, bf16)"
-  timeout 60 python3 - <<'PY' 2>&1 | tee "$OUTDIR/torch_ref.txt"
+# A training run: SIGKILL at the cap (no preemption checkpoint), no
+# checkpoint at all, its output dir under $WORK.
+train() {
+  local dir=$1; shift
+  rm -rf "$dir"
+  t_train "$B/bin/trainrun" "$@" --set output.dir="$dir" --set checkpoint.interval=0 --set checkpoint.final=false 2>&1
+}
+PEAK_TFLOPS=989.4  # H100/H200 SXM dense bf16
+tps_of() { grep -E "^(\[rank 0\] )?step" "$1" | grep -o "[0-9.]* tok/s" | tail -1 | awk '{print $1}'; }
+mfu_note() {  # log, fallback FLOPs per token
+  local tps fpt
+  tps=$(tps_of "$1")
+  fpt=$(grep -o "mfu: [0-9.]* MFLOP per token" "$1" | head -1 | awk '{printf "%.0f", $2 * 1e6}')
+  [[ -z "$fpt" ]] && fpt=$2
+  if [[ -n "$tps" ]]; then
+    awk -v t="$tps" -v f="$fpt" -v p="$PEAK_TFLOPS" \
+      'BEGIN{printf "%s tok/s, MFU %.1f%% (%.0f FLOP/token, peak %s TFLOP/s)", t, 100*t*f/(p*1e12), f, p}'
+  else
+    echo "no throughput line; see the log"
+  fi
+}
+step_gpt2_124m() {
+  train "$WORK/run124m" --config "$ROOT/configs/gpt2_124m_h200.yaml"
+  local rc=$?
+  NOTE=$(mfu_note "$OUTDIR/gpt2_124m.log" $((6 * 124439808 + 12 * 12 * 768 * 1024)))
+  return $rc
+}
+step_llama_1b() {
+  train "$WORK/runllama1b" --config "$ROOT/configs/llama3_1b_h200.yaml"
+  local rc=$?
+  NOTE="$(mfu_note "$OUTDIR/llama_1b.log" $((6 * 1235746816 + 12 * 16 * 2048 * 2048))); target 50%"
+  return $rc
+}
+step_offload() {
+  train "$WORK/runoffload" --config "$ROOT/configs/gpt2_124m_h200.yaml" --set parallel.sharding=full_shard \
+    --set parallel.offload=cpu --set train.max_steps=20
+  local rc=$?
+  NOTE="offload cpu: $(mfu_note "$OUTDIR/offload.log" $((6 * 124439808 + 12 * 12 * 768 * 1024)))"
+  return $rc
+}
+step_generate() {
+  local dir="$WORK/rungen"
+  rm -rf "$dir"
+  # A tiny GPT-2 on CUDA with its final weights (small: kilobytes), then sampling from them on CUDA.
+  t_train "$B/bin/trainrun" --config "$ROOT/configs/gpt2_124m_h200.yaml" --set output.dir="$dir" \
+    --set model.n_layer=2 --set model.n_embd=128 --set model.n_head=4 --set model.vocab_size=256 \
+    --set model.seq_len=64 --set data.synthetic.vocab=256 --set train.global_batch_size=8 \
+    --set train.micro_batch_size=8 --set train.max_steps=20 --set checkpoint.final=true 2>&1 || return $?
+  t_run "$B/bin/trainrun" generate --checkpoint "$dir" --prompt "1 2 3" --max-tokens 32 2>&1
+  local rc=$?
+  NOTE="generate rc=$rc; the sample is in generate.log"
+  return $rc
+}
+step_bench_kernels() {
+  t_run "$B/bin/trainrun" bench kernels --repeats 20 2>&1
+  local rc=$?
+  NOTE=$(grep -E '^(ceiling|attention)' "$OUTDIR/bench_kernels.log" | sed 's/  */ /g' | head -3 | tr '\n' ';')
+  return $rc
+}
+step_bench_wide() {
+  local c rc=0 half=$((STEP_CAP / 2))
+  for c in 4096 8192; do
+    echo "== bench kernels at C=$c (TRAINRUN_BENCH_C=$c)"
+    TRAINRUN_BENCH_C=$c timeout -k "$KILL_S" "$half" "$B/bin/trainrun" bench kernels --repeats 10 2>&1 || rc=$?
+  done
+  NOTE=$(grep -E '^(layernorm bwd|encoder bwd|attention kv|gemm fwd fc )' "$OUTDIR/bench_wide.log" | sed 's/  */ /g' | head -4 | tr '\n' ';')
+  return $rc
+}
+step_torch_ref() {
+  t_run python3 - <<'PY' 2>&1
 import contextlib, torch, torch.nn.functional as F
 B, T, NH, HS = 16, 1024, 12, 64
 dev = "cuda"
@@ -219,89 +381,35 @@ a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16); b = torch.randn_l
 t = med(lambda: a @ b, 10)
 print(f"torch bf16 matmul 8192^3: {2*8192**3/t/1e9:.1f} TFLOP/s")
 PY
-
-  # 4. GPT-2 124M training ------------------------------------------------------------------
-  echo; echo "== 4/5 GPT-2 124M training, one GPU (configs/gpt2_124m_h200.yaml)"
-  rm -rf "$WORK/run124m"
-  timeout 180 "$B/bin/trainrun" --config "$ROOT/configs/gpt2_124m_h200.yaml" --set output.dir="$WORK/run124m" 2>&1 |
-    tee "$OUTDIR/train_124m.log" | grep -E "step|error|memory|backend" | tail -12
-  local train_rc=${PIPESTATUS[0]}
-
-  # 5. Llama-3.2-1B-shaped training ----------------------------------------------------------
-  local llama_rc=skipped
-  if [[ "${GPU_CHECK_LLAMA:-1}" != 0 ]]; then
-    echo; echo "== 5/5 Llama-3.2-1B-shaped training, one GPU (configs/llama3_1b_h200.yaml)"
-    rm -rf "$WORK/runllama1b"
-    timeout 240 "$B/bin/trainrun" --config "$ROOT/configs/llama3_1b_h200.yaml" --set output.dir="$WORK/runllama1b" 2>&1 |
-      tee "$OUTDIR/train_llama1b.log" | grep -E "step|error|memory|backend|mfu:" | tail -12
-    llama_rc=${PIPESTATUS[0]}
-  fi
-
-  # NCCL bandwidth, when the machine has 2+ GPUs (one rank per GPU) ------------------------
-  local ngpu
-  ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
-  if [[ ${ngpu:-0} -ge 2 ]]; then
-    echo; echo "== extra: trainrun bench comm --backend cuda --nproc $ngpu"
-    timeout 120 "$B/bin/trainrun" bench comm --backend cuda --nproc "$ngpu" 2>&1 | tee "$OUTDIR/bench_comm_nccl.txt"
-  fi
-
-  # summary ---------------------------------------------------------------------------------
-  local card tps mfu peak=989.4
-  card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
-  tps=$(grep -E "^(\[rank 0\] )?step" "$OUTDIR/train_124m.log" | grep -o "[0-9.]* tok/s" | tail -1 | awk '{print $1}')
-  # 6N + 12 L C T with N = 124,439,808 (V=50257, T=1024)
-  local fpt=$((6 * 124439808 + 12 * 12 * 768 * 1024))
-  if [[ -n "$tps" ]]; then mfu=$(awk -v t="$tps" -v f="$fpt" -v p="$peak" 'BEGIN{printf "%.1f", 100*t*f/(p*1e12)}'); fi
-  # Llama: the last logged step's tokens/s (steady state: the first logs
-  # hold the warm-up steps), and the FLOPs per token from the run's own
-  # "mfu: X MFLOP per token" line (6N + 12 L C T of the model); the
-  # fallback is that formula for this config: N = 1,235,746,816, T = 2048.
-  local ltps="" lmfu="" lfpt=""
-  if [[ -f "$OUTDIR/train_llama1b.log" ]]; then
-    ltps=$(grep -E "^(\[rank 0\] )?step" "$OUTDIR/train_llama1b.log" | grep -o "[0-9.]* tok/s" | tail -1 | awk '{print $1}')
-    lfpt=$(grep -o "mfu: [0-9.]* MFLOP per token" "$OUTDIR/train_llama1b.log" | head -1 | awk '{printf "%.0f", $2 * 1e6}')
-    [[ -z "$lfpt" ]] && lfpt=$((6 * 1235746816 + 12 * 16 * 2048 * 2048))
-    if [[ -n "$ltps" ]]; then lmfu=$(awk -v t="$ltps" -v f="$lfpt" -v p="$peak" 'BEGIN{printf "%.1f", 100*t*f/(p*1e12)}'); fi
-  fi
-  echo
-  say "== gpu-check summary: ${card:-unknown GPU}, $(date -u +%Y-%m-%d), bundle commit $(cat "$B/COMMIT"), $((SECONDS - t_start)) s"
-  if grep -q "SKIPPED: no usable GPU" "$OUTDIR/cuda_tests.log"; then
-    say "cuda tests            SKIPPED: $(grep -m1 -A1 'SKIPPED: no usable GPU' "$OUTDIR/cuda_tests.log" | tr -s ' \n' ' ')"
-    test_rc=3
-  elif [[ $test_rc -eq 0 ]]; then say "cuda tests            PASS ($(grep -E 'test cases|All tests' "$OUTDIR/cuda_tests.log" | tail -1))"
-  else say "cuda tests            FAIL rc=$test_rc ($(grep -E 'test cases' "$OUTDIR/cuda_tests.log" | tail -1)); see cuda_tests.log"; fi
-  say "$(grep -E '^(ceiling|attention)' "$OUTDIR/bench_kernels.txt" | sed 's/  */ /g' || echo 'bench kernels: no results; see bench_kernels.txt')"
-  local c
-  for c in 4096 8192; do
-    [[ -f "$OUTDIR/bench_kernels_c$c.txt" ]] || continue
-    say "$(grep -E '^(layernorm bwd|encoder bwd|attention kv|gemm fwd fc )' "$OUTDIR/bench_kernels_c$c.txt" | sed "s/  */ /g; s/^/C=$c: /" ||
-      echo "bench kernels C=$c: no results; see bench_kernels_c$c.txt")"
-  done
-  say "$(grep -E '^torch' "$OUTDIR/torch_ref.txt" || echo 'torch reference: no results; see torch_ref.txt')"
-  if [[ -n "$tps" ]]; then say "GPT-2 124M train      $tps tok/s, MFU $mfu% (6N+12LCT = $fpt FLOP/token, peak $peak TFLOP/s bf16 dense)"
-  else say "GPT-2 124M train      no throughput (rc=$train_rc); see train_124m.log"; fi
-  if [[ $llama_rc == skipped ]]; then say "Llama 1B train        skipped (GPU_CHECK_LLAMA=0)"
-  elif [[ -n "$ltps" ]]; then say "Llama 1B train        $ltps tok/s, MFU $lmfu% (6N+12LCT = $lfpt FLOP/token, peak $peak TFLOP/s bf16 dense; target 50%)"
-  else say "Llama 1B train        no throughput (rc=$llama_rc); see train_llama1b.log"; fi
-  say "$(grep -E '^llama' "$OUTDIR/bench_kernels.txt" | sed 's/  */ /g' || echo 'bench kernels: no Llama rows; see bench_kernels.txt')"
-  say "(full kernel table: bench_kernels.txt; logs in $OUTDIR)"
-  [[ $test_rc -eq 0 && -n "$tps" && ( $llama_rc == skipped || -n "$ltps" ) ]]
+  local rc=${PIPESTATUS[0]}
+  NOTE=$(grep -E '^torch' "$OUTDIR/torch_ref.log" | tr '\n' ';')
+  return "$rc"
 }
 
-# Step 5 alone (a short device call): the Llama-3.2-1B-shaped training run.
-llama() {
-  mkdir -p "$OUTDIR" "$WORK"
-  unpack || return $?
-  rm -rf "$WORK/runllama1b"
-  timeout 240 "$WORK/b/bin/trainrun" --config "$ROOT/configs/llama3_1b_h200.yaml" --set output.dir="$WORK/runllama1b" 2>&1 |
-    tee "$OUTDIR/train_llama1b.log" | grep -E "step|error|memory|backend|mfu:" | tail -12
-  return "${PIPESTATUS[0]}"
-}
-
+# ---------------------------------------------------------------------------------
+MODE="${1:-run}"
 case "$MODE" in
   bundle) bundle ;;
-  run) run ;;
-  wide) wide ;;
-  llama) llama ;;
-  *) echo "usage: scripts/gpu-check.sh [bundle|run|wide|llama]" >&2; exit 2 ;;
+  --dry-run)
+    case "${2:-run}" in
+      run) dry_run "${RUN_STEPS[@]}" ;;
+      run2) dry_run "${RUN2_STEPS[@]}" ;;
+      *) echo "usage: scripts/gpu-check.sh --dry-run [run|run2]" >&2; exit 2 ;;
+    esac ;;
+  run) run_list "${RUN_STEPS[@]}" ;;
+  run2)
+    shift
+    if (($# == 0)); then
+      run_list "${RUN2_STEPS[@]}"
+    else
+      # The named steps, after setup (unless named).
+      list=()
+      [[ " $* " == *" setup "* ]] || list+=("$(find_step setup)")
+      for n in "$@"; do
+        spec=$(find_step "$n") || { echo "gpu-check: no step '$n' (steps: run's and run2's, see --dry-run)" >&2; exit 2; }
+        list+=("$spec")
+      done
+      run_list "${list[@]}"
+    fi ;;
+  *) echo "usage: scripts/gpu-check.sh [bundle|run|run2 [STEP...]|--dry-run [run|run2]]" >&2; exit 2 ;;
 esac

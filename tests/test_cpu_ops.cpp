@@ -270,6 +270,26 @@ TEST_CASE("cpu_ops: matmul forward and backward (dinp overwritten, dweight/dbias
   }
 }
 
+TEST_CASE("cpu_ops: matmul backward with OC = 0 (an all-padding vocab shard) zeroes dinp and touches nothing else",
+          "[cpu_ops][tp]") {
+  auto be = make_backend();
+  const int N = 5, C = 7;
+  ActTensor x(be.get(), randn(size_t(N) * C, 41));
+  ActTensor dinp(be.get(), randn(size_t(N) * C, 42, 1.0, 5.0));  // pre-filled: must be overwritten with 0
+  // OC = 0: dout, weight, dweight and dbias have no elements; one float
+  // each, to see that nothing is written there.
+  F32Tensor dW(be.get(), Vec{3.0f}), db(be.get(), Vec{4.0f});
+  ActTensor dout(be.get(), Vec{5.0f}), W(be.get(), Vec{6.0f});
+  be->matmul_backward(dinp.get(), dW.get(), db.get(), dout.get(), x.get(), W.get(), N, C, 0);
+  CHECK(download_act_vec(be.get(), dinp.get(), size_t(N) * C) == Vec(size_t(N) * C, 0.0f));
+  CHECK(download_f32_vec(be.get(), dW.get(), 1) == Vec{3.0f});
+  CHECK(download_f32_vec(be.get(), db.get(), 1) == Vec{4.0f});
+  // The fused dGELU variant (the MLP's) likewise: 0 * gelu'(pre) = 0.
+  ActTensor dinp2(be.get(), randn(size_t(N) * C, 43, 1.0, 5.0));
+  be->matmul_backward_dgelu(dinp2.get(), dW.get(), nullptr, dout.get(), x.get(), W.get(), x.get(), N, C, 0);
+  CHECK(download_act_vec(be.get(), dinp2.get(), size_t(N) * C) == Vec(size_t(N) * C, 0.0f));
+}
+
 TEST_CASE("cpu_ops: attention forward and backward (dqkv overwritten)", "[cpu_ops]") {
   auto be = make_backend();
   const int B = 2, T = 5, C = 12, NH = 3;

@@ -244,6 +244,37 @@ TEST_CASE("cuda: memory, copies and casts", "[cuda]") {
   check_close("cast fp32 -> bf16 -> fp32 (n=4099)", download_act(be, act.get(), big.size()), big, kBf16);
 }
 
+// Backend::copy_to_host_chunks (parallel.offload's gradient copies): on
+// the copy stream through two pinned 4 MiB landing buffers, after `ready`
+// (a point on the compute stream here; the offload path passes the
+// reduce-scatter's own event) or, when null, after the compute stream's
+// work so far. The chunks must hold what the compute stream wrote just
+// before: a scale() enqueued right before the copy. Not yet run on a GPU (2026-12-03).
+TEST_CASE("cuda: chunked device->host copy waits for its ready point, in order, every byte once", "[cuda][offload]") {
+  CUDA_TEST_OR_SKIP();
+  Pair p;
+  Backend* be = p.gpu.get();
+  const size_t n = (size_t(9) << 20) / 4 + 3;  // 2 whole chunks, a part, and a tail of 12 bytes
+  const Vec v = randn(n, 41);
+  for (bool with_ready : {false, true}) {
+    INFO((with_ready ? "ready: a compute-stream point" : "ready: null"));
+    DeviceBuffer d = upload_f32(be, v);
+    be->scale(d.as<float>(), 2.0f, int64_t(n));  // enqueued; the copy must see it
+    const std::shared_ptr<void> ready = with_ready ? be->time_mark() : nullptr;
+    Vec got(n, 0.0f);
+    std::vector<std::pair<size_t, size_t>> calls;
+    be->copy_to_host_chunks(d.get(), n * 4, ready, [&](const void* chunk, size_t off, size_t bytes) {
+      calls.push_back({off, bytes});
+      std::memcpy(reinterpret_cast<char*>(got.data()) + off, chunk, bytes);
+    });
+    size_t bad = 0;
+    for (size_t i = 0; i < n; ++i) bad += got[i] != 2.0f * v[i];
+    CHECK(bad == 0);
+    const size_t mib4 = size_t(4) << 20;
+    CHECK(calls == std::vector<std::pair<size_t, size_t>>{{0, mib4}, {mib4, mib4}, {2 * mib4, n * 4 - 2 * mib4}});
+  }
+}
+
 TEST_CASE("cuda: encoder forward and backward", "[cuda]") {
   CUDA_TEST_OR_SKIP();
   Pair p;
@@ -481,6 +512,25 @@ TEST_CASE("cuda: matmul forward and backward", "[cuda]") {
   Pair q;
   unsetenv("TRAINRUN_CUDA_GEMM_BGRAD");
   for (S s : {S{19, 111, 37}, S{128, 768, 2304}}) check_matmul(q, s.N, s.C, s.OC, true, 0, "bgrad-epilogue ");
+}
+
+TEST_CASE("cuda: matmul backward with OC = 0 (an all-padding vocab shard) zeroes dinp", "[cuda][tp]") {
+  CUDA_TEST_OR_SKIP();
+  Pair p;
+  const int N = 19, C = 37;
+  Twin x(p, randn(size_t(N) * C, 61), true), dout(p, Vec{1.0f}, true), w(p, Vec{1.0f}, true);
+  Twin dw(p, Vec{3.0f}, false), db(p, Vec{4.0f}, false);
+  for (bool gelu : {false, true}) {
+    Twin dinp = out_twin(p, size_t(N) * C, true);  // poisoned: must be overwritten
+    if (gelu)
+      p.gpu->matmul_backward_dgelu(dinp.g(), dw.gf(), db.gf(), dout.g(), x.g(), w.g(), x.g(), N, C, 0);
+    else
+      p.gpu->matmul_backward(dinp.g(), dw.gf(), db.gf(), dout.g(), x.g(), w.g(), N, C, 0);
+    INFO((gelu ? "matmul_backward_dgelu" : "matmul_backward"));
+    CHECK(dinp.read_gpu(p) == Vec(size_t(N) * C, 0.0f));
+    CHECK(dw.read_gpu(p) == Vec{3.0f});
+    CHECK(db.read_gpu(p) == Vec{4.0f});
+  }
 }
 
 TEST_CASE("cuda: gemm wrapper epilogues against a host reference", "[cuda]") {
@@ -894,6 +944,88 @@ TEST_CASE("cuda: grouped-query attention forward and backward", "[cuda][llama]")
   // A head size above the supported 128 is a clear error, not a wrong answer.
   CHECK_THROWS_WITH(p.gpu->attention_gqa_forward(o.get(), l.as<float>(), q.get(), 1, 1, 2, 1, 256),
                     Catch::Matchers::Contains("head size 256 (head_dim)"));
+}
+
+// The dk/dv kernel's query splits (attention.cuh): each key tile's (query
+// head, query tile) list cut into S runs on S blocks, fp32 partials summed
+// in a fixed order. Forced through TRAINRUN_CUDA_ATTN_DKV_SPLITS (read by
+// the backend's constructor): S = 2, 3 and 7 against the CPU backend, bit
+// for bit across runs, dq untouched (its kernel does not change), and dk/dv
+// within a bf16 rounding of S = 1; splits larger than a tile's list leave
+// blocks with no pairs, which must write zero partials. Not yet run on a
+// GPU (2026-12-03).
+TEST_CASE("cuda: attention dk/dv split over query ranges matches the CPU and is deterministic", "[cuda][llama]") {
+  CUDA_TEST_OR_SKIP();
+  struct S { int B, T; Gqa h; };
+  for (S s : {S{1, 200, {4, 1, 128}}, S{2, 130, {8, 2, 64}}, S{1, 70, {6, 6, 19}}}) {
+    const Gqa& h = s.h;
+    const std::string sh = shape({{"B", s.B}, {"T", s.T}, {"NH", h.NH}, {"NKV", h.NKV}, {"HS", h.HS}});
+    const size_t nqkv = size_t(s.B) * s.T * h.ld(), nout = size_t(s.B) * s.T * h.C();
+    Vec ref_dq, ref_dkv;
+    for (int splits : {1, 2, 3, 7}) {
+      ::setenv("TRAINRUN_CUDA_ATTN_DKV_SPLITS", std::to_string(splits).c_str(), 1);
+      Pair p;
+      ::unsetenv("TRAINRUN_CUDA_ATTN_DKV_SPLITS");
+      Twin qkv(p, randn(nqkv, 391), true);
+      Twin out = out_twin(p, nout, true);
+      DeviceBuffer csaved(p.cpu.get(), p.cpu->attention_gqa_saved_floats(s.B, s.T, h.NH) * 4);
+      DeviceBuffer gsaved(p.gpu.get(), p.gpu->attention_gqa_saved_floats(s.B, s.T, h.NH) * 4);
+      p.cpu->attention_gqa_forward(out.c(), csaved.as<float>(), qkv.c(), s.B, s.T, h.NH, h.NKV, h.HS);
+      p.gpu->attention_gqa_forward(out.g(), gsaved.as<float>(), qkv.g(), s.B, s.T, h.NH, h.NKV, h.HS);
+      Twin dout(p, randn(nout, 392), true);
+      Twin dqkv = out_twin(p, nqkv, true);
+      p.cpu->attention_gqa_backward(dqkv.c(), dout.c(), qkv.c(), out.c(), csaved.as<float>(), s.B, s.T, h.NH, h.NKV,
+                                    h.HS);
+      p.gpu->attention_gqa_backward(dqkv.g(), dout.g(), qkv.g(), out.g(), gsaved.as<float>(), s.B, s.T, h.NH, h.NKV,
+                                    h.HS);
+      const Vec dg = dqkv.read_gpu(p), dc = dqkv.read_cpu(p);
+      const std::string tag = sh + " splits " + std::to_string(splits);
+      check_close("attention_gqa dqkv " + tag, dg, dc, kAttnBwd);
+      const Vec dq = columns(dg, h.ld(), 0, h.C()), dkv = columns(dg, h.ld(), h.C(), 2 * h.KV());
+      Twin again = out_twin(p, nqkv, true);
+      p.gpu->attention_gqa_backward(again.g(), dout.g(), qkv.g(), out.g(), gsaved.as<float>(), s.B, s.T, h.NH, h.NKV,
+                                    h.HS);
+      CHECK(same_bits(again.read_gpu(p), dg));
+      if (splits == 1) {
+        ref_dq = dq;
+        ref_dkv = dkv;
+      } else {
+        CHECK(same_bits(dq, ref_dq));
+        check_close("dk|dv split vs unsplit " + tag, dkv, ref_dkv, kBf16);
+      }
+    }
+  }
+}
+
+// The shapes of wide models (scripts/gpu-check.sh step ops_wide): GEMMs at
+// C = 4096 and 8192, and grouped-query attention with HS = 128, T > 1030
+// and one KV head (what a TP rank of a 70B model holds at tp8), checked
+// against the CPU backend, not only timed. Not yet run on a GPU (2026-12-03).
+TEST_CASE("cuda: wide shapes (C 4096/8192, HS 128, T > 1030, one KV head) match the CPU backend", "[cuda][wide]") {
+  CUDA_TEST_OR_SKIP();
+  Pair p;
+  check_matmul(p, 19, 4096, 1031, true, 0, "wide ");
+  check_matmul(p, 33, 8192, 257, false, 0, "wide ");
+  struct S { int B, T; Gqa h; };
+  for (S s : {S{1, 1031, {8, 1, 128}}, S{1, 1100, {4, 1, 128}}}) {
+    const Gqa& h = s.h;
+    const std::string sh = shape({{"B", s.B}, {"T", s.T}, {"NH", h.NH}, {"NKV", h.NKV}, {"HS", h.HS}});
+    const size_t nqkv = size_t(s.B) * s.T * h.ld(), nout = size_t(s.B) * s.T * h.C();
+    Twin qkv(p, randn(nqkv, 291), true);
+    Twin out = out_twin(p, nout, true);
+    DeviceBuffer csaved(p.cpu.get(), p.cpu->attention_gqa_saved_floats(s.B, s.T, h.NH) * 4);
+    DeviceBuffer gsaved(p.gpu.get(), p.gpu->attention_gqa_saved_floats(s.B, s.T, h.NH) * 4);
+    p.cpu->attention_gqa_forward(out.c(), csaved.as<float>(), qkv.c(), s.B, s.T, h.NH, h.NKV, h.HS);
+    p.gpu->attention_gqa_forward(out.g(), gsaved.as<float>(), qkv.g(), s.B, s.T, h.NH, h.NKV, h.HS);
+    check_close("wide attention_gqa out " + sh, out.read_gpu(p), out.read_cpu(p), kAttnFwd);
+    Twin dout(p, randn(nout, 292), true);
+    Twin dqkv = out_twin(p, nqkv, true);
+    p.cpu->attention_gqa_backward(dqkv.c(), dout.c(), qkv.c(), out.c(), csaved.as<float>(), s.B, s.T, h.NH, h.NKV,
+                                  h.HS);
+    p.gpu->attention_gqa_backward(dqkv.g(), dout.g(), qkv.g(), out.g(), gsaved.as<float>(), s.B, s.T, h.NH, h.NKV,
+                                  h.HS);
+    check_close("wide attention_gqa dqkv " + sh, dqkv.read_gpu(p), dqkv.read_cpu(p), kAttnBwd);
+  }
 }
 
 // data.document_mask on the GPU against the CPU backend (itself checked
@@ -1346,7 +1478,7 @@ TrainSummary train(const std::string& backend, const std::string& sharding) {
 }
 }  // namespace
 
-TEST_CASE("cuda: 20 GPT-2 steps track the CPU backend's losses", "[cuda]") {
+TEST_CASE("cuda: 20 GPT-2 steps track the CPU backend's losses", "[cuda][train]") {
   CUDA_TEST_OR_SKIP();
   const TrainSummary cpu = train("cpu", "no_shard");
   for (const char* sharding : {"no_shard", "full_shard"}) {
@@ -1363,7 +1495,7 @@ TEST_CASE("cuda: 20 GPT-2 steps track the CPU backend's losses", "[cuda]") {
   }
 }
 
-TEST_CASE("cuda: sharded runs over NCCL match the single-GPU run", "[cuda]") {
+TEST_CASE("cuda: sharded runs over NCCL match the single-GPU run", "[cuda][train]") {
   CUDA_TEST_OR_SKIP_BELOW(2);
   const TrainSummary single = train("cuda", "no_shard");
   for (const char* sharding : {"no_shard", "full_shard"}) {
@@ -1383,7 +1515,7 @@ TEST_CASE("cuda: sharded runs over NCCL match the single-GPU run", "[cuda]") {
 }
 
 TEST_CASE("cuda: pp2 over NCCL links (a stream per link, sends from the compute thread) matches the single-GPU run",
-          "[cuda][pp]") {
+          "[cuda][pp][train]") {
   CUDA_TEST_OR_SKIP_BELOW(2);
   // 4 layers, micro-batch 2: 4 microbatches per step, so the schedules
   // really overlap stages (and interleaving has 2 chunks per rank).

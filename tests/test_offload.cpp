@@ -14,6 +14,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -576,4 +577,37 @@ TEST_CASE("offload nvme: a worker killed by SIGKILL mid-step leaves no state fil
   REQUIRE(straight.size() == 10);
   CHECK(resumed == straight);
   CHECK(test::weights_of(run) == test::weights_of(dir / "straight"));
+}
+
+// Backend::copy_to_host_chunks, which offload's gradient copies go
+// through: the default (any backend: through copy_to_host, 4 MiB at a
+// time) and the CPU's (its device memory is host memory: one chunk, no
+// copy) hand every byte over once, in order, at its offset. The CUDA
+// backend's (pinned landing buffers, a copy stream) is in test_cuda_ops.
+TEST_CASE("offload: the chunked device->host copy hands over every byte once, in order", "[offload]") {
+  auto be = make_cpu_backend(2);
+  const size_t mib4 = size_t(4) << 20, bytes = 2 * mib4 + (size_t(1) << 20) + 12;  // 2 whole chunks + a part
+  std::vector<unsigned char> src(bytes);
+  for (size_t i = 0; i < bytes; ++i) src[i] = static_cast<unsigned char>((i * 131 + i / 4096 + 7) & 0xff);
+  DeviceBuffer dev(be.get(), bytes);
+  be->copy_to_device(dev.get(), src.data(), bytes);
+  for (bool base : {true, false}) {
+    INFO((base ? "Backend's default" : "the CPU backend's"));
+    std::vector<unsigned char> got(bytes, 0);
+    std::vector<std::pair<size_t, size_t>> calls;
+    auto sink = [&](const void* chunk, size_t off, size_t n) {
+      calls.push_back({off, n});
+      std::memcpy(got.data() + off, chunk, n);
+    };
+    if (base) be->Backend::copy_to_host_chunks(dev.get(), bytes, nullptr, sink);
+    else be->copy_to_host_chunks(dev.get(), bytes, nullptr, sink);
+    CHECK(got == src);
+    using Calls = std::vector<std::pair<size_t, size_t>>;
+    if (base) CHECK(calls == Calls{{0, mib4}, {mib4, mib4}, {2 * mib4, bytes - 2 * mib4}});
+    else CHECK(calls == Calls{{0, bytes}});
+    calls.clear();
+    if (base) be->Backend::copy_to_host_chunks(dev.get(), 0, nullptr, sink);
+    else be->copy_to_host_chunks(dev.get(), 0, nullptr, sink);
+    CHECK(calls.empty());
+  }
 }

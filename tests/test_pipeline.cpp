@@ -341,3 +341,68 @@ TEST_CASE("pipeline: the check runs the executor's buffer reuse too (slots.h), a
                    Contains("first waiting for its send_grad mb0 stage5 to rank 1 to be received"));
   }
 }
+
+// Early receives (slots.h plan_receive_posts, run by the executor over
+// stream-ordered links): each receive is posted after its slot's last
+// reader, never before an earlier receive from the same peer, and the
+// receive that takes a slot over only when the executor allows it.
+TEST_CASE("pipeline: receives are posted once their slot's last reader is done, in each link's order",
+          "[pipeline][slots]") {
+  auto is_recv = [](const PipeAction& a) { return a.op == PipeOp::RecvAct || a.op == PipeOp::RecvGrad; };
+  auto check_list = [&](const PipelineSchedule& s, int r, bool takeover_early) {
+    const PipelineSlotPlan slots = plan_pipeline_slots(s, r);
+    const std::vector<int> post = plan_receive_posts(s, r, slots, takeover_early);
+    const auto& list = s.actions[size_t(r)];
+    REQUIRE(post.size() == list.size());
+    std::map<int, int> last_post;  // peer -> post point of its last receive
+    int early = 0;
+    for (size_t i = 0; i < list.size(); ++i) {
+      const PipeAction& a = list[i];
+      INFO(s.kind << " P=" << s.ranks << " v=" << s.virtual_stages << " M=" << s.microbatches << " rank " << r
+                  << " action " << i << " " << pipe_op_name(a.op) << " mb" << a.microbatch);
+      if (!is_recv(a)) {
+        CHECK(post[i] == int(i));
+        continue;
+      }
+      CHECK(post[i] <= int(i));
+      // The slot's last earlier action (its buffer's last reader) comes first.
+      int last = -1;
+      bool takeover = true;
+      for (size_t j = 0; j < i; ++j)
+        if ((list[j].stage - r) / s.ranks == (a.stage - r) / s.ranks && slots.slot[j] == slots.slot[i]) {
+          last = int(j);
+          takeover = list[j].microbatch != a.microbatch;
+        }
+      CHECK(post[i] >= last);
+      if (takeover && !takeover_early) CHECK(post[i] == int(i));
+      const int peer = (a.op == PipeOp::RecvAct ? a.stage - 1 : a.stage + 1) % s.ranks;
+      if (last_post.count(peer)) CHECK(post[i] >= last_post[peer]);
+      last_post[peer] = post[i];
+      if (post[i] < int(i) - 1) ++early;
+    }
+    return early;
+  };
+  int early = 0;
+  for (const char* kind : {"gpipe", "1f1b", "zero_bubble"})
+    for (int P = 2; P <= 4; ++P)
+      for (int M = P; M <= 9; M += 3) {
+        const PipelineSchedule s = make_pipeline_schedule(kind, P, 1, M);
+        for (int r = 0; r < P; ++r) early += check_list(s, r, true) + check_list(s, r, false);
+      }
+  for (int P = 2; P <= 3; ++P) {
+    const PipelineSchedule s = make_pipeline_schedule("interleaved_1f1b", P, 2, P * 4);
+    for (int r = 0; r < P; ++r) early += check_list(s, r, true) + check_list(s, r, false);
+  }
+  CHECK(early > 0);
+  // 1f1b at pp2, rank 0: microbatch 0's gradient is posted right after its
+  // activation went out, not when the compute stream reaches the receive
+  // (after microbatch 1's forward and send).
+  const PipelineSchedule s = make_pipeline_schedule("1f1b", 2, 1, 4);
+  const auto& l = s.actions[0];
+  const std::vector<int> post = plan_receive_posts(s, 0, plan_pipeline_slots(s, 0), true);
+  size_t g = 0, a = 0;
+  while (!(l[g].op == PipeOp::RecvGrad && l[g].microbatch == 0)) ++g;
+  while (!(l[a].op == PipeOp::SendAct && l[a].microbatch == 0)) ++a;
+  CHECK(a + 1 < g);
+  CHECK(post[g] == int(a));
+}

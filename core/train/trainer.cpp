@@ -33,7 +33,9 @@
 #include "core/train/schedule.h"
 #include "kernels/backend.h"
 #include "kernels/backend_factory.h"
+#include "parallel/comm/comm_record.h"
 #include "parallel/comm/communicator.h"
+#include "parallel/comm/enqueue_order.h"
 #include "parallel/comm/fault_injection.h"
 #include "parallel/rendezvous/net_address.h"
 #include "parallel/mesh/device_mesh.h"
@@ -181,6 +183,11 @@ class Trainer {
   WorkerInfo w_;
   std::unique_ptr<Backend> be_;
   std::unique_ptr<Store> store_;
+  // This rank's order of calls across all its communicators (world, the
+  // mesh groups, the store's own groups, NCCL pipeline links): every rank
+  // enqueues them in its compute thread's program order
+  // (parallel/comm/enqueue_order.h). Before them: outlives every user.
+  EnqueueOrder enqueue_order_;
   std::unique_ptr<Communicator> comm_;
   std::unique_ptr<ModelArch> arch_;  // the model's description (layout, init, files, FLOPs)
   std::unique_ptr<Network> model_;   // its forward/backward and activations
@@ -267,6 +274,7 @@ void Trainer::setup() {
   }
   comm_->set_group("world");
   comm_ = maybe_inject_faults(std::move(comm_), w_.rank);  // tests: TRAINRUN_DEBUG_COMM_FAULT
+  comm_ = make_ordered_communicator(maybe_record_comm(std::move(comm_), w_.rank), &enqueue_order_);
   // 3. model
   if (job_.model.adapter.on()) {
     // What adapters run with so far (docs/fine-tuning.md, "Status").
@@ -317,7 +325,8 @@ void Trainer::setup() {
         nccl ? make_nccl_communicator(be_.get(), store_.get(), prefix_ + prefix, rank, world, timeout)
              : make_gloo_communicator(*store_, prefix_ + prefix, rank, world, w_.bind_addr, timeout);
     c->set_group(prefix.substr(0, prefix.find('/')));
-    return maybe_inject_faults(std::move(c), w_.rank);
+    c = maybe_record_comm(maybe_inject_faults(std::move(c), w_.rank), w_.rank);  // tests: TRAINRUN_DEBUG_COMM_*
+    return make_ordered_communicator(std::move(c), &enqueue_order_);
   };
   // Offload: the whole node's host memory is checked before any rank
   // allocates (each rank's shard is about total/world; 16 bytes each).
@@ -419,7 +428,12 @@ void Trainer::setup() {
             nccl ? make_nccl_communicator(be_.get(), store_.get(), prefix_ + prefix, rank, world, timeout, true)
                  : make_p2p_link_communicator(*store_, prefix_ + prefix, rank, w_.bind_addr, timeout);
         c->set_group(prefix.substr(0, prefix.find('/')));
-        return maybe_inject_faults(std::move(c), w_.rank);
+        c = maybe_record_comm(maybe_inject_faults(std::move(c), w_.rank), w_.rank);
+        // NCCL links are issued from the compute thread and take turns like
+        // every other group; Gloo/shm links send on sender threads that
+        // block for the peer by design and stay outside the order
+        // (enqueue_order.h, "Scope").
+        return nccl ? make_ordered_communicator(std::move(c), &enqueue_order_) : std::move(c);
       };
       pp_links_ = std::make_unique<PipelineLinks>(sched, mesh_->coord(MeshDim::pp), mesh_->group_name(MeshDim::pp),
                                                   link_factory);

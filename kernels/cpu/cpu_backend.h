@@ -21,6 +21,9 @@ class CpuBackend final : public Backend {
   void free(void* p) override;
   void copy_to_device(void* dst, const void* src, size_t bytes) override;
   void copy_to_host(void* dst, const void* src, size_t bytes) override;
+  // The "device" is host memory: each caller reads `src` in one chunk, no copy.
+  void copy_to_host_chunks(const void* src, size_t bytes, const std::shared_ptr<void>& ready,
+                           const HostChunkSink& consume) override;
   void copy_device(void* dst, const void* src, size_t bytes) override;
   void zero(void* p, size_t bytes) override;
   void synchronize() override {}

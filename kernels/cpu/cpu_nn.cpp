@@ -27,6 +27,12 @@ void CpuBackend::encoder_forward(void* out_, const int32_t* tokens, const void* 
   float* out = F(out_);
   const float* wte = F(wte_);
   const float* wpe = F(wpe_);
+  if (!wpe) {  // a position-free architecture (Llama): the lookup alone
+#pragma omp parallel for schedule(static)
+    for (int64_t bt = 0; bt < int64_t(B) * T; ++bt)
+      std::copy_n(wte + int64_t(tokens[bt]) * C, C, out + bt * C);
+    return;
+  }
 #pragma omp parallel for schedule(static)
   for (int64_t bt = 0; bt < int64_t(B) * T; ++bt) {
     const float* e = wte + int64_t(tokens[bt]) * C;
@@ -176,6 +182,13 @@ void CpuBackend::matmul_forward(void* out_, const void* inp_, const void* weight
 void CpuBackend::matmul_backward(void* dinp_, float* dweight, float* dbias, const void* dout_, const void* inp_,
                                  const void* weight_, int N, int C, int OC) {
   const float* dout = F(dout_);
+  if (OC <= 0) {
+    // No output features (a TP rank whose vocab shard is all padding): dinp
+    // is an empty sum, zero; dweight and dbias have no elements. BLAS
+    // refuses the k = 0 GEMM's leading dimension of 0.
+    if (dinp_ && N > 0 && C > 0) std::fill_n(F(dinp_), int64_t(N) * C, 0.0f);
+    return;
+  }
   if (dinp_)  // dinp(N,C) = dout(N,OC) @ weight(OC,C)
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, C, OC, 1.0f, dout, OC, F(weight_), C, 0.0f,
                 F(dinp_), C);

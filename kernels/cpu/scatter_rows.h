@@ -33,6 +33,7 @@ inline void scatter_rows(float* dst, const float* src, const int32_t* index, int
 // Without pos no two threads share a row: positions split over the
 // threads, and each sums its row over b in order.
 inline void add_position_grads(float* dwpe, const float* dout, const int32_t* pos, int B, int T, int C) {
+  if (!dwpe) return;  // no position table
   if (pos) {
     scatter_rows(dwpe, dout, pos, int64_t(B) * T, C);
     return;

@@ -367,14 +367,20 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dq_kernel(bf16* d
 // atomics. GROUPED = false fixes R = 1 at compile time (multi-head
 // attention: the loop over query tiles alone, as before grouped-query
 // attention, and its register allocation).
+// With S > 1 splits (attention.cuh) the grid's x is key tiles x S: block
+// (kt, s) takes the s-th of S equal runs of that (head, query tile) list
+// and writes its fp32 sums to `partial` (B, NKV, key tiles, S, 2, 64, HSP);
+// attention_dkdv_reduce_kernel adds the S runs in order. S = 1 is the
+// whole list in one block, written to dqkv as before (the same bits).
 template <int D16, bool VEC, bool GROUPED>
 __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_kernel(bf16* dqkv, const bf16* dout,
                                                                            const bf16* qkv, const float* lse,
                                                                            const float* Dv, int T, int NH, int NKV,
                                                                            int HS, float scale,
-                                                                           const int32_t* doc_start) {
+                                                                           const int32_t* doc_start, float* partial,
+                                                                           int S) {
   using D = Dims<D16>;
-  constexpr int LDH = D::LDH, LDO = D::LDO;
+  constexpr int HSP = D::HSP, LDH = D::LDH, LDO = D::LDO;
   extern __shared__ __align__(128) unsigned char smem[];
   Carver cv{smem};
   bf16* sK = cv.take<bf16>(D::tile_h);
@@ -388,7 +394,7 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_kernel(bf16*
   float* sL = cv.take<float>(kTile * sizeof(float));
   float* sD = cv.take<float>(kTile * sizeof(float));
 
-  const int kt = blockIdx.x;  // key tile; the first ones have the most work
+  const int kt = blockIdx.x / S, split = blockIdx.x % S;  // key tile; the first ones have the most work
   const int g = blockIdx.y, b = blockIdx.z;
   // The query tiles that see a key of this tile: kt up to the one holding
   // the last query of the document of the tile's last key.
@@ -412,44 +418,61 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_kernel(bf16*
 
   // One pass over the (query head, query tile) pairs: the group's heads
   // h = g*R .. g*R+R-1 in order, for each the query tiles kt..last: the
-  // fixed summation order of dk and dv.
-  for (int h = g * R; h < (g + 1) * R; ++h)
-    for (int qt = kt; qt < ntiles; ++qt) {
-      const int64_t stat = (int64_t(b) * NH + h) * T;
-      const int q0 = qt * kTile;
-      const int qi = q0 + r;
-      const int ds_i = row_doc_start(doc_start, b, T, qi);
-      __syncthreads();  // everyone is done with the previous Q/dO/P/dS tiles
-      load_tile<D16, VEC>(sQ, base + h * HS, ld, q0, T, HS);
-      load_tile<D16, VEC>(sdO, dout + int64_t(b) * T * C + h * HS, C, q0, T, HS);
-      for (int i = threadIdx.x; i < kTile; i += kThreads) {
-        sL[i] = q0 + i < T ? lse[stat + q0 + i] : 0.0f;
-        sD[i] = q0 + i < T ? Dv[stat + q0 + i] : 0.0f;
-      }
-      __syncthreads();
-      warp_xyt<D16>(sS, sQ, sK, w);    // S(q rows of warp, keys)
-      warp_xyt<D16>(sdP, sdO, sV, w);  // dP
-      __syncwarp();
-      probs_and_dscores(sS + r * LDS + 32 * half, sdP + r * LDS + 32 * half, sP + r * LDP + 32 * half,
-                        sdS + r * LDP + 32 * half, qi, k0 + 32 * half, T, sL[r], sD[r], scale, ds_i);
-      __syncthreads();  // dv/dk of the warp's key rows read every query row of P and dS
-      // dv(key rows of warp) += P^T(keys, queries) . dout(queries, HSP)
-      // dk(key rows of warp) += dS^T . q
+  // fixed summation order of dk and dv. This block's run of that list:
+  // pairs [p0, p1) of R * (ntiles - kt) (all of it when S = 1).
+  const int per_head = ntiles - kt;
+  const int64_t pairs = int64_t(R) * per_head;
+  const int64_t p0 = pairs * split / S, p1 = pairs * (split + 1) / S;
+  for (int64_t pi = p0; pi < p1; ++pi) {
+    const int h = g * R + int(pi / per_head), qt = kt + int(pi % per_head);
+    const int64_t stat = (int64_t(b) * NH + h) * T;
+    const int q0 = qt * kTile;
+    const int qi = q0 + r;
+    const int ds_i = row_doc_start(doc_start, b, T, qi);
+    __syncthreads();  // everyone is done with the previous Q/dO/P/dS tiles
+    load_tile<D16, VEC>(sQ, base + h * HS, ld, q0, T, HS);
+    load_tile<D16, VEC>(sdO, dout + int64_t(b) * T * C + h * HS, C, q0, T, HS);
+    for (int i = threadIdx.x; i < kTile; i += kThreads) {
+      sL[i] = q0 + i < T ? lse[stat + q0 + i] : 0.0f;
+      sD[i] = q0 + i < T ? Dv[stat + q0 + i] : 0.0f;
+    }
+    __syncthreads();
+    warp_xyt<D16>(sS, sQ, sK, w);    // S(q rows of warp, keys)
+    warp_xyt<D16>(sdP, sdO, sV, w);  // dP
+    __syncwarp();
+    probs_and_dscores(sS + r * LDS + 32 * half, sdP + r * LDS + 32 * half, sP + r * LDP + 32 * half,
+                      sdS + r * LDP + 32 * half, qi, k0 + 32 * half, T, sL[r], sD[r], scale, ds_i);
+    __syncthreads();  // dv/dk of the warp's key rows read every query row of P and dS
+    // dv(key rows of warp) += P^T(keys, queries) . dout(queries, HSP)
+    // dk(key rows of warp) += dS^T . q
 #pragma unroll
-      for (int kk = 0; kk < kTile / 16; ++kk) {
-        FragAT pt, dst;
-        wmma::load_matrix_sync(pt, sP + (16 * kk) * LDP + 16 * w, LDP);
-        wmma::load_matrix_sync(dst, sdS + (16 * kk) * LDP + 16 * w, LDP);
+    for (int kk = 0; kk < kTile / 16; ++kk) {
+      FragAT pt, dst;
+      wmma::load_matrix_sync(pt, sP + (16 * kk) * LDP + 16 * w, LDP);
+      wmma::load_matrix_sync(dst, sdS + (16 * kk) * LDP + 16 * w, LDP);
 #pragma unroll
-        for (int j = 0; j < D16; ++j) {
-          FragB bo, bq;
-          wmma::load_matrix_sync(bo, sdO + (16 * kk) * LDH + 16 * j, LDH);
-          wmma::mma_sync(dv[j], pt, bo, dv[j]);
-          wmma::load_matrix_sync(bq, sQ + (16 * kk) * LDH + 16 * j, LDH);
-          wmma::mma_sync(dk[j], dst, bq, dk[j]);
-        }
+      for (int j = 0; j < D16; ++j) {
+        FragB bo, bq;
+        wmma::load_matrix_sync(bo, sdO + (16 * kk) * LDH + 16 * j, LDH);
+        wmma::mma_sync(dv[j], pt, bo, dv[j]);
+        wmma::load_matrix_sync(bq, sQ + (16 * kk) * LDH + 16 * j, LDH);
+        wmma::mma_sync(dk[j], dst, bq, dk[j]);
       }
     }
+  }
+  if (S > 1) {
+    // This run's sums, fp32, for the reduce kernel: no staging needed, each
+    // warp stores its own 16 key rows.
+    const int key_tiles = gridDim.x / S;
+    float* part = partial + ((int64_t(b) * gridDim.y + g) * key_tiles + kt) * S * 2 * kTile * HSP +
+                  int64_t(split) * 2 * kTile * HSP;
+#pragma unroll
+    for (int j = 0; j < D16; ++j) {
+      wmma::store_matrix_sync(part + (16 * w) * HSP + 16 * j, dk[j], HSP, wmma::mem_row_major);
+      wmma::store_matrix_sync(part + kTile * HSP + (16 * w) * HSP + 16 * j, dv[j], HSP, wmma::mem_row_major);
+    }
+    return;
+  }
   __syncthreads();
   float* stage = sS;
 #pragma unroll
@@ -465,7 +488,40 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_kernel(bf16*
   store_tile<D16>(dqkv + int64_t(b) * T * ld + v_col(NH, NKV, HS, g), ld, stage, k0, T, HS, 1.0f);
 }
 
+// dk, dv of key row t = the sum of the S runs' partials (S > 1), in order
+// s = 0..S-1 (a fixed order: the same bits every run), rounded once to
+// bf16 into dqkv. One thread per (b, g, t, dk|dv, column), columns
+// innermost so that the loads and stores coalesce.
+__global__ void attention_dkdv_reduce_kernel(bf16* dqkv, const float* partial, int B, int T, int NH, int NKV, int HS,
+                                             int HSP, int S, int key_tiles) {
+  const int64_t total = int64_t(B) * NKV * T * 2 * HS;
+  const int64_t ld = qkv_row_stride(NH, NKV, HS);
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int c = int(i % HS);
+    int64_t rest = i / HS;
+    const int which = int(rest % 2);  // 0 dk, 1 dv
+    rest /= 2;
+    const int t = int(rest % T);
+    rest /= T;
+    const int g = int(rest % NKV);
+    const int b = int(rest / NKV);
+    const int kt = t / kTile, r = t % kTile;
+    const float* p = partial + ((int64_t(b) * NKV + g) * key_tiles + kt) * S * 2 * kTile * HSP +
+                     (int64_t(which) * kTile + r) * HSP + c;
+    float acc = 0.0f;
+    for (int s = 0; s < S; ++s) acc += p[int64_t(s) * 2 * kTile * HSP];
+    const int col = which == 0 ? k_col(NH, HS, g) : v_col(NH, NKV, HS, g);
+    dqkv[(int64_t(b) * T + t) * ld + col + c] = from_float<bf16>(acc);
+  }
+}
+
 // ---- dispatch ---------------------------------------------------------------------------
+
+// The padded head size of dispatch_head_size's instances (16, 32, 64, 96, 128).
+int padded_head_size(int HS) { return HS <= 16 ? 16 : HS <= 32 ? 32 : HS <= 64 ? 64 : HS <= 96 ? 96 : 128; }
+// Where the dk/dv partials start in the backward's scratch (after D),
+// 256-byte aligned for WMMA's stores.
+size_t partial_offset_floats(int B, int T, int NH) { return (size_t(B) * NH * T + 63) / 64 * 64; }
 
 // Maps the runtime head size to the padded compile-time size (in 16s):
 // 1, 2, 4, 6 or 8, i.e. HS <= 16, 32, 64, 96, 128. `hint` names where the
@@ -519,8 +575,9 @@ void forward_impl(bf16* out, float* lse, const bf16* qkv, int B, int T, int NH, 
 
 void backward_impl(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse, float* scratch,
                    int B, int T, int NH, int NKV, int HS, const char* what, const char* hint, const int32_t* doc_start,
-                   cudaStream_t stream) {
+                   int S, cudaStream_t stream) {
   check_grid(what, B, NH);
+  TR_CHECK(S >= 1 && S <= 64, what, ": dk/dv splits ", S, " must be in [1, 64]");
   const float scale = 1.0f / sqrtf(float(HS));
   float* Dv = scratch;
   const int C = NH * HS;
@@ -529,7 +586,10 @@ void backward_impl(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* ou
   TR_CUDA_LAUNCH_CHECK("attention_backward_d_kernel");
   const bool vec = aligned16(qkv) && aligned16(dout) && HS % 8 == 0;
   const int ntiles = (T + kTile - 1) / kTile;
-  const dim3 grid_dq(ntiles, NH, B), grid_dkv(ntiles, NKV, B);  // dk, dv: one block per key/value head
+  TR_CHECK(int64_t(ntiles) * S <= 0x7fffffff, what, ": T=", T, " with ", S, " dk/dv splits exceeds the grid");
+  // dk, dv: one block per key/value head and split of the key tile's queries.
+  const dim3 grid_dq(ntiles, NH, B), grid_dkv(unsigned(ntiles * S), NKV, B);
+  float* partial = S > 1 ? scratch + partial_offset_floats(B, T, NH) : nullptr;
   // NKV < NH: the dk/dv kernel's group loop; NKV == NH (multi-head): its
   // instance with R = 1 fixed at compile time, which allocates registers as
   // the kernel did before grouped-query attention (168 on sm_90 at HS 128;
@@ -542,8 +602,15 @@ void backward_impl(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* ou
       constexpr bool V = decltype(vec_c)::value, G = decltype(grouped_c)::value;
       set_smem(attention_backward_dkdv_kernel<D16, V, G>, s_dkv);
       attention_backward_dkdv_kernel<D16, V, G>
-          <<<grid_dkv, kThreads, s_dkv, stream>>>(dqkv, dout, qkv, lse, Dv, T, NH, NKV, HS, scale, doc_start);
+          <<<grid_dkv, kThreads, s_dkv, stream>>>(dqkv, dout, qkv, lse, Dv, T, NH, NKV, HS, scale, doc_start,
+                                                  partial, S);
       TR_CUDA_LAUNCH_CHECK("attention_backward_dkdv_kernel");
+      if (S > 1) {
+        const int64_t n = int64_t(B) * NKV * T * 2 * HS;
+        attention_dkdv_reduce_kernel<<<grid_for(n, 256, 8192), 256, 0, stream>>>(dqkv, partial, B, T, NH, NKV, HS,
+                                                                                 Dims<D16>::HSP, S, ntiles);
+        TR_CUDA_LAUNCH_CHECK("attention_dkdv_reduce_kernel");
+      }
       set_smem(attention_backward_dq_kernel<D16, V>, s_dq);
       attention_backward_dq_kernel<D16, V>
           <<<grid_dq, kThreads, s_dq, stream>>>(dqkv, dout, qkv, lse, Dv, T, NH, NKV, HS, scale, doc_start);
@@ -571,7 +638,23 @@ void check_gqa_heads(const char* what, int NH, int NKV, int HS) {
 
 size_t attention_saved_floats(int B, int T, int NH) { return size_t(B) * NH * T; }
 
-size_t attention_backward_scratch_bytes(int B, int T, int NH) { return size_t(B) * NH * T * sizeof(float); }
+int attention_dkv_splits(int B, int T, int NKV, int requested, int num_sms) {
+  if (requested > 0) return requested;
+  const int64_t ntiles = (int64_t(T) + kTile - 1) / kTile;
+  const int64_t blocks = ntiles * NKV * B, want = 2 * int64_t(std::max(num_sms, 1));
+  if (blocks <= 0 || blocks >= want) return 1;
+  return int(std::max<int64_t>(1, std::min<int64_t>({8, (want + blocks - 1) / blocks, ntiles})));
+}
+
+size_t attention_backward_scratch_bytes(int B, int T, int NH, int NKV, int HS, int dkv_splits) {
+  size_t floats = size_t(B) * NH * T;
+  if (dkv_splits > 1) {
+    const size_t ntiles = (size_t(T) + kTile - 1) / kTile;
+    floats = partial_offset_floats(B, T, NH) +
+             size_t(B) * NKV * ntiles * size_t(dkv_splits) * 2 * kTile * size_t(padded_head_size(HS));
+  }
+  return floats * sizeof(float);
+}
 
 void attention_forward(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int NH, cudaStream_t stream,
                        const int32_t* doc_start) {
@@ -581,11 +664,12 @@ void attention_forward(bf16* out, float* lse, const bf16* qkv, int B, int T, int
 }
 
 void attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse,
-                        float* scratch, int B, int T, int C, int NH, cudaStream_t stream, const int32_t* doc_start) {
+                        float* scratch, int B, int T, int C, int NH, cudaStream_t stream, const int32_t* doc_start,
+                        int dkv_splits) {
   if (B <= 0 || T <= 0) return;
   TR_CHECK(NH > 0 && C % NH == 0, "attention_backward: C=", C, " is not divisible by NH=", NH);
   backward_impl(dqkv, dout, qkv, out, lse, scratch, B, T, NH, NH, C / NH, "attention_backward", kMhaHint, doc_start,
-                stream);
+                dkv_splits, stream);
 }
 
 void attention_gqa_forward(bf16* out, float* lse, const bf16* qkv, int B, int T, int NH, int NKV, int HS,
@@ -597,11 +681,11 @@ void attention_gqa_forward(bf16* out, float* lse, const bf16* qkv, int B, int T,
 
 void attention_gqa_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse,
                             float* scratch, int B, int T, int NH, int NKV, int HS, cudaStream_t stream,
-                            const int32_t* doc_start) {
+                            const int32_t* doc_start, int dkv_splits) {
   check_gqa_heads("attention_gqa_backward", NH, NKV, HS);
   if (B <= 0 || T <= 0) return;
   backward_impl(dqkv, dout, qkv, out, lse, scratch, B, T, NH, NKV, HS, "attention_gqa_backward", kGqaHint, doc_start,
-                stream);
+                dkv_splits, stream);
 }
 
 }  // namespace trainrun::cuda

@@ -61,17 +61,28 @@ size_t attention_saved_floats(int B, int T, int NH);
 void attention_forward(bf16* out, float* lse, const bf16* qkv, int B, int T, int C, int NH, cudaStream_t stream,
                        const int32_t* doc_start = nullptr);
 
-// Scratch of both backwards: D, (B,NH,T) fp32.
-size_t attention_backward_scratch_bytes(int B, int T, int NH);
+// dk/dv query splits: the grid of the dk/dv kernel is (key tiles x S,
+// NKV, B); split s of a key tile takes the s-th of S equal runs of the
+// tile's (query head, query tile) pairs, writes fp32 partials, and a second
+// kernel sums the S partials of each key row in order s = 0..S-1 (fixed,
+// so the result is deterministic). S = 1: no partials, the kernel writes
+// dk/dv itself as before. `requested` > 0 forces S (tests, benches;
+// TRAINRUN_CUDA_ATTN_DKV_SPLITS); 0 picks the smallest S that gives the
+// grid two blocks per SM (num_sms), at most 8 and at most the
+// key tiles (70B tp8, T = 8192, B = 1: 128 blocks on 132 SMs -> S = 3).
+int attention_dkv_splits(int B, int T, int NKV, int requested, int num_sms);
+// Scratch of both backwards: D, (B,NH,T) fp32, and with S > 1 the dk/dv
+// partials, (B, NKV, key tiles, S, 2, 64, HS) fp32.
+size_t attention_backward_scratch_bytes(int B, int T, int NH, int NKV, int HS, int dkv_splits);
 void attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse,
                         float* scratch, int B, int T, int C, int NH, cudaStream_t stream,
-                        const int32_t* doc_start = nullptr);
+                        const int32_t* doc_start = nullptr, int dkv_splits = 1);
 
 // Grouped-query: NKV divides NH; lse (B,NH,T) as attention_saved_floats.
 void attention_gqa_forward(bf16* out, float* lse, const bf16* qkv, int B, int T, int NH, int NKV, int HS,
                            cudaStream_t stream, const int32_t* doc_start = nullptr);
 void attention_gqa_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse,
                             float* scratch, int B, int T, int NH, int NKV, int HS, cudaStream_t stream,
-                            const int32_t* doc_start = nullptr);
+                            const int32_t* doc_start = nullptr, int dkv_splits = 1);
 
 }  // namespace trainrun::cuda

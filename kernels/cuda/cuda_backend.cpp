@@ -49,7 +49,16 @@ CudaBackend::CudaBackend(int device) : device_(device) {
   if (const char* v = std::getenv("TRAINRUN_CUDA_GEMM_GELU")) gelu_epilogue_ = std::strcmp(v, "0") != 0;
   TR_CUDA_CHECK(cudaStreamCreateWithFlags(&compute_, cudaStreamNonBlocking));
   TR_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_, cudaStreamNonBlocking));
+  TR_CUDA_CHECK(cudaStreamCreateWithFlags(&copy_, cudaStreamNonBlocking));
+  if (const char* v = std::getenv("TRAINRUN_CUDA_ATTN_DKV_SPLITS"); v && *v) {
+    char* end = nullptr;
+    const long n = std::strtol(v, &end, 10);
+    TR_CHECK(end && *end == '\0' && n >= 0 && n <= 64, "TRAINRUN_CUDA_ATTN_DKV_SPLITS=", v,
+             " must be an integer in [0, 64] (0: chosen from the SM count)");
+    attn_dkv_splits_ = int(n);
+  }
   alloc_ = std::make_unique<DeviceAllocator>(device);
+  alloc_->set_release_stream(compute_);  // every op runs there: a block's last use is in its order
   gemm_ = std::make_unique<Gemm>(device);
 }
 
@@ -59,12 +68,18 @@ CudaBackend::~CudaBackend() {
   if (cudaGetDevice(&cur) == cudaSuccess && cur != device_) cudaSetDevice(device_);
   if (compute_) cudaStreamSynchronize(compute_);
   if (comm_) cudaStreamSynchronize(comm_);
+  if (copy_) cudaStreamSynchronize(copy_);
+  for (PinnedSlot& s : landing_) {
+    if (s.p) cudaFreeHost(s.p);
+    if (s.read) cudaEventDestroy(s.read);
+  }
   for (PinnedSlot& s : pinned_) {
     if (s.p) cudaFreeHost(s.p);
     if (s.read) cudaEventDestroy(s.read);
   }
   gemm_.reset();
   alloc_.reset();
+  if (copy_) cudaStreamDestroy(copy_);
   if (comm_) cudaStreamDestroy(comm_);
   if (compute_) cudaStreamDestroy(compute_);
 }
@@ -174,6 +189,49 @@ void CudaBackend::copy_to_host(void* dst, const void* src, size_t bytes) {
   make_current();
   TR_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, compute_));
   TR_CUDA_CHECK(cudaStreamSynchronize(compute_));  // the caller reads dst next
+}
+
+void CudaBackend::copy_to_host_chunks(const void* src, size_t bytes, const std::shared_ptr<void>& ready,
+                                      const HostChunkSink& consume) {
+  if (!bytes) return;
+  make_current();
+  std::lock_guard<std::mutex> lk(landing_mu_);
+  for (PinnedSlot& s : landing_) {
+    if (s.p) continue;
+    TR_CUDA_CHECK(cudaHostAlloc(&s.p, kLandingBytes, cudaHostAllocDefault));
+    s.bytes = kLandingBytes;
+    TR_CUDA_CHECK(cudaEventCreateWithFlags(&s.read, cudaEventDisableTiming));
+  }
+  // Start after `ready` only (the reduce-scatter that wrote src), not after
+  // the backward the compute stream has queued since. Without one: after
+  // everything enqueued on the compute stream so far.
+  cudaEvent_t after = static_cast<cudaEvent_t>(ready.get());
+  cudaEvent_t own = nullptr;
+  if (!after) {
+    TR_CUDA_CHECK(cudaEventCreateWithFlags(&own, cudaEventDisableTiming));
+    TR_CUDA_CHECK(cudaEventRecord(own, compute_));
+    after = own;
+  }
+  const cudaError_t waited = cudaStreamWaitEvent(copy_, after, 0);
+  if (own) cudaEventDestroy(own);  // released once the copy stream has passed it
+  TR_CUDA_CHECK(waited);
+  const size_t chunks = (bytes + kLandingBytes - 1) / kLandingBytes;
+  auto issue = [&](size_t i) {
+    PinnedSlot& s = landing_[i % 2];
+    const size_t off = i * kLandingBytes, n = std::min(kLandingBytes, bytes - off);
+    TR_CUDA_CHECK(cudaMemcpyAsync(s.p, static_cast<const char*>(src) + off, n, cudaMemcpyDeviceToHost, copy_));
+    TR_CUDA_CHECK(cudaEventRecord(s.read, copy_));
+  };
+  issue(0);
+  for (size_t i = 0; i < chunks; ++i) {
+    // Chunk i+1 lands in the other buffer, whose chunk (i-1) was consumed
+    // in the previous iteration, while the caller consumes chunk i.
+    if (i + 1 < chunks) issue(i + 1);
+    PinnedSlot& s = landing_[i % 2];
+    TR_CUDA_CHECK(cudaEventSynchronize(s.read));
+    const size_t off = i * kLandingBytes;
+    consume(s.p, off, std::min(kLandingBytes, bytes - off));
+  }
 }
 
 void CudaBackend::copy_device(void* dst, const void* src, size_t bytes) {
@@ -299,8 +357,10 @@ void CudaBackend::attention_forward(void* out, float* saved, const void* qkv, in
 void CudaBackend::attention_backward(void* dqkv, const void* dout, const void* qkv, const void* out,
                                      const float* saved, int B, int T, int C, int NH, const int32_t* doc_start) {
   make_current();
-  Scratch s(*alloc_, attention_backward_scratch_bytes(B, T, NH));
-  cuda::attention_backward(H(dqkv), H(dout), H(qkv), H(out), saved, s.as<float>(), B, T, C, NH, compute_, doc_start);
+  const int splits = attention_dkv_splits(B, T, NH, attn_dkv_splits_, num_sms_);
+  Scratch s(*alloc_, attention_backward_scratch_bytes(B, T, NH, NH, NH > 0 ? C / NH : 0, splits));
+  cuda::attention_backward(H(dqkv), H(dout), H(qkv), H(out), saved, s.as<float>(), B, T, C, NH, compute_, doc_start,
+                           splits);
 }
 
 void CudaBackend::attention_kv_forward(void* out, void* kcache, void* vcache, const void* qkv, int pos, int Tq,
@@ -367,9 +427,10 @@ void CudaBackend::attention_gqa_backward(void* dqkv, const void* dout, const voi
                                          const float* saved, int B, int T, int NH, int NKV, int HS,
                                          const int32_t* doc_start) {
   make_current();
-  Scratch s(*alloc_, attention_backward_scratch_bytes(B, T, NH));
+  const int splits = attention_dkv_splits(B, T, NKV, attn_dkv_splits_, num_sms_);
+  Scratch s(*alloc_, attention_backward_scratch_bytes(B, T, NH, NKV, HS, splits));
   cuda::attention_gqa_backward(H(dqkv), H(dout), H(qkv), H(out), saved, s.as<float>(), B, T, NH, NKV, HS, compute_,
-                               doc_start);
+                               doc_start, splits);
 }
 
 void CudaBackend::attention_kv_gqa_forward(void* out, void* kcache, void* vcache, const void* qkv, int pos, int Tq,

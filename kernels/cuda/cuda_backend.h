@@ -50,6 +50,12 @@ class CudaBackend final : public Backend {
   bool wants_pinned_host() const override { return true; }
   bool pin_host(void* p, size_t bytes) override;
   void unpin_host(void* p) override;
+  // On copy_ (a stream of its own, waiting on `ready`'s event), through two
+  // pinned landing buffers: chunk i+1's DMA runs while the caller consumes
+  // chunk i; only these copies' events are waited on, never the compute
+  // stream.
+  void copy_to_host_chunks(const void* src, size_t bytes, const std::shared_ptr<void>& ready,
+                           const HostChunkSink& consume) override;
   // Timing events on the compute stream (Backend::time_mark).
   std::shared_ptr<void> time_mark() override;
   double ms_between(const std::shared_ptr<void>& from, const std::shared_ptr<void>& to) override;
@@ -167,6 +173,15 @@ class CudaBackend final : public Backend {
   PinnedSlot pinned_[kPinnedSlots];
   int next_pinned_ = 0;
   std::mutex pinned_mu_;
+  // copy_to_host_chunks: one caller at a time (the sharded store's comm
+  // thread); the landing buffers are allocated at its first call.
+  static constexpr size_t kLandingBytes = size_t(4) << 20;
+  cudaStream_t copy_ = nullptr;
+  PinnedSlot landing_[2];
+  std::mutex landing_mu_;
+  // TRAINRUN_CUDA_ATTN_DKV_SPLITS=n: the attention backward's dk/dv query
+  // splits (attention.cuh); unset or 0: chosen from the SM count.
+  int attn_dkv_splits_ = 0;
   std::unique_ptr<DeviceAllocator> alloc_;
   std::unique_ptr<Gemm> gemm_;
 };

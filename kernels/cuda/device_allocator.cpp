@@ -27,15 +27,25 @@ DeviceAllocator::DeviceAllocator(int device) : device_(device) {}
 DeviceAllocator::~DeviceAllocator() {
   // Best effort: the process may be exiting after a device error.
   std::lock_guard<std::mutex> lk(mu_);
+  for (auto& kv : last_use_) cudaEventDestroy(kv.second);
   for (auto& kv : sizes_) cudaFree(kv.first);
 }
 
-void* DeviceAllocator::device_malloc(size_t rounded, size_t requested) {
+void DeviceAllocator::set_release_stream(cudaStream_t s) {
+  std::lock_guard<std::mutex> lk(mu_);
+  release_stream_ = s;
+}
+
+void* DeviceAllocator::device_malloc(size_t rounded, size_t requested, std::unique_lock<std::mutex>& lk) {
   void* p = nullptr;
   cudaError_t e = cudaMalloc(&p, rounded);
   if (e == cudaErrorMemoryAllocation) {
     cudaGetLastError();  // clear the (non-sticky) error before retrying
-    free_cached_locked();
+    // Out of the lists under the mutex, freed without it (see the header).
+    const std::vector<Cached> blocks = take_cached_locked();
+    lk.unlock();
+    free_blocks(blocks);
+    lk.lock();
     e = cudaMalloc(&p, rounded);
   }
   if (e != cudaSuccess) {
@@ -52,28 +62,54 @@ void* DeviceAllocator::device_malloc(size_t rounded, size_t requested) {
   return p;
 }
 
-void DeviceAllocator::free_cached_locked() {
-  if (free_.empty()) return;
-  // Cached blocks may still be read by enqueued kernels of their last user.
-  cudaDeviceSynchronize();
+// Every cached block leaves the lists (no one else can take it) with its
+// last-use event; the caller frees them without the mutex.
+std::vector<DeviceAllocator::Cached> DeviceAllocator::take_cached_locked() {
+  std::vector<Cached> out;
+  out.reserve(free_.size());
   for (auto& kv : free_) {
-    cudaFree(kv.second);
+    out.push_back(Cached{kv.second, kv.first});
     sizes_.erase(kv.second);
     reserved_ -= kv.first;
   }
   free_.clear();
+  return out;
+}
+
+void DeviceAllocator::free_blocks(const std::vector<Cached>& blocks) {
+  for (const Cached& b : blocks) {
+    cudaEvent_t ev = nullptr;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      auto it = last_use_.find(b.p);
+      if (it != last_use_.end()) {
+        ev = it->second;
+        last_use_.erase(it);
+      }
+    }
+    // Its last user's kernels may still be enqueued: wait for them (only
+    // them), then free. Without an event (no release stream) the whole
+    // device, as before, but still without the mutex.
+    if (ev) {
+      cudaEventSynchronize(ev);
+      cudaEventDestroy(ev);
+    } else {
+      cudaDeviceSynchronize();
+    }
+    cudaFree(b.p);
+  }
 }
 
 void* DeviceAllocator::allocate(size_t bytes) {
   const size_t rounded = round_size(bytes);
-  std::lock_guard<std::mutex> lk(mu_);
+  std::unique_lock<std::mutex> lk(mu_);
   void* p = nullptr;
   auto it = free_.lower_bound(rounded);
   if (it != free_.end() && it->first - rounded <= it->first / 4) {
     p = it->second;
     free_.erase(it);
   } else {
-    p = device_malloc(rounded, bytes);
+    p = device_malloc(rounded, bytes, lk);
   }
   live_[p] = Block{sizes_[p], bytes};
   in_use_ += bytes;
@@ -89,6 +125,18 @@ void DeviceAllocator::release(void* p) {
   in_use_ -= it->second.requested;
   free_.emplace(it->second.size, p);
   live_.erase(it);
+  if (release_stream_) {
+    // The block's last use, in the compute stream's order: what a free
+    // before the OOM retry waits for. One event per block, re-recorded.
+    cudaEvent_t& ev = last_use_[p];
+    if (!ev && cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) != cudaSuccess) {
+      cudaGetLastError();
+      ev = nullptr;
+      last_use_.erase(p);
+      return;
+    }
+    if (cudaEventRecord(ev, release_stream_) != cudaSuccess) cudaGetLastError();
+  }
 }
 
 size_t DeviceAllocator::in_use() const {
@@ -108,8 +156,10 @@ size_t DeviceAllocator::reserved() const {
   return reserved_;
 }
 void DeviceAllocator::empty_cache() {
-  std::lock_guard<std::mutex> lk(mu_);
-  free_cached_locked();
+  std::unique_lock<std::mutex> lk(mu_);
+  const std::vector<Cached> blocks = take_cached_locked();
+  lk.unlock();
+  free_blocks(blocks);
 }
 
 }  // namespace trainrun::cuda

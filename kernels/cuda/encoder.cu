@@ -25,6 +25,10 @@ __global__ void encoder_forward_kernel(bf16* out, const int32_t* tokens, const b
       const int c = int(i % C8) * 8;
       const int t = pos ? pos[bt] : int(bt % T);
       const auto e = Pack16<bf16>::load(wte + int64_t(tokens[bt]) * C + c);
+      if (!wpe) {  // no position table (Llama): the lookup alone, bit for bit
+        e.store(out + bt * C + c);
+        continue;
+      }
       const auto p = Pack16<bf16>::load(wpe + int64_t(t) * C + c);
       Pack16<bf16> o;
 #pragma unroll
@@ -36,7 +40,8 @@ __global__ void encoder_forward_kernel(bf16* out, const int32_t* tokens, const b
       const int64_t bt = i / C;
       const int c = int(i % C);
       const int t = pos ? pos[bt] : int(bt % T);
-      out[i] = from_float<bf16>(to_float(wte[int64_t(tokens[bt]) * C + c]) + to_float(wpe[int64_t(t) * C + c]));
+      const bf16 e = wte[int64_t(tokens[bt]) * C + c];
+      out[i] = wpe ? from_float<bf16>(to_float(e) + to_float(wpe[int64_t(t) * C + c])) : e;
     }
   }
 }
@@ -58,11 +63,17 @@ __device__ __forceinline__ bool run_leaves_chunk(const int32_t* sorted_tokens, i
 // block). Row group g sums rows i+g, i+g+8, ... of the segment; the groups
 // are combined in order. A whole run (it starts and ends in this chunk) is
 // added to dwte[v]; a piece of a longer run goes to its partial slot.
+// Rows whose token is `skip` (-1: none) are left out: the vocab-parallel
+// backward maps other ranks' tokens to it and scatters straight into its
+// shard. Their segments write no partial slot, and no runs-kernel block
+// reads one (skip sorts last: a chunk that ends in it returns there).
 __global__ void encoder_backward_wte_kernel(float* dwte, float* partial, const bf16* dout,
-                                            const int32_t* sorted_tokens, const int32_t* sorted_pos, int N, int C) {
+                                            const int32_t* sorted_tokens, const int32_t* sorted_pos, int N, int C,
+                                            int skip) {
   __shared__ float red[kRowGroups][kSlab];
   const int i = blockIdx.x;
   const int v = sorted_tokens[i];
+  if (v == skip) return;  // uniform over the block
   const bool run_head = i == 0 || sorted_tokens[i - 1] != v;
   const bool chunk_head = i % kRunChunk == 0;
   if (!run_head && !chunk_head) return;  // inside a segment
@@ -106,11 +117,12 @@ __global__ void encoder_backward_wte_kernel(float* dwte, float* partial, const b
 // starts in chunk k and leaves it (if any): dwte[v] += its partials, the
 // head segment's first, then one per later chunk, in chunk order.
 __global__ void encoder_backward_wte_runs_kernel(float* dwte, const float* partial, const int32_t* sorted_tokens,
-                                                 int N, int C) {
+                                                 int N, int C, int skip) {
   const int k = blockIdx.x;
   const int first = k * kRunChunk;
   const int lastrow = min(N, first + kRunChunk) - 1;
   const int v = sorted_tokens[lastrow];
+  if (v == skip) return;  // the skipped rows' run: nothing to add
   if (!run_leaves_chunk(sorted_tokens, k, N, v)) return;  // no run crosses this chunk's end
   const bool covers_start = sorted_tokens[first] == v;
   if (covers_start && first > 0 && sorted_tokens[first - 1] == v) return;  // began in an earlier chunk
@@ -172,7 +184,8 @@ size_t encoder_backward_scratch_bytes(int N, int C) {
 }
 
 void encoder_backward(float* dwte, float* dwpe, const bf16* dout, const int32_t* tokens, int B, int T, int C,
-                      void* scratch, size_t scratch_bytes, cudaStream_t stream, const int32_t* pos) {
+                      void* scratch, size_t scratch_bytes, cudaStream_t stream, const int32_t* pos,
+                      int skip_token) {
   const int N = B * T;
   if (N <= 0 || C <= 0) return;
   TR_CHECK(scratch_bytes >= encoder_backward_scratch_bytes(N, C), "encoder_backward: scratch too small");
@@ -190,7 +203,7 @@ void encoder_backward(float* dwte, float* dwpe, const bf16* dout, const int32_t*
   TR_CUDA_LAUNCH_CHECK("encoder_backward iota");
   const int slabs = (C + kSlab - 1) / kSlab;
   // dtable[index[n]] += dout[n], deterministically: the rows sorted by index.
-  auto scatter = [&](float* dtable, const int32_t* index) {
+  auto scatter = [&](float* dtable, const int32_t* index, int skip) {
     // Stable LSD radix sort over bits [0, 31) (ids are non-negative): equal
     // ids keep their row order, so every run is summed in that order.
     TR_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp, temp_bytes, index, sorted_tokens, pos_in, sorted_pos, N, 0, 31,
@@ -199,15 +212,17 @@ void encoder_backward(float* dwte, float* dwpe, const bf16* dout, const int32_t*
     // (a run that leaves chunk k wrote its head slot and one slot 2kk per
     // later chunk it covers), so the partials need no zeroing.
     dim3 grid(N, slabs), block(32, kRowGroups);
-    encoder_backward_wte_kernel<<<grid, block, 0, stream>>>(dtable, partial, dout, sorted_tokens, sorted_pos, N, C);
+    encoder_backward_wte_kernel<<<grid, block, 0, stream>>>(dtable, partial, dout, sorted_tokens, sorted_pos, N, C,
+                                                            skip);
     TR_CUDA_LAUNCH_CHECK("encoder_backward_wte");
     encoder_backward_wte_runs_kernel<<<dim3(run_chunks(N), slabs), kSlab, 0, stream>>>(dtable, partial, sorted_tokens,
-                                                                                      N, C);
+                                                                                      N, C, skip);
     TR_CUDA_LAUNCH_CHECK("encoder_backward_wte_runs");
   };
-  scatter(dwte, tokens);
+  scatter(dwte, tokens, skip_token);
+  if (!dwpe) return;  // no position table (Llama)
   if (pos) {  // document masking: many rows share a position, as tokens share a row of wte
-    scatter(dwpe, pos);
+    scatter(dwpe, pos, -1);
     return;
   }
   encoder_backward_wpe_kernel<<<grid_for(int64_t(T) * C, kThreads), kThreads, 0, stream>>>(dwpe, dout, B, T, C);

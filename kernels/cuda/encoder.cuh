@@ -39,8 +39,13 @@ namespace trainrun::cuda {
 void encoder_forward(bf16* out, const int32_t* tokens, const bf16* wte, const bf16* wpe, int B, int T, int C,
                      cudaStream_t stream, const int32_t* pos = nullptr);
 
+// dwpe null: no position gradient (a position-free architecture).
+// skip_token >= 0: rows with that token id are left out of dwte (the
+// vocab-parallel backward's "another rank's token"); -1: none. The ids
+// must be in [0, skip_token] then (skip sorts last).
 size_t encoder_backward_scratch_bytes(int N, int C);
 void encoder_backward(float* dwte, float* dwpe, const bf16* dout, const int32_t* tokens, int B, int T, int C,
-                      void* scratch, size_t scratch_bytes, cudaStream_t stream, const int32_t* pos = nullptr);
+                      void* scratch, size_t scratch_bytes, cudaStream_t stream, const int32_t* pos = nullptr,
+                      int skip_token = -1);
 
 }  // namespace trainrun::cuda

@@ -127,6 +127,13 @@ void matmul_backward(Gemm& gemm, bf16* dinp, float* dweight, float* dbias, const
                      const bf16* weight, int N, int C, int OC, bool bgrad_epilogue, float* scratch,
                      cudaStream_t stream, int64_t ld_out) {
   if (N <= 0) return;
+  if (OC <= 0) {
+    // No output features (a TP rank whose vocab shard is all padding): the
+    // input gradient is an empty sum, zero; dweight and dbias have no
+    // elements. A k = 0 GEMM is not a valid cuBLASLt problem.
+    if (dinp) TR_CUDA_CHECK(cudaMemsetAsync(dinp, 0, size_t(N) * size_t(C) * sizeof(bf16), stream));
+    return;
+  }
   const int64_t ldo = ld_out > 0 ? ld_out : OC;
   TR_CHECK(!dbias || ldo == OC, "matmul_backward: a bias gradient needs dout rows OC (", OC, ") apart, not ", ldo);
   if (dinp) {

@@ -26,6 +26,7 @@ bool matmul_gelu_forward(Gemm& gemm, bf16* out, bf16* pre, const bf16* inp, cons
 bool matmul_dinp_dgelu(Gemm& gemm, bf16* dinp, const bf16* dout, const bf16* weight, const bf16* pre, int N, int C,
                        int OC, cudaStream_t stream) {
   if (N <= 0) return true;
+  if (OC <= 0) return false;  // matmul_backward zeroes dinp (a k = 0 GEMM is no cuBLASLt problem)
   if (C % 8 != 0) return false;
   GemmDesc g = linear_dinp_desc(N, C, OC);
   g.epilogue = GemmEpilogue::DGelu;

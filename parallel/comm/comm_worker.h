@@ -7,6 +7,12 @@
 // their futures report a broken promise. The owner drains what it needs
 // first; a task queued behind a failed collective must never run against
 // members the owner is already destroying, nor wait out another timeout.
+//
+// With an EnqueueOrder (set_order: the rank's cross-group call order,
+// enqueue_order.h), submit() reserves the task's ticket on the submitting
+// thread, so the task's collectives take their turn in that thread's
+// program order, not whenever this thread gets to them; a dropped task
+// releases its ticket.
 #pragma once
 #include <condition_variable>
 #include <deque>
@@ -14,6 +20,8 @@
 #include <future>
 #include <mutex>
 #include <thread>
+
+#include "parallel/comm/enqueue_order.h"
 
 namespace trainrun {
 
@@ -24,7 +32,7 @@ class CommWorker {
     {
       std::lock_guard<std::mutex> lk(mu_);
       stop_ = true;
-      queue_.clear();  // not started: dropped (see the top)
+      drop_pending();  // not started: dropped (see the top)
     }
     cv_.notify_all();
     thread_.join();
@@ -32,14 +40,20 @@ class CommWorker {
   // Drops every task that has not started yet; the running one finishes.
   void cancel_pending() {
     std::lock_guard<std::mutex> lk(mu_);
-    queue_.clear();
+    drop_pending();
+  }
+  // Before the first submit.
+  void set_order(EnqueueOrder* order) {
+    std::lock_guard<std::mutex> lk(mu_);
+    order_ = order;
   }
   std::shared_future<void> submit(std::function<void()> fn) {
     std::packaged_task<void()> task(std::move(fn));
     std::shared_future<void> fut = task.get_future().share();
     {
       std::lock_guard<std::mutex> lk(mu_);
-      queue_.push_back(std::move(task));
+      const uint64_t ticket = order_ ? order_->reserve() : 0;
+      queue_.push_back(Task{std::move(task), ticket});
     }
     cv_.notify_one();
     return fut;
@@ -48,20 +62,35 @@ class CommWorker {
  private:
   void loop() {
     for (;;) {
-      std::packaged_task<void()> task;
+      Task task;
+      EnqueueOrder* order = nullptr;
       {
         std::unique_lock<std::mutex> lk(mu_);
         cv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
         if (stop_ || queue_.empty()) return;
         task = std::move(queue_.front());
         queue_.pop_front();
+        order = order_;
       }
-      task();
+      EnqueueOrder::Turn turn(order, task.ticket);  // released when the task returns or throws
+      task.fn();
     }
+  }
+  struct Task {
+    std::packaged_task<void()> fn;
+    uint64_t ticket = 0;
+  };
+  // Under mu_: a dropped task's ticket is done, or every later call would
+  // wait for it forever.
+  void drop_pending() {
+    if (order_)
+      for (const Task& t : queue_) order_->release(t.ticket);
+    queue_.clear();
   }
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<std::packaged_task<void()>> queue_;
+  std::deque<Task> queue_;
+  EnqueueOrder* order_ = nullptr;
   bool stop_ = false;
   std::thread thread_;
 };

@@ -28,6 +28,8 @@ namespace trainrun {
 
 enum class ReduceOp { Sum, Avg, Max };
 
+class EnqueueOrder;  // parallel/comm/enqueue_order.h
+
 // A collective whose result the compute stream has not been told to wait
 // for yet (see Communicator::all_gather_deferred).
 class PendingCollective {
@@ -36,6 +38,11 @@ class PendingCollective {
   // Ops enqueued on the compute stream from now on run after the
   // collective. Call it before reading the result or handing its buffer on.
   virtual void order_compute_after() = 0;
+  // A point after the collective's completion that another stream (a
+  // backend's copy, Backend::copy_to_host_chunks) can wait on without the
+  // compute stream (NCCL: the event recorded after it). Null: none; order
+  // on the compute stream (order_compute_after) instead.
+  virtual std::shared_ptr<void> ready_point() const { return nullptr; }
 };
 
 class Communicator {
@@ -127,6 +134,18 @@ class Communicator {
     send(buf, bytes, to, tag);
     return nullptr;
   }
+  // A receive posted ahead of its use (a pipeline stage's next input, once
+  // the slot's last reader is enqueued): it writes `buf` after `after` (a
+  // compute_point(); null: everything enqueued on the compute stream so
+  // far), and the compute stream waits for it only at the handle's
+  // order_compute_after(); until then the compute stream must not touch
+  // `buf`. Null handle: it already completed (the default receives here).
+  virtual std::unique_ptr<PendingCollective> recv_deferred(void* buf, size_t bytes, int from, uint32_t tag = 0,
+                                                           const std::shared_ptr<void>& after = nullptr) {
+    (void)after;
+    recv(buf, bytes, from, tag);
+    return nullptr;
+  }
   // What the next calls are for, in the caller's words ("pipeline (step 3):
   // sending the activation of microbatch 2 between stage 0 (rank 0) and
   // stage 1 (rank 1)"): a stream-ordered communicator, whose failures surface
@@ -148,6 +167,10 @@ class Communicator {
   int64_t step() const { return step_; }
   virtual void set_group(const std::string& group) { group_ = group; }
   const std::string& group() const { return group_; }
+  // The rank's cross-group call order this communicator takes turns in
+  // (enqueue_order.h); null: none. A CommWorker that issues this
+  // communicator's calls reserves its tasks' turns in it.
+  virtual EnqueueOrder* enqueue_order() const { return nullptr; }
 
  protected:
   // "all_reduce (step 12, rank 1 of 4, group dp_replicate1)": where an error happened.

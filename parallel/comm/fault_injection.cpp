@@ -126,6 +126,13 @@ class FaultyCommunicator final : public Communicator {
     after("send_recv");
     return pending;
   }
+  std::unique_ptr<PendingCollective> recv_deferred(void* buf, size_t bytes, int from, uint32_t tag,
+                                                   const std::shared_ptr<void>& after_point) override {
+    faulting();
+    auto pending = inner_->recv_deferred(buf, bytes, from, tag, after_point);
+    after("send_recv");
+    return pending;
+  }
   void set_op_label(const std::string& label) override {
     Communicator::set_op_label(label);
     inner_->set_op_label(label);

@@ -8,7 +8,16 @@
 // The communicator is created non-blocking (ncclConfig_t.blocking = 0), so
 // neither init nor a collective can hang the process: we poll.
 //
-// Streams: a collective runs on the backend's comm stream after an event
+// Streams: every communicator of more than one rank has a stream of its
+// own (the review of 12b972a found all mesh groups sharing the backend's
+// comm stream, enqueued from the compute thread (TP) and the sharded
+// store's comm thread (DP): their order on that one stream could differ
+// between ranks, a cycle that hangs every rank). The order in which a rank
+// enqueues on its communicators is the program order of its compute thread
+// on every rank (parallel/comm/enqueue_order.h: a ticket lock per rank that
+// the trainer wraps every communicator in; tested on the CPU with the
+// recorder of comm_record.h), and the same lock keeps two host threads from
+// enqueueing NCCL work at once. A collective runs on its stream after an event
 // recorded on the compute stream (so it sees every op enqueued before the
 // call), inside ncclGroupStart/End. On device buffers it is stream-ordered:
 // an event recorded after it on the comm stream is waited on by the compute
@@ -36,10 +45,9 @@
 // blocking mode wait inline, with the same checks.
 //
 // Pipeline links (make_nccl_communicator with own_stream): a 2-rank
-// communicator that carries one direction between two pipeline stages runs
-// on a stream of its own instead of the backend's comm stream, so a
-// receive that waits for its peer holds up neither the FSDP collectives nor
-// the sends and receives of the other links. send_deferred is its send:
+// communicator that carries one direction between two pipeline stages; like
+// every communicator it runs on its own stream, so a receive that waits for
+// its peer holds up neither the FSDP collectives nor the other links. send_deferred is its send:
 // the compute stream waits for it only where the executor is about to
 // overwrite the buffer (slot reuse) and at the end of the step. The
 // caller's op label (set_op_label: the step, the microbatch, the peer
@@ -95,25 +103,26 @@ ncclRedOp_t nccl_op(ReduceOp op) {
   return ncclSum;
 }
 
-// The compute stream's wait for one deferred collective (its own event).
+// The compute stream's wait for one deferred collective (its own event,
+// recorded after the collective on the communicator's stream). The event
+// is shared: ready_point() hands it to another stream's wait (offload's
+// copy stream), and it is destroyed with its last holder; a wait already
+// enqueued on it stays valid (CUDA releases it once the GPU has passed).
 class DeferredWait final : public PendingCollective {
  public:
-  DeferredWait(CudaBackend* be, cudaEvent_t ev) : be_(be), ev_(ev) {}
-  ~DeferredWait() override {
-    // Never waited for (an error path): the event goes when the GPU is done.
-    if (ev_) cudaEventDestroy(ev_);
-  }
+  DeferredWait(CudaBackend* be, cudaEvent_t ev)
+      : be_(be), ev_(ev, [](void* e) { cudaEventDestroy(static_cast<cudaEvent_t>(e)); }) {}
   void order_compute_after() override {
     if (!ev_) return;
     be_->make_current();
-    TR_CUDA_CHECK(cudaStreamWaitEvent(be_->compute_stream(), ev_, 0));
-    cudaEventDestroy(ev_);  // released once the GPU has passed it
-    ev_ = nullptr;
+    TR_CUDA_CHECK(cudaStreamWaitEvent(be_->compute_stream(), static_cast<cudaEvent_t>(ev_.get()), 0));
+    ev_.reset();
   }
+  std::shared_ptr<void> ready_point() const override { return ev_; }
 
  private:
   CudaBackend* be_;
-  cudaEvent_t ev_;
+  std::shared_ptr<void> ev_;
 };
 
 class NcclCommunicator final : public Communicator {
@@ -122,7 +131,10 @@ class NcclCommunicator final : public Communicator {
                    std::chrono::milliseconds timeout, bool own_stream)
       : be_(be), comm_(comm), rank_(rank), world_(world), prefix_(std::move(prefix)), timeout_(timeout) {
     be_->make_current();
-    if (own_stream) TR_CUDA_CHECK(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking));
+    // A stream per communicator (see the top); `own_stream` is kept in the
+    // signature for the plugin ABI and says nothing more now.
+    (void)own_stream;
+    if (world_ > 1) TR_CUDA_CHECK(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking));
     TR_CUDA_CHECK(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming));
     TR_CUDA_CHECK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming));
     const char* b = std::getenv("TRAINRUN_NCCL_BLOCKING");
@@ -399,6 +411,27 @@ class NcclCommunicator final : public Communicator {
     return pending;
   }
 
+  // A receive posted ahead of its use (the pipeline's early receives):
+  // like send_deferred, on this communicator's stream after `after`; the
+  // compute stream waits for it at the handle's order_compute_after().
+  std::unique_ptr<PendingCollective> recv_deferred(void* buf, size_t bytes, int from, uint32_t tag,
+                                                   const std::shared_ptr<void>& after) override {
+    const char* what = "recv";
+    be_->make_current();  // before is_device_pointer: see all_gather_deferred
+    if (!stream_ordered() || bytes == 0 || from == rank_ || !is_device_pointer(buf)) {
+      recv(buf, bytes, from, tag);
+      return nullptr;
+    }
+    check_usable(what);
+    TR_CHECK(from >= 0 && from < world_, where(what), ": peer ", from, " is not a rank of a group of ", world_);
+    cudaEvent_t ev = nullptr;
+    TR_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+    auto pending = std::make_unique<DeferredWait>(be_, ev);
+    run(what, [&] { return ncclRecv(buf, bytes, ncclInt8, from, comm_, stream()); }, false, ev,
+        static_cast<cudaEvent_t>(after.get()));
+    return pending;
+  }
+
   void barrier() override {
     const char* what = "barrier";
     check_usable(what);
@@ -581,7 +614,7 @@ class NcclCommunicator final : public Communicator {
     return e;
   }
 
-  // The comm stream runs in order, so only the oldest pending collective can
+  // This communicator's stream runs in order, so only the oldest pending collective can
   // be the one that hangs: poll it every millisecond until it completes, NCCL
   // reports an error, or it passes the timeout (then abort).
   void watchdog_loop() {
@@ -681,7 +714,7 @@ class NcclCommunicator final : public Communicator {
   std::string prefix_;
   std::chrono::milliseconds timeout_;
   cudaEvent_t ready_ = nullptr, done_ = nullptr;
-  cudaStream_t own_stream_ = nullptr;  // a pipeline link's (own_stream); null: the backend's comm stream
+  cudaStream_t own_stream_ = nullptr;  // this communicator's (world > 1); null: the backend's comm stream (world 1: unused)
   void* staging_ = nullptr;
   size_t staging_bytes_ = 0;
   bool stream_ordered_ = true;

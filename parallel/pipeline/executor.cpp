@@ -116,6 +116,47 @@ struct PipelineExecutor::Impl {
   // before a second send from one slot; the end of the step waits for all.
   std::map<int, SendInFlight> inflight;
   PipelineSlotPlan slots;  // this rank's (slots.h)
+  // Early receives (stream-ordered links only; slots.h plan_receive_posts):
+  // posts_after[k + 1] lists the receive actions issued right after action
+  // k (index 0: at the step's start); `early` holds each posted receive
+  // until its own action makes the compute stream wait for it.
+  std::vector<std::vector<int>> posts_after;
+  std::map<int, std::unique_ptr<PendingCollective>> early;
+  // The buffer receive action `i` writes.
+  void* recv_buffer(const PipeAction& a, int i) {
+    Slot& s = chunks[size_t(chunk_of(a.stage))].slots[size_t(slots.slot[size_t(i)])];
+    return a.op == PipeOp::RecvAct ? s.net->stage_input() : s.net->stage_output_grad();
+  }
+  // Posts receive action `i` now: the link's stream waits for the compute
+  // stream's current point (the slot's last reader is enqueued by now).
+  void post_recv(const PipeAction& a, int i) {
+    const int dir = a.op == PipeOp::RecvAct ? 0 : 1;
+    const int peer_vs = dir == 0 ? a.stage - 1 : a.stage + 1, peer = peer_vs % P();
+    StepTracer::Span span(tracer, detail::cat(dir == 0 ? "post recv_act mb" : "post recv_grad mb", a.microbatch,
+                                              " stage ", a.stage), "p2p");
+    const std::string what = where(dir == 0 ? "receiving the activation" : "receiving the gradient", a.microbatch,
+                                   a.stage, peer_vs);
+    Communicator* link = links.from(peer);
+    TR_CHECK(link, what, ": no link from pp rank ", peer, " to pp rank ", plan.rank(), " (a bug)");
+    try {
+      link->set_op_label(what);
+      record_pipeline_link_use(global_rank(plan.rank()), peer, plan.rank(), false);
+      early[i] = link->recv_deferred(recv_buffer(a, i), io_bytes, 0, tag(a.microbatch, std::min(a.stage, peer_vs), dir),
+                                     link->compute_point());
+    } catch (const std::exception& e) {
+      TR_FAIL(what, " failed: ", e.what());
+    }
+  }
+  // At receive action `i`: true when it was posted early (the compute
+  // stream now waits for it); false: receive it here.
+  bool finish_early_recv(int i) {
+    auto it = early.find(i);
+    if (it == early.end()) return false;
+    std::unique_ptr<PendingCollective> p = std::move(it->second);
+    early.erase(it);
+    if (p) p->order_compute_after();
+    return true;
+  }
   void wait_send(int id) {
     auto it = inflight.find(id);
     if (it == inflight.end()) return;
@@ -249,6 +290,25 @@ PipelineExecutor::PipelineExecutor(const ModelArch& arch, Backend* be, const Pip
       im.kill_mb = int(km);
     }
   }
+  if (links.stream_ordered()) {
+    // Early receives: a receive that takes its slot over may be posted
+    // while the slot's previous microbatch's sends are still out only if no
+    // send reads the activation buffer it writes (true of GPT-2's and
+    // Llama's stage networks; checked, not assumed).
+    bool takeover_early = true;
+    for (const ChunkRun& cr : im.chunks)
+      for (const Slot& s : cr.slots) {
+        if (cr.stage.first) continue;  // receives no activation
+        void* in = s.net->stage_input();
+        if (in && (in == s.net->stage_output() || in == s.net->stage_input_grad())) takeover_early = false;
+      }
+    const std::vector<int> post = plan_receive_posts(schedule_, r, im.slots, takeover_early);
+    const auto& list = schedule_.actions[size_t(r)];
+    im.posts_after.assign(list.size() + 1, {});
+    for (size_t i = 0; i < list.size(); ++i)
+      if ((list[i].op == PipeOp::RecvAct || list[i].op == PipeOp::RecvGrad) && post[i] < int(i))
+        im.posts_after[size_t(post[i] + 1)].push_back(int(i));
+  }
   if (!links.stream_ordered()) {
     // Trace rows 1, 2, ...: one per link, in the order of the peers.
     for (const PipeAction& a : schedule_.actions[size_t(r)])
@@ -289,6 +349,12 @@ void PipelineExecutor::train_step(int64_t step, const Loader& load, float dloss_
   im.store.begin_step();
   im.step_begin = im.be->time_mark();
   const std::vector<PipeAction>& list = schedule_.actions[size_t(im.plan.rank())];
+  im.early.clear();  // a failed step's leftovers
+  auto post_after = [&](int k) {
+    if (im.posts_after.empty()) return;
+    for (int j : im.posts_after[size_t(k + 1)]) im.post_recv(list[size_t(j)], j);
+  };
+  post_after(-1);
   for (size_t i = 0; i < list.size(); ++i) {
     const PipeAction& a = list[i];
     const int c = im.chunk_of(a.stage);
@@ -307,7 +373,7 @@ void PipelineExecutor::train_step(int64_t step, const Loader& load, float dloss_
     const int id = int(i);
     switch (a.op) {
       case PipeOp::RecvAct:
-        im.recv(s.net->stage_input(), a.microbatch, a.stage, a.stage - 1, 0);
+        if (!im.finish_early_recv(id)) im.recv(s.net->stage_input(), a.microbatch, a.stage, a.stage - 1, 0);
         break;
       case PipeOp::F:
         im.forward(s, ch, a.microbatch, load, true, dloss_scale, loss_sum);
@@ -316,7 +382,7 @@ void PipelineExecutor::train_step(int64_t step, const Loader& load, float dloss_
         im.send(id, s.net->stage_output(), a.microbatch, a.stage, a.stage + 1, 0);
         break;
       case PipeOp::RecvGrad:
-        im.recv(s.net->stage_output_grad(), a.microbatch, a.stage, a.stage + 1, 1);
+        if (!im.finish_early_recv(id)) im.recv(s.net->stage_output_grad(), a.microbatch, a.stage, a.stage + 1, 1);
         break;
       case PipeOp::B:
         s.net->backward(im.store.chunk_access(c));
@@ -332,6 +398,7 @@ void PipelineExecutor::train_step(int64_t step, const Loader& load, float dloss_
         break;
     }
     if (compute) im.compute_marks.back().second = im.be->time_mark();
+    post_after(id);
   }
   {
     StepTracer::Span span(im.tracer, "wait for sends", "p2p");

@@ -68,4 +68,37 @@ PipelineSlotPlan plan_pipeline_slots(const PipelineSchedule& s, int rank) {
   return plan;
 }
 
+std::vector<int> plan_receive_posts(const PipelineSchedule& s, int rank, const PipelineSlotPlan& slots,
+                                    bool takeover_early) {
+  const int P = s.ranks;
+  const auto& list = s.actions[size_t(rank)];
+  auto chunk_of = [&](int stage) { return (stage - rank) / P; };
+  std::vector<int> post(list.size());
+  std::map<std::pair<int, int>, int> last_on_slot;  // (chunk, slot) -> the last action on it so far
+  std::map<std::pair<int, int>, int> owner;         // (chunk, slot) -> its microbatch
+  std::map<int, int> last_post_from;                // peer -> the post point of its last receive
+  for (size_t i = 0; i < list.size(); ++i) {
+    const PipeAction& a = list[i];
+    post[i] = int(i);
+    const std::pair<int, int> key{chunk_of(a.stage), slots.slot[i]};
+    const bool recv = a.op == PipeOp::RecvAct || a.op == PipeOp::RecvGrad;
+    if (recv && slots.slot[i] >= 0) {
+      auto own = owner.find(key);
+      const bool takeover = own == owner.end() || own->second != a.microbatch;
+      auto last = last_on_slot.find(key);
+      int at = last == last_on_slot.end() ? -1 : last->second;
+      if (takeover && !takeover_early) at = int(i);
+      const int peer = (a.op == PipeOp::RecvAct ? a.stage - 1 : a.stage + 1) % P;
+      if (auto lp = last_post_from.find(peer); lp != last_post_from.end()) at = std::max(at, lp->second);
+      post[i] = std::min(at, int(i));
+      last_post_from[peer] = post[i];
+    }
+    if (slots.slot[i] >= 0) {
+      last_on_slot[key] = int(i);
+      owner[key] = a.microbatch;
+    }
+  }
+  return post;
+}
+
 }  // namespace trainrun

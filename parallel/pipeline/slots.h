@@ -31,4 +31,21 @@ struct PipelineSlotPlan {
 // (a schedule that frees late), naming the stage.
 PipelineSlotPlan plan_pipeline_slots(const PipelineSchedule& s, int rank);
 
+// Early receives (stream-ordered links, NCCL): where each receive of the
+// list is posted, so that the transfer runs while the compute stream works
+// on other slots instead of starting when the stream reaches it. post[i]
+// for a receive i is the index of the action after which it is issued (-1:
+// at the step's start; i: at its own place, as without early receives);
+// other actions get their own index. A receive writes its slot's buffer,
+// so it is posted right after the last earlier action on the same slot
+// (that buffer's last reader: the previous microbatch's backward or send,
+// or this one's forward), and never before an earlier receive from the
+// same peer (a link matches messages in order). The receive that takes a
+// slot over (its microbatch's first action there) is posted early only
+// when `takeover_early`: the executor has checked that no send reads the
+// buffer it writes (the previous microbatch's sends may still be out);
+// else at its own place, after the waits for those sends.
+std::vector<int> plan_receive_posts(const PipelineSchedule& s, int rank, const PipelineSlotPlan& slots,
+                                    bool takeover_early);
+
 }  // namespace trainrun

@@ -287,12 +287,16 @@ void HostOptimizerState::zero_unwritten_grad_pages(float* buf, int64_t p0, int64
     if (!io_->written[size_t(p)]) std::memset(buf + (p - p0) * kPage, 0, 4096);
 }
 
-void HostOptimizerState::add_grad_from_device(int64_t off, const float* dev_src, int64_t n) {
+void HostOptimizerState::add_grad_from_device(int64_t off, const float* dev_src, int64_t n,
+                                              const std::shared_ptr<void>& ready) {
   TR_CHECK(off >= 0 && off + n <= n_, "offload: gradient range [", off, ", +", n, ") outside the shard of ", n_);
   if (!nvme_) {
-    if (int64_t(staging_host_.size()) < n) staging_host_.resize(size_t(n));
-    be_->copy_to_host(staging_host_.data(), dev_src, size_t(n) * 4);
-    return host_accumulate(bufs_[3] + off, staging_host_.data(), n, threads_);
+    // Added as each chunk lands (the backend's chunks are whole floats).
+    float* dst = bufs_[3] + off;
+    be_->copy_to_host_chunks(dev_src, size_t(n) * 4, ready, [&](const void* chunk, size_t at, size_t bytes) {
+      host_accumulate(dst + at / 4, static_cast<const float*>(chunk), int64_t(bytes / 4), threads_);
+    });
+    return;
   }
   // A chunk at a time through the landing buffer; whole pages of the grad
   // region read (only those written since zero_grads), added to, written.
@@ -313,7 +317,9 @@ void HostOptimizerState::add_grad_from_device(int64_t off, const float* dev_src,
       else std::memset(dst, 0, size_t(q - p) * 4096);
       p = q;
     }
-    be_->copy_to_host(io.grad_landing, dev_src + i, size_t(len) * 4);
+    be_->copy_to_host_chunks(dev_src + i, size_t(len) * 4, ready, [&](const void* chunk, size_t at, size_t bytes) {
+      std::memcpy(reinterpret_cast<char*>(io.grad_landing) + at, chunk, bytes);
+    });
     host_accumulate(win + (x - p0 * kPage), io.grad_landing, len, threads_);
     pwrite_full(io.direct_fd, io.path, win, size_t(p1 - p0) * 4096, grad_base + uint64_t(p0) * 4096);
     count_written(size_t(p1 - p0) * 4096);

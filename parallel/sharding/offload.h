@@ -132,8 +132,13 @@ class HostOptimizerState {
   void write_state(int kind, int64_t off, const float* in, int64_t n);
   void zero_grads();
   // grad[off, off+n) += the device's src[0, n): the device->host copy of one
-  // reduce-scattered unit, then the add of the backend's accumulate().
-  void add_grad_from_device(int64_t off, const float* dev_src, int64_t n);
+  // reduce-scattered unit, then the add of the backend's accumulate(). The
+  // copy starts once `ready` has passed (Backend::copy_to_host_chunks: the
+  // reduce-scatter's PendingCollective::ready_point; null: the compute
+  // stream's work so far) and is added chunk by chunk as it lands: the comm
+  // thread waits for this copy, never for the compute stream's backlog.
+  void add_grad_from_device(int64_t off, const float* dev_src, int64_t n,
+                            const std::shared_ptr<void>& ready = nullptr);
   // grad[0, n) = the device's src (a replicated all-reduced gradient).
   void grad_from_device(const float* dev_src, int64_t n);
   // The gradient's sum of squares over `pieces` ((start, count) of the
@@ -177,7 +182,6 @@ class HostOptimizerState {
   size_t region_bytes_ = 0;  // nvme: one kind's bytes in the file, 4 KiB aligned
   float* base_ = nullptr;    // cpu: master | m | v | grad; nvme: the I/O buffers
   float* bufs_[4] = {};      // cpu: the four kinds
-  std::vector<float> staging_host_;  // cpu: add_grad_from_device's landing buffer (comm thread)
   DeviceBuffer staging_dev_;         // to_device on non-fp32 backends
   std::unique_ptr<Nvme> io_;
 };

@@ -17,7 +17,8 @@
 //   step      AdamW on the shard; shard_grad_op all-gathers the updated
 //             shards into its replicated parameters.
 // All collectives of the store run on one CommWorker thread, in the same
-// order on every rank.
+// order on every rank, and take their turns in the rank's cross-group order
+// (parallel/comm/enqueue_order.h) where the compute thread submitted them.
 #include <chrono>
 #include <cmath>
 #include <deque>
@@ -129,6 +130,9 @@ class ShardedStore final : public ParamStore {
       shard_comm_ = own_shard_.get();
       replica_comm_ = own_replica_.get();
     }
+    // The comm thread's tasks take their turns in the rank's cross-group
+    // order (enqueue_order.h) in the order this thread submits them.
+    comm_.set_order(world->enqueue_order() ? world->enqueue_order() : shard_comm_->enqueue_order());
     es_ = dtype_size(be->act_dtype());
     // A tie to a tensor of the first unit (the token embedding).
     for (const ParamTie& t : layout.ties) {
@@ -523,9 +527,12 @@ class ShardedStore final : public ParamStore {
   void finish_reduce() {
     PendingReduce& p = pending_reduce_;
     if (!p.full) return;
+    // Offload's copy waits for the reduce-scatter itself (its ready point),
+    // not for the compute stream, which has queued later units' backward.
+    const std::shared_ptr<void> ready = p.op ? p.op->ready_point() : nullptr;
     if (p.op) p.op->order_compute_after();
     if (p.shard) be_->accumulate(p.shard, p.tmp, p.S);
-    else host_->add_grad_from_device(p.shard_off, p.tmp, p.S);  // offload: device -> host, added there
+    else host_->add_grad_from_device(p.shard_off, p.tmp, p.S, ready);  // offload: device -> host, added there
     // Back to the pool once every use is enqueued on the compute stream: a
     // later user enqueues there after it, or (a deferred collective) starts
     // after a compute_point() taken after getting the block.

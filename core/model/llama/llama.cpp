@@ -53,21 +53,12 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
   const int64_t NR = sp_ ? (N + tp_->plan->size() - 1) / tp_->plan->size() : N;
   // One arena, every buffer on a 64-byte boundary; LlamaArch::activation_bytes
   // adds up the same list. The transient buffers (arena_plan.h) hold
-  // nothing a later call reads: the zero position table is zeroed before
-  // each use when shared (another chunk's backward writes over it), the
-  // recompute set under checkpointing is refilled before each block's
+  // nothing a later call reads: the recompute set under checkpointing is refilled before each block's
   // backward, the rest is backward and collective scratch.
   ArenaPlan& plan = plan_;
   auto req = [&](void* slot, size_t bytes) { plan.add(static_cast<void**>(slot), bytes); };
   auto tmp = [&](void* slot, size_t bytes) { plan.add_transient(static_cast<void**>(slot), bytes); };
   req(&rope_, size_t(T) * HS_ * 4);  // (T, HS/2, 2) fp32, uploaded once below
-  // Only the first stage without TP embeds through encoder_forward; a
-  // stage network elsewhere leaves both tables out of the shared scratch
-  // (a network of its own keeps them, as the pp1 arena always had).
-  if (!shared_ || (stage_.first && !tp_)) {
-    tmp(&zero_wpe_, T * C * es);
-    tmp(&dwpe_, T * C * 4);
-  }
   req(&encoded_, NR * C * es);  // the stage's input: received asynchronously
   res3_.assign(cfg_.L, nullptr);
   for (int l = 0; l < cfg_.L; ++l) req(&res3_[l], NR * C * es);
@@ -133,7 +124,6 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
       kv_slots_ = kv_grad_slots_.as<float>();
     }
   }
-  // Zero-initialised: without sharing zero_wpe_ stays all zeros (nothing writes it).
   arena_ = shared_ ? plan.allocate_kept(be) : plan.allocate(be);
   act_bytes_ = shared_ ? plan.kept_total() : plan.total;
   tpc_.tp = tp_;
@@ -304,9 +294,7 @@ void LlamaNetwork::embed(UnitAccess& units, const int32_t* inputs, int B, int T)
       tp_sum(encoded_, int64_t(N) * C);
     }
   } else {
-    // A shared scratch's zero table was scribbled on by other calls: zero it again.
-    if (shared_) be_->zero(zero_wpe_, size_t(cfg_.T) * C * es);
-    be_->encoder_forward(encoded_, inputs, units.acquire_params(0), zero_wpe_, B, T, C);
+    be_->encoder_forward(encoded_, inputs, units.acquire_params(0), nullptr, B, T, C);  // no position table
   }
   units.release_params(0);
 }
@@ -450,8 +438,7 @@ void LlamaNetwork::backward_pass(UnitAccess& units, bool input_only) {
     if (tp_) {
       be_->vocab_embedding_backward(gemb, nullptr, full_rows(dres_, N), inputs_, v_begin_, v_valid_, B, T, C);
     } else {
-      be_->zero(dwpe_, size_t(cfg_.T) * C * 4);  // the zero table's gradient: written, never read
-      be_->encoder_backward(gemb, dwpe_, dres_, inputs_, B, T, C);
+      be_->encoder_backward(gemb, nullptr, dres_, inputs_, B, T, C);  // no position gradient
     }
   }
   if (gemb) units.grads_done(0);

@@ -11,11 +11,10 @@
 // (only the block outputs are kept; each block's forward is rerun just
 // before its backward).
 //
-// The embedding lookup is Backend::encoder_forward with an all-zero (T,C)
-// position table kept in the arena: the Backend has no plain gather, and
-// wte[tok] + 0 is exact in any dtype, so no new op (and no CUDA kernel to
-// write and test) is needed for it; its backward writes the position
-// gradient into an fp32 scratch table that is thrown away.
+// The embedding lookup is Backend::encoder_forward with no position table
+// (wpe null: out = wte[tok], nothing read; backward: no position gradient).
+// Until 2026-12 it read an all-zero (T,C) table and wrote a (T,C) fp32
+// gradient of it that was thrown away, every micro-batch.
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -145,8 +144,6 @@ class LlamaNetwork final : public Network {
   bool shared_ = false, bound_ = false;  // PipelineStage::shared_scratch; bind_transient done
   void wire_scratch();  // the collectives' buffers from the plan's pointers
   float* rope_ = nullptr;         // (T, HS/2, 2) fp32 cos/sin, uploaded once
-  void* zero_wpe_ = nullptr;      // (T,C) zeros: encoder_forward's position table
-  float* dwpe_ = nullptr;         // (T,C) fp32 scratch for encoder_backward
   void* encoded_ = nullptr;       // (N,C)
   std::vector<void*> res3_;       // per layer (N,C): block outputs (the checkpoints)
   std::vector<LayerActs> layers_; // L sets, or 1 when checkpointing

@@ -120,7 +120,7 @@ int64_t LlamaArch::matmul_parameters() const {
 double LlamaArch::activation_bytes(int B, bool ckpt, const ActivationDevice& d) const {
   // LlamaNetwork's arena (llama.cpp), buffer by buffer: GPT-2's plan with
   // RMSNorm (no mean), grouped q|k|v, a gated MLP (gate|up, silu(gate)*up),
-  // the RoPE table and the zero position table the embedding lookup reads.
+  // and the RoPE table (no position table: the embedding reads none).
   const ModelConfig& m = cfg_;
   const double es = d.act_bytes;
   const double N = double(B) * double(m.T), C = double(m.C), F = double(m.F);
@@ -140,8 +140,6 @@ double LlamaArch::activation_bytes(int B, bool ckpt, const ActivationDevice& d) 
   per_layer += r64(N * F * es);                       // silu(gate)*up
   double total = 0;
   total += r64(double(m.T) * (C / m.NH) * 4);          // RoPE cos/sin table (T, HS/2, 2) fp32
-  total += r64(double(m.T) * C * es);                 // zero position table (encoder_forward's wpe)
-  total += r64(double(m.T) * C * 4);                  // its fp32 gradient scratch
   total += r64(N * C * es);                           // embeddings output
   total += double(m.L) * r64(N * C * es);             // block outputs (the checkpoints)
   total += double(ckpt ? 1 : m.L) * per_layer;        // per-layer sets, or one shared when recomputing
