@@ -261,6 +261,7 @@ int cmd_generate(const std::string& ckpt, const std::string& prompt, SampleOptio
       enc.encode(prompt, gt.allow_special, u);
     }
     ids.assign(u.begin(), u.end());
+    so.vocab_limit = int(tok->vocab_size());  // a padded model vocab's extra rows have no text
     if (!tok_dir.empty())
       for (int32_t e : eos_ids_of(tok_dir)) so.stop_tokens.push_back(e);
     TR_LOG_INFO("generate: tokenizer ", tok_path, ", prompt ", ids.size(), " tokens",

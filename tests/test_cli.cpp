@@ -435,7 +435,11 @@ TEST_CASE("cli: the SFT example (scripts/sft/run.sh) runs end to end: tokenizer,
   CHECK(test::file_exists(dir / "base/tokenizer.json"));
   CHECK_THAT(r.err, Contains("model.init_from: initial weights from " + dir / "base"));
   CHECK(test::read_file(dir / "chat/job.resolved.yaml").find("\n  arch: llama ") != std::string::npos);
-  // generate --chat rendered the Llama 3 template around the question.
-  CHECK_THAT(r.out, Contains("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nTell me a fortune about "
+  // generate --chat rendered the built-in llama3 template (Meta's Llama 3.1
+  // one: its system block with the knowledge cutoff comes first, as
+  // apply_chat_template gives) around the question.
+  CHECK_THAT(r.out, Contains("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: "
+                             "December 2023\n"));
+  CHECK_THAT(r.out, Contains("<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nTell me a fortune about "
                              "computers.<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"));
 }

@@ -179,6 +179,37 @@ TEST_CASE("generate: a stop token ends the sample right after it, as transformer
   CHECK(got == std::vector<int32_t>(full.begin(), full.begin() + long(first) + 1));
 }
 
+TEST_CASE("generate: vocab_limit keeps samples inside the tokenizer's vocab of a padded model vocab",
+          "[generate]") {
+  // V = 61 padded, a tokenizer of 40: without the limit a random model
+  // samples ids >= 40 (checked, so the case can fail); with it, never, at a
+  // high temperature and greedy alike.
+  const GPT2Config cfg = GPT2Config::of(2, 2, 16, 61, 24);
+  const std::vector<float> flat = random_weights(cfg, 5, 1.5f);
+  Loaded m(cfg, flat, 1);
+  SampleOptions so;
+  so.max_tokens = 20;
+  so.temperature = 3.0;
+  const std::vector<int32_t> prompt = {3, 1, 4};
+  int outside = 0;
+  for (uint64_t seed = 1; seed <= 4; ++seed) {
+    so.seed = seed;
+    for (int32_t t : sample_tokens(m.be.get(), *m.units, GPT2Arch(cfg), prompt, so)) outside += t >= 40;
+  }
+  REQUIRE(outside > 0);
+  so.vocab_limit = 40;
+  for (int top_k : {0, 1, 5}) {
+    so.top_k = top_k;
+    for (uint64_t seed = 1; seed <= 4; ++seed) {
+      so.seed = seed;
+      for (int32_t t : sample_tokens(m.be.get(), *m.units, GPT2Arch(cfg), prompt, so)) {
+        INFO("top_k " << top_k << ", seed " << seed);
+        CHECK(t < 40);
+      }
+    }
+  }
+}
+
 // ---- text in and out through the model's tokenizer.json ----------------------------------
 
 #include <filesystem>

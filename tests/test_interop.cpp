@@ -580,7 +580,7 @@ TEST_CASE("interop: trainrun bench checkpoint prints write and read GB/s next to
   INFO(r.err);
   REQUIRE(r.exit_code == 0);
   for (const char* row : {"disk: sequential write", "disk: sequential read", "checkpoint save, async off",
-                          "async on: training blocked", "async on: background write", "checkpoint load",
+                          "async on: save() returns", "async on: background write", "checkpoint load",
                           "page cache before reads"})
     CHECK_THAT(r.out, Contains(row));
   CHECK(fs::is_empty(dir.path()));  // the scratch folder is gone

@@ -965,12 +965,8 @@ TEST_CASE("planner: a pipeline rank's activations are its microbatch networks' k
               const size_t C = size_t(m->config().C), HS = C / size_t(m->config().NH);
               const size_t QKV = size_t(sh.NH + 2 * sh.NKV) * HS, NKV = size_t(m->config().kv_heads());
               const size_t kv = tp > 1 && sh.kv_replicas > 1 ? QKV * C * 4 + NKV * 2 * sh.NKV * HS * C * 4 : 0;
-              // Llama's zero position table and its gradient: only the first stage
-              // without TP embeds through them; elsewhere a stage network leaves them out.
-              const size_t tables = m->config().arch == "llama" && (r == 1 || tp > 1)
-                                        ? size_t(m->config().T) * C * (dtype_size(be->act_dtype()) + 4)
-                                        : 0;
-              CHECK(net->activation_bytes() + net->transient_bytes() + tables == own + kv);
+              // (Llama has no position table since issue 29: no stage-dependent buffer.)
+              CHECK(net->activation_bytes() + net->transient_bytes() == own + kv);
               CHECK(st[size_t(r)].kept_activations == double(net->activation_bytes()));
               CHECK(st[size_t(r)].transient_activations == double(net->transient_bytes()));
               CHECK(st[size_t(r)].mem.activations ==

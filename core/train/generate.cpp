@@ -25,9 +25,9 @@ inline uint64_t splitmix64(uint64_t& s) {
 // One token from fp32 logits: greedy, or top-k (0: all) at a temperature.
 // A stable order, so ties resolve identically on every machine.
 int pick_token(const std::vector<float>& logits, const SampleOptions& o, uint64_t& rng) {
-  const int V = int(logits.size());
+  const int V = o.vocab_limit > 0 ? std::min(o.vocab_limit, int(logits.size())) : int(logits.size());
   if (o.top_k == 1 || o.temperature <= 0.0)
-    return int(std::max_element(logits.begin(), logits.end()) - logits.begin());
+    return int(std::max_element(logits.begin(), logits.begin() + V) - logits.begin());
   std::vector<int> idx(V);
   std::iota(idx.begin(), idx.end(), 0);
   const int k = o.top_k > 0 ? std::min(o.top_k, V) : V;

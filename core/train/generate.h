@@ -18,6 +18,10 @@ struct SampleOptions {
   // Generation ends after any of these is sampled (kept in the output), as
   // transformers' generate stops at eos_token_id.
   std::vector<int32_t> stop_tokens;
+  // > 0: only ids below it are sampled. `generate` sets the tokenizer's
+  // size, so a model vocab padded past it (model.vocab_size 50304 for
+  // GPT-2's 50257, as llm.c does) never yields an id with no text.
+  int vocab_limit = 0;
 };
 
 // Autoregressive sampling with a KV cache (the arch's Decoder) on `be`,

@@ -42,8 +42,7 @@ double arena_of_layers(const ModelArch& m, int tp, bool sp, int layers, int B, b
 // core/model/gpt2|llama add with add_transient; the same for every stage,
 // head or not): the recompute set under checkpointing (what L = 2 blocks'
 // arena holds beyond the checkpointed one's: one layer's set), the
-// backward scratch, the sequence-parallel collectives' buffers, Llama's
-// zero position table and its gradient scratch, and with KV heads
+// backward scratch, the sequence-parallel collectives' buffers, and with KV heads
 // replicated over TP their fp32 weight-gradient scratch (outside the arena
 // of a network of its own: `outside_arena`).
 // position_tables: the arena's zero position table and its gradient,
@@ -55,13 +54,15 @@ double pipeline_transient_bytes(const ModelArch& m, const TpLocalShape& sh, bool
   const ModelConfig& mc = m.config();
   const int tp = sh.tp;
   const bool llama = mc.arch == "llama", seq = sp && tp > 1;
-  const double N = double(B) * mc.T, C = double(mc.C), T = double(mc.T), es = d.act_bytes;
+  const double N = double(B) * mc.T, C = double(mc.C), es = d.act_bytes;
   const double HS = C / mc.NH, F = double(sh.F);
   const double NR = seq ? double(ceil_div(int64_t(N), tp)) : N;
   const double QKV = llama ? sh.NH * HS + 2.0 * sh.NKV * HS : 3.0 * sh.NH * HS;
   double t = 0;
   if (ckpt) t += arena_of_layers(m, tp, sp, 2, B, false, d) - arena_of_layers(m, tp, sp, 2, B, true, d);
-  *position_tables = llama ? r64(T * C * es) + r64(T * C * 4) : 0;  // zero position table, its gradient
+  // Llama's embedding reads no position table since issue 29 (encoder_forward
+  // with a null wpe): nothing of the kind in the scratch for either arch.
+  *position_tables = 0;
   t += *position_tables;
   if (seq) t += r64(NR * C * es) + r64(N * C * es) + r64((llama ? 1 : 2) * C * 4);  // rows, gathered, a norm's grads
   t += r64(N * C * es) + r64(N * QKV * es) + r64(N * F * es);  // backward: dbuf_c, dqkv, the MLP hidden grad

@@ -46,7 +46,6 @@ double tp_activation_bytes(const ModelArch& m, const TpLocalShape& sh, bool sp, 
   double total = 0;
   if (llama) {
     total += r64(double(c.T) * HS * 4);                       // RoPE table
-    total += r64(double(c.T) * C * es) + r64(double(c.T) * C * 4);  // zero position table, its gradient scratch
   }
   total += r64(NR * C * es);                                  // embeddings output (rows)
   total += double(c.L) * r64(NR * C * es);                    // block outputs (rows)

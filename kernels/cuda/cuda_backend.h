@@ -137,6 +137,9 @@ class CudaBackend final : public Backend {
   cudaStream_t compute_stream() const { return compute_; }
   cudaStream_t comm_stream() const { return comm_; }
   Gemm& gemm() { return *gemm_; }
+  // Backend::gemm (the adapters' op) stays visible next to this accessor; the
+  // CUDA backend does not implement it yet (it refuses adapters).
+  using Backend::gemm;
   DeviceAllocator& allocator() { return *alloc_; }
   // Makes this backend's device current on the calling thread.
   void make_current() const;

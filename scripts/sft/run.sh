@@ -46,6 +46,6 @@ echo "--- 4. chat data (loss on the assistant's replies)"
 echo "--- 5. fine-tune"
 "$TR" --config configs/sft_chat.yaml --set train.max_steps=$STEPS_SFT --set model.init_from="$W/base" \
   --set data.train="$W/chat_data/train_*.bin" --set data.val="$W/chat_data/val_*.bin" --set output.dir="$W/chat"
-echo "--- 6. a reply (generate --chat: the Llama 3 template, stops at <|eot_id|>)"
+echo "--- 6. a reply (generate --chat: the Llama 3.1 built-in template, stops at <|eot_id|>)"
 "$TR" generate --checkpoint "$W/chat" --chat --prompt "Tell me a fortune about computers." \
   --max-tokens 80 --top-k 10 --temperature 0.8 --seed 3
