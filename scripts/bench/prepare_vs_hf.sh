@@ -15,7 +15,7 @@ MB=${1:-20}
 shift || true
 THREADS=("$@")
 [ ${#THREADS[@]} -eq 0 ] && THREADS=(1 2)
-BIN=./build/trainrun
+BIN=${TRAINRUN_BIN:-./build/trainrun}  # TRAINRUN_BIN: another build, for before/after
 [ -x "$BIN" ] || bash scripts/build.sh trainrun >/dev/null
 PY=.venv/bin/python
 REF=scripts/reference/hf_tokenizer.py
