@@ -397,12 +397,16 @@ TEST_CASE("prepare --tokenizer: Llama 2 / Mistral style files are cut before spa
   Zoo& z = zoo();
   test::TempDir d("prepspm");
   // > 1 MiB, so the file is cut into blocks; prose with spaces (cut points)
-  // and the one-line hard text (CJK, emoji, space runs) in the middle.
+  // and the one-line hard text (CJK, emoji, space runs) in the middle. Past
+  // 1 MiB, where the block would be cut, every space follows "</s>": text
+  // after a matched added token (--allow-special) is a segment HF gives a
+  // Prepend '▁' of its own, so no cut there; the cut goes further back.
   const std::string corpus = test::read_file(z.dir / "corpus.txt");
   std::string big;
   while (big.size() < 700000) big += corpus;
   big += one_line_text();
-  while (big.size() < 1'150'000) big += corpus;
+  while (big.size() < 1'150'000) big += "x</s> ";
+  while (big.size() < 1'300'000) big += corpus;
   // A document that starts with spaces: its Prepend '▁' is still there.
   const std::string small = "  two leading spaces, then a short document of its own.";
   test::write_file(d / "in/a.txt", big);
@@ -414,26 +418,28 @@ TEST_CASE("prepare --tokenizer: Llama 2 / Mistral style files are cut before spa
     const Tokenizer tok = Tokenizer::load(tj);
     REQUIRE(tok.can_cut_before_space());
     REQUIRE(tok.bos_id() >= 0);
-    const auto r = Zoo::run("encode --plain --tokenizer '" + tj + "' --texts '" + (d / "docs.json") + "' --out '" +
+    const auto r = Zoo::run("encode --ids-only --tokenizer '" + tj + "' --texts '" + (d / "docs.json") + "' --out '" +
                             (d / "docs.out.json") + "'");
     INFO(r.out << r.err);
     REQUIRE(r.exit_code == 0);
-    const auto ref = read_json(d / "docs.out.json")["plain"].get<std::vector<std::vector<uint32_t>>>();
-    std::vector<uint32_t> want;
-    for (const auto& ids : ref) {
-      want.push_back(static_cast<uint32_t>(tok.bos_id()));
-      want.insert(want.end(), ids.begin(), ids.end());
-    }
-    for (const int threads : {1, 3}) {
-      INFO("threads " << threads);
-      const auto p = test::run_trainrun("prepare --tokenizer '" + tj + "' --input '" + (d / "in") + "' --output '" +
-                                        (d / "out") + "' --val-fraction 0 --threads " + std::to_string(threads) +
-                                        " --shard-tokens 10000000");
-      INFO(p.out << p.err);
-      REQUIRE(p.exit_code == 0);
-      // The big document really was cut (into 2 blocks), the small one not.
-      CHECK_THAT(p.out, Contains("2 documents (3 blocks)"));
-      CHECK(first_difference(read_u16_shard(d / "out/train_000000.bin"), want) == "equal");
+    const json ref = read_json(d / "docs.out.json");
+    for (const bool special : {false, true}) {
+      std::vector<uint32_t> want;
+      for (const auto& ids : ref[special ? "special" : "plain"].get<std::vector<std::vector<uint32_t>>>()) {
+        want.push_back(static_cast<uint32_t>(tok.bos_id()));
+        want.insert(want.end(), ids.begin(), ids.end());
+      }
+      for (const int threads : {1, 3}) {
+        INFO("threads " << threads << (special ? ", --allow-special" : ""));
+        const auto p = test::run_trainrun("prepare --tokenizer '" + tj + "' --input '" + (d / "in") + "' --output '" +
+                                          (d / "out") + "' --val-fraction 0 --threads " + std::to_string(threads) +
+                                          " --shard-tokens 10000000" + (special ? " --allow-special" : ""));
+        INFO(p.out << p.err);
+        REQUIRE(p.exit_code == 0);
+        // The big document really was cut (into 2 blocks), the small one not.
+        CHECK_THAT(p.out, Contains("2 documents (3 blocks)"));
+        CHECK(first_difference(read_u16_shard(d / "out/train_000000.bin"), want) == "equal");
+      }
     }
   }
 }

@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -343,7 +344,9 @@ constexpr size_t kBatchBytes = 1 << 20;
 // Mistral; Tokenizer::can_cut_before_space) has one rule of its own:
 //   "<printable ASCII, not space>" | " ": the space becomes a '▁' that
 //        starts a BPE word the model cuts before anyway; the block after is
-//        encoded as a continuation (no second Prepend '▁')
+//        encoded as a continuation (no second Prepend '▁'). Not where an
+//        added token may end: the text after a matched one is a segment of
+//        its own, which HF does give a Prepend '▁'.
 bool is_ascii_letter(unsigned char c) { return (c | 0x20) >= 'a' && (c | 0x20) <= 'z'; }
 bool is_printable_ascii(unsigned char c) { return c > ' ' && c < 0x7F; }
 
@@ -368,12 +371,15 @@ bool is_cjk_punct(uint32_t cp) {
 struct CutRules {
   bool line = false, space = false, cjk = false;
   bool meta = false;  // the SentencePiece rule (alone)
+  std::array<std::vector<std::string>, 256> added_by_last;  // meta: added tokens by their last byte
   bool any() const { return line || meta; }
 };
 CutRules cut_rules(const Tokenizer& tok) {
   CutRules r;
   if (tok.can_cut_before_space()) {
     r.meta = true;
+    for (const std::string& a : tok.added_token_contents())
+      if (!a.empty()) r.added_by_last[static_cast<unsigned char>(a.back())].push_back(a);
     return r;
   }
   if (!tok.can_cut_before_line()) return r;
@@ -388,7 +394,12 @@ CutRules cut_rules(const Tokenizer& tok) {
 bool cut_point(const std::string& s, size_t i, const CutRules& r) {
   if (i < 3 || i + 1 >= s.size()) return false;
   const auto prev = static_cast<unsigned char>(s[i - 1]), cur = static_cast<unsigned char>(s[i]);
-  if (r.meta) return cur == ' ' && is_printable_ascii(prev);
+  if (r.meta) {
+    if (cur != ' ' || !is_printable_ascii(prev)) return false;
+    for (const std::string& a : r.added_by_last[prev])
+      if (a.size() <= i && s.compare(i - a.size(), a.size(), a) == 0) return false;
+    return true;
+  }
   if (prev == '\n') return r.line && is_printable_ascii(static_cast<unsigned char>(s[i - 2])) && is_ascii_letter(cur);
   if (cur == ' ') return r.space && is_printable_ascii(prev) && is_ascii_letter(static_cast<unsigned char>(s[i + 1]));
   return r.cjk && is_cjk_punct(utf8_3byte(s, i)) && is_cjk_letter(utf8_3byte(s, i - 3));
