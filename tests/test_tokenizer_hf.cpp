@@ -304,10 +304,9 @@ TEST_CASE("tokenizer zoo: SentencePiece BPE cuts words before '▁' and keeps HF
     const std::string path = z.dir / (name + ".json");
     const Tokenizer tok = Tokenizer::load(path);
     // The split path is taken (else these are whole-document BPE words),
-    // and prepare may cut files before spaces where nothing but Metaspace
-    // or per-character normalizers stand before the model (not Gemma's Split).
+    // and prepare may cut their files before spaces.
     CHECK(tok.splits_at_metaspace());
-    CHECK(tok.can_cut_before_space() == (name != "gemma"));
+    CHECK(tok.can_cut_before_space());
     const std::string out = z.dir / (name + ".long.out.json");
     const auto r = Zoo::run("encode --tokenizer '" + path + "' --texts '" + (z.dir / "long.json") + "' --out '" + out + "'");
     INFO(r.out << r.err);
@@ -333,10 +332,10 @@ TEST_CASE("tokenizer: a merge that joins across '▁' (\"a ▁b\" -> \"a▁b\") 
   // "▁a" + "▁b". The same vocab without that merge ("a▁b" unreachable) is
   // safe to cut; with ignore_merges a part found whole in the vocab would
   // skip the merges the whole word gets, so it is not.
-  auto make = [](bool cross_merge, bool ignore_merges) {
+  auto make = [](bool cross_merge, bool ignore_merges, bool gemma_split) {
     json merges = json::array({"▁ b", "▁ ▁", "▁ a", "b a"});
     if (cross_merge) merges.insert(merges.begin() + 1, "a ▁b");
-    return json{
+    json j = json{
         {"version", "1.0"}, {"truncation", nullptr}, {"padding", nullptr},
         {"added_tokens", json::array({{{"id", 0}, {"content", "<unk>"}, {"single_word", false}, {"lstrip", false},
                                        {"rstrip", false}, {"normalized", false}, {"special", true}}})},
@@ -354,18 +353,29 @@ TEST_CASE("tokenizer: a merge that joins across '▁' (\"a ▁b\" -> \"a▁b\") 
                    {"vocab", {{"<unk>", 0}, {"▁", 1}, {"a", 2}, {"b", 3}, {"▁b", 4}, {"a▁b", 5}, {"▁a", 6}, {"▁▁", 7},
                               {"ba", 8}}},
                    {"merges", merges}}}};
+    if (gemma_split) {
+      // Gemma's Split(" ") after the spaces became '▁', but a later Replace
+      // makes spaces again ("c" -> " "): the Split then cuts the text, so
+      // prepare may not (the model's split still holds).
+      j["normalizer"]["normalizers"][0] = {{"type", "Replace"}, {"pattern", {{"String", " "}}}, {"content", "▁"}};
+      j["normalizer"]["normalizers"].push_back({{"type", "Replace"}, {"pattern", {{"String", "c"}}}, {"content", " "}});
+      j["pre_tokenizer"] = {{"type", "Split"}, {"pattern", {{"String", " "}}}, {"behavior", "MergedWithPrevious"}, {"invert", false}};
+    }
+    return j;
   };
   struct Case {
     std::string name;
-    bool cross, ignore, split;
+    bool cross, ignore, gemma_split, split, cut;
   };
-  const std::vector<Case> cases = {{"cross", true, false, false}, {"nocross", false, false, true},
-                                   {"cross_ignore", true, true, false}};
+  const std::vector<Case> cases = {{"cross", true, false, false, false, false},
+                                   {"nocross", false, false, false, true, true},
+                                   {"cross_ignore", true, true, false, false, false},
+                                   {"space_split", false, false, true, true, false}};
   const std::vector<std::string> texts = {"a b", "ab ba b  b a b", " a b", "a  b", "ca b cb", "a b a b a b b a", "b▁a"};
   test::write_file(z.dir / "cross_texts.json", json(texts).dump());
   std::string args = "encode --texts '" + (z.dir / "cross_texts.json") + "' --tokenizer";
   for (const Case& c : cases) {
-    test::write_file(z.dir / ("cross_" + c.name + ".json"), make(c.cross, c.ignore).dump());
+    test::write_file(z.dir / ("cross_" + c.name + ".json"), make(c.cross, c.ignore, c.gemma_split).dump());
     args += " '" + (z.dir / ("cross_" + c.name + ".json")) + "'";
   }
   const auto r = Zoo::run(args);
@@ -375,7 +385,7 @@ TEST_CASE("tokenizer: a merge that joins across '▁' (\"a ▁b\" -> \"a▁b\") 
     INFO(c.name);
     const Tokenizer tok = Tokenizer::load(z.dir / ("cross_" + c.name + ".json"));
     CHECK(tok.splits_at_metaspace() == c.split);
-    CHECK(tok.can_cut_before_space() == c.split);
+    CHECK(tok.can_cut_before_space() == c.cut);
     const json ref = read_json(z.dir / ("cross_" + c.name + ".out.json"));
     size_t joined = 0;
     for (size_t i = 0; i < texts.size(); ++i) {
@@ -392,7 +402,7 @@ TEST_CASE("tokenizer: a merge that joins across '▁' (\"a ▁b\" -> \"a▁b\") 
   }
 }
 
-TEST_CASE("prepare --tokenizer: Llama 2 / Mistral style files are cut before spaces for the threads, with HF's ids",
+TEST_CASE("prepare --tokenizer: Llama 2 / Mistral / Gemma style files are cut before spaces for the threads, with HF's ids",
           "[prepare][hf]") {
   Zoo& z = zoo();
   test::TempDir d("prepspm");
@@ -412,7 +422,7 @@ TEST_CASE("prepare --tokenizer: Llama 2 / Mistral style files are cut before spa
   test::write_file(d / "in/a.txt", big);
   test::write_file(d / "in/b.txt", small);
   test::write_file(d / "docs.json", json({big, small}).dump());
-  for (const std::string name : {"llama2", "mistral"}) {
+  for (const std::string name : {"llama2", "mistral", "gemma"}) {
     INFO(name);
     const std::string tj = z.dir / (name + ".json");
     const Tokenizer tok = Tokenizer::load(tj);

@@ -126,9 +126,10 @@ class Tokenizer {
   // character other than ' ' never changes the ids, the part after encoded
   // with encode(..., continues = true): splits_at_metaspace(), normalizers
   // that map each character alone (Replace of one character) or Prepend,
-  // no pre-tokenizer or Metaspace alone, and no added token with a space,
+  // no pre-tokenizer, Metaspace alone or Gemma's Split(" ") after its
+  // Replace(" ", "▁") (which leaves it no space), no added token with a space,
   // a '▁' or lstrip/rstrip/single_word. The space becomes a '▁' where the
-  // model cuts anyway. prepare cuts Llama 2 / Mistral style files there.
+  // model cuts anyway. prepare cuts Llama 2 / Mistral / Gemma style files there.
   bool can_cut_before_space() const;
   // The contents of the added tokens (special or not), in id order: what
   // matches before the pre-tokenizer (prepare checks its other cut points

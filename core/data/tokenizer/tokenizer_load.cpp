@@ -251,20 +251,31 @@ void choose_space_cuts(Tokenizer::Impl& impl) {
   // Normalizers that map each character on its own (so the normalized
   // whole is the normalized parts, joined) except Prepend, which the
   // continuing part skips: Prepend, and Replace of one literal character.
+  // Whether the normalized text can still hold a ' ' (Gemma's Replace
+  // turns every one into '▁').
+  bool spaces_left = true;
   for (const NormStep& n : impl.normalizers) {
-    if (n.kind == NormStep::kPrepend) continue;
+    if (n.kind == NormStep::kPrepend) {
+      spaces_left = spaces_left || n.text.find(' ') != std::string::npos;
+      continue;
+    }
     if (n.kind != NormStep::kReplace || !n.re->literal) return;
     size_t i = 0;
     if (n.re->pattern.empty() || (uni::next(n.re->pattern, i), i != n.re->pattern.size())) return;
+    if (n.text.find(' ') != std::string::npos) spaces_left = true;
+    else if (n.re->pattern == " ") spaces_left = false;
   }
-  // No pre-tokenizer, or Metaspace alone (its ' ' -> '▁' is per character,
+  // No pre-tokenizer; Metaspace alone (its ' ' -> '▁' is per character,
   // its prepend does not apply to a part that starts with '▁' or starts
-  // past offset 0, and its split is before '▁').
+  // past offset 0, and its split is before '▁'); or Gemma's Split(" ")
+  // (not inverted) on text without a ' ', where it never splits.
   const PreTokStep* meta = nullptr;
   if (!impl.pretok.empty()) {
-    if (impl.pretok.size() != 1 || impl.pretok[0].kind != PreTokStep::kMetaspace || impl.pretok[0].replacement != 0x2581)
+    if (impl.pretok.size() != 1) return;
+    const PreTokStep& p = impl.pretok[0];
+    if (p.kind == PreTokStep::kMetaspace && p.replacement == 0x2581) meta = &p;
+    else if (!(p.kind == PreTokStep::kRegex && p.re->literal && p.re->pattern == " " && !p.invert && !spaces_left))
       return;
-    meta = &impl.pretok[0];
   }
   MatchState ms;
   auto model_text = [&](std::string s) {
