@@ -7,7 +7,9 @@
 // Split with each behavior and invert). On hard text each must give HF's
 // ids (special tokens as text and matched, with and without the
 // post-processor) and HF's decode, also of random id lists.
+#include <algorithm>
 #include <catch2/catch.hpp>
+#include <cstring>
 #include <nlohmann/json.hpp>
 
 #include "core/common/error.h"
@@ -236,6 +238,218 @@ TEST_CASE("tokenizer zoo: every component type HF tokenizers defines is read as 
       CHECK(plain == ref["plain"][i].get<std::vector<uint32_t>>());
       CHECK(tok.with_special_tokens(tok.encode(z.texts[i], true)) == ref["with_special"][i].get<std::vector<uint32_t>>());
       if (!ref["decoded"][i].is_null()) CHECK(utf8_lossy(tok.decode(plain)) == ref["decoded"][i].get<std::string>());
+    }
+  }
+}
+
+// ---- SentencePiece BPE: words cut before '▁', files cut before spaces ----------
+
+namespace {
+
+// Equal, or where they first differ (Catch would print 100K ids).
+std::string first_difference(const std::vector<uint32_t>& got, const std::vector<uint32_t>& want) {
+  const size_t n = std::min(got.size(), want.size());
+  for (size_t i = 0; i < n; ++i)
+    if (got[i] != want[i])
+      return "differ at token " + std::to_string(i) + ": " + std::to_string(got[i]) + " vs " + std::to_string(want[i]);
+  if (got.size() != want.size()) return "lengths differ: " + std::to_string(got.size()) + " vs " + std::to_string(want.size());
+  return "equal";
+}
+
+// > 200 KB without a newline: the hard texts on one line, with runs of
+// spaces, digits, CJK and emoji between them. Llama 2 and Mistral have no
+// pre-tokenizer, so HF encodes this as one BPE word.
+std::string one_line_text() {
+  std::string unit;
+  for (const std::string& t : hard_texts()) {
+    for (char c : t)
+      if (c != '\n' && c != '\r') unit += c;
+    unit += "  ";
+  }
+  unit += "1234567890 00 7" + std::string(17, ' ') + "日本語のテキスト，中文文本。\U0001F600\U0001F468\u200D\U0001F469x▁▁y ▁z";
+  std::string s;
+  while (s.size() < 200000) s += unit + std::to_string(s.size()) + " ";
+  return s;
+}
+
+// One uint16 shard's tokens (the zoo's vocabs are small).
+std::vector<uint32_t> read_u16_shard(const std::string& path) {
+  const std::string b = test::read_file(path);
+  REQUIRE(b.size() >= 1024);
+  int32_t h[3];
+  std::memcpy(h, b.data(), sizeof h);
+  REQUIRE(h[1] == 1);
+  REQUIRE(b.size() == 1024 + 2 * static_cast<size_t>(h[2]));
+  std::vector<uint32_t> t(static_cast<size_t>(h[2]));
+  for (size_t i = 0; i < t.size(); ++i) {
+    uint16_t v;
+    std::memcpy(&v, b.data() + 1024 + 2 * i, 2);
+    t[i] = v;
+  }
+  return t;
+}
+
+}  // namespace
+
+TEST_CASE("tokenizer zoo: SentencePiece BPE cuts words before '▁' and keeps HF's ids on 200 KB one-line text",
+          "[tokenizer][hf]") {
+  Zoo& z = zoo();
+  const std::string text = one_line_text();
+  REQUIRE(text.size() >= 200000);
+  REQUIRE(text.find('\n') == std::string::npos);
+  const std::vector<std::string> texts = {text, " " + text, "  " + text + "  "};
+  test::write_file(z.dir / "long.json", json(texts).dump());
+  for (const std::string name : {"llama2", "mistral", "gemma"}) {
+    INFO(name);
+    const std::string path = z.dir / (name + ".json");
+    const Tokenizer tok = Tokenizer::load(path);
+    // The split path is taken (else these are whole-document BPE words),
+    // and prepare may cut their files before spaces.
+    CHECK(tok.splits_at_metaspace());
+    CHECK(tok.can_cut_before_space());
+    const std::string out = z.dir / (name + ".long.out.json");
+    const auto r = Zoo::run("encode --tokenizer '" + path + "' --texts '" + (z.dir / "long.json") + "' --out '" + out + "'");
+    INFO(r.out << r.err);
+    REQUIRE(r.exit_code == 0);
+    const json ref = read_json(out);
+    TokenEncoder enc(tok);
+    for (size_t i = 0; i < texts.size(); ++i) {
+      INFO("text " << i);
+      std::vector<uint32_t> plain;
+      enc.encode(texts[i], false, plain);
+      CHECK(first_difference(plain, ref["plain"][i].get<std::vector<uint32_t>>()) == "equal");
+      CHECK(first_difference(tok.encode(texts[i], true), ref["special"][i].get<std::vector<uint32_t>>()) == "equal");
+      if (!ref["decoded"][i].is_null()) CHECK(utf8_lossy(tok.decode(plain)) == ref["decoded"][i].get<std::string>());
+    }
+  }
+}
+
+TEST_CASE("tokenizer: a merge that joins across '▁' (\"a ▁b\" -> \"a▁b\") keeps whole-word BPE, with HF's ids",
+          "[tokenizer][hf]") {
+  Zoo& z = zoo();
+  // Llama 2's normalizer and decoder over a hand-made vocab. With the merge
+  // "a ▁b", "▁a▁b" is one word ("▁", "a▁b"): cut before the '▁' it would be
+  // "▁a" + "▁b". The same vocab without that merge ("a▁b" unreachable) is
+  // safe to cut; with ignore_merges a part found whole in the vocab would
+  // skip the merges the whole word gets, so it is not.
+  auto make = [](bool cross_merge, bool ignore_merges, bool gemma_split) {
+    json merges = json::array({"▁ b", "▁ ▁", "▁ a", "b a"});
+    if (cross_merge) merges.insert(merges.begin() + 1, "a ▁b");
+    json j = json{
+        {"version", "1.0"}, {"truncation", nullptr}, {"padding", nullptr},
+        {"added_tokens", json::array({{{"id", 0}, {"content", "<unk>"}, {"single_word", false}, {"lstrip", false},
+                                       {"rstrip", false}, {"normalized", false}, {"special", true}}})},
+        {"normalizer", {{"type", "Sequence"}, {"normalizers", json::array({
+             {{"type", "Prepend"}, {"prepend", "▁"}},
+             {{"type", "Replace"}, {"pattern", {{"String", " "}}}, {"content", "▁"}}})}}},
+        {"pre_tokenizer", nullptr}, {"post_processor", nullptr},
+        {"decoder", {{"type", "Sequence"}, {"decoders", json::array({
+             {{"type", "Replace"}, {"pattern", {{"String", "▁"}}}, {"content", " "}},
+             {{"type", "ByteFallback"}}, {{"type", "Fuse"}},
+             {{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 0}}})}}},
+        {"model", {{"type", "BPE"}, {"dropout", nullptr}, {"unk_token", "<unk>"}, {"continuing_subword_prefix", nullptr},
+                   {"end_of_word_suffix", nullptr}, {"fuse_unk", true}, {"byte_fallback", true},
+                   {"ignore_merges", ignore_merges},
+                   {"vocab", {{"<unk>", 0}, {"▁", 1}, {"a", 2}, {"b", 3}, {"▁b", 4}, {"a▁b", 5}, {"▁a", 6}, {"▁▁", 7},
+                              {"ba", 8}}},
+                   {"merges", merges}}}};
+    if (gemma_split) {
+      // Gemma's Split(" ") after the spaces became '▁', but a later Replace
+      // makes spaces again ("c" -> " "): the Split then cuts the text, so
+      // prepare may not (the model's split still holds).
+      j["normalizer"]["normalizers"][0] = {{"type", "Replace"}, {"pattern", {{"String", " "}}}, {"content", "▁"}};
+      j["normalizer"]["normalizers"].push_back({{"type", "Replace"}, {"pattern", {{"String", "c"}}}, {"content", " "}});
+      j["pre_tokenizer"] = {{"type", "Split"}, {"pattern", {{"String", " "}}}, {"behavior", "MergedWithPrevious"}, {"invert", false}};
+    }
+    return j;
+  };
+  struct Case {
+    std::string name;
+    bool cross, ignore, gemma_split, split, cut;
+  };
+  const std::vector<Case> cases = {{"cross", true, false, false, false, false},
+                                   {"nocross", false, false, false, true, true},
+                                   {"cross_ignore", true, true, false, false, false},
+                                   {"space_split", false, false, true, true, false}};
+  const std::vector<std::string> texts = {"a b", "ab ba b  b a b", " a b", "a  b", "ca b cb", "a b a b a b b a", "b▁a"};
+  test::write_file(z.dir / "cross_texts.json", json(texts).dump());
+  std::string args = "encode --texts '" + (z.dir / "cross_texts.json") + "' --tokenizer";
+  for (const Case& c : cases) {
+    test::write_file(z.dir / ("cross_" + c.name + ".json"), make(c.cross, c.ignore, c.gemma_split).dump());
+    args += " '" + (z.dir / ("cross_" + c.name + ".json")) + "'";
+  }
+  const auto r = Zoo::run(args);
+  INFO(r.out << r.err);
+  REQUIRE(r.exit_code == 0);
+  for (const Case& c : cases) {
+    INFO(c.name);
+    const Tokenizer tok = Tokenizer::load(z.dir / ("cross_" + c.name + ".json"));
+    CHECK(tok.splits_at_metaspace() == c.split);
+    CHECK(tok.can_cut_before_space() == c.cut);
+    const json ref = read_json(z.dir / ("cross_" + c.name + ".out.json"));
+    size_t joined = 0;
+    for (size_t i = 0; i < texts.size(); ++i) {
+      INFO("text " << i << ": " << texts[i]);
+      const auto ids = tok.encode(texts[i]);
+      CHECK(ids == ref["plain"][i].get<std::vector<uint32_t>>());
+      if (!ref["decoded"][i].is_null()) CHECK(utf8_lossy(tok.decode(ids)) == ref["decoded"][i].get<std::string>());
+      joined += std::count(ids.begin(), ids.end(), 5u);
+    }
+    // HF really joins across the '▁' where the merge exists (so a cut there
+    // would differ), and never where it does not.
+    if (c.cross && !c.ignore) CHECK(joined > 0);
+    if (!c.cross) CHECK(joined == 0);
+  }
+}
+
+TEST_CASE("prepare --tokenizer: Llama 2 / Mistral / Gemma style files are cut before spaces for the threads, with HF's ids",
+          "[prepare][hf]") {
+  Zoo& z = zoo();
+  test::TempDir d("prepspm");
+  // > 1 MiB, so the file is cut into blocks; prose with spaces (cut points)
+  // and the one-line hard text (CJK, emoji, space runs) in the middle. Past
+  // 1 MiB, where the block would be cut, every space follows "</s>": text
+  // after a matched added token (--allow-special) is a segment HF gives a
+  // Prepend '▁' of its own, so no cut there; the cut goes further back.
+  const std::string corpus = test::read_file(z.dir / "corpus.txt");
+  std::string big;
+  while (big.size() < 700000) big += corpus;
+  big += one_line_text();
+  while (big.size() < 1'150'000) big += "x</s> ";
+  while (big.size() < 1'300'000) big += corpus;
+  // A document that starts with spaces: its Prepend '▁' is still there.
+  const std::string small = "  two leading spaces, then a short document of its own.";
+  test::write_file(d / "in/a.txt", big);
+  test::write_file(d / "in/b.txt", small);
+  test::write_file(d / "docs.json", json({big, small}).dump());
+  for (const std::string name : {"llama2", "mistral", "gemma"}) {
+    INFO(name);
+    const std::string tj = z.dir / (name + ".json");
+    const Tokenizer tok = Tokenizer::load(tj);
+    REQUIRE(tok.can_cut_before_space());
+    REQUIRE(tok.bos_id() >= 0);
+    const auto r = Zoo::run("encode --ids-only --tokenizer '" + tj + "' --texts '" + (d / "docs.json") + "' --out '" +
+                            (d / "docs.out.json") + "'");
+    INFO(r.out << r.err);
+    REQUIRE(r.exit_code == 0);
+    const json ref = read_json(d / "docs.out.json");
+    for (const bool special : {false, true}) {
+      std::vector<uint32_t> want;
+      for (const auto& ids : ref[special ? "special" : "plain"].get<std::vector<std::vector<uint32_t>>>()) {
+        want.push_back(static_cast<uint32_t>(tok.bos_id()));
+        want.insert(want.end(), ids.begin(), ids.end());
+      }
+      for (const int threads : {1, 3}) {
+        INFO("threads " << threads << (special ? ", --allow-special" : ""));
+        const auto p = test::run_trainrun("prepare --tokenizer '" + tj + "' --input '" + (d / "in") + "' --output '" +
+                                          (d / "out") + "' --val-fraction 0 --threads " + std::to_string(threads) +
+                                          " --shard-tokens 10000000" + (special ? " --allow-special" : ""));
+        INFO(p.out << p.err);
+        REQUIRE(p.exit_code == 0);
+        // The big document really was cut (into 2 blocks), the small one not.
+        CHECK_THAT(p.out, Contains("2 documents (3 blocks)"));
+        CHECK(first_difference(read_u16_shard(d / "out/train_000000.bin"), want) == "equal");
+      }
     }
   }
 }

@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -164,7 +165,8 @@ void encode_item(const Job& job, TokenEncoder& enc, const Item& it, Output& out)
                          "; fix the file or leave it out (iconv -f <encoding> -t utf-8 converts it)");
   if (job.format == Format::kText) {
     if (it.doc_start) out.tokens.push_back(job.doc_start.id);
-    enc.encode(it.raw, job.opts.allow_special, out.tokens);
+    // A later block continues its document: no second Prepend '▁'.
+    enc.encode(it.raw, job.opts.allow_special, out.tokens, !it.doc_start);
     if (it.doc_start) ++out.docs;
     return;
   }
@@ -338,6 +340,13 @@ constexpr size_t kBatchBytes = 1 << 20;
 //        punctuation + letters) reads only what follows; CJK prose has these
 // A whitespace character before the cut would not do ("\s+(?!\S)" would
 // take it with the next space).
+// SentencePiece-style BPE without a word-splitting pre-tokenizer (Llama 2,
+// Mistral; Tokenizer::can_cut_before_space) has one rule of its own:
+//   "<printable ASCII, not space>" | " ": the space becomes a '▁' that
+//        starts a BPE word the model cuts before anyway; the block after is
+//        encoded as a continuation (no second Prepend '▁'). Not where an
+//        added token may end: the text after a matched one is a segment of
+//        its own, which HF does give a Prepend '▁'.
 bool is_ascii_letter(unsigned char c) { return (c | 0x20) >= 'a' && (c | 0x20) <= 'z'; }
 bool is_printable_ascii(unsigned char c) { return c > ' ' && c < 0x7F; }
 
@@ -361,9 +370,18 @@ bool is_cjk_punct(uint32_t cp) {
 // across such a cut.
 struct CutRules {
   bool line = false, space = false, cjk = false;
+  bool meta = false;  // the SentencePiece rule (alone)
+  std::array<std::vector<std::string>, 256> added_by_last;  // meta: added tokens by their last byte
+  bool any() const { return line || meta; }
 };
 CutRules cut_rules(const Tokenizer& tok) {
   CutRules r;
+  if (tok.can_cut_before_space()) {
+    r.meta = true;
+    for (const std::string& a : tok.added_token_contents())
+      if (!a.empty()) r.added_by_last[static_cast<unsigned char>(a.back())].push_back(a);
+    return r;
+  }
   if (!tok.can_cut_before_line()) return r;
   r.line = r.space = r.cjk = true;
   for (const std::string& a : tok.added_token_contents()) {
@@ -376,6 +394,12 @@ CutRules cut_rules(const Tokenizer& tok) {
 bool cut_point(const std::string& s, size_t i, const CutRules& r) {
   if (i < 3 || i + 1 >= s.size()) return false;
   const auto prev = static_cast<unsigned char>(s[i - 1]), cur = static_cast<unsigned char>(s[i]);
+  if (r.meta) {
+    if (cur != ' ' || !is_printable_ascii(prev)) return false;
+    for (const std::string& a : r.added_by_last[prev])
+      if (a.size() <= i && s.compare(i - a.size(), a.size(), a) == 0) return false;
+    return true;
+  }
   if (prev == '\n') return r.line && is_printable_ascii(static_cast<unsigned char>(s[i - 2])) && is_ascii_letter(cur);
   if (cur == ' ') return r.space && is_printable_ascii(prev) && is_ascii_letter(static_cast<unsigned char>(s[i + 1]));
   return r.cjk && is_cjk_punct(utf8_3byte(s, i)) && is_cjk_letter(utf8_3byte(s, i - 3));
@@ -405,6 +429,8 @@ class Reader {
     }
     flush_(batches_);
   }
+  // Text: the blocks the documents were cut into (each encoded alone).
+  int64_t text_blocks() const { return text_blocks_; }
 
  private:
   void push(Item&& it) {
@@ -436,7 +462,7 @@ class Reader {
     bool doc_start = true;
     std::vector<char> buf(kBatchBytes);
     const CutRules rules = cut_rules(job_.tok);
-    const bool can_cut = rules.line;
+    const bool can_cut = rules.any();
     while (pos < n) {
       // Reads never cross the train/val cut, so the train document ends exactly there.
       const int64_t limit = pos < cut ? cut : n;
@@ -502,6 +528,7 @@ class Reader {
   }
   void emit_text(int f, std::string text, int64_t off, bool doc_start, bool val) {
     if (text.empty()) return;  // an empty val part adds no lone separator
+    ++text_blocks_;
     Item it;
     it.file = f;
     it.offset = off;
@@ -541,6 +568,7 @@ class Reader {
   size_t window_;
   std::function<void(std::vector<Batch>&)> flush_;
   std::vector<Batch> batches_;
+  int64_t text_blocks_ = 0;
 };
 
 }  // namespace
@@ -664,7 +692,11 @@ std::string prepare_tokenized_shards(const PrepareOptions& opts) {
   std::ostringstream os;
   os << "prepared " << in.texts.size() << " " << opts.format << " file" << (in.texts.size() == 1 ? "" : "s");
   if (!in.binary.empty() || in.duplicates) os << " (skipped " << in.binary.size() << " binary, " << in.duplicates << " duplicate)";
-  os << ", " << docs << " document" << (docs == 1 ? "" : "s") << " -> " << opts.output_dir << ": " << train.tokens()
+  os << ", " << docs << " document" << (docs == 1 ? "" : "s");
+  // How far the threads could share the text: a document is cut only where
+  // the tokenizer allows (see cut_point).
+  if (format == Format::kText) os << " (" << reader.text_blocks() << " block" << (reader.text_blocks() == 1 ? "" : "s") << ")";
+  os << " -> " << opts.output_dir << ": " << train.tokens()
      << " train tokens in " << prep::shard_range(train.names()) << ", " << val.tokens() << " val tokens in "
      << prep::shard_range(val.names()) << "; tokenizer " << opts.tokenizer << " (vocab " << tok.vocab_size() << ", "
      << (version == llmc::kVersionU16 ? "uint16" : "uint32 v7") << "), documents start with " << job.doc_start.name;

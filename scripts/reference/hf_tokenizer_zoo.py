@@ -15,10 +15,10 @@
                      continuing_subword_prefix, end_of_word_suffix, unk; added tokens with lstrip,
                      rstrip, single_word, normalized
            split_<behavior>[_inv]  Split(regex) with each behavior (and invert) before Metaspace
-  encode --tokenizer T... --texts texts.json [--out out.json]   (several T: each X.json -> X.out.json)
+  encode --tokenizer T... --texts texts.json [--out out.json] [--ids-only]   (several T: each X.json -> X.out.json)
          {"plain": ids, special tokens as text; "special": special tokens matched;
           "with_special": add_special_tokens=True (post-processor); "decoded": decode(plain);
-          "lists": random id lists, "lists_decoded": their decode}
+          "lists": random id lists, "lists_decoded": their decode; --ids-only: only "plain" and "special", for long texts}
 """
 import argparse
 import json
@@ -157,16 +157,20 @@ def cmd_encode(a):
     with open(a.texts, encoding="utf-8") as f:
         texts = json.load(f)
     for path in a.tokenizer:
-        encode_one(path, texts, a.out if len(a.tokenizer) == 1 else path[:-len(".json")] + ".out.json")
+        encode_one(path, texts, a.out if len(a.tokenizer) == 1 else path[:-len(".json")] + ".out.json", a.ids_only)
 
 
-def encode_one(path, texts, out_path):
+def encode_one(path, texts, out_path, ids_only=False):
     tok = Tokenizer.from_file(path)
     out = {}
     tok.encode_special_tokens = True
     out["plain"] = [tok.encode(t, add_special_tokens=False).ids for t in texts]
     tok.encode_special_tokens = False
     out["special"] = [tok.encode(t, add_special_tokens=False).ids for t in texts]
+    if ids_only:
+        with open(out_path, "w", encoding="utf-8") as f:
+            json.dump(out, f)
+        return
     out["with_special"] = [tok.encode(t, add_special_tokens=True).ids for t in texts]
     out["decoded"] = [decode_or_none(tok, ids) for ids in out["plain"]]
     rng = random.Random(1234)
@@ -189,6 +193,7 @@ def main():
     e.add_argument("--tokenizer", required=True, nargs="+", help="several: each X.json gets X.out.json")
     e.add_argument("--texts", required=True)
     e.add_argument("--out")
+    e.add_argument("--ids-only", action="store_true", help='only the "plain" and "special" ids')
     a = p.parse_args()
     {"make": cmd_make, "encode": cmd_encode}[a.cmd](a)
 

@@ -57,13 +57,20 @@ class TokenEncoder {
 
   // Appends the ids of `text` (valid UTF-8, checked: an error names the byte
   // offset) to `out`. No BOS/EOS is added.
-  void encode(std::string_view text, bool allow_special, std::vector<uint32_t>& out);
+  //
+  // `continues`: `text` is the rest of a longer text, cut where
+  // Tokenizer::can_cut_before_line or can_cut_before_space allows; the
+  // normalizer's Prepend (Llama 2's '▁') and Metaspace's prepend_scheme
+  // "first" then do not apply at its start, as HF applies them once, at
+  // the start of the whole (and after each added token).
+  void encode(std::string_view text, bool allow_special, std::vector<uint32_t>& out, bool continues = false);
 
  private:
   struct State;
-  void encode_normalized(std::string_view seg, bool at_start, std::vector<uint32_t>& out);
+  void encode_normalized(std::string_view seg, bool at_start, bool prepend, std::vector<uint32_t>& out);
   void encode_segment(std::string_view seg, bool at_start, std::vector<uint32_t>& out);
   void encode_pretoken(std::string_view piece, bool raw_bytes, std::vector<uint32_t>& out);
+  void encode_metaspace_words(std::string_view piece, std::vector<uint32_t>& out);
   const Tokenizer* tok_;
   std::unique_ptr<State> st_;
   bool allow_special_ = false;
@@ -109,6 +116,21 @@ class Tokenizer {
   // "\n" apart when a letter follows. prepare cuts big files there to
   // encode them in parallel.
   bool can_cut_before_line() const;
+  // True when the BPE model cuts each pre-token before every '▁' that
+  // follows another character and encodes the parts apart (SentencePiece
+  // vocabularies, where no merge joins across such a point: the ids are
+  // those of the whole). Without it a Llama 2 or Mistral document is one
+  // BPE word of millions of symbols.
+  bool splits_at_metaspace() const;
+  // True when cutting text before a ' ' that follows a printable ASCII
+  // character other than ' ' never changes the ids, the part after encoded
+  // with encode(..., continues = true): splits_at_metaspace(), normalizers
+  // that map each character alone (Replace of one character) or Prepend,
+  // no pre-tokenizer, Metaspace alone or Gemma's Split(" ") after its
+  // Replace(" ", "▁") (which leaves it no space), no added token with a space,
+  // a '▁' or lstrip/rstrip/single_word. The space becomes a '▁' where the
+  // model cuts anyway. prepare cuts Llama 2 / Mistral / Gemma style files there.
+  bool can_cut_before_space() const;
   // The contents of the added tokens (special or not), in id order: what
   // matches before the pre-tokenizer (prepare checks its other cut points
   // against them).

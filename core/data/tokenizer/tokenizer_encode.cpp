@@ -101,27 +101,30 @@ void find_added(const AddedSet& set, std::string_view s, bool allow_special, std
 
 }  // namespace
 
-void TokenEncoder::encode(std::string_view text, bool allow_special, std::vector<uint32_t>& out) {
+void TokenEncoder::encode(std::string_view text, bool allow_special, std::vector<uint32_t>& out, bool continues) {
   const Tokenizer::Impl& im = *tok_->impl_;
   allow_special_ = allow_special;
   if (int64_t bad = find_invalid_utf8(text); bad >= 0)
     TR_FAIL("tokenizer: the text is not valid UTF-8 at byte offset ", bad, "; fix or drop that input");
+  // The segment at offset 0 of a continuing text is the rest of one whose
+  // start was normalized (and pre-tokenized) already.
+  const bool first = !continues;
   if (im.raw_added.empty()) {
-    encode_normalized(text, true, out);
+    encode_normalized(text, first, first, out);
     return;
   }
   std::vector<Hit> hits;
   find_added(im.raw_added, text, allow_special, hits);
   size_t last = 0;
   for (const Hit& h : hits) {
-    if (h.b > last) encode_normalized(text.substr(last, h.b - last), last == 0, out);
+    if (h.b > last) encode_normalized(text.substr(last, h.b - last), first && last == 0, first || last > 0, out);
     out.push_back(h.id);
     last = std::max(last, h.e);
   }
-  if (last < text.size()) encode_normalized(text.substr(last), last == 0, out);
+  if (last < text.size()) encode_normalized(text.substr(last), first && last == 0, first || last > 0, out);
 }
 
-void TokenEncoder::encode_normalized(std::string_view seg, bool at_start, std::vector<uint32_t>& out) {
+void TokenEncoder::encode_normalized(std::string_view seg, bool at_start, bool prepend, std::vector<uint32_t>& out) {
   const Tokenizer::Impl& im = *tok_->impl_;
   if (seg.empty()) return;
   if (im.normalizers.empty() && im.norm_added.empty()) {
@@ -129,7 +132,7 @@ void TokenEncoder::encode_normalized(std::string_view seg, bool at_start, std::v
     return;
   }
   std::string s(seg);
-  apply_normalizers(im.normalizers, s, st_->ms);
+  apply_normalizers(im.normalizers, s, st_->ms, prepend);
   if (im.norm_added.empty()) {
     encode_segment(s, at_start, out);
     return;
@@ -182,9 +185,28 @@ void TokenEncoder::encode_segment(std::string_view seg, bool at_start, std::vect
   // encode_pretoken may not touch `pieces`; move them out for the loop.
   std::vector<Piece> local;
   local.swap(pieces);
-  for (const Piece& p : local) encode_pretoken(p.text, false, out);
+  for (const Piece& p : local) {
+    if (im.split_at_metaspace) encode_metaspace_words(p.text, out);
+    else encode_pretoken(p.text, false, out);
+  }
   local.clear();
   pieces.swap(local);
+}
+
+// Impl::split_at_metaspace: the parts of `piece` cut before every '▁'
+// that follows another character ("▁▁▁x" stays whole), each through the
+// model and the cache.
+void TokenEncoder::encode_metaspace_words(std::string_view piece, std::vector<uint32_t>& out) {
+  const size_t m = kMetaUtf8.size();
+  size_t start = 0;
+  for (size_t j = piece.find(kMetaUtf8, 1); j != std::string_view::npos; j = piece.find(kMetaUtf8, j + m)) {
+    // The character before j is a '▁' exactly when its 3 bytes are (UTF-8
+    // lead bytes never occur inside a character).
+    if (j >= m && piece.substr(j - m, m) == kMetaUtf8) continue;
+    encode_pretoken(piece.substr(start, j - start), false, out);
+    start = j;
+  }
+  encode_pretoken(piece.substr(start), false, out);
 }
 
 void TokenEncoder::encode_pretoken(std::string_view piece, bool raw_bytes, std::vector<uint32_t>& out) {

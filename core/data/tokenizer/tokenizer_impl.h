@@ -23,11 +23,14 @@ namespace trainrun {
 struct CompiledRegex {
   pcre2_code* code = nullptr;
   bool jit = false;
+  bool literal = false;  // a {"String": ...} pattern: matched as text
   std::string pattern;
   CompiledRegex() = default;
   CompiledRegex(const CompiledRegex&) = delete;
   CompiledRegex& operator=(const CompiledRegex&) = delete;
-  CompiledRegex(CompiledRegex&& o) noexcept : code(o.code), jit(o.jit), pattern(std::move(o.pattern)) { o.code = nullptr; }
+  CompiledRegex(CompiledRegex&& o) noexcept : code(o.code), jit(o.jit), literal(o.literal), pattern(std::move(o.pattern)) {
+    o.code = nullptr;
+  }
   ~CompiledRegex() { if (code) pcre2_code_free(code); }
 };
 
@@ -94,7 +97,9 @@ struct NormStep {
   std::shared_ptr<CompiledRegex> re;    // Replace: pattern
   std::shared_ptr<Precompiled> charsmap;
 };
-void apply_normalizers(const std::vector<NormStep>& steps, std::string& s, MatchState& ms);
+// `prepend` false skips the Prepend steps: text that continues a segment
+// whose start was normalized already (TokenEncoder::encode's `continues`).
+void apply_normalizers(const std::vector<NormStep>& steps, std::string& s, MatchState& ms, bool prepend = true);
 
 // ---- pre-tokenizers (tokenizer_pretokenizer.cpp)
 enum class SplitBehavior { kRemoved, kIsolated, kMergedWithPrevious, kMergedWithNext, kContiguous };
@@ -180,7 +185,14 @@ struct Model {
   std::array<uint32_t, 256> byte_id{};
   std::unordered_map<std::string, uint32_t> raw_vocab;
   Unigram uni;
+  // Some merge "a b" has a not ending in '▁' and b starting with '▁': it
+  // could join text across a '▁' that follows another character (see
+  // Tokenizer::Impl::split_at_metaspace).
+  bool merge_joins_metaspace = false;
 };
+
+// U+2581, SentencePiece's word-start mark, in UTF-8.
+constexpr std::string_view kMetaUtf8 = "\xE2\x96\x81";
 
 // Scratch space of one encoder for the models.
 struct ModelScratch {
@@ -250,6 +262,15 @@ struct Tokenizer::Impl {
   size_t byte_level_step = 0;                      // index in fast_splits where ByteLevel acts
   bool add_prefix_space = false;
   std::vector<std::shared_ptr<CompiledRegex>> regex_keep;  // owns what fast_splits points to
+  // SentencePiece-style BPE (Llama 2, Mistral, Gemma) has no pre-tokenizer
+  // that splits words, so a whole document would be one BPE word. When no
+  // merge can join text across a '▁' that follows another character (see
+  // choose_metaspace_split), each pre-token is cut before every such '▁'
+  // and the parts go through the model (and the cache) one by one: the ids
+  // are those of the whole, as HF's BPE gives them.
+  bool split_at_metaspace = false;
+  // Tokenizer::can_cut_before_space (prepare's cut points for these).
+  bool cut_before_space = false;
 
   std::vector<std::string> id_to_token;  // (V) the string decoders receive
   std::vector<uint8_t> id_known;         // (V) 1 where the id exists

@@ -98,6 +98,7 @@ void compile_regex(const Ctx& c, const std::string& path, const std::string& pat
   // PCRE2_LITERAL allows PCRE2_UTF but not PCRE2_UCP (nothing to classify).
   const uint32_t opts = literal ? (PCRE2_UTF | PCRE2_LITERAL) : (PCRE2_UTF | PCRE2_UCP);
   out.pattern = pattern;
+  out.literal = literal;
   out.code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(), opts, &err, &off, nullptr);
   if (!out.code) {
     PCRE2_UCHAR msg[256];
@@ -211,6 +212,101 @@ void choose_fast_path(Tokenizer::Impl& impl) {
   impl.fast_byte_level = true;
 }
 
+bool ends_with_meta(std::string_view s) {
+  return s.size() >= kMetaUtf8.size() && s.substr(s.size() - kMetaUtf8.size()) == kMetaUtf8;
+}
+
+// Impl::split_at_metaspace. Cut "...x|▁..." (x any character but '▁'):
+// the symbols left of the cut are the characters' pieces, <0xNN> byte
+// fallbacks and unk, so the rightmost of them, and every merge of it with
+// its left neighbours, is a token whose string does not end with '▁'; the
+// leftmost symbol right of the cut is the piece "▁", and every merge of it
+// with its right neighbours starts with '▁'. A merge across the cut would
+// be a merge "a b" with a not ending and b starting with '▁', and the
+// loader found none (Model::merge_joins_metaspace), so the merges on each
+// side are those each side gets alone, in the same order. What else must
+// hold:
+//   - "▁" is a vocab piece (else the right side starts with byte fallbacks
+//     or an unk that fuse_unk joins to an unk on the left);
+//   - unk's string has no '▁' (an unk symbol on the left must not look
+//     like one that ends with it), and no two strings share an id (the
+//     merges are keyed by id; the strings are what was checked);
+//   - not ignore_merges (the whole word, or a part, found in the vocab is
+//     emitted as one id: a part in the vocab whose whole is not would
+//     change the ids), no continuing_subword_prefix or end_of_word_suffix
+//     (they depend on where the word starts and ends).
+void choose_metaspace_split(Tokenizer::Impl& impl, bool duplicate_ids) {
+  const Model& m = impl.model;
+  if (impl.fast_byte_level || m.unigram || m.ignore_merges || !m.prefix.empty() || !m.suffix.empty() ||
+      m.merge_joins_metaspace || duplicate_ids)
+    return;
+  if (m.vocab.find(std::string(kMetaUtf8)) == m.vocab.end()) return;
+  if (m.unk_id >= 0 && impl.id_to_token[m.unk_id].find(kMetaUtf8) != std::string::npos) return;
+  impl.split_at_metaspace = true;
+}
+
+// Impl::cut_before_space (Tokenizer::can_cut_before_space's conditions).
+void choose_space_cuts(Tokenizer::Impl& impl) {
+  if (!impl.split_at_metaspace) return;
+  // Normalizers that map each character on its own (so the normalized
+  // whole is the normalized parts, joined) except Prepend, which the
+  // continuing part skips: Prepend, and Replace of one literal character.
+  // Whether the normalized text can still hold a ' ' (Gemma's Replace
+  // turns every one into '▁').
+  bool spaces_left = true;
+  for (const NormStep& n : impl.normalizers) {
+    if (n.kind == NormStep::kPrepend) {
+      spaces_left = spaces_left || n.text.find(' ') != std::string::npos;
+      continue;
+    }
+    if (n.kind != NormStep::kReplace || !n.re->literal) return;
+    size_t i = 0;
+    if (n.re->pattern.empty() || (uni::next(n.re->pattern, i), i != n.re->pattern.size())) return;
+    if (n.text.find(' ') != std::string::npos) spaces_left = true;
+    else if (n.re->pattern == " ") spaces_left = false;
+  }
+  // No pre-tokenizer; Metaspace alone (its ' ' -> '▁' is per character,
+  // its prepend does not apply to a part that starts with '▁' or starts
+  // past offset 0, and its split is before '▁'); or Gemma's Split(" ")
+  // (not inverted) on text without a ' ', where it never splits.
+  const PreTokStep* meta = nullptr;
+  if (!impl.pretok.empty()) {
+    if (impl.pretok.size() != 1) return;
+    const PreTokStep& p = impl.pretok[0];
+    if (p.kind == PreTokStep::kMetaspace && p.replacement == 0x2581) meta = &p;
+    else if (!(p.kind == PreTokStep::kRegex && p.re->literal && p.re->pattern == " " && !p.invert && !spaces_left))
+      return;
+  }
+  MatchState ms;
+  auto model_text = [&](std::string s) {
+    apply_normalizers(impl.normalizers, s, ms, false);
+    if (meta) {
+      std::string t;
+      for (char ch : s) {
+        if (ch == ' ') t += kMetaUtf8;
+        else t += ch;
+      }
+      s.swap(t);
+    }
+    return s;
+  };
+  // The space must become a '▁' (the part after the cut starts the BPE
+  // word there), and the printable ASCII character before it must stay
+  // something that does not end with '▁'.
+  if (model_text(" ").compare(0, kMetaUtf8.size(), kMetaUtf8) != 0) return;
+  for (int c = 0x21; c < 0x7F; ++c) {
+    const std::string t = model_text(std::string(1, static_cast<char>(c)));
+    if (t.empty() || ends_with_meta(t)) return;
+  }
+  // An added token matched across the cut, or taking the space beside it.
+  for (const AddedToken& a : impl.added) {
+    if (a.lstrip || a.rstrip || a.single_word) return;
+    for (const std::string* s : {&a.content, &a.spelled})
+      if (s->find(' ') != std::string::npos || s->find(kMetaUtf8) != std::string::npos) return;
+  }
+  impl.cut_before_space = true;
+}
+
 }  // namespace
 
 Tokenizer::Tokenizer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -248,7 +344,9 @@ Tokenizer Tokenizer::from_json_text(const std::string& text, const std::string& 
   impl->vocab_size = max_id + 1;
   impl->id_to_token.assign(impl->vocab_size, {});
   impl->id_known.assign(impl->vocab_size, 0);
+  bool duplicate_ids = false;
   for (const auto& [tok, id] : impl->model.vocab) {
+    duplicate_ids = duplicate_ids || impl->id_known[id];
     impl->id_to_token[id] = tok;
     impl->id_known[id] = 1;
   }
@@ -260,6 +358,8 @@ Tokenizer Tokenizer::from_json_text(const std::string& text, const std::string& 
   }
   if (const json* p = member(root, "post_processor")) load_post_processor(c, *p, "post_processor", *impl);
   choose_fast_path(*impl);
+  choose_metaspace_split(*impl, duplicate_ids);
+  choose_space_cuts(*impl);
   // A ByteLevel decoder alone decodes token by token: precompute the bytes.
   if (impl->has_decoder && impl->decoders.size() == 1 && impl->decoders[0].kind == DecodeStep::kByteLevel) {
     impl->byte_level_decode = true;
@@ -309,6 +409,9 @@ bool Tokenizer::can_cut_before_line() const {
     if (a.content.find('\n') != std::string::npos || a.lstrip || a.rstrip) return false;
   return true;
 }
+
+bool Tokenizer::splits_at_metaspace() const { return impl_->split_at_metaspace; }
+bool Tokenizer::can_cut_before_space() const { return impl_->cut_before_space; }
 
 std::vector<std::string> Tokenizer::added_token_contents() const {
   std::vector<std::string> out;

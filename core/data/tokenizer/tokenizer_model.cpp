@@ -306,6 +306,8 @@ void load_bpe(const Ctx& c, const json& m, Tokenizer::Impl& impl) {
     if (ib == md.vocab.end()) c.fail(path, "token " + show(json(b)) + " of " + show(e) + " is not in model.vocab");
     if (im == md.vocab.end()) c.fail(path, "the merged token " + show(json(ab)) + " is not in model.vocab");
     table.push_back({ia->second, ib->second, static_cast<uint32_t>(i), im->second});
+    const bool a_ends_meta = a.size() >= kMetaUtf8.size() && a.compare(a.size() - kMetaUtf8.size(), kMetaUtf8.size(), kMetaUtf8) == 0;
+    if (!a_ends_meta && b.compare(0, kMetaUtf8.size(), kMetaUtf8) == 0) md.merge_joins_metaspace = true;
   }
   md.merges.build(table);
 }

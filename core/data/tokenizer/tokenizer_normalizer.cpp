@@ -63,7 +63,7 @@ void Precompiled::apply(std::string& s) const {
   s.swap(out);
 }
 
-void apply_normalizers(const std::vector<NormStep>& steps, std::string& s, MatchState& ms) {
+void apply_normalizers(const std::vector<NormStep>& steps, std::string& s, MatchState& ms, bool prepend) {
   for (const NormStep& n : steps) {
     switch (n.kind) {
       case NormStep::kNFC: uni::normalize(uni::Form::NFC, s); break;
@@ -96,7 +96,7 @@ void apply_normalizers(const std::vector<NormStep>& steps, std::string& s, Match
       }
       case NormStep::kReplace: s = regex_replace_all(*n.re, s, n.text, ms); break;
       case NormStep::kPrepend:
-        if (!s.empty()) s.insert(0, n.text);
+        if (prepend && !s.empty()) s.insert(0, n.text);
         break;
       case NormStep::kPrecompiled: n.charsmap->apply(s); break;
     }
