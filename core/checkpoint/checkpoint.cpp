@@ -61,9 +61,23 @@ class CheckpointAborted : public Error {
 
 }  // namespace
 
+CheckpointSubject CheckpointSubject::of_model(const ModelArch& arch) {
+  CheckpointSubject s;
+  s.layout = &arch.layout();
+  s.model_header = ckpt::model_header(arch, arch.layout());
+  s.manifest_model = arch.manifest_model().dump();
+  s.mismatch = [&arch](const nlohmann::ordered_json& saved) { return manifest_model_mismatch(arch, saved); };
+  return s;
+}
+
 Checkpointer::Checkpointer(const JobSpec& job, const ModelArch& arch, int rank, int world, Store* store,
                            Communicator* comm, std::string key_prefix)
-    : job_(job), arch_(arch), layout_(arch.layout()), rank_(rank), world_(world), store_(store), comm_(comm),
+    : Checkpointer(job, CheckpointSubject::of_model(arch), rank, world, store, comm, std::move(key_prefix)) {}
+
+Checkpointer::Checkpointer(const JobSpec& job, CheckpointSubject subject, int rank, int world, Store* store,
+                           Communicator* comm, std::string key_prefix)
+    : job_(job), subject_(std::move(subject)), layout_(*subject_.layout), rank_(rank), world_(world), store_(store),
+      comm_(comm),
       prefix_(std::move(key_prefix)), root_((fs::path(job.output.dir) / "checkpoints").string()),
       uncaught_at_start_(std::uncaught_exceptions()) {
   TR_CHECK(world == 1 || store, "checkpoint: a multi-rank job needs the rendezvous store");
@@ -152,9 +166,10 @@ void Checkpointer::clean_stale_rank0() {
   }
 }
 
-double Checkpointer::save(ParamStore& ps, const TrainState& st) {
+double Checkpointer::save(ParamStore& ps, const TrainState& st, std::function<void(const std::string&)> extra) {
   auto t0 = Clock::now();
   wait();  // one save in flight at a time
+  extra_files_ = std::move(extra);  // read by the writing thread; the next save waits for it first
   if (write_ranges_.empty() && held_ranges_.empty()) prepare(ps);
   const int64_t step = st.step;
   if (job_.checkpoint.async == "true") {
@@ -347,7 +362,7 @@ void Checkpointer::write_and_commit(int64_t step, const TrainState& st, ParamSto
   const auto deadline = Clock::now() + std::chrono::milliseconds(ckpt_timeout_ms(job_));
   const std::string final_dir = root_ + "/" + step_name(step);
   const std::string tmp = root_ + "/.tmp-" + step_name(step);
-  const std::string mhdr = model_header(arch_, layout_), ohdr = optimizer_header(layout_);
+  const std::string mhdr = subject_.model_header, ohdr = optimizer_header(layout_);
   const std::string mpath = tmp + "/model.safetensors", opath = tmp + "/optimizer.safetensors";
   const std::string me = "rank " + std::to_string(rank_);
   next_abort_poll_ = {};
@@ -565,7 +580,7 @@ void Checkpointer::commit_rank0(int64_t step, const TrainState& st, const std::s
   m["data_cursor"] = st.cursor;
   m["world_size"] = world_;
   m["sharding"] = job_.parallel.sharding;
-  m["model"] = arch_.manifest_model();
+  m["model"] = json::parse(subject_.manifest_model);
   // Randomness is counter-based (init: (seed, index); data: (seed, sample
   // index); sampling: seed), so the seeds and the cursor are the RNG state.
   m["rng"] = {{"train_seed", job_.train.seed}, {"data_seed", job_.data.synthetic.seed}};
@@ -578,7 +593,7 @@ void Checkpointer::commit_rank0(int64_t step, const TrainState& st, const std::s
   m["layout"] = {{"total", layout_.total}, {"units", units}};
   // The segments must tile each file exactly: a gap would be bytes nobody
   // wrote (or verifies), an overlap two ranks writing the same bytes.
-  const uint64_t sizes[2] = {model_header(arch_, layout_).size() + uint64_t(layout_.total) * 4,
+  const uint64_t sizes[2] = {subject_.model_header.size() + uint64_t(layout_.total) * 4,
                              optimizer_header(layout_).size() + uint64_t(layout_.total) * 8};
   json files = json::object();
   for (int f = 0; f < 2; ++f) {
@@ -609,6 +624,7 @@ void Checkpointer::commit_rank0(int64_t step, const TrainState& st, const std::s
       std::this_thread::sleep_for(std::min<Clock::duration>(std::chrono::milliseconds(20), until - Clock::now()));
     }
   }
+  if (extra_files_) extra_files_(tmp);
   write_file_synced(tmp + "/manifest.json", m.dump(2) + "\n");
   fsync_path(tmp);
   // The point of no return: an abandoned checkpoint never becomes visible.

@@ -83,6 +83,7 @@
 #pragma once
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <cstdint>
 #include <future>
 #include <memory>
@@ -111,12 +112,29 @@ struct TrainState {
   int64_t tokens = 0;   // tokens seen
 };
 
+// What a checkpoint holds, and how a resume checks it: a whole model's
+// state (of_model: the arch's layout, file header and manifest block), or
+// the adapters on a frozen base (core/train/adapter_training: the adapter
+// layout, a manifest block naming the base and its fingerprint, and the
+// PEFT directory written inside every checkpoint).
+struct CheckpointSubject {
+  const ParamLayout* layout = nullptr;  // must outlive the Checkpointer
+  std::string model_header;             // model.safetensors' header (its tensors in layout order)
+  std::string manifest_model;           // the manifest's "model" block, as JSON text
+  // "" when a manifest's saved "model" block can be resumed into this one,
+  // else what differs ("model.n_layer = 2 but this job has 4").
+  std::function<std::string(const nlohmann::ordered_json& saved)> mismatch;
+  static CheckpointSubject of_model(const ModelArch& arch);
+};
+
 class Checkpointer {
  public:
   // store may be null for a single-rank run.
   // `arch` (the model: its layout, file header and manifest block) must
   // outlive the Checkpointer.
   Checkpointer(const JobSpec& job, const ModelArch& arch, int rank, int world, Store* store, Communicator* comm,
+               std::string key_prefix);
+  Checkpointer(const JobSpec& job, CheckpointSubject subject, int rank, int world, Store* store, Communicator* comm,
                std::string key_prefix);
   // Waits for an async save in flight; during exception unwinding it first
   // abandons it (abort()), so a failing rank never waits behind its save.
@@ -134,7 +152,11 @@ class Checkpointer {
   void clean_stale();
   // Collective. Snapshots the state; writes it now (sync) or in a background
   // thread (async). Returns the seconds training was blocked.
-  double save(ParamStore& ps, const TrainState& st);
+  // `extra`: files besides the state, written by rank 0 into the
+  // checkpoint's temporary directory before its manifest (so they commit
+  // with it): the adapters' PEFT directory. It runs on the thread that
+  // writes (a background one for async saves), so it must own its data.
+  double save(ParamStore& ps, const TrainState& st, std::function<void(const std::string& dir)> extra = {});
   // Tensor parallelism: a host communicator of this rank's TP group used
   // only by checkpoints, so that its row-parallel slices are written as
   // whole rows (row_exchange.h) instead of one pwrite per row. Set before
@@ -225,8 +247,9 @@ class Checkpointer {
   std::string step_key(int64_t step) const { return prefix_ + "ckpt/" + std::to_string(step) + "/"; }
 
   const JobSpec& job_;
-  const ModelArch& arch_;
+  CheckpointSubject subject_;
   const ParamLayout& layout_;
+  std::function<void(const std::string&)> extra_files_;
   int rank_, world_;
   Store* store_;
   Communicator* comm_;

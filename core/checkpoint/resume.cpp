@@ -178,7 +178,7 @@ std::string Checkpointer::read_verified(const std::string& dir, std::vector<std:
       out->assign(3, {});
       for (auto& v : *out) v.resize(held);
     }
-    const uint64_t mbase = model_header(arch_, layout_).size(), obase = optimizer_header(layout_).size();
+    const uint64_t mbase = subject_.model_header.size(), obase = optimizer_header(layout_).size();
     Hasher h;
     std::vector<char> scratch;
     for (int f = 0; f < 2; ++f) {
@@ -256,7 +256,7 @@ void Checkpointer::load_kind_by_kind(const std::string& dir, ParamStore& ps) {
   size_t held = 0;
   for (const auto& r : held_ranges_) held += size_t(r.numel());
   std::vector<float> buf(held);
-  const uint64_t mbase = model_header(arch_, layout_).size(), obase = optimizer_header(layout_).size();
+  const uint64_t mbase = subject_.model_header.size(), obase = optimizer_header(layout_).size();
   for (int kind = 0; kind < 3; ++kind) {
     const std::string path = dir + "/" + kFileNames[kind == 0 ? 0 : 1];
     const uint64_t base = (kind == 0 ? mbase : obase) + (kind == 2 ? uint64_t(layout_.total) * 4 : 0);
@@ -363,10 +363,10 @@ bool Checkpointer::load(ParamStore& ps, TrainState& st) {
                       {"world_size", m.at("world_size").get<int>()},
                       {"sharding", m.at("sharding").get<std::string>()}};
               const json& mm = m.at("model");
-              const std::string changed = manifest_model_mismatch(arch_, mm);
+              const std::string changed = subject_.mismatch(mm);
               if (!changed.empty())
                 throw Error(detail::cat("checkpoint ", dir, " was saved with ", changed,
-                                        "; the model shape cannot change on resume (use a new output.dir or "
+                                        "; a resume cannot change the model (use a new output.dir or "
                                         "checkpoint.resume: never)"));
             } catch (const Error&) {
               throw;  // a shape the job cannot take: no fallback

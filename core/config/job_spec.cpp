@@ -166,7 +166,8 @@ const std::vector<Field>& fields() {
                     "parameter-efficient fine-tuning (docs/fine-tuning.md): lora = frozen base + trainable "
                     "low-rank A (rank x in) and B (out x rank) on each target linear, y = W x + (alpha/rank) B A "
                     "dropout(x); only A and B get gradients and optimizer state, and the run writes them to "
-                    "output.dir/adapter in peft's format; CPU, tp1/pp1 only so far, no adapter checkpoints yet "
+                    "output.dir/adapter in peft's format (checkpoints hold the adapters + their AdamW state and a PEFT "
+                    "copy, and resume on model.init_from); CPU, tp1/pp1 only so far "
                     "(docs/fine-tuning.md); dora is not implemented yet; none = train every weight"),
       TR_SPEC_FIELD(model.adapter.rank, at_least(1), "LoRA rank r (peft's r)"),
       TR_SPEC_FIELD(model.adapter.alpha, above(0), "LoRA alpha: the update is scaled by alpha / rank (peft's lora_alpha)"),

@@ -348,6 +348,11 @@ ModelConfig read_hf_model_config(const std::string& dir, const std::string& what
 }
 
 ModelConfig config_from_file_metadata(const std::map<std::string, std::string>& meta, const std::string& path) {
+  // An adapter run's checkpoint (core/train/adapter_training) holds the
+  // adapters only: the base is its model.init_from.
+  TR_CHECK(!meta.count("trainrun_adapter"), path,
+           ": holds LoRA adapters (", meta.at("trainrun_adapter"), "), not a whole model; use the PEFT directory "
+           "beside it with the base: generate --adapter <checkpoint>/adapter, or export --merge");
   auto it = meta.find("arch");
   const std::string arch = it == meta.end() ? "gpt2" : it->second;  // files from before "arch" are GPT-2
   const ArchEntry* e = find_entry(arch);
@@ -359,6 +364,9 @@ ModelConfig config_from_file_metadata(const std::map<std::string, std::string>& 
 
 std::string manifest_model_mismatch(const ModelArch& arch, const json& saved) {
   const json now = arch.manifest_model();
+  if (saved.contains("adapter"))
+    return "model.adapter (the checkpoint holds adapters on a frozen base, not a whole model; resume it with the "
+           "same model.adapter and model.init_from)";
   auto text = [](const json& v) { return v.is_string() ? v.get<std::string>() : v.dump(); };
   for (const auto& [key, have] : now.items()) {
     json was;

@@ -3,11 +3,19 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <map>
+#include <memory>
 
+#include <nlohmann/json.hpp>
+
+#include "core/checkpoint/base_fingerprint.h"
+#include "core/checkpoint/format.h"
 #include "core/common/error.h"
 #include "core/common/log.h"
+#include "core/io/safetensors.h"
 #include "core/model/adapter/peft_files.h"
 #include "core/model/init_rng.h"
+#include "core/model/model_io.h"
 
 namespace fs = std::filesystem;
 
@@ -81,6 +89,69 @@ void AdapterTraining::write_peft(const std::string& dir) {
   }
   why = first_error_of_ranks(world_, why);
   if (!why.empty()) TR_FAIL(why);
+}
+
+CheckpointSubject AdapterTraining::checkpoint_subject() const {
+  using json = nlohmann::ordered_json;
+  const LoraOptions& o = adapters_->options();
+  json targets = json::array();
+  for (const std::string& n : adapters_->target_names()) targets.push_back(n);
+  json adapter = {{"type", job_.model.adapter.type}, {"r", o.rank}, {"lora_alpha", o.alpha},
+                  {"target_modules", targets}, {"numel", adapters_->layout().total}};
+  std::string fingerprint = "none (the base is the random init of train.seed)";
+  const std::string& base = job_.model.init_from;
+  if (world_.rank() == 0 && !base.empty()) {
+    // Only rank 0 writes and checks manifests. A base it cannot read fails
+    // the load of model.init_from just after, with the reader's message.
+    try {
+      fingerprint = fingerprint_base(base).describe();
+    } catch (const std::exception& e) {
+      fingerprint = std::string("unreadable (") + e.what() + ")";
+    }
+  }
+  CheckpointSubject s;
+  s.layout = &adapters_->layout();
+  // The adapter tensors under our (peft-like) names; the base's metadata
+  // plus "trainrun_adapter", so a tool that takes a model file refuses this
+  // one by name instead of missing the base's tensors (model_io.h).
+  std::vector<SafeTensorEntry> es;
+  for (const auto& t : adapters_->layout().tensors) es.push_back({t.name, "F32", t.shape, uint64_t(t.numel) * 4});
+  std::map<std::string, std::string> meta = arch_.file_metadata();
+  meta["trainrun_adapter"] = adapter.dump();
+  s.model_header = encode_safetensors_header(es, meta);
+  s.manifest_model = json{{"base", arch_.manifest_model()}, {"base_init_from", base}, {"base_fingerprint", fingerprint},
+                      {"adapter", adapter}}.dump();
+  const ModelArch* arch = &arch_;
+  s.mismatch = [arch, adapter, base, fingerprint](const json& saved) -> std::string {
+    if (!saved.contains("adapter") || !saved.contains("base"))
+      return "a whole model (no model.adapter); this job trains adapters on a frozen base";
+    const std::string shape = manifest_model_mismatch(*arch, saved.at("base"));
+    if (!shape.empty()) return "a base whose " + shape;
+    const json& was = saved.at("adapter");
+    for (const char* key : {"type", "r", "lora_alpha", "target_modules"}) {
+      const json w = was.contains(key) ? was.at(key) : json();
+      if (w != adapter.at(key))
+        return std::string("model.adapter ") + key + " = " + w.dump() + " but this job has " + adapter.at(key).dump();
+    }
+    const std::string fp = saved.value("base_fingerprint", std::string());
+    if (fp != fingerprint)
+      return "the base model.init_from '" + saved.value("base_init_from", std::string()) + "' (" + fp +
+             ") but this job's base '" + base + "' is " + fingerprint +
+             " (the adapters were trained on other weights; point model.init_from at the original base)";
+    return "";
+  };
+  return s;
+}
+
+std::function<void(const std::string&)> AdapterTraining::checkpoint_files() {
+  auto flat = std::make_shared<std::vector<float>>(gather_whole());
+  if (world_.rank() != 0) return {};
+  const ModelArch* arch = &arch_;
+  const LoraAdapters* ad = adapters_.get();
+  const std::string base = job_.model.init_from;
+  return [flat, arch, ad, base](const std::string& dir) {
+    write_peft_adapter(dir + "/adapter", *arch, *ad, *flat, base);
+  };
 }
 
 std::string AdapterTraining::trainable_line() const {

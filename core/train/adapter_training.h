@@ -11,9 +11,11 @@
 // under full_shard / hybrid_shard.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
+#include "core/checkpoint/checkpoint.h"
 #include "core/config/job_spec.h"
 #include "core/model/adapter/lora.h"
 #include "parallel/comm/communicator.h"
@@ -43,6 +45,16 @@ class AdapterTraining {
   // adapter/adapter_config.json + adapter_model.safetensors under `dir`
   // (rank 0 writes; collective: every rank calls it).
   void write_peft(const std::string& dir);
+  // What the run's checkpoints hold: the adapters and their AdamW state
+  // (store()), never the base. The manifest's "model" block names the base
+  // (its shape, model.init_from and a fingerprint of its files: rank 0
+  // computes it here) and the adapter (type, r, alpha, targets); a resume
+  // whose base or adapter differs is an error naming both values.
+  CheckpointSubject checkpoint_subject() const;
+  // Collective (every rank, before each save): the whole adapter, gathered
+  // now; what rank 0 then writes into the checkpoint's directory (adapter/,
+  // the PEFT files of that step).
+  std::function<void(const std::string& dir)> checkpoint_files();
   // "trainable params: 65,536 || all params: 1,235,814,400 || trainable%: 0.0053", as peft prints it.
   std::string trainable_line() const;
 

@@ -286,9 +286,6 @@ void Trainer::setup() {
     refuse(ps.pipeline_parallel > 1, "parallel.pipeline_parallel", std::to_string(ps.pipeline_parallel));
     refuse(ps.offload != "none", "parallel.offload", ps.offload);
     refuse(is_cuda_backend(be_.get()), "backend", be_->name());
-    refuse(job_.checkpoint.interval > 0, "checkpoint.interval",
-           std::to_string(job_.checkpoint.interval) + " (adapter checkpoints; the run writes output.dir/adapter at "
-                                                      "its end)");
   }
   arch_ = make_model_arch(ModelConfig::from_spec(job_.model));
   const ModelConfig& cfg = arch_->config();
@@ -720,7 +717,10 @@ TrainSummary Trainer::run() {
   auto t_start = Clock::now();
   setup();
   // Resume before anything is written, so a refused checkpoint loses nothing.
-  Checkpointer ckpt(job_, *arch_, w_.rank, w_.world, store_.get(), comm_.get(), prefix_);
+  // An adapter run checkpoints the adapters and their AdamW state only;
+  // the frozen base is re-read from model.init_from on resume.
+  Checkpointer ckpt(job_, adapt_ ? adapt_->checkpoint_subject() : CheckpointSubject::of_model(*arch_), w_.rank,
+                    w_.world, store_.get(), comm_.get(), prefix_);
   ckpt.clean_stale();
   // A failure from here on first abandons any checkpoint in flight (its
   // reason reaches every rank's save), then propagates.
@@ -736,18 +736,18 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
   const auto& tr = job_.train;
   const fs::path out(job_.output.dir);
   TrainState resumed;
-  // Adapters have no checkpoints yet (setup refuses checkpoint.interval):
-  // a run with them always starts fresh, from model.init_from.
-  const bool is_resume = adapt_ ? false : ckpt.load(*params_, resumed);
-  if (!adapt_) {
-    ckpt.set_tp_exchange(ckpt_tp_comm_.get());
-    ckpt.prepare(*params_);
-  }
+  // The store the checkpoints hold: the model's, or with adapters theirs.
+  ParamStore& ckpt_store = adapt_ ? adapt_->store() : *params_;
+  const bool is_resume = ckpt.load(ckpt_store, resumed);
+  if (!adapt_) ckpt.set_tp_exchange(ckpt_tp_comm_.get());
+  ckpt.prepare(ckpt_store);
   // model.init_from replaces the random init, but only for a fresh start: a
   // checkpoint already holds the fine-tuned weights (and the moments) that
   // grew from it. Decided after load() so a resume never needs the directory.
+  // An adapter run's checkpoint holds only the adapters: its frozen base is
+  // always model.init_from (the manifest's fingerprint was checked in load).
   if (!job_.model.init_from.empty()) {
-    if (is_resume) {
+    if (is_resume && !adapt_) {
       if (rank0_) TR_LOG_INFO("model.init_from: not used; the resumed checkpoint takes precedence");
     } else {
       // Every rank maps the files and reads only the ranges it holds; the
@@ -765,7 +765,10 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
       if (rank0_) TR_LOG_INFO("model.init_from: initial weights from ", job_.model.init_from);
     }
   }
-  if (adapt_) {
+  if (adapt_ && is_resume) {
+    if (rank0_ && !job_.model.adapter.init_from.empty())
+      TR_LOG_INFO("model.adapter.init_from: not used; the resumed checkpoint's adapters take precedence");
+  } else if (adapt_) {
     adapt_->init_params();
     if (rank0_ && !job_.model.adapter.init_from.empty())
       TR_LOG_INFO("model.adapter.init_from: initial adapters from ", job_.model.adapter.init_from);
@@ -793,7 +796,8 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
     st.cursor = cursor_;
     st.tokens = sum.tokens;
     const uint64_t writes0 = Checkpointer::write_calls();
-    const double blocked = ckpt.save(*params_, st);
+    const double blocked =
+        adapt_ ? ckpt.save(ckpt_store, st, adapt_->checkpoint_files()) : ckpt.save(*params_, st);
     ckpt_blocked += blocked;
     last_saved = done_steps;
     if (rank0_) {
@@ -949,7 +953,7 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
     }
   }
   const bool stopped_early = end_step < tr.max_steps;
-  if (!adapt_ && sum.stop_signal == 0 && (job_.checkpoint.final == "true" || stopped_early) &&
+  if (sum.stop_signal == 0 && (job_.checkpoint.final == "true" || stopped_early) &&
       last_saved != std::max(first_step, end_step) && !(is_resume && first_step >= tr.max_steps))
     save_checkpoint(std::max(first_step, end_step));
   ckpt.wait();
