@@ -367,6 +367,20 @@ class Backend {
     not_implemented("dropout_forward");
   }
 
+  // ---- NF4 dequantization (QLoRA's frozen base; kernels/nf4_format.h) -------------
+  // out (n) = the NF4 tensor's values, fp32 (out_dtype F32) or bf16 (BF16,
+  // round to nearest even), whatever the backend's act dtype:
+  //   out[i] = ftz(code[nibble i] * ftz(ftz(map[qabsmax[i/64]] * absmax2[i/16384]) + offset))
+  // packed (ceil(n/2) bytes, element 2j in byte j's high nibble), qabsmax
+  // (ceil(n/64) bytes), absmax2 (ceil(n/16384) fp32) and map (the 256-entry
+  // dynamic map, fp32) are device memory; offset is the tensor's. Every
+  // backend gives the same bits (no fused multiply-add, bitsandbytes'
+  // subnormal flush).
+  virtual void nf4_dequantize(void* out, DType out_dtype, const uint8_t* packed, const uint8_t* qabsmax,
+                              const float* absmax2, const float* map, float offset, int64_t n) {
+    not_implemented("nf4_dequantize");
+  }
+
   // ---- optimizer --------------------------------------------------------------
   // out[0] += sum(x^2) over n fp32 values (for the global grad norm).
   virtual void sum_squares(float* out, const float* x, int64_t n) = 0;

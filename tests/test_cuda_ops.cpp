@@ -34,6 +34,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <memory>
 #include <random>
@@ -43,6 +44,7 @@
 
 #include "core/common/error.h"
 #include "core/config/job_spec.h"
+#include "core/model/adapter/nf4.h"
 #include "core/train/trainer.h"
 #include "kernels/backend.h"
 #include "kernels/backend_factory.h"
@@ -1554,6 +1556,67 @@ TEST_CASE("cuda: pp2 over NCCL links (a stream per link, sends from the compute 
     for (const auto& [rank, t] : threads) {
       INFO("rank " << rank);
       CHECK(t.size() == 1);
+    }
+  }
+}
+
+// NF4 dequantization (kernels/cuda/nf4.cu) against the CPU backend's, which
+// tests/test_nf4.cpp checks against the bitsandbytes reference: the same
+// bits, fp32 and bf16, at odd sizes (tails of n % 16, one element past a
+// 64-block and past an absmax run, an all-zero block) and with pointers off
+// alignment (packed by 1 byte, out by 4: the one-element-per-thread path).
+TEST_CASE("cuda: nf4_dequantize equals the CPU backend's, fp32 and bf16", "[cuda][nf4]") {
+  CUDA_TEST_OR_SKIP();
+  auto gpu = make_backend("cuda", 0, nullptr);
+  const auto& map = nf4::dynamic_map();
+  // `bytes` copied into device memory `skew` bytes past a fresh allocation's start.
+  struct Placed {
+    DeviceBuffer buf;
+    char* p;
+    Placed(Backend* be, const void* host, size_t bytes, size_t skew)
+        : buf(be, bytes + skew + 16), p(buf.as<char>() + skew) {
+      be->copy_to_device(p, host, bytes);
+    }
+  };
+  auto first_diff = [](const void* a, const void* b, size_t n, size_t elem) {
+    for (size_t i = 0; i < n; ++i)
+      if (std::memcmp(static_cast<const char*>(a) + i * elem, static_cast<const char*>(b) + i * elem, elem) != 0)
+        return i;
+    return n;
+  };
+  for (int64_t n : {int64_t(1), int64_t(19), int64_t(65), int64_t(111), int64_t(500), int64_t(70001),
+                    int64_t(16384 * 64 + 1), int64_t(64 * 1000)}) {
+    Vec x = randn(size_t(n), uint64_t(n), 0.02f);
+    if (n > 200) std::fill(x.begin() + 64, x.begin() + 128, 0.0f);
+    const auto t = nf4::quantize(x.data(), n, "x");
+    Vec want(x.size());
+    std::vector<uint16_t> want16(x.size());
+    nf4::dequantize(t, want.data());
+    nf4::dequantize_bf16(t, want16.data());
+    for (size_t skew : {size_t(0), size_t(1)}) {
+      INFO("n = " << n << ", skew " << skew);
+      Placed packed(gpu.get(), t.packed.data(), t.packed.size(), skew);
+      Placed qabsmax(gpu.get(), t.qabsmax.data(), t.qabsmax.size(), 0);
+      Placed absmax2(gpu.get(), t.absmax2.data(), 4 * t.absmax2.size(), 0);
+      Placed dmap(gpu.get(), map.data(), 4 * map.size(), 0);
+      const Vec poison(x.size(), std::numeric_limits<float>::quiet_NaN());
+      Placed out(gpu.get(), poison.data(), 4 * x.size(), 4 * skew);
+      Placed out16(gpu.get(), poison.data(), 2 * x.size(), 4 * skew);
+      auto q = [](const Placed& b) { return reinterpret_cast<const uint8_t*>(b.p); };
+      auto f = [](const Placed& b) { return reinterpret_cast<const float*>(b.p); };
+      gpu->nf4_dequantize(out.p, DType::F32, q(packed), q(qabsmax), f(absmax2), f(dmap), t.offset, n);
+      gpu->nf4_dequantize(out16.p, DType::BF16, q(packed), q(qabsmax), f(absmax2), f(dmap), t.offset, n);
+      Vec got(x.size());
+      std::vector<uint16_t> got16(x.size());
+      gpu->copy_to_host(got.data(), out.p, 4 * x.size());
+      gpu->copy_to_host(got16.data(), out16.p, 2 * x.size());
+      gpu->synchronize();
+      const size_t d32 = first_diff(got.data(), want.data(), x.size(), 4);
+      const size_t d16 = first_diff(got16.data(), want16.data(), x.size(), 2);
+      INFO("fp32: first difference at " << d32 << " of " << x.size());
+      INFO("bf16: first difference at " << d16 << " of " << x.size());
+      CHECK(d32 == x.size());
+      CHECK(d16 == x.size());
     }
   }
 }

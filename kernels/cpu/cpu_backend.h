@@ -99,6 +99,9 @@ class CpuBackend final : public Backend {
   void gemm(void* c, int ldc, bool c_f32, const void* a, int lda, GemmOp ta, const void* b, int ldb, GemmOp tb, int M,
             int N, int K, float alpha, float beta) override;
   void dropout_forward(void* out, const void* inp, int N, int C, float p, uint64_t seed, int64_t row0) override;
+  // NF4 dequantization: cpu_nf4.cpp.
+  void nf4_dequantize(void* out, DType out_dtype, const uint8_t* packed, const uint8_t* qabsmax, const float* absmax2,
+                      const float* map, float offset, int64_t n) override;
   void sum_squares(float* out, const float* x, int64_t n) override;
   void sum(float* out, const float* x, int64_t n) override;
   void scale(float* x, float s, int64_t n) override;

@@ -19,6 +19,7 @@
 #include "kernels/cuda/layernorm.cuh"
 #include "kernels/cuda/matmul.cuh"
 #include "kernels/cuda/matmul_gelu.cuh"
+#include "kernels/cuda/nf4.cuh"
 #include "kernels/cuda/rmsnorm.cuh"
 #include "kernels/cuda/rope.cuh"
 #include "kernels/cuda/softmax_cross_entropy.cuh"
@@ -401,6 +402,15 @@ void CudaBackend::rope_backward(void* dqkv, const float* cos_sin, int B, int T, 
                                 const int32_t* pos) {
   make_current();
   cuda::rope_backward(H(dqkv), cos_sin, B, T, NH, NKV, HS, pos0, compute_, pos);
+}
+
+void CudaBackend::nf4_dequantize(void* out, DType out_dtype, const uint8_t* packed, const uint8_t* qabsmax,
+                                 const float* absmax2, const float* map, float offset, int64_t n) {
+  make_current();
+  if (out_dtype == DType::F32)
+    cuda::nf4_dequantize(static_cast<float*>(out), packed, qabsmax, absmax2, map, offset, n, compute_);
+  else
+    cuda::nf4_dequantize(H(out), packed, qabsmax, absmax2, map, offset, n, compute_);
 }
 
 void CudaBackend::swiglu_forward(void* out, const void* inp, int N, int F) {

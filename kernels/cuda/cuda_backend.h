@@ -124,6 +124,9 @@ class CudaBackend final : public Backend {
                         int V, int ldv) override;
   void softmax_cross_entropy(float* losses, void* dlogits, const void* logits, const int32_t* targets, int N, int V,
                              int ldv, float dloss_scale) override;
+  // NF4 dequantization (QLoRA's base): nf4.cu.
+  void nf4_dequantize(void* out, DType out_dtype, const uint8_t* packed, const uint8_t* qabsmax, const float* absmax2,
+                      const float* map, float offset, int64_t n) override;
   void sum_squares(float* out, const float* x, int64_t n) override;
   void sum(float* out, const float* x, int64_t n) override;
   void scale(float* x, float s, int64_t n) override;
