@@ -99,6 +99,12 @@ class CpuBackend final : public Backend {
   void gemm(void* c, int ldc, bool c_f32, const void* a, int lda, GemmOp ta, const void* b, int ldb, GemmOp tb, int M,
             int N, int K, float alpha, float beta) override;
   void dropout_forward(void* out, const void* inp, int N, int C, float p, uint64_t seed, int64_t row0) override;
+  // DoRA's ops: cpu_dora.cpp.
+  void row_norms(float* out, const void* w, int rows, int cols) override;
+  void dora_forward(void* y, int ldy, const void* xw, const void* xba, const void* mag, const float* norm, float s,
+                    int N, int out) override;
+  void dora_backward(float* dmag, void* xw, void* xba, const void* dy, int ldy, const void* mag, const float* norm,
+                     float s, int N, int out) override;
   void sum_squares(float* out, const float* x, int64_t n) override;
   void sum(float* out, const float* x, int64_t n) override;
   void scale(float* x, float s, int64_t n) override;
