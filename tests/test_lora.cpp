@@ -378,7 +378,7 @@ JobSpec lora_job(const TempDir& peft, const std::string& out, const std::string&
   const std::string adapter = fresh_dora ? "type: dora" : "type: lora, init_from: '" + peft / "adapter" + "'";
   const std::string yaml =
       "model:\n  init_from: '" + peft / "base" + "'\n  seq_len: 8\n"
-      "  adapter: {" + adapter + ", rank: 4, alpha: 8, dropout: 0.1,\n"
+      "  adapter: {" + adapter + ", rank: 4, alpha: 8, dropout: " + (fresh_dora ? "0" : "0.1") + ",\n"
       "            target_modules: [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]}\n"
       "data: {format: synthetic, synthetic: {branching: 3}}\n"
       "train: {global_batch_size: 4, micro_batch_size: " + std::to_string(micro_batch) + ", max_steps: 3, lr: 1.0e-2,\n"
@@ -566,13 +566,17 @@ TEST_CASE("dora training: fresh magnitudes from the sharded base; 2 ranks (full_
   CHECK(max_abs_diff(m.logits(in), read_safetensors(peft / "l.safetensors").find("logits")->as_f32()) <= 1e-5f);
 }
 
-TEST_CASE("dora: with dropout on, every adapter gradient equals the loss's finite difference (llama, gpt2)",
-          "[lora]") {
+TEST_CASE("lora: with dropout on, every adapter gradient equals the loss's finite difference", "[lora]") {
   // peft's reference runs without dropout (eval mode); this checks the
-  // dropout path of DoRA's backward (the mask on dxw W + dxa A) against the
-  // loss itself, for the largest gradient element of each A, B and m of one
-  // target per layer.
-  for (const PeftCase& c : {llama_case(true), gpt2_case(true)}) {
+  // dropout path of the backward against the loss itself, for the largest
+  // gradient element of each A and B of one target per layer. DoRA with
+  // dropout FAILS this check today (A and B of down_proj / c_attn off by
+  // 10-20%), so the job spec refuses dora with dropout > 0 (checked below).
+  CHECK_THROWS_WITH(parse_job_spec("data:\n  format: synthetic\nmodel:\n  adapter: {type: dora, dropout: 0.1}\n",
+                                   "job.yaml"),
+                    Catch::Contains("model.adapter.dropout") && Catch::Contains("with model.adapter.type: dora is not "
+                                                                                "implemented yet"));
+  for (const PeftCase& c : {llama_case(false), gpt2_case(false)}) {
     SECTION(c.name()) {
       TempDir tmp("dora_fd");
       make_peft_case(c, tmp);
@@ -609,7 +613,7 @@ TEST_CASE("dora: with dropout on, every adapter gradient equals the loss's finit
         CHECK(std::fabs(fd - g[size_t(at)]) <= 1e-3 + 0.02 * std::fabs(fd));
         ++checked;
       }
-      CHECK(checked == 2 * 3);  // A, B, m in each of the 2 layers
+      CHECK(checked == 2 * (c.dora ? 3 : 2));  // A, B (and m) in each of the 2 layers
     }
   }
 }
