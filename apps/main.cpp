@@ -469,7 +469,7 @@ int main(int argc, char** argv) {
   generate->add_flag("--chat", gt.chat, "wrap the prompt as a user message in the chat template and stop at the end of the assistant's turn");
   generate->add_option("--system", gt.system, "with --chat: a system message before the prompt");
   generate->add_option("--chat-template", gt.chat_template, "with --chat: llama3 | chatml | plain | a template name | a Jinja file (default: the model's chat_template beside the tokenizer)");
-  generate->add_option("--adapter", gt.adapter, "a PEFT LoRA adapter directory (a run's adapter/, or peft's save_pretrained) to sample with");
+  generate->add_option("--adapter", gt.adapter, "a PEFT LoRA or DoRA adapter directory (a run's adapter/, or peft's save_pretrained) to sample with (merged into the weights first)");
   generate->add_flag("--allow-special", gt.allow_special, "match special tokens spelled in --prompt (default: they are text)");
 
   auto* export_cmd = app.add_subcommand("export", "write a model as a Hugging Face directory (GPT2LMHeadModel / LlamaForCausalLM)");
@@ -478,7 +478,7 @@ int main(int argc, char** argv) {
   export_cmd->add_option("--format", exp_format, "output format")->capture_default_str()->check(CLI::IsMember({"safetensors"}));
   export_cmd->add_option("--out", exp_out, "directory to write; AutoModelForCausalLM.from_pretrained(DIR) loads it")->required();
   export_cmd->add_option("--dtype", exp_dtype, "weights dtype: fp32, or bf16 (round to nearest even)")->capture_default_str()->check(CLI::IsMember({"fp32", "bf16"}));
-  export_cmd->add_option("--merge", exp_merge, "a PEFT LoRA adapter directory (a run's adapter/, or peft's save_pretrained) to merge into the weights: W + (alpha/r) B A on each adapted linear, as peft's merge_and_unload()");
+  export_cmd->add_option("--merge", exp_merge, "a PEFT LoRA or DoRA adapter directory (a run's adapter/, or peft's save_pretrained) to merge into the weights: W + (alpha/r) B A on each adapted linear (DoRA: each row then scaled to its magnitude, m (W + (alpha/r) B A) / ||W + (alpha/r) B A||), as peft's merge_and_unload()");
   export_cmd->add_option("--max-shard-size", exp_shard, "above it, model-0000i-of-0000N.safetensors shards + model.safetensors.index.json (5GB = 5e9 bytes; KB/MB/GB/TB, KiB/MiB/GiB/TiB or bytes)")
       ->capture_default_str()
       ->check(CLI::Validator(

@@ -366,6 +366,28 @@ class Backend {
   virtual void dropout_forward(void* out, const void* inp, int N, int C, float p, uint64_t seed, int64_t row0) {
     not_implemented("dropout_forward");
   }
+  // DoRA (Liu et al. 2024, as peft computes it; core/model/adapter/dora.cpp):
+  // the adapted weight W' = g * (W + s B A) per output row o, g = mag / norm,
+  // norm_o = ||W_o + s (B A)_o|| held constant (no gradient through it).
+  //   row_norms:     out[o] = ||w[o, :]||_2 over `cols` (w act dtype, rows
+  //                  contiguous; out fp32)
+  //   dora_forward:  y[n, o] += (g_o - 1) xw[n, o] + g_o s xba[n, o], where
+  //                  xw = dropout(x) W^T and xba = dropout(x) A^T B^T (N, out,
+  //                  rows `out` apart; y rows ldy apart): the extra output
+  //                  peft adds to the base linear's
+  //   dora_backward: dmag[o] += sum_n dy[n, o] (xw[n, o] + s xba[n, o]) / norm_o
+  //                  (fp32, accumulated), then in place xw := (g - 1) dy (the
+  //                  gradient of xw) and xba := g s dy (that of xba)
+  // mag is the magnitude parameter (act dtype, `out` values).
+  virtual void row_norms(float* out, const void* w, int rows, int cols) { not_implemented("row_norms"); }
+  virtual void dora_forward(void* y, int ldy, const void* xw, const void* xba, const void* mag, const float* norm,
+                            float s, int N, int out) {
+    not_implemented("dora_forward");
+  }
+  virtual void dora_backward(float* dmag, void* xw, void* xba, const void* dy, int ldy, const void* mag,
+                             const float* norm, float s, int N, int out) {
+    not_implemented("dora_backward");
+  }
 
   // ---- NF4 dequantization (QLoRA's frozen base; kernels/nf4_format.h) -------------
   // out (n) = the NF4 tensor's values, fp32 (out_dtype F32) or bf16 (BF16,

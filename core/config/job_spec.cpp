@@ -168,7 +168,9 @@ const std::vector<Field>& fields() {
                     "dropout(x); only A and B get gradients and optimizer state, and the run writes them to "
                     "output.dir/adapter in peft's format (checkpoints hold the adapters + their AdamW state and a PEFT "
                     "copy, and resume on model.init_from); CPU, tp1/pp1 only so far "
-                    "(docs/fine-tuning.md); dora is not implemented yet; none = train every weight"),
+                    "(docs/fine-tuning.md); dora = lora plus a trainable magnitude per output row (peft's use_dora: "
+                    "W' = m (W + (alpha/rank) B A) / ||W + (alpha/rank) B A||_row, the norm held constant); "
+                    "none = train every weight"),
       TR_SPEC_FIELD(model.adapter.rank, at_least(1), "LoRA rank r (peft's r)"),
       TR_SPEC_FIELD(model.adapter.alpha, above(0), "LoRA alpha: the update is scaled by alpha / rank (peft's lora_alpha)"),
       TR_SPEC_FIELD(model.adapter.dropout, in_half_open(0, 1),
@@ -886,15 +888,16 @@ void check_rules(JobSpec& s, const Origins& o, const std::string& fallback, bool
   }
   // model.adapter / model.base_dtype: what is implemented so far (docs/fine-tuning.md).
   const ModelSpec::AdapterSpec& ad = m.adapter;
-  if (ad.type == "dora")
-    fail(at({"model.adapter.type"}), "model.adapter.type",
-         "dora is not implemented yet (its magnitude vector); use lora");
+  if (ad.type == "dora" && ad.dropout > 0)
+    fail(at({"model.adapter.dropout", "model.adapter.type"}), "model.adapter.dropout",
+         std::to_string(ad.dropout) + " with model.adapter.type: dora is not implemented yet (DoRA's backward "
+         "through the dropout mask does not match the loss's finite difference yet); use dropout 0 or type lora");
   if (m.base_dtype == "bf16" || m.base_dtype == "nf4")
     fail(at({"model.base_dtype"}), "model.base_dtype",
          m.base_dtype + " is not implemented yet; use auto or fp32 (the frozen base in fp32)");
   if (!ad.on() && !ad.init_from.empty())
     fail(at({"model.adapter.init_from", "model.adapter.type"}), "model.adapter.init_from",
-         "needs model.adapter.type: lora (it is none); set the type or remove init_from");
+         "needs model.adapter.type: lora or dora (it is none); set the type or remove init_from");
   if (p.sequence_parallel_on() && p.tensor_parallel == 1)
     TR_LOG_WARN(at({"parallel.sequence_parallel", "parallel.tensor_parallel"}),
                 ": parallel.sequence_parallel: true has no effect with parallel.tensor_parallel: 1 (sequence "

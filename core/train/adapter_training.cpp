@@ -24,7 +24,7 @@ namespace trainrun {
 AdapterTraining::AdapterTraining(const JobSpec& job, const ModelArch& arch, Backend* be, ParamStore& base,
                                  Communicator& world, std::unique_ptr<Communicator> own_world, int shard_group_size,
                                  const CommFactory& factory, int max_rows)
-    : job_(job), arch_(arch), be_(be), world_(world), own_world_(std::move(own_world)) {
+    : job_(job), arch_(arch), be_(be), base_(base), world_(world), own_world_(std::move(own_world)) {
   adapters_ = std::make_unique<LoraAdapters>(arch, LoraOptions::from_spec(job.model.adapter), be, max_rows);
   // hybrid_shard's groups for the adapters: the same ranks as the base's,
   // under their own rendezvous keys.
@@ -51,6 +51,16 @@ void AdapterTraining::init_params() {
     if (!why.empty()) TR_FAIL(why);
   } else {
     adapters_->init_params(job_.train.seed, 0, lay.total, flat.data());
+    if (adapters_->options().dora) {
+      // The magnitudes need the frozen base: its blocks one at a time, in the
+      // same order on every rank (full_shard gathers each as the network
+      // would), so no rank holds more than one block of it.
+      for (int l = 0; l < arch_.config().L; ++l) {
+        const void* p = base_.acquire_params(1 + l);
+        adapters_->init_magnitudes(l, p, flat.data());
+        base_.release_params(1 + l);
+      }
+    }
   }
   for (const ParamStore::Range& r : store_->held_ranges()) {
     TR_CHECK(r.reps == 1, "adapter: a strided range in the adapter store (a bug)");

@@ -37,7 +37,9 @@ class AdapterTraining {
   ParamStore& store() { return *store_; }
   const LoraAdapters& adapters() const { return *adapters_; }
   // The adapters' initial values: model.adapter.init_from's PEFT directory,
-  // else the counter-based init of train.seed (kaiming-uniform A, B zero).
+  // else the counter-based init of train.seed (kaiming-uniform A, B zero;
+  // DoRA's magnitudes the base's row norms, read in one pass over its
+  // blocks: collective, after the base is loaded).
   void init_params();
   // Before each micro-batch's forward: training (dropout on) or not, the
   // step, and the global index of its first sample.
@@ -63,6 +65,7 @@ class AdapterTraining {
   const JobSpec& job_;
   const ModelArch& arch_;
   Backend* be_;
+  ParamStore& base_;
   Communicator& world_;
   std::unique_ptr<Communicator> own_world_;
   std::unique_ptr<LoraAdapters> adapters_;

@@ -475,7 +475,7 @@ void Trainer::setup() {
   if (rank0_) {
     TR_LOG_INFO("model: ", arch_->describe(), " (", arch_->num_parameters(), " parameters)");
     if (adapt_)
-      TR_LOG_INFO("adapter: lora r=", job_.model.adapter.rank, " alpha=", job_.model.adapter.alpha, " on ",
+      TR_LOG_INFO("adapter: ", job_.model.adapter.type, " r=", job_.model.adapter.rank, " alpha=", job_.model.adapter.alpha, " on ",
                   adapt_->adapters().targets().size(), " linears (", job_.model.adapter.target_modules,
                   "), base frozen; ", adapt_->trainable_line());
     TR_LOG_INFO("data: train ", train_src_->describe(), val_src_ ? "; val " + val_src_->describe() : "; no val");

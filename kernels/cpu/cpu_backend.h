@@ -102,6 +102,12 @@ class CpuBackend final : public Backend {
   // NF4 dequantization: cpu_nf4.cpp.
   void nf4_dequantize(void* out, DType out_dtype, const uint8_t* packed, const uint8_t* qabsmax, const float* absmax2,
                       const float* map, float offset, int64_t n) override;
+  // DoRA's ops: cpu_dora.cpp.
+  void row_norms(float* out, const void* w, int rows, int cols) override;
+  void dora_forward(void* y, int ldy, const void* xw, const void* xba, const void* mag, const float* norm, float s,
+                    int N, int out) override;
+  void dora_backward(float* dmag, void* xw, void* xba, const void* dy, int ldy, const void* mag, const float* norm,
+                     float s, int N, int out) override;
   void sum_squares(float* out, const float* x, int64_t n) override;
   void sum(float* out, const float* x, int64_t n) override;
   void scale(float* x, float s, int64_t n) override;

@@ -1,12 +1,16 @@
 #!/usr/bin/env python3
 """Hugging Face peft as the peer of trainrun's LoRA adapters (core/model/adapter).
 
-  peft_lora.py make --arch llama|gpt2 --out DIR --r R --alpha A --targets q_proj,v_proj [--seed S]
+  peft_lora.py make --arch llama|gpt2 --out DIR --r R --alpha A --targets q_proj,v_proj [--seed S] [--dora]
       DIR/base: a small random model (every parameter perturbed, norm gains
       around 1) saved with save_pretrained; DIR/adapter: a peft LoRA adapter
       on it (get_peft_model + LoraConfig), its A and B both set to visible
       random values (peft starts B at zero, which would leave every A
       gradient zero and hide mistakes), saved with PeftModel.save_pretrained.
+      --dora: LoraConfig(use_dora=True); DIR/dora_init.safetensors holds the
+      magnitudes peft initialised ('<file name>': ||W|| per output row, B
+      still zero), then each magnitude is moved off ||W + s B A|| (scaled by
+      1 + 0.2 N(0,1)), so g = m / ||.|| is not 1 and the (g - 1) term counts.
 
   peft_lora.py grads --base DIR --adapter DIR --batch BATCH.safetensors --out OUT.safetensors
       PeftModel.from_pretrained(base, adapter, is_trainable=True) in fp32;
@@ -66,20 +70,26 @@ def load_adapted(base, adapter, trainable):
 
 
 def file_name(param_name):
-    # named_parameters: ...q_proj.lora_A.default.weight; the file drops the adapter name.
-    return param_name.replace(".default", "")
+    # named_parameters: ...q_proj.lora_A.default.weight; the file drops the adapter name,
+    # and DoRA's ...lora_magnitude_vector.default.weight is saved as ...lora_magnitude_vector.
+    return param_name.replace(".lora_magnitude_vector.default.weight", ".lora_magnitude_vector").replace(".default", "")
 
 
 def cmd_make(a):
     model = random_base(a.arch, a.seed)
     model.save_pretrained(os.path.join(a.out, "base"), safe_serialization=True)
     cfg = LoraConfig(r=a.r, lora_alpha=a.alpha, lora_dropout=0.0, target_modules=a.targets.split(","),
-                     bias="none", task_type="CAUSAL_LM", fan_in_fan_out=(a.arch == "gpt2"))
+                     bias="none", task_type="CAUSAL_LM", fan_in_fan_out=(a.arch == "gpt2"), use_dora=a.dora)
     peft_model = get_peft_model(model, cfg)
+    if a.dora:
+        save_file({file_name(n): p.detach().clone().contiguous() for n, p in peft_model.named_parameters()
+                   if "lora_magnitude_vector" in n}, os.path.join(a.out, "dora_init.safetensors"))
     torch.manual_seed(a.seed + 1)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
-            if "lora_" in name:
+            if "lora_magnitude_vector" in name:
+                p.mul_(1.0 + 0.2 * torch.randn_like(p))
+            elif "lora_" in name:
                 p.copy_(0.2 * torch.randn_like(p))
     peft_model.save_pretrained(os.path.join(a.out, "adapter"), safe_serialization=True)
     return 0
@@ -124,6 +134,7 @@ def main(argv=None):
     mk.add_argument("--alpha", type=float, required=True)
     mk.add_argument("--targets", required=True)
     mk.add_argument("--seed", type=int, default=0)
+    mk.add_argument("--dora", action="store_true")
     for name in ("grads", "logits"):
         s = sub.add_parser(name)
         s.add_argument("--base", required=True)

@@ -41,6 +41,7 @@ LoraOptions LoraOptions::from_spec(const ModelSpec::AdapterSpec& a) {
   o.alpha = a.alpha;
   o.dropout = a.dropout;
   o.target_modules = a.target_modules;
+  o.dora = a.type == "dora";
   return o;
 }
 
@@ -79,8 +80,9 @@ LoraAdapters::LoraAdapters(const ModelArch& arch, const LoraOptions& opt, Backen
   for (const BlockLinear& b : lins) gemms = std::max(gemms, b.gemm + 1);
   by_gemm_.assign(size_t(L), std::vector<std::vector<int>>(size_t(gemms)));
   LayoutBuilder lb;
-  int64_t max_in = 0;
+  int64_t max_in = 0, max_out = 0;
   int tensor = 0;
+  const ParamLayout& base = arch.layout();
   for (int l = 0; l < L; ++l) {
     lb.begin_unit("block " + std::to_string(l));
     int64_t in_unit = 0;
@@ -99,7 +101,25 @@ LoraAdapters::LoraAdapters(const ModelArch& arch, const LoraOptions& opt, Backen
       in_unit += r * b.in;
       t.b_off = in_unit;
       in_unit += b.out * r;
+      if (opt.dora) {
+        // peft's name in its files (the state dict's ".default.weight" dropped); decayed as A and B are.
+        lb.add(t.module + ".lora_magnitude_vector", {b.out}, true, ParamTensor::Split::Replicated);
+        t.m_tensor = tensor++;
+        t.m_off = in_unit;
+        in_unit += b.out;
+        // The base weight: in block l's unit (1 + l: the embeddings are unit 0), stored (out, in).
+        t.base_unit = 1 + l;
+        TR_CHECK(t.base_unit < int(base.units.size()), "LoraAdapters: no base unit for block ", l, " (a bug)");
+        const ParamTensor& w = base.get(t.module + ".weight");
+        const ParamUnit& u = base.units[size_t(t.base_unit)];
+        TR_CHECK(w.shape == std::vector<int64_t>({b.out, b.in}) && w.offset >= u.offset &&
+                     w.offset + w.numel <= u.offset + u.numel,
+                 "LoraAdapters: ", w.name, " is not the (", b.out, ", ", b.in, ") weight of base unit '", u.name,
+                 "' that DoRA reads (a bug)");
+        t.w_off = w.offset - u.offset;
+      }
       max_in = std::max(max_in, b.in);
+      max_out = std::max(max_out, b.out);
       by_gemm_[size_t(l)][size_t(b.gemm)].push_back(int(targets_.size()));
       targets_.push_back(t);
     }
@@ -110,6 +130,16 @@ LoraAdapters::LoraAdapters(const ModelArch& arch, const LoraOptions& opt, Backen
   xd_ = DeviceBuffer(be, size_t(max_rows) * size_t(max_in) * es);
   xa_ = DeviceBuffer(be, size_t(max_rows) * size_t(r) * es);
   dxa_ = DeviceBuffer(be, size_t(max_rows) * size_t(r) * es);
+  if (opt.dora) {
+    base_units_.assign(base.units.size(), nullptr);
+    // The norm's W + s B A is formed a slab of rows at a time, so its
+    // scratch stays bounded (256 x 28672 at most on Llama 70B, 14 MiB bf16).
+    norm_rows_ = int(std::min<int64_t>(max_out, 256));
+    xw_ = DeviceBuffer(be, size_t(max_rows) * size_t(max_out) * es);
+    xba_ = DeviceBuffer(be, size_t(max_rows) * size_t(max_out) * es);
+    wd_ = DeviceBuffer(be, size_t(norm_rows_) * size_t(max_in) * es);
+    norm_ = DeviceBuffer(be, size_t(max_out) * 4);
+  }
 }
 
 // peft: nn.init.kaiming_uniform_(A, a=sqrt(5)): gain sqrt(2/(1+5)), bound
@@ -164,6 +194,10 @@ void LoraAdapters::forward(int layer, int gemm, const void* x, void* y, int ldy,
   const int r = opt_.rank;
   for (int ti : by_gemm_[size_t(layer)][size_t(gemm)]) {
     const LoraTarget& t = targets_[size_t(ti)];
+    if (opt_.dora) {
+      dora_forward(t, x, static_cast<char*>(y) + t.linear.out_begin * es, ldy, N);
+      continue;
+    }
     const int in = int(t.linear.in), out = int(t.linear.out);
     const void* A = unit_params_ + t.a_off * es;
     const void* B = unit_params_ + t.b_off * es;
@@ -182,6 +216,10 @@ void LoraAdapters::backward(int layer, int gemm, const void* x, const void* dy, 
   const int r = opt_.rank;
   for (int ti : by_gemm_[size_t(layer)][size_t(gemm)]) {
     const LoraTarget& t = targets_[size_t(ti)];
+    if (opt_.dora) {
+      dora_backward(t, x, static_cast<const char*>(dy) + t.linear.out_begin * es, ldy, dx, N);
+      continue;
+    }
     const int in = int(t.linear.in), out = int(t.linear.out);
     const void* A = unit_params_ + t.a_off * es;
     const void* B = unit_params_ + t.b_off * es;
@@ -213,6 +251,12 @@ AdaptedUnitAccess::AdaptedUnitAccess(UnitAccess& base, const ParamLayout& base_l
   scratch_bytes_ = size_t(most) * 4;
   scratch_ = DeviceBuffer(be, scratch_bytes_);
   adapters_.bind(&adapter_params_);
+}
+
+const void* AdaptedUnitAccess::acquire_params(int unit) {
+  const void* p = base_.acquire_params(unit);
+  if (adapters_.options().dora) adapters_.base_acquired(unit, p);
+  return p;
 }
 
 float* AdaptedUnitAccess::unit_grads(int) { return scratch_.as<float>(); }

@@ -19,6 +19,19 @@
 // (activation checkpointing needs nothing more). Dropout is the backend's
 // counter-based mask of (seed, step, global token row, feature), so N
 // ranks draw what 1 rank draws.
+//
+// DoRA (model.adapter.type: dora; peft's LoraConfig(use_dora=True)) adds a
+// trainable magnitude m (out) per target, the third tensor of its unit
+// ("<module>.lora_magnitude_vector", peft's file name), and rescales each
+// output row of the adapted weight W + s B A to it:
+//
+//   y = W x + (g - 1) (W dropout(x)) + g s B A dropout(x),   g = m / ||W + s B A||_row
+//
+// with the row norm held constant (peft detaches it: no gradient reaches A
+// or B through it). m starts at ||W||_row (B is zero), computed from the
+// base's blocks one at a time (init_magnitudes). The hooks need W itself,
+// so AdaptedUnitAccess tells the adapters where each base unit it hands out
+// lies (base_acquired). core/model/adapter/dora.cpp holds that path.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -35,6 +48,7 @@ struct LoraOptions {
   double alpha = 16;
   double dropout = 0;
   std::string target_modules = "all-linear";  // comma-joined short names, or all-linear
+  bool dora = false;  // model.adapter.type: dora (peft's use_dora): a magnitude vector per target
   static LoraOptions from_spec(const ModelSpec::AdapterSpec& a);
   float scaling() const { return float(alpha / rank); }
 };
@@ -46,6 +60,12 @@ struct LoraTarget {
   std::string module;    // the HF module: "model.layers.0.self_attn.q_proj"
   int a_tensor = 0, b_tensor = 0;  // indices into the adapter layout's tensors
   int64_t a_off = 0, b_off = 0;    // element offsets inside the layer's unit
+  // DoRA only (m_tensor -1 otherwise): the magnitude (out) in the adapter
+  // unit, and the base weight W (out, in) inside the base's unit base_unit.
+  int m_tensor = -1;
+  int64_t m_off = 0;
+  int base_unit = 0;
+  int64_t w_off = 0;
 };
 
 // The short names target_modules asks for, resolved against the arch's
@@ -64,8 +84,19 @@ class LoraAdapters final : public LinearAdapters {
   const LoraOptions& options() const { return opt_; }
   float scaling() const { return scale_; }
   // Elements [begin, end) of the adapters' flat init (A kaiming-uniform from
-  // (seed, index), B zero), like ModelArch::init_params.
+  // (seed, index), B zero), like ModelArch::init_params. DoRA's magnitudes
+  // are left zero here: they need the base (init_magnitudes).
   void init_params(uint64_t seed, int64_t begin, int64_t end, float* out) const;
+  // DoRA: block `layer`'s magnitudes as peft initialises them, the row norms
+  // of W + s B A = ||W|| (a fresh adapter's B is zero), into `flat` (the
+  // whole adapter on the host). base_unit: that block's base unit as
+  // acquire_params returned it (act dtype, whole). The caller walks the
+  // blocks in order on every rank, so a sharded base is gathered one block
+  // at a time.
+  void init_magnitudes(int layer, const void* base_unit, float* flat);
+  // Where the base's unit `unit` lies while it is acquired (AdaptedUnitAccess
+  // calls it on every acquire_params); DoRA's hooks read W from there.
+  void base_acquired(int unit, const void* params) { base_units_[size_t(unit)] = params; }
 
   // Where the adapters' parameters and gradients are (their ParamStore, or a
   // FlatUnitAccess over the adapter layout). Unit l is block l's.
@@ -90,6 +121,12 @@ class LoraAdapters final : public LinearAdapters {
 
  private:
   const void* dropped(const LoraTarget& t, const void* x, int N);  // dropout(x) or x
+  // DoRA (dora.cpp): W of a target in the acquired base unit; norm_ =
+  // ||W + s B A||_row; the forward and backward of one target.
+  const void* base_weight(const LoraTarget& t) const;
+  void dora_norms(const LoraTarget& t, const void* W, const void* A, const void* B);
+  void dora_forward(const LoraTarget& t, const void* x, void* ycols, int ldy, int N);
+  void dora_backward(const LoraTarget& t, const void* x, const void* dycols, int ldy, void* dx, int N);
   uint64_t target_seed(const LoraTarget& t) const;
   bool dropout_on() const { return training_ && opt_.dropout > 0; }
   LoraOptions opt_;
@@ -108,6 +145,12 @@ class LoraAdapters final : public LinearAdapters {
   int64_t row0_ = 0;
   bool training_ = true;
   DeviceBuffer xd_, xa_, dxa_;  // (rows, max in) dropout(x) / scratch; (rows, r) x A^T; (rows, r) its gradient
+  // DoRA only: the base units as last acquired; (rows, max out) dropout(x)
+  // W^T and dropout(x) A^T B^T (then their gradients); (norm_rows_, max in)
+  // rows of W + s B A; (max out) fp32 row norms.
+  std::vector<const void*> base_units_;
+  DeviceBuffer xw_, xba_, wd_, norm_;
+  int norm_rows_ = 0;
 };
 
 // The Network's view of an adapted model: the base's parameters from its
@@ -118,7 +161,7 @@ class AdaptedUnitAccess final : public UnitAccess {
  public:
   AdaptedUnitAccess(UnitAccess& base, const ParamLayout& base_layout, LoraAdapters& adapters,
                     UnitAccess& adapter_params, Backend* be);
-  const void* acquire_params(int unit) override { return base_.acquire_params(unit); }
+  const void* acquire_params(int unit) override;
   void release_params(int unit) override { base_.release_params(unit); }
   float* unit_grads(int unit) override;
   void grads_done(int) override {}

@@ -49,7 +49,7 @@ void write_peft_adapter(const std::string& dir, const ModelArch& arch, const Lor
   // GPT-2's Conv1D stores its weight (in, out): peft must know to transpose the base (not the adapters).
   c["fan_in_fan_out"] = arch.hf_model_type() == "gpt2";
   c["use_rslora"] = false;
-  c["use_dora"] = false;
+  c["use_dora"] = o.dora;
   c["modules_to_save"] = nullptr;
   c["init_lora_weights"] = true;
   c["layers_to_transform"] = nullptr;
@@ -96,6 +96,7 @@ LoraOptions peft_adapter_options(const std::string& dir, const std::string& what
   } else if (c.contains("target_modules") && c["target_modules"].is_string()) {
     o.target_modules = c["target_modules"].get<std::string>();  // all-linear (a regex is refused on read)
   }
+  o.dora = c.contains("use_dora") && c["use_dora"].is_boolean() && c["use_dora"].get<bool>();
   return o;
 }
 
@@ -117,7 +118,7 @@ std::vector<float> read_peft_adapter(const std::string& dir, const ModelArch& ar
   };
   const std::string type = str_or("peft_type", "");
   TR_CHECK(type == "LORA", what, ": '", file, "': peft_type is '", type,
-           "' but trainrun reads LORA adapters only (model.adapter.type: lora)");
+           "' but trainrun reads LORA adapters only (model.adapter.type: lora, or dora with use_dora)");
   const LoraOptions& o = adapters.options();
   TR_CHECK(c.contains("r") && c["r"].is_number_integer(), what, ": '", file, "' has no integer r");
   const int r = c["r"].get<int>();
@@ -134,7 +135,15 @@ std::vector<float> read_peft_adapter(const std::string& dir, const ModelArch& ar
               "); the adapter would compute another function");
   };
   refuse_true("use_rslora", "rank-stabilised scaling alpha/sqrt(r)");
-  refuse_true("use_dora", "DoRA's magnitude vector");
+  // DoRA: the file and the job must agree (a LoRA adapter read as DoRA would lack its magnitudes, and the
+  // reverse would drop them).
+  if (c.contains("use_dora") && !c["use_dora"].is_boolean() && !c["use_dora"].is_null())
+    TR_FAIL(what, ": '", file, "' has use_dora = ", c["use_dora"].dump(), "; it must be true or false");
+  const bool file_dora = c.contains("use_dora") && c["use_dora"].is_boolean() && c["use_dora"].get<bool>();
+  auto type_of = [](bool dora) { return std::string(dora ? "dora" : "lora"); };
+  TR_CHECK(file_dora == o.dora, what, ": '", file, "' has use_dora = ", file_dora ? "true" : "false",
+           " (a ", file_dora ? "DoRA" : "LoRA", " adapter) but model.adapter.type is ", type_of(o.dora),
+           "; set model.adapter.type: ", type_of(file_dora));
   auto refuse_set = [&](const char* k) {
     if (c.contains(k) && !c[k].is_null() && !(c[k].is_object() && c[k].empty()) && !(c[k].is_array() && c[k].empty()))
       TR_FAIL(what, ": '", file, "' sets ", k, " = ", c[k].dump(), ", which trainrun does not implement; "

@@ -1,0 +1,118 @@
+// DoRA's path through LoraAdapters (lora.h): weight-decomposed low-rank
+// adaptation as peft 0.12 computes it (tuners/lora/dora.py,
+// DoraLinearLayer.forward), per target linear W (out, in):
+//
+//   xd    = dropout(x)                                      (N, in)
+//   norm  = ||W + s B A||_row, held constant                (out)   no gradient
+//   g     = m / norm                                        (out)
+//   y    += (g - 1) * (xd W^T) + g * s * (xd A^T B^T)       (N, out) no bias in this term
+//
+// and its backward, with dy the GEMM's output gradient:
+//
+//   dm    += sum_n dy * (xd W^T + s xd A^T B^T) / norm
+//   dxw    = (g - 1) dy,  dxba = g s dy
+//   dB    += dxba^T (xd A^T),  dxa = dxba B,  dA += dxa^T xd
+//   dx    += mask(dxw W + dxa A)            (mask: dropout's, when on)
+//
+// GPT-2's Conv1D (peft's fan_in_fan_out) changes nothing here: trainrun
+// stores every block weight (out, in), and peft's norm is over the output
+// rows of the transposed weight alike.
+//
+// Cost (a first version): xd W^T is not the base GEMM's output (that one
+// saw x, not dropout(x), and carries the bias), so forward and backward
+// each recompute it, and the backward adds dxw W to dx: an adapted linear
+// runs 5 (N x out x in) GEMMs a step instead of LoRA's 2 (the frozen base's
+// forward and input gradient), 2.5x its base cost. With dropout 0 the
+// forward could reuse the base output less its bias; not done yet. The norm
+// costs an (out x r x in) GEMM and a pass over W per target and pass, small
+// beside the N-row GEMMs.
+#include <algorithm>
+
+#include "core/common/error.h"
+#include "core/model/adapter/lora.h"
+
+namespace trainrun {
+
+const void* LoraAdapters::base_weight(const LoraTarget& t) const {
+  const void* u = base_units_[size_t(t.base_unit)];
+  TR_CHECK(u, "DoRA: base unit ", t.base_unit, " (", t.module, ") was never acquired through AdaptedUnitAccess "
+           "before its block's adapters ran (a bug)");
+  return static_cast<const char*>(u) + t.w_off * dtype_size(be_->act_dtype());
+}
+
+void LoraAdapters::dora_norms(const LoraTarget& t, const void* W, const void* A, const void* B) {
+  using Op = Backend::GemmOp;
+  const size_t es = dtype_size(be_->act_dtype());
+  const int r = opt_.rank, in = int(t.linear.in), out = int(t.linear.out);
+  for (int o0 = 0; o0 < out; o0 += norm_rows_) {
+    const int rows = std::min(norm_rows_, out - o0);
+    // wd = W[o0:o0+rows] + s B[o0:o0+rows] A, as peft's weight + scaling * lora_weight.
+    be_->copy_device(wd_.get(), static_cast<const char*>(W) + size_t(o0) * in * es, size_t(rows) * in * es);
+    be_->gemm(wd_.get(), in, false, static_cast<const char*>(B) + size_t(o0) * r * es, r, Op::N, A, in, Op::N, rows,
+              in, r, scale_, 1.0f);
+    be_->row_norms(norm_.as<float>() + o0, wd_.get(), rows, in);
+  }
+}
+
+void LoraAdapters::init_magnitudes(int layer, const void* base_unit, float* flat) {
+  TR_CHECK(opt_.dora, "LoraAdapters::init_magnitudes on a LoRA adapter (a bug)");
+  const size_t es = dtype_size(be_->act_dtype());
+  for (const LoraTarget& t : targets_) {
+    if (t.layer != layer) continue;
+    const int in = int(t.linear.in), out = int(t.linear.out);
+    be_->row_norms(norm_.as<float>(), static_cast<const char*>(base_unit) + t.w_off * es, out, in);
+    be_->copy_to_host(flat + layout_.tensors[size_t(t.m_tensor)].offset, norm_.get(), size_t(out) * 4);
+  }
+}
+
+void LoraAdapters::dora_forward(const LoraTarget& t, const void* x, void* ycols, int ldy, int N) {
+  using Op = Backend::GemmOp;
+  const size_t es = dtype_size(be_->act_dtype());
+  const int r = opt_.rank, in = int(t.linear.in), out = int(t.linear.out);
+  const void* A = unit_params_ + t.a_off * es;
+  const void* B = unit_params_ + t.b_off * es;
+  const void* m = unit_params_ + t.m_off * es;
+  const void* W = base_weight(t);
+  dora_norms(t, W, A, B);
+  const void* xd = dropped(t, x, N);
+  be_->gemm(xa_.get(), r, false, xd, in, Op::N, A, in, Op::T, N, r, in, 1.0f, 0.0f);             // xa = xd A^T
+  be_->gemm(xba_.get(), out, false, xa_.get(), r, Op::N, B, r, Op::T, N, out, r, 1.0f, 0.0f);    // xba = xa B^T
+  be_->gemm(xw_.get(), out, false, xd, in, Op::N, W, in, Op::T, N, out, in, 1.0f, 0.0f);         // xw = xd W^T (recomputed)
+  be_->dora_forward(ycols, ldy, xw_.get(), xba_.get(), m, norm_.as<float>(), scale_, N, out);
+}
+
+void LoraAdapters::dora_backward(const LoraTarget& t, const void* x, const void* dycols, int ldy, void* dx, int N) {
+  using Op = Backend::GemmOp;
+  const size_t es = dtype_size(be_->act_dtype());
+  const int r = opt_.rank, in = int(t.linear.in), out = int(t.linear.out);
+  const void* A = unit_params_ + t.a_off * es;
+  const void* B = unit_params_ + t.b_off * es;
+  const void* m = unit_params_ + t.m_off * es;
+  float* dA = unit_grads_ + t.a_off;
+  float* dB = unit_grads_ + t.b_off;
+  float* dm = unit_grads_ + t.m_off;
+  const void* W = base_weight(t);
+  // Recompute the forward's pieces (nothing was kept): the norm, xd, xa, xba, xw.
+  dora_norms(t, W, A, B);
+  const void* xd = dropped(t, x, N);
+  be_->gemm(xa_.get(), r, false, xd, in, Op::N, A, in, Op::T, N, r, in, 1.0f, 0.0f);
+  be_->gemm(xba_.get(), out, false, xa_.get(), r, Op::N, B, r, Op::T, N, out, r, 1.0f, 0.0f);
+  be_->gemm(xw_.get(), out, false, xd, in, Op::N, W, in, Op::T, N, out, in, 1.0f, 0.0f);
+  // dm; then xw_ := dxw = (g - 1) dy and xba_ := dxba = g s dy.
+  be_->dora_backward(dm, xw_.get(), xba_.get(), dycols, ldy, m, norm_.as<float>(), scale_, N, out);
+  be_->gemm(dB, r, true, xba_.get(), out, Op::T, xa_.get(), r, Op::N, out, r, N, 1.0f, 1.0f);  // dB += dxba^T xa
+  be_->gemm(dxa_.get(), r, false, xba_.get(), out, Op::N, B, r, Op::N, N, r, out, 1.0f, 0.0f);  // dxa = dxba B
+  be_->gemm(dA, in, true, dxa_.get(), r, Op::T, xd, in, Op::N, r, in, N, 1.0f, 1.0f);         // dA += dxa^T xd
+  if (!dropout_on()) {
+    be_->gemm(dx, in, false, xw_.get(), out, Op::N, W, in, Op::N, N, in, out, 1.0f, 1.0f);    // dx += dxw W
+    be_->gemm(dx, in, false, dxa_.get(), r, Op::N, A, in, Op::N, N, in, r, 1.0f, 1.0f);       // dx += dxa A
+  } else {
+    // d dropout(x) = dxw W + dxa A into the scratch (xd is consumed), through the same mask, added to dx.
+    be_->gemm(xd_.get(), in, false, xw_.get(), out, Op::N, W, in, Op::N, N, in, out, 1.0f, 0.0f);
+    be_->gemm(xd_.get(), in, false, dxa_.get(), r, Op::N, A, in, Op::N, N, in, r, 1.0f, 1.0f);
+    be_->dropout_forward(xd_.get(), xd_.get(), N, in, float(opt_.dropout), target_seed(t), row0_);
+    be_->residual_forward(dx, dx, xd_.get(), int64_t(N) * in);
+  }
+}
+
+}  // namespace trainrun
