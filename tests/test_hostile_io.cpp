@@ -97,6 +97,31 @@ TEST_CASE("hostile storage: without fallocate (NFSv3, BeeGFS) checkpoints and fi
   CHECK(int64_t(w.size()) == make_model_arch(ModelConfig::from_spec(job.model))->layout().total);
 }
 
+// The nvme offload file (4 x the shard's state, 100+ GB a rank at 70B) is
+// sized with fallocate(2) and made sparse where that is refused. Before, it
+// used posix_fallocate, whose glibc emulation on such a filesystem writes
+// every 4 KiB block of it, one syscall each (the shim would have logged
+// "posix_fallocate").
+TEST_CASE("hostile storage: without fallocate the nvme offload file is made sparse, never block by block",
+          "[storage][offload]") {
+  test::TempDir dir("nofalloc_nvme");
+  const std::string run = dir / "run", log = dir / "shim.log", off = dir / "offload";
+  std::filesystem::create_directories(off);
+  test::write_file(dir / "job.yaml", test::checkpoint_job_yaml(run, "full_shard", ""));
+  const test::RunResult r = test::run_command(
+      "OMP_NUM_THREADS=1 TRAINRUN_SHIM_LOG='" + log + "' LD_PRELOAD='" + std::string(TRAINRUN_NO_FALLOCATE_SHIM) +
+      "' '" + test::trainrun_binary() + "' --config '" + dir / "job.yaml" +
+      "' --set train.max_steps=2 --set parallel.nproc_per_node=2 --set parallel.offload=nvme --set "
+      "parallel.offload_dir='" + off + "'");
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.err + test::read_file(run + "/logs/rank0.log"), Contains("nvme state under"));
+  const std::string calls = test::read_file(log);
+  CHECK_THAT(calls, Contains("fallocate"));
+  CHECK_THAT(calls, !Contains("posix_fallocate"));
+  CHECK(test::weights_of(run).size() > 0);
+}
+
 // The last segment (by offset) of model.safetensors made to claim 2^60 runs
 // of its bytes. Before, the tiling check walked the runs one by one past
 // the end of the file: verify, export and resume hung.

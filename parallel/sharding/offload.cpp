@@ -24,6 +24,7 @@
 
 #include "core/common/debug_hooks.h"
 #include "core/common/error.h"
+#include "core/common/fileio.h"
 #include "core/common/log.h"
 #include "kernels/cpu/host_adamw.h"
 
@@ -222,12 +223,15 @@ HostOptimizerState::HostOptimizerState(Backend* be, int64_t n, const OffloadOpti
     // process ends, however it ends.
     ::unlink(io_->path.c_str());
     const size_t file_bytes = 4 * region_bytes_;
-    const int rc = posix_fallocate(io_->buffered_fd, 0, off_t(file_bytes));
-    if (rc == ENOSPC)
-      TR_FAIL("parallel.offload: the disk of ", opts.dir, " is full: the optimizer state needs ", gb(double(file_bytes)),
-              " there; free space or point parallel.offload_dir at a larger disk");
-    if (rc != 0) TR_CHECK(::ftruncate(io_->buffered_fd, off_t(file_bytes)) == 0, "parallel.offload: cannot size ",
-                          io_->path, ": ", std::strerror(errno));
+    // fallocate(2), sparse where the filesystem cannot (reserve_file_size):
+    // not posix_fallocate, which there emulates by writing every 4 KiB block
+    // of a file of 100+ GB a rank, one syscall each.
+    try {
+      reserve_file_size(io_->buffered_fd, off_t(file_bytes), io_->path);
+    } catch (const Error& e) {
+      TR_FAIL("parallel.offload: the optimizer state needs ", gb(double(file_bytes)), " under ", opts.dir, ": ",
+              e.what(), "; free space or point parallel.offload_dir at a larger disk");
+    }
     const IoChoice choice = opts.io == IoChoice::Auto ? io_choice_from_env() : opts.io;
     std::string fallback;
     io_->engine = make_io_engine(io_->direct_fd, io_->path, choice, &fallback);
