@@ -372,13 +372,13 @@ namespace {
 // A 3-step LoRA fine-tune of peft_lora.py's Llama from its peft-written
 // adapter (model.adapter.init_from), with dropout, on synthetic data.
 // fresh_dora: a DoRA adapter from trainrun's own init instead (magnitudes
-// from the base's row norms).
+// from the base's row norms), with the same dropout.
 JobSpec lora_job(const TempDir& peft, const std::string& out, const std::string& strategy, int micro_batch,
                  bool fresh_dora = false) {
   const std::string adapter = fresh_dora ? "type: dora" : "type: lora, init_from: '" + peft / "adapter" + "'";
   const std::string yaml =
       "model:\n  init_from: '" + peft / "base" + "'\n  seq_len: 8\n"
-      "  adapter: {" + adapter + ", rank: 4, alpha: 8, dropout: " + (fresh_dora ? "0" : "0.1") + ",\n"
+      "  adapter: {" + adapter + ", rank: 4, alpha: 8, dropout: 0.1,\n"
       "            target_modules: [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]}\n"
       "data: {format: synthetic, synthetic: {branching: 3}}\n"
       "train: {global_batch_size: 4, micro_batch_size: " + std::to_string(micro_batch) + ", max_steps: 3, lr: 1.0e-2,\n"
@@ -519,7 +519,7 @@ TEST_CASE("lora: generate --adapter samples what transformers samples from peft'
   CHECK(plain.out != got.out);
 }
 
-TEST_CASE("dora training: fresh magnitudes from the sharded base; 2 ranks (full_shard) equal 1; peft loads the result",
+TEST_CASE("dora training: fresh magnitudes from the sharded base; with dropout 2 ranks (full_shard) equal 1; peft loads the result",
           "[lora][peft][train]") {
   TempDir peft("dora_train");
   make_peft_case(llama_case(true), peft);
@@ -535,7 +535,13 @@ TEST_CASE("dora training: fresh magnitudes from the sharded base; 2 ranks (full_
   REQUIRE(l2.size() == l1.size());
   for (size_t i = 0; i < l1.size(); ++i) CHECK(std::fabs(l2[i] - l1[i]) <= 1e-5 * std::fabs(l1[i]));
   const std::vector<float> trained = adapter_file(one + "/adapter");
-  CHECK(max_abs_diff(adapter_file(two + "/adapter"), trained) <= 1e-5f);
+  // The adapters after 3 AdamW steps at lr 1e-2: 2 ranks sum the gradient
+  // in another order, and an element whose gradient is near zero moves by
+  // lr x m / sqrt(v), which amplifies that rounding. Measured (max over the
+  // elements, 2026-12-04): 4.0e-7 at dropout 0, 1.6e-5 at 0.1, 2.2e-7 at
+  // 0.3; a wrong mask on one rank layout moves the losses above by far
+  // more than their 1e-5.
+  CHECK(max_abs_diff(adapter_file(two + "/adapter"), trained) <= 5e-5f);
 
   // The run wrote a DoRA adapter whose magnitudes started at peft's init
   // (||W|| per row) and trained away from it.
@@ -565,17 +571,15 @@ TEST_CASE("dora training: fresh magnitudes from the sharded base; 2 ranks (full_
   CHECK(max_abs_diff(m.logits(in), read_safetensors(peft / "l.safetensors").find("logits")->as_f32()) <= 1e-5f);
 }
 
-TEST_CASE("lora: with dropout on, every adapter gradient equals the loss's finite difference", "[lora]") {
+TEST_CASE("lora: with dropout on, every adapter gradient equals the loss's finite difference (lora, dora)", "[lora]") {
   // peft's reference runs without dropout (eval mode); this checks the
   // dropout path of the backward against the loss itself, for the largest
-  // gradient element of each A and B of one target per layer. DoRA with
-  // dropout FAILS this check today (A and B of down_proj / c_attn off by
-  // 10-20%), so the job spec refuses dora with dropout > 0 (checked below).
-  CHECK_THROWS_WITH(parse_job_spec("data:\n  format: synthetic\nmodel:\n  adapter: {type: dora, dropout: 0.1}\n",
-                                   "job.yaml"),
-                    Catch::Contains("model.adapter.dropout") && Catch::Contains("with model.adapter.type: dora is not "
-                                                                                "implemented yet"));
-  for (const PeftCase& c : {llama_case(false), gpt2_case(false)}) {
+  // gradient element of each A and B (and DoRA's magnitude) of one target
+  // per layer. DoRA's weight norm is detached, as peft's is: its A and B
+  // gradients are those of the loss with the norm held constant, so the
+  // finite differences replay the norms of the pass that took the
+  // gradients (without that they are 10-30% off, with or without dropout).
+  for (const PeftCase& c : {llama_case(false), gpt2_case(false), llama_case(true), gpt2_case(true)}) {
     SECTION(c.name()) {
       TempDir tmp("dora_fd");
       make_peft_case(c, tmp);
@@ -586,7 +590,9 @@ TEST_CASE("lora: with dropout on, every adapter gradient equals the loss's finit
       m.ad->set_dropout_rows(12345, 0);
       const int V = m.arch->config().V;
       const std::vector<int32_t> in = tokens(1, V), tgt = tokens(2, V);
+      m.ad->hold_dora_norms_for_test(LoraAdapters::NormHold::Record);
       m.loss_and_grads(in, tgt);
+      m.ad->hold_dora_norms_for_test(LoraAdapters::NormHold::Replay);
       const std::vector<float> g = m.adapter_grads();
       std::vector<float> p = m.adapter_params();
       const std::string module = c.arch == "llama" ? "mlp.down_proj" : "attn.c_attn";  // down_proj: in = F

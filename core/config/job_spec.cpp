@@ -888,10 +888,6 @@ void check_rules(JobSpec& s, const Origins& o, const std::string& fallback, bool
   }
   // model.adapter / model.base_dtype: what is implemented so far (docs/fine-tuning.md).
   const ModelSpec::AdapterSpec& ad = m.adapter;
-  if (ad.type == "dora" && ad.dropout > 0)
-    fail(at({"model.adapter.dropout", "model.adapter.type"}), "model.adapter.dropout",
-         std::to_string(ad.dropout) + " with model.adapter.type: dora is not implemented yet (DoRA's backward "
-         "through the dropout mask does not match the loss's finite difference yet); use dropout 0 or type lora");
   if (m.base_dtype == "bf16" || m.base_dtype == "nf4")
     fail(at({"model.base_dtype"}), "model.base_dtype",
          m.base_dtype + " is not implemented yet; use auto or fp32 (the frozen base in fp32)");

@@ -44,6 +44,13 @@ void LoraAdapters::dora_norms(const LoraTarget& t, const void* W, const void* A,
   using Op = Backend::GemmOp;
   const size_t es = dtype_size(be_->act_dtype());
   const int r = opt_.rank, in = int(t.linear.in), out = int(t.linear.out);
+  if (norm_hold_ == NormHold::Replay) {
+    const auto it = held_norms_.find(t.a_tensor);
+    TR_CHECK(it != held_norms_.end() && it->second.size() == size_t(out),
+             "DoRA: no recorded norm for ", t.module, " to replay (a test bug)");
+    be_->copy_to_device(norm_.get(), it->second.data(), size_t(out) * 4);
+    return;
+  }
   for (int o0 = 0; o0 < out; o0 += norm_rows_) {
     const int rows = std::min(norm_rows_, out - o0);
     // wd = W[o0:o0+rows] + s B[o0:o0+rows] A, as peft's weight + scaling * lora_weight.
@@ -51,6 +58,11 @@ void LoraAdapters::dora_norms(const LoraTarget& t, const void* W, const void* A,
     be_->gemm(wd_.get(), in, false, static_cast<const char*>(B) + size_t(o0) * r * es, r, Op::N, A, in, Op::N, rows,
               in, r, scale_, 1.0f);
     be_->row_norms(norm_.as<float>() + o0, wd_.get(), rows, in);
+  }
+  if (norm_hold_ == NormHold::Record) {
+    std::vector<float>& h = held_norms_[t.a_tensor];
+    h.resize(size_t(out));
+    be_->copy_to_host(h.data(), norm_.get(), size_t(out) * 4);
   }
 }
 

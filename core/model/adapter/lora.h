@@ -34,6 +34,7 @@
 // lies (base_acquired). core/model/adapter/dora.cpp holds that path.
 #pragma once
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -113,6 +114,14 @@ class LoraAdapters final : public LinearAdapters {
   void set_training(bool on) { training_ = on; }
   // Debug/tests: override the scale (the "break the scaling" mutation check).
   void set_scaling_for_test(float s) { scale_ = s; }
+  // Tests: DoRA's weight norm ||W + s B A|| is detached, as peft's is (the
+  // DoRA paper's section 4.3): A and B get no gradient through it, so their
+  // gradients are not the loss's finite difference. Record keeps every
+  // target's norms of the next passes; Replay uses those instead of
+  // recomputing them, so a perturbed A or B leaves the norm where it was and
+  // the finite difference is of the loss the gradients are of.
+  enum class NormHold { Off, Record, Replay };
+  void hold_dora_norms_for_test(NormHold h) { norm_hold_ = h; }
 
   void begin_block(int layer, bool backward) override;
   void end_block(int layer, bool backward) override;
@@ -151,6 +160,8 @@ class LoraAdapters final : public LinearAdapters {
   std::vector<const void*> base_units_;
   DeviceBuffer xw_, xba_, wd_, norm_;
   int norm_rows_ = 0;
+  NormHold norm_hold_ = NormHold::Off;
+  std::map<int, std::vector<float>> held_norms_;  // by a_tensor (tests only)
 };
 
 // The Network's view of an adapted model: the base's parameters from its
