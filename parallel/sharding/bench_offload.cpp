@@ -13,6 +13,9 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <memory>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include "core/common/error.h"
@@ -40,24 +43,43 @@ double median_seconds(int repeat, const std::function<void()>& fn) {
 }
 
 // Sequential O_DIRECT write (then fdatasync) and read of `bytes` in 16 MiB
-// requests: GB/s each.
-std::pair<double, double> disk_speed(const std::string& path, size_t bytes, int repeat) {
+// requests, `depth` of them in flight (one thread each, block k on thread
+// k % depth, so the file is still swept in order): GB/s each. Depth 1 is
+// what dd measures; io_uring keeps several requests in flight, and many
+// disks (NVMe, virtio) only reach their rate that way, so the reference
+// for "% of disk" is the faster of depth 1 and depth kProbeDepth.
+constexpr int kProbeDepth = 8;
+std::pair<double, double> disk_speed(const std::string& path, size_t bytes, int repeat, int depth) {
   constexpr size_t kBlock = size_t(16) << 20;
-  void* p = nullptr;
-  TR_CHECK(posix_memalign(&p, 4096, kBlock) == 0, "bench offload: cannot allocate the I/O buffer");
-  std::unique_ptr<void, decltype(&std::free)> buf(p, &std::free);
-  std::memset(p, 0x5a, kBlock);
+  std::vector<std::unique_ptr<void, decltype(&std::free)>> bufs;
+  for (int d = 0; d < depth; ++d) {
+    void* p = nullptr;
+    TR_CHECK(posix_memalign(&p, 4096, kBlock) == 0, "bench offload: cannot allocate the I/O buffer");
+    std::memset(p, 0x5a, kBlock);
+    bufs.emplace_back(p, &std::free);
+  }
   const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_DIRECT | O_CLOEXEC, 0600);
   TR_CHECK(fd >= 0, "bench offload: cannot open '", path, "' with O_DIRECT (", std::strerror(errno),
            "); name a --dir on a local disk");
   ::unlink(path.c_str());
+  auto sweep = [&](bool write) {
+    std::vector<std::thread> th;
+    for (int d = 0; d < depth; ++d)
+      th.emplace_back([&, d] {
+        void* p = bufs[size_t(d)].get();
+        for (size_t off = size_t(d) * kBlock; off < bytes; off += size_t(depth) * kBlock) {
+          const size_t n = std::min(kBlock, bytes - off);
+          if (write) pwrite_full(fd, path, p, n, off);
+          else pread_full(fd, path, p, n, off);
+        }
+      });
+    for (auto& t : th) t.join();
+  };
   const double w = median_seconds(repeat, [&] {
-    for (size_t off = 0; off < bytes; off += kBlock) pwrite_full(fd, path, p, std::min(kBlock, bytes - off), off);
+    sweep(true);
     ::fdatasync(fd);
   });
-  const double r = median_seconds(repeat, [&] {
-    for (size_t off = 0; off < bytes; off += kBlock) pread_full(fd, path, p, std::min(kBlock, bytes - off), off);
-  });
+  const double r = median_seconds(repeat, [&] { sweep(false); });
   ::close(fd);
   return {double(bytes) / w / 1e9, double(bytes) / r / 1e9};
 }
@@ -95,10 +117,16 @@ int run_offload_bench(const OffloadBenchOptions& o) {
 
   // 1. the disk, with the state file's size and access pattern
   const size_t state_bytes = size_t(n) * 16;
-  const auto [disk_w, disk_r] = disk_speed(scratch + "/probe", state_bytes, o.repeat);
+  const auto [w1, r1] = disk_speed(scratch + "/probe", state_bytes, o.repeat, 1);
+  const auto [wq, rq] = disk_speed(scratch + "/probe", state_bytes, o.repeat, kProbeDepth);
+  const double disk_w = std::max(w1, wq), disk_r = std::max(r1, rq);  // the reference below
   std::printf("disk under %s: %.0f MiB sequential O_DIRECT, 16 MiB requests, median of %d\n", o.dir.c_str(),
               state_bytes / 1048576.0, o.repeat);
-  std::printf("  %-40s %8.2f GB/s\n  %-40s %8.2f GB/s\n\n", "write (then fdatasync)", disk_w, "read", disk_r);
+  std::printf("  %-40s %8.2f GB/s\n  %-40s %8.2f GB/s\n", "write (then fdatasync), 1 in flight", w1,
+              "read, 1 in flight", r1);
+  std::printf("  %-40s %8.2f GB/s\n  %-40s %8.2f GB/s\n", ("write (then fdatasync), " + std::to_string(kProbeDepth) +
+              " in flight").c_str(), wq, ("read, " + std::to_string(kProbeDepth) + " in flight").c_str(), rq);
+  std::printf("  %% of disk below: against the faster of each (write %.2f, read %.2f GB/s)\n\n", disk_w, disk_r);
 
   // 2. the nvme state, per engine
   auto be = make_cpu_backend(threads);
