@@ -77,39 +77,41 @@ void LoraAdapters::init_magnitudes(int layer, const void* base_unit, float* flat
   }
 }
 
-void LoraAdapters::dora_forward(const LoraTarget& t, const void* x, void* ycols, int ldy, int N) {
+// The pieces forward and backward both compute (backward recomputes them:
+// nothing is kept between the passes): the norm, dropout(x), xa = xd A^T,
+// xba = xa B^T and xw = xd W^T, into norm_, xd_ (with dropout), xa_, xba_
+// and xw_.
+LoraAdapters::DoraPass LoraAdapters::dora_pass(const LoraTarget& t, const void* x, int N) {
   using Op = Backend::GemmOp;
   const size_t es = dtype_size(be_->act_dtype());
-  const int r = opt_.rank, in = int(t.linear.in), out = int(t.linear.out);
-  const void* A = unit_params_ + t.a_off * es;
-  const void* B = unit_params_ + t.b_off * es;
-  const void* m = unit_params_ + t.m_off * es;
-  const void* W = base_weight(t);
-  dora_norms(t, W, A, B);
-  const void* xd = dropped(t, x, N);
-  be_->gemm(xa_.get(), r, false, xd, in, Op::N, A, in, Op::T, N, r, in, 1.0f, 0.0f);             // xa = xd A^T
-  be_->gemm(xba_.get(), out, false, xa_.get(), r, Op::N, B, r, Op::T, N, out, r, 1.0f, 0.0f);    // xba = xa B^T
-  be_->gemm(xw_.get(), out, false, xd, in, Op::N, W, in, Op::T, N, out, in, 1.0f, 0.0f);         // xw = xd W^T (recomputed)
-  be_->dora_forward(ycols, ldy, xw_.get(), xba_.get(), m, norm_.as<float>(), scale_, N, out);
+  DoraPass p;
+  p.r = opt_.rank, p.in = int(t.linear.in), p.out = int(t.linear.out);
+  p.A = unit_params_ + t.a_off * es;
+  p.B = unit_params_ + t.b_off * es;
+  p.m = unit_params_ + t.m_off * es;
+  p.W = base_weight(t);
+  dora_norms(t, p.W, p.A, p.B);
+  p.xd = dropped(t, x, N);
+  const int r = p.r, in = p.in, out = p.out;
+  be_->gemm(xa_.get(), r, false, p.xd, in, Op::N, p.A, in, Op::T, N, r, in, 1.0f, 0.0f);        // xa = xd A^T
+  be_->gemm(xba_.get(), out, false, xa_.get(), r, Op::N, p.B, r, Op::T, N, out, r, 1.0f, 0.0f);  // xba = xa B^T
+  be_->gemm(xw_.get(), out, false, p.xd, in, Op::N, p.W, in, Op::T, N, out, in, 1.0f, 0.0f);     // xw = xd W^T (recomputed)
+  return p;
+}
+
+void LoraAdapters::dora_forward(const LoraTarget& t, const void* x, void* ycols, int ldy, int N) {
+  const DoraPass p = dora_pass(t, x, N);
+  be_->dora_forward(ycols, ldy, xw_.get(), xba_.get(), p.m, norm_.as<float>(), scale_, N, p.out);
 }
 
 void LoraAdapters::dora_backward(const LoraTarget& t, const void* x, const void* dycols, int ldy, void* dx, int N) {
   using Op = Backend::GemmOp;
-  const size_t es = dtype_size(be_->act_dtype());
-  const int r = opt_.rank, in = int(t.linear.in), out = int(t.linear.out);
-  const void* A = unit_params_ + t.a_off * es;
-  const void* B = unit_params_ + t.b_off * es;
-  const void* m = unit_params_ + t.m_off * es;
   float* dA = unit_grads_ + t.a_off;
   float* dB = unit_grads_ + t.b_off;
   float* dm = unit_grads_ + t.m_off;
-  const void* W = base_weight(t);
-  // Recompute the forward's pieces (nothing was kept): the norm, xd, xa, xba, xw.
-  dora_norms(t, W, A, B);
-  const void* xd = dropped(t, x, N);
-  be_->gemm(xa_.get(), r, false, xd, in, Op::N, A, in, Op::T, N, r, in, 1.0f, 0.0f);
-  be_->gemm(xba_.get(), out, false, xa_.get(), r, Op::N, B, r, Op::T, N, out, r, 1.0f, 0.0f);
-  be_->gemm(xw_.get(), out, false, xd, in, Op::N, W, in, Op::T, N, out, in, 1.0f, 0.0f);
+  const DoraPass p = dora_pass(t, x, N);
+  const int r = p.r, in = p.in, out = p.out;
+  const void *A = p.A, *B = p.B, *m = p.m, *W = p.W, *xd = p.xd;
   // dm; then xw_ := dxw = (g - 1) dy and xba_ := dxba = g s dy.
   be_->dora_backward(dm, xw_.get(), xba_.get(), dycols, ldy, m, norm_.as<float>(), scale_, N, out);
   be_->gemm(dB, r, true, xba_.get(), out, Op::T, xa_.get(), r, Op::N, out, r, N, 1.0f, 1.0f);  // dB += dxba^T xa

@@ -134,6 +134,11 @@ class LoraAdapters final : public LinearAdapters {
   // ||W + s B A||_row; the forward and backward of one target.
   const void* base_weight(const LoraTarget& t) const;
   void dora_norms(const LoraTarget& t, const void* W, const void* A, const void* B);
+  struct DoraPass {
+    int r = 0, in = 0, out = 0;
+    const void *A = nullptr, *B = nullptr, *m = nullptr, *W = nullptr, *xd = nullptr;
+  };
+  DoraPass dora_pass(const LoraTarget& t, const void* x, int N);
   void dora_forward(const LoraTarget& t, const void* x, void* ycols, int ldy, int N);
   void dora_backward(const LoraTarget& t, const void* x, const void* dycols, int ldy, void* dx, int N);
   uint64_t target_seed(const LoraTarget& t) const;
