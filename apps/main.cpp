@@ -329,6 +329,14 @@ int cmd_plan(const PlanArgs& a) {
     job_topology_file = job.parallel.topology_file;
     job_nproc = job.parallel.nproc_per_node;
     if (job.parallel.nproc_per_node > 0) req.gpus_per_node = job.parallel.nproc_per_node;
+    // The memory model has no adapters yet (issue 25). Say so rather than
+    // plan a full fine-tune in silence: its rows bound the adapter run from
+    // above (the frozen base has no fp32 master, gradients or moments), so a
+    // "fits" stays true, while a "NO" may not be.
+    if (job.model.adapter.on())
+      std::cerr << "plan: model.adapter (" << job.model.adapter.type << ", rank " << job.model.adapter.rank
+                << ") is not in the memory model yet: the rows below are a full fine-tune of the base, an upper "
+                   "bound on the adapter run (a \"fits\" holds; a \"NO\" may not); see docs/fine-tuning.md\n";
   }
   if (!a.model.empty()) req.model = parse_model_shape(a.model);
   if (!a.pp_schedule.empty()) req.pp_schedule = a.pp_schedule;
