@@ -175,7 +175,8 @@ class Backend {
   virtual int logits_stride(int V) const { return V; }
   // logits(N, ldv)[:, :V] = inp(N,C) @ wte(V,C)^T.
   virtual void lm_head_forward(void* logits, const void* inp, const void* wte, int N, int C, int V, int ldv) = 0;
-  // dinp(N,C) = dlogits[:, :V] @ wte (overwritten), dwte(V,C) += dlogits[:, :V]^T @ inp.
+  // dinp(N,C) = dlogits[:, :V] @ wte (overwritten), dwte(V,C) += dlogits[:, :V]^T @ inp
+  // (null: skipped, as for a frozen base under adapters).
   virtual void lm_head_backward(void* dinp, float* dwte, const void* dlogits, const void* inp, const void* wte, int N,
                                 int C, int V, int ldv) = 0;
 

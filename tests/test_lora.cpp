@@ -373,8 +373,8 @@ namespace {
 // adapter (model.adapter.init_from), with dropout, on synthetic data.
 // fresh_dora: a DoRA adapter from trainrun's own init instead (magnitudes
 // from the base's row norms), with the same dropout.
-JobSpec lora_job(const TempDir& peft, const std::string& out, const std::string& strategy, int micro_batch,
-                 bool fresh_dora = false) {
+std::string lora_yaml(const TempDir& peft, const std::string& out, const std::string& strategy, int micro_batch,
+                      bool fresh_dora = false) {
   const std::string adapter = fresh_dora ? "type: dora" : "type: lora, init_from: '" + peft / "adapter" + "'";
   const std::string yaml =
       "model:\n  init_from: '" + peft / "base" + "'\n  seq_len: 8\n"
@@ -386,7 +386,11 @@ JobSpec lora_job(const TempDir& peft, const std::string& out, const std::string&
       "output: {dir: '" + out + "', sample_tokens: 0}\n"
       "parallel: {sharding: " + strategy + ", timeout_s: 60" +
       (strategy == "hybrid_shard" ? ", shard_group_size: 1" : "") + "}\n";
-  return parse_job_spec(yaml, "job.yaml");
+  return yaml;
+}
+JobSpec lora_job(const TempDir& peft, const std::string& out, const std::string& strategy, int micro_batch,
+                 bool fresh_dora = false) {
+  return parse_job_spec(lora_yaml(peft, out, strategy, micro_batch, fresh_dora), "job.yaml");
 }
 std::vector<float> adapter_file(const std::string& dir) {
   const SafeTensorFile f = read_safetensors(dir + "/adapter_model.safetensors");
@@ -453,6 +457,39 @@ TEST_CASE("lora training: adapter/ loads in peft with trainrun's logits; 2 ranks
   }
 }
 
+TEST_CASE("lora training: the end-of-run sample (2 ranks, full_shard) is `generate --adapter`'s on the run's adapter",
+          "[lora][train][sample]") {
+  TempDir peft("lora_sample");
+  make_peft_case(llama_case(), peft);
+  const std::string run = peft / "run";
+  const JobSpec job = lora_job(peft, run, "full_shard", 1);
+  write_file(peft / "job.yaml", lora_yaml(peft, run, "full_shard", 1));
+  const auto r = run_command("OMP_NUM_THREADS=1 '" + trainrun_binary() + "' --config '" + peft / "job.yaml" +
+                             "' --set parallel.nproc_per_node=2 --set output.sample_tokens=6 --set "
+                             "output.sample_prompt='7 3'");
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  const std::string log = read_file(run + "/logs/rank0.log");
+  CHECK(log.find("sample: skipped") == std::string::npos);
+  // The same base, the adapter the run wrote, the sampler's seed, temperature and top-k.
+  const auto g = run_trainrun("generate --checkpoint '" + peft / "base" + "' --adapter '" + run +
+                              "/adapter' --prompt '7 3' --max-tokens 6 --temperature 0.8 --top-k 40 --seed " +
+                              std::to_string(job.train.seed));
+  INFO(g.err);
+  REQUIRE(g.exit_code == 0);
+  // 2 + 6 tokens: within the run's seq_len of 8 (generate reads the HF config's 16), so
+  // neither sampler outgrows its cache and refills it.
+  REQUIRE(std::count(g.out.begin(), g.out.end(), ' ') >= 7);  // the prompt and 6 ids
+  INFO("generate: " << g.out << "\nrank 0's log: " << log.substr(log.rfind("sample")));
+  CHECK(log.find("sample:\n" + g.out) != std::string::npos);
+  // The base alone samples something else: the run's sample used its adapters.
+  const auto plain = run_trainrun("generate --checkpoint '" + peft / "base" +
+                                  "' --prompt '7 3' --max-tokens 6 --temperature 0.8 --top-k 40 --seed " +
+                                  std::to_string(job.train.seed));
+  REQUIRE(plain.exit_code == 0);
+  CHECK(plain.out != g.out);
+}
+
 TEST_CASE("lora training: combinations not implemented yet are refused naming the key", "[lora][train]") {
   TempDir peft("lora_refuse");
   make_peft_case(llama_case(), peft);
@@ -493,24 +530,28 @@ TEST_CASE("lora: export --merge equals peft's merge_and_unload() (llama, gpt2; l
   }
 }
 
-TEST_CASE("lora: generate --adapter samples what transformers samples from peft's merged model (lora, dora)",
+TEST_CASE("lora: generate --adapter (unmerged) samples what transformers samples from peft's model (llama, gpt2; lora, dora)",
           "[lora][peft]") {
   const bool dora = GENERATE(false, true);
-  INFO((dora ? "dora" : "lora"));
+  const bool gpt2 = GENERATE(false, true);
+  INFO((dora ? "dora" : "lora") << (gpt2 ? " gpt2" : " llama"));
   TempDir tmp("lora_gen");
-  make_peft_case(llama_case(dora), tmp);
+  make_peft_case(gpt2 ? gpt2_case(dora) : llama_case(dora), tmp);
   auto r = run_reference_script("peft_lora.py", "merge --base '" + tmp / "base" + "' --adapter '" + tmp / "adapter" +
                                                     "' --out '" + tmp / "merged" + "'");
   INFO(r.err);
   REQUIRE(r.exit_code == 0);
-  const auto want = run_reference_script("hf_llama.py", "generate --model '" + tmp / "merged" +
-                                                            "' --prompt '1 2 3' --max-new-tokens 8");
+  // peft's merged model samples what its unmerged PeftModel samples; trainrun
+  // applies the adapter unmerged, in the decoder's hooks.
+  const auto want = run_reference_script(gpt2 ? "hf_gpt2.py" : "hf_llama.py",
+                                         "generate --model '" + tmp / "merged" + "' --prompt '1 2 3' --max-new-tokens 8");
   INFO(want.err);
   REQUIRE(want.exit_code == 0);
   const auto got = run_trainrun("generate --checkpoint '" + tmp / "base" + "' --adapter '" + tmp / "adapter" +
                                 "' --prompt '1 2 3' --top-k 1 --max-tokens 8");
   INFO(got.err);
   REQUIRE(got.exit_code == 0);
+  CHECK_THAT(got.err, Catch::Contains("applied unmerged"));
   CHECK(got.out == want.out);
   // Without the adapter the base samples something else (the adapter is not ignored).
   const auto plain =

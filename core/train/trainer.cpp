@@ -1002,8 +1002,15 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
     if (rank0_) {
       TR_LOG_INFO("adapter: written to ", (out / "adapter").string(),
                   " (peft.PeftModel.from_pretrained(base, dir) loads it)");
-      if (job_.output.sample_tokens > 0)
-        TR_LOG_INFO("sample: skipped: sampling with adapters is not implemented yet");
+      if (job_.output.sample_tokens > 0 && (tp_plan_ || pipe_))
+        TR_LOG_INFO("sample: skipped at tp/pp > 1 with adapters (the sampler has no TP/PP split); run `trainrun "
+                    "generate --checkpoint ", job_.model.init_from, " --adapter ", (out / "adapter").string(), "`");
+    }
+    // The sample at tp1/pp1: the base through the frozen store (gathered per
+    // unit, as in training) with the adapters applied unmerged, dropout off.
+    if (job_.output.sample_tokens > 0 && !tp_plan_ && !pipe_) {
+      adapt_->set_microbatch(false, int(step_), 0, T_);
+      sample_at_end();
     }
     log_memory_at_end();
     comm_->barrier();
@@ -1106,7 +1113,7 @@ void Trainer::sample_at_end() {
     return;
   }
   model_->free_activations();
-  auto toks = sample_tokens(be_.get(), *params_, *arch_, prompt, so, comm_.get());
+  auto toks = sample_tokens(be_.get(), units(), *arch_, prompt, so, comm_.get());
   if (rank0_) TR_LOG_INFO("sample:\n", decode_tokens(toks, cfg.V));
 }
 
