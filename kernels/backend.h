@@ -351,7 +351,7 @@ class Backend {
   // c (M,N), rows ldc apart = alpha * op(a) @ op(b) + beta * c, where op(x) is
   // x or x^T (GemmOp::T) and a, b are act dtype with rows lda / ldb apart;
   // c is act dtype, or fp32 with c_f32 (the adapters' weight gradients,
-  // accumulated with beta = 1). LoRA needs products with a strided output
+  // accumulated with beta = 1; CUDA takes beta 0 or 1 only). LoRA needs products with a strided output
   // (its share of a fused q|k|v GEMM) and accumulation into one, which
   // matmul_forward/backward do not give.
   enum class GemmOp { N, T };

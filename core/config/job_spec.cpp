@@ -152,8 +152,9 @@ const std::vector<Field>& fields() {
                     "the LM head is the token embedding; auto = the architecture's way (gpt2: always tied; "
                     "llama: untied, but Llama 3.2 1B/3B are tied)"),
       TR_SPEC_FIELD(model.base_dtype, one_of({"auto", "fp32", "bf16", "nf4"}),
-                    "with model.adapter: how the frozen base weights are held; auto = fp32 (the CPU backend's "
-                    "only dtype today); bf16 and nf4 (QLoRA) are not implemented yet"),
+                    "with model.adapter: how the frozen base weights are held; auto = the backend's activation "
+                    "dtype (fp32 on the CPU, bf16 on CUDA); fp32 needs the CPU backend; bf16 and nf4 (QLoRA) as "
+                    "explicit values are not implemented yet"),
       TR_SPEC_FIELD(model.rope_scaling.type, one_of({"none", "llama3"}),
                     "RoPE frequency scaling (llama): none, or llama3 (Llama 3.1's bands)"),
       TR_SPEC_FIELD(model.rope_scaling.factor, above(0), "llama3 scaling: factor"),

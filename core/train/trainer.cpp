@@ -285,7 +285,12 @@ void Trainer::setup() {
     refuse(ps.tensor_parallel > 1, "parallel.tensor_parallel", std::to_string(ps.tensor_parallel));
     refuse(ps.pipeline_parallel > 1, "parallel.pipeline_parallel", std::to_string(ps.pipeline_parallel));
     refuse(ps.offload != "none", "parallel.offload", ps.offload);
-    refuse(is_cuda_backend(be_.get()), "backend", be_->name());
+    // On CUDA the frozen base is held in bf16, the act dtype (model.base_dtype
+    // auto); the adapters' ops are kernels/cuda/adapter_gemm, dropout,
+    // row_norms and dora (not yet run on a GPU).
+    TR_CHECK(!(is_cuda_backend(be_.get()) && job_.model.base_dtype == "fp32"), "model.base_dtype: fp32 with backend ",
+             be_->name(), ": the CUDA backend holds the frozen base in its activation dtype, bf16; set "
+             "model.base_dtype: auto (bf16 on CUDA), or backend: cpu for an fp32 base");
   }
   arch_ = make_model_arch(ModelConfig::from_spec(job_.model));
   const ModelConfig& cfg = arch_->config();
@@ -354,10 +359,14 @@ void Trainer::setup() {
                                      nullptr, offload);
     if (job_.model.adapter.on()) {
       // The adapters' store talks over its own communicator (its own thread).
+      // CUDA: NCCL over device memory (even for one rank: the single
+      // communicator copies with memmove), in the rank's enqueue order as
+      // every NCCL group is (factory).
       std::unique_ptr<Communicator> own =
-          w_.world > 1 ? make_gloo_communicator(*store_, prefix_ + "adapter_world/", w_.rank, w_.world, w_.bind_addr,
-                                                timeout)
-                       : make_single_communicator();
+          nccl ? factory("adapter_world/", w_.rank, w_.world)
+          : w_.world > 1 ? make_gloo_communicator(*store_, prefix_ + "adapter_world/", w_.rank, w_.world,
+                                                  w_.bind_addr, timeout)
+                         : make_single_communicator();
       own->set_group("adapter_world");
       adapt_ = std::make_unique<AdapterTraining>(job_, *arch_, be_.get(), *params_, *comm_, std::move(own), group,
                                                  factory, mb_ * T_);
