@@ -16,6 +16,9 @@
 // nothing else uses from another thread. Checkpoint access (held/write
 // ranges, kind 0) works as on any store, so model.init_from loads it range
 // by range; kinds 1 and 2 (AdamW moments) do not exist and are refused.
+// The NF4 base (model.base_dtype: nf4) shards each unit's byte image the
+// same way (bytes instead of elements) and loads through load_from instead
+// (below; nf4_frozen_store.cpp).
 #pragma once
 #include <functional>
 #include <memory>
