@@ -20,6 +20,7 @@
 #include <regex>
 #include <thread>
 
+#include "core/checkpoint/hf_interop.h"
 #include "core/config/job_spec.h"
 #include "core/io/safetensors.h"
 #include "core/model/adapter/nf4.h"
@@ -89,6 +90,41 @@ TEST_CASE("qlora: logits, loss and every adapter gradient equal peft's on the NF
           ++compared;
         }
         CHECK(compared == (c.dora ? 3 : 2) * int(m.ad->targets().size()));
+        if (c.dora) {
+          // A fresh DoRA adapter's magnitudes come from W as the store hands
+          // it out: the row norms of the NF4 round trip (peft's init on a
+          // Linear4bit dequantizes too), not of the fp32 weights.
+          const ParamLayout& lay = m.arch->layout();
+          std::vector<float> rt(size_t(lay.total)), orig(size_t(lay.total));
+          open_hf_source(tmp / ("base_" + dtype), "test")->read(0, lay.total, rt.data());
+          open_hf_source(tmp / "base", "test")->read(0, lay.total, orig.data());
+          std::vector<float> mags(size_t(m.ad->layout().total), 0.0f);
+          for (int l = 0; l < m.arch->config().L; ++l) {
+            m.ad->init_magnitudes(l, m.base_store->acquire_params(1 + l), mags.data());
+            m.base_store->release_params(1 + l);
+          }
+          for (const LoraTarget& t : m.ad->targets()) {
+            INFO(t.module);
+            const ParamTensor& w = lay.get(t.module + ".weight");
+            auto row_norms = [&](const std::vector<float>& flat) {
+              std::vector<float> n(size_t(t.linear.out));
+              for (int64_t o = 0; o < t.linear.out; ++o) {
+                double s = 0;
+                for (int64_t i = 0; i < t.linear.in; ++i) {
+                  const double v = flat[size_t(w.offset + o * t.linear.in + i)];
+                  s += v * v;
+                }
+                n[size_t(o)] = float(std::sqrt(s));
+              }
+              return n;
+            };
+            const std::vector<float> got(mags.begin() + m.ad->layout().tensors[size_t(t.m_tensor)].offset,
+                                         mags.begin() + m.ad->layout().tensors[size_t(t.m_tensor)].offset +
+                                             t.linear.out);
+            CHECK(max_abs_diff(got, row_norms(rt)) <= 1e-5f);
+            CHECK(max_abs_diff(got, row_norms(orig)) > 1e-4f);
+          }
+        }
         // The rounding matters at this tolerance: the fp32 base gives other logits.
         AdaptedModel full(tmp / "base", options_for(c, kRank, kAlpha), nullptr, tmp / "adapter");
         CHECK(max_abs_diff(full.logits(in), logits) > (dtype == "nf4" ? 1e-2f : 1e-4f));
@@ -267,13 +303,15 @@ TEST_CASE("qlora: a non-finite weight is an error naming the tensor and element,
 namespace {
 
 // A 3-step adapter fine-tune of peft_lora.py's Llama (from its peft-written
-// adapter) at model.base_dtype `dtype`, global batch 12 (so 1, 2, 3 and 4
+// adapter; fresh_dora: a fresh DoRA adapter, whose magnitudes are the row
+// norms of the base as the store hands it out) at model.base_dtype `dtype`, global batch 12 (so 1, 2, 3 and 4
 // ranks all take whole micro-batches), dropout 0.1.
 JobSpec qlora_job(const TempDir& peft, const std::string& out, const std::string& dtype, const std::string& strategy,
-                  int world, int group = 1) {
+                  int world, int group = 1, bool fresh_dora = false) {
+  const std::string adapter = fresh_dora ? "type: dora" : "type: lora, init_from: '" + peft / "adapter" + "'";
   const std::string yaml =
       "model:\n  init_from: '" + peft / "base" + "'\n  seq_len: 8\n  base_dtype: " + dtype + "\n"
-      "  adapter: {type: lora, init_from: '" + peft / "adapter" + "', rank: 4, alpha: 8, dropout: 0.1,\n"
+      "  adapter: {" + adapter + ", rank: 4, alpha: 8, dropout: 0.1,\n"
       "            target_modules: [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]}\n"
       "data: {format: synthetic, synthetic: {branching: 3}}\n"
       "train: {global_batch_size: 12, micro_batch_size: " + std::to_string(12 / world / (world == 1 ? 3 : 1)) +
@@ -354,6 +392,20 @@ TEST_CASE("qlora training: 1 rank equals 2, 3 and 4 ranks under every strategy (
       CHECK(max_abs_diff(adapter_file(dir + "/adapter"), trained) <= 1e-5f);
     }
   }
+}
+
+TEST_CASE("qlora training: a fresh DoRA adapter on an NF4 base, 3 ranks (full_shard) equal 1",
+          "[qlora][train]") {
+  TempDir peft("qlora_dora");
+  make_peft_case(llama_case(), kRank, kAlpha, peft);
+  const std::string one = peft / "one", three = peft / "three";
+  run_ranks_inprocess(qlora_job(peft, one, "nf4", "no_shard", 1, 1, true), 1);
+  run_ranks_inprocess(qlora_job(peft, three, "nf4", "full_shard", 3, 1, true), 3);
+  const std::vector<double> l1 = losses_of(one), l3 = losses_of(three);
+  REQUIRE(l1.size() == 3);
+  REQUIRE(l3.size() == 3);
+  for (size_t i = 0; i < l1.size(); ++i) CHECK(std::fabs(l3[i] - l1[i]) <= 1e-5 * std::fabs(l1[i]));
+  CHECK(max_abs_diff(adapter_file(three + "/adapter"), adapter_file(one + "/adapter")) <= 1e-5f);
 }
 
 TEST_CASE("qlora training: the memory line shows the NF4 base's bytes", "[qlora][train]") {
