@@ -307,7 +307,7 @@ namespace {
 // norms of the base as the store hands it out) at model.base_dtype `dtype`, global batch 12 (so 1, 2, 3 and 4
 // ranks all take whole micro-batches), dropout 0.1.
 JobSpec qlora_job(const TempDir& peft, const std::string& out, const std::string& dtype, const std::string& strategy,
-                  int world, int group = 1, bool fresh_dora = false) {
+                  int world, int group = 1, bool fresh_dora = false, const std::vector<std::string>& overrides = {}) {
   const std::string adapter = fresh_dora ? "type: dora" : "type: lora, init_from: '" + peft / "adapter" + "'";
   const std::string yaml =
       "model:\n  init_from: '" + peft / "base" + "'\n  seq_len: 8\n  base_dtype: " + dtype + "\n"
@@ -320,7 +320,7 @@ JobSpec qlora_job(const TempDir& peft, const std::string& out, const std::string
       "output: {dir: '" + out + "', sample_tokens: 0}\n"
       "parallel: {sharding: " + strategy + ", timeout_s: 60" +
       (strategy == "hybrid_shard" ? ", shard_group_size: " + std::to_string(group) : std::string()) + "}\n";
-  return parse_job_spec(yaml, "job.yaml");
+  return parse_job_spec(yaml, "job.yaml", overrides);
 }
 
 std::vector<float> adapter_file(const std::string& dir) {
@@ -406,6 +406,22 @@ TEST_CASE("qlora training: a fresh DoRA adapter on an NF4 base, 3 ranks (full_sh
   REQUIRE(l3.size() == 3);
   for (size_t i = 0; i < l1.size(); ++i) CHECK(std::fabs(l3[i] - l1[i]) <= 1e-5 * std::fabs(l1[i]));
   CHECK(max_abs_diff(adapter_file(three + "/adapter"), adapter_file(one + "/adapter")) <= 1e-5f);
+}
+
+TEST_CASE("qlora training: a resume re-quantizes the base from model.init_from and continues bit for bit",
+          "[qlora][train]") {
+  TempDir peft("qlora_resume");
+  make_peft_case(llama_case(), kRank, kAlpha, peft);
+  const std::vector<std::string> four = {"train.max_steps=4", "checkpoint.interval=2"};
+  const std::string straight = peft / "straight", resumed = peft / "resumed";
+  run_ranks_inprocess(qlora_job(peft, straight, "nf4", "full_shard", 3, 1, false, four), 3);
+  std::vector<std::string> stop = four;
+  stop.push_back("train.exit_interval=2");
+  run_ranks_inprocess(qlora_job(peft, resumed, "nf4", "full_shard", 3, 1, false, stop), 3);
+  REQUIRE(losses_of(resumed).size() == 2);
+  run_ranks_inprocess(qlora_job(peft, resumed, "nf4", "full_shard", 3, 1, false, four), 3);
+  CHECK(losses_of(resumed) == losses_of(straight));
+  CHECK(adapter_file(resumed + "/adapter") == adapter_file(straight + "/adapter"));
 }
 
 TEST_CASE("qlora training: the memory line shows the NF4 base's bytes", "[qlora][train]") {
