@@ -4,13 +4,16 @@
 //  - Against peft in fp32 with the base replaced by its NF4 (or bf16) round
 //    trip (peft_lora.py make --base-dtype): logits, loss and every adapter
 //    gradient to 1e-5, Llama and GPT-2 (whose Conv1D weights are quantized
-//    as the (out, in) nn.Linear weight).
+//    as the (out, in) nn.Linear weight); DoRA's fresh magnitudes are the
+//    round trip's row norms.
 //  - The NF4 store sharded over 2, 3 and 4 ranks (full_shard, hybrid_shard,
 //    shard_grad_op) dequantizes every unit to the very bits of quantizing
 //    each whole tensor on one host, on odd sizes where 64-blocks straddle
 //    ranks; its memory is the NF4 bytes.
 //  - Training: 1 rank equals 2, 3 and 4 ranks under every strategy, with
-//    lora (fp32 base) and nf4; the memory line shows the NF4 base's bytes.
+//    lora (fp32 base) and nf4 (and bf16, DoRA on nf4 once each); a resume
+//    re-quantizes the base and continues bit for bit; the memory line shows
+//    the NF4 base's bytes.
 //  - Bad input: bf16 / nf4 without an adapter, with TP / PP / offload.
 #include <catch2/catch.hpp>
 
