@@ -338,7 +338,7 @@ std::vector<float> adapter_file(const std::string& dir) {
 
 }  // namespace
 
-TEST_CASE("qlora training: 1 rank equals 2, 3 and 4 ranks under every strategy (lora fp32 base, nf4; bf16)",
+TEST_CASE("qlora training: 1 rank equals 2, 3 and 4 ranks under every strategy (lora fp32 base, nf4, bf16)",
           "[qlora][train]") {
   TempDir peft("qlora_train");
   make_peft_case(llama_case(), kRank, kAlpha, peft);
