@@ -26,6 +26,7 @@
 #include "core/model/tensor_parallel.h"
 #include "core/model/model_io.h"
 #include "core/train/adapter_training.h"
+#include "core/model/adapter/qlora.h"
 #include "core/train/generate.h"
 #include "core/train/metrics.h"
 #include "core/train/preemption.h"
@@ -354,7 +355,7 @@ void Trainer::setup() {
     // gradients, master weights or moments), sharded alike.
     params_ = job_.model.adapter.on()
                   ? make_frozen_param_store(job_.parallel.sharding, arch_->layout(), be_.get(), comm_.get(), group,
-                                            factory)
+                                            factory, frozen_format(*arch_, job_.model.base_dtype))
                   : make_param_store(job_.parallel.sharding, arch_->layout(), be_.get(), comm_.get(), group, factory,
                                      nullptr, offload);
     if (job_.model.adapter.on()) {
