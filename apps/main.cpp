@@ -13,6 +13,7 @@
 
 #include "core/checkpoint/bench_checkpoint.h"
 #include "core/checkpoint/adapter_merge.h"
+#include "core/model/adapter/qlora.h"
 #include "core/checkpoint/hf_interop.h"
 #include "core/common/debug_hooks.h"
 #include "core/common/error.h"
@@ -162,6 +163,7 @@ struct GenerateText {
   bool chat = false, allow_special = false;
   std::string system;
   std::string adapter;  // --adapter: a PEFT LoRA/DoRA directory, applied unmerged
+  std::string base_dtype = "auto";  // --base-dtype: the weights as a model.base_dtype run holds them
 };
 
 namespace {
@@ -211,6 +213,13 @@ int cmd_generate(const std::string& ckpt, const std::string& prompt, SampleOptio
       hf ? load_hf(ckpt, flat, "generate", kGenerateHostBytesPerParam) : load_model_safetensors(file, flat));
   const ModelConfig& cfg = arch->config();
   TR_LOG_INFO("generate: ", file, " (", arch->describe(), ")");
+  if (gt.base_dtype != "auto" && gt.base_dtype != "fp32") {
+    // As a QLoRA (nf4) or bf16-base run computed: the adapter was trained on
+    // these values, not on the file's.
+    round_trip_base(*arch, flat, gt.base_dtype);
+    TR_LOG_INFO("generate: base weights as model.base_dtype ", gt.base_dtype, " holds them",
+                gt.base_dtype == "nf4" ? " (each block linear's weight NF4-quantized and dequantized)" : " (rounded to bf16)");
+  }
   if (!gt.adapter.empty())
     TR_LOG_INFO("generate: adapter ", gt.adapter, " applied unmerged (as peft's PeftModel; export --merge folds it in)");
   TR_CHECK(gt.chat || (gt.chat_template.empty() && gt.system.empty()),
@@ -474,6 +483,7 @@ int main(int argc, char** argv) {
   generate->add_option("--system", gt.system, "with --chat: a system message before the prompt");
   generate->add_option("--chat-template", gt.chat_template, "with --chat: llama3 | chatml | plain | a template name | a Jinja file (default: the model's chat_template beside the tokenizer)");
   generate->add_option("--adapter", gt.adapter, "a PEFT LoRA or DoRA adapter directory (a run's adapter/, or peft's save_pretrained) to sample with, applied unmerged as peft's PeftModel computes (s B A x added after each adapted GEMM)");
+  generate->add_option("--base-dtype", gt.base_dtype, "the base's weights as a run with this model.base_dtype held them: nf4 = each block linear's weight NF4-quantized and dequantized (QLoRA), bf16 = rounded; auto/fp32 = as in the file")->capture_default_str()->check(CLI::IsMember({"auto", "fp32", "bf16", "nf4"}));
   generate->add_flag("--allow-special", gt.allow_special, "match special tokens spelled in --prompt (default: they are text)");
 
   auto* export_cmd = app.add_subcommand("export", "write a model as a Hugging Face directory (GPT2LMHeadModel / LlamaForCausalLM)");
