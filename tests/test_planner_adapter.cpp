@@ -71,7 +71,7 @@ std::string job_yaml(const std::string& model, const std::string& adapter_line, 
 // counts for an adapter run is the run's (the frozen base, the adapters'
 // parameters, gradients and moments, the arena exactly), and its total is
 // the backend's measured peak within 10%.
-TEST_CASE("planner adapters: the memory model is a real run's, category by category", "[planner][adapter]") {
+TEST_CASE("planner adapters: the memory model is a real run's category by category", "[planner][adapter]") {
   struct Case {
     std::string name, model, adapter_line;
     AdapterRequest req;
@@ -124,7 +124,11 @@ TEST_CASE("planner adapters: the memory model is a real run's, category by categ
                   rec.at("mem_comm_bytes").get<double>(), pred.workspace, rec.at("mem_workspace_bytes").get<double>());
     table << line;
     INFO(line);
-    CHECK(std::fabs(err) <= 0.10);
+    // Never below what the run used (a "fits" must hold), and close to it;
+    // one rank, with nothing gathered, to the byte.
+    CHECK(pred.total() >= peak);
+    if (c.world == 1) CHECK(pred.total() == peak);
+    CHECK(err <= 0.10);
   }
   WARN(table.str());
 }

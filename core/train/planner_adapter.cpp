@@ -170,7 +170,8 @@ MemoryBreakdown adapter_memory_of_units(const AdapterUnits& u, const Sharding& s
   const double rows = double(B) * double(T);
   int64_t largest = 0;
   for (int64_t k : u.base_numel) largest = std::max(largest, k);
-  r.workspace = st.workspace + rows * double(u.max_in) * a + 2 * rows * double(u.r) * a + 4.0 * double(largest);
+  // (+ 8: the trainer's loss accumulator and the adapter store's grad-norm accumulator, a float each.)
+  r.workspace = st.workspace + rows * double(u.max_in) * a + 2 * rows * double(u.r) * a + 4.0 * double(largest) + 8;
   if (u.dora)
     r.workspace += 2 * rows * double(u.max_out) * a + double(std::min<int64_t>(u.max_out, 256)) * double(u.max_in) * a +
                    4.0 * double(u.max_out);
