@@ -605,7 +605,7 @@ int main(int argc, char** argv) {
   bench_off->add_option("--repeat", offo.repeat, "timed runs per row (median)")->capture_default_str()->check(CLI::Range(1, 100));
   bench_off->add_option("--config", offo.config, "the step-time model (\"\" skips that table)")->capture_default_str();
   bench_off->add_option("--steps", offo.steps, "steps per step-time run (the median skips the first 3)")->capture_default_str()->check(CLI::Range(5, 1000));
-  auto* bench_lora = bench->add_subcommand("lora", "step time, trainable parameters and optimizer memory of adapters (LoRA r=16 on every linear) vs a full fine-tune of the CPU benchmark model, in one run");
+  auto* bench_lora = bench->add_subcommand("lora", "step time, trainable parameters and optimizer memory of adapters (LoRA r=16 on every linear) vs a full fine-tune of the CPU benchmark model, at 1 thread and every core, in one run");
   LoraBenchOptions lbo;
   bench_lora->add_option("--config", lbo.config, "the model, batch and data (a job spec)")->capture_default_str();
   bench_lora->add_option("--adapter", lbo.adapter, "lora or dora")->capture_default_str()->check(CLI::IsMember({"lora", "dora"}));
@@ -613,6 +613,7 @@ int main(int argc, char** argv) {
   bench_lora->add_option("--target-modules", lbo.target_modules, "the linears to adapt (HF short names, comma-joined, or all-linear)")->capture_default_str();
   bench_lora->add_option("--steps", lbo.steps, "steps per run (the median skips the first 2)")->capture_default_str()->check(CLI::Range(3, 1000));
   bench_lora->add_option("--rounds", lbo.rounds, "full and adapter runs, alternating; the lower median of each is kept")->capture_default_str()->check(CLI::Range(1, 100));
+  bench_lora->add_option("--threads", lbo.threads, "OpenMP thread counts, one pair of runs each (default: 1 and every core)")->delimiter(',')->check(CLI::Range(1, 1024));
 
   // Hidden: the CUDA peer probe, run by the topology code in a child process
   // (parallel/topology/topology_probe.cpp) so the agent never holds a CUDA context.

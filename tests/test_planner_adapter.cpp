@@ -333,7 +333,7 @@ TEST_CASE("bench lora: prints the full and adapter rows and their ratios", "[ben
                    "data: {format: synthetic, synthetic: {vocab: 64, branching: 3}}\n"
                    "train: {global_batch_size: 2, micro_batch_size: 2, eval_interval: 0, eval_steps: 1}\n"
                    "output: {dir: '" + dir / "unused" + "'}\n");
-  auto r = test::run_trainrun("bench lora --config '" + dir / "tiny.yaml" + "' --steps 3 --rounds 1 --rank 4");
+  auto r = test::run_trainrun("bench lora --config '" + dir / "tiny.yaml" + "' --steps 3 --rounds 1 --rank 4 --threads 1");
   INFO(r.err);
   REQUIRE(r.exit_code == 0);
   // A (4, 32) + B (out, 4) on c_attn (96), attn.c_proj (32), c_fc (128), mlp.c_proj (32).

@@ -1,6 +1,7 @@
 // The benchmark model as a full fine-tune and with adapters (see bench_lora.h).
 #include "core/train/bench_lora.h"
 
+#include <omp.h>
 #include <stdlib.h>
 
 #include <algorithm>
@@ -9,6 +10,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <thread>
 
 #include "core/common/error.h"
 #include "core/common/log.h"
@@ -88,6 +90,13 @@ std::vector<LoraBenchRow> run_lora_bench(const LoraBenchOptions& o, std::string*
   adapted.model.adapter.alpha = 2.0 * o.rank;
   adapted.model.adapter.target_modules = o.target_modules;
   const std::string adapter_name = o.adapter + " r=" + std::to_string(o.rank) + " " + o.target_modules;
+  std::vector<int> threads = o.threads;
+  if (threads.empty()) {
+    threads.push_back(1);
+    const int all = int(std::max(1u, std::thread::hardware_concurrency()));
+    if (all > 1) threads.push_back(all);
+  }
+  for (int t : threads) TR_CHECK(t >= 1, "bench lora: --threads ", t, " must be >= 1");
   if (description)
     *description = arch->describe() + ", micro-batch " + std::to_string(base.train.micro_batch_size) + ", global batch " +
                    std::to_string(base.train.derived_global_batch_size()) + " (" + o.config + "), " +
@@ -96,30 +105,41 @@ std::vector<LoraBenchRow> run_lora_bench(const LoraBenchOptions& o, std::string*
   char tmpl[] = "/tmp/trainrun-bench-lora-XXXXXX";
   TR_CHECK(mkdtemp(tmpl), "bench lora: cannot make a scratch directory under /tmp");
   const fs::path dir = tmpl;
-  std::vector<LoraBenchRow> best(2);
+  std::vector<LoraBenchRow> best(2 * threads.size());  // per thread count: full, adapter
   // The runs' own info lines would bury the table; their warnings and errors still show.
   const LogLevel level = log_level();
   if (level < LogLevel::Warn) set_log_level(LogLevel::Warn);
+  const int omp_before = omp_get_max_threads();
   try {
-    for (int round = 0; round < o.rounds; ++round)
-      for (int k = 0; k < 2; ++k) {
-        JobSpec job = k == 0 ? base : adapted;
-        job.output.dir = (dir / ((k == 0 ? "full" : "adapter") + std::to_string(round))).string();
-        LoraBenchRow row = run_once(job, k == 0 ? "full fine-tune" : adapter_name);
-        if (best[size_t(k)].step_ms == 0 || (row.step_ms > 0 && row.step_ms < best[size_t(k)].step_ms)) best[size_t(k)] = row;
-      }
+    for (size_t ti = 0; ti < threads.size(); ++ti)
+      for (int round = 0; round < o.rounds; ++round)
+        for (int k = 0; k < 2; ++k) {
+          // The CPU backend takes the caller's OpenMP thread count (and gives it to OpenBLAS).
+          omp_set_num_threads(threads[ti]);
+          JobSpec job = k == 0 ? base : adapted;
+          job.output.dir =
+              (dir / ((k == 0 ? "full" : "adapter") + std::to_string(threads[ti]) + "_" + std::to_string(round))).string();
+          LoraBenchRow row = run_once(job, k == 0 ? "full fine-tune" : adapter_name);
+          row.threads = threads[ti];
+          LoraBenchRow& b = best[2 * ti + size_t(k)];
+          if (b.step_ms == 0 || (row.step_ms > 0 && row.step_ms < b.step_ms)) b = row;
+        }
   } catch (...) {
+    omp_set_num_threads(omp_before);
     set_log_level(level);
     std::error_code ec;
     fs::remove_all(dir, ec);
     throw;
   }
+  omp_set_num_threads(omp_before);
   set_log_level(level);
   std::error_code ec;
   fs::remove_all(dir, ec);
-  best[0].trainable = best[0].total = arch->num_parameters();
-  best[1].trainable = adapter_params_per_block(*arch, req) * arch->config().L;
-  best[1].total = arch->num_parameters() + best[1].trainable;
+  for (size_t i = 0; i < best.size(); i += 2) {
+    best[i].trainable = best[i].total = arch->num_parameters();
+    best[i + 1].trainable = adapter_params_per_block(*arch, req) * arch->config().L;
+    best[i + 1].total = arch->num_parameters() + best[i + 1].trainable;
+  }
   return best;
 }
 
@@ -129,29 +149,34 @@ std::string format_lora_bench_table(const std::vector<LoraBenchRow>& rows, const
     << "# memory: this rank's bytes as the run allocated them (optimizer: AdamW moments; grads: fp32; params: with "
        "adapters the frozen base + the adapters' fp32 master); peak: the backend's\n";
   char buf[256];
-  std::snprintf(buf, sizeof buf, "%-28s %12s %10s %10s %12s %11s %11s %11s\n", "run", "trainable", "ms/step", "tok/s",
-                "optimizer", "grads", "params", "peak");
+  const char* fmt_s = "%-28s %7s %12s %10s %10s %12s %11s %11s %11s\n";
+  std::snprintf(buf, sizeof buf, fmt_s, "run", "threads", "trainable", "ms/step", "tok/s", "optimizer", "grads", "params",
+                "peak");
   o << buf;
   auto mib = [](double b) {
     char s[32];
     std::snprintf(s, sizeof s, "%.2f MiB", b / 1048576.0);
     return std::string(s);
   };
-  for (const auto& r : rows) {
-    std::snprintf(buf, sizeof buf, "%-28s %12lld %10.1f %10.0f %12s %11s %11s %11s\n", r.what.c_str(),
-                  static_cast<long long>(r.trainable), r.step_ms, r.tokens_per_s, mib(r.optimizer_bytes).c_str(),
-                  mib(r.grads_bytes).c_str(), mib(r.params_bytes).c_str(), mib(r.peak_bytes).c_str());
-    o << buf;
-  }
-  if (rows.size() == 2 && rows[0].step_ms > 0) {
-    auto ratio = [](double a, double b) {
-      char s[32];
-      std::snprintf(s, sizeof s, "%.4fx", b > 0 ? a / b : 0.0);
-      return std::string(s);
-    };
-    const auto& f = rows[0];
-    const auto& a = rows[1];
-    std::snprintf(buf, sizeof buf, "%-28s %12s %10s %10s %12s %11s %11s %11s\n", "adapter / full",
+  auto ratio = [](double a, double b) {
+    char s[32];
+    std::snprintf(s, sizeof s, "%.4fx", b > 0 ? a / b : 0.0);
+    return std::string(s);
+  };
+  for (size_t i = 0; i + 1 < rows.size(); i += 2) {
+    for (size_t k = i; k < i + 2; ++k) {
+      const LoraBenchRow& r = rows[k];
+      char ms[32], tps[32];
+      std::snprintf(ms, sizeof ms, "%.1f", r.step_ms);
+      std::snprintf(tps, sizeof tps, "%.0f", r.tokens_per_s);
+      std::snprintf(buf, sizeof buf, fmt_s, r.what.c_str(), std::to_string(r.threads).c_str(),
+                    std::to_string(r.trainable).c_str(), ms, tps, mib(r.optimizer_bytes).c_str(),
+                    mib(r.grads_bytes).c_str(), mib(r.params_bytes).c_str(), mib(r.peak_bytes).c_str());
+      o << buf;
+    }
+    const LoraBenchRow& f = rows[i];
+    const LoraBenchRow& a = rows[i + 1];
+    std::snprintf(buf, sizeof buf, fmt_s, "adapter / full", std::to_string(f.threads).c_str(),
                   ratio(double(a.trainable), double(f.trainable)).c_str(), ratio(a.step_ms, f.step_ms).c_str(),
                   ratio(a.tokens_per_s, f.tokens_per_s).c_str(), ratio(a.optimizer_bytes, f.optimizer_bytes).c_str(),
                   ratio(a.grads_bytes, f.grads_bytes).c_str(), ratio(a.params_bytes, f.params_bytes).c_str(),

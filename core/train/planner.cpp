@@ -274,16 +274,15 @@ std::string si(double v, const char* unit) {
   return fixed(v, v < 10 ? 2 : v < 100 ? 1 : 0) + " " + p[i] + unit;
 }
 
-}  // namespace planner_detail
-
-namespace {
-
-// 70553706496 -> "70.554B", 124439808 -> "124.4M", 27008 -> "27.0k".
 std::string count_str(double n) {
   if (n >= 1e9) return fixed(n / 1e9, 3) + "B";
   if (n >= 1e6) return fixed(n / 1e6, 1) + "M";
   return fixed(n / 1e3, 1) + "k";
 }
+
+}  // namespace planner_detail
+
+namespace {
 
 std::string mesh_name(const PlanRow& r) {
   return "tp" + std::to_string(r.tp) + (r.pp > 1 ? " x pp" + std::to_string(r.pp) : "") + " x dp" +
@@ -548,19 +547,7 @@ std::string render_plan(const Plan& p) {
       << " GB/s per GPU" << (r.offload == "nvme" ? ", NVMe " + fixed(r.nvme_bytes_per_s / 1e9, 0) + " GB/s per node" : "")
       << (r.host_memory > 0 ? ", " + gib(r.host_memory) + " GiB host memory per node" : "") << "\n";
   const bool adapt = r.adapter.on();
-  if (adapt) {
-    const AdapterUnits au = planner_detail::adapter_units(m, m.layout(), r.adapter, DeviceModel::gpu());
-    double trainable = 0;
-    for (int64_t n : au.adapter) trainable += double(n);
-    o << "adapter   " << r.adapter.type << " r=" << r.adapter.rank << " on " << r.adapter.target_modules << ": "
-      << count_str(trainable) << " trainable parameters (" << fixed(100 * trainable / double(m.num_parameters()), 3)
-      << "%); frozen base in " << au.dtype << ": " << gib(adapter_base_bytes(m, r.adapter, DeviceModel::gpu()), 2)
-      << " GiB" << (au.dtype == "nf4" ? " (block linears 4-bit + absmax codes + scales, the rest bf16)" : "") << "; "
-      << si(adapter_flops_per_token(m, r.adapter), "FLOP") << " per token for MFU (4N frozen base + 6 x adapter params + "
-      << "12*L*C*T)";
-    if (r.adapter.type == "dora") o << ", DoRA's 3 more base-sized GEMMs per adapted linear in the time";
-    o << "\n";
-  }
+  if (adapt) render_adapter_line(r.adapter, m, o);
   if (adapt)
     o << "assumes   bf16 activations and adapter copies; the adapters' fp32 master weights, gradients and AdamW moments; "
       << "flash attention, " << fixed(r.compute_efficiency * 100, 0) << "% of peak in compute, 1 GiB runtime reserve\n\n";

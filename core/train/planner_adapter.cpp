@@ -39,6 +39,7 @@
 #include <algorithm>
 #include <cmath>
 #include <set>
+#include <sstream>
 
 #include "core/common/error.h"
 #include "core/model/adapter/lora.h"
@@ -189,6 +190,19 @@ double base_gather_seconds(const AdapterUnits& u, const Sharding& s, int accum, 
   double bytes = 0;
   for (double b : u.base_bytes) bytes += b;
   return accum * 2.0 * double(G - 1) / G * bytes / bw_group;
+}
+
+void render_adapter_line(const AdapterRequest& a, const ModelArch& m, std::ostringstream& o) {
+  const AdapterUnits au = adapter_units(m, m.layout(), a, DeviceModel::gpu());
+  double trainable = 0;
+  for (int64_t n : au.adapter) trainable += double(n);
+  o << "adapter   " << a.type << " r=" << a.rank << " on " << a.target_modules << ": " << count_str(trainable)
+    << " trainable parameters (" << fixed(100 * trainable / double(m.num_parameters()), 3) << "%); frozen base in "
+    << au.dtype << ": " << gib(adapter_base_bytes(m, a, DeviceModel::gpu()), 2) << " GiB"
+    << (au.dtype == "nf4" ? " (block linears 4-bit + absmax codes + scales, the rest bf16)" : "") << "; "
+    << si(adapter_flops_per_token(m, a), "FLOP") << " per token for MFU (4N frozen base + 6 x adapter params + 12*L*C*T)";
+  if (a.type == "dora") o << ", DoRA's 3 more base-sized GEMMs per adapted linear in the time";
+  o << "\n";
 }
 
 }  // namespace planner_detail
