@@ -266,6 +266,30 @@ TEST_CASE("planner adapters: tensor parallelism splits the base and the adapters
   CHECK_THAT(render_plan(p), Contains("base"));
 }
 
+// A pipeline stage holds its own base units and its blocks' adapters.
+TEST_CASE("planner adapters: a pipeline stage holds its units of the base and its blocks' adapters", "[planner][adapter][pp]") {
+  PlanRequest req;
+  req.model = parse_model_shape("llama:L=4,C=512,heads=8,kv_heads=4,ffn=1536,V=1000,T=256");
+  req.gpus_per_node = 2;
+  req.micro_batch = 1;
+  req.global_batch = 8;
+  req.adapter = adapter("lora", 8);
+  const Plan p = make_plan(req);
+  const PlanRow* pp2 = nullptr;
+  for (const auto& row : p.pp_rows)
+    if (row.tp == 1 && row.pp == 2) pp2 = &row;
+  REQUIRE(pp2);
+  REQUIRE(pp2->dp == 1);
+  const double C = 512, KV = 256, F = 1536, V = 1000, r = 8;
+  const double block = 2 * C + 2 * C * C + 2 * KV * C + 3 * F * C;  // two norms, q, o, k, v, gate, up, down
+  // Stage 0: the embedding and blocks 0-1; stage 1: blocks 2-3, the final norm and the head (bf16).
+  const double stage0 = 2 * (V * C + 2 * block), stage1 = 2 * (2 * block + C + V * C);
+  CHECK(pp2->mem.base == (pp2->worst_stage == 0 ? stage0 : stage1));
+  // Two blocks' adapters: 8 bytes of moments per element.
+  const double per_block = r * (2 * (C + C) + 2 * (C + KV) + 2 * (C + F) + (F + C));
+  CHECK(pp2->mem.optimizer == 8 * 2 * per_block);
+}
+
 TEST_CASE("planner adapters: plan --adapter from the command line, and plan --config of an adapter job",
           "[planner][adapter][cli]") {
   auto r = test::run_trainrun("plan --model llama3.1-70b:T=2048 --gpus 1 --gpu-memory 80GiB --adapter lora --rank 16 "
