@@ -391,8 +391,11 @@ void LlamaNetwork::backward_input(UnitAccess& units) {
 
 void LlamaNetwork::backward_weight(UnitAccess& units) {
   TR_CHECK(stage_.split_backward, "LlamaNetwork: backward_weight needs a stage built with split_backward (a bug)");
+  // A frozen base (model.adapter) has no weight gradients; the adapters'
+  // own ran with backward_input (adapter_pipeline.h), so none runs here.
+  const bool frozen = units.base_frozen();
   for (int l = cfg_.L - 1; l >= 0; --l) {
-    block_weight_grads(units.unit_grads(1 + l), l, kept_[size_t(l)], B_ * T_);
+    if (!frozen) block_weight_grads(units.unit_grads(1 + l), l, kept_[size_t(l)], B_ * T_);
     units.grads_done(1 + l);
   }
 }
