@@ -354,7 +354,7 @@ void GPT2::block_backward(const void* p, float* g, int l, const void* res_in, vo
   auto W = [&](float* x) { return keep || frozen_ ? nullptr : x; };
   const int gl = stage_.first_layer + l;
   auto kept = [&](void* dst, const void* src, int64_t n) {
-    if (keep) be_->copy_device(dst, src, size_t(n) * es);
+    if (keep && !frozen_) be_->copy_device(dst, src, size_t(n) * es);  // a frozen base: backward_weight needs none
   };
   // MLP: res_out = res2 + fcproj(gelu(fc(ln2(res2))))
   const void* dmlp = tpc_.full_rows(dres, N);
