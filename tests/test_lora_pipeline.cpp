@@ -1,6 +1,6 @@
 // LoRA / DoRA adapters under pipeline parallelism (core/train/adapter_pipeline.h)
 // on the CPU backend: each stage holds its own blocks' adapters and its part
-// of the frozen base, and a pp2 run (1f1b, zero_bubble with its split
+// of the frozen base, and a pp2 run (gpipe, 1f1b, zero_bubble with its split
 // backward, interleaved_1f1b with 2 virtual stages per rank, and pp2 x dp2
 // under full_shard) trains what 1 rank trains: the same losses and the same
 // final adapter. The adapter a pp2 run writes is one logical PEFT file that
@@ -122,7 +122,7 @@ LoraOptions options(const Run& r) {
 
 }  // namespace
 
-TEST_CASE("lora pipeline: pp2 (1f1b, zero_bubble; and x dp2 full_shard) trains what 1 rank trains; peft loads the pp2 adapter",
+TEST_CASE("lora pipeline: pp2 (gpipe, 1f1b, zero_bubble; and x dp2 full_shard) trains what 1 rank trains; peft loads the pp2 adapter",
           "[lora][pipeline][peft]") {
   // Llama LoRA from a peft-written adapter; GPT-2 (tied head) DoRA from
   // trainrun's own init, so each stage inits its blocks' magnitudes from its
@@ -139,7 +139,7 @@ TEST_CASE("lora pipeline: pp2 (1f1b, zero_bubble; and x dp2 full_shard) trains w
     make_base(tmp, arch, r.targets);
     const std::vector<TrainSummary> one = train(tmp, "pp1", r, 1);
     r.pp = 2;
-    for (const std::string schedule : {"1f1b", "zero_bubble"}) {
+    for (const std::string schedule : {"gpipe", "1f1b", "zero_bubble"}) {
       INFO(schedule);
       r.schedule = schedule;
       train(tmp, "pp2_" + schedule, r, 2);
