@@ -42,7 +42,11 @@ AdapterPipeline::AdapterPipeline(PipelineStageStore& base, const PipelineStagePl
              " has base layers ", s.first_layer, "+", s.layers, " but adapter layers ", a.first_layer, "+", a.layers,
              " (a bug)");
     layers_.push_back(std::make_unique<GlobalLayers>(adapter_store.chunk_access(int(c)), s));
-    access_.push_back(std::make_unique<AdaptedUnitAccess>(base.chunk_access(int(c)), base_plan.stage_layout(),
+    // The model's layout, not the stage's: AdaptedUnitAccess sizes its
+    // scratch for what a frozen network writes, knowing unit 0 as the
+    // embedding (a later stage's unit 0 is a block); every block and the
+    // head are as large there as here.
+    access_.push_back(std::make_unique<AdaptedUnitAccess>(base.chunk_access(int(c)), base_plan.outer_layout(),
                                                           adapters, *layers_.back(), be));
     access_.back()->set_stage(s);
   }
