@@ -122,7 +122,7 @@ LoraOptions options(const Run& r) {
 
 }  // namespace
 
-TEST_CASE("lora pipeline: pp2 (gpipe, 1f1b, zero_bubble; and x dp2 full_shard) trains what 1 rank trains; peft loads the pp2 adapter",
+TEST_CASE("lora pipeline: pp2 (gpipe, 1f1b, zero_bubble, and x dp2 full_shard) trains what 1 rank trains, and peft loads the pp2 adapter",
           "[lora][pipeline][peft]") {
   // Llama LoRA from a peft-written adapter; GPT-2 (tied head) DoRA from
   // trainrun's own init, so each stage inits its blocks' magnitudes from its
