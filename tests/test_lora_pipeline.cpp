@@ -15,7 +15,7 @@
 
 #include "core/config/job_spec.h"
 #include "core/io/safetensors.h"
-#include "tests/support/adapter_reference.h"
+#include "tests/support/adapted_model.h"
 #include "tests/support/checkpoint_jobs.h"
 #include "tests/support/hf_reference.h"
 #include "tests/support/inprocess.h"
@@ -26,22 +26,18 @@ using namespace trainrun::test;
 
 namespace {
 
-const char* kLlamaTargets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj";
-const char* kGpt2Targets = "c_attn,c_proj,c_fc";
+constexpr int kRank = 4;
+constexpr double kAlpha = 8;
 
 // peft_lora.py's base (and a peft-written adapter, A and B random) in tmp.
-void make_base(const TempDir& tmp, const std::string& arch, const std::string& targets, int layers = 2) {
-  const auto r = run_reference_script("peft_lora.py", "make --arch " + arch + " --out '" + tmp.path() +
-                                                          "' --r 4 --alpha 8 --targets " + targets + " --layers " +
-                                                          std::to_string(layers));
-  INFO(r.err);
-  REQUIRE(r.exit_code == 0);
+void make_base(const TempDir& tmp, const PeftCase& c, int layers = 2) {
+  make_peft_case(c, kRank, kAlpha, tmp, "", layers);
 }
 
 struct Run {
   std::string adapter = "lora";  // lora | dora
   bool from_peft = true;         // model.adapter.init_from: the peft-written adapter (else trainrun's init)
-  std::string targets = kLlamaTargets;
+  std::string targets = llama_case().targets;
   std::string strategy = "no_shard";
   int pp = 1, virtual_stages = 1;
   std::string schedule = "1f1b";
@@ -105,21 +101,6 @@ void check_same_run(const std::string& got, const std::string& want, double tol)
   CHECK(diff <= tol * scale);
 }
 
-std::vector<int32_t> tokens(int V) {
-  std::vector<int32_t> t(2 * 8);
-  for (size_t i = 0; i < t.size(); ++i) t[i] = int32_t((i * 7 + 5) % size_t(V));
-  return t;
-}
-
-LoraOptions options(const Run& r) {
-  LoraOptions o;
-  o.rank = 4;
-  o.alpha = 8;
-  o.target_modules = r.targets;
-  o.dora = r.adapter == "dora";
-  return o;
-}
-
 }  // namespace
 
 TEST_CASE("lora pipeline: pp2 (gpipe, 1f1b, zero_bubble, and x dp2 full_shard) trains what 1 rank trains, and peft loads the pp2 adapter",
@@ -127,16 +108,16 @@ TEST_CASE("lora pipeline: pp2 (gpipe, 1f1b, zero_bubble, and x dp2 full_shard) t
   // Llama LoRA from a peft-written adapter; GPT-2 (tied head) DoRA from
   // trainrun's own init, so each stage inits its blocks' magnitudes from its
   // part of the base.
-  for (const std::string arch : {"llama", "gpt2"}) {
-    INFO(arch);
-    TempDir tmp("lora_pp_" + arch);
+  for (const PeftCase& c : {llama_case(), gpt2_case(true)}) {
+    INFO(c.name());
+    TempDir tmp("lora_pp_" + c.arch);
     Run r;
-    if (arch == "gpt2") {
-      r.targets = kGpt2Targets;
+    r.targets = c.targets;
+    if (c.dora) {
       r.adapter = "dora";
       r.from_peft = false;
     }
-    make_base(tmp, arch, r.targets);
+    make_base(tmp, c);
     const std::vector<TrainSummary> one = train(tmp, "pp1", r, 1);
     r.pp = 2;
     for (const std::string schedule : {"gpipe", "1f1b", "zero_bubble"}) {
@@ -145,7 +126,7 @@ TEST_CASE("lora pipeline: pp2 (gpipe, 1f1b, zero_bubble, and x dp2 full_shard) t
       train(tmp, "pp2_" + schedule, r, 2);
       check_same_run(tmp / ("pp2_" + schedule), tmp / "pp1", 1e-5);
     }
-    if (arch == "llama") {
+    if (!c.dora) {
       // pp2 x dp2 under full_shard (4 ranks): each rank holds half its
       // stage's base and half its stage's adapters.
       Run sharded = r;
@@ -157,20 +138,15 @@ TEST_CASE("lora pipeline: pp2 (gpipe, 1f1b, zero_bubble, and x dp2 full_shard) t
     }
     // The pp2 run's adapter is one PEFT file (every stage's blocks) that
     // peft loads, computing trainrun's logits with it.
-    const std::vector<int32_t> in = tokens(61);
     const std::string written = tmp / "pp2_1f1b/adapter";
-    const std::vector<float> ours = adapted_logits_of(tmp / "base", written, options(r), in, 2, 8);
-    const std::vector<float> theirs = peft_logits_of(tmp / "base", written, in, 2, 8, tmp);
-    REQUIRE(ours.size() == theirs.size());
-    float worst = 0;
-    for (size_t i = 0; i < ours.size(); ++i) worst = std::max(worst, std::fabs(ours[i] - theirs[i]));
-    CHECK(worst <= 1e-5f);
-    // ... and the adapters trained (B starts at zero in trainrun's init, random in peft's).
+    AdaptedModel m(tmp / "base", options_for(c, kRank, kAlpha), nullptr, written);
+    const std::vector<int32_t> in = tokens(5, m.arch->config().V);
+    const std::vector<float> ours = m.logits(in);
+    CHECK(max_abs_diff(ours, peft_logits(tmp / "base", written, in, tmp)) <= 1e-5f);
+    // ... and the adapters trained away from peft's (random A and B) start.
     if (r.from_peft) {
-      const std::vector<float> init = adapted_logits_of(tmp / "base", tmp / "adapter", options(r), in, 2, 8);
-      float moved = 0;
-      for (size_t i = 0; i < ours.size(); ++i) moved = std::max(moved, std::fabs(ours[i] - init[i]));
-      CHECK(moved > 1e-3f);
+      AdaptedModel start(tmp / "base", options_for(c, kRank, kAlpha), nullptr, tmp / "adapter");
+      CHECK(max_abs_diff(ours, start.logits(in)) > 1e-3f);
     }
   }
 }
@@ -178,7 +154,7 @@ TEST_CASE("lora pipeline: pp2 (gpipe, 1f1b, zero_bubble, and x dp2 full_shard) t
 TEST_CASE("lora pipeline: interleaved_1f1b (pp2 x 2 virtual stages) on a 4-layer Llama equals 1 rank",
           "[lora][pipeline]") {
   TempDir tmp("lora_pp_interleaved");
-  make_base(tmp, "llama", kLlamaTargets, 4);
+  make_base(tmp, llama_case(), 4);
   Run r;
   train(tmp, "pp1", r, 1);
   r.pp = 2;
@@ -190,7 +166,7 @@ TEST_CASE("lora pipeline: interleaved_1f1b (pp2 x 2 virtual stages) on a 4-layer
 
 TEST_CASE("lora pipeline: a pp2 checkpoint resumes at pp1 and a pp1 checkpoint at pp2", "[lora][pipeline][checkpoint]") {
   TempDir tmp("lora_pp_ckpt");
-  make_base(tmp, "llama", kLlamaTargets);
+  make_base(tmp, llama_case());
   Run r;
   r.max_steps = 4;
   r.overrides = {"checkpoint.interval=2"};
