@@ -35,6 +35,23 @@ AdapterTraining::AdapterTraining(const JobSpec& job, const ModelArch& arch, Back
   units_ = std::make_unique<AdaptedUnitAccess>(base, arch.layout(), *adapters_, *store_, be);
 }
 
+AdapterTraining::AdapterTraining(const JobSpec& job, const ModelArch& arch, Backend* be, PipelineStageStore& base,
+                                 const PipelineStagePlan& base_plan, const std::vector<int>& split,
+                                 Communicator& world, Communicator* pp, const InnerStoreFactory& make_inner,
+                                 int max_rows)
+    : job_(job), arch_(arch), be_(be), base_(base), world_(world) {
+  adapters_ = std::make_unique<LoraAdapters>(arch, LoraOptions::from_spec(job.model.adapter), be, max_rows);
+  plan_ = std::make_unique<PipelineStagePlan>(adapters_->layout(), base_plan.ranks(), int(base_plan.chunks().size()),
+                                              base_plan.rank(), split);
+  // Held for the whole step, reduced once after it (no pipeline_reshard:
+  // the adapters are small).
+  auto stage = make_pipeline_stage_store(make_inner(plan_->stage_layout()), *plan_, pp, be, false);
+  pipe_ = std::make_unique<AdapterPipeline>(base, base_plan, *adapters_, *stage, *plan_, be);
+  store_ = std::move(stage);
+}
+
+AdapterTraining::~AdapterTraining() = default;
+
 void AdapterTraining::init_params() {
   const ParamLayout& lay = adapters_->layout();
   std::vector<float> flat(size_t(lay.total));
@@ -54,8 +71,12 @@ void AdapterTraining::init_params() {
     if (adapters_->options().dora) {
       // The magnitudes need the frozen base: its blocks one at a time, in the
       // same order on every rank (full_shard gathers each as the network
-      // would), so no rank holds more than one block of it.
-      for (int l = 0; l < arch_.config().L; ++l) {
+      // would), so no rank holds more than one block of it. A pipeline
+      // stage inits its own blocks (the others' magnitudes stay zero here
+      // and are not this rank's to write).
+      if (pipe_)
+        pipe_->for_each_base_block([&](int l, const void* p) { adapters_->init_magnitudes(l, p, flat.data()); });
+      for (int l = 0; l < arch_.config().L && !pipe_; ++l) {
         const void* p = base_.acquire_params(1 + l);
         adapters_->init_magnitudes(l, p, flat.data());
         base_.release_params(1 + l);

@@ -18,6 +18,7 @@
 #include "core/checkpoint/checkpoint.h"
 #include "core/config/job_spec.h"
 #include "core/model/adapter/lora.h"
+#include "core/train/adapter_pipeline.h"
 #include "parallel/comm/communicator.h"
 #include "parallel/sharding/sharding.h"
 
@@ -33,7 +34,23 @@ class AdapterTraining {
                   std::unique_ptr<Communicator> own_world, int shard_group_size, const CommFactory& factory,
                   int max_rows);
 
+  // Pipeline parallelism (adapter_pipeline.h): `base` is the frozen base's
+  // stage store over base_plan; this rank holds the adapters of its stage's
+  // blocks only, cut by the same `split`, in a stage store over `pp` (the
+  // pipeline group, for the grad norm: null at pp 1) whose inner store
+  // make_inner builds over their stage layout (the job's strategy over the
+  // stage's dp group, with communicators of their own). Files and
+  // checkpoints stay logical: every rank speaks the whole adapter layout.
+  using InnerStoreFactory = std::function<std::unique_ptr<ParamStore>(const ParamLayout& stage_layout)>;
+  AdapterTraining(const JobSpec& job, const ModelArch& arch, Backend* be, PipelineStageStore& base,
+                  const PipelineStagePlan& base_plan, const std::vector<int>& split, Communicator& world,
+                  Communicator* pp, const InnerStoreFactory& make_inner, int max_rows);
+  ~AdapterTraining();
+
+  // What the network computes through (pp 1), or the pipeline executor's
+  // units (pipeline parallelism).
   UnitAccess& units() { return *units_; }
+  PipelineUnits& pipeline_units() { return *pipe_; }
   ParamStore& store() { return *store_; }
   const LoraAdapters& adapters() const { return *adapters_; }
   // The adapters' initial values: model.adapter.init_from's PEFT directory,
@@ -69,8 +86,10 @@ class AdapterTraining {
   Communicator& world_;
   std::unique_ptr<Communicator> own_world_;
   std::unique_ptr<LoraAdapters> adapters_;
+  std::unique_ptr<PipelineStagePlan> plan_;  // pipeline: the adapters' stage layout (before store_, which reads it)
   std::unique_ptr<ParamStore> store_;
-  std::unique_ptr<AdaptedUnitAccess> units_;
+  std::unique_ptr<AdaptedUnitAccess> units_;  // pp 1
+  std::unique_ptr<AdapterPipeline> pipe_;      // pipeline
 };
 
 }  // namespace trainrun

@@ -218,7 +218,10 @@ class Trainer {
   }
   std::unique_ptr<PipelineExecutor> pipe_;
   // model.adapter: the adapters and their store (the only state the
-  // optimizer trains); params_ then holds the frozen base.
+  // optimizer trains); params_ then holds the frozen base. Under a
+  // pipeline their store has communicators of its own (before adapt_).
+  std::unique_ptr<MeshComms> adapter_comms_;
+  std::unique_ptr<Communicator> adapter_dp_single_;
   std::unique_ptr<AdapterTraining> adapt_;
   UnitAccess& units() { return adapt_ ? adapt_->units() : static_cast<UnitAccess&>(*params_); }
   ParamStore& trained() { return adapt_ ? adapt_->store() : *params_; }
@@ -284,7 +287,6 @@ void Trainer::setup() {
       TR_CHECK(!bad, key, ": ", value, " is not implemented with model.adapter yet; run the adapters without it");
     };
     refuse(ps.tensor_parallel > 1, "parallel.tensor_parallel", std::to_string(ps.tensor_parallel));
-    refuse(ps.pipeline_parallel > 1, "parallel.pipeline_parallel", std::to_string(ps.pipeline_parallel));
     refuse(ps.offload != "none", "parallel.offload", ps.offload);
     // On CUDA the frozen base is held in bf16, the act dtype (model.base_dtype
     // auto); the adapters' ops are kernels/cuda/adapter_gemm, dropout,
@@ -422,8 +424,18 @@ void Trainer::setup() {
       pp_plan_ = std::make_unique<PipelineStagePlan>(outer, pp, v, mesh_->coord(MeshDim::pp), split);
       // Offload works on the inner store too: each stage offloads its own units.
       check_host_memory(pp_plan_->stage_layout().total);
-      auto inner = make_param_store(ps.sharding, pp_plan_->stage_layout(), be_.get(), dp, dims.dp_shard, factory,
-                                    &hybrid, offload);
+      const bool adapters = job_.model.adapter.on();
+      // With adapters the stage's base is frozen (parameters only), sharded
+      // alike over the stage's dp group; its hybrid_shard groups are named
+      // for that dp group, so two stages' never meet in the store.
+      const std::string dp_name = mesh_->dp_group_name();
+      CommFactory dp_factory = [factory, dp_name](const std::string& prefix, int rank, int world) {
+        return factory(dp_name + "_" + prefix, rank, world);
+      };
+      auto inner = adapters ? make_frozen_param_store(ps.sharding, pp_plan_->stage_layout(), be_.get(), dp,
+                                                      dims.dp_shard, dp_factory)
+                            : make_param_store(ps.sharding, pp_plan_->stage_layout(), be_.get(), dp, dims.dp_shard,
+                                               factory, &hybrid, offload);
       Communicator* ppc = mesh_comms_->comm(MeshDim::pp);
       // The p2p links (parallel/pipeline/links.h), after every mesh group
       // and in the same order on every rank; on NCCL each on its own
@@ -444,8 +456,36 @@ void Trainer::setup() {
       };
       pp_links_ = std::make_unique<PipelineLinks>(sched, mesh_->coord(MeshDim::pp), mesh_->group_name(MeshDim::pp),
                                                   link_factory);
-      auto stage_store = make_pipeline_stage_store(std::move(inner), *pp_plan_, ppc, be_.get(), ps.pipeline_reshard_on());
+      auto stage_store =
+          make_pipeline_stage_store(std::move(inner), *pp_plan_, ppc, be_.get(), ps.pipeline_reshard_on(), adapters);
       pp_store_ = stage_store.get();
+      PipelineUnits* stage_units = stage_store.get();
+      if (adapters) {
+        // The adapters of this stage's blocks, in a store of their own
+        // (core/train/adapter_pipeline.h): the job's strategy over the
+        // stage's dp group, on communicators of their own (that store's
+        // collectives run on its own thread), and the pp group's for the
+        // grad norm.
+        adapter_comms_ = std::make_unique<MeshComms>(
+            *mesh_, [factory](const std::string& prefix, int rank, int world) {
+              return factory("adapter_" + prefix, rank, world);
+            });
+        auto make_inner = [&](const ParamLayout& stage_layout) {
+          Communicator* adp = adapter_comms_->dp();
+          if (!adp) {
+            adapter_dp_single_ = make_single_communicator();
+            adp = adapter_dp_single_.get();
+          }
+          HybridComms ah{adapter_comms_->comm(MeshDim::dp_shard), adapter_comms_->comm(MeshDim::dp_replicate)};
+          CommFactory af = [dp_factory](const std::string& prefix, int rank, int world) {
+            return dp_factory("adapter_" + prefix, rank, world);
+          };
+          return make_param_store(ps.sharding, stage_layout, be_.get(), adp, dims.dp_shard, af, &ah);
+        };
+        adapt_ = std::make_unique<AdapterTraining>(job_, *arch_, be_.get(), *stage_store, *pp_plan_, split, *comm_,
+                                                   adapter_comms_->comm(MeshDim::pp), make_inner, mb_ * T_);
+        stage_units = &adapt_->pipeline_units();
+      }
       PipelineExecutor::Options po;
       po.micro_batch = mb_;
       po.seq_len = T_;
@@ -453,8 +493,16 @@ void Trainer::setup() {
       po.document_mask = doc_separator_ >= 0;  // resolved first thing in setup()
       po.tp = tpc;
       po.stage_ranks = mesh_->group_ranks(MeshDim::pp);
-      pipe_ = std::make_unique<PipelineExecutor>(*arch_, be_.get(), *pp_plan_, std::move(sched), *pp_store_,
+      pipe_ = std::make_unique<PipelineExecutor>(*arch_, be_.get(), *pp_plan_, std::move(sched), *stage_units,
                                                  *pp_links_, po);
+      if (adapters) {
+        // Each microbatch's dropout rows, before its forward and again
+        // before its backward (which recomputes the masks): the same global
+        // sample index as the loader's, so a row's mask is the one 1 rank draws.
+        pipe_->set_microbatch_hook([this](int m, bool training) {
+          adapt_->set_microbatch(training, int(step_), cursor_ + (int64_t(m) * dp_size_ + dp_rank_) * mb_, T_);
+        });
+      }
       store = std::move(stage_store);
     }
     params_ = tp > 1 ? make_tensor_parallel_store(std::move(store), *tp_plan_, tp_ctx_.comm) : std::move(store);

@@ -66,8 +66,9 @@ class NetworkView final : public Network {
 struct PipelineExecutor::Impl {
   Backend* be;
   const PipelineStagePlan& plan;
-  PipelineStageStore& store;
+  PipelineUnits& store;
   PipelineLinks& links;
+  MicrobatchHook hook;  // null: none
   Options opts;
   std::vector<ChunkRun> chunks;
   DeviceBuffer scratch;  // the stage networks' shared transient buffers
@@ -92,7 +93,7 @@ struct PipelineExecutor::Impl {
   int64_t kill_step = -1;
   size_t io_bytes = 0;
 
-  Impl(Backend* b, const PipelineStagePlan& p, PipelineStageStore& s, PipelineLinks& l, Options o)
+  Impl(Backend* b, const PipelineStagePlan& p, PipelineUnits& s, PipelineLinks& l, Options o)
       : be(b), plan(p), store(s), links(l), opts(std::move(o)) {}
 
   int P() const { return plan.ranks(); }
@@ -231,6 +232,7 @@ struct PipelineExecutor::Impl {
       docs = DocumentMask{to.doc_start, to.pos};
     }
     if (to.inputs || to.targets || to.doc_start) load(mb, to);
+    if (hook) hook(mb, for_backward);
     s.net->forward(store.chunk_access(chunk_of(ch.virtual_stage)), to.inputs, to.targets, B, T, for_backward,
                    dloss_scale, docs);
     if (ch.stage.last) be->sum(loss_sum, s.net->losses(), int64_t(B) * T);
@@ -238,7 +240,7 @@ struct PipelineExecutor::Impl {
 };
 
 PipelineExecutor::PipelineExecutor(const ModelArch& arch, Backend* be, const PipelineStagePlan& plan,
-                                   PipelineSchedule schedule, PipelineStageStore& store, PipelineLinks& links,
+                                   PipelineSchedule schedule, PipelineUnits& store, PipelineLinks& links,
                                    Options opts)
     : impl_(std::make_unique<Impl>(be, plan, store, links, std::move(opts))), schedule_(std::move(schedule)) {
   Impl& im = *impl_;
@@ -340,6 +342,8 @@ void PipelineExecutor::set_tracer(StepTracer* t) {
   }
 }
 
+void PipelineExecutor::set_microbatch_hook(MicrobatchHook h) { impl_->hook = std::move(h); }
+
 void PipelineExecutor::train_step(int64_t step, const Loader& load, float dloss_scale, float* loss_sum) {
   Impl& im = *impl_;
   im.step = step;
@@ -385,15 +389,18 @@ void PipelineExecutor::train_step(int64_t step, const Loader& load, float dloss_
         if (!im.finish_early_recv(id)) im.recv(s.net->stage_output_grad(), a.microbatch, a.stage, a.stage + 1, 1);
         break;
       case PipeOp::B:
+        if (im.hook) im.hook(a.microbatch, true);
         s.net->backward(im.store.chunk_access(c));
         break;
       case PipeOp::SendGrad:
         im.send(id, s.net->stage_input_grad(), a.microbatch, a.stage, a.stage - 1, 1);
         break;
       case PipeOp::BI:
+        if (im.hook) im.hook(a.microbatch, true);
         s.net->backward_input(im.store.chunk_access(c));
         break;
       case PipeOp::BW:
+        if (im.hook) im.hook(a.microbatch, true);
         s.net->backward_weight(im.store.chunk_access(c));
         break;
     }

@@ -67,8 +67,9 @@ class PipelineExecutor {
     std::vector<int> stage_ranks;
   };
   // `links`: this rank's, built from the same schedule; outlives the executor.
+  // `units`: the stage store (or, with adapters, the base's and theirs joined).
   PipelineExecutor(const ModelArch& arch, Backend* be, const PipelineStagePlan& plan, PipelineSchedule schedule,
-                   PipelineStageStore& store, PipelineLinks& links, Options opts);
+                   PipelineUnits& units, PipelineLinks& links, Options opts);
   ~PipelineExecutor();
 
   // Where the loader puts microbatch m's data for one stage: B*T int32 each,
@@ -84,6 +85,12 @@ class PipelineExecutor {
   };
   // Called before each forward of a stage that needs any of them.
   using Loader = std::function<void(int m, const MicrobatchBuffers& to)>;
+  // Called right before every compute action of microbatch m (a forward,
+  // backward, backward_input or backward_weight; training: a train_step's,
+  // not forward_only's), on the compute thread: model.adapter sets the
+  // microbatch's dropout rows there, which its backward recomputes.
+  using MicrobatchHook = std::function<void(int m, bool training)>;
+  void set_microbatch_hook(MicrobatchHook h);
   // One training step's forwards and backwards (the store's end_backward
   // included); the last stage adds its token losses to loss_sum (device).
   void train_step(int64_t step, const Loader& load, float dloss_scale, float* loss_sum);

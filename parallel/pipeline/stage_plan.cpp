@@ -16,12 +16,18 @@ PipelineStagePlan::PipelineStagePlan(const ParamLayout& outer, int pp, int virtu
            " virtual stages (a bug)");
   int L = 0;
   for (int n : split) L += n;
-  TR_CHECK(int(outer.units.size()) == L + 2, "pipeline: the model layout has ", outer.units.size(),
-           " units; a pipeline needs embeddings, ", L, " blocks and a head (a bug)");
-  const ParamUnit& emb = outer.units.front();
-  for (const ParamTie& t : outer.ties) {
-    const ParamTensor& to = outer.get(t.tensor);
-    if (to.offset >= emb.offset && to.offset < emb.offset + emb.numel) tied_ = true;
+  // A model layout (embeddings, blocks, head) or a blocks-only one (the
+  // adapters': one unit per block, lora.h).
+  const bool ends = int(outer.units.size()) == L + 2;
+  TR_CHECK(ends || int(outer.units.size()) == L, "pipeline: the layout has ", outer.units.size(),
+           " units; a pipeline needs embeddings, ", L, " blocks and a head, or ", L, " blocks only (a bug)");
+  const int block0 = ends ? 1 : 0;  // the outer unit of block 0
+  if (ends) {
+    const ParamUnit& emb = outer.units.front();
+    for (const ParamTie& t : outer.ties) {
+      const ParamTensor& to = outer.get(t.tensor);
+      if (to.offset >= emb.offset && to.offset < emb.offset + emb.numel) tied_ = true;
+    }
   }
   std::vector<int> first_layer(size_t(stages), 0);
   for (int s = 1; s < stages; ++s) first_layer[size_t(s)] = first_layer[size_t(s - 1)] + split[size_t(s - 1)];
@@ -50,12 +56,12 @@ PipelineStagePlan::PipelineStagePlan(const ParamLayout& outer, int pp, int virtu
     ch.stage.first = vs == 0;
     ch.stage.last = vs == stages - 1;
     ch.units.assign(size_t(ch.stage.layers + 2), -1);
-    if (ch.stage.first) ch.units[0] = embedding_unit_ = add_unit(0, true, outer.units[0].name);
+    if (ch.stage.first && ends) ch.units[0] = embedding_unit_ = add_unit(0, true, outer.units[0].name);
     for (int j = 0; j < ch.stage.layers; ++j) {
-      const int ou = 1 + ch.stage.first_layer + j;
+      const int ou = block0 + ch.stage.first_layer + j;
       ch.units[size_t(1 + j)] = add_unit(ou, true, outer.units[size_t(ou)].name);
     }
-    if (ch.stage.last) {
+    if (ch.stage.last && ends) {
       ch.units[size_t(ch.stage.layers + 1)] = add_unit(L + 1, true, outer.units[size_t(L + 1)].name);
       if (tied_ && !ch.stage.first)
         ch.units[0] = tied_copy_unit_ = add_unit(0, false, outer.units[0].name + " (the tied LM head's copy)");

@@ -18,6 +18,11 @@
 // The stage layout keeps the model layout's tensors, names, shapes and
 // decay flags, in stage order; the parameter store shards it over the
 // rank's dp group as it would a whole model.
+//
+// A blocks-only layout (units block 0..L-1, no embeddings or head: the
+// LoRA adapters', core/model/adapter/lora.h) splits the same way: each
+// chunk gets its blocks' units, numbered 1..layers in PipelineChunk::units
+// as the stage network numbers them, and no embedding, head or tie.
 #pragma once
 #include <cstdint>
 #include <utility>
@@ -45,7 +50,8 @@ struct StageRun {
 
 class PipelineStagePlan {
  public:
-  // outer: the model layout (units embeddings, L blocks, head); split: the
+  // outer: the model layout (units embeddings, L blocks, head) or a
+  // blocks-only one (L units); split: the
   // layers of each of pp * v virtual stages (split_pipeline_layers).
   PipelineStagePlan(const ParamLayout& outer, int pp, int virtual_stages, int rank, const std::vector<int>& split);
 

@@ -41,8 +41,8 @@ class ChunkAccess final : public UnitAccess {
 class StageStore final : public PipelineStageStore {
  public:
   StageStore(std::unique_ptr<ParamStore> inner, const PipelineStagePlan& plan, Communicator* pp, Backend* be,
-             bool reshard)
-      : inner_(std::move(inner)), plan_(plan), pp_(pp), be_(be), reshard_(reshard) {
+             bool reshard, bool frozen)
+      : inner_(std::move(inner)), plan_(plan), pp_(pp), be_(be), reshard_(reshard), frozen_(frozen) {
     TR_CHECK(plan.ranks() == 1 || (pp_ && pp_->world_size() == plan.ranks()), "pipeline: the pp communicator has ",
              pp_ ? pp_->world_size() : 0, " ranks but the plan ", plan.ranks(), " (a bug)");
     const size_t n = plan.stage_layout().units.size();
@@ -254,7 +254,7 @@ class StageStore final : public PipelineStageStore {
   // is the same sum. Both compute a + b in the same order of operands'
   // values (float addition commutes), so the two copies get identical bits.
   void sum_tied_grads() {
-    if (!plan_.tied() || plan_.ranks() == 1) return;
+    if (!plan_.tied() || plan_.ranks() == 1 || frozen_) return;
     const int su = plan_.tied_copy_unit() >= 0 ? plan_.tied_copy_unit() : plan_.embedding_unit();
     if (su < 0) return;  // a middle stage
     const int peer = plan_.tied_copy_unit() >= 0 ? 0 : plan_.ranks() - 1;
@@ -308,6 +308,7 @@ class StageStore final : public PipelineStageStore {
   Communicator* pp_;
   Backend* be_;
   bool reshard_;
+  bool frozen_;
   std::vector<std::unique_ptr<ChunkAccess>> access_;
   std::vector<const void*> held_;
   std::vector<bool> deferred_;
@@ -327,8 +328,8 @@ void ChunkAccess::begin_pass(bool backward_pass, bool) { s_.begin_chunk_pass(c_,
 
 std::unique_ptr<PipelineStageStore> make_pipeline_stage_store(std::unique_ptr<ParamStore> inner,
                                                               const PipelineStagePlan& plan, Communicator* pp,
-                                                              Backend* be, bool reshard) {
-  return std::make_unique<StageStore>(std::move(inner), plan, pp, be, reshard);
+                                                              Backend* be, bool reshard, bool frozen) {
+  return std::make_unique<StageStore>(std::move(inner), plan, pp, be, reshard, frozen);
 }
 
 }  // namespace trainrun

@@ -32,8 +32,12 @@
 
 namespace trainrun {
 
-class PipelineStageStore : public ParamStore {
+// What the executor computes through: each chunk's UnitAccess and the
+// step's boundaries. A pipeline store is one; an adapter run joins two
+// (the frozen base's and the adapters', core/train/adapter_pipeline.h).
+class PipelineUnits {
  public:
+  virtual ~PipelineUnits() = default;
   // The network-facing access of chunk c (PipelineStagePlan::chunks()).
   virtual UnitAccess& chunk_access(int chunk) = 0;
   // Before a step's first microbatch.
@@ -43,6 +47,10 @@ class PipelineStageStore : public ParamStore {
   virtual void end_backward() = 0;
   // After a forward-only pass (evaluation): releases what it acquired.
   virtual void end_forward_only() = 0;
+};
+
+class PipelineStageStore : public ParamStore, public PipelineUnits {
+ public:
   // Calls the inner store got in the last step, for tests and the log:
   // acquires (a gather under full_shard) and grads_done (a reduce-scatter).
   virtual int acquires_last_step() const = 0;
@@ -57,9 +65,11 @@ class PipelineStageStore : public ParamStore {
 
 // inner: built over plan.stage_layout(); pp: the pipeline group's
 // communicator (its size is plan.ranks(); null only when it is 1).
+// frozen: the inner store is a frozen base's (frozen_store.h): it has no
+// gradients, so end_backward sums no tied gradient.
 std::unique_ptr<PipelineStageStore> make_pipeline_stage_store(std::unique_ptr<ParamStore> inner,
                                                               const PipelineStagePlan& plan, Communicator* pp,
-                                                              Backend* be, bool reshard);
+                                                              Backend* be, bool reshard, bool frozen = false);
 
 // The p2p tag of the tied-gradient exchange (the executor's tags stay below it).
 constexpr uint32_t kPipelineTiedGradTag = 0x7fffffffu;

@@ -53,16 +53,16 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 
 
-def random_base(arch, seed):
+def random_base(arch, seed, layers=2):
     torch.manual_seed(seed)
     if arch == "llama":
-        cfg = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        cfg = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
                           rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, attention_bias=False,
                           mlp_bias=False, hidden_act="silu", torch_dtype="float32")
         model = LlamaForCausalLM(cfg)
     else:
-        cfg = GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=61, n_positions=16,
+        cfg = GPT2Config(n_layer=layers, n_head=4, n_embd=32, vocab_size=61, n_positions=16,
                          activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                          layer_norm_epsilon=1e-5)
         model = GPT2LMHeadModel(cfg)
@@ -110,10 +110,10 @@ def file_name(param_name):
 
 
 def cmd_make(a):
-    model = random_base(a.arch, a.seed)
+    model = random_base(a.arch, a.seed, a.layers)
     model.save_pretrained(os.path.join(a.out, "base"), safe_serialization=True)
     if a.base_dtype:
-        rounded = random_base(a.arch, a.seed)
+        rounded = random_base(a.arch, a.seed, a.layers)
         round_trip_base(rounded, a.base_dtype)
         rounded.save_pretrained(os.path.join(a.out, "base_" + a.base_dtype), safe_serialization=True)
     cfg = LoraConfig(r=a.r, lora_alpha=a.alpha, lora_dropout=0.0, target_modules=a.targets.split(","),
@@ -174,6 +174,7 @@ def main(argv=None):
     mk.add_argument("--seed", type=int, default=0)
     mk.add_argument("--dora", action="store_true")
     mk.add_argument("--base-dtype", choices=["nf4", "bf16"], default=None)
+    mk.add_argument("--layers", type=int, default=2)  # the interleaved pipeline tests need 4
     for name in ("grads", "logits"):
         s = sub.add_parser(name)
         s.add_argument("--base", required=True)

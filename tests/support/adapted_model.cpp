@@ -116,11 +116,13 @@ void write_batch(const std::string& path, const std::vector<int32_t>& in, const 
   write_safetensors(path, f);
 }
 
-void make_peft_case(const PeftCase& c, int rank, double alpha, const TempDir& tmp, const std::string& base_dtype) {
+void make_peft_case(const PeftCase& c, int rank, double alpha, const TempDir& tmp, const std::string& base_dtype,
+                    int layers) {
   const auto r = run_reference_script("peft_lora.py", "make --arch " + c.arch + " --out '" + tmp.path() + "' --r " +
                                                           std::to_string(rank) + " --alpha " + std::to_string(alpha) +
                                                           " --targets " + c.targets + (c.dora ? " --dora" : "") +
-                                                          (base_dtype.empty() ? "" : " --base-dtype " + base_dtype));
+                                                          (base_dtype.empty() ? "" : " --base-dtype " + base_dtype) +
+                                                          " --layers " + std::to_string(layers));
   INFO(r.err);
   REQUIRE(r.exit_code == 0);
 }
@@ -132,6 +134,17 @@ LoraOptions options_for(const PeftCase& c, int rank, double alpha) {
   o.target_modules = c.targets;
   o.dora = c.dora;
   return o;
+}
+
+std::vector<float> peft_logits(const std::string& base_dir, const std::string& adapter_dir,
+                               const std::vector<int32_t>& in, const TempDir& tmp) {
+  write_batch(tmp / "peft_batch.safetensors", in, in);
+  const auto r = run_reference_script("peft_lora.py", "logits --base '" + base_dir + "' --adapter '" + adapter_dir +
+                                                          "' --batch '" + tmp / "peft_batch.safetensors" +
+                                                          "' --out '" + tmp / "peft_logits.safetensors" + "'");
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  return read_safetensors(tmp / "peft_logits.safetensors").find("logits")->as_f32();
 }
 
 }  // namespace trainrun::test

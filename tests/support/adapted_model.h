@@ -35,8 +35,14 @@ void write_batch(const std::string& path, const std::vector<int32_t>& in, const 
 // peft_lora.py make into tmp (base/, adapter/); base_dtype nf4 or bf16 also
 // writes base_<dtype>/, the base with its weights round-tripped as trainrun
 // holds them (peft_lora.py's docstring).
-void make_peft_case(const PeftCase& c, int rank, double alpha, const TempDir& tmp, const std::string& base_dtype = "");
+// layers: the base's blocks (2; the interleaved pipeline tests need 4).
+void make_peft_case(const PeftCase& c, int rank, double alpha, const TempDir& tmp, const std::string& base_dtype = "",
+                    int layers = 2);
 LoraOptions options_for(const PeftCase& c, int rank, double alpha);
+// peft's logits (kB, kT, V) of base_dir with the PEFT adapter adapter_dir
+// (PeftModel.from_pretrained, unmerged, fp32); its batch and output files go in tmp.
+std::vector<float> peft_logits(const std::string& base_dir, const std::string& adapter_dir,
+                               const std::vector<int32_t>& in, const TempDir& tmp);
 
 struct AdaptedModel {
   std::unique_ptr<ModelArch> arch;

@@ -261,7 +261,11 @@ AdaptedUnitAccess::AdaptedUnitAccess(UnitAccess& base, const ParamLayout& base_l
 
 const void* AdaptedUnitAccess::acquire_params(int unit) {
   const void* p = base_.acquire_params(unit);
-  if (adapters_.options().dora) adapters_.base_acquired(unit, p);
+  if (!adapters_.options().dora) return p;
+  if (!staged_)
+    adapters_.base_acquired(unit, p);
+  else if (unit >= 1 && unit <= stage_layers_)  // a stage's block (its embedding and head hold no target)
+    adapters_.base_acquired(first_layer_ + unit, p);
   return p;
 }
 
@@ -274,6 +278,9 @@ float* AdaptedUnitAccess::unit_grads(int) {
 }
 
 void AdaptedUnitAccess::begin_pass(bool backward_pass, bool backward_follows) {
+  // A pipeline rank's chunks each join the adapters to their own units
+  // (adapter_pipeline.h): the pass that starts is this one's.
+  adapters_.bind(&adapter_params_);
   base_.begin_pass(backward_pass, backward_follows);
   adapter_params_.begin_pass(backward_pass, backward_follows);
   // What the network accumulates there is never read; zeroed once per

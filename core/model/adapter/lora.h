@@ -191,9 +191,19 @@ class AdaptedUnitAccess final : public UnitAccess {
   void begin_pass(bool backward_pass, bool backward_follows) override;
   LinearAdapters* adapters() override { return &adapters_; }
   bool base_frozen() const override { return true; }
+  // Under pipeline parallelism: the network computing through this is a
+  // stage's, whose units are local (1..layers its blocks); DoRA finds W by
+  // the model's unit (1 + global layer), so a block's is recorded there.
+  void set_stage(const PipelineStage& s) {
+    staged_ = true;
+    first_layer_ = s.first_layer;
+    stage_layers_ = s.layers;
+  }
 
  private:
   UnitAccess& base_;
+  bool staged_ = false;
+  int first_layer_ = 0, stage_layers_ = 0;
   LoraAdapters& adapters_;
   UnitAccess& adapter_params_;
   Backend* be_;

@@ -354,7 +354,7 @@ void GPT2::block_backward(const void* p, float* g, int l, const void* res_in, vo
   auto W = [&](float* x) { return keep || frozen_ ? nullptr : x; };
   const int gl = stage_.first_layer + l;
   auto kept = [&](void* dst, const void* src, int64_t n) {
-    if (keep) be_->copy_device(dst, src, size_t(n) * es);
+    if (keep && !frozen_) be_->copy_device(dst, src, size_t(n) * es);  // a frozen base: backward_weight needs none
   };
   // MLP: res_out = res2 + fcproj(gelu(fc(ln2(res2))))
   const void* dmlp = tpc_.full_rows(dres, N);
@@ -416,8 +416,11 @@ void GPT2::backward_input(UnitAccess& units) {
 
 void GPT2::backward_weight(UnitAccess& units) {
   TR_CHECK(stage_.split_backward, "GPT2: backward_weight needs a stage built with split_backward (a bug)");
+  // A frozen base (model.adapter) has no weight gradients; the adapters'
+  // own ran with backward_input (adapter_pipeline.h), so none runs here.
+  const bool frozen = units.base_frozen();
   for (int l = cfg_.L - 1; l >= 0; --l) {
-    block_weight_grads(units.unit_grads(1 + l), l, kept_[size_t(l)], B_ * T_);
+    if (!frozen) block_weight_grads(units.unit_grads(1 + l), l, kept_[size_t(l)], B_ * T_);
     units.grads_done(1 + l);
   }
 }

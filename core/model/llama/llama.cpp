@@ -314,10 +314,11 @@ void LlamaNetwork::block_backward(const void* p, float* g, int l, const void* re
   // stays in a.gu, which nothing else reads).
   // A frozen base (adapters): no weight gradients for its linears either.
   auto W = [&](float* x) { return keep || frozen_ ? nullptr : x; };
+  // (A frozen base keeps no output gradients for backward_weight: it computes nothing.)
   const int gl = stage_.first_layer + l;
   // MLP: res_out = res2 + down(swiglu(gate_up(RMSNorm(res2))))
   const void* dmlp = full_rows(dres, N);
-  if (keep) be_->copy_device(keep->d_down, dmlp, size_t(N) * C * es);
+  if (keep && !frozen_) be_->copy_device(keep->d_down, dmlp, size_t(N) * C * es);
   be_->matmul_backward(dh_, W(dw.downw), nullptr, dmlp, a.h, w.downw, N, F, C);
   if (ad_) ad_->backward(gl, 3, a.h, dmlp, C, dh_, N);
   be_->swiglu_backward(a.gu, dh_, a.gu, N, F);  // in place: gate|up is not read again
@@ -331,12 +332,12 @@ void LlamaNetwork::block_backward(const void* p, float* g, int l, const void* re
   norm_grad_done(dw.ln2w);
   // Attention: res2 = res_in + o(attn(rope(qkv(RMSNorm(res_in)))))
   const void* dattn = full_rows(dres, N);
-  if (keep) be_->copy_device(keep->d_o, dattn, size_t(N) * C * es);
+  if (keep && !frozen_) be_->copy_device(keep->d_o, dattn, size_t(N) * C * es);
   be_->matmul_backward(dbuf_c_, W(dw.ow), nullptr, dattn, a.atty, w.ow, N, Q_, C);
   if (ad_) ad_->backward(gl, 1, a.atty, dattn, C, dbuf_c_, N);
   be_->attention_gqa_backward(dqkv_, dbuf_c_, a.qkv, a.atty, a.att, B, T, NH_, NKV_, HS_, docs_.doc_start);
   be_->rope_backward(dqkv_, rope_, B, T, NH_, NKV_, HS_, 0, docs_.pos);
-  if (keep) be_->copy_device(keep->d_qkv, dqkv_, size_t(N) * QKV_ * es);
+  if (keep && !frozen_) be_->copy_device(keep->d_qkv, dqkv_, size_t(N) * QKV_ * es);
   const void* x_qkv = full_rows(a.ln1, N);
   qkv_backward(dbuf_c_, W(dw.qkvw), dqkv_, x_qkv, w.qkvw, N);  // dattn is consumed
   if (ad_) ad_->backward(gl, 0, x_qkv, dqkv_, QKV_, dbuf_c_, N);
@@ -391,8 +392,11 @@ void LlamaNetwork::backward_input(UnitAccess& units) {
 
 void LlamaNetwork::backward_weight(UnitAccess& units) {
   TR_CHECK(stage_.split_backward, "LlamaNetwork: backward_weight needs a stage built with split_backward (a bug)");
+  // A frozen base (model.adapter) has no weight gradients; the adapters'
+  // own ran with backward_input (adapter_pipeline.h), so none runs here.
+  const bool frozen = units.base_frozen();
   for (int l = cfg_.L - 1; l >= 0; --l) {
-    block_weight_grads(units.unit_grads(1 + l), l, kept_[size_t(l)], B_ * T_);
+    if (!frozen) block_weight_grads(units.unit_grads(1 + l), l, kept_[size_t(l)], B_ * T_);
     units.grads_done(1 + l);
   }
 }
