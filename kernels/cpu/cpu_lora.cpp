@@ -4,6 +4,7 @@
 //   gemm:    c (M,N) = alpha op(a) op(b) + beta c, one cblas_sgemm (fp32 is
 //            both the act dtype and c_f32 here).
 //   dropout: out = inp * keep / (1-p), keep(n, c) = u(seed, (row0+n)*C + c) >= p
+//            (a column slice: (row0+n)*key_cols + col0 + c)
 //            with u a splitmix64 hash mapped to [0, 1): the same mask for
 //            the same global row on any rank, in forward, in the recompute
 //            of activation checkpointing and in backward.
@@ -34,7 +35,8 @@ void CpuBackend::gemm(void* c, int ldc, bool c_f32, const void* a, int lda, Gemm
               static_cast<float*>(c), ldc);
 }
 
-void CpuBackend::dropout_forward(void* out_, const void* inp_, int N, int C, float p, uint64_t seed, int64_t row0) {
+void CpuBackend::dropout_forward(void* out_, const void* inp_, int N, int C, float p, uint64_t seed, int64_t row0,
+                                 int64_t key_cols, int64_t col0) {
   float* out = static_cast<float*>(out_);
   const float* inp = static_cast<const float*>(inp_);
   const float keep_scale = 1.0f / (1.0f - p);
@@ -42,7 +44,7 @@ void CpuBackend::dropout_forward(void* out_, const void* inp_, int N, int C, flo
   const uint32_t threshold = uint32_t(double(p) * double(1u << 24));
 #pragma omp parallel for schedule(static)
   for (int n = 0; n < N; ++n) {
-    const uint64_t base = uint64_t(row0 + n) * uint64_t(C);
+    const uint64_t base = uint64_t(row0 + n) * uint64_t(key_cols > 0 ? key_cols : C) + uint64_t(col0);
     for (int c = 0; c < C; ++c) {
       const uint32_t u = uint32_t(mix64(seed ^ mix64(base + uint64_t(c))) >> 40);
       const int64_t i = int64_t(n) * C + c;

@@ -2,6 +2,7 @@
 """Hugging Face peft as the peer of trainrun's LoRA adapters (core/model/adapter).
 
   peft_lora.py make --arch llama|gpt2 --out DIR --r R --alpha A --targets q_proj,v_proj [--seed S] [--dora]
+                    [--kv-heads K]
       DIR/base: a small random model (every parameter perturbed, norm gains
       around 1) saved with save_pretrained; DIR/adapter: a peft LoRA adapter
       on it (get_peft_model + LoraConfig), its A and B both set to visible
@@ -11,6 +12,8 @@
       magnitudes peft initialised ('<file name>': ||W|| per output row, B
       still zero), then each magnitude is moved off ||W + s B A|| (scaled by
       1 + 0.2 N(0,1)), so g = m / ||.|| is not 1 and the (g - 1) term counts.
+      --kv-heads: the Llama's key/value heads (default 2 of its 4 query heads;
+      1 makes tensor parallelism at 2 ranks replicate the KV head).
 
   peft_lora.py grads --base DIR --adapter DIR --batch BATCH.safetensors --out OUT.safetensors
       PeftModel.from_pretrained(base, adapter, is_trainable=True) in fp32;
@@ -41,11 +44,11 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 
 
-def random_base(arch, seed):
+def random_base(arch, seed, kv_heads=2):
     torch.manual_seed(seed)
     if arch == "llama":
         cfg = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                          num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=16,
                           rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, attention_bias=False,
                           mlp_bias=False, hidden_act="silu", torch_dtype="float32")
         model = LlamaForCausalLM(cfg)
@@ -76,7 +79,7 @@ def file_name(param_name):
 
 
 def cmd_make(a):
-    model = random_base(a.arch, a.seed)
+    model = random_base(a.arch, a.seed, a.kv_heads)
     model.save_pretrained(os.path.join(a.out, "base"), safe_serialization=True)
     cfg = LoraConfig(r=a.r, lora_alpha=a.alpha, lora_dropout=0.0, target_modules=a.targets.split(","),
                      bias="none", task_type="CAUSAL_LM", fan_in_fan_out=(a.arch == "gpt2"), use_dora=a.dora)
@@ -135,6 +138,7 @@ def main(argv=None):
     mk.add_argument("--targets", required=True)
     mk.add_argument("--seed", type=int, default=0)
     mk.add_argument("--dora", action="store_true")
+    mk.add_argument("--kv-heads", type=int, default=2)
     for name in ("grads", "logits"):
         s = sub.add_parser(name)
         s.add_argument("--base", required=True)
