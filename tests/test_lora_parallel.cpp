@@ -6,7 +6,8 @@
 // split) or GPT-2 (fused q|k|v, Conv1D) from peft_lora.py. Losses and the
 // final PEFT adapter must agree to 1e-5 relative; the tp2 adapter must load
 // in peft with the one-rank adapter's logits; checkpoints reshard between
-// tp2 and tp1 both ways; offload cpu keeps only adapter-sized host state.
+// tp2 and tp1 both ways; offload cpu keeps only adapter-sized host state,
+// and nvme gives the same run.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -243,6 +244,13 @@ TEST_CASE("lora offload: parallel.offload cpu equals no offload and holds only t
     check_same_run(tmp / "off", plain, 1e-5);
     CHECK(sums[0].host_bytes == offload_host_bytes(adapter_total));
     CHECK(sums[0].host_bytes < size_t(arch->layout().total) * 4);  // less than the base's fp32 bytes
+  }
+  SECTION("nvme, tp2 x dp2 full_shard: the same run") {
+    run_ranks_inprocess(job(base, tmp / "nvme", "lora", kLlamaAll,
+                            "tensor_parallel: 2, sharding: full_shard, offload: nvme, offload_dir: '" + tmp / "state" +
+                                "'"),
+                        4);
+    check_same_run(tmp / "nvme", plain, 1e-5);
   }
   SECTION("tp2 worker processes: the memory line shows each rank's adapter slice on the host") {
     // Rank 0's slice at tp2 (the local layout of the adapters beside tp rank 0 of the base).
