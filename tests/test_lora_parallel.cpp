@@ -37,11 +37,13 @@ constexpr int kB = 2, kT = 8;
 const char* kLlamaAll = "[q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]";
 const char* kGpt2All = "[c_attn, c_proj, c_fc]";
 
-// base/ (and a peft adapter/, unused here) from peft_lora.py.
+// base/ and adapter/ (peft's LoRA on every linear, A and B random) from peft_lora.py.
 std::string make_base(const TempDir& tmp, const std::string& arch, int kv_heads = 2) {
   const auto r = run_reference_script("peft_lora.py", "make --arch " + arch + " --out '" + tmp.path() +
                                                           "' --r 4 --alpha 8 --targets " +
-                                                          (arch == "llama" ? "q_proj" : "c_attn") +
+                                                          (arch == "llama" ? "q_proj,k_proj,v_proj,o_proj,gate_proj,"
+                                                                             "up_proj,down_proj"
+                                                                           : "c_attn,c_proj,c_fc") +
                                                           " --kv-heads " + std::to_string(kv_heads));
   INFO(r.err);
   REQUIRE(r.exit_code == 0);
@@ -162,7 +164,8 @@ void check_in_peft(const std::string& base, const std::string& tp_run, const std
 
 TEST_CASE("lora tp: tensor parallelism equals one rank (llama GQA, gpt2; lora, dora; sequence parallel; tp x dp)",
           "[lora][tp]") {
-  SECTION("llama, one KV head (replicated at tp2), lora: tp2, tp2 + sequence parallel; the tp2 adapter in peft") {
+  SECTION("llama, one KV head (replicated at tp2), lora: tp2, tp2 + sequence parallel; the tp2 adapter in peft; "
+          "peft's adapter as model.adapter.init_from at tp2") {
     TempDir tmp("lora_tp_llama");
     const std::string base = make_base(tmp, "llama", 1);
     run_ranks_inprocess(job(base, tmp / "one", "lora", kLlamaAll, ""), 1);
@@ -172,21 +175,32 @@ TEST_CASE("lora tp: tensor parallelism equals one rank (llama GQA, gpt2; lora, d
     check_same_run(tmp / "tp2", tmp / "one", 1e-5);
     check_same_run(tmp / "sp", tmp / "one", 1e-5);
     check_in_peft(base, tmp / "tp2", tmp / "one", tmp);
+    // A global PEFT directory (every B non-zero) loads into the TP slices.
+    const std::string from = "model.adapter.init_from=" + tmp / "adapter";
+    run_ranks_inprocess(job(base, tmp / "one_init", "lora", kLlamaAll, "", 3, {from}), 1);
+    run_ranks_inprocess(job(base, tmp / "tp2_init", "lora", kLlamaAll, "tensor_parallel: 2", 3, {from}), 2);
+    check_same_run(tmp / "tp2_init", tmp / "one_init", 1e-5);
+    CHECK(std::fabs(losses_of(tmp / "one_init")[0] - losses_of(tmp / "one")[0]) > 1e-3);  // it started elsewhere
   }
-  SECTION("llama, one KV head, dora: tp2 + sequence parallel") {
+  SECTION("llama, one KV head, dora: tp2 + sequence parallel + activation checkpointing") {
     TempDir tmp("lora_tp_llama_dora");
     const std::string base = make_base(tmp, "llama", 1);
     run_ranks_inprocess(job(base, tmp / "one", "dora", kLlamaAll, ""), 1);
-    run_ranks_inprocess(job(base, tmp / "sp", "dora", kLlamaAll, "tensor_parallel: 2, sequence_parallel: true"), 2);
+    run_ranks_inprocess(job(base, tmp / "sp", "dora", kLlamaAll, "tensor_parallel: 2, sequence_parallel: true", 3,
+                            {"train.activation_checkpointing=blocks"}),
+                        2);
     check_trained(tmp / "one");
     check_same_run(tmp / "sp", tmp / "one", 1e-5);
   }
   SECTION("llama, two KV heads (split at tp2), dora: tp2 x dp2 full_shard (4 ranks)") {
     TempDir tmp("lora_tp_dp");
     const std::string base = make_base(tmp, "llama", 2);
-    run_ranks_inprocess(job(base, tmp / "one", "dora", kLlamaAll, ""), 1);
-    run_ranks_inprocess(job(base, tmp / "tpdp", "dora", kLlamaAll, "tensor_parallel: 2, sharding: full_shard"), 4);
+    const auto one = run_ranks_inprocess(job(base, tmp / "one", "dora", kLlamaAll, ""), 1);
+    const auto tpdp =
+        run_ranks_inprocess(job(base, tmp / "tpdp", "dora", kLlamaAll, "tensor_parallel: 2, sharding: full_shard"), 4);
     check_same_run(tmp / "tpdp", tmp / "one", 1e-5);
+    // Each rank holds about a quarter of the frozen base (its TP half, sharded over dp): no rank holds it all.
+    for (const TrainSummary& s : tpdp) CHECK(double(s.params_bytes) < 0.35 * double(one[0].params_bytes));
   }
   SECTION("gpt2 (fused q|k|v, Conv1D), lora tp2 and dora tp2 + sequence parallel; the dora adapter in peft") {
     TempDir tmp("lora_tp_gpt2");
