@@ -161,7 +161,7 @@ struct GenerateText {
   std::string tokenizer, chat_template;  // chat_template: "" = the tokenizer's default
   bool chat = false, allow_special = false;
   std::string system;
-  std::string adapter;  // --adapter: a PEFT LoRA directory applied to the weights
+  std::string adapter;  // --adapter: a PEFT LoRA/DoRA directory, applied unmerged
 };
 
 namespace {
@@ -211,12 +211,8 @@ int cmd_generate(const std::string& ckpt, const std::string& prompt, SampleOptio
       hf ? load_hf(ckpt, flat, "generate", kGenerateHostBytesPerParam) : load_model_safetensors(file, flat));
   const ModelConfig& cfg = arch->config();
   TR_LOG_INFO("generate: ", file, " (", arch->describe(), ")");
-  if (!gt.adapter.empty()) {
-    // The sampler holds the whole model here anyway: the adapter is folded
-    // into its weights (W + s B A, the function peft computes unmerged).
-    merge_adapter_into(*arch, flat, gt.adapter, "generate --adapter");
-    TR_LOG_INFO("generate: adapter ", gt.adapter, " merged into the weights");
-  }
+  if (!gt.adapter.empty())
+    TR_LOG_INFO("generate: adapter ", gt.adapter, " applied unmerged (as peft's PeftModel; export --merge folds it in)");
   TR_CHECK(gt.chat || (gt.chat_template.empty() && gt.system.empty()),
            "generate: --chat-template and --system apply to --chat; add --chat");
   std::string tok_dir;
@@ -272,7 +268,7 @@ int cmd_generate(const std::string& ckpt, const std::string& prompt, SampleOptio
     ids = encode_prompt(prompt, cfg.V);
   }
   const auto t0 = std::chrono::steady_clock::now();
-  auto toks = sample_tokens(*arch, flat, ids, so);
+  auto toks = sample_tokens(*arch, flat, ids, so, gt.adapter);
   const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const size_t made = toks.size() - ids.size();
   TR_LOG_INFO("generate: ", made, " tokens in ", dt, " s (", dt > 0 ? double(made) / dt : 0.0,
@@ -477,7 +473,7 @@ int main(int argc, char** argv) {
   generate->add_flag("--chat", gt.chat, "wrap the prompt as a user message in the chat template and stop at the end of the assistant's turn");
   generate->add_option("--system", gt.system, "with --chat: a system message before the prompt");
   generate->add_option("--chat-template", gt.chat_template, "with --chat: llama3 | chatml | plain | a template name | a Jinja file (default: the model's chat_template beside the tokenizer)");
-  generate->add_option("--adapter", gt.adapter, "a PEFT LoRA or DoRA adapter directory (a run's adapter/, or peft's save_pretrained) to sample with (merged into the weights first)");
+  generate->add_option("--adapter", gt.adapter, "a PEFT LoRA or DoRA adapter directory (a run's adapter/, or peft's save_pretrained) to sample with, applied unmerged as peft's PeftModel computes (s B A x added after each adapted GEMM)");
   generate->add_flag("--allow-special", gt.allow_special, "match special tokens spelled in --prompt (default: they are text)");
 
   auto* export_cmd = app.add_subcommand("export", "write a model as a Hugging Face directory (GPT2LMHeadModel / LlamaForCausalLM)");

@@ -175,7 +175,8 @@ class Backend {
   virtual int logits_stride(int V) const { return V; }
   // logits(N, ldv)[:, :V] = inp(N,C) @ wte(V,C)^T.
   virtual void lm_head_forward(void* logits, const void* inp, const void* wte, int N, int C, int V, int ldv) = 0;
-  // dinp(N,C) = dlogits[:, :V] @ wte (overwritten), dwte(V,C) += dlogits[:, :V]^T @ inp.
+  // dinp(N,C) = dlogits[:, :V] @ wte (overwritten), dwte(V,C) += dlogits[:, :V]^T @ inp
+  // (null: skipped, as for a frozen base under adapters).
   virtual void lm_head_backward(void* dinp, float* dwte, const void* dlogits, const void* inp, const void* wte, int N,
                                 int C, int V, int ldv) = 0;
 
@@ -350,7 +351,7 @@ class Backend {
   // c (M,N), rows ldc apart = alpha * op(a) @ op(b) + beta * c, where op(x) is
   // x or x^T (GemmOp::T) and a, b are act dtype with rows lda / ldb apart;
   // c is act dtype, or fp32 with c_f32 (the adapters' weight gradients,
-  // accumulated with beta = 1). LoRA needs products with a strided output
+  // accumulated with beta = 1; CUDA takes beta 0 or 1 only). LoRA needs products with a strided output
   // (its share of a fused q|k|v GEMM) and accumulation into one, which
   // matmul_forward/backward do not give.
   enum class GemmOp { N, T };

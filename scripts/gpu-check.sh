@@ -14,7 +14,8 @@
 #       The steps of RUN_STEPS below, in order of what we learn per second:
 #       every CUDA op against the CPU at small odd shapes; the same at wide
 #       shapes (C 4096/8192, T > 1030, HS 128, one KV head per rank); 20
-#       GPT-2 steps against the CPU's losses; GPT-2 124M and
+#       GPT-2 steps against the CPU's losses; the adapters' ops and LoRA/DoRA
+#       training against the CPU; GPT-2 124M and
 #       Llama-1B tokens/s and MFU; the kernel benches.
 #
 #   scripts/gpu-check.sh run2 [STEP...]   (a later call)
@@ -74,12 +75,13 @@ commit_id() {
 # so does tests/test_gpu_check.cpp).
 RUN_STEPS=(
   "setup|15|unpack the bundle; GPU, driver, libraries, version"
-  "ops_small|110|every CUDA op vs the CPU backend at small odd shapes (test_cuda_ops, not [wide]/[train]/[docmask])"
+  "ops_small|95|every CUDA op vs the CPU backend at small odd shapes (test_cuda_ops, not [wide]/[train]/[docmask]/[adapter])"
   "ops_wide|80|the ops at C=4096/8192, T>1030, HS=128, one KV head per rank, checked against the CPU (test_cuda_ops [wide])"
-  "train_vs_cpu|80|20 GPT-2 steps on CUDA vs the CPU's losses, no_shard and full_shard (test_cuda_ops [train]; its 2-GPU NCCL cases skip on one GPU)"
+  "train_vs_cpu|80|20 GPT-2 steps on CUDA vs the CPU's losses, no_shard and full_shard (test_cuda_ops [train] but not [adapter]; its 2-GPU NCCL cases skip on one GPU)"
+  "adapters|35|the adapters' ops (gemm, dropout mask bit for bit, row_norms, dora) vs the CPU, and LoRA/DoRA training on CUDA vs the CPU's losses (test_cuda_ops [adapter])"
   "gpt2_124m|75|GPT-2 124M training on one GPU: tokens/s and MFU (configs/gpt2_124m_h200.yaml)"
   "llama_1b|100|Llama-3.2-1B-shaped training on one GPU: tokens/s and MFU (configs/llama3_1b_h200.yaml)"
-  "bench_kernels|60|trainrun bench kernels at GPT-2 124M's shapes (and the Llama ops at 1B's)"
+  "bench_kernels|50|trainrun bench kernels at GPT-2 124M's shapes (and the Llama ops at 1B's)"
 )
 RUN2_STEPS=(
   "setup|15|unpack the bundle; GPU, driver, libraries, version"
@@ -272,9 +274,10 @@ tests_note() {
   grep -E "test cases|All tests passed" "$log" | tail -1
   grep -E "FAILED|rel err .*e\+|inf \(tol" "$log" | head -3 | tr -s ' \n' ' '
 }
-step_ops_small() { cuda_tests "~[wide]~[train]~[docmask]"; local rc=$?; NOTE=$(tests_note ops_small); return $rc; }
+step_ops_small() { cuda_tests "~[wide]~[train]~[docmask]~[adapter]"; local rc=$?; NOTE=$(tests_note ops_small); return $rc; }
 step_ops_wide() { cuda_tests "[wide]"; local rc=$?; NOTE=$(tests_note ops_wide); return $rc; }
-step_train_vs_cpu() { cuda_tests "[train]"; local rc=$?; NOTE=$(tests_note train_vs_cpu); return $rc; }
+step_train_vs_cpu() { cuda_tests "[train]~[adapter]"; local rc=$?; NOTE=$(tests_note train_vs_cpu); return $rc; }
+step_adapters() { cuda_tests "[adapter]"; local rc=$?; NOTE=$(tests_note adapters); return $rc; }
 step_docmask() { cuda_tests "[docmask]"; local rc=$?; NOTE=$(tests_note docmask); return $rc; }
 
 # A training run: SIGKILL at the cap (no preemption checkpoint), no

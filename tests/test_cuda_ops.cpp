@@ -1620,3 +1620,249 @@ TEST_CASE("cuda: nf4_dequantize equals the CPU backend's, fp32 and bf16", "[cuda
     }
   }
 }
+
+// ---- the adapters' ops (core/model/adapter; kernels/cuda/adapter_gemm, dropout, row_norms, dora) ------------
+// Written 2026-12-04, not yet run on a GPU. Tag [adapter]: scripts/gpu-check.sh's
+// `adapters` step runs them (and the adapter training case below).
+
+// Backend::gemm, row-major c (M,N) = alpha op(a) op(b) + beta c: every
+// (op(a), op(b)) pair, a, b and c with padded rows (c: a block of columns
+// inside wider rows, as a LoRA target's share of a fused q|k|v output) and,
+// with beta 1, c one element past an aligned start (2-byte aligned bf16).
+// The padding columns of c must come back untouched: the whole buffer is compared.
+TEST_CASE("cuda: adapter gemm (op(a), op(b) either way, strided, offset, bf16 or fp32 c, beta 0 or 1)",
+          "[cuda][adapter]") {
+  CUDA_TEST_OR_SKIP();
+  Pair p;
+  using Op = Backend::GemmOp;
+  struct S { int M, N, K; };
+  uint64_t seed = 900;
+  for (S s : {S{1, 1, 1}, S{19, 8, 111}, S{111, 19, 1}, S{37, 111, 19}, S{500, 16, 768}, S{16, 768, 500}})
+    for (Op ta : {Op::N, Op::T})
+      for (Op tb : {Op::N, Op::T})
+        for (bool c_f32 : {false, true})
+          for (float beta : {0.0f, 1.0f}) {
+            const int a_rows = ta == Op::N ? s.M : s.K, a_cols = ta == Op::N ? s.K : s.M, lda = a_cols + 3;
+            const int b_rows = tb == Op::N ? s.K : s.N, b_cols = tb == Op::N ? s.N : s.K, ldb = b_cols + 1;
+            const int ldc = s.N + 5;
+            const size_t off = beta == 1.0f ? 1 : 0;
+            const std::string sh = shape({{"M", s.M}, {"N", s.N}, {"K", s.K}}) + (ta == Op::T ? " aT" : " aN") +
+                                   (tb == Op::T ? " bT" : " bN") + (c_f32 ? " c fp32" : " c bf16") +
+                                   (beta == 1.0f ? " beta 1 (offset c)" : " beta 0");
+            Twin a(p, randn(size_t(a_rows) * lda, ++seed), true), b(p, randn(size_t(b_rows) * ldb, ++seed), true);
+            Twin c(p, randn(size_t(s.M) * ldc, ++seed), !c_f32, off);
+            p.cpu->gemm(c.c(), ldc, c_f32, a.c(), lda, ta, b.c(), ldb, tb, s.M, s.N, s.K, 0.75f, beta);
+            p.gpu->gemm(c.g(), ldc, c_f32, a.g(), lda, ta, b.g(), ldb, tb, s.M, s.N, s.K, 0.75f, beta);
+            check_close("adapter gemm " + sh, c.read_gpu(p), c.read_cpu(p), c_f32 ? kF32 : kBf16);
+          }
+  // K = 0, an empty sum: beta 0 zeroes the M x N block (a strided memset:
+  // cuBLASLt refuses k = 0), beta 1 leaves c; the padding is never touched.
+  for (bool c_f32 : {false, true})
+    for (float beta : {0.0f, 1.0f}) {
+      const int M = 19, N = 7, ldc = 11;
+      Twin a(p, Vec{1.0f}, true), b(p, Vec{1.0f}, true);
+      Twin c(p, randn(size_t(M) * ldc, ++seed), !c_f32, 1);
+      p.gpu->gemm(c.g(), ldc, c_f32, a.g(), 1, Op::N, b.g(), N, Op::N, M, N, 0, 1.0f, beta);
+      Vec want = c.val;
+      if (beta == 0.0f)
+        for (int m = 0; m < M; ++m) std::fill(want.begin() + m * ldc, want.begin() + m * ldc + N, 0.0f);
+      INFO("K = 0, " << (c_f32 ? "fp32" : "bf16") << " c, beta " << beta);
+      CHECK(c.read_gpu(p) == want);
+    }
+  // Only beta 0 and 1 exist on CUDA (GemmDesc::accumulate): any other is an Error, not a wrong answer.
+  Twin a(p, randn(4, 1), true), b(p, randn(4, 2), true), c(p, randn(4, 3), true);
+  CHECK_THROWS_WITH(p.gpu->gemm(c.g(), 2, false, a.g(), 2, Op::N, b.g(), 2, Op::N, 2, 2, 2, 1.0f, 0.5f),
+                    Catch::Contains("beta 0.5 is not supported"));
+}
+
+// Backend::dropout_forward: the mask must be the CPU's bit for bit (it is
+// kernels/dropout_mask.h's on both), for any row0 (a micro-batch's first
+// global row), aligned (16-byte packs) and not; values at bf16 tolerance.
+// In place gives the same bits, and rows [k, N) at row0 + k are rows [k, N)
+// of the whole: the counter is the global (row, feature).
+TEST_CASE("cuda: dropout draws the CPU's mask bit for bit (any row0, in place, unaligned, split rows)",
+          "[cuda][adapter]") {
+  CUDA_TEST_OR_SKIP();
+  Pair p;
+  struct S { int N, C; int64_t row0; float p; };
+  for (S s : {S{1, 1, 0, 0.5f}, S{19, 111, 7, 0.1f}, S{111, 19, 1000003, 0.25f}, S{64, 768, 123456789012LL, 0.05f},
+              S{3, 4099, 5, 0.9f}})
+    for (size_t off : {size_t(0), size_t(1)}) {
+      const size_t n = size_t(s.N) * s.C;
+      const uint64_t seed = 0x5eed0000ull + uint64_t(s.C);
+      const std::string sh = shape({{"N", s.N}, {"C", s.C}, {"row0", long(s.row0)}}) + " p " + std::to_string(s.p) +
+                             (off ? " unaligned" : "");
+      Twin x(p, randn(n, uint64_t(s.N) * 7 + off), true, off);
+      Twin y = out_twin(p, n, true, off);
+      p.cpu->dropout_forward(y.c(), x.c(), s.N, s.C, s.p, seed, s.row0);
+      p.gpu->dropout_forward(y.g(), x.g(), s.N, s.C, s.p, seed, s.row0);
+      const Vec got = y.read_gpu(p), want = y.read_cpu(p);
+      size_t diff = 0, first = n, kept = 0;
+      for (size_t i = 0; i < n; ++i) {
+        const bool kg = got[i] != 0.0f, kc = want[i] != 0.0f;  // x is never 0, so 0 is exactly a dropped element
+        kept += kc;
+        if (kg != kc) {
+          ++diff;
+          first = std::min(first, i);
+        }
+      }
+      INFO("dropout " << sh << ": " << diff << " mask bits differ, the first at element " << first);
+      CHECK(diff == 0);
+      check_close("dropout values " + sh, got, want, kBf16);
+      // Not all kept or all dropped: the threshold is p's.
+      if (n >= 1000) CHECK(std::fabs(double(kept) / double(n) - (1.0 - s.p)) < 0.05);
+      Twin z(p, x.val, true, off);
+      p.gpu->dropout_forward(z.g(), z.g(), s.N, s.C, s.p, seed, s.row0);
+      CHECK(z.read_gpu(p) == got);
+      if (s.N > 1) {
+        const int k = s.N / 2;
+        Twin t = out_twin(p, n, true, off);
+        p.gpu->dropout_forward(t.g(), x.g(), k, s.C, s.p, seed, s.row0);
+        p.gpu->dropout_forward(static_cast<uint16_t*>(t.g()) + size_t(k) * s.C,
+                               static_cast<const uint16_t*>(x.g()) + size_t(k) * s.C, s.N - k, s.C, s.p, seed,
+                               s.row0 + k);
+        CHECK(t.read_gpu(p) == got);
+      }
+    }
+}
+
+// Backend::row_norms (DoRA's ||W + s B A||_row and its magnitude init
+// ||W||_row): fp32 out of bf16 rows, against the CPU's double sums.
+TEST_CASE("cuda: row_norms (fp32 norms of bf16 rows)", "[cuda][adapter]") {
+  CUDA_TEST_OR_SKIP();
+  Pair p;
+  struct S { int rows, cols; };
+  for (S s : {S{1, 1}, S{19, 111}, S{111, 19}, S{37, 64}, S{256, 768}, S{5, 8192}, S{3, 8200}})
+    for (size_t off : {size_t(0), size_t(1)}) {
+      const std::string sh = shape({{"rows", s.rows}, {"cols", s.cols}}) + (off ? " unaligned" : "");
+      Twin w(p, randn(size_t(s.rows) * s.cols, uint64_t(s.rows) * 31 + s.cols, 0.05f), true, off);
+      Twin out = out_twin(p, size_t(s.rows), false);
+      p.cpu->row_norms(out.cf(), w.c(), s.rows, s.cols);
+      p.gpu->row_norms(out.gf(), w.g(), s.rows, s.cols);
+      check_close("row_norms " + sh, out.read_gpu(p), out.read_cpu(p), kF32);
+    }
+}
+
+// Tensor parallelism (core/model/adapter/lora.h): a row-parallel linear's
+// input columns [col0, col0 + C) of rows key_cols wide draw the whole rows'
+// mask, the CPU's bit for bit; row_sum_squares then sqrt_in_place (a
+// row-parallel DoRA norm, with the TP sum between) is row_norms in two steps.
+TEST_CASE("cuda: dropout of a column slice, row_sum_squares and sqrt_in_place (tensor parallelism)",
+          "[cuda][adapter]") {
+  CUDA_TEST_OR_SKIP();
+  Pair p;
+  struct S { int N, C; int64_t key_cols, col0, row0; };
+  for (S s : {S{19, 111, 333, 111, 7}, S{8, 16, 32, 16, 1000003}, S{5, 8, 64, 0, 3}}) {
+    const size_t n = size_t(s.N) * s.C;
+    const std::string sh = shape({{"N", s.N}, {"C", s.C}, {"key_cols", long(s.key_cols)}, {"col0", long(s.col0)}});
+    Twin x(p, randn(n, uint64_t(s.C) * 3 + uint64_t(s.col0)), true);
+    Twin y = out_twin(p, n, true);
+    p.cpu->dropout_forward(y.c(), x.c(), s.N, s.C, 0.25f, 77, s.row0, s.key_cols, s.col0);
+    p.gpu->dropout_forward(y.g(), x.g(), s.N, s.C, 0.25f, 77, s.row0, s.key_cols, s.col0);
+    const Vec got = y.read_gpu(p), want = y.read_cpu(p);
+    size_t diff = 0;
+    for (size_t i = 0; i < n; ++i) diff += (got[i] != 0.0f) != (want[i] != 0.0f);
+    INFO("dropout slice " << sh);
+    CHECK(diff == 0);
+    check_close("dropout slice " + sh, got, want, kBf16);
+  }
+  struct R { int rows, cols; };
+  for (R s : {R{1, 1}, R{19, 111}, R{37, 64}, R{5, 8192}}) {
+    const std::string sh = shape({{"rows", s.rows}, {"cols", s.cols}});
+    Twin w(p, randn(size_t(s.rows) * s.cols, uint64_t(s.rows) * 17 + s.cols, 0.05f), true);
+    Twin sq = out_twin(p, size_t(s.rows), false);
+    p.cpu->row_sum_squares(sq.cf(), w.c(), s.rows, s.cols);
+    p.gpu->row_sum_squares(sq.gf(), w.g(), s.rows, s.cols);
+    check_close("row_sum_squares " + sh, sq.read_gpu(p), sq.read_cpu(p), kF32);
+    p.gpu->sqrt_in_place(sq.gf(), s.rows);
+    Twin norms = out_twin(p, size_t(s.rows), false);
+    p.cpu->row_norms(norms.cf(), w.c(), s.rows, s.cols);
+    check_close("sqrt(row_sum_squares) " + sh, sq.read_gpu(p), norms.read_cpu(p), kF32);
+  }
+}
+
+// Backend::dora_forward / dora_backward: y's target columns start `ycol`
+// into rows ldy apart (a fused output); dmag accumulates onto random
+// values; xw and xba are overwritten in place by their gradients. N = 300
+// and 1000 cross the backward's 256-row chunks.
+TEST_CASE("cuda: dora forward (+= into strided y) and backward (dmag +=, in-place xw/xba)", "[cuda][adapter]") {
+  CUDA_TEST_OR_SKIP();
+  Pair p;
+  struct S { int N, out, ldy, ycol; };
+  const float sc = 0.75f;  // s = alpha / r
+  for (S s : {S{1, 1, 1, 0}, S{19, 111, 148, 37}, S{111, 19, 19, 0}, S{300, 64, 192, 64}, S{1000, 37, 40, 3}}) {
+    const std::string sh = shape({{"N", s.N}, {"out", s.out}, {"ldy", s.ldy}, {"col", s.ycol}});
+    const size_t no = size_t(s.N) * s.out, ny = size_t(s.N) * s.ldy;
+    const uint64_t seed = uint64_t(s.N) * 1000 + s.out;
+    Vec nv = randn(size_t(s.out), seed + 4);
+    for (float& v : nv) v = std::fabs(v) + 0.5f;  // a norm: positive
+    Twin xw(p, randn(no, seed + 1), true), xba(p, randn(no, seed + 2), true);
+    Twin mag(p, randn(size_t(s.out), seed + 3, 0.5f, 1.0f), true), norm(p, nv, false);
+    Twin y(p, randn(ny, seed + 5), true);
+    p.cpu->dora_forward(y.cf() + s.ycol, s.ldy, xw.c(), xba.c(), mag.c(), norm.cf(), sc, s.N, s.out);
+    p.gpu->dora_forward(static_cast<uint16_t*>(y.g()) + s.ycol, s.ldy, xw.g(), xba.g(), mag.g(), norm.gf(), sc, s.N,
+                        s.out);
+    check_close("dora forward y " + sh, y.read_gpu(p), y.read_cpu(p), kBf16);
+    Twin dy(p, randn(ny, seed + 6), true), dmag(p, randn(size_t(s.out), seed + 7), false);
+    p.cpu->dora_backward(dmag.cf(), xw.c(), xba.c(), dy.cf() + s.ycol, s.ldy, mag.c(), norm.cf(), sc, s.N, s.out);
+    p.gpu->dora_backward(dmag.gf(), xw.g(), xba.g(), static_cast<const uint16_t*>(dy.g()) + s.ycol, s.ldy, mag.g(),
+                         norm.gf(), sc, s.N, s.out);
+    check_close("dora backward dmag (+=) " + sh, dmag.read_gpu(p), dmag.read_cpu(p), kF32);
+    check_close("dora backward dxw (in place) " + sh, xw.read_gpu(p), xw.read_cpu(p), kBf16);
+    check_close("dora backward dxba (in place) " + sh, xba.read_gpu(p), xba.read_cpu(p), kBf16);
+  }
+}
+
+namespace {
+// A tiny adapter run on job_yaml's model (GPT-2, or Llama with grouped-query
+// attention), dropout on, 10 steps, writing its adapter under `dir`.
+TrainSummary train_adapter(const std::string& dir, const std::string& backend, const std::string& arch,
+                           const std::string& type, std::vector<std::string> sets = {}) {
+  for (const char* s : {"model.adapter.rank=4", "model.adapter.alpha=8", "model.adapter.dropout=0.1",
+                        "model.adapter.target_modules=all-linear", "train.max_steps=10", "train.lr=1.0e-2"})
+    sets.push_back(s);
+  sets.push_back("model.adapter.type=" + type);
+  if (arch == "llama") {
+    sets.push_back("model.arch=llama");
+    sets.push_back("model.n_kv_head=1");
+    sets.push_back("model.ffn_dim=128");
+  }
+  return run_training(parse_job_spec(job_yaml(dir, backend, "no_shard"), "job.yaml", sets), WorkerInfo{});
+}
+}  // namespace
+
+// LoRA and DoRA through the whole trainer on CUDA (bf16 frozen base,
+// fp32 adapter masters) against the same job on the CPU: the first loss
+// (B = 0: the base's own) at bf16 tolerance, the 10-step curve at kLoss;
+// both learn; the PEFT adapter is written. model.base_dtype: fp32 on CUDA
+// is refused (the base there is bf16).
+TEST_CASE("cuda: LoRA and DoRA training (GPT-2, Llama, dropout 0.1) track the CPU backend's losses",
+          "[cuda][adapter][train]") {
+  CUDA_TEST_OR_SKIP();
+  for (const char* arch : {"gpt2", "llama"})
+    for (const char* type : {"lora", "dora"}) {
+      const std::string what = std::string(arch) + " " + type;
+      INFO(what);
+      test::TempDir cdir("cuda_adapter_cpu"), gdir("cuda_adapter_gpu");
+      const TrainSummary cpu = train_adapter(cdir.path(), "cpu", arch, type);
+      const TrainSummary gpu = train_adapter(gdir.path(), "cuda", arch, type);
+      REQUIRE(gpu.losses.size() == cpu.losses.size());
+      REQUIRE(!cpu.losses.empty());
+      double worst = 0;
+      for (size_t i = 0; i < cpu.losses.size(); ++i)
+        worst = std::max(worst, std::fabs(gpu.losses[i] - cpu.losses[i]) / std::fabs(cpu.losses[i]));
+      const double first = std::fabs(gpu.losses[0] - cpu.losses[0]) / std::fabs(cpu.losses[0]);
+      std::printf("  %-58s first %.3e (tol %.0e), max rel diff %.3e (tol %.0e); loss %.4f -> %.4f (cpu %.4f -> %.4f)\n",
+                  ("adapter training, " + what).c_str(), first, kBf16, worst, kLoss, gpu.losses.front(),
+                  gpu.losses.back(), cpu.losses.front(), cpu.losses.back());
+      CHECK(first <= kBf16);
+      CHECK(worst <= kLoss);
+      CHECK(cpu.losses.back() < cpu.losses.front());
+      CHECK(gpu.losses.back() < gpu.losses.front());
+      CHECK(test::file_exists(gdir / "adapter/adapter_model.safetensors"));
+      CHECK(test::file_exists(gdir / "adapter/adapter_config.json"));
+    }
+  test::TempDir dir("cuda_adapter_fp32");
+  CHECK_THROWS_WITH(train_adapter(dir.path(), "cuda", "gpt2", "lora", {"model.base_dtype=fp32"}),
+                    Catch::Contains("model.base_dtype: fp32 with backend cuda"));
+}

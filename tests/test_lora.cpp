@@ -24,6 +24,7 @@
 #include "core/model/adapter/peft_files.h"
 #include "core/model/model.h"
 #include "kernels/backend_factory.h"
+#include "tests/support/adapted_model.h"
 #include "tests/support/device_io.h"
 #include "tests/support/checkpoint_jobs.h"
 #include "tests/support/hf_reference.h"
@@ -35,120 +36,11 @@ using namespace trainrun::test;
 
 namespace {
 
-constexpr int kB = 2, kT = 8, kRank = 4;
+constexpr int kRank = 4;
 constexpr double kAlpha = 8;
 
-struct PeftCase {
-  std::string arch, targets;
-  bool dora = false;
-  std::string name() const { return arch + (dora ? " dora" : ""); }
-};
-PeftCase llama_case(bool dora = false) {
-  return {"llama", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", dora};
-}
-PeftCase gpt2_case(bool dora = false) { return {"gpt2", "c_attn,c_proj,c_fc", dora}; }
-std::vector<PeftCase> all_cases() { return {llama_case(), gpt2_case(), llama_case(true), gpt2_case(true)}; }
-
-float max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
-  REQUIRE(a.size() == b.size());
-  float m = 0;
-  for (size_t i = 0; i < a.size(); ++i) m = std::max(m, std::fabs(a[i] - b[i]));
-  return m;
-}
-
-std::vector<int32_t> tokens(int seed, int V) {
-  std::vector<int32_t> t(size_t(kB) * kT);
-  for (size_t i = 0; i < t.size(); ++i) t[i] = int32_t((i * 7 + size_t(seed) * 13 + 3) % size_t(V));
-  return t;
-}
-
-// A base + adapter on the CPU backend, as the trainer's AdaptedUnitAccess joins them.
-struct AdaptedModel {
-  std::unique_ptr<ModelArch> arch;
-  std::unique_ptr<Backend> be = make_cpu_backend(1);
-  std::unique_ptr<LoraAdapters> ad;
-  DeviceBuffer base_p, base_g, ad_p, ad_g;
-  std::unique_ptr<FlatUnitAccess> base_units, ad_units;
-  std::unique_ptr<AdaptedUnitAccess> units;
-
-  AdaptedModel(const std::string& base_dir, const LoraOptions& o, const std::vector<float>* adapter_flat,
-               const std::string& adapter_dir = "") {
-    arch = make_model_arch(read_hf_model_config(base_dir, "test"));
-    auto src = open_hf_source(base_dir, "test");
-    std::vector<float> flat(size_t(arch->layout().total));
-    src->read(0, int64_t(flat.size()), flat.data());
-    ad = std::make_unique<LoraAdapters>(*arch, o, be.get(), kB * kT);
-    std::vector<float> a = adapter_flat ? *adapter_flat : read_peft_adapter(adapter_dir, *arch, *ad, "test");
-    base_p = upload_act(be.get(), flat);
-    base_g = DeviceBuffer(be.get(), flat.size() * 4);
-    ad_p = upload_act(be.get(), a);
-    ad_g = DeviceBuffer(be.get(), a.size() * 4);
-    base_units = std::make_unique<FlatUnitAccess>(arch->layout(), base_p.get(), base_g.as<float>(), be->act_dtype());
-    ad_units = std::make_unique<FlatUnitAccess>(ad->layout(), ad_p.get(), ad_g.as<float>(), be->act_dtype());
-    units = std::make_unique<AdaptedUnitAccess>(*base_units, arch->layout(), *ad, *ad_units, be.get());
-  }
-  std::vector<float> adapter_params() const { return download_act(be.get(), ad_p.get(), size_t(ad->layout().total)); }
-  std::vector<float> logits(const std::vector<int32_t>& in, bool ckpt = false) {
-    auto net = arch->make_network(be.get(), kB, ckpt);
-    DeviceBuffer din = upload_i32(be.get(), in);
-    net->forward(*units, din.as<int32_t>(), nullptr, kB, kT, false, 0.0f);
-    const int V = arch->config().V, ld = net->logits_stride();
-    const std::vector<float> padded = download_act(be.get(), net->logits(), size_t(kB) * kT * ld);
-    std::vector<float> out;
-    for (int n = 0; n < kB * kT; ++n)
-      out.insert(out.end(), padded.begin() + size_t(n) * ld, padded.begin() + size_t(n) * ld + V);
-    return out;
-  }
-  // Mean loss; the adapter gradients land in ad_g.
-  double loss_and_grads(const std::vector<int32_t>& in, const std::vector<int32_t>& tgt, bool ckpt = false) {
-    auto net = arch->make_network(be.get(), kB, ckpt);
-    DeviceBuffer din = upload_i32(be.get(), in), dt = upload_i32(be.get(), tgt);
-    be->zero(ad_g.get(), size_t(ad->layout().total) * 4);
-    net->forward(*units, din.as<int32_t>(), dt.as<int32_t>(), kB, kT, true, 1.0f / float(kB * kT));
-    const std::vector<float> l = download_f32(be.get(), net->losses(), size_t(kB) * kT);
-    net->backward(*units);
-    double s = 0;
-    for (float x : l) s += x;
-    return s / double(l.size());
-  }
-  std::vector<float> adapter_grads() const { return download_f32(be.get(), ad_g.get(), size_t(ad->layout().total)); }
-  void set_adapter_params(const std::vector<float>& a) {
-    REQUIRE(int64_t(a.size()) == ad->layout().total);
-    be->copy_to_device(ad_p.get(), a.data(), a.size() * 4);  // fp32 is the CPU backend's act dtype
-  }
-  double loss(const std::vector<int32_t>& in, const std::vector<int32_t>& tgt) {
-    auto net = arch->make_network(be.get(), kB, false);
-    DeviceBuffer din = upload_i32(be.get(), in), dt = upload_i32(be.get(), tgt);
-    net->forward(*units, din.as<int32_t>(), dt.as<int32_t>(), kB, kT, false, 0.0f);
-    double s = 0;
-    for (float x : download_f32(be.get(), net->losses(), size_t(kB) * kT)) s += x;
-    return s / double(kB * kT);
-  }
-};
-
-void write_batch(const std::string& path, const std::vector<int32_t>& in, const std::vector<int32_t>& tgt) {
-  SafeTensorFile f;
-  f.tensors.push_back(make_tensor("inputs", "I32", {kB, kT}, in.data()));
-  f.tensors.push_back(make_tensor("targets", "I32", {kB, kT}, tgt.data()));
-  write_safetensors(path, f);
-}
-
-void make_peft_case(const PeftCase& c, const TempDir& tmp) {
-  const auto r = run_reference_script("peft_lora.py", "make --arch " + c.arch + " --out '" + tmp.path() + "' --r " +
-                                                          std::to_string(kRank) + " --alpha " + std::to_string(kAlpha) +
-                                                          " --targets " + c.targets + (c.dora ? " --dora" : ""));
-  INFO(r.err);
-  REQUIRE(r.exit_code == 0);
-}
-
-LoraOptions options_for(const PeftCase& c) {
-  LoraOptions o;
-  o.rank = kRank;
-  o.alpha = kAlpha;
-  o.target_modules = c.targets;
-  o.dora = c.dora;
-  return o;
-}
+void make_peft_case(const PeftCase& c, const TempDir& tmp) { make_peft_case(c, kRank, kAlpha, tmp); }
+LoraOptions options_for(const PeftCase& c) { return options_for(c, kRank, kAlpha); }
 
 }  // namespace
 
@@ -361,8 +253,6 @@ TEST_CASE("lora: bad adapters and specs are errors naming the key, file and both
     CHECK_THROWS_WITH(parse_job_spec(base + "    type: qlora\n", "job.yaml"),
                       Catch::Contains("model.adapter.type") && Catch::Contains("unknown value 'qlora'") &&
                           Catch::Contains("none, lora, dora"));
-    CHECK_THROWS_WITH(parse_job_spec(base + "    type: lora\n", "job.yaml", {"model.base_dtype=nf4"}),
-                      Catch::Contains("model.base_dtype: nf4 is not implemented yet"));
     CHECK_THROWS_WITH(parse_job_spec(base + "    init_from: /x\n", "job.yaml"),
                       Catch::Contains("model.adapter.init_from: needs model.adapter.type: lora"));
   }
@@ -373,8 +263,8 @@ namespace {
 // adapter (model.adapter.init_from), with dropout, on synthetic data.
 // fresh_dora: a DoRA adapter from trainrun's own init instead (magnitudes
 // from the base's row norms), with the same dropout.
-JobSpec lora_job(const TempDir& peft, const std::string& out, const std::string& strategy, int micro_batch,
-                 bool fresh_dora = false) {
+std::string lora_yaml(const TempDir& peft, const std::string& out, const std::string& strategy, int micro_batch,
+                      bool fresh_dora = false) {
   const std::string adapter = fresh_dora ? "type: dora" : "type: lora, init_from: '" + peft / "adapter" + "'";
   const std::string yaml =
       "model:\n  init_from: '" + peft / "base" + "'\n  seq_len: 8\n"
@@ -386,7 +276,11 @@ JobSpec lora_job(const TempDir& peft, const std::string& out, const std::string&
       "output: {dir: '" + out + "', sample_tokens: 0}\n"
       "parallel: {sharding: " + strategy + ", timeout_s: 60" +
       (strategy == "hybrid_shard" ? ", shard_group_size: 1" : "") + "}\n";
-  return parse_job_spec(yaml, "job.yaml");
+  return yaml;
+}
+JobSpec lora_job(const TempDir& peft, const std::string& out, const std::string& strategy, int micro_batch,
+                 bool fresh_dora = false) {
+  return parse_job_spec(lora_yaml(peft, out, strategy, micro_batch, fresh_dora), "job.yaml");
 }
 std::vector<float> adapter_file(const std::string& dir) {
   const SafeTensorFile f = read_safetensors(dir + "/adapter_model.safetensors");
@@ -453,6 +347,39 @@ TEST_CASE("lora training: adapter/ loads in peft with trainrun's logits; 2 ranks
   }
 }
 
+TEST_CASE("lora training: the end-of-run sample (2 ranks, full_shard) is `generate --adapter`'s on the run's adapter",
+          "[lora][train][sample]") {
+  TempDir peft("lora_sample");
+  make_peft_case(llama_case(), peft);
+  const std::string run = peft / "run";
+  const JobSpec job = lora_job(peft, run, "full_shard", 1);
+  write_file(peft / "job.yaml", lora_yaml(peft, run, "full_shard", 1));
+  const auto r = run_command("OMP_NUM_THREADS=1 '" + trainrun_binary() + "' --config '" + peft / "job.yaml" +
+                             "' --set parallel.nproc_per_node=2 --set output.sample_tokens=6 --set "
+                             "output.sample_prompt='7 3'");
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  const std::string log = read_file(run + "/logs/rank0.log");
+  CHECK(log.find("sample: skipped") == std::string::npos);
+  // The same base, the adapter the run wrote, the sampler's seed, temperature and top-k.
+  const auto g = run_trainrun("generate --checkpoint '" + peft / "base" + "' --adapter '" + run +
+                              "/adapter' --prompt '7 3' --max-tokens 6 --temperature 0.8 --top-k 40 --seed " +
+                              std::to_string(job.train.seed));
+  INFO(g.err);
+  REQUIRE(g.exit_code == 0);
+  // 2 + 6 tokens: within the run's seq_len of 8 (generate reads the HF config's 16), so
+  // neither sampler outgrows its cache and refills it.
+  REQUIRE(std::count(g.out.begin(), g.out.end(), ' ') >= 7);  // the prompt and 6 ids
+  INFO("generate: " << g.out << "\nrank 0's log: " << log.substr(log.rfind("sample")));
+  CHECK(log.find("sample:\n" + g.out) != std::string::npos);
+  // The base alone samples something else: the run's sample used its adapters.
+  const auto plain = run_trainrun("generate --checkpoint '" + peft / "base" +
+                                  "' --prompt '7 3' --max-tokens 6 --temperature 0.8 --top-k 40 --seed " +
+                                  std::to_string(job.train.seed));
+  REQUIRE(plain.exit_code == 0);
+  CHECK(plain.out != g.out);
+}
+
 TEST_CASE("lora: export --merge equals peft's merge_and_unload() (llama, gpt2; lora, dora)", "[lora][peft]") {
   for (const PeftCase& c : all_cases()) {
     SECTION(c.name()) {
@@ -484,24 +411,28 @@ TEST_CASE("lora: export --merge equals peft's merge_and_unload() (llama, gpt2; l
   }
 }
 
-TEST_CASE("lora: generate --adapter samples what transformers samples from peft's merged model (lora, dora)",
+TEST_CASE("lora: generate --adapter (unmerged) samples what transformers samples from peft's model (llama, gpt2; lora, dora)",
           "[lora][peft]") {
   const bool dora = GENERATE(false, true);
-  INFO((dora ? "dora" : "lora"));
+  const bool gpt2 = GENERATE(false, true);
+  INFO((dora ? "dora" : "lora") << (gpt2 ? " gpt2" : " llama"));
   TempDir tmp("lora_gen");
-  make_peft_case(llama_case(dora), tmp);
+  make_peft_case(gpt2 ? gpt2_case(dora) : llama_case(dora), tmp);
   auto r = run_reference_script("peft_lora.py", "merge --base '" + tmp / "base" + "' --adapter '" + tmp / "adapter" +
                                                     "' --out '" + tmp / "merged" + "'");
   INFO(r.err);
   REQUIRE(r.exit_code == 0);
-  const auto want = run_reference_script("hf_llama.py", "generate --model '" + tmp / "merged" +
-                                                            "' --prompt '1 2 3' --max-new-tokens 8");
+  // peft's merged model samples what its unmerged PeftModel samples; trainrun
+  // applies the adapter unmerged, in the decoder's hooks.
+  const auto want = run_reference_script(gpt2 ? "hf_gpt2.py" : "hf_llama.py",
+                                         "generate --model '" + tmp / "merged" + "' --prompt '1 2 3' --max-new-tokens 8");
   INFO(want.err);
   REQUIRE(want.exit_code == 0);
   const auto got = run_trainrun("generate --checkpoint '" + tmp / "base" + "' --adapter '" + tmp / "adapter" +
                                 "' --prompt '1 2 3' --top-k 1 --max-tokens 8");
   INFO(got.err);
   REQUIRE(got.exit_code == 0);
+  CHECK_THAT(got.err, Catch::Contains("applied unmerged"));
   CHECK(got.out == want.out);
   // Without the adapter the base samples something else (the adapter is not ignored).
   const auto plain =

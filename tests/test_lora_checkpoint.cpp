@@ -165,6 +165,10 @@ TEST_CASE("lora checkpoints: another base, another adapter shape or a whole-mode
     test::run_ranks_inprocess(job(copy, run, "no_shard"), 1);
     CHECK(losses_of(run).size() == 4);
   }
+  SECTION("another model.base_dtype (an NF4 base is another function)") {
+    CHECK_THROWS_WITH(test::run_ranks_inprocess(job(base, run, "no_shard", 4, {"model.base_dtype=nf4"}), 1),
+                      Catch::Contains("model.base_dtype = \"fp32\" but this job has \"nf4\""));
+  }
   SECTION("another rank") {
     CHECK_THROWS_WITH(test::run_ranks_inprocess(job(base, run, "no_shard", 8), 1),
                       Catch::Contains("model.adapter r = 4 but this job has 8"));

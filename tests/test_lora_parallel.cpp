@@ -162,6 +162,44 @@ void check_in_peft(const std::string& base, const std::string& tp_run, const std
 
 }  // namespace
 
+TEST_CASE("lora tp: the ops a rank's slice needs (CPU): dropout of a column slice, row_sum_squares, sqrt_in_place",
+          "[lora][tp][cpu_ops]") {
+  auto be = make_cpu_backend(1);
+  // Rows of 12 features, 3 rows from global row 5: columns [4, 9) of the
+  // whole rows' dropout are the slice's dropout, element for element.
+  const int N = 3, W = 12, c0 = 4, C = 5;
+  std::vector<float> whole(size_t(N) * W), slice(size_t(N) * C);
+  for (size_t i = 0; i < whole.size(); ++i) whole[i] = 1.0f + float(i);
+  for (int n = 0; n < N; ++n)
+    for (int c = 0; c < C; ++c) slice[size_t(n * C + c)] = whole[size_t(n * W + c0 + c)];
+  std::vector<float> dw(whole.size()), ds(slice.size());
+  be->dropout_forward(dw.data(), whole.data(), N, W, 0.5f, 99, 5);
+  be->dropout_forward(ds.data(), slice.data(), N, C, 0.5f, 99, 5, W, c0);
+  int dropped = 0;
+  for (int n = 0; n < N; ++n)
+    for (int c = 0; c < C; ++c) {
+      CHECK(ds[size_t(n * C + c)] == dw[size_t(n * W + c0 + c)]);
+      dropped += ds[size_t(n * C + c)] == 0.0f;
+    }
+  CHECK(dropped > 0);
+  CHECK(dropped < N * C);
+  // The slice keyed as its own rows would be another mask (the bug this guards against).
+  std::vector<float> own(slice.size());
+  be->dropout_forward(own.data(), slice.data(), N, C, 0.5f, 99, 5);
+  CHECK(own != ds);
+  // A row's norm from two column halves' sums of squares.
+  const std::vector<float> w = {3, 4, 0, 12, 1, 2, 2, 4};  // rows of 4: norms 13 and 5
+  std::vector<float> left(2), right(2), norms(2);
+  const std::vector<float> wl = {3, 4, 1, 2}, wr = {0, 12, 2, 4};
+  be->row_sum_squares(left.data(), wl.data(), 2, 2);
+  be->row_sum_squares(right.data(), wr.data(), 2, 2);
+  for (int i = 0; i < 2; ++i) left[size_t(i)] += right[size_t(i)];
+  be->sqrt_in_place(left.data(), 2);
+  be->row_norms(norms.data(), w.data(), 2, 4);
+  CHECK(left == std::vector<float>({13.0f, 5.0f}));
+  CHECK(norms == left);
+}
+
 TEST_CASE("lora tp: tensor parallelism equals one rank (llama GQA, gpt2; lora, dora; sequence parallel; tp x dp)",
           "[lora][tp]") {
   SECTION("llama, one KV head (replicated at tp2), lora: tp2, tp2 + sequence parallel; the tp2 adapter in peft; "

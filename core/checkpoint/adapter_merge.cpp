@@ -98,30 +98,7 @@ class MergedSource final : public FlatModelSource {
   std::vector<float> flat_;  // the adapter (small)
   std::vector<const ParamTensor*> weights_;  // per target, its base weight
 };
-// Whole-model weights in memory as a source.
-class VectorSource final : public FlatModelSource {
- public:
-  VectorSource(const ModelArch& arch, const std::vector<float>& flat) : arch_(arch), flat_(flat) {}
-  const ModelArch& arch() const override { return arch_; }
-  void read(int64_t global, int64_t count, float* out) const override {
-    std::copy(flat_.begin() + global, flat_.begin() + global + count, out);
-  }
-
- private:
-  const ModelArch& arch_;
-  const std::vector<float>& flat_;
-};
 }  // namespace
-
-void merge_adapter_into(const ModelArch& arch, std::vector<float>& flat, const std::string& adapter_dir,
-                        const std::string& what) {
-  TR_CHECK(int64_t(flat.size()) == arch.layout().total, what, ": ", flat.size(), " weights for a model of ",
-           arch.layout().total, " (a bug)");
-  MergedSource merged(std::make_unique<VectorSource>(arch, flat), adapter_dir, what);
-  std::vector<float> out(flat.size());
-  merged.read(0, int64_t(out.size()), out.data());
-  flat.swap(out);
-}
 
 std::string export_merged_hf(const std::string& base, const std::string& adapter_dir, const std::string& out_dir,
                              const HfExportOptions& opt) {

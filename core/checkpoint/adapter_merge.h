@@ -19,9 +19,4 @@ namespace trainrun {
 std::string export_merged_hf(const std::string& base, const std::string& adapter_dir, const std::string& out_dir,
                              const HfExportOptions& opt = {});
 
-// The same into whole-model weights in memory (`generate --adapter`, which
-// holds the whole model anyway). `what` prefixes messages.
-void merge_adapter_into(const ModelArch& arch, std::vector<float>& flat, const std::string& adapter_dir,
-                        const std::string& what);
-
 }  // namespace trainrun

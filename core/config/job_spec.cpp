@@ -152,8 +152,13 @@ const std::vector<Field>& fields() {
                     "the LM head is the token embedding; auto = the architecture's way (gpt2: always tied; "
                     "llama: untied, but Llama 3.2 1B/3B are tied)"),
       TR_SPEC_FIELD(model.base_dtype, one_of({"auto", "fp32", "bf16", "nf4"}),
-                    "with model.adapter: how the frozen base weights are held; auto = fp32 (the CPU backend's "
-                    "only dtype today); bf16 and nf4 (QLoRA) are not implemented yet"),
+                    "with model.adapter: how the frozen base weights are held (docs/fine-tuning.md, \"NF4 storage\"); "
+                    "auto = the backend's activation dtype (fp32 on the CPU, bf16 on CUDA); fp32 needs the CPU "
+                    "backend; bf16 = every base weight rounded to bf16 (round to nearest even; the CPU computes with "
+                    "those values in fp32); nf4 = QLoRA: every block linear's weight quantized as bitsandbytes' "
+                    "quantize_4bit(blocksize=64, compress_statistics=True, nf4) does on the whole (out, in) tensor "
+                    "(~0.52 bytes per weight, sharded like any frozen parameter and dequantized per unit before its "
+                    "GEMMs), embeddings, norms, biases and the LM head in fp32; bf16 and nf4 need model.adapter"),
       TR_SPEC_FIELD(model.rope_scaling.type, one_of({"none", "llama3"}),
                     "RoPE frequency scaling (llama): none, or llama3 (Llama 3.1's bands)"),
       TR_SPEC_FIELD(model.rope_scaling.factor, above(0), "llama3 scaling: factor"),
@@ -888,9 +893,22 @@ void check_rules(JobSpec& s, const Origins& o, const std::string& fallback, bool
   }
   // model.adapter / model.base_dtype: what is implemented so far (docs/fine-tuning.md).
   const ModelSpec::AdapterSpec& ad = m.adapter;
-  if (m.base_dtype == "bf16" || m.base_dtype == "nf4")
-    fail(at({"model.base_dtype"}), "model.base_dtype",
-         m.base_dtype + " is not implemented yet; use auto or fp32 (the frozen base in fp32)");
+  if ((m.base_dtype == "bf16" || m.base_dtype == "nf4") && !ad.on())
+    fail(at({"model.base_dtype", "model.adapter.type"}), "model.base_dtype",
+         m.base_dtype + " holds a frozen base, which needs model.adapter.type: lora or dora (it is none); set "
+                        "model.adapter or model.base_dtype: auto");
+  if ((m.base_dtype == "bf16" || m.base_dtype == "nf4") && ad.on()) {
+    // What a quantized or rounded base runs with so far (docs/fine-tuning.md, "Status").
+    auto refuse = [&](bool bad, const std::string& key, const std::string& value) {
+      if (bad)
+        fail(at({"model.base_dtype", key}), "model.base_dtype",
+             m.base_dtype + " with " + key + ": " + value + " is not implemented yet; use " + key +
+                 "'s default or model.base_dtype: auto");
+    };
+    refuse(p.tensor_parallel > 1, "parallel.tensor_parallel", std::to_string(p.tensor_parallel));
+    refuse(p.pipeline_parallel > 1, "parallel.pipeline_parallel", std::to_string(p.pipeline_parallel));
+    refuse(p.offload != "none", "parallel.offload", p.offload);
+  }
   if (!ad.on() && !ad.init_from.empty())
     fail(at({"model.adapter.init_from", "model.adapter.type"}), "model.adapter.init_from",
          "needs model.adapter.type: lora or dora (it is none); set the type or remove init_from");

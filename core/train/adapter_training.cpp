@@ -131,8 +131,11 @@ CheckpointSubject AdapterTraining::checkpoint_subject() const {
   const LoraOptions& o = adapters_->options();
   json targets = json::array();
   for (const std::string& n : adapters_->target_names()) targets.push_back(n);
+  // base_dtype: the function the adapters were trained against (an NF4 or
+  // bf16 base is another model); auto is fp32 on the backends that run adapters.
+  const std::string base_dtype = job_.model.base_dtype == "auto" ? "fp32" : job_.model.base_dtype;
   json adapter = {{"type", job_.model.adapter.type}, {"r", o.rank}, {"lora_alpha", o.alpha},
-                  {"target_modules", targets}, {"numel", adapters_->layout().total}};
+                  {"target_modules", targets}, {"numel", adapters_->layout().total}, {"base_dtype", base_dtype}};
   std::string fingerprint = "none (the base is the random init of train.seed)";
   const std::string& base = job_.model.init_from;
   if (world_.rank() == 0 && !base.empty()) {
@@ -163,10 +166,12 @@ CheckpointSubject AdapterTraining::checkpoint_subject() const {
     const std::string shape = manifest_model_mismatch(*arch, saved.at("base"));
     if (!shape.empty()) return "a base whose " + shape;
     const json& was = saved.at("adapter");
-    for (const char* key : {"type", "r", "lora_alpha", "target_modules"}) {
-      const json w = was.contains(key) ? was.at(key) : json();
+    for (const char* key : {"type", "r", "lora_alpha", "target_modules", "base_dtype"}) {
+      // A checkpoint from before base_dtype was recorded had an fp32 base.
+      const json w = was.contains(key) ? was.at(key) : std::string(key) == "base_dtype" ? json("fp32") : json();
       if (w != adapter.at(key))
-        return std::string("model.adapter ") + key + " = " + w.dump() + " but this job has " + adapter.at(key).dump();
+        return (std::string(key) == "base_dtype" ? std::string("model.base_dtype") : std::string("model.adapter ") + key) +
+               " = " + w.dump() + " but this job has " + adapter.at(key).dump();
     }
     const std::string fp = saved.value("base_fingerprint", std::string());
     if (fp != fingerprint)

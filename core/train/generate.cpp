@@ -8,6 +8,8 @@
 #include <sstream>
 
 #include "core/common/error.h"
+#include "core/model/adapter/lora.h"
+#include "core/model/adapter/peft_files.h"
 #include "kernels/backend.h"
 
 namespace fs = std::filesystem;
@@ -85,18 +87,33 @@ std::vector<int32_t> sample_tokens(Backend* be, UnitAccess& units, const ModelAr
 }
 
 std::vector<int32_t> sample_tokens(const ModelArch& arch, const std::vector<float>& flat,
-                                   const std::vector<int32_t>& prompt, const SampleOptions& o) {
+                                   const std::vector<int32_t>& prompt, const SampleOptions& o,
+                                   const std::string& adapter_dir) {
   auto be = make_cpu_backend();
   const ParamLayout& lay = arch.layout();
   TR_CHECK(int64_t(flat.size()) == lay.total, "generate: ", flat.size(), " weights for a model of ", lay.total);
-  DeviceBuffer params(be.get(), lay.total * dtype_size(be->act_dtype()));
-  {
-    DeviceBuffer master(be.get(), lay.total * 4);
-    be->copy_to_device(master.get(), flat.data(), flat.size() * 4);
-    be->cast_from_f32(params.get(), master.as<float>(), lay.total);
-  }
+  auto to_device = [&](const std::vector<float>& host) {
+    DeviceBuffer params(be.get(), host.size() * dtype_size(be->act_dtype()));
+    DeviceBuffer master(be.get(), host.size() * 4);
+    be->copy_to_device(master.get(), host.data(), host.size() * 4);
+    be->cast_from_f32(params.get(), master.as<float>(), int64_t(host.size()));
+    return params;
+  };
+  const DeviceBuffer params = to_device(flat);
   FlatUnitAccess access(lay, params.get(), nullptr, be->act_dtype());
-  return sample_tokens(be.get(), access, arch, prompt, o, nullptr);
+  if (adapter_dir.empty()) return sample_tokens(be.get(), access, arch, prompt, o, nullptr);
+  // The adapter applied unmerged, as peft's PeftModel computes: the base's
+  // GEMMs as they are, and s B A x (DoRA: the magnitude's rescale) added by
+  // the decoder's adapter hooks. Its rows: at most one prompt chunk, which
+  // is at most the cache.
+  const LoraOptions opt = peft_adapter_options(adapter_dir, "generate --adapter");
+  const int rows = std::max(1, sample_cache_positions(arch.config(), prompt.size(), o));
+  LoraAdapters adapters(arch, opt, be.get(), rows);
+  const DeviceBuffer adapter_params = to_device(read_peft_adapter(adapter_dir, arch, adapters, "generate --adapter"));
+  FlatUnitAccess adapter_access(adapters.layout(), adapter_params.get(), nullptr, be->act_dtype());
+  adapters.set_training(false);  // peft's dropout is off in eval
+  AdaptedUnitAccess adapted(access, lay, adapters, adapter_access, be.get());
+  return sample_tokens(be.get(), adapted, arch, prompt, o, nullptr);
 }
 
 std::vector<int32_t> encode_prompt(const std::string& text, int vocab) {

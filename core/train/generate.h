@@ -36,9 +36,12 @@ struct SampleOptions {
 std::vector<int32_t> sample_tokens(Backend* be, UnitAccess& units, const ModelArch& arch,
                                    const std::vector<int32_t>& prompt, const SampleOptions& opts,
                                    Communicator* comm = nullptr);
-// The same from whole-model fp32 weights (`trainrun generate`), on the CPU backend.
+// The same from whole-model fp32 weights (`trainrun generate`), on the CPU
+// backend; with `adapter_dir` (a PEFT LoRA/DoRA directory for this model)
+// the adapters are applied unmerged, as peft's PeftModel computes.
 std::vector<int32_t> sample_tokens(const ModelArch& arch, const std::vector<float>& flat_params,
-                                   const std::vector<int32_t>& prompt, const SampleOptions& opts);
+                                   const std::vector<int32_t>& prompt, const SampleOptions& opts,
+                                   const std::string& adapter_dir = "");
 // The KV-cache capacity sample_tokens uses for this prompt and options.
 int sample_cache_positions(const ModelConfig& cfg, size_t prompt_tokens, const SampleOptions& opts);
 

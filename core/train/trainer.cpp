@@ -26,6 +26,7 @@
 #include "core/model/tensor_parallel.h"
 #include "core/model/model_io.h"
 #include "core/train/adapter_training.h"
+#include "core/model/adapter/qlora.h"
 #include "core/train/generate.h"
 #include "core/train/metrics.h"
 #include "core/train/preemption.h"
@@ -283,7 +284,12 @@ void Trainer::setup() {
       TR_CHECK(!bad, key, ": ", value, " is not implemented with model.adapter yet; run the adapters without it");
     };
     refuse(ps.pipeline_parallel > 1, "parallel.pipeline_parallel", std::to_string(ps.pipeline_parallel));
-    refuse(is_cuda_backend(be_.get()), "backend", be_->name());
+    // On CUDA the frozen base is held in bf16, the act dtype (model.base_dtype
+    // auto); the adapters' ops are kernels/cuda/adapter_gemm, dropout,
+    // row_norms and dora (not yet run on a GPU).
+    TR_CHECK(!(is_cuda_backend(be_.get()) && job_.model.base_dtype == "fp32"), "model.base_dtype: fp32 with backend ",
+             be_->name(), ": the CUDA backend holds the frozen base in its activation dtype, bf16; set "
+             "model.base_dtype: auto (bf16 on CUDA), or backend: cpu for an fp32 base");
   }
   arch_ = make_model_arch(ModelConfig::from_spec(job_.model));
   const ModelConfig& cfg = arch_->config();
@@ -353,15 +359,19 @@ void Trainer::setup() {
     // gradients, master weights or moments), sharded alike.
     params_ = job_.model.adapter.on()
                   ? make_frozen_param_store(job_.parallel.sharding, arch_->layout(), be_.get(), comm_.get(), group,
-                                            factory)
+                                            factory, frozen_format(*arch_, job_.model.base_dtype))
                   : make_param_store(job_.parallel.sharding, arch_->layout(), be_.get(), comm_.get(), group, factory,
                                      nullptr, offload);
     if (job_.model.adapter.on()) {
       // The adapters' store talks over its own communicator (its own thread).
+      // CUDA: NCCL over device memory (even for one rank: the single
+      // communicator copies with memmove), in the rank's enqueue order as
+      // every NCCL group is (factory).
       std::unique_ptr<Communicator> own =
-          w_.world > 1 ? make_gloo_communicator(*store_, prefix_ + "adapter_world/", w_.rank, w_.world, w_.bind_addr,
-                                                timeout)
-                       : make_single_communicator();
+          nccl ? factory("adapter_world/", w_.rank, w_.world)
+          : w_.world > 1 ? make_gloo_communicator(*store_, prefix_ + "adapter_world/", w_.rank, w_.world,
+                                                  w_.bind_addr, timeout)
+                         : make_single_communicator();
       own->set_group("adapter_world");
       adapt_ = std::make_unique<AdapterTraining>(job_, *arch_, be_.get(), *params_, *comm_, std::move(own), group,
                                                  factory, mb_ * T_, adapter_par);
@@ -416,11 +426,13 @@ void Trainer::setup() {
       if (adapter) {
         // The adapters' dp store on its own communicator (its own thread);
         // their slice follows the base's (lora.h, "Tensor parallelism").
+        // CUDA: NCCL over device memory, as at tp1 (its group "<dp>_adapter").
         std::unique_ptr<Communicator> own =
-            dims.dp() > 1 ? make_gloo_communicator(*store_, prefix_ + "adapter_" + dp_name + "/", mesh_->dp_coord(),
-                                                   dims.dp(), w_.bind_addr, timeout)
-                          : make_single_communicator();
-        own->set_group("adapter_" + dp_name);
+            nccl            ? dp_factory("adapter/", mesh_->dp_coord(), dims.dp())
+            : dims.dp() > 1 ? make_gloo_communicator(*store_, prefix_ + "adapter_" + dp_name + "/", mesh_->dp_coord(),
+                                                     dims.dp(), w_.bind_addr, timeout)
+                            : make_single_communicator();
+        if (!nccl) own->set_group("adapter_" + dp_name);
         store = make_tensor_parallel_store(std::move(store), *tp_plan_, tp_ctx_.comm);
         adapter_par.tp = &tp_ctx_;
         adapt_ = std::make_unique<AdapterTraining>(job_, *arch_, be_.get(), *store, *comm_, std::move(own),
@@ -1033,8 +1045,15 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
     if (rank0_) {
       TR_LOG_INFO("adapter: written to ", (out / "adapter").string(),
                   " (peft.PeftModel.from_pretrained(base, dir) loads it)");
-      if (job_.output.sample_tokens > 0)
-        TR_LOG_INFO("sample: skipped: sampling with adapters is not implemented yet");
+      if (job_.output.sample_tokens > 0 && (tp_plan_ || pipe_))
+        TR_LOG_INFO("sample: skipped at tp/pp > 1 with adapters (the sampler has no TP/PP split); run `trainrun "
+                    "generate --checkpoint ", job_.model.init_from, " --adapter ", (out / "adapter").string(), "`");
+    }
+    // The sample at tp1/pp1: the base through the frozen store (gathered per
+    // unit, as in training) with the adapters applied unmerged, dropout off.
+    if (job_.output.sample_tokens > 0 && !tp_plan_ && !pipe_) {
+      adapt_->set_microbatch(false, int(step_), 0, T_);
+      sample_at_end();
     }
     log_memory_at_end();
     comm_->barrier();
@@ -1137,7 +1156,7 @@ void Trainer::sample_at_end() {
     return;
   }
   model_->free_activations();
-  auto toks = sample_tokens(be_.get(), *params_, *arch_, prompt, so, comm_.get());
+  auto toks = sample_tokens(be_.get(), units(), *arch_, prompt, so, comm_.get());
   if (rank0_) TR_LOG_INFO("sample:\n", decode_tokens(toks, cfg.V));
 }
 

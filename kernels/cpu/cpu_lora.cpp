@@ -3,28 +3,19 @@
 //
 //   gemm:    c (M,N) = alpha op(a) op(b) + beta c, one cblas_sgemm (fp32 is
 //            both the act dtype and c_f32 here).
-//   dropout: out = inp * keep / (1-p), keep(n, c) = u(seed, (row0+n)*C + c) >= p
-//            (a column slice: (row0+n)*key_cols + col0 + c)
-//            with u a splitmix64 hash mapped to [0, 1): the same mask for
-//            the same global row on any rank, in forward, in the recompute
-//            of activation checkpointing and in backward.
+//   dropout: out = inp * keep / (1-p), keep(n, c) the counter-based mask of
+//            kernels/dropout_mask.h (shared with the CUDA kernel): the same
+//            mask for the same global row on any rank and backend, in
+//            forward, in the recompute of activation checkpointing and in
+//            backward; a column slice (TP) keys (row0+n)*key_cols + col0 + c.
 #include <cblas.h>
 
 #include <cstdint>
 
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/dropout_mask.h"
 
 namespace trainrun {
-
-namespace {
-// splitmix64 (Steele et al.), the same mixer as the model's counter-based init.
-inline uint64_t mix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-}  // namespace
 
 void CpuBackend::gemm(void* c, int ldc, bool c_f32, const void* a, int lda, GemmOp ta, const void* b, int ldb,
                       GemmOp tb, int M, int N, int K, float alpha, float beta) {
@@ -39,16 +30,14 @@ void CpuBackend::dropout_forward(void* out_, const void* inp_, int N, int C, flo
                                  int64_t key_cols, int64_t col0) {
   float* out = static_cast<float*>(out_);
   const float* inp = static_cast<const float*>(inp_);
-  const float keep_scale = 1.0f / (1.0f - p);
-  // p as a threshold on the hash's top 24 bits: exact for the uniform grid.
-  const uint32_t threshold = uint32_t(double(p) * double(1u << 24));
+  const float keep_scale = dropout_mask::keep_scale(p);
+  const uint32_t threshold = dropout_mask::threshold(p);
 #pragma omp parallel for schedule(static)
   for (int n = 0; n < N; ++n) {
     const uint64_t base = uint64_t(row0 + n) * uint64_t(key_cols > 0 ? key_cols : C) + uint64_t(col0);
     for (int c = 0; c < C; ++c) {
-      const uint32_t u = uint32_t(mix64(seed ^ mix64(base + uint64_t(c))) >> 40);
       const int64_t i = int64_t(n) * C + c;
-      out[i] = u >= threshold ? inp[i] * keep_scale : 0.0f;
+      out[i] = dropout_mask::keep(seed, base + uint64_t(c), threshold) ? inp[i] * keep_scale : 0.0f;
     }
   }
 }

@@ -240,7 +240,8 @@ void CpuBackend::lm_head_backward(void* dinp, float* dwte, const void* dlogits, 
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, C, V, 1.0f, F(dlogits), ldv, F(wte), C, 0.0f, F(dinp),
                 C);
   // dwte(V,C) += dlogits^T(V,N) @ inp(N,C)
-  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, V, C, N, 1.0f, F(dlogits), ldv, F(inp), C, 1.0f, dwte, C);
+  if (dwte)
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, V, C, N, 1.0f, F(dlogits), ldv, F(inp), C, 1.0f, dwte, C);
 }
 
 // ---- softmax + cross-entropy ------------------------------------------------------

@@ -9,10 +9,13 @@
 
 #include "core/common/error.h"
 #include "kernels/cuda/adamw.cuh"
+#include "kernels/cuda/adapter_gemm.cuh"
 #include "kernels/cuda/attention.cuh"
 #include "kernels/cuda/attention_kv.cuh"
 #include "kernels/cuda/cast.cuh"
 #include "kernels/cuda/cuda_common.cuh"
+#include "kernels/cuda/dora.cuh"
+#include "kernels/cuda/dropout.cuh"
 #include "kernels/cuda/elementwise.cuh"
 #include "kernels/cuda/encoder.cuh"
 #include "kernels/cuda/gelu.cuh"
@@ -22,6 +25,7 @@
 #include "kernels/cuda/nf4.cuh"
 #include "kernels/cuda/rmsnorm.cuh"
 #include "kernels/cuda/rope.cuh"
+#include "kernels/cuda/row_norms.cuh"
 #include "kernels/cuda/softmax_cross_entropy.cuh"
 #include "kernels/cuda/vocab_parallel.cuh"
 #include "kernels/cuda/sum_squares.cuh"
@@ -402,6 +406,48 @@ void CudaBackend::rope_backward(void* dqkv, const float* cos_sin, int B, int T, 
                                 const int32_t* pos) {
   make_current();
   cuda::rope_backward(H(dqkv), cos_sin, B, T, NH, NKV, HS, pos0, compute_, pos);
+}
+
+// ---- the adapters' ops (core/model/adapter) ------------------------------------------
+
+void CudaBackend::gemm(void* c, int ldc, bool c_f32, const void* a, int lda, GemmOp ta, const void* b, int ldb,
+                       GemmOp tb, int M, int N, int K, float alpha, float beta) {
+  make_current();
+  cuda::adapter_gemm(*gemm_, c, ldc, c_f32, H(a), lda, ta, H(b), ldb, tb, M, N, K, alpha, beta, compute_);
+}
+
+void CudaBackend::dropout_forward(void* out, const void* inp, int N, int C, float p, uint64_t seed, int64_t row0,
+                                  int64_t key_cols, int64_t col0) {
+  make_current();
+  cuda::dropout_forward(H(out), H(inp), N, C, p, seed, row0, key_cols, col0, compute_);
+}
+
+void CudaBackend::row_norms(float* out, const void* w, int rows, int cols) {
+  make_current();
+  cuda::row_norms(out, H(w), rows, cols, compute_);
+}
+
+void CudaBackend::row_sum_squares(float* out, const void* w, int rows, int cols) {
+  make_current();
+  cuda::row_sum_squares(out, H(w), rows, cols, compute_);
+}
+
+void CudaBackend::sqrt_in_place(float* x, int64_t n) {
+  make_current();
+  cuda::sqrt_in_place(x, n, compute_);
+}
+
+void CudaBackend::dora_forward(void* y, int ldy, const void* xw, const void* xba, const void* mag, const float* norm,
+                               float s, int N, int out) {
+  make_current();
+  cuda::dora_forward(H(y), ldy, H(xw), H(xba), H(mag), norm, s, N, out, compute_);
+}
+
+void CudaBackend::dora_backward(float* dmag, void* xw, void* xba, const void* dy, int ldy, const void* mag,
+                                const float* norm, float s, int N, int out) {
+  make_current();
+  Scratch sc(*alloc_, dora_backward_scratch_bytes(N, out));
+  cuda::dora_backward(dmag, H(xw), H(xba), H(dy), ldy, H(mag), norm, s, N, out, sc.as<float>(), compute_);
 }
 
 void CudaBackend::nf4_dequantize(void* out, DType out_dtype, const uint8_t* packed, const uint8_t* qabsmax,

@@ -2,6 +2,8 @@
 #include "parallel/sharding/frozen_store.h"
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <map>
 
 #include "core/common/error.h"
@@ -10,11 +12,21 @@ namespace trainrun {
 
 namespace {
 
+// fp32 -> the nearest bf16 value (ties to even), as an fp32; NaN stays NaN.
+float bf16_value(float x) {
+  if (std::isnan(x)) return x;
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  std::memcpy(&x, &u, 4);
+  return x;
+}
+
 class FrozenStore final : public ParamStore {
  public:
   FrozenStore(const std::string& strategy, const ParamLayout& layout, Backend* be, Communicator* world, int group,
-              const CommFactory& factory)
-      : strategy_(strategy), layout_(layout), be_(be), es_(dtype_size(be->act_dtype())) {
+              const CommFactory& factory, bool round_bf16)
+      : strategy_(strategy), layout_(layout), be_(be), es_(dtype_size(be->act_dtype())), round_bf16_(round_bf16) {
     const int W = world->world_size(), r = world->rank();
     sharded_ = strategy == "full_shard" || strategy == "hybrid_shard";
     G_ = !sharded_ ? 1 : strategy == "hybrid_shard" ? group : W;
@@ -123,6 +135,14 @@ class FrozenStore final : public ParamStore {
   void write_state_range(int kind, const Range& r, const float* in) override {
     check_kind(kind);
     const int64_t at = local_at(r);
+    std::vector<float> rounded;
+    if (round_bf16_) {
+      // model.base_dtype bf16: the value bf16 holds (round to nearest even),
+      // whatever the act dtype; on the CPU the backend then computes with it in fp32.
+      rounded.resize(size_t(r.count));
+      for (int64_t i = 0; i < r.count; ++i) rounded[size_t(i)] = bf16_value(in[i]);
+      in = rounded.data();
+    }
     if (be_->act_dtype() == DType::F32) {
       be_->copy_to_device(params_.as<char>() + at * es_, in, size_t(r.count) * 4);
     } else {
@@ -153,7 +173,7 @@ class FrozenStore final : public ParamStore {
     return m;
   }
   double take_comm_wait_seconds() override { return 0; }
-  std::string strategy() const override { return strategy_ + ", frozen"; }
+  std::string strategy() const override { return strategy_ + (round_bf16_ ? ", frozen bf16" : ", frozen"); }
 
  private:
   struct Unit {
@@ -178,6 +198,7 @@ class FrozenStore final : public ParamStore {
   const ParamLayout& layout_;
   Backend* be_;
   size_t es_;
+  bool round_bf16_ = false;
   bool sharded_ = false, writes_ = false;
   int G_ = 1, g_ = 0, replica_ = 0;
   Communicator* comm_ = nullptr;
@@ -193,8 +214,12 @@ class FrozenStore final : public ParamStore {
 
 std::unique_ptr<ParamStore> make_frozen_param_store(const std::string& strategy, const ParamLayout& layout,
                                                     Backend* be, Communicator* world, int shard_group_size,
-                                                    const CommFactory& factory) {
-  return std::make_unique<FrozenStore>(strategy, layout, be, world, shard_group_size, factory);
+                                                    const CommFactory& factory, const FrozenFormat& format) {
+  if (format.dtype == "nf4")
+    return make_nf4_frozen_store(strategy, layout, be, world, shard_group_size, factory, format);
+  TR_CHECK(format.dtype == "fp32" || format.dtype == "bf16", "model.base_dtype: ", format.dtype,
+           " is not a frozen base format (fp32, bf16 or nf4)");
+  return std::make_unique<FrozenStore>(strategy, layout, be, world, shard_group_size, factory, format.dtype == "bf16");
 }
 
 }  // namespace trainrun

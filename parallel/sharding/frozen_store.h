@@ -16,18 +16,77 @@
 // nothing else uses from another thread. Checkpoint access (held/write
 // ranges, kind 0) works as on any store, so model.init_from loads it range
 // by range; kinds 1 and 2 (AdamW moments) do not exist and are refused.
+// The NF4 base (model.base_dtype: nf4) shards each unit's byte image the
+// same way (bytes instead of elements) and loads through load_from instead
+// (below; nf4_frozen_store.cpp).
 #pragma once
+#include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "parallel/sharding/sharding.h"
 
 namespace trainrun {
 
+// How the frozen base is held (model.base_dtype, docs/fine-tuning.md):
+//   fp32  as the act dtype (today's CPU backend: fp32)
+//   bf16  every value rounded to bf16 (round to nearest even) as it is
+//         written; held in the act dtype (on the CPU fp32 holding bf16's
+//         values: the backend computes in fp32)
+//   nf4   the tensors nf4_tensors names (bitsandbytes' Linear4bit weights:
+//         the block linears) in NF4 (kernels/nf4_format.h), the rest in the
+//         act dtype; parallel/sharding/nf4_frozen_store.cpp
+// nf4: the quantizer's three steps that a store runs on its part of a
+// tensor (core/model/adapter/nf4.h defines them and implements this:
+// parallel/ does not include the model's folders).
+class Nf4Codec {
+ public:
+  virtual ~Nf4Codec() = default;
+  // max |x| over n values (subnormals as 0): a rank's part of a block's absmax.
+  virtual float absmax_of(const float* x, int64_t n) const = 0;
+  // offset, qabsmax (one per absmax) and absmax2 (one per 256) from all of a tensor's block absmaxes.
+  virtual void quantize_absmax(const std::vector<float>& absmax, float& offset, std::vector<uint8_t>& qabsmax,
+                               std::vector<float>& absmax2) const = 0;
+  // Elements [first, first + count) of an n-element tensor (x holds just
+  // those) into packed bytes from first/2 (packed points there); absmax:
+  // the whole tensor's block absmaxes.
+  virtual void encode(const float* x, int64_t first, int64_t count, int64_t n, const float* absmax,
+                      uint8_t* packed) const = 0;
+  virtual const float* dynamic_map() const = 0;  // (256) fp32, host
+};
+
+struct FrozenFormat {
+  std::string dtype = "fp32";
+  std::vector<int> nf4_tensors;  // indices into the layout's tensors (nf4 only)
+  std::shared_ptr<const Nf4Codec> codec;  // nf4 only
+};
+
 // world: the all-ranks communicator (full_shard's gathers use it; with
 // hybrid_shard the groups come from `factory`, named "base_shard<i>").
 std::unique_ptr<ParamStore> make_frozen_param_store(const std::string& strategy, const ParamLayout& layout,
                                                     Backend* be, Communicator* world, int shard_group_size,
-                                                    const CommFactory& factory);
+                                                    const CommFactory& factory, const FrozenFormat& format = {});
+
+// A frozen store that quantizes as it loads (nf4): it has no fp32 values to
+// write range by range (write_state_range refuses), because an NF4 tensor's
+// statistics are functions of the whole tensor. load_from is its loader:
+// collective over the store's shard group, every rank calls it once with a
+// reader of the whole model's flat values (global element offsets), of which
+// it reads only the ranges its own bytes need. A reader that throws on one
+// rank stops the load on every rank of its group at the next tensor; that
+// rank rethrows, the others return with the store marked unloaded (an
+// acquire then fails), so the caller's agreement on errors reports the
+// reader's own message.
+using FlatReader = std::function<void(int64_t global, int64_t count, float* out)>;
+class LoadingParamStore : public ParamStore {
+ public:
+  virtual void load_from(const FlatReader& read) = 0;
+};
+
+// The NF4 store (nf4_frozen_store.cpp); make_frozen_param_store builds it for format.dtype nf4.
+std::unique_ptr<ParamStore> make_nf4_frozen_store(const std::string& strategy, const ParamLayout& layout, Backend* be,
+                                                  Communicator* world, int shard_group_size,
+                                                  const CommFactory& factory, const FrozenFormat& format);
 
 }  // namespace trainrun

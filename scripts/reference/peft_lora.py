@@ -3,6 +3,7 @@
 
   peft_lora.py make --arch llama|gpt2 --out DIR --r R --alpha A --targets q_proj,v_proj [--seed S] [--dora]
                     [--kv-heads K]
+                    [--base-dtype nf4|bf16]
       DIR/base: a small random model (every parameter perturbed, norm gains
       around 1) saved with save_pretrained; DIR/adapter: a peft LoRA adapter
       on it (get_peft_model + LoraConfig), its A and B both set to visible
@@ -14,6 +15,14 @@
       1 + 0.2 N(0,1)), so g = m / ||.|| is not 1 and the (g - 1) term counts.
       --kv-heads: the Llama's key/value heads (default 2 of its 4 query heads;
       1 makes tensor parallelism at 2 ranks replicate the KV head).
+      --base-dtype nf4: also DIR/base_nf4, the base with every block linear's
+      weight replaced by its NF4 round trip (nf4_reference.py's quantize and
+      dequantize, bitsandbytes' quantize_4bit(blocksize=64,
+      compress_statistics=True, nf4) on the nn.Linear-shaped (out, in)
+      weight: GPT-2's Conv1D weights, (in, out) in the file, are transposed
+      before and after), the rest untouched: what QLoRA's Linear4bit
+      computes with. --base-dtype bf16: DIR/base_bf16, every parameter
+      rounded to bf16 (torch's round to nearest even) and back to fp32.
 
   peft_lora.py grads --base DIR --adapter DIR --batch BATCH.safetensors --out OUT.safetensors
       PeftModel.from_pretrained(base, adapter, is_trainable=True) in fp32;
@@ -35,6 +44,9 @@ import os
 import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# nf4_reference's dynamic map is torch.linspace's on AVX2 (its docstring); set before torch loads.
+os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
@@ -64,6 +76,28 @@ def random_base(arch, seed, kv_heads=2):
     return model
 
 
+def round_trip_base(model, dtype):
+    """The base as trainrun holds it under model.base_dtype `dtype` (see make --base-dtype)."""
+    from transformers.pytorch_utils import Conv1D
+    with torch.no_grad():
+        if dtype == "bf16":
+            for p in model.parameters():
+                p.copy_(p.to(torch.bfloat16).float())
+            return
+        import nf4_reference
+        quantized = 0
+        for name, mod in model.named_modules():
+            # Linear4bit replaces the linears inside the blocks; lm_head stays (transformers skips it).
+            if not (isinstance(mod, (torch.nn.Linear, Conv1D)) and (".layers." in name or ".h." in name)):
+                continue
+            w = mod.weight.t() if isinstance(mod, Conv1D) else mod.weight  # (out, in)
+            deq = nf4_reference.quantize(w.contiguous().numpy().reshape(-1))[4]
+            new = torch.from_numpy(deq.copy()).reshape(w.shape)
+            mod.weight.copy_(new.t() if isinstance(mod, Conv1D) else new)
+            quantized += 1
+        assert quantized > 0, "no block linear found to quantize"
+
+
 def load_adapted(base, adapter, trainable):
     hf_logging.set_verbosity_error()
     model = AutoModelForCausalLM.from_pretrained(base, local_files_only=True, torch_dtype=torch.float32)
@@ -81,6 +115,10 @@ def file_name(param_name):
 def cmd_make(a):
     model = random_base(a.arch, a.seed, a.kv_heads)
     model.save_pretrained(os.path.join(a.out, "base"), safe_serialization=True)
+    if a.base_dtype:
+        rounded = random_base(a.arch, a.seed, a.kv_heads)
+        round_trip_base(rounded, a.base_dtype)
+        rounded.save_pretrained(os.path.join(a.out, "base_" + a.base_dtype), safe_serialization=True)
     cfg = LoraConfig(r=a.r, lora_alpha=a.alpha, lora_dropout=0.0, target_modules=a.targets.split(","),
                      bias="none", task_type="CAUSAL_LM", fan_in_fan_out=(a.arch == "gpt2"), use_dora=a.dora)
     peft_model = get_peft_model(model, cfg)
@@ -139,6 +177,7 @@ def main(argv=None):
     mk.add_argument("--seed", type=int, default=0)
     mk.add_argument("--dora", action="store_true")
     mk.add_argument("--kv-heads", type=int, default=2)
+    mk.add_argument("--base-dtype", choices=["nf4", "bf16"], default=None)
     for name in ("grads", "logits"):
         s = sub.add_parser(name)
         s.add_argument("--base", required=True)

@@ -369,10 +369,16 @@ void LoraAdapters::backward(int layer, int gemm, const void* x, const void* dy, 
 AdaptedUnitAccess::AdaptedUnitAccess(UnitAccess& base, const ParamLayout& base_layout, LoraAdapters& adapters,
                                      UnitAccess& adapter_params, Backend* be)
     : base_(base), adapters_(adapters), adapter_params_(adapter_params), be_(be) {
+  // What a network over a frozen base still writes: its norms' (and GPT-2's
+  // biases') gradients at their offsets in a block or the head unit. The
+  // embedding and LM head weight gradients are skipped (Network: frozen), so
+  // the embedding unit and the head's lm_head.weight, the largest tensors
+  // of a model with a big vocabulary, need no scratch.
   int64_t most = 0;
-  for (const ParamUnit& u : base_layout.units) most = std::max(most, u.numel);
-  scratch_bytes_ = size_t(most) * 4;
-  scratch_ = DeviceBuffer(be, scratch_bytes_);
+  for (const ParamTensor& t : base_layout.tensors)
+    if (t.unit != 0 && t.name != "lm_head.weight")
+      most = std::max(most, t.offset - base_layout.units[size_t(t.unit)].offset + t.numel);
+  scratch_bytes_ = size_t(std::max<int64_t>(most, 1)) * 4;  // allocated by the first backward: a sampler never needs it
   adapters_.bind(&adapter_params_);
 }
 
@@ -382,14 +388,20 @@ const void* AdaptedUnitAccess::acquire_params(int unit) {
   return p;
 }
 
-float* AdaptedUnitAccess::unit_grads(int) { return scratch_.as<float>(); }
+float* AdaptedUnitAccess::unit_grads(int) {
+  if (!scratch_.get()) {
+    scratch_ = DeviceBuffer(be_, scratch_bytes_);
+    be_->zero(scratch_.get(), scratch_bytes_);
+  }
+  return scratch_.as<float>();
+}
 
 void AdaptedUnitAccess::begin_pass(bool backward_pass, bool backward_follows) {
   base_.begin_pass(backward_pass, backward_follows);
   adapter_params_.begin_pass(backward_pass, backward_follows);
   // What the network accumulates there is never read; zeroed once per
   // backward so it cannot grow to inf over a long run.
-  if (backward_pass) be_->zero(scratch_.get(), scratch_bytes_);
+  if (backward_pass && scratch_.get()) be_->zero(scratch_.get(), scratch_bytes_);
 }
 
 }  // namespace trainrun

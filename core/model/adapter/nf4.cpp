@@ -131,61 +131,83 @@ uint8_t map_index_of(float x) {
   return uint8_t(x < (lower + val) * 0.5f ? lower_pivot : pivot);
 }
 
+float absmax_of(const float* x, int64_t n) {
+  float m = 0.0f;
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, ftz(std::fabs(x[i])));
+  return m;
+}
+
+void encode(const float* x, int64_t first, int64_t count, int64_t n, const float* absmax, uint8_t* packed) {
+  TR_CHECK(first % 2 == 0 && first >= 0 && count >= 0 && first + count <= n && (count % 2 == 0 || first + count == n),
+           "nf4::encode: elements [", first, ", ", first + count, ") of ", n, " do not cover whole bytes (a bug)");
+  const int64_t bytes = (count + 1) / 2;
+#pragma omp parallel for schedule(static)
+  for (int64_t j = 0; j < bytes; ++j) {
+    const int64_t i = first + 2 * j;  // its two elements i, i + 1 lie in one 64-block (64 is even)
+    const float m = absmax[i / kBlock];
+    const float scale = reciprocal(m);
+    // absmax 0: bitsandbytes' 0 * (1/0) is NaN, which its tree sends to code 0.
+    // Elements past n (the low nibble of an odd n's last byte) quantize 0.0,
+    // as bitsandbytes' zero-filled loads do.
+    auto code = [&](int64_t e) -> uint8_t {
+      if (m == 0.0f) return 0;
+      return nf4_code_of(ftz((e < n ? ftz(x[e - first]) : 0.0f) * scale));
+    };
+    packed[j] = uint8_t(code(i) << 4 | code(i + 1));
+  }
+}
+
+Nf4Stats quantize_absmax(const std::vector<float>& absmax) {
+  Nf4Stats s;
+  const int64_t blocks = int64_t(absmax.size());
+  const int64_t runs = (blocks + kAbsmaxBlock - 1) / kAbsmaxBlock;
+  s.qabsmax.assign(size_t(blocks), 0);
+  s.absmax2.assign(size_t(runs), 0.0f);
+  if (blocks == 0) return s;
+  // offset: the mean of the absmaxes, summed in double (Neumaier's
+  // compensation keeps it exact to the last bits for any count).
+  double sum = 0, comp = 0;
+  for (float a : absmax) {
+    const double v = a, t = sum + v;
+    comp += std::fabs(sum) >= std::fabs(v) ? (sum - t) + v : (v - t) + sum;
+    sum = t;
+  }
+  s.offset = static_cast<float>((sum + comp) / double(blocks));
+  // The double quantization: absmax - offset in runs of 256, 8 bits each.
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < runs; ++r) {
+    const int64_t b0 = r * kAbsmaxBlock, b1 = std::min(blocks, b0 + kAbsmaxBlock);
+    float m = 0.0f;
+    for (int64_t b = b0; b < b1; ++b) m = std::max(m, ftz(std::fabs(absmax[size_t(b)] - s.offset)));
+    s.absmax2[size_t(r)] = m;
+    const float scale = reciprocal(m);
+    for (int64_t b = b0; b < b1; ++b)
+      s.qabsmax[size_t(b)] = m == 0.0f ? 0 : map_index_of(ftz(ftz(absmax[size_t(b)] - s.offset) * scale));
+  }
+  return s;
+}
+
 Nf4Tensor quantize(const float* x, int64_t n, const std::string& name) {
   TR_CHECK(n >= 0, "nf4: tensor ", name, " has a negative element count (", n, ")");
   for (int64_t i = 0; i < n; ++i)
     if (!std::isfinite(x[i]))
       TR_FAIL("nf4: tensor ", name, " element ", i, " is ", x[i],
               "; NF4 holds finite values only: check the weights file this tensor came from");
+  // The same three steps a sharded store runs on its part (nf4.h): block
+  // absmaxes, the codes, the double quantization of the absmaxes.
   Nf4Tensor t;
   t.n = n;
   const int64_t blocks = (n + kBlock - 1) / kBlock;
-  const int64_t runs = (blocks + kAbsmaxBlock - 1) / kAbsmaxBlock;
-  t.packed.assign(size_t((n + 1) / 2), 0);
-  t.qabsmax.assign(size_t(blocks), 0);
-  t.absmax2.assign(size_t(runs), 0.0f);
   std::vector<float> absmax(static_cast<size_t>(blocks));
-
-  // 1. blocks of 64: absmax, then two codes per byte. Elements past n (the
-  // low nibble of an odd n's last byte) quantize 0.0, as bitsandbytes'
-  // zero-filled loads do.
 #pragma omp parallel for schedule(static)
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t i0 = b * kBlock, i1 = std::min(n, i0 + kBlock);
-    float m = 0.0f;
-    for (int64_t i = i0; i < i1; ++i) m = std::max(m, ftz(std::fabs(x[i])));
-    absmax[size_t(b)] = m;
-    const float scale = reciprocal(m);
-    // absmax 0: bitsandbytes' 0 * (1/0) is NaN, which its tree sends to code 0.
-    auto code = [&](int64_t i) -> uint8_t {
-      if (m == 0.0f) return 0;
-      return nf4_code_of(ftz((i < n ? ftz(x[i]) : 0.0f) * scale));
-    };
-    for (int64_t i = i0; i < i1; i += 2) t.packed[size_t(i / 2)] = uint8_t(code(i) << 4 | code(i + 1));
-  }
-  if (blocks == 0) return t;
-
-  // 2. offset: the mean of the absmaxes, summed in double (Neumaier's
-  // compensation keeps it exact to the last bits for any count).
-  double sum = 0, comp = 0;
-  for (float a : absmax) {
-    const double v = a, s = sum + v;
-    comp += std::fabs(sum) >= std::fabs(v) ? (sum - s) + v : (v - s) + sum;
-    sum = s;
-  }
-  t.offset = static_cast<float>((sum + comp) / double(blocks));
-
-  // 3. the double quantization: absmax - offset in runs of 256, 8 bits each.
-#pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < runs; ++r) {
-    const int64_t b0 = r * kAbsmaxBlock, b1 = std::min(blocks, b0 + kAbsmaxBlock);
-    float m = 0.0f;
-    for (int64_t b = b0; b < b1; ++b) m = std::max(m, ftz(std::fabs(absmax[size_t(b)] - t.offset)));
-    t.absmax2[size_t(r)] = m;
-    const float scale = reciprocal(m);
-    for (int64_t b = b0; b < b1; ++b)
-      t.qabsmax[size_t(b)] = m == 0.0f ? 0 : map_index_of(ftz(ftz(absmax[size_t(b)] - t.offset) * scale));
-  }
+  for (int64_t b = 0; b < blocks; ++b)
+    absmax[size_t(b)] = absmax_of(x + b * kBlock, std::min<int64_t>(kBlock, n - b * kBlock));
+  t.packed.assign(size_t((n + 1) / 2), 0);
+  encode(x, 0, n, n, absmax.data(), t.packed.data());
+  Nf4Stats s = quantize_absmax(absmax);
+  t.offset = s.offset;
+  t.qabsmax = std::move(s.qabsmax);
+  t.absmax2 = std::move(s.absmax2);
   return t;
 }
 

@@ -64,6 +64,28 @@ const std::array<float, kMapSize>& dynamic_map();
 // error for a NaN or Inf element, with the element's index. n may be 0.
 Nf4Tensor quantize(const float* x, int64_t n, const std::string& name);
 
+// quantize() in three steps, for a tensor whose elements lie on several
+// ranks (parallel/sharding/nf4_frozen_store.cpp): each rank takes the
+// absmax_of its part of every 64-block it touches, the ranks combine them
+// with a max (exact: max is associative) into the whole tensor's absmaxes,
+// every rank derives the same statistics from those with quantize_absmax,
+// and each encodes its own elements. quantize() runs the same three steps on
+// one host, so both give the same bytes.
+//   absmax_of: max |x| over n values (subnormals as 0), the part of a block's absmax.
+//   quantize_absmax: offset, qabsmax and absmax2 from all the absmaxes of a tensor.
+//   encode: elements [first, first + count) of a tensor of n elements (x holds
+//     just those; first even, count even unless the range ends at n) into
+//     packed bytes [first/2, ...) (`packed` points at byte first/2), with
+//     `absmax` the whole tensor's block absmaxes.
+struct Nf4Stats {
+  float offset = 0;
+  std::vector<uint8_t> qabsmax;  // (ceil(n/64))
+  std::vector<float> absmax2;    // (ceil(ceil(n/64)/256))
+};
+float absmax_of(const float* x, int64_t n);
+Nf4Stats quantize_absmax(const std::vector<float>& absmax);
+void encode(const float* x, int64_t first, int64_t count, int64_t n, const float* absmax, uint8_t* packed);
+
 // The fp32 absmax of every 64-block as dequantization sees it
 // (ceil(n/64) values: map[qabsmax] * absmax2 + offset, kernels/nf4_format.h).
 std::vector<float> block_absmax(const Nf4Tensor& t);

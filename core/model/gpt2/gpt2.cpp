@@ -436,7 +436,10 @@ void GPT2::backward_pass(UnitAccess& units, bool input_only) {
   if (stage_.last) {
     const void* emb = units.acquire_params(0);
     gemb = units.unit_grads(0);
-    be_->lm_head_backward(dbuf_c_, gemb, logits_, tpc_.full_rows(lnf_, N), emb, N, C, v_valid_, ldv_);
+    // A frozen base (adapters) needs only the input gradient: the tied
+    // head's weight gradient, a (V, C) GEMM, would be thrown away.
+    be_->lm_head_backward(dbuf_c_, frozen_ ? nullptr : gemb, logits_, tpc_.full_rows(lnf_, N), emb, N, C, v_valid_,
+                          ldv_);
     units.release_params(0);
     const void* dlnf = tpc_.reduce_out(dbuf_c_, N);  // the head is column-parallel over the vocabulary
 
@@ -473,11 +476,14 @@ void GPT2::backward_pass(UnitAccess& units, bool input_only) {
   // A pipeline stage after the first leaves dL/d input in dres_ (stage_input_grad()).
   if (stage_.first) {
     if (!gemb) gemb = units.unit_grads(0);
-    if (tp_)
+    if (frozen_) {
+      // A frozen base: the embedding's gradient would be thrown away.
+    } else if (tp_) {
       be_->vocab_embedding_backward(gemb, gemb + int64_t(VL_) * C, tpc_.full_rows(dres_, N), inputs_, v_begin_,
                                     v_valid_, B, T, C, docs_.pos);
-    else
+    } else {
       be_->encoder_backward(gemb, gemb + int64_t(cfg_.V) * C, dres_, inputs_, B, T, C, docs_.pos);
+    }
   }
   if (gemb) units.grads_done(0);
 }

@@ -83,8 +83,13 @@ void GPT2Decoder::feed_chunk(UnitAccess& units, const int32_t* tokens, int n, bo
   units.release_params(0);
 
   const GPT2BlockOffsets o(C);
+  // Adapters (generate --adapter, a LoRA run's sample) add to each GEMM's
+  // output unmerged, after the same GEMMs as GPT2::block_forward (0 c_attn,
+  // 1 attn.c_proj, 2 c_fc before its GELU, 3 mlp.c_proj).
+  LinearAdapters* ad = units.adapters();
   for (int l = 0; l < L; ++l) {
     const char* p = static_cast<const char*>(units.acquire_params(1 + l));
+    if (ad) ad->begin_block(l, false);
     auto w = [&](int64_t off) { return p + off * int64_t(es); };
     // ln1 of the residual stream; from block 1 on it is the previous
     // block's last residual add, fused with this LayerNorm.
@@ -93,11 +98,20 @@ void GPT2Decoder::feed_chunk(UnitAccess& units, const int32_t* tokens, int n, bo
     else
       be_->residual_layernorm_forward(res_a_, ln_, mean_, rstd_, res_b_, proj_, w(o.ln1w), w(o.ln1b), n, C);
     be_->matmul_forward(qkv_, ln_, w(o.qkvw), w(o.qkvb), n, C, 3 * C);
+    if (ad) ad->forward(l, 0, ln_, qkv_, 3 * C, n);
     be_->attention_kv_forward(atty_, kcache_[size_t(l)], vcache_[size_t(l)], qkv_, pos_, n, C, cfg_.NH);
     be_->matmul_forward(proj_, atty_, w(o.attprojw), w(o.attprojb), n, C, C);
+    if (ad) ad->forward(l, 1, atty_, proj_, C, n);
     be_->residual_layernorm_forward(res_b_, ln_, mean_, rstd_, res_a_, proj_, w(o.ln2w), w(o.ln2b), n, C);
     be_->matmul_gelu_forward(fch_gelu_, fch_, ln_, w(o.fcw), w(o.fcb), n, C, 4 * C);
+    if (ad) {
+      // An adapter on c_fc adds to the pre-activation: the GELU again over the sum.
+      ad->forward(l, 2, ln_, fch_, 4 * C, n);
+      be_->gelu_forward(fch_gelu_, fch_, int64_t(n) * 4 * C);
+    }
     be_->matmul_forward(proj_, fch_gelu_, w(o.fcprojw), w(o.fcprojb), n, 4 * C, C);
+    if (ad) ad->forward(l, 3, fch_gelu_, proj_, C, n);
+    if (ad) ad->end_block(l, false);
     units.release_params(1 + l);
   }
   const char* head = static_cast<const char*>(units.acquire_params(L + 1));

@@ -435,7 +435,9 @@ void LlamaNetwork::backward_pass(UnitAccess& units, bool input_only) {
   // A pipeline stage after the first leaves dL/d input in dres_ (stage_input_grad()).
   if (stage_.first) {
     if (!gemb) gemb = units.unit_grads(0);
-    if (tp_) {
+    if (frozen_) {
+      // A frozen base: the embedding's gradient would be thrown away.
+    } else if (tp_) {
       be_->vocab_embedding_backward(gemb, nullptr, full_rows(dres_, N), inputs_, v_begin_, v_valid_, B, T, C);
     } else {
       be_->encoder_backward(gemb, nullptr, dres_, inputs_, B, T, C);  // no position gradient
@@ -453,13 +455,15 @@ float* LlamaNetwork::head_backward(UnitAccess& units) {
   if (cfg_.tied) {
     const void* emb = units.acquire_params(0);
     gemb = units.unit_grads(0);
-    be_->lm_head_backward(dbuf_c_, gemb, logits_, full_rows(lnf_, N), emb, N, C, v_valid_, ldv_);
+    // A frozen base (adapters) needs only the input gradient: the head's
+    // weight gradient, a (V, C) GEMM, would be thrown away.
+    be_->lm_head_backward(dbuf_c_, frozen_ ? nullptr : gemb, logits_, full_rows(lnf_, N), emb, N, C, v_valid_, ldv_);
     units.release_params(0);
   }
   const char* head = static_cast<const char*>(units.acquire_params(L + 1));
   float* ghead = units.unit_grads(L + 1);
   if (!cfg_.tied)
-    be_->lm_head_backward(dbuf_c_, ghead + lm_head_off_, logits_, full_rows(lnf_, N), head + lm_head_off_ * es, N, C, v_valid_,
+    be_->lm_head_backward(dbuf_c_, frozen_ ? nullptr : ghead + lm_head_off_, logits_, full_rows(lnf_, N), head + lm_head_off_ * es, N, C, v_valid_,
                           ldv_);
   const void* dlnf = row_parallel_out(dbuf_c_, N);  // the head is column-parallel over the vocabulary
   be_->zero(dres_, size_t(NR) * C * es);

@@ -98,22 +98,32 @@ void LlamaDecoder::feed_chunk(UnitAccess& units, const int32_t* tokens, int n, b
   units.release_params(0);
 
   const LlamaBlockOffsets o(C, KV_, F);
+  // Adapters (generate --adapter, a LoRA run's sample) add to each GEMM's
+  // output unmerged, after the same GEMMs as LlamaNetwork::block_forward
+  // (0 q|k|v, before RoPE; 1 o_proj; 2 gate|up; 3 down_proj).
+  LinearAdapters* ad = units.adapters();
   for (int l = 0; l < L; ++l) {
     const char* p = static_cast<const char*>(units.acquire_params(1 + l));
+    if (ad) ad->begin_block(l, false);
     auto w = [&](int64_t off) { return p + off * int64_t(es); };
     if (l == 0)
       be_->rmsnorm_forward(ln_, rstd_, res_a_, w(o.ln1w), n, C, eps_);
     else
       be_->residual_rmsnorm_forward(res_a_, ln_, rstd_, res_b_, proj_, w(o.ln1w), n, C, eps_);
     be_->matmul_forward(qkv_, ln_, w(o.qkvw), nullptr, n, C, QKV_);
+    if (ad) ad->forward(l, 0, ln_, qkv_, QKV_, n);
     be_->rope_forward(qkv_, rope_, 1, n, cfg_.NH, cfg_.NKV, HS_, pos_);
     be_->attention_kv_gqa_forward(atty_, kcache_[size_t(l)], vcache_[size_t(l)], qkv_, pos_, n, cfg_.NH, cfg_.NKV,
                                   HS_);
     be_->matmul_forward(proj_, atty_, w(o.ow), nullptr, n, C, C);
+    if (ad) ad->forward(l, 1, atty_, proj_, C, n);
     be_->residual_rmsnorm_forward(res_b_, ln_, rstd_, res_a_, proj_, w(o.ln2w), n, C, eps_);
     be_->matmul_forward(gu_, ln_, w(o.guw), nullptr, n, C, 2 * F);
+    if (ad) ad->forward(l, 2, ln_, gu_, 2 * F, n);
     be_->swiglu_forward(h_, gu_, n, F);
     be_->matmul_forward(proj_, h_, w(o.downw), nullptr, n, F, C);
+    if (ad) ad->forward(l, 3, h_, proj_, C, n);
+    if (ad) ad->end_block(l, false);
     units.release_params(1 + l);
   }
   pos_ += n;

@@ -1,0 +1,57 @@
+// nf4_base_tensors (qlora.h).
+#include "core/model/adapter/qlora.h"
+
+#include <algorithm>
+
+#include "core/common/error.h"
+#include "core/model/adapter/nf4.h"
+
+namespace trainrun {
+
+std::vector<int> nf4_base_tensors(const ModelArch& arch) {
+  const ParamLayout& lay = arch.layout();
+  std::vector<int> out;
+  for (int l = 0; l < arch.config().L; ++l)
+    for (const BlockLinear& b : arch.block_linears()) {
+      const ParamTensor& w = lay.get(arch.hf_block_prefix(l) + b.module + ".weight");
+      TR_CHECK(w.shape == std::vector<int64_t>({b.out, b.in}), "model.base_dtype nf4: ", w.name,
+               " is not the (", b.out, ", ", b.in, ") weight of an nn.Linear (a bug)");
+      out.push_back(int(&w - lay.tensors.data()));
+    }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+namespace {
+// The frozen store's view of nf4.h (frozen_store.h's Nf4Codec).
+class Codec final : public Nf4Codec {
+ public:
+  float absmax_of(const float* x, int64_t n) const override { return nf4::absmax_of(x, n); }
+  void quantize_absmax(const std::vector<float>& absmax, float& offset, std::vector<uint8_t>& qabsmax,
+                       std::vector<float>& absmax2) const override {
+    nf4::Nf4Stats s = nf4::quantize_absmax(absmax);
+    offset = s.offset;
+    qabsmax = std::move(s.qabsmax);
+    absmax2 = std::move(s.absmax2);
+  }
+  void encode(const float* x, int64_t first, int64_t count, int64_t n, const float* absmax,
+              uint8_t* packed) const override {
+    nf4::encode(x, first, count, n, absmax, packed);
+  }
+  const float* dynamic_map() const override { return nf4::dynamic_map().data(); }
+};
+}  // namespace
+
+std::shared_ptr<const Nf4Codec> nf4_codec() { return std::make_shared<Codec>(); }
+
+FrozenFormat frozen_format(const ModelArch& arch, const std::string& base_dtype) {
+  FrozenFormat f;
+  f.dtype = base_dtype == "auto" ? "fp32" : base_dtype;
+  if (f.dtype == "nf4") {
+    f.nf4_tensors = nf4_base_tensors(arch);
+    f.codec = nf4_codec();
+  }
+  return f;
+}
+
+}  // namespace trainrun

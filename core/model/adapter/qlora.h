@@ -1,0 +1,30 @@
+// Which of a base's tensors QLoRA holds in NF4 (model.base_dtype: nf4): as
+// bitsandbytes and peft do it (transformers' replace_with_bnb_linear swaps
+// every nn.Linear / Conv1D inside the blocks for a Linear4bit), the weight
+// of every block linear (ModelArch::block_linears, targeted by the adapter
+// or not); the embeddings, norms, biases and the LM head stay in the act
+// dtype. Each weight is quantized as the (out, in) matrix of nn.Linear,
+// flattened: the layout's own order (GPT-2's Conv1D weights are stored
+// (in, out) in HF files; the reader transposes them, and bitsandbytes
+// quantizes the transposed, nn.Linear-shaped weight too).
+#pragma once
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/model/model.h"
+#include "parallel/sharding/frozen_store.h"
+
+namespace trainrun {
+
+// Indices into arch.layout().tensors, in layout order.
+std::vector<int> nf4_base_tensors(const ModelArch& arch);
+
+// nf4.h's quantizer as the frozen store runs it (frozen_store.h's Nf4Codec).
+std::shared_ptr<const Nf4Codec> nf4_codec();
+
+// The frozen store's format for model.base_dtype (auto: fp32, the CPU
+// backend's dtype).
+FrozenFormat frozen_format(const ModelArch& arch, const std::string& base_dtype);
+
+}  // namespace trainrun
