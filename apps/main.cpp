@@ -13,6 +13,7 @@
 
 #include "core/checkpoint/bench_checkpoint.h"
 #include "core/checkpoint/adapter_merge.h"
+#include "core/model/adapter/qlora.h"
 #include "core/checkpoint/hf_interop.h"
 #include "core/common/debug_hooks.h"
 #include "core/common/error.h"
@@ -29,6 +30,7 @@
 #include "core/model/model_spec.h"
 #include "core/train/bench_tp.h"
 #include "core/train/bench_pipeline.h"
+#include "core/train/bench_lora.h"
 #include "core/train/pipeline_explain.h"
 #include "core/train/generate.h"
 #include "core/train/planner.h"
@@ -162,6 +164,7 @@ struct GenerateText {
   bool chat = false, allow_special = false;
   std::string system;
   std::string adapter;  // --adapter: a PEFT LoRA/DoRA directory, applied unmerged
+  std::string base_dtype = "auto";  // --base-dtype: the weights as a model.base_dtype run holds them
 };
 
 namespace {
@@ -211,6 +214,13 @@ int cmd_generate(const std::string& ckpt, const std::string& prompt, SampleOptio
       hf ? load_hf(ckpt, flat, "generate", kGenerateHostBytesPerParam) : load_model_safetensors(file, flat));
   const ModelConfig& cfg = arch->config();
   TR_LOG_INFO("generate: ", file, " (", arch->describe(), ")");
+  if (gt.base_dtype != "auto" && gt.base_dtype != "fp32") {
+    // As a QLoRA (nf4) or bf16-base run computed: the adapter was trained on
+    // these values, not on the file's.
+    round_trip_base(*arch, flat, gt.base_dtype);
+    TR_LOG_INFO("generate: base weights as model.base_dtype ", gt.base_dtype, " holds them",
+                gt.base_dtype == "nf4" ? " (each block linear's weight NF4-quantized and dequantized)" : " (rounded to bf16)");
+  }
   if (!gt.adapter.empty())
     TR_LOG_INFO("generate: adapter ", gt.adapter, " applied unmerged (as peft's PeftModel; export --merge folds it in)");
   TR_CHECK(gt.chat || (gt.chat_template.empty() && gt.system.empty()),
@@ -298,6 +308,10 @@ struct PlanArgs {
   double host_adamw = 0, pcie = 0, nvme_bw = 0;
   std::vector<std::string> sets;
   int gpus = 0, nodes = 1, micro_batch = 0, global_batch = 0;
+  // Parameter-efficient fine-tuning: "" = the job's model.adapter (none without a job).
+  std::string adapter, base_dtype, target_modules;
+  int adapter_rank = 0;
+  bool adapter_rank_set = false;  // --rank given (else the job's model.adapter.rank, else 16)
 };
 
 int cmd_plan(const PlanArgs& a) {
@@ -325,15 +339,20 @@ int cmd_plan(const PlanArgs& a) {
     job_topology_file = job.parallel.topology_file;
     job_nproc = job.parallel.nproc_per_node;
     if (job.parallel.nproc_per_node > 0) req.gpus_per_node = job.parallel.nproc_per_node;
-    // The memory model has no adapters yet (issue 25). Say so rather than
-    // plan a full fine-tune in silence: its rows bound the adapter run from
-    // above (the frozen base has no fp32 master, gradients or moments), so a
-    // "fits" stays true, while a "NO" may not be.
-    if (job.model.adapter.on())
-      std::cerr << "plan: model.adapter (" << job.model.adapter.type << ", rank " << job.model.adapter.rank
-                << ") is not in the memory model yet: the rows below are a full fine-tune of the base, an upper "
-                   "bound on the adapter run (a \"fits\" holds; a \"NO\" may not); see docs/fine-tuning.md\n";
+    // An adapter job plans as one: the frozen base in model.base_dtype and the adapters' state.
+    req.adapter.type = job.model.adapter.type;
+    req.adapter.rank = job.model.adapter.rank;
+    req.adapter.target_modules = job.model.adapter.target_modules;
+    req.adapter.base_dtype = job.model.base_dtype;
   }
+  if (!a.adapter.empty()) req.adapter.type = a.adapter;
+  if (a.adapter_rank_set) req.adapter.rank = a.adapter_rank;
+  else if (!from_job) req.adapter.rank = 16;
+  if (!a.target_modules.empty()) req.adapter.target_modules = a.target_modules;
+  if (!a.base_dtype.empty()) req.adapter.base_dtype = a.base_dtype;
+  TR_CHECK(req.adapter.on() || (!a.adapter_rank_set && a.target_modules.empty() && a.base_dtype.empty()),
+           "plan: --rank, --target-modules and --base-dtype describe adapters; add --adapter lora or --adapter dora "
+           "(or plan a job with model.adapter)");
   if (!a.model.empty()) req.model = parse_model_shape(a.model);
   if (!a.pp_schedule.empty()) req.pp_schedule = a.pp_schedule;
   if (!a.pp_reshard.empty()) req.pipeline_reshard = a.pp_reshard;
@@ -474,6 +493,7 @@ int main(int argc, char** argv) {
   generate->add_option("--system", gt.system, "with --chat: a system message before the prompt");
   generate->add_option("--chat-template", gt.chat_template, "with --chat: llama3 | chatml | plain | a template name | a Jinja file (default: the model's chat_template beside the tokenizer)");
   generate->add_option("--adapter", gt.adapter, "a PEFT LoRA or DoRA adapter directory (a run's adapter/, or peft's save_pretrained) to sample with, applied unmerged as peft's PeftModel computes (s B A x added after each adapted GEMM)");
+  generate->add_option("--base-dtype", gt.base_dtype, "the base's weights as a run with this model.base_dtype held them: nf4 = each block linear's weight NF4-quantized and dequantized (QLoRA), bf16 = rounded; auto/fp32 = as in the file")->capture_default_str()->check(CLI::IsMember({"auto", "fp32", "bf16", "nf4"}));
   generate->add_flag("--allow-special", gt.allow_special, "match special tokens spelled in --prompt (default: they are text)");
 
   auto* export_cmd = app.add_subcommand("export", "write a model as a Hugging Face directory (GPT2LMHeadModel / LlamaForCausalLM)");
@@ -526,6 +546,10 @@ int main(int argc, char** argv) {
   plan->add_option("--pp-reshard", pa.pp_reshard, "parallel.pipeline_reshard for the PP table: auto (true under full_shard and hybrid_shard), true (a stage gathers each unit per use) or false (it holds its units and fp32 gradients all step) (default: the job's, else auto)")->check(CLI::IsMember({"auto", "true", "false"}));
   plan->add_option("--pp-virtual-stages", pa.pp_virtual_stages, "model chunks per pipeline rank for interleaved_1f1b (default: the job's, else 2)")->check(CLI::Range(1, 64));
   plan->add_option("--nvme-bandwidth", pa.nvme_bw, "NVMe bytes/s per node for offload nvme (default 12e9)")->check(CLI::PositiveNumber);
+  plan->add_option("--adapter", pa.adapter, "plan a parameter-efficient fine-tune: lora or dora adapters on a frozen base (default: the job's model.adapter, else a full fine-tune)");
+  plan->add_option("--rank", pa.adapter_rank, "the adapters' rank r (default: the job's model.adapter.rank, else 16)");
+  plan->add_option("--target-modules", pa.target_modules, "the linears to adapt: HF short names, comma-joined (q_proj,v_proj), or all-linear (default: the job's, else all-linear)");
+  plan->add_option("--base-dtype", pa.base_dtype, "how the frozen base is held: auto (bf16 on GPUs), fp32, bf16 or nf4 (QLoRA) (default: the job's model.base_dtype, else auto)");
 
   auto* topo_cmd = app.add_subcommand("topo", "describe this node's GPUs, links, NUMA and NICs, and what a launch would do");
   topo::TopoCommandOptions to;
@@ -587,6 +611,15 @@ int main(int argc, char** argv) {
   bench_off->add_option("--repeat", offo.repeat, "timed runs per row (median)")->capture_default_str()->check(CLI::Range(1, 100));
   bench_off->add_option("--config", offo.config, "the step-time model (\"\" skips that table)")->capture_default_str();
   bench_off->add_option("--steps", offo.steps, "steps per step-time run (the median skips the first 3)")->capture_default_str()->check(CLI::Range(5, 1000));
+  auto* bench_lora = bench->add_subcommand("lora", "step time, trainable parameters and optimizer memory of adapters (LoRA r=16 on every linear) vs a full fine-tune of the CPU benchmark model, at 1 thread and every core, in one run");
+  LoraBenchOptions lbo;
+  bench_lora->add_option("--config", lbo.config, "the model, batch and data (a job spec)")->capture_default_str();
+  bench_lora->add_option("--adapter", lbo.adapter, "lora or dora")->capture_default_str()->check(CLI::IsMember({"lora", "dora"}));
+  bench_lora->add_option("--rank", lbo.rank, "the adapters' rank r")->capture_default_str();
+  bench_lora->add_option("--target-modules", lbo.target_modules, "the linears to adapt (HF short names, comma-joined, or all-linear)")->capture_default_str();
+  bench_lora->add_option("--steps", lbo.steps, "steps per run (the median skips the first 2)")->capture_default_str()->check(CLI::Range(3, 1000));
+  bench_lora->add_option("--rounds", lbo.rounds, "full and adapter runs, alternating; the lower median of each is kept")->capture_default_str()->check(CLI::Range(1, 100));
+  bench_lora->add_option("--threads", lbo.threads, "OpenMP thread counts, one pair of runs each (default: 1 and every core)")->delimiter(',')->check(CLI::Range(1, 1024));
 
   // Hidden: the CUDA peer probe, run by the topology code in a child process
   // (parallel/topology/topology_probe.cpp) so the agent never holds a CUDA context.
@@ -610,6 +643,7 @@ int main(int argc, char** argv) {
       {topo_cmd, "docs/planner.md"},        {bench, "docs/benchmarks.md"},      {bench_comm, "docs/benchmarks.md"},
       {bench_ckpt, "docs/benchmarks.md"},   {bench_kernels, "docs/benchmarks.md"},
       {bench_pipe, "docs/benchmarks.md"},   {bench_opt, "docs/benchmarks.md"},  {bench_off, "docs/benchmarks.md"},
+      {bench_lora, "docs/benchmarks.md"},
   };
   for (const auto& [sub, page] : doc_pages) sub->footer(std::string("Docs: ") + page);
 
@@ -671,6 +705,12 @@ int main(int argc, char** argv) {
     if (*bench_kernels) return run_kernel_bench(kbo);
     if (*bench_opt) return run_optimizer_bench(obo);
     if (*bench_off) return run_offload_bench(offo);
+    if (*bench_lora) {
+      std::string described;
+      const std::vector<LoraBenchRow> rows = run_lora_bench(lbo, &described);
+      std::cout << format_lora_bench_table(rows, described) << std::flush;
+      return 0;
+    }
     if (*bench_pipe) return run_pipeline_bench(pbo);
     if (*export_cmd) {
       HfExportOptions eo;
@@ -693,9 +733,11 @@ int main(int argc, char** argv) {
     }
     if (*plan) {
       if (pa.config.empty() && pa.model.empty()) {
-        std::cerr << plan->help() << "\ntrainrun: error: plan needs --config job.yaml or --model SHAPE\n";
+        std::cerr << plan->help() << "\ntrainrun: error: plan needs --config job.yaml or --model SHAPE"
+                  << (pa.adapter.empty() ? "" : " (--adapter " + pa.adapter + " adapts a base model: name it)") << "\n";
         return 2;
       }
+      pa.adapter_rank_set = plan->get_option("--rank")->count() > 0;
       if (pa.config.empty() && !pa.sets.empty()) {
         std::cerr << "trainrun: error: plan: --set needs --config (it overrides the job's fields)\n";
         return 2;

@@ -411,14 +411,12 @@ TEST_CASE("planner: plan --model takes the model.preset names, and plan --config
   CHECK_THAT(r.err, Contains("model.seq_len: 4096 (preset llama3.1-8b has 8192)"));
   CHECK_THAT(r.err, !Contains("model.adapter"));
 
-  // An adapter job: the memory model has no adapters yet, and says so
-  // instead of planning a full fine-tune in silence.
+  // An adapter job plans as one (tests/test_planner_adapter.cpp has the model).
   test::write_file(dir / "lora.yaml", "model: {preset: llama3.1-8b, seq_len: 4096, adapter: {type: lora, rank: 16}}\n"
                                       "data: {format: synthetic}\ntrain: {micro_batch_size: 1, global_batch_size: 8}\n");
   r = test::run_trainrun("plan --config '" + dir / "lora.yaml" + "' --gpus 8");
   REQUIRE(r.exit_code == 0);
-  CHECK_THAT(r.err, Contains("plan: model.adapter (lora, rank 16) is not in the memory model yet") &&
-                        Contains("an upper bound on the adapter run"));
+  CHECK_THAT(r.out, Contains("adapter   lora r=16 on all-linear: 41.9M trainable parameters"));
 }
 
 TEST_CASE("planner: offload's device and host bytes are the store's, byte for byte", "[planner][offload]") {

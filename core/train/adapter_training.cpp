@@ -132,8 +132,9 @@ CheckpointSubject AdapterTraining::checkpoint_subject() const {
   json targets = json::array();
   for (const std::string& n : adapters_->target_names()) targets.push_back(n);
   // base_dtype: the function the adapters were trained against (an NF4 or
-  // bf16 base is another model); auto is fp32 on the backends that run adapters.
-  const std::string base_dtype = job_.model.base_dtype == "auto" ? "fp32" : job_.model.base_dtype;
+  // bf16 base is another model); auto is the backend's act dtype (fp32 on
+  // the CPU, bf16 on CUDA), so a CPU checkpoint resumed on CUDA says so.
+  const std::string base_dtype = job_.model.base_dtype == "auto" ? dtype_name(be_->act_dtype()) : job_.model.base_dtype;
   json adapter = {{"type", job_.model.adapter.type}, {"r", o.rank}, {"lora_alpha", o.alpha},
                   {"target_modules", targets}, {"numel", adapters_->layout().total}, {"base_dtype", base_dtype}};
   std::string fingerprint = "none (the base is the random init of train.seed)";

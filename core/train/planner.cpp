@@ -274,16 +274,15 @@ std::string si(double v, const char* unit) {
   return fixed(v, v < 10 ? 2 : v < 100 ? 1 : 0) + " " + p[i] + unit;
 }
 
-}  // namespace planner_detail
-
-namespace {
-
-// 70553706496 -> "70.554B", 124439808 -> "124.4M", 27008 -> "27.0k".
 std::string count_str(double n) {
   if (n >= 1e9) return fixed(n / 1e9, 3) + "B";
   if (n >= 1e6) return fixed(n / 1e6, 1) + "M";
   return fixed(n / 1e3, 1) + "k";
 }
+
+}  // namespace planner_detail
+
+namespace {
 
 std::string mesh_name(const PlanRow& r) {
   return "tp" + std::to_string(r.tp) + (r.pp > 1 ? " x pp" + std::to_string(r.pp) : "") + " x dp" +
@@ -383,15 +382,40 @@ Plan make_plan(const PlanRequest& req) {
   const std::unique_ptr<ModelArch> arch = make_model_arch(req.model);
   const ModelArch& m = *arch;
   const ModelConfig& mc = m.config();
-  const double fpt = m.flops_per_token();
+  // An adapter run: the frozen base computes its forward and input
+  // gradient (4N), the adapters all three; what the step computes beyond
+  // what MFU counts (DoRA's extra GEMMs, the head's unused weight gradient)
+  // adds to its time, like the recompute below.
+  const bool adapt = req.adapter.on();
+  check_adapter_request(req.adapter, m);
+  const AdapterUnits au = adapt ? adapter_units(m, m.layout(), req.adapter, dev) : AdapterUnits{};
+  double adapter_total = 0;
+  for (int64_t n : au.adapter) adapter_total += double(n);
+  const double fpt = adapt ? adapter_flops_per_token(m, req.adapter) : m.flops_per_token();
   // Activation checkpointing reruns every block's forward once more in
-  // backward: hardware FLOPs grow by the blocks' forward share.
+  // backward: hardware FLOPs grow by the blocks' forward share (with
+  // adapters: theirs too, and DoRA's recomputed x W^T).
   double block_params = 0;
   {
     auto u = unit_numels(m);
     for (size_t i = 1; i + 1 < u.size(); ++i) block_params += double(u[i]);
   }
-  const double recompute = req.checkpointing ? 2 * block_params + 4.0 * mc.L * mc.C * mc.T : 0;
+  double recompute = req.checkpointing ? 2 * block_params + 4.0 * mc.L * mc.C * mc.T : 0;
+  if (adapt) {
+    const double extra = adapter_extra_flops_per_token(m, req.adapter);
+    // DoRA's share of `extra` is 3 GEMMs per adapted linear, one of them
+    // in the forward (x W^T again), which the recompute reruns.
+    const double dora_forward = (extra - 2.0 * double(mc.V) * double(mc.C)) / 3;
+    if (req.checkpointing) recompute += 2 * adapter_total + dora_forward;
+    recompute += extra;
+  }
+  // What the optimizer trains (and the dp collectives reduce): the model,
+  // or the adapters.
+  const std::vector<int64_t> trained = adapt ? au.adapter : unit_numels(m);
+  auto memory_at = [&](const Sharding& s, int b) {
+    if (!adapt) return estimate_memory(m, s, b, req.checkpointing, dev);
+    return adapter_memory_of_units(au, s, b, mc.T, estimate_activation_bytes(m, b, req.checkpointing, dev), dev, false);
+  };
 
   for (const char* name : {"no_shard", "shard_grad_op", "full_shard", "hybrid_shard"}) {
     PlanRow row;
@@ -402,13 +426,11 @@ Plan make_plan(const PlanRequest& req) {
     row.sharding.offload = offload;
     row.sharding.offload_grad_on_device = offload_keeps_device_grad(
         parse_offload_mode(req.offload), std::max(1, int(ceil_div(req.global_batch, int64_t(req.micro_batch) * W))));
-    row.mem = estimate_memory(m, row.sharding, req.micro_batch, req.checkpointing, dev);
+    row.mem = memory_at(row.sharding, req.micro_batch);
     row.fits = row.mem.total() <= plan.capacity;
     // Memory grows with the micro-batch (activations, inputs) and nothing
     // else: the largest that fits by bisection on the exact model.
-    auto fits_at = [&](int b) {
-      return estimate_memory(m, row.sharding, b, req.checkpointing, dev).total() <= plan.capacity;
-    };
+    auto fits_at = [&](int b) { return memory_at(row.sharding, b).total() <= plan.capacity; };
     if (fits_at(1)) {
       int lo = 1, hi = 2;
       while (hi <= (1 << 20) && fits_at(hi)) lo = hi, hi *= 2;
@@ -423,8 +445,9 @@ Plan make_plan(const PlanRequest& req) {
     row.compute_s = tokens_gpu * (fpt + recompute) / (spec->bf16_flops * req.compute_efficiency);
     const double bw_group = row.sharding.group <= req.gpus_per_node ? bw_intra : bw_inter;
     const double bw_replica = req.nodes > 1 ? bw_inter : bw_intra;
-    CommVolume c = comm_time(unit_numels(m), row.sharding, row.accum, dev.act_bytes, bw_world, bw_group, bw_replica);
-    if (offload) add_offload(row, unit_numels(m), req, dev.act_bytes, c);
+    CommVolume c = comm_time(trained, row.sharding, row.accum, dev.act_bytes, bw_world, bw_group, bw_replica);
+    if (adapt) c.overlapped += base_gather_seconds(au, row.sharding, row.accum, bw_group);
+    if (offload) add_offload(row, trained, req, dev.act_bytes, c);
     row.comm_s = c.overlapped + c.exposed;
     row.exposed_comm_s = c.exposed;
     row.step_s = c.exposed + std::max(row.compute_s, c.overlapped);
@@ -442,7 +465,11 @@ Plan make_plan(const PlanRequest& req) {
     if (r.sharding.strategy == focus) f = &r;
   TR_CHECK(f, "plan: unknown strategy '", focus, "'");
   std::ostringstream v;
-  v << m.describe() << " (" << count_str(double(m.num_parameters())) << " parameters) with " << focus
+  v << m.describe() << " (" << count_str(double(m.num_parameters())) << " parameters)";
+  if (adapt)
+    v << " with " << req.adapter.type << " adapters (r=" << req.adapter.rank << ", " << req.adapter.target_modules << ", "
+      << count_str(adapter_total) << " trainable) on a frozen " << au.dtype << " base";
+  v << " with " << focus
     << (req.checkpointing ? " and activation checkpointing" : " without activation checkpointing") << " on "
     << req.nodes << " x " << req.gpus_per_node << " " << spec->name << " (" << gib(plan.capacity) << " GiB each), micro-batch "
     << req.micro_batch << ": ";
@@ -463,21 +490,23 @@ Plan make_plan(const PlanRequest& req) {
       << gib(req.host_memory) << " available; use --offload nvme or more nodes.";
   } else {
     v << "DOES NOT FIT: " << gib(f->mem.total()) << " GiB per GPU needed, " << gib(plan.capacity) << " available";
-    const double state = f->mem.params + f->mem.grads + f->mem.optimizer;
-    v << " (parameters, gradients and optimizer state alone: " << gib(state) << " GiB).";
+    const double state = f->mem.base + f->mem.params + f->mem.grads + f->mem.optimizer;
+    v << " (" << (adapt ? "the frozen base, the adapters' parameters, gradients and optimizer state"
+                        : "parameters, gradients and optimizer state")
+      << " alone: " << gib(state) << " GiB).";
     if (f->max_micro_batch > 0) {
       v << " Micro-batch " << f->max_micro_batch << " fits.";
     } else {
       int need = 0;
       for (int nodes = req.nodes; nodes <= 4096 && !need; ++nodes) {
         Sharding s{"full_shard", nodes * req.gpus_per_node, nodes * req.gpus_per_node, offload};
-        if (estimate_memory(m, s, 1, req.checkpointing, dev).total() <= plan.capacity) need = nodes;
+        if (memory_at(s, 1).total() <= plan.capacity) need = nodes;
       }
       if (need) {
         Sharding s{"full_shard", need * req.gpus_per_node, need * req.gpus_per_node, offload};
         v << " Smallest cluster of these nodes where full_shard fits at micro-batch 1: " << need << " x "
           << req.gpus_per_node << " = " << need * req.gpus_per_node << " GPUs ("
-          << gib(estimate_memory(m, s, 1, req.checkpointing, dev).total()) << " GiB per GPU).";
+          << gib(memory_at(s, 1).total()) << " GiB per GPU).";
       } else {
         v << " No cluster of up to 4096 such nodes holds it: the activations alone exceed one GPU.";
       }
@@ -517,13 +546,21 @@ std::string render_plan(const Plan& p) {
       << si(r.host_adamw_params_per_s, "") << " params/s per node, PCIe " << fixed(r.pcie_bytes_per_s / 1e9, 0)
       << " GB/s per GPU" << (r.offload == "nvme" ? ", NVMe " + fixed(r.nvme_bytes_per_s / 1e9, 0) + " GB/s per node" : "")
       << (r.host_memory > 0 ? ", " + gib(r.host_memory) + " GiB host memory per node" : "") << "\n";
-  o << "assumes   bf16 parameters/activations, fp32 master weights, gradients and AdamW moments, flash attention, "
-    << fixed(r.compute_efficiency * 100, 0) << "% of peak in compute, 1 GiB runtime reserve\n\n";
-  const std::vector<std::pair<std::string, size_t>> cols = {
+  const bool adapt = r.adapter.on();
+  if (adapt) render_adapter_line(r.adapter, m, o);
+  if (adapt)
+    o << "assumes   bf16 activations and adapter copies; the adapters' fp32 master weights, gradients and AdamW moments; "
+      << "flash attention, " << fixed(r.compute_efficiency * 100, 0) << "% of peak in compute, 1 GiB runtime reserve\n\n";
+  else
+    o << "assumes   bf16 parameters/activations, fp32 master weights, gradients and AdamW moments, flash attention, "
+      << fixed(r.compute_efficiency * 100, 0) << "% of peak in compute, 1 GiB runtime reserve\n\n";
+  std::vector<std::pair<std::string, size_t>> cols = {
       {"strategy", 15}, {"shard", 6},  {"params", 8},   {"grads", 8}, {"optim", 8},     {"activ", 8},
       {"comm", 8},      {"work", 7},   {"total", 8},    {"fits", 5},  {"max mb", 7},    {"compute", 9},
       {"comm t", 9},    {"step", 9},   {"tok/s", 10},   {"MFU", 5}};
-  o << "per-GPU memory in GiB; times per optimizer step (comm t: collectives, overlapped or not)\n";
+  if (adapt) cols.insert(cols.begin() + 2, {"base", 8});
+  o << "per-GPU memory in GiB; times per optimizer step (comm t: collectives, overlapped or not)"
+    << (adapt ? "; base: the frozen base; params, grads, optim: the adapters'" : "") << "\n";
   std::string header;
   for (size_t i = 0; i < cols.size(); ++i)
     header += i == 0 ? pad_right(cols[i].first, cols[i].second) : pad_left(cols[i].first, cols[i].second);
@@ -533,12 +570,14 @@ std::string render_plan(const Plan& p) {
     std::vector<std::string> c = {
         row.sharding.strategy + (mark ? " *" : ""),
         std::to_string(row.sharding.group),
+        adapt ? gib(row.mem.base, 2) : "",
         gib(row.mem.params, 2), gib(row.mem.grads, 2), gib(row.mem.optimizer, 2), gib(row.mem.activations, 2),
         gib(row.mem.comm, 2), gib(row.mem.workspace, 2), gib(row.mem.total(), 2),
         row.fits ? "yes" : "NO",
         row.max_micro_batch > 0 ? std::to_string(row.max_micro_batch) : "-",
         seconds(row.compute_s), seconds(row.comm_s), seconds(row.step_s), si(row.tokens_per_s, ""),
         fixed(row.mfu * 100, 0) + "%"};
+    if (!adapt) c.erase(c.begin() + 2);
     std::string line;
     for (size_t i = 0; i < cols.size(); ++i)
       line += i == 0 ? pad_right(c[i], cols[i].second) : pad_left(c[i], cols[i].second);

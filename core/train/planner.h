@@ -61,9 +61,17 @@ struct DeviceModel {
 // parameter units, full-size gradient buckets awaiting reduce-scatter, the
 // reduce-scatter landing buffer), workspace (inputs, library workspace,
 // runtime reserve; in a measured run: whatever else the backend held).
+//
+// An adapter run (model.adapter) adds `base`: the frozen base as this rank
+// stores it (in base_dtype, sharded as the strategy says); params, grads and
+// optimizer are then the adapters' (the only trainable state), comm also
+// holds the base's gathered (and, for nf4, dequantized) units, and
+// workspace the adapters' scratch and the fp32 buffer the network writes
+// the frozen base's unused gradients into.
 struct MemoryBreakdown {
   double params = 0, grads = 0, optimizer = 0, activations = 0, comm = 0, workspace = 0;
-  double total() const { return params + grads + optimizer + activations + comm + workspace; }
+  double base = 0;
+  double total() const { return base + params + grads + optimizer + activations + comm + workspace; }
 };
 
 // How parameters are spread: the strategy and the shard-group size G
@@ -95,6 +103,46 @@ MemoryBreakdown estimate_memory(const ModelArch& m, const Sharding& s, int micro
 // The activation arena alone (ModelArch::activation_bytes; on the CPU equal
 // to the network's activation_bytes()).
 double estimate_activation_bytes(const ModelArch& m, int micro_batch, bool checkpointing, const DeviceModel& d);
+
+// ---- parameter-efficient fine-tuning (model.adapter) --------------------------------
+
+// What the planner needs of a job's model.adapter and model.base_dtype
+// (`plan --adapter lora --rank 16 --base-dtype nf4`).
+struct AdapterRequest {
+  std::string type = "none";                  // none | lora | dora
+  int rank = 16;                              // r
+  std::string target_modules = "all-linear";  // comma-joined HF short names, or all-linear
+  std::string base_dtype = "auto";            // auto | fp32 | bf16 | nf4
+  bool on() const { return type != "none"; }
+};
+// "bf16" / "fp32" / "nf4": auto is the backend's activation dtype (bf16 on
+// CUDA, fp32 on the CPU), as the trainer holds the frozen base. Throws Error
+// for anything but auto, fp32, bf16, nf4 (naming --base-dtype).
+std::string resolve_base_dtype(const std::string& base_dtype, const DeviceModel& d);
+// Throws Error naming the flag or key for a rank <= 0, an unknown type or
+// base dtype, or a target module the model does not have.
+void check_adapter_request(const AdapterRequest& a, const ModelArch& m);
+// Trainable elements per block (A and B of every target, DoRA's magnitudes),
+// and in all (L blocks): what `trainable params` counts.
+int64_t adapter_params_per_block(const ModelArch& m, const AdapterRequest& a);
+// The frozen base's bytes in base_dtype (nf4: nf4::stored_bytes of every
+// block linear's weight, the rest bf16), the whole model, unsharded.
+double adapter_base_bytes(const ModelArch& m, const AdapterRequest& a, const DeviceModel& d);
+// One rank's memory in an adapter run at tp 1 (pp 1): the frozen base
+// sharded as `s` says (no_shard / shard_grad_op: whole; full_shard /
+// hybrid_shard: 1/G of every unit, gathered per use), the adapters' state
+// sharded alike, the activation arena, and the buffers listed above.
+MemoryBreakdown estimate_adapter_memory(const ModelArch& m, const AdapterRequest& a, const Sharding& s,
+                                        int micro_batch, bool checkpointing, const DeviceModel& d);
+// FLOPs per token as the trainer's MFU counts an adapter run: 4N for the
+// frozen base (forward and input gradient, no weight gradient), 6 per
+// adapter parameter, and attention's 12*L*C*T.
+double adapter_flops_per_token(const ModelArch& m, const AdapterRequest& a);
+// What the step computes beyond that (hardware FLOPs per token, not in MFU):
+// DoRA's 3 more base-sized GEMMs per adapted linear (5 instead of LoRA's 2:
+// core/model/adapter/dora.cpp) and the LM head's weight gradient, which the
+// network still computes into a scratch it throws away.
+double adapter_extra_flops_per_token(const ModelArch& m, const AdapterRequest& a);
 
 // ---- tensor parallelism ----------------------------------------------------------
 
@@ -169,6 +217,9 @@ struct PlanRequest {
   int pp_virtual_stages = 1;       // 0 = 2 for interleaved_1f1b, else 1
   int job_pp = 0;                  // the job's parallel.pipeline_parallel, marked; 0 = none
   std::string pipeline_reshard = "auto";  // the job's parallel.pipeline_reshard (--pp-reshard): auto | true | false
+  // Parameter-efficient fine-tuning (--adapter or the job's model.adapter):
+  // every row is then an adapter run (frozen base + adapters).
+  AdapterRequest adapter;
 };
 
 // The schedule's bubble as a share of the step's compute: (p-1)/m for gpipe

@@ -49,8 +49,34 @@ void add_offload(PlanRow& row, const std::vector<int64_t>& units, const PlanRequ
 std::string gib(double b, int prec = 1);
 std::string seconds(double s);
 std::string si(double v, const char* unit);
+std::string count_str(double n);  // 70553706496 -> "70.554B", 124439808 -> "124.4M", 27008 -> "27.0k"
 inline std::string pad_right(const std::string& s, size_t w) { return s.size() >= w ? s : s + std::string(w - s.size(), ' '); }
 inline std::string pad_left(const std::string& s, size_t w) { return s.size() >= w ? s : std::string(w - s.size(), ' ') + s; }
+
+// ---- adapter runs (planner_adapter.cpp) ----
+// One rank's layout in an adapter run: the base's units (elements, and
+// bytes as stored in base_dtype, whole), one adapter unit per block
+// (trainable elements), and the widest target input / output (the
+// adapters' scratch rows).
+struct AdapterUnits {
+  std::vector<int64_t> base_numel;
+  std::vector<double> base_bytes;
+  std::vector<int64_t> adapter;
+  int64_t max_in = 0, max_out = 0;
+  int r = 0;
+  bool dora = false;
+  std::string dtype;  // the resolved base dtype: fp32, bf16, nf4
+};
+// Over `layout` (the model's, or a TP rank's local one: the same tensor names, local shapes).
+AdapterUnits adapter_units(const ModelArch& m, const ParamLayout& layout, const AdapterRequest& a, const DeviceModel& d);
+// The memory of one rank holding `u` (planner_adapter.cpp's header says
+// what each category holds). held: a pipeline stage that keeps all of its
+// base units gathered all step (pipeline_reshard false).
+MemoryBreakdown adapter_memory_of_units(const AdapterUnits& u, const Sharding& s, int B, int T, double activations,
+                                        const DeviceModel& d, bool held);
+double base_gather_seconds(const AdapterUnits& u, const Sharding& s, int accum, double bw_group);
+// The plan's "adapter" line: trainable parameters, the base's dtype and bytes, FLOPs per token.
+void render_adapter_line(const AdapterRequest& a, const ModelArch& m, std::ostringstream& o);
 
 // planner_tp.cpp: the tp 2/4/8 rows and their table.
 void plan_tensor_parallel(Plan& plan, const ModelArch& m, const DeviceModel& dev, double bw_intra, double bw_inter,

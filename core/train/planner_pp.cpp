@@ -114,9 +114,12 @@ double stage_comm_bytes(const std::vector<ChunkPasses>& chunks, const Sharding& 
 // estimate_pipeline_memory with the TP plan built once by the caller (a
 // 70B model's plan is costly to build, and the planner asks for every
 // strategy of every mesh).
+// au: an adapter run's units over the TP-local layout (nullptr: a full
+// fine-tune); a stage then holds its base units frozen and its blocks' adapters.
 std::vector<PipelineStageMemory> pipeline_memory(const ModelArch& m, const TensorParallelPlan& tpp, bool sp, int pp,
                                                  const std::string& kind, int v, int mb_count, const Sharding& s,
-                                                 int B, bool ckpt, const DeviceModel& d) {
+                                                 int B, bool ckpt, const DeviceModel& d,
+                                                 const AdapterUnits* au = nullptr) {
   const ModelConfig& mc = m.config();
   const int tp = tpp.shape().tp;
   const PipelineSchedule sched = make_pipeline_schedule(kind, pp, v, mb_count);
@@ -172,6 +175,8 @@ std::vector<PipelineStageMemory> pipeline_memory(const ModelArch& m, const Tenso
     PipelineStageMemory st;
     st.rank = r;
     std::vector<int64_t> mine;
+    std::vector<size_t> mine_idx;  // the same units, as indices into `units`
+    std::vector<int> my_layers;    // the blocks this rank holds
     std::vector<ChunkPasses> passes;
     int first_layer_of_rank_chunk = 0, max_chunk = 0;
     std::vector<int> starts(split.size(), 0);
@@ -183,19 +188,25 @@ std::vector<PipelineStageMemory> pipeline_memory(const ModelArch& m, const Tenso
       st.layers += split[size_t(vs)];
       ChunkPasses cp;
       std::vector<int64_t> blocks;
-      for (int l = 0; l < split[size_t(vs)]; ++l) blocks.push_back(units[size_t(1 + first_layer_of_rank_chunk + l)]);
+      for (int l = 0; l < split[size_t(vs)]; ++l) {
+        blocks.push_back(units[size_t(1 + first_layer_of_rank_chunk + l)]);
+        my_layers.push_back(first_layer_of_rank_chunk + l);
+      }
       if (vs == 0) {
+        mine_idx.push_back(0);
         mine.push_back(units.front());  // the embedding
         cp.forward.push_back(units.front());
         if (mc.tied) cp.tied = units.front();  // its gradient waits for the last stage's
       }
       mine.insert(mine.end(), blocks.begin(), blocks.end());
+      for (int l = 0; l < split[size_t(vs)]; ++l) mine_idx.push_back(size_t(1 + first_layer_of_rank_chunk + l));
       cp.forward.insert(cp.forward.end(), blocks.begin(), blocks.end());
       if (vs == pp * v - 1) {
         mine.push_back(units.back());  // final norm and head
+        mine_idx.push_back(units.size() - 1);
         cp.forward.push_back(units.back());
         // A tied head reads the embedding: the last stage holds a copy.
-        if (mc.tied && r != 0) mine.push_back(units.front());
+        if (mc.tied && r != 0) mine.push_back(units.front()), mine_idx.push_back(0);
         if (mc.tied) {
           cp.forward.push_back(units.front());
           cp.backward.push_back(units.front());
@@ -231,8 +242,17 @@ std::vector<PipelineStageMemory> pipeline_memory(const ModelArch& m, const Tenso
     // tables only where virtual stage 0 lives (rank 0) and TP is off.
     st.transient_activations = transient - (r == 0 && tp == 1 ? 0 : pos_tables);
     const double acts = st.in_flight * st.kept_activations + st.transient_activations;
-    st.mem = memory_of_units(mine, st.layers, mc.T, s, B, acts, d);
-    st.mem.comm = stage_comm_bytes(passes, s, d.act_bytes);
+    if (au) {
+      // The stage's frozen base units and its blocks' adapters.
+      AdapterUnits mine_au = *au;
+      mine_au.base_numel.clear(), mine_au.base_bytes.clear(), mine_au.adapter.clear();
+      for (size_t i : mine_idx) mine_au.base_numel.push_back(au->base_numel[i]), mine_au.base_bytes.push_back(au->base_bytes[i]);
+      for (int l : my_layers) mine_au.adapter.push_back(au->adapter[size_t(l)]);
+      st.mem = adapter_memory_of_units(mine_au, s, B, mc.T, acts, d, !s.pipeline_reshard && s.strategy != "no_shard");
+    } else {
+      st.mem = memory_of_units(mine, st.layers, mc.T, s, B, acts, d);
+      st.mem.comm = stage_comm_bytes(passes, s, d.act_bytes);
+    }
     out.push_back(st);
   }
   return out;
@@ -271,12 +291,20 @@ void plan_pipeline_parallel(Plan& plan, const ModelArch& m, const DeviceModel& d
   // One TP plan per degree, and its local layout's units.
   std::map<int, std::unique_ptr<TensorParallelPlan>> tp_plans;
   std::map<int, std::vector<int64_t>> tp_units;
+  // An adapter run: each degree's units of the frozen base and the
+  // adapters; what the dp collectives reduce is the adapters'.
+  const bool adapt = req.adapter.on();
+  std::map<int, AdapterUnits> tp_adapter;
   for (int tp : tps) {
     tp_plans[tp] = std::make_unique<TensorParallelPlan>(m, tp, 0);
     if (tp > 1) {
       for (const auto& u : tp_plans[tp]->local_layout().units) tp_units[tp].push_back(u.numel);
     } else {
       tp_units[tp] = unit_numels(m);
+    }
+    if (adapt) {
+      tp_adapter[tp] = adapter_units(m, tp > 1 ? tp_plans[tp]->local_layout() : m.layout(), req.adapter, dev);
+      tp_units[tp] = tp_adapter[tp].adapter;
     }
   }
   for (int pp : degrees) {
@@ -331,7 +359,7 @@ void plan_pipeline_parallel(Plan& plan, const ModelArch& m, const DeviceModel& d
         row.pp_reshard = row.sharding.pipeline_reshard && strategy != "no_shard";
         row.sharding.offload_grad_on_device = offload_keeps_device_grad(parse_offload_mode(req.offload), accum);
         const auto stages = pipeline_memory(m, *tp_plans[tp], req.sequence_parallel, pp, kind, v, accum, row.sharding,
-                                            req.micro_batch, req.checkpointing, dev);
+                                            req.micro_batch, req.checkpointing, dev, adapt ? &tp_adapter[tp] : nullptr);
         for (const auto& st : stages)
           if (st.mem.total() > row.mem.total()) row.mem = st.mem, row.worst_stage = st.rank, row.worst_in_flight = st.in_flight;
         row.fits = row.mem.total() <= plan.capacity;
@@ -380,6 +408,12 @@ void plan_pipeline_parallel(Plan& plan, const ModelArch& m, const DeviceModel& d
             c.exposed = ring * 4 * Ppad / bw_rs + once.exposed;  // once.exposed: hybrid's replica all-reduce
           }
         }
+        if (adapt) {
+          // The stage's share of the base's gathers (held: once a step, counted as a reshard's one micro-batch).
+          AdapterUnits share = tp_adapter[tp];
+          for (double& b : share.base_bytes) b *= stage_share;
+          c.overlapped += base_gather_seconds(share, row.sharding, row.pp_reshard ? accum : 1, bw_group);
+        }
         // Host memory as if every GPU of a node held the worst stage's share
         // (an upper bound: a node's ranks hold different stages).
         if (row.sharding.offload) add_offload(row, units, req, dev.act_bytes, c);
@@ -407,10 +441,12 @@ void render_pp_table(const Plan& p, std::ostringstream& o) {
     << "; memory of the worst stage; the best strategy per mesh; pipeline_reshard " << r.pipeline_reshard
     << (r.pipeline_reshard == "auto" ? " (true under full_shard and hybrid_shard)" : "")
     << ": comm is " << "each unit gathered per use (reshard) or the stage's units and fp32 gradients held all step)\n";
-  const std::vector<std::pair<std::string, size_t>> cols = {
+  const bool adapt = r.adapter.on();
+  std::vector<std::pair<std::string, size_t>> cols = {
       {"mesh", 17}, {"strategy", 20}, {"stage", 6}, {"inflt", 6}, {"params", 8}, {"grads", 8}, {"optim", 8},
       {"activ", 8}, {"comm", 8}, {"total", 8},     {"fits", 5},  {"mb/step", 8}, {"bubble", 7}, {"compute", 9}, {"p2p", 9},
       {"tp comm", 9}, {"step", 9},    {"tok/s", 10}, {"MFU", 5}};
+  if (adapt) cols.insert(cols.begin() + 4, {"base", 8});
   std::string header;
   for (size_t i = 0; i < cols.size(); ++i)
     header += i <= 1 ? pad_right(cols[i].first, cols[i].second) : pad_left(cols[i].first, cols[i].second);
@@ -421,10 +457,11 @@ void render_pp_table(const Plan& p, std::ostringstream& o) {
         "tp" + std::to_string(row.tp) + " x pp" + std::to_string(row.pp) + " x dp" + std::to_string(row.dp),
         row.sharding.strategy + (row.pp_reshard || row.sharding.strategy == "no_shard" ? "" : " held") + (mark ? " *" : ""),
         std::to_string(row.worst_stage), std::to_string(row.worst_in_flight),
-        gib(row.mem.params, 2), gib(row.mem.grads, 2), gib(row.mem.optimizer, 2), gib(row.mem.activations, 2),
+        gib(row.mem.base, 2), gib(row.mem.params, 2), gib(row.mem.grads, 2), gib(row.mem.optimizer, 2), gib(row.mem.activations, 2),
         gib(row.mem.comm, 2), gib(row.mem.total(), 2), row.fits ? "yes" : "NO", std::to_string(row.accum), fixed(row.bubble * 100, 1) + "%",
         seconds(row.compute_s), seconds(row.p2p_s), seconds(row.tp_comm_s), seconds(row.step_s),
         si(row.tokens_per_s, ""), fixed(row.mfu * 100, 0) + "%"};
+    if (!adapt) c.erase(c.begin() + 4);
     std::string line;
     for (size_t i = 0; i < cols.size(); ++i) line += i <= 1 ? pad_right(c[i], cols[i].second) : pad_left(c[i], cols[i].second);
     if (row.host_bytes_per_node > 0) line += "  host " + gib(row.host_bytes_per_node) + " GiB/node, +" + seconds(row.offload_s);

@@ -67,12 +67,15 @@ double tp_activation_bytes(const ModelArch& m, const TpLocalShape& sh, bool sp, 
   return total;
 }
 
+// au: an adapter run's units over this TP rank's local layout (nullptr: a
+// full fine-tune).
 MemoryBreakdown tp_memory(const ModelArch& m, const TensorParallelPlan& plan, bool sp, const Sharding& s, int B,
-                          bool ckpt, const DeviceModel& d) {
+                          bool ckpt, const DeviceModel& d, const AdapterUnits* au = nullptr) {
   std::vector<int64_t> units;
   for (const auto& u : plan.local_layout().units) units.push_back(u.numel);
-  MemoryBreakdown r = memory_of_units(units, m.config().L, m.config().T, s, B,
-                                      tp_activation_bytes(m, plan.shape(), sp, B, ckpt, d), d);
+  const double acts = tp_activation_bytes(m, plan.shape(), sp, B, ckpt, d);
+  MemoryBreakdown r = au ? adapter_memory_of_units(*au, s, B, m.config().T, acts, d, false)
+                         : memory_of_units(units, m.config().L, m.config().T, s, B, acts, d);
   // Replicated KV heads (tp > n_kv_head, Llama): fp32 scratch that sums the
   // replicas' q|k|v weight gradients (llama.cpp, outside the arena).
   const TpLocalShape& sh = plan.shape();
@@ -139,6 +142,12 @@ void plan_tensor_parallel(Plan& plan, const ModelArch& m, const DeviceModel& dev
     const TensorParallelPlan tp_plan(m, tp, 0);  // every rank's sizes are rank 0's
     std::vector<int64_t> units;
     for (const auto& u : tp_plan.local_layout().units) units.push_back(u.numel);
+    // An adapter run: the base and the adapters split like the layers they
+    // wrap; what the dp collectives reduce is the adapters' local units.
+    const bool adapt = req.adapter.on();
+    const AdapterUnits au = adapt ? adapter_units(m, tp_plan.local_layout(), req.adapter, dev) : AdapterUnits{};
+    if (adapt) units = au.adapter;
+    const AdapterUnits* aup = adapt ? &au : nullptr;
     const int hybrid_dp =
         req.shard_group_size > 0 ? req.shard_group_size : default_hybrid_shard_group(req.gpus_per_node, tp, dp);
     for (const char* name : {"no_shard", "shard_grad_op", "full_shard", "hybrid_shard"}) {
@@ -154,10 +163,10 @@ void plan_tensor_parallel(Plan& plan, const ModelArch& m, const DeviceModel& dev
       row.sharding.offload = req.offload != "none";
       row.sharding.offload_grad_on_device = offload_keeps_device_grad(
           parse_offload_mode(req.offload), std::max(1, int(ceil_div(req.global_batch, int64_t(req.micro_batch) * dp))));
-      row.mem = tp_memory(m, tp_plan, req.sequence_parallel, row.sharding, req.micro_batch, req.checkpointing, dev);
+      row.mem = tp_memory(m, tp_plan, req.sequence_parallel, row.sharding, req.micro_batch, req.checkpointing, dev, aup);
       row.fits = row.mem.total() <= plan.capacity;
       auto fits_at = [&](int b) {
-        return tp_memory(m, tp_plan, req.sequence_parallel, row.sharding, b, req.checkpointing, dev).total() <=
+        return tp_memory(m, tp_plan, req.sequence_parallel, row.sharding, b, req.checkpointing, dev, aup).total() <=
                plan.capacity;
       };
       if (fits_at(1)) {
@@ -178,6 +187,7 @@ void plan_tensor_parallel(Plan& plan, const ModelArch& m, const DeviceModel& dev
       const double bw_world = req.nodes > 1 ? bw_inter : bw_intra;
       const double bw_group = row.sharding.group * tp <= req.gpus_per_node ? bw_intra : bw_inter;
       CommVolume c = comm_time(units, row.sharding, row.accum, dev.act_bytes, bw_world, bw_group, bw_world);
+      if (adapt) c.overlapped += base_gather_seconds(au, row.sharding, row.accum, bw_group);
       if (row.sharding.offload) add_offload(row, units, req, dev.act_bytes, c);  // the rank's TP slice
       row.comm_s = c.overlapped + c.exposed + row.tp_comm_s;
       row.exposed_comm_s = c.exposed + row.tp_comm_s;
@@ -201,10 +211,12 @@ void render_tp_table(const Plan& p, std::ostringstream& o) {
   for (const auto& l : r.tp_links)
     o << "  tp" << l.tp << ": " << l.kind << ", " << fixed(l.bytes_per_s / 1e9, 0) << " GB/s"
       << (l.detail.empty() ? "" : " (" + l.detail + ")") << "\n";
-  const std::vector<std::pair<std::string, size_t>> cols = {
+  const bool adapt = r.adapter.on();
+  std::vector<std::pair<std::string, size_t>> cols = {
       {"mesh", 11},   {"strategy", 15}, {"params", 8}, {"grads", 8},  {"optim", 8},  {"activ", 8},
       {"comm", 8},    {"total", 8},     {"fits", 5},   {"max mb", 7}, {"compute", 9}, {"tp comm", 9},
       {"dp comm", 9}, {"step", 9},      {"tok/s", 10}, {"MFU", 5},    {"tp link", 12}};
+  if (adapt) cols.insert(cols.begin() + 2, {"base", 8});
   std::string header;
   for (size_t i = 0; i < cols.size(); ++i)
     header += i <= 1 ? pad_right(cols[i].first, cols[i].second) : pad_left(cols[i].first, cols[i].second);
@@ -213,11 +225,12 @@ void render_tp_table(const Plan& p, std::ostringstream& o) {
     const bool mark = row.tp == r.job_tp && row.sharding.strategy == r.job_strategy;
     std::vector<std::string> c = {
         "tp" + std::to_string(row.tp) + " x dp" + std::to_string(row.dp), row.sharding.strategy + (mark ? " *" : ""),
-        gib(row.mem.params, 2), gib(row.mem.grads, 2), gib(row.mem.optimizer, 2), gib(row.mem.activations, 2),
+        gib(row.mem.base, 2), gib(row.mem.params, 2), gib(row.mem.grads, 2), gib(row.mem.optimizer, 2), gib(row.mem.activations, 2),
         gib(row.mem.comm, 2), gib(row.mem.total(), 2), row.fits ? "yes" : "NO",
         row.max_micro_batch > 0 ? std::to_string(row.max_micro_batch) : "-", seconds(row.compute_s),
         seconds(row.tp_comm_s), seconds(row.comm_s - row.tp_comm_s), seconds(row.step_s), si(row.tokens_per_s, ""),
         fixed(row.mfu * 100, 0) + "%", row.tp_link};
+    if (!adapt) c.erase(c.begin() + 2);
     std::string line;
     for (size_t i = 0; i < cols.size(); ++i) line += i <= 1 ? pad_right(c[i], cols[i].second) : pad_left(c[i], cols[i].second);
     if (row.host_bytes_per_node > 0) line += "  host " + gib(row.host_bytes_per_node) + " GiB/node, +" + seconds(row.offload_s);

@@ -12,16 +12,6 @@ namespace trainrun {
 
 namespace {
 
-// fp32 -> the nearest bf16 value (ties to even), as an fp32; NaN stays NaN.
-float bf16_value(float x) {
-  if (std::isnan(x)) return x;
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-  std::memcpy(&x, &u, 4);
-  return x;
-}
-
 class FrozenStore final : public ParamStore {
  public:
   FrozenStore(const std::string& strategy, const ParamLayout& layout, Backend* be, Communicator* world, int group,

@@ -21,6 +21,9 @@
 // (below; nf4_frozen_store.cpp).
 #pragma once
 #include <functional>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -28,6 +31,17 @@
 #include "parallel/sharding/sharding.h"
 
 namespace trainrun {
+
+// fp32 -> the nearest bf16 value (ties to even), as an fp32; NaN stays NaN:
+// what model.base_dtype bf16 holds of each weight.
+inline float bf16_value(float x) {
+  if (std::isnan(x)) return x;
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  std::memcpy(&x, &u, 4);
+  return x;
+}
 
 // How the frozen base is held (model.base_dtype, docs/fine-tuning.md):
 //   fp32  as the act dtype (today's CPU backend: fp32)

@@ -44,6 +44,24 @@ class Codec final : public Nf4Codec {
 
 std::shared_ptr<const Nf4Codec> nf4_codec() { return std::make_shared<Codec>(); }
 
+void round_trip_base(const ModelArch& arch, std::vector<float>& flat, const std::string& base_dtype) {
+  TR_CHECK(int64_t(flat.size()) == arch.layout().total, "round_trip_base: ", flat.size(), " weights for a model of ",
+           arch.layout().total, " (a bug)");
+  if (base_dtype == "bf16") {
+    for (float& x : flat) x = bf16_value(x);
+  } else if (base_dtype == "nf4") {
+    // One tensor at a time: its codes and absmaxes (~0.52 bytes per element) on top of the model.
+    for (int i : nf4_base_tensors(arch)) {
+      const ParamTensor& t = arch.layout().tensors[size_t(i)];
+      float* x = flat.data() + t.offset;
+      nf4::dequantize(nf4::quantize(x, t.numel, t.name), x);
+    }
+  } else {
+    TR_CHECK(base_dtype == "auto" || base_dtype == "fp32", "base dtype '", base_dtype,
+             "' is not one of auto, fp32, bf16, nf4");
+  }
+}
+
 FrozenFormat frozen_format(const ModelArch& arch, const std::string& base_dtype) {
   FrozenFormat f;
   f.dtype = base_dtype == "auto" ? "fp32" : base_dtype;

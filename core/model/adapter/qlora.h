@@ -23,6 +23,13 @@ std::vector<int> nf4_base_tensors(const ModelArch& arch);
 // nf4.h's quantizer as the frozen store runs it (frozen_store.h's Nf4Codec).
 std::shared_ptr<const Nf4Codec> nf4_codec();
 
+// The base's weights as a run with model.base_dtype holds them, in place on
+// whole-model fp32 weights (`generate --base-dtype`: sample as the run
+// trained): nf4 = each NF4 tensor quantized whole and dequantized, as the
+// frozen store's units are; bf16 = every value rounded to bf16; auto and
+// fp32 = unchanged.
+void round_trip_base(const ModelArch& arch, std::vector<float>& flat, const std::string& base_dtype);
+
 // The frozen store's format for model.base_dtype (auto: fp32, the CPU
 // backend's dtype).
 FrozenFormat frozen_format(const ModelArch& arch, const std::string& base_dtype);
