@@ -67,7 +67,7 @@ struct DeviceModel {
 // optimizer are then the adapters' (the only trainable state), comm also
 // holds the base's gathered (and, for nf4, dequantized) units, and
 // workspace the adapters' scratch and the fp32 buffer the network writes
-// the frozen base's unused gradients into.
+// the frozen base's unused norm (and bias) gradients into.
 struct MemoryBreakdown {
   double params = 0, grads = 0, optimizer = 0, activations = 0, comm = 0, workspace = 0;
   double base = 0;
@@ -140,8 +140,7 @@ MemoryBreakdown estimate_adapter_memory(const ModelArch& m, const AdapterRequest
 double adapter_flops_per_token(const ModelArch& m, const AdapterRequest& a);
 // What the step computes beyond that (hardware FLOPs per token, not in MFU):
 // DoRA's 3 more base-sized GEMMs per adapted linear (5 instead of LoRA's 2:
-// core/model/adapter/dora.cpp) and the LM head's weight gradient, which the
-// network still computes into a scratch it throws away.
+// core/model/adapter/dora.cpp).
 double adapter_extra_flops_per_token(const ModelArch& m, const AdapterRequest& a);
 
 // ---- tensor parallelism ----------------------------------------------------------

@@ -28,9 +28,10 @@
 //              lora.cpp): dropout(x) (rows x widest input), x A^T and its
 //              gradient (rows x r each); DoRA also xW^T and xBA^T (rows x
 //              widest output each), a 256-row slab of W + sBA and the row
-//              norms; and AdaptedUnitAccess's fp32 scratch of the largest
-//              base unit, where the network writes the base gradients it
-//              still computes (embeddings, norms, head) and nobody reads
+//              norms; and AdaptedUnitAccess's fp32 scratch, where the
+//              network writes the base gradients it still computes (norms,
+//              GPT-2's biases: a block or the head's norm, never the
+//              embedding or lm_head.weight) and nobody reads
 //
 // The same function serves tp 1, a TP rank's local layout (the base and the
 // adapters split like the layers they wrap: a column-parallel linear's B
@@ -102,6 +103,7 @@ AdapterUnits adapter_units(const ModelArch& m, const ParamLayout& layout, const 
     u.adapter.push_back(per_block);
   }
   const double es = u.dtype == "fp32" ? 4 : 2;  // nf4: the rest is bf16
+  u.grad_scratch = std::max<int64_t>(frozen_grad_scratch_elems(layout), 1);
   for (const ParamUnit& pu : layout.units) {
     u.base_numel.push_back(pu.numel);
     double bytes = 0;
@@ -169,10 +171,9 @@ MemoryBreakdown adapter_memory_of_units(const AdapterUnits& u, const Sharding& s
   r.activations = activations;
   // Outside the arena (lora.cpp's buffers; AdaptedUnitAccess's scratch).
   const double rows = double(B) * double(T);
-  int64_t largest = 0;
-  for (int64_t k : u.base_numel) largest = std::max(largest, k);
   // (+ 8: the trainer's loss accumulator and the adapter store's grad-norm accumulator, a float each.)
-  r.workspace = st.workspace + rows * double(u.max_in) * a + 2 * rows * double(u.r) * a + 4.0 * double(largest) + 8;
+  r.workspace =
+      st.workspace + rows * double(u.max_in) * a + 2 * rows * double(u.r) * a + 4.0 * double(u.grad_scratch) + 8;
   if (u.dora)
     r.workspace += 2 * rows * double(u.max_out) * a + double(std::min<int64_t>(u.max_out, 256)) * double(u.max_in) * a +
                    4.0 * double(u.max_out);
@@ -232,8 +233,10 @@ double adapter_flops_per_token(const ModelArch& m, const AdapterRequest& a) {
 }
 
 double adapter_extra_flops_per_token(const ModelArch& m, const AdapterRequest& a) {
+  // (The LM head's weight gradient and the embedding's backward are not
+  // computed over a frozen base: Network, frozen.)
   const ModelConfig& c = m.config();
-  double extra = 2.0 * double(c.V) * double(c.C);  // the LM head's weight gradient, thrown away
+  double extra = 0;
   if (a.type == "dora") {
     const std::vector<std::string> names = resolve_target_modules(m, a.target_modules);
     double adapted = 0;  // elements of the adapted base weights, per block

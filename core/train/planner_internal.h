@@ -63,6 +63,7 @@ struct AdapterUnits {
   std::vector<double> base_bytes;
   std::vector<int64_t> adapter;
   int64_t max_in = 0, max_out = 0;
+  int64_t grad_scratch = 0;  // AdaptedUnitAccess's fp32 scratch (frozen_grad_scratch_elems)
   int r = 0;
   bool dora = false;
   std::string dtype;  // the resolved base dtype: fp32, bf16, nf4

@@ -366,19 +366,19 @@ void LoraAdapters::backward(int layer, int gemm, const void* x, const void* dy, 
   }
 }
 
-AdaptedUnitAccess::AdaptedUnitAccess(UnitAccess& base, const ParamLayout& base_layout, LoraAdapters& adapters,
-                                     UnitAccess& adapter_params, Backend* be)
-    : base_(base), adapters_(adapters), adapter_params_(adapter_params), be_(be) {
-  // What a network over a frozen base still writes: its norms' (and GPT-2's
-  // biases') gradients at their offsets in a block or the head unit. The
-  // embedding and LM head weight gradients are skipped (Network: frozen), so
-  // the embedding unit and the head's lm_head.weight, the largest tensors
-  // of a model with a big vocabulary, need no scratch.
+int64_t frozen_grad_scratch_elems(const ParamLayout& base_layout) {
   int64_t most = 0;
   for (const ParamTensor& t : base_layout.tensors)
     if (t.unit != 0 && t.name != "lm_head.weight")
       most = std::max(most, t.offset - base_layout.units[size_t(t.unit)].offset + t.numel);
-  scratch_bytes_ = size_t(std::max<int64_t>(most, 1)) * 4;  // allocated by the first backward: a sampler never needs it
+  return most;
+}
+
+AdaptedUnitAccess::AdaptedUnitAccess(UnitAccess& base, const ParamLayout& base_layout, LoraAdapters& adapters,
+                                     UnitAccess& adapter_params, Backend* be)
+    : base_(base), adapters_(adapters), adapter_params_(adapter_params), be_(be) {
+  // Allocated by the first backward: a sampler never needs it.
+  scratch_bytes_ = size_t(std::max<int64_t>(frozen_grad_scratch_elems(base_layout), 1)) * 4;
   adapters_.bind(&adapter_params_);
 }
 

@@ -225,6 +225,13 @@ class LoraAdapters final : public LinearAdapters {
   std::map<int, std::vector<float>> held_norms_;  // by a_tensor (tests only)
 };
 
+// The fp32 elements a network over a frozen base still writes as "base
+// gradients" in one unit (AdaptedUnitAccess's scratch, which nobody reads):
+// its norms' (and GPT-2's biases') at their offsets in a block or the head.
+// The embedding (unit 0) and lm_head.weight, the largest tensors of a
+// model with a big vocabulary, are never written (Network: frozen).
+int64_t frozen_grad_scratch_elems(const ParamLayout& base_layout);
+
 // The Network's view of an adapted model: the base's parameters from its
 // store (frozen: its gradients land in a scratch that is thrown away and no
 // base unit is ever reduced), the adapters' through LoraAdapters. begin_pass
