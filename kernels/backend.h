@@ -363,8 +363,13 @@ class Backend {
   // keep for element (n, c) is hash(seed, (row0 + n) * C + c) >= p, so the
   // mask depends on the global row, not on which rank or micro-batch holds
   // it. Applied to a gradient with the same arguments it is its own
-  // backward. out may alias inp.
-  virtual void dropout_forward(void* out, const void* inp, int N, int C, float p, uint64_t seed, int64_t row0) {
+  // backward. out may alias inp. A slice of wider rows (a row-parallel
+  // linear's input columns under tensor parallelism) keys its elements as
+  // the whole rows would: key_cols is the whole row's width (0: C) and col0
+  // the slice's first column, so the key is (row0 + n) * key_cols + col0 + c
+  // and every rank draws the mask one rank draws.
+  virtual void dropout_forward(void* out, const void* inp, int N, int C, float p, uint64_t seed, int64_t row0,
+                               int64_t key_cols = 0, int64_t col0 = 0) {
     not_implemented("dropout_forward");
   }
   // DoRA (Liu et al. 2024, as peft computes it; core/model/adapter/dora.cpp):
@@ -381,6 +386,11 @@ class Backend {
   //                  gradient of xw) and xba := g s dy (that of xba)
   // mag is the magnitude parameter (act dtype, `out` values).
   virtual void row_norms(float* out, const void* w, int rows, int cols) { not_implemented("row_norms"); }
+  // Under tensor parallelism a row-parallel target's rows are split over
+  // the group: each rank's out[o] = sum of w[o, :]^2 over its columns (fp32),
+  // the group sums them, and sqrt_in_place (x = sqrt(x), n fp32) gives the norm.
+  virtual void row_sum_squares(float* out, const void* w, int rows, int cols) { not_implemented("row_sum_squares"); }
+  virtual void sqrt_in_place(float* x, int64_t n) { not_implemented("sqrt_in_place"); }
   virtual void dora_forward(void* y, int ldy, const void* xw, const void* xba, const void* mag, const float* norm,
                             float s, int N, int out) {
     not_implemented("dora_forward");

@@ -1743,6 +1743,44 @@ TEST_CASE("cuda: row_norms (fp32 norms of bf16 rows)", "[cuda][adapter]") {
     }
 }
 
+// Tensor parallelism (core/model/adapter/lora.h): a row-parallel linear's
+// input columns [col0, col0 + C) of rows key_cols wide draw the whole rows'
+// mask, the CPU's bit for bit; row_sum_squares then sqrt_in_place (a
+// row-parallel DoRA norm, with the TP sum between) is row_norms in two steps.
+TEST_CASE("cuda: dropout of a column slice, row_sum_squares and sqrt_in_place (tensor parallelism)",
+          "[cuda][adapter]") {
+  CUDA_TEST_OR_SKIP();
+  Pair p;
+  struct S { int N, C; int64_t key_cols, col0, row0; };
+  for (S s : {S{19, 111, 333, 111, 7}, S{8, 16, 32, 16, 1000003}, S{5, 8, 64, 0, 3}}) {
+    const size_t n = size_t(s.N) * s.C;
+    const std::string sh = shape({{"N", s.N}, {"C", s.C}, {"key_cols", long(s.key_cols)}, {"col0", long(s.col0)}});
+    Twin x(p, randn(n, uint64_t(s.C) * 3 + uint64_t(s.col0)), true);
+    Twin y = out_twin(p, n, true);
+    p.cpu->dropout_forward(y.c(), x.c(), s.N, s.C, 0.25f, 77, s.row0, s.key_cols, s.col0);
+    p.gpu->dropout_forward(y.g(), x.g(), s.N, s.C, 0.25f, 77, s.row0, s.key_cols, s.col0);
+    const Vec got = y.read_gpu(p), want = y.read_cpu(p);
+    size_t diff = 0;
+    for (size_t i = 0; i < n; ++i) diff += (got[i] != 0.0f) != (want[i] != 0.0f);
+    INFO("dropout slice " << sh);
+    CHECK(diff == 0);
+    check_close("dropout slice " + sh, got, want, kBf16);
+  }
+  struct R { int rows, cols; };
+  for (R s : {R{1, 1}, R{19, 111}, R{37, 64}, R{5, 8192}}) {
+    const std::string sh = shape({{"rows", s.rows}, {"cols", s.cols}});
+    Twin w(p, randn(size_t(s.rows) * s.cols, uint64_t(s.rows) * 17 + s.cols, 0.05f), true);
+    Twin sq = out_twin(p, size_t(s.rows), false);
+    p.cpu->row_sum_squares(sq.cf(), w.c(), s.rows, s.cols);
+    p.gpu->row_sum_squares(sq.gf(), w.g(), s.rows, s.cols);
+    check_close("row_sum_squares " + sh, sq.read_gpu(p), sq.read_cpu(p), kF32);
+    p.gpu->sqrt_in_place(sq.gf(), s.rows);
+    Twin norms = out_twin(p, size_t(s.rows), false);
+    p.cpu->row_norms(norms.cf(), w.c(), s.rows, s.cols);
+    check_close("sqrt(row_sum_squares) " + sh, sq.read_gpu(p), norms.read_cpu(p), kF32);
+  }
+}
+
 // Backend::dora_forward / dora_backward: y's target columns start `ycol`
 // into rows ldy apart (a fused output); dmag accumulates onto random
 // values; xw and xba are overwritten in place by their gradients. N = 300

@@ -380,15 +380,6 @@ TEST_CASE("lora training: the end-of-run sample (2 ranks, full_shard) is `genera
   CHECK(plain.out != g.out);
 }
 
-TEST_CASE("lora training: combinations not implemented yet are refused naming the key", "[lora][train]") {
-  TempDir peft("lora_refuse");
-  make_peft_case(llama_case(), peft);
-  JobSpec job = lora_job(peft, peft / "run", "no_shard", 2);
-  job.parallel.offload = "cpu";
-  CHECK_THROWS_WITH(test::run_ranks_inprocess(job, 1),
-                    Catch::Contains("parallel.offload: cpu is not implemented with model.adapter yet"));
-}
-
 TEST_CASE("lora: export --merge equals peft's merge_and_unload() (llama, gpt2; lora, dora)", "[lora][peft]") {
   for (const PeftCase& c : all_cases()) {
     SECTION(c.name()) {

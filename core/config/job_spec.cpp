@@ -909,6 +909,12 @@ void check_rules(JobSpec& s, const Origins& o, const std::string& fallback, bool
     refuse(p.pipeline_parallel > 1, "parallel.pipeline_parallel", std::to_string(p.pipeline_parallel));
     refuse(p.offload != "none", "parallel.offload", p.offload);
   }
+  if (ad.on() && p.tensor_parallel > 1 && p.pipeline_parallel > 1)
+    fail(at({"parallel.tensor_parallel", "parallel.pipeline_parallel", "model.adapter.type"}),
+         "parallel.tensor_parallel",
+         std::to_string(p.tensor_parallel) + " with parallel.pipeline_parallel: " + std::to_string(p.pipeline_parallel) +
+             " is not implemented with model.adapter yet (each runs adapters alone); use one of them, with data "
+             "parallelism for the other ranks");
   if (!ad.on() && !ad.init_from.empty())
     fail(at({"model.adapter.init_from", "model.adapter.type"}), "model.adapter.init_from",
          "needs model.adapter.type: lora or dora (it is none); set the type or remove init_from");

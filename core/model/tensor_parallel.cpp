@@ -128,7 +128,19 @@ TensorParallelPlan::TensorParallelPlan(const ModelArch& arch, int tp, int rank, 
   s.V_local = s.V_pad / tp;
   s.v_begin = rank * s.V_local;
   s.v_valid = std::max(0, std::min(s.V_local, c.V - s.v_begin));
+  split_layout();
+}
 
+TensorParallelPlan::TensorParallelPlan(const ParamLayout& global, const TpLocalShape& shape)
+    : shape_(shape), global_(global) {
+  TR_CHECK(shape.tp >= 1 && shape.rank >= 0 && shape.rank < shape.tp, "tensor parallelism: rank ", shape.rank,
+           " outside a group of ", shape.tp, " (a bug)");
+  split_layout();
+}
+
+void TensorParallelPlan::split_layout() {
+  const TpLocalShape& s = shape_;
+  const int tp = s.tp, rank = s.rank;
   LayoutBuilder b;
   int unit = -1;
   int64_t local_off = 0;

@@ -70,6 +70,11 @@ class TensorParallelPlan {
   // when the model does not split over `tp` ranks.
   // backend_align: the backend's row alignment (see vocab_pad_multiple).
   TensorParallelPlan(const ModelArch& arch, int tp, int rank, int backend_align = 1);
+  // Another layout split over the same group as a model's plan splits its
+  // own (the LoRA adapters': their B rows follow the column-parallel base
+  // weight's split, their A columns the row-parallel one's; shape() is the
+  // model plan's).
+  TensorParallelPlan(const ParamLayout& global, const TpLocalShape& shape);
 
   const TpLocalShape& shape() const { return shape_; }
   int size() const { return shape_.tp; }
@@ -87,6 +92,7 @@ class TensorParallelPlan {
   std::vector<std::pair<int64_t, int64_t>> non_owner_ranges() const;
 
  private:
+  void split_layout();  // local_, runs_ and by_global_ from global_ and shape_
   TpLocalShape shape_;
   ParamLayout global_, local_;
   std::vector<TpRun> runs_;       // by local offset

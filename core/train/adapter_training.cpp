@@ -1,6 +1,7 @@
 // AdapterTraining (adapter_training.h).
 #include "core/train/adapter_training.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <map>
@@ -16,6 +17,7 @@
 #include "core/model/adapter/peft_files.h"
 #include "core/model/init_rng.h"
 #include "core/model/model_io.h"
+#include "parallel/tensor/tp_param_store.h"
 
 namespace fs = std::filesystem;
 
@@ -23,16 +25,23 @@ namespace trainrun {
 
 AdapterTraining::AdapterTraining(const JobSpec& job, const ModelArch& arch, Backend* be, ParamStore& base,
                                  Communicator& world, std::unique_ptr<Communicator> own_world, int shard_group_size,
-                                 const CommFactory& factory, int max_rows)
+                                 const CommFactory& factory, int max_rows, const Parallel& par)
     : job_(job), arch_(arch), be_(be), base_(base), world_(world), own_world_(std::move(own_world)) {
-  adapters_ = std::make_unique<LoraAdapters>(arch, LoraOptions::from_spec(job.model.adapter), be, max_rows);
+  adapters_ = std::make_unique<LoraAdapters>(arch, LoraOptions::from_spec(job.model.adapter), be, max_rows, par.tp);
+  const TensorParallelPlan* plan = adapters_->tp_plan();
+  if (par.check_host_memory) par.check_host_memory(adapters_->local_layout().total);
   // hybrid_shard's groups for the adapters: the same ranks as the base's,
   // under their own rendezvous keys.
   CommFactory own = [factory](const std::string& prefix, int rank, int world) {
     return factory("adapter_" + prefix, rank, world);
   };
-  store_ = make_param_store(job.parallel.sharding, adapters_->layout(), be, own_world_.get(), shard_group_size, own);
-  units_ = std::make_unique<AdaptedUnitAccess>(base, arch.layout(), *adapters_, *store_, be);
+  store_ = make_param_store(job.parallel.sharding, adapters_->local_layout(), be, own_world_.get(), shard_group_size,
+                            own, nullptr, par.offload);
+  // The TP store's own collective (the grad norm's sum) runs on the
+  // network's TP communicator: from the compute thread, between steps.
+  if (plan) store_ = make_tensor_parallel_store(std::move(store_), *plan, par.tp->comm);
+  units_ = std::make_unique<AdaptedUnitAccess>(base, plan ? par.tp->plan->local_layout() : arch.layout(), *adapters_,
+                                               *store_, be);
 }
 
 AdapterTraining::AdapterTraining(const JobSpec& job, const ModelArch& arch, Backend* be, PipelineStageStore& base,
@@ -81,11 +90,20 @@ void AdapterTraining::init_params() {
         adapters_->init_magnitudes(l, p, flat.data());
         base_.release_params(1 + l);
       }
+      adapters_->finish_magnitudes(flat.data());  // TP: the group's partial norms summed
     }
   }
+  std::vector<float> rows;
   for (const ParamStore::Range& r : store_->held_ranges()) {
-    TR_CHECK(r.reps == 1, "adapter: a strided range in the adapter store (a bug)");
-    store_->write_state_range(0, r, flat.data() + r.global);
+    if (r.reps == 1) {
+      store_->write_state_range(0, r, flat.data() + r.global);
+      continue;
+    }
+    // Strided (a row-parallel A's columns under TP): its runs back to back.
+    rows.resize(size_t(r.numel()));
+    for (int64_t i = 0; i < r.reps; ++i)
+      std::copy_n(flat.data() + r.global + i * r.stride, r.count, rows.data() + i * r.count);
+    store_->write_state_range(0, r, rows.data());
   }
   store_->params_updated();
 }
@@ -99,10 +117,17 @@ void AdapterTraining::set_microbatch(bool training, int step, int64_t first_samp
 std::vector<float> AdapterTraining::gather_whole() {
   // write_ranges() partition the adapter over the ranks: each fills its
   // own, one all-reduce sums them (every other element is zero).
-  std::vector<float> flat(size_t(adapters_->layout().total), 0.0f);
+  std::vector<float> flat(size_t(adapters_->layout().total), 0.0f), rows;
   for (const ParamStore::Range& r : store_->write_ranges()) {
-    TR_CHECK(r.reps == 1, "adapter: a strided range in the adapter store (a bug)");
-    store_->copy_state_range(0, r, flat.data() + r.global);
+    if (r.reps == 1) {
+      store_->copy_state_range(0, r, flat.data() + r.global);
+      continue;
+    }
+    // Strided (a row-parallel A's columns under TP): its runs back to back.
+    rows.resize(size_t(r.numel()));
+    store_->copy_state_range(0, r, rows.data());
+    for (int64_t i = 0; i < r.reps; ++i)
+      std::copy_n(rows.data() + i * r.count, r.count, flat.data() + r.global + i * r.stride);
   }
   world_.all_reduce(flat.data(), int64_t(flat.size()), ReduceOp::Sum);
   return flat;

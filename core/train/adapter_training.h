@@ -9,6 +9,13 @@
 // its collectives on its own thread, and two threads never enqueue on one
 // communicator. Both stores shard alike, so no rank holds the whole base
 // under full_shard / hybrid_shard.
+//
+// Tensor parallelism: the adapters split with the linears they wrap
+// (lora.h); their store is the data-parallel store of this rank's slice,
+// wrapped by the TP store (parallel/tensor/tp_param_store.h) so that
+// checkpoints, PEFT files and init_from stay global. Offload
+// (parallel.offload) applies to the adapter store: it is the only one with
+// optimizer state.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -18,21 +25,36 @@
 #include "core/checkpoint/checkpoint.h"
 #include "core/config/job_spec.h"
 #include "core/model/adapter/lora.h"
+#include "core/model/tensor_parallel.h"
 #include "core/train/adapter_pipeline.h"
 #include "parallel/comm/communicator.h"
+#include "parallel/sharding/offload.h"
 #include "parallel/sharding/sharding.h"
 
 namespace trainrun {
+
+// How the adapters run beside the base (AdapterTraining's constructor).
+struct AdapterParallel {
+  const TensorParallel* tp = nullptr;
+  OffloadOptions offload;
+  std::function<void(int64_t local_total)> check_host_memory;
+};
 
 class AdapterTraining {
  public:
   // base: the base model's store (built as for a full fine-tune); world: the
   // all-ranks communicator, used from the caller's thread for the adapter's
   // files; own_world: a communicator over the same ranks for the adapter
-  // store alone. max_rows: micro_batch_size x seq_len.
+  // store alone: with tensor parallelism, over this rank's data-parallel
+  // group (the adapter store shards over dp, as the base's does). max_rows:
+  // micro_batch_size x seq_len. par.tp: the network's tensor parallelism
+  // (null: none); par.offload: where the adapters' optimizer state lives;
+  // par.check_host_memory(elements of this rank's adapter slice) runs
+  // before that state is allocated.
+  using Parallel = AdapterParallel;
   AdapterTraining(const JobSpec& job, const ModelArch& arch, Backend* be, ParamStore& base, Communicator& world,
                   std::unique_ptr<Communicator> own_world, int shard_group_size, const CommFactory& factory,
-                  int max_rows);
+                  int max_rows, const Parallel& par = Parallel());
 
   // Pipeline parallelism (adapter_pipeline.h): `base` is the frozen base's
   // stage store over base_plan; this rank holds the adapters of its stage's

@@ -281,13 +281,6 @@ void Trainer::setup() {
   comm_ = make_ordered_communicator(maybe_record_comm(std::move(comm_), w_.rank), &enqueue_order_);
   // 3. model
   if (job_.model.adapter.on()) {
-    // What adapters run with so far (docs/fine-tuning.md, "Status").
-    const ParallelSpec& ps = job_.parallel;
-    auto refuse = [&](bool bad, const std::string& key, const std::string& value) {
-      TR_CHECK(!bad, key, ": ", value, " is not implemented with model.adapter yet; run the adapters without it");
-    };
-    refuse(ps.tensor_parallel > 1, "parallel.tensor_parallel", std::to_string(ps.tensor_parallel));
-    refuse(ps.offload != "none", "parallel.offload", ps.offload);
     // On CUDA the frozen base is held in bf16, the act dtype (model.base_dtype
     // auto); the adapters' ops are kernels/cuda/adapter_gemm, dropout,
     // row_norms and dora (not yet run on a GPU).
@@ -350,8 +343,14 @@ void Trainer::setup() {
                               w_.local_world);
   };
   const int pp = dims.pp;
+  const bool adapter = job_.model.adapter.on();
+  // With adapters the optimizer state (what offload moves) is theirs alone:
+  // the host check counts their elements (AdapterTraining calls it).
+  AdapterTraining::Parallel adapter_par;
+  adapter_par.offload = offload;
+  adapter_par.check_host_memory = check_host_memory;
   if (tp == 1 && pp == 1) {
-    check_host_memory(arch_->layout().total);
+    if (!adapter) check_host_memory(arch_->layout().total);
     model_ = arch_->make_network(be_.get(), mb_, job_.train.activation_checkpointing == "blocks");
     // With adapters the base is frozen: its store has parameters only (no
     // gradients, master weights or moments), sharded alike.
@@ -372,7 +371,7 @@ void Trainer::setup() {
                          : make_single_communicator();
       own->set_group("adapter_world");
       adapt_ = std::make_unique<AdapterTraining>(job_, *arch_, be_.get(), *params_, *comm_, std::move(own), group,
-                                                 factory, mb_ * T_);
+                                                 factory, mb_ * T_, adapter_par);
     }
   } else {
     // Every group's communicator, built once in the same order on every
@@ -399,7 +398,7 @@ void Trainer::setup() {
     // The layout this rank's stores see: the TP slice (or the whole model),
     // then, with a pipeline, this stage's units of it.
     const ParamLayout& outer = tp > 1 ? tp_plan_->local_layout() : arch_->layout();
-    if (pp == 1) check_host_memory(outer.total);  // a pipeline checks its stage's units below
+    if (pp == 1 && !adapter) check_host_memory(outer.total);  // a pipeline checks its stage's units below
     Communicator* dp = mesh_comms_->dp();
     if (!dp) {
       dp_single_ = make_single_communicator();
@@ -411,8 +410,31 @@ void Trainer::setup() {
       model_ = arch_->make_network(be_.get(), mb_, job_.train.activation_checkpointing == "blocks", tpc);
       // Offload works on the inner (local) store: the TP store's norm skip
       // reaches its host grad norm too (HostOptimizerState::grad_sum_squares).
-      store = make_param_store(job_.parallel.sharding, outer, be_.get(), dp, dims.dp_shard, factory, &hybrid,
-                               offload);
+      // With adapters the base's TP slice is frozen (parameters only),
+      // sharded over the dp group alike; its groups and the adapters' are
+      // named by this rank's dp group, so the TP ranks' dp groups differ.
+      const std::string dp_name = mesh_->dp_group_name();
+      CommFactory dp_factory = [factory, dp_name](const std::string& prefix, int rank, int world) {
+        return factory(dp_name + "_" + prefix, rank, world);
+      };
+      store = adapter ? make_frozen_param_store(job_.parallel.sharding, outer, be_.get(), dp, dims.dp_shard, dp_factory)
+                      : make_param_store(job_.parallel.sharding, outer, be_.get(), dp, dims.dp_shard, factory,
+                                         &hybrid, offload);
+      if (adapter) {
+        // The adapters' dp store on its own communicator (its own thread);
+        // their slice follows the base's (lora.h, "Tensor parallelism").
+        // CUDA: NCCL over device memory, as at tp1 (its group "<dp>_adapter").
+        std::unique_ptr<Communicator> own =
+            nccl            ? dp_factory("adapter/", mesh_->dp_coord(), dims.dp())
+            : dims.dp() > 1 ? make_gloo_communicator(*store_, prefix_ + "adapter_" + dp_name + "/", mesh_->dp_coord(),
+                                                     dims.dp(), w_.bind_addr, timeout)
+                            : make_single_communicator();
+        if (!nccl) own->set_group("adapter_" + dp_name);
+        store = make_tensor_parallel_store(std::move(store), *tp_plan_, tp_ctx_.comm);
+        adapter_par.tp = &tp_ctx_;
+        adapt_ = std::make_unique<AdapterTraining>(job_, *arch_, be_.get(), *store, *comm_, std::move(own),
+                                                   dims.dp_shard, dp_factory, mb_ * T_, adapter_par);
+      }
     } else {
       const ParallelSpec& ps = job_.parallel;
       const int v = ps.pipeline_virtual_stages;
@@ -505,7 +527,9 @@ void Trainer::setup() {
       }
       store = std::move(stage_store);
     }
-    params_ = tp > 1 ? make_tensor_parallel_store(std::move(store), *tp_plan_, tp_ctx_.comm) : std::move(store);
+    const bool wrapped = adapt_ != nullptr;  // the adapters' base is already the TP store
+    params_ = tp > 1 && !wrapped ? make_tensor_parallel_store(std::move(store), *tp_plan_, tp_ctx_.comm)
+                                 : std::move(store);
   }
   params_->init_params(*arch_, job_.train.seed);
   // output.trace_steps: this rank's timeline of those steps.
@@ -578,7 +602,10 @@ void Trainer::setup() {
   if (adapt_) {
     const ShardMemory am = adapt_->store().memory();
     TR_LOG_INFO("memory (rank ", w_.rank, ", adapters, ", adapt_->store().strategy(), "): params ",
-                human_bytes(am.params), ", grads ", human_bytes(am.grads), ", optimizer ", human_bytes(am.optimizer));
+                human_bytes(am.params), ", grads ", human_bytes(am.grads), ", optimizer ", human_bytes(am.optimizer),
+                am.host ? ", host (parallel.offload: " + job_.parallel.offload + ") " + human_bytes(am.host)
+                        : std::string(),
+                am.disk ? ", on disk under " + job_.parallel.offload_dir + " " + human_bytes(am.disk) : std::string());
   }
   ShardMemory m = params_->memory();
   TR_LOG_INFO("memory (rank ", w_.rank, ", ", params_->strategy(), "): params ", human_bytes(m.params), ", grads ",
@@ -1042,6 +1069,7 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
     sum.params_bytes += am.params;
     sum.grads_bytes = am.grads;
     sum.optimizer_bytes = am.optimizer;
+    sum.host_bytes += am.host;
   }
   sum.activation_bytes = network().activation_bytes();
 

@@ -98,12 +98,15 @@ class CpuBackend final : public Backend {
                        const float* stats, int v_begin, int N, int V, int ldv, float dloss_scale) override;
   void gemm(void* c, int ldc, bool c_f32, const void* a, int lda, GemmOp ta, const void* b, int ldb, GemmOp tb, int M,
             int N, int K, float alpha, float beta) override;
-  void dropout_forward(void* out, const void* inp, int N, int C, float p, uint64_t seed, int64_t row0) override;
+  void dropout_forward(void* out, const void* inp, int N, int C, float p, uint64_t seed, int64_t row0,
+                       int64_t key_cols = 0, int64_t col0 = 0) override;
   // NF4 dequantization: cpu_nf4.cpp.
   void nf4_dequantize(void* out, DType out_dtype, const uint8_t* packed, const uint8_t* qabsmax, const float* absmax2,
                       const float* map, float offset, int64_t n) override;
   // DoRA's ops: cpu_dora.cpp.
   void row_norms(float* out, const void* w, int rows, int cols) override;
+  void row_sum_squares(float* out, const void* w, int rows, int cols) override;
+  void sqrt_in_place(float* x, int64_t n) override;
   void dora_forward(void* y, int ldy, const void* xw, const void* xba, const void* mag, const float* norm, float s,
                     int N, int out) override;
   void dora_backward(float* dmag, void* xw, void* xba, const void* dy, int ldy, const void* mag, const float* norm,

@@ -2,6 +2,8 @@
 //
 //   row_norms:     out (rows) = ||w[o, :]||, summed in double so the norm of a
 //                  long row (8192+ features) keeps fp32's last bits
+//   row_sum_squares, sqrt_in_place: the same norm in two steps, for rows
+//                  split over a TP group (the partial squares are summed between)
 //   dora_forward:  y[:, o] += (g_o - 1) xw[:, o] + g_o s xba[:, o]
 //   dora_backward: dmag[o] += sum_n dy (xw + s xba) / norm_o; xw := (g-1) dy;
 //                  xba := g s dy
@@ -22,6 +24,21 @@ void CpuBackend::row_norms(float* out, const void* w_, int rows, int cols) {
     for (int i = 0; i < cols; ++i) s += double(row[i]) * double(row[i]);
     out[o] = float(std::sqrt(s));
   }
+}
+
+void CpuBackend::row_sum_squares(float* out, const void* w_, int rows, int cols) {
+  const float* w = static_cast<const float*>(w_);
+#pragma omp parallel for schedule(static)
+  for (int o = 0; o < rows; ++o) {
+    const float* row = w + int64_t(o) * cols;
+    double s = 0;
+    for (int i = 0; i < cols; ++i) s += double(row[i]) * double(row[i]);
+    out[o] = float(s);
+  }
+}
+
+void CpuBackend::sqrt_in_place(float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] = std::sqrt(x[i]);
 }
 
 void CpuBackend::dora_forward(void* y_, int ldy, const void* xw_, const void* xba_, const void* mag_,

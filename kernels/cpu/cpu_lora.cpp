@@ -7,7 +7,7 @@
 //            kernels/dropout_mask.h (shared with the CUDA kernel): the same
 //            mask for the same global row on any rank and backend, in
 //            forward, in the recompute of activation checkpointing and in
-//            backward.
+//            backward; a column slice (TP) keys (row0+n)*key_cols + col0 + c.
 #include <cblas.h>
 
 #include <cstdint>
@@ -26,14 +26,15 @@ void CpuBackend::gemm(void* c, int ldc, bool c_f32, const void* a, int lda, Gemm
               static_cast<float*>(c), ldc);
 }
 
-void CpuBackend::dropout_forward(void* out_, const void* inp_, int N, int C, float p, uint64_t seed, int64_t row0) {
+void CpuBackend::dropout_forward(void* out_, const void* inp_, int N, int C, float p, uint64_t seed, int64_t row0,
+                                 int64_t key_cols, int64_t col0) {
   float* out = static_cast<float*>(out_);
   const float* inp = static_cast<const float*>(inp_);
   const float keep_scale = dropout_mask::keep_scale(p);
   const uint32_t threshold = dropout_mask::threshold(p);
 #pragma omp parallel for schedule(static)
   for (int n = 0; n < N; ++n) {
-    const uint64_t base = uint64_t(row0 + n) * uint64_t(C);
+    const uint64_t base = uint64_t(row0 + n) * uint64_t(key_cols > 0 ? key_cols : C) + uint64_t(col0);
     for (int c = 0; c < C; ++c) {
       const int64_t i = int64_t(n) * C + c;
       out[i] = dropout_mask::keep(seed, base + uint64_t(c), threshold) ? inp[i] * keep_scale : 0.0f;

@@ -416,14 +416,25 @@ void CudaBackend::gemm(void* c, int ldc, bool c_f32, const void* a, int lda, Gem
   cuda::adapter_gemm(*gemm_, c, ldc, c_f32, H(a), lda, ta, H(b), ldb, tb, M, N, K, alpha, beta, compute_);
 }
 
-void CudaBackend::dropout_forward(void* out, const void* inp, int N, int C, float p, uint64_t seed, int64_t row0) {
+void CudaBackend::dropout_forward(void* out, const void* inp, int N, int C, float p, uint64_t seed, int64_t row0,
+                                  int64_t key_cols, int64_t col0) {
   make_current();
-  cuda::dropout_forward(H(out), H(inp), N, C, p, seed, row0, compute_);
+  cuda::dropout_forward(H(out), H(inp), N, C, p, seed, row0, key_cols, col0, compute_);
 }
 
 void CudaBackend::row_norms(float* out, const void* w, int rows, int cols) {
   make_current();
   cuda::row_norms(out, H(w), rows, cols, compute_);
+}
+
+void CudaBackend::row_sum_squares(float* out, const void* w, int rows, int cols) {
+  make_current();
+  cuda::row_sum_squares(out, H(w), rows, cols, compute_);
+}
+
+void CudaBackend::sqrt_in_place(float* x, int64_t n) {
+  make_current();
+  cuda::sqrt_in_place(x, n, compute_);
 }
 
 void CudaBackend::dora_forward(void* y, int ldy, const void* xw, const void* xba, const void* mag, const float* norm,

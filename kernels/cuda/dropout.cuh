@@ -12,6 +12,12 @@
 // Memory-bound: one thread per 8 consecutive elements (a 16-byte pack; the
 // counter of element idx is row0 * C + idx, so no division) when out and inp
 // are 16-byte aligned, else one per element; grid-stride loops.
+//
+// A column slice of wider rows (a row-parallel linear's input under tensor
+// parallelism; key_cols > 0 and not C, or col0 > 0): element (n, c) has the
+// counter (row0 + n) * key_cols + col0 + c, the whole rows' one, so every
+// rank draws what one rank draws; one element per thread (a division each).
+// key_cols 0 means C.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -22,6 +28,6 @@
 namespace trainrun::cuda {
 
 void dropout_forward(bf16* out, const bf16* inp, int N, int C, float p, uint64_t seed, int64_t row0,
-                     cudaStream_t stream);
+                     int64_t key_cols, int64_t col0, cudaStream_t stream);
 
 }  // namespace trainrun::cuda

@@ -19,5 +19,10 @@
 namespace trainrun::cuda {
 
 void row_norms(float* out, const bf16* w, int rows, int cols, cudaStream_t stream);
+// The same sums without the root (out[o] = sum_i w[o, i]^2), and the root in
+// place (x[i] = sqrt(x[i]), n fp32): a row-parallel DoRA target under tensor
+// parallelism sums its ranks' partial squares between the two.
+void row_sum_squares(float* out, const bf16* w, int rows, int cols, cudaStream_t stream);
+void sqrt_in_place(float* x, int64_t n, cudaStream_t stream);
 
 }  // namespace trainrun::cuda

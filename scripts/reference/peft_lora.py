@@ -2,6 +2,7 @@
 """Hugging Face peft as the peer of trainrun's LoRA adapters (core/model/adapter).
 
   peft_lora.py make --arch llama|gpt2 --out DIR --r R --alpha A --targets q_proj,v_proj [--seed S] [--dora]
+                    [--kv-heads K]
                     [--base-dtype nf4|bf16]
       DIR/base: a small random model (every parameter perturbed, norm gains
       around 1) saved with save_pretrained; DIR/adapter: a peft LoRA adapter
@@ -12,6 +13,8 @@
       magnitudes peft initialised ('<file name>': ||W|| per output row, B
       still zero), then each magnitude is moved off ||W + s B A|| (scaled by
       1 + 0.2 N(0,1)), so g = m / ||.|| is not 1 and the (g - 1) term counts.
+      --kv-heads: the Llama's key/value heads (default 2 of its 4 query heads;
+      1 makes tensor parallelism at 2 ranks replicate the KV head).
       --base-dtype nf4: also DIR/base_nf4, the base with every block linear's
       weight replaced by its NF4 round trip (nf4_reference.py's quantize and
       dequantize, bitsandbytes' quantize_4bit(blocksize=64,
@@ -53,11 +56,11 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 
 
-def random_base(arch, seed, layers=2):
+def random_base(arch, seed, layers=2, kv_heads=2):
     torch.manual_seed(seed)
     if arch == "llama":
         cfg = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                          num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=16,
                           rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, attention_bias=False,
                           mlp_bias=False, hidden_act="silu", torch_dtype="float32")
         model = LlamaForCausalLM(cfg)
@@ -110,10 +113,10 @@ def file_name(param_name):
 
 
 def cmd_make(a):
-    model = random_base(a.arch, a.seed, a.layers)
+    model = random_base(a.arch, a.seed, a.layers, a.kv_heads)
     model.save_pretrained(os.path.join(a.out, "base"), safe_serialization=True)
     if a.base_dtype:
-        rounded = random_base(a.arch, a.seed, a.layers)
+        rounded = random_base(a.arch, a.seed, a.layers, a.kv_heads)
         round_trip_base(rounded, a.base_dtype)
         rounded.save_pretrained(os.path.join(a.out, "base_" + a.base_dtype), safe_serialization=True)
     cfg = LoraConfig(r=a.r, lora_alpha=a.alpha, lora_dropout=0.0, target_modules=a.targets.split(","),
@@ -173,6 +176,7 @@ def main(argv=None):
     mk.add_argument("--targets", required=True)
     mk.add_argument("--seed", type=int, default=0)
     mk.add_argument("--dora", action="store_true")
+    mk.add_argument("--kv-heads", type=int, default=2)
     mk.add_argument("--base-dtype", choices=["nf4", "bf16"], default=None)
     mk.add_argument("--layers", type=int, default=2)  # the interleaved pipeline tests need 4
     for name in ("grads", "logits"):

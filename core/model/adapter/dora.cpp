@@ -27,6 +27,7 @@
 // costs an (out x r x in) GEMM and a pass over W per target and pass, small
 // beside the N-row GEMMs.
 #include <algorithm>
+#include <cmath>
 
 #include "core/common/error.h"
 #include "core/model/adapter/lora.h"
@@ -43,7 +44,7 @@ const void* LoraAdapters::base_weight(const LoraTarget& t) const {
 void LoraAdapters::dora_norms(const LoraTarget& t, const void* W, const void* A, const void* B) {
   using Op = Backend::GemmOp;
   const size_t es = dtype_size(be_->act_dtype());
-  const int r = opt_.rank, in = int(t.linear.in), out = int(t.linear.out);
+  const int r = opt_.rank, in = int(t.in), out = int(t.out);
   if (norm_hold_ == NormHold::Replay) {
     const auto it = held_norms_.find(t.a_tensor);
     TR_CHECK(it != held_norms_.end() && it->second.size() == size_t(out),
@@ -57,7 +58,15 @@ void LoraAdapters::dora_norms(const LoraTarget& t, const void* W, const void* A,
     be_->copy_device(wd_.get(), static_cast<const char*>(W) + size_t(o0) * in * es, size_t(rows) * in * es);
     be_->gemm(wd_.get(), in, false, static_cast<const char*>(B) + size_t(o0) * r * es, r, Op::N, A, in, Op::N, rows,
               in, r, scale_, 1.0f);
-    be_->row_norms(norm_.as<float>() + o0, wd_.get(), rows, in);
+    if (t.row_parallel)
+      be_->row_sum_squares(norm_.as<float>() + o0, wd_.get(), rows, in);  // this rank's columns of the rows
+    else
+      be_->row_norms(norm_.as<float>() + o0, wd_.get(), rows, in);
+  }
+  if (t.row_parallel) {
+    // Row-parallel under TP: the group's partial squares summed, then the root.
+    tp_->comm->all_reduce(norm_.as<float>(), out, ReduceOp::Sum);
+    be_->sqrt_in_place(norm_.as<float>(), out);
   }
   if (norm_hold_ == NormHold::Record) {
     std::vector<float>& h = held_norms_[t.a_tensor];
@@ -71,10 +80,43 @@ void LoraAdapters::init_magnitudes(int layer, const void* base_unit, float* flat
   const size_t es = dtype_size(be_->act_dtype());
   for (const LoraTarget& t : targets_) {
     if (t.layer != layer) continue;
-    const int in = int(t.linear.in), out = int(t.linear.out);
-    be_->row_norms(norm_.as<float>(), static_cast<const char*>(base_unit) + t.w_off * es, out, in);
-    be_->copy_to_host(flat + layout_.tensors[size_t(t.m_tensor)].offset, norm_.get(), size_t(out) * 4);
+    const int in = int(t.in), out = int(t.out);
+    const void* W = static_cast<const char*>(base_unit) + t.w_off * es;
+    if (!tp_) {
+      be_->row_norms(norm_.as<float>(), W, out, in);
+      be_->copy_to_host(flat + layout_.tensors[size_t(t.m_tensor)].offset, norm_.get(), size_t(out) * 4);
+      continue;
+    }
+    // Tensor parallelism: this rank's squares at their global places
+    // (msq_), summed over the group by finish_magnitudes. A column target's
+    // rows are whole here: written by their owner alone (a KV head's
+    // replicas hold the same rows); a row-parallel one's are partial on
+    // every rank, and every rank adds its part.
+    if (msq_.empty()) msq_.assign(size_t(layout_.total), 0.0f);
+    be_->row_sum_squares(norm_.as<float>(), W, out, in);
+    std::vector<float> sq(static_cast<size_t>(out));
+    be_->copy_to_host(sq.data(), norm_.get(), size_t(out) * 4);
+    const ParamTensor& m = local_layout().tensors[size_t(t.m_tensor)];
+    for (const TpRun& run : tp_plan_->runs_in(m.offset, m.numel)) {
+      if (!t.row_parallel && !run.owner) continue;
+      for (int64_t i = 0; i < run.count; ++i) msq_[size_t(run.global + i)] += sq[size_t(run.local - m.offset + i)];
+    }
   }
+}
+
+void LoraAdapters::finish_magnitudes(float* flat) {
+  if (!tp_ || !opt_.dora) return;
+  TR_CHECK(!msq_.empty(), "LoraAdapters::finish_magnitudes before init_magnitudes (a bug)");
+  // Summed on the device (a NCCL group reduces device memory), once at init.
+  DeviceBuffer d(be_, msq_.size() * 4);
+  be_->copy_to_device(d.get(), msq_.data(), msq_.size() * 4);
+  tp_->comm->all_reduce(d.as<float>(), int64_t(msq_.size()), ReduceOp::Sum);
+  be_->copy_to_host(msq_.data(), d.get(), msq_.size() * 4);
+  for (const LoraTarget& t : targets_) {
+    const ParamTensor& m = layout_.tensors[size_t(t.m_tensor)];
+    for (int64_t i = m.offset; i < m.offset + m.numel; ++i) flat[i] = std::sqrt(msq_[size_t(i)]);
+  }
+  msq_.clear();
 }
 
 // The pieces forward and backward both compute (backward recomputes them:
@@ -85,7 +127,7 @@ LoraAdapters::DoraPass LoraAdapters::dora_pass(const LoraTarget& t, const void* 
   using Op = Backend::GemmOp;
   const size_t es = dtype_size(be_->act_dtype());
   DoraPass p;
-  p.r = opt_.rank, p.in = int(t.linear.in), p.out = int(t.linear.out);
+  p.r = opt_.rank, p.in = int(t.in), p.out = int(t.out);
   p.A = unit_params_ + t.a_off * es;
   p.B = unit_params_ + t.b_off * es;
   p.m = unit_params_ + t.m_off * es;
@@ -124,7 +166,8 @@ void LoraAdapters::dora_backward(const LoraTarget& t, const void* x, const void*
     // d dropout(x) = dxw W + dxa A into the scratch (xd is consumed), through the same mask, added to dx.
     be_->gemm(xd_.get(), in, false, xw_.get(), out, Op::N, W, in, Op::N, N, in, out, 1.0f, 0.0f);
     be_->gemm(xd_.get(), in, false, dxa_.get(), r, Op::N, A, in, Op::N, N, in, r, 1.0f, 1.0f);
-    be_->dropout_forward(xd_.get(), xd_.get(), N, in, float(opt_.dropout), target_seed(t), row0_);
+    be_->dropout_forward(xd_.get(), xd_.get(), N, in, float(opt_.dropout), target_seed(t), row0_, t.linear.in,
+                         t.in_begin);
     be_->residual_forward(dx, dx, xd_.get(), int64_t(N) * in);
   }
 }

@@ -20,6 +20,27 @@
 // counter-based mask of (seed, step, global token row, feature), so N
 // ranks draw what 1 rank draws.
 //
+// Tensor parallelism (Megatron-style, core/model/tensor_parallel.h): the
+// adapters split with the linear they wrap. A column-parallel base (q/k/v,
+// gate/up, c_attn, c_fc) keeps A (r, in) whole on every rank and splits B
+// (out, r) (and DoRA's m) along out exactly like the base weight's rows, so
+// each rank adds its own output columns. A row-parallel base (o_proj,
+// down_proj, the c_projs) splits A along in and keeps B (and m) whole: a
+// rank's s (x_local A_local^T) B^T is its share of the sum the base's
+// all-reduce (or reduce-scatter) completes, so the forward needs no
+// collective of its own. Every adapter element whose gradient several ranks
+// compute (A of a column target, B and m of a row target, the rows of a KV
+// head that T / n_kv ranks share) gets a partial sum on each: the backward
+// computes a block's adapter gradients into a scratch and end_block sums
+// those elements over the TP group (one all-reduce per block, as the TP
+// store's replicated KV-head gradients are) before adding them to the
+// store's gradient. The input gradient needs nothing: a column target's dx
+// is a partial sum like the base's own and lands before the base reduces
+// it. DoRA's row norm is local for a column target; a row-parallel one's is
+// the square root of the group's summed partial squares. The layout
+// (layout()) stays global, so checkpoints, PEFT files and init_from do not
+// depend on the mesh; local_layout() is what a rank's store holds.
+//
 // DoRA (model.adapter.type: dora; peft's LoraConfig(use_dora=True)) adds a
 // trainable magnitude m (out) per target, the third tensor of its unit
 // ("<module>.lora_magnitude_vector", peft's file name), and rescales each
@@ -35,11 +56,13 @@
 #pragma once
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "core/config/job_spec.h"
 #include "core/model/model.h"
+#include "core/model/tensor_parallel.h"
 #include "kernels/backend.h"
 
 namespace trainrun {
@@ -60,7 +83,13 @@ struct LoraTarget {
   BlockLinear linear;
   std::string module;    // the HF module: "model.layers.0.self_attn.q_proj"
   int a_tensor = 0, b_tensor = 0;  // indices into the adapter layout's tensors
-  int64_t a_off = 0, b_off = 0;    // element offsets inside the layer's unit
+  int64_t a_off = 0, b_off = 0;    // element offsets inside the layer's unit (local_layout())
+  // This rank's share of the linear (the whole one without tensor
+  // parallelism): its input and output features, its first column in the
+  // GEMM's (local) output, and for a row-parallel target (input features
+  // split) its first global input feature (dropout's key).
+  int64_t in = 0, out = 0, out_begin = 0, in_begin = 0;
+  bool row_parallel = false;
   // DoRA only (m_tensor -1 otherwise): the magnitude (out) in the adapter
   // unit, and the base weight W (out, in) inside the base's unit base_unit.
   int m_tensor = -1;
@@ -76,10 +105,18 @@ std::vector<std::string> resolve_target_modules(const ModelArch& arch, const std
 
 class LoraAdapters final : public LinearAdapters {
  public:
-  // max_rows: the most rows (B*T tokens) one forward computes.
-  LoraAdapters(const ModelArch& arch, const LoraOptions& opt, Backend* be, int max_rows);
+  // max_rows: the most rows (B*T tokens) one forward computes. tp: the
+  // network's tensor parallelism (its plan and TP communicator), null or
+  // one rank for none.
+  LoraAdapters(const ModelArch& arch, const LoraOptions& opt, Backend* be, int max_rows,
+               const TensorParallel* tp = nullptr);
 
+  // Global (logical) layout: files, checkpoints, init.
   const ParamLayout& layout() const { return layout_; }
+  // What this rank holds (its TP slice; the global layout without TP), and
+  // the plan between the two (null without TP).
+  const ParamLayout& local_layout() const { return tp_plan_ ? tp_plan_->local_layout() : layout_; }
+  const TensorParallelPlan* tp_plan() const { return tp_plan_.get(); }
   const std::vector<LoraTarget>& targets() const { return targets_; }
   const std::vector<std::string>& target_names() const { return names_; }
   const LoraOptions& options() const { return opt_; }
@@ -94,7 +131,10 @@ class LoraAdapters final : public LinearAdapters {
   // acquire_params returned it (act dtype, whole). The caller walks the
   // blocks in order on every rank, so a sharded base is gathered one block
   // at a time.
+  // Under tensor parallelism the norms are summed over the TP group after
+  // the last block: finish_magnitudes (collective over TP; nothing without).
   void init_magnitudes(int layer, const void* base_unit, float* flat);
+  void finish_magnitudes(float* flat);
   // Where the base's unit `unit` lies while it is acquired (AdaptedUnitAccess
   // calls it on every acquire_params); DoRA's hooks read W from there.
   void base_acquired(int unit, const void* params) { base_units_[size_t(unit)] = params; }
@@ -143,8 +183,24 @@ class LoraAdapters final : public LinearAdapters {
   void dora_backward(const LoraTarget& t, const void* x, const void* dycols, int ldy, void* dx, int N);
   uint64_t target_seed(const LoraTarget& t) const;
   bool dropout_on() const { return training_ && opt_.dropout > 0; }
+  // Tensor parallelism: sums the open block's partial gradients over the
+  // group into the store's (end_block of a backward).
+  void reduce_block_grads(int layer);
+  void localize(const ModelArch& arch);  // the constructor's TP part
   LoraOptions opt_;
   float scale_;
+  const TensorParallel* tp_ = nullptr;  // null without tensor parallelism
+  std::unique_ptr<TensorParallelPlan> tp_plan_;
+  // Per block: where the elements several TP ranks hold lie in the unit's
+  // gradient (local offset) and in the reduce buffer (their global place
+  // in a region per tensor), so one all-reduce sums them.
+  struct ReduceCopy {
+    int64_t local = 0, buf = 0, count = 0;
+  };
+  std::vector<std::vector<ReduceCopy>> reduce_copies_;
+  std::vector<int64_t> reduce_len_;
+  DeviceBuffer grad_scratch_, reduce_buf_;  // fp32: a block's fresh gradients; the packed shared ones
+  std::vector<float> msq_;                  // DoRA init under TP: squared magnitudes to sum (global)
   Backend* be_;
   int max_rows_;
   std::vector<std::string> names_;
