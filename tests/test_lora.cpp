@@ -282,15 +282,6 @@ JobSpec lora_job(const TempDir& peft, const std::string& out, const std::string&
                  bool fresh_dora = false) {
   return parse_job_spec(lora_yaml(peft, out, strategy, micro_batch, fresh_dora), "job.yaml");
 }
-std::vector<float> adapter_file(const std::string& dir) {
-  const SafeTensorFile f = read_safetensors(dir + "/adapter_model.safetensors");
-  std::vector<float> out;
-  for (const SafeTensor& t : f.tensors) {
-    const std::vector<float> v = t.as_f32();
-    out.insert(out.end(), v.begin(), v.end());
-  }
-  return out;
-}
 }  // namespace
 
 TEST_CASE("lora training: adapter/ loads in peft with trainrun's logits; 2 ranks equal 1 under every strategy",

@@ -23,6 +23,7 @@
 #include "core/model/tensor_parallel.h"
 #include "kernels/backend_factory.h"
 #include "parallel/sharding/offload.h"
+#include "tests/support/adapted_model.h"
 #include "tests/support/checkpoint_jobs.h"
 #include "tests/support/hf_reference.h"
 #include "tests/support/inprocess.h"
@@ -33,20 +34,12 @@ using namespace trainrun::test;
 
 namespace {
 
-constexpr int kB = 2, kT = 8;
 const char* kLlamaAll = "[q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]";
 const char* kGpt2All = "[c_attn, c_proj, c_fc]";
 
 // base/ and adapter/ (peft's LoRA on every linear, A and B random) from peft_lora.py.
 std::string make_base(const TempDir& tmp, const std::string& arch, int kv_heads = 2) {
-  const auto r = run_reference_script("peft_lora.py", "make --arch " + arch + " --out '" + tmp.path() +
-                                                          "' --r 4 --alpha 8 --targets " +
-                                                          (arch == "llama" ? "q_proj,k_proj,v_proj,o_proj,gate_proj,"
-                                                                             "up_proj,down_proj"
-                                                                           : "c_attn,c_proj,c_fc") +
-                                                          " --kv-heads " + std::to_string(kv_heads));
-  INFO(r.err);
-  REQUIRE(r.exit_code == 0);
+  make_peft_case(arch == "llama" ? llama_case() : gpt2_case(), 4, 8, tmp, "", 2, kv_heads);
   return tmp / "base";
 }
 
@@ -76,15 +69,7 @@ JobSpec job(const std::string& base, const std::string& out, const std::string& 
   return parse_job_spec(job_yaml(base, out, type, targets, parallel, steps), "job.yaml", sets);
 }
 
-std::vector<float> adapter_of(const std::string& run) {
-  const SafeTensorFile f = read_safetensors(run + "/adapter/adapter_model.safetensors");
-  std::vector<float> out;
-  for (const SafeTensor& t : f.tensors) {
-    const std::vector<float> v = t.as_f32();
-    out.insert(out.end(), v.begin(), v.end());
-  }
-  return out;
-}
+std::vector<float> adapter_of(const std::string& run) { return adapter_file(run + "/adapter"); }
 
 // The same run to `tol` relative: every step's loss and the final adapter
 // (the PEFT file: every tensor, by name, so a layout change cannot hide).
@@ -123,27 +108,6 @@ void check_trained(const std::string& run) {
   CHECK(bs > 0);
 }
 
-std::vector<float> peft_logits(const std::string& base, const std::string& adapter, const std::vector<int32_t>& in,
-                               const TempDir& tmp, const std::string& name) {
-  SafeTensorFile f;
-  f.tensors.push_back(make_tensor("inputs", "I32", {kB, kT}, in.data()));
-  f.tensors.push_back(make_tensor("targets", "I32", {kB, kT}, in.data()));
-  write_safetensors(tmp / (name + "_batch.safetensors"), f);
-  const auto r = run_reference_script("peft_lora.py", "logits --base '" + base + "' --adapter '" + adapter +
-                                                          "' --batch '" + tmp / (name + "_batch.safetensors") +
-                                                          "' --out '" + tmp / (name + "_logits.safetensors") + "'");
-  INFO(r.err);
-  REQUIRE(r.exit_code == 0);
-  return read_safetensors(tmp / (name + "_logits.safetensors")).find("logits")->as_f32();
-}
-
-float max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
-  REQUIRE(a.size() == b.size());
-  float m = 0;
-  for (size_t i = 0; i < a.size(); ++i) m = std::max(m, std::fabs(a[i] - b[i]));
-  return m;
-}
-
 // peft (PeftModel.from_pretrained) loads the tp2 run's adapter and gives
 // the one-rank run's logits; both differ from the base's.
 void check_in_peft(const std::string& base, const std::string& tp_run, const std::string& one_run,
@@ -151,8 +115,8 @@ void check_in_peft(const std::string& base, const std::string& tp_run, const std
   const ModelConfig cfg = read_hf_model_config(base, "test");
   std::vector<int32_t> in(size_t(kB) * kT);
   for (size_t i = 0; i < in.size(); ++i) in[i] = int32_t((i * 7 + 5) % size_t(cfg.V));
-  const std::vector<float> tp = peft_logits(base, tp_run + "/adapter", in, tmp, "tp");
-  const std::vector<float> one = peft_logits(base, one_run + "/adapter", in, tmp, "one");
+  const std::vector<float> tp = peft_logits(base, tp_run + "/adapter", in, tmp);
+  const std::vector<float> one = peft_logits(base, one_run + "/adapter", in, tmp);
   CHECK(max_abs_diff(tp, one) <= 1e-5f);
   auto arch = make_model_arch(cfg);
   std::vector<float> flat(size_t(arch->layout().total));

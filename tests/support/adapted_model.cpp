@@ -22,6 +22,16 @@ PeftCase llama_case(bool dora) {
 PeftCase gpt2_case(bool dora) { return {"gpt2", "c_attn,c_proj,c_fc", dora}; }
 std::vector<PeftCase> all_cases() { return {llama_case(), gpt2_case(), llama_case(true), gpt2_case(true)}; }
 
+std::vector<float> adapter_file(const std::string& dir) {
+  const SafeTensorFile f = read_safetensors(dir + "/adapter_model.safetensors");
+  std::vector<float> out;
+  for (const SafeTensor& t : f.tensors) {
+    const std::vector<float> v = t.as_f32();
+    out.insert(out.end(), v.begin(), v.end());
+  }
+  return out;
+}
+
 float max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
   REQUIRE(a.size() == b.size());
   float m = 0;
@@ -117,12 +127,13 @@ void write_batch(const std::string& path, const std::vector<int32_t>& in, const 
 }
 
 void make_peft_case(const PeftCase& c, int rank, double alpha, const TempDir& tmp, const std::string& base_dtype,
-                    int layers) {
+                    int layers, int kv_heads) {
   const auto r = run_reference_script("peft_lora.py", "make --arch " + c.arch + " --out '" + tmp.path() + "' --r " +
                                                           std::to_string(rank) + " --alpha " + std::to_string(alpha) +
                                                           " --targets " + c.targets + (c.dora ? " --dora" : "") +
                                                           (base_dtype.empty() ? "" : " --base-dtype " + base_dtype) +
-                                                          " --layers " + std::to_string(layers));
+                                                          " --layers " + std::to_string(layers) +
+                                                          " --kv-heads " + std::to_string(kv_heads));
   INFO(r.err);
   REQUIRE(r.exit_code == 0);
 }

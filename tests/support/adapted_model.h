@@ -30,6 +30,8 @@ PeftCase gpt2_case(bool dora = false);
 std::vector<PeftCase> all_cases();  // llama, gpt2, llama dora, gpt2 dora
 
 float max_abs_diff(const std::vector<float>& a, const std::vector<float>& b);
+// Every tensor of DIR/adapter_model.safetensors (a PEFT directory), in file order, as one vector.
+std::vector<float> adapter_file(const std::string& dir);
 std::vector<int32_t> tokens(int seed, int V);  // (kB * kT) deterministic token ids below V
 void write_batch(const std::string& path, const std::vector<int32_t>& in, const std::vector<int32_t>& tgt);
 // peft_lora.py make into tmp (base/, adapter/); base_dtype nf4 or bf16 also
@@ -37,7 +39,7 @@ void write_batch(const std::string& path, const std::vector<int32_t>& in, const 
 // holds them (peft_lora.py's docstring).
 // layers: the base's blocks (2; the interleaved pipeline tests need 4).
 void make_peft_case(const PeftCase& c, int rank, double alpha, const TempDir& tmp, const std::string& base_dtype = "",
-                    int layers = 2);
+                    int layers = 2, int kv_heads = 2);
 LoraOptions options_for(const PeftCase& c, int rank, double alpha);
 // peft's logits (kB, kT, V) of base_dir with the PEFT adapter adapter_dir
 // (PeftModel.from_pretrained, unmerged, fp32); its batch and output files go in tmp.
