@@ -14,8 +14,9 @@
 //    lora (fp32 base) and nf4 (and bf16, DoRA on nf4 once each); a resume
 //    re-quantizes the base and continues bit for bit; the memory line shows
 //    the NF4 base's bytes.
-//  - Meshes: nf4 and bf16 under pipeline parallelism (1f1b), bf16 under
-//    tensor parallelism and nf4 with offload cpu equal 1 rank; a pipeline
+//  - Meshes: nf4 (LoRA, fresh DoRA) and bf16 under pipeline parallelism
+//    (1f1b), bf16 under tensor parallelism and nf4 with offload cpu equal
+//    1 rank; a pipeline
 //    stage's NF4 store holds the whole model's quantization of its tensors
 //    bit for bit (a tied copy and an uneven split included).
 //  - Bad input: bf16 / nf4 without an adapter; nf4 with tensor parallelism
@@ -472,6 +473,7 @@ TEST_CASE("qlora training: nf4 and bf16 under pipeline parallelism, bf16 under t
     int world;
     std::vector<std::string> overrides;
     std::string lr = "1.0e-2";
+    bool fresh_dora = false;  // DoRA's magnitudes: each stage's from its own NF4 units
   };
   // Each against the 1-rank run of its dtype: a stage's store quantizes
   // (rounds) its tensors as the whole model's does, a TP slice rounds
@@ -480,31 +482,35 @@ TEST_CASE("qlora training: nf4 and bf16 under pipeline parallelism, bf16 under t
   // steps turn that into 1.0e-5 on an adapter element (measured), so it
   // and its 1-rank run take lr 1e-3 (test_lora_parallel.cpp's job_yaml says why).
   const std::vector<Run> runs = {{"nf4", "pp2", 2, pp2},
+                                 {"nf4", "pp2_dora", 2, pp2, "1.0e-2", true},
                                  {"nf4", "offload", 1, {"parallel.offload=cpu"}},
                                  {"bf16", "pp2", 2, pp2},
                                  {"bf16", "tp2", 2, {"parallel.tensor_parallel=2"}, "1.0e-3"}};
   std::map<std::string, std::vector<TrainSummary>> one_summary;
   for (Run run : runs) {
     INFO("model.base_dtype " << run.dtype << ", " << run.name);
-    const std::string key = run.dtype + "_lr" + run.lr;
+    const std::string key = run.dtype + "_lr" + run.lr + (run.fresh_dora ? "_dora" : "");
     const std::string one = peft / ("one_" + key);
     run.overrides.push_back("train.lr=" + run.lr);
     if (!one_summary.count(key))
       one_summary[key] =
-          run_ranks_inprocess(qlora_job(peft, one, run.dtype, "no_shard", 1, 1, false, {"train.lr=" + run.lr}), 1, 1);
+          run_ranks_inprocess(qlora_job(peft, one, run.dtype, "no_shard", 1, 1, run.fresh_dora, {"train.lr=" + run.lr}),
+                              1, 1);
     const std::vector<double> losses = losses_of(one);
     REQUIRE(losses.size() == 3);
     const std::vector<float> trained = adapter_file(one + "/adapter");
+    if (!run.fresh_dora)  // (a fresh DoRA adapter has no file to start from)
+      CHECK(max_abs_diff(trained, adapter_file(peft / "adapter")) > 1e-4f);  // it trained, also at lr 1e-3
     const std::string dir = peft / (run.dtype + "_" + run.name);
-    const std::vector<TrainSummary> s =
-        run_ranks_inprocess(qlora_job(peft, dir, run.dtype, "no_shard", run.world, 1, false, run.overrides), run.world, 1);
+    const std::vector<TrainSummary> s = run_ranks_inprocess(
+        qlora_job(peft, dir, run.dtype, "no_shard", run.world, 1, run.fresh_dora, run.overrides), run.world, 1);
     INFO("adapter max |difference| " << max_abs_diff(adapter_file(dir + "/adapter"), trained));
     const std::vector<double> l = losses_of(dir);
     REQUIRE(l.size() == losses.size());
     for (size_t i = 0; i < l.size(); ++i) CHECK(std::fabs(l[i] - losses[i]) <= 1e-5 * std::fabs(losses[i]));
     CHECK(max_abs_diff(adapter_file(dir + "/adapter"), trained) <= 1e-5f);
     const size_t whole = one_summary[key][0].params_bytes;
-    if (run.name == "pp2" || run.name == "tp2") {
+    if (run.world > 1) {
       // Each rank holds its stage's (its slice's) part of the base, not all of it.
       for (const TrainSummary& r : s) CHECK(r.params_bytes < whole * 3 / 4);
     } else {
@@ -595,7 +601,8 @@ TEST_CASE("qlora: model.base_dtype bf16 / nf4 without an adapter, or nf4 with te
     // Offload (the adapters' state) and pipeline stages run with both; tensor parallelism with bf16.
     CHECK(parse_job_spec(with, "job.yaml", {"parallel.offload=cpu"}).parallel.offload == "cpu");
     CHECK(parse_job_spec(with, "job.yaml", {"parallel.pipeline_parallel=2"}).parallel.pipeline_parallel == 2);
-    if (dtype == "bf16") CHECK(parse_job_spec(with, "job.yaml", {"parallel.tensor_parallel=2"}).parallel.tensor_parallel == 2);
+    if (dtype == "bf16")
+      CHECK(parse_job_spec(with, "job.yaml", {"parallel.tensor_parallel=2"}).parallel.tensor_parallel == 2);
   }
   // NF4's blocks and statistics are the whole weight's: a TP rank's slice cannot hold them.
   CHECK_THROWS_WITH(
