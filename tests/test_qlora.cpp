@@ -16,9 +16,9 @@
 //    the NF4 base's bytes.
 //  - Meshes: nf4 (LoRA, fresh DoRA) and bf16 under pipeline parallelism
 //    (1f1b), bf16 under tensor parallelism and nf4 with offload cpu equal
-//    1 rank; a pipeline
-//    stage's NF4 store holds the whole model's quantization of its tensors
-//    bit for bit (a tied copy and an uneven split included).
+//    1 rank; a pipeline stage's NF4 store holds the whole model's
+//    quantization of its tensors bit for bit (a tied copy and an uneven
+//    split included).
 //  - Bad input: bf16 / nf4 without an adapter; nf4 with tensor parallelism
 //    (NF4 quantizes the whole weight; the error says to shard with full_shard).
 #include <catch2/catch.hpp>
