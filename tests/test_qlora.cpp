@@ -14,24 +14,36 @@
 //    lora (fp32 base) and nf4 (and bf16, DoRA on nf4 once each); a resume
 //    re-quantizes the base and continues bit for bit; the memory line shows
 //    the NF4 base's bytes.
-//  - Bad input: bf16 / nf4 without an adapter, with TP / PP / offload.
+//  - Meshes: nf4 (LoRA, fresh DoRA) and bf16 under pipeline parallelism
+//    (1f1b), bf16 under tensor parallelism and nf4 with offload cpu equal
+//    1 rank; a pipeline stage's NF4 store holds the whole model's
+//    quantization of its tensors bit for bit (a tied copy and an uneven
+//    split included).
+//  - Bad input: bf16 / nf4 without an adapter; nf4 with tensor parallelism
+//    (NF4 quantizes the whole weight; the error says to shard with full_shard).
 #include <catch2/catch.hpp>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <regex>
 #include <thread>
 
 #include "core/checkpoint/hf_interop.h"
+#include "core/common/error.h"
 #include "core/config/job_spec.h"
 #include "core/io/safetensors.h"
 #include "core/model/adapter/nf4.h"
 #include "core/model/adapter/peft_files.h"
 #include "core/model/adapter/qlora.h"
 #include "parallel/comm/communicator.h"
+#include "parallel/pipeline/schedule.h"
+#include "parallel/pipeline/stage_plan.h"
+#include "parallel/pipeline/stage_store.h"
 #include "parallel/rendezvous/store.h"
 #include "parallel/sharding/frozen_store.h"
+#include "parallel/sharding/offload.h"
 #include "tests/support/adapted_model.h"
 #include "tests/support/checkpoint_jobs.h"
 #include "tests/support/device_io.h"
@@ -450,7 +462,133 @@ TEST_CASE("qlora training: the memory line shows the NF4 base's bytes", "[qlora]
   CHECK(kib < 0.4 * double(mod.arch->layout().total) * 4 / 1024);  // well under the fp32 base
 }
 
-TEST_CASE("qlora: model.base_dtype bf16 / nf4 without an adapter, or with what they do not run with, is refused",
+TEST_CASE("qlora training: nf4 and bf16 under pipeline parallelism, bf16 under tensor parallelism and nf4 with "
+          "offload equal 1 rank",
+          "[qlora][train]") {
+  TempDir peft("qlora_mesh");
+  make_peft_case(llama_case(), kRank, kAlpha, peft);
+  const std::vector<std::string> pp2 = {"parallel.pipeline_parallel=2", "parallel.pipeline_schedule=1f1b"};
+  struct Run {
+    std::string dtype, name;
+    int world;
+    std::vector<std::string> overrides;
+    std::string lr = "1.0e-2";
+    bool fresh_dora = false;  // DoRA's magnitudes: each stage's from its own NF4 units
+  };
+  // Each against the 1-rank run of its dtype: a stage's store quantizes
+  // (rounds) its tensors as the whole model's does, a TP slice rounds
+  // element by element, and offload moves only the adapters' state. tp2
+  // sums its rows' products in another order; at lr 1e-2 AdamW's first
+  // steps turn that into 1.0e-5 on an adapter element (measured), so it
+  // and its 1-rank run take lr 1e-3 (test_lora_parallel.cpp's job_yaml says why).
+  const std::vector<Run> runs = {{"nf4", "pp2", 2, pp2},
+                                 {"nf4", "pp2_dora", 2, pp2, "1.0e-2", true},
+                                 {"nf4", "offload", 1, {"parallel.offload=cpu"}},
+                                 {"bf16", "pp2", 2, pp2},
+                                 {"bf16", "tp2", 2, {"parallel.tensor_parallel=2"}, "1.0e-3"}};
+  std::map<std::string, std::vector<TrainSummary>> one_summary;
+  for (Run run : runs) {
+    INFO("model.base_dtype " << run.dtype << ", " << run.name);
+    const std::string key = run.dtype + "_lr" + run.lr + (run.fresh_dora ? "_dora" : "");
+    const std::string one = peft / ("one_" + key);
+    run.overrides.push_back("train.lr=" + run.lr);
+    if (!one_summary.count(key))
+      one_summary[key] =
+          run_ranks_inprocess(qlora_job(peft, one, run.dtype, "no_shard", 1, 1, run.fresh_dora, {"train.lr=" + run.lr}),
+                              1, 1);
+    const std::vector<double> losses = losses_of(one);
+    REQUIRE(losses.size() == 3);
+    const std::vector<float> trained = adapter_file(one + "/adapter");
+    if (!run.fresh_dora)  // (a fresh DoRA adapter has no file to start from)
+      CHECK(max_abs_diff(trained, adapter_file(peft / "adapter")) > 1e-4f);  // it trained, also at lr 1e-3
+    const std::string dir = peft / (run.dtype + "_" + run.name);
+    const std::vector<TrainSummary> s = run_ranks_inprocess(
+        qlora_job(peft, dir, run.dtype, "no_shard", run.world, 1, run.fresh_dora, run.overrides), run.world, 1);
+    INFO("adapter max |difference| " << max_abs_diff(adapter_file(dir + "/adapter"), trained));
+    const std::vector<double> l = losses_of(dir);
+    REQUIRE(l.size() == losses.size());
+    for (size_t i = 0; i < l.size(); ++i) CHECK(std::fabs(l[i] - losses[i]) <= 1e-5 * std::fabs(losses[i]));
+    CHECK(max_abs_diff(adapter_file(dir + "/adapter"), trained) <= 1e-5f);
+    const size_t whole = one_summary[key][0].params_bytes;
+    if (run.world > 1) {
+      // Each rank holds its stage's (its slice's) part of the base, not all of it.
+      for (const TrainSummary& r : s) CHECK(r.params_bytes < whole * 3 / 4);
+    } else {
+      // Offload: the host holds the adapters' optimizer state and nothing of the base.
+      AdaptedModel m(peft / "base", options_for(llama_case(), kRank, kAlpha), nullptr, peft / "adapter");
+      CHECK(s[0].host_bytes == offload_host_bytes(m.ad->layout().total));
+      CHECK(s[0].params_bytes <= whole);
+      // The same AdamW on the host: bit for bit (measured).
+      CHECK(l == losses);
+      CHECK(adapter_file(dir + "/adapter") == trained);
+    }
+  }
+}
+
+TEST_CASE("qlora: a pipeline stage's NF4 store quantizes its tensors to the whole model's bits", "[qlora][nf4]") {
+  // Llama, tied (the last stage holds a copy of the embedding), 3 layers
+  // over 2 stages (2 + 1); k_proj and v_proj (12 x 24) end in half a
+  // 64-block. Each stage's units, acquired, are those of quantizing each
+  // tensor of the whole model on one host, bit for bit.
+  ModelConfig c;
+  c.arch = "llama";
+  c.L = 3;
+  c.NH = 4;
+  c.NKV = 2;
+  c.C = 24;
+  c.F = 40;
+  c.V = 23;
+  c.T = 8;
+  c.tied = true;
+  const std::unique_ptr<ModelArch> arch = make_model_arch(c);
+  std::vector<float> want(size_t(arch->layout().total));
+  arch->init_params(7, 0, arch->layout().total, want.data());
+  const std::vector<float> init = want;
+  round_trip_base(*arch, want, "nf4");
+  REQUIRE(max_abs_diff(want, init) > 1e-3f);
+  const std::vector<int> split = split_pipeline_layers(c.L, 2, {});
+  const std::string secret = make_job_secret();
+  TcpStoreServer server("127.0.0.1", 0, secret);
+  std::vector<std::string> errors(2);
+  std::vector<int> units(2, 0), differing(2, 0);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        using namespace std::chrono_literals;
+        auto kv = connect_tcp_store("127.0.0.1", server.port(), secret, 30s);
+        std::unique_ptr<Communicator> pp = make_gloo_communicator(*kv, "pp/", r, 2, "127.0.0.1", 30s);
+        std::unique_ptr<Communicator> dp = make_single_communicator();
+        auto be = make_cpu_backend(1);
+        const PipelineStagePlan plan(arch->layout(), 2, 1, r, split);
+        auto inner = make_frozen_param_store("no_shard", plan.stage_layout(), be.get(), dp.get(), 1, nullptr,
+                                             frozen_format(*arch, "nf4", plan.stage_layout()));
+        ParamStore* held = inner.get();
+        auto store = make_pipeline_stage_store(std::move(inner), plan, pp.get(), be.get(), false, true);
+        store->init_params(*arch, 7);  // through load_if_quantizing: stage offsets read at model offsets
+        for (const StageRun& run : plan.runs()) {
+          const int u = units[size_t(r)]++;
+          TR_CHECK(plan.stage_layout().units[size_t(u)].offset == run.local, "stage unit ", u, " is not run ", u);
+          const std::vector<float> got = download_act(be.get(), held->acquire_params(u), size_t(run.count));
+          held->release_params(u);
+          const std::vector<float> ref(want.begin() + run.outer, want.begin() + run.outer + run.count);
+          differing[size_t(r)] += !same_bits(got, ref);
+        }
+      } catch (const std::exception& e) {
+        errors[size_t(r)] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 2; ++r) {
+    INFO("stage " << r << ": " << errors[size_t(r)]);
+    CHECK(errors[size_t(r)].empty());
+    CHECK(units[size_t(r)] >= 2);
+    CHECK(differing[size_t(r)] == 0);
+  }
+}
+
+TEST_CASE("qlora: model.base_dtype bf16 / nf4 without an adapter, or nf4 with tensor parallelism, is refused",
           "[qlora]") {
   const std::string base = "data:\n  format: synthetic\nmodel:\n  base_dtype: ";
   for (const std::string dtype : {"nf4", "bf16"}) {
@@ -460,13 +598,18 @@ TEST_CASE("qlora: model.base_dtype bf16 / nf4 without an adapter, or with what t
                           Catch::Contains(dtype + " holds a frozen base, which needs model.adapter.type: lora or dora"));
     const std::string with = base + dtype + "\n  adapter: {type: lora}\n";
     CHECK(parse_job_spec(with, "job.yaml").model.base_dtype == dtype);
-    CHECK_THROWS_WITH(parse_job_spec(with, "job.yaml", {"parallel.offload=cpu"}),
-                      Catch::Contains("model.base_dtype: " + dtype + " with parallel.offload: cpu is not implemented"));
-    CHECK_THROWS_WITH(parse_job_spec(with, "job.yaml", {"parallel.tensor_parallel=2"}),
-                      Catch::Contains("with parallel.tensor_parallel: 2 is not implemented"));
-    CHECK_THROWS_WITH(parse_job_spec(with, "job.yaml", {"parallel.pipeline_parallel=2"}),
-                      Catch::Contains("with parallel.pipeline_parallel: 2 is not implemented"));
+    // Offload (the adapters' state) and pipeline stages run with both; tensor parallelism with bf16.
+    CHECK(parse_job_spec(with, "job.yaml", {"parallel.offload=cpu"}).parallel.offload == "cpu");
+    CHECK(parse_job_spec(with, "job.yaml", {"parallel.pipeline_parallel=2"}).parallel.pipeline_parallel == 2);
+    if (dtype == "bf16")
+      CHECK(parse_job_spec(with, "job.yaml", {"parallel.tensor_parallel=2"}).parallel.tensor_parallel == 2);
   }
+  // NF4's blocks and statistics are the whole weight's: a TP rank's slice cannot hold them.
+  CHECK_THROWS_WITH(
+      parse_job_spec(base + "nf4\n  adapter: {type: lora}\n", "job.yaml", {"parallel.tensor_parallel=2"}),
+      Catch::Contains("model.base_dtype") && Catch::Contains("nf4 with parallel.tensor_parallel: 2 is not supported") &&
+          Catch::Contains("whole (out, in) weight") && Catch::Contains("holds a slice of it") &&
+          Catch::Contains("parallel.sharding: full_shard, which shards the NF4 base"));
   CHECK(parse_job_spec(base + "fp32\n", "job.yaml").model.base_dtype == "fp32");
 }
 

@@ -21,7 +21,7 @@
 #include "core/io/safetensors.h"
 #include "core/model/model_io.h"
 #include "core/train/generate.h"
-#include "parallel/sharding/frozen_store.h"  // LoadingParamStore
+#include "parallel/sharding/frozen_store.h"  // ReaderLoadable
 #include "parallel/sharding/offload.h"  // host_memory_available
 
 namespace fs = std::filesystem;
@@ -349,12 +349,12 @@ void load_init_from_ranges(const ModelArch& arch, const std::string& dir, ParamS
   check_init_from_shape(arch, dir);
   HfReader r(dir, "model.init_from", &arch);
   if (log) r.warn_ignored();
-  if (auto* loading = dynamic_cast<LoadingParamStore*>(&ps)) {
-    // A quantizing store (model.base_dtype nf4) reads what it needs itself,
-    // tensor by tensor, collectively (frozen_store.h).
-    loading->load_from([&r](int64_t global, int64_t count, float* out) { r.read(global, count, out); });
+  // A quantizing store (model.base_dtype nf4), or a pipeline stage's over
+  // one, reads what it needs itself, tensor by tensor, collectively (frozen_store.h).
+  if (auto* loading = dynamic_cast<ReaderLoadable*>(&ps);
+      loading &&
+      loading->load_if_quantizing([&r](int64_t global, int64_t count, float* out) { r.read(global, count, out); }))
     return;
-  }
   const int64_t piece = int64_t(kInitFromPiece / 4);
   std::vector<float> buf;
   for (const auto& h : ps.held_ranges()) {

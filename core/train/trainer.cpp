@@ -417,7 +417,10 @@ void Trainer::setup() {
       CommFactory dp_factory = [factory, dp_name](const std::string& prefix, int rank, int world) {
         return factory(dp_name + "_" + prefix, rank, world);
       };
-      store = adapter ? make_frozen_param_store(job_.parallel.sharding, outer, be_.get(), dp, dims.dp_shard, dp_factory)
+      // model.base_dtype bf16 rounds each element alone, so a TP slice
+      // rounds as the whole model does (nf4 with TP is refused: job_spec.cpp).
+      store = adapter ? make_frozen_param_store(job_.parallel.sharding, outer, be_.get(), dp, dims.dp_shard, dp_factory,
+                                                frozen_format(*arch_, job_.model.base_dtype, outer))
                       : make_param_store(job_.parallel.sharding, outer, be_.get(), dp, dims.dp_shard, factory,
                                          &hybrid, offload);
       if (adapter) {
@@ -454,8 +457,12 @@ void Trainer::setup() {
       CommFactory dp_factory = [factory, dp_name](const std::string& prefix, int rank, int world) {
         return factory(dp_name + "_" + prefix, rank, world);
       };
+      // bf16 / nf4: each tensor lies whole in one stage, so the stage's
+      // store rounds and quantizes it as the whole model's does.
       auto inner = adapters ? make_frozen_param_store(ps.sharding, pp_plan_->stage_layout(), be_.get(), dp,
-                                                      dims.dp_shard, dp_factory)
+                                                      dims.dp_shard, dp_factory,
+                                                      frozen_format(*arch_, job_.model.base_dtype,
+                                                                    pp_plan_->stage_layout()))
                             : make_param_store(ps.sharding, pp_plan_->stage_layout(), be_.get(), dp, dims.dp_shard,
                                                factory, &hybrid, offload);
       Communicator* ppc = mesh_comms_->comm(MeshDim::pp);

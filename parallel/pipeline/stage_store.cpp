@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "core/common/error.h"
+#include "parallel/sharding/frozen_store.h"  // LoadingParamStore
 
 namespace trainrun {
 
@@ -38,7 +39,7 @@ class ChunkAccess final : public UnitAccess {
   const PipelineChunk& c_;
 };
 
-class StageStore final : public PipelineStageStore {
+class StageStore final : public PipelineStageStore, public ReaderLoadable {
  public:
   StageStore(std::unique_ptr<ParamStore> inner, const PipelineStagePlan& plan, Communicator* pp, Backend* be,
              bool reshard, bool frozen)
@@ -170,6 +171,7 @@ class StageStore final : public PipelineStageStore {
   void init_params(const ModelArch& arch, uint64_t seed) override {
     TR_CHECK(arch.layout().total == plan_.outer_layout().total, "init_params: the model (", arch.layout().total,
              " parameters) is not the one the pipeline plan was built for (", plan_.outer_layout().total, ")");
+    if (load_if_quantizing([&](int64_t g, int64_t n, float* out) { arch.init_params(seed, g, g + n, out); })) return;
     std::vector<float> buf;
     for (const Range& r : inner_->held_ranges()) {
       buf.assign(size_t(r.count), 0.0f);
@@ -200,6 +202,22 @@ class StageStore final : public PipelineStageStore {
     for (const StageRun& r : plan_.runs())
       std::copy(flat.begin() + r.outer, flat.begin() + r.outer + r.count, local.begin() + r.local);
     inner_->load_full_params(local);
+  }
+  // An inner store that quantizes as it loads (the NF4 base) reads
+  // stage-local offsets: each of its reads maps onto the model's.
+  bool load_if_quantizing(const FlatReader& read) override {
+    auto* loading = dynamic_cast<LoadingParamStore*>(inner_.get());
+    if (!loading) return false;
+    loading->load_from([&](int64_t local, int64_t count, float* out) {
+      int64_t covered = 0;
+      for (const StageRun& run : plan_.runs_in(local, count)) {
+        read(run.outer, run.count, out + (run.local - local));
+        covered += run.count;
+      }
+      TR_CHECK(covered == count, "pipeline: stage elements [", local, ", ", local + count, ") are not all in the "
+               "stage's runs (a bug)");
+    });
+    return true;
   }
   std::vector<Range> held_ranges() const override { return held_ranges_; }
   std::vector<Range> write_ranges() const override { return write_ranges_; }

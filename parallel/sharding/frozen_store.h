@@ -93,9 +93,24 @@ std::unique_ptr<ParamStore> make_frozen_param_store(const std::string& strategy,
 // acquire then fails), so the caller's agreement on errors reports the
 // reader's own message.
 using FlatReader = std::function<void(int64_t global, int64_t count, float* out)>;
-class LoadingParamStore : public ParamStore {
+// A store that may load through a reader: a quantizing store, or one that
+// wraps a quantizing store (the pipeline stage store over an NF4 stage,
+// parallel/pipeline/stage_store.h, which maps its stage's offsets onto the
+// model's). load_if_quantizing runs load_from and returns true where the
+// store quantizes as it loads; false (nothing read) where it loads range
+// by range (write_state_range), as every other store does.
+class ReaderLoadable {
+ public:
+  virtual ~ReaderLoadable() = default;
+  virtual bool load_if_quantizing(const FlatReader& read) = 0;
+};
+class LoadingParamStore : public ParamStore, public ReaderLoadable {
  public:
   virtual void load_from(const FlatReader& read) = 0;
+  bool load_if_quantizing(const FlatReader& read) final {
+    load_from(read);
+    return true;
+  }
 };
 
 // The NF4 store (nf4_frozen_store.cpp); make_frozen_param_store builds it for format.dtype nf4.

@@ -26,10 +26,12 @@
 // all-reduces (max) the tensor's absmax array (1/64 of the tensor, one
 // tensor at a time); every rank then derives the same offset, qabsmax and
 // absmax2 (nf4::quantize_absmax) and encodes its own elements against the
-// whole blocks' absmaxes. Tensors are keyed by their global element offsets
-// (tensor-local element e is global offset + e), so a store holding another
-// cut of a tensor (a tensor-parallel slice, a pipeline stage's units) can
-// use the same exchange over the group that shares the tensor.
+// whole blocks' absmaxes. Tensors are keyed by their layout's element
+// offsets (tensor-local element e is offset + e): over a pipeline stage's
+// layout, where each tensor is whole, the stage store maps them onto the
+// model's as it reads (stage_store.cpp), so a stage quantizes as one host
+// does. A tensor-parallel slice is not a run of its tensor, so the blocks
+// would differ: nf4 with tensor parallelism is refused (job_spec.cpp).
 #include <algorithm>
 #include <cmath>
 #include <cstring>

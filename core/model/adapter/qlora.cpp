@@ -72,4 +72,21 @@ FrozenFormat frozen_format(const ModelArch& arch, const std::string& base_dtype)
   return f;
 }
 
+FrozenFormat frozen_format(const ModelArch& arch, const std::string& base_dtype, const ParamLayout& layout) {
+  FrozenFormat f = frozen_format(arch, base_dtype);
+  if (f.dtype != "nf4") return f;
+  std::vector<int> mine;
+  for (int i : f.nf4_tensors) {
+    const ParamTensor& whole = arch.layout().tensors[size_t(i)];
+    if (const ParamTensor* t = layout.find(whole.name)) {
+      TR_CHECK(t->numel == whole.numel, "model.base_dtype nf4: ", whole.name, " has ", t->numel, " of its ",
+               whole.numel, " elements in this layout; NF4 quantizes whole tensors only (a bug)");
+      mine.push_back(int(t - layout.tensors.data()));
+    }
+  }
+  std::sort(mine.begin(), mine.end());
+  f.nf4_tensors = std::move(mine);
+  return f;
+}
+
 }  // namespace trainrun

@@ -31,7 +31,16 @@ std::shared_ptr<const Nf4Codec> nf4_codec();
 void round_trip_base(const ModelArch& arch, std::vector<float>& flat, const std::string& base_dtype);
 
 // The frozen store's format for model.base_dtype (auto: fp32, the CPU
-// backend's dtype).
+// backend's dtype) over the whole model's layout.
 FrozenFormat frozen_format(const ModelArch& arch, const std::string& base_dtype);
+
+// The same over `layout`, a part of the model that keeps its tensors'
+// names and holds each of them whole (a pipeline stage's layout,
+// parallel/pipeline/stage_plan.h): nf4_tensors indexes `layout`'s tensors,
+// those of nf4_base_tensors it holds. Each is quantized whole, so a stage's
+// tensors get the very bytes the whole model's do. Not for a
+// tensor-parallel slice: its (out, in) weights are cut, and NF4's blocks
+// and statistics are those of the whole tensor (job_spec.cpp refuses it).
+FrozenFormat frozen_format(const ModelArch& arch, const std::string& base_dtype, const ParamLayout& layout);
 
 }  // namespace trainrun
