@@ -174,8 +174,8 @@ const std::vector<Field>& fields() {
                     "low-rank A (rank x in) and B (out x rank) on each target linear, y = W x + (alpha/rank) B A "
                     "dropout(x); only A and B get gradients and optimizer state, and the run writes them to "
                     "output.dir/adapter in peft's format (checkpoints hold the adapters + their AdamW state and a PEFT "
-                    "copy, and resume on model.init_from); CPU, tp1 only so far (any pipeline_parallel) "
-                    "(docs/fine-tuning.md); dora = lora plus a trainable magnitude per output row (peft's use_dora: "
+                    "copy, and resume on model.init_from); every sharding strategy, tensor or pipeline parallelism (not "
+                    "both yet) and offload (docs/fine-tuning.md); dora = lora plus a trainable magnitude per output row (peft's use_dora: "
                     "W' = m (W + (alpha/rank) B A) / ||W + (alpha/rank) B A||_row, the norm held constant); "
                     "none = train every weight"),
       TR_SPEC_FIELD(model.adapter.rank, at_least(1), "LoRA rank r (peft's r)"),
