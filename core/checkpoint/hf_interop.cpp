@@ -352,7 +352,9 @@ void load_init_from_ranges(const ModelArch& arch, const std::string& dir, ParamS
   if (auto* loading = dynamic_cast<LoadingParamStore*>(&ps)) {
     // A quantizing store (model.base_dtype nf4) reads what it needs itself,
     // tensor by tensor, collectively (frozen_store.h).
-    loading->load_from([&r](int64_t global, int64_t count, float* out) { r.read(global, count, out); });
+    loading->load_from([&r](int64_t global, int64_t count, int64_t stride, int64_t reps, float* out) {
+      r.read_runs(global, count, stride, reps, out);
+    });
     return;
   }
   const int64_t piece = int64_t(kInitFromPiece / 4);

@@ -905,7 +905,9 @@ void check_rules(JobSpec& s, const Origins& o, const std::string& fallback, bool
              m.base_dtype + " with " + key + ": " + value + " is not implemented yet; use " + key +
                  "'s default or model.base_dtype: auto");
     };
-    refuse(p.tensor_parallel > 1, "parallel.tensor_parallel", std::to_string(p.tensor_parallel));
+    // nf4 under tensor parallelism: setup checks each slice is whole 64-blocks (qlora.h).
+    refuse(p.tensor_parallel > 1 && m.base_dtype != "nf4", "parallel.tensor_parallel",
+           std::to_string(p.tensor_parallel));
     refuse(p.pipeline_parallel > 1, "parallel.pipeline_parallel", std::to_string(p.pipeline_parallel));
     refuse(p.offload != "none", "parallel.offload", p.offload);
   }

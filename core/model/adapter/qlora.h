@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "core/model/model.h"
+#include "core/model/tensor_parallel.h"
 #include "parallel/sharding/frozen_store.h"
 
 namespace trainrun {
@@ -33,5 +34,18 @@ void round_trip_base(const ModelArch& arch, std::vector<float>& flat, const std:
 // The frozen store's format for model.base_dtype (auto: fp32, the CPU
 // backend's dtype).
 FrozenFormat frozen_format(const ModelArch& arch, const std::string& base_dtype);
+
+// The same for a tensor-parallel rank's base (the store's layout is
+// plan.local_layout()): with nf4, each NF4 tensor's slice as runs of whole
+// 64-blocks of the global tensor (frozen_store.h, Nf4TpSlice) and the TP
+// group's communicator for the absmax exchange. Throws an Error naming the
+// tensor, its shape, the tp size and the fix when a slice is not whole
+// blocks: bitsandbytes' blocks are 64 consecutive elements of the whole
+// flattened (out, in) weight, and a slice that cuts one would need another
+// rank's elements to quantize it (column-parallel: (out/tp) x in, and
+// row-parallel: in/tp, must be multiples of 64; true of real models, e.g.
+// 28672 / 8 = 56 x 64).
+FrozenFormat frozen_format(const ModelArch& arch, const std::string& base_dtype, const TensorParallelPlan& plan,
+                           Communicator* tp_comm);
 
 }  // namespace trainrun
