@@ -5,8 +5,8 @@
 //    64-blocks of the global tensor, dequantizes every local element to the
 //    very bits of quantizing the whole tensor on one host (nf4::quantize +
 //    dequantize), column- and row-parallel weights, Llama (GQA, split KV
-//    heads) and GPT-2 (fused q|k|v), tp2 and tp2 x dp2 full_shard (a
-//    64-block's codes cut between dp ranks); its memory is the codes plus an
+//    heads) and GPT-2 (fused q|k|v), tp2 and tp2 x dp2 full_shard (each
+//    TP slice's image sharded in bytes over dp); its memory is the codes plus an
 //    fp32 absmax per block.
 //  - Training: nf4 at tp2 (and tp2 x dp2 full_shard) equals nf4 on one rank,
 //    losses of 3 steps and the final adapter to 1e-5.
@@ -180,7 +180,7 @@ TEST_CASE("qlora tp: a TP rank's NF4 store dequantizes to the whole tensor's sin
       CHECK(!same_bits(s.local[0], s.local[1]));  // two different slices
     }
   }
-  SECTION("tp2 x dp2 full_shard: a 64-block's codes cut between dp ranks") {
+  SECTION("tp2 x dp2 full_shard: each TP slice's image sharded in bytes over dp") {
     const TpStoreRun s = run_tp_store(small("llama"), 2, 2, "full_shard");
     for (int r = 0; r < 4; ++r) {
       INFO("rank " << r);
