@@ -413,6 +413,19 @@ class Backend {
                               const float* absmax2, const float* map, float offset, int64_t n) {
     not_implemented("nf4_dequantize");
   }
+  // The same with each 64-block's dequantized absmax given instead of
+  // qabsmax/absmax2/map/offset (block_absmax (ceil(n/64)) fp32, device):
+  //   out[i] = ftz(code[nibble i] * block_absmax[i/64])
+  // For a tensor-parallel rank's NF4 slice (nf4_frozen_store.cpp): its
+  // blocks are whole blocks of the global tensor but not a contiguous run
+  // of them (a row-parallel slice takes a few blocks of every row), so the
+  // global double quantization cannot be indexed by local block; the store
+  // computes each block's absmax on the host with nf4::block_scale (the
+  // same operations as above), so both ops give the same bits.
+  virtual void nf4_dequantize_blocks(void* out, DType out_dtype, const uint8_t* packed, const float* block_absmax,
+                                     int64_t n) {
+    not_implemented("nf4_dequantize_blocks");
+  }
 
   // ---- optimizer --------------------------------------------------------------
   // out[0] += sum(x^2) over n fp32 values (for the global grad norm).

@@ -74,28 +74,50 @@ TR_NF4_HD float block_scale(const float* map, uint8_t q, float absmax2, float of
 }
 
 #if !defined(__CUDACC__)
+// Elements [i0, i1) of one 64-block whose dequantized absmax is a: the 16
+// possible outputs once, then each element a table lookup. Both host
+// dequantizations below run it, so a block gives the same bits through either.
+inline void dequantize_block_host(const uint8_t* packed, float a, int64_t i0, int64_t i1, float* out_f32,
+                                  uint16_t* out_bf16) {
+  static const float code[16] = {TR_NF4_CODE_VALUES};
+  float value[16];
+  for (int c = 0; c < 16; ++c) value[c] = ftz(code[c] * a);
+  for (int64_t i = i0; i < i1; ++i) {
+    const uint8_t byte = packed[i >> 1];
+    const float v = value[(i & 1) ? (byte & 15) : (byte >> 4)];
+    if (out_f32)
+      out_f32[i] = v;
+    else
+      out_bf16[i] = bf16_bits_rne(v);
+  }
+}
+
 // Host dequantization of elements [0, n) into out_f32 or out_bf16 (exactly
 // one non-null): the CPU backend's op and core/model/adapter/nf4.h's
-// dequantize. Per block, the 16 possible outputs are computed once, then
-// each byte is two table lookups.
+// dequantize.
 inline void dequantize_host(const uint8_t* packed, const uint8_t* qabsmax, const float* absmax2, const float* map,
                             float offset, int64_t n, float* out_f32, uint16_t* out_bf16) {
-  static const float code[16] = {TR_NF4_CODE_VALUES};
   const int64_t blocks = (n + kBlock - 1) / kBlock;
 #pragma omp parallel for schedule(static)
   for (int64_t b = 0; b < blocks; ++b) {
-    const float a = block_scale(map, qabsmax[b], absmax2[b / kAbsmaxBlock], offset);
-    float value[16];
-    for (int c = 0; c < 16; ++c) value[c] = ftz(code[c] * a);
     const int64_t i0 = b * kBlock, i1 = i0 + kBlock < n ? i0 + kBlock : n;
-    for (int64_t i = i0; i < i1; ++i) {
-      const uint8_t byte = packed[i >> 1];
-      const float v = value[(i & 1) ? (byte & 15) : (byte >> 4)];
-      if (out_f32)
-        out_f32[i] = v;
-      else
-        out_bf16[i] = bf16_bits_rne(v);
-    }
+    dequantize_block_host(packed, block_scale(map, qabsmax[b], absmax2[b / kAbsmaxBlock], offset), i0, i1, out_f32,
+                          out_bf16);
+  }
+}
+
+// The same with each block's dequantized absmax given (block_absmax[b] =
+// block_scale(...) of the block, computed once when the tensor was
+// quantized): the CPU backend's nf4_dequantize_blocks, for a tensor-parallel
+// slice whose blocks are not a run of the whole tensor's
+// (parallel/sharding/nf4_frozen_store.cpp).
+inline void dequantize_blocks_host(const uint8_t* packed, const float* block_absmax, int64_t n, float* out_f32,
+                                   uint16_t* out_bf16) {
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t i0 = b * kBlock, i1 = i0 + kBlock < n ? i0 + kBlock : n;
+    dequantize_block_host(packed, block_absmax[b], i0, i1, out_f32, out_bf16);
   }
 }
 #endif

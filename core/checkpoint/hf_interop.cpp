@@ -349,11 +349,12 @@ void load_init_from_ranges(const ModelArch& arch, const std::string& dir, ParamS
   check_init_from_shape(arch, dir);
   HfReader r(dir, "model.init_from", &arch);
   if (log) r.warn_ignored();
-  // A quantizing store (model.base_dtype nf4), or a pipeline stage's over
-  // one, reads what it needs itself, tensor by tensor, collectively (frozen_store.h).
+  // A quantizing store (model.base_dtype nf4), or a pipeline stage's or a
+  // tensor-parallel store over one, reads what it needs itself, tensor by
+  // tensor, collectively (frozen_store.h).
   if (auto* loading = dynamic_cast<ReaderLoadable*>(&ps);
-      loading &&
-      loading->load_if_quantizing([&r](int64_t global, int64_t count, float* out) { r.read(global, count, out); }))
+      loading && loading->load_if_quantizing([&r](int64_t global, int64_t count, int64_t stride, int64_t reps,
+                                                  float* out) { r.read_runs(global, count, stride, reps, out); }))
     return;
   const int64_t piece = int64_t(kInitFromPiece / 4);
   std::vector<float> buf;

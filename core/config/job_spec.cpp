@@ -158,9 +158,9 @@ const std::vector<Field>& fields() {
                     "those values in fp32); nf4 = QLoRA: every block linear's weight quantized as bitsandbytes' "
                     "quantize_4bit(blocksize=64, compress_statistics=True, nf4) does on the whole (out, in) tensor "
                     "(~0.52 bytes per weight, sharded like any frozen parameter and dequantized per unit before its "
-                    "GEMMs), embeddings, norms, biases and the LM head in fp32; bf16 and nf4 need model.adapter; nf4 does "
-                    "not run with parallel.tensor_parallel > 1 (a TP rank holds a slice of each weight; shard with "
-                    "full_shard instead)"),
+                    "GEMMs), embeddings, norms, biases and the LM head in fp32; bf16 and nf4 need model.adapter; nf4 with "
+                    "parallel.tensor_parallel > 1 needs each rank's slice of every block linear weight to be whole "
+                    "64-element blocks of it (true of real models; setup names the tensor otherwise)"),
       TR_SPEC_FIELD(model.rope_scaling.type, one_of({"none", "llama3"}),
                     "RoPE frequency scaling (llama): none, or llama3 (Llama 3.1's bands)"),
       TR_SPEC_FIELD(model.rope_scaling.factor, above(0), "llama3 scaling: factor"),
@@ -899,16 +899,6 @@ void check_rules(JobSpec& s, const Origins& o, const std::string& fallback, bool
     fail(at({"model.base_dtype", "model.adapter.type"}), "model.base_dtype",
          m.base_dtype + " holds a frozen base, which needs model.adapter.type: lora or dora (it is none); set "
                         "model.adapter or model.base_dtype: auto");
-  if (m.base_dtype == "nf4" && ad.on() && p.tensor_parallel > 1)
-    // bf16 rounds each element alone (any slice rounds alike); NF4's
-    // 64-blocks and their double quantization run over the whole flattened
-    // (out, in) weight, and a row-parallel TP slice is not a run of it.
-    fail(at({"model.base_dtype", "parallel.tensor_parallel"}), "model.base_dtype",
-         "nf4 with parallel.tensor_parallel: " + std::to_string(p.tensor_parallel) +
-             " is not supported: NF4 quantizes each block linear's whole (out, in) weight in blocks of 64 with "
-             "statistics over all of them, and a tensor-parallel rank holds a slice of it (a row-parallel slice is "
-             "not even a contiguous run), so its blocks would not be bitsandbytes'; use data parallelism with "
-             "parallel.sharding: full_shard, which shards the NF4 base itself, or model.base_dtype: bf16");
   if (ad.on() && p.tensor_parallel > 1 && p.pipeline_parallel > 1)
     fail(at({"parallel.tensor_parallel", "parallel.pipeline_parallel", "model.adapter.type"}),
          "parallel.tensor_parallel",

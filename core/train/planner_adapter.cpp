@@ -7,7 +7,8 @@
 //              shard_grad_op) or 1/G of it (full_shard, hybrid_shard),
 //              each unit's piece padded to 16 elements; nf4 stores every
 //              block linear's weight as nf4::stored_bytes (4 bits + its
-//              absmax codes and double-quantization scales), the rest
+//              absmax codes and double-quantization scales; a TP slice:
+//              4 bits + an fp32 absmax per 64-block), the rest
 //              (embeddings, norms, biases, the LM head) in bf16, a unit's
 //              piece padded to 64 bytes
 //   params, grads, optimizer
@@ -76,7 +77,7 @@ double pad16(int64_t n) { return double((n + 15) / 16 * 16); }
 }  // namespace
 
 AdapterUnits adapter_units(const ModelArch& m, const ParamLayout& layout, const AdapterRequest& a,
-                           const DeviceModel& d) {
+                           const DeviceModel& d, bool tp_slice) {
   AdapterUnits u;
   u.r = a.rank;
   u.dora = a.type == "dora";
@@ -109,7 +110,10 @@ AdapterUnits adapter_units(const ModelArch& m, const ParamLayout& layout, const 
     double bytes = 0;
     for (const ParamTensor& t : layout.tensors) {
       if (t.offset < pu.offset || t.offset >= pu.offset + pu.numel) continue;
-      bytes += u.dtype == "nf4" && linear_weights.count(t.name) ? double(nf4::stored_bytes(t.numel)) : es * t.numel;
+      // A TP slice of an NF4 weight: its codes and an fp32 absmax per 64-block (~0.5625 bytes per element).
+      const double nf4_bytes = tp_slice ? double((t.numel + 1) / 2 + 4 * ((t.numel + 63) / 64))
+                                        : double(nf4::stored_bytes(t.numel));
+      bytes += u.dtype == "nf4" && linear_weights.count(t.name) ? nf4_bytes : es * t.numel;
     }
     u.base_bytes.push_back(bytes);
   }

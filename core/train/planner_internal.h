@@ -69,7 +69,10 @@ struct AdapterUnits {
   std::string dtype;  // the resolved base dtype: fp32, bf16, nf4
 };
 // Over `layout` (the model's, or a TP rank's local one: the same tensor names, local shapes).
-AdapterUnits adapter_units(const ModelArch& m, const ParamLayout& layout, const AdapterRequest& a, const DeviceModel& d);
+// tp_slice: `layout` is a TP rank's (nf4 then holds an fp32 absmax per
+// block instead of the double quantization: nf4_frozen_store.cpp).
+AdapterUnits adapter_units(const ModelArch& m, const ParamLayout& layout, const AdapterRequest& a, const DeviceModel& d,
+                           bool tp_slice = false);
 // The memory of one rank holding `u` (planner_adapter.cpp's header says
 // what each category holds). held: a pipeline stage that keeps all of its
 // base units gathered all step (pipeline_reshard false).

@@ -303,7 +303,8 @@ void plan_pipeline_parallel(Plan& plan, const ModelArch& m, const DeviceModel& d
       tp_units[tp] = unit_numels(m);
     }
     if (adapt) {
-      tp_adapter[tp] = adapter_units(m, tp > 1 ? tp_plans[tp]->local_layout() : m.layout(), req.adapter, dev);
+      tp_adapter[tp] =
+          adapter_units(m, tp > 1 ? tp_plans[tp]->local_layout() : m.layout(), req.adapter, dev, tp > 1);
       tp_units[tp] = tp_adapter[tp].adapter;
     }
   }

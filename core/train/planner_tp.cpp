@@ -145,7 +145,7 @@ void plan_tensor_parallel(Plan& plan, const ModelArch& m, const DeviceModel& dev
     // An adapter run: the base and the adapters split like the layers they
     // wrap; what the dp collectives reduce is the adapters' local units.
     const bool adapt = req.adapter.on();
-    const AdapterUnits au = adapt ? adapter_units(m, tp_plan.local_layout(), req.adapter, dev) : AdapterUnits{};
+    const AdapterUnits au = adapt ? adapter_units(m, tp_plan.local_layout(), req.adapter, dev, true) : AdapterUnits{};
     if (adapt) units = au.adapter;
     const AdapterUnits* aup = adapt ? &au : nullptr;
     const int hybrid_dp =

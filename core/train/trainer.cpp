@@ -417,10 +417,8 @@ void Trainer::setup() {
       CommFactory dp_factory = [factory, dp_name](const std::string& prefix, int rank, int world) {
         return factory(dp_name + "_" + prefix, rank, world);
       };
-      // model.base_dtype bf16 rounds each element alone, so a TP slice
-      // rounds as the whole model does (nf4 with TP is refused: job_spec.cpp).
       store = adapter ? make_frozen_param_store(job_.parallel.sharding, outer, be_.get(), dp, dims.dp_shard, dp_factory,
-                                                frozen_format(*arch_, job_.model.base_dtype, outer))
+                                                frozen_format(*arch_, job_.model.base_dtype, *tp_plan_, tp_ctx_.comm))
                       : make_param_store(job_.parallel.sharding, outer, be_.get(), dp, dims.dp_shard, factory,
                                          &hybrid, offload);
       if (adapter) {

@@ -103,6 +103,8 @@ class CpuBackend final : public Backend {
   // NF4 dequantization: cpu_nf4.cpp.
   void nf4_dequantize(void* out, DType out_dtype, const uint8_t* packed, const uint8_t* qabsmax, const float* absmax2,
                       const float* map, float offset, int64_t n) override;
+  void nf4_dequantize_blocks(void* out, DType out_dtype, const uint8_t* packed, const float* block_absmax,
+                             int64_t n) override;
   // DoRA's ops: cpu_dora.cpp.
   void row_norms(float* out, const void* w, int rows, int cols) override;
   void row_sum_squares(float* out, const void* w, int rows, int cols) override;

@@ -459,6 +459,16 @@ void CudaBackend::nf4_dequantize(void* out, DType out_dtype, const uint8_t* pack
     cuda::nf4_dequantize(H(out), packed, qabsmax, absmax2, map, offset, n, compute_);
 }
 
+// Not yet run on a GPU (compiled only).
+void CudaBackend::nf4_dequantize_blocks(void* out, DType out_dtype, const uint8_t* packed, const float* block_absmax,
+                                        int64_t n) {
+  make_current();
+  if (out_dtype == DType::F32)
+    cuda::nf4_dequantize_blocks(static_cast<float*>(out), packed, block_absmax, n, compute_);
+  else
+    cuda::nf4_dequantize_blocks(H(out), packed, block_absmax, n, compute_);
+}
+
 void CudaBackend::swiglu_forward(void* out, const void* inp, int N, int F) {
   make_current();
   cuda::swiglu_forward(H(out), H(inp), N, F, compute_);

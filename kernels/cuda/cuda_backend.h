@@ -140,6 +140,8 @@ class CudaBackend final : public Backend {
   // NF4 dequantization (QLoRA's base): nf4.cu.
   void nf4_dequantize(void* out, DType out_dtype, const uint8_t* packed, const uint8_t* qabsmax, const float* absmax2,
                       const float* map, float offset, int64_t n) override;
+  void nf4_dequantize_blocks(void* out, DType out_dtype, const uint8_t* packed, const float* block_absmax,
+                             int64_t n) override;
   void sum_squares(float* out, const float* x, int64_t n) override;
   void sum(float* out, const float* x, int64_t n) override;
   void scale(float* x, float s, int64_t n) override;

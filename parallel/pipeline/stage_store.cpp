@@ -171,7 +171,10 @@ class StageStore final : public PipelineStageStore, public ReaderLoadable {
   void init_params(const ModelArch& arch, uint64_t seed) override {
     TR_CHECK(arch.layout().total == plan_.outer_layout().total, "init_params: the model (", arch.layout().total,
              " parameters) is not the one the pipeline plan was built for (", plan_.outer_layout().total, ")");
-    if (load_if_quantizing([&](int64_t g, int64_t n, float* out) { arch.init_params(seed, g, g + n, out); })) return;
+    if (load_if_quantizing([&](int64_t g, int64_t n, int64_t stride, int64_t reps, float* out) {
+          for (int64_t k = 0; k < reps; ++k) arch.init_params(seed, g + k * stride, g + k * stride + n, out + k * n);
+        }))
+      return;
     std::vector<float> buf;
     for (const Range& r : inner_->held_ranges()) {
       buf.assign(size_t(r.count), 0.0f);
@@ -208,14 +211,20 @@ class StageStore final : public PipelineStageStore, public ReaderLoadable {
   bool load_if_quantizing(const FlatReader& read) override {
     auto* loading = dynamic_cast<LoadingParamStore*>(inner_.get());
     if (!loading) return false;
-    loading->load_from([&](int64_t local, int64_t count, float* out) {
-      int64_t covered = 0;
-      for (const StageRun& run : plan_.runs_in(local, count)) {
-        read(run.outer, run.count, out + (run.local - local));
-        covered += run.count;
+    // A read of `reps` runs `stride` apart is one run at a time here: a
+    // stage's NF4 tensors are whole (no TP slice under pipeline stages), so
+    // the NF4 store asks for reps 1.
+    loading->load_from([&](int64_t local, int64_t count, int64_t stride, int64_t reps, float* out) {
+      for (int64_t k = 0; k < reps; ++k) {
+        const int64_t at = local + k * stride;
+        int64_t covered = 0;
+        for (const StageRun& run : plan_.runs_in(at, count)) {
+          read(run.outer, run.count, run.count, 1, out + k * count + (run.local - at));
+          covered += run.count;
+        }
+        TR_CHECK(covered == count, "pipeline: stage elements [", at, ", ", at + count, ") are not all in the "
+                 "stage's runs (a bug)");
       }
-      TR_CHECK(covered == count, "pipeline: stage elements [", local, ", ", local + count, ") are not all in the "
-               "stage's runs (a bug)");
     });
     return true;
   }

@@ -70,10 +70,30 @@ class Nf4Codec {
   virtual const float* dynamic_map() const = 0;  // (256) fp32, host
 };
 
+// nf4 under tensor parallelism: the store's layout is a TP rank's local one
+// and each NF4 tensor there is a slice of a global tensor, made of whole
+// 64-blocks of it (core/model/adapter/qlora.h checks that and refuses the
+// rest). Its local blocks [local, local + count) are the global tensor's
+// blocks [global, global + count) (tensor-relative block indices).
+struct Nf4BlockRun {
+  int64_t local = 0, global = 0, count = 0;
+};
+struct Nf4TpSlice {
+  int64_t global_numel = 0;       // the whole tensor's elements
+  std::vector<Nf4BlockRun> runs;  // every local block once, in local order
+};
+
 struct FrozenFormat {
   std::string dtype = "fp32";
   std::vector<int> nf4_tensors;  // indices into the layout's tensors (nf4 only)
   std::shared_ptr<const Nf4Codec> codec;  // nf4 only
+  // nf4 with tensor parallelism (else empty / null): one slice per
+  // nf4_tensors entry, and the TP group, over which the store's absmax
+  // exchange runs after its own shard group's (the ranks that hold parts of
+  // a tensor are the TP group x the dp shard group; max is associative, so
+  // two steps give every one of them the whole tensor's absmaxes).
+  std::vector<Nf4TpSlice> nf4_tp;
+  Communicator* nf4_tp_comm = nullptr;
 };
 
 // world: the all-ranks communicator (full_shard's gathers use it; with
@@ -91,14 +111,19 @@ std::unique_ptr<ParamStore> make_frozen_param_store(const std::string& strategy,
 // rank stops the load on every rank of its group at the next tensor; that
 // rank rethrows, the others return with the store marked unloaded (an
 // acquire then fails), so the caller's agreement on errors reports the
-// reader's own message.
-using FlatReader = std::function<void(int64_t global, int64_t count, float* out)>;
+// reader's own message. A read is `reps` runs of `count` elements, `stride`
+// apart from `global`, back to back into out (reps 1: one contiguous run):
+// a tensor-parallel slice of a row-parallel weight is one run per row, and
+// the reader (HfReader::read_runs) takes all of them in one call.
+using FlatReader =
+    std::function<void(int64_t global, int64_t count, int64_t stride, int64_t reps, float* out)>;
 // A store that may load through a reader: a quantizing store, or one that
 // wraps a quantizing store (the pipeline stage store over an NF4 stage,
 // parallel/pipeline/stage_store.h, which maps its stage's offsets onto the
-// model's). load_if_quantizing runs load_from and returns true where the
-// store quantizes as it loads; false (nothing read) where it loads range
-// by range (write_state_range), as every other store does.
+// model's; the tensor-parallel store over an NF4 slice). load_if_quantizing
+// runs load_from and returns true where the store quantizes as it loads;
+// false (nothing read) where it loads range by range (write_state_range),
+// as every other store does.
 class ReaderLoadable {
  public:
   virtual ~ReaderLoadable() = default;

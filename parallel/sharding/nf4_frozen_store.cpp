@@ -30,8 +30,23 @@
 // offsets (tensor-local element e is offset + e): over a pipeline stage's
 // layout, where each tensor is whole, the stage store maps them onto the
 // model's as it reads (stage_store.cpp), so a stage quantizes as one host
-// does. A tensor-parallel slice is not a run of its tensor, so the blocks
-// would differ: nf4 with tensor parallelism is refused (job_spec.cpp).
+// does.
+//
+// Tensor parallelism (format.nf4_tp). The layout is a TP rank's local one;
+// each NF4 tensor is a slice of a global tensor made of whole 64-blocks of
+// it (qlora.h refuses other splits), so a local block is exactly one global
+// block and its codes are those of the whole tensor's quantization. The
+// double quantization is not: its runs of 256 blocks and its offset are the
+// global tensor's, and a row-parallel slice holds a few blocks of every row,
+// not a run of them. So the absmax array exchanged is the global tensor's
+// (this rank's blocks filled, 0 elsewhere), max-reduced over the shard group
+// and then over the TP group (together every rank holding a part); every
+// rank derives the global offset, qabsmax and absmax2, encodes its elements
+// against their global blocks' absmaxes, and keeps, instead of qabsmax and
+// absmax2, each local block's dequantized absmax as fp32 (nf4::block_scale:
+// the operations nf4_dequantize runs, so the values are bit-equal), which
+// Backend::nf4_dequantize_blocks reads. Held: ~0.5625 bytes per NF4 element
+// (1/2 code + 4/64 absmax).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -73,6 +88,16 @@ class Nf4FrozenStore final : public LoadingParamStore {
       TR_CHECK(t >= 0 && size_t(t) < layout.tensors.size(), "nf4 store: tensor index ", t, " out of range (a bug)");
       is_nf4[size_t(t)] = true;
     }
+    // Tensor parallelism: the slice of each NF4 tensor, by layout index.
+    std::vector<const Nf4TpSlice*> slice_of(layout.tensors.size(), nullptr);
+    if (!format.nf4_tp.empty()) {
+      TR_CHECK(format.nf4_tp.size() == nf4_tensors.size() && format.nf4_tp_comm,
+               "nf4 store: tensor-parallel slices for ", format.nf4_tp.size(), " of ", nf4_tensors.size(),
+               " NF4 tensors, or no TP communicator (a bug)");
+      tp_comm_ = format.nf4_tp_comm;
+      slices_ = format.nf4_tp;  // the format may be a temporary; Quant::slice points into this copy
+      for (size_t i = 0; i < nf4_tensors.size(); ++i) slice_of[size_t(nf4_tensors[i])] = &slices_[i];
+    }
     int64_t local = 0;
     for (size_t u = 0; u < layout.units.size(); ++u) {
       const ParamUnit& pu = layout.units[u];
@@ -99,10 +124,26 @@ class Nf4FrozenStore final : public LoadingParamStore {
         q.runs = (q.blocks + nf4::kAbsmaxBlock - 1) / nf4::kAbsmaxBlock;
         q.packed_at = bytes = align16(bytes);
         bytes += (q.n + 1) / 2;
-        q.q_at = bytes = align16(bytes);
-        bytes += q.blocks;
-        q.a2_at = bytes = align16(bytes);
-        bytes += 4 * q.runs;
+        if (const Nf4TpSlice* sl = slice_of[t]) {
+          // Tensor parallelism: the codes, then each local block's fp32 absmax (q_at).
+          int64_t covered = 0;
+          for (const Nf4BlockRun& r : sl->runs) {
+            TR_CHECK(r.local == covered && r.count > 0 && r.global >= 0 &&
+                         (r.global + r.count) * nf4::kBlock <= sl->global_numel + nf4::kBlock - 1,
+                     "nf4 store: ", pt.name, ": a tensor-parallel block run out of order or range (a bug)");
+            covered += r.count;
+          }
+          TR_CHECK(covered == q.blocks && q.n % nf4::kBlock == 0, "nf4 store: ", pt.name, ": the slice's runs cover ",
+                   covered, " blocks of ", q.blocks, " (a bug)");
+          q.slice = sl;
+          q.q_at = bytes = align16(bytes);
+          bytes += 4 * q.blocks;
+        } else {
+          q.q_at = bytes = align16(bytes);
+          bytes += q.blocks;
+          q.a2_at = bytes = align16(bytes);
+          bytes += 4 * q.runs;
+        }
         at = pt.offset + pt.numel;
         U.quants.push_back(q);
       }
@@ -147,7 +188,7 @@ class Nf4FrozenStore final : public LoadingParamStore {
         attempt([&] {
           const int64_t e0 = (a - p.at) / int64_t(es_), count = (b - a) / int64_t(es_);
           x.resize(size_t(count));
-          read(unit0 + p.e0 + e0, count, x.data());
+          read(unit0 + p.e0 + e0, count, 0, 1, x.data());
           uint8_t* to = staged.data() + (a - U.lo);
           if (act_ == DType::F32) {
             std::memcpy(to, x.data(), size_t(count) * 4);
@@ -191,6 +232,12 @@ class Nf4FrozenStore final : public LoadingParamStore {
     for (const Plain& p : U.plains) be_->copy_device(full + p.e0 * int64_t(es_), image + p.at, size_t(p.n) * es_);
     for (const Quant& q : U.quants) {
       const ParamTensor& pt = layout_.tensors[size_t(q.tensor)];
+      if (q.slice) {
+        be_->nf4_dequantize_blocks(full + (pt.offset - unit0) * int64_t(es_), act_,
+                                   reinterpret_cast<const uint8_t*>(image + q.packed_at),
+                                   reinterpret_cast<const float*>(image + q.q_at), q.n);
+        continue;
+      }
       be_->nf4_dequantize(full + (pt.offset - unit0) * int64_t(es_), act_,
                           reinterpret_cast<const uint8_t*>(image + q.packed_at),
                           reinterpret_cast<const uint8_t*>(image + q.q_at),
@@ -213,7 +260,9 @@ class Nf4FrozenStore final : public LoadingParamStore {
   // ---- ParamStore ----
   void init_params(const ModelArch& arch, uint64_t seed) override {
     check_same_layout(arch, layout_);
-    load_from([&](int64_t g, int64_t n, float* out) { arch.init_params(seed, g, g + n, out); });
+    load_from([&](int64_t g, int64_t n, int64_t stride, int64_t reps, float* out) {
+      for (int64_t r = 0; r < reps; ++r) arch.init_params(seed, g + r * stride, g + r * stride + n, out + r * n);
+    });
   }
   void zero_grads() override {}
   void finish_grads() override {}
@@ -223,7 +272,9 @@ class Nf4FrozenStore final : public LoadingParamStore {
   }
   void load_full_params(const std::vector<float>& flat) override {
     TR_CHECK(int64_t(flat.size()) == layout_.total, "nf4 store: ", flat.size(), " values for ", layout_.total);
-    load_from([&](int64_t g, int64_t n, float* out) { std::memcpy(out, flat.data() + g, size_t(n) * 4); });
+    load_from([&](int64_t g, int64_t n, int64_t stride, int64_t reps, float* out) {
+      for (int64_t r = 0; r < reps; ++r) std::memcpy(out + r * n, flat.data() + g + r * stride, size_t(n) * 4);
+    });
   }
   // The elements whose values (plain) or codes (NF4) this rank holds.
   std::vector<Range> held_ranges() const override {
@@ -276,6 +327,7 @@ class Nf4FrozenStore final : public LoadingParamStore {
     int64_t n = 0, blocks = 0, runs = 0;
     int64_t packed_at = 0, q_at = 0, a2_at = 0;  // byte offsets of its sections in the image
     float offset = 0;                            // the mean absmax (set by load_from; the same on every rank)
+    const Nf4TpSlice* slice = nullptr;           // tensor parallelism: the slice's global blocks (q_at: fp32 absmaxes)
   };
   struct Unit {
     std::vector<Plain> plains;
@@ -295,46 +347,72 @@ class Nf4FrozenStore final : public LoadingParamStore {
     const ParamTensor& pt = layout_.tensors[size_t(q.tensor)];
     const int64_t a = std::max(q.packed_at, U.lo), b = std::min(q.packed_at + (q.n + 1) / 2, U.hi);
     const int64_t e0 = a < b ? 2 * (a - q.packed_at) : 0, e1 = a < b ? std::min(q.n, 2 * (b - q.packed_at)) : 0;
-    // The tensor's block absmaxes, this rank's part of each (0 elsewhere),
-    // and a last slot > 0 when a rank failed.
-    std::vector<float> absmax(size_t(q.blocks) + 1, 0.0f);
+    // The block absmaxes of the tensor (under TP the global tensor's: a
+    // local block's index mapped through the slice), this rank's part of
+    // each (0 elsewhere), and a last slot > 0 when a rank failed.
+    const int64_t blocks = q.slice ? (q.slice->global_numel + nf4::kBlock - 1) / nf4::kBlock : q.blocks;
+    std::vector<int64_t> global_block;  // TP: local block -> global block
+    if (q.slice) {
+      global_block.resize(size_t(q.blocks));
+      for (const Nf4BlockRun& r : q.slice->runs)
+        for (int64_t k = 0; k < r.count; ++k) global_block[size_t(r.local + k)] = r.global + k;
+    }
+    auto block = [&](int64_t local) { return q.slice ? global_block[size_t(local)] : local; };
+    std::vector<float> absmax(size_t(blocks) + 1, 0.0f);
     if (failed.empty() && e1 > e0) {
       try {
         x.resize(size_t(e1 - e0));
-        read(pt.offset + e0, e1 - e0, x.data());
+        read(pt.offset + e0, e1 - e0, 0, 1, x.data());
         for (int64_t i = e0; i < e1; ++i)
           if (!std::isfinite(x[size_t(i - e0)]))
-            TR_FAIL("model.base_dtype nf4: tensor ", pt.name, " element ", i, " is ", x[size_t(i - e0)],
+            TR_FAIL("model.base_dtype nf4: tensor ", pt.name, " element ",
+                    block(i / nf4::kBlock) * nf4::kBlock + i % nf4::kBlock, " is ", x[size_t(i - e0)],
                     "; NF4 holds finite values only: check the weights file this tensor came from");
         for (int64_t blk = e0 / nf4::kBlock; blk * nf4::kBlock < e1; ++blk) {
           const int64_t i0 = std::max(e0, blk * nf4::kBlock), i1 = std::min(e1, (blk + 1) * nf4::kBlock);
-          absmax[size_t(blk)] = codec_->absmax_of(x.data() + (i0 - e0), i1 - i0);
+          absmax[size_t(block(blk))] = codec_->absmax_of(x.data() + (i0 - e0), i1 - i0);
         }
       } catch (const std::exception& e) {
         failed = e.what();
       }
     }
     if (!failed.empty()) absmax.back() = 1.0f;
-    if (G_ > 1) {
-      // The collective runs on device memory (NCCL's contract; a copy on the CPU).
+    // The collectives run on device memory (NCCL's contract; a copy on the CPU).
+    auto max_over = [&](Communicator* c) {
       DeviceBuffer dev = take(absmax.size() * 4);
       be_->copy_to_device(dev.get(), absmax.data(), absmax.size() * 4);
-      comm_->all_reduce(dev.as<float>(), int64_t(absmax.size()), ReduceOp::Max);
+      c->all_reduce(dev.as<float>(), int64_t(absmax.size()), ReduceOp::Max);
       be_->copy_to_host(absmax.data(), dev.get(), absmax.size() * 4);
       give(std::move(dev));
-    }
+    };
+    if (G_ > 1) max_over(comm_);
+    if (q.slice && tp_comm_->world_size() > 1) max_over(tp_comm_);
     if (absmax.back() > 0.0f) return false;
     absmax.pop_back();
     std::vector<uint8_t> qabsmax;
     std::vector<float> absmax2;
     codec_->quantize_absmax(absmax, q.offset, qabsmax, absmax2);
-    if (e1 > e0) codec_->encode(x.data(), e0, e1 - e0, q.n, absmax.data(), staged.data() + (a - U.lo));
     auto copy_section = [&](int64_t at, const void* src, int64_t bytes) {
       const int64_t c0 = std::max(at, U.lo), c1 = std::min(at + bytes, U.hi);
       if (c0 < c1) std::memcpy(staged.data() + (c0 - U.lo), static_cast<const char*>(src) + (c0 - at), size_t(c1 - c0));
     };
-    copy_section(q.q_at, qabsmax.data(), q.blocks);
-    copy_section(q.a2_at, absmax2.data(), 4 * q.runs);
+    if (!q.slice) {
+      if (e1 > e0) codec_->encode(x.data(), e0, e1 - e0, q.n, absmax.data(), staged.data() + (a - U.lo));
+      copy_section(q.q_at, qabsmax.data(), q.blocks);
+      copy_section(q.a2_at, absmax2.data(), 4 * q.runs);
+      return true;
+    }
+    // TP: the local blocks' absmaxes (encode indexes them by local element),
+    // and their dequantized values, as nf4_dequantize would compute them.
+    std::vector<float> local_absmax(size_t(q.blocks)), scale(size_t(q.blocks));
+    const float* map = codec_->dynamic_map();
+    for (int64_t lb = 0; lb < q.blocks; ++lb) {
+      const int64_t gb = global_block[size_t(lb)];
+      local_absmax[size_t(lb)] = absmax[size_t(gb)];
+      scale[size_t(lb)] = nf4::block_scale(map, qabsmax[size_t(gb)], absmax2[size_t(gb / nf4::kAbsmaxBlock)], q.offset);
+    }
+    if (e1 > e0) codec_->encode(x.data(), e0, e1 - e0, q.n, local_absmax.data(), staged.data() + (a - U.lo));
+    copy_section(q.q_at, scale.data(), 4 * q.blocks);
     return true;
   }
 
@@ -367,6 +445,8 @@ class Nf4FrozenStore final : public LoadingParamStore {
   bool writes_ = false, loaded_ = false;
   Communicator* comm_ = nullptr;
   std::unique_ptr<Communicator> own_;
+  Communicator* tp_comm_ = nullptr;  // tensor parallelism: the TP group (the absmax exchange's second step)
+  std::vector<Nf4TpSlice> slices_;   // tensor parallelism: format.nf4_tp
   std::vector<Unit> units_;
   int64_t local_bytes_ = 0;
   DeviceBuffer local_;  // this rank's bytes of every unit's image

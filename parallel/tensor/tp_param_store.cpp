@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "core/common/error.h"
+#include "parallel/sharding/frozen_store.h"
 
 namespace trainrun {
 
@@ -19,7 +20,10 @@ struct Mapped {
   int64_t local = 0;
 };
 
-class TensorParallelStore final : public ParamStore {
+// Base: ParamStore, or LoadingParamStore for an inner store that quantizes
+// as it loads (LoadingTensorParallelStore below).
+template <class Base>
+class TensorParallelStore : public Base {
  public:
   TensorParallelStore(std::unique_ptr<ParamStore> inner, const TensorParallelPlan& plan, Communicator* tp)
       : inner_(std::move(inner)), plan_(plan), tp_(tp) {
@@ -124,7 +128,7 @@ class TensorParallelStore final : public ParamStore {
   double take_comm_wait_seconds() override { return inner_->take_comm_wait_seconds(); }
   std::string strategy() const override { return inner_->strategy(); }
 
- private:
+ protected:
   // Local ranges -> the global pieces they hold, in the same order:
   // adjacent runs merged where both sides are contiguous, then runs of
   // equal length, equally spaced in the global vector and back to back
@@ -227,16 +231,76 @@ class TensorParallelStore final : public ParamStore {
 
   std::unique_ptr<ParamStore> inner_;
   const TensorParallelPlan& plan_;
+ private:
   Communicator* tp_;
   std::vector<Mapped> held_, write_, by_global_;
   std::vector<Range> held_ranges_, write_ranges_;
+};
+
+// The inner store quantizes as it loads (model.base_dtype nf4): it has no
+// fp32 ranges to write, so every load goes through its load_from, with a
+// reader of global coordinates turned into one of the local layout's. A
+// local range's runs of equal length, equally spaced in the global vector
+// (a row-parallel weight's rows), go to the outer reader as one strided
+// read, so a file is not touched once per row; padding reads as zeros.
+class LoadingTensorParallelStore final : public TensorParallelStore<LoadingParamStore> {
+ public:
+  LoadingTensorParallelStore(std::unique_ptr<ParamStore> inner, const TensorParallelPlan& plan, Communicator* tp)
+      : TensorParallelStore(std::move(inner), plan, tp), loading_(dynamic_cast<LoadingParamStore*>(inner_.get())) {
+    TR_CHECK(loading_, "tensor parallelism: the inner store does not load by reader (a bug)");
+  }
+  void load_from(const FlatReader& read) override {
+    loading_->load_from([&](int64_t local, int64_t count, int64_t stride, int64_t reps, float* out) {
+      for (int64_t rep = 0; rep < reps; ++rep) read_local(read, local + rep * stride, count, out + rep * count);
+    });
+  }
+  void init_params(const ModelArch& arch, uint64_t seed) override {
+    TR_CHECK(arch.layout().total == plan_.global_layout().total, "init_params: the model (", arch.layout().total,
+             " parameters) is not the one the tensor-parallel plan was built for (", plan_.global_layout().total, ")");
+    load_from([&](int64_t g, int64_t n, int64_t stride, int64_t reps, float* out) {
+      for (int64_t r = 0; r < reps; ++r) arch.init_params(seed, g + r * stride, g + r * stride + n, out + r * n);
+    });
+  }
+  void load_full_params(const std::vector<float>& flat) override {
+    TR_CHECK(int64_t(flat.size()) == plan_.global_layout().total, "load_full_params: got ", flat.size(),
+             " values for a model of ", plan_.global_layout().total);
+    load_from([&](int64_t g, int64_t n, int64_t stride, int64_t reps, float* out) {
+      for (int64_t r = 0; r < reps; ++r) std::copy_n(flat.begin() + g + r * stride, n, out + r * n);
+    });
+  }
+
+ private:
+  void read_local(const FlatReader& read, int64_t local, int64_t count, float* out) const {
+    const std::vector<TpRun> runs = plan_.runs_in(local, count);
+    for (size_t i = 0; i < runs.size();) {
+      const TpRun& r = runs[i];
+      float* to = out + (r.local - local);
+      if (r.global < 0) {
+        std::fill_n(to, r.count, 0.0f);
+        ++i;
+        continue;
+      }
+      // Fold the following runs of the same length at a constant global stride.
+      size_t j = i + 1;
+      const int64_t stride = j < runs.size() ? runs[j].global - r.global : 0;
+      while (j < runs.size() && runs[j].global >= 0 && runs[j].count == r.count &&
+             runs[j].global - runs[j - 1].global == stride && stride >= r.count &&
+             runs[j].local == runs[j - 1].local + r.count)
+        ++j;
+      read(r.global, r.count, j - i > 1 ? stride : 0, int64_t(j - i), to);
+      i = j;
+    }
+  }
+  LoadingParamStore* loading_;
 };
 
 }  // namespace
 
 std::unique_ptr<ParamStore> make_tensor_parallel_store(std::unique_ptr<ParamStore> inner,
                                                        const TensorParallelPlan& plan, Communicator* tp) {
-  return std::make_unique<TensorParallelStore>(std::move(inner), plan, tp);
+  if (dynamic_cast<LoadingParamStore*>(inner.get()))
+    return std::make_unique<LoadingTensorParallelStore>(std::move(inner), plan, tp);
+  return std::make_unique<TensorParallelStore<ParamStore>>(std::move(inner), plan, tp);
 }
 
 }  // namespace trainrun

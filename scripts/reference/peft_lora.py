@@ -2,7 +2,7 @@
 """Hugging Face peft as the peer of trainrun's LoRA adapters (core/model/adapter).
 
   peft_lora.py make --arch llama|gpt2 --out DIR --r R --alpha A --targets q_proj,v_proj [--seed S] [--dora]
-                    [--kv-heads K]
+                    [--kv-heads K] [--layers L] [--width C --ffn F]
                     [--base-dtype nf4|bf16]
       DIR/base: a small random model (every parameter perturbed, norm gains
       around 1) saved with save_pretrained; DIR/adapter: a peft LoRA adapter
@@ -15,6 +15,9 @@
       1 + 0.2 N(0,1)), so g = m / ||.|| is not 1 and the (g - 1) term counts.
       --kv-heads: the Llama's key/value heads (default 2 of its 4 query heads;
       1 makes tensor parallelism at 2 ranks replicate the KV head).
+      --width / --ffn: n_embd (default 32) and the Llama's MLP width (default
+      48; GPT-2's is 4 x n_embd): NF4 under tensor parallelism needs each
+      rank's slice to be whole 64-blocks (e.g. --width 128 --ffn 256 at tp2).
       --base-dtype nf4: also DIR/base_nf4, the base with every block linear's
       weight replaced by its NF4 round trip (nf4_reference.py's quantize and
       dequantize, bitsandbytes' quantize_4bit(blocksize=64,
@@ -56,16 +59,16 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 
 
-def random_base(arch, seed, layers=2, kv_heads=2):
+def random_base(arch, seed, layers=2, kv_heads=2, width=32, ffn=48):
     torch.manual_seed(seed)
     if arch == "llama":
-        cfg = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
+        cfg = LlamaConfig(vocab_size=61, hidden_size=width, intermediate_size=ffn, num_hidden_layers=layers,
                           num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=16,
                           rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, attention_bias=False,
                           mlp_bias=False, hidden_act="silu", torch_dtype="float32")
         model = LlamaForCausalLM(cfg)
     else:
-        cfg = GPT2Config(n_layer=layers, n_head=4, n_embd=32, vocab_size=61, n_positions=16,
+        cfg = GPT2Config(n_layer=layers, n_head=4, n_embd=width, vocab_size=61, n_positions=16,
                          activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                          layer_norm_epsilon=1e-5)
         model = GPT2LMHeadModel(cfg)
@@ -113,10 +116,10 @@ def file_name(param_name):
 
 
 def cmd_make(a):
-    model = random_base(a.arch, a.seed, a.layers, a.kv_heads)
+    model = random_base(a.arch, a.seed, a.layers, a.kv_heads, a.width, a.ffn)
     model.save_pretrained(os.path.join(a.out, "base"), safe_serialization=True)
     if a.base_dtype:
-        rounded = random_base(a.arch, a.seed, a.layers, a.kv_heads)
+        rounded = random_base(a.arch, a.seed, a.layers, a.kv_heads, a.width, a.ffn)
         round_trip_base(rounded, a.base_dtype)
         rounded.save_pretrained(os.path.join(a.out, "base_" + a.base_dtype), safe_serialization=True)
     cfg = LoraConfig(r=a.r, lora_alpha=a.alpha, lora_dropout=0.0, target_modules=a.targets.split(","),
@@ -179,6 +182,8 @@ def main(argv=None):
     mk.add_argument("--kv-heads", type=int, default=2)
     mk.add_argument("--base-dtype", choices=["nf4", "bf16"], default=None)
     mk.add_argument("--layers", type=int, default=2)  # the interleaved pipeline tests need 4
+    mk.add_argument("--width", type=int, default=32)
+    mk.add_argument("--ffn", type=int, default=48)
     for name in ("grads", "logits"):
         s = sub.add_parser(name)
         s.add_argument("--base", required=True)

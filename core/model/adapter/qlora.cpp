@@ -89,4 +89,46 @@ FrozenFormat frozen_format(const ModelArch& arch, const std::string& base_dtype,
   return f;
 }
 
+FrozenFormat frozen_format(const ModelArch& arch, const std::string& base_dtype, const TensorParallelPlan& plan,
+                           Communicator* tp_comm) {
+  FrozenFormat f = frozen_format(arch, base_dtype);
+  if (f.dtype != "nf4" || plan.size() == 1) return f;
+  TR_CHECK(tp_comm && tp_comm->world_size() == plan.size(), "model.base_dtype nf4: no TP communicator (a bug)");
+  f.nf4_tp_comm = tp_comm;
+  const ParamLayout& global = plan.global_layout();
+  const ParamLayout& local = plan.local_layout();
+  const int64_t B = nf4::kBlock;
+  for (int t : f.nf4_tensors) {
+    const ParamTensor& gt = global.tensors[size_t(t)];
+    const ParamTensor& lt = local.tensors[size_t(t)];
+    Nf4TpSlice sl;
+    sl.global_numel = gt.numel;
+    for (const TpRun& r : plan.runs_in(lt.offset, lt.numel)) {
+      const int64_t at_local = r.local - lt.offset, at_global = r.global - gt.offset;
+      if (r.global < 0 || at_local % B != 0 || at_global % B != 0 || r.count % B != 0) {
+        std::string shape;
+        for (int64_t d : gt.shape) shape += (shape.empty() ? "" : ", ") + std::to_string(d);
+        TR_FAIL("model.base_dtype nf4 with parallel.tensor_parallel ", plan.size(), ": tensor ", gt.name, " (",
+                shape, ") is split into pieces of ", r.count, " elements (one at element ", at_global,
+                " of the flattened weight), not whole 64-element blocks: bitsandbytes quantizes the whole "
+                "(out, in) weight in blocks of 64 consecutive elements, so each tensor-parallel piece must be "
+                "whole blocks (a column-parallel weight's rows per rank times in_features, a row-parallel "
+                "weight's in_features / tensor_parallel, multiples of 64). Use a parallel.tensor_parallel that "
+                "splits it so, or data parallelism with parallel.sharding: full_shard, which shards an NF4 "
+                "base without this condition");
+      }
+      if (!sl.runs.empty()) {
+        Nf4BlockRun& last = sl.runs.back();
+        if (last.local + last.count == at_local / B && last.global + last.count == at_global / B) {
+          last.count += r.count / B;
+          continue;
+        }
+      }
+      sl.runs.push_back({at_local / B, at_global / B, r.count / B});
+    }
+    f.nf4_tp.push_back(std::move(sl));
+  }
+  return f;
+}
+
 }  // namespace trainrun

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "core/model/model.h"
+#include "core/model/tensor_parallel.h"
 #include "parallel/sharding/frozen_store.h"
 
 namespace trainrun {
@@ -38,9 +39,20 @@ FrozenFormat frozen_format(const ModelArch& arch, const std::string& base_dtype)
 // names and holds each of them whole (a pipeline stage's layout,
 // parallel/pipeline/stage_plan.h): nf4_tensors indexes `layout`'s tensors,
 // those of nf4_base_tensors it holds. Each is quantized whole, so a stage's
-// tensors get the very bytes the whole model's do. Not for a
-// tensor-parallel slice: its (out, in) weights are cut, and NF4's blocks
-// and statistics are those of the whole tensor (job_spec.cpp refuses it).
+// tensors get the very bytes the whole model's do. A tensor-parallel
+// slice cuts its (out, in) weights: the overload below.
 FrozenFormat frozen_format(const ModelArch& arch, const std::string& base_dtype, const ParamLayout& layout);
+// The same for a tensor-parallel rank's base (the store's layout is
+// plan.local_layout()): with nf4, each NF4 tensor's slice as runs of whole
+// 64-blocks of the global tensor (frozen_store.h, Nf4TpSlice) and the TP
+// group's communicator for the absmax exchange. Throws an Error naming the
+// tensor, its shape, the tp size and the fix when a slice is not whole
+// blocks: bitsandbytes' blocks are 64 consecutive elements of the whole
+// flattened (out, in) weight, and a slice that cuts one would need another
+// rank's elements to quantize it (column-parallel: (out/tp) x in, and
+// row-parallel: in/tp, must be multiples of 64; true of real models, e.g.
+// 28672 / 8 = 56 x 64).
+FrozenFormat frozen_format(const ModelArch& arch, const std::string& base_dtype, const TensorParallelPlan& plan,
+                           Communicator* tp_comm);
 
 }  // namespace trainrun
