@@ -70,14 +70,7 @@ std::vector<TrainSummary> train(const TempDir& tmp, const std::string& name, con
   return run_ranks_inprocess(job(tmp, tmp / name, r), world);
 }
 
-std::vector<float> adapter_of(const std::string& run_dir) {
-  std::vector<float> out;
-  for (const SafeTensor& t : read_safetensors(run_dir + "/adapter/adapter_model.safetensors").tensors) {
-    const std::vector<float> v = t.as_f32();
-    out.insert(out.end(), v.begin(), v.end());
-  }
-  return out;
-}
+std::vector<float> adapter_of(const std::string& run_dir) { return adapter_file(run_dir + "/adapter"); }
 
 // Within `tol` relative: every loss, and every adapter element (relative to
 // the adapter's largest magnitude, so an element near zero is not held to

@@ -338,16 +338,6 @@ JobSpec qlora_job(const TempDir& peft, const std::string& out, const std::string
   return parse_job_spec(yaml, "job.yaml", overrides);
 }
 
-std::vector<float> adapter_file(const std::string& dir) {
-  const SafeTensorFile f = read_safetensors(dir + "/adapter_model.safetensors");
-  std::vector<float> out;
-  for (const SafeTensor& t : f.tensors) {
-    const std::vector<float> v = t.as_f32();
-    out.insert(out.end(), v.begin(), v.end());
-  }
-  return out;
-}
-
 }  // namespace
 
 TEST_CASE("qlora training: 1 rank equals 2, 3 and 4 ranks under every strategy (lora fp32 base, nf4, bf16)",

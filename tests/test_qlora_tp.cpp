@@ -220,15 +220,7 @@ JobSpec nf4_job(const std::string& base, const std::string& out, const std::stri
   return parse_job_spec(yaml, "job.yaml");
 }
 
-std::vector<float> adapter_of(const std::string& run) {
-  const SafeTensorFile f = read_safetensors(run + "/adapter/adapter_model.safetensors");
-  std::vector<float> out;
-  for (const SafeTensor& t : f.tensors) {
-    const std::vector<float> v = t.as_f32();
-    out.insert(out.end(), v.begin(), v.end());
-  }
-  return out;
-}
+std::vector<float> adapter_of(const std::string& run) { return adapter_file(run + "/adapter"); }
 
 void check_same_run(const std::string& got, const std::string& want) {
   const std::vector<double> lg = losses_of(got), lw = losses_of(want);
@@ -253,12 +245,7 @@ TEST_CASE("qlora tp: nf4 at tp2 (and tp2 x dp2 full_shard) equals nf4 on one ran
     run_ranks_inprocess(nf4_job(base, tmp / "tp2", "llama", "tensor_parallel: 2"), 2, 1);
     check_same_run(tmp / "tp2", tmp / "one");
     // It trained: the adapter moved off peft's.
-    const SafeTensorFile start = read_safetensors(tmp / "adapter/adapter_model.safetensors");
-    std::vector<float> a0;
-    for (const SafeTensor& t : start.tensors) {
-      const std::vector<float> v = t.as_f32();
-      a0.insert(a0.end(), v.begin(), v.end());
-    }
+    const std::vector<float> a0 = adapter_file(tmp / "adapter");
     REQUIRE(a0.size() == adapter_of(tmp / "one").size());
     CHECK(max_abs_diff(adapter_of(tmp / "one"), a0) > 1e-4f);
     run_ranks_inprocess(nf4_job(base, tmp / "tpdp", "llama", "tensor_parallel: 2, sharding: full_shard"), 4, 1);
