@@ -1565,7 +1565,7 @@ TEST_CASE("cuda: pp2 over NCCL links (a stream per link, sends from the compute 
 // bits, fp32 and bf16, at odd sizes (tails of n % 16, one element past a
 // 64-block and past an absmax run, an all-zero block) and with pointers off
 // alignment (packed by 1 byte, out by 4: the one-element-per-thread path).
-TEST_CASE("cuda: nf4_dequantize equals the CPU backend's, fp32 and bf16", "[cuda][nf4]") {
+TEST_CASE("cuda: nf4_dequantize and nf4_dequantize_blocks equal the CPU backend's, fp32 and bf16", "[cuda][nf4]") {
   CUDA_TEST_OR_SKIP();
   auto gpu = make_backend("cuda", 0, nullptr);
   const auto& map = nf4::dynamic_map();
@@ -1617,6 +1617,21 @@ TEST_CASE("cuda: nf4_dequantize equals the CPU backend's, fp32 and bf16", "[cuda
       INFO("bf16: first difference at " << d16 << " of " << x.size());
       CHECK(d32 == x.size());
       CHECK(d16 == x.size());
+      // nf4_dequantize_blocks (a TP slice's form): the same bits from one
+      // fp32 absmax per block, computed on the host as the store does.
+      std::vector<float> scale(t.qabsmax.size());
+      for (size_t b = 0; b < scale.size(); ++b)
+        scale[b] = nf4::block_scale(map.data(), t.qabsmax[b], t.absmax2[b / nf4::kAbsmaxBlock], t.offset);
+      Placed blocks(gpu.get(), scale.data(), 4 * scale.size(), 0);
+      Placed bout(gpu.get(), poison.data(), 4 * x.size(), 4 * skew);
+      Placed bout16(gpu.get(), poison.data(), 2 * x.size(), 4 * skew);
+      gpu->nf4_dequantize_blocks(bout.p, DType::F32, q(packed), f(blocks), n);
+      gpu->nf4_dequantize_blocks(bout16.p, DType::BF16, q(packed), f(blocks), n);
+      gpu->copy_to_host(got.data(), bout.p, 4 * x.size());
+      gpu->copy_to_host(got16.data(), bout16.p, 2 * x.size());
+      gpu->synchronize();
+      CHECK(first_diff(got.data(), want.data(), x.size(), 4) == x.size());
+      CHECK(first_diff(got16.data(), want16.data(), x.size(), 2) == x.size());
     }
   }
 }

@@ -344,7 +344,7 @@ TEST_CASE("nf4: NaN or Inf is an error naming the tensor and the element", "[nf4
   REQUIRE_THROWS_WITH(nf4::quantize(x.data(), 200, name), Catch::Contains(name) && Catch::Contains("element 5 "));
 }
 
-TEST_CASE("nf4: the CPU backend's nf4_dequantize equals the quantizer's inverse", "[nf4]") {
+TEST_CASE("nf4: the CPU backend's nf4_dequantize and nf4_dequantize_blocks equal the quantizer's inverse", "[nf4]") {
   auto be = make_cpu_backend(2);
   const auto tensors = edge_tensors();
   for (const char* name : {"normal_w", "zero_blocks", "thresholds", "one"}) {
@@ -372,5 +372,18 @@ TEST_CASE("nf4: the CPU backend's nf4_dequantize equals the quantizer's inverse"
     nf4::dequantize_bf16(t, want16.data());
     CHECK_SAME_BITS("fp32", got, want);
     CHECK_SAME_BITS("bf16", got16, want16);
+    // nf4_dequantize_blocks (a tensor-parallel slice's form): the same bits
+    // from one fp32 absmax per block, computed as the NF4 store does.
+    std::vector<float> scale(t.qabsmax.size());
+    for (size_t b = 0; b < scale.size(); ++b)
+      scale[b] = nf4::block_scale(map.data(), t.qabsmax[b], t.absmax2[b / nf4::kAbsmaxBlock], t.offset);
+    DeviceBuffer blocks(be.get(), 4 * scale.size());
+    be->copy_to_device(blocks.get(), scale.data(), 4 * scale.size());
+    be->nf4_dequantize_blocks(out.get(), DType::F32, packed.as<uint8_t>(), blocks.as<float>(), n);
+    be->nf4_dequantize_blocks(out16.get(), DType::BF16, packed.as<uint8_t>(), blocks.as<float>(), n);
+    be->copy_to_host(got.data(), out.get(), 4 * x.size());
+    be->copy_to_host(got16.data(), out16.get(), 2 * x.size());
+    CHECK_SAME_BITS("fp32 blocks", got, want);
+    CHECK_SAME_BITS("bf16 blocks", got16, want16);
   }
 }
