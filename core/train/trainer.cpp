@@ -354,12 +354,12 @@ void Trainer::setup() {
     model_ = arch_->make_network(be_.get(), mb_, job_.train.activation_checkpointing == "blocks");
     // With adapters the base is frozen: its store has parameters only (no
     // gradients, master weights or moments), sharded alike.
-    params_ = job_.model.adapter.on()
+    params_ = adapter
                   ? make_frozen_param_store(job_.parallel.sharding, arch_->layout(), be_.get(), comm_.get(), group,
                                             factory, frozen_format(*arch_, job_.model.base_dtype))
                   : make_param_store(job_.parallel.sharding, arch_->layout(), be_.get(), comm_.get(), group, factory,
                                      nullptr, offload);
-    if (job_.model.adapter.on()) {
+    if (adapter) {
       // The adapters' store talks over its own communicator (its own thread).
       // CUDA: NCCL over device memory (even for one rank: the single
       // communicator copies with memmove), in the rank's enqueue order as
@@ -405,18 +405,20 @@ void Trainer::setup() {
       dp = dp_single_.get();
     }
     HybridComms hybrid{mesh_comms_->comm(MeshDim::dp_shard), mesh_comms_->comm(MeshDim::dp_replicate)};
+    // With adapters, the frozen base's and the adapters' groups are named by
+    // this rank's dp group: the TP ranks' (or the stages') dp groups differ,
+    // so their hybrid_shard groups never meet in the store.
+    const std::string dp_name = mesh_->dp_group_name();
+    CommFactory dp_factory = [factory, dp_name](const std::string& prefix, int rank, int world) {
+      return factory(dp_name + "_" + prefix, rank, world);
+    };
     std::unique_ptr<ParamStore> store;
     if (pp == 1) {
       model_ = arch_->make_network(be_.get(), mb_, job_.train.activation_checkpointing == "blocks", tpc);
       // Offload works on the inner (local) store: the TP store's norm skip
       // reaches its host grad norm too (HostOptimizerState::grad_sum_squares).
       // With adapters the base's TP slice is frozen (parameters only),
-      // sharded over the dp group alike; its groups and the adapters' are
-      // named by this rank's dp group, so the TP ranks' dp groups differ.
-      const std::string dp_name = mesh_->dp_group_name();
-      CommFactory dp_factory = [factory, dp_name](const std::string& prefix, int rank, int world) {
-        return factory(dp_name + "_" + prefix, rank, world);
-      };
+      // sharded over the dp group alike (groups from dp_factory).
       store = adapter ? make_frozen_param_store(job_.parallel.sharding, outer, be_.get(), dp, dims.dp_shard, dp_factory,
                                                 frozen_format(*arch_, job_.model.base_dtype, *tp_plan_, tp_ctx_.comm))
                       : make_param_store(job_.parallel.sharding, outer, be_.get(), dp, dims.dp_shard, factory,
@@ -447,17 +449,11 @@ void Trainer::setup() {
       pp_plan_ = std::make_unique<PipelineStagePlan>(outer, pp, v, mesh_->coord(MeshDim::pp), split);
       // Offload works on the inner store too: each stage offloads its own units.
       check_host_memory(pp_plan_->stage_layout().total);
-      const bool adapters = job_.model.adapter.on();
       // With adapters the stage's base is frozen (parameters only), sharded
-      // alike over the stage's dp group; its hybrid_shard groups are named
-      // for that dp group, so two stages' never meet in the store.
-      const std::string dp_name = mesh_->dp_group_name();
-      CommFactory dp_factory = [factory, dp_name](const std::string& prefix, int rank, int world) {
-        return factory(dp_name + "_" + prefix, rank, world);
-      };
+      // alike over the stage's dp group (groups from dp_factory).
       // bf16 / nf4: each tensor lies whole in one stage, so the stage's
       // store rounds and quantizes it as the whole model's does.
-      auto inner = adapters ? make_frozen_param_store(ps.sharding, pp_plan_->stage_layout(), be_.get(), dp,
+      auto inner = adapter ? make_frozen_param_store(ps.sharding, pp_plan_->stage_layout(), be_.get(), dp,
                                                       dims.dp_shard, dp_factory,
                                                       frozen_format(*arch_, job_.model.base_dtype,
                                                                     pp_plan_->stage_layout()))
@@ -484,10 +480,10 @@ void Trainer::setup() {
       pp_links_ = std::make_unique<PipelineLinks>(sched, mesh_->coord(MeshDim::pp), mesh_->group_name(MeshDim::pp),
                                                   link_factory);
       auto stage_store =
-          make_pipeline_stage_store(std::move(inner), *pp_plan_, ppc, be_.get(), ps.pipeline_reshard_on(), adapters);
+          make_pipeline_stage_store(std::move(inner), *pp_plan_, ppc, be_.get(), ps.pipeline_reshard_on(), adapter);
       pp_store_ = stage_store.get();
       PipelineUnits* stage_units = stage_store.get();
-      if (adapters) {
+      if (adapter) {
         // The adapters of this stage's blocks, in a store of their own
         // (core/train/adapter_pipeline.h): the job's strategy over the
         // stage's dp group, on communicators of their own (that store's
@@ -522,7 +518,7 @@ void Trainer::setup() {
       po.stage_ranks = mesh_->group_ranks(MeshDim::pp);
       pipe_ = std::make_unique<PipelineExecutor>(*arch_, be_.get(), *pp_plan_, std::move(sched), *stage_units,
                                                  *pp_links_, po);
-      if (adapters) {
+      if (adapter) {
         // Each microbatch's dropout rows, before its forward and again
         // before its backward (which recomputes the masks): the same global
         // sample index as the loader's, so a row's mask is the one 1 rank draws.
