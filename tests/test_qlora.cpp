@@ -82,28 +82,8 @@ TEST_CASE("qlora: logits, loss and every adapter gradient equal peft's on the NF
         REQUIRE(m.base_store->strategy() == (dtype == "nf4" ? "no_shard, frozen nf4" : "no_shard, frozen bf16"));
         const int V = m.arch->config().V;
         const std::vector<int32_t> in = tokens(1, V), tgt = tokens(2, V);
-        write_batch(tmp / "batch.safetensors", in, tgt);
-        const auto r = run_reference_script("peft_lora.py", "grads --base '" + tmp / ("base_" + dtype) +
-                                                                "' --adapter '" + tmp / "adapter" + "' --batch '" +
-                                                                tmp / "batch.safetensors" + "' --out '" +
-                                                                tmp / "ref.safetensors" + "'");
-        INFO(r.err);
-        REQUIRE(r.exit_code == 0);
-        const SafeTensorFile ref = read_safetensors(tmp / "ref.safetensors");
+        const int compared = check_equals_peft(m, tmp / ("base_" + dtype), tmp / "adapter", tmp, in, tgt);
         const std::vector<float> logits = m.logits(in);
-        CHECK(max_abs_diff(logits, ref.find("logits")->as_f32()) <= 1e-5f);
-        const double loss = m.loss_and_grads(in, tgt);
-        CHECK(std::fabs(loss - ref.find("loss")->as_f32()[0]) <= 1e-5);
-        const std::vector<float> g = m.adapter_grads();
-        int compared = 0;
-        for (const ParamTensor& t : m.ad->layout().tensors) {
-          const SafeTensor* want = ref.find("grad." + peft_tensor_name(t.name));
-          INFO(t.name);
-          REQUIRE(want);
-          CHECK(max_abs_diff(std::vector<float>(g.begin() + t.offset, g.begin() + t.offset + t.numel),
-                             want->as_f32()) <= 1e-5f);
-          ++compared;
-        }
         CHECK(compared == (c.dora ? 3 : 2) * int(m.ad->targets().size()));
         if (c.dora) {
           // A fresh DoRA adapter's magnitudes come from W as the store hands

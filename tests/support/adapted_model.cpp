@@ -158,4 +158,32 @@ std::vector<float> peft_logits(const std::string& base_dir, const std::string& a
   return read_safetensors(tmp / "peft_logits.safetensors").find("logits")->as_f32();
 }
 
+int check_equals_peft(AdaptedModel& m, const std::string& base_dir, const std::string& adapter_dir,
+                      const TempDir& tmp, const std::vector<int32_t>& in, const std::vector<int32_t>& tgt) {
+  write_batch(tmp / "batch.safetensors", in, tgt);
+  const auto r = run_reference_script("peft_lora.py", "grads --base '" + base_dir + "' --adapter '" + adapter_dir +
+                                                          "' --batch '" + tmp / "batch.safetensors" + "' --out '" +
+                                                          tmp / "ref.safetensors" + "'");
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  const SafeTensorFile ref = read_safetensors(tmp / "ref.safetensors");
+  CHECK(max_abs_diff(m.logits(in), ref.find("logits")->as_f32()) <= 1e-5f);
+  const double loss = m.loss_and_grads(in, tgt);
+  CHECK(std::fabs(loss - ref.find("loss")->as_f32()[0]) <= 1e-5);
+  const std::vector<float> g = m.adapter_grads();
+  int compared = 0;
+  for (const ParamTensor& t : m.ad->layout().tensors) {
+    const SafeTensor* want = ref.find("grad." + peft_tensor_name(t.name));
+    INFO(t.name);
+    REQUIRE(want);
+    const std::vector<float> w = want->as_f32();
+    CHECK(max_abs_diff(std::vector<float>(g.begin() + t.offset, g.begin() + t.offset + t.numel), w) <= 1e-5f);
+    CHECK(*std::max_element(w.begin(), w.end(), [](float a, float b) { return std::fabs(a) < std::fabs(b); }) != 0);
+    ++compared;
+  }
+  CHECK(compared == int(std::count_if(ref.tensors.begin(), ref.tensors.end(),
+                                      [](const SafeTensor& t) { return t.name.rfind("grad.", 0) == 0; })));
+  return compared;
+}
+
 }  // namespace trainrun::test

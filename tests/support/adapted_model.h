@@ -71,4 +71,11 @@ struct AdaptedModel {
   double loss(const std::vector<int32_t>& in, const std::vector<int32_t>& tgt);
 };
 
+// peft_lora.py grads on base_dir + adapter_dir against m on (in, tgt):
+// logits, loss and every adapter gradient within 1e-5; each of peft's
+// gradients nonzero (an all-zero one would match a broken backward too),
+// and every tensor peft trains compared. Returns how many were compared.
+int check_equals_peft(AdaptedModel& m, const std::string& base_dir, const std::string& adapter_dir,
+                      const TempDir& tmp, const std::vector<int32_t>& in, const std::vector<int32_t>& tgt);
+
 }  // namespace trainrun::test
