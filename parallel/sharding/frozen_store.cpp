@@ -12,7 +12,7 @@ namespace trainrun {
 
 namespace {
 
-class FrozenStore final : public ParamStore {
+class FrozenStore final : public FrozenStoreBase<ParamStore> {
  public:
   FrozenStore(const std::string& strategy, const ParamLayout& layout, Backend* be, Communicator* world, int group,
               const CommFactory& factory, bool round_bf16)
@@ -69,11 +69,6 @@ class FrozenStore final : public ParamStore {
     TR_CHECK(U.holders > 0, "frozen store: unit ", u, " released more often than acquired (a bug)");
     if (--U.holders == 0) pool_[U.full.bytes()].push_back(std::move(U.full));
   }
-  float* unit_grads(int u) override {
-    TR_FAIL("frozen store: the frozen base has no gradients (unit ", u, "); a bug: the network must compute "
-            "through AdaptedUnitAccess");
-  }
-  void grads_done(int) override {}
 
   // ---- ParamStore ----
   void init_params(const ModelArch& arch, uint64_t seed) override {
@@ -83,12 +78,6 @@ class FrozenStore final : public ParamStore {
       arch.init_params(seed, r.global, r.global + r.count, host.data());
       write_state_range(0, r, host.data());
     }
-  }
-  void zero_grads() override {}
-  void finish_grads() override {}
-  double grad_norm_squared() override { return 0; }
-  void optimizer_step(const AdamWParams&, int, float) override {
-    TR_FAIL("frozen store: the frozen base takes no optimizer step (a bug)");
   }
   void load_full_params(const std::vector<float>& flat) override {
     TR_CHECK(int64_t(flat.size()) == layout_.total, "frozen store: ", flat.size(), " values for ", layout_.total);
@@ -141,7 +130,6 @@ class FrozenStore final : public ParamStore {
       be_->cast_from_f32(params_.as<char>() + at * es_, staged.as<float>(), r.count);
     }
   }
-  void params_updated() override {}
   void set_state(int kind, const std::vector<float>& host) override {
     check_kind(kind);
     size_t at = 0;
@@ -162,7 +150,6 @@ class FrozenStore final : public ParamStore {
     m.comm_buffers = peak_gather_bytes_;
     return m;
   }
-  double take_comm_wait_seconds() override { return 0; }
   std::string strategy() const override { return strategy_ + (round_bf16_ ? ", frozen bf16" : ", frozen"); }
 
  private:

@@ -28,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "core/common/error.h"
 #include "parallel/sharding/sharding.h"
 
 namespace trainrun {
@@ -136,6 +137,27 @@ class LoadingParamStore : public ParamStore, public ReaderLoadable {
     load_from(read);
     return true;
   }
+};
+
+// What every frozen store (frozen_store.cpp's, the NF4 store) is alike in:
+// no gradients, no optimizer step, nothing to reduce or wait for after a
+// step. Base: ParamStore or LoadingParamStore.
+template <class Base>
+class FrozenStoreBase : public Base {
+ public:
+  float* unit_grads(int u) override {
+    TR_FAIL("frozen store: the frozen base has no gradients (unit ", u, "); a bug: the network must compute "
+            "through AdaptedUnitAccess");
+  }
+  void grads_done(int) override {}
+  void zero_grads() override {}
+  void finish_grads() override {}
+  double grad_norm_squared() override { return 0; }
+  void optimizer_step(const AdamWParams&, int, float) override {
+    TR_FAIL("frozen store: the frozen base takes no optimizer step (a bug)");
+  }
+  void params_updated() override {}
+  double take_comm_wait_seconds() override { return 0; }
 };
 
 // The NF4 store (nf4_frozen_store.cpp); make_frozen_param_store builds it for format.dtype nf4.

@@ -62,7 +62,7 @@ namespace {
 
 int64_t align16(int64_t b) { return (b + 15) / 16 * 16; }
 
-class Nf4FrozenStore final : public LoadingParamStore {
+class Nf4FrozenStore final : public FrozenStoreBase<LoadingParamStore> {
  public:
   Nf4FrozenStore(const std::string& strategy, const ParamLayout& layout, Backend* be, Communicator* world, int group,
                  const CommFactory& factory, const FrozenFormat& format)
@@ -251,11 +251,6 @@ class Nf4FrozenStore final : public LoadingParamStore {
     TR_CHECK(U.holders > 0, "nf4 store: unit ", u, " released more often than acquired (a bug)");
     if (--U.holders == 0) give(std::move(U.full));
   }
-  float* unit_grads(int u) override {
-    TR_FAIL("nf4 store: the frozen base has no gradients (unit ", u, "); a bug: the network must compute "
-            "through AdaptedUnitAccess");
-  }
-  void grads_done(int) override {}
 
   // ---- ParamStore ----
   void init_params(const ModelArch& arch, uint64_t seed) override {
@@ -263,12 +258,6 @@ class Nf4FrozenStore final : public LoadingParamStore {
     load_from([&](int64_t g, int64_t n, int64_t stride, int64_t reps, float* out) {
       for (int64_t r = 0; r < reps; ++r) arch.init_params(seed, g + r * stride, g + r * stride + n, out + r * n);
     });
-  }
-  void zero_grads() override {}
-  void finish_grads() override {}
-  double grad_norm_squared() override { return 0; }
-  void optimizer_step(const AdamWParams&, int, float) override {
-    TR_FAIL("nf4 store: the frozen base takes no optimizer step (a bug)");
   }
   void load_full_params(const std::vector<float>& flat) override {
     TR_CHECK(int64_t(flat.size()) == layout_.total, "nf4 store: ", flat.size(), " values for ", layout_.total);
@@ -300,7 +289,6 @@ class Nf4FrozenStore final : public LoadingParamStore {
   std::vector<float> get_state(int) override { no_fp32("get_state"); }
   void copy_state_range(int, const Range&, float*) override { no_fp32("copy_state_range"); }
   void write_state_range(int, const Range&, const float*) override { no_fp32("write_state_range"); }
-  void params_updated() override {}
   void set_state(int, const std::vector<float>&) override { no_fp32("set_state"); }
   void set_step(int64_t step) override {
     if (own_) own_->set_step(step);
@@ -314,7 +302,6 @@ class Nf4FrozenStore final : public LoadingParamStore {
     m.comm_buffers = peak_pool_bytes_;
     return m;
   }
-  double take_comm_wait_seconds() override { return 0; }
   std::string strategy() const override { return strategy_ + ", frozen nf4"; }
 
  private:
