@@ -10,8 +10,11 @@
          --chunk feeds each text document in ~1 MB pieces cut before a line that
          starts with an ASCII letter after a printable ASCII character (where
          neither regex's pre-tokens change), so HF's threads have work to share.
-  encode --tokenizer T --texts texts.json --out out.json
-         out.json: {"ids": [...per text...], "decoded": [...]} with special tokens as text.
+  encode --tokenizer T --texts texts.json --out out.json [--transformers]
+         out.json: {"ids": [...per text...], "decoded": [...]} with special tokens as text;
+         with --transformers also what AutoTokenizer.from_pretrained(dirname(T)) gives:
+         "transformers_ids", "eos_token", and "chat" (apply_chat_template of a short
+         conversation, as text) when tokenizer_config.json has a template.
 """
 import argparse
 import json
@@ -40,7 +43,7 @@ def chunks(text, size=1 << 20):
 
 def documents(a):
     for path in a.input:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8", newline="") as f:
             if a.format == "text":
                 text = f.read()
                 if a.chunk:
@@ -85,6 +88,14 @@ def cmd_encode(a):
         texts = json.load(f)
     ids = [tok.encode(t, add_special_tokens=False).ids for t in texts]
     out = {"ids": ids, "decoded": [tok.decode(i, skip_special_tokens=False) for i in ids]}
+    if a.transformers:
+        from transformers import AutoTokenizer
+        at = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(a.tokenizer)))
+        out["transformers_ids"] = [at(t, add_special_tokens=False)["input_ids"] for t in texts]
+        out["eos_token"] = at.eos_token
+        if at.chat_template:
+            msgs = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello!"}]
+            out["chat"] = at.apply_chat_template(msgs, tokenize=False)
     with open(a.out, "w", encoding="utf-8") as f:
         json.dump(out, f, ensure_ascii=False)
 
@@ -107,6 +118,7 @@ def main():
     e.add_argument("--tokenizer", required=True)
     e.add_argument("--texts", required=True)
     e.add_argument("--out", required=True)
+    e.add_argument("--transformers", action="store_true")
     a = p.parse_args()
     {"train": cmd_train, "encode": cmd_encode}[a.cmd](a)
 

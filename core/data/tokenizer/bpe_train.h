@@ -7,7 +7,7 @@
 //      pre-tokenizer's splits cannot change, see Tokenizer::can_cut_before_line;
 //      jsonl: at line ends), each block pre-tokenized and its words counted
 //      by a pool of threads, each into its own table; the tables are merged
-//      at the end. Memory: threads x (2 x kBlockBytes + the longest stretch of
+//      at the end. Memory: threads x (2 x block_bytes + the longest stretch of
 //      text without a cut point) for text, plus the distinct words (each once
 //      per thread that saw it, ~ its length + 32 bytes): the size of the input
 //      costs time, not memory.
@@ -48,6 +48,7 @@ struct BpeTrainOptions {
   uint64_t min_frequency = 0;          // a pair seen fewer times is never merged
   int threads = 0;                     // 0: every core
   bool progress = true;                // a progress line on stderr
+  size_t block_bytes = 4 << 20;        // text read per block (tests make it small to cut often)
 };
 
 // Pre-tokenized words (raw bytes) and how often each occurs, sorted by word.

@@ -26,9 +26,6 @@ namespace trainrun {
 
 namespace {
 
-// Text read per block. A block grows past it only to reach a cut point.
-constexpr size_t kBlockBytes = 4 << 20;
-
 // Open-addressing table word -> count; the words' bytes live in one arena.
 class WordTable {
  public:
@@ -116,7 +113,9 @@ struct Block {
 // jsonl: blocks end at a line end.
 class BlockReader {
  public:
-  BlockReader(std::vector<std::string> files, bool jsonl) : files_(std::move(files)), jsonl_(jsonl) {}
+  // A block grows past block_bytes only to reach a cut point.
+  BlockReader(std::vector<std::string> files, bool jsonl, size_t block_bytes)
+      : files_(std::move(files)), jsonl_(jsonl), block_(std::max<size_t>(block_bytes, 16)) {}
   const std::string& file(size_t i) const { return files_[i]; }
   size_t files() const { return files_.size(); }
   uint64_t bytes_read() const { return bytes_; }
@@ -138,13 +137,13 @@ class BlockReader {
       bool eof = false;
       while (!eof) {
         const size_t have = buf.size();
-        buf.resize(have + kBlockBytes);
-        in_.read(&buf[have], static_cast<std::streamsize>(kBlockBytes));
+        buf.resize(have + block_);
+        in_.read(&buf[have], static_cast<std::streamsize>(block_));
         const size_t got = static_cast<size_t>(in_.gcount());
         buf.resize(have + got);
         bytes_ += got;
         if (in_.bad()) TR_FAIL("--input: error reading '", files_[cur_], "': ", std::strerror(errno));
-        eof = got < kBlockBytes;
+        eof = got < block_;
         if (eof) break;
         cut = jsonl_ ? buf.rfind('\n') + 1 : last_cut(buf, buf.size());  // rfind npos + 1 == 0
         if (cut > 0) break;
@@ -168,6 +167,7 @@ class BlockReader {
   std::mutex mu_;
   std::vector<std::string> files_;
   bool jsonl_;
+  size_t block_;
   size_t next_file_ = 0, cur_ = 0;
   std::ifstream in_;
   std::string carry_;
@@ -247,7 +247,7 @@ WordCounts count_words(const BpeTrainOptions& opt) {
     re.pattern = pattern;
   }
   const prep::InputSet in = prep::select_text_files(opt.inputs);
-  BlockReader reader(in.texts, opt.format == "jsonl");
+  BlockReader reader(in.texts, opt.format == "jsonl", opt.block_bytes);
   const int nthreads = opt.threads > 0 ? opt.threads : std::max(1u, std::thread::hardware_concurrency());
 
   std::vector<WordTable> tables(nthreads);
