@@ -222,7 +222,7 @@ TEST_CASE("tokenizer train: 1 and 2 threads write identical files", "[tokenizer]
   CHECK(files[0] == files[1]);
 }
 
-TEST_CASE("tokenizer train: ties go to the smallest pair; occurrences merge left to right", "[tokenizer]") {
+TEST_CASE("tokenizer train: ties go to the smallest pair, occurrences merge left to right", "[tokenizer]") {
   BpeTrainOptions opt;
   opt.progress = false;
   auto merges_of = [&](std::vector<std::pair<std::string, uint64_t>> words, uint32_t vocab) {

@@ -352,6 +352,7 @@ std::string train_tokenizer(const BpeTrainOptions& opt, const std::string& outpu
   bpe_pre_tokenizer_pattern(opt.pre_tokenizer);
   // Refuse a too-small vocab before reading a terabyte.
   std::vector<std::string> distinct;
+  for (const auto& s : opt.special_tokens) TR_CHECK(!s.empty(), "--special-tokens: an empty token; give each special token its text");
   for (const auto& s : opt.special_tokens)
     if (std::find(distinct.begin(), distinct.end(), s) == distinct.end()) distinct.push_back(s);
   TR_CHECK(opt.vocab_size >= 256 + distinct.size(), "--vocab-size: ", opt.vocab_size,
