@@ -288,6 +288,7 @@ WordCounts count_words(const BpeTrainOptions& opt) {
   work(0);
   for (auto& th : pool) th.join();
   if (progress.joinable()) progress.join();
+  if (opt.progress) std::fprintf(stderr, "\n");  // end the progress line (before an error, too)
   if (error) std::rethrow_exception(error);
 
   WordCounts wc;
@@ -300,7 +301,6 @@ WordCounts count_words(const BpeTrainOptions& opt) {
     wc.documents += docs[t];
   }
   wc.bytes = reader.bytes_read();
-  if (opt.progress) std::fprintf(stderr, "\n");
   return wc;
 }
 
