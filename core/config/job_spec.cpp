@@ -146,6 +146,10 @@ const std::vector<Field>& fields() {
       TR_SPEC_FIELD(model.ffn_dim, at_least(0),
                     "MLP width (llama: config.json's intermediate_size, required); 0 = the architecture's default "
                     "(gpt2: 4 * n_embd)"),
+      TR_SPEC_FIELD(model.head_dim, at_least(0),
+                    "width of each attention head (llama-shaped archs; config.json's head_dim): q_proj is "
+                    "(n_head * head_dim, n_embd), k/v_proj (n_kv_head * head_dim, n_embd), o_proj (n_embd, "
+                    "n_head * head_dim); 0 = n_embd / n_head"),
       TR_SPEC_FIELD(model.norm_eps, above(0), "RMSNorm epsilon (llama; gpt2's LayerNorm uses 1e-5)"),
       TR_SPEC_FIELD(model.rope_theta, above(0), "RoPE base frequency (llama; Llama 3: 500000)"),
       TR_SPEC_FIELD(model.tie_embeddings, one_of({"auto", "false", "true"}),

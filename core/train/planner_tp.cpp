@@ -26,7 +26,7 @@ double tp_activation_bytes(const ModelArch& m, const TpLocalShape& sh, bool sp, 
   const ModelConfig& c = m.config();
   const bool llama = c.arch == "llama";
   const double es = d.act_bytes;
-  const double N = double(B) * double(c.T), C = double(c.C), F = double(sh.F), HS = double(c.C / c.NH);
+  const double N = double(B) * double(c.T), C = double(c.C), F = double(sh.F), HS = double(c.head_size());
   const double NR = sp ? double(ceil_div(int64_t(N), tp)) : N;  // rows of the residual stream on this rank
   const double Q = sh.NH * HS;                                  // this rank's query width
   const double QKV = llama ? Q + 2.0 * sh.NKV * HS : 3 * Q;     // its q|k|v width
@@ -61,7 +61,7 @@ double tp_activation_bytes(const ModelArch& m, const TpLocalShape& sh, bool sp, 
     total += r64(N * C * es);                                 // the gathered buffer: residual gradient, norm outputs
     total += r64((llama ? 1 : 2) * C * 4);                    // a norm's parameter gradients
   }
-  total += r64(N * C * es);                                   // backward: dbuf_c
+  total += r64(N * std::max(C, Q) * es);                      // backward: dbuf_c (also d attention output)
   total += r64(N * QKV * es);                                 // backward: dqkv
   total += r64(N * F * es);                                   // backward: the MLP hidden grad
   return total;
@@ -80,7 +80,7 @@ MemoryBreakdown tp_memory(const ModelArch& m, const TensorParallelPlan& plan, bo
   // replicas' q|k|v weight gradients (llama.cpp, outside the arena).
   const TpLocalShape& sh = plan.shape();
   if (m.config().arch == "llama" && sh.kv_replicas > 1) {
-    const double HS = double(m.config().C / m.config().NH), C = double(m.config().C);
+    const double HS = double(m.config().head_size()), C = double(m.config().C);
     const double QKV = sh.NH * HS + 2.0 * sh.NKV * HS;
     r.workspace += r64(QKV * C * 4) + r64(double(m.config().kv_heads()) * 2 * sh.NKV * HS * C * 4);
   }

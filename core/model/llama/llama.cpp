@@ -2,6 +2,8 @@
 // tensor memory is touched on the host here, except the RoPE table's upload.
 #include "core/model/llama/llama.h"
 
+#include <algorithm>
+
 #include "core/common/error.h"
 #include "core/model/tensor_parallel.h"
 
@@ -95,7 +97,8 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
     tmp(&dres_full_, N * C * es);
     tmp(&norm_grad_, C * 4);
   }
-  tmp(&dbuf_c_, N * C * es);
+  // (N, C) gradients, and the attention output's (N, Q) one: Q > C with head_dim set.
+  tmp(&dbuf_c_, N * std::max<int64_t>(C, Q_) * es);
   tmp(&dqkv_, N * QKV_ * es);
   tmp(&dh_, N * F * es);
   if (stage_.split_backward) {

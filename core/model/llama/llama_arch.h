@@ -5,10 +5,10 @@
 // (llama_decoder.h) and the Hugging Face side (llama_hf.cpp: config.json
 // both ways; the files are read and written by core/checkpoint).
 //
-// Layout (nn.Linear (out, in), HS = C/NH, KV = NKV*HS):
+// Layout (nn.Linear (out, in), HS = head_dim or C/NH, Q = NH*HS, KV = NKV*HS):
 //   unit 0 "embeddings": model.embed_tokens.weight (V,C)
-//   unit 1+l "block l":  input_layernorm.weight (C), self_attn.q_proj (C,C),
-//                        k_proj (KV,C), v_proj (KV,C), o_proj (C,C),
+//   unit 1+l "block l":  input_layernorm.weight (C), self_attn.q_proj (Q,C),
+//                        k_proj (KV,C), v_proj (KV,C), o_proj (C,Q),
 //                        post_attention_layernorm.weight (C),
 //                        mlp.gate_proj (F,C), up_proj (F,C), down_proj (C,F)
 //   unit L+1 "head":     model.norm.weight (C) [, lm_head.weight (V,C) untied]
@@ -54,7 +54,8 @@ class LlamaArch final : public ModelArch {
   std::vector<const ParamTensor*> hf_save_order() const override;
   bool hf_ignored_buffer(const std::string& canonical_name) const override;
   std::string hf_shape_keys() const override {
-    return "num_hidden_layers/hidden_size/num_attention_heads/num_key_value_heads/intermediate_size/vocab_size";
+    return "num_hidden_layers/hidden_size/num_attention_heads/num_key_value_heads/head_dim/intermediate_size/"
+           "vocab_size";
   }
   void check_init_from(const ModelConfig& hf, const std::string& dir) const override;
   std::vector<ShapeKey> shape_keys() const override;

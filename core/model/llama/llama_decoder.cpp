@@ -17,7 +17,8 @@ namespace {
 ArenaPlan plan_for(const ModelConfig& cfg, const Backend& be, int cap, int chunk, std::vector<void*>& k,
               std::vector<void*>& v, void** p[14]) {
   const size_t es = dtype_size(be.act_dtype());
-  const int64_t C = cfg.C, R = chunk, F = cfg.F, HS = cfg.head_size(), KV = int64_t(cfg.kv_heads()) * HS;
+  const int64_t C = cfg.C, R = chunk, F = cfg.F, HS = cfg.head_size(), Q = cfg.q_dim(),
+                KV = int64_t(cfg.kv_heads()) * HS;
   ArenaPlan plan;
   k.assign(size_t(cfg.L), nullptr);
   v.assign(size_t(cfg.L), nullptr);
@@ -33,8 +34,8 @@ ArenaPlan plan_for(const ModelConfig& cfg, const Backend& be, int cap, int chunk
   plan.add(p[5], size_t(R) * C * es);              // proj
   plan.add(p[6], size_t(R) * C * es);              // ln
   plan.add(p[7], size_t(R) * 4);                   // rstd
-  plan.add(p[8], size_t(R) * (C + 2 * KV) * es);   // qkv
-  plan.add(p[9], size_t(R) * C * es);              // atty
+  plan.add(p[8], size_t(R) * (Q + 2 * KV) * es);   // qkv
+  plan.add(p[9], size_t(R) * Q * es);              // atty
   plan.add(p[10], size_t(R) * 2 * F * es);         // gate|up
   plan.add(p[11], size_t(R) * F * es);             // h
   plan.add(p[12], size_t(be.logits_stride(cfg.V)) * es);  // logits (1, ldv)
@@ -58,7 +59,8 @@ LlamaDecoder::LlamaDecoder(const ModelConfig& cfg, const ParamLayout& layout, Ba
            " (model.seq_len)");
   HS_ = cfg.head_size();
   KV_ = cfg.NKV * HS_;
-  QKV_ = cfg.C + 2 * KV_;
+  Q_ = cfg.q_dim();
+  QKV_ = Q_ + 2 * KV_;
   eps_ = float(cfg.norm_eps);
   ldv_ = be->logits_stride(cfg.V);
   if (!cfg.tied) {
@@ -97,7 +99,7 @@ void LlamaDecoder::feed_chunk(UnitAccess& units, const int32_t* tokens, int n, b
   be_->encoder_forward(res_a_, tokens_, units.acquire_params(0), zero_wpe_, 1, n, C);
   units.release_params(0);
 
-  const LlamaBlockOffsets o(C, KV_, F);
+  const LlamaBlockOffsets o(C, Q_, KV_, F);
   // Adapters (generate --adapter, a LoRA run's sample) add to each GEMM's
   // output unmerged, after the same GEMMs as LlamaNetwork::block_forward
   // (0 q|k|v, before RoPE; 1 o_proj; 2 gate|up; 3 down_proj).
@@ -115,7 +117,7 @@ void LlamaDecoder::feed_chunk(UnitAccess& units, const int32_t* tokens, int n, b
     be_->rope_forward(qkv_, rope_, 1, n, cfg_.NH, cfg_.NKV, HS_, pos_);
     be_->attention_kv_gqa_forward(atty_, kcache_[size_t(l)], vcache_[size_t(l)], qkv_, pos_, n, cfg_.NH, cfg_.NKV,
                                   HS_);
-    be_->matmul_forward(proj_, atty_, w(o.ow), nullptr, n, C, C);
+    be_->matmul_forward(proj_, atty_, w(o.ow), nullptr, n, Q_, C);
     if (ad) ad->forward(l, 1, atty_, proj_, C, n);
     be_->residual_rmsnorm_forward(res_b_, ln_, rstd_, res_a_, proj_, w(o.ln2w), n, C, eps_);
     be_->matmul_forward(gu_, ln_, w(o.guw), nullptr, n, C, 2 * F);

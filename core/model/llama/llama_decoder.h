@@ -41,7 +41,7 @@ class LlamaDecoder final : public Decoder {
   int cap_, chunk_;
   int pos_ = 0;
   int ldv_ = 0;
-  int HS_, KV_, QKV_;
+  int HS_, Q_, KV_, QKV_;  // head size, NH*HS, NKV*HS, Q + 2*KV
   float eps_;
   int64_t lm_head_off_ = -1;             // untied: lm_head.weight's offset in the head unit
   DeviceBuffer arena_;
