@@ -52,7 +52,7 @@ size_t edit_distance(const std::string& a, const std::string& b) {
 
 std::string model_shape_help() {
   std::string s =
-      "a shape ARCH:KEY=VALUE,... with ARCH gpt2 or llama and keys L (layers), C (width), heads, kv_heads "
+      "a shape ARCH:KEY=VALUE,... with ARCH gpt2, llama or qwen3 and keys L (layers), C (width), heads, kv_heads "
       "(llama, default heads), head_dim (llama, default C/heads), ffn (MLP width: gpt2 4C, llama required), V (vocab), "
       "T (context), tied (0/1), "
       "e.g. llama:L=80,C=8192,heads=64,kv_heads=8,ffn=28672,V=128256,T=4096; or a preset (";
@@ -147,7 +147,7 @@ ModelConfig parse_shape(const std::string& text_in, const std::string& what) {
   const int64_t L = get("L", 0, true), C = get("C", 0, true), heads = get("heads", 0, true);
   const int64_t V = get("V", 0, true), T = get("T", 0, true);
   const int64_t kv_heads = get("kv_heads", heads, false);
-  const int64_t ffn = get("ffn", 4 * C, m.arch == "llama");
+  const int64_t ffn = get("ffn", 4 * C, m.arch != "gpt2");  // the Llama-shaped archs have no default
   m.tied = get("tied", m.arch == "gpt2" ? 1 : 0, false) != 0;
   auto positive = [&](const char* k, int64_t v) {
     TR_CHECK(v >= 1, what, ": ", k, " must be at least 1 (got ", v, ")");
