@@ -31,7 +31,10 @@
 #include "core/io/safetensors.h"
 #include "core/model/model.h"
 #include "core/model/model_io.h"
+#include "core/model/model_shape.h"
 #include "core/model/model_spec.h"
+#include "core/model/tensor_parallel.h"
+#include "core/train/planner.h"
 #include "kernels/backend.h"
 #include "kernels/backend_factory.h"
 #include "parallel/sharding/sharding.h"
@@ -571,6 +574,29 @@ TEST_CASE("qwen3: dp2 full_shard, tp2 (KV heads split and replicated), tp2 x dp2
       INFO("tp2 + sequence parallelism");
       check_same_run(run_mesh(model, 2, 2, 1, "no_shard", true), one);
     }
+  }
+}
+
+TEST_CASE("qwen3: the TP planner's activation model is each TP rank's arena, byte for byte (head_dim, qk-norm)",
+          "[qwen3][planner][tp]") {
+  auto be = make_cpu_backend(1);
+  for (const char* shape : {"qwen3:L=2,C=32,heads=4,kv_heads=2,head_dim=16,ffn=48,V=101,T=8",
+                            "qwen3:L=2,C=32,heads=4,kv_heads=1,head_dim=6,ffn=48,V=64,T=8",
+                            "llama:L=2,C=32,heads=4,kv_heads=2,head_dim=12,ffn=48,V=101,T=8"}) {
+    const auto arch = make_model_arch(parse_model_shape(shape));
+    for (int tp : {2, 4})
+      for (bool sp : {false, true})
+        for (bool ckpt : {false, true}) {
+          const int B = 2;
+          const TensorParallelPlan plan(*arch, tp, 1);
+          TensorParallel ctx;
+          ctx.plan = &plan;
+          ctx.sequence_parallel = sp;
+          const auto net = arch->make_network(be.get(), B, ckpt, &ctx);
+          INFO(shape << " tp" << tp << " sp=" << sp << " ckpt=" << ckpt);
+          CHECK(estimate_tp_activation_bytes(*arch, tp, sp, B, ckpt, DeviceModel::cpu()) ==
+                double(net->activation_bytes()));
+        }
   }
 }
 
