@@ -11,6 +11,7 @@
 #include "core/common/error.h"
 #include "core/model/gpt2/gpt2_arch.h"
 #include "core/model/llama/llama_arch.h"
+#include "core/model/phi3/phi3_arch.h"
 
 namespace fs = std::filesystem;
 using json = nlohmann::ordered_json;
@@ -26,6 +27,7 @@ struct ArchEntry {
   const char* hf_model_type;  // config.json's model_type
   bool implemented;           // has a network: trains (else a description only: `trainrun plan`)
   bool loads_hf;              // Hugging Face directories load into it (model.init_from)
+  bool llama_shaped;          // computes with Llama's network (ModelConfig::llama_shaped)
   std::unique_ptr<ModelArch> (*make)(const ModelConfig&);
   ModelConfig (*from_hf)(const json&, const std::string& path, const std::string& what);
   ModelConfig (*from_metadata)(const std::map<std::string, std::string>&, const std::string& path);
@@ -33,8 +35,9 @@ struct ArchEntry {
 
 const std::vector<ArchEntry>& registry() {
   static const std::vector<ArchEntry> r = {
-      {"gpt2", "gpt2", true, true, make_gpt2_arch, gpt2_config_from_hf, gpt2_config_from_metadata},
-      {"llama", "llama", true, true, make_llama_arch, llama_config_from_hf, llama_config_from_metadata},
+      {"gpt2", "gpt2", true, true, false, make_gpt2_arch, gpt2_config_from_hf, gpt2_config_from_metadata},
+      {"llama", "llama", true, true, true, make_llama_arch, llama_config_from_hf, llama_config_from_metadata},
+      {"phi3", "phi3", true, true, true, make_phi3_arch, phi3_config_from_hf, phi3_config_from_metadata},
   };
   return r;
 }
@@ -72,6 +75,11 @@ std::string arch_for_hf_model_type(const std::string& model_type) {
   for (const auto& e : registry())
     if (model_type == e.hf_model_type) return e.name;
   return "";
+}
+
+bool ModelConfig::llama_shaped() const {
+  const ArchEntry* e = find_entry(arch);
+  return e && e->llama_shaped;
 }
 
 std::unique_ptr<ModelArch> make_model_arch(const ModelConfig& cfg) {

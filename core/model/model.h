@@ -51,6 +51,7 @@ struct ModelConfig {
   std::string rope_scaling_type;  // [model.rope_scaling.type] "" (none) | "llama3" (llama)
   RopeScaling rope_scaling;    // [model.rope_scaling.*] with rope_scaling_type "llama3"
   bool tied = true;            // [model.tie_embeddings] LM head = the token embedding (gpt2: always)
+  int sliding_window = 0;      // [model.sliding_window] 0 = none
 
   // The config a job spec describes. model.arch auto is resolved here: the
   // architecture of model.init_from's config.json (its model_type), else
@@ -66,6 +67,9 @@ struct ModelConfig {
   static ModelConfig of(int L, int NH, int C, int V, int T, double init_std = 0.02);
 
   int kv_heads() const { return NKV > 0 ? NKV : NH; }
+  // The arch is built on Llama's network (RMSNorm, RoPE, GQA, gated MLP):
+  // the planner's and model_shape's Llama formulas apply (the registry says which).
+  bool llama_shaped() const;
   int head_size() const { return C / NH; }
   // Throws an Error naming the model.* key and what to do (every rule,
   // including the architecture's own: make_model_arch runs it).
@@ -349,10 +353,31 @@ struct ActivationDevice {
 };
 
 // How a layout tensor appears in a Hugging Face directory.
+//
+// One HF tensor may hold several of ours (Phi-3's qkv_proj = q|k|v and
+// gate_up_proj = gate|up, stacked along dim 0): each of ours then names the
+// fused tensor, its first row there (fused_row) and the fused tensor's rows
+// (fused_rows); ours is rows [fused_row, fused_row + shape[0]) of it, a
+// contiguous byte range, so import reads and export writes each part by
+// ranges like a whole tensor. Our layout keeps the parts apart, so each
+// splits for tensor parallelism by its own heads/columns. The parts of one
+// fused tensor are adjacent in hf_save_order(), in row order, and cover it.
 struct HfTensor {
   std::string name;          // HF's name: "transformer.h.0.attn.c_attn.weight"
   bool transposed = false;   // HF stores it (in, out), the transpose of our (out, in) (GPT-2's Conv1D)
   std::string layout_note;   // for messages about its shape: "Hugging Face Conv1D layout: in, out"
+  int64_t fused_row = 0;     // with fused_rows > 0: our first row in the fused tensor
+  int64_t fused_rows = 0;    // the fused tensor's dim 0 (0: `name` is ours alone)
+  bool fused() const { return fused_rows > 0; }
+  // HF's shape of `name` for our tensor t.
+  std::vector<int64_t> hf_shape(const std::vector<int64_t>& ours) const {
+    if (fused()) {
+      std::vector<int64_t> s = ours;
+      s[0] = fused_rows;
+      return s;
+    }
+    return transposed ? std::vector<int64_t>{ours[1], ours[0]} : ours;
+  }
 };
 
 // One model.* field of an architecture's shape and the config.json key that

@@ -10,7 +10,7 @@ namespace trainrun {
 LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Backend* be, int maxB,
                            bool activation_checkpointing, const TensorParallel* tp, const PipelineStage* stage)
     : cfg_(stage_config(cfg, stage)), stage_(stage ? *stage : PipelineStage{}), be_(be), maxB_(maxB), ckpt_(activation_checkpointing), tp_(tp && tp->plan ? tp : nullptr) {
-  TR_CHECK(cfg.arch == "llama" && cfg.NKV > 0 && cfg.F > 0, "LlamaNetwork needs LlamaArch's resolved config (a bug)");
+  TR_CHECK(cfg.llama_shaped() && cfg.NKV > 0 && cfg.F > 0, "LlamaNetwork needs LlamaArch's resolved config (a bug)");
   TR_CHECK(maxB >= 1, "LlamaNetwork: micro-batch ", maxB, " must be >= 1");
   TR_CHECK(cfg_.L >= 1, "LlamaNetwork: a pipeline stage needs at least one block (a bug)");
   HS_ = cfg.head_size();

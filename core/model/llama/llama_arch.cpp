@@ -19,7 +19,7 @@ namespace {
 
 ModelConfig resolved(ModelConfig c) {
   check_model_config_common(c);
-  TR_CHECK(c.arch == "llama", "model.arch: '", c.arch, "' given to the llama architecture (a bug)");
+  TR_CHECK(c.llama_shaped(), "model.arch: '", c.arch, "' given to the llama architecture (a bug)");
   TR_CHECK(c.F > 0, "model.ffn_dim: llama needs its MLP width (config.json's intermediate_size); set it");
   TR_CHECK(c.head_size() % 2 == 0, "model.n_embd: the head size model.n_embd / model.n_head = ", c.head_size(),
            " must be even for rotary embeddings");
@@ -90,7 +90,7 @@ std::string LlamaArch::hf_block_prefix(int layer) const { return "model.layers."
 
 std::string LlamaArch::describe() const {
   const ModelConfig& c = cfg_;
-  std::string s = "llama L=" + std::to_string(c.L) + " C=" + std::to_string(c.C) + " heads=" + std::to_string(c.NH) +
+  std::string s = c.arch + " L=" + std::to_string(c.L) + " C=" + std::to_string(c.C) + " heads=" + std::to_string(c.NH) +
                   " kv_heads=" + std::to_string(c.NKV) + " ffn=" + std::to_string(c.F) + " V=" + std::to_string(c.V) +
                   " T=" + std::to_string(c.T);
   if (c.tied) s += " tied=1";
@@ -157,7 +157,7 @@ double LlamaArch::activation_bytes(int B, bool ckpt, const ActivationDevice& d) 
 std::map<std::string, std::string> LlamaArch::file_metadata() const {
   const ModelConfig& c = cfg_;
   std::map<std::string, std::string> m = {{"format", "pt"},
-                                          {"arch", "llama"},
+                                          {"arch", c.arch},
                                           {"n_layer", std::to_string(c.L)},
                                           {"n_head", std::to_string(c.NH)},
                                           {"n_kv_head", std::to_string(c.NKV)},
@@ -230,7 +230,7 @@ ModelConfig llama_config_from_metadata(const std::map<std::string, std::string>&
 
 json LlamaArch::manifest_model() const {
   const ModelConfig& c = cfg_;
-  json m = {{"arch", "llama"},       {"n_layer", c.L},    {"n_head", c.NH},         {"n_kv_head", c.NKV},
+  json m = {{"arch", c.arch},       {"n_layer", c.L},    {"n_head", c.NH},         {"n_kv_head", c.NKV},
             {"n_embd", c.C},         {"ffn_dim", c.F},    {"vocab_size", c.V},      {"seq_len", c.T},
             {"norm_eps", c.norm_eps}, {"rope_theta", c.rope_theta}, {"tie_embeddings", c.tied},
             {"rope_scaling", json::object()}};

@@ -25,7 +25,9 @@
 
 namespace trainrun {
 
-class LlamaArch final : public ModelArch {
+// Families built on Llama's network (core/model/phi3/) derive from it and
+// override their Hugging Face side.
+class LlamaArch : public ModelArch {
  public:
   explicit LlamaArch(const ModelConfig& cfg);
 

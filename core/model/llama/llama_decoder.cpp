@@ -53,7 +53,7 @@ size_t LlamaDecoder::bytes_needed(const ModelConfig& cfg, const Backend& be, int
 
 LlamaDecoder::LlamaDecoder(const ModelConfig& cfg, const ParamLayout& layout, Backend* be, int capacity)
     : cfg_(cfg), be_(be), cap_(capacity), chunk_(std::min(capacity, kChunk)) {
-  TR_CHECK(cfg.arch == "llama" && cfg.NKV > 0 && cfg.F > 0, "LlamaDecoder needs LlamaArch's resolved config (a bug)");
+  TR_CHECK(cfg.llama_shaped() && cfg.NKV > 0 && cfg.F > 0, "LlamaDecoder needs LlamaArch's resolved config (a bug)");
   TR_CHECK(capacity >= 1 && capacity <= cfg.T, "decoder: capacity ", capacity, " outside 1..", cfg.T,
            " (model.seq_len)");
   HS_ = cfg.head_size();

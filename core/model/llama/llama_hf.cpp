@@ -198,7 +198,7 @@ void LlamaArch::check_init_from(const ModelConfig& hf, const std::string& dir) c
   const std::string what = "model.init_from";
   auto fail = [&](const char* field, const std::string& job, const char* key, const std::string& have,
                   const std::string& fix) {
-    TR_FAIL(what, ": '", dir, "' holds a Llama with ", key, " = ", have, " (config.json) but model.", field, " is ",
+    TR_FAIL(what, ": '", dir, "' holds a ", display_name(), " with ", key, " = ", have, " (config.json) but model.", field, " is ",
             job, "; set model.", field, ": ", fix, " (the job's model.* must describe the weights it starts from)");
   };
   auto same = [&](const char* field, int job, const char* key, int have) {
@@ -239,7 +239,7 @@ void LlamaArch::check_init_from(const ModelConfig& hf, const std::string& dir) c
   }
   // RoPE has no table: a shorter context is the same model; a longer one
   // is past what it was trained for.
-  TR_CHECK(m.T <= hf.T, what, ": '", dir, "' holds a Llama with max_position_embeddings = ", hf.T,
+  TR_CHECK(m.T <= hf.T, what, ": '", dir, "' holds a ", display_name(), " with max_position_embeddings = ", hf.T,
            " (config.json) but model.seq_len is ", m.T, "; set model.seq_len to at most ", hf.T);
 }
 
