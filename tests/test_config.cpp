@@ -606,7 +606,7 @@ TEST_CASE("config: every preset has its published model's parameter count", "[co
       {"llama3.2-1b", 1235814400LL}, {"llama3.2-3b", 3212749824LL}, {"llama3.1-8b", 8030261248LL},
       {"llama3.1-70b", 70553706496LL}, {"llama2-7b", 6738415616LL}, {"llama2-70b", 68976648192LL},
       {"gpt2-124m", 124439808LL},     {"gpt2-350m", 354823168LL},   {"gpt2-774m", 774030080LL},
-      {"gpt2-1.5b", 1557611200LL},
+      {"gpt2-1.5b", 1557611200LL},    {"phi3-mini", 3821079552LL},
   };
   REQUIRE(trainrun::model_preset_names().size() == want.size());
   for (const auto& [name, params] : want) {
