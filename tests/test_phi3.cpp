@@ -124,21 +124,28 @@ void set_config_key(const std::string& dir, const std::string& key, const nlohma
 
 TEST_CASE("phi3: logits, loss, every gradient and greedy generate match transformers' Phi3ForCausalLM",
           "[phi3][hf]") {
-  struct Case { int NH, NKV; bool tied; };
-  for (const Case k : {Case{4, 2, false}, Case{4, 4, true}}) {
+  // longrope: original context 8 < the 16 positions, so ours and
+  // transformers' (T = 9 > 8) take the long factors, with the attention
+  // factor sqrt(1 + ln 2 / ln 8); original 16: the short ones, factor 1.
+  struct Case { int NH, NKV; bool tied; int longrope; };
+  for (const Case k : {Case{4, 2, false, 0}, Case{4, 2, false, 8}, Case{4, 4, true, 16}}) {
     const int B = 2, T = 9;
     test::TempDir dir("phi3_hf");
     const std::vector<int32_t> in = rand_tokens(size_t(B) * T, kV, 11), tg = rand_tokens(size_t(B) * T, kV, 12);
     write_batch(dir / "batch.safetensors", in, tg, B, T);
     hf_random_phi3(dir / "model", k.NH, k.NKV, k.tied,
-                   "--batch '" + (dir / "batch.safetensors") + "' --out-ref '" + (dir / "ref.safetensors") + "'");
+                   (k.longrope ? "--longrope " + std::to_string(k.longrope) + " " : std::string()) + "--batch '" +
+                       (dir / "batch.safetensors") + "' --out-ref '" + (dir / "ref.safetensors") + "'");
     // The sharded directory through the fused import.
     std::vector<float> flat;
     const ModelConfig cfg = load_hf(dir / "model", flat, "test");
     REQUIRE(cfg.arch == "phi3");
     CHECK(cfg.sliding_window == kMaxPos);
     const auto arch = make_model_arch(cfg);
-    std::printf("%s\n", arch->describe().c_str());
+    CHECK(arch->config().rope_scaling_type == (k.longrope ? "longrope" : ""));
+    CHECK(arch->config().rope_scaling.use_long == (k.longrope == 8));
+    std::printf("%s%s\n", arch->describe().c_str(),
+                k.longrope ? (k.longrope == 8 ? " longrope, long factors" : " longrope, short factors") : "");
     const ParamLayout& lay = arch->layout();
 
     auto be = make_cpu_backend(2);
@@ -185,17 +192,33 @@ TEST_CASE("phi3: logits, loss, every gradient and greedy generate match transfor
     INFO("worst tensor " << worst_name);
     CHECK(worst <= 1e-4);
 
-    // Greedy generate with the KV cache, up to the 16 positions.
-    const std::vector<int32_t> prompt = {5, 17, 2, 28, 0};
-    const std::vector<int32_t> ours = greedy(*arch, flat, prompt, 11);
+    // Greedy generate with the KV cache, up to the 16 positions; with the
+    // long factors the prompt passes the original context already (9 > 8),
+    // so transformers uses them at every step as we do.
+    const std::vector<int32_t> prompt = {5, 17, 2, 28, 0, 33, 9, 14, 21};
+    const int n_prompt = k.longrope == 8 ? 9 : 5;
+    const std::vector<int32_t> head(prompt.begin(), prompt.begin() + n_prompt);
+    std::string prompt_text;
+    for (int32_t t : head) prompt_text += (prompt_text.empty() ? "" : " ") + std::to_string(t);
+    const std::vector<int32_t> ours = greedy(*arch, flat, head, 16 - n_prompt);
     const test::RunResult theirs = test::run_reference_script(
-        "hf_phi3.py", " generate --model '" + (dir / "model") + "' --prompt '5 17 2 28 0' --max-new-tokens 11");
+        "hf_phi3.py", " generate --model '" + (dir / "model") + "' --prompt '" + prompt_text +
+                          "' --max-new-tokens " + std::to_string(16 - n_prompt));
     INFO(theirs.err);
     REQUIRE(theirs.exit_code == 0);
     std::string mine;
     for (int32_t t : ours) mine += (mine.empty() ? "" : " ") + std::to_string(t);
     std::printf("  generate: ours '%s' transformers '%s'", mine.c_str(), theirs.out.c_str());
     CHECK(mine + "\n" == theirs.out);
+
+    if (k.longrope) {
+      // Exported, the factors, both context lengths and the fused tensors
+      // give transformers our logits again.
+      export_hf(dir / "export", cfg, flat);
+      const double e = rel_err(logits, test::hf_logits_of("hf_phi3.py", dir / "export", in, B, T, dir));
+      std::printf("  longrope export -> from_pretrained logits rel err %.3e\n", e);
+      CHECK(e <= 1e-5);
+    }
   }
 }
 
@@ -268,14 +291,35 @@ TEST_CASE("phi3: what trainrun does not implement, and bad fused tensors, are re
   const std::string hf = hf_random_phi3(dir / "hf", 4, 2, false);
   std::vector<float> flat;
   REQUIRE(error_of([&] { load_hf(hf, flat, "test"); }).empty());
-  // RoPE scaling, by each name transformers 4.44 reads as longrope.
-  for (const char* type : {"longrope", "su", "yarn"}) {
+  // RoPE scaling trainrun does not implement, by name.
+  for (const char* type : {"yarn", "dynamic"}) {
     const std::string d = dir / (std::string("rope_") + type);
     copy_dir(hf, d);
     set_config_key(d, "rope_scaling", {{"type", type}, {"short_factor", {1, 1, 1, 1}}, {"long_factor", {2, 2, 2, 2}}});
     const std::string err = error_of([&] { load_hf(d, flat, "test"); });
     INFO(err);
-    CHECK_THAT(err, Contains(std::string("rope_scaling.type = \"") + type + "\"") && Contains("longrope"));
+    CHECK_THAT(err, Contains(std::string("rope_scaling.type = \"") + type + "\""));
+  }
+  // longrope ("su", its older name): factor lists of the wrong length, and
+  // a training job from it (the job spec cannot carry the lists).
+  {
+    const std::string d = dir / "rope_su";
+    copy_dir(hf, d);
+    set_config_key(d, "rope_scaling", {{"type", "su"}, {"short_factor", {1, 1, 1}}, {"long_factor", {2, 2, 2, 2}}});
+    std::string err = error_of([&] { load_hf(d, flat, "test"); });
+    INFO(err);
+    CHECK_THAT(err, Contains("rope_scaling.short_factor has 3 values; hidden_size / num_attention_heads / 2 = 4"));
+    set_config_key(d, "rope_scaling", {{"type", "su"}, {"short_factor", {1, 1, 1, 1}}, {"long_factor", {2, 2, 2, 2}}});
+    REQUIRE(error_of([&] { load_hf(d, flat, "test"); }).empty());
+    err = error_of([&] {
+      JobSpec job = parse_job_spec("model: {init_from: '" + d + "', seq_len: 8}\n"
+                                   "data: {format: synthetic, synthetic: {vocab: 37}}\n",
+                                   "job.yaml", {});
+      resolve_model_shape(job, false);
+      load_init_from(job.model);
+    });
+    INFO(err);
+    CHECK_THAT(err, Contains("rope_scaling longrope") && Contains("short_factor/long_factor"));
   }
   // A seq_len past the sliding window.
   {

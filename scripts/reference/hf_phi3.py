@@ -3,13 +3,14 @@
 
   hf_phi3.py random --out DIR --layers L --hidden C --heads NH --kv-heads NKV
                     --intermediate F --vocab V --max-positions T [--sliding-window W]
-                    [--tie] [--eps E] [--rope-theta X] [--seed S] [--max-shard-size 20KB]
+                    [--longrope ORIG] [--tie] [--eps E] [--rope-theta X] [--seed S] [--max-shard-size 20KB]
                     [--batch BATCH.safetensors --out-ref REF.safetensors]
       A random Phi3ForCausalLM (eager attention, every parameter perturbed,
       RMSNorm gains around 1) saved with save_pretrained(DIR), fused
       self_attn.qkv_proj and mlp.gate_up_proj as transformers writes them.
       With --batch: REF holds 'logits', 'loss' and 'grad.<HF name>' (fp32),
-      as hf_llama.py's.
+      as hf_llama.py's. --longrope ORIG: rope_scaling {"type": "longrope"} with
+      random short/long factors in [1, 4) and original_max_position_embeddings ORIG.
 
   hf_phi3.py logits --model DIR --batch BATCH.safetensors --out OUT.safetensors
   hf_phi3.py generate --model DIR --prompt "ID ID ..." --max-new-tokens N
@@ -44,11 +45,17 @@ def load_clean(path):
 
 def cmd_random(a):
     torch.manual_seed(a.seed)
+    scaling, orig = None, a.max_positions
+    if a.longrope:
+        half = a.hidden // a.heads // 2
+        scaling = {"type": "longrope", "short_factor": (1 + 3 * torch.rand(half)).tolist(),
+                   "long_factor": (1 + 3 * torch.rand(half)).tolist()}
+        orig = a.longrope
     # pad/bos/eos None: Phi3Config's 32000 would be an embedding padding_idx past a tiny vocabulary.
     cfg = Phi3Config(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.intermediate,
                      num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
-                     max_position_embeddings=a.max_positions, original_max_position_embeddings=a.max_positions,
-                     rms_norm_eps=a.eps, rope_theta=a.rope_theta, rope_scaling=None,
+                     max_position_embeddings=a.max_positions, original_max_position_embeddings=orig,
+                     rms_norm_eps=a.eps, rope_theta=a.rope_theta, rope_scaling=scaling,
                      sliding_window=a.sliding_window or None, tie_word_embeddings=a.tie, hidden_act="silu",
                      pad_token_id=None, bos_token_id=None, eos_token_id=None, torch_dtype="float32",
                      attn_implementation="eager")
@@ -98,6 +105,7 @@ def main(argv=None):
     for k in ("layers", "hidden", "heads", "kv-heads", "intermediate", "vocab", "max-positions"):
         rd.add_argument("--" + k, type=int, required=True)
     rd.add_argument("--sliding-window", type=int, default=0)
+    rd.add_argument("--longrope", type=int, default=0)
     rd.add_argument("--rope-theta", type=float, default=10000.0)
     rd.add_argument("--tie", action="store_true")
     rd.add_argument("--eps", type=float, default=1e-5)

@@ -27,6 +27,18 @@ std::string block_prefix(const std::string& name, const std::string& module) {
 Phi3Arch::Phi3Arch(const ModelConfig& cfg) : LlamaArch(cfg) {
   TR_CHECK(cfg.arch == "phi3", "model.arch: '", cfg.arch, "' given to the phi3 architecture (a bug)");
   TR_CHECK(cfg.sliding_window >= 0, "model.sliding_window must be 0 (none) or positive (got ", cfg.sliding_window, ")");
+  // longrope's factor list, chosen once for the model (phi3_arch.h): the
+  // long factors when its context passes the original one. This is
+  // transformers' choice for a full-length forward (max(position_ids) + 1 =
+  // T), so training matches it; the decoder uses the same table.
+  if (cfg_.rope_scaling.longrope())
+    cfg_.rope_scaling.use_long = cfg_.T > cfg_.rope_scaling.original_max_position_embeddings;
+}
+
+std::map<std::string, std::string> Phi3Arch::file_metadata() const {
+  TR_CHECK(!cfg_.rope_scaling.longrope(), "phi3: a longrope model cannot be written to trainrun's own model files "
+           "yet (their metadata has no factor lists); training one is refused at model.init_from");
+  return LlamaArch::file_metadata();
 }
 
 std::unique_ptr<ModelArch> make_phi3_arch(const ModelConfig& cfg) { return std::make_unique<Phi3Arch>(cfg); }
@@ -36,23 +48,47 @@ ModelConfig phi3_config_from_hf(const json& c, const std::string& path, const st
   auto refuse = [&](const std::string& key, const std::string& have, const std::string& why) {
     TR_FAIL(what, ": '", path, "' has ", key, " = ", have, "; ", why);
   };
-  // Phi-3's RoPE scaling: refused by name before Llama's reader, which
-  // would call it an unknown Llama scaling.
+  // Phi-3's RoPE scaling, read here: Llama's reader would call it an
+  // unknown Llama scaling.
+  RopeScaling longrope;
   if (has("rope_scaling")) {
     const json& s = c["rope_scaling"];
-    const std::string type = s.is_object() && s.contains("type") && s["type"].is_string()
-                                 ? s["type"].get<std::string>()
-                                 : s.is_object() && s.contains("rope_type") && s["rope_type"].is_string()
-                                       ? s["rope_type"].get<std::string>()
-                                       : s.dump();
-    refuse("rope_scaling.type", "\"" + type + "\"",
-           "trainrun's Phi-3 does not implement RoPE scaling yet (Phi3Config's only one is \"longrope\", which "
-           "transformers 4.44 also reads from \"su\" and \"yarn\": per-frequency short/long factors and a scaled "
-           "cos/sin), so these weights would compute a different function; use a Phi-3 without rope_scaling "
-           "(the 4k models)");
+    TR_CHECK(s.is_object(), what, ": '", path, "': rope_scaling is not an object: ", s.dump());
+    const char* tkey = s.contains("type") ? "type" : "rope_type";
+    const std::string type = s.contains(tkey) && s[tkey].is_string() ? s[tkey].get<std::string>() : s.dump();
+    if (type == "yarn")
+      refuse("rope_scaling.type", "\"yarn\"",
+             "transformers 4.44 computes it as \"longrope\" (sqrt attention factor) although Phi-3's YaRN uses "
+             "0.1 ln(s) + 1; trainrun does not guess which was meant: set \"longrope\" if that is the model");
+    if (type != "longrope" && type != "su")
+      refuse("rope_scaling.type", "\"" + type + "\"",
+             "trainrun's Phi-3 implements \"longrope\" (also read from its older name \"su\") or none, so these "
+             "weights would compute a different function");
+    auto factors = [&](const char* key) {
+      TR_CHECK(s.contains(key) && s[key].is_array(), what, ": '", path, "': rope_scaling (longrope) has no list ", key);
+      std::vector<double> v;
+      for (const auto& x : s[key]) {
+        TR_CHECK(x.is_number() && x.get<double>() > 0, what, ": '", path, "': rope_scaling.", key,
+                 " holds a value that is not a positive number: ", x.dump());
+        v.push_back(x.get<double>());
+      }
+      return v;
+    };
+    longrope.short_factor = factors("short_factor");
+    longrope.long_factor = factors("long_factor");
+    longrope.original_max_position_embeddings = 4096;  // Phi3Config's default
+    if (has("original_max_position_embeddings")) {
+      TR_CHECK(c["original_max_position_embeddings"].is_number_integer() &&
+                   c["original_max_position_embeddings"].get<int64_t>() >= 2 &&
+                   c["original_max_position_embeddings"].get<int64_t>() < (int64_t(1) << 31),
+               what, ": '", path, "': original_max_position_embeddings is not an integer >= 2: ",
+               c["original_max_position_embeddings"].dump());
+      longrope.original_max_position_embeddings = c["original_max_position_embeddings"].get<int>();
+    }
   }
   // Phi3Config's defaults where they are not LlamaConfig's; the rest is Llama's reading.
   json l = c;
+  l.erase("rope_scaling");
   auto dflt = [&](const char* key, json v) {
     if (!l.contains(key) || l[key].is_null()) l[key] = std::move(v);
   };
@@ -67,6 +103,17 @@ ModelConfig phi3_config_from_hf(const json& c, const std::string& path, const st
   dflt("tie_word_embeddings", false);
   ModelConfig cfg = llama_config_from_hf(l, path, what);
   cfg.arch = "phi3";
+  if (longrope.longrope()) {
+    const size_t half = size_t(cfg.C / cfg.NH / 2);
+    for (const auto* key : {"short_factor", "long_factor"}) {
+      const size_t n = (key[0] == 's' ? longrope.short_factor : longrope.long_factor).size();
+      TR_CHECK(n == half, what, ": '", path, "': rope_scaling.", key, " has ", n,
+               " values; hidden_size / num_attention_heads / 2 = ", half, " are needed (one per RoPE frequency)");
+    }
+    longrope.max_position_embeddings = cfg.T;  // the attention factor's numerator
+    cfg.rope_scaling_type = "longrope";
+    cfg.rope_scaling = longrope;
+  }
   if (has("sliding_window")) {
     TR_CHECK(c["sliding_window"].is_number_integer() && c["sliding_window"].get<int64_t>() > 0 &&
                  c["sliding_window"].get<int64_t>() < (int64_t(1) << 31),
@@ -97,6 +144,10 @@ json Phi3Arch::hf_config_json() const {
   c["rms_norm_eps"] = cfg.norm_eps;
   c["rope_theta"] = cfg.rope_theta;
   c["rope_scaling"] = nullptr;
+  if (cfg.rope_scaling.longrope())
+    c["rope_scaling"] = {{"type", "longrope"},
+                         {"short_factor", cfg.rope_scaling.short_factor},
+                         {"long_factor", cfg.rope_scaling.long_factor}};
   c["tie_word_embeddings"] = cfg.tied;
   c["resid_pdrop"] = 0.0;
   c["embd_pdrop"] = 0.0;
@@ -106,6 +157,11 @@ json Phi3Arch::hf_config_json() const {
   // the same (Phi-3-mini-4k has 4096 for both).
   c["max_position_embeddings"] = cfg.T;
   c["original_max_position_embeddings"] = cfg.T;
+  if (cfg.rope_scaling.longrope()) {
+    // Both set the attention factor (rope_table.h): the ones read.
+    c["max_position_embeddings"] = cfg.rope_scaling.max_position_embeddings;
+    c["original_max_position_embeddings"] = cfg.rope_scaling.original_max_position_embeddings;
+  }
   // Only a model read from a config.json that had one (check_init_from
   // kept every sequence within it); from scratch: full causal attention.
   c["sliding_window"] = cfg.sliding_window > 0 ? json(cfg.sliding_window) : json(nullptr);
@@ -172,7 +228,19 @@ std::vector<const ParamTensor*> Phi3Arch::hf_save_order() const {
   return order;
 }
 
+std::vector<ShapeKey> Phi3Arch::shape_keys() const {
+  // model.init_from fills the job's model.* from these before anything
+  // else looks at the directory: the first place to say why.
+  TR_CHECK(!cfg_.rope_scaling.longrope(), "model.init_from: the Phi-3 has rope_scaling longrope (config.json); "
+           "trainrun computes it (export, generate from the directory) but a job cannot train it yet: the job spec "
+           "has no field for its short_factor/long_factor lists");
+  return LlamaArch::shape_keys();
+}
+
 void Phi3Arch::check_init_from(const ModelConfig& hf, const std::string& dir) const {
+  TR_CHECK(!hf.rope_scaling.longrope(), "model.init_from: '", dir, "' holds a Phi-3 with rope_scaling longrope "
+           "(config.json); trainrun computes it (export, generate from the directory) but a job cannot train it yet: "
+           "the job spec has no field for its short_factor/long_factor lists");
   LlamaArch::check_init_from(hf, dir);
   // See phi3_arch.h: up to the window, windowed and full attention agree.
   TR_CHECK(hf.sliding_window == 0 || cfg_.T <= hf.sliding_window, "model.init_from: '", dir,

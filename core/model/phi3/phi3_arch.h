@@ -11,10 +11,22 @@
 //     fused tensor as a whole.
 //   - Phi3Config's keys and defaults (vocab 32064, rms_norm_eps 1e-5,
 //     untied, original_max_position_embeddings, sliding_window).
-// What trainrun does not implement is refused by name (phi3_hf.cpp):
-//   - rope_scaling (type "longrope", or "su"/"yarn", which transformers 4.44
-//     renames to "longrope"): per-frequency short/long factors and a cos/sin
-//     scale; not implemented yet.
+//   - rope_scaling "longrope" (or its older name "su"; the 128k models):
+//     per-frequency short/long factors and a cos/sin scale
+//     (kernels/rope_table.h). transformers 4.44 picks the list per forward
+//     call by max(position_ids) + 1 > original_max_position_embeddings;
+//     trainrun picks it once per model: long when the model's context
+//     (model.seq_len; a directory's max_position_embeddings) passes the
+//     original one. A training run's forwards are full length, so they agree
+//     with transformers; the KV-cached decoder uses the same table, which
+//     agrees with transformers' generate unless a generation crosses the
+//     original context (transformers then mixes keys rotated by both lists).
+//     Computed for a directory (logits, generate, export); a job cannot
+//     train one yet (no job-spec field holds the factor lists): refused at
+//     model.init_from.
+// What trainrun does not implement is refused by name:
+//   - rope_scaling "yarn" (transformers 4.44 reads it as "longrope", Phi-3's
+//     YaRN class differs) and any other type.
 //   - sliding_window: transformers 4.44 applies it only in its
 //     flash-attention path (eager and sdpa attend to every earlier key), so
 //     the model differs by implementation once a sequence is longer than the
@@ -35,6 +47,7 @@ class Phi3Arch final : public LlamaArch {
   explicit Phi3Arch(const ModelConfig& cfg);
 
   std::string display_name() const override { return "Phi-3"; }
+  std::map<std::string, std::string> file_metadata() const override;
 
   std::string hf_model_type() const override { return "phi3"; }
   nlohmann::ordered_json hf_config_json() const override;
@@ -45,6 +58,8 @@ class Phi3Arch final : public LlamaArch {
   // gate_up_proj: not wired yet (an adapter job is refused: no block linears).
   std::vector<BlockLinear> block_linears() const override { return {}; }
   void check_init_from(const ModelConfig& hf, const std::string& dir) const override;
+  // Llama's; throws for a longrope model, which no job spec can describe yet.
+  std::vector<ShapeKey> shape_keys() const override;
 };
 
 // The registry's hooks (core/model/model.cpp).
