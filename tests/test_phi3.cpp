@@ -190,7 +190,7 @@ TEST_CASE("phi3: logits, loss, every gradient and greedy generate match transfor
     }
     std::printf("  worst gradient rel err %.3e (%s)\n", worst, worst_name.c_str());
     INFO("worst tensor " << worst_name);
-    CHECK(worst <= 1e-4);
+    CHECK(worst <= 1e-5);  // the issue's bar (test_llama allows 1e-4; Phi-3 measures < 1e-6)
 
     // Greedy generate with the KV cache, up to the 16 positions; with the
     // long factors the prompt passes the original context already (9 > 8),
@@ -208,7 +208,7 @@ TEST_CASE("phi3: logits, loss, every gradient and greedy generate match transfor
     REQUIRE(theirs.exit_code == 0);
     std::string mine;
     for (int32_t t : ours) mine += (mine.empty() ? "" : " ") + std::to_string(t);
-    std::printf("  generate: ours '%s' transformers '%s'", mine.c_str(), theirs.out.c_str());
+    std::printf("  generate: ours %s, transformers %s", mine.c_str(), theirs.out.c_str());  // out ends in a newline
     CHECK(mine + "\n" == theirs.out);
 
     if (k.longrope) {
