@@ -15,6 +15,17 @@ std::vector<double> rope_inv_freq(int HS, double theta, const RopeScaling* scali
   if (!scaling) return f;
 
   const RopeScaling& s = *scaling;
+  if (s.longrope()) {
+    const std::vector<double>& e = s.use_long ? s.long_factor : s.short_factor;
+    TR_CHECK(int(e.size()) == HS / 2, "rope_scaling.", s.use_long ? "long" : "short", "_factor has ", e.size(),
+             " values; the head size ", HS, " needs ", HS / 2);
+    for (int i = 0; i < HS / 2; ++i) {
+      TR_CHECK(e[size_t(i)] > 0.0, "rope_scaling.", s.use_long ? "long" : "short", "_factor[", i, "] = ", e[size_t(i)],
+               " must be > 0");
+      f[size_t(i)] /= e[size_t(i)];
+    }
+    return f;
+  }
   TR_CHECK(s.factor > 0.0, "rope_scaling.factor ", s.factor, " must be > 0");
   TR_CHECK(s.low_freq_factor > 0.0 && s.high_freq_factor > s.low_freq_factor, "rope_scaling: need 0 < low_freq_factor (",
            s.low_freq_factor, ") < high_freq_factor (", s.high_freq_factor, ")");
@@ -49,12 +60,18 @@ std::vector<float> rope_table(int maxT, int HS, double theta, const RopeScaling*
   TR_CHECK(maxT > 0, "rope: table length ", maxT, " must be positive (model.max_seq_len)");
   const std::vector<double> f = rope_inv_freq(HS, theta, scaling);
   const int half = HS / 2;
+  double mscale = 1.0;  // longrope's attention factor (rope_table.h)
+  if (scaling && scaling->longrope()) {
+    const double L0 = scaling->original_max_position_embeddings;
+    const double s = double(scaling->max_position_embeddings) / L0;
+    if (s > 1.0) mscale = std::sqrt(1.0 + std::log(s) / std::log(L0));
+  }
   std::vector<float> t(size_t(maxT) * HS);
   for (int p = 0; p < maxT; ++p)
     for (int i = 0; i < half; ++i) {
       const double a = double(p) * f[i];
-      t[(size_t(p) * half + i) * 2] = float(std::cos(a));
-      t[(size_t(p) * half + i) * 2 + 1] = float(std::sin(a));
+      t[(size_t(p) * half + i) * 2] = float(mscale * std::cos(a));
+      t[(size_t(p) * half + i) * 2 + 1] = float(mscale * std::sin(a));
     }
   return t;
 }

@@ -11,6 +11,13 @@
 //                                -> (1 - s) f_i / factor + s f_i
 // (the blend is continuous at both edges). The attention factor of "llama3"
 // is 1, so cos/sin are not rescaled.
+//
+// Phi-3's "longrope" (transformers 4.44's Phi3LongRoPEScaledRotaryEmbedding;
+// "su" before): f_i = theta^(-2i/HS) / e_i with e = long_factor or
+// short_factor (HS/2 each), and cos/sin both times the attention factor
+//   sqrt(1 + ln(s) / ln(L0)),  s = max_position_embeddings / L0  (1 when s <= 1).
+// transformers picks the list per forward call by max(position_ids) + 1 >
+// L0; here the caller picks once (use_long): see core/model/phi3/phi3_arch.h.
 #pragma once
 #include <vector>
 
@@ -22,6 +29,11 @@ struct RopeScaling {
   double low_freq_factor = 1.0;
   double high_freq_factor = 4.0;
   int original_max_position_embeddings = 8192;
+  // longrope (non-empty short_factor; factor and the freq factors unused):
+  std::vector<double> short_factor, long_factor;  // (HS/2) each
+  int max_position_embeddings = 0;                // s's numerator
+  bool use_long = false;                          // long_factor, else short_factor
+  bool longrope() const { return !short_factor.empty(); }
 };
 
 // f_i (HS/2), in double. scaling null: plain RoPE.

@@ -611,6 +611,7 @@ TEST_CASE("config: every preset has its published model's parameter count", "[co
       // cards' 0.6B / 8.2B / 32.8B with 0.44B / 6.95B / 31.2B non-embedding
       // (tests/test_qwen3.cpp); not checked against the safetensors files.
       {"qwen3-0.6b", 596049920LL},    {"qwen3-8b", 8190735360LL},   {"qwen3-32b", 32762123264LL},
+      {"phi3-mini", 3821079552LL},
   };
   REQUIRE(trainrun::model_preset_names().size() == want.size());
   for (const auto& [name, params] : want) {

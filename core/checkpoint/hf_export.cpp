@@ -150,6 +150,9 @@ class MemorySource final : public FlatModelSource {
 
 struct OutTensor {
   const ParamTensor* t = nullptr;
+  // A fused HF tensor (HfTensor::fused): our tensors that make it, in row
+  // order (t is the first); empty otherwise.
+  std::vector<const ParamTensor*> parts;
   HfTensor hf;
   std::vector<int64_t> shape;  // as stored (HF's)
   uint64_t nbytes = 0;
@@ -239,15 +242,21 @@ void write_tensor(const FlatModelSource& src, const OutTensor& o, bool bf16, siz
     for (int64_t k = 0; k < n; ++k) half[size_t(k)] = bf16_round_nearest_even(v[k]);
     f.write_at(at + uint64_t(e) * es, half.data(), size_t(n) * 2);
   };
-  if (!o.hf.transposed) {
-    for (int64_t a = 0; a < t.numel; a += max_elems) {
-      const int64_t n = std::min(max_elems, t.numel - a);
+  // Ours in HF's layout, from element `base` of the file's tensor on.
+  auto copy = [&](const ParamTensor& p, int64_t base) {
+    for (int64_t a = 0; a < p.numel; a += max_elems) {
+      const int64_t n = std::min(max_elems, p.numel - a);
       piece.resize(size_t(n));
-      src.read(t.offset + a, n, piece.data());
-      emit(piece.data(), n, a);
+      src.read(p.offset + a, n, piece.data());
+      emit(piece.data(), n, base + a);
     }
+  };
+  if (!o.parts.empty()) {
+    // Each part is a contiguous run of rows of the fused tensor.
+    for (const ParamTensor* p : o.parts) copy(*p, src.arch().hf_tensor(*p).fused_row * (p->numel / p->shape[0]));
     return;
   }
+  if (!o.hf.transposed) return copy(t, 0);
   // Ours (R, K) row-major, the file's (K, R): a piece of our rows [r0, r0+n)
   // is the file's columns [r0, r0+n), one run of n per file row (a single
   // run when the piece is the whole tensor, as for every GPT-2 up to 1.5B).
@@ -345,13 +354,36 @@ void write_weights(const fs::path& tmp, const FlatModelSource& src, const HfExpo
   std::vector<OutTensor> ts;
   for (const ParamTensor* tp : arch.hf_save_order()) {
     const ParamTensor& t = *tp;
+    const HfTensor hf = arch.hf_tensor(t);
+    if (hf.fused() && !ts.empty() && !ts.back().parts.empty() && ts.back().hf.name == hf.name) {
+      // The next part of the fused tensor the previous one began.
+      OutTensor& o = ts.back();
+      const HfTensor& prev = arch.hf_tensor(*o.parts.back());
+      TR_CHECK(hf.fused_row == prev.fused_row + o.parts.back()->shape[0], "export: '", t.name, "' does not follow '",
+               o.parts.back()->name, "' in '", hf.name, "' (a bug in the arch's hf_save_order)");
+      o.parts.push_back(&t);
+      continue;
+    }
     OutTensor o;
     o.t = &t;
-    o.hf = arch.hf_tensor(t);
-    o.shape = o.hf.transposed ? std::vector<int64_t>{t.shape[1], t.shape[0]} : t.shape;
-    o.nbytes = uint64_t(t.numel) * (bf16 ? 2 : 4);
+    o.hf = hf;
+    if (hf.fused()) {
+      TR_CHECK(hf.fused_row == 0, "export: '", t.name, "' is not the first part of '", hf.name,
+               "' (a bug in the arch's hf_save_order)");
+      o.parts.push_back(&t);
+    }
+    o.shape = hf.hf_shape(t.shape);
+    int64_t numel = 1;
+    for (int64_t d : o.shape) numel *= d;
+    o.nbytes = uint64_t(numel) * (bf16 ? 2 : 4);
     ts.push_back(std::move(o));
   }
+  for (const OutTensor& o : ts)
+    if (!o.parts.empty()) {
+      const ParamTensor& last = *o.parts.back();
+      TR_CHECK(arch.hf_tensor(last).fused_row + last.shape[0] == o.hf.fused_rows, "export: the parts of '", o.hf.name,
+               "' do not cover its ", o.hf.fused_rows, " rows (a bug in the arch's hf_save_order)");
+    }
   const std::vector<OutShard> shards = plan_shards(ts, opt.max_shard_bytes);
   // transformers refuses a safetensors file without metadata format "pt".
   const std::map<std::string, std::string> meta = {{"format", "pt"},

@@ -137,7 +137,10 @@ class HfReader {
                arch.hf_shape_keys(), " in its config.json); the directory is incomplete or not a ",
                arch.display_name(), " model");
       const Source& src = it->second;
-      const std::vector<int64_t> want = h.transposed ? std::vector<int64_t>{t.shape[1], t.shape[0]} : t.shape;
+      TR_CHECK(!h.fused() || (!h.transposed && h.fused_row >= 0 && h.fused_row + t.shape[0] <= h.fused_rows), "hf: '",
+               t.name, "' is rows [", h.fused_row, ", ", h.fused_row + t.shape[0], ") of '", h.name, "' of ",
+               h.fused_rows, " rows (a bug in the arch's hf_tensor)");
+      const std::vector<int64_t> want = h.hf_shape(t.shape);
       TR_CHECK(src.view->shape == want, what, ": '", src.path, "': tensor '", src.view->name, "' has shape ",
                shape_str(src.view->shape), " but config.json implies ", shape_str(want),
                h.layout_note.empty() ? "" : " (" + h.layout_note + ")");
@@ -240,8 +243,10 @@ class HfReader {
           dst[k] = load_elem(src.view->dtype, es, src.view->data + size_t(i * outc + o) * es);
         }
       } else {
-        // A shorter table (GPT-2's wpe): its first rows, the same row-major prefix.
-        convert_to_f32(src.view->dtype, src.view->data + size_t(a) * es, size_t(n), dst);
+        // A shorter table (GPT-2's wpe): its first rows, the same row-major
+        // prefix. A part of a fused tensor: its rows, from its first one.
+        const int64_t base = h.fused_row * (t.numel / t.shape[0]);
+        convert_to_f32(src.view->dtype, src.view->data + size_t(base + a) * es, size_t(n), dst);
         if (auto tit = tied_.find(t.name); tit != tied_.end()) {
           check_tied(tit->second, a, n, dst);
           done(tit->second.src);

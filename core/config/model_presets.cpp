@@ -83,6 +83,27 @@ ModelSpec qwen3(int L, int C, int NH, int F, bool tied) {
   return m;
 }
 
+// Phi-3-mini-4k-instruct: 32064 tokens, rms_norm_eps 1e-5, rope_theta
+// 10000, untied, no rope_scaling; max_position_embeddings 4096 with
+// sliding_window 2047. seq_len is the window: trainrun does not implement
+// the window yet (core/model/phi3/phi3_arch.h), and up to it windowed and
+// full attention are the same model.
+ModelSpec phi3_mini() {
+  ModelSpec m;
+  m.arch = "phi3";
+  m.n_layer = 32;
+  m.n_embd = 3072;
+  m.n_head = 32;
+  m.n_kv_head = 32;
+  m.ffn_dim = 8192;
+  m.vocab_size = 32064;
+  m.seq_len = 2047;
+  m.norm_eps = 1e-5;
+  m.rope_theta = 10000;
+  m.tie_embeddings = "false";
+  return m;
+}
+
 }  // namespace
 
 const std::vector<ModelPreset>& model_presets() {
@@ -96,6 +117,7 @@ const std::vector<ModelPreset>& model_presets() {
       {"qwen3-0.6b", "Qwen/Qwen3-0.6B", qwen3(28, 1024, 16, 3072, true)},
       {"qwen3-8b", "Qwen/Qwen3-8B", qwen3(36, 4096, 32, 12288, false)},
       {"qwen3-32b", "Qwen/Qwen3-32B", qwen3(64, 5120, 64, 25600, false)},
+      {"phi3-mini", "microsoft/Phi-3-mini-4k-instruct", phi3_mini()},
       {"gpt2-124m", "openai-community/gpt2", gpt2(12, 12, 768)},
       {"gpt2-350m", "openai-community/gpt2-medium", gpt2(24, 16, 1024)},
       {"gpt2-774m", "openai-community/gpt2-large", gpt2(36, 20, 1280)},

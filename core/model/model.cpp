@@ -12,6 +12,7 @@
 #include "core/model/gpt2/gpt2_arch.h"
 #include "core/model/llama/llama_arch.h"
 #include "core/model/qwen3/qwen3_arch.h"
+#include "core/model/phi3/phi3_arch.h"
 
 namespace fs = std::filesystem;
 using json = nlohmann::ordered_json;
@@ -37,6 +38,7 @@ const std::vector<ArchEntry>& registry() {
       {"gpt2", "gpt2", true, true, make_gpt2_arch, gpt2_config_from_hf, gpt2_config_from_metadata},
       {"llama", "llama", true, true, make_llama_arch, llama_config_from_hf, llama_config_from_metadata},
       {"qwen3", "qwen3", true, true, make_qwen3_arch, qwen3_config_from_hf, qwen3_config_from_metadata},
+      {"phi3", "phi3", true, true, make_phi3_arch, phi3_config_from_hf, phi3_config_from_metadata},
   };
   return r;
 }
@@ -220,8 +222,19 @@ void check_model_config_common(const ModelConfig& c) {
            ")");
   TR_CHECK(c.rope_theta > 0 && std::isfinite(c.rope_theta), "model.rope_theta must be a positive number (got ",
            c.rope_theta, ")");
-  TR_CHECK(c.rope_scaling_type.empty() || c.rope_scaling_type == "llama3", "model.rope_scaling.type: unknown type '",
-           c.rope_scaling_type, "'; trainrun implements llama3 (or none: leave it empty)");
+  TR_CHECK(c.rope_scaling_type.empty() || c.rope_scaling_type == "llama3" ||
+               (c.rope_scaling_type == "longrope" && c.rope_scaling.longrope()),
+           "model.rope_scaling.type: unknown type '", c.rope_scaling_type,
+           "'; trainrun implements llama3 (or none: leave it empty), and longrope read from a Phi-3 config.json");
+  if (c.rope_scaling_type == "longrope") {
+    const RopeScaling& s = c.rope_scaling;
+    const size_t half = size_t(c.head_size() / 2);
+    TR_CHECK(s.short_factor.size() == half && s.long_factor.size() == half, "model.rope_scaling: longrope's "
+             "short_factor and long_factor need head_size / 2 = ", half, " values each (got ", s.short_factor.size(),
+             " and ", s.long_factor.size(), ")");
+    TR_CHECK(s.original_max_position_embeddings >= 2, "model.rope_scaling.original_max_position_embeddings must be "
+             "at least 2 for longrope (got ", s.original_max_position_embeddings, ")");
+  }
   if (c.rope_scaling_type == "llama3") {
     const RopeScaling& s = c.rope_scaling;
     TR_CHECK(s.factor >= 1, "model.rope_scaling.factor must be at least 1 (got ", s.factor, ")");

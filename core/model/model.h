@@ -59,6 +59,7 @@ struct ModelConfig {
   // self_attn.q_norm.weight and k_norm.weight (head_dim each), shared by the
   // heads; Backend::qk_norm_forward. Set by the arch, not the job spec.
   bool qk_norm = false;
+  int sliding_window = 0;      // [model.sliding_window] 0 = none
 
   // The config a job spec describes. model.arch auto is resolved here: the
   // architecture of model.init_from's config.json (its model_type), else
@@ -358,10 +359,31 @@ struct ActivationDevice {
 };
 
 // How a layout tensor appears in a Hugging Face directory.
+//
+// One HF tensor may hold several of ours (Phi-3's qkv_proj = q|k|v and
+// gate_up_proj = gate|up, stacked along dim 0): each of ours then names the
+// fused tensor, its first row there (fused_row) and the fused tensor's rows
+// (fused_rows); ours is rows [fused_row, fused_row + shape[0]) of it, a
+// contiguous byte range, so import reads and export writes each part by
+// ranges like a whole tensor. Our layout keeps the parts apart, so each
+// splits for tensor parallelism by its own heads/columns. The parts of one
+// fused tensor are adjacent in hf_save_order(), in row order, and cover it.
 struct HfTensor {
   std::string name;          // HF's name: "transformer.h.0.attn.c_attn.weight"
   bool transposed = false;   // HF stores it (in, out), the transpose of our (out, in) (GPT-2's Conv1D)
   std::string layout_note;   // for messages about its shape: "Hugging Face Conv1D layout: in, out"
+  int64_t fused_row = 0;     // with fused_rows > 0: our first row in the fused tensor
+  int64_t fused_rows = 0;    // the fused tensor's dim 0 (0: `name` is ours alone)
+  bool fused() const { return fused_rows > 0; }
+  // HF's shape of `name` for our tensor t.
+  std::vector<int64_t> hf_shape(const std::vector<int64_t>& ours) const {
+    if (fused()) {
+      std::vector<int64_t> s = ours;
+      s[0] = fused_rows;
+      return s;
+    }
+    return transposed ? std::vector<int64_t>{ours[1], ours[0]} : ours;
+  }
 };
 
 // One model.* field of an architecture's shape and the config.json key that

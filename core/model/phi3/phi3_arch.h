@@ -1,0 +1,70 @@
+// Phi-3 (Phi3ForCausalLM, model_type "phi3") as a ModelArch: Llama's network
+// and layout (core/model/llama/) under Phi-3's Hugging Face side.
+//
+// What differs from Llama is only in the files and config.json:
+//   - HF fuses self_attn.qkv_proj.weight ((NH + 2 NKV) HS, C) = q|k|v and
+//     mlp.gate_up_proj.weight (2F, C) = gate|up (Phi3MLP: gate, up =
+//     chunk(2)). Our layout keeps Llama's q/k/v and gate/up tensors, each
+//     a row range of the fused one (HfTensor::fused_row), so import and
+//     export stream by ranges like any tensor, and tensor parallelism splits
+//     q, k and v by their heads and gate and up by their columns, never the
+//     fused tensor as a whole.
+//   - Phi3Config's keys and defaults (vocab 32064, rms_norm_eps 1e-5,
+//     untied, original_max_position_embeddings, sliding_window).
+//   - rope_scaling "longrope" (or its older name "su"; the 128k models):
+//     per-frequency short/long factors and a cos/sin scale
+//     (kernels/rope_table.h). transformers 4.44 picks the list per forward
+//     call by max(position_ids) + 1 > original_max_position_embeddings;
+//     trainrun picks it once per model: long when the model's context
+//     (model.seq_len; a directory's max_position_embeddings) passes the
+//     original one. A training run's forwards are full length, so they agree
+//     with transformers; the KV-cached decoder uses the same table, which
+//     agrees with transformers' generate unless a generation crosses the
+//     original context (transformers then mixes keys rotated by both lists).
+//     Computed for a directory (logits, generate, export); a job cannot
+//     train one yet (no job-spec field holds the factor lists): refused at
+//     model.init_from.
+// What trainrun does not implement is refused by name:
+//   - rope_scaling "yarn" (transformers 4.44 reads it as "longrope", Phi-3's
+//     YaRN class differs) and any other type.
+//   - sliding_window: transformers 4.44 applies it only in its
+//     flash-attention path (eager and sdpa attend to every earlier key), so
+//     the model differs by implementation once a sequence is longer than the
+//     window. Until trainrun's attention has the window, model.init_from
+//     refuses a model.seq_len above it: up to it every implementation agrees.
+#pragma once
+#include <map>
+#include <memory>
+#include <nlohmann/json_fwd.hpp>
+#include <string>
+
+#include "core/model/llama/llama_arch.h"
+
+namespace trainrun {
+
+class Phi3Arch final : public LlamaArch {
+ public:
+  explicit Phi3Arch(const ModelConfig& cfg);
+
+  std::string display_name() const override { return "Phi-3"; }
+  std::map<std::string, std::string> file_metadata() const override;
+
+  std::string hf_model_type() const override { return "phi3"; }
+  nlohmann::ordered_json hf_config_json() const override;
+  void hf_carry_over(const nlohmann::ordered_json& source, nlohmann::ordered_json& out) const override;
+  HfTensor hf_tensor(const ParamTensor& t) const override;
+  std::vector<const ParamTensor*> hf_save_order() const override;
+  // Adapters name HF modules, and Phi-3's are the fused qkv_proj and
+  // gate_up_proj: not wired yet (an adapter job is refused: no block linears).
+  std::vector<BlockLinear> block_linears() const override { return {}; }
+  void check_init_from(const ModelConfig& hf, const std::string& dir) const override;
+  // Llama's; throws for a longrope model, which no job spec can describe yet.
+  std::vector<ShapeKey> shape_keys() const override;
+};
+
+// The registry's hooks (core/model/model.cpp).
+std::unique_ptr<ModelArch> make_phi3_arch(const ModelConfig& cfg);
+ModelConfig phi3_config_from_hf(const nlohmann::ordered_json& c, const std::string& path, const std::string& what);
+ModelConfig phi3_config_from_metadata(const std::map<std::string, std::string>& meta, const std::string& path);
+
+}  // namespace trainrun
