@@ -6,9 +6,21 @@
 // and backward, on Gloo over threads; a rank that dies inside the ring.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <mutex>
+#include <random>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "core/config/job_spec.h"
+#include "kernels/backend.h"
+#include "parallel/context/ring_attention.h"
+#include "parallel/context/sequence_split.h"
+#include "tests/support/device_io.h"
+#include "tests/support/inprocess.h"
 #include "tests/support/testutil.h"
 
 using namespace trainrun;
@@ -64,4 +76,253 @@ TEST_CASE("cp: a job with context_parallel > 1 is refused at setup by name, not 
   INFO(r.out << r.err);
   CHECK(r.exit_code != 0);
   CHECK_THAT(r.out + r.err, Contains("parallel.context_parallel: 2 is not wired into training yet"));
+}
+
+// ---- the sequence split -------------------------------------------------------------
+
+TEST_CASE("cp: the load-balanced split maps rows to positions and back, and round-trips", "[cp]") {
+  const int T = 24, B = 2;
+  for (int cp : {1, 2, 3, 4}) {
+    if (T % (2 * cp)) continue;
+    std::vector<int> seen(T, 0);
+    std::vector<std::vector<float>> locals;
+    std::vector<float> global(size_t(B) * T * 3);
+    for (size_t i = 0; i < global.size(); ++i) global[i] = float(i);
+    for (int r = 0; r < cp; ++r) {
+      const SequenceSplit s(T, cp, r);
+      REQUIRE(s.local_rows() == T / cp);
+      for (int l = 0; l < s.local_rows(); ++l) {
+        const int p = s.global_pos(l);
+        CHECK(s.local_row(p) == l);
+        CHECK(s.owner(p) == r);
+        seen[size_t(p)]++;
+      }
+      // Rank r holds chunks r and 2cp-1-r.
+      CHECK(s.global_pos(0) == r * s.chunk());
+      CHECK(s.global_pos(s.chunk()) == (2 * cp - 1 - r) * s.chunk());
+      locals.emplace_back(size_t(B) * s.local_rows() * 3);
+      split_rows(global.data(), locals.back().data(), B, 3 * sizeof(float), s);
+      CHECK(locals.back()[3 * size_t(s.local_rows())] == global[3 * size_t(T) + 3 * size_t(r * s.chunk())]);  // b = 1
+    }
+    CHECK(std::all_of(seen.begin(), seen.end(), [](int n) { return n == 1; }));
+    std::vector<const void*> ptrs;
+    for (auto& l : locals) ptrs.push_back(l.data());
+    std::vector<float> back(global.size(), -1);
+    merge_rows(ptrs, back.data(), B, 3 * sizeof(float), T, cp);
+    CHECK(back == global);
+  }
+  CHECK_THROWS_WITH(SequenceSplit(20, 3, 0), Contains("20 is not a multiple of 2 x cp = 6"));
+}
+
+TEST_CASE("cp: a split document mask keeps global starts and restarts positions per document", "[cp]") {
+  // T 16 at cp2 (chunks of 4: rank 0 holds 0-3 and 12-15, rank 1 4-11).
+  // Documents [0,6) [6,8) [8,16): the first crosses a chunk edge, the third
+  // starts exactly on one and spans two chunks held by different ranks.
+  std::vector<int32_t> doc(16);
+  for (int t = 0; t < 16; ++t) doc[size_t(t)] = t < 6 ? 0 : t < 8 ? 6 : 8;
+  const LocalDocumentMask r0 = split_document_mask(doc.data(), 1, SequenceSplit(16, 2, 0));
+  const LocalDocumentMask r1 = split_document_mask(doc.data(), 1, SequenceSplit(16, 2, 1));
+  CHECK(r0.doc_start == std::vector<int32_t>{0, 0, 0, 0, 8, 8, 8, 8});
+  CHECK(r0.pos == std::vector<int32_t>{0, 1, 2, 3, 4, 5, 6, 7});  // rows 12-15: positions 4-7 of the third
+  CHECK(r1.doc_start == std::vector<int32_t>{0, 0, 6, 6, 8, 8, 8, 8});
+  CHECK(r1.pos == std::vector<int32_t>{4, 5, 0, 1, 0, 1, 2, 3});
+  // Without documents: positions are global.
+  CHECK(split_document_mask(nullptr, 1, SequenceSplit(16, 2, 1)).pos == std::vector<int32_t>{4, 5, 6, 7, 8, 9, 10, 11});
+}
+
+// ---- attention across ranks against the one-rank op ------------------------------------
+
+namespace {
+
+struct AttnCase {
+  int B = 2, T = 32, NH = 4, NKV = 2, HS = 8;
+  std::vector<int32_t> doc_start;  // (B,T) or empty
+};
+
+// Documents: sequence 0 has fixed lengths with boundaries on chunk edges of
+// cp2 and cp4 and one document longer than a chunk; the others random.
+std::vector<int32_t> make_docs(int B, int T, uint64_t seed) {
+  std::vector<int32_t> d(size_t(B) * T);
+  std::mt19937_64 gen(seed);
+  for (int b = 0; b < B; ++b) {
+    std::vector<int> lens = b == 0 ? std::vector<int>{4, 12, 1, 3, 8, 4} : std::vector<int>{};
+    if (b > 0)
+      for (int left = T; left > 0;) {
+        const int n = std::min(left, int(gen() % 13) + 1);
+        lens.push_back(n);
+        left -= n;
+      }
+    int start = 0;
+    for (int n : lens) {
+      for (int t = start; t < start + n && t < T; ++t) d[size_t(b) * T + t] = start;
+      start += n;
+    }
+  }
+  return d;
+}
+
+struct Reference {
+  std::vector<float> qkv, dout, out, dqkv;
+};
+
+// The one-rank op (attention_gqa_forward / _backward) on the whole sequence.
+Reference one_rank(const AttnCase& c, uint64_t seed) {
+  auto be = make_cpu_backend(1);
+  const int ld = (c.NH + 2 * c.NKV) * c.HS, C = c.NH * c.HS;
+  Reference r;
+  std::mt19937_64 gen(seed);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  r.qkv.resize(size_t(c.B) * c.T * ld);
+  r.dout.resize(size_t(c.B) * c.T * C);
+  for (auto& x : r.qkv) x = nd(gen);
+  for (auto& x : r.dout) x = nd(gen);
+  DeviceBuffer qkv = upload_f32(be.get(), r.qkv), dout = upload_f32(be.get(), r.dout);
+  DeviceBuffer out(be.get(), r.dout.size() * 4), dqkv(be.get(), r.qkv.size() * 4);
+  DeviceBuffer saved(be.get(), be->attention_gqa_saved_floats(c.B, c.T, c.NH) * 4);
+  DeviceBuffer docs(be.get(), std::max<size_t>(4, c.doc_start.size() * 4));
+  const int32_t* dp = nullptr;
+  if (!c.doc_start.empty()) {
+    be->copy_to_device(docs.get(), c.doc_start.data(), c.doc_start.size() * 4);
+    dp = docs.as<int32_t>();
+  }
+  be->attention_gqa_forward(out.get(), saved.as<float>(), qkv.get(), c.B, c.T, c.NH, c.NKV, c.HS, dp);
+  be->attention_gqa_backward(dqkv.get(), dout.get(), qkv.get(), out.get(), saved.as<float>(), c.B, c.T, c.NH, c.NKV,
+                             c.HS, dp);
+  r.out = download_f32(be.get(), out.get(), r.dout.size());
+  r.dqkv = download_f32(be.get(), dqkv.get(), r.qkv.size());
+  return r;
+}
+
+// max |got - ref| / max |ref|
+double max_rel(const std::vector<float>& got, const std::vector<float>& ref) {
+  REQUIRE(got.size() == ref.size());
+  double d = 0, m = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    d = std::max(d, double(std::fabs(got[i] - ref[i])));
+    m = std::max(m, double(std::fabs(ref[i])));
+  }
+  return d / m;
+}
+
+struct CpResult {
+  std::vector<float> out, dqkv;   // merged back into global order
+  std::vector<RingStats> stats;   // per rank (ring only)
+  std::vector<std::string> errors;
+};
+
+// Runs the cp attention on `cp` ranks (threads, Gloo) and merges the rows.
+CpResult run_cp(const AttnCase& c, const Reference& ref, int cp, const std::string& mode,
+                std::chrono::milliseconds timeout = std::chrono::seconds(30), int dead_rank = -1) {
+  const int ld = (c.NH + 2 * c.NKV) * c.HS, C = c.NH * c.HS;
+  std::vector<std::vector<float>> outs(static_cast<size_t>(cp)), dqkvs(static_cast<size_t>(cp));
+  CpResult res;
+  res.stats.resize(size_t(cp));
+  res.errors = run_gloo_group(cp, "cp0", timeout, [&](Communicator& comm) {
+    const int r = comm.rank();
+    if (r == dead_rank) {  // stops answering inside the ring, holding its connections
+      std::this_thread::sleep_for(timeout * 3);
+      return;
+    }
+    auto be = make_cpu_backend(1);
+    const SequenceSplit split(c.T, cp, r);
+    const int Tl = split.local_rows();
+    std::vector<float> q_local(size_t(c.B) * Tl * ld), dout_local(size_t(c.B) * Tl * C);
+    split_rows(ref.qkv.data(), q_local.data(), c.B, ld * sizeof(float), split);
+    split_rows(ref.dout.data(), dout_local.data(), c.B, C * sizeof(float), split);
+    DeviceBuffer qkv = upload_f32(be.get(), q_local), dout = upload_f32(be.get(), dout_local);
+    DeviceBuffer out(be.get(), dout_local.size() * 4), dqkv(be.get(), q_local.size() * 4);
+    DeviceBuffer lse(be.get(), size_t(c.B) * c.NH * Tl * 4);
+    const CpAttentionShape shape{c.B, c.T, c.NH, c.NKV, c.HS};
+    const int32_t* docs = c.doc_start.empty() ? nullptr : c.doc_start.data();
+    REQUIRE(mode == "ring");
+    RingAttention ring(*be, comm, shape, docs);
+    ring.forward(out.get(), lse.as<float>(), qkv.get());
+    ring.backward(dqkv.get(), dout.get(), qkv.get(), out.get(), lse.as<float>());
+    res.stats[size_t(r)] = ring.stats();
+    outs[size_t(r)] = download_f32(be.get(), out.get(), dout_local.size());
+    dqkvs[size_t(r)] = download_f32(be.get(), dqkv.get(), q_local.size());
+  });
+  for (const auto& e : res.errors)
+    if (!e.empty()) return res;
+  std::vector<const void*> po, pd;
+  for (int r = 0; r < cp; ++r) po.push_back(outs[size_t(r)].data()), pd.push_back(dqkvs[size_t(r)].data());
+  res.out.resize(ref.out.size());
+  res.dqkv.resize(ref.dqkv.size());
+  merge_rows(po, res.out.data(), c.B, C * sizeof(float), c.T, cp);
+  merge_rows(pd, res.dqkv.data(), c.B, ld * sizeof(float), c.T, cp);
+  return res;
+}
+
+void check_against_one_rank(const std::string& mode) {
+  struct Shape {
+    int NH, NKV;
+    bool docs;
+  };
+  for (const Shape sh : {Shape{4, 2, false}, Shape{4, 2, true}, Shape{4, 4, true}, Shape{4, 1, true}}) {
+    AttnCase c;
+    c.NH = sh.NH, c.NKV = sh.NKV;
+    if (sh.docs) c.doc_start = make_docs(c.B, c.T, 7);
+    const Reference ref = one_rank(c, 11);
+    for (int cp : {2, 4}) {
+      INFO(mode << " cp" << cp << " NH " << c.NH << " NKV " << c.NKV << (sh.docs ? " documents" : " causal"));
+      const CpResult r = run_cp(c, ref, cp, mode);
+      for (const auto& e : r.errors) REQUIRE(e == "");
+      const double e_out = max_rel(r.out, ref.out), e_grad = max_rel(r.dqkv, ref.dqkv);
+      INFO(mode << " cp" << cp << " NKV " << c.NKV << (sh.docs ? " docs" : " causal") << ": out max rel err "
+                << e_out << ", dqkv " << e_grad);
+      CHECK(e_out <= 1e-5);
+      CHECK(e_grad <= 1e-5);
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("cp: ring attention at cp2 and cp4 equals the one-rank op, forward and backward", "[cp][ring]") {
+  check_against_one_rank("ring");
+}
+
+TEST_CASE("cp: the ring's causal work is even, and blocks nobody may see are neither computed nor sent",
+          "[cp][ring]") {
+  AttnCase c;
+  const Reference causal = one_rank(c, 3);
+  const CpResult r = run_cp(c, causal, 4, "ring");
+  for (const auto& e : r.errors) REQUIRE(e == "");
+  for (const RingStats& s : r.stats) {
+    CHECK(s.blocks_computed == 2 * 4 + 1);  // (i + 1) + (2N - i) chunk pairs on every rank
+    CHECK(s.blocks_skipped == 4 * 4 - 9);
+    CHECK(s.sends == 3);                    // every block goes all the way round
+  }
+  // Every document inside one chunk (chunk edges = document edges): each
+  // rank needs only its own keys, so nothing travels and only the two
+  // diagonal pairs are computed; the result is still the one-rank op's.
+  c.doc_start.assign(size_t(c.B) * c.T, 0);
+  for (int i = 0; i < c.B * c.T; ++i) c.doc_start[size_t(i)] = (i % c.T) / 4 * 4;  // T 32, cp4: chunks of 4
+  const Reference docs = one_rank(c, 3);
+  const CpResult d = run_cp(c, docs, 4, "ring");
+  for (const auto& e : d.errors) REQUIRE(e == "");
+  for (const RingStats& s : d.stats) {
+    CHECK(s.blocks_computed == 2);
+    CHECK(s.sends == 0);
+    CHECK(s.sends_skipped == 1);  // its own block, at the first step; none arrive after
+  }
+  CHECK(max_rel(d.out, docs.out) <= 1e-5);
+  CHECK(max_rel(d.dqkv, docs.dqkv) <= 1e-5);
+}
+
+TEST_CASE("cp: a rank that stops inside the ring makes the others fail with a timeout naming the cp group",
+          "[cp][ring][fault]") {
+  AttnCase c;
+  const Reference ref = one_rank(c, 5);
+  const auto t0 = std::chrono::steady_clock::now();
+  const CpResult r = run_cp(c, ref, 4, "ring", std::chrono::milliseconds(1500), /*dead_rank=*/2);
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  CHECK(s < 15);
+  for (int rank : {0, 1, 3}) {
+    INFO("rank " << rank << ": " << r.errors[size_t(rank)]);
+    CHECK_THAT(r.errors[size_t(rank)], Contains("ring attention forward (cp group cp0, cp rank " +
+                                                std::to_string(rank) + " of 4, ring step"));
+    CHECK_THAT(r.errors[size_t(rank)], Contains("timed out") || Contains("closed"));
+  }
+  CHECK(r.errors[2] == "");
 }
