@@ -326,6 +326,12 @@ class Backend {
                          int64_t rows, int64_t cols) {
     not_implemented("copy_rows");
   }
+  // dst += src over rows x cols fp32 elements (row strides dst_ld, src_ld):
+  // all_to_all attention sums a replicated KV head's gradient over the
+  // ranks that used it, in rank order.
+  virtual void add_rows_f32(float* dst, int64_t dst_ld, const float* src, int64_t src_ld, int64_t rows, int64_t cols) {
+    not_implemented("add_rows_f32");
+  }
 
   // ---- vocab-parallel embedding and cross-entropy (tensor parallelism) ----------
   // A rank of a TP group holds rows [v_begin, v_begin + v_count) of the

@@ -17,6 +17,7 @@
 
 #include "core/config/job_spec.h"
 #include "kernels/backend.h"
+#include "parallel/context/all_to_all_attention.h"
 #include "parallel/context/ring_attention.h"
 #include "parallel/context/sequence_split.h"
 #include "tests/support/device_io.h"
@@ -234,11 +235,16 @@ CpResult run_cp(const AttnCase& c, const Reference& ref, int cp, const std::stri
     DeviceBuffer lse(be.get(), size_t(c.B) * c.NH * Tl * 4);
     const CpAttentionShape shape{c.B, c.T, c.NH, c.NKV, c.HS};
     const int32_t* docs = c.doc_start.empty() ? nullptr : c.doc_start.data();
-    REQUIRE(mode == "ring");
-    RingAttention ring(*be, comm, shape, docs);
-    ring.forward(out.get(), lse.as<float>(), qkv.get());
-    ring.backward(dqkv.get(), dout.get(), qkv.get(), out.get(), lse.as<float>());
-    res.stats[size_t(r)] = ring.stats();
+    if (mode == "ring") {
+      RingAttention ring(*be, comm, shape, docs);
+      ring.forward(out.get(), lse.as<float>(), qkv.get());
+      ring.backward(dqkv.get(), dout.get(), qkv.get(), out.get(), lse.as<float>());
+      res.stats[size_t(r)] = ring.stats();
+    } else {
+      AllToAllAttention a2a(*be, comm, shape, docs);
+      a2a.forward(out.get(), lse.as<float>(), qkv.get());
+      a2a.backward(dqkv.get(), dout.get(), qkv.get(), out.get(), lse.as<float>());
+    }
     outs[size_t(r)] = download_f32(be.get(), out.get(), dout_local.size());
     dqkvs[size_t(r)] = download_f32(be.get(), dqkv.get(), q_local.size());
   });
@@ -280,6 +286,21 @@ void check_against_one_rank(const std::string& mode) {
 
 TEST_CASE("cp: ring attention at cp2 and cp4 equals the one-rank op, forward and backward", "[cp][ring]") {
   check_against_one_rank("ring");
+}
+
+TEST_CASE("cp: all_to_all attention at cp2 and cp4 equals the one-rank op, forward and backward (KV heads split "
+          "or replicated)", "[cp][all_to_all]") {
+  check_against_one_rank("all_to_all");
+}
+
+TEST_CASE("cp: all_to_all refuses heads that do not split, naming what works", "[cp][all_to_all]") {
+  AttnCase c;
+  c.NH = 6, c.NKV = 6;  // 6 query heads over 4 ranks
+  CHECK_THAT(run_cp(c, one_rank(c, 2), 4, "all_to_all").errors[0],
+             Contains("6 attention heads do not split over cp 4") && Contains("cp_mode: ring"));
+  c.NH = 12, c.NKV = 3;  // 3 KV heads over 2 ranks: neither split nor whole replicas
+  CHECK_THAT(run_cp(c, one_rank(c, 2), 2, "all_to_all").errors[1],
+             Contains("3 key/value heads over cp 2 ranks") && Contains("cp_mode: ring"));
 }
 
 TEST_CASE("cp: the ring's causal work is even, and blocks nobody may see are neither computed nor sent",

@@ -178,4 +178,10 @@ void CpuBackend::copy_rows(void* dst_, DType dst_type, int64_t dst_ld, const voi
   for (int64_t r = 0; r < rows; ++r) std::copy(src + r * src_ld, src + r * src_ld + cols, dst + r * dst_ld);
 }
 
+void CpuBackend::add_rows_f32(float* dst, int64_t dst_ld, const float* src, int64_t src_ld, int64_t rows,
+                              int64_t cols) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) dst[r * dst_ld + c] += src[r * src_ld + c];
+}
+
 }  // namespace trainrun

@@ -87,6 +87,8 @@ class CpuBackend final : public Backend {
                              const AttentionBlock& a) override;
   void copy_rows(void* dst, DType dst_type, int64_t dst_ld, const void* src, DType src_type, int64_t src_ld,
                  int64_t rows, int64_t cols) override;
+  void add_rows_f32(float* dst, int64_t dst_ld, const float* src, int64_t src_ld, int64_t rows,
+                    int64_t cols) override;
   size_t attention_gqa_saved_floats(int B, int T, int NH) const override;
   void attention_gqa_forward(void* out, float* saved, const void* qkv, int B, int T, int NH, int NKV,
                              int HS, const int32_t* doc_start = nullptr) override;
