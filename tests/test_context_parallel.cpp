@@ -17,6 +17,7 @@
 
 #include "core/config/job_spec.h"
 #include "kernels/backend.h"
+#include "parallel/rendezvous/store.h"
 #include "parallel/context/all_to_all_attention.h"
 #include "parallel/context/ring_attention.h"
 #include "parallel/context/sequence_split.h"
@@ -129,6 +130,52 @@ TEST_CASE("cp: a split document mask keeps global starts and restarts positions 
   CHECK(r1.pos == std::vector<int32_t>{4, 5, 0, 1, 0, 1, 2, 3});
   // Without documents: positions are global.
   CHECK(split_document_mask(nullptr, 1, SequenceSplit(16, 2, 1)).pos == std::vector<int32_t>{4, 5, 6, 7, 8, 9, 10, 11});
+}
+
+// ---- Communicator::all_to_all (the exchange all_to_all attention uses) -----------------
+
+namespace {
+// Rank r's block for rank j: 5 bytes of (r, j, k).
+std::vector<uint8_t> a2a_input(int r, int W) {
+  std::vector<uint8_t> v;
+  for (int j = 0; j < W; ++j)
+    for (int k = 0; k < 5; ++k) v.push_back(uint8_t(r * 64 + j * 8 + k));
+  return v;
+}
+void check_a2a(Communicator& c) {
+  const int W = c.world_size(), r = c.rank();
+  const std::vector<uint8_t> in = a2a_input(r, W);
+  std::vector<uint8_t> out(in.size(), 0xee);
+  c.all_to_all(out.data(), in.data(), 5);
+  for (int i = 0; i < W; ++i)
+    for (int k = 0; k < 5; ++k)
+      if (out[size_t(i * 5 + k)] != uint8_t(i * 64 + r * 8 + k))
+        throw std::runtime_error("all_to_all: rank " + std::to_string(r) + " got a wrong byte from rank " +
+                                 std::to_string(i));
+}
+}  // namespace
+
+TEST_CASE("cp: all_to_all sends block j to rank j on Gloo, the single rank and the shared-memory pair", "[cp]") {
+  for (int W : {2, 3, 4}) {
+    INFO("gloo W " << W);
+    for (const auto& e : run_gloo_group(W, "a2a", std::chrono::seconds(30), check_a2a)) CHECK(e == "");
+  }
+  check_a2a(*make_single_communicator());
+  const std::string secret = make_job_secret();
+  TcpStoreServer server("127.0.0.1", 0, secret);
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> pair;
+  for (int r = 0; r < 2; ++r)
+    pair.emplace_back([&, r] {
+      try {
+        auto store = connect_tcp_store("127.0.0.1", server.port(), secret, std::chrono::seconds(30));
+        check_a2a(*make_shm_communicator(*store, "shm_a2a", r, std::chrono::seconds(30)));
+      } catch (const std::exception& e) {
+        errors[size_t(r)] = e.what();
+      }
+    });
+  for (auto& t : pair) t.join();
+  CHECK(errors == std::vector<std::string>{"", ""});
 }
 
 // ---- attention across ranks against the one-rank op ------------------------------------
