@@ -1905,7 +1905,7 @@ TEST_CASE("cuda: attention by blocks (context parallelism) matches the CPU op", 
       for (int i = 0; i < s.Tq; ++i)
         doc[size_t(b) * s.Tq + i] =
             i % 2 ? std::min(s.k_pos0 + (i * 7 + b) % s.Tk, std::min(s.q_pos0 + i, s.k_pos0 + s.Tk - 1)) : 0;
-    DeviceBuffer cdoc = upload_i32(p.cpu.get(), doc), gdoc = upload_i32(p.gpu.get(), doc);
+    DeviceBuffer cdoc = test::upload_i32(p.cpu.get(), doc), gdoc = test::upload_i32(p.gpu.get(), doc);
     auto args = [&](bool gpu) {
       AttentionBlock a;
       a.B = s.B, a.Tq = s.Tq, a.Tk = s.Tk, a.NH = s.NH, a.NKV = s.NKV, a.HS = s.HS;
