@@ -563,6 +563,7 @@ int main(int argc, char** argv) {
   topo_file->excludes(topo_sysfs);
   topo_cmd->add_option("--nproc", to.nproc, "ranks to plan for (default: one per GPU, 1 without GPUs)")->check(CLI::Range(1, 1024));
   topo_cmd->add_option("--tp", to.tp, "show the tensor-parallel groups for this degree and their links (default: the --config job's parallel.tensor_parallel)")->check(CLI::Range(1, 1024));
+  topo_cmd->add_option("--cp", to.cp, "show the context-parallel groups for this degree (at --tp, default 1) and their links (default: the --config job's parallel.context_parallel)")->check(CLI::Range(1, 1024));
   topo_cmd->add_option("--config", to.config, "job spec: its parallel.tensor_parallel, nproc_per_node and topology_file (flags here win)")->check(CLI::ExistingFile);
   topo_cmd->add_flag("--json", to.json, "print the description and the decisions as JSON");
   topo_cmd->add_option("--save", to.save_file, "write the description to FILE (load it with --topology or parallel.topology_file)");

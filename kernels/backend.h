@@ -51,6 +51,7 @@
 #include <vector>
 
 #include "core/common/error.h"
+#include "kernels/attention_block.h"
 
 namespace trainrun {
 
@@ -316,6 +317,37 @@ class Backend {
   virtual void attention_kv_gqa_forward(void* out, void* kcache, void* vcache, const void* qkv, int pos, int Tq,
                                         int NH, int NKV, int HS) {
     not_implemented("attention_kv_gqa_forward");
+  }
+
+  // ---- attention by blocks (context parallelism; kernels/attention_block.h) ----------
+  // out/lse per AttentionBlock's strides (out in act dtype, lse fp32).
+  virtual void attention_block_forward(void* out, float* lse, const AttentionBlock& a) {
+    not_implemented("attention_block_forward");
+  }
+  // dq (laid out like a.q, q_ld/q_bs), dk and dv (like a.k/a.v) are fp32 and
+  // accumulate; dout and out use o_ld/o_bs, lse lse_bs/lse_hs.
+  virtual void attention_block_backward(float* dq, float* dk, float* dv, const void* dout, const void* out,
+                                        const float* lse, const AttentionBlock& a) {
+    not_implemented("attention_block_backward");
+  }
+  // out/lse (a's o_* and lse_* strides) merged with a dense block partial
+  // block_out (B,Tq,NH*HS) act dtype and block_lse (B,NH,Tq) fp32.
+  virtual void attention_block_merge(void* out, float* lse, const void* block_out, const float* block_lse,
+                                     const AttentionBlock& a) {
+    not_implemented("attention_block_merge");
+  }
+  // rows x cols elements from src (row stride src_ld) to dst (dst_ld), each
+  // side fp32 or the act dtype (converted): packs K/V for the ring, moves
+  // heads and rows for all_to_all, writes fp32 gradients into act dqkv.
+  virtual void copy_rows(void* dst, DType dst_type, int64_t dst_ld, const void* src, DType src_type, int64_t src_ld,
+                         int64_t rows, int64_t cols) {
+    not_implemented("copy_rows");
+  }
+  // dst += src over rows x cols fp32 elements (row strides dst_ld, src_ld):
+  // all_to_all attention sums a replicated KV head's gradient over the
+  // ranks that used it, in rank order.
+  virtual void add_rows_f32(float* dst, int64_t dst_ld, const float* src, int64_t src_ld, int64_t rows, int64_t cols) {
+    not_implemented("add_rows_f32");
   }
 
   // ---- vocab-parallel embedding and cross-entropy (tensor parallelism) ----------

@@ -1925,3 +1925,65 @@ TEST_CASE("cuda: LoRA and DoRA training (GPT-2, Llama, dropout 0.1) track the CP
   CHECK_THROWS_WITH(train_adapter(dir.path(), "cuda", "gpt2", "lora", {"model.base_dtype=fp32"}),
                     Catch::Contains("model.base_dtype: fp32 with backend cuda"));
 }
+
+// Context parallelism's attention by blocks (kernels/attention_block.h):
+// a query block against a key/value block at other global positions, with
+// document starts, GQA and strided views (q inside a fused qkv row), the
+// merge of two partials and the fp32 backward, CUDA against the CPU op.
+// Not yet run on a GPU (2026-12-04).
+TEST_CASE("cuda: attention by blocks (context parallelism) matches the CPU op", "[cuda][cp]") {
+  CUDA_TEST_OR_SKIP();
+  Pair p;
+  struct S { int B, Tq, Tk, q_pos0, k_pos0, NH, NKV, HS; };
+  for (S s : {S{2, 19, 19, 40, 21, 8, 2, 64}, S{1, 33, 17, 64, 64, 4, 1, 40}, S{2, 8, 8, 8, 0, 6, 6, 19}}) {
+    const std::string sh = shape({{"B", s.B}, {"Tq", s.Tq}, {"Tk", s.Tk}, {"q_pos0", s.q_pos0}, {"k_pos0", s.k_pos0},
+                                  {"NH", s.NH}, {"NKV", s.NKV}, {"HS", s.HS}});
+    const int64_t ld = int64_t(s.NH + 2 * s.NKV) * s.HS, C = int64_t(s.NH) * s.HS, kv_ld = 2 * int64_t(s.NKV) * s.HS;
+    Twin q(p, randn(size_t(s.B) * s.Tq * ld, 301), true);
+    Twin kv(p, randn(size_t(s.B) * s.Tk * kv_ld, 302), true);
+    // Documents: odd query rows start theirs inside the key block, never
+    // after the row itself or the block's last key (every row sees a key:
+    // no -inf in the lse to compare).
+    std::vector<int32_t> doc(size_t(s.B) * s.Tq);
+    for (int b = 0; b < s.B; ++b)
+      for (int i = 0; i < s.Tq; ++i)
+        doc[size_t(b) * s.Tq + i] =
+            i % 2 ? std::min(s.k_pos0 + (i * 7 + b) % s.Tk, std::min(s.q_pos0 + i, s.k_pos0 + s.Tk - 1)) : 0;
+    DeviceBuffer cdoc = test::upload_i32(p.cpu.get(), doc), gdoc = test::upload_i32(p.gpu.get(), doc);
+    auto args = [&](bool gpu) {
+      AttentionBlock a;
+      a.B = s.B, a.Tq = s.Tq, a.Tk = s.Tk, a.NH = s.NH, a.NKV = s.NKV, a.HS = s.HS;
+      a.q_pos0 = s.q_pos0, a.k_pos0 = s.k_pos0;
+      a.q = gpu ? q.g() : q.c(), a.q_ld = ld, a.q_bs = s.Tq * ld;
+      const void* k = gpu ? kv.g() : kv.c();
+      const size_t es = gpu ? 2 : 4;
+      a.k = k, a.v = static_cast<const char*>(k) + size_t(s.NKV) * s.HS * es, a.kv_ld = kv_ld, a.kv_bs = s.Tk * kv_ld;
+      a.o_ld = C, a.o_bs = s.Tq * C, a.lse_bs = int64_t(s.NH) * s.Tq, a.lse_hs = s.Tq;
+      a.q_doc = gpu ? gdoc.as<int32_t>() : cdoc.as<int32_t>(), a.doc_bs = s.Tq;
+      return a;
+    };
+    const size_t nout = size_t(s.B) * s.Tq * C, nlse = size_t(s.B) * s.NH * s.Tq;
+    Twin out = out_twin(p, nout, true), lse = out_twin(p, nlse, false);
+    p.cpu->attention_block_forward(out.c(), static_cast<float*>(lse.c()), args(false));
+    p.gpu->attention_block_forward(out.g(), static_cast<float*>(lse.g()), args(true));
+    check_close("attention_block out " + sh, out.read_gpu(p), out.read_cpu(p), kAttnFwd);
+    check_close("attention_block lse " + sh, lse.read_gpu(p), lse.read_cpu(p), kAttnFwd);
+    // Merge a second partial (the same block again: out stays, lse + log 2).
+    Twin bo(p, out.read_cpu(p), true), bl(p, lse.read_cpu(p), false);
+    p.cpu->attention_block_merge(out.c(), static_cast<float*>(lse.c()), bo.c(), static_cast<float*>(bl.c()), args(false));
+    p.gpu->attention_block_merge(out.g(), static_cast<float*>(lse.g()), bo.g(), static_cast<float*>(bl.g()), args(true));
+    check_close("attention_block merge out " + sh, out.read_gpu(p), out.read_cpu(p), kAttnFwd);
+    Twin dout(p, randn(nout, 303), true);
+    Twin dq(p, Vec(size_t(s.B) * s.Tq * ld, 0.f), false), dkv(p, Vec(size_t(s.B) * s.Tk * kv_ld, 0.f), false);
+    for (bool gpu : {false, true}) {
+      Backend* be = gpu ? p.gpu.get() : p.cpu.get();
+      float* dkp = static_cast<float*>(gpu ? dkv.g() : dkv.c());
+      be->attention_block_backward(static_cast<float*>(gpu ? dq.g() : dq.c()), dkp, dkp + s.NKV * s.HS,
+                                   gpu ? dout.g() : dout.c(), gpu ? out.g() : out.c(),
+                                   static_cast<const float*>(gpu ? lse.g() : lse.c()), args(gpu));
+    }
+    check_close("attention_block dq " + sh, columns(dq.read_gpu(p), ld, 0, C), columns(dq.read_cpu(p), ld, 0, C),
+                kAttnBwd);
+    check_close("attention_block dk|dv " + sh, dkv.read_gpu(p), dkv.read_cpu(p), kAttnBwd);
+  }
+}

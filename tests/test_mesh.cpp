@@ -177,3 +177,77 @@ TEST_CASE("mesh: the default hybrid_shard group divides the dp group at every pp
           CHECK(g * tp <= per_node);  // a shard group never leaves a node
         }
 }
+
+// Issue 27: cp sits between dp_shard and tp (tp innermost), so a cp group is
+// cp ranks tp apart; a mesh without cp reads exactly as before.
+TEST_CASE("mesh: cp is a dimension between dp_shard and tp, its groups tp apart", "[mesh][cp]") {
+  const MeshDims d = plan_mesh(16, 2, 1, "full_shard", 1, 2);  // dp_shard4 x cp2 x tp2
+  CHECK((d.pp == 1 && d.dp_shard == 4 && d.cp == 2 && d.tp == 2 && d.world() == 16));
+  CHECK(d.describe() == "pp1 x dp_replicate1 x dp_shard4 x cp2 x tp2");
+  const DeviceMesh m(d, 7);  // (0,0,1,1,1)
+  CHECK(m.coord(MeshDim::cp) == 1);
+  CHECK(m.coord(MeshDim::dp_shard) == 1);
+  CHECK(m.coord(MeshDim::tp) == 1);
+  CHECK(m.rank_at(0, 0, 1, 1, 1) == 7);
+  CHECK_THROWS_WITH(m.rank_at(0, 0, 1, 1), Contains("rank_at without a cp coordinate"));
+  CHECK(m.group_ranks(MeshDim::cp) == std::vector<int>{5, 7});
+  CHECK(m.group_ranks(MeshDim::tp) == std::vector<int>{6, 7});
+  CHECK(m.group_ranks(MeshDim::dp_shard) == std::vector<int>{3, 7, 11, 15});  // at its own cp and tp index
+  CHECK(m.group_name(MeshDim::cp) == "cp3");   // dp_shard 1, tp 1: 1 * 2 + 1
+  CHECK(m.dp_group_name() == "dp3");           // (cp 1, tp 1)
+  CHECK(mesh_groups(d, MeshDim::cp) ==
+        std::vector<std::vector<int>>{{0, 2}, {1, 3}, {4, 6}, {5, 7}, {8, 10}, {9, 11}, {12, 14}, {13, 15}});
+  CHECK_THAT(describe_mesh_groups(d), Contains("tp [0, 1] [2, 3]") && Contains("; cp [0, 2] [1, 3] [4, 6]") &&
+                                          Contains("; dp_shard [0, 4, 8, 12]"));
+  CHECK_THAT(describe_rank_coords(d), Contains("7->(0,0,1,1,1) ") && Contains("15->(0,0,3,1,1)"));
+  const std::string y = resolved_mesh_yaml(d, false);
+  CHECK_THAT(y, Contains("dims: {pp: 1, dp_replicate: 1, dp_shard: 4, cp: 2, tp: 2}") &&
+                    Contains("    cp: [[0, 2], [1, 3], [4, 6]") && Contains("[pp, dp_replicate, dp_shard, cp, tp]") &&
+                    Contains("    7: [0,0,1,1,1]\n") && Contains("* cp_size + cp) * tp_size + tp"));
+  // Every dim's groups still partition the ranks, under one name per group.
+  for (MeshDim dim : {MeshDim::pp, MeshDim::dp_replicate, MeshDim::dp_shard, MeshDim::cp, MeshDim::tp}) {
+    std::vector<int> seen(16, 0);
+    for (const auto& g : mesh_groups(d, dim)) {
+      for (int r : g) {
+        seen[size_t(r)]++;
+        CHECK(DeviceMesh(d, r).group_name(dim) == DeviceMesh(d, g[0]).group_name(dim));
+      }
+    }
+    CHECK(std::all_of(seen.begin(), seen.end(), [](int n) { return n == 1; }));
+  }
+  // A bad world names the cp factor; without cp the message is unchanged.
+  CHECK_THROWS_WITH(plan_mesh(12, 2, 1, "full_shard", 1, 4),
+                    Contains("parallel.tensor_parallel (2) x parallel.pipeline_parallel (1) x "
+                             "parallel.context_parallel (4) = 8"));
+  CHECK_THROWS_WITH(plan_mesh(16, 2, 1, "hybrid_shard", 3, 2),
+                    Contains("dp = 16 ranks / (tensor_parallel 2 x pipeline_parallel 1 x context_parallel 2) = 4"));
+  CHECK_THROWS_WITH(plan_mesh(4, 1, 1, "full_shard", 1, 0), Contains("parallel.context_parallel: 0"));
+  // MeshComms builds the cp communicator (after tp, before dp_shard), under the group's name.
+  for (int r = 0; r < 16; ++r) {
+    std::vector<std::string> prefixes;
+    const MeshComms comms(DeviceMesh(d, r), [&](const std::string& prefix, int rank, int world) {
+      prefixes.push_back(prefix + std::to_string(rank) + "/" + std::to_string(world));
+      return make_single_communicator();
+    });
+    const DeviceMesh mr(d, r);
+    REQUIRE(prefixes.size() == 3);  // tp, cp, dp_shard (= dp)
+    CHECK(prefixes[1] == mr.group_name(MeshDim::cp) + "/" + std::to_string(mr.coord(MeshDim::cp)) + "/2");
+    CHECK(comms.comm(MeshDim::cp) != nullptr);
+    CHECK(comms.dp() == comms.comm(MeshDim::dp_shard));
+  }
+}
+
+TEST_CASE("mesh: trainrun topo --cp shows the context-parallel groups", "[mesh][cp]") {
+  const auto r = run_trainrun("topo --nproc 8 --tp 2 --cp 2 --json");
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  const auto j = nlohmann::json::parse(r.out);
+  REQUIRE(j.contains("cp_groups"));
+  CHECK(j["cp_groups"]["cp"] == 2);
+  std::vector<std::vector<int>> groups;
+  for (const auto& g : j["cp_groups"]["groups"]) groups.push_back(g["ranks"].get<std::vector<int>>());
+  CHECK(groups == std::vector<std::vector<int>>{{0, 2}, {1, 3}, {4, 6}, {5, 7}});
+  const auto text = run_trainrun("topo --nproc 4 --cp 4");
+  REQUIRE(text.exit_code == 0);
+  CHECK_THAT(text.out, Contains("context-parallel groups (cp 4 at tp 1") && Contains("ranks 0-3"));
+}

@@ -288,6 +288,17 @@ const std::vector<Field>& fields() {
       TR_SPEC_FIELD(parallel.sequence_parallel, one_of({"false", "true"}),
                     "true: split activations along the sequence between the tensor-parallel linears (needs "
                     "tensor_parallel > 1; with 1 it is ignored, with a warning)"),
+      TR_SPEC_FIELD(parallel.context_parallel, at_least(1),
+                    "ranks one sequence is split over (cp, a mesh dimension between dp_shard and tp): rank i "
+                    "of N holds chunks i and 2N-1-i of the 2N equal chunks of model.seq_len (so causal work is "
+                    "even), which must be a multiple of 2N; the world size must be a multiple of "
+                    "tensor_parallel x pipeline_parallel x context_parallel; 1 = off. Not wired into training "
+                    "yet: a job with N > 1 is refused at setup"),
+      TR_SPEC_FIELD(parallel.cp_mode, one_of({"ring", "all_to_all"}),
+                    "how attention crosses the context-parallel ranks: ring = each rank keeps its queries and "
+                    "K/V blocks travel around the ring (online-softmax partials merged in a fixed order); "
+                    "all_to_all = Ulysses, heads exchanged for sequence (needs model.n_head divisible by "
+                    "context_parallel x tensor_parallel; key/value heads are replicated when fewer)"),
       TR_SPEC_FIELD(parallel.pipeline_parallel, at_least(1),
                     "pipeline stages (pp, the outermost mesh dimension): the layers split over this many ranks, the "
                     "embedding on the first and the final norm and LM head on the last; microbatches are the "
@@ -899,6 +910,24 @@ void check_rules(JobSpec& s, const Origins& o, const std::string& fallback, bool
            e.what());
     }
   }
+  // Context parallelism: the sequence's 2 x cp chunks must be whole (the
+  // load-balanced split, parallel/context/sequence_split.h); we refuse
+  // rather than pad, so every rank's rows are real tokens.
+  if (p.context_parallel > 1 && shape && m.seq_len % (2 * p.context_parallel) != 0)
+    fail(at({"model.seq_len", "parallel.context_parallel"}), "model.seq_len",
+         str(m.seq_len) + " is not a multiple of 2 x parallel.context_parallel (" + str(2 * p.context_parallel) +
+             "): context parallelism splits each sequence into 2 x context_parallel equal chunks and does not "
+             "pad; use a seq_len that is a multiple of " + str(2 * p.context_parallel) +
+             " or another context_parallel");
+  if (p.context_parallel > 1 && p.cp_mode == "all_to_all" && shape &&
+      m.n_head % (p.context_parallel * p.tensor_parallel) != 0)
+    fail(at({"model.n_head", "parallel.context_parallel", "parallel.tensor_parallel", "parallel.cp_mode"}),
+         "model.n_head",
+         str(m.n_head) + " is not divisible by parallel.context_parallel (" + str(p.context_parallel) +
+             ") x parallel.tensor_parallel (" + str(p.tensor_parallel) + ") = " +
+             str(p.context_parallel * p.tensor_parallel) +
+             ": cp_mode all_to_all gives each rank whole attention heads; use cp_mode: ring or degrees whose "
+             "product divides n_head");
   // model.adapter / model.base_dtype: what is implemented so far (docs/fine-tuning.md).
   const ModelSpec::AdapterSpec& ad = m.adapter;
   if ((m.base_dtype == "bf16" || m.base_dtype == "nf4") && !ad.on())

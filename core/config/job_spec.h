@@ -111,6 +111,8 @@ struct ParallelSpec {
   int tensor_parallel = 1;             // ranks per tensor-parallel group (tp, innermost in the mesh); 1 = off
   std::string sequence_parallel = "false";  // "true": split activations along the sequence between the TP linears
   int pipeline_parallel = 1;           // pipeline stages (pp, outermost in the mesh); 1 = off
+  int context_parallel = 1;            // ranks a sequence is split over (cp, between dp_shard and tp); 1 = off
+  std::string cp_mode = "ring";        // ring | all_to_all: how attention crosses the cp ranks
   int pipeline_virtual_stages = 1;     // model chunks per pipeline rank (interleaved_1f1b); 1 otherwise
   std::string pipeline_schedule = "1f1b";  // gpipe | 1f1b | interleaved_1f1b | zero_bubble (refused for now)
   std::string pipeline_layers;         // "" = even split; else layers per virtual stage, "3,1" (YAML list or text)

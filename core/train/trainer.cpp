@@ -298,6 +298,12 @@ void Trainer::setup() {
   // topology decision (the NVLink island, TRAINRUN_SHARD_GROUP_SIZE) or
   // this node: island / tp of them, at most the dp group (world / (tp x pp))
   // and a divisor of it, as `trainrun plan` counts it.
+  // Context parallelism has its mesh dimension and its attention
+  // (parallel/context/) but no network or loss split yet: refuse, by name,
+  // rather than run every rank on the whole sequence.
+  TR_CHECK(job_.parallel.context_parallel == 1, "parallel.context_parallel: ", job_.parallel.context_parallel,
+           " is not wired into training yet (the mesh and the ring / all_to_all attention exist, the networks "
+           "do not split the sequence); set parallel.context_parallel: 1");
   const int tp = job_.parallel.tensor_parallel;
   const int topo_group = env_int("TRAINRUN_SHARD_GROUP_SIZE", 0);
   const int dp_ranks = std::max(1, w_.world / std::max(1, tp * job_.parallel.pipeline_parallel));

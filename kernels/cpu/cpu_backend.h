@@ -84,6 +84,16 @@ class CpuBackend final : public Backend {
                         const float* rstd, int N, int NH, int NKV, int HS) override;
   void swiglu_forward(void* out, const void* inp, int N, int F) override;
   void swiglu_backward(void* dinp, const void* dout, const void* inp, int N, int F) override;
+  // Attention by blocks (context parallelism): cpu/attention_block.cpp.
+  void attention_block_forward(void* out, float* lse, const AttentionBlock& a) override;
+  void attention_block_backward(float* dq, float* dk, float* dv, const void* dout, const void* out, const float* lse,
+                                const AttentionBlock& a) override;
+  void attention_block_merge(void* out, float* lse, const void* block_out, const float* block_lse,
+                             const AttentionBlock& a) override;
+  void copy_rows(void* dst, DType dst_type, int64_t dst_ld, const void* src, DType src_type, int64_t src_ld,
+                 int64_t rows, int64_t cols) override;
+  void add_rows_f32(float* dst, int64_t dst_ld, const float* src, int64_t src_ld, int64_t rows,
+                    int64_t cols) override;
   size_t attention_gqa_saved_floats(int B, int T, int NH) const override;
   void attention_gqa_forward(void* out, float* saved, const void* qkv, int B, int T, int NH, int NKV,
                              int HS, const int32_t* doc_start = nullptr) override;

@@ -24,6 +24,7 @@
 #include "kernels/cuda/matmul_gelu.cuh"
 #include "kernels/cuda/nf4.cuh"
 #include "kernels/cuda/rmsnorm.cuh"
+#include "kernels/cuda/attention_block.cuh"
 #include "kernels/cuda/rope.cuh"
 #include "kernels/cuda/row_norms.cuh"
 #include "kernels/cuda/softmax_cross_entropy.cuh"
@@ -407,6 +408,37 @@ void CudaBackend::rope_backward(void* dqkv, const float* cos_sin, int B, int T, 
                                 const int32_t* pos) {
   make_current();
   cuda::rope_backward(H(dqkv), cos_sin, B, T, NH, NKV, HS, pos0, compute_, pos);
+}
+
+// ---- attention by blocks (context parallelism) -----------------------------------------
+
+void CudaBackend::attention_block_forward(void* out, float* lse, const AttentionBlock& a) {
+  make_current();
+  cuda::attention_block_forward(H(out), lse, a, compute_);
+}
+
+void CudaBackend::attention_block_backward(float* dq, float* dk, float* dv, const void* dout, const void* out,
+                                           const float* lse, const AttentionBlock& a) {
+  make_current();
+  cuda::attention_block_backward(dq, dk, dv, H(dout), H(out), lse, a, compute_);
+}
+
+void CudaBackend::attention_block_merge(void* out, float* lse, const void* block_out, const float* block_lse,
+                                        const AttentionBlock& a) {
+  make_current();
+  cuda::attention_block_merge(H(out), lse, H(block_out), block_lse, a, compute_);
+}
+
+void CudaBackend::copy_rows(void* dst, DType dst_type, int64_t dst_ld, const void* src, DType src_type,
+                            int64_t src_ld, int64_t rows, int64_t cols) {
+  make_current();
+  cuda::copy_rows(dst, dst_type == DType::BF16, dst_ld, src, src_type == DType::BF16, src_ld, rows, cols, compute_);
+}
+
+void CudaBackend::add_rows_f32(float* dst, int64_t dst_ld, const float* src, int64_t src_ld, int64_t rows,
+                               int64_t cols) {
+  make_current();
+  cuda::add_rows_f32(dst, dst_ld, src, src_ld, rows, cols, compute_);
 }
 
 // ---- the adapters' ops (core/model/adapter) ------------------------------------------

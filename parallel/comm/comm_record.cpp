@@ -43,6 +43,10 @@ class RecordingCommunicator final : public ForwardingCommunicator {
     note("all_gather", bytes);
     inner_->all_gather(out, in, bytes);
   }
+  void all_to_all(void* out, const void* in, size_t bytes) override {
+    note("all_to_all", bytes);
+    inner_->all_to_all(out, in, bytes);
+  }
   std::unique_ptr<PendingCollective> all_gather_deferred(void* out, const void* in, size_t bytes,
                                                          const std::shared_ptr<void>& after) override {
     note("all_gather", bytes);

@@ -92,6 +92,12 @@ class Communicator {
   }
   virtual void broadcast(void* buf, size_t bytes, int root) = 0;
   virtual void barrier() = 0;
+  // in: world_size blocks of bytes_per_rank, block j for rank j; out:
+  // world_size blocks, block i from rank i (context parallelism's Ulysses
+  // exchange, expert dispatch). in and out must not overlap. Gloo, the
+  // single-rank and the shared-memory pair implement it; NCCL as grouped
+  // send/recv. The default is an Error naming the communicator.
+  virtual void all_to_all(void* out, const void* in, size_t bytes_per_rank);
 
   // bf16 (bit patterns) all_reduce and reduce_scatter, for activations and
   // act-dtype gradients (tensor parallelism on the GPU). all_gather moves
@@ -220,6 +226,10 @@ inline void Communicator::reduce_scatter_bf16(uint16_t* out, const uint16_t* in,
   for (size_t i = 0; i < total; ++i) fin[i] = comm_detail::bf16_to_f32(in[i]);
   reduce_scatter(fout.data(), fin.data(), count_per_rank, op);
   for (size_t i = 0; i < n; ++i) out[i] = comm_detail::f32_to_bf16(fout[i]);
+}
+
+inline void Communicator::all_to_all(void*, const void*, size_t) {
+  TR_FAIL(describe("all_to_all"), ": the ", name(), " communicator has no all_to_all");
 }
 
 inline void Communicator::send_recv(const void*, size_t, int send_to, void*, size_t, int recv_from, uint32_t) {

@@ -82,6 +82,10 @@ class OrderedCommunicator final : public ForwardingCommunicator {
     EnqueueOrder::Turn t(order_);
     inner_->all_gather(out, in, bytes);
   }
+  void all_to_all(void* out, const void* in, size_t bytes) override {
+    EnqueueOrder::Turn t(order_);
+    inner_->all_to_all(out, in, bytes);
+  }
   std::unique_ptr<PendingCollective> all_gather_deferred(void* out, const void* in, size_t bytes,
                                                          const std::shared_ptr<void>& after) override {
     EnqueueOrder::Turn t(order_);

@@ -102,6 +102,11 @@ class FaultyCommunicator final : public Communicator {
     inner_->barrier();
     after("barrier");
   }
+  void all_to_all(void* out, const void* in, size_t bytes) override {
+    faulting();
+    inner_->all_to_all(out, in, bytes);
+    after("all_to_all");
+  }
   void all_reduce_bf16(uint16_t* buf, int64_t count, ReduceOp op) override {
     faulting();
     inner_->all_reduce_bf16(buf, count, op);

@@ -39,6 +39,9 @@ class ForwardingCommunicator : public Communicator {
   }
   void broadcast(void* buf, size_t bytes, int root) override { inner_->broadcast(buf, bytes, root); }
   void barrier() override { inner_->barrier(); }
+  void all_to_all(void* out, const void* in, size_t bytes_per_rank) override {
+    inner_->all_to_all(out, in, bytes_per_rank);
+  }
   void all_reduce_bf16(uint16_t* buf, int64_t count, ReduceOp op) override { inner_->all_reduce_bf16(buf, count, op); }
   void reduce_scatter_bf16(uint16_t* out, const uint16_t* in, int64_t count_per_rank, ReduceOp op) override {
     inner_->reduce_scatter_bf16(out, in, count_per_rank, op);

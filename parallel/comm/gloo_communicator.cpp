@@ -35,6 +35,7 @@
 #include <csignal>
 
 #include <gloo/allgather.h>
+#include <gloo/alltoall.h>
 #include <gloo/allreduce.h>
 #include <gloo/barrier.h>
 #include <gloo/broadcast.h>
@@ -272,6 +273,22 @@ class GlooCommunicator final : public Communicator {
       opts.setOutput(static_cast<uint8_t*>(out), bytes_per_rank * static_cast<size_t>(world_size()));
       opts.setTimeout(timeout_);
       gloo::allgather(opts);
+    });
+  }
+
+  void all_to_all(void* out, const void* in, size_t bytes_per_rank) override {
+    const char* what = "all_to_all";
+    check_usable(what);
+    if (bytes_per_rank == 0) return;
+    const size_t total = bytes_per_rank * static_cast<size_t>(world_size());
+    if (world_size() == 1) return void(std::memmove(out, in, bytes_per_rank));
+    guarded(what, -1, [&] {
+      gloo::AlltoallOptions opts(ctx_);
+      // Gloo only reads its input; its API takes a non-const pointer.
+      opts.setInput(static_cast<uint8_t*>(const_cast<void*>(in)), total);
+      opts.setOutput(static_cast<uint8_t*>(out), total);
+      opts.setTimeout(timeout_);
+      gloo::alltoall(opts);
     });
   }
 

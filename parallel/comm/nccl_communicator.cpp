@@ -251,6 +251,34 @@ class NcclCommunicator final : public Communicator {
     copy_out(out, s, out_bytes);
   }
 
+  // Grouped ncclSend/ncclRecv with every rank (itself included), one
+  // group: stream-ordered like the collectives. Host memory goes through
+  // the staging buffer (input first, output after it).
+  void all_to_all(void* out, const void* in, size_t bytes_per_rank) override {
+    const char* what = "all_to_all";
+    check_usable(what);
+    if (bytes_per_rank == 0) return;
+    if (world_ == 1) return local_copy(out, in, bytes_per_rank);
+    const size_t total = bytes_per_rank * size_t(world_);
+    auto exchange = [&](const char* src, char* dst) {
+      ncclResult_t r = ncclSuccess;
+      for (int p = 0; p < world_ && (r == ncclSuccess || r == ncclInProgress); ++p) {
+        r = ncclSend(src + size_t(p) * bytes_per_rank, bytes_per_rank, ncclInt8, p, comm_, stream());
+        if (r == ncclSuccess || r == ncclInProgress)
+          r = ncclRecv(dst + size_t(p) * bytes_per_rank, bytes_per_rank, ncclInt8, p, comm_, stream());
+      }
+      return r;
+    };
+    if (is_device_pointer(in) && is_device_pointer(out)) {
+      run(what, [&] { return exchange(static_cast<const char*>(in), static_cast<char*>(out)); });
+      return;
+    }
+    char* st = static_cast<char*>(staging(2 * total));
+    copy_in(st, in, total);
+    run(what, [&] { return exchange(st, st + total); }, true);
+    copy_out(out, st + total, total);
+  }
+
   // Stream-ordered like all_gather, but the compute stream's wait is the
   // handle's (a second event recorded after the collective on the comm stream).
   std::shared_ptr<void> compute_point() override {

@@ -57,6 +57,7 @@ using Clock = std::chrono::steady_clock;
 
 constexpr uint64_t kMagic = 0x74726e73686d3031ull;  // "trnshm01"
 constexpr uint32_t kFrameMagic = 0x6d737367u;       // "gssm"
+constexpr uint32_t kAllToAllTag = 0xa11702a1u;      // all_to_all's transfer (user tags are small)
 
 struct alignas(64) Ring {
   alignas(64) std::atomic<uint64_t> head{0};  // bytes written (by the writer)
@@ -172,6 +173,16 @@ class ShmCommunicator final : public Communicator {
       if (int32_t(seen - mine) >= 0) break;
       futex_wait(&theirs, seen, std::chrono::microseconds(50000));
     }
+  }
+
+  // Of a pair, each keeps its own block and swaps the other's.
+  void all_to_all(void* out, const void* in, size_t bytes_per_rank) override {
+    if (bytes_per_rank == 0) return;
+    const int peer = 1 - rank_;
+    std::memcpy(static_cast<char*>(out) + size_t(rank_) * bytes_per_rank,
+                static_cast<const char*>(in) + size_t(rank_) * bytes_per_rank, bytes_per_rank);
+    send_recv(static_cast<const char*>(in) + size_t(peer) * bytes_per_rank, bytes_per_rank, peer,
+              static_cast<char*>(out) + size_t(peer) * bytes_per_rank, bytes_per_rank, peer, kAllToAllTag);
   }
 
   void send_recv(const void* send_buf, size_t send_bytes, int send_to, void* recv_buf, size_t recv_bytes,

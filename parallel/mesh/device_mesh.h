@@ -1,13 +1,18 @@
-// The device mesh: every rank's place in pp x dp_replicate x dp_shard x tp,
-// and one communicator per group it belongs to, built once in setup.
+// The device mesh: every rank's place in pp x dp_replicate x dp_shard x cp
+// x tp, and one communicator per group it belongs to, built once in setup.
 //
-// Ranks are laid out with tp innermost (rank = ((pp * R + r) * S + s) * T +
-// t), so a tensor-parallel group is T consecutive ranks: on one node and,
+// Ranks are laid out with tp innermost (rank = (((pp * R + r) * S + s) * CP
+// + c) * T + t), so a tensor-parallel group is T consecutive ranks: on one node and,
 // where the agent binds local ranks to GPUs in order, one NVLink island
 // (torchtitan and Megatron lay out their meshes the same way). dp is the
 // data-parallel dimension the sharding strategies apply over; hybrid_shard
 // splits it into dp_replicate groups of dp_shard ranks, every other
-// strategy has dp_replicate = 1.
+// strategy has dp_replicate = 1. cp (context parallelism,
+// parallel/context/) splits each sequence over its ranks; it sits just
+// outside tp so a cp group's ring stays inside a node when cp x tp fits one,
+// and every cp rank holds the same parameters (dp's sharding spans it once
+// the trainer uses it). A mesh without cp (cp 1) has the same ranks, groups,
+// group names and descriptions as before the dimension existed.
 //
 // The arithmetic (MeshDims, DeviceMesh) has no communication in it, so
 // that plan, topo and the tests can reason about a mesh of 8 x 1024 ranks
@@ -22,26 +27,30 @@
 
 namespace trainrun {
 
-enum class MeshDim { pp = 0, dp_replicate = 1, dp_shard = 2, tp = 3 };
-constexpr int kMeshDims = 4;
-const char* mesh_dim_name(MeshDim d);  // "pp", "dp_replicate", "dp_shard", "tp"
+// In layout order, outermost first.
+enum class MeshDim { pp = 0, dp_replicate = 1, dp_shard = 2, cp = 3, tp = 4 };
+constexpr int kMeshDims = 5;
+const char* mesh_dim_name(MeshDim d);  // "pp", "dp_replicate", "dp_shard", "cp", "tp"
 
 struct MeshDims {
-  int pp = 1, dp_replicate = 1, dp_shard = 1, tp = 1;
+  // cp is declared last (it sits between dp_shard and tp in the layout) so
+  // that MeshDims{pp, R, S, T} still means what it did before cp existed.
+  int pp = 1, dp_replicate = 1, dp_shard = 1, tp = 1, cp = 1;
   int size(MeshDim d) const;
   int dp() const { return dp_replicate * dp_shard; }
-  int world() const { return pp * dp_replicate * dp_shard * tp; }
-  std::string describe() const;  // "pp1 x dp_replicate2 x dp_shard4 x tp1"
+  int world() const { return pp * dp_replicate * dp_shard * cp * tp; }
+  // "pp1 x dp_replicate2 x dp_shard4 x tp1"; " x cp2" before tp when cp > 1.
+  std::string describe() const;
 };
 
 // The mesh a job asks for: `world` ranks, tensor_parallel x pipeline_parallel
-// per data-parallel replica, parallel.sharding over the rest. hybrid_group:
+// x context_parallel per data-parallel replica, parallel.sharding over the rest. hybrid_group:
 // hybrid_shard's shard group (the ranks of a dp_shard group), already
 // resolved (the spec's shard_group_size, else the topology's); ignored for
 // the other strategies. Every bad combination is an Error that names the
 // factors and the keys to change.
 MeshDims plan_mesh(int world, int tensor_parallel, int pipeline_parallel, const std::string& sharding,
-                   int hybrid_group);
+                   int hybrid_group, int context_parallel = 1);
 
 // hybrid_shard's shard group when parallel.shard_group_size is 0: the dp
 // ranks inside one island of `island_ranks` consecutive ranks (a node, or
@@ -61,7 +70,9 @@ class DeviceMesh {
   int coord(MeshDim d) const { return coord_[int(d)]; }
   // Index inside the flattened dp = dp_replicate x dp_shard (data shards).
   int dp_coord() const { return coord(MeshDim::dp_replicate) * dims_.dp_shard + coord(MeshDim::dp_shard); }
-  // The global rank at these coordinates (pp, dp_replicate, dp_shard, tp).
+  // The global rank at these coordinates.
+  int rank_at(int pp, int dp_replicate, int dp_shard, int cp, int tp) const;
+  // The same in a mesh without cp (an Error when cp > 1: say which cp rank).
   int rank_at(int pp, int dp_replicate, int dp_shard, int tp) const;
   // The ranks of this rank's group along d (those that differ from it only
   // in d), in the order of d's index: this rank is at coord(d).
@@ -85,7 +96,8 @@ class DeviceMesh {
 // Every group along d, each as its ranks in d's order, groups ordered by
 // their first rank: {{0,1},{2,3}} for tp at tp2 x dp2.
 std::vector<std::vector<int>> mesh_groups(const MeshDims& dims, MeshDim d);
-// "0->(0,0,0,0) 1->(0,0,0,1) ..." (pp, dp_replicate, dp_shard, tp) for every
+// "0->(0,0,0,0) 1->(0,0,0,1) ..." (pp, dp_replicate, dp_shard, tp; with
+// cp > 1: pp, dp_replicate, dp_shard, cp, tp) for every
 // rank up to `max_listed` ranks; a larger mesh lists the first and last few
 // ranks around "..." and says how any rank's coordinates follow from the
 // layout, so a 1024-node job logs one short line.

@@ -141,6 +141,10 @@ struct TpGroup {
 
 // The node's TP groups for `tp` (>= 1) over the ranks of `d`.
 std::vector<TpGroup> tp_groups(const Topology& t, const Decisions& d, int tp);
+// The node's context-parallel groups for `cp` at tensor-parallel degree
+// `tp`: cp ranks tp apart (the mesh's cp dimension sits just outside tp),
+// each with its slowest link, which the ring's K/V transfers cross.
+std::vector<TpGroup> cp_groups(const Topology& t, const Decisions& d, int cp, int tp);
 // One line per group: "ranks 0-1 (GPUs 0,1): NVLink (NV4)".
 std::string describe_tp_group(const TpGroup& g);
 // The warning for groups that span PCIe or nodes (why, what to do); "" when

@@ -68,11 +68,13 @@ int run_topo_command(const TopoCommandOptions& o, std::ostream& out) {
   TR_CHECK(given <= 1, "topo: use at most one of --nvidia-smi-topo, --topology and --sysfs-root");
   TR_CHECK(o.tp >= 0, "topo: --tp must be at least 1 (got ", o.tp, ")");
   // --config: the job's mesh and node (flags given here win).
-  int tp = o.tp, nproc = o.nproc;
+  TR_CHECK(o.cp >= 0, "topo: --cp must be at least 1 (got ", o.cp, ")");
+  int tp = o.tp, cp = o.cp, nproc = o.nproc;
   std::string topology_file = o.topology_file;
   if (!o.config.empty()) {
     const JobSpec job = load_resolved_job_spec(o.config, {});
     if (tp == 0) tp = job.parallel.tensor_parallel;
+    if (cp == 0 && job.parallel.context_parallel > 1) cp = job.parallel.context_parallel;
     if (nproc == 0 && job.parallel.nproc_per_node > 0) nproc = job.parallel.nproc_per_node;
     if (given == 0) topology_file = job.parallel.topology_file;
   }
@@ -108,6 +110,19 @@ int run_topo_command(const TopoCommandOptions& o, std::ostream& out) {
     const std::string w = tp_groups_warning(t, d, tp);
     if (!w.empty()) d.warnings.push_back({"tp_link", w});
   }
+  // CP groups: cp ranks tp apart (the mesh's next dimension out).
+  json cp_json = json::array();
+  if (cp > 0) {
+    std::ostringstream os;
+    const int ctp = std::max(1, tp);
+    os << "  context-parallel groups (cp " << cp << " at tp " << ctp << "; a group is " << cp << " ranks " << ctp
+       << " apart, the ring's K/V passes between them):\n";
+    for (const TpGroup& g : cp_groups(t, d, cp, ctp)) {
+      os << "    " << describe_tp_group(g) << "\n";
+      cp_json.push_back({{"ranks", g.ranks}, {"gpus", g.gpus}, {"link", tp_link_name(g.kind)}});
+    }
+    tp_section += os.str();
+  }
   if (!o.save_file.empty()) {
     save_topology(t, o.save_file);
     TR_LOG_INFO("topo: description saved to ", o.save_file, " (load it with --topology or parallel.topology_file)");
@@ -115,6 +130,7 @@ int run_topo_command(const TopoCommandOptions& o, std::ostream& out) {
   if (o.json) {
     json j{{"description", topology_to_json(t)}, {"decisions", decisions_to_json(d)}};
     if (tp > 0) j["tp_groups"] = {{"tp", tp}, {"groups", tp_json}};
+    if (cp > 0) j["cp_groups"] = {{"cp", cp}, {"tp", std::max(1, tp)}, {"groups", cp_json}};
     out << j.dump(2) << "\n";
   } else {
     out << format_topology_report(t, d, tp_section);

@@ -29,7 +29,8 @@ struct TopoCommandOptions {
   int nproc = 0;                // --nproc N; 0 = one per GPU, 1 without
   bool json = false;            // --json
   int tp = 0;                   // --tp N: show the TP groups; 0 = the job's parallel.tensor_parallel (else none)
-  std::string config;           // --config job.yaml: tensor_parallel, nproc_per_node, topology_file
+  int cp = 0;                   // --cp N: show the context-parallel groups; 0 = the job's parallel.context_parallel (else none)
+  std::string config;           // --config job.yaml: tensor_parallel, context_parallel, nproc_per_node, topology_file
 };
 // Prints the report (or JSON) to `out`; returns the exit code. Throws
 // trainrun::Error for bad input (the caller prints it and exits 1).

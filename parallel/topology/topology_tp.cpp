@@ -20,38 +20,68 @@ const char* tp_link_name(TpLinkKind k) {
   return "unknown";
 }
 
+namespace {
+// A group of this node's `ranks` (those < n; `cross_node`: more of it lives
+// on the next node) and the slowest link between its GPUs.
+TpGroup link_group(const Topology& t, const Decisions& d, const std::vector<int>& ranks, bool cross_node) {
+  TpGroup g;
+  for (int r : ranks) {
+    g.ranks.push_back(r);
+    if (d.backend == "cuda" && d.ranks[size_t(r)].gpu >= 0) g.gpus.push_back(d.ranks[size_t(r)].gpu);
+  }
+  if (ranks.size() <= 1 && !cross_node) {
+    g.kind = TpLinkKind::Single;
+  } else if (cross_node) {
+    g.kind = TpLinkKind::CrossNode;
+  } else if (d.backend != "cuda" || g.gpus.size() != g.ranks.size()) {
+    g.kind = TpLinkKind::Host;
+  } else {
+    g.slowest = Link{LinkKind::Self, 0};
+    for (size_t i = 0; i < g.gpus.size(); ++i)
+      for (size_t j = i + 1; j < g.gpus.size(); ++j) {
+        const int a = g.gpus[i], b = g.gpus[j];
+        const Link l = (a < t.gpu_count() && b < t.gpu_count()) ? t.links[size_t(a)][size_t(b)] : Link{};
+        if (link_distance(l) > link_distance(g.slowest)) g.slowest = l;
+      }
+    // Two ranks on one GPU (more ranks than GPUs) share its memory: as good as NVLink.
+    g.kind = g.slowest.kind == LinkKind::NVLink || g.slowest.kind == LinkKind::Self ? TpLinkKind::NVLink
+             : is_pcie(g.slowest.kind)                                              ? TpLinkKind::PCIe
+                                                                                    : TpLinkKind::Unknown;
+  }
+  return g;
+}
+}  // namespace
+
 std::vector<TpGroup> tp_groups(const Topology& t, const Decisions& d, int tp) {
   std::vector<TpGroup> out;
   const int n = int(d.ranks.size());
   tp = std::max(1, tp);
   for (int first = 0; first < n; first += tp) {
-    TpGroup g;
-    for (int r = first; r < std::min(n, first + tp); ++r) {
-      g.ranks.push_back(r);
-      if (d.backend == "cuda" && d.ranks[size_t(r)].gpu >= 0) g.gpus.push_back(d.ranks[size_t(r)].gpu);
-    }
-    if (tp == 1) {
-      g.kind = TpLinkKind::Single;
-    } else if (first + tp > n) {
-      // Consecutive ranks continue on the next node's first ranks.
-      g.kind = TpLinkKind::CrossNode;
-    } else if (d.backend != "cuda" || g.gpus.size() != g.ranks.size()) {
-      g.kind = TpLinkKind::Host;
-    } else {
-      g.slowest = Link{LinkKind::Self, 0};
-      for (size_t i = 0; i < g.gpus.size(); ++i)
-        for (size_t j = i + 1; j < g.gpus.size(); ++j) {
-          const int a = g.gpus[i], b = g.gpus[j];
-          const Link l = (a < t.gpu_count() && b < t.gpu_count()) ? t.links[size_t(a)][size_t(b)] : Link{};
-          if (link_distance(l) > link_distance(g.slowest)) g.slowest = l;
-        }
-      // Two ranks on one GPU (more ranks than GPUs) share its memory: as good as NVLink.
-      g.kind = g.slowest.kind == LinkKind::NVLink || g.slowest.kind == LinkKind::Self ? TpLinkKind::NVLink
-               : is_pcie(g.slowest.kind)                                              ? TpLinkKind::PCIe
-                                                                                      : TpLinkKind::Unknown;
-    }
+    std::vector<int> ranks;
+    for (int r = first; r < std::min(n, first + tp); ++r) ranks.push_back(r);
+    // Consecutive ranks continue on the next node's first ranks.
+    TpGroup g = link_group(t, d, ranks, tp > 1 && first + tp > n);
+    if (tp == 1) g.kind = TpLinkKind::Single;
     out.push_back(std::move(g));
   }
+  return out;
+}
+
+std::vector<TpGroup> cp_groups(const Topology& t, const Decisions& d, int cp, int tp) {
+  std::vector<TpGroup> out;
+  const int n = int(d.ranks.size());
+  cp = std::max(1, cp);
+  tp = std::max(1, tp);
+  // The mesh (parallel/mesh/device_mesh.h): tp innermost, cp next, so a cp
+  // group is cp ranks tp apart inside a block of cp x tp consecutive ranks.
+  for (int first = 0; first < n; first += cp * tp)
+    for (int k = 0; k < tp && first + k < n; ++k) {
+      std::vector<int> ranks;
+      for (int c = 0; c < cp && first + c * tp + k < n; ++c) ranks.push_back(first + c * tp + k);
+      TpGroup g = link_group(t, d, ranks, cp > 1 && first + (cp - 1) * tp + k >= n);
+      if (cp == 1) g.kind = TpLinkKind::Single;
+      out.push_back(std::move(g));
+    }
   return out;
 }
 

@@ -57,4 +57,28 @@ std::vector<TrainSummary> run_ranks_inprocess(const JobSpec& job, int world, int
   return out;
 }
 
+std::vector<std::string> run_gloo_group(int W, const std::string& group, std::chrono::milliseconds timeout,
+                                        const std::function<void(Communicator&)>& fn) {
+  const std::string secret = make_job_secret();
+  TcpStoreServer server("127.0.0.1", 0, secret);
+  std::vector<std::string> errors(static_cast<size_t>(W));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < W; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        auto store = connect_tcp_store("127.0.0.1", server.port(), secret, std::chrono::seconds(30));
+        auto comm = make_gloo_communicator(*store, group + "/", r, W, "127.0.0.1", timeout);
+        comm->set_group(group);
+        fn(*comm);
+      } catch (const std::exception& e) {
+        errors[size_t(r)] = e.what();
+        if (errors[size_t(r)].empty()) errors[size_t(r)] = "(an exception with an empty message)";
+      } catch (...) {
+        errors[size_t(r)] = "(an exception that is not a std::exception)";
+      }
+    });
+  for (auto& t : threads) t.join();
+  return errors;
+}
+
 }  // namespace trainrun::test

@@ -8,6 +8,7 @@
 
 #include "core/config/job_spec.h"
 #include "core/train/trainer.h"
+#include "parallel/comm/communicator.h"
 
 namespace trainrun {
 class TcpStoreServer;
@@ -34,5 +35,13 @@ struct RankOutcome {
 std::vector<RankOutcome> run_ranks_inprocess_outcomes(const JobSpec& job, int world,
                                                       const std::function<void(TcpStoreServer&)>& inspect = {},
                                                       int omp_threads_per_rank = 0);
+
+// One communicator group without a trainer: W threads, each with a Gloo
+// communicator over loopback (a real TcpStoreServer), named `group` (the
+// name collective errors carry), running fn(comm). Returns each rank's
+// error text ("" = returned normally) once every thread has finished:
+// tests of parallel/ pieces that need several ranks (context parallelism).
+std::vector<std::string> run_gloo_group(int W, const std::string& group, std::chrono::milliseconds timeout,
+                                        const std::function<void(Communicator&)>& fn);
 
 }  // namespace trainrun::test

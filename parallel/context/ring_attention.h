@@ -1,0 +1,95 @@
+// Ring attention (parallel.cp_mode: ring): causal, document-masked,
+// grouped-query attention over a sequence split across the N ranks of a
+// context-parallel group by SequenceSplit (sequence_split.h).
+//
+// Each rank keeps its query rows; the K/V of every rank travels around the
+// ring (rank r sends to r+1 and receives from r-1), so at step s rank r
+// holds the K/V block of rank r - s. Per step, each pair (local query
+// chunk, block key chunk) that some query may see is one
+// Backend::attention_block_forward (kernels/attention_block.h), whose
+// partial (output and per-row log-sum-exp) is merged into the running
+// result in a fixed order (step, then key chunk), so the result is
+// deterministic and equal to the one-rank attention to float tolerance.
+//
+// Skipping, decided on the host from the batch's document starts (every
+// rank holds the same (B,T) array, made from the global batch): a
+// (query chunk, key chunk) pair is computed only when some query may see
+// some key of it (causal, and not wholly before the queries' documents); a
+// block is forwarded along the ring only while a later rank needs it.
+//
+// Backward: the flash recompute against the final (global) log-sum-exp.
+// K/V travel the ring again, and with them their fp32 dK/dV accumulator,
+// which each rank adds its part to; after N passes it is home. Sums run in
+// ring order from the owner on: deterministic.
+//
+// Communication goes through Communicator::send_recv (Gloo blocks; NCCL is
+// stream-ordered, grouped send/recv). A failure or timeout is rethrown with
+// the phase, the ring step and the cp group. Not yet: K/V transfers of step
+// s+1 overlapping step s's compute (double buffering with deferred sends on
+// NCCL): the integration's work.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "kernels/backend.h"
+#include "parallel/comm/communicator.h"
+#include "parallel/context/sequence_split.h"
+
+namespace trainrun {
+
+struct CpAttentionShape {
+  int B = 1;    // sequences
+  int T = 0;    // GLOBAL sequence length (each rank holds 2 T / (2 cp) rows)
+  int NH = 0, NKV = 0, HS = 0;
+};
+
+// What a pass did, for tests and the bench.
+struct RingStats {
+  int blocks_computed = 0;   // (query chunk, key chunk) pairs this rank computed
+  int blocks_skipped = 0;    // pairs it held but no query could see
+  int sends = 0;             // K/V blocks it sent (dK/dV not counted)
+  int sends_skipped = 0;     // ring steps where no later rank needed the block
+};
+
+class RingAttention {
+ public:
+  // comm: the cp group (its rank is this rank's cp index). doc_start: the
+  // batch's (B,T) host document starts over the GLOBAL sequence (the same
+  // on every cp rank), null = one document per sequence. Copied.
+  RingAttention(Backend& be, Communicator& comm, const CpAttentionShape& shape, const int32_t* doc_start);
+  ~RingAttention();
+  RingAttention(const RingAttention&) = delete;
+  RingAttention& operator=(const RingAttention&) = delete;
+
+  const SequenceSplit& split() const { return split_; }
+  // qkv (B, Tl, (NH+2 NKV) HS) act dtype, this rank's rows (split order);
+  // out (B, Tl, NH HS) act dtype; lse (B, NH, Tl) fp32, kept for backward.
+  void forward(void* out, float* lse, const void* qkv);
+  // dqkv (B, Tl, (NH+2 NKV) HS) act dtype, overwritten; out and lse: forward's.
+  void backward(void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse);
+  const RingStats& stats() const { return stats_; }
+
+ private:
+  bool visible(int q_chunk, int k_chunk) const;  // global chunk indices
+  bool needs(int src, int dst) const;            // does rank dst see any of rank src's keys?
+  bool forwarded(int src, int step) const;       // does src's block leave the rank holding it at `step`?
+  void pass(const char* phase, int step, void* send, void* recv, size_t bytes, bool send_it, bool recv_it,
+            uint32_t tag);
+  AttentionBlock block(const void* qkv, const void* kv, int qc, int src, int kc) const;
+
+  Backend& be_;
+  Communicator& comm_;
+  CpAttentionShape shape_;
+  SequenceSplit split_;
+  std::vector<int32_t> min_doc_;  // per global chunk: the smallest doc start of its queries (over the batch)
+  int32_t* doc_dev_ = nullptr;    // (B, Tl) device: the local rows' global doc starts
+  void* kv_[2] = {nullptr, nullptr};    // (B, Tl, 2 NKV HS) act: the block held and the one arriving
+  float* dkv_[2] = {nullptr, nullptr};  // (B, Tl, 2 NKV HS) fp32: its dK|dV accumulator, and the arriving one
+  void* blk_out_ = nullptr;             // (B, Tc, NH HS) act: one block's partial
+  float* blk_lse_ = nullptr;            // (B, NH, Tc)
+  float* dq_ = nullptr;                 // (B, Tl, (NH+2 NKV) HS) fp32, laid out like qkv
+  RingStats stats_;
+};
+
+}  // namespace trainrun
