@@ -607,6 +607,10 @@ TEST_CASE("config: every preset has its published model's parameter count", "[co
       {"llama3.1-70b", 70553706496LL}, {"llama2-7b", 6738415616LL}, {"llama2-70b", 68976648192LL},
       {"gpt2-124m", 124439808LL},     {"gpt2-350m", 354823168LL},   {"gpt2-774m", 774030080LL},
       {"gpt2-1.5b", 1557611200LL},
+      // Qwen3: the layout's count (q/k_norm included), matching the model
+      // cards' 0.6B / 8.2B / 32.8B with 0.44B / 6.95B / 31.2B non-embedding
+      // (tests/test_qwen3.cpp); not checked against the safetensors files.
+      {"qwen3-0.6b", 596049920LL},    {"qwen3-8b", 8190735360LL},   {"qwen3-32b", 32762123264LL},
   };
   REQUIRE(trainrun::model_preset_names().size() == want.size());
   for (const auto& [name, params] : want) {

@@ -6,7 +6,12 @@
 //    from_pretrained, model.init_from -> `trainrun generate` against
 //    transformers' greedy generate, tp2 / tp2 x dp2 against one rank, the
 //    decoder against the full forward, the arena estimate;
-//  - (Qwen3 cases below.)
+//  - Qwen3 (model_type qwen3: head_dim, qk-norm) the same way against
+//    transformers' Qwen3ForCausalLM (4.51.3 in .venv-hf-next; skipped where
+//    that venv is absent), plus dp2 / tp2 (KV heads split and replicated) /
+//    pp2 against one rank, the presets' parameter counts, config.json's
+//    refusals by name;
+//  - the qk-norm op (Backend::qk_norm_*) against finite differences.
 // Error metric: norm-wise relative error per tensor (ref::rel_err).
 #include <catch2/catch.hpp>
 #include <algorithm>
@@ -21,6 +26,7 @@
 #include <vector>
 
 #include "core/checkpoint/hf_interop.h"
+#include "core/config/model_presets.h"
 #include "core/config/job_spec.h"
 #include "core/io/safetensors.h"
 #include "core/model/model.h"
@@ -75,8 +81,33 @@ ModelConfig config_of(const Shape& s) {
   return c;
 }
 
-// The python that runs hf_qwen3.py for a family ("" when it is absent).
-std::string family_python(const Shape& s) { return test::hf_python(); }
+// .venv-hf-next's python when it has transformers' Qwen3 ("" otherwise):
+// transformers >= 4.51 on its own torch 2.x (scripts/install-deps.sh --test).
+std::string next_python() {
+  static const std::string checked = [] {
+    const std::string py = test::source_dir() + "/.venv-hf-next/bin/python";
+    if (!test::file_exists(py) ||
+        test::run_command("'" + py + "' -c 'from transformers import Qwen3ForCausalLM; import safetensors'").exit_code != 0)
+      return std::string();
+    return py;
+  }();
+  return checked;
+}
+
+// The python that runs hf_qwen3.py for a family: the test venv (transformers
+// 4.44) for llama-head-dim, .venv-hf-next for qwen3.
+std::string family_python(const Shape& s) { return s.family == "qwen3" ? next_python() : test::hf_python(); }
+
+// Qwen3's transformers cases skip (CTest: SKIP_REGULAR_EXPRESSION in
+// CMakeLists.txt) where .venv-hf-next is absent, naming it.
+#define QWEN3_HF_OR_SKIP()                                                                                          \
+  if (next_python().empty()) {                                                                                      \
+    WARN("SKIPPED: no transformers with Qwen3: " << test::source_dir()                                              \
+                                                 << "/.venv-hf-next cannot import Qwen3ForCausalLM; run "            \
+                                                    "scripts/install-deps.sh --test (transformers 4.51.3 on torch "  \
+                                                    "2.5.1 from PyPI, 2.9 GB download)");                            \
+    return;                                                                                                         \
+  }
 
 test::RunResult hf_script(const Shape& s, const std::string& args) {
   return test::run_command("OMP_NUM_THREADS=2 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 '" + family_python(s) + "' '" +
@@ -150,14 +181,13 @@ std::vector<float> flat_from_hf(const ModelArch& arch, const std::string& wpath)
   return params;
 }
 
-// Logits, loss and every parameter gradient against transformers; returns
-// the worst gradient error (printed with the others).
-void check_against_hf(const Shape& s) {
+// Logits, loss and every parameter gradient against transformers, for a
+// random HF model of the shape written to DIR/model (returned).
+std::string check_against_hf(const Shape& s, const test::TempDir& dir) {
   const int B = 2, T = s.T;
   const auto arch = make_model_arch(config_of(s));
   std::printf("%s (%s)\n", arch->describe().c_str(), s.family.c_str());
   INFO(arch->describe());
-  test::TempDir dir("qwen3_hf");
   const Tokens in = rand_tokens(size_t(B) * T, s.V, 11), tg = rand_tokens(size_t(B) * T, s.V, 12);
   const std::string model = hf_random(s, dir, &in, &tg, B);
   const std::vector<float> params = flat_from_hf(*arch, model + "/model.safetensors");
@@ -187,17 +217,16 @@ void check_against_hf(const Shape& s) {
   }
   INFO("worst gradient " << worst_name << ": " << worst);
   CHECK(worst <= 1e-5);
+  return model;
 }
 
-// Export -> from_pretrained gives our logits; model.init_from of the HF
-// directory through a 2-rank full_shard job keeps it bit for bit, and
-// `trainrun generate` on the result continues a prompt as transformers'
-// greedy generate does.
-void check_interop(const Shape& s) {
+// For the HF directory `model` of the shape: export -> from_pretrained
+// gives our logits; model.init_from of the directory through a 2-rank
+// full_shard job keeps it bit for bit, and `trainrun generate` on the result
+// continues a prompt as transformers' greedy generate does.
+void check_interop(const Shape& s, const std::string& model, const test::TempDir& dir) {
   const auto arch = make_model_arch(config_of(s));
   INFO(arch->describe());
-  test::TempDir dir("qwen3_io");
-  const std::string model = hf_random(s, dir);
   const std::vector<float> want = flat_from_hf(*arch, model + "/model.safetensors");
 
   // export, then from_pretrained in transformers: the same logits.
@@ -208,10 +237,16 @@ void check_interop(const Shape& s) {
   SafeTensorFile batch;
   batch.tensors.push_back(make_tensor("inputs", "I32", {2, s.T}, in.data()));
   write_safetensors(dir / "lbatch.safetensors", batch);
-  const test::RunResult lr = hf_script(s, "logits --model '" + out + "' --batch '" + (dir / "lbatch.safetensors") +
-                                              "' --out '" + (dir / "logits.safetensors") + "'");
+  // (transformers' greedy generate on the HF directory comes from the same python start.)
+  const std::string prompt = "5 17 2 28 0";
+  const int steps = s.T - 5;
+  const test::RunResult lr =
+      hf_script(s, "logits --model '" + out + "' --batch '" + (dir / "lbatch.safetensors") + "' --out '" +
+                       (dir / "logits.safetensors") + "' --prompt '" + prompt + "' --generate-model '" + model +
+                       "' --max-new-tokens " + std::to_string(steps));
   INFO(lr.err);
   REQUIRE(lr.exit_code == 0);
+  const std::string hf_generated = lr.out;
   const std::vector<float> theirs = read_safetensors(dir / "logits.safetensors").find("logits")->as_f32();
   const double e = ref::rel_err(Vec(ours.begin(), ours.end()), Vec(theirs.begin(), theirs.end()));
   std::printf("  export -> from_pretrained logits rel err %.3e\n", e);
@@ -239,18 +274,12 @@ void check_interop(const Shape& s) {
   REQUIRE(trained.size() == want.size());
   CHECK(std::memcmp(trained.data(), want.data(), want.size() * 4) == 0);
 
-  const std::string prompt = "5 17 2 28 0";
-  const int steps = s.T - 5;
-  const test::RunResult hf_gen =
-      hf_script(s, "generate --model '" + model + "' --prompt '" + prompt + "' --max-new-tokens " + std::to_string(steps));
-  INFO(hf_gen.err);
-  REQUIRE(hf_gen.exit_code == 0);
   const test::RunResult our_gen = test::run_trainrun("generate --checkpoint '" + run + "/model.safetensors' --prompt '" +
                                                      prompt + "' --max-tokens " + std::to_string(steps) + " --top-k 1");
   INFO(our_gen.err);
   REQUIRE(our_gen.exit_code == 0);
-  std::printf("  generate: ours '%s' transformers '%s'\n", our_gen.out.c_str(), hf_gen.out.c_str());
-  CHECK(our_gen.out == hf_gen.out);
+  std::printf("  generate: ours '%s' transformers '%s'\n", our_gen.out.c_str(), hf_generated.c_str());
+  CHECK(our_gen.out == hf_generated);
 }
 
 // The decoder's logits against the full forward's last row, a prefill then
@@ -326,15 +355,14 @@ void check_same_run(const MeshRun& got, const MeshRun& want) {
 
 // ---- model.head_dim on the Llama network ---------------------------------------------------
 
-TEST_CASE("head_dim: a Llama with heads wider and narrower than C/NH matches transformers", "[qwen3][head_dim][hf]") {
-  // 4 heads of 12 on C 32 (attention width 48 > C), GQA 2:1, untied; 4 heads
-  // of 6 (24 < C), GQA 4:1, tied.
-  check_against_hf({"llama-head-dim", 2, 32, 4, 2, 12, 40, 37, 9, false});
-  check_against_hf({"llama-head-dim", 2, 32, 4, 1, 6, 40, 37, 9, true});
-}
-
-TEST_CASE("head_dim: export, init_from and greedy generate agree with transformers", "[qwen3][head_dim][hf]") {
-  check_interop({"llama-head-dim", 2, 32, 4, 2, 12, 40, 37, 12, false});
+TEST_CASE("head_dim: a Llama with heads wider than C/NH matches transformers: gradients, export, init_from, generate",
+          "[qwen3][head_dim][hf]") {
+  // 4 heads of 12 on C 32 (attention width 48 > C), GQA 2:1, untied. (Heads
+  // narrower than C/NH, tied: the decoder, arena and tp cases below.)
+  const Shape s{"llama-head-dim", 2, 32, 4, 2, 12, 40, 37, 12, false};
+  test::TempDir dir("qwen3_hd");
+  const std::string model = check_against_hf(s, dir);
+  check_interop(s, model, dir);
 }
 
 TEST_CASE("head_dim: the decoder equals the full forward, and the arena estimate is the network's", "[qwen3][head_dim]") {
@@ -398,4 +426,213 @@ TEST_CASE("head_dim: config.json, our metadata and the job spec carry it; bad va
   ModelConfig g = ModelConfig::of(1, 4, 32, 37, 8);
   g.head_dim = 12;
   CHECK_THROWS_WITH(make_model_arch(g), Contains("model.head_dim") && Contains("gpt2"));
+}
+
+// ---- the qk-norm op -------------------------------------------------------------------------
+
+TEST_CASE("qk_norm: the CPU op's forward is per-head RMSNorm and its backward equals finite differences",
+          "[qwen3][qk_norm]") {
+  auto be = make_cpu_backend(2);
+  const int N = 3, NH = 4, NKV = 2, HS = 6, W = (NH + 2 * NKV) * HS;
+  const float eps = 1e-6f;
+  std::mt19937_64 gen(5);
+  std::normal_distribution<double> d(0.0, 1.0);
+  std::vector<float> qkv(size_t(N) * W), wq(HS), wk(HS), dy(size_t(N) * W);
+  for (auto& x : qkv) x = float(d(gen));
+  for (auto& x : wq) x = float(1.0 + 0.3 * d(gen));
+  for (auto& x : wk) x = float(1.0 + 0.3 * d(gen));
+  for (auto& x : dy) x = float(d(gen));
+  // L = sum(dy * f(qkv)); f in double from the definition.
+  auto f = [&](const std::vector<double>& x, const std::vector<double>& q, const std::vector<double>& k) {
+    std::vector<double> y = x;
+    for (int n = 0; n < N; ++n)
+      for (int h = 0; h < NH + NKV; ++h) {
+        double* v = y.data() + size_t(n) * W + size_t(h) * HS;
+        double ss = 0;
+        for (int c = 0; c < HS; ++c) ss += v[c] * v[c];
+        const double r = 1.0 / std::sqrt(ss / HS + double(eps));
+        for (int c = 0; c < HS; ++c) v[c] = v[c] * r * (h < NH ? q[size_t(c)] : k[size_t(c)]);
+      }
+    return y;
+  };
+  auto loss = [&](const std::vector<double>& x, const std::vector<double>& q, const std::vector<double>& k) {
+    const std::vector<double> y = f(x, q, k);
+    double s = 0;
+    for (size_t i = 0; i < y.size(); ++i) s += y[i] * dy[i];
+    return s;
+  };
+  const std::vector<double> X(qkv.begin(), qkv.end()), Q(wq.begin(), wq.end()), K(wk.begin(), wk.end());
+
+  DeviceBuffer dqkv = test::upload_f32(be.get(), qkv), pre(be.get(), size_t(N) * (NH + NKV) * HS * 4),
+               rstd(be.get(), size_t(N) * (NH + NKV) * 4), dwq = test::upload_f32(be.get(), wq),
+               dwk = test::upload_f32(be.get(), wk);
+  be->qk_norm_forward(dqkv.get(), pre.get(), rstd.as<float>(), dwq.get(), dwk.get(), N, NH, NKV, HS, eps);
+  const std::vector<float> y = test::download_f32(be.get(), dqkv.get(), size_t(N) * W);
+  const std::vector<double> want_y = f(X, Q, K);
+  CHECK(ref::rel_err(Vec(y.begin(), y.end()), want_y) <= 1e-6);
+  // v is untouched, pre holds the q|k input.
+  for (int n = 0; n < N; ++n)
+    for (int c = (NH + NKV) * HS; c < W; ++c) CHECK(y[size_t(n) * W + c] == qkv[size_t(n) * W + c]);
+  const std::vector<float> p = test::download_f32(be.get(), pre.get(), size_t(N) * (NH + NKV) * HS);
+  for (int n = 0; n < N; ++n)
+    for (int c = 0; c < (NH + NKV) * HS; ++c) CHECK(p[size_t(n) * (NH + NKV) * HS + c] == qkv[size_t(n) * W + c]);
+
+  // Backward: dqkv in place from dy, dwq / dwk accumulate onto 0.5.
+  DeviceBuffer g = test::upload_f32(be.get(), dy);
+  DeviceBuffer gq = test::upload_f32(be.get(), std::vector<float>(HS, 0.5f)),
+               gk = test::upload_f32(be.get(), std::vector<float>(HS, 0.5f));
+  be->qk_norm_backward(g.get(), gq.as<float>(), gk.as<float>(), pre.get(), dwq.get(), dwk.get(), rstd.as<float>(), N,
+                       NH, NKV, HS);
+  const std::vector<float> dx = test::download_f32(be.get(), g.get(), size_t(N) * W);
+  const std::vector<float> dq = test::download_f32(be.get(), gq.get(), HS), dk = test::download_f32(be.get(), gk.get(), HS);
+  const double h = 1e-5;
+  std::vector<double> x = X, q = Q, k = K;
+  auto fd = [&](std::vector<double>& v, size_t i) {  // central difference of the loss in v[i]
+    const double o = v[i];
+    v[i] = o + h;
+    const double a = loss(x, q, k);
+    v[i] = o - h;
+    const double b = loss(x, q, k);
+    v[i] = o;
+    return (a - b) / (2 * h);
+  };
+  Vec want_dx(size_t(N) * W), got_dx(dx.begin(), dx.end()), want_dq(HS), want_dk(HS), got_dq(HS), got_dk(HS);
+  for (size_t i = 0; i < x.size(); ++i)  // v's gradient passes through: the op leaves dv as it was (dy)
+    want_dx[i] = int(i % W) >= (NH + NKV) * HS ? dy[i] : fd(x, i);
+  for (int c = 0; c < HS; ++c) {
+    want_dq[size_t(c)] = fd(q, size_t(c));
+    want_dk[size_t(c)] = fd(k, size_t(c));
+    got_dq[size_t(c)] = dq[size_t(c)] - 0.5;
+    got_dk[size_t(c)] = dk[size_t(c)] - 0.5;
+  }
+  const double ex = ref::rel_err(got_dx, want_dx), eq = ref::rel_err(got_dq, want_dq), ek = ref::rel_err(got_dk, want_dk);
+  std::printf("qk_norm backward vs finite differences: dx %.3e, dwq %.3e, dwk %.3e\n", ex, eq, ek);
+  CHECK(ex <= 1e-5);
+  CHECK(eq <= 1e-5);
+  CHECK(ek <= 1e-5);
+}
+
+// ---- Qwen3 ------------------------------------------------------------------------------------
+
+TEST_CASE("qwen3: transformers' Qwen3ForCausalLM: logits, loss, every gradient, export, init_from (arch auto), generate",
+          "[qwen3][hf]") {
+  QWEN3_HF_OR_SKIP();
+  // Heads of 16 on C 32 (attention width 64 > C), GQA 2:1, tied as the small
+  // Qwen3s are. (Untied, KV heads replicated under TP: the mesh case.)
+  const Shape s{"qwen3", 2, 32, 4, 2, 16, 40, 37, 12, true};
+  test::TempDir dir("qwen3_hf");
+  const std::string model = check_against_hf(s, dir);
+  check_interop(s, model, dir);
+}
+
+TEST_CASE("qwen3: the decoder equals the full forward, and the arena estimate is the network's", "[qwen3]") {
+  for (const bool tied : {false}) {  // (tied: the head_dim case's decoder)
+    const ModelConfig c = config_of({"qwen3", 2, 32, 4, 2, 16, 40, 37, 12, tied});
+    check_decoder(c);
+    const auto arch = make_model_arch(c);
+    auto be = make_cpu_backend(1);
+    for (bool ckpt : {false, true})
+      for (int B : {1, 3}) {
+        auto net = arch->make_network(be.get(), B, ckpt);
+        CHECK(arch->activation_bytes(B, ckpt, ActivationDevice{4, true, 1}) == double(net->activation_bytes()));
+      }
+  }
+}
+
+TEST_CASE("qwen3: dp2 full_shard, tp2 (KV heads split and replicated), tp2 x dp2 and pp2 train as one rank does",
+          "[qwen3][tp][pp][sharding]") {
+  for (const int nkv : {2, 1}) {
+    const std::string model = "{arch: qwen3, n_layer: 2, n_head: 4, n_kv_head: " + std::to_string(nkv) +
+                              ", n_embd: 16, head_dim: 6, ffn_dim: 24, vocab_size: 23, seq_len: 8, "
+                              "tie_embeddings: " + (nkv == 1 ? "false" : "true") + "}";
+    INFO("n_kv_head " << nkv);
+    const MeshRun one = run_mesh(model, 1, 1, 1, "no_shard");
+    REQUIRE(one.losses.size() == 4);
+    CHECK(one.losses.back() < one.losses.front());
+    {
+      INFO("tp2");
+      check_same_run(run_mesh(model, 2, 2, 1, "no_shard"), one);
+    }
+    if (nkv == 1) continue;  // the rest once
+    {
+      INFO("dp2 full_shard");
+      check_same_run(run_mesh(model, 2, 1, 1, "full_shard"), one);
+    }
+    {
+      INFO("tp2 x dp2 full_shard");
+      check_same_run(run_mesh(model, 4, 2, 1, "full_shard"), one);
+    }
+    {
+      INFO("pp2");
+      check_same_run(run_mesh(model, 2, 1, 2, "no_shard"), one);
+    }
+  }
+}
+
+TEST_CASE("qwen3: the presets are the published models and plan", "[qwen3][plan]") {
+  struct P { const char* name; int64_t params; bool tied; };
+  // The model cards' sizes: 0.6B / 8.2B / 32.8B parameters, of which
+  // 0.44B / 6.95B / 31.2B non-embedding (checked below too).
+  for (const P p : {P{"qwen3-0.6b", 596049920, true}, P{"qwen3-8b", 8190735360, false},
+                    P{"qwen3-32b", 32762123264, false}}) {
+    INFO(p.name);
+    const ModelPreset* preset = find_model_preset(p.name);
+    REQUIRE(preset);
+    const auto arch = make_model_arch(ModelConfig::from_spec(preset->spec));
+    CHECK(arch->name() == "qwen3");
+    CHECK(arch->config().head_size() == 128);
+    CHECK(arch->config().qk_norm);
+    CHECK(arch->config().tied == p.tied);
+    CHECK(arch->num_parameters() == p.params);
+    const int64_t emb = int64_t(arch->config().V) * arch->config().C * (p.tied ? 1 : 2);
+    std::printf("%s: %lld parameters, %.3gB non-embedding\n", p.name, (long long)arch->num_parameters(),
+                double(arch->num_parameters() - emb) / 1e9);
+    const test::RunResult r = test::run_trainrun(std::string("plan --model ") + p.name + " --gpus 8");
+    INFO(r.err);
+    CHECK(r.exit_code == 0);
+    CHECK_THAT(r.out, Contains("qwen3 L="));
+  }
+}
+
+TEST_CASE("qwen3: what config.json has that would change the maths is refused by name", "[qwen3][hf]") {
+  test::TempDir dir("qwen3_cfg");
+  const nlohmann::ordered_json base = make_model_arch(config_of({"qwen3", 2, 32, 4, 2, 16, 40, 37, 12, true}))
+                                          ->hf_config_json();
+  auto read = [&](const nlohmann::ordered_json& c) {
+    std::ofstream(dir / "config.json") << c.dump();
+    return read_hf_model_config(dir.path(), "model.init_from");
+  };
+  // Our own config.json reads back as the same model.
+  const ModelConfig back = read(base);
+  CHECK(back.arch == "qwen3");
+  CHECK(back.qk_norm);
+  CHECK(back.head_size() == 16);
+  CHECK(back.tied);
+  // Qwen3Config's defaults where a key is absent: head_dim 128.
+  {
+    nlohmann::ordered_json c = base;
+    c.erase("head_dim");
+    CHECK(read(c).head_size() == 128);
+  }
+  struct Bad { const char* key; nlohmann::ordered_json value; const char* says; };
+  for (const Bad& b : {Bad{"attention_bias", true, "attention_bias = true"},
+                       Bad{"use_sliding_window", true, "use_sliding_window = true (sliding_window 8 from layer 0)"},
+                       Bad{"layer_types", {"full_attention", "sliding_attention"}, "layer_types[1] = \"sliding_attention\""},
+                       Bad{"hidden_act", "gelu", "hidden_act = \"gelu\""},
+                       Bad{"rope_scaling", {{"rope_type", "yarn"}, {"factor", 4.0}}, "rope_scaling.rope_type = \"yarn\""}}) {
+    nlohmann::ordered_json c = base;
+    c[b.key] = b.value;
+    if (std::string(b.key) == "use_sliding_window") {
+      c["sliding_window"] = 8;
+      c["max_window_layers"] = 0;
+    }
+    INFO(b.key);
+    CHECK_THROWS_WITH(read(c), Contains(b.says) && Contains("config.json"));
+  }
+  // A window that no layer uses (max_window_layers = L, as every published Qwen3) is no window.
+  nlohmann::ordered_json c = base;
+  c["use_sliding_window"] = true;
+  c["sliding_window"] = 8;
+  c["max_window_layers"] = 2;
+  CHECK_NOTHROW(read(c));
 }

@@ -55,6 +55,10 @@ struct ModelConfig {
   // Mistral Nemo): q_proj is (NH*head_dim, C), k/v (NKV*head_dim, C) and
   // o_proj (C, NH*head_dim), so the attention width need not be C.
   int head_dim = 0;
+  // Per-head RMSNorm on q and on k before RoPE (Qwen3): weights
+  // self_attn.q_norm.weight and k_norm.weight (head_dim each), shared by the
+  // heads; Backend::qk_norm_forward. Set by the arch, not the job spec.
+  bool qk_norm = false;
 
   // The config a job spec describes. model.arch auto is resolved here: the
   // architecture of model.init_from's config.json (its model_type), else
@@ -377,6 +381,10 @@ class ModelArch {
   const ParamLayout& layout() const { return layout_; }
   const std::string& name() const { return cfg_.arch; }  // "gpt2"
   virtual std::string display_name() const = 0;          // "GPT-2", for messages
+  // Built on the Llama network (RMSNorm with one statistic per row, fused
+  // q|k|v of NH + 2*NKV heads, gated MLP, RoPE): the planner's buffer
+  // formulas for such archs are Llama's.
+  virtual bool llama_shaped() const { return false; }
   // One line: "gpt2 L=12 C=768 heads=12 V=50257 T=1024".
   virtual std::string describe() const = 0;
 

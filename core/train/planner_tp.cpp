@@ -24,7 +24,7 @@ double tp_activation_bytes(const ModelArch& m, const TpLocalShape& sh, bool sp, 
   // (core/model/gpt2/gpt2.cpp, core/model/llama/llama.cpp): the same buffers
   // in the same sizes, each rounded up to 64 bytes.
   const ModelConfig& c = m.config();
-  const bool llama = c.arch == "llama";
+  const bool llama = m.llama_shaped();
   const double es = d.act_bytes;
   const double N = double(B) * double(c.T), C = double(c.C), F = double(sh.F), HS = double(c.head_size());
   const double NR = sp ? double(ceil_div(int64_t(N), tp)) : N;  // rows of the residual stream on this rank
@@ -36,6 +36,8 @@ double tp_activation_bytes(const ModelArch& m, const TpLocalShape& sh, bool sp, 
   layer += r64(NR * C * es);                                  // ln1 (rows; gathered into the shared buffer when read)
   layer += (llama ? 1 : 2) * r64(NR * 4);                     // its statistics (rows)
   layer += r64(N * QKV * es);                                 // q|k|v (heads / tp)
+  if (c.qk_norm)                                              // q|k before qk-norm, its per-head rstd
+    layer += r64(N * (Q + sh.NKV * HS) * es) + r64(N * (sh.NH + sh.NKV) * 4);
   layer += r64(N * Q * es);                                   // attention output (heads / tp)
   layer += r64(saved * 4);                                    // attention's saved state (heads / tp)
   layer += r64(NR * C * es);                                  // residual after attention (rows)
@@ -64,6 +66,7 @@ double tp_activation_bytes(const ModelArch& m, const TpLocalShape& sh, bool sp, 
   total += r64(N * std::max(C, Q) * es);                      // backward: dbuf_c (also d attention output)
   total += r64(N * QKV * es);                                 // backward: dqkv
   total += r64(N * F * es);                                   // backward: the MLP hidden grad
+  if (c.qk_norm) total += r64(2 * HS * 4);                    // q_norm|k_norm's gradient, summed over TP
   return total;
 }
 
@@ -79,7 +82,7 @@ MemoryBreakdown tp_memory(const ModelArch& m, const TensorParallelPlan& plan, bo
   // Replicated KV heads (tp > n_kv_head, Llama): fp32 scratch that sums the
   // replicas' q|k|v weight gradients (llama.cpp, outside the arena).
   const TpLocalShape& sh = plan.shape();
-  if (m.config().arch == "llama" && sh.kv_replicas > 1) {
+  if (m.llama_shaped() && sh.kv_replicas > 1) {
     const double HS = double(m.config().head_size()), C = double(m.config().C);
     const double QKV = sh.NH * HS + 2.0 * sh.NKV * HS;
     r.workspace += r64(QKV * C * 4) + r64(double(m.config().kv_heads()) * 2 * sh.NKV * HS * C * 4);

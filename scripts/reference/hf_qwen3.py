@@ -17,9 +17,11 @@
       qwen3: Qwen3ForCausalLM (transformers >= 4.51: the hf-next venv).
 
   hf_qwen3.py logits --family F --model DIR --batch BATCH.safetensors --out OUT.safetensors
+                     [--prompt "ID ..." --generate-model DIR2 --max-new-tokens N]
   hf_qwen3.py generate --family F --model DIR --prompt "ID ID ..." --max-new-tokens N
       As hf_llama.py's, through the family's class (from_pretrained must
-      load cleanly).
+      load cleanly); logits with --prompt then prints generate's output for
+      DIR2 (one python start for both).
 
 Offline. llama-head-dim runs in the repo's .venv (transformers 4.44.2);
 qwen3 in .venv-hf-next (scripts/install-deps.sh --test).
@@ -84,6 +86,8 @@ def load_clean(a, path):
         keep = {k: v for k, v in c.items() if k not in ("model_type", "architectures", "rope_scaling", "mlp_bias",
                                                           "attention_bias", "pretraining_tp")}
         kw["config"] = cfg_cls(sliding_window=None, **keep)
+    else:
+        kw["attn_implementation"] = "eager"  # the reference path (sdpa's kernels differ in the last bits)
     model, info = model_cls.from_pretrained(path, local_files_only=True, output_loading_info=True,
                                             torch_dtype=torch.float32, **kw)
     problems = {k: v for k, v in info.items() if v}
@@ -97,10 +101,10 @@ def load_clean(a, path):
 def cmd_random(a):
     torch.manual_seed(a.seed)
     _, model_cls = family_classes(a.family)
-    model = model_cls(make_config(a))
+    cfg = make_config(a)
     if a.family == "qwen3":
-        # The eager attention is the reference (sdpa's fused kernels differ in the last bits).
-        model.config._attn_implementation = "eager"
+        cfg._attn_implementation = "eager"  # the reference path (sdpa's kernels differ in the last bits)
+    model = model_cls(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
             base = 1.0 if name.endswith("norm.weight") else 0.0
@@ -127,11 +131,13 @@ def cmd_logits(a):
     with torch.no_grad():
         logits = model(load_file(a.batch)["inputs"].to(torch.long)).logits
     save_file({"logits": logits.float().contiguous()}, a.out)
+    if a.prompt:  # one python start for both (torch 2.x imports slowly)
+        return cmd_generate(a, load_clean(a, a.generate_model))
     return 0
 
 
-def cmd_generate(a):
-    model = load_clean(a, a.model)
+def cmd_generate(a, model=None):
+    model = model or load_clean(a, a.model)
     ids = torch.tensor([[int(t) for t in a.prompt.split()]], dtype=torch.long)
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=a.max_new_tokens,
@@ -157,6 +163,9 @@ def main(argv=None):
     lg.add_argument("--model", required=True)
     lg.add_argument("--batch", required=True)
     lg.add_argument("--out", required=True)
+    lg.add_argument("--prompt", default="", help="then generate as the generate command does, from --generate-model")
+    lg.add_argument("--generate-model")
+    lg.add_argument("--max-new-tokens", type=int, default=0)
     gn = sub.add_parser("generate")
     gn.add_argument("--model", required=True)
     gn.add_argument("--prompt", required=True)

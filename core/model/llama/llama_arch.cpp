@@ -17,10 +17,10 @@ namespace trainrun {
 
 namespace {
 
-ModelConfig resolved(ModelConfig c) {
+ModelConfig resolved(ModelConfig c, const char* arch) {
   check_model_config_common(c);
-  TR_CHECK(c.arch == "llama", "model.arch: '", c.arch, "' given to the llama architecture (a bug)");
-  TR_CHECK(c.F > 0, "model.ffn_dim: llama needs its MLP width (config.json's intermediate_size); set it");
+  TR_CHECK(c.arch == arch, "model.arch: '", c.arch, "' given to the ", arch, " architecture (a bug)");
+  TR_CHECK(c.F > 0, "model.ffn_dim: ", arch, " needs its MLP width (config.json's intermediate_size); set it");
   TR_CHECK(c.head_size() % 2 == 0, c.head_dim > 0 ? "model.head_dim: the head size " : "model.n_embd: the head size model.n_embd / model.n_head = ",
            c.head_size(), " must be even for rotary embeddings");
   c.NKV = c.kv_heads();
@@ -49,6 +49,10 @@ ParamLayout llama_layout(const ModelConfig& c) {
     b.add(p + "mlp.gate_proj.weight", {F, C}, true, S::Column);
     b.add(p + "mlp.up_proj.weight", {F, C}, true, S::Column);
     b.add(p + "mlp.down_proj.weight", {C, F}, true, S::Row);
+    if (c.qk_norm) {  // after the rest, so the other offsets stay (LlamaBlockOffsets)
+      b.add(p + "self_attn.q_norm.weight", {c.head_size()}, false, S::Replicated);
+      b.add(p + "self_attn.k_norm.weight", {c.head_size()}, false, S::Replicated);
+    }
     b.end_unit();
   }
   b.begin_unit("head");
@@ -75,7 +79,9 @@ std::string exact(double v) {
 
 }  // namespace
 
-LlamaArch::LlamaArch(const ModelConfig& cfg) : ModelArch(resolved(cfg), llama_layout(resolved(cfg))) {}
+LlamaArch::LlamaArch(const ModelConfig& cfg) : LlamaArch(cfg, "llama") {}
+LlamaArch::LlamaArch(const ModelConfig& cfg, const char* arch)
+    : ModelArch(resolved(cfg, arch), llama_layout(resolved(cfg, arch))) {}
 
 std::unique_ptr<ModelArch> make_llama_arch(const ModelConfig& cfg) { return std::make_unique<LlamaArch>(cfg); }
 
@@ -93,7 +99,7 @@ std::string LlamaArch::hf_block_prefix(int layer) const { return "model.layers."
 
 std::string LlamaArch::describe() const {
   const ModelConfig& c = cfg_;
-  std::string s = "llama L=" + std::to_string(c.L) + " C=" + std::to_string(c.C) + " heads=" + std::to_string(c.NH) +
+  std::string s = name() + " L=" + std::to_string(c.L) + " C=" + std::to_string(c.C) + " heads=" + std::to_string(c.NH) +
                   " kv_heads=" + std::to_string(c.NKV) + " ffn=" + std::to_string(c.F) + " V=" + std::to_string(c.V) +
                   " T=" + std::to_string(c.T);
   if (c.head_dim > 0) s += " head_dim=" + std::to_string(c.head_dim);
@@ -136,6 +142,10 @@ double LlamaArch::activation_bytes(int B, bool ckpt, const ActivationDevice& d) 
   per_layer += r64(N * C * es);                       // attention norm
   per_layer += r64(N * 4);                            // its rstd
   per_layer += r64(N * qkv * es);                     // q|k|v
+  if (m.qk_norm) {
+    per_layer += r64(N * (Q + m.NKV * HS) * es);      // q|k before qk-norm
+    per_layer += r64(N * (m.NH + m.NKV) * 4);         // its per-head rstd
+  }
   per_layer += r64(N * Q * es);                       // attention output
   per_layer += r64(attn_saved * 4);                   // attention's saved state (fp32)
   per_layer += r64(N * C * es);                       // residual after attention
@@ -163,7 +173,7 @@ double LlamaArch::activation_bytes(int B, bool ckpt, const ActivationDevice& d) 
 std::map<std::string, std::string> LlamaArch::file_metadata() const {
   const ModelConfig& c = cfg_;
   std::map<std::string, std::string> m = {{"format", "pt"},
-                                          {"arch", "llama"},
+                                          {"arch", name()},
                                           {"n_layer", std::to_string(c.L)},
                                           {"n_head", std::to_string(c.NH)},
                                           {"n_kv_head", std::to_string(c.NKV)},
@@ -238,7 +248,7 @@ ModelConfig llama_config_from_metadata(const std::map<std::string, std::string>&
 
 json LlamaArch::manifest_model() const {
   const ModelConfig& c = cfg_;
-  json m = {{"arch", "llama"},       {"n_layer", c.L},    {"n_head", c.NH},         {"n_kv_head", c.NKV},
+  json m = {{"arch", name()},       {"n_layer", c.L},    {"n_head", c.NH},         {"n_kv_head", c.NKV},
             {"n_embd", c.C},         {"ffn_dim", c.F},    {"vocab_size", c.V},      {"seq_len", c.T},
             {"norm_eps", c.norm_eps}, {"rope_theta", c.rope_theta}, {"tie_embeddings", c.tied},
             {"rope_scaling", json::object()}};

@@ -11,6 +11,7 @@
 //                        k_proj (KV,C), v_proj (KV,C), o_proj (C,Q),
 //                        post_attention_layernorm.weight (C),
 //                        mlp.gate_proj (F,C), up_proj (F,C), down_proj (C,F)
+//                        [self_attn.q_norm.weight (HS), k_norm.weight (HS) with qk_norm]
 //   unit L+1 "head":     model.norm.weight (C) [, lm_head.weight (V,C) untied]
 // q|k|v and gate|up are adjacent, so one GEMM reads each pair (or triple)
 // as a fused weight; RoPE pairs as HF stores q/k (rotate_half), so HF's
@@ -25,11 +26,14 @@
 
 namespace trainrun {
 
-class LlamaArch final : public ModelArch {
+// Not final: the Llama-shaped families (core/model/qwen3/, ...) derive from
+// it and override their name, config.json and checks.
+class LlamaArch : public ModelArch {
  public:
   explicit LlamaArch(const ModelConfig& cfg);
 
   std::string display_name() const override { return "Llama"; }
+  bool llama_shaped() const override { return true; }
   std::string describe() const override;
   void init_params(uint64_t seed, int64_t begin, int64_t end, float* out) const override;
 
@@ -60,6 +64,10 @@ class LlamaArch final : public ModelArch {
   void check_init_from(const ModelConfig& hf, const std::string& dir) const override;
   std::vector<ShapeKey> shape_keys() const override;
   const char* hf_context_key() const override { return "max_position_embeddings"; }
+
+ protected:
+  // A family on the Llama network: cfg.arch must be `arch`.
+  LlamaArch(const ModelConfig& cfg, const char* arch);
 };
 
 // The registry's hooks (core/model/model.cpp).

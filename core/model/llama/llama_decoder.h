@@ -47,6 +47,8 @@ class LlamaDecoder final : public Decoder {
   DeviceBuffer arena_;
   std::vector<void*> kcache_, vcache_;   // per layer (cap, NKV*HS)
   float* rope_ = nullptr;                // (cap, HS/2, 2) fp32
+  void* qk_pre_ = nullptr;               // qk-norm: (chunk, (NH+NKV)*HS) q|k before it (unused after)
+  float* qk_rstd_ = nullptr;             // qk-norm: (chunk, NH+NKV)
   void* zero_wpe_ = nullptr;             // (chunk, C) zeros: encoder_forward's position table
   int32_t* tokens_ = nullptr;            // (chunk)
   void* res_a_ = nullptr;                // (chunk, C) residual stream entering a block

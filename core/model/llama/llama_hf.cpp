@@ -153,13 +153,14 @@ std::vector<const ParamTensor*> LlamaArch::hf_save_order() const {
   for (int l = 0; l < cfg_.L; ++l) {
     const std::string p = "model.layers." + std::to_string(l) + ".";
     for (const char* n : {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                          "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-                          "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight"})
-      order.push_back(&layout_.get(p + n));
+                          "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+                          "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+                          "input_layernorm.weight", "post_attention_layernorm.weight"})
+      if (const ParamTensor* t = layout_.find(p + n)) order.push_back(t);  // q/k_norm: with qk_norm only
   }
   order.push_back(&layout_.get("model.norm.weight"));
   if (!cfg_.tied) order.push_back(&layout_.get("lm_head.weight"));
-  TR_CHECK(order.size() == layout_.tensors.size(), "llama: hf_save_order misses a layout tensor (a bug)");
+  TR_CHECK(order.size() == layout_.tensors.size(), name(), ": hf_save_order misses a layout tensor (a bug)");
   return order;
 }
 
@@ -196,7 +197,7 @@ void LlamaArch::check_init_from(const ModelConfig& hf, const std::string& dir) c
   const std::string what = "model.init_from";
   auto fail = [&](const char* field, const std::string& job, const char* key, const std::string& have,
                   const std::string& fix) {
-    TR_FAIL(what, ": '", dir, "' holds a Llama with ", key, " = ", have, " (config.json) but model.", field, " is ",
+    TR_FAIL(what, ": '", dir, "' holds a ", display_name(), " with ", key, " = ", have, " (config.json) but model.", field, " is ",
             job, "; set model.", field, ": ", fix, " (the job's model.* must describe the weights it starts from)");
   };
   auto same = [&](const char* field, int job, const char* key, int have) {
@@ -238,7 +239,7 @@ void LlamaArch::check_init_from(const ModelConfig& hf, const std::string& dir) c
   }
   // RoPE has no table: a shorter context is the same model; a longer one
   // is past what it was trained for.
-  TR_CHECK(m.T <= hf.T, what, ": '", dir, "' holds a Llama with max_position_embeddings = ", hf.T,
+  TR_CHECK(m.T <= hf.T, what, ": '", dir, "' holds a ", display_name(), " with max_position_embeddings = ", hf.T,
            " (config.json) but model.seq_len is ", m.T, "; set model.seq_len to at most ", hf.T);
 }
 
