@@ -59,6 +59,11 @@ size_t LlamaDecoder::bytes_needed(const ModelConfig& cfg, const Backend& be, int
 LlamaDecoder::LlamaDecoder(const ModelConfig& cfg, const ParamLayout& layout, Backend* be, int capacity)
     : cfg_(cfg), be_(be), cap_(capacity), chunk_(std::min(capacity, kChunk)) {
   TR_CHECK(cfg.NKV > 0 && cfg.F > 0, "LlamaDecoder needs LlamaArch's resolved config (a bug)");
+  // Gemma 2's maths is in the training network only so far: refused rather than decoded as a Llama.
+  TR_CHECK(!cfg.norm_offset && !cfg.post_norms && cfg.mlp_act == "silu" && !cfg.embed_scale && cfg.attn_softcap == 0 &&
+               cfg.final_softcap == 0 && cfg.query_scale == 0 && cfg.sliding_window == 0,
+           "decoder: ", cfg.arch, "'s KV-cached decoding (Gemma 2's norms, soft-capping, GeGLU, embedding scale) is "
+           "not implemented yet; `trainrun generate` cannot run this model");
   TR_CHECK(capacity >= 1 && capacity <= cfg.T, "decoder: capacity ", capacity, " outside 1..", cfg.T,
            " (model.seq_len)");
   HS_ = cfg.head_size();
