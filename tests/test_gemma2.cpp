@@ -8,6 +8,10 @@
 //    input tokens avoid HF's pad id 0 (see the case);
 //  - activation checkpointing gives the same gradients (the recompute runs
 //    the post norms again);
+//  - the CPU ops alone against their definitions in double: soft-capped,
+//    rescaled GQA attention at T = 70 (two of causal_head.h's blocks) forward
+//    and backward (finite differences), the final cap and its cross-entropy
+//    (an ignored target included);
 //  - the arch's activation estimate is the network's arena;
 //  - what is not implemented yet is refused by name: a sequence longer than
 //    the sliding window, KV-cached decoding, an untied head, another MLP
@@ -256,4 +260,127 @@ TEST_CASE("gemma2: what is not implemented yet is refused by name", "[gemma2]") 
   ModelSpec m;
   m.arch = "gemma2";
   CHECK_THROWS_WITH(ModelConfig::from_spec(m), Contains("model.arch: gemma2 is not implemented yet"));
+}
+
+namespace {
+// Soft-capped, rescaled causal GQA attention in double, straight from the
+// definition (transformers' eager Gemma2Attention without RoPE): qkv (B,T,
+// (NH+2NKV)*HS), out (B,T,NH*HS).
+Vec capped_attention(const Vec& qkv, int B, int T, int NH, int NKV, int HS, double scale, double cap) {
+  const int ld = (NH + 2 * NKV) * HS, R = NH / NKV;
+  Vec out(size_t(B) * T * NH * HS, 0.0);
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < NH; ++h)
+      for (int t = 0; t < T; ++t) {
+        const double* q = &qkv[(size_t(b) * T + t) * ld + h * HS];
+        std::vector<double> s(t + 1);
+        double mx = -1e300;
+        for (int j = 0; j <= t; ++j) {
+          const double* k = &qkv[(size_t(b) * T + j) * ld + (NH + h / R) * HS];
+          double d = 0;
+          for (int i = 0; i < HS; ++i) d += q[i] * k[i];
+          s[j] = cap * std::tanh(d * scale / cap);
+          mx = std::max(mx, s[j]);
+        }
+        double sum = 0;
+        for (auto& x : s) sum += (x = std::exp(x - mx));
+        for (int j = 0; j <= t; ++j) {
+          const double* v = &qkv[(size_t(b) * T + j) * ld + (NH + NKV + h / R) * HS];
+          for (int i = 0; i < HS; ++i) out[(size_t(b) * T + t) * NH * HS + h * HS + i] += s[j] / sum * v[i];
+        }
+      }
+  return out;
+}
+}  // namespace
+
+// The HF case has T = 16: one of causal_head.h's 64-row blocks. Here T = 70
+// (two blocks: the backward's recomputed scores must line up across them),
+// GQA 2:1, scores large enough that the cap saturates.
+TEST_CASE("gemma2: the cpu attention's softcap and scale against the definition and finite differences",
+          "[gemma2][cpu_ops]") {
+  const int B = 1, T = 70, NH = 2, NKV = 1, HS = 4, ld = (NH + 2 * NKV) * HS;
+  const double scale = 0.3, cap = 1.5;
+  auto be = make_cpu_backend(2);
+  std::mt19937_64 gen(5);
+  std::normal_distribution<double> nd(0.0, 2.0);
+  Vec qkv(size_t(B) * T * ld);
+  for (auto& x : qkv) x = double(float(nd(gen)));
+  Vec R(size_t(B) * T * NH * HS);
+  for (auto& x : R) x = double(float(nd(gen)));
+  auto up = [&](const Vec& v) { return test::upload_f32(be.get(), std::vector<float>(v.begin(), v.end())); };
+  DeviceBuffer dq = up(qkv), dR = up(R), out(be.get(), R.size() * 4), dqkv(be.get(), qkv.size() * 4);
+  DeviceBuffer saved(be.get(), be->attention_gqa_saved_floats(B, T, NH) * 4);
+  AttentionOptions opt;
+  opt.softcap = float(cap);
+  opt.scale = float(scale);
+  be->attention_gqa_forward(out.get(), saved.as<float>(), dq.get(), B, T, NH, NKV, HS, nullptr, opt);
+  be->attention_gqa_backward(dqkv.get(), dR.get(), dq.get(), out.get(), saved.as<float>(), B, T, NH, NKV, HS, nullptr,
+                             opt);
+  const std::vector<float> got = test::download_f32(be.get(), out.get(), R.size());
+  const std::vector<float> gotd = test::download_f32(be.get(), dqkv.get(), qkv.size());
+  const Vec want = capped_attention(qkv, B, T, NH, NKV, HS, scale, cap);
+  const double fe = ref::rel_err(Vec(got.begin(), got.end()), want);
+  Vec x = qkv;
+  const Vec fd = ref::central_fd(x, [&] { return ref::dot(capped_attention(x, B, T, NH, NKV, HS, scale, cap), R); });
+  const double be_err = ref::rel_err(Vec(gotd.begin(), gotd.end()), fd);
+  // The cap bites: without it the output differs.
+  const double uncapped = ref::rel_err(want, capped_attention(qkv, B, T, NH, NKV, HS, scale, 1e9));
+  std::printf("  softcap attention: forward %.3e, backward vs FD %.3e (uncapped differs by %.3f)\n", fe, be_err,
+              uncapped);
+  CHECK(fe <= 1e-5);
+  CHECK(be_err <= 1e-4);
+  CHECK(uncapped > 0.1);
+}
+
+// The final cap's two ops against the definition: loss = CE(cap * tanh(z / cap)),
+// its gradient w.r.t. the uncapped z by finite differences; an ignored
+// target (-1) gives loss 0 and gradient 0; rows ldv apart.
+TEST_CASE("gemma2: logit_softcap_forward + softcap_cross_entropy against the definition", "[gemma2][cpu_ops]") {
+  const int N = 3, V = 7, ldv = 9;
+  const double cap = 2.0, scale = 0.5;
+  const std::vector<int32_t> tg = {4, -1, 0};
+  auto be = make_cpu_backend(2);
+  std::mt19937_64 gen(7);
+  std::normal_distribution<double> nd(0.0, 4.0);  // |z| well above the cap
+  Vec z(size_t(N) * ldv, 0.0);
+  for (int n = 0; n < N; ++n)
+    for (int v = 0; v < V; ++v) z[size_t(n) * ldv + v] = double(float(nd(gen)));
+  auto loss_of = [&](const Vec& zz) {
+    double total = 0;
+    for (int n = 0; n < N; ++n) {
+      if (tg[n] < 0) continue;
+      double mx = -1e300, sum = 0;
+      std::vector<double> y(V);
+      for (int v = 0; v < V; ++v) mx = std::max(mx, y[v] = cap * std::tanh(zz[size_t(n) * ldv + v] / cap));
+      for (int v = 0; v < V; ++v) sum += std::exp(y[v] - mx);
+      total += scale * (mx + std::log(sum) - y[tg[n]]);
+    }
+    return total;
+  };
+  DeviceBuffer dz = test::upload_f32(be.get(), std::vector<float>(z.begin(), z.end()));
+  DeviceBuffer dt = test::upload_i32(be.get(), tg), losses(be.get(), N * 4);
+  be->logit_softcap_forward(dz.get(), N, V, ldv, float(cap));
+  const std::vector<float> y = test::download_f32(be.get(), dz.get(), z.size());
+  double yerr = 0;
+  for (int n = 0; n < N; ++n)
+    for (int v = 0; v < V; ++v)
+      yerr = std::max(yerr, std::abs(y[size_t(n) * ldv + v] - cap * std::tanh(z[size_t(n) * ldv + v] / cap)));
+  be->softcap_cross_entropy(losses.as<float>(), dz.get(), dz.get(), dt.as<int32_t>(), N, V, ldv, float(scale),
+                            float(cap));
+  const std::vector<float> l = test::download_f32(be.get(), losses.get(), N);
+  const std::vector<float> d = test::download_f32(be.get(), dz.get(), z.size());
+  Vec zz = z;
+  const Vec fd = ref::central_fd(zz, [&] { return loss_of(zz); });
+  Vec got, want;
+  for (int n = 0; n < N; ++n)
+    for (int v = 0; v < V; ++v) got.push_back(d[size_t(n) * ldv + v]), want.push_back(fd[size_t(n) * ldv + v]);
+  const double gerr = ref::rel_err(got, want);
+  const double lsum = scale * (double(l[0]) + l[2]);
+  std::printf("  final cap: capped logits max abs err %.2e, loss %.6f (want %.6f), gradient vs FD %.3e\n", yerr, lsum,
+              loss_of(z), gerr);
+  CHECK(yerr <= 1e-6);
+  CHECK(l[1] == 0.0f);
+  CHECK(std::abs(lsum - loss_of(z)) <= 1e-5 * loss_of(z));
+  CHECK(gerr <= 1e-5);
+  for (int v = 0; v < V; ++v) CHECK(d[size_t(ldv) + v] == 0.0f);  // the ignored row
 }
