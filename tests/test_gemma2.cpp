@@ -13,9 +13,10 @@
 //    and backward (finite differences), the final cap and its cross-entropy
 //    (an ignored target included);
 //  - the arch's activation estimate is the network's arena;
-//  - what is not implemented yet is refused by name: a sequence longer than
-//    the sliding window, KV-cached decoding, an untied head, another MLP
-//    activation, a final cap with tensor parallelism.
+//  - the KV-cached decoder (generate) equals the full forward's logits;
+//  - what is not implemented yet is refused by name: a sequence or decoder
+//    capacity longer than the sliding window, an untied head, another MLP
+//    activation, a job spec naming gemma2.
 // Error metric: norm-wise relative error per tensor (ref::rel_err).
 #include <catch2/catch.hpp>
 #include <cmath>
@@ -234,9 +235,9 @@ TEST_CASE("gemma2: what is not implemented yet is refused by name", "[gemma2]") 
   s.window = 8;
   CHECK_THROWS_WITH(make_model_arch(config_of(s))->make_network(be.get(), 1, false),
                     Contains("model.seq_len 16 exceeds the sliding window (sliding_window 8)"));
-  // KV-cached decoding.
-  CHECK_THROWS_WITH(make_model_arch(config_of(Shape{}))->make_decoder(be.get(), 8),
-                    Contains("gemma2's KV-cached decoding"));
+  // KV-cached decoding past the window.
+  CHECK_THROWS_WITH(make_model_arch(config_of(s))->make_decoder(be.get(), 12),
+                    Contains("decoder: capacity 12 exceeds the sliding window (sliding_window 8)"));
   // An untied head.
   ModelConfig untied = config_of(Shape{});
   untied.tied = false;
@@ -383,4 +384,44 @@ TEST_CASE("gemma2: logit_softcap_forward + softcap_cross_entropy against the def
   CHECK(std::abs(lsum - loss_of(z)) <= 1e-5 * loss_of(z));
   CHECK(gerr <= 1e-5);
   for (int v = 0; v < V; ++v) CHECK(d[size_t(ldv) + v] == 0.0f);  // the ignored row
+}
+
+// The KV-cached decoder's logits against the full forward's last row, a
+// prefill then one token at a time, with weights large enough that both caps bite.
+TEST_CASE("gemma2: the decoder equals the full forward", "[gemma2]") {
+  const ModelConfig cfg = config_of(Shape{});
+  const auto arch = make_model_arch(cfg);
+  auto be = make_cpu_backend(2);
+  const ParamLayout& lay = arch->layout();
+  std::vector<float> params(size_t(lay.total));
+  std::mt19937_64 gen(3);
+  std::normal_distribution<float> nd(0.0f, 0.3f);
+  for (auto& x : params) x = nd(gen);
+  DeviceBuffer p = test::upload_act(be.get(), params);
+  FlatUnitAccess units(lay, p.get(), nullptr, be->act_dtype());
+  const int prefill = 4, cap = cfg.T;
+  auto dec = arch->make_decoder(be.get(), cap);
+  CHECK(dec->bytes() == arch->decoder_bytes_needed(*be, cap));
+  auto net = arch->make_network(be.get(), 1, false);
+  const Tokens seq = rand_tokens(size_t(cap), cfg.V, 21);
+  std::vector<float> got;
+  double worst = 0, absmax = 0;
+  for (int n = prefill; n <= cap; ++n) {
+    if (n == prefill)
+      dec->feed(units, seq.data(), n, got);
+    else
+      dec->feed(units, seq.data() + n - 1, 1, got);
+    DeviceBuffer din = test::upload_i32(be.get(), Tokens(seq.begin(), seq.begin() + n));
+    net->forward(units, din.as<int32_t>(), nullptr, 1, n, false, 0.0f);
+    const int ldv = net->logits_stride();
+    const std::vector<float> all = test::download_act(be.get(), net->logits(), size_t(n) * ldv);
+    const Vec want(all.begin() + size_t(n - 1) * ldv, all.begin() + size_t(n - 1) * ldv + cfg.V);
+    worst = std::max(worst, ref::rel_err(Vec(got.begin(), got.end()), want));
+    for (float x : got) absmax = std::max(absmax, double(std::abs(x)));
+  }
+  std::printf("  decoder vs full forward: worst rel err %.3e (max |logit| %.3f, cap %.1f)\n", worst, absmax,
+              double(cfg.final_softcap));
+  CHECK(worst <= 1e-5);
+  CHECK(absmax <= cfg.final_softcap);  // the decoder's logits are capped too
+  CHECK(absmax > 0.5 * cfg.final_softcap);
 }

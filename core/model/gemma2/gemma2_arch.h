@@ -19,8 +19,9 @@
 // Not done yet (issue #26): the sliding window itself (the network refuses a
 // seq_len above sliding_window until the attention ops have it), job-spec
 // fields for these features (so model.arch gemma2 / model.init_from are not
-// open yet: the registry marks it not implemented), KV-cached decoding,
-// the CUDA kernels of the new options, tensor parallelism with the final cap.
+// open yet: the registry marks it not implemented), the CUDA kernels of the
+// new options, tensor parallelism with the final cap. The KV-cached decoder
+// (LlamaDecoder) computes it.
 #pragma once
 #include <map>
 #include <memory>
