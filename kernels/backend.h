@@ -56,6 +56,18 @@
 namespace trainrun {
 
 enum class DType { F32, BF16 };
+
+// What the attention ops do beyond plain causal softmax(q k^T / sqrt(HS)) v
+// (the default: every field 0). Gemma 2 needs softcap and scale; window is
+// the sliding window (Mistral, Gemma 2's local layers).
+//   window   > 0: query t sees only keys (t - window, t]  (HF: the last `window` positions)
+//   softcap  > 0: scores s -> softcap * tanh(s / softcap), after the scale, before the mask
+//   scale    > 0: the scores' scale (Gemma 2: query_pre_attn_scalar^-0.5); 0: 1/sqrt(HS)
+struct AttentionOptions {
+  int window = 0;
+  float softcap = 0.f;
+  float scale = 0.f;
+};
 inline size_t dtype_size(DType d) { return d == DType::F32 ? 4 : 2; }
 inline const char* dtype_name(DType d) { return d == DType::F32 ? "fp32" : "bf16"; }
 
@@ -219,25 +231,41 @@ class Backend {
   // buffers have row stride ldv >= V; columns [V, ldv) are not touched.
   virtual void softmax_cross_entropy(float* losses, void* dlogits, const void* logits, const int32_t* targets, int N,
                                      int V, int ldv, float dloss_scale) = 0;
+  // Final logit soft-capping (Gemma 2's final_logit_softcapping), in two ops:
+  //   logit_softcap_forward: logits[:, :V] <- cap * tanh(logits / cap), in place
+  //     (what the model returns as its logits);
+  //   softcap_cross_entropy: softmax_cross_entropy over those capped logits y,
+  //     whose dlogits is the gradient of the *uncapped* logits: dloss_scale *
+  //     (softmax(y) - onehot) * (1 - (y / cap)^2)  (tanh' read back from y).
+  virtual void logit_softcap_forward(void* logits, int N, int V, int ldv, float cap) {
+    not_implemented("logit_softcap_forward");
+  }
+  virtual void softcap_cross_entropy(float* losses, void* dlogits, const void* logits, const int32_t* targets, int N,
+                                     int V, int ldv, float dloss_scale, float cap) {
+    not_implemented("softcap_cross_entropy");
+  }
 
   // ---- Llama ops (RMSNorm, RoPE, SwiGLU, grouped-query attention) ----------------
   // Defaults throw (see the top of this file); the CPU backend has them all.
 
   // RMSNorm over the last dim, as HF's LlamaRMSNorm, in fp32:
-  // out(N,C) = inp * rstd * weight, rstd(N) = 1/sqrt(mean_c(inp^2) + eps) (kept for backward).
-  virtual void rmsnorm_forward(void* out, float* rstd, const void* inp, const void* weight, int N, int C, float eps) {
+  // out(N,C) = inp * rstd * (w_offset + weight), rstd(N) = 1/sqrt(mean_c(inp^2) + eps) (kept for backward).
+  // w_offset is 1 for Gemma 2's RMSNorm (x * (1 + w), its weights stored around 0), else 0;
+  // the backward takes the same w_offset.
+  virtual void rmsnorm_forward(void* out, float* rstd, const void* inp, const void* weight, int N, int C, float eps,
+                               float w_offset = 0.f) {
     not_implemented("rmsnorm_forward");
   }
   // Fused residual add + RMSNorm (forward only), as residual_layernorm_forward:
   // res_out = a + b, then out = RMSNorm(res_out). res_out must not alias a or b;
   // the backward is rmsnorm_backward into the residual gradient.
   virtual void residual_rmsnorm_forward(void* res_out, void* out, float* rstd, const void* a, const void* b,
-                                        const void* weight, int N, int C, float eps) {
+                                        const void* weight, int N, int C, float eps, float w_offset = 0.f) {
     not_implemented("residual_rmsnorm_forward");
   }
   // dinp(N,C) += .., dweight(C) += .. (as layernorm_backward).
   virtual void rmsnorm_backward(void* dinp, float* dweight, const void* dout, const void* inp, const void* weight,
-                                const float* rstd, int N, int C) {
+                                const float* rstd, int N, int C, float w_offset = 0.f) {
     not_implemented("rmsnorm_backward");
   }
 
@@ -288,6 +316,13 @@ class Backend {
   virtual void swiglu_backward(void* dinp, const void* dout, const void* inp, int N, int F) {
     not_implemented("swiglu_backward");
   }
+  // GeGLU (Gemma 2's MLP, HF hidden_activation gelu_pytorch_tanh), as SwiGLU
+  // with gelu (tanh approximation) for silu: out(N,F) = gelu(gate) * up;
+  // dinp(N,2F) = [dout * up * gelu'(gate) | dout * gelu(gate)] (may alias inp).
+  virtual void geglu_forward(void* out, const void* inp, int N, int F) { not_implemented("geglu_forward"); }
+  virtual void geglu_backward(void* dinp, const void* dout, const void* inp, int N, int F) {
+    not_implemented("geglu_backward");
+  }
 
   // Causal grouped-query self-attention. qkv(B,T,(NH+2*NKV)*HS) is laid out
   // as for rope_forward; NKV divides NH and query head h uses key/value head
@@ -297,8 +332,9 @@ class Backend {
   virtual size_t attention_gqa_saved_floats(int B, int T, int NH) const {
     not_implemented("attention_gqa_saved_floats");
   }
+  // opt: AttentionOptions (above); a backend refuses by name what it does not implement.
   virtual void attention_gqa_forward(void* out, float* saved, const void* qkv, int B, int T, int NH, int NKV,
-                                     int HS, const int32_t* doc_start = nullptr) {
+                                     int HS, const int32_t* doc_start = nullptr, const AttentionOptions& opt = {}) {
     not_implemented("attention_gqa_forward");
   }
   // dqkv(B,T,(NH+2*NKV)*HS) overwritten. dk and dv of a KV head are summed
@@ -306,7 +342,7 @@ class Backend {
   // bit-reproducible run to run and across thread counts.
   virtual void attention_gqa_backward(void* dqkv, const void* dout, const void* qkv, const void* out,
                                       const float* saved, int B, int T, int NH, int NKV, int HS,
-                                      const int32_t* doc_start = nullptr) {
+                                      const int32_t* doc_start = nullptr, const AttentionOptions& opt = {}) {
     not_implemented("attention_gqa_backward");
   }
   // KV-cached grouped-query attention for one sequence, as attention_kv_forward:
@@ -315,7 +351,7 @@ class Backend {
   // to rows [pos, pos+Tq) of kcache and vcache (each (maxT, NKV*HS)), then
   // out(Tq, NH*HS) row i attends to cache rows [0, pos+i].
   virtual void attention_kv_gqa_forward(void* out, void* kcache, void* vcache, const void* qkv, int pos, int Tq,
-                                        int NH, int NKV, int HS) {
+                                        int NH, int NKV, int HS, const AttentionOptions& opt = {}) {
     not_implemented("attention_kv_gqa_forward");
   }
 

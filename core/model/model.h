@@ -59,7 +59,19 @@ struct ModelConfig {
   // self_attn.q_norm.weight and k_norm.weight (head_dim each), shared by the
   // heads; Backend::qk_norm_forward. Set by the arch, not the job spec.
   bool qk_norm = false;
-  int sliding_window = 0;      // [model.sliding_window] 0 = none
+  // Gemma 2's maths on the shared Llama network (0 / false / "silu": Llama's).
+  // Set by the gemma2 arch from config.json (core/model/gemma2/); not job-spec fields yet.
+  float attn_softcap = 0;      // attn_logit_softcapping: scores -> cap * tanh(scores / cap)
+  float final_softcap = 0;     // final_logit_softcapping: logits -> cap * tanh(logits / cap)
+  double query_scale = 0;      // query_pre_attn_scalar: scores scaled by its^-0.5; 0 = the head size's
+  bool norm_offset = false;    // RMSNorm x * (1 + w), its weights stored around 0
+  bool post_norms = false;     // RMSNorms on the attention and MLP outputs, before their residual adds
+  std::string mlp_act = "silu";  // the gated MLP's activation: "silu" (SwiGLU) | "gelu_tanh" (GeGLU)
+  bool embed_scale = false;    // the embedding's output times sqrt(C) (in the activation dtype, as HF)
+  int sliding_window = 0;      // [model.sliding_window] 0 = none (Mistral's field; the window size)
+  // Which layers slide: layer l is local when l % window_period == 0 (Gemma
+  // 2: 2, layers 0, 2, 4, ... as transformers 4.44), 0 = every layer.
+  int window_period = 0;
 
   // The config a job spec describes. model.arch auto is resolved here: the
   // architecture of model.init_from's config.json (its model_type), else

@@ -20,6 +20,10 @@
 //             and by key blocks [j0, j1), the queries [j0, T) that see them:
 //             dv[j0:j1] (+)= P[j0:, j0:j1]^T dO[j0:],  dk[j0:j1] (+)= dS[j0:, j0:j1]^T q[j0:]
 //   beta_kv 0 overwrites dk/dv, 1 adds (the later heads of a GQA group).
+// Soft-capping (Gemma 2, softcap > 0): the scaled scores s go through
+// softcap * tanh(s / softcap) before the softmax. The backward recomputes s
+// (one more q k^T per block, into the scratch S) for tanh's derivative
+// 1 - tanh(s/softcap)^2 rather than keep a second (T, T) matrix per head.
 #pragma once
 #include <cblas.h>
 
@@ -27,6 +31,7 @@
 #include <cstdint>
 
 #include "kernels/cpu/causal_softmax.h"
+#include "kernels/cpu/fastmath.h"
 
 namespace trainrun::cpu {
 
@@ -49,25 +54,36 @@ inline int doc_queries_end(const int32_t* ds, int j1, int T) {
   return t;
 }
 
+// The scores of row t over keys [first, t], in place: softcap * tanh(s / softcap).
+inline void softcap_row(float* row, int first, int last, float softcap) {
+  const float inv = 1.0f / softcap;
+#pragma omp simd
+  for (int j = first; j <= last; ++j) row[j] = softcap * fastmath::tanh(row[j] * inv);
+}
+
 inline void causal_head_forward(float* o, int ldo, float* P, const float* q, const float* k, const float* v, int ld,
-                                int T, int HS, float sc, const int32_t* ds = nullptr) {
+                                int T, int HS, float sc, const int32_t* ds = nullptr, float softcap = 0.0f) {
   for (int t0 = 0; t0 < T; t0 += kCausalBlock) {
     const int t1 = std::min(T, t0 + kCausalBlock), m = t1 - t0;
     const int kb = doc_first_key(ds, t0);  // the block's first visible key
     float* Pb = P + int64_t(t0) * T + kb;
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, t1 - kb, HS, sc, q + int64_t(t0) * ld, ld,
                 k + int64_t(kb) * ld, ld, 0.0f, Pb, T);
-    for (int t = t0; t < t1; ++t)  // zero-fills [0, first) and (t, T)
+    for (int t = t0; t < t1; ++t) {  // zero-fills [0, first) and (t, T)
+      if (softcap > 0.0f) softcap_row(P + int64_t(t) * T, doc_first_key(ds, t), t, softcap);
       causal_softmax_row(P + int64_t(t) * T, doc_first_key(ds, t), t, T);
+    }
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, HS, t1 - kb, 1.0f, Pb, T, v + int64_t(kb) * ld, ld, 0.0f,
                 o + int64_t(t0) * ldo, ldo);
   }
 }
 
-// dP is scratch (T, T); on return it holds dS.
+// dP is scratch (T, T); on return it holds dS. With softcap > 0, S is a
+// second (T, T) scratch (the recomputed scores).
 inline void causal_head_backward(float* dq, float* dk, float* dv, int ldkv, float beta_kv, float* dP, const float* dO,
                                  int ldo, const float* P, const float* q, const float* k, const float* v, int ld, int T,
-                                 int HS, float sc, const int32_t* ds = nullptr) {
+                                 int HS, float sc, const int32_t* ds = nullptr, float softcap = 0.0f,
+                                 float* S = nullptr) {
   for (int t0 = 0; t0 < T; t0 += kCausalBlock) {
     const int t1 = std::min(T, t0 + kCausalBlock), m = t1 - t0;
     const int kb = doc_first_key(ds, t0);
@@ -75,7 +91,22 @@ inline void causal_head_backward(float* dq, float* dk, float* dv, int ldkv, floa
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, t1 - kb, HS, 1.0f, dO + int64_t(t0) * ldo, ldo,
                 v + int64_t(kb) * ld, ld, 0.0f, dPb, T);
     for (int t = t0; t < t1; ++t)
-      causal_softmax_backward_row(dP + int64_t(t) * T, P + int64_t(t) * T, doc_first_key(ds, t), t, T, sc);
+      causal_softmax_backward_row(dP + int64_t(t) * T, P + int64_t(t) * T, doc_first_key(ds, t), t, T,
+                                  softcap > 0.0f ? 1.0f : sc);
+    if (softcap > 0.0f) {  // through the cap and the scale: dS *= (1 - tanh(s/softcap)^2) sc
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, t1 - kb, HS, sc, q + int64_t(t0) * ld, ld,
+                  k + int64_t(kb) * ld, ld, 0.0f, S + int64_t(t0) * T + kb, T);
+      const float inv = 1.0f / softcap;
+      for (int t = t0; t < t1; ++t) {
+        float* d = dP + int64_t(t) * T;
+        const float* s = S + int64_t(t) * T;
+#pragma omp simd
+        for (int j = doc_first_key(ds, t); j <= t; ++j) {
+          const float th = fastmath::tanh(s[j] * inv);
+          d[j] *= (1.0f - th * th) * sc;
+        }
+      }
+    }
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, HS, t1 - kb, 1.0f, dPb, T, k + int64_t(kb) * ld, ld,
                 0.0f, dq + int64_t(t0) * ld, ld);
   }

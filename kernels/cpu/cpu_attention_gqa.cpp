@@ -21,6 +21,8 @@
 // With NKV == NH every sgemm and row kernel is the one attention_forward /
 // attention_backward runs (tested to agree bit for bit): both are
 // causal_head.h per head.
+// AttentionOptions: scale replaces 1/sqrt(HS) everywhere above; softcap caps
+// the scaled scores (causal_head.h); window is not implemented here yet.
 #include <cblas.h>
 #include <omp.h>
 
@@ -40,17 +42,25 @@ void check_gqa_heads(const char* op, int NH, int NKV, int HS) {
   TR_CHECK(NH > 0 && NKV > 0 && HS > 0, op, ": NH ", NH, ", NKV ", NKV, " and HS ", HS, " must be positive");
   TR_CHECK(NH % NKV == 0, op, ": num_key_value_heads ", NKV, " must divide num_attention_heads ", NH);
 }
+// The score scale, and the options this backend does not implement refused by name.
+float score_scale(const char* op, int HS, const AttentionOptions& opt) {
+  TR_CHECK(opt.window == 0, op, ": a sliding window (", opt.window,
+           ") is not implemented by the cpu backend yet; use a model without sliding_window");
+  TR_CHECK(opt.softcap >= 0.f && opt.scale >= 0.f, op, ": softcap ", opt.softcap, " and scale ", opt.scale,
+           " must be >= 0 (0: off / 1/sqrt(head size))");
+  return opt.scale > 0.f ? opt.scale : 1.0f / std::sqrt(float(HS));
+}
 }  // namespace
 
 size_t CpuBackend::attention_gqa_saved_floats(int B, int T, int NH) const { return size_t(B) * NH * T * T; }
 
 void CpuBackend::attention_gqa_forward(void* out_, float* saved, const void* qkv_, int B, int T, int NH, int NKV,
-                                       int HS, const int32_t* doc_start) {
+                                       int HS, const int32_t* doc_start, const AttentionOptions& opt) {
   check_gqa_heads("attention_gqa_forward", NH, NKV, HS);
   float* out = static_cast<float*>(out_);
   const float* qkv = static_cast<const float*>(qkv_);
   const int R = NH / NKV, C = NH * HS, ld = (NH + 2 * NKV) * HS;
-  const float sc = 1.0f / std::sqrt(float(HS));
+  const float sc = score_scale("attention_gqa_forward", HS, opt);
 #pragma omp parallel for schedule(static)
   for (int bh = 0; bh < B * NH; ++bh) {
     const int b = bh / NH, h = bh % NH, g = h / R;
@@ -60,28 +70,30 @@ void CpuBackend::attention_gqa_forward(void* out_, float* saved, const void* qkv
     const float* v = row0 + (NH + NKV + g) * HS;
     float* P = saved + int64_t(bh) * T * T;
     cpu::causal_head_forward(out + int64_t(b) * T * C + h * HS, C, P, q, k, v, ld, T, HS, sc,
-                             doc_start ? doc_start + int64_t(b) * T : nullptr);
+                             doc_start ? doc_start + int64_t(b) * T : nullptr, opt.softcap);
   }
 }
 
 void CpuBackend::attention_gqa_backward(void* dqkv_, const void* dout_, const void* qkv_, const void* /*out: P is kept*/,
                                         const float* saved, int B, int T, int NH, int NKV, int HS,
-                                        const int32_t* doc_start) {
+                                        const int32_t* doc_start, const AttentionOptions& opt) {
   check_gqa_heads("attention_gqa_backward", NH, NKV, HS);
   float* dqkv = static_cast<float*>(dqkv_);
   const float* dout = static_cast<const float*>(dout_);
   const float* qkv = static_cast<const float*>(qkv_);
   const int R = NH / NKV, C = NH * HS, ld = (NH + 2 * NKV) * HS;
-  const float sc = 1.0f / std::sqrt(float(HS));
+  const float sc = score_scale("attention_gqa_backward", HS, opt);
   const int nt = threads();
   const int64_t part = int64_t(T) * HS;  // one head's dk or dv partial, dense (T, HS)
-  std::vector<float> scratch(size_t(nt) * T * T);
+  const bool capped = opt.softcap > 0.f;   // then a second (T, T) per thread: the recomputed scores
+  std::vector<float> scratch(size_t(nt) * T * T * (capped ? 2 : 1));
   std::vector<float> partials(R > 1 ? size_t(2) * B * NH * part : 0);
   float* pk = partials.data();
   float* pv = partials.data() + (R > 1 ? int64_t(B) * NH * part : 0);
 #pragma omp parallel num_threads(nt)
   {
-    float* dP = scratch.data() + size_t(omp_get_thread_num()) * T * T;
+    float* dP = scratch.data() + size_t(omp_get_thread_num()) * T * T * (capped ? 2 : 1);
+    float* S = capped ? dP + int64_t(T) * T : nullptr;
 #pragma omp for schedule(static)
     for (int bh = 0; bh < B * NH; ++bh) {
       const int b = bh / NH, h = bh % NH, g = h / R;
@@ -95,10 +107,10 @@ void CpuBackend::attention_gqa_backward(void* dqkv_, const void* dout_, const vo
       const int32_t* ds = doc_start ? doc_start + int64_t(b) * T : nullptr;
       if (R == 1)
         cpu::causal_head_backward(dq, dqkv + row0 + (NH + g) * HS, dqkv + row0 + (NH + NKV + g) * HS, ld, 0.0f, dP, dO,
-                                  C, P, q, k, v, ld, T, HS, sc, ds);
+                                  C, P, q, k, v, ld, T, HS, sc, ds, opt.softcap, S);
       else
         cpu::causal_head_backward(dq, pk + bh * part, pv + bh * part, HS, 0.0f, dP, dO, C, P, q, k, v, ld, T, HS, sc,
-                                  ds);
+                                  ds, opt.softcap, S);
     }
     if (R > 1) {
       // dk_g, dv_g = the group's partials summed in head order, row by row.
@@ -128,14 +140,14 @@ void CpuBackend::attention_gqa_backward(void* dqkv_, const void* dout_, const vo
 // caches (maxT, NKV*HS), then each new query i of head h attends to rows
 // [0, pos+i] of KV head h/R: one (Tq x (pos+Tq)) sgemm per head, masked.
 void CpuBackend::attention_kv_gqa_forward(void* out_, void* kcache_, void* vcache_, const void* qkv_, int pos, int Tq,
-                                          int NH, int NKV, int HS) {
+                                          int NH, int NKV, int HS, const AttentionOptions& opt) {
   check_gqa_heads("attention_kv_gqa_forward", NH, NKV, HS);
   float* out = static_cast<float*>(out_);
   float* kc = static_cast<float*>(kcache_);
   float* vc = static_cast<float*>(vcache_);
   const float* qkv = static_cast<const float*>(qkv_);
   const int R = NH / NKV, C = NH * HS, KV = NKV * HS, ld = (NH + 2 * NKV) * HS, Tk = pos + Tq;
-  const float sc = 1.0f / std::sqrt(float(HS));
+  const float sc = score_scale("attention_kv_gqa_forward", HS, opt);
   for (int i = 0; i < Tq; ++i) {
     const float* row = qkv + int64_t(i) * ld;
     std::copy(row + C, row + C + KV, kc + int64_t(pos + i) * KV);
@@ -151,7 +163,10 @@ void CpuBackend::attention_kv_gqa_forward(void* out_, void* kcache_, void* vcach
       const int g = h / R;
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, Tq, Tk, HS, sc, qkv + h * HS, ld, kc + g * HS, KV, 0.0f, S,
                   Tk);
-      for (int i = 0; i < Tq; ++i) cpu::causal_softmax_row(S + int64_t(i) * Tk, 0, pos + i, Tk);
+      for (int i = 0; i < Tq; ++i) {
+        if (opt.softcap > 0.f) cpu::softcap_row(S + int64_t(i) * Tk, 0, pos + i, opt.softcap);
+        cpu::causal_softmax_row(S + int64_t(i) * Tk, 0, pos + i, Tk);
+      }
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, Tq, HS, Tk, 1.0f, S, Tk, vc + g * HS, KV, 0.0f,
                   out + h * HS, C);
     }

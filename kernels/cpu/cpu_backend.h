@@ -68,11 +68,12 @@ class CpuBackend final : public Backend {
   void softmax_cross_entropy(float* losses, void* dlogits, const void* logits, const int32_t* targets, int N, int V,
                              int ldv, float dloss_scale) override;
   // Llama ops: cpu_rmsnorm.cpp, cpu_rope.cpp, cpu_swiglu.cpp, cpu_attention_gqa.cpp.
-  void rmsnorm_forward(void* out, float* rstd, const void* inp, const void* weight, int N, int C, float eps) override;
+  void rmsnorm_forward(void* out, float* rstd, const void* inp, const void* weight, int N, int C, float eps,
+                       float w_offset = 0.f) override;
   void residual_rmsnorm_forward(void* res_out, void* out, float* rstd, const void* a, const void* b, const void* weight,
-                                int N, int C, float eps) override;
+                                int N, int C, float eps, float w_offset = 0.f) override;
   void rmsnorm_backward(void* dinp, float* dweight, const void* dout, const void* inp, const void* weight,
-                        const float* rstd, int N, int C) override;
+                        const float* rstd, int N, int C, float w_offset = 0.f) override;
   void rope_forward(void* qkv, const float* cos_sin, int B, int T, int NH, int NKV, int HS, int pos0,
                     const int32_t* pos = nullptr) override;
   void rope_backward(void* dqkv, const float* cos_sin, int B, int T, int NH, int NKV, int HS, int pos0,
@@ -94,13 +95,20 @@ class CpuBackend final : public Backend {
                  int64_t rows, int64_t cols) override;
   void add_rows_f32(float* dst, int64_t dst_ld, const float* src, int64_t src_ld, int64_t rows,
                     int64_t cols) override;
+  // Gemma 2 ops: cpu_geglu.cpp, cpu_logit_softcap.cpp (attention's softcap/scale: cpu_attention_gqa.cpp).
+  void geglu_forward(void* out, const void* inp, int N, int F) override;
+  void geglu_backward(void* dinp, const void* dout, const void* inp, int N, int F) override;
+  void logit_softcap_forward(void* logits, int N, int V, int ldv, float cap) override;
+  void softcap_cross_entropy(float* losses, void* dlogits, const void* logits, const int32_t* targets, int N, int V,
+                             int ldv, float dloss_scale, float cap) override;
   size_t attention_gqa_saved_floats(int B, int T, int NH) const override;
   void attention_gqa_forward(void* out, float* saved, const void* qkv, int B, int T, int NH, int NKV,
-                             int HS, const int32_t* doc_start = nullptr) override;
+                             int HS, const int32_t* doc_start = nullptr, const AttentionOptions& opt = {}) override;
   void attention_gqa_backward(void* dqkv, const void* dout, const void* qkv, const void* out, const float* saved,
-                              int B, int T, int NH, int NKV, int HS, const int32_t* doc_start = nullptr) override;
+                              int B, int T, int NH, int NKV, int HS, const int32_t* doc_start = nullptr,
+                              const AttentionOptions& opt = {}) override;
   void attention_kv_gqa_forward(void* out, void* kcache, void* vcache, const void* qkv, int pos, int Tq, int NH,
-                                int NKV, int HS) override;
+                                int NKV, int HS, const AttentionOptions& opt = {}) override;
   // Vocab-parallel ops: cpu_vocab_parallel.cpp.
   void vocab_embedding_forward(void* out, const int32_t* tokens, const void* wte, const void* wpe, int v_begin,
                                int v_count, int B, int T, int C, const int32_t* pos = nullptr) override;

@@ -2,6 +2,8 @@
 // and backward.
 //
 // Forward, per row x (C):  rstd = 1/sqrt(mean(x^2) + eps),  y = x * rstd * w.
+// With w_offset (Gemma 2: 1) every w below reads w_offset + w; dw is unchanged
+// (d(w_offset + w)/dw = 1).
 //   out (N,C), rstd (N) saved for backward, weight (C).
 // Backward, with xhat = x * rstd and g = dy * w:
 //   dx += rstd * (g - xhat * mean(g * xhat)),   dw += sum_rows dy * xhat.
@@ -25,26 +27,27 @@ inline const float* F(const void* p) { return static_cast<const float*>(p); }
 
 // One row; both forward ops share it, so the fused residual variant is
 // bit-identical to residual_forward followed by rmsnorm_forward.
-inline void rmsnorm_row(float* o, float* rstd, const float* x, const float* w, int C, float eps) {
+inline void rmsnorm_row(float* o, float* rstd, const float* x, const float* w, int C, float eps, float wo) {
   float ss = 0.0f;
 #pragma omp simd reduction(+ : ss)
   for (int c = 0; c < C; ++c) ss += x[c] * x[c];
   const float s = 1.0f / std::sqrt(ss / C + eps);
 #pragma omp simd
-  for (int c = 0; c < C; ++c) o[c] = x[c] * s * w[c];
+  for (int c = 0; c < C; ++c) o[c] = x[c] * s * (wo + w[c]);
   *rstd = s;
 }
 }  // namespace
 
-void CpuBackend::rmsnorm_forward(void* out_, float* rstd, const void* inp_, const void* w_, int N, int C, float eps) {
+void CpuBackend::rmsnorm_forward(void* out_, float* rstd, const void* inp_, const void* w_, int N, int C, float eps,
+                                 float w_offset) {
   float* out = F(out_);
   const float* inp = F(inp_);
 #pragma omp parallel for schedule(static)
-  for (int n = 0; n < N; ++n) rmsnorm_row(out + int64_t(n) * C, rstd + n, inp + int64_t(n) * C, F(w_), C, eps);
+  for (int n = 0; n < N; ++n) rmsnorm_row(out + int64_t(n) * C, rstd + n, inp + int64_t(n) * C, F(w_), C, eps, w_offset);
 }
 
 void CpuBackend::residual_rmsnorm_forward(void* res_out_, void* out_, float* rstd, const void* a_, const void* b_,
-                                          const void* w_, int N, int C, float eps) {
+                                          const void* w_, int N, int C, float eps, float w_offset) {
   float* res = F(res_out_);
   float* out = F(out_);
   const float* a = F(a_);
@@ -56,12 +59,12 @@ void CpuBackend::residual_rmsnorm_forward(void* res_out_, void* out_, float* rst
     const float* br = b + int64_t(n) * C;
 #pragma omp simd
     for (int c = 0; c < C; ++c) r[c] = ar[c] + br[c];
-    rmsnorm_row(out + int64_t(n) * C, rstd + n, r, F(w_), C, eps);
+    rmsnorm_row(out + int64_t(n) * C, rstd + n, r, F(w_), C, eps, w_offset);
   }
 }
 
 void CpuBackend::rmsnorm_backward(void* dinp_, float* dweight, const void* dout_, const void* inp_, const void* w_,
-                                  const float* rstd, int N, int C) {
+                                  const float* rstd, int N, int C, float w_offset) {
   float* dinp = F(dinp_);
   const float* dout = F(dout_);
   const float* inp = F(inp_);
@@ -79,12 +82,12 @@ void CpuBackend::rmsnorm_backward(void* dinp_, float* dweight, const void* dout_
       const float s = rstd[n];
       float sum_gx = 0.0f;
 #pragma omp simd reduction(+ : sum_gx)
-      for (int c = 0; c < C; ++c) sum_gx += dy[c] * w[c] * (x[c] * s);
+      for (int c = 0; c < C; ++c) sum_gx += dy[c] * (w_offset + w[c]) * (x[c] * s);
       sum_gx /= C;
 #pragma omp simd
       for (int c = 0; c < C; ++c) {
         const float xh = x[c] * s;
-        dx[c] += s * (dy[c] * w[c] - xh * sum_gx);
+        dx[c] += s * (dy[c] * (w_offset + w[c]) - xh * sum_gx);
         pdw[c] += dy[c] * xh;
       }
     }

@@ -378,20 +378,36 @@ void CudaBackend::attention_kv_forward(void* out, void* kcache, void* vcache, co
 
 // ---- Llama ops ------------------------------------------------------------------------
 
+namespace {
+// Gemma 2's options, not in the CUDA kernels yet: refused by name rather than ignored.
+void refuse_w_offset(const char* op, float w_offset) {
+  TR_CHECK(w_offset == 0.f, op, ": RMSNorm weight offset ", w_offset,
+           " (Gemma 2's x * (1 + w)) is not implemented by the cuda backend yet; run on the cpu backend");
+}
+void refuse_attention_options(const char* op, const AttentionOptions& opt) {
+  TR_CHECK(opt.window == 0 && opt.softcap == 0.f && opt.scale == 0.f, op, ": attention options window ", opt.window,
+           ", softcap ", opt.softcap, ", scale ", opt.scale,
+           " are not implemented by the cuda backend yet (only the defaults 0); run on the cpu backend");
+}
+}  // namespace
+
 void CudaBackend::rmsnorm_forward(void* out, float* rstd, const void* inp, const void* weight, int N, int C,
-                                  float eps) {
+                                  float eps, float w_offset) {
+  refuse_w_offset("rmsnorm_forward", w_offset);
   make_current();
   cuda::rmsnorm_forward(H(out), rstd, H(inp), H(weight), N, C, eps, compute_);
 }
 
 void CudaBackend::residual_rmsnorm_forward(void* res_out, void* out, float* rstd, const void* a, const void* b,
-                                           const void* weight, int N, int C, float eps) {
+                                           const void* weight, int N, int C, float eps, float w_offset) {
+  refuse_w_offset("residual_rmsnorm_forward", w_offset);
   make_current();
   cuda::residual_rmsnorm_forward(H(res_out), H(out), rstd, H(a), H(b), H(weight), N, C, eps, compute_);
 }
 
 void CudaBackend::rmsnorm_backward(void* dinp, float* dweight, const void* dout, const void* inp, const void* weight,
-                                   const float* rstd, int N, int C) {
+                                   const float* rstd, int N, int C, float w_offset) {
+  refuse_w_offset("rmsnorm_backward", w_offset);
   make_current();
   Scratch s(*alloc_, rmsnorm_backward_scratch_bytes(N, C, num_sms_));
   cuda::rmsnorm_backward(H(dinp), dweight, H(dout), H(inp), H(weight), rstd, N, C, s.as<float>(), num_sms_,
@@ -531,14 +547,16 @@ size_t CudaBackend::attention_gqa_saved_floats(int B, int T, int NH) const {
 }
 
 void CudaBackend::attention_gqa_forward(void* out, float* saved, const void* qkv, int B, int T, int NH, int NKV,
-                                        int HS, const int32_t* doc_start) {
+                                        int HS, const int32_t* doc_start, const AttentionOptions& opt) {
+  refuse_attention_options("attention_gqa_forward", opt);
   make_current();
   cuda::attention_gqa_forward(H(out), saved, H(qkv), B, T, NH, NKV, HS, compute_, doc_start);
 }
 
 void CudaBackend::attention_gqa_backward(void* dqkv, const void* dout, const void* qkv, const void* out,
                                          const float* saved, int B, int T, int NH, int NKV, int HS,
-                                         const int32_t* doc_start) {
+                                         const int32_t* doc_start, const AttentionOptions& opt) {
+  refuse_attention_options("attention_gqa_backward", opt);
   make_current();
   const int splits = attention_dkv_splits(B, T, NKV, attn_dkv_splits_, num_sms_);
   Scratch s(*alloc_, attention_backward_scratch_bytes(B, T, NH, NKV, HS, splits));
@@ -547,7 +565,8 @@ void CudaBackend::attention_gqa_backward(void* dqkv, const void* dout, const voi
 }
 
 void CudaBackend::attention_kv_gqa_forward(void* out, void* kcache, void* vcache, const void* qkv, int pos, int Tq,
-                                           int NH, int NKV, int HS) {
+                                           int NH, int NKV, int HS, const AttentionOptions& opt) {
+  refuse_attention_options("attention_kv_gqa_forward", opt);
   make_current();
   cuda::attention_kv_gqa_forward(H(out), H(kcache), H(vcache), H(qkv), pos, Tq, NH, NKV, HS, compute_);
 }

@@ -93,11 +93,13 @@ class CudaBackend final : public Backend {
                           int NH, const int32_t* doc_start = nullptr) override;
   void attention_kv_forward(void* out, void* kcache, void* vcache, const void* qkv, int pos, int Tq, int C,
                             int NH) override;
-  void rmsnorm_forward(void* out, float* rstd, const void* inp, const void* weight, int N, int C, float eps) override;
+  // w_offset (Gemma 2) and the AttentionOptions are refused by name: not implemented on CUDA yet.
+  void rmsnorm_forward(void* out, float* rstd, const void* inp, const void* weight, int N, int C, float eps,
+                       float w_offset = 0.f) override;
   void residual_rmsnorm_forward(void* res_out, void* out, float* rstd, const void* a, const void* b,
-                                const void* weight, int N, int C, float eps) override;
+                                const void* weight, int N, int C, float eps, float w_offset = 0.f) override;
   void rmsnorm_backward(void* dinp, float* dweight, const void* dout, const void* inp, const void* weight,
-                        const float* rstd, int N, int C) override;
+                        const float* rstd, int N, int C, float w_offset = 0.f) override;
   void rope_forward(void* qkv, const float* cos_sin, int B, int T, int NH, int NKV, int HS, int pos0,
                     const int32_t* pos = nullptr) override;
   void rope_backward(void* dqkv, const float* cos_sin, int B, int T, int NH, int NKV, int HS, int pos0,
@@ -121,11 +123,12 @@ class CudaBackend final : public Backend {
                     int64_t cols) override;
   size_t attention_gqa_saved_floats(int B, int T, int NH) const override;
   void attention_gqa_forward(void* out, float* saved, const void* qkv, int B, int T, int NH, int NKV,
-                             int HS, const int32_t* doc_start = nullptr) override;
+                             int HS, const int32_t* doc_start = nullptr, const AttentionOptions& opt = {}) override;
   void attention_gqa_backward(void* dqkv, const void* dout, const void* qkv, const void* out, const float* saved,
-                              int B, int T, int NH, int NKV, int HS, const int32_t* doc_start = nullptr) override;
+                              int B, int T, int NH, int NKV, int HS, const int32_t* doc_start = nullptr,
+                              const AttentionOptions& opt = {}) override;
   void attention_kv_gqa_forward(void* out, void* kcache, void* vcache, const void* qkv, int pos, int Tq, int NH,
-                                int NKV, int HS) override;
+                                int NKV, int HS, const AttentionOptions& opt = {}) override;
   void gelu_forward(void* out, const void* inp, int64_t n) override;
   void gelu_backward(void* dinp, const void* inp, const void* dout, int64_t n) override;
   void residual_forward(void* out, const void* a, const void* b, int64_t n) override;

@@ -3,6 +3,7 @@
 #include "core/model/llama/llama.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "core/common/error.h"
 #include "core/model/tensor_parallel.h"
@@ -41,6 +42,24 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
   QKV_ = Q_ + 2 * KV_;
   QN_ = cfg.qk_norm ? HS_ : 0;
   eps_ = float(cfg.norm_eps);
+  // Gemma 2's maths (ModelConfig). What is not implemented yet is refused by name.
+  wo_ = cfg.norm_offset ? 1.f : 0.f;
+  TR_CHECK(cfg.mlp_act == "silu" || cfg.mlp_act == "gelu_tanh", "LlamaNetwork: MLP activation '", cfg.mlp_act,
+           "' is not one of silu, gelu_tanh");
+  // HF casts the normaliser sqrt(C) to the activation dtype: in fp32 it is float(sqrt(C)).
+  if (cfg.embed_scale) {
+    TR_CHECK(be->act_dtype() == DType::F32, "LlamaNetwork: the embedding scale (Gemma 2) runs on an fp32 backend only "
+                                            "so far (the ", be->name(), " backend's activations are ",
+                                            dtype_name(be->act_dtype()), "); use the cpu backend");
+    embed_scale_ = float(std::sqrt(double(cfg.C)));
+  }
+  TR_CHECK(!(cfg.final_softcap > 0.f && tp_), "LlamaNetwork: final logit soft-capping (final_logit_softcapping ",
+           cfg.final_softcap, ") with tensor parallelism is not implemented yet; use parallel.tensor_parallel: 1");
+  // Until the sliding window lands in the attention ops (Mistral's part of
+  // issue #26), a windowed layer is only exact when no query reaches past it.
+  TR_CHECK(cfg.sliding_window == 0 || cfg.T <= cfg.sliding_window, "model.seq_len ", cfg.T,
+           " exceeds the sliding window (sliding_window ", cfg.sliding_window,
+           "), which the attention ops do not implement yet; use model.seq_len <= ", cfg.sliding_window);
   if (!cfg.tied) {
     const ParamTensor& h = lay->get("lm_head.weight");
     lm_head_off_ = h.offset - lay->units[h.unit].offset;
@@ -86,6 +105,12 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
     layer_buf(&a.ln2_rstd, NR * 4);
     layer_buf(&a.gu, N * 2 * F * es);
     layer_buf(&a.h, N * F * es);
+    if (cfg.post_norms) {
+      layer_buf(&a.ao, NR * C * es);
+      layer_buf(&a.ao_rstd, NR * 4);
+      layer_buf(&a.mo, NR * C * es);
+      layer_buf(&a.mo_rstd, NR * 4);
+    }
   }
   ldv_ = be->logits_stride(VL_);
   if (stage_.last) {  // a pipeline stage before the last has no head: no logits
@@ -108,6 +133,7 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
   tmp(&dbuf_c_, N * std::max<int64_t>(C, Q_) * es);
   tmp(&dqkv_, N * QKV_ * es);
   tmp(&dh_, N * F * es);
+  if (cfg.post_norms) tmp(&dpost_, NR * C * es);
   if (QN_ && tp_) tmp(&qk_grad_, 2 * size_t(QN_) * 4);
   if (stage_.split_backward) {
     TR_CHECK(!ckpt_, "parallel.pipeline_schedule: zero_bubble with train.activation_checkpointing: blocks is not "
@@ -164,12 +190,13 @@ void LlamaNetwork::bind_transient(void* scratch) {
 namespace {
 template <typename P>
 struct BlockPtrs {
-  P ln1w, qkvw, ow, ln2w, guw, downw, qnw, knw;
+  P ln1w, qkvw, ow, ln2w, guw, downw, qnw, knw, panw, pfnw;  // panw, pfnw: post_norms only
 };
 template <typename P, typename Base>
 BlockPtrs<P> block_ptrs(Base base, const LlamaBlockOffsets& o, size_t esize) {
   auto at = [&](int64_t off) { return reinterpret_cast<P>(reinterpret_cast<uintptr_t>(base) + off * esize); };
-  return {at(o.ln1w), at(o.qkvw), at(o.ow), at(o.ln2w), at(o.guw), at(o.downw), at(o.qnw), at(o.knw)};
+  return {at(o.ln1w), at(o.qkvw), at(o.ow), at(o.ln2w), at(o.guw), at(o.downw), at(o.qnw), at(o.knw),
+          o.panw >= 0 ? at(o.panw) : P{}, o.pfnw >= 0 ? at(o.pfnw) : P{}};
 }
 }  // namespace
 
@@ -189,18 +216,44 @@ void LlamaNetwork::block_forward(const void* p, int l, const void* res_in, int B
   if (ad_) ad_->forward(gl, 0, x_qkv, a.qkv, QKV_, N);
   if (QN_) be_->qk_norm_forward(a.qkv, a.qk_pre, a.qk_rstd, w.qnw, w.knw, N, NH_, NKV_, HS_, eps_);
   be_->rope_forward(a.qkv, rope_, B, T, NH_, NKV_, HS_, 0, docs_.pos);
-  be_->attention_gqa_forward(a.atty, a.att, a.qkv, B, T, NH_, NKV_, HS_, docs_.doc_start);
+  be_->attention_gqa_forward(a.atty, a.att, a.qkv, B, T, NH_, NKV_, HS_, docs_.doc_start, attn_opt(l));
   be_->matmul_forward(dbuf_c_, a.atty, w.ow, nullptr, N, Q_, C);
   if (ad_) ad_->forward(gl, 1, a.atty, dbuf_c_, C, N);
   const void* attn_out = row_parallel_out(dbuf_c_, N);
-  be_->residual_rmsnorm_forward(a.res2, a.ln2, a.ln2_rstd, res_in, attn_out, w.ln2w, rows(N), C, eps_);
+  if (cfg_.post_norms) post_norm_forward(const_cast<void*>(attn_out), a.ao, a.ao_rstd, w.panw, rows(N));
+  be_->residual_rmsnorm_forward(a.res2, a.ln2, a.ln2_rstd, res_in, attn_out, w.ln2w, rows(N), C, eps_, wo_);
   const void* x_gu = full_rows(a.ln2, N);
   be_->matmul_forward(a.gu, x_gu, w.guw, nullptr, N, C, 2 * F);
   if (ad_) ad_->forward(gl, 2, x_gu, a.gu, 2 * F, N);
-  be_->swiglu_forward(a.h, a.gu, N, F);
+  if (cfg_.mlp_act == "gelu_tanh")
+    be_->geglu_forward(a.h, a.gu, N, F);
+  else
+    be_->swiglu_forward(a.h, a.gu, N, F);
   be_->matmul_forward(dbuf_c_, a.h, w.downw, nullptr, N, F, C);
   if (ad_) ad_->forward(gl, 3, a.h, dbuf_c_, C, N);
-  (void)row_parallel_out(dbuf_c_, N);  // -> mlp_out()
+  const void* out = row_parallel_out(dbuf_c_, N);  // -> mlp_out()
+  if (cfg_.post_norms) post_norm_forward(const_cast<void*>(out), a.mo, a.mo_rstd, w.pfnw, rows(N));
+}
+
+// Gemma 2's post norms: buf (NR,C) holds a sublayer's output; it is kept in
+// `saved` (the norm's backward reads it) and replaced by RMSNorm(buf), which
+// the caller's residual add reads.
+void LlamaNetwork::post_norm_forward(void* buf, void* saved, float* rstd, const void* w, int NR) {
+  be_->copy_device(saved, buf, size_t(NR) * cfg_.C * dtype_size(be_->act_dtype()));
+  be_->rmsnorm_forward(buf, rstd, saved, w, NR, cfg_.C, eps_, wo_);
+}
+
+// Layer l's attention options (global layer numbering: the window pattern is the model's).
+AttentionOptions LlamaNetwork::attn_opt(int l) const {
+  AttentionOptions o;
+  const int gl = stage_.first_layer + l;
+  if (cfg_.sliding_window > 0 && (cfg_.window_period == 0 || gl % cfg_.window_period == 0) &&
+      cfg_.sliding_window < cfg_.T)
+    o.window = cfg_.sliding_window;  // (refused in the constructor until the ops have it)
+  o.softcap = cfg_.attn_softcap;
+  // HF multiplies the fp32 scores by query_pre_attn_scalar**-0.5 (a Python float): float(that).
+  if (cfg_.query_scale > 0) o.scale = float(std::pow(cfg_.query_scale, -0.5));
+  return o;
 }
 
 // The collectives between the GEMMs: TpCollectives (core/model/tensor_parallel.h).
@@ -220,6 +273,10 @@ void LlamaNetwork::tp_sum(void* buf, int64_t n) {
 // are all-reduced, so the full logits are never gathered.
 void LlamaNetwork::cross_entropy(const int32_t* targets, int N, bool for_backward, float dloss_scale) {
   void* dlogits = for_backward ? logits_ : nullptr;
+  if (!tp_ && cfg_.final_softcap > 0.f) {  // the gradient goes through the cap to the uncapped logits
+    be_->softcap_cross_entropy(losses_, dlogits, logits_, targets, N, cfg_.V, ldv_, dloss_scale, cfg_.final_softcap);
+    return;
+  }
   if (!tp_) {
     be_->softmax_cross_entropy(losses_, dlogits, logits_, targets, N, cfg_.V, ldv_, dloss_scale);
     return;
@@ -263,10 +320,10 @@ void LlamaNetwork::forward(UnitAccess& units, const int32_t* inputs, const int32
     auto w = block_ptrs<const void*>(p, off, es);
     LayerActs& a = acts(l);
     if (l == 0)
-      be_->rmsnorm_forward(a.ln1, a.ln1_rstd, encoded_, w.ln1w, NR, C, eps_);
+      be_->rmsnorm_forward(a.ln1, a.ln1_rstd, encoded_, w.ln1w, NR, C, eps_, wo_);
     else
       be_->residual_rmsnorm_forward(res3_[l - 1], a.ln1, a.ln1_rstd, acts(l - 1).res2, mlp_out(), w.ln1w,
-                                    NR, C, eps_);
+                                    NR, C, eps_, wo_);
     block_forward(p, l, l == 0 ? encoded_ : res3_[l - 1], B, T);
     if (ad_) ad_->end_block(stage_.first_layer + l, false);
     units.release_params(1 + l);
@@ -279,7 +336,7 @@ void LlamaNetwork::forward(UnitAccess& units, const int32_t* inputs, const int32
   }
   const char* head = static_cast<const char*>(units.acquire_params(L + 1));
   be_->residual_rmsnorm_forward(res3_[L - 1], lnf_, lnf_rstd_, acts(L - 1).res2, mlp_out(), head, NR, C,
-                                eps_);
+                                eps_, wo_);
   const void* lnf_in = full_rows(lnf_, N);
   if (cfg_.tied) {
     units.release_params(L + 1);
@@ -289,6 +346,8 @@ void LlamaNetwork::forward(UnitAccess& units, const int32_t* inputs, const int32
     be_->lm_head_forward(logits_, lnf_in, head + lm_head_off_ * es, N, C, v_valid_, ldv_);
     units.release_params(L + 1);
   }
+  // Gemma 2: the logits the model returns (and the loss reads) are soft-capped.
+  if (cfg_.final_softcap > 0.f) be_->logit_softcap_forward(logits_, N, v_valid_, ldv_, cfg_.final_softcap);
   if (targets) cross_entropy(targets, N, for_backward, dloss_scale);
 }
 
@@ -309,6 +368,7 @@ void LlamaNetwork::embed(UnitAccess& units, const int32_t* inputs, int B, int T)
   } else {
     be_->encoder_forward(encoded_, inputs, units.acquire_params(0), nullptr, B, T, C);  // no position table
   }
+  if (embed_scale_ > 0.f) be_->scale(static_cast<float*>(encoded_), embed_scale_, int64_t(NR) * C);  // fp32 (checked)
   units.release_params(0);
 }
 
@@ -330,25 +390,30 @@ void LlamaNetwork::block_backward(const void* p, float* g, int l, const void* re
   // (A frozen base keeps no output gradients for backward_weight: it computes nothing.)
   const int gl = stage_.first_layer + l;
   // MLP: res_out = res2 + down(swiglu(gate_up(RMSNorm(res2))))
-  const void* dmlp = full_rows(dres, N);
+  // post_norms: through the MLP output's norm first (dres passes on unchanged to the residual).
+  const void* dmlp = full_rows(post_norm_backward(dres, a.mo, a.mo_rstd, w.pfnw, dw.pfnw, NR), N);
   if (keep && !frozen_) be_->copy_device(keep->d_down, dmlp, size_t(N) * C * es);
   be_->matmul_backward(dh_, W(dw.downw), nullptr, dmlp, a.h, w.downw, N, F, C);
   if (ad_) ad_->backward(gl, 3, a.h, dmlp, C, dh_, N);
-  be_->swiglu_backward(a.gu, dh_, a.gu, N, F);  // in place: gate|up is not read again
+  if (cfg_.mlp_act == "gelu_tanh")
+    be_->geglu_backward(a.gu, dh_, a.gu, N, F);  // in place: gate|up is not read again
+  else
+    be_->swiglu_backward(a.gu, dh_, a.gu, N, F);
   // (full_rows: dres's gathered copy is consumed; the buffer takes ln2's.)
   const void* x_gu = full_rows(a.ln2, N);
   be_->matmul_backward(dbuf_c_, W(dw.guw), nullptr, a.gu, x_gu, w.guw, N, C, 2 * F);
   if (ad_) ad_->backward(gl, 2, x_gu, a.gu, 2 * F, dbuf_c_, N);
   // column-parallel: each rank's columns add to the input gradient
   const void* dln2 = row_parallel_out(dbuf_c_, N);
-  be_->rmsnorm_backward(dres, norm_grad(dw.ln2w), dln2, a.res2, w.ln2w, a.ln2_rstd, NR, C);
+  be_->rmsnorm_backward(dres, norm_grad(dw.ln2w), dln2, a.res2, w.ln2w, a.ln2_rstd, NR, C, wo_);
   norm_grad_done(dw.ln2w);
   // Attention: res2 = res_in + o(attn(rope(qkv(RMSNorm(res_in)))))
-  const void* dattn = full_rows(dres, N);
+  const void* dattn = full_rows(post_norm_backward(dres, a.ao, a.ao_rstd, w.panw, dw.panw, NR), N);
   if (keep && !frozen_) be_->copy_device(keep->d_o, dattn, size_t(N) * C * es);
   be_->matmul_backward(dbuf_c_, W(dw.ow), nullptr, dattn, a.atty, w.ow, N, Q_, C);
   if (ad_) ad_->backward(gl, 1, a.atty, dattn, C, dbuf_c_, N);
-  be_->attention_gqa_backward(dqkv_, dbuf_c_, a.qkv, a.atty, a.att, B, T, NH_, NKV_, HS_, docs_.doc_start);
+  be_->attention_gqa_backward(dqkv_, dbuf_c_, a.qkv, a.atty, a.att, B, T, NH_, NKV_, HS_, docs_.doc_start,
+                              attn_opt(l));
   be_->rope_backward(dqkv_, rope_, B, T, NH_, NKV_, HS_, 0, docs_.pos);
   if (QN_) qk_norm_backward(a, w.qnw, w.knw, dw.qnw, N);
   if (keep && !frozen_) be_->copy_device(keep->d_qkv, dqkv_, size_t(N) * QKV_ * es);
@@ -356,7 +421,7 @@ void LlamaNetwork::block_backward(const void* p, float* g, int l, const void* re
   qkv_backward(dbuf_c_, W(dw.qkvw), dqkv_, x_qkv, w.qkvw, N);  // dattn is consumed
   if (ad_) ad_->backward(gl, 0, x_qkv, dqkv_, QKV_, dbuf_c_, N);
   const void* dln1 = row_parallel_out(dbuf_c_, N);
-  be_->rmsnorm_backward(dres, norm_grad(dw.ln1w), dln1, res_in, w.ln1w, a.ln1_rstd, NR, C);
+  be_->rmsnorm_backward(dres, norm_grad(dw.ln1w), dln1, res_in, w.ln1w, a.ln1_rstd, NR, C, wo_);
   norm_grad_done(dw.ln1w);
 }
 
@@ -373,6 +438,18 @@ void LlamaNetwork::qk_norm_backward(const LayerActs& a, const void* wq, const vo
   if (!tp_) return;
   tp_->all_reduce(qk_grad_, 2 * int64_t(QN_), DType::F32);
   be_->accumulate(dw, qk_grad_, 2 * int64_t(QN_));
+}
+
+// Gemma 2's post norms, backward: dout (NR,C) is the gradient of a
+// sublayer's normed output; returns that of its raw output (dpost_), the
+// norm's weight gradient accumulated into dweight. Without post norms, dout.
+const void* LlamaNetwork::post_norm_backward(const void* dout, const void* saved, const float* rstd, const void* w,
+                                             float* dweight, int NR) {
+  if (!cfg_.post_norms) return dout;
+  be_->zero(dpost_, size_t(NR) * cfg_.C * dtype_size(be_->act_dtype()));  // rmsnorm_backward accumulates
+  be_->rmsnorm_backward(dpost_, norm_grad(dweight), dout, saved, w, rstd, NR, cfg_.C, wo_);
+  norm_grad_done(dweight);
+  return dpost_;
 }
 
 // The q|k|v projection's backward: dinp (null: skipped) and, with dqkvw,
@@ -456,7 +533,7 @@ void LlamaNetwork::backward_pass(UnitAccess& units, bool input_only) {
     // overwrites before reading; the checkpoints (res3_) stay untouched.
     if (ckpt_) {
       auto w = block_ptrs<const void*>(p, off, es);
-      be_->rmsnorm_forward(acts(l).ln1, acts(l).ln1_rstd, res_in, w.ln1w, NR, C, eps_);
+      be_->rmsnorm_forward(acts(l).ln1, acts(l).ln1_rstd, res_in, w.ln1w, NR, C, eps_, wo_);
       block_forward(p, l, res_in, B, T);
     }
     block_backward(p, units.unit_grads(1 + l), l, res_in, dres_, B, T, input_only ? &kept_[size_t(l)] : nullptr);
@@ -468,6 +545,7 @@ void LlamaNetwork::backward_pass(UnitAccess& units, bool input_only) {
   // A pipeline stage after the first leaves dL/d input in dres_ (stage_input_grad()).
   if (stage_.first) {
     if (!gemb) gemb = units.unit_grads(0);
+    if (embed_scale_ > 0.f && !frozen_) be_->scale(static_cast<float*>(dres_), embed_scale_, int64_t(NR) * C);
     if (frozen_) {
       // A frozen base: the embedding's gradient would be thrown away.
     } else if (tp_) {
@@ -500,7 +578,7 @@ float* LlamaNetwork::head_backward(UnitAccess& units) {
                           ldv_);
   const void* dlnf = row_parallel_out(dbuf_c_, N);  // the head is column-parallel over the vocabulary
   be_->zero(dres_, size_t(NR) * C * es);
-  be_->rmsnorm_backward(dres_, norm_grad(ghead), dlnf, res3_[L - 1], head, lnf_rstd_, NR, C);
+  be_->rmsnorm_backward(dres_, norm_grad(ghead), dlnf, res3_[L - 1], head, lnf_rstd_, NR, C, wo_);
   norm_grad_done(ghead);
   units.release_params(L + 1);
   units.grads_done(L + 1);

@@ -29,20 +29,26 @@ namespace trainrun {
 // (llama_layout's order; q|k|v and gate|up adjacent, read as fused weights).
 // Q = NH*HS query rows (C on one rank; a tensor-parallel rank's NH/T heads).
 // QN: the qk-norm weights' length (head_dim; 0 = none): q_norm and k_norm
-// close the block, so the other offsets are those of a block without them.
+// come after the MLP (only Gemma 2's pfnw after them), so the other offsets
+// are those of a block without them.
+// post_norms (Gemma 2): a norm on the attention output after o_proj (HF's
+// post_attention_layernorm; ln2 is then pre_feedforward_layernorm) and one
+// on the MLP output after down_proj (post_feedforward_layernorm); -1 without.
 struct LlamaBlockOffsets {
-  int64_t ln1w, qkvw, ow, ln2w, guw, downw, qnw, knw, total;
+  int64_t ln1w, qkvw, ow, panw = -1, ln2w, guw, downw, pfnw = -1, qnw, knw, total;
   LlamaBlockOffsets(int64_t C, int64_t KV, int64_t F) : LlamaBlockOffsets(C, C, KV, F) {}
-  LlamaBlockOffsets(int64_t C, int64_t Q, int64_t KV, int64_t F, int64_t QN = 0) {
+  LlamaBlockOffsets(int64_t C, int64_t Q, int64_t KV, int64_t F, int64_t QN = 0, bool post_norms = false) {
     int64_t o = 0;
     ln1w = o; o += C;                // input_layernorm (C)
     qkvw = o; o += (Q + 2 * KV) * C; // q_proj (Q,C) | k_proj (KV,C) | v_proj (KV,C)
     ow = o; o += C * Q;              // o_proj (C,Q)
-    ln2w = o; o += C;                // post_attention_layernorm (C)
+    if (post_norms) { panw = o; o += C; }  // Gemma 2's post_attention_layernorm (C)
+    ln2w = o; o += C;                // post_attention_layernorm (C); Gemma 2's pre_feedforward_layernorm
     guw = o; o += 2 * F * C;         // gate_proj (F,C) | up_proj (F,C)
     downw = o; o += C * F;           // down_proj (C,F)
     qnw = o; o += QN;                // self_attn.q_norm (HS) | k_norm (HS), adjacent
     knw = o; o += QN;
+    if (post_norms) { pfnw = o; o += C; }  // Gemma 2's post_feedforward_layernorm (C)
     total = o;
   }
 };
@@ -87,7 +93,10 @@ class LlamaNetwork final : public Network {
     void* res2;                   // (N,C) residual after attention
     void* ln2; float* ln2_rstd;   // (N,C) (N)
     void* gu;                     // (N,2F) gate | up (dgate | dup in backward)
-    void* h;                      // (N,F) silu(gate) * up
+    void* h;                      // (N,F) silu(gate) * up (gelu with mlp_act gelu_tanh)
+    // post_norms only: the attention / MLP outputs before their norms, and the norms' rstd
+    void* ao = nullptr; float* ao_rstd = nullptr;  // (N,C) (N)
+    void* mo = nullptr; float* mo_rstd = nullptr;  // (N,C) (N)
   };
   void block_forward(const void* p, int l, const void* res_in, int B, int T);
   // zero_bubble: with `keep` the linears' weight gradients are skipped and
@@ -117,7 +126,7 @@ class LlamaNetwork final : public Network {
   int HS_, KV_, QKV_;             // head size, NKV*HS, Q + 2*KV (this rank's)
   int QN_ = 0;                    // qk-norm: the q_norm / k_norm weights' length (HS); 0 = none
   float* qk_grad_ = nullptr;      // qk-norm under TP: (2*HS) this block's q_norm|k_norm gradient, summed over TP
-  LlamaBlockOffsets offsets() const { return LlamaBlockOffsets(cfg_.C, Q_, KV_, F_, QN_); }
+  LlamaBlockOffsets offsets() const { return LlamaBlockOffsets(cfg_.C, Q_, KV_, F_, QN_, cfg_.post_norms); }
   // This rank's sizes: all of the model without tensor parallelism.
   int NH_ = 0, NKV_ = 0, F_ = 0, Q_ = 0;  // heads, kv heads, MLP width, NH*HS
   int VL_ = 0, v_begin_ = 0, v_valid_ = 0;  // vocab rows held (padded), first id, real rows
@@ -145,6 +154,14 @@ class LlamaNetwork final : public Network {
   const void* mlp_out() const { return sp_ ? sp_rows_ : dbuf_c_; }  // the last block's output, reduced
   void cross_entropy(const int32_t* targets, int N, bool for_backward, float dloss_scale);
   float eps_;
+  // Gemma 2's maths (ModelConfig): RMSNorm weight offset, attention options per layer, embedding scale.
+  float wo_ = 0.f;
+  AttentionOptions attn_opt(int l) const;
+  float embed_scale_ = 0.f;       // 0: none
+  void post_norm_forward(void* buf, void* saved, float* rstd, const void* w, int NR);
+  const void* post_norm_backward(const void* dout, const void* saved, const float* rstd, const void* w,
+                                 float* dweight, int NR);
+  void* dpost_ = nullptr;         // (N,C) post_norms: the gradient through a post norm
   int64_t lm_head_off_ = -1;      // untied: lm_head.weight's offset in the head unit
   int B_ = 0, T_ = 0;
   DeviceBuffer arena_;  // every buffer, or the kept ones with shared_

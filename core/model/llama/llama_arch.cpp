@@ -46,6 +46,8 @@ ParamLayout llama_layout(const ModelConfig& c) {
     b.add(p + "self_attn.v_proj.weight", {KV, C}, true, S::Column, 1, c.kv_heads());
     b.add(p + "self_attn.o_proj.weight", {C, Q}, true, S::Row, 1, c.NH);
     b.add(p + "post_attention_layernorm.weight", {C}, false, S::Replicated);
+    // Gemma 2 (post_norms): the norm above is on the attention output; the MLP's input norm is this one.
+    if (c.post_norms) b.add(p + "pre_feedforward_layernorm.weight", {C}, false, S::Replicated);
     b.add(p + "mlp.gate_proj.weight", {F, C}, true, S::Column);
     b.add(p + "mlp.up_proj.weight", {F, C}, true, S::Column);
     b.add(p + "mlp.down_proj.weight", {C, F}, true, S::Row);
@@ -53,6 +55,7 @@ ParamLayout llama_layout(const ModelConfig& c) {
       b.add(p + "self_attn.q_norm.weight", {c.head_size()}, false, S::Replicated);
       b.add(p + "self_attn.k_norm.weight", {c.head_size()}, false, S::Replicated);
     }
+    if (c.post_norms) b.add(p + "post_feedforward_layernorm.weight", {C}, false, S::Replicated);
     b.end_unit();
   }
   b.begin_unit("head");
@@ -118,7 +121,9 @@ void LlamaArch::init_params(uint64_t seed, int64_t begin, int64_t end, float* ou
     const bool norm = ends_with(t.name, "norm.weight");
     const double std = ends_with(t.name, "o_proj.weight") || ends_with(t.name, "down_proj.weight") ? resid_std
                                                                                                     : cfg_.init_std;
-    for (int64_t i = lo; i < hi; ++i) out[i - begin] = norm ? 1.0f : float(std * normal_at(s, uint64_t(i)));
+    // (norm_offset, Gemma 2: the norms compute x * (1 + w), so w = 0 is the identity gain.)
+    const float norm_init = cfg_.norm_offset ? 0.0f : 1.0f;
+    for (int64_t i = lo; i < hi; ++i) out[i - begin] = norm ? norm_init : float(std * normal_at(s, uint64_t(i)));
   }
 }
 
@@ -153,6 +158,7 @@ double LlamaArch::activation_bytes(int B, bool ckpt, const ActivationDevice& d) 
   per_layer += r64(N * 4);                            // its rstd
   per_layer += r64(N * 2 * F * es);                   // gate|up (dgate|dup in place in backward)
   per_layer += r64(N * F * es);                       // silu(gate)*up
+  if (m.post_norms) per_layer += 2 * (r64(N * C * es) + r64(N * 4));  // attention / MLP outputs before their norms, rstd
   double total = 0;
   total += r64(double(m.T) * HS * 4);                 // RoPE cos/sin table (T, HS/2, 2) fp32
   total += r64(N * C * es);                           // embeddings output
@@ -167,6 +173,7 @@ double LlamaArch::activation_bytes(int B, bool ckpt, const ActivationDevice& d) 
   total += r64(N * std::max(C, Q) * es);              // backward: dbuf_c (also d attention output)
   total += r64(N * qkv * es);                         // backward: dqkv
   total += r64(N * F * es);                           // backward: d(silu(gate)*up)
+  if (m.post_norms) total += r64(N * C * es);         // backward: the gradient through a post norm
   return total;
 }
 

@@ -1,5 +1,7 @@
 #include "core/model/llama/llama_decoder.h"
 
+#include <cmath>
+
 #include <algorithm>
 #include <utility>
 
@@ -59,6 +61,15 @@ size_t LlamaDecoder::bytes_needed(const ModelConfig& cfg, const Backend& be, int
 LlamaDecoder::LlamaDecoder(const ModelConfig& cfg, const ParamLayout& layout, Backend* be, int capacity)
     : cfg_(cfg), be_(be), cap_(capacity), chunk_(std::min(capacity, kChunk)) {
   TR_CHECK(cfg.NKV > 0 && cfg.F > 0, "LlamaDecoder needs LlamaArch's resolved config (a bug)");
+  // Gemma 2 (as LlamaNetwork): the embedding scale on fp32 backends only; no sliding window in the ops yet.
+  TR_CHECK(!cfg.embed_scale || be->act_dtype() == DType::F32, "decoder: the embedding scale (Gemma 2) runs on an fp32 "
+                                                              "backend only so far; use the cpu backend");
+  TR_CHECK(cfg.sliding_window == 0 || capacity <= cfg.sliding_window, "decoder: capacity ", capacity,
+           " exceeds the sliding window (sliding_window ", cfg.sliding_window,
+           "), which the attention ops do not implement yet");
+  wo_ = cfg.norm_offset ? 1.f : 0.f;
+  attn_.softcap = cfg.attn_softcap;
+  if (cfg.query_scale > 0) attn_.scale = float(std::pow(cfg.query_scale, -0.5));  // as LlamaNetwork::attn_opt
   TR_CHECK(capacity >= 1 && capacity <= cfg.T, "decoder: capacity ", capacity, " outside 1..", cfg.T,
            " (model.seq_len)");
   HS_ = cfg.head_size();
@@ -102,8 +113,14 @@ void LlamaDecoder::feed_chunk(UnitAccess& units, const int32_t* tokens, int n, b
   units.begin_pass(false, false);
   be_->encoder_forward(res_a_, tokens_, units.acquire_params(0), zero_wpe_, 1, n, C);
   units.release_params(0);
+  if (cfg_.embed_scale) be_->scale(static_cast<float*>(res_a_), float(std::sqrt(double(C))), int64_t(n) * C);
+  // Gemma 2's post norms: proj_ <- RMSNorm(proj_) through ln_ (free between the norms that fill it).
+  auto post_norm = [&](const void* w) {
+    be_->rmsnorm_forward(ln_, rstd_, proj_, w, n, C, eps_, wo_);
+    be_->copy_device(proj_, ln_, size_t(n) * C * es);
+  };
 
-  const LlamaBlockOffsets o(C, Q_, KV_, F, cfg_.qk_norm ? HS_ : 0);
+  const LlamaBlockOffsets o(C, Q_, KV_, F, cfg_.qk_norm ? HS_ : 0, cfg_.post_norms);
   // Adapters (generate --adapter, a LoRA run's sample) add to each GEMM's
   // output unmerged, after the same GEMMs as LlamaNetwork::block_forward
   // (0 q|k|v, before RoPE; 1 o_proj; 2 gate|up; 3 down_proj).
@@ -113,30 +130,35 @@ void LlamaDecoder::feed_chunk(UnitAccess& units, const int32_t* tokens, int n, b
     if (ad) ad->begin_block(l, false);
     auto w = [&](int64_t off) { return p + off * int64_t(es); };
     if (l == 0)
-      be_->rmsnorm_forward(ln_, rstd_, res_a_, w(o.ln1w), n, C, eps_);
+      be_->rmsnorm_forward(ln_, rstd_, res_a_, w(o.ln1w), n, C, eps_, wo_);
     else
-      be_->residual_rmsnorm_forward(res_a_, ln_, rstd_, res_b_, proj_, w(o.ln1w), n, C, eps_);
+      be_->residual_rmsnorm_forward(res_a_, ln_, rstd_, res_b_, proj_, w(o.ln1w), n, C, eps_, wo_);
     be_->matmul_forward(qkv_, ln_, w(o.qkvw), nullptr, n, C, QKV_);
     if (ad) ad->forward(l, 0, ln_, qkv_, QKV_, n);
     if (cfg_.qk_norm)
       be_->qk_norm_forward(qkv_, qk_pre_, qk_rstd_, w(o.qnw), w(o.knw), n, cfg_.NH, cfg_.NKV, HS_, eps_);
     be_->rope_forward(qkv_, rope_, 1, n, cfg_.NH, cfg_.NKV, HS_, pos_);
     be_->attention_kv_gqa_forward(atty_, kcache_[size_t(l)], vcache_[size_t(l)], qkv_, pos_, n, cfg_.NH, cfg_.NKV,
-                                  HS_);
+                                  HS_, attn_);
     be_->matmul_forward(proj_, atty_, w(o.ow), nullptr, n, Q_, C);
     if (ad) ad->forward(l, 1, atty_, proj_, C, n);
-    be_->residual_rmsnorm_forward(res_b_, ln_, rstd_, res_a_, proj_, w(o.ln2w), n, C, eps_);
+    if (cfg_.post_norms) post_norm(w(o.panw));
+    be_->residual_rmsnorm_forward(res_b_, ln_, rstd_, res_a_, proj_, w(o.ln2w), n, C, eps_, wo_);
     be_->matmul_forward(gu_, ln_, w(o.guw), nullptr, n, C, 2 * F);
     if (ad) ad->forward(l, 2, ln_, gu_, 2 * F, n);
-    be_->swiglu_forward(h_, gu_, n, F);
+    if (cfg_.mlp_act == "gelu_tanh")
+      be_->geglu_forward(h_, gu_, n, F);
+    else
+      be_->swiglu_forward(h_, gu_, n, F);
     be_->matmul_forward(proj_, h_, w(o.downw), nullptr, n, F, C);
     if (ad) ad->forward(l, 3, h_, proj_, C, n);
+    if (cfg_.post_norms) post_norm(w(o.pfnw));
     if (ad) ad->end_block(l, false);
     units.release_params(1 + l);
   }
   pos_ += n;
   const char* head = static_cast<const char*>(units.acquire_params(L + 1));
-  be_->residual_rmsnorm_forward(res_a_, ln_, rstd_, res_b_, proj_, head, n, C, eps_);
+  be_->residual_rmsnorm_forward(res_a_, ln_, rstd_, res_b_, proj_, head, n, C, eps_, wo_);
   const char* last = static_cast<const char*>(ln_) + size_t(n - 1) * C * es;
   if (!last_chunk) {
     units.release_params(L + 1);
@@ -150,6 +172,7 @@ void LlamaDecoder::feed_chunk(UnitAccess& units, const int32_t* tokens, int n, b
     be_->lm_head_forward(logits_, last, head + lm_head_off_ * int64_t(es), 1, C, cfg_.V, ldv_);
     units.release_params(L + 1);
   }
+  if (cfg_.final_softcap > 0.f) be_->logit_softcap_forward(logits_, 1, cfg_.V, ldv_, cfg_.final_softcap);
   be_->cast_to_f32(logits_f32_, logits_, cfg_.V);
 }
 

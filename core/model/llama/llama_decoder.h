@@ -55,6 +55,8 @@ class LlamaDecoder final : public Decoder {
   void* res_b_ = nullptr;                // (chunk, C) after its attention
   void* proj_ = nullptr;                 // (chunk, C) o_proj / down_proj output
   void* ln_ = nullptr;                   // (chunk, C)
+  float wo_ = 0.f;                       // RMSNorm weight offset (Gemma 2: 1)
+  AttentionOptions attn_;                // Gemma 2: softcap, scale
   float* rstd_ = nullptr;                // (chunk)
   void* qkv_ = nullptr;                  // (chunk, C + 2 KV)
   void* atty_ = nullptr;                 // (chunk, C)
