@@ -62,6 +62,27 @@ ModelSpec llama2(int L, int C, int NH, int NKV, int F) {
   return m;
 }
 
+// Qwen2.5 (Qwen/Qwen2.5-*'s config.json): rope_theta 1e6, no rope_scaling,
+// use_sliding_window false, q/k/v biases (the arch's). seq_len 32768: the
+// context of Qwen2.5's long-context pre-training stage (0.5B's
+// max_position_embeddings; 7B's and 72B's say 131072, reached with YaRN,
+// which trainrun does not implement).
+ModelSpec qwen25(int L, int C, int NH, int NKV, int F, int V, bool tied, double eps) {
+  ModelSpec m;
+  m.arch = "qwen2";
+  m.n_layer = L;
+  m.n_embd = C;
+  m.n_head = NH;
+  m.n_kv_head = NKV;
+  m.ffn_dim = F;
+  m.vocab_size = V;
+  m.seq_len = 32768;
+  m.norm_eps = eps;
+  m.rope_theta = 1000000;
+  m.tie_embeddings = tied ? "true" : "false";
+  return m;
+}
+
 }  // namespace
 
 const std::vector<ModelPreset>& model_presets() {
@@ -72,6 +93,9 @@ const std::vector<ModelPreset>& model_presets() {
       {"llama3.1-70b", "meta-llama/Llama-3.1-70B", llama3(80, 8192, 64, 28672, false, 8)},
       {"llama2-7b", "meta-llama/Llama-2-7b-hf", llama2(32, 4096, 32, 32, 11008)},
       {"llama2-70b", "meta-llama/Llama-2-70b-hf", llama2(80, 8192, 64, 8, 28672)},
+      {"qwen2.5-0.5b", "Qwen/Qwen2.5-0.5B", qwen25(24, 896, 14, 2, 4864, 151936, true, 1e-6)},
+      {"qwen2.5-7b", "Qwen/Qwen2.5-7B", qwen25(28, 3584, 28, 4, 18944, 152064, false, 1e-6)},
+      {"qwen2.5-72b", "Qwen/Qwen2.5-72B", qwen25(80, 8192, 64, 8, 29568, 152064, false, 1e-5)},
       {"gpt2-124m", "openai-community/gpt2", gpt2(12, 12, 768)},
       {"gpt2-350m", "openai-community/gpt2-medium", gpt2(24, 16, 1024)},
       {"gpt2-774m", "openai-community/gpt2-large", gpt2(36, 20, 1280)},
@@ -130,7 +154,7 @@ std::string model_presets_markdown() {
       "rope_scaling | from |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
   for (const ModelPreset& p : model_presets()) {
     const ModelSpec& m = p.spec;
-    const bool llama = m.arch == "llama";
+    const bool llama = m.arch != "gpt2";  // the Llama-shaped families' columns
     auto num = [](double v) {
       std::string s = std::to_string(v);
       s.erase(s.find_last_not_of('0') + 1);

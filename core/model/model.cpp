@@ -11,6 +11,7 @@
 #include "core/common/error.h"
 #include "core/model/gpt2/gpt2_arch.h"
 #include "core/model/llama/llama_arch.h"
+#include "core/model/qwen2/qwen2_arch.h"
 
 namespace fs = std::filesystem;
 using json = nlohmann::ordered_json;
@@ -35,6 +36,7 @@ const std::vector<ArchEntry>& registry() {
   static const std::vector<ArchEntry> r = {
       {"gpt2", "gpt2", true, true, make_gpt2_arch, gpt2_config_from_hf, gpt2_config_from_metadata},
       {"llama", "llama", true, true, make_llama_arch, llama_config_from_hf, llama_config_from_metadata},
+      {"qwen2", "qwen2", true, true, make_qwen2_arch, qwen2_config_from_hf, llama_config_from_metadata},
   };
   return r;
 }

@@ -37,7 +37,7 @@ namespace trainrun {
 struct TensorParallel;  // core/model/tensor_parallel.h
 
 struct ModelConfig {
-  std::string arch = "gpt2";   // [model.arch] gpt2 | llama (model_arch_names())
+  std::string arch = "gpt2";   // [model.arch] gpt2 | llama | qwen2 (model_arch_names())
   int L = 4;                   // [model.n_layer] transformer blocks
   int NH = 4;                  // [model.n_head] attention (query) heads; divides C
   int NKV = 0;                 // [model.n_kv_head] key/value heads (GQA), divides NH; 0 = NH (gpt2: always NH)
@@ -51,6 +51,7 @@ struct ModelConfig {
   std::string rope_scaling_type;  // [model.rope_scaling.type] "" (none) | "llama3" (llama)
   RopeScaling rope_scaling;    // [model.rope_scaling.*] with rope_scaling_type "llama3"
   bool tied = true;            // [model.tie_embeddings] LM head = the token embedding (gpt2: always)
+  bool qkv_bias = false;       // q/k/v biases (Llama-shaped: set by the arch, qwen2 true; not a spec key)
 
   // The config a job spec describes. model.arch auto is resolved here: the
   // architecture of model.init_from's config.json (its model_type), else
@@ -469,6 +470,11 @@ class ModelArch {
   // max_position_embeddings): model.seq_len may not exceed it.
   virtual const char* hf_context_key() const = 0;
 
+  // Whether the arch computes with the Llama network (core/model/llama/:
+  // RMSNorm, RoPE, GQA, gated MLP, with the ModelConfig features it
+  // honours), whose buffers the planner sizes; gpt2 is not.
+  virtual bool llama_shaped() const { return false; }
+
  protected:
   ModelArch(ModelConfig cfg, ParamLayout layout) : cfg_(std::move(cfg)), layout_(std::move(layout)) {}
   ModelConfig cfg_;
@@ -485,7 +491,7 @@ void check_model_config_common(const ModelConfig& cfg);
 // The architecture for a config (validated first: every message names the
 // model.* key). An unknown arch is an Error naming it and the known ones.
 std::unique_ptr<ModelArch> make_model_arch(const ModelConfig& cfg);
-std::vector<std::string> model_arch_names();            // "gpt2", "llama"
+std::vector<std::string> model_arch_names();            // "gpt2", "llama", "qwen2"
 // The arch an HF model_type belongs to ("" when none does).
 std::string arch_for_hf_model_type(const std::string& model_type);
 

@@ -145,7 +145,8 @@ ModelConfig parse_shape(const std::string& text_in, const std::string& what) {
   const int64_t L = get("L", 0, true), C = get("C", 0, true), heads = get("heads", 0, true);
   const int64_t V = get("V", 0, true), T = get("T", 0, true);
   const int64_t kv_heads = get("kv_heads", heads, false);
-  const int64_t ffn = get("ffn", 4 * C, m.arch == "llama");
+  // gpt2 is the one arch with a default MLP width; the Llama-shaped ones need theirs.
+  const int64_t ffn = get("ffn", 4 * C, m.arch != "gpt2");
   m.tied = get("tied", m.arch == "gpt2" ? 1 : 0, false) != 0;
   auto positive = [&](const char* k, int64_t v) {
     TR_CHECK(v >= 1, what, ": ", k, " must be at least 1 (got ", v, ")");

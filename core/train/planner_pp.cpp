@@ -53,7 +53,7 @@ double pipeline_transient_bytes(const ModelArch& m, const TpLocalShape& sh, bool
                                 const DeviceModel& d, double* outside_arena, double* position_tables) {
   const ModelConfig& mc = m.config();
   const int tp = sh.tp;
-  const bool llama = mc.arch == "llama", seq = sp && tp > 1;
+  const bool llama = m.llama_shaped(), seq = sp && tp > 1;
   const double N = double(B) * mc.T, C = double(mc.C), es = d.act_bytes;
   const double HS = C / mc.NH, F = double(sh.F);
   const double NR = seq ? double(ceil_div(int64_t(N), tp)) : N;
@@ -67,7 +67,9 @@ double pipeline_transient_bytes(const ModelArch& m, const TpLocalShape& sh, bool
   if (seq) t += r64(NR * C * es) + r64(N * C * es) + r64((llama ? 1 : 2) * C * 4);  // rows, gathered, a norm's grads
   t += r64(N * C * es) + r64(N * QKV * es) + r64(N * F * es);  // backward: dbuf_c, dqkv, the MLP hidden grad
   *outside_arena = 0;
-  if (llama && sh.kv_replicas > 1) *outside_arena = r64(QKV * C * 4) + r64(double(mc.kv_heads()) * 2 * sh.NKV * HS * C * 4);
+  const double bias = mc.qkv_bias ? 1 : 0;  // replicated KV: the bias gradients ride after the weights'
+  if (llama && sh.kv_replicas > 1)
+    *outside_arena = r64(QKV * (C + bias) * 4) + r64(double(mc.kv_heads()) * 2 * sh.NKV * HS * (C + bias) * 4);
   return t + *outside_arena;
 }
 
@@ -154,7 +156,7 @@ std::vector<PipelineStageMemory> pipeline_memory(const ModelArch& m, const Tenso
     const double NR = sp && tp > 1 ? double(ceil_div(int64_t(N), tp)) : N;
     const double V = tp > 1 ? double(sh.V_local) : double(mc.V);
     const double ldv = std::ceil(V / d.logits_align) * d.logits_align;
-    head_part = r64(NR * mc.C * es) + (mc.arch == "llama" ? 1 : 2) * r64(NR * 4) + r64(N * ldv * es) + r64(N * 4);
+    head_part = r64(NR * mc.C * es) + (m.llama_shaped() ? 1 : 2) * r64(NR * 4) + r64(N * ldv * es) + r64(N * 4);
     if (tp > 1) head_part += r64(N * 4) + r64(2 * N * 4);
   }
   // zero_bubble's kept output gradients (the networks' kept_ buffers):
@@ -166,7 +168,7 @@ std::vector<PipelineStageMemory> pipeline_memory(const ModelArch& m, const Tenso
   if (kind == "zero_bubble") {
     const TpLocalShape sh = tpp.shape();
     const double HS = double(mc.C / mc.NH), N = double(B) * mc.T, es = d.act_bytes;
-    const bool llama = mc.arch == "llama";
+    const bool llama = m.llama_shaped();
     const double QKV = llama ? sh.NH * HS + 2.0 * sh.NKV * HS : 3.0 * sh.NH * HS;
     kept_grads = r64(N * QKV * es) + 2 * r64(N * mc.C * es) + (llama ? 0 : r64(N * sh.F * es));
   }

@@ -24,7 +24,7 @@ double tp_activation_bytes(const ModelArch& m, const TpLocalShape& sh, bool sp, 
   // (core/model/gpt2/gpt2.cpp, core/model/llama/llama.cpp): the same buffers
   // in the same sizes, each rounded up to 64 bytes.
   const ModelConfig& c = m.config();
-  const bool llama = c.arch == "llama";
+  const bool llama = m.llama_shaped();
   const double es = d.act_bytes;
   const double N = double(B) * double(c.T), C = double(c.C), F = double(sh.F), HS = double(c.C / c.NH);
   const double NR = sp ? double(ceil_div(int64_t(N), tp)) : N;  // rows of the residual stream on this rank
@@ -79,10 +79,10 @@ MemoryBreakdown tp_memory(const ModelArch& m, const TensorParallelPlan& plan, bo
   // Replicated KV heads (tp > n_kv_head, Llama): fp32 scratch that sums the
   // replicas' q|k|v weight gradients (llama.cpp, outside the arena).
   const TpLocalShape& sh = plan.shape();
-  if (m.config().arch == "llama" && sh.kv_replicas > 1) {
+  if (m.llama_shaped() && sh.kv_replicas > 1) {
     const double HS = double(m.config().C / m.config().NH), C = double(m.config().C);
-    const double QKV = sh.NH * HS + 2.0 * sh.NKV * HS;
-    r.workspace += r64(QKV * C * 4) + r64(double(m.config().kv_heads()) * 2 * sh.NKV * HS * C * 4);
+    const double QKV = sh.NH * HS + 2.0 * sh.NKV * HS, bias = m.config().qkv_bias ? 1 : 0;  // bias grads ride along
+    r.workspace += r64(QKV * (C + bias) * 4) + r64(double(m.config().kv_heads()) * 2 * sh.NKV * HS * (C + bias) * 4);
   }
   return r;
 }

@@ -2,7 +2,8 @@
 // pre-RMSNorm blocks (fused q|k|v projection, RoPE on q and k, causal
 // grouped-query attention, o_proj; fused gate|up projection, SwiGLU,
 // down_proj), a final RMSNorm and an LM head, tied to the embedding or its
-// own lm_head.weight in the head unit. No biases anywhere.
+// own lm_head.weight in the head unit. No biases, except the q|k|v ones of
+// ModelConfig::qkv_bias (Qwen2), added in the q|k|v GEMM's epilogue.
 //
 // It mirrors GPT2 (core/model/gpt2/gpt2.h): one activation arena, the
 // residual add fused with the RMSNorm that reads it next, the LM head over
@@ -26,15 +27,20 @@
 namespace trainrun {
 
 // Element offsets of one block's tensors relative to the block unit's start
-// (llama_layout's order; q|k|v and gate|up adjacent, read as fused weights).
+// (llama_layout's order; q|k|v and gate|up adjacent, read as fused weights,
+// and with ModelConfig::qkv_bias the q|k|v biases adjacent after them, so
+// one GEMM adds all three in its epilogue).
 // Q = NH*HS query rows (C on one rank; a tensor-parallel rank's NH/T heads).
 struct LlamaBlockOffsets {
-  int64_t ln1w, qkvw, ow, ln2w, guw, downw, total;
-  LlamaBlockOffsets(int64_t C, int64_t KV, int64_t F) : LlamaBlockOffsets(C, C, KV, F) {}
-  LlamaBlockOffsets(int64_t C, int64_t Q, int64_t KV, int64_t F) {
+  int64_t ln1w, qkvw, qkvb, ow, ln2w, guw, downw, total;
+  bool has_qkvb;
+  LlamaBlockOffsets(int64_t C, int64_t KV, int64_t F, bool qkv_bias = false)
+      : LlamaBlockOffsets(C, C, KV, F, qkv_bias) {}
+  LlamaBlockOffsets(int64_t C, int64_t Q, int64_t KV, int64_t F, bool qkv_bias) : has_qkvb(qkv_bias) {
     int64_t o = 0;
     ln1w = o; o += C;                // input_layernorm (C)
     qkvw = o; o += (Q + 2 * KV) * C; // q_proj (Q,C) | k_proj (KV,C) | v_proj (KV,C)
+    qkvb = o; if (qkv_bias) o += Q + 2 * KV;  // q_proj (Q) | k_proj (KV) | v_proj (KV) biases (qkv_bias only)
     ow = o; o += C * Q;              // o_proj (C,Q)
     ln2w = o; o += C;                // post_attention_layernorm (C)
     guw = o; o += 2 * F * C;         // gate_proj (F,C) | up_proj (F,C)
@@ -93,7 +99,8 @@ class LlamaNetwork final : public Network {
   void block_backward(const void* p, float* g, int l, const void* res_in, void* dres, int B, int T,
                       const KeptGrads* keep = nullptr);
   void block_weight_grads(float* g, int l, const KeptGrads& keep, int N);
-  void qkv_backward(void* dinp, float* dqkvw, const void* dqkv, const void* ln1, const void* wqkv, int N);
+  void qkv_backward(void* dinp, float* dqkvw, float* dqkvb, const void* dqkv, const void* ln1, const void* wqkv,
+                    int N);
   void backward_pass(UnitAccess& units, bool input_only);
   std::vector<KeptGrads> kept_;  // per layer, zero_bubble only
   LinearAdapters* ad_ = nullptr;  // the pass's adapters (UnitAccess::adapters()), null = none
@@ -116,8 +123,8 @@ class LlamaNetwork final : public Network {
   int kv_replicas_ = 1, kv_head_ = 0, NKV_global_ = 0;  // KV heads replicated over TP ranks
   DeviceBuffer kv_grad_scratch_;  // replicated KV, own arena: kv_scratch_'s memory
   DeviceBuffer kv_grad_slots_;    // replicated KV, own arena: kv_slots_'s memory
-  float* kv_scratch_ = nullptr;   // replicated KV: (QKV,C) fp32 this step's qkv weight grad
-  float* kv_slots_ = nullptr;     // replicated KV: (NKV_global, 2*KV*C) fp32, summed over TP
+  float* kv_scratch_ = nullptr;   // replicated KV: (QKV,C) fp32 this step's qkv weight grad [+ (QKV) bias grad]
+  float* kv_slots_ = nullptr;     // replicated KV: (NKV_global, 2*KV*C [+ 2*KV]) fp32, summed over TP
   size_t kv_scratch_bytes_ = 0, kv_slots_bytes_ = 0;
   float* ce_rowmax_ = nullptr;    // (N) vocab-parallel cross-entropy
   float* ce_stats_ = nullptr;     // (2N)

@@ -17,14 +17,24 @@ namespace trainrun {
 
 namespace {
 
-ModelConfig resolved(ModelConfig c) {
+}  // namespace
+
+ModelConfig LlamaArch::resolve_llama_shaped(ModelConfig c) {
   check_model_config_common(c);
-  TR_CHECK(c.arch == "llama", "model.arch: '", c.arch, "' given to the llama architecture (a bug)");
   TR_CHECK(c.F > 0, "model.ffn_dim: llama needs its MLP width (config.json's intermediate_size); set it");
   TR_CHECK(c.head_size() % 2 == 0, "model.n_embd: the head size model.n_embd / model.n_head = ", c.head_size(),
            " must be even for rotary embeddings");
   c.NKV = c.kv_heads();
   return c;
+}
+
+namespace {
+
+ModelConfig resolved(ModelConfig c) {
+  TR_CHECK(c.arch == "llama", "model.arch: '", c.arch, "' given to the llama architecture (a bug)");
+  // LlamaConfig's attention_bias would add o_proj's bias too: refused when read (llama_hf.cpp).
+  TR_CHECK(!c.qkv_bias, "model: llama has no q/k/v biases (qkv_bias); use model.arch: qwen2 for a model with them");
+  return LlamaArch::resolve_llama_shaped(c);
 }
 
 ParamLayout llama_layout(const ModelConfig& c) {
@@ -41,6 +51,11 @@ ParamLayout llama_layout(const ModelConfig& c) {
     b.add(p + "self_attn.q_proj.weight", {C, C}, true, S::Column, 1, c.NH);  // split by heads
     b.add(p + "self_attn.k_proj.weight", {KV, C}, true, S::Column, 1, c.kv_heads());
     b.add(p + "self_attn.v_proj.weight", {KV, C}, true, S::Column, 1, c.kv_heads());
+    if (c.qkv_bias) {  // adjacent: one bias for the fused q|k|v GEMM; split by heads like the weights
+      b.add(p + "self_attn.q_proj.bias", {C}, false, S::Column, 1, c.NH);
+      b.add(p + "self_attn.k_proj.bias", {KV}, false, S::Column, 1, c.kv_heads());
+      b.add(p + "self_attn.v_proj.bias", {KV}, false, S::Column, 1, c.kv_heads());
+    }
     b.add(p + "self_attn.o_proj.weight", {C, C}, true, S::Row, 1, c.NH);
     b.add(p + "post_attention_layernorm.weight", {C}, false, S::Replicated);
     b.add(p + "mlp.gate_proj.weight", {F, C}, true, S::Column);
@@ -73,6 +88,7 @@ std::string exact(double v) {
 }  // namespace
 
 LlamaArch::LlamaArch(const ModelConfig& cfg) : ModelArch(resolved(cfg), llama_layout(resolved(cfg))) {}
+LlamaArch::LlamaArch(Resolved, const ModelConfig& resolved) : ModelArch(resolved, llama_layout(resolved)) {}
 
 std::unique_ptr<ModelArch> make_llama_arch(const ModelConfig& cfg) { return std::make_unique<LlamaArch>(cfg); }
 
@@ -90,7 +106,7 @@ std::string LlamaArch::hf_block_prefix(int layer) const { return "model.layers."
 
 std::string LlamaArch::describe() const {
   const ModelConfig& c = cfg_;
-  std::string s = "llama L=" + std::to_string(c.L) + " C=" + std::to_string(c.C) + " heads=" + std::to_string(c.NH) +
+  std::string s = c.arch + " L=" + std::to_string(c.L) + " C=" + std::to_string(c.C) + " heads=" + std::to_string(c.NH) +
                   " kv_heads=" + std::to_string(c.NKV) + " ffn=" + std::to_string(c.F) + " V=" + std::to_string(c.V) +
                   " T=" + std::to_string(c.T);
   if (c.tied) s += " tied=1";
@@ -99,16 +115,18 @@ std::string LlamaArch::describe() const {
 
 void LlamaArch::init_params(uint64_t seed, int64_t begin, int64_t end, float* out) const {
   // N(0, std) for matrices and the embedding, std/sqrt(2L) for the two
-  // residual projections (o_proj, down_proj), RMSNorm weights 1.
+  // residual projections (o_proj, down_proj), RMSNorm weights 1, biases 0
+  // (as transformers' _init_weights zeroes a Linear's bias).
   const double resid_std = cfg_.init_std / std::sqrt(2.0 * cfg_.L);
   const uint64_t s = splitmix64(seed);
   for (const auto& t : layout_.tensors) {
     const int64_t lo = std::max(begin, t.offset), hi = std::min(end, t.offset + t.numel);
     if (lo >= hi) continue;
-    const bool norm = ends_with(t.name, "norm.weight");
+    const bool norm = ends_with(t.name, "norm.weight"), bias = ends_with(t.name, ".bias");
     const double std = ends_with(t.name, "o_proj.weight") || ends_with(t.name, "down_proj.weight") ? resid_std
                                                                                                     : cfg_.init_std;
-    for (int64_t i = lo; i < hi; ++i) out[i - begin] = norm ? 1.0f : float(std * normal_at(s, uint64_t(i)));
+    for (int64_t i = lo; i < hi; ++i)
+      out[i - begin] = norm ? 1.0f : bias ? 0.0f : float(std * normal_at(s, uint64_t(i)));
   }
 }
 
@@ -157,7 +175,7 @@ double LlamaArch::activation_bytes(int B, bool ckpt, const ActivationDevice& d) 
 std::map<std::string, std::string> LlamaArch::file_metadata() const {
   const ModelConfig& c = cfg_;
   std::map<std::string, std::string> m = {{"format", "pt"},
-                                          {"arch", "llama"},
+                                          {"arch", c.arch},
                                           {"n_layer", std::to_string(c.L)},
                                           {"n_head", std::to_string(c.NH)},
                                           {"n_kv_head", std::to_string(c.NKV)},
@@ -230,7 +248,7 @@ ModelConfig llama_config_from_metadata(const std::map<std::string, std::string>&
 
 json LlamaArch::manifest_model() const {
   const ModelConfig& c = cfg_;
-  json m = {{"arch", "llama"},       {"n_layer", c.L},    {"n_head", c.NH},         {"n_kv_head", c.NKV},
+  json m = {{"arch", c.arch},       {"n_layer", c.L},    {"n_head", c.NH},         {"n_kv_head", c.NKV},
             {"n_embd", c.C},         {"ffn_dim", c.F},    {"vocab_size", c.V},      {"seq_len", c.T},
             {"norm_eps", c.norm_eps}, {"rope_theta", c.rope_theta}, {"tie_embeddings", c.tied},
             {"rope_scaling", json::object()}};

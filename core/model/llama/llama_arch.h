@@ -25,9 +25,13 @@
 
 namespace trainrun {
 
-class LlamaArch final : public ModelArch {
+// Llama 3, and the base of every Llama-shaped family (core/model/qwen2/,
+// ...): such a family derives from it, passing its resolved config to the
+// protected constructor, and overrides its Hugging Face side; the maths
+// features it adds are ModelConfig fields the Llama network honours.
+class LlamaArch : public ModelArch {
  public:
-  explicit LlamaArch(const ModelConfig& cfg);
+  explicit LlamaArch(const ModelConfig& cfg);  // model.arch llama
 
   std::string display_name() const override { return "Llama"; }
   std::string describe() const override;
@@ -59,6 +63,17 @@ class LlamaArch final : public ModelArch {
   void check_init_from(const ModelConfig& hf, const std::string& dir) const override;
   std::vector<ShapeKey> shape_keys() const override;
   const char* hf_context_key() const override { return "max_position_embeddings"; }
+  bool llama_shaped() const override { return true; }
+  // The rules every Llama-shaped config obeys (check_model_config_common,
+  // an MLP width, an even head size), NKV filled in: each family's
+  // resolution ends with it.
+  static ModelConfig resolve_llama_shaped(ModelConfig c);
+
+ protected:
+  // A Llama-shaped family's arch: `resolved` from resolve_llama_shaped plus
+  // the family's own rules.
+  struct Resolved {};
+  LlamaArch(Resolved, const ModelConfig& resolved);
 };
 
 // The registry's hooks (core/model/model.cpp).

@@ -53,7 +53,7 @@ size_t LlamaDecoder::bytes_needed(const ModelConfig& cfg, const Backend& be, int
 
 LlamaDecoder::LlamaDecoder(const ModelConfig& cfg, const ParamLayout& layout, Backend* be, int capacity)
     : cfg_(cfg), be_(be), cap_(capacity), chunk_(std::min(capacity, kChunk)) {
-  TR_CHECK(cfg.arch == "llama" && cfg.NKV > 0 && cfg.F > 0, "LlamaDecoder needs LlamaArch's resolved config (a bug)");
+  TR_CHECK(cfg.NKV > 0 && cfg.F > 0, "LlamaDecoder needs a Llama-shaped arch's resolved config (a bug)");
   TR_CHECK(capacity >= 1 && capacity <= cfg.T, "decoder: capacity ", capacity, " outside 1..", cfg.T,
            " (model.seq_len)");
   HS_ = cfg.head_size();
@@ -97,7 +97,7 @@ void LlamaDecoder::feed_chunk(UnitAccess& units, const int32_t* tokens, int n, b
   be_->encoder_forward(res_a_, tokens_, units.acquire_params(0), zero_wpe_, 1, n, C);
   units.release_params(0);
 
-  const LlamaBlockOffsets o(C, KV_, F);
+  const LlamaBlockOffsets o(C, KV_, F, cfg_.qkv_bias);
   // Adapters (generate --adapter, a LoRA run's sample) add to each GEMM's
   // output unmerged, after the same GEMMs as LlamaNetwork::block_forward
   // (0 q|k|v, before RoPE; 1 o_proj; 2 gate|up; 3 down_proj).
@@ -110,7 +110,7 @@ void LlamaDecoder::feed_chunk(UnitAccess& units, const int32_t* tokens, int n, b
       be_->rmsnorm_forward(ln_, rstd_, res_a_, w(o.ln1w), n, C, eps_);
     else
       be_->residual_rmsnorm_forward(res_a_, ln_, rstd_, res_b_, proj_, w(o.ln1w), n, C, eps_);
-    be_->matmul_forward(qkv_, ln_, w(o.qkvw), nullptr, n, C, QKV_);
+    be_->matmul_forward(qkv_, ln_, w(o.qkvw), o.has_qkvb ? w(o.qkvb) : nullptr, n, C, QKV_);
     if (ad) ad->forward(l, 0, ln_, qkv_, QKV_, n);
     be_->rope_forward(qkv_, rope_, 1, n, cfg_.NH, cfg_.NKV, HS_, pos_);
     be_->attention_kv_gqa_forward(atty_, kcache_[size_t(l)], vcache_[size_t(l)], qkv_, pos_, n, cfg_.NH, cfg_.NKV,

@@ -149,16 +149,25 @@ void LlamaArch::hf_carry_over(const json& source, json& out) const {
     out["max_position_embeddings"] = source["max_position_embeddings"];
 }
 
+namespace {
+bool ends_with_bias(const char* n) {
+  const size_t k = std::strlen(n);
+  return k >= 5 && std::strcmp(n + k - 5, ".bias") == 0;
+}
+}  // namespace
+
 // LlamaDecoderLayer registers self_attn, mlp, then the two norms; ours puts
 // each norm before the matrices it feeds.
 std::vector<const ParamTensor*> LlamaArch::hf_save_order() const {
   std::vector<const ParamTensor*> order = {&layout_.get("model.embed_tokens.weight")};
   for (int l = 0; l < cfg_.L; ++l) {
     const std::string p = "model.layers." + std::to_string(l) + ".";
-    for (const char* n : {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+    // An nn.Linear registers its weight, then its bias (qkv_bias).
+    for (const char* n : {"self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.weight",
+                          "self_attn.k_proj.bias", "self_attn.v_proj.weight", "self_attn.v_proj.bias",
                           "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
                           "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight"})
-      order.push_back(&layout_.get(p + n));
+      if (cfg_.qkv_bias || !ends_with_bias(n)) order.push_back(&layout_.get(p + n));
   }
   order.push_back(&layout_.get("model.norm.weight"));
   if (!cfg_.tied) order.push_back(&layout_.get("lm_head.weight"));
@@ -198,7 +207,7 @@ void LlamaArch::check_init_from(const ModelConfig& hf, const std::string& dir) c
   const std::string what = "model.init_from";
   auto fail = [&](const char* field, const std::string& job, const char* key, const std::string& have,
                   const std::string& fix) {
-    TR_FAIL(what, ": '", dir, "' holds a Llama with ", key, " = ", have, " (config.json) but model.", field, " is ",
+    TR_FAIL(what, ": '", dir, "' holds a ", display_name(), " with ", key, " = ", have, " (config.json) but model.", field, " is ",
             job, "; set model.", field, ": ", fix, " (the job's model.* must describe the weights it starts from)");
   };
   auto same = [&](const char* field, int job, const char* key, int have) {
@@ -239,7 +248,7 @@ void LlamaArch::check_init_from(const ModelConfig& hf, const std::string& dir) c
   }
   // RoPE has no table: a shorter context is the same model; a longer one
   // is past what it was trained for.
-  TR_CHECK(m.T <= hf.T, what, ": '", dir, "' holds a Llama with max_position_embeddings = ", hf.T,
+  TR_CHECK(m.T <= hf.T, what, ": '", dir, "' holds a ", display_name(), " with max_position_embeddings = ", hf.T,
            " (config.json) but model.seq_len is ", m.T, "; set model.seq_len to at most ", hf.T);
 }
 
