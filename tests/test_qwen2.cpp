@@ -209,6 +209,36 @@ TEST_CASE("qwen2: biases adjacent after q|k|v, zero at init, split by heads over
   CHECK(r1.local_of(lay.get("model.layers.0.self_attn.q_proj.bias").offset + 16) == lq.offset);  // heads 2,3
 }
 
+TEST_CASE("qwen2: the KV-cached decoder's logits (biases in its q|k|v GEMM) equal the full forward's", "[qwen2][decoder]") {
+  const auto arch = make_model_arch(qwen2_cfg(4, 2, false));
+  const ParamLayout& lay = arch->layout();
+  std::vector<float> params(size_t(lay.total));
+  arch->init_params(3, 0, lay.total, params.data());
+  // Biases as large as the weights' effect: a decoder that dropped them would be far off.
+  std::mt19937_64 gen(8);
+  std::normal_distribution<float> d(0.f, 0.5f);
+  for (const auto& t : lay.tensors)
+    if (t.name.find("_proj.bias") != std::string::npos)
+      for (int64_t i = 0; i < t.numel; ++i) params[size_t(t.offset + i)] = d(gen);
+  const int T = arch->config().T;
+  const std::vector<int32_t> seq = rand_tokens(size_t(T), arch->config().V, 4);
+  const std::vector<float> full = test::logits_of(*arch, params, seq, 1, T);
+  auto be = make_cpu_backend(2);
+  auto dec = arch->make_decoder(be.get(), T);
+  DeviceBuffer p = test::upload_act(be.get(), params);
+  DeviceBuffer g(be.get(), size_t(lay.total) * 4);
+  FlatUnitAccess units(lay, p.get(), g.as<float>(), be->act_dtype());
+  const int V = arch->config().V, prefill = 3;
+  std::vector<float> got;
+  dec->feed(units, seq.data(), prefill, got);  // a prefill, then one token at a time
+  for (int t = prefill - 1; t < T; ++t) {
+    if (t >= prefill) dec->feed(units, seq.data() + t, 1, got);
+    const std::vector<float> want(full.begin() + size_t(t) * V, full.begin() + size_t(t + 1) * V);
+    INFO("position " << t);
+    CHECK(rel(got, want) <= 1e-5);
+  }
+}
+
 namespace {
 
 // The model.* of the `hf_random(dir, 2, 4, 1, 16, 24, 29, 12, tied)` directory.
