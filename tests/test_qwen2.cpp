@@ -32,6 +32,7 @@
 #include "core/model/model_spec.h"
 #include "core/model/tensor_parallel.h"
 #include "kernels/backend.h"
+#include "tests/support/adapted_model.h"
 #include "tests/support/device_io.h"
 #include "tests/support/hf_reference.h"
 #include "tests/support/inprocess.h"
@@ -411,4 +412,17 @@ TEST_CASE("qwen2: the presets are qwen2 models and plan plans them", "[qwen2][pl
   INFO(r.err);
   CHECK(r.exit_code == 0);
   CHECK_THAT(r.out, Contains("qwen2 L=80 C=8192 heads=64 kv_heads=8 ffn=29568 V=152064"));
+}
+
+TEST_CASE("qwen2: LoRA on every linear (q/k/v with their biases) equals peft's", "[qwen2][lora][peft]") {
+  test::TempDir tmp("qwen2_lora");
+  const test::PeftCase c{"qwen2", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", false};
+  test::make_peft_case(c, 4, 8.0, tmp);
+  test::AdaptedModel m(tmp / "base", test::options_for(c, 4, 8.0), nullptr, tmp / "adapter");
+  REQUIRE(m.arch->name() == "qwen2");
+  const int V = m.arch->config().V;
+  const std::vector<int32_t> in = test::tokens(1, V), tgt = test::tokens(2, V);
+  // Logits, loss and every adapter gradient against peft's (the frozen biases in the base's q|k|v GEMM).
+  CHECK(m.ad->targets().size() == 7 * 2);  // 7 linears x 2 blocks
+  CHECK(test::check_equals_peft(m, tmp / "base", tmp / "adapter", tmp, in, tgt) == int(m.ad->targets().size()) * 2);
 }
