@@ -22,6 +22,7 @@
 #include "core/data/chat_template.h"
 #include "core/data/dataset.h"
 #include "core/data/tokenizer/tokenizer.h"
+#include "apps/tokenizer_cmd.h"
 #include "core/launch/agent.h"
 #include "core/launch/launch_mode.h"
 #include "core/launch/slurm_worker.h"
@@ -478,6 +479,8 @@ int main(int argc, char** argv) {
   prepare->add_option("--shard-tokens", popts.shard_tokens, "tokens per shard file")->capture_default_str()
       ->check(CLI::Range(int64_t{1}, int64_t{INT32_MAX}));
 
+  const auto tokenizer_cmd = TokenizerCommand::add(app);
+
   auto* generate = app.add_subcommand("generate", "sample text from a trained model");
   std::string ckpt, prompt;
   SampleOptions so;
@@ -643,7 +646,7 @@ int main(int argc, char** argv) {
       {topo_cmd, "docs/planner.md"},        {bench, "docs/benchmarks.md"},      {bench_comm, "docs/benchmarks.md"},
       {bench_ckpt, "docs/benchmarks.md"},   {bench_kernels, "docs/benchmarks.md"},
       {bench_pipe, "docs/benchmarks.md"},   {bench_opt, "docs/benchmarks.md"},  {bench_off, "docs/benchmarks.md"},
-      {bench_lora, "docs/benchmarks.md"},
+      {bench_lora, "docs/benchmarks.md"},   {tokenizer_cmd->command(), "docs/data-format.md"},
   };
   for (const auto& [sub, page] : doc_pages) sub->footer(std::string("Docs: ") + page);
 
@@ -726,6 +729,7 @@ int main(int argc, char** argv) {
       std::cout << prepare_shards(popts) << "\n";
       return 0;
     }
+    if (tokenizer_cmd->parsed()) return tokenizer_cmd->run();
     if (*generate) return cmd_generate(ckpt, prompt, so, gt);
     if (*plot) {
       std::cout << plot_run(plot_dir, plot_opts) << "\n";

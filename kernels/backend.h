@@ -262,6 +262,23 @@ class Backend {
     not_implemented("rope_backward");
   }
 
+  // qk-norm (Qwen3): RMSNorm over each head's HS values of q and of k in the
+  // fused qkv(N,(NH+2*NKV)*HS) rows (NH q heads | NKV k heads | NKV v heads),
+  // in place, before RoPE. Every q head is scaled by wq(HS), every k head by
+  // wk(HS); v is not touched. pre(N,(NH+NKV)*HS) receives the q|k values
+  // before the norm and rstd(N,NH+NKV) fp32 one statistic per head, for the
+  // backward:  rstd = 1/sqrt(mean(x^2) + eps), x' = x * rstd * w.
+  virtual void qk_norm_forward(void* qkv, void* pre, float* rstd, const void* wq, const void* wk, int N, int NH,
+                               int NKV, int HS, float eps) {
+    not_implemented("qk_norm_forward");
+  }
+  // In place on dqkv's dq and dk heads (d normalised in, d pre-norm out; dv
+  // untouched); dwq(HS) and dwk(HS) fp32 accumulate (+=), as rmsnorm_backward.
+  virtual void qk_norm_backward(void* dqkv, float* dwq, float* dwk, const void* pre, const void* wq, const void* wk,
+                                const float* rstd, int N, int NH, int NKV, int HS) {
+    not_implemented("qk_norm_backward");
+  }
+
   // SwiGLU: inp(N,2F) holds gate | up per row (the fused gate|up GEMM's
   // output); out(N,F) = silu(gate) * up, silu(x) = x * sigmoid(x).
   virtual void swiglu_forward(void* out, const void* inp, int N, int F) { not_implemented("swiglu_forward"); }

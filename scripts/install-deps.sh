@@ -85,4 +85,20 @@ if [ "$WITH_TEST" = 1 ]; then
   if ! "$VENV/bin/python" -c "import peft, sys; sys.exit(peft.__version__ != '0.12.0')" 2>/dev/null; then
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps "peft==0.12.0" "accelerate==0.33.0"
   fi
+  # .venv-hf-next: transformers with Qwen3ForCausalLM (added in 4.51), the
+  # peer of tests/test_qwen3.cpp only, so every other test keeps the pinned
+  # peers above. transformers >= 4.51 imports torch.distributed.tensor, which
+  # Debian's torch 1.13 lacks, so this venv has its own torch 2.5.1 from PyPI
+  # (not --system-site-packages). PyPI's Linux x86_64 torch wheel depends on
+  # the CUDA runtime wheels (nvidia-*, triton) and does not import without
+  # them, even on a CPU: measured on Debian 12, 2 cores, 2026-12: 2.9 GB
+  # downloaded, 5.3 GB on disk, 3.5 minutes. TRAINRUN_SKIP_HF_NEXT=1 skips
+  # it (test_qwen3's transformers cases then skip, naming the venv).
+  NEXT=.venv-hf-next
+  if [ "${TRAINRUN_SKIP_HF_NEXT:-0}" != 1 ] &&
+     ! "$NEXT/bin/python" -c "import transformers, sys; sys.exit(transformers.__version__ != '4.51.3')" 2>/dev/null; then
+    [ -x "$NEXT/bin/python" ] || /usr/bin/python3 -m venv "$NEXT"
+    "$NEXT/bin/python" -m pip install -q --disable-pip-version-check "torch==2.5.1" "numpy==1.26.4" \
+      "transformers==4.51.3" "tokenizers==0.21.4" "huggingface_hub==0.36.2" "safetensors==0.4.5"
+  fi
 fi

@@ -332,8 +332,8 @@ TEST_CASE("config: the field table is complete and its defaults are valid", "[co
   const auto fields = trainrun::job_spec_fields();
   // + parallel.offload, offload_dir, tensor_parallel, sequence_parallel, pipeline_*,
   // data.document_mask, data.document_separator, output.trace_steps,
-  // model.base_dtype, model.adapter.{type, rank, alpha, dropout, target_modules, init_from}
-  CHECK(fields.size() == 88);
+  // model.base_dtype, model.adapter.{type, rank, alpha, dropout, target_modules, init_from}, model.head_dim
+  CHECK(fields.size() == 89);
   std::vector<std::string> keys;
   for (const auto& f : fields) {
     INFO(f.key);
@@ -428,7 +428,7 @@ TEST_CASE("config: bad specs: YAML structure", "[config][bad]") {
        "job.yaml:4:3: train.seq_len: unknown key; did you mean 'model.seq_len'?"},
       {"unknown key, nothing close", kSynthetic + "model:\n  colour: 0.1\n", {},
        "job.yaml:4:3: model.colour: unknown key; the keys of 'model' are preset, arch, n_layer, n_head, n_embd, "
-       "vocab_size, seq_len, init_std, init_from, n_kv_head, ffn_dim, norm_eps, rope_theta, tie_embeddings, "
+       "vocab_size, seq_len, init_std, init_from, n_kv_head, ffn_dim, head_dim, norm_eps, rope_theta, tie_embeddings, "
        "base_dtype, rope_scaling, adapter"},
       {"a subsection's key one level up", kSynthetic + "model:\n  dropout: 0.1\n", {},
        "job.yaml:4:3: model.dropout: unknown key; did you mean 'model.adapter.dropout'?"},
@@ -608,6 +608,10 @@ TEST_CASE("config: every preset has its published model's parameter count", "[co
       {"qwen2.5-0.5b", 494032768LL},  {"qwen2.5-7b", 7615616512LL}, {"qwen2.5-72b", 72706203648LL},
       {"gpt2-124m", 124439808LL},     {"gpt2-350m", 354823168LL},   {"gpt2-774m", 774030080LL},
       {"gpt2-1.5b", 1557611200LL},
+      // Qwen3: the layout's count (q/k_norm included), matching the model
+      // cards' 0.6B / 8.2B / 32.8B with 0.44B / 6.95B / 31.2B non-embedding
+      // (tests/test_qwen3.cpp); not checked against the safetensors files.
+      {"qwen3-0.6b", 596049920LL},    {"qwen3-8b", 8190735360LL},   {"qwen3-32b", 32762123264LL},
   };
   REQUIRE(trainrun::model_preset_names().size() == want.size());
   for (const auto& [name, params] : want) {

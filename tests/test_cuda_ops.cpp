@@ -761,6 +761,50 @@ TEST_CASE("cuda: rmsnorm forward (HF's bf16 rounding) and backward (+=)", "[cuda
   }
 }
 
+// qk-norm (Qwen3, kernels/cuda/qk_norm.cu; not yet run on a GPU when written):
+// against the CPU op on the same bf16-representable inputs.
+TEST_CASE("cuda: qk_norm forward (HF's bf16 rounding) and backward (dq|dk in place, dw +=)", "[cuda][qwen3]") {
+  CUDA_TEST_OR_SKIP();
+  Pair p;
+  struct S { int N, NH, NKV, HS; };
+  // HS 128 (every Qwen3), 64, 6 (lanes without a channel), 256 (the most
+  // the kernel holds); GQA 8:1, 2:1, 1:1; N large enough for several
+  // backward blocks per SM.
+  for (S s : {S{7, 16, 2, 128}, S{19, 4, 2, 64}, S{3, 4, 4, 6}, S{5, 8, 1, 256}, S{2000, 4, 2, 128}}) {
+    const std::string sh = shape({{"N", s.N}, {"NH", s.NH}, {"NKV", s.NKV}, {"HS", s.HS}});
+    const size_t W = size_t(s.NH + 2 * s.NKV) * s.HS, n = size_t(s.N) * W, np = size_t(s.N) * (s.NH + s.NKV) * s.HS;
+    const Vec x0 = randn(n, 161, 2.0f, 0.5f);
+    Twin qkv(p, x0, true), wq(p, randn(s.HS, 162, 0.5f, 1.0f), true), wk(p, randn(s.HS, 163, 0.5f, 1.0f), true);
+    Twin pre = out_twin(p, np, true), rstd = out_twin(p, size_t(s.N) * (s.NH + s.NKV), false);
+    const float eps = 1e-6f;
+    p.cpu->qk_norm_forward(qkv.c(), pre.c(), rstd.cf(), wq.c(), wk.c(), s.N, s.NH, s.NKV, s.HS, eps);
+    p.gpu->qk_norm_forward(qkv.g(), pre.g(), rstd.gf(), wq.g(), wk.g(), s.N, s.NH, s.NKV, s.HS, eps);
+    check_close("qk_norm out " + sh, qkv.read_gpu(p), qkv.read_cpu(p), kBf16);
+    check_close("qk_norm rstd " + sh, rstd.read_gpu(p), rstd.read_cpu(p), kF32);
+    CHECK(same_bits(pre.read_gpu(p), pre.read_cpu(p)));  // the input, copied
+
+    Twin r2(p, rstd.read_cpu(p), false);  // both sides with the same statistics
+    const Vec dy = randn(n, 164);
+    Twin d(p, dy, true), dwq(p, randn(s.HS, 165), false), dwk(p, randn(s.HS, 166), false);
+    p.cpu->qk_norm_backward(d.c(), dwq.cf(), dwk.cf(), pre.c(), wq.c(), wk.c(), r2.cf(), s.N, s.NH, s.NKV, s.HS);
+    p.gpu->qk_norm_backward(d.g(), dwq.gf(), dwk.gf(), pre.g(), wq.g(), wk.g(), r2.gf(), s.N, s.NH, s.NKV, s.HS);
+    check_close("qk_norm dq|dk " + sh, d.read_gpu(p), d.read_cpu(p), kBf16);
+    check_close("qk_norm dwq (+=) " + sh, dwq.read_gpu(p), dwq.read_cpu(p), kF32);
+    check_close("qk_norm dwk (+=) " + sh, dwk.read_gpu(p), dwk.read_cpu(p), kF32);
+    // dv untouched.
+    const Vec dg = d.read_gpu(p);
+    for (int r = 0; r < s.N; ++r)
+      for (size_t c = size_t(s.NH + s.NKV) * s.HS; c < W; ++c) CHECK(dg[size_t(r) * W + c] == bf16_round(dy[size_t(r) * W + c]));
+    // The weight gradient is summed in a fixed order: the same bits twice.
+    Twin a1(p, Vec(s.HS, 0.0f), false), a2(p, Vec(s.HS, 0.0f), false), b1(p, Vec(s.HS, 0.0f), false),
+        b2(p, Vec(s.HS, 0.0f), false), d1(p, dy, true), d2(p, dy, true);
+    p.gpu->qk_norm_backward(d1.g(), a1.gf(), b1.gf(), pre.g(), wq.g(), wk.g(), r2.gf(), s.N, s.NH, s.NKV, s.HS);
+    p.gpu->qk_norm_backward(d2.g(), a2.gf(), b2.gf(), pre.g(), wq.g(), wk.g(), r2.gf(), s.N, s.NH, s.NKV, s.HS);
+    CHECK(same_bits(a1.read_gpu(p), a2.read_gpu(p)));
+    CHECK(same_bits(b1.read_gpu(p), b2.read_gpu(p)));
+  }
+}
+
 TEST_CASE("cuda: fused residual + rmsnorm forward", "[cuda][llama]") {
   CUDA_TEST_OR_SKIP();
   Pair p;

@@ -122,10 +122,11 @@ const std::vector<Field>& fields() {
                     "field this spec does not set (an explicit one wins, with a log line), seq_len with the "
                     "model's original context (Llama 3.x 8192, Llama 2 4096, GPT-2 1024); with model.init_from "
                     "both must describe the same model; none = off"),
-      TR_SPEC_FIELD(model.arch, one_of({"auto", "gpt2", "llama", "qwen2"}),
+      TR_SPEC_FIELD(model.arch, one_of({"auto", "gpt2", "llama", "qwen2", "qwen3"}),
                     "model family; auto = the model_type of model.init_from's config.json, else gpt2; "
                     "llama = Llama 3 (RMSNorm, RoPE, SwiGLU, grouped-query attention; its shape in the fields below); "
-                    "qwen2 = Qwen2/Qwen2.5 (Llama's shape with q/k/v biases)"),
+                    "qwen2 = Qwen2/Qwen2.5 (Llama's shape with q/k/v biases); "
+                    "qwen3 = Qwen3 (Llama's fields, heads model.head_dim wide, per-head RMSNorm on q and k)"),
       TR_SPEC_FIELD(model.n_layer, at_least(1), "transformer blocks (L)"),
       TR_SPEC_FIELD(model.n_head, at_least(1), "attention heads (NH); must divide n_embd"),
       TR_SPEC_FIELD(model.n_embd, at_least(1), "residual stream width in channels (C)"),
@@ -147,6 +148,10 @@ const std::vector<Field>& fields() {
       TR_SPEC_FIELD(model.ffn_dim, at_least(0),
                     "MLP width (llama: config.json's intermediate_size, required); 0 = the architecture's default "
                     "(gpt2: 4 * n_embd)"),
+      TR_SPEC_FIELD(model.head_dim, at_least(0),
+                    "width of each attention head (llama-shaped archs; config.json's head_dim): q_proj is "
+                    "(n_head * head_dim, n_embd), k/v_proj (n_kv_head * head_dim, n_embd), o_proj (n_embd, "
+                    "n_head * head_dim); 0 = n_embd / n_head"),
       TR_SPEC_FIELD(model.norm_eps, above(0), "RMSNorm epsilon (llama; gpt2's LayerNorm uses 1e-5)"),
       TR_SPEC_FIELD(model.rope_theta, above(0), "RoPE base frequency (llama; Llama 3: 500000)"),
       TR_SPEC_FIELD(model.tie_embeddings, one_of({"auto", "false", "true"}),

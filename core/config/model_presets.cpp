@@ -83,6 +83,27 @@ ModelSpec qwen25(int L, int C, int NH, int NKV, int F, int V, bool tied, double 
   return m;
 }
 
+// Qwen3 (Qwen/Qwen3-*'s config.json): heads of 128 (head_dim), 8 KV heads,
+// 151936 tokens, rms_norm_eps 1e-6, rope_theta 1e6, no rope_scaling;
+// max_position_embeddings 40960, of which seq_len takes the 32768 of the
+// last pre-training stage (Qwen3 technical report).
+ModelSpec qwen3(int L, int C, int NH, int F, bool tied) {
+  ModelSpec m;
+  m.arch = "qwen3";
+  m.n_layer = L;
+  m.n_embd = C;
+  m.n_head = NH;
+  m.n_kv_head = 8;
+  m.head_dim = 128;
+  m.ffn_dim = F;
+  m.vocab_size = 151936;
+  m.seq_len = 32768;
+  m.norm_eps = 1e-6;
+  m.rope_theta = 1000000;
+  m.tie_embeddings = tied ? "true" : "false";
+  return m;
+}
+
 }  // namespace
 
 const std::vector<ModelPreset>& model_presets() {
@@ -96,6 +117,9 @@ const std::vector<ModelPreset>& model_presets() {
       {"qwen2.5-0.5b", "Qwen/Qwen2.5-0.5B", qwen25(24, 896, 14, 2, 4864, 151936, true, 1e-6)},
       {"qwen2.5-7b", "Qwen/Qwen2.5-7B", qwen25(28, 3584, 28, 4, 18944, 152064, false, 1e-6)},
       {"qwen2.5-72b", "Qwen/Qwen2.5-72B", qwen25(80, 8192, 64, 8, 29568, 152064, false, 1e-5)},
+      {"qwen3-0.6b", "Qwen/Qwen3-0.6B", qwen3(28, 1024, 16, 3072, true)},
+      {"qwen3-8b", "Qwen/Qwen3-8B", qwen3(36, 4096, 32, 12288, false)},
+      {"qwen3-32b", "Qwen/Qwen3-32B", qwen3(64, 5120, 64, 25600, false)},
       {"gpt2-124m", "openai-community/gpt2", gpt2(12, 12, 768)},
       {"gpt2-350m", "openai-community/gpt2-medium", gpt2(24, 16, 1024)},
       {"gpt2-774m", "openai-community/gpt2-large", gpt2(36, 20, 1280)},
@@ -150,8 +174,8 @@ std::vector<std::string> model_preset_names() {
 
 std::string model_presets_markdown() {
   std::string out =
-      "| preset | arch | n_layer | n_embd | n_head | n_kv_head | ffn_dim | vocab_size | seq_len | tied | rope_theta | "
-      "rope_scaling | from |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+      "| preset | arch | n_layer | n_embd | n_head | n_kv_head | head_dim | ffn_dim | vocab_size | seq_len | tied | "
+      "rope_theta | rope_scaling | from |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
   for (const ModelPreset& p : model_presets()) {
     const ModelSpec& m = p.spec;
     const bool llama = m.arch != "gpt2";  // the Llama-shaped families' columns
@@ -170,6 +194,7 @@ std::string model_presets_markdown() {
                                           std::to_string(m.rope_scaling.original_max_position_embeddings) + ")";
     out += "| " + name + " | " + m.arch + " | " + std::to_string(m.n_layer) + " | " + std::to_string(m.n_embd) +
            " | " + std::to_string(m.n_head) + " | " + (llama ? std::to_string(m.n_kv_head) : "-") + " | " +
+           (m.head_dim ? std::to_string(m.head_dim) : "C/n_head") + " | " +
            (llama ? std::to_string(m.ffn_dim) : "4C") + " | " + std::to_string(m.vocab_size) + " | " +
            std::to_string(m.seq_len) + " | " + m.tie_embeddings + " | " + (llama ? num(m.rope_theta) : "-") +
            " | " + (llama ? scaling : "-") + " | " + p.source + " |\n";

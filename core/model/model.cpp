@@ -12,6 +12,7 @@
 #include "core/model/gpt2/gpt2_arch.h"
 #include "core/model/llama/llama_arch.h"
 #include "core/model/qwen2/qwen2_arch.h"
+#include "core/model/qwen3/qwen3_arch.h"
 
 namespace fs = std::filesystem;
 using json = nlohmann::ordered_json;
@@ -37,6 +38,7 @@ const std::vector<ArchEntry>& registry() {
       {"gpt2", "gpt2", true, true, make_gpt2_arch, gpt2_config_from_hf, gpt2_config_from_metadata},
       {"llama", "llama", true, true, make_llama_arch, llama_config_from_hf, llama_config_from_metadata},
       {"qwen2", "qwen2", true, true, make_qwen2_arch, qwen2_config_from_hf, llama_config_from_metadata},
+      {"qwen3", "qwen3", true, true, make_qwen3_arch, qwen3_config_from_hf, qwen3_config_from_metadata},
   };
   return r;
 }
@@ -139,9 +141,12 @@ ModelConfig ModelConfig::from_spec(const ModelSpec& m) {
              4 * m.n_embd, " (0 = that)");
     TR_CHECK(m.tie_embeddings != "false", "model.tie_embeddings: false; gpt2's LM head is always the token embedding");
     TR_CHECK(!scaled, "model.rope_scaling.type: ", m.rope_scaling.type, "; gpt2 has learned positions, not RoPE");
+    TR_CHECK(m.head_dim == 0 || m.head_dim * m.n_head == m.n_embd, "model.head_dim: ", m.head_dim,
+             "; gpt2's heads are n_embd / n_head wide (0 = that)");
   } else {
     c.norm_eps = m.norm_eps;
     c.rope_theta = m.rope_theta;
+    c.head_dim = m.head_dim;
     c.tied = m.tie_embeddings == "true";
     if (scaled) {
       c.rope_scaling_type = m.rope_scaling.type;
@@ -167,6 +172,7 @@ ModelSpec ModelConfig::to_spec() const {
   m.init_std = init_std;
   m.norm_eps = norm_eps;
   m.rope_theta = rope_theta;
+  m.head_dim = head_dim;
   m.tie_embeddings = tied ? "true" : "false";
   m.rope_scaling.type = rope_scaling_type.empty() ? "none" : rope_scaling_type;
   if (!rope_scaling_type.empty()) {
@@ -203,8 +209,9 @@ void check_model_config_common(const ModelConfig& c) {
   at_least_1("n_embd", c.C);
   at_least_1("vocab_size", c.V);
   at_least_1("seq_len", c.T);
-  TR_CHECK(c.C % c.NH == 0, "model.n_embd (", c.C, ") is not divisible by model.n_head (", c.NH,
-           "); make n_embd a multiple of n_head");
+  TR_CHECK(c.head_dim >= 0, "model.head_dim must be at least 1, or 0 for n_embd / n_head (got ", c.head_dim, ")");
+  TR_CHECK(c.head_dim > 0 || c.C % c.NH == 0, "model.n_embd (", c.C, ") is not divisible by model.n_head (", c.NH,
+           "); make n_embd a multiple of n_head, or set model.head_dim");
   TR_CHECK(c.NKV >= 0, "model.n_kv_head must be at least 1, or 0 for model.n_head (got ", c.NKV, ")");
   TR_CHECK(c.NH % c.kv_heads() == 0, "model.n_head (", c.NH, ") is not a multiple of model.n_kv_head (", c.NKV,
            "); each key/value head serves a whole group of query heads");
@@ -288,7 +295,7 @@ ParamLayout LayoutBuilder::finish() {
 // ---- the architecture's shared formulas ------------------------------------------------------
 
 double ModelArch::flops_per_token() const {
-  return 6.0 * double(matmul_parameters()) + 12.0 * double(cfg_.L) * double(cfg_.C) * double(cfg_.T);
+  return 6.0 * double(matmul_parameters()) + 12.0 * double(cfg_.L) * double(cfg_.q_dim()) * double(cfg_.T);
 }
 
 // ---- configs read back from files ----------------------------------------------------------
@@ -377,6 +384,9 @@ std::string manifest_model_mismatch(const ModelArch& arch, const json& saved) {
     if (was.is_null()) return "model." + key + " is not recorded but this job has " + text(have);
     if (was != have) return "model." + key + " = " + text(was) + " but this job has " + text(have);
   }
+  // Written only when set (the default leaves older manifests as they were).
+  if (saved.contains("head_dim") && !now.contains("head_dim"))
+    return "model.head_dim = " + text(saved.at("head_dim")) + " but this job has 0 (n_embd / n_head)";
   return "";
 }
 

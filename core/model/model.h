@@ -37,9 +37,9 @@ namespace trainrun {
 struct TensorParallel;  // core/model/tensor_parallel.h
 
 struct ModelConfig {
-  std::string arch = "gpt2";   // [model.arch] gpt2 | llama | qwen2 (model_arch_names())
+  std::string arch = "gpt2";   // [model.arch] gpt2 | llama | qwen2 | qwen3 (model_arch_names())
   int L = 4;                   // [model.n_layer] transformer blocks
-  int NH = 4;                  // [model.n_head] attention (query) heads; divides C
+  int NH = 4;                  // [model.n_head] attention (query) heads; divides C unless head_dim is set
   int NKV = 0;                 // [model.n_kv_head] key/value heads (GQA), divides NH; 0 = NH (gpt2: always NH)
   int C = 128;                 // [model.n_embd] residual width
   int F = 0;                   // [model.ffn_dim] MLP width; 0 = the arch's default (gpt2: 4C, the only width it has)
@@ -52,6 +52,14 @@ struct ModelConfig {
   RopeScaling rope_scaling;    // [model.rope_scaling.*] with rope_scaling_type "llama3"
   bool tied = true;            // [model.tie_embeddings] LM head = the token embedding (gpt2: always)
   bool qkv_bias = false;       // q/k/v biases (Llama-shaped: set by the arch, qwen2 true; not a spec key)
+  // [model.head_dim] each attention head's width; 0 = C/NH. Set (Qwen3,
+  // Mistral Nemo): q_proj is (NH*head_dim, C), k/v (NKV*head_dim, C) and
+  // o_proj (C, NH*head_dim), so the attention width need not be C.
+  int head_dim = 0;
+  // Per-head RMSNorm on q and on k before RoPE (Qwen3): weights
+  // self_attn.q_norm.weight and k_norm.weight (head_dim each), shared by the
+  // heads; Backend::qk_norm_forward. Set by the arch, not the job spec.
+  bool qk_norm = false;
 
   // The config a job spec describes. model.arch auto is resolved here: the
   // architecture of model.init_from's config.json (its model_type), else
@@ -67,7 +75,8 @@ struct ModelConfig {
   static ModelConfig of(int L, int NH, int C, int V, int T, double init_std = 0.02);
 
   int kv_heads() const { return NKV > 0 ? NKV : NH; }
-  int head_size() const { return C / NH; }
+  int head_size() const { return head_dim > 0 ? head_dim : C / NH; }
+  int q_dim() const { return NH * head_size(); }  // the attention width NH*HS (C unless head_dim is set)
   // Throws an Error naming the model.* key and what to do (every rule,
   // including the architecture's own: make_model_arch runs it).
   void validate() const;
@@ -373,6 +382,10 @@ class ModelArch {
   const ParamLayout& layout() const { return layout_; }
   const std::string& name() const { return cfg_.arch; }  // "gpt2"
   virtual std::string display_name() const = 0;          // "GPT-2", for messages
+  // Built on the Llama network (RMSNorm with one statistic per row, fused
+  // q|k|v of NH + 2*NKV heads, gated MLP, RoPE): the planner's buffer
+  // formulas for such archs are Llama's.
+  virtual bool llama_shaped() const { return false; }
   // One line: "gpt2 L=12 C=768 heads=12 V=50257 T=1024".
   virtual std::string describe() const = 0;
 
@@ -388,10 +401,10 @@ class ModelArch {
   // matrix including the LM head, but not lookup tables (position
   // embeddings; the input embedding when it is not tied to the head).
   virtual int64_t matmul_parameters() const = 0;
-  // Training FLOPs per token, forward + backward: 6N + 12*L*C*T. 6N is two
-  // FLOPs per multiply-add, times three for forward + the two backward
-  // GEMMs; 12*L*C*T is attention's QK^T and AV (2*2*T*C per layer forward,
-  // x3). Like PaLM and nanoGPT it counts the full T x T attention, not the
+  // Training FLOPs per token, forward + backward: 6N + 12*L*Q*T (Q = NH*HS,
+  // C unless model.head_dim is set). 6N is two FLOPs per multiply-add, times
+  // three for forward + the two backward GEMMs; 12*L*Q*T is attention's QK^T
+  // and AV (2*2*T*Q per layer forward, x3). Like PaLM and nanoGPT it counts the full T x T attention, not the
   // causal half, and not the recompute of activation checkpointing (that is
   // hardware FLOPs, not model FLOPs), so MFU is comparable with theirs.
   virtual double flops_per_token() const;
@@ -470,11 +483,6 @@ class ModelArch {
   // max_position_embeddings): model.seq_len may not exceed it.
   virtual const char* hf_context_key() const = 0;
 
-  // Whether the arch computes with the Llama network (core/model/llama/:
-  // RMSNorm, RoPE, GQA, gated MLP, with the ModelConfig features it
-  // honours), whose buffers the planner sizes; gpt2 is not.
-  virtual bool llama_shaped() const { return false; }
-
  protected:
   ModelArch(ModelConfig cfg, ParamLayout layout) : cfg_(std::move(cfg)), layout_(std::move(layout)) {}
   ModelConfig cfg_;
@@ -491,7 +499,7 @@ void check_model_config_common(const ModelConfig& cfg);
 // The architecture for a config (validated first: every message names the
 // model.* key). An unknown arch is an Error naming it and the known ones.
 std::unique_ptr<ModelArch> make_model_arch(const ModelConfig& cfg);
-std::vector<std::string> model_arch_names();            // "gpt2", "llama", "qwen2"
+std::vector<std::string> model_arch_names();            // "gpt2", "llama", "qwen2", "qwen3"
 // The arch an HF model_type belongs to ("" when none does).
 std::string arch_for_hf_model_type(const std::string& model_type);
 

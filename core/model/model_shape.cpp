@@ -28,7 +28,7 @@ const std::map<std::string, std::string>& key_aliases() {
       {"ffn", "ffn"},      {"intermediate_size", "ffn"}, {"v", "V"},      {"vocab", "V"},
       {"vocab_size", "V"}, {"t", "T"},            {"seq_len", "T"},        {"context", "T"},
       {"n_positions", "T"}, {"n_ctx", "T"},       {"max_position_embeddings", "T"},
-      {"n_inner", "ffn"},  {"tied", "tied"},
+      {"n_inner", "ffn"},  {"tied", "tied"},      {"head_dim", "head_dim"}, {"hd", "head_dim"},
   };
   return a;
 }
@@ -52,8 +52,9 @@ size_t edit_distance(const std::string& a, const std::string& b) {
 
 std::string model_shape_help() {
   std::string s =
-      "a shape ARCH:KEY=VALUE,... with ARCH gpt2 or llama and keys L (layers), C (width), heads, kv_heads "
-      "(llama, default heads), ffn (MLP width: gpt2 4C, llama required), V (vocab), T (context), tied (0/1), "
+      "a shape ARCH:KEY=VALUE,... with ARCH gpt2, llama or qwen3 and keys L (layers), C (width), heads, kv_heads "
+      "(llama, default heads), head_dim (llama, default C/heads), ffn (MLP width: gpt2 4C, llama required), V (vocab), "
+      "T (context), tied (0/1), "
       "e.g. llama:L=80,C=8192,heads=64,kv_heads=8,ffn=28672,V=128256,T=4096; or a preset (";
   const std::vector<std::string> names = model_preset_names();
   for (size_t i = 0; i < names.size(); ++i) s += (i ? ", " : "") + names[i];
@@ -70,6 +71,7 @@ std::map<std::string, int64_t> shape_keys_of(const ModelConfig& c) {
   // follow an override of heads or C.
   if (c.NKV > 0) k["kv_heads"] = c.NKV;
   if (c.F > 0) k["ffn"] = c.F;
+  if (c.head_dim > 0) k["head_dim"] = c.head_dim;
   return k;
 }
 
@@ -125,7 +127,7 @@ ModelConfig parse_shape(const std::string& text_in, const std::string& what) {
       for (const auto& [k, canon] : key_aliases())
         if (size_t d = edit_distance(ascii_lower(key_raw), k); d < bd) bd = d, best = canon;
       TR_FAIL(what, ": unknown key '", key_raw, "'", best.empty() ? "" : "; did you mean '" + best + "'?",
-              " (keys: L, C, heads, kv_heads, ffn, V, T, tied)");
+              " (keys: L, C, heads, kv_heads, head_dim, ffn, V, T, tied)");
     }
     char* end = nullptr;
     errno = 0;
@@ -145,8 +147,7 @@ ModelConfig parse_shape(const std::string& text_in, const std::string& what) {
   const int64_t L = get("L", 0, true), C = get("C", 0, true), heads = get("heads", 0, true);
   const int64_t V = get("V", 0, true), T = get("T", 0, true);
   const int64_t kv_heads = get("kv_heads", heads, false);
-  // gpt2 is the one arch with a default MLP width; the Llama-shaped ones need theirs.
-  const int64_t ffn = get("ffn", 4 * C, m.arch != "gpt2");
+  const int64_t ffn = get("ffn", 4 * C, m.arch != "gpt2");  // the Llama-shaped archs have no default
   m.tied = get("tied", m.arch == "gpt2" ? 1 : 0, false) != 0;
   auto positive = [&](const char* k, int64_t v) {
     TR_CHECK(v >= 1, what, ": ", k, " must be at least 1 (got ", v, ")");
@@ -161,7 +162,11 @@ ModelConfig parse_shape(const std::string& text_in, const std::string& what) {
   m.T = positive("T", T);
   TR_CHECK(V >= 2, what, ": V must be at least 2 (got ", V, ")");
   m.V = positive("V", V);
-  TR_CHECK(m.C % m.NH == 0, what, ": C (", m.C, ") must be divisible by heads (", m.NH, ")");
+  const int64_t head_dim = get("head_dim", 0, false);
+  TR_CHECK(head_dim >= 0 && head_dim <= INT32_MAX, what, ": head_dim must be at least 1 (got ", head_dim, ")");
+  m.head_dim = int(head_dim);
+  TR_CHECK(m.head_dim > 0 || m.C % m.NH == 0, what, ": C (", m.C, ") must be divisible by heads (", m.NH,
+           "), or give head_dim");
   TR_CHECK(m.NH % m.NKV == 0, what, ": heads (", m.NH, ") must be a multiple of kv_heads (", m.NKV, ")");
   if (m.arch == "gpt2") {
     TR_CHECK(m.NKV == m.NH, what, ": gpt2 has no grouped-query attention; drop kv_heads or use llama");

@@ -25,7 +25,7 @@ std::string origin_of(const JobSpec& job, const std::string& key) {
 }
 
 // Set, and to a value rather than to a field's "the arch's default"
-// sentinel: tie_embeddings: auto, n_kv_head: 0 and ffn_dim: 0 written out
+// sentinel: tie_embeddings: auto, n_kv_head, ffn_dim and head_dim: 0 written out
 // mean "whatever the model has", so a preset or config.json fills them.
 bool has_value(const JobSpec& job, const std::string& key) {
   if (!job.is_set(key)) return false;
@@ -33,6 +33,7 @@ bool has_value(const JobSpec& job, const std::string& key) {
   if (key == "model.tie_embeddings") return m.tie_embeddings != "auto";
   if (key == "model.n_kv_head") return m.n_kv_head != 0;
   if (key == "model.ffn_dim") return m.ffn_dim != 0;
+  if (key == "model.head_dim") return m.head_dim != 0;
   return true;
 }
 

@@ -55,7 +55,7 @@ double pipeline_transient_bytes(const ModelArch& m, const TpLocalShape& sh, bool
   const int tp = sh.tp;
   const bool llama = m.llama_shaped(), seq = sp && tp > 1;
   const double N = double(B) * mc.T, C = double(mc.C), es = d.act_bytes;
-  const double HS = C / mc.NH, F = double(sh.F);
+  const double HS = double(mc.head_size()), F = double(sh.F);
   const double NR = seq ? double(ceil_div(int64_t(N), tp)) : N;
   const double QKV = llama ? sh.NH * HS + 2.0 * sh.NKV * HS : 3.0 * sh.NH * HS;
   double t = 0;
@@ -65,7 +65,9 @@ double pipeline_transient_bytes(const ModelArch& m, const TpLocalShape& sh, bool
   *position_tables = 0;
   t += *position_tables;
   if (seq) t += r64(NR * C * es) + r64(N * C * es) + r64((llama ? 1 : 2) * C * 4);  // rows, gathered, a norm's grads
-  t += r64(N * C * es) + r64(N * QKV * es) + r64(N * F * es);  // backward: dbuf_c, dqkv, the MLP hidden grad
+  // backward: dbuf_c (also d attention output, N x Q), dqkv, the MLP hidden grad
+  t += r64(N * std::max(C, sh.NH * HS) * es) + r64(N * QKV * es) + r64(N * F * es);
+  if (mc.qk_norm && tp > 1) t += r64(2 * HS * 4);  // q_norm|k_norm's gradient, summed over TP
   *outside_arena = 0;
   const double bias = mc.qkv_bias ? 1 : 0;  // replicated KV: the bias gradients ride after the weights'
   if (llama && sh.kv_replicas > 1)
@@ -167,7 +169,7 @@ std::vector<PipelineStageMemory> pipeline_memory(const ModelArch& m, const Tenso
   double kept_grads = 0;
   if (kind == "zero_bubble") {
     const TpLocalShape sh = tpp.shape();
-    const double HS = double(mc.C / mc.NH), N = double(B) * mc.T, es = d.act_bytes;
+    const double HS = double(mc.head_size()), N = double(B) * mc.T, es = d.act_bytes;
     const bool llama = m.llama_shaped();
     const double QKV = llama ? sh.NH * HS + 2.0 * sh.NKV * HS : 3.0 * sh.NH * HS;
     kept_grads = r64(N * QKV * es) + 2 * r64(N * mc.C * es) + (llama ? 0 : r64(N * sh.F * es));

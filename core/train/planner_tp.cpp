@@ -26,7 +26,7 @@ double tp_activation_bytes(const ModelArch& m, const TpLocalShape& sh, bool sp, 
   const ModelConfig& c = m.config();
   const bool llama = m.llama_shaped();
   const double es = d.act_bytes;
-  const double N = double(B) * double(c.T), C = double(c.C), F = double(sh.F), HS = double(c.C / c.NH);
+  const double N = double(B) * double(c.T), C = double(c.C), F = double(sh.F), HS = double(c.head_size());
   const double NR = sp ? double(ceil_div(int64_t(N), tp)) : N;  // rows of the residual stream on this rank
   const double Q = sh.NH * HS;                                  // this rank's query width
   const double QKV = llama ? Q + 2.0 * sh.NKV * HS : 3 * Q;     // its q|k|v width
@@ -36,6 +36,8 @@ double tp_activation_bytes(const ModelArch& m, const TpLocalShape& sh, bool sp, 
   layer += r64(NR * C * es);                                  // ln1 (rows; gathered into the shared buffer when read)
   layer += (llama ? 1 : 2) * r64(NR * 4);                     // its statistics (rows)
   layer += r64(N * QKV * es);                                 // q|k|v (heads / tp)
+  if (c.qk_norm)                                              // q|k before qk-norm, its per-head rstd
+    layer += r64(N * (Q + sh.NKV * HS) * es) + r64(N * (sh.NH + sh.NKV) * 4);
   layer += r64(N * Q * es);                                   // attention output (heads / tp)
   layer += r64(saved * 4);                                    // attention's saved state (heads / tp)
   layer += r64(NR * C * es);                                  // residual after attention (rows)
@@ -61,9 +63,10 @@ double tp_activation_bytes(const ModelArch& m, const TpLocalShape& sh, bool sp, 
     total += r64(N * C * es);                                 // the gathered buffer: residual gradient, norm outputs
     total += r64((llama ? 1 : 2) * C * 4);                    // a norm's parameter gradients
   }
-  total += r64(N * C * es);                                   // backward: dbuf_c
+  total += r64(N * std::max(C, Q) * es);                      // backward: dbuf_c (also d attention output)
   total += r64(N * QKV * es);                                 // backward: dqkv
   total += r64(N * F * es);                                   // backward: the MLP hidden grad
+  if (c.qk_norm) total += r64(2 * HS * 4);                    // q_norm|k_norm's gradient, summed over TP
   return total;
 }
 
@@ -80,7 +83,7 @@ MemoryBreakdown tp_memory(const ModelArch& m, const TensorParallelPlan& plan, bo
   // replicas' q|k|v weight gradients (llama.cpp, outside the arena).
   const TpLocalShape& sh = plan.shape();
   if (m.llama_shaped() && sh.kv_replicas > 1) {
-    const double HS = double(m.config().C / m.config().NH), C = double(m.config().C);
+    const double HS = double(m.config().head_size()), C = double(m.config().C);
     const double QKV = sh.NH * HS + 2.0 * sh.NKV * HS, bias = m.config().qkv_bias ? 1 : 0;  // bias grads ride along
     r.workspace += r64(QKV * (C + bias) * 4) + r64(double(m.config().kv_heads()) * 2 * sh.NKV * HS * (C + bias) * 4);
   }

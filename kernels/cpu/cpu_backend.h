@@ -77,6 +77,11 @@ class CpuBackend final : public Backend {
                     const int32_t* pos = nullptr) override;
   void rope_backward(void* dqkv, const float* cos_sin, int B, int T, int NH, int NKV, int HS, int pos0,
                      const int32_t* pos = nullptr) override;
+  // qk-norm (Qwen3): cpu_qk_norm.cpp.
+  void qk_norm_forward(void* qkv, void* pre, float* rstd, const void* wq, const void* wk, int N, int NH, int NKV,
+                       int HS, float eps) override;
+  void qk_norm_backward(void* dqkv, float* dwq, float* dwk, const void* pre, const void* wq, const void* wk,
+                        const float* rstd, int N, int NH, int NKV, int HS) override;
   void swiglu_forward(void* out, const void* inp, int N, int F) override;
   void swiglu_backward(void* dinp, const void* dout, const void* inp, int N, int F) override;
   size_t attention_gqa_saved_floats(int B, int T, int NH) const override;

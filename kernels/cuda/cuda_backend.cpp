@@ -29,6 +29,7 @@
 #include "kernels/cuda/softmax_cross_entropy.cuh"
 #include "kernels/cuda/vocab_parallel.cuh"
 #include "kernels/cuda/sum_squares.cuh"
+#include "kernels/cuda/qk_norm.cuh"
 #include "kernels/cuda/swiglu.cuh"
 
 namespace trainrun::cuda {
@@ -467,6 +468,20 @@ void CudaBackend::nf4_dequantize_blocks(void* out, DType out_dtype, const uint8_
     cuda::nf4_dequantize_blocks(static_cast<float*>(out), packed, block_absmax, n, compute_);
   else
     cuda::nf4_dequantize_blocks(H(out), packed, block_absmax, n, compute_);
+}
+
+void CudaBackend::qk_norm_forward(void* qkv, void* pre, float* rstd, const void* wq, const void* wk, int N, int NH,
+                                  int NKV, int HS, float eps) {
+  make_current();
+  cuda::qk_norm_forward(H(qkv), H(pre), rstd, H(wq), H(wk), N, NH, NKV, HS, eps, compute_);
+}
+
+void CudaBackend::qk_norm_backward(void* dqkv, float* dwq, float* dwk, const void* pre, const void* wq, const void* wk,
+                                   const float* rstd, int N, int NH, int NKV, int HS) {
+  make_current();
+  Scratch s(*alloc_, cuda::qk_norm_backward_scratch_bytes(N, NH, NKV, HS, num_sms_));
+  cuda::qk_norm_backward(H(dqkv), dwq, dwk, H(pre), H(wq), H(wk), rstd, N, NH, NKV, HS, s.as<float>(), num_sms_,
+                         compute_);
 }
 
 void CudaBackend::swiglu_forward(void* out, const void* inp, int N, int F) {

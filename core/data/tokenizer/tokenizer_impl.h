@@ -288,6 +288,8 @@ struct Tokenizer::Impl {
 
 // GPT-2's pre-tokenizer regex, which ByteLevel(use_regex: true) applies.
 extern const char* const kGpt2Pattern;
+// Llama 3's pre-tokenizer regex (a Split before ByteLevel(use_regex: false)).
+extern const char* const kLlama3Pattern;
 
 // The 256 code points ByteLevel maps bytes to (GPT-2's bytes_to_unicode).
 const std::array<uint32_t, 256>& byte_to_codepoint();

@@ -386,8 +386,7 @@ int64_t Tokenizer::bos_id() const { return impl_->bos; }
 bool Tokenizer::can_cut_before_line() const {
   static const char* const known[] = {
       kGpt2Pattern,
-      // Llama 3
-      R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)",
+      kLlama3Pattern,
       // Qwen2
       R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)",
   };

@@ -25,8 +25,11 @@ ModelConfig resolved(ModelConfig c) {
            c.norm_eps);
   TR_CHECK(c.rope_scaling_type.empty(), "model.rope_scaling.type: gpt2 has learned positions, no rotary embedding; ",
            "leave it unset (got '", c.rope_scaling_type, "')");
+  TR_CHECK(c.head_dim == 0 || int64_t(c.head_dim) * c.NH == c.C, "model.head_dim: gpt2's heads are model.n_embd / ",
+           "model.n_head wide; leave it unset (got ", c.head_dim, ")");
   c.NKV = c.NH;
   c.F = 4 * c.C;
+  c.head_dim = 0;
   return c;
 }
 

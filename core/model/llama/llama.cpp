@@ -2,6 +2,8 @@
 // tensor memory is touched on the host here, except the RoPE table's upload.
 #include "core/model/llama/llama.h"
 
+#include <algorithm>
+
 #include "core/common/error.h"
 #include "core/model/tensor_parallel.h"
 
@@ -37,6 +39,7 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
   Q_ = NH_ * HS_;
   KV_ = NKV_ * HS_;
   QKV_ = Q_ + 2 * KV_;
+  QN_ = cfg.qk_norm ? HS_ : 0;
   eps_ = float(cfg.norm_eps);
   if (!cfg.tied) {
     const ParamTensor& h = lay->get("lm_head.weight");
@@ -70,6 +73,12 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
     layer_buf(&a.ln1, NR * C * es);
     layer_buf(&a.ln1_rstd, NR * 4);
     layer_buf(&a.qkv, N * QKV_ * es);
+    a.qk_pre = nullptr;
+    a.qk_rstd = nullptr;
+    if (QN_) {
+      layer_buf(&a.qk_pre, N * (Q_ + KV_) * es);
+      layer_buf(&a.qk_rstd, N * (NH_ + NKV_) * 4);
+    }
     layer_buf(&a.atty, N * Q_ * es);
     layer_buf(&a.att, be->attention_gqa_saved_floats(maxB, cfg.T, NH_) * 4);
     layer_buf(&a.res2, NR * C * es);
@@ -95,9 +104,11 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
     tmp(&dres_full_, N * C * es);
     tmp(&norm_grad_, C * 4);
   }
-  tmp(&dbuf_c_, N * C * es);
+  // (N, C) gradients, and the attention output's (N, Q) one: Q > C with head_dim set.
+  tmp(&dbuf_c_, N * std::max<int64_t>(C, Q_) * es);
   tmp(&dqkv_, N * QKV_ * es);
   tmp(&dh_, N * F * es);
+  if (QN_ && tp_) tmp(&qk_grad_, 2 * size_t(QN_) * 4);
   if (stage_.split_backward) {
     TR_CHECK(!ckpt_, "parallel.pipeline_schedule: zero_bubble with train.activation_checkpointing: blocks is not "
                      "supported (the weight step needs every block's inputs); use 1f1b or turn checkpointing off");
@@ -155,12 +166,13 @@ void LlamaNetwork::bind_transient(void* scratch) {
 namespace {
 template <typename P>
 struct BlockPtrs {
-  P ln1w, qkvw, qkvb, ow, ln2w, guw, downw;  // qkvb null without qkv_bias
+  P ln1w, qkvw, qkvb, ow, ln2w, guw, downw, qnw, knw;  // qkvb null without qkv_bias
 };
 template <typename P, typename Base>
 BlockPtrs<P> block_ptrs(Base base, const LlamaBlockOffsets& o, size_t esize) {
   auto at = [&](int64_t off) { return reinterpret_cast<P>(reinterpret_cast<uintptr_t>(base) + off * esize); };
-  return {at(o.ln1w), at(o.qkvw), o.has_qkvb ? at(o.qkvb) : nullptr, at(o.ow), at(o.ln2w), at(o.guw), at(o.downw)};
+  return {at(o.ln1w), at(o.qkvw), o.has_qkvb ? at(o.qkvb) : nullptr, at(o.ow), at(o.ln2w), at(o.guw), at(o.downw),
+          at(o.qnw), at(o.knw)};
 }
 }  // namespace
 
@@ -172,12 +184,13 @@ BlockPtrs<P> block_ptrs(Base base, const LlamaBlockOffsets& o, size_t esize) {
 // o_proj / down_proj (row-parallel) give partial sums, all-reduced here.
 void LlamaNetwork::block_forward(const void* p, int l, const void* res_in, int B, int T) {
   const int N = B * T, C = cfg_.C, F = F_;
-  auto w = block_ptrs<const void*>(p, LlamaBlockOffsets(C, Q_, KV_, F, cfg_.qkv_bias), dtype_size(be_->act_dtype()));
+  auto w = block_ptrs<const void*>(p, offsets(), dtype_size(be_->act_dtype()));
   LayerActs& a = acts(l);
   const int gl = stage_.first_layer + l;  // adapters are numbered by the global layer
   const void* x_qkv = full_rows(a.ln1, N);
   be_->matmul_forward(a.qkv, x_qkv, w.qkvw, w.qkvb, N, C, QKV_);  // + q|k|v biases (qkv_bias)
   if (ad_) ad_->forward(gl, 0, x_qkv, a.qkv, QKV_, N);
+  if (QN_) be_->qk_norm_forward(a.qkv, a.qk_pre, a.qk_rstd, w.qnw, w.knw, N, NH_, NKV_, HS_, eps_);
   be_->rope_forward(a.qkv, rope_, B, T, NH_, NKV_, HS_, 0, docs_.pos);
   be_->attention_gqa_forward(a.atty, a.att, a.qkv, B, T, NH_, NKV_, HS_, docs_.doc_start);
   be_->matmul_forward(dbuf_c_, a.atty, w.ow, nullptr, N, Q_, C);
@@ -233,7 +246,8 @@ void LlamaNetwork::forward(UnitAccess& units, const int32_t* inputs, const int32
   frozen_ = units.base_frozen();
   const int N = B * T, C = cfg_.C, L = cfg_.L, F = F_;
   const size_t es = dtype_size(be_->act_dtype());
-  const LlamaBlockOffsets off(C, Q_, KV_, F, cfg_.qkv_bias);
+  const LlamaBlockOffsets off = offsets();
+  (void)F;
 
   TR_CHECK(!sp_ || N % tp_->plan->size() == 0, "parallel.sequence_parallel: the micro-batch's ", N,
            " tokens (train.micro_batch_size x model.seq_len) do not split over parallel.tensor_parallel (",
@@ -307,7 +321,7 @@ void LlamaNetwork::block_backward(const void* p, float* g, int l, const void* re
                                   const KeptGrads* keep) {
   const int N = B * T, C = cfg_.C, F = F_, NR = rows(N);
   const size_t es = dtype_size(be_->act_dtype());
-  const LlamaBlockOffsets off(C, Q_, KV_, F, cfg_.qkv_bias);
+  const LlamaBlockOffsets off = offsets();
   auto w = block_ptrs<const void*>(p, off, es);
   auto dw = block_ptrs<float*>(g, off, 4);
   LayerActs& a = acts(l);
@@ -339,6 +353,7 @@ void LlamaNetwork::block_backward(const void* p, float* g, int l, const void* re
   if (ad_) ad_->backward(gl, 1, a.atty, dattn, C, dbuf_c_, N);
   be_->attention_gqa_backward(dqkv_, dbuf_c_, a.qkv, a.atty, a.att, B, T, NH_, NKV_, HS_, docs_.doc_start);
   be_->rope_backward(dqkv_, rope_, B, T, NH_, NKV_, HS_, 0, docs_.pos);
+  if (QN_) qk_norm_backward(a, w.qnw, w.knw, dw.qnw, N);
   if (keep && !frozen_) be_->copy_device(keep->d_qkv, dqkv_, size_t(N) * QKV_ * es);
   const void* x_qkv = full_rows(a.ln1, N);
   qkv_backward(dbuf_c_, W(dw.qkvw), W(dw.qkvb), dqkv_, x_qkv, w.qkvw, N);  // dattn is consumed
@@ -346,6 +361,21 @@ void LlamaNetwork::block_backward(const void* p, float* g, int l, const void* re
   const void* dln1 = row_parallel_out(dbuf_c_, N);
   be_->rmsnorm_backward(dres, norm_grad(dw.ln1w), dln1, res_in, w.ln1w, a.ln1_rstd, NR, C);
   norm_grad_done(dw.ln1w);
+}
+
+// qk-norm's backward, in place on dqkv_'s q|k heads; dw: q_norm|k_norm's
+// gradient (2*HS, adjacent). Like the other norms' weight gradients it is
+// computed in zero_bubble's input step too. Under TP each rank normalised
+// its own heads with the replicated weights, so their gradient is the sum
+// over the group: a zeroed scratch, one all-reduce, accumulated (the
+// gradient buffer itself holds earlier micro-batches' sums).
+void LlamaNetwork::qk_norm_backward(const LayerActs& a, const void* wq, const void* wk, float* dw, int N) {
+  float* d = tp_ ? qk_grad_ : dw;
+  if (tp_) be_->zero(qk_grad_, 2 * size_t(QN_) * 4);
+  be_->qk_norm_backward(dqkv_, d, d + QN_, a.qk_pre, wq, wk, a.qk_rstd, N, NH_, NKV_, HS_);
+  if (!tp_) return;
+  tp_->all_reduce(qk_grad_, 2 * int64_t(QN_), DType::F32);
+  be_->accumulate(dw, qk_grad_, 2 * int64_t(QN_));
 }
 
 // The q|k|v projection's backward: dinp (null: skipped) and, with dqkvw,
@@ -389,7 +419,7 @@ void LlamaNetwork::qkv_backward(void* dinp, float* dqkvw, float* dqkvb, const vo
 // weight gradients from the kept output gradients and the saved inputs.
 void LlamaNetwork::block_weight_grads(float* g, int l, const KeptGrads& k, int N) {
   const int C = cfg_.C, F = F_;
-  auto dw = block_ptrs<float*>(g, LlamaBlockOffsets(C, Q_, KV_, F, cfg_.qkv_bias), 4);
+  auto dw = block_ptrs<float*>(g, offsets(), 4);
   const LayerActs& a = layers_[size_t(l)];
   be_->matmul_backward(nullptr, dw.downw, nullptr, k.d_down, a.h, nullptr, N, F, C);
   // The norm outputs are this rank's rows under sequence parallelism: gathered again here.
@@ -430,7 +460,7 @@ void LlamaNetwork::backward_pass(UnitAccess& units, bool input_only) {
   // in dres_ (stage_output_grad()).
   float* gemb = stage_.last ? head_backward(units) : nullptr;
 
-  const LlamaBlockOffsets off(C, Q_, KV_, F_, cfg_.qkv_bias);
+  const LlamaBlockOffsets off = offsets();
   for (int l = L - 1; l >= 0; --l) {
     const void* p = units.acquire_params(1 + l);
     if (ad_) ad_->begin_block(stage_.first_layer + l, true);  // before the recompute, which reads the adapters

@@ -31,12 +31,14 @@ namespace trainrun {
 // and with ModelConfig::qkv_bias the q|k|v biases adjacent after them, so
 // one GEMM adds all three in its epilogue).
 // Q = NH*HS query rows (C on one rank; a tensor-parallel rank's NH/T heads).
+// QN: the qk-norm weights' length (head_dim; 0 = none): q_norm and k_norm
+// close the block, so the other offsets are those of a block without them.
 struct LlamaBlockOffsets {
-  int64_t ln1w, qkvw, qkvb, ow, ln2w, guw, downw, total;
+  int64_t ln1w, qkvw, qkvb, ow, ln2w, guw, downw, qnw, knw, total;
   bool has_qkvb;
-  LlamaBlockOffsets(int64_t C, int64_t KV, int64_t F, bool qkv_bias = false)
-      : LlamaBlockOffsets(C, C, KV, F, qkv_bias) {}
-  LlamaBlockOffsets(int64_t C, int64_t Q, int64_t KV, int64_t F, bool qkv_bias) : has_qkvb(qkv_bias) {
+  LlamaBlockOffsets(int64_t C, int64_t KV, int64_t F) : LlamaBlockOffsets(C, C, KV, F) {}
+  LlamaBlockOffsets(int64_t C, int64_t Q, int64_t KV, int64_t F, int64_t QN = 0, bool qkv_bias = false)
+      : has_qkvb(qkv_bias) {
     int64_t o = 0;
     ln1w = o; o += C;                // input_layernorm (C)
     qkvw = o; o += (Q + 2 * KV) * C; // q_proj (Q,C) | k_proj (KV,C) | v_proj (KV,C)
@@ -45,6 +47,8 @@ struct LlamaBlockOffsets {
     ln2w = o; o += C;                // post_attention_layernorm (C)
     guw = o; o += 2 * F * C;         // gate_proj (F,C) | up_proj (F,C)
     downw = o; o += C * F;           // down_proj (C,F)
+    qnw = o; o += QN;                // self_attn.q_norm (HS) | k_norm (HS), adjacent
+    knw = o; o += QN;
     total = o;
   }
 };
@@ -83,6 +87,7 @@ class LlamaNetwork final : public Network {
   struct LayerActs {
     void* ln1; float* ln1_rstd;   // (N,C) (N)
     void* qkv;                    // (N,QKV), q and k rotated
+    void* qk_pre; float* qk_rstd; // qk-norm: (N,(NH+NKV)*HS) q|k before it, (N,NH+NKV); else null
     void* atty;                   // (N,C)
     float* att;                   // backend-private saved state
     void* res2;                   // (N,C) residual after attention
@@ -99,6 +104,7 @@ class LlamaNetwork final : public Network {
   void block_backward(const void* p, float* g, int l, const void* res_in, void* dres, int B, int T,
                       const KeptGrads* keep = nullptr);
   void block_weight_grads(float* g, int l, const KeptGrads& keep, int N);
+  void qk_norm_backward(const LayerActs& a, const void* wq, const void* wk, float* dw, int N);
   void qkv_backward(void* dinp, float* dqkvw, float* dqkvb, const void* dqkv, const void* ln1, const void* wqkv,
                     int N);
   void backward_pass(UnitAccess& units, bool input_only);
@@ -116,6 +122,9 @@ class LlamaNetwork final : public Network {
   int maxB_;
   bool ckpt_;
   int HS_, KV_, QKV_;             // head size, NKV*HS, Q + 2*KV (this rank's)
+  int QN_ = 0;                    // qk-norm: the q_norm / k_norm weights' length (HS); 0 = none
+  float* qk_grad_ = nullptr;      // qk-norm under TP: (2*HS) this block's q_norm|k_norm gradient, summed over TP
+  LlamaBlockOffsets offsets() const { return LlamaBlockOffsets(cfg_.C, Q_, KV_, F_, QN_, cfg_.qkv_bias); }
   // This rank's sizes: all of the model without tensor parallelism.
   int NH_ = 0, NKV_ = 0, F_ = 0, Q_ = 0;  // heads, kv heads, MLP width, NH*HS
   int VL_ = 0, v_begin_ = 0, v_valid_ = 0;  // vocab rows held (padded), first id, real rows
@@ -162,7 +171,7 @@ class LlamaNetwork final : public Network {
   DocumentMask docs_;                      // the last forward's (backward reuses them)
   // backward scratch
   void* dres_ = nullptr;          // (N,C)
-  void* dbuf_c_ = nullptr;        // (N,C)
+  void* dbuf_c_ = nullptr;        // (N,max(C,Q))
   void* dqkv_ = nullptr;          // (N,QKV)
   void* dh_ = nullptr;            // (N,F)
 };

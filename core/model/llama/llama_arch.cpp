@@ -17,29 +17,25 @@ namespace trainrun {
 
 namespace {
 
-}  // namespace
-
-ModelConfig LlamaArch::resolve_llama_shaped(ModelConfig c) {
+ModelConfig resolved(ModelConfig c, const char* arch) {
   check_model_config_common(c);
-  TR_CHECK(c.F > 0, "model.ffn_dim: llama needs its MLP width (config.json's intermediate_size); set it");
-  TR_CHECK(c.head_size() % 2 == 0, "model.n_embd: the head size model.n_embd / model.n_head = ", c.head_size(),
-           " must be even for rotary embeddings");
-  c.NKV = c.kv_heads();
-  return c;
-}
-
-namespace {
-
-ModelConfig resolved(ModelConfig c) {
-  TR_CHECK(c.arch == "llama", "model.arch: '", c.arch, "' given to the llama architecture (a bug)");
+  TR_CHECK(c.arch == arch, "model.arch: '", c.arch, "' given to the ", arch, " architecture (a bug)");
   // LlamaConfig's attention_bias would add o_proj's bias too: refused when read (llama_hf.cpp).
-  TR_CHECK(!c.qkv_bias, "model: llama has no q/k/v biases (qkv_bias); use model.arch: qwen2 for a model with them");
-  return LlamaArch::resolve_llama_shaped(c);
+  TR_CHECK(!c.qkv_bias || c.arch != "llama",
+           "model: llama has no q/k/v biases (qkv_bias); use model.arch: qwen2 for a model with them");
+  TR_CHECK(c.F > 0, "model.ffn_dim: ", arch, " needs its MLP width (config.json's intermediate_size); set it");
+  TR_CHECK(c.head_size() % 2 == 0, c.head_dim > 0 ? "model.head_dim: the head size " : "model.n_embd: the head size model.n_embd / model.n_head = ",
+           c.head_size(), " must be even for rotary embeddings");
+  c.NKV = c.kv_heads();
+  // One spelling per model: head_dim = C/NH is the default, so it is 0
+  // (metadata, manifests and config comparisons then match older files).
+  if (c.head_dim * c.NH == c.C) c.head_dim = 0;
+  return c;
 }
 
 ParamLayout llama_layout(const ModelConfig& c) {
   using S = ParamTensor::Split;
-  const int64_t C = c.C, V = c.V, F = c.F, KV = int64_t(c.kv_heads()) * c.head_size();
+  const int64_t C = c.C, V = c.V, F = c.F, Q = c.q_dim(), KV = int64_t(c.kv_heads()) * c.head_size();
   LayoutBuilder b;
   b.begin_unit("embeddings");
   b.add("model.embed_tokens.weight", {V, C}, true, S::Vocab);
@@ -48,19 +44,23 @@ ParamLayout llama_layout(const ModelConfig& c) {
     const std::string p = "model.layers." + std::to_string(l) + ".";
     b.begin_unit("block " + std::to_string(l));
     b.add(p + "input_layernorm.weight", {C}, false, S::Replicated);
-    b.add(p + "self_attn.q_proj.weight", {C, C}, true, S::Column, 1, c.NH);  // split by heads
+    b.add(p + "self_attn.q_proj.weight", {Q, C}, true, S::Column, 1, c.NH);  // split by heads
     b.add(p + "self_attn.k_proj.weight", {KV, C}, true, S::Column, 1, c.kv_heads());
     b.add(p + "self_attn.v_proj.weight", {KV, C}, true, S::Column, 1, c.kv_heads());
     if (c.qkv_bias) {  // adjacent: one bias for the fused q|k|v GEMM; split by heads like the weights
-      b.add(p + "self_attn.q_proj.bias", {C}, false, S::Column, 1, c.NH);
+      b.add(p + "self_attn.q_proj.bias", {Q}, false, S::Column, 1, c.NH);
       b.add(p + "self_attn.k_proj.bias", {KV}, false, S::Column, 1, c.kv_heads());
       b.add(p + "self_attn.v_proj.bias", {KV}, false, S::Column, 1, c.kv_heads());
     }
-    b.add(p + "self_attn.o_proj.weight", {C, C}, true, S::Row, 1, c.NH);
+    b.add(p + "self_attn.o_proj.weight", {C, Q}, true, S::Row, 1, c.NH);
     b.add(p + "post_attention_layernorm.weight", {C}, false, S::Replicated);
     b.add(p + "mlp.gate_proj.weight", {F, C}, true, S::Column);
     b.add(p + "mlp.up_proj.weight", {F, C}, true, S::Column);
     b.add(p + "mlp.down_proj.weight", {C, F}, true, S::Row);
+    if (c.qk_norm) {  // after the rest, so the other offsets stay (LlamaBlockOffsets)
+      b.add(p + "self_attn.q_norm.weight", {c.head_size()}, false, S::Replicated);
+      b.add(p + "self_attn.k_norm.weight", {c.head_size()}, false, S::Replicated);
+    }
     b.end_unit();
   }
   b.begin_unit("head");
@@ -87,8 +87,9 @@ std::string exact(double v) {
 
 }  // namespace
 
-LlamaArch::LlamaArch(const ModelConfig& cfg) : ModelArch(resolved(cfg), llama_layout(resolved(cfg))) {}
-LlamaArch::LlamaArch(Resolved, const ModelConfig& resolved) : ModelArch(resolved, llama_layout(resolved)) {}
+LlamaArch::LlamaArch(const ModelConfig& cfg) : LlamaArch(cfg, "llama") {}
+LlamaArch::LlamaArch(const ModelConfig& cfg, const char* arch)
+    : ModelArch(resolved(cfg, arch), llama_layout(resolved(cfg, arch))) {}
 
 std::unique_ptr<ModelArch> make_llama_arch(const ModelConfig& cfg) { return std::make_unique<LlamaArch>(cfg); }
 
@@ -96,9 +97,9 @@ std::unique_ptr<ModelArch> make_llama_arch(const ModelConfig& cfg) { return std:
 // 2 gate|up, 3 down_proj (llama.cpp's block_forward).
 std::vector<BlockLinear> LlamaArch::block_linears() const {
   const ModelConfig& c = cfg_;
-  const int64_t C = c.C, F = c.F, KV = int64_t(c.kv_heads()) * c.head_size();
-  return {{"self_attn.q_proj", 0, C, C, 0},         {"self_attn.k_proj", 0, C, KV, C},
-          {"self_attn.v_proj", 0, C, KV, C + KV},   {"self_attn.o_proj", 1, C, C, 0},
+  const int64_t C = c.C, F = c.F, Q = c.q_dim(), KV = int64_t(c.kv_heads()) * c.head_size();
+  return {{"self_attn.q_proj", 0, C, Q, 0},         {"self_attn.k_proj", 0, C, KV, Q},
+          {"self_attn.v_proj", 0, C, KV, Q + KV},   {"self_attn.o_proj", 1, Q, C, 0},
           {"mlp.gate_proj", 2, C, F, 0},            {"mlp.up_proj", 2, C, F, F},
           {"mlp.down_proj", 3, F, C, 0}};
 }
@@ -106,9 +107,10 @@ std::string LlamaArch::hf_block_prefix(int layer) const { return "model.layers."
 
 std::string LlamaArch::describe() const {
   const ModelConfig& c = cfg_;
-  std::string s = c.arch + " L=" + std::to_string(c.L) + " C=" + std::to_string(c.C) + " heads=" + std::to_string(c.NH) +
+  std::string s = name() + " L=" + std::to_string(c.L) + " C=" + std::to_string(c.C) + " heads=" + std::to_string(c.NH) +
                   " kv_heads=" + std::to_string(c.NKV) + " ffn=" + std::to_string(c.F) + " V=" + std::to_string(c.V) +
                   " T=" + std::to_string(c.T);
+  if (c.head_dim > 0) s += " head_dim=" + std::to_string(c.head_dim);
   if (c.tied) s += " tied=1";
   return s;
 }
@@ -144,12 +146,17 @@ double LlamaArch::activation_bytes(int B, bool ckpt, const ActivationDevice& d) 
   const double N = double(B) * double(m.T), C = double(m.C), F = double(m.F);
   const double attn_saved = d.attention_probs ? double(B) * m.NH * double(m.T) * double(m.T)
                                               : double(B) * m.NH * double(m.T);
-  const double qkv = C + 2.0 * m.NKV * (C / m.NH);
+  const double HS = m.head_size(), Q = double(m.q_dim());
+  const double qkv = Q + 2.0 * m.NKV * HS;
   double per_layer = 0;
   per_layer += r64(N * C * es);                       // attention norm
   per_layer += r64(N * 4);                            // its rstd
   per_layer += r64(N * qkv * es);                     // q|k|v
-  per_layer += r64(N * C * es);                       // attention output
+  if (m.qk_norm) {
+    per_layer += r64(N * (Q + m.NKV * HS) * es);      // q|k before qk-norm
+    per_layer += r64(N * (m.NH + m.NKV) * 4);         // its per-head rstd
+  }
+  per_layer += r64(N * Q * es);                       // attention output
   per_layer += r64(attn_saved * 4);                   // attention's saved state (fp32)
   per_layer += r64(N * C * es);                       // residual after attention
   per_layer += r64(N * C * es);                       // MLP norm
@@ -157,7 +164,7 @@ double LlamaArch::activation_bytes(int B, bool ckpt, const ActivationDevice& d) 
   per_layer += r64(N * 2 * F * es);                   // gate|up (dgate|dup in place in backward)
   per_layer += r64(N * F * es);                       // silu(gate)*up
   double total = 0;
-  total += r64(double(m.T) * (C / m.NH) * 4);          // RoPE cos/sin table (T, HS/2, 2) fp32
+  total += r64(double(m.T) * HS * 4);                 // RoPE cos/sin table (T, HS/2, 2) fp32
   total += r64(N * C * es);                           // embeddings output
   total += double(m.L) * r64(N * C * es);             // block outputs (the checkpoints)
   total += double(ckpt ? 1 : m.L) * per_layer;        // per-layer sets, or one shared when recomputing
@@ -166,7 +173,8 @@ double LlamaArch::activation_bytes(int B, bool ckpt, const ActivationDevice& d) 
   const double Vp = std::ceil(double(m.V) / d.logits_align) * d.logits_align;
   total += r64(N * Vp * es);                          // logits, rows padded (then dlogits in place)
   total += r64(N * 4);                                // per-token losses
-  total += 2 * r64(N * C * es);                       // backward: dres, dbuf_c
+  total += r64(N * C * es);                           // backward: dres
+  total += r64(N * std::max(C, Q) * es);              // backward: dbuf_c (also d attention output)
   total += r64(N * qkv * es);                         // backward: dqkv
   total += r64(N * F * es);                           // backward: d(silu(gate)*up)
   return total;
@@ -175,7 +183,7 @@ double LlamaArch::activation_bytes(int B, bool ckpt, const ActivationDevice& d) 
 std::map<std::string, std::string> LlamaArch::file_metadata() const {
   const ModelConfig& c = cfg_;
   std::map<std::string, std::string> m = {{"format", "pt"},
-                                          {"arch", c.arch},
+                                          {"arch", name()},
                                           {"n_layer", std::to_string(c.L)},
                                           {"n_head", std::to_string(c.NH)},
                                           {"n_kv_head", std::to_string(c.NKV)},
@@ -187,6 +195,7 @@ std::map<std::string, std::string> LlamaArch::file_metadata() const {
                                           {"norm_eps", exact(c.norm_eps)},
                                           {"rope_theta", exact(c.rope_theta)},
                                           {"tie_embeddings", c.tied ? "true" : "false"}};
+  if (c.head_dim > 0) m["head_dim"] = std::to_string(c.head_dim);  // only when set: older files stay as they were
   if (!c.rope_scaling_type.empty()) {
     m["rope_scaling.type"] = c.rope_scaling_type;
     m["rope_scaling.factor"] = exact(c.rope_scaling.factor);
@@ -236,6 +245,7 @@ ModelConfig llama_config_from_metadata(const std::map<std::string, std::string>&
   TR_CHECK(tied == "true" || tied == "false", path, ": __metadata__ key 'tie_embeddings' is not true/false: '", tied,
            "'");
   c.tied = tied == "true";
+  if (meta.count("head_dim")) c.head_dim = integer("head_dim");
   if (meta.count("rope_scaling.type")) {
     c.rope_scaling_type = text("rope_scaling.type");
     c.rope_scaling.factor = num("rope_scaling.factor");
@@ -248,10 +258,11 @@ ModelConfig llama_config_from_metadata(const std::map<std::string, std::string>&
 
 json LlamaArch::manifest_model() const {
   const ModelConfig& c = cfg_;
-  json m = {{"arch", c.arch},       {"n_layer", c.L},    {"n_head", c.NH},         {"n_kv_head", c.NKV},
+  json m = {{"arch", name()},       {"n_layer", c.L},    {"n_head", c.NH},         {"n_kv_head", c.NKV},
             {"n_embd", c.C},         {"ffn_dim", c.F},    {"vocab_size", c.V},      {"seq_len", c.T},
             {"norm_eps", c.norm_eps}, {"rope_theta", c.rope_theta}, {"tie_embeddings", c.tied},
             {"rope_scaling", json::object()}};
+  if (c.head_dim > 0) m["head_dim"] = c.head_dim;  // only when set: older manifests stay equal
   if (!c.rope_scaling_type.empty())
     m["rope_scaling"] = {{"type", c.rope_scaling_type},
                          {"factor", c.rope_scaling.factor},

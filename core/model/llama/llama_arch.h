@@ -5,12 +5,13 @@
 // (llama_decoder.h) and the Hugging Face side (llama_hf.cpp: config.json
 // both ways; the files are read and written by core/checkpoint).
 //
-// Layout (nn.Linear (out, in), HS = C/NH, KV = NKV*HS):
+// Layout (nn.Linear (out, in), HS = head_dim or C/NH, Q = NH*HS, KV = NKV*HS):
 //   unit 0 "embeddings": model.embed_tokens.weight (V,C)
-//   unit 1+l "block l":  input_layernorm.weight (C), self_attn.q_proj (C,C),
-//                        k_proj (KV,C), v_proj (KV,C), o_proj (C,C),
+//   unit 1+l "block l":  input_layernorm.weight (C), self_attn.q_proj (Q,C),
+//                        k_proj (KV,C), v_proj (KV,C), o_proj (C,Q),
 //                        post_attention_layernorm.weight (C),
 //                        mlp.gate_proj (F,C), up_proj (F,C), down_proj (C,F)
+//                        [self_attn.q_norm.weight (HS), k_norm.weight (HS) with qk_norm]
 //   unit L+1 "head":     model.norm.weight (C) [, lm_head.weight (V,C) untied]
 // q|k|v and gate|up are adjacent, so one GEMM reads each pair (or triple)
 // as a fused weight; RoPE pairs as HF stores q/k (rotate_half), so HF's
@@ -25,15 +26,14 @@
 
 namespace trainrun {
 
-// Llama 3, and the base of every Llama-shaped family (core/model/qwen2/,
-// ...): such a family derives from it, passing its resolved config to the
-// protected constructor, and overrides its Hugging Face side; the maths
-// features it adds are ModelConfig fields the Llama network honours.
+// Not final: the Llama-shaped families (core/model/qwen3/, ...) derive from
+// it and override their name, config.json and checks.
 class LlamaArch : public ModelArch {
  public:
   explicit LlamaArch(const ModelConfig& cfg);  // model.arch llama
 
   std::string display_name() const override { return "Llama"; }
+  bool llama_shaped() const override { return true; }
   std::string describe() const override;
   void init_params(uint64_t seed, int64_t begin, int64_t end, float* out) const override;
 
@@ -58,22 +58,16 @@ class LlamaArch : public ModelArch {
   std::vector<const ParamTensor*> hf_save_order() const override;
   bool hf_ignored_buffer(const std::string& canonical_name) const override;
   std::string hf_shape_keys() const override {
-    return "num_hidden_layers/hidden_size/num_attention_heads/num_key_value_heads/intermediate_size/vocab_size";
+    return "num_hidden_layers/hidden_size/num_attention_heads/num_key_value_heads/head_dim/intermediate_size/"
+           "vocab_size";
   }
   void check_init_from(const ModelConfig& hf, const std::string& dir) const override;
   std::vector<ShapeKey> shape_keys() const override;
   const char* hf_context_key() const override { return "max_position_embeddings"; }
-  bool llama_shaped() const override { return true; }
-  // The rules every Llama-shaped config obeys (check_model_config_common,
-  // an MLP width, an even head size), NKV filled in: each family's
-  // resolution ends with it.
-  static ModelConfig resolve_llama_shaped(ModelConfig c);
 
  protected:
-  // A Llama-shaped family's arch: `resolved` from resolve_llama_shaped plus
-  // the family's own rules.
-  struct Resolved {};
-  LlamaArch(Resolved, const ModelConfig& resolved);
+  // A family on the Llama network: cfg.arch must be `arch`.
+  LlamaArch(const ModelConfig& cfg, const char* arch);
 };
 
 // The registry's hooks (core/model/model.cpp).

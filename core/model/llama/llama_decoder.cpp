@@ -15,9 +15,10 @@ namespace {
 // The decoder's buffers in arena order; the constructor and bytes_needed
 // lay out the same plan (p may point at scratch slots).
 ArenaPlan plan_for(const ModelConfig& cfg, const Backend& be, int cap, int chunk, std::vector<void*>& k,
-              std::vector<void*>& v, void** p[14]) {
+              std::vector<void*>& v, void** p[16]) {
   const size_t es = dtype_size(be.act_dtype());
-  const int64_t C = cfg.C, R = chunk, F = cfg.F, HS = cfg.head_size(), KV = int64_t(cfg.kv_heads()) * HS;
+  const int64_t C = cfg.C, R = chunk, F = cfg.F, HS = cfg.head_size(), Q = cfg.q_dim(),
+                KV = int64_t(cfg.kv_heads()) * HS;
   ArenaPlan plan;
   k.assign(size_t(cfg.L), nullptr);
   v.assign(size_t(cfg.L), nullptr);
@@ -33,41 +34,46 @@ ArenaPlan plan_for(const ModelConfig& cfg, const Backend& be, int cap, int chunk
   plan.add(p[5], size_t(R) * C * es);              // proj
   plan.add(p[6], size_t(R) * C * es);              // ln
   plan.add(p[7], size_t(R) * 4);                   // rstd
-  plan.add(p[8], size_t(R) * (C + 2 * KV) * es);   // qkv
-  plan.add(p[9], size_t(R) * C * es);              // atty
+  plan.add(p[8], size_t(R) * (Q + 2 * KV) * es);   // qkv
+  plan.add(p[9], size_t(R) * Q * es);              // atty
   plan.add(p[10], size_t(R) * 2 * F * es);         // gate|up
   plan.add(p[11], size_t(R) * F * es);             // h
   plan.add(p[12], size_t(be.logits_stride(cfg.V)) * es);  // logits (1, ldv)
   plan.add(p[13], size_t(cfg.V) * 4);              // the same, fp32
+  if (cfg.qk_norm) {
+    plan.add(p[14], size_t(R) * (Q + KV) * es);    // q|k before qk-norm
+    plan.add(p[15], size_t(R) * (cfg.NH + cfg.kv_heads()) * 4);  // its rstd
+  }
   return plan;
 }
 }  // namespace
 
 size_t LlamaDecoder::bytes_needed(const ModelConfig& cfg, const Backend& be, int capacity) {
   std::vector<void*> k, v;
-  void* scratch[14];
-  void** p[14];
-  for (int i = 0; i < 14; ++i) p[i] = &scratch[i];
+  void* scratch[16];
+  void** p[16];
+  for (int i = 0; i < 16; ++i) p[i] = &scratch[i];
   return plan_for(cfg, be, capacity, std::min(capacity, kChunk), k, v, p).total;
 }
 
 LlamaDecoder::LlamaDecoder(const ModelConfig& cfg, const ParamLayout& layout, Backend* be, int capacity)
     : cfg_(cfg), be_(be), cap_(capacity), chunk_(std::min(capacity, kChunk)) {
-  TR_CHECK(cfg.NKV > 0 && cfg.F > 0, "LlamaDecoder needs a Llama-shaped arch's resolved config (a bug)");
+  TR_CHECK(cfg.NKV > 0 && cfg.F > 0, "LlamaDecoder needs LlamaArch's resolved config (a bug)");
   TR_CHECK(capacity >= 1 && capacity <= cfg.T, "decoder: capacity ", capacity, " outside 1..", cfg.T,
            " (model.seq_len)");
   HS_ = cfg.head_size();
   KV_ = cfg.NKV * HS_;
-  QKV_ = cfg.C + 2 * KV_;
+  Q_ = cfg.q_dim();
+  QKV_ = Q_ + 2 * KV_;
   eps_ = float(cfg.norm_eps);
   ldv_ = be->logits_stride(cfg.V);
   if (!cfg.tied) {
     const ParamTensor& h = layout.get("lm_head.weight");
     lm_head_off_ = h.offset - layout.units[size_t(h.unit)].offset;
   }
-  void** p[14] = {reinterpret_cast<void**>(&rope_), &zero_wpe_, reinterpret_cast<void**>(&tokens_), &res_a_,
+  void** p[16] = {reinterpret_cast<void**>(&rope_), &zero_wpe_, reinterpret_cast<void**>(&tokens_), &res_a_,
                   &res_b_, &proj_, &ln_, reinterpret_cast<void**>(&rstd_), &qkv_, &atty_, &gu_, &h_, &logits_,
-                  reinterpret_cast<void**>(&logits_f32_)};
+                  reinterpret_cast<void**>(&logits_f32_), &qk_pre_, reinterpret_cast<void**>(&qk_rstd_)};
   const ArenaPlan plan = plan_for(cfg, *be, cap_, chunk_, kcache_, vcache_, p);
   arena_ = plan.allocate(be);
   be->zero(zero_wpe_, size_t(chunk_) * cfg.C * dtype_size(be->act_dtype()));
@@ -97,7 +103,7 @@ void LlamaDecoder::feed_chunk(UnitAccess& units, const int32_t* tokens, int n, b
   be_->encoder_forward(res_a_, tokens_, units.acquire_params(0), zero_wpe_, 1, n, C);
   units.release_params(0);
 
-  const LlamaBlockOffsets o(C, KV_, F, cfg_.qkv_bias);
+  const LlamaBlockOffsets o(C, Q_, KV_, F, cfg_.qk_norm ? HS_ : 0, cfg_.qkv_bias);
   // Adapters (generate --adapter, a LoRA run's sample) add to each GEMM's
   // output unmerged, after the same GEMMs as LlamaNetwork::block_forward
   // (0 q|k|v, before RoPE; 1 o_proj; 2 gate|up; 3 down_proj).
@@ -112,10 +118,12 @@ void LlamaDecoder::feed_chunk(UnitAccess& units, const int32_t* tokens, int n, b
       be_->residual_rmsnorm_forward(res_a_, ln_, rstd_, res_b_, proj_, w(o.ln1w), n, C, eps_);
     be_->matmul_forward(qkv_, ln_, w(o.qkvw), o.has_qkvb ? w(o.qkvb) : nullptr, n, C, QKV_);
     if (ad) ad->forward(l, 0, ln_, qkv_, QKV_, n);
+    if (cfg_.qk_norm)
+      be_->qk_norm_forward(qkv_, qk_pre_, qk_rstd_, w(o.qnw), w(o.knw), n, cfg_.NH, cfg_.NKV, HS_, eps_);
     be_->rope_forward(qkv_, rope_, 1, n, cfg_.NH, cfg_.NKV, HS_, pos_);
     be_->attention_kv_gqa_forward(atty_, kcache_[size_t(l)], vcache_[size_t(l)], qkv_, pos_, n, cfg_.NH, cfg_.NKV,
                                   HS_);
-    be_->matmul_forward(proj_, atty_, w(o.ow), nullptr, n, C, C);
+    be_->matmul_forward(proj_, atty_, w(o.ow), nullptr, n, Q_, C);
     if (ad) ad->forward(l, 1, atty_, proj_, C, n);
     be_->residual_rmsnorm_forward(res_b_, ln_, rstd_, res_a_, proj_, w(o.ln2w), n, C, eps_);
     be_->matmul_forward(gu_, ln_, w(o.guw), nullptr, n, C, 2 * F);

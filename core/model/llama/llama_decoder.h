@@ -41,12 +41,14 @@ class LlamaDecoder final : public Decoder {
   int cap_, chunk_;
   int pos_ = 0;
   int ldv_ = 0;
-  int HS_, KV_, QKV_;
+  int HS_, Q_, KV_, QKV_;  // head size, NH*HS, NKV*HS, Q + 2*KV
   float eps_;
   int64_t lm_head_off_ = -1;             // untied: lm_head.weight's offset in the head unit
   DeviceBuffer arena_;
   std::vector<void*> kcache_, vcache_;   // per layer (cap, NKV*HS)
   float* rope_ = nullptr;                // (cap, HS/2, 2) fp32
+  void* qk_pre_ = nullptr;               // qk-norm: (chunk, (NH+NKV)*HS) q|k before it (unused after)
+  float* qk_rstd_ = nullptr;             // qk-norm: (chunk, NH+NKV)
   void* zero_wpe_ = nullptr;             // (chunk, C) zeros: encoder_forward's position table
   int32_t* tokens_ = nullptr;            // (chunk)
   void* res_a_ = nullptr;                // (chunk, C) residual stream entering a block

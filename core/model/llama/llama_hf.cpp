@@ -54,16 +54,14 @@ ModelConfig llama_config_from_hf(const json& c, const std::string& path, const s
            path,
            "': vocab_size, hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, "
            "num_key_value_heads and max_position_embeddings must be positive");
-  TR_CHECK(cfg.C % cfg.NH == 0, what, ": '", path, "': hidden_size (", cfg.C,
-           ") is not divisible by num_attention_heads (", cfg.NH, ")");
+  // transformers: head_dim, else hidden_size / num_attention_heads.
+  cfg.head_dim = get_int(c, "head_dim", 0);
+  TR_CHECK(has("head_dim") ? cfg.head_dim > 0 : cfg.C % cfg.NH == 0, what, ": '", path, "': ",
+           has("head_dim") ? "head_dim must be positive (got " + std::to_string(cfg.head_dim) + ")"
+                           : "hidden_size (" + std::to_string(cfg.C) + ") is not divisible by num_attention_heads (" +
+                                 std::to_string(cfg.NH) + ") and there is no head_dim");
   TR_CHECK(cfg.NH % cfg.NKV == 0, what, ": '", path, "': num_attention_heads (", cfg.NH,
            ") is not a multiple of num_key_value_heads (", cfg.NKV, ")");
-  if (has("head_dim")) {
-    const int hd = get_int(c, "head_dim", 0);
-    if (hd != cfg.C / cfg.NH)
-      unsupported("head_dim", std::to_string(hd),
-                  "hidden_size / num_attention_heads = " + std::to_string(cfg.C / cfg.NH));
-  }
   const std::string act = has("hidden_act") && c["hidden_act"].is_string() ? c["hidden_act"].get<std::string>()
                           : has("hidden_act")                             ? c["hidden_act"].dump()
                                                                           : "silu";
@@ -106,8 +104,7 @@ json LlamaArch::hf_config_json() const {
   c["num_hidden_layers"] = cfg.L;
   c["num_attention_heads"] = cfg.NH;
   c["num_key_value_heads"] = cfg.kv_heads();
-  // transformers 4.44 derives it from hidden_size / num_attention_heads;
-  // later versions and other readers (vLLM) read it when present.
+  // transformers (4.44 too) reads it when present, else hidden_size / num_attention_heads.
   c["head_dim"] = cfg.head_size();
   c["hidden_act"] = "silu";
   c["rms_norm_eps"] = cfg.norm_eps;
@@ -149,13 +146,6 @@ void LlamaArch::hf_carry_over(const json& source, json& out) const {
     out["max_position_embeddings"] = source["max_position_embeddings"];
 }
 
-namespace {
-bool ends_with_bias(const char* n) {
-  const size_t k = std::strlen(n);
-  return k >= 5 && std::strcmp(n + k - 5, ".bias") == 0;
-}
-}  // namespace
-
 // LlamaDecoderLayer registers self_attn, mlp, then the two norms; ours puts
 // each norm before the matrices it feeds.
 std::vector<const ParamTensor*> LlamaArch::hf_save_order() const {
@@ -165,13 +155,14 @@ std::vector<const ParamTensor*> LlamaArch::hf_save_order() const {
     // An nn.Linear registers its weight, then its bias (qkv_bias).
     for (const char* n : {"self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.weight",
                           "self_attn.k_proj.bias", "self_attn.v_proj.weight", "self_attn.v_proj.bias",
-                          "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-                          "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight"})
-      if (cfg_.qkv_bias || !ends_with_bias(n)) order.push_back(&layout_.get(p + n));
+                          "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+                          "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+                          "input_layernorm.weight", "post_attention_layernorm.weight"})
+      if (const ParamTensor* t = layout_.find(p + n)) order.push_back(t);  // q/k_norm, biases: with qk_norm, qkv_bias
   }
   order.push_back(&layout_.get("model.norm.weight"));
   if (!cfg_.tied) order.push_back(&layout_.get("lm_head.weight"));
-  TR_CHECK(order.size() == layout_.tensors.size(), "llama: hf_save_order misses a layout tensor (a bug)");
+  TR_CHECK(order.size() == layout_.tensors.size(), name(), ": hf_save_order misses a layout tensor (a bug)");
   return order;
 }
 
@@ -188,6 +179,7 @@ std::vector<ShapeKey> LlamaArch::shape_keys() const {
                              {"model.n_kv_head", "num_key_value_heads"},
                              {"model.n_embd", "hidden_size"},
                              {"model.ffn_dim", "intermediate_size"},
+                             {"model.head_dim", "head_dim"},
                              {"model.vocab_size", "vocab_size"},
                              {"model.norm_eps", "rms_norm_eps"},
                              {"model.rope_theta", "rope_theta"},
@@ -228,6 +220,7 @@ void LlamaArch::check_init_from(const ModelConfig& hf, const std::string& dir) c
   same("n_kv_head", m.kv_heads(), "num_key_value_heads", hf.kv_heads());
   same("n_embd", m.C, "hidden_size", hf.C);
   same("ffn_dim", m.F, "intermediate_size", hf.F);
+  same("head_dim", m.head_size(), "head_dim", hf.head_size());
   same("vocab_size", m.V, "vocab_size", hf.V);
   same_num("norm_eps", m.norm_eps, "rms_norm_eps", hf.norm_eps);
   same_num("rope_theta", m.rope_theta, "rope_theta", hf.rope_theta);

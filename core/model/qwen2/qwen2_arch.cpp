@@ -12,18 +12,17 @@ namespace trainrun {
 
 namespace {
 
-ModelConfig resolved(ModelConfig c) {
-  TR_CHECK(c.arch == "qwen2", "model.arch: '", c.arch, "' given to the qwen2 architecture (a bug)");
+ModelConfig with_bias(ModelConfig c) {
   // transformers 4.44's Qwen2 applies no RoPE scaling (it has no rope_scaling key).
   TR_CHECK(c.rope_scaling_type.empty(), "model.rope_scaling.type: ", c.rope_scaling_type,
            "; qwen2 (transformers' Qwen2Config) has no RoPE scaling trainrun implements; use none");
   c.qkv_bias = true;  // every Qwen2 has them
-  return LlamaArch::resolve_llama_shaped(c);
+  return c;
 }
 
 }  // namespace
 
-Qwen2Arch::Qwen2Arch(const ModelConfig& cfg) : LlamaArch(Resolved{}, resolved(cfg)) {}
+Qwen2Arch::Qwen2Arch(const ModelConfig& cfg) : LlamaArch(with_bias(cfg), "qwen2") {}
 
 std::unique_ptr<ModelArch> make_qwen2_arch(const ModelConfig& cfg) { return std::make_unique<Qwen2Arch>(cfg); }
 
