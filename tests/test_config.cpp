@@ -605,6 +605,7 @@ TEST_CASE("config: every preset has its published model's parameter count", "[co
   const std::vector<std::pair<std::string, int64_t>> want = {
       {"llama3.2-1b", 1235814400LL}, {"llama3.2-3b", 3212749824LL}, {"llama3.1-8b", 8030261248LL},
       {"llama3.1-70b", 70553706496LL}, {"llama2-7b", 6738415616LL}, {"llama2-70b", 68976648192LL},
+      {"qwen2.5-0.5b", 494032768LL},  {"qwen2.5-7b", 7615616512LL}, {"qwen2.5-72b", 72706203648LL},
       {"gpt2-124m", 124439808LL},     {"gpt2-350m", 354823168LL},   {"gpt2-774m", 774030080LL},
       {"gpt2-1.5b", 1557611200LL},
       // Qwen3: the layout's count (q/k_norm included), matching the model

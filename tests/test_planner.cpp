@@ -501,7 +501,8 @@ TEST_CASE("planner: the TP activation model is each TP rank's arena, byte for by
   auto be = make_cpu_backend(1);
   std::vector<ModelConfig> shapes = {parse_model_shape("gpt2:L=2,C=32,heads=4,V=100,T=8"),
                                      parse_model_shape("llama:L=2,C=32,heads=4,kv_heads=2,ffn=48,V=101,T=8"),
-                                     parse_model_shape("llama:L=3,C=32,heads=4,kv_heads=1,ffn=64,V=64,T=16")};
+                                     parse_model_shape("llama:L=3,C=32,heads=4,kv_heads=1,ffn=64,V=64,T=16"),
+                                     parse_model_shape("qwen2:L=3,C=32,heads=4,kv_heads=1,ffn=64,V=64,T=16")};
   for (const ModelConfig& c : shapes) {
     const auto arch = make_model_arch(c);
     for (int tp : {2, 4}) {
@@ -945,7 +946,8 @@ TEST_CASE("planner: a pipeline rank's activations are its microbatch networks' k
   auto be = make_cpu_backend(1);
   const DeviceModel d = DeviceModel::cpu();
   for (std::string shape : {"gpt2:L=4,C=64,heads=4,V=256,T=32", "llama:L=4,C=64,heads=4,kv_heads=2,ffn=128,V=256,T=32",
-                            "llama:L=4,C=64,heads=4,kv_heads=1,ffn=96,V=250,T=16"}) {
+                            "llama:L=4,C=64,heads=4,kv_heads=1,ffn=96,V=250,T=16",
+                            "qwen2:L=4,C=64,heads=4,kv_heads=1,ffn=96,V=250,T=16"}) {
     auto m = make_model_arch(parse_model_shape(shape));
     for (int tp : {1, 2}) {
       const TensorParallelPlan plan(*m, tp, tp - 1);
@@ -972,7 +974,9 @@ TEST_CASE("planner: a pipeline rank's activations are its microbatch networks' k
               const TpLocalShape& sh = plan.shape();
               const size_t C = size_t(m->config().C), HS = C / size_t(m->config().NH);
               const size_t QKV = size_t(sh.NH + 2 * sh.NKV) * HS, NKV = size_t(m->config().kv_heads());
-              const size_t kv = tp > 1 && sh.kv_replicas > 1 ? QKV * C * 4 + NKV * 2 * sh.NKV * HS * C * 4 : 0;
+              // (qwen2: the q|k|v bias gradients ride after the weights', one more column each.)
+              const size_t Cb = C + (m->config().qkv_bias ? 1 : 0);
+              const size_t kv = tp > 1 && sh.kv_replicas > 1 ? QKV * Cb * 4 + NKV * 2 * sh.NKV * HS * Cb * 4 : 0;
               // (Llama has no position table since issue 29: no stage-dependent buffer.)
               CHECK(net->activation_bytes() + net->transient_bytes() == own + kv);
               CHECK(st[size_t(r)].kept_activations == double(net->activation_bytes()));

@@ -122,9 +122,10 @@ const std::vector<Field>& fields() {
                     "field this spec does not set (an explicit one wins, with a log line), seq_len with the "
                     "model's original context (Llama 3.x 8192, Llama 2 4096, GPT-2 1024); with model.init_from "
                     "both must describe the same model; none = off"),
-      TR_SPEC_FIELD(model.arch, one_of({"auto", "gpt2", "llama", "qwen3", "phi3"}),
+      TR_SPEC_FIELD(model.arch, one_of({"auto", "gpt2", "llama", "qwen2", "qwen3", "phi3"}),
                     "model family; auto = the model_type of model.init_from's config.json, else gpt2; "
                     "llama = Llama 3 (RMSNorm, RoPE, SwiGLU, grouped-query attention; its shape in the fields below); "
+                    "qwen2 = Qwen2/Qwen2.5 (Llama's shape with q/k/v biases); "
                     "qwen3 = Qwen3 (Llama's fields, heads model.head_dim wide, per-head RMSNorm on q and k); "
                     "phi3 = Phi-3 (Llama's maths; fused qkv_proj and gate_up_proj in its Hugging Face files)"),
       TR_SPEC_FIELD(model.n_layer, at_least(1), "transformer blocks (L)"),

@@ -62,6 +62,27 @@ ModelSpec llama2(int L, int C, int NH, int NKV, int F) {
   return m;
 }
 
+// Qwen2.5 (Qwen/Qwen2.5-*'s config.json): rope_theta 1e6, no rope_scaling,
+// use_sliding_window false, q/k/v biases (the arch's). seq_len 32768: the
+// context of Qwen2.5's long-context pre-training stage (0.5B's
+// max_position_embeddings; 7B's and 72B's say 131072, reached with YaRN,
+// which trainrun does not implement).
+ModelSpec qwen25(int L, int C, int NH, int NKV, int F, int V, bool tied, double eps) {
+  ModelSpec m;
+  m.arch = "qwen2";
+  m.n_layer = L;
+  m.n_embd = C;
+  m.n_head = NH;
+  m.n_kv_head = NKV;
+  m.ffn_dim = F;
+  m.vocab_size = V;
+  m.seq_len = 32768;
+  m.norm_eps = eps;
+  m.rope_theta = 1000000;
+  m.tie_embeddings = tied ? "true" : "false";
+  return m;
+}
+
 // Qwen3 (Qwen/Qwen3-*'s config.json): heads of 128 (head_dim), 8 KV heads,
 // 151936 tokens, rms_norm_eps 1e-6, rope_theta 1e6, no rope_scaling;
 // max_position_embeddings 40960, of which seq_len takes the 32768 of the
@@ -114,6 +135,9 @@ const std::vector<ModelPreset>& model_presets() {
       {"llama3.1-70b", "meta-llama/Llama-3.1-70B", llama3(80, 8192, 64, 28672, false, 8)},
       {"llama2-7b", "meta-llama/Llama-2-7b-hf", llama2(32, 4096, 32, 32, 11008)},
       {"llama2-70b", "meta-llama/Llama-2-70b-hf", llama2(80, 8192, 64, 8, 28672)},
+      {"qwen2.5-0.5b", "Qwen/Qwen2.5-0.5B", qwen25(24, 896, 14, 2, 4864, 151936, true, 1e-6)},
+      {"qwen2.5-7b", "Qwen/Qwen2.5-7B", qwen25(28, 3584, 28, 4, 18944, 152064, false, 1e-6)},
+      {"qwen2.5-72b", "Qwen/Qwen2.5-72B", qwen25(80, 8192, 64, 8, 29568, 152064, false, 1e-5)},
       {"qwen3-0.6b", "Qwen/Qwen3-0.6B", qwen3(28, 1024, 16, 3072, true)},
       {"qwen3-8b", "Qwen/Qwen3-8B", qwen3(36, 4096, 32, 12288, false)},
       {"qwen3-32b", "Qwen/Qwen3-32B", qwen3(64, 5120, 64, 25600, false)},

@@ -11,6 +11,7 @@
 #include "core/common/error.h"
 #include "core/model/gpt2/gpt2_arch.h"
 #include "core/model/llama/llama_arch.h"
+#include "core/model/qwen2/qwen2_arch.h"
 #include "core/model/qwen3/qwen3_arch.h"
 #include "core/model/phi3/phi3_arch.h"
 #include "core/model/gemma2/gemma2_arch.h"
@@ -38,6 +39,7 @@ const std::vector<ArchEntry>& registry() {
   static const std::vector<ArchEntry> r = {
       {"gpt2", "gpt2", true, true, make_gpt2_arch, gpt2_config_from_hf, gpt2_config_from_metadata},
       {"llama", "llama", true, true, make_llama_arch, llama_config_from_hf, llama_config_from_metadata},
+      {"qwen2", "qwen2", true, true, make_qwen2_arch, qwen2_config_from_hf, llama_config_from_metadata},
       {"qwen3", "qwen3", true, true, make_qwen3_arch, qwen3_config_from_hf, qwen3_config_from_metadata},
       {"phi3", "phi3", true, true, make_phi3_arch, phi3_config_from_hf, phi3_config_from_metadata},
       // Not open to job specs / model.init_from yet: its softcaps, query scale and window are not job-spec

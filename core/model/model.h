@@ -37,7 +37,7 @@ namespace trainrun {
 struct TensorParallel;  // core/model/tensor_parallel.h
 
 struct ModelConfig {
-  std::string arch = "gpt2";   // [model.arch] gpt2 | llama (model_arch_names())
+  std::string arch = "gpt2";   // [model.arch] gpt2 | llama | qwen2 | qwen3 (model_arch_names())
   int L = 4;                   // [model.n_layer] transformer blocks
   int NH = 4;                  // [model.n_head] attention (query) heads; divides C unless head_dim is set
   int NKV = 0;                 // [model.n_kv_head] key/value heads (GQA), divides NH; 0 = NH (gpt2: always NH)
@@ -51,6 +51,7 @@ struct ModelConfig {
   std::string rope_scaling_type;  // [model.rope_scaling.type] "" (none) | "llama3" (llama)
   RopeScaling rope_scaling;    // [model.rope_scaling.*] with rope_scaling_type "llama3"
   bool tied = true;            // [model.tie_embeddings] LM head = the token embedding (gpt2: always)
+  bool qkv_bias = false;       // q/k/v biases (Llama-shaped: set by the arch, qwen2 true; not a spec key)
   // [model.head_dim] each attention head's width; 0 = C/NH. Set (Qwen3,
   // Mistral Nemo): q_proj is (NH*head_dim, C), k/v (NKV*head_dim, C) and
   // o_proj (C, NH*head_dim), so the attention width need not be C.
@@ -532,7 +533,7 @@ void check_model_config_common(const ModelConfig& cfg);
 // The architecture for a config (validated first: every message names the
 // model.* key). An unknown arch is an Error naming it and the known ones.
 std::unique_ptr<ModelArch> make_model_arch(const ModelConfig& cfg);
-std::vector<std::string> model_arch_names();            // "gpt2", "llama"
+std::vector<std::string> model_arch_names();            // "gpt2", "llama", "qwen2", "qwen3"
 // The arch an HF model_type belongs to ("" when none does).
 std::string arch_for_hf_model_type(const std::string& model_type);
 

@@ -69,7 +69,9 @@ double pipeline_transient_bytes(const ModelArch& m, const TpLocalShape& sh, bool
   t += r64(N * std::max(C, sh.NH * HS) * es) + r64(N * QKV * es) + r64(N * F * es);
   if (mc.qk_norm && tp > 1) t += r64(2 * HS * 4);  // q_norm|k_norm's gradient, summed over TP
   *outside_arena = 0;
-  if (llama && sh.kv_replicas > 1) *outside_arena = r64(QKV * C * 4) + r64(double(mc.kv_heads()) * 2 * sh.NKV * HS * C * 4);
+  const double bias = mc.qkv_bias ? 1 : 0;  // replicated KV: the bias gradients ride after the weights'
+  if (llama && sh.kv_replicas > 1)
+    *outside_arena = r64(QKV * (C + bias) * 4) + r64(double(mc.kv_heads()) * 2 * sh.NKV * HS * (C + bias) * 4);
   return t + *outside_arena;
 }
 

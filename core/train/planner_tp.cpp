@@ -84,8 +84,8 @@ MemoryBreakdown tp_memory(const ModelArch& m, const TensorParallelPlan& plan, bo
   const TpLocalShape& sh = plan.shape();
   if (m.llama_shaped() && sh.kv_replicas > 1) {
     const double HS = double(m.config().head_size()), C = double(m.config().C);
-    const double QKV = sh.NH * HS + 2.0 * sh.NKV * HS;
-    r.workspace += r64(QKV * C * 4) + r64(double(m.config().kv_heads()) * 2 * sh.NKV * HS * C * 4);
+    const double QKV = sh.NH * HS + 2.0 * sh.NKV * HS, bias = m.config().qkv_bias ? 1 : 0;  // bias grads ride along
+    r.workspace += r64(QKV * (C + bias) * 4) + r64(double(m.config().kv_heads()) * 2 * sh.NKV * HS * (C + bias) * 4);
   }
   return r;
 }

@@ -40,14 +40,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 
 def load_clean(path, dtype=torch.float32):
     hf_logging.set_verbosity_error()
-    model, info = LlamaForCausalLM.from_pretrained(path, local_files_only=True, output_loading_info=True,
-                                                   torch_dtype=dtype)
+    # The class config.json's model_type names: the other Llama-shaped
+    # families' scripts (hf_qwen2.py, ...) reuse these commands.
+    model, info = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, output_loading_info=True,
+                                                       torch_dtype=dtype)
     problems = {k: v for k, v in info.items() if v}
     if problems:
         print(f"from_pretrained({path}) did not load cleanly: {problems}", file=sys.stderr)
@@ -75,18 +77,24 @@ def cmd_random(a):
             p.copy_(base + 0.1 * torch.randn_like(p))
     model.save_pretrained(a.out, safe_serialization=True, max_shard_size=a.max_shard_size)
     if a.batch:
-        batch = load_file(a.batch)
-        inputs, targets = batch["inputs"].to(torch.long), batch["targets"].to(torch.long)
-        model.train()  # no dropout in Llama; train() only enables the autograd path
-        out = model(inputs)
-        logits = out.logits.float()
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-        loss.backward()
-        ref = {"logits": logits.detach().contiguous(), "loss": loss.detach().reshape(1)}
-        for name, p in model.named_parameters():
-            ref["grad." + name] = p.grad.detach().float().contiguous()
-        save_file(ref, a.out_ref)
+        write_reference(model, a.batch, a.out_ref)
     return 0
+
+
+def write_reference(model, batch_path, out_ref):
+    """logits, the mean cross-entropy loss and every parameter's gradient
+    (HF names) of one fp32 forward + backward on BATCH's inputs/targets."""
+    batch = load_file(batch_path)
+    inputs, targets = batch["inputs"].to(torch.long), batch["targets"].to(torch.long)
+    model.train()  # no dropout in Llama; train() only enables the autograd path
+    out = model(inputs)
+    logits = out.logits.float()
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    loss.backward()
+    ref = {"logits": logits.detach().contiguous(), "loss": loss.detach().reshape(1)}
+    for name, p in model.named_parameters():
+        ref["grad." + name] = p.grad.detach().float().contiguous()
+    save_file(ref, out_ref)
 
 
 def cmd_logits(a):

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Hugging Face peft as the peer of trainrun's LoRA adapters (core/model/adapter).
 
-  peft_lora.py make --arch llama|gpt2 --out DIR --r R --alpha A --targets q_proj,v_proj [--seed S] [--dora]
+  peft_lora.py make --arch llama|gpt2|qwen2 --out DIR --r R --alpha A --targets q_proj,v_proj [--seed S] [--dora]
                     [--kv-heads K] [--layers L] [--width C --ffn F]
                     [--base-dtype nf4|bf16]
       DIR/base: a small random model (every parameter perturbed, norm gains
@@ -67,6 +67,13 @@ def random_base(arch, seed, layers=2, kv_heads=2, width=32, ffn=48):
                           rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, attention_bias=False,
                           mlp_bias=False, hidden_act="silu", torch_dtype="float32")
         model = LlamaForCausalLM(cfg)
+    elif arch == "qwen2":  # Llama's shape with q/k/v biases (perturbed below with the rest)
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+        cfg = Qwen2Config(vocab_size=61, hidden_size=width, intermediate_size=ffn, num_hidden_layers=layers,
+                          num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=16,
+                          rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
+                          use_sliding_window=False, hidden_act="silu", torch_dtype="float32")
+        model = Qwen2ForCausalLM(cfg)
     else:
         cfg = GPT2Config(n_layer=layers, n_head=4, n_embd=width, vocab_size=61, n_positions=16,
                          activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
@@ -172,7 +179,7 @@ def main(argv=None):
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="cmd", required=True)
     mk = sub.add_parser("make")
-    mk.add_argument("--arch", choices=["llama", "gpt2"], required=True)
+    mk.add_argument("--arch", choices=["llama", "gpt2", "qwen2"], required=True)
     mk.add_argument("--out", required=True)
     mk.add_argument("--r", type=int, required=True)
     mk.add_argument("--alpha", type=float, required=True)

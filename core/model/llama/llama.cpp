@@ -13,7 +13,7 @@ namespace trainrun {
 LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Backend* be, int maxB,
                            bool activation_checkpointing, const TensorParallel* tp, const PipelineStage* stage)
     : cfg_(stage_config(cfg, stage)), stage_(stage ? *stage : PipelineStage{}), be_(be), maxB_(maxB), ckpt_(activation_checkpointing), tp_(tp && tp->plan ? tp : nullptr) {
-  TR_CHECK(cfg.NKV > 0 && cfg.F > 0, "LlamaNetwork needs LlamaArch's resolved config (a bug)");
+  TR_CHECK(cfg.NKV > 0 && cfg.F > 0, "LlamaNetwork needs a Llama-shaped arch's resolved config (a bug)");
   TR_CHECK(maxB >= 1, "LlamaNetwork: micro-batch ", maxB, " must be >= 1");
   TR_CHECK(cfg_.L >= 1, "LlamaNetwork: a pipeline stage needs at least one block (a bug)");
   HS_ = cfg.head_size();
@@ -149,8 +149,10 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
   // within one qkv_backward. Outside the arena on a network of its own
   // (the planner counts it as workspace); in the shared scratch otherwise.
   if (kv_replicas_ > 1) {
-    kv_scratch_bytes_ = size_t(QKV_) * cfg.C * 4;
-    kv_slots_bytes_ = size_t(NKV_global_) * 2 * KV_ * cfg.C * 4;
+    // (qkv_bias: each row's bias gradient rides after the weights, summed alike.)
+    const int bias = cfg.qkv_bias ? 1 : 0;
+    kv_scratch_bytes_ = size_t(QKV_) * (cfg.C + bias) * 4;
+    kv_slots_bytes_ = size_t(NKV_global_) * 2 * KV_ * (cfg.C + bias) * 4;
     if (shared_) {
       tmp(&kv_scratch_, kv_scratch_bytes_);
       tmp(&kv_slots_, kv_slots_bytes_);
@@ -190,13 +192,13 @@ void LlamaNetwork::bind_transient(void* scratch) {
 namespace {
 template <typename P>
 struct BlockPtrs {
-  P ln1w, qkvw, ow, ln2w, guw, downw, qnw, knw, panw, pfnw;  // panw, pfnw: post_norms only
+  P ln1w, qkvw, qkvb, ow, ln2w, guw, downw, qnw, knw, panw, pfnw;  // qkvb: qkv_bias only; panw, pfnw: post_norms only
 };
 template <typename P, typename Base>
 BlockPtrs<P> block_ptrs(Base base, const LlamaBlockOffsets& o, size_t esize) {
   auto at = [&](int64_t off) { return reinterpret_cast<P>(reinterpret_cast<uintptr_t>(base) + off * esize); };
-  return {at(o.ln1w), at(o.qkvw), at(o.ow), at(o.ln2w), at(o.guw), at(o.downw), at(o.qnw), at(o.knw),
-          o.panw >= 0 ? at(o.panw) : P{}, o.pfnw >= 0 ? at(o.pfnw) : P{}};
+  return {at(o.ln1w), at(o.qkvw), o.has_qkvb ? at(o.qkvb) : P{}, at(o.ow), at(o.ln2w), at(o.guw), at(o.downw),
+          at(o.qnw), at(o.knw), o.panw >= 0 ? at(o.panw) : P{}, o.pfnw >= 0 ? at(o.pfnw) : P{}};
 }
 }  // namespace
 
@@ -212,7 +214,7 @@ void LlamaNetwork::block_forward(const void* p, int l, const void* res_in, int B
   LayerActs& a = acts(l);
   const int gl = stage_.first_layer + l;  // adapters are numbered by the global layer
   const void* x_qkv = full_rows(a.ln1, N);
-  be_->matmul_forward(a.qkv, x_qkv, w.qkvw, nullptr, N, C, QKV_);
+  be_->matmul_forward(a.qkv, x_qkv, w.qkvw, w.qkvb, N, C, QKV_);  // + q|k|v biases (qkv_bias)
   if (ad_) ad_->forward(gl, 0, x_qkv, a.qkv, QKV_, N);
   if (QN_) be_->qk_norm_forward(a.qkv, a.qk_pre, a.qk_rstd, w.qnw, w.knw, N, NH_, NKV_, HS_, eps_);
   be_->rope_forward(a.qkv, rope_, B, T, NH_, NKV_, HS_, 0, docs_.pos);
@@ -418,7 +420,7 @@ void LlamaNetwork::block_backward(const void* p, float* g, int l, const void* re
   if (QN_) qk_norm_backward(a, w.qnw, w.knw, dw.qnw, N);
   if (keep && !frozen_) be_->copy_device(keep->d_qkv, dqkv_, size_t(N) * QKV_ * es);
   const void* x_qkv = full_rows(a.ln1, N);
-  qkv_backward(dbuf_c_, W(dw.qkvw), dqkv_, x_qkv, w.qkvw, N);  // dattn is consumed
+  qkv_backward(dbuf_c_, W(dw.qkvw), W(dw.qkvb), dqkv_, x_qkv, w.qkvw, N);  // dattn is consumed
   if (ad_) ad_->backward(gl, 0, x_qkv, dqkv_, QKV_, dbuf_c_, N);
   const void* dln1 = row_parallel_out(dbuf_c_, N);
   be_->rmsnorm_backward(dres, norm_grad(dw.ln1w), dln1, res_in, w.ln1w, a.ln1_rstd, NR, C, wo_);
@@ -453,28 +455,39 @@ const void* LlamaNetwork::post_norm_backward(const void* dout, const void* saved
 }
 
 // The q|k|v projection's backward: dinp (null: skipped) and, with dqkvw,
-// its weight gradient.
-void LlamaNetwork::qkv_backward(void* dinp, float* dqkvw, const void* dqkv, const void* ln1, const void* wqkv, int N) {
+// its weight gradient (and with dqkvb, null without qkv_bias, its bias's).
+void LlamaNetwork::qkv_backward(void* dinp, float* dqkvw, float* dqkvb, const void* dqkv, const void* ln1,
+                                const void* wqkv, int N) {
   const int C = cfg_.C;
   if (kv_replicas_ == 1 || !dqkvw) {
-    be_->matmul_backward(dinp, dqkvw, nullptr, dqkv, ln1, wqkv, N, C, QKV_);
+    be_->matmul_backward(dinp, dqkvw, dqkvb, dqkv, ln1, wqkv, N, C, QKV_);
   } else {
     // KV heads replicated over kv_replicas_ ranks: each holds the gradient
     // its own query heads give k and v; the true one is their sum. This
     // step's qkv gradient goes to a scratch, its k|v part into this KV
     // head's slot, one all-reduce sums every slot over the group, and each
     // rank adds back its slot (the input gradient needs no change: the
-    // ranks' dk Wk terms are the parts of the sum).
+    // ranks' dk Wk terms are the parts of the sum). With biases the
+    // scratch is (QKV,C) weights then (QKV) biases, a slot 2*KV*C weights
+    // then 2*KV biases: the k|v bias gradients are summed the same way.
     const int64_t qC = int64_t(Q_) * C, kvC = 2 * int64_t(KV_) * C;
+    const int64_t kvB = dqkvb ? 2 * int64_t(KV_) : 0, slot = kvC + kvB;
     float* scratch = kv_scratch_;
+    float* sbias = scratch + int64_t(QKV_) * C;
     float* slots = kv_slots_;
     be_->zero(scratch, kv_scratch_bytes_);
-    be_->matmul_backward(dinp, scratch, nullptr, dqkv, ln1, wqkv, N, C, QKV_);
+    be_->matmul_backward(dinp, scratch, dqkvb ? sbias : nullptr, dqkv, ln1, wqkv, N, C, QKV_);
     be_->zero(slots, kv_slots_bytes_);
-    be_->copy_device(slots + kv_head_ * kvC, scratch + qC, kvC * 4);
-    tp_->comm->all_reduce(slots, int64_t(NKV_global_) * kvC, ReduceOp::Sum);
+    float* mine = slots + kv_head_ * slot;
+    be_->copy_device(mine, scratch + qC, kvC * 4);
+    if (dqkvb) be_->copy_device(mine + kvC, sbias + Q_, kvB * 4);
+    tp_->comm->all_reduce(slots, int64_t(NKV_global_) * slot, ReduceOp::Sum);
     be_->accumulate(dqkvw, scratch, qC);
-    be_->accumulate(dqkvw + qC, slots + kv_head_ * kvC, kvC);
+    be_->accumulate(dqkvw + qC, mine, kvC);
+    if (dqkvb) {
+      be_->accumulate(dqkvb, sbias, Q_);
+      be_->accumulate(dqkvb + Q_, mine + kvC, kvB);
+    }
   }
 }
 
@@ -488,7 +501,7 @@ void LlamaNetwork::block_weight_grads(float* g, int l, const KeptGrads& k, int N
   // The norm outputs are this rank's rows under sequence parallelism: gathered again here.
   be_->matmul_backward(nullptr, dw.guw, nullptr, a.gu, full_rows(a.ln2, N), nullptr, N, C, 2 * F);
   be_->matmul_backward(nullptr, dw.ow, nullptr, k.d_o, a.atty, nullptr, N, Q_, C);
-  qkv_backward(nullptr, dw.qkvw, k.d_qkv, full_rows(a.ln1, N), nullptr, N);
+  qkv_backward(nullptr, dw.qkvw, dw.qkvb, k.d_qkv, full_rows(a.ln1, N), nullptr, N);
 }
 
 void LlamaNetwork::backward_input(UnitAccess& units) {

@@ -2,7 +2,8 @@
 // pre-RMSNorm blocks (fused q|k|v projection, RoPE on q and k, causal
 // grouped-query attention, o_proj; fused gate|up projection, SwiGLU,
 // down_proj), a final RMSNorm and an LM head, tied to the embedding or its
-// own lm_head.weight in the head unit. No biases anywhere.
+// own lm_head.weight in the head unit. No biases, except the q|k|v ones of
+// ModelConfig::qkv_bias (Qwen2), added in the q|k|v GEMM's epilogue.
 //
 // It mirrors GPT2 (core/model/gpt2/gpt2.h): one activation arena, the
 // residual add fused with the RMSNorm that reads it next, the LM head over
@@ -26,7 +27,9 @@
 namespace trainrun {
 
 // Element offsets of one block's tensors relative to the block unit's start
-// (llama_layout's order; q|k|v and gate|up adjacent, read as fused weights).
+// (llama_layout's order; q|k|v and gate|up adjacent, read as fused weights,
+// and with ModelConfig::qkv_bias the q|k|v biases adjacent after them, so
+// one GEMM adds all three in its epilogue).
 // Q = NH*HS query rows (C on one rank; a tensor-parallel rank's NH/T heads).
 // QN: the qk-norm weights' length (head_dim; 0 = none): q_norm and k_norm
 // come after the MLP (only Gemma 2's pfnw after them), so the other offsets
@@ -35,12 +38,16 @@ namespace trainrun {
 // post_attention_layernorm; ln2 is then pre_feedforward_layernorm) and one
 // on the MLP output after down_proj (post_feedforward_layernorm); -1 without.
 struct LlamaBlockOffsets {
-  int64_t ln1w, qkvw, ow, panw = -1, ln2w, guw, downw, pfnw = -1, qnw, knw, total;
+  int64_t ln1w, qkvw, qkvb, ow, panw = -1, ln2w, guw, downw, pfnw = -1, qnw, knw, total;
+  bool has_qkvb;
   LlamaBlockOffsets(int64_t C, int64_t KV, int64_t F) : LlamaBlockOffsets(C, C, KV, F) {}
-  LlamaBlockOffsets(int64_t C, int64_t Q, int64_t KV, int64_t F, int64_t QN = 0, bool post_norms = false) {
+  LlamaBlockOffsets(int64_t C, int64_t Q, int64_t KV, int64_t F, int64_t QN = 0, bool qkv_bias = false,
+                    bool post_norms = false)
+      : has_qkvb(qkv_bias) {
     int64_t o = 0;
     ln1w = o; o += C;                // input_layernorm (C)
     qkvw = o; o += (Q + 2 * KV) * C; // q_proj (Q,C) | k_proj (KV,C) | v_proj (KV,C)
+    qkvb = o; if (qkv_bias) o += Q + 2 * KV;  // q_proj (Q) | k_proj (KV) | v_proj (KV) biases (qkv_bias only)
     ow = o; o += C * Q;              // o_proj (C,Q)
     if (post_norms) { panw = o; o += C; }  // Gemma 2's post_attention_layernorm (C)
     ln2w = o; o += C;                // post_attention_layernorm (C); Gemma 2's pre_feedforward_layernorm
@@ -108,7 +115,8 @@ class LlamaNetwork final : public Network {
                       const KeptGrads* keep = nullptr);
   void block_weight_grads(float* g, int l, const KeptGrads& keep, int N);
   void qk_norm_backward(const LayerActs& a, const void* wq, const void* wk, float* dw, int N);
-  void qkv_backward(void* dinp, float* dqkvw, const void* dqkv, const void* ln1, const void* wqkv, int N);
+  void qkv_backward(void* dinp, float* dqkvw, float* dqkvb, const void* dqkv, const void* ln1, const void* wqkv,
+                    int N);
   void backward_pass(UnitAccess& units, bool input_only);
   std::vector<KeptGrads> kept_;  // per layer, zero_bubble only
   LinearAdapters* ad_ = nullptr;  // the pass's adapters (UnitAccess::adapters()), null = none
@@ -126,7 +134,7 @@ class LlamaNetwork final : public Network {
   int HS_, KV_, QKV_;             // head size, NKV*HS, Q + 2*KV (this rank's)
   int QN_ = 0;                    // qk-norm: the q_norm / k_norm weights' length (HS); 0 = none
   float* qk_grad_ = nullptr;      // qk-norm under TP: (2*HS) this block's q_norm|k_norm gradient, summed over TP
-  LlamaBlockOffsets offsets() const { return LlamaBlockOffsets(cfg_.C, Q_, KV_, F_, QN_, cfg_.post_norms); }
+  LlamaBlockOffsets offsets() const { return LlamaBlockOffsets(cfg_.C, Q_, KV_, F_, QN_, cfg_.qkv_bias, cfg_.post_norms); }
   // This rank's sizes: all of the model without tensor parallelism.
   int NH_ = 0, NKV_ = 0, F_ = 0, Q_ = 0;  // heads, kv heads, MLP width, NH*HS
   int VL_ = 0, v_begin_ = 0, v_valid_ = 0;  // vocab rows held (padded), first id, real rows
@@ -134,8 +142,8 @@ class LlamaNetwork final : public Network {
   int kv_replicas_ = 1, kv_head_ = 0, NKV_global_ = 0;  // KV heads replicated over TP ranks
   DeviceBuffer kv_grad_scratch_;  // replicated KV, own arena: kv_scratch_'s memory
   DeviceBuffer kv_grad_slots_;    // replicated KV, own arena: kv_slots_'s memory
-  float* kv_scratch_ = nullptr;   // replicated KV: (QKV,C) fp32 this step's qkv weight grad
-  float* kv_slots_ = nullptr;     // replicated KV: (NKV_global, 2*KV*C) fp32, summed over TP
+  float* kv_scratch_ = nullptr;   // replicated KV: (QKV,C) fp32 this step's qkv weight grad [+ (QKV) bias grad]
+  float* kv_slots_ = nullptr;     // replicated KV: (NKV_global, 2*KV*C [+ 2*KV]) fp32, summed over TP
   size_t kv_scratch_bytes_ = 0, kv_slots_bytes_ = 0;
   float* ce_rowmax_ = nullptr;    // (N) vocab-parallel cross-entropy
   float* ce_stats_ = nullptr;     // (2N)

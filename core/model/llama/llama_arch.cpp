@@ -20,6 +20,9 @@ namespace {
 ModelConfig resolved(ModelConfig c, const char* arch) {
   check_model_config_common(c);
   TR_CHECK(c.arch == arch, "model.arch: '", c.arch, "' given to the ", arch, " architecture (a bug)");
+  // LlamaConfig's attention_bias would add o_proj's bias too: refused when read (llama_hf.cpp).
+  TR_CHECK(!c.qkv_bias || c.arch != "llama",
+           "model: llama has no q/k/v biases (qkv_bias); use model.arch: qwen2 for a model with them");
   TR_CHECK(c.F > 0, "model.ffn_dim: ", arch, " needs its MLP width (config.json's intermediate_size); set it");
   TR_CHECK(c.head_size() % 2 == 0, c.head_dim > 0 ? "model.head_dim: the head size " : "model.n_embd: the head size model.n_embd / model.n_head = ",
            c.head_size(), " must be even for rotary embeddings");
@@ -44,6 +47,11 @@ ParamLayout llama_layout(const ModelConfig& c) {
     b.add(p + "self_attn.q_proj.weight", {Q, C}, true, S::Column, 1, c.NH);  // split by heads
     b.add(p + "self_attn.k_proj.weight", {KV, C}, true, S::Column, 1, c.kv_heads());
     b.add(p + "self_attn.v_proj.weight", {KV, C}, true, S::Column, 1, c.kv_heads());
+    if (c.qkv_bias) {  // adjacent: one bias for the fused q|k|v GEMM; split by heads like the weights
+      b.add(p + "self_attn.q_proj.bias", {Q}, false, S::Column, 1, c.NH);
+      b.add(p + "self_attn.k_proj.bias", {KV}, false, S::Column, 1, c.kv_heads());
+      b.add(p + "self_attn.v_proj.bias", {KV}, false, S::Column, 1, c.kv_heads());
+    }
     b.add(p + "self_attn.o_proj.weight", {C, Q}, true, S::Row, 1, c.NH);
     b.add(p + "post_attention_layernorm.weight", {C}, false, S::Replicated);
     // Gemma 2 (post_norms): the norm above is on the attention output; the MLP's input norm is this one.
@@ -112,18 +120,20 @@ std::string LlamaArch::describe() const {
 
 void LlamaArch::init_params(uint64_t seed, int64_t begin, int64_t end, float* out) const {
   // N(0, std) for matrices and the embedding, std/sqrt(2L) for the two
-  // residual projections (o_proj, down_proj), RMSNorm weights 1.
+  // residual projections (o_proj, down_proj), RMSNorm weights 1, biases 0
+  // (as transformers' _init_weights zeroes a Linear's bias).
   const double resid_std = cfg_.init_std / std::sqrt(2.0 * cfg_.L);
   const uint64_t s = splitmix64(seed);
   for (const auto& t : layout_.tensors) {
     const int64_t lo = std::max(begin, t.offset), hi = std::min(end, t.offset + t.numel);
     if (lo >= hi) continue;
-    const bool norm = ends_with(t.name, "norm.weight");
+    const bool norm = ends_with(t.name, "norm.weight"), bias = ends_with(t.name, ".bias");
     const double std = ends_with(t.name, "o_proj.weight") || ends_with(t.name, "down_proj.weight") ? resid_std
                                                                                                     : cfg_.init_std;
     // (norm_offset, Gemma 2: the norms compute x * (1 + w), so w = 0 is the identity gain.)
     const float norm_init = cfg_.norm_offset ? 0.0f : 1.0f;
-    for (int64_t i = lo; i < hi; ++i) out[i - begin] = norm ? norm_init : float(std * normal_at(s, uint64_t(i)));
+    for (int64_t i = lo; i < hi; ++i)
+      out[i - begin] = norm ? norm_init : bias ? 0.0f : float(std * normal_at(s, uint64_t(i)));
   }
 }
 

@@ -30,7 +30,7 @@ namespace trainrun {
 // it and override their name, config.json and checks.
 class LlamaArch : public ModelArch {
  public:
-  explicit LlamaArch(const ModelConfig& cfg);
+  explicit LlamaArch(const ModelConfig& cfg);  // model.arch llama
 
   std::string display_name() const override { return "Llama"; }
   bool llama_shaped() const override { return true; }

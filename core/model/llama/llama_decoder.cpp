@@ -120,7 +120,7 @@ void LlamaDecoder::feed_chunk(UnitAccess& units, const int32_t* tokens, int n, b
     be_->copy_device(proj_, ln_, size_t(n) * C * es);
   };
 
-  const LlamaBlockOffsets o(C, Q_, KV_, F, cfg_.qk_norm ? HS_ : 0, cfg_.post_norms);
+  const LlamaBlockOffsets o(C, Q_, KV_, F, cfg_.qk_norm ? HS_ : 0, cfg_.qkv_bias, cfg_.post_norms);
   // Adapters (generate --adapter, a LoRA run's sample) add to each GEMM's
   // output unmerged, after the same GEMMs as LlamaNetwork::block_forward
   // (0 q|k|v, before RoPE; 1 o_proj; 2 gate|up; 3 down_proj).
@@ -133,7 +133,7 @@ void LlamaDecoder::feed_chunk(UnitAccess& units, const int32_t* tokens, int n, b
       be_->rmsnorm_forward(ln_, rstd_, res_a_, w(o.ln1w), n, C, eps_, wo_);
     else
       be_->residual_rmsnorm_forward(res_a_, ln_, rstd_, res_b_, proj_, w(o.ln1w), n, C, eps_, wo_);
-    be_->matmul_forward(qkv_, ln_, w(o.qkvw), nullptr, n, C, QKV_);
+    be_->matmul_forward(qkv_, ln_, w(o.qkvw), o.has_qkvb ? w(o.qkvb) : nullptr, n, C, QKV_);
     if (ad) ad->forward(l, 0, ln_, qkv_, QKV_, n);
     if (cfg_.qk_norm)
       be_->qk_norm_forward(qkv_, qk_pre_, qk_rstd_, w(o.qnw), w(o.knw), n, cfg_.NH, cfg_.NKV, HS_, eps_);

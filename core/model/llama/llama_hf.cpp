@@ -152,11 +152,13 @@ std::vector<const ParamTensor*> LlamaArch::hf_save_order() const {
   std::vector<const ParamTensor*> order = {&layout_.get("model.embed_tokens.weight")};
   for (int l = 0; l < cfg_.L; ++l) {
     const std::string p = "model.layers." + std::to_string(l) + ".";
-    for (const char* n : {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+    // An nn.Linear registers its weight, then its bias (qkv_bias).
+    for (const char* n : {"self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.weight",
+                          "self_attn.k_proj.bias", "self_attn.v_proj.weight", "self_attn.v_proj.bias",
                           "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
                           "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
                           "input_layernorm.weight", "post_attention_layernorm.weight"})
-      if (const ParamTensor* t = layout_.find(p + n)) order.push_back(t);  // q/k_norm: with qk_norm only
+      if (const ParamTensor* t = layout_.find(p + n)) order.push_back(t);  // q/k_norm, biases: with qk_norm, qkv_bias
   }
   order.push_back(&layout_.get("model.norm.weight"));
   if (!cfg_.tied) order.push_back(&layout_.get("lm_head.weight"));
