@@ -217,12 +217,6 @@ std::string bytes_to_symbols(std::string_view raw) {
 
 }  // namespace
 
-const char* bpe_pre_tokenizer_pattern(const std::string& name) {
-  if (name == "llama3") return kLlama3Pattern;
-  if (name == "gpt2") return kGpt2Pattern;
-  TR_FAIL("--pre-tokenizer: '", name, "' is not llama3 or gpt2");
-}
-
 BpeModel train_bpe(const WordCounts& wc, const BpeTrainOptions& opt) {
   BpeModel m;
   std::unordered_map<std::string, uint32_t> ids;

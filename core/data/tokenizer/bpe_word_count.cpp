@@ -233,6 +233,14 @@ void count_block(const BpeTrainOptions& opt, const CompiledRegex& re, const Bloc
 
 }  // namespace
 
+// The pre-tokenizer's regex by --pre-tokenizer's name: this stage splits
+// the text, the merges and the written tokenizer.json name the same one.
+const char* bpe_pre_tokenizer_pattern(const std::string& name) {
+  if (name == "llama3") return kLlama3Pattern;
+  if (name == "gpt2") return kGpt2Pattern;
+  TR_FAIL("--pre-tokenizer: '", name, "' is not llama3 or gpt2");
+}
+
 WordCounts count_words(const BpeTrainOptions& opt) {
   TR_CHECK(opt.format == "text" || opt.format == "jsonl", "--format: '", opt.format, "' is not text or jsonl");
   const char* pattern = bpe_pre_tokenizer_pattern(opt.pre_tokenizer);
