@@ -160,6 +160,45 @@ TEST_CASE("generate: a sharded run's end-of-run sample is what generate samples 
   }
 }
 
+TEST_CASE("generate: a text sample_prompt for a non-byte vocab skips the end-of-run sample, it does not fail the job",
+          "[generate]") {
+  // A BPE-data run (vocab 64 here) with the default-looking prompt "The ":
+  // the sample cannot encode it (no tokenizer in the run). It is said at
+  // setup and at the end, and the job still ends 0 with its weights; ids work.
+  test::TempDir dir("generate_text_prompt");
+  for (const std::string tp : {"1", "2"}) {
+    INFO("tensor_parallel " << tp);
+    const std::string run = dir / ("run" + tp);
+    test::write_file(dir / "job.yaml",
+                     "model: {arch: llama, n_layer: 1, n_head: 2, n_kv_head: 2, n_embd: 16, ffn_dim: 32, "
+                     "vocab_size: 64, seq_len: 16}\n"
+                     "data: {format: synthetic}\n"
+                     "train: {global_batch_size: 2, micro_batch_size: 1, max_steps: 2, warmup_steps: 1}\n"
+                     "parallel: {nproc_per_node: " + tp + ", tensor_parallel: " + tp + ", timeout_s: 60}\n"
+                     "checkpoint: {final: 'false'}\n"
+                     "output: {dir: '" + run + "', sample_tokens: 5, sample_prompt: 'The '}\n");
+    auto r = test::run_command("OMP_NUM_THREADS=1 '" + test::trainrun_binary() + "' --config '" + dir / "job.yaml" + "'");
+    INFO(r.err);
+    REQUIRE(r.exit_code == 0);
+    CHECK(test::file_exists(run + "/model.safetensors"));
+    // One worker runs in process (its log is stderr); two write logs/rank0.log.
+    const std::string log = tp == "1" ? r.err : test::read_file(run + "/logs/rank0.log");
+    const size_t first = log.find("sample: skipped: output.sample_prompt 'The ' is text");
+    REQUIRE(first != std::string::npos);
+    CHECK(log.find("vocab is 64 (not bytes)", first) != std::string::npos);
+    CHECK(log.find("sample: skipped: output.sample_prompt", first + 1) != std::string::npos);  // at setup and at the end
+    CHECK(log.find("sample:\n") == std::string::npos);
+    // Token ids are a prompt such a model can take.
+    auto ids = test::run_command("OMP_NUM_THREADS=1 '" + test::trainrun_binary() + "' --config '" + dir / "job.yaml" +
+                                 "' --set output.sample_prompt='1 2' --set output.dir='" + run + "_ids'");
+    INFO(ids.err);
+    REQUIRE(ids.exit_code == 0);
+    const std::string ids_log = tp == "1" ? ids.err : test::read_file(run + "_ids/logs/rank0.log");
+    CHECK(ids_log.find("sample") != std::string::npos);
+    CHECK(ids_log.find("sample: skipped") == std::string::npos);
+  }
+}
+
 TEST_CASE("generate: a stop token ends the sample right after it, as transformers stops at eos", "[generate]") {
   const GPT2Config cfg = GPT2Config::of(2, 2, 16, 29, 12);
   const std::vector<float> flat = random_weights(cfg, 8, 0.8f);

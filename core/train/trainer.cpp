@@ -167,6 +167,7 @@ class Trainer {
   StepResult train_step(int step);
   double evaluate();
   void sample_at_end();
+  bool sample_prompt_ids(std::vector<int32_t>& out) const;
   void sample_from_model_file(const std::string& final_weights);
   // run() after setup, with the checkpointer it aborts on a failure.
   TrainSummary run_with(Checkpointer& ckpt, Clock::time_point t_start);
@@ -292,6 +293,10 @@ void Trainer::setup() {
   const ModelConfig& cfg = arch_->config();
   T_ = cfg.T;
   mb_ = job_.train.micro_batch_size;
+  if (job_.output.sample_tokens > 0) {
+    std::vector<int32_t> ids;
+    (void)sample_prompt_ids(ids);  // a prompt the end-of-run sample cannot use: said now, not after training
+  }
   global_B_ = job_.train.derived_global_batch_size();
   // 3b. the mesh: pp x dp_replicate x dp_shard x tp, tp innermost.
   // hybrid_shard group: the spec's, else the dp ranks inside the agent's
@@ -1174,6 +1179,27 @@ void Trainer::log_memory_at_end() {
                                                           human_bytes(double(hwm_kib) * 1024) + ")");
 }
 
+// output.sample_prompt as the model's token ids: its bytes for a byte-level
+// model, else whitespace-separated ids (the run samples without a
+// tokenizer). Text for a model of another vocabulary cannot be encoded
+// here; the sample is then skipped with a line saying so (every rank
+// decides alike), never the job failed after its training: until 2026-12 a
+// BPE-data run trained to the end and exited 1 at its sample.
+bool Trainer::sample_prompt_ids(std::vector<int32_t>& out) const {
+  try {
+    out = encode_prompt(job_.output.sample_prompt, arch_->config().V);
+  } catch (const Error& e) {
+    if (rank0_)
+      TR_LOG_WARN("sample: skipped: output.sample_prompt '", job_.output.sample_prompt, "' is text, but the model's "
+                  "vocab is ", arch_->config().V, " (not bytes) and the run samples without a tokenizer; give token "
+                  "ids (output.sample_prompt: '1 2 3'), set output.sample_tokens: 0, or sample afterwards with "
+                  "`trainrun generate --tokenizer tokenizer.json`");
+    return false;
+  }
+  if (out.empty()) out.push_back(0);
+  return true;
+}
+
 // The end-of-run sample, on the run's own backend with a KV cache, by every
 // rank together: parameters come through the store (a sharded run gathers
 // one unit at a time, as in training), rank 0 picks each token and
@@ -1194,8 +1220,8 @@ void Trainer::sample_at_end() {
   so.top_k = 40;
   so.seed = job_.train.seed;
   const ModelConfig& cfg = arch_->config();
-  std::vector<int32_t> prompt = encode_prompt(job_.output.sample_prompt, cfg.V);
-  if (prompt.empty()) prompt.push_back(0);
+  std::vector<int32_t> prompt;
+  if (!sample_prompt_ids(prompt)) return;
   const size_t training_acts = model_->activation_bytes();
   const size_t need = arch_->decoder_bytes_needed(*be_, sample_cache_positions(cfg, prompt.size(), so));
   if (need > std::max<size_t>(training_acts, size_t(256) << 20)) {
@@ -1246,8 +1272,8 @@ void Trainer::sample_from_model_file(const std::string& final_weights) {
   so.top_k = 40;
   so.seed = job_.train.seed;
   const ModelConfig& cfg = arch_->config();
-  std::vector<int32_t> prompt = encode_prompt(job_.output.sample_prompt, cfg.V);
-  if (prompt.empty()) prompt.push_back(0);
+  std::vector<int32_t> prompt;
+  if (!sample_prompt_ids(prompt)) return;
   std::vector<float> flat;
   (void)load_model_safetensors(final_weights, flat);
   TR_CHECK(int64_t(flat.size()) == arch_->layout().total, "sample: ", final_weights, " holds ", flat.size(),
