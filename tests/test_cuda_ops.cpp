@@ -1504,6 +1504,17 @@ TEST_CASE("cuda: nccl communicator with one rank", "[cuda]") {
   float host = 3.5f;  // host scalars (the trainer's loss) are fine too
   comm->all_reduce(&host, 1, ReduceOp::Sum);
   CHECK(host == 3.5f);
+  // all_to_all_v (expert dispatch) over one rank: a copy of its one block,
+  // device to device and host to host; a size that disagrees is refused.
+  // Not yet run on a GPU.
+  const size_t n = 37 * 4;
+  comm->all_to_all_v(b.get(), &n, a.get(), &n);
+  CHECK(download_f32(be.get(), b.get(), 37) == v);
+  Vec hout(37, 0.f);
+  comm->all_to_all_v(hout.data(), &n, v.data(), &n);
+  CHECK(hout == v);
+  const size_t fewer = n - 4;
+  CHECK_THROWS_WITH(comm->all_to_all_v(b.get(), &fewer, a.get(), &n), Catch::Contains("all_to_all_v"));
   comm->barrier();
 }
 
