@@ -6,6 +6,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <utility>
 #include <nlohmann/json.hpp>
 
 #include "core/common/error.h"
@@ -42,9 +43,7 @@ const std::vector<ArchEntry>& registry() {
       {"qwen2", "qwen2", true, true, make_qwen2_arch, qwen2_config_from_hf, llama_config_from_metadata},
       {"qwen3", "qwen3", true, true, make_qwen3_arch, qwen3_config_from_hf, qwen3_config_from_metadata},
       {"phi3", "phi3", true, true, make_phi3_arch, phi3_config_from_hf, phi3_config_from_metadata},
-      // Not open to job specs / model.init_from yet: its softcaps, query scale and window are not job-spec
-      // fields, so a spec could not describe it (gemma2_arch.h lists what is left).
-      {"gemma2", "gemma2", false, false, make_gemma2_arch, gemma2_config_from_hf, nullptr},
+      {"gemma2", "gemma2", true, true, make_gemma2_arch, gemma2_config_from_hf, gemma2_config_from_metadata},
   };
   return r;
 }
@@ -149,11 +148,14 @@ ModelConfig ModelConfig::from_spec(const ModelSpec& m) {
     TR_CHECK(!scaled, "model.rope_scaling.type: ", m.rope_scaling.type, "; gpt2 has learned positions, not RoPE");
     TR_CHECK(m.head_dim == 0 || m.head_dim * m.n_head == m.n_embd, "model.head_dim: ", m.head_dim,
              "; gpt2's heads are n_embd / n_head wide (0 = that)");
+    TR_CHECK(m.sliding_window == 0, "model.sliding_window: ", m.sliding_window,
+             "; gpt2 attends to the whole context (0 = that)");
   } else {
     c.norm_eps = m.norm_eps;
     c.rope_theta = m.rope_theta;
     c.head_dim = m.head_dim;
     c.tied = m.tie_embeddings == "true";
+    c.sliding_window = m.sliding_window;
     if (scaled) {
       c.rope_scaling_type = m.rope_scaling.type;
       c.rope_scaling.factor = m.rope_scaling.factor;
@@ -161,6 +163,18 @@ ModelConfig ModelConfig::from_spec(const ModelSpec& m) {
       c.rope_scaling.high_freq_factor = m.rope_scaling.high_freq_factor;
       c.rope_scaling.original_max_position_embeddings = m.rope_scaling.original_max_position_embeddings;
     }
+  }
+  // Gemma 2's soft-caps and query scale: refused by name elsewhere rather than ignored.
+  if (c.arch == "gemma2") {
+    c.attn_softcap = float(m.attn_softcap);
+    c.final_softcap = float(m.final_softcap);
+    c.query_scale = m.query_scale;
+  } else {
+    const std::pair<const char*, double> gemma2_only[] = {
+        {"attn_softcap", m.attn_softcap}, {"final_softcap", m.final_softcap}, {"query_scale", m.query_scale}};
+    for (const auto& [key, v] : gemma2_only)
+      TR_CHECK(v == 0, "model.", key, ": ", v, "; ", c.arch, " has no ", key,
+               " (Gemma 2's: use model.arch: gemma2, or 0 = off)");
   }
   return c;
 }
@@ -180,6 +194,10 @@ ModelSpec ModelConfig::to_spec() const {
   m.rope_theta = rope_theta;
   m.head_dim = head_dim;
   m.tie_embeddings = tied ? "true" : "false";
+  m.attn_softcap = attn_softcap;
+  m.final_softcap = final_softcap;
+  m.query_scale = query_scale;
+  m.sliding_window = sliding_window;
   m.rope_scaling.type = rope_scaling_type.empty() ? "none" : rope_scaling_type;
   if (!rope_scaling_type.empty()) {
     m.rope_scaling.factor = rope_scaling.factor;
