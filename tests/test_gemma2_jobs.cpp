@@ -113,7 +113,8 @@ void check_same_run(const MeshRun& got, const MeshRun& want) {
 
 }  // namespace
 
-TEST_CASE("gemma2: export -> from_pretrained, init_from (arch auto) and `trainrun generate` agree with transformers",
+TEST_CASE("gemma2: init_from (arch auto), `trainrun export` -> from_pretrained and `trainrun generate` agree with "
+          "transformers",
           "[gemma2][hf]") {
   const ModelConfig shape = tiny();
   test::TempDir dir("gemma2_io");
@@ -138,9 +139,40 @@ TEST_CASE("gemma2: export -> from_pretrained, init_from (arch auto) and `trainru
   CHECK(cfg.query_scale == shape.query_scale);
   CHECK(cfg.sliding_window == shape.sliding_window);
 
-  // export: config.json as Gemma2Config has it, and from_pretrained gives our logits.
+  // model.init_from (model.arch auto from model_type), 2 ranks full_shard, lr 1e-30: the weights stay bit for bit.
+  const std::string run = dir / "run";
+  const std::string yaml =
+      "model: {init_from: '" + model + "'}\n"
+      "data: {format: synthetic, synthetic: {vocab: 96, branching: 3}}\n"
+      "train: {global_batch_size: 4, micro_batch_size: 2, max_steps: 1, lr: 1.0e-30, min_lr: 0, warmup_steps: 0,\n"
+      "        schedule: constant, weight_decay: 0, grad_clip: 0, eval_steps: 1, log_interval: 1}\n"
+      "output: {dir: '" + run + "', sample_tokens: 0}\n"
+      "parallel: {sharding: full_shard, timeout_s: 60}\n";
+  const JobSpec job = parse_job_spec(yaml, "job.yaml", {});
+  JobSpec resolved = job;
+  resolve_model_shape(resolved, false);
+  CHECK(resolved.model.arch == "gemma2");
+  CHECK(resolved.model.attn_softcap == 1.5);
+  CHECK(resolved.model.final_softcap == 3.0);
+  CHECK(resolved.model.query_scale == 12.0);
+  CHECK(resolved.model.sliding_window == 16);
+  CHECK(resolved.model.seq_len == 16);  // max_position_embeddings
+  (void)test::run_ranks_inprocess(job, 2);
+  std::vector<float> trained;
+  const ModelConfig back = load_model_safetensors(run + "/model.safetensors", trained);
+  CHECK(back.arch == "gemma2");  // our metadata carries Gemma 2's values
+  CHECK(back.attn_softcap == shape.attn_softcap);
+  CHECK(back.final_softcap == shape.final_softcap);
+  CHECK(back.query_scale == shape.query_scale);
+  CHECK(back.sliding_window == shape.sliding_window);
+  REQUIRE(trained.size() == want.size());
+  CHECK(std::memcmp(trained.data(), want.data(), want.size() * 4) == 0);
+
+  // `trainrun export` of the run: config.json as Gemma2Config has it, and from_pretrained gives our logits.
   const std::string out = dir / "export";
-  export_hf(out, arch->config(), want);
+  const test::RunResult ex = test::run_trainrun("export --checkpoint '" + run + "' --out '" + out + "'");
+  INFO(ex.err);
+  REQUIRE(ex.exit_code == 0);
   const json c = read_json(out + "/config.json");
   CHECK(c["model_type"] == "gemma2");
   CHECK(c["architectures"][0] == "Gemma2ForCausalLM");
@@ -172,35 +204,6 @@ TEST_CASE("gemma2: export -> from_pretrained, init_from (arch auto) and `trainru
               double(shape.final_softcap));
   CHECK(e <= 1e-5);
   CHECK(absmax > 0.5 * shape.final_softcap);  // the weights are large enough for the cap to matter
-
-  // model.init_from (model.arch auto from model_type), 2 ranks full_shard, lr 1e-30: the weights stay bit for bit.
-  const std::string run = dir / "run";
-  const std::string yaml =
-      "model: {init_from: '" + model + "'}\n"
-      "data: {format: synthetic, synthetic: {vocab: 96, branching: 3}}\n"
-      "train: {global_batch_size: 4, micro_batch_size: 2, max_steps: 1, lr: 1.0e-30, min_lr: 0, warmup_steps: 0,\n"
-      "        schedule: constant, weight_decay: 0, grad_clip: 0, eval_steps: 1, log_interval: 1}\n"
-      "output: {dir: '" + run + "', sample_tokens: 0}\n"
-      "parallel: {sharding: full_shard, timeout_s: 60}\n";
-  const JobSpec job = parse_job_spec(yaml, "job.yaml", {});
-  JobSpec resolved = job;
-  resolve_model_shape(resolved, false);
-  CHECK(resolved.model.arch == "gemma2");
-  CHECK(resolved.model.attn_softcap == 1.5);
-  CHECK(resolved.model.final_softcap == 3.0);
-  CHECK(resolved.model.query_scale == 12.0);
-  CHECK(resolved.model.sliding_window == 16);
-  CHECK(resolved.model.seq_len == 16);  // max_position_embeddings
-  (void)test::run_ranks_inprocess(job, 2);
-  std::vector<float> trained;
-  const ModelConfig back = load_model_safetensors(run + "/model.safetensors", trained);
-  CHECK(back.arch == "gemma2");  // our metadata carries Gemma 2's values
-  CHECK(back.attn_softcap == shape.attn_softcap);
-  CHECK(back.final_softcap == shape.final_softcap);
-  CHECK(back.query_scale == shape.query_scale);
-  CHECK(back.sliding_window == shape.sliding_window);
-  REQUIRE(trained.size() == want.size());
-  CHECK(std::memcmp(trained.data(), want.data(), want.size() * 4) == 0);
 
   const test::RunResult gen = test::run_trainrun("generate --checkpoint '" + run + "/model.safetensors' --prompt '" +
                                                  prompt + "' --max-tokens " + std::to_string(steps) + " --top-k 1");
@@ -266,6 +269,19 @@ TEST_CASE("gemma2: the job spec describes Gemma 2; what is inconsistent is refus
   CHECK_THROWS_WITH(resolve(", attn_softcap: 2"),
                     Contains("has attn_logit_softcapping = 1.5 but model.attn_softcap is 2"));
   CHECK_THROWS_WITH(resolve(", sliding_window: 8"), Contains("has sliding_window = 16 but model.sliding_window is 8"));
+  // config.json values out of range: the file and the key are named.
+  for (const auto& [key, value] : {std::pair<const char*, json>{"attn_logit_softcapping", -1.0},
+                                   std::pair<const char*, json>{"query_pre_attn_scalar", 0},
+                                   std::pair<const char*, json>{"sliding_window", 3.5},
+                                   std::pair<const char*, json>{"final_logit_softcapping", "30"}}) {
+    test::TempDir bad("gemma2_badcfg");
+    json cj = arch->hf_config_json();
+    cj[key] = value;
+    std::ofstream(bad / "config.json") << cj.dump();
+    INFO(key);
+    CHECK_THROWS_WITH(read_hf_model_config(bad.path(), "model.init_from"),
+                      Contains(bad.path() + "/config.json': " + key));
+  }
   // The load's own check (hf_interop: the job's arch against config.json's), naming the key.
   ModelConfig other = c;
   other.final_softcap = 30.f;

@@ -67,11 +67,14 @@ ModelConfig gemma2_config_from_hf(const json& c, const std::string& path, const 
   cfg.final_softcap = float(number("final_logit_softcapping", 30.0));
   cfg.query_scale = number("query_pre_attn_scalar", 224);
   const double window = number("sliding_window", 4096);
-  TR_CHECK(cfg.attn_softcap >= 0 && cfg.final_softcap >= 0 && cfg.query_scale > 0 && window >= 0 &&
-               window == double(int(window)),
-           what, ": '", path, "': attn_logit_softcapping (", cfg.attn_softcap, "), final_logit_softcapping (",
-           cfg.final_softcap, ") and sliding_window (", window, ") must be >= 0 and query_pre_attn_scalar (",
-           cfg.query_scale, ") > 0");
+  auto bad = [&](const char* key, double v, const char* need) {
+    TR_FAIL(what, ": '", path, "': ", key, " = ", v, " must be ", need);
+  };
+  if (!(cfg.attn_softcap >= 0)) bad("attn_logit_softcapping", cfg.attn_softcap, ">= 0 (or null: off)");
+  if (!(cfg.final_softcap >= 0)) bad("final_logit_softcapping", cfg.final_softcap, ">= 0 (or null: off)");
+  if (!(cfg.query_scale > 0)) bad("query_pre_attn_scalar", cfg.query_scale, "> 0");
+  if (!(window >= 0 && window < 2e9 && window == double(int(window))))
+    bad("sliding_window", window, "a whole number >= 0 (or null: none)");
   cfg.sliding_window = int(window);
   if (!cfg.tied) refuse("tie_word_embeddings", "false", "true (the LM head is the token embedding)");
   return cfg;
