@@ -429,8 +429,8 @@ TEST_CASE("config: bad specs: YAML structure", "[config][bad]") {
        "job.yaml:4:3: train.seq_len: unknown key; did you mean 'model.seq_len'?"},
       {"unknown key, nothing close", kSynthetic + "model:\n  colour: 0.1\n", {},
        "job.yaml:4:3: model.colour: unknown key; the keys of 'model' are preset, arch, n_layer, n_head, n_embd, "
-       "vocab_size, seq_len, init_std, init_from, n_kv_head, ffn_dim, head_dim, norm_eps, rope_theta, tie_embeddings, "
-       "attn_softcap, final_softcap, query_scale, sliding_window, "
+       "vocab_size, seq_len, init_std, init_from, n_kv_head, ffn_dim, head_dim, norm_eps, rope_theta, sliding_window, "
+       "tie_embeddings, attn_softcap, final_softcap, query_scale, "
        "base_dtype, rope_scaling, adapter"},
       {"a subsection's key one level up", kSynthetic + "model:\n  dropout: 0.1\n", {},
        "job.yaml:4:3: model.dropout: unknown key; did you mean 'model.adapter.dropout'?"},

@@ -248,7 +248,9 @@ TEST_CASE("gemma2: the job spec describes Gemma 2; what is inconsistent is refus
   CHECK_THROWS_WITH(ModelConfig::from_spec(spec("{arch: llama, ffn_dim: 8, query_scale: 144}").model),
                     Contains("model.query_scale: 144; llama has no query_scale"));
   CHECK_THROWS_WITH(ModelConfig::from_spec(spec("{arch: gpt2, sliding_window: 64}").model),
-                    Contains("model.sliding_window: 64; gpt2 attends to the whole context"));
+                    Contains("model.sliding_window: 64; gpt2 has no sliding window"));
+  CHECK_THROWS_WITH(ModelConfig::from_spec(spec("{arch: llama, ffn_dim: 8, sliding_window: 64}").model),
+                    Contains("model.sliding_window: 64; llama has no sliding window"));
   CHECK_THROWS_WITH(spec("{arch: gemma2, final_softcap: -1}"), Contains("model.final_softcap"));
   CHECK_THROWS_WITH(make_model_arch(ModelConfig::from_spec(spec(tiny_spec + ", tie_embeddings: false}").model)),
                     Contains("model.tie_embeddings: false; Gemma 2's LM head is always the token embedding"));

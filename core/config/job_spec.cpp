@@ -157,6 +157,10 @@ const std::vector<Field>& fields() {
                     "n_head * head_dim); 0 = n_embd / n_head"),
       TR_SPEC_FIELD(model.norm_eps, above(0), "RMSNorm epsilon (llama; gpt2's LayerNorm uses 1e-5)"),
       TR_SPEC_FIELD(model.rope_theta, above(0), "RoPE base frequency (llama; Llama 3: 500000)"),
+      TR_SPEC_FIELD(model.sliding_window, at_least(0),
+                    "sliding-window attention (mistral; config.json's sliding_window): query t sees the keys "
+                    "t - sliding_window < j <= t, and generate's KV cache holds sliding_window positions; "
+                    "0 = none (full causal attention)"),
       TR_SPEC_FIELD(model.tie_embeddings, one_of({"auto", "false", "true"}),
                     "the LM head is the token embedding; auto = the architecture's way (gpt2: always tied; "
                     "llama: untied, but Llama 3.2 1B/3B are tied)"),
@@ -169,10 +173,6 @@ const std::vector<Field>& fields() {
       TR_SPEC_FIELD(model.query_scale, at_least(0),
                     "gemma2: attention scores are scaled by query_scale^-0.5 (config.json's query_pre_attn_scalar; "
                     "Gemma 2 2B/9B: 256 = head_dim, 27B: 144); 0 = head_dim's; other archs: 0"),
-      TR_SPEC_FIELD(model.sliding_window, at_least(0),
-                    "local attention: a token attends to itself and the sliding_window - 1 before it (config.json's "
-                    "sliding_window; gemma2: its even layers, Gemma 2: 4096); 0 = none. Until the attention ops "
-                    "implement it, model.seq_len must be at most it (then it changes nothing)"),
       TR_SPEC_FIELD(model.base_dtype, one_of({"auto", "fp32", "bf16", "nf4"}),
                     "with model.adapter: how the frozen base weights are held (docs/fine-tuning.md, \"NF4 storage\"); "
                     "auto = the backend's activation dtype (fp32 on the CPU, bf16 on CUDA); fp32 needs the CPU "

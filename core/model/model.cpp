@@ -136,6 +136,12 @@ ModelConfig ModelConfig::from_spec(const ModelSpec& m) {
   c.init_std = m.init_std;
   c.NKV = m.n_kv_head;
   c.F = m.ffn_dim;
+  // A window is the model's, not a training choice: only an arch whose
+  // config.json has one takes it from the spec (mistral; gemma2: its even layers).
+  TR_CHECK(m.sliding_window == 0 || c.arch == "mistral" || c.arch == "gemma2", "model.sliding_window: ",
+           m.sliding_window, "; ", c.arch, " has no sliding window in trainrun (0 = none); use model.arch: mistral "
+           "or gemma2 for a windowed model");
+  c.sliding_window = m.sliding_window;
   const bool scaled = m.rope_scaling.type != "none";
   if (c.arch == "gpt2") {
     // GPT-2 has none of Llama's knobs: a value that would change the model
@@ -148,14 +154,11 @@ ModelConfig ModelConfig::from_spec(const ModelSpec& m) {
     TR_CHECK(!scaled, "model.rope_scaling.type: ", m.rope_scaling.type, "; gpt2 has learned positions, not RoPE");
     TR_CHECK(m.head_dim == 0 || m.head_dim * m.n_head == m.n_embd, "model.head_dim: ", m.head_dim,
              "; gpt2's heads are n_embd / n_head wide (0 = that)");
-    TR_CHECK(m.sliding_window == 0, "model.sliding_window: ", m.sliding_window,
-             "; gpt2 attends to the whole context (0 = that)");
   } else {
     c.norm_eps = m.norm_eps;
     c.rope_theta = m.rope_theta;
     c.head_dim = m.head_dim;
     c.tied = m.tie_embeddings == "true";
-    c.sliding_window = m.sliding_window;
     if (scaled) {
       c.rope_scaling_type = m.rope_scaling.type;
       c.rope_scaling.factor = m.rope_scaling.factor;
@@ -193,11 +196,12 @@ ModelSpec ModelConfig::to_spec() const {
   m.norm_eps = norm_eps;
   m.rope_theta = rope_theta;
   m.head_dim = head_dim;
+  // the others' windows are not the spec's (from_spec)
+  m.sliding_window = arch == "mistral" || arch == "gemma2" ? sliding_window : 0;
   m.tie_embeddings = tied ? "true" : "false";
   m.attn_softcap = attn_softcap;
   m.final_softcap = final_softcap;
   m.query_scale = query_scale;
-  m.sliding_window = sliding_window;
   m.rope_scaling.type = rope_scaling_type.empty() ? "none" : rope_scaling_type;
   if (!rope_scaling_type.empty()) {
     m.rope_scaling.factor = rope_scaling.factor;
