@@ -231,6 +231,10 @@ class Backend {
   // buffers have row stride ldv >= V; columns [V, ldv) are not touched.
   virtual void softmax_cross_entropy(float* losses, void* dlogits, const void* logits, const int32_t* targets, int N,
                                      int V, int ldv, float dloss_scale) = 0;
+  // x(N, ldv)[:, :V] act dtype, row n times w[n] (fp32, device): per-token
+  // weights on the cross-entropy gradient (the preference objectives,
+  // core/train/preference.h). Columns [V, ldv) are not touched.
+  virtual void scale_rows(void* x, const float* w, int N, int V, int ldv) { not_implemented("scale_rows"); }
   // Final logit soft-capping (Gemma 2's final_logit_softcapping), in two ops:
   //   logit_softcap_forward: logits[:, :V] <- cap * tanh(logits / cap), in place
   //     (what the model returns as its logits);

@@ -333,7 +333,7 @@ TEST_CASE("config: the field table is complete and its defaults are valid", "[co
   // + parallel.offload, offload_dir, tensor_parallel, sequence_parallel, pipeline_*,
   // data.document_mask, data.document_separator, output.trace_steps,
   // model.base_dtype, model.adapter.{type, rank, alpha, dropout, target_modules, init_from}, model.head_dim
-  CHECK(fields.size() == 91);
+  CHECK(fields.size() == 95);
   std::vector<std::string> keys;
   for (const auto& f : fields) {
     INFO(f.key);

@@ -30,6 +30,7 @@
 #include "core/train/generate.h"
 #include "core/train/metrics.h"
 #include "core/train/preemption.h"
+#include "core/train/preference.h"
 #include "core/train/progress.h"
 #include "core/train/schedule.h"
 #include "kernels/backend.h"
@@ -245,6 +246,7 @@ class Trainer {
     return doc_separator_ < 0 ? DocumentMask{} : DocumentMask{dev_doc_start_.as<int32_t>(), dev_pos_.as<int32_t>()};
   }
   DeviceBuffer dev_loss_sum_;  // one fp32: the sum of this rank's token losses so far
+  std::unique_ptr<PreferenceTraining> pref_;  // train.objective dpo | ipo | orpo (core/train/preference.h)
   bool rank0_ = true;
   std::string prefix_;
 };
@@ -254,6 +256,7 @@ void Trainer::setup() {
   // data.document_mask's separator first: a job that cannot know it fails
   // in milliseconds, before a large model is built and initialised.
   doc_separator_ = resolve_document_separator(job_);
+  PreferenceTraining::check_job(job_);
   if (rank0_) {
     std::error_code ec;
     fs::create_directories(job_.output.dir, ec);
@@ -565,6 +568,21 @@ void Trainer::setup() {
     dev_pos_ = DeviceBuffer(be_.get(), host_in_.size() * 4);
   }
   dev_loss_sum_ = DeviceBuffer(be_.get(), 4);
+  if (job_.train.objective != "sft") {
+    PreferenceTraining::Setup ps;
+    ps.job = &job_;
+    ps.be = be_.get();
+    ps.net = model_.get();
+    ps.src = dynamic_cast<const PreferenceSource*>(train_src_.get());
+    ps.world = comm_.get();
+    ps.rank = w_.rank;
+    ps.mb = mb_;
+    ps.T = T_;
+    ps.dp_rank = dp_rank_;
+    ps.dp_size = dp_size_;
+    ps.counts = counts_loss_;
+    pref_ = std::make_unique<PreferenceTraining>(ps);
+  }
 
   if (rank0_) {
     TR_LOG_INFO("model: ", arch_->describe(), " (", arch_->num_parameters(), " parameters)");
@@ -682,7 +700,9 @@ Trainer::StepResult Trainer::train_step(int step) {
   // micro-batches and ranks), as PyTorch's ignore_index mean over that
   // batch: every rank counts the same global window from the (mmapped)
   // masks, so no collective is needed. Without masks this is B*T, as before.
-  const int64_t ntgt = train_src_->count_targets(cursor_, global_B_, T_);
+  // A preference objective's loss is already a mean over the global batch's pairs.
+  const int64_t ntgt = pref_ ? 1 : train_src_->count_targets(cursor_, global_B_, T_);
+  if (pref_) pref_->begin_step(cursor_, global_B_);
   float dloss_scale = ntgt > 0 ? 1.0f / float(ntgt) : 0.0f;  // an all-masked batch trains nothing
   if (debug_nan_step(step + 1)) dloss_scale = NAN;  // tests: TRAINRUN_DEBUG_NAN_STEP
   be_->zero(dev_loss_sum_.get(), 4);
@@ -710,9 +730,19 @@ Trainer::StepResult Trainer::train_step(int step) {
     if (adapt_) adapt_->set_microbatch(true, step + 1, first, T_);
     {
       StepTracer::Span span(tracer_.get(), "forward mb" + std::to_string(m), "compute");
-      model_->forward(units(), dev_in_.as<int32_t>(), dev_tgt_.as<int32_t>(), mb_, T_, true, dloss_scale,
-                      docs());
-      be_->sum(dev_loss_sum_.as<float>(), model_->losses(), int64_t(mb_) * T_);
+      if (pref_) {
+        // adapter_off: the frozen base store itself, so the adapters' store
+        // sees no pass it would prefetch for.
+        AdaptersOff base(*params_);
+        pref_->micro_batch(
+            first, mb_,
+            [&] { model_->forward(base, dev_in_.as<int32_t>(), dev_tgt_.as<int32_t>(), mb_, T_, false, 0.0f, docs()); },
+            [&] { model_->forward(units(), dev_in_.as<int32_t>(), dev_tgt_.as<int32_t>(), mb_, T_, true, 1.0f, docs()); });
+      } else {
+        model_->forward(units(), dev_in_.as<int32_t>(), dev_tgt_.as<int32_t>(), mb_, T_, true, dloss_scale,
+                        docs());
+        be_->sum(dev_loss_sum_.as<float>(), model_->losses(), int64_t(mb_) * T_);
+      }
     }
     StepTracer::Span span(tracer_.get(), "backward mb" + std::to_string(m), "compute");
     model_->backward(units());
@@ -729,6 +759,7 @@ Trainer::StepResult Trainer::train_step(int step) {
   // all-reduce and long before the optimizer could use its buffer.
   if (pp_links_) pp_links_->check_health();
   if (!counts_loss_) v[0] = 0.0f;  // the TP ranks of a dp index computed the same loss: count it once
+  if (pref_) pref_->push_sums(v);   // v[0] = its loss, then its metrics' sums (zeros where !counts_loss_)
   PipelineExecutor::StepTimes pt;
   if (pipe_) {
     pt = pipe_->last_step_times();
@@ -737,6 +768,7 @@ Trainer::StepResult Trainer::train_step(int step) {
   StepResult r;
   StepTracer::Span vote_span(tracer_.get(), "loss all_reduce + stop vote", "collective");
   r.stop_signal = agree_on_stop(*comm_, v);  // the vote rides the loss all-reduce
+  if (pref_) v[0] = float(pref_->pop_sums(v));
   if (pipe_) {
     // The bubble: 1 - the ranks' mean compute / the slowest rank's span
     // (the pipeline's length), so a stage that ends its list early counts
@@ -869,6 +901,16 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
     adapt_->init_params();
     if (rank0_ && !job_.model.adapter.init_from.empty())
       TR_LOG_INFO("model.adapter.init_from: initial adapters from ", job_.model.adapter.init_from);
+  }
+  if (pref_ && pref_->precompute()) {
+    // The reference is the starting weights: computed before step 1 (or read back).
+    pref_->prepare_reference(
+        [&](int64_t first, int B) {
+          read_batch(*train_src_, first, B);
+          if (adapt_) adapt_->set_microbatch(false, 0, 0, T_);  // no dropout
+          model_->forward(units(), dev_in_.as<int32_t>(), dev_tgt_.as<int32_t>(), B, T_, false, 0.0f, docs());
+        },
+        is_resume);
   }
   cursor_ = resumed.cursor;
   const int first_step = int(resumed.step);
@@ -1037,6 +1079,7 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
     report.tp_comm_seconds = tp_comm;
     report.val_loss = val_loss;
     report.bubble = sr.bubble;
+    if (pref_) report.extra = pref_->metrics();
     reporter.on_step(report);
     if (job_.checkpoint.interval > 0 && (step + 1) % job_.checkpoint.interval == 0) save_checkpoint(step + 1);
     // Preemption: the ranks agreed in train_step; save and stop at this

@@ -99,6 +99,7 @@ class CpuBackend final : public Backend {
   void geglu_forward(void* out, const void* inp, int N, int F) override;
   void geglu_backward(void* dinp, const void* dout, const void* inp, int N, int F) override;
   void logit_softcap_forward(void* logits, int N, int V, int ldv, float cap) override;
+  void scale_rows(void* x, const float* w, int N, int V, int ldv) override;  // cpu_scale_rows.cpp
   void softcap_cross_entropy(float* losses, void* dlogits, const void* logits, const int32_t* targets, int N, int V,
                              int ldv, float dloss_scale, float cap) override;
   size_t attention_gqa_saved_floats(int B, int T, int NH) const override;
