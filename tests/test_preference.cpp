@@ -630,7 +630,12 @@ TEST_CASE("preference jobs: TRL's metric names, step 1 is log 2 (precomputed == 
 
   const std::string mb2 = "--set train.micro_batch_size=2", mb4 = "--set train.micro_batch_size=4";
   check_same(run("r1m2", "parallel: {nproc_per_node: 1}\n", mb2).first, one, "1 rank, 4 micro-batches vs 1");
-  check_same(run("r2", "parallel: {nproc_per_node: 2}\n", mb4).first, one, "2 ranks full_shard");
+  // 2 and 4 ranks compute the reference themselves (each its share of the pairs).
+  std::filesystem::remove(sidecar);
+  const auto [two, log_two] = run("r2", "parallel: {nproc_per_node: 2}\n", mb4);
+  CHECK_THAT(log_two, Contains("reference: computing 16 pairs"));
+  check_same(two, one, "2 ranks full_shard");
+  std::filesystem::remove(sidecar);
   check_same(run("r4", "parallel: {nproc_per_node: 4}\n", mb2).first, one, "4 ranks full_shard");
   check_same(run("r2ns", "parallel: {nproc_per_node: 2, sharding: no_shard}\n", mb4).first, one, "2 ranks no_shard");
   check_same(run("tp2", "parallel: {nproc_per_node: 2, tensor_parallel: 2}\n").first, one, "tp2");
