@@ -645,12 +645,23 @@ TEST_CASE("preference jobs: TRL's metric names, step 1 is log 2 (precomputed == 
   auto first = run_job(y, "--set train.exit_interval=2");
   INFO(first.out);
   REQUIRE(first.exit_code == 0);
+  const std::string kept = test::read_file(sidecar);
   std::filesystem::remove(sidecar);
   const auto resumed = run_job(y, "--set train.exit_interval=2 --set launcher.max_restarts=0");
   INFO(resumed.out);
   CHECK(resumed.exit_code != 0);
   CHECK_THAT(resumed.out, Contains("train.reference precompute: resuming") && Contains(sidecar) &&
                               Contains("it does not exist") && Contains("starting weights"));
+  // With the file back, the resumed run reads it and continues the run
+  // exactly: its step 3 is the uninterrupted run's.
+  test::write_file(sidecar, kept);
+  const auto ok = run_job(y, "--set launcher.max_restarts=0");
+  INFO(ok.out);
+  REQUIRE(ok.exit_code == 0);
+  CHECK_THAT(ok.out, Contains("reference: 16 pairs' log-probs from"));
+  const auto res = read_metrics(j.d / "res");
+  REQUIRE(res.size() == 3);
+  check_same({res[2]}, {one[2]}, "resumed at step 2 vs uninterrupted, step 3");
 }
 
 TEST_CASE("preference jobs under LoRA: the adapters-off reference equals the precomputed one, step by step; ipo and "
