@@ -691,6 +691,17 @@ TEST_CASE("preference jobs under LoRA: the adapters-off reference equals the pre
   REQUIRE(r2.exit_code == 0);
   check_same(read_metrics(j.d / "off2"), off, "adapter_off: 2 ranks vs 1");
 
+  // DoRA (its magnitudes start at ||W||) and QLoRA (the reference is the
+  // NF4 base): the adapters-off reference is the starting policy too.
+  for (const std::string sets : {std::string("--set model.adapter.type=dora"), std::string("--set model.base_dtype=nf4")}) {
+    const bool dora = sets.find("dora") != std::string::npos;
+    const auto [m, log] = run(dora ? "dora" : "qlora", "--set train.reference=adapter_off " + sets);
+    INFO(sets);
+    CHECK_THAT(log, Contains(dora ? "adapter: dora" : "frozen nf4"));
+    REQUIRE(m.size() == 3);
+    CHECK(std::fabs(m[0].at("loss") - std::log(2.0)) < 1e-5);
+    CHECK(m[2].at("loss") < m[0].at("loss"));
+  }
   for (const std::string obj : {"ipo", "orpo"}) {
     const auto m = run(obj, "--set train.objective=" + obj).first;
     INFO(obj);
