@@ -737,7 +737,11 @@ Trainer::StepResult Trainer::train_step(int step) {
         pref_->micro_batch(
             first, mb_,
             [&] { model_->forward(base, dev_in_.as<int32_t>(), dev_tgt_.as<int32_t>(), mb_, T_, false, 0.0f, docs()); },
-            [&] { model_->forward(units(), dev_in_.as<int32_t>(), dev_tgt_.as<int32_t>(), mb_, T_, true, 1.0f, docs()); });
+            [&] {
+              // Scale 1: the pair weights come after (NaN stays NaN: TRAINRUN_DEBUG_NAN_STEP).
+              model_->forward(units(), dev_in_.as<int32_t>(), dev_tgt_.as<int32_t>(), mb_, T_, true,
+                              std::isnan(dloss_scale) ? dloss_scale : 1.0f, docs());
+            });
       } else {
         model_->forward(units(), dev_in_.as<int32_t>(), dev_tgt_.as<int32_t>(), mb_, T_, true, dloss_scale,
                         docs());
