@@ -358,11 +358,12 @@ PrefRun run_pref(const std::string& dir, const std::string& objective, bool pack
   std::error_code ec;
   std::filesystem::remove(pt.sidecar_path(), ec);  // computed here, not read from another case
   pt.prepare_reference(
-      [&](int64_t first, int b) {
-        read(first, b);
-        model.forward(u0, in.as<int32_t>(), tg.as<int32_t>(), b, T, false, 0.f, docs);
+      [&](int64_t first) {
+        read(first, B);
+        model.forward(u0, in.as<int32_t>(), tg.as<int32_t>(), B, T, false, 0.f, docs);
+        pt.record_reference(first, B, model);
       },
-      false);
+      B, false);
   out.ref_table = pt.reference_table();
   be->zero(g.get(), g.bytes());
   pt.begin_step(0, B);

@@ -123,6 +123,16 @@ TEST_CASE("preference jobs: TRL's metric names, step 1 is log 2 (precomputed == 
   check_same(run("r4", "parallel: {nproc_per_node: 4}\n", mb2).first, one, "4 ranks full_shard");
   check_same(run("r2ns", "parallel: {nproc_per_node: 2, sharding: no_shard}\n", mb4).first, one, "2 ranks no_shard");
   check_same(run("tp2", "parallel: {nproc_per_node: 2, tensor_parallel: 2}\n").first, one, "tp2");
+  // Pipelines: the last stage weights each microbatch's gradient in the
+  // executor's hook, and records the reference pass (computed here).
+  std::filesystem::remove(sidecar);
+  const auto [pp, log_pp] = run("pp2", "parallel: {nproc_per_node: 2, pipeline_parallel: 2}\n", mb4);
+  CHECK_THAT(log_pp, Contains("reference: computing 16 pairs"));
+  check_same(pp, one, "pp2 1f1b");
+  check_same(run("pp2g", "parallel: {nproc_per_node: 2, pipeline_parallel: 2, pipeline_schedule: gpipe}\n", mb4).first,
+             one, "pp2 gpipe");
+  std::filesystem::remove(sidecar);
+  check_same(run("pp2dp2", "parallel: {nproc_per_node: 4, pipeline_parallel: 2}\n", mb4).first, one, "pp2 x dp2");
 
   // A resumed run must not recompute the reference from trained weights.
   const std::string y = j.yaml("res", "parallel: {nproc_per_node: 1}\ncheckpoint: {interval: 1}\n");
@@ -247,8 +257,9 @@ TEST_CASE("preference: what a preference job cannot do is refused by name", "[pr
       {"--set train.reference=adapter_off", "train.reference adapter_off needs model.adapter"},
       {"--set train.micro_batch_size=1", "train.micro_batch_size 1 is odd"},
       {"--set train.objective=ipo --set train.dpo_label_smoothing=0.1", "train.dpo_label_smoothing: 0.1 is for dpo"},
-      {"--set parallel.nproc_per_node=2 --set parallel.pipeline_parallel=2 --set train.micro_batch_size=4",
-       "parallel.pipeline_parallel 2 is not supported yet"},
+      {"--set parallel.nproc_per_node=2 --set parallel.pipeline_parallel=2 --set train.micro_batch_size=4 "
+       "--set model.adapter.type=lora --set train.reference=adapter_off",
+       "train.reference adapter_off and parallel.pipeline_parallel 2 is not supported yet"},
       {"--set data.val=" + (j.d / "data") + "/train_000000.bin", "with data.val"},
       {"--set train.objective=sft", "holds preference pairs (prepare --format preference) and train.objective is sft"},
       {"--set model.seq_len=4", "pairs do not fit a row of model.seq_len + 1 = 5 tokens"},

@@ -152,9 +152,11 @@ void PreferenceTraining::check_job(const JobSpec& job) {
   const std::string o = "train.objective " + job.train.objective;
   TR_CHECK(job.data.format == "llmc", o, " reads preference pairs (llm.c shards + .pairs from `trainrun prepare "
            "--format preference`); data.format is ", job.data.format, "; set data.format: llmc");
-  TR_CHECK(job.parallel.pipeline_parallel == 1, o, " with parallel.pipeline_parallel ", job.parallel.pipeline_parallel,
-           " is not supported yet (the pair weights go between the last stage's forward and its backward, which the "
-           "pipeline schedules do not expose); set parallel.pipeline_parallel: 1");
+  TR_CHECK(job.parallel.pipeline_parallel == 1 || obj == PreferenceObjective::Orpo ||
+               job.train.reference != "adapter_off",
+           o, " with train.reference adapter_off and parallel.pipeline_parallel ", job.parallel.pipeline_parallel,
+           " is not supported yet (the adapters-off forward would be a second pass through the schedule); use "
+           "train.reference: precompute, or parallel.pipeline_parallel: 1");
   TR_CHECK(job.data.val.empty(), o, " with data.val: the validation of a preference objective (reference log-probs "
            "of the val pairs) is not implemented yet; leave data.val empty");
   TR_CHECK(job.train.micro_batch_size % (job.data.document_mask_on() ? 1 : 2) == 0, o,
@@ -170,7 +172,8 @@ void PreferenceTraining::check_job(const JobSpec& job) {
 PreferenceTraining::PreferenceTraining(const Setup& s)
     : job_(*s.job), s_(s), obj_(parse_preference_objective(s.job->train.objective)) {
   check_job(job_);
-  TR_CHECK(s_.src && s_.net && s_.be, "PreferenceTraining: missing source, network or backend (a bug)");
+  TR_CHECK(s_.src && s_.be, "PreferenceTraining: missing source or backend (a bug)");
+  TR_CHECK(s_.net || job_.parallel.pipeline_parallel > 1, "PreferenceTraining: no network (a bug)");
   const size_t n = size_t(s_.mb) * s_.T;
   seq_.resize(n);
   pair_ids_.resize(size_t(s_.mb));
@@ -181,12 +184,12 @@ PreferenceTraining::PreferenceTraining(const Setup& s)
 
 std::string PreferenceTraining::sidecar_path() const { return (data_dir(job_) / "train.reference_logps").string(); }
 
-void PreferenceTraining::sequence_logps(int B, std::vector<double>& logp, std::vector<int64_t>& ntok) {
+void PreferenceTraining::sequence_logps(Network& net, int B, std::vector<double>& logp, std::vector<int64_t>& ntok) {
   const int npairs = B / s_.src->rows_per_pair();
   logp.assign(size_t(2 * npairs), 0.0);
   ntok.assign(size_t(2 * npairs), 0);
   const int64_t n = int64_t(B) * s_.T;
-  s_.be->copy_to_host(host_loss_.data(), s_.net->losses(), size_t(n) * 4);
+  s_.be->copy_to_host(host_loss_.data(), net.losses(), size_t(n) * 4);
   for (int64_t t = 0; t < n; ++t) {
     const int32_t k = seq_[size_t(t)];
     if (k < 0) continue;
@@ -195,7 +198,8 @@ void PreferenceTraining::sequence_logps(int B, std::vector<double>& logp, std::v
   }
 }
 
-void PreferenceTraining::prepare_reference(const std::function<void(int64_t, int)>& fwd, bool is_resume) {
+void PreferenceTraining::prepare_reference(const std::function<void(int64_t)>& run_chunk, int64_t chunk_rows,
+                                           bool is_resume) {
   if (!precompute()) return;
   const int64_t pairs = s_.src->num_pairs();
   const std::string path = sidecar_path();
@@ -220,29 +224,27 @@ void PreferenceTraining::prepare_reference(const std::function<void(int64_t, int
             "first attempt wrote, or start the run afresh (a new output.dir)");
   if (s_.rank == 0)
     TR_LOG_INFO("reference: computing ", pairs, " pairs' log-probs with the starting weights (", path, ": ", why, ")");
-  std::fill(table.begin(), table.end(), 0.0);
+  // Every rank runs the same number of forwards (a sharded forward's
+  // gathers are collectives); rows past the end wrap and are not recorded.
+  ref_table_.assign(size_t(pairs) * 2, 0.0);
+  ref_rows_ = pairs * s_.src->rows_per_pair();
+  for (int64_t base = 0; base < ref_rows_; base += chunk_rows) run_chunk(base);
+  all_reduce_doubles(*s_.world, ref_table_);
+  if (s_.rank == 0) write_sidecar(path, dh, mh, ref_table_);
+}
+
+void PreferenceTraining::record_reference(int64_t first, int B, Network& net) {
+  if (!s_.counts) return;  // the TP ranks of a dp index saw the same losses: one adds them
   const int rpp = s_.src->rows_per_pair();
-  const int64_t rows = pairs * rpp;
   std::vector<double> logp;
   std::vector<int64_t> ntok;
-  // Every dp rank runs the same number of forwards (a sharded forward's
-  // gathers are collectives); rows past the end wrap and are not recorded.
-  const int64_t chunk = int64_t(s_.mb) * s_.dp_size;
-  for (int64_t base = 0; base < rows; base += chunk) {
-    const int64_t first = base + int64_t(s_.dp_rank) * s_.mb;
-    fwd(first, s_.mb);
-    s_.src->read_segments(first, s_.mb, s_.T, seq_.data(), pair_ids_.data());
-    sequence_logps(s_.mb, logp, ntok);
-    const int npairs = s_.mb / rpp;
-    for (int i = 0; i < npairs && s_.counts; ++i) {
-      if (first + int64_t(i) * rpp >= rows) break;
-      table[size_t(pair_ids_[size_t(i)]) * 2] = logp[size_t(2 * i)];
-      table[size_t(pair_ids_[size_t(i)]) * 2 + 1] = logp[size_t(2 * i + 1)];
-    }
+  s_.src->read_segments(first, B, s_.T, seq_.data(), pair_ids_.data());
+  sequence_logps(net, B, logp, ntok);
+  for (int i = 0; i < B / rpp; ++i) {
+    if (first + int64_t(i) * rpp >= ref_rows_) break;
+    ref_table_[size_t(pair_ids_[size_t(i)]) * 2] = logp[size_t(2 * i)];
+    ref_table_[size_t(pair_ids_[size_t(i)]) * 2 + 1] = logp[size_t(2 * i + 1)];
   }
-  all_reduce_doubles(*s_.world, table);
-  if (s_.rank == 0) write_sidecar(path, dh, mh, table);
-  ref_table_ = std::move(table);
 }
 
 void PreferenceTraining::begin_step(int64_t cursor, int global_B) {
@@ -254,21 +256,31 @@ void PreferenceTraining::begin_step(int64_t cursor, int global_B) {
 
 void PreferenceTraining::micro_batch(int64_t first, int B, const std::function<void()>& ref_forward,
                                      const std::function<void()>& policy_forward) {
+  std::vector<double> live;
+  std::vector<int64_t> ntok;
+  if (adapter_off()) {
+    s_.src->read_segments(first, B, s_.T, seq_.data(), pair_ids_.data());
+    ref_forward();
+    sequence_logps(*s_.net, B, live, ntok);
+  }
+  policy_forward();
+  policy_done(first, B, *s_.net, adapter_off() ? &live : nullptr);
+}
+
+void PreferenceTraining::policy_done(int64_t first, int B, Network& net, const std::vector<double>* live_ref) {
   const int rpp = s_.src->rows_per_pair(), npairs = B / rpp, T = s_.T;
   s_.src->read_segments(first, B, T, seq_.data(), pair_ids_.data());
   std::vector<double> ref(size_t(2 * npairs), 0.0), pi;
   std::vector<int64_t> ntok;
-  if (adapter_off()) {
-    ref_forward();
-    sequence_logps(B, ref, ntok);
+  if (live_ref) {
+    ref = *live_ref;
   } else if (precompute()) {
     for (int i = 0; i < npairs; ++i) {
       ref[size_t(2 * i)] = ref_table_[size_t(pair_ids_[size_t(i)]) * 2];
       ref[size_t(2 * i + 1)] = ref_table_[size_t(pair_ids_[size_t(i)]) * 2 + 1];
     }
   }
-  policy_forward();
-  sequence_logps(B, pi, ntok);
+  sequence_logps(net, B, pi, ntok);
   // dL/dloss_t = -dL/dlogp of t's sequence, over the global batch's pairs.
   std::vector<double> w(size_t(2 * npairs), 0.0);
   const double inv_pairs = 1.0 / double(std::max<int64_t>(pairs_global_, 1));
@@ -305,7 +317,7 @@ void PreferenceTraining::micro_batch(int64_t first, int B, const std::function<v
     host_w_[size_t(t)] = k < 0 ? 0.0f : float(w[size_t(k)]);
   }
   s_.be->copy_to_device(dev_w_.get(), host_w_.data(), size_t(n) * 4);
-  s_.net->scale_loss_grad(dev_w_.as<float>());
+  net.scale_loss_grad(dev_w_.as<float>());
 }
 
 void PreferenceTraining::push_sums(std::vector<float>& v) const {

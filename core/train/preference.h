@@ -70,7 +70,7 @@ class PreferenceTraining {
   struct Setup {
     const JobSpec* job = nullptr;
     Backend* be = nullptr;
-    Network* net = nullptr;
+    Network* net = nullptr;  // null under pipeline parallelism: the last stage's comes with each call
     const PreferenceSource* src = nullptr;
     Communicator* world = nullptr;  // the reference table's all-reduce
     int rank = 0, mb = 0, T = 0, dp_rank = 0, dp_size = 1;
@@ -85,10 +85,13 @@ class PreferenceTraining {
   bool adapter_off() const { return obj_ != PreferenceObjective::Orpo && job_.train.reference == "adapter_off"; }
   bool precompute() const { return obj_ != PreferenceObjective::Orpo && job_.train.reference == "precompute"; }
   // train.reference precompute, before step 1: the sidecar when it matches
-  // this data and model, else one pass (fwd(first, B): read rows [first,
-  // first + B) and run a forward without backward with the starting
-  // weights); every rank ends with the whole table.
-  void prepare_reference(const std::function<void(int64_t, int)>& fwd, bool is_resume);
+  // this data and model, else one pass: run_chunk(base) runs forwards
+  // without backward, with the starting weights, over rows [base, base +
+  // chunk_rows) split over the dp ranks as training splits a batch, and
+  // calls record_reference for each micro-batch where its losses are (the
+  // last pipeline stage). Every rank ends with the whole table.
+  void prepare_reference(const std::function<void(int64_t)>& run_chunk, int64_t chunk_rows, bool is_resume);
+  void record_reference(int64_t first, int B, Network& net);
   const std::vector<double>& reference_table() const { return ref_table_; }  // 2 per pair
   std::string sidecar_path() const;
 
@@ -99,6 +102,11 @@ class PreferenceTraining {
   // weights. The trainer runs the backward.
   void micro_batch(int64_t first, int B, const std::function<void()>& ref_forward,
                    const std::function<void()>& policy_forward);
+  // The part after the policy forward (pipeline parallelism: the last
+  // stage's hook calls it with its network): the pair losses and the
+  // weights on `net`'s loss gradient. live_ref: adapter_off's log-probs of
+  // the micro-batch's sequences; null: the precomputed table (or none).
+  void policy_done(int64_t first, int B, Network& net, const std::vector<double>* live_ref = nullptr);
   // The step's sums for the trainer's all-reduce: appended after v[0]
   // (which gets the loss), then read back: the step's loss, and metrics().
   void push_sums(std::vector<float>& v) const;
@@ -109,7 +117,7 @@ class PreferenceTraining {
 
   // Each of the micro-batch's 2 * pairs sequences' summed log-probs and
   // targets from the network's per-token losses (host copy).
-  void sequence_logps(int B, std::vector<double>& logp, std::vector<int64_t>& ntok);
+  void sequence_logps(Network& net, int B, std::vector<double>& logp, std::vector<int64_t>& ntok);
 
  private:
   const JobSpec& job_;
@@ -120,6 +128,7 @@ class PreferenceTraining {
   std::vector<float> host_loss_, host_w_;
   DeviceBuffer dev_w_;
   std::vector<double> ref_table_;    // precompute: (pairs, 2) chosen, rejected
+  int64_t ref_rows_ = 0;             // rows of one epoch: record_reference ignores wrapped ones
   int64_t pairs_global_ = 0, chosen_targets_global_ = 0;
   enum { kLoss, kRewardC, kRewardR, kAcc, kMargin, kLogpC, kLogpR, kNll, kLogOdds, kSums };
   double sums_[kSums] = {};

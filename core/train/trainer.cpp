@@ -247,6 +247,7 @@ class Trainer {
   }
   DeviceBuffer dev_loss_sum_;  // one fp32: the sum of this rank's token losses so far
   std::unique_ptr<PreferenceTraining> pref_;  // train.objective dpo | ipo | orpo (core/train/preference.h)
+  int64_t pref_ref_base_ = 0;  // pipeline: the first row of the reference pass's chunk in flight
   bool rank0_ = true;
   std::string prefix_;
 };
@@ -582,6 +583,15 @@ void Trainer::setup() {
     ps.dp_size = dp_size_;
     ps.counts = counts_loss_;
     pref_ = std::make_unique<PreferenceTraining>(ps);
+    if (pipe_) {
+      // The last stage weights each microbatch's loss gradient right after
+      // its forward (training), or records the reference pass's log-probs.
+      pipe_->set_last_stage_hook([this](int m, bool training, Network& net) {
+        const int64_t rows = (int64_t(m) * dp_size_ + dp_rank_) * mb_;
+        if (training) pref_->policy_done(cursor_ + rows, mb_, net);
+        else pref_->record_reference(pref_ref_base_ + rows, mb_, net);
+      });
+    }
   }
 
   if (rank0_) {
@@ -711,7 +721,7 @@ Trainer::StepResult Trainer::train_step(int step) {
     pipe_->train_step(
         step + 1,
         [&](int m, const PipelineExecutor::MicrobatchBuffers& to) { read_microbatch(*train_src_, cursor_, m, to); },
-        dloss_scale, dev_loss_sum_.as<float>());
+        pref_ && !std::isnan(dloss_scale) ? 1.0f : dloss_scale, dev_loss_sum_.as<float>());
     if (!pp_logged_) {
       // How often FSDP under a pipeline gathered and reduced the stage's
       // units (once per step held, per microbatch with pipeline_reshard):
@@ -763,12 +773,14 @@ Trainer::StepResult Trainer::train_step(int step) {
   // all-reduce and long before the optimizer could use its buffer.
   if (pp_links_) pp_links_->check_health();
   if (!counts_loss_) v[0] = 0.0f;  // the TP ranks of a dp index computed the same loss: count it once
-  if (pref_) pref_->push_sums(v);   // v[0] = its loss, then its metrics' sums (zeros where !counts_loss_)
   PipelineExecutor::StepTimes pt;
   if (pipe_) {
     pt = pipe_->last_step_times();
     v.push_back(float(pt.compute_ms));  // summed over the ranks below
   }
+  // v[0] = the preference loss, then its metrics' sums at the end (zeros
+  // where !counts_loss_), taken off again after the all-reduce.
+  if (pref_) pref_->push_sums(v);
   StepResult r;
   StepTracer::Span vote_span(tracer_.get(), "loss all_reduce + stop vote", "collective");
   r.stop_signal = agree_on_stop(*comm_, v);  // the vote rides the loss all-reduce
@@ -908,13 +920,26 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
   }
   if (pref_ && pref_->precompute()) {
     // The reference is the starting weights: computed before step 1 (or read back).
+    // Chunks of rows as training splits a batch over the dp ranks (and, in
+    // a pipeline, its microbatches).
+    const int64_t chunk = int64_t(mb_) * dp_size_ * (pipe_ ? accum_ : 1);
     pref_->prepare_reference(
-        [&](int64_t first, int B) {
-          read_batch(*train_src_, first, B);
+        [&](int64_t base) {
+          if (pipe_) {
+            pref_ref_base_ = base;  // the last stage's hook records each microbatch
+            pipe_->forward_only(
+                0, accum_,
+                [&](int m, const PipelineExecutor::MicrobatchBuffers& to) { read_microbatch(*train_src_, base, m, to); },
+                dev_loss_sum_.as<float>());
+            return;
+          }
+          const int64_t first = base + int64_t(dp_rank_) * mb_;
+          read_batch(*train_src_, first, mb_);
           if (adapt_) adapt_->set_microbatch(false, 0, 0, T_);  // no dropout
-          model_->forward(units(), dev_in_.as<int32_t>(), dev_tgt_.as<int32_t>(), B, T_, false, 0.0f, docs());
+          model_->forward(units(), dev_in_.as<int32_t>(), dev_tgt_.as<int32_t>(), mb_, T_, false, 0.0f, docs());
+          pref_->record_reference(first, mb_, *model_);
         },
-        is_resume);
+        chunk, is_resume);
   }
   cursor_ = resumed.cursor;
   const int first_step = int(resumed.step);
