@@ -464,7 +464,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   prepare->add_option("--tokenizer", popts.tokenizer, "Hugging Face tokenizer.json (byte-level BPE); default: byte-level, vocab 256");
   prepare->add_option("--format", popts.format, "input format")
-      ->capture_default_str()->check(CLI::IsMember({"text", "jsonl", "chat", "alpaca", "sharegpt"}));
+      ->capture_default_str()->check(CLI::IsMember({"text", "jsonl", "chat", "alpaca", "sharegpt", "preference"}));
   prepare->add_option("--text-field", popts.text_field, "jsonl: the field holding each document")->capture_default_str();
   prepare->add_option("--seq-len", popts.seq_len, "check that each split holds seq_len + 1 tokens; count longer documents")
       ->check(CLI::NonNegativeNumber);

@@ -243,6 +243,10 @@ class Backend {
   // read back from y itself, so nothing else is kept.
   virtual void softmax_cross_entropy(float* losses, void* dlogits, const void* logits, const int32_t* targets, int N,
                                      int V, int ldv, float dloss_scale, float cap = 0.f) = 0;
+  // x(N, ldv)[:, :V] act dtype, row n times w[n] (fp32, device): per-token
+  // weights on the cross-entropy gradient (the preference objectives,
+  // core/train/preference.h). Columns [V, ldv) are not touched.
+  virtual void scale_rows(void* x, const float* w, int N, int V, int ldv) { not_implemented("scale_rows"); }
   // Final logit soft-capping: logits[:, :V] <- cap * tanh(logits / cap), in
   // place (what the model returns as its logits). Elementwise, so a rank's
   // vocabulary columns cap alone (tensor parallelism).

@@ -334,7 +334,8 @@ TEST_CASE("config: the field table is complete and its defaults are valid", "[co
   // data.document_mask, data.document_separator, output.trace_steps,
   // model.base_dtype, model.adapter.{type, rank, alpha, dropout, target_modules, init_from}, model.head_dim,
   // model.{attn_softcap, final_softcap, query_scale, sliding_window} (Gemma 2)
-  CHECK(fields.size() == 95);
+  // train.{objective, dpo_beta, dpo_label_smoothing, reference} (preference tuning)
+  CHECK(fields.size() == 99);
   std::vector<std::string> keys;
   for (const auto& f : fields) {
     INFO(f.key);

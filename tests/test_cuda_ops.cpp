@@ -1929,6 +1929,25 @@ TEST_CASE("cuda: row_norms (fp32 norms of bf16 rows)", "[cuda][adapter]") {
     }
 }
 
+// Backend::scale_rows (the preference objectives' per-token weights on the
+// cross-entropy gradient): bf16 rows ldv apart times fp32 weights, the pad
+// columns untouched, against the CPU's fp32.
+TEST_CASE("cuda: scale_rows (per-row weights on bf16 logits' gradients)", "[cuda][preference]") {
+  CUDA_TEST_OR_SKIP();
+  Pair p;
+  struct S { int N, V, ldv; };
+  for (S s : {S{1, 1, 1}, S{19, 111, 112}, S{7, 500, 512}, S{64, 2050, 2056}}) {
+    const std::string sh = shape({{"N", s.N}, {"V", s.V}, {"ldv", s.ldv}});
+    Twin x(p, randn(size_t(s.N) * s.ldv, uint64_t(s.N) * 7 + s.V), true);
+    Vec wv = randn(size_t(s.N), uint64_t(s.V) + 3);
+    wv[0] = 0.0f;  // a padding / prompt row: exact zeros
+    Twin w(p, wv, false);
+    p.cpu->scale_rows(x.c(), w.cf(), s.N, s.V, s.ldv);
+    p.gpu->scale_rows(x.g(), w.gf(), s.N, s.V, s.ldv);
+    check_close("scale_rows " + sh, x.read_gpu(p), x.read_cpu(p), kBf16);
+  }
+}
+
 // Tensor parallelism (core/model/adapter/lora.h): a row-parallel linear's
 // input columns [col0, col0 + C) of rows key_cols wide draw the whole rows'
 // mask, the CPU's bit for bit; row_sum_squares then sqrt_in_place (a

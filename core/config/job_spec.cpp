@@ -264,6 +264,21 @@ const std::vector<Field>& fields() {
       TR_SPEC_FIELD(train.log_interval, at_least(1), "steps between log lines and metrics.jsonl records"),
       TR_SPEC_FIELD(train.activation_checkpointing, one_of({"none", "blocks"}),
                     "recompute activations in backward: none, or per transformer block"),
+      TR_SPEC_FIELD(train.objective, one_of({"sft", "dpo", "ipo", "orpo"}),
+                    "what the loss is: sft = next-token cross-entropy on the data's targets; dpo / ipo / orpo = "
+                    "preference tuning on chosen/rejected pairs from `trainrun prepare --format preference` "
+                    "(docs/fine-tuning.md#preference-tuning-dpo-ipo-orpo)"),
+      TR_SPEC_FIELD(train.dpo_beta, above(0),
+                    "dpo / ipo: beta, the strength of the tie to the reference (TRL's beta); orpo: lambda, the "
+                    "weight of the odds-ratio term"),
+      TR_SPEC_FIELD(train.dpo_label_smoothing, in_half_open(0, 0.5),
+                    "dpo: the share eps of labels assumed flipped (conservative DPO, TRL's label_smoothing); 0 = "
+                    "plain DPO"),
+      TR_SPEC_FIELD(train.reference, one_of({"precompute", "adapter_off"}),
+                    "dpo / ipo: where the reference log-probs come from: precompute = one forward pass over the "
+                    "pairs with the starting weights before step 1, kept in a sidecar beside the data; adapter_off "
+                    "= with model.adapter, the same network with its adapters switched off, each micro-batch (no "
+                    "second copy of the weights); orpo uses none"),
 
       TR_SPEC_FIELD(output.dir, non_empty(),
                     "run directory: metrics.jsonl, job.resolved.yaml, checkpoints, model.safetensors"),

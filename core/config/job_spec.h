@@ -88,6 +88,12 @@ struct TrainSpec {
   int eval_steps = 4;                 // batches per eval
   int log_interval = 10;              // steps between log lines / metrics.jsonl records
   std::string activation_checkpointing = "none";  // none | blocks
+  // Preference tuning (core/train/preference.h): sft = next-token loss on
+  // the data's targets; dpo | ipo | orpo on pairs from prepare --format preference.
+  std::string objective = "sft";      // sft | dpo | ipo | orpo
+  double dpo_beta = 0.1;              // beta of dpo / ipo, lambda of orpo (TRL's beta)
+  double dpo_label_smoothing = 0;     // dpo: eps of conservative DPO, in [0, 0.5)
+  std::string reference = "precompute";  // precompute | adapter_off: the reference log-probs (dpo, ipo)
 
   // Sequences per optimizer step. Validation resolves global_batch_tokens
   // into global_batch_size (= global_batch_tokens / model.seq_len) because

@@ -229,7 +229,7 @@ ChatTemplate::Spans ChatTemplate::assistant_spans(const std::vector<Message>& ms
 }
 
 void ChatTemplate::encode(TokenEncoder& enc, const std::vector<Message>& msgs, bool add_generation_prompt,
-                          std::vector<uint32_t>& ids, std::vector<uint8_t>* mask) const {
+                          std::vector<uint32_t>& ids, std::vector<uint8_t>* mask, size_t first_masked_turn) const {
   if (!mask) {
     enc.encode(render(msgs, add_generation_prompt), true, ids);
     return;
@@ -276,7 +276,8 @@ void ChatTemplate::encode(TokenEncoder& enc, const std::vector<Message>& msgs, b
   const size_t base = ids.size();
   ids.insert(ids.end(), full.begin(), full.end());
   mask->resize(ids.size(), 0);
-  for (const auto& [b, e] : sp.assistant) {
+  for (size_t k = first_masked_turn; k < sp.assistant.size(); ++k) {
+    const auto [b, e] = sp.assistant[k];
     const size_t tb = tokens_before(b), te = tokens_before(e);
     for (size_t t = tb; t < te; ++t) (*mask)[base + t] = 1;
   }

@@ -74,9 +74,12 @@ class ChatTemplate {
 
   // Appends the ids of the conversation to `ids`; with `mask`, one 0/1 per
   // id: 1 on the assistant turns' tokens (the conversation must end with
-  // an assistant message then, not with add_generation_prompt).
+  // an assistant message then, not with add_generation_prompt). Only
+  // assistant turns from the `first_masked_turn`-th on (counting assistant
+  // messages from 0) get 1s: a preference pair's response after a prompt
+  // that holds earlier assistant turns of its own.
   void encode(TokenEncoder& enc, const std::vector<Message>& msgs, bool add_generation_prompt,
-              std::vector<uint32_t>& ids, std::vector<uint8_t>* mask) const;
+              std::vector<uint32_t>& ids, std::vector<uint8_t>* mask, size_t first_masked_turn = 0) const;
 
   // The first special token of an assistant turn's masked tokens (what
   // ends a reply: <|eot_id|>, <|im_end|>, <end_of_turn>, </s>), found by

@@ -40,6 +40,11 @@ class TokenSource {
   // (B*T without a mask). The trainer divides the step's loss by this count
   // over the whole global batch, so every rank computes the same scale.
   virtual int64_t count_targets(int64_t first, int B, int T) const { return int64_t(B) * T; }
+  // Tokens [pos, pos + n) of the stream and, when `mask` is not null, their
+  // mask bytes (1 = a target in the loss; all 1 without a mask), for
+  // readers that cut their own sequences (preference pairs). Token files
+  // have it; the default fails naming describe().
+  virtual void read_span(int64_t pos, int64_t n, int32_t* tokens, uint8_t* mask) const;
 };
 
 // Fails with "<key>: the data (<describe()>) holds N tokens, fewer than

@@ -35,6 +35,7 @@
 #include "core/data/llmc_format.h"
 #include "core/data/chat_template.h"
 #include "core/data/prepare_common.h"
+#include "core/data/preference_pairs.h"
 #include "core/data/tokenizer/tokenizer.h"
 
 namespace fs = std::filesystem;
@@ -43,7 +44,7 @@ using json = nlohmann::json;
 namespace trainrun {
 namespace {
 
-enum class Format { kText, kJsonl, kChat, kAlpaca, kShareGpt };
+enum class Format { kText, kJsonl, kChat, kAlpaca, kShareGpt, kPreference };
 
 Format parse_format(const std::string& s) {
   if (s == "text") return Format::kText;
@@ -51,7 +52,8 @@ Format parse_format(const std::string& s) {
   if (s == "chat") return Format::kChat;
   if (s == "alpaca") return Format::kAlpaca;
   if (s == "sharegpt") return Format::kShareGpt;
-  TR_FAIL("--format: '", s, "' is not one of text, jsonl, chat, alpaca, sharegpt");
+  if (s == "preference") return Format::kPreference;
+  TR_FAIL("--format: '", s, "' is not one of text, jsonl, chat, alpaca, sharegpt, preference");
 }
 
 using namespace chat;  // the templates (core/data/chat_template.h)
@@ -71,6 +73,9 @@ struct Output {
   std::vector<uint32_t> tokens;
   std::vector<uint8_t> mask;
   int64_t docs = 0, long_docs = 0;
+  // preference: per pair {offset of its chosen side in `tokens`, chosen
+  // tokens, rejected tokens}; the rejected side follows the chosen one.
+  std::vector<std::array<int64_t, 3>> pairs;
 };
 
 struct Batch {
@@ -102,7 +107,9 @@ const std::string& get_string(const Job& job, const Item& it, const json& obj, c
   return f->get_ref<const std::string&>();
 }
 
-std::vector<Message> parse_messages(const Job& job, const Item& it, const json& j) {
+// `list_name`: the field holding the messages when it is not the format's
+// own ("prompt" of a preference row, read as chat messages).
+std::vector<Message> parse_messages(const Job& job, const Item& it, const json& j, const char* list_name = nullptr) {
   std::vector<Message> msgs;
   if (job.format == Format::kAlpaca) {
     std::string user = get_string(job, it, j, "instruction", "");
@@ -115,7 +122,7 @@ std::vector<Message> parse_messages(const Job& job, const Item& it, const json& 
     return msgs;
   }
   const bool sharegpt = job.format == Format::kShareGpt;
-  const char* list_key = sharegpt ? "conversations" : "messages";
+  const char* list_key = list_name ? list_name : sharegpt ? "conversations" : "messages";
   const char* role_key = sharegpt ? "from" : "role";
   const char* text_key = sharegpt ? "value" : "content";
   auto list = j.find(list_key);
@@ -158,6 +165,81 @@ void encode_chat(const Job& job, TokenEncoder& enc, const Item& it, const std::v
   out.mask.insert(out.mask.end(), mask.begin(), mask.end());
 }
 
+// A preference row's prompt: a string (one user turn) or chat messages
+// ending with a user turn.
+std::vector<Message> parse_prompt(const Job& job, const Item& it, const json& j) {
+  auto p = j.find("prompt");
+  if (p == j.end()) fail_at(job, it, "missing \"prompt\"");
+  if (p->is_string()) return {{"user", p->get<std::string>()}};
+  if (!p->is_array() || p->empty())
+    fail_at(job, it, "\"prompt\" is neither a string nor a non-empty array of messages (" +
+                         std::string(p->type_name()) + ")");
+  Job as_chat = job;
+  as_chat.format = Format::kChat;
+  std::vector<Message> msgs = parse_messages(as_chat, it, j, "prompt");
+  if (msgs.back().role != "user")
+    fail_at(job, it, "prompt: the last message is \"" + msgs.back().role +
+                         "\"; a prompt ends with a user turn (the responses are in \"chosen\" and \"rejected\")");
+  return msgs;
+}
+
+// A response: a string (one assistant turn) or assistant messages.
+std::vector<Message> parse_response(const Job& job, const Item& it, const json& j, const char* key) {
+  auto r = j.find(key);
+  if (r == j.end()) fail_at(job, it, std::string("missing \"") + key + "\"");
+  if (r->is_string()) return {{"assistant", r->get<std::string>()}};
+  if (!r->is_array() || r->empty())
+    fail_at(job, it, std::string("\"") + key + "\" is neither a string nor a non-empty array of assistant messages (" +
+                         r->type_name() + ")");
+  std::vector<Message> msgs;
+  for (size_t k = 0; k < r->size(); ++k) {
+    const json& m = (*r)[k];
+    const std::string where = std::string(key) + "[" + std::to_string(k) + "]: ";
+    if (!m.is_object()) fail_at(job, it, where + "not an object");
+    const std::string& role = get_string(job, it, m, "role", where);
+    if (role != "assistant")
+      fail_at(job, it, where + "role \"" + role + "\"; a response holds assistant messages only (the prompt holds the rest)");
+    msgs.push_back({"assistant", get_string(job, it, m, "content", where)});
+  }
+  return msgs;
+}
+
+// Both sides of a pair, each the prompt + its response rendered whole by
+// the template, one sequence after the other; the mask covers the
+// response's assistant turns only (not the prompt's own earlier ones).
+void encode_pair(const Job& job, TokenEncoder& enc, const Item& it, const json& j, Output& out) {
+  const std::vector<Message> prompt = parse_prompt(job, it, j);
+  size_t prompt_replies = 0;
+  for (const Message& m : prompt) prompt_replies += m.role == "assistant";
+  std::array<int64_t, 3> rec{static_cast<int64_t>(out.tokens.size()), 0, 0};
+  for (int side = 0; side < 2; ++side) {
+    const char* key = side == 0 ? "chosen" : "rejected";
+    std::vector<Message> msgs = prompt;
+    for (Message& m : parse_response(job, it, j, key)) msgs.push_back(std::move(m));
+    std::vector<uint32_t> ids;
+    std::vector<uint8_t> mask;
+    try {
+      job.tmpl->encode(enc, msgs, false, ids, &mask, prompt_replies);
+    } catch (const Error& e) {
+      fail_at(job, it, std::string(key) + ": " + e.what());
+    }
+    if (std::find(mask.begin(), mask.end(), 1) == mask.end())
+      fail_at(job, it, std::string(key) + ": the chat template gives the response no tokens (" +
+                           std::to_string(ids.size()) + " tokens, none a reply's); check the template");
+    const size_t before = out.tokens.size();
+    if (ids.empty() || ids[0] != job.doc_start.id) {
+      out.tokens.push_back(job.doc_start.id);
+      out.mask.push_back(0);
+    }
+    out.tokens.insert(out.tokens.end(), ids.begin(), ids.end());
+    out.mask.insert(out.mask.end(), mask.begin(), mask.end());
+    rec[1 + side] = static_cast<int64_t>(out.tokens.size() - before);
+    if (job.opts.seq_len > 0 && rec[1 + side] > job.opts.seq_len + 1) ++out.long_docs;
+  }
+  out.pairs.push_back(rec);
+  ++out.docs;
+}
+
 void encode_item(const Job& job, TokenEncoder& enc, const Item& it, Output& out) {
   const size_t first = out.tokens.size();
   if (int64_t bad = find_invalid_utf8(it.raw); bad >= 0)
@@ -177,6 +259,10 @@ void encode_item(const Job& job, TokenEncoder& enc, const Item& it, Output& out)
     fail_at(job, it, std::string("invalid JSON: ") + e.what());
   }
   if (!j.is_object()) fail_at(job, it, "expected a JSON object, got " + std::string(j.type_name()));
+  if (job.format == Format::kPreference) {
+    encode_pair(job, enc, it, j, out);
+    return;
+  }
   if (job.format == Format::kJsonl) {
     const std::string& text = get_string(job, it, j, job.opts.text_field.c_str(), "");
     out.tokens.push_back(job.doc_start.id);
@@ -583,11 +669,16 @@ std::string prepare_tokenized_shards(const PrepareOptions& opts) {
   TR_CHECK(opts.threads >= 0, "--threads: ", opts.threads, " must be >= 0 (0: all cores)");
   TR_CHECK(!opts.inputs.empty(), "--input: no input given; pass text or jsonl files or directories");
   const Format format = parse_format(opts.format);
-  const bool chat = format == Format::kChat || format == Format::kAlpaca || format == Format::kShareGpt;
+  const bool preference = format == Format::kPreference;
+  const bool chat = format == Format::kChat || format == Format::kAlpaca || format == Format::kShareGpt || preference;
   if (!chat && !opts.chat_template.empty())
-    TR_FAIL("--chat-template: only the chat formats (chat, alpaca, sharegpt) use a template; --format is ", opts.format);
+    TR_FAIL("--chat-template: only the chat formats (chat, alpaca, sharegpt, preference) use a template; --format is ",
+            opts.format);
   if (!chat && opts.train_on_input)
     TR_FAIL("--train-on-input: only the chat formats (chat, alpaca, sharegpt) have a loss mask; --format is ", opts.format);
+  if (preference && opts.train_on_input)
+    TR_FAIL("--train-on-input: --format preference compares the responses only (the prompt is the same on both "
+            "sides); leave it out");
 
   const Tokenizer tok = Tokenizer::load(opts.tokenizer);
   const prep::InputSet in = prep::select_text_files(opts.inputs);
@@ -600,6 +691,11 @@ std::string prepare_tokenized_shards(const PrepareOptions& opts) {
   const int version = tok.vocab_size() <= 65536 ? llmc::kVersionU16 : llmc::kVersionU32;
   PendingShards train(opts.output_dir, "train", opts.shard_tokens, version, chat);
   PendingShards val(opts.output_dir, "val", opts.shard_tokens, version, chat);
+  // preference: each split's pair index, renamed into place with its shards.
+  std::unique_ptr<PairIndexWriter> pairs[2];
+  if (preference)
+    for (int s = 0; s < 2; ++s)
+      pairs[s] = std::make_unique<PairIndexWriter>(opts.output_dir + (s ? "/val.pairs" : "/train.pairs"));
   std::vector<TokenEncoder> encoders;
   encoders.reserve(threads);
   for (int t = 0; t < threads; ++t) encoders.emplace_back(tok);
@@ -626,6 +722,13 @@ std::string prepare_tokenized_shards(const PrepareOptions& opts) {
     // The first failing batch in input order: the same message whatever the thread count.
     for (Batch& batch : window) {
       if (!batch.error.empty()) throw Error(batch.error);
+      for (int s = 0; s < 2 && preference; ++s) {
+        const int64_t base = (s ? val : train).tokens();
+        for (auto rec : batch.out[s].pairs) {
+          rec[0] += base;
+          pairs[s]->add(rec);
+        }
+      }
       train.add(batch.out[0]);
       val.add(batch.out[1]);
       for (const Output& o : batch.out) {
@@ -654,6 +757,10 @@ std::string prepare_tokenized_shards(const PrepareOptions& opts) {
   }
   train.commit();
   val.commit();
+  for (int s = 0; s < 2 && preference; ++s) pairs[s]->commit();
+  // Another format's run leaves no pair index for a job to pair up wrongly.
+  for (const char* stale : {"/train.pairs", "/val.pairs"})
+    if (!preference) std::remove((opts.output_dir + stale).c_str());
   std::set<std::string> keep;
   for (const auto* w : {&train, &val})
     for (const auto& n : w->names()) {
@@ -681,6 +788,7 @@ std::string prepare_tokenized_shards(const PrepareOptions& opts) {
                      {"document_start_id", job.doc_start.id},
                      {"chat_template", chat ? tmpl->description() : ""},
                      {"loss_masks", chat},
+                     {"pairs", preference ? json{{"train", pairs[0]->pairs()}, {"val", pairs[1]->pairs()}} : json()},
                      {"train_tokens", train.tokens()},
                      {"val_tokens", val.tokens()},
                      {"max_token_id", max_id},
@@ -701,6 +809,7 @@ std::string prepare_tokenized_shards(const PrepareOptions& opts) {
      << prep::shard_range(val.names()) << "; tokenizer " << opts.tokenizer << " (vocab " << tok.vocab_size() << ", "
      << (version == llmc::kVersionU16 ? "uint16" : "uint32 v7") << "), documents start with " << job.doc_start.name;
   if (chat) os << ", chat template " << tmpl->description() << ", loss masks (.mask)";
+  if (preference) os << ", " << pairs[0]->pairs() << " train / " << pairs[1]->pairs() << " val pairs (.pairs)";
   if (opts.seq_len > 0) os << "; " << long_docs << " document(s) longer than --seq-len " << opts.seq_len;
   char rate[64];
   std::snprintf(rate, sizeof rate, "; %.1f MB in %.2f s (%.1f MB/s, %d thread%s)", total_bytes / 1e6, secs,

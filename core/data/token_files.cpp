@@ -199,6 +199,25 @@ class TokenFileSource : public TokenSource {
     }
   }
 
+  void read_span(int64_t pos, int64_t n, int32_t* tokens, uint8_t* mask) const override {
+    TR_CHECK(pos >= 0 && n >= 0 && pos + n <= total_, key_, ": tokens [", pos, ", ", pos + n,
+             ") are outside the stream of ", total_, " tokens (does the .pairs file belong to these shards?)");
+    if (n == 0) return;
+    copy_tokens(pos, n, tokens);
+    if (!mask) return;
+    if (!has_mask()) {
+      std::memset(mask, 1, size_t(n));
+      return;
+    }
+    int64_t t = 0;
+    for_mask(pos, n, [&](const Shard& sh, int64_t off, int64_t k) {
+      for (int64_t i = 0; i < k; ++i, ++t) {
+        if (sh.mask[off + i] > 1) bad_mask(sh, off + i);
+        mask[t] = sh.mask[off + i];
+      }
+    });
+  }
+
   int vocab_bound() const override { return static_cast<int>(max_token_ + 1); }
   int64_t num_tokens() const override { return total_; }
 

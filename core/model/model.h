@@ -302,6 +302,13 @@ class Network {
   // Accumulates parameter gradients (+=) for the last forward(for_backward=true).
   virtual void backward(UnitAccess& units) = 0;
   virtual const float* losses() const = 0;          // (B*T) device
+  // After forward(for_backward=true) and before backward(): multiplies the
+  // gradient of token n's loss by w[n] (device fp32, B*T), so the backward
+  // differentiates sum_n w[n] * dloss_scale * loss[n]: the preference
+  // objectives' per-sequence weights (core/train/preference.h). Exact: the
+  // cross-entropy gradient is linear in its scale. Under TP each rank scales
+  // its vocabulary columns; the last pipeline stage only.
+  virtual void scale_loss_grad(const float* w) { (void)w; not_a_stage("scale_loss_grad (this network)"); }
   // (B,T,V) device, rows logits_stride() >= V apart, after a forward without for_backward.
   virtual const void* logits() const = 0;
   virtual int logits_stride() const = 0;

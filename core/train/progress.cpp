@@ -452,6 +452,7 @@ void RunReporter::on_step(const StepReport& r) {
           rec.push_back({"tp_comm_fraction", window_tp_comm_ / std::max(1e-9, window_seconds_)});
         }
         if (r.bubble >= 0) rec.push_back({"pipeline_bubble", r.bubble});
+        rec.insert(rec.end(), r.extra.begin(), r.extra.end());
         ctx_.metrics->write(rec);
       }
       if (tb_) {
@@ -471,6 +472,7 @@ void RunReporter::on_step(const StepReport& r) {
             {"memory/comm_mib", c.comm / MiB},
             {"memory/workspace_mib", c.workspace / MiB}};
         if (r.val_loss >= 0) s.push_back({"loss/val", r.val_loss});
+        s.insert(s.end(), r.extra.begin(), r.extra.end());
         tb_->add_scalars(r.step, s);
       }
     }

@@ -103,6 +103,9 @@ struct StepReport {
   double val_loss = -1;          // >= 0 when this step was evaluated
   double bubble = -1;            // pipeline: the ranks' mean share of the step spent waiting on peers; -1 = none
   bool last = false;             // the last step this process runs (max_steps, or an early exit)
+  // More figures under their own names, in metrics.jsonl and TensorBoard
+  // (the preference objectives' rewards/chosen, ... as TRL names them).
+  std::vector<std::pair<std::string, double>> extra;
 };
 
 class RunReporter {

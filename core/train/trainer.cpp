@@ -30,6 +30,7 @@
 #include "core/train/generate.h"
 #include "core/train/metrics.h"
 #include "core/train/preemption.h"
+#include "core/train/preference.h"
 #include "core/train/progress.h"
 #include "core/train/schedule.h"
 #include "kernels/backend.h"
@@ -245,6 +246,8 @@ class Trainer {
     return doc_separator_ < 0 ? DocumentMask{} : DocumentMask{dev_doc_start_.as<int32_t>(), dev_pos_.as<int32_t>()};
   }
   DeviceBuffer dev_loss_sum_;  // one fp32: the sum of this rank's token losses so far
+  std::unique_ptr<PreferenceTraining> pref_;  // train.objective dpo | ipo | orpo (core/train/preference.h)
+  int64_t pref_ref_base_ = 0;  // pipeline: the first row of the reference pass's chunk in flight
   bool rank0_ = true;
   std::string prefix_;
 };
@@ -254,6 +257,7 @@ void Trainer::setup() {
   // data.document_mask's separator first: a job that cannot know it fails
   // in milliseconds, before a large model is built and initialised.
   doc_separator_ = resolve_document_separator(job_);
+  PreferenceTraining::check_job(job_);
   if (rank0_) {
     std::error_code ec;
     fs::create_directories(job_.output.dir, ec);
@@ -565,6 +569,30 @@ void Trainer::setup() {
     dev_pos_ = DeviceBuffer(be_.get(), host_in_.size() * 4);
   }
   dev_loss_sum_ = DeviceBuffer(be_.get(), 4);
+  if (job_.train.objective != "sft") {
+    PreferenceTraining::Setup ps;
+    ps.job = &job_;
+    ps.be = be_.get();
+    ps.net = model_.get();
+    ps.src = dynamic_cast<const PreferenceSource*>(train_src_.get());
+    ps.world = comm_.get();
+    ps.rank = w_.rank;
+    ps.mb = mb_;
+    ps.T = T_;
+    ps.dp_rank = dp_rank_;
+    ps.dp_size = dp_size_;
+    ps.counts = counts_loss_;
+    pref_ = std::make_unique<PreferenceTraining>(ps);
+    if (pipe_) {
+      // The last stage weights each microbatch's loss gradient right after
+      // its forward (training), or records the reference pass's log-probs.
+      pipe_->set_last_stage_hook([this](int m, bool training, Network& net) {
+        const int64_t rows = (int64_t(m) * dp_size_ + dp_rank_) * mb_;
+        if (training) pref_->policy_done(cursor_ + rows, mb_, net);
+        else pref_->record_reference(pref_ref_base_ + rows, mb_, net);
+      });
+    }
+  }
 
   if (rank0_) {
     TR_LOG_INFO("model: ", arch_->describe(), " (", arch_->num_parameters(), " parameters)");
@@ -682,7 +710,9 @@ Trainer::StepResult Trainer::train_step(int step) {
   // micro-batches and ranks), as PyTorch's ignore_index mean over that
   // batch: every rank counts the same global window from the (mmapped)
   // masks, so no collective is needed. Without masks this is B*T, as before.
-  const int64_t ntgt = train_src_->count_targets(cursor_, global_B_, T_);
+  // A preference objective's loss is already a mean over the global batch's pairs.
+  const int64_t ntgt = pref_ ? 1 : train_src_->count_targets(cursor_, global_B_, T_);
+  if (pref_) pref_->begin_step(cursor_, global_B_);
   float dloss_scale = ntgt > 0 ? 1.0f / float(ntgt) : 0.0f;  // an all-masked batch trains nothing
   if (debug_nan_step(step + 1)) dloss_scale = NAN;  // tests: TRAINRUN_DEBUG_NAN_STEP
   be_->zero(dev_loss_sum_.get(), 4);
@@ -691,7 +721,7 @@ Trainer::StepResult Trainer::train_step(int step) {
     pipe_->train_step(
         step + 1,
         [&](int m, const PipelineExecutor::MicrobatchBuffers& to) { read_microbatch(*train_src_, cursor_, m, to); },
-        dloss_scale, dev_loss_sum_.as<float>());
+        pref_ && !std::isnan(dloss_scale) ? 1.0f : dloss_scale, dev_loss_sum_.as<float>());
     if (!pp_logged_) {
       // How often FSDP under a pipeline gathered and reduced the stage's
       // units (once per step held, per microbatch with pipeline_reshard):
@@ -710,9 +740,23 @@ Trainer::StepResult Trainer::train_step(int step) {
     if (adapt_) adapt_->set_microbatch(true, step + 1, first, T_);
     {
       StepTracer::Span span(tracer_.get(), "forward mb" + std::to_string(m), "compute");
-      model_->forward(units(), dev_in_.as<int32_t>(), dev_tgt_.as<int32_t>(), mb_, T_, true, dloss_scale,
-                      docs());
-      be_->sum(dev_loss_sum_.as<float>(), model_->losses(), int64_t(mb_) * T_);
+      if (pref_) {
+        // adapter_off: the frozen base store itself, so the adapters' store
+        // sees no pass it would prefetch for.
+        AdaptersOff base(*params_);
+        pref_->micro_batch(
+            first, mb_,
+            [&] { model_->forward(base, dev_in_.as<int32_t>(), dev_tgt_.as<int32_t>(), mb_, T_, false, 0.0f, docs()); },
+            [&] {
+              // Scale 1: the pair weights come after (NaN stays NaN: TRAINRUN_DEBUG_NAN_STEP).
+              model_->forward(units(), dev_in_.as<int32_t>(), dev_tgt_.as<int32_t>(), mb_, T_, true,
+                              std::isnan(dloss_scale) ? dloss_scale : 1.0f, docs());
+            });
+      } else {
+        model_->forward(units(), dev_in_.as<int32_t>(), dev_tgt_.as<int32_t>(), mb_, T_, true, dloss_scale,
+                        docs());
+        be_->sum(dev_loss_sum_.as<float>(), model_->losses(), int64_t(mb_) * T_);
+      }
     }
     StepTracer::Span span(tracer_.get(), "backward mb" + std::to_string(m), "compute");
     model_->backward(units());
@@ -734,9 +778,13 @@ Trainer::StepResult Trainer::train_step(int step) {
     pt = pipe_->last_step_times();
     v.push_back(float(pt.compute_ms));  // summed over the ranks below
   }
+  // v[0] = the preference loss, then its metrics' sums at the end (zeros
+  // where !counts_loss_), taken off again after the all-reduce.
+  if (pref_) pref_->push_sums(v);
   StepResult r;
   StepTracer::Span vote_span(tracer_.get(), "loss all_reduce + stop vote", "collective");
   r.stop_signal = agree_on_stop(*comm_, v);  // the vote rides the loss all-reduce
+  if (pref_) v[0] = float(pref_->pop_sums(v));
   if (pipe_) {
     // The bubble: 1 - the ranks' mean compute / the slowest rank's span
     // (the pipeline's length), so a stage that ends its list early counts
@@ -869,6 +917,29 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
     adapt_->init_params();
     if (rank0_ && !job_.model.adapter.init_from.empty())
       TR_LOG_INFO("model.adapter.init_from: initial adapters from ", job_.model.adapter.init_from);
+  }
+  if (pref_ && pref_->precompute()) {
+    // The reference is the starting weights: computed before step 1 (or read back).
+    // Chunks of rows as training splits a batch over the dp ranks (and, in
+    // a pipeline, its microbatches).
+    const int64_t chunk = int64_t(mb_) * dp_size_ * (pipe_ ? accum_ : 1);
+    pref_->prepare_reference(
+        [&](int64_t base) {
+          if (pipe_) {
+            pref_ref_base_ = base;  // the last stage's hook records each microbatch
+            pipe_->forward_only(
+                0, accum_,
+                [&](int m, const PipelineExecutor::MicrobatchBuffers& to) { read_microbatch(*train_src_, base, m, to); },
+                dev_loss_sum_.as<float>());
+            return;
+          }
+          const int64_t first = base + int64_t(dp_rank_) * mb_;
+          read_batch(*train_src_, first, mb_);
+          if (adapt_) adapt_->set_microbatch(false, 0, 0, T_);  // no dropout
+          model_->forward(units(), dev_in_.as<int32_t>(), dev_tgt_.as<int32_t>(), mb_, T_, false, 0.0f, docs());
+          pref_->record_reference(first, mb_, *model_);
+        },
+        chunk, is_resume);
   }
   cursor_ = resumed.cursor;
   const int first_step = int(resumed.step);
@@ -1037,6 +1108,7 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
     report.tp_comm_seconds = tp_comm;
     report.val_loss = val_loss;
     report.bubble = sr.bubble;
+    if (pref_) report.extra = pref_->metrics();
     reporter.on_step(report);
     if (job_.checkpoint.interval > 0 && (step + 1) % job_.checkpoint.interval == 0) save_checkpoint(step + 1);
     // Preemption: the ranks agreed in train_step; save and stop at this

@@ -99,6 +99,7 @@ class CpuBackend final : public Backend {
   void geglu_forward(void* out, const void* inp, int N, int F) override;
   void geglu_backward(void* dinp, const void* dout, const void* inp, int N, int F) override;
   void logit_softcap_forward(void* logits, int N, int V, int ldv, float cap) override;
+  void scale_rows(void* x, const float* w, int N, int V, int ldv) override;  // cpu_scale_rows.cpp
   size_t attention_gqa_saved_floats(int B, int T, int NH) const override;
   void attention_gqa_forward(void* out, float* saved, const void* qkv, int B, int T, int NH, int NKV,
                              int HS, const int32_t* doc_start = nullptr, const AttentionOptions& opt = {}) override;

@@ -27,6 +27,7 @@
 #include "kernels/cuda/attention_block.cuh"
 #include "kernels/cuda/rope.cuh"
 #include "kernels/cuda/row_norms.cuh"
+#include "kernels/cuda/scale_rows.cuh"
 #include "kernels/cuda/softmax_cross_entropy.cuh"
 #include "kernels/cuda/logit_softcap.cuh"
 #include "kernels/cuda/vocab_parallel.cuh"
@@ -463,6 +464,11 @@ void CudaBackend::dropout_forward(void* out, const void* inp, int N, int C, floa
                                   int64_t key_cols, int64_t col0) {
   make_current();
   cuda::dropout_forward(H(out), H(inp), N, C, p, seed, row0, key_cols, col0, compute_);
+}
+
+void CudaBackend::scale_rows(void* x, const float* w, int N, int V, int ldv) {
+  make_current();
+  cuda::scale_rows(H(x), w, N, V, ldv, compute_);
 }
 
 void CudaBackend::row_norms(float* out, const void* w, int rows, int cols) {

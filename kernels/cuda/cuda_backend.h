@@ -157,6 +157,7 @@ class CudaBackend final : public Backend {
   void dropout_forward(void* out, const void* inp, int N, int C, float p, uint64_t seed, int64_t row0,
                        int64_t key_cols = 0, int64_t col0 = 0) override;
   void row_norms(float* out, const void* w, int rows, int cols) override;
+  void scale_rows(void* x, const float* w, int N, int V, int ldv) override;  // scale_rows.cu, not yet run on a GPU
   void row_sum_squares(float* out, const void* w, int rows, int cols) override;
   void sqrt_in_place(float* x, int64_t n) override;
   void dora_forward(void* y, int ldy, const void* xw, const void* xba, const void* mag, const float* norm, float s,

@@ -69,6 +69,7 @@ struct PipelineExecutor::Impl {
   PipelineUnits& store;
   PipelineLinks& links;
   MicrobatchHook hook;  // null: none
+  LastStageHook last_hook;  // null: none
   Options opts;
   std::vector<ChunkRun> chunks;
   DeviceBuffer scratch;  // the stage networks' shared transient buffers
@@ -235,6 +236,7 @@ struct PipelineExecutor::Impl {
     if (hook) hook(mb, for_backward);
     s.net->forward(store.chunk_access(chunk_of(ch.virtual_stage)), to.inputs, to.targets, B, T, for_backward,
                    dloss_scale, docs);
+    if (ch.stage.last && last_hook) last_hook(mb, for_backward, *s.net);
     if (ch.stage.last) be->sum(loss_sum, s.net->losses(), int64_t(B) * T);
   }
 };
@@ -343,6 +345,7 @@ void PipelineExecutor::set_tracer(StepTracer* t) {
 }
 
 void PipelineExecutor::set_microbatch_hook(MicrobatchHook h) { impl_->hook = std::move(h); }
+void PipelineExecutor::set_last_stage_hook(LastStageHook h) { impl_->last_hook = std::move(h); }
 
 void PipelineExecutor::train_step(int64_t step, const Loader& load, float dloss_scale, float* loss_sum) {
   Impl& im = *impl_;

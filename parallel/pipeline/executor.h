@@ -91,6 +91,13 @@ class PipelineExecutor {
   // microbatch's dropout rows there, which its backward recomputes.
   using MicrobatchHook = std::function<void(int m, bool training)>;
   void set_microbatch_hook(MicrobatchHook h);
+  // Called right after the last stage's forward of microbatch m (training
+  // and forward_only), with its network: losses() holds the microbatch's
+  // per-token losses and, training, the hook may weight the loss gradient
+  // (Network::scale_loss_grad) before the backward reads it. The
+  // preference objectives (core/train/preference.h).
+  using LastStageHook = std::function<void(int m, bool training, Network& net)>;
+  void set_last_stage_hook(LastStageHook h);
   // One training step's forwards and backwards (the store's end_backward
   // included); the last stage adds its token losses to loss_sum (device).
   void train_step(int64_t step, const Loader& load, float dloss_scale, float* loss_sum);

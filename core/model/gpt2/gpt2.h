@@ -82,6 +82,7 @@ class GPT2 final : public Network {
   void backward(UnitAccess& units) override;
 
   const float* losses() const override { return losses_; }
+  void scale_loss_grad(const float* w) override { be_->scale_rows(logits_, w, B_ * T_, v_valid_, ldv_); }
   const void* logits() const override { return logits_; }
   int logits_stride() const override { return ldv_; }
   size_t activation_bytes() const override { return act_bytes_; }
