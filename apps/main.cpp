@@ -488,7 +488,7 @@ int main(int argc, char** argv) {
   generate->add_option("--top-k", so.top_k, "sample from the k most likely tokens (0: all, 1: greedy)")->capture_default_str()->check(CLI::NonNegativeNumber);
   generate->add_option("--seed", so.seed, "sampling seed")->capture_default_str();
   GenerateText gt;
-  generate->add_option("--tokenizer", gt.tokenizer, "tokenizer.json for the prompt and the output (default: the one next to the model, or its model.init_from's; none: bytes or token ids)");
+  generate->add_option("--tokenizer", gt.tokenizer, "tokenizer.json for the prompt and the output (default: the one next to the model, its model.init_from's, or the run's copy of its data's tokenizer; none: bytes or token ids)");
   generate->add_flag("--chat", gt.chat, "wrap the prompt as a user message in the chat template and stop at the end of the assistant's turn");
   generate->add_option("--system", gt.system, "with --chat: a system message before the prompt");
   generate->add_option("--chat-template", gt.chat_template, "with --chat: llama3 | chatml | plain | a template name | a Jinja file (default: the model's chat_template beside the tokenizer)");

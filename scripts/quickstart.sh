@@ -14,6 +14,6 @@ SECONDS=0
   --tokenizer data/fortunes_tokenizer/tokenizer.json --val-fraction 0.02
 ./build/trainrun --config configs/quickstart.yaml "$@"
 echo "--- a sample from the trained model (top-k 10, temperature 0.8):"
-./build/trainrun generate --checkpoint runs/quickstart --prompt "The meaning of life is " \
-  --max-tokens 80 --top-k 10 --temperature 0.8 --seed 7
+./build/trainrun generate --checkpoint runs/quickstart --prompt "The meaning of life is" \
+  --max-tokens 60 --top-k 10 --temperature 0.8 --seed 7
 echo "--- tokenizer, data, training and samples: ${SECONDS} s after the build"
