@@ -158,7 +158,8 @@ int cmd_validate(const std::string& config, const std::vector<std::string>& sets
 
 // What `generate` reads and writes text with: --tokenizer, else the
 // tokenizer.json of the HF directory it samples from, or of the job's
-// model.init_from (a fine-tune of an HF model); none: bytes (vocab 256) or
+// model.init_from (a fine-tune of an HF model), or the copy a run made of
+// its data's tokenizer (core/train/data_text.h); none: bytes (vocab 256) or
 // token ids.
 struct GenerateText {
   std::string tokenizer, chat_template;  // chat_template: "" = the tokenizer's default
@@ -178,7 +179,10 @@ std::string find_tokenizer(const GenerateText& gt, const std::string& ckpt, bool
   const std::string dir = hf ? ckpt : init_from_of_model_file(file);
   *dir_out = dir;
   if (!dir.empty() && fs::exists(fs::path(dir) / "tokenizer.json")) return (fs::path(dir) / "tokenizer.json").string();
-  return "";
+  if (hf) return "";
+  const std::string run_tok = run_tokenizer_of_model_file(file);
+  *dir_out = run_tok.empty() ? "" : fs::path(run_tok).parent_path().string();
+  return run_tok;
 }
 
 // eos_token_id (a number or a list) of generation_config.json, else config.json, in `dir`.
@@ -261,13 +265,10 @@ int cmd_generate(const std::string& ckpt, const std::string& prompt, SampleOptio
       // The reply ends with the template's end of turn.
       if (const int64_t eot = tmpl.end_of_turn(*tok); eot >= 0) so.stop_tokens.push_back(int32_t(eot));
       TR_LOG_INFO("generate: chat template ", tmpl.description());
+      ids.assign(u.begin(), u.end());
     } else {
-      // As HF's encode(): the post-processor's BOS (Llama 3), then the text.
-      if (tok->bos_id() >= 0) u.push_back(uint32_t(tok->bos_id()));
-      TokenEncoder enc(*tok);
-      enc.encode(prompt, gt.allow_special, u);
+      ids = encode_text_prompt(*tok, prompt, gt.allow_special);  // as HF's encode(): BOS (Llama 3), then the text
     }
-    ids.assign(u.begin(), u.end());
     so.vocab_limit = int(tok->vocab_size());  // a padded model vocab's extra rows have no text
     if (!tok_dir.empty())
       for (int32_t e : eos_ids_of(tok_dir)) so.stop_tokens.push_back(e);
@@ -285,11 +286,7 @@ int cmd_generate(const std::string& ckpt, const std::string& prompt, SampleOptio
   TR_LOG_INFO("generate: ", made, " tokens in ", dt, " s (", dt > 0 ? double(made) / dt : 0.0,
               " tokens/s, KV cache, prefill of ", ids.size(), " included)");
   if (tok) {
-    for (int32_t t : toks)
-      TR_CHECK(uint32_t(t) < tok->vocab_size(), "generate: the model sampled token ", t,
-               ", which the tokenizer has no text for (its vocab is ", tok->vocab_size(), ")");
-    // As HF's decode: bytes that end inside a character become U+FFFD.
-    std::cout << utf8_lossy(tok->decode(std::vector<uint32_t>(toks.begin(), toks.end()))) << "\n";
+    std::cout << decode_text(*tok, toks) << "\n";  // as HF's decode: bytes that end inside a character become U+FFFD
   } else {
     std::cout << decode_tokens(toks, cfg.V);
     if (cfg.V != 256) std::cout << "\n";
@@ -491,7 +488,7 @@ int main(int argc, char** argv) {
   generate->add_option("--top-k", so.top_k, "sample from the k most likely tokens (0: all, 1: greedy)")->capture_default_str()->check(CLI::NonNegativeNumber);
   generate->add_option("--seed", so.seed, "sampling seed")->capture_default_str();
   GenerateText gt;
-  generate->add_option("--tokenizer", gt.tokenizer, "tokenizer.json for the prompt and the output (default: the one next to the model, or its model.init_from's; none: bytes or token ids)");
+  generate->add_option("--tokenizer", gt.tokenizer, "tokenizer.json for the prompt and the output (default: the one next to the model, its model.init_from's, or the run's copy of its data's tokenizer; none: bytes or token ids)");
   generate->add_flag("--chat", gt.chat, "wrap the prompt as a user message in the chat template and stop at the end of the assistant's turn");
   generate->add_option("--system", gt.system, "with --chat: a system message before the prompt");
   generate->add_option("--chat-template", gt.chat_template, "with --chat: llama3 | chatml | plain | a template name | a Jinja file (default: the model's chat_template beside the tokenizer)");

@@ -370,7 +370,8 @@ TEST_CASE("cli: every shipped config validates as a 3-step smoke run", "[cli]") 
 // paths land there). What is changed, and why:
 //   - output.dir: the scratch directory, not the checkout's runs/;
 //   - data: configs that read prepared shards (quickstart) get them the
-//     way the README prepares them, from the fortunes corpus; only where
+//     way scripts/quickstart.sh prepares them, from the fortunes corpus
+//     (with a BPE of the model's vocab when it is not bytes); only where
 //     Debian's fortunes is not installed do they fall back to synthetic data;
 //   - configs made for a GPU (backend: cuda, GPT-2 124M at 32 x 1024 tokens a
 //     step, about a minute per step on 2 cores) run on the CPU with one
@@ -390,11 +391,21 @@ TEST_CASE("cli: every shipped config runs a 3-step smoke run", "[cli]") {
     std::string sets = " --set train.max_steps=3 --set output.dir='" + dir / "run" + "'";
     if (job.data.format != "synthetic") {
       if (have_fortunes) {
-        const auto prep = test::run_command("cd '" + dir.path() + "' && '" + test::trainrun_binary() +
-                                            "' prepare --input /usr/share/games/fortunes --output data/fortunes "
-                                            "--val-fraction 0.02");
-        INFO(prep.err);
-        REQUIRE(prep.exit_code == 0);
+        // Into data.train's directory: bytes for a vocab of 256, else a BPE
+        // of the model's vocab first, as scripts/quickstart.sh trains it.
+        const std::string bin = "'" + test::trainrun_binary() + "'";
+        std::string prep = "cd '" + dir.path() + "' && ";
+        std::string tok;
+        if (job.model.vocab_size != 256) {
+          prep += bin + " tokenizer train --input /usr/share/games/fortunes --vocab-size " +
+                  std::to_string(job.model.vocab_size) + " --special-tokens '<|endoftext|>' --output tok --quiet && ";
+          tok = " --tokenizer tok/tokenizer.json";
+        }
+        prep += bin + " prepare --input /usr/share/games/fortunes --output '" +
+                std::filesystem::path(job.data.train).parent_path().string() + "' --val-fraction 0.02" + tok;
+        const auto prep_run = test::run_command(prep);
+        INFO(prep_run.err);
+        REQUIRE(prep_run.exit_code == 0);
       } else {
         WARN("fortunes is not installed: " << cfg << " runs on synthetic data");
         sets += " --set data.format=synthetic";

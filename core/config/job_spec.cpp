@@ -283,7 +283,7 @@ const std::vector<Field>& fields() {
       TR_SPEC_FIELD(output.dir, non_empty(),
                     "run directory: metrics.jsonl, job.resolved.yaml, checkpoints, model.safetensors"),
       TR_SPEC_FIELD(output.sample_tokens, at_least(0), "tokens sampled at the end of the run; 0 = none"),
-      TR_SPEC_FIELD(output.sample_prompt, any(), "text the end-of-run sample starts from"),
+      TR_SPEC_FIELD(output.sample_prompt, any(), "text the end-of-run sample starts from: through the tokenizer the prepare.json beside data.train names (the sample is printed as text), else as bytes for vocab 256, else whitespace-separated token ids"),
       TR_SPEC_FIELD(output.trace_steps, any(),
                     "steps whose timeline (forward, backward, send, recv, optimizer and collective spans of every "
                     "rank) is written to <output.dir>/trace.json in the Chrome trace-event format (Perfetto, "

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <regex>
 #include <set>
 #include <sstream>
@@ -263,9 +264,18 @@ std::string prepare_byte_shards(const PrepareOptions& opts) {
   TR_CHECK(train.tokens() > 0, "--input: the inputs hold only ", val.tokens(),
            " bytes, all of which went to validation; pass more text or lower --val-fraction");
 
-  // A tokenizer run's record would otherwise describe these byte shards.
-  std::error_code rm_ec;
-  fs::remove(opts.output_dir + "/prepare.json", rm_ec);
+  // Replaces a tokenizer run's record, which would describe other shards:
+  // these are bytes (no tokenizer), one token per byte of text, so a job's
+  // val loss converts to bits per byte (prepare_meta.h). No shard records or
+  // vocab_size: the ids are scanned at open, and any model vocab >= their
+  // largest id reads them.
+  const nlohmann::json meta = {{"tokenizer", ""},
+                               {"format", "text"},
+                               {"train_tokens", train.tokens()},
+                               {"val_tokens", val.tokens()},
+                               {"val_bytes", val.tokens()}};
+  const std::string meta_text = meta.dump(2) + "\n";
+  write_file_atomic(opts.output_dir + "/prepare.json", meta_text.data(), meta_text.size(), true);
   std::set<std::string> keep(train.written().begin(), train.written().end());
   keep.insert(val.written().begin(), val.written().end());
   if (int removed = remove_stale_shards(opts.output_dir, keep))

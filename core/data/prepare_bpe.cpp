@@ -36,6 +36,7 @@
 #include "core/data/chat_template.h"
 #include "core/data/prepare_common.h"
 #include "core/data/preference_pairs.h"
+#include "core/data/prepare_meta.h"
 #include "core/data/tokenizer/tokenizer.h"
 
 namespace fs = std::filesystem;
@@ -76,6 +77,7 @@ struct Output {
   // preference: per pair {offset of its chosen side in `tokens`, chosen
   // tokens, rejected tokens}; the rejected side follows the chosen one.
   std::vector<std::array<int64_t, 3>> pairs;
+  int64_t text_bytes = 0;  // the text these tokens encode (text, jsonl): prepare.json's val_bytes
 };
 
 struct Batch {
@@ -249,6 +251,7 @@ void encode_item(const Job& job, TokenEncoder& enc, const Item& it, Output& out)
     if (it.doc_start) out.tokens.push_back(job.doc_start.id);
     // A later block continues its document: no second Prepend '▁'.
     enc.encode(it.raw, job.opts.allow_special, out.tokens, !it.doc_start);
+    out.text_bytes += static_cast<int64_t>(it.raw.size());
     if (it.doc_start) ++out.docs;
     return;
   }
@@ -267,6 +270,7 @@ void encode_item(const Job& job, TokenEncoder& enc, const Item& it, Output& out)
     const std::string& text = get_string(job, it, j, job.opts.text_field.c_str(), "");
     out.tokens.push_back(job.doc_start.id);
     enc.encode(text, job.opts.allow_special, out.tokens);
+    out.text_bytes += static_cast<int64_t>(text.size());
   } else {
     encode_chat(job, enc, it, parse_messages(job, it, j), out);
   }
@@ -706,7 +710,7 @@ std::string prepare_tokenized_shards(const PrepareOptions& opts) {
     total_bytes += static_cast<int64_t>(fs::file_size(p, ec));
   }
   Progress progress(total_bytes, opts.progress);
-  int64_t done_bytes = 0, docs = 0, long_docs = 0;
+  int64_t done_bytes = 0, docs = 0, long_docs = 0, val_bytes = 0;
   auto flush = [&](std::vector<Batch>& window) {
     const int nb = static_cast<int>(window.size());
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
@@ -735,6 +739,7 @@ std::string prepare_tokenized_shards(const PrepareOptions& opts) {
         docs += o.docs;
         long_docs += o.long_docs;
       }
+      val_bytes += batch.out[1].text_bytes;
       done_bytes += static_cast<int64_t>(batch.bytes);
       batch = Batch{};
     }
@@ -781,18 +786,24 @@ std::string prepare_tokenized_shards(const PrepareOptions& opts) {
       shards[st.name] = one;
       max_id = std::max(max_id, st.max_token_id);
     }
-  const json meta = {{"tokenizer", opts.tokenizer},
-                     {"vocab_size", tok.vocab_size()},
-                     {"format", opts.format},
-                     {"document_start", job.doc_start.name},
-                     {"document_start_id", job.doc_start.id},
-                     {"chat_template", chat ? tmpl->description() : ""},
-                     {"loss_masks", chat},
-                     {"pairs", preference ? json{{"train", pairs[0]->pairs()}, {"val", pairs[1]->pairs()}} : json()},
-                     {"train_tokens", train.tokens()},
-                     {"val_tokens", val.tokens()},
-                     {"max_token_id", max_id},
-                     {"shards", shards}};
+  // tokenizer_path and its hash: what a job samples text with, and how it
+  // knows the file is still the one that made these ids (prepare_meta.h).
+  json meta = {{"tokenizer", opts.tokenizer},
+               {"tokenizer_path", fs::absolute(opts.tokenizer).lexically_normal().string()},
+               {"tokenizer_xxh64", file_xxh64(opts.tokenizer)},
+               {"vocab_size", tok.vocab_size()},
+               {"format", opts.format},
+               {"document_start", job.doc_start.name},
+               {"document_start_id", job.doc_start.id},
+               {"chat_template", chat ? tmpl->description() : ""},
+               {"loss_masks", chat},
+               {"pairs", preference ? json{{"train", pairs[0]->pairs()}, {"val", pairs[1]->pairs()}} : json()},
+               {"train_tokens", train.tokens()},
+               {"val_tokens", val.tokens()},
+               {"max_token_id", max_id},
+               {"shards", shards}};
+  // Bits per byte need the text's bytes; a chat split's tokens are a template's rendering of it.
+  if (!chat) meta["val_bytes"] = val_bytes;
   const std::string meta_text = meta.dump(2) + "\n";
   prep::write_file_atomic(opts.output_dir + "/prepare.json", meta_text.data(), meta_text.size(), true);
 

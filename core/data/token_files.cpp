@@ -28,6 +28,7 @@
 #include "core/common/error.h"
 #include "core/common/log.h"
 #include "core/data/dataset.h"
+#include "core/data/prepare_meta.h"
 #include "core/data/document_mask.h"
 #include "core/data/llmc_format.h"
 
@@ -553,6 +554,16 @@ int prepared_document_start(const std::string& pattern, const std::string& key) 
     from = meta_path;
   });
   return id;
+}
+
+std::vector<PrepareJson> read_prepare_jsons(const std::string& pattern, const std::string& key) {
+  std::vector<PrepareJson> out;
+  if (pattern.empty()) return out;
+  for_each_prepare_json(expand_pattern(pattern, key), key,
+                        [&](const std::string& dir, const std::string& meta_path, const nlohmann::json& meta) {
+                          out.push_back({dir, meta_path, meta});
+                        });
+  return out;
 }
 
 std::unique_ptr<TokenSource> open_token_files(const std::string& pattern, const std::string& format,

@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "core/common/error.h"
+#include "core/data/tokenizer/tokenizer.h"
 #include "core/model/adapter/lora.h"
 #include "core/model/adapter/peft_files.h"
 #include "kernels/backend.h"
@@ -142,6 +143,30 @@ std::string decode_tokens(const std::vector<int32_t>& tokens, int vocab) {
   }
   for (size_t i = 0; i < tokens.size(); ++i) s += (i ? " " : "") + std::to_string(tokens[i]);
   return s;
+}
+
+std::vector<int32_t> encode_text_prompt(const Tokenizer& tok, const std::string& text, bool allow_special) {
+  std::vector<uint32_t> u;
+  if (tok.bos_id() >= 0) u.push_back(uint32_t(tok.bos_id()));
+  TokenEncoder enc(tok);
+  enc.encode(text, allow_special, u);
+  return std::vector<int32_t>(u.begin(), u.end());
+}
+
+std::string decode_text(const Tokenizer& tok, const std::vector<int32_t>& ids) {
+  for (int32_t t : ids)
+    TR_CHECK(t >= 0 && uint32_t(t) < tok.vocab_size(), "generate: the model sampled token ", t,
+             ", which the tokenizer has no text for (its vocab is ", tok.vocab_size(), ")");
+  return utf8_lossy(tok.decode(std::vector<uint32_t>(ids.begin(), ids.end())));
+}
+
+std::string run_tokenizer_of_model_file(const std::string& model_file) {
+  // <run>/model.safetensors, or <run>/checkpoints/<step>/model.safetensors.
+  const fs::path dir = fs::path(model_file).parent_path();
+  for (const fs::path& run : {dir, dir.parent_path().filename() == "checkpoints" ? dir.parent_path().parent_path() : fs::path()})
+    if (!run.empty() && fs::is_regular_file(run / "tokenizer.json") && fs::exists(run / "job.resolved.yaml"))
+      return (run / "tokenizer.json").string();
+  return "";
 }
 
 std::string resolve_model_file(const std::string& path) {

@@ -10,6 +10,8 @@
 
 namespace trainrun {
 
+class Tokenizer;
+
 struct SampleOptions {
   int max_tokens = 200;
   double temperature = 1.0;   // 0 or top_k == 1: greedy
@@ -48,6 +50,19 @@ int sample_cache_positions(const ModelConfig& cfg, size_t prompt_tokens, const S
 // Byte-level when V == 256 (text <-> bytes), else whitespace-separated token ids.
 std::vector<int32_t> encode_prompt(const std::string& text, int vocab);
 std::string decode_tokens(const std::vector<int32_t>& tokens, int vocab);
+
+// Text through a tokenizer, as `trainrun generate` and the end-of-run sample
+// take a prompt: the post-processor's BOS (as HF's encode()), then the ids.
+std::vector<int32_t> encode_text_prompt(const Tokenizer& tok, const std::string& text, bool allow_special = false);
+// Sampled ids as HF's decode(skip_special_tokens=False) prints them: special
+// tokens shown, a character split at the end as U+FFFD. An id outside the
+// tokenizer's vocab is an error naming it.
+std::string decode_text(const Tokenizer& tok, const std::vector<int32_t>& ids);
+
+// The tokenizer.json a trainrun run directory holds for `model_file` (its
+// model.safetensors or a checkpoint's): the copy the run made of its data's
+// tokenizer (core/train/data_text.h); "" when there is none.
+std::string run_tokenizer_of_model_file(const std::string& model_file);
 
 // Resolve --checkpoint: a .safetensors file, a checkpoint directory (holding
 // model.safetensors), or a run directory (its latest checkpoint, else its

@@ -16,6 +16,7 @@
 
 #include "core/common/error.h"
 #include "core/common/log.h"
+#include "core/train/data_text.h"
 #include "core/train/metrics.h"
 #include "core/train/plot.h"
 #include "core/train/tensorboard.h"
@@ -401,6 +402,8 @@ void RunReporter::on_step(const StepReport& r) {
   const bool record = first || r.last || r.step == tr.max_steps || (tr.log_interval > 0 && r.step % tr.log_interval == 0) ||
                       r.val_loss >= 0;
   if (record) {
+    // Bits per byte of val text: compares runs whose tokenizers differ.
+    const double bpb = bits_per_byte(r.val_loss, ctx_.val_tokens_per_byte);
     mem_ = measure_memory(*ctx_.backend, *ctx_.params, *ctx_.network);
     const double ms = 1000 * window_seconds_ / std::max(1, window_steps_);
     const double tps = window_seconds_ > 0 ? double(ctx_.tokens_per_step) * window_steps_ / window_seconds_ : 0;
@@ -421,6 +424,7 @@ void RunReporter::on_step(const StepReport& r) {
       if (peak_.flops > 0) line += " | MFU " + fixed(100 * u, 1) + "%";
       line += " | mem " + format_bytes(mem_.peak) + " | " + elapsed_eta();
       if (r.val_loss >= 0) line += " | val_loss " + fixed(r.val_loss, 4);
+      if (bpb >= 0) line += " | val_bpb " + fixed(bpb, 4);
       print_line(line);
       if (first)
         print_line("memory (rank " + std::to_string(ctx_.rank) + ", " + ctx_.params->strategy() + ", after step " +
@@ -446,6 +450,7 @@ void RunReporter::on_step(const StepReport& r) {
         if (mem_.host > 0) rec.push_back({"mem_host_bytes", mem_.host});
         if (mem_.disk > 0) rec.push_back({"mem_nvme_bytes", mem_.disk});
         if (r.val_loss >= 0) rec.push_back({"val_loss", r.val_loss});
+        if (bpb >= 0) rec.push_back({"val_bpb", bpb});
         if (window_tp_comm_ >= 0) {
           // Rank 0's time inside TP collectives, per step over the window, and its share of the step.
           rec.push_back({"tp_comm_ms", 1000 * window_tp_comm_ / std::max(1, window_steps_)});
@@ -473,6 +478,7 @@ void RunReporter::on_step(const StepReport& r) {
             {"memory/workspace_mib", c.workspace / MiB}};
         if (r.val_loss >= 0) s.push_back({"loss/val", r.val_loss});
         s.insert(s.end(), r.extra.begin(), r.extra.end());
+        if (bpb >= 0) s.push_back({"loss/val_bpb", bpb});
         tb_->add_scalars(r.step, s);
       }
     }
@@ -529,7 +535,12 @@ void RunReporter::finish(const std::string& model_path) {
       << (ctx_.world == 1 ? "" : "s") << " (" << peak_.source << ")";
   s << "\n";
   s << "loss        final " << fixed(last_loss_, 4);
-  if (best_val_ >= 0) s << "; best val_loss " << fixed(best_val_, 4) << " at step " << best_val_step_;
+  if (best_val_ >= 0) {
+    s << "; best val_loss " << fixed(best_val_, 4);
+    if (const double bpb = bits_per_byte(best_val_, ctx_.val_tokens_per_byte); bpb >= 0)
+      s << " (" << fixed(bpb, 4) << " bits/byte)";
+    s << " at step " << best_val_step_;
+  }
   if (ctx_.entropy_floor >= 0) s << "; entropy floor " << fixed(ctx_.entropy_floor, 4);
   s << "\n";
   s << "memory      rank 0 peak " << format_bytes(mem_.peak) << " (MiB: params " << fixed(c.params / MiB, 1) << ", grads "

@@ -119,6 +119,7 @@ class RunReporter {
     int rank = 0, world = 1;
     int64_t tokens_per_step = 0;
     double entropy_floor = -1;          // the data's loss floor, when known
+    double val_tokens_per_byte = -1;    // data.val's tokens per byte of text (prepare.json); > 0: val bits per byte
     MetricsWriter* metrics = nullptr;   // rank 0's metrics.jsonl (the trainer owns it)
     // > 0: the model FLOPs per token instead of arch->flops_per_token(), and
     // how they are counted (model.adapter: the frozen base's forward and

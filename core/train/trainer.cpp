@@ -26,6 +26,7 @@
 #include "core/model/tensor_parallel.h"
 #include "core/model/model_io.h"
 #include "core/train/adapter_training.h"
+#include "core/train/data_text.h"
 #include "core/model/adapter/qlora.h"
 #include "core/train/generate.h"
 #include "core/train/metrics.h"
@@ -169,6 +170,9 @@ class Trainer {
   double evaluate();
   void sample_at_end();
   bool sample_prompt_ids(std::vector<int32_t>& out) const;
+  std::string sample_text(const std::vector<int32_t>& ids) const {
+    return data_text_.tokenizer ? decode_text(*data_text_.tokenizer, ids) : decode_tokens(ids, arch_->config().V);
+  }
   void sample_from_model_file(const std::string& final_weights);
   // run() after setup, with the checkpointer it aborts on a failure.
   TrainSummary run_with(Checkpointer& ckpt, Clock::time_point t_start);
@@ -196,6 +200,7 @@ class Trainer {
   std::unique_ptr<Network> model_;   // its forward/backward and activations
   std::unique_ptr<ParamStore> params_;
   std::unique_ptr<TokenSource> train_src_, val_src_;
+  DataText data_text_;  // the data's tokenizer (the sample's text) and val tokens per byte
   // The device mesh (parallel/mesh): with tensor_parallel > 1 its groups'
   // communicators, this rank's TP plan and the network's TP context. A tp1
   // run keeps the world communicator and the store's own groups, as before.
@@ -297,6 +302,7 @@ void Trainer::setup() {
   const ModelConfig& cfg = arch_->config();
   T_ = cfg.T;
   mb_ = job_.train.micro_batch_size;
+  data_text_ = open_data_text(job_, job_.output.sample_tokens > 0, rank0_ ? job_.output.dir : "");
   if (job_.output.sample_tokens > 0) {
     std::vector<int32_t> ids;
     (void)sample_prompt_ids(ids);  // a prompt the end-of-run sample cannot use: said now, not after training
@@ -1001,6 +1007,7 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
   rc.world = w_.world;
   rc.tokens_per_step = tokens_per_step;
   rc.entropy_floor = sum.entropy_floor;
+  rc.val_tokens_per_byte = data_text_.val_tokens_per_byte;
   rc.metrics = metrics.get();
   rc.start = t_start;
   if (adapt_) {
@@ -1251,13 +1258,18 @@ void Trainer::log_memory_at_end() {
                                                           human_bytes(double(hwm_kib) * 1024) + ")");
 }
 
-// output.sample_prompt as the model's token ids: its bytes for a byte-level
-// model, else whitespace-separated ids (the run samples without a
-// tokenizer). Text for a model of another vocabulary cannot be encoded
+// output.sample_prompt as the model's token ids: through the data's
+// tokenizer when prepare.json names one (as `trainrun generate` encodes),
+// else its bytes for a byte-level model, else whitespace-separated ids. Text for a model of another vocabulary cannot be encoded
 // here; the sample is then skipped with a line saying so (every rank
 // decides alike), never the job failed after its training: until 2026-12 a
 // BPE-data run trained to the end and exited 1 at its sample.
 bool Trainer::sample_prompt_ids(std::vector<int32_t>& out) const {
+  if (data_text_.tokenizer) {
+    out = encode_text_prompt(*data_text_.tokenizer, job_.output.sample_prompt);
+    if (out.empty()) out.push_back(0);
+    return true;
+  }
   try {
     out = encode_prompt(job_.output.sample_prompt, arch_->config().V);
   } catch (const Error& e) {
@@ -1291,6 +1303,7 @@ void Trainer::sample_at_end() {
   so.temperature = 0.8;
   so.top_k = 40;
   so.seed = job_.train.seed;
+  if (data_text_.tokenizer) so.vocab_limit = int(data_text_.tokenizer->vocab_size());  // as `trainrun generate`
   const ModelConfig& cfg = arch_->config();
   std::vector<int32_t> prompt;
   if (!sample_prompt_ids(prompt)) return;
@@ -1305,7 +1318,7 @@ void Trainer::sample_at_end() {
   }
   model_->free_activations();
   auto toks = sample_tokens(be_.get(), units(), *arch_, prompt, so, comm_.get());
-  if (rank0_) TR_LOG_INFO("sample:\n", decode_tokens(toks, cfg.V));
+  if (rank0_) TR_LOG_INFO("sample:\n", sample_text(toks));
 }
 
 // The sample at tp > 1 or pp > 1. The KV-cached decoders have no tensor-
@@ -1343,7 +1356,7 @@ void Trainer::sample_from_model_file(const std::string& final_weights) {
   so.temperature = 0.8;
   so.top_k = 40;
   so.seed = job_.train.seed;
-  const ModelConfig& cfg = arch_->config();
+  if (data_text_.tokenizer) so.vocab_limit = int(data_text_.tokenizer->vocab_size());  // as `trainrun generate`
   std::vector<int32_t> prompt;
   if (!sample_prompt_ids(prompt)) return;
   std::vector<float> flat;
@@ -1352,8 +1365,7 @@ void Trainer::sample_from_model_file(const std::string& final_weights) {
            " parameters, not this model's ", arch_->layout().total, " (a bug)");
   const auto toks = sample_tokens(*arch_, flat, prompt, so);
   TR_LOG_INFO("sample (tensor_parallel ", job_.parallel.tensor_parallel, ", pipeline_parallel ",
-              job_.parallel.pipeline_parallel, ": rank 0 decodes ", final_weights, "):\n",
-              decode_tokens(toks, cfg.V));
+              job_.parallel.pipeline_parallel, ": rank 0 decodes ", final_weights, "):\n", sample_text(toks));
 }
 
 TrainSummary run_training(const JobSpec& job_in, const WorkerInfo& worker) {
