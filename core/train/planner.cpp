@@ -285,6 +285,7 @@ std::string count_str(double n) {
 namespace {
 
 std::string mesh_name(const PlanRow& r) {
+  if (r.cp > 1) return "cp" + std::to_string(r.cp) + " x dp" + std::to_string(r.dp) + " full_shard over dp x cp";
   return "tp" + std::to_string(r.tp) + (r.pp > 1 ? " x pp" + std::to_string(r.pp) : "") + " x dp" +
          std::to_string(r.dp) + " " + r.sharding.strategy + (r.pp > 1 ? " (" + r.pp_schedule + ")" : "");
 }
@@ -297,6 +298,7 @@ void recommend_mesh(Plan& plan) {
   for (const auto& r : plan.rows) all.push_back(&r);
   for (const auto& r : plan.tp_rows) all.push_back(&r);
   for (const auto& r : plan.pp_rows) all.push_back(&r);
+  for (const auto& r : plan.cp_rows) all.push_back(&r);
   const PlanRow* best = nullptr;
   int fitting = 0;
   auto bad_link = [&](const PlanRow& r) {
@@ -338,6 +340,10 @@ void recommend_mesh(Plan& plan) {
                              seconds(best->tp_comm_s) + " per step)"
                        : std::string("no tensor parallelism"))
       << ", dp" << best->dp << " " << best->sharding.strategy << " over the rest.";
+  else if (best->cp > 1)
+    o << "each sequence split over " << best->cp << " ranks (context parallelism, cp_mode " << req.cp_mode
+      << "), the ring's K/V " << seconds(best->cp_ring_s) << " per step over " << best->cp_link << " ("
+      << seconds(best->exposed_comm_s) << " exposed with the data-parallel collectives).";
   else if (best->tp == 1)
     o << "no tensor parallelism needed (TP would add activation collectives to every layer).";
   else if (best->tp_link == "NVLink")
@@ -515,6 +521,7 @@ Plan make_plan(const PlanRequest& req) {
   plan.verdict = v.str();
   plan_tensor_parallel(plan, m, dev, bw_intra, bw_inter, recompute, fpt);
   plan_pipeline_parallel(plan, m, dev, bw_intra, bw_inter, recompute, fpt);
+  plan_context_parallel(plan, m, dev, bw_intra, bw_inter, recompute, fpt);
   recommend_mesh(plan);
   return plan;
 }
@@ -587,6 +594,7 @@ std::string render_plan(const Plan& p) {
   if (!r.job_strategy.empty()) o << "(* the job's parallel.sharding)\n";
   render_tp_table(p, o);
   render_pp_table(p, o);
+  render_cp_table(p, o);
   o << "\n" << p.verdict << "\n";
   o << p.recommendation << "\n";
   return o.str();

@@ -44,12 +44,13 @@ struct CpAttentionShape {
   int NH = 0, NKV = 0, HS = 0;
 };
 
-// What a pass did, for tests and the bench.
+// What the last forward pass did (wait_seconds: every pass), for tests and the bench.
 struct RingStats {
   int blocks_computed = 0;   // (query chunk, key chunk) pairs this rank computed
   int blocks_skipped = 0;    // pairs it held but no query could see
   int sends = 0;             // K/V blocks it sent (dK/dV not counted)
   int sends_skipped = 0;     // ring steps where no later rank needed the block
+  double wait_seconds = 0;   // in send_recv (K/V, and dK/dV in backward), over the object's life
 };
 
 class RingAttention {
@@ -63,6 +64,10 @@ class RingAttention {
   RingAttention& operator=(const RingAttention&) = delete;
 
   const SequenceSplit& split() const { return split_; }
+  // The next micro-batch's documents (as the constructor's doc_start; null = none).
+  void set_documents(const int32_t* doc_start);
+  // Bytes it allocated on the backend (the workspace a network adds to its activations).
+  size_t bytes() const { return bytes_; }
   // qkv (B, Tl, (NH+2 NKV) HS) act dtype, this rank's rows (split order);
   // out (B, Tl, NH HS) act dtype; lse (B, NH, Tl) fp32, kept for backward.
   void forward(void* out, float* lse, const void* qkv);
@@ -90,6 +95,7 @@ class RingAttention {
   float* blk_lse_ = nullptr;            // (B, NH, Tc)
   float* dq_ = nullptr;                 // (B, Tl, (NH+2 NKV) HS) fp32, laid out like qkv
   RingStats stats_;
+  size_t bytes_ = 0;
 };
 
 }  // namespace trainrun
