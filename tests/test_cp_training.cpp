@@ -361,7 +361,7 @@ TEST_CASE("cp: with document masks (random lengths, documents across chunks) cp 
   }
 }
 
-TEST_CASE("cp: cp2 x tp2, cp2 x dp2 full_shard, cp2 x pp2, and with checkpointing and offload, train as one rank does",
+TEST_CASE("cp: cp2 x tp2 (and SP), cp2 x dp2 full_shard, cp2 x pp2, and with checkpointing and offload, train as one rank does",
           "[cp][train]") {
   for (const char* model : {kGpt2, kLlama}) {
     const Run ref = run_job(model, 1, true, {});
@@ -370,8 +370,10 @@ TEST_CASE("cp: cp2 x tp2, cp2 x dp2 full_shard, cp2 x pp2, and with checkpointin
       check_same(run_job(model, 4, true, cp_sets(2, "ring", {"parallel.tensor_parallel=2"})), ref);
     }
     {
-      INFO(model << " cp2 x tp2 (all_to_all)");
-      check_same(run_job(model, 4, true, cp_sets(2, "all_to_all", {"parallel.tensor_parallel=2"})), ref);
+      INFO(model << " cp2 x tp2 with sequence parallelism (all_to_all)");
+      check_same(run_job(model, 4, true,
+                         cp_sets(2, "all_to_all", {"parallel.tensor_parallel=2", "parallel.sequence_parallel=true"})),
+                 ref);
     }
     {
       INFO(model << " cp2 x dp2 full_shard");
@@ -455,8 +457,17 @@ TEST_CASE("cp: plan has cp rows (activations per rank, the ring's K/V time) and 
   // dK/dV; a block is 16384 rows x 2 x 8 KV heads x 128.
   const double block = 16384.0 * 2 * 8 * 128;
   CHECK(cp_ring_bytes_per_micro_batch(req.model, 8, 1, true, 2) == 32 * (2 * 7 * block * 2 + 7 * block * 2 + 8 * block * 4));
+  // With flash attention (no T x T term on one rank either) the arena at cp4 is still <= 0.3x one rank's.
+  const auto arch8b = make_model_arch(req.model);
+  const double one = estimate_activation_bytes(*arch8b, 1, true, DeviceModel::gpu());
+  const double cp4 = estimate_cp_activation_bytes(*arch8b, 4, "ring", 1, true, DeviceModel::gpu());
+  INFO("Llama 3.1 8B T=131072, bf16, checkpointing: one rank " << one / (1 << 30) << " GiB, cp4 " << cp4 / (1 << 30)
+                                                               << " GiB");
+  CHECK(cp4 <= 0.3 * one);
+  WARN("Llama 3.1 8B T=131072 (GPU model): activations at cp4 " << cp4 / one << "x one rank's");
   // Nothing at tp 1 holds a 131072-token sequence's activations; the recommendation is a cp mesh.
   for (const PlanRow& r : plan.rows) CHECK_FALSE(r.fits);
+  CHECK_THAT(plan.verdict, Contains("Split over 2 ranks (parallel.context_parallel: 2) the sequence fits"));
   REQUIRE(plan.has_recommendation);
   CHECK(plan.recommended.cp > 1);
   CHECK_THAT(plan.recommendation, Contains("recommended: cp"));

@@ -72,8 +72,8 @@
 //   TRAINRUN_DEBUG_CP_KILL=<rank>:<n>
 //       the worker whose RANK is <rank> raises SIGKILL inside its n-th ring
 //       attention forward (1-based, counted over the process: layers and
-//       micro-batches), after the first ring step's compute, before it
-//       passes its K/V on: its ring peers are then blocked on it
+//       micro-batches), at its first ring step, holding its K/V block
+//       before it passes it on: its ring peers are then blocked on it
 //
 // Each logs a "debug: ..." line when it fires.
 #pragma once

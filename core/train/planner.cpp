@@ -522,6 +522,14 @@ Plan make_plan(const PlanRequest& req) {
   plan_tensor_parallel(plan, m, dev, bw_intra, bw_inter, recompute, fpt);
   plan_pipeline_parallel(plan, m, dev, bw_intra, bw_inter, recompute, fpt);
   plan_context_parallel(plan, m, dev, bw_intra, bw_inter, recompute, fpt);
+  // The verdict is about whole sequences on each rank; when only a split one fits, it says where.
+  if (!f->fits)
+    for (const PlanRow& r : plan.cp_rows)
+      if (r.fits) {
+        plan.verdict += " Split over " + std::to_string(r.cp) + " ranks (parallel.context_parallel: " +
+                        std::to_string(r.cp) + ") the sequence fits: see the context-parallel rows.";
+        break;
+      }
   recommend_mesh(plan);
   return plan;
 }

@@ -83,20 +83,29 @@ bool RingAttention::forwarded(int src, int step) const {
   return false;
 }
 
-void RingAttention::pass(const char* phase, int step, void* send, void* recv, size_t bytes, bool send_it,
-                         bool recv_it, uint32_t tag) {
+std::unique_ptr<PendingCollective> RingAttention::pass(const char* phase, int step, void* send, void* recv,
+                                                       size_t bytes, bool send_it, bool recv_it, uint32_t tag,
+                                                       bool deferred) {
   const int N = split_.cp(), r = split_.rank();
-  if (!send_it && !recv_it) return;
+  std::unique_ptr<PendingCollective> pending;
+  if (!send_it && !recv_it) return pending;
   const auto t0 = std::chrono::steady_clock::now();
   try {
-    comm_.send_recv(send_it ? send : nullptr, send_it ? bytes : 0, send_it ? (r + 1) % N : -1,
-                    recv_it ? recv : nullptr, recv_it ? bytes : 0, recv_it ? (r + N - 1) % N : -1, tag);
+    const void* sb = send_it ? send : nullptr;
+    void* rb = recv_it ? recv : nullptr;
+    const size_t sn = send_it ? bytes : 0, rn = recv_it ? bytes : 0;
+    const int to = send_it ? (r + 1) % N : -1, from = recv_it ? (r + N - 1) % N : -1;
+    if (deferred)
+      pending = comm_.send_recv_deferred(sb, sn, to, rb, rn, from, tag);
+    else
+      comm_.send_recv(sb, sn, to, rb, rn, from, tag);
   } catch (const std::exception& e) {
     TR_FAIL("ring attention ", phase, " (cp group ", comm_.group().empty() ? std::string("unnamed") : comm_.group(),
             ", cp rank ", r, " of ", N, ", ring step ", step + 1, " of ", N, "): ", e.what());
   }
   // Blocking transfers (Gloo): the time the compute thread waited on K/V.
   stats_.wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return pending;
 }
 
 AttentionBlock RingAttention::block(const void* qkv, const void* kv, int qc, int src, int kc) const {
@@ -136,6 +145,19 @@ void RingAttention::forward(void* out, float* lse, const void* qkv) {
   bool held = true, started[2] = {false, false};
   for (int s = 0; s < N; ++s) {
     const int src = (r + N - s) % N;
+    // Double buffering: the block the next step needs is in flight (into
+    // kv_[1 - cur]) while this step's attention reads kv_[cur]; on NCCL the
+    // two overlap, on Gloo the transfer completes first.
+    std::unique_ptr<PendingCollective> next;
+    bool recv_it = false;
+    if (s < N - 1) {
+      if (s == 0) debug_cp_kill_hook();  // tests: TRAINRUN_DEBUG_CP_KILL (core/common/debug_hooks.h)
+      const bool send_it = held && forwarded(src, s);
+      recv_it = forwarded((r + N - 1 - s) % N, s);  // what rank r-1 holds at step s
+      if (send_it) ++stats_.sends;
+      else if (held) ++stats_.sends_skipped;
+      next = pass("forward", s, kv_[cur], kv_[1 - cur], kv_bytes, send_it, recv_it, 1, /*deferred=*/true);
+    }
     for (int qc = 0; qc < 2 && held; ++qc)
       for (int kc = 0; kc < 2; ++kc) {
         if (!visible(split_.global_chunk(qc), split_.global_chunk_of(src, kc))) {
@@ -157,12 +179,7 @@ void RingAttention::forward(void* out, float* lse, const void* qkv) {
         be_.attention_block_merge(o, l, blk_out_, blk_lse_, a);
       }
     if (s == N - 1) break;
-    if (s == 0) debug_cp_kill_hook();  // tests: TRAINRUN_DEBUG_CP_KILL (core/common/debug_hooks.h)
-    const bool send_it = held && forwarded(src, s);
-    const bool recv_it = forwarded((r + N - 1 - s) % N, s);  // what rank r-1 holds at step s
-    if (send_it) ++stats_.sends;
-    else if (held) ++stats_.sends_skipped;
-    pass("forward", s, kv_[cur], kv_[1 - cur], kv_bytes, send_it, recv_it, 1);
+    if (next) next->order_compute_after();  // the next block has landed before anything reads it
     cur = 1 - cur;
     held = recv_it;
   }
@@ -183,6 +200,14 @@ void RingAttention::backward(void* dqkv, const void* dout, const void* qkv, cons
   bool held = true;
   for (int s = 0; s < N; ++s) {
     const int src = (r + N - s) % N;
+    // K/V go on while a later rank needs them, in flight during this step's
+    // backward (double-buffered as in forward); the dK|dV accumulator, which
+    // this step adds to, goes on after it, always, so that after N passes
+    // each rank holds its own block's.
+    const bool send_it = s < N - 1 && held && forwarded(src, s);
+    const bool recv_it = s < N - 1 && forwarded((r + N - 1 - s) % N, s);
+    std::unique_ptr<PendingCollective> next =
+        pass("backward (K/V)", s, kv_[cur], kv_[1 - cur], kv_bytes, send_it, recv_it, 2, /*deferred=*/true);
     for (int qc = 0; qc < 2 && held; ++qc)
       for (int kc = 0; kc < 2; ++kc) {
         if (!visible(split_.global_chunk(qc), split_.global_chunk_of(src, kc))) continue;
@@ -192,11 +217,7 @@ void RingAttention::backward(void* dqkv, const void* dout, const void* qkv, cons
                                      at(dout, int64_t(qc) * Tc * C, act), at(out, int64_t(qc) * Tc * C, act),
                                      lse + int64_t(qc) * Tc, a);
       }
-    // K/V go on while a later rank needs them; the dK|dV accumulator always
-    // goes on, so that after N passes each rank holds its own block's.
-    const bool send_it = s < N - 1 && held && forwarded(src, s);
-    const bool recv_it = s < N - 1 && forwarded((r + N - 1 - s) % N, s);
-    pass("backward (K/V)", s, kv_[cur], kv_[1 - cur], kv_bytes, send_it, recv_it, 2);
+    if (next) next->order_compute_after();
     pass("backward (dK/dV)", s, dkv_[cur], dkv_[1 - cur], dkv_bytes, true, true, 3);
     cur = 1 - cur;
     held = recv_it;
