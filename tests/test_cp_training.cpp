@@ -432,8 +432,8 @@ TEST_CASE("cp: the planner's per-rank activation arena is the cp network's on th
         }
 }
 
-TEST_CASE("cp: plan has cp rows (activations per rank, the ring's K/V time) and puts Llama 3.1 8B at T=131072 on "
-          "8 x 80 GB on a cp mesh", "[cp][planner]") {
+TEST_CASE("cp: plan has cp rows (activations per rank, the ring's K/V time) and recommends cp when only a split "
+          "sequence fits (Llama 3.1 8B at T=131072 and 262144 on 8 x 80 GB)", "[cp][planner]") {
   PlanRequest req;
   req.model = parse_model_shape("llama3.1-8b:T=131072");
   req.gpu = "h100";
@@ -465,15 +465,24 @@ TEST_CASE("cp: plan has cp rows (activations per rank, the ring's K/V time) and 
                                                                << " GiB");
   CHECK(cp4 <= 0.3 * one);
   WARN("Llama 3.1 8B T=131072 (GPU model): activations at cp4 " << cp4 / one << "x one rank's");
-  // Nothing at tp 1 holds a 131072-token sequence's activations; the recommendation is a cp mesh.
+  // Nothing at tp 1 holds a 131072-token sequence's activations; every cp row does. A whole-sequence
+  // mesh fits too (tp4), so that is recommended: cp only when none does (its overlap is unmeasured).
   for (const PlanRow& r : plan.rows) CHECK_FALSE(r.fits);
+  for (const PlanRow& r : plan.cp_rows) CHECK(r.fits);
   CHECK_THAT(plan.verdict, Contains("Split over 2 ranks (parallel.context_parallel: 2) the sequence fits"));
   REQUIRE(plan.has_recommendation);
-  CHECK(plan.recommended.cp > 1);
-  CHECK_THAT(plan.recommendation, Contains("recommended: cp"));
+  CHECK(plan.recommended.cp == 1);
+  CHECK(plan.recommended.tp == 4);
   const std::string text = render_plan(plan);
   CHECK_THAT(text, Contains("context parallel (cp x dp = 8 GPUs") && Contains("K/V ring"));
   WARN(text);
+  // At T = 262144 only cp4 and cp8 hold it: the fewest cp ranks that fit.
+  req.model = parse_model_shape("llama3.1-8b:T=262144");
+  const Plan longer = make_plan(req);
+  REQUIRE(longer.has_recommendation);
+  CHECK(longer.recommended.cp == 4);
+  CHECK_THAT(longer.recommendation, Contains("recommended: cp4 x dp2 full_shard over dp x cp") &&
+                                        Contains("each sequence split over 4 ranks"));
 }
 
 // ---- a rank killed inside the ring --------------------------------------------------------------

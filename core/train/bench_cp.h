@@ -26,6 +26,7 @@ struct CpBenchRow {
   double step_ms = 0;       // median forward + backward of one micro-batch (rank 0)
   double wait_ms = 0;       // median time inside the cp transfers per step (rank 0)
   double wait_fraction = 0; // wait_ms / step_ms
+  double cpu_ms = 0;        // median CPU time of rank 0's thread per step (its compute, less the load's effect)
   double tokens_per_s = 0;  // T / step time (the sequence, over all its ranks)
   double activation_mib = 0;  // rank 0's network arena
 };

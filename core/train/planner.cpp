@@ -298,18 +298,31 @@ void recommend_mesh(Plan& plan) {
   for (const auto& r : plan.rows) all.push_back(&r);
   for (const auto& r : plan.tp_rows) all.push_back(&r);
   for (const auto& r : plan.pp_rows) all.push_back(&r);
-  for (const auto& r : plan.cp_rows) all.push_back(&r);
   const PlanRow* best = nullptr;
   int fitting = 0;
   auto bad_link = [&](const PlanRow& r) {
     return r.tp_link == "cross-node" || (r.tp_link == "PCIe" && req.topology_has_nvlink);
   };
-  for (const PlanRow* r : all) {
-    if (!r->fits || bad_link(*r)) continue;
-    ++fitting;
-    if (!best || r->step_s < best->step_s * (1 - 1e-9) ||
-        (std::fabs(r->step_s - best->step_s) <= 1e-9 * best->step_s && r->mem.total() < best->mem.total()))
-      best = r;
+  auto pick = [&](const std::vector<const PlanRow*>& rows) {
+    for (const PlanRow* r : rows) {
+      if (!r->fits || bad_link(*r)) continue;
+      ++fitting;
+      // Ties: fewer cp ranks before more (less K/V traffic), then the least memory.
+      const bool tie = best && std::fabs(r->step_s - best->step_s) <= 1e-9 * best->step_s;
+      if (!best || r->step_s < best->step_s * (1 - 1e-9) ||
+          (tie && (r->cp < best->cp || (r->cp == best->cp && r->mem.total() < best->mem.total()))))
+        best = r;
+    }
+  };
+  pick(all);
+  // Context parallelism only when no mesh holds whole sequences: its step
+  // time assumes the ring hides behind attention (NCCL's double buffering),
+  // which has not been measured on a GPU yet.
+  if (!best) {
+    std::vector<const PlanRow*> cp;
+    for (const auto& r : plan.cp_rows) cp.push_back(&r);
+    pick(cp);
+    all.insert(all.end(), cp.begin(), cp.end());
   }
   std::ostringstream o;
   if (!best) {
