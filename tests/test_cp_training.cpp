@@ -513,3 +513,20 @@ TEST_CASE("cp: a rank killed inside the ring ends the job in < 40 s with no work
   CHECK(left.out.empty());
   WARN("a rank killed inside the ring: the job ended in " << s << " s");
 }
+
+// ---- bench cp --------------------------------------------------------------------------------
+
+TEST_CASE("cp: `trainrun bench cp` prints a row per degree with the K/V share, and refuses a length that does "
+          "not split", "[cp][bench]") {
+  const auto ok = run_command("OMP_NUM_THREADS=1 '" + trainrun_binary() +
+                              "' bench cp --seq-len 64 --cp 1,2 --steps 2 --layers 1 --width 16");
+  INFO(ok.out << ok.err);
+  REQUIRE(ok.exit_code == 0);
+  CHECK_THAT(ok.out, Contains("one sequence of 64 tokens per step, cp_mode ring"));
+  CHECK_THAT(ok.out, Contains("| cp | step (ms) | waiting on K/V (ms) | share of step |"));
+  CHECK_THAT(ok.out, Contains("\n| 1 | ") && Contains("| 0.0 | 0.0% |"));  // one rank waits on nobody
+  CHECK_THAT(ok.out, Contains("\n| 2 | "));
+  const auto bad = run_command("'" + trainrun_binary() + "' bench cp --seq-len 66 --cp 1,2 --steps 2");
+  CHECK(bad.exit_code != 0);
+  CHECK_THAT(bad.out + bad.err, Contains("bench cp: --seq-len 66 is not a multiple of 2 x cp (4, --cp 2)"));
+}

@@ -140,7 +140,9 @@ std::vector<CpBenchRow> run_cp_bench(const CpBenchOptions& o, std::string* model
   if (model_description) *model_description = arch->describe();
   std::vector<CpBenchRow> rows;
   for (int cp : o.cps) {
-    TR_CHECK(cp >= 1 && o.T % (2 * cp) == 0, "bench cp: --T ", o.T, " is not a multiple of 2 x cp (", 2 * cp, ")");
+    TR_CHECK(cp >= 1 && o.T % (2 * cp) == 0, "bench cp: --seq-len ", o.T, " is not a multiple of 2 x cp (", 2 * cp,
+             ", --cp ", cp, "): context parallelism splits a sequence into 2 x cp equal chunks; use a multiple of ",
+             2 * cp);
     std::vector<RankTimes> times(static_cast<size_t>(cp));
     if (cp == 1) {
       times[0] = run_rank(*arch, o, nullptr, o.mode);
