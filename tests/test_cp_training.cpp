@@ -361,7 +361,7 @@ TEST_CASE("cp: with document masks (random lengths, documents across chunks) cp 
   }
 }
 
-TEST_CASE("cp: cp2 x tp2 (and SP), cp2 x dp2 full_shard, cp2 x pp2, and with checkpointing and offload, train as one rank does",
+TEST_CASE("cp: cp2 x tp2 (and SP), cp2 x dp2 full_shard and hybrid_shard, cp2 x pp2, and with checkpointing and offload, train as one rank does",
           "[cp][train]") {
   for (const char* model : {kGpt2, kLlama}) {
     const Run ref = run_job(model, 1, true, {});
@@ -378,6 +378,12 @@ TEST_CASE("cp: cp2 x tp2 (and SP), cp2 x dp2 full_shard, cp2 x pp2, and with che
     {
       INFO(model << " cp2 x dp2 full_shard");
       check_same(run_job(model, 4, true, cp_sets(2, "ring", {"parallel.sharding=full_shard"})), ref);
+    }
+    {
+      INFO(model << " cp2 x dp2 hybrid_shard (shard groups of 1 dp rank x its 2 cp ranks)");
+      check_same(run_job(model, 4, true,
+                         cp_sets(2, "ring", {"parallel.sharding=hybrid_shard", "parallel.shard_group_size=1"})),
+                 ref);
     }
     {
       INFO(model << " cp2 x pp2 (1f1b, ring)");
