@@ -32,6 +32,7 @@
 #include "core/train/bench_tp.h"
 #include "core/train/bench_pipeline.h"
 #include "core/train/bench_lora.h"
+#include "core/train/bench_cp.h"
 #include "core/train/pipeline_explain.h"
 #include "core/train/generate.h"
 #include "core/train/planner.h"
@@ -331,6 +332,8 @@ int cmd_plan(const PlanArgs& a) {
     req.sequence_parallel = job.parallel.sequence_parallel_on();
     req.job_tp = job.parallel.tensor_parallel;
     req.job_pp = job.parallel.pipeline_parallel;
+    req.job_cp = job.parallel.context_parallel;
+    req.cp_mode = job.parallel.cp_mode;
     if (!job.parallel.pipeline_schedule.empty()) req.pp_schedule = job.parallel.pipeline_schedule;
     req.pipeline_reshard = job.parallel.pipeline_reshard;
     if (job.parallel.pipeline_virtual_stages > 1) req.pp_virtual_stages = job.parallel.pipeline_virtual_stages;
@@ -621,6 +624,15 @@ int main(int argc, char** argv) {
   bench_lora->add_option("--steps", lbo.steps, "steps per run (the median skips the first 2)")->capture_default_str()->check(CLI::Range(3, 1000));
   bench_lora->add_option("--rounds", lbo.rounds, "full and adapter runs, alternating; the lower median of each is kept")->capture_default_str()->check(CLI::Range(1, 100));
   bench_lora->add_option("--threads", lbo.threads, "OpenMP thread counts, one pair of runs each (default: 1 and every core)")->delimiter(',')->check(CLI::Range(1, 1024));
+  auto* bench_cp = bench->add_subcommand("cp", "context parallelism: step time of one long sequence on one rank and split over cp ranks, and the share of it spent waiting on the ring's K/V (CPU backend, one core per rank)");
+  CpBenchOptions cpo;
+  bench_cp->add_option("--seq-len", cpo.T, "tokens per sequence")->capture_default_str()->check(CLI::Range(8, 1 << 20));
+  bench_cp->add_option("--cp", cpo.cps, "cp degrees to measure (1: one rank)")->capture_default_str()->delimiter(',')->check(CLI::Range(1, 64));
+  bench_cp->add_option("--mode", cpo.mode, "ring or all_to_all")->capture_default_str()->check(CLI::IsMember({"ring", "all_to_all"}));
+  bench_cp->add_option("--steps", cpo.steps, "steps per degree (the first is warm-up)")->capture_default_str()->check(CLI::Range(2, 1000));
+  bench_cp->add_option("--layers", cpo.layers, "Llama blocks")->capture_default_str()->check(CLI::Range(1, 1024));
+  bench_cp->add_option("--width", cpo.width, "n_embd (a multiple of --heads)")->capture_default_str()->check(CLI::Range(8, 65536));
+  bench_cp->add_flag("--documents", cpo.documents, "random documents of ~512 tokens (document masks)");
 
   // Hidden: the CUDA peer probe, run by the topology code in a child process
   // (parallel/topology/topology_probe.cpp) so the agent never holds a CUDA context.
@@ -713,6 +725,12 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (*bench_pipe) return run_pipeline_bench(pbo);
+    if (*bench_cp) {
+      std::string described;
+      const std::vector<CpBenchRow> rows = run_cp_bench(cpo, &described);
+      std::cout << format_cp_table(rows, described, cpo) << std::flush;
+      return 0;
+    }
     if (*export_cmd) {
       HfExportOptions eo;
       eo.dtype = exp_dtype;

@@ -1,5 +1,6 @@
-// Context parallelism (issue 27), the pieces before the trainer uses them:
-// the job spec's keys and their refusals, the cp mesh dimension, the
+// Context parallelism (issue 27), the pieces the networks and the trainer
+// use (tests/test_cp_training.cpp tests them in use): the job spec's keys
+// and their refusals (and the trainer's), the cp mesh dimension, the
 // load-balanced sequence split (rows <-> global positions, document masks
 // split with positions restarting per document), and attention across cp
 // ranks (ring and all_to_all) against the one-rank attention op, forward
@@ -21,6 +22,7 @@
 #include "parallel/context/all_to_all_attention.h"
 #include "parallel/context/ring_attention.h"
 #include "parallel/context/sequence_split.h"
+#include "tests/support/cp_docs.h"
 #include "tests/support/device_io.h"
 #include "tests/support/inprocess.h"
 #include "tests/support/testutil.h"
@@ -65,19 +67,21 @@ TEST_CASE("cp: the job spec's context_parallel and cp_mode, and what they refuse
   CHECK(spec_error(kModel + "parallel: {context_parallel: 2, tensor_parallel: 2, cp_mode: all_to_all}\n") == "");
 }
 
-TEST_CASE("cp: a job with context_parallel > 1 is refused at setup by name, not run on the whole sequence",
-          "[cp][config]") {
+TEST_CASE("cp: what context parallelism does not compose with yet is refused at setup by name", "[cp][config]") {
   TempDir dir("cp_refused");
-  write_file(dir / "job.yaml",
-             "backend: cpu\n" + kModel +
-                 "train: {global_batch_size: 2, micro_batch_size: 1, max_steps: 1, eval_interval: 0, "
-                 "warmup_steps: 0}\n"
-                 "parallel: {nproc_per_node: 2, context_parallel: 2, timeout_s: 30}\n"
-                 "output: {dir: '" + dir / "run" + "', sample_tokens: 0}\n");
-  const auto r = run_command("OMP_NUM_THREADS=1 '" + trainrun_binary() + "' --config '" + dir / "job.yaml" + "' 2>&1");
-  INFO(r.out << r.err);
-  CHECK(r.exit_code != 0);
-  CHECK_THAT(r.out + r.err, Contains("parallel.context_parallel: 2 is not wired into training yet"));
+  const std::string model = "{n_layer: 1, n_head: 4, n_embd: 16, vocab_size: 23, seq_len: 16";
+  auto job = [&](const std::string& parallel, const std::string& model_extra) {
+    return parse_job_spec("backend: cpu\nmodel: " + model + model_extra + "}\ndata: {format: synthetic}\n" +
+                              "train: {global_batch_size: 4, micro_batch_size: 1, max_steps: 1, eval_interval: 0, "
+                              "warmup_steps: 0}\n"
+                              "parallel: {" + parallel + ", timeout_s: 30}\n"
+                              "output: {dir: '" + dir / "run" + "', sample_tokens: 0}\n",
+                          "job.yaml");
+  };
+  const auto lora = run_ranks_inprocess_outcomes(
+      job("context_parallel: 2", ", adapter: {type: lora, rank: 2}"),
+      2);
+  for (const auto& o : lora) CHECK_THAT(o.error, Contains("parallel.context_parallel 2 with model.adapter lora"));
 }
 
 // ---- the sequence split -------------------------------------------------------------
@@ -187,27 +191,7 @@ struct AttnCase {
   std::vector<int32_t> doc_start;  // (B,T) or empty
 };
 
-// Documents: sequence 0 has fixed lengths with boundaries on chunk edges of
-// cp2 and cp4 and one document longer than a chunk; the others random.
-std::vector<int32_t> make_docs(int B, int T, uint64_t seed) {
-  std::vector<int32_t> d(size_t(B) * T);
-  std::mt19937_64 gen(seed);
-  for (int b = 0; b < B; ++b) {
-    std::vector<int> lens = b == 0 ? std::vector<int>{4, 12, 1, 3, 8, 4} : std::vector<int>{};
-    if (b > 0)
-      for (int left = T; left > 0;) {
-        const int n = std::min(left, int(gen() % 13) + 1);
-        lens.push_back(n);
-        left -= n;
-      }
-    int start = 0;
-    for (int n : lens) {
-      for (int t = start; t < start + n && t < T; ++t) d[size_t(b) * T + t] = start;
-      start += n;
-    }
-  }
-  return d;
-}
+std::vector<int32_t> make_docs(int B, int T, uint64_t seed) { return make_cp_docs(B, T, seed); }
 
 struct Reference {
   std::vector<float> qkv, dout, out, dqkv;

@@ -128,6 +128,18 @@ void debug_offload_kill_hook(int64_t step) {
   std::raise(SIGKILL);
 }
 
+void debug_cp_kill_hook() {
+  const char* v = std::getenv("TRAINRUN_DEBUG_CP_KILL");
+  const char* rank = std::getenv("RANK");
+  if (!v || !*v || !rank) return;
+  static std::atomic<int64_t> forwards{0};
+  const int64_t n = ++forwards;
+  const std::vector<std::string> f = split_colons(v);
+  if (f.size() != 2 || f[0] != rank || f[1] != std::to_string(n)) return;
+  TR_LOG_WARN("debug: SIGKILL inside ring attention forward ", n, " on rank ", rank, " (TRAINRUN_DEBUG_CP_KILL)");
+  std::raise(SIGKILL);
+}
+
 int64_t debug_init_from_delay_ms(int rank) {
   const char* v = std::getenv("TRAINRUN_DEBUG_INIT_FROM_DELAY_MS");
   if (!v || !*v) return 0;

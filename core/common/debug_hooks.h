@@ -67,6 +67,14 @@
 //       io_uring_queue_init is treated as refused by the kernel (EPERM), so
 //       the nvme path takes its logged pread/pwrite fallback
 //
+// Context-parallel faults (parallel/context/ring_attention.cpp):
+//
+//   TRAINRUN_DEBUG_CP_KILL=<rank>:<n>
+//       the worker whose RANK is <rank> raises SIGKILL inside its n-th ring
+//       attention forward (1-based, counted over the process: layers and
+//       micro-batches), at its first ring step, holding its K/V block
+//       before it passes it on: its ring peers are then blocked on it
+//
 // Each logs a "debug: ..." line when it fires.
 #pragma once
 #include <cstdint>
@@ -88,6 +96,10 @@ void debug_ckpt_kill_hook(const char* point, int64_t step);
 // TRAINRUN_DEBUG_OFFLOAD_KILL: raises SIGKILL when this process's RANK and
 // `step` match it.
 void debug_offload_kill_hook(int64_t step);
+
+// TRAINRUN_DEBUG_CP_KILL: counts this process's ring forwards and raises
+// SIGKILL at the one it names on this RANK.
+void debug_cp_kill_hook();
 
 // TRAINRUN_DEBUG_INIT_FROM_DELAY_MS: the milliseconds when `rank` is the
 // one it names (logged), else 0.

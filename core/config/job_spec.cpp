@@ -323,8 +323,9 @@ const std::vector<Field>& fields() {
                     "ranks one sequence is split over (cp, a mesh dimension between dp_shard and tp): rank i "
                     "of N holds chunks i and 2N-1-i of the 2N equal chunks of model.seq_len (so causal work is "
                     "even), which must be a multiple of 2N; the world size must be a multiple of "
-                    "tensor_parallel x pipeline_parallel x context_parallel; 1 = off. Not wired into training "
-                    "yet: a job with N > 1 is refused at setup"),
+                    "tensor_parallel x pipeline_parallel x context_parallel; 1 = off. Every op but attention "
+                    "runs on the rank's rows; parameters are sharded and gradients reduced over dp x cp; not "
+                    "with model.adapter or a sliding window shorter than seq_len (refused)"),
       TR_SPEC_FIELD(parallel.cp_mode, one_of({"ring", "all_to_all"}),
                     "how attention crosses the context-parallel ranks: ring = each rank keeps its queries and "
                     "K/V blocks travel around the ring (online-softmax partials merged in a fixed order); "

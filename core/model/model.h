@@ -35,6 +35,7 @@ namespace trainrun {
 // brackets (the job spec has the first six today; the others are the names
 // the Llama fields will take there).
 struct TensorParallel;  // core/model/tensor_parallel.h
+struct ContextParallel;  // parallel/context/cp_attention.h
 
 struct ModelConfig {
   std::string arch = "gpt2";   // [model.arch] gpt2 | llama | qwen2 | qwen3 (model_arch_names())
@@ -255,9 +256,13 @@ class FlatUnitAccess final : public UnitAccess {
 // the batch's tokens (core/data/document_mask.h). Under tensor/sequence
 // parallelism every TP rank passes the same arrays of the full sequence:
 // attention and the embedding run on all T rows on every rank.
+// Under context parallelism (make_network's cp) both hold this rank's rows
+// (parallel/context/sequence_split.h: global doc starts, positions inside
+// the document) and host_doc_start the whole sequences' starts on the host.
 struct DocumentMask {
   const int32_t* doc_start = nullptr;  // (B,T) first index of t's document; attention sees keys [doc_start, t]
   const int32_t* pos = nullptr;        // (B,T) t - doc_start: the position wpe / RoPE use
+  const int32_t* host_doc_start = nullptr;  // cp only: (B, global T) host, the same on every cp rank
   bool on() const { return doc_start != nullptr; }
 };
 // A pipeline stage's share of the model (parallel.pipeline_parallel; the
@@ -467,9 +472,14 @@ class ModelArch {
   // tp: this rank's tensor-parallel plan and group (core/model/tensor_parallel.h);
   // null = the whole model on one rank (the path every tp1 run takes).
   // stage: one pipeline stage's layers (PipelineStage); null = every layer.
+  // cp: the context-parallel group (parallel/context/cp_attention.h); null =
+  // none. With it the network holds and computes T / cp rows per sequence
+  // (forward's T), attention goes through the cp group, and positions come
+  // from the DocumentMask (global ones when it has no documents).
   virtual std::unique_ptr<Network> make_network(Backend* be, int maxB, bool activation_checkpointing,
                                                 const TensorParallel* tp = nullptr,
-                                                const PipelineStage* stage = nullptr) const = 0;
+                                                const PipelineStage* stage = nullptr,
+                                                const ContextParallel* cp = nullptr) const = 0;
   // capacity: positions the cache holds, 1..T.
   virtual std::unique_ptr<Decoder> make_decoder(Backend* be, int capacity) const = 0;
   // Whether make_decoder works (sampling); the end-of-run sample is skipped,

@@ -285,6 +285,7 @@ std::string count_str(double n) {
 namespace {
 
 std::string mesh_name(const PlanRow& r) {
+  if (r.cp > 1) return "cp" + std::to_string(r.cp) + " x dp" + std::to_string(r.dp) + " full_shard over dp x cp";
   return "tp" + std::to_string(r.tp) + (r.pp > 1 ? " x pp" + std::to_string(r.pp) : "") + " x dp" +
          std::to_string(r.dp) + " " + r.sharding.strategy + (r.pp > 1 ? " (" + r.pp_schedule + ")" : "");
 }
@@ -302,12 +303,26 @@ void recommend_mesh(Plan& plan) {
   auto bad_link = [&](const PlanRow& r) {
     return r.tp_link == "cross-node" || (r.tp_link == "PCIe" && req.topology_has_nvlink);
   };
-  for (const PlanRow* r : all) {
-    if (!r->fits || bad_link(*r)) continue;
-    ++fitting;
-    if (!best || r->step_s < best->step_s * (1 - 1e-9) ||
-        (std::fabs(r->step_s - best->step_s) <= 1e-9 * best->step_s && r->mem.total() < best->mem.total()))
-      best = r;
+  auto pick = [&](const std::vector<const PlanRow*>& rows) {
+    for (const PlanRow* r : rows) {
+      if (!r->fits || bad_link(*r)) continue;
+      ++fitting;
+      // Ties: fewer cp ranks before more (less K/V traffic), then the least memory.
+      const bool tie = best && std::fabs(r->step_s - best->step_s) <= 1e-9 * best->step_s;
+      if (!best || r->step_s < best->step_s * (1 - 1e-9) ||
+          (tie && (r->cp < best->cp || (r->cp == best->cp && r->mem.total() < best->mem.total()))))
+        best = r;
+    }
+  };
+  pick(all);
+  // Context parallelism only when no mesh holds whole sequences: its step
+  // time assumes the ring hides behind attention (NCCL's double buffering),
+  // which has not been measured on a GPU yet.
+  if (!best) {
+    std::vector<const PlanRow*> cp;
+    for (const auto& r : plan.cp_rows) cp.push_back(&r);
+    pick(cp);
+    all.insert(all.end(), cp.begin(), cp.end());
   }
   std::ostringstream o;
   if (!best) {
@@ -338,6 +353,10 @@ void recommend_mesh(Plan& plan) {
                              seconds(best->tp_comm_s) + " per step)"
                        : std::string("no tensor parallelism"))
       << ", dp" << best->dp << " " << best->sharding.strategy << " over the rest.";
+  else if (best->cp > 1)
+    o << "each sequence split over " << best->cp << " ranks (context parallelism, cp_mode " << req.cp_mode
+      << "), the ring's K/V " << seconds(best->cp_ring_s) << " per step over " << best->cp_link << " ("
+      << seconds(best->exposed_comm_s) << " exposed with the data-parallel collectives).";
   else if (best->tp == 1)
     o << "no tensor parallelism needed (TP would add activation collectives to every layer).";
   else if (best->tp_link == "NVLink")
@@ -515,6 +534,15 @@ Plan make_plan(const PlanRequest& req) {
   plan.verdict = v.str();
   plan_tensor_parallel(plan, m, dev, bw_intra, bw_inter, recompute, fpt);
   plan_pipeline_parallel(plan, m, dev, bw_intra, bw_inter, recompute, fpt);
+  plan_context_parallel(plan, m, dev, bw_intra, bw_inter, recompute, fpt);
+  // The verdict is about whole sequences on each rank; when only a split one fits, it says where.
+  if (!f->fits)
+    for (const PlanRow& r : plan.cp_rows)
+      if (r.fits) {
+        plan.verdict += " Split over " + std::to_string(r.cp) + " ranks (parallel.context_parallel: " +
+                        std::to_string(r.cp) + ") the sequence fits: see the context-parallel rows.";
+        break;
+      }
   recommend_mesh(plan);
   return plan;
 }
@@ -587,6 +615,7 @@ std::string render_plan(const Plan& p) {
   if (!r.job_strategy.empty()) o << "(* the job's parallel.sharding)\n";
   render_tp_table(p, o);
   render_pp_table(p, o);
+  render_cp_table(p, o);
   o << "\n" << p.verdict << "\n";
   o << p.recommendation << "\n";
   return o.str();

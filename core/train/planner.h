@@ -171,6 +171,22 @@ MemoryBreakdown estimate_tp_memory(const ModelArch& m, int tp, bool sequence_par
 // recomputes the forward.
 int tp_collectives_per_micro_batch(const ModelConfig& c, bool checkpointing);
 
+// ---- context parallelism (planner_cp.cpp) -------------------------------------------
+
+// One rank's activation arena at parallel.context_parallel cp (tp 1, pp 1):
+// the network over T / cp rows of each sequence with the cp attention's
+// log-sum-exp per layer (never probabilities), RoPE's global table, and
+// the cp attention's workspace (CpAttention::workspace_bytes_for). On the
+// CPU equal to the cp network's activation_bytes(). cp 1: estimate_activation_bytes.
+double estimate_cp_activation_bytes(const ModelArch& m, int cp, const std::string& mode, int micro_batch,
+                                    bool checkpointing, const DeviceModel& d);
+// Bytes each rank of a ring sends for one micro-batch: per layer, cp-1 K/V
+// blocks (micro_batch x T/cp rows of 2 x n_kv_head x head_dim) in forward,
+// again in the recompute with checkpointing, cp-1 in backward, and cp fp32
+// dK|dV accumulators.
+double cp_ring_bytes_per_micro_batch(const ModelConfig& c, int cp, int micro_batch, bool checkpointing,
+                                     int act_bytes);
+
 // ---- the plan ----------------------------------------------------------------------
 
 struct PlanRequest {
@@ -216,6 +232,9 @@ struct PlanRequest {
   int pp_virtual_stages = 1;       // 0 = 2 for interleaved_1f1b, else 1
   int job_pp = 0;                  // the job's parallel.pipeline_parallel, marked; 0 = none
   std::string pipeline_reshard = "auto";  // the job's parallel.pipeline_reshard (--pp-reshard): auto | true | false
+  // Context parallelism: cp 2, 4, 8, ... up to the GPUs (tp 1), in this mode.
+  int job_cp = 0;                  // the job's parallel.context_parallel, marked; 0 = none
+  std::string cp_mode = "ring";    // the job's parallel.cp_mode
   // Parameter-efficient fine-tuning (--adapter or the job's model.adapter):
   // every row is then an adapter run (frozen base + adapters).
   AdapterRequest adapter;
@@ -261,6 +280,9 @@ struct PlanRow {
   double bubble = 0, p2p_s = 0;
   std::string pp_link;
   bool pp_reshard = false;        // pipeline rows: the stage store re-gathers per microbatch (sharding.pipeline_reshard)
+  int cp = 1;                     // context-parallel rows: the cp degree (tp x pp x cp x dp = the GPUs)
+  double cp_ring_s = 0;           // cp rows: the ring's K/V transfers per step (in comm_s; exposed: what attention does not hide)
+  std::string cp_link;            // cp rows: NVLink (the group inside a node) or network
   std::string tp_link = "none";   // the TP group's link: none (tp 1), NVLink, PCIe, cross-node
   double tp_comm_s = 0;           // TP activation collectives per step (exposed: between GEMMs)
   Sharding sharding;              // over the dp ranks
@@ -289,6 +311,8 @@ struct Plan {
   // fits, else the one that needs the least memory).
   std::vector<PlanRow> pp_rows;
   std::vector<std::pair<std::string, std::string>> pp_not_offered;  // "tp2 x pp8" or "pp8", why
+  std::vector<PlanRow> cp_rows;   // cp x dp, full_shard over both
+  std::vector<std::pair<int, std::string>> cp_not_offered;  // degree, why
   // The recommended mesh (the fastest that fits, TP never across PCIe when
   // the node has NVLink, nor across nodes) and why, in one or two lines.
   bool has_recommendation = false;

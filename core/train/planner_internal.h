@@ -92,5 +92,10 @@ void plan_pipeline_parallel(Plan& plan, const ModelArch& m, const DeviceModel& d
                             double bw_inter, double recompute, double fpt);
 void render_pp_table(const Plan& p, std::ostringstream& o);
 
+// planner_cp.cpp: the cp x dp rows and their table.
+void plan_context_parallel(Plan& plan, const ModelArch& m, const DeviceModel& dev, double bw_intra,
+                           double bw_inter, double recompute, double fpt);
+void render_cp_table(const Plan& p, std::ostringstream& o);
+
 }  // namespace planner_detail
 }  // namespace trainrun

@@ -40,6 +40,8 @@
 #include "parallel/comm/communicator.h"
 #include "parallel/comm/enqueue_order.h"
 #include "parallel/comm/fault_injection.h"
+#include "parallel/context/cp_attention.h"
+#include "parallel/context/sequence_split.h"
 #include "parallel/rendezvous/net_address.h"
 #include "parallel/mesh/device_mesh.h"
 #include "parallel/pipeline/executor.h"
@@ -240,16 +242,27 @@ class Trainer {
   bool counts_loss_ = true;        // TP rank 0 adds this dp index's loss to the world's sum
   int T_ = 0, mb_ = 0, global_B_ = 0, accum_ = 0;
   int64_t cursor_ = 0;  // global sample index of the next training batch
-  std::vector<int32_t> host_in_, host_tgt_;
-  DeviceBuffer dev_in_, dev_tgt_;
+  std::vector<int32_t> host_in_, host_tgt_;  // (mb, T): whole sequences
+  DeviceBuffer dev_in_, dev_tgt_;            // (mb, rows_): the rows this rank computes
+  // Context parallelism: the cp group, what the network gets, this rank's
+  // rows of a sequence (rows_ = T / cp; T without cp) and its host copies.
+  std::unique_ptr<Communicator> cp_comm_;
+  ContextParallel cp_ctx_;
+  std::unique_ptr<SequenceSplit> cp_split_;
+  int rows_ = 0;
+  std::vector<int32_t> host_rows_;
   // data.document_mask: the separator (-1 = off) and each batch's document
   // offsets (host, then device), made from the inputs in read_batch.
   int doc_separator_ = -1;
   std::vector<int32_t> host_doc_start_, host_pos_;
   DeviceBuffer dev_doc_start_, dev_pos_;
   DocumentMask docs() const {
-    return doc_separator_ < 0 ? DocumentMask{} : DocumentMask{dev_doc_start_.as<int32_t>(), dev_pos_.as<int32_t>()};
+    return doc_separator_ < 0 ? DocumentMask{}
+                              : DocumentMask{dev_doc_start_.as<int32_t>(), dev_pos_.as<int32_t>(),
+                                             cp_split_ ? host_doc_start_.data() : nullptr};
   }
+  // B sequences' (B, T) host rows -> this rank's (B, rows_) on the device.
+  void upload_rows(void* dev, const int32_t* host, int B);
   DeviceBuffer dev_loss_sum_;  // one fp32: the sum of this rank's token losses so far
   std::unique_ptr<PreferenceTraining> pref_;  // train.objective dpo | ipo | orpo (core/train/preference.h)
   int64_t pref_ref_base_ = 0;  // pipeline: the first row of the reference pass's chunk in flight
@@ -313,23 +326,35 @@ void Trainer::setup() {
   // topology decision (the NVLink island, TRAINRUN_SHARD_GROUP_SIZE) or
   // this node: island / tp of them, at most the dp group (world / (tp x pp))
   // and a divisor of it, as `trainrun plan` counts it.
-  // Context parallelism has its mesh dimension and its attention
-  // (parallel/context/) but no network or loss split yet: refuse, by name,
-  // rather than run every rank on the whole sequence.
-  TR_CHECK(job_.parallel.context_parallel == 1, "parallel.context_parallel: ", job_.parallel.context_parallel,
-           " is not wired into training yet (the mesh and the ring / all_to_all attention exist, the networks "
-           "do not split the sequence); set parallel.context_parallel: 1");
+  // Context parallelism (parallel/context/): each sequence is split over
+  // the cp ranks of a dp index; they read the same samples and keep their
+  // chunks (read_batch), the network computes T / cp rows per sequence
+  // with attention through the cp group, and the stores reduce and shard
+  // over dp x cp (fold_context_parallel). What it does not compose with yet
+  // is refused by name.
+  const int cp = job_.parallel.context_parallel;
+  TR_CHECK(cp == 1 || !job_.model.adapter.on(), "parallel.context_parallel ", cp, " with model.adapter ",
+           job_.model.adapter.type, ": adapters under context parallelism are not implemented yet (their "
+           "dropout rows are numbered by whole sequences); use parallel.context_parallel: 1");
+  TR_CHECK(cp == 1 || job_.train.objective == "sft", "parallel.context_parallel ", cp, " with train.objective ",
+           job_.train.objective, ": preference objectives under context parallelism are not implemented yet (a "
+           "sequence's log-prob would be summed over the cp ranks' chunks); use parallel.context_parallel: 1");
   const int tp = job_.parallel.tensor_parallel;
   const int topo_group = env_int("TRAINRUN_SHARD_GROUP_SIZE", 0);
-  const int dp_ranks = std::max(1, w_.world / std::max(1, tp * job_.parallel.pipeline_parallel));
+  const int dp_ranks = std::max(1, w_.world / std::max(1, tp * job_.parallel.pipeline_parallel * cp));
   int group = job_.parallel.shard_group_size > 0
                   ? job_.parallel.shard_group_size
                   : default_hybrid_shard_group(topo_group > 0 ? topo_group : w_.local_world, tp, dp_ranks);
-  const MeshDims dims = plan_mesh(w_.world, tp, job_.parallel.pipeline_parallel, job_.parallel.sharding,
-                                  job_.parallel.sharding == "hybrid_shard" ? group : 1);
+  // mesh_dims: the job's mesh (the logs, job.resolved.yaml, the data);
+  // dims: the stores' (cp folded into dp; the same as mesh_dims at cp 1).
+  const MeshDims mesh_dims = plan_mesh(w_.world, tp, job_.parallel.pipeline_parallel, job_.parallel.sharding,
+                                       job_.parallel.sharding == "hybrid_shard" ? group : 1, cp);
+  const MeshDims dims = fold_context_parallel(mesh_dims);
+  if (job_.parallel.sharding == "hybrid_shard") group *= cp;  // a shard group spans its dp ranks' cp ranks
   mesh_ = std::make_unique<DeviceMesh>(dims, w_.rank);
-  dp_size_ = dims.dp();
-  dp_rank_ = mesh_->dp_coord();
+  dp_size_ = mesh_dims.dp();
+  dp_rank_ = mesh_->dp_coord() / cp;
+  rows_ = T_ / cp;
   // The loss is the last pipeline stage's; TP rank 0 of it counts it once.
   counts_loss_ = mesh_->coord(MeshDim::tp) == 0 && mesh_->coord(MeshDim::pp) == dims.pp - 1;
   TR_CHECK(global_B_ % (mb_ * dp_size_) == 0, "train.global_batch_size (", global_B_,
@@ -347,6 +372,15 @@ void Trainer::setup() {
     c = maybe_record_comm(maybe_inject_faults(std::move(c), w_.rank), w_.rank);  // tests: TRAINRUN_DEBUG_COMM_*
     return make_ordered_communicator(std::move(c), &enqueue_order_);
   };
+  // The cp group's communicator, first of the groups on every rank.
+  if (cp > 1) {
+    const DeviceMesh job_mesh(mesh_dims, w_.rank);
+    cp_comm_ = factory(job_mesh.group_name(MeshDim::cp) + "/", job_mesh.coord(MeshDim::cp), cp);
+    cp_ctx_.comm = cp_comm_.get();
+    cp_ctx_.mode = job_.parallel.cp_mode;
+    cp_split_ = std::make_unique<SequenceSplit>(T_, cp, job_mesh.coord(MeshDim::cp));
+  }
+  const ContextParallel* cpc = cp > 1 ? &cp_ctx_ : nullptr;
   // Offload: the whole node's host memory is checked before any rank
   // allocates (each rank's shard is about total/world; 16 bytes each).
   OffloadOptions offload;
@@ -359,7 +393,7 @@ void Trainer::setup() {
   auto check_host_memory = [&](int64_t local_total) {
     if (offload.mode != OffloadMode::Cpu) return;
     const int64_t per_rank =
-        job_.parallel.sharding == "no_shard" ? local_total : (local_total + dp_size_ - 1) / dp_size_;
+        job_.parallel.sharding == "no_shard" ? local_total : (local_total + dims.dp() - 1) / dims.dp();
     check_offload_host_memory(offload_host_bytes(per_rank) * size_t(w_.local_world), host_memory_available(),
                               w_.local_world);
   };
@@ -372,7 +406,8 @@ void Trainer::setup() {
   adapter_par.check_host_memory = check_host_memory;
   if (tp == 1 && pp == 1) {
     if (!adapter) check_host_memory(arch_->layout().total);
-    model_ = arch_->make_network(be_.get(), mb_, job_.train.activation_checkpointing == "blocks");
+    model_ = arch_->make_network(be_.get(), mb_, job_.train.activation_checkpointing == "blocks", nullptr, nullptr,
+                                 cpc);
     // With adapters the base is frozen: its store has parameters only (no
     // gradients, master weights or moments), sharded alike.
     params_ = adapter
@@ -435,7 +470,7 @@ void Trainer::setup() {
     };
     std::unique_ptr<ParamStore> store;
     if (pp == 1) {
-      model_ = arch_->make_network(be_.get(), mb_, job_.train.activation_checkpointing == "blocks", tpc);
+      model_ = arch_->make_network(be_.get(), mb_, job_.train.activation_checkpointing == "blocks", tpc, nullptr, cpc);
       // Offload works on the inner (local) store: the TP store's norm skip
       // reaches its host grad norm too (HostOptimizerState::grad_sum_squares).
       // With adapters the base's TP slice is frozen (parameters only),
@@ -532,7 +567,8 @@ void Trainer::setup() {
       }
       PipelineExecutor::Options po;
       po.micro_batch = mb_;
-      po.seq_len = T_;
+      po.seq_len = rows_;
+      po.cp = cpc;
       po.activation_checkpointing = job_.train.activation_checkpointing == "blocks";
       po.document_mask = doc_separator_ >= 0;  // resolved first thing in setup()
       po.tp = tpc;
@@ -566,13 +602,14 @@ void Trainer::setup() {
            " but model.vocab_size is ", cfg.V, "; raise model.vocab_size");
   host_in_.resize(size_t(mb_) * T_);
   host_tgt_.resize(size_t(mb_) * T_);
-  dev_in_ = DeviceBuffer(be_.get(), host_in_.size() * 4);
-  dev_tgt_ = DeviceBuffer(be_.get(), host_tgt_.size() * 4);
+  if (cp_split_) host_rows_.resize(size_t(mb_) * rows_);
+  dev_in_ = DeviceBuffer(be_.get(), size_t(mb_) * rows_ * 4);
+  dev_tgt_ = DeviceBuffer(be_.get(), size_t(mb_) * rows_ * 4);
   if (doc_separator_ >= 0) {
     host_doc_start_.resize(host_in_.size());
     host_pos_.resize(host_in_.size());
-    dev_doc_start_ = DeviceBuffer(be_.get(), host_in_.size() * 4);
-    dev_pos_ = DeviceBuffer(be_.get(), host_in_.size() * 4);
+    dev_doc_start_ = DeviceBuffer(be_.get(), size_t(mb_) * rows_ * 4);
+    dev_pos_ = DeviceBuffer(be_.get(), size_t(mb_) * rows_ * 4);
   }
   dev_loss_sum_ = DeviceBuffer(be_.get(), 4);
   if (job_.train.objective != "sft") {
@@ -618,17 +655,23 @@ void Trainer::setup() {
                 " accumulation x ", dp_size_, " data-parallel ranks; backend ", be_->name());
     // The resolved mesh, once: degrees, every rank's coordinates (compact
     // past 16 ranks) and the groups; job.resolved.yaml gets the same.
-    TR_LOG_INFO("mesh: ", dims.describe(), " (", w_.world, " ranks; tp innermost: a TP group is consecutive ranks",
+    TR_LOG_INFO("mesh: ", mesh_dims.describe(), " (", w_.world, " ranks; tp innermost: a TP group is consecutive ranks",
                 tp > 1 && job_.parallel.sequence_parallel_on() ? "; sequence parallel" : "", ")");
-    TR_LOG_INFO("mesh: rank -> (pp, dp_replicate, dp_shard, tp): ", describe_rank_coords(dims));
-    TR_LOG_INFO("mesh: groups: ", describe_mesh_groups(dims));
+    TR_LOG_INFO("mesh: rank -> (pp, dp_replicate, dp_shard, ", cp > 1 ? "cp, " : "", "tp): ",
+                describe_rank_coords(mesh_dims));
+    TR_LOG_INFO("mesh: groups: ", describe_mesh_groups(mesh_dims));
+    if (cp > 1)
+      TR_LOG_INFO("context parallel: each sequence of ", T_, " tokens split over ", cp, " ranks (", rows_,
+                  " rows each: chunks i and ", 2 * cp, "-1-i of ", T_ / (2 * cp), "), attention by ",
+                  job_.parallel.cp_mode, "; parameters sharded and gradients reduced over dp x cp (",
+                  dims.dp(), " ranks)");
     if (tp > 1 && (tp > w_.local_world || w_.local_world % tp != 0))
       TR_LOG_WARN("mesh: parallel.tensor_parallel (", tp, ") does not divide the ", w_.local_world,
                   " ranks per node, so a TP group spans nodes. TP does 4 activation collectives per layer per "
                   "micro-batch (2 forward, 2 backward) between GEMMs, where nothing hides them; over the network "
                   "they run at a fraction of NVLink's bandwidth. Put TP inside an NVLink island (a degree that "
                   "divides the GPUs per node) or lower parallel.tensor_parallel");
-    write_resolved_spec_with_mesh(dims);
+    write_resolved_spec_with_mesh(mesh_dims);
     if (pp_plan_) {
       std::string split;
       for (int r = 0; r < dims.pp; ++r) {
@@ -686,22 +729,49 @@ void Trainer::read_microbatch(const TokenSource& src, int64_t cursor, int m,
   // offsets, a host pass over B*T tokens, and copies just those to the device.
   src.read_samples(cursor + (int64_t(m) * dp_size_ + dp_rank_) * mb_, mb_, T_, host_in_.data(), host_tgt_.data());
   const size_t bytes = size_t(mb_) * T_ * 4;
-  if (to.inputs) be_->copy_to_device(to.inputs, host_in_.data(), bytes);
-  if (to.targets) be_->copy_to_device(to.targets, host_tgt_.data(), bytes);
+  if (to.inputs) upload_rows(to.inputs, host_in_.data(), mb_);  // this rank's rows under cp (read_batch)
+  if (to.targets) upload_rows(to.targets, host_tgt_.data(), mb_);
   if (to.doc_start) {
     TR_CHECK(doc_separator_ >= 0 && to.pos, "pipeline: document offsets asked for without data.document_mask (a bug)");
     document_offsets(host_in_.data(), mb_, T_, doc_separator_, host_doc_start_.data(), host_pos_.data());
+    if (cp_split_) {
+      TR_CHECK(to.host_doc_start, "pipeline: no host document starts for context parallelism (a bug)");
+      const LocalDocumentMask local = split_document_mask(host_doc_start_.data(), mb_, *cp_split_);
+      be_->copy_to_device(to.doc_start, local.doc_start.data(), size_t(mb_) * rows_ * 4);
+      be_->copy_to_device(to.pos, local.pos.data(), size_t(mb_) * rows_ * 4);
+      std::copy(host_doc_start_.begin(), host_doc_start_.end(), to.host_doc_start);
+      return;
+    }
     be_->copy_to_device(to.doc_start, host_doc_start_.data(), bytes);
     be_->copy_to_device(to.pos, host_pos_.data(), bytes);
   }
 }
 
+void Trainer::upload_rows(void* dev, const int32_t* host, int B) {
+  if (!cp_split_) {
+    be_->copy_to_device(dev, host, size_t(B) * T_ * 4);
+    return;
+  }
+  split_rows(host, host_rows_.data(), B, 4, *cp_split_);
+  be_->copy_to_device(dev, host_rows_.data(), size_t(B) * rows_ * 4);
+}
+
+// Context parallelism: every cp rank of a dp index reads the same whole
+// sequences (the targets too) and keeps its chunks; the document offsets
+// are made from the whole sequences, so a document that began in another
+// rank's chunk keeps its start, and its positions count on from there.
 void Trainer::read_batch(const TokenSource& src, int64_t first, int B) {
   src.read_samples(first, B, T_, host_in_.data(), host_tgt_.data());
-  be_->copy_to_device(dev_in_.get(), host_in_.data(), size_t(B) * T_ * 4);
-  be_->copy_to_device(dev_tgt_.get(), host_tgt_.data(), size_t(B) * T_ * 4);
+  upload_rows(dev_in_.get(), host_in_.data(), B);
+  upload_rows(dev_tgt_.get(), host_tgt_.data(), B);
   if (doc_separator_ >= 0) {
     document_offsets(host_in_.data(), B, T_, doc_separator_, host_doc_start_.data(), host_pos_.data());
+    if (cp_split_) {  // global starts, positions inside the document (sequence_split.h)
+      const LocalDocumentMask local = split_document_mask(host_doc_start_.data(), B, *cp_split_);
+      be_->copy_to_device(dev_doc_start_.get(), local.doc_start.data(), size_t(B) * rows_ * 4);
+      be_->copy_to_device(dev_pos_.get(), local.pos.data(), size_t(B) * rows_ * 4);
+      return;
+    }
     be_->copy_to_device(dev_doc_start_.get(), host_doc_start_.data(), size_t(B) * T_ * 4);
     be_->copy_to_device(dev_pos_.get(), host_pos_.data(), size_t(B) * T_ * 4);
   }
@@ -759,9 +829,9 @@ Trainer::StepResult Trainer::train_step(int step) {
                               std::isnan(dloss_scale) ? dloss_scale : 1.0f, docs());
             });
       } else {
-        model_->forward(units(), dev_in_.as<int32_t>(), dev_tgt_.as<int32_t>(), mb_, T_, true, dloss_scale,
+        model_->forward(units(), dev_in_.as<int32_t>(), dev_tgt_.as<int32_t>(), mb_, rows_, true, dloss_scale,
                         docs());
-        be_->sum(dev_loss_sum_.as<float>(), model_->losses(), int64_t(mb_) * T_);
+        be_->sum(dev_loss_sum_.as<float>(), model_->losses(), int64_t(mb_) * rows_);
       }
     }
     StepTracer::Span span(tracer_.get(), "backward mb" + std::to_string(m), "compute");
@@ -822,8 +892,8 @@ double Trainer::evaluate() {
     for (int m = 0; m < accum_ && !pipe_; ++m) {
       read_batch(*val_src_, int64_t(e) * global_B_ + (int64_t(m) * dp_size_ + dp_rank_) * mb_, mb_);
       if (adapt_) adapt_->set_microbatch(false, 0, 0, T_);  // no dropout
-      model_->forward(units(), dev_in_.as<int32_t>(), dev_tgt_.as<int32_t>(), mb_, T_, false, 0.0f, docs());
-      be_->sum(dev_loss_sum_.as<float>(), model_->losses(), int64_t(mb_) * T_);
+      model_->forward(units(), dev_in_.as<int32_t>(), dev_tgt_.as<int32_t>(), mb_, rows_, false, 0.0f, docs());
+      be_->sum(dev_loss_sum_.as<float>(), model_->losses(), int64_t(mb_) * rows_);
     }
   }
   params_->take_comm_wait_seconds();  // eval's gathers are not training-step communication
@@ -1037,6 +1107,7 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
   for (int step = first_step; step < end_step && sum.stop_signal == 0; ++step) {
     params_->set_step(step + 1);  // the world's communicator and the store's own groups
     if (adapt_) adapt_->store().set_step(step + 1);
+    if (cp_comm_) cp_comm_->set_step(step + 1);  // the ring's errors name the step
     if (mesh_comms_) {
       comm_->set_step(step + 1);
       for (MeshDim d : {MeshDim::tp, MeshDim::dp_shard, MeshDim::dp_replicate, MeshDim::pp})

@@ -3,11 +3,15 @@
 //
 // Each (b, h) runs alone (OpenMP over B*NH in the forward and the merge;
 // over B*NKV in the backward, so a KV head's dk/dv sum over its query heads
-// runs in head order in one thread: deterministic). Per query row, the
-// visible keys are one contiguous range [lo, hi] of the block (global
-// positions are consecutive inside a block), so masking is a loop bound and
-// a row that sees nothing costs nothing. Scores are accumulated in double
-// inside a row (dot products of HS terms) and stored as float.
+// runs in head order in one thread: deterministic). The products are
+// sgemms over the whole block, as the one-rank op's (cpu_attention_gqa.cpp):
+// scores S = scale Q K^T (Tq x Tk), then per query row the visible keys,
+// one contiguous range [lo, hi] of the block (global positions are
+// consecutive inside a block), are softmaxed and the rest zeroed, so a
+// masked score costs its share of the GEMM but nothing after; O = P V.
+// The backward recomputes P from the saved log-sum-exp and takes dV += P^T
+// dO, dS = P (dO V^T - rowsum(dO O)) scale, dQ += dS K, dK += dS^T Q.
+#include <cblas.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -46,45 +50,46 @@ void CpuBackend::attention_block_forward(void* out_, float* lse, const Attention
   const float* q = static_cast<const float*>(a.q);
   const float* k = static_cast<const float*>(a.k);
   const float* v = static_cast<const float*>(a.v);
-  const int R = a.NH / a.NKV, HS = a.HS;
+  const int R = a.NH / a.NKV, HS = a.HS, Tq = a.Tq, Tk = a.Tk;
   const float sc = 1.0f / std::sqrt(float(HS));
+  if (Tq == 0) return;
 #pragma omp parallel num_threads(threads())
   {
-    std::vector<float> s(static_cast<size_t>(std::max(1, a.Tk)));
-    std::vector<double> acc(static_cast<size_t>(HS));
+    std::vector<float> S(size_t(Tq) * std::max(1, Tk));  // scores, then probabilities
 #pragma omp for schedule(static)
     for (int bh = 0; bh < a.B * a.NH; ++bh) {
       const int b = bh / a.NH, h = bh % a.NH, g = h / R;
-      for (int i = 0; i < a.Tq; ++i) {
-        const float* qi = q + b * a.q_bs + i * a.q_ld + h * HS;
-        float* oi = out + b * a.o_bs + i * a.o_ld + h * HS;
+      const float* Q = q + b * a.q_bs + h * HS;
+      const float* K = k + b * a.kv_bs + g * HS;
+      const float* V = v + b * a.kv_bs + g * HS;
+      float* O = out + b * a.o_bs + h * HS;
+      if (Tk > 0)
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, Tq, Tk, HS, sc, Q, int(a.q_ld), K, int(a.kv_ld), 0.0f,
+                    S.data(), Tk);
+      for (int i = 0; i < Tq; ++i) {
+        float* si = S.data() + int64_t(i) * Tk;
         float& li = lse[b * a.lse_bs + h * a.lse_hs + i];
         int lo, hi;
         visible_range(a, b, i, &lo, &hi);
         if (lo > hi) {
-          std::fill(oi, oi + HS, 0.0f);
+          std::fill(si, si + Tk, 0.0f);
           li = kNegInf;
           continue;
         }
-        float m = kNegInf;
-        for (int j = lo; j <= hi; ++j) {
-          const float* kj = k + b * a.kv_bs + j * a.kv_ld + g * HS;
-          double d = 0;
-          for (int c = 0; c < HS; ++c) d += double(qi[c]) * kj[c];
-          s[size_t(j)] = float(d) * sc;
-          m = std::max(m, s[size_t(j)]);
-        }
-        double sum = 0;
-        std::fill(acc.begin(), acc.end(), 0.0);
-        for (int j = lo; j <= hi; ++j) {
-          const double p = std::exp(double(s[size_t(j)]) - m);
-          sum += p;
-          const float* vj = v + b * a.kv_bs + j * a.kv_ld + g * HS;
-          for (int c = 0; c < HS; ++c) acc[size_t(c)] += p * vj[c];
-        }
-        for (int c = 0; c < HS; ++c) oi[c] = float(acc[size_t(c)] / sum);
-        li = float(double(m) + std::log(sum));
+        const float m = *std::max_element(si + lo, si + hi + 1);
+        float sum = 0;
+        for (int j = lo; j <= hi; ++j) sum += (si[j] = std::exp(si[j] - m));
+        const float inv = 1.0f / sum;
+        for (int j = lo; j <= hi; ++j) si[j] *= inv;
+        std::fill(si, si + lo, 0.0f);
+        std::fill(si + hi + 1, si + Tk, 0.0f);
+        li = m + std::log(sum);
       }
+      if (Tk > 0)
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, Tq, HS, Tk, 1.0f, S.data(), Tk, V, int(a.kv_ld), 0.0f,
+                    O, int(a.o_ld));
+      else
+        for (int i = 0; i < Tq; ++i) std::fill(O + int64_t(i) * a.o_ld, O + int64_t(i) * a.o_ld + HS, 0.0f);
     }
   }
 }
@@ -125,44 +130,58 @@ void CpuBackend::attention_block_backward(float* dq, float* dk, float* dv, const
   const float* v = static_cast<const float*>(a.v);
   const float* dout = static_cast<const float*>(dout_);
   const float* out = static_cast<const float*>(out_);
-  const int R = a.NH / a.NKV, HS = a.HS;
+  const int R = a.NH / a.NKV, HS = a.HS, Tq = a.Tq, Tk = a.Tk;
   const float sc = 1.0f / std::sqrt(float(HS));
+  if (Tq == 0 || Tk == 0) return;
   // One thread per (b, g): it owns dk/dv of KV head g and dq of the group's
   // query heads, visited in head order.
-#pragma omp parallel for schedule(static) num_threads(threads())
-  for (int bg = 0; bg < a.B * a.NKV; ++bg) {
-    const int b = bg / a.NKV, g = bg % a.NKV;
-    for (int h = g * R; h < (g + 1) * R; ++h) {
-      for (int i = 0; i < a.Tq; ++i) {
-        int lo, hi;
-        visible_range(a, b, i, &lo, &hi);
-        if (lo > hi) continue;
-        const float* qi = q + b * a.q_bs + i * a.q_ld + h * HS;
-        const float* doi = dout + b * a.o_bs + i * a.o_ld + h * HS;
-        const float* oi = out + b * a.o_bs + i * a.o_ld + h * HS;
-        float* dqi = dq + b * a.q_bs + i * a.q_ld + h * HS;
-        const double l = lse[b * a.lse_bs + h * a.lse_hs + i];
-        double D = 0;
-        for (int c = 0; c < HS; ++c) D += double(doi[c]) * oi[c];
-        for (int j = lo; j <= hi; ++j) {
-          const int64_t kvo = b * a.kv_bs + j * a.kv_ld + g * HS;
-          const float* kj = k + kvo;
-          const float* vj = v + kvo;
-          double s = 0, dp = 0;
-          for (int c = 0; c < HS; ++c) {
-            s += double(qi[c]) * kj[c];
-            dp += double(doi[c]) * vj[c];
+#pragma omp parallel num_threads(threads())
+  {
+    std::vector<float> P(size_t(Tq) * Tk), dS(size_t(Tq) * Tk);
+#pragma omp for schedule(static)
+    for (int bg = 0; bg < a.B * a.NKV; ++bg) {
+      const int b = bg / a.NKV, g = bg % a.NKV;
+      const float* K = k + b * a.kv_bs + g * HS;
+      const float* V = v + b * a.kv_bs + g * HS;
+      float* dK = dk + b * a.kv_bs + g * HS;
+      float* dV = dv + b * a.kv_bs + g * HS;
+      for (int h = g * R; h < (g + 1) * R; ++h) {
+        const float* Q = q + b * a.q_bs + h * HS;
+        const float* dO = dout + b * a.o_bs + h * HS;
+        const float* O = out + b * a.o_bs + h * HS;
+        float* dQ = dq + b * a.q_bs + h * HS;
+        // P = exp(scale Q K^T - lse) on the visible keys, 0 elsewhere; dP = dO V^T.
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, Tq, Tk, HS, sc, Q, int(a.q_ld), K, int(a.kv_ld), 0.0f,
+                    P.data(), Tk);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, Tq, Tk, HS, 1.0f, dO, int(a.o_ld), V, int(a.kv_ld), 0.0f,
+                    dS.data(), Tk);
+        for (int i = 0; i < Tq; ++i) {
+          float* pi = P.data() + int64_t(i) * Tk;
+          float* di = dS.data() + int64_t(i) * Tk;
+          int lo, hi;
+          visible_range(a, b, i, &lo, &hi);
+          const float l = lse[b * a.lse_bs + h * a.lse_hs + i];
+          if (lo > hi || l == kNegInf) lo = Tk, hi = Tk - 1;  // sees nothing: a zero row
+          const float* doi = dO + int64_t(i) * a.o_ld;
+          const float* oi = O + int64_t(i) * a.o_ld;
+          float D = 0;
+          for (int c = 0; c < HS; ++c) D += doi[c] * oi[c];
+          for (int j = lo; j <= hi; ++j) {
+            pi[j] = std::exp(pi[j] - l);
+            di[j] = pi[j] * (di[j] - D) * sc;
           }
-          const double p = std::exp(double(float(s) * sc) - l);
-          const double ds = p * (dp - D) * sc;
-          float* dkj = dk + kvo;
-          float* dvj = dv + kvo;
-          for (int c = 0; c < HS; ++c) {
-            dqi[c] += float(ds * kj[c]);
-            dkj[c] += float(ds * qi[c]);
-            dvj[c] += float(p * doi[c]);
-          }
+          std::fill(pi, pi + std::min(lo, Tk), 0.0f);
+          std::fill(di, di + std::min(lo, Tk), 0.0f);
+          std::fill(pi + hi + 1, pi + Tk, 0.0f);
+          std::fill(di + hi + 1, di + Tk, 0.0f);
         }
+        // dV += P^T dO, dQ += dS K, dK += dS^T Q (in head order: deterministic).
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, Tk, HS, Tq, 1.0f, P.data(), Tk, dO, int(a.o_ld), 1.0f, dV,
+                    int(a.kv_ld));
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, Tq, HS, Tk, 1.0f, dS.data(), Tk, K, int(a.kv_ld), 1.0f,
+                    dQ, int(a.q_ld));
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, Tk, HS, Tq, 1.0f, dS.data(), Tk, Q, int(a.q_ld), 1.0f, dK,
+                    int(a.kv_ld));
       }
     }
   }

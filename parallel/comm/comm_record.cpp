@@ -93,6 +93,11 @@ class RecordingCommunicator final : public ForwardingCommunicator {
     note("recv", bytes);
     return inner_->recv_deferred(buf, bytes, from, tag, after);
   }
+  std::unique_ptr<PendingCollective> send_recv_deferred(const void* sb, size_t sn, int to, void* rb, size_t rn, int from,
+                                                        uint32_t tag, const std::shared_ptr<void>& after) override {
+    note(to < 0 ? "recv" : from < 0 ? "send" : "send_recv", to < 0 ? rn : sn);
+    return inner_->send_recv_deferred(sb, sn, to, rb, rn, from, tag, after);
+  }
 
  private:
   void note(const char* op, uint64_t bytes) {

@@ -164,6 +164,23 @@ class Communicator {
     recv(buf, bytes, from, tag);
     return nullptr;
   }
+  // send_recv posted ahead of the compute that does not touch its buffers
+  // (ring attention's next K/V block while the current one's attention
+  // runs: double buffering). Both sides in one NCCL group on this
+  // communicator's stream after `after` (a compute_point(); null:
+  // everything enqueued on the compute stream so far); the compute stream
+  // waits for it at the handle's order_compute_after(), and until then must
+  // not write `send_buf` nor touch `recv_buf`. Null handle: it already
+  // completed (every synchronous communicator, and the default, which calls
+  // send_recv here: Gloo blocks, so nothing overlaps on the CPU).
+  virtual std::unique_ptr<PendingCollective> send_recv_deferred(const void* send_buf, size_t send_bytes, int send_to,
+                                                                void* recv_buf, size_t recv_bytes, int recv_from,
+                                                                uint32_t tag = 0,
+                                                                const std::shared_ptr<void>& after = nullptr) {
+    (void)after;
+    send_recv(send_buf, send_bytes, send_to, recv_buf, recv_bytes, recv_from, tag);
+    return nullptr;
+  }
   // What the next calls are for, in the caller's words ("pipeline (step 3):
   // sending the activation of microbatch 2 between stage 0 (rank 0) and
   // stage 1 (rank 1)"): a stream-ordered communicator, whose failures surface

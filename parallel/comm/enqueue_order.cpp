@@ -130,6 +130,11 @@ class OrderedCommunicator final : public ForwardingCommunicator {
     EnqueueOrder::Turn t(order_);
     return inner_->recv_deferred(buf, bytes, from, tag, after);
   }
+  std::unique_ptr<PendingCollective> send_recv_deferred(const void* sb, size_t sn, int to, void* rb, size_t rn, int from,
+                                                        uint32_t tag, const std::shared_ptr<void>& after) override {
+    EnqueueOrder::Turn t(order_);
+    return inner_->send_recv_deferred(sb, sn, to, rb, rn, from, tag, after);
+  }
 
  private:
   EnqueueOrder* order_;

@@ -53,6 +53,11 @@ class ForwardingCommunicator : public Communicator {
                  int recv_from, uint32_t tag) override {
     inner_->send_recv(send_buf, send_bytes, send_to, recv_buf, recv_bytes, recv_from, tag);
   }
+  std::unique_ptr<PendingCollective> send_recv_deferred(const void* send_buf, size_t send_bytes, int send_to,
+                                                        void* recv_buf, size_t recv_bytes, int recv_from, uint32_t tag,
+                                                        const std::shared_ptr<void>& after) override {
+    return inner_->send_recv_deferred(send_buf, send_bytes, send_to, recv_buf, recv_bytes, recv_from, tag, after);
+  }
   bool stream_ordered() const override { return inner_->stream_ordered(); }
   std::unique_ptr<PendingCollective> send_deferred(const void* buf, size_t bytes, int to, uint32_t tag,
                                                    const std::shared_ptr<void>& after) override {

@@ -496,6 +496,37 @@ class NcclCommunicator final : public Communicator {
     return pending;
   }
 
+  // send_recv ahead of its use (ring attention's double buffering): both
+  // sides in one group on this communicator's stream after `after`, the
+  // completion in the handle's event, as send_deferred. Anything but device
+  // buffers between two other ranks takes send_recv's path.
+  std::unique_ptr<PendingCollective> send_recv_deferred(const void* send_buf, size_t send_bytes, int send_to,
+                                                        void* recv_buf, size_t recv_bytes, int recv_from, uint32_t tag,
+                                                        const std::shared_ptr<void>& after) override {
+    const char* what = "send_recv";
+    be_->make_current();  // before is_device_pointer: see all_gather_deferred
+    const bool sending = send_to >= 0 && send_bytes > 0, receiving = recv_from >= 0 && recv_bytes > 0;
+    if (!stream_ordered() || (!sending && !receiving) || send_to == rank_ || recv_from == rank_ ||
+        (sending && !is_device_pointer(send_buf)) || (receiving && !is_device_pointer(recv_buf))) {
+      send_recv(send_buf, send_bytes, send_to, recv_buf, recv_bytes, recv_from, tag);
+      return nullptr;
+    }
+    check_usable(what);
+    for (int peer : {send_to, recv_from})
+      TR_CHECK(peer >= -1 && peer < world_, where(what), ": peer ", peer, " is not a rank of a group of ", world_);
+    cudaEvent_t ev = nullptr;
+    TR_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+    auto pending = std::make_unique<DeferredWait>(be_, ev);
+    run(what, [&] {
+      ncclResult_t r = ncclSuccess;
+      if (receiving) r = ncclRecv(recv_buf, recv_bytes, ncclInt8, recv_from, comm_, stream());
+      if (sending && (r == ncclSuccess || r == ncclInProgress))
+        r = ncclSend(send_buf, send_bytes, ncclInt8, send_to, comm_, stream());
+      return r;
+    }, false, ev, static_cast<cudaEvent_t>(after.get()));
+    return pending;
+  }
+
   void barrier() override {
     const char* what = "barrier";
     check_usable(what);

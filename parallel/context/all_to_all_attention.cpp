@@ -1,5 +1,6 @@
 #include "parallel/context/all_to_all_attention.h"
 
+#include <chrono>
 #include <string>
 
 #include "core/common/error.h"
@@ -29,20 +30,27 @@ AllToAllAttention::AllToAllAttention(Backend& be, Communicator& comm, const CpAt
   const int64_t B = shape.B, T = shape.T, HS = shape.HS;
   const int64_t W2 = int64_t(nh_ + 2 * nkv_) * HS + 2 * int64_t(nh_) * HS;
   const size_t big = size_t(B * T * W2) * 4;  // fp32 is the widest element either way
-  send_ = be_.alloc(big);
-  recv_ = be_.alloc(big);
-  full_ = be_.alloc(size_t(B * T * W2) * dtype_size(be_.act_dtype()));
-  grad_ = static_cast<float*>(be_.alloc(big));
-  dkv_ = static_cast<float*>(be_.alloc(size_t(B * split_.local_rows() * 2 * NKV * HS) * 4));
-  if (doc_start) {
-    doc_dev_ = static_cast<int32_t*>(be_.alloc(size_t(B * T) * 4));
-    be_.copy_to_device(doc_dev_, doc_start, size_t(B * T) * 4);
-  }
+  auto alloc = [&](size_t bytes) {
+    bytes_ += bytes;
+    return be_.alloc(bytes);
+  };
+  send_ = alloc(big);
+  recv_ = alloc(big);
+  full_ = alloc(size_t(B * T * W2) * dtype_size(be_.act_dtype()));
+  grad_ = static_cast<float*>(alloc(big));
+  dkv_ = static_cast<float*>(alloc(size_t(B * split_.local_rows() * 2 * NKV * HS) * 4));
+  doc_buf_ = static_cast<int32_t*>(alloc(size_t(B * T) * 4));
+  set_documents(doc_start);
+}
+
+void AllToAllAttention::set_documents(const int32_t* doc_start) {
+  doc_dev_ = doc_start ? doc_buf_ : nullptr;
+  if (doc_start) be_.copy_to_device(doc_buf_, doc_start, size_t(shape_.B) * shape_.T * 4);
 }
 
 AllToAllAttention::~AllToAllAttention() {
   for (void* p : {send_, recv_, full_, static_cast<void*>(grad_), static_cast<void*>(dkv_),
-                  static_cast<void*>(doc_dev_)})
+                  static_cast<void*>(doc_buf_)})
     if (p) be_.free(p);
 }
 
@@ -52,6 +60,12 @@ int AllToAllAttention::kv_first(int rank) const {
 }
 
 void AllToAllAttention::exchange(const char* phase, void* out, const void* in, size_t bytes_per_rank) {
+  const auto t0 = std::chrono::steady_clock::now();
+  struct Timed {  // the wait counts on the error path too
+    std::chrono::steady_clock::time_point t0;
+    double& sum;
+    ~Timed() { sum += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); }
+  } timed{t0, wait_seconds_};
   try {
     comm_.all_to_all(out, in, bytes_per_rank);
   } catch (const std::exception& e) {

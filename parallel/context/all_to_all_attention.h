@@ -36,6 +36,10 @@ class AllToAllAttention {
   AllToAllAttention& operator=(const AllToAllAttention&) = delete;
 
   const SequenceSplit& split() const { return split_; }
+  // The next micro-batch's documents (as the constructor's doc_start; null = none).
+  void set_documents(const int32_t* doc_start);
+  size_t bytes() const { return bytes_; }                  // what it allocated on the backend
+  double wait_seconds() const { return wait_seconds_; }    // in all_to_all, over its life
   // As RingAttention: qkv (B,Tl,(NH+2NKV)HS), out (B,Tl,NH HS), lse B*NH*Tl floats.
   void forward(void* out, float* lse, const void* qkv);
   void backward(void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse);
@@ -50,12 +54,15 @@ class AllToAllAttention {
   CpAttentionShape shape_;
   SequenceSplit split_;
   int nh_ = 0, nkv_ = 0;            // heads per rank after the exchange
-  int32_t* doc_dev_ = nullptr;      // (B,T) global doc starts
+  int32_t* doc_buf_ = nullptr;      // (B,T) global doc starts
+  int32_t* doc_dev_ = nullptr;      // doc_buf_ when the batch has documents, else null
   void* send_ = nullptr;            // (N, B, Tl, W2) act / fp32: what goes to each rank
   void* recv_ = nullptr;            // (N, B, Tl, W2) act / fp32: what came from each rank
   void* full_ = nullptr;            // (B, T, W2) act: q | k | v | out | dout of the local heads, global order
   float* grad_ = nullptr;           // (B, T, W2) fp32: dq | dk | dv of the local heads (laid out like full_)
   float* dkv_ = nullptr;            // (B, Tl, 2 NKV HS) fp32: this rank's dK|dV, summed over the ranks
+  size_t bytes_ = 0;
+  double wait_seconds_ = 0;
 };
 
 }  // namespace trainrun

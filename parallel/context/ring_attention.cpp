@@ -1,8 +1,10 @@
 #include "parallel/context/ring_attention.h"
 
 #include <algorithm>
+#include <chrono>
 #include <string>
 
+#include "core/common/debug_hooks.h"
 #include "core/common/error.h"
 
 namespace trainrun {
@@ -19,29 +21,39 @@ RingAttention::RingAttention(Backend& be, Communicator& comm, const CpAttentionS
   TR_CHECK(shape.B >= 1 && shape.NH > 0 && shape.NKV > 0 && shape.HS > 0 && shape.NH % shape.NKV == 0,
            "ring attention: B ", shape.B, ", NH ", shape.NH, ", NKV ", shape.NKV, ", HS ", shape.HS,
            " (NKV must divide NH)");
-  const int N = split_.cp(), Tc = split_.chunk(), Tl = split_.local_rows(), B = shape.B;
+  const int Tc = split_.chunk(), Tl = split_.local_rows(), B = shape.B;
+  doc_dev_ = static_cast<int32_t*>(be_.alloc(size_t(B) * Tl * sizeof(int32_t)));
+  bytes_ += size_t(B) * Tl * sizeof(int32_t);
+  set_documents(doc_start);
+  const DType act = be_.act_dtype();
+  const size_t kv_elems = size_t(B) * Tl * 2 * shape.NKV * shape.HS;
+  auto alloc = [&](size_t bytes) {
+    bytes_ += bytes;
+    return be_.alloc(bytes);
+  };
+  for (int i = 0; i < 2; ++i) {
+    kv_[i] = alloc(kv_elems * dtype_size(act));
+    dkv_[i] = static_cast<float*>(alloc(kv_elems * sizeof(float)));
+  }
+  blk_out_ = alloc(size_t(B) * Tc * shape.NH * shape.HS * dtype_size(act));
+  blk_lse_ = static_cast<float*>(alloc(size_t(B) * shape.NH * Tc * sizeof(float)));
+  dq_ = static_cast<float*>(alloc(size_t(B) * Tl * (shape.NH + 2 * shape.NKV) * shape.HS * sizeof(float)));
+}
+
+void RingAttention::set_documents(const int32_t* doc_start) {
+  const int N = split_.cp(), Tc = split_.chunk(), B = shape_.B;
   min_doc_.assign(size_t(2 * N), 0);
   for (int c = 0; c < 2 * N; ++c) {
     int32_t m = c * Tc;  // a query always sees itself
     if (doc_start)
       for (int b = 0; b < B; ++b)
-        for (int t = c * Tc; t < (c + 1) * Tc; ++t) m = std::min(m, doc_start[int64_t(b) * shape.T + t]);
+        for (int t = c * Tc; t < (c + 1) * Tc; ++t) m = std::min(m, doc_start[int64_t(b) * shape_.T + t]);
     else
       m = 0;
     min_doc_[size_t(c)] = m;
   }
   const LocalDocumentMask local = split_document_mask(doc_start, B, split_);
-  doc_dev_ = static_cast<int32_t*>(be_.alloc(local.doc_start.size() * sizeof(int32_t)));
   be_.copy_to_device(doc_dev_, local.doc_start.data(), local.doc_start.size() * sizeof(int32_t));
-  const DType act = be_.act_dtype();
-  const size_t kv_elems = size_t(B) * Tl * 2 * shape.NKV * shape.HS;
-  for (int i = 0; i < 2; ++i) {
-    kv_[i] = be_.alloc(kv_elems * dtype_size(act));
-    dkv_[i] = static_cast<float*>(be_.alloc(kv_elems * sizeof(float)));
-  }
-  blk_out_ = be_.alloc(size_t(B) * Tc * shape.NH * shape.HS * dtype_size(act));
-  blk_lse_ = static_cast<float*>(be_.alloc(size_t(B) * shape.NH * Tc * sizeof(float)));
-  dq_ = static_cast<float*>(be_.alloc(size_t(B) * Tl * (shape.NH + 2 * shape.NKV) * shape.HS * sizeof(float)));
 }
 
 RingAttention::~RingAttention() {
@@ -71,17 +83,29 @@ bool RingAttention::forwarded(int src, int step) const {
   return false;
 }
 
-void RingAttention::pass(const char* phase, int step, void* send, void* recv, size_t bytes, bool send_it,
-                         bool recv_it, uint32_t tag) {
+std::unique_ptr<PendingCollective> RingAttention::pass(const char* phase, int step, void* send, void* recv,
+                                                       size_t bytes, bool send_it, bool recv_it, uint32_t tag,
+                                                       bool deferred) {
   const int N = split_.cp(), r = split_.rank();
-  if (!send_it && !recv_it) return;
+  std::unique_ptr<PendingCollective> pending;
+  if (!send_it && !recv_it) return pending;
+  const auto t0 = std::chrono::steady_clock::now();
   try {
-    comm_.send_recv(send_it ? send : nullptr, send_it ? bytes : 0, send_it ? (r + 1) % N : -1,
-                    recv_it ? recv : nullptr, recv_it ? bytes : 0, recv_it ? (r + N - 1) % N : -1, tag);
+    const void* sb = send_it ? send : nullptr;
+    void* rb = recv_it ? recv : nullptr;
+    const size_t sn = send_it ? bytes : 0, rn = recv_it ? bytes : 0;
+    const int to = send_it ? (r + 1) % N : -1, from = recv_it ? (r + N - 1) % N : -1;
+    if (deferred)
+      pending = comm_.send_recv_deferred(sb, sn, to, rb, rn, from, tag);
+    else
+      comm_.send_recv(sb, sn, to, rb, rn, from, tag);
   } catch (const std::exception& e) {
     TR_FAIL("ring attention ", phase, " (cp group ", comm_.group().empty() ? std::string("unnamed") : comm_.group(),
             ", cp rank ", r, " of ", N, ", ring step ", step + 1, " of ", N, "): ", e.what());
   }
+  // Blocking transfers (Gloo): the time the compute thread waited on K/V.
+  stats_.wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return pending;
 }
 
 AttentionBlock RingAttention::block(const void* qkv, const void* kv, int qc, int src, int kc) const {
@@ -112,13 +136,28 @@ void RingAttention::forward(void* out, float* lse, const void* qkv) {
   const int NH = shape_.NH, NKV = shape_.NKV, HS = shape_.HS;
   const int64_t ld = int64_t(NH + 2 * NKV) * HS, kv_ld = int64_t(2) * NKV * HS, C = int64_t(NH) * HS;
   const size_t kv_bytes = size_t(shape_.B) * Tl * kv_ld * dtype_size(act);
+  const double waited = stats_.wait_seconds;  // cumulative; the counts are per pass
   stats_ = RingStats{};
+  stats_.wait_seconds = waited;
   // This rank's K|V, packed, is the first block.
   be_.copy_rows(kv_[0], act, kv_ld, at(qkv, int64_t(NH) * HS, act), act, ld, int64_t(shape_.B) * Tl, kv_ld);
   int cur = 0;
   bool held = true, started[2] = {false, false};
   for (int s = 0; s < N; ++s) {
     const int src = (r + N - s) % N;
+    // Double buffering: the block the next step needs is in flight (into
+    // kv_[1 - cur]) while this step's attention reads kv_[cur]; on NCCL the
+    // two overlap, on Gloo the transfer completes first.
+    std::unique_ptr<PendingCollective> next;
+    bool recv_it = false;
+    if (s < N - 1) {
+      if (s == 0) debug_cp_kill_hook();  // tests: TRAINRUN_DEBUG_CP_KILL (core/common/debug_hooks.h)
+      const bool send_it = held && forwarded(src, s);
+      recv_it = forwarded((r + N - 1 - s) % N, s);  // what rank r-1 holds at step s
+      if (send_it) ++stats_.sends;
+      else if (held) ++stats_.sends_skipped;
+      next = pass("forward", s, kv_[cur], kv_[1 - cur], kv_bytes, send_it, recv_it, 1, /*deferred=*/true);
+    }
     for (int qc = 0; qc < 2 && held; ++qc)
       for (int kc = 0; kc < 2; ++kc) {
         if (!visible(split_.global_chunk(qc), split_.global_chunk_of(src, kc))) {
@@ -140,11 +179,7 @@ void RingAttention::forward(void* out, float* lse, const void* qkv) {
         be_.attention_block_merge(o, l, blk_out_, blk_lse_, a);
       }
     if (s == N - 1) break;
-    const bool send_it = held && forwarded(src, s);
-    const bool recv_it = forwarded((r + N - 1 - s) % N, s);  // what rank r-1 holds at step s
-    if (send_it) ++stats_.sends;
-    else if (held) ++stats_.sends_skipped;
-    pass("forward", s, kv_[cur], kv_[1 - cur], kv_bytes, send_it, recv_it, 1);
+    if (next) next->order_compute_after();  // the next block has landed before anything reads it
     cur = 1 - cur;
     held = recv_it;
   }
@@ -165,6 +200,14 @@ void RingAttention::backward(void* dqkv, const void* dout, const void* qkv, cons
   bool held = true;
   for (int s = 0; s < N; ++s) {
     const int src = (r + N - s) % N;
+    // K/V go on while a later rank needs them, in flight during this step's
+    // backward (double-buffered as in forward); the dK|dV accumulator, which
+    // this step adds to, goes on after it, always, so that after N passes
+    // each rank holds its own block's.
+    const bool send_it = s < N - 1 && held && forwarded(src, s);
+    const bool recv_it = s < N - 1 && forwarded((r + N - 1 - s) % N, s);
+    std::unique_ptr<PendingCollective> next =
+        pass("backward (K/V)", s, kv_[cur], kv_[1 - cur], kv_bytes, send_it, recv_it, 2, /*deferred=*/true);
     for (int qc = 0; qc < 2 && held; ++qc)
       for (int kc = 0; kc < 2; ++kc) {
         if (!visible(split_.global_chunk(qc), split_.global_chunk_of(src, kc))) continue;
@@ -174,11 +217,7 @@ void RingAttention::backward(void* dqkv, const void* dout, const void* qkv, cons
                                      at(dout, int64_t(qc) * Tc * C, act), at(out, int64_t(qc) * Tc * C, act),
                                      lse + int64_t(qc) * Tc, a);
       }
-    // K/V go on while a later rank needs them; the dK|dV accumulator always
-    // goes on, so that after N passes each rank holds its own block's.
-    const bool send_it = s < N - 1 && held && forwarded(src, s);
-    const bool recv_it = s < N - 1 && forwarded((r + N - 1 - s) % N, s);
-    pass("backward (K/V)", s, kv_[cur], kv_[1 - cur], kv_bytes, send_it, recv_it, 2);
+    if (next) next->order_compute_after();
     pass("backward (dK/dV)", s, dkv_[cur], dkv_[1 - cur], dkv_bytes, true, true, 3);
     cur = 1 - cur;
     held = recv_it;

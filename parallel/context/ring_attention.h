@@ -22,11 +22,15 @@
 // which each rank adds its part to; after N passes it is home. Sums run in
 // ring order from the owner on: deterministic.
 //
-// Communication goes through Communicator::send_recv (Gloo blocks; NCCL is
-// stream-ordered, grouped send/recv). A failure or timeout is rethrown with
-// the phase, the ring step and the cp group. Not yet: K/V transfers of step
-// s+1 overlapping step s's compute (double buffering with deferred sends on
-// NCCL): the integration's work.
+// Communication: K/V are double-buffered. At step s the block step s+1
+// needs is posted (Communicator::send_recv_deferred, into the other
+// buffer) before step s's attention, which reads only the current one; the
+// compute is ordered after the transfer only before the next step. On NCCL
+// (stream-ordered, grouped send/recv on the communicator's own stream) the
+// transfer overlaps the block's attention; Gloo blocks, so on the CPU it
+// completes first. The dK/dV accumulator goes after the step that adds to
+// it. A failure or timeout is rethrown with the phase, the ring step and
+// the cp group.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -44,12 +48,13 @@ struct CpAttentionShape {
   int NH = 0, NKV = 0, HS = 0;
 };
 
-// What a pass did, for tests and the bench.
+// What the last forward pass did (wait_seconds: every pass), for tests and the bench.
 struct RingStats {
   int blocks_computed = 0;   // (query chunk, key chunk) pairs this rank computed
   int blocks_skipped = 0;    // pairs it held but no query could see
   int sends = 0;             // K/V blocks it sent (dK/dV not counted)
   int sends_skipped = 0;     // ring steps where no later rank needed the block
+  double wait_seconds = 0;   // in send_recv (K/V, and dK/dV in backward), over the object's life
 };
 
 class RingAttention {
@@ -63,6 +68,10 @@ class RingAttention {
   RingAttention& operator=(const RingAttention&) = delete;
 
   const SequenceSplit& split() const { return split_; }
+  // The next micro-batch's documents (as the constructor's doc_start; null = none).
+  void set_documents(const int32_t* doc_start);
+  // Bytes it allocated on the backend (the workspace a network adds to its activations).
+  size_t bytes() const { return bytes_; }
   // qkv (B, Tl, (NH+2 NKV) HS) act dtype, this rank's rows (split order);
   // out (B, Tl, NH HS) act dtype; lse (B, NH, Tl) fp32, kept for backward.
   void forward(void* out, float* lse, const void* qkv);
@@ -74,8 +83,11 @@ class RingAttention {
   bool visible(int q_chunk, int k_chunk) const;  // global chunk indices
   bool needs(int src, int dst) const;            // does rank dst see any of rank src's keys?
   bool forwarded(int src, int step) const;       // does src's block leave the rank holding it at `step`?
-  void pass(const char* phase, int step, void* send, void* recv, size_t bytes, bool send_it, bool recv_it,
-            uint32_t tag);
+  // One ring step's transfer (send to r+1, receive from r-1); deferred:
+  // Communicator::send_recv_deferred, whose handle the caller orders the
+  // compute after once it reads the received block (null: completed).
+  std::unique_ptr<PendingCollective> pass(const char* phase, int step, void* send, void* recv, size_t bytes,
+                                          bool send_it, bool recv_it, uint32_t tag, bool deferred = false);
   AttentionBlock block(const void* qkv, const void* kv, int qc, int src, int kc) const;
 
   Backend& be_;
@@ -90,6 +102,7 @@ class RingAttention {
   float* blk_lse_ = nullptr;            // (B, NH, Tc)
   float* dq_ = nullptr;                 // (B, Tl, (NH+2 NKV) HS) fp32, laid out like qkv
   RingStats stats_;
+  size_t bytes_ = 0;
 };
 
 }  // namespace trainrun

@@ -239,6 +239,17 @@ std::string resolved_mesh_yaml(const MeshDims& dims, bool sequence_parallel, int
   return y;
 }
 
+MeshDims fold_context_parallel(const MeshDims& dims) {
+  MeshDims f = dims;
+  if (dims.cp == 1) return f;
+  if (dims.dp_shard == 1)
+    f.dp_replicate *= dims.cp;
+  else
+    f.dp_shard *= dims.cp;
+  f.cp = 1;
+  return f;
+}
+
 MeshComms::MeshComms(const DeviceMesh& mesh, const GroupCommFactory& factory) : mesh_(mesh) {
   // tp first: the group on the fastest links, and the first a TP model
   // uses; then cp, the next dimension out. The order is the same on every rank.

@@ -52,6 +52,16 @@ struct MeshDims {
 MeshDims plan_mesh(int world, int tensor_parallel, int pipeline_parallel, const std::string& sharding,
                    int hybrid_group, int context_parallel = 1);
 
+// The parameter stores' mesh under context parallelism: every cp rank holds
+// the same parameters and adds its chunks' share to their gradients, so
+// the stores shard and reduce over dp x cp (torchtitan's dp_shard_cp). cp
+// sits just inside dp_shard in the layout, so the ranks of (dp_shard, cp)
+// are the ranks of a dp_shard of dp_shard x cp: the folded mesh is `dims`
+// with cp merged into dp_shard (into dp_replicate when dp_shard is 1, i.e.
+// no_shard, which then stays all replicas), and cp 1. Its dp_coord() is
+// (this mesh's dp_coord) x cp + the cp coordinate. cp 1: `dims` itself.
+MeshDims fold_context_parallel(const MeshDims& dims);
+
 // hybrid_shard's shard group when parallel.shard_group_size is 0: the dp
 // ranks inside one island of `island_ranks` consecutive ranks (a node, or
 // the topology's NVLink island), i.e. island_ranks / tp of them, but never

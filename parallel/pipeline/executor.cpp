@@ -1,6 +1,8 @@
 // The pipeline runtime of one rank (executor.h).
 #include "parallel/pipeline/executor.h"
 
+#include "parallel/context/cp_attention.h"
+
 #include <algorithm>
 #include <cstdio>
 #include <csignal>
@@ -14,6 +16,7 @@
 
 #include "core/common/error.h"
 #include "core/common/trace.h"
+#include "parallel/context/cp_attention.h"
 #include "parallel/pipeline/sender.h"
 #include "parallel/pipeline/slots.h"
 
@@ -29,6 +32,7 @@ struct Slot {
   std::unique_ptr<Network> net;
   DeviceBuffer in, tgt;
   DeviceBuffer doc_start, pos;  // (B,T) int32, with Options::document_mask only
+  std::vector<int32_t> host_doc;  // (B, T x cp) host: with document masks under context parallelism
 };
 
 // A send that may still be reading its slot's buffers: on a sender thread
@@ -230,7 +234,8 @@ struct PipelineExecutor::Impl {
     if (opts.document_mask) {
       to.doc_start = s.doc_start.as<int32_t>();
       to.pos = s.pos.as<int32_t>();
-      docs = DocumentMask{to.doc_start, to.pos};
+      to.host_doc_start = s.host_doc.empty() ? nullptr : s.host_doc.data();
+      docs = DocumentMask{to.doc_start, to.pos, to.host_doc_start};
     }
     if (to.inputs || to.targets || to.doc_start) load(mb, to);
     if (hook) hook(mb, for_backward);
@@ -265,12 +270,13 @@ PipelineExecutor::PipelineExecutor(const ModelArch& arch, Backend* be, const Pip
     cr.stage.shared_scratch = true;
     for (int i = 0; i < most[c]; ++i) {
       Slot s;
-      s.net = arch.make_network(be, B, im.opts.activation_checkpointing, im.opts.tp, &cr.stage);
+      s.net = arch.make_network(be, B, im.opts.activation_checkpointing, im.opts.tp, &cr.stage, im.opts.cp);
       s.in = DeviceBuffer(be, size_t(B) * T * 4);
       s.tgt = DeviceBuffer(be, size_t(B) * T * 4);
       if (im.opts.document_mask) {
         s.doc_start = DeviceBuffer(be, size_t(B) * T * 4);
         s.pos = DeviceBuffer(be, size_t(B) * T * 4);
+        if (im.opts.cp) s.host_doc.resize(size_t(B) * T * im.opts.cp->size());
       }
       cr.slots.push_back(std::move(s));
     }

@@ -51,6 +51,7 @@
 namespace trainrun {
 
 struct TensorParallel;
+struct ContextParallel;
 class StepTracer;
 
 class PipelineExecutor {
@@ -63,6 +64,9 @@ class PipelineExecutor {
     // Llama's RoPE) is block-causal over them.
     bool document_mask = false;
     const TensorParallel* tp = nullptr;
+    // Context parallelism: the stage networks' cp group (null = none);
+    // seq_len is then this rank's rows per sequence (T / cp).
+    const ContextParallel* cp = nullptr;
     // Global ranks of the pp group (index = stage rank), for messages.
     std::vector<int> stage_ranks;
   };
@@ -82,6 +86,10 @@ class PipelineExecutor {
     int32_t* targets = nullptr;
     int32_t* doc_start = nullptr;
     int32_t* pos = nullptr;
+    // Context parallelism with document masks: the whole sequences' (B,
+    // T x cp) document starts on the host, which the cp attention plans its
+    // ring by (the device arrays above hold this rank's rows).
+    int32_t* host_doc_start = nullptr;
   };
   // Called before each forward of a stage that needs any of them.
   using Loader = std::function<void(int m, const MicrobatchBuffers& to)>;

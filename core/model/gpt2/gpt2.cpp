@@ -75,7 +75,7 @@ void gpt2_init_params(const GPT2Config& cfg, const ParamLayout& layout, uint64_t
 
 // ---- activations --------------------------------------------------------------------
 GPT2::GPT2(const GPT2Config& cfg_in, Backend* be, int maxB, bool activation_checkpointing, const TensorParallel* tp,
-           const PipelineStage* stage)
+           const PipelineStage* stage, const ContextParallel* cp)
     : cfg_(stage_config(cfg_in, stage)), layout_(make_gpt2_layout(cfg_)), stage_(stage ? *stage : PipelineStage{}),
       be_(be), maxB_(maxB), ckpt_(activation_checkpointing), tp_(tp && tp->plan ? tp : nullptr) {
   const GPT2Config& cfg = cfg_;
@@ -96,8 +96,14 @@ GPT2::GPT2(const GPT2Config& cfg_in, Backend* be, int maxB, bool activation_chec
     layout_ = tp_->plan->local_layout();
   }
   Q_ = NH_ * cfg.head_size();
+  if (cp && cp->size() > 1) {
+    check_context_parallel_model(cfg, *cp);
+    cpa_ = std::make_unique<CpAttention>(*be, *cp, maxB, cfg.T, NH_, NH_, cfg.head_size());
+  }
   const size_t es = dtype_size(be->act_dtype());
-  const int64_t N = int64_t(maxB) * cfg.T, C = cfg.C, Q = Q_, F = F_;
+  // Context parallelism: this rank's T / cp rows of each sequence.
+  const int64_t rows_per_seq = cpa_ ? cpa_->local_rows() : cfg.T;
+  const int64_t N = int64_t(maxB) * rows_per_seq, C = cfg.C, Q = Q_, F = F_;
   // Sequence parallelism: the residual stream, the LayerNorms' outputs and
   // statistics and the residual gradient hold this rank's 1/T of the rows.
   // A column layer reads its LayerNorm output all-gathered into the shared
@@ -123,7 +129,8 @@ GPT2::GPT2(const GPT2Config& cfg_in, Backend* be, int maxB, bool activation_chec
     layer_buf(&a.ln1_rstd, NR * 4);
     layer_buf(&a.qkv, N * 3 * Q * es);
     layer_buf(&a.atty, N * Q * es);
-    layer_buf(&a.att, be->attention_saved_floats(maxB, cfg.T, NH_) * 4);
+    layer_buf(&a.att, (cpa_ ? CpAttention::saved_floats(maxB, cfg.T, cp->size(), NH_)
+                            : be->attention_saved_floats(maxB, cfg.T, NH_)) * 4);
     layer_buf(&a.res2, NR * C * es);
     layer_buf(&a.ln2, NR * C * es);
     layer_buf(&a.ln2_mean, NR * 4);
@@ -179,6 +186,10 @@ void GPT2::wire_scratch() {
   tpc_.norm_buf = norm_grad_;
 }
 
+GPT2::~GPT2() = default;
+
+size_t GPT2::activation_bytes() const { return act_bytes_ + (cpa_ ? cpa_->workspace_bytes() : 0); }
+
 void GPT2::bind_transient(void* scratch) {
   TR_CHECK(shared_ && scratch, "GPT2: bind_transient needs a stage built with shared_scratch and a buffer (a bug)");
   plan_.bind_transient(scratch);
@@ -216,7 +227,10 @@ void GPT2::block_forward(const void* p, int l, const void* res_in, int B, int T)
   const void* x_qkv = tpc_.full_rows(a.ln1, N);
   be_->matmul_forward(a.qkv, x_qkv, w.qkvw, w.qkvb, N, C, 3 * Q);
   if (ad_) ad_->forward(gl, 0, x_qkv, a.qkv, 3 * Q, N);
-  be_->attention_forward(a.atty, a.att, a.qkv, B, T, Q, NH_, docs_.doc_start);
+  if (cpa_)
+    cpa_->forward(a.atty, a.att, a.qkv);
+  else
+    be_->attention_forward(a.atty, a.att, a.qkv, B, T, Q, NH_, docs_.doc_start);
   be_->matmul_forward(dbuf_c_, a.atty, w.attprojw, adds_row_bias_ ? w.attprojb : nullptr, N, Q, C);
   if (ad_) ad_->forward(gl, 1, a.atty, dbuf_c_, C, N);
   const void* attn_out = tpc_.reduce_out(dbuf_c_, N);
@@ -243,12 +257,14 @@ void GPT2::forward(UnitAccess& units, const int32_t* inputs, const int32_t* targ
                    bool for_backward, float dloss_scale, DocumentMask docs) {
   TR_CHECK(B >= 1 && B <= maxB_ && T >= 1 && T <= cfg_.T, "model.forward: batch (", B, ",", T,
            ") exceeds the buffers (", maxB_, ",", cfg_.T, ")");
+  TR_CHECK(!cpa_ || T == cpa_->local_rows(), "model.forward: under context parallelism T is this rank's ",
+           cpa_ ? cpa_->local_rows() : 0, " rows per sequence, not ", T, " (a bug)");
   TR_CHECK(!for_backward || targets || !stage_.last, "model.forward: for_backward needs targets");
   TR_CHECK(!shared_ || bound_, "GPT2: a shared_scratch stage computed before bind_transient (a bug)");
   B_ = B;
   T_ = T;
   inputs_ = inputs;
-  docs_ = docs;
+  docs_ = cpa_ ? cpa_->begin_batch(B, docs) : docs;
   ad_ = units.adapters();
   frozen_ = units.base_frozen();
   const int N = B * T, C = cfg_.C, L = cfg_.L;
@@ -382,7 +398,10 @@ void GPT2::block_backward(const void* p, float* g, int l, const void* res_in, vo
   if (keep) kept(keep->d_attproj, dattn, int64_t(N) * C);
   be_->matmul_backward(dbuf_c_, W(dw.attprojw), W(dw.attprojb), dattn, a.atty, w.attprojw, N, Q, C);
   if (ad_) ad_->backward(gl, 1, a.atty, dattn, C, dbuf_c_, N);
-  be_->attention_backward(dbuf_3c_, dbuf_c_, a.qkv, a.atty, a.att, B, T, Q, NH_, docs_.doc_start);
+  if (cpa_)
+    cpa_->backward(dbuf_3c_, dbuf_c_, a.qkv, a.atty, a.att);
+  else
+    be_->attention_backward(dbuf_3c_, dbuf_c_, a.qkv, a.atty, a.att, B, T, Q, NH_, docs_.doc_start);
   if (keep) kept(keep->d_qkv, dbuf_3c_, int64_t(N) * 3 * Q);
   const void* x_qkv = tpc_.full_rows(a.ln1, N);
   be_->matmul_backward(dbuf_c_, W(dw.qkvw), W(dw.qkvb), dbuf_3c_, x_qkv, w.qkvw, N, C, 3 * Q);

@@ -16,12 +16,14 @@
 // and the GPT2 class here are what it is built from (tests use them too).
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "core/model/arena_plan.h"
 #include "core/model/model.h"
 #include "core/model/tensor_parallel.h"
+#include "parallel/context/cp_attention.h"
 
 namespace trainrun {
 
@@ -73,7 +75,9 @@ class GPT2 final : public Network {
   // the linears); null = the whole model. stage: one pipeline stage's
   // layers (model.h); null = all of them.
   GPT2(const GPT2Config& cfg, Backend* be, int maxB, bool activation_checkpointing,
-       const TensorParallel* tp = nullptr, const PipelineStage* stage = nullptr);
+       const TensorParallel* tp = nullptr, const PipelineStage* stage = nullptr,
+       const ContextParallel* cp = nullptr);
+  ~GPT2() override;
   const GPT2Config& config() const { return cfg_; }
   const ParamLayout& layout() const { return layout_; }
 
@@ -85,7 +89,7 @@ class GPT2 final : public Network {
   void scale_loss_grad(const float* w) override { be_->scale_rows(logits_, w, B_ * T_, v_valid_, ldv_); }
   const void* logits() const override { return logits_; }
   int logits_stride() const override { return ldv_; }
-  size_t activation_bytes() const override { return act_bytes_; }
+  size_t activation_bytes() const override;
   size_t transient_bytes() const override { return shared_ ? plan_.transient_total : 0; }
   void bind_transient(void* scratch) override;
   void free_activations() override { arena_.reset(); }
@@ -138,6 +142,8 @@ class GPT2 final : public Network {
   int B_ = 0, T_ = 0;
   // This rank's sizes (the whole model without tensor parallelism).
   const TensorParallel* tp_ = nullptr;
+  // Context parallelism: attention through the cp group (null = none).
+  std::unique_ptr<CpAttention> cpa_;
   int NH_ = 0, Q_ = 0, F_ = 0;             // heads, NH*HS, MLP width
   int VL_ = 0, v_begin_ = 0, v_valid_ = 0; // vocab rows held (padded), first id, real rows
   bool adds_row_bias_ = true;              // row-parallel biases: added by TP rank 0 only

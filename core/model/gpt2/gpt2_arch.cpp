@@ -142,8 +142,9 @@ nlohmann::ordered_json GPT2Arch::manifest_model() const {
 }
 
 std::unique_ptr<Network> GPT2Arch::make_network(Backend* be, int maxB, bool activation_checkpointing,
-                                                const TensorParallel* tp, const PipelineStage* stage) const {
-  return std::make_unique<GPT2>(cfg_, be, maxB, activation_checkpointing, tp, stage);
+                                                const TensorParallel* tp, const PipelineStage* stage,
+                                                const ContextParallel* cp) const {
+  return std::make_unique<GPT2>(cfg_, be, maxB, activation_checkpointing, tp, stage, cp);
 }
 
 std::unique_ptr<Decoder> GPT2Arch::make_decoder(Backend* be, int capacity) const {

@@ -11,7 +11,8 @@
 namespace trainrun {
 
 LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Backend* be, int maxB,
-                           bool activation_checkpointing, const TensorParallel* tp, const PipelineStage* stage)
+                           bool activation_checkpointing, const TensorParallel* tp, const PipelineStage* stage,
+                           const ContextParallel* cp)
     : cfg_(stage_config(cfg, stage)), stage_(stage ? *stage : PipelineStage{}), be_(be), maxB_(maxB), ckpt_(activation_checkpointing), tp_(tp && tp->plan ? tp : nullptr) {
   TR_CHECK(cfg.NKV > 0 && cfg.F > 0, "LlamaNetwork needs a Llama-shaped arch's resolved config (a bug)");
   TR_CHECK(maxB >= 1, "LlamaNetwork: micro-batch ", maxB, " must be >= 1");
@@ -58,8 +59,12 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
     lm_head_off_ = h.offset - lay->units[h.unit].offset;
   }
   shared_ = stage_.shared_scratch;
+  if (cp && cp->size() > 1) {  // parallel/context/cp_attention.h: T / cp rows per sequence here
+    check_context_parallel_model(cfg, *cp);
+    cpa_ = std::make_unique<CpAttention>(*be, *cp, maxB, cfg.T, NH_, NKV_, HS_);
+  }
   const size_t es = dtype_size(be->act_dtype());
-  const int64_t N = int64_t(maxB) * cfg.T, C = cfg.C, F = F_, T = cfg.T;
+  const int64_t T = cfg.T, N = int64_t(maxB) * (cpa_ ? cpa_->local_rows() : T), C = cfg.C, F = F_;
   // Sequence parallelism: the residual stream, the norms' outputs and
   // statistics and the residual gradient hold this rank's 1/T of the rows.
   // A column layer reads its norm output all-gathered into dres_full_
@@ -92,7 +97,8 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
       layer_buf(&a.qk_rstd, N * (NH_ + NKV_) * 4);
     }
     layer_buf(&a.atty, N * Q_ * es);
-    layer_buf(&a.att, be->attention_gqa_saved_floats(maxB, cfg.T, NH_) * 4);
+    layer_buf(&a.att, (cpa_ ? CpAttention::saved_floats(maxB, cfg.T, cp->size(), NH_)
+                            : be->attention_gqa_saved_floats(maxB, cfg.T, NH_)) * 4);
     layer_buf(&a.res2, NR * C * es);
     layer_buf(&a.ln2, NR * C * es);
     layer_buf(&a.ln2_rstd, NR * 4);
@@ -211,7 +217,7 @@ void LlamaNetwork::block_forward(const void* p, int l, const void* res_in, int B
   if (ad_) ad_->forward(gl, 0, x_qkv, a.qkv, QKV_, N);
   if (QN_) be_->qk_norm_forward(a.qkv, a.qk_pre, a.qk_rstd, w.qnw, w.knw, N, NH_, NKV_, HS_, eps_);
   be_->rope_forward(a.qkv, rope_, B, T, NH_, NKV_, HS_, 0, docs_.pos);
-  be_->attention_gqa_forward(a.atty, a.att, a.qkv, B, T, NH_, NKV_, HS_, docs_.doc_start, attn_opt(l));
+  attention_forward(a, l, B, T);
   be_->matmul_forward(dbuf_c_, a.atty, w.ow, nullptr, N, Q_, C);
   if (ad_) ad_->forward(gl, 1, a.atty, dbuf_c_, C, N);
   const void* attn_out = row_parallel_out(dbuf_c_, N);
@@ -236,6 +242,26 @@ void LlamaNetwork::block_forward(const void* p, int l, const void* res_in, int B
 void LlamaNetwork::post_norm_forward(void* buf, void* saved, float* rstd, const void* w, int NR) {
   be_->copy_device(saved, buf, size_t(NR) * cfg_.C * dtype_size(be_->act_dtype()));
   be_->rmsnorm_forward(buf, rstd, saved, w, NR, cfg_.C, eps_, wo_);
+}
+
+LlamaNetwork::~LlamaNetwork() = default;
+
+size_t LlamaNetwork::activation_bytes() const { return act_bytes_ + (cpa_ ? cpa_->workspace_bytes() : 0); }
+
+// Attention over the whole sequence: the one-rank op, or through the cp group.
+void LlamaNetwork::attention_forward(LayerActs& a, int l, int B, int T) {
+  if (cpa_)
+    cpa_->forward(a.atty, a.att, a.qkv);
+  else
+    be_->attention_gqa_forward(a.atty, a.att, a.qkv, B, T, NH_, NKV_, HS_, docs_.doc_start, attn_opt(l));
+}
+
+void LlamaNetwork::attention_backward(LayerActs& a, int l, int B, int T) {
+  if (cpa_)
+    cpa_->backward(dqkv_, dbuf_c_, a.qkv, a.atty, a.att);
+  else
+    be_->attention_gqa_backward(dqkv_, dbuf_c_, a.qkv, a.atty, a.att, B, T, NH_, NKV_, HS_, docs_.doc_start,
+                                attn_opt(l));
 }
 
 // Layer l's attention options (global layer numbering: the window pattern is the model's).
@@ -285,10 +311,12 @@ void LlamaNetwork::forward(UnitAccess& units, const int32_t* inputs, const int32
   TR_CHECK(!for_backward || targets || !stage_.last, "model.forward: for_backward needs targets");
   TR_CHECK(arena_.get(), "model.forward: the activations were freed (free_activations)");
   TR_CHECK(!shared_ || bound_, "LlamaNetwork: a shared_scratch stage computed before bind_transient (a bug)");
+  TR_CHECK(!cpa_ || T == cpa_->local_rows(), "model.forward: under context parallelism T is this rank's ",
+           cpa_ ? cpa_->local_rows() : 0, " rows per sequence, not ", T, " (a bug)");
   B_ = B;
   T_ = T;
   inputs_ = inputs;
-  docs_ = docs;
+  docs_ = cpa_ ? cpa_->begin_batch(B, docs) : docs;
   ad_ = units.adapters();
   frozen_ = units.base_frozen();
   const int N = B * T, C = cfg_.C, L = cfg_.L, F = F_;
@@ -405,8 +433,7 @@ void LlamaNetwork::block_backward(const void* p, float* g, int l, const void* re
   if (keep && !frozen_) be_->copy_device(keep->d_o, dattn, size_t(N) * C * es);
   be_->matmul_backward(dbuf_c_, W(dw.ow), nullptr, dattn, a.atty, w.ow, N, Q_, C);
   if (ad_) ad_->backward(gl, 1, a.atty, dattn, C, dbuf_c_, N);
-  be_->attention_gqa_backward(dqkv_, dbuf_c_, a.qkv, a.atty, a.att, B, T, NH_, NKV_, HS_, docs_.doc_start,
-                              attn_opt(l));
+  attention_backward(a, l, B, T);
   be_->rope_backward(dqkv_, rope_, B, T, NH_, NKV_, HS_, 0, docs_.pos);
   if (QN_) qk_norm_backward(a, w.qnw, w.knw, dw.qnw, N);
   if (keep && !frozen_) be_->copy_device(keep->d_qkv, dqkv_, size_t(N) * QKV_ * es);

@@ -18,11 +18,13 @@
 // gradient of it that was thrown away, every micro-batch.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "core/model/arena_plan.h"
 #include "core/model/model.h"
 #include "core/model/tensor_parallel.h"
+#include "parallel/context/cp_attention.h"
 
 namespace trainrun {
 
@@ -68,7 +70,8 @@ class LlamaNetwork final : public Network {
   // stage: one pipeline stage's layers (model.h); null = all of them.
   LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Backend* be, int maxB,
                bool activation_checkpointing, const TensorParallel* tp = nullptr,
-               const PipelineStage* stage = nullptr);
+               const PipelineStage* stage = nullptr, const ContextParallel* cp = nullptr);
+  ~LlamaNetwork() override;
 
   void forward(UnitAccess& units, const int32_t* inputs, const int32_t* targets, int B, int T,
                bool for_backward, float dloss_scale, DocumentMask docs = {}) override;
@@ -78,7 +81,7 @@ class LlamaNetwork final : public Network {
   void scale_loss_grad(const float* w) override { be_->scale_rows(logits_, w, B_ * T_, v_valid_, ldv_); }
   const void* logits() const override { return logits_; }
   int logits_stride() const override { return ldv_; }
-  size_t activation_bytes() const override { return act_bytes_; }
+  size_t activation_bytes() const override;
   size_t transient_bytes() const override { return shared_ ? plan_.transient_total : 0; }
   void bind_transient(void* scratch) override;
   void free_activations() override { arena_.reset(); }
@@ -140,6 +143,9 @@ class LlamaNetwork final : public Network {
   int NH_ = 0, NKV_ = 0, F_ = 0, Q_ = 0;  // heads, kv heads, MLP width, NH*HS
   int VL_ = 0, v_begin_ = 0, v_valid_ = 0;  // vocab rows held (padded), first id, real rows
   const TensorParallel* tp_ = nullptr;
+  std::unique_ptr<CpAttention> cpa_;  // context parallelism: attention through the cp group (null = none)
+  void attention_forward(LayerActs& a, int l, int B, int T);
+  void attention_backward(LayerActs& a, int l, int B, int T);
   int kv_replicas_ = 1, kv_head_ = 0, NKV_global_ = 0;  // KV heads replicated over TP ranks
   DeviceBuffer kv_grad_scratch_;  // replicated KV, own arena: kv_scratch_'s memory
   DeviceBuffer kv_grad_slots_;    // replicated KV, own arena: kv_slots_'s memory
