@@ -15,6 +15,7 @@
 #include "core/model/qwen3/qwen3_arch.h"
 #include "core/model/phi3/phi3_arch.h"
 #include "core/model/gemma2/gemma2_arch.h"
+#include "core/model/mixtral/mixtral_arch.h"
 
 namespace fs = std::filesystem;
 using json = nlohmann::ordered_json;
@@ -42,6 +43,7 @@ const std::vector<ArchEntry>& registry() {
       {"qwen2", "qwen2", true, true, make_qwen2_arch, qwen2_config_from_hf, llama_config_from_metadata},
       {"qwen3", "qwen3", true, true, make_qwen3_arch, qwen3_config_from_hf, qwen3_config_from_metadata},
       {"phi3", "phi3", true, true, make_phi3_arch, phi3_config_from_hf, phi3_config_from_metadata},
+      {"mixtral", "mixtral", true, true, make_mixtral_arch, mixtral_config_from_hf, mixtral_config_from_metadata},
       // Not open to job specs / model.init_from yet: its softcaps, query scale and window are not job-spec
       // fields, so a spec could not describe it (gemma2_arch.h lists what is left).
       {"gemma2", "gemma2", false, false, make_gemma2_arch, gemma2_config_from_hf, nullptr},

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "core/config/job_spec.h"
+#include "core/model/moe/moe_config.h"
 #include "kernels/backend.h"
 #include "kernels/rope_table.h"
 
@@ -73,6 +74,9 @@ struct ModelConfig {
   // Which layers slide: layer l is local when l % window_period == 0 (Gemma
   // 2: 2, layers 0, 2, 4, ... as transformers 4.44), 0 = every layer.
   int window_period = 0;
+  // Mixture of experts (core/model/moe/moe_config.h): set by the MoE
+  // families (mixtral, ...); n_experts 0 = the dense gated MLP.
+  MoeConfig moe;
 
   // The config a job spec describes. model.arch auto is resolved here: the
   // architecture of model.init_from's config.json (its model_type), else

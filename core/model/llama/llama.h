@@ -18,6 +18,7 @@
 // gradient of it that was thrown away, every micro-batch.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "core/model/arena_plan.h"
@@ -25,6 +26,8 @@
 #include "core/model/tensor_parallel.h"
 
 namespace trainrun {
+
+class MoeMlp;  // core/model/moe/moe_mlp.h
 
 // Element offsets of one block's tensors relative to the block unit's start
 // (llama_layout's order; q|k|v and gate|up adjacent, read as fused weights,
@@ -38,11 +41,13 @@ namespace trainrun {
 // post_attention_layernorm; ln2 is then pre_feedforward_layernorm) and one
 // on the MLP output after down_proj (post_feedforward_layernorm); -1 without.
 struct LlamaBlockOffsets {
-  int64_t ln1w, qkvw, qkvb, ow, panw = -1, ln2w, guw, downw, pfnw = -1, qnw, knw, total;
+  // moe_elems > 0 (ModelConfig::moe): the gated MLP's place holds that many
+  // elements of MoE tensors from `moe` on (MoeOffsets), and guw = downw = -1.
+  int64_t ln1w, qkvw, qkvb, ow, panw = -1, ln2w, guw, downw, pfnw = -1, qnw, knw, total, moe = -1;
   bool has_qkvb;
   LlamaBlockOffsets(int64_t C, int64_t KV, int64_t F) : LlamaBlockOffsets(C, C, KV, F) {}
   LlamaBlockOffsets(int64_t C, int64_t Q, int64_t KV, int64_t F, int64_t QN = 0, bool qkv_bias = false,
-                    bool post_norms = false)
+                    bool post_norms = false, int64_t moe_elems = 0)
       : has_qkvb(qkv_bias) {
     int64_t o = 0;
     ln1w = o; o += C;                // input_layernorm (C)
@@ -51,8 +56,13 @@ struct LlamaBlockOffsets {
     ow = o; o += C * Q;              // o_proj (C,Q)
     if (post_norms) { panw = o; o += C; }  // Gemma 2's post_attention_layernorm (C)
     ln2w = o; o += C;                // post_attention_layernorm (C); Gemma 2's pre_feedforward_layernorm
-    guw = o; o += 2 * F * C;         // gate_proj (F,C) | up_proj (F,C)
-    downw = o; o += C * F;           // down_proj (C,F)
+    if (moe_elems > 0) {
+      moe = o; o += moe_elems;       // router, experts [, shared expert] (MoeOffsets)
+      guw = downw = -1;
+    } else {
+      guw = o; o += 2 * F * C;       // gate_proj (F,C) | up_proj (F,C)
+      downw = o; o += C * F;         // down_proj (C,F)
+    }
     qnw = o; o += QN;                // self_attn.q_norm (HS) | k_norm (HS), adjacent
     knw = o; o += QN;
     if (post_norms) { pfnw = o; o += C; }  // Gemma 2's post_feedforward_layernorm (C)
@@ -69,6 +79,7 @@ class LlamaNetwork final : public Network {
   LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Backend* be, int maxB,
                bool activation_checkpointing, const TensorParallel* tp = nullptr,
                const PipelineStage* stage = nullptr);
+  ~LlamaNetwork() override;
 
   void forward(UnitAccess& units, const int32_t* inputs, const int32_t* targets, int B, int T,
                bool for_backward, float dloss_scale, DocumentMask docs = {}) override;
@@ -134,7 +145,12 @@ class LlamaNetwork final : public Network {
   int HS_, KV_, QKV_;             // head size, NKV*HS, Q + 2*KV (this rank's)
   int QN_ = 0;                    // qk-norm: the q_norm / k_norm weights' length (HS); 0 = none
   float* qk_grad_ = nullptr;      // qk-norm under TP: (2*HS) this block's q_norm|k_norm gradient, summed over TP
-  LlamaBlockOffsets offsets() const { return LlamaBlockOffsets(cfg_.C, Q_, KV_, F_, QN_, cfg_.qkv_bias, cfg_.post_norms); }
+  LlamaBlockOffsets offsets() const {
+    return LlamaBlockOffsets(cfg_.C, Q_, KV_, F_, QN_, cfg_.qkv_bias, cfg_.post_norms, moe_elems_);
+  }
+  // Mixture of experts (ModelConfig::moe; core/model/moe/moe_mlp.h): the MLP's place in every block.
+  int64_t moe_elems_ = 0;
+  std::unique_ptr<MoeMlp> moe_;
   // This rank's sizes: all of the model without tensor parallelism.
   int NH_ = 0, NKV_ = 0, F_ = 0, Q_ = 0;  // heads, kv heads, MLP width, NH*HS
   int VL_ = 0, v_begin_ = 0, v_valid_ = 0;  // vocab rows held (padded), first id, real rows
