@@ -9,7 +9,11 @@
 //    no rows) computes the dense Llama MLP of that expert, forward and
 //    backward, with the load-balancing loss at its maximum E * 1 * 1/E = 1;
 //  - the router z-loss's gradient against finite differences;
-//  - config.json maths trainrun does not implement is refused by name.
+//  - model.init_from with model.arch auto (bit for bit), greedy `generate`
+//    against transformers' greedy generate, and an export that
+//    from_pretrained reloads with our logits;
+//  - config.json maths trainrun does not implement is refused by name;
+//  - the mixtral-8x7b preset and the job spec's MoE fields.
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdio>
@@ -21,11 +25,17 @@
 #include <string>
 #include <vector>
 
+#include "core/checkpoint/hf_interop.h"
+#include "core/config/job_spec.h"
+#include "core/config/model_presets.h"
 #include "core/io/safetensors.h"
 #include "core/model/model.h"
+#include "core/model/model_io.h"
+#include "core/model/model_spec.h"
 #include "kernels/backend.h"
 #include "tests/support/device_io.h"
 #include "tests/support/hf_reference.h"
+#include "tests/support/inprocess.h"
 #include "tests/support/testutil.h"
 
 using namespace trainrun;
@@ -357,4 +367,113 @@ TEST_CASE("mixtral: config.json maths trainrun does not implement is refused by 
   c = mixtral_cfg(s);
   c.moe.shared_ffn = 8;
   CHECK_THROWS_WITH(make_model_arch(c), Contains("mixtral has no shared expert"));
+}
+
+namespace {
+
+// The model.* of the `hf_random(dir, init_shape())` directory.
+Shape init_shape() {
+  Shape s;
+  s.L = 2, s.NH = 4, s.NKV = 1, s.C = 16, s.F = 24, s.E = 4, s.K = 2, s.V = 29, s.T = 12;
+  return s;
+}
+std::string mixtral_job(const std::string& hf, const std::string& out, const std::string& arch, int steps,
+                        const std::string& parallel, const std::string& lr = "3.0e-3") {
+  return "model: {arch: " + arch + ", init_from: '" + hf + "', seq_len: 12}\n"
+         "data: {format: synthetic, synthetic: {vocab: 29, branching: 3}}\n"
+         "train: {global_batch_size: 4, micro_batch_size: 1, max_steps: " + std::to_string(steps) +
+         ", lr: " + lr + ", min_lr: 0,\n"
+         "        warmup_steps: 0, schedule: constant, grad_clip: 0.3, eval_steps: 1, log_interval: 1}\n"
+         "output: {dir: '" + out + "', sample_tokens: 0}\n"
+         "parallel: {" + parallel + "timeout_s: 60}\n";
+}
+
+}  // namespace
+
+TEST_CASE("mixtral: init_from (arch auto) bit for bit, greedy generate and export against transformers",
+          "[mixtral][hf][init_from]") {
+  test::TempDir dir("mixtral_init");
+  const std::string hf = dir / "hf";
+  hf_random(hf, init_shape());
+  const std::string run = dir / "run";
+  // lr 1e-30: one real optimizer step that cannot move a weight of ~0.1.
+  JobSpec job = parse_job_spec(mixtral_job(hf, run, "auto", 1, "sharding: full_shard, ", "1.0e-30"), "job.yaml", {});
+  resolve_model_shape(job, false);  // config.json's shape, as the launcher resolves it before the workers start
+  const auto arch = make_model_arch(ModelConfig::from_spec(job.model));
+  REQUIRE(arch->name() == "mixtral");
+  CHECK(arch->config().moe.n_experts == 4);
+  CHECK(arch->config().moe.top_k == 2);
+  CHECK(arch->config().moe.aux_loss_coef == 0.001);  // the job's (model.router_aux_loss_coef's default)
+  const std::vector<float> want = hf_flat(*arch, hf);
+  const std::vector<float> loaded = load_init_from(job.model);
+  REQUIRE(loaded.size() == want.size());
+  CHECK(std::memcmp(loaded.data(), want.data(), want.size() * 4) == 0);
+  (void)test::run_ranks_inprocess(job, 2);
+  std::vector<float> trained;
+  CHECK(load_model_safetensors(run + "/model.safetensors", trained).arch == "mixtral");
+  REQUIRE(trained.size() == want.size());
+  CHECK(std::memcmp(trained.data(), want.data(), want.size() * 4) == 0);
+
+  // Greedy generate (our KV-cached decoder with the MoE MLP).
+  const std::string prompt = "5 17 2 28 0";
+  const test::RunResult theirs = test::run_reference_script(
+      kScript, "generate --model '" + hf + "' --prompt '" + prompt + "' --max-new-tokens 7");
+  INFO(theirs.err);
+  REQUIRE(theirs.exit_code == 0);
+  const test::RunResult ours = test::run_trainrun("generate --checkpoint '" + run + "/model.safetensors' --prompt '" +
+                                                  prompt + "' --max-tokens 7 --top-k 1");
+  INFO(ours.err);
+  REQUIRE(ours.exit_code == 0);
+  std::printf("generate: ours '%s' transformers '%s'\n", ours.out.c_str(), theirs.out.c_str());
+  CHECK(ours.out == theirs.out);
+
+  // Export, then from_pretrained: transformers' logits are ours.
+  const std::string out = dir / "export";
+  const test::RunResult ex = test::run_trainrun("export --checkpoint '" + run + "/model.safetensors' --out '" + out + "'");
+  INFO(ex.err);
+  REQUIRE(ex.exit_code == 0);
+  std::ifstream cf(out + "/config.json");
+  const nlohmann::json c = nlohmann::json::parse(cf);
+  CHECK(c["model_type"] == "mixtral");
+  CHECK(c["architectures"][0] == "MixtralForCausalLM");
+  CHECK(c["num_local_experts"] == 4);
+  CHECK(c["num_experts_per_tok"] == 2);
+  CHECK(c["router_aux_loss_coef"] == 0.001);
+  const int B = 2, T = 12;
+  const std::vector<int32_t> in = rand_tokens(size_t(B) * T, 29, 3);
+  const std::vector<float> mine = test::logits_of(*arch, trained, in, B, T);
+  const std::vector<float> hfl = test::hf_logits_of(kScript, out, in, B, T, dir);
+  const double e = rel(mine, hfl);
+  std::printf("export: logits rel err %.3e\n", e);
+  CHECK(e <= 1e-5);
+}
+
+TEST_CASE("mixtral: the mixtral-8x7b preset and a job spec's MoE fields", "[mixtral][config]") {
+  const ModelPreset* preset = find_model_preset("mixtral-8x7b");
+  REQUIRE(preset);
+  const auto arch = make_model_arch(ModelConfig::from_spec(preset->spec));
+  CHECK(arch->name() == "mixtral");
+  CHECK(arch->config().moe.n_experts == 8);
+  CHECK(arch->config().moe.top_k == 2);
+  // 46.7B parameters (test_config), 12.9B of them active per token: the
+  // MFU formula's N counts two experts of eight (and the LM head, not the
+  // input embedding).
+  CHECK(arch->matmul_parameters() == 46702792704LL - 6LL * 32 * 3 * 14336 * 4096 - 32000LL * 4096);
+  // A dense family refuses experts; the experts need their count.
+  auto spec_error = [](const std::string& yaml) {
+    try {
+      JobSpec j = parse_job_spec("data: {format: synthetic}\n" + yaml, "job.yaml", {});
+      (void)make_model_arch(ModelConfig::from_spec(j.model));
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  CHECK_THAT(spec_error("model: {arch: llama, ffn_dim: 64, n_experts: 4}\n"),
+             Contains("model.n_experts: 4; llama has a dense MLP (0); use model.arch: mixtral"));
+  CHECK_THAT(spec_error("model: {arch: mixtral, ffn_dim: 64, n_experts: 4, n_experts_per_tok: 0}\n"),
+             Contains("model.n_experts_per_tok: 0 must be in 1..4"));
+  CHECK_THAT(spec_error("model: {arch: mixtral, ffn_dim: 64, n_experts: 4, n_experts_per_tok: 2, "
+                        "router_aux_loss_coef: -1}\n"),
+             Contains("model.router_aux_loss_coef"));
 }

@@ -32,6 +32,11 @@ struct ModelSpec {
     double factor = 8.0, low_freq_factor = 1.0, high_freq_factor = 4.0;
     int original_max_position_embeddings = 8192;
   } rope_scaling;
+  // Mixture of experts (mixtral): every block's MLP a routed set of experts (docs/models.md).
+  int n_experts = 0;             // experts per block (num_local_experts); 0 = the arch's (a dense MLP)
+  int n_experts_per_tok = 0;     // top-k experts each token reaches; 0 = the arch's
+  double router_aux_loss_coef = 0.001;  // weight of the load-balancing loss (transformers'); 0 = off
+  double router_z_loss_coef = 0;        // weight of the router z-loss (ST-MoE); 0 = off
   // Parameter-efficient fine-tuning (docs/fine-tuning.md): the base frozen, only the adapters train.
   std::string base_dtype = "auto";  // auto | fp32 | bf16 | nf4: how the frozen base is held (auto: fp32 on the CPU)
   struct AdapterSpec {

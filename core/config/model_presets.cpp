@@ -125,6 +125,29 @@ ModelSpec phi3_mini() {
   return m;
 }
 
+// Mixtral 8x7B (mistralai/Mixtral-8x7B-v0.1's config.json): Llama's
+// attention (32 heads, 8 KV heads, rope_theta 1e6, rms_norm_eps 1e-5,
+// untied, 32000 tokens) and in every block 8 experts of 14336, top-2;
+// sliding_window null, max_position_embeddings 32768 (seq_len). 46.7B
+// parameters, 12.9B active per token.
+ModelSpec mixtral_8x7b() {
+  ModelSpec m;
+  m.arch = "mixtral";
+  m.n_layer = 32;
+  m.n_embd = 4096;
+  m.n_head = 32;
+  m.n_kv_head = 8;
+  m.ffn_dim = 14336;
+  m.vocab_size = 32000;
+  m.seq_len = 32768;
+  m.norm_eps = 1e-5;
+  m.rope_theta = 1000000;
+  m.tie_embeddings = "false";
+  m.n_experts = 8;
+  m.n_experts_per_tok = 2;
+  return m;
+}
+
 }  // namespace
 
 const std::vector<ModelPreset>& model_presets() {
@@ -142,6 +165,7 @@ const std::vector<ModelPreset>& model_presets() {
       {"qwen3-8b", "Qwen/Qwen3-8B", qwen3(36, 4096, 32, 12288, false)},
       {"qwen3-32b", "Qwen/Qwen3-32B", qwen3(64, 5120, 64, 25600, false)},
       {"phi3-mini", "microsoft/Phi-3-mini-4k-instruct", phi3_mini()},
+      {"mixtral-8x7b", "mistralai/Mixtral-8x7B-v0.1", mixtral_8x7b()},
       {"gpt2-124m", "openai-community/gpt2", gpt2(12, 12, 768)},
       {"gpt2-350m", "openai-community/gpt2-medium", gpt2(24, 16, 1024)},
       {"gpt2-774m", "openai-community/gpt2-large", gpt2(36, 20, 1280)},
@@ -214,7 +238,11 @@ std::string model_presets_markdown() {
                                           num(m.rope_scaling.low_freq_factor) + ", high " +
                                           num(m.rope_scaling.high_freq_factor) + ", original " +
                                           std::to_string(m.rope_scaling.original_max_position_embeddings) + ")";
-    out += "| " + name + " | " + m.arch + " | " + std::to_string(m.n_layer) + " | " + std::to_string(m.n_embd) +
+    // A mixture of experts: its experts in the arch column (ffn_dim is each expert's width).
+    const std::string arch = m.n_experts > 0 ? m.arch + " (" + std::to_string(m.n_experts) + " experts, top-" +
+                                                   std::to_string(m.n_experts_per_tok) + ")"
+                                             : m.arch;
+    out += "| " + name + " | " + arch + " | " + std::to_string(m.n_layer) + " | " + std::to_string(m.n_embd) +
            " | " + std::to_string(m.n_head) + " | " + (llama ? std::to_string(m.n_kv_head) : "-") + " | " +
            (m.head_dim ? std::to_string(m.head_dim) : "C/n_head") + " | " +
            (llama ? std::to_string(m.ffn_dim) : "4C") + " | " + std::to_string(m.vocab_size) + " | " +

@@ -139,6 +139,13 @@ ModelConfig ModelConfig::from_spec(const ModelSpec& m) {
   c.init_std = m.init_std;
   c.NKV = m.n_kv_head;
   c.F = m.ffn_dim;
+  // Mixture of experts: the MoE families read these (their arch checks them); a dense family refuses experts.
+  c.moe.n_experts = m.n_experts;
+  c.moe.top_k = m.n_experts_per_tok;
+  c.moe.aux_loss_coef = m.router_aux_loss_coef;
+  c.moe.z_loss_coef = m.router_z_loss_coef;
+  TR_CHECK(m.n_experts == 0 || c.arch == "mixtral", "model.n_experts: ", m.n_experts, "; ", c.arch,
+           " has a dense MLP (0); use model.arch: mixtral for a mixture of experts");
   const bool scaled = m.rope_scaling.type != "none";
   if (c.arch == "gpt2") {
     // GPT-2 has none of Llama's knobs: a value that would change the model
@@ -182,6 +189,10 @@ ModelSpec ModelConfig::to_spec() const {
   m.rope_theta = rope_theta;
   m.head_dim = head_dim;
   m.tie_embeddings = tied ? "true" : "false";
+  m.n_experts = moe.n_experts;
+  m.n_experts_per_tok = moe.top_k;
+  m.router_aux_loss_coef = moe.aux_loss_coef;
+  m.router_z_loss_coef = moe.z_loss_coef;
   m.rope_scaling.type = rope_scaling_type.empty() ? "none" : rope_scaling_type;
   if (!rope_scaling_type.empty()) {
     m.rope_scaling.factor = rope_scaling.factor;

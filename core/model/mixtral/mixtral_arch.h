@@ -6,9 +6,10 @@
 // chosen (Mixtral always renormalises). HF's tensors:
 //   block_sparse_moe.gate.weight (E,C), block_sparse_moe.experts.J.w1 (F,C)
 //   gate, w3 (F,C) up, w2 (C,F) down.
-// With output_router_logits the loss adds router_aux_loss_coef times the
-// load-balancing loss (moe_config.h); without it transformers adds none, and
-// neither does trainrun.
+// transformers adds router_aux_loss_coef times the load-balancing loss
+// (moe_config.h) with output_router_logits; a trainrun job adds
+// model.router_aux_loss_coef times it (0.001 unless set; 0 = off), whatever
+// config.json says, and its export writes the coefficient it trained with.
 //
 // Not implemented, refused by name when config.json asks for it: a sliding
 // window shorter than the training context (as Llama's network: refused
