@@ -36,6 +36,7 @@
 #include "tests/support/device_io.h"
 #include "tests/support/hf_reference.h"
 #include "tests/support/inprocess.h"
+#include "tests/support/model_pass.h"
 #include "tests/support/testutil.h"
 
 using namespace trainrun;
@@ -45,19 +46,14 @@ namespace {
 
 const char* kScript = "hf_mixtral.py";
 
-std::vector<int32_t> rand_tokens(size_t n, int V, uint64_t seed) {
-  std::mt19937_64 gen(seed);
-  std::uniform_int_distribution<int> d(0, V - 1);
-  std::vector<int32_t> t(n);
-  for (auto& x : t) x = d(gen);
-  return t;
-}
-
+using test::hf_flat_params;
+using test::random_tokens;
+using test::tensor_f32;
+std::vector<int32_t> rand_tokens(size_t n, int V, uint64_t seed) { return random_tokens(n, V, seed); }
 std::vector<float> f32_of(const SafeTensorFile& f, const std::string& name, const std::string& path) {
-  const SafeTensor* t = f.find(name);
-  if (!t) FAIL(path << " has no tensor '" << name << "'");
-  return t->as_f32();
+  return tensor_f32(f, name, path);
 }
+std::vector<float> hf_flat(const ModelArch& arch, const std::string& dir) { return hf_flat_params(arch, dir); }
 
 struct Shape {
   int L = 2, NH = 4, NKV = 2, C = 32, F = 24, E = 4, K = 2, V = 37, T = 9;
@@ -92,49 +88,12 @@ void hf_random(const std::string& dir, const Shape& s, const std::string& batch 
   REQUIRE(r.exit_code == 0);
 }
 
-// HF's tensors in our flat layout, by name (nn.Linear layout: no transpose).
-std::vector<float> hf_flat(const ModelArch& arch, const std::string& dir) {
-  const std::string path = dir + "/model.safetensors";
-  const SafeTensorFile w = read_safetensors(path);
-  std::vector<float> flat(size_t(arch.layout().total));
-  for (const auto& t : arch.layout().tensors) {
-    const SafeTensor* s = w.find(arch.hf_tensor(t).name);
-    if (!s) FAIL(path << " has no tensor '" << t.name << "'");
-    REQUIRE(s->shape == t.shape);
-    const std::vector<float> v = s->as_f32();
-    std::copy(v.begin(), v.end(), flat.begin() + t.offset);
-  }
-  return flat;
-}
-
 double rel(const std::vector<float>& a, const std::vector<float>& b) { return test::rel_err(a, b); }
 
-// One forward (logits), then forward + backward with the loss's mean
-// gradient (dloss_scale 1/N): logits, the mean loss, the gradients.
-struct Pass {
-  std::vector<float> logits, grads;
-  double loss = 0;
-};
+using Pass = test::ModelPass;
 Pass run_pass(const ModelArch& arch, const std::vector<float>& params, const std::vector<int32_t>& in,
               const std::vector<int32_t>& tg, int B, int T, bool ckpt = false) {
-  const ParamLayout& lay = arch.layout();
-  auto be = make_cpu_backend(2);
-  auto net = arch.make_network(be.get(), B, ckpt);
-  DeviceBuffer p = test::upload_act(be.get(), params);
-  DeviceBuffer g(be.get(), size_t(lay.total) * 4);
-  be->zero(g.get(), size_t(lay.total) * 4);
-  DeviceBuffer din = test::upload_i32(be.get(), in), dtg = test::upload_i32(be.get(), tg);
-  FlatUnitAccess units(lay, p.get(), g.as<float>(), be->act_dtype());
-  const int N = B * T, V = arch.config().V;
-  Pass r;
-  net->forward(units, din.as<int32_t>(), dtg.as<int32_t>(), B, T, false, 1.0f);
-  r.logits = test::download_act(be.get(), net->logits(), size_t(N) * V);
-  net->forward(units, din.as<int32_t>(), dtg.as<int32_t>(), B, T, true, 1.0f / float(N));
-  net->backward(units);
-  for (float x : test::download_f32(be.get(), net->losses(), size_t(N))) r.loss += x;
-  r.loss /= N;
-  r.grads = test::download_f32(be.get(), g.get(), size_t(lay.total));
-  return r;
+  return test::model_pass(arch, params, in, tg, B, T, ckpt);
 }
 
 }  // namespace
@@ -152,12 +111,7 @@ TEST_CASE("mixtral: logits, loss with the load-balancing loss and every gradient
     const int B = 2, T = s.T, V = s.V;
     test::TempDir dir("mixtral_hf");
     const std::vector<int32_t> in = rand_tokens(size_t(B) * T, V, 11), tg = rand_tokens(size_t(B) * T, V, 12);
-    {
-      SafeTensorFile batch;
-      batch.tensors.push_back(make_tensor("inputs", "I32", {B, T}, in.data()));
-      batch.tensors.push_back(make_tensor("targets", "I32", {B, T}, tg.data()));
-      write_safetensors(dir / "batch.safetensors", batch);
-    }
+    test::write_batch(dir / "batch.safetensors", in, tg, B, T);
     hf_random(dir / "model", s, dir / "batch.safetensors", dir / "ref.safetensors");
     const std::vector<float> params = hf_flat(*arch, dir / "model");
     const Pass ours = run_pass(*arch, params, in, tg, B, T);
@@ -476,4 +430,58 @@ TEST_CASE("mixtral: the mixtral-8x7b preset and a job spec's MoE fields", "[mixt
   CHECK_THAT(spec_error("model: {arch: mixtral, ffn_dim: 64, n_experts: 4, n_experts_per_tok: 2, "
                         "router_aux_loss_coef: -1}\n"),
              Contains("model.router_aux_loss_coef"));
+}
+
+TEST_CASE("mixtral: the router figures in metrics.jsonl and TensorBoard", "[mixtral][metrics]") {
+  // A zero router: every probability 1/E, so every token's top-2 are
+  // experts 0 and 1 (the ties go to the lower id): per layer each of them
+  // gets all N = 12 tokens of the micro-batch, the mean is N*K/E = 6, the
+  // load-balancing loss E * (1 * 1/E + 1 * 1/E) = 2 and the z-loss ln(4)^2.
+  // lr 1e-30 keeps the router at zero, so every logged step has them.
+  test::TempDir dir("mixtral_metrics");
+  const std::string hf = dir / "hf";
+  hf_random(hf, init_shape());
+  {
+    const std::string path = hf + "/model.safetensors";
+    SafeTensorFile f = read_safetensors(path);
+    SafeTensorFile z;
+    for (const SafeTensor& t : f.tensors) {
+      std::vector<float> v = t.as_f32();
+      if (t.name.find("block_sparse_moe.gate.") != std::string::npos) std::fill(v.begin(), v.end(), 0.f);
+      z.tensors.push_back(make_tensor(t.name, "F32", t.shape, v.data()));
+    }
+    z.metadata = f.metadata;
+    write_safetensors(path, z);
+  }
+  const std::string run = dir / "run";
+  JobSpec job = parse_job_spec(mixtral_job(hf, run, "mixtral", 2, "sharding: no_shard, ", "1.0e-30"), "job.yaml", {});
+  resolve_model_shape(job, false);
+  (void)test::run_ranks_inprocess(job, 1);
+  std::ifstream mf(run + "/metrics.jsonl");
+  std::string line;
+  int records = 0;
+  while (std::getline(mf, line)) {
+    const nlohmann::json r = nlohmann::json::parse(line);
+    INFO(line);
+    ++records;
+    CHECK(std::abs(r["moe_aux_loss"].get<double>() - 2.0) <= 1e-6);
+    CHECK(std::abs(r["moe_z_loss"].get<double>() - std::log(4.0) * std::log(4.0)) <= 1e-5);
+    for (int l = 0; l < 2; ++l) {
+      CHECK(r["moe_layer" + std::to_string(l) + "_tokens_max"] == 12);
+      CHECK(r["moe_layer" + std::to_string(l) + "_tokens_mean"] == 6);
+    }
+  }
+  CHECK(records == 2);
+  const std::string script =
+      "from tensorboard.backend.event_processing.event_accumulator import EventAccumulator as E\n"
+      "import sys\n"
+      "a = E(sys.argv[1]); a.Reload()\n"
+      "for t in sorted(a.Tags()['scalars']):\n"
+      "    if t.startswith('moe/'): print(t, ' '.join('%d:%.6g' % (e.step, e.value) for e in a.Scalars(t)))\n";
+  test::write_file(dir / "read.py", script);
+  const test::RunResult r = test::run_command("'" + test::hf_python() + "' " + dir / "read.py" + " " + run + "/tb");
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.out == "moe/aux_loss 1:2 2:2\nmoe/layer0/load_max_over_mean 1:2 2:2\nmoe/layer1/load_max_over_mean 1:2 2:2\n"
+                 "moe/z_loss 1:1.92181 2:1.92181\n");
 }

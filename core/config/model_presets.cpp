@@ -148,6 +148,33 @@ ModelSpec mixtral_8x7b() {
   return m;
 }
 
+// Qwen1.5-MoE-A2.7B (Qwen/Qwen1.5-MoE-A2.7B's config.json): Qwen2's
+// attention (16 heads, no GQA, q/k/v biases, rope_theta 1e6, rms_norm_eps
+// 1e-6, untied, 151936 tokens), in every block 60 experts of 1408, top-4
+// without renormalisation (norm_topk_prob false), a shared expert of 5632;
+// max_position_embeddings 8192 (seq_len). 14.3B parameters, 2.7B active
+// per token (the embeddings included).
+ModelSpec qwen15_moe_a27b() {
+  ModelSpec m;
+  m.arch = "qwen2_moe";
+  m.n_layer = 24;
+  m.n_embd = 2048;
+  m.n_head = 16;
+  m.n_kv_head = 16;
+  m.ffn_dim = 5632;
+  m.vocab_size = 151936;
+  m.seq_len = 8192;
+  m.norm_eps = 1e-6;
+  m.rope_theta = 1000000;
+  m.tie_embeddings = "false";
+  m.n_experts = 60;
+  m.n_experts_per_tok = 4;
+  m.moe_ffn_dim = 1408;
+  m.shared_expert_ffn_dim = 5632;
+  m.norm_topk_prob = "false";
+  return m;
+}
+
 }  // namespace
 
 const std::vector<ModelPreset>& model_presets() {
@@ -166,6 +193,7 @@ const std::vector<ModelPreset>& model_presets() {
       {"qwen3-32b", "Qwen/Qwen3-32B", qwen3(64, 5120, 64, 25600, false)},
       {"phi3-mini", "microsoft/Phi-3-mini-4k-instruct", phi3_mini()},
       {"mixtral-8x7b", "mistralai/Mixtral-8x7B-v0.1", mixtral_8x7b()},
+      {"qwen1.5-moe-a2.7b", "Qwen/Qwen1.5-MoE-A2.7B", qwen15_moe_a27b()},
       {"gpt2-124m", "openai-community/gpt2", gpt2(12, 12, 768)},
       {"gpt2-350m", "openai-community/gpt2-medium", gpt2(24, 16, 1024)},
       {"gpt2-774m", "openai-community/gpt2-large", gpt2(36, 20, 1280)},

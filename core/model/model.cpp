@@ -16,6 +16,7 @@
 #include "core/model/phi3/phi3_arch.h"
 #include "core/model/gemma2/gemma2_arch.h"
 #include "core/model/mixtral/mixtral_arch.h"
+#include "core/model/qwen2_moe/qwen2_moe_arch.h"
 
 namespace fs = std::filesystem;
 using json = nlohmann::ordered_json;
@@ -44,6 +45,8 @@ const std::vector<ArchEntry>& registry() {
       {"qwen3", "qwen3", true, true, make_qwen3_arch, qwen3_config_from_hf, qwen3_config_from_metadata},
       {"phi3", "phi3", true, true, make_phi3_arch, phi3_config_from_hf, phi3_config_from_metadata},
       {"mixtral", "mixtral", true, true, make_mixtral_arch, mixtral_config_from_hf, mixtral_config_from_metadata},
+      {"qwen2_moe", "qwen2_moe", true, true, make_qwen2_moe_arch, qwen2_moe_config_from_hf,
+       qwen2_moe_config_from_metadata},
       // Not open to job specs / model.init_from yet: its softcaps, query scale and window are not job-spec
       // fields, so a spec could not describe it (gemma2_arch.h lists what is left).
       {"gemma2", "gemma2", false, false, make_gemma2_arch, gemma2_config_from_hf, nullptr},
@@ -144,8 +147,14 @@ ModelConfig ModelConfig::from_spec(const ModelSpec& m) {
   c.moe.top_k = m.n_experts_per_tok;
   c.moe.aux_loss_coef = m.router_aux_loss_coef;
   c.moe.z_loss_coef = m.router_z_loss_coef;
-  TR_CHECK(m.n_experts == 0 || c.arch == "mixtral", "model.n_experts: ", m.n_experts, "; ", c.arch,
-           " has a dense MLP (0); use model.arch: mixtral for a mixture of experts");
+  c.moe.ffn = m.moe_ffn_dim;
+  c.moe.shared_ffn = m.shared_expert_ffn_dim;
+  // auto: the arch's default (its constructor's); true/false set here and checked by the arch.
+  c.moe.norm_topk_prob = m.norm_topk_prob == "true";
+  c.moe.norm_topk_auto = m.norm_topk_prob == "auto";
+  const bool moe_arch = c.arch == "mixtral" || c.arch == "qwen2_moe";
+  TR_CHECK(m.n_experts == 0 || moe_arch, "model.n_experts: ", m.n_experts, "; ", c.arch,
+           " has a dense MLP (0); use model.arch: mixtral or qwen2_moe for a mixture of experts");
   const bool scaled = m.rope_scaling.type != "none";
   if (c.arch == "gpt2") {
     // GPT-2 has none of Llama's knobs: a value that would change the model
@@ -192,6 +201,9 @@ ModelSpec ModelConfig::to_spec() const {
   m.n_experts = moe.n_experts;
   m.n_experts_per_tok = moe.top_k;
   m.router_aux_loss_coef = moe.aux_loss_coef;
+  m.moe_ffn_dim = moe.on() ? moe.ffn : 0;
+  m.shared_expert_ffn_dim = moe.shared_ffn;
+  m.norm_topk_prob = !moe.on() ? "auto" : moe.norm_topk_prob ? "true" : "false";
   m.router_z_loss_coef = moe.z_loss_coef;
   m.rope_scaling.type = rope_scaling_type.empty() ? "none" : rope_scaling_type;
   if (!rope_scaling_type.empty()) {

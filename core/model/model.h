@@ -322,6 +322,16 @@ class Network {
   // Frees the activation buffers (the end-of-run sample's decoder needs the
   // room); forward/backward must not be called afterwards.
   virtual void free_activations() = 0;
+  // Mixture of experts (ModelConfig::moe): the last forward's router
+  // figures, copied to the host (the reporter reads them at logged steps):
+  // the load-balancing and z losses (unscaled) and, per layer, the tokens
+  // (token, slot pairs) the busiest expert got and the mean per expert
+  // (N*K/E; max/mean 1 = balanced). No layers without experts.
+  struct RouterReport {
+    double aux_loss = 0, z_loss = 0;
+    std::vector<double> max_tokens, mean_tokens;  // per layer
+  };
+  virtual RouterReport router_report() const { return {}; }
 
   // ---- pipeline stages (make_network with a PipelineStage) ----
   // What one stage hands the next: the residual stream after its last

@@ -196,6 +196,11 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
 
 LlamaNetwork::~LlamaNetwork() = default;
 
+Network::RouterReport LlamaNetwork::router_report() const {
+  if (!moe_) return {};
+  return moe_->report(be_);
+}
+
 void LlamaNetwork::wire_scratch() {
   tpc_.rows_buf = sp_rows_;
   tpc_.full_buf = dres_full_;

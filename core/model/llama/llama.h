@@ -92,6 +92,7 @@ class LlamaNetwork final : public Network {
   size_t transient_bytes() const override { return shared_ ? plan_.transient_total : 0; }
   void bind_transient(void* scratch) override;
   void free_activations() override { arena_.reset(); }
+  RouterReport router_report() const override;
 
   int64_t stage_io_elems(int B, int T) const override { return int64_t(tpc_.rows(B * T)) * cfg_.C; }
   void* stage_input() override { return encoded_; }

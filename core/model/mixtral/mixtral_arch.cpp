@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/common/error.h"
+#include "core/model/moe/moe_layout.h"
 
 using json = nlohmann::ordered_json;
 
@@ -23,7 +24,12 @@ ModelConfig with_moe(ModelConfig c) {
            m.n_experts, " (model.n_experts)");
   TR_CHECK(m.shared_ffn == 0, "model.shared_expert_ffn_dim: ", m.shared_ffn,
            "; mixtral has no shared expert (0; qwen2_moe has one)");
-  TR_CHECK(m.norm_topk_prob, "model.norm_topk_prob: false; mixtral always renormalises the chosen weights (true)");
+  TR_CHECK(m.norm_topk_auto || m.norm_topk_prob,
+           "model.norm_topk_prob: false; mixtral always renormalises the chosen weights (true or auto)");
+  m.norm_topk_prob = true;
+  m.norm_topk_auto = false;
+  TR_CHECK(m.ffn == 0 || m.ffn == c.F, "model.moe_ffn_dim: ", m.ffn, "; mixtral's experts are model.ffn_dim = ", c.F,
+           " wide (0 = that)");
   TR_CHECK(m.aux_loss_coef >= 0 && std::isfinite(m.aux_loss_coef), "model.router_aux_loss_coef must be >= 0 (got ",
            m.aux_loss_coef, ")");
   TR_CHECK(m.z_loss_coef >= 0 && std::isfinite(m.z_loss_coef), "model.router_z_loss_coef must be >= 0 (got ",
@@ -33,12 +39,6 @@ ModelConfig with_moe(ModelConfig c) {
   m.ffn = c.F;  // every expert is intermediate_size wide
   m.naming = "mixtral";
   return c;
-}
-
-std::string exact(double v) {
-  char buf[40];
-  std::snprintf(buf, sizeof buf, "%.17g", v);
-  return buf;
 }
 
 }  // namespace
@@ -133,52 +133,6 @@ json MixtralArch::hf_config_json() const {
   return c;
 }
 
-void moe_add_metadata(const MoeConfig& m, std::map<std::string, std::string>& meta) {
-  meta["n_experts"] = std::to_string(m.n_experts);
-  meta["n_experts_per_tok"] = std::to_string(m.top_k);
-  meta["norm_topk_prob"] = m.norm_topk_prob ? "true" : "false";
-  meta["moe_ffn_dim"] = std::to_string(m.ffn);
-  meta["shared_expert_ffn_dim"] = std::to_string(m.shared_ffn);
-  meta["router_aux_loss_coef"] = exact(m.aux_loss_coef);
-  meta["router_z_loss_coef"] = exact(m.z_loss_coef);
-}
-
-MoeConfig moe_from_metadata(const std::map<std::string, std::string>& meta, const std::string& path, MoeConfig m) {
-  auto text = [&](const char* key) -> const std::string& {
-    auto it = meta.find(key);
-    TR_CHECK(it != meta.end(), path, ": missing __metadata__ key '", key,
-             "'; this mixture-of-experts file was not written by trainrun (or an older version)");
-    return it->second;
-  };
-  auto num = [&](const char* key) {
-    const std::string& v = text(key);
-    try {
-      size_t used = 0;
-      const double d = std::stod(v, &used);
-      if (used == v.size() && std::isfinite(d)) return d;
-    } catch (...) {
-    }
-    TR_FAIL(path, ": __metadata__ key '", key, "' is not a number: '", v, "'");
-  };
-  auto integer = [&](const char* key) {
-    const double d = num(key);
-    TR_CHECK(d == std::floor(d) && d >= 0 && d < 2e9, path, ": __metadata__ key '", key, "' is not a count: '",
-             text(key), "'");
-    return int(d);
-  };
-  m.n_experts = integer("n_experts");
-  m.top_k = integer("n_experts_per_tok");
-  const std::string& norm = text("norm_topk_prob");
-  TR_CHECK(norm == "true" || norm == "false", path, ": __metadata__ key 'norm_topk_prob' is not true/false: '", norm,
-           "'");
-  m.norm_topk_prob = norm == "true";
-  m.ffn = integer("moe_ffn_dim");
-  m.shared_ffn = integer("shared_expert_ffn_dim");
-  m.aux_loss_coef = num("router_aux_loss_coef");
-  m.z_loss_coef = num("router_z_loss_coef");
-  return m;
-}
-
 std::map<std::string, std::string> MixtralArch::file_metadata() const {
   std::map<std::string, std::string> m = LlamaArch::file_metadata();
   moe_add_metadata(cfg_.moe, m);
@@ -216,13 +170,7 @@ std::vector<ShapeKey> MixtralArch::shape_keys() const {
 
 void MixtralArch::check_init_from(const ModelConfig& hf, const std::string& dir) const {
   LlamaArch::check_init_from(hf, dir);
-  auto same = [&](const char* field, int job, const char* key, int have) {
-    TR_CHECK(job == have, "model.init_from: '", dir, "' holds a Mixtral with ", key, " = ", have,
-             " (config.json) but model.", field, " is ", job, "; set model.", field, ": ", have,
-             " (the job's model.* must describe the weights it starts from)");
-  };
-  same("n_experts", cfg_.moe.n_experts, "num_local_experts", hf.moe.n_experts);
-  same("n_experts_per_tok", cfg_.moe.top_k, "num_experts_per_tok", hf.moe.top_k);
+  moe_check_init_from(display_name(), cfg_.moe, hf.moe, dir);
 }
 
 }  // namespace trainrun

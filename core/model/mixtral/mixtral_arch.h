@@ -46,9 +46,4 @@ std::unique_ptr<ModelArch> make_mixtral_arch(const ModelConfig& cfg);
 ModelConfig mixtral_config_from_hf(const nlohmann::ordered_json& c, const std::string& path, const std::string& what);
 ModelConfig mixtral_config_from_metadata(const std::map<std::string, std::string>& meta, const std::string& path);
 
-// The MoE keys every MoE family's files and manifests add (moe_config.h's
-// fields), and reading them back: shared by the MoE families.
-void moe_add_metadata(const MoeConfig& m, std::map<std::string, std::string>& meta);
-MoeConfig moe_from_metadata(const std::map<std::string, std::string>& meta, const std::string& path, MoeConfig base);
-
 }  // namespace trainrun

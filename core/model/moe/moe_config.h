@@ -26,6 +26,7 @@ struct MoeConfig {
   int n_experts = 0;            // E (num_local_experts / num_experts); 0 = a dense MLP
   int top_k = 0;                // K (num_experts_per_tok)
   bool norm_topk_prob = true;   // the chosen weights renormalised to sum 1
+  bool norm_topk_auto = false;  // the job spec said auto: the arch sets norm_topk_prob (its default)
   int ffn = 0;                  // each routed expert's MLP width (moe_intermediate_size; Mixtral: intermediate_size)
   int shared_ffn = 0;           // the shared expert's width (shared_expert_intermediate_size); 0 = none
   double aux_loss_coef = 0.0;   // router_aux_loss_coef; 0 = no load-balancing loss

@@ -1,6 +1,9 @@
 // The MoE tensors' names and order (moe_layout.h).
 #include "core/model/moe/moe_layout.h"
 
+#include <cmath>
+#include <cstdio>
+
 #include "core/common/error.h"
 
 namespace trainrun {
@@ -66,6 +69,75 @@ bool moe_is_residual_projection(const std::string& name) {
     return name.size() >= suf.size() && name.compare(name.size() - suf.size(), suf.size(), suf) == 0;
   };
   return ends(".w2.weight") || ends("down_proj.weight");
+}
+
+namespace {
+std::string exact(double v) {
+  char buf[40];
+  std::snprintf(buf, sizeof buf, "%.17g", v);
+  return buf;
+}
+}  // namespace
+
+void moe_add_metadata(const MoeConfig& m, std::map<std::string, std::string>& meta) {
+  meta["n_experts"] = std::to_string(m.n_experts);
+  meta["n_experts_per_tok"] = std::to_string(m.top_k);
+  meta["norm_topk_prob"] = m.norm_topk_prob ? "true" : "false";
+  meta["moe_ffn_dim"] = std::to_string(m.ffn);
+  meta["shared_expert_ffn_dim"] = std::to_string(m.shared_ffn);
+  meta["router_aux_loss_coef"] = exact(m.aux_loss_coef);
+  meta["router_z_loss_coef"] = exact(m.z_loss_coef);
+}
+
+MoeConfig moe_from_metadata(const std::map<std::string, std::string>& meta, const std::string& path, MoeConfig m) {
+  auto text = [&](const char* key) -> const std::string& {
+    auto it = meta.find(key);
+    TR_CHECK(it != meta.end(), path, ": missing __metadata__ key '", key,
+             "'; this mixture-of-experts file was not written by trainrun (or an older version)");
+    return it->second;
+  };
+  auto num = [&](const char* key) {
+    const std::string& v = text(key);
+    try {
+      size_t used = 0;
+      const double d = std::stod(v, &used);
+      if (used == v.size() && std::isfinite(d)) return d;
+    } catch (...) {
+    }
+    TR_FAIL(path, ": __metadata__ key '", key, "' is not a number: '", v, "'");
+  };
+  auto integer = [&](const char* key) {
+    const double d = num(key);
+    TR_CHECK(d == std::floor(d) && d >= 0 && d < 2e9, path, ": __metadata__ key '", key, "' is not a count: '",
+             text(key), "'");
+    return int(d);
+  };
+  m.n_experts = integer("n_experts");
+  m.top_k = integer("n_experts_per_tok");
+  const std::string& norm = text("norm_topk_prob");
+  TR_CHECK(norm == "true" || norm == "false", path, ": __metadata__ key 'norm_topk_prob' is not true/false: '", norm,
+           "'");
+  m.norm_topk_prob = norm == "true";
+  m.ffn = integer("moe_ffn_dim");
+  m.shared_ffn = integer("shared_expert_ffn_dim");
+  m.aux_loss_coef = num("router_aux_loss_coef");
+  m.z_loss_coef = num("router_z_loss_coef");
+  return m;
+}
+
+void moe_check_init_from(const std::string& family, const MoeConfig& job, const MoeConfig& hf, const std::string& dir) {
+  auto same = [&](const char* field, int mine, const char* key, int have) {
+    TR_CHECK(mine == have, "model.init_from: '", dir, "' holds a ", family, " with ", key, " = ", have,
+             " (config.json) but model.", field, " is ", mine, "; set model.", field, ": ", have,
+             " (the job's model.* must describe the weights it starts from)");
+  };
+  same("n_experts", job.n_experts, "the experts (num_local_experts / num_experts)", hf.n_experts);
+  same("n_experts_per_tok", job.top_k, "num_experts_per_tok", hf.top_k);
+  same("moe_ffn_dim", job.ffn, "the experts' width", hf.ffn);
+  same("shared_expert_ffn_dim", job.shared_ffn, "shared_expert_intermediate_size", hf.shared_ffn);
+  TR_CHECK(job.norm_topk_prob == hf.norm_topk_prob, "model.init_from: '", dir, "' holds a ", family,
+           " with norm_topk_prob = ", hf.norm_topk_prob ? "true" : "false", " (config.json) but model.norm_topk_prob is ",
+           job.norm_topk_prob ? "true" : "false", "; set it to ", hf.norm_topk_prob ? "true" : "false", " or auto");
 }
 
 }  // namespace trainrun

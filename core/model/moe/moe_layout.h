@@ -1,6 +1,7 @@
 // The MoE MLP's tensors in a Llama-shaped block's layout, in MoeOffsets'
 // order, under the HF names MoeConfig::naming gives (moe_config.h).
 #pragma once
+#include <map>
 #include <string>
 #include <vector>
 
@@ -16,5 +17,12 @@ std::vector<std::string> moe_hf_save_order(const std::string& prefix, const MoeC
 // Whether a tensor name is a residual projection (an expert's down_proj / w2):
 // init_std / sqrt(2L), as the dense down_proj.
 bool moe_is_residual_projection(const std::string& name);
+
+// What our files (safetensors __metadata__) record of a mixture of experts,
+// and reading it back onto `base` (its naming kept): every MoE family's.
+void moe_add_metadata(const MoeConfig& m, std::map<std::string, std::string>& meta);
+MoeConfig moe_from_metadata(const std::map<std::string, std::string>& meta, const std::string& path, MoeConfig base);
+// model.init_from: the job's experts must be the directory's (names the model.* key and both values).
+void moe_check_init_from(const std::string& family, const MoeConfig& job, const MoeConfig& hf, const std::string& dir);
 
 }  // namespace trainrun

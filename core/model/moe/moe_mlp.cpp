@@ -2,6 +2,8 @@
 // the Backend's MoE ops. No tensor memory is touched on the host.
 #include "core/model/moe/moe_mlp.h"
 
+#include <algorithm>
+
 #include "core/common/error.h"
 
 namespace trainrun {
@@ -115,6 +117,7 @@ void MoeMlp::finish_forward(float* losses, int N, float grad_scale) {
   TR_CHECK(stats_on_ && layer_ == layers_, "MoeMlp: finish_forward after ", layer_, " of ", layers_,
            " MoE layers (a bug)");
   const int64_t tokens = int64_t(layers_) * N;
+  last_n_ = N;
   be_->moe_aux_loss(loss_out_, aux_grad_, losses, N, total_, tokens, m_.n_experts, float(m_.aux_loss_coef),
                     float(m_.z_loss_coef), grad_scale);
   z_scale_ = float(2.0 * m_.z_loss_coef * grad_scale / double(tokens));
@@ -148,6 +151,24 @@ void MoeMlp::backward(int set, const void* w, float* dw, const void* x, const vo
     be_->matmul_backward(dtmp_, g(o.sgu), nullptr, a.sgu, x, at(o.sgu), N, C, 2 * FS);
     be_->residual_forward(dx, dx, dtmp_, nc);
   }
+}
+
+Network::RouterReport MoeMlp::report(Backend* be) const {
+  Network::RouterReport r;
+  if (last_n_ == 0) return r;  // no forward with a loss yet
+  const int E = m_.n_experts, S = stats_stride();
+  std::vector<float> st(size_t(layers_) * S), losses(2);
+  be->copy_to_host(st.data(), stats_, st.size() * 4);
+  be->copy_to_host(losses.data(), loss_out_, 8);
+  be->synchronize();
+  r.aux_loss = losses[0];
+  r.z_loss = losses[1];
+  for (int l = 0; l < layers_; ++l) {
+    const float* row = st.data() + size_t(l) * S;
+    r.max_tokens.push_back(*std::max_element(row, row + E));
+    r.mean_tokens.push_back(double(last_n_) * m_.top_k / E);
+  }
+  return r;
 }
 
 }  // namespace trainrun

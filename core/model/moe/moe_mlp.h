@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "core/model/arena_plan.h"
+#include "core/model/model.h"
 #include "core/model/moe/moe_config.h"
 #include "kernels/backend.h"
 
@@ -64,6 +65,8 @@ class MoeMlp {
   const float* losses_out() const { return loss_out_; }
   const float* layer_stats() const { return stats_; }
   int stats_stride() const { return 2 * m_.n_experts + 1; }
+  // The figures of the last forward with statistics, copied to the host.
+  Network::RouterReport report(Backend* be) const;
 
  private:
   struct Acts {
@@ -82,6 +85,7 @@ class MoeMlp {
   bool training_;
   std::vector<Acts> sets_;
   int layer_ = 0;            // the next forward's layer (statistics row)
+  int last_n_ = 0;           // the tokens of the last forward with statistics
   bool stats_on_ = false;
   float z_scale_ = 0.f;
   DeviceBuffer own_;
