@@ -63,8 +63,12 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
            "), which the attention ops do not implement yet; use model.seq_len <= ", cfg.sliding_window);
   if (cfg.moe.on()) {
     // What the MoE MLP does not compose with yet is refused by name (issue #28's later steps).
-    TR_CHECK(!tp_, "model: a mixture of experts (", cfg.arch, ") with tensor parallelism is not implemented yet; use "
-                   "parallel.tensor_parallel: 1");
+    // Tensor parallelism splits the attention; the experts are replicated
+    // (every TP rank routes and computes the whole MoE MLP on the same rows,
+    // so its output and input gradient need no reduction). Sequence
+    // parallelism would hand the MLP 1/T of the rows: not yet.
+    TR_CHECK(!sp_, "model: a mixture of experts (", cfg.arch, ") with parallel.sequence_parallel is not implemented "
+                   "yet; turn sequence_parallel off (the experts are replicated over tensor parallelism)");
     TR_CHECK(!stage || (stage->first && stage->last), "model: a mixture of experts (", cfg.arch,
              ") with pipeline parallelism is not implemented yet (the router losses span every layer); use "
              "parallel.pipeline_parallel: 1");
@@ -263,7 +267,8 @@ void LlamaNetwork::block_forward(const void* p, int l, const void* res_in, int B
     be_->matmul_forward(dbuf_c_, a.h, w.downw, nullptr, N, F, C);
     if (ad_) ad_->forward(gl, 3, a.h, dbuf_c_, C, N);
   }
-  const void* out = row_parallel_out(dbuf_c_, N);  // -> mlp_out()
+  // (The MoE MLP is replicated over TP: its output is whole on every rank.)
+  const void* out = moe_ ? dbuf_c_ : row_parallel_out(dbuf_c_, N);  // -> mlp_out()
   if (cfg_.post_norms) post_norm_forward(const_cast<void*>(out), a.mo, a.mo_rstd, w.pfnw, rows(N));
 }
 
@@ -444,7 +449,7 @@ void LlamaNetwork::block_backward(const void* p, float* g, int l, const void* re
   if (ad_) ad_->backward(gl, 2, x_gu, a.gu, 2 * F, dbuf_c_, N);
   }
   // column-parallel: each rank's columns add to the input gradient
-  const void* dln2 = row_parallel_out(dbuf_c_, N);
+  const void* dln2 = moe_ ? dbuf_c_ : row_parallel_out(dbuf_c_, N);  // (MoE: replicated, whole)
   be_->rmsnorm_backward(dres, norm_grad(dw.ln2w), dln2, a.res2, w.ln2w, a.ln2_rstd, NR, C, wo_);
   norm_grad_done(dw.ln2w);
   // Attention: res2 = res_in + o(attn(rope(qkv(RMSNorm(res_in)))))
