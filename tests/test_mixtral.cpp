@@ -332,8 +332,8 @@ Shape init_shape() {
   return s;
 }
 std::string mixtral_job(const std::string& hf, const std::string& out, const std::string& arch, int steps,
-                        const std::string& parallel, const std::string& lr = "3.0e-3") {
-  return "model: {arch: " + arch + ", init_from: '" + hf + "', seq_len: 12}\n"
+                        const std::string& parallel, const std::string& lr = "3.0e-3", const std::string& model = "") {
+  return "model: {arch: " + arch + ", init_from: '" + hf + "', seq_len: 12" + model + "}\n"
          "data: {format: synthetic, synthetic: {vocab: 29, branching: 3}}\n"
          "train: {global_batch_size: 4, micro_batch_size: 1, max_steps: " + std::to_string(steps) +
          ", lr: " + lr + ", min_lr: 0,\n"
@@ -525,4 +525,38 @@ TEST_CASE("mixtral: dp2 (full_shard) and tp2 (attention split, experts replicate
                               "job.yaml", {});
   resolve_model_shape(sp, false);
   CHECK_THROWS_WITH(test::run_ranks_inprocess(sp, 2), Contains("mixture of experts") && Contains("sequence_parallel"));
+}
+
+TEST_CASE("mixtral: pp2 (1f1b) trains as one rank does without router losses; with them it is refused",
+          "[mixtral][pp]") {
+  test::TempDir dir("mixtral_pp");
+  const std::string hf = dir / "hf";
+  hf_random(hf, init_shape());
+  const std::string no_loss = ", router_aux_loss_coef: 0";
+  auto run = [&](const std::string& name, int world, const std::string& parallel) {
+    const std::string out = dir / name;
+    JobSpec job = parse_job_spec(mixtral_job(hf, out, "mixtral", 5, parallel, "3.0e-3", no_loss), "job.yaml", {});
+    resolve_model_shape(job, false);
+    std::pair<std::vector<double>, std::vector<float>> r;
+    r.first = test::run_ranks_inprocess(job, world)[0].losses;
+    (void)load_model_safetensors(out + "/model.safetensors", r.second);
+    return r;
+  };
+  const auto ref = run("one", 1, "sharding: no_shard, ");
+  const auto got = run("pp2", 2, "sharding: no_shard, pipeline_parallel: 2, pipeline_schedule: 1f1b, ");
+  REQUIRE(ref.first.size() == 5);
+  REQUIRE(got.first.size() == 5);
+  for (size_t i = 0; i < ref.first.size(); ++i) {
+    INFO("step " << i + 1 << ": " << got.first[i] << " vs " << ref.first[i]);
+    CHECK(std::fabs(got.first[i] - ref.first[i]) <= 1e-5 * std::fabs(ref.first[i]));
+  }
+  const double e = rel(got.second, ref.second);
+  std::printf("pp2: losses %.6f .. %.6f, final weights rel err %.3e\n", got.first.front(), got.first.back(), e);
+  CHECK(e <= 1e-5);
+  JobSpec with = parse_job_spec(mixtral_job(hf, dir / "aux", "mixtral", 1,
+                                            "sharding: no_shard, pipeline_parallel: 2, pipeline_schedule: 1f1b, "),
+                                "job.yaml", {});
+  resolve_model_shape(with, false);
+  CHECK_THROWS_WITH(test::run_ranks_inprocess(with, 2),
+                    Contains("pipeline parallelism and a router loss") && Contains("model.router_aux_loss_coef 0.001"));
 }

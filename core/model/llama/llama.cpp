@@ -69,8 +69,13 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
     // parallelism would hand the MLP 1/T of the rows: not yet.
     TR_CHECK(!sp_, "model: a mixture of experts (", cfg.arch, ") with parallel.sequence_parallel is not implemented "
                    "yet; turn sequence_parallel off (the experts are replicated over tensor parallelism)");
-    TR_CHECK(!stage || (stage->first && stage->last), "model: a mixture of experts (", cfg.arch,
-             ") with pipeline parallelism is not implemented yet (the router losses span every layer); use "
+    // The router losses couple every layer's counts: a stage cannot compute
+    // them alone (not yet: a reduction over the pipeline). Without them
+    // each stage's MoE blocks are independent.
+    TR_CHECK(!stage || (stage->first && stage->last) || (cfg.moe.aux_loss_coef == 0 && cfg.moe.z_loss_coef == 0),
+             "model: a mixture of experts (", cfg.arch, ") with pipeline parallelism and a router loss "
+             "(model.router_aux_loss_coef ", cfg.moe.aux_loss_coef, ", model.router_z_loss_coef ", cfg.moe.z_loss_coef,
+             ") is not implemented yet (the losses span every stage's layers); set both to 0 or use "
              "parallel.pipeline_parallel: 1");
     TR_CHECK(!(stage && stage->split_backward), "parallel.pipeline_schedule: zero_bubble with a mixture of experts "
                                                  "is not implemented yet; use 1f1b");
