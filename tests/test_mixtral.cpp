@@ -560,3 +560,21 @@ TEST_CASE("mixtral: pp2 (1f1b) trains as one rank does without router losses; wi
   CHECK_THROWS_WITH(test::run_ranks_inprocess(with, 2),
                     Contains("pipeline parallelism and a router loss") && Contains("model.router_aux_loss_coef 0.001"));
 }
+
+TEST_CASE("mixtral: our files record the experts; a file without them is refused by key", "[mixtral][files]") {
+  const auto arch = make_model_arch(mixtral_cfg(Shape{}));
+  std::map<std::string, std::string> meta = arch->file_metadata();
+  const ModelConfig back = config_from_file_metadata(meta, "model.safetensors");
+  CHECK(back.arch == "mixtral");
+  CHECK(back.moe.n_experts == 4);
+  CHECK(back.moe.top_k == 2);
+  CHECK(back.moe.aux_loss_coef == 0.02);
+  CHECK(make_model_arch(back)->layout().total == arch->layout().total);
+  meta.erase("n_experts_per_tok");
+  CHECK_THROWS_WITH(config_from_file_metadata(meta, "run/model.safetensors"),
+                    Contains("run/model.safetensors: missing __metadata__ key 'n_experts_per_tok'"));
+  meta = arch->file_metadata();
+  meta["norm_topk_prob"] = "yes";
+  CHECK_THROWS_WITH(config_from_file_metadata(meta, "m.safetensors"),
+                    Contains("'norm_topk_prob' is not true/false: 'yes'"));
+}
