@@ -47,9 +47,9 @@ namespace {
 const char* kScript = "hf_mixtral.py";
 
 using test::hf_flat_params;
-using test::random_tokens;
+using test::seeded_tokens;
 using test::tensor_f32;
-std::vector<int32_t> rand_tokens(size_t n, int V, uint64_t seed) { return random_tokens(n, V, seed); }
+std::vector<int32_t> rand_tokens(size_t n, int V, uint64_t seed) { return seeded_tokens(n, V, seed); }
 std::vector<float> f32_of(const SafeTensorFile& f, const std::string& name, const std::string& path) {
   return tensor_f32(f, name, path);
 }

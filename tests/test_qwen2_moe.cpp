@@ -90,8 +90,8 @@ TEST_CASE("qwen2_moe: logits, loss with the load-balancing loss and every gradie
     REQUIRE(arch->config().qkv_bias);
     const int B = 2, T = s.T, V = s.V;
     test::TempDir dir("qwen2_moe_hf");
-    const std::vector<int32_t> in = test::random_tokens(size_t(B) * T, V, 11),
-                               tg = test::random_tokens(size_t(B) * T, V, 12);
+    const std::vector<int32_t> in = test::seeded_tokens(size_t(B) * T, V, 11),
+                               tg = test::seeded_tokens(size_t(B) * T, V, 12);
     test::write_batch(dir / "batch.safetensors", in, tg, B, T);
     hf_random(dir / "model", s, dir / "batch.safetensors", dir / "ref.safetensors");
     const test::ModelPass ours = test::model_pass(*arch, test::hf_flat_params(*arch, dir / "model"), in, tg, B, T);
@@ -195,7 +195,7 @@ TEST_CASE("qwen2_moe: init_from (arch auto) bit for bit, greedy generate and exp
   CHECK(c["shared_expert_intermediate_size"] == 20);
   CHECK(c["norm_topk_prob"] == false);
   const int B = 2, T = 12;
-  const std::vector<int32_t> in = test::random_tokens(size_t(B) * T, 29, 3);
+  const std::vector<int32_t> in = test::seeded_tokens(size_t(B) * T, 29, 3);
   const double e = test::rel_err(test::logits_of(*arch, trained, in, B, T), test::hf_logits_of(kScript, out, in, B, T, dir));
   std::printf("export: logits rel err %.3e\n", e);
   CHECK(e <= 1e-5);

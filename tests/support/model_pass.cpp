@@ -8,7 +8,7 @@
 
 namespace trainrun::test {
 
-std::vector<int32_t> random_tokens(size_t n, int V, uint64_t seed) {
+std::vector<int32_t> seeded_tokens(size_t n, int V, uint64_t seed) {
   std::mt19937_64 gen(seed);
   std::uniform_int_distribution<int> d(0, V - 1);
   std::vector<int32_t> t(n);

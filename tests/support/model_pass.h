@@ -1,6 +1,9 @@
 // A model's numbers on the CPU backend for the family tests that compare
 // with transformers (test_mixtral, test_qwen2_moe): random tokens, an HF
 // directory's weights in our flat layout, and one forward + backward.
+// (main's hf_reference.h grew the same helpers for every family while this
+// was written: random_tokens, write_token_batch, flat_from_hf, run_network;
+// these fold into them after the merge.)
 #pragma once
 #include <cstdint>
 #include <string>
@@ -11,7 +14,7 @@
 
 namespace trainrun::test {
 
-std::vector<int32_t> random_tokens(size_t n, int V, uint64_t seed);
+std::vector<int32_t> seeded_tokens(size_t n, int V, uint64_t seed);
 // A tensor of a reference file as fp32; FAILs naming the file when absent.
 std::vector<float> tensor_f32(const SafeTensorFile& f, const std::string& name, const std::string& path);
 // DIR/model.safetensors' tensors (HF names, nn.Linear layout) in arch's flat layout.
