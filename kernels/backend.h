@@ -523,6 +523,89 @@ class Backend {
     not_implemented("nf4_dequantize_blocks");
   }
 
+  // ---- mixture of experts (core/model/moe/moe_config.h; CPU: cpu_moe.cpp) --------
+  // N tokens, E experts, K chosen per token; a "pair" is (token t, slot j),
+  // numbered t*K + j. Routing state is fp32 whatever the act dtype (as HF's
+  // softmax(router_logits, dtype=float)).
+  //
+  // moe_route_forward: probs(N,E) = softmax(logits(N,E)), lse(N) its
+  // logsumexp, idx(N,K) the K largest probabilities in descending order (ties:
+  // the lower expert id), w(N,K) = their probabilities, divided by their sum
+  // when renorm.
+  virtual void moe_route_forward(float* probs, float* lse, int32_t* idx, float* w, const void* logits, int N, int E,
+                                 int K, bool renorm) {
+    not_implemented("moe_route_forward");
+  }
+  // The router's backward, dlogits(N,E) (act dtype, overwritten), through
+  // the softmax from: dw(N,K) the chosen weights' gradient (through the
+  // renormalisation when renorm), aux_grad(E) a gradient on every token's
+  // probabilities (the load-balancing loss's; null: none), and z_scale *
+  // lse * probs added to dlogits (the z-loss's, d lse^2 = 2 lse p).
+  virtual void moe_route_backward(void* dlogits, const float* dw, const float* probs, const float* lse,
+                                  const int32_t* idx, const float* aux_grad, float z_scale, int N, int E, int K,
+                                  bool renorm) {
+    not_implemented("moe_route_backward");
+  }
+  // stats(2E+1) += [0,E) pairs routed to each expert, [E,2E) sum_t probs[t,e],
+  // [2E] sum_t lse^2: what the losses below and the load metrics need.
+  virtual void moe_router_stats(float* stats, const float* probs, const float* lse, const int32_t* idx, int N, int E,
+                                int K) {
+    not_implemented("moe_router_stats");
+  }
+  // The router losses from stats summed over `tokens` router rows (every
+  // layer's tokens): out[0] = aux = E * sum_e count_e * psum_e / tokens^2,
+  // out[1] = z = lse2 / tokens; losses(n) += aux_coef * aux + z_coef * z
+  // (each per-token loss carries the micro-batch's share); aux_grad(E) =
+  // grad_scale * aux_coef * E * count_e / tokens^2, the gradient of that
+  // term on each probability (moe_route_backward). All on the device.
+  virtual void moe_aux_loss(float* out, float* aux_grad, float* losses, int n, const float* stats, int64_t tokens,
+                            int E, float aux_coef, float z_coef, float grad_scale) {
+    not_implemented("moe_aux_loss");
+  }
+  // Into expert order: a stable counting sort of the N*K pairs by expert.
+  // pos(N*K): pair p's row in expert order; offsets(E+1): expert e's rows
+  // are [offsets[e], offsets[e+1]); xp(N*K,C) row pos[t*K+j] = x[t].
+  virtual void moe_permute(int32_t* pos, int32_t* offsets, void* xp, const int32_t* idx, const void* x, int N, int K,
+                           int E, int C) {
+    not_implemented("moe_permute");
+  }
+  // dx(N,C) += sum_j dxp[pos[t*K+j]] (accumulates, as the residual's norms do).
+  virtual void moe_permute_backward(void* dx, const void* dxp, const int32_t* pos, int N, int K, int C) {
+    not_implemented("moe_permute_backward");
+  }
+  // Grouped GEMM over expert order: rows [offsets[e], offsets[e+1]) of
+  // out(R,OC) = those of in(R,IC) @ w[e]^T, w(E,OC,IC) stacked nn.Linear
+  // weights. offsets is device memory (moe_permute's).
+  virtual void moe_expert_matmul_forward(void* out, const void* in, const void* w, const int32_t* offsets, int E,
+                                         int IC, int OC) {
+    not_implemented("moe_expert_matmul_forward");
+  }
+  // din(R,IC) = dout @ w[e] per group (overwritten; null skipped), dw(E,OC,IC)
+  // += dout^T @ in per group (null skipped), as matmul_backward.
+  virtual void moe_expert_matmul_backward(void* din, float* dw, const void* dout, const void* in, const void* w,
+                                          const int32_t* offsets, int E, int IC, int OC) {
+    not_implemented("moe_expert_matmul_backward");
+  }
+  // Back to token order: out(N,C) = sum_j w[t,j] * yp[pos[t*K+j]] (overwritten).
+  virtual void moe_unpermute_forward(void* out, const void* yp, const int32_t* pos, const float* w, int N, int K,
+                                     int C) {
+    not_implemented("moe_unpermute_forward");
+  }
+  // dyp[pos[t*K+j]] = w[t,j] * dout[t] and dw[t,j] = dout[t] . yp[pos[t*K+j]] (both overwritten).
+  virtual void moe_unpermute_backward(void* dyp, float* dw, const void* dout, const void* yp, const int32_t* pos,
+                                      const float* w, int N, int K, int C) {
+    not_implemented("moe_unpermute_backward");
+  }
+  // Qwen2-MoE's shared expert: out(N,C) += sigmoid(g[t]) * y(N,C)[t], g(N) act dtype.
+  virtual void moe_sigmoid_gate_forward(void* out, const void* y, const void* g, int N, int C) {
+    not_implemented("moe_sigmoid_gate_forward");
+  }
+  // dy(N,C) = sigmoid(g) * dout, dg(N) = (dout . y) * sigmoid'(g) (both overwritten, act dtype).
+  virtual void moe_sigmoid_gate_backward(void* dy, void* dg, const void* dout, const void* y, const void* g, int N,
+                                         int C) {
+    not_implemented("moe_sigmoid_gate_backward");
+  }
+
   // ---- optimizer --------------------------------------------------------------
   // out[0] += sum(x^2) over n fp32 values (for the global grad norm).
   virtual void sum_squares(float* out, const float* x, int64_t n) = 0;

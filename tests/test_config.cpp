@@ -335,7 +335,9 @@ TEST_CASE("config: the field table is complete and its defaults are valid", "[co
   // model.base_dtype, model.adapter.{type, rank, alpha, dropout, target_modules, init_from}, model.head_dim,
   // model.{attn_softcap, final_softcap, query_scale, sliding_window} (Gemma 2)
   // train.{objective, dpo_beta, dpo_label_smoothing, reference} (preference tuning)
-  CHECK(fields.size() == 99);
+  // model.{n_experts, n_experts_per_tok, moe_ffn_dim, shared_expert_ffn_dim, norm_topk_prob,
+  //        router_aux_loss_coef, router_z_loss_coef} (mixture of experts)
+  CHECK(fields.size() == 106);
   std::vector<std::string> keys;
   for (const auto& f : fields) {
     INFO(f.key);
@@ -432,7 +434,8 @@ TEST_CASE("config: bad specs: YAML structure", "[config][bad]") {
        "job.yaml:4:3: model.colour: unknown key; the keys of 'model' are preset, arch, n_layer, n_head, n_embd, "
        "vocab_size, seq_len, init_std, init_from, n_kv_head, ffn_dim, head_dim, norm_eps, rope_theta, sliding_window, "
        "tie_embeddings, attn_softcap, final_softcap, query_scale, "
-       "base_dtype, rope_scaling, adapter"},
+       "base_dtype, rope_scaling, n_experts, n_experts_per_tok, moe_ffn_dim, shared_expert_ffn_dim, norm_topk_prob, "
+       "router_aux_loss_coef, router_z_loss_coef, adapter"},
       {"a subsection's key one level up", kSynthetic + "model:\n  dropout: 0.1\n", {},
        "job.yaml:4:3: model.dropout: unknown key; did you mean 'model.adapter.dropout'?"},
       {"unknown key in a nested section", kSynthetic + "  synthetic:\n    brnaching: 2\n", {},
@@ -617,6 +620,11 @@ TEST_CASE("config: every preset has its published model's parameter count", "[co
       {"qwen3-0.6b", 596049920LL},    {"qwen3-8b", 8190735360LL},   {"qwen3-32b", 32762123264LL},
       {"phi3-mini", 3821079552LL},
       {"gemma2-2b", 2614341888LL},    {"gemma2-9b", 9241705984LL},  {"gemma2-27b", 27227128320LL},
+      // Mixtral 8x7B: the 46,702,792,704 of mistralai/Mixtral-8x7B-v0.1's safetensors (46.7B).
+      {"mixtral-8x7b", 46702792704LL},
+      // Qwen1.5-MoE-A2.7B: the layout's count from its config.json (60 experts of 1408, a shared expert of
+      // 5632 and its gate, q/k/v biases), the model card's 14.3B; not checked against the safetensors files.
+      {"qwen1.5-moe-a2.7b", 14315784192LL},
   };
   REQUIRE(trainrun::model_preset_names().size() == want.size());
   for (const auto& [name, params] : want) {

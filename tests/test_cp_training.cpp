@@ -404,7 +404,9 @@ TEST_CASE("cp: adapters and preference objectives under cp are refused by name b
                             "vocab_size: 23, seq_len: 16}";
   struct Case { std::vector<std::string> sets; std::string says; };
   for (const Case& k : {Case{{"model.adapter.type=lora"}, "with model.adapter lora: adapters under context parallelism"},
-                        Case{{"train.objective=dpo"}, "with train.objective dpo: preference objectives under context"}}) {
+                        Case{{"train.objective=dpo"}, "with train.objective dpo: preference objectives under context"},
+                        Case{{"model.arch=mixtral", "model.n_experts=2", "model.n_experts_per_tok=1"},
+                             "with a mixture of experts (model.arch mixtral)"}}) {
     TempDir dir("cp_refused");
     std::vector<std::string> sets = k.sets;
     sets.push_back("parallel.context_parallel=2");

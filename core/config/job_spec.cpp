@@ -122,14 +122,18 @@ const std::vector<Field>& fields() {
                     "field this spec does not set (an explicit one wins, with a log line), seq_len with the "
                     "model's original context (Llama 3.x 8192, Llama 2 4096, GPT-2 1024); with model.init_from "
                     "both must describe the same model; none = off"),
-      TR_SPEC_FIELD(model.arch, one_of({"auto", "gpt2", "llama", "qwen2", "qwen3", "phi3", "gemma2"}),
+      TR_SPEC_FIELD(model.arch, one_of({"auto", "gpt2", "llama", "qwen2", "qwen3", "phi3", "gemma2", "mixtral", "qwen2_moe"}),
                     "model family; auto = the model_type of model.init_from's config.json, else gpt2; "
                     "llama = Llama 3 (RMSNorm, RoPE, SwiGLU, grouped-query attention; its shape in the fields below); "
                     "qwen2 = Qwen2/Qwen2.5 (Llama's shape with q/k/v biases); "
                     "qwen3 = Qwen3 (Llama's fields, heads model.head_dim wide, per-head RMSNorm on q and k); "
                     "phi3 = Phi-3 (Llama's maths; fused qkv_proj and gate_up_proj in its Hugging Face files); "
                     "gemma2 = Gemma 2 (Llama's fields, RMSNorm x*(1+w), norms after attention and MLP too, GeGLU, "
-                    "embeddings x sqrt(n_embd), soft-capped scores and logits, local attention on even layers, tied)"),
+                    "embeddings x sqrt(n_embd), soft-capped scores and logits, local attention on even layers, tied); "
+                    "mixtral = Mixtral (Llama's attention, every MLP model.n_experts experts of model.ffn_dim, "
+                    "model.n_experts_per_tok per token); qwen2_moe = Qwen1.5-MoE / Qwen2-MoE (Qwen2's attention, "
+                    "experts of model.moe_ffn_dim without renormalisation, a shared expert of "
+                    "model.shared_expert_ffn_dim behind a sigmoid gate)"),
       TR_SPEC_FIELD(model.n_layer, at_least(1), "transformer blocks (L)"),
       TR_SPEC_FIELD(model.n_head, at_least(1), "attention heads (NH); must divide n_embd"),
       TR_SPEC_FIELD(model.n_embd, at_least(1), "residual stream width in channels (C)"),
@@ -190,6 +194,28 @@ const std::vector<Field>& fields() {
       TR_SPEC_FIELD(model.rope_scaling.high_freq_factor, above(0), "llama3 scaling: high_freq_factor"),
       TR_SPEC_FIELD(model.rope_scaling.original_max_position_embeddings, at_least(1),
                     "llama3 scaling: the context the model was trained at before scaling"),
+      TR_SPEC_FIELD(model.n_experts, at_least(0),
+                    "mixture of experts (mixtral): experts per block (config.json's num_local_experts); 0 = none "
+                    "(the dense MLP of the other families)"),
+      TR_SPEC_FIELD(model.n_experts_per_tok, at_least(0),
+                    "mixture of experts: the experts each token is routed to (top-k, num_experts_per_tok); dropless: "
+                    "every token reaches them, whatever the load"),
+      TR_SPEC_FIELD(model.moe_ffn_dim, at_least(0),
+                    "mixture of experts: each routed expert's MLP width (qwen2_moe: moe_intermediate_size); 0 = "
+                    "model.ffn_dim (mixtral's experts are intermediate_size wide)"),
+      TR_SPEC_FIELD(model.shared_expert_ffn_dim, at_least(0),
+                    "mixture of experts: the width of the shared expert every token also passes through, scaled "
+                    "by sigmoid(shared_expert_gate) (qwen2_moe: shared_expert_intermediate_size); 0 = none"),
+      TR_SPEC_FIELD(model.norm_topk_prob, one_of({"auto", "true", "false"}),
+                    "mixture of experts: the chosen experts' softmax weights renormalised to sum 1; auto = the "
+                    "arch's (mixtral true, qwen2_moe config.json's norm_topk_prob, false by default)"),
+      TR_SPEC_FIELD(model.router_aux_loss_coef, at_least(0),
+                    "mixture of experts: weight of the load-balancing loss added to each micro-batch's loss, as "
+                    "transformers' load_balancing_loss_func with output_router_logits (E * sum_e f_e P_e over every "
+                    "layer's router); 0 = off"),
+      TR_SPEC_FIELD(model.router_z_loss_coef, at_least(0),
+                    "mixture of experts: weight of the router z-loss (mean over layers and tokens of "
+                    "logsumexp(router logits)^2, ST-MoE); 0 = off"),
 
       TR_SPEC_FIELD(model.adapter.type, one_of({"none", "lora", "dora"}),
                     "parameter-efficient fine-tuning (docs/fine-tuning.md): lora = frozen base + trainable "

@@ -37,6 +37,14 @@ struct ModelSpec {
   double final_softcap = 0;    // logits -> cap * tanh(logits / cap) (final_logit_softcapping)
   double query_scale = 0;      // scores scaled by query_scale^-0.5 (query_pre_attn_scalar); 0 = head_dim's
   int sliding_window = 0;      // local attention over this many tokens (gemma2: even layers); 0 = none
+  // Mixture of experts (mixtral): every block's MLP a routed set of experts (docs/models.md).
+  int n_experts = 0;             // experts per block (num_local_experts); 0 = the arch's (a dense MLP)
+  int n_experts_per_tok = 0;     // top-k experts each token reaches; 0 = the arch's
+  int moe_ffn_dim = 0;           // each routed expert's MLP width (qwen2_moe: moe_intermediate_size); 0 = ffn_dim
+  int shared_expert_ffn_dim = 0; // the shared expert's width (qwen2_moe); 0 = none
+  std::string norm_topk_prob = "auto";  // auto | true | false: renormalise the chosen weights; auto = the arch's
+  double router_aux_loss_coef = 0.001;  // weight of the load-balancing loss (transformers'); 0 = off
+  double router_z_loss_coef = 0;        // weight of the router z-loss (ST-MoE); 0 = off
   // Parameter-efficient fine-tuning (docs/fine-tuning.md): the base frozen, only the adapters train.
   std::string base_dtype = "auto";  // auto | fp32 | bf16 | nf4: how the frozen base is held (auto: fp32 on the CPU)
   struct AdapterSpec {

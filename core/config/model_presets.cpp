@@ -151,6 +151,54 @@ ModelSpec gemma2(int L, int C, int NH, int NKV, int HD, int F, double query_scal
   m.final_softcap = 30;
   m.query_scale = query_scale;
   m.sliding_window = 4096;
+
+// Mixtral 8x7B (mistralai/Mixtral-8x7B-v0.1's config.json): Llama's
+// attention (32 heads, 8 KV heads, rope_theta 1e6, rms_norm_eps 1e-5,
+// untied, 32000 tokens) and in every block 8 experts of 14336, top-2;
+// sliding_window null, max_position_embeddings 32768 (seq_len). 46.7B
+// parameters, 12.9B active per token.
+ModelSpec mixtral_8x7b() {
+  ModelSpec m;
+  m.arch = "mixtral";
+  m.n_layer = 32;
+  m.n_embd = 4096;
+  m.n_head = 32;
+  m.n_kv_head = 8;
+  m.ffn_dim = 14336;
+  m.vocab_size = 32000;
+  m.seq_len = 32768;
+  m.norm_eps = 1e-5;
+  m.rope_theta = 1000000;
+  m.tie_embeddings = "false";
+  m.n_experts = 8;
+  m.n_experts_per_tok = 2;
+  return m;
+}
+
+// Qwen1.5-MoE-A2.7B (Qwen/Qwen1.5-MoE-A2.7B's config.json): Qwen2's
+// attention (16 heads, no GQA, q/k/v biases, rope_theta 1e6, rms_norm_eps
+// 1e-6, untied, 151936 tokens), in every block 60 experts of 1408, top-4
+// without renormalisation (norm_topk_prob false), a shared expert of 5632;
+// max_position_embeddings 8192 (seq_len). 14.3B parameters, 2.7B active
+// per token (the embeddings included).
+ModelSpec qwen15_moe_a27b() {
+  ModelSpec m;
+  m.arch = "qwen2_moe";
+  m.n_layer = 24;
+  m.n_embd = 2048;
+  m.n_head = 16;
+  m.n_kv_head = 16;
+  m.ffn_dim = 5632;
+  m.vocab_size = 151936;
+  m.seq_len = 8192;
+  m.norm_eps = 1e-6;
+  m.rope_theta = 1000000;
+  m.tie_embeddings = "false";
+  m.n_experts = 60;
+  m.n_experts_per_tok = 4;
+  m.moe_ffn_dim = 1408;
+  m.shared_expert_ffn_dim = 5632;
+  m.norm_topk_prob = "false";
   return m;
 }
 
@@ -174,6 +222,8 @@ const std::vector<ModelPreset>& model_presets() {
       {"gemma2-2b", "google/gemma-2-2b", gemma2(26, 2304, 8, 4, 256, 9216, 256)},
       {"gemma2-9b", "google/gemma-2-9b", gemma2(42, 3584, 16, 8, 256, 14336, 256)},
       {"gemma2-27b", "google/gemma-2-27b", gemma2(46, 4608, 32, 16, 128, 36864, 144)},
+      {"mixtral-8x7b", "mistralai/Mixtral-8x7B-v0.1", mixtral_8x7b()},
+      {"qwen1.5-moe-a2.7b", "Qwen/Qwen1.5-MoE-A2.7B", qwen15_moe_a27b()},
       {"gpt2-124m", "openai-community/gpt2", gpt2(12, 12, 768)},
       {"gpt2-350m", "openai-community/gpt2-medium", gpt2(24, 16, 1024)},
       {"gpt2-774m", "openai-community/gpt2-large", gpt2(36, 20, 1280)},
@@ -246,7 +296,11 @@ std::string model_presets_markdown() {
                                           num(m.rope_scaling.low_freq_factor) + ", high " +
                                           num(m.rope_scaling.high_freq_factor) + ", original " +
                                           std::to_string(m.rope_scaling.original_max_position_embeddings) + ")";
-    out += "| " + name + " | " + m.arch + " | " + std::to_string(m.n_layer) + " | " + std::to_string(m.n_embd) +
+    // A mixture of experts: its experts in the arch column (ffn_dim is each expert's width).
+    const std::string arch = m.n_experts > 0 ? m.arch + " (" + std::to_string(m.n_experts) + " experts, top-" +
+                                                   std::to_string(m.n_experts_per_tok) + ")"
+                                             : m.arch;
+    out += "| " + name + " | " + arch + " | " + std::to_string(m.n_layer) + " | " + std::to_string(m.n_embd) +
            " | " + std::to_string(m.n_head) + " | " + (llama ? std::to_string(m.n_kv_head) : "-") + " | " +
            (m.head_dim ? std::to_string(m.head_dim) : "C/n_head") + " | " +
            (llama ? std::to_string(m.ffn_dim) : "4C") + " | " + std::to_string(m.vocab_size) + " | " +

@@ -16,6 +16,8 @@
 #include "core/model/qwen3/qwen3_arch.h"
 #include "core/model/phi3/phi3_arch.h"
 #include "core/model/gemma2/gemma2_arch.h"
+#include "core/model/mixtral/mixtral_arch.h"
+#include "core/model/qwen2_moe/qwen2_moe_arch.h"
 
 namespace fs = std::filesystem;
 using json = nlohmann::ordered_json;
@@ -43,6 +45,9 @@ const std::vector<ArchEntry>& registry() {
       {"qwen2", "qwen2", true, true, make_qwen2_arch, qwen2_config_from_hf, llama_config_from_metadata},
       {"qwen3", "qwen3", true, true, make_qwen3_arch, qwen3_config_from_hf, qwen3_config_from_metadata},
       {"phi3", "phi3", true, true, make_phi3_arch, phi3_config_from_hf, phi3_config_from_metadata},
+      {"mixtral", "mixtral", true, true, make_mixtral_arch, mixtral_config_from_hf, mixtral_config_from_metadata},
+      {"qwen2_moe", "qwen2_moe", true, true, make_qwen2_moe_arch, qwen2_moe_config_from_hf,
+       qwen2_moe_config_from_metadata},
       {"gemma2", "gemma2", true, true, make_gemma2_arch, gemma2_config_from_hf, gemma2_config_from_metadata},
   };
   return r;
@@ -137,11 +142,24 @@ ModelConfig ModelConfig::from_spec(const ModelSpec& m) {
   c.NKV = m.n_kv_head;
   c.F = m.ffn_dim;
   // A window is the model's, not a training choice: only an arch whose
-  // config.json has one takes it from the spec (mistral; gemma2: its even layers).
-  TR_CHECK(m.sliding_window == 0 || c.arch == "mistral" || c.arch == "gemma2", "model.sliding_window: ",
+  // config.json has one takes it from the spec (mistral, mixtral; gemma2: its even layers).
+  TR_CHECK(m.sliding_window == 0 || c.arch == "mistral" || c.arch == "gemma2" || c.arch == "mixtral", "model.sliding_window: ",
            m.sliding_window, "; ", c.arch, " has no sliding window in trainrun (0 = none); use model.arch: mistral "
            "or gemma2 for a windowed model");
   c.sliding_window = m.sliding_window;
+  // Mixture of experts: the MoE families read these (their arch checks them); a dense family refuses experts.
+  c.moe.n_experts = m.n_experts;
+  c.moe.top_k = m.n_experts_per_tok;
+  c.moe.aux_loss_coef = m.router_aux_loss_coef;
+  c.moe.z_loss_coef = m.router_z_loss_coef;
+  c.moe.ffn = m.moe_ffn_dim;
+  c.moe.shared_ffn = m.shared_expert_ffn_dim;
+  // auto: the arch's default (its constructor's); true/false set here and checked by the arch.
+  c.moe.norm_topk_prob = m.norm_topk_prob == "true";
+  c.moe.norm_topk_auto = m.norm_topk_prob == "auto";
+  const bool moe_arch = c.arch == "mixtral" || c.arch == "qwen2_moe";
+  TR_CHECK(m.n_experts == 0 || moe_arch, "model.n_experts: ", m.n_experts, "; ", c.arch,
+           " has a dense MLP (0); use model.arch: mixtral or qwen2_moe for a mixture of experts");
   const bool scaled = m.rope_scaling.type != "none";
   if (c.arch == "gpt2") {
     // GPT-2 has none of Llama's knobs: a value that would change the model
@@ -202,6 +220,13 @@ ModelSpec ModelConfig::to_spec() const {
   m.attn_softcap = attn_softcap;
   m.final_softcap = final_softcap;
   m.query_scale = query_scale;
+  m.n_experts = moe.n_experts;
+  m.n_experts_per_tok = moe.top_k;
+  m.router_aux_loss_coef = moe.aux_loss_coef;
+  m.moe_ffn_dim = moe.on() ? moe.ffn : 0;
+  m.shared_expert_ffn_dim = moe.shared_ffn;
+  m.norm_topk_prob = !moe.on() ? "auto" : moe.norm_topk_prob ? "true" : "false";
+  m.router_z_loss_coef = moe.z_loss_coef;
   m.rope_scaling.type = rope_scaling_type.empty() ? "none" : rope_scaling_type;
   if (!rope_scaling_type.empty()) {
     m.rope_scaling.factor = rope_scaling.factor;

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "core/config/job_spec.h"
+#include "core/model/moe/moe_config.h"
 #include "kernels/backend.h"
 #include "kernels/rope_table.h"
 
@@ -74,6 +75,9 @@ struct ModelConfig {
   // Which layers slide: layer l is local when l % window_period == 0 (Gemma
   // 2: 2, layers 0, 2, 4, ... as transformers 4.44), 0 = every layer.
   int window_period = 0;
+  // Mixture of experts (core/model/moe/moe_config.h): set by the MoE
+  // families (mixtral, ...); n_experts 0 = the dense gated MLP.
+  MoeConfig moe;
 
   // The config a job spec describes. model.arch auto is resolved here: the
   // architecture of model.init_from's config.json (its model_type), else
@@ -330,6 +334,16 @@ class Network {
   // Frees the activation buffers (the end-of-run sample's decoder needs the
   // room); forward/backward must not be called afterwards.
   virtual void free_activations() = 0;
+  // Mixture of experts (ModelConfig::moe): the last forward's router
+  // figures, copied to the host (the reporter reads them at logged steps):
+  // the load-balancing and z losses (unscaled) and, per layer, the tokens
+  // (token, slot pairs) the busiest expert got and the mean per expert
+  // (N*K/E; max/mean 1 = balanced). No layers without experts.
+  struct RouterReport {
+    double aux_loss = 0, z_loss = 0;
+    std::vector<double> max_tokens, mean_tokens;  // per layer
+  };
+  virtual RouterReport router_report() const { return {}; }
 
   // ---- pipeline stages (make_network with a PipelineStage) ----
   // What one stage hands the next: the residual stream after its last

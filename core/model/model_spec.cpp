@@ -34,6 +34,10 @@ bool has_value(const JobSpec& job, const std::string& key) {
   if (key == "model.n_kv_head") return m.n_kv_head != 0;
   if (key == "model.ffn_dim") return m.ffn_dim != 0;
   if (key == "model.head_dim") return m.head_dim != 0;
+  if (key == "model.n_experts") return m.n_experts != 0;
+  if (key == "model.n_experts_per_tok") return m.n_experts_per_tok != 0;
+  if (key == "model.moe_ffn_dim") return m.moe_ffn_dim != 0;
+  if (key == "model.norm_topk_prob") return m.norm_topk_prob != "auto";
   return true;
 }
 

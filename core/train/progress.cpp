@@ -458,6 +458,7 @@ void RunReporter::on_step(const StepReport& r) {
         }
         if (r.bubble >= 0) rec.push_back({"pipeline_bubble", r.bubble});
         rec.insert(rec.end(), r.extra.begin(), r.extra.end());
+        add_router_figures(rec, "moe_", "_");
         ctx_.metrics->write(rec);
       }
       if (tb_) {
@@ -479,6 +480,7 @@ void RunReporter::on_step(const StepReport& r) {
         if (r.val_loss >= 0) s.push_back({"loss/val", r.val_loss});
         s.insert(s.end(), r.extra.begin(), r.extra.end());
         if (bpb >= 0) s.push_back({"loss/val_bpb", bpb});
+        add_router_figures(s, "moe/", "/");
         tb_->add_scalars(r.step, s);
       }
     }
@@ -556,6 +558,29 @@ void RunReporter::finish(const std::string& model_path) {
   if (tb_) s << "  tensorboard tensorboard --logdir " << tb_dir_ << "\n";
   s << rule;
   TR_LOG_INFO(s.str());
+}
+
+// Mixture of experts: the network's router figures of the step's last
+// micro-batch on rank 0 (Network::RouterReport): the load-balancing and z
+// losses (unscaled) and per layer the busiest expert's tokens and the mean
+// per expert. metrics.jsonl: moe_aux_loss, moe_z_loss, moe_layer<l>_tokens_max /
+// _tokens_mean; TensorBoard: moe/aux_loss, moe/z_loss, moe/layer<l>/load_max_over_mean.
+void RunReporter::add_router_figures(std::vector<std::pair<std::string, double>>& rec, const std::string& prefix,
+                                     const std::string& sep) const {
+  if (!ctx_.network) return;
+  const Network::RouterReport m = ctx_.network->router_report();
+  if (m.max_tokens.empty()) return;
+  rec.push_back({prefix + "aux_loss", m.aux_loss});
+  rec.push_back({prefix + "z_loss", m.z_loss});
+  for (size_t l = 0; l < m.max_tokens.size(); ++l) {
+    const std::string layer = prefix + "layer" + std::to_string(l) + sep;
+    if (sep == "/") {
+      rec.push_back({layer + "load_max_over_mean", m.mean_tokens[l] > 0 ? m.max_tokens[l] / m.mean_tokens[l] : 0});
+    } else {
+      rec.push_back({layer + "tokens_max", m.max_tokens[l]});
+      rec.push_back({layer + "tokens_mean", m.mean_tokens[l]});
+    }
+  }
 }
 
 }  // namespace trainrun

@@ -151,6 +151,8 @@ class RunReporter {
   std::string status_line() const;
 
  private:
+  void add_router_figures(std::vector<std::pair<std::string, double>>& rec, const std::string& prefix,
+                          const std::string& sep) const;
   bool printing() const { return ctx_.rank == 0 || opt_.all_ranks; }
   void draw_status(bool force);
   void clear_status();

@@ -336,6 +336,9 @@ void Trainer::setup() {
   TR_CHECK(cp == 1 || !job_.model.adapter.on(), "parallel.context_parallel ", cp, " with model.adapter ",
            job_.model.adapter.type, ": adapters under context parallelism are not implemented yet (their "
            "dropout rows are numbered by whole sequences); use parallel.context_parallel: 1");
+  TR_CHECK(cp == 1 || !cfg.moe.on(), "parallel.context_parallel ", cp, " with a mixture of experts (model.arch ",
+           cfg.arch, "): the router's load-balancing statistics would cover one cp chunk, not the sequence; use "
+           "parallel.context_parallel: 1");
   TR_CHECK(cp == 1 || job_.train.objective == "sft", "parallel.context_parallel ", cp, " with train.objective ",
            job_.train.objective, ": preference objectives under context parallelism are not implemented yet (a "
            "sequence's log-prob would be summed over the cp ranks' chunks); use parallel.context_parallel: 1");

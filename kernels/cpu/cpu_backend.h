@@ -95,6 +95,29 @@ class CpuBackend final : public Backend {
                  int64_t rows, int64_t cols) override;
   void add_rows_f32(float* dst, int64_t dst_ld, const float* src, int64_t src_ld, int64_t rows,
                     int64_t cols) override;
+  // Mixture of experts: cpu_moe.cpp.
+  void moe_route_forward(float* probs, float* lse, int32_t* idx, float* w, const void* logits, int N, int E, int K,
+                         bool renorm) override;
+  void moe_route_backward(void* dlogits, const float* dw, const float* probs, const float* lse, const int32_t* idx,
+                          const float* aux_grad, float z_scale, int N, int E, int K, bool renorm) override;
+  void moe_router_stats(float* stats, const float* probs, const float* lse, const int32_t* idx, int N, int E,
+                        int K) override;
+  void moe_aux_loss(float* out, float* aux_grad, float* losses, int n, const float* stats, int64_t tokens, int E,
+                    float aux_coef, float z_coef, float grad_scale) override;
+  void moe_permute(int32_t* pos, int32_t* offsets, void* xp, const int32_t* idx, const void* x, int N, int K, int E,
+                   int C) override;
+  void moe_permute_backward(void* dx, const void* dxp, const int32_t* pos, int N, int K, int C) override;
+  void moe_expert_matmul_forward(void* out, const void* in, const void* w, const int32_t* offsets, int E, int IC,
+                                 int OC) override;
+  void moe_expert_matmul_backward(void* din, float* dw, const void* dout, const void* in, const void* w,
+                                  const int32_t* offsets, int E, int IC, int OC) override;
+  void moe_unpermute_forward(void* out, const void* yp, const int32_t* pos, const float* w, int N, int K,
+                             int C) override;
+  void moe_unpermute_backward(void* dyp, float* dw, const void* dout, const void* yp, const int32_t* pos,
+                              const float* w, int N, int K, int C) override;
+  void moe_sigmoid_gate_forward(void* out, const void* y, const void* g, int N, int C) override;
+  void moe_sigmoid_gate_backward(void* dy, void* dg, const void* dout, const void* y, const void* g, int N,
+                                 int C) override;
   // Gemma 2 ops: cpu_geglu.cpp, cpu_logit_softcap.cpp (attention's softcap/scale: cpu_attention_gqa.cpp).
   void geglu_forward(void* out, const void* inp, int N, int F) override;
   void geglu_backward(void* dinp, const void* dout, const void* inp, int N, int F) override;

@@ -81,17 +81,24 @@ def cmd_random(a):
     return 0
 
 
-def write_reference(model, batch_path, out_ref):
+def write_reference(model, batch_path, out_ref, extra_loss=None, **forward_kwargs):
     """logits, the mean cross-entropy loss and every parameter's gradient
-    (HF names) of one fp32 forward + backward on BATCH's inputs/targets."""
+    (HF names) of one fp32 forward + backward on BATCH's inputs/targets.
+    extra_loss(out) -> {name: scalar tensor}: terms added to the loss (the
+    MoE families' router losses), each also saved under its name."""
     batch = load_file(batch_path)
     inputs, targets = batch["inputs"].to(torch.long), batch["targets"].to(torch.long)
     model.train()  # no dropout in Llama; train() only enables the autograd path
-    out = model(inputs)
+    out = model(inputs, **forward_kwargs)
     logits = out.logits.float()
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    extra = extra_loss(out) if extra_loss else {}
+    for term in extra.values():
+        loss = loss + term
     loss.backward()
     ref = {"logits": logits.detach().contiguous(), "loss": loss.detach().reshape(1)}
+    for name, term in extra.items():
+        ref[name] = term.detach().float().reshape(1)
     for name, p in model.named_parameters():
         ref["grad." + name] = p.grad.detach().float().contiguous()
     save_file(ref, out_ref)

@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "core/common/error.h"
+#include "core/model/moe/moe_mlp.h"
 #include "core/model/tensor_parallel.h"
 
 namespace trainrun {
@@ -54,6 +55,26 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
   TR_CHECK(cfg.sliding_window == 0 || cfg.T <= cfg.sliding_window, "model.seq_len ", cfg.T,
            " exceeds the sliding window (sliding_window ", cfg.sliding_window,
            "), which the attention ops do not implement yet; use model.seq_len <= ", cfg.sliding_window);
+  if (cfg.moe.on()) {
+    // What the MoE MLP does not compose with yet is refused by name (issue #28's later steps).
+    // Tensor parallelism splits the attention; the experts are replicated
+    // (every TP rank routes and computes the whole MoE MLP on the same rows,
+    // so its output and input gradient need no reduction). Sequence
+    // parallelism would hand the MLP 1/T of the rows: not yet.
+    TR_CHECK(!sp_, "model: a mixture of experts (", cfg.arch, ") with parallel.sequence_parallel is not implemented "
+                   "yet; turn sequence_parallel off (the experts are replicated over tensor parallelism)");
+    // The router losses couple every layer's counts: a stage cannot compute
+    // them alone (not yet: a reduction over the pipeline). Without them
+    // each stage's MoE blocks are independent.
+    TR_CHECK(!stage || (stage->first && stage->last) || (cfg.moe.aux_loss_coef == 0 && cfg.moe.z_loss_coef == 0),
+             "model: a mixture of experts (", cfg.arch, ") with pipeline parallelism and a router loss "
+             "(model.router_aux_loss_coef ", cfg.moe.aux_loss_coef, ", model.router_z_loss_coef ", cfg.moe.z_loss_coef,
+             ") is not implemented yet (the losses span every stage's layers); set both to 0 or use "
+             "parallel.pipeline_parallel: 1");
+    TR_CHECK(!(stage && stage->split_backward), "parallel.pipeline_schedule: zero_bubble with a mixture of experts "
+                                                 "is not implemented yet; use 1f1b");
+    moe_elems_ = MoeOffsets(cfg.C, cfg.moe).total;
+  }
   if (!cfg.tied) {
     const ParamTensor& h = lay->get("lm_head.weight");
     lm_head_off_ = h.offset - lay->units[h.unit].offset;
@@ -102,8 +123,10 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
     layer_buf(&a.res2, NR * C * es);
     layer_buf(&a.ln2, NR * C * es);
     layer_buf(&a.ln2_rstd, NR * 4);
-    layer_buf(&a.gu, N * 2 * F * es);
-    layer_buf(&a.h, N * F * es);
+    if (!moe_elems_) {  // the MoE MLP keeps its own (below)
+      layer_buf(&a.gu, N * 2 * F * es);
+      layer_buf(&a.h, N * F * es);
+    }
     if (cfg.post_norms) {
       layer_buf(&a.ao, NR * C * es);
       layer_buf(&a.ao_rstd, NR * 4);
@@ -131,7 +154,7 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
   // (N, C) gradients, and the attention output's (N, Q) one: Q > C with head_dim set.
   tmp(&dbuf_c_, N * std::max<int64_t>(C, Q_) * es);
   tmp(&dqkv_, N * QKV_ * es);
-  tmp(&dh_, N * F * es);
+  if (!moe_elems_) tmp(&dh_, N * F * es);
   if (cfg.post_norms) tmp(&dpost_, NR * C * es);
   if (QN_ && tp_) tmp(&qk_grad_, 2 * size_t(QN_) * 4);
   if (stage_.split_backward) {
@@ -162,6 +185,10 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
       kv_slots_ = kv_grad_slots_.as<float>();
     }
   }
+  if (moe_elems_) {
+    moe_ = std::make_unique<MoeMlp>(cfg.moe, cfg.C, be, N, ckpt_ ? 1 : cfg_.L, cfg_.L, true);
+    moe_->plan(plan, ckpt_);
+  }
   arena_ = shared_ ? plan.allocate_kept(be) : plan.allocate(be);
   act_bytes_ = shared_ ? plan.kept_total() : plan.total;
   tpc_.tp = tp_;
@@ -173,6 +200,13 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
   const RopeScaling* scaling = cfg.rope_scaling_type.empty() ? nullptr : &cfg.rope_scaling;
   const std::vector<float> table = rope_table(cfg.T, HS_, cfg.rope_theta, scaling);
   be->copy_to_device(rope_, table.data(), table.size() * 4);
+}
+
+LlamaNetwork::~LlamaNetwork() = default;
+
+Network::RouterReport LlamaNetwork::router_report() const {
+  if (!moe_) return {};
+  return moe_->report(be_);
 }
 
 void LlamaNetwork::wire_scratch() {
@@ -196,7 +230,7 @@ struct BlockPtrs {
 template <typename P, typename Base>
 BlockPtrs<P> block_ptrs(Base base, const LlamaBlockOffsets& o, size_t esize) {
   auto at = [&](int64_t off) { return reinterpret_cast<P>(reinterpret_cast<uintptr_t>(base) + off * esize); };
-  return {at(o.ln1w), at(o.qkvw), o.has_qkvb ? at(o.qkvb) : P{}, at(o.ow), at(o.ln2w), at(o.guw), at(o.downw),
+  return {at(o.ln1w), at(o.qkvw), o.has_qkvb ? at(o.qkvb) : P{}, at(o.ow), at(o.ln2w), o.guw >= 0 ? at(o.guw) : P{}, o.downw >= 0 ? at(o.downw) : P{},
           at(o.qnw), at(o.knw), o.panw >= 0 ? at(o.panw) : P{}, o.pfnw >= 0 ? at(o.pfnw) : P{}};
 }
 }  // namespace
@@ -224,15 +258,21 @@ void LlamaNetwork::block_forward(const void* p, int l, const void* res_in, int B
   if (cfg_.post_norms) post_norm_forward(const_cast<void*>(attn_out), a.ao, a.ao_rstd, w.panw, rows(N));
   be_->residual_rmsnorm_forward(a.res2, a.ln2, a.ln2_rstd, res_in, attn_out, w.ln2w, rows(N), C, eps_, wo_);
   const void* x_gu = full_rows(a.ln2, N);
-  be_->matmul_forward(a.gu, x_gu, w.guw, nullptr, N, C, 2 * F);
-  if (ad_) ad_->forward(gl, 2, x_gu, a.gu, 2 * F, N);
-  if (cfg_.mlp_act == "gelu_tanh")
-    be_->geglu_forward(a.h, a.gu, N, F);
-  else
-    be_->swiglu_forward(a.h, a.gu, N, F);
-  be_->matmul_forward(dbuf_c_, a.h, w.downw, nullptr, N, F, C);
-  if (ad_) ad_->forward(gl, 3, a.h, dbuf_c_, C, N);
-  const void* out = row_parallel_out(dbuf_c_, N);  // -> mlp_out()
+  if (moe_) {  // the mixture of experts in the MLP's place (core/model/moe/moe_mlp.h)
+    moe_->forward(ckpt_ ? 0 : l, static_cast<const char*>(p) + offsets().moe * dtype_size(be_->act_dtype()), x_gu,
+                  dbuf_c_, N);
+  } else {
+    be_->matmul_forward(a.gu, x_gu, w.guw, nullptr, N, C, 2 * F);
+    if (ad_) ad_->forward(gl, 2, x_gu, a.gu, 2 * F, N);
+    if (cfg_.mlp_act == "gelu_tanh")
+      be_->geglu_forward(a.h, a.gu, N, F);
+    else
+      be_->swiglu_forward(a.h, a.gu, N, F);
+    be_->matmul_forward(dbuf_c_, a.h, w.downw, nullptr, N, F, C);
+    if (ad_) ad_->forward(gl, 3, a.h, dbuf_c_, C, N);
+  }
+  // (The MoE MLP is replicated over TP: its output is whole on every rank.)
+  const void* out = moe_ ? dbuf_c_ : row_parallel_out(dbuf_c_, N);  // -> mlp_out()
   if (cfg_.post_norms) post_norm_forward(const_cast<void*>(out), a.mo, a.mo_rstd, w.pfnw, rows(N));
 }
 
@@ -330,6 +370,7 @@ void LlamaNetwork::forward(UnitAccess& units, const int32_t* inputs, const int32
   const int NR = rows(N);
 
   units.begin_pass(false, for_backward);
+  if (moe_) moe_->begin_forward(true);
   // A pipeline stage after the first finds its input at stage_input() (encoded_).
   if (stage_.first) embed(units, inputs, B, T);
 
@@ -370,6 +411,8 @@ void LlamaNetwork::forward(UnitAccess& units, const int32_t* inputs, const int32
   // Gemma 2: the logits the model returns (and the loss reads) are soft-capped.
   if (cfg_.final_softcap > 0.f) be_->logit_softcap_forward(logits_, N, v_valid_, ldv_, cfg_.final_softcap);
   if (targets) cross_entropy(targets, N, for_backward, dloss_scale);
+  // The router losses (moe_config.h), each token's loss carrying its share; their gradient waits for the backward.
+  if (moe_ && targets) moe_->finish_forward(losses_, N, for_backward ? dloss_scale * float(N) : 0.f);
 }
 
 void LlamaNetwork::embed(UnitAccess& units, const int32_t* inputs, int B, int T) {
@@ -413,6 +456,10 @@ void LlamaNetwork::block_backward(const void* p, float* g, int l, const void* re
   // MLP: res_out = res2 + down(swiglu(gate_up(RMSNorm(res2))))
   // post_norms: through the MLP output's norm first (dres passes on unchanged to the residual).
   const void* dmlp = full_rows(post_norm_backward(dres, a.mo, a.mo_rstd, w.pfnw, dw.pfnw, NR), N);
+  if (moe_) {  // (no tensor/sequence parallelism or zero_bubble with MoE yet: refused in the constructor)
+    moe_->backward(ckpt_ ? 0 : l, static_cast<const char*>(p) + off.moe * es, frozen_ ? nullptr : g + off.moe,
+                   full_rows(a.ln2, N), dmlp, dbuf_c_, N);
+  } else {
   if (keep && !frozen_) be_->copy_device(keep->d_down, dmlp, size_t(N) * C * es);
   be_->matmul_backward(dh_, W(dw.downw), nullptr, dmlp, a.h, w.downw, N, F, C);
   if (ad_) ad_->backward(gl, 3, a.h, dmlp, C, dh_, N);
@@ -424,8 +471,9 @@ void LlamaNetwork::block_backward(const void* p, float* g, int l, const void* re
   const void* x_gu = full_rows(a.ln2, N);
   be_->matmul_backward(dbuf_c_, W(dw.guw), nullptr, a.gu, x_gu, w.guw, N, C, 2 * F);
   if (ad_) ad_->backward(gl, 2, x_gu, a.gu, 2 * F, dbuf_c_, N);
+  }
   // column-parallel: each rank's columns add to the input gradient
-  const void* dln2 = row_parallel_out(dbuf_c_, N);
+  const void* dln2 = moe_ ? dbuf_c_ : row_parallel_out(dbuf_c_, N);  // (MoE: replicated, whole)
   be_->rmsnorm_backward(dres, norm_grad(dw.ln2w), dln2, a.res2, w.ln2w, a.ln2_rstd, NR, C, wo_);
   norm_grad_done(dw.ln2w);
   // Attention: res2 = res_in + o(attn(rope(qkv(RMSNorm(res_in)))))
@@ -555,6 +603,7 @@ void LlamaNetwork::backward_pass(UnitAccess& units, bool input_only) {
   float* gemb = stage_.last ? head_backward(units) : nullptr;
 
   const LlamaBlockOffsets off = offsets();
+  if (moe_ && ckpt_) moe_->begin_forward(false);  // the recompute routes again; the statistics stay the forward's
   for (int l = L - 1; l >= 0; --l) {
     const void* p = units.acquire_params(1 + l);
     if (ad_) ad_->begin_block(stage_.first_layer + l, true);  // before the recompute, which reads the adapters

@@ -28,6 +28,8 @@
 
 namespace trainrun {
 
+class MoeMlp;  // core/model/moe/moe_mlp.h
+
 // Element offsets of one block's tensors relative to the block unit's start
 // (llama_layout's order; q|k|v and gate|up adjacent, read as fused weights,
 // and with ModelConfig::qkv_bias the q|k|v biases adjacent after them, so
@@ -40,11 +42,13 @@ namespace trainrun {
 // post_attention_layernorm; ln2 is then pre_feedforward_layernorm) and one
 // on the MLP output after down_proj (post_feedforward_layernorm); -1 without.
 struct LlamaBlockOffsets {
-  int64_t ln1w, qkvw, qkvb, ow, panw = -1, ln2w, guw, downw, pfnw = -1, qnw, knw, total;
+  // moe_elems > 0 (ModelConfig::moe): the gated MLP's place holds that many
+  // elements of MoE tensors from `moe` on (MoeOffsets), and guw = downw = -1.
+  int64_t ln1w, qkvw, qkvb, ow, panw = -1, ln2w, guw, downw, pfnw = -1, qnw, knw, total, moe = -1;
   bool has_qkvb;
   LlamaBlockOffsets(int64_t C, int64_t KV, int64_t F) : LlamaBlockOffsets(C, C, KV, F) {}
   LlamaBlockOffsets(int64_t C, int64_t Q, int64_t KV, int64_t F, int64_t QN = 0, bool qkv_bias = false,
-                    bool post_norms = false)
+                    bool post_norms = false, int64_t moe_elems = 0)
       : has_qkvb(qkv_bias) {
     int64_t o = 0;
     ln1w = o; o += C;                // input_layernorm (C)
@@ -53,8 +57,13 @@ struct LlamaBlockOffsets {
     ow = o; o += C * Q;              // o_proj (C,Q)
     if (post_norms) { panw = o; o += C; }  // Gemma 2's post_attention_layernorm (C)
     ln2w = o; o += C;                // post_attention_layernorm (C); Gemma 2's pre_feedforward_layernorm
-    guw = o; o += 2 * F * C;         // gate_proj (F,C) | up_proj (F,C)
-    downw = o; o += C * F;           // down_proj (C,F)
+    if (moe_elems > 0) {
+      moe = o; o += moe_elems;       // router, experts [, shared expert] (MoeOffsets)
+      guw = downw = -1;
+    } else {
+      guw = o; o += 2 * F * C;       // gate_proj (F,C) | up_proj (F,C)
+      downw = o; o += C * F;         // down_proj (C,F)
+    }
     qnw = o; o += QN;                // self_attn.q_norm (HS) | k_norm (HS), adjacent
     knw = o; o += QN;
     if (post_norms) { pfnw = o; o += C; }  // Gemma 2's post_feedforward_layernorm (C)
@@ -85,6 +94,7 @@ class LlamaNetwork final : public Network {
   size_t transient_bytes() const override { return shared_ ? plan_.transient_total : 0; }
   void bind_transient(void* scratch) override;
   void free_activations() override { arena_.reset(); }
+  RouterReport router_report() const override;
 
   int64_t stage_io_elems(int B, int T) const override { return int64_t(tpc_.rows(B * T)) * cfg_.C; }
   void* stage_input() override { return encoded_; }
@@ -138,7 +148,12 @@ class LlamaNetwork final : public Network {
   int HS_, KV_, QKV_;             // head size, NKV*HS, Q + 2*KV (this rank's)
   int QN_ = 0;                    // qk-norm: the q_norm / k_norm weights' length (HS); 0 = none
   float* qk_grad_ = nullptr;      // qk-norm under TP: (2*HS) this block's q_norm|k_norm gradient, summed over TP
-  LlamaBlockOffsets offsets() const { return LlamaBlockOffsets(cfg_.C, Q_, KV_, F_, QN_, cfg_.qkv_bias, cfg_.post_norms); }
+  LlamaBlockOffsets offsets() const {
+    return LlamaBlockOffsets(cfg_.C, Q_, KV_, F_, QN_, cfg_.qkv_bias, cfg_.post_norms, moe_elems_);
+  }
+  // Mixture of experts (ModelConfig::moe; core/model/moe/moe_mlp.h): the MLP's place in every block.
+  int64_t moe_elems_ = 0;
+  std::unique_ptr<MoeMlp> moe_;
   // This rank's sizes: all of the model without tensor parallelism.
   int NH_ = 0, NKV_ = 0, F_ = 0, Q_ = 0;  // heads, kv heads, MLP width, NH*HS
   int VL_ = 0, v_begin_ = 0, v_valid_ = 0;  // vocab rows held (padded), first id, real rows

@@ -10,6 +10,8 @@
 #include "core/model/init_rng.h"
 #include "core/model/llama/llama.h"
 #include "core/model/llama/llama_decoder.h"
+#include "core/model/moe/moe_layout.h"
+#include "core/model/moe/moe_mlp.h"
 
 using json = nlohmann::ordered_json;
 
@@ -56,9 +58,13 @@ ParamLayout llama_layout(const ModelConfig& c) {
     b.add(p + "post_attention_layernorm.weight", {C}, false, S::Replicated);
     // Gemma 2 (post_norms): the norm above is on the attention output; the MLP's input norm is this one.
     if (c.post_norms) b.add(p + "pre_feedforward_layernorm.weight", {C}, false, S::Replicated);
-    b.add(p + "mlp.gate_proj.weight", {F, C}, true, S::Column);
-    b.add(p + "mlp.up_proj.weight", {F, C}, true, S::Column);
-    b.add(p + "mlp.down_proj.weight", {C, F}, true, S::Row);
+    if (c.moe.on()) {
+      add_moe_tensors(b, p, C, c.moe);  // the MLP's place (core/model/moe/moe_layout.h)
+    } else {
+      b.add(p + "mlp.gate_proj.weight", {F, C}, true, S::Column);
+      b.add(p + "mlp.up_proj.weight", {F, C}, true, S::Column);
+      b.add(p + "mlp.down_proj.weight", {C, F}, true, S::Row);
+    }
     if (c.qk_norm) {  // after the rest, so the other offsets stay (LlamaBlockOffsets)
       b.add(p + "self_attn.q_norm.weight", {c.head_size()}, false, S::Replicated);
       b.add(p + "self_attn.k_norm.weight", {c.head_size()}, false, S::Replicated);
@@ -101,6 +107,9 @@ std::unique_ptr<ModelArch> make_llama_arch(const ModelConfig& cfg) { return std:
 std::vector<BlockLinear> LlamaArch::block_linears() const {
   const ModelConfig& c = cfg_;
   const int64_t C = c.C, F = c.F, Q = c.q_dim(), KV = int64_t(c.kv_heads()) * c.head_size();
+  if (c.moe.on())  // the experts are no adapter target yet: attention's linears only
+    return {{"self_attn.q_proj", 0, C, Q, 0}, {"self_attn.k_proj", 0, C, KV, Q},
+            {"self_attn.v_proj", 0, C, KV, Q + KV}, {"self_attn.o_proj", 1, Q, C, 0}};
   return {{"self_attn.q_proj", 0, C, Q, 0},         {"self_attn.k_proj", 0, C, KV, Q},
           {"self_attn.v_proj", 0, C, KV, Q + KV},   {"self_attn.o_proj", 1, Q, C, 0},
           {"mlp.gate_proj", 2, C, F, 0},            {"mlp.up_proj", 2, C, F, F},
@@ -128,8 +137,8 @@ void LlamaArch::init_params(uint64_t seed, int64_t begin, int64_t end, float* ou
     const int64_t lo = std::max(begin, t.offset), hi = std::min(end, t.offset + t.numel);
     if (lo >= hi) continue;
     const bool norm = ends_with(t.name, "norm.weight"), bias = ends_with(t.name, ".bias");
-    const double std = ends_with(t.name, "o_proj.weight") || ends_with(t.name, "down_proj.weight") ? resid_std
-                                                                                                    : cfg_.init_std;
+    const double std = ends_with(t.name, "o_proj.weight") || moe_is_residual_projection(t.name) ? resid_std
+                                                                                                 : cfg_.init_std;
     // (norm_offset, Gemma 2: the norms compute x * (1 + w), so w = 0 is the identity gain.)
     const float norm_init = cfg_.norm_offset ? 0.0f : 1.0f;
     for (int64_t i = lo; i < hi; ++i)
@@ -138,8 +147,12 @@ void LlamaArch::init_params(uint64_t seed, int64_t begin, int64_t end, float* ou
 }
 
 int64_t LlamaArch::matmul_parameters() const {
-  // RoPE has no table; an untied input embedding is a lookup.
-  return num_parameters() - (cfg_.tied ? 0 : int64_t(cfg_.V) * cfg_.C);
+  // RoPE has no table; an untied input embedding is a lookup. A mixture of
+  // experts multiplies each token by its top_k experts only (the active
+  // parameters: MFU counts the FLOPs the tokens take).
+  const MoeConfig& m = cfg_.moe;
+  const int64_t idle = m.on() ? int64_t(cfg_.L) * (m.n_experts - m.top_k) * 3 * int64_t(m.ffn) * cfg_.C : 0;
+  return num_parameters() - (cfg_.tied ? 0 : int64_t(cfg_.V) * cfg_.C) - idle;
 }
 
 double LlamaArch::activation_bytes(int B, bool ckpt, const ActivationDevice& d) const {
@@ -166,8 +179,10 @@ double LlamaArch::activation_bytes(int B, bool ckpt, const ActivationDevice& d) 
   per_layer += r64(N * C * es);                       // residual after attention
   per_layer += r64(N * C * es);                       // MLP norm
   per_layer += r64(N * 4);                            // its rstd
-  per_layer += r64(N * 2 * F * es);                   // gate|up (dgate|dup in place in backward)
-  per_layer += r64(N * F * es);                       // silu(gate)*up
+  if (!m.moe.on()) {
+    per_layer += r64(N * 2 * F * es);                 // gate|up (dgate|dup in place in backward)
+    per_layer += r64(N * F * es);                     // silu(gate)*up
+  }
   if (m.post_norms) per_layer += 2 * (r64(N * C * es) + r64(N * 4));  // attention / MLP outputs before their norms, rstd
   double total = 0;
   total += r64(double(m.T) * HS * 4);                 // RoPE cos/sin table (T, HS/2, 2) fp32
@@ -182,7 +197,10 @@ double LlamaArch::activation_bytes(int B, bool ckpt, const ActivationDevice& d) 
   total += r64(N * C * es);                           // backward: dres
   total += r64(N * std::max(C, Q) * es);              // backward: dbuf_c (also d attention output)
   total += r64(N * qkv * es);                         // backward: dqkv
-  total += r64(N * F * es);                           // backward: d(silu(gate)*up)
+  if (m.moe.on())                                     // the MoE MLP's own (core/model/moe/moe_mlp.h)
+    total += double(MoeMlp::bytes(m.moe, m.C, size_t(es), int64_t(N), ckpt ? 1 : m.L, m.L, true));
+  else
+    total += r64(N * F * es);                         // backward: d(silu(gate)*up)
   if (m.post_norms) total += r64(N * C * es);         // backward: the gradient through a post norm
   return total;
 }

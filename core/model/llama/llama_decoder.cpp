@@ -8,6 +8,7 @@
 #include "core/common/error.h"
 #include "core/model/arena_plan.h"
 #include "core/model/llama/llama.h"
+#include "core/model/moe/moe_mlp.h"
 #include "kernels/rope_table.h"
 
 namespace trainrun {
@@ -55,8 +56,14 @@ size_t LlamaDecoder::bytes_needed(const ModelConfig& cfg, const Backend& be, int
   void* scratch[16];
   void** p[16];
   for (int i = 0; i < 16; ++i) p[i] = &scratch[i];
-  return plan_for(cfg, be, capacity, std::min(capacity, kChunk), k, v, p).total;
+  const int chunk = std::min(capacity, kChunk);
+  const size_t moe = cfg.moe.on() ? MoeMlp::bytes(cfg.moe, cfg.C, dtype_size(be.act_dtype()), chunk, 1, 1, false) : 0;
+  return plan_for(cfg, be, capacity, chunk, k, v, p).total + moe;
 }
+
+LlamaDecoder::~LlamaDecoder() = default;
+
+size_t LlamaDecoder::bytes() const { return arena_.bytes() + (moe_ ? moe_->own_bytes() : 0); }
 
 LlamaDecoder::LlamaDecoder(const ModelConfig& cfg, const ParamLayout& layout, Backend* be, int capacity)
     : cfg_(cfg), be_(be), cap_(capacity), chunk_(std::min(capacity, kChunk)) {
@@ -85,6 +92,10 @@ LlamaDecoder::LlamaDecoder(const ModelConfig& cfg, const ParamLayout& layout, Ba
                   reinterpret_cast<void**>(&logits_f32_), &qk_pre_, reinterpret_cast<void**>(&qk_rstd_)};
   const ArenaPlan plan = plan_for(cfg, *be, cap_, chunk_, kcache_, vcache_, p);
   arena_ = plan.allocate(be);
+  if (cfg.moe.on()) {
+    moe_ = std::make_unique<MoeMlp>(cfg.moe, cfg.C, be, chunk_, 1, 1, false);
+    moe_->allocate_own();
+  }
   be->zero(zero_wpe_, size_t(chunk_) * cfg.C * dtype_size(be->act_dtype()));
   const RopeScaling* scaling = cfg.rope_scaling_type.empty() ? nullptr : &cfg.rope_scaling;
   const std::vector<float> table = rope_table(cap_, HS_, cfg.rope_theta, scaling);
@@ -118,7 +129,8 @@ void LlamaDecoder::feed_chunk(UnitAccess& units, const int32_t* tokens, int n, b
     be_->copy_device(proj_, ln_, size_t(n) * C * es);
   };
 
-  const LlamaBlockOffsets o(C, Q_, KV_, F, cfg_.qk_norm ? HS_ : 0, cfg_.qkv_bias, cfg_.post_norms);
+  const LlamaBlockOffsets o(C, Q_, KV_, F, cfg_.qk_norm ? HS_ : 0, cfg_.qkv_bias, cfg_.post_norms,
+                            cfg_.moe.on() ? MoeOffsets(C, cfg_.moe).total : 0);
   // Adapters (generate --adapter, a LoRA run's sample) add to each GEMM's
   // output unmerged, after the same GEMMs as LlamaNetwork::block_forward
   // (0 q|k|v, before RoPE; 1 o_proj; 2 gate|up; 3 down_proj).
@@ -142,14 +154,19 @@ void LlamaDecoder::feed_chunk(UnitAccess& units, const int32_t* tokens, int n, b
     if (ad) ad->forward(l, 1, atty_, proj_, C, n);
     if (cfg_.post_norms) post_norm(w(o.panw));
     be_->residual_rmsnorm_forward(res_b_, ln_, rstd_, res_a_, proj_, w(o.ln2w), n, C, eps_, wo_);
-    be_->matmul_forward(gu_, ln_, w(o.guw), nullptr, n, C, 2 * F);
-    if (ad) ad->forward(l, 2, ln_, gu_, 2 * F, n);
-    if (cfg_.mlp_act == "gelu_tanh")
-      be_->geglu_forward(h_, gu_, n, F);
-    else
-      be_->swiglu_forward(h_, gu_, n, F);
-    be_->matmul_forward(proj_, h_, w(o.downw), nullptr, n, F, C);
-    if (ad) ad->forward(l, 3, h_, proj_, C, n);
+    if (moe_) {
+      moe_->begin_forward(false);
+      moe_->forward(0, w(o.moe), ln_, proj_, n);
+    } else {
+      be_->matmul_forward(gu_, ln_, w(o.guw), nullptr, n, C, 2 * F);
+      if (ad) ad->forward(l, 2, ln_, gu_, 2 * F, n);
+      if (cfg_.mlp_act == "gelu_tanh")
+        be_->geglu_forward(h_, gu_, n, F);
+      else
+        be_->swiglu_forward(h_, gu_, n, F);
+      be_->matmul_forward(proj_, h_, w(o.downw), nullptr, n, F, C);
+      if (ad) ad->forward(l, 3, h_, proj_, C, n);
+    }
     if (cfg_.post_norms) post_norm(w(o.pfnw));
     if (ad) ad->end_block(l, false);
     units.release_params(1 + l);

@@ -12,6 +12,7 @@
 // decodes on every rank together).
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "core/model/model.h"
@@ -19,14 +20,17 @@
 
 namespace trainrun {
 
+class MoeMlp;  // core/model/moe/moe_mlp.h
+
 class LlamaDecoder final : public Decoder {
  public:
   static constexpr int kChunk = 256;
   // cfg: resolved (LlamaArch::config()); layout: LlamaArch::layout();
   // capacity: positions the cache holds, 1..cfg.T.
   LlamaDecoder(const ModelConfig& cfg, const ParamLayout& layout, Backend* be, int capacity);
+  ~LlamaDecoder() override;
   static size_t bytes_needed(const ModelConfig& cfg, const Backend& be, int capacity);
-  size_t bytes() const override { return arena_.bytes(); }
+  size_t bytes() const override;
   int capacity() const override { return cap_; }
   int position() const override { return pos_; }
   void reset() override { pos_ = 0; }
@@ -45,6 +49,7 @@ class LlamaDecoder final : public Decoder {
   float eps_;
   int64_t lm_head_off_ = -1;             // untied: lm_head.weight's offset in the head unit
   DeviceBuffer arena_;
+  std::unique_ptr<MoeMlp> moe_;  // ModelConfig::moe: the MLP's place (its own arena)
   std::vector<void*> kcache_, vcache_;   // per layer (cap, NKV*HS)
   float* rope_ = nullptr;                // (cap, HS/2, 2) fp32
   void* qk_pre_ = nullptr;               // qk-norm: (chunk, (NH+NKV)*HS) q|k before it (unused after)

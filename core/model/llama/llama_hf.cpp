@@ -10,6 +10,7 @@
 
 #include "core/common/error.h"
 #include "core/model/llama/llama_arch.h"
+#include "core/model/moe/moe_layout.h"
 
 using json = nlohmann::ordered_json;
 
@@ -159,7 +160,11 @@ std::vector<const ParamTensor*> LlamaArch::hf_save_order() const {
                           "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
                           "input_layernorm.weight", "post_attention_layernorm.weight",
                           "pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"})  // (post_norms)
+    {
       if (const ParamTensor* t = layout_.find(p + n)) order.push_back(t);  // q/k_norm, biases: with qk_norm, qkv_bias
+      if (cfg_.moe.on() && std::strcmp(n, "self_attn.k_norm.weight") == 0)  // the MoE block's place: after self_attn
+        for (const std::string& m : moe_hf_save_order(p, cfg_.moe)) order.push_back(&layout_.get(m));
+    }
   }
   order.push_back(&layout_.get("model.norm.weight"));
   if (!cfg_.tied) order.push_back(&layout_.get("lm_head.weight"));

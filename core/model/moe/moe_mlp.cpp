@@ -1,0 +1,174 @@
+// MoeMlp (moe_mlp.h): the MoE MLP's buffers and its forward/backward over
+// the Backend's MoE ops. No tensor memory is touched on the host.
+#include "core/model/moe/moe_mlp.h"
+
+#include <algorithm>
+
+#include "core/common/error.h"
+
+namespace trainrun {
+
+MoeMlp::MoeMlp(const MoeConfig& m, int C, size_t es, int64_t maxN, int sets, int layers, bool training)
+    : m_(m), C_(C), es_(es), maxN_(maxN), layers_(layers), training_(training), sets_(size_t(sets)) {
+  TR_CHECK(m.n_experts >= 1 && m.top_k >= 1 && m.top_k <= m.n_experts && m.ffn >= 1,
+           "MoeMlp: n_experts ", m.n_experts, ", top_k ", m.top_k, ", expert width ", m.ffn,
+           " (needs 1 <= top_k <= n_experts and a width; a bug: the arch checks these)");
+}
+
+MoeMlp::MoeMlp(const MoeConfig& m, int C, Backend* be, int64_t maxN, int sets, int layers, bool training)
+    : MoeMlp(m, C, dtype_size(be->act_dtype()), maxN, sets, layers, training) {
+  be_ = be;
+}
+
+size_t MoeMlp::bytes(const MoeConfig& m, int C, size_t es, int64_t maxN, int sets, int layers, bool training) {
+  MoeMlp probe(m, C, es, maxN, sets, layers, training);
+  ArenaPlan p;
+  probe.plan(p, false);
+  return p.total;
+}
+
+void MoeMlp::plan(ArenaPlan& plan, bool sets_transient) {
+  const int64_t N = maxN_, E = m_.n_experts, K = m_.top_k, F = m_.ffn, FS = m_.shared_ffn, C = C_;
+  const size_t es = es_;
+  auto kept = [&](void* slot, size_t b) { plan.add(static_cast<void**>(slot), b); };
+  auto tmp = [&](void* slot, size_t b) { plan.add_transient(static_cast<void**>(slot), b); };
+  auto set_buf = [&](void* slot, size_t b) { sets_transient ? tmp(slot, b) : kept(slot, b); };
+  for (Acts& a : sets_) {
+    set_buf(&a.probs, N * E * 4);
+    set_buf(&a.lse, N * 4);
+    set_buf(&a.idx, N * K * 4);
+    set_buf(&a.w, N * K * 4);
+    set_buf(&a.pos, N * K * 4);
+    set_buf(&a.offsets, (E + 1) * 4);
+    set_buf(&a.xp, N * K * C * es);
+    set_buf(&a.gu, N * K * 2 * F * es);
+    set_buf(&a.h, N * K * F * es);
+    set_buf(&a.yp, N * K * C * es);
+    if (FS > 0) {
+      set_buf(&a.sgu, N * 2 * FS * es);
+      set_buf(&a.sh, N * FS * es);
+      set_buf(&a.sy, N * C * es);
+      set_buf(&a.sg, N * es);
+    }
+  }
+  // The statistics outlive a call (the metrics read them after the step).
+  kept(&stats_, size_t(layers_) * (2 * E + 1) * 4);
+  kept(&total_, (2 * E + 1) * 4);
+  kept(&loss_out_, 2 * 4);
+  kept(&aux_grad_, E * 4);  // from the forward to the backward
+  tmp(&logits_, N * E * es);
+  if (!training_) return;
+  tmp(&dw_, N * K * 4);
+  tmp(&dyp_, N * K * C * es);
+  tmp(&dh_, N * K * F * es);
+  if (FS > 0) {
+    tmp(&dtmp_, N * C * es);
+    tmp(&dsh_, N * FS * es);
+    tmp(&dsy_, N * C * es);
+    tmp(&dsg_, N * es);
+  }
+}
+
+void MoeMlp::allocate_own() {
+  ArenaPlan p;
+  plan(p, false);
+  own_ = p.allocate(be_);
+}
+
+void MoeMlp::begin_forward(bool with_stats) {
+  stats_on_ = with_stats;
+  layer_ = 0;
+  if (!with_stats) return;
+  const size_t row = size_t(2 * m_.n_experts + 1) * 4;
+  be_->zero(stats_, size_t(layers_) * row);
+  be_->zero(total_, row);
+}
+
+void MoeMlp::forward(int set, const void* w, const void* x, void* out, int N) {
+  TR_CHECK(N <= maxN_, "MoeMlp: ", N, " tokens exceed its buffers (", maxN_, ") (a bug)");
+  const int E = m_.n_experts, K = m_.top_k, F = m_.ffn, FS = m_.shared_ffn, C = C_;
+  const MoeOffsets o(C, m_);
+  auto at = [&](int64_t off) { return static_cast<const char*>(w) + off * int64_t(es_); };
+  Acts& a = sets_[size_t(set)];
+  be_->matmul_forward(logits_, x, at(o.router), nullptr, N, C, E);
+  be_->moe_route_forward(a.probs, a.lse, a.idx, a.w, logits_, N, E, K, m_.norm_topk_prob);
+  if (stats_on_) {
+    TR_CHECK(layer_ < layers_, "MoeMlp: more MoE layers than ", layers_, " in one forward (a bug)");
+    be_->moe_router_stats(stats_ + int64_t(layer_) * (2 * E + 1), a.probs, a.lse, a.idx, N, E, K);
+    be_->moe_router_stats(total_, a.probs, a.lse, a.idx, N, E, K);
+    ++layer_;
+  }
+  const int NK = N * K;
+  be_->moe_permute(a.pos, a.offsets, a.xp, a.idx, x, N, K, E, C);
+  be_->moe_expert_matmul_forward(a.gu, a.xp, at(o.gu), a.offsets, E, C, 2 * F);
+  be_->swiglu_forward(a.h, a.gu, NK, F);
+  be_->moe_expert_matmul_forward(a.yp, a.h, at(o.down), a.offsets, E, F, C);
+  be_->moe_unpermute_forward(out, a.yp, a.pos, a.w, N, K, C);
+  if (FS > 0) {
+    be_->matmul_forward(a.sgu, x, at(o.sgu), nullptr, N, C, 2 * FS);
+    be_->swiglu_forward(a.sh, a.sgu, N, FS);
+    be_->matmul_forward(a.sy, a.sh, at(o.sdown), nullptr, N, FS, C);
+    be_->matmul_forward(a.sg, x, at(o.sgate), nullptr, N, C, 1);
+    be_->moe_sigmoid_gate_forward(out, a.sy, a.sg, N, C);
+  }
+}
+
+void MoeMlp::finish_forward(float* losses, int N, float grad_scale) {
+  TR_CHECK(stats_on_ && layer_ == layers_, "MoeMlp: finish_forward after ", layer_, " of ", layers_,
+           " MoE layers (a bug)");
+  const int64_t tokens = int64_t(layers_) * N;
+  last_n_ = N;
+  be_->moe_aux_loss(loss_out_, aux_grad_, losses, N, total_, tokens, m_.n_experts, float(m_.aux_loss_coef),
+                    float(m_.z_loss_coef), grad_scale);
+  z_scale_ = float(2.0 * m_.z_loss_coef * grad_scale / double(tokens));
+}
+
+void MoeMlp::backward(int set, const void* w, float* dw, const void* x, const void* dout, void* dx, int N) {
+  TR_CHECK(training_, "MoeMlp: backward of a forward-only MoE (a bug)");
+  const int E = m_.n_experts, K = m_.top_k, F = m_.ffn, FS = m_.shared_ffn, C = C_;
+  const MoeOffsets o(C, m_);
+  auto at = [&](int64_t off) { return static_cast<const char*>(w) + off * int64_t(es_); };
+  auto g = [&](int64_t off) { return dw ? dw + off : nullptr; };
+  Acts& a = sets_[size_t(set)];
+  const int NK = N * K;
+  // Routed experts, back to front: unpermute, down, SwiGLU (in place), gate|up.
+  be_->moe_unpermute_backward(dyp_, dw_, dout, a.yp, a.pos, a.w, N, K, C);
+  be_->moe_expert_matmul_backward(dh_, g(o.down), dyp_, a.h, at(o.down), a.offsets, E, F, C);
+  be_->swiglu_backward(a.gu, dh_, a.gu, NK, F);
+  be_->moe_expert_matmul_backward(dyp_, g(o.gu), a.gu, a.xp, at(o.gu), a.offsets, E, C, 2 * F);  // dyp_ <- d xp
+  // The router: its input gradient first (overwrites dx), then the experts' (accumulates).
+  be_->moe_route_backward(logits_, dw_, a.probs, a.lse, a.idx, m_.aux_loss_coef != 0 ? aux_grad_ : nullptr, z_scale_,
+                          N, E, K, m_.norm_topk_prob);
+  be_->matmul_backward(dx, g(o.router), nullptr, logits_, x, at(o.router), N, C, E);
+  be_->moe_permute_backward(dx, dyp_, a.pos, N, K, C);
+  if (FS > 0) {
+    const int64_t nc = int64_t(N) * C;
+    be_->moe_sigmoid_gate_backward(dsy_, dsg_, dout, a.sy, a.sg, N, C);
+    be_->matmul_backward(dtmp_, g(o.sgate), nullptr, dsg_, x, at(o.sgate), N, C, 1);
+    be_->residual_forward(dx, dx, dtmp_, nc);
+    be_->matmul_backward(dsh_, g(o.sdown), nullptr, dsy_, a.sh, at(o.sdown), N, FS, C);
+    be_->swiglu_backward(a.sgu, dsh_, a.sgu, N, FS);
+    be_->matmul_backward(dtmp_, g(o.sgu), nullptr, a.sgu, x, at(o.sgu), N, C, 2 * FS);
+    be_->residual_forward(dx, dx, dtmp_, nc);
+  }
+}
+
+Network::RouterReport MoeMlp::report(Backend* be) const {
+  Network::RouterReport r;
+  if (last_n_ == 0) return r;  // no forward with a loss yet
+  const int E = m_.n_experts, S = stats_stride();
+  std::vector<float> st(size_t(layers_) * S), losses(2);
+  be->copy_to_host(st.data(), stats_, st.size() * 4);
+  be->copy_to_host(losses.data(), loss_out_, 8);
+  be->synchronize();
+  r.aux_loss = losses[0];
+  r.z_loss = losses[1];
+  for (int l = 0; l < layers_; ++l) {
+    const float* row = st.data() + size_t(l) * S;
+    r.max_tokens.push_back(*std::max_element(row, row + E));
+    r.mean_tokens.push_back(double(last_n_) * m_.top_k / E);
+  }
+  return r;
+}
+
+}  // namespace trainrun

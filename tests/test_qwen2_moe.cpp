@@ -1,0 +1,278 @@
+// Qwen2-MoE (core/model/qwen2_moe/: Qwen2's attention with a mixture of
+// experts and a sigmoid-gated shared expert in every block) against
+// transformers 4.44.2's Qwen2MoeForCausalLM (scripts/reference/hf_qwen2_moe.py),
+// in fp32 on tiny random models whose every parameter is perturbed:
+//  - logits, the loss with the load-balancing loss and every gradient (the
+//    router's, the shared expert's and its gate's, the q/k/v biases'),
+//    without renormalisation (norm_topk_prob false, the default) and with it;
+//  - model.init_from (arch auto) bit for bit, greedy `generate` against
+//    transformers', export then from_pretrained with our logits;
+//  - 1 rank equals dp2 (full_shard) over 4 steps from that directory;
+//  - config.json maths trainrun does not implement is refused by name;
+//  - the qwen1.5-moe-a2.7b preset.
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "core/checkpoint/hf_interop.h"
+#include "core/config/job_spec.h"
+#include "core/config/model_presets.h"
+#include "core/io/safetensors.h"
+#include "core/model/model.h"
+#include "core/model/model_io.h"
+#include "core/model/model_spec.h"
+#include "tests/support/hf_reference.h"
+#include "tests/support/inprocess.h"
+#include "tests/support/model_pass.h"
+#include "tests/support/testutil.h"
+
+using namespace trainrun;
+using Catch::Matchers::Contains;
+
+namespace {
+
+const char* kScript = "hf_qwen2_moe.py";
+
+struct Shape {
+  int L = 2, NH = 4, NKV = 2, C = 32, F = 40, E = 4, K = 2, FE = 16, FS = 24, V = 37, T = 9;
+  bool tied = false, norm = false;
+  double aux = 0.02;
+};
+
+ModelConfig cfg_of(const Shape& s) {
+  ModelConfig c;
+  c.arch = "qwen2_moe";
+  c.L = s.L, c.NH = s.NH, c.NKV = s.NKV, c.C = s.C, c.F = s.F, c.V = s.V, c.T = s.T;
+  c.tied = s.tied;
+  c.norm_eps = 1e-6;
+  c.rope_theta = 1e6;
+  c.moe.n_experts = s.E;
+  c.moe.top_k = s.K;
+  c.moe.ffn = s.FE;
+  c.moe.shared_ffn = s.FS;
+  c.moe.norm_topk_prob = s.norm;
+  c.moe.aux_loss_coef = s.aux;
+  return c;
+}
+
+void hf_random(const std::string& dir, const Shape& s, const std::string& batch = "", const std::string& out_ref = "") {
+  char args[900];
+  std::snprintf(args, sizeof args,
+                "random --out '%s' --layers %d --hidden %d --heads %d --kv-heads %d --intermediate %d --experts %d "
+                "--top-k %d --expert-intermediate %d --shared-intermediate %d --vocab %d --max-positions %d "
+                "--aux-coef %g --seed 5%s%s",
+                dir.c_str(), s.L, s.C, s.NH, s.NKV, s.F, s.E, s.K, s.FE, s.FS, s.V, s.T, s.aux,
+                s.tied ? " --tie" : "", s.norm ? " --norm-topk" : "");
+  std::string a = args;
+  if (!batch.empty()) a += " --batch '" + batch + "' --out-ref '" + out_ref + "'";
+  const test::RunResult r = test::run_reference_script(kScript, a);
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+}
+
+}  // namespace
+
+TEST_CASE("qwen2_moe: logits, loss with the load-balancing loss and every gradient match transformers' "
+          "Qwen2MoeForCausalLM", "[qwen2_moe][hf]") {
+  Shape a;  // norm_topk_prob false (Qwen2MoeConfig's default), untied
+  Shape b;  // renormalised, tied, 3 experts
+  b.E = 3, b.norm = true, b.tied = true, b.aux = 0.05;
+  for (const Shape& s : {a, b}) {
+    const auto arch = make_model_arch(cfg_of(s));
+    INFO(arch->describe());
+    std::printf("%s\n", arch->describe().c_str());
+    REQUIRE(arch->config().qkv_bias);
+    const int B = 2, T = s.T, V = s.V;
+    test::TempDir dir("qwen2_moe_hf");
+    const std::vector<int32_t> in = test::seeded_tokens(size_t(B) * T, V, 11),
+                               tg = test::seeded_tokens(size_t(B) * T, V, 12);
+    test::write_batch(dir / "batch.safetensors", in, tg, B, T);
+    hf_random(dir / "model", s, dir / "batch.safetensors", dir / "ref.safetensors");
+    const test::ModelPass ours = test::model_pass(*arch, test::hf_flat_params(*arch, dir / "model"), in, tg, B, T);
+    const std::string rpath = dir / "ref.safetensors";
+    const SafeTensorFile ref = read_safetensors(rpath);
+    const double logit_err = test::rel_err(ours.logits, test::tensor_f32(ref, "logits", rpath));
+    const double hf_loss = test::tensor_f32(ref, "loss", rpath)[0], hf_aux = test::tensor_f32(ref, "aux_term", rpath)[0];
+    std::printf("  logits rel err %.3e, loss %.7f (HF %.7f, of which aux_coef * aux %.7f) rel err %.3e\n", logit_err,
+                ours.loss, hf_loss, hf_aux, std::abs(ours.loss - hf_loss) / hf_loss);
+    CHECK(logit_err <= 1e-5);
+    CHECK(std::abs(ours.loss - hf_loss) / hf_loss <= 1e-5);
+    CHECK(hf_aux > 1e-3 * hf_loss);
+    double worst = 0;
+    int checked = 0;
+    for (const auto& t : arch->layout().tensors) {
+      const std::vector<float> want = test::tensor_f32(ref, "grad." + arch->hf_tensor(t).name, rpath);
+      REQUIRE(int64_t(want.size()) == t.numel);
+      const std::vector<float> got(ours.grads.begin() + t.offset, ours.grads.begin() + t.offset + t.numel);
+      const double e = test::rel_err(got, want);
+      worst = std::max(worst, e);
+      INFO(t.name);
+      CHECK(e <= 1e-5);
+      for (const char* part : {"mlp.gate.", "shared_expert_gate.", "shared_expert.down_proj"})
+        if (t.name.find(part) != std::string::npos) {
+          ++checked;
+          std::printf("  %-48s rel err %.3e\n", t.name.c_str(), e);
+          double n2 = 0;
+          for (float x : want) n2 += double(x) * x;
+          CHECK(n2 > 0);
+        }
+    }
+    CHECK(checked == 3 * s.L);
+    std::printf("  worst gradient rel err %.3e over %zu tensors\n", worst, arch->layout().tensors.size());
+  }
+}
+
+namespace {
+
+Shape init_shape() {
+  Shape s;
+  s.L = 2, s.NH = 4, s.NKV = 1, s.C = 16, s.F = 24, s.E = 4, s.K = 2, s.FE = 12, s.FS = 20, s.V = 29, s.T = 12;
+  return s;
+}
+std::string job_yaml(const std::string& hf, const std::string& out, const std::string& arch, int steps,
+                     const std::string& parallel, const std::string& lr = "3.0e-3") {
+  return "model: {arch: " + arch + ", init_from: '" + hf + "', seq_len: 12}\n"
+         "data: {format: synthetic, synthetic: {vocab: 29, branching: 3}}\n"
+         "train: {global_batch_size: 4, micro_batch_size: 1, max_steps: " + std::to_string(steps) +
+         ", lr: " + lr + ", min_lr: 0,\n"
+         "        warmup_steps: 0, schedule: constant, grad_clip: 0.3, eval_steps: 1, log_interval: 1}\n"
+         "output: {dir: '" + out + "', sample_tokens: 0}\n"
+         "parallel: {" + parallel + "timeout_s: 60}\n";
+}
+
+}  // namespace
+
+TEST_CASE("qwen2_moe: init_from (arch auto) bit for bit, greedy generate and export against transformers",
+          "[qwen2_moe][hf][init_from]") {
+  test::TempDir dir("qwen2_moe_init");
+  const std::string hf = dir / "hf";
+  hf_random(hf, init_shape());
+  const std::string run = dir / "run";
+  JobSpec job = parse_job_spec(job_yaml(hf, run, "auto", 1, "sharding: full_shard, ", "1.0e-30"), "job.yaml", {});
+  resolve_model_shape(job, false);
+  const auto arch = make_model_arch(ModelConfig::from_spec(job.model));
+  REQUIRE(arch->name() == "qwen2_moe");
+  CHECK(arch->config().moe.ffn == 12);
+  CHECK(arch->config().moe.shared_ffn == 20);
+  CHECK(!arch->config().moe.norm_topk_prob);
+  const std::vector<float> want = test::hf_flat_params(*arch, hf);
+  const std::vector<float> loaded = load_init_from(job.model);
+  REQUIRE(loaded.size() == want.size());
+  CHECK(std::memcmp(loaded.data(), want.data(), want.size() * 4) == 0);
+  (void)test::run_ranks_inprocess(job, 2);
+  std::vector<float> trained;
+  CHECK(load_model_safetensors(run + "/model.safetensors", trained).arch == "qwen2_moe");
+  REQUIRE(trained.size() == want.size());
+  CHECK(std::memcmp(trained.data(), want.data(), want.size() * 4) == 0);
+
+  const std::string prompt = "5 17 2 28 0";
+  const test::RunResult theirs = test::run_reference_script(
+      kScript, "generate --model '" + hf + "' --prompt '" + prompt + "' --max-new-tokens 7");
+  INFO(theirs.err);
+  REQUIRE(theirs.exit_code == 0);
+  const test::RunResult ours = test::run_trainrun("generate --checkpoint '" + run + "/model.safetensors' --prompt '" +
+                                                  prompt + "' --max-tokens 7 --top-k 1");
+  INFO(ours.err);
+  REQUIRE(ours.exit_code == 0);
+  std::printf("generate: ours '%s' transformers '%s'\n", ours.out.c_str(), theirs.out.c_str());
+  CHECK(ours.out == theirs.out);
+
+  const std::string out = dir / "export";
+  const test::RunResult ex = test::run_trainrun("export --checkpoint '" + run + "/model.safetensors' --out '" + out + "'");
+  INFO(ex.err);
+  REQUIRE(ex.exit_code == 0);
+  std::ifstream cf(out + "/config.json");
+  const nlohmann::json c = nlohmann::json::parse(cf);
+  CHECK(c["model_type"] == "qwen2_moe");
+  CHECK(c["architectures"][0] == "Qwen2MoeForCausalLM");
+  CHECK(c["moe_intermediate_size"] == 12);
+  CHECK(c["shared_expert_intermediate_size"] == 20);
+  CHECK(c["norm_topk_prob"] == false);
+  const int B = 2, T = 12;
+  const std::vector<int32_t> in = test::seeded_tokens(size_t(B) * T, 29, 3);
+  const double e = test::rel_err(test::logits_of(*arch, trained, in, B, T), test::hf_logits_of(kScript, out, in, B, T, dir));
+  std::printf("export: logits rel err %.3e\n", e);
+  CHECK(e <= 1e-5);
+}
+
+TEST_CASE("qwen2_moe: dp2 (full_shard) trains as one rank does", "[qwen2_moe][dp]") {
+  test::TempDir dir("qwen2_moe_mesh");
+  const std::string hf = dir / "hf";
+  hf_random(hf, init_shape());
+  auto run = [&](const std::string& name, int world, const std::string& parallel) {
+    const std::string out = dir / name;
+    JobSpec job = parse_job_spec(job_yaml(hf, out, "qwen2_moe", 4, parallel), "job.yaml", {});
+    resolve_model_shape(job, false);
+    std::pair<std::vector<double>, std::vector<float>> r;
+    r.first = test::run_ranks_inprocess(job, world)[0].losses;
+    (void)load_model_safetensors(out + "/model.safetensors", r.second);
+    return r;
+  };
+  const auto ref = run("one", 1, "sharding: no_shard, ");
+  const auto got = run("dp2", 2, "sharding: full_shard, ");
+  REQUIRE(ref.first.size() == 4);
+  REQUIRE(got.first.size() == 4);
+  for (size_t i = 0; i < ref.first.size(); ++i) {
+    INFO("step " << i + 1 << ": " << got.first[i] << " vs " << ref.first[i]);
+    CHECK(std::fabs(got.first[i] - ref.first[i]) <= 1e-5 * std::fabs(ref.first[i]));
+  }
+  CHECK(test::rel_err(ref.second, test::hf_flat_params(*make_model_arch(read_hf_model_config(hf, "t")), hf)) > 1e-4);
+  const double e = test::rel_err(got.second, ref.second);
+  std::printf("dp2: losses %.6f .. %.6f, final weights rel err %.3e\n", got.first.front(), got.first.back(), e);
+  CHECK(e <= 1e-5);
+}
+
+TEST_CASE("qwen2_moe: config.json maths trainrun does not implement is refused by name; the preset",
+          "[qwen2_moe][hf]") {
+  test::TempDir dir("qwen2_moe_refuse");
+  auto write = [&](const std::string& name, const nlohmann::json& extra) {
+    nlohmann::json c = {{"model_type", "qwen2_moe"}, {"num_hidden_layers", 2}, {"hidden_size", 16},
+                        {"num_attention_heads", 4}, {"num_key_value_heads", 1}, {"intermediate_size", 24},
+                        {"vocab_size", 29}, {"max_position_embeddings", 64}};
+    for (auto it = extra.begin(); it != extra.end(); ++it) c[it.key()] = it.value();
+    std::filesystem::create_directories(dir / name);
+    std::ofstream(dir / name + "/config.json") << c.dump();
+    return std::string(dir / name);
+  };
+  auto error = [&](const std::string& d) {
+    try {
+      (void)read_hf_model_config(d, "model.init_from");
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  const ModelConfig ok = read_hf_model_config(write("ok", nlohmann::json::object()), "x");
+  CHECK(ok.arch == "qwen2_moe");  // Qwen2MoeConfig's defaults: 60 experts of 1408, top-4, a shared 5632
+  CHECK(ok.moe.n_experts == 60);
+  CHECK(ok.moe.top_k == 4);
+  CHECK(ok.moe.ffn == 1408);
+  CHECK(ok.moe.shared_ffn == 5632);
+  CHECK(!ok.moe.norm_topk_prob);
+  CHECK(ok.qkv_bias);
+  CHECK_THAT(error(write("step", {{"decoder_sparse_step", 2}})),
+             Contains("decoder_sparse_step = 2") && Contains("Qwen2-MoE"));
+  CHECK_THAT(error(write("dense", {{"mlp_only_layers", {1}}})), Contains("mlp_only_layers = [1]"));
+  CHECK(error(write("beyond", {{"mlp_only_layers", {5}}})).empty());  // no such layer: nothing dense
+  CHECK_THAT(error(write("none", {{"num_experts", 0}})), Contains("num_experts = 0"));
+  CHECK_THAT(error(write("window", {{"use_sliding_window", true}, {"sliding_window", 8}, {"max_window_layers", 0}})),
+             Contains("use_sliding_window = true"));
+
+  const ModelPreset* preset = find_model_preset("qwen1.5-moe-a2.7b");
+  REQUIRE(preset);
+  const auto arch = make_model_arch(ModelConfig::from_spec(preset->spec));
+  CHECK(arch->name() == "qwen2_moe");
+  CHECK(!arch->config().moe.norm_topk_prob);
+  // 14.3B parameters (test_config); the name's 2.7B active: 4 of 60 experts and the shared one per token,
+  // the attention, the LM head (matmul_parameters: MFU's N) and the input embedding.
+  const int64_t active = arch->matmul_parameters() + 151936LL * 2048;
+  std::printf("qwen1.5-moe-a2.7b: %lld parameters, %lld active with the embeddings\n",
+              (long long)arch->num_parameters(), (long long)active);
+  CHECK(std::llabs(active - 2690000000LL) < 50000000LL);
+}
