@@ -151,6 +151,8 @@ ModelSpec gemma2(int L, int C, int NH, int NKV, int HD, int F, double query_scal
   m.final_softcap = 30;
   m.query_scale = query_scale;
   m.sliding_window = 4096;
+  return m;
+}
 
 // Mixtral 8x7B (mistralai/Mixtral-8x7B-v0.1's config.json): Llama's
 // attention (32 heads, 8 KV heads, rope_theta 1e6, rms_norm_eps 1e-5,

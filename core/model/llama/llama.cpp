@@ -284,7 +284,6 @@ void LlamaNetwork::post_norm_forward(void* buf, void* saved, float* rstd, const 
   be_->rmsnorm_forward(buf, rstd, saved, w, NR, cfg_.C, eps_, wo_);
 }
 
-LlamaNetwork::~LlamaNetwork() = default;
 
 size_t LlamaNetwork::activation_bytes() const { return act_bytes_ + (cpa_ ? cpa_->workspace_bytes() : 0); }
 
