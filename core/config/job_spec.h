@@ -24,6 +24,7 @@ struct ModelSpec {
   int n_kv_head = 0;           // key/value heads (GQA); 0 = n_head; must divide n_head
   int ffn_dim = 0;             // MLP width (llama: intermediate_size, required); 0 = the arch's default
   int head_dim = 0;            // attention head width (llama-shaped); 0 = n_embd / n_head
+  int sliding_window = 0;      // mistral: query t sees keys (t - sliding_window, t]; 0 = none
   double norm_eps = 1e-5;      // RMSNorm epsilon (llama)
   double rope_theta = 500000;  // RoPE base (llama; Llama 3 uses 500000)
   std::string tie_embeddings = "auto";  // auto | true | false; auto: gpt2 tied, llama untied (Llama 3.2 1B/3B: true)

@@ -125,6 +125,29 @@ ModelSpec phi3_mini() {
   return m;
 }
 
+// Mistral-7B-v0.3 (mistralai/Mistral-7B-v0.3's config.json): 32 layers of
+// 4096, 32 heads over 8 KV heads, intermediate 14336, vocab 32768 (v0.3's
+// extended vocabulary), rms_norm_eps 1e-5, rope_theta 1e6, untied,
+// max_position_embeddings 32768 and sliding_window null: v0.2 and v0.3
+// attend over the whole context (v0.1 had a 4096 window; model.init_from
+// a v0.1 directory sets it).
+ModelSpec mistral_7b_v03() {
+  ModelSpec m;
+  m.arch = "mistral";
+  m.n_layer = 32;
+  m.n_embd = 4096;
+  m.n_head = 32;
+  m.n_kv_head = 8;
+  m.ffn_dim = 14336;
+  m.vocab_size = 32768;
+  m.seq_len = 32768;
+  m.norm_eps = 1e-5;
+  m.rope_theta = 1000000;
+  m.tie_embeddings = "false";
+  m.sliding_window = 0;
+  return m;
+}
+
 }  // namespace
 
 const std::vector<ModelPreset>& model_presets() {
@@ -142,6 +165,7 @@ const std::vector<ModelPreset>& model_presets() {
       {"qwen3-8b", "Qwen/Qwen3-8B", qwen3(36, 4096, 32, 12288, false)},
       {"qwen3-32b", "Qwen/Qwen3-32B", qwen3(64, 5120, 64, 25600, false)},
       {"phi3-mini", "microsoft/Phi-3-mini-4k-instruct", phi3_mini()},
+      {"mistral-7b-v0.3", "mistralai/Mistral-7B-v0.3", mistral_7b_v03()},
       {"gpt2-124m", "openai-community/gpt2", gpt2(12, 12, 768)},
       {"gpt2-350m", "openai-community/gpt2-medium", gpt2(24, 16, 1024)},
       {"gpt2-774m", "openai-community/gpt2-large", gpt2(36, 20, 1280)},

@@ -15,6 +15,7 @@
 #include "core/model/qwen3/qwen3_arch.h"
 #include "core/model/phi3/phi3_arch.h"
 #include "core/model/gemma2/gemma2_arch.h"
+#include "core/model/mistral/mistral_arch.h"
 
 namespace fs = std::filesystem;
 using json = nlohmann::ordered_json;
@@ -42,6 +43,7 @@ const std::vector<ArchEntry>& registry() {
       {"qwen2", "qwen2", true, true, make_qwen2_arch, qwen2_config_from_hf, llama_config_from_metadata},
       {"qwen3", "qwen3", true, true, make_qwen3_arch, qwen3_config_from_hf, qwen3_config_from_metadata},
       {"phi3", "phi3", true, true, make_phi3_arch, phi3_config_from_hf, phi3_config_from_metadata},
+      {"mistral", "mistral", true, true, make_mistral_arch, mistral_config_from_hf, mistral_config_from_metadata},
       // Not open to job specs / model.init_from yet: its softcaps, query scale and window are not job-spec
       // fields, so a spec could not describe it (gemma2_arch.h lists what is left).
       {"gemma2", "gemma2", false, false, make_gemma2_arch, gemma2_config_from_hf, nullptr},
@@ -137,6 +139,11 @@ ModelConfig ModelConfig::from_spec(const ModelSpec& m) {
   c.init_std = m.init_std;
   c.NKV = m.n_kv_head;
   c.F = m.ffn_dim;
+  // A window is the model's, not a training choice: only an arch whose
+  // config.json has one takes it from the spec (mistral).
+  TR_CHECK(m.sliding_window == 0 || c.arch == "mistral", "model.sliding_window: ", m.sliding_window, "; ", c.arch,
+           " has no sliding window in trainrun (0 = none); use model.arch: mistral for a windowed model");
+  c.sliding_window = m.sliding_window;
   const bool scaled = m.rope_scaling.type != "none";
   if (c.arch == "gpt2") {
     // GPT-2 has none of Llama's knobs: a value that would change the model
@@ -179,6 +186,7 @@ ModelSpec ModelConfig::to_spec() const {
   m.norm_eps = norm_eps;
   m.rope_theta = rope_theta;
   m.head_dim = head_dim;
+  m.sliding_window = arch == "mistral" ? sliding_window : 0;  // the others' windows are not the spec's (from_spec)
   m.tie_embeddings = tied ? "true" : "false";
   m.rope_scaling.type = rope_scaling_type.empty() ? "none" : rope_scaling_type;
   if (!rope_scaling_type.empty()) {

@@ -55,11 +55,6 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
   }
   TR_CHECK(!(cfg.final_softcap > 0.f && tp_), "LlamaNetwork: final logit soft-capping (final_logit_softcapping ",
            cfg.final_softcap, ") with tensor parallelism is not implemented yet; use parallel.tensor_parallel: 1");
-  // Until the sliding window lands in the attention ops (Mistral's part of
-  // issue #26), a windowed layer is only exact when no query reaches past it.
-  TR_CHECK(cfg.sliding_window == 0 || cfg.T <= cfg.sliding_window, "model.seq_len ", cfg.T,
-           " exceeds the sliding window (sliding_window ", cfg.sliding_window,
-           "), which the attention ops do not implement yet; use model.seq_len <= ", cfg.sliding_window);
   if (!cfg.tied) {
     const ParamTensor& h = lay->get("lm_head.weight");
     lm_head_off_ = h.offset - lay->units[h.unit].offset;
@@ -251,7 +246,7 @@ AttentionOptions LlamaNetwork::attn_opt(int l) const {
   const int gl = stage_.first_layer + l;
   if (cfg_.sliding_window > 0 && (cfg_.window_period == 0 || gl % cfg_.window_period == 0) &&
       cfg_.sliding_window < cfg_.T)
-    o.window = cfg_.sliding_window;  // (refused in the constructor until the ops have it)
+    o.window = cfg_.sliding_window;  // a window as long as the context changes nothing: not passed
   o.softcap = cfg_.attn_softcap;
   // HF multiplies the fp32 scores by query_pre_attn_scalar**-0.5 (a Python float): float(that).
   if (cfg_.query_scale > 0) o.scale = float(std::pow(cfg_.query_scale, -0.5));
