@@ -106,9 +106,8 @@ ModelSpec qwen3(int L, int C, int NH, int F, bool tied) {
 
 // Phi-3-mini-4k-instruct: 32064 tokens, rms_norm_eps 1e-5, rope_theta
 // 10000, untied, no rope_scaling; max_position_embeddings 4096 with
-// sliding_window 2047. seq_len is the window: trainrun does not implement
-// the window yet (core/model/phi3/phi3_arch.h), and up to it windowed and
-// full attention are the same model.
+// sliding_window 2047 (every layer; core/model/phi3/phi3_arch.h says how
+// the tools apply it).
 ModelSpec phi3_mini() {
   ModelSpec m;
   m.arch = "phi3";
@@ -118,7 +117,8 @@ ModelSpec phi3_mini() {
   m.n_kv_head = 32;
   m.ffn_dim = 8192;
   m.vocab_size = 32064;
-  m.seq_len = 2047;
+  m.seq_len = 4096;
+  m.sliding_window = 2047;
   m.norm_eps = 1e-5;
   m.rope_theta = 10000;
   m.tie_embeddings = "false";

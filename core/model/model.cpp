@@ -140,8 +140,9 @@ ModelConfig ModelConfig::from_spec(const ModelSpec& m) {
   c.NKV = m.n_kv_head;
   c.F = m.ffn_dim;
   // A window is the model's, not a training choice: only an arch whose
-  // config.json has one takes it from the spec (mistral).
-  TR_CHECK(m.sliding_window == 0 || c.arch == "mistral", "model.sliding_window: ", m.sliding_window, "; ", c.arch,
+  // config.json has one (every layer sliding) takes it from the spec.
+  const bool windowed_arch = c.arch == "mistral" || c.arch == "phi3";
+  TR_CHECK(m.sliding_window == 0 || windowed_arch, "model.sliding_window: ", m.sliding_window, "; ", c.arch,
            " has no sliding window in trainrun (0 = none); use model.arch: mistral for a windowed model");
   c.sliding_window = m.sliding_window;
   const bool scaled = m.rope_scaling.type != "none";
@@ -186,7 +187,7 @@ ModelSpec ModelConfig::to_spec() const {
   m.norm_eps = norm_eps;
   m.rope_theta = rope_theta;
   m.head_dim = head_dim;
-  m.sliding_window = arch == "mistral" ? sliding_window : 0;  // the others' windows are not the spec's (from_spec)
+  m.sliding_window = arch == "mistral" || arch == "phi3" ? sliding_window : 0;  // the others': not the spec's (from_spec)
   m.tie_embeddings = tied ? "true" : "false";
   m.rope_scaling.type = rope_scaling_type.empty() ? "none" : rope_scaling_type;
   if (!rope_scaling_type.empty()) {

@@ -83,12 +83,6 @@ json MistralArch::hf_config_json() const {
   return c;
 }
 
-std::map<std::string, std::string> MistralArch::file_metadata() const {
-  std::map<std::string, std::string> m = LlamaArch::file_metadata();
-  m["sliding_window"] = std::to_string(cfg_.sliding_window);
-  return m;
-}
-
 json MistralArch::manifest_model() const {
   json m = LlamaArch::manifest_model();
   m["sliding_window"] = cfg_.sliding_window;
@@ -96,17 +90,8 @@ json MistralArch::manifest_model() const {
 }
 
 ModelConfig mistral_config_from_metadata(const std::map<std::string, std::string>& meta, const std::string& path) {
-  ModelConfig c = llama_config_from_metadata(meta, path);
+  ModelConfig c = llama_config_from_metadata(meta, path);  // the window included (LlamaArch::file_metadata)
   c.arch = "mistral";
-  auto it = meta.find("sliding_window");
-  TR_CHECK(it != meta.end(), path, ": missing __metadata__ key 'sliding_window' (a mistral file records its window)");
-  try {
-    size_t used = 0;
-    c.sliding_window = std::stoi(it->second, &used);
-    TR_CHECK(used == it->second.size() && c.sliding_window >= 0, "");
-  } catch (...) {
-    TR_FAIL(path, ": __metadata__ key 'sliding_window' is not a non-negative integer: '", it->second, "'");
-  }
   return c;
 }
 
@@ -114,14 +99,6 @@ std::vector<ShapeKey> MistralArch::shape_keys() const {
   std::vector<ShapeKey> k = LlamaArch::shape_keys();
   k.push_back({"model.sliding_window", "sliding_window"});
   return k;
-}
-
-void MistralArch::check_init_from(const ModelConfig& hf, const std::string& dir) const {
-  LlamaArch::check_init_from(hf, dir);
-  TR_CHECK(cfg_.sliding_window == hf.sliding_window, "model.init_from: '", dir, "' holds a Mistral with sliding_window = ",
-           hf.sliding_window ? std::to_string(hf.sliding_window) : std::string("null"),
-           " (config.json) but model.sliding_window is ", cfg_.sliding_window, "; set model.sliding_window: ",
-           hf.sliding_window, " (the job's model.* must describe the weights it starts from)");
 }
 
 }  // namespace trainrun

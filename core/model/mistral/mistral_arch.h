@@ -6,8 +6,9 @@
 // ring of W positions) and model.head_dim (Nemo's 128 with hidden 5120) —
 // no biases, untied head. What is Mistral's own is here: config.json both
 // ways (MistralConfig's keys and defaults; sliding_window may be null: no
-// window), the window in trainrun's own files and manifests, and model.*'s
-// sliding_window filled from / checked against config.json.
+// window), the window in its manifests and model.*'s sliding_window filled
+// from config.json (Llama's file metadata and init_from check carry any
+// family's window).
 //
 // Refused by name when config.json asks for it (the weights would compute
 // another function): hidden_act other than silu, attention_dropout, any
@@ -33,10 +34,8 @@ class MistralArch final : public LlamaArch {
   std::string describe() const override;
   std::string hf_model_type() const override { return "mistral"; }
   nlohmann::ordered_json hf_config_json() const override;
-  std::map<std::string, std::string> file_metadata() const override;
   nlohmann::ordered_json manifest_model() const override;
   std::vector<ShapeKey> shape_keys() const override;
-  void check_init_from(const ModelConfig& hf, const std::string& dir) const override;
 };
 
 // The registry's hooks (core/model/model.cpp).
