@@ -223,26 +223,31 @@ class Backend {
 
   // ---- residual: out = a + b ------------------------------------------------
   virtual void residual_forward(void* out, const void* a, const void* b, int64_t n) = 0;
+  // x(n) *= s in the activation dtype, as torch multiplies a tensor by a
+  // scalar tensor of its dtype: s rounded to that dtype first (bf16: nearest
+  // even), an fp32 product, one rounding (Gemma 2's embedding scale and its
+  // gradient). On fp32 it is scale().
+  virtual void scale_act(void* x, float s, int64_t n) {
+    if (act_dtype() != DType::F32) not_implemented("scale_act");
+    scale(static_cast<float*>(x), s, n);
+  }
 
   // ---- fused softmax + cross-entropy over logits(N,V), rows ldv apart --------
   // losses(N) = -log softmax(logits)[target]. When dlogits is non-null it
   // receives dloss_scale * (softmax - onehot(target)) (may alias logits, which
   // is then overwritten). Targets < 0 are ignored (loss 0, grad 0). Both
   // buffers have row stride ldv >= V; columns [V, ldv) are not touched.
+  // cap > 0 (Gemma 2's final logit soft-cap): the logits are the capped
+  // y = cap * tanh(z / cap) (logit_softcap_forward) and dlogits is the
+  // gradient of the *uncapped* z: the above times dy/dz = 1 - (y / cap)^2,
+  // read back from y itself, so nothing else is kept.
   virtual void softmax_cross_entropy(float* losses, void* dlogits, const void* logits, const int32_t* targets, int N,
-                                     int V, int ldv, float dloss_scale) = 0;
-  // Final logit soft-capping (Gemma 2's final_logit_softcapping), in two ops:
-  //   logit_softcap_forward: logits[:, :V] <- cap * tanh(logits / cap), in place
-  //     (what the model returns as its logits);
-  //   softcap_cross_entropy: softmax_cross_entropy over those capped logits y,
-  //     whose dlogits is the gradient of the *uncapped* logits: dloss_scale *
-  //     (softmax(y) - onehot) * (1 - (y / cap)^2)  (tanh' read back from y).
+                                     int V, int ldv, float dloss_scale, float cap = 0.f) = 0;
+  // Final logit soft-capping: logits[:, :V] <- cap * tanh(logits / cap), in
+  // place (what the model returns as its logits). Elementwise, so a rank's
+  // vocabulary columns cap alone (tensor parallelism).
   virtual void logit_softcap_forward(void* logits, int N, int V, int ldv, float cap) {
     not_implemented("logit_softcap_forward");
-  }
-  virtual void softcap_cross_entropy(float* losses, void* dlogits, const void* logits, const int32_t* targets, int N,
-                                     int V, int ldv, float dloss_scale, float cap) {
-    not_implemented("softcap_cross_entropy");
   }
 
   // ---- Llama ops (RMSNorm, RoPE, SwiGLU, grouped-query attention) ----------------
@@ -420,7 +425,9 @@ class Backend {
   //                     holds the target, else 0                          -> all-reduce sum
   //   vocab_ce_finish:  losses(N) = log(stats[n]) + rowmax[n] - stats[N+n];
   //                     with dlogits (may alias logits), dloss_scale *
-  //                     (softmax - onehot(target)) on this rank's columns.
+  //                     (softmax - onehot(target)) on this rank's columns,
+  //                     times 1 - (logits / cap)^2 when cap > 0 (the logits
+  //                     are soft-capped: as softmax_cross_entropy's cap).
   // Targets < 0 are ignored (loss 0, grad 0), as in softmax_cross_entropy.
   virtual void vocab_ce_max(float* rowmax, const void* logits, int N, int V, int ldv) {
     not_implemented("vocab_ce_max");
@@ -431,7 +438,7 @@ class Backend {
   }
   virtual void vocab_ce_finish(float* losses, void* dlogits, const void* logits, const int32_t* targets,
                                const float* rowmax, const float* stats, int v_begin, int N, int V, int ldv,
-                               float dloss_scale) {
+                               float dloss_scale, float cap = 0.f) {
     not_implemented("vocab_ce_finish");
   }
 

@@ -332,8 +332,9 @@ TEST_CASE("config: the field table is complete and its defaults are valid", "[co
   const auto fields = trainrun::job_spec_fields();
   // + parallel.offload, offload_dir, tensor_parallel, sequence_parallel, pipeline_*,
   // data.document_mask, data.document_separator, output.trace_steps,
-  // model.base_dtype, model.adapter.{type, rank, alpha, dropout, target_modules, init_from}, model.head_dim
-  CHECK(fields.size() == 92);
+  // model.base_dtype, model.adapter.{type, rank, alpha, dropout, target_modules, init_from}, model.head_dim,
+  // model.{attn_softcap, final_softcap, query_scale, sliding_window} (Gemma 2)
+  CHECK(fields.size() == 95);
   std::vector<std::string> keys;
   for (const auto& f : fields) {
     INFO(f.key);
@@ -428,7 +429,8 @@ TEST_CASE("config: bad specs: YAML structure", "[config][bad]") {
        "job.yaml:4:3: train.seq_len: unknown key; did you mean 'model.seq_len'?"},
       {"unknown key, nothing close", kSynthetic + "model:\n  colour: 0.1\n", {},
        "job.yaml:4:3: model.colour: unknown key; the keys of 'model' are preset, arch, n_layer, n_head, n_embd, "
-       "vocab_size, seq_len, init_std, init_from, n_kv_head, ffn_dim, head_dim, norm_eps, rope_theta, sliding_window, tie_embeddings, "
+       "vocab_size, seq_len, init_std, init_from, n_kv_head, ffn_dim, head_dim, norm_eps, rope_theta, sliding_window, "
+       "tie_embeddings, attn_softcap, final_softcap, query_scale, "
        "base_dtype, rope_scaling, adapter"},
       {"a subsection's key one level up", kSynthetic + "model:\n  dropout: 0.1\n", {},
        "job.yaml:4:3: model.dropout: unknown key; did you mean 'model.adapter.dropout'?"},
@@ -615,6 +617,7 @@ TEST_CASE("config: every preset has its published model's parameter count", "[co
       {"phi3-mini", 3821079552LL},
       // Mistral-7B-v0.3: 32 x 218112000 per block + 2 x 32768 x 4096 + 4096 (the final norm).
       {"mistral-7b-v0.3", 7248023552LL},
+      {"gemma2-2b", 2614341888LL},    {"gemma2-9b", 9241705984LL},  {"gemma2-27b", 27227128320LL},
   };
   REQUIRE(trainrun::model_preset_names().size() == want.size());
   for (const auto& [name, params] : want) {

@@ -125,7 +125,7 @@ struct BareBackend final : Backend {
   void gelu_forward(void*, const void*, int64_t) override {}
   void gelu_backward(void*, const void*, const void*, int64_t) override {}
   void residual_forward(void*, const void*, const void*, int64_t) override {}
-  void softmax_cross_entropy(float*, void*, const void*, const int32_t*, int, int, int, float) override {}
+  void softmax_cross_entropy(float*, void*, const void*, const int32_t*, int, int, int, float, float) override {}
   void sum_squares(float*, const float*, int64_t) override {}
   void sum(float*, const float*, int64_t) override {}
   void scale(float*, float, int64_t) override {}

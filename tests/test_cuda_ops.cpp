@@ -1474,6 +1474,122 @@ TEST_CASE("cuda: vocab-parallel cross-entropy (max, sum-exp, finish)", "[cuda][t
   }
 }
 
+// Gemma 2's ops (kernels/cuda: swiglu.cu's GeGLU, rmsnorm.cu's w_offset,
+// logit_softcap.cu, the cap of softmax_cross_entropy.cu and vocab_parallel.cu,
+// elementwise.cu's scale_bf16; not yet run on a GPU when written): against
+// the CPU ops on the same bf16-representable inputs, with values where the
+// caps bite.
+TEST_CASE("cuda: Gemma 2's ops (GeGLU, RMSNorm (1+w), logit soft-cap, capped cross-entropy, scale_act) match the CPU",
+          "[cuda][gemma2]") {
+  CUDA_TEST_OR_SKIP();
+  Pair p;
+  {  // GeGLU: F = 13 (scalar), 2048 (packs), unaligned; gates out to +-40.
+    struct S { int N, F; size_t off; };
+    for (S s : {S{7, 13, 0}, S{19, 2048, 0}, S{19, 2048, 1}}) {
+      const std::string sh = shape({{"N", s.N}, {"F", s.F}}) + (s.off ? " unaligned" : "");
+      const size_t nin = size_t(s.N) * 2 * s.F, nout = size_t(s.N) * s.F;
+      Vec in = randn(nin, 281, 3.0f);
+      in[0] = 40.0f;
+      in[1] = -40.0f;
+      Twin x(p, in, true, s.off);
+      Twin out = out_twin(p, nout, true, s.off);
+      p.cpu->geglu_forward(out.c(), x.c(), s.N, s.F);
+      p.gpu->geglu_forward(out.g(), x.g(), s.N, s.F);
+      check_close("geglu fwd " + sh, out.read_gpu(p), out.read_cpu(p), kBf16);
+      Twin dout(p, randn(nout, 282), true, s.off);
+      Twin dinp = out_twin(p, nin, true, s.off);
+      p.cpu->geglu_backward(dinp.c(), dout.c(), x.c(), s.N, s.F);
+      p.gpu->geglu_backward(dinp.g(), dout.g(), x.g(), s.N, s.F);
+      const Vec dg = dinp.read_gpu(p), dc = dinp.read_cpu(p);
+      check_close("geglu dgate " + sh, columns(dg, 2 * s.F, 0, s.F), columns(dc, 2 * s.F, 0, s.F), kBf16);
+      check_close("geglu dup " + sh, columns(dg, 2 * s.F, s.F, s.F), columns(dc, 2 * s.F, s.F, s.F), kBf16);
+      p.gpu->geglu_backward(x.g(), dout.g(), x.g(), s.N, s.F);  // in place: the same bits
+      CHECK(same_bits(x.read_gpu(p), dg));
+    }
+  }
+  {  // RMSNorm x * (1 + w), w around 0; plain and fused with the residual; backward +=.
+    struct S { int N, C; size_t off; };
+    for (S s : {S{7, 13, 0}, S{19, 2304, 0}, S{111, 2304, 1}}) {
+      const std::string sh = shape({{"N", s.N}, {"C", s.C}}) + (s.off ? " unaligned" : "");
+      const size_t n = size_t(s.N) * s.C;
+      Twin x(p, randn(n, 291, 2.0f, 0.5f), true, s.off), w(p, randn(s.C, 292, 0.3f), true, s.off);
+      Twin out = out_twin(p, n, true, s.off), rstd = out_twin(p, s.N, false);
+      p.cpu->rmsnorm_forward(out.c(), rstd.cf(), x.c(), w.c(), s.N, s.C, 1e-6f, 1.f);
+      p.gpu->rmsnorm_forward(out.g(), rstd.gf(), x.g(), w.g(), s.N, s.C, 1e-6f, 1.f);
+      const Vec og = out.read_gpu(p), rg = rstd.read_gpu(p);
+      check_close("rmsnorm (1+w) out " + sh, og, out.read_cpu(p), kBf16);
+      // Gemma2RMSNorm: (x * rstd) * (1 + w) in fp32, rounded once: bit for bit with the GPU's rstd.
+      Vec hf(n);
+      for (int r = 0; r < s.N; ++r)
+        for (int c = 0; c < s.C; ++c) {
+          const size_t i = size_t(r) * s.C + c;
+          hf[i] = bf16_round(x.val[i] * rg[r] * (1.0f + w.val[c]));
+        }
+      CHECK(same_bits(og, hf));
+      Twin a(p, randn(n, 293), true, s.off), b(p, randn(n, 294), true, s.off);
+      Twin res = out_twin(p, n, true, s.off), out2 = out_twin(p, n, true, s.off), rstd2 = out_twin(p, s.N, false);
+      p.cpu->residual_rmsnorm_forward(res.c(), out2.c(), rstd2.cf(), a.c(), b.c(), w.c(), s.N, s.C, 1e-6f, 1.f);
+      p.gpu->residual_rmsnorm_forward(res.g(), out2.g(), rstd2.gf(), a.g(), b.g(), w.g(), s.N, s.C, 1e-6f, 1.f);
+      check_close("fused rmsnorm (1+w) out " + sh, out2.read_gpu(p), out2.read_cpu(p), kBf16);
+      Twin r2(p, rstd.read_cpu(p), false);
+      Twin dout(p, randn(n, 295), true, s.off), dinp(p, randn(n, 296), true, s.off);
+      Twin dw(p, randn(s.C, 297), false);
+      p.cpu->rmsnorm_backward(dinp.c(), dw.cf(), dout.c(), x.c(), w.c(), r2.cf(), s.N, s.C, 1.f);
+      p.gpu->rmsnorm_backward(dinp.g(), dw.gf(), dout.g(), x.g(), w.g(), r2.gf(), s.N, s.C, 1.f);
+      check_close("rmsnorm (1+w) dinp (+=) " + sh, dinp.read_gpu(p), dinp.read_cpu(p), kBf16);
+      check_close("rmsnorm (1+w) dweight (+=) " + sh, dw.read_gpu(p), dw.read_cpu(p), kF32);
+    }
+  }
+  {  // The final cap, then the cross-entropy through it: whole rows and a vocab shard.
+    struct S { int N, V, ldv; };
+    for (S s : {S{1, 1, 1}, S{19, 37, 40}, S{4, 25000, p.gpu->logits_stride(25000)}}) {
+      const std::string sh = shape({{"N", s.N}, {"V", s.V}, {"ldv", s.ldv}});
+      const float cap = 3.0f, scale = 0.25f;
+      auto tgt = rand_tokens(s.N, s.V, 301);
+      if (s.N > 2) tgt[1] = -1;
+      Tok tk(p, tgt);
+      const size_t n = size_t(s.N) * s.ldv;
+      Vec z = randn(n, 302, 8.0f);  // |z| well above the cap; NaN pad columns must stay untouched
+      for (int r = 0; r < s.N; ++r)
+        for (int v = s.V; v < s.ldv; ++v) z[size_t(r) * s.ldv + v] = std::numeric_limits<float>::quiet_NaN();
+      Twin logits(p, z, true);
+      p.cpu->logit_softcap_forward(logits.c(), s.N, s.V, s.ldv, cap);
+      p.gpu->logit_softcap_forward(logits.g(), s.N, s.V, s.ldv, cap);
+      const Vec yg = logits.read_gpu(p);
+      check_close("logit softcap " + sh, unpad(yg, s.N, s.V, s.ldv), unpad(logits.read_cpu(p), s.N, s.V, s.ldv),
+                  kBf16);
+      CHECK(pad_is_nan(yg, s.N, s.V, s.ldv));
+      Twin y(p, logits.read_cpu(p), true);  // both sides from the same capped logits
+      Twin loss = out_twin(p, s.N, false), dl = out_twin(p, n, true);
+      p.cpu->softmax_cross_entropy(loss.cf(), dl.c(), y.c(), tk.cp(), s.N, s.V, s.ldv, scale, cap);
+      p.gpu->softmax_cross_entropy(loss.gf(), dl.g(), y.g(), tk.gp(), s.N, s.V, s.ldv, scale, cap);
+      check_close("capped CE loss " + sh, loss.read_gpu(p), loss.read_cpu(p), kF32);
+      const Vec dc = dl.read_cpu(p);
+      check_close("capped CE dlogits " + sh, unpad(dl.read_gpu(p), s.N, s.V, s.ldv), unpad(dc, s.N, s.V, s.ldv),
+                  kBf16);
+      // The vocab-parallel finish with the whole vocabulary on this rank: the same gradient.
+      Twin mx = out_twin(p, s.N, false), st = out_twin(p, 2 * size_t(s.N), false);
+      p.cpu->vocab_ce_max(mx.cf(), y.c(), s.N, s.V, s.ldv);
+      p.cpu->vocab_ce_sumexp(st.cf(), y.c(), tk.cp(), mx.cf(), 0, s.N, s.V, s.ldv);
+      Twin M(p, mx.read_cpu(p), false), S2(p, st.read_cpu(p), false);
+      Twin loss2 = out_twin(p, s.N, false), dl2 = out_twin(p, n, true);
+      p.gpu->vocab_ce_finish(loss2.gf(), dl2.g(), y.g(), tk.gp(), M.gf(), S2.gf(), 0, s.N, s.V, s.ldv, scale, cap);
+      check_close("capped vocab CE loss " + sh, loss2.read_gpu(p), loss.read_cpu(p), kF32);
+      check_close("capped vocab CE dlogits " + sh, unpad(dl2.read_gpu(p), s.N, s.V, s.ldv),
+                  unpad(dc, s.N, s.V, s.ldv), kBf16);
+    }
+  }
+  {  // scale_act: x * bf16(sqrt(C)), one rounding (HF's normaliser in the activation dtype).
+    const size_t n = 1001;
+    Twin x(p, randn(n, 311), true);
+    const float s = std::sqrt(2304.0f);
+    p.gpu->scale_act(x.g(), s, int64_t(n));
+    Vec want(n);
+    for (size_t i = 0; i < n; ++i) want[i] = bf16_round(x.val[i] * bf16_round(s));
+    CHECK(same_bits(x.read_gpu(p), want));
+  }
+}
+
 TEST_CASE("cuda: lm head over padded logits rows", "[cuda]") {
   CUDA_TEST_OR_SKIP();
   Pair p;
@@ -1586,6 +1702,17 @@ TEST_CASE("cuda: nccl communicator with one rank", "[cuda]") {
   float host = 3.5f;  // host scalars (the trainer's loss) are fine too
   comm->all_reduce(&host, 1, ReduceOp::Sum);
   CHECK(host == 3.5f);
+  // all_to_all_v (expert dispatch) over one rank: a copy of its one block,
+  // device to device and host to host; a size that disagrees is refused.
+  // Not yet run on a GPU.
+  const size_t n = 37 * 4;
+  comm->all_to_all_v(b.get(), &n, a.get(), &n);
+  CHECK(download_f32(be.get(), b.get(), 37) == v);
+  Vec hout(37, 0.f);
+  comm->all_to_all_v(hout.data(), &n, v.data(), &n);
+  CHECK(hout == v);
+  const size_t fewer = n - 4;
+  CHECK_THROWS_WITH(comm->all_to_all_v(b.get(), &fewer, a.get(), &n), Catch::Contains("all_to_all_v"));
   comm->barrier();
 }
 

@@ -51,14 +51,6 @@ using Tokens = std::vector<int32_t>;
 
 namespace {
 
-Tokens rand_tokens(size_t n, int V, uint64_t seed) {
-  std::mt19937_64 gen(seed);
-  std::uniform_int_distribution<int> d(0, V - 1);
-  Tokens t(n);
-  for (auto& x : t) x = d(gen);
-  return t;
-}
-
 std::vector<float> f32_of(const SafeTensorFile& f, const std::string& name, const std::string& path) {
   const SafeTensor* t = f.find(name);
   if (!t) FAIL(path << " has no tensor '" << name << "'");
@@ -127,61 +119,13 @@ std::string hf_random(const Shape& s, const test::TempDir& dir, const Tokens* in
     << " --max-positions " << s.T << " --rope-theta " << s.rope_theta << " --eps " << s.eps
     << (s.tied ? " --tie" : "");
   if (in) {
-    SafeTensorFile batch;
-    batch.tensors.push_back(make_tensor("inputs", "I32", {B, s.T}, in->data()));
-    batch.tensors.push_back(make_tensor("targets", "I32", {B, s.T}, tg->data()));
-    write_safetensors(dir / "batch.safetensors", batch);
+    test::write_token_batch(dir / "batch.safetensors", *in, *tg, B, s.T);
     a << " --batch '" << (dir / "batch.safetensors") << "' --out-ref '" << (dir / "ref.safetensors") << "'";
   }
   const test::RunResult r = hf_script(s, a.str());
   INFO(r.err);
   REQUIRE(r.exit_code == 0);
   return dir / "model";
-}
-
-struct RunOut {
-  std::vector<float> losses, logits, grads;
-};
-
-// A forward-only pass (logits) and one forward + backward (dloss_scale
-// 1/(B*T)) into a zeroed gradient.
-RunOut run_model(const ModelArch& arch, const std::vector<float>& params, const Tokens& in, const Tokens& tg, int B,
-                 int T) {
-  auto be = make_cpu_backend(2);
-  const ParamLayout& lay = arch.layout();
-  const int V = arch.config().V;
-  auto net = arch.make_network(be.get(), B, false);
-  DeviceBuffer p = test::upload_act(be.get(), params);
-  DeviceBuffer g(be.get(), size_t(lay.total) * 4);
-  be->zero(g.get(), size_t(lay.total) * 4);
-  DeviceBuffer din = test::upload_i32(be.get(), in), dtg = test::upload_i32(be.get(), tg);
-  FlatUnitAccess units(lay, p.get(), g.as<float>(), be->act_dtype());
-  RunOut r;
-  net->forward(units, din.as<int32_t>(), dtg.as<int32_t>(), B, T, false, 1.0f);
-  const int ldv = net->logits_stride();
-  const std::vector<float> padded = test::download_act(be.get(), net->logits(), size_t(B) * T * ldv);
-  for (int n = 0; n < B * T; ++n)
-    r.logits.insert(r.logits.end(), padded.begin() + size_t(n) * ldv, padded.begin() + size_t(n) * ldv + V);
-  net->forward(units, din.as<int32_t>(), dtg.as<int32_t>(), B, T, true, 1.0f / float(B * T));
-  net->backward(units);
-  r.losses = test::download_f32(be.get(), net->losses(), size_t(B) * T);
-  r.grads = test::download_f32(be.get(), g.get(), size_t(lay.total));
-  return r;
-}
-
-// The HF model's weights into our flat layout, by name.
-std::vector<float> flat_from_hf(const ModelArch& arch, const std::string& wpath) {
-  const SafeTensorFile w = read_safetensors(wpath);
-  const ParamLayout& lay = arch.layout();
-  std::vector<float> params(size_t(lay.total));
-  for (const auto& t : lay.tensors) {
-    const SafeTensor* s = w.find(arch.hf_tensor(t).name);
-    if (!s) FAIL(wpath << " has no tensor '" << t.name << "'");
-    REQUIRE(s->shape == t.shape);
-    const std::vector<float> v = s->as_f32();
-    std::copy(v.begin(), v.end(), params.begin() + t.offset);
-  }
-  return params;
 }
 
 // Logits, loss and every parameter gradient against transformers, for a
@@ -191,12 +135,12 @@ std::string check_against_hf(const Shape& s, const test::TempDir& dir) {
   const auto arch = make_model_arch(config_of(s));
   std::printf("%s (%s)\n", arch->describe().c_str(), s.family.c_str());
   INFO(arch->describe());
-  const Tokens in = rand_tokens(size_t(B) * T, s.V, 11), tg = rand_tokens(size_t(B) * T, s.V, 12);
+  const Tokens in = test::random_tokens(size_t(B) * T, s.V, 11), tg = test::random_tokens(size_t(B) * T, s.V, 12);
   const std::string model = hf_random(s, dir, &in, &tg, B);
-  const std::vector<float> params = flat_from_hf(*arch, model + "/model.safetensors");
+  const std::vector<float> params = test::flat_from_hf(*arch, model);
   const std::string rpath = dir / "ref.safetensors";
   const SafeTensorFile ref = read_safetensors(rpath);
-  const RunOut run = run_model(*arch, params, in, tg, B, T);
+  const test::NetworkRun run = test::run_network(*arch, params, in, tg, B, T);
 
   const std::vector<float> hl = f32_of(ref, "logits", rpath);
   const double logit_err = ref::rel_err(Vec(run.logits.begin(), run.logits.end()), Vec(hl.begin(), hl.end()));
@@ -230,12 +174,12 @@ std::string check_against_hf(const Shape& s, const test::TempDir& dir) {
 void check_interop(const Shape& s, const std::string& model, const test::TempDir& dir) {
   const auto arch = make_model_arch(config_of(s));
   INFO(arch->describe());
-  const std::vector<float> want = flat_from_hf(*arch, model + "/model.safetensors");
+  const std::vector<float> want = test::flat_from_hf(*arch, model);
 
   // export, then from_pretrained in transformers: the same logits.
   const std::string out = dir / "export";
   export_hf(out, arch->config(), want);
-  const Tokens in = rand_tokens(size_t(2) * s.T, s.V, 5);
+  const Tokens in = test::random_tokens(size_t(2) * s.T, s.V, 5);
   const std::vector<float> ours = test::logits_of(*arch, want, in, 2, s.T);
   SafeTensorFile batch;
   batch.tensors.push_back(make_tensor("inputs", "I32", {2, s.T}, in.data()));
@@ -300,7 +244,7 @@ void check_decoder(const ModelConfig& cfg) {
   auto dec = arch->make_decoder(be.get(), cap);
   CHECK(dec->bytes() == arch->decoder_bytes_needed(*be, cap));
   auto net = arch->make_network(be.get(), 1, false);
-  const Tokens seq = rand_tokens(size_t(cap), cfg.V, 21);
+  const Tokens seq = test::random_tokens(size_t(cap), cfg.V, 21);
   std::vector<float> got;
   double worst = 0;
   for (int n = prefill; n <= cap; ++n) {

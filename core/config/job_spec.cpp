@@ -122,13 +122,15 @@ const std::vector<Field>& fields() {
                     "field this spec does not set (an explicit one wins, with a log line), seq_len with the "
                     "model's original context (Llama 3.x 8192, Llama 2 4096, GPT-2 1024); with model.init_from "
                     "both must describe the same model; none = off"),
-      TR_SPEC_FIELD(model.arch, one_of({"auto", "gpt2", "llama", "qwen2", "qwen3", "phi3", "mistral"}),
+      TR_SPEC_FIELD(model.arch, one_of({"auto", "gpt2", "llama", "qwen2", "qwen3", "phi3", "mistral", "gemma2"}),
                     "model family; auto = the model_type of model.init_from's config.json, else gpt2; "
                     "llama = Llama 3 (RMSNorm, RoPE, SwiGLU, grouped-query attention; its shape in the fields below); "
                     "qwen2 = Qwen2/Qwen2.5 (Llama's shape with q/k/v biases); "
                     "qwen3 = Qwen3 (Llama's fields, heads model.head_dim wide, per-head RMSNorm on q and k); "
                     "phi3 = Phi-3 (Llama's maths; fused qkv_proj and gate_up_proj in its Hugging Face files); "
-                    "mistral = Mistral (Llama's shape with a sliding window, model.sliding_window)"),
+                    "mistral = Mistral (Llama's shape with a sliding window, model.sliding_window); "
+                    "gemma2 = Gemma 2 (Llama's fields, RMSNorm x*(1+w), norms after attention and MLP too, GeGLU, "
+                    "embeddings x sqrt(n_embd), soft-capped scores and logits, local attention on even layers, tied)"),
       TR_SPEC_FIELD(model.n_layer, at_least(1), "transformer blocks (L)"),
       TR_SPEC_FIELD(model.n_head, at_least(1), "attention heads (NH); must divide n_embd"),
       TR_SPEC_FIELD(model.n_embd, at_least(1), "residual stream width in channels (C)"),
@@ -157,12 +159,21 @@ const std::vector<Field>& fields() {
       TR_SPEC_FIELD(model.norm_eps, above(0), "RMSNorm epsilon (llama; gpt2's LayerNorm uses 1e-5)"),
       TR_SPEC_FIELD(model.rope_theta, above(0), "RoPE base frequency (llama; Llama 3: 500000)"),
       TR_SPEC_FIELD(model.sliding_window, at_least(0),
-                    "sliding-window attention (mistral; config.json's sliding_window): query t sees the keys "
-                    "t - sliding_window < j <= t, and generate's KV cache holds sliding_window positions; "
-                    "0 = none (full causal attention)"),
+                    "sliding-window attention (mistral and phi3: every layer; gemma2: the even ones; config.json's "
+                    "sliding_window): query t sees the keys t - sliding_window < j <= t, and generate's KV cache "
+                    "holds sliding_window positions; 0 = none (full causal attention)"),
       TR_SPEC_FIELD(model.tie_embeddings, one_of({"auto", "false", "true"}),
                     "the LM head is the token embedding; auto = the architecture's way (gpt2: always tied; "
                     "llama: untied, but Llama 3.2 1B/3B are tied)"),
+      TR_SPEC_FIELD(model.attn_softcap, at_least(0),
+                    "gemma2: attention scores -> cap * tanh(scores / cap) (config.json's attn_logit_softcapping; "
+                    "Gemma 2: 50); 0 = off; other archs: 0"),
+      TR_SPEC_FIELD(model.final_softcap, at_least(0),
+                    "gemma2: logits -> cap * tanh(logits / cap), the loss's gradient through it (config.json's "
+                    "final_logit_softcapping; Gemma 2: 30); 0 = off; other archs: 0"),
+      TR_SPEC_FIELD(model.query_scale, at_least(0),
+                    "gemma2: attention scores are scaled by query_scale^-0.5 (config.json's query_pre_attn_scalar; "
+                    "Gemma 2 2B/9B: 256 = head_dim, 27B: 144); 0 = head_dim's; other archs: 0"),
       TR_SPEC_FIELD(model.base_dtype, one_of({"auto", "fp32", "bf16", "nf4"}),
                     "with model.adapter: how the frozen base weights are held (docs/fine-tuning.md, \"NF4 storage\"); "
                     "auto = the backend's activation dtype (fp32 on the CPU, bf16 on CUDA); fp32 needs the CPU "

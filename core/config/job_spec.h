@@ -24,7 +24,6 @@ struct ModelSpec {
   int n_kv_head = 0;           // key/value heads (GQA); 0 = n_head; must divide n_head
   int ffn_dim = 0;             // MLP width (llama: intermediate_size, required); 0 = the arch's default
   int head_dim = 0;            // attention head width (llama-shaped); 0 = n_embd / n_head
-  int sliding_window = 0;      // mistral: query t sees keys (t - sliding_window, t]; 0 = none
   double norm_eps = 1e-5;      // RMSNorm epsilon (llama)
   double rope_theta = 500000;  // RoPE base (llama; Llama 3 uses 500000)
   std::string tie_embeddings = "auto";  // auto | true | false; auto: gpt2 tied, llama untied (Llama 3.2 1B/3B: true)
@@ -33,6 +32,11 @@ struct ModelSpec {
     double factor = 8.0, low_freq_factor = 1.0, high_freq_factor = 4.0;
     int original_max_position_embeddings = 8192;
   } rope_scaling;
+  // Gemma 2's maths (gemma2; a preset or model.init_from's config.json fills them; 0 = off).
+  double attn_softcap = 0;     // attention scores -> cap * tanh(scores / cap) (attn_logit_softcapping)
+  double final_softcap = 0;    // logits -> cap * tanh(logits / cap) (final_logit_softcapping)
+  double query_scale = 0;      // scores scaled by query_scale^-0.5 (query_pre_attn_scalar); 0 = head_dim's
+  int sliding_window = 0;      // local attention over this many tokens (gemma2: even layers); 0 = none
   // Parameter-efficient fine-tuning (docs/fine-tuning.md): the base frozen, only the adapters train.
   std::string base_dtype = "auto";  // auto | fp32 | bf16 | nf4: how the frozen base is held (auto: fp32 on the CPU)
   struct AdapterSpec {

@@ -148,6 +148,35 @@ ModelSpec mistral_7b_v03() {
   return m;
 }
 
+// Gemma 2 (google/gemma-2-{2b,9b,27b}'s config.json): 256000 tokens, tied,
+// rms_norm_eps 1e-6, rope_theta 10000, attn_logit_softcapping 50,
+// final_logit_softcapping 30, sliding_window 4096 on the even layers,
+// max_position_embeddings 8192. query_pre_attn_scalar is head_dim (256) in
+// 2B and 9B, but 144 in 27B (= n_embd / n_head, not its head_dim 128).
+// seq_len is the window, 4096: the attention ops do not implement the
+// window yet (the network refuses a longer sequence), and up to it local and
+// global layers compute the same function.
+ModelSpec gemma2(int L, int C, int NH, int NKV, int HD, int F, double query_scale) {
+  ModelSpec m;
+  m.arch = "gemma2";
+  m.n_layer = L;
+  m.n_embd = C;
+  m.n_head = NH;
+  m.n_kv_head = NKV;
+  m.head_dim = HD;
+  m.ffn_dim = F;
+  m.vocab_size = 256000;
+  m.seq_len = 4096;
+  m.norm_eps = 1e-6;
+  m.rope_theta = 10000;
+  m.tie_embeddings = "true";
+  m.attn_softcap = 50;
+  m.final_softcap = 30;
+  m.query_scale = query_scale;
+  m.sliding_window = 4096;
+  return m;
+}
+
 }  // namespace
 
 const std::vector<ModelPreset>& model_presets() {
@@ -166,6 +195,9 @@ const std::vector<ModelPreset>& model_presets() {
       {"qwen3-32b", "Qwen/Qwen3-32B", qwen3(64, 5120, 64, 25600, false)},
       {"phi3-mini", "microsoft/Phi-3-mini-4k-instruct", phi3_mini()},
       {"mistral-7b-v0.3", "mistralai/Mistral-7B-v0.3", mistral_7b_v03()},
+      {"gemma2-2b", "google/gemma-2-2b", gemma2(26, 2304, 8, 4, 256, 9216, 256)},
+      {"gemma2-9b", "google/gemma-2-9b", gemma2(42, 3584, 16, 8, 256, 14336, 256)},
+      {"gemma2-27b", "google/gemma-2-27b", gemma2(46, 4608, 32, 16, 128, 36864, 144)},
       {"gpt2-124m", "openai-community/gpt2", gpt2(12, 12, 768)},
       {"gpt2-350m", "openai-community/gpt2-medium", gpt2(24, 16, 1024)},
       {"gpt2-774m", "openai-community/gpt2-large", gpt2(36, 20, 1280)},

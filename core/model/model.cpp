@@ -6,6 +6,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <utility>
 #include <nlohmann/json.hpp>
 
 #include "core/common/error.h"
@@ -44,9 +45,7 @@ const std::vector<ArchEntry>& registry() {
       {"qwen3", "qwen3", true, true, make_qwen3_arch, qwen3_config_from_hf, qwen3_config_from_metadata},
       {"phi3", "phi3", true, true, make_phi3_arch, phi3_config_from_hf, phi3_config_from_metadata},
       {"mistral", "mistral", true, true, make_mistral_arch, mistral_config_from_hf, mistral_config_from_metadata},
-      // Not open to job specs / model.init_from yet: its softcaps, query scale and window are not job-spec
-      // fields, so a spec could not describe it (gemma2_arch.h lists what is left).
-      {"gemma2", "gemma2", false, false, make_gemma2_arch, gemma2_config_from_hf, nullptr},
+      {"gemma2", "gemma2", true, true, make_gemma2_arch, gemma2_config_from_hf, gemma2_config_from_metadata},
   };
   return r;
 }
@@ -140,10 +139,12 @@ ModelConfig ModelConfig::from_spec(const ModelSpec& m) {
   c.NKV = m.n_kv_head;
   c.F = m.ffn_dim;
   // A window is the model's, not a training choice: only an arch whose
-  // config.json has one (every layer sliding) takes it from the spec.
-  const bool windowed_arch = c.arch == "mistral" || c.arch == "phi3";
+  // config.json has one takes it from the spec (mistral and phi3: every
+  // layer; gemma2: its even layers).
+  const bool windowed_arch = c.arch == "mistral" || c.arch == "phi3" || c.arch == "gemma2";
   TR_CHECK(m.sliding_window == 0 || windowed_arch, "model.sliding_window: ", m.sliding_window, "; ", c.arch,
-           " has no sliding window in trainrun (0 = none); use model.arch: mistral for a windowed model");
+           " has no sliding window in trainrun (0 = none); use model.arch: mistral, phi3 or gemma2 for a windowed "
+           "model");
   c.sliding_window = m.sliding_window;
   const bool scaled = m.rope_scaling.type != "none";
   if (c.arch == "gpt2") {
@@ -170,6 +171,18 @@ ModelConfig ModelConfig::from_spec(const ModelSpec& m) {
       c.rope_scaling.original_max_position_embeddings = m.rope_scaling.original_max_position_embeddings;
     }
   }
+  // Gemma 2's soft-caps and query scale: refused by name elsewhere rather than ignored.
+  if (c.arch == "gemma2") {
+    c.attn_softcap = float(m.attn_softcap);
+    c.final_softcap = float(m.final_softcap);
+    c.query_scale = m.query_scale;
+  } else {
+    const std::pair<const char*, double> gemma2_only[] = {
+        {"attn_softcap", m.attn_softcap}, {"final_softcap", m.final_softcap}, {"query_scale", m.query_scale}};
+    for (const auto& [key, v] : gemma2_only)
+      TR_CHECK(v == 0, "model.", key, ": ", v, "; ", c.arch, " has no ", key,
+               " (Gemma 2's: use model.arch: gemma2, or 0 = off)");
+  }
   return c;
 }
 
@@ -187,8 +200,12 @@ ModelSpec ModelConfig::to_spec() const {
   m.norm_eps = norm_eps;
   m.rope_theta = rope_theta;
   m.head_dim = head_dim;
-  m.sliding_window = arch == "mistral" || arch == "phi3" ? sliding_window : 0;  // the others': not the spec's (from_spec)
+  // the others' windows are not the spec's (from_spec)
+  m.sliding_window = arch == "mistral" || arch == "phi3" || arch == "gemma2" ? sliding_window : 0;
   m.tie_embeddings = tied ? "true" : "false";
+  m.attn_softcap = attn_softcap;
+  m.final_softcap = final_softcap;
+  m.query_scale = query_scale;
   m.rope_scaling.type = rope_scaling_type.empty() ? "none" : rope_scaling_type;
   if (!rope_scaling_type.empty()) {
     m.rope_scaling.factor = rope_scaling.factor;

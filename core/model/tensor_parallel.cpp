@@ -235,7 +235,7 @@ void* TpCollectives::my_rows(void* full, int N) const {
 
 void TpCollectives::vocab_cross_entropy(float* losses, void* dlogits, const void* logits, const int32_t* targets,
                                         float* rowmax, float* stats, int v_begin, int N, int v_valid, int ldv,
-                                        float dloss_scale) const {
+                                        float dloss_scale, float cap) const {
   be->vocab_ce_max(rowmax, logits, N, v_valid, ldv);
   {
     const TpCommClock clock(tp);
@@ -246,7 +246,7 @@ void TpCollectives::vocab_cross_entropy(float* losses, void* dlogits, const void
     const TpCommClock clock(tp);
     tp->comm->all_reduce(stats, 2 * int64_t(N), ReduceOp::Sum);
   }
-  be->vocab_ce_finish(losses, dlogits, logits, targets, rowmax, stats, v_begin, N, v_valid, ldv, dloss_scale);
+  be->vocab_ce_finish(losses, dlogits, logits, targets, rowmax, stats, v_begin, N, v_valid, ldv, dloss_scale, cap);
 }
 
 void TpCollectives::gather_rows(void* full, int N) const {

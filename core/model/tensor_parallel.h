@@ -161,9 +161,12 @@ struct TpCollectives {
   // that holds it) are all-reduced over TP, so the full logits are never
   // gathered; losses (N) are every rank's, and with dlogits (may alias
   // logits) dloss_scale * (softmax - onehot) on this rank's columns.
-  // rowmax (N) and stats (2N) are fp32 scratch. Needs `tp`.
+  // rowmax (N) and stats (2N) are fp32 scratch. Needs `tp`. cap > 0: the
+  // logits are soft-capped (each rank capped its columns) and dlogits is the
+  // uncapped logits' gradient (Backend::vocab_ce_finish).
   void vocab_cross_entropy(float* losses, void* dlogits, const void* logits, const int32_t* targets, float* rowmax,
-                           float* stats, int v_begin, int N, int v_valid, int ldv, float dloss_scale) const;
+                           float* stats, int v_begin, int N, int v_valid, int ldv, float dloss_scale,
+                           float cap = 0.f) const;
 
   // This rank's rows of N (N without SP), and where they start in a full buffer.
   int rows(int N) const { return sp ? N / tp->plan->size() : N; }

@@ -68,6 +68,7 @@ double pipeline_transient_bytes(const ModelArch& m, const TpLocalShape& sh, bool
   // backward: dbuf_c (also d attention output, N x Q), dqkv, the MLP hidden grad
   t += r64(N * std::max(C, sh.NH * HS) * es) + r64(N * QKV * es) + r64(N * F * es);
   if (mc.qk_norm && tp > 1) t += r64(2 * HS * 4);  // q_norm|k_norm's gradient, summed over TP
+  if (mc.post_norms) t += r64(NR * C * es);        // the gradient through a post norm (rows)
   *outside_arena = 0;
   const double bias = mc.qkv_bias ? 1 : 0;  // replicated KV: the bias gradients ride after the weights'
   if (llama && sh.kv_replicas > 1)

@@ -45,6 +45,7 @@ double tp_activation_bytes(const ModelArch& m, const TpLocalShape& sh, bool sp, 
   layer += (llama ? 1 : 2) * r64(NR * 4);                     // its statistics (rows)
   layer += llama ? r64(N * 2 * F * es) + r64(N * F * es)      // gate|up, silu(gate)*up (ffn / tp)
                  : 2 * r64(N * F * es);                       // fc, gelu(fc) (ffn / tp)
+  if (c.post_norms) layer += 2 * (r64(NR * C * es) + r64(NR * 4));  // attention / MLP outputs before their norms (rows)
   double total = 0;
   if (llama) {
     total += r64(double(c.T) * HS * 4);                       // RoPE table
@@ -67,6 +68,7 @@ double tp_activation_bytes(const ModelArch& m, const TpLocalShape& sh, bool sp, 
   total += r64(N * QKV * es);                                 // backward: dqkv
   total += r64(N * F * es);                                   // backward: the MLP hidden grad
   if (c.qk_norm) total += r64(2 * HS * 4);                    // q_norm|k_norm's gradient, summed over TP
+  if (c.post_norms) total += r64(NR * C * es);                // backward: the gradient through a post norm (rows)
   return total;
 }
 

@@ -66,7 +66,7 @@ class CpuBackend final : public Backend {
   void lm_head_backward(void* dinp, float* dwte, const void* dlogits, const void* inp, const void* wte, int N, int C,
                         int V, int ldv) override;
   void softmax_cross_entropy(float* losses, void* dlogits, const void* logits, const int32_t* targets, int N, int V,
-                             int ldv, float dloss_scale) override;
+                             int ldv, float dloss_scale, float cap = 0.f) override;
   // Llama ops: cpu_rmsnorm.cpp, cpu_rope.cpp, cpu_swiglu.cpp, cpu_attention_gqa.cpp.
   void rmsnorm_forward(void* out, float* rstd, const void* inp, const void* weight, int N, int C, float eps,
                        float w_offset = 0.f) override;
@@ -99,8 +99,6 @@ class CpuBackend final : public Backend {
   void geglu_forward(void* out, const void* inp, int N, int F) override;
   void geglu_backward(void* dinp, const void* dout, const void* inp, int N, int F) override;
   void logit_softcap_forward(void* logits, int N, int V, int ldv, float cap) override;
-  void softcap_cross_entropy(float* losses, void* dlogits, const void* logits, const int32_t* targets, int N, int V,
-                             int ldv, float dloss_scale, float cap) override;
   size_t attention_gqa_saved_floats(int B, int T, int NH) const override;
   void attention_gqa_forward(void* out, float* saved, const void* qkv, int B, int T, int NH, int NKV,
                              int HS, const int32_t* doc_start = nullptr, const AttentionOptions& opt = {}) override;
@@ -118,7 +116,8 @@ class CpuBackend final : public Backend {
   void vocab_ce_sumexp(float* stats, const void* logits, const int32_t* targets, const float* rowmax, int v_begin,
                        int N, int V, int ldv) override;
   void vocab_ce_finish(float* losses, void* dlogits, const void* logits, const int32_t* targets, const float* rowmax,
-                       const float* stats, int v_begin, int N, int V, int ldv, float dloss_scale) override;
+                       const float* stats, int v_begin, int N, int V, int ldv, float dloss_scale,
+                       float cap = 0.f) override;
   void gemm(void* c, int ldc, bool c_f32, const void* a, int lda, GemmOp ta, const void* b, int ldb, GemmOp tb, int M,
             int N, int K, float alpha, float beta) override;
   void dropout_forward(void* out, const void* inp, int N, int C, float p, uint64_t seed, int64_t row0,

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <vector>
 
+#include "core/common/error.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/scatter_rows.h"
 #include "kernels/cpu/fastmath.h"
@@ -248,10 +249,15 @@ void CpuBackend::lm_head_backward(void* dinp, float* dwte, const void* dlogits, 
 // loss[n] = logsumexp(logits[n]) - logits[n, target]; the gradient of
 // dloss_scale * loss[n] w.r.t. the logits is dloss_scale * (softmax - onehot),
 // written row by row so it may overwrite the logits (no V-wide buffer kept).
+// With a soft-cap the logits are y = cap * tanh(z / cap) and the gradient
+// is z's: times dy/dz = 1 - (y / cap)^2 (the target's y is read before its
+// row is overwritten).
 void CpuBackend::softmax_cross_entropy(float* losses, void* dlogits_, const void* logits_,
-                                       const int32_t* targets, int N, int V, int ldv, float dloss_scale) {
+                                       const int32_t* targets, int N, int V, int ldv, float dloss_scale, float cap) {
+  TR_CHECK(cap >= 0.f, "softmax_cross_entropy: the soft-cap ", cap, " must be >= 0 (0 = none)");
   const float* logits = F(logits_);
   float* dlogits = F(dlogits_);
+  const float inv_cap = cap > 0.f ? 1.0f / cap : 0.f;
 #pragma omp parallel for schedule(static)
   for (int n = 0; n < N; ++n) {
     const float* z = logits + int64_t(n) * ldv;
@@ -272,6 +278,16 @@ void CpuBackend::softmax_cross_entropy(float* losses, void* dlogits_, const void
     if (dlogits) {
       float* d = dlogits + int64_t(n) * ldv;
       const float inv = 1.0f / sum;
+      if (cap > 0.f) {
+        const float tt = z[tgt] * inv_cap;
+#pragma omp simd
+        for (int v = 0; v < V; ++v) {
+          const float t = z[v] * inv_cap;
+          d[v] = dloss_scale * fastmath::exp(z[v] - mx) * inv * (1.0f - t * t);
+        }
+        d[tgt] -= dloss_scale * (1.0f - tt * tt);
+        continue;
+      }
 #pragma omp simd
       for (int v = 0; v < V; ++v) d[v] = dloss_scale * fastmath::exp(z[v] - mx) * inv;
       d[tgt] -= dloss_scale;

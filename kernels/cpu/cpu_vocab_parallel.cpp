@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "core/common/error.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/scatter_rows.h"
 #include "kernels/cpu/fastmath.h"
@@ -100,9 +101,11 @@ void CpuBackend::vocab_ce_sumexp(float* stats, const void* logits_, const int32_
 
 void CpuBackend::vocab_ce_finish(float* losses, void* dlogits_, const void* logits_, const int32_t* targets,
                                  const float* rowmax, const float* stats, int v_begin, int N, int V, int ldv,
-                                 float dloss_scale) {
+                                 float dloss_scale, float cap) {
+  TR_CHECK(cap >= 0.f, "vocab_ce_finish: the soft-cap ", cap, " must be >= 0 (0 = none)");
   const float* logits = F(logits_);
   float* dlogits = F(dlogits_);
+  const float inv_cap = cap > 0.f ? 1.0f / cap : 0.f;
 #pragma omp parallel for schedule(static)
   for (int n = 0; n < N; ++n) {
     const int tgt = targets[n];
@@ -117,6 +120,17 @@ void CpuBackend::vocab_ce_finish(float* losses, void* dlogits_, const void* logi
     const float* z = logits + int64_t(n) * ldv;
     float* d = dlogits + int64_t(n) * ldv;
     const float inv = 1.0f / sum;
+    if (cap > 0.f) {  // the logits are capped: the gradient of the uncapped ones (softmax_cross_entropy's cap)
+      const bool mine = in_range(tgt, v_begin, V);
+      const float tt = mine ? z[tgt - v_begin] * inv_cap : 0.f;  // read before the row is overwritten
+#pragma omp simd
+      for (int v = 0; v < V; ++v) {
+        const float t = z[v] * inv_cap;
+        d[v] = dloss_scale * fastmath::exp(z[v] - mx) * inv * (1.0f - t * t);
+      }
+      if (mine) d[tgt - v_begin] -= dloss_scale * (1.0f - tt * tt);
+      continue;
+    }
 #pragma omp simd
     for (int v = 0; v < V; ++v) d[v] = dloss_scale * fastmath::exp(z[v] - mx) * inv;
     if (in_range(tgt, v_begin, V)) d[tgt - v_begin] -= dloss_scale;

@@ -28,6 +28,7 @@
 #include "kernels/cuda/rope.cuh"
 #include "kernels/cuda/row_norms.cuh"
 #include "kernels/cuda/softmax_cross_entropy.cuh"
+#include "kernels/cuda/logit_softcap.cuh"
 #include "kernels/cuda/vocab_parallel.cuh"
 #include "kernels/cuda/sum_squares.cuh"
 #include "kernels/cuda/qk_norm.cuh"
@@ -311,10 +312,10 @@ void CudaBackend::vocab_ce_sumexp(float* stats, const void* logits, const int32_
 
 void CudaBackend::vocab_ce_finish(float* losses, void* dlogits, const void* logits, const int32_t* targets,
                                   const float* rowmax, const float* stats, int v_begin, int N, int V, int ldv,
-                                  float dloss_scale) {
+                                  float dloss_scale, float cap) {
   make_current();
   cuda::vocab_ce_finish(losses, H(dlogits), H(logits), targets, rowmax, stats, v_begin, N, V, ldv, dloss_scale,
-                        compute_);
+                        compute_, cap);
 }
 
 void CudaBackend::layernorm_forward(void* out, float* mean, float* rstd, const void* inp, const void* weight,
@@ -378,35 +379,24 @@ void CudaBackend::attention_kv_forward(void* out, void* kcache, void* vcache, co
 
 // ---- Llama ops ------------------------------------------------------------------------
 
-namespace {
-// Gemma 2's RMSNorm offset, not in the CUDA kernels yet: refused by name rather than ignored.
-void refuse_w_offset(const char* op, float w_offset) {
-  TR_CHECK(w_offset == 0.f, op, ": RMSNorm weight offset ", w_offset,
-           " (Gemma 2's x * (1 + w)) is not implemented by the cuda backend yet; run on the cpu backend");
-}
-}  // namespace
-
 void CudaBackend::rmsnorm_forward(void* out, float* rstd, const void* inp, const void* weight, int N, int C,
                                   float eps, float w_offset) {
-  refuse_w_offset("rmsnorm_forward", w_offset);
   make_current();
-  cuda::rmsnorm_forward(H(out), rstd, H(inp), H(weight), N, C, eps, compute_);
+  cuda::rmsnorm_forward(H(out), rstd, H(inp), H(weight), N, C, eps, compute_, w_offset);
 }
 
 void CudaBackend::residual_rmsnorm_forward(void* res_out, void* out, float* rstd, const void* a, const void* b,
                                            const void* weight, int N, int C, float eps, float w_offset) {
-  refuse_w_offset("residual_rmsnorm_forward", w_offset);
   make_current();
-  cuda::residual_rmsnorm_forward(H(res_out), H(out), rstd, H(a), H(b), H(weight), N, C, eps, compute_);
+  cuda::residual_rmsnorm_forward(H(res_out), H(out), rstd, H(a), H(b), H(weight), N, C, eps, compute_, w_offset);
 }
 
 void CudaBackend::rmsnorm_backward(void* dinp, float* dweight, const void* dout, const void* inp, const void* weight,
                                    const float* rstd, int N, int C, float w_offset) {
-  refuse_w_offset("rmsnorm_backward", w_offset);
   make_current();
   Scratch s(*alloc_, rmsnorm_backward_scratch_bytes(N, C, num_sms_));
   cuda::rmsnorm_backward(H(dinp), dweight, H(dout), H(inp), H(weight), rstd, N, C, s.as<float>(), num_sms_,
-                         compute_);
+                         compute_, w_offset);
 }
 
 void CudaBackend::rope_forward(void* qkv, const float* cos_sin, int B, int T, int NH, int NKV, int HS, int pos0,
@@ -537,6 +527,26 @@ void CudaBackend::swiglu_backward(void* dinp, const void* dout, const void* inp,
   cuda::swiglu_backward(H(dinp), H(dout), H(inp), N, F, compute_);
 }
 
+void CudaBackend::geglu_forward(void* out, const void* inp, int N, int F) {
+  make_current();
+  cuda::geglu_forward(H(out), H(inp), N, F, compute_);
+}
+
+void CudaBackend::geglu_backward(void* dinp, const void* dout, const void* inp, int N, int F) {
+  make_current();
+  cuda::geglu_backward(H(dinp), H(dout), H(inp), N, F, compute_);
+}
+
+void CudaBackend::logit_softcap_forward(void* logits, int N, int V, int ldv, float cap) {
+  make_current();
+  cuda::logit_softcap_forward(H(logits), N, V, ldv, cap, compute_);
+}
+
+void CudaBackend::scale_act(void* x, float s, int64_t n) {
+  make_current();
+  cuda::scale_bf16(H(x), s, n, compute_);
+}
+
 size_t CudaBackend::attention_gqa_saved_floats(int B, int T, int NH) const {
   return cuda::attention_saved_floats(B, T, NH);  // the log-sum-exp, (B,NH,T)
 }
@@ -616,9 +626,9 @@ void CudaBackend::lm_head_backward(void* dinp, float* dwte, const void* dlogits,
 }
 
 void CudaBackend::softmax_cross_entropy(float* losses, void* dlogits, const void* logits, const int32_t* targets,
-                                        int N, int V, int ldv, float dloss_scale) {
+                                        int N, int V, int ldv, float dloss_scale, float cap) {
   make_current();
-  cuda::softmax_cross_entropy(losses, H(dlogits), H(logits), targets, N, V, ldv, dloss_scale, compute_);
+  cuda::softmax_cross_entropy(losses, H(dlogits), H(logits), targets, N, V, ldv, dloss_scale, compute_, cap);
 }
 
 void CudaBackend::sum_squares(float* out, const float* x, int64_t n) {

@@ -75,7 +75,8 @@ class CudaBackend final : public Backend {
   void vocab_ce_sumexp(float* stats, const void* logits, const int32_t* targets, const float* rowmax, int v_begin,
                        int N, int V, int ldv) override;
   void vocab_ce_finish(float* losses, void* dlogits, const void* logits, const int32_t* targets, const float* rowmax,
-                       const float* stats, int v_begin, int N, int V, int ldv, float dloss_scale) override;
+                       const float* stats, int v_begin, int N, int V, int ldv, float dloss_scale,
+                       float cap = 0.f) override;
   void layernorm_forward(void* out, float* mean, float* rstd, const void* inp, const void* weight,
                          const void* bias, int N, int C) override;
   void residual_layernorm_forward(void* res_out, void* out, float* mean, float* rstd, const void* a, const void* b,
@@ -93,7 +94,8 @@ class CudaBackend final : public Backend {
                           int NH, const int32_t* doc_start = nullptr) override;
   void attention_kv_forward(void* out, void* kcache, void* vcache, const void* qkv, int pos, int Tq, int C,
                             int NH) override;
-  // w_offset (Gemma 2) and the AttentionOptions are refused by name: not implemented on CUDA yet.
+  // w_offset (Gemma 2's x * (1 + w)): rmsnorm.cu. The AttentionOptions are refused by name: not implemented
+  // on CUDA yet.
   void rmsnorm_forward(void* out, float* rstd, const void* inp, const void* weight, int N, int C, float eps,
                        float w_offset = 0.f) override;
   void residual_rmsnorm_forward(void* res_out, void* out, float* rstd, const void* a, const void* b,
@@ -111,6 +113,12 @@ class CudaBackend final : public Backend {
                         const float* rstd, int N, int NH, int NKV, int HS) override;
   void swiglu_forward(void* out, const void* inp, int N, int F) override;
   void swiglu_backward(void* dinp, const void* dout, const void* inp, int N, int F) override;
+  // Gemma 2: GeGLU (swiglu.cu), the final logit cap (logit_softcap.cu; its backward is the cross-entropy's
+  // cap), the embedding scale (elementwise.cu). Not yet run on a GPU.
+  void geglu_forward(void* out, const void* inp, int N, int F) override;
+  void geglu_backward(void* dinp, const void* dout, const void* inp, int N, int F) override;
+  void logit_softcap_forward(void* logits, int N, int V, int ldv, float cap) override;
+  void scale_act(void* x, float s, int64_t n) override;
   // Attention by blocks (context parallelism): attention_block.cu. Not yet run on a GPU.
   void attention_block_forward(void* out, float* lse, const AttentionBlock& a) override;
   void attention_block_backward(float* dq, float* dk, float* dv, const void* dout, const void* out, const float* lse,
@@ -141,7 +149,7 @@ class CudaBackend final : public Backend {
   void lm_head_backward(void* dinp, float* dwte, const void* dlogits, const void* inp, const void* wte, int N, int C,
                         int V, int ldv) override;
   void softmax_cross_entropy(float* losses, void* dlogits, const void* logits, const int32_t* targets, int N, int V,
-                             int ldv, float dloss_scale) override;
+                             int ldv, float dloss_scale, float cap = 0.f) override;
   // The adapters' ops (core/model/adapter): adapter_gemm.cu (through the
   // cuBLASLt wrapper), dropout.cu, row_norms.cu, dora.cu. Not yet run on a GPU.
   void gemm(void* c, int ldc, bool c_f32, const void* a, int lda, GemmOp ta, const void* b, int ldb, GemmOp tb,

@@ -1,4 +1,4 @@
-// residual_forward, scale_f32, accumulate_f32: see elementwise.cuh.
+// residual_forward, scale_f32, scale_bf16, accumulate_f32: see elementwise.cuh.
 #include "kernels/cuda/elementwise.cuh"
 
 namespace trainrun::cuda {
@@ -45,6 +45,25 @@ __global__ void scale_f32_kernel(float* x, float s, int64_t n) {
   }
 }
 
+// s is already rounded to bf16 (the launcher), as torch's bf16 scalar tensor.
+template <bool VEC>
+__global__ void scale_bf16_kernel(bf16* x, float s, int64_t n) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  const int64_t start = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (VEC) {
+    const int64_t packs = n / 8;
+    for (int64_t i = start; i < packs; i += stride) {
+      auto p = Pack16<bf16>::load_rw(x + 8 * i);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) p.v[k] = from_float<bf16>(to_float(p.v[k]) * s);
+      p.store(x + 8 * i);
+    }
+    for (int64_t i = packs * 8 + start; i < n; i += stride) x[i] = from_float<bf16>(to_float(x[i]) * s);
+  } else {
+    for (int64_t i = start; i < n; i += stride) x[i] = from_float<bf16>(to_float(x[i]) * s);
+  }
+}
+
 template <bool VEC>
 __global__ void accumulate_f32_kernel(float* dst, const float* src, int64_t n) {
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
@@ -78,6 +97,13 @@ void scale_f32(float* x, float s, int64_t n, cudaStream_t stream) {
   if (n <= 0) return;
   launch_packed<4>(scale_f32_kernel<true>, scale_f32_kernel<false>, aligned16(x), n, stream, x, s, n);
   TR_CUDA_LAUNCH_CHECK("scale_f32");
+}
+
+void scale_bf16(bf16* x, float s, int64_t n, cudaStream_t stream) {
+  if (n <= 0) return;
+  const float sb = __bfloat162float(__float2bfloat16(s));  // round to nearest even, on the host
+  launch_packed<8>(scale_bf16_kernel<true>, scale_bf16_kernel<false>, aligned16(x), n, stream, x, sb, n);
+  TR_CUDA_LAUNCH_CHECK("scale_bf16");
 }
 
 void accumulate_f32(float* dst, const float* src, int64_t n, cudaStream_t stream) {

@@ -1,22 +1,11 @@
 // GELU (tanh approximation), forward and backward: see gelu.cuh.
 #include "kernels/cuda/gelu.cuh"
 
+#include "kernels/cuda/activations.cuh"
+
 namespace trainrun::cuda {
 
 namespace {
-
-constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2/pi)
-
-__device__ __forceinline__ float gelu_f(float x) {
-  const float u = kGeluScale * (x + 0.044715f * x * x * x);
-  return 0.5f * x * (1.0f + tanhf(u));
-}
-__device__ __forceinline__ float gelu_grad_f(float x) {
-  const float u = kGeluScale * (x + 0.044715f * x * x * x);
-  const float th = tanhf(u);
-  const float sech2 = 1.0f - th * th;
-  return 0.5f * (1.0f + th) + 0.5f * x * sech2 * kGeluScale * (1.0f + 3.0f * 0.044715f * x * x);
-}
 
 template <bool VEC>
 __global__ void gelu_forward_kernel(bf16* out, const bf16* inp, int64_t n) {
@@ -29,12 +18,12 @@ __global__ void gelu_forward_kernel(bf16* out, const bf16* inp, int64_t n) {
       const auto x = Pack16<bf16>::load(inp + 8 * i);
       Pack16<bf16> y;
 #pragma unroll
-      for (int k = 0; k < 8; ++k) y.v[k] = from_float<bf16>(gelu_f(to_float(x.v[k])));
+      for (int k = 0; k < 8; ++k) y.v[k] = from_float<bf16>(gelu_tanh_f(to_float(x.v[k])));
       y.store(out + 8 * i);
     }
     tail = packs * 8;
   }
-  for (int64_t i = tail + start; i < n; i += stride) out[i] = from_float<bf16>(gelu_f(to_float(inp[i])));
+  for (int64_t i = tail + start; i < n; i += stride) out[i] = from_float<bf16>(gelu_tanh_f(to_float(inp[i])));
 }
 
 // dinp may alias dout: each element is read, then written, by one thread,
@@ -51,13 +40,13 @@ __global__ void gelu_backward_kernel(bf16* dinp, const bf16* inp, const bf16* do
       const auto g = Pack16<bf16>::load_rw(dout + 8 * i);
       Pack16<bf16> d;
 #pragma unroll
-      for (int k = 0; k < 8; ++k) d.v[k] = from_float<bf16>(gelu_grad_f(to_float(x.v[k])) * to_float(g.v[k]));
+      for (int k = 0; k < 8; ++k) d.v[k] = from_float<bf16>(gelu_tanh_grad_f(to_float(x.v[k])) * to_float(g.v[k]));
       d.store(dinp + 8 * i);
     }
     tail = packs * 8;
   }
   for (int64_t i = tail + start; i < n; i += stride)
-    dinp[i] = from_float<bf16>(gelu_grad_f(to_float(inp[i])) * to_float(dout[i]));
+    dinp[i] = from_float<bf16>(gelu_tanh_grad_f(to_float(inp[i])) * to_float(dout[i]));
 }
 
 }  // namespace

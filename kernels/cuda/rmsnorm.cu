@@ -21,7 +21,8 @@ constexpr int kFwdWarps = 8;  // rows per forward block (one per warp)
 // back, and the second pass re-reads the lane's own stores (coherently).
 template <bool VEC, bool RES>
 __global__ void rmsnorm_forward_kernel(bf16* out, float* rstd, const bf16* inp, const bf16* weight, int N, int C,
-                                       float eps, bf16* res_out, const bf16* res_a, const bf16* res_b) {
+                                       float eps, bf16* res_out, const bf16* res_a, const bf16* res_b,
+                                       float w_offset) {
   const int lane = threadIdx.x & 31;
   const int row = blockIdx.x * kFwdWarps + (threadIdx.x >> 5);
   if (row >= N) return;  // whole warps leave: the shuffles below stay full-warp
@@ -61,24 +62,25 @@ __global__ void rmsnorm_forward_kernel(bf16* out, float* rstd, const bf16* inp, 
     }
   }
   const float r = rsqrtf(warp_sum(ss) / C + eps);
-  // HF: weight * (x * rstd).to(bf16), the product rounded to bf16 again.
+  // HF's LlamaRMSNorm: weight * (x * rstd).to(bf16), the product rounded to
+  // bf16 again. Gemma2RMSNorm (w_offset 1): (x * rstd) * (1 + weight) all in
+  // fp32, rounded once.
+  const bool round_xh = w_offset == 0.0f;
+  auto norm = [&](float xv, float wv) {
+    const float xh = round_xh ? to_float(from_float<bf16>(xv * r)) : xv * r;
+    return from_float<bf16>(xh * (w_offset + wv));
+  };
   if (VEC) {
     for (int c = lane * 8; c < C; c += 256) {
       const auto p = RES ? Pack16<bf16>::load_rw(x + c) : Pack16<bf16>::load(x + c);
       const auto w = Pack16<bf16>::load(weight + c);
       Pack16<bf16> o;
 #pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        const float xh = to_float(from_float<bf16>(to_float(p.v[k]) * r));
-        o.v[k] = from_float<bf16>(xh * to_float(w.v[k]));
-      }
+      for (int k = 0; k < 8; ++k) o.v[k] = norm(to_float(p.v[k]), to_float(w.v[k]));
       o.store(y + c);
     }
   } else {
-    for (int c = lane; c < C; c += 32) {
-      const float xh = to_float(from_float<bf16>(to_float(x[c]) * r));
-      y[c] = from_float<bf16>(xh * to_float(weight[c]));
-    }
+    for (int c = lane; c < C; c += 32) y[c] = norm(to_float(x[c]), to_float(weight[c]));
   }
   if (lane == 0) rstd[row] = r;
 }
@@ -122,7 +124,7 @@ __device__ __forceinline__ void add8(float* p, const float (&v)[8]) {
 template <bool VEC>
 __global__ void __launch_bounds__(kBwdThreads)
     rmsnorm_backward_kernel(bf16* dinp, float* partial, const bf16* dout, const bf16* inp, const bf16* weight,
-                            const float* rstd, int N, int C, int rows_per_block, int teams) {
+                            const float* rstd, int N, int C, int rows_per_block, int teams, float w_offset) {
   extern __shared__ __align__(16) float sh[];
   const int W = kBwdWarps / teams, team_threads = 32 * W;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -150,11 +152,11 @@ __global__ void __launch_bounds__(kBwdThreads)
           const auto xp = Pack16<bf16>::load(x + c), dp = Pack16<bf16>::load(dy + c);
           const auto wp = Pack16<bf16>::load(weight + c);
 #pragma unroll
-          for (int e = 0; e < 8; ++e) sum_gx += to_float(dp.v[e]) * to_float(wp.v[e]) * (to_float(xp.v[e]) * s);
+          for (int e = 0; e < 8; ++e) sum_gx += to_float(dp.v[e]) * (w_offset + to_float(wp.v[e])) * (to_float(xp.v[e]) * s);
         }
       } else {
         for (int c = k; c < C; c += team_threads)
-          sum_gx += to_float(dy[c]) * to_float(weight[c]) * (to_float(x[c]) * s);
+          sum_gx += to_float(dy[c]) * (w_offset + to_float(weight[c])) * (to_float(x[c]) * s);
       }
     }
     sum_gx = warp_sum(sum_gx);
@@ -177,7 +179,7 @@ __global__ void __launch_bounds__(kBwdThreads)
         for (int e = 0; e < 8; ++e) {
           const float xh = to_float(xp.v[e]) * s;
           const float d = to_float(dp.v[e]);
-          gp.v[e] = from_float<bf16>(to_float(gp.v[e]) + s * (d * to_float(wp.v[e]) - xh * sum_gx));
+          gp.v[e] = from_float<bf16>(to_float(gp.v[e]) + s * (d * (w_offset + to_float(wp.v[e])) - xh * sum_gx));
           dw[e] = d * xh;
         }
         add8(sdw + c, dw);
@@ -187,7 +189,7 @@ __global__ void __launch_bounds__(kBwdThreads)
       for (int c = k; c < C; c += team_threads) {
         const float xh = to_float(x[c]) * s;
         const float d = to_float(dy[c]);
-        dx[c] = from_float<bf16>(to_float(dx[c]) + s * (d * to_float(weight[c]) - xh * sum_gx));
+        dx[c] = from_float<bf16>(to_float(dx[c]) + s * (d * (w_offset + to_float(weight[c])) - xh * sum_gx));
         sdw[c] += d * xh;
       }
     }
@@ -259,31 +261,31 @@ void check_eps(const char* op, float eps) {
 // ---- launchers -------------------------------------------------------------------
 
 void rmsnorm_forward(bf16* out, float* rstd, const bf16* inp, const bf16* weight, int N, int C, float eps,
-                     cudaStream_t stream) {
+                     cudaStream_t stream, float w_offset) {
   if (N <= 0 || C <= 0) return;
   check_eps("rmsnorm_forward", eps);
   const int blocks = (N + kFwdWarps - 1) / kFwdWarps;
   if (C % 8 == 0 && aligned16(out) && aligned16(inp) && aligned16(weight)) {
     rmsnorm_forward_kernel<true, false><<<blocks, 32 * kFwdWarps, 0, stream>>>(out, rstd, inp, weight, N, C, eps,
-                                                                              nullptr, nullptr, nullptr);
+                                                                              nullptr, nullptr, nullptr, w_offset);
   } else {
     rmsnorm_forward_kernel<false, false><<<blocks, 32 * kFwdWarps, 0, stream>>>(out, rstd, inp, weight, N, C, eps,
-                                                                               nullptr, nullptr, nullptr);
+                                                                               nullptr, nullptr, nullptr, w_offset);
   }
   TR_CUDA_LAUNCH_CHECK("rmsnorm_forward");
 }
 
 void residual_rmsnorm_forward(bf16* res_out, bf16* out, float* rstd, const bf16* a, const bf16* b, const bf16* weight,
-                              int N, int C, float eps, cudaStream_t stream) {
+                              int N, int C, float eps, cudaStream_t stream, float w_offset) {
   if (N <= 0 || C <= 0) return;
   check_eps("residual_rmsnorm_forward", eps);
   const int blocks = (N + kFwdWarps - 1) / kFwdWarps;
   if (C % 8 == 0 && aligned16(out) && aligned16(res_out) && aligned16(a) && aligned16(b) && aligned16(weight)) {
     rmsnorm_forward_kernel<true, true><<<blocks, 32 * kFwdWarps, 0, stream>>>(out, rstd, nullptr, weight, N, C, eps,
-                                                                             res_out, a, b);
+                                                                             res_out, a, b, w_offset);
   } else {
     rmsnorm_forward_kernel<false, true><<<blocks, 32 * kFwdWarps, 0, stream>>>(out, rstd, nullptr, weight, N, C, eps,
-                                                                              res_out, a, b);
+                                                                              res_out, a, b, w_offset);
   }
   TR_CUDA_LAUNCH_CHECK("residual_rmsnorm_forward");
 }
@@ -296,16 +298,17 @@ size_t rmsnorm_backward_scratch_bytes(int N, int C, int num_sms) {
 }
 
 void rmsnorm_backward(bf16* dinp, float* dweight, const bf16* dout, const bf16* inp, const bf16* weight,
-                      const float* rstd, int N, int C, float* scratch, int num_sms, cudaStream_t stream) {
+                      const float* rstd, int N, int C, float* scratch, int num_sms, cudaStream_t stream,
+                      float w_offset) {
   if (N <= 0 || C <= 0) return;
   const bool vec = bwd_vec(C, dinp, dout, inp, weight);
   const BwdPlan p = bwd_plan(N, C, vec, num_sms);
   if (vec) {
     rmsnorm_backward_kernel<true><<<p.blocks, kBwdThreads, p.smem, stream>>>(dinp, scratch, dout, inp, weight, rstd,
-                                                                             N, C, p.rows_per_block, p.teams);
+                                                                             N, C, p.rows_per_block, p.teams, w_offset);
   } else {
     rmsnorm_backward_kernel<false><<<p.blocks, kBwdThreads, p.smem, stream>>>(dinp, scratch, dout, inp, weight, rstd,
-                                                                              N, C, p.rows_per_block, p.teams);
+                                                                              N, C, p.rows_per_block, p.teams, w_offset);
   }
   TR_CUDA_LAUNCH_CHECK("rmsnorm_backward");
   rmsnorm_backward_finish_kernel<<<grid_for(C, 256, 1024), 256, 0, stream>>>(dweight, scratch, p.blocks, C);

@@ -18,6 +18,9 @@
 // autograd would use the rounded xhat for dweight, which differs by one
 // bf16 rounding per term, well below bf16 training noise.
 // eps comes from the call (config.json's rms_norm_eps), never a constant.
+// w_offset 1 (Gemma 2's Gemma2RMSNorm, weights stored around 0): out =
+// bf16((inp * rstd) * (1 + weight)) all in fp32, one rounding, as HF
+// computes it; the backward reads (w_offset + weight) for weight.
 //
 // Forward: one warp per row (8 rows per block), sum of squares in fp32, then
 // a second pass over the row (from L1/L2) to normalise; 16-byte packs when C
@@ -46,14 +49,15 @@
 namespace trainrun::cuda {
 
 void rmsnorm_forward(bf16* out, float* rstd, const bf16* inp, const bf16* weight, int N, int C, float eps,
-                     cudaStream_t stream);
+                     cudaStream_t stream, float w_offset = 0.f);
 
 // res_out must not alias a or b.
 void residual_rmsnorm_forward(bf16* res_out, bf16* out, float* rstd, const bf16* a, const bf16* b, const bf16* weight,
-                              int N, int C, float eps, cudaStream_t stream);
+                              int N, int C, float eps, cudaStream_t stream, float w_offset = 0.f);
 
 size_t rmsnorm_backward_scratch_bytes(int N, int C, int num_sms);
 void rmsnorm_backward(bf16* dinp, float* dweight, const bf16* dout, const bf16* inp, const bf16* weight,
-                      const float* rstd, int N, int C, float* scratch, int num_sms, cudaStream_t stream);
+                      const float* rstd, int N, int C, float* scratch, int num_sms, cudaStream_t stream,
+                      float w_offset = 0.f);
 
 }  // namespace trainrun::cuda

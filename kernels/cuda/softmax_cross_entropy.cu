@@ -25,7 +25,7 @@ struct MaxSum {
 // is even-aligned so a 16-byte boundary lies within the first 8 elements).
 // vec_d: dlogits has the same alignment as logits, so its packs line up.
 __global__ void softmax_ce_kernel(float* losses, bf16* dlogits, const bf16* logits, const int32_t* targets, int V,
-                                  int64_t ldv, float dloss_scale, bool vec, bool vec_d) {
+                                  int64_t ldv, float dloss_scale, bool vec, bool vec_d, float cap) {
   __shared__ float red[32];
   const int64_t n = blockIdx.x;
   const bf16* z = logits + n * ldv;
@@ -60,7 +60,11 @@ __global__ void softmax_ce_kernel(float* losses, bf16* dlogits, const bf16* logi
   if (threadIdx.x == 0) losses[n] = lse - zt;
   if (!d) return;
 
-  auto grad = [&](int v, float x) { return dloss_scale * (__expf(x - lse) - (v == tgt ? 1.0f : 0.0f)); };
+  const float inv_cap = cap > 0.0f ? 1.0f / cap : 0.0f;  // 0: no cap, the factor below is 1
+  auto grad = [&](int v, float x) {
+    const float t = x * inv_cap;
+    return dloss_scale * (__expf(x - lse) - (v == tgt ? 1.0f : 0.0f)) * (1.0f - t * t);
+  };
   if (vec && vec_d) {
     for (int v = threadIdx.x; v < head; v += blockDim.x) d[v] = from_float<bf16>(grad(v, to_float(z[v])));
     for (int i = threadIdx.x; i < body; i += blockDim.x) {
@@ -80,14 +84,15 @@ __global__ void softmax_ce_kernel(float* losses, bf16* dlogits, const bf16* logi
 }  // namespace
 
 void softmax_cross_entropy(float* losses, bf16* dlogits, const bf16* logits, const int32_t* targets, int N, int V,
-                           int64_t ldv, float dloss_scale, cudaStream_t stream) {
+                           int64_t ldv, float dloss_scale, cudaStream_t stream, float cap) {
+  TR_CHECK(cap >= 0.f, "softmax_cross_entropy: the soft-cap ", cap, " must be >= 0 (0 = none)");
   if (N <= 0 || V <= 0) return;
   // Every row starts on an even address; a 16-byte vector body exists when
   // rows are long enough to be worth it.
   const bool vec = V >= 64;
   const bool vec_d = dlogits && ((reinterpret_cast<uintptr_t>(dlogits) - reinterpret_cast<uintptr_t>(logits)) & 15) == 0;
   softmax_ce_kernel<<<N, kThreads, 0, stream>>>(losses, dlogits, logits, targets, V, ldv, dloss_scale, vec,
-                                                 vec_d);
+                                                 vec_d, cap);
   TR_CUDA_LAUNCH_CHECK("softmax_cross_entropy");
 }
 

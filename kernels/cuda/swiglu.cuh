@@ -1,4 +1,7 @@
-// SwiGLU, the Llama MLP's activation, forward and backward.
+// The gated MLP activations, forward and backward: SwiGLU (Llama's MLP) and
+// GeGLU (Gemma 2's: gelu with the tanh approximation in silu's place,
+// HF's gelu_pytorch_tanh; act and act' in activations.cuh). For GeGLU read
+// gelu_tanh for silu below.
 //
 // inp (N, 2F) bf16 is the fused gate|up GEMM's output: per row, gate g =
 // inp[:F], up u = inp[F:]. With sigma(x) = 1/(1+e^-x), silu(x) = x sigma(x):
@@ -24,5 +27,7 @@ namespace trainrun::cuda {
 
 void swiglu_forward(bf16* out, const bf16* inp, int N, int F, cudaStream_t stream);
 void swiglu_backward(bf16* dinp, const bf16* dout, const bf16* inp, int N, int F, cudaStream_t stream);
+void geglu_forward(bf16* out, const bf16* inp, int N, int F, cudaStream_t stream);
+void geglu_backward(bf16* dinp, const bf16* dout, const bf16* inp, int N, int F, cudaStream_t stream);
 
 }  // namespace trainrun::cuda

@@ -61,7 +61,7 @@ __global__ void ce_sumexp_kernel(float* stats, const bf16* logits, const int32_t
 
 __global__ void ce_finish_kernel(float* losses, bf16* dlogits, const bf16* logits, const int32_t* targets,
                                  const float* rowmax, const float* stats, int v_begin, int N, int V, int64_t ldv,
-                                 float dloss_scale) {
+                                 float dloss_scale, float cap) {
   const int n = blockIdx.x;
   const int t = targets[n];
   bf16* d = dlogits ? dlogits + int64_t(n) * ldv : nullptr;
@@ -75,8 +75,10 @@ __global__ void ce_finish_kernel(float* losses, bf16* dlogits, const bf16* logit
   if (threadIdx.x == 0) losses[n] = lse - stats[N + n];
   if (!d) return;
   const bf16* z = logits + int64_t(n) * ldv;
+  const float inv_cap = cap > 0.0f ? 1.0f / cap : 0.0f;  // 0: no cap, the factor is 1
   for (int v = threadIdx.x; v < V; v += blockDim.x) {
-    const float g = __expf(to_float(z[v]) - lse) - (v + v_begin == t ? 1.0f : 0.0f);
+    const float x = to_float(z[v]), c = x * inv_cap;  // read before this thread overwrites it
+    const float g = (__expf(x - lse) - (v + v_begin == t ? 1.0f : 0.0f)) * (1.0f - c * c);
     d[v] = from_float<bf16>(dloss_scale * g);
   }
 }
@@ -138,10 +140,11 @@ void vocab_ce_sumexp(float* stats, const bf16* logits, const int32_t* targets, c
 
 void vocab_ce_finish(float* losses, bf16* dlogits, const bf16* logits, const int32_t* targets, const float* rowmax,
                      const float* stats, int v_begin, int N, int V, int64_t ldv, float dloss_scale,
-                     cudaStream_t stream) {
+                     cudaStream_t stream, float cap) {
+  TR_CHECK(cap >= 0.f, "vocab_ce_finish: the soft-cap ", cap, " must be >= 0 (0 = none)");
   if (N <= 0) return;
   ce_finish_kernel<<<N, kRowThreads, 0, stream>>>(losses, dlogits, logits, targets, rowmax, stats, v_begin, N, V, ldv,
-                                                  dloss_scale);
+                                                  dloss_scale, cap);
   TR_CUDA_LAUNCH_CHECK("vocab_ce_finish");
 }
 

@@ -9,7 +9,8 @@
 //                             a scratch table when dwpe is null. Scratch: vocab_embedding_backward_scratch_bytes.
 //   vocab_ce_max              rowmax(N): one block per row.
 //   vocab_ce_sumexp           stats(2N): sum exp(z - rowmax), the target's logit when held (else 0).
-//   vocab_ce_finish           losses = log(S) + M - z_t; dlogits (may alias logits) = scale * (softmax - onehot).
+//   vocab_ce_finish           losses = log(S) + M - z_t; dlogits (may alias logits) = scale * (softmax - onehot),
+//                             times 1 - (z / cap)^2 when cap > 0 (soft-capped logits: softmax_cross_entropy.cuh).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -32,6 +33,6 @@ void vocab_ce_sumexp(float* stats, const bf16* logits, const int32_t* targets, c
                      int V, int64_t ldv, cudaStream_t stream);
 void vocab_ce_finish(float* losses, bf16* dlogits, const bf16* logits, const int32_t* targets, const float* rowmax,
                      const float* stats, int v_begin, int N, int V, int64_t ldv, float dloss_scale,
-                     cudaStream_t stream);
+                     cudaStream_t stream, float cap = 0.f);
 
 }  // namespace trainrun::cuda

@@ -47,6 +47,12 @@ class RecordingCommunicator final : public ForwardingCommunicator {
     note("all_to_all", bytes);
     inner_->all_to_all(out, in, bytes);
   }
+  void all_to_all_v(void* out, const size_t* recv_bytes, const void* in, const size_t* send_bytes) override {
+    uint64_t sent = 0;
+    for (int p = 0; p < world_size(); ++p) sent += send_bytes[p];
+    note("all_to_all_v", sent);
+    inner_->all_to_all_v(out, recv_bytes, in, send_bytes);
+  }
   std::unique_ptr<PendingCollective> all_gather_deferred(void* out, const void* in, size_t bytes,
                                                          const std::shared_ptr<void>& after) override {
     note("all_gather", bytes);

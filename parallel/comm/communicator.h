@@ -98,6 +98,18 @@ class Communicator {
   // single-rank and the shared-memory pair implement it; NCCL as grouped
   // send/recv. The default is an Error naming the communicator.
   virtual void all_to_all(void* out, const void* in, size_t bytes_per_rank);
+  // all_to_all with a size per peer (expert parallelism's token dispatch and
+  // combine: how many rows go to each expert's rank changes every step).
+  // in: world_size blocks back to back, block j send_bytes[j] long, for
+  // rank j; out: world_size blocks back to back, block i recv_bytes[i] long,
+  // from rank i. recv_bytes[i] here must equal send_bytes[me] on rank i: the
+  // caller learns the sizes first (one all_to_all of the counts), as every
+  // MoE dispatch does, so no size travels twice. Zero sizes are fine. in and
+  // out must not overlap. A size that disagrees with its peer's is an Error
+  // where the transport can see it (the shared-memory pair's frame, NCCL's
+  // and Gloo's transfers), never a silent short read. The default is an
+  // Error naming the communicator.
+  virtual void all_to_all_v(void* out, const size_t* recv_bytes, const void* in, const size_t* send_bytes);
 
   // bf16 (bit patterns) all_reduce and reduce_scatter, for activations and
   // act-dtype gradients (tensor parallelism on the GPU). all_gather moves
@@ -230,6 +242,10 @@ inline void Communicator::reduce_scatter_bf16(uint16_t* out, const uint16_t* in,
 
 inline void Communicator::all_to_all(void*, const void*, size_t) {
   TR_FAIL(describe("all_to_all"), ": the ", name(), " communicator has no all_to_all");
+}
+
+inline void Communicator::all_to_all_v(void*, const size_t*, const void*, const size_t*) {
+  TR_FAIL(describe("all_to_all_v"), ": the ", name(), " communicator has no all_to_all_v");
 }
 
 inline void Communicator::send_recv(const void*, size_t, int send_to, void*, size_t, int recv_from, uint32_t) {

@@ -86,6 +86,10 @@ class OrderedCommunicator final : public ForwardingCommunicator {
     EnqueueOrder::Turn t(order_);
     inner_->all_to_all(out, in, bytes);
   }
+  void all_to_all_v(void* out, const size_t* recv_bytes, const void* in, const size_t* send_bytes) override {
+    EnqueueOrder::Turn t(order_);
+    inner_->all_to_all_v(out, recv_bytes, in, send_bytes);
+  }
   std::unique_ptr<PendingCollective> all_gather_deferred(void* out, const void* in, size_t bytes,
                                                          const std::shared_ptr<void>& after) override {
     EnqueueOrder::Turn t(order_);

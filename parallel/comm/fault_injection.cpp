@@ -107,6 +107,11 @@ class FaultyCommunicator final : public Communicator {
     inner_->all_to_all(out, in, bytes);
     after("all_to_all");
   }
+  void all_to_all_v(void* out, const size_t* recv_bytes, const void* in, const size_t* send_bytes) override {
+    faulting();
+    inner_->all_to_all_v(out, recv_bytes, in, send_bytes);
+    after("all_to_all_v");
+  }
   void all_reduce_bf16(uint16_t* buf, int64_t count, ReduceOp op) override {
     faulting();
     inner_->all_reduce_bf16(buf, count, op);

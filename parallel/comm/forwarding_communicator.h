@@ -42,6 +42,9 @@ class ForwardingCommunicator : public Communicator {
   void all_to_all(void* out, const void* in, size_t bytes_per_rank) override {
     inner_->all_to_all(out, in, bytes_per_rank);
   }
+  void all_to_all_v(void* out, const size_t* recv_bytes, const void* in, const size_t* send_bytes) override {
+    inner_->all_to_all_v(out, recv_bytes, in, send_bytes);
+  }
   void all_reduce_bf16(uint16_t* buf, int64_t count, ReduceOp op) override { inner_->all_reduce_bf16(buf, count, op); }
   void reduce_scatter_bf16(uint16_t* out, const uint16_t* in, int64_t count_per_rank, ReduceOp op) override {
     inner_->reduce_scatter_bf16(out, in, count_per_rank, op);

@@ -36,6 +36,7 @@
 
 #include <gloo/allgather.h>
 #include <gloo/alltoall.h>
+#include <gloo/alltoallv.h>
 #include <gloo/allreduce.h>
 #include <gloo/barrier.h>
 #include <gloo/broadcast.h>
@@ -277,7 +278,11 @@ class GlooCommunicator final : public Communicator {
   }
 
   void all_to_all(void* out, const void* in, size_t bytes_per_rank) override {
-    const char* what = "all_to_all";
+    all_to_all_as("all_to_all", out, in, bytes_per_rank);
+  }
+
+  // all_to_all under another collective's name (all_to_all_v's size exchange).
+  void all_to_all_as(const char* what, void* out, const void* in, size_t bytes_per_rank) {
     check_usable(what);
     if (bytes_per_rank == 0) return;
     const size_t total = bytes_per_rank * static_cast<size_t>(world_size());
@@ -290,6 +295,53 @@ class GlooCommunicator final : public Communicator {
       opts.setTimeout(timeout_);
       gloo::alltoall(opts);
     });
+  }
+
+  // Gloo completes a receive posted longer than the message that arrives
+  // (a short read, no error), so the sizes travel first: one all_to_all of
+  // W counts, which on the CPU costs far less than the rows that follow. A
+  // rank whose recv_bytes disagree with what its peers announce still takes
+  // part in the exchange (into scratch, at the announced sizes) so the
+  // others complete, then fails naming the peer and both sizes.
+  void all_to_all_v(void* out, const size_t* recv_bytes, const void* in, const size_t* send_bytes) override {
+    const char* what = "all_to_all_v";
+    check_usable(what);
+    const int W = world_size();
+    if (W == 1) {
+      TR_CHECK(recv_bytes[0] == send_bytes[0], where(what), ": receives ", recv_bytes[0],
+               " bytes from itself but sends ", send_bytes[0]);
+      if (send_bytes[0] > 0) std::memmove(out, in, send_bytes[0]);
+      return;
+    }
+    std::vector<uint64_t> announce(send_bytes, send_bytes + W), announced(static_cast<size_t>(W));
+    all_to_all_as(what, announced.data(), announce.data(), sizeof(uint64_t));
+    int wrong = -1;
+    std::vector<int64_t> sends(static_cast<size_t>(W)), recvs(static_cast<size_t>(W));
+    size_t send_total = 0, recv_total = 0;
+    for (int p = 0; p < W; ++p) {
+      if (wrong < 0 && announced[size_t(p)] != recv_bytes[p]) wrong = p;
+      sends[size_t(p)] = int64_t(send_bytes[p]);
+      recvs[size_t(p)] = int64_t(announced[size_t(p)]);
+      send_total += send_bytes[p];
+      recv_total += announced[size_t(p)];
+    }
+    std::vector<uint8_t> scratch(wrong >= 0 ? recv_total : 0);
+    // Gloo's buffers must be non-null even when every size is 0 (the
+    // exchange still runs: a peer may send to us while we send nothing).
+    uint8_t dummy_in = 0, dummy_out = 0;
+    uint8_t* src = send_total ? static_cast<uint8_t*>(const_cast<void*>(in)) : &dummy_in;
+    uint8_t* dst = wrong >= 0 ? (recv_total ? scratch.data() : &dummy_out)
+                              : (recv_total ? static_cast<uint8_t*>(out) : &dummy_out);
+    guarded(what, -1, [&] {
+      gloo::AlltoallvOptions opts(ctx_);
+      opts.setInput(src, sends);  // Gloo only reads its input; its API takes a non-const pointer
+      opts.setOutput(dst, recvs);
+      opts.setTimeout(timeout_);
+      gloo::alltoallv(opts);
+    });
+    TR_CHECK(wrong < 0, where(what), ": rank ", wrong, " sends ", wrong < 0 ? 0 : announced[size_t(wrong)],
+             " bytes here but this rank expects ", wrong < 0 ? 0 : recv_bytes[wrong],
+             "; the ranks disagree on the sizes (exchange the counts first, from the same routing)");
   }
 
   void broadcast(void* buf, size_t bytes, int root) override {

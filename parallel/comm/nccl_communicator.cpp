@@ -279,6 +279,42 @@ class NcclCommunicator final : public Communicator {
     copy_out(out, st + total, total);
   }
 
+  // As all_to_all with a size per peer: one group of ncclSend/ncclRecv at
+  // the packed offsets (zero sizes included: NCCL matches them as no-ops on
+  // both sides). Host memory goes through the staging buffer.
+  void all_to_all_v(void* out, const size_t* recv_bytes, const void* in, const size_t* send_bytes) override {
+    const char* what = "all_to_all_v";
+    check_usable(what);
+    std::vector<size_t> soff(size_t(world_) + 1, 0), roff(size_t(world_) + 1, 0);
+    for (int p = 0; p < world_; ++p) {
+      soff[size_t(p) + 1] = soff[size_t(p)] + send_bytes[p];
+      roff[size_t(p) + 1] = roff[size_t(p)] + recv_bytes[p];
+    }
+    const size_t send_total = soff.back(), recv_total = roff.back();
+    if (world_ == 1) {
+      TR_CHECK(recv_bytes[0] == send_bytes[0], where(what), ": receives ", recv_bytes[0],
+               " bytes from itself but sends ", send_bytes[0]);
+      return local_copy(out, in, send_total);
+    }
+    auto exchange = [&](const char* src, char* dst) {
+      ncclResult_t r = ncclSuccess;
+      for (int p = 0; p < world_ && (r == ncclSuccess || r == ncclInProgress); ++p) {
+        r = ncclSend(src + soff[size_t(p)], send_bytes[p], ncclInt8, p, comm_, stream());
+        if (r == ncclSuccess || r == ncclInProgress)
+          r = ncclRecv(dst + roff[size_t(p)], recv_bytes[p], ncclInt8, p, comm_, stream());
+      }
+      return r;
+    };
+    if ((send_total == 0 || is_device_pointer(in)) && (recv_total == 0 || is_device_pointer(out))) {
+      run(what, [&] { return exchange(static_cast<const char*>(in), static_cast<char*>(out)); });
+      return;
+    }
+    char* st = static_cast<char*>(staging(send_total + recv_total));
+    copy_in(st, in, send_total);
+    run(what, [&] { return exchange(st, st + send_total); }, true);
+    copy_out(out, st + send_total, recv_total);
+  }
+
   // Stream-ordered like all_gather, but the compute stream's wait is the
   // handle's (a second event recorded after the collective on the comm stream).
   std::shared_ptr<void> compute_point() override {

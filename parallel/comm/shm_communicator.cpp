@@ -185,6 +185,22 @@ class ShmCommunicator final : public Communicator {
               static_cast<char*>(out) + size_t(peer) * bytes_per_rank, bytes_per_rank, peer, kAllToAllTag);
   }
 
+  // Of a pair: block `rank_` is a copy, the peer's one transfer each way
+  // (always, even of 0 bytes, so a size that disagrees with the peer's is the
+  // frame check's Error, not a hang).
+  void all_to_all_v(void* out, const size_t* recv_bytes, const void* in, const size_t* send_bytes) override {
+    const int peer = 1 - rank_;
+    TR_CHECK(recv_bytes[rank_] == send_bytes[rank_], where("all_to_all_v"), ": receives ", recv_bytes[rank_],
+             " bytes from itself but sends ", send_bytes[rank_]);
+    // Blocks are packed in rank order: block 1 starts after block 0.
+    const size_t in_mine = rank_ == 0 ? 0 : send_bytes[0], in_peer = peer == 0 ? 0 : send_bytes[0];
+    const size_t out_mine = rank_ == 0 ? 0 : recv_bytes[0], out_peer = peer == 0 ? 0 : recv_bytes[0];
+    if (send_bytes[rank_] > 0)
+      std::memcpy(static_cast<char*>(out) + out_mine, static_cast<const char*>(in) + in_mine, send_bytes[rank_]);
+    send_recv(static_cast<const char*>(in) + in_peer, send_bytes[peer], peer, static_cast<char*>(out) + out_peer,
+              recv_bytes[peer], peer, kAllToAllTag);
+  }
+
   void send_recv(const void* send_buf, size_t send_bytes, int send_to, void* recv_buf, size_t recv_bytes,
                  int recv_from, uint32_t tag) override {
     const char* what = "send_recv";

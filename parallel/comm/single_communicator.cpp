@@ -41,6 +41,11 @@ class SingleCommunicator final : public Communicator {
   void all_to_all(void* out, const void* in, size_t bytes_per_rank) override {
     if (bytes_per_rank > 0 && out != in) std::memmove(out, in, bytes_per_rank);
   }
+  void all_to_all_v(void* out, const size_t* recv_bytes, const void* in, const size_t* send_bytes) override {
+    TR_CHECK(recv_bytes[0] == send_bytes[0], "all_to_all_v (single rank): receives ", recv_bytes[0],
+             " bytes from itself but sends ", send_bytes[0]);
+    if (send_bytes[0] > 0 && out != in) std::memmove(out, in, send_bytes[0]);
+  }
 
   // Buffers may be device memory (a one-GPU job): nothing here touches them
   // on the host. Over one rank a reduction is the identity.

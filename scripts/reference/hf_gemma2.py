@@ -15,6 +15,14 @@
       parameter, and 'uncapped_absmax' (max |logit| before the final cap, so
       the test can see that the cap bites).
 
+  hf_gemma2.py logits --model DIR --batch BATCH.safetensors --out OUT.safetensors
+                      [--prompt "ID ..." --generate-model DIR2 --max-new-tokens N]
+      from_pretrained(DIR) (eager attention; exit 1 unless every tensor
+      loads cleanly) and its fp32 'logits' of BATCH's inputs into OUT; with
+      --prompt, then prints model.generate's greedy continuation of the ids
+      from DIR2 (without a KV cache: 4.44's HybridCache needs a newer torch;
+      one python start for both).
+
 Offline, in the repo's .venv (transformers 4.44.2).
 """
 import argparse
@@ -28,6 +36,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import Gemma2Config, Gemma2ForCausalLM  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
 
 
 def make_config(a):
@@ -37,7 +46,8 @@ def make_config(a):
                         rope_theta=10000.0, tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh",
                         attn_logit_softcapping=a.attn_softcap, final_logit_softcapping=a.final_softcap,
                         query_pre_attn_scalar=a.query_scalar, sliding_window=a.window,
-                        attn_implementation="eager", torch_dtype="float32")
+                        attn_implementation="eager", torch_dtype="float32",
+                        bos_token_id=None, eos_token_id=None)  # no end token: generate runs its whole length
 
 
 def cmd_random(a):
@@ -67,6 +77,36 @@ def cmd_random(a):
     return 0
 
 
+def load_clean(path):
+    hf_logging.set_verbosity_error()
+    model, info = Gemma2ForCausalLM.from_pretrained(path, local_files_only=True, output_loading_info=True,
+                                                    torch_dtype=torch.float32, attn_implementation="eager")
+    problems = {k: v for k, v in info.items() if v}
+    if problems:
+        print(f"from_pretrained({path}) did not load cleanly: {problems}", file=sys.stderr)
+        sys.exit(1)
+    model.eval()
+    return model
+
+
+def cmd_logits(a):
+    model = load_clean(a.model)
+    with torch.no_grad():
+        logits = model(load_file(a.batch)["inputs"].to(torch.long), use_cache=False).logits
+    save_file({"logits": logits.float().contiguous()}, a.out)
+    if a.prompt:
+        gen = load_clean(a.generate_model)
+        ids = torch.tensor([[int(t) for t in a.prompt.split()]], dtype=torch.long)
+        # Without a cache: 4.44's Gemma 2 cache (HybridCache) needs torch._dynamo, which the
+        # test venv's torch 1.13 lacks; greedy decoding recomputing every step is the same function.
+        gen.generation_config.cache_implementation = None
+        with torch.no_grad():
+            out = gen.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=a.max_new_tokens,
+                               min_new_tokens=a.max_new_tokens, do_sample=False, use_cache=False, pad_token_id=0)
+        print(" ".join(str(int(t)) for t in out[0].tolist()))
+    return 0
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -82,8 +122,15 @@ def main(argv=None):
     rd.add_argument("--seed", type=int, default=0)
     rd.add_argument("--batch")
     rd.add_argument("--out-ref")
+    lg = sub.add_parser("logits")
+    lg.add_argument("--model", required=True)
+    lg.add_argument("--batch", required=True)
+    lg.add_argument("--out", required=True)
+    lg.add_argument("--prompt", default="")
+    lg.add_argument("--generate-model")
+    lg.add_argument("--max-new-tokens", type=int, default=0)
     a = ap.parse_args(argv)
-    return {"random": cmd_random}[a.cmd](a)
+    return {"random": cmd_random, "logits": cmd_logits}[a.cmd](a)
 
 
 if __name__ == "__main__":

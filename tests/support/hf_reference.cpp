@@ -2,6 +2,9 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
+#include <random>
+
 #include "core/io/safetensors.h"
 #include "kernels/backend_factory.h"
 #include "tests/support/device_io.h"
@@ -40,6 +43,90 @@ std::vector<float> hf_logits_of(const std::string& script, const std::string& di
   INFO(r.err);
   REQUIRE(r.exit_code == 0);
   return read_safetensors(tmp / "logits.safetensors").find("logits")->as_f32();
+}
+
+std::vector<int32_t> random_tokens(size_t n, int V, uint64_t seed) {
+  std::mt19937_64 gen(seed);
+  std::uniform_int_distribution<int> d(0, V - 1);
+  std::vector<int32_t> t(n);
+  for (auto& x : t) x = d(gen);
+  return t;
+}
+
+void write_token_batch(const std::string& path, const std::vector<int32_t>& in, const std::vector<int32_t>& tg,
+                       int B, int T) {
+  REQUIRE(in.size() == size_t(B) * size_t(T));
+  REQUIRE(tg.size() == in.size());
+  SafeTensorFile batch;
+  batch.tensors.push_back(make_tensor("inputs", "I32", {B, T}, in.data()));
+  batch.tensors.push_back(make_tensor("targets", "I32", {B, T}, tg.data()));
+  write_safetensors(path, batch);
+}
+
+std::vector<float> flat_from_hf(const ModelArch& arch, const std::string& dir) {
+  const std::string path = dir + "/model.safetensors";
+  const SafeTensorFile w = read_safetensors(path);
+  std::vector<float> flat(size_t(arch.layout().total));
+  for (const auto& t : arch.layout().tensors) {
+    const HfTensor h = arch.hf_tensor(t);
+    const SafeTensor* s = w.find(h.name);
+    if (!s) FAIL(path << " has no tensor '" << h.name << "' (ours: " << t.name << ")");
+    INFO(h.name);
+    REQUIRE(s->shape == h.hf_shape(t.shape));
+    const std::vector<float> v = s->as_f32();
+    float* dst = flat.data() + t.offset;
+    if (h.fused()) {  // our rows [fused_row, fused_row + rows) of HF's tensor
+      const size_t row = size_t(t.numel / t.shape[0]);
+      std::copy(v.begin() + h.fused_row * row, v.begin() + (h.fused_row + t.shape[0]) * row, dst);
+    } else if (h.transposed) {  // HF (in, out) -> ours (out, in)
+      const int64_t R = t.shape[0], K = t.shape[1];
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t k = 0; k < K; ++k) dst[r * K + k] = v[size_t(k * R + r)];
+    } else {
+      std::copy(v.begin(), v.end(), dst);
+    }
+  }
+  return flat;
+}
+
+NetworkRun run_network(const ModelArch& arch, const std::vector<float>& flat, const std::vector<int32_t>& in,
+                       const std::vector<int32_t>& tg, int B, int T, bool activation_checkpointing) {
+  auto be = make_cpu_backend(2);
+  const ParamLayout& lay = arch.layout();
+  const int V = arch.config().V;
+  auto net = arch.make_network(be.get(), B, activation_checkpointing);
+  DeviceBuffer p = upload_act(be.get(), flat);
+  DeviceBuffer g(be.get(), size_t(lay.total) * 4);
+  be->zero(g.get(), size_t(lay.total) * 4);
+  DeviceBuffer din = upload_i32(be.get(), in), dtg = upload_i32(be.get(), tg);
+  FlatUnitAccess units(lay, p.get(), g.as<float>(), be->act_dtype());
+  NetworkRun r;
+  net->forward(units, din.as<int32_t>(), dtg.as<int32_t>(), B, T, false, 1.0f);
+  const int ld = net->logits_stride();
+  const std::vector<float> padded = download_act(be.get(), net->logits(), size_t(B) * T * ld);
+  for (int n = 0; n < B * T; ++n)
+    r.logits.insert(r.logits.end(), padded.begin() + size_t(n) * ld, padded.begin() + size_t(n) * ld + V);
+  net->forward(units, din.as<int32_t>(), dtg.as<int32_t>(), B, T, true, 1.0f / float(B * T));
+  net->backward(units);
+  r.losses = download_f32(be.get(), net->losses(), size_t(B) * T);
+  r.grads = download_f32(be.get(), g.get(), size_t(lay.total));
+  return r;
+}
+
+std::vector<int32_t> greedy_ids(const ModelArch& arch, const std::vector<float>& flat, std::vector<int32_t> ids,
+                                int n) {
+  auto be = make_cpu_backend(1);
+  auto dec = arch.make_decoder(be.get(), int(ids.size()) + n);
+  DeviceBuffer p = upload_act(be.get(), flat);
+  FlatUnitAccess units(arch.layout(), p.get(), nullptr, be->act_dtype());
+  std::vector<float> logits;
+  dec->feed(units, ids.data(), int(ids.size()), logits);
+  for (int i = 0; i < n; ++i) {
+    const int32_t next = int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
+    ids.push_back(next);
+    if (i + 1 < n) dec->feed(units, &next, 1, logits);
+  }
+  return ids;
 }
 
 }  // namespace trainrun::test

@@ -1,8 +1,9 @@
 // Logits on both sides of a Hugging Face cross-check: trainrun's own for
 // whole-model weights (CPU backend) and transformers' for a saved directory
 // (the test venv running scripts/reference/hf_gpt2.py or hf_llama.py).
-// Shared by the export tests and every test that exports a run and reloads
-// it in transformers (test_export.cpp, test_pipeline_runtime.cpp).
+// Shared by the export tests, every test that exports a run and reloads
+// it in transformers (test_export.cpp, test_pipeline_runtime.cpp), and the
+// model families' cross-checks (below).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -27,5 +28,36 @@ std::vector<float> logits_of(const ModelArch& arch, const std::vector<float>& fl
 // missing or unexpected keys). The batch and logits files go in `tmp`.
 std::vector<float> hf_logits_of(const std::string& script, const std::string& dir, const std::vector<int32_t>& in,
                                 int B, int T, const TempDir& tmp);
+
+// ---- What every model family's cross-check against transformers needs ----
+// (test_qwen2/qwen3/phi3/gemma2/mistral/...: one copy here, not one per file.)
+
+// n uniform tokens in [0, V), from `seed`.
+std::vector<int32_t> random_tokens(size_t n, int V, uint64_t seed);
+
+// PATH: a safetensors file with int32 'inputs' and 'targets' (B, T): the
+// --batch the reference scripts' `random` command reads.
+void write_token_batch(const std::string& path, const std::vector<int32_t>& in, const std::vector<int32_t>& tg,
+                       int B, int T);
+
+// The weights of a saved HF directory (DIR/model.safetensors) in the arch's
+// flat layout, by ModelArch::hf_tensor (transposed tensors and row ranges of
+// fused ones included). A missing or mis-shaped tensor fails the test,
+// naming it.
+std::vector<float> flat_from_hf(const ModelArch& arch, const std::string& dir);
+
+// One fp32 pass of the arch's training network on the CPU backend: the
+// logits of a forward-only pass (B, T, V; padded vocab rows cut off), then
+// one forward + backward (dloss_scale 1/(B*T), i.e. the mean loss) into
+// zeroed gradients: the per-token losses and every parameter's gradient.
+struct NetworkRun {
+  std::vector<float> logits, losses, grads;
+};
+NetworkRun run_network(const ModelArch& arch, const std::vector<float>& flat, const std::vector<int32_t>& in,
+                       const std::vector<int32_t>& tg, int B, int T, bool activation_checkpointing = false);
+
+// Greedy decoding with the arch's KV-cached decoder: prompt `ids` then n
+// tokens (argmax, first index on ties, as torch's).
+std::vector<int32_t> greedy_ids(const ModelArch& arch, const std::vector<float>& flat, std::vector<int32_t> ids, int n);
 
 }  // namespace trainrun::test

@@ -12,21 +12,25 @@
 //    final_logit_softcapping (final_softcap), the loss's gradient through it;
 //  - a sliding window on the even layers (layer_idx % 2 == 0; window_period 2);
 //  - head_dim independent of hidden_size / heads, the LM head tied.
-// What is Gemma 2's own is here: config.json (Gemma2Config's keys and
-// defaults, what it has that trainrun refuses) and the name. The tensor
-// names are HF's.
+// What is Gemma 2's own is here: config.json both ways (Gemma2Config's keys
+// and defaults, what it has that trainrun refuses), the name, and the four
+// values a job spec carries (model.attn_softcap, final_softcap, query_scale,
+// sliding_window): shape keys (a preset or config.json fills them, a
+// disagreeing job is an error naming both), our files' metadata and the
+// checkpoint manifest. The tensor names are HF's. Tensor parallelism caps
+// each rank's vocabulary columns and the vocab-parallel cross-entropy takes
+// the cap (Backend::vocab_ce_finish).
 //
-// Not done yet (issue #26): the sliding window itself (the network refuses a
-// seq_len above sliding_window until the attention ops have it), job-spec
-// fields for these features (so model.arch gemma2 / model.init_from are not
-// open yet: the registry marks it not implemented), the CUDA kernels of the
-// new options, tensor parallelism with the final cap. The KV-cached decoder
-// (LlamaDecoder) computes it.
+// Not done yet (issue #26): the sliding window itself (the network and the
+// decoder refuse a sequence longer than sliding_window until the attention
+// ops have it), and the attention's soft-cap and scale in the CUDA attention
+// kernels (the CUDA backend refuses them by name).
 #pragma once
 #include <map>
 #include <memory>
 #include <nlohmann/json_fwd.hpp>
 #include <string>
+#include <vector>
 
 #include "core/model/llama/llama_arch.h"
 
@@ -37,12 +41,21 @@ class Gemma2Arch final : public LlamaArch {
   explicit Gemma2Arch(const ModelConfig& cfg);
 
   std::string display_name() const override { return "Gemma 2"; }
+  std::string describe() const override;
   std::string hf_model_type() const override { return "gemma2"; }
   nlohmann::ordered_json hf_config_json() const override;
+  // Llama's, and Gemma 2's four values (model.attn_softcap, final_softcap,
+  // query_scale, sliding_window): a preset or config.json fills them, and a
+  // job spec that sets another is an error naming both.
+  std::vector<ShapeKey> shape_keys() const override;
+  void check_init_from(const ModelConfig& hf, const std::string& dir) const override;
+  std::map<std::string, std::string> file_metadata() const override;
+  nlohmann::ordered_json manifest_model() const override;
 };
 
 // The registry's hooks (core/model/model.cpp).
 std::unique_ptr<ModelArch> make_gemma2_arch(const ModelConfig& cfg);
 ModelConfig gemma2_config_from_hf(const nlohmann::ordered_json& c, const std::string& path, const std::string& what);
+ModelConfig gemma2_config_from_metadata(const std::map<std::string, std::string>& meta, const std::string& path);
 
 }  // namespace trainrun

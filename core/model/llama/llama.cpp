@@ -46,15 +46,8 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
   wo_ = cfg.norm_offset ? 1.f : 0.f;
   TR_CHECK(cfg.mlp_act == "silu" || cfg.mlp_act == "gelu_tanh", "LlamaNetwork: MLP activation '", cfg.mlp_act,
            "' is not one of silu, gelu_tanh");
-  // HF casts the normaliser sqrt(C) to the activation dtype: in fp32 it is float(sqrt(C)).
-  if (cfg.embed_scale) {
-    TR_CHECK(be->act_dtype() == DType::F32, "LlamaNetwork: the embedding scale (Gemma 2) runs on an fp32 backend only "
-                                            "so far (the ", be->name(), " backend's activations are ",
-                                            dtype_name(be->act_dtype()), "); use the cpu backend");
-    embed_scale_ = float(std::sqrt(double(cfg.C)));
-  }
-  TR_CHECK(!(cfg.final_softcap > 0.f && tp_), "LlamaNetwork: final logit soft-capping (final_logit_softcapping ",
-           cfg.final_softcap, ") with tensor parallelism is not implemented yet; use parallel.tensor_parallel: 1");
+  // HF casts the normaliser sqrt(C) to the activation dtype (scale_act does).
+  if (cfg.embed_scale) embed_scale_ = float(std::sqrt(double(cfg.C)));
   if (!cfg.tied) {
     const ParamTensor& h = lay->get("lm_head.weight");
     lm_head_off_ = h.offset - lay->units[h.unit].offset;
@@ -267,19 +260,17 @@ void LlamaNetwork::tp_sum(void* buf, int64_t n) {
 // Without tensor parallelism: the fused softmax + cross-entropy. With it,
 // the logits are this rank's vocabulary columns; the row max and the
 // sum of exponentials (and the target's logit, from the rank holding it)
-// are all-reduced, so the full logits are never gathered.
+// are all-reduced, so the full logits are never gathered. With Gemma 2's
+// final cap the logits are capped (forward) and the gradient goes through
+// the cap to the uncapped logits.
 void LlamaNetwork::cross_entropy(const int32_t* targets, int N, bool for_backward, float dloss_scale) {
   void* dlogits = for_backward ? logits_ : nullptr;
-  if (!tp_ && cfg_.final_softcap > 0.f) {  // the gradient goes through the cap to the uncapped logits
-    be_->softcap_cross_entropy(losses_, dlogits, logits_, targets, N, cfg_.V, ldv_, dloss_scale, cfg_.final_softcap);
-    return;
-  }
   if (!tp_) {
-    be_->softmax_cross_entropy(losses_, dlogits, logits_, targets, N, cfg_.V, ldv_, dloss_scale);
+    be_->softmax_cross_entropy(losses_, dlogits, logits_, targets, N, cfg_.V, ldv_, dloss_scale, cfg_.final_softcap);
     return;
   }
   tpc_.vocab_cross_entropy(losses_, dlogits, logits_, targets, ce_rowmax_, ce_stats_, v_begin_, N, v_valid_, ldv_,
-                           dloss_scale);
+                           dloss_scale, cfg_.final_softcap);
 }
 
 void LlamaNetwork::forward(UnitAccess& units, const int32_t* inputs, const int32_t* targets, int B, int T,
@@ -365,7 +356,7 @@ void LlamaNetwork::embed(UnitAccess& units, const int32_t* inputs, int B, int T)
   } else {
     be_->encoder_forward(encoded_, inputs, units.acquire_params(0), nullptr, B, T, C);  // no position table
   }
-  if (embed_scale_ > 0.f) be_->scale(static_cast<float*>(encoded_), embed_scale_, int64_t(NR) * C);  // fp32 (checked)
+  if (embed_scale_ > 0.f) be_->scale_act(encoded_, embed_scale_, int64_t(NR) * C);
   units.release_params(0);
 }
 
@@ -553,7 +544,7 @@ void LlamaNetwork::backward_pass(UnitAccess& units, bool input_only) {
   // A pipeline stage after the first leaves dL/d input in dres_ (stage_input_grad()).
   if (stage_.first) {
     if (!gemb) gemb = units.unit_grads(0);
-    if (embed_scale_ > 0.f && !frozen_) be_->scale(static_cast<float*>(dres_), embed_scale_, int64_t(NR) * C);
+    if (embed_scale_ > 0.f && !frozen_) be_->scale_act(dres_, embed_scale_, int64_t(NR) * C);
     if (frozen_) {
       // A frozen base: the embedding's gradient would be thrown away.
     } else if (tp_) {

@@ -72,9 +72,6 @@ size_t LlamaDecoder::bytes_needed(const ModelConfig& cfg, const Backend& be, int
 LlamaDecoder::LlamaDecoder(const ModelConfig& cfg, const ParamLayout& layout, Backend* be, int capacity)
     : cfg_(cfg), be_(be), cap_(capacity), chunk_(std::min(capacity, kChunk)) {
   TR_CHECK(cfg.NKV > 0 && cfg.F > 0, "LlamaDecoder needs LlamaArch's resolved config (a bug)");
-  // Gemma 2 (as LlamaNetwork): the embedding scale on fp32 backends only.
-  TR_CHECK(!cfg.embed_scale || be->act_dtype() == DType::F32, "decoder: the embedding scale (Gemma 2) runs on an fp32 "
-                                                              "backend only so far; use the cpu backend");
   wo_ = cfg.norm_offset ? 1.f : 0.f;
   attn_.softcap = cfg.attn_softcap;
   if (cfg.query_scale > 0) attn_.scale = float(std::pow(cfg.query_scale, -0.5));  // as LlamaNetwork::attn_opt
@@ -121,7 +118,7 @@ void LlamaDecoder::feed_chunk(UnitAccess& units, const int32_t* tokens, int n, b
   units.begin_pass(false, false);
   be_->encoder_forward(res_a_, tokens_, units.acquire_params(0), zero_wpe_, 1, n, C);
   units.release_params(0);
-  if (cfg_.embed_scale) be_->scale(static_cast<float*>(res_a_), float(std::sqrt(double(C))), int64_t(n) * C);
+  if (cfg_.embed_scale) be_->scale_act(res_a_, float(std::sqrt(double(C))), int64_t(n) * C);
   // Gemma 2's post norms: proj_ <- RMSNorm(proj_) through ln_ (free between the norms that fill it).
   auto post_norm = [&](const void* w) {
     be_->rmsnorm_forward(ln_, rstd_, proj_, w, n, C, eps_, wo_);

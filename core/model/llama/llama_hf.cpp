@@ -157,7 +157,8 @@ std::vector<const ParamTensor*> LlamaArch::hf_save_order() const {
                           "self_attn.k_proj.bias", "self_attn.v_proj.weight", "self_attn.v_proj.bias",
                           "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
                           "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
-                          "input_layernorm.weight", "post_attention_layernorm.weight"})
+                          "input_layernorm.weight", "post_attention_layernorm.weight",
+                          "pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"})  // (post_norms)
       if (const ParamTensor* t = layout_.find(p + n)) order.push_back(t);  // q/k_norm, biases: with qk_norm, qkv_bias
   }
   order.push_back(&layout_.get("model.norm.weight"));
