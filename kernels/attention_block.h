@@ -50,6 +50,12 @@ struct AttentionBlock {
   int64_t lse_bs = 0, lse_hs = 0;      // lse (forward's output; backward's input)
   const int32_t* q_doc = nullptr;      // (B, ...) device int32: global doc start of each query row; null = 0
   int64_t doc_bs = 0;
+  // The layer's AttentionOptions::window (kernels/backend.h). Not implemented
+  // by the block ops yet (nor the ring's block skipping in parallel/context):
+  // a caller passes the layer's window and the ops refuse a nonzero one by
+  // name, so a windowed model under context parallelism fails instead of
+  // silently attending over the whole context.
+  int window = 0;
 };
 
 }  // namespace trainrun

@@ -358,7 +358,10 @@ class Backend {
   // qkv(Tq,(NH+2*NKV)*HS) holds the Tq new tokens at positions [pos, pos+Tq)
   // (already rotated by rope_forward with pos0 = pos); their k and v heads go
   // to rows [pos, pos+Tq) of kcache and vcache (each (maxT, NKV*HS)), then
-  // out(Tq, NH*HS) row i attends to cache rows [0, pos+i].
+  // out(Tq, NH*HS) row i attends to cache rows [0, pos+i]. With opt.window
+  // W > 0 the caches are rings of W rows (position p at row p % W): row i
+  // attends to positions (pos+i-W, pos+i], the Tq new rows included, and
+  // the ring keeps the last W positions (the decoder's cache stays W long).
   virtual void attention_kv_gqa_forward(void* out, void* kcache, void* vcache, const void* qkv, int pos, int Tq,
                                         int NH, int NKV, int HS, const AttentionOptions& opt = {}) {
     not_implemented("attention_kv_gqa_forward");

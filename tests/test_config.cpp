@@ -619,6 +619,8 @@ TEST_CASE("config: every preset has its published model's parameter count", "[co
       // (tests/test_qwen3.cpp); not checked against the safetensors files.
       {"qwen3-0.6b", 596049920LL},    {"qwen3-8b", 8190735360LL},   {"qwen3-32b", 32762123264LL},
       {"phi3-mini", 3821079552LL},
+      // Mistral-7B-v0.3: 32 x 218112000 per block + 2 x 32768 x 4096 + 4096 (the final norm).
+      {"mistral-7b-v0.3", 7248023552LL},
       {"gemma2-2b", 2614341888LL},    {"gemma2-9b", 9241705984LL},  {"gemma2-27b", 27227128320LL},
       // Mixtral 8x7B: the 46,702,792,704 of mistralai/Mixtral-8x7B-v0.1's safetensors (46.7B).
       {"mixtral-8x7b", 46702792704LL},

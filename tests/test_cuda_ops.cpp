@@ -1279,6 +1279,88 @@ TEST_CASE("cuda: rope + attention_kv_gqa_forward in pieces match rope + attentio
   }
 }
 
+// AttentionOptions in the flash kernels: a sliding window (T > W, windows
+// narrower than a 64-key tile, straddling tiles and wider than one), with
+// document masks, a soft-cap that bites and a score scale, against the CPU
+// op (itself checked against the definition and finite differences in
+// test_sliding_window). Not yet run on a GPU (2026-12-04).
+TEST_CASE("cuda: attention with a sliding window, soft-cap and scale matches the CPU backend", "[cuda][llama][window]") {
+  CUDA_TEST_OR_SKIP();
+  Pair p;
+  const int B = 2, T = 300;
+  std::vector<int32_t> ds(size_t(B) * T);
+  for (int t = 0; t < T; ++t) {
+    ds[size_t(t)] = 0;                               // one document
+    ds[size_t(T + t)] = t < 90 ? 0 : t < 250 ? 90 : 250;  // 90, 160 and 50 rows
+  }
+  Tok dsk(p, ds);
+  struct S { Gqa h; AttentionOptions opt; bool docs; };
+  for (S s : {S{{8, 2, 64}, {7, 0.f, 0.f}, false}, S{{8, 2, 64}, {100, 0.f, 0.f}, true},
+              S{{4, 1, 128}, {64, 0.f, 0.f}, true}, S{{6, 6, 19}, {33, 0.f, 0.f}, false},
+              S{{8, 2, 64}, {0, 20.f, 0.0625f}, true}, S{{4, 1, 40}, {50, 2.f, 0.3f}, true}}) {
+    const Gqa& h = s.h;
+    const std::string sh = shape({{"NH", h.NH}, {"NKV", h.NKV}, {"HS", h.HS}, {"window", s.opt.window},
+                                  {"softcap", long(s.opt.softcap)}, {"docs", s.docs}});
+    const size_t nqkv = size_t(B) * T * h.ld(), nout = size_t(B) * T * h.C();
+    Twin qkv(p, randn(nqkv, 391, 2.0), true);
+    Twin out = out_twin(p, nout, true);
+    DeviceBuffer csaved(p.cpu.get(), p.cpu->attention_gqa_saved_floats(B, T, h.NH) * 4);
+    DeviceBuffer gsaved(p.gpu.get(), p.gpu->attention_gqa_saved_floats(B, T, h.NH) * 4);
+    const int32_t* cds = s.docs ? dsk.cp() : nullptr;
+    const int32_t* gds = s.docs ? dsk.gp() : nullptr;
+    p.cpu->attention_gqa_forward(out.c(), csaved.as<float>(), qkv.c(), B, T, h.NH, h.NKV, h.HS, cds, s.opt);
+    p.gpu->attention_gqa_forward(out.g(), gsaved.as<float>(), qkv.g(), B, T, h.NH, h.NKV, h.HS, gds, s.opt);
+    check_close("options attention out " + sh, out.read_gpu(p), out.read_cpu(p), kAttnFwd);
+    Twin dout(p, randn(nout, 392), true);
+    Twin dqkv = out_twin(p, nqkv, true);
+    p.cpu->attention_gqa_backward(dqkv.c(), dout.c(), qkv.c(), out.c(), csaved.as<float>(), B, T, h.NH, h.NKV, h.HS,
+                                  cds, s.opt);
+    p.gpu->attention_gqa_backward(dqkv.g(), dout.g(), qkv.g(), out.g(), gsaved.as<float>(), B, T, h.NH, h.NKV, h.HS,
+                                  gds, s.opt);
+    check_close("options attention dqkv " + sh, dqkv.read_gpu(p), dqkv.read_cpu(p), kAttnBwd);
+  }
+}
+
+// The ring cache of the KV-cached kernel (window W: W rows, position p at
+// row p % W) fed in pieces longer and shorter than W, against the CPU op on
+// the same inputs and rings (the rings equal bit for bit after each piece),
+// and the pieces' rows against the windowed flash forward. Not yet run on a
+// GPU (2026-12-04).
+TEST_CASE("cuda: attention_kv_gqa_forward with a sliding-window ring matches the CPU and the windowed forward",
+          "[cuda][llama][window]") {
+  CUDA_TEST_OR_SKIP();
+  Pair p;
+  for (const int W : {5, 40}) {
+    const Gqa h{8, 2, 64};
+    const int T = 150;
+    AttentionOptions opt;
+    opt.window = W;
+    opt.softcap = 3.f;
+    const size_t ld = h.ld(), C = h.C(), KV = h.KV();
+    Twin full(p, randn(size_t(T) * ld, 401 + W, 1.5), true);
+    Twin out_full = out_twin(p, size_t(T) * C, true);
+    DeviceBuffer lse(p.gpu.get(), p.gpu->attention_gqa_saved_floats(1, T, h.NH) * 4);
+    p.gpu->attention_gqa_forward(out_full.g(), lse.as<float>(), full.g(), 1, T, h.NH, h.NKV, h.HS, nullptr, opt);
+    const Vec want = out_full.read_gpu(p);
+    Twin kc(p, Vec(size_t(W) * KV, 0.0f), true), vc(p, Vec(size_t(W) * KV, 0.0f), true);
+    Vec got;
+    for (const auto& [pos, len] : std::vector<std::pair<int, int>>{{0, 70}, {70, 1}, {71, 3}, {74, 1}, {75, 40},
+                                                                   {115, 1}, {116, 34}}) {
+      Twin piece(p, rows(full.val, ld, pos, len), true);
+      Twin out = out_twin(p, size_t(len) * C, true);
+      p.cpu->attention_kv_gqa_forward(out.c(), kc.c(), vc.c(), piece.c(), pos, len, h.NH, h.NKV, h.HS, opt);
+      p.gpu->attention_kv_gqa_forward(out.g(), kc.g(), vc.g(), piece.g(), pos, len, h.NH, h.NKV, h.HS, opt);
+      const Vec og = out.read_gpu(p);
+      check_close("ring attention_kv_gqa out " + shape({{"W", W}, {"pos", pos}, {"Tq", len}}), og, out.read_cpu(p),
+                  kBf16);
+      got.insert(got.end(), og.begin(), og.end());
+      CHECK(same_bits(kc.read_gpu(p), kc.read_cpu(p)));
+      CHECK(same_bits(vc.read_gpu(p), vc.read_cpu(p)));
+    }
+    check_close("ring pieces vs windowed attention_gqa rows W=" + std::to_string(W), got, want, kAttnFwd);
+  }
+}
+
 namespace {
 // The first V of every ldv-long row.
 Vec unpad(const Vec& x, int N, int V, int ldv) {

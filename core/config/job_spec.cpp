@@ -122,12 +122,14 @@ const std::vector<Field>& fields() {
                     "field this spec does not set (an explicit one wins, with a log line), seq_len with the "
                     "model's original context (Llama 3.x 8192, Llama 2 4096, GPT-2 1024); with model.init_from "
                     "both must describe the same model; none = off"),
-      TR_SPEC_FIELD(model.arch, one_of({"auto", "gpt2", "llama", "qwen2", "qwen3", "phi3", "gemma2", "mixtral", "qwen2_moe"}),
+      TR_SPEC_FIELD(model.arch, one_of({"auto", "gpt2", "llama", "qwen2", "qwen3", "phi3", "mistral", "gemma2", "mixtral",
+                                        "qwen2_moe"}),
                     "model family; auto = the model_type of model.init_from's config.json, else gpt2; "
                     "llama = Llama 3 (RMSNorm, RoPE, SwiGLU, grouped-query attention; its shape in the fields below); "
                     "qwen2 = Qwen2/Qwen2.5 (Llama's shape with q/k/v biases); "
                     "qwen3 = Qwen3 (Llama's fields, heads model.head_dim wide, per-head RMSNorm on q and k); "
                     "phi3 = Phi-3 (Llama's maths; fused qkv_proj and gate_up_proj in its Hugging Face files); "
+                    "mistral = Mistral (Llama's shape with a sliding window, model.sliding_window); "
                     "gemma2 = Gemma 2 (Llama's fields, RMSNorm x*(1+w), norms after attention and MLP too, GeGLU, "
                     "embeddings x sqrt(n_embd), soft-capped scores and logits, local attention on even layers, tied); "
                     "mixtral = Mixtral (Llama's attention, every MLP model.n_experts experts of model.ffn_dim, "
@@ -162,9 +164,9 @@ const std::vector<Field>& fields() {
       TR_SPEC_FIELD(model.norm_eps, above(0), "RMSNorm epsilon (llama; gpt2's LayerNorm uses 1e-5)"),
       TR_SPEC_FIELD(model.rope_theta, above(0), "RoPE base frequency (llama; Llama 3: 500000)"),
       TR_SPEC_FIELD(model.sliding_window, at_least(0),
-                    "sliding-window attention (mistral; config.json's sliding_window): query t sees the keys "
-                    "t - sliding_window < j <= t, and generate's KV cache holds sliding_window positions; "
-                    "0 = none (full causal attention)"),
+                    "sliding-window attention (mistral and phi3: every layer; gemma2: the even ones; config.json's "
+                    "sliding_window): query t sees the keys t - sliding_window < j <= t, and generate's KV cache "
+                    "holds sliding_window positions; 0 = none (full causal attention)"),
       TR_SPEC_FIELD(model.tie_embeddings, one_of({"auto", "false", "true"}),
                     "the LM head is the token embedding; auto = the architecture's way (gpt2: always tied; "
                     "llama: untied, but Llama 3.2 1B/3B are tied)"),

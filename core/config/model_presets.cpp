@@ -106,9 +106,8 @@ ModelSpec qwen3(int L, int C, int NH, int F, bool tied) {
 
 // Phi-3-mini-4k-instruct: 32064 tokens, rms_norm_eps 1e-5, rope_theta
 // 10000, untied, no rope_scaling; max_position_embeddings 4096 with
-// sliding_window 2047. seq_len is the window: trainrun does not implement
-// the window yet (core/model/phi3/phi3_arch.h), and up to it windowed and
-// full attention are the same model.
+// sliding_window 2047 (every layer; core/model/phi3/phi3_arch.h says how
+// the tools apply it).
 ModelSpec phi3_mini() {
   ModelSpec m;
   m.arch = "phi3";
@@ -118,10 +117,34 @@ ModelSpec phi3_mini() {
   m.n_kv_head = 32;
   m.ffn_dim = 8192;
   m.vocab_size = 32064;
-  m.seq_len = 2047;
+  m.seq_len = 4096;
+  m.sliding_window = 2047;
   m.norm_eps = 1e-5;
   m.rope_theta = 10000;
   m.tie_embeddings = "false";
+  return m;
+}
+
+// Mistral-7B-v0.3 (mistralai/Mistral-7B-v0.3's config.json): 32 layers of
+// 4096, 32 heads over 8 KV heads, intermediate 14336, vocab 32768 (v0.3's
+// extended vocabulary), rms_norm_eps 1e-5, rope_theta 1e6, untied,
+// max_position_embeddings 32768 and sliding_window null: v0.2 and v0.3
+// attend over the whole context (v0.1 had a 4096 window; model.init_from
+// a v0.1 directory sets it).
+ModelSpec mistral_7b_v03() {
+  ModelSpec m;
+  m.arch = "mistral";
+  m.n_layer = 32;
+  m.n_embd = 4096;
+  m.n_head = 32;
+  m.n_kv_head = 8;
+  m.ffn_dim = 14336;
+  m.vocab_size = 32768;
+  m.seq_len = 32768;
+  m.norm_eps = 1e-5;
+  m.rope_theta = 1000000;
+  m.tie_embeddings = "false";
+  m.sliding_window = 0;
   return m;
 }
 
@@ -221,6 +244,7 @@ const std::vector<ModelPreset>& model_presets() {
       {"qwen3-8b", "Qwen/Qwen3-8B", qwen3(36, 4096, 32, 12288, false)},
       {"qwen3-32b", "Qwen/Qwen3-32B", qwen3(64, 5120, 64, 25600, false)},
       {"phi3-mini", "microsoft/Phi-3-mini-4k-instruct", phi3_mini()},
+      {"mistral-7b-v0.3", "mistralai/Mistral-7B-v0.3", mistral_7b_v03()},
       {"gemma2-2b", "google/gemma-2-2b", gemma2(26, 2304, 8, 4, 256, 9216, 256)},
       {"gemma2-9b", "google/gemma-2-9b", gemma2(42, 3584, 16, 8, 256, 14336, 256)},
       {"gemma2-27b", "google/gemma-2-27b", gemma2(46, 4608, 32, 16, 128, 36864, 144)},

@@ -18,6 +18,7 @@
 #include "core/model/gemma2/gemma2_arch.h"
 #include "core/model/mixtral/mixtral_arch.h"
 #include "core/model/qwen2_moe/qwen2_moe_arch.h"
+#include "core/model/mistral/mistral_arch.h"
 
 namespace fs = std::filesystem;
 using json = nlohmann::ordered_json;
@@ -48,6 +49,7 @@ const std::vector<ArchEntry>& registry() {
       {"mixtral", "mixtral", true, true, make_mixtral_arch, mixtral_config_from_hf, mixtral_config_from_metadata},
       {"qwen2_moe", "qwen2_moe", true, true, make_qwen2_moe_arch, qwen2_moe_config_from_hf,
        qwen2_moe_config_from_metadata},
+      {"mistral", "mistral", true, true, make_mistral_arch, mistral_config_from_hf, mistral_config_from_metadata},
       {"gemma2", "gemma2", true, true, make_gemma2_arch, gemma2_config_from_hf, gemma2_config_from_metadata},
   };
   return r;
@@ -142,10 +144,12 @@ ModelConfig ModelConfig::from_spec(const ModelSpec& m) {
   c.NKV = m.n_kv_head;
   c.F = m.ffn_dim;
   // A window is the model's, not a training choice: only an arch whose
-  // config.json has one takes it from the spec (mistral, mixtral; gemma2: its even layers).
-  TR_CHECK(m.sliding_window == 0 || c.arch == "mistral" || c.arch == "gemma2" || c.arch == "mixtral", "model.sliding_window: ",
-           m.sliding_window, "; ", c.arch, " has no sliding window in trainrun (0 = none); use model.arch: mistral "
-           "or gemma2 for a windowed model");
+  // config.json has one takes it from the spec (mistral, mixtral and phi3: every
+  // layer; gemma2: its even layers).
+  const bool windowed_arch = c.arch == "mistral" || c.arch == "phi3" || c.arch == "gemma2" || c.arch == "mixtral";
+  TR_CHECK(m.sliding_window == 0 || windowed_arch, "model.sliding_window: ", m.sliding_window, "; ", c.arch,
+           " has no sliding window in trainrun (0 = none); use model.arch: mistral, mixtral, phi3 or gemma2 for a windowed "
+           "model");
   c.sliding_window = m.sliding_window;
   // Mixture of experts: the MoE families read these (their arch checks them); a dense family refuses experts.
   c.moe.n_experts = m.n_experts;
@@ -215,7 +219,7 @@ ModelSpec ModelConfig::to_spec() const {
   m.rope_theta = rope_theta;
   m.head_dim = head_dim;
   // the others' windows are not the spec's (from_spec)
-  m.sliding_window = arch == "mistral" || arch == "gemma2" ? sliding_window : 0;
+  m.sliding_window = arch == "mistral" || arch == "phi3" || arch == "gemma2" ? sliding_window : 0;
   m.tie_embeddings = tied ? "true" : "false";
   m.attn_softcap = attn_softcap;
   m.final_softcap = final_softcap;

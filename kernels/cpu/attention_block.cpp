@@ -30,6 +30,8 @@ void check_block(const char* op, const AttentionBlock& a) {
   TR_CHECK(a.B >= 1 && a.Tq >= 0 && a.Tk >= 0 && a.NH > 0 && a.NKV > 0 && a.HS > 0, op, ": B ", a.B, ", Tq ", a.Tq,
            ", Tk ", a.Tk, ", NH ", a.NH, ", NKV ", a.NKV, ", HS ", a.HS, " (sizes must be positive)");
   TR_CHECK(a.NH % a.NKV == 0, op, ": NKV ", a.NKV, " must divide NH ", a.NH);
+  TR_CHECK(a.window == 0, op, ": a sliding window (", a.window,
+           ") is not implemented for context parallelism yet; use parallel.context_parallel: 1 for this model");
 }
 
 // The keys query row i of batch b sees: [lo, hi] in block rows (empty when lo > hi).

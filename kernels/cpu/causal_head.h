@@ -39,20 +39,35 @@ namespace trainrun::cpu {
 // enough to skip most of the triangle at T = 256..1024.
 constexpr int kCausalBlock = 64;
 
-// Document masking: ds (T) is this sequence's doc_start (kernels/backend.h),
-// null for one document. doc_start never decreases along t, so query block
-// [t0, t1) sees keys [ds[t0], t1) and key block [j0, j1) is seen by queries
-// [j0, doc_end_after(j1)), where doc_end_after(j1) is the first t >= j1 whose
-// document starts at or after j1. The same exact-zero argument as the causal
-// skip applies, so without a mask (ds null: key range [0, t1)) every bit is
-// as before.
-inline int doc_first_key(const int32_t* ds, int t) { return ds ? ds[t] : 0; }
-inline int doc_queries_end(const int32_t* ds, int j1, int T) {
-  if (!ds) return T;
-  int t = j1;
-  while (t < T && ds[t] < j1) ++t;
-  return t;
-}
+// Which keys a query row t sees: [first(t), t]. ds (T) is this sequence's
+// doc_start (kernels/backend.h), null for one document; window > 0 is the
+// sliding window (AttentionOptions::window, transformers' Mistral rule
+// t - window < j <= t). first(t) = max(ds[t], t - window + 1) never
+// decreases along t (doc_start does not), so query block [t0, t1) sees keys
+// [first(t0), t1) and key block [j0, j1) is seen by queries [j0,
+// queries_end(j1)): up to the first t whose document starts at or after j1,
+// and at most j1 + window - 1. The keys before first(t0) are skipped in the
+// sgemms, not only masked: with a window W the forward multiplies
+// (64 + W - 1) keys per 64-row block instead of t1. The same exact-zero
+// argument as the causal skip applies, so without a mask or window (key
+// range [0, t1)) every bit is as before.
+struct KeyMask {
+  const int32_t* ds = nullptr;
+  int window = 0;
+  KeyMask(const int32_t* doc_start = nullptr, int window_ = 0) : ds(doc_start), window(window_) {}  // NOLINT: implicit
+  int first(int t) const {
+    const int f = ds ? ds[t] : 0;
+    return window > 0 ? std::max(f, t - window + 1) : f;
+  }
+  int queries_end(int j1, int T) const {
+    int end = T;
+    if (window > 0) end = std::min<int64_t>(T, int64_t(j1) + window - 1);
+    if (!ds) return end;
+    int t = j1;
+    while (t < end && ds[t] < j1) ++t;
+    return t;
+  }
+};
 
 // The scores of row t over keys [first, t], in place: softcap * tanh(s / softcap).
 inline void softcap_row(float* row, int first, int last, float softcap) {
@@ -62,16 +77,16 @@ inline void softcap_row(float* row, int first, int last, float softcap) {
 }
 
 inline void causal_head_forward(float* o, int ldo, float* P, const float* q, const float* k, const float* v, int ld,
-                                int T, int HS, float sc, const int32_t* ds = nullptr, float softcap = 0.0f) {
+                                int T, int HS, float sc, const KeyMask& keys = {}, float softcap = 0.0f) {
   for (int t0 = 0; t0 < T; t0 += kCausalBlock) {
     const int t1 = std::min(T, t0 + kCausalBlock), m = t1 - t0;
-    const int kb = doc_first_key(ds, t0);  // the block's first visible key
+    const int kb = keys.first(t0);  // the block's first visible key
     float* Pb = P + int64_t(t0) * T + kb;
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, t1 - kb, HS, sc, q + int64_t(t0) * ld, ld,
                 k + int64_t(kb) * ld, ld, 0.0f, Pb, T);
     for (int t = t0; t < t1; ++t) {  // zero-fills [0, first) and (t, T)
-      if (softcap > 0.0f) softcap_row(P + int64_t(t) * T, doc_first_key(ds, t), t, softcap);
-      causal_softmax_row(P + int64_t(t) * T, doc_first_key(ds, t), t, T);
+      if (softcap > 0.0f) softcap_row(P + int64_t(t) * T, keys.first(t), t, softcap);
+      causal_softmax_row(P + int64_t(t) * T, keys.first(t), t, T);
     }
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, HS, t1 - kb, 1.0f, Pb, T, v + int64_t(kb) * ld, ld, 0.0f,
                 o + int64_t(t0) * ldo, ldo);
@@ -82,16 +97,16 @@ inline void causal_head_forward(float* o, int ldo, float* P, const float* q, con
 // second (T, T) scratch (the recomputed scores).
 inline void causal_head_backward(float* dq, float* dk, float* dv, int ldkv, float beta_kv, float* dP, const float* dO,
                                  int ldo, const float* P, const float* q, const float* k, const float* v, int ld, int T,
-                                 int HS, float sc, const int32_t* ds = nullptr, float softcap = 0.0f,
+                                 int HS, float sc, const KeyMask& keys = {}, float softcap = 0.0f,
                                  float* S = nullptr) {
   for (int t0 = 0; t0 < T; t0 += kCausalBlock) {
     const int t1 = std::min(T, t0 + kCausalBlock), m = t1 - t0;
-    const int kb = doc_first_key(ds, t0);
+    const int kb = keys.first(t0);
     float* dPb = dP + int64_t(t0) * T + kb;
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, t1 - kb, HS, 1.0f, dO + int64_t(t0) * ldo, ldo,
                 v + int64_t(kb) * ld, ld, 0.0f, dPb, T);
     for (int t = t0; t < t1; ++t)
-      causal_softmax_backward_row(dP + int64_t(t) * T, P + int64_t(t) * T, doc_first_key(ds, t), t, T,
+      causal_softmax_backward_row(dP + int64_t(t) * T, P + int64_t(t) * T, keys.first(t), t, T,
                                   softcap > 0.0f ? 1.0f : sc);
     if (softcap > 0.0f) {  // through the cap and the scale: dS *= (1 - tanh(s/softcap)^2) sc
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, t1 - kb, HS, sc, q + int64_t(t0) * ld, ld,
@@ -101,7 +116,7 @@ inline void causal_head_backward(float* dq, float* dk, float* dv, int ldkv, floa
         float* d = dP + int64_t(t) * T;
         const float* s = S + int64_t(t) * T;
 #pragma omp simd
-        for (int j = doc_first_key(ds, t); j <= t; ++j) {
+        for (int j = keys.first(t); j <= t; ++j) {
           const float th = fastmath::tanh(s[j] * inv);
           d[j] *= (1.0f - th * th) * sc;
         }
@@ -112,7 +127,7 @@ inline void causal_head_backward(float* dq, float* dk, float* dv, int ldkv, floa
   }
   for (int j0 = 0; j0 < T; j0 += kCausalBlock) {
     const int j1 = std::min(T, j0 + kCausalBlock), m = j1 - j0;
-    const int kk = doc_queries_end(ds, j1, T) - j0;  // kk: the queries t >= j0 that see a key of the block
+    const int kk = keys.queries_end(j1, T) - j0;  // kk: the queries t >= j0 that see a key of the block
     const int64_t at = int64_t(j0) * T + j0;
     cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, m, HS, kk, 1.0f, P + at, T, dO + int64_t(j0) * ldo, ldo,
                 beta_kv, dv + int64_t(j0) * ldkv, ldkv);

@@ -22,7 +22,8 @@
 // attention_backward runs (tested to agree bit for bit): both are
 // causal_head.h per head.
 // AttentionOptions: scale replaces 1/sqrt(HS) everywhere above; softcap caps
-// the scaled scores (causal_head.h); window is not implemented here yet.
+// the scaled scores; window limits query t to keys (t - window, t] and the
+// sgemms skip the keys before it (causal_head.h's KeyMask).
 #include <cblas.h>
 #include <omp.h>
 
@@ -42,10 +43,9 @@ void check_gqa_heads(const char* op, int NH, int NKV, int HS) {
   TR_CHECK(NH > 0 && NKV > 0 && HS > 0, op, ": NH ", NH, ", NKV ", NKV, " and HS ", HS, " must be positive");
   TR_CHECK(NH % NKV == 0, op, ": num_key_value_heads ", NKV, " must divide num_attention_heads ", NH);
 }
-// The score scale, and the options this backend does not implement refused by name.
+// The score scale, after checking the options.
 float score_scale(const char* op, int HS, const AttentionOptions& opt) {
-  TR_CHECK(opt.window == 0, op, ": a sliding window (", opt.window,
-           ") is not implemented by the cpu backend yet; use a model without sliding_window");
+  TR_CHECK(opt.window >= 0, op, ": sliding window ", opt.window, " must be >= 0 (0: none)");
   TR_CHECK(opt.softcap >= 0.f && opt.scale >= 0.f, op, ": softcap ", opt.softcap, " and scale ", opt.scale,
            " must be >= 0 (0: off / 1/sqrt(head size))");
   return opt.scale > 0.f ? opt.scale : 1.0f / std::sqrt(float(HS));
@@ -70,7 +70,7 @@ void CpuBackend::attention_gqa_forward(void* out_, float* saved, const void* qkv
     const float* v = row0 + (NH + NKV + g) * HS;
     float* P = saved + int64_t(bh) * T * T;
     cpu::causal_head_forward(out + int64_t(b) * T * C + h * HS, C, P, q, k, v, ld, T, HS, sc,
-                             doc_start ? doc_start + int64_t(b) * T : nullptr, opt.softcap);
+                             cpu::KeyMask(doc_start ? doc_start + int64_t(b) * T : nullptr, opt.window), opt.softcap);
   }
 }
 
@@ -104,7 +104,7 @@ void CpuBackend::attention_gqa_backward(void* dqkv_, const void* dout_, const vo
       float* dq = dqkv + row0 + h * HS;
       const float* P = saved + int64_t(bh) * T * T;
       const float* dO = dout + int64_t(b) * T * C + h * HS;
-      const int32_t* ds = doc_start ? doc_start + int64_t(b) * T : nullptr;
+      const cpu::KeyMask ds(doc_start ? doc_start + int64_t(b) * T : nullptr, opt.window);
       if (R == 1)
         cpu::causal_head_backward(dq, dqkv + row0 + (NH + g) * HS, dqkv + row0 + (NH + NKV + g) * HS, ld, 0.0f, dP, dO,
                                   C, P, q, k, v, ld, T, HS, sc, ds, opt.softcap, S);
@@ -136,9 +136,17 @@ void CpuBackend::attention_gqa_backward(void* dqkv_, const void* dout_, const vo
   }
 }
 
-// KV-cached (sampling): the new tokens' k and v heads are appended to the
-// caches (maxT, NKV*HS), then each new query i of head h attends to rows
-// [0, pos+i] of KV head h/R: one (Tq x (pos+Tq)) sgemm per head, masked.
+// KV-cached (sampling): each new query i (position pos+i) of head h attends
+// to keys [first, pos+i] of KV head h/R, first = 0, or pos+i-window+1 with a
+// window: one (Tq x Tk) sgemm per head over the keys of the call, masked.
+// Without a window the new k and v rows are appended to the caches at rows
+// [pos, pos+Tq) first and the sgemms read the cache. With one the caches
+// are rings of `window` rows (position p at row p % window), which a chunk
+// of Tq > 1 new rows would overwrite while its first queries still need the
+// old keys: so the keys [pos-window+1, pos+Tq) are gathered (ring, then the
+// new rows) into a scratch first, and the last min(Tq, window) new rows are
+// written to the ring after. The ring holds `window` positions however long
+// the generation runs.
 void CpuBackend::attention_kv_gqa_forward(void* out_, void* kcache_, void* vcache_, const void* qkv_, int pos, int Tq,
                                           int NH, int NKV, int HS, const AttentionOptions& opt) {
   check_gqa_heads("attention_kv_gqa_forward", NH, NKV, HS);
@@ -146,12 +154,31 @@ void CpuBackend::attention_kv_gqa_forward(void* out_, void* kcache_, void* vcach
   float* kc = static_cast<float*>(kcache_);
   float* vc = static_cast<float*>(vcache_);
   const float* qkv = static_cast<const float*>(qkv_);
-  const int R = NH / NKV, C = NH * HS, KV = NKV * HS, ld = (NH + 2 * NKV) * HS, Tk = pos + Tq;
+  const int R = NH / NKV, C = NH * HS, KV = NKV * HS, ld = (NH + 2 * NKV) * HS, W = opt.window;
   const float sc = score_scale("attention_kv_gqa_forward", HS, opt);
-  for (int i = 0; i < Tq; ++i) {
-    const float* row = qkv + int64_t(i) * ld;
-    std::copy(row + C, row + C + KV, kc + int64_t(pos + i) * KV);
-    std::copy(row + C + KV, row + C + 2 * KV, vc + int64_t(pos + i) * KV);
+  const int k0 = W > 0 ? std::max(0, pos - W + 1) : 0;  // the first key any new query sees
+  const int Tk = pos + Tq - k0;
+  auto write_rows = [&](float* kdst, float* vdst, int i, int row) {
+    const float* src = qkv + int64_t(i) * ld;
+    std::copy(src + C, src + C + KV, kdst + int64_t(row) * KV);
+    std::copy(src + C + KV, src + C + 2 * KV, vdst + int64_t(row) * KV);
+  };
+  std::vector<float> gathered(W > 0 ? size_t(2) * Tk * KV : 0);
+  const float* K = kc;
+  const float* V = vc;
+  if (W > 0) {
+    float* gk = gathered.data();
+    float* gv = gk + int64_t(Tk) * KV;
+    for (int p = k0; p < pos; ++p) {
+      std::copy(kc + int64_t(p % W) * KV, kc + int64_t(p % W + 1) * KV, gk + int64_t(p - k0) * KV);
+      std::copy(vc + int64_t(p % W) * KV, vc + int64_t(p % W + 1) * KV, gv + int64_t(p - k0) * KV);
+    }
+    for (int i = 0; i < Tq; ++i) write_rows(gk, gv, i, pos + i - k0);
+    for (int i = std::max(0, Tq - W); i < Tq; ++i) write_rows(kc, vc, i, (pos + i) % W);
+    K = gk;
+    V = gv;
+  } else {
+    for (int i = 0; i < Tq; ++i) write_rows(kc, vc, i, pos + i);
   }
   const int nt = std::min(threads(), NH);
   std::vector<float> scratch(size_t(nt) * Tq * Tk);
@@ -161,13 +188,14 @@ void CpuBackend::attention_kv_gqa_forward(void* out_, void* kcache_, void* vcach
 #pragma omp for schedule(static)
     for (int h = 0; h < NH; ++h) {
       const int g = h / R;
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, Tq, Tk, HS, sc, qkv + h * HS, ld, kc + g * HS, KV, 0.0f, S,
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, Tq, Tk, HS, sc, qkv + h * HS, ld, K + g * HS, KV, 0.0f, S,
                   Tk);
       for (int i = 0; i < Tq; ++i) {
-        if (opt.softcap > 0.f) cpu::softcap_row(S + int64_t(i) * Tk, 0, pos + i, opt.softcap);
-        cpu::causal_softmax_row(S + int64_t(i) * Tk, 0, pos + i, Tk);
+        const int last = pos + i - k0, first = W > 0 ? std::max(0, last - W + 1) : 0;
+        if (opt.softcap > 0.f) cpu::softcap_row(S + int64_t(i) * Tk, first, last, opt.softcap);
+        cpu::causal_softmax_row(S + int64_t(i) * Tk, first, last, Tk);
       }
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, Tq, HS, Tk, 1.0f, S, Tk, vc + g * HS, KV, 0.0f,
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, Tq, HS, Tk, 1.0f, S, Tk, V + g * HS, KV, 0.0f,
                   out + h * HS, C);
     }
   }

@@ -137,6 +137,26 @@ __device__ __forceinline__ void warp_xyt(float* S, const bf16* X, const bf16* Y,
 __device__ __forceinline__ int row_doc_start(const int32_t* doc_start, int b, int T, int qi) {
   return doc_start ? doc_start[int64_t(b) * T + min(qi, T - 1)] : 0;
 }
+// The first key query row qi sees: its document's start and, with a sliding
+// window W > 0 (AttentionOptions::window), qi - W + 1 (keys qi - W < j <= qi).
+// Never decreasing in qi, so a tile's first row gives the tile's first key.
+__device__ __forceinline__ int row_first_key(const int32_t* doc_start, int b, int T, int qi, int window) {
+  const int f = row_doc_start(doc_start, b, T, qi);
+  return window > 0 ? max(f, qi - window + 1) : f;
+}
+// The score as the softmax sees it: scaled, then soft-capped when softcap > 0
+// (Gemma 2: softcap * tanh(s / softcap)); *dcap = its derivative w.r.t. the
+// scaled score, 1 - tanh^2 (1 without a cap).
+__device__ __forceinline__ float capped_score(float raw, float scale, float softcap, float* dcap) {
+  const float s = raw * scale;
+  if (softcap <= 0.0f) {
+    *dcap = 1.0f;
+    return s;
+  }
+  const float t = tanhf(s / softcap);
+  *dcap = 1.0f - t * t;
+  return softcap * t;
+}
 // The first query t >= j1 whose document starts at or after key j1 (T when
 // none): the queries [j1 - 64, that) are all that see keys [j1 - 64, j1).
 // doc_start never decreases, so a binary search.
@@ -155,7 +175,8 @@ __device__ __forceinline__ int doc_queries_end(const int32_t* doc_start, int b, 
 template <int D16, bool VEC>
 __global__ void __launch_bounds__(kThreads) attention_forward_kernel(bf16* out, float* lse, const bf16* qkv, int T,
                                                                      int NH, int NKV, int HS, float scale,
-                                                                     const int32_t* doc_start) {
+                                                                     const int32_t* doc_start, int window,
+                                                                     float softcap) {
   using D = Dims<D16>;
   constexpr int HSP = D::HSP, LDH = D::LDH, LDO = D::LDO;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -177,13 +198,15 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(bf16* out, 
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int r = 16 * w + (lane >> 1), half = lane & 1;
   const int qi = q0 + r;
-  const int ds_i = row_doc_start(doc_start, b, T, qi);
+  const int ds_i = row_first_key(doc_start, b, T, qi, window);
 
   load_tile<D16, VEC>(sQ, base + h * HS, ld, q0, T, HS);
   for (int i = threadIdx.x; i < kTile * LDO; i += kThreads) sO[i] = 0.0f;
   float m_i = -INFINITY, l_i = 0.0f;
 
-  for (int kt = row_doc_start(doc_start, b, T, q0) / kTile; kt <= qt; ++kt) {
+  // Key tiles before the tile's first visible key (its first document's
+  // start, the window's left edge) are skipped whole; the edge tile is masked.
+  for (int kt = row_first_key(doc_start, b, T, q0, window) / kTile; kt <= qt; ++kt) {
     const int k0 = kt * kTile;
     __syncthreads();  // everyone is done with the previous K/V tiles
     load_tile<D16, VEC>(sK, base + k_col(NH, HS, g), ld, k0, T, HS);
@@ -197,14 +220,15 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(bf16* out, 
 #pragma unroll 8
     for (int c = 0; c < 32; ++c) {
       const int kj = k0 + 32 * half + c;
-      const float s = (kj <= qi && kj >= ds_i) ? srow[c] * scale : -INFINITY;
+      float dcap;
+      const float s = (kj <= qi && kj >= ds_i) ? capped_score(srow[c], scale, softcap, &dcap) : -INFINITY;
       srow[c] = s;
       mx = fmaxf(mx, s);
     }
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    // Without documents m_new is finite (key 0 is visible to every row);
-    // with them a row sees nothing in the tiles before its document, where
-    // m_new stays -inf: take 0 there so that p = 0 and alpha = 0, not NaN.
+    // Without documents or a window m_new is finite (key 0 is visible to
+    // every row); with them a row sees nothing in the tiles before its first
+    // key, where m_new stays -inf: take 0 there so that p = 0 and alpha = 0, not NaN.
     const float m_new = fmaxf(m_i, mx);
     const float m_use = m_new == -INFINITY ? 0.0f : m_new;
     const float alpha = __expf(m_i - m_use);
@@ -269,16 +293,19 @@ __global__ void attention_backward_d_kernel(float* Dv, const bf16* dout, const b
 }
 
 // Fills P (or only uses it) and dS for this lane's half row from S and dP:
-// p = exp(S*scale - lse) on the causal/valid entries, ds = p (dP - D) * scale.
+// p = exp(cap(S*scale) - lse) on the visible entries (keys [ds_i, qi]: the
+// document's and the window's first key), ds = p (dP - D) cap' scale.
 __device__ __forceinline__ void probs_and_dscores(const float* srow, const float* dprow, bf16* prow, bf16* dsrow,
                                                   int qi, int kbase, int T, float lse_i, float d_i, float scale,
-                                                  int ds_i) {
+                                                  int ds_i, float softcap) {
 #pragma unroll 8
   for (int c = 0; c < 32; ++c) {
     const int kj = kbase + c;
-    const float p = (qi < T && kj <= qi && kj >= ds_i) ? __expf(srow[c] * scale - lse_i) : 0.0f;
+    float dcap = 1.0f;
+    const float p =
+        (qi < T && kj <= qi && kj >= ds_i) ? __expf(capped_score(srow[c], scale, softcap, &dcap) - lse_i) : 0.0f;
     if (prow) prow[c] = from_float<bf16>(p);
-    dsrow[c] = from_float<bf16>(p * (dprow[c] - d_i) * scale);
+    dsrow[c] = from_float<bf16>(p * (dprow[c] - d_i) * dcap * scale);
   }
 }
 
@@ -288,7 +315,8 @@ template <int D16, bool VEC>
 __global__ void __launch_bounds__(kThreads) attention_backward_dq_kernel(bf16* dqkv, const bf16* dout, const bf16* qkv,
                                                                          const float* lse, const float* Dv, int T,
                                                                          int NH, int NKV, int HS, float scale,
-                                                                         const int32_t* doc_start) {
+                                                                         const int32_t* doc_start, int window,
+                                                                         float softcap) {
   using D = Dims<D16>;
   constexpr int LDH = D::LDH, LDO = D::LDO;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -313,7 +341,7 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dq_kernel(bf16* d
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int r = 16 * w + (lane >> 1), half = lane & 1;
   const int qi = q0 + r;
-  const int ds_i = row_doc_start(doc_start, b, T, qi);
+  const int ds_i = row_first_key(doc_start, b, T, qi, window);
   const int64_t stat = (int64_t(b) * NH + h) * T;
 
   load_tile<D16, VEC>(sQ, base + h * HS, ld, q0, T, HS);
@@ -326,7 +354,7 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dq_kernel(bf16* d
 #pragma unroll
   for (int j = 0; j < D16; ++j) wmma::fill_fragment(dq[j], 0.0f);
 
-  for (int kt = row_doc_start(doc_start, b, T, q0) / kTile; kt <= qt; ++kt) {
+  for (int kt = row_first_key(doc_start, b, T, q0, window) / kTile; kt <= qt; ++kt) {
     const int k0 = kt * kTile;
     __syncthreads();
     load_tile<D16, VEC>(sK, base + k_col(NH, HS, g), ld, k0, T, HS);
@@ -336,7 +364,7 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dq_kernel(bf16* d
     warp_xyt<D16>(sdP, sdO, sV, w);  // dP = dout v^T
     __syncwarp();
     probs_and_dscores(sS + r * LDS + 32 * half, sdP + r * LDS + 32 * half, nullptr, sdS + r * LDP + 32 * half, qi,
-                      k0 + 32 * half, T, sL[r], sD[r], scale, ds_i);
+                      k0 + 32 * half, T, sL[r], sD[r], scale, ds_i, softcap);
     __syncwarp();
     // dq(warp rows) += dS(warp rows, 64) . K(64, HSP)
 #pragma unroll
@@ -377,8 +405,8 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_kernel(bf16*
                                                                            const bf16* qkv, const float* lse,
                                                                            const float* Dv, int T, int NH, int NKV,
                                                                            int HS, float scale,
-                                                                           const int32_t* doc_start, float* partial,
-                                                                           int S) {
+                                                                           const int32_t* doc_start, int window,
+                                                                           float softcap, float* partial, int S) {
   using D = Dims<D16>;
   constexpr int HSP = D::HSP, LDH = D::LDH, LDO = D::LDO;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -397,8 +425,12 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_kernel(bf16*
   const int kt = blockIdx.x / S, split = blockIdx.x % S;  // key tile; the first ones have the most work
   const int g = blockIdx.y, b = blockIdx.z;
   // The query tiles that see a key of this tile: kt up to the one holding
-  // the last query of the document of the tile's last key.
-  const int ntiles = (doc_queries_end(doc_start, b, T, min(T, (kt + 1) * kTile)) + kTile - 1) / kTile;
+  // the last query of the document of the tile's last key, and with a
+  // window W the last query that still reaches it (key j1 - 1 + W - 1).
+  const int j1 = min(T, (kt + 1) * kTile);
+  int q_end = doc_queries_end(doc_start, b, T, j1);
+  if (window > 0 && int64_t(j1) + window - 1 < q_end) q_end = j1 + window - 1;
+  const int ntiles = (q_end + kTile - 1) / kTile;
   const int R = GROUPED ? NH / NKV : 1;
   const int k0 = kt * kTile;
   const int C = NH * HS;  // dout's row stride
@@ -428,7 +460,7 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_kernel(bf16*
     const int64_t stat = (int64_t(b) * NH + h) * T;
     const int q0 = qt * kTile;
     const int qi = q0 + r;
-    const int ds_i = row_doc_start(doc_start, b, T, qi);
+    const int ds_i = row_first_key(doc_start, b, T, qi, window);
     __syncthreads();  // everyone is done with the previous Q/dO/P/dS tiles
     load_tile<D16, VEC>(sQ, base + h * HS, ld, q0, T, HS);
     load_tile<D16, VEC>(sdO, dout + int64_t(b) * T * C + h * HS, C, q0, T, HS);
@@ -441,7 +473,7 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_kernel(bf16*
     warp_xyt<D16>(sdP, sdO, sV, w);  // dP
     __syncwarp();
     probs_and_dscores(sS + r * LDS + 32 * half, sdP + r * LDS + 32 * half, sP + r * LDP + 32 * half,
-                      sdS + r * LDP + 32 * half, qi, k0 + 32 * half, T, sL[r], sD[r], scale, ds_i);
+                      sdS + r * LDP + 32 * half, qi, k0 + 32 * half, T, sL[r], sD[r], scale, ds_i, softcap);
     __syncthreads();  // dv/dk of the warp's key rows read every query row of P and dS
     // dv(key rows of warp) += P^T(keys, queries) . dout(queries, HSP)
     // dk(key rows of warp) += dS^T . q
@@ -550,10 +582,17 @@ void check_grid(const char* what, int B, int NH) {
 
 // Both entry points (multi-head with NKV = NH, grouped-query) run these, so
 // the two agree bit for bit when NKV == NH.
+// The scores' scale: AttentionOptions::scale, else 1/sqrt(HS); the options checked.
+float options_scale(const char* what, int HS, const AttentionOptions& opt) {
+  TR_CHECK(opt.window >= 0 && opt.softcap >= 0.f && opt.scale >= 0.f, what, ": window ", opt.window, ", softcap ",
+           opt.softcap, " and scale ", opt.scale, " must be >= 0 (0: none / 1/sqrt(head size))");
+  return opt.scale > 0.f ? opt.scale : 1.0f / sqrtf(float(HS));
+}
+
 void forward_impl(bf16* out, float* lse, const bf16* qkv, int B, int T, int NH, int NKV, int HS, const char* what,
-                  const char* hint, const int32_t* doc_start, cudaStream_t stream) {
+                  const char* hint, const int32_t* doc_start, const AttentionOptions& opt, cudaStream_t stream) {
   check_grid(what, B, NH);
-  const float scale = 1.0f / sqrtf(float(HS));
+  const float scale = options_scale(what, HS, opt);
   // HS % 8 == 0 makes the row stride and every head's first column multiples of 8.
   const bool vec = aligned16(qkv) && HS % 8 == 0;
   dim3 grid((T + kTile - 1) / kTile, NH, B);
@@ -563,11 +602,11 @@ void forward_impl(bf16* out, float* lse, const bf16* qkv, int B, int T, int NH, 
     if (vec) {
       set_smem(attention_forward_kernel<D16, true>, smem);
       attention_forward_kernel<D16, true>
-          <<<grid, kThreads, smem, stream>>>(out, lse, qkv, T, NH, NKV, HS, scale, doc_start);
+          <<<grid, kThreads, smem, stream>>>(out, lse, qkv, T, NH, NKV, HS, scale, doc_start, opt.window, opt.softcap);
     } else {
       set_smem(attention_forward_kernel<D16, false>, smem);
       attention_forward_kernel<D16, false>
-          <<<grid, kThreads, smem, stream>>>(out, lse, qkv, T, NH, NKV, HS, scale, doc_start);
+          <<<grid, kThreads, smem, stream>>>(out, lse, qkv, T, NH, NKV, HS, scale, doc_start, opt.window, opt.softcap);
     }
   });
   TR_CUDA_LAUNCH_CHECK("attention_forward_kernel");
@@ -575,10 +614,10 @@ void forward_impl(bf16* out, float* lse, const bf16* qkv, int B, int T, int NH, 
 
 void backward_impl(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse, float* scratch,
                    int B, int T, int NH, int NKV, int HS, const char* what, const char* hint, const int32_t* doc_start,
-                   int S, cudaStream_t stream) {
+                   const AttentionOptions& opt, int S, cudaStream_t stream) {
   check_grid(what, B, NH);
   TR_CHECK(S >= 1 && S <= 64, what, ": dk/dv splits ", S, " must be in [1, 64]");
-  const float scale = 1.0f / sqrtf(float(HS));
+  const float scale = options_scale(what, HS, opt);
   float* Dv = scratch;
   const int C = NH * HS;
   const int64_t rows = int64_t(B) * T * NH;
@@ -603,7 +642,7 @@ void backward_impl(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* ou
       set_smem(attention_backward_dkdv_kernel<D16, V, G>, s_dkv);
       attention_backward_dkdv_kernel<D16, V, G>
           <<<grid_dkv, kThreads, s_dkv, stream>>>(dqkv, dout, qkv, lse, Dv, T, NH, NKV, HS, scale, doc_start,
-                                                  partial, S);
+                                                  opt.window, opt.softcap, partial, S);
       TR_CUDA_LAUNCH_CHECK("attention_backward_dkdv_kernel");
       if (S > 1) {
         const int64_t n = int64_t(B) * NKV * T * 2 * HS;
@@ -613,7 +652,8 @@ void backward_impl(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* ou
       }
       set_smem(attention_backward_dq_kernel<D16, V>, s_dq);
       attention_backward_dq_kernel<D16, V>
-          <<<grid_dq, kThreads, s_dq, stream>>>(dqkv, dout, qkv, lse, Dv, T, NH, NKV, HS, scale, doc_start);
+          <<<grid_dq, kThreads, s_dq, stream>>>(dqkv, dout, qkv, lse, Dv, T, NH, NKV, HS, scale, doc_start,
+                                                opt.window, opt.softcap);
     };
     using Yes = std::true_type;
     using No = std::false_type;
@@ -660,7 +700,7 @@ void attention_forward(bf16* out, float* lse, const bf16* qkv, int B, int T, int
                        const int32_t* doc_start) {
   if (B <= 0 || T <= 0) return;
   TR_CHECK(NH > 0 && C % NH == 0, "attention_forward: C=", C, " is not divisible by NH=", NH);
-  forward_impl(out, lse, qkv, B, T, NH, NH, C / NH, "attention_forward", kMhaHint, doc_start, stream);
+  forward_impl(out, lse, qkv, B, T, NH, NH, C / NH, "attention_forward", kMhaHint, doc_start, {}, stream);
 }
 
 void attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse,
@@ -669,23 +709,23 @@ void attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf1
   if (B <= 0 || T <= 0) return;
   TR_CHECK(NH > 0 && C % NH == 0, "attention_backward: C=", C, " is not divisible by NH=", NH);
   backward_impl(dqkv, dout, qkv, out, lse, scratch, B, T, NH, NH, C / NH, "attention_backward", kMhaHint, doc_start,
-                dkv_splits, stream);
+                {}, dkv_splits, stream);
 }
 
 void attention_gqa_forward(bf16* out, float* lse, const bf16* qkv, int B, int T, int NH, int NKV, int HS,
-                           cudaStream_t stream, const int32_t* doc_start) {
+                           cudaStream_t stream, const int32_t* doc_start, const AttentionOptions& opt) {
   check_gqa_heads("attention_gqa_forward", NH, NKV, HS);
   if (B <= 0 || T <= 0) return;
-  forward_impl(out, lse, qkv, B, T, NH, NKV, HS, "attention_gqa_forward", kGqaHint, doc_start, stream);
+  forward_impl(out, lse, qkv, B, T, NH, NKV, HS, "attention_gqa_forward", kGqaHint, doc_start, opt, stream);
 }
 
 void attention_gqa_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse,
                             float* scratch, int B, int T, int NH, int NKV, int HS, cudaStream_t stream,
-                            const int32_t* doc_start, int dkv_splits) {
+                            const int32_t* doc_start, int dkv_splits, const AttentionOptions& opt) {
   check_gqa_heads("attention_gqa_backward", NH, NKV, HS);
   if (B <= 0 || T <= 0) return;
   backward_impl(dqkv, dout, qkv, out, lse, scratch, B, T, NH, NKV, HS, "attention_gqa_backward", kGqaHint, doc_start,
-                dkv_splits, stream);
+                opt, dkv_splits, stream);
 }
 
 }  // namespace trainrun::cuda

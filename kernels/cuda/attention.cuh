@@ -46,6 +46,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kernels/backend.h"  // AttentionOptions
 #include "kernels/cuda/cuda_common.cuh"
 
 namespace trainrun::cuda {
@@ -79,10 +80,17 @@ void attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf1
                         const int32_t* doc_start = nullptr, int dkv_splits = 1);
 
 // Grouped-query: NKV divides NH; lse (B,NH,T) as attention_saved_floats.
+// opt (kernels/backend.h's AttentionOptions): scale replaces 1/sqrt(HS);
+// softcap > 0 caps the scaled scores, s -> softcap * tanh(s / softcap) (lse
+// is of the capped scores; the backward multiplies dS by 1 - tanh^2);
+// window W > 0 limits query t to keys t - W < j <= t: the forward and dq
+// loops start at the key tile of the tile's first visible key (whole tiles
+// left of the window are skipped, the edge tile masked), the dk/dv loop
+// stops at the query tile of the last query that reaches the key tile.
 void attention_gqa_forward(bf16* out, float* lse, const bf16* qkv, int B, int T, int NH, int NKV, int HS,
-                           cudaStream_t stream, const int32_t* doc_start = nullptr);
+                           cudaStream_t stream, const int32_t* doc_start = nullptr, const AttentionOptions& opt = {});
 void attention_gqa_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse,
                             float* scratch, int B, int T, int NH, int NKV, int HS, cudaStream_t stream,
-                            const int32_t* doc_start = nullptr, int dkv_splits = 1);
+                            const int32_t* doc_start = nullptr, int dkv_splits = 1, const AttentionOptions& opt = {});
 
 }  // namespace trainrun::cuda

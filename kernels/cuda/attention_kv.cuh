@@ -12,7 +12,8 @@
 // is NKV = NH (qkv (Tq, 3C), caches (maxT, C)); both entry points run the
 // same kernels, so attention_kv_gqa_forward with NKV == NH gives
 // attention_kv_forward's bits.
-// Math, per query head h and new token i (its position is pos + i):
+// Math, per query head h and new token i (its position is pos + i), without
+// a window (with one: attention_kv_gqa_forward below):
 //   kcache[pos+i], vcache[pos+i] = k_i, v_i                      (first, for every i)
 //   s_j   = scale * q_i,h . kcache[j, g]   for j in [0, pos+i]   (fp32)
 //   out_i,h = sum_j softmax(s)_j vcache[j, g]                    (fp32, rounded to bf16 once)
@@ -40,6 +41,7 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include "kernels/backend.h"  // AttentionOptions
 #include "kernels/cuda/cuda_common.cuh"
 
 namespace trainrun::cuda {
@@ -48,7 +50,13 @@ constexpr int kKvMaxHeadSize = 256;
 
 void attention_kv_forward(bf16* out, bf16* kcache, bf16* vcache, const bf16* qkv, int pos, int Tq, int C, int NH,
                           cudaStream_t stream);
+// opt (kernels/backend.h): scale replaces 1/sqrt(HS), softcap caps the
+// scaled scores, and window W > 0 makes the caches rings of W rows (position
+// p at row p % W, Backend::attention_kv_gqa_forward): query i sees keys
+// (pos+i-W, pos+i], read from the ring (older positions) or from qkv (the
+// new ones), the 32-key chunks left of the window skipped; the last
+// min(Tq, W) new rows are written to the ring after the attention.
 void attention_kv_gqa_forward(bf16* out, bf16* kcache, bf16* vcache, const bf16* qkv, int pos, int Tq, int NH,
-                              int NKV, int HS, cudaStream_t stream);
+                              int NKV, int HS, cudaStream_t stream, const AttentionOptions& opt = {});
 
 }  // namespace trainrun::cuda

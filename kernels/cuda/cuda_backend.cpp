@@ -380,15 +380,6 @@ void CudaBackend::attention_kv_forward(void* out, void* kcache, void* vcache, co
 
 // ---- Llama ops ------------------------------------------------------------------------
 
-namespace {
-// Gemma 2's attention options, not in the CUDA kernels yet: refused by name rather than ignored.
-void refuse_attention_options(const char* op, const AttentionOptions& opt) {
-  TR_CHECK(opt.window == 0 && opt.softcap == 0.f && opt.scale == 0.f, op, ": attention options window ", opt.window,
-           ", softcap ", opt.softcap, ", scale ", opt.scale,
-           " are not implemented by the cuda backend yet (only the defaults 0); run on the cpu backend");
-}
-}  // namespace
-
 void CudaBackend::rmsnorm_forward(void* out, float* rstd, const void* inp, const void* weight, int N, int C,
                                   float eps, float w_offset) {
   make_current();
@@ -568,27 +559,24 @@ size_t CudaBackend::attention_gqa_saved_floats(int B, int T, int NH) const {
 
 void CudaBackend::attention_gqa_forward(void* out, float* saved, const void* qkv, int B, int T, int NH, int NKV,
                                         int HS, const int32_t* doc_start, const AttentionOptions& opt) {
-  refuse_attention_options("attention_gqa_forward", opt);
   make_current();
-  cuda::attention_gqa_forward(H(out), saved, H(qkv), B, T, NH, NKV, HS, compute_, doc_start);
+  cuda::attention_gqa_forward(H(out), saved, H(qkv), B, T, NH, NKV, HS, compute_, doc_start, opt);
 }
 
 void CudaBackend::attention_gqa_backward(void* dqkv, const void* dout, const void* qkv, const void* out,
                                          const float* saved, int B, int T, int NH, int NKV, int HS,
                                          const int32_t* doc_start, const AttentionOptions& opt) {
-  refuse_attention_options("attention_gqa_backward", opt);
   make_current();
   const int splits = attention_dkv_splits(B, T, NKV, attn_dkv_splits_, num_sms_);
   Scratch s(*alloc_, attention_backward_scratch_bytes(B, T, NH, NKV, HS, splits));
   cuda::attention_gqa_backward(H(dqkv), H(dout), H(qkv), H(out), saved, s.as<float>(), B, T, NH, NKV, HS, compute_,
-                               doc_start, splits);
+                               doc_start, splits, opt);
 }
 
 void CudaBackend::attention_kv_gqa_forward(void* out, void* kcache, void* vcache, const void* qkv, int pos, int Tq,
                                            int NH, int NKV, int HS, const AttentionOptions& opt) {
-  refuse_attention_options("attention_kv_gqa_forward", opt);
   make_current();
-  cuda::attention_kv_gqa_forward(H(out), H(kcache), H(vcache), H(qkv), pos, Tq, NH, NKV, HS, compute_);
+  cuda::attention_kv_gqa_forward(H(out), H(kcache), H(vcache), H(qkv), pos, Tq, NH, NKV, HS, compute_, opt);
 }
 
 void CudaBackend::gelu_forward(void* out, const void* inp, int64_t n) {

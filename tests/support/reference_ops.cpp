@@ -182,6 +182,40 @@ Vec attention_gqa(const Vec& qkv, int B, int T, int NH, int NKV, int HS) {
   return attention(mha, B, T, C, NH);
 }
 
+Vec attention_gqa_masked(const Vec& qkv, int B, int T, int NH, int NKV, int HS, const int32_t* doc_start, int window,
+                         double scale, double softcap) {
+  if (NH % NKV != 0) throw std::runtime_error("ref::attention_gqa_masked: NKV must divide NH");
+  const int R = NH / NKV, C = NH * HS;
+  const size_t ld = size_t(NH + 2 * NKV) * HS;
+  const double sc = scale > 0 ? scale : 1.0 / std::sqrt(double(HS));
+  Vec out(size_t(B) * T * C, 0.0), p(T);
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < NH; ++h)
+      for (int t = 0; t < T; ++t) {
+        int first = doc_start ? doc_start[size_t(b) * T + t] : 0;
+        if (window > 0) first = std::max(first, t - window + 1);
+        const double* q = qkv.data() + (size_t(b) * T + t) * ld + size_t(h) * HS;
+        double mx = -INFINITY;
+        for (int j = first; j <= t; ++j) {
+          const double* k = qkv.data() + (size_t(b) * T + j) * ld + size_t(NH + h / R) * HS;
+          double s = 0.0;
+          for (int d = 0; d < HS; ++d) s += q[d] * k[d];
+          s *= sc;
+          if (softcap > 0) s = softcap * std::tanh(s / softcap);
+          p[j] = s;
+          mx = std::max(mx, s);
+        }
+        double sum = 0.0;
+        for (int j = first; j <= t; ++j) sum += (p[j] = std::exp(p[j] - mx));
+        double* o = out.data() + (size_t(b) * T + t) * C + size_t(h) * HS;
+        for (int j = first; j <= t; ++j) {
+          const double* v = qkv.data() + (size_t(b) * T + j) * ld + size_t(NH + NKV + h / R) * HS;
+          for (int d = 0; d < HS; ++d) o[d] += p[j] / sum * v[d];
+        }
+      }
+  return out;
+}
+
 namespace {
 // The entries of one named tensor of the flat parameter vector.
 Vec tensor(const ParamLayout& lay, const Vec& params, const std::string& name) {

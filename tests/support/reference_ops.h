@@ -70,6 +70,13 @@ Vec swiglu(const Vec& inp, int N, int F);
 // repeat_kv: query head h reads KV head h / R), then every query head runs
 // the textbook causal softmax attention. out(B,T,NH*HS).
 Vec attention_gqa(const Vec& qkv, int B, int T, int NH, int NKV, int HS);
+// The same with what kernels/backend.h's AttentionOptions and document
+// masks add, straight from the definitions: query t of sequence b sees keys
+// j with max(doc_start[b*T+t], t-window+1) <= j <= t (doc_start null: 0;
+// window 0: none); scores q.k * scale (0: 1/sqrt(HS)), then softcap *
+// tanh(s / softcap) when softcap > 0. Only the visible keys are summed.
+Vec attention_gqa_masked(const Vec& qkv, int B, int T, int NH, int NKV, int HS, const int32_t* doc_start, int window,
+                         double scale = 0.0, double softcap = 0.0);
 
 // GPT-2 forward (see core/model/gpt2/gpt2.h for the architecture) from the flat
 // parameter vector in make_gpt2_layout(cfg)'s layout. Tensors are located by

@@ -50,11 +50,6 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
            "' is not one of silu, gelu_tanh");
   // HF casts the normaliser sqrt(C) to the activation dtype (scale_act does).
   if (cfg.embed_scale) embed_scale_ = float(std::sqrt(double(cfg.C)));
-  // Until the sliding window lands in the attention ops (Mistral's part of
-  // issue #26), a windowed layer is only exact when no query reaches past it.
-  TR_CHECK(cfg.sliding_window == 0 || cfg.T <= cfg.sliding_window, "model.seq_len ", cfg.T,
-           " exceeds the sliding window (sliding_window ", cfg.sliding_window,
-           "), which the attention ops do not implement yet; use model.seq_len <= ", cfg.sliding_window);
   if (cfg.moe.on()) {
     // What the MoE MLP does not compose with yet is refused by name (issue #28's later steps).
     // Tensor parallelism splits the attention; the experts are replicated
@@ -309,7 +304,7 @@ AttentionOptions LlamaNetwork::attn_opt(int l) const {
   const int gl = stage_.first_layer + l;
   if (cfg_.sliding_window > 0 && (cfg_.window_period == 0 || gl % cfg_.window_period == 0) &&
       cfg_.sliding_window < cfg_.T)
-    o.window = cfg_.sliding_window;  // (refused in the constructor until the ops have it)
+    o.window = cfg_.sliding_window;  // a window as long as the context changes nothing: not passed
   o.softcap = cfg_.attn_softcap;
   // HF multiplies the fp32 scores by query_pre_attn_scalar**-0.5 (a Python float): float(that).
   if (cfg_.query_scale > 0) o.scale = float(std::pow(cfg_.query_scale, -0.5));

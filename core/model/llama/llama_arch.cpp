@@ -221,6 +221,7 @@ std::map<std::string, std::string> LlamaArch::file_metadata() const {
                                           {"rope_theta", exact(c.rope_theta)},
                                           {"tie_embeddings", c.tied ? "true" : "false"}};
   if (c.head_dim > 0) m["head_dim"] = std::to_string(c.head_dim);  // only when set: older files stay as they were
+  if (c.sliding_window > 0) m["sliding_window"] = std::to_string(c.sliding_window);  // likewise
   if (!c.rope_scaling_type.empty()) {
     m["rope_scaling.type"] = c.rope_scaling_type;
     m["rope_scaling.factor"] = exact(c.rope_scaling.factor);
@@ -271,6 +272,10 @@ ModelConfig llama_config_from_metadata(const std::map<std::string, std::string>&
            "'");
   c.tied = tied == "true";
   if (meta.count("head_dim")) c.head_dim = integer("head_dim");
+  if (meta.count("sliding_window")) {
+    c.sliding_window = integer("sliding_window");
+    TR_CHECK(c.sliding_window >= 0, path, ": __metadata__ key 'sliding_window' is negative: ", c.sliding_window);
+  }
   if (meta.count("rope_scaling.type")) {
     c.rope_scaling_type = text("rope_scaling.type");
     c.rope_scaling.factor = num("rope_scaling.factor");

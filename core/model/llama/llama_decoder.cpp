@@ -15,6 +15,16 @@ namespace trainrun {
 
 namespace {
 
+// Layer l's window in the cache: the model's sliding window where the layer
+// slides (LlamaNetwork::attn_opt's rule) and it is shorter than the cache,
+// else 0. A windowed layer's cache is a ring of that many rows
+// (Backend::attention_kv_gqa_forward), so generating far past the window
+// holds `window` positions, not `capacity`.
+int cache_window(const ModelConfig& cfg, int l, int cap) {
+  const bool slides = cfg.sliding_window > 0 && (cfg.window_period == 0 || l % cfg.window_period == 0);
+  return slides && cfg.sliding_window < cap ? cfg.sliding_window : 0;
+}
+
 // The decoder's buffers in arena order; the constructor and bytes_needed
 // lay out the same plan (p may point at scratch slots).
 ArenaPlan plan_for(const ModelConfig& cfg, const Backend& be, int cap, int chunk, std::vector<void*>& k,
@@ -26,8 +36,9 @@ ArenaPlan plan_for(const ModelConfig& cfg, const Backend& be, int cap, int chunk
   k.assign(size_t(cfg.L), nullptr);
   v.assign(size_t(cfg.L), nullptr);
   for (int l = 0; l < cfg.L; ++l) {
-    plan.add(&k[size_t(l)], size_t(cap) * KV * es);
-    plan.add(&v[size_t(l)], size_t(cap) * KV * es);
+    const size_t rows = size_t(cache_window(cfg, l, cap) > 0 ? cache_window(cfg, l, cap) : cap);
+    plan.add(&k[size_t(l)], rows * KV * es);
+    plan.add(&v[size_t(l)], rows * KV * es);
   }
   plan.add(p[0], size_t(cap) * HS * 4);            // rope (cap, HS/2, 2) fp32
   plan.add(p[1], size_t(R) * C * es);              // zero_wpe
@@ -68,10 +79,6 @@ size_t LlamaDecoder::bytes() const { return arena_.bytes() + (moe_ ? moe_->own_b
 LlamaDecoder::LlamaDecoder(const ModelConfig& cfg, const ParamLayout& layout, Backend* be, int capacity)
     : cfg_(cfg), be_(be), cap_(capacity), chunk_(std::min(capacity, kChunk)) {
   TR_CHECK(cfg.NKV > 0 && cfg.F > 0, "LlamaDecoder needs LlamaArch's resolved config (a bug)");
-  // Gemma 2 (as LlamaNetwork): no sliding window in the ops yet.
-  TR_CHECK(cfg.sliding_window == 0 || capacity <= cfg.sliding_window, "decoder: capacity ", capacity,
-           " exceeds the sliding window (sliding_window ", cfg.sliding_window,
-           "), which the attention ops do not implement yet");
   wo_ = cfg.norm_offset ? 1.f : 0.f;
   attn_.softcap = cfg.attn_softcap;
   if (cfg.query_scale > 0) attn_.scale = float(std::pow(cfg.query_scale, -0.5));  // as LlamaNetwork::attn_opt
@@ -148,8 +155,10 @@ void LlamaDecoder::feed_chunk(UnitAccess& units, const int32_t* tokens, int n, b
     if (cfg_.qk_norm)
       be_->qk_norm_forward(qkv_, qk_pre_, qk_rstd_, w(o.qnw), w(o.knw), n, cfg_.NH, cfg_.NKV, HS_, eps_);
     be_->rope_forward(qkv_, rope_, 1, n, cfg_.NH, cfg_.NKV, HS_, pos_);
+    AttentionOptions opt = attn_;
+    opt.window = cache_window(cfg_, l, cap_);
     be_->attention_kv_gqa_forward(atty_, kcache_[size_t(l)], vcache_[size_t(l)], qkv_, pos_, n, cfg_.NH, cfg_.NKV,
-                                  HS_, attn_);
+                                  HS_, opt);
     be_->matmul_forward(proj_, atty_, w(o.ow), nullptr, n, Q_, C);
     if (ad) ad->forward(l, 1, atty_, proj_, C, n);
     if (cfg_.post_norms) post_norm(w(o.panw));

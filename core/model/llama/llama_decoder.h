@@ -50,7 +50,7 @@ class LlamaDecoder final : public Decoder {
   int64_t lm_head_off_ = -1;             // untied: lm_head.weight's offset in the head unit
   DeviceBuffer arena_;
   std::unique_ptr<MoeMlp> moe_;  // ModelConfig::moe: the MLP's place (its own arena)
-  std::vector<void*> kcache_, vcache_;   // per layer (cap, NKV*HS)
+  std::vector<void*> kcache_, vcache_;   // per layer (cap, NKV*HS); a sliding layer's: a ring (window, NKV*HS)
   float* rope_ = nullptr;                // (cap, HS/2, 2) fp32
   void* qk_pre_ = nullptr;               // qk-norm: (chunk, (NH+NKV)*HS) q|k before it (unused after)
   float* qk_rstd_ = nullptr;             // qk-norm: (chunk, NH+NKV)
@@ -61,7 +61,7 @@ class LlamaDecoder final : public Decoder {
   void* proj_ = nullptr;                 // (chunk, C) o_proj / down_proj output
   void* ln_ = nullptr;                   // (chunk, C)
   float wo_ = 0.f;                       // RMSNorm weight offset (Gemma 2: 1)
-  AttentionOptions attn_;                // Gemma 2: softcap, scale
+  AttentionOptions attn_;                // Gemma 2: softcap, scale (the window is per layer: cache_window)
   float* rstd_ = nullptr;                // (chunk)
   void* qkv_ = nullptr;                  // (chunk, C + 2 KV)
   void* atty_ = nullptr;                 // (chunk, C)

@@ -245,6 +245,11 @@ void LlamaArch::check_init_from(const ModelConfig& hf, const std::string& dir) c
     same("rope_scaling.original_max_position_embeddings", m.rope_scaling.original_max_position_embeddings,
          "rope_scaling.original_max_position_embeddings", hf.rope_scaling.original_max_position_embeddings);
   }
+  // The window is the model's (mistral, phi3: model.sliding_window; 0 = none).
+  if (m.sliding_window != hf.sliding_window)
+    fail("sliding_window", std::to_string(m.sliding_window), "sliding_window",
+         hf.sliding_window ? std::to_string(hf.sliding_window) : std::string("null"),
+         std::to_string(hf.sliding_window));
   // RoPE has no table: a shorter context is the same model; a longer one
   // is past what it was trained for.
   TR_CHECK(m.T <= hf.T, what, ": '", dir, "' holds a ", display_name(), " with max_position_embeddings = ", hf.T,

@@ -162,8 +162,7 @@ json Phi3Arch::hf_config_json() const {
     c["max_position_embeddings"] = cfg.rope_scaling.max_position_embeddings;
     c["original_max_position_embeddings"] = cfg.rope_scaling.original_max_position_embeddings;
   }
-  // Only a model read from a config.json that had one (check_init_from
-  // kept every sequence within it); from scratch: full causal attention.
+  // The window (model.sliding_window) or null: full causal attention.
   c["sliding_window"] = cfg.sliding_window > 0 ? json(cfg.sliding_window) : json(nullptr);
   c["initializer_range"] = cfg.init_std;
   c["use_cache"] = true;
@@ -234,19 +233,16 @@ std::vector<ShapeKey> Phi3Arch::shape_keys() const {
   TR_CHECK(!cfg_.rope_scaling.longrope(), "model.init_from: the Phi-3 has rope_scaling longrope (config.json); "
            "trainrun computes it (export, generate from the directory) but a job cannot train it yet: the job spec "
            "has no field for its short_factor/long_factor lists");
-  return LlamaArch::shape_keys();
+  std::vector<ShapeKey> k = LlamaArch::shape_keys();
+  k.push_back({"model.sliding_window", "sliding_window"});
+  return k;
 }
 
 void Phi3Arch::check_init_from(const ModelConfig& hf, const std::string& dir) const {
   TR_CHECK(!hf.rope_scaling.longrope(), "model.init_from: '", dir, "' holds a Phi-3 with rope_scaling longrope "
            "(config.json); trainrun computes it (export, generate from the directory) but a job cannot train it yet: "
            "the job spec has no field for its short_factor/long_factor lists");
-  LlamaArch::check_init_from(hf, dir);
-  // See phi3_arch.h: up to the window, windowed and full attention agree.
-  TR_CHECK(hf.sliding_window == 0 || cfg_.T <= hf.sliding_window, "model.init_from: '", dir,
-           "' holds a Phi-3 with sliding_window = ", hf.sliding_window, " (config.json) but model.seq_len is ",
-           cfg_.T, "; trainrun's Phi-3 does not implement the sliding window yet (transformers 4.44 applies it only "
-           "with flash-attention), so set model.seq_len to at most ", hf.sliding_window);
+  LlamaArch::check_init_from(hf, dir);  // model.sliding_window included
 }
 
 }  // namespace trainrun

@@ -27,11 +27,12 @@
 // What trainrun does not implement is refused by name:
 //   - rope_scaling "yarn" (transformers 4.44 reads it as "longrope", Phi-3's
 //     YaRN class differs) and any other type.
-//   - sliding_window: transformers 4.44 applies it only in its
-//     flash-attention path (eager and sdpa attend to every earlier key), so
-//     the model differs by implementation once a sequence is longer than the
-//     window. Until trainrun's attention has the window, model.init_from
-//     refuses a model.seq_len above it: up to it every implementation agrees.
+// The sliding window (model.sliding_window, config.json's sliding_window) is
+// applied on every layer as transformers 4.51.3's eager and SDPA attention
+// apply it: keys t - W < j <= t (Mistral's rule; tests/test_phi3.cpp against
+// 4.51.3). transformers 4.44 applies it only in its flash-attention path,
+// and flash attention's window_size=(W, W) spans W + 1 keys: past the window
+// the implementations differ (up to it they agree).
 #pragma once
 #include <map>
 #include <memory>

@@ -83,18 +83,25 @@ ModelConfig qwen2_config_from_hf(const json& c, const std::string& path, const s
            ") is not divisible by num_attention_heads (", cfg.NH, ")");
   cfg.head_dim = 0;
   // The sliding window: with use_sliding_window false Qwen2Config drops it
-  // (the published Qwen2.5 configs name one and leave it off). On, it
-  // applies to layers max_window_layers.. (transformers' flash-attention
-  // path); it changes nothing when no such layer exists or the window is
-  // the whole context, and is refused otherwise until the Llama network
-  // has a window (ModelConfig::sliding_window).
+  // (the published Qwen2.5 configs name one and leave it off). On, Qwen's
+  // rule (transformers' flash-attention path) windows the layers from
+  // max_window_layers on. It changes nothing when no such layer exists or
+  // the window is the whole context, and is refused otherwise: the
+  // attention ops have the window now (Mistral), but no eager
+  // transformers computes Qwen's rule to test it against — 4.44's eager
+  // Qwen2 ignores the window on every layer, 4.51.3's applies
+  // config.sliding_window to every layer whatever use_sliding_window and
+  // max_window_layers say (checked on a 2-layer model: max_window_layers 0
+  // or not, use_sliding_window true or false, the same logits) — so these
+  // weights would compute different functions in different tools.
   if (flag("use_sliding_window")) {
     const int window = integer("sliding_window", 4096), first = integer("max_window_layers", 28);
     if (first < cfg.L && window < cfg.T)
       unsupported("use_sliding_window", "true (sliding_window " + std::to_string(window) + " on layers " +
                                             std::to_string(first) + ".." + std::to_string(cfg.L - 1) +
                                             " of num_hidden_layers " + std::to_string(cfg.L) + ")",
-                  "full causal attention (a sliding window is not implemented yet; set use_sliding_window false, "
+                  "full causal attention (Qwen2's per-layer window is not implemented: transformers' eager "
+                  "attention computes it differently in each version; set use_sliding_window false, "
                   "or sliding_window >= max_position_embeddings = " + std::to_string(cfg.T) + ")");
   }
   return cfg;
