@@ -73,7 +73,7 @@ json read_json(const std::string& path) {
 struct Shape {
   int L = 2, C = 32, NH = 4, NKV = 2, HD = 16, F = 48, V = 96, T = 16;
   double attn_cap = 1.5, final_cap = 3, query_scalar = 12;
-  int window = 16;  // = T: HF's window mask is then empty (the ops have no window yet)
+  int window = 16;  // = T: no layer's window excludes a key; 5: the even layers' does (local, global, ...)
 };
 
 ModelConfig config_of(const Shape& s) {
@@ -154,7 +154,12 @@ std::vector<float> flat_from_hf(const ModelArch& arch, const std::string& wpath)
 }  // namespace
 
 TEST_CASE("gemma2: logits, loss and every gradient equal transformers' Gemma2ForCausalLM", "[gemma2][hf]") {
-  const Shape s;
+  // Window 5 < T 16: layer 0 attends locally, layer 1 globally (HF's eager
+  // mask: query i sees keys i-5 < j <= i on even layers).
+  for (const int window : {16, 5}) {
+  INFO("sliding_window " << window);
+  Shape s;
+  s.window = window;
   const int B = 2, T = s.T;
   test::TempDir dir("gemma2_hf");
   // Inputs avoid token 0: Gemma2Config's pad_token_id is 0 and HF's
@@ -217,6 +222,7 @@ TEST_CASE("gemma2: logits, loss and every gradient equal transformers' Gemma2For
   const double ck_err = ref::rel_err(Vec(ck.grads.begin(), ck.grads.end()), Vec(run.grads.begin(), run.grads.end()));
   std::printf("  checkpointed gradients vs plain: rel err %.3e\n", ck_err);
   CHECK(ck_err <= 1e-6);
+  }
 }
 
 TEST_CASE("gemma2: the arch's activation estimate is the network's arena", "[gemma2]") {

@@ -21,10 +21,10 @@
 // each rank's vocabulary columns and the vocab-parallel cross-entropy takes
 // the cap (Backend::vocab_ce_finish).
 //
-// Not done yet (issue #26): the sliding window itself (the network and the
-// decoder refuse a sequence longer than sliding_window until the attention
-// ops have it), and the attention's soft-cap and scale in the CUDA attention
-// kernels (the CUDA backend refuses them by name).
+// The window, soft-cap and scale are AttentionOptions of the attention ops
+// (CPU; the CUDA flash and decode kernels compile, not yet run on a GPU);
+// the decoder's even layers keep a ring of sliding_window rows. Not under
+// context parallelism yet (the block ops refuse them by name).
 #pragma once
 #include <map>
 #include <memory>

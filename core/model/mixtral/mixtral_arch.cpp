@@ -100,8 +100,10 @@ ModelConfig mixtral_config_from_hf(const json& c, const std::string& path, const
   cfg.arch = "mixtral";
   if (has("head_dim") && integer("head_dim", 0) != cfg.C / cfg.NH)
     refuse("head_dim", c["head_dim"].dump(), "hidden_size / num_attention_heads = " + std::to_string(cfg.C / cfg.NH));
-  // A window no query reaches past is full attention; LlamaNetwork refuses
-  // model.seq_len beyond it until the attention ops have a window.
+  // The window applies on every layer with Mistral's rule (query t sees
+  // keys t - W < j <= t). transformers 4.44 applies Mixtral's only in its
+  // flash-attention path (its eager mask ignores it); the published
+  // Mixtral configs have none (null).
   if (has("sliding_window")) cfg.sliding_window = integer("sliding_window", 0);
   MoeConfig& m = cfg.moe;
   m.n_experts = integer("num_local_experts", 8);

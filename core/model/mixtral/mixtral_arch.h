@@ -11,9 +11,8 @@
 // model.router_aux_loss_coef times it (0.001 unless set; 0 = off), whatever
 // config.json says, and its export writes the coefficient it trained with.
 //
-// Not implemented, refused by name when config.json asks for it: a sliding
-// window shorter than the training context (as Llama's network: refused
-// at model.seq_len > sliding_window), router_jitter_noise (training-time
+// A sliding_window applies on every layer, as Mistral's. Not implemented,
+// refused by name when config.json asks for it: router_jitter_noise (training-time
 // multiplicative noise on the router input), attention_dropout, an
 // activation other than silu, a head_dim other than hidden_size / heads,
 // rope_scaling.
