@@ -246,7 +246,7 @@ TEST_CASE("chat template: {% generation %} blocks give HF's assistant mask", "[c
   CHECK(with_targets == 4);
 }
 
-TEST_CASE("chat template: the model's template is found beside its tokenizer; built-ins, names and files override it",
+TEST_CASE("chat template: the model's template is found beside its tokenizer, built-ins, names and files override it",
           "[chat]") {
   const std::string dir = tokenizer_dir();
   const Tokenizer tok = Tokenizer::load(dir + "/tokenizer.json");

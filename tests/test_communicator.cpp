@@ -764,7 +764,7 @@ std::string mesh_error(int world, int tp, int pp, const std::string& sharding, i
 }
 }  // namespace
 
-TEST_CASE("mesh: the dims follow the degrees and the strategy; bad meshes name their factors", "[mesh]") {
+TEST_CASE("mesh: the dims follow the degrees and the strategy, bad meshes name their factors", "[mesh]") {
   MeshDims d = plan_mesh(8, 2, 1, "full_shard", 0);
   CHECK((d.pp == 1 && d.dp_replicate == 1 && d.dp_shard == 4 && d.tp == 2));
   d = plan_mesh(8, 2, 1, "hybrid_shard", 2);
@@ -820,7 +820,7 @@ TEST_CASE("mesh: tp is innermost and every dim's groups partition the ranks cons
   CHECK_THROWS_AS(DeviceMesh(dims, 24), Error);
 }
 
-TEST_CASE("mesh: one communicator per group; a tp all-reduce sums the tp pair, a dp one the dp ranks", "[mesh]") {
+TEST_CASE("mesh: one communicator per group, a tp all-reduce sums the tp pair, a dp one the dp ranks", "[mesh]") {
   MemStore store;
   const MeshDims dims = plan_mesh(8, 2, 1, "hybrid_shard", 2);  // dp_replicate2 x dp_shard2 x tp2
   std::vector<std::exception_ptr> errors(8);

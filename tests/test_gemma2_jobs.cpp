@@ -213,7 +213,7 @@ TEST_CASE("gemma2: init_from (arch auto), `trainrun export` -> from_pretrained a
   CHECK(gen.out == lr.out);
 }
 
-TEST_CASE("gemma2: the job spec describes Gemma 2; what is inconsistent is refused by name", "[gemma2][config]") {
+TEST_CASE("gemma2: the job spec describes Gemma 2, what is inconsistent is refused by name", "[gemma2][config]") {
   auto spec = [](const std::string& model) {
     return parse_job_spec("model: " + model + "\ndata: {format: synthetic}\n", "job.yaml", {});
   };

@@ -44,7 +44,7 @@ LoraOptions options_for(const PeftCase& c) { return options_for(c, kRank, kAlpha
 
 }  // namespace
 
-TEST_CASE("lora: logits, loss and every adapter gradient equal peft's (llama, gpt2; lora, dora)", "[lora][peft]") {
+TEST_CASE("lora: logits, loss and every adapter gradient equal peft's (llama, gpt2, lora, dora)", "[lora][peft]") {
   for (const PeftCase& c : all_cases()) {
     SECTION(c.name()) {
       TempDir tmp("lora");
@@ -260,7 +260,7 @@ JobSpec lora_job(const TempDir& peft, const std::string& out, const std::string&
 }
 }  // namespace
 
-TEST_CASE("lora training: adapter/ loads in peft with trainrun's logits; 2 ranks equal 1 under every strategy",
+TEST_CASE("lora training: adapter/ loads in peft with trainrun's logits, 2 ranks equal 1 under every strategy",
           "[lora][peft][train]") {
   TempDir peft("lora_train");
   make_peft_case(llama_case(), peft);
@@ -347,7 +347,7 @@ TEST_CASE("lora training: the end-of-run sample (2 ranks, full_shard) is `genera
   CHECK(plain.out != g.out);
 }
 
-TEST_CASE("lora: export --merge equals peft's merge_and_unload() (llama, gpt2; lora, dora)", "[lora][peft]") {
+TEST_CASE("lora: export --merge equals peft's merge_and_unload() (llama, gpt2, lora, dora)", "[lora][peft]") {
   for (const PeftCase& c : all_cases()) {
     SECTION(c.name()) {
       TempDir tmp("lora_merge");
@@ -378,7 +378,7 @@ TEST_CASE("lora: export --merge equals peft's merge_and_unload() (llama, gpt2; l
   }
 }
 
-TEST_CASE("lora: generate --adapter (unmerged) samples what transformers samples from peft's model (llama, gpt2; lora, dora)",
+TEST_CASE("lora: generate --adapter (unmerged) samples what transformers samples from peft's model (llama, gpt2, lora, dora)",
           "[lora][peft]") {
   const bool dora = GENERATE(false, true);
   const bool gpt2 = GENERATE(false, true);
@@ -408,7 +408,7 @@ TEST_CASE("lora: generate --adapter (unmerged) samples what transformers samples
   CHECK(plain.out != got.out);
 }
 
-TEST_CASE("dora training: fresh magnitudes from the sharded base; with dropout 2 ranks (full_shard) equal 1; peft loads the result",
+TEST_CASE("dora training: fresh magnitudes from the sharded base, with dropout 2 ranks (full_shard) equal 1, peft loads the result",
           "[lora][peft][train]") {
   TempDir peft("dora_train");
   make_peft_case(llama_case(true), peft);

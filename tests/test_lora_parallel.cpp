@@ -164,7 +164,7 @@ TEST_CASE("lora tp: the ops a rank's slice needs (CPU): dropout of a column slic
   CHECK(norms == left);
 }
 
-TEST_CASE("lora tp: tensor parallelism equals one rank (llama GQA, gpt2; lora, dora; sequence parallel; tp x dp)",
+TEST_CASE("lora tp: tensor parallelism equals one rank (llama GQA, gpt2, lora, dora, sequence parallel, tp x dp)",
           "[lora][tp]") {
   SECTION("llama, one KV head (replicated at tp2), lora: tp2, tp2 + sequence parallel; the tp2 adapter in peft; "
           "peft's adapter as model.adapter.init_from at tp2") {

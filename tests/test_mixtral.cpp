@@ -36,7 +36,6 @@
 #include "tests/support/device_io.h"
 #include "tests/support/hf_reference.h"
 #include "tests/support/inprocess.h"
-#include "tests/support/model_pass.h"
 #include "tests/support/testutil.h"
 
 using namespace trainrun;
@@ -46,14 +45,14 @@ namespace {
 
 const char* kScript = "hf_mixtral.py";
 
-using test::hf_flat_params;
-using test::seeded_tokens;
+using test::flat_from_hf;
+using test::random_tokens;
 using test::tensor_f32;
-std::vector<int32_t> rand_tokens(size_t n, int V, uint64_t seed) { return seeded_tokens(n, V, seed); }
+std::vector<int32_t> rand_tokens(size_t n, int V, uint64_t seed) { return random_tokens(n, V, seed); }
 std::vector<float> f32_of(const SafeTensorFile& f, const std::string& name, const std::string& path) {
   return tensor_f32(f, name, path);
 }
-std::vector<float> hf_flat(const ModelArch& arch, const std::string& dir) { return hf_flat_params(arch, dir); }
+std::vector<float> hf_flat(const ModelArch& arch, const std::string& dir) { return flat_from_hf(arch, dir); }
 
 struct Shape {
   int L = 2, NH = 4, NKV = 2, C = 32, F = 24, E = 4, K = 2, V = 37, T = 9;
@@ -90,10 +89,10 @@ void hf_random(const std::string& dir, const Shape& s, const std::string& batch 
 
 double rel(const std::vector<float>& a, const std::vector<float>& b) { return test::rel_err(a, b); }
 
-using Pass = test::ModelPass;
+using Pass = test::NetworkRun;
 Pass run_pass(const ModelArch& arch, const std::vector<float>& params, const std::vector<int32_t>& in,
               const std::vector<int32_t>& tg, int B, int T, bool ckpt = false) {
-  return test::model_pass(arch, params, in, tg, B, T, ckpt);
+  return test::run_network(arch, params, in, tg, B, T, ckpt);
 }
 
 }  // namespace
@@ -111,7 +110,7 @@ TEST_CASE("mixtral: logits, loss with the load-balancing loss and every gradient
     const int B = 2, T = s.T, V = s.V;
     test::TempDir dir("mixtral_hf");
     const std::vector<int32_t> in = rand_tokens(size_t(B) * T, V, 11), tg = rand_tokens(size_t(B) * T, V, 12);
-    test::write_batch(dir / "batch.safetensors", in, tg, B, T);
+    test::write_token_batch(dir / "batch.safetensors", in, tg, B, T);
     hf_random(dir / "model", s, dir / "batch.safetensors", dir / "ref.safetensors");
     const std::vector<float> params = hf_flat(*arch, dir / "model");
     const Pass ours = run_pass(*arch, params, in, tg, B, T);
@@ -369,37 +368,15 @@ TEST_CASE("mixtral: init_from (arch auto) bit for bit, greedy generate and expor
   CHECK(std::memcmp(trained.data(), want.data(), want.size() * 4) == 0);
 
   // Greedy generate (our KV-cached decoder with the MoE MLP).
-  const std::string prompt = "5 17 2 28 0";
-  const test::RunResult theirs = test::run_reference_script(
-      kScript, "generate --model '" + hf + "' --prompt '" + prompt + "' --max-new-tokens 7");
-  INFO(theirs.err);
-  REQUIRE(theirs.exit_code == 0);
-  const test::RunResult ours = test::run_trainrun("generate --checkpoint '" + run + "/model.safetensors' --prompt '" +
-                                                  prompt + "' --max-tokens 7 --top-k 1");
-  INFO(ours.err);
-  REQUIRE(ours.exit_code == 0);
-  std::printf("generate: ours '%s' transformers '%s'\n", ours.out.c_str(), theirs.out.c_str());
-  CHECK(ours.out == theirs.out);
+  test::check_cli_generate_equals_hf(kScript, hf, run, "5 17 2 28 0", 7);
 
   // Export, then from_pretrained: transformers' logits are ours.
-  const std::string out = dir / "export";
-  const test::RunResult ex = test::run_trainrun("export --checkpoint '" + run + "/model.safetensors' --out '" + out + "'");
-  INFO(ex.err);
-  REQUIRE(ex.exit_code == 0);
-  std::ifstream cf(out + "/config.json");
-  const nlohmann::json c = nlohmann::json::parse(cf);
+  const nlohmann::json c = test::check_cli_export_equals_hf(kScript, *arch, trained, run, dir / "export", 29, dir);
   CHECK(c["model_type"] == "mixtral");
   CHECK(c["architectures"][0] == "MixtralForCausalLM");
   CHECK(c["num_local_experts"] == 4);
   CHECK(c["num_experts_per_tok"] == 2);
   CHECK(c["router_aux_loss_coef"] == 0.001);
-  const int B = 2, T = 12;
-  const std::vector<int32_t> in = rand_tokens(size_t(B) * T, 29, 3);
-  const std::vector<float> mine = test::logits_of(*arch, trained, in, B, T);
-  const std::vector<float> hfl = test::hf_logits_of(kScript, out, in, B, T, dir);
-  const double e = rel(mine, hfl);
-  std::printf("export: logits rel err %.3e\n", e);
-  CHECK(e <= 1e-5);
 }
 
 TEST_CASE("mixtral: the mixtral-8x7b preset and a job spec's MoE fields", "[mixtral][config]") {
@@ -527,7 +504,7 @@ TEST_CASE("mixtral: dp2 (full_shard) and tp2 (attention split, experts replicate
   CHECK_THROWS_WITH(test::run_ranks_inprocess(sp, 2), Contains("mixture of experts") && Contains("sequence_parallel"));
 }
 
-TEST_CASE("mixtral: pp2 (1f1b) trains as one rank does without router losses; with them it is refused",
+TEST_CASE("mixtral: pp2 (1f1b) trains as one rank does without router losses, with them it is refused",
           "[mixtral][pp]") {
   test::TempDir dir("mixtral_pp");
   const std::string hf = dir / "hf";
@@ -561,7 +538,7 @@ TEST_CASE("mixtral: pp2 (1f1b) trains as one rank does without router losses; wi
                     Contains("pipeline parallelism and a router loss") && Contains("model.router_aux_loss_coef 0.001"));
 }
 
-TEST_CASE("mixtral: our files record the experts; a file without them is refused by key", "[mixtral][files]") {
+TEST_CASE("mixtral: our files record the experts, a file without them is refused by key", "[mixtral][files]") {
   const auto arch = make_model_arch(mixtral_cfg(Shape{}));
   std::map<std::string, std::string> meta = arch->file_metadata();
   const ModelConfig back = config_from_file_metadata(meta, "model.safetensors");

@@ -420,7 +420,7 @@ double ref_objective(const std::string& objective, const GPT2Config& cfg, const 
 
 }  // namespace
 
-TEST_CASE("preference: the whole network's gradient of dpo, ipo and orpo equals finite differences of a float64 model; "
+TEST_CASE("preference: the whole network's gradient of dpo, ipo and orpo equals finite differences of a float64 model, "
           "packed pairs equal a row per side",
           "[preference][grad]") {
   test::TempDir d("prefgrad");

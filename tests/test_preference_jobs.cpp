@@ -74,7 +74,7 @@ void check_same(const std::vector<std::map<std::string, double>>& a, const std::
 }  // namespace
 
 TEST_CASE("preference jobs: TRL's metric names, step 1 is log 2 (precomputed == live reference), 1 rank == 2 and 4 "
-          "ranks, sharding strategies and tp2; the sidecar is reused, recomputed, or refused on resume",
+          "ranks, sharding strategies and tp2, the sidecar is reused, recomputed, or refused on resume",
           "[preference][train]") {
   JobDir j;
   auto run = [&](const std::string& name, const std::string& extra, const std::string& sets = "") {
@@ -158,7 +158,7 @@ TEST_CASE("preference jobs: TRL's metric names, step 1 is log 2 (precomputed == 
   check_same({res[2]}, {one[2]}, "resumed at step 2 vs uninterrupted, step 3");
 }
 
-TEST_CASE("preference jobs under LoRA: the adapters-off reference equals the precomputed one, step by step; ipo and "
+TEST_CASE("preference jobs under LoRA: the adapters-off reference equals the precomputed one, step by step, ipo and "
           "orpo train", "[preference][train]") {
   JobDir j;
   const std::string lora = "parallel: {nproc_per_node: 1}\n";

@@ -280,35 +280,13 @@ TEST_CASE("qwen2: init_from (arch auto) bit for bit, greedy generate and export 
   CHECK(std::memcmp(trained.data(), want.data(), want.size() * 4) == 0);
 
   // Greedy generate (our KV-cached decoder, biases in its q|k|v GEMM).
-  const std::string prompt = "5 17 2 28 0";
-  const test::RunResult theirs = test::run_reference_script(
-      kScript, "generate --model '" + hf + "' --prompt '" + prompt + "' --max-new-tokens 7");
-  INFO(theirs.err);
-  REQUIRE(theirs.exit_code == 0);
-  const test::RunResult ours = test::run_trainrun("generate --checkpoint '" + run + "/model.safetensors' --prompt '" +
-                                                  prompt + "' --max-tokens 7 --top-k 1");
-  INFO(ours.err);
-  REQUIRE(ours.exit_code == 0);
-  std::printf("generate: ours '%s' transformers '%s'\n", ours.out.c_str(), theirs.out.c_str());
-  CHECK(ours.out == theirs.out);
+  test::check_cli_generate_equals_hf(kScript, hf, run, "5 17 2 28 0", 7);
 
   // Export, then from_pretrained: transformers' logits are ours.
-  const std::string out = dir / "export";
-  const test::RunResult ex = test::run_trainrun("export --checkpoint '" + run + "/model.safetensors' --out '" + out + "'");
-  INFO(ex.err);
-  REQUIRE(ex.exit_code == 0);
-  std::ifstream cf(out + "/config.json");
-  const nlohmann::json c = nlohmann::json::parse(cf);
+  const nlohmann::json c = test::check_cli_export_equals_hf(kScript, *arch, trained, run, dir / "export", 29, dir);
   CHECK(c["model_type"] == "qwen2");
   CHECK(c["architectures"][0] == "Qwen2ForCausalLM");
   CHECK(c["use_sliding_window"] == false);
-  const int B = 2, T = 12;
-  const std::vector<int32_t> in = rand_tokens(size_t(B) * T, 29, 3);
-  const std::vector<float> mine = test::logits_of(*arch, trained, in, B, T);
-  const std::vector<float> hfl = test::hf_logits_of(kScript, out, in, B, T, dir);
-  const double e = rel(mine, hfl);
-  std::printf("export: logits rel err %.3e\n", e);
-  CHECK(e <= 1e-5);
 }
 
 TEST_CASE("qwen2: dp2 (full_shard), tp2 (a KV head and its biases replicated) and pp2 train as one rank does",

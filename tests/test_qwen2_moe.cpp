@@ -29,7 +29,6 @@
 #include "core/model/model_spec.h"
 #include "tests/support/hf_reference.h"
 #include "tests/support/inprocess.h"
-#include "tests/support/model_pass.h"
 #include "tests/support/testutil.h"
 
 using namespace trainrun;
@@ -90,11 +89,11 @@ TEST_CASE("qwen2_moe: logits, loss with the load-balancing loss and every gradie
     REQUIRE(arch->config().qkv_bias);
     const int B = 2, T = s.T, V = s.V;
     test::TempDir dir("qwen2_moe_hf");
-    const std::vector<int32_t> in = test::seeded_tokens(size_t(B) * T, V, 11),
-                               tg = test::seeded_tokens(size_t(B) * T, V, 12);
-    test::write_batch(dir / "batch.safetensors", in, tg, B, T);
+    const std::vector<int32_t> in = test::random_tokens(size_t(B) * T, V, 11),
+                               tg = test::random_tokens(size_t(B) * T, V, 12);
+    test::write_token_batch(dir / "batch.safetensors", in, tg, B, T);
     hf_random(dir / "model", s, dir / "batch.safetensors", dir / "ref.safetensors");
-    const test::ModelPass ours = test::model_pass(*arch, test::hf_flat_params(*arch, dir / "model"), in, tg, B, T);
+    const test::NetworkRun ours = test::run_network(*arch, test::flat_from_hf(*arch, dir / "model"), in, tg, B, T);
     const std::string rpath = dir / "ref.safetensors";
     const SafeTensorFile ref = read_safetensors(rpath);
     const double logit_err = test::rel_err(ours.logits, test::tensor_f32(ref, "logits", rpath));
@@ -161,7 +160,7 @@ TEST_CASE("qwen2_moe: init_from (arch auto) bit for bit, greedy generate and exp
   CHECK(arch->config().moe.ffn == 12);
   CHECK(arch->config().moe.shared_ffn == 20);
   CHECK(!arch->config().moe.norm_topk_prob);
-  const std::vector<float> want = test::hf_flat_params(*arch, hf);
+  const std::vector<float> want = test::flat_from_hf(*arch, hf);
   const std::vector<float> loaded = load_init_from(job.model);
   REQUIRE(loaded.size() == want.size());
   CHECK(std::memcmp(loaded.data(), want.data(), want.size() * 4) == 0);
@@ -171,34 +170,14 @@ TEST_CASE("qwen2_moe: init_from (arch auto) bit for bit, greedy generate and exp
   REQUIRE(trained.size() == want.size());
   CHECK(std::memcmp(trained.data(), want.data(), want.size() * 4) == 0);
 
-  const std::string prompt = "5 17 2 28 0";
-  const test::RunResult theirs = test::run_reference_script(
-      kScript, "generate --model '" + hf + "' --prompt '" + prompt + "' --max-new-tokens 7");
-  INFO(theirs.err);
-  REQUIRE(theirs.exit_code == 0);
-  const test::RunResult ours = test::run_trainrun("generate --checkpoint '" + run + "/model.safetensors' --prompt '" +
-                                                  prompt + "' --max-tokens 7 --top-k 1");
-  INFO(ours.err);
-  REQUIRE(ours.exit_code == 0);
-  std::printf("generate: ours '%s' transformers '%s'\n", ours.out.c_str(), theirs.out.c_str());
-  CHECK(ours.out == theirs.out);
+  test::check_cli_generate_equals_hf(kScript, hf, run, "5 17 2 28 0", 7);
 
-  const std::string out = dir / "export";
-  const test::RunResult ex = test::run_trainrun("export --checkpoint '" + run + "/model.safetensors' --out '" + out + "'");
-  INFO(ex.err);
-  REQUIRE(ex.exit_code == 0);
-  std::ifstream cf(out + "/config.json");
-  const nlohmann::json c = nlohmann::json::parse(cf);
+  const nlohmann::json c = test::check_cli_export_equals_hf(kScript, *arch, trained, run, dir / "export", 29, dir);
   CHECK(c["model_type"] == "qwen2_moe");
   CHECK(c["architectures"][0] == "Qwen2MoeForCausalLM");
   CHECK(c["moe_intermediate_size"] == 12);
   CHECK(c["shared_expert_intermediate_size"] == 20);
   CHECK(c["norm_topk_prob"] == false);
-  const int B = 2, T = 12;
-  const std::vector<int32_t> in = test::seeded_tokens(size_t(B) * T, 29, 3);
-  const double e = test::rel_err(test::logits_of(*arch, trained, in, B, T), test::hf_logits_of(kScript, out, in, B, T, dir));
-  std::printf("export: logits rel err %.3e\n", e);
-  CHECK(e <= 1e-5);
 }
 
 TEST_CASE("qwen2_moe: dp2 (full_shard) trains as one rank does", "[qwen2_moe][dp]") {
@@ -222,13 +201,13 @@ TEST_CASE("qwen2_moe: dp2 (full_shard) trains as one rank does", "[qwen2_moe][dp
     INFO("step " << i + 1 << ": " << got.first[i] << " vs " << ref.first[i]);
     CHECK(std::fabs(got.first[i] - ref.first[i]) <= 1e-5 * std::fabs(ref.first[i]));
   }
-  CHECK(test::rel_err(ref.second, test::hf_flat_params(*make_model_arch(read_hf_model_config(hf, "t")), hf)) > 1e-4);
+  CHECK(test::rel_err(ref.second, test::flat_from_hf(*make_model_arch(read_hf_model_config(hf, "t")), hf)) > 1e-4);
   const double e = test::rel_err(got.second, ref.second);
   std::printf("dp2: losses %.6f .. %.6f, final weights rel err %.3e\n", got.first.front(), got.first.back(), e);
   CHECK(e <= 1e-5);
 }
 
-TEST_CASE("qwen2_moe: config.json maths trainrun does not implement is refused by name; the preset",
+TEST_CASE("qwen2_moe: config.json maths trainrun does not implement is refused by name, the preset",
           "[qwen2_moe][hf]") {
   test::TempDir dir("qwen2_moe_refuse");
   auto write = [&](const std::string& name, const nlohmann::json& extra) {

@@ -343,7 +343,7 @@ TEST_CASE("head_dim: tp2 and tp2 x dp2 train as one rank does", "[qwen3][head_di
   }
 }
 
-TEST_CASE("head_dim: config.json, our metadata and the job spec carry it; bad values are refused", "[qwen3][head_dim]") {
+TEST_CASE("head_dim: config.json, our metadata and the job spec carry it, bad values are refused", "[qwen3][head_dim]") {
   ModelConfig c = config_of({"llama-head-dim", 2, 32, 4, 2, 12, 40, 37, 12, false});
   const auto arch = make_model_arch(c);
   CHECK(arch->layout().get("model.layers.0.self_attn.q_proj.weight").shape == std::vector<int64_t>{48, 32});

@@ -401,7 +401,7 @@ TEST_CASE("safetensors: a header over 100 MB is refused from its length, without
   }
 }
 
-TEST_CASE("safetensors: empty tensors share offsets; gaps and trailing bytes are refused, as safetensors does",
+TEST_CASE("safetensors: empty tensors share offsets, gaps and trailing bytes are refused, as safetensors does",
           "[safetensors]") {
   // safetensors' reader (Metadata::validate) wants the tensors back to back
   // from offset 0 to the end of the file; empty tensors take no bytes.

@@ -143,7 +143,7 @@ TEST_CASE("shm link: a receive that expects another tag or size is an Error nami
   CHECK_THAT(err[1], Contains("peer 2 is not a rank"));
 }
 
-TEST_CASE("shm link: a peer that never sends times out naming it; one that exited is named at once", "[shm]") {
+TEST_CASE("shm link: a peer that never sends times out naming it, one that exited is named at once", "[shm]") {
   Server s;
   const auto t0 = std::chrono::steady_clock::now();
   const auto err = run_pair(s, [&](int r, Communicator& c) {

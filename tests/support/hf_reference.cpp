@@ -3,6 +3,8 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <cstdio>
+#include <fstream>
 #include <random>
 
 #include "core/io/safetensors.h"
@@ -43,6 +45,12 @@ std::vector<float> hf_logits_of(const std::string& script, const std::string& di
   INFO(r.err);
   REQUIRE(r.exit_code == 0);
   return read_safetensors(tmp / "logits.safetensors").find("logits")->as_f32();
+}
+
+std::vector<float> tensor_f32(const SafeTensorFile& f, const std::string& name, const std::string& path) {
+  const SafeTensor* t = f.find(name);
+  if (!t) FAIL(path << " has no tensor '" << name << "'");
+  return t->as_f32();
 }
 
 std::vector<int32_t> random_tokens(size_t n, int V, uint64_t seed) {
@@ -109,6 +117,8 @@ NetworkRun run_network(const ModelArch& arch, const std::vector<float>& flat, co
   net->forward(units, din.as<int32_t>(), dtg.as<int32_t>(), B, T, true, 1.0f / float(B * T));
   net->backward(units);
   r.losses = download_f32(be.get(), net->losses(), size_t(B) * T);
+  for (float x : r.losses) r.loss += x;
+  r.loss /= double(r.losses.size());
   r.grads = download_f32(be.get(), g.get(), size_t(lay.total));
   return r;
 }
@@ -127,6 +137,36 @@ std::vector<int32_t> greedy_ids(const ModelArch& arch, const std::vector<float>&
     if (i + 1 < n) dec->feed(units, &next, 1, logits);
   }
   return ids;
+}
+
+void check_cli_generate_equals_hf(const std::string& script, const std::string& hf_dir, const std::string& run,
+                                  const std::string& prompt, int n) {
+  const RunResult theirs = run_reference_script(
+      script, "generate --model '" + hf_dir + "' --prompt '" + prompt + "' --max-new-tokens " + std::to_string(n));
+  INFO(theirs.err);
+  REQUIRE(theirs.exit_code == 0);
+  const RunResult ours = run_trainrun("generate --checkpoint '" + run + "/model.safetensors' --prompt '" + prompt +
+                                      "' --max-tokens " + std::to_string(n) + " --top-k 1");
+  INFO(ours.err);
+  REQUIRE(ours.exit_code == 0);
+  std::printf("generate: ours '%s' transformers '%s'\n", ours.out.c_str(), theirs.out.c_str());
+  CHECK(ours.out == theirs.out);
+}
+
+nlohmann::json check_cli_export_equals_hf(const std::string& script, const ModelArch& arch,
+                                          const std::vector<float>& trained, const std::string& run,
+                                          const std::string& out, int V, const TempDir& tmp) {
+  const RunResult ex = run_trainrun("export --checkpoint '" + run + "/model.safetensors' --out '" + out + "'");
+  INFO(ex.err);
+  REQUIRE(ex.exit_code == 0);
+  const int B = 2, T = 12;
+  const std::vector<int32_t> in = random_tokens(size_t(B) * T, V, 3);
+  const double e = rel_err(logits_of(arch, trained, in, B, T), hf_logits_of(script, out, in, B, T, tmp));
+  std::printf("export: logits rel err %.3e\n", e);
+  CHECK(e <= 1e-5);
+  std::ifstream cf(out + "/config.json");
+  REQUIRE(cf.good());
+  return nlohmann::json::parse(cf);
 }
 
 }  // namespace trainrun::test

@@ -9,6 +9,9 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
+#include "core/io/safetensors.h"
 #include "core/model/model.h"
 #include "tests/support/testutil.h"
 
@@ -32,6 +35,9 @@ std::vector<float> hf_logits_of(const std::string& script, const std::string& di
 // ---- What every model family's cross-check against transformers needs ----
 // (test_qwen2/qwen3/phi3/gemma2/mistral/...: one copy here, not one per file.)
 
+// A tensor of a reference file as fp32; FAILs naming the file when absent.
+std::vector<float> tensor_f32(const SafeTensorFile& f, const std::string& name, const std::string& path);
+
 // n uniform tokens in [0, V), from `seed`.
 std::vector<int32_t> random_tokens(size_t n, int V, uint64_t seed);
 
@@ -52,6 +58,7 @@ std::vector<float> flat_from_hf(const ModelArch& arch, const std::string& dir);
 // zeroed gradients: the per-token losses and every parameter's gradient.
 struct NetworkRun {
   std::vector<float> logits, losses, grads;
+  double loss = 0;  // the mean of `losses` (summed in double)
 };
 NetworkRun run_network(const ModelArch& arch, const std::vector<float>& flat, const std::vector<int32_t>& in,
                        const std::vector<int32_t>& tg, int B, int T, bool activation_checkpointing = false);
@@ -59,5 +66,19 @@ NetworkRun run_network(const ModelArch& arch, const std::vector<float>& flat, co
 // Greedy decoding with the arch's KV-cached decoder: prompt `ids` then n
 // tokens (argmax, first index on ties, as torch's).
 std::vector<int32_t> greedy_ids(const ModelArch& arch, const std::vector<float>& flat, std::vector<int32_t> ids, int n);
+
+// The trained run's `trainrun generate --checkpoint RUN/model.safetensors
+// --top-k 1` of n tokens after PROMPT (ids) prints what SCRIPT's greedy
+// `generate` (transformers, KV-cached) prints for HF_DIR.
+void check_cli_generate_equals_hf(const std::string& script, const std::string& hf_dir, const std::string& run,
+                                  const std::string& prompt, int n);
+
+// `trainrun export` of RUN/model.safetensors into OUT, then transformers'
+// from_pretrained(OUT) (through SCRIPT's `logits`) gives our logits of
+// `trained` within 1e-5 (B 2, T 12, tokens below V). Returns OUT's
+// config.json for the family's own checks.
+nlohmann::json check_cli_export_equals_hf(const std::string& script, const ModelArch& arch,
+                                          const std::vector<float>& trained, const std::string& run,
+                                          const std::string& out, int V, const TempDir& tmp);
 
 }  // namespace trainrun::test
