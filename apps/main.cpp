@@ -656,7 +656,8 @@ int main(int argc, char** argv) {
       {topo_cmd, "docs/planner.md"},        {bench, "docs/benchmarks.md"},      {bench_comm, "docs/benchmarks.md"},
       {bench_ckpt, "docs/benchmarks.md"},   {bench_kernels, "docs/benchmarks.md"},
       {bench_pipe, "docs/benchmarks.md"},   {bench_opt, "docs/benchmarks.md"},  {bench_off, "docs/benchmarks.md"},
-      {bench_lora, "docs/benchmarks.md"},   {tokenizer_cmd->command(), "docs/data-format.md"},
+      {bench_lora, "docs/benchmarks.md"},   {bench_cp, "docs/benchmarks.md"},
+      {tokenizer_cmd->command(), "docs/data-format.md"},
   };
   for (const auto& [sub, page] : doc_pages) sub->footer(std::string("Docs: ") + page);
 

@@ -68,14 +68,15 @@ bool ends_with(const std::string& s, const std::string& suf) {
 TEST_CASE("model: the registry names an unknown architecture and the known ones", "[model]") {
   ModelConfig c = GPT2Config::of(2, 2, 16, 29, 8);
   c.arch = "gpt3";
-  CHECK(error_of([&] { make_model_arch(c); }) == "model.arch: unknown architecture 'gpt3'; known: gpt2, llama, qwen2, qwen3, phi3, mixtral, qwen2_moe, gemma2");
+  CHECK(error_of([&] { make_model_arch(c); }) == "model.arch: unknown architecture 'gpt3'; known: gpt2, llama, qwen2, qwen3, phi3, mixtral, qwen2_moe, mistral, gemma2");
   CHECK(model_arch_names() ==
-        std::vector<std::string>{"gpt2", "llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "gemma2"});
+        std::vector<std::string>{"gpt2", "llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "mistral", "gemma2"});
   CHECK(arch_for_hf_model_type("gpt2") == "gpt2");
   CHECK(arch_for_hf_model_type("llama") == "llama");
   CHECK(arch_for_hf_model_type("phi3") == "phi3");
   CHECK(arch_for_hf_model_type("qwen2") == "qwen2");
-  CHECK(arch_for_hf_model_type("mistral").empty());
+  CHECK(arch_for_hf_model_type("mistral") == "mistral");
+  CHECK(arch_for_hf_model_type("falcon").empty());
   c.arch = "gpt2";
   const auto a = make_model_arch(c);
   CHECK(a->name() == "gpt2");
@@ -380,7 +381,7 @@ TEST_CASE("model: model.arch auto follows init_from's model_type, and llama trai
   m.init_from = dir / "llama";
   CHECK(ModelConfig::from_spec(m).arch == "llama");
   for (const auto& [type, expect] : std::vector<std::pair<std::string, std::string>>{
-           {"mistral", "has model_type \"mistral\", an architecture trainrun does not know"}}) {
+           {"falcon", "has model_type \"falcon\", an architecture trainrun does not know"}}) {
     std::filesystem::create_directories(dir / type);
     test::write_file(dir / type + "/config.json", "{\"model_type\": \"" + type + "\"}");
     m.init_from = dir / type;

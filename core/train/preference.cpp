@@ -150,6 +150,10 @@ void PreferenceTraining::check_job(const JobSpec& job) {
   const auto obj = parse_preference_objective(job.train.objective);
   if (obj == PreferenceObjective::Sft) return;
   const std::string o = "train.objective " + job.train.objective;
+  const int cp = job.parallel.context_parallel;
+  TR_CHECK(cp == 1, "parallel.context_parallel ", cp, " with ", o, ": preference objectives under context "
+           "parallelism are not implemented yet (a sequence's log-prob would be summed over the cp ranks' chunks); "
+           "use parallel.context_parallel: 1");
   TR_CHECK(job.data.format == "llmc", o, " reads preference pairs (llm.c shards + .pairs from `trainrun prepare "
            "--format preference`); data.format is ", job.data.format, "; set data.format: llmc");
   TR_CHECK(job.parallel.pipeline_parallel == 1 || obj == PreferenceObjective::Orpo ||

@@ -339,9 +339,6 @@ void Trainer::setup() {
   TR_CHECK(cp == 1 || !cfg.moe.on(), "parallel.context_parallel ", cp, " with a mixture of experts (model.arch ",
            cfg.arch, "): the router's load-balancing statistics would cover one cp chunk, not the sequence; use "
            "parallel.context_parallel: 1");
-  TR_CHECK(cp == 1 || job_.train.objective == "sft", "parallel.context_parallel ", cp, " with train.objective ",
-           job_.train.objective, ": preference objectives under context parallelism are not implemented yet (a "
-           "sequence's log-prob would be summed over the cp ranks' chunks); use parallel.context_parallel: 1");
   const int tp = job_.parallel.tensor_parallel;
   const int topo_group = env_int("TRAINRUN_SHARD_GROUP_SIZE", 0);
   const int dp_ranks = std::max(1, w_.world / std::max(1, tp * job_.parallel.pipeline_parallel * cp));
