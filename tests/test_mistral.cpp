@@ -46,19 +46,14 @@ namespace {
 
 const char* kScript = "hf_mistral.py";
 
-std::vector<int32_t> rand_tokens(size_t n, int V, uint64_t seed) {
-  std::mt19937_64 gen(seed);
-  std::uniform_int_distribution<int> d(0, V - 1);
-  std::vector<int32_t> t(n);
-  for (auto& x : t) x = d(gen);
-  return t;
-}
-
+// The families' shared helpers (tests/support/hf_reference.h).
+using test::random_tokens;
+using test::write_token_batch;
+std::vector<int32_t> rand_tokens(size_t n, int V, uint64_t seed) { return random_tokens(n, V, seed); }
 std::vector<float> f32_of(const SafeTensorFile& f, const std::string& name, const std::string& path) {
-  const SafeTensor* t = f.find(name);
-  if (!t) FAIL(path << " has no tensor '" << name << "'");
-  return t->as_f32();
+  return test::tensor_f32(f, name, path);
 }
+std::vector<float> hf_flat(const ModelArch& arch, const std::string& dir) { return test::flat_from_hf(arch, dir); }
 
 struct Shape {
   int L = 2, NH = 4, NKV = 2, C = 32, F = 40, V = 37, T = 24, window = 7, head_dim = 0;
@@ -88,28 +83,6 @@ void hf_random(const std::string& dir, const Shape& s, const std::string& batch 
   const test::RunResult r = test::run_reference_script(kScript, a);
   INFO(r.err);
   REQUIRE(r.exit_code == 0);
-}
-
-// HF's tensors in our flat layout, by name (nn.Linear layout: no transpose).
-std::vector<float> hf_flat(const ModelArch& arch, const std::string& dir) {
-  const std::string path = dir + "/model.safetensors";
-  const SafeTensorFile w = read_safetensors(path);
-  std::vector<float> flat(size_t(arch.layout().total));
-  for (const auto& t : arch.layout().tensors) {
-    const SafeTensor* s = w.find(arch.hf_tensor(t).name);
-    if (!s) FAIL(path << " has no tensor '" << t.name << "'");
-    REQUIRE(s->shape == t.shape);
-    const std::vector<float> v = s->as_f32();
-    std::copy(v.begin(), v.end(), flat.begin() + t.offset);
-  }
-  return flat;
-}
-
-void write_batch(const std::string& path, const std::vector<int32_t>& in, const std::vector<int32_t>& tg, int B, int T) {
-  SafeTensorFile batch;
-  batch.tensors.push_back(make_tensor("inputs", "I32", {B, T}, in.data()));
-  batch.tensors.push_back(make_tensor("targets", "I32", {B, T}, tg.data()));
-  write_safetensors(path, batch);
 }
 
 // Our logits (B,T,V) with a document mask (doc_start per row; pos = t - doc_start).
@@ -144,7 +117,7 @@ TEST_CASE("mistral: logits, loss and every gradient match transformers' MistralF
     const int B = 2, T = s.T, V = s.V;
     test::TempDir dir("mistral_hf");
     const std::vector<int32_t> in = rand_tokens(size_t(B) * T, V, 11), tg = rand_tokens(size_t(B) * T, V, 12);
-    write_batch(dir / "batch.safetensors", in, tg, B, T);
+    write_token_batch(dir / "batch.safetensors", in, tg, B, T);
     hf_random(dir / "model", s, dir / "batch.safetensors", dir / "ref.safetensors");
     const std::vector<float> params = hf_flat(*arch, dir / "model");
     const ParamLayout& lay = arch->layout();
