@@ -45,20 +45,13 @@ namespace {
 
 constexpr int kL = 2, kC = 32, kF = 40, kV = 37, kMaxPos = 16;
 
-std::vector<int32_t> rand_tokens(size_t n, int V, uint64_t seed) {
-  std::mt19937_64 gen(seed);
-  std::uniform_int_distribution<int> d(0, V - 1);
-  std::vector<int32_t> t(n);
-  for (auto& x : t) x = d(gen);
-  return t;
+// The families' shared helpers (tests/support/hf_reference.h).
+std::vector<int32_t> rand_tokens(size_t n, int V, uint64_t seed) { return test::random_tokens(n, V, seed); }
+std::vector<float> f32_of(const SafeTensorFile& f, const std::string& name, const std::string& path) {
+  return test::tensor_f32(f, name, path);
 }
-
-void write_batch(const std::string& path, const std::vector<int32_t>& in, const std::vector<int32_t>& tg, int B,
-                 int T) {
-  SafeTensorFile batch;
-  batch.tensors.push_back(make_tensor("inputs", "I32", {B, T}, in.data()));
-  batch.tensors.push_back(make_tensor("targets", "I32", {B, T}, tg.data()));
-  write_safetensors(path, batch);
+std::vector<int32_t> greedy(const ModelArch& arch, const std::vector<float>& flat, std::vector<int32_t> ids, int n) {
+  return test::greedy_ids(arch, flat, std::move(ids), n);
 }
 
 // A random Phi3ForCausalLM saved in 20 KB shards (an index.json directory); `extra`: more hf_phi3.py flags.
@@ -74,30 +67,8 @@ std::string hf_random_phi3(const std::string& dir, int NH, int NKV, bool tied, c
   return dir;
 }
 
-std::vector<float> f32_of(const SafeTensorFile& f, const std::string& name, const std::string& path) {
-  const SafeTensor* t = f.find(name);
-  if (!t) FAIL(path << " has no tensor '" << name << "'");
-  return t->as_f32();
-}
-
 double rel_err(const std::vector<float>& a, const std::vector<float>& b) {
   return ref::rel_err(ref::Vec(a.begin(), a.end()), ref::Vec(b.begin(), b.end()));
-}
-
-// Greedy decoding with the arch's KV-cached decoder: prompt + n tokens.
-std::vector<int32_t> greedy(const ModelArch& arch, const std::vector<float>& flat, std::vector<int32_t> ids, int n) {
-  auto be = make_cpu_backend(1);
-  auto dec = arch.make_decoder(be.get(), int(ids.size()) + n);
-  DeviceBuffer p = test::upload_act(be.get(), flat);
-  FlatUnitAccess units(arch.layout(), p.get(), nullptr, be->act_dtype());
-  std::vector<float> logits;
-  dec->feed(units, ids.data(), int(ids.size()), logits);
-  for (int i = 0; i < n; ++i) {
-    const int32_t next = int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
-    ids.push_back(next);
-    if (i + 1 < n) dec->feed(units, &next, 1, logits);
-  }
-  return ids;
 }
 
 std::string error_of(const std::function<void()>& f) {
@@ -132,7 +103,7 @@ TEST_CASE("phi3: logits, loss, every gradient and greedy generate match transfor
     const int B = 2, T = 9;
     test::TempDir dir("phi3_hf");
     const std::vector<int32_t> in = rand_tokens(size_t(B) * T, kV, 11), tg = rand_tokens(size_t(B) * T, kV, 12);
-    write_batch(dir / "batch.safetensors", in, tg, B, T);
+    test::write_token_batch(dir / "batch.safetensors", in, tg, B, T);
     hf_random_phi3(dir / "model", k.NH, k.NKV, k.tied,
                    (k.longrope ? "--longrope " + std::to_string(k.longrope) + " " : std::string()) + "--batch '" +
                        (dir / "batch.safetensors") + "' --out-ref '" + (dir / "ref.safetensors") + "'");
@@ -388,7 +359,7 @@ TEST_CASE("phi3: the sliding window past seq_len matches transformers 4.51.3's P
   const int B = 2, T = kMaxPos, W = 6;
   test::TempDir dir("phi3_window");
   const std::vector<int32_t> in = rand_tokens(size_t(B) * T, kV, 31), tg = rand_tokens(size_t(B) * T, kV, 32);
-  write_batch(dir / "batch.safetensors", in, tg, B, T);
+  test::write_token_batch(dir / "batch.safetensors", in, tg, B, T);
   const test::RunResult made = script(
       "random --out '" + std::string(dir / "model") + "' --layers 2 --hidden 32 --heads 4 --kv-heads 2 --intermediate 40 "
       "--vocab 37 --max-positions 16 --sliding-window 6 --batch '" + std::string(dir / "batch.safetensors") +
