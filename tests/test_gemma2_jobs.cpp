@@ -35,6 +35,7 @@
 #include "kernels/backend_factory.h"
 #include "tests/support/hf_reference.h"
 #include "tests/support/inprocess.h"
+#include "tests/support/mesh_runs.h"
 #include "tests/support/reference_ops.h"
 #include "tests/support/testutil.h"
 
@@ -74,41 +75,11 @@ ModelConfig tiny() {
   return c;
 }
 
-// Training through the job spec at a mesh: the losses and final weights.
-struct MeshRun {
-  std::vector<double> losses;
-  std::vector<float> weights;
-};
-
-MeshRun run_mesh(const std::string& model, int world, int tp, int pp, const std::string& strategy, bool sp = false) {
+// Training through the job spec at a mesh (tests/support/mesh_runs).
+test::MeshRun run_mesh(const std::string& model, int world, int tp, int pp, const std::string& strategy,
+                       bool sp = false) {
   test::TempDir dir("gemma2_mesh");
-  const std::string yaml =
-      "model: " + model + "\n"
-      "data: {format: synthetic, synthetic: {vocab: 23, branching: 3}}\n"
-      "train: {global_batch_size: 8, micro_batch_size: 2, max_steps: 4, lr: 3.0e-3, min_lr: 3.0e-4, warmup_steps: 1,\n"
-      "        eval_interval: 0, log_interval: 1, grad_clip: 0.3}\n"
-      "output: {dir: '" + dir.path() + "', sample_tokens: 0}\n"
-      "parallel: {sharding: " + strategy + ", tensor_parallel: " + std::to_string(tp) +
-      ", pipeline_parallel: " + std::to_string(pp) + ", sequence_parallel: " + (sp ? "true" : "false") +
-      ", timeout_s: 60}\n";
-  const JobSpec job = parse_job_spec(yaml, "job.yaml", {});
-  MeshRun out;
-  out.losses = test::run_ranks_inprocess(job, world)[0].losses;
-  (void)load_model_safetensors(dir / "model.safetensors", out.weights);
-  return out;
-}
-
-void check_same_run(const MeshRun& got, const MeshRun& want) {
-  REQUIRE(got.losses.size() == want.losses.size());
-  for (size_t i = 0; i < want.losses.size(); ++i) {
-    INFO("step " << i + 1 << ": " << got.losses[i] << " vs " << want.losses[i]);
-    CHECK(std::fabs(got.losses[i] - want.losses[i]) <= 1e-5 * std::fabs(want.losses[i]));
-  }
-  REQUIRE(got.weights.size() == want.weights.size());
-  const double e = ref::rel_err(Vec(got.weights.begin(), got.weights.end()), Vec(want.weights.begin(), want.weights.end()));
-  std::printf("    final weights rel err %.3e\n", e);
-  INFO("final weights rel err " << e);
-  CHECK(e <= 1e-5);
+  return test::train_mesh(test::small_mesh_job(model, dir.path(), tp, pp, strategy, sp), world);
 }
 
 }  // namespace
@@ -377,12 +348,12 @@ TEST_CASE("gemma2: dp2 full_shard, tp2 (vocab-parallel cross-entropy through the
            "seq_len: 8, tie_embeddings: true, init_std: 0.5, query_scale: 6, sliding_window: 8, " + caps + "}";
   };
   const std::string capped = model("attn_softcap: 0.5, final_softcap: 1.0");
-  const MeshRun one = run_mesh(capped, 1, 1, 1, "no_shard");
+  const test::MeshRun one = run_mesh(capped, 1, 1, 1, "no_shard");
   REQUIRE(one.losses.size() == 4);
   std::printf("  one rank: losses %.6f %.6f %.6f %.6f\n", one.losses[0], one.losses[1], one.losses[2], one.losses[3]);
   CHECK(one.losses.back() < one.losses.front());
   {  // The caps bite: without them the same run computes other losses.
-    const MeshRun uncapped = run_mesh(model("attn_softcap: 0, final_softcap: 0"), 1, 1, 1, "no_shard");
+    const test::MeshRun uncapped = run_mesh(model("attn_softcap: 0, final_softcap: 0"), 1, 1, 1, "no_shard");
     std::printf("  without the caps: first loss %.6f (capped %.6f)\n", uncapped.losses[0], one.losses[0]);
     CHECK(std::fabs(uncapped.losses[0] - one.losses[0]) > 0.05 * one.losses[0]);
   }
@@ -392,8 +363,6 @@ TEST_CASE("gemma2: dp2 full_shard, tp2 (vocab-parallel cross-entropy through the
                          {"tp2 + sequence parallelism", 2, 2, 1, "no_shard", true},
                          {"pp2", 2, 1, 2, "no_shard", false}};
   for (const Mesh& m : meshes) {
-    INFO(m.what);
-    std::printf("  %s\n", m.what);
-    check_same_run(run_mesh(capped, m.world, m.tp, m.pp, m.strategy, m.sp), one);
+    test::check_same_run(m.what, run_mesh(capped, m.world, m.tp, m.pp, m.strategy, m.sp), one);
   }
 }

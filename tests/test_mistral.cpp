@@ -37,6 +37,7 @@
 #include "tests/support/device_io.h"
 #include "tests/support/hf_reference.h"
 #include "tests/support/inprocess.h"
+#include "tests/support/mesh_runs.h"
 #include "tests/support/testutil.h"
 
 using namespace trainrun;
@@ -291,32 +292,19 @@ TEST_CASE("mistral: dp2 (full_shard), tp2 and pp2 train as one rank does with se
   test::TempDir dir("mistral_mesh");
   const std::string hf = dir / "hf";
   hf_random(hf, mesh_shape());
-  auto run = [&](const std::string& name, int world, const std::string& parallel) {
-    const std::string out = dir / name;
-    JobSpec job = parse_job_spec(mistral_job(hf, out, "mistral", 4, parallel), "job.yaml", {});
+  {  // The job resolves the window from config.json: every run below is windowed.
+    JobSpec job = parse_job_spec(mistral_job(hf, dir / "probe", "mistral", 4, ""), "job.yaml", {});
     resolve_model_shape(job, false);
     REQUIRE(job.model.sliding_window == 5);
-    std::pair<std::vector<double>, std::vector<float>> r;
-    r.first = test::run_ranks_inprocess(job, world)[0].losses;
-    (void)load_model_safetensors(out + "/model.safetensors", r.second);
-    return r;
-  };
-  const auto ref = run("one", 1, "sharding: no_shard, ");
-  REQUIRE(ref.first.size() == 4);
-  struct Mesh { const char* name; int world; const char* parallel; };
-  for (const Mesh m : {Mesh{"dp2", 2, "sharding: full_shard, "}, Mesh{"tp2", 2, "sharding: no_shard, tensor_parallel: 2, "},
-                       Mesh{"pp2", 2, "sharding: no_shard, pipeline_parallel: 2, pipeline_schedule: 1f1b, "}}) {
-    INFO(m.name);
-    const auto got = run(m.name, m.world, m.parallel);
-    REQUIRE(got.first.size() == ref.first.size());
-    for (size_t i = 0; i < ref.first.size(); ++i) {
-      INFO("step " << i + 1 << ": " << got.first[i] << " vs " << ref.first[i]);
-      CHECK(std::fabs(got.first[i] - ref.first[i]) <= 1e-5 * std::fabs(ref.first[i]));
-    }
-    const double e = test::rel_err(got.second, ref.second);
-    std::printf("%s: final weights rel err %.3e\n", m.name, e);
-    CHECK(e <= 1e-5);
   }
+  auto run = [&](const std::string& name, int world, const std::string& parallel) {
+    return test::train_mesh(mistral_job(hf, dir / name, "mistral", 4, parallel), world);
+  };
+  const test::MeshRun ref = run("one", 1, "sharding: no_shard, ");
+  REQUIRE(ref.losses.size() == 4);
+  test::check_same_run("dp2", run("dp2", 2, "sharding: full_shard, "), ref);
+  test::check_same_run("tp2", run("tp2", 2, "sharding: no_shard, tensor_parallel: 2, "), ref);
+  test::check_same_run("pp2", run("pp2", 2, "sharding: no_shard, pipeline_parallel: 2, pipeline_schedule: 1f1b, "), ref);
 }
 
 TEST_CASE("mistral: config.json and job specs that ask for what is not implemented are refused by name",

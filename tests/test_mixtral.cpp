@@ -36,6 +36,7 @@
 #include "tests/support/device_io.h"
 #include "tests/support/hf_reference.h"
 #include "tests/support/inprocess.h"
+#include "tests/support/mesh_runs.h"
 #include "tests/support/testutil.h"
 
 using namespace trainrun;
@@ -471,31 +472,13 @@ TEST_CASE("mixtral: dp2 (full_shard) and tp2 (attention split, experts replicate
   s.NKV = 2;  // two KV heads: tp2 splits them
   hf_random(hf, s);
   auto run = [&](const std::string& name, int world, const std::string& parallel) {
-    const std::string out = dir / name;
-    JobSpec job = parse_job_spec(mixtral_job(hf, out, "mixtral", 5, parallel), "job.yaml", {});
-    resolve_model_shape(job, false);
-    std::pair<std::vector<double>, std::vector<float>> r;
-    r.first = test::run_ranks_inprocess(job, world)[0].losses;
-    (void)load_model_safetensors(out + "/model.safetensors", r.second);
-    return r;
+    return test::train_mesh(mixtral_job(hf, dir / name, "mixtral", 5, parallel), world);
   };
-  const auto ref = run("one", 1, "sharding: no_shard, ");
-  REQUIRE(ref.first.size() == 5);
-  CHECK(rel(ref.second, hf_flat(*make_model_arch(read_hf_model_config(hf, "t")), hf)) > 1e-4);  // it trained
-  struct Mesh { const char* name; int world; const char* parallel; };
-  for (const Mesh m : {Mesh{"dp2", 2, "sharding: full_shard, "},
-                       Mesh{"tp2", 2, "sharding: no_shard, tensor_parallel: 2, "}}) {
-    INFO(m.name);
-    const auto got = run(m.name, m.world, m.parallel);
-    REQUIRE(got.first.size() == ref.first.size());
-    for (size_t i = 0; i < ref.first.size(); ++i) {
-      INFO("step " << i + 1 << ": " << got.first[i] << " vs " << ref.first[i]);
-      CHECK(std::fabs(got.first[i] - ref.first[i]) <= 1e-5 * std::fabs(ref.first[i]));
-    }
-    const double e = rel(got.second, ref.second);
-    std::printf("%s: losses %.6f .. %.6f, final weights rel err %.3e\n", m.name, got.first.front(), got.first.back(), e);
-    CHECK(e <= 1e-5);
-  }
+  const test::MeshRun ref = run("one", 1, "sharding: no_shard, ");
+  REQUIRE(ref.losses.size() == 5);
+  CHECK(rel(ref.weights, hf_flat(*make_model_arch(read_hf_model_config(hf, "t")), hf)) > 1e-4);  // it trained
+  test::check_same_run("dp2", run("dp2", 2, "sharding: full_shard, "), ref);
+  test::check_same_run("tp2", run("tp2", 2, "sharding: no_shard, tensor_parallel: 2, "), ref);
   // Not yet: sequence parallelism over MoE blocks, refused by name.
   JobSpec sp = parse_job_spec(mixtral_job(hf, dir / "sp", "mixtral", 1,
                                           "sharding: no_shard, tensor_parallel: 2, sequence_parallel: true, "),
@@ -511,25 +494,11 @@ TEST_CASE("mixtral: pp2 (1f1b) trains as one rank does without router losses, wi
   hf_random(hf, init_shape());
   const std::string no_loss = ", router_aux_loss_coef: 0";
   auto run = [&](const std::string& name, int world, const std::string& parallel) {
-    const std::string out = dir / name;
-    JobSpec job = parse_job_spec(mixtral_job(hf, out, "mixtral", 5, parallel, "3.0e-3", no_loss), "job.yaml", {});
-    resolve_model_shape(job, false);
-    std::pair<std::vector<double>, std::vector<float>> r;
-    r.first = test::run_ranks_inprocess(job, world)[0].losses;
-    (void)load_model_safetensors(out + "/model.safetensors", r.second);
-    return r;
+    return test::train_mesh(mixtral_job(hf, dir / name, "mixtral", 5, parallel, "3.0e-3", no_loss), world);
   };
-  const auto ref = run("one", 1, "sharding: no_shard, ");
-  const auto got = run("pp2", 2, "sharding: no_shard, pipeline_parallel: 2, pipeline_schedule: 1f1b, ");
-  REQUIRE(ref.first.size() == 5);
-  REQUIRE(got.first.size() == 5);
-  for (size_t i = 0; i < ref.first.size(); ++i) {
-    INFO("step " << i + 1 << ": " << got.first[i] << " vs " << ref.first[i]);
-    CHECK(std::fabs(got.first[i] - ref.first[i]) <= 1e-5 * std::fabs(ref.first[i]));
-  }
-  const double e = rel(got.second, ref.second);
-  std::printf("pp2: losses %.6f .. %.6f, final weights rel err %.3e\n", got.first.front(), got.first.back(), e);
-  CHECK(e <= 1e-5);
+  const test::MeshRun ref = run("one", 1, "sharding: no_shard, ");
+  REQUIRE(ref.losses.size() == 5);
+  test::check_same_run("pp2", run("pp2", 2, "sharding: no_shard, pipeline_parallel: 2, pipeline_schedule: 1f1b, "), ref);
   JobSpec with = parse_job_spec(mixtral_job(hf, dir / "aux", "mixtral", 1,
                                             "sharding: no_shard, pipeline_parallel: 2, pipeline_schedule: 1f1b, "),
                                 "job.yaml", {});

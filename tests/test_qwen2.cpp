@@ -36,6 +36,7 @@
 #include "tests/support/device_io.h"
 #include "tests/support/hf_reference.h"
 #include "tests/support/inprocess.h"
+#include "tests/support/mesh_runs.h"
 #include "tests/support/reference_ops.h"
 #include "tests/support/testutil.h"
 
@@ -295,32 +296,15 @@ TEST_CASE("qwen2: dp2 (full_shard), tp2 (a KV head and its biases replicated) an
   const std::string hf = dir / "hf";
   hf_random(hf, 2, 4, 1, 16, 24, 29, 12, false);
   auto run = [&](const std::string& name, int world, const std::string& parallel) {
-    const std::string out = dir / name;
-    JobSpec job = parse_job_spec(qwen2_job(hf, out, "qwen2", 4, parallel), "job.yaml", {});
-    resolve_model_shape(job, false);
-    std::pair<std::vector<double>, std::vector<float>> r;
-    r.first = test::run_ranks_inprocess(job, world)[0].losses;
-    (void)load_model_safetensors(out + "/model.safetensors", r.second);
-    return r;
+    return test::train_mesh(qwen2_job(hf, dir / name, "qwen2", 4, parallel), world);
   };
-  const auto ref = run("one", 1, "sharding: no_shard, ");
-  REQUIRE(ref.first.size() == 4);
+  const test::MeshRun ref = run("one", 1, "sharding: no_shard, ");
+  REQUIRE(ref.losses.size() == 4);
   const auto start = hf_flat(*make_model_arch(read_hf_model_config(hf, "test")), hf);
-  CHECK(rel(ref.second, start) > 1e-4);  // the steps moved the weights
-  struct Mesh { const char* name; int world; const char* parallel; };
-  for (const Mesh m : {Mesh{"dp2", 2, "sharding: full_shard, "}, Mesh{"tp2", 2, "sharding: no_shard, tensor_parallel: 2, "},
-                       Mesh{"pp2", 2, "sharding: no_shard, pipeline_parallel: 2, pipeline_schedule: 1f1b, "}}) {
-    INFO(m.name);
-    const auto got = run(m.name, m.world, m.parallel);
-    REQUIRE(got.first.size() == ref.first.size());
-    for (size_t i = 0; i < ref.first.size(); ++i) {
-      INFO("step " << i + 1 << ": " << got.first[i] << " vs " << ref.first[i]);
-      CHECK(std::fabs(got.first[i] - ref.first[i]) <= 1e-5 * std::fabs(ref.first[i]));
-    }
-    const double e = rel(got.second, ref.second);
-    std::printf("%s: final weights rel err %.3e\n", m.name, e);
-    CHECK(e <= 1e-5);
-  }
+  CHECK(rel(ref.weights, start) > 1e-4);  // the steps moved the weights
+  test::check_same_run("dp2", run("dp2", 2, "sharding: full_shard, "), ref);
+  test::check_same_run("tp2", run("tp2", 2, "sharding: no_shard, tensor_parallel: 2, "), ref);
+  test::check_same_run("pp2", run("pp2", 2, "sharding: no_shard, pipeline_parallel: 2, pipeline_schedule: 1f1b, "), ref);
 }
 
 TEST_CASE("qwen2: config.json maths trainrun does not implement is refused by name", "[qwen2][hf]") {

@@ -29,6 +29,7 @@
 #include "core/model/model_spec.h"
 #include "tests/support/hf_reference.h"
 #include "tests/support/inprocess.h"
+#include "tests/support/mesh_runs.h"
 #include "tests/support/testutil.h"
 
 using namespace trainrun;
@@ -184,27 +185,11 @@ TEST_CASE("qwen2_moe: dp2 (full_shard) trains as one rank does", "[qwen2_moe][dp
   test::TempDir dir("qwen2_moe_mesh");
   const std::string hf = dir / "hf";
   hf_random(hf, init_shape());
-  auto run = [&](const std::string& name, int world, const std::string& parallel) {
-    const std::string out = dir / name;
-    JobSpec job = parse_job_spec(job_yaml(hf, out, "qwen2_moe", 4, parallel), "job.yaml", {});
-    resolve_model_shape(job, false);
-    std::pair<std::vector<double>, std::vector<float>> r;
-    r.first = test::run_ranks_inprocess(job, world)[0].losses;
-    (void)load_model_safetensors(out + "/model.safetensors", r.second);
-    return r;
-  };
-  const auto ref = run("one", 1, "sharding: no_shard, ");
-  const auto got = run("dp2", 2, "sharding: full_shard, ");
-  REQUIRE(ref.first.size() == 4);
-  REQUIRE(got.first.size() == 4);
-  for (size_t i = 0; i < ref.first.size(); ++i) {
-    INFO("step " << i + 1 << ": " << got.first[i] << " vs " << ref.first[i]);
-    CHECK(std::fabs(got.first[i] - ref.first[i]) <= 1e-5 * std::fabs(ref.first[i]));
-  }
-  CHECK(test::rel_err(ref.second, test::flat_from_hf(*make_model_arch(read_hf_model_config(hf, "t")), hf)) > 1e-4);
-  const double e = test::rel_err(got.second, ref.second);
-  std::printf("dp2: losses %.6f .. %.6f, final weights rel err %.3e\n", got.first.front(), got.first.back(), e);
-  CHECK(e <= 1e-5);
+  const test::MeshRun ref = test::train_mesh(job_yaml(hf, dir / "one", "qwen2_moe", 4, "sharding: no_shard, "), 1);
+  REQUIRE(ref.losses.size() == 4);
+  CHECK(test::rel_err(ref.weights, test::flat_from_hf(*make_model_arch(read_hf_model_config(hf, "t")), hf)) > 1e-4);
+  test::check_same_run("dp2", test::train_mesh(job_yaml(hf, dir / "dp2", "qwen2_moe", 4, "sharding: full_shard, "), 2),
+                       ref);
 }
 
 TEST_CASE("qwen2_moe: config.json maths trainrun does not implement is refused by name, the preset",

@@ -41,6 +41,7 @@
 #include "tests/support/device_io.h"
 #include "tests/support/hf_reference.h"
 #include "tests/support/inprocess.h"
+#include "tests/support/mesh_runs.h"
 #include "tests/support/reference_ops.h"
 #include "tests/support/testutil.h"
 
@@ -263,40 +264,11 @@ void check_decoder(const ModelConfig& cfg) {
   CHECK(worst <= 1e-5);
 }
 
-// Training through the job spec at a mesh: the losses and final weights.
-struct MeshRun {
-  std::vector<double> losses;
-  std::vector<float> weights;
-};
-
-MeshRun run_mesh(const std::string& model, int world, int tp, int pp, const std::string& strategy, bool sp = false) {
+// Training through the job spec at a mesh (tests/support/mesh_runs).
+test::MeshRun run_mesh(const std::string& model, int world, int tp, int pp, const std::string& strategy,
+                       bool sp = false) {
   test::TempDir dir("qwen3_mesh");
-  const std::string yaml =
-      "model: " + model + "\n"
-      "data: {format: synthetic, synthetic: {vocab: 23, branching: 3}}\n"
-      "train: {global_batch_size: 8, micro_batch_size: 2, max_steps: 4, lr: 3.0e-3, min_lr: 3.0e-4, warmup_steps: 1,\n"
-      "        eval_interval: 0, log_interval: 1, grad_clip: 0.3}\n"
-      "output: {dir: '" + dir.path() + "', sample_tokens: 0}\n"
-      "parallel: {sharding: " + strategy + ", tensor_parallel: " + std::to_string(tp) +
-      ", pipeline_parallel: " + std::to_string(pp) + ", sequence_parallel: " + (sp ? "true" : "false") +
-      ", timeout_s: 60}\n";
-  const JobSpec job = parse_job_spec(yaml, "job.yaml", {});
-  MeshRun out;
-  out.losses = test::run_ranks_inprocess(job, world)[0].losses;
-  (void)load_model_safetensors(dir / "model.safetensors", out.weights);
-  return out;
-}
-
-void check_same_run(const MeshRun& got, const MeshRun& want) {
-  REQUIRE(got.losses.size() == want.losses.size());
-  for (size_t i = 0; i < want.losses.size(); ++i) {
-    INFO("step " << i + 1 << ": " << got.losses[i] << " vs " << want.losses[i]);
-    CHECK(std::fabs(got.losses[i] - want.losses[i]) <= 1e-5 * std::fabs(want.losses[i]));
-  }
-  REQUIRE(got.weights.size() == want.weights.size());
-  const double e = ref::rel_err(Vec(got.weights.begin(), got.weights.end()), Vec(want.weights.begin(), want.weights.end()));
-  INFO("final weights rel err " << e);
-  CHECK(e <= 1e-5);
+  return test::train_mesh(test::small_mesh_job(model, dir.path(), tp, pp, strategy, sp), world);
 }
 
 }  // namespace
@@ -330,17 +302,11 @@ TEST_CASE("head_dim: the decoder equals the full forward, and the arena estimate
 TEST_CASE("head_dim: tp2 and tp2 x dp2 train as one rank does", "[qwen3][head_dim][tp]") {
   const std::string model = "{arch: llama, n_layer: 2, n_head: 4, n_kv_head: 2, n_embd: 16, head_dim: 6, ffn_dim: 24, "
                             "vocab_size: 23, seq_len: 8, tie_embeddings: false}";
-  const MeshRun one = run_mesh(model, 1, 1, 1, "no_shard");
+  const test::MeshRun one = run_mesh(model, 1, 1, 1, "no_shard");
   REQUIRE(one.losses.size() == 4);
   CHECK(one.losses.back() < one.losses.front());
-  {
-    INFO("tp2");
-    check_same_run(run_mesh(model, 2, 2, 1, "no_shard"), one);
-  }
-  {
-    INFO("tp2 x dp2 full_shard");
-    check_same_run(run_mesh(model, 4, 2, 1, "full_shard"), one);
-  }
+  test::check_same_run("tp2", run_mesh(model, 2, 2, 1, "no_shard"), one);
+  test::check_same_run("tp2 x dp2 full_shard", run_mesh(model, 4, 2, 1, "full_shard"), one);
 }
 
 TEST_CASE("head_dim: config.json, our metadata and the job spec carry it, bad values are refused", "[qwen3][head_dim]") {
@@ -494,30 +460,15 @@ TEST_CASE("qwen3: dp2 full_shard, tp2 (KV heads split and replicated), tp2 x dp2
                               ", n_embd: 16, head_dim: 6, ffn_dim: 24, vocab_size: 23, seq_len: 8, "
                               "tie_embeddings: " + (nkv == 1 ? "false" : "true") + "}";
     INFO("n_kv_head " << nkv);
-    const MeshRun one = run_mesh(model, 1, 1, 1, "no_shard");
+    const test::MeshRun one = run_mesh(model, 1, 1, 1, "no_shard");
     REQUIRE(one.losses.size() == 4);
     CHECK(one.losses.back() < one.losses.front());
-    {
-      INFO("tp2");
-      check_same_run(run_mesh(model, 2, 2, 1, "no_shard"), one);
-    }
+    test::check_same_run("tp2", run_mesh(model, 2, 2, 1, "no_shard"), one);
     if (nkv == 1) continue;  // the rest once
-    {
-      INFO("dp2 full_shard");
-      check_same_run(run_mesh(model, 2, 1, 1, "full_shard"), one);
-    }
-    {
-      INFO("tp2 x dp2 full_shard");
-      check_same_run(run_mesh(model, 4, 2, 1, "full_shard"), one);
-    }
-    {
-      INFO("pp2");
-      check_same_run(run_mesh(model, 2, 1, 2, "no_shard"), one);
-    }
-    {
-      INFO("tp2 + sequence parallelism");
-      check_same_run(run_mesh(model, 2, 2, 1, "no_shard", true), one);
-    }
+    test::check_same_run("dp2 full_shard", run_mesh(model, 2, 1, 1, "full_shard"), one);
+    test::check_same_run("tp2 x dp2 full_shard", run_mesh(model, 4, 2, 1, "full_shard"), one);
+    test::check_same_run("pp2", run_mesh(model, 2, 1, 2, "no_shard"), one);
+    test::check_same_run("tp2 + sequence parallelism", run_mesh(model, 2, 2, 1, "no_shard", true), one);
   }
 }
 
