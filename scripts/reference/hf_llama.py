@@ -71,14 +71,41 @@ def cmd_random(a):
                       rope_scaling=scaling, tie_word_embeddings=a.tie, attention_bias=False, mlp_bias=False,
                       hidden_act="silu", torch_dtype="float32")
     model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            base = 1.0 if name.endswith("norm.weight") else 0.0
-            p.copy_(base + 0.1 * torch.randn_like(p))
+    perturb(model)
     model.save_pretrained(a.out, safe_serialization=True, max_shard_size=a.max_shard_size)
     if a.batch:
         write_reference(model, a.batch, a.out_ref)
     return 0
+
+
+def perturb(model, scales=None):
+    """Every parameter to base + scale * N(0, 1), drawn in named_parameters()
+    order (so the seed decides the model): RMSNorm gains around 1, the rest
+    around 0 at scale 0.1, and a parameter whose name ends in a key of
+    `scales` at that key's scale (the MoE routers at 1.0: ten times the
+    experts', so routing is decided by clear margins, not near-ties)."""
+    scales = scales or {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            base = 1.0 if name.endswith("norm.weight") else 0.0
+            scale = next((v for suffix, v in scales.items() if name.endswith(suffix)), 0.1)
+            p.copy_(base + scale * torch.randn_like(p))
+
+
+def random_parser(doc, int_keys):
+    """The `random` command's parser the families share: --out, the integer
+    shape options in `int_keys` (all required), --tie, --seed, and --batch /
+    --out-ref for write_reference. Each family adds its own options."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("cmd")
+    ap.add_argument("--out", required=True)
+    for k in int_keys:
+        ap.add_argument("--" + k, type=int, required=True)
+    ap.add_argument("--tie", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--batch")
+    ap.add_argument("--out-ref")
+    return ap
 
 
 def write_reference(model, batch_path, out_ref, extra_loss=None, **forward_kwargs):

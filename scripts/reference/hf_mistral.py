@@ -35,10 +35,7 @@ def cmd_random(a):
                         hidden_act="silu", torch_dtype="float32", attn_implementation="eager")
     model = MistralForCausalLM(cfg)
     assert model.config._attn_implementation == "eager", model.config._attn_implementation
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            base = 1.0 if name.endswith("norm.weight") else 0.0
-            p.copy_(base + 0.1 * torch.randn_like(p))
+    hf_llama.perturb(model)
     model.save_pretrained(a.out, safe_serialization=True)
     if a.batch:
         hf_llama.write_reference(model, a.batch, a.out_ref)
@@ -53,18 +50,11 @@ def main(argv=None):
         assert not hasattr(torch.nn.functional, "scaled_dot_product_attention"), \
             "this torch has SDPA: from_pretrained would not pick the eager attention the tests compare with"
         return hf_llama.main(argv)
-    import argparse
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("cmd")
-    ap.add_argument("--out", required=True)
-    for k in ("layers", "hidden", "heads", "kv-heads", "intermediate", "vocab", "max-positions", "window"):
-        ap.add_argument("--" + k, type=int, required=True)
+    ap = hf_llama.random_parser(__doc__, ("layers", "hidden", "heads", "kv-heads", "intermediate", "vocab",
+                                          "max-positions", "window"))
     ap.add_argument("--head-dim", type=int, default=0)
     ap.add_argument("--rope-theta", type=float, default=1000000.0)
     ap.add_argument("--eps", type=float, default=1e-5)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--batch")
-    ap.add_argument("--out-ref")
     return cmd_random(ap.parse_args(argv))
 
 

@@ -32,10 +32,7 @@ def cmd_random(a):
                       tie_word_embeddings=a.tie, use_sliding_window=False, hidden_act="silu",
                       torch_dtype="float32")
     model = Qwen2ForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            base = 1.0 if name.endswith("norm.weight") else 0.0
-            p.copy_(base + 0.1 * torch.randn_like(p))
+    hf_llama.perturb(model)
     model.save_pretrained(a.out, safe_serialization=True)
     if a.batch:
         hf_llama.write_reference(model, a.batch, a.out_ref)
@@ -46,18 +43,10 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] != "random":
         return hf_llama.main(argv)
-    import argparse
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("cmd")
-    ap.add_argument("--out", required=True)
-    for k in ("layers", "hidden", "heads", "kv-heads", "intermediate", "vocab", "max-positions"):
-        ap.add_argument("--" + k, type=int, required=True)
+    ap = hf_llama.random_parser(__doc__, ("layers", "hidden", "heads", "kv-heads", "intermediate", "vocab",
+                                          "max-positions"))
     ap.add_argument("--rope-theta", type=float, default=1000000.0)
-    ap.add_argument("--tie", action="store_true")
     ap.add_argument("--eps", type=float, default=1e-6)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--batch")
-    ap.add_argument("--out-ref")
     return cmd_random(ap.parse_args(argv))
 
 

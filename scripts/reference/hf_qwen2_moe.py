@@ -21,7 +21,6 @@
 
 Offline, with the repo's .venv python (transformers 4.44.2 on Debian's torch).
 """
-import argparse
 import os
 import sys
 
@@ -42,11 +41,7 @@ def cmd_random(a):
                          decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False,
                          router_aux_loss_coef=a.aux_coef, torch_dtype="float32")
     model = Qwen2MoeForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            base = 1.0 if name.endswith("norm.weight") else 0.0
-            scale = 1.0 if name.endswith("mlp.gate.weight") else 0.1
-            p.copy_(base + scale * torch.randn_like(p))
+    hf_llama.perturb(model, {"mlp.gate.weight": 1.0})
     model.save_pretrained(a.out, safe_serialization=True)
     if a.batch:
         hf_llama.write_reference(model, a.batch, a.out_ref,
@@ -59,18 +54,11 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] != "random":
         return hf_llama.main(argv)
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("cmd")
-    ap.add_argument("--out", required=True)
-    for k in ("layers", "hidden", "heads", "kv-heads", "intermediate", "experts", "top-k", "expert-intermediate",
-              "shared-intermediate", "vocab", "max-positions"):
-        ap.add_argument("--" + k, type=int, required=True)
+    ap = hf_llama.random_parser(__doc__, ("layers", "hidden", "heads", "kv-heads", "intermediate", "experts",
+                                          "top-k", "expert-intermediate", "shared-intermediate", "vocab",
+                                          "max-positions"))
     ap.add_argument("--norm-topk", action="store_true")
     ap.add_argument("--aux-coef", type=float, default=0.02)
-    ap.add_argument("--tie", action="store_true")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--batch")
-    ap.add_argument("--out-ref")
     return cmd_random(ap.parse_args(argv))
 
 
