@@ -21,7 +21,7 @@
 // grouped call does not support a type combination (bf16 A/B with an fp32
 // C for the weight gradient is the one in doubt; NOT_SUPPORTED or
 // INVALID_VALUE), that product runs per expert through the Gemm wrapper from
-// then on, and fallback_used() says so (the benchmark and the tests print it).
+// then on, and CudaBackend::moe_gemm_fallback_used() says so.
 //
 // The row counts: cuBLAS takes m/n/k as host arrays, and offsets live on the
 // device (moe_permute writes them). Each call copies the E+1 offsets to
