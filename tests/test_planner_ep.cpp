@@ -144,8 +144,8 @@ TEST_CASE("planner: mixtral-8x7b on 8 x 80 GB, expert state 1/ep for ep 2, 4, 8,
   WARN(r.out);
 }
 
-TEST_CASE("planner: expert-parallel rows only for MoE models, refused with offload or adapters, and a degree that "
-          "does not divide the experts is an error naming both",
+TEST_CASE("planner: expert-parallel rows only for MoE models, refused with offload, over the topology's link, and a "
+          "degree that does not divide the experts is an error naming both",
           "[planner][moe]") {
   const Plan dense = make_plan(moe_request("llama3.2-1b:T=1024"));
   CHECK(dense.ep_rows.empty());
@@ -158,6 +158,16 @@ TEST_CASE("planner: expert-parallel rows only for MoE models, refused with offlo
   CHECK(off.ep_rows.empty());
   REQUIRE(off.ep_not_offered.size() == 3);
   CHECK_THAT(off.ep_not_offered[0].second, Contains("parallel.offload with expert parallelism"));
+
+  // The ep group's link is the topology's for a group of that size (here: ep4 over PCIe).
+  PlanRequest pcie = moe_request("qwen1.5-moe-a2.7b:T=1024");
+  pcie.tp_links.push_back({4, "PCIe", 32e9, "ranks 0-3: PCIe"});
+  const Plan pp = make_plan(pcie);
+  REQUIRE(ep_row(pp, 4));
+  CHECK(ep_row(pp, 4)->ep_link == "PCIe");
+  const auto pa = make_model_arch(pcie.model);
+  CHECK(ep_row(pp, 4)->a2a_s == Approx(ep_all_to_all_bytes_per_micro_batch(*pa, 4, 1, false, 2) / (32e9 * 0.8)));
+  CHECK(ep_row(pp, 2)->ep_link == "NVLink");
 
   const auto arch = make_model_arch(parse_model_shape("qwen1.5-moe-a2.7b:T=1024"));
   Sharding s;

@@ -24,9 +24,10 @@
 //    all-to-alls per MoE layer in the forward (dispatch, combine) and 2 in
 //    the backward (2 more when checkpointing recomputes the forward), each
 //    N x top_k x C act-dtype bytes per rank of which (ep-1)/ep leave it
-//    (the rows for its own experts stay), over the ep group's link (NVLink
-//    inside a node, else the network). They sit between the router and the
-//    experts' GEMMs, on the critical path: counted exposed.
+//    (the rows for its own experts stay), over the ep group's link (the
+//    topology's for a group of ep consecutive ranks, as a TP group's; else
+//    NVLink inside a node, the network across). They sit between the router
+//    and the experts' GEMMs, on the critical path: counted exposed.
 // ep 1 is the strategy row itself (experts sharded by S with the rest).
 // The recommended degree is the fastest that fits (ties: the smaller ep,
 // fewer all-to-all bytes). Not offered with adapters or offload (the
@@ -155,12 +156,16 @@ void plan_expert_parallel(Plan& plan, const ModelArch& m, const DeviceModel& dev
     row.accum = std::max(1, int(ceil_div(req.global_batch, int64_t(req.micro_batch) * W)));
     const double tokens_gpu = double(row.accum) * req.micro_batch * double(mc.T);
     row.compute_s = tokens_gpu * (fpt + recompute) / peak;
-    // The ep group is consecutive dp ranks: inside a node when it fits one.
+    // The ep group is consecutive ranks, as a TP group of the same size: the
+    // topology's link for that group (`plan --topology`), else NVLink inside
+    // a node and the network across nodes.
     const bool intra = ep <= req.gpus_per_node;
     row.ep_link = ep == 1 ? "none" : intra ? "NVLink" : "network";
+    double bw_ep = intra ? bw_intra : bw_inter;
+    for (const auto& l : req.tp_links)
+      if (ep > 1 && l.tp == ep) row.ep_link = l.kind, bw_ep = l.bytes_per_s * req.bus_efficiency;
     row.a2a_s = row.accum *
-                ep_all_to_all_bytes_per_micro_batch(m, ep, req.micro_batch, req.checkpointing, dev.act_bytes) /
-                (intra ? bw_intra : bw_inter);
+                ep_all_to_all_bytes_per_micro_batch(m, ep, req.micro_batch, req.checkpointing, dev.act_bytes) / bw_ep;
     // The rest's dp collectives as in the strategy rows, over its units.
     std::vector<int64_t> units = unit_numels(m);
     if (ep > 1) {
