@@ -8,8 +8,11 @@
 // non-blocking streams (no implicit sync with the legacy default stream).
 //
 // Host-visible synchronisation happens only where the interface demands it:
-// copy_to_host (the caller reads the bytes next), synchronize(), and the
-// first alloc() after a failed cudaMalloc (see DeviceAllocator).
+// copy_to_host (the caller reads the bytes next), synchronize(), the
+// first alloc() after a failed cudaMalloc (see DeviceAllocator), and the
+// experts' grouped GEMM, which reads the E+1 expert offsets back because
+// cuBLAS takes the group shapes on the host (one wait per call, not per
+// expert: moe_grouped_gemm.h).
 //
 // Threads: the sharding layer calls accumulate/alloc/synchronize from its
 // communication thread; every entry point first makes this backend's device
