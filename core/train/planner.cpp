@@ -535,6 +535,7 @@ Plan make_plan(const PlanRequest& req) {
   plan_tensor_parallel(plan, m, dev, bw_intra, bw_inter, recompute, fpt);
   plan_pipeline_parallel(plan, m, dev, bw_intra, bw_inter, recompute, fpt);
   plan_context_parallel(plan, m, dev, bw_intra, bw_inter, recompute, fpt);
+  plan_expert_parallel(plan, m, dev, bw_intra, bw_inter, recompute, fpt);
   // The verdict is about whole sequences on each rank; when only a split one fits, it says where.
   if (!f->fits)
     for (const PlanRow& r : plan.cp_rows)
@@ -616,8 +617,10 @@ std::string render_plan(const Plan& p) {
   render_tp_table(p, o);
   render_pp_table(p, o);
   render_cp_table(p, o);
+  render_ep_table(p, o);
   o << "\n" << p.verdict << "\n";
   o << p.recommendation << "\n";
+  if (!p.ep_recommendation.empty()) o << p.ep_recommendation << "\n";
   return o.str();
 }
 

@@ -187,6 +187,24 @@ double estimate_cp_activation_bytes(const ModelArch& m, int cp, const std::strin
 double cp_ring_bytes_per_micro_batch(const ModelConfig& c, int cp, int micro_batch, bool checkpointing,
                                      int act_bytes);
 
+// ---- expert parallelism (planner_ep.cpp) ----------------------------------------------
+
+// The routed experts' elements (every `.experts.` tensor, all layers), and
+// the number of blocks that have them.
+int64_t moe_expert_parameters(const ModelArch& m);
+int moe_layers(const ModelArch& m);
+// Bytes each rank sends over links for one micro-batch at expert-parallel
+// degree ep: per MoE layer 2 all-to-alls forward (dispatch, combine), 2
+// backward, 2 more with checkpointing, each micro_batch x T x top_k x C
+// act-dtype values of which (ep-1)/ep leave the rank. 0 for ep 1.
+double ep_all_to_all_bytes_per_micro_batch(const ModelArch& m, int ep, int micro_batch, bool checkpointing,
+                                           int act_bytes);
+// One rank's memory at degree ep (tp 1, pp 1): n_experts/ep experts whole
+// (fp32 master + act copy, fp32 gradient, AdamW moments), the rest sharded
+// as `s` says, the arena plus two all-to-all landing buffers. ep 1: estimate_memory.
+MemoryBreakdown estimate_ep_memory(const ModelArch& m, int ep, const Sharding& s, int micro_batch,
+                                   bool checkpointing, const DeviceModel& d);
+
 // ---- the plan ----------------------------------------------------------------------
 
 struct PlanRequest {
@@ -283,6 +301,10 @@ struct PlanRow {
   int cp = 1;                     // context-parallel rows: the cp degree (tp x pp x cp x dp = the GPUs)
   double cp_ring_s = 0;           // cp rows: the ring's K/V transfers per step (in comm_s; exposed: what attention does not hide)
   std::string cp_link;            // cp rows: NVLink (the group inside a node) or network
+  int ep = 1;                     // expert-parallel rows: the ep degree (folds into dp)
+  double a2a_s = 0;               // ep rows: the token all-to-alls per step (exposed)
+  double expert_state = 0;        // ep rows (ep > 1): bytes of this rank's experts' params, grads and optimizer state
+  std::string ep_link;            // ep rows: none (ep 1), NVLink or network
   std::string tp_link = "none";   // the TP group's link: none (tp 1), NVLink, PCIe, cross-node
   double tp_comm_s = 0;           // TP activation collectives per step (exposed: between GEMMs)
   Sharding sharding;              // over the dp ranks
@@ -313,6 +335,12 @@ struct Plan {
   std::vector<std::pair<std::string, std::string>> pp_not_offered;  // "tp2 x pp8" or "pp8", why
   std::vector<PlanRow> cp_rows;   // cp x dp, full_shard over both
   std::vector<std::pair<int, std::string>> cp_not_offered;  // degree, why
+  // Mixture-of-experts models: ep 1/2/4/8 (planner_ep.cpp), the recommended degree and why.
+  std::vector<PlanRow> ep_rows;
+  std::vector<std::pair<int, std::string>> ep_not_offered;  // degree, why
+  bool has_ep_recommendation = false;
+  PlanRow ep_recommended;
+  std::string ep_recommendation;
   // The recommended mesh (the fastest that fits, TP never across PCIe when
   // the node has NVLink, nor across nodes) and why, in one or two lines.
   bool has_recommendation = false;

@@ -97,5 +97,11 @@ void plan_context_parallel(Plan& plan, const ModelArch& m, const DeviceModel& de
                            double bw_inter, double recompute, double fpt);
 void render_cp_table(const Plan& p, std::ostringstream& o);
 
+// planner_ep.cpp: the expert-parallel rows, their recommendation and table.
+std::vector<int64_t> expert_unit_numels(const ModelArch& m);  // per unit: its routed experts' elements
+void plan_expert_parallel(Plan& plan, const ModelArch& m, const DeviceModel& dev, double bw_intra, double bw_inter,
+                          double recompute, double fpt);
+void render_ep_table(const Plan& p, std::ostringstream& o);
+
 }  // namespace planner_detail
 }  // namespace trainrun

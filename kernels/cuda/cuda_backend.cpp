@@ -32,6 +32,7 @@
 #include "kernels/cuda/logit_softcap.cuh"
 #include "kernels/cuda/vocab_parallel.cuh"
 #include "kernels/cuda/sum_squares.cuh"
+#include "kernels/cuda/moe_grouped_gemm.h"
 #include "kernels/cuda/qk_norm.cuh"
 #include "kernels/cuda/swiglu.cuh"
 
@@ -86,6 +87,7 @@ CudaBackend::~CudaBackend() {
     if (s.p) cudaFreeHost(s.p);
     if (s.read) cudaEventDestroy(s.read);
   }
+  moe_gemm_.reset();  // uses gemm_ and alloc_
   gemm_.reset();
   alloc_.reset();
   if (copy_) cudaStreamDestroy(copy_);

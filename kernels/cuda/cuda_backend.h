@@ -8,8 +8,11 @@
 // non-blocking streams (no implicit sync with the legacy default stream).
 //
 // Host-visible synchronisation happens only where the interface demands it:
-// copy_to_host (the caller reads the bytes next), synchronize(), and the
-// first alloc() after a failed cudaMalloc (see DeviceAllocator).
+// copy_to_host (the caller reads the bytes next), synchronize(), the
+// first alloc() after a failed cudaMalloc (see DeviceAllocator), and the
+// experts' grouped GEMM, which reads the E+1 expert offsets back because
+// cuBLAS takes the group shapes on the host (one wait per call, not per
+// expert: moe_grouped_gemm.h).
 //
 // Threads: the sharding layer calls accumulate/alloc/synchronize from its
 // communication thread; every entry point first makes this backend's device
@@ -27,6 +30,8 @@
 #include "kernels/cuda/gemm.h"
 
 namespace trainrun::cuda {
+
+class MoeGroupedGemm;
 
 class CudaBackend final : public Backend {
  public:
@@ -169,6 +174,29 @@ class CudaBackend final : public Backend {
                       const float* map, float offset, int64_t n) override;
   void nf4_dequantize_blocks(void* out, DType out_dtype, const uint8_t* packed, const float* block_absmax,
                              int64_t n) override;
+  // Mixture of experts: cuda_moe.cpp (moe_route.cu, moe_permute.cu, moe_grouped_gemm.cpp). Not yet run on a GPU.
+  void moe_route_forward(float* probs, float* lse, int32_t* idx, float* w, const void* logits, int N, int E, int K,
+                         bool renorm) override;
+  void moe_route_backward(void* dlogits, const float* dw, const float* probs, const float* lse, const int32_t* idx,
+                          const float* aux_grad, float z_scale, int N, int E, int K, bool renorm) override;
+  void moe_router_stats(float* stats, const float* probs, const float* lse, const int32_t* idx, int N, int E,
+                        int K) override;
+  void moe_aux_loss(float* out, float* aux_grad, float* losses, int n, const float* stats, int64_t tokens, int E,
+                    float aux_coef, float z_coef, float grad_scale) override;
+  void moe_permute(int32_t* pos, int32_t* offsets, void* xp, const int32_t* idx, const void* x, int N, int K, int E,
+                   int C) override;
+  void moe_permute_backward(void* dx, const void* dxp, const int32_t* pos, int N, int K, int C) override;
+  void moe_expert_matmul_forward(void* out, const void* in, const void* w, const int32_t* offsets, int E, int IC,
+                                 int OC) override;
+  void moe_expert_matmul_backward(void* din, float* dw, const void* dout, const void* in, const void* w,
+                                  const int32_t* offsets, int E, int IC, int OC) override;
+  void moe_unpermute_forward(void* out, const void* yp, const int32_t* pos, const float* w, int N, int K,
+                             int C) override;
+  void moe_unpermute_backward(void* dyp, float* dw, const void* dout, const void* yp, const int32_t* pos,
+                              const float* w, int N, int K, int C) override;
+  void moe_sigmoid_gate_forward(void* out, const void* y, const void* g, int N, int C) override;
+  void moe_sigmoid_gate_backward(void* dy, void* dg, const void* dout, const void* y, const void* g, int N,
+                                 int C) override;
   void sum_squares(float* out, const float* x, int64_t n) override;
   void sum(float* out, const float* x, int64_t n) override;
   void scale(float* x, float s, int64_t n) override;
@@ -185,6 +213,8 @@ class CudaBackend final : public Backend {
   DeviceAllocator& allocator() { return *alloc_; }
   // Makes this backend's device current on the calling thread.
   void make_current() const;
+  // Whether the experts' grouped GEMM fell back to per-expert cuBLASLt calls (moe_grouped_gemm.h).
+  bool moe_gemm_fallback_used() const;
 
  private:
   // Scratch for one op, from the caching allocator; freed at scope exit.
@@ -229,6 +259,10 @@ class CudaBackend final : public Backend {
   int attn_dkv_splits_ = 0;
   std::unique_ptr<DeviceAllocator> alloc_;
   std::unique_ptr<Gemm> gemm_;
+  // The experts' grouped GEMM (its cuBLAS handle), made on first use.
+  MoeGroupedGemm& moe_gemm();
+  std::unique_ptr<MoeGroupedGemm> moe_gemm_;
+  mutable std::mutex moe_mu_;
 };
 
 }  // namespace trainrun::cuda

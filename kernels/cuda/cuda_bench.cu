@@ -20,6 +20,8 @@
 // The kernel bench's options are the CLI's (apps/main.cpp); this knob is an
 // environment variable because the plugin alone owns it, and the table's
 // header names it when set.
+// Then the MoE ops at Qwen3-30B-A3B's shape (router, permute, the experts'
+// grouped GEMM against one dense GEMM of the same rows, unpermute).
 // Inputs are random (never zeros: zeros run faster than real data); the
 // embedding backward is timed with uniform tokens and with 70% of them one
 // hot token (the long-run path).
@@ -434,6 +436,51 @@ int run_kernel_bench_impl(const KernelBenchOptions& opts) {
               [&] { be.attention_kv_gqa_forward(aout, kc, vc, qkv, 0, LT, LNH, LNKV, LHS); }, "CUDA cores, fp32");
     b.memory("llama attention kv gqa decode (pos T-1)", detail::cat("cache ", LT, "x", KV), 2.0 * LT * KV * 2,
              [&] { be.attention_kv_gqa_forward(aout, kc, vc, qkv, LT - 1, 1, LNH, LNKV, LHS); });
+  }
+
+  // ---- mixture of experts at Qwen3-30B-A3B's shape: C 2048, 128 experts of F 768, top-8 ----------
+  // Ids uniform over the experts (the balanced case); the grouped GEMM is
+  // set against one dense GEMM over the same rows (its ceiling: the same
+  // FLOPs with no groups), and includes the offsets' read-back (one stream
+  // sync, moe_grouped_gemm.h) as a training step pays it.
+  if (!wide) {
+    const int MN = opts.quick ? 1024 : 4096, MC = 2048, ME = 128, MK = 8, MF = 768;
+    const int64_t R = int64_t(MN) * MK;
+    bf16* logits = b.buf<bf16>(int64_t(MN) * ME);
+    float* probs = b.buf<float>(int64_t(MN) * ME);
+    float* lse = b.buf<float>(MN);
+    int32_t* idx = b.tokens(R, ME);
+    float* wts = b.buf<float>(R);
+    bf16* x = b.buf<bf16>(int64_t(MN) * MC);
+    bf16* xp = b.buf<bf16>(R * MC);
+    int32_t* pos = b.tokens(R, 1);
+    int32_t* offsets = b.tokens(ME + 1, 1);
+    bf16* w_gu = b.buf<bf16>(int64_t(ME) * 2 * MF * MC, 0.02f);
+    bf16* gu = b.buf<bf16>(R * 2 * MF);
+    bf16* y = b.buf<bf16>(int64_t(MN) * MC);
+    float* dw = b.buf<float>(int64_t(ME) * 2 * MF * MC);
+    bf16* dxp = b.buf<bf16>(R * MC);
+    int32_t* ridx = static_cast<int32_t*>(be.alloc(size_t(R) * 4));  // the router's ids, for the permute
+    float* rw = b.buf<float>(R);
+    const std::string shr = detail::cat(MN, " tokens, E", ME, " K", MK);
+    b.memory("moe route fwd (softmax + top-k)", shr, 2.0 * MN * ME + 4.0 * MN * ME + 8.0 * R,
+             [&] { be.moe_route_forward(probs, lse, ridx, rw, logits, MN, ME, MK, true); });
+    b.memory("moe permute (radix sort + gather)", detail::cat(R, " rows x ", MC), 2.0 * R * MC * 2 + 12.0 * R,
+             [&] { be.moe_permute(pos, offsets, xp, idx, x, MN, MK, ME, MC); });
+    const double flops = 2.0 * R * MC * 2 * MF;
+    const double dense_us = b.time_us([&] { be.matmul_forward(gu, xp, w_gu, nullptr, int(R), MC, 2 * MF); });
+    const std::string ref = detail::cat("one dense GEMM of these rows: ", int(flops / (dense_us * 1e-6) / 1e12),
+                                        " TFLOP/s");
+    const std::string shg = detail::cat(R, " rows, ", ME, " x ", 2 * MF, "x", MC);
+    b.compute("moe grouped GEMM gate|up fwd", shg, flops,
+              [&] { be.moe_expert_matmul_forward(gu, xp, w_gu, offsets, ME, MC, 2 * MF); }, ref);
+    b.compute("moe grouped GEMM gate|up bwd (din, dw +=)", shg, 2 * flops,
+              [&] { be.moe_expert_matmul_backward(dxp, dw, gu, xp, w_gu, offsets, ME, MC, 2 * MF); }, "");
+    // Which path ran (known once they have): cuBLAS grouped, or the per-expert fallback.
+    b.rows().back().ref = be.moe_gemm_fallback_used() ? "per-expert cuBLASLt fallback ran" : "cuBLAS grouped";
+    b.memory("moe unpermute fwd (weighted sum of K rows)", detail::cat(MN, "x", MC, " K", MK),
+             (double(R) + MN) * MC * 2 + 8.0 * R, [&] { be.moe_unpermute_forward(y, xp, pos, wts, MN, MK, MC); });
+    be.free(ridx);
   }
 
   std::printf("\n%-40s %-22s %12s %12s %-8s %7s  %s\n", "kernel", "size", "time (us)", "achieved", "", "%",

@@ -1,0 +1,177 @@
+// The planner's expert-parallel rows (core/train/planner_ep.cpp): per-rank
+// memory with the experts split over ep ranks, the token all-to-alls over
+// the ep group's link, and the recommended degree, each against a hand
+// computation from the published shapes (Qwen1.5-MoE-A2.7B: 24 layers, 60
+// experts of width 1408, top-4, C 2048; Mixtral 8x7B: 32 layers, 8 experts
+// of width 14336, top-2, C 4096) and the H100's datasheet NVLink figure.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <string>
+
+#include "core/model/model_shape.h"
+#include "core/train/planner.h"
+#include "core/train/planner_internal.h"
+#include "tests/support/testutil.h"
+
+using namespace trainrun;
+using Catch::Matchers::Contains;
+
+namespace {
+
+PlanRequest moe_request(const std::string& model) {
+  PlanRequest req;
+  req.model = parse_model_shape(model);
+  req.gpu = "h100";
+  req.gpus_per_node = 8;
+  req.micro_batch = 1;
+  req.global_batch = 8;
+  return req;
+}
+
+const PlanRow* ep_row(const Plan& p, int ep) {
+  for (const PlanRow& r : p.ep_rows)
+    if (r.ep == ep) return &r;
+  return nullptr;
+}
+
+// full_shard over 8 ranks of the model's units less their experts: the
+// shard elements S (ceil per unit, as parallel/sharding pads).
+double dense_shard_elements(const ModelArch& m, int G) {
+  const auto ex = planner_detail::expert_unit_numels(m);
+  double S = 0;
+  for (size_t i = 0; i < m.layout().units.size(); ++i)
+    S += double((m.layout().units[i].numel - ex[i] + G - 1) / G);
+  return S;
+}
+
+}  // namespace
+
+TEST_CASE("planner: qwen1.5-moe-a2.7b on 8 x H100, expert state 1/ep and every ep row's figures by hand, ep4 "
+          "recommended",
+          "[planner][moe]") {
+  const PlanRequest req = moe_request("qwen1.5-moe-a2.7b:T=4096");
+  const auto arch = make_model_arch(req.model);
+  // The routed experts: 24 layers x 60 experts x (gate, up, down) of 1408 x 2048.
+  const double X = 24.0 * 60 * 3 * 1408 * 2048;
+  CHECK(double(moe_expert_parameters(*arch)) == X);
+  CHECK(moe_layers(*arch) == 24);
+
+  const Plan plan = make_plan(req);
+  const double GiB = 1024.0 * 1024 * 1024, nvlink = 450e9 * 0.8;  // H100 SXM: 450 GB/s per direction, 80% of it
+  REQUIRE(ep_row(plan, 1));
+  REQUIRE(ep_row(plan, 2));
+  REQUIRE(ep_row(plan, 4));
+  CHECK(!ep_row(plan, 8));
+  REQUIRE(plan.ep_not_offered.size() == 1);
+  CHECK(plan.ep_not_offered[0].first == 8);
+  CHECK_THAT(plan.ep_not_offered[0].second, Contains("60 experts do not split over 8 ranks"));
+
+  // ep 1 is the full_shard strategy row: the same memory and step.
+  const PlanRow* fs = nullptr;
+  for (const PlanRow& r : plan.rows)
+    if (r.sharding.strategy == "full_shard") fs = &r;
+  REQUIRE(fs);
+  CHECK(ep_row(plan, 1)->mem.total() == fs->mem.total());
+  CHECK(ep_row(plan, 1)->step_s == Approx(fs->step_s).epsilon(1e-12));
+  CHECK(ep_row(plan, 1)->a2a_s == 0);
+
+  const double S = dense_shard_elements(*arch, 8);
+  const double rows = 1.0 * 4096 * 4;  // micro-batch x T x top-k
+  const double arena = estimate_activation_bytes(*arch, 1, false, DeviceModel::gpu());
+  for (const int ep : {2, 4}) {
+    const PlanRow& r = *ep_row(plan, ep);
+    INFO("ep" << ep);
+    const double x = X / ep;  // this rank's expert elements
+    // bf16 copy + fp32 master (6), fp32 gradient (4), AdamW moments (8) per element.
+    CHECK(r.expert_state == Approx(18 * x).epsilon(1e-12));
+    CHECK(r.mem.params == Approx(6 * S + 6 * x).epsilon(1e-12));
+    CHECK(r.mem.grads == Approx(4 * S + 4 * x).epsilon(1e-12));
+    CHECK(r.mem.optimizer == Approx(8 * S + 8 * x).epsilon(1e-12));
+    // The arena plus two all-to-all landing buffers of micro-batch x T x top-k x C bf16.
+    CHECK(r.mem.activations == Approx(arena + 2 * rows * 2048 * 2).epsilon(1e-12));
+    // 24 MoE layers x 4 all-to-alls x rows x C x 2 bytes x (ep-1)/ep, over NVLink, one micro-batch per step.
+    const double a2a = 24.0 * 4 * rows * 2048 * 2 * (ep - 1) / ep;
+    CHECK(ep_all_to_all_bytes_per_micro_batch(*arch, ep, 1, false, 2) == Approx(a2a).epsilon(1e-12));
+    CHECK(r.a2a_s == Approx(a2a / nvlink).epsilon(1e-12));
+    CHECK(r.ep_link == "NVLink");
+    CHECK(r.compute_s == Approx(fs->compute_s).epsilon(1e-12));  // routing moves tokens, not FLOPs
+  }
+  // 1/ep: twice the ranks, half of every expert byte.
+  CHECK(ep_row(plan, 2)->expert_state == Approx(2 * ep_row(plan, 4)->expert_state).epsilon(1e-12));
+  // Checkpointing reruns the forward: 6 all-to-alls per layer instead of 4.
+  CHECK(ep_all_to_all_bytes_per_micro_batch(*arch, 4, 1, true, 2) ==
+        Approx(1.5 * ep_all_to_all_bytes_per_micro_batch(*arch, 4, 1, false, 2)).epsilon(1e-12));
+
+  // ep2 holds 30 experts whole (104 GiB of them): it does not fit; ep4 does and is the fastest that fits.
+  CHECK(ep_row(plan, 2)->expert_state / GiB == Approx(104.41).epsilon(1e-3));
+  CHECK(!ep_row(plan, 2)->fits);
+  REQUIRE(plan.has_ep_recommendation);
+  CHECK(plan.ep_recommended.ep == 4);
+  CHECK(plan.ep_recommended.fits);
+  CHECK(plan.ep_recommended.mem.total() <= plan.capacity);
+  for (const PlanRow& r : plan.ep_rows)
+    if (r.fits) CHECK(plan.ep_recommended.step_s <= r.step_s);
+  CHECK_THAT(plan.ep_recommendation, Contains("expert parallel: recommended ep4 (parallel.expert_parallel: 4, "
+                                              "full_shard for the rest)") &&
+                                         Contains("15 experts per rank"));
+}
+
+TEST_CASE("planner: mixtral-8x7b on 8 x 80 GB, expert state 1/ep for ep 2, 4, 8, none fits, and the CLI says which "
+          "needs least",
+          "[planner][moe]") {
+  PlanRequest req = moe_request("mixtral-8x7b:T=4096");
+  req.checkpointing = true;
+  const Plan plan = make_plan(req);
+  const double X = 32.0 * 8 * 3 * 14336 * 4096;
+  for (const int ep : {2, 4, 8}) {
+    REQUIRE(ep_row(plan, ep));
+    CHECK(ep_row(plan, ep)->expert_state == Approx(18 * X / ep).epsilon(1e-12));
+    CHECK(!ep_row(plan, ep)->fits);  // one whole expert alone, with its state, is 94.5 GiB
+  }
+  CHECK(ep_row(plan, 2)->expert_state == Approx(4 * ep_row(plan, 8)->expert_state).epsilon(1e-12));
+  CHECK(plan.ep_not_offered.empty());
+  CHECK(!plan.has_ep_recommendation);
+
+  const auto r = test::run_trainrun("plan --model mixtral-8x7b:T=4096 --gpus 8 --gpu-memory 80GB "
+                                    "--activation-checkpointing blocks");
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.out, Contains("\nexpert parallel (ep ranks share the 8 experts, top-2;") &&
+                        Contains("\nep8 x dp8         1     94.50") &&
+                        Contains("expert parallel: none of the offered degrees fits 74.5 GiB per GPU (the least, ep8, "
+                                 "needs"));
+  WARN(r.out);
+}
+
+TEST_CASE("planner: expert-parallel rows only for MoE models, refused with offload, over the topology's link, and a "
+          "degree that does not divide the experts is an error naming both",
+          "[planner][moe]") {
+  const Plan dense = make_plan(moe_request("llama3.2-1b:T=1024"));
+  CHECK(dense.ep_rows.empty());
+  CHECK(dense.ep_not_offered.empty());
+  CHECK(dense.ep_recommendation.empty());
+
+  PlanRequest req = moe_request("qwen1.5-moe-a2.7b:T=1024");
+  req.offload = "cpu";
+  const Plan off = make_plan(req);
+  CHECK(off.ep_rows.empty());
+  REQUIRE(off.ep_not_offered.size() == 3);
+  CHECK_THAT(off.ep_not_offered[0].second, Contains("parallel.offload with expert parallelism"));
+
+  // The ep group's link is the topology's for a group of that size (here: ep4 over PCIe).
+  PlanRequest pcie = moe_request("qwen1.5-moe-a2.7b:T=1024");
+  pcie.tp_links.push_back({4, "PCIe", 32e9, "ranks 0-3: PCIe"});
+  const Plan pp = make_plan(pcie);
+  REQUIRE(ep_row(pp, 4));
+  CHECK(ep_row(pp, 4)->ep_link == "PCIe");
+  const auto pa = make_model_arch(pcie.model);
+  CHECK(ep_row(pp, 4)->a2a_s == Approx(ep_all_to_all_bytes_per_micro_batch(*pa, 4, 1, false, 2) / (32e9 * 0.8)));
+  CHECK(ep_row(pp, 2)->ep_link == "NVLink");
+
+  const auto arch = make_model_arch(parse_model_shape("qwen1.5-moe-a2.7b:T=1024"));
+  Sharding s;
+  s.world = s.group = 8;
+  CHECK_THROWS_WITH(estimate_ep_memory(*arch, 8, s, 1, false, DeviceModel::gpu()),
+                    Contains("expert-parallel degree 8 must divide the model's 60 experts"));
+}
