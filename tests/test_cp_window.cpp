@@ -9,7 +9,10 @@
 //     at cp2 x tp2;
 //   - LoRA and DoRA under cp2 (their gradients reduce over dp x cp as the
 //     base's do): the losses and the final PEFT adapter equal one rank's;
-//     adapter dropout, keyed by whole sequences' rows, is refused by name.
+//     adapter dropout, keyed by whole sequences' rows, is refused by name;
+//   - `plan`'s cp x tp rows: the per-rank arena against the CPU trainer's at
+//     cp2 x tp2 (ring; all_to_all with sequence parallelism), and the ring's
+//     and TP's times against a hand computation.
 // (The block ops against the one-rank op and the ring's skipped blocks:
 // tests/test_context_parallel.cpp.)
 #include <catch2/catch.hpp>
@@ -22,6 +25,8 @@
 #include "core/config/job_spec.h"
 #include "core/io/safetensors.h"
 #include "core/model/model.h"
+#include "core/model/model_shape.h"
+#include "core/train/planner.h"
 #include "tests/support/checkpoint_jobs.h"
 #include "tests/support/cp_runs.h"
 #include "tests/support/inprocess.h"
@@ -192,4 +197,64 @@ TEST_CASE("cp window: LoRA and DoRA under cp2 train as one rank does, and adapte
                             Contains("use model.adapter.dropout: 0"));
     CHECK(r.summary.losses.empty());
   }
+}
+
+// ---- the planner's cp x tp rows ------------------------------------------------------------------
+
+TEST_CASE("cp window: plan's cp x tp rows: the arena is the cp x tp network's, and the ring and TP times are the "
+          "hand-computed ones (Llama 3.1 8B at T=131072 on 8 x H100)", "[cp][planner]") {
+  // The CPU trainer at cp2 x tp2 (ring, and all_to_all with sequence parallelism): rank 0's arena.
+  const auto arch = make_model_arch(ModelConfig::from_spec(
+      parse_job_spec("model: " + std::string(kLlama) + "\ndata: {format: synthetic}\n", "job.yaml", {}).model));
+  for (const auto& [mode, sp] : {std::make_pair("ring", false), std::make_pair("all_to_all", true)}) {
+    TempDir dir("cp_tp_arena");
+    const JobSpec job = parse_job_spec(
+        cp_job(dir.path(), kLlama, false), "job.yaml",
+        cp_sets(2, mode, {"parallel.tensor_parallel=2", "train.max_steps=1",
+                          std::string("parallel.sequence_parallel=") + (sp ? "true" : "false")}));
+    const TrainSummary s = run_ranks_inprocess(job, 4, 1)[0];
+    const double planned = estimate_cp_activation_bytes(*arch, 2, mode, 1, false, DeviceModel::cpu(), 2, sp);
+    INFO(mode << (sp ? " + SP" : "") << ": the network's arena " << s.activation_bytes << " B, planned " << planned);
+    CHECK(double(s.activation_bytes) == planned);
+  }
+
+  PlanRequest req;
+  req.model = parse_model_shape("llama3.1-8b:T=131072");
+  req.gpu = "h100";
+  req.gpus_per_node = 8;
+  req.micro_batch = 1;
+  req.global_batch = 8;
+  req.checkpointing = true;
+  const Plan plan = make_plan(req);
+  auto row = [&](int cp, int tp) -> const PlanRow* {
+    for (const PlanRow& r : plan.cp_rows)
+      if (r.cp == cp && r.tp == tp) return &r;
+    return nullptr;
+  };
+  for (const PlanRow& r : plan.cp_rows) CHECK(r.cp * r.tp * r.dp == 8);  // cp4 x tp4 and the like: more than 8 GPUs
+  REQUIRE(row(2, 1));
+  REQUIRE(row(2, 2));
+  REQUIRE(row(4, 2));
+  const PlanRow* r = row(2, 4);
+  REQUIRE(r);
+  CHECK(r->dp == 1);
+  CHECK(r->accum == 8);
+  CHECK(r->cp_link == "NVLink");  // 2 x 4 GPUs: one node
+  CHECK(r->tp_link == "NVLink");
+  // By hand: a TP rank's ring carries 8 / 4 = 2 KV heads; a block is 65536 rows x 2 (K, V) x 2 heads x 128.
+  // Per layer, bf16 K/V once forward, once in the recompute, once backward, and 2 fp32 dK|dV: 14 block bytes;
+  // 32 layers, 8 micro-batches, at NVLink x the bus efficiency.
+  const double block = 65536.0 * 2 * 2 * 128, bw = plan.gpu.nvlink_bytes_per_s * req.bus_efficiency;
+  CHECK(r->cp_ring_s == Approx(8 * 32 * 14 * block / bw).epsilon(1e-12));
+  // TP: per micro-batch 4 L + 2 + 2 L (the recompute) all-reduces of the rank's 65536 x 4096 bf16 rows, ring
+  // all-reduce 2 (tp - 1) / tp of them each.
+  CHECK(r->tp_comm_s == Approx(8 * (4 * 32 + 2 + 2 * 32) * 2 * 0.75 * (65536.0 * 4096 * 2) / bw).epsilon(1e-12));
+  // Each GPU computes the same FLOPs as at cp2 x dp4 (T/2 rows of 8 / 4 sequences... x 1/tp of 4x as many).
+  CHECK(r->compute_s == Approx(row(2, 1)->compute_s).epsilon(1e-12));
+  CHECK(r->mem.activations < row(2, 2)->mem.activations);
+  CHECK(row(2, 2)->mem.activations < row(2, 1)->mem.activations);
+  CHECK(r->mem.params == Approx(row(2, 1)->mem.params).epsilon(1e-3));  // params / 8 either way
+  const std::string text = render_plan(plan);
+  CHECK_THAT(text, Contains("cp2 x tp4 x dp1"));
+  WARN(text.substr(text.find("context parallel (cp")));
 }
