@@ -7,11 +7,13 @@
 //
 // Positions are global (indices in the whole sequence): query row i of the
 // block is at q_pos0 + i, key row j at k_pos0 + j. Query i may see key j iff
-//     doc(i) <= k_pos0 + j <= q_pos0 + i,
+//     max(doc(i), q_pos0 + i - window + 1) <= k_pos0 + j <= q_pos0 + i,
+// (the window term only with window > 0),
 // doc(i) = q_doc[b*doc_bs + i] (the global index where i's document starts,
 // kernels/backend.h's doc_start) or 0 without document masks. So a block
 // whose keys all lie after its queries, or before their documents, is all
-// masked: the caller skips it rather than calling the op.
+// masked (or, with a window, all before the queries' windows): the caller
+// skips it rather than calling the op.
 //
 // GQA: query head h reads key/value head h / (NH/NKV). Every operand is a
 // strided view, so the q heads of a (B,T,(NH+2*NKV)*HS) qkv, a packed K/V
@@ -31,6 +33,7 @@
 // (over every block) and D_i = rowsum(dout_i * out_i),
 //   P = exp(q k^T / sqrt(HS) - lse) on visible pairs, dS = P (dout v^T - D),
 //   dq += dS k / sqrt(HS), dk += dS^T q / sqrt(HS), dv += P^T dout,
+// (with a soft-cap, dS also takes the cap's derivative 1 - tanh^2),
 // accumulated (+=) into fp32 buffers laid out like q (dq) and k/v (dk, dv);
 // a KV head's sum over its query heads runs in head order (deterministic).
 #pragma once
@@ -50,12 +53,16 @@ struct AttentionBlock {
   int64_t lse_bs = 0, lse_hs = 0;      // lse (forward's output; backward's input)
   const int32_t* q_doc = nullptr;      // (B, ...) device int32: global doc start of each query row; null = 0
   int64_t doc_bs = 0;
-  // The layer's AttentionOptions::window (kernels/backend.h). Not implemented
-  // by the block ops yet (nor the ring's block skipping in parallel/context):
-  // a caller passes the layer's window and the ops refuse a nonzero one by
-  // name, so a windowed model under context parallelism fails instead of
-  // silently attending over the whole context.
+  // The layer's AttentionOptions (kernels/backend.h), on global positions:
+  // window > 0 narrows query i to keys k_pos0 + j >= q_pos0 + i - window + 1
+  // (and doc(i)); softcap > 0 caps the scaled scores, s -> softcap *
+  // tanh(s / softcap), before the mask; scale > 0 replaces 1 / sqrt(HS) (in
+  // the backward too). The lse is over the capped scores, so the merge is
+  // unchanged. A backend that does not implement a field refuses a nonzero
+  // one by name, so a model is never silently computed without it.
   int window = 0;
+  float softcap = 0.f;
+  float scale = 0.f;
 };
 
 }  // namespace trainrun

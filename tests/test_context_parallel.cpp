@@ -78,10 +78,12 @@ TEST_CASE("cp: what context parallelism does not compose with yet is refused at 
                               "output: {dir: '" + dir / "run" + "', sample_tokens: 0}\n",
                           "job.yaml");
   };
+  // Adapters train under cp (tests/test_cp_window.cpp); their dropout does not.
   const auto lora = run_ranks_inprocess_outcomes(
-      job("context_parallel: 2", ", adapter: {type: lora, rank: 2}"),
+      job("context_parallel: 2", ", adapter: {type: lora, rank: 2, dropout: 0.1}"),
       2);
-  for (const auto& o : lora) CHECK_THAT(o.error, Contains("parallel.context_parallel 2 with model.adapter lora"));
+  for (const auto& o : lora)
+    CHECK_THAT(o.error, Contains("parallel.context_parallel 2 with model.adapter.dropout 0.1: adapter dropout"));
 }
 
 // ---- the sequence split -------------------------------------------------------------
@@ -189,6 +191,7 @@ namespace {
 struct AttnCase {
   int B = 2, T = 32, NH = 4, NKV = 2, HS = 8;
   std::vector<int32_t> doc_start;  // (B,T) or empty
+  AttentionOptions opt;            // window, soft-cap, scale (Mistral, Gemma 2)
 };
 
 std::vector<int32_t> make_docs(int B, int T, uint64_t seed) { return make_cp_docs(B, T, seed); }
@@ -217,9 +220,9 @@ Reference one_rank(const AttnCase& c, uint64_t seed) {
     be->copy_to_device(docs.get(), c.doc_start.data(), c.doc_start.size() * 4);
     dp = docs.as<int32_t>();
   }
-  be->attention_gqa_forward(out.get(), saved.as<float>(), qkv.get(), c.B, c.T, c.NH, c.NKV, c.HS, dp);
+  be->attention_gqa_forward(out.get(), saved.as<float>(), qkv.get(), c.B, c.T, c.NH, c.NKV, c.HS, dp, c.opt);
   be->attention_gqa_backward(dqkv.get(), dout.get(), qkv.get(), out.get(), saved.as<float>(), c.B, c.T, c.NH, c.NKV,
-                             c.HS, dp);
+                             c.HS, dp, c.opt);
   r.out = download_f32(be.get(), out.get(), r.dout.size());
   r.dqkv = download_f32(be.get(), dqkv.get(), r.qkv.size());
   return r;
@@ -268,13 +271,13 @@ CpResult run_cp(const AttnCase& c, const Reference& ref, int cp, const std::stri
     const int32_t* docs = c.doc_start.empty() ? nullptr : c.doc_start.data();
     if (mode == "ring") {
       RingAttention ring(*be, comm, shape, docs);
-      ring.forward(out.get(), lse.as<float>(), qkv.get());
-      ring.backward(dqkv.get(), dout.get(), qkv.get(), out.get(), lse.as<float>());
+      ring.forward(out.get(), lse.as<float>(), qkv.get(), c.opt);
+      ring.backward(dqkv.get(), dout.get(), qkv.get(), out.get(), lse.as<float>(), c.opt);
       res.stats[size_t(r)] = ring.stats();
     } else {
       AllToAllAttention a2a(*be, comm, shape, docs);
-      a2a.forward(out.get(), lse.as<float>(), qkv.get());
-      a2a.backward(dqkv.get(), dout.get(), qkv.get(), out.get(), lse.as<float>());
+      a2a.forward(out.get(), lse.as<float>(), qkv.get(), c.opt);
+      a2a.backward(dqkv.get(), dout.get(), qkv.get(), out.get(), lse.as<float>(), c.opt);
     }
     outs[size_t(r)] = download_f32(be.get(), out.get(), dout_local.size());
     dqkvs[size_t(r)] = download_f32(be.get(), dqkv.get(), q_local.size());
@@ -360,6 +363,56 @@ TEST_CASE("cp: the ring's causal work is even, and blocks nobody may see are nei
   }
   CHECK(max_rel(d.out, docs.out) <= 1e-5);
   CHECK(max_rel(d.dqkv, docs.dqkv) <= 1e-5);
+}
+
+// The sliding window (Mistral; Gemma 2's local layers) and Gemma 2's
+// soft-cap and query scale inside the block ops, ring and all_to_all, with
+// documents. T 32: the chunks are 8 rows at cp2 and 4 at cp4, so window 3
+// is shorter than a chunk at both, 12 longer than both (and shorter than T).
+TEST_CASE("cp: ring and all_to_all with a sliding window (shorter and longer than a chunk), soft-cap and query "
+          "scale equal the one-rank op, and the ring skips the blocks outside the window", "[cp][window]") {
+  struct Opt { int window; float softcap, scale; bool docs; };
+  double worst = 0;
+  for (const Opt o : {Opt{3, 0.f, 0.f, true}, Opt{12, 0.f, 0.f, true}, Opt{5, 1.5f, 0.2f, true},
+                      Opt{0, 1.5f, 0.2f, false}}) {
+    AttnCase c;
+    c.opt.window = o.window, c.opt.softcap = o.softcap, c.opt.scale = o.scale;
+    if (o.docs) c.doc_start = make_docs(c.B, c.T, 7);
+    const Reference ref = one_rank(c, 11);
+    AttnCase plain = c;
+    plain.opt = AttentionOptions{};
+    const Reference unmodified = one_rank(plain, 11);
+    CHECK(max_rel(unmodified.out, ref.out) > 1e-2);  // the options bite: without them the output differs
+    for (const char* mode : {"ring", "all_to_all"})
+      for (int cp : {2, 4}) {
+        const CpResult r = run_cp(c, ref, cp, mode);
+        for (const auto& e : r.errors) REQUIRE(e == "");
+        const double e_out = max_rel(r.out, ref.out), e_grad = max_rel(r.dqkv, ref.dqkv);
+        INFO(mode << " cp" << cp << " window " << o.window << " softcap " << o.softcap << " scale " << o.scale
+                  << ": out max rel err " << e_out << ", dqkv " << e_grad);
+        CHECK(e_out <= 1e-5);
+        CHECK(e_grad <= 1e-5);
+        worst = std::max({worst, e_out, e_grad});
+      }
+  }
+  WARN("window / soft-cap / scale under cp: worst max rel err " << worst);
+  // Skipping, window 3 at cp4 without documents (chunks of 4): query chunk
+  // q sees key chunks q and q-1 only, 1 + 7 x 2 = 15 pairs over the ranks
+  // (36 without the window); of the ring's 12 forward sends, rank 0's
+  // block is needed by rank 1 alone, so rank 1 keeps it: 10 sends.
+  AttnCase w;
+  w.opt.window = 3;
+  const Reference wref = one_rank(w, 5);
+  const CpResult r = run_cp(w, wref, 4, "ring");
+  for (const auto& e : r.errors) REQUIRE(e == "");
+  int computed = 0, sends = 0, kept = 0;
+  for (const RingStats& s : r.stats) computed += s.blocks_computed, sends += s.sends, kept += s.sends_skipped;
+  CHECK(computed == 15);
+  CHECK(r.stats[0].blocks_computed == 3);  // chunks 0 (itself) and 7 (7, 6)
+  CHECK(sends == 10);
+  CHECK(kept == 1);
+  CHECK(max_rel(r.out, wref.out) <= 1e-5);
+  CHECK(max_rel(r.dqkv, wref.dqkv) <= 1e-5);
 }
 
 TEST_CASE("cp: a rank that stops inside the ring makes the others fail with a timeout naming the cp group",

@@ -34,6 +34,7 @@
 #include "parallel/context/sequence_split.h"
 #include "parallel/mesh/device_mesh.h"
 #include "tests/support/checkpoint_jobs.h"
+#include "tests/support/cp_runs.h"
 #include "tests/support/cp_docs.h"
 #include "tests/support/device_io.h"
 #include "tests/support/inprocess.h"
@@ -53,115 +54,6 @@ ModelConfig tiny(const std::string& arch, int T = 32) {
   c.L = 2, c.NH = 4, c.C = 16, c.V = 23, c.T = T;
   if (arch == "llama") c.NKV = 2, c.F = 24, c.tied = false;
   return c;
-}
-
-struct Batch {
-  int B = 2, T = 32;
-  std::vector<int32_t> in, tgt, doc_start, pos;  // (B,T); doc_start/pos empty = no documents
-};
-
-Batch make_batch(int T, bool docs, uint64_t seed) {
-  Batch b;
-  b.T = T;
-  std::mt19937_64 gen(seed);
-  b.in.resize(size_t(b.B) * T);
-  b.tgt.resize(b.in.size());
-  for (auto& x : b.in) x = int32_t(gen() % 23);
-  for (auto& x : b.tgt) x = int32_t(gen() % 23);
-  if (docs) {
-    b.doc_start = make_cp_docs(b.B, T, seed + 1);
-    b.pos.resize(b.in.size());
-    for (size_t i = 0; i < b.pos.size(); ++i) b.pos[i] = int32_t(i % size_t(T)) - b.doc_start[i];
-  }
-  return b;
-}
-
-struct NetResult {
-  std::vector<float> losses;  // (B,T) global order
-  std::vector<float> grads;   // whole model, summed over the cp ranks
-  size_t act_bytes = 0;       // rank 0's network
-  double waited = 0;          // rank 0's wait on the cp group
-};
-
-std::vector<float> init_params(const ModelArch& arch) {
-  std::vector<float> p(size_t(arch.layout().total));
-  arch.init_params(42, 0, arch.layout().total, p.data());
-  return p;
-}
-
-// One network's forward + backward on (B, rows) of `in` (its rows), loss
-// scaled by the whole batch's tokens as the trainer does.
-struct OneNet {
-  std::vector<float> losses, grads;
-  size_t act_bytes = 0;
-  double waited = 0;
-};
-OneNet run_net(const ModelArch& arch, const std::vector<float>& params, const Batch& b, int rows,
-               const std::vector<int32_t>& in, const std::vector<int32_t>& tgt, const std::vector<int32_t>& doc,
-               const std::vector<int32_t>& pos, bool ckpt, const ContextParallel* cp) {
-  auto be = make_cpu_backend(1);
-  DeviceBuffer p = upload_f32(be.get(), params);
-  DeviceBuffer g(be.get(), params.size() * 4);
-  auto net = arch.make_network(be.get(), b.B, ckpt, nullptr, nullptr, cp);
-  FlatUnitAccess units(arch.layout(), p.get(), g.as<float>(), DType::F32);
-  DeviceBuffer din = upload_i32(be.get(), in), dtgt = upload_i32(be.get(), tgt);
-  DeviceBuffer ddoc = upload_i32(be.get(), doc), dpos = upload_i32(be.get(), pos);
-  DocumentMask docs;
-  if (!doc.empty()) docs = DocumentMask{ddoc.as<int32_t>(), dpos.as<int32_t>(), cp ? b.doc_start.data() : nullptr};
-  net->forward(units, din.as<int32_t>(), dtgt.as<int32_t>(), b.B, rows, true, 1.0f / float(b.B * b.T), docs);
-  net->backward(units);
-  OneNet r;
-  r.losses = download_f32(be.get(), net->losses(), size_t(b.B) * rows);
-  r.grads = download_f32(be.get(), g.get(), params.size());
-  r.act_bytes = net->activation_bytes();
-  return r;
-}
-
-NetResult one_rank(const ModelArch& arch, const Batch& b, bool ckpt = false) {
-  const OneNet r = run_net(arch, init_params(arch), b, b.T, b.in, b.tgt, b.doc_start, b.pos, ckpt, nullptr);
-  return NetResult{r.losses, r.grads, r.act_bytes, 0};
-}
-
-NetResult cp_ranks(const ModelArch& arch, const Batch& b, int cp, const std::string& mode, bool ckpt = false) {
-  const std::vector<float> params = init_params(arch);
-  std::vector<OneNet> per(static_cast<size_t>(cp));
-  const auto errors = run_gloo_group(cp, "cp0", std::chrono::seconds(30), [&](Communicator& comm) {
-    const SequenceSplit split(b.T, cp, comm.rank());
-    const int Tl = split.local_rows();
-    std::vector<int32_t> in(size_t(b.B) * Tl), tgt(in.size()), doc, pos;
-    split_rows(b.in.data(), in.data(), b.B, 4, split);
-    split_rows(b.tgt.data(), tgt.data(), b.B, 4, split);
-    if (!b.doc_start.empty()) {
-      const LocalDocumentMask m = split_document_mask(b.doc_start.data(), b.B, split);
-      doc = m.doc_start, pos = m.pos;
-    }
-    ContextParallel ctx;
-    ctx.comm = &comm;
-    ctx.mode = mode;
-    per[size_t(comm.rank())] = run_net(arch, params, b, Tl, in, tgt, doc, pos, ckpt, &ctx);
-  });
-  for (const auto& e : errors) REQUIRE(e == "");
-  NetResult r;
-  std::vector<const void*> rows;
-  for (const auto& o : per) rows.push_back(o.losses.data());
-  r.losses.resize(size_t(b.B) * b.T);
-  merge_rows(rows, r.losses.data(), b.B, 4, b.T, cp);
-  r.grads.assign(params.size(), 0.f);
-  for (const auto& o : per)  // the sum the stores' reduction over cp forms
-    for (size_t i = 0; i < params.size(); ++i) r.grads[i] += o.grads[i];
-  r.act_bytes = per[0].act_bytes;
-  return r;
-}
-
-// max |got - ref| / max |ref|
-double max_rel(const std::vector<float>& got, const std::vector<float>& ref) {
-  REQUIRE(got.size() == ref.size());
-  double d = 0, m = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    d = std::max(d, double(std::fabs(got[i] - ref[i])));
-    m = std::max(m, double(std::fabs(ref[i])));
-  }
-  return d / m;
 }
 
 }  // namespace
@@ -221,25 +113,17 @@ TEST_CASE("cp: a rank's activation arena at cp4 is at most 0.3x the one-rank net
   }
 }
 
-TEST_CASE("cp: what the cp attention cannot compute is refused by name", "[cp][network]") {
-  auto refused = [&](ModelConfig c) -> std::string {
-    const auto errors = run_gloo_group(2, "cp0", std::chrono::seconds(10), [&](Communicator& comm) {
-      ContextParallel ctx;
-      ctx.comm = &comm;
-      auto arch = make_model_arch(c);
-      auto be1 = make_cpu_backend(1);
-      (void)arch->make_network(be1.get(), 1, false, nullptr, nullptr, &ctx);
-    });
-    return errors[0];
-  };
-  ModelConfig w = tiny("llama");
-  w.sliding_window = 8;
-  CHECK_THAT(refused(w), Contains("model.sliding_window 8") || Contains("sliding window"));
-  ModelConfig g = tiny("llama");
-  g.attn_softcap = 50.f;
-  CHECK_THAT(refused(g), Contains("parallel.context_parallel 2 with attention soft-capping"));
+TEST_CASE("cp: a sequence length that does not split into 2 x cp chunks is refused by name", "[cp][network]") {
+  // (The sliding window, soft-cap and query scale compute under cp: test_cp_window.)
   ModelConfig odd = tiny("gpt2", 30);  // not a multiple of 2 x cp
-  CHECK_THAT(refused(odd), Contains("model.seq_len 30 is not a multiple of 2 x parallel.context_parallel (4)"));
+  const auto errors = run_gloo_group(2, "cp0", std::chrono::seconds(10), [&](Communicator& comm) {
+    ContextParallel ctx;
+    ctx.comm = &comm;
+    auto arch = make_model_arch(odd);
+    auto be1 = make_cpu_backend(1);
+    (void)arch->make_network(be1.get(), 1, false, nullptr, nullptr, &ctx);
+  });
+  CHECK_THAT(errors[0], Contains("model.seq_len 30 is not a multiple of 2 x parallel.context_parallel (4)"));
 }
 
 // ---- the stores' mesh -------------------------------------------------------------------------
@@ -278,56 +162,6 @@ const char* kGpt2 = "{arch: gpt2, n_layer: 2, n_head: 4, n_embd: 16, vocab_size:
 const char* kLlama = "{arch: llama, n_layer: 2, n_head: 4, n_kv_head: 2, n_embd: 16, ffn_dim: 24, vocab_size: 23, "
                      "seq_len: 16, tie_embeddings: false}";
 
-// Accumulation on, gradient clipping on (the norm must count each element once).
-std::string cp_job(const std::string& dir, const std::string& model, bool docs) {
-  return "model: " + model + "\n"
-         "data: {format: synthetic, synthetic: {vocab: 23, branching: 3}" +
-         (docs ? ", document_mask: true, document_separator: 3" : "") + "}\n"
-         "train: {global_batch_size: 2, micro_batch_size: 1, max_steps: 5, lr: 3.0e-3,\n"
-         "        min_lr: 3.0e-4, warmup_steps: 2, eval_interval: 0, log_interval: 1, grad_clip: 0.3}\n"
-         "output: {dir: '" + dir + "', sample_tokens: 0}\n"
-         "parallel: {sharding: no_shard, timeout_s: 60}\n";
-}
-
-struct Run {
-  std::vector<double> losses;
-  std::vector<float> weights;
-};
-
-Run run_job(const std::string& model, int world, bool docs, const std::vector<std::string>& sets) {
-  TempDir dir("cp_train");
-  const JobSpec job = parse_job_spec(cp_job(dir.path(), model, docs), "job.yaml", sets);
-  Run out;
-  out.losses = run_ranks_inprocess(job, world, /*omp_threads_per_rank=*/1)[0].losses;
-  (void)load_model_safetensors(dir / "model.safetensors", out.weights);
-  return out;
-}
-
-double rel_l2(const std::vector<float>& got, const std::vector<float>& ref) {
-  REQUIRE(got.size() == ref.size());
-  double num = 0, den = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    num += (double(got[i]) - ref[i]) * (double(got[i]) - ref[i]);
-    den += double(ref[i]) * ref[i];
-  }
-  return std::sqrt(num / den);
-}
-
-void check_same(const Run& got, const Run& ref) {
-  REQUIRE(got.losses.size() == ref.losses.size());
-  for (size_t i = 0; i < ref.losses.size(); ++i) {
-    INFO("step " << i + 1 << ": " << got.losses[i] << " vs " << ref.losses[i]);
-    CHECK(std::fabs(got.losses[i] - ref.losses[i]) <= 1e-5 * std::fabs(ref.losses[i]));
-  }
-  INFO("final weights rel err " << rel_l2(got.weights, ref.weights));
-  CHECK(rel_l2(got.weights, ref.weights) <= 1e-5);
-}
-
-std::vector<std::string> cp_sets(int cp, const std::string& mode, std::vector<std::string> more = {}) {
-  more.push_back("parallel.context_parallel=" + std::to_string(cp));
-  more.push_back("parallel.cp_mode=" + mode);
-  return more;
-}
 
 }  // namespace
 
@@ -399,11 +233,12 @@ TEST_CASE("cp: cp2 x tp2 (and SP), cp2 x dp2 full_shard and hybrid_shard, cp2 x 
   }
 }
 
-TEST_CASE("cp: adapters and preference objectives under cp are refused by name before step 1", "[cp][train]") {
+TEST_CASE("cp: adapter dropout, preference objectives and MoE under cp are refused by name before step 1", "[cp][train]") {
   const std::string model = "{arch: llama, n_layer: 1, n_head: 4, n_kv_head: 2, n_embd: 16, ffn_dim: 24, "
                             "vocab_size: 23, seq_len: 16}";
   struct Case { std::vector<std::string> sets; std::string says; };
-  for (const Case& k : {Case{{"model.adapter.type=lora"}, "with model.adapter lora: adapters under context parallelism"},
+  for (const Case& k : {Case{{"model.adapter.type=lora", "model.adapter.dropout=0.05"},
+                             "with model.adapter.dropout 0.05: adapter dropout under context parallelism"},
                         Case{{"train.objective=dpo"}, "with train.objective dpo: preference objectives under context"},
                         Case{{"model.arch=mixtral", "model.n_experts=2", "model.n_experts_per_tok=1"},
                              "with a mixture of experts (model.arch mixtral)"}}) {
@@ -469,9 +304,12 @@ TEST_CASE("cp: plan has cp rows (activations per rank, the ring's K/V time) and 
   req.global_batch = 8;
   req.checkpointing = true;
   const Plan plan = make_plan(req);
-  REQUIRE(plan.cp_rows.size() == 3);  // cp2, cp4, cp8
+  std::vector<PlanRow> tp1;  // the cp x tp rows: test_cp_window
+  for (const PlanRow& r : plan.cp_rows)
+    if (r.tp == 1) tp1.push_back(r);
+  REQUIRE(tp1.size() == 3);  // cp2, cp4, cp8
   double last_act = 1e300;
-  for (const PlanRow& r : plan.cp_rows) {
+  for (const PlanRow& r : tp1) {
     INFO("cp" << r.cp << ": activations " << r.mem.activations / (1 << 30) << " GiB, ring " << r.cp_ring_s << " s");
     CHECK(r.mem.activations < last_act);  // more ranks, fewer rows each
     last_act = r.mem.activations;
@@ -501,7 +339,7 @@ TEST_CASE("cp: plan has cp rows (activations per rank, the ring's K/V time) and 
   CHECK(plan.recommended.cp == 1);
   CHECK(plan.recommended.tp == 4);
   const std::string text = render_plan(plan);
-  CHECK_THAT(text, Contains("context parallel (cp x dp = 8 GPUs") && Contains("K/V ring"));
+  CHECK_THAT(text, Contains("context parallel (cp x tp x dp = 8 GPUs") && Contains("K/V ring"));
   WARN(text);
   // At T = 262144 only cp4 and cp8 hold it: the fewest cp ranks that fit.
   req.model = parse_model_shape("llama3.1-8b:T=262144");

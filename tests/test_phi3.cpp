@@ -10,7 +10,7 @@
 //  - a job with only model.init_from (model.arch auto) at 1 rank, tp2
 //    (q/k/v split by heads, gate/up by columns), dp2 full_shard and pp2
 //    gives the same losses;
-//  - refusals by name: rope_scaling (longrope/su/yarn), a seq_len past
+//  - refusals by name: rope_scaling (yarn, dynamic; longrope lists of the wrong length), a seq_len past
 //    sliding_window, a fused tensor of the wrong shape.
 #include <catch2/catch.hpp>
 #include <cmath>
@@ -271,8 +271,9 @@ TEST_CASE("phi3: what trainrun does not implement, and bad fused tensors, are re
     INFO(err);
     CHECK_THAT(err, Contains(std::string("rope_scaling.type = \"") + type + "\""));
   }
-  // longrope ("su", its older name): factor lists of the wrong length, and
-  // a training job from it (the job spec cannot carry the lists).
+  // longrope ("su", its older name): factor lists of the wrong length; a
+  // job from it takes the lists into its spec (tests/test_phi3_longrope.cpp
+  // trains one).
   {
     const std::string d = dir / "rope_su";
     copy_dir(hf, d);
@@ -282,15 +283,19 @@ TEST_CASE("phi3: what trainrun does not implement, and bad fused tensors, are re
     CHECK_THAT(err, Contains("rope_scaling.short_factor has 3 values; hidden_size / num_attention_heads / 2 = 4"));
     set_config_key(d, "rope_scaling", {{"type", "su"}, {"short_factor", {1, 1, 1, 1}}, {"long_factor", {2, 2, 2, 2}}});
     REQUIRE(error_of([&] { load_hf(d, flat, "test"); }).empty());
+    JobSpec job;
     err = error_of([&] {
-      JobSpec job = parse_job_spec("model: {init_from: '" + d + "', seq_len: 8}\n"
-                                   "data: {format: synthetic, synthetic: {vocab: 37}}\n",
-                                   "job.yaml", {});
+      job = parse_job_spec("model: {init_from: '" + d + "', seq_len: 8}\n"
+                           "data: {format: synthetic, synthetic: {vocab: 37}}\n",
+                           "job.yaml", {});
       resolve_model_shape(job, false);
       load_init_from(job.model);
     });
     INFO(err);
-    CHECK_THAT(err, Contains("rope_scaling longrope") && Contains("short_factor/long_factor"));
+    CHECK(err.empty());
+    CHECK(job.model.rope_scaling.type == "longrope");
+    CHECK(job.model.rope_scaling.short_factor == "1,1,1,1");
+    CHECK(job.model.rope_scaling.long_factor == "2,2,2,2");
   }
   // A job whose window is not the directory's (a seq_len past the window is
   // fine now: the attention has the window, the case below).

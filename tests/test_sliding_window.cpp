@@ -129,18 +129,22 @@ TEST_CASE("sliding_window: a negative window is refused by name", "[cpu_ops][win
                     Catch::Matchers::Contains("attention_kv_gqa_forward: sliding window -3 must be >= 0"));
 }
 
-// Context parallelism's block ops have no window yet: a windowed layer's
-// block is refused by name rather than attended over the whole context.
-TEST_CASE("sliding_window: the attention_block ops refuse a window by name", "[cpu_ops][window][cp]") {
+// The block ops (context parallelism's) compute the window, soft-cap and
+// scale (tests/test_context_parallel.cpp against this file's op); a
+// negative one is refused by name.
+TEST_CASE("sliding_window: the attention_block ops refuse a negative window or soft-cap by name", "[cpu_ops][window][cp]") {
   auto be = make_cpu_backend(1);
   AttentionBlock a;
   a.B = 1, a.Tq = 1, a.Tk = 1, a.NH = 1, a.NKV = 1, a.HS = 2;
-  a.window = 4;
+  a.window = -4;
   std::vector<float> q(2, 1.f), o(2), lse(1), dq(2), dk(2), dv(2);
   a.q = a.k = a.v = q.data();
   a.q_ld = a.kv_ld = a.o_ld = 2;
-  const auto msg = Catch::Matchers::Contains("a sliding window (4) is not implemented for context parallelism");
+  const auto msg = Catch::Matchers::Contains("window -4, softcap 0 and scale 0 must be >= 0");
   CHECK_THROWS_WITH(be->attention_block_forward(o.data(), lse.data(), a), msg);
   CHECK_THROWS_WITH(be->attention_block_backward(dq.data(), dk.data(), dv.data(), o.data(), o.data(), lse.data(), a),
                     msg);
+  a.window = 0, a.softcap = -1.f;
+  CHECK_THROWS_WITH(be->attention_block_forward(o.data(), lse.data(), a),
+                    Catch::Matchers::Contains("attention_block_forward: window 0, softcap -1"));
 }

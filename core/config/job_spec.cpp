@@ -189,13 +189,26 @@ const std::vector<Field>& fields() {
                     "GEMMs), embeddings, norms, biases and the LM head in fp32; bf16 and nf4 need model.adapter; nf4 with "
                     "parallel.tensor_parallel > 1 needs each rank's slice of every block linear weight to be whole "
                     "64-element blocks of it (true of real models; setup names the tensor otherwise)"),
-      TR_SPEC_FIELD(model.rope_scaling.type, one_of({"none", "llama3"}),
-                    "RoPE frequency scaling (llama): none, or llama3 (Llama 3.1's bands)"),
+      TR_SPEC_FIELD(model.rope_scaling.type, one_of({"none", "llama3", "longrope"}),
+                    "RoPE frequency scaling (llama-shaped): none, llama3 (Llama 3.1's bands), or longrope (phi3: "
+                    "Phi-3's per-frequency short/long factors; config.json's rope_scaling type longrope or su)"),
       TR_SPEC_FIELD(model.rope_scaling.factor, above(0), "llama3 scaling: factor"),
       TR_SPEC_FIELD(model.rope_scaling.low_freq_factor, above(0), "llama3 scaling: low_freq_factor"),
       TR_SPEC_FIELD(model.rope_scaling.high_freq_factor, above(0), "llama3 scaling: high_freq_factor"),
       TR_SPEC_FIELD(model.rope_scaling.original_max_position_embeddings, at_least(1),
-                    "llama3 scaling: the context the model was trained at before scaling"),
+                    "llama3 and longrope scaling: the context the model was trained at before scaling (longrope: "
+                    "config.json's top-level original_max_position_embeddings; a seq_len past it takes the long "
+                    "factors)"),
+      TR_SPEC_FIELD(model.rope_scaling.short_factor, any(),
+                    "longrope scaling: the factors dividing each RoPE frequency up to "
+                    "original_max_position_embeddings, head_dim / 2 positive numbers (a YAML list or \"1,1.5,...\"); "
+                    "model.init_from fills it from config.json"),
+      TR_SPEC_FIELD(model.rope_scaling.long_factor, any(),
+                    "longrope scaling: the factors used when seq_len passes original_max_position_embeddings, "
+                    "head_dim / 2 positive numbers (as short_factor)"),
+      TR_SPEC_FIELD(model.rope_scaling.max_position_embeddings, at_least(0),
+                    "longrope scaling: the context the attention factor sqrt(1 + ln(s) / ln(original)) counts, s = "
+                    "this / original_max_position_embeddings (config.json's max_position_embeddings); 0 = seq_len"),
       TR_SPEC_FIELD(model.n_experts, at_least(0),
                     "mixture of experts (mixtral): experts per block (config.json's num_local_experts); 0 = none "
                     "(the dense MLP of the other families)"),
@@ -352,8 +365,9 @@ const std::vector<Field>& fields() {
                     "of N holds chunks i and 2N-1-i of the 2N equal chunks of model.seq_len (so causal work is "
                     "even), which must be a multiple of 2N; the world size must be a multiple of "
                     "tensor_parallel x pipeline_parallel x context_parallel; 1 = off. Every op but attention "
-                    "runs on the rank's rows; parameters are sharded and gradients reduced over dp x cp; not "
-                    "with model.adapter or a sliding window shorter than seq_len (refused)"),
+                    "runs on the rank's rows; parameters are sharded and gradients reduced over dp x cp (adapters' "
+                    "too); sliding windows, soft-caps and query scales apply; not with model.adapter.dropout > 0, "
+                    "a mixture of experts or a preference objective (refused)"),
       TR_SPEC_FIELD(parallel.cp_mode, one_of({"ring", "all_to_all"}),
                     "how attention crosses the context-parallel ranks: ring = each rank keeps its queries and "
                     "K/V blocks travel around the ring (online-softmax partials merged in a fixed order); "
@@ -737,7 +751,8 @@ std::string kind_of(const YAML::Node& n);
 void assign(const Field& f, JobSpec& spec, const YAML::Node& v, const std::string& where) {
   const std::string key = f.key;
   if (v.IsSequence() &&
-      (key == "parallel.pipeline_layers" || key == "output.trace_steps" || key == "model.adapter.target_modules")) {
+      (key == "parallel.pipeline_layers" || key == "output.trace_steps" || key == "model.adapter.target_modules" ||
+       key == "model.rope_scaling.short_factor" || key == "model.rope_scaling.long_factor")) {
     // The list-valued keys: kept as their text, "3,1" (parse_pipeline_layers,
     // parse_trace_steps, the adapter's target list).
     std::string joined;

@@ -28,9 +28,14 @@ struct ModelSpec {
   double rope_theta = 500000;  // RoPE base (llama; Llama 3 uses 500000)
   std::string tie_embeddings = "auto";  // auto | true | false; auto: gpt2 tied, llama untied (Llama 3.2 1B/3B: true)
   struct RopeScalingSpec {
-    std::string type = "none";  // none | llama3 (Llama 3.1's frequency bands)
+    std::string type = "none";  // none | llama3 (Llama 3.1's frequency bands) | longrope (Phi-3's)
     double factor = 8.0, low_freq_factor = 1.0, high_freq_factor = 4.0;
     int original_max_position_embeddings = 8192;
+    // longrope: one factor per RoPE frequency (head_dim / 2 each), kept as
+    // their text, "1.0,1.05,..." (a YAML list is joined); and the context
+    // its attention factor counts (config.json's max_position_embeddings; 0 = seq_len).
+    std::string short_factor, long_factor;
+    int max_position_embeddings = 0;
   } rope_scaling;
   // Gemma 2's maths (gemma2; a preset or model.init_from's config.json fills them; 0 = off).
   double attn_softcap = 0;     // attention scores -> cap * tanh(scores / cap) (attn_logit_softcapping)

@@ -188,6 +188,7 @@ ModelConfig ModelConfig::from_spec(const ModelSpec& m) {
       c.rope_scaling.high_freq_factor = m.rope_scaling.high_freq_factor;
       c.rope_scaling.original_max_position_embeddings = m.rope_scaling.original_max_position_embeddings;
     }
+    if (m.rope_scaling.type == "longrope") longrope_from_spec(m, c);  // Phi-3's lists (phi3_arch.h)
   }
   // Gemma 2's soft-caps and query scale: refused by name elsewhere rather than ignored.
   if (c.arch == "gemma2") {
@@ -237,6 +238,11 @@ ModelSpec ModelConfig::to_spec() const {
     m.rope_scaling.low_freq_factor = rope_scaling.low_freq_factor;
     m.rope_scaling.high_freq_factor = rope_scaling.high_freq_factor;
     m.rope_scaling.original_max_position_embeddings = rope_scaling.original_max_position_embeddings;
+  }
+  if (rope_scaling.longrope()) {
+    m.rope_scaling.short_factor = longrope_factors_text(rope_scaling.short_factor);
+    m.rope_scaling.long_factor = longrope_factors_text(rope_scaling.long_factor);
+    m.rope_scaling.max_position_embeddings = rope_scaling.max_position_embeddings;
   }
   return m;
 }

@@ -285,7 +285,9 @@ std::string count_str(double n) {
 namespace {
 
 std::string mesh_name(const PlanRow& r) {
-  if (r.cp > 1) return "cp" + std::to_string(r.cp) + " x dp" + std::to_string(r.dp) + " full_shard over dp x cp";
+  if (r.cp > 1)
+    return "cp" + std::to_string(r.cp) + (r.tp > 1 ? " x tp" + std::to_string(r.tp) : "") + " x dp" +
+           std::to_string(r.dp) + " full_shard over dp x cp";
   return "tp" + std::to_string(r.tp) + (r.pp > 1 ? " x pp" + std::to_string(r.pp) : "") + " x dp" +
          std::to_string(r.dp) + " " + r.sharding.strategy + (r.pp > 1 ? " (" + r.pp_schedule + ")" : "");
 }
@@ -356,7 +358,9 @@ void recommend_mesh(Plan& plan) {
   else if (best->cp > 1)
     o << "each sequence split over " << best->cp << " ranks (context parallelism, cp_mode " << req.cp_mode
       << "), the ring's K/V " << seconds(best->cp_ring_s) << " per step over " << best->cp_link << " ("
-      << seconds(best->exposed_comm_s) << " exposed with the data-parallel collectives).";
+      << seconds(best->exposed_comm_s) << " exposed with the data-parallel collectives"
+      << (best->tp > 1 ? " and tp" + std::to_string(best->tp) + "'s (" + seconds(best->tp_comm_s) + ")" : "")
+      << ").";
   else if (best->tp == 1)
     o << "no tensor parallelism needed (TP would add activation collectives to every layer).";
   else if (best->tp_link == "NVLink")

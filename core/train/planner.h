@@ -173,19 +173,23 @@ int tp_collectives_per_micro_batch(const ModelConfig& c, bool checkpointing);
 
 // ---- context parallelism (planner_cp.cpp) -------------------------------------------
 
-// One rank's activation arena at parallel.context_parallel cp (tp 1, pp 1):
+// One rank's activation arena at parallel.context_parallel cp (pp 1):
 // the network over T / cp rows of each sequence with the cp attention's
 // log-sum-exp per layer (never probabilities), RoPE's global table, and
-// the cp attention's workspace (CpAttention::workspace_bytes_for). On the
-// CPU equal to the cp network's activation_bytes(). cp 1: estimate_activation_bytes.
+// the cp attention's workspace (CpAttention::workspace_bytes_for). With
+// tp > 1 the network is the TP rank's (estimate_tp_activation_bytes over
+// T / cp rows; sequence_parallel as there) and the cp attention runs on its
+// heads. On the CPU equal to the cp network's activation_bytes() (tested at
+// tp 1 and 2). cp 1: estimate_tp_activation_bytes.
 double estimate_cp_activation_bytes(const ModelArch& m, int cp, const std::string& mode, int micro_batch,
-                                    bool checkpointing, const DeviceModel& d);
+                                    bool checkpointing, const DeviceModel& d, int tp = 1,
+                                    bool sequence_parallel = false);
 // Bytes each rank of a ring sends for one micro-batch: per layer, cp-1 K/V
-// blocks (micro_batch x T/cp rows of 2 x n_kv_head x head_dim) in forward,
+// blocks (micro_batch x T/cp rows of 2 x kv_heads x head_dim) in forward,
 // again in the recompute with checkpointing, cp-1 in backward, and cp fp32
-// dK|dV accumulators.
+// dK|dV accumulators. kv_heads: the rank's (a TP rank's share); 0 = n_kv_head.
 double cp_ring_bytes_per_micro_batch(const ModelConfig& c, int cp, int micro_batch, bool checkpointing,
-                                     int act_bytes);
+                                     int act_bytes, int kv_heads = 0);
 
 // ---- expert parallelism (planner_ep.cpp) ----------------------------------------------
 
@@ -250,7 +254,7 @@ struct PlanRequest {
   int pp_virtual_stages = 1;       // 0 = 2 for interleaved_1f1b, else 1
   int job_pp = 0;                  // the job's parallel.pipeline_parallel, marked; 0 = none
   std::string pipeline_reshard = "auto";  // the job's parallel.pipeline_reshard (--pp-reshard): auto | true | false
-  // Context parallelism: cp 2, 4, 8, ... up to the GPUs (tp 1), in this mode.
+  // Context parallelism: cp 2, 4, 8, ... x tp 1, 2, 4, 8 up to the GPUs, in this mode.
   int job_cp = 0;                  // the job's parallel.context_parallel, marked; 0 = none
   std::string cp_mode = "ring";    // the job's parallel.cp_mode
   // Parameter-efficient fine-tuning (--adapter or the job's model.adapter):
@@ -333,7 +337,7 @@ struct Plan {
   // fits, else the one that needs the least memory).
   std::vector<PlanRow> pp_rows;
   std::vector<std::pair<std::string, std::string>> pp_not_offered;  // "tp2 x pp8" or "pp8", why
-  std::vector<PlanRow> cp_rows;   // cp x dp, full_shard over both
+  std::vector<PlanRow> cp_rows;   // cp x tp x dp, full_shard over dp x cp (tp 1 rows first)
   std::vector<std::pair<int, std::string>> cp_not_offered;  // degree, why
   // Mixture-of-experts models: ep 1/2/4/8 (planner_ep.cpp), the recommended degree and why.
   std::vector<PlanRow> ep_rows;

@@ -333,9 +333,14 @@ void Trainer::setup() {
   // over dp x cp (fold_context_parallel). What it does not compose with yet
   // is refused by name.
   const int cp = job_.parallel.context_parallel;
-  TR_CHECK(cp == 1 || !job_.model.adapter.on(), "parallel.context_parallel ", cp, " with model.adapter ",
-           job_.model.adapter.type, ": adapters under context parallelism are not implemented yet (their "
-           "dropout rows are numbered by whole sequences); use parallel.context_parallel: 1");
+  // Adapters (LoRA, DoRA, QLoRA) are row-local and their stores reduce over
+  // dp x cp as the base's do; only their dropout is not: its mask is keyed
+  // by a contiguous global row index (set_dropout_rows), and a cp rank's
+  // rows are two chunks of each sequence.
+  TR_CHECK(cp == 1 || !job_.model.adapter.on() || job_.model.adapter.dropout == 0, "parallel.context_parallel ", cp,
+           " with model.adapter.dropout ", job_.model.adapter.dropout, ": adapter dropout under context parallelism "
+           "is not implemented yet (its mask is keyed by whole sequences' rows); use model.adapter.dropout: 0 or "
+           "parallel.context_parallel: 1");
   TR_CHECK(cp == 1 || !cfg.moe.on(), "parallel.context_parallel ", cp, " with a mixture of experts (model.arch ",
            cfg.arch, "): the router's load-balancing statistics would cover one cp chunk, not the sequence; use "
            "parallel.context_parallel: 1");

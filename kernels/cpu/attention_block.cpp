@@ -11,6 +11,12 @@
 // masked score costs its share of the GEMM but nothing after; O = P V.
 // The backward recomputes P from the saved log-sum-exp and takes dV += P^T
 // dO, dS = P (dO V^T - rowsum(dO O)) scale, dQ += dS K, dK += dS^T Q.
+// Options (Gemma 2, Mistral): the window narrows [lo, hi] from the left;
+// the soft-cap replaces a visible score s by cap tanh(s / cap) before the
+// softmax, and the backward multiplies dS by 1 - tanh^2 (recomputed: the
+// block keeps no scores); scale replaces 1/sqrt(HS). std::tanh, not the
+// one-rank op's fastmath::tanh (~1e-7 apart): this op is the reference the
+// CUDA block op is checked against.
 #include <cblas.h>
 #include <omp.h>
 
@@ -30,15 +36,18 @@ void check_block(const char* op, const AttentionBlock& a) {
   TR_CHECK(a.B >= 1 && a.Tq >= 0 && a.Tk >= 0 && a.NH > 0 && a.NKV > 0 && a.HS > 0, op, ": B ", a.B, ", Tq ", a.Tq,
            ", Tk ", a.Tk, ", NH ", a.NH, ", NKV ", a.NKV, ", HS ", a.HS, " (sizes must be positive)");
   TR_CHECK(a.NH % a.NKV == 0, op, ": NKV ", a.NKV, " must divide NH ", a.NH);
-  TR_CHECK(a.window == 0, op, ": a sliding window (", a.window,
-           ") is not implemented for context parallelism yet; use parallel.context_parallel: 1 for this model");
+  TR_CHECK(a.window >= 0 && a.softcap >= 0.f && a.scale >= 0.f, op, ": window ", a.window, ", softcap ", a.softcap,
+           " and scale ", a.scale, " must be >= 0 (0: none / none / 1/sqrt(HS))");
 }
+
+float block_scale(const AttentionBlock& a) { return a.scale > 0.f ? a.scale : 1.0f / std::sqrt(float(a.HS)); }
 
 // The keys query row i of batch b sees: [lo, hi] in block rows (empty when lo > hi).
 inline void visible_range(const AttentionBlock& a, int b, int i, int* lo, int* hi) {
   const int qpos = a.q_pos0 + i;
-  const int doc = a.q_doc ? a.q_doc[int64_t(b) * a.doc_bs + i] : 0;
-  *lo = std::max(0, doc - a.k_pos0);
+  int first = a.q_doc ? a.q_doc[int64_t(b) * a.doc_bs + i] : 0;
+  if (a.window > 0) first = std::max(first, qpos - a.window + 1);
+  *lo = std::max(0, first - a.k_pos0);
   *hi = std::min(a.Tk - 1, qpos - a.k_pos0);
 }
 
@@ -53,7 +62,7 @@ void CpuBackend::attention_block_forward(void* out_, float* lse, const Attention
   const float* k = static_cast<const float*>(a.k);
   const float* v = static_cast<const float*>(a.v);
   const int R = a.NH / a.NKV, HS = a.HS, Tq = a.Tq, Tk = a.Tk;
-  const float sc = 1.0f / std::sqrt(float(HS));
+  const float sc = block_scale(a), cap = a.softcap;
   if (Tq == 0) return;
 #pragma omp parallel num_threads(threads())
   {
@@ -78,6 +87,8 @@ void CpuBackend::attention_block_forward(void* out_, float* lse, const Attention
           li = kNegInf;
           continue;
         }
+        if (cap > 0.f)
+          for (int j = lo; j <= hi; ++j) si[j] = cap * std::tanh(si[j] / cap);
         const float m = *std::max_element(si + lo, si + hi + 1);
         float sum = 0;
         for (int j = lo; j <= hi; ++j) sum += (si[j] = std::exp(si[j] - m));
@@ -133,7 +144,7 @@ void CpuBackend::attention_block_backward(float* dq, float* dk, float* dv, const
   const float* dout = static_cast<const float*>(dout_);
   const float* out = static_cast<const float*>(out_);
   const int R = a.NH / a.NKV, HS = a.HS, Tq = a.Tq, Tk = a.Tk;
-  const float sc = 1.0f / std::sqrt(float(HS));
+  const float sc = block_scale(a), cap = a.softcap;
   if (Tq == 0 || Tk == 0) return;
   // One thread per (b, g): it owns dk/dv of KV head g and dq of the group's
   // query heads, visited in head order.
@@ -168,10 +179,17 @@ void CpuBackend::attention_block_backward(float* dq, float* dk, float* dv, const
           const float* oi = O + int64_t(i) * a.o_ld;
           float D = 0;
           for (int c = 0; c < HS; ++c) D += doi[c] * oi[c];
-          for (int j = lo; j <= hi; ++j) {
-            pi[j] = std::exp(pi[j] - l);
-            di[j] = pi[j] * (di[j] - D) * sc;
-          }
+          if (cap > 0.f)
+            for (int j = lo; j <= hi; ++j) {
+              const float t = std::tanh(pi[j] / cap);  // the capped score is cap t; d(cap t)/ds = 1 - t^2
+              pi[j] = std::exp(cap * t - l);
+              di[j] = pi[j] * (di[j] - D) * (1.0f - t * t) * sc;
+            }
+          else
+            for (int j = lo; j <= hi; ++j) {
+              pi[j] = std::exp(pi[j] - l);
+              di[j] = pi[j] * (di[j] - D) * sc;
+            }
           std::fill(pi, pi + std::min(lo, Tk), 0.0f);
           std::fill(di, di + std::min(lo, Tk), 0.0f);
           std::fill(pi + hi + 1, pi + Tk, 0.0f);

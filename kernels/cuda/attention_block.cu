@@ -162,8 +162,9 @@ __global__ void add_rows_kernel(float* dst, int64_t dst_ld, const float* src, in
 void check(const char* op, const AttentionBlock& a) {
   TR_CHECK(a.HS > 0 && a.HS <= kMaxHS, op, ": head size ", a.HS, " is above the CUDA block op's ", kMaxHS);
   TR_CHECK(a.NKV > 0 && a.NH % a.NKV == 0, op, ": NKV ", a.NKV, " must divide NH ", a.NH);
-  TR_CHECK(a.window == 0, op, ": a sliding window (", a.window,
-           ") is not implemented for context parallelism yet; use parallel.context_parallel: 1 for this model");
+  TR_CHECK(a.window == 0 && a.softcap == 0.f && a.scale == 0.f, op, ": window ", a.window, ", softcap ", a.softcap,
+           ", scale ", a.scale, ": the CUDA block op computes none of them yet (the CPU's does); use "
+           "parallel.context_parallel: 1 for this model on CUDA");
 }
 
 int blocks_for(int64_t n) { return int((n + kThreads - 1) / kThreads); }

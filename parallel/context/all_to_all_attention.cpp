@@ -75,7 +75,7 @@ void AllToAllAttention::exchange(const char* phase, void* out, const void* in, s
   }
 }
 
-AttentionBlock AllToAllAttention::whole(int width) const {
+AttentionBlock AllToAllAttention::whole(int width, const AttentionOptions& opt) const {
   const DType act = be_.act_dtype();
   const int64_t T = shape_.T, HS = shape_.HS;
   AttentionBlock a;
@@ -89,10 +89,11 @@ AttentionBlock AllToAllAttention::whole(int width) const {
   a.lse_bs = int64_t(nh_) * T, a.lse_hs = T;
   a.q_doc = doc_dev_;
   a.doc_bs = T;
+  a.window = opt.window, a.softcap = opt.softcap, a.scale = opt.scale;
   return a;
 }
 
-void AllToAllAttention::forward(void* out, float* lse, const void* qkv) {
+void AllToAllAttention::forward(void* out, float* lse, const void* qkv, const AttentionOptions& opt) {
   const DType act = be_.act_dtype();
   const int N = split_.cp(), NH = shape_.NH, NKV = shape_.NKV;
   const int64_t B = shape_.B, T = shape_.T, HS = shape_.HS, Tl = split_.local_rows(), Tc = split_.chunk();
@@ -113,7 +114,7 @@ void AllToAllAttention::forward(void* out, float* lse, const void* qkv) {
       for (int c = 0; c < 2; ++c)
         be_.copy_rows(at(full_, (b * T + split_.global_chunk_of(i, c) * Tc) * W2, act), act, W2,
                       at(recv_, ((i * B + b) * Tl + c * Tc) * w, act), act, w, Tc, w);
-  const AttentionBlock a = whole(int(W2));
+  const AttentionBlock a = whole(int(W2), opt);
   be_.attention_block_forward(at(full_, w, act), lse, a);
   // 3. The output rows back to their owners, then heads side by side.
   for (int i = 0; i < N; ++i)
@@ -125,7 +126,8 @@ void AllToAllAttention::forward(void* out, float* lse, const void* qkv) {
   for (int j = 0; j < N; ++j) be_.copy_rows(at(out, j * hq, act), act, C, at(recv_, j * rows * hq, act), act, hq, rows, hq);
 }
 
-void AllToAllAttention::backward(void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse) {
+void AllToAllAttention::backward(void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse,
+                                 const AttentionOptions& opt) {
   const DType act = be_.act_dtype(), f32 = DType::F32;
   const int N = split_.cp(), NH = shape_.NH, NKV = shape_.NKV;
   const int64_t B = shape_.B, T = shape_.T, HS = shape_.HS, Tl = split_.local_rows(), Tc = split_.chunk();
@@ -150,7 +152,7 @@ void AllToAllAttention::backward(void* dqkv, const void* dout, const void* qkv, 
                       at(recv_, ((i * B + b) * Tl + c * Tc) * W2, act), act, W2, Tc, W2);
   // 2. The flash recompute over the whole sequence of the local heads.
   be_.zero(grad_, size_t(B * T * W2) * 4);
-  const AttentionBlock a = whole(int(W2));
+  const AttentionBlock a = whole(int(W2), opt);
   be_.attention_block_backward(grad_, grad_ + hq, grad_ + hq + hk, at(full_, w + hq, act), at(full_, w, act), lse, a);
   // 3. dq | dk | dv rows back to their owners (fp32).
   for (int i = 0; i < N; ++i)

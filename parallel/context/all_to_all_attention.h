@@ -41,13 +41,15 @@ class AllToAllAttention {
   size_t bytes() const { return bytes_; }                  // what it allocated on the backend
   double wait_seconds() const { return wait_seconds_; }    // in all_to_all, over its life
   // As RingAttention: qkv (B,Tl,(NH+2NKV)HS), out (B,Tl,NH HS), lse B*NH*Tl floats.
-  void forward(void* out, float* lse, const void* qkv);
-  void backward(void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse);
+  // opt: the layer's window, soft-cap and scale, applied on the whole sequence's global positions.
+  void forward(void* out, float* lse, const void* qkv, const AttentionOptions& opt = {});
+  void backward(void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse,
+                const AttentionOptions& opt = {});
 
  private:
   int kv_first(int rank) const;  // the first KV head rank `rank` works with
   void exchange(const char* phase, void* out, const void* in, size_t bytes_per_rank);
-  AttentionBlock whole(int width) const;  // one block: every row of the local heads, in `full_`
+  AttentionBlock whole(int width, const AttentionOptions& opt) const;  // one block: every row of the local heads, in `full_`
 
   Backend& be_;
   Communicator& comm_;

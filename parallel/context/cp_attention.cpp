@@ -15,14 +15,9 @@ void check_context_parallel_model(const ModelConfig& cfg, const ContextParallel&
            "' is not one of ring, all_to_all");
   TR_CHECK(cfg.T % (2 * N) == 0, "model.seq_len ", cfg.T, " is not a multiple of 2 x parallel.context_parallel (",
            2 * N, "); use a multiple of ", 2 * N);
-  // The block ops (kernels/attention_block.h) have no window, soft-cap or scale yet.
-  const bool windowed = cfg.sliding_window > 0 && cfg.sliding_window < cfg.T;
-  TR_CHECK(!windowed, "parallel.context_parallel ", N, " with model.sliding_window ", cfg.sliding_window,
-           " (< model.seq_len ", cfg.T, "): the cp attention has no sliding window yet; use "
-           "parallel.context_parallel: 1 or a seq_len within the window");
-  TR_CHECK(cfg.attn_softcap == 0.f && cfg.query_scale == 0, "parallel.context_parallel ", N,
-           " with attention soft-capping or query_pre_attn_scalar (Gemma 2): the cp attention computes neither "
-           "yet; use parallel.context_parallel: 1");
+  // The sliding window, Gemma 2's soft-cap and query scale go into the
+  // block ops per layer (CpAttention::forward's opt); a backend whose block
+  // op lacks one refuses it there, by name.
 }
 
 CpAttention::CpAttention(Backend& be, const ContextParallel& cp, int maxB, int T, int NH, int NKV, int HS)
@@ -70,18 +65,19 @@ DocumentMask CpAttention::begin_batch(int B, const DocumentMask& docs) {
   return m;
 }
 
-void CpAttention::forward(void* out, float* lse, const void* qkv) {
+void CpAttention::forward(void* out, float* lse, const void* qkv, const AttentionOptions& opt) {
   if (ring_)
-    ring_->forward(out, lse, qkv);
+    ring_->forward(out, lse, qkv, opt);
   else
-    a2a_->forward(out, lse, qkv);
+    a2a_->forward(out, lse, qkv, opt);
 }
 
-void CpAttention::backward(void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse) {
+void CpAttention::backward(void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse,
+                           const AttentionOptions& opt) {
   if (ring_)
-    ring_->backward(dqkv, dout, qkv, out, lse);
+    ring_->backward(dqkv, dout, qkv, out, lse, opt);
   else
-    a2a_->backward(dqkv, dout, qkv, out, lse);
+    a2a_->backward(dqkv, dout, qkv, out, lse, opt);
 }
 
 size_t CpAttention::workspace_bytes() const {

@@ -55,8 +55,10 @@ class CpAttention {
   // mask the row-local ops read: pos = the global positions without documents.
   DocumentMask begin_batch(int B, const DocumentMask& docs);
   // As RingAttention / AllToAllAttention (qkv (B,Tl,(NH+2NKV)HS), out (B,Tl,NH HS), lse saved_floats).
-  void forward(void* out, float* lse, const void* qkv);
-  void backward(void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse);
+  // opt: the layer's window, soft-cap and scale (LlamaNetwork::attn_opt).
+  void forward(void* out, float* lse, const void* qkv, const AttentionOptions& opt = {});
+  void backward(void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse,
+                const AttentionOptions& opt = {});
   // What it allocated on the backend: the activation workspace of the cp attention.
   size_t workspace_bytes() const;
   // The same from the shapes (the planner's; act_bytes: the activation

@@ -41,17 +41,12 @@ RingAttention::RingAttention(Backend& be, Communicator& comm, const CpAttentionS
 }
 
 void RingAttention::set_documents(const int32_t* doc_start) {
-  const int N = split_.cp(), Tc = split_.chunk(), B = shape_.B;
-  min_doc_.assign(size_t(2 * N), 0);
-  for (int c = 0; c < 2 * N; ++c) {
-    int32_t m = c * Tc;  // a query always sees itself
-    if (doc_start)
-      for (int b = 0; b < B; ++b)
-        for (int t = c * Tc; t < (c + 1) * Tc; ++t) m = std::min(m, doc_start[int64_t(b) * shape_.T + t]);
-    else
-      m = 0;
-    min_doc_[size_t(c)] = m;
-  }
+  const int B = shape_.B;
+  if (doc_start)
+    doc_host_.assign(doc_start, doc_start + int64_t(B) * shape_.T);
+  else
+    doc_host_.clear();
+  first_key_.clear();
   const LocalDocumentMask local = split_document_mask(doc_start, B, split_);
   be_.copy_to_device(doc_dev_, local.doc_start.data(), local.doc_start.size() * sizeof(int32_t));
 }
@@ -62,24 +57,44 @@ RingAttention::~RingAttention() {
     if (p) be_.free(p);
 }
 
-bool RingAttention::visible(int q_chunk, int k_chunk) const {
-  const int Tc = split_.chunk();
-  // Causal: some key not after the chunk's last query; documents: some key
-  // at or after the earliest document start of the chunk's queries.
-  return k_chunk <= q_chunk && (k_chunk + 1) * Tc - 1 >= min_doc_[size_t(q_chunk)];
+const std::vector<int32_t>& RingAttention::chunk_first_key(int window) {
+  auto it = first_key_.find(window);
+  if (it != first_key_.end()) return it->second;
+  const int N = split_.cp(), Tc = split_.chunk(), T = shape_.T;
+  std::vector<int32_t> first(size_t(2 * N));
+  for (int c = 0; c < 2 * N; ++c) {
+    int32_t m = c * Tc;  // a query always sees itself
+    for (int b = 0; b < (doc_host_.empty() ? 1 : shape_.B); ++b)
+      for (int t = c * Tc; t < (c + 1) * Tc; ++t) {
+        int32_t f = doc_host_.empty() ? 0 : doc_host_[size_t(int64_t(b) * T + t)];
+        if (window > 0) f = std::max(f, int32_t(t - window + 1));
+        m = std::min(m, f);
+      }
+    first[size_t(c)] = m;
+  }
+  return first_key_.emplace(window, std::move(first)).first->second;
 }
 
-bool RingAttention::needs(int src, int dst) const {
+bool RingAttention::visible(int q_chunk, int k_chunk, int window) {
+  const int Tc = split_.chunk();
+  // Causal: some key not after the chunk's last query; documents and
+  // window: some key at or after the earliest first visible key of the
+  // chunk's queries. Exact: that query sees the chunk's keys from there up
+  // to itself (or to the chunk's end when the chunk is earlier).
+  return k_chunk <= q_chunk && (k_chunk + 1) * Tc - 1 >= chunk_first_key(window)[size_t(q_chunk)];
+}
+
+bool RingAttention::needs(int src, int dst, int window) {
   for (int qc = 0; qc < 2; ++qc)
     for (int kc = 0; kc < 2; ++kc)
-      if (visible(split_.global_chunk_of(dst, qc), split_.global_chunk_of(src, kc))) return true;
+      if (visible(split_.global_chunk_of(dst, qc), split_.global_chunk_of(src, kc), window)) return true;
   return false;
 }
 
-bool RingAttention::forwarded(int src, int step) const {
+bool RingAttention::forwarded(int src, int step, int window) {
   const int N = split_.cp();
   for (int later = step + 1; later < N; ++later)
-    if (needs(src, (src + later) % N)) return true;
+    if (needs(src, (src + later) % N, window)) return true;
   return false;
 }
 
@@ -108,7 +123,8 @@ std::unique_ptr<PendingCollective> RingAttention::pass(const char* phase, int st
   return pending;
 }
 
-AttentionBlock RingAttention::block(const void* qkv, const void* kv, int qc, int src, int kc) const {
+AttentionBlock RingAttention::block(const void* qkv, const void* kv, int qc, int src, int kc,
+                                    const AttentionOptions& opt) const {
   const DType act = be_.act_dtype();
   const int Tc = split_.chunk(), Tl = split_.local_rows();
   const int NH = shape_.NH, NKV = shape_.NKV, HS = shape_.HS;
@@ -127,10 +143,12 @@ AttentionBlock RingAttention::block(const void* qkv, const void* kv, int qc, int
   a.lse_bs = int64_t(NH) * Tl, a.lse_hs = Tl;
   a.q_doc = doc_dev_ + int64_t(qc) * Tc;
   a.doc_bs = Tl;
+  a.window = opt.window, a.softcap = opt.softcap, a.scale = opt.scale;
   return a;
 }
 
-void RingAttention::forward(void* out, float* lse, const void* qkv) {
+void RingAttention::forward(void* out, float* lse, const void* qkv, const AttentionOptions& opt) {
+  const int W = opt.window;
   const DType act = be_.act_dtype();
   const int N = split_.cp(), r = split_.rank(), Tc = split_.chunk(), Tl = split_.local_rows();
   const int NH = shape_.NH, NKV = shape_.NKV, HS = shape_.HS;
@@ -152,20 +170,20 @@ void RingAttention::forward(void* out, float* lse, const void* qkv) {
     bool recv_it = false;
     if (s < N - 1) {
       if (s == 0) debug_cp_kill_hook();  // tests: TRAINRUN_DEBUG_CP_KILL (core/common/debug_hooks.h)
-      const bool send_it = held && forwarded(src, s);
-      recv_it = forwarded((r + N - 1 - s) % N, s);  // what rank r-1 holds at step s
+      const bool send_it = held && forwarded(src, s, W);
+      recv_it = forwarded((r + N - 1 - s) % N, s, W);  // what rank r-1 holds at step s
       if (send_it) ++stats_.sends;
       else if (held) ++stats_.sends_skipped;
       next = pass("forward", s, kv_[cur], kv_[1 - cur], kv_bytes, send_it, recv_it, 1, /*deferred=*/true);
     }
     for (int qc = 0; qc < 2 && held; ++qc)
       for (int kc = 0; kc < 2; ++kc) {
-        if (!visible(split_.global_chunk(qc), split_.global_chunk_of(src, kc))) {
+        if (!visible(split_.global_chunk(qc), split_.global_chunk_of(src, kc), W)) {
           ++stats_.blocks_skipped;
           continue;
         }
         ++stats_.blocks_computed;
-        AttentionBlock a = block(qkv, kv_[cur], qc, src, kc);
+        AttentionBlock a = block(qkv, kv_[cur], qc, src, kc, opt);
         void* o = at(out, int64_t(qc) * Tc * C, act);
         float* l = lse + int64_t(qc) * Tc;
         if (!started[qc]) {  // the chunk's first partial goes straight to the result
@@ -186,7 +204,9 @@ void RingAttention::forward(void* out, float* lse, const void* qkv) {
   TR_CHECK(started[0] && started[1], "ring attention: a query chunk saw no key (a bug: it always sees itself)");
 }
 
-void RingAttention::backward(void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse) {
+void RingAttention::backward(void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse,
+                             const AttentionOptions& opt) {
+  const int W = opt.window;
   const DType act = be_.act_dtype();
   const int N = split_.cp(), r = split_.rank(), Tc = split_.chunk(), Tl = split_.local_rows();
   const int NH = shape_.NH, NKV = shape_.NKV, HS = shape_.HS;
@@ -204,14 +224,14 @@ void RingAttention::backward(void* dqkv, const void* dout, const void* qkv, cons
     // backward (double-buffered as in forward); the dK|dV accumulator, which
     // this step adds to, goes on after it, always, so that after N passes
     // each rank holds its own block's.
-    const bool send_it = s < N - 1 && held && forwarded(src, s);
-    const bool recv_it = s < N - 1 && forwarded((r + N - 1 - s) % N, s);
+    const bool send_it = s < N - 1 && held && forwarded(src, s, W);
+    const bool recv_it = s < N - 1 && forwarded((r + N - 1 - s) % N, s, W);
     std::unique_ptr<PendingCollective> next =
         pass("backward (K/V)", s, kv_[cur], kv_[1 - cur], kv_bytes, send_it, recv_it, 2, /*deferred=*/true);
     for (int qc = 0; qc < 2 && held; ++qc)
       for (int kc = 0; kc < 2; ++kc) {
-        if (!visible(split_.global_chunk(qc), split_.global_chunk_of(src, kc))) continue;
-        const AttentionBlock a = block(qkv, kv_[cur], qc, src, kc);
+        if (!visible(split_.global_chunk(qc), split_.global_chunk_of(src, kc), W)) continue;
+        const AttentionBlock a = block(qkv, kv_[cur], qc, src, kc, opt);
         float* dk = dkv_[cur] + int64_t(kc) * Tc * kv_ld;
         be_.attention_block_backward(dq_ + int64_t(qc) * Tc * ld, dk, dk + int64_t(NKV) * HS,
                                      at(dout, int64_t(qc) * Tc * C, act), at(out, int64_t(qc) * Tc * C, act),

@@ -12,10 +12,16 @@
 // deterministic and equal to the one-rank attention to float tolerance.
 //
 // Skipping, decided on the host from the batch's document starts (every
-// rank holds the same (B,T) array, made from the global batch): a
-// (query chunk, key chunk) pair is computed only when some query may see
-// some key of it (causal, and not wholly before the queries' documents); a
-// block is forwarded along the ring only while a later rank needs it.
+// rank holds the same (B,T) array, made from the global batch) and the
+// layer's sliding window: a (query chunk, key chunk) pair is computed only
+// when some query may see some key of it (causal, and not wholly before
+// the queries' documents or windows); a block is forwarded along the ring
+// only while a later rank needs it. The window, soft-cap and scale
+// (AttentionOptions, per layer: Gemma 2 alternates) go into every block op.
+// With a window shorter than a chunk a rank needs only its ring
+// neighbours' blocks, but a block bound for rank r-1 still travels the
+// whole ring to get there: the ring skips the compute of the blocks in
+// between, and a transfer only when no rank further on needs the block.
 //
 // Backward: the flash recompute against the final (global) log-sum-exp.
 // K/V travel the ring again, and with them their fp32 dK/dV accumulator,
@@ -33,6 +39,7 @@
 // the cp group.
 #pragma once
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <vector>
 
@@ -74,27 +81,33 @@ class RingAttention {
   size_t bytes() const { return bytes_; }
   // qkv (B, Tl, (NH+2 NKV) HS) act dtype, this rank's rows (split order);
   // out (B, Tl, NH HS) act dtype; lse (B, NH, Tl) fp32, kept for backward.
-  void forward(void* out, float* lse, const void* qkv);
-  // dqkv (B, Tl, (NH+2 NKV) HS) act dtype, overwritten; out and lse: forward's.
-  void backward(void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse);
+  // opt: the layer's window, soft-cap and scale (kernels/backend.h).
+  void forward(void* out, float* lse, const void* qkv, const AttentionOptions& opt = {});
+  // dqkv (B, Tl, (NH+2 NKV) HS) act dtype, overwritten; out and lse: forward's (and its opt).
+  void backward(void* dqkv, const void* dout, const void* qkv, const void* out, const float* lse,
+                const AttentionOptions& opt = {});
   const RingStats& stats() const { return stats_; }
 
  private:
-  bool visible(int q_chunk, int k_chunk) const;  // global chunk indices
-  bool needs(int src, int dst) const;            // does rank dst see any of rank src's keys?
-  bool forwarded(int src, int step) const;       // does src's block leave the rank holding it at `step`?
+  // Per global chunk: the smallest first visible key of its queries over
+  // the batch, max(doc start, pos - window + 1), for this window (cached).
+  const std::vector<int32_t>& chunk_first_key(int window);
+  bool visible(int q_chunk, int k_chunk, int window);  // global chunk indices
+  bool needs(int src, int dst, int window);            // does rank dst see any of rank src's keys?
+  bool forwarded(int src, int step, int window);       // does src's block leave the rank holding it at `step`?
   // One ring step's transfer (send to r+1, receive from r-1); deferred:
   // Communicator::send_recv_deferred, whose handle the caller orders the
   // compute after once it reads the received block (null: completed).
   std::unique_ptr<PendingCollective> pass(const char* phase, int step, void* send, void* recv, size_t bytes,
                                           bool send_it, bool recv_it, uint32_t tag, bool deferred = false);
-  AttentionBlock block(const void* qkv, const void* kv, int qc, int src, int kc) const;
+  AttentionBlock block(const void* qkv, const void* kv, int qc, int src, int kc, const AttentionOptions& opt) const;
 
   Backend& be_;
   Communicator& comm_;
   CpAttentionShape shape_;
   SequenceSplit split_;
-  std::vector<int32_t> min_doc_;  // per global chunk: the smallest doc start of its queries (over the batch)
+  std::vector<int32_t> doc_host_;  // (B, T) the batch's global doc starts; empty = none
+  std::map<int, std::vector<int32_t>> first_key_;  // window -> chunk_first_key (cleared per batch)
   int32_t* doc_dev_ = nullptr;    // (B, Tl) device: the local rows' global doc starts
   void* kv_[2] = {nullptr, nullptr};    // (B, Tl, 2 NKV HS) act: the block held and the one arriving
   float* dkv_[2] = {nullptr, nullptr};  // (B, Tl, 2 NKV HS) fp32: its dK|dV accumulator, and the arriving one

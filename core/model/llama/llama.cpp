@@ -285,14 +285,14 @@ size_t LlamaNetwork::activation_bytes() const { return act_bytes_ + (cpa_ ? cpa_
 // Attention over the whole sequence: the one-rank op, or through the cp group.
 void LlamaNetwork::attention_forward(LayerActs& a, int l, int B, int T) {
   if (cpa_)
-    cpa_->forward(a.atty, a.att, a.qkv);
+    cpa_->forward(a.atty, a.att, a.qkv, attn_opt(l));
   else
     be_->attention_gqa_forward(a.atty, a.att, a.qkv, B, T, NH_, NKV_, HS_, docs_.doc_start, attn_opt(l));
 }
 
 void LlamaNetwork::attention_backward(LayerActs& a, int l, int B, int T) {
   if (cpa_)
-    cpa_->backward(dqkv_, dbuf_c_, a.qkv, a.atty, a.att);
+    cpa_->backward(dqkv_, dbuf_c_, a.qkv, a.atty, a.att, attn_opt(l));
   else
     be_->attention_gqa_backward(dqkv_, dbuf_c_, a.qkv, a.atty, a.att, B, T, NH_, NKV_, HS_, docs_.doc_start,
                                 attn_opt(l));

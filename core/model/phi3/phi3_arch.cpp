@@ -3,7 +3,11 @@
 // fused tensors in the files.
 #include "core/model/phi3/phi3_arch.h"
 
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <nlohmann/json.hpp>
+#include <tuple>
 
 #include "core/common/error.h"
 
@@ -35,10 +39,75 @@ Phi3Arch::Phi3Arch(const ModelConfig& cfg) : LlamaArch(cfg, "phi3") {
     cfg_.rope_scaling.use_long = cfg_.T > cfg_.rope_scaling.original_max_position_embeddings;
 }
 
+std::string longrope_factors_text(const std::vector<double>& v) {
+  std::string out;
+  char buf[32];
+  for (double x : v) {
+    std::snprintf(buf, sizeof buf, "%.17g", x);
+    out += (out.empty() ? "" : ",") + std::string(buf);
+  }
+  return out;
+}
+
+namespace {
+
+// "1,1.5, 2" -> {1, 1.5, 2}; `key` names the list in every error.
+std::vector<double> parse_factors(const std::string& text, const std::string& key, const std::string& what) {
+  std::vector<double> v;
+  TR_CHECK(!text.empty(), what, key, " is empty; longrope needs head_dim / 2 positive numbers (config.json's "
+           "rope_scaling lists; model.init_from fills them)");
+  size_t at = 0;
+  while (at <= text.size()) {
+    const size_t comma = std::min(text.find(',', at), text.size());
+    const std::string item = text.substr(at, comma - at);
+    const size_t b = item.find_first_not_of(" \t"), e = item.find_last_not_of(" \t");
+    const std::string t = b == std::string::npos ? "" : item.substr(b, e - b + 1);
+    char* end = nullptr;
+    const double x = t.empty() ? 0 : std::strtod(t.c_str(), &end);
+    TR_CHECK(!t.empty() && end == t.c_str() + t.size() && std::isfinite(x) && x > 0, what, key, ": value ",
+             v.size() + 1, " ('", t, "') is not a positive number; each factor divides a RoPE frequency");
+    v.push_back(x);
+    at = comma + 1;
+  }
+  return v;
+}
+
+}  // namespace
+
+void longrope_from_spec(const ModelSpec& m, ModelConfig& c) {
+  TR_CHECK(c.arch == "phi3", "model.rope_scaling.type: longrope; ", c.arch, " has no longrope scaling in trainrun "
+           "(Phi-3's); use model.arch: phi3, or model.rope_scaling.type none / llama3");
+  RopeScaling& r = c.rope_scaling;
+  r.short_factor = parse_factors(m.rope_scaling.short_factor, "model.rope_scaling.short_factor", "");
+  r.long_factor = parse_factors(m.rope_scaling.long_factor, "model.rope_scaling.long_factor", "");
+  const size_t half = c.NH > 0 ? size_t(c.head_size() / 2) : 0;
+  for (const auto& [key, list] : {std::make_pair("short_factor", &r.short_factor),
+                                  std::make_pair("long_factor", &r.long_factor)})
+    TR_CHECK(list->size() == half, "model.rope_scaling.", key, " has ", list->size(), " values; head_dim / 2 = ",
+             half, " are needed (one per RoPE frequency of the ", c.head_size(), "-wide heads)");
+  r.max_position_embeddings = m.rope_scaling.max_position_embeddings > 0 ? m.rope_scaling.max_position_embeddings
+                                                                         : m.seq_len;
+}
+
 std::map<std::string, std::string> Phi3Arch::file_metadata() const {
-  TR_CHECK(!cfg_.rope_scaling.longrope(), "phi3: a longrope model cannot be written to trainrun's own model files "
-           "yet (their metadata has no factor lists); training one is refused at model.init_from");
-  return LlamaArch::file_metadata();
+  std::map<std::string, std::string> m = LlamaArch::file_metadata();
+  if (cfg_.rope_scaling.longrope()) {  // the rest of rope_scaling.* is Llama's (type, original context)
+    m["rope_scaling.short_factor"] = longrope_factors_text(cfg_.rope_scaling.short_factor);
+    m["rope_scaling.long_factor"] = longrope_factors_text(cfg_.rope_scaling.long_factor);
+    m["rope_scaling.max_position_embeddings"] = std::to_string(cfg_.rope_scaling.max_position_embeddings);
+  }
+  return m;
+}
+
+json Phi3Arch::manifest_model() const {
+  json m = LlamaArch::manifest_model();
+  m["sliding_window"] = cfg_.sliding_window;
+  if (cfg_.rope_scaling.longrope()) {
+    m["rope_scaling"]["short_factor"] = cfg_.rope_scaling.short_factor;
+    m["rope_scaling"]["long_factor"] = cfg_.rope_scaling.long_factor;
+    m["rope_scaling"]["max_position_embeddings"] = cfg_.rope_scaling.max_position_embeddings;
+  }
+  return m;
 }
 
 std::unique_ptr<ModelArch> make_phi3_arch(const ModelConfig& cfg) { return std::make_unique<Phi3Arch>(cfg); }
@@ -126,6 +195,21 @@ ModelConfig phi3_config_from_hf(const json& c, const std::string& path, const st
 ModelConfig phi3_config_from_metadata(const std::map<std::string, std::string>& meta, const std::string& path) {
   ModelConfig c = llama_config_from_metadata(meta, path);
   c.arch = "phi3";
+  if (c.rope_scaling_type == "longrope") {
+    auto text = [&](const char* key) -> const std::string& {
+      auto it = meta.find(key);
+      TR_CHECK(it != meta.end(), path, ": missing __metadata__ key '", key, "' of a longrope Phi-3; this file was "
+               "not written by trainrun (or an older version)");
+      return it->second;
+    };
+    const std::string what = path + ": __metadata__ ";
+    c.rope_scaling.short_factor = parse_factors(text("rope_scaling.short_factor"), "rope_scaling.short_factor", what);
+    c.rope_scaling.long_factor = parse_factors(text("rope_scaling.long_factor"), "rope_scaling.long_factor", what);
+    const std::string& mp = text("rope_scaling.max_position_embeddings");
+    c.rope_scaling.max_position_embeddings = std::atoi(mp.c_str());
+    TR_CHECK(c.rope_scaling.max_position_embeddings >= 1 && std::to_string(c.rope_scaling.max_position_embeddings) == mp,
+             what, "key 'rope_scaling.max_position_embeddings' is not a positive integer: '", mp, "'");
+  }
   return c;
 }
 
@@ -228,21 +312,45 @@ std::vector<const ParamTensor*> Phi3Arch::hf_save_order() const {
 }
 
 std::vector<ShapeKey> Phi3Arch::shape_keys() const {
-  // model.init_from fills the job's model.* from these before anything
-  // else looks at the directory: the first place to say why.
-  TR_CHECK(!cfg_.rope_scaling.longrope(), "model.init_from: the Phi-3 has rope_scaling longrope (config.json); "
-           "trainrun computes it (export, generate from the directory) but a job cannot train it yet: the job spec "
-           "has no field for its short_factor/long_factor lists");
-  std::vector<ShapeKey> k = LlamaArch::shape_keys();
+  std::vector<ShapeKey> k;
+  for (const ShapeKey& s : LlamaArch::shape_keys()) {
+    const std::string f = s.field;
+    // longrope has no llama3 factors; its type key is config.json's "type" (or "su").
+    if (f == "model.rope_scaling.factor" || f == "model.rope_scaling.low_freq_factor" ||
+        f == "model.rope_scaling.high_freq_factor")
+      continue;
+    if (f == "model.rope_scaling.type") {
+      k.push_back({s.field, "rope_scaling.type"});
+      continue;
+    }
+    if (f == "model.rope_scaling.original_max_position_embeddings") {
+      k.push_back({s.field, "original_max_position_embeddings"});
+      continue;
+    }
+    k.push_back(s);
+  }
+  if (cfg_.rope_scaling.longrope())
+    k.insert(k.end(), {{"model.rope_scaling.short_factor", "rope_scaling.short_factor"},
+                       {"model.rope_scaling.long_factor", "rope_scaling.long_factor"},
+                       {"model.rope_scaling.max_position_embeddings", "max_position_embeddings"}});
   k.push_back({"model.sliding_window", "sliding_window"});
   return k;
 }
 
 void Phi3Arch::check_init_from(const ModelConfig& hf, const std::string& dir) const {
-  TR_CHECK(!hf.rope_scaling.longrope(), "model.init_from: '", dir, "' holds a Phi-3 with rope_scaling longrope "
-           "(config.json); trainrun computes it (export, generate from the directory) but a job cannot train it yet: "
-           "the job spec has no field for its short_factor/long_factor lists");
-  LlamaArch::check_init_from(hf, dir);  // model.sliding_window included
+  LlamaArch::check_init_from(hf, dir);  // model.sliding_window, rope_scaling.type and the original context included
+  if (!hf.rope_scaling.longrope()) return;
+  const RopeScaling &mine = cfg_.rope_scaling, &theirs = hf.rope_scaling;
+  for (const auto& [key, a, b] : {std::make_tuple("short_factor", &mine.short_factor, &theirs.short_factor),
+                                  std::make_tuple("long_factor", &mine.long_factor, &theirs.long_factor)})
+    TR_CHECK(*a == *b, "model.init_from: '", dir, "' holds a Phi-3 whose rope_scaling.", key, " is [",
+             longrope_factors_text(*b), "] (config.json) but model.rope_scaling.", key, " is [",
+             longrope_factors_text(*a), "]; remove model.rope_scaling.", key,
+             " to take the directory's (the job's model.* must describe the weights it starts from)");
+  TR_CHECK(mine.max_position_embeddings == theirs.max_position_embeddings, "model.init_from: '", dir,
+           "' holds a longrope Phi-3 with max_position_embeddings = ", theirs.max_position_embeddings,
+           " (config.json; its attention factor) but model.rope_scaling.max_position_embeddings is ",
+           mine.max_position_embeddings, "; remove it to take the directory's");
 }
 
 }  // namespace trainrun

@@ -21,9 +21,11 @@
 //     with transformers; the KV-cached decoder uses the same table, which
 //     agrees with transformers' generate unless a generation crosses the
 //     original context (transformers then mixes keys rotated by both lists).
-//     Computed for a directory (logits, generate, export); a job cannot
-//     train one yet (no job-spec field holds the factor lists): refused at
-//     model.init_from.
+//     A job carries it as model.rope_scaling.{type: longrope, short_factor,
+//     long_factor, original_max_position_embeddings, max_position_embeddings}
+//     (model.init_from fills them from config.json), trainrun's own model
+//     files and checkpoint manifests as their metadata, so a longrope model
+//     trains, resumes and exports like any other.
 // What trainrun does not implement is refused by name:
 //   - rope_scaling "yarn" (transformers 4.44 reads it as "longrope", Phi-3's
 //     YaRN class differs) and any other type.
@@ -59,9 +61,19 @@ class Phi3Arch final : public LlamaArch {
   // gate_up_proj: not wired yet (an adapter job is refused: no block linears).
   std::vector<BlockLinear> block_linears() const override { return {}; }
   void check_init_from(const ModelConfig& hf, const std::string& dir) const override;
-  // Llama's; throws for a longrope model, which no job spec can describe yet.
+  // Llama's; a longrope model's are its lists and context lengths instead of llama3's factors.
   std::vector<ShapeKey> shape_keys() const override;
+  nlohmann::ordered_json manifest_model() const override;
 };
+
+// longrope in the job spec (ModelConfig::from_spec / to_spec): the factor
+// lists as text, every digit ("1,1.0500000000000000444,..." round-trips the
+// doubles), and back with each value checked by name.
+std::string longrope_factors_text(const std::vector<double>& v);
+// m.rope_scaling (type longrope) into c: the lists (head_dim / 2 positive
+// numbers each) and max_position_embeddings (0: m.seq_len); refused by the
+// key's name otherwise, or on an arch other than phi3.
+void longrope_from_spec(const ModelSpec& m, ModelConfig& c);
 
 // The registry's hooks (core/model/model.cpp).
 std::unique_ptr<ModelArch> make_phi3_arch(const ModelConfig& cfg);
