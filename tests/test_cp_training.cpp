@@ -173,7 +173,7 @@ TEST_CASE("cp: gpt2 and llama GQA train at cp2 and cp4 (ring, all_to_all) as one
     for (int cp : {2, 4})
       for (const char* mode : {"ring", "all_to_all"}) {
         INFO(model << " cp" << cp << " " << mode);
-        check_same(run_job(model, cp, false, cp_sets(cp, mode)), ref);
+        check_same_run("cp", run_job(model, cp, false, cp_sets(cp, mode)), ref);
       }
   }
 }
@@ -186,11 +186,11 @@ TEST_CASE("cp: with document masks (random lengths, documents across chunks) cp 
     CHECK(std::fabs(ref.losses.back() - nodocs.losses.back()) > 1e-4);  // the mask changes the run
     {
       INFO(model << " cp2 ring");
-      check_same(run_job(model, 2, true, cp_sets(2, "ring")), ref);
+      check_same_run("cp", run_job(model, 2, true, cp_sets(2, "ring")), ref);
     }
     {
       INFO(model << " cp4 all_to_all");
-      check_same(run_job(model, 4, true, cp_sets(4, "all_to_all")), ref);
+      check_same_run("cp", run_job(model, 4, true, cp_sets(4, "all_to_all")), ref);
     }
   }
 }
@@ -201,31 +201,31 @@ TEST_CASE("cp: cp2 x tp2 (and SP), cp2 x dp2 full_shard and hybrid_shard, cp2 x 
     const Run ref = run_job(model, 1, true, {});
     {
       INFO(model << " cp2 x tp2 (ring)");
-      check_same(run_job(model, 4, true, cp_sets(2, "ring", {"parallel.tensor_parallel=2"})), ref);
+      check_same_run("cp", run_job(model, 4, true, cp_sets(2, "ring", {"parallel.tensor_parallel=2"})), ref);
     }
     {
       INFO(model << " cp2 x tp2 with sequence parallelism (all_to_all)");
-      check_same(run_job(model, 4, true,
+      check_same_run("cp", run_job(model, 4, true,
                          cp_sets(2, "all_to_all", {"parallel.tensor_parallel=2", "parallel.sequence_parallel=true"})),
                  ref);
     }
     {
       INFO(model << " cp2 x dp2 full_shard");
-      check_same(run_job(model, 4, true, cp_sets(2, "ring", {"parallel.sharding=full_shard"})), ref);
+      check_same_run("cp", run_job(model, 4, true, cp_sets(2, "ring", {"parallel.sharding=full_shard"})), ref);
     }
     {
       INFO(model << " cp2 x dp2 hybrid_shard (shard groups of 1 dp rank x its 2 cp ranks)");
-      check_same(run_job(model, 4, true,
+      check_same_run("cp", run_job(model, 4, true,
                          cp_sets(2, "ring", {"parallel.sharding=hybrid_shard", "parallel.shard_group_size=1"})),
                  ref);
     }
     {
       INFO(model << " cp2 x pp2 (1f1b, ring)");
-      check_same(run_job(model, 4, true, cp_sets(2, "ring", {"parallel.pipeline_parallel=2"})), ref);
+      check_same_run("cp", run_job(model, 4, true, cp_sets(2, "ring", {"parallel.pipeline_parallel=2"})), ref);
     }
     {
       INFO(model << " cp2 full_shard, activation checkpointing, optimizer offloaded to the host");
-      check_same(run_job(model, 2, true,
+      check_same_run("cp", run_job(model, 2, true,
                          cp_sets(2, "ring", {"parallel.sharding=full_shard", "train.activation_checkpointing=blocks",
                                              "parallel.offload=cpu"})),
                  ref);
@@ -274,7 +274,7 @@ TEST_CASE("cp: checkpoints stay logical: a cp2 run resumes at cp1 and a cp1 run 
     Run resumed;
     resumed.losses = losses_of(dir.path());
     (void)load_model_safetensors(dir / "model.safetensors", resumed.weights);
-    check_same(resumed, straight);
+    check_same_run("cp", resumed, straight);
   }
 }
 

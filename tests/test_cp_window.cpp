@@ -127,11 +127,11 @@ TEST_CASE("cp window: Mistral and Gemma 2 train 5 steps at cp2 (ring, all_to_all
     CHECK(std::fabs(plain.losses.back() - ref.losses.back()) > 1e-4 * std::fabs(ref.losses.back()));
     for (const char* mode : {"ring", "all_to_all"}) {
       INFO(model << " cp2 " << mode);
-      check_same(run_job(model, 2, true, cp_sets(2, mode)), ref);
+      check_same_run("cp", run_job(model, 2, true, cp_sets(2, mode)), ref);
     }
     if (model == mistral_job(3)) {
       INFO(model << " cp2 x tp2 (ring)");
-      check_same(run_job(model, 4, true, cp_sets(2, "ring", {"parallel.tensor_parallel=2"})), ref);
+      check_same_run("cp", run_job(model, 4, true, cp_sets(2, "ring", {"parallel.tensor_parallel=2"})), ref);
     }
   }
 }

@@ -140,26 +140,6 @@ Run run_job(const std::string& model, int world, bool docs, const std::vector<st
   return out;
 }
 
-double rel_l2(const std::vector<float>& got, const std::vector<float>& ref) {
-  REQUIRE(got.size() == ref.size());
-  double num = 0, den = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    num += (double(got[i]) - ref[i]) * (double(got[i]) - ref[i]);
-    den += double(ref[i]) * ref[i];
-  }
-  return std::sqrt(num / den);
-}
-
-void check_same(const Run& got, const Run& ref) {
-  REQUIRE(got.losses.size() == ref.losses.size());
-  for (size_t i = 0; i < ref.losses.size(); ++i) {
-    INFO("step " << i + 1 << ": " << got.losses[i] << " vs " << ref.losses[i]);
-    CHECK(std::fabs(got.losses[i] - ref.losses[i]) <= 1e-5 * std::fabs(ref.losses[i]));
-  }
-  INFO("final weights rel err " << rel_l2(got.weights, ref.weights));
-  CHECK(rel_l2(got.weights, ref.weights) <= 1e-5);
-}
-
 std::vector<std::string> cp_sets(int cp, const std::string& mode, std::vector<std::string> more) {
   more.push_back("parallel.context_parallel=" + std::to_string(cp));
   more.push_back("parallel.cp_mode=" + mode);

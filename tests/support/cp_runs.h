@@ -10,6 +10,7 @@
 
 #include "core/model/model.h"
 #include "parallel/context/cp_attention.h"
+#include "tests/support/mesh_runs.h"
 
 namespace trainrun::test {
 
@@ -39,16 +40,10 @@ double max_rel(const std::vector<float>& got, const std::vector<float>& ref);  /
 
 // A 5-step job on synthetic data (vocab 23) of `model` (a YAML flow map), global batch 2 in micro-batches of 1.
 std::string cp_job(const std::string& dir, const std::string& model, bool docs);
-struct Run {
-  std::vector<double> losses;
-  std::vector<float> weights;
-};
+using Run = MeshRun;  // losses and final weights (tests/support/mesh_runs.h)
 
 // run_job: the job at `world` in-process ranks with `sets`; its losses and final model.safetensors.
 Run run_job(const std::string& model, int world, bool docs, const std::vector<std::string>& sets);
-double rel_l2(const std::vector<float>& got, const std::vector<float>& ref);
-// Losses step by step and the final weights within 1e-5 relative (Catch CHECKs).
-void check_same(const Run& got, const Run& ref);
 // parallel.context_parallel=cp and parallel.cp_mode=mode after `more`.
 std::vector<std::string> cp_sets(int cp, const std::string& mode, std::vector<std::string> more = {});
 
