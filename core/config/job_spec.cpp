@@ -373,6 +373,14 @@ const std::vector<Field>& fields() {
                     "K/V blocks travel around the ring (online-softmax partials merged in a fixed order); "
                     "all_to_all = Ulysses, heads exchanged for sequence (needs model.n_head divisible by "
                     "context_parallel x tensor_parallel; key/value heads are replicated when fewer)"),
+      TR_SPEC_FIELD(parallel.expert_parallel, at_least(1),
+                    "ranks a mixture of experts' expert compute is split over (ep, inside the data-parallel "
+                    "group: consecutive dp ranks, so the token all-to-all stays inside a node): rank i of E runs "
+                    "experts [i*n/E, (i+1)*n/E) of every layer for the tokens of all E ranks (all_to_all_v "
+                    "dispatch and combine); the expert weights are still held by every rank and reduced over dp "
+                    "as the rest (their storage is not split yet); must divide model.n_experts and the "
+                    "data-parallel size; needs a mixture of experts; not yet with tensor, pipeline or context "
+                    "parallelism, adapters or offload (refused); 1 = off"),
       TR_SPEC_FIELD(parallel.pipeline_parallel, at_least(1),
                     "pipeline stages (pp, the outermost mesh dimension): the layers split over this many ranks, the "
                     "embedding on the first and the final norm and LM head on the last; microbatches are the "
@@ -984,6 +992,30 @@ void check_rules(JobSpec& s, const Origins& o, const std::string& fallback, bool
       fail(at({"parallel.pipeline_layers", "parallel.pipeline_parallel", "model.n_layer"}), "parallel.pipeline_layers",
            e.what());
     }
+  }
+  // Expert parallelism: every ep rank runs whole experts (an equal share).
+  // The data-parallel size needs the world size: the trainer checks it.
+  if (p.expert_parallel > 1 && shape && m.n_experts == 0)
+    fail(at({"parallel.expert_parallel", "model.n_experts"}), "parallel.expert_parallel",
+         str(p.expert_parallel) + " needs a mixture of experts, but model.n_experts is 0 (a dense MLP, model.arch '" +
+             m.arch + "'); set expert_parallel to 1 or use a MoE model (mixtral, qwen2_moe)");
+  if (p.expert_parallel > 1 && shape && m.n_experts > 0 && m.n_experts % p.expert_parallel != 0)
+    fail(at({"parallel.expert_parallel", "model.n_experts"}), "parallel.expert_parallel",
+         str(p.expert_parallel) + " does not divide model.n_experts (" + str(m.n_experts) +
+             "): each ep rank runs an equal number of whole experts; use a divisor of " + str(m.n_experts));
+  if (p.expert_parallel > 1) {
+    auto refuse = [&](bool bad, const char* key, const std::string& value) {
+      if (bad)
+        fail(at({"parallel.expert_parallel", key}), "parallel.expert_parallel",
+             str(p.expert_parallel) + " with " + key + " " + value + " is not implemented yet; set " + key +
+                 " back to its default or parallel.expert_parallel: 1");
+    };
+    refuse(p.tensor_parallel > 1, "parallel.tensor_parallel", str(p.tensor_parallel));
+    refuse(p.pipeline_parallel > 1, "parallel.pipeline_parallel", str(p.pipeline_parallel));
+    refuse(p.context_parallel > 1, "parallel.context_parallel", str(p.context_parallel));
+    refuse(p.sequence_parallel_on(), "parallel.sequence_parallel", "true");
+    refuse(p.offload != "none", "parallel.offload", p.offload);
+    refuse(s.model.adapter.on(), "model.adapter.type", s.model.adapter.type);
   }
   // Context parallelism: the sequence's 2 x cp chunks must be whole (the
   // load-balanced split, parallel/context/sequence_split.h); we refuse

@@ -137,6 +137,7 @@ struct ParallelSpec {
   int pipeline_parallel = 1;           // pipeline stages (pp, outermost in the mesh); 1 = off
   int context_parallel = 1;            // ranks a sequence is split over (cp, between dp_shard and tp); 1 = off
   std::string cp_mode = "ring";        // ring | all_to_all: how attention crosses the cp ranks
+  int expert_parallel = 1;             // ranks a mixture of experts' experts are split over (ep, inside dp); 1 = off
   int pipeline_virtual_stages = 1;     // model chunks per pipeline rank (interleaved_1f1b); 1 otherwise
   std::string pipeline_schedule = "1f1b";  // gpipe | 1f1b | interleaved_1f1b | zero_bubble (refused for now)
   std::string pipeline_layers;         // "" = even split; else layers per virtual stage, "3,1" (YAML list or text)

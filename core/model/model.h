@@ -37,6 +37,7 @@ namespace trainrun {
 // the Llama fields will take there).
 struct TensorParallel;  // core/model/tensor_parallel.h
 struct ContextParallel;  // parallel/context/cp_attention.h
+struct ExpertParallel;   // parallel/expert/expert_dispatch.h
 
 struct ModelConfig {
   std::string arch = "gpt2";   // [model.arch] gpt2 | llama | qwen2 | qwen3 (model_arch_names())
@@ -490,10 +491,14 @@ class ModelArch {
   // none. With it the network holds and computes T / cp rows per sequence
   // (forward's T), attention goes through the cp group, and positions come
   // from the DocumentMask (global ones when it has no documents).
+  // ep: the expert-parallel group (parallel/expert/expert_dispatch.h); null
+  // = none. With it a mixture of experts runs its share of the experts for
+  // the tokens of the whole group (a dense model refuses it).
   virtual std::unique_ptr<Network> make_network(Backend* be, int maxB, bool activation_checkpointing,
                                                 const TensorParallel* tp = nullptr,
                                                 const PipelineStage* stage = nullptr,
-                                                const ContextParallel* cp = nullptr) const = 0;
+                                                const ContextParallel* cp = nullptr,
+                                                const ExpertParallel* ep = nullptr) const = 0;
   // capacity: positions the cache holds, 1..T.
   virtual std::unique_ptr<Decoder> make_decoder(Backend* be, int capacity) const = 0;
   // Whether make_decoder works (sampling); the end-of-run sample is skipped,

@@ -42,6 +42,7 @@
 #include "parallel/comm/fault_injection.h"
 #include "parallel/context/cp_attention.h"
 #include "parallel/context/sequence_split.h"
+#include "parallel/expert/expert_dispatch.h"
 #include "parallel/rendezvous/net_address.h"
 #include "parallel/mesh/device_mesh.h"
 #include "parallel/pipeline/executor.h"
@@ -249,6 +250,9 @@ class Trainer {
   std::unique_ptr<Communicator> cp_comm_;
   ContextParallel cp_ctx_;
   std::unique_ptr<SequenceSplit> cp_split_;
+  // Expert parallelism: the ep group (null at 1) and what the network gets.
+  std::unique_ptr<Communicator> ep_comm_;
+  ExpertParallel ep_ctx_;
   int rows_ = 0;
   std::vector<int32_t> host_rows_;
   // data.document_mask: the separator (-1 = off) and each batch's document
@@ -386,6 +390,24 @@ void Trainer::setup() {
     cp_split_ = std::make_unique<SequenceSplit>(T_, cp, job_mesh.coord(MeshDim::cp));
   }
   const ContextParallel* cpc = cp > 1 ? &cp_ctx_ : nullptr;
+  // Expert parallelism (parallel/expert/): groups of E consecutive dp ranks
+  // (dp index / E), so with tp 1 a group is E consecutive ranks of a node
+  // and its all-to-all stays on NVLink. The job spec refuses what it does
+  // not compose with yet (tp, pp, cp, adapters, offload).
+  const int ep = job_.parallel.expert_parallel;
+  if (ep > 1) {
+    TR_CHECK(cfg.moe.on(), "parallel.expert_parallel ", ep, ": model.arch ", cfg.arch,
+             " has a dense MLP (model.n_experts 0); set expert_parallel to 1");
+    TR_CHECK(dp_size_ % ep == 0, "parallel.expert_parallel ", ep, " does not divide the data-parallel size ", dp_size_,
+             " (world size ", w_.world, "); each ep group is expert_parallel consecutive dp ranks: use a divisor of ",
+             dp_size_);
+    TR_CHECK(!nccl, "parallel.expert_parallel ", ep, " on the ", be_->name(), " backend is not implemented yet "
+             "(its token exchange moves host counts); use backend: cpu or expert_parallel: 1");
+    const int dpi = mesh_->dp_coord();
+    ep_comm_ = factory("ep" + std::to_string(dpi / ep) + "/", dpi % ep, ep);
+    ep_ctx_.comm = ep_comm_.get();
+  }
+  const ExpertParallel* epc = ep > 1 ? &ep_ctx_ : nullptr;
   // Offload: the whole node's host memory is checked before any rank
   // allocates (each rank's shard is about total/world; 16 bytes each).
   OffloadOptions offload;
@@ -412,7 +434,7 @@ void Trainer::setup() {
   if (tp == 1 && pp == 1) {
     if (!adapter) check_host_memory(arch_->layout().total);
     model_ = arch_->make_network(be_.get(), mb_, job_.train.activation_checkpointing == "blocks", nullptr, nullptr,
-                                 cpc);
+                                 cpc, epc);
     // With adapters the base is frozen: its store has parameters only (no
     // gradients, master weights or moments), sharded alike.
     params_ = adapter
@@ -1113,6 +1135,7 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
     params_->set_step(step + 1);  // the world's communicator and the store's own groups
     if (adapt_) adapt_->store().set_step(step + 1);
     if (cp_comm_) cp_comm_->set_step(step + 1);  // the ring's errors name the step
+    if (ep_comm_) ep_comm_->set_step(step + 1);  // the all-to-alls' errors name the step
     if (mesh_comms_) {
       comm_->set_step(step + 1);
       for (MeshDim d : {MeshDim::tp, MeshDim::dp_shard, MeshDim::dp_replicate, MeshDim::pp})

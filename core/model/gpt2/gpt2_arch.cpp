@@ -143,7 +143,8 @@ nlohmann::ordered_json GPT2Arch::manifest_model() const {
 
 std::unique_ptr<Network> GPT2Arch::make_network(Backend* be, int maxB, bool activation_checkpointing,
                                                 const TensorParallel* tp, const PipelineStage* stage,
-                                                const ContextParallel* cp) const {
+                                                const ContextParallel* cp, const ExpertParallel* ep) const {
+  TR_CHECK(!ep, "parallel.expert_parallel: gpt2 has a dense MLP, no experts to split; set expert_parallel to 1");
   return std::make_unique<GPT2>(cfg_, be, maxB, activation_checkpointing, tp, stage, cp);
 }
 

@@ -42,7 +42,8 @@ class GPT2Arch final : public ModelArch {
   std::unique_ptr<Network> make_network(Backend* be, int maxB, bool activation_checkpointing,
                                         const TensorParallel* tp = nullptr,
                                         const PipelineStage* stage = nullptr,
-                                        const ContextParallel* cp = nullptr) const override;
+                                        const ContextParallel* cp = nullptr,
+                                        const ExpertParallel* ep = nullptr) const override;
   std::unique_ptr<Decoder> make_decoder(Backend* be, int capacity) const override;
   size_t decoder_bytes_needed(const Backend& be, int capacity) const override;
 

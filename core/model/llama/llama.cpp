@@ -13,7 +13,7 @@ namespace trainrun {
 
 LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Backend* be, int maxB,
                            bool activation_checkpointing, const TensorParallel* tp, const PipelineStage* stage,
-                           const ContextParallel* cp)
+                           const ContextParallel* cp, const ExpertParallel* ep)
     : cfg_(stage_config(cfg, stage)), stage_(stage ? *stage : PipelineStage{}), be_(be), maxB_(maxB), ckpt_(activation_checkpointing), tp_(tp && tp->plan ? tp : nullptr) {
   TR_CHECK(cfg.NKV > 0 && cfg.F > 0, "LlamaNetwork needs a Llama-shaped arch's resolved config (a bug)");
   TR_CHECK(maxB >= 1, "LlamaNetwork: micro-batch ", maxB, " must be >= 1");
@@ -50,6 +50,8 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
            "' is not one of silu, gelu_tanh");
   // HF casts the normaliser sqrt(C) to the activation dtype (scale_act does).
   if (cfg.embed_scale) embed_scale_ = float(std::sqrt(double(cfg.C)));
+  TR_CHECK(!ep || cfg.moe.on(), "parallel.expert_parallel: model.arch ", cfg.arch,
+           " has a dense MLP, no experts to split; set expert_parallel to 1");
   if (cfg.moe.on()) {
     // What the MoE MLP does not compose with yet is refused by name (issue #28's later steps).
     // Tensor parallelism splits the attention; the experts are replicated
@@ -68,6 +70,10 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
              "parallel.pipeline_parallel: 1");
     TR_CHECK(!(stage && stage->split_backward), "parallel.pipeline_schedule: zero_bubble with a mixture of experts "
                                                  "is not implemented yet; use 1f1b");
+    // Expert parallelism: alone for now (the job spec refuses the rest by name).
+    TR_CHECK(!ep || (!tp_ && !stage && !(cp && cp->comm)), "model: parallel.expert_parallel with tensor, pipeline or "
+                                                           "context parallelism is not implemented yet (a bug: the "
+                                                           "job spec refuses it)");
     moe_elems_ = MoeOffsets(cfg.C, cfg.moe).total;
   }
   if (!cfg.tied) {
@@ -181,7 +187,7 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
     }
   }
   if (moe_elems_) {
-    moe_ = std::make_unique<MoeMlp>(cfg.moe, cfg.C, be, N, ckpt_ ? 1 : cfg_.L, cfg_.L, true);
+    moe_ = std::make_unique<MoeMlp>(cfg.moe, cfg.C, be, N, ckpt_ ? 1 : cfg_.L, cfg_.L, true, ep);
     moe_->plan(plan, ckpt_);
   }
   arena_ = shared_ ? plan.allocate_kept(be) : plan.allocate(be);

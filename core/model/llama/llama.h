@@ -79,7 +79,8 @@ class LlamaNetwork final : public Network {
   // stage: one pipeline stage's layers (model.h); null = all of them.
   LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Backend* be, int maxB,
                bool activation_checkpointing, const TensorParallel* tp = nullptr,
-               const PipelineStage* stage = nullptr, const ContextParallel* cp = nullptr);
+               const PipelineStage* stage = nullptr, const ContextParallel* cp = nullptr,
+               const ExpertParallel* ep = nullptr);
   ~LlamaNetwork() override;
 
   void forward(UnitAccess& units, const int32_t* inputs, const int32_t* targets, int B, int T,

@@ -304,8 +304,8 @@ json LlamaArch::manifest_model() const {
 
 std::unique_ptr<Network> LlamaArch::make_network(Backend* be, int maxB, bool activation_checkpointing,
                                                  const TensorParallel* tp, const PipelineStage* stage,
-                                                 const ContextParallel* cp) const {
-  return std::make_unique<LlamaNetwork>(cfg_, layout_, be, maxB, activation_checkpointing, tp, stage, cp);
+                                                 const ContextParallel* cp, const ExpertParallel* ep) const {
+  return std::make_unique<LlamaNetwork>(cfg_, layout_, be, maxB, activation_checkpointing, tp, stage, cp, ep);
 }
 std::unique_ptr<Decoder> LlamaArch::make_decoder(Backend* be, int capacity) const {
   return std::make_unique<LlamaDecoder>(cfg_, layout_, be, capacity);

@@ -46,7 +46,8 @@ class LlamaArch : public ModelArch {
   std::unique_ptr<Network> make_network(Backend* be, int maxB, bool activation_checkpointing,
                                         const TensorParallel* tp = nullptr,
                                         const PipelineStage* stage = nullptr,
-                                        const ContextParallel* cp = nullptr) const override;
+                                        const ContextParallel* cp = nullptr,
+                                        const ExpertParallel* ep = nullptr) const override;
   std::unique_ptr<Decoder> make_decoder(Backend* be, int capacity) const override;
   size_t decoder_bytes_needed(const Backend& be, int capacity) const override;
 

@@ -8,20 +8,29 @@
 
 namespace trainrun {
 
-MoeMlp::MoeMlp(const MoeConfig& m, int C, size_t es, int64_t maxN, int sets, int layers, bool training)
-    : m_(m), C_(C), es_(es), maxN_(maxN), layers_(layers), training_(training), sets_(size_t(sets)) {
+MoeMlp::MoeMlp(const MoeConfig& m, int C, size_t es, int64_t maxN, int sets, int layers, bool training, int ep_size)
+    : m_(m), C_(C), es_(es), maxN_(maxN), layers_(layers), training_(training), ep_size_(ep_size),
+      sets_(size_t(sets)) {
   TR_CHECK(m.n_experts >= 1 && m.top_k >= 1 && m.top_k <= m.n_experts && m.ffn >= 1,
            "MoeMlp: n_experts ", m.n_experts, ", top_k ", m.top_k, ", expert width ", m.ffn,
            " (needs 1 <= top_k <= n_experts and a width; a bug: the arch checks these)");
 }
 
-MoeMlp::MoeMlp(const MoeConfig& m, int C, Backend* be, int64_t maxN, int sets, int layers, bool training)
-    : MoeMlp(m, C, dtype_size(be->act_dtype()), maxN, sets, layers, training) {
+MoeMlp::MoeMlp(const MoeConfig& m, int C, Backend* be, int64_t maxN, int sets, int layers, bool training,
+               const ExpertParallel* ep)
+    : MoeMlp(m, C, dtype_size(be->act_dtype()), maxN, sets, layers, training, ep ? ep->size() : 1) {
   be_ = be;
+  if (ep_size_ > 1) {
+    disp_ = std::make_unique<ExpertDispatch>(*be, *ep, m.n_experts);
+    plans_.resize(sets_.size());
+    host_off_.resize(size_t(m.n_experts) + 1);
+  }
 }
 
+MoeMlp::~MoeMlp() = default;
+
 size_t MoeMlp::bytes(const MoeConfig& m, int C, size_t es, int64_t maxN, int sets, int layers, bool training) {
-  MoeMlp probe(m, C, es, maxN, sets, layers, training);
+  MoeMlp probe(m, C, es, maxN, sets, layers, training, 1);
   ArenaPlan p;
   probe.plan(p, false);
   return p.total;
@@ -40,10 +49,16 @@ void MoeMlp::plan(ArenaPlan& plan, bool sets_transient) {
     set_buf(&a.w, N * K * 4);
     set_buf(&a.pos, N * K * 4);
     set_buf(&a.offsets, (E + 1) * 4);
+    const int64_t R = expert_rows();  // N*K without expert parallelism
     set_buf(&a.xp, N * K * C * es);
-    set_buf(&a.gu, N * K * 2 * F * es);
-    set_buf(&a.h, N * K * F * es);
+    set_buf(&a.gu, R * 2 * F * es);
+    set_buf(&a.h, R * F * es);
     set_buf(&a.yp, N * K * C * es);
+    if (ep_size_ > 1) {
+      set_buf(&a.xr, R * C * es);
+      set_buf(&a.yr, R * C * es);
+      set_buf(&a.loff, (E / ep_size_ + 1) * 4);
+    }
     if (FS > 0) {
       set_buf(&a.sgu, N * 2 * FS * es);
       set_buf(&a.sh, N * FS * es);
@@ -57,10 +72,12 @@ void MoeMlp::plan(ArenaPlan& plan, bool sets_transient) {
   kept(&loss_out_, 2 * 4);
   kept(&aux_grad_, E * 4);  // from the forward to the backward
   tmp(&logits_, N * E * es);
+  if (ep_size_ > 1) tmp(&staging_, expert_rows() * C * es);
   if (!training_) return;
   tmp(&dw_, N * K * 4);
   tmp(&dyp_, N * K * C * es);
-  tmp(&dh_, N * K * F * es);
+  tmp(&dh_, expert_rows() * F * es);
+  if (ep_size_ > 1) tmp(&dyr_, expert_rows() * C * es);
   if (FS > 0) {
     tmp(&dtmp_, N * C * es);
     tmp(&dsh_, N * FS * es);
@@ -100,9 +117,18 @@ void MoeMlp::forward(int set, const void* w, const void* x, void* out, int N) {
   }
   const int NK = N * K;
   be_->moe_permute(a.pos, a.offsets, a.xp, a.idx, x, N, K, E, C);
-  be_->moe_expert_matmul_forward(a.gu, a.xp, at(o.gu), a.offsets, E, C, 2 * F);
-  be_->swiglu_forward(a.h, a.gu, NK, F);
-  be_->moe_expert_matmul_forward(a.yp, a.h, at(o.down), a.offsets, E, F, C);
+  if (disp_) {  // expert parallelism: this rank's experts over the group's rows (moe_mlp.h)
+    const int El = disp_->local_experts(), e0 = disp_->first_expert();
+    const int64_t R = ep_dispatch(set, a);
+    be_->moe_expert_matmul_forward(a.gu, a.xr, at(o.gu + int64_t(e0) * 2 * F * C), a.loff, El, C, 2 * F);
+    be_->swiglu_forward(a.h, a.gu, int(R), F);
+    be_->moe_expert_matmul_forward(a.yr, a.h, at(o.down + int64_t(e0) * C * F), a.loff, El, F, C);
+    disp_->combine(plans_[size_t(set)], a.yr, staging_, a.yp, size_t(C) * es_);
+  } else {
+    be_->moe_expert_matmul_forward(a.gu, a.xp, at(o.gu), a.offsets, E, C, 2 * F);
+    be_->swiglu_forward(a.h, a.gu, NK, F);
+    be_->moe_expert_matmul_forward(a.yp, a.h, at(o.down), a.offsets, E, F, C);
+  }
   be_->moe_unpermute_forward(out, a.yp, a.pos, a.w, N, K, C);
   if (FS > 0) {
     be_->matmul_forward(a.sgu, x, at(o.sgu), nullptr, N, C, 2 * FS);
@@ -111,6 +137,20 @@ void MoeMlp::forward(int set, const void* w, const void* x, void* out, int N) {
     be_->matmul_forward(a.sg, x, at(o.sgate), nullptr, N, C, 1);
     be_->moe_sigmoid_gate_forward(out, a.sy, a.sg, N, C);
   }
+}
+
+int64_t MoeMlp::ep_dispatch(int set, Acts& a) {
+  const int E = m_.n_experts;
+  // The counts cross the host once per layer: the all_to_all_v sizes are host values.
+  be_->copy_to_host(host_off_.data(), a.offsets, (size_t(E) + 1) * 4);
+  be_->synchronize();
+  ExpertDispatch::Plan& p = plans_[size_t(set)];
+  p = disp_->plan(host_off_.data());
+  TR_CHECK(p.recv_total <= expert_rows(), "MoeMlp: ", p.recv_total, " rows received exceed ", expert_rows(),
+           " (ep x N x K; a bug)");
+  be_->copy_to_device(a.loff, p.local_offsets.data(), p.local_offsets.size() * 4);
+  disp_->dispatch(p, a.xp, staging_, a.xr, size_t(C_) * es_);
+  return p.recv_total;
 }
 
 void MoeMlp::finish_forward(float* losses, int N, float grad_scale) {
@@ -133,9 +173,20 @@ void MoeMlp::backward(int set, const void* w, float* dw, const void* x, const vo
   const int NK = N * K;
   // Routed experts, back to front: unpermute, down, SwiGLU (in place), gate|up.
   be_->moe_unpermute_backward(dyp_, dw_, dout, a.yp, a.pos, a.w, N, K, C);
-  be_->moe_expert_matmul_backward(dh_, g(o.down), dyp_, a.h, at(o.down), a.offsets, E, F, C);
-  be_->swiglu_backward(a.gu, dh_, a.gu, NK, F);
-  be_->moe_expert_matmul_backward(dyp_, g(o.gu), a.gu, a.xp, at(o.gu), a.offsets, E, C, 2 * F);  // dyp_ <- d xp
+  if (disp_) {  // the forward's exchange mirrored: output gradients out, input gradients back
+    const ExpertDispatch::Plan& p = plans_[size_t(set)];
+    const int El = disp_->local_experts(), e0 = disp_->first_expert();
+    const int64_t gu0 = o.gu + int64_t(e0) * 2 * F * C, down0 = o.down + int64_t(e0) * C * F;
+    disp_->dispatch(p, dyp_, staging_, dyr_, size_t(C) * es_);
+    be_->moe_expert_matmul_backward(dh_, g(down0), dyr_, a.h, at(down0), a.loff, El, F, C);
+    be_->swiglu_backward(a.gu, dh_, a.gu, int(p.recv_total), F);
+    be_->moe_expert_matmul_backward(dyr_, g(gu0), a.gu, a.xr, at(gu0), a.loff, El, C, 2 * F);  // dyr_ <- d xr
+    disp_->combine(p, dyr_, staging_, dyp_, size_t(C) * es_);                                // dyp_ <- d xp
+  } else {
+    be_->moe_expert_matmul_backward(dh_, g(o.down), dyp_, a.h, at(o.down), a.offsets, E, F, C);
+    be_->swiglu_backward(a.gu, dh_, a.gu, NK, F);
+    be_->moe_expert_matmul_backward(dyp_, g(o.gu), a.gu, a.xp, at(o.gu), a.offsets, E, C, 2 * F);  // dyp_ <- d xp
+  }
   // The router: its input gradient first (overwrites dx), then the experts' (accumulates).
   be_->moe_route_backward(logits_, dw_, a.probs, a.lse, a.idx, m_.aux_loss_coef != 0 ? aux_grad_ : nullptr, z_scale_,
                           N, E, K, m_.norm_topk_prob);

@@ -16,14 +16,26 @@
 // The backward runs the same ops' backwards in reverse; the router's takes
 // the load-balancing loss's gradient (aux_grad, from every layer's counts,
 // so it is known only after the whole forward: finish_forward).
+//
+// Expert parallelism (ep, parallel/expert/expert_dispatch.h): the routing
+// and the permute stay local; the permuted rows go to their experts' ep
+// ranks (all_to_all_v), this rank runs its n/ep experts over the rows of
+// the whole group (xr, up to ep*N*K rows: dropless, so a router that sends
+// every token to one expert still fits), and the outputs come back before
+// the unpermute. The backward mirrors it. Every rank still holds every
+// expert's weights; the ones it does not run get no gradient here, and the
+// data-parallel reduction (a sum over ranks that include every ep rank)
+// adds each expert's gradient from the one rank per ep group that ran it.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "core/model/arena_plan.h"
 #include "core/model/model.h"
 #include "core/model/moe/moe_config.h"
 #include "kernels/backend.h"
+#include "parallel/expert/expert_dispatch.h"
 
 namespace trainrun {
 
@@ -33,7 +45,10 @@ class MoeMlp {
   // (L, or 1 with activation checkpointing or in a decoder); layers: the
   // MoE layers whose router losses add up (the network's L); training: the
   // backward's scratch and the router losses too.
-  MoeMlp(const MoeConfig& m, int C, Backend* be, int64_t maxN, int sets, int layers, bool training);
+  // ep: the expert-parallel group (null or size 1: every expert here).
+  MoeMlp(const MoeConfig& m, int C, Backend* be, int64_t maxN, int sets, int layers, bool training,
+         const ExpertParallel* ep = nullptr);
+  ~MoeMlp();
 
   // Places the buffers in the caller's plan (the per-layer sets as kept, or
   // as transient with `sets_transient`: checkpointing's recompute set), or
@@ -74,8 +89,16 @@ class MoeMlp {
     int32_t* pos; int32_t* offsets;                    // (N*K) (E+1) expert order
     void* xp; void* gu; void* h; void* yp;             // (N*K, C | 2F | F | C)
     void* sgu = nullptr; void* sh = nullptr; void* sy = nullptr; void* sg = nullptr;  // shared: (N,2FS) (N,FS) (N,C) (N)
+    // ep: the received rows in local expert order (R,C), their expert
+    // outputs (R,C), the local experts' offsets (El+1); gu and h are then (R, 2F | F)
+    void* xr = nullptr; void* yr = nullptr; int32_t* loff = nullptr;
   };
-  MoeMlp(const MoeConfig& m, int C, size_t es, int64_t maxN, int sets, int layers, bool training);
+  MoeMlp(const MoeConfig& m, int C, size_t es, int64_t maxN, int sets, int layers, bool training, int ep_size);
+  // Rows the experts of one call see: N*K, or at most ep*N*K under expert parallelism.
+  int64_t expert_rows() const { return maxN_ * m_.top_k * ep_size_; }
+  // ep: from a's permuted rows to the local experts' inputs (a.xr) and the
+  // plan of the set's exchange; returns the rows received.
+  int64_t ep_dispatch(int set, Acts& a);
   MoeConfig m_;
   int C_;
   Backend* be_ = nullptr;
@@ -83,6 +106,12 @@ class MoeMlp {
   int64_t maxN_;
   int layers_;
   bool training_;
+  int ep_size_ = 1;
+  std::unique_ptr<ExpertDispatch> disp_;        // ep > 1
+  std::vector<ExpertDispatch::Plan> plans_;     // per set: the last forward's exchange (its backward's too)
+  std::vector<int32_t> host_off_;               // (E+1) the permute's offsets on the host
+  void* staging_ = nullptr;                     // (ep*N*K, C) act: the all_to_all_v side of a reorder
+  void* dyr_ = nullptr;                         // (ep*N*K, C): the local experts' output, then input, gradient
   std::vector<Acts> sets_;
   int layer_ = 0;            // the next forward's layer (statistics row)
   int last_n_ = 0;           // the tokens of the last forward with statistics
