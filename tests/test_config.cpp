@@ -338,7 +338,8 @@ TEST_CASE("config: the field table is complete and its defaults are valid", "[co
   // model.{n_experts, n_experts_per_tok, moe_ffn_dim, shared_expert_ffn_dim, norm_topk_prob,
   //        router_aux_loss_coef, router_z_loss_coef} (mixture of experts)
   // model.rope_scaling.{short_factor, long_factor, max_position_embeddings} (Phi-3's longrope)
-  CHECK(fields.size() == 109);
+  // parallel.expert_parallel (the MoE experts' compute split over ep ranks)
+  CHECK(fields.size() == 110);
   std::vector<std::string> keys;
   for (const auto& f : fields) {
     INFO(f.key);
