@@ -8,9 +8,12 @@
 //  - a router whose weights start at 0 sends every token to expert 0 (top-1;
 //    ep rank 0 receives every row of the group, the other ranks none): equal;
 //  - checkpoints stay logical: an ep2 run resumes at ep1 and an ep1 run at ep2;
+//  - a rank killed (SIGKILL) at an expert dispatch ends the job in < 40 s
+//    with no worker left, its peer naming the all-to-all and the group;
 //  - bad input: a dense model, E not dividing n_experts or the dp size, and
 //    the combinations not implemented yet, each refused by name.
 #include <catch2/catch.hpp>
+#include <chrono>
 #include <string>
 
 #include "core/checkpoint/hf_interop.h"
@@ -148,4 +151,26 @@ TEST_CASE("expert parallel: bad input is refused by name", "[ep][config]") {
   // The data-parallel size needs the world: ep4 at world 2 (dp2) is refused by the workers.
   CHECK_THROWS_WITH(test::run_ranks_inprocess(parse(ep_job(out, "expert_parallel: 4, ")), 2),
                     Contains("parallel.expert_parallel 4 does not divide the data-parallel size 2"));
+}
+
+TEST_CASE("expert parallel: a rank killed at an expert dispatch ends the job in < 40 s with no worker left",
+          "[ep][fault]") {
+  test::TempDir dir("ep_kill");
+  test::write_file(dir / "job.yaml", "backend: cpu\n" + ep_job(dir / "run", "nproc_per_node: 2, expert_parallel: 2, ",
+                                                              4));
+  const auto t0 = std::chrono::steady_clock::now();
+  // Rank 1's 3rd dispatch: step 1, micro-batch 2's layer 0 forward, before its rows leave.
+  const auto r = test::run_command("OMP_NUM_THREADS=1 TRAINRUN_DEBUG_EP_KILL=1:3 '" + test::trainrun_binary() +
+                                   "' --config '" + dir / "job.yaml" + "'");
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  INFO(r.err);
+  CHECK(r.exit_code != 0);
+  CHECK(s < 40);
+  CHECK_THAT(r.err, Contains("rank 1") && Contains("killed by signal SIGKILL"));
+  CHECK_THAT(test::read_file(dir / "run/logs/rank1.log"), Contains("SIGKILL at expert dispatch 3"));
+  CHECK_THAT(r.err, Contains("all_to_all_v") && Contains("group ep0"));
+  // No worker is left: the agent reaped both (the bracket keeps pgrep from matching itself).
+  const auto left = test::run_command("pgrep -f '" + dir.path() + "/job[.]yaml' || true");
+  CHECK(left.out.empty());
+  WARN("a rank killed at an expert dispatch: the job ended in " << s << " s");
 }

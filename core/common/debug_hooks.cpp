@@ -140,6 +140,18 @@ void debug_cp_kill_hook() {
   std::raise(SIGKILL);
 }
 
+void debug_ep_kill_hook() {
+  const char* v = std::getenv("TRAINRUN_DEBUG_EP_KILL");
+  const char* rank = std::getenv("RANK");
+  if (!v || !*v || !rank) return;
+  static std::atomic<int64_t> dispatches{0};
+  const int64_t n = ++dispatches;
+  const std::vector<std::string> f = split_colons(v);
+  if (f.size() != 2 || f[0] != rank || f[1] != std::to_string(n)) return;
+  TR_LOG_WARN("debug: SIGKILL at expert dispatch ", n, " on rank ", rank, " (TRAINRUN_DEBUG_EP_KILL)");
+  std::raise(SIGKILL);
+}
+
 int64_t debug_init_from_delay_ms(int rank) {
   const char* v = std::getenv("TRAINRUN_DEBUG_INIT_FROM_DELAY_MS");
   if (!v || !*v) return 0;

@@ -75,6 +75,14 @@
 //       micro-batches), at its first ring step, holding its K/V block
 //       before it passes it on: its ring peers are then blocked on it
 //
+// Expert-parallel faults (parallel/expert/expert_dispatch.cpp):
+//
+//   TRAINRUN_DEBUG_EP_KILL=<rank>:<n>
+//       the worker whose RANK is <rank> raises SIGKILL at its n-th expert
+//       dispatch (1-based, counted over the process: layers, micro-batches,
+//       forward and backward), just before its all_to_all_v: its ep peers
+//       are then blocked on its rows
+//
 // Each logs a "debug: ..." line when it fires.
 #pragma once
 #include <cstdint>
@@ -100,6 +108,10 @@ void debug_offload_kill_hook(int64_t step);
 // TRAINRUN_DEBUG_CP_KILL: counts this process's ring forwards and raises
 // SIGKILL at the one it names on this RANK.
 void debug_cp_kill_hook();
+
+// TRAINRUN_DEBUG_EP_KILL: counts this process's expert dispatches and
+// raises SIGKILL at the one it names on this RANK.
+void debug_ep_kill_hook();
 
 // TRAINRUN_DEBUG_INIT_FROM_DELAY_MS: the milliseconds when `rank` is the
 // one it names (logged), else 0.

@@ -406,6 +406,11 @@ void Trainer::setup() {
     const int dpi = mesh_->dp_coord();
     ep_comm_ = factory("ep" + std::to_string(dpi / ep) + "/", dpi % ep, ep);
     ep_ctx_.comm = ep_comm_.get();
+    if (w_.rank == 0)
+      TR_LOG_INFO("expert parallelism: ep", ep, " inside dp", dp_size_, ": groups of ", ep,
+                  " consecutive dp ranks (ep0 = dp ranks 0..", ep - 1, "); ep rank i runs experts [i*",
+                  cfg.moe.n_experts / ep, ", (i+1)*", cfg.moe.n_experts / ep, ") of every layer for its group's "
+                  "tokens; expert weights are held by every rank (their storage is not split yet)");
   }
   const ExpertParallel* epc = ep > 1 ? &ep_ctx_ : nullptr;
   // Offload: the whole node's host memory is checked before any rank

@@ -1,6 +1,7 @@
 // ExpertDispatch (expert_dispatch.h): counts, all_to_all_v and the block reorder.
 #include "parallel/expert/expert_dispatch.h"
 
+#include "core/common/debug_hooks.h"
 #include "core/common/error.h"
 
 namespace trainrun {
@@ -72,6 +73,7 @@ void ExpertDispatch::dispatch(const Plan& p, const void* xp, void* staging, void
     rbytes[size_t(j)] = p.recv_rows[size_t(j)] * rb;
   }
   be_.synchronize();  // the rows are written by the stream; the transport reads them
+  debug_ep_kill_hook();  // tests: TRAINRUN_DEBUG_EP_KILL (core/common/debug_hooks.h)
   ep_.comm->all_to_all_v(staging, rbytes.data(), xp, sb.data());
   reorder(p, staging, out, rb, true);
 }
