@@ -5,6 +5,7 @@
 // and combine) must train as one rank does:
 //  - ep2 and ep4 (no_shard) and ep2 x dp full_shard (world 4) over 5 steps,
 //    losses (cross-entropy + load-balancing + z-loss) and final weights <= 1e-5;
+//    also with activation checkpointing, and Qwen2-MoE (shared expert) at ep2;
 //  - a router whose weights start at 0 sends every token to expert 0 (top-1;
 //    ep rank 0 receives every row of the group, the other ranks none): equal;
 //  - checkpoints stay logical: an ep2 run resumes at ep1 and an ep1 run at ep2;
@@ -39,12 +40,12 @@ const char* kModel =
     "{arch: mixtral, n_layer: 2, n_head: 4, n_kv_head: 2, n_embd: 32, ffn_dim: 24, vocab_size: 64, seq_len: 16, "
     "n_experts: 4, n_experts_per_tok: 2, router_aux_loss_coef: 0.02, router_z_loss_coef: 0.001}";
 std::string ep_job(const std::string& out, const std::string& parallel, int steps = 5,
-                   const std::string& model = kModel) {
+                   const std::string& model = kModel, const std::string& train_extra = "") {
   return "model: " + model + "\n"
          "data: {format: synthetic, synthetic: {vocab: 64, branching: 3}}\n"
          "train: {global_batch_size: 8, micro_batch_size: 2, max_steps: " + std::to_string(steps) +
          ", lr: 3.0e-3, min_lr: 0, warmup_steps: 0, schedule: constant, grad_clip: 0.3, eval_interval: 0, "
-         "log_interval: 1}\n"
+         "log_interval: 1" + train_extra + "}\n"
          "output: {dir: '" + out + "', sample_tokens: 0}\n"
          "parallel: {" + parallel + "timeout_s: 60}\n";
 }
@@ -68,6 +69,16 @@ TEST_CASE("expert parallel: ep2, ep4 and ep2 x full_shard train as one rank does
   test::check_same_run("ep2", run("ep2", 2, "sharding: no_shard, expert_parallel: 2, "), ref);
   test::check_same_run("ep4", run("ep4", 4, "sharding: no_shard, expert_parallel: 4, "), ref);
   test::check_same_run("ep2 x dp4 full_shard", run("ep2fs", 4, "sharding: full_shard, expert_parallel: 2, "), ref);
+  // Activation checkpointing: the backward's recompute routes and exchanges again (same plan, same rows).
+  test::check_same_run("ep2 checkpointed", test::train_mesh(ep_job(dir / "ep2ck", "sharding: shard_grad_op, "
+                       "expert_parallel: 2, ", 5, kModel, ", activation_checkpointing: blocks"), 2), ref);
+  // Qwen2-MoE: no renormalisation and a shared expert (computed where its tokens are, never exchanged).
+  const std::string qwen =
+      "{arch: qwen2_moe, n_layer: 2, n_head: 4, n_kv_head: 2, n_embd: 32, ffn_dim: 24, vocab_size: 64, seq_len: 16, "
+      "n_experts: 4, n_experts_per_tok: 2, moe_ffn_dim: 16, shared_expert_ffn_dim: 24, router_aux_loss_coef: 0.02}";
+  const test::MeshRun qref = test::train_mesh(ep_job(dir / "q1", "sharding: no_shard, ", 5, qwen), 1);
+  test::check_same_run("qwen2_moe ep2", test::train_mesh(ep_job(dir / "q2", "sharding: full_shard, "
+                       "expert_parallel: 2, ", 5, qwen), 2), qref);
 }
 
 TEST_CASE("expert parallel: a router that sends every token to expert 0, ep2 and ep4", "[ep]") {
