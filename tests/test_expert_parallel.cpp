@@ -58,7 +58,7 @@ JobSpec parse(const std::string& yaml, std::vector<std::string> sets = {}) {
 
 }  // namespace
 
-TEST_CASE("expert parallel: ep2, ep4 and ep2 x full_shard train as one rank does", "[ep]") {
+TEST_CASE("expert parallel: ep2 and ep4 alone, with full_shard, tp2, checkpointing and Qwen2-MoE train as one rank does", "[ep]") {
   test::TempDir dir("ep_mesh");
   auto run = [&](const std::string& name, int world, const std::string& parallel) {
     return test::train_mesh(ep_job(dir / name, parallel), world);
@@ -69,6 +69,9 @@ TEST_CASE("expert parallel: ep2, ep4 and ep2 x full_shard train as one rank does
   test::check_same_run("ep2", run("ep2", 2, "sharding: no_shard, expert_parallel: 2, "), ref);
   test::check_same_run("ep4", run("ep4", 4, "sharding: no_shard, expert_parallel: 4, "), ref);
   test::check_same_run("ep2 x dp4 full_shard", run("ep2fs", 4, "sharding: full_shard, expert_parallel: 2, "), ref);
+  // tp2 x ep2 (world 4: tp2 x dp2): each TP rank's dp group exchanges in its own ep group.
+  test::check_same_run("tp2 x ep2", run("tp2ep2", 4, "sharding: full_shard, tensor_parallel: 2, expert_parallel: 2, "),
+                       ref);
   // Activation checkpointing: the backward's recompute routes and exchanges again (same plan, same rows).
   test::check_same_run("ep2 checkpointed", test::train_mesh(ep_job(dir / "ep2ck", "sharding: shard_grad_op, "
                        "expert_parallel: 2, ", 5, kModel, ", activation_checkpointing: blocks"), 2), ref);
@@ -81,7 +84,7 @@ TEST_CASE("expert parallel: ep2, ep4 and ep2 x full_shard train as one rank does
                        "expert_parallel: 2, ", 5, qwen), 2), qref);
 }
 
-TEST_CASE("expert parallel: a router that sends every token to expert 0, ep2 and ep4", "[ep]") {
+TEST_CASE("expert parallel: a router that sends every token to expert 0 at ep2 and ep4", "[ep]") {
   // Router weights 0 and top-1: every probability is 1/4, the tie goes to
   // expert 0, so in the first step ep rank 0 receives every row of its
   // group and runs one GEMM over them while the other ranks receive none
@@ -114,7 +117,7 @@ TEST_CASE("expert parallel: a router that sends every token to expert 0, ep2 and
   test::check_same_run("one expert, ep4", run("ep4", 4, "sharding: full_shard, expert_parallel: 4, "), ref);
 }
 
-TEST_CASE("expert parallel: checkpoints stay logical, ep2 resumes at ep1 and ep1 at ep2", "[ep][checkpoint]") {
+TEST_CASE("expert parallel: checkpoints stay logical and ep2 resumes at ep1 and ep1 at ep2", "[ep][checkpoint]") {
   test::TempDir base("ep_resume");
   const test::MeshRun straight = test::train_mesh(ep_job(base / "straight", "sharding: no_shard, "), 1);
   for (int first : {2, 1}) {
@@ -149,7 +152,7 @@ TEST_CASE("expert parallel: bad input is refused by name", "[ep][config]") {
   // Not implemented yet: each combination named.
   for (const auto& [parallel, key] :
        std::vector<std::pair<std::string, std::string>>{
-           {"expert_parallel: 2, tensor_parallel: 2, ", "parallel.tensor_parallel 2"},
+           {"expert_parallel: 2, tensor_parallel: 2, sequence_parallel: true, ", "parallel.sequence_parallel true"},
            {"expert_parallel: 2, pipeline_parallel: 2, ", "parallel.pipeline_parallel 2"},
            {"expert_parallel: 2, context_parallel: 2, ", "parallel.context_parallel 2"},
            {"expert_parallel: 2, offload: cpu, ", "parallel.offload cpu"}}) {
@@ -179,7 +182,7 @@ TEST_CASE("expert parallel: a rank killed at an expert dispatch ends the job in 
   CHECK(s < 40);
   CHECK_THAT(r.err, Contains("rank 1") && Contains("killed by signal SIGKILL"));
   CHECK_THAT(test::read_file(dir / "run/logs/rank1.log"), Contains("SIGKILL at expert dispatch 3"));
-  CHECK_THAT(r.err, Contains("all_to_all_v") && Contains("group ep0"));
+  CHECK_THAT(r.err, Contains("all_to_all_v") && Contains("group dp0_ep0"));
   // No worker is left: the agent reaped both (the bracket keeps pgrep from matching itself).
   const auto left = test::run_command("pgrep -f '" + dir.path() + "/job[.]yaml' || true");
   CHECK(left.out.empty());

@@ -379,7 +379,8 @@ const std::vector<Field>& fields() {
                     "experts [i*n/E, (i+1)*n/E) of every layer for the tokens of all E ranks (all_to_all_v "
                     "dispatch and combine); the expert weights are still held by every rank and reduced over dp "
                     "as the rest (their storage is not split yet); must divide model.n_experts and the "
-                    "data-parallel size; needs a mixture of experts; not yet with tensor, pipeline or context "
+                    "data-parallel size; needs a mixture of experts; composes with tensor_parallel (each TP "
+                    "rank's dp group has its own ep groups); not yet with pipeline, context or sequence "
                     "parallelism, adapters or offload (refused); 1 = off"),
       TR_SPEC_FIELD(parallel.pipeline_parallel, at_least(1),
                     "pipeline stages (pp, the outermost mesh dimension): the layers split over this many ranks, the "
@@ -1010,7 +1011,6 @@ void check_rules(JobSpec& s, const Origins& o, const std::string& fallback, bool
              str(p.expert_parallel) + " with " + key + " " + value + " is not implemented yet; set " + key +
                  " back to its default or parallel.expert_parallel: 1");
     };
-    refuse(p.tensor_parallel > 1, "parallel.tensor_parallel", str(p.tensor_parallel));
     refuse(p.pipeline_parallel > 1, "parallel.pipeline_parallel", str(p.pipeline_parallel));
     refuse(p.context_parallel > 1, "parallel.context_parallel", str(p.context_parallel));
     refuse(p.sequence_parallel_on(), "parallel.sequence_parallel", "true");

@@ -392,8 +392,10 @@ void Trainer::setup() {
   const ContextParallel* cpc = cp > 1 ? &cp_ctx_ : nullptr;
   // Expert parallelism (parallel/expert/): groups of E consecutive dp ranks
   // (dp index / E), so with tp 1 a group is E consecutive ranks of a node
-  // and its all-to-all stays on NVLink. The job spec refuses what it does
-  // not compose with yet (tp, pp, cp, adapters, offload).
+  // and its all-to-all stays on NVLink; with tp each TP rank's dp group has
+  // its own ep groups (the TP ranks of a dp index route the same rows and
+  // exchange them alike). The job spec refuses what it does not compose
+  // with yet (pp, cp, sequence parallelism, adapters, offload).
   const int ep = job_.parallel.expert_parallel;
   if (ep > 1) {
     TR_CHECK(cfg.moe.on(), "parallel.expert_parallel ", ep, ": model.arch ", cfg.arch,
@@ -404,11 +406,12 @@ void Trainer::setup() {
     TR_CHECK(!nccl, "parallel.expert_parallel ", ep, " on the ", be_->name(), " backend is not implemented yet "
              "(its token exchange moves host counts); use backend: cpu or expert_parallel: 1");
     const int dpi = mesh_->dp_coord();
-    ep_comm_ = factory("ep" + std::to_string(dpi / ep) + "/", dpi % ep, ep);
+    // Named by the dp group (one per TP rank): "dp0_ep1" is dp ranks E..2E-1 of TP rank 0's dp group.
+    ep_comm_ = factory(mesh_->dp_group_name() + "_ep" + std::to_string(dpi / ep) + "/", dpi % ep, ep);
     ep_ctx_.comm = ep_comm_.get();
     if (w_.rank == 0)
       TR_LOG_INFO("expert parallelism: ep", ep, " inside dp", dp_size_, ": groups of ", ep,
-                  " consecutive dp ranks (ep0 = dp ranks 0..", ep - 1, "); ep rank i runs experts [i*",
+                  " consecutive dp ranks of each dp group (", mesh_->dp_group_name(), "_ep0 = dp ranks 0..", ep - 1, "); ep rank i runs experts [i*",
                   cfg.moe.n_experts / ep, ", (i+1)*", cfg.moe.n_experts / ep, ") of every layer for its group's "
                   "tokens; expert weights are held by every rank (their storage is not split yet)");
   }
@@ -502,7 +505,7 @@ void Trainer::setup() {
     };
     std::unique_ptr<ParamStore> store;
     if (pp == 1) {
-      model_ = arch_->make_network(be_.get(), mb_, job_.train.activation_checkpointing == "blocks", tpc, nullptr, cpc);
+      model_ = arch_->make_network(be_.get(), mb_, job_.train.activation_checkpointing == "blocks", tpc, nullptr, cpc, epc);
       // Offload works on the inner (local) store: the TP store's norm skip
       // reaches its host grad norm too (HostOptimizerState::grad_sum_squares).
       // With adapters the base's TP slice is frozen (parameters only),

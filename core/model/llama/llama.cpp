@@ -71,9 +71,11 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
     TR_CHECK(!(stage && stage->split_backward), "parallel.pipeline_schedule: zero_bubble with a mixture of experts "
                                                  "is not implemented yet; use 1f1b");
     // Expert parallelism: alone for now (the job spec refuses the rest by name).
-    TR_CHECK(!ep || (!tp_ && !stage && !(cp && cp->comm)), "model: parallel.expert_parallel with tensor, pipeline or "
-                                                           "context parallelism is not implemented yet (a bug: the "
-                                                           "job spec refuses it)");
+    // With tensor parallelism the experts stay whole on every TP rank (the
+    // TP ranks of a dp index route the same rows; each exchanges them in
+    // its own ep group).
+    TR_CHECK(!ep || (!stage && !(cp && cp->comm)), "model: parallel.expert_parallel with pipeline or context "
+                                                   "parallelism is not implemented yet (a bug: the job spec refuses it)");
     moe_elems_ = MoeOffsets(cfg.C, cfg.moe).total;
   }
   if (!cfg.tied) {
