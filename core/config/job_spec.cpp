@@ -379,9 +379,9 @@ const std::vector<Field>& fields() {
                     "experts [i*n/E, (i+1)*n/E) of every layer for the tokens of all E ranks (all_to_all_v "
                     "dispatch and combine); the expert weights are still held by every rank and reduced over dp "
                     "as the rest (their storage is not split yet); must divide model.n_experts and the "
-                    "data-parallel size; needs a mixture of experts; composes with tensor_parallel (each TP "
-                    "rank's dp group has its own ep groups); not yet with pipeline, context or sequence "
-                    "parallelism, adapters or offload (refused); 1 = off"),
+                    "data-parallel size; needs a mixture of experts; composes with tensor_parallel and "
+                    "pipeline_parallel (each TP rank's and stage's dp group has its own ep groups); not yet with "
+                    "context or sequence parallelism, adapters or offload (refused); 1 = off"),
       TR_SPEC_FIELD(parallel.pipeline_parallel, at_least(1),
                     "pipeline stages (pp, the outermost mesh dimension): the layers split over this many ranks, the "
                     "embedding on the first and the final norm and LM head on the last; microbatches are the "
@@ -1011,7 +1011,6 @@ void check_rules(JobSpec& s, const Origins& o, const std::string& fallback, bool
              str(p.expert_parallel) + " with " + key + " " + value + " is not implemented yet; set " + key +
                  " back to its default or parallel.expert_parallel: 1");
     };
-    refuse(p.pipeline_parallel > 1, "parallel.pipeline_parallel", str(p.pipeline_parallel));
     refuse(p.context_parallel > 1, "parallel.context_parallel", str(p.context_parallel));
     refuse(p.sequence_parallel_on(), "parallel.sequence_parallel", "true");
     refuse(p.offload != "none", "parallel.offload", p.offload);

@@ -604,6 +604,7 @@ void Trainer::setup() {
       po.micro_batch = mb_;
       po.seq_len = rows_;
       po.cp = cpc;
+      po.ep = epc;
       po.activation_checkpointing = job_.train.activation_checkpointing == "blocks";
       po.document_mask = doc_separator_ >= 0;  // resolved first thing in setup()
       po.tp = tpc;

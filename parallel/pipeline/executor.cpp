@@ -270,7 +270,7 @@ PipelineExecutor::PipelineExecutor(const ModelArch& arch, Backend* be, const Pip
     cr.stage.shared_scratch = true;
     for (int i = 0; i < most[c]; ++i) {
       Slot s;
-      s.net = arch.make_network(be, B, im.opts.activation_checkpointing, im.opts.tp, &cr.stage, im.opts.cp);
+      s.net = arch.make_network(be, B, im.opts.activation_checkpointing, im.opts.tp, &cr.stage, im.opts.cp, im.opts.ep);
       s.in = DeviceBuffer(be, size_t(B) * T * 4);
       s.tgt = DeviceBuffer(be, size_t(B) * T * 4);
       if (im.opts.document_mask) {

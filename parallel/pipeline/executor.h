@@ -52,6 +52,7 @@ namespace trainrun {
 
 struct TensorParallel;
 struct ContextParallel;
+struct ExpertParallel;
 class StepTracer;
 
 class PipelineExecutor {
@@ -67,6 +68,9 @@ class PipelineExecutor {
     // Context parallelism: the stage networks' cp group (null = none);
     // seq_len is then this rank's rows per sequence (T / cp).
     const ContextParallel* cp = nullptr;
+    // Expert parallelism: the stage networks' ep group (null = none). One
+    // network per slot, so each in-flight micro-batch keeps its own exchange plans.
+    const ExpertParallel* ep = nullptr;
     // Global ranks of the pp group (index = stage rank), for messages.
     std::vector<int> stage_ranks;
   };

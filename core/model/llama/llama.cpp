@@ -74,8 +74,8 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
     // With tensor parallelism the experts stay whole on every TP rank (the
     // TP ranks of a dp index route the same rows; each exchanges them in
     // its own ep group).
-    TR_CHECK(!ep || (!stage && !(cp && cp->comm)), "model: parallel.expert_parallel with pipeline or context "
-                                                   "parallelism is not implemented yet (a bug: the job spec refuses it)");
+    TR_CHECK(!ep || !(cp && cp->comm), "model: parallel.expert_parallel with context parallelism is not "
+                                       "implemented yet (a bug: the job spec refuses it)");
     moe_elems_ = MoeOffsets(cfg.C, cfg.moe).total;
   }
   if (!cfg.tied) {
