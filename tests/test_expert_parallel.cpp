@@ -83,6 +83,9 @@ TEST_CASE("expert parallel: ep2 and ep4 alone, with full_shard, tp2, checkpointi
   // Activation checkpointing: the backward's recompute routes and exchanges again (same plan, same rows).
   test::check_same_run("ep2 checkpointed", test::train_mesh(ep_job(dir / "ep2ck", "sharding: shard_grad_op, "
                        "expert_parallel: 2, ", 5, kModel, ", activation_checkpointing: blocks"), 2), ref);
+  // Optimizer offload: the store is the one without ep (every expert's state, sharded by the strategy).
+  test::check_same_run("ep2 offload cpu", run("ep2off", 2, "sharding: full_shard, offload: cpu, expert_parallel: 2, "),
+                       ref);
   // Qwen2-MoE: no renormalisation and a shared expert (computed where its tokens are, never exchanged).
   const std::string qwen =
       "{arch: qwen2_moe, n_layer: 2, n_head: 4, n_kv_head: 2, n_embd: 32, ffn_dim: 24, vocab_size: 64, seq_len: 16, "
@@ -161,8 +164,7 @@ TEST_CASE("expert parallel: bad input is refused by name", "[ep][config]") {
   for (const auto& [parallel, key] :
        std::vector<std::pair<std::string, std::string>>{
            {"expert_parallel: 2, tensor_parallel: 2, sequence_parallel: true, ", "parallel.sequence_parallel true"},
-           {"expert_parallel: 2, context_parallel: 2, ", "parallel.context_parallel 2"},
-           {"expert_parallel: 2, offload: cpu, ", "parallel.offload cpu"}}) {
+           {"expert_parallel: 2, context_parallel: 2, ", "parallel.context_parallel 2"}}) {
     INFO(parallel);
     CHECK_THROWS_WITH(parse(ep_job(out, parallel)), Contains("parallel.expert_parallel") &&
                                                        Contains("2 with " + key + " is not implemented yet"));

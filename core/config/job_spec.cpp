@@ -381,7 +381,7 @@ const std::vector<Field>& fields() {
                     "as the rest (their storage is not split yet); must divide model.n_experts and the "
                     "data-parallel size; needs a mixture of experts; composes with tensor_parallel and "
                     "pipeline_parallel (each TP rank's and stage's dp group has its own ep groups); not yet with "
-                    "context or sequence parallelism, adapters or offload (refused); 1 = off"),
+                    "context or sequence parallelism or adapters (refused); 1 = off"),
       TR_SPEC_FIELD(parallel.pipeline_parallel, at_least(1),
                     "pipeline stages (pp, the outermost mesh dimension): the layers split over this many ranks, the "
                     "embedding on the first and the final norm and LM head on the last; microbatches are the "
@@ -1013,7 +1013,6 @@ void check_rules(JobSpec& s, const Origins& o, const std::string& fallback, bool
     };
     refuse(p.context_parallel > 1, "parallel.context_parallel", str(p.context_parallel));
     refuse(p.sequence_parallel_on(), "parallel.sequence_parallel", "true");
-    refuse(p.offload != "none", "parallel.offload", p.offload);
     refuse(s.model.adapter.on(), "model.adapter.type", s.model.adapter.type);
   }
   // Context parallelism: the sequence's 2 x cp chunks must be whole (the

@@ -395,7 +395,7 @@ void Trainer::setup() {
   // and its all-to-all stays on NVLink; with tp each TP rank's dp group has
   // its own ep groups (the TP ranks of a dp index route the same rows and
   // exchange them alike). The job spec refuses what it does not compose
-  // with yet (pp, cp, sequence parallelism, adapters, offload).
+  // with yet (cp, sequence parallelism, adapters).
   const int ep = job_.parallel.expert_parallel;
   if (ep > 1) {
     TR_CHECK(cfg.moe.on(), "parallel.expert_parallel ", ep, ": model.arch ", cfg.arch,
