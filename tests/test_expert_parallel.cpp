@@ -5,7 +5,9 @@
 // and combine) must train as one rank does:
 //  - ep2 and ep4 (no_shard) and ep2 x dp full_shard (world 4) over 5 steps,
 //    losses (cross-entropy + load-balancing + z-loss) and final weights <= 1e-5;
-//    also with activation checkpointing, and Qwen2-MoE (shared expert) at ep2;
+//    also with tp2, pp2, activation checkpointing, offload, and Qwen2-MoE
+//    (shared expert) at ep2; the router's aux and z losses rank 0 logs are
+//    ep1's (same world) at every step;
 //  - a router whose weights start at 0 sends every token to expert 0 (top-1;
 //    ep rank 0 receives every row of the group, the other ranks none): equal;
 //  - checkpoints stay logical: an ep2 run resumes at ep1 and an ep1 run at ep2;
@@ -15,6 +17,8 @@
 //    the combinations not implemented yet, each refused by name.
 #include <catch2/catch.hpp>
 #include <chrono>
+#include <nlohmann/json.hpp>
+#include <sstream>
 #include <string>
 
 #include "core/checkpoint/hf_interop.h"
@@ -67,6 +71,26 @@ TEST_CASE("expert parallel: ep2 and ep4 alone, with full_shard, tp2, checkpointi
   REQUIRE(ref.losses.size() == 5);
   CHECK(ref.losses.back() < ref.losses.front());  // it trained
   test::check_same_run("ep2", run("ep2", 2, "sharding: no_shard, expert_parallel: 2, "), ref);
+  // The router losses rank 0 logs (its last micro-batch's, routed locally)
+  // are ep1's at the same world: every step's aux and z in metrics.jsonl.
+  (void)run("dp2", 2, "sharding: no_shard, ");
+  const auto router = [&](const std::string& name) {
+    std::vector<std::pair<double, double>> out;
+    std::istringstream in(test::read_file(dir / name + "/metrics.jsonl"));
+    for (std::string line; std::getline(in, line);) {
+      const nlohmann::json j = nlohmann::json::parse(line);
+      if (j.contains("moe_aux_loss")) out.emplace_back(j["moe_aux_loss"].get<double>(), j["moe_z_loss"].get<double>());
+    }
+    return out;
+  };
+  const auto ep2_router = router("ep2"), dp2_router = router("dp2");
+  REQUIRE(ep2_router.size() == 5);
+  REQUIRE(dp2_router.size() == 5);
+  for (size_t i = 0; i < 5; ++i) {
+    INFO("step " << i + 1);
+    CHECK(ep2_router[i].first == Approx(dp2_router[i].first).epsilon(1e-5));
+    CHECK(ep2_router[i].second == Approx(dp2_router[i].second).epsilon(1e-5));
+  }
   test::check_same_run("ep4", run("ep4", 4, "sharding: no_shard, expert_parallel: 4, "), ref);
   test::check_same_run("ep2 x dp4 full_shard", run("ep2fs", 4, "sharding: full_shard, expert_parallel: 2, "), ref);
   // tp2 x ep2 (world 4: tp2 x dp2): each TP rank's dp group exchanges in its own ep group.
