@@ -3,6 +3,7 @@
 #include <math.h>
 
 #include "core/common/error.h"
+#include "kernels/attention_block_tiles.h"
 #include "kernels/cuda/attention_block.cuh"
 #include "kernels/cuda/attention_tiles.cuh"
 
@@ -11,12 +12,12 @@ namespace trainrun::cuda {
 namespace {
 
 using namespace attn_tiles;
+static_assert(kTile == block_tiles::kTile, "the skipping rules (attention_block_tiles.h) assume the kernels' tile");
 
 // The first global key position query row i (local, < Tq) may see: its
 // document's start and, with a window W, qpos - W + 1 (attention_block.h).
 __device__ __forceinline__ int row_first_pos(const AttentionBlock& a, int b, int i) {
-  const int doc = a.q_doc ? a.q_doc[int64_t(b) * a.doc_bs + i] : 0;
-  return a.window > 0 ? max(doc, a.q_pos0 + i - a.window + 1) : doc;
+  return block_tiles::first_pos(a.q_doc ? a.q_doc[int64_t(b) * a.doc_bs + i] : 0, a.q_pos0 + i, a.window);
 }
 
 // Whether query row i (local) sees key row j (local) of the block.
@@ -36,10 +37,9 @@ __device__ __forceinline__ void key_tile_range(const AttentionBlock& a, int b, i
   __syncthreads();
   if (threadIdx.x < kTile && q0 + int(threadIdx.x) < a.Tq) atomicMin(smin, row_first_pos(a, b, q0 + threadIdx.x));
   __syncthreads();
-  const int last = min(q0 + kTile, a.Tq) - 1;
-  const int jlo = max(0, *smin - a.k_pos0), jhi = min(a.Tk - 1, a.q_pos0 + last - a.k_pos0);
-  *kt0 = jlo / kTile;
-  *kt1 = jlo <= jhi ? jhi / kTile + 1 : *kt0;
+  const block_tiles::TileRange t = block_tiles::key_tiles(*smin, a.q_pos0 + min(q0 + kTile, a.Tq) - 1, a.k_pos0, a.Tk);
+  *kt0 = t.begin;
+  *kt1 = t.end;
 }
 
 // Forward: one block per (query tile, query head, batch row), the online
@@ -252,7 +252,7 @@ __global__ void __launch_bounds__(kThreads) block_dkv_kernel(float* dk, float* d
     // Does any row of the query tile see a key of this tile? (qpos >= kp0, first <= kp1)
     const int t = q0 + int(threadIdx.x);
     const bool row_sees =
-        threadIdx.x < kTile && t < a.Tq && a.q_pos0 + t >= kp0 && row_first_pos(a, b, t) <= kp1;
+        threadIdx.x < kTile && t < a.Tq && block_tiles::row_reaches(a.q_pos0 + t, row_first_pos(a, b, t), kp0, kp1);
     if (!__syncthreads_or(row_sees)) continue;  // also: everyone is done with the previous tiles
     any = true;
     for (int h = g * R; h < (g + 1) * R; ++h) {
