@@ -628,6 +628,9 @@ TEST_CASE("config: every preset has its published model's parameter count", "[co
       // Qwen1.5-MoE-A2.7B: the layout's count from its config.json (60 experts of 1408, a shared expert of
       // 5632 and its gate, q/k/v biases), the model card's 14.3B; not checked against the safetensors files.
       {"qwen1.5-moe-a2.7b", 14315784192LL},
+      // Qwen3-30B-A3B: 48 x 623120640 per block (attention 18874368, q/k_norm, two norms, router, 128 experts
+      // of 3 x 2048 x 768) + 2 x 151936 x 2048 + 2048: the model card's 30.5B (tests/test_qwen3_moe.cpp: 3.3B active).
+      {"qwen3-30b-a3b", 30532122624LL},
   };
   REQUIRE(trainrun::model_preset_names().size() == want.size());
   for (const auto& [name, params] : want) {
