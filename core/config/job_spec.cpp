@@ -232,6 +232,17 @@ const std::vector<Field>& fields() {
       TR_SPEC_FIELD(model.router_z_loss_coef, at_least(0),
                     "mixture of experts: weight of the router z-loss (mean over layers and tokens of "
                     "logsumexp(router logits)^2, ST-MoE); 0 = off"),
+      TR_SPEC_FIELD(model.moe_balance, one_of({"aux_loss", "bias"}),
+                    "mixture of experts: how the load is balanced; aux_loss = only by the losses above; bias = "
+                    "also aux-loss-free balancing (DeepSeek-V3): a per-layer, per-expert bias added to the router "
+                    "probabilities for the top-k choice only (the gate weights stay the probabilities), after "
+                    "every optimizer step b_e += model.moe_bias_update_rate * sign(mean load - load_e) from the "
+                    "step's load over all micro-batches and data-parallel ranks; the bias is in the checkpoint "
+                    "(training state, not a weight: export and generate route without it); CPU backend, no "
+                    "pipeline parallelism yet; set model.router_aux_loss_coef: 0 for DeepSeek-V3's recipe"),
+      TR_SPEC_FIELD(model.moe_bias_update_rate, above(0),
+                    "mixture of experts with model.moe_balance: bias: the bias's step per optimizer step "
+                    "(DeepSeek-V3: 0.001)"),
 
       TR_SPEC_FIELD(model.adapter.type, one_of({"none", "lora", "dora"}),
                     "parameter-efficient fine-tuning (docs/fine-tuning.md): lora = frozen base + trainable "

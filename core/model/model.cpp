@@ -167,6 +167,9 @@ ModelConfig ModelConfig::from_spec(const ModelSpec& m) {
   const bool moe_arch = c.arch == "mixtral" || c.arch == "qwen2_moe" || c.arch == "qwen3_moe";
   TR_CHECK(m.n_experts == 0 || moe_arch, "model.n_experts: ", m.n_experts, "; ", c.arch,
            " has a dense MLP (0); use model.arch: mixtral, qwen2_moe or qwen3_moe for a mixture of experts");
+  TR_CHECK(m.moe_balance == "aux_loss" || m.n_experts > 0, "model.moe_balance: ", m.moe_balance, "; ", c.arch,
+           " has no experts to balance (model.n_experts 0); use aux_loss, or a mixture of experts");
+  c.moe.bias_rate = m.moe_balance == "bias" ? m.moe_bias_update_rate : 0.0;
   const bool scaled = m.rope_scaling.type != "none";
   if (c.arch == "gpt2") {
     // GPT-2 has none of Llama's knobs: a value that would change the model
@@ -235,6 +238,8 @@ ModelSpec ModelConfig::to_spec() const {
   m.shared_expert_ffn_dim = moe.shared_ffn;
   m.norm_topk_prob = !moe.on() ? "auto" : moe.norm_topk_prob ? "true" : "false";
   m.router_z_loss_coef = moe.z_loss_coef;
+  m.moe_balance = moe.bias_rate > 0 ? "bias" : "aux_loss";
+  if (moe.bias_rate > 0) m.moe_bias_update_rate = moe.bias_rate;
   m.rope_scaling.type = rope_scaling_type.empty() ? "none" : rope_scaling_type;
   if (!rope_scaling_type.empty()) {
     m.rope_scaling.factor = rope_scaling.factor;
