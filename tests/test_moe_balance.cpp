@@ -7,7 +7,8 @@
 //  - the last forward's max/mean load (metrics.jsonl) drops over 5 steps
 //    with the bias and stays at E without it (the weights frozen, lr 1e-30);
 //  - the bias is in the checkpoint: 2 steps, resume, 2 more equals 4
-//    straight, losses, weights and the manifest's bias, at dp2;
+//    straight, losses, weights and the manifest's bias, at dp2; a bias of
+//    the wrong size in a manifest is refused;
 //  - bad values are refused by name: the rate, a dense model, pp2;
 //  - the biased choice op itself: the bias chooses, the weights stay the
 //    probabilities (renormalised over the chosen).
@@ -181,6 +182,20 @@ TEST_CASE("moe balance: the expert bias resumes, 2 + 2 steps equal 4 at dp2", "[
   const auto b2 = manifest(dir / "broken", 4)["moe_expert_bias"].get<std::vector<float>>();
   CHECK(b1 == b2);
   CHECK(b1 != std::vector<float>(kE, 0.f));
+
+  // A checkpoint whose bias does not fit the model is refused, naming both sizes.
+  const std::string bad = dir / "tampered";
+  (void)test::train_mesh(job_yaml(hf, bad, 2, bias, "3.0e-3", "sharding: full_shard, "), 2);
+  nlohmann::json m = manifest(bad, 2);
+  m["moe_expert_bias"] = {0.1, 0.2};
+  std::ofstream(bad + "/checkpoints/step_00000002/manifest.json") << m.dump(2);
+  std::string err;
+  try {
+    (void)test::train_mesh(job_yaml(hf, bad, 4, bias, "3.0e-3", "sharding: full_shard, "), 2);
+  } catch (const std::exception& e) {
+    err = e.what();
+  }
+  CHECK_THAT(err, Contains("moe_expert_bias has 2 values") && Contains("1 layers x 4 experts need 4"));
 }
 
 TEST_CASE("moe balance: the biased top-k op chooses by probs + bias and weighs by probs", "[moe][balance]") {
