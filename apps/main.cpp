@@ -33,6 +33,7 @@
 #include "core/train/bench_pipeline.h"
 #include "core/train/bench_lora.h"
 #include "core/train/bench_cp.h"
+#include "core/train/bench_moe.h"
 #include "core/train/pipeline_explain.h"
 #include "core/train/generate.h"
 #include "core/train/planner.h"
@@ -633,6 +634,16 @@ int main(int argc, char** argv) {
   bench_cp->add_option("--layers", cpo.layers, "Llama blocks")->capture_default_str()->check(CLI::Range(1, 1024));
   bench_cp->add_option("--width", cpo.width, "n_embd (a multiple of --heads)")->capture_default_str()->check(CLI::Range(8, 65536));
   bench_cp->add_flag("--documents", cpo.documents, "random documents of ~512 tokens (document masks)");
+  auto* bench_moe = bench->add_subcommand("moe", "mixture of experts: step time of a small Mixtral (E experts, top-K) against the dense Llama of equal active parameters (one MLP of K x the expert width), CPU backend, one rank");
+  MoeBenchOptions moo;
+  bench_moe->add_option("--experts", moo.experts, "experts per block (E)")->capture_default_str()->check(CLI::Range(1, 1024));
+  bench_moe->add_option("--top-k", moo.top_k, "experts per token (K)")->capture_default_str()->check(CLI::Range(1, 1024));
+  bench_moe->add_option("--expert-ffn", moo.expert_ffn, "each expert's MLP width (the dense MLP's is K x this)")->capture_default_str()->check(CLI::Range(1, 1 << 20));
+  bench_moe->add_option("--layers", moo.layers, "blocks")->capture_default_str()->check(CLI::Range(1, 1024));
+  bench_moe->add_option("--width", moo.width, "n_embd (a multiple of 4 heads)")->capture_default_str()->check(CLI::Range(8, 65536));
+  bench_moe->add_option("--seq-len", moo.seq_len, "tokens per sequence")->capture_default_str()->check(CLI::Range(1, 1 << 20));
+  bench_moe->add_option("--batch", moo.batch, "sequences per step")->capture_default_str()->check(CLI::Range(1, 4096));
+  bench_moe->add_option("--steps", moo.steps, "steps per model (the first is warm-up)")->capture_default_str()->check(CLI::Range(2, 1000));
 
   // Hidden: the CUDA peer probe, run by the topology code in a child process
   // (parallel/topology/topology_probe.cpp) so the agent never holds a CUDA context.
@@ -656,7 +667,7 @@ int main(int argc, char** argv) {
       {topo_cmd, "docs/planner.md"},        {bench, "docs/benchmarks.md"},      {bench_comm, "docs/benchmarks.md"},
       {bench_ckpt, "docs/benchmarks.md"},   {bench_kernels, "docs/benchmarks.md"},
       {bench_pipe, "docs/benchmarks.md"},   {bench_opt, "docs/benchmarks.md"},  {bench_off, "docs/benchmarks.md"},
-      {bench_lora, "docs/benchmarks.md"},   {bench_cp, "docs/benchmarks.md"},
+      {bench_lora, "docs/benchmarks.md"},   {bench_cp, "docs/benchmarks.md"},   {bench_moe, "docs/benchmarks.md"},
       {tokenizer_cmd->command(), "docs/data-format.md"},
   };
   for (const auto& [sub, page] : doc_pages) sub->footer(std::string("Docs: ") + page);
@@ -730,6 +741,10 @@ int main(int argc, char** argv) {
       std::string described;
       const std::vector<CpBenchRow> rows = run_cp_bench(cpo, &described);
       std::cout << format_cp_table(rows, described, cpo) << std::flush;
+      return 0;
+    }
+    if (*bench_moe) {
+      std::cout << format_moe_table(run_moe_bench(moo), moo) << std::flush;
       return 0;
     }
     if (*export_cmd) {

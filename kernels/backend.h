@@ -539,6 +539,14 @@ class Backend {
                                  int K, bool renorm) {
     not_implemented("moe_route_forward");
   }
+  // moe_route_select_biased: aux-loss-free balancing (DeepSeek-V3): idx(N,K)
+  // again, the K largest probs + bias(E) (ties: the lower expert id), and
+  // w(N,K) their probabilities without the bias (renormalised when renorm):
+  // the bias steers the choice only. The backward is moe_route_backward's.
+  virtual void moe_route_select_biased(int32_t* idx, float* w, const float* probs, const float* bias, int N, int E,
+                                       int K, bool renorm) {
+    not_implemented("moe_route_select_biased (model.moe_balance: bias)");
+  }
   // The router's backward, dlogits(N,E) (act dtype, overwritten), through
   // the softmax from: dw(N,K) the chosen weights' gradient (through the
   // renormalisation when renorm), aux_grad(E) a gradient on every token's

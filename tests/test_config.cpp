@@ -336,10 +336,10 @@ TEST_CASE("config: the field table is complete and its defaults are valid", "[co
   // model.{attn_softcap, final_softcap, query_scale, sliding_window} (Gemma 2)
   // train.{objective, dpo_beta, dpo_label_smoothing, reference} (preference tuning)
   // model.{n_experts, n_experts_per_tok, moe_ffn_dim, shared_expert_ffn_dim, norm_topk_prob,
-  //        router_aux_loss_coef, router_z_loss_coef} (mixture of experts)
+  //        router_aux_loss_coef, router_z_loss_coef, moe_balance, moe_bias_update_rate} (mixture of experts)
   // model.rope_scaling.{short_factor, long_factor, max_position_embeddings} (Phi-3's longrope)
   // parallel.expert_parallel (the MoE experts' compute split over ep ranks)
-  CHECK(fields.size() == 110);
+  CHECK(fields.size() == 112);
   std::vector<std::string> keys;
   for (const auto& f : fields) {
     INFO(f.key);
@@ -437,7 +437,7 @@ TEST_CASE("config: bad specs: YAML structure", "[config][bad]") {
        "vocab_size, seq_len, init_std, init_from, n_kv_head, ffn_dim, head_dim, norm_eps, rope_theta, sliding_window, "
        "tie_embeddings, attn_softcap, final_softcap, query_scale, "
        "base_dtype, rope_scaling, n_experts, n_experts_per_tok, moe_ffn_dim, shared_expert_ffn_dim, norm_topk_prob, "
-       "router_aux_loss_coef, router_z_loss_coef, adapter"},
+       "router_aux_loss_coef, router_z_loss_coef, moe_balance, moe_bias_update_rate, adapter"},
       {"a subsection's key one level up", kSynthetic + "model:\n  dropout: 0.1\n", {},
        "job.yaml:4:3: model.dropout: unknown key; did you mean 'model.adapter.dropout'?"},
       {"unknown key in a nested section", kSynthetic + "  synthetic:\n    brnaching: 2\n", {},
@@ -629,6 +629,9 @@ TEST_CASE("config: every preset has its published model's parameter count", "[co
       // Qwen1.5-MoE-A2.7B: the layout's count from its config.json (60 experts of 1408, a shared expert of
       // 5632 and its gate, q/k/v biases), the model card's 14.3B; not checked against the safetensors files.
       {"qwen1.5-moe-a2.7b", 14315784192LL},
+      // Qwen3-30B-A3B: 48 x 623120640 per block (attention 18874368, q/k_norm, two norms, router, 128 experts
+      // of 3 x 2048 x 768) + 2 x 151936 x 2048 + 2048: the model card's 30.5B (tests/test_qwen3_moe.cpp: 3.3B active).
+      {"qwen3-30b-a3b", 30532122624LL},
   };
   REQUIRE(trainrun::model_preset_names().size() == want.size());
   for (const auto& [name, params] : want) {

@@ -2076,3 +2076,122 @@ TEST_CASE("cuda: attention by blocks (context parallelism) matches the CPU op", 
     check_close("attention_block dk|dv " + sh, dkv.read_gpu(p), dkv.read_cpu(p), kAttnBwd);
   }
 }
+
+// The tiled block kernels across chunk boundaries, as the ring calls them: a
+// query chunk of 80 rows (a full 64-row tile and a partial one) at global
+// position 160 of a 320-row sequence of 4 chunks, against K/V blocks of the
+// chunk before it (chunk 0), the chunk itself (the diagonal) and the chunk
+// after it (chunk 3: every key after every query). Documents on global
+// positions: batch row 0 starts one exactly on the query chunk's edge (160:
+// the earlier block is invisible to every row), batch row 1 has one of 200
+// rows from 10 to 210 (longer than two chunks: rows 160..209 see keys 10..79
+// of chunk 0 across both its tiles, rows 210..239 see none of it: lse -inf).
+// Forward partials per block (out, lse with -inf rows), the final result
+// merged in the ring's order (diagonal, then chunk 0), and the fp32 backward
+// of each block accumulated (+=) into pre-filled dq, dk, dv with that final
+// out/lse; the chunk-3 block must leave dk/dv bit for bit unchanged. GQA
+// 8:2 at HS 64 (16-byte loads), multi-head at HS 40 (padded, scalar loads),
+// and window 120 + soft-cap 2 + scale 0.3 with the documents (rows up to
+// 198 of batch row 1 still reach chunk 0; query tile 1 skips its key tile 0). Refusals:
+// head size 160 and a negative window name the op. Not yet run on a GPU
+// (2026-12-05).
+TEST_CASE("cuda: tiled block attention across chunk boundaries matches the CPU op", "[cuda][cp]") {
+  CUDA_TEST_OR_SKIP();
+  Pair p;
+  constexpr int Tc = 80, T = 4 * Tc, q_pos0 = 2 * Tc;
+  struct Case { int B, NH, NKV, HS; bool docs; int window; float softcap, scale; };
+  const int kcs[3] = {2, 0, 3};  // the diagonal first (every row sees itself), then before, then after
+  for (Case s : {Case{2, 8, 2, 64, true, 0, 0.f, 0.f}, Case{1, 4, 4, 40, false, 0, 0.f, 0.f},
+                 Case{2, 8, 2, 64, true, 120, 2.f, 0.3f}}) {
+    const std::string sh = shape({{"B", s.B}, {"NH", s.NH}, {"NKV", s.NKV}, {"HS", s.HS}, {"docs", s.docs},
+                                  {"window", s.window}, {"softcap_x10", long(s.softcap * 10)}});
+    const int64_t ld = int64_t(s.NH + 2 * s.NKV) * s.HS, C = int64_t(s.NH) * s.HS, kv_ld = 2 * int64_t(s.NKV) * s.HS;
+    Twin q(p, randn(size_t(s.B) * Tc * ld, 311), true);
+    std::vector<Twin> kv;
+    for (int i = 0; i < 3; ++i) kv.emplace_back(p, randn(size_t(s.B) * Tc * kv_ld, 312 + i), true);
+    // Global document starts, then the query chunk's rows of them.
+    std::vector<int32_t> doc(size_t(s.B) * Tc, 0);
+    for (int b = 0; b < s.B; ++b) {
+      const std::vector<int> starts = b == 0 ? std::vector<int>{0, 30, 160, 240} : std::vector<int>{0, 10, 210};
+      for (int i = 0; i < Tc; ++i)
+        for (int st : starts)
+          if (st <= q_pos0 + i) doc[size_t(b) * Tc + i] = st;
+    }
+    DeviceBuffer cdoc = test::upload_i32(p.cpu.get(), doc), gdoc = test::upload_i32(p.gpu.get(), doc);
+    auto args = [&](bool gpu, int blk) {
+      AttentionBlock a;
+      a.B = s.B, a.Tq = Tc, a.Tk = Tc, a.NH = s.NH, a.NKV = s.NKV, a.HS = s.HS;
+      a.q_pos0 = q_pos0, a.k_pos0 = kcs[blk] * Tc;
+      a.q = gpu ? q.g() : q.c(), a.q_ld = ld, a.q_bs = Tc * ld;
+      const void* k = gpu ? kv[blk].g() : kv[blk].c();
+      a.k = k, a.v = static_cast<const char*>(k) + size_t(s.NKV) * s.HS * (gpu ? 2 : 4);
+      a.kv_ld = kv_ld, a.kv_bs = Tc * kv_ld;
+      a.o_ld = C, a.o_bs = Tc * C, a.lse_bs = int64_t(s.NH) * Tc, a.lse_hs = Tc;
+      if (s.docs) a.q_doc = gpu ? gdoc.as<int32_t>() : cdoc.as<int32_t>(), a.doc_bs = Tc;
+      a.window = s.window, a.softcap = s.softcap, a.scale = s.scale;
+      return a;
+    };
+    const size_t nout = size_t(s.B) * Tc * C, nlse = size_t(s.B) * s.NH * Tc;
+    // lse: -inf rows (no visible key in the block) must match exactly; the rest norm-wise.
+    auto check_lse = [&](const std::string& what, Vec got, Vec want) {
+      size_t inf_rows = 0, mismatched = 0;
+      for (size_t i = 0; i < want.size(); ++i)
+        if (std::isinf(want[i]) || std::isinf(got[i])) {
+          mismatched += !(got[i] == want[i]);
+          inf_rows += std::isinf(want[i]);
+          got[i] = want[i] = 0.f;
+        }
+      INFO(what << ": " << mismatched << " rows -inf on one backend only");
+      CHECK(mismatched == 0);
+      check_close(what, got, want, kAttnFwd);
+      return inf_rows;
+    };
+    std::vector<Twin> out, lse;
+    for (int blk = 0; blk < 3; ++blk) {
+      const std::string what = sh + " kv chunk " + std::to_string(kcs[blk]);
+      out.push_back(out_twin(p, nout, true));
+      lse.push_back(out_twin(p, nlse, false));
+      p.cpu->attention_block_forward(out[blk].c(), lse[blk].cf(), args(false, blk));
+      p.gpu->attention_block_forward(out[blk].g(), lse[blk].gf(), args(true, blk));
+      check_close("block out " + what, out[blk].read_gpu(p), out[blk].read_cpu(p), kAttnFwd);
+      const size_t inf_rows = check_lse("block lse " + what, lse[blk].read_gpu(p), lse[blk].read_cpu(p));
+      // The inputs cover what they claim: the diagonal is seen by every row,
+      // the later chunk by none, the earlier one (with documents) by some.
+      if (kcs[blk] == 2) CHECK(inf_rows == 0);
+      if (kcs[blk] == 3) CHECK(inf_rows == nlse);
+      if (kcs[blk] == 0 && s.docs) CHECK((inf_rows > 0 && inf_rows < nlse));
+    }
+    // The final out/lse: the diagonal's partial merged with chunk 0's.
+    p.cpu->attention_block_merge(out[0].c(), lse[0].cf(), out[1].c(), lse[1].cf(), args(false, 1));
+    p.gpu->attention_block_merge(out[0].g(), lse[0].gf(), out[1].g(), lse[1].gf(), args(true, 1));
+    check_close("merged out " + sh, out[0].read_gpu(p), out[0].read_cpu(p), kAttnFwd);
+    check_lse("merged lse " + sh, lse[0].read_gpu(p), lse[0].read_cpu(p));
+    // Backward of every block into pre-filled accumulators (the ring's +=).
+    Twin dout(p, randn(nout, 313), true);
+    Twin dq(p, randn(size_t(s.B) * Tc * ld, 314), false);
+    std::vector<Twin> dkv;
+    for (int blk = 0; blk < 3; ++blk) dkv.emplace_back(p, randn(size_t(s.B) * Tc * kv_ld, 315 + blk), false);
+    for (int blk = 0; blk < 3; ++blk)
+      for (bool gpu : {false, true}) {
+        Backend* be = gpu ? p.gpu.get() : p.cpu.get();
+        float* dkp = gpu ? dkv[blk].gf() : dkv[blk].cf();
+        be->attention_block_backward(gpu ? dq.gf() : dq.cf(), dkp, dkp + s.NKV * s.HS, gpu ? dout.g() : dout.c(),
+                                     gpu ? out[0].g() : out[0].c(), gpu ? lse[0].gf() : lse[0].cf(), args(gpu, blk));
+      }
+    check_close("block dq (3 blocks) " + sh, columns(dq.read_gpu(p), ld, 0, C), columns(dq.read_cpu(p), ld, 0, C),
+                kAttnBwd);
+    for (int blk = 0; blk < 2; ++blk)
+      check_close("block dk|dv kv chunk " + std::to_string(kcs[blk]) + " " + sh, dkv[blk].read_gpu(p),
+                  dkv[blk].read_cpu(p), kAttnBwd);
+    CHECK(dkv[2].read_gpu(p) == dkv[2].val);  // no query sees chunk 3: untouched, bit for bit
+  }
+  AttentionBlock a;
+  a.B = 1, a.Tq = a.Tk = 1, a.NH = a.NKV = 1, a.HS = 160;
+  DeviceBuffer o(p.gpu.get(), 4096), l(p.gpu.get(), 64);
+  CHECK_THROWS_WITH(p.gpu->attention_block_forward(o.get(), l.as<float>(), a),
+                    Catch::Contains("attention_block_forward: head size 160 (head_dim) is larger than the supported 128"));
+  a.HS = 16, a.window = -1;
+  CHECK_THROWS_WITH(p.gpu->attention_block_backward(l.as<float>(), l.as<float>(), l.as<float>(), o.get(), o.get(),
+                                                    l.as<float>(), a),
+                    Catch::Contains("attention_block_backward: window -1"));
+}

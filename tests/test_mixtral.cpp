@@ -22,6 +22,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -523,4 +524,32 @@ TEST_CASE("mixtral: our files record the experts, a file without them is refused
   meta["norm_topk_prob"] = "yes";
   CHECK_THROWS_WITH(config_from_file_metadata(meta, "m.safetensors"),
                     Contains("'norm_topk_prob' is not true/false: 'yes'"));
+}
+
+// ---- bench moe --------------------------------------------------------------------------------
+
+TEST_CASE("mixtral: `trainrun bench moe` prints the dense and the MoE row of equal active parameters, and refuses a "
+          "top-k beyond the experts", "[mixtral][bench]") {
+  const auto ok = test::run_command("OMP_NUM_THREADS=1 '" + test::trainrun_binary() +
+                                    "' bench moe --layers 1 --width 16 --expert-ffn 8 --seq-len 8 --batch 1 --steps 2");
+  INFO(ok.out << ok.err);
+  REQUIRE(ok.exit_code == 0);
+  CHECK_THAT(ok.out, Contains("8 experts top-2 of ffn 8 vs one MLP of 16"));
+  CHECK_THAT(ok.out, Contains("| model | parameters | active (matmul) | step (ms) | tokens/s | step / dense |"));
+  // Active parameters: the dense MLP of 2 x 8 is what 2 experts of 8 are; the MoE adds its router (8 x 16).
+  long long dense = -1, moe = -1;
+  std::istringstream lines(ok.out);
+  for (std::string line; std::getline(lines, line);) {
+    long long params = 0, active = 0;
+    const auto cells = line.find(" | ");
+    if (cells == std::string::npos || std::sscanf(line.c_str() + cells, " | %lld | %lld |", &params, &active) != 2)
+      continue;
+    (line.find("| llama ") == 0 ? dense : moe) = active;
+  }
+  CHECK(dense > 0);
+  CHECK(moe - dense == 8 * 16);
+  CHECK_THAT(ok.out, Contains("experts=8 top_k=2") && Contains("| 1.00 |"));
+  const auto bad = test::run_command("'" + test::trainrun_binary() + "' bench moe --experts 4 --top-k 5 --steps 2");
+  CHECK(bad.exit_code != 0);
+  CHECK_THAT(bad.out + bad.err, Contains("bench moe: --top-k 5 must be in 1..--experts (4)"));
 }

@@ -68,9 +68,10 @@ bool ends_with(const std::string& s, const std::string& suf) {
 TEST_CASE("model: the registry names an unknown architecture and the known ones", "[model]") {
   ModelConfig c = GPT2Config::of(2, 2, 16, 29, 8);
   c.arch = "gpt3";
-  CHECK(error_of([&] { make_model_arch(c); }) == "model.arch: unknown architecture 'gpt3'; known: gpt2, llama, qwen2, qwen3, phi3, mixtral, qwen2_moe, mistral, gemma2");
+  CHECK(error_of([&] { make_model_arch(c); }) == "model.arch: unknown architecture 'gpt3'; known: gpt2, llama, qwen2, qwen3, phi3, mixtral, qwen2_moe, qwen3_moe, mistral, gemma2");
   CHECK(model_arch_names() ==
-        std::vector<std::string>{"gpt2", "llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "mistral", "gemma2"});
+        std::vector<std::string>{"gpt2", "llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "mistral",
+                                 "gemma2"});
   CHECK(arch_for_hf_model_type("gpt2") == "gpt2");
   CHECK(arch_for_hf_model_type("llama") == "llama");
   CHECK(arch_for_hf_model_type("phi3") == "phi3");

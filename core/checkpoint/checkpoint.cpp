@@ -578,6 +578,7 @@ void Checkpointer::commit_rank0(int64_t step, const TrainState& st, const std::s
   m["step"] = st.step;
   m["tokens_seen"] = st.tokens;
   m["data_cursor"] = st.cursor;
+  if (!st.moe_expert_bias.empty()) m["moe_expert_bias"] = st.moe_expert_bias;
   m["world_size"] = world_;
   m["sharding"] = job_.parallel.sharding;
   m["model"] = json::parse(subject_.manifest_model);

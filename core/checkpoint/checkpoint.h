@@ -110,6 +110,9 @@ struct TrainState {
   int64_t step = 0;     // optimizer steps completed
   int64_t cursor = 0;   // global sample index of the next training batch
   int64_t tokens = 0;   // tokens seen
+  // model.moe_balance: bias: the (layers, E) expert bias (identical on every
+  // rank: the load it follows is all-reduced), in the manifest; empty = none.
+  std::vector<float> moe_expert_bias;
 };
 
 // What a checkpoint holds, and how a resume checks it: a whole model's

@@ -362,6 +362,7 @@ bool Checkpointer::load(ParamStore& ps, TrainState& st) {
                       {"tokens", m.at("tokens_seen").get<int64_t>()},
                       {"world_size", m.at("world_size").get<int>()},
                       {"sharding", m.at("sharding").get<std::string>()}};
+              if (m.contains("moe_expert_bias")) pick["moe_expert_bias"] = m.at("moe_expert_bias").get<std::vector<float>>();
               const json& mm = m.at("model");
               const std::string changed = subject_.mismatch(mm);
               if (!changed.empty())
@@ -481,6 +482,7 @@ bool Checkpointer::load(ParamStore& ps, TrainState& st) {
     st.step = pick.at("step").get<int64_t>();
     st.cursor = pick.at("cursor").get<int64_t>();
     st.tokens = pick.at("tokens").get<int64_t>();
+    if (pick.contains("moe_expert_bias")) st.moe_expert_bias = pick.at("moe_expert_bias").get<std::vector<float>>();
     if (rank_ == 0)
       TR_LOG_INFO("resume: loaded ", dir, " (step ", st.step, ", ", st.tokens, " tokens; saved by ",
                   pick.at("world_size").get<int>(), " ranks with ", pick.at("sharding").get<std::string>(),

@@ -123,7 +123,7 @@ const std::vector<Field>& fields() {
                     "model's original context (Llama 3.x 8192, Llama 2 4096, GPT-2 1024); with model.init_from "
                     "both must describe the same model; none = off"),
       TR_SPEC_FIELD(model.arch, one_of({"auto", "gpt2", "llama", "qwen2", "qwen3", "phi3", "mistral", "gemma2", "mixtral",
-                                        "qwen2_moe"}),
+                                        "qwen2_moe", "qwen3_moe"}),
                     "model family; auto = the model_type of model.init_from's config.json, else gpt2; "
                     "llama = Llama 3 (RMSNorm, RoPE, SwiGLU, grouped-query attention; its shape in the fields below); "
                     "qwen2 = Qwen2/Qwen2.5 (Llama's shape with q/k/v biases); "
@@ -135,7 +135,8 @@ const std::vector<Field>& fields() {
                     "mixtral = Mixtral (Llama's attention, every MLP model.n_experts experts of model.ffn_dim, "
                     "model.n_experts_per_tok per token); qwen2_moe = Qwen1.5-MoE / Qwen2-MoE (Qwen2's attention, "
                     "experts of model.moe_ffn_dim without renormalisation, a shared expert of "
-                    "model.shared_expert_ffn_dim behind a sigmoid gate)"),
+                    "model.shared_expert_ffn_dim behind a sigmoid gate); qwen3_moe = Qwen3-MoE (Qwen3's attention, experts of "
+                    "model.moe_ffn_dim, no shared expert)"),
       TR_SPEC_FIELD(model.n_layer, at_least(1), "transformer blocks (L)"),
       TR_SPEC_FIELD(model.n_head, at_least(1), "attention heads (NH); must divide n_embd"),
       TR_SPEC_FIELD(model.n_embd, at_least(1), "residual stream width in channels (C)"),
@@ -223,7 +224,7 @@ const std::vector<Field>& fields() {
                     "by sigmoid(shared_expert_gate) (qwen2_moe: shared_expert_intermediate_size); 0 = none"),
       TR_SPEC_FIELD(model.norm_topk_prob, one_of({"auto", "true", "false"}),
                     "mixture of experts: the chosen experts' softmax weights renormalised to sum 1; auto = the "
-                    "arch's (mixtral true, qwen2_moe config.json's norm_topk_prob, false by default)"),
+                    "arch's (mixtral true, qwen2_moe / qwen3_moe config.json's norm_topk_prob, false by default)"),
       TR_SPEC_FIELD(model.router_aux_loss_coef, at_least(0),
                     "mixture of experts: weight of the load-balancing loss added to each micro-batch's loss, as "
                     "transformers' load_balancing_loss_func with output_router_logits (E * sum_e f_e P_e over every "
@@ -231,6 +232,17 @@ const std::vector<Field>& fields() {
       TR_SPEC_FIELD(model.router_z_loss_coef, at_least(0),
                     "mixture of experts: weight of the router z-loss (mean over layers and tokens of "
                     "logsumexp(router logits)^2, ST-MoE); 0 = off"),
+      TR_SPEC_FIELD(model.moe_balance, one_of({"aux_loss", "bias"}),
+                    "mixture of experts: how the load is balanced; aux_loss = only by the losses above; bias = "
+                    "also aux-loss-free balancing (DeepSeek-V3): a per-layer, per-expert bias added to the router "
+                    "probabilities for the top-k choice only (the gate weights stay the probabilities), after "
+                    "every optimizer step b_e += model.moe_bias_update_rate * sign(mean load - load_e) from the "
+                    "step's load over all micro-batches and data-parallel ranks; the bias is in the checkpoint "
+                    "(training state, not a weight: export and generate route without it); CPU backend, no "
+                    "pipeline parallelism yet; set model.router_aux_loss_coef: 0 for DeepSeek-V3's recipe"),
+      TR_SPEC_FIELD(model.moe_bias_update_rate, above(0),
+                    "mixture of experts with model.moe_balance: bias: the bias's step per optimizer step "
+                    "(DeepSeek-V3: 0.001)"),
 
       TR_SPEC_FIELD(model.adapter.type, one_of({"none", "lora", "dora"}),
                     "parameter-efficient fine-tuning (docs/fine-tuning.md): lora = frozen base + trainable "
@@ -999,7 +1011,7 @@ void check_rules(JobSpec& s, const Origins& o, const std::string& fallback, bool
   if (p.expert_parallel > 1 && shape && m.n_experts == 0)
     fail(at({"parallel.expert_parallel", "model.n_experts"}), "parallel.expert_parallel",
          str(p.expert_parallel) + " needs a mixture of experts, but model.n_experts is 0 (a dense MLP, model.arch '" +
-             m.arch + "'); set expert_parallel to 1 or use a MoE model (mixtral, qwen2_moe)");
+             m.arch + "'); set expert_parallel to 1 or use a MoE model (mixtral, qwen2_moe, qwen3_moe)");
   if (p.expert_parallel > 1 && shape && m.n_experts > 0 && m.n_experts % p.expert_parallel != 0)
     fail(at({"parallel.expert_parallel", "model.n_experts"}), "parallel.expert_parallel",
          str(p.expert_parallel) + " does not divide model.n_experts (" + str(m.n_experts) +

@@ -50,6 +50,8 @@ struct ModelSpec {
   std::string norm_topk_prob = "auto";  // auto | true | false: renormalise the chosen weights; auto = the arch's
   double router_aux_loss_coef = 0.001;  // weight of the load-balancing loss (transformers'); 0 = off
   double router_z_loss_coef = 0;        // weight of the router z-loss (ST-MoE); 0 = off
+  std::string moe_balance = "aux_loss";  // aux_loss | bias: aux-loss-free balancing (DeepSeek-V3) on top
+  double moe_bias_update_rate = 0.001;   // with moe_balance bias: the bias's step per optimizer step
   // Parameter-efficient fine-tuning (docs/fine-tuning.md): the base frozen, only the adapters train.
   std::string base_dtype = "auto";  // auto | fp32 | bf16 | nf4: how the frozen base is held (auto: fp32 on the CPU)
   struct AdapterSpec {

@@ -227,6 +227,33 @@ ModelSpec qwen15_moe_a27b() {
   return m;
 }
 
+// Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B's config.json): Qwen3's attention (32
+// heads of head_dim 128, 4 KV heads, qk-norm, rope_theta 1e6, rms_norm_eps
+// 1e-6, untied, 151936 tokens), 48 blocks of 128 experts of 768, top-8
+// renormalised (norm_topk_prob true), no shared expert, every layer sparse;
+// max_position_embeddings 40960, seq_len the 32768 of pre-training.
+// 30.5B parameters, 3.3B active per token (the embeddings included).
+ModelSpec qwen3_30b_a3b() {
+  ModelSpec m;
+  m.arch = "qwen3_moe";
+  m.n_layer = 48;
+  m.n_embd = 2048;
+  m.n_head = 32;
+  m.n_kv_head = 4;
+  m.head_dim = 128;
+  m.ffn_dim = 6144;
+  m.vocab_size = 151936;
+  m.seq_len = 32768;
+  m.norm_eps = 1e-6;
+  m.rope_theta = 1000000;
+  m.tie_embeddings = "false";
+  m.n_experts = 128;
+  m.n_experts_per_tok = 8;
+  m.moe_ffn_dim = 768;
+  m.norm_topk_prob = "true";
+  return m;
+}
+
 }  // namespace
 
 const std::vector<ModelPreset>& model_presets() {
@@ -250,6 +277,7 @@ const std::vector<ModelPreset>& model_presets() {
       {"gemma2-27b", "google/gemma-2-27b", gemma2(46, 4608, 32, 16, 128, 36864, 144)},
       {"mixtral-8x7b", "mistralai/Mixtral-8x7B-v0.1", mixtral_8x7b()},
       {"qwen1.5-moe-a2.7b", "Qwen/Qwen1.5-MoE-A2.7B", qwen15_moe_a27b()},
+      {"qwen3-30b-a3b", "Qwen/Qwen3-30B-A3B", qwen3_30b_a3b()},
       {"gpt2-124m", "openai-community/gpt2", gpt2(12, 12, 768)},
       {"gpt2-350m", "openai-community/gpt2-medium", gpt2(24, 16, 1024)},
       {"gpt2-774m", "openai-community/gpt2-large", gpt2(36, 20, 1280)},

@@ -18,6 +18,7 @@
 #include "core/model/gemma2/gemma2_arch.h"
 #include "core/model/mixtral/mixtral_arch.h"
 #include "core/model/qwen2_moe/qwen2_moe_arch.h"
+#include "core/model/qwen3_moe/qwen3_moe_arch.h"
 #include "core/model/mistral/mistral_arch.h"
 
 namespace fs = std::filesystem;
@@ -49,6 +50,8 @@ const std::vector<ArchEntry>& registry() {
       {"mixtral", "mixtral", true, true, make_mixtral_arch, mixtral_config_from_hf, mixtral_config_from_metadata},
       {"qwen2_moe", "qwen2_moe", true, true, make_qwen2_moe_arch, qwen2_moe_config_from_hf,
        qwen2_moe_config_from_metadata},
+      {"qwen3_moe", "qwen3_moe", true, true, make_qwen3_moe_arch, qwen3_moe_config_from_hf,
+       qwen3_moe_config_from_metadata},
       {"mistral", "mistral", true, true, make_mistral_arch, mistral_config_from_hf, mistral_config_from_metadata},
       {"gemma2", "gemma2", true, true, make_gemma2_arch, gemma2_config_from_hf, gemma2_config_from_metadata},
   };
@@ -161,9 +164,12 @@ ModelConfig ModelConfig::from_spec(const ModelSpec& m) {
   // auto: the arch's default (its constructor's); true/false set here and checked by the arch.
   c.moe.norm_topk_prob = m.norm_topk_prob == "true";
   c.moe.norm_topk_auto = m.norm_topk_prob == "auto";
-  const bool moe_arch = c.arch == "mixtral" || c.arch == "qwen2_moe";
+  const bool moe_arch = c.arch == "mixtral" || c.arch == "qwen2_moe" || c.arch == "qwen3_moe";
   TR_CHECK(m.n_experts == 0 || moe_arch, "model.n_experts: ", m.n_experts, "; ", c.arch,
-           " has a dense MLP (0); use model.arch: mixtral or qwen2_moe for a mixture of experts");
+           " has a dense MLP (0); use model.arch: mixtral, qwen2_moe or qwen3_moe for a mixture of experts");
+  TR_CHECK(m.moe_balance == "aux_loss" || m.n_experts > 0, "model.moe_balance: ", m.moe_balance, "; ", c.arch,
+           " has no experts to balance (model.n_experts 0); use aux_loss, or a mixture of experts");
+  c.moe.bias_rate = m.moe_balance == "bias" ? m.moe_bias_update_rate : 0.0;
   const bool scaled = m.rope_scaling.type != "none";
   if (c.arch == "gpt2") {
     // GPT-2 has none of Llama's knobs: a value that would change the model
@@ -232,6 +238,8 @@ ModelSpec ModelConfig::to_spec() const {
   m.shared_expert_ffn_dim = moe.shared_ffn;
   m.norm_topk_prob = !moe.on() ? "auto" : moe.norm_topk_prob ? "true" : "false";
   m.router_z_loss_coef = moe.z_loss_coef;
+  m.moe_balance = moe.bias_rate > 0 ? "bias" : "aux_loss";
+  if (moe.bias_rate > 0) m.moe_bias_update_rate = moe.bias_rate;
   m.rope_scaling.type = rope_scaling_type.empty() ? "none" : rope_scaling_type;
   if (!rope_scaling_type.empty()) {
     m.rope_scaling.factor = rope_scaling.factor;

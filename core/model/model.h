@@ -345,6 +345,12 @@ class Network {
     std::vector<double> max_tokens, mean_tokens;  // per layer
   };
   virtual RouterReport router_report() const { return {}; }
+  // Aux-loss-free balancing (MoeConfig::bias_rate > 0, moe_config.h): the
+  // (layers, E) expert bias the top-k choice adds, and the (layers, E) load
+  // the training forwards counted since the last take (which restarts it;
+  // empty without the option). The trainer owns the update.
+  virtual void set_expert_bias(const std::vector<float>& bias) { (void)bias; }
+  virtual std::vector<float> take_expert_load() { return {}; }
 
   // ---- pipeline stages (make_network with a PipelineStage) ----
   // What one stage hands the next: the residual stream after its last

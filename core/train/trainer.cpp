@@ -168,7 +168,12 @@ class Trainer {
     double loss = 0;     // the global mean loss
     double bubble = -1;  // pipeline: the ranks' mean share of the step spent waiting on peers
     int stop_signal = 0; // a preemption signal some rank received, else 0
+    std::vector<float> expert_load;  // model.moe_balance: bias: the step's (layers, E) load, summed over the ranks
   };
+  // Aux-loss-free balancing (moe_config.h): the bias every rank holds (the
+  // same everywhere), moved by the step's load after the optimizer step.
+  std::vector<float> moe_bias_;
+  void update_expert_bias(const std::vector<float>& load);
   StepResult train_step(int step);
   double evaluate();
   void sample_at_end();
@@ -348,6 +353,16 @@ void Trainer::setup() {
   TR_CHECK(cp == 1 || !cfg.moe.on(), "parallel.context_parallel ", cp, " with a mixture of experts (model.arch ",
            cfg.arch, "): the router's load-balancing statistics would cover one cp chunk, not the sequence; use "
            "parallel.context_parallel: 1");
+  // The bias steers routing in every forward of a step; the load that moves
+  // it would have to cross pipeline stages (each holds its layers' rows) and
+  // the CUDA backend has no biased top-k op yet.
+  TR_CHECK(cfg.moe.bias_rate == 0 || job_.parallel.pipeline_parallel == 1,
+           "model.moe_balance: bias with parallel.pipeline_parallel ", job_.parallel.pipeline_parallel,
+           ": aux-loss-free balancing under pipeline parallelism is not implemented yet; use "
+           "parallel.pipeline_parallel: 1 or model.moe_balance: aux_loss");
+  TR_CHECK(cfg.moe.bias_rate == 0 || !is_cuda_backend(be_.get()), "model.moe_balance: bias on backend ", be_->name(),
+           ": the CUDA backend has no biased top-k choice yet (not implemented); use the CPU backend or "
+           "model.moe_balance: aux_loss");
   const int tp = job_.parallel.tensor_parallel;
   const int topo_group = env_int("TRAINRUN_SHARD_GROUP_SIZE", 0);
   const int dp_ranks = std::max(1, w_.world / std::max(1, tp * job_.parallel.pipeline_parallel * cp));
@@ -816,6 +831,27 @@ void Trainer::read_batch(const TokenSource& src, int64_t first, int B) {
 // The per-token losses are summed on the device, so on a GPU no micro-batch
 // waits for a host copy; the step's one host read is the total, which then
 // rides one all-reduce together with the preemption vote.
+// DeepSeek-V3's update, per layer: b_e += rate * sign(mean load - load_e)
+// (an expert at the mean keeps its bias). Every rank has the same load (all-
+// reduced) and the same bias, so the biases stay equal without a collective.
+void Trainer::update_expert_bias(const std::vector<float>& load) {
+  const MoeConfig& m = arch_->config().moe;
+  const int E = m.n_experts;
+  TR_CHECK(load.size() == moe_bias_.size(), "model.moe_balance: bias: a load of ", load.size(), " values for ",
+           moe_bias_.size(), " biases (a bug)");
+  for (size_t l = 0; l * E < load.size(); ++l) {
+    const float* ld = load.data() + l * E;
+    double mean = 0;
+    for (int e = 0; e < E; ++e) mean += ld[e];
+    mean /= E;
+    for (int e = 0; e < E; ++e) {
+      const double d = mean - ld[e];
+      moe_bias_[l * E + size_t(e)] += float(m.bias_rate * double((d > 0) - (d < 0)));
+    }
+  }
+  model_->set_expert_bias(moe_bias_);
+}
+
 Trainer::StepResult Trainer::train_step(int step) {
   trained().zero_grads();
   // The mean over the targets in the loss of the whole global batch (all
@@ -895,7 +931,17 @@ Trainer::StepResult Trainer::train_step(int step) {
   if (pref_) pref_->push_sums(v);
   StepResult r;
   StepTracer::Span vote_span(tracer_.get(), "loss all_reduce + stop vote", "collective");
+  // Aux-loss-free balancing: the step's expert load rides the same
+  // all-reduce, summed over every rank (the TP ranks of a dp index count the
+  // same rows: a common factor, which the update's sign ignores).
+  std::vector<float> load = moe_bias_.empty() ? std::vector<float>{} : model_->take_expert_load();
+  v.insert(v.end(), load.begin(), load.end());
   r.stop_signal = agree_on_stop(*comm_, v);  // the vote rides the loss all-reduce
+  if (!load.empty()) {
+    std::copy(v.end() - int64_t(load.size()), v.end(), load.begin());
+    v.resize(v.size() - load.size());
+    r.expert_load = std::move(load);
+  }
   if (pref_) v[0] = float(pref_->pop_sums(v));
   if (pipe_) {
     // The bubble: 1 - the ranks' mean compute / the slowest rank's span
@@ -1054,6 +1100,18 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
         chunk, is_resume);
   }
   cursor_ = resumed.cursor;
+  if (arch_->config().moe.bias_rate > 0) {
+    // Aux-loss-free balancing: the bias from the checkpoint, or none yet.
+    const ModelConfig& mc = arch_->config();
+    const size_t n = size_t(mc.L) * size_t(mc.moe.n_experts);
+    TR_CHECK(resumed.moe_expert_bias.empty() || resumed.moe_expert_bias.size() == n, "resume: the checkpoint's "
+             "moe_expert_bias has ", resumed.moe_expert_bias.size(), " values, this model's ", mc.L, " layers x ",
+             mc.moe.n_experts, " experts need ", n, "; resume with the model it was saved with");
+    if (is_resume && resumed.moe_expert_bias.empty() && rank0_)
+      TR_LOG_WARN("resume: the checkpoint has no expert bias (saved without model.moe_balance: bias); it starts at 0");
+    moe_bias_ = resumed.moe_expert_bias.empty() ? std::vector<float>(n, 0.f) : resumed.moe_expert_bias;
+    model_->set_expert_bias(moe_bias_);
+  }
   const int first_step = int(resumed.step);
   std::unique_ptr<MetricsWriter> metrics;
   if (rank0_) {
@@ -1075,6 +1133,7 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
     st.step = done_steps;
     st.cursor = cursor_;
     st.tokens = sum.tokens;
+    st.moe_expert_bias = moe_bias_;
     const uint64_t writes0 = Checkpointer::write_calls();
     const double blocked =
         adapt_ ? ckpt.save(ckpt_store, st, adapt_->checkpoint_files()) : ckpt.save(*params_, st);
@@ -1185,6 +1244,7 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
       ckpt_blocked += ckpt.before_state_change();
       StepTracer::Span span(tracer_.get(), "optimizer (AdamW + gathers)", "optimizer");
       trained().optimizer_step(ap, step + 1, grad_scale);
+      if (!sr.expert_load.empty()) update_expert_bias(sr.expert_load);
     } else {
       ++sum.skipped_steps;
       if (rank0_)

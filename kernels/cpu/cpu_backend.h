@@ -96,6 +96,8 @@ class CpuBackend final : public Backend {
   void add_rows_f32(float* dst, int64_t dst_ld, const float* src, int64_t src_ld, int64_t rows,
                     int64_t cols) override;
   // Mixture of experts: cpu_moe.cpp.
+  void moe_route_select_biased(int32_t* idx, float* w, const float* probs, const float* bias, int N, int E, int K,
+                               bool renorm) override;
   void moe_route_forward(float* probs, float* lse, int32_t* idx, float* w, const void* logits, int N, int E, int K,
                          bool renorm) override;
   void moe_route_backward(void* dlogits, const float* dw, const float* probs, const float* lse, const int32_t* idx,

@@ -66,6 +66,32 @@ void CpuBackend::moe_route_forward(float* probs, float* lse, int32_t* idx, float
   }
 }
 
+void CpuBackend::moe_route_select_biased(int32_t* idx, float* w, const float* probs, const float* bias, int N, int E,
+                                         int K, bool renorm) {
+  TR_CHECK(K >= 1 && K <= E, "moe_route_select_biased: top-k ", K, " must be in 1..", E, " (the experts)");
+#pragma omp parallel for schedule(static)
+  for (int t = 0; t < N; ++t) {
+    const float* p = probs + int64_t(t) * E;
+    int32_t* ix = idx + int64_t(t) * K;
+    float* wt = w + int64_t(t) * K;
+    for (int j = 0; j < K; ++j) {
+      int best = -1;
+      for (int e = 0; e < E; ++e) {
+        bool taken = false;
+        for (int m = 0; m < j; ++m) taken = taken || ix[m] == e;
+        if (!taken && (best < 0 || p[e] + bias[e] > p[best] + bias[best])) best = e;
+      }
+      ix[j] = best;
+      wt[j] = p[best];  // the gate weight is the probability: the bias only chooses
+    }
+    if (renorm) {
+      float s = 0;
+      for (int j = 0; j < K; ++j) s += wt[j];
+      for (int j = 0; j < K; ++j) wt[j] /= s;
+    }
+  }
+}
+
 void CpuBackend::moe_route_backward(void* dlogits_, const float* dw, const float* probs, const float* lse,
                                     const int32_t* idx, const float* aux_grad, float z_scale, int N, int E, int K,
                                     bool renorm) {

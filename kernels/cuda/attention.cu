@@ -1,107 +1,19 @@
 // Flash-style causal attention, forward and backward: see attention.cuh.
-//
-// Shared-memory tiles (row strides padded so WMMA's alignment rules hold and
-// rows fall in different banks):
-//   bf16 (64, HSP) tiles of q, k, v, dout     row stride LDH = HSP + 8
-//   fp32 (64, 64) scores S and dP             row stride LDS = 68
-//   bf16 (64, 64) probabilities P and dS      row stride LDP = 72
-//   fp32 (64, HSP) output accumulator / staging for the final store, LDO = HSP + 4
-// HSP = 16 * D16 is the head size padded with zeros to the WMMA k-step.
-//
-// Row ownership: warp w owns rows [16w, 16w+16) of every (64, *) tile it
-// computes; within the warp, lane l handles row 16w + l/2, columns
-// [32*(l%2), 32*(l%2) + 32) of S (and the matching half of an O row). So the
-// softmax bookkeeping needs only __syncwarp(); __syncthreads() is needed only
-// where a tile loaded or written by all warps is read by others.
+// The tile layout, the WMMA products and the per-tile softmax steps are
+// attention_tiles.cuh's (shared with context parallelism's block kernels).
 #include <mma.h>
 
 #include <algorithm>
 #include <type_traits>
 
 #include "kernels/cuda/attention.cuh"
+#include "kernels/cuda/attention_tiles.cuh"
 
 namespace trainrun::cuda {
 
 namespace {
 
-using namespace nvcuda;
-
-constexpr int kTile = 64;     // queries and keys per tile
-constexpr int kWarps = 4;
-constexpr int kThreads = 32 * kWarps;
-constexpr int LDS = kTile + 4;
-constexpr int LDP = kTile + 8;
-
-using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major>;
-using FragAT = wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::col_major>;  // a transposed view
-using FragB = wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major>;
-using FragBT = wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major>;  // b = X^T of a row-major X
-using FragC = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
-
-template <int D16>
-struct Dims {
-  static constexpr int HSP = 16 * D16;
-  static constexpr int LDH = HSP + 8;
-  static constexpr int LDO = HSP + 4;
-  static constexpr size_t tile_h = size_t(kTile) * LDH * sizeof(bf16);   // one (64, HSP) bf16 tile
-  static constexpr size_t tile_s = size_t(kTile) * LDS * sizeof(float);  // one (64, 64) fp32 tile
-  static constexpr size_t tile_p = size_t(kTile) * LDP * sizeof(bf16);   // one (64, 64) bf16 tile
-  static constexpr size_t tile_o = size_t(kTile) * LDO * sizeof(float);  // one (64, HSP) fp32 tile
-  // forward: q k v | S | P | O
-  static constexpr size_t fwd_smem = 3 * tile_h + tile_s + tile_p + tile_o;
-  // backward dq: q dout k v | S dP (also the dq staging, 64 x LDO <= 2 x 64 x LDS) | dS | lse D
-  static constexpr size_t dq_smem = 4 * tile_h + 2 * tile_s + tile_p + 2 * kTile * sizeof(float);
-  // backward dk dv: k v q dout | S dP (staging) | P dS | lse D
-  static constexpr size_t dkv_smem = 4 * tile_h + 2 * tile_s + 2 * tile_p + 2 * kTile * sizeof(float);
-  static_assert(size_t(kTile) * LDO <= size_t(2) * kTile * LDS, "staging must fit in S|dP");
-  static_assert(tile_h % 128 == 0 && tile_s % 128 == 0 && tile_p % 128 == 0 && tile_o % 128 == 0,
-                "tile regions keep 128-byte alignment");
-};
-
-// Copies rows [row0, row0+64) x columns [0, HS) of a row-major matrix with
-// row stride `ld` (elements) into a (64, HSP) shared tile, zero-filling rows
-// >= T and columns >= HS. VEC: src, ld and HS allow 16-byte loads.
-template <int D16, bool VEC>
-__device__ __forceinline__ void load_tile(bf16* dst, const bf16* src, int64_t ld, int row0, int T, int HS) {
-  constexpr int HSP = Dims<D16>::HSP, LDH = Dims<D16>::LDH, CH = HSP / 8;  // 16-byte chunks per row
-  for (int i = threadIdx.x; i < kTile * CH; i += kThreads) {
-    const int r = i / CH, c = (i % CH) * 8;
-    const int row = row0 + r;
-    Pack16<bf16> p;
-    if (VEC && row < T && c + 8 <= HS) {
-      p = Pack16<bf16>::load(src + int64_t(row) * ld + c);
-    } else {
-#pragma unroll
-      for (int k = 0; k < 8; ++k)
-        p.v[k] = (row < T && c + k < HS) ? src[int64_t(row) * ld + c + k] : from_float<bf16>(0.0f);
-    }
-    p.store(dst + r * LDH + c);
-  }
-}
-
-// Writes a (64, HSP) fp32 staging tile (row stride LDO), times `scale`, as
-// bf16 into rows [row0, row0+64) x [0, HS) of a row-major matrix (stride ld).
-template <int D16>
-__device__ __forceinline__ void store_tile(bf16* dst, int64_t ld, const float* src, int row0, int T, int HS,
-                                           float scale) {
-  constexpr int HSP = Dims<D16>::HSP, LDO = Dims<D16>::LDO;
-  for (int i = threadIdx.x; i < kTile * HSP; i += kThreads) {
-    const int r = i / HSP, c = i % HSP;
-    const int row = row0 + r;
-    if (row < T && c < HS) dst[int64_t(row) * ld + c] = from_float<bf16>(src[r * LDO + c] * scale);
-  }
-}
-
-// Carves the dynamic shared memory in declaration order.
-struct Carver {
-  unsigned char* p;
-  template <typename T>
-  __device__ T* take(size_t bytes) {
-    T* r = reinterpret_cast<T*>(p);
-    p += bytes;
-    return r;
-  }
-};
+using namespace attn_tiles;  // the tiles, WMMA products and head-size dispatch shared with attention_block.cu
 
 // The qkv layout (attention.cuh): row stride and the first column of key
 // head g and of value head g. With NKV == NH they are 3C, C + g*HS and
@@ -109,26 +21,6 @@ struct Carver {
 __device__ __forceinline__ int64_t qkv_row_stride(int NH, int NKV, int HS) { return int64_t(NH + 2 * NKV) * HS; }
 __device__ __forceinline__ int k_col(int NH, int HS, int g) { return (NH + g) * HS; }
 __device__ __forceinline__ int v_col(int NH, int NKV, int HS, int g) { return (NH + NKV + g) * HS; }
-
-// S(16 rows of warp w, 64) = X(rows) . Y^T, X and Y (64, HSP) bf16 tiles.
-template <int D16>
-__device__ __forceinline__ void warp_xyt(float* S, const bf16* X, const bf16* Y, int w) {
-  constexpr int LDH = Dims<D16>::LDH;
-#pragma unroll
-  for (int j = 0; j < kTile / 16; ++j) {
-    FragC acc;
-    wmma::fill_fragment(acc, 0.0f);
-#pragma unroll
-    for (int kk = 0; kk < D16; ++kk) {
-      FragA a;
-      FragBT b;
-      wmma::load_matrix_sync(a, X + (16 * w) * LDH + 16 * kk, LDH);
-      wmma::load_matrix_sync(b, Y + (16 * j) * LDH + 16 * kk, LDH);
-      wmma::mma_sync(acc, a, b, acc);
-    }
-    wmma::store_matrix_sync(S + (16 * w) * LDS + 16 * j, acc, LDS, wmma::mem_row_major);
-  }
-}
 
 // ---- forward --------------------------------------------------------------------------
 
@@ -143,19 +35,6 @@ __device__ __forceinline__ int row_doc_start(const int32_t* doc_start, int b, in
 __device__ __forceinline__ int row_first_key(const int32_t* doc_start, int b, int T, int qi, int window) {
   const int f = row_doc_start(doc_start, b, T, qi);
   return window > 0 ? max(f, qi - window + 1) : f;
-}
-// The score as the softmax sees it: scaled, then soft-capped when softcap > 0
-// (Gemma 2: softcap * tanh(s / softcap)); *dcap = its derivative w.r.t. the
-// scaled score, 1 - tanh^2 (1 without a cap).
-__device__ __forceinline__ float capped_score(float raw, float scale, float softcap, float* dcap) {
-  const float s = raw * scale;
-  if (softcap <= 0.0f) {
-    *dcap = 1.0f;
-    return s;
-  }
-  const float t = tanhf(s / softcap);
-  *dcap = 1.0f - t * t;
-  return softcap * t;
 }
 // The first query t >= j1 whose document starts at or after key j1 (T when
 // none): the queries [j1 - 64, that) are all that see keys [j1 - 64, j1).
@@ -178,7 +57,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(bf16* out, 
                                                                      const int32_t* doc_start, int window,
                                                                      float softcap) {
   using D = Dims<D16>;
-  constexpr int HSP = D::HSP, LDH = D::LDH, LDO = D::LDO;
+  constexpr int HSP = D::HSP, LDO = D::LDO;
   extern __shared__ __align__(128) unsigned char smem[];
   Carver cv{smem};
   bf16* sQ = cv.take<bf16>(D::tile_h);
@@ -214,53 +93,15 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(bf16* out, 
     __syncthreads();
     warp_xyt<D16>(sS, sQ, sK, w);
     __syncwarp();
-    // Online softmax on this lane's half row.
-    float* srow = sS + r * LDS + 32 * half;
-    float mx = -INFINITY;
-#pragma unroll 8
-    for (int c = 0; c < 32; ++c) {
-      const int kj = k0 + 32 * half + c;
-      float dcap;
-      const float s = (kj <= qi && kj >= ds_i) ? capped_score(srow[c], scale, softcap, &dcap) : -INFINITY;
-      srow[c] = s;
-      mx = fmaxf(mx, s);
-    }
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    // Without documents or a window m_new is finite (key 0 is visible to
-    // every row); with them a row sees nothing in the tiles before its first
-    // key, where m_new stays -inf: take 0 there so that p = 0 and alpha = 0, not NaN.
-    const float m_new = fmaxf(m_i, mx);
-    const float m_use = m_new == -INFINITY ? 0.0f : m_new;
-    const float alpha = __expf(m_i - m_use);
-    float sum = 0.0f;
-    bf16* prow = sP + r * LDP + 32 * half;
-#pragma unroll 8
-    for (int c = 0; c < 32; ++c) {
-      const float p = __expf(srow[c] - m_use);
-      prow[c] = from_float<bf16>(p);
-      sum += p;
-    }
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    l_i = l_i * alpha + sum;
-    m_i = m_new;
-    float* orow = sO + r * LDO + (HSP / 2) * half;
-    for (int c = 0; c < HSP / 2; ++c) orow[c] *= alpha;
+    // Online softmax on this lane's half row. Without documents or a window
+    // every row sees key 0, so m_i is finite after the first tile; with them
+    // a row sees nothing in the tiles before its first key (m_i stays -inf).
+    const int kb = k0 + 32 * half;
+    online_softmax_half_row(
+        sS + r * LDS + 32 * half, sP + r * LDP + 32 * half, sO + r * LDO + (HSP / 2) * half, HSP / 2, scale,
+        softcap, [&](int c) { return kb + c <= qi && kb + c >= ds_i; }, m_i, l_i);
     __syncwarp();
-    // O(warp rows) += P(warp rows, 64) . V(64, HSP)
-#pragma unroll
-    for (int j = 0; j < D16; ++j) {
-      FragC acc;
-      wmma::load_matrix_sync(acc, sO + (16 * w) * LDO + 16 * j, LDO, wmma::mem_row_major);
-#pragma unroll
-      for (int kk = 0; kk < kTile / 16; ++kk) {
-        FragA a;
-        FragB bv;
-        wmma::load_matrix_sync(a, sP + (16 * w) * LDP + 16 * kk, LDP);
-        wmma::load_matrix_sync(bv, sV + (16 * kk) * LDH + 16 * j, LDH);
-        wmma::mma_sync(acc, a, bv, acc);
-      }
-      wmma::store_matrix_sync(sO + (16 * w) * LDO + 16 * j, acc, LDO, wmma::mem_row_major);
-    }
+    warp_o_plus_pv<D16>(sO, sP, sV, w);
     __syncwarp();
   }
   // Normalise this lane's half row, then store the tile cooperatively.
@@ -292,23 +133,8 @@ __global__ void attention_backward_d_kernel(float* Dv, const bf16* dout, const b
   }
 }
 
-// Fills P (or only uses it) and dS for this lane's half row from S and dP:
-// p = exp(cap(S*scale) - lse) on the visible entries (keys [ds_i, qi]: the
-// document's and the window's first key), ds = p (dP - D) cap' scale.
-__device__ __forceinline__ void probs_and_dscores(const float* srow, const float* dprow, bf16* prow, bf16* dsrow,
-                                                  int qi, int kbase, int T, float lse_i, float d_i, float scale,
-                                                  int ds_i, float softcap) {
-#pragma unroll 8
-  for (int c = 0; c < 32; ++c) {
-    const int kj = kbase + c;
-    float dcap = 1.0f;
-    const float p =
-        (qi < T && kj <= qi && kj >= ds_i) ? __expf(capped_score(srow[c], scale, softcap, &dcap) - lse_i) : 0.0f;
-    if (prow) prow[c] = from_float<bf16>(p);
-    dsrow[c] = from_float<bf16>(p * (dprow[c] - d_i) * dcap * scale);
-  }
-}
-
+// P and dS (attention_tiles.cuh's probs_and_dscores) see keys [ds_i, qi] of
+// rows qi < T: the document's and the window's first key, the diagonal.
 // dq for one query tile: loops over key tiles 0..qt. dq accumulates in
 // registers (D16 fragments per warp).
 template <int D16, bool VEC>
@@ -318,7 +144,7 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dq_kernel(bf16* d
                                                                          const int32_t* doc_start, int window,
                                                                          float softcap) {
   using D = Dims<D16>;
-  constexpr int LDH = D::LDH, LDO = D::LDO;
+  constexpr int LDO = D::LDO;
   extern __shared__ __align__(128) unsigned char smem[];
   Carver cv{smem};
   bf16* sQ = cv.take<bf16>(D::tile_h);
@@ -363,21 +189,11 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dq_kernel(bf16* d
     warp_xyt<D16>(sS, sQ, sK, w);    // S = q k^T
     warp_xyt<D16>(sdP, sdO, sV, w);  // dP = dout v^T
     __syncwarp();
-    probs_and_dscores(sS + r * LDS + 32 * half, sdP + r * LDS + 32 * half, nullptr, sdS + r * LDP + 32 * half, qi,
-                      k0 + 32 * half, T, sL[r], sD[r], scale, ds_i, softcap);
+    const int kb = k0 + 32 * half;
+    probs_and_dscores(sS + r * LDS + 32 * half, sdP + r * LDS + 32 * half, nullptr, sdS + r * LDP + 32 * half, sL[r],
+                      sD[r], scale, softcap, [&](int c) { return qi < T && kb + c <= qi && kb + c >= ds_i; });
     __syncwarp();
-    // dq(warp rows) += dS(warp rows, 64) . K(64, HSP)
-#pragma unroll
-    for (int kk = 0; kk < kTile / 16; ++kk) {
-      FragA a;
-      wmma::load_matrix_sync(a, sdS + (16 * w) * LDP + 16 * kk, LDP);
-#pragma unroll
-      for (int j = 0; j < D16; ++j) {
-        FragB bk;
-        wmma::load_matrix_sync(bk, sK + (16 * kk) * LDH + 16 * j, LDH);
-        wmma::mma_sync(dq[j], a, bk, dq[j]);
-      }
-    }
+    warp_dq_plus_dsk<D16>(dq, sdS, sK, w);
   }
   __syncthreads();  // S|dP becomes the staging tile
   float* stage = sS;
@@ -408,7 +224,7 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_kernel(bf16*
                                                                            const int32_t* doc_start, int window,
                                                                            float softcap, float* partial, int S) {
   using D = Dims<D16>;
-  constexpr int HSP = D::HSP, LDH = D::LDH, LDO = D::LDO;
+  constexpr int HSP = D::HSP, LDO = D::LDO;
   extern __shared__ __align__(128) unsigned char smem[];
   Carver cv{smem};
   bf16* sK = cv.take<bf16>(D::tile_h);
@@ -472,25 +288,12 @@ __global__ void __launch_bounds__(kThreads) attention_backward_dkdv_kernel(bf16*
     warp_xyt<D16>(sS, sQ, sK, w);    // S(q rows of warp, keys)
     warp_xyt<D16>(sdP, sdO, sV, w);  // dP
     __syncwarp();
+    const int kb = k0 + 32 * half;
     probs_and_dscores(sS + r * LDS + 32 * half, sdP + r * LDS + 32 * half, sP + r * LDP + 32 * half,
-                      sdS + r * LDP + 32 * half, qi, k0 + 32 * half, T, sL[r], sD[r], scale, ds_i, softcap);
+                      sdS + r * LDP + 32 * half, sL[r], sD[r], scale, softcap,
+                      [&](int c) { return qi < T && kb + c <= qi && kb + c >= ds_i; });
     __syncthreads();  // dv/dk of the warp's key rows read every query row of P and dS
-    // dv(key rows of warp) += P^T(keys, queries) . dout(queries, HSP)
-    // dk(key rows of warp) += dS^T . q
-#pragma unroll
-    for (int kk = 0; kk < kTile / 16; ++kk) {
-      FragAT pt, dst;
-      wmma::load_matrix_sync(pt, sP + (16 * kk) * LDP + 16 * w, LDP);
-      wmma::load_matrix_sync(dst, sdS + (16 * kk) * LDP + 16 * w, LDP);
-#pragma unroll
-      for (int j = 0; j < D16; ++j) {
-        FragB bo, bq;
-        wmma::load_matrix_sync(bo, sdO + (16 * kk) * LDH + 16 * j, LDH);
-        wmma::mma_sync(dv[j], pt, bo, dv[j]);
-        wmma::load_matrix_sync(bq, sQ + (16 * kk) * LDH + 16 * j, LDH);
-        wmma::mma_sync(dk[j], dst, bq, dk[j]);
-      }
-    }
+    warp_dkdv_plus<D16>(dk, dv, sP, sdS, sdO, sQ, w);
   }
   if (S > 1) {
     // This run's sums, fp32, for the reduce kernel: no staging needed, each
@@ -554,26 +357,6 @@ int padded_head_size(int HS) { return HS <= 16 ? 16 : HS <= 32 ? 32 : HS <= 64 ?
 // Where the dk/dv partials start in the backward's scratch (after D),
 // 256-byte aligned for WMMA's stores.
 size_t partial_offset_floats(int B, int T, int NH) { return (size_t(B) * NH * T + 63) / 64 * 64; }
-
-// Maps the runtime head size to the padded compile-time size (in 16s):
-// 1, 2, 4, 6 or 8, i.e. HS <= 16, 32, 64, 96, 128. `hint` names where the
-// head size comes from in the model's config.
-template <typename F>
-void dispatch_head_size(int HS, const char* what, const char* hint, F&& f) {
-  if (HS <= 16) f(std::integral_constant<int, 1>{});
-  else if (HS <= 32) f(std::integral_constant<int, 2>{});
-  else if (HS <= 64) f(std::integral_constant<int, 4>{});
-  else if (HS <= 96) f(std::integral_constant<int, 6>{});
-  else if (HS <= kAttnMaxHeadSize) f(std::integral_constant<int, 8>{});
-  else
-    TR_FAIL(what, ": head size ", HS, " (", hint, ") is larger than the supported ", kAttnMaxHeadSize,
-            "; use more heads");
-}
-
-template <typename Kernel>
-void set_smem(Kernel k, size_t bytes) {
-  TR_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
-}
 
 // The grid's y (heads) and z (batch) limits.
 void check_grid(const char* what, int B, int NH) {

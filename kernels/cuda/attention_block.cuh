@@ -1,12 +1,31 @@
 // Attention by blocks on the GPU (context parallelism): the math, masks and
-// layouts are kernels/attention_block.h's. This first version is the
-// straightforward one, for correctness against the CPU op (test_cuda_ops),
-// not speed: one thread per (b, h, query row) for the forward, the merge and
-// dq; one thread per (b, g, key row) for dk and dv, looping over the group's
-// query heads and the query rows that see the key, so every sum runs in a
-// fixed order with no atomics (deterministic). fp32 math on bf16 operands;
-// HS <= 256. A tiled flash kernel taking the block's offsets is the
-// integration's work. Not yet run on a GPU.
+// layouts are kernels/attention_block.h's. Forward and backward are tiled
+// flash kernels (64 x 64 tiles on the tensor cores, bf16 in, fp32
+// accumulate), built from attention_tiles.cuh's steps like the
+// whole-sequence kernels in attention.cu, on the block's strided views and
+// global positions (q_pos0, k_pos0): causal masking, per-row document starts
+// and the window apply across chunk boundaries, and whole 64 x 64 tiles that
+// no query of the tile may see are skipped (attention_block.cu counts them).
+// The forward returns the CPU op's partials (out normalised over the block's
+// visible keys, lse = m + log l; out = 0, lse = -inf for a row that sees
+// none), so attention_block_merge combines them in the ring's fixed order.
+// The backward adds (+=) into the caller's fp32 dq, dk, dv: dq per (query
+// tile, head), dk/dv per (key tile, KV head) over the group's heads and the
+// query tiles in a fixed order, each element written by one block: no
+// atomics, deterministic. D = rowsum(dout * out) is recomputed per query
+// tile (the op has no scratch). Soft-cap, window and scale as the CPU op.
+// Head sizes up to kAttnMaxHeadSize (128). The merge is one thread per row.
+//
+// Overlap with the ring's K/V transfer (parallel/context/ring_attention.cpp):
+// these kernels run on the backend's compute stream. The ring posts the next
+// K/V block with Communicator::send_recv_deferred before it enqueues the
+// current block's kernels; NcclCommunicator runs that grouped send/recv on
+// the cp communicator's own non-blocking stream, after an event recorded on
+// the compute stream at the post (so the receive buffer, read by the
+// previous step's kernels, is free), and the compute stream waits on the
+// transfer's event only at order_compute_after(), after this step's kernels
+// are enqueued. Compute and transfer are thus on different streams and
+// overlap; nothing here synchronises the host. Not yet run on a GPU.
 #pragma once
 #include <cuda_runtime.h>
 

@@ -212,6 +212,12 @@ Network::RouterReport LlamaNetwork::router_report() const {
   return moe_->report(be_);
 }
 
+void LlamaNetwork::set_expert_bias(const std::vector<float>& bias) {
+  if (moe_) moe_->set_bias(bias);
+}
+
+std::vector<float> LlamaNetwork::take_expert_load() { return moe_ ? moe_->take_load() : std::vector<float>{}; }
+
 void LlamaNetwork::wire_scratch() {
   tpc_.rows_buf = sp_rows_;
   tpc_.full_buf = dres_full_;
@@ -263,7 +269,7 @@ void LlamaNetwork::block_forward(const void* p, int l, const void* res_in, int B
   const void* x_gu = full_rows(a.ln2, N);
   if (moe_) {  // the mixture of experts in the MLP's place (core/model/moe/moe_mlp.h)
     moe_->forward(ckpt_ ? 0 : l, static_cast<const char*>(p) + offsets().moe * dtype_size(be_->act_dtype()), x_gu,
-                  dbuf_c_, N);
+                  dbuf_c_, N, l);
   } else {
     be_->matmul_forward(a.gu, x_gu, w.guw, nullptr, N, C, 2 * F);
     if (ad_) ad_->forward(gl, 2, x_gu, a.gu, 2 * F, N);
@@ -372,7 +378,7 @@ void LlamaNetwork::forward(UnitAccess& units, const int32_t* inputs, const int32
   const int NR = rows(N);
 
   units.begin_pass(false, for_backward);
-  if (moe_) moe_->begin_forward(true);
+  if (moe_) moe_->begin_forward(true, for_backward);
   // A pipeline stage after the first finds its input at stage_input() (encoded_).
   if (stage_.first) embed(units, inputs, B, T);
 

@@ -96,6 +96,8 @@ class LlamaNetwork final : public Network {
   void bind_transient(void* scratch) override;
   void free_activations() override { arena_.reset(); }
   RouterReport router_report() const override;
+  void set_expert_bias(const std::vector<float>& bias) override;
+  std::vector<float> take_expert_load() override;
 
   int64_t stage_io_elems(int B, int T) const override { return int64_t(tpc_.rows(B * T)) * cfg_.C; }
   void* stage_input() override { return encoded_; }

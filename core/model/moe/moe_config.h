@@ -31,6 +31,16 @@ struct MoeConfig {
   int shared_ffn = 0;           // the shared expert's width (shared_expert_intermediate_size); 0 = none
   double aux_loss_coef = 0.0;   // router_aux_loss_coef; 0 = no load-balancing loss
   double z_loss_coef = 0.0;     // router z-loss; 0 = none
+  // Aux-loss-free balancing (DeepSeek-V3; model.moe_balance: bias): a
+  // per-layer, per-expert bias added to the probabilities for the top-k
+  // choice only (the gate weights stay the probabilities), updated after
+  // every optimizer step from the step's load (token, slot pairs per expert
+  // over all micro-batches and data-parallel ranks):
+  //   b_e += bias_rate * sign(mean_e load - load_e)
+  // It is training state (the checkpoint's manifest), not a weight: the
+  // Hugging Face classes have no such term, so export and `generate` route
+  // without it. 0 = off.
+  double bias_rate = 0.0;
   // The HF module names of a block's MoE tensors:
   //   "mixtral": block_sparse_moe.gate, block_sparse_moe.experts.J.{w1,w3,w2}
   //   "qwen":    mlp.gate, mlp.experts.J.{gate_proj,up_proj,down_proj}

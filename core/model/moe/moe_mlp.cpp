@@ -71,6 +71,10 @@ void MoeMlp::plan(ArenaPlan& plan, bool sets_transient) {
   kept(&total_, (2 * E + 1) * 4);
   kept(&loss_out_, 2 * 4);
   kept(&aux_grad_, E * 4);  // from the forward to the backward
+  if (m_.bias_rate > 0 && training_) {  // (a decoder routes without the bias: export has no such term)
+    kept(&bias_, size_t(layers_) * E * 4);
+    kept(&load_, size_t(layers_) * (2 * E + 1) * 4);
+  }
   tmp(&logits_, N * E * es);
   if (ep_size_ > 1) tmp(&staging_, expert_rows() * C * es);
   if (!training_) return;
@@ -92,8 +96,37 @@ void MoeMlp::allocate_own() {
   own_ = p.allocate(be_);
 }
 
-void MoeMlp::begin_forward(bool with_stats) {
+void MoeMlp::ready_balance() {
+  if (!bias_ || balance_ready_) return;
+  be_->zero(bias_, size_t(layers_) * m_.n_experts * 4);  // an arena is not zeroed: no bias and no load yet
+  be_->zero(load_, size_t(layers_) * (2 * m_.n_experts + 1) * 4);
+  balance_ready_ = true;
+}
+
+void MoeMlp::set_bias(const std::vector<float>& bias) {
+  TR_CHECK(bias_ && int64_t(bias.size()) == int64_t(layers_) * m_.n_experts, "MoeMlp: an expert bias of ",
+           bias.size(), " values for ", layers_, " layers x ", m_.n_experts, " experts",
+           bias_ ? "" : " without model.moe_balance: bias", " (a bug)");
+  ready_balance();
+  be_->copy_to_device(bias_, bias.data(), bias.size() * 4);
+}
+
+std::vector<float> MoeMlp::take_load() {
+  if (!load_) return {};
+  ready_balance();
+  const int E = m_.n_experts, row = 2 * E + 1;
+  std::vector<float> stats(size_t(layers_) * row), load(size_t(layers_) * E);
+  be_->copy_to_host(stats.data(), load_, stats.size() * 4);
+  be_->zero(load_, stats.size() * 4);
+  for (int l = 0; l < layers_; ++l)
+    std::copy(stats.begin() + int64_t(l) * row, stats.begin() + int64_t(l) * row + E, load.begin() + int64_t(l) * E);
+  return load;
+}
+
+void MoeMlp::begin_forward(bool with_stats, bool count_load) {
   stats_on_ = with_stats;
+  count_load_ = count_load && with_stats && load_;
+  ready_balance();
   layer_ = 0;
   if (!with_stats) return;
   const size_t row = size_t(2 * m_.n_experts + 1) * 4;
@@ -101,7 +134,7 @@ void MoeMlp::begin_forward(bool with_stats) {
   be_->zero(total_, row);
 }
 
-void MoeMlp::forward(int set, const void* w, const void* x, void* out, int N) {
+void MoeMlp::forward(int set, const void* w, const void* x, void* out, int N, int layer) {
   TR_CHECK(N <= maxN_, "MoeMlp: ", N, " tokens exceed its buffers (", maxN_, ") (a bug)");
   const int E = m_.n_experts, K = m_.top_k, F = m_.ffn, FS = m_.shared_ffn, C = C_;
   const MoeOffsets o(C, m_);
@@ -109,7 +142,10 @@ void MoeMlp::forward(int set, const void* w, const void* x, void* out, int N) {
   Acts& a = sets_[size_t(set)];
   be_->matmul_forward(logits_, x, at(o.router), nullptr, N, C, E);
   be_->moe_route_forward(a.probs, a.lse, a.idx, a.w, logits_, N, E, K, m_.norm_topk_prob);
+  if (bias_)
+    be_->moe_route_select_biased(a.idx, a.w, a.probs, bias_ + int64_t(layer < 0 ? set : layer) * E, N, E, K, m_.norm_topk_prob);
   if (stats_on_) {
+    if (count_load_) be_->moe_router_stats(load_ + int64_t(layer_) * (2 * E + 1), a.probs, a.lse, a.idx, N, E, K);
     TR_CHECK(layer_ < layers_, "MoeMlp: more MoE layers than ", layers_, " in one forward (a bug)");
     be_->moe_router_stats(stats_ + int64_t(layer_) * (2 * E + 1), a.probs, a.lse, a.idx, N, E, K);
     be_->moe_router_stats(total_, a.probs, a.lse, a.idx, N, E, K);

@@ -61,10 +61,13 @@ class MoeMlp {
 
   // A forward starts: the statistics restart (with_stats: a real forward,
   // not activation checkpointing's recompute, whose routing is the same).
-  void begin_forward(bool with_stats);
+  // count_load: a training forward whose routing counts toward the step's
+  // expert load (aux-loss-free balancing; not evaluation's forwards).
+  void begin_forward(bool with_stats, bool count_load = false);
   // out(N,C) = the MoE MLP of x(N,C) for block `set`/`layer`; w: the
   // block's MoE region (MoeOffsets), act dtype.
-  void forward(int set, const void* w, const void* x, void* out, int N);
+  // layer: the block's index in this network (the expert bias's row; -1: set).
+  void forward(int set, const void* w, const void* x, void* out, int N, int layer = -1);
   // After every layer's forward: the router losses added to the N per-token
   // losses (null: only computed), their gradient with the weight
   // grad_scale = the trainer's dloss_scale * N (each token's loss carries
@@ -82,6 +85,13 @@ class MoeMlp {
   int stats_stride() const { return 2 * m_.n_experts + 1; }
   // The figures of the last forward with statistics, copied to the host.
   Network::RouterReport report(Backend* be) const;
+
+  // Aux-loss-free balancing (MoeConfig::bias_rate > 0): the expert bias
+  // (layers, E) the top-k choice adds, and the load (token, slot pairs per
+  // layer and expert) the training forwards counted since the last take,
+  // which restarts it.
+  void set_bias(const std::vector<float>& bias);
+  std::vector<float> take_load();
 
  private:
   struct Acts {
@@ -123,6 +133,11 @@ class MoeMlp {
   float* total_ = nullptr;     // (2E+1) over the layers
   float* loss_out_ = nullptr;  // (2) aux, z
   float* aux_grad_ = nullptr;  // (E)
+  float* bias_ = nullptr;      // (layers, E) aux-loss-free balancing: the top-k choice's bias
+  float* load_ = nullptr;      // (layers, 2E+1) moe_router_stats over the step's training forwards
+  bool count_load_ = false;
+  bool balance_ready_ = false;  // bias_ and load_ zeroed (the arena's memory is not)
+  void ready_balance();
   // scratch
   void* logits_ = nullptr;     // (N,E) act: the router's logits, then their gradient
   float* dw_ = nullptr;        // (N,K) fp32
