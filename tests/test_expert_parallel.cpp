@@ -5,8 +5,8 @@
 // and combine) must train as one rank does:
 //  - ep2 and ep4 (no_shard) and ep2 x dp full_shard (world 4) over 5 steps,
 //    losses (cross-entropy + load-balancing + z-loss) and final weights <= 1e-5;
-//    also with tp2, pp2, activation checkpointing, offload, and Qwen2-MoE
-//    (shared expert) at ep2; the router's aux and z losses rank 0 logs are
+//    also with tp2, pp2, activation checkpointing, offload, Qwen2-MoE
+//    (shared expert) and aux-loss-free balancing (moe_balance: bias) at ep2; the router's aux and z losses rank 0 logs are
 //    ep1's (same world) at every step;
 //  - a router whose weights start at 0 sends every token to expert 0 (top-1;
 //    ep rank 0 receives every row of the group, the other ranks none): equal;
@@ -117,6 +117,14 @@ TEST_CASE("expert parallel: ep2 and ep4 alone, with full_shard, tp2, checkpointi
   const test::MeshRun qref = test::train_mesh(ep_job(dir / "q1", "sharding: no_shard, ", 5, qwen), 1);
   test::check_same_run("qwen2_moe ep2", test::train_mesh(ep_job(dir / "q2", "sharding: full_shard, "
                        "expert_parallel: 2, ", 5, qwen), 2), qref);
+  // Aux-loss-free balancing (model.moe_balance: bias): the bias picks the
+  // experts locally and moves from the step's load, as without ep.
+  const std::string bias =
+      "{arch: mixtral, n_layer: 2, n_head: 4, n_kv_head: 2, n_embd: 32, ffn_dim: 24, vocab_size: 64, seq_len: 16, "
+      "n_experts: 4, n_experts_per_tok: 2, router_aux_loss_coef: 0, moe_balance: bias, moe_bias_update_rate: 0.05}";
+  const test::MeshRun bref = test::train_mesh(ep_job(dir / "b1", "sharding: no_shard, ", 5, bias), 1);
+  test::check_same_run("bias balance ep2", test::train_mesh(ep_job(dir / "b2", "sharding: full_shard, "
+                       "expert_parallel: 2, ", 5, bias), 2), bref);
 }
 
 TEST_CASE("expert parallel: a router that sends every token to expert 0 at ep2 and ep4", "[ep]") {
