@@ -202,6 +202,17 @@ TEST_CASE("prepare --format preference: a pair index, both sides rendered by the
   CHECK(pairs[0][0] == 0);
   CHECK(pairs[1][0] == pairs[0][0] + pairs[0][1] + pairs[0][2]);  // back to back
   CHECK(pairs[1][0] + pairs[1][1] + pairs[1][2] == ntok);
+  {  // A hostile header: n + 2^61 pairs wraps 16 + 24 n around to the real size.
+     // It must be a clear error naming the file, not an exabyte allocation.
+    std::string idx = read_bytes(d / "out/train.pairs");
+    uint64_t n = 0;
+    std::memcpy(&n, idx.data() + 8, 8);
+    n += uint64_t(1) << 61;
+    std::memcpy(&idx[8], &n, 8);
+    test::write_file(d / "hostile.pairs", idx);
+    CHECK_THROWS_WITH(read_pair_index(d / "hostile.pairs", ntok),
+                      Contains("hostile.pairs") && Contains("truncated or changed"));
+  }
   auto side = [&](size_t p, int s, bool masked_only) {
     const int64_t off = s == 0 ? pairs[p][0] : pairs[p][0] + pairs[p][1], n = pairs[p][1 + s];
     std::vector<uint32_t> ids;

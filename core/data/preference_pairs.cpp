@@ -69,8 +69,11 @@ std::vector<std::array<int64_t, 3>> read_pair_index(const std::string& path, int
   std::memcpy(&n, head + 8, 8);
   std::error_code ec;
   const uint64_t size = fs::file_size(path, ec);
-  TR_CHECK(!ec && size == kHeaderBytes + n * 24, "'", path, "': its header says ", n, " pairs (", kHeaderBytes + n * 24,
-           " bytes) but the file has ", ec ? 0 : size, " bytes; it is truncated or changed: prepare the data again");
+  // Compared by division: a hostile count can wrap kHeaderBytes + n * 24
+  // around 2^64 to the file's real size and then cost an exabyte vector.
+  TR_CHECK(!ec && size >= kHeaderBytes && (size - kHeaderBytes) % 24 == 0 && n == (size - kHeaderBytes) / 24, "'",
+           path, "': its header says ", n, " pairs but the file has ", ec ? 0 : size, " bytes (", kHeaderBytes,
+           " + 24 per pair); it is truncated or changed: prepare the data again");
   std::vector<std::array<int64_t, 3>> pairs(n);
   if (n) f.read(reinterpret_cast<char*>(pairs.data()), std::streamsize(n * 24));
   int64_t end = 0;
