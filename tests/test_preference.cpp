@@ -486,3 +486,43 @@ TEST_CASE("preference: the whole network's gradient of dpo, ipo and orpo equals 
   }
 }
 
+
+TEST_CASE("preference: a row of exactly T + 1 tokens counts its last target in the log-prob, packed or not",
+          "[preference][data]") {
+  // T 12. A row per side: the chosen side is 13 tokens (its last prediction
+  // at t = 11, which read_samples sets). Packed: chosen 8 + rejected 5 = 13
+  // tokens in one row, the rejected side's last token the t = 11 target.
+  // Every target the loss sees must belong to its sequence, and the targets
+  // counted must be count_targets' (ORPO's NLL divides by that).
+  const int T = 12, V = 11, B = 2;
+  for (const bool packed : {false, true}) {
+    INFO((packed ? "packed" : "a row per side"));
+    test::TempDir d("pref_full_row");
+    test::PrefPair pair;
+    if (!packed) {
+      pair.c = {{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 2, 3, 4}, {0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1}};
+      pair.r = {{1, 2, 3, 5, 6}, {0, 0, 0, 1, 1}};
+    } else {
+      pair.c = {{1, 2, 3, 4, 5, 6, 7, 8}, {0, 0, 0, 1, 1, 1, 1, 1}};
+      pair.r = {{1, 2, 3, 5, 4}, {0, 0, 0, 1, 1}};
+    }
+    test::write_pref_dir(d.path(), {pair, pair}, V);
+    JobSpec job = pref_job(d.path(), "orpo", packed, B);
+    job.model.vocab_size = V;
+    auto src = open_preference_source(job, job.data.train, "data.train");
+    std::vector<int32_t> in(size_t(B) * T), tg(size_t(B) * T), seq(size_t(B) * T);
+    std::vector<int64_t> pair_ids(B);
+    src->read_samples(0, B, T, in.data(), tg.data());
+    src->read_segments(0, B, T, seq.data(), pair_ids.data());
+    int64_t seen = 0;
+    for (int i = 0; i < B * T; ++i) {
+      INFO("row " << i / T << " t " << i % T << ": target " << tg[size_t(i)] << ", sequence " << seq[size_t(i)]);
+      CHECK((tg[size_t(i)] >= 0) == (seq[size_t(i)] >= 0));
+      seen += seq[size_t(i)] >= 0;
+    }
+    CHECK(tg[size_t(T - 1)] == 4);  // the row's last token is a target
+    CHECK(seen == src->count_targets(0, B, T));
+    // A row per side: rows 0 and 1 are pair 0's chosen (10) and rejected (2). Packed: two pairs of 5 + 2.
+    CHECK(seen == (packed ? 2 * (5 + 2) : 10 + 2));
+  }
+}

@@ -166,8 +166,9 @@ void PreferenceSource::read_segments(int64_t first, int B, int T, int32_t* seq, 
       side(p, 0, part, m0);
       side(p, 1, part, m1);
       const int64_t nc = int64_t(m0.size());
-      // Target t predicts row token t + 1.
-      for (int t = 0; t + 1 < T; ++t) {
+      // Target t predicts row token t + 1; a row holds T + 1 tokens, so t
+      // runs to T - 1 (read_samples sets that target when the row is full).
+      for (int t = 0; t < T; ++t) {
         const int64_t k = t + 1;
         if (k < nc && m0[size_t(k)]) sq[t] = 2 * b;
         else if (k >= nc && k - nc < int64_t(m1.size()) && m1[size_t(k - nc)]) sq[t] = 2 * b + 1;
@@ -176,7 +177,7 @@ void PreferenceSource::read_segments(int64_t first, int B, int T, int32_t* seq, 
       const int s = int((row % 2 + 2) % 2);
       if (s == 0) pair_ids[b / 2] = p;
       side(p, s, part, m0);
-      for (int t = 0; t + 1 < T && t + 1 < int64_t(m0.size()); ++t)
+      for (int t = 0; t < T && t + 1 < int64_t(m0.size()); ++t)
         if (m0[size_t(t + 1)]) sq[t] = b;
     }
   }
