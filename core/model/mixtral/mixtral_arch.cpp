@@ -155,18 +155,13 @@ ModelConfig mixtral_config_from_metadata(const std::map<std::string, std::string
 
 json MixtralArch::manifest_model() const {
   json m = LlamaArch::manifest_model();
-  const MoeConfig& e = cfg_.moe;
-  m["n_experts"] = e.n_experts;
-  m["n_experts_per_tok"] = e.top_k;
-  m["router_aux_loss_coef"] = e.aux_loss_coef;
-  m["router_z_loss_coef"] = e.z_loss_coef;
+  moe_add_manifest(cfg_.moe, /*shared_expert=*/false, m);
   return m;
 }
 
 std::vector<ShapeKey> MixtralArch::shape_keys() const {
   std::vector<ShapeKey> k = LlamaArch::shape_keys();
-  k.push_back({"model.n_experts", "num_local_experts"});
-  k.push_back({"model.n_experts_per_tok", "num_experts_per_tok"});
+  moe_add_shape_keys(cfg_.moe, /*shared_expert=*/false, k);
   return k;
 }
 

@@ -4,6 +4,8 @@
 #include <cmath>
 #include <cstdio>
 
+#include <nlohmann/json.hpp>
+
 #include "core/common/error.h"
 
 namespace trainrun {
@@ -138,6 +140,30 @@ void moe_check_init_from(const std::string& family, const MoeConfig& job, const 
   TR_CHECK(job.norm_topk_prob == hf.norm_topk_prob, "model.init_from: '", dir, "' holds a ", family,
            " with norm_topk_prob = ", hf.norm_topk_prob ? "true" : "false", " (config.json) but model.norm_topk_prob is ",
            job.norm_topk_prob ? "true" : "false", "; set it to ", hf.norm_topk_prob ? "true" : "false", " or auto");
+}
+
+void moe_add_manifest(const MoeConfig& m, bool shared_expert, nlohmann::ordered_json& j) {
+  j["n_experts"] = m.n_experts;
+  j["n_experts_per_tok"] = m.top_k;
+  if (m.naming == "qwen") {
+    j["moe_ffn_dim"] = m.ffn;
+    if (shared_expert) j["shared_expert_ffn_dim"] = m.shared_ffn;
+    j["norm_topk_prob"] = m.norm_topk_prob;
+  }
+  j["router_aux_loss_coef"] = m.aux_loss_coef;
+  j["router_z_loss_coef"] = m.z_loss_coef;
+}
+
+void moe_add_shape_keys(const MoeConfig& m, bool shared_expert, std::vector<ShapeKey>& k) {
+  if (m.naming != "qwen") {
+    k.insert(k.end(), {{"model.n_experts", "num_local_experts"}, {"model.n_experts_per_tok", "num_experts_per_tok"}});
+    return;
+  }
+  k.insert(k.end(), {{"model.n_experts", "num_experts"},
+                     {"model.n_experts_per_tok", "num_experts_per_tok"},
+                     {"model.moe_ffn_dim", "moe_intermediate_size"}});
+  if (shared_expert) k.push_back({"model.shared_expert_ffn_dim", "shared_expert_intermediate_size"});
+  k.push_back({"model.norm_topk_prob", "norm_topk_prob"});
 }
 
 }  // namespace trainrun

@@ -24,5 +24,12 @@ void moe_add_metadata(const MoeConfig& m, std::map<std::string, std::string>& me
 MoeConfig moe_from_metadata(const std::map<std::string, std::string>& meta, const std::string& path, MoeConfig base);
 // model.init_from: the job's experts must be the directory's (names the model.* key and both values).
 void moe_check_init_from(const std::string& family, const MoeConfig& job, const MoeConfig& hf, const std::string& dir);
+// The checkpoint manifest's model.* MoE fields and the model.* <-> config.json
+// keys `plan`/init_from compare, every MoE family's. Mixtral's naming has
+// num_local_experts and no per-expert width or renormalisation key; Qwen's
+// has num_experts, moe_intermediate_size and norm_topk_prob, plus the shared
+// expert's width in a family that has one (`shared_expert`).
+void moe_add_manifest(const MoeConfig& m, bool shared_expert, nlohmann::ordered_json& j);
+void moe_add_shape_keys(const MoeConfig& m, bool shared_expert, std::vector<ShapeKey>& k);
 
 }  // namespace trainrun

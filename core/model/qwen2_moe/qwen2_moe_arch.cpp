@@ -154,24 +154,13 @@ ModelConfig qwen2_moe_config_from_metadata(const std::map<std::string, std::stri
 
 json Qwen2MoeArch::manifest_model() const {
   json j = LlamaArch::manifest_model();
-  const MoeConfig& m = cfg_.moe;
-  j["n_experts"] = m.n_experts;
-  j["n_experts_per_tok"] = m.top_k;
-  j["moe_ffn_dim"] = m.ffn;
-  j["shared_expert_ffn_dim"] = m.shared_ffn;
-  j["norm_topk_prob"] = m.norm_topk_prob;
-  j["router_aux_loss_coef"] = m.aux_loss_coef;
-  j["router_z_loss_coef"] = m.z_loss_coef;
+  moe_add_manifest(cfg_.moe, /*shared_expert=*/true, j);
   return j;
 }
 
 std::vector<ShapeKey> Qwen2MoeArch::shape_keys() const {
   std::vector<ShapeKey> k = LlamaArch::shape_keys();
-  k.insert(k.end(), {{"model.n_experts", "num_experts"},
-                     {"model.n_experts_per_tok", "num_experts_per_tok"},
-                     {"model.moe_ffn_dim", "moe_intermediate_size"},
-                     {"model.shared_expert_ffn_dim", "shared_expert_intermediate_size"},
-                     {"model.norm_topk_prob", "norm_topk_prob"}});
+  moe_add_shape_keys(cfg_.moe, /*shared_expert=*/true, k);
   return k;
 }
 
