@@ -22,28 +22,41 @@ using namespace planner_detail;
 
 double estimate_cp_activation_bytes(const ModelArch& m, int cp, const std::string& mode, int micro_batch,
                                     bool checkpointing, const DeviceModel& d, int tp, bool sequence_parallel) {
+  if (tp <= 1) return cp_activation_bytes(m, cp, mode, micro_batch, checkpointing, d, nullptr, sequence_parallel);
+  const TpLocalShape sh = TensorParallelPlan(m, tp, 0).shape();  // rank 0's sizes are every rank's
+  return cp_activation_bytes(m, cp, mode, micro_batch, checkpointing, d, &sh, sequence_parallel);
+}
+
+namespace planner_detail {
+
+// The TP rank's shape depends on the heads, widths and vocabulary, not on
+// T: one TensorParallelPlan per tp serves every row and micro-batch size
+// (building one splits the whole layout: seconds for a 70B model).
+double cp_activation_bytes(const ModelArch& m, int cp, const std::string& mode, int micro_batch, bool checkpointing,
+                           const DeviceModel& d, const TpLocalShape* tp_shape, bool sequence_parallel) {
   const ModelConfig& c = m.config();
   TR_CHECK(cp >= 1 && c.T % (2 * cp) == 0, "plan: model.seq_len ", c.T, " is not a multiple of 2 x cp (", 2 * cp,
            ")");
-  if (cp == 1) return estimate_tp_activation_bytes(m, tp, sequence_parallel, micro_batch, checkpointing, d);
+  auto network = [&](const ModelArch& arch, const DeviceModel& dm) {
+    return tp_shape ? tp_activation_bytes(arch, *tp_shape, sequence_parallel, micro_batch, checkpointing, dm)
+                    : estimate_activation_bytes(arch, micro_batch, checkpointing, dm);
+  };
+  if (cp == 1) return network(m, d);
   // The network's arena over T / cp rows, each layer keeping the cp
   // attention's log-sum-exp (never probabilities); RoPE's table stays global.
   ModelConfig local = c;
   local.T = c.T / cp;
   DeviceModel ld = d;
   ld.attention_probs = false;
-  double bytes = estimate_tp_activation_bytes(*make_model_arch(local), tp, sequence_parallel, micro_batch,
-                                              checkpointing, ld);
+  double bytes = network(*make_model_arch(local), ld);
   if (m.llama_shaped()) bytes += r64(double(c.T) * c.head_size() * 4) - r64(double(local.T) * c.head_size() * 4);
   // The cp attention of this TP rank's heads (rank 0's sizes are every rank's).
-  int NH = c.NH, NKV = c.kv_heads();
-  if (tp > 1) {
-    const TpLocalShape sh = TensorParallelPlan(m, tp, 0).shape();
-    NH = sh.NH, NKV = sh.NKV;
-  }
+  const int NH = tp_shape ? tp_shape->NH : c.NH, NKV = tp_shape ? tp_shape->NKV : c.kv_heads();
   return bytes + double(CpAttention::workspace_bytes_for(mode, micro_batch, c.T, cp, NH, NKV, c.head_size(),
                                                          d.act_bytes));
 }
+
+}  // namespace planner_detail
 
 double cp_ring_bytes_per_micro_batch(const ModelConfig& c, int cp, int micro_batch, bool checkpointing,
                                      int act_bytes, int kv_heads) {
@@ -99,8 +112,8 @@ void plan_context_parallel(Plan& plan, const ModelArch& m, const DeviceModel& de
       row.sharding.offload = req.offload != "none";
       auto memory_at = [&](int b) {
         return memory_of_units(units, mc.L, mc.T / cp, row.sharding, b,
-                               estimate_cp_activation_bytes(m, cp, req.cp_mode, b, req.checkpointing, dev, tp,
-                                                            req.sequence_parallel),
+                               cp_activation_bytes(m, cp, req.cp_mode, b, req.checkpointing, dev,
+                                                   tp_plan ? &tp_plan->shape() : nullptr, req.sequence_parallel),
                                dev);
       };
       row.mem = memory_at(req.micro_batch);

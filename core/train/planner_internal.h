@@ -13,7 +13,16 @@
 #include "core/train/planner.h"
 
 namespace trainrun {
+struct TpLocalShape;
 namespace planner_detail {
+
+// One TP rank's activation arena for the rank's local shape (planner_tp.cpp):
+// estimate_tp_activation_bytes without building the TensorParallelPlan, for
+// callers that evaluate many micro-batch sizes or sequence lengths at one tp.
+double tp_activation_bytes(const ModelArch& m, const TpLocalShape& sh, bool sp, int B, bool ckpt, const DeviceModel& d);
+// estimate_cp_activation_bytes with the TP rank's shape given (nullptr at tp 1).
+double cp_activation_bytes(const ModelArch& m, int cp, const std::string& mode, int micro_batch, bool checkpointing,
+                           const DeviceModel& d, const TpLocalShape* tp_shape, bool sequence_parallel);
 
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 

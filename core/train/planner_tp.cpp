@@ -16,7 +16,7 @@ namespace trainrun {
 
 using namespace planner_detail;
 
-namespace {
+namespace planner_detail {
 
 double tp_activation_bytes(const ModelArch& m, const TpLocalShape& sh, bool sp, int B, bool ckpt, const DeviceModel& d) {
   const int tp = sh.tp;
@@ -71,6 +71,10 @@ double tp_activation_bytes(const ModelArch& m, const TpLocalShape& sh, bool sp, 
   if (c.post_norms) total += r64(NR * C * es);                // backward: the gradient through a post norm (rows)
   return total;
 }
+
+}  // namespace planner_detail
+
+namespace {
 
 // au: an adapter run's units over this TP rank's local layout (nullptr: a
 // full fine-tune).
