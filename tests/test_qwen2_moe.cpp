@@ -225,6 +225,18 @@ TEST_CASE("qwen2_moe: config.json maths trainrun does not implement is refused b
   CHECK_THAT(error(write("dense", {{"mlp_only_layers", {1}}})), Contains("mlp_only_layers = [1]"));
   CHECK(error(write("beyond", {{"mlp_only_layers", {5}}})).empty());  // no such layer: nothing dense
   CHECK_THAT(error(write("none", {{"num_experts", 0}})), Contains("num_experts = 0"));
+  // The MoE keys are read by core/model/moe/moe_hf_config.cpp for every
+  // Qwen MoE family: a step of 0 and a coefficient that is not a number are
+  // refused, as are a negative shared width and a top-k past the experts.
+  CHECK_THAT(error(write("step0", {{"decoder_sparse_step", 0}})), Contains("decoder_sparse_step = 0"));
+  CHECK_THAT(error(write("coef", {{"output_router_logits", true}, {"router_aux_loss_coef", "0.1"}})),
+             Contains("router_aux_loss_coef is not a number"));
+  CHECK_THAT(error(write("shared", {{"shared_expert_intermediate_size", -1}})),
+             Contains("shared_expert_intermediate_size must be >= 0"));
+  CHECK_THAT(error(write("topk", {{"num_experts", 4}, {"num_experts_per_tok", 5}})),
+             Contains("num_experts_per_tok (5) must be in 1..num_experts (4)"));
+  CHECK(read_hf_model_config(write("aux", {{"output_router_logits", true}, {"router_aux_loss_coef", 0.25}}), "x")
+            .moe.aux_loss_coef == 0.25);
   CHECK_THAT(error(write("window", {{"use_sliding_window", true}, {"sliding_window", 8}, {"max_window_layers", 0}})),
              Contains("use_sliding_window = true"));
 

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/common/error.h"
+#include "core/model/moe/moe_hf_config.h"
 #include "core/model/moe/moe_layout.h"
 
 using json = nlohmann::ordered_json;
@@ -53,38 +54,19 @@ std::string MixtralArch::describe() const {
 }
 
 ModelConfig mixtral_config_from_hf(const json& c, const std::string& path, const std::string& what) {
-  auto has = [&](const char* key) { return c.contains(key) && !c[key].is_null(); };
-  auto number = [&](const char* key, double dflt) {
-    if (!has(key)) return dflt;
-    TR_CHECK(c[key].is_number(), what, ": '", path, "': ", key, " is not a number: ", c[key].dump());
-    return c[key].get<double>();
-  };
-  auto integer = [&](const char* key, int dflt) {
-    if (!has(key)) return dflt;
-    TR_CHECK(c[key].is_number_integer(), what, ": '", path, "': ", key, " is not an integer: ", c[key].dump());
-    return c[key].get<int>();
-  };
-  auto flag = [&](const char* key, bool dflt) {
-    if (!has(key)) return dflt;
-    TR_CHECK(c[key].is_boolean(), what, ": '", path, "': ", key, " is not true/false: ", c[key].dump());
-    return c[key].get<bool>();
-  };
-  auto refuse = [&](const std::string& key, const std::string& have, const std::string& need) {
-    TR_FAIL(what, ": '", path, "' has ", key, " = ", have, "; trainrun's Mixtral needs ", need,
-            ", so these weights would compute a different function");
-  };
+  const HfConfigKeys k(c, path, what, "Mixtral");
   // Mixtral's own keys and refusals first (in its name); then MixtralConfig's
   // defaults where they are not LlamaConfig's, the rest read as Llama reads it.
-  if (has("hidden_act") && c["hidden_act"] != "silu") refuse("hidden_act", c["hidden_act"].dump(), "\"silu\" (SwiGLU)");
-  if (number("attention_dropout", 0.0) != 0.0)
-    refuse("attention_dropout", c["attention_dropout"].dump(), "0 (trainrun has no dropout)");
-  if (number("router_jitter_noise", 0.0) != 0.0)
-    refuse("router_jitter_noise", c["router_jitter_noise"].dump(),
+  if (k.has("hidden_act") && c["hidden_act"] != "silu") k.refuse("hidden_act", c["hidden_act"].dump(), "\"silu\" (SwiGLU)");
+  if (k.number("attention_dropout", 0.0) != 0.0)
+    k.refuse("attention_dropout", c["attention_dropout"].dump(), "0 (trainrun has no dropout)");
+  if (k.number("router_jitter_noise", 0.0) != 0.0)
+    k.refuse("router_jitter_noise", c["router_jitter_noise"].dump(),
            "0 (the router's training-time input noise is not implemented)");
-  if (has("rope_scaling")) refuse("rope_scaling", c["rope_scaling"].dump(), "none (MixtralConfig has no RoPE scaling)");
+  if (k.has("rope_scaling")) k.refuse("rope_scaling", c["rope_scaling"].dump(), "none (MixtralConfig has no RoPE scaling)");
   json l = c;
   auto dflt = [&](const char* key, json v) {
-    if (!has(key)) l[key] = std::move(v);
+    if (!k.has(key)) l[key] = std::move(v);
   };
   dflt("vocab_size", 32000);
   dflt("hidden_size", 4096);
@@ -98,24 +80,22 @@ ModelConfig mixtral_config_from_hf(const json& c, const std::string& path, const
   l.erase("head_dim");  // checked below: 4.44's Mixtral derives it
   ModelConfig cfg = llama_config_from_hf(l, path, what);
   cfg.arch = "mixtral";
-  if (has("head_dim") && integer("head_dim", 0) != cfg.C / cfg.NH)
-    refuse("head_dim", c["head_dim"].dump(), "hidden_size / num_attention_heads = " + std::to_string(cfg.C / cfg.NH));
+  if (k.has("head_dim") && k.integer("head_dim", 0) != cfg.C / cfg.NH)
+    k.refuse("head_dim", c["head_dim"].dump(), "hidden_size / num_attention_heads = " + std::to_string(cfg.C / cfg.NH));
   // The window applies on every layer with Mistral's rule (query t sees
   // keys t - W < j <= t). transformers 4.44 applies Mixtral's only in its
   // flash-attention path (its eager mask ignores it); the published
   // Mixtral configs have none (null).
-  if (has("sliding_window")) cfg.sliding_window = integer("sliding_window", 0);
+  if (k.has("sliding_window")) cfg.sliding_window = k.integer("sliding_window", 0);
   MoeConfig& m = cfg.moe;
-  m.n_experts = integer("num_local_experts", 8);
-  m.top_k = integer("num_experts_per_tok", 2);
+  m.n_experts = k.integer("num_local_experts", 8);
+  m.top_k = k.integer("num_experts_per_tok", 2);
   TR_CHECK(m.n_experts >= 1 && m.top_k >= 1 && m.top_k <= m.n_experts, what, ": '", path,
            "': num_experts_per_tok (", m.top_k, ") must be in 1..num_local_experts (", m.n_experts, ")");
   m.norm_topk_prob = true;
   m.ffn = cfg.F;
   m.naming = "mixtral";
-  // transformers adds the load-balancing loss only with output_router_logits.
-  const double coef = number("router_aux_loss_coef", 0.001);
-  m.aux_loss_coef = flag("output_router_logits", false) ? coef : 0.0;
+  m.aux_loss_coef = moe_aux_loss_coef_from_hf(k);
   return cfg;
 }
 
@@ -129,8 +109,7 @@ json MixtralArch::hf_config_json() const {
   c["num_local_experts"] = cfg.moe.n_experts;
   c["num_experts_per_tok"] = cfg.moe.top_k;
   // The load-balancing loss trainrun trained with, as transformers reads it.
-  c["output_router_logits"] = cfg.moe.aux_loss_coef > 0;
-  c["router_aux_loss_coef"] = cfg.moe.aux_loss_coef > 0 ? cfg.moe.aux_loss_coef : 0.001;
+  moe_write_aux_loss_hf(cfg.moe, c);
   c["router_jitter_noise"] = 0.0;
   return c;
 }

@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/common/error.h"
+#include "core/model/moe/moe_hf_config.h"
 #include "core/model/moe/moe_layout.h"
 #include "core/model/qwen2/qwen2_arch.h"
 
@@ -48,26 +49,12 @@ std::string Qwen2MoeArch::describe() const {
 }
 
 ModelConfig qwen2_moe_config_from_hf(const json& c, const std::string& path, const std::string& what) {
-  auto has = [&](const char* key) { return c.contains(key) && !c[key].is_null(); };
-  auto integer = [&](const char* key, int dflt) {
-    if (!has(key)) return dflt;
-    TR_CHECK(c[key].is_number_integer(), what, ": '", path, "': ", key, " is not an integer: ", c[key].dump());
-    return c[key].get<int>();
-  };
-  auto flag = [&](const char* key, bool dflt) {
-    if (!has(key)) return dflt;
-    TR_CHECK(c[key].is_boolean(), what, ": '", path, "': ", key, " is not true/false: ", c[key].dump());
-    return c[key].get<bool>();
-  };
-  auto refuse = [&](const std::string& key, const std::string& have, const std::string& need) {
-    TR_FAIL(what, ": '", path, "' has ", key, " = ", have, "; trainrun's Qwen2-MoE needs ", need,
-            ", so these weights would compute a different function");
-  };
+  const HfConfigKeys k(c, path, what, "Qwen2-MoE");
   // Qwen2MoeConfig's defaults where they are not Qwen2Config's; the
   // attention (and its refusals) read as Qwen2 reads it.
   json q = c;
   auto dflt = [&](const char* key, json v) {
-    if (!has(key)) q[key] = std::move(v);
+    if (!k.has(key)) q[key] = std::move(v);
   };
   dflt("hidden_size", 2048);
   dflt("intermediate_size", 5632);
@@ -75,42 +62,10 @@ ModelConfig qwen2_moe_config_from_hf(const json& c, const std::string& path, con
   dflt("num_attention_heads", 16);
   dflt("num_key_value_heads", 16);
   dflt("rope_theta", 10000.0);
-  for (const char* k : {"num_experts", "num_experts_per_tok", "moe_intermediate_size",
-                        "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
-                        "output_router_logits", "router_aux_loss_coef"})
-    q.erase(k);
+  for (const char* key : qwen_moe_hf_keys()) q.erase(key);
   ModelConfig cfg = qwen2_config_from_hf(q, path, what);
   cfg.arch = "qwen2_moe";
-  MoeConfig& m = cfg.moe;
-  m.n_experts = integer("num_experts", 60);
-  m.top_k = integer("num_experts_per_tok", 4);
-  m.ffn = integer("moe_intermediate_size", 1408);
-  m.shared_ffn = integer("shared_expert_intermediate_size", 5632);
-  m.norm_topk_prob = flag("norm_topk_prob", false);
-  m.naming = "qwen";
-  if (m.n_experts < 1) refuse("num_experts", std::to_string(m.n_experts), "experts in every layer (>= 1)");
-  TR_CHECK(m.top_k >= 1 && m.top_k <= m.n_experts, what, ": '", path, "': num_experts_per_tok (", m.top_k,
-           ") must be in 1..num_experts (", m.n_experts, ")");
-  TR_CHECK(m.ffn >= 1 && m.shared_ffn >= 0, what, ": '", path,
-           "': moe_intermediate_size must be positive and shared_expert_intermediate_size >= 0");
-  // Layer l is sparse when it is not in mlp_only_layers and (l+1) % decoder_sparse_step == 0; trainrun's
-  // blocks are all sparse.
-  const int step = integer("decoder_sparse_step", 1);
-  if (step != 1 && cfg.L > 1)
-    refuse("decoder_sparse_step", std::to_string(step),
-           "1 (every layer a mixture of experts; dense layers among them are not implemented)");
-  if (has("mlp_only_layers")) {
-    TR_CHECK(c["mlp_only_layers"].is_array(), what, ": '", path, "': mlp_only_layers is not a list: ",
-             c["mlp_only_layers"].dump());
-    for (const auto& v : c["mlp_only_layers"])
-      if (v.is_number_integer() && v.get<int>() >= 0 && v.get<int>() < cfg.L)
-        refuse("mlp_only_layers", c["mlp_only_layers"].dump(),
-               "[] (every layer a mixture of experts; dense layers among them are not implemented)");
-  }
-  const double coef = has("router_aux_loss_coef") && c["router_aux_loss_coef"].is_number()
-                          ? c["router_aux_loss_coef"].get<double>()
-                          : 0.001;
-  m.aux_loss_coef = flag("output_router_logits", false) ? coef : 0.0;
+  cfg.moe = qwen_moe_from_hf(k, cfg.L, {/*n_experts=*/60, /*top_k=*/4, /*ffn=*/1408, /*shared_ffn=*/5632});
   return cfg;
 }
 
@@ -121,18 +76,7 @@ json Qwen2MoeArch::hf_config_json() const {
   c["architectures"] = {"Qwen2MoeForCausalLM"};
   c["model_type"] = "qwen2_moe";
   for (const char* key : {"head_dim", "rope_scaling", "attention_bias", "mlp_bias", "pretraining_tp"}) c.erase(key);
-  c["use_sliding_window"] = false;
-  c["sliding_window"] = nullptr;
-  c["max_window_layers"] = cfg.L;
-  c["num_experts"] = m.n_experts;
-  c["num_experts_per_tok"] = m.top_k;
-  c["moe_intermediate_size"] = m.ffn;
-  c["shared_expert_intermediate_size"] = m.shared_ffn;
-  c["norm_topk_prob"] = m.norm_topk_prob;
-  c["decoder_sparse_step"] = 1;
-  c["mlp_only_layers"] = json::array();
-  c["output_router_logits"] = m.aux_loss_coef > 0;
-  c["router_aux_loss_coef"] = m.aux_loss_coef > 0 ? m.aux_loss_coef : 0.001;
+  qwen_moe_to_hf(m, cfg.L, /*shared_expert=*/true, c);
   return c;
 }
 
