@@ -38,6 +38,7 @@
 #include "tests/support/hf_reference.h"
 #include "tests/support/inprocess.h"
 #include "tests/support/mesh_runs.h"
+#include "tests/support/moe_hf.h"
 #include "tests/support/testutil.h"
 
 using namespace trainrun;
@@ -56,37 +57,13 @@ std::vector<float> f32_of(const SafeTensorFile& f, const std::string& name, cons
 }
 std::vector<float> hf_flat(const ModelArch& arch, const std::string& dir) { return flat_from_hf(arch, dir); }
 
-struct Shape {
-  int L = 2, NH = 4, NKV = 2, C = 32, F = 24, E = 4, K = 2, V = 37, T = 9;
-  bool tied = false;
-  double aux = 0.02;
+// Mixtral's tiny model: 4 experts (F = 24 wide, as every Mixtral expert), top-2.
+struct Shape : test::MoeShape {
+  Shape() { arch = "mixtral", F = 24; }
 };
-
-ModelConfig mixtral_cfg(const Shape& s) {
-  ModelConfig c;
-  c.arch = "mixtral";
-  c.L = s.L, c.NH = s.NH, c.NKV = s.NKV, c.C = s.C, c.F = s.F, c.V = s.V, c.T = s.T;
-  c.tied = s.tied;
-  c.norm_eps = 1e-5;
-  c.rope_theta = 1e6;
-  c.moe.n_experts = s.E;
-  c.moe.top_k = s.K;
-  c.moe.aux_loss_coef = s.aux;
-  return c;
-}
-
-// `hf_mixtral.py random` into DIR (with --batch: the reference pass too).
+ModelConfig mixtral_cfg(const Shape& s) { return test::moe_config(s); }
 void hf_random(const std::string& dir, const Shape& s, const std::string& batch = "", const std::string& out_ref = "") {
-  char args[768];
-  std::snprintf(args, sizeof args,
-                "random --out '%s' --layers %d --hidden %d --heads %d --kv-heads %d --intermediate %d --experts %d "
-                "--top-k %d --vocab %d --max-positions %d --aux-coef %g --seed 5%s",
-                dir.c_str(), s.L, s.C, s.NH, s.NKV, s.F, s.E, s.K, s.V, s.T, s.aux, s.tied ? " --tie" : "");
-  std::string a = args;
-  if (!batch.empty()) a += " --batch '" + batch + "' --out-ref '" + out_ref + "'";
-  const test::RunResult r = test::run_reference_script(kScript, a);
-  INFO(r.err);
-  REQUIRE(r.exit_code == 0);
+  test::hf_moe_random(dir, s, batch, out_ref);
 }
 
 double rel(const std::vector<float>& a, const std::vector<float>& b) { return test::rel_err(a, b); }

@@ -30,6 +30,7 @@
 #include "tests/support/hf_reference.h"
 #include "tests/support/inprocess.h"
 #include "tests/support/mesh_runs.h"
+#include "tests/support/moe_hf.h"
 #include "tests/support/testutil.h"
 
 using namespace trainrun;
@@ -39,41 +40,13 @@ namespace {
 
 const char* kScript = "hf_qwen2_moe.py";
 
-struct Shape {
-  int L = 2, NH = 4, NKV = 2, C = 32, F = 40, E = 4, K = 2, FE = 16, FS = 24, V = 37, T = 9;
-  bool tied = false, norm = false;
-  double aux = 0.02;
+// Qwen2-MoE's tiny model: 4 experts of 16, top-2, a shared expert of 24.
+struct Shape : test::MoeShape {
+  Shape() { arch = "qwen2_moe", FS = 24; }
 };
-
-ModelConfig cfg_of(const Shape& s) {
-  ModelConfig c;
-  c.arch = "qwen2_moe";
-  c.L = s.L, c.NH = s.NH, c.NKV = s.NKV, c.C = s.C, c.F = s.F, c.V = s.V, c.T = s.T;
-  c.tied = s.tied;
-  c.norm_eps = 1e-6;
-  c.rope_theta = 1e6;
-  c.moe.n_experts = s.E;
-  c.moe.top_k = s.K;
-  c.moe.ffn = s.FE;
-  c.moe.shared_ffn = s.FS;
-  c.moe.norm_topk_prob = s.norm;
-  c.moe.aux_loss_coef = s.aux;
-  return c;
-}
-
+ModelConfig cfg_of(const Shape& s) { return test::moe_config(s); }
 void hf_random(const std::string& dir, const Shape& s, const std::string& batch = "", const std::string& out_ref = "") {
-  char args[900];
-  std::snprintf(args, sizeof args,
-                "random --out '%s' --layers %d --hidden %d --heads %d --kv-heads %d --intermediate %d --experts %d "
-                "--top-k %d --expert-intermediate %d --shared-intermediate %d --vocab %d --max-positions %d "
-                "--aux-coef %g --seed 5%s%s",
-                dir.c_str(), s.L, s.C, s.NH, s.NKV, s.F, s.E, s.K, s.FE, s.FS, s.V, s.T, s.aux,
-                s.tied ? " --tie" : "", s.norm ? " --norm-topk" : "");
-  std::string a = args;
-  if (!batch.empty()) a += " --batch '" + batch + "' --out-ref '" + out_ref + "'";
-  const test::RunResult r = test::run_reference_script(kScript, a);
-  INFO(r.err);
-  REQUIRE(r.exit_code == 0);
+  test::hf_moe_random(dir, s, batch, out_ref);
 }
 
 }  // namespace
