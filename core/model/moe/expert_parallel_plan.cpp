@@ -1,0 +1,108 @@
+// Expert parallelism's storage split (expert_parallel_plan.h).
+#include "core/model/moe/expert_parallel_plan.h"
+
+#include <algorithm>
+#include <cstdlib>
+
+#include "core/common/error.h"
+
+namespace trainrun {
+
+int expert_of_tensor(const std::string& name) {
+  static const std::string key = ".experts.";
+  const size_t at = name.find(key);
+  if (at == std::string::npos) return -1;
+  const size_t b = at + key.size(), e = name.find('.', b);
+  if (e == std::string::npos || e == b) return -1;
+  int id = 0;
+  for (size_t i = b; i < e; ++i) {
+    if (name[i] < '0' || name[i] > '9') return -1;
+    id = id * 10 + (name[i] - '0');
+  }
+  return id;
+}
+
+namespace {
+// Appends (s, n) to ascending ranges, merging with the last when adjacent.
+void push_range(std::vector<std::pair<int64_t, int64_t>>& out, int64_t s, int64_t n) {
+  if (!out.empty() && out.back().first + out.back().second == s) out.back().second += n;
+  else out.push_back({s, n});
+}
+}  // namespace
+
+ExpertParallelPlan::ExpertParallelPlan(const ParamLayout& global, int n_experts, int ep, int rank)
+    : global_(global), n_experts_(n_experts), ep_(ep), rank_(rank) {
+  TR_CHECK(ep >= 1 && n_experts > 0 && n_experts % ep == 0, "parallel.expert_parallel ", ep,
+           " must divide model.n_experts (", n_experts, "): every ep rank holds n_experts / expert_parallel "
+           "whole experts; use a divisor of ", n_experts);
+  TR_CHECK(rank >= 0 && rank < ep, "expert parallelism: ep rank ", rank, " is outside the group of ", ep, " (a bug)");
+  const int e0 = first_expert(), e1 = e0 + local_experts();
+  LayoutBuilder b;
+  int unit = -1;
+  int64_t local_off = 0;
+  bool any_expert = false;
+  for (const ParamTensor& t : global_.tensors) {
+    const int e = expert_of_tensor(t.name);
+    if (e >= n_experts) TR_FAIL("expert parallelism: tensor ", t.name, " names expert ", e, " but model.n_experts is ",
+                                n_experts, " (a bug in the layout)");
+    any_expert |= e >= 0;
+    if (t.unit != unit) {
+      if (unit >= 0) b.end_unit();
+      // Units stay in order, one for one (an empty unit cannot happen: every
+      // block holds its attention, which is dense).
+      for (int u = unit + 1; u < t.unit; ++u) {
+        b.begin_unit(global_.units[size_t(u)].name);
+        b.end_unit();
+      }
+      unit = t.unit;
+      b.begin_unit(global_.units[size_t(unit)].name);
+    }
+    if (e >= 0 && (e < e0 || e >= e1)) continue;  // another ep rank's expert
+    b.add(t.name, t.shape, t.decay, t.split, t.split_blocks, t.split_units);
+    TpRun r;
+    r.local = local_off;
+    r.global = t.offset;
+    r.count = t.numel;
+    r.owner = e >= 0 || rank_ == 0;
+    runs_.push_back(r);
+    expert_run_.push_back(e >= 0);
+    local_off += t.numel;
+  }
+  if (unit >= 0) b.end_unit();
+  TR_CHECK(any_expert, "parallel.expert_parallel ", ep, ": the model's layout has no routed-expert tensor "
+           "(\".experts.<e>.\"); expert parallelism needs a mixture-of-experts model (model.n_experts > 0)");
+  for (const ParamTie& tie : global_.ties) b.tie(tie.name, tie.tensor);
+  local_ = b.finish();
+  TR_CHECK(local_.total == local_off && local_.units.size() == global_.units.size(),
+           "expert parallelism: the local layout lost a unit or an element (a bug)");
+}
+
+int64_t ExpertParallelPlan::local_of(int64_t g) const {
+  // runs_ ascend in global offset too (tensors are visited in flat order).
+  auto it = std::upper_bound(runs_.begin(), runs_.end(), g,
+                             [](int64_t v, const TpRun& r) { return v < r.global + r.count; });
+  if (it == runs_.end() || g < it->global) return -1;
+  return it->local + (g - it->global);
+}
+
+std::vector<std::pair<int64_t, int64_t>> ExpertParallelPlan::held_global() const {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (const TpRun& r : runs_) push_range(out, r.global, r.count);
+  return out;
+}
+
+std::vector<std::pair<int64_t, int64_t>> ExpertParallelPlan::expert_ranges() const {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (size_t i = 0; i < runs_.size(); ++i)
+    if (expert_run_[i]) push_range(out, runs_[i].local, runs_[i].count);
+  return out;
+}
+
+std::vector<std::pair<int64_t, int64_t>> ExpertParallelPlan::non_owner_ranges() const {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (const TpRun& r : runs_)
+    if (!r.owner) push_range(out, r.local, r.count);
+  return out;
+}
+
+}  // namespace trainrun

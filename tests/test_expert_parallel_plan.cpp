@@ -1,0 +1,154 @@
+// Expert parallelism's storage split (core/model/moe/expert_parallel_plan.h):
+// what an ep rank holds of a tiny Mixtral / Qwen2-MoE, checked element by
+// element against the global layout, and the bytes a parameter store over
+// that local layout reports against the planner's EP row
+// (core/train/planner_ep.cpp) for the same model. In-process, no python.
+#include <catch2/catch.hpp>
+
+#include <string>
+#include <vector>
+
+#include "core/model/moe/expert_parallel_plan.h"
+#include "core/train/planner.h"
+#include "kernels/backend.h"
+#include "parallel/comm/communicator.h"
+#include "parallel/sharding/sharding.h"
+#include "tests/support/moe_hf.h"
+#include "tests/support/testutil.h"
+
+using namespace trainrun;
+using Catch::Matchers::Contains;
+
+namespace {
+
+test::MoeShape shape(const std::string& arch) {
+  test::MoeShape s;
+  s.arch = arch;
+  if (arch == "qwen2_moe") s.FS = 24;  // a shared expert: dense, held by every ep rank
+  return s;
+}
+
+int64_t expert_elements(const ParamLayout& l) {
+  int64_t n = 0;
+  for (const ParamTensor& t : l.tensors)
+    if (expert_of_tensor(t.name) >= 0) n += t.numel;
+  return n;
+}
+
+}  // namespace
+
+TEST_CASE("expert parallel plan: an ep rank holds its experts only, every element has one owner, shared expert "
+          "dense",
+          "[ep][moe]") {
+  for (const std::string arch : {"mixtral", "qwen2_moe"}) {
+    const auto model = make_model_arch(test::moe_config(shape(arch)));
+    const ParamLayout& g = model->layout();
+    const int n = model->config().moe.n_experts;  // 4
+    const int64_t X = expert_elements(g);
+    REQUIRE(X > 0);
+    for (const int ep : {1, 2, 4}) {
+      std::vector<int> owners(size_t(g.total), 0), holders(size_t(g.total), 0);
+      for (int r = 0; r < ep; ++r) {
+        INFO(arch << " ep" << ep << " rank " << r);
+        const ExpertParallelPlan plan(g, n, ep, r);
+        const ParamLayout& l = plan.local_layout();
+        CHECK(l.total == g.total - X + X / ep);
+        CHECK(l.units.size() == g.units.size());
+        int64_t ex = 0;
+        for (const auto& [s, c] : plan.expert_ranges()) ex += c;
+        CHECK(ex == X / ep);
+        // Every global tensor: held whole iff dense or one of [r*n/ep, (r+1)*n/ep).
+        for (const ParamTensor& t : g.tensors) {
+          const int e = expert_of_tensor(t.name);
+          const bool mine = e < 0 || (e >= r * n / ep && e < (r + 1) * n / ep);
+          const ParamTensor* lt = l.find(t.name);
+          REQUIRE((lt != nullptr) == mine);
+          if (arch == "qwen2_moe" && t.name.find("shared_expert") != std::string::npos) CHECK(e < 0);
+          for (const int64_t at : {t.offset, t.offset + t.numel - 1})
+            CHECK(plan.local_of(at) == (mine ? lt->offset + (at - t.offset) : -1));
+          if (mine) CHECK(lt->shape == t.shape);
+        }
+        for (const TpRun& run : plan.runs())
+          for (int64_t i = 0; i < run.count; ++i) {
+            ++holders[size_t(run.global + i)];
+            owners[size_t(run.global + i)] += run.owner;
+          }
+        // held_global is what the store's held_ranges will answer in global
+        // coordinates: rank 1 of ep2 holds none of experts 0 and 1.
+        int64_t held = 0;
+        for (const auto& [s, c] : plan.held_global()) held += c;
+        CHECK(held == l.total);
+        if (ep == 2 && r == 1)
+          for (const auto& [s, c] : plan.held_global())
+            for (const ParamTensor& t : g.tensors)
+              if (expert_of_tensor(t.name) == 0 || expert_of_tensor(t.name) == 1)
+                CHECK((t.offset + t.numel <= s || t.offset >= s + c));
+      }
+      // Over the group: every element owned exactly once (checkpoint writes,
+      // the grad norm); experts held once, dense elements by every rank.
+      int bad_owner = 0, bad_holder = 0;
+      for (const ParamTensor& t : g.tensors)
+        for (int64_t i = t.offset; i < t.offset + t.numel; ++i) {
+          bad_owner += owners[size_t(i)] != 1;
+          bad_holder += holders[size_t(i)] != (expert_of_tensor(t.name) >= 0 ? 1 : ep);
+        }
+      CHECK(bad_owner == 0);
+      CHECK(bad_holder == 0);
+    }
+  }
+}
+
+TEST_CASE("expert parallel plan: a store over an ep rank's layout reports the planner's EP row, the expert share "
+          "halving at ep2",
+          "[ep][moe][planner]") {
+  const auto model = make_model_arch(test::moe_config(shape("qwen2_moe")));
+  const int n = model->config().moe.n_experts;
+  const double X = double(expert_elements(model->layout()));
+  auto be = make_cpu_backend(1);
+  auto comm = make_single_communicator();
+  std::vector<ShardMemory> got;
+  for (const int ep : {1, 2, 4}) {
+    INFO("ep" << ep);
+    // One rank per expert-dp group (world = ep): no_shard over a group of one
+    // holds the whole local layout, which is the planner's EP model.
+    Sharding s;
+    s.strategy = "no_shard";
+    s.world = ep;
+    s.group = 1;
+    const MemoryBreakdown pred = estimate_ep_memory(*model, ep, s, 1, false, DeviceModel::cpu());
+    for (int r = 0; r < ep; ++r) {
+      INFO("ep rank " << r);
+      const ExpertParallelPlan plan(model->layout(), n, ep, r);
+      auto store = make_param_store("no_shard", plan.local_layout(), be.get(), comm.get(), 0, nullptr);
+      const ShardMemory m = store->memory();
+      CHECK(double(m.params) == pred.params);
+      CHECK(double(m.grads) == pred.grads);
+      CHECK(double(m.optimizer) == pred.optimizer);
+      if (r == 0) got.push_back(m);
+    }
+  }
+  // fp32 on the CPU: 4 bytes of parameter, 4 of gradient, 8 of moments per
+  // element; ep2 drops half the experts, ep4 three quarters.
+  CHECK(double(got[0].params - got[1].params) == 4 * X / 2);
+  CHECK(double(got[0].grads - got[1].grads) == 4 * X / 2);
+  CHECK(double(got[0].optimizer - got[1].optimizer) == 8 * X / 2);
+  CHECK(double(got[0].params - got[2].params) == 4 * X * 3 / 4);
+}
+
+TEST_CASE("expert parallel plan: bad input is refused by name", "[ep][moe][config]") {
+  const auto moe = make_model_arch(test::moe_config(shape("mixtral")));
+  CHECK_THROWS_WITH(ExpertParallelPlan(moe->layout(), 4, 3, 0),
+                    Contains("parallel.expert_parallel 3") && Contains("model.n_experts (4)") &&
+                        Contains("use a divisor of 4"));
+  CHECK_THROWS_WITH(ExpertParallelPlan(moe->layout(), 4, 2, 2), Contains("ep rank 2 is outside the group of 2"));
+  test::MoeShape dense_shape = shape("mixtral");
+  ModelConfig dense = test::moe_config(dense_shape);
+  dense.arch = "llama";  // the same shape with a dense MLP
+  dense.moe = MoeConfig{};
+  const auto d = make_model_arch(dense);
+  CHECK_THROWS_WITH(ExpertParallelPlan(d->layout(), 4, 2, 0),
+                    Contains("no routed-expert tensor") && Contains("model.n_experts > 0"));
+  CHECK(expert_of_tensor("model.layers.0.block_sparse_moe.experts.12.w1.weight") == 12);
+  CHECK(expert_of_tensor("model.layers.0.mlp.shared_expert.up_proj.weight") == -1);
+  CHECK(expert_of_tensor("model.layers.0.mlp.experts.x.up_proj.weight") == -1);
+}
