@@ -5,6 +5,7 @@
 // (core/train/planner_ep.cpp) for the same model. In-process, no python.
 #include <catch2/catch.hpp>
 
+#include <chrono>
 #include <string>
 #include <vector>
 
@@ -13,6 +14,8 @@
 #include "kernels/backend.h"
 #include "parallel/comm/communicator.h"
 #include "parallel/sharding/sharding.h"
+#include "parallel/tensor/tp_param_store.h"
+#include "tests/support/inprocess.h"
 #include "tests/support/moe_hf.h"
 #include "tests/support/testutil.h"
 
@@ -96,6 +99,61 @@ TEST_CASE("expert parallel plan: an ep rank holds its experts only, every elemen
       CHECK(bad_holder == 0);
     }
   }
+}
+
+TEST_CASE("expert parallel plan: an ep2 rank's store holds, writes and inits only its experts, in global "
+          "coordinates",
+          "[ep][moe][checkpoint]") {
+  const auto model = make_model_arch(test::moe_config(shape("qwen2_moe")));
+  const ParamLayout& g = model->layout();
+  const int n = model->config().moe.n_experts;
+  // Per rank: how often it holds / writes each global element (threads write their own row).
+  std::vector<std::vector<int>> held(2, std::vector<int>(size_t(g.total), 0)), wrote = held;
+  std::vector<int> init_mismatch(2, -1);
+  auto mark = [](std::vector<int>& v, const ParamStore::Range& r) {
+    for (int64_t k = 0; k < r.reps; ++k)
+      for (int64_t i = 0; i < r.count; ++i) ++v[size_t(r.global + k * r.stride + i)];
+  };
+  const auto errors = test::run_gloo_group(2, "ep", std::chrono::seconds(30), [&](Communicator& ep) {
+    const int r = ep.rank();
+    auto be = make_cpu_backend(1);
+    auto single = make_single_communicator(), single_g = make_single_communicator();
+    const ExpertParallelPlan plan(g, n, 2, r);
+    auto store = make_tensor_parallel_store(
+        make_param_store("no_shard", plan.local_layout(), be.get(), single.get(), 0, nullptr), plan.storage_plan(),
+        &ep);
+    auto whole = make_param_store("no_shard", g, be.get(), single_g.get(), 0, nullptr);
+    store->init_params(*model, 11);
+    whole->init_params(*model, 11);
+    int bad = 0;
+    for (const ParamStore::Range& h : store->held_ranges()) {
+      mark(held[size_t(r)], h);
+      std::vector<float> mine(size_t(h.numel())), ref(size_t(h.numel()));
+      store->copy_state_range(0, h, mine.data());
+      whole->copy_state_range(0, h, ref.data());
+      bad += mine != ref;
+    }
+    for (const ParamStore::Range& w : store->write_ranges()) mark(wrote[size_t(r)], w);
+    init_mismatch[size_t(r)] = bad;
+    // The store's own bytes: the local layout, fp32 on the CPU.
+    CHECK(store->memory().params == size_t(plan.local_layout().total) * 4);
+  });
+  CHECK(errors == std::vector<std::string>{"", ""});
+  CHECK(init_mismatch == std::vector<int>{0, 0});
+  int wrong_held = 0, wrong_written = 0;
+  for (const ParamTensor& t : g.tensors) {
+    const int e = expert_of_tensor(t.name);
+    for (int64_t i = t.offset; i < t.offset + t.numel; ++i)
+      for (int r = 0; r < 2; ++r) {
+        // Rank r holds the dense tensors and experts [2r, 2r+2); it writes
+        // its experts, and rank 0 the dense tensors too: one writer each.
+        const bool holds = e < 0 || e / 2 == r;
+        wrong_held += held[size_t(r)][size_t(i)] != int(holds);
+        wrong_written += wrote[size_t(r)][size_t(i)] != int(e < 0 ? r == 0 : holds);
+      }
+  }
+  CHECK(wrong_held == 0);
+  CHECK(wrong_written == 0);
 }
 
 TEST_CASE("expert parallel plan: a store over an ep rank's layout reports the planner's EP row, the expert share "

@@ -138,6 +138,23 @@ TensorParallelPlan::TensorParallelPlan(const ParamLayout& global, const TpLocalS
   split_layout();
 }
 
+TensorParallelPlan::TensorParallelPlan(const ParamLayout& global, const ParamLayout& local, std::vector<TpRun> runs,
+                                       const TpLocalShape& shape)
+    : shape_(shape), global_(global), local_(local), runs_(std::move(runs)) {
+  TR_CHECK(shape.tp >= 1 && shape.rank >= 0 && shape.rank < shape.tp, "parallelism plan: rank ", shape.rank,
+           " outside a group of ", shape.tp, " (a bug)");
+  int64_t at = 0;
+  for (const TpRun& r : runs_) {
+    TR_CHECK(r.local == at, "parallelism plan: the runs do not cover the local layout in order at ", at, " (a bug)");
+    at += r.count;
+  }
+  TR_CHECK(at == local_.total, "parallelism plan: the runs cover ", at, " of ", local_.total, " local elements (a bug)");
+  for (size_t i = 0; i < runs_.size(); ++i)
+    if (runs_[i].global >= 0) by_global_.push_back(i);
+  std::sort(by_global_.begin(), by_global_.end(),
+            [&](size_t a, size_t b2) { return runs_[a].global < runs_[b2].global; });
+}
+
 void TensorParallelPlan::split_layout() {
   const TpLocalShape& s = shape_;
   const int tp = s.tp, rank = s.rank;

@@ -75,6 +75,12 @@ class TensorParallelPlan {
   // weight's split, their A columns the row-parallel one's; shape() is the
   // model plan's).
   TensorParallelPlan(const ParamLayout& global, const TpLocalShape& shape);
+  // A split another parallelism computed (expert parallelism's, whose rank
+  // holds whole tensors: core/model/moe/expert_parallel_plan.h), so the same
+  // global-coordinate store wrapper (parallel/tensor/tp_param_store.h)
+  // serves it. `runs` cover `local` in local order; shape: tp and rank only.
+  TensorParallelPlan(const ParamLayout& global, const ParamLayout& local, std::vector<TpRun> runs,
+                     const TpLocalShape& shape);
 
   const TpLocalShape& shape() const { return shape_; }
   int size() const { return shape_.tp; }

@@ -75,6 +75,10 @@ ExpertParallelPlan::ExpertParallelPlan(const ParamLayout& global, int n_experts,
   local_ = b.finish();
   TR_CHECK(local_.total == local_off && local_.units.size() == global_.units.size(),
            "expert parallelism: the local layout lost a unit or an element (a bug)");
+  TpLocalShape shape;
+  shape.tp = ep;
+  shape.rank = rank;
+  storage_ = std::make_shared<TensorParallelPlan>(global_, local_, runs_, shape);
 }
 
 int64_t ExpertParallelPlan::local_of(int64_t g) const {

@@ -24,6 +24,7 @@
 // second rule applies to.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -56,12 +57,21 @@ class ExpertParallelPlan {
   // Local ranges this rank holds but does not own (the dense tensors on ep
   // rank > 0): the grad norm and checkpoint writes skip them.
   std::vector<std::pair<int64_t, int64_t>> non_owner_ranges() const;
+  // The same split as a TensorParallelPlan over a group of ep ranks, for
+  // make_tensor_parallel_store (parallel/tensor/tp_param_store.h): a store
+  // over local_layout() wrapped by it answers held_ranges / write_ranges,
+  // init_params, load_full_params and the state ranges in global
+  // coordinates (checkpoints, init_from and the model file stay logical),
+  // writes only what this rank owns, and sums the grad norm without
+  // non-owned elements over the ep group. The plan must outlive the store.
+  const TensorParallelPlan& storage_plan() const { return *storage_; }
 
  private:
   ParamLayout global_, local_;
   int n_experts_ = 0, ep_ = 1, rank_ = 0;
   std::vector<TpRun> runs_;
   std::vector<bool> expert_run_;  // per run: an expert tensor
+  std::shared_ptr<TensorParallelPlan> storage_;
 };
 
 // The routed expert a tensor belongs to ("...experts.5.w1.weight" -> 5),
