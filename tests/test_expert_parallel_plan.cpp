@@ -7,12 +7,15 @@
 
 #include <chrono>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "core/model/moe/expert_parallel_plan.h"
 #include "core/train/planner.h"
 #include "kernels/backend.h"
 #include "parallel/comm/communicator.h"
+#include "parallel/expert/ep_grad_store.h"
+#include "parallel/rendezvous/store.h"
 #include "parallel/sharding/sharding.h"
 #include "parallel/tensor/tp_param_store.h"
 #include "tests/support/inprocess.h"
@@ -154,6 +157,69 @@ TEST_CASE("expert parallel plan: an ep2 rank's store holds, writes and inits onl
   }
   CHECK(wrong_held == 0);
   CHECK(wrong_written == 0);
+}
+
+TEST_CASE("expert parallel plan: at dp4 x ep2 dense gradients sum over all 4 ranks, experts over their 2 holders, "
+          "the norm counts each once",
+          "[ep][moe][sharding]") {
+  const auto model = make_model_arch(test::moe_config(shape("qwen2_moe")));
+  const ParamLayout& g = model->layout();
+  const int n = model->config().moe.n_experts, W = 4, E = 2;
+  // Rank d contributes (d+1) * c(i) to global element i when it computes it:
+  // every rank the dense elements, the ranks of ep index k (d % E == k) the
+  // experts [k*n/E, (k+1)*n/E). Reduced: dense 10 c, expert (2k+4) c.
+  auto c = [](int64_t i) { return float(int(i % 7) + 1) * 1e-3f; };
+  double want = 0;
+  for (const ParamTensor& t : g.tensors) {
+    const int e = expert_of_tensor(t.name);
+    const double f = e < 0 ? 10.0 : 2.0 * (e / (n / E)) + 4.0;
+    for (int64_t i = t.offset; i < t.offset + t.numel; ++i) want += (f * c(i)) * (f * c(i));
+  }
+  for (const std::string strategy : {"no_shard", "full_shard"}) {
+    INFO(strategy);
+    const std::string secret = make_job_secret();
+    TcpStoreServer server("127.0.0.1", 0, secret);
+    std::vector<double> norms(size_t(W), -1);
+    std::vector<std::string> errors(static_cast<size_t>(W));
+    std::vector<std::thread> threads;
+    for (int d = 0; d < W; ++d)
+      threads.emplace_back([&, d] {
+        try {
+          auto kv = connect_tcp_store("127.0.0.1", server.port(), secret, std::chrono::seconds(30));
+          // ep group: E consecutive dp ranks; expert-dp group: the same ep index.
+          auto ep = make_gloo_communicator(*kv, "ep" + std::to_string(d / E) + "/", d % E, E, "127.0.0.1",
+                                           std::chrono::seconds(30));
+          auto xdp = make_gloo_communicator(*kv, "xdp" + std::to_string(d % E) + "/", d / E, W / E, "127.0.0.1",
+                                            std::chrono::seconds(30));
+          auto be = make_cpu_backend(1);
+          const ExpertParallelPlan plan(g, n, E, d % E);
+          const ParamLayout& l = plan.local_layout();
+          auto store = make_tensor_parallel_store(
+              make_expert_grad_store(make_param_store(strategy, l, be.get(), xdp.get(), 0, nullptr), l,
+                                     plan.dense_ranges(), ep.get()),
+              plan.storage_plan(), ep.get());
+          store->zero_grads();
+          std::vector<float> host;
+          for (int u = int(l.units.size()) - 1; u >= 0; --u) {  // the backward's order
+            const ParamUnit& U = l.units[size_t(u)];
+            host.assign(size_t(U.numel), 0.0f);
+            for (const TpRun& r : plan.runs())
+              for (int64_t i = 0; i < r.count; ++i)
+                if (r.local + i >= U.offset && r.local + i < U.offset + U.numel)
+                  host[size_t(r.local + i - U.offset)] = float(d + 1) * c(r.global + i);
+            be->copy_to_device(store->unit_grads(u), host.data(), host.size() * 4);
+            store->grads_done(u);
+          }
+          store->finish_grads();
+          norms[size_t(d)] = store->grad_norm_squared();
+        } catch (const std::exception& e) {
+          errors[size_t(d)] = e.what();
+        }
+      });
+    for (auto& t : threads) t.join();
+    CHECK(errors == std::vector<std::string>(static_cast<size_t>(W)));
+    for (int d = 0; d < W; ++d) CHECK(norms[size_t(d)] == Approx(want).epsilon(1e-5));
+  }
 }
 
 TEST_CASE("expert parallel plan: a store over an ep rank's layout reports the planner's EP row, the expert share "

@@ -102,6 +102,13 @@ std::vector<std::pair<int64_t, int64_t>> ExpertParallelPlan::expert_ranges() con
   return out;
 }
 
+std::vector<std::pair<int64_t, int64_t>> ExpertParallelPlan::dense_ranges() const {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (size_t i = 0; i < runs_.size(); ++i)
+    if (!expert_run_[i]) push_range(out, runs_[i].local, runs_[i].count);
+  return out;
+}
+
 std::vector<std::pair<int64_t, int64_t>> ExpertParallelPlan::non_owner_ranges() const {
   std::vector<std::pair<int64_t, int64_t>> out;
   for (const TpRun& r : runs_)

@@ -54,6 +54,9 @@ class ExpertParallelPlan {
   std::vector<std::pair<int64_t, int64_t>> held_global() const;
   // Local (start, count) ranges of the expert tensors, ascending and merged.
   std::vector<std::pair<int64_t, int64_t>> expert_ranges() const;
+  // The rest, the dense tensors' local ranges (summed over the ep group too:
+  // parallel/expert/ep_grad_store.h).
+  std::vector<std::pair<int64_t, int64_t>> dense_ranges() const;
   // Local ranges this rank holds but does not own (the dense tensors on ep
   // rank > 0): the grad norm and checkpoint writes skip them.
   std::vector<std::pair<int64_t, int64_t>> non_owner_ranges() const;
