@@ -27,6 +27,7 @@
 #include "core/model/model.h"
 #include "core/model/model_io.h"
 #include "core/model/model_spec.h"
+#include "core/train/planner.h"
 #include "tests/support/checkpoint_jobs.h"
 #include "tests/support/inprocess.h"
 #include "tests/support/mesh_runs.h"
@@ -179,6 +180,47 @@ TEST_CASE("expert parallel: checkpoints stay logical and ep2 resumes at ep1 and 
     (void)load_model_safetensors(out + "/model.safetensors", resumed.weights);
     test::check_same_run("ep" + std::to_string(first) + " -> ep" + std::to_string(second), resumed, straight);
   }
+}
+
+TEST_CASE("expert parallel: with the experts' storage split, ep2 -> ep1 -> ep4 resumes as one run and a rank's "
+          "bytes are the planner's EP row",
+          "[ep][checkpoint][planner]") {
+  test::TempDir base("ep_chain");
+  const test::MeshRun straight = test::train_mesh(ep_job(base / "straight", "sharding: no_shard, "), 1);
+  const std::string out = base / "chain";
+  auto job = [&](int ep, const std::string& sharding, std::vector<std::string> sets) {
+    return parse(ep_job(out, "sharding: " + sharding + ", expert_parallel: " + std::to_string(ep) + ", "), sets);
+  };
+  // Steps 1-2 at ep2 x dp2 (no_shard: each rank holds its 2 experts whole,
+  // as the planner's EP rows model), 3-4 at ep1, 5 at ep4 x dp4 full_shard.
+  const JobSpec first = job(2, "no_shard", {"train.exit_interval=2"});
+  const std::vector<TrainSummary> ep2 = test::run_ranks_inprocess(first, 2);
+  REQUIRE(test::latest_of(out) == "step_00000002");
+  test::run_ranks_inprocess(job(1, "full_shard", {"train.exit_interval=2"}), 2);
+  REQUIRE(test::latest_of(out) == "step_00000004");
+  test::run_ranks_inprocess(job(4, "full_shard", {}), 4);
+  test::MeshRun resumed;
+  resumed.losses = test::losses_of(out);
+  (void)load_model_safetensors(out + "/model.safetensors", resumed.weights);
+  test::check_same_run("ep2 -> ep1 -> ep4", resumed, straight);
+
+  // The trainer's bytes per rank against the planner's EP row (CPU: fp32).
+  const auto arch = make_model_arch(ModelConfig::from_spec(first.model));
+  Sharding sh;
+  sh.strategy = "no_shard";
+  sh.world = 2;
+  sh.group = 1;
+  const MemoryBreakdown row = estimate_ep_memory(*arch, 2, sh, 2, false, DeviceModel::cpu());
+  const MemoryBreakdown one = estimate_ep_memory(*arch, 1, sh, 2, false, DeviceModel::cpu());
+  const double X = double(moe_expert_parameters(*arch));
+  for (const TrainSummary& r : ep2) {
+    CHECK(double(r.params_bytes) == row.params);
+    CHECK(double(r.grads_bytes) == row.grads);
+    CHECK(double(r.optimizer_bytes) == row.optimizer);
+  }
+  // ...which holds half the experts of ep1: 4 + 4 + 8 bytes per element.
+  CHECK(one.params - row.params == 4 * X / 2);
+  CHECK(one.optimizer - row.optimizer == 8 * X / 2);
 }
 
 TEST_CASE("expert parallel: bad input is refused by name", "[ep][config]") {

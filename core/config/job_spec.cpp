@@ -389,8 +389,9 @@ const std::vector<Field>& fields() {
                     "ranks a mixture of experts' expert compute is split over (ep, inside the data-parallel "
                     "group: consecutive dp ranks, so the token all-to-all stays inside a node): rank i of E runs "
                     "experts [i*n/E, (i+1)*n/E) of every layer for the tokens of all E ranks (all_to_all_v "
-                    "dispatch and combine); the expert weights are still held by every rank and reduced over dp "
-                    "as the rest (their storage is not split yet); must divide model.n_experts and the "
+                    "dispatch and combine) and, at tensor_parallel and pipeline_parallel 1 without adapters, "
+                    "hybrid_shard or offload, holds only those experts' weights, gradients and optimizer state "
+                    "(elsewhere every rank still holds every expert); must divide model.n_experts and the "
                     "data-parallel size; needs a mixture of experts; composes with tensor_parallel and "
                     "pipeline_parallel (each TP rank's and stage's dp group has its own ep groups); not yet with "
                     "context or sequence parallelism or adapters (refused); 1 = off"),

@@ -23,6 +23,7 @@
 #include "core/data/document_mask.h"
 #include "core/model/model.h"
 #include "core/model/model_spec.h"
+#include "core/model/moe/expert_parallel_plan.h"
 #include "core/model/tensor_parallel.h"
 #include "core/model/model_io.h"
 #include "core/train/adapter_training.h"
@@ -38,6 +39,7 @@
 #include "kernels/backend_factory.h"
 #include "parallel/comm/comm_record.h"
 #include "parallel/comm/communicator.h"
+#include "parallel/expert/ep_grad_store.h"
 #include "parallel/comm/enqueue_order.h"
 #include "parallel/comm/fault_injection.h"
 #include "parallel/context/cp_attention.h"
@@ -258,6 +260,10 @@ class Trainer {
   // Expert parallelism: the ep group (null at 1) and what the network gets.
   std::unique_ptr<Communicator> ep_comm_;
   ExpertParallel ep_ctx_;
+  // The experts' storage split (issue 28): this rank's layout and the
+  // expert data-parallel group (the dp ranks with its ep index).
+  std::unique_ptr<ExpertParallelPlan> ep_plan_;
+  std::unique_ptr<Communicator> xdp_comm_;
   int rows_ = 0;
   std::vector<int32_t> host_rows_;
   // data.document_mask: the separator (-1 = off) and each batch's document
@@ -424,11 +430,23 @@ void Trainer::setup() {
     // Named by the dp group (one per TP rank): "dp0_ep1" is dp ranks E..2E-1 of TP rank 0's dp group.
     ep_comm_ = factory(mesh_->dp_group_name() + "_ep" + std::to_string(dpi / ep) + "/", dpi % ep, ep);
     ep_ctx_.comm = ep_comm_.get();
+    // Split storage: each rank holds its experts only (ExpertParallelPlan),
+    // reduced over the expert-dp group, the dense rest over ep x that group
+    // (parallel/expert/ep_grad_store.h). Not yet with tp, pp, adapters,
+    // hybrid_shard or offload: there every rank holds every expert as before.
+    if (tp == 1 && dims.pp == 1 && !job_.model.adapter.on() && job_.parallel.sharding != "hybrid_shard" &&
+        job_.parallel.offload == "none") {
+      ep_plan_ = std::make_unique<ExpertParallelPlan>(arch_->layout(), cfg.moe.n_experts, ep, dpi % ep);
+      xdp_comm_ = factory(mesh_->dp_group_name() + "_xdp" + std::to_string(dpi % ep) + "/", dpi / ep, dp_size_ / ep);
+      ep_ctx_.split_storage = true;
+    }
     if (w_.rank == 0)
       TR_LOG_INFO("expert parallelism: ep", ep, " inside dp", dp_size_, ": groups of ", ep,
                   " consecutive dp ranks of each dp group (", mesh_->dp_group_name(), "_ep0 = dp ranks 0..", ep - 1, "); ep rank i runs experts [i*",
                   cfg.moe.n_experts / ep, ", (i+1)*", cfg.moe.n_experts / ep, ") of every layer for its group's "
-                  "tokens; expert weights are held by every rank (their storage is not split yet)");
+                  "tokens", ep_plan_ ? " and holds only those (their parameters, gradients and optimizer state)"
+                                     : "; expert weights are held by every rank here (tp, pp, adapters, hybrid_shard "
+                                       "or offload: their storage is not split yet)");
   }
   const ExpertParallel* epc = ep > 1 ? &ep_ctx_ : nullptr;
   // Offload: the whole node's host memory is checked before any rank
@@ -460,11 +478,20 @@ void Trainer::setup() {
                                  cpc, epc);
     // With adapters the base is frozen: its store has parameters only (no
     // gradients, master weights or moments), sharded alike.
-    params_ = adapter
-                  ? make_frozen_param_store(job_.parallel.sharding, arch_->layout(), be_.get(), comm_.get(), group,
-                                            factory, frozen_format(*arch_, job_.model.base_dtype))
-                  : make_param_store(job_.parallel.sharding, arch_->layout(), be_.get(), comm_.get(), group, factory,
-                                     nullptr, offload);
+    if (ep_plan_) {  // this rank's experts only, in global coordinates outside (checkpoints, init_from, files)
+      const ParamLayout& local = ep_plan_->local_layout();
+      params_ = make_tensor_parallel_store(
+          make_expert_grad_store(make_param_store(job_.parallel.sharding, local, be_.get(), xdp_comm_.get(), group,
+                                                  factory, nullptr, offload),
+                                 local, ep_plan_->dense_ranges(), ep_comm_.get()),
+          ep_plan_->storage_plan(), ep_comm_.get());
+    } else {
+      params_ = adapter
+                    ? make_frozen_param_store(job_.parallel.sharding, arch_->layout(), be_.get(), comm_.get(), group,
+                                              factory, frozen_format(*arch_, job_.model.base_dtype))
+                    : make_param_store(job_.parallel.sharding, arch_->layout(), be_.get(), comm_.get(), group,
+                                       factory, nullptr, offload);
+    }
     if (adapter) {
       // The adapters' store talks over its own communicator (its own thread).
       // CUDA: NCCL over device memory (even for one rank: the single
@@ -1347,13 +1374,13 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
     if (rank0_) {
       TR_LOG_INFO("adapter: written to ", (out / "adapter").string(),
                   " (peft.PeftModel.from_pretrained(base, dir) loads it)");
-      if (job_.output.sample_tokens > 0 && (tp_plan_ || pipe_))
+      if (job_.output.sample_tokens > 0 && (tp_plan_ || pipe_ || ep_plan_))
         TR_LOG_INFO("sample: skipped at tp/pp > 1 with adapters (the sampler has no TP/PP split); run `trainrun "
                     "generate --checkpoint ", job_.model.init_from, " --adapter ", (out / "adapter").string(), "`");
     }
     // The sample at tp1/pp1: the base through the frozen store (gathered per
     // unit, as in training) with the adapters applied unmerged, dropout off.
-    if (job_.output.sample_tokens > 0 && !tp_plan_ && !pipe_) {
+    if (job_.output.sample_tokens > 0 && !tp_plan_ && !pipe_ && !ep_plan_) {
       adapt_->set_microbatch(false, int(step_), 0, T_);
       sample_at_end();
     }
@@ -1367,14 +1394,14 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
   save_final_weights(path, *arch_, *params_, w_.rank, w_.world, store_.get(), prefix_,
                      std::chrono::milliseconds(disk_wait_timeout_ms(job_)));
   sum.wall_seconds = seconds_since(t_start);
-  if (job_.output.sample_tokens > 0 && !tp_plan_ && !pipe_) sample_at_end();
+  if (job_.output.sample_tokens > 0 && !tp_plan_ && !pipe_ && !ep_plan_) sample_at_end();
   log_memory_at_end();
   // Every rank is done with collectives; rank 0 then draws the summary and
   // plot without anyone waiting on it.
   comm_->barrier();
   // At tp > 1 rank 0 samples alone and without collectives: after the
   // barrier, so no peer waits for it inside a collective's timeout.
-  if (job_.output.sample_tokens > 0 && (tp_plan_ || pipe_)) sample_from_model_file(path);
+  if (job_.output.sample_tokens > 0 && (tp_plan_ || pipe_ || ep_plan_)) sample_from_model_file(path);
   if (rank0_) reporter.finish(path);  // the one-screen summary (last on screen) and plot.svg
   return sum;
 }

@@ -30,6 +30,9 @@ namespace trainrun {
 // What a network needs to run its experts split (null: every expert local).
 struct ExpertParallel {
   Communicator* comm = nullptr;  // the ep group; its rank is this rank's ep index
+  // The parameters hold only this rank's experts (ExpertParallelPlan's
+  // local layout, issue 28): expert e0 + l sits at local slot l.
+  bool split_storage = false;
   int size() const { return comm ? comm->world_size() : 1; }
   int rank() const { return comm ? comm->rank() : 0; }
 };

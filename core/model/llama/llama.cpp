@@ -76,7 +76,7 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
     // its own ep group).
     TR_CHECK(!ep || !(cp && cp->comm), "model: parallel.expert_parallel with context parallelism is not "
                                        "implemented yet (a bug: the job spec refuses it)");
-    moe_elems_ = MoeOffsets(cfg.C, cfg.moe).total;
+    moe_elems_ = MoeOffsets(cfg.C, cfg.moe, ep && ep->split_storage ? cfg.moe.n_experts / ep->size() : -1).total;
   }
   if (!cfg.tied) {
     const ParamTensor& h = lay->get("lm_head.weight");

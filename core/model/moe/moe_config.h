@@ -56,12 +56,14 @@ struct MoeConfig {
 // (E, 2F, C) and (E, C, F) arrays.
 struct MoeOffsets {
   int64_t router, gu, down, sgu = -1, sdown = -1, sgate = -1, total;
-  MoeOffsets(int64_t C, const MoeConfig& m) {
-    const int64_t E = m.n_experts, F = m.ffn, FS = m.shared_ffn;
+  // held: the experts this block stores (all, or an expert-parallel rank's
+  // n_experts / ep: core/model/moe/expert_parallel_plan.h); the router keeps every expert's row.
+  MoeOffsets(int64_t C, const MoeConfig& m, int held = -1) {
+    const int64_t E = m.n_experts, H = held < 0 ? E : held, F = m.ffn, FS = m.shared_ffn;
     int64_t o = 0;
     router = o; o += E * C;        // gate / router (E,C)
-    gu = o; o += E * 2 * F * C;    // experts' gate_proj (F,C) | up_proj (F,C), per expert (E,2F,C)
-    down = o; o += E * C * F;      // experts' down_proj (E,C,F)
+    gu = o; o += H * 2 * F * C;    // experts' gate_proj (F,C) | up_proj (F,C), per expert (H,2F,C)
+    down = o; o += H * C * F;      // experts' down_proj (H,C,F)
     if (FS > 0) {
       sgu = o; o += 2 * FS * C;    // shared_expert gate_proj (FS,C) | up_proj (FS,C)
       sdown = o; o += C * FS;      // shared_expert down_proj (C,FS)

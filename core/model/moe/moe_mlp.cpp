@@ -22,6 +22,10 @@ MoeMlp::MoeMlp(const MoeConfig& m, int C, Backend* be, int64_t maxN, int sets, i
   be_ = be;
   if (ep_size_ > 1) {
     disp_ = std::make_unique<ExpertDispatch>(*be, *ep, m.n_experts);
+    if (ep->split_storage) {  // only this rank's experts are in the unit, from slot 0
+      held_ = disp_->local_experts();
+      stored_first_ = disp_->first_expert();
+    }
     plans_.resize(sets_.size());
     host_off_.resize(size_t(m.n_experts) + 1);
   }
@@ -137,7 +141,7 @@ void MoeMlp::begin_forward(bool with_stats, bool count_load) {
 void MoeMlp::forward(int set, const void* w, const void* x, void* out, int N, int layer) {
   TR_CHECK(N <= maxN_, "MoeMlp: ", N, " tokens exceed its buffers (", maxN_, ") (a bug)");
   const int E = m_.n_experts, K = m_.top_k, F = m_.ffn, FS = m_.shared_ffn, C = C_;
-  const MoeOffsets o(C, m_);
+  const MoeOffsets o(C, m_, held_);
   auto at = [&](int64_t off) { return static_cast<const char*>(w) + off * int64_t(es_); };
   Acts& a = sets_[size_t(set)];
   be_->matmul_forward(logits_, x, at(o.router), nullptr, N, C, E);
@@ -154,7 +158,7 @@ void MoeMlp::forward(int set, const void* w, const void* x, void* out, int N, in
   const int NK = N * K;
   be_->moe_permute(a.pos, a.offsets, a.xp, a.idx, x, N, K, E, C);
   if (disp_) {  // expert parallelism: this rank's experts over the group's rows (moe_mlp.h)
-    const int El = disp_->local_experts(), e0 = disp_->first_expert();
+    const int El = disp_->local_experts(), e0 = disp_->first_expert() - stored_first_;
     const int64_t R = ep_dispatch(set, a);
     be_->moe_expert_matmul_forward(a.gu, a.xr, at(o.gu + int64_t(e0) * 2 * F * C), a.loff, El, C, 2 * F);
     be_->swiglu_forward(a.h, a.gu, int(R), F);
@@ -202,7 +206,7 @@ void MoeMlp::finish_forward(float* losses, int N, float grad_scale) {
 void MoeMlp::backward(int set, const void* w, float* dw, const void* x, const void* dout, void* dx, int N) {
   TR_CHECK(training_, "MoeMlp: backward of a forward-only MoE (a bug)");
   const int E = m_.n_experts, K = m_.top_k, F = m_.ffn, FS = m_.shared_ffn, C = C_;
-  const MoeOffsets o(C, m_);
+  const MoeOffsets o(C, m_, held_);
   auto at = [&](int64_t off) { return static_cast<const char*>(w) + off * int64_t(es_); };
   auto g = [&](int64_t off) { return dw ? dw + off : nullptr; };
   Acts& a = sets_[size_t(set)];
@@ -211,7 +215,7 @@ void MoeMlp::backward(int set, const void* w, float* dw, const void* x, const vo
   be_->moe_unpermute_backward(dyp_, dw_, dout, a.yp, a.pos, a.w, N, K, C);
   if (disp_) {  // the forward's exchange mirrored: output gradients out, input gradients back
     const ExpertDispatch::Plan& p = plans_[size_t(set)];
-    const int El = disp_->local_experts(), e0 = disp_->first_expert();
+    const int El = disp_->local_experts(), e0 = disp_->first_expert() - stored_first_;
     const int64_t gu0 = o.gu + int64_t(e0) * 2 * F * C, down0 = o.down + int64_t(e0) * C * F;
     disp_->dispatch(p, dyp_, staging_, dyr_, size_t(C) * es_);
     be_->moe_expert_matmul_backward(dh_, g(down0), dyr_, a.h, at(down0), a.loff, El, F, C);

@@ -117,6 +117,8 @@ class MoeMlp {
   int layers_;
   bool training_;
   int ep_size_ = 1;
+  int held_ = -1;          // experts in the parameters (-1: all; split storage: the local ones)
+  int stored_first_ = 0;   // the first of them
   std::unique_ptr<ExpertDispatch> disp_;        // ep > 1
   std::vector<ExpertDispatch::Plan> plans_;     // per set: the last forward's exchange (its backward's too)
   std::vector<int32_t> host_off_;               // (E+1) the permute's offsets on the host
