@@ -221,6 +221,22 @@ TEST_CASE("expert parallel: with the experts' storage split, ep2 -> ep1 -> ep4 r
   // ...which holds half the experts of ep1: 4 + 4 + 8 bytes per element.
   CHECK(one.params - row.params == 4 * X / 2);
   CHECK(one.optimizer - row.optimizer == 8 * X / 2);
+
+  // The ep-trained model exports to a Hugging Face directory, and
+  // model.init_from of it (each rank reads its held ranges) trains at ep2
+  // as at ep1, from the trained weights.
+  const std::string hf = base / "hf";
+  const auto ex = test::run_command("'" + test::trainrun_binary() + "' export --checkpoint '" + out +
+                                    "/model.safetensors' --format safetensors --out '" + hf + "'");
+  INFO(ex.err);
+  REQUIRE(ex.exit_code == 0);
+  std::string model = kModel;
+  model.insert(model.size() - 1, ", init_from: '" + hf + "'");
+  const test::MeshRun from1 = test::train_mesh(ep_job(base / "from1", "sharding: full_shard, ", 2, model), 2);
+  const test::MeshRun from2 =
+      test::train_mesh(ep_job(base / "from2", "sharding: full_shard, expert_parallel: 2, ", 2, model), 2);
+  CHECK(from1.losses.front() < straight.losses.front() - 0.1);  // it started from the trained weights
+  test::check_same_run("init_from at ep2 vs ep1", from2, from1);
 }
 
 TEST_CASE("expert parallel: bad input is refused by name", "[ep][config]") {
