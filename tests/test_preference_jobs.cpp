@@ -203,6 +203,33 @@ TEST_CASE("preference jobs under LoRA: the adapters-off reference equals the pre
     CHECK(m[2].at("loss") < m[0].at("loss"));
     if (obj == "orpo") CHECK(m[0].count("nll_loss") == 1);
   }
+  // ORPO's metrics as TRL's ORPOTrainer logs them, on a batch of one pair,
+  // where the logged means are that pair's values: with a_c, a_r its
+  // length-averaged log-probs (logps/*), log_odds_chosen is the log odds
+  // ratio lo = (a_c - a_r) - (log(1 - e^a_c) - log(1 - e^a_r)),
+  // log_odds_ratio is log sigmoid(lo), nll_loss is -a_c, and the loss is
+  // nll_loss - beta log_odds_ratio.
+  {
+    const auto m = run("orpo1", "--set train.objective=orpo --set train.global_batch_size=2 "
+                                "--set train.micro_batch_size=2 --set train.max_steps=1").first;
+    REQUIRE(m.size() == 1);
+    REQUIRE(m[0].count("log_odds_ratio") == 1);
+    REQUIRE(m[0].count("log_odds_chosen") == 1);
+    const double ac = m[0].at("logps/chosen"), ar = m[0].at("logps/rejected"), beta = 0.1;
+    const double lo = (ac - ar) - (std::log1p(-std::exp(ac)) - std::log1p(-std::exp(ar)));
+    const double ls = lo >= 0 ? -std::log1p(std::exp(-lo)) : lo - std::log1p(std::exp(lo));
+    INFO("a_c " << ac << " a_r " << ar << " lo " << lo << " log sigmoid(lo) " << ls << "; logged log_odds_chosen "
+                << m[0].at("log_odds_chosen") << " log_odds_ratio " << m[0].at("log_odds_ratio") << " nll_loss "
+                << m[0].at("nll_loss") << " loss " << m[0].at("loss"));
+    auto close = [](double a, double b) { return std::fabs(a - b) <= 1e-5 * (1 + std::fabs(b)); };
+    CHECK(close(m[0].at("log_odds_chosen"), lo));
+    CHECK(close(m[0].at("log_odds_ratio"), ls));
+    CHECK(close(m[0].at("nll_loss"), -ac));
+    CHECK(close(m[0].at("loss"), -ac - beta * ls));
+    CHECK(std::fabs(lo - ls) > 1e-3);  // the two metrics are told apart
+    std::printf("  orpo, one pair: log_odds_chosen %.6g (lo %.6g), log_odds_ratio %.6g (log sigmoid %.6g)\n",
+                m[0].at("log_odds_chosen"), lo, m[0].at("log_odds_ratio"), ls);
+  }
 }
 
 TEST_CASE("preference: a tiny model learns that the chosen answer is one fixed pattern (rewards/accuracies > 0.9)",

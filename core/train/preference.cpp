@@ -307,6 +307,7 @@ void PreferenceTraining::policy_done(int64_t first, int B, Network& net, const s
     sums_[kLogpC] += l.logp_chosen * inv_pairs;
     sums_[kLogpR] += l.logp_rejected * inv_pairs;
     sums_[kLogOdds] += l.log_odds * inv_pairs;
+    sums_[kLogOddsRatio] += l.log_sigmoid_log_odds * inv_pairs;
     if (obj_ == PreferenceObjective::Orpo) {
       // The chosen responses' NLL, a mean over their tokens in the global batch.
       const double inv_tok = 1.0 / double(std::max<int64_t>(chosen_targets_global_, 1));
@@ -340,7 +341,10 @@ double PreferenceTraining::pop_sums(std::vector<float>& v) {
               {"logps/chosen", s[kLogpC]},         {"logps/rejected", s[kLogpR]}};
   if (obj_ == PreferenceObjective::Orpo) {
     metrics_.push_back({"nll_loss", s[kNll]});
-    metrics_.push_back({"log_odds_ratio", s[kLogOdds]});
+    // TRL's ORPOTrainer: log_odds_ratio is the mean of log sigmoid(log odds),
+    // log_odds_chosen the mean of the log odds themselves.
+    metrics_.push_back({"log_odds_ratio", s[kLogOddsRatio]});
+    metrics_.push_back({"log_odds_chosen", s[kLogOdds]});
   }
   return s[kLoss];
 }

@@ -112,7 +112,7 @@ class PreferenceTraining {
   void push_sums(std::vector<float>& v) const;
   double pop_sums(std::vector<float>& v);
   // rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins,
-  // logps/chosen, logps/rejected (+ nll_loss, log_odds_ratio for orpo), TRL's names.
+  // logps/chosen, logps/rejected (+ nll_loss, log_odds_ratio, log_odds_chosen for orpo), TRL's names.
   const std::vector<std::pair<std::string, double>>& metrics() const { return metrics_; }
 
   // Each of the micro-batch's 2 * pairs sequences' summed log-probs and
@@ -130,7 +130,7 @@ class PreferenceTraining {
   std::vector<double> ref_table_;    // precompute: (pairs, 2) chosen, rejected
   int64_t ref_rows_ = 0;             // rows of one epoch: record_reference ignores wrapped ones
   int64_t pairs_global_ = 0, chosen_targets_global_ = 0;
-  enum { kLoss, kRewardC, kRewardR, kAcc, kMargin, kLogpC, kLogpR, kNll, kLogOdds, kSums };
+  enum { kLoss, kRewardC, kRewardR, kAcc, kMargin, kLogpC, kLogpR, kNll, kLogOdds, kLogOddsRatio, kSums };
   double sums_[kSums] = {};
   std::vector<std::pair<std::string, double>> metrics_;
 };
