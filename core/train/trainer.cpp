@@ -418,8 +418,6 @@ void Trainer::setup() {
     TR_CHECK(dp_size_ % ep == 0, "parallel.expert_parallel ", ep, " does not divide the data-parallel size ", dp_size_,
              " (world size ", w_.world, "); each ep group is expert_parallel consecutive dp ranks: use a divisor of ",
              dp_size_);
-    TR_CHECK(!nccl, "parallel.expert_parallel ", ep, " on the ", be_->name(), " backend is not implemented yet "
-             "(its token exchange moves host counts); use backend: cpu or expert_parallel: 1");
     const int dpi = mesh_->dp_coord();
     // Named by the dp group (one per TP rank): "dp0_ep1" is dp ranks E..2E-1 of TP rank 0's dp group.
     ep_comm_ = factory(mesh_->dp_group_name() + "_ep" + std::to_string(dpi / ep) + "/", dpi % ep, ep);

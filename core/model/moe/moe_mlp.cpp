@@ -194,7 +194,12 @@ void MoeMlp::forward(int set, const void* w, const void* x, void* out, int N, in
 
 int64_t MoeMlp::ep_dispatch(int set, Acts& a) {
   const int E = m_.n_experts;
-  // The counts cross the host once per layer: the all_to_all_v sizes are host values.
+  // The counts cross the host once per layer (one device sync): the
+  // all_to_all_v sizes, the grouped GEMM's block sizes and the landing
+  // buffers' rows are host values. Acceptable: the dispatch cannot start
+  // before the router has run anyway, and a dropless exchange needs the
+  // sizes before it moves a row; Megatron-Core's dropless token dispatcher
+  // syncs the same way (its tokens_per_expert to the host) per layer.
   be_->copy_to_host(host_off_.data(), a.offsets, (size_t(E) + 1) * 4);
   be_->synchronize();
   ExpertDispatch::Plan& p = plans_[size_t(set)];
