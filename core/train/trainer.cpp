@@ -174,6 +174,7 @@ class Trainer {
   // same everywhere), moved by the step's load after the optimizer step.
   std::vector<float> moe_bias_;
   void update_expert_bias(const std::vector<float>& load);
+  void set_expert_bias_everywhere();  // the network's, or every stage network's rows
   StepResult train_step(int step);
   double evaluate();
   void sample_at_end();
@@ -353,13 +354,10 @@ void Trainer::setup() {
   TR_CHECK(cp == 1 || !cfg.moe.on(), "parallel.context_parallel ", cp, " with a mixture of experts (model.arch ",
            cfg.arch, "): the router's load-balancing statistics would cover one cp chunk, not the sequence; use "
            "parallel.context_parallel: 1");
-  // The bias steers routing in every forward of a step; the load that moves
-  // it would have to cross pipeline stages (each holds its layers' rows) and
-  // the CUDA backend has no biased top-k op yet.
-  TR_CHECK(cfg.moe.bias_rate == 0 || job_.parallel.pipeline_parallel == 1,
-           "model.moe_balance: bias with parallel.pipeline_parallel ", job_.parallel.pipeline_parallel,
-           ": aux-loss-free balancing under pipeline parallelism is not implemented yet; use "
-           "parallel.pipeline_parallel: 1 or model.moe_balance: aux_loss");
+  // The bias steers routing in every forward of a step; under a pipeline
+  // each stage counts its layers' load and the step's all-reduce (over every
+  // rank, so over the stages too) gives each rank every layer's
+  // (PipelineExecutor::take_expert_load). The CUDA backend has no biased top-k op yet.
   TR_CHECK(cfg.moe.bias_rate == 0 || !is_cuda_backend(be_.get()), "model.moe_balance: bias on backend ", be_->name(),
            ": the CUDA backend has no biased top-k choice yet (not implemented); use the CPU backend or "
            "model.moe_balance: aux_loss");
@@ -847,7 +845,14 @@ void Trainer::update_expert_bias(const std::vector<float>& load) {
       moe_bias_[l * E + size_t(e)] += float(m.bias_rate * double((d > 0) - (d < 0)));
     }
   }
-  model_->set_expert_bias(moe_bias_);
+  set_expert_bias_everywhere();
+}
+
+void Trainer::set_expert_bias_everywhere() {
+  if (pipe_)
+    pipe_->set_expert_bias(moe_bias_, arch_->config().L);
+  else
+    model_->set_expert_bias(moe_bias_);
 }
 
 Trainer::StepResult Trainer::train_step(int step) {
@@ -932,7 +937,9 @@ Trainer::StepResult Trainer::train_step(int step) {
   // Aux-loss-free balancing: the step's expert load rides the same
   // all-reduce, summed over every rank (the TP ranks of a dp index count the
   // same rows: a common factor, which the update's sign ignores).
-  std::vector<float> load = moe_bias_.empty() ? std::vector<float>{} : model_->take_expert_load();
+  std::vector<float> load = moe_bias_.empty() ? std::vector<float>{}
+                           : pipe_ ? pipe_->take_expert_load(arch_->config().L, arch_->config().moe.n_experts)
+                                   : model_->take_expert_load();
   v.insert(v.end(), load.begin(), load.end());
   r.stop_signal = agree_on_stop(*comm_, v);  // the vote rides the loss all-reduce
   if (!load.empty()) {
@@ -1108,7 +1115,7 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
     if (is_resume && resumed.moe_expert_bias.empty() && rank0_)
       TR_LOG_WARN("resume: the checkpoint has no expert bias (saved without model.moe_balance: bias); it starts at 0");
     moe_bias_ = resumed.moe_expert_bias.empty() ? std::vector<float>(n, 0.f) : resumed.moe_expert_bias;
-    model_->set_expert_bias(moe_bias_);
+    set_expert_bias_everywhere();
   }
   const int first_step = int(resumed.step);
   std::unique_ptr<MetricsWriter> metrics;

@@ -341,6 +341,36 @@ size_t PipelineExecutor::activation_bytes() const {
 
 const Network& PipelineExecutor::network_view() const { return *impl_->view; }
 
+void PipelineExecutor::set_expert_bias(const std::vector<float>& all, int L) {
+  TR_CHECK(L > 0 && all.size() % size_t(L) == 0, "pipeline: an expert bias of ", all.size(), " values for ", L,
+           " layers (a bug)");
+  const size_t row = all.size() / size_t(L);
+  for (ChunkRun& c : impl_->chunks) {
+    const PipelineStage& st = c.stage;
+    TR_CHECK(st.first_layer + st.layers <= L, "pipeline: stage layers ", st.first_layer, "+", st.layers,
+             " past the model's ", L, " (a bug)");
+    const std::vector<float> mine(all.begin() + int64_t(st.first_layer) * int64_t(row),
+                                  all.begin() + int64_t(st.first_layer + st.layers) * int64_t(row));
+    for (Slot& s : c.slots) s.net->set_expert_bias(mine);
+  }
+}
+
+// Every network of a chunk (one per microbatch in flight) counted the
+// microbatches it ran: their sum is the stage's load for its layers.
+std::vector<float> PipelineExecutor::take_expert_load(int L, int per_layer) {
+  std::vector<float> all(size_t(L) * size_t(per_layer), 0.f);
+  for (ChunkRun& c : impl_->chunks)
+    for (Slot& s : c.slots) {
+      const std::vector<float> l = s.net->take_expert_load();
+      if (l.empty()) continue;
+      TR_CHECK(l.size() == size_t(c.stage.layers) * size_t(per_layer), "pipeline: a stage's expert load of ",
+               l.size(), " values for ", c.stage.layers, " layers x ", per_layer, " (a bug)");
+      float* at = all.data() + int64_t(c.stage.first_layer) * per_layer;
+      for (size_t i = 0; i < l.size(); ++i) at[i] += l[i];
+    }
+  return all;
+}
+
 void PipelineExecutor::set_tracer(StepTracer* t) {
   impl_->tracer = t;
   int tid = 1;
