@@ -9,7 +9,7 @@
 namespace trainrun {
 
 MoeMlp::MoeMlp(const MoeConfig& m, int C, size_t es, int64_t maxN, int sets, int layers, bool training, int ep_size)
-    : m_(m), C_(C), es_(es), maxN_(maxN), layers_(layers), training_(training), ep_size_(ep_size),
+    : m_(m), C_(C), es_(es), maxN_(maxN), layers_(layers), loss_layers_(layers), training_(training), ep_size_(ep_size),
       sets_(size_t(sets)) {
   TR_CHECK(m.n_experts >= 1 && m.top_k >= 1 && m.top_k <= m.n_experts && m.ffn >= 1,
            "MoeMlp: n_experts ", m.n_experts, ", top_k ", m.top_k, ", expert width ", m.ffn,
@@ -243,10 +243,25 @@ void MoeMlp::ep_fit(Acts& a, int64_t R) {
   }
 }
 
+void MoeMlp::start_statistics_from(const float* partial) {
+  be_->copy_device(total_, partial, size_t(2 * m_.n_experts + 1) * 4);
+}
+
+void MoeMlp::copy_statistics(float* out) const { be_->copy_device(out, total_, size_t(2 * m_.n_experts + 1) * 4); }
+
+void MoeMlp::set_stage_grad_scale(int N, float grad_scale) {
+  // as finish_forward: each token carries z_coef / (layers x N) of the z sum, its gradient grad_scale = dloss_scale x N
+  z_scale_ = float(2.0 * m_.z_loss_coef * grad_scale / (double(loss_layers_) * N));
+}
+
+void MoeMlp::copy_aux_grad(float* out) const { be_->copy_device(out, aux_grad_, size_t(m_.n_experts) * 4); }
+
+void MoeMlp::set_aux_grad(const float* g) { be_->copy_device(aux_grad_, g, size_t(m_.n_experts) * 4); }
+
 void MoeMlp::finish_forward(float* losses, int N, float grad_scale) {
   TR_CHECK(stats_on_ && layer_ == layers_, "MoeMlp: finish_forward after ", layer_, " of ", layers_,
            " MoE layers (a bug)");
-  const int64_t tokens = int64_t(layers_) * N;
+  const int64_t tokens = int64_t(loss_layers_) * N;
   last_n_ = N;
   be_->moe_aux_loss(loss_out_, aux_grad_, losses, N, total_, tokens, m_.n_experts, float(m_.aux_loss_coef),
                     float(m_.z_loss_coef), grad_scale);

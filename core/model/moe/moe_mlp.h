@@ -96,6 +96,20 @@ class MoeMlp {
   // (fp32, +=; null: no weight gradients, as a frozen base).
   void backward(int set, const void* w, float* dw, const void* x, const void* dout, void* dx, int N);
 
+  // Pipeline stages (the router losses span every stage's layers; the
+  // network moves these through its stage messages): the MoE layers the
+  // losses average over (the model's, not the stage's); the running (2E+1)
+  // statistics taken over from the stage before (right after
+  // begin_forward) and handed on (after the stage's layers); a stage
+  // before the last's gradient scale (finish_forward's grad_scale, for the
+  // z-loss's local gradient) and its aux gradient (E, from the last stage's
+  // copy_aux_grad). All device fp32 pointers.
+  void set_loss_layers(int layers) { loss_layers_ = layers; }
+  void start_statistics_from(const float* partial);
+  void copy_statistics(float* out) const;
+  void set_stage_grad_scale(int N, float grad_scale);
+  void copy_aux_grad(float* out) const;
+  void set_aux_grad(const float* g);
   // Device fp32: [aux, z] of the last finish_forward; the per-layer router
   // statistics (layers, 2E+1) of the last forward (moe_router_stats).
   const float* losses_out() const { return loss_out_; }
@@ -138,6 +152,7 @@ class MoeMlp {
   size_t es_;
   int64_t maxN_;
   int layers_;
+  int loss_layers_;  // the layers the router losses average over (layers_, or the whole pipeline's)
   bool training_;
   int ep_size_ = 1;
   std::unique_ptr<ExpertDispatch> disp_;        // ep > 1
