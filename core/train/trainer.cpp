@@ -941,7 +941,35 @@ Trainer::StepResult Trainer::train_step(int step) {
                            : pipe_ ? pipe_->take_expert_load(arch_->config().L, arch_->config().moe.n_experts)
                                    : model_->take_expert_load();
   v.insert(v.end(), load.begin(), load.end());
+  // Pipeline + mixture of experts: the router figures rank 0 reports
+  // (metrics.jsonl) are on every stage (each its layers' loads, the last
+  // its losses): the ranks of dp index 0 and TP rank 0 add theirs to the
+  // same all-reduce (the others zeros), so the sum is the model's.
+  std::vector<float> router;
+  if (pipe_ && arch_->config().moe.on()) {
+    const int L = arch_->config().L;
+    router.assign(size_t(2 + 2 * L), 0.f);
+    if (mesh_->dp_coord() == 0 && mesh_->coord(MeshDim::tp) == 0) {
+      const Network::RouterReport rr = pipe_->router_report_local(L);
+      router[0] = float(rr.aux_loss), router[1] = float(rr.z_loss);
+      for (int l = 0; l < L; ++l)
+        router[size_t(2 + l)] = float(rr.max_tokens[size_t(l)]), router[size_t(2 + L + l)] = float(rr.mean_tokens[size_t(l)]);
+    }
+    v.insert(v.end(), router.begin(), router.end());
+  }
   r.stop_signal = agree_on_stop(*comm_, v);  // the vote rides the loss all-reduce
+  if (!router.empty()) {
+    const int L = arch_->config().L;
+    std::copy(v.end() - int64_t(router.size()), v.end(), router.begin());
+    v.resize(v.size() - router.size());
+    Network::RouterReport rr;
+    rr.aux_loss = router[0], rr.z_loss = router[1];
+    // No figures before a forward with statistics (as one rank's network): every layer's mean is 0 then.
+    if (router[size_t(2 + L)] > 0)
+      for (int l = 0; l < L; ++l)
+        rr.max_tokens.push_back(router[size_t(2 + l)]), rr.mean_tokens.push_back(router[size_t(2 + L + l)]);
+    pipe_->set_router_report(rr);
+  }
   if (!load.empty()) {
     std::copy(v.end() - int64_t(load.size()), v.end(), load.begin());
     v.resize(v.size() - load.size());

@@ -250,6 +250,7 @@ void MoeMlp::start_statistics_from(const float* partial) {
 void MoeMlp::copy_statistics(float* out) const { be_->copy_device(out, total_, size_t(2 * m_.n_experts + 1) * 4); }
 
 void MoeMlp::set_stage_grad_scale(int N, float grad_scale) {
+  last_n_ = N;  // its statistics are reported (the per-layer loads)
   // as finish_forward: each token carries z_coef / (layers x N) of the z sum, its gradient grad_scale = dloss_scale x N
   z_scale_ = float(2.0 * m_.z_loss_coef * grad_scale / (double(loss_layers_) * N));
 }
