@@ -10,6 +10,11 @@
 //    ep1's (same world) at every step;
 //  - a router whose weights start at 0 sends every token to expert 0 (top-1;
 //    ep rank 0 receives every row of the group, the other ranks none): equal;
+//  - the landing buffers: placed for balanced routing (the planner's
+//    figure) and grown on demand; with every row sent to ep rank 0 its
+//    buffers grow once (a set's and the scratch) and not again in later
+//    forwards, the other rank's never, and the MoE MLP's output, input
+//    gradient and the ranks' summed weight gradient are ep1's;
 //  - checkpoints stay logical: an ep2 run resumes at ep1 and an ep1 run at ep2;
 //  - a rank killed (SIGKILL) at an expert dispatch ends the job in < 40 s
 //    with no worker left, its peer naming the all-to-all and the group;
@@ -17,6 +22,7 @@
 //    the combinations not implemented yet, each refused by name.
 #include <catch2/catch.hpp>
 #include <chrono>
+#include <random>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
@@ -25,6 +31,8 @@
 #include "core/config/job_spec.h"
 #include "core/io/safetensors.h"
 #include "core/model/model.h"
+#include "core/model/moe/moe_mlp.h"
+#include "kernels/backend.h"
 #include "core/model/model_io.h"
 #include "core/model/model_spec.h"
 #include "core/train/planner.h"
@@ -97,14 +105,10 @@ TEST_CASE("expert parallel: ep2 and ep4 alone, with full_shard, tp2, checkpointi
   // tp2 x ep2 (world 4: tp2 x dp2): each TP rank's dp group exchanges in its own ep group.
   test::check_same_run("tp2 x ep2", run("tp2ep2", 4, "sharding: full_shard, tensor_parallel: 2, expert_parallel: 2, "),
                        ref);
-  // pp2 x ep2 (world 4: pp2 x dp2; 1f1b, router losses off as pipelines
-  // need): each stage's dp group exchanges in its own ep group.
-  const std::string no_loss =
-      "{arch: mixtral, n_layer: 2, n_head: 4, n_kv_head: 2, n_embd: 32, ffn_dim: 24, vocab_size: 64, seq_len: 16, "
-      "n_experts: 4, n_experts_per_tok: 2, router_aux_loss_coef: 0}";
-  const test::MeshRun pref = test::train_mesh(ep_job(dir / "p1", "sharding: no_shard, ", 5, no_loss), 1);
+  // pp2 x ep2 (world 4: pp2 x dp2; 1f1b, the router losses carried over
+  // the stages): each stage's dp group exchanges in its own ep group.
   test::check_same_run("pp2 x ep2", test::train_mesh(ep_job(dir / "pp2ep2", "sharding: full_shard, "
-                       "pipeline_parallel: 2, pipeline_schedule: 1f1b, expert_parallel: 2, ", 5, no_loss), 4), pref);
+                       "pipeline_parallel: 2, pipeline_schedule: 1f1b, expert_parallel: 2, ", 5, kModel), 4), ref);
   // Activation checkpointing: the backward's recompute routes and exchanges again (same plan, same rows).
   test::check_same_run("ep2 checkpointed", test::train_mesh(ep_job(dir / "ep2ck", "sharding: shard_grad_op, "
                        "expert_parallel: 2, ", 5, kModel, ", activation_checkpointing: blocks"), 2), ref);
@@ -159,6 +163,81 @@ TEST_CASE("expert parallel: a router that sends every token to expert 0 at ep2 a
   REQUIRE(ref.losses.size() == 5);
   test::check_same_run("one expert, ep2", run("ep2", 2, "sharding: no_shard, expert_parallel: 2, "), ref);
   test::check_same_run("one expert, ep4", run("ep4", 4, "sharding: full_shard, expert_parallel: 4, "), ref);
+}
+
+TEST_CASE("expert parallel: the landing buffers grow once past the balanced plan and the run equals ep1", "[ep]") {
+  // One MoE MLP (E 4, top-1, C 32, F 24, N 8 tokens a rank), ep2 over Gloo.
+  // The router's rows are 0 except expert 0's, which reads channel 0, set
+  // to 1 in every token: every row of the group goes to ep rank 0.
+  MoeConfig m;
+  m.n_experts = 4, m.top_k = 1, m.ffn = 24, m.aux_loss_coef = 0.02, m.z_loss_coef = 0.001;
+  const int C = 32, N = 8, W = 2;
+  const MoeOffsets o(C, m);
+  std::vector<float> w(size_t(o.total));
+  std::mt19937 gen(7);
+  std::uniform_real_distribution<float> U(-0.5f, 0.5f);
+  for (float& v : w) v = U(gen) * 0.4f;
+  std::fill_n(w.begin() + o.router, 4 * C, 0.f);
+  w[size_t(o.router)] = 4.f;
+  auto input = [&](int r) {
+    std::vector<float> x(size_t(N) * C), dout(size_t(N) * C);
+    std::mt19937 g(100 + unsigned(r));
+    for (float& v : x) v = U(g);
+    for (float& v : dout) v = U(g);
+    for (int t = 0; t < N; ++t) x[size_t(t) * C] = 1.f;
+    return std::make_pair(x, dout);
+  };
+  struct Result { std::vector<float> out, dx, dw; int grows_first = -1, grows_after = -1; };
+  // Two forward+backward passes; the second's output and gradients.
+  auto run = [&](Backend& be, int r, const ExpertParallel* ep, Result& res) {
+    MoeMlp moe(m, C, &be, N, 1, 1, true, ep);
+    moe.allocate_own();
+    const auto [x, dout] = input(r);
+    DeviceBuffer dW(&be, w.size() * 4), dX(&be, x.size() * 4), dO(&be, x.size() * 4), dY(&be, x.size() * 4),
+        dG(&be, x.size() * 4), dGW(&be, w.size() * 4), loss(&be, N * 4);
+    be.copy_to_device(dW.get(), w.data(), w.size() * 4);
+    be.copy_to_device(dX.get(), x.data(), x.size() * 4);
+    be.copy_to_device(dO.get(), dout.data(), x.size() * 4);
+    for (int pass = 0; pass < 2; ++pass) {
+      be.zero(dGW.get(), w.size() * 4);
+      be.zero(loss.get(), N * 4);
+      moe.begin_forward(true);
+      moe.forward(0, dW.get(), dX.get(), dY.get(), N, 0);
+      moe.finish_forward(loss.as<float>(), N, 1.f);
+      moe.backward(0, dW.get(), dGW.as<float>(), dX.get(), dO.get(), dG.get(), N);
+      (pass ? res.grows_after : res.grows_first) = moe.grow_count();
+    }
+    res.out.resize(x.size()), res.dx.resize(x.size()), res.dw.resize(w.size());
+    be.copy_to_host(res.out.data(), dY.get(), x.size() * 4);
+    be.copy_to_host(res.dx.data(), dG.get(), x.size() * 4);
+    be.copy_to_host(res.dw.data(), dGW.get(), w.size() * 4);
+    be.synchronize();
+  };
+  std::vector<Result> one(W), split(W);
+  for (int r = 0; r < W; ++r) run(*make_cpu_backend(1), r, nullptr, one[size_t(r)]);
+  for (const auto& e : test::run_gloo_group(W, "ep_grow", std::chrono::seconds(30), [&](Communicator& c) {
+         const ExpertParallel ep{&c};
+         run(*make_cpu_backend(1), c.rank(), &ep, split[size_t(c.rank())]);
+       }))
+    CHECK(e == "");
+  // Rank 0 receives 2N rows > the plan's N: its set and the scratch grow once.
+  CHECK(split[0].grows_first == 2);
+  CHECK(split[0].grows_after == 2);
+  CHECK(split[1].grows_first == 0);
+  CHECK(split[1].grows_after == 0);
+  CHECK(one[0].grows_after == 0);
+  std::vector<float> dw_one(w.size(), 0.f), dw_split(w.size(), 0.f);
+  for (int r = 0; r < W; ++r) {
+    INFO("rank " << r);
+    CHECK(test::rel_err(split[size_t(r)].out, one[size_t(r)].out) < 1e-5);
+    CHECK(test::rel_err(split[size_t(r)].dx, one[size_t(r)].dx) < 1e-5);
+    for (size_t i = 0; i < w.size(); ++i) dw_one[i] += one[size_t(r)].dw[i], dw_split[i] += split[size_t(r)].dw[i];
+  }
+  CHECK(test::rel_err(dw_split, dw_one) < 1e-5);
+  // The planner's exchange figure is what the plan places: the received rows kept per set (N K C fp32), two N K C
+  // scratch buffers and each set's local expert offsets (E/ep + 1 int32: one 64-byte slot).
+  CHECK(MoeMlp::ep_exchange_bytes(m, C, 4, N, 3, true, 2) == size_t(3 + 2) * N * 1 * C * 4 + 3 * 64);
+  CHECK(MoeMlp::ep_exchange_bytes(m, C, 4, N, 3, true, 1) == 0);
 }
 
 TEST_CASE("expert parallel: checkpoints stay logical and ep2 resumes at ep1 and ep1 at ep2", "[ep][checkpoint]") {

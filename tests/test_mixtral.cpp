@@ -465,7 +465,7 @@ TEST_CASE("mixtral: dp2 (full_shard) and tp2 (attention split, experts replicate
   CHECK_THROWS_WITH(test::run_ranks_inprocess(sp, 2), Contains("mixture of experts") && Contains("sequence_parallel"));
 }
 
-TEST_CASE("mixtral: pp2 (1f1b) trains as one rank does without router losses, with them it is refused",
+TEST_CASE("mixtral: pp2 (1f1b) trains as one rank does without router losses",
           "[mixtral][pp]") {
   test::TempDir dir("mixtral_pp");
   const std::string hf = dir / "hf";
@@ -477,12 +477,7 @@ TEST_CASE("mixtral: pp2 (1f1b) trains as one rank does without router losses, wi
   const test::MeshRun ref = run("one", 1, "sharding: no_shard, ");
   REQUIRE(ref.losses.size() == 5);
   test::check_same_run("pp2", run("pp2", 2, "sharding: no_shard, pipeline_parallel: 2, pipeline_schedule: 1f1b, "), ref);
-  JobSpec with = parse_job_spec(mixtral_job(hf, dir / "aux", "mixtral", 1,
-                                            "sharding: no_shard, pipeline_parallel: 2, pipeline_schedule: 1f1b, "),
-                                "job.yaml", {});
-  resolve_model_shape(with, false);
-  CHECK_THROWS_WITH(test::run_ranks_inprocess(with, 2),
-                    Contains("pipeline parallelism and a router loss") && Contains("model.router_aux_loss_coef 0.001"));
+  // With the router losses on: tests/test_moe_pipeline.cpp (their statistics ride the stage messages).
 }
 
 TEST_CASE("mixtral: our files record the experts, a file without them is refused by key", "[mixtral][files]") {

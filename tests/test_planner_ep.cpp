@@ -88,8 +88,10 @@ TEST_CASE("planner: qwen1.5-moe-a2.7b on 8 x H100, expert state 1/ep and every e
     CHECK(r.mem.params == Approx(6 * S + 6 * x).epsilon(1e-12));
     CHECK(r.mem.grads == Approx(4 * S + 4 * x).epsilon(1e-12));
     CHECK(r.mem.optimizer == Approx(8 * S + 8 * x).epsilon(1e-12));
-    // The arena plus two all-to-all landing buffers of micro-batch x T x top-k x C bf16.
-    CHECK(r.mem.activations == Approx(arena + 2 * rows * 2048 * 2).epsilon(1e-12));
+    // The arena plus the received rows kept for each of the 24 layers and two scratch buffers, micro-batch x T
+    // x top-k x C bf16 each, and each layer's local expert offsets (60/ep + 1 int32, 64-byte rounded).
+    const double loff = 24.0 * ((4 * (60 / ep + 1) + 63) / 64 * 64);
+    CHECK(r.mem.activations == Approx(arena + (24 + 2) * rows * 2048 * 2 + loff).epsilon(1e-12));
     // 24 MoE layers x 4 all-to-alls x rows x C x 2 bytes x (ep-1)/ep, over NVLink, one micro-batch per step.
     const double a2a = 24.0 * 4 * rows * 2048 * 2 * (ep - 1) / ep;
     CHECK(ep_all_to_all_bytes_per_micro_batch(*arch, ep, 1, false, 2) == Approx(a2a).epsilon(1e-12));

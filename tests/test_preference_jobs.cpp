@@ -10,6 +10,8 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <cstring>
+#include <tuple>
 #include <fstream>
 #include <filesystem>
 #include <map>
@@ -100,38 +102,62 @@ TEST_CASE("preference jobs: TRL's metric names, step 1 is log 2 (precomputed == 
   for (const auto& e : std::filesystem::directory_iterator(j.d / "r1/tb")) tb += test::read_file(e.path());
   CHECK_THAT(tb, Contains("rewards/accuracies") && Contains("logps/rejected"));
 
-  // The sidecar is read back when data and model match...
-  const std::string sidecar = j.d / "data/train.reference_logps";
+  // The sidecar is in the run's own directory (never beside the shared
+  // data), and a run in a directory that holds one keyed to this data and
+  // model reads it back...
+  namespace fs = std::filesystem;
+  const std::string sidecar = j.d / "r1/train.reference_logps";
   REQUIRE(test::file_exists(sidecar));
+  CHECK(!test::file_exists(j.d / "data/train.reference_logps"));
+  const std::string kept1 = test::read_file(sidecar);
+  auto seed_dir = [&](const std::string& run, const std::string& bytes) {
+    fs::create_directories(j.d / run);
+    test::write_file(j.d / (run + "/train.reference_logps"), bytes);
+    return std::string(j.d / (run + "/train.reference_logps"));
+  };
+  const std::string sc1b = seed_dir("r1b", kept1);
   const auto [again, log2] = run("r1b", "parallel: {nproc_per_node: 1}\n");
-  CHECK_THAT(log2, Contains("reference: 16 pairs' log-probs from " + sidecar));
+  CHECK_THAT(log2, Contains("reference: 16 pairs' log-probs from " + sc1b));
   check_same(again, one, "sidecar read back vs computed");
-  // ... and recomputed, saying why, for another model (here: another seed).
+  // ... and recomputes it, saying why, for another model (here: another seed).
+  seed_dir("r1d", kept1);
   const auto r = run_job(j.yaml("r1d", "parallel: {nproc_per_node: 1}\n"), "--set train.seed=7");
   INFO(r.out);
   REQUIRE(r.exit_code == 0);
   CHECK_THAT(r.out, Contains("reference: computing") && Contains("it was made for data") && Contains("this job has"));
+  // A damaged sidecar is refused by name, never used or silently replaced:
+  // one cut short (a torn write) and one holding a NaN.
+  std::string nan_bytes = kept1;
+  const double nan = std::nan("");
+  std::memcpy(&nan_bytes[40 + 3 * 8], &nan, 8);  // pair 1's rejected log-prob
+  for (const auto& [name, bytes, what] :
+       {std::make_tuple(std::string("cut"), kept1.substr(0, kept1.size() - 12), std::string("bytes of log-probs")),
+        std::make_tuple(std::string("nan"), nan_bytes, std::string("pair 1's rejected log-prob is nan"))}) {
+    const std::string sc = seed_dir(name, bytes);
+    const auto b = run_job(j.yaml(name, "parallel: {nproc_per_node: 1}\n"), "--set launcher.max_restarts=0");
+    INFO(name << "\n" << b.out);
+    CHECK(b.exit_code != 0);
+    CHECK_THAT(b.out, Contains("the reference log-probs '" + sc + "' are damaged") && Contains(what) &&
+                          Contains("Delete the file to recompute them"));
+    CHECK(test::read_file(sc) == bytes);  // left as it was, for a look
+  }
 
   const std::string mb2 = "--set train.micro_batch_size=2", mb4 = "--set train.micro_batch_size=4";
   check_same(run("r1m2", "parallel: {nproc_per_node: 1}\n", mb2).first, one, "1 rank, 4 micro-batches vs 1");
   // 2 and 4 ranks compute the reference themselves (each its share of the pairs).
-  std::filesystem::remove(sidecar);
   const auto [two, log_two] = run("r2", "parallel: {nproc_per_node: 2}\n", mb4);
   CHECK_THAT(log_two, Contains("reference: computing 16 pairs"));
   check_same(two, one, "2 ranks full_shard");
-  std::filesystem::remove(sidecar);
   check_same(run("r4", "parallel: {nproc_per_node: 4}\n", mb2).first, one, "4 ranks full_shard");
   check_same(run("r2ns", "parallel: {nproc_per_node: 2, sharding: no_shard}\n", mb4).first, one, "2 ranks no_shard");
   check_same(run("tp2", "parallel: {nproc_per_node: 2, tensor_parallel: 2}\n").first, one, "tp2");
   // Pipelines: the last stage weights each microbatch's gradient in the
   // executor's hook, and records the reference pass (computed here).
-  std::filesystem::remove(sidecar);
   const auto [pp, log_pp] = run("pp2", "parallel: {nproc_per_node: 2, pipeline_parallel: 2}\n", mb4);
   CHECK_THAT(log_pp, Contains("reference: computing 16 pairs"));
   check_same(pp, one, "pp2 1f1b");
   check_same(run("pp2g", "parallel: {nproc_per_node: 2, pipeline_parallel: 2, pipeline_schedule: gpipe}\n", mb4).first,
              one, "pp2 gpipe");
-  std::filesystem::remove(sidecar);
   check_same(run("pp2dp2", "parallel: {nproc_per_node: 4, pipeline_parallel: 2}\n", mb4).first, one, "pp2 x dp2");
 
   // A resumed run must not recompute the reference from trained weights.
@@ -139,16 +165,27 @@ TEST_CASE("preference jobs: TRL's metric names, step 1 is log 2 (precomputed == 
   auto first = run_job(y, "--set train.exit_interval=2");
   INFO(first.out);
   REQUIRE(first.exit_code == 0);
-  const std::string kept = test::read_file(sidecar);
-  std::filesystem::remove(sidecar);
+  const std::string res_sidecar = j.d / "res/train.reference_logps";
+  const std::string kept = test::read_file(res_sidecar);
+  std::filesystem::remove(res_sidecar);
   const auto resumed = run_job(y, "--set train.exit_interval=2 --set launcher.max_restarts=0");
   INFO(resumed.out);
   CHECK(resumed.exit_code != 0);
-  CHECK_THAT(resumed.out, Contains("train.reference precompute: resuming") && Contains(sidecar) &&
+  CHECK_THAT(resumed.out, Contains("train.reference precompute: resuming") && Contains(res_sidecar) &&
                               Contains("it does not exist") && Contains("starting weights"));
-  // With the file back, the resumed run reads it and continues the run
-  // exactly: its step 3 is the uninterrupted run's.
-  test::write_file(sidecar, kept);
+  test::write_file(res_sidecar, kept);
+  // Another job on the same data, with another model and seq_len, runs
+  // before the first resumes: it keeps its own reference, and the first
+  // resumes with its own.
+  const auto other = run_job(j.yaml("other", "parallel: {nproc_per_node: 1}\n"),
+                             "--set model.n_embd=64 --set model.seq_len=24 --set train.max_steps=1");
+  INFO(other.out);
+  REQUIRE(other.exit_code == 0);
+  CHECK_THAT(other.out, Contains("reference: computing 16 pairs"));
+  CHECK(test::read_file(j.d / "other/train.reference_logps") != kept);
+  CHECK(test::read_file(res_sidecar) == kept);
+  // The resumed run reads its file and continues the run exactly: its step
+  // 3 is the uninterrupted run's.
   const auto ok = run_job(y, "--set launcher.max_restarts=0");
   INFO(ok.out);
   REQUIRE(ok.exit_code == 0);
@@ -202,6 +239,33 @@ TEST_CASE("preference jobs under LoRA: the adapters-off reference equals the pre
     REQUIRE(m.size() == 3);
     CHECK(m[2].at("loss") < m[0].at("loss"));
     if (obj == "orpo") CHECK(m[0].count("nll_loss") == 1);
+  }
+  // ORPO's metrics as TRL's ORPOTrainer logs them, on a batch of one pair,
+  // where the logged means are that pair's values: with a_c, a_r its
+  // length-averaged log-probs (logps/*), log_odds_chosen is the log odds
+  // ratio lo = (a_c - a_r) - (log(1 - e^a_c) - log(1 - e^a_r)),
+  // log_odds_ratio is log sigmoid(lo), nll_loss is -a_c, and the loss is
+  // nll_loss - beta log_odds_ratio.
+  {
+    const auto m = run("orpo1", "--set train.objective=orpo --set train.global_batch_size=2 "
+                                "--set train.micro_batch_size=2 --set train.max_steps=1").first;
+    REQUIRE(m.size() == 1);
+    REQUIRE(m[0].count("log_odds_ratio") == 1);
+    REQUIRE(m[0].count("log_odds_chosen") == 1);
+    const double ac = m[0].at("logps/chosen"), ar = m[0].at("logps/rejected"), beta = 0.1;
+    const double lo = (ac - ar) - (std::log1p(-std::exp(ac)) - std::log1p(-std::exp(ar)));
+    const double ls = lo >= 0 ? -std::log1p(std::exp(-lo)) : lo - std::log1p(std::exp(lo));
+    INFO("a_c " << ac << " a_r " << ar << " lo " << lo << " log sigmoid(lo) " << ls << "; logged log_odds_chosen "
+                << m[0].at("log_odds_chosen") << " log_odds_ratio " << m[0].at("log_odds_ratio") << " nll_loss "
+                << m[0].at("nll_loss") << " loss " << m[0].at("loss"));
+    auto close = [](double a, double b) { return std::fabs(a - b) <= 1e-5 * (1 + std::fabs(b)); };
+    CHECK(close(m[0].at("log_odds_chosen"), lo));
+    CHECK(close(m[0].at("log_odds_ratio"), ls));
+    CHECK(close(m[0].at("nll_loss"), -ac));
+    CHECK(close(m[0].at("loss"), -ac - beta * ls));
+    CHECK(std::fabs(lo - ls) > 1e-3);  // the two metrics are told apart
+    std::printf("  orpo, one pair: log_odds_chosen %.6g (lo %.6g), log_odds_ratio %.6g (log sigmoid %.6g)\n",
+                m[0].at("log_odds_chosen"), lo, m[0].at("log_odds_ratio"), ls);
   }
 }
 

@@ -1,5 +1,5 @@
 // What real runs at scale depend on, checked on the CPU with tiny models
-// (and one 354M-parameter one):
+// (and one 102M-parameter one):
 //  - a collective that fails after its call returned (NCCL's way) stops the
 //    step before the optimizer update and before any checkpoint commit, with
 //    an error naming the group, rank and step; the last good checkpoint
@@ -10,7 +10,7 @@
 //  - the final weights are written by every rank for its own ranges: one
 //    rank's failure fails every rank at once and leaves no file behind;
 //  - no rank's host memory exceeds its backend share by more than a third
-//    of one model copy (the whole model is never gathered).
+//    of one model copy (the whole model is never gathered), on a 102M model.
 #include <catch2/catch.hpp>
 
 #include <atomic>
@@ -175,36 +175,64 @@ TEST_CASE("scale: a rank that fails writing the final weights fails every rank a
     CHECK(e.path().filename().string().find(".tmp") == std::string::npos);
 }
 
-TEST_CASE("scale: 354M GPT-2 on 4 full_shard ranks: no rank's host memory holds the model", "[scale][memory]") {
-  // The issue's acceptance bound: every rank's peak RSS (VmHWM) <= its
-  // backend peak + 35% of one fp32 model copy + 300 MB. Gathering the model
-  // at the end (as before) put each rank ~1.4 GB over its backend peak.
-  test::TempDir dir("scale");
-  const std::string run = dir / "run";
-  test::write_file(dir / "job.yaml",
-                   "model: {n_layer: 24, n_head: 16, n_embd: 1024, vocab_size: 50304, seq_len: 32}\n"
+namespace {
+// One 1-step full_shard job on 4 ranks; each rank's (backend peak, process
+// peak RSS) from its log's "memory at the end" line.
+std::vector<std::pair<double, double>> rank_memory(const std::string& dir, int L, int C, int V) {
+  const std::string run = dir + "/run";
+  test::write_file(dir + "/job.yaml",
+                   "model: {n_layer: " + std::to_string(L) + ", n_head: 16, n_embd: " + std::to_string(C) +
+                       ", vocab_size: " + std::to_string(V) + ", seq_len: 32}\n"
                    "data: {format: synthetic, synthetic: {vocab: 512}}\n"
                    "train: {global_batch_size: 4, micro_batch_size: 1, max_steps: 1, eval_steps: 1, warmup_steps: 0}\n"
                    "parallel: {nproc_per_node: 4, sharding: full_shard, timeout_s: 600}\n"
                    "output: {dir: '" + run + "', sample_tokens: 0}\n");
-  auto r = test::run_command("OMP_NUM_THREADS=1 '" + test::trainrun_binary() + "' --config '" + dir / "job.yaml" + "'");
+  auto r = test::run_command("OMP_NUM_THREADS=1 '" + test::trainrun_binary() + "' --config '" + dir + "/job.yaml'");
   INFO(r.err);
   REQUIRE(r.exit_code == 0);
-  const double model_bytes = 4.0 * double(GPT2Config::of(24, 16, 1024, 50304, 32).num_parameters());
   const std::regex line(R"(memory at the end \(rank (\d)\): backend peak (\d+) bytes .*process peak RSS (\d+) bytes)");
-  int ranks = 0;
+  std::vector<std::pair<double, double>> out;
   for (int k = 0; k < 4; ++k) {
     const std::string log = test::read_file(run + "/logs/rank" + std::to_string(k) + ".log");
     std::smatch m;
     REQUIRE(std::regex_search(log, m, line));
-    const double backend = std::stod(m[2]), rss = std::stod(m[3]);
-    const double bound = backend + 0.35 * model_bytes + 300e6;
+    out.push_back({std::stod(m[2]), std::stod(m[3])});
+  }
+  return out;
+}
+}  // namespace
+
+TEST_CASE("scale: a 102M GPT-2 on 4 full_shard ranks: no rank's host memory holds the model", "[scale][memory]") {
+  // The issue's acceptance bound: every rank's peak RSS (VmHWM) <= its
+  // backend peak + 35% of one fp32 model copy + the process's fixed cost.
+  // Gathering the model at the end (as before) put each rank one whole
+  // copy over its backend peak. The fixed cost (binary, libraries, Gloo,
+  // allocator) is measured, not assumed: the same job on a 0.2M model
+  // gives it, plus 64 MB for the allocator's noise. Then a 102M model
+  // (the 354M one's width and vocabulary, 4 layers: 408 MB in fp32) shows
+  // the same invariant: a whole copy (408 MB) is far past the bound's
+  // 0.35 copy + 64 MB (207 MB), as it was past 0.35 copy + 300 MB at 354M.
+  test::TempDir dir("scale");
+  std::filesystem::create_directories(dir / "tiny");
+  std::filesystem::create_directories(dir / "big");
+  double fixed = 0;
+  for (const auto& [backend, rss] : rank_memory(dir / "tiny", 2, 64, 512)) fixed = std::max(fixed, rss - backend);
+  const int L = 4, C = 1024, V = 50304;
+  const double model_bytes = 4.0 * double(GPT2Config::of(L, 16, C, V, 32).num_parameters());
+  CHECK(model_bytes > 4e8);
+  const auto ranks = rank_memory(dir / "big", L, C, V);
+  REQUIRE(ranks.size() == 4);
+  for (size_t k = 0; k < ranks.size(); ++k) {
+    const auto [backend, rss] = ranks[k];
+    const double bound = backend + 0.35 * model_bytes + fixed + 64e6;
+    std::printf("  rank %zu: peak RSS %.3f GB, backend peak %.3f GB, over it %.0f MB (fixed cost %.0f MB, bound %.0f "
+                "MB over, a whole copy %.0f MB)\n",
+                k, rss / 1e9, backend / 1e9, (rss - backend) / 1e6, fixed / 1e6, (bound - backend) / 1e6,
+                model_bytes / 1e6);
     INFO("rank " << k << ": peak RSS " << rss / 1e9 << " GB, backend peak " << backend / 1e9 << " GB, bound "
                  << bound / 1e9 << " GB");
     CHECK(rss <= bound);
-    ++ranks;
   }
-  CHECK(ranks == 4);
   // The weights were written (every rank's ranges) and read back as a model.
-  CHECK(fs::file_size(run + "/model.safetensors") > size_t(model_bytes));
+  CHECK(fs::file_size(dir / "big/run/model.safetensors") > size_t(model_bytes));
 }

@@ -10,6 +10,9 @@
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <cstring>
+#include <filesystem>
+#include <functional>
+#include <unistd.h>
 #include <nlohmann/json.hpp>
 
 #include "core/common/error.h"
@@ -50,10 +53,18 @@ std::vector<std::string> hard_texts() {
   };
 }
 
+// The zoo's tokenizer files take ~15 s of Python to train, and CTest runs
+// each case below in its own process: they are made once per build, in
+// <build>/test-cache/tokzoo-<hash of corpus and script>, and copied into
+// each process's own directory (where the cases write their outputs). A
+// change to the corpus or to the script gives another hash, so a stale zoo
+// is never used; two processes that race both make it, and the first
+// rename wins.
 struct Zoo {
   test::TempDir dir{"tokzoo"};
   std::vector<std::string> texts = hard_texts();
   Zoo() {
+    namespace fs = std::filesystem;
     std::string corpus;
     for (const char* f : {"/usr/share/games/fortunes/computers", "/usr/share/games/fortunes/science"})
       if (test::file_exists(f)) corpus += test::read_file(f);
@@ -61,10 +72,24 @@ struct Zoo {
     // whitespace runs exist (and byte fallback still has bytes to do).
     for (int r = 0; r < 5; ++r)
       for (const auto& t : texts) corpus += t + "\n";
-    test::write_file(dir / "corpus.txt", corpus);
-    const auto r = run("make --vocab 1000 --dir '" + dir.path() + "' --corpus '" + (dir / "corpus.txt") + "'");
-    INFO(r.out << r.err);
-    REQUIRE(r.exit_code == 0);
+    const std::string args = "make --vocab 1000";
+    const std::string script = test::read_file(test::source_dir() + "/scripts/reference/hf_tokenizer_zoo.py");
+    char key[32];
+    std::snprintf(key, sizeof key, "%016zx", std::hash<std::string>{}(corpus + "\n" + script + "\n" + args));
+    const fs::path cache = fs::read_symlink("/proc/self/exe").parent_path() / "test-cache" / ("tokzoo-" + std::string(key));
+    if (!fs::exists(cache / "corpus.txt")) {
+      const fs::path tmp = cache.string() + ".tmp." + std::to_string(::getpid());
+      fs::create_directories(tmp);
+      test::write_file((tmp / "corpus.txt").string(), corpus);
+      const auto r = run(args + " --dir '" + tmp.string() + "' --corpus '" + (tmp / "corpus.txt").string() + "'");
+      INFO(r.out << r.err);
+      REQUIRE(r.exit_code == 0);
+      std::error_code ec;
+      fs::rename(tmp, cache, ec);  // fails when another process got there first: use its zoo
+      fs::remove_all(tmp, ec);
+    }
+    fs::copy(cache, dir.path(), fs::copy_options::recursive | fs::copy_options::overwrite_existing);
+    REQUIRE(test::read_file(dir / "corpus.txt") == corpus);
     texts.push_back(corpus.substr(1000, 6000));  // running prose
     test::write_file(dir / "texts.json", json(texts).dump());
   }

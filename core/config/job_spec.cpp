@@ -238,8 +238,9 @@ const std::vector<Field>& fields() {
                     "probabilities for the top-k choice only (the gate weights stay the probabilities), after "
                     "every optimizer step b_e += model.moe_bias_update_rate * sign(mean load - load_e) from the "
                     "step's load over all micro-batches and data-parallel ranks; the bias is in the checkpoint "
-                    "(training state, not a weight: export and generate route without it); CPU backend, no "
-                    "pipeline parallelism yet; set model.router_aux_loss_coef: 0 for DeepSeek-V3's recipe"),
+                    "(training state, not a weight: export and generate route without it); CPU backend (with "
+                    "pipeline parallelism each stage counts its layers' load); set model.router_aux_loss_coef: 0 "
+                    "for DeepSeek-V3's recipe"),
       TR_SPEC_FIELD(model.moe_bias_update_rate, above(0),
                     "mixture of experts with model.moe_balance: bias: the bias's step per optimizer step "
                     "(DeepSeek-V3: 0.001)"),

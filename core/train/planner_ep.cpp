@@ -15,11 +15,13 @@
 //    gather moves no expert weights);
 //  - activations: the model's arena, whose MoE buffers hold N x top_k
 //    routed rows; with balanced routing a rank receives as many rows as it
-//    sends (ep ranks x N K / ep), so that arena stands, plus the two
-//    all-to-all landing buffers (dispatched rows in, expert outputs back),
-//    N K C act-dtype bytes each. A router that sends every token to one
-//    rank's experts would need up to ep times the routed rows there: the
-//    plan assumes the load balancing the aux loss is for.
+//    sends (ep ranks x N K / ep), so that arena stands, plus what the MoE
+//    MLP places for the exchange (MoeMlp::ep_exchange_bytes, the same
+//    figure the trainer allocates: the received rows kept per layer set,
+//    N K C act bytes each, and two N K C scratch buffers). A router that
+//    sends every token to one rank's experts grows that rank's buffers up
+//    to ep times the routed rows (moe_mlp.h): the plan assumes the load
+//    balancing the aux loss is for.
 //  - time: the same FLOPs as ep 1 (routing moves tokens, not work), plus 2
 //    all-to-alls per MoE layer in the forward (dispatch, combine) and 2 in
 //    the backward (2 more when checkpointing recomputes the forward), each
@@ -39,6 +41,7 @@
 #include <sstream>
 
 #include "core/common/error.h"
+#include "core/model/moe/moe_mlp.h"
 #include "core/train/planner.h"
 #include "core/train/planner_internal.h"
 
@@ -94,8 +97,8 @@ MemoryBreakdown estimate_ep_memory(const ModelArch& m, int ep, const Sharding& s
   const std::vector<int64_t> ex = expert_unit_numels(m);
   double experts = 0;
   for (size_t i = 0; i < units.size(); ++i) units[i] -= ex[i], experts += double(ex[i]);
-  const double rows = double(micro_batch) * c.T * c.moe.top_k;
-  const double landing = 2 * r64(rows * c.C * d.act_bytes);
+  const double landing = double(MoeMlp::ep_exchange_bytes(c.moe, c.C, size_t(d.act_bytes), int64_t(micro_batch) * c.T,
+                                                          checkpointing ? 1 : c.L, true, ep));
   MemoryBreakdown r = memory_of_units(units, c.L, c.T, s, micro_batch,
                                       estimate_activation_bytes(m, micro_batch, checkpointing, d) + landing, d);
   const double X = experts / ep;  // this rank's expert elements

@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "core/common/error.h"
+#include "core/common/fileio.h"
 #include "core/common/log.h"
 
 namespace fs = std::filesystem;
@@ -19,7 +20,9 @@ namespace fs = std::filesystem;
 namespace trainrun {
 namespace {
 
-constexpr char kRefMagic[8] = {'T', 'R', 'R', 'E', 'F', 'L', 'P', '1'};
+// Version 2 added seq_len to the header (version 1 files are refused as malformed).
+constexpr char kRefMagic[8] = {'T', 'R', 'R', 'E', 'F', 'L', 'P', '2'};
+constexpr size_t kRefHeader = 40;
 
 std::string file_bytes(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
@@ -69,9 +72,20 @@ std::string hex(uint64_t h) {
 
 fs::path data_dir(const JobSpec& job) { return fs::path(job.data.train).parent_path(); }
 
+// The data's identity: the pair index and prepare.json byte for byte, and
+// the name and size of every token shard beside them (reading the shards
+// would cost a pass over the data set).
 uint64_t data_hash(const JobSpec& job) {
   const fs::path d = data_dir(job);
-  return hash_text(file_bytes((d / "train.pairs").string()) + "\n" + file_bytes((d / "prepare.json").string()));
+  std::vector<std::string> shards;
+  std::error_code ec;
+  for (fs::directory_iterator it(d, ec), end; !ec && it != end; it.increment(ec))
+    if (it->path().extension() == ".bin" && it->is_regular_file(ec))
+      shards.push_back(it->path().filename().string() + " " + std::to_string(it->file_size(ec)));
+  std::sort(shards.begin(), shards.end());
+  std::string s = file_bytes((d / "train.pairs").string()) + "\n" + file_bytes((d / "prepare.json").string()) + "\n";
+  for (const auto& r : shards) s += r + "\n";
+  return hash_text(s);
 }
 
 uint64_t model_hash(const JobSpec& job) {
@@ -79,57 +93,72 @@ uint64_t model_hash(const JobSpec& job) {
                    dir_fingerprint(job.model.init_from) + dir_fingerprint(job.model.adapter.init_from));
 }
 
-// The sidecar's table when it is well formed and keyed to (dh, mh), else
-// "" and why not in `why`.
-bool read_sidecar(const std::string& path, uint64_t dh, uint64_t mh, int64_t pairs, std::vector<double>& table,
-                  std::string& why) {
+// What read_sidecar found. Stale: well formed but keyed to other data, another
+// model or seq_len (a fresh run recomputes it). Corrupt: not a whole file
+// of finite log-probs (refused: a torn write or a damaged disk, never used).
+enum class Sidecar { Ok, Missing, Stale, Corrupt };
+
+Sidecar read_sidecar(const std::string& path, uint64_t dh, uint64_t mh, int64_t seq_len, int64_t pairs,
+                     std::vector<double>& table, std::string& why) {
   std::ifstream f(path, std::ios::binary);
   if (!f) {
     why = "it does not exist";
-    return false;
+    return Sidecar::Missing;
   }
-  char head[32];
-  f.read(head, 32);
-  if (f.gcount() != 32 || std::memcmp(head, kRefMagic, 8) != 0) {
-    why = "it is not a reference log-prob file (no TRREFLP1 header)";
-    return false;
+  char head[kRefHeader];
+  f.read(head, kRefHeader);
+  if (f.gcount() != std::streamsize(kRefHeader) || std::memcmp(head, kRefMagic, 8) != 0) {
+    why = "it is not a reference log-prob file (no whole TRREFLP2 header: " + std::to_string(f.gcount()) + " bytes)";
+    return Sidecar::Corrupt;
   }
-  uint64_t fdh, fmh, fp;
+  uint64_t fdh, fmh, fsl, fp;
   std::memcpy(&fdh, head + 8, 8);
   std::memcpy(&fmh, head + 16, 8);
-  std::memcpy(&fp, head + 24, 8);
-  if (fdh != dh || fmh != mh || int64_t(fp) != pairs) {
-    why = "it was made for data " + hex(fdh) + " / model " + hex(fmh) + " / " + std::to_string(fp) +
-          " pairs, this job has data " + hex(dh) + " / model " + hex(mh) + " / " + std::to_string(pairs) + " pairs";
-    return false;
+  std::memcpy(&fsl, head + 24, 8);
+  std::memcpy(&fp, head + 32, 8);
+  if (fdh != dh || fmh != mh || int64_t(fsl) != seq_len || int64_t(fp) != pairs) {
+    why = "it was made for data " + hex(fdh) + " / model " + hex(fmh) + " / seq_len " + std::to_string(fsl) + " / " +
+          std::to_string(fp) + " pairs, this job has data " + hex(dh) + " / model " + hex(mh) + " / seq_len " +
+          std::to_string(seq_len) + " / " + std::to_string(pairs) + " pairs";
+    return Sidecar::Stale;
   }
   table.assign(size_t(pairs) * 2, 0.0);
   f.read(reinterpret_cast<char*>(table.data()), std::streamsize(table.size() * 8));
-  if (f.gcount() != std::streamsize(table.size() * 8) || f.peek() != EOF) {
-    why = "its size is not the header's " + std::to_string(pairs) + " pairs (truncated or changed)";
-    return false;
+  const int64_t got = int64_t(f.gcount());
+  if (got != int64_t(table.size() * 8) || f.peek() != EOF) {
+    why = "it holds " + std::to_string(got) + (got == int64_t(table.size() * 8) ? "+" : "") +
+          " bytes of log-probs, the header's " + std::to_string(pairs) + " pairs need " +
+          std::to_string(table.size() * 8) + " (truncated or changed)";
+    return Sidecar::Corrupt;
   }
-  return true;
+  for (size_t i = 0; i < table.size(); ++i)
+    if (!std::isfinite(table[i])) {
+      why = "pair " + std::to_string(i / 2) + "'s " + (i % 2 ? "rejected" : "chosen") + " log-prob is " +
+            std::to_string(table[i]) + " (not finite)";
+      return Sidecar::Corrupt;
+    }
+  return Sidecar::Ok;
 }
 
-void write_sidecar(const std::string& path, uint64_t dh, uint64_t mh, const std::vector<double>& table) {
+// Through a temp name: the file is fsync'd before the rename and the
+// directory after it (as checkpoints commit), so a crash leaves the old
+// file or the whole new one, never a torn one under the final name.
+void write_sidecar(const std::string& path, uint64_t dh, uint64_t mh, int64_t seq_len,
+                   const std::vector<double>& table) {
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    TR_CHECK(f, "train.reference precompute: cannot write '", tmp, "' beside the data: ", detail::errno_string(),
-             "; make the data directory writable");
-    const uint64_t pairs = table.size() / 2;
-    f.write(kRefMagic, 8);
-    f.write(reinterpret_cast<const char*>(&dh), 8);
-    f.write(reinterpret_cast<const char*>(&mh), 8);
-    f.write(reinterpret_cast<const char*>(&pairs), 8);
-    f.write(reinterpret_cast<const char*>(table.data()), std::streamsize(table.size() * 8));
-    f.flush();
-    TR_CHECK(f.good(), "train.reference precompute: cannot write '", tmp, "' (disk full?)");
-  }
+  const uint64_t pairs = table.size() / 2, sl = uint64_t(seq_len);
+  std::string bytes(kRefHeader + table.size() * 8, '\0');
+  std::memcpy(&bytes[0], kRefMagic, 8);
+  std::memcpy(&bytes[8], &dh, 8);
+  std::memcpy(&bytes[16], &mh, 8);
+  std::memcpy(&bytes[24], &sl, 8);
+  std::memcpy(&bytes[32], &pairs, 8);
+  std::memcpy(&bytes[kRefHeader], table.data(), table.size() * 8);
+  write_file_synced(tmp, bytes);
   std::error_code ec;
   fs::rename(tmp, path, ec);
   TR_CHECK(!ec, "train.reference precompute: cannot rename '", tmp, "' to '", path, "': ", ec.message());
+  fsync_path(fs::path(path).parent_path().string());
 }
 
 // Doubles through the float all-reduce, exactly enough: hi + lo carries 48
@@ -186,7 +215,11 @@ PreferenceTraining::PreferenceTraining(const Setup& s)
   dev_w_ = DeviceBuffer(s_.be, n * 4);
 }
 
-std::string PreferenceTraining::sidecar_path() const { return (data_dir(job_) / "train.reference_logps").string(); }
+// In the run's own directory: another job on the same data (another model,
+// another seq_len) keeps its own, so a resumed run finds the one it made.
+std::string PreferenceTraining::sidecar_path() const {
+  return (fs::path(job_.output.dir) / "train.reference_logps").string();
+}
 
 void PreferenceTraining::sequence_logps(Network& net, int B, std::vector<double>& logp, std::vector<int64_t>& ntok) {
   const int npairs = B / s_.src->rows_per_pair();
@@ -211,11 +244,17 @@ void PreferenceTraining::prepare_reference(const std::function<void(int64_t)>& r
   // Rank 0 decides and shares the table, so every rank takes the same branch.
   std::vector<double> table(size_t(pairs) * 2, 0.0);
   std::string why;
-  std::vector<double> ok(1, 0.0);
-  if (s_.rank == 0 && read_sidecar(path, dh, mh, pairs, table, why)) ok[0] = 1;
+  std::vector<double> state(1, 0.0);  // rank 0's Sidecar
+  if (s_.rank == 0) state[0] = double(int(read_sidecar(path, dh, mh, s_.T, pairs, table, why)));
   if (s_.rank != 0) std::fill(table.begin(), table.end(), 0.0);
-  all_reduce_doubles(*s_.world, ok);
-  if (ok[0] > 0) {
+  all_reduce_doubles(*s_.world, state);
+  const auto found = Sidecar(int(state[0]));
+  if (found == Sidecar::Corrupt)
+    TR_FAIL("train.reference precompute: the reference log-probs '", path, "' are damaged: ",
+            s_.rank == 0 ? why : "see rank 0's log",
+            ". Delete the file to recompute them with the starting weights (a fresh run does that; a resumed run "
+            "cannot: start it afresh in a new output.dir)");
+  if (found == Sidecar::Ok) {
     all_reduce_doubles(*s_.world, table);
     ref_table_ = std::move(table);
     if (s_.rank == 0) TR_LOG_INFO("reference: ", pairs, " pairs' log-probs from ", path, " (data ", hex(dh), ", model ", hex(mh), ")");
@@ -225,7 +264,7 @@ void PreferenceTraining::prepare_reference(const std::function<void(int64_t)>& r
     TR_FAIL("train.reference precompute: resuming, but the reference log-probs '", path, "' cannot be used: ",
             s_.rank == 0 ? why : "see rank 0's log",
             ". They come from the starting weights, which a resumed run no longer has; restore the file that the "
-            "first attempt wrote, or start the run afresh (a new output.dir)");
+            "first attempt wrote in output.dir, or start the run afresh (a new output.dir)");
   if (s_.rank == 0)
     TR_LOG_INFO("reference: computing ", pairs, " pairs' log-probs with the starting weights (", path, ": ", why, ")");
   // Every rank runs the same number of forwards (a sharded forward's
@@ -234,7 +273,7 @@ void PreferenceTraining::prepare_reference(const std::function<void(int64_t)>& r
   ref_rows_ = pairs * s_.src->rows_per_pair();
   for (int64_t base = 0; base < ref_rows_; base += chunk_rows) run_chunk(base);
   all_reduce_doubles(*s_.world, ref_table_);
-  if (s_.rank == 0) write_sidecar(path, dh, mh, ref_table_);
+  if (s_.rank == 0) write_sidecar(path, dh, mh, s_.T, ref_table_);
 }
 
 void PreferenceTraining::record_reference(int64_t first, int B, Network& net) {
@@ -307,6 +346,7 @@ void PreferenceTraining::policy_done(int64_t first, int B, Network& net, const s
     sums_[kLogpC] += l.logp_chosen * inv_pairs;
     sums_[kLogpR] += l.logp_rejected * inv_pairs;
     sums_[kLogOdds] += l.log_odds * inv_pairs;
+    sums_[kLogOddsRatio] += l.log_sigmoid_log_odds * inv_pairs;
     if (obj_ == PreferenceObjective::Orpo) {
       // The chosen responses' NLL, a mean over their tokens in the global batch.
       const double inv_tok = 1.0 / double(std::max<int64_t>(chosen_targets_global_, 1));
@@ -340,7 +380,10 @@ double PreferenceTraining::pop_sums(std::vector<float>& v) {
               {"logps/chosen", s[kLogpC]},         {"logps/rejected", s[kLogpR]}};
   if (obj_ == PreferenceObjective::Orpo) {
     metrics_.push_back({"nll_loss", s[kNll]});
-    metrics_.push_back({"log_odds_ratio", s[kLogOdds]});
+    // TRL's ORPOTrainer: log_odds_ratio is the mean of log sigmoid(log odds),
+    // log_odds_chosen the mean of the log odds themselves.
+    metrics_.push_back({"log_odds_ratio", s[kLogOddsRatio]});
+    metrics_.push_back({"log_odds_chosen", s[kLogOdds]});
   }
   return s[kLoss];
 }

@@ -4,7 +4,7 @@
 // pairs, so each rank computes its pairs' losses alone. Per micro-batch:
 //   1. the reference log-probs: train.reference precompute reads them from
 //      a table made before step 1 (one forward pass over every pair with
-//      the starting weights, kept in a sidecar beside the data);
+//      the starting weights, kept in a sidecar in output.dir);
 //      adapter_off runs a forward of the same network with its adapters
 //      switched off (the frozen base: no second copy of the weights); orpo
 //      needs none;
@@ -23,15 +23,19 @@
 // micro-batch (small next to the B*T*V logits), plus with adapter_off one
 // forward without backward.
 //
-// The sidecar (train.reference precompute): `<data dir>/<split>.reference_logps`,
-// a header {"TRREFLP1", data hash, model hash, pairs} and per pair two
-// float64 (chosen, rejected summed log-probs). The data hash is xxh64 of the
-// .pairs file and prepare.json; the model hash of the model section of the
-// resolved spec, train.seed, and the name, size and mtime of every file in
-// model.init_from and model.adapter.init_from. A fresh run whose sidecar is
-// missing, malformed or keyed to other data or another model recomputes it
-// (and says why); a resumed run, whose weights are no longer the starting
-// ones, refuses to, with an error naming the file.
+// The sidecar (train.reference precompute): `<output.dir>/train.reference_logps`,
+// in the run's own directory (another job on the same data never touches
+// it), a header {"TRREFLP2", data hash, model hash, seq_len, pairs} and per
+// pair two float64 (chosen, rejected summed log-probs). The data hash is
+// xxh64 of the .pairs file, prepare.json and the name and size of each
+// token shard; the model hash of the model section of the resolved spec
+// (seq_len included), train.seed, and the name, size and mtime of every
+// file in model.init_from and model.adapter.init_from. Written through a
+// temp file, fsync'd, renamed, the directory fsync'd. A fresh run whose
+// sidecar is missing or keyed to other data, another model or seq_len
+// recomputes it (and says why); a resumed run, whose weights are no longer
+// the starting ones, refuses to, with an error naming the file. A damaged
+// one (short, no header, a non-finite value) is refused by name, always.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -112,7 +116,7 @@ class PreferenceTraining {
   void push_sums(std::vector<float>& v) const;
   double pop_sums(std::vector<float>& v);
   // rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins,
-  // logps/chosen, logps/rejected (+ nll_loss, log_odds_ratio for orpo), TRL's names.
+  // logps/chosen, logps/rejected (+ nll_loss, log_odds_ratio, log_odds_chosen for orpo), TRL's names.
   const std::vector<std::pair<std::string, double>>& metrics() const { return metrics_; }
 
   // Each of the micro-batch's 2 * pairs sequences' summed log-probs and
@@ -130,7 +134,7 @@ class PreferenceTraining {
   std::vector<double> ref_table_;    // precompute: (pairs, 2) chosen, rejected
   int64_t ref_rows_ = 0;             // rows of one epoch: record_reference ignores wrapped ones
   int64_t pairs_global_ = 0, chosen_targets_global_ = 0;
-  enum { kLoss, kRewardC, kRewardR, kAcc, kMargin, kLogpC, kLogpR, kNll, kLogOdds, kSums };
+  enum { kLoss, kRewardC, kRewardR, kAcc, kMargin, kLogpC, kLogpR, kNll, kLogOdds, kLogOddsRatio, kSums };
   double sums_[kSums] = {};
   std::vector<std::pair<std::string, double>> metrics_;
 };

@@ -61,7 +61,8 @@ PairLoss preference_pair_loss(PreferenceObjective obj, const PairLogps& p, doubl
       const double ac = p.chosen / nc, ar = p.rejected / nr;
       // log(1 - e^a) for a < 0; log1p(-exp(a)) loses nothing near a = 0-.
       const double lo = (ac - ar) - (std::log1p(-std::exp(ac)) - std::log1p(-std::exp(ar)));
-      r.loss = -beta * log_sigmoid(lo);
+      r.log_sigmoid_log_odds = log_sigmoid(lo);
+      r.loss = -beta * r.log_sigmoid_log_odds;
       const double dlo = -beta * sigmoid(-lo);
       // d lo / d ac = 1 / (1 - e^ac); d lo / d ar = -1 / (1 - e^ar).
       r.d_chosen = dlo / (-std::expm1(ac)) / nc;

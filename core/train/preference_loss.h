@@ -43,7 +43,8 @@ struct PairLoss {
   double d_chosen = 0, d_rejected = 0;  // d loss / d chosen, d loss / d rejected (summed log-probs)
   double reward_chosen = 0, reward_rejected = 0;
   double logp_chosen = 0, logp_rejected = 0;  // as the loss uses them
-  double log_odds = 0;                        // orpo
+  double log_odds = 0;                        // orpo: the log odds ratio (TRL logs its mean as log_odds_chosen)
+  double log_sigmoid_log_odds = 0;            // orpo: log sigmoid(log_odds) (TRL's log_odds_ratio)
 };
 
 PairLoss preference_pair_loss(PreferenceObjective obj, const PairLogps& p, double beta, double label_smoothing);

@@ -176,6 +176,7 @@ class Trainer {
   // same everywhere), moved by the step's load after the optimizer step.
   std::vector<float> moe_bias_;
   void update_expert_bias(const std::vector<float>& load);
+  void set_expert_bias_everywhere();  // the network's, or every stage network's rows
   StepResult train_step(int step);
   double evaluate();
   void sample_at_end();
@@ -359,13 +360,10 @@ void Trainer::setup() {
   TR_CHECK(cp == 1 || !cfg.moe.on(), "parallel.context_parallel ", cp, " with a mixture of experts (model.arch ",
            cfg.arch, "): the router's load-balancing statistics would cover one cp chunk, not the sequence; use "
            "parallel.context_parallel: 1");
-  // The bias steers routing in every forward of a step; the load that moves
-  // it would have to cross pipeline stages (each holds its layers' rows) and
-  // the CUDA backend has no biased top-k op yet.
-  TR_CHECK(cfg.moe.bias_rate == 0 || job_.parallel.pipeline_parallel == 1,
-           "model.moe_balance: bias with parallel.pipeline_parallel ", job_.parallel.pipeline_parallel,
-           ": aux-loss-free balancing under pipeline parallelism is not implemented yet; use "
-           "parallel.pipeline_parallel: 1 or model.moe_balance: aux_loss");
+  // The bias steers routing in every forward of a step; under a pipeline
+  // each stage counts its layers' load and the step's all-reduce (over every
+  // rank, so over the stages too) gives each rank every layer's
+  // (PipelineExecutor::take_expert_load). The CUDA backend has no biased top-k op yet.
   TR_CHECK(cfg.moe.bias_rate == 0 || !is_cuda_backend(be_.get()), "model.moe_balance: bias on backend ", be_->name(),
            ": the CUDA backend has no biased top-k choice yet (not implemented); use the CPU backend or "
            "model.moe_balance: aux_loss");
@@ -424,8 +422,6 @@ void Trainer::setup() {
     TR_CHECK(dp_size_ % ep == 0, "parallel.expert_parallel ", ep, " does not divide the data-parallel size ", dp_size_,
              " (world size ", w_.world, "); each ep group is expert_parallel consecutive dp ranks: use a divisor of ",
              dp_size_);
-    TR_CHECK(!nccl, "parallel.expert_parallel ", ep, " on the ", be_->name(), " backend is not implemented yet "
-             "(its token exchange moves host counts); use backend: cpu or expert_parallel: 1");
     const int dpi = mesh_->dp_coord();
     // Named by the dp group (one per TP rank): "dp0_ep1" is dp ranks E..2E-1 of TP rank 0's dp group.
     ep_comm_ = factory(mesh_->dp_group_name() + "_ep" + std::to_string(dpi / ep) + "/", dpi % ep, ep);
@@ -876,7 +872,14 @@ void Trainer::update_expert_bias(const std::vector<float>& load) {
       moe_bias_[l * E + size_t(e)] += float(m.bias_rate * double((d > 0) - (d < 0)));
     }
   }
-  model_->set_expert_bias(moe_bias_);
+  set_expert_bias_everywhere();
+}
+
+void Trainer::set_expert_bias_everywhere() {
+  if (pipe_)
+    pipe_->set_expert_bias(moe_bias_, arch_->config().L);
+  else
+    model_->set_expert_bias(moe_bias_);
 }
 
 Trainer::StepResult Trainer::train_step(int step) {
@@ -961,9 +964,39 @@ Trainer::StepResult Trainer::train_step(int step) {
   // Aux-loss-free balancing: the step's expert load rides the same
   // all-reduce, summed over every rank (the TP ranks of a dp index count the
   // same rows: a common factor, which the update's sign ignores).
-  std::vector<float> load = moe_bias_.empty() ? std::vector<float>{} : model_->take_expert_load();
+  std::vector<float> load = moe_bias_.empty() ? std::vector<float>{}
+                           : pipe_ ? pipe_->take_expert_load(arch_->config().L, arch_->config().moe.n_experts)
+                                   : model_->take_expert_load();
   v.insert(v.end(), load.begin(), load.end());
+  // Pipeline + mixture of experts: the router figures rank 0 reports
+  // (metrics.jsonl) are on every stage (each its layers' loads, the last
+  // its losses): the ranks of dp index 0 and TP rank 0 add theirs to the
+  // same all-reduce (the others zeros), so the sum is the model's.
+  std::vector<float> router;
+  if (pipe_ && arch_->config().moe.on()) {
+    const int L = arch_->config().L;
+    router.assign(size_t(2 + 2 * L), 0.f);
+    if (mesh_->dp_coord() == 0 && mesh_->coord(MeshDim::tp) == 0) {
+      const Network::RouterReport rr = pipe_->router_report_local(L);
+      router[0] = float(rr.aux_loss), router[1] = float(rr.z_loss);
+      for (int l = 0; l < L; ++l)
+        router[size_t(2 + l)] = float(rr.max_tokens[size_t(l)]), router[size_t(2 + L + l)] = float(rr.mean_tokens[size_t(l)]);
+    }
+    v.insert(v.end(), router.begin(), router.end());
+  }
   r.stop_signal = agree_on_stop(*comm_, v);  // the vote rides the loss all-reduce
+  if (!router.empty()) {
+    const int L = arch_->config().L;
+    std::copy(v.end() - int64_t(router.size()), v.end(), router.begin());
+    v.resize(v.size() - router.size());
+    Network::RouterReport rr;
+    rr.aux_loss = router[0], rr.z_loss = router[1];
+    // No figures before a forward with statistics (as one rank's network): every layer's mean is 0 then.
+    if (router[size_t(2 + L)] > 0)
+      for (int l = 0; l < L; ++l)
+        rr.max_tokens.push_back(router[size_t(2 + l)]), rr.mean_tokens.push_back(router[size_t(2 + L + l)]);
+    pipe_->set_router_report(rr);
+  }
   if (!load.empty()) {
     std::copy(v.end() - int64_t(load.size()), v.end(), load.begin());
     v.resize(v.size() - load.size());
@@ -1137,7 +1170,7 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
     if (is_resume && resumed.moe_expert_bias.empty() && rank0_)
       TR_LOG_WARN("resume: the checkpoint has no expert bias (saved without model.moe_balance: bias); it starts at 0");
     moe_bias_ = resumed.moe_expert_bias.empty() ? std::vector<float>(n, 0.f) : resumed.moe_expert_bias;
-    model_->set_expert_bias(moe_bias_);
+    set_expert_bias_everywhere();
   }
   const int first_step = int(resumed.step);
   std::unique_ptr<MetricsWriter> metrics;

@@ -72,7 +72,10 @@ void ExpertDispatch::dispatch(const Plan& p, const void* xp, void* staging, void
     sb[size_t(j)] = p.send_rows[size_t(j)] * rb;
     rbytes[size_t(j)] = p.recv_rows[size_t(j)] * rb;
   }
-  be_.synchronize();  // the rows are written by the stream; the transport reads them
+  // A host transport (Gloo) reads the rows the stream wrote: wait for it. A
+  // stream-ordered one (NCCL) runs after an event on the compute stream and
+  // the compute stream waits for it, so the copies below see its output.
+  if (!ep_.comm->stream_ordered()) be_.synchronize();
   debug_ep_kill_hook();  // tests: TRAINRUN_DEBUG_EP_KILL (core/common/debug_hooks.h)
   ep_.comm->all_to_all_v(staging, rbytes.data(), xp, sb.data());
   reorder(p, staging, out, rb, true);
@@ -86,7 +89,7 @@ void ExpertDispatch::combine(const Plan& p, const void* in, void* staging, void*
     rbytes[size_t(j)] = p.send_rows[size_t(j)] * rb;
   }
   reorder(p, in, staging, rb, false);
-  be_.synchronize();
+  if (!ep_.comm->stream_ordered()) be_.synchronize();  // as in dispatch
   ep_.comm->all_to_all_v(yp, rbytes.data(), staging, sb.data());
 }
 

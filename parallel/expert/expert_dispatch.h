@@ -16,7 +16,10 @@
 //             all_to_all_v back; each row lands where it left xp.
 // The backward uses the same plan: dispatch for the output gradient,
 // combine for the input gradient. Row blocks move with copy_device (one
-// per (source, expert): never a per-row loop), counts on the host.
+// per (source, expert): never a per-row loop), counts on the host. On the
+// CUDA backend the rows never leave the device: NCCL's all_to_all_v is a
+// group of ncclSend/ncclRecv on device pointers, stream-ordered with the
+// compute stream (no host sync around it); only the counts are staged.
 #pragma once
 #include <cstddef>
 #include <cstdint>

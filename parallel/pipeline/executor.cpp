@@ -51,7 +51,8 @@ struct ChunkRun {
 
 class NetworkView final : public Network {
  public:
-  explicit NetworkView(const PipelineExecutor& e) : e_(e) {}
+  NetworkView(const PipelineExecutor& e, const RouterReport& r) : e_(e), router_(r) {}
+  RouterReport router_report() const override { return router_; }
   void forward(UnitAccess&, const int32_t*, const int32_t*, int, int, bool, float, DocumentMask) override { no(); }
   void backward(UnitAccess&) override { no(); }
   const float* losses() const override { no(); }
@@ -63,6 +64,7 @@ class NetworkView final : public Network {
  private:
   [[noreturn]] static void no() { TR_FAIL("pipeline: the stage networks compute through the executor (a bug)"); }
   const PipelineExecutor& e_;
+  const RouterReport& router_;  // the executor's, set by the trainer (set_router_report)
 };
 
 }  // namespace
@@ -82,6 +84,8 @@ struct PipelineExecutor::Impl {
   // since enqueueing one never waits on the peer.
   std::map<int, std::unique_ptr<PipelineSender>> senders;
   std::unique_ptr<NetworkView> view;
+  Network::RouterReport shown;             // what view reports (set_router_report)
+  std::map<int, const Network*> latest;   // by virtual stage: the network of its latest forward
   int64_t step = 0;
   bool split = false;
   // The measured bubble: marks on the compute stream (Backend::time_mark)
@@ -241,6 +245,7 @@ struct PipelineExecutor::Impl {
     if (hook) hook(mb, for_backward);
     s.net->forward(store.chunk_access(chunk_of(ch.virtual_stage)), to.inputs, to.targets, B, T, for_backward,
                    dloss_scale, docs);
+    latest[ch.virtual_stage] = s.net.get();
     if (ch.stage.last && last_hook) last_hook(mb, for_backward, *s.net);
     if (ch.stage.last) be->sum(loss_sum, s.net->losses(), int64_t(B) * T);
   }
@@ -327,7 +332,7 @@ PipelineExecutor::PipelineExecutor(const ModelArch& arch, Backend* be, const Pip
     int tid = 1;
     for (auto& [peer, snd] : im.senders) snd = std::make_unique<PipelineSender>(im.global_rank(r), tid++);
   }
-  im.view = std::make_unique<NetworkView>(*this);
+  im.view = std::make_unique<NetworkView>(*this, im.shown);
 }
 
 PipelineExecutor::~PipelineExecutor() = default;
@@ -340,6 +345,55 @@ size_t PipelineExecutor::activation_bytes() const {
 }
 
 const Network& PipelineExecutor::network_view() const { return *impl_->view; }
+
+Network::RouterReport PipelineExecutor::router_report_local(int L) const {
+  Network::RouterReport r;
+  r.max_tokens.assign(size_t(L), 0.0);
+  r.mean_tokens.assign(size_t(L), 0.0);
+  for (const ChunkRun& c : impl_->chunks) {
+    const auto it = impl_->latest.find(c.chunk->virtual_stage);
+    if (it == impl_->latest.end()) continue;
+    const Network::RouterReport mine = it->second->router_report();
+    if (c.stage.last) r.aux_loss = mine.aux_loss, r.z_loss = mine.z_loss;
+    for (size_t l = 0; l < mine.max_tokens.size() && c.stage.first_layer + int(l) < L; ++l) {
+      r.max_tokens[size_t(c.stage.first_layer) + l] = mine.max_tokens[l];
+      r.mean_tokens[size_t(c.stage.first_layer) + l] = mine.mean_tokens[l];
+    }
+  }
+  return r;
+}
+
+void PipelineExecutor::set_router_report(const Network::RouterReport& r) { impl_->shown = r; }
+
+void PipelineExecutor::set_expert_bias(const std::vector<float>& all, int L) {
+  TR_CHECK(L > 0 && all.size() % size_t(L) == 0, "pipeline: an expert bias of ", all.size(), " values for ", L,
+           " layers (a bug)");
+  const size_t row = all.size() / size_t(L);
+  for (ChunkRun& c : impl_->chunks) {
+    const PipelineStage& st = c.stage;
+    TR_CHECK(st.first_layer + st.layers <= L, "pipeline: stage layers ", st.first_layer, "+", st.layers,
+             " past the model's ", L, " (a bug)");
+    const std::vector<float> mine(all.begin() + int64_t(st.first_layer) * int64_t(row),
+                                  all.begin() + int64_t(st.first_layer + st.layers) * int64_t(row));
+    for (Slot& s : c.slots) s.net->set_expert_bias(mine);
+  }
+}
+
+// Every network of a chunk (one per microbatch in flight) counted the
+// microbatches it ran: their sum is the stage's load for its layers.
+std::vector<float> PipelineExecutor::take_expert_load(int L, int per_layer) {
+  std::vector<float> all(size_t(L) * size_t(per_layer), 0.f);
+  for (ChunkRun& c : impl_->chunks)
+    for (Slot& s : c.slots) {
+      const std::vector<float> l = s.net->take_expert_load();
+      if (l.empty()) continue;
+      TR_CHECK(l.size() == size_t(c.stage.layers) * size_t(per_layer), "pipeline: a stage's expert load of ",
+               l.size(), " values for ", c.stage.layers, " layers x ", per_layer, " (a bug)");
+      float* at = all.data() + int64_t(c.stage.first_layer) * per_layer;
+      for (size_t i = 0; i < l.size(); ++i) at[i] += l[i];
+    }
+  return all;
+}
 
 void PipelineExecutor::set_tracer(StepTracer* t) {
   impl_->tracer = t;

@@ -134,6 +134,21 @@ class PipelineExecutor {
     double compute_ms = 0, span_ms = 0;
   };
   StepTimes last_step_times() const;
+  // Aux-loss-free balancing (model.moe_balance: bias) over the stages: the
+  // bias of every layer of the model (L x per_layer values, layer-major)
+  // goes to each stage network of this rank, its chunks' rows only; the
+  // load its networks counted since the last take (every in-flight
+  // microbatch's network), summed, at its chunks' rows of an (L x
+  // per_layer) vector, zeros elsewhere: an all-reduce over the pp group
+  // (with the dp ranks') gives every layer's load on every rank.
+  void set_expert_bias(const std::vector<float>& all_layers, int L);
+  // Mixture of experts: the router figures of this rank's latest forwards
+  // (the last stage's losses, each chunk's layers' loads at their model
+  // layer index, zeros elsewhere), for the trainer to sum over the stages;
+  // and the figures network_view() reports (the sum: metrics.jsonl).
+  Network::RouterReport router_report_local(int L) const;
+  void set_router_report(const Network::RouterReport& r);
+  std::vector<float> take_expert_load(int L, int per_layer);
   // A Network standing for this rank's stage networks where the trainer's
   // reporting wants one (activation_bytes); computing through it is an error.
   const Network& network_view() const;

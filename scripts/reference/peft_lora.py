@@ -172,6 +172,22 @@ def cmd_logits(a):
 def cmd_merge(a):
     model = load_adapted(a.base, a.adapter, False).merge_and_unload()
     model.save_pretrained(a.out, safe_serialization=True)
+    if a.generate is not None:
+        # Greedy generate from the saved merged model, as hf_llama.py /
+        # hf_gpt2.py 'generate' does, in this process (one Python start less).
+        hf_logging.set_verbosity_error()
+        merged, info = AutoModelForCausalLM.from_pretrained(a.out, local_files_only=True, output_loading_info=True,
+                                                            torch_dtype=torch.float32)
+        problems = {k: v for k, v in info.items() if v}
+        if problems:
+            print(f"from_pretrained({a.out}) did not load cleanly: {problems}", file=sys.stderr)
+            return 1
+        merged.eval()
+        ids = torch.tensor([[int(t) for t in a.generate.split()]], dtype=torch.long)
+        with torch.no_grad():
+            out = merged.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=a.max_new_tokens,
+                                  min_new_tokens=a.max_new_tokens, do_sample=False, use_cache=True, pad_token_id=0)
+        print(" ".join(str(int(t)) for t in out[0].tolist()))
     return 0
 
 
@@ -201,6 +217,8 @@ def main(argv=None):
     mg.add_argument("--base", required=True)
     mg.add_argument("--adapter", required=True)
     mg.add_argument("--out", required=True)
+    mg.add_argument("--generate", default=None, help="a prompt (token ids): print the merged model's greedy continuation")
+    mg.add_argument("--max-new-tokens", type=int, default=8)
     a = p.parse_args(argv)
     return {"make": cmd_make, "grads": cmd_grads, "logits": cmd_logits, "merge": cmd_merge}[a.cmd](a)
 

@@ -60,14 +60,18 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
     // parallelism would hand the MLP 1/T of the rows: not yet.
     TR_CHECK(!sp_, "model: a mixture of experts (", cfg.arch, ") with parallel.sequence_parallel is not implemented "
                    "yet; turn sequence_parallel off (the experts are replicated over tensor parallelism)");
-    // The router losses couple every layer's counts: a stage cannot compute
-    // them alone (not yet: a reduction over the pipeline). Without them
-    // each stage's MoE blocks are independent.
-    TR_CHECK(!stage || (stage->first && stage->last) || (cfg.moe.aux_loss_coef == 0 && cfg.moe.z_loss_coef == 0),
-             "model: a mixture of experts (", cfg.arch, ") with pipeline parallelism and a router loss "
-             "(model.router_aux_loss_coef ", cfg.moe.aux_loss_coef, ", model.router_z_loss_coef ", cfg.moe.z_loss_coef,
-             ") is not implemented yet (the losses span every stage's layers); set both to 0 or use "
-             "parallel.pipeline_parallel: 1");
+    // The router losses couple every layer's counts (the aux loss is
+    // E sum_e f_e P_e over the tokens of all layers: it does not split into
+    // per-stage sums). Under a pipeline each stage carries the running
+    // statistics (2E+1 fp32: counts, probability sums, the z sum) forward
+    // in the tail of its activation message, the last stage computes the
+    // losses, and the E-value aux gradient rides back in the tail of the
+    // gradient message (router_carry_bytes_; a middle stage passes it on
+    // untouched, since its backward writes only the rows before it).
+    if (stage && !(stage->first && stage->last) && (cfg.moe.aux_loss_coef != 0 || cfg.moe.z_loss_coef != 0)) {
+      const size_t es = dtype_size(be->act_dtype());
+      router_carry_bytes_ = (size_t(2 * cfg.moe.n_experts + 1) * 4 + es - 1) / es * es;
+    }
     TR_CHECK(!(stage && stage->split_backward), "parallel.pipeline_schedule: zero_bubble with a mixture of experts "
                                                  "is not implemented yet; use 1f1b");
     // Expert parallelism: alone for now (the job spec refuses the rest by name).
@@ -103,9 +107,9 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
   auto req = [&](void* slot, size_t bytes) { plan.add(static_cast<void**>(slot), bytes); };
   auto tmp = [&](void* slot, size_t bytes) { plan.add_transient(static_cast<void**>(slot), bytes); };
   req(&rope_, size_t(T) * HS_ * 4);  // (T, HS/2, 2) fp32, uploaded once below
-  req(&encoded_, NR * C * es);  // the stage's input: received asynchronously
+  req(&encoded_, NR * C * es + router_carry_bytes_);  // the stage's input: received asynchronously
   res3_.assign(cfg_.L, nullptr);
-  for (int l = 0; l < cfg_.L; ++l) req(&res3_[l], NR * C * es);
+  for (int l = 0; l < cfg_.L; ++l) req(&res3_[l], NR * C * es + (l == cfg_.L - 1 ? router_carry_bytes_ : 0));
   layers_.resize(ckpt_ ? 1 : cfg_.L);
   // Checkpointing: the one set is rewritten by each block's recompute
   // before its backward reads it, so nothing in it outlives a call.
@@ -148,7 +152,7 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
     req(&ce_rowmax_, N * 4);
     req(&ce_stats_, 2 * N * 4);
   }
-  req(&dres_, NR * C * es);  // the stage's output gradient in, input gradient out (sent asynchronously)
+  req(&dres_, NR * C * es + router_carry_bytes_);  // the stage's output gradient in, input gradient out (sent asynchronously)
   if (sp_) {
     tmp(&sp_rows_, NR * C * es);
     tmp(&dres_full_, N * C * es);
@@ -190,6 +194,7 @@ LlamaNetwork::LlamaNetwork(const ModelConfig& cfg, const ParamLayout& layout, Ba
   }
   if (moe_elems_) {
     moe_ = std::make_unique<MoeMlp>(cfg.moe, cfg.C, be, N, ckpt_ ? 1 : cfg_.L, cfg_.L, true, ep);
+    if (router_carry_bytes_) moe_->set_loss_layers(cfg.L);  // the losses span every stage's layers
     moe_->plan(plan, ckpt_);
   }
   arena_ = shared_ ? plan.allocate_kept(be) : plan.allocate(be);
@@ -379,6 +384,8 @@ void LlamaNetwork::forward(UnitAccess& units, const int32_t* inputs, const int32
 
   units.begin_pass(false, for_backward);
   if (moe_) moe_->begin_forward(true, for_backward);
+  // The router statistics of the stages before this one (the message's tail).
+  if (router_carry_bytes_ && !stage_.first) moe_->start_statistics_from(router_tail(encoded_));
   // A pipeline stage after the first finds its input at stage_input() (encoded_).
   if (stage_.first) embed(units, inputs, B, T);
 
@@ -402,6 +409,10 @@ void LlamaNetwork::forward(UnitAccess& units, const int32_t* inputs, const int32
   if (!stage_.last) {
     // The stage's output (stage_output()): the residual add no RMSNorm follows here.
     be_->residual_forward(res3_[L - 1], acts(L - 1).res2, mlp_out(), int64_t(NR) * C);
+    if (router_carry_bytes_) {  // the statistics so far go on; the losses' gradient scale is known here too
+      moe_->copy_statistics(router_tail(res3_[L - 1]));
+      moe_->set_stage_grad_scale(N, for_backward ? dloss_scale * float(N) : 0.f);
+    }
     return;
   }
   const char* head = static_cast<const char*>(units.acquire_params(L + 1));
@@ -609,6 +620,11 @@ void LlamaNetwork::backward_pass(UnitAccess& units, bool input_only) {
   // A pipeline stage before the last starts from the caller's dL/d output
   // in dres_ (stage_output_grad()).
   float* gemb = stage_.last ? head_backward(units) : nullptr;
+  // The aux loss's gradient (E values): the last stage computed it in its
+  // forward and sends it back; the others take it from the message's tail,
+  // where it stays for the stage before them.
+  if (router_carry_bytes_ && stage_.last && !stage_.first) moe_->copy_aux_grad(router_tail(dres_));
+  if (router_carry_bytes_ && !stage_.last) moe_->set_aux_grad(router_tail(dres_));
 
   const LlamaBlockOffsets off = offsets();
   if (moe_ && ckpt_) moe_->begin_forward(false);  // the recompute routes again; the statistics stay the forward's

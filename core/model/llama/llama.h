@@ -99,7 +99,11 @@ class LlamaNetwork final : public Network {
   void set_expert_bias(const std::vector<float>& bias) override;
   std::vector<float> take_expert_load() override;
 
-  int64_t stage_io_elems(int B, int T) const override { return int64_t(tpc_.rows(B * T)) * cfg_.C; }
+  int64_t stage_io_elems(int B, int T) const override {
+    TR_CHECK(!router_carry_bytes_ || B * T == maxB_ * cfg_.T, "LlamaNetwork: the router statistics ride after ",
+             maxB_, "x", cfg_.T, " rows, not ", B, "x", T, " (a bug)");
+    return int64_t(tpc_.rows(B * T)) * cfg_.C + int64_t(router_carry_bytes_ / dtype_size(be_->act_dtype()));
+  }
   void* stage_input() override { return encoded_; }
   const void* stage_output() const override { return res3_.back(); }
   void* stage_output_grad() override { return dres_; }
@@ -156,6 +160,13 @@ class LlamaNetwork final : public Network {
   }
   // Mixture of experts (ModelConfig::moe; core/model/moe/moe_mlp.h): the MLP's place in every block.
   int64_t moe_elems_ = 0;
+  // Pipeline stages with router losses: the bytes after the activation rows
+  // of the stage messages (the statistics forward, the aux gradient back).
+  size_t router_carry_bytes_ = 0;
+  float* router_tail(const void* rows) const {
+    return reinterpret_cast<float*>(static_cast<char*>(const_cast<void*>(rows)) +
+                                    int64_t(tpc_.rows(maxB_ * cfg_.T)) * cfg_.C * int64_t(dtype_size(be_->act_dtype())));
+  }
   std::unique_ptr<MoeMlp> moe_;
   // This rank's sizes: all of the model without tensor parallelism.
   int NH_ = 0, NKV_ = 0, F_ = 0, Q_ = 0;  // heads, kv heads, MLP width, NH*HS

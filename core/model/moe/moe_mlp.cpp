@@ -9,7 +9,7 @@
 namespace trainrun {
 
 MoeMlp::MoeMlp(const MoeConfig& m, int C, size_t es, int64_t maxN, int sets, int layers, bool training, int ep_size)
-    : m_(m), C_(C), es_(es), maxN_(maxN), layers_(layers), training_(training), ep_size_(ep_size),
+    : m_(m), C_(C), es_(es), maxN_(maxN), layers_(layers), loss_layers_(layers), training_(training), ep_size_(ep_size),
       sets_(size_t(sets)) {
   TR_CHECK(m.n_experts >= 1 && m.top_k >= 1 && m.top_k <= m.n_experts && m.ffn >= 1,
            "MoeMlp: n_experts ", m.n_experts, ", top_k ", m.top_k, ", expert width ", m.ffn,
@@ -40,6 +40,20 @@ size_t MoeMlp::bytes(const MoeConfig& m, int C, size_t es, int64_t maxN, int set
   return p.total;
 }
 
+size_t MoeMlp::ep_exchange_bytes(const MoeConfig& m, int C, size_t es, int64_t maxN, int sets, bool training, int ep) {
+  if (ep <= 1) return 0;
+  ArenaPlan one, split;
+  MoeMlp(m, C, es, maxN, sets, 1, training, 1).plan(one, false);
+  MoeMlp(m, C, es, maxN, sets, 1, training, ep).plan(split, false);
+  return split.total - one.total;
+}
+
+size_t MoeMlp::grown_bytes() const {
+  size_t b = grown_scratch_.bytes();
+  for (const Acts& a : sets_) b += a.grown.bytes();
+  return b;
+}
+
 void MoeMlp::plan(ArenaPlan& plan, bool sets_transient) {
   const int64_t N = maxN_, E = m_.n_experts, K = m_.top_k, F = m_.ffn, FS = m_.shared_ffn, C = C_;
   const size_t es = es_;
@@ -58,10 +72,10 @@ void MoeMlp::plan(ArenaPlan& plan, bool sets_transient) {
     set_buf(&a.gu, R * 2 * F * es);
     set_buf(&a.h, R * F * es);
     set_buf(&a.yp, N * K * C * es);
-    if (ep_size_ > 1) {
+    if (ep_size_ > 1) {  // the received rows, balanced: ep_fit grows them (moe_mlp.h)
       set_buf(&a.xr, R * C * es);
-      set_buf(&a.yr, R * C * es);
       set_buf(&a.loff, (E / ep_size_ + 1) * 4);
+      a.rows = R;
     }
     if (FS > 0) {
       set_buf(&a.sgu, N * 2 * FS * es);
@@ -80,12 +94,15 @@ void MoeMlp::plan(ArenaPlan& plan, bool sets_transient) {
     kept(&load_, size_t(layers_) * (2 * E + 1) * 4);
   }
   tmp(&logits_, N * E * es);
-  if (ep_size_ > 1) tmp(&staging_, expert_rows() * C * es);
+  if (ep_size_ > 1) {
+    tmp(&staging_, expert_rows() * C * es);
+    tmp(&yr_, expert_rows() * C * es);
+    scratch_rows_ = expert_rows();
+  }
   if (!training_) return;
   tmp(&dw_, N * K * 4);
   tmp(&dyp_, N * K * C * es);
   tmp(&dh_, expert_rows() * F * es);
-  if (ep_size_ > 1) tmp(&dyr_, expert_rows() * C * es);
   if (FS > 0) {
     tmp(&dtmp_, N * C * es);
     tmp(&dsh_, N * FS * es);
@@ -162,8 +179,8 @@ void MoeMlp::forward(int set, const void* w, const void* x, void* out, int N, in
     const int64_t R = ep_dispatch(set, a);
     be_->moe_expert_matmul_forward(a.gu, a.xr, at(o.gu + int64_t(e0) * 2 * F * C), a.loff, El, C, 2 * F);
     be_->swiglu_forward(a.h, a.gu, int(R), F);
-    be_->moe_expert_matmul_forward(a.yr, a.h, at(o.down + int64_t(e0) * C * F), a.loff, El, F, C);
-    disp_->combine(plans_[size_t(set)], a.yr, staging_, a.yp, size_t(C) * es_);
+    be_->moe_expert_matmul_forward(yr_, a.h, at(o.down + int64_t(e0) * C * F), a.loff, El, F, C);
+    disp_->combine(plans_[size_t(set)], yr_, staging_, a.yp, size_t(C) * es_);
   } else {
     be_->moe_expert_matmul_forward(a.gu, a.xp, at(o.gu), a.offsets, E, C, 2 * F);
     be_->swiglu_forward(a.h, a.gu, NK, F);
@@ -181,22 +198,75 @@ void MoeMlp::forward(int set, const void* w, const void* x, void* out, int N, in
 
 int64_t MoeMlp::ep_dispatch(int set, Acts& a) {
   const int E = m_.n_experts;
-  // The counts cross the host once per layer: the all_to_all_v sizes are host values.
+  // The counts cross the host once per layer (one device sync): the
+  // all_to_all_v sizes, the grouped GEMM's block sizes and the landing
+  // buffers' rows are host values. Acceptable: the dispatch cannot start
+  // before the router has run anyway, and a dropless exchange needs the
+  // sizes before it moves a row; Megatron-Core's dropless token dispatcher
+  // syncs the same way (its tokens_per_expert to the host) per layer.
   be_->copy_to_host(host_off_.data(), a.offsets, (size_t(E) + 1) * 4);
   be_->synchronize();
   ExpertDispatch::Plan& p = plans_[size_t(set)];
   p = disp_->plan(host_off_.data());
-  TR_CHECK(p.recv_total <= expert_rows(), "MoeMlp: ", p.recv_total, " rows received exceed ", expert_rows(),
-           " (ep x N x K; a bug)");
+  const int64_t most = expert_rows() * ep_size_;  // dropless: every row of the group
+  TR_CHECK(p.recv_total <= most, "MoeMlp: ", p.recv_total, " rows received exceed ", most,
+           " (ep x N x K; a bug or a corrupted count exchange)");
+  ep_fit(a, p.recv_total);
   be_->copy_to_device(a.loff, p.local_offsets.data(), p.local_offsets.size() * 4);
   disp_->dispatch(p, a.xp, staging_, a.xr, size_t(C_) * es_);
   return p.recv_total;
 }
 
+void MoeMlp::ep_fit(Acts& a, int64_t R) {
+  const int64_t C = C_, F = m_.ffn;
+  const size_t es = es_;
+  // Called between ep_dispatch's synchronize and the all_to_all_v: nothing
+  // in flight reads the buffers a reset frees. Grown buffers are re-pointed
+  // on every call (a later bind_transient would point them back at the plan).
+  if (R > a.rows) {
+    a.grown = DeviceBuffer(be_, size_t(R) * (C + 3 * F) * es);
+    a.rows = R;
+    ++grows_;
+  }
+  if (a.grown.get()) {
+    char* g = a.grown.as<char>();
+    a.xr = g;
+    a.gu = g + a.rows * C * es;
+    a.h = g + a.rows * (C + 2 * F) * es;
+  }
+  if (R > scratch_rows_) {
+    grown_scratch_ = DeviceBuffer(be_, size_t(R) * (2 * C + (training_ ? F : 0)) * es);
+    scratch_rows_ = R;
+    ++grows_;
+  }
+  if (grown_scratch_.get()) {
+    char* g = grown_scratch_.as<char>();
+    staging_ = g;
+    yr_ = g + scratch_rows_ * C * es;
+    if (training_) dh_ = g + scratch_rows_ * 2 * C * es;
+  }
+}
+
+void MoeMlp::start_statistics_from(const float* partial) {
+  be_->copy_device(total_, partial, size_t(2 * m_.n_experts + 1) * 4);
+}
+
+void MoeMlp::copy_statistics(float* out) const { be_->copy_device(out, total_, size_t(2 * m_.n_experts + 1) * 4); }
+
+void MoeMlp::set_stage_grad_scale(int N, float grad_scale) {
+  last_n_ = N;  // its statistics are reported (the per-layer loads)
+  // as finish_forward: each token carries z_coef / (layers x N) of the z sum, its gradient grad_scale = dloss_scale x N
+  z_scale_ = float(2.0 * m_.z_loss_coef * grad_scale / (double(loss_layers_) * N));
+}
+
+void MoeMlp::copy_aux_grad(float* out) const { be_->copy_device(out, aux_grad_, size_t(m_.n_experts) * 4); }
+
+void MoeMlp::set_aux_grad(const float* g) { be_->copy_device(aux_grad_, g, size_t(m_.n_experts) * 4); }
+
 void MoeMlp::finish_forward(float* losses, int N, float grad_scale) {
   TR_CHECK(stats_on_ && layer_ == layers_, "MoeMlp: finish_forward after ", layer_, " of ", layers_,
            " MoE layers (a bug)");
-  const int64_t tokens = int64_t(layers_) * N;
+  const int64_t tokens = int64_t(loss_layers_) * N;
   last_n_ = N;
   be_->moe_aux_loss(loss_out_, aux_grad_, losses, N, total_, tokens, m_.n_experts, float(m_.aux_loss_coef),
                     float(m_.z_loss_coef), grad_scale);
@@ -217,11 +287,12 @@ void MoeMlp::backward(int set, const void* w, float* dw, const void* x, const vo
     const ExpertDispatch::Plan& p = plans_[size_t(set)];
     const int El = disp_->local_experts(), e0 = disp_->first_expert() - stored_first_;
     const int64_t gu0 = o.gu + int64_t(e0) * 2 * F * C, down0 = o.down + int64_t(e0) * C * F;
-    disp_->dispatch(p, dyp_, staging_, dyr_, size_t(C) * es_);
-    be_->moe_expert_matmul_backward(dh_, g(down0), dyr_, a.h, at(down0), a.loff, El, F, C);
+    void* dyr = yr_;  // the forward's scratch: d yr, then d xr
+    disp_->dispatch(p, dyp_, staging_, dyr, size_t(C) * es_);
+    be_->moe_expert_matmul_backward(dh_, g(down0), dyr, a.h, at(down0), a.loff, El, F, C);
     be_->swiglu_backward(a.gu, dh_, a.gu, int(p.recv_total), F);
-    be_->moe_expert_matmul_backward(dyr_, g(gu0), a.gu, a.xr, at(gu0), a.loff, El, C, 2 * F);  // dyr_ <- d xr
-    disp_->combine(p, dyr_, staging_, dyp_, size_t(C) * es_);                                // dyp_ <- d xp
+    be_->moe_expert_matmul_backward(dyr, g(gu0), a.gu, a.xr, at(gu0), a.loff, El, C, 2 * F);  // dyr <- d xr
+    disp_->combine(p, dyr, staging_, dyp_, size_t(C) * es_);                                // dyp_ <- d xp
   } else {
     be_->moe_expert_matmul_backward(dh_, g(o.down), dyp_, a.h, at(o.down), a.offsets, E, F, C);
     be_->swiglu_backward(a.gu, dh_, a.gu, NK, F);

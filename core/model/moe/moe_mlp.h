@@ -20,9 +20,18 @@
 // Expert parallelism (ep, parallel/expert/expert_dispatch.h): the routing
 // and the permute stay local; the permuted rows go to their experts' ep
 // ranks (all_to_all_v), this rank runs its n/ep experts over the rows of
-// the whole group (xr, up to ep*N*K rows: dropless, so a router that sends
-// every token to one expert still fits), and the outputs come back before
-// the unpermute. The backward mirrors it. Every rank still holds every
+// the whole group (xr), and the outputs come back before the unpermute.
+// The received rows' buffers (xr, gu, h per set; the exchange scratch) are
+// placed for the balanced case, N*K rows (ep ranks x N*K/ep: what the
+// planner budgets, ep_exchange_bytes), and grow on demand: dropless, a rank
+// may receive up to ep*N*K rows (a router that sends every token to its
+// experts), ep times the balanced rows, for every layer; placing that worst
+// case would cost (ep-1)*N*K*(C + 3F) act bytes per layer more for a load
+// the aux loss exists to prevent. Growing is safe: every rank knows its
+// recv_total from the count exchange before any row moves, and it
+// allocates alone (no collective), before the all_to_all_v that needs it.
+// A grown buffer is kept (the high-water mark), so a steady load does not
+// allocate every step. The backward mirrors it. Every rank still holds every
 // expert's weights; the ones it does not run get no gradient here, and the
 // data-parallel reduction (a sum over ranks that include every ep rank)
 // adds each expert's gradient from the one rank per ep group that ran it.
@@ -58,6 +67,15 @@ class MoeMlp {
   size_t own_bytes() const { return own_.bytes(); }
   // What plan() adds (the cost model's and decoders' sizes).
   static size_t bytes(const MoeConfig& m, int C, size_t act_bytes, int64_t maxN, int sets, int layers, bool training);
+  // What expert parallelism at degree ep adds to plan() with balanced
+  // routing (the received rows kept per set, the exchange scratch): the
+  // planner's landing buffers. 0 at ep 1.
+  static size_t ep_exchange_bytes(const MoeConfig& m, int C, size_t act_bytes, int64_t maxN, int sets, bool training,
+                                  int ep);
+  // ep: the allocations past the plan's balanced rows so far (each a new
+  // high-water mark of some set or the scratch) and the bytes they hold now.
+  int grow_count() const { return grows_; }
+  size_t grown_bytes() const;
 
   // A forward starts: the statistics restart (with_stats: a real forward,
   // not activation checkpointing's recompute, whose routing is the same).
@@ -78,6 +96,20 @@ class MoeMlp {
   // (fp32, +=; null: no weight gradients, as a frozen base).
   void backward(int set, const void* w, float* dw, const void* x, const void* dout, void* dx, int N);
 
+  // Pipeline stages (the router losses span every stage's layers; the
+  // network moves these through its stage messages): the MoE layers the
+  // losses average over (the model's, not the stage's); the running (2E+1)
+  // statistics taken over from the stage before (right after
+  // begin_forward) and handed on (after the stage's layers); a stage
+  // before the last's gradient scale (finish_forward's grad_scale, for the
+  // z-loss's local gradient) and its aux gradient (E, from the last stage's
+  // copy_aux_grad). All device fp32 pointers.
+  void set_loss_layers(int layers) { loss_layers_ = layers; }
+  void start_statistics_from(const float* partial);
+  void copy_statistics(float* out) const;
+  void set_stage_grad_scale(int N, float grad_scale);
+  void copy_aux_grad(float* out) const;
+  void set_aux_grad(const float* g);
   // Device fp32: [aux, z] of the last finish_forward; the per-layer router
   // statistics (layers, 2E+1) of the last forward (moe_router_stats).
   const float* losses_out() const { return loss_out_; }
@@ -101,20 +133,26 @@ class MoeMlp {
     void* sgu = nullptr; void* sh = nullptr; void* sy = nullptr; void* sg = nullptr;  // shared: (N,2FS) (N,FS) (N,C) (N)
     // ep: the received rows in local expert order (R,C), their expert
     // outputs (R,C), the local experts' offsets (El+1); gu and h are then (R, 2F | F)
-    void* xr = nullptr; void* yr = nullptr; int32_t* loff = nullptr;
+    void* xr = nullptr; int32_t* loff = nullptr;
+    int64_t rows = 0;  // ep: the rows xr, gu and h hold (the plan's N*K, or grown)
+    DeviceBuffer grown;  // ep: xr|gu|h once a set received more than the plan's rows
   };
   MoeMlp(const MoeConfig& m, int C, size_t es, int64_t maxN, int sets, int layers, bool training, int ep_size);
-  // Rows the experts of one call see: N*K, or at most ep*N*K under expert parallelism.
-  int64_t expert_rows() const { return maxN_ * m_.top_k * ep_size_; }
+  // Rows the experts of one call see as placed: N*K (under expert
+  // parallelism the balanced case; more grows, ep_fit).
+  int64_t expert_rows() const { return maxN_ * m_.top_k; }
   // ep: from a's permuted rows to the local experts' inputs (a.xr) and the
   // plan of the set's exchange; returns the rows received.
   int64_t ep_dispatch(int set, Acts& a);
+  // ep: a's and the scratch's buffers hold at least R received rows (grows them).
+  void ep_fit(Acts& a, int64_t R);
   MoeConfig m_;
   int C_;
   Backend* be_ = nullptr;
   size_t es_;
   int64_t maxN_;
   int layers_;
+  int loss_layers_;  // the layers the router losses average over (layers_, or the whole pipeline's)
   bool training_;
   int ep_size_ = 1;
   int held_ = -1;          // experts in the parameters (-1: all; split storage: the local ones)
@@ -122,8 +160,14 @@ class MoeMlp {
   std::unique_ptr<ExpertDispatch> disp_;        // ep > 1
   std::vector<ExpertDispatch::Plan> plans_;     // per set: the last forward's exchange (its backward's too)
   std::vector<int32_t> host_off_;               // (E+1) the permute's offsets on the host
-  void* staging_ = nullptr;                     // (ep*N*K, C) act: the all_to_all_v side of a reorder
-  void* dyr_ = nullptr;                         // (ep*N*K, C): the local experts' output, then input, gradient
+  // ep scratch of scratch_rows_ rows: the all_to_all_v side of a reorder
+  // (R,C); the local experts' output, then its gradient, then their input
+  // gradient (R,C); the backward's d h (R,F). Grown together (grown_scratch_).
+  void* staging_ = nullptr;
+  void* yr_ = nullptr;
+  int64_t scratch_rows_ = 0;
+  DeviceBuffer grown_scratch_;
+  int grows_ = 0;
   std::vector<Acts> sets_;
   int layer_ = 0;            // the next forward's layer (statistics row)
   int last_n_ = 0;           // the tokens of the last forward with statistics
@@ -144,7 +188,7 @@ class MoeMlp {
   void* logits_ = nullptr;     // (N,E) act: the router's logits, then their gradient
   float* dw_ = nullptr;        // (N,K) fp32
   void* dyp_ = nullptr;        // (N*K,C): d yp, then d xp
-  void* dh_ = nullptr;         // (N*K,F)
+  void* dh_ = nullptr;         // (N*K,F); ep: (scratch_rows_,F)
   void* dtmp_ = nullptr;       // (N,C) shared: a path's input gradient before it is added
   void* dsh_ = nullptr;        // (N,FS)
   void* dsy_ = nullptr;        // (N,C)
