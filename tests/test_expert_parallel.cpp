@@ -261,27 +261,30 @@ TEST_CASE("expert parallel: checkpoints stay logical and ep2 resumes at ep1 and 
   }
 }
 
-TEST_CASE("expert parallel: with the experts' storage split, ep2 -> ep1 -> ep4 resumes as one run and a rank's "
+TEST_CASE("expert parallel: with the experts' storage split, ep2 -> ep1 -> ep4 -> ep2 x dp4 resumes as one run and a rank's "
           "bytes are the planner's EP row",
           "[ep][checkpoint][planner]") {
   test::TempDir base("ep_chain");
-  const test::MeshRun straight = test::train_mesh(ep_job(base / "straight", "sharding: no_shard, "), 1);
+  const test::MeshRun straight = test::train_mesh(ep_job(base / "straight", "sharding: no_shard, ", 6), 1);
   const std::string out = base / "chain";
   auto job = [&](int ep, const std::string& sharding, std::vector<std::string> sets) {
-    return parse(ep_job(out, "sharding: " + sharding + ", expert_parallel: " + std::to_string(ep) + ", "), sets);
+    return parse(ep_job(out, "sharding: " + sharding + ", expert_parallel: " + std::to_string(ep) + ", ", 6), sets);
   };
-  // Steps 1-2 at ep2 x dp2 (no_shard: each rank holds its 2 experts whole,
-  // as the planner's EP rows model), 3-4 at ep1, 5 at ep4 x dp4 full_shard.
+  // Steps 1-2 at ep2 x dp2 (no_shard: each rank holds its 2 experts whole),
+  // 3-4 at ep1, 5 at ep4 x dp4 full_shard, 6 at ep2 x dp4 full_shard (its
+  // layout sharded over its expert-dp group of 2).
   const JobSpec first = job(2, "no_shard", {"train.exit_interval=2"});
   const std::vector<TrainSummary> ep2 = test::run_ranks_inprocess(first, 2);
   REQUIRE(test::latest_of(out) == "step_00000002");
   test::run_ranks_inprocess(job(1, "full_shard", {"train.exit_interval=2"}), 2);
   REQUIRE(test::latest_of(out) == "step_00000004");
-  test::run_ranks_inprocess(job(4, "full_shard", {}), 4);
+  test::run_ranks_inprocess(job(4, "full_shard", {"train.exit_interval=1"}), 4);
+  REQUIRE(test::latest_of(out) == "step_00000005");
+  const std::vector<TrainSummary> ep2fs = test::run_ranks_inprocess(job(2, "full_shard", {}), 4);
   test::MeshRun resumed;
   resumed.losses = test::losses_of(out);
   (void)load_model_safetensors(out + "/model.safetensors", resumed.weights);
-  test::check_same_run("ep2 -> ep1 -> ep4", resumed, straight);
+  test::check_same_run("ep2 -> ep1 -> ep4 -> ep2 x dp4", resumed, straight);
 
   // The trainer's bytes per rank against the planner's EP row (CPU: fp32).
   const auto arch = make_model_arch(ModelConfig::from_spec(first.model));
@@ -300,6 +303,19 @@ TEST_CASE("expert parallel: with the experts' storage split, ep2 -> ep1 -> ep4 r
   // ...which holds half the experts of ep1: 4 + 4 + 8 bytes per element.
   CHECK(one.params - row.params == 4 * X / 2);
   CHECK(one.optimizer - row.optimizer == 8 * X / 2);
+  // ep2 x dp4 full_shard: the rank's layout (dense + 2 experts) sharded over
+  // its expert-dp group of 2 ranks, as the planner's row says (CPU: fp32).
+  Sharding fs;
+  fs.strategy = "full_shard";
+  fs.world = fs.group = 4;
+  const MemoryBreakdown frow = estimate_ep_memory(*arch, 2, fs, 2, false, DeviceModel::cpu());
+  REQUIRE(ep2fs.size() == 4);
+  for (const TrainSummary& r : ep2fs) {
+    CHECK(double(r.params_bytes) == frow.params);
+    CHECK(double(r.grads_bytes) == frow.grads);
+    CHECK(double(r.optimizer_bytes) == frow.optimizer);
+  }
+  CHECK(frow.params < row.params);  // sharded 2 ways: less than the whole local layout
 
   // The ep-trained model exports to a Hugging Face directory, and
   // model.init_from of it (each rank reads its held ranges) trains at ep2

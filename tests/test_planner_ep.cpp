@@ -35,20 +35,21 @@ const PlanRow* ep_row(const Plan& p, int ep) {
   return nullptr;
 }
 
-// full_shard over 8 ranks of the model's units less their experts: the
-// shard elements S (ceil per unit, as parallel/sharding pads).
-double dense_shard_elements(const ModelArch& m, int G) {
+// An ep rank's layout (each unit's dense elements plus 1/ep of its
+// experts) sharded full_shard over its expert-dp group of G = W/ep ranks:
+// the shard elements S (ceil per unit, as parallel/sharding pads).
+double local_shard_elements(const ModelArch& m, int ep, int G) {
   const auto ex = planner_detail::expert_unit_numels(m);
   double S = 0;
   for (size_t i = 0; i < m.layout().units.size(); ++i)
-    S += double((m.layout().units[i].numel - ex[i] + G - 1) / G);
+    S += double((m.layout().units[i].numel - ex[i] + ex[i] / ep + G - 1) / G);
   return S;
 }
 
 }  // namespace
 
-TEST_CASE("planner: qwen1.5-moe-a2.7b on 8 x H100, expert state 1/ep and every ep row's figures by hand, ep4 "
-          "recommended",
+TEST_CASE("planner: qwen1.5-moe-a2.7b on 8 x H100, every ep row's figures by hand (a rank's layout sharded over its "
+          "expert-dp group), ep2 recommended",
           "[planner][moe]") {
   const PlanRequest req = moe_request("qwen1.5-moe-a2.7b:T=4096");
   const auto arch = make_model_arch(req.model);
@@ -76,18 +77,19 @@ TEST_CASE("planner: qwen1.5-moe-a2.7b on 8 x H100, expert state 1/ep and every e
   CHECK(ep_row(plan, 1)->step_s == Approx(fs->step_s).epsilon(1e-12));
   CHECK(ep_row(plan, 1)->a2a_s == 0);
 
-  const double S = dense_shard_elements(*arch, 8);
   const double rows = 1.0 * 4096 * 4;  // micro-batch x T x top-k
   const double arena = estimate_activation_bytes(*arch, 1, false, DeviceModel::gpu());
   for (const int ep : {2, 4}) {
     const PlanRow& r = *ep_row(plan, ep);
     INFO("ep" << ep);
-    const double x = X / ep;  // this rank's expert elements
-    // bf16 copy + fp32 master (6), fp32 gradient (4), AdamW moments (8) per element.
-    CHECK(r.expert_state == Approx(18 * x).epsilon(1e-12));
-    CHECK(r.mem.params == Approx(6 * S + 6 * x).epsilon(1e-12));
-    CHECK(r.mem.grads == Approx(4 * S + 4 * x).epsilon(1e-12));
-    CHECK(r.mem.optimizer == Approx(8 * S + 8 * x).epsilon(1e-12));
+    // The rank's layout (dense + 60/ep experts) sharded over the 8/ep ranks with its ep index.
+    const int G = 8 / ep;
+    const double S = local_shard_elements(*arch, ep, G);
+    // bf16 copy + fp32 master (6), fp32 gradient (4), AdamW moments (8) per element; its experts' share 1/G.
+    CHECK(r.expert_state == Approx(18 * X / ep / G).epsilon(1e-12));
+    CHECK(r.mem.params == Approx(6 * S).epsilon(1e-12));
+    CHECK(r.mem.grads == Approx(4 * S).epsilon(1e-12));
+    CHECK(r.mem.optimizer == Approx(8 * S).epsilon(1e-12));
     // The arena plus the received rows kept for each of the 24 layers and two scratch buffers, micro-batch x T
     // x top-k x C bf16 each, and each layer's local expert offsets (60/ep + 1 int32, 64-byte rounded).
     const double loff = 24.0 * ((4 * (60 / ep + 1) + 63) / 64 * 64);
@@ -99,27 +101,30 @@ TEST_CASE("planner: qwen1.5-moe-a2.7b on 8 x H100, expert state 1/ep and every e
     CHECK(r.ep_link == "NVLink");
     CHECK(r.compute_s == Approx(fs->compute_s).epsilon(1e-12));  // routing moves tokens, not FLOPs
   }
-  // 1/ep: twice the ranks, half of every expert byte.
-  CHECK(ep_row(plan, 2)->expert_state == Approx(2 * ep_row(plan, 4)->expert_state).epsilon(1e-12));
+  // Every expert byte is 1/8 of the experts' state at any ep (1/ep of them over 8/ep ranks); what ep changes is
+  // the dense part, sharded over 8/ep ranks instead of 8: ep4 holds more than ep2.
+  CHECK(ep_row(plan, 2)->expert_state == Approx(ep_row(plan, 4)->expert_state).epsilon(1e-12));
+  CHECK(ep_row(plan, 4)->mem.params > ep_row(plan, 2)->mem.params);
   // Checkpointing reruns the forward: 6 all-to-alls per layer instead of 4.
   CHECK(ep_all_to_all_bytes_per_micro_batch(*arch, 4, 1, true, 2) ==
         Approx(1.5 * ep_all_to_all_bytes_per_micro_batch(*arch, 4, 1, false, 2)).epsilon(1e-12));
 
-  // ep2 holds 30 experts whole (104 GiB of them): it does not fit; ep4 does and is the fastest that fits.
-  CHECK(ep_row(plan, 2)->expert_state / GiB == Approx(104.41).epsilon(1e-3));
-  CHECK(!ep_row(plan, 2)->fits);
+  // Both fit; ep2 is the fastest (its all-to-alls are cheaper and its local units gather over 4 ranks, not 8).
+  CHECK(ep_row(plan, 2)->expert_state / GiB == Approx(26.10).epsilon(1e-3));
+  CHECK(ep_row(plan, 2)->fits);
+  CHECK(ep_row(plan, 4)->fits);
   REQUIRE(plan.has_ep_recommendation);
-  CHECK(plan.ep_recommended.ep == 4);
+  CHECK(plan.ep_recommended.ep == 2);
   CHECK(plan.ep_recommended.fits);
   CHECK(plan.ep_recommended.mem.total() <= plan.capacity);
   for (const PlanRow& r : plan.ep_rows)
     if (r.fits) CHECK(plan.ep_recommended.step_s <= r.step_s);
-  CHECK_THAT(plan.ep_recommendation, Contains("expert parallel: recommended ep4 (parallel.expert_parallel: 4, "
+  CHECK_THAT(plan.ep_recommendation, Contains("expert parallel: recommended ep2 (parallel.expert_parallel: 2, "
                                               "full_shard for the rest)") &&
-                                         Contains("15 experts per rank"));
+                                         Contains("30 experts per rank"));
 }
 
-TEST_CASE("planner: mixtral-8x7b on 8 x 80 GB, expert state 1/ep for ep 2, 4, 8, none fits, and the CLI says which "
+TEST_CASE("planner: mixtral-8x7b on 8 x 80 GB, expert state 1/8 for ep 2, 4, 8, none fits, and the CLI says which "
           "needs least",
           "[planner][moe]") {
   PlanRequest req = moe_request("mixtral-8x7b:T=4096");
@@ -128,10 +133,10 @@ TEST_CASE("planner: mixtral-8x7b on 8 x 80 GB, expert state 1/ep for ep 2, 4, 8,
   const double X = 32.0 * 8 * 3 * 14336 * 4096;
   for (const int ep : {2, 4, 8}) {
     REQUIRE(ep_row(plan, ep));
-    CHECK(ep_row(plan, ep)->expert_state == Approx(18 * X / ep).epsilon(1e-12));
-    CHECK(!ep_row(plan, ep)->fits);  // one whole expert alone, with its state, is 94.5 GiB
+    // 1/ep of the experts over 8/ep ranks: 1/8 of their state (94.5 GiB) whatever ep, plus the dense part.
+    CHECK(ep_row(plan, ep)->expert_state == Approx(18 * X / 8).epsilon(1e-12));
+    CHECK(!ep_row(plan, ep)->fits);
   }
-  CHECK(ep_row(plan, 2)->expert_state == Approx(4 * ep_row(plan, 8)->expert_state).epsilon(1e-12));
   CHECK(plan.ep_not_offered.empty());
   CHECK(!plan.has_ep_recommendation);
 
@@ -141,7 +146,7 @@ TEST_CASE("planner: mixtral-8x7b on 8 x 80 GB, expert state 1/ep for ep 2, 4, 8,
   REQUIRE(r.exit_code == 0);
   CHECK_THAT(r.out, Contains("\nexpert parallel (ep ranks share the 8 experts, top-2;") &&
                         Contains("\nep8 x dp8         1     94.50") &&
-                        Contains("expert parallel: none of the offered degrees fits 74.5 GiB per GPU (the least, ep8, "
+                        Contains("expert parallel: none of the offered degrees fits 74.5 GiB per GPU (the least, ep2, "
                                  "needs"));
   WARN(r.out);
 }

@@ -2,17 +2,23 @@
 // mixture-of-experts model, expert-parallel degrees ep 1, 2, 4, 8 at tp 1
 // and pp 1 (ep folds into dp: every rank is still a data-parallel rank).
 //
-// The model of one rank at degree ep (W GPUs, the dp strategy S):
-//  - the routed experts (every `.experts.` tensor) are split over the ep
-//    ranks of an expert group: a rank holds n_experts / ep experts whole,
-//    their fp32 master copy, act-dtype copy, fp32 gradient and AdamW
-//    moments (4 + 2 + 4 + 8 bytes per element on a GPU), and all-reduces
-//    their gradient with the W / ep ranks that hold the same experts
-//    (2 (R-1)/R x 4 bytes per element, after the backward: exposed);
-//  - everything else (attention, norms, the router, a shared expert,
-//    embeddings, head) is sharded by S as in the strategy rows, with its
-//    units smaller by the experts they no longer carry (so a full_shard
-//    gather moves no expert weights);
+// The model of one rank at degree ep (W GPUs, the dp strategy S), as the
+// trainer stores it (core/model/moe/expert_parallel_plan.h,
+// parallel/expert/ep_grad_store.h):
+//  - the rank's layout is every dense tensor (attention, norms, the router,
+//    a shared expert, embeddings, head) plus its n_experts / ep experts
+//    (every `.experts.` tensor split over the ep ranks of an expert group);
+//  - that layout is sharded by S over the expert data-parallel group, the
+//    W / ep ranks with the same ep index (no_shard: held whole), so the
+//    experts' fp32 master, act-dtype copy, fp32 gradient and AdamW moments
+//    (4 + 2 + 4 + 8 bytes per element on a GPU) are 1 / (W / ep) of the
+//    rank's experts, and the dense part 1 / (W / ep) of it, not 1 / W: the
+//    split trades dense sharding for expert sharding (at ep = W the dense
+//    part is held whole on every rank);
+//  - gradients: the local units reduce(-scatter) over the expert-dp group
+//    as S does, and the dense elements are first all-reduced over the ep
+//    group (2 (ep-1)/ep x 4 bytes per dense element, per micro-batch for a
+//    sharded S, once per step for no_shard; counted exposed);
 //  - activations: the model's arena, whose MoE buffers hold N x top_k
 //    routed rows; with balanced routing a rank receives as many rows as it
 //    sends (ep ranks x N K / ep), so that arena stands, plus what the MoE
@@ -32,8 +38,9 @@
 //    and the experts' GEMMs, on the critical path: counted exposed.
 // ep 1 is the strategy row itself (experts sharded by S with the rest).
 // The recommended degree is the fastest that fits (ties: the smaller ep,
-// fewer all-to-all bytes). Not offered with adapters or offload (the
-// trainer's expert parallelism has neither yet), nor where ep does not
+// fewer all-to-all bytes). Not offered with adapters, offload or
+// hybrid_shard (the trainer's expert parallelism holds every expert on
+// every rank there: the split is not implemented), nor where ep does not
 // divide the experts or the GPUs.
 #include <algorithm>
 #include <cmath>
@@ -61,6 +68,20 @@ std::vector<int64_t> expert_unit_numels(const ModelArch& m) {
   for (const ParamTensor& t : l.tensors)
     if (is_expert_tensor(t.name)) ex[size_t(t.unit)] += t.numel;
   return ex;
+}
+
+std::vector<int64_t> ep_local_units(const ModelArch& m, int ep) {
+  std::vector<int64_t> units = unit_numels(m);
+  const std::vector<int64_t> ex = expert_unit_numels(m);
+  for (size_t i = 0; i < units.size(); ++i) units[i] -= ex[i] - ex[i] / ep;
+  return units;
+}
+
+Sharding ep_local_sharding(const Sharding& s, int ep) {
+  Sharding x = s;
+  x.world = std::max(1, s.world / ep);
+  x.group = s.strategy == "no_shard" ? 1 : x.world;
+  return x;
 }
 
 }  // namespace planner_detail
@@ -93,19 +114,13 @@ MemoryBreakdown estimate_ep_memory(const ModelArch& m, int ep, const Sharding& s
   TR_CHECK(ep >= 1 && (ep == 1 || (c.moe.on() && c.moe.n_experts % ep == 0)), "plan: expert-parallel degree ", ep,
            " must divide the model's ", c.moe.n_experts, " experts");
   if (ep == 1) return estimate_memory(m, s, micro_batch, checkpointing, d);
-  std::vector<int64_t> units = unit_numels(m);
-  const std::vector<int64_t> ex = expert_unit_numels(m);
-  double experts = 0;
-  for (size_t i = 0; i < units.size(); ++i) units[i] -= ex[i], experts += double(ex[i]);
+  TR_CHECK(s.strategy != "hybrid_shard" && !s.offload, "plan: expert parallelism with ",
+           s.offload ? "offload" : "hybrid_shard", " holds every expert on every rank (the split is not implemented)");
+  const Sharding x = ep_local_sharding(s, ep);
   const double landing = double(MoeMlp::ep_exchange_bytes(c.moe, c.C, size_t(d.act_bytes), int64_t(micro_batch) * c.T,
                                                           checkpointing ? 1 : c.L, true, ep));
-  MemoryBreakdown r = memory_of_units(units, c.L, c.T, s, micro_batch,
-                                      estimate_activation_bytes(m, micro_batch, checkpointing, d) + landing, d);
-  const double X = experts / ep;  // this rank's expert elements
-  r.params += (4 + (d.act_bytes != 4 ? d.act_bytes : 0)) * X;
-  r.grads += 4 * X;
-  r.optimizer += 8 * X;
-  return r;
+  return memory_of_units(ep_local_units(m, ep), c.L, c.T, x, micro_batch,
+                         estimate_activation_bytes(m, micro_batch, checkpointing, d) + landing, d);
 }
 
 namespace planner_detail {
@@ -121,8 +136,12 @@ void plan_expert_parallel(Plan& plan, const ModelArch& m, const DeviceModel& dev
   };
   if (req.adapter.on()) return refuse_all("adapters under expert parallelism are not planned (nor trained) yet");
   if (req.offload != "none")
-    return refuse_all("parallel.offload with expert parallelism is not planned (nor trained) yet");
+    return refuse_all("parallel.offload with expert parallelism holds every expert on every rank (the split is not "
+                      "implemented there), so it is not planned");
   const std::string strategy = req.job_strategy.empty() ? "full_shard" : req.job_strategy;
+  if (strategy == "hybrid_shard")
+    return refuse_all("hybrid_shard with expert parallelism holds every expert on every rank (the split is not "
+                      "implemented there), so it is not planned; full_shard splits them");
   const int hybrid_group = req.shard_group_size > 0 ? req.shard_group_size : req.gpus_per_node;
   const double X_all = double(moe_expert_parameters(m));
   const double peak = plan.gpu.bf16_flops * req.compute_efficiency;
@@ -154,8 +173,9 @@ void plan_expert_parallel(Plan& plan, const ModelArch& m, const DeviceModel& dev
       }
       row.max_micro_batch = lo;
     }
-    const double X = ep > 1 ? X_all / ep : 0;
-    row.expert_state = X * (4 + (dev.act_bytes != 4 ? dev.act_bytes : 0) + 4 + 8);
+    const Sharding xs = ep_local_sharding(row.sharding, ep);  // the expert-dp group's
+    const double X = ep > 1 ? X_all / ep : 0;                 // this rank's experts' elements
+    row.expert_state = X / std::max(1, xs.group) * (4 + (dev.act_bytes != 4 ? dev.act_bytes : 0) + 4 + 8);
     row.accum = std::max(1, int(ceil_div(req.global_batch, int64_t(req.micro_batch) * W)));
     const double tokens_gpu = double(row.accum) * req.micro_batch * double(mc.T);
     row.compute_s = tokens_gpu * (fpt + recompute) / peak;
@@ -169,20 +189,24 @@ void plan_expert_parallel(Plan& plan, const ModelArch& m, const DeviceModel& dev
       if (ep > 1 && l.tp == ep) row.ep_link = l.kind, bw_ep = l.bytes_per_s * req.bus_efficiency;
     row.a2a_s = row.accum *
                 ep_all_to_all_bytes_per_micro_batch(m, ep, req.micro_batch, req.checkpointing, dev.act_bytes) / bw_ep;
-    // The rest's dp collectives as in the strategy rows, over its units.
-    std::vector<int64_t> units = unit_numels(m);
-    if (ep > 1) {
-      const std::vector<int64_t> ex = expert_unit_numels(m);
-      for (size_t i = 0; i < units.size(); ++i) units[i] -= ex[i];
-    }
+    // The local units' collectives over the expert-dp group (the strategy
+    // rows' model on W / ep ranks), then the dense gradients' all-reduce
+    // over the ep group (per micro-batch when S shards, else once).
+    const std::vector<int64_t> units = ep > 1 ? ep_local_units(m, ep) : unit_numels(m);
+    const Sharding& cs = ep > 1 ? xs : row.sharding;
     const double bw_world = req.nodes > 1 ? bw_inter : bw_intra;
-    const double bw_group = row.sharding.group <= req.gpus_per_node ? bw_intra : bw_inter;
-    const CommVolume c = comm_time(units, row.sharding, row.accum, dev.act_bytes, bw_world, bw_group, bw_world);
-    // The experts' gradient all-reduce over the W/ep ranks holding the same experts.
-    const int R = W / ep;
-    const double expert_ar = ep > 1 && R > 1 ? 2.0 * (R - 1) / R * 4 * X / bw_world : 0;
-    row.comm_s = c.overlapped + c.exposed + expert_ar + row.a2a_s;
-    row.exposed_comm_s = c.exposed + expert_ar + row.a2a_s;
+    const double bw_group = cs.group <= req.gpus_per_node ? bw_intra : bw_inter;
+    const CommVolume c = comm_time(units, cs, row.accum, dev.act_bytes, bw_world, bw_group, bw_world);
+    double dense_ar = 0;
+    if (ep > 1) {
+      double dense = 0;
+      for (int64_t n : units) dense += double(n);
+      dense -= X;
+      const int times = strategy == "no_shard" ? 1 : row.accum;
+      dense_ar = times * 2.0 * (ep - 1) / ep * 4 * dense / bw_ep;
+    }
+    row.comm_s = c.overlapped + c.exposed + dense_ar + row.a2a_s;
+    row.exposed_comm_s = c.exposed + dense_ar + row.a2a_s;
     row.step_s = row.exposed_comm_s + std::max(row.compute_s, c.overlapped);
     row.tokens_per_s = tokens_gpu * W / row.step_s;
     row.mfu = tokens_gpu * fpt / row.step_s / plan.gpu.bf16_flops;
@@ -202,8 +226,8 @@ void plan_expert_parallel(Plan& plan, const ModelArch& m, const DeviceModel& dev
       o << " (the least, ep" << least->ep << ", needs " << gib(least->mem.total()) << " GiB: its experts alone "
         << gib(least->expert_state) << ")";
     // More nodes add replicas of the expert groups, not ranks to split an expert over.
-    o << "; a rank holds its n_experts/ep experts whole whatever the node count, so the strategy rows (experts "
-         "sharded with everything else over all ranks) are the way to fit"
+    o << "; a rank's n_experts/ep experts and its dense part are sharded over only the W/ep ranks of its "
+         "expert-dp group, so the strategy rows (everything sharded over all ranks) are the way to fit"
       << (req.checkpointing ? "" : ", with --activation-checkpointing blocks") << ".";
   } else {
     plan.has_ep_recommendation = true;
@@ -226,7 +250,8 @@ void render_ep_table(const Plan& p, std::ostringstream& o) {
   o << "\nexpert parallel (ep ranks share the " << c.moe.n_experts << " experts, top-" << c.moe.top_k
     << "; tp 1; ep folds into dp " << r.gpus_per_node * r.nodes << "; the rest sharded "
     << (r.job_strategy.empty() ? "full_shard" : r.job_strategy)
-    << "; experts: a rank's experts' params, grads and AdamW state, whole; a2a: 2 all-to-alls per MoE layer "
+    << "; a rank's dense part and its experts sharded over the W/ep ranks of its expert-dp group; experts / exp "
+       "state: its experts and their share of params, grads and AdamW state; a2a: 2 all-to-alls per MoE layer "
     << "forward and 2 backward of micro-batch x T x top_k x C values, (ep-1)/ep of them leaving the rank; balanced "
        "routing assumed)\n";
   std::vector<std::pair<std::string, size_t>> cols = {

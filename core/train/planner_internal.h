@@ -108,6 +108,11 @@ void render_cp_table(const Plan& p, std::ostringstream& o);
 
 // planner_ep.cpp: the expert-parallel rows, their recommendation and table.
 std::vector<int64_t> expert_unit_numels(const ModelArch& m);  // per unit: its routed experts' elements
+// Expert parallelism's per-rank storage (planner_ep.cpp): the units of an
+// ep rank's layout (dense + n_experts/ep experts) and the sharding of that
+// layout over its expert-dp group (W/ep ranks).
+std::vector<int64_t> ep_local_units(const ModelArch& m, int ep);
+Sharding ep_local_sharding(const Sharding& s, int ep);
 void plan_expert_parallel(Plan& plan, const ModelArch& m, const DeviceModel& dev, double bw_intra, double bw_inter,
                           double recompute, double fpt);
 void render_ep_table(const Plan& p, std::ostringstream& o);
