@@ -334,3 +334,36 @@ TEST_CASE("data text: prepare --document-separator splits text files into docume
   CHECK(by.exit_code == 1);
   CHECK_THAT(by.err, Contains("--document-separator need --tokenizer tokenizer.json"));
 }
+
+TEST_CASE("data text: export of a from-scratch BPE run carries its data's tokenizer, AutoTokenizer ids equal "
+          "trainrun's", "[data_text]") {
+  BpeData d;
+  const auto r = d.train("run", 0);
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  const std::string out = d.dir / "hf";
+  const auto e = test::run_trainrun("export --checkpoint '" + d.dir / "run" + "' --out '" + out + "'");
+  INFO(e.err);
+  REQUIRE(e.exit_code == 0);
+  CHECK(test::read_file(out + "/tokenizer.json") == test::read_file(d.tok));
+  // transformers loads model and tokenizer from the one directory; the
+  // tokenizer's ids (special token matched, no BOS added) are trainrun's.
+  const std::string text = "the cat sat on the mat.\nwhat time flies<|endoftext|>banana arrow";
+  test::write_file(d.dir / "load.py",
+                   "import json, sys\n"
+                   "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+                   "m = AutoModelForCausalLM.from_pretrained(sys.argv[1])\n"
+                   "t = AutoTokenizer.from_pretrained(sys.argv[1])\n"
+                   "print(json.dumps({'class': type(t).__name__, 'vocab': m.config.vocab_size,\n"
+                   "                  'ids': t(sys.argv[2])['input_ids']}))\n");
+  const auto py = test::run_command("'" + test::hf_python() + "' '" + d.dir / "load.py" + "' '" + out + "' '" +
+                                    text + "'");
+  INFO(py.err);
+  REQUIRE(py.exit_code == 0);
+  const json got = json::parse(py.out);
+  CHECK(got["class"] == "PreTrainedTokenizerFast");
+  CHECK(got["vocab"] == 300);
+  const std::vector<uint32_t> want = Tokenizer::load(d.tok).encode(text, true);
+  CHECK(got["ids"].get<std::vector<uint32_t>>() == want);
+  CHECK(want.size() > 8);  // words merged, the special token one id
+}
