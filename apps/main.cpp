@@ -477,6 +477,9 @@ int main(int argc, char** argv) {
   prepare->add_flag("--train-on-input", popts.train_on_input, "chat formats: every token in the loss, not only the replies");
   prepare->add_flag("--allow-special", popts.allow_special,
                     "match special tokens spelled in the text (as HF encode does); default: they are plain text");
+  prepare->add_option("--document-separator", popts.document_separator,
+                      "text: a line holding only this string ends a document (dropped; the next one starts with the "
+                      "document-start token), e.g. '%' for fortune files");
   prepare->add_option("--shard-tokens", popts.shard_tokens, "tokens per shard file")->capture_default_str()
       ->check(CLI::Range(int64_t{1}, int64_t{INT32_MAX}));
 

@@ -266,3 +266,104 @@ TEST_CASE("data text: prepare.json files of one split: tokens per byte summed, o
     REQUIRE_THROWS_WITH(prepared_tokenizer(both, "data.train", false), Contains("different tokenizers"));
   }
 }
+
+TEST_CASE("data text: prepare --document-separator splits text files into documents at lines holding only it",
+          "[data_text]") {
+  test::TempDir dir{"doc_sep"};
+  fs::create_directories(dir / "text");
+  // Over 1 MiB, so the reader cuts the file into blocks (at line starts
+  // before a letter: the lines hold no spaces) and some blocks begin with a
+  // separator line. Lines that only contain or resemble the separator stay
+  // text; a separator with '\r' before its '\n', one at the very start and
+  // two in a row (no empty document) are separators.
+  const char* words[] = {"cat", "dog", "ENDING", "END ", "xEND", "sat", "mat", "home", "night", "arrow"};
+  std::mt19937 rng(5);
+  std::vector<std::string> docs;
+  std::string file = "END\n";
+  while (file.size() < (5u << 18)) {
+    std::string doc;
+    for (int n = 1 + int(rng() % 4); n-- > 0;) doc += std::string(words[rng() % 10]) + "\n";
+    docs.push_back(doc);
+    file += doc + (rng() % 7 == 0 ? "END\r\n" : rng() % 7 == 0 ? "END\nEND\n" : "END\n");
+  }
+  docs.push_back("last\n");
+  file += "last\n";  // no separator after the last document
+  test::write_file(dir / "text/a.txt", file);
+  auto t = test::run_trainrun("tokenizer train --input '" + dir / "text" + "' --vocab-size 300 --special-tokens "
+                              "'<|endoftext|>' --output '" + dir / "tok" + "' --quiet");
+  INFO(t.err);
+  REQUIRE(t.exit_code == 0);
+  const std::string prep = "prepare --input '" + dir / "text" + "' --tokenizer '" + dir / "tok/tokenizer.json" + "'";
+  auto p = test::run_trainrun(prep + " --output '" + dir / "data" + "' --val-fraction 0 --document-separator END");
+  INFO(p.err);
+  REQUIRE(p.exit_code == 0);
+  CHECK_THAT(p.out, Contains(std::to_string(docs.size()) + " documents (2 blocks)"));
+
+  // The reference: each document encoded alone after <|endoftext|>.
+  const Tokenizer tok = Tokenizer::load(dir / "tok/tokenizer.json");
+  const json meta = read_json(dir / "data/prepare.json");
+  const uint32_t eot = meta["document_start_id"].get<uint32_t>();
+  std::vector<uint32_t> want;
+  for (const std::string& d : docs) {
+    want.push_back(eot);
+    for (uint32_t id : tok.encode(d)) want.push_back(id);
+  }
+  const std::vector<uint32_t> got = all_tokens(dir / "data/train_*.bin");
+  REQUIRE(got.size() == want.size());
+  CHECK(got == want);
+  // The dropped separator lines count as text (the document-start token
+  // stands for them), so bits per byte compares with a run without the
+  // option: val_bytes is the whole val part, from the first line start at or
+  // after the last 10% of the file.
+  auto v = test::run_trainrun(prep + " --output '" + dir / "val" + "' --val-fraction 0.1 --document-separator END");
+  REQUIRE(v.exit_code == 0);
+  const int64_t n = int64_t(file.size());
+  const int64_t val_start = int64_t(file.find('\n', size_t(n - int64_t(std::ceil(n * 0.1)) - 1))) + 1;
+  CHECK(read_json(dir / "val/prepare.json")["val_bytes"].get<int64_t>() == n - val_start);
+
+  // Bad input: a separator with a line break, with a format whose records are
+  // documents already, or without a tokenizer.
+  auto nl = test::run_trainrun(prep + " --output '" + dir / "x" + "' --document-separator \"$(printf 'a\\nb')\"");
+  CHECK(nl.exit_code == 1);
+  CHECK_THAT(nl.err, Contains("--document-separator: 'a\nb' holds a line break"));
+  auto js = test::run_trainrun(prep + " --output '" + dir / "x" + "' --format jsonl --document-separator '%'");
+  CHECK(js.exit_code == 1);
+  CHECK_THAT(js.err, Contains("--document-separator: only --format text splits a file") && Contains("jsonl"));
+  auto by = test::run_trainrun("prepare --input '" + dir / "text" + "' --output '" + dir / "x" +
+                               "' --document-separator '%'");
+  CHECK(by.exit_code == 1);
+  CHECK_THAT(by.err, Contains("--document-separator need --tokenizer tokenizer.json"));
+}
+
+TEST_CASE("data text: export of a from-scratch BPE run carries its data's tokenizer, AutoTokenizer ids equal "
+          "trainrun's", "[data_text]") {
+  BpeData d;
+  const auto r = d.train("run", 0);
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+  const std::string out = d.dir / "hf";
+  const auto e = test::run_trainrun("export --checkpoint '" + d.dir / "run" + "' --out '" + out + "'");
+  INFO(e.err);
+  REQUIRE(e.exit_code == 0);
+  CHECK(test::read_file(out + "/tokenizer.json") == test::read_file(d.tok));
+  // transformers loads model and tokenizer from the one directory; the
+  // tokenizer's ids (special token matched, no BOS added) are trainrun's.
+  const std::string text = "the cat sat on the mat.\nwhat time flies<|endoftext|>banana arrow";
+  test::write_file(d.dir / "load.py",
+                   "import json, sys\n"
+                   "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+                   "m = AutoModelForCausalLM.from_pretrained(sys.argv[1])\n"
+                   "t = AutoTokenizer.from_pretrained(sys.argv[1])\n"
+                   "print(json.dumps({'class': type(t).__name__, 'vocab': m.config.vocab_size,\n"
+                   "                  'ids': t(sys.argv[2])['input_ids']}))\n");
+  const auto py = test::run_command("'" + test::hf_python() + "' '" + d.dir / "load.py" + "' '" + out + "' '" +
+                                    text + "'");
+  INFO(py.err);
+  REQUIRE(py.exit_code == 0);
+  const json got = json::parse(py.out);
+  CHECK(got["class"] == "PreTrainedTokenizerFast");
+  CHECK(got["vocab"] == 300);
+  const std::vector<uint32_t> want = Tokenizer::load(d.tok).encode(text, true);
+  CHECK(got["ids"].get<std::vector<uint32_t>>() == want);
+  CHECK(want.size() > 8);  // words merged, the special token one id
+}

@@ -333,7 +333,18 @@ void write_side_files(const fs::path& tmp, const ModelArch& arch, const HfExport
       if (config.contains(key) && !config[key].is_null()) g[key] = config[key];
     write_file_synced((tmp / "generation_config.json").string(), g.dump(2) + "\n");
   }
-  if (!have_origin) return;
+  if (!have_origin) {
+    if (opt.run_tokenizer.empty()) return;
+    write_file_synced((tmp / "tokenizer.json").string(), read_all(opt.run_tokenizer));
+    // The generic fast class: the config's model_type would pick one
+    // (LlamaTokenizerFast) that adds a BOS this tokenizer may not have.
+    json tc;
+    tc["tokenizer_class"] = "PreTrainedTokenizerFast";
+    tc["clean_up_tokenization_spaces"] = false;
+    write_file_synced((tmp / "tokenizer_config.json").string(), tc.dump(2) + "\n");
+    TR_LOG_INFO("export: the run's tokenizer '", opt.run_tokenizer, "' (its data's) -> tokenizer.json, tokenizer_config.json");
+    return;
+  }
   std::vector<std::string> copied;
   for (const auto& name : kHfTokenizerFiles) {
     const fs::path p = fs::path(origin) / name;
@@ -533,7 +544,9 @@ std::string export_checkpoint_hf(const std::string& checkpoint, const std::strin
                 "minimal generation_config.json and no tokenizer files");
     origin.clear();
   }
-  export_hf(out_dir, *src, opt, origin);
+  HfExportOptions o = opt;
+  if (origin.empty() && o.run_tokenizer.empty()) o.run_tokenizer = run_tokenizer_of_model_file(file);
+  export_hf(out_dir, *src, o, origin);
   return file;
 }
 

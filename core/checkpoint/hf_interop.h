@@ -33,6 +33,11 @@ struct HfExportOptions {
   // Bytes of fp32 per piece read from the source; tests make it tiny so
   // small models take the piecewise paths (a transposed tensor in row blocks).
   size_t piece_bytes = kExportPiece;
+  // A from-scratch run's copy of its data's tokenizer.json (the one
+  // prepare.json names), written with a tokenizer_config.json so that
+  // AutoTokenizer loads it beside the model; empty = none. A fine-tune
+  // carries its model.init_from's tokenizer files instead.
+  std::string run_tokenizer;
 };
 // --max-shard-size as Hugging Face reads it: a number of bytes, or a number
 // (decimals allowed) with KB/MB/GB/TB (powers of 1000) or KiB/MiB/GiB/TiB

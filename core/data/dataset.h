@@ -91,6 +91,7 @@ struct PrepareOptions {
   std::string chat_template;           // llama3 | chatml | plain | NAME | FILE; empty = the model's (core/data/chat_template.h)
   bool train_on_input = false;         // chat formats: every token in the loss, not only the replies
   bool allow_special = false;          // match special tokens spelled in the text (HF's default); off = text is data
+  std::string document_separator;      // text: a line holding only this ends a document (fortunes: "%"); empty = off
   bool progress = true;                // the MB/s + ETA line on stderr
 };
 std::string prepare_byte_shards(const PrepareOptions& opts);

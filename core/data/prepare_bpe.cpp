@@ -67,6 +67,7 @@ struct Item {
   int64_t offset = 0;  // byte offset of `raw` in its file
   std::string raw;
   bool doc_start = false;  // text: the first block of a document
+  bool line_start = false; // text: `raw` begins a line (--document-separator matches there)
   bool val = false;
 };
 
@@ -242,17 +243,59 @@ void encode_pair(const Job& job, TokenEncoder& enc, const Item& it, const json& 
   ++out.docs;
 }
 
+// --document-separator S: a line that is exactly S (a '\r' before its '\n'
+// allowed) ends a document; the line itself is dropped and the next text
+// starts a new document with the document-start token, as a new file does
+// (fortune files separate fortunes with a line "%"). The dropped lines still
+// count in text_bytes: the document-start token stands for them, so val_bpb
+// stays comparable with a run prepared without the option.
+void encode_separated(const Job& job, TokenEncoder& enc, const Item& it, Output& out) {
+  const std::string& sep = job.opts.document_separator;
+  const std::string& s = it.raw;
+  bool new_doc = it.doc_start;  // the next non-empty piece starts a document
+  size_t piece = 0;             // start of the text not encoded yet
+  auto flush = [&](size_t end) {
+    if (end > piece) {
+      if (new_doc) out.tokens.push_back(job.doc_start.id);
+      // A piece that continues its document (a later block's head): no
+      // second Prepend '▁'.
+      enc.encode(std::string_view(s).substr(piece, end - piece), job.opts.allow_special, out.tokens, !new_doc);
+      if (new_doc) ++out.docs;
+      new_doc = false;
+    }
+  };
+  for (size_t line = 0; line < s.size();) {
+    const size_t nl = s.find('\n', line);
+    const size_t end = nl == std::string::npos ? s.size() : nl;
+    size_t len = end - line;
+    if (len > 0 && s[line + len - 1] == '\r') --len;
+    const bool at_line_start = line > 0 || it.line_start;
+    if (at_line_start && len == sep.size() && s.compare(line, len, sep) == 0) {
+      flush(line);
+      new_doc = true;
+      piece = nl == std::string::npos ? s.size() : nl + 1;
+    }
+    if (nl == std::string::npos) break;
+    line = nl + 1;
+  }
+  flush(s.size());
+}
+
 void encode_item(const Job& job, TokenEncoder& enc, const Item& it, Output& out) {
   const size_t first = out.tokens.size();
   if (int64_t bad = find_invalid_utf8(it.raw); bad >= 0)
     fail_at(job, it, "not valid UTF-8 at byte offset " + std::to_string(it.offset + bad) +
                          "; fix the file or leave it out (iconv -f <encoding> -t utf-8 converts it)");
   if (job.format == Format::kText) {
-    if (it.doc_start) out.tokens.push_back(job.doc_start.id);
-    // A later block continues its document: no second Prepend '▁'.
-    enc.encode(it.raw, job.opts.allow_special, out.tokens, !it.doc_start);
+    if (job.opts.document_separator.empty()) {
+      if (it.doc_start) out.tokens.push_back(job.doc_start.id);
+      // A later block continues its document: no second Prepend '▁'.
+      enc.encode(it.raw, job.opts.allow_special, out.tokens, !it.doc_start);
+      if (it.doc_start) ++out.docs;
+    } else {
+      encode_separated(job, enc, it, out);
+    }
     out.text_bytes += static_cast<int64_t>(it.raw.size());
-    if (it.doc_start) ++out.docs;
     return;
   }
   json j;
@@ -550,6 +593,7 @@ class Reader {
     size_t scanned = 0;  // carry[0, scanned) holds no cut point
     int64_t carry_off = 0, pos = 0;
     bool doc_start = true;
+    bool line_start = true;  // the next block begins a line
     std::vector<char> buf(kBatchBytes);
     const CutRules rules = cut_rules(job_.tok);
     const bool can_cut = rules.any();
@@ -562,7 +606,9 @@ class Reader {
       carry.append(buf.data(), static_cast<size_t>(got));
       pos += got;
       if (pos == cut && cut < n) {
-        emit_text(f, std::move(carry), carry_off, doc_start, false);
+        const bool ends_line = !carry.empty() && carry.back() == '\n';
+        emit_text(f, std::move(carry), carry_off, doc_start, line_start, false);
+        line_start = ends_line;
         carry.clear();
         scanned = 0;
         carry_off = pos;
@@ -577,7 +623,8 @@ class Reader {
         const size_t at = last_cut_point(carry, scanned, rules);
         scanned = carry.size() > kCutLookahead ? carry.size() - kCutLookahead : 0;
         if (at > 0) {
-          emit_text(f, carry.substr(0, at), carry_off, doc_start, pos > cut);
+          emit_text(f, carry.substr(0, at), carry_off, doc_start, line_start, pos > cut);
+          line_start = carry[at - 1] == '\n';
           carry.erase(0, at);
           carry_off += static_cast<int64_t>(at);
           scanned = carry.size() > kCutLookahead ? carry.size() - kCutLookahead : 0;
@@ -585,7 +632,7 @@ class Reader {
         }
       }
     }
-    emit_text(f, std::move(carry), carry_off, doc_start, cut < n);
+    emit_text(f, std::move(carry), carry_off, doc_start, line_start, cut < n);
   }
   // The start of the first line at or after `from`; when no line starts
   // there, `from` itself moved back to the start of a UTF-8 character.
@@ -616,7 +663,7 @@ class Reader {
     }
     return c;
   }
-  void emit_text(int f, std::string text, int64_t off, bool doc_start, bool val) {
+  void emit_text(int f, std::string text, int64_t off, bool doc_start, bool line_start, bool val) {
     if (text.empty()) return;  // an empty val part adds no lone separator
     ++text_blocks_;
     Item it;
@@ -624,6 +671,7 @@ class Reader {
     it.offset = off;
     it.raw = std::move(text);
     it.doc_start = doc_start;
+    it.line_start = line_start;
     it.val = val;
     push(std::move(it));
   }
@@ -678,6 +726,12 @@ std::string prepare_tokenized_shards(const PrepareOptions& opts) {
   if (!chat && !opts.chat_template.empty())
     TR_FAIL("--chat-template: only the chat formats (chat, alpaca, sharegpt, preference) use a template; --format is ",
             opts.format);
+  if (!opts.document_separator.empty() && format != Format::kText)
+    TR_FAIL("--document-separator: only --format text splits a file into documents (each ", opts.format,
+            " record is one already); leave it out");
+  if (opts.document_separator.find_first_of("\r\n") != std::string::npos)
+    TR_FAIL("--document-separator: '", opts.document_separator, "' holds a line break; it is the whole text of one line "
+            "(e.g. '%' for fortune files)");
   if (!chat && opts.train_on_input)
     TR_FAIL("--train-on-input: only the chat formats (chat, alpaca, sharegpt) have a loss mask; --format is ", opts.format);
   if (preference && opts.train_on_input)
@@ -833,8 +887,8 @@ std::string prepare_shards(const PrepareOptions& opts) {
   if (!opts.tokenizer.empty()) return prepare_tokenized_shards(opts);
   if (opts.format != "text")
     TR_FAIL("--format ", opts.format, " needs --tokenizer tokenizer.json (byte-level prepare reads text only)");
-  if (!opts.chat_template.empty() || opts.train_on_input || opts.allow_special)
-    TR_FAIL("--chat-template, --train-on-input and --allow-special need --tokenizer tokenizer.json");
+  if (!opts.chat_template.empty() || opts.train_on_input || opts.allow_special || !opts.document_separator.empty())
+    TR_FAIL("--chat-template, --train-on-input, --allow-special and --document-separator need --tokenizer tokenizer.json");
   return prepare_byte_shards(opts);
 }
 
