@@ -145,6 +145,12 @@ Sidecar read_sidecar(const std::string& path, uint64_t dh, uint64_t mh, int64_t 
 // file or the whole new one, never a torn one under the final name.
 void write_sidecar(const std::string& path, uint64_t dh, uint64_t mh, int64_t seq_len,
                    const std::vector<double>& table) {
+  // The run's directory may not exist yet: the reference pass runs before
+  // the first checkpoint or metrics line creates it.
+  std::error_code mk;
+  fs::create_directories(fs::path(path).parent_path().empty() ? fs::path(".") : fs::path(path).parent_path(), mk);
+  TR_CHECK(!mk, "train.reference precompute: cannot create the directory of '", path, "': ", mk.message(),
+           "; check output.dir");
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
   const uint64_t pairs = table.size() / 2, sl = uint64_t(seq_len);
   std::string bytes(kRefHeader + table.size() * 8, '\0');
