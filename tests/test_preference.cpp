@@ -312,8 +312,12 @@ struct PrefRun {
 
 GPT2Config pref_config() { return GPT2Config::of(2, 2, 8, 11, 12, 0.3); }
 
-JobSpec pref_job(const std::string& dir, const std::string& objective, bool packed, int mb) {
+// output.dir: `out`, else <dir>/run/new, which does not exist yet (the
+// reference pass writes its sidecar there before anything else makes it).
+JobSpec pref_job(const std::string& dir, const std::string& objective, bool packed, int mb,
+                 const std::string& out = "") {
   JobSpec job;
+  job.output.dir = out.empty() ? dir + "/run/new" : out;
   job.data.format = "llmc";
   job.data.train = dir + "/train_*.bin";
   job.data.document_mask = packed ? "true" : "false";
@@ -328,10 +332,10 @@ JobSpec pref_job(const std::string& dir, const std::string& objective, bool pack
 }
 
 PrefRun run_pref(const std::string& dir, const std::string& objective, bool packed, const std::vector<float>& p0,
-                 const std::vector<float>& p1) {
+                 const std::vector<float>& p1, const std::string& out_dir = "") {
   const GPT2Config cfg = pref_config();
   const int npairs = 3, B = packed ? npairs : 2 * npairs, T = cfg.T;
-  const JobSpec job = pref_job(dir, objective, packed, B);
+  const JobSpec job = pref_job(dir, objective, packed, B, out_dir);
   auto be = make_cpu_backend(2);
   auto src = open_preference_source(job, job.data.train, "data.train");
   REQUIRE(src->num_pairs() == npairs);
@@ -447,6 +451,13 @@ TEST_CASE("preference: the whole network's gradient of dpo, ipo and orpo equals 
   for (const std::string obj : {"dpo", "ipo", "orpo"}) {
     const PrefRun un = run_pref(d.path(), obj, false, p0, p1);
     const PrefRun pk = run_pref(d.path(), obj, true, p0, p1);
+    // The reference pass wrote its sidecar into output.dir, a directory that
+    // did not exist before the first run (a fresh run's): it is there, whole.
+    const std::string sidecar = d / "run/new/train.reference_logps";
+    if (obj != "orpo") {
+      REQUIRE(test::file_exists(sidecar));
+      CHECK(std::filesystem::file_size(sidecar) == 40 + 6 * 8);  // header + 3 pairs x 2 sides, float64
+    }
     // The reference table is the float64 model's log-probs at p0.
     const ref::Vec dp0(p0.begin(), p0.end());
     ref::Vec dp1(p1.begin(), p1.end());
@@ -484,6 +495,11 @@ TEST_CASE("preference: the whole network's gradient of dpo, ipo and orpo equals 
       CHECK(std::fabs(pk.metrics[k].second - un.metrics[k].second) <= 1e-5 * (1 + std::fabs(un.metrics[k].second)));
     }
   }
+  // An output.dir that cannot be made (under a regular file) is an error naming it, not a crash.
+  test::write_file(d / "blocker", "a file, not a directory");
+  CHECK_THROWS_WITH(run_pref(d.path(), "dpo", false, p0, p1, d / "blocker/run"),
+                    Contains("cannot create the directory of") && Contains("blocker/run/train.reference_logps") &&
+                        Contains("check output.dir"));
 }
 
 
