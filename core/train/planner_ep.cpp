@@ -48,6 +48,7 @@
 #include <sstream>
 
 #include "core/common/error.h"
+#include "core/model/moe/expert_parallel_plan.h"
 #include "core/model/moe/moe_mlp.h"
 #include "core/train/planner.h"
 #include "core/train/planner_internal.h"
@@ -56,17 +57,15 @@ namespace trainrun {
 
 using namespace planner_detail;
 
-namespace {
-bool is_expert_tensor(const std::string& name) { return name.find(".experts.") != std::string::npos; }
-}  // namespace
-
 namespace planner_detail {
 
 std::vector<int64_t> expert_unit_numels(const ModelArch& m) {
   const ParamLayout& l = m.layout();
   std::vector<int64_t> ex(l.units.size(), 0);
   for (const ParamTensor& t : l.tensors)
-    if (is_expert_tensor(t.name)) ex[size_t(t.unit)] += t.numel;
+    // The trainer's rule for a routed expert's tensor (".experts.<e>."; a
+    // shared expert is dense): what an ep rank holds a share of.
+    if (expert_of_tensor(t.name) >= 0) ex[size_t(t.unit)] += t.numel;
   return ex;
 }
 
