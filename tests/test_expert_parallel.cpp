@@ -334,6 +334,79 @@ TEST_CASE("expert parallel: with the experts' storage split, ep2 -> ep1 -> ep4 -
   test::check_same_run("init_from at ep2 vs ep1", from2, from1);
 }
 
+TEST_CASE("expert parallel: under tp2, pp2, offload and hybrid_shard a rank holds only its experts too, and trains as "
+          "at ep1",
+          "[ep][planner]") {
+  test::TempDir dir("ep_split_mesh");
+  const auto arch = make_model_arch(ModelConfig::from_spec(parse(ep_job(dir / "shape", "", 1)).model));
+  const double X = double(moe_expert_parameters(*arch));  // 2 layers x 4 experts
+  struct Case {
+    const char* name;
+    int world;
+    std::string parallel;
+    double saved;  // fp32 parameter bytes an ep2 rank does not hold
+  };
+  // no_shard, so a rank's bytes show what it holds: under tp2 every TP rank
+  // holds its experts whole (half of them at ep2); a pp2 stage holds one
+  // layer's experts (half of those at ep2); offload keeps the act-dtype
+  // parameters on the device (fp32 here) and the rest on the host.
+  const std::vector<Case> cases = {
+      {"tp2", 4, "sharding: no_shard, tensor_parallel: 2, ", 4 * X / 2},
+      {"pp2", 4, "sharding: no_shard, pipeline_parallel: 2, pipeline_schedule: 1f1b, ", 4 * X / 4},
+      {"offload", 2, "sharding: no_shard, offload: cpu, ", 4 * X / 2},
+  };
+  for (const Case& c : cases) {
+    INFO(c.name);
+    auto run = [&](const std::string& name, const std::string& parallel, std::vector<TrainSummary>& sums) {
+      const std::string out = dir / name;
+      sums = test::run_ranks_inprocess(parse(ep_job(out, parallel, 3)), c.world);
+      test::MeshRun m;
+      m.losses = test::losses_of(out);
+      (void)load_model_safetensors(out + "/model.safetensors", m.weights);
+      return m;
+    };
+    std::vector<TrainSummary> one, two;
+    const test::MeshRun ep1 = run(std::string(c.name) + "_ep1", c.parallel, one);
+    const test::MeshRun ep2 = run(std::string(c.name) + "_ep2", c.parallel + "expert_parallel: 2, ", two);
+    test::check_same_run(std::string(c.name) + " x ep2", ep2, ep1);
+    REQUIRE(one.size() == two.size());
+    for (size_t r = 0; r < one.size(); ++r) {
+      INFO("rank " << r);
+      CHECK(double(one[r].params_bytes) - double(two[r].params_bytes) == c.saved);
+    }
+  }
+  // hybrid_shard at ep2 x dp4: shard groups of G dp ranks hold the dense
+  // part (1/G each), the G/2 of them with a rank's ep index its experts,
+  // replicated across the 4/G groups; the bytes are the planner's row.
+  const std::string ref_out = dir / "ref";
+  test::run_ranks_inprocess(parse(ep_job(ref_out, "sharding: no_shard, ", 3)), 1);
+  test::MeshRun ref;
+  ref.losses = test::losses_of(ref_out);
+  (void)load_model_safetensors(ref_out + "/model.safetensors", ref.weights);
+  for (const int G : {2, 4}) {
+    INFO("hybrid_shard, shard_group_size " << G);
+    const std::string out = dir / ("hybrid" + std::to_string(G));
+    const std::vector<TrainSummary> sums = test::run_ranks_inprocess(
+        parse(ep_job(out, "sharding: hybrid_shard, shard_group_size: " + std::to_string(G) + ", expert_parallel: 2, ",
+                     3)),
+        4);
+    test::MeshRun got;
+    got.losses = test::losses_of(out);
+    (void)load_model_safetensors(out + "/model.safetensors", got.weights);
+    test::check_same_run("hybrid_shard G" + std::to_string(G) + " x ep2", got, ref);
+    Sharding hs;
+    hs.strategy = "hybrid_shard";
+    hs.world = 4;
+    hs.group = G;
+    const MemoryBreakdown row = estimate_ep_memory(*arch, 2, hs, 2, false, DeviceModel::cpu());
+    for (const TrainSummary& r : sums) {
+      CHECK(double(r.params_bytes) == row.params);
+      CHECK(double(r.grads_bytes) == row.grads);
+      CHECK(double(r.optimizer_bytes) == row.optimizer);
+    }
+  }
+}
+
 TEST_CASE("expert parallel: bad input is refused by name", "[ep][config]") {
   test::TempDir dir("ep_bad");
   const std::string out = dir / "out";

@@ -35,21 +35,24 @@ const PlanRow* ep_row(const Plan& p, int ep) {
   return nullptr;
 }
 
-// An ep rank's layout (each unit's dense elements plus 1/ep of its
-// experts) sharded full_shard over its expert-dp group of G = W/ep ranks:
-// the shard elements S (ceil per unit, as parallel/sharding pads).
-double local_shard_elements(const ModelArch& m, int ep, int G) {
+// An ep rank's shard elements under full_shard (ceil per unit, as
+// parallel/sharding pads): each unit's dense elements over all W ranks,
+// each MoE unit's 1/ep of the experts over its expert-dp group of W/ep.
+double split_shard_elements(const ModelArch& m, int ep, int W) {
   const auto ex = planner_detail::expert_unit_numels(m);
+  const int G = W / ep;
   double S = 0;
-  for (size_t i = 0; i < m.layout().units.size(); ++i)
-    S += double((m.layout().units[i].numel - ex[i] + ex[i] / ep + G - 1) / G);
+  for (size_t i = 0; i < m.layout().units.size(); ++i) {
+    S += double((m.layout().units[i].numel - ex[i] + W - 1) / W);
+    if (ex[i] > 0) S += double((ex[i] / ep + G - 1) / G);
+  }
   return S;
 }
 
 }  // namespace
 
-TEST_CASE("planner: qwen1.5-moe-a2.7b on 8 x H100, every ep row's figures by hand (a rank's layout sharded over its "
-          "expert-dp group), ep2 recommended",
+TEST_CASE("planner: qwen1.5-moe-a2.7b on 8 x H100, every ep row's figures by hand (the dense part sharded over all "
+          "ranks, a rank's experts over its expert-dp group), ep2 recommended",
           "[planner][moe]") {
   const PlanRequest req = moe_request("qwen1.5-moe-a2.7b:T=4096");
   const auto arch = make_model_arch(req.model);
@@ -82,11 +85,11 @@ TEST_CASE("planner: qwen1.5-moe-a2.7b on 8 x H100, every ep row's figures by han
   for (const int ep : {2, 4}) {
     const PlanRow& r = *ep_row(plan, ep);
     INFO("ep" << ep);
-    // The rank's layout (dense + 60/ep experts) sharded over the 8/ep ranks with its ep index.
+    // The dense part over all 8 ranks, the rank's 60/ep experts over the 8/ep ranks with its ep index.
     const int G = 8 / ep;
-    const double S = local_shard_elements(*arch, ep, G);
+    const double S = split_shard_elements(*arch, ep, 8);
     // bf16 copy + fp32 master (6), fp32 gradient (4), AdamW moments (8) per element; its experts' share 1/G.
-    CHECK(r.expert_state == Approx(18 * X / ep / G).epsilon(1e-12));
+    CHECK(r.expert_state == Approx(18 * X / ep / G).epsilon(1e-9));
     CHECK(r.mem.params == Approx(6 * S).epsilon(1e-12));
     CHECK(r.mem.grads == Approx(4 * S).epsilon(1e-12));
     CHECK(r.mem.optimizer == Approx(8 * S).epsilon(1e-12));
@@ -100,11 +103,23 @@ TEST_CASE("planner: qwen1.5-moe-a2.7b on 8 x H100, every ep row's figures by han
     CHECK(r.a2a_s == Approx(a2a / nvlink).epsilon(1e-12));
     CHECK(r.ep_link == "NVLink");
     CHECK(r.compute_s == Approx(fs->compute_s).epsilon(1e-12));  // routing moves tokens, not FLOPs
+    // The dp collectives, full_shard's gather (2 x bf16: forward and
+    // backward) and fp32 reduce-scatter of every padded unit, (G-1)/G of it
+    // over NVLink: the dense units over 8 ranks, the experts over 8/ep.
+    const auto ex = planner_detail::expert_unit_numels(*arch);
+    double dense_pad = 0, expert_pad = 0;
+    for (size_t i = 0; i < arch->layout().units.size(); ++i) {
+      dense_pad += double((arch->layout().units[i].numel - ex[i] + 7) / 8 * 8);
+      if (ex[i] > 0) expert_pad += double((ex[i] / ep + G - 1) / G * G);
+    }
+    const double dp_s = (7.0 / 8 * 8 * dense_pad + double(G - 1) / G * 8 * expert_pad) / nvlink;
+    CHECK(r.comm_s == Approx(dp_s + r.a2a_s).epsilon(1e-9));
   }
-  // Every expert byte is 1/8 of the experts' state at any ep (1/ep of them over 8/ep ranks); what ep changes is
-  // the dense part, sharded over 8/ep ranks instead of 8: ep4 holds more than ep2.
+  // Every expert byte is 1/8 of the experts' state at any ep (1/ep of them over 8/ep ranks) and the dense part is
+  // sharded over all 8: ep2 and ep4 hold the same state, padding aside, as much as ep1 (everything over 8).
   CHECK(ep_row(plan, 2)->expert_state == Approx(ep_row(plan, 4)->expert_state).epsilon(1e-12));
-  CHECK(ep_row(plan, 4)->mem.params > ep_row(plan, 2)->mem.params);
+  CHECK(ep_row(plan, 4)->mem.params == Approx(ep_row(plan, 2)->mem.params).epsilon(1e-6));
+  CHECK(ep_row(plan, 2)->mem.params == Approx(ep_row(plan, 1)->mem.params).epsilon(1e-6));
   // Checkpointing reruns the forward: 6 all-to-alls per layer instead of 4.
   CHECK(ep_all_to_all_bytes_per_micro_batch(*arch, 4, 1, true, 2) ==
         Approx(1.5 * ep_all_to_all_bytes_per_micro_batch(*arch, 4, 1, false, 2)).epsilon(1e-12));
@@ -134,7 +149,7 @@ TEST_CASE("planner: mixtral-8x7b on 8 x 80 GB, expert state 1/8 for ep 2, 4, 8, 
   for (const int ep : {2, 4, 8}) {
     REQUIRE(ep_row(plan, ep));
     // 1/ep of the experts over 8/ep ranks: 1/8 of their state (94.5 GiB) whatever ep, plus the dense part.
-    CHECK(ep_row(plan, ep)->expert_state == Approx(18 * X / 8).epsilon(1e-12));
+    CHECK(ep_row(plan, ep)->expert_state == Approx(18 * X / 8).epsilon(1e-9));
     CHECK(!ep_row(plan, ep)->fits);
   }
   CHECK(plan.ep_not_offered.empty());
@@ -146,25 +161,76 @@ TEST_CASE("planner: mixtral-8x7b on 8 x 80 GB, expert state 1/8 for ep 2, 4, 8, 
   REQUIRE(r.exit_code == 0);
   CHECK_THAT(r.out, Contains("\nexpert parallel (ep ranks share the 8 experts, top-2;") &&
                         Contains("\nep8 x dp8         1     94.50") &&
-                        Contains("expert parallel: none of the offered degrees fits 74.5 GiB per GPU (the least, ep2, "
+                        Contains("expert parallel: none of the offered degrees fits 74.5 GiB per GPU (the least, ep8, "
                                  "needs"));
   WARN(r.out);
 }
 
-TEST_CASE("planner: expert-parallel rows only for MoE models, refused with offload, over the topology's link, and a "
-          "degree that does not divide the experts is an error naming both",
+TEST_CASE("planner: expert-parallel rows only for MoE models, with offload each part's state on the host, with "
+          "hybrid_shard inside the shard groups, over the topology's link, and a degree that does not divide the "
+          "experts is an error naming both",
           "[planner][moe]") {
   const Plan dense = make_plan(moe_request("llama3.2-1b:T=1024"));
   CHECK(dense.ep_rows.empty());
   CHECK(dense.ep_not_offered.empty());
   CHECK(dense.ep_recommendation.empty());
 
+  // Offload: each part's state on the host, 16 bytes per element of the
+  // rank's shards (the dense units over 8 ranks, its experts over 8/ep),
+  // 8 ranks a node; the device keeps the bf16 copy of its experts' shard.
   PlanRequest req = moe_request("qwen1.5-moe-a2.7b:T=1024");
   req.offload = "cpu";
   const Plan off = make_plan(req);
-  CHECK(off.ep_rows.empty());
-  REQUIRE(off.ep_not_offered.size() == 3);
-  CHECK_THAT(off.ep_not_offered[0].second, Contains("parallel.offload with expert parallelism"));
+  const auto oa = make_model_arch(req.model);
+  const auto ex = planner_detail::expert_unit_numels(*oa);
+  REQUIRE(off.ep_rows.size() == 3);
+  for (const PlanRow& r : off.ep_rows) {
+    INFO("ep" << r.ep);
+    const int G = 8 / r.ep;
+    double S = 0, Sx = 0;
+    for (size_t i = 0; i < oa->layout().units.size(); ++i) {
+      const int64_t dense = oa->layout().units[i].numel - (r.ep > 1 ? ex[i] : 0);
+      S += double((dense + 7) / 8);
+      if (r.ep > 1 && ex[i] > 0) Sx += double((ex[i] / r.ep + G - 1) / G);
+    }
+    CHECK(r.host_bytes_per_node == Approx(8 * 16 * (S + Sx)).epsilon(1e-12));
+    CHECK(r.mem.optimizer == 0);
+    CHECK(r.mem.params == Approx(2 * (S + Sx)).epsilon(1e-12));
+    if (r.ep > 1) CHECK(r.expert_state == Approx(2 * Sx).epsilon(1e-12));
+    CHECK(r.offload_s > 0);
+  }
+  CHECK(off.ep_not_offered.size() == 1);  // 60 experts over 8
+  // hybrid_shard on 2 nodes (W 16, shard groups of 8): the dense part 1/8
+  // per rank, a rank's experts over the 8/ep members of its shard group
+  // with its ep index (both replicated across the 2 groups); an ep that
+  // does not divide the shard group is not offered.
+  PlanRequest hy = moe_request("qwen1.5-moe-a2.7b:T=1024");
+  hy.job_strategy = "hybrid_shard";
+  hy.nodes = 2;
+  hy.global_batch = 16;
+  const Plan hp = make_plan(hy);
+  REQUIRE(hp.ep_rows.size() == 3);
+  for (const PlanRow& r : hp.ep_rows) {
+    INFO("hybrid ep" << r.ep);
+    const int Gx = 8 / r.ep;
+    double S = 0;
+    for (size_t i = 0; i < oa->layout().units.size(); ++i) {
+      S += double((oa->layout().units[i].numel - (r.ep > 1 ? ex[i] : 0) + 7) / 8);
+      if (r.ep > 1 && ex[i] > 0) S += double((ex[i] / r.ep + Gx - 1) / Gx);
+    }
+    CHECK(r.mem.params == Approx(6 * S).epsilon(1e-12));
+    CHECK(r.mem.optimizer == Approx(8 * S).epsilon(1e-12));
+  }
+  PlanRequest hy2 = moe_request("qwen1.5-moe-a2.7b:T=1024");
+  hy2.job_strategy = "hybrid_shard";
+  hy2.shard_group_size = 2;
+  const Plan hp2 = make_plan(hy2);
+  REQUIRE(ep_row(hp2, 2));
+  CHECK(!ep_row(hp2, 4));
+  bool said = false;
+  for (const auto& n : hp2.ep_not_offered)
+    said |= n.first == 4 && n.second.find("shard group of 2 ranks does not split into ep groups of 4") != std::string::npos;
+  CHECK(said);
 
   // The ep group's link is the topology's for a group of that size (here: ep4 over PCIe).
   PlanRequest pcie = moe_request("qwen1.5-moe-a2.7b:T=1024");

@@ -390,9 +390,10 @@ const std::vector<Field>& fields() {
                     "ranks a mixture of experts' expert compute is split over (ep, inside the data-parallel "
                     "group: consecutive dp ranks, so the token all-to-all stays inside a node): rank i of E runs "
                     "experts [i*n/E, (i+1)*n/E) of every layer for the tokens of all E ranks (all_to_all_v "
-                    "dispatch and combine) and, at tensor_parallel and pipeline_parallel 1 without adapters, "
-                    "hybrid_shard or offload, holds only those experts' weights, gradients and optimizer state "
-                    "(elsewhere every rank still holds every expert); must divide model.n_experts and the "
+                    "dispatch and combine) and holds only those experts' weights, gradients and optimizer state, "
+                    "sharded over the dp ranks with its ep index, the dense rest sharded over the whole dp group "
+                    "(hybrid_shard: inside each shard group, which ep must divide, else every rank holds every "
+                    "expert); must divide model.n_experts and the "
                     "data-parallel size; needs a mixture of experts; composes with tensor_parallel and "
                     "pipeline_parallel (each TP rank's and stage's dp group has its own ep groups); not yet with "
                     "context or sequence parallelism or adapters (refused); 1 = off"),

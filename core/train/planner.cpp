@@ -119,8 +119,7 @@ namespace planner_detail {
 
 // The memory model over a layout's units (the whole model's, or one TP
 // rank's local layout) with a given activation arena.
-MemoryBreakdown memory_of_units(const std::vector<int64_t>& units, int L, int T, const Sharding& s, int B,
-                                double activations, const DeviceModel& d) {
+MemoryBreakdown state_of_units(const std::vector<int64_t>& units, const Sharding& s, const DeviceModel& d) {
   MemoryBreakdown r;
   const double a = d.act_bytes;
   const bool extra_copy = d.act_bytes != 4;  // fp32 backends use the master weights directly
@@ -137,14 +136,11 @@ MemoryBreakdown memory_of_units(const std::vector<int64_t>& units, int L, int T,
     // runtime reserve (GPU) or outside the backend (CPU).
   } else {
     const int64_t G = std::max(1, s.group);
-    double S = 0, Ppad = 0, max_shard = 0;
+    double S = 0, Ppad = 0;
     for (int64_t n : units) {
-      const int64_t sh = ceil_div(n, G);
-      S += double(sh);
-      Ppad += double(sh * G);
-      max_shard = std::max(max_shard, double(sh));
+      S += double(ceil_div(n, G));
+      Ppad += double(ceil_div(n, G) * G);
     }
-    auto pad = [&](int64_t n) { return double(ceil_div(n, G) * G); };
     r.params = 4 * S + (extra_copy ? a * S : 0) + (s.strategy == "shard_grad_op" ? a * Ppad : 0);
     r.grads = 4 * S;
     r.optimizer = 8 * S;
@@ -154,6 +150,19 @@ MemoryBreakdown memory_of_units(const std::vector<int64_t>& units, int L, int T,
       // hybrid_shard across replica groups sums the shards on the device.
       if (!(s.strategy == "hybrid_shard" && s.world / G > 1) && !s.offload_grad_on_device) r.grads = 0;
     }
+  }
+  return r;
+}
+
+MemoryBreakdown memory_of_units(const std::vector<int64_t>& units, int L, int T, const Sharding& s, int B,
+                                double activations, const DeviceModel& d) {
+  MemoryBreakdown r = state_of_units(units, s, d);
+  const double a = d.act_bytes;
+  if (s.strategy != "no_shard") {
+    const int64_t G = std::max(1, s.group);
+    double max_shard = 0;
+    for (int64_t n : units) max_shard = std::max(max_shard, double(ceil_div(n, G)));
+    auto pad = [&](int64_t n) { return double(ceil_div(n, G) * G); };
     // parallel/sharding/sharding_sharded.cpp: a landing buffer for one reduce-scatter
     // shard; full-size fp32 gradient buckets for the embeddings (open for the
     // whole backward: the tied head writes into it first), the head, and two
@@ -207,9 +216,10 @@ namespace planner_detail {
 // backward, with the reduce-scatters; nvme with accumulation: once per
 // step, summed on the device), the act-dtype parameters go up once per step.
 void add_offload(PlanRow& row, const std::vector<int64_t>& units, const PlanRequest& req, double act_bytes,
-                 CommVolume& c) {
+                 CommVolume& c, const std::vector<int64_t>* more_units, const Sharding* more_sharding) {
   const bool nvme = req.offload == "nvme";
-  const double state = offload_state_bytes(units, row.sharding);
+  double state = offload_state_bytes(units, row.sharding);
+  if (more_units) state += offload_state_bytes(*more_units, *more_sharding);
   row.host_bytes_per_node = req.gpus_per_node * (nvme ? double(offload_nvme_host_bytes()) : state);
   if (req.host_memory > 0 && row.host_bytes_per_node > req.host_memory) row.fits = false;
   const double elems = state / 16.0;

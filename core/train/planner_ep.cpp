@@ -4,21 +4,21 @@
 //
 // The model of one rank at degree ep (W GPUs, the dp strategy S), as the
 // trainer stores it (core/model/moe/expert_parallel_plan.h,
-// parallel/expert/ep_grad_store.h):
-//  - the rank's layout is every dense tensor (attention, norms, the router,
-//    a shared expert, embeddings, head) plus its n_experts / ep experts
-//    (every `.experts.` tensor split over the ep ranks of an expert group);
-//  - that layout is sharded by S over the expert data-parallel group, the
-//    W / ep ranks with the same ep index (no_shard: held whole), so the
-//    experts' fp32 master, act-dtype copy, fp32 gradient and AdamW moments
-//    (4 + 2 + 4 + 8 bytes per element on a GPU) are 1 / (W / ep) of the
-//    rank's experts, and the dense part 1 / (W / ep) of it, not 1 / W: the
-//    split trades dense sharding for expert sharding (at ep = W the dense
-//    part is held whole on every rank);
-//  - gradients: the local units reduce(-scatter) over the expert-dp group
-//    as S does, and the dense elements are first all-reduced over the ep
-//    group (2 (ep-1)/ep x 4 bytes per dense element, per micro-batch for a
-//    sharded S, once per step for no_shard; counted exposed);
+// parallel/expert/ep_split_store.h):
+//  - the dense part (attention, norms, the router, a shared expert,
+//    embeddings, head: every tensor but the routed experts') is sharded by
+//    S over all W ranks, exactly as a dense model's units are;
+//  - the rank's n_experts / ep experts (every `.experts.` tensor split over
+//    the ep ranks of an expert group) are sharded by S over the expert
+//    data-parallel group, the W / ep ranks with the same ep index
+//    (no_shard: held whole), so their fp32 master, act-dtype copy, fp32
+//    gradient and AdamW moments (4 + 2 + 4 + 8 bytes per element on a GPU)
+//    are 1 / W of all experts' state at any ep;
+//  - each part's gradients reduce(-scatter) over its own group as S does,
+//    and each part gathers its own units (full_shard): two sets of buffers
+//    in flight, plus the blocks the store assembles from the two parts for
+//    the network (a block's params in act dtype and its fp32 gradient, two
+//    blocks of each counted);
 //  - activations: the model's arena, whose MoE buffers hold N x top_k
 //    routed rows; with balanced routing a rank receives as many rows as it
 //    sends (ep ranks x N K / ep), so that arena stands, plus what the MoE
@@ -37,11 +37,16 @@
 //    NVLink inside a node, the network across). They sit between the router
 //    and the experts' GEMMs, on the critical path: counted exposed.
 // ep 1 is the strategy row itself (experts sharded by S with the rest).
+// The assembly's device copies (a block's parameters per acquire, its
+// gradient per backward) are not in the step time: a few GB/s-seconds of
+// device bandwidth against the block's GEMMs.
 // The recommended degree is the fastest that fits (ties: the smaller ep,
-// fewer all-to-all bytes). Not offered with adapters, offload or
-// hybrid_shard (the trainer's expert parallelism holds every expert on
-// every rank there: the split is not implemented), nor where ep does not
-// divide the experts or the GPUs.
+// fewer all-to-all bytes). With offload each part's state moves to the
+// host as the strategy rows' does (add_offload over both parts); with
+// hybrid_shard the dense part shards inside groups of G ranks and the
+// experts inside the G/ep of them with the rank's ep index, replicated
+// across groups. Not offered with adapters (the trainer refuses them with
+// ep), nor where ep does not divide the experts, the GPUs or hybrid's G.
 #include <algorithm>
 #include <cmath>
 #include <memory>
@@ -52,6 +57,7 @@
 #include "core/model/moe/moe_mlp.h"
 #include "core/train/planner.h"
 #include "core/train/planner_internal.h"
+#include "parallel/sharding/offload.h"
 
 namespace trainrun {
 
@@ -69,17 +75,26 @@ std::vector<int64_t> expert_unit_numels(const ModelArch& m) {
   return ex;
 }
 
-std::vector<int64_t> ep_local_units(const ModelArch& m, int ep) {
+std::vector<int64_t> ep_dense_units(const ModelArch& m) {
   std::vector<int64_t> units = unit_numels(m);
   const std::vector<int64_t> ex = expert_unit_numels(m);
-  for (size_t i = 0; i < units.size(); ++i) units[i] -= ex[i] - ex[i] / ep;
+  for (size_t i = 0; i < units.size(); ++i) units[i] -= ex[i];
+  return units;
+}
+
+std::vector<int64_t> ep_expert_units(const ModelArch& m, int ep) {
+  std::vector<int64_t> units;
+  for (int64_t e : expert_unit_numels(m))
+    if (e > 0) units.push_back(e / ep);
   return units;
 }
 
 Sharding ep_local_sharding(const Sharding& s, int ep) {
   Sharding x = s;
   x.world = std::max(1, s.world / ep);
-  x.group = s.strategy == "no_shard" ? 1 : x.world;
+  // hybrid_shard: the rank's experts shard over the G/ep members of its
+  // shard group with its ep index, replicated across the W/G groups.
+  x.group = s.strategy == "no_shard" ? 1 : s.strategy == "hybrid_shard" ? std::max(1, s.group / ep) : x.world;
   return x;
 }
 
@@ -113,13 +128,41 @@ MemoryBreakdown estimate_ep_memory(const ModelArch& m, int ep, const Sharding& s
   TR_CHECK(ep >= 1 && (ep == 1 || (c.moe.on() && c.moe.n_experts % ep == 0)), "plan: expert-parallel degree ", ep,
            " must divide the model's ", c.moe.n_experts, " experts");
   if (ep == 1) return estimate_memory(m, s, micro_batch, checkpointing, d);
-  TR_CHECK(s.strategy != "hybrid_shard" && !s.offload, "plan: expert parallelism with ",
-           s.offload ? "offload" : "hybrid_shard", " holds every expert on every rank (the split is not implemented)");
+  TR_CHECK(s.strategy != "hybrid_shard" || s.group % ep == 0, "plan: expert parallelism ", ep, " with hybrid_shard "
+           "groups of ", s.group, ": ep must divide the shard group (else every rank holds every expert)");
   const Sharding x = ep_local_sharding(s, ep);
   const double landing = double(MoeMlp::ep_exchange_bytes(c.moe, c.C, size_t(d.act_bytes), int64_t(micro_batch) * c.T,
                                                           checkpointing ? 1 : c.L, true, ep));
-  return memory_of_units(ep_local_units(m, ep), c.L, c.T, x, micro_batch,
-                         estimate_activation_bytes(m, micro_batch, checkpointing, d) + landing, d);
+  // The dense part as a dense model's units over all W ranks (its
+  // activations and workspace are the rank's), then the experts' state
+  // over the expert-dp group, as memory_of_units counts an element.
+  MemoryBreakdown r = memory_of_units(ep_dense_units(m), c.L, c.T, s, micro_batch,
+                                      estimate_activation_bytes(m, micro_batch, checkpointing, d) + landing, d);
+  const std::vector<int64_t> xu = ep_expert_units(m, ep);
+  const MemoryBreakdown xs = state_of_units(xu, x, d);
+  r.params += xs.params;
+  r.grads += xs.grads;
+  r.optimizer += xs.optimizer;
+  // Sharded: a reduce-scatter landing shard, two blocks' fp32 gradient
+  // buckets and (full_shard) two gathered blocks, as the dense part's.
+  const double a = d.act_bytes;
+  if (x.strategy != "no_shard") {
+    const int64_t G = std::max(1, x.group);
+    double max_shard = 0, block = 0;
+    for (int64_t n : xu) {
+      max_shard = std::max(max_shard, double(ceil_div(n, G)));
+      block = std::max(block, double(ceil_div(n, G) * G));
+    }
+    r.comm += 4 * max_shard + 2 * block * (4 + (x.strategy == "shard_grad_op" ? 0 : a));
+  }
+  // The assembled blocks (dense part + experts, what the network reads):
+  // two blocks' act-dtype parameters and fp32 gradients.
+  const std::vector<int64_t> du = ep_dense_units(m), ex = expert_unit_numels(m);
+  double mixed = 0;
+  for (size_t i = 0, k = 0; i < du.size(); ++i)
+    if (ex[i] > 0) mixed = std::max(mixed, double(du[i] + xu[k++]));
+  r.comm += 2 * mixed * (a + 4);
+  return r;
 }
 
 namespace planner_detail {
@@ -134,15 +177,8 @@ void plan_expert_parallel(Plan& plan, const ModelArch& m, const DeviceModel& dev
     for (int ep = 2; ep <= 8; ep *= 2) plan.ep_not_offered.push_back({ep, why});
   };
   if (req.adapter.on()) return refuse_all("adapters under expert parallelism are not planned (nor trained) yet");
-  if (req.offload != "none")
-    return refuse_all("parallel.offload with expert parallelism holds every expert on every rank (the split is not "
-                      "implemented there), so it is not planned");
   const std::string strategy = req.job_strategy.empty() ? "full_shard" : req.job_strategy;
-  if (strategy == "hybrid_shard")
-    return refuse_all("hybrid_shard with expert parallelism holds every expert on every rank (the split is not "
-                      "implemented there), so it is not planned; full_shard splits them");
   const int hybrid_group = req.shard_group_size > 0 ? req.shard_group_size : req.gpus_per_node;
-  const double X_all = double(moe_expert_parameters(m));
   const double peak = plan.gpu.bf16_flops * req.compute_efficiency;
   for (int ep = 1; ep <= 8; ep *= 2) {
     if (ep > 1 && mc.moe.n_experts % ep != 0) {
@@ -154,12 +190,21 @@ void plan_expert_parallel(Plan& plan, const ModelArch& m, const DeviceModel& dev
       plan.ep_not_offered.push_back({ep, std::to_string(W) + " GPUs do not split into groups of " + std::to_string(ep)});
       continue;
     }
+    if (ep > 1 && strategy == "hybrid_shard" && hybrid_group % ep != 0) {
+      plan.ep_not_offered.push_back({ep, "hybrid_shard's shard group of " + std::to_string(hybrid_group) +
+                                             " ranks does not split into ep groups of " + std::to_string(ep) +
+                                             " (the trainer would hold every expert on every rank)"});
+      continue;
+    }
     PlanRow row;
     row.ep = ep;
     row.dp = W;
     row.sharding.strategy = strategy;
     row.sharding.world = W;
     row.sharding.group = strategy == "no_shard" ? 1 : strategy == "hybrid_shard" ? hybrid_group : W;
+    row.sharding.offload = req.offload != "none";
+    row.sharding.offload_grad_on_device = offload_keeps_device_grad(
+        parse_offload_mode(req.offload), std::max(1, int(ceil_div(req.global_batch, int64_t(req.micro_batch) * W))));
     auto memory_at = [&](int b) { return estimate_ep_memory(m, ep, row.sharding, b, req.checkpointing, dev); };
     row.mem = memory_at(req.micro_batch);
     row.fits = row.mem.total() <= plan.capacity;
@@ -173,8 +218,10 @@ void plan_expert_parallel(Plan& plan, const ModelArch& m, const DeviceModel& dev
       row.max_micro_batch = lo;
     }
     const Sharding xs = ep_local_sharding(row.sharding, ep);  // the expert-dp group's
-    const double X = ep > 1 ? X_all / ep : 0;                 // this rank's experts' elements
-    row.expert_state = X / std::max(1, xs.group) * (4 + (dev.act_bytes != 4 ? dev.act_bytes : 0) + 4 + 8);
+    if (ep > 1) {  // what the device keeps of them (offload: the act-dtype copy only)
+      const MemoryBreakdown st = state_of_units(ep_expert_units(m, ep), xs, dev);
+      row.expert_state = st.params + st.grads + st.optimizer;
+    }
     row.accum = std::max(1, int(ceil_div(req.global_batch, int64_t(req.micro_batch) * W)));
     const double tokens_gpu = double(row.accum) * req.micro_batch * double(mc.T);
     row.compute_s = tokens_gpu * (fpt + recompute) / peak;
@@ -188,24 +235,30 @@ void plan_expert_parallel(Plan& plan, const ModelArch& m, const DeviceModel& dev
       if (ep > 1 && l.tp == ep) row.ep_link = l.kind, bw_ep = l.bytes_per_s * req.bus_efficiency;
     row.a2a_s = row.accum *
                 ep_all_to_all_bytes_per_micro_batch(m, ep, req.micro_batch, req.checkpointing, dev.act_bytes) / bw_ep;
-    // The local units' collectives over the expert-dp group (the strategy
-    // rows' model on W / ep ranks), then the dense gradients' all-reduce
-    // over the ep group (per micro-batch when S shards, else once).
-    const std::vector<int64_t> units = ep > 1 ? ep_local_units(m, ep) : unit_numels(m);
-    const Sharding& cs = ep > 1 ? xs : row.sharding;
+    // Each part's collectives as the strategy rows count them: the dense
+    // units over all W ranks, the rank's experts over its expert-dp group
+    // (the ranks with its ep index: strided, so across nodes when there
+    // are several).
     const double bw_world = req.nodes > 1 ? bw_inter : bw_intra;
-    const double bw_group = cs.group <= req.gpus_per_node ? bw_intra : bw_inter;
-    const CommVolume c = comm_time(units, cs, row.accum, dev.act_bytes, bw_world, bw_group, bw_world);
-    double dense_ar = 0;
+    const double bw_group = row.sharding.group <= req.gpus_per_node ? bw_intra : bw_inter;
+    CommVolume c = comm_time(ep > 1 ? ep_dense_units(m) : unit_numels(m), row.sharding, row.accum, dev.act_bytes,
+                             bw_world, bw_group, bw_world);
+    const std::vector<int64_t> xu = ep_expert_units(m, ep);
     if (ep > 1) {
-      double dense = 0;
-      for (int64_t n : units) dense += double(n);
-      dense -= X;
-      const int times = strategy == "no_shard" ? 1 : row.accum;
-      dense_ar = times * 2.0 * (ep - 1) / ep * 4 * dense / bw_ep;
+      // The expert-dp group is strided (across nodes when there are several);
+      // hybrid's expert shard group lies inside the rank's shard group.
+      const CommVolume cx = comm_time(xu, xs, row.accum, dev.act_bytes, bw_world,
+                                      strategy == "hybrid_shard" ? bw_group : bw_world, bw_world);
+      c.overlapped += cx.overlapped;
+      c.exposed += cx.exposed;
     }
-    row.comm_s = c.overlapped + c.exposed + dense_ar + row.a2a_s;
-    row.exposed_comm_s = c.exposed + dense_ar + row.a2a_s;
+    // Offload: the host state of both parts (1/W of each at any ep), the
+    // host AdamW over it, the uploads.
+    if (row.sharding.offload)
+      add_offload(row, ep > 1 ? ep_dense_units(m) : unit_numels(m), req, dev.act_bytes, c, ep > 1 ? &xu : nullptr,
+                  &xs);
+    row.comm_s = c.overlapped + c.exposed + row.a2a_s;
+    row.exposed_comm_s = c.exposed + row.a2a_s;
     row.step_s = row.exposed_comm_s + std::max(row.compute_s, c.overlapped);
     row.tokens_per_s = tokens_gpu * W / row.step_s;
     row.mfu = tokens_gpu * fpt / row.step_s / plan.gpu.bf16_flops;
@@ -225,8 +278,8 @@ void plan_expert_parallel(Plan& plan, const ModelArch& m, const DeviceModel& dev
       o << " (the least, ep" << least->ep << ", needs " << gib(least->mem.total()) << " GiB: its experts alone "
         << gib(least->expert_state) << ")";
     // More nodes add replicas of the expert groups, not ranks to split an expert over.
-    o << "; a rank's n_experts/ep experts and its dense part are sharded over only the W/ep ranks of its "
-         "expert-dp group, so the strategy rows (everything sharded over all ranks) are the way to fit"
+    o << "; a rank's n_experts/ep experts are sharded over the W/ep ranks of its expert-dp group (1/W of the "
+         "experts' state at any ep), so the strategy rows, without the all-to-all buffers, are the way to fit"
       << (req.checkpointing ? "" : ", with --activation-checkpointing blocks") << ".";
   } else {
     plan.has_ep_recommendation = true;
@@ -249,8 +302,8 @@ void render_ep_table(const Plan& p, std::ostringstream& o) {
   o << "\nexpert parallel (ep ranks share the " << c.moe.n_experts << " experts, top-" << c.moe.top_k
     << "; tp 1; ep folds into dp " << r.gpus_per_node * r.nodes << "; the rest sharded "
     << (r.job_strategy.empty() ? "full_shard" : r.job_strategy)
-    << "; a rank's dense part and its experts sharded over the W/ep ranks of its expert-dp group; experts / exp "
-       "state: its experts and their share of params, grads and AdamW state; a2a: 2 all-to-alls per MoE layer "
+    << "; the dense part sharded over all ranks, a rank's experts over the W/ep ranks of its expert-dp "
+       "group; experts / exp state: its experts and their share of params, grads and AdamW state; a2a: 2 all-to-alls per MoE layer "
     << "forward and 2 backward of micro-batch x T x top_k x C values, (ep-1)/ep of them leaving the rank; balanced "
        "routing assumed)\n";
   std::vector<std::pair<std::string, size_t>> cols = {

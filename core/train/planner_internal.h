@@ -40,6 +40,9 @@ std::vector<int64_t> unit_numels(const ModelArch& m);
 // rank's local layout, or one pipeline stage's) with a given activation arena.
 MemoryBreakdown memory_of_units(const std::vector<int64_t>& units, int L, int T, const Sharding& s, int B,
                                 double activations, const DeviceModel& d);
+// Its parameters, gradients and optimizer state alone (what the strategy
+// and offload keep per element), for a part of a rank's layout.
+MemoryBreakdown state_of_units(const std::vector<int64_t>& units, const Sharding& s, const DeviceModel& d);
 
 struct CommVolume {
   double overlapped = 0, exposed = 0;  // seconds
@@ -50,9 +53,12 @@ struct CommVolume {
 CommVolume comm_time(const std::vector<int64_t>& units, const Sharding& s, int accum, double a, double bw_world,
                      double bw_group, double bw_replica);
 
-// Offload's host memory and added step time for one row whose rank holds `units`.
+// Offload's host memory and added step time for one row whose rank holds
+// `units` (sharded as row.sharding), and `more_units` sharded as
+// `more_sharding` (expert parallelism's experts over the expert-dp group).
 void add_offload(PlanRow& row, const std::vector<int64_t>& units, const PlanRequest& req, double act_bytes,
-                 CommVolume& c);
+                 CommVolume& c, const std::vector<int64_t>* more_units = nullptr,
+                 const Sharding* more_sharding = nullptr);
 
 // Formatting for the tables: GiB, "12 ms" / "1.25 s", "3.21 k", padded cells.
 std::string gib(double b, int prec = 1);
@@ -108,10 +114,12 @@ void render_cp_table(const Plan& p, std::ostringstream& o);
 
 // planner_ep.cpp: the expert-parallel rows, their recommendation and table.
 std::vector<int64_t> expert_unit_numels(const ModelArch& m);  // per unit: its routed experts' elements
-// Expert parallelism's per-rank storage (planner_ep.cpp): the units of an
-// ep rank's layout (dense + n_experts/ep experts) and the sharding of that
-// layout over its expert-dp group (W/ep ranks).
-std::vector<int64_t> ep_local_units(const ModelArch& m, int ep);
+// Expert parallelism's per-rank storage (planner_ep.cpp): every unit's
+// dense elements (sharded over all W ranks), the MoE units' n_experts/ep
+// experts (one entry per MoE layer) and their sharding over the rank's
+// expert-dp group (W/ep ranks).
+std::vector<int64_t> ep_dense_units(const ModelArch& m);
+std::vector<int64_t> ep_expert_units(const ModelArch& m, int ep);
 Sharding ep_local_sharding(const Sharding& s, int ep);
 void plan_expert_parallel(Plan& plan, const ModelArch& m, const DeviceModel& dev, double bw_intra, double bw_inter,
                           double recompute, double fpt);

@@ -39,7 +39,7 @@
 #include "kernels/backend_factory.h"
 #include "parallel/comm/comm_record.h"
 #include "parallel/comm/communicator.h"
-#include "parallel/expert/ep_grad_store.h"
+#include "parallel/expert/ep_split_store.h"
 #include "parallel/comm/enqueue_order.h"
 #include "parallel/comm/fault_injection.h"
 #include "parallel/context/cp_attention.h"
@@ -193,6 +193,14 @@ class Trainer {
   // Microbatch m of the batch at `cursor` into one pipeline stage's device
   // buffers: those of `to` that are not null.
   void read_microbatch(const TokenSource& src, int64_t cursor, int m, const PipelineExecutor::MicrobatchBuffers& to);
+  // The trained store over `layout` (the model's, this rank's TP slice or
+  // its pipeline stage), sharded by parallel.sharding over `dp`; with the
+  // experts' storage split on and experts in the layout, the two-part
+  // store of parallel/expert/ep_split_store.h over an ExpertParallelPlan
+  // of it (ep_plan_).
+  std::unique_ptr<ParamStore> make_model_store(const ParamLayout& layout, Communicator* dp, int group,
+                                               const CommFactory& factory, const HybridComms* hybrid,
+                                               const OffloadOptions& offload);
   // The compute's activations for the reports: the network, or the pipeline's stage networks.
   const Network& network() const { return pipe_ ? pipe_->network_view() : *model_; }
   bool debug_nan_step(int step) const { return debug_nan_step_for(w_.rank, step); }
@@ -207,6 +215,19 @@ class Trainer {
   // (parallel/comm/enqueue_order.h). Before them: outlives every user.
   EnqueueOrder enqueue_order_;
   std::unique_ptr<Communicator> comm_;
+  // Expert parallelism: the ep group (null at 1) and what the network gets.
+  // Before the network and the store, which use them until they are gone.
+  std::unique_ptr<Communicator> ep_comm_;
+  ExpertParallel ep_ctx_;
+  // The experts' storage split (issue 28): this rank's layout and the
+  // expert data-parallel group (the dp ranks with its ep index).
+  std::unique_ptr<ExpertParallelPlan> ep_plan_;
+  std::unique_ptr<Communicator> xdp_comm_;
+  bool ep_split_ = false;  // the experts' storage is split (make_model_store)
+  // hybrid_shard: the experts' shard and replica groups inside the expert-dp group.
+  std::unique_ptr<Communicator> xdp_shard_, xdp_replica_;
+  std::unique_ptr<HybridComms> xdp_hybrid_;
+  int xdp_group_ = 0;
   std::unique_ptr<ModelArch> arch_;  // the model's description (layout, init, files, FLOPs)
   std::unique_ptr<Network> model_;   // its forward/backward and activations
   std::unique_ptr<ParamStore> params_;
@@ -258,13 +279,6 @@ class Trainer {
   std::unique_ptr<Communicator> cp_comm_;
   ContextParallel cp_ctx_;
   std::unique_ptr<SequenceSplit> cp_split_;
-  // Expert parallelism: the ep group (null at 1) and what the network gets.
-  std::unique_ptr<Communicator> ep_comm_;
-  ExpertParallel ep_ctx_;
-  // The experts' storage split (issue 28): this rank's layout and the
-  // expert data-parallel group (the dp ranks with its ep index).
-  std::unique_ptr<ExpertParallelPlan> ep_plan_;
-  std::unique_ptr<Communicator> xdp_comm_;
   int rows_ = 0;
   std::vector<int32_t> host_rows_;
   // data.document_mask: the separator (-1 = off) and each batch's document
@@ -427,22 +441,40 @@ void Trainer::setup() {
     ep_comm_ = factory(mesh_->dp_group_name() + "_ep" + std::to_string(dpi / ep) + "/", dpi % ep, ep);
     ep_ctx_.comm = ep_comm_.get();
     // Split storage: each rank holds its experts only (ExpertParallelPlan),
-    // reduced over the expert-dp group, the dense rest over ep x that group
-    // (parallel/expert/ep_grad_store.h). Not yet with tp, pp, adapters,
-    // hybrid_shard or offload: there every rank holds every expert as before.
-    if (tp == 1 && dims.pp == 1 && !job_.model.adapter.on() && job_.parallel.sharding != "hybrid_shard" &&
-        job_.parallel.offload == "none") {
-      ep_plan_ = std::make_unique<ExpertParallelPlan>(arch_->layout(), cfg.moe.n_experts, ep, dpi % ep);
-      xdp_comm_ = factory(mesh_->dp_group_name() + "_xdp" + std::to_string(dpi % ep) + "/", dpi / ep, dp_size_ / ep);
+    // sharded over the expert-dp group (the dp ranks of its dp group with
+    // its ep index), and the dense rest over the whole dp group
+    // (parallel/expert/ep_split_store.h; make_model_store). hybrid_shard:
+    // the dense part shards inside each shard group of G dp ranks as it
+    // would without experts, the experts inside the G/E ranks of that group
+    // with the rank's ep index (its expert-dp shard group), replicated
+    // across the groups; it needs E to divide G (else every rank holds
+    // every expert). Not with adapters (the job spec refuses them with ep).
+    const bool hybrid = job_.parallel.sharding == "hybrid_shard";
+    const int G = hybrid ? dims.dp_shard : 0;
+    if (!job_.model.adapter.on() && (!hybrid || G % ep == 0)) {
+      const std::string xdp = mesh_->dp_group_name() + "_xdp" + std::to_string(dpi % ep);
+      xdp_comm_ = factory(xdp + "/", dpi / ep, dp_size_ / ep);
+      if (hybrid) {
+        // Expert-dp rank j = dpi / ep: shard groups of Gx consecutive j (the
+        // rank's hybrid shard group's members with its ep index), replica
+        // groups of the same j % Gx; a group of one has no communicator.
+        const int j = dpi / ep, Gx = G / ep, R = dp_size_ / G;
+        if (Gx > 1) xdp_shard_ = factory(xdp + "_shard" + std::to_string(j / Gx) + "/", j % Gx, Gx);
+        if (R > 1) xdp_replica_ = factory(xdp + "_replica" + std::to_string(j % Gx) + "/", j / Gx, R);
+        xdp_hybrid_ = std::make_unique<HybridComms>(HybridComms{xdp_shard_.get(), xdp_replica_.get()});
+        xdp_group_ = Gx;
+      }
+      ep_split_ = true;
       ep_ctx_.split_storage = true;
     }
     if (w_.rank == 0)
       TR_LOG_INFO("expert parallelism: ep", ep, " inside dp", dp_size_, ": groups of ", ep,
                   " consecutive dp ranks of each dp group (", mesh_->dp_group_name(), "_ep0 = dp ranks 0..", ep - 1, "); ep rank i runs experts [i*",
                   cfg.moe.n_experts / ep, ", (i+1)*", cfg.moe.n_experts / ep, ") of every layer for its group's "
-                  "tokens", ep_plan_ ? " and holds only those (their parameters, gradients and optimizer state)"
-                                     : "; expert weights are held by every rank here (tp, pp, adapters, hybrid_shard "
-                                       "or offload: their storage is not split yet)");
+                  "tokens", ep_split_ ? " and holds only those (their parameters, gradients and optimizer state, sharded over "
+                                       "the dp ranks with its ep index; the dense rest sharded over the whole dp group)"
+                                     : "; expert weights are held by every rank here (hybrid_shard with a shard group "
+                                       "that expert_parallel does not divide)");
   }
   const ExpertParallel* epc = ep > 1 ? &ep_ctx_ : nullptr;
   // Offload: the whole node's host memory is checked before any rank
@@ -474,13 +506,8 @@ void Trainer::setup() {
                                  cpc, epc);
     // With adapters the base is frozen: its store has parameters only (no
     // gradients, master weights or moments), sharded alike.
-    if (ep_plan_) {  // this rank's experts only, in global coordinates outside (checkpoints, init_from, files)
-      const ParamLayout& local = ep_plan_->local_layout();
-      params_ = make_tensor_parallel_store(
-          make_expert_grad_store(make_param_store(job_.parallel.sharding, local, be_.get(), xdp_comm_.get(), group,
-                                                  factory, nullptr, offload),
-                                 local, ep_plan_->dense_ranges(), ep_comm_.get()),
-          ep_plan_->storage_plan(), ep_comm_.get());
+    if (ep_split_) {  // this rank's experts only, in global coordinates outside (checkpoints, init_from, files)
+      params_ = make_model_store(arch_->layout(), comm_.get(), group, factory, nullptr, offload);
     } else {
       params_ = adapter
                     ? make_frozen_param_store(job_.parallel.sharding, arch_->layout(), be_.get(), comm_.get(), group,
@@ -550,8 +577,7 @@ void Trainer::setup() {
       // sharded over the dp group alike (groups from dp_factory).
       store = adapter ? make_frozen_param_store(job_.parallel.sharding, outer, be_.get(), dp, dims.dp_shard, dp_factory,
                                                 frozen_format(*arch_, job_.model.base_dtype, *tp_plan_, tp_ctx_.comm))
-                      : make_param_store(job_.parallel.sharding, outer, be_.get(), dp, dims.dp_shard, factory,
-                                         &hybrid, offload);
+                      : make_model_store(outer, dp, dims.dp_shard, factory, &hybrid, offload);
       if (adapter) {
         // The adapters' dp store on its own communicator (its own thread);
         // their slice follows the base's (lora.h, "Tensor parallelism").
@@ -586,8 +612,7 @@ void Trainer::setup() {
                                                       dims.dp_shard, dp_factory,
                                                       frozen_format(*arch_, job_.model.base_dtype,
                                                                     pp_plan_->stage_layout()))
-                            : make_param_store(ps.sharding, pp_plan_->stage_layout(), be_.get(), dp, dims.dp_shard,
-                                               factory, &hybrid, offload);
+                            : make_model_store(pp_plan_->stage_layout(), dp, dims.dp_shard, factory, &hybrid, offload);
       Communicator* ppc = mesh_comms_->comm(MeshDim::pp);
       // The p2p links (parallel/pipeline/links.h), after every mesh group
       // and in the same order on every rank; on NCCL each on its own
@@ -782,6 +807,27 @@ void Trainer::setup() {
 // it) plus the resolved_mesh section. Written to a temporary file and
 // renamed over the old one, because workers on other nodes may be reading
 // it (restarts re-read it); either version loads as the same job.
+std::unique_ptr<ParamStore> Trainer::make_model_store(const ParamLayout& layout, Communicator* dp, int group,
+                                                      const CommFactory& factory, const HybridComms* hybrid,
+                                                      const OffloadOptions& offload) {
+  const std::string& s = job_.parallel.sharding;
+  bool experts = false;
+  for (const ParamTensor& t : layout.tensors)
+    if (ep_split_ && expert_of_tensor(t.name) >= 0) {
+      experts = true;  // (a pipeline stage of Qwen2-MoE's dense blocks may have none)
+      break;
+    }
+  if (!experts) return make_param_store(s, layout, be_.get(), dp, group, factory, hybrid, offload);
+  ep_plan_ = std::make_unique<ExpertParallelPlan>(layout, arch_->config().moe.n_experts, ep_comm_->world_size(),
+                                                  ep_comm_->rank());
+  const ExpertParallelPlan& p = *ep_plan_;
+  return make_expert_split_store(
+      p.local_layout(), make_param_store(s, p.dense_layout(), be_.get(), dp, group, factory, hybrid, offload),
+      p.dense_plan(),
+      make_param_store(s, p.expert_layout(), be_.get(), xdp_comm_.get(), xdp_group_, factory, xdp_hybrid_.get(), offload),
+      p.expert_plan(), ep_comm_.get(), be_.get());
+}
+
 void Trainer::write_resolved_spec_with_mesh(const MeshDims& dims) const {
   const fs::path path = fs::path(job_.output.dir) / "job.resolved.yaml";
   const fs::path tmp = fs::path(job_.output.dir) / ".job.resolved.yaml.tmp";
@@ -1407,13 +1453,13 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
     if (rank0_) {
       TR_LOG_INFO("adapter: written to ", (out / "adapter").string(),
                   " (peft.PeftModel.from_pretrained(base, dir) loads it)");
-      if (job_.output.sample_tokens > 0 && (tp_plan_ || pipe_ || ep_plan_))
+      if (job_.output.sample_tokens > 0 && (tp_plan_ || pipe_ || ep_split_))
         TR_LOG_INFO("sample: skipped at tp/pp > 1 with adapters (the sampler has no TP/PP split); run `trainrun "
                     "generate --checkpoint ", job_.model.init_from, " --adapter ", (out / "adapter").string(), "`");
     }
     // The sample at tp1/pp1: the base through the frozen store (gathered per
     // unit, as in training) with the adapters applied unmerged, dropout off.
-    if (job_.output.sample_tokens > 0 && !tp_plan_ && !pipe_ && !ep_plan_) {
+    if (job_.output.sample_tokens > 0 && !tp_plan_ && !pipe_ && !ep_split_) {
       adapt_->set_microbatch(false, int(step_), 0, T_);
       sample_at_end();
     }
@@ -1427,14 +1473,14 @@ TrainSummary Trainer::run_with(Checkpointer& ckpt, Clock::time_point t_start) {
   save_final_weights(path, *arch_, *params_, w_.rank, w_.world, store_.get(), prefix_,
                      std::chrono::milliseconds(disk_wait_timeout_ms(job_)));
   sum.wall_seconds = seconds_since(t_start);
-  if (job_.output.sample_tokens > 0 && !tp_plan_ && !pipe_ && !ep_plan_) sample_at_end();
+  if (job_.output.sample_tokens > 0 && !tp_plan_ && !pipe_ && !ep_split_) sample_at_end();
   log_memory_at_end();
   // Every rank is done with collectives; rank 0 then draws the summary and
   // plot without anyone waiting on it.
   comm_->barrier();
   // At tp > 1 rank 0 samples alone and without collectives: after the
   // barrier, so no peer waits for it inside a collective's timeout.
-  if (job_.output.sample_tokens > 0 && (tp_plan_ || pipe_ || ep_plan_)) sample_from_model_file(path);
+  if (job_.output.sample_tokens > 0 && (tp_plan_ || pipe_ || ep_split_)) sample_from_model_file(path);
   if (rank0_) reporter.finish(path);  // the one-screen summary (last on screen) and plot.svg
   return sum;
 }

@@ -63,7 +63,6 @@ ExpertParallelPlan::ExpertParallelPlan(const ParamLayout& global, int n_experts,
     r.local = local_off;
     r.global = t.offset;
     r.count = t.numel;
-    r.owner = e >= 0 || rank_ == 0;
     runs_.push_back(r);
     expert_run_.push_back(e >= 0);
     local_off += t.numel;
@@ -75,10 +74,45 @@ ExpertParallelPlan::ExpertParallelPlan(const ParamLayout& global, int n_experts,
   local_ = b.finish();
   TR_CHECK(local_.total == local_off && local_.units.size() == global_.units.size(),
            "expert parallelism: the local layout lost a unit or an element (a bug)");
-  TpLocalShape shape;
-  shape.tp = ep;
-  shape.rank = rank;
-  storage_ = std::make_shared<TensorParallelPlan>(global_, local_, runs_, shape);
+  // The two parts, each unit's tensors in local order (one builder per part).
+  LayoutBuilder dense_b, expert_b;
+  for (size_t u = 0; u < local_.units.size(); ++u) {
+    const ParamUnit& U = local_.units[u];
+    bool has_dense = false, has_expert = false;
+    for (const ParamTensor& t : local_.tensors)
+      if (t.unit == int(u)) (expert_of_tensor(t.name) >= 0 ? has_expert : has_dense) = true;
+    TR_CHECK(has_dense, "expert parallelism: unit ", U.name, " holds only routed experts (a bug in the layout: every "
+             "unit has dense tensors)");
+    dense_b.begin_unit(U.name);
+    if (has_expert) expert_b.begin_unit(U.name);
+    for (const ParamTensor& t : local_.tensors) {
+      if (t.unit != int(u)) continue;
+      (expert_of_tensor(t.name) >= 0 ? expert_b : dense_b).add(t.name, t.shape, t.decay, t.split, t.split_blocks,
+                                                               t.split_units);
+    }
+    dense_b.end_unit();
+    if (has_expert) expert_b.end_unit();
+  }
+  for (const ParamTie& tie : global_.ties) dense_b.tie(tie.name, tie.tensor);
+  // Each part's runs into the global vector, one per tensor, all owned.
+  auto plan_of = [&](ParamLayout part, int group, int pos) {
+    std::vector<TpRun> runs;
+    for (const ParamTensor& t : part.tensors) {
+      TpRun r;
+      r.local = t.offset;
+      r.global = global_.get(t.name).offset;
+      r.count = t.numel;
+      runs.push_back(r);
+    }
+    TpLocalShape shape;
+    shape.tp = group;
+    shape.rank = pos;
+    return std::make_shared<TensorParallelPlan>(global_, part, std::move(runs), shape);
+  };
+  dense_plan_ = plan_of(dense_b.finish(), 1, 0);
+  expert_plan_ = plan_of(expert_b.finish(), ep, rank);
+  TR_CHECK(dense_layout().total + expert_layout().total == local_.total,
+           "expert parallelism: the dense and expert parts do not add up to the local layout (a bug)");
 }
 
 int64_t ExpertParallelPlan::local_of(int64_t g) const {
@@ -99,20 +133,6 @@ std::vector<std::pair<int64_t, int64_t>> ExpertParallelPlan::expert_ranges() con
   std::vector<std::pair<int64_t, int64_t>> out;
   for (size_t i = 0; i < runs_.size(); ++i)
     if (expert_run_[i]) push_range(out, runs_[i].local, runs_[i].count);
-  return out;
-}
-
-std::vector<std::pair<int64_t, int64_t>> ExpertParallelPlan::dense_ranges() const {
-  std::vector<std::pair<int64_t, int64_t>> out;
-  for (size_t i = 0; i < runs_.size(); ++i)
-    if (!expert_run_[i]) push_range(out, runs_[i].local, runs_[i].count);
-  return out;
-}
-
-std::vector<std::pair<int64_t, int64_t>> ExpertParallelPlan::non_owner_ranges() const {
-  std::vector<std::pair<int64_t, int64_t>> out;
-  for (const TpRun& r : runs_)
-    if (!r.owner) push_range(out, r.local, r.count);
   return out;
 }
 

@@ -6,22 +6,32 @@
 //
 //   expert tensors  (every name with ".experts.<e>."): ep rank i holds the
 //                   experts [i*n/E, (i+1)*n/E) of every MoE layer, whole,
-//                   and is their only holder in its expert group (owner)
+//                   and is their only holder in its expert group
 //   everything else (attention, norms, the router, Qwen2-MoE's shared
-//                   expert, embeddings, head): every ep rank holds it; ep
-//                   rank 0 is its owner (writes checkpoints, counts it in
-//                   the grad norm), as TP's replicated tensors
+//                   expert, embeddings, head): "dense", used by every rank
 //
 // The local layout has the global layout's units, in order, and each
 // unit's tensors in order, less the other ranks' experts (names stay the
-// global ones, so HF names and checkpoints need no renaming). Its size is
-// the same on every ep rank, so the dense pieces sit at the same local
-// offsets on every rank: a store over the local layout shards them alike.
+// global ones, so HF names and checkpoints need no renaming).
 //
-// Gradients: a dense element's gradient is summed over the whole dp group,
-// an expert element's over its "expert data-parallel" group only (the dp
-// ranks with the same ep index): expert_ranges() are the local ranges the
-// second rule applies to.
+// Storage (parallel/expert/ep_split_store.h): the local layout is what the
+// network reads, one unit buffer per unit; behind it two stores hold the
+// two parts, each sharded by parallel.sharding over its own group, as
+// Megatron-Core keeps dense and expert parameters in separate buffers:
+//
+//   dense_layout()   the dense tensors of every unit, sharded over the
+//                    whole data-parallel group (W ranks), as a model
+//                    without experts would be: their gradients reduce over
+//                    every rank that computed them
+//   expert_layout()  this rank's experts, only the units that have
+//                    experts, sharded over the "expert data-parallel"
+//                    group (the W / E dp ranks with the same ep index, the
+//                    only ranks that hold and compute these experts)
+//
+// dense_plan() and expert_plan() map each part to the global layout
+// (TensorParallelPlan's runs: every run owned), so a global-coordinate
+// store wrapper (parallel/tensor/tp_param_store.h) serves checkpoints,
+// init_from and model files for each part.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -54,27 +64,25 @@ class ExpertParallelPlan {
   std::vector<std::pair<int64_t, int64_t>> held_global() const;
   // Local (start, count) ranges of the expert tensors, ascending and merged.
   std::vector<std::pair<int64_t, int64_t>> expert_ranges() const;
-  // The rest, the dense tensors' local ranges (summed over the ep group too:
-  // parallel/expert/ep_grad_store.h).
-  std::vector<std::pair<int64_t, int64_t>> dense_ranges() const;
-  // Local ranges this rank holds but does not own (the dense tensors on ep
-  // rank > 0): the grad norm and checkpoint writes skip them.
-  std::vector<std::pair<int64_t, int64_t>> non_owner_ranges() const;
-  // The same split as a TensorParallelPlan over a group of ep ranks, for
-  // make_tensor_parallel_store (parallel/tensor/tp_param_store.h): a store
-  // over local_layout() wrapped by it answers held_ranges / write_ranges,
-  // init_params, load_full_params and the state ranges in global
-  // coordinates (checkpoints, init_from and the model file stay logical),
-  // writes only what this rank owns, and sums the grad norm without
-  // non-owned elements over the ep group. The plan must outlive the store.
-  const TensorParallelPlan& storage_plan() const { return *storage_; }
+  // The two parts (above). dense_layout() has every unit of the global
+  // layout (each holds dense tensors: a block's attention, the embeddings)
+  // and the layout's ties; expert_layout() the units with experts, in order.
+  // The plan must outlive the stores built over them.
+  const ParamLayout& dense_layout() const { return dense_plan_->local_layout(); }
+  const ParamLayout& expert_layout() const { return expert_plan_->local_layout(); }
+  // dense_layout() -> global as a group of one (tp 1): a store over it,
+  // wrapped with a single-rank communicator, speaks global coordinates.
+  const TensorParallelPlan& dense_plan() const { return *dense_plan_; }
+  // expert_layout() -> global over the ep group: wrapped with the ep
+  // group's communicator, its grad norm sums every expert once.
+  const TensorParallelPlan& expert_plan() const { return *expert_plan_; }
 
  private:
   ParamLayout global_, local_;
   int n_experts_ = 0, ep_ = 1, rank_ = 0;
   std::vector<TpRun> runs_;
   std::vector<bool> expert_run_;  // per run: an expert tensor
-  std::shared_ptr<TensorParallelPlan> storage_;
+  std::shared_ptr<TensorParallelPlan> dense_plan_, expert_plan_;
 };
 
 // The routed expert a tensor belongs to ("...experts.5.w1.weight" -> 5),
