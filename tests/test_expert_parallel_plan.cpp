@@ -47,6 +47,15 @@ int64_t expert_elements(const ParamLayout& l) {
   return n;
 }
 
+// The planner's sharding of a W-rank job without hybrid groups.
+Sharding whole_group(const std::string& strategy, int W) {
+  Sharding s;
+  s.strategy = strategy;
+  s.world = W;
+  s.group = strategy == "no_shard" ? 1 : W;
+  return s;
+}
+
 // One rank of a W-rank job at expert-parallel degree E, as the trainer
 // builds it (core/train/trainer.cpp): ep groups of E consecutive ranks,
 // expert-dp groups of the ranks with the same ep index, and the two-part
@@ -279,11 +288,7 @@ TEST_CASE("expert parallel plan: at dp4 x ep2 dense gradients sum over all 4 ran
   }
   for (const std::string strategy : {"no_shard", "full_shard"}) {
     INFO(strategy);
-    Sharding sh;
-    sh.strategy = strategy;
-    sh.world = W;
-    sh.group = strategy == "no_shard" ? 1 : W;
-    const MemoryBreakdown row = estimate_ep_memory(*model, E, sh, 1, false, DeviceModel::cpu());
+    const MemoryBreakdown row = estimate_ep_memory(*model, E, whole_group(strategy, W), 1, false, DeviceModel::cpu());
     std::vector<double> norms(size_t(W), -1);
     std::vector<ShardMemory> mem(static_cast<size_t>(W));
     const auto errors = run_ep_ranks(*model, W, E, strategy, [&](int d, EpRank& k) {
@@ -335,11 +340,8 @@ TEST_CASE("expert parallel plan: an ep rank's bytes are the planner's EP row, th
     INFO("ep" << ep);
     for (const std::string strategy : {"no_shard", "full_shard"}) {
       INFO(strategy);
-      Sharding s;
-      s.strategy = strategy;
-      s.world = ep;
-      s.group = strategy == "no_shard" ? 1 : ep;
-      const MemoryBreakdown pred = estimate_ep_memory(*model, ep, s, 1, false, DeviceModel::cpu());
+      const MemoryBreakdown pred =
+          estimate_ep_memory(*model, ep, whole_group(strategy, ep), 1, false, DeviceModel::cpu());
       std::vector<ShardMemory> m(static_cast<size_t>(ep));
       const auto errors =
           run_ep_ranks(*model, ep, ep, strategy, [&](int d, EpRank& k) { m[size_t(d)] = k.store->memory(); });
