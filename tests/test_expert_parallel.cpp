@@ -375,30 +375,39 @@ TEST_CASE("expert parallel: under tp2, pp2, offload and hybrid_shard a rank hold
       CHECK(double(one[r].params_bytes) - double(two[r].params_bytes) == c.saved);
     }
   }
-  // hybrid_shard at ep2 x dp4: shard groups of G dp ranks hold the dense
+  // hybrid_shard at ep2: shard groups of G dp ranks hold the dense
   // part (1/G each), the G/2 of them with a rank's ep index its experts,
   // replicated across the 4/G groups; the bytes are the planner's row.
-  const std::string ref_out = dir / "ref";
-  test::run_ranks_inprocess(parse(ep_job(ref_out, "sharding: no_shard, ", 3)), 1);
-  test::MeshRun ref;
-  ref.losses = test::losses_of(ref_out);
-  (void)load_model_safetensors(ref_out + "/model.safetensors", ref.weights);
-  for (const int G : {2, 4}) {
-    INFO("hybrid_shard, shard_group_size " << G);
-    const std::string out = dir / ("hybrid" + std::to_string(G));
+  // One rank, at each micro-batch size (the router's aux loss is per micro-batch).
+  auto one_rank = [&](int mb) {
+    const std::string ref_out = dir / ("ref_mb" + std::to_string(mb));
+    test::run_ranks_inprocess(parse(ep_job(ref_out, "sharding: no_shard, ", 3), {"train.micro_batch_size=" +
+                                                                                 std::to_string(mb)}), 1);
+    test::MeshRun m;
+    m.losses = test::losses_of(ref_out);
+    (void)load_model_safetensors(ref_out + "/model.safetensors", m.weights);
+    return m;
+  };
+  const test::MeshRun ref2 = one_rank(2), ref1 = one_rank(1);
+  // (G, world): expert shard groups of G/2 and replica groups of world/G:
+  // (2, 4) 1 and 2, (4, 4) 2 and 1, (4, 8) 2 and 2.
+  for (const auto& [G, W] : std::vector<std::pair<int, int>>{{2, 4}, {4, 4}, {4, 8}}) {
+    INFO("hybrid_shard, shard_group_size " << G << ", world " << W);
+    const std::string out = dir / ("hybrid" + std::to_string(G) + "_" + std::to_string(W));
     const std::vector<TrainSummary> sums = test::run_ranks_inprocess(
         parse(ep_job(out, "sharding: hybrid_shard, shard_group_size: " + std::to_string(G) + ", expert_parallel: 2, ",
-                     3)),
-        4);
+                     3),
+              {"train.micro_batch_size=" + std::to_string(8 / W)}),
+        W);
     test::MeshRun got;
     got.losses = test::losses_of(out);
     (void)load_model_safetensors(out + "/model.safetensors", got.weights);
-    test::check_same_run("hybrid_shard G" + std::to_string(G) + " x ep2", got, ref);
+    test::check_same_run("hybrid_shard G" + std::to_string(G) + " x ep2", got, W == 8 ? ref1 : ref2);
     Sharding hs;
     hs.strategy = "hybrid_shard";
-    hs.world = 4;
+    hs.world = W;
     hs.group = G;
-    const MemoryBreakdown row = estimate_ep_memory(*arch, 2, hs, 2, false, DeviceModel::cpu());
+    const MemoryBreakdown row = estimate_ep_memory(*arch, 2, hs, 8 / W, false, DeviceModel::cpu());
     for (const TrainSummary& r : sums) {
       CHECK(double(r.params_bytes) == row.params);
       CHECK(double(r.grads_bytes) == row.grads);

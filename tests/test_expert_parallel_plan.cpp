@@ -193,11 +193,6 @@ TEST_CASE("expert parallel plan: an ep rank holds its experts only, its dense an
 TEST_CASE("expert parallel plan: the two-part store holds, writes and inits the dense part over dp and the experts "
           "over the expert-dp group, in global coordinates, and hands the network its local units",
           "[ep][moe][checkpoint]") {
-  const auto model = make_model_arch(test::moe_config(shape("qwen2_moe")));
-  const ParamLayout& g = model->layout();
-  const int n = model->config().moe.n_experts;
-  std::vector<float> init(size_t(g.total));
-  model->init_params(11, 0, g.total, init.data());
   auto mark = [](std::vector<int>& v, const ParamStore::Range& r) {
     for (int64_t k = 0; k < r.reps; ++k)
       for (int64_t i = 0; i < r.count; ++i) ++v[size_t(r.global + k * r.stride + i)];
@@ -205,9 +200,23 @@ TEST_CASE("expert parallel plan: the two-part store holds, writes and inits the 
   struct Case {
     int W, E;
     const char* strategy;
+    int L;
+    bool tied;
   };
-  for (const Case c : {Case{2, 2, "no_shard"}, Case{4, 2, "full_shard"}}) {
-    INFO(c.strategy << " dp" << c.W << " x ep" << c.E);
+  // L 4, tied: the no_shard dense part's ranges fold into a strided range
+  // across the middle blocks, around the experts (cut into rows), and the
+  // embeddings pass through for the tied head.
+  for (const Case c : {Case{2, 2, "no_shard", 2, false}, Case{4, 2, "full_shard", 2, false},
+                       Case{2, 2, "no_shard", 4, true}, Case{4, 2, "full_shard", 4, true}}) {
+    INFO(c.strategy << " dp" << c.W << " x ep" << c.E << ", " << c.L << " layers" << (c.tied ? ", tied" : ""));
+    test::MoeShape sh = shape("qwen2_moe");
+    sh.L = c.L;
+    sh.tied = c.tied;
+    const auto model = make_model_arch(test::moe_config(sh));
+    const ParamLayout& g = model->layout();
+    const int n = model->config().moe.n_experts;
+    std::vector<float> init(size_t(g.total));
+    model->init_params(11, 0, g.total, init.data());
     // Per rank: how often it holds / writes each global element (threads write their own row).
     std::vector<std::vector<int>> held(size_t(c.W), std::vector<int>(size_t(g.total), 0)), wrote = held;
     std::vector<int> bad_init(size_t(c.W), -1), bad_unit(size_t(c.W), -1);

@@ -818,14 +818,18 @@ std::unique_ptr<ParamStore> Trainer::make_model_store(const ParamLayout& layout,
       break;
     }
   if (!experts) return make_param_store(s, layout, be_.get(), dp, group, factory, hybrid, offload);
+  TR_CHECK(!ep_plan_, "expert parallelism: a second split store on one rank (a bug: its plan would replace the "
+           "first store's layouts)");
   ep_plan_ = std::make_unique<ExpertParallelPlan>(layout, arch_->config().moe.n_experts, ep_comm_->world_size(),
                                                   ep_comm_->rank());
   const ExpertParallelPlan& p = *ep_plan_;
-  return make_expert_split_store(
-      p.local_layout(), make_param_store(s, p.dense_layout(), be_.get(), dp, group, factory, hybrid, offload),
-      p.dense_plan(),
-      make_param_store(s, p.expert_layout(), be_.get(), xdp_comm_.get(), xdp_group_, factory, xdp_hybrid_.get(), offload),
-      p.expert_plan(), ep_comm_.get(), be_.get());
+  // The dense store first, then the experts': the same order on every rank
+  // (each may build communicators).
+  auto dense = make_param_store(s, p.dense_layout(), be_.get(), dp, group, factory, hybrid, offload);
+  auto expert_store =
+      make_param_store(s, p.expert_layout(), be_.get(), xdp_comm_.get(), xdp_group_, factory, xdp_hybrid_.get(), offload);
+  return make_expert_split_store(p.local_layout(), std::move(dense), p.dense_plan(), std::move(expert_store),
+                                 p.expert_plan(), ep_comm_.get(), be_.get());
 }
 
 void Trainer::write_resolved_spec_with_mesh(const MeshDims& dims) const {

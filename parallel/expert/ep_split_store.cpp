@@ -43,6 +43,7 @@ class ExpertSplitStore final : public ParamStore {
     parts_[1] = make_tensor_parallel_store(std::move(experts), expert_plan, ep);
     const ParamLayout& dense_layout = dense_plan.local_layout();
     const ParamLayout& expert_layout = expert_plan.local_layout();
+    expert_units_ = int(expert_layout.units.size());
     TR_CHECK(dense_layout.units.size() == local.units.size(),
              "expert parallelism: the dense part has ", dense_layout.units.size(), " units, the local layout ",
              local.units.size(), " (a bug)");
@@ -86,10 +87,19 @@ class ExpertSplitStore final : public ParamStore {
       TR_CHECK(U.dense_u == int(u), "expert parallelism: unit ", local.units[u].name, " has no dense tensor (a bug)");
       U.through = U.pieces.size() == 1 && U.pieces[0].part == 0 && U.numel == dense_layout.units[u].numel;
     }
-    // Checkpoint ranges: both parts', by global offset (they never overlap).
+    // Checkpoint ranges: both parts', by global offset, each contiguous.
+    // A part's wrapper folds equally spaced runs into one strided range (a
+    // no_shard dense part: every block's attention and router between the
+    // experts); the two parts' ranges then interleave, and the stores
+    // around this one (pipeline stage, TP) take contiguous ranges from
+    // their inner store (sharding.h). So each strided range is cut into
+    // its rows: one per block at most, never per element.
+    auto rows_of = [](const Range& r, auto&& add) {
+      for (int64_t i = 0; i < r.reps; ++i) add(Range{r.global + i * (r.reps > 1 ? r.stride : 0), r.count});
+    };
     for (int part = 0; part < 2; ++part) {
-      for (const Range& r : parts_[part]->held_ranges()) held_.push_back({r, part});
-      for (const Range& r : parts_[part]->write_ranges()) write_.push_back(r);
+      for (const Range& r : parts_[part]->held_ranges()) rows_of(r, [&](const Range& x) { held_.push_back({x, part}); });
+      for (const Range& r : parts_[part]->write_ranges()) rows_of(r, [&](const Range& x) { write_.push_back(x); });
     }
     auto by_global = [](const Range& a, const Range& b) { return a.global < b.global; };
     std::sort(held_.begin(), held_.end(), [&](const Held& a, const Held& b) { return by_global(a.r, b.r); });
@@ -141,7 +151,7 @@ class ExpertSplitStore final : public ParamStore {
     if (U.through) return parts_[0]->grads_done(U.dense_u);
     if (U.grads) {  // added, not copied: no_shard accumulates micro-batches in the parts' buffers
       float* dst[2] = {parts_[0]->unit_grads(U.dense_u), U.expert_u >= 0 ? parts_[1]->unit_grads(U.expert_u) : nullptr};
-      for (const Piece& p : U.pieces) be_->add_rows_f32(dst[p.part] + p.part_at, p.count, U.grads + p.at, p.count, 1, p.count);
+      for (const Piece& p : U.pieces) be_->accumulate(dst[p.part] + p.part_at, U.grads + p.at, p.count);
       pool_.put(U.grads, size_t(U.numel) * 4);
       U.grads = nullptr;
     }
@@ -149,15 +159,25 @@ class ExpertSplitStore final : public ParamStore {
     parts_[0]->grads_done(U.dense_u);
     if (U.expert_u >= 0) parts_[1]->grads_done(U.expert_u);
   }
+  // The order of the coming acquires, so each part queues its gathers
+  // behind the one in use. The dense part has the model's units and its
+  // pass rules (the embeddings kept from the forward for the tied head);
+  // the expert part's unit 0 is the first MoE block, not the embeddings,
+  // so its order is spelled out: every block forward, every block back.
+  // Given to the inner stores: the global-coordinate wrappers do not pass
+  // begin_pass_in_order on.
   void begin_pass(bool backward_pass, bool backward_follows) override {
-    for (auto& p : parts_) p->begin_pass(backward_pass, backward_follows);
+    inner_[0]->begin_pass(backward_pass, backward_follows);
+    std::vector<int> order(expert_units_);
+    for (int i = 0; i < expert_units_; ++i) order[size_t(i)] = backward_pass ? expert_units_ - 1 - i : i;
+    inner_[1]->begin_pass_in_order(order);
   }
   void begin_pass_in_order(const std::vector<int>& units) override {
     std::vector<int> experts;
     for (int u : units)
       if (units_[size_t(u)].expert_u >= 0) experts.push_back(units_[size_t(u)].expert_u);
-    parts_[0]->begin_pass_in_order(units);  // the dense part's units are the local ones
-    parts_[1]->begin_pass_in_order(experts);
+    inner_[0]->begin_pass_in_order(units);  // the dense part's units are the local ones
+    inner_[1]->begin_pass_in_order(experts);
   }
 
   // ---- the rest: both parts ------------------------------------------------------------
@@ -165,6 +185,11 @@ class ExpertSplitStore final : public ParamStore {
     for (auto& p : parts_) p->init_params(arch, seed);
   }
   void zero_grads() override {
+    for (LocalUnit& U : units_)  // a pass that ended without grads_done (an error unwound it)
+      if (U.grads) {
+        pool_.put(U.grads, size_t(U.numel) * 4);
+        U.grads = nullptr;
+      }
     for (auto& p : parts_) p->zero_grads();
   }
   void finish_grads() override {
@@ -285,6 +310,7 @@ class ExpertSplitStore final : public ParamStore {
   BufferPool pool_;
   size_t es_;
   std::vector<LocalUnit> units_;
+  int expert_units_ = 0;
   std::vector<Held> held_;
   std::vector<Range> write_;
 };
