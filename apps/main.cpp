@@ -169,6 +169,7 @@ struct GenerateText {
   std::string system;
   std::string adapter;  // --adapter: a PEFT LoRA/DoRA directory, applied unmerged
   std::string base_dtype = "auto";  // --base-dtype: the weights as a model.base_dtype run holds them
+  std::vector<std::string> stop;    // --stop: texts of single tokens that end the sample
 };
 
 namespace {
@@ -272,13 +273,27 @@ int cmd_generate(const std::string& ckpt, const std::string& prompt, SampleOptio
       ids = encode_text_prompt(*tok, prompt, gt.allow_special);  // as HF's encode(): BOS (Llama 3), then the text
     }
     so.vocab_limit = int(tok->vocab_size());  // a padded model vocab's extra rows have no text
+    // --stop: an added/special token by its content (<|endoftext|>), else a
+    // text that encodes to one token (" cat"); the sample ends after it, as
+    // transformers' generate ends after eos_token_id.
+    for (const std::string& st : gt.stop) {
+      int64_t id = tok->special_id(st);
+      if (id < 0) {
+        const std::vector<uint32_t> one = tok->encode(st, true);
+        TR_CHECK(one.size() == 1, "generate --stop '", st, "': ", tok_path, " encodes it to ", one.size(),
+                 " tokens; --stop takes one token: a special token's text (such as <|endoftext|>) or a word the "
+                 "vocabulary holds whole");
+        id = one[0];
+      }
+      so.stop_tokens.push_back(int32_t(id));
+    }
     if (!tok_dir.empty())
       for (int32_t e : eos_ids_of(tok_dir)) so.stop_tokens.push_back(e);
     TR_LOG_INFO("generate: tokenizer ", tok_path, ", prompt ", ids.size(), " tokens",
                 gt.chat ? " (chat template)" : "");
   } else {
-    TR_CHECK(gt.chat_template.empty() && !gt.allow_special, "generate: --chat-template and --allow-special need a "
-             "tokenizer (--tokenizer tokenizer.json, or one next to the model)");
+    TR_CHECK(gt.chat_template.empty() && !gt.allow_special && gt.stop.empty(), "generate: --chat-template, "
+             "--allow-special and --stop need a tokenizer (--tokenizer tokenizer.json, or one next to the model)");
     ids = encode_prompt(prompt, cfg.V);
   }
   const auto t0 = std::chrono::steady_clock::now();
@@ -502,6 +517,7 @@ int main(int argc, char** argv) {
   generate->add_option("--adapter", gt.adapter, "a PEFT LoRA or DoRA adapter directory (a run's adapter/, or peft's save_pretrained) to sample with, applied unmerged as peft's PeftModel computes (s B A x added after each adapted GEMM)");
   generate->add_option("--base-dtype", gt.base_dtype, "the base's weights as a run with this model.base_dtype held them: nf4 = each block linear's weight NF4-quantized and dequantized (QLoRA), bf16 = rounded; auto/fp32 = as in the file")->capture_default_str()->check(CLI::IsMember({"auto", "fp32", "bf16", "nf4"}));
   generate->add_flag("--allow-special", gt.allow_special, "match special tokens spelled in --prompt (default: they are text)");
+  generate->add_option("--stop", gt.stop, "end the sample after this token (repeatable): a special token's text such as '<|endoftext|>' (a document's end), or a text the tokenizer encodes as one token");
 
   auto* export_cmd = app.add_subcommand("export", "write a model as a Hugging Face directory (GPT2LMHeadModel / LlamaForCausalLM)");
   std::string exp_ckpt, exp_format = "safetensors", exp_out, exp_dtype = "fp32", exp_shard = "5GB", exp_merge;

@@ -13,6 +13,7 @@
 //    val_loss / ln 2).
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -147,6 +148,56 @@ TEST_CASE("data text: a BPE run's end-of-run sample is its tokenizer's decode of
   REQUIRE(g.exit_code == 0);
   CHECK(g.out == text + "\n");
   CHECK_THAT(g.err, Contains("generate: tokenizer " + d.dir / "run/tokenizer.json"));
+
+  // --stop TEXT: the same sample, ended right after the first sampled token
+  // that TEXT encodes to (a sampled token whose text encodes back to it).
+  std::vector<std::string> id_list;
+  {
+    std::istringstream is(sampled_ids);
+    for (std::string w; is >> w;) id_list.push_back(w);
+  }
+  const size_t n_prompt = size_t(std::count(prompt_ids.begin(), prompt_ids.end(), ' ') + 1);
+  std::string stop_text, stop_id;
+  for (size_t k = n_prompt; k < id_list.size() && stop_id.empty(); ++k) {
+    const auto one = test::run_trainrun("tokenizer decode --tokenizer '" + d.tok + "' --ids " + id_list[k]);
+    const std::string t = one.out;
+    if (one.exit_code != 0 || t.empty() || t.find_first_of("'\n") != std::string::npos) continue;
+    const auto back = test::run_trainrun("tokenizer encode --tokenizer '" + d.tok + "' --text '" + t + "'");
+    if (trim_newline(back.out) == id_list[k]) stop_text = t, stop_id = id_list[k];
+  }
+  REQUIRE(!stop_id.empty());
+  size_t first = n_prompt;
+  while (id_list[first] != stop_id) ++first;
+  std::string kept;
+  for (size_t k = 0; k <= first; ++k) kept += (k ? " " : "") + id_list[k];
+  const auto want = test::run_trainrun("tokenizer decode --tokenizer '" + d.tok + "' --ids '" + kept + "'");
+  REQUIRE(want.exit_code == 0);
+  const auto stopped = test::run_trainrun("generate --checkpoint '" + d.dir / "run" + "' --prompt 'the cat' "
+                                          "--max-tokens 24 --temperature 0.8 --top-k 40 --seed 42 --stop '" +
+                                          stop_text + "'");
+  INFO("stop at '" << stop_text << "' (id " << stop_id << ", token " << first - n_prompt + 1 << " of 24)");
+  INFO(stopped.err);
+  REQUIRE(stopped.exit_code == 0);
+  CHECK(stopped.out == want.out + "\n");
+  if (first + 1 < id_list.size()) CHECK(stopped.out.size() < g.out.size());
+  // A special token by its text: <|endoftext|> (never sampled here: the whole 24 tokens).
+  const auto eot = test::run_trainrun("generate --checkpoint '" + d.dir / "run" + "' --prompt 'the cat' "
+                                      "--max-tokens 24 --temperature 0.8 --top-k 40 --seed 42 --stop '<|endoftext|>'");
+  REQUIRE(eot.exit_code == 0);
+  if (sampled_ids.find(' ' + trim_newline(test::run_trainrun("tokenizer encode --tokenizer '" + d.tok +
+                                                             "' --text '<|endoftext|>' --allow-special").out)) ==
+      std::string::npos)
+    CHECK(eot.out == g.out);
+  // Bad input: more than one token, and no tokenizer to read it with.
+  const auto two = test::run_trainrun("generate --checkpoint '" + d.dir / "run" + "' --prompt 'the cat' "
+                                      "--max-tokens 4 --stop 'the cat'");
+  CHECK(two.exit_code == 1);
+  CHECK_THAT(two.err, Contains("generate --stop 'the cat'") && Contains(" encodes it to ") && Contains(" tokens; --stop") &&
+                          Contains("takes one token"));
+  const auto bare = test::run_trainrun("generate --checkpoint '" + d.dir / "bare/model.safetensors" + "' --prompt '" +
+                                       prompt_ids + "' --max-tokens 4 --stop '<|endoftext|>'");
+  CHECK(bare.exit_code == 1);
+  CHECK_THAT(bare.err, Contains("--stop need a tokenizer"));
 }
 
 TEST_CASE("data text: a tokenizer gone or changed since prepare fails the job before its first step, named",
