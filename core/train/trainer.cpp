@@ -215,6 +215,21 @@ class Trainer {
   // (parallel/comm/enqueue_order.h). Before them: outlives every user.
   EnqueueOrder enqueue_order_;
   std::unique_ptr<Communicator> comm_;
+  // The device mesh (parallel/mesh): with tensor_parallel > 1 its groups'
+  // communicators, this rank's TP plan and the network's TP context. A tp1
+  // run keeps the world communicator and the store's own groups, as before.
+  // Before the network and the stores, which use them until they are gone.
+  std::unique_ptr<DeviceMesh> mesh_;
+  std::unique_ptr<MeshComms> mesh_comms_;
+  std::unique_ptr<Communicator> dp_single_;  // the dp group when it is one rank
+  std::unique_ptr<Communicator> ckpt_tp_comm_;  // tp > 1: the checkpoint's TP exchange (row_exchange.h)
+  std::unique_ptr<TensorParallelPlan> tp_plan_;
+  TensorParallel tp_ctx_;
+  // Pipeline parallelism (parallel.pipeline_parallel > 1): this rank's
+  // stage layout, its store (inside the TP store when both are on) and the
+  // executor that runs the schedule over the stage networks; model_ is null.
+  std::unique_ptr<PipelineStagePlan> pp_plan_;
+  PipelineStageStore* pp_store_ = nullptr;
   // Expert parallelism: the ep group (null at 1) and what the network gets.
   // Before the network and the store, which use them until they are gone.
   std::unique_ptr<Communicator> ep_comm_;
@@ -233,20 +248,6 @@ class Trainer {
   std::unique_ptr<ParamStore> params_;
   std::unique_ptr<TokenSource> train_src_, val_src_;
   DataText data_text_;  // the data's tokenizer (the sample's text) and val tokens per byte
-  // The device mesh (parallel/mesh): with tensor_parallel > 1 its groups'
-  // communicators, this rank's TP plan and the network's TP context. A tp1
-  // run keeps the world communicator and the store's own groups, as before.
-  std::unique_ptr<DeviceMesh> mesh_;
-  std::unique_ptr<MeshComms> mesh_comms_;
-  std::unique_ptr<Communicator> dp_single_;  // the dp group when it is one rank
-  std::unique_ptr<Communicator> ckpt_tp_comm_;  // tp > 1: the checkpoint's TP exchange (row_exchange.h)
-  std::unique_ptr<TensorParallelPlan> tp_plan_;
-  TensorParallel tp_ctx_;
-  // Pipeline parallelism (parallel.pipeline_parallel > 1): this rank's
-  // stage layout, its store (inside the TP store when both are on) and the
-  // executor that runs the schedule over the stage networks; model_ is null.
-  std::unique_ptr<PipelineStagePlan> pp_plan_;
-  PipelineStageStore* pp_store_ = nullptr;
   std::unique_ptr<PipelineLinks> pp_links_;  // before pipe_: the executor sends on them until it is gone
   // Every collective and pipeline link that may have failed after its call
   // returned (NCCL): before anything acts on their results.
