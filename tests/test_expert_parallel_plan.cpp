@@ -61,7 +61,6 @@ Sharding whole_group(const std::string& strategy, int W) {
 // expert-dp groups of the ranks with the same ep index, and the two-part
 // store (dense over all W, experts over the expert-dp group).
 struct EpRank {
-  std::unique_ptr<Store> kv;
   std::unique_ptr<Communicator> dp, ep, xdp;
   std::unique_ptr<Backend> be;
   std::unique_ptr<ExpertParallelPlan> plan;
@@ -71,35 +70,23 @@ struct EpRank {
 // Runs f(d, rank) on W threads; the errors, one per rank ("" = none).
 std::vector<std::string> run_ep_ranks(const ModelArch& model, int W, int E, const std::string& strategy,
                                       const std::function<void(int, EpRank&)>& f) {
-  const std::string secret = make_job_secret();
-  TcpStoreServer server("127.0.0.1", 0, secret);
-  std::vector<std::string> errors(static_cast<size_t>(W));
-  std::vector<std::thread> threads;
-  for (int d = 0; d < W; ++d)
-    threads.emplace_back([&, d] {
-      try {
-        EpRank k;
-        k.kv = connect_tcp_store("127.0.0.1", server.port(), secret, std::chrono::seconds(30));
-        auto gloo = [&](const std::string& name, int rank, int world) {
-          return make_gloo_communicator(*k.kv, name + "/", rank, world, "127.0.0.1", std::chrono::seconds(30));
-        };
-        k.dp = gloo("dp", d, W);
-        k.ep = gloo("ep" + std::to_string(d / E), d % E, E);
-        k.xdp = gloo("xdp" + std::to_string(d % E), d / E, W / E);
-        k.be = make_cpu_backend(1);
-        k.plan = std::make_unique<ExpertParallelPlan>(model.layout(), model.config().moe.n_experts, E, d % E);
-        const ExpertParallelPlan& p = *k.plan;
-        k.store = make_expert_split_store(
-            p.local_layout(), make_param_store(strategy, p.dense_layout(), k.be.get(), k.dp.get(), 0, nullptr),
-            p.dense_plan(), make_param_store(strategy, p.expert_layout(), k.be.get(), k.xdp.get(), 0, nullptr),
-            p.expert_plan(), k.ep.get(), k.be.get());
-        f(d, k);
-      } catch (const std::exception& e) {
-        errors[size_t(d)] = e.what();
-      }
-    });
-  for (auto& t : threads) t.join();
-  return errors;
+  return test::run_store_ranks(W, [&](int d, Store& kv) {
+    EpRank k;
+    auto gloo = [&](const std::string& name, int rank, int world) {
+      return make_gloo_communicator(kv, name + "/", rank, world, "127.0.0.1", std::chrono::seconds(30));
+    };
+    k.dp = gloo("dp", d, W);
+    k.ep = gloo("ep" + std::to_string(d / E), d % E, E);
+    k.xdp = gloo("xdp" + std::to_string(d % E), d / E, W / E);
+    k.be = make_cpu_backend(1);
+    k.plan = std::make_unique<ExpertParallelPlan>(model.layout(), model.config().moe.n_experts, E, d % E);
+    const ExpertParallelPlan& p = *k.plan;
+    k.store = make_expert_split_store(
+        p.local_layout(), make_param_store(strategy, p.dense_layout(), k.be.get(), k.dp.get(), 0, nullptr),
+        p.dense_plan(), make_param_store(strategy, p.expert_layout(), k.be.get(), k.xdp.get(), 0, nullptr),
+        p.expert_plan(), k.ep.get(), k.be.get());
+    f(d, k);
+  });
 }
 
 }  // namespace

@@ -75,18 +75,18 @@ std::vector<int64_t> expert_unit_numels(const ModelArch& m) {
   return ex;
 }
 
-std::vector<int64_t> ep_dense_units(const ModelArch& m) {
-  std::vector<int64_t> units = unit_numels(m);
+EpUnits ep_units(const ModelArch& m, int ep) {
+  EpUnits u;
+  u.dense = unit_numels(m);
   const std::vector<int64_t> ex = expert_unit_numels(m);
-  for (size_t i = 0; i < units.size(); ++i) units[i] -= ex[i];
-  return units;
-}
-
-std::vector<int64_t> ep_expert_units(const ModelArch& m, int ep) {
-  std::vector<int64_t> units;
-  for (int64_t e : expert_unit_numels(m))
-    if (e > 0) units.push_back(e / ep);
-  return units;
+  for (size_t i = 0; i < u.dense.size(); ++i) {
+    u.dense[i] -= ex[i];
+    if (ex[i] > 0) {
+      u.experts.push_back(ex[i] / ep);
+      u.largest_block = std::max(u.largest_block, u.dense[i] + ex[i] / ep);
+    }
+  }
+  return u;
 }
 
 Sharding ep_local_sharding(const Sharding& s, int ep) {
@@ -136,9 +136,10 @@ MemoryBreakdown estimate_ep_memory(const ModelArch& m, int ep, const Sharding& s
   // The dense part as a dense model's units over all W ranks (its
   // activations and workspace are the rank's), then the experts' state
   // over the expert-dp group, as memory_of_units counts an element.
-  MemoryBreakdown r = memory_of_units(ep_dense_units(m), c.L, c.T, s, micro_batch,
+  const EpUnits u = ep_units(m, ep);
+  MemoryBreakdown r = memory_of_units(u.dense, c.L, c.T, s, micro_batch,
                                       estimate_activation_bytes(m, micro_batch, checkpointing, d) + landing, d);
-  const std::vector<int64_t> xu = ep_expert_units(m, ep);
+  const std::vector<int64_t>& xu = u.experts;
   const MemoryBreakdown xs = state_of_units(xu, x, d);
   r.params += xs.params;
   r.grads += xs.grads;
@@ -157,11 +158,7 @@ MemoryBreakdown estimate_ep_memory(const ModelArch& m, int ep, const Sharding& s
   }
   // The assembled blocks (dense part + experts, what the network reads):
   // two blocks' act-dtype parameters and fp32 gradients.
-  const std::vector<int64_t> du = ep_dense_units(m), ex = expert_unit_numels(m);
-  double mixed = 0;
-  for (size_t i = 0, k = 0; i < du.size(); ++i)
-    if (ex[i] > 0) mixed = std::max(mixed, double(du[i] + xu[k++]));
-  r.comm += 2 * mixed * (a + 4);
+  r.comm += 2 * double(u.largest_block) * (a + 4);
   return r;
 }
 
@@ -218,8 +215,9 @@ void plan_expert_parallel(Plan& plan, const ModelArch& m, const DeviceModel& dev
       row.max_micro_batch = lo;
     }
     const Sharding xs = ep_local_sharding(row.sharding, ep);  // the expert-dp group's
+    const EpUnits u = ep_units(m, ep);
     if (ep > 1) {  // what the device keeps of them (offload: the act-dtype copy only)
-      const MemoryBreakdown st = state_of_units(ep_expert_units(m, ep), xs, dev);
+      const MemoryBreakdown st = state_of_units(u.experts, xs, dev);
       row.expert_state = st.params + st.grads + st.optimizer;
     }
     row.accum = std::max(1, int(ceil_div(req.global_batch, int64_t(req.micro_batch) * W)));
@@ -241,9 +239,10 @@ void plan_expert_parallel(Plan& plan, const ModelArch& m, const DeviceModel& dev
     // are several).
     const double bw_world = req.nodes > 1 ? bw_inter : bw_intra;
     const double bw_group = row.sharding.group <= req.gpus_per_node ? bw_intra : bw_inter;
-    CommVolume c = comm_time(ep > 1 ? ep_dense_units(m) : unit_numels(m), row.sharding, row.accum, dev.act_bytes,
-                             bw_world, bw_group, bw_world);
-    const std::vector<int64_t> xu = ep_expert_units(m, ep);
+    const std::vector<int64_t> all = unit_numels(m);
+    CommVolume c = comm_time(ep > 1 ? u.dense : all, row.sharding, row.accum, dev.act_bytes, bw_world, bw_group,
+                             bw_world);
+    const std::vector<int64_t>& xu = u.experts;
     if (ep > 1) {
       // The expert-dp group is strided (across nodes when there are several);
       // hybrid's expert shard group lies inside the rank's shard group.
@@ -255,8 +254,7 @@ void plan_expert_parallel(Plan& plan, const ModelArch& m, const DeviceModel& dev
     // Offload: the host state of both parts (1/W of each at any ep), the
     // host AdamW over it, the uploads.
     if (row.sharding.offload)
-      add_offload(row, ep > 1 ? ep_dense_units(m) : unit_numels(m), req, dev.act_bytes, c, ep > 1 ? &xu : nullptr,
-                  &xs);
+      add_offload(row, ep > 1 ? u.dense : all, req, dev.act_bytes, c, ep > 1 ? &xu : nullptr, &xs);
     row.comm_s = c.overlapped + c.exposed + row.a2a_s;
     row.exposed_comm_s = c.exposed + row.a2a_s;
     row.step_s = row.exposed_comm_s + std::max(row.compute_s, c.overlapped);

@@ -118,8 +118,12 @@ std::vector<int64_t> expert_unit_numels(const ModelArch& m);  // per unit: its r
 // dense elements (sharded over all W ranks), the MoE units' n_experts/ep
 // experts (one entry per MoE layer) and their sharding over the rank's
 // expert-dp group (W/ep ranks).
-std::vector<int64_t> ep_dense_units(const ModelArch& m);
-std::vector<int64_t> ep_expert_units(const ModelArch& m, int ep);
+struct EpUnits {
+  std::vector<int64_t> dense;    // every unit's dense elements
+  std::vector<int64_t> experts;  // each MoE unit's n_experts/ep experts
+  int64_t largest_block = 0;     // the largest MoE unit a rank assembles (dense + its experts)
+};
+EpUnits ep_units(const ModelArch& m, int ep);
 Sharding ep_local_sharding(const Sharding& s, int ep);
 void plan_expert_parallel(Plan& plan, const ModelArch& m, const DeviceModel& dev, double bw_intra, double bw_inter,
                           double recompute, double fpt);

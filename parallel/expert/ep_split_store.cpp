@@ -198,9 +198,13 @@ class ExpertSplitStore final : public ParamStore {
   // The dense part's norm is complete over dp; the experts' wrapper sums
   // its part over the ep group: every element of the model counts once
   // (less what a wrapping store said another rank owns: norm_skip_).
-  double grad_norm_squared() override {
-    if (norm_skip_ != applied_skip_) apply_norm_skip();
-    return parts_[0]->grad_norm_squared() + parts_[1]->grad_norm_squared();
+  double grad_norm_squared() override { return parts_[0]->grad_norm_squared() + parts_[1]->grad_norm_squared(); }
+  // A wrapping store's skip (this store's coordinates: TP replicas, a
+  // stage's tied copy), cut into each part's own layout on the innermost
+  // stores (the parts' wrappers skip nothing of their own).
+  void set_grad_norm_skip(std::vector<std::pair<int64_t, int64_t>> skip) override {
+    ParamStore::set_grad_norm_skip(std::move(skip));
+    apply_norm_skip();
   }
   void optimizer_step(const AdamWParams& p, int step, float grad_scale) override {
     for (auto& s : parts_) s->optimizer_step(p, step, grad_scale);
@@ -280,8 +284,7 @@ class ExpertSplitStore final : public ParamStore {
     return std::prev(it)->part;
   }
 
-  // norm_skip_ (this store's coordinates) cut into each part's own
-  // layout, on the innermost stores (their wrappers skip nothing).
+  // norm_skip_ into each part's layout, through its plan's runs.
   void apply_norm_skip() {
     for (int k = 0; k < 2; ++k) {
       std::vector<std::pair<int64_t, int64_t>> out;
@@ -298,14 +301,12 @@ class ExpertSplitStore final : public ParamStore {
       std::sort(out.begin(), out.end());
       inner_[k]->set_grad_norm_skip(std::move(out));
     }
-    applied_skip_ = norm_skip_;
   }
 
   std::unique_ptr<Communicator> single_;  // the dense part's wrapper: a group of one
   std::unique_ptr<ParamStore> parts_[2];  // global-coordinate wrappers over inner_
   ParamStore* inner_[2];
   const TensorParallelPlan* plans_[2];
-  std::vector<std::pair<int64_t, int64_t>> applied_skip_;
   Backend* be_;
   BufferPool pool_;
   size_t es_;

@@ -82,7 +82,9 @@ class ParamStore : public UnitAccess {
   // grad_norm_squared() leaves out: elements another rank holds too
   // (tensor parallelism's replicas and vocabulary padding), so every element
   // of the model counts once. Sorted; empty (the default) = count all.
-  void set_grad_norm_skip(std::vector<std::pair<int64_t, int64_t>> skip) { norm_skip_ = std::move(skip); }
+  // Virtual for a store made of others (parallel/expert/ep_split_store.h),
+  // which passes each part its share in the part's own layout.
+  virtual void set_grad_norm_skip(std::vector<std::pair<int64_t, int64_t>> skip) { norm_skip_ = std::move(skip); }
 
   // Fill the parameters from the architecture's counter-based init (each
   // rank inits only what it holds). `arch` must have the store's layout.

@@ -57,8 +57,7 @@ std::vector<TrainSummary> run_ranks_inprocess(const JobSpec& job, int world, int
   return out;
 }
 
-std::vector<std::string> run_gloo_group(int W, const std::string& group, std::chrono::milliseconds timeout,
-                                        const std::function<void(Communicator&)>& fn) {
+std::vector<std::string> run_store_ranks(int W, const std::function<void(int, Store&)>& fn) {
   const std::string secret = make_job_secret();
   TcpStoreServer server("127.0.0.1", 0, secret);
   std::vector<std::string> errors(static_cast<size_t>(W));
@@ -67,9 +66,7 @@ std::vector<std::string> run_gloo_group(int W, const std::string& group, std::ch
     threads.emplace_back([&, r] {
       try {
         auto store = connect_tcp_store("127.0.0.1", server.port(), secret, std::chrono::seconds(30));
-        auto comm = make_gloo_communicator(*store, group + "/", r, W, "127.0.0.1", timeout);
-        comm->set_group(group);
-        fn(*comm);
+        fn(r, *store);
       } catch (const std::exception& e) {
         errors[size_t(r)] = e.what();
         if (errors[size_t(r)].empty()) errors[size_t(r)] = "(an exception with an empty message)";
@@ -79,6 +76,15 @@ std::vector<std::string> run_gloo_group(int W, const std::string& group, std::ch
     });
   for (auto& t : threads) t.join();
   return errors;
+}
+
+std::vector<std::string> run_gloo_group(int W, const std::string& group, std::chrono::milliseconds timeout,
+                                        const std::function<void(Communicator&)>& fn) {
+  return run_store_ranks(W, [&](int r, Store& store) {
+    auto comm = make_gloo_communicator(store, group + "/", r, W, "127.0.0.1", timeout);
+    comm->set_group(group);
+    fn(*comm);
+  });
 }
 
 }  // namespace trainrun::test

@@ -11,6 +11,7 @@
 #include "parallel/comm/communicator.h"
 
 namespace trainrun {
+class Store;
 class TcpStoreServer;
 }
 
@@ -35,6 +36,12 @@ struct RankOutcome {
 std::vector<RankOutcome> run_ranks_inprocess_outcomes(const JobSpec& job, int world,
                                                       const std::function<void(TcpStoreServer&)>& inspect = {},
                                                       int omp_threads_per_rank = 0);
+
+// W threads, each connected to one real TcpStoreServer over loopback,
+// running fn(rank, store) (to build the communicators it needs). Returns
+// each rank's error text ("" = returned normally) once every thread has
+// finished.
+std::vector<std::string> run_store_ranks(int W, const std::function<void(int, Store&)>& fn);
 
 // One communicator group without a trainer: W threads, each with a Gloo
 // communicator over loopback (a real TcpStoreServer), named `group` (the
