@@ -50,15 +50,19 @@ class ExpertSplitStore final : public ParamStore {
     const ParamLayout* layouts[2] = {&dense_layout, &expert_layout};
     units_.resize(local.units.size());
     int64_t covered = 0;
+    // The parts keep the local order: one cursor each, so a model of tens of
+    // thousands of tensors is matched in one pass, not by name searches.
+    size_t next[2] = {0, 0};
     for (const ParamTensor& t : local.tensors) {
       LocalUnit& U = units_[size_t(t.unit)];
       U.numel = local.units[size_t(t.unit)].numel;
-      const ParamTensor* in_dense = dense_layout.find(t.name);
-      const ParamTensor* in_expert = expert_layout.find(t.name);
-      TR_CHECK((in_dense != nullptr) != (in_expert != nullptr), "expert parallelism: tensor ", t.name, " is in ",
-               in_dense ? "both parts" : "neither part", " of the rank's store (a bug)");
-      const int part = in_dense ? 0 : 1;
-      const ParamTensor& p = in_dense ? *in_dense : *in_expert;
+      auto at_cursor = [&](int k) {
+        return next[k] < layouts[k]->tensors.size() && layouts[k]->tensors[next[k]].name == t.name;
+      };
+      TR_CHECK(at_cursor(0) || at_cursor(1), "expert parallelism: tensor ", t.name, " is not the next tensor of "
+               "either part of the rank's store (a bug)");
+      const int part = at_cursor(0) ? 0 : 1;
+      const ParamTensor& p = layouts[part]->tensors[next[part]++];
       TR_CHECK(p.numel == t.numel, "expert parallelism: tensor ", t.name, " has ", p.numel, " elements in its part, ",
                t.numel, " in the local layout (a bug)");
       int& pu = part == 0 ? U.dense_u : U.expert_u;

@@ -74,34 +74,45 @@ ExpertParallelPlan::ExpertParallelPlan(const ParamLayout& global, int n_experts,
   local_ = b.finish();
   TR_CHECK(local_.total == local_off && local_.units.size() == global_.units.size(),
            "expert parallelism: the local layout lost a unit or an element (a bug)");
-  // The two parts, each unit's tensors in local order (one builder per part).
+  // The two parts, each unit's tensors in local order (one builder per
+  // part), in one pass over the local tensors (a 256-expert model has tens
+  // of thousands), each tensor's global offset carried along from runs_.
+  std::vector<char> has_dense(local_.units.size(), 0), has_expert(local_.units.size(), 0);
+  for (size_t i = 0; i < local_.tensors.size(); ++i)
+    (expert_run_[i] ? has_expert : has_dense)[size_t(local_.tensors[i].unit)] = 1;
   LayoutBuilder dense_b, expert_b;
-  for (size_t u = 0; u < local_.units.size(); ++u) {
-    const ParamUnit& U = local_.units[u];
-    bool has_dense = false, has_expert = false;
-    for (const ParamTensor& t : local_.tensors)
-      if (t.unit == int(u)) (expert_of_tensor(t.name) >= 0 ? has_expert : has_dense) = true;
-    TR_CHECK(has_dense, "expert parallelism: unit ", U.name, " holds only routed experts (a bug in the layout: every "
-             "unit has dense tensors)");
-    dense_b.begin_unit(U.name);
-    if (has_expert) expert_b.begin_unit(U.name);
-    for (const ParamTensor& t : local_.tensors) {
-      if (t.unit != int(u)) continue;
-      (expert_of_tensor(t.name) >= 0 ? expert_b : dense_b).add(t.name, t.shape, t.decay, t.split, t.split_blocks,
-                                                               t.split_units);
-    }
+  std::vector<int64_t> dense_global, expert_global;
+  int part_unit = -1;
+  auto end_unit = [&] {
+    if (part_unit < 0) return;
     dense_b.end_unit();
-    if (has_expert) expert_b.end_unit();
+    if (has_expert[size_t(part_unit)]) expert_b.end_unit();
+  };
+  for (size_t i = 0; i < local_.tensors.size(); ++i) {
+    const ParamTensor& t = local_.tensors[i];
+    for (; part_unit < t.unit;) {  // units in order, none skipped (every unit has a tensor)
+      end_unit();
+      ++part_unit;
+      const ParamUnit& U = local_.units[size_t(part_unit)];
+      TR_CHECK(has_dense[size_t(part_unit)], "expert parallelism: unit ", U.name, " holds only routed experts (a bug in "
+               "the layout: every unit has dense tensors)");
+      dense_b.begin_unit(U.name);
+      if (has_expert[size_t(part_unit)]) expert_b.begin_unit(U.name);
+    }
+    (expert_run_[i] ? expert_b : dense_b).add(t.name, t.shape, t.decay, t.split, t.split_blocks, t.split_units);
+    (expert_run_[i] ? expert_global : dense_global).push_back(runs_[i].global);
   }
+  end_unit();
+  TR_CHECK(part_unit + 1 == int(local_.units.size()), "expert parallelism: a unit of the layout has no tensor (a bug)");
   for (const ParamTie& tie : global_.ties) dense_b.tie(tie.name, tie.tensor);
   // Each part's runs into the global vector, one per tensor, all owned.
-  auto plan_of = [&](ParamLayout part, int group, int pos) {
+  auto plan_of = [&](ParamLayout part, const std::vector<int64_t>& global_at, int group, int pos) {
     std::vector<TpRun> runs;
-    for (const ParamTensor& t : part.tensors) {
+    for (size_t i = 0; i < part.tensors.size(); ++i) {
       TpRun r;
-      r.local = t.offset;
-      r.global = global_.get(t.name).offset;
-      r.count = t.numel;
+      r.local = part.tensors[i].offset;
+      r.global = global_at[i];
+      r.count = part.tensors[i].numel;
       runs.push_back(r);
     }
     TpLocalShape shape;
@@ -109,8 +120,8 @@ ExpertParallelPlan::ExpertParallelPlan(const ParamLayout& global, int n_experts,
     shape.rank = pos;
     return std::make_shared<TensorParallelPlan>(global_, part, std::move(runs), shape);
   };
-  dense_plan_ = plan_of(dense_b.finish(), 1, 0);
-  expert_plan_ = plan_of(expert_b.finish(), ep, rank);
+  dense_plan_ = plan_of(dense_b.finish(), dense_global, 1, 0);
+  expert_plan_ = plan_of(expert_b.finish(), expert_global, ep, rank);
   TR_CHECK(dense_layout().total + expert_layout().total == local_.total,
            "expert parallelism: the dense and expert parts do not add up to the local layout (a bug)");
 }
